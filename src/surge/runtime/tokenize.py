@@ -1,0 +1,75 @@
+"""Tokenization with Hugging Face `tokenizers`: batched, truncated, unpadded.
+
+Padding is the batcher's business (it knows the batch), so this returns one
+`Encoded` per input and leaves the layout to `TokenBatch.pad` / `.pack`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer as _HFTokenizer
+
+from surge.errors import InvalidInput, PayloadTooLarge
+from surge.types import Encoded
+
+
+class Tokenizer:
+    def __init__(self, tokenizer_file: Path, max_length: int, vocab_size: int, pad_id: int = 0):
+        self._tok = _HFTokenizer.from_file(str(tokenizer_file))
+        self._tok.no_padding()
+        self._tok.enable_truncation(max_length=max_length)
+        self.max_length = max_length
+        self.vocab_size = vocab_size
+        self.pad_id = pad_id
+        # The count of special tokens added around one sequence ([CLS] ... [SEP]).
+        self._n_special = self._tok.post_processor.num_special_tokens_to_add(False) if self._tok.post_processor else 0
+
+    def encode(self, texts: list[str], truncate: bool = True) -> list[Encoded]:
+        """Tokenize a batch of texts. Too long and truncate=False gives 413."""
+        if not truncate:
+            self._tok.no_truncation()
+            try:
+                encs = self._tok.encode_batch(texts)
+            finally:
+                self._tok.enable_truncation(max_length=self.max_length)
+            for i, enc in enumerate(encs):
+                if len(enc.ids) > self.max_length:
+                    raise PayloadTooLarge(
+                        f"input {i} has {len(enc.ids)} tokens, more than the model's maximum of {self.max_length} "
+                        "(send truncate=true to cut it)",
+                        param="input",
+                    )
+        else:
+            encs = self._tok.encode_batch(texts)
+        return [
+            Encoded(np.asarray(e.ids, dtype=np.int64), np.asarray(e.type_ids, dtype=np.int64)) for e in encs
+        ]
+
+    def from_ids(self, sequences: list[list[int]], truncate: bool = True) -> list[Encoded]:
+        """Accept pre-tokenized ids as given (special tokens are the caller's)."""
+        out = []
+        for i, seq in enumerate(sequences):
+            arr = np.asarray(seq, dtype=np.int64)
+            if arr.ndim != 1 or arr.size == 0:
+                raise InvalidInput(f"input {i}: token ids must be a non-empty list of integers", param="input")
+            if int(arr.min()) < 0 or int(arr.max()) >= self.vocab_size:
+                raise InvalidInput(
+                    f"input {i}: token id out of range [0, {self.vocab_size})", param="input"
+                )
+            if arr.size > self.max_length:
+                if not truncate:
+                    raise PayloadTooLarge(
+                        f"input {i} has {arr.size} tokens, more than the model's maximum of {self.max_length}",
+                        param="input",
+                    )
+                arr = arr[: self.max_length]
+            out.append(Encoded(arr, np.zeros_like(arr)))
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)
+
+    def count(self, texts: list[str]) -> list[int]:
+        return [len(e.ids) for e in self._tok.encode_batch(texts)]

@@ -1,0 +1,89 @@
+"""One model's compute path: tokenize -> engine.run -> pool -> normalize.
+
+`ModelWorker` is synchronous and owns the engine instances; the async
+`ModelService` (runtime/service.py) decides when and with what it runs.
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+
+import numpy as np
+
+from surge.engines.base import Engine
+from surge.engines.pooling import l2_normalize, pool
+from surge.errors import EngineError
+from surge.models.hf import ModelSpec
+from surge.runtime.tokenize import Tokenizer
+from surge.types import EmbedOptions, Encoded, Layout, TokenBatch
+
+
+@dataclass(frozen=True)
+class PostSpec:
+    pooling: str
+    normalize: bool
+
+
+class EnginePool:
+    """Engine instances handed out one caller at a time (a blocking checkout)."""
+
+    def __init__(self, engines: list[Engine]):
+        if not engines:
+            raise ValueError("at least one engine instance is needed")
+        self.engines = engines
+        self._free: queue.SimpleQueue[Engine] = queue.SimpleQueue()
+        for e in engines:
+            self._free.put(e)
+
+    @property
+    def capabilities(self):
+        return self.engines[0].capabilities
+
+    def run(self, batch: TokenBatch) -> np.ndarray:
+        engine = self._free.get()
+        try:
+            return engine.run(batch)
+        finally:
+            self._free.put(engine)
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.close()
+
+
+class ModelWorker:
+    def __init__(self, spec: ModelSpec, tokenizer: Tokenizer, engines: EnginePool, post: PostSpec):
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.engines = engines
+        self.post = post
+
+    @property
+    def layout(self) -> Layout:
+        return self.engines.capabilities.layout
+
+    def make_batch(self, items: list[Encoded]) -> TokenBatch:
+        if self.layout is Layout.PACKED:
+            return TokenBatch.pack(items)
+        return TokenBatch.pad(items, pad_id=self.tokenizer.pad_id)
+
+    def compute(self, items: list[Encoded]) -> np.ndarray:
+        """Pooled, unnormalized float32 vectors, one row per item, in order."""
+        batch = self.make_batch(items)
+        hidden = self.engines.run(batch)
+        vectors = pool(hidden, batch, self.post.pooling)
+        if vectors.shape[0] != len(items):
+            # Never hand anyone a row that belongs to another request.
+            raise EngineError(f"engine returned {vectors.shape[0]} rows for a batch of {len(items)}")
+        return vectors
+
+    def finish(self, vectors: np.ndarray, options: EmbedOptions) -> np.ndarray:
+        """Apply per-request options to pooled vectors."""
+        out = vectors
+        if options.dimensions is not None:
+            out = out[:, : options.dimensions]
+        normalize = self.post.normalize if options.normalize is None else options.normalize
+        if normalize:
+            out = l2_normalize(out)
+        return np.ascontiguousarray(out, dtype=np.float32)

@@ -1,0 +1,65 @@
+"""The ASGI application: routers from each protocol, one error mapping, auth."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from fastapi import FastAPI
+
+from surge import __version__
+from surge.server import errors
+from surge.server.auth import ApiKeyMiddleware
+from surge.server.state import AppState
+
+
+def create_app(state: AppState) -> FastAPI:
+    from surge.server import health
+    from surge.server.http import native, openai
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        # Loading runs in the background so that liveness answers at once and
+        # readiness turns on only after every model has warmed up.
+        task = asyncio.create_task(_start(state))
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            for hook in state.extras.get("on_shutdown", []):
+                with contextlib.suppress(Exception):
+                    await hook(state)
+            for service in state.registry.services():
+                with contextlib.suppress(Exception):
+                    await service.close()
+
+    app = FastAPI(title="surge", version=__version__, docs_url="/docs", redoc_url=None, lifespan=lifespan)
+    app.state.surge = state
+    errors.install(app)
+    app.include_router(health.router(state))
+    app.include_router(openai.router(state))
+    app.include_router(native.router(state))
+    for extra in state.extras.get("routers", []):
+        app.include_router(extra(state))
+    if state.config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=state.config.api_key)
+    return app
+
+
+async def _start(state: AppState) -> None:
+    try:
+        for hook in state.extras.get("on_startup", []):
+            await hook(state)
+        state.started = True
+    except Exception as exc:  # the process stays up, unready, and says why
+        state.extras["startup_error"] = f"{type(exc).__name__}: {exc}"
+        logging.getLogger("surge.server").exception("startup failed")
+        if state.extras.get("exit_on_startup_failure", True):
+            # Nothing to serve: stop uvicorn (the CLI then exits non-zero).
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)

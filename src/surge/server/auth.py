@@ -1,0 +1,30 @@
+"""Optional bearer-token check as a pure ASGI middleware (cheap on the hot path)."""
+
+from __future__ import annotations
+
+import hmac
+
+from surge.server.errors import error_response
+from surge.server.health import OPEN_PATHS
+
+
+class ApiKeyMiddleware:
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        given = b""
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                given = value
+                break
+        # compare_digest takes the same time whatever prefix matches.
+        if not hmac.compare_digest(given, self._expected):
+            resp = error_response(scope["path"], 401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                                  type_="invalid_request_error", code="invalid_api_key")
+            resp.headers["WWW-Authenticate"] = "Bearer"
+            return await resp(scope, receive, send)
+        return await self.app(scope, receive, send)

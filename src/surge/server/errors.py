@@ -1,0 +1,60 @@
+"""Rendering SurgeError (and the framework's own errors) as HTTP responses.
+
+One mapping: the status comes from the exception class. The body shape follows
+the protocol of the route: KServe v2 routes get {"error": msg}, the rest get
+OpenAI's {"error": {message, type, param, code}}.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from surge.errors import SurgeError
+from surge.server.http.common import ORJSONResponse
+
+log = logging.getLogger("surge.server")
+
+
+def error_response(request_path: str, status: int, message: str, *, type_: str, code: str,
+                   param: str | None = None, retry_after: float | None = None) -> ORJSONResponse:
+    if request_path.startswith("/v2"):
+        body = {"error": message}
+    else:
+        body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    headers = {}
+    if retry_after is not None:
+        headers["Retry-After"] = str(max(1, int(round(retry_after))))
+    return ORJSONResponse(body, status_code=status, headers=headers)
+
+
+def render(request_path: str, exc: SurgeError) -> ORJSONResponse:
+    return error_response(request_path, exc.http_status, exc.message, type_=exc.openai_type, code=exc.code,
+                          param=exc.param, retry_after=exc.retry_after)
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(SurgeError)
+    async def _surge(request: Request, exc: SurgeError):
+        return render(request.url.path, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())) or "request"
+        return error_response(request.url.path, 422, f"invalid field '{where}': {first.get('msg', 'invalid')}",
+                              type_="invalid_request_error", code="unprocessable", param=where)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return error_response(request.url.path, exc.status_code, str(exc.detail),
+                              type_="invalid_request_error", code=f"http_{exc.status_code}")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(request.url.path, 500, "internal server error", type_="server_error",
+                              code="internal_error")

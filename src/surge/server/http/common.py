@@ -1,0 +1,80 @@
+"""What every HTTP route shares: bounded body reading, strict JSON decoding,
+schema validation with clear messages, and JSON responses via orjson."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import orjson
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
+
+from surge.errors import InvalidInput, PayloadTooLarge, Unprocessable
+
+M = TypeVar("M", bound=BaseModel)
+
+_INPUT_HINT = "expected a string, a list of strings, a list of token ids, or a list of token-id lists"
+UNION_HINTS = {"input": _INPUT_HINT, "inputs": _INPUT_HINT}
+
+
+class ORJSONResponse(Response):
+    media_type = "application/json"
+
+    def render(self, content) -> bytes:
+        return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing more than `limit` bytes before reading them all."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            if int(declared) > limit:
+                raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+        except ValueError:
+            raise InvalidInput("invalid Content-Length header") from None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def decode_json(body: bytes):
+    if not body:
+        raise InvalidInput("request body is empty; expected a JSON object")
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"request body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidInput(f"request body is not valid JSON: {exc}") from None
+
+
+def validate(model: type[M], data) -> M:
+    if not isinstance(data, dict):
+        raise InvalidInput("request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        errors = exc.errors()
+        first = errors[0]
+        field = str(first["loc"][0]) if first.get("loc") else "body"
+        if field in UNION_HINTS and any(len(e.get("loc", ())) > 1 for e in errors):
+            # A union's errors list every alternative; one plain sentence helps more.
+            raise Unprocessable(f"invalid field '{field}': {UNION_HINTS[field]}", param=field) from None
+        if first.get("type") == "missing":
+            raise Unprocessable(f"missing required field '{field}'", param=field) from None
+        if first.get("type") == "extra_forbidden":
+            raise Unprocessable(f"unknown field '{field}'", param=field) from None
+        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
+        raise Unprocessable(f"invalid field '{where}': {first.get('msg')}", param=field) from None
+
+
+async def parse(request: Request, model: type[M], limit: int) -> M:
+    return validate(model, decode_json(await read_body(request, limit)))

@@ -1,0 +1,47 @@
+"""surge's native API: POST /embed (texts or token ids in, vectors out)."""
+
+from __future__ import annotations
+
+from typing import Union
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from surge.server.http.common import ORJSONResponse, parse
+from surge.server.http.openai import TokenIds, split_input
+from surge.server.state import AppState
+from surge.types import EmbedOptions
+
+
+class EmbedRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: Union[StrictStr, list[StrictStr], TokenIds, list[TokenIds]]
+    model: StrictStr | None = None
+    version: StrictStr | None = None
+    normalize: StrictBool | None = None
+    truncate: StrictBool = True
+    dimensions: StrictInt | None = Field(None, ge=1)
+
+
+def router(state: AppState) -> APIRouter:
+    r = APIRouter()
+    limits = state.config.limits
+
+    @r.post("/embed")
+    async def embed(request: Request):
+        req = await parse(request, EmbedRequest, limits.max_body_bytes)
+        texts, ids = split_input(req.inputs, limits.max_inputs_per_request, limits.max_input_chars)
+        service = state.registry.get(req.model, req.version)
+        options = EmbedOptions(normalize=req.normalize, truncate=req.truncate, dimensions=req.dimensions)
+        result = await state.run(service, texts=texts, token_ids=ids, options=options)
+        body = {
+            "model": result.model,
+            "version": result.version,
+            "dimensions": int(result.vectors.shape[1]),
+            "embeddings": result.vectors,
+            "usage": {"prompt_tokens": result.prompt_tokens},
+        }
+        return ORJSONResponse(body, headers={"x-surge-model-version": result.version})
+
+    return r
