@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from surge.config import ServerConfig
 from surge.errors import DeadlineExceeded
@@ -12,11 +13,34 @@ from surge.runtime.service import ModelService
 from surge.types import EmbedOptions, EmbedResult
 
 
+class ModelLifecycle(Protocol):
+    """Loading and unloading models at run time (the repository implements it).
+
+    Errors are SurgeErrors: NotFound for an unknown model or version, ConfigError
+    for an invalid model.yaml, EngineError when loading fails (the version being
+    served stays untouched then).
+    """
+
+    async def index(self) -> list[dict]:
+        """Every model the repository knows: {"name", "version", "state", "reason"};
+        state is one of READY, LOADING, UNAVAILABLE (KServe's repository index)."""
+        ...
+
+    async def load(self, name: str, version: str | None = None) -> None:
+        """Load (or reload) a model; returns once it is warmed up and serving."""
+        ...
+
+    async def unload(self, name: str, version: str | None = None) -> None:
+        """Stop routing to the model, drain in-flight requests, free it."""
+        ...
+
+
 @dataclass
 class AppState:
     config: ServerConfig
     registry: ModelRegistry
     started: bool = False
+    lifecycle: ModelLifecycle | None = None
     extras: dict = field(default_factory=dict)
 
     @property
