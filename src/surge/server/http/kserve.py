@@ -15,11 +15,11 @@ import numpy as np
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
 
-from surge.errors import InvalidInput, NotFound, Unprocessable
+from surge.errors import InvalidInput, NotFound
 from surge.server import kserve_contract as contract
-from surge.server.http.common import ORJSONResponse, decode_json, read_body, validate
+from surge.server.http.common import ORJSONResponse, decode_json, read_body
 from surge.server.state import AppState
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -59,10 +59,16 @@ class _RepositoryRequest(BaseModel):
 
 
 def _validate(model, data):
+    """Schema check; the specification has one status (400) for any malformed request."""
+    if not isinstance(data, dict):
+        raise InvalidInput("request body must be a JSON object")
     try:
-        return validate(model, data)
-    except Unprocessable as exc:  # the specification has one status for a malformed request
-        raise InvalidInput(exc.message, param=exc.param) from None
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
+        what = "missing" if first.get("type") == "missing" else f"invalid: {first.get('msg')}"
+        raise InvalidInput(f"field '{where}' is {what}", param=where) from None
 
 
 def split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
