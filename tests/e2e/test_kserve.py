@@ -416,6 +416,9 @@ def test_repository_index_unload_load(clients, http, sentences):
     assert h.is_model_ready(MODEL) and g.is_model_ready(MODEL) and h.is_server_ready()
     after = h.infer(MODEL, [text_input(hmod, texts)]).as_numpy("embedding")
     np.testing.assert_allclose(after, before, atol=2e-6, rtol=0)
+    for c in (h, g):  # a config sent along cannot be honoured: refused, not ignored
+        with pytest.raises(InferenceServerException, match="not supported"):
+            c.load_model(MODEL, config='{"max_batch_size": 4}')
     h.load_model(MODEL)  # reload while loaded: still serving afterwards
     np.testing.assert_allclose(g.infer(MODEL, [text_input(gmod, texts)]).as_numpy("embedding"), before, atol=2e-6)
 

@@ -152,3 +152,11 @@ def test_stats_counts_and_shape():
     assert s["cache_hit"] == {"count": 1, "ns": 50} and s["cache_miss"] == {"count": 1, "ns": 1000}
     assert d["last_inference"] > 1_700_000_000_000
     assert stats.model("m", "2").as_dict()["inference_count"] == 0  # versions are apart
+
+
+def test_load_parameters():
+    assert c.check_load_parameters({}) is None
+    assert c.check_load_parameters({"version": 2, "unload_dependents": False}) == "2"
+    for key in ("config", "file:1/model.onnx"):
+        with pytest.raises(InvalidInput, match="not supported"):
+            c.check_load_parameters({key: "x"})

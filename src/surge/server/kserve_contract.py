@@ -257,6 +257,18 @@ def encode_embedding(vectors: np.ndarray, datatype: str) -> np.ndarray:
     return np.ascontiguousarray(vectors, dtype=NUMPY_DTYPES[datatype])
 
 
+def check_load_parameters(params: dict) -> str | None:
+    """The version a repository load/unload names, if any. A model config or
+    files sent along (Triton's "config", "file:<path>") cannot be honoured, so
+    they are refused rather than silently ignored."""
+    for key in params:
+        if key == "config" or key.startswith("file:"):
+            raise InvalidInput(f"parameter '{key}' is not supported: surge loads models from their own directory "
+                               "(model.yaml), not from a config sent with the request")
+    version = params.get("version")
+    return None if version is None else str(version)
+
+
 def server_metadata() -> dict:
     return {"name": "surge", "version": __version__, "extensions": list(EXTENSIONS)}
 

@@ -173,18 +173,19 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_rpc
     async def RepositoryModelLoad(self, request, context):
-        await self._lifecycle().load(request.model_name, _version_param(request.parameters))
+        await self._lifecycle().load(request.model_name, contract.check_load_parameters(_repo_params(request)))
         return pb.RepositoryModelLoadResponse()
 
     @_rpc
     async def RepositoryModelUnload(self, request, context):
-        await self._lifecycle().unload(request.model_name, _version_param(request.parameters))
+        await self._lifecycle().unload(request.model_name, contract.check_load_parameters(_repo_params(request)))
         return pb.RepositoryModelUnloadResponse()
 
 
-def _version_param(entries) -> str | None:
-    if "version" not in entries:
-        return None
-    value = entries["version"]
-    which = value.WhichOneof("parameter_choice")
-    return None if which is None else str(getattr(value, which))
+def _repo_params(request) -> dict:
+    """A map<string, ModelRepositoryParameter> as plain Python values."""
+    out = {}
+    for key, value in request.parameters.items():
+        which = value.WhichOneof("parameter_choice")
+        out[key] = None if which is None else getattr(value, which)
+    return out

@@ -213,15 +213,13 @@ def router(state: AppState) -> APIRouter:
     @r.post("/v2/repository/models/{name}/load")
     async def repository_load(request: Request, name: str):
         req = await _repository_body(request)
-        version = req.parameters.get("version")
-        await lifecycle().load(name, None if version is None else str(version))
+        await lifecycle().load(name, contract.check_load_parameters(req.parameters))
         return ORJSONResponse({})
 
     @r.post("/v2/repository/models/{name}/unload")
     async def repository_unload(request: Request, name: str):
         req = await _repository_body(request)
-        version = req.parameters.get("version")
-        await lifecycle().unload(name, None if version is None else str(version))
+        await lifecycle().unload(name, contract.check_load_parameters(req.parameters))
         return ORJSONResponse({})
 
     return r
