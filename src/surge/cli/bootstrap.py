@@ -62,4 +62,11 @@ def build_state(config: ServerConfig) -> AppState:
         print(f"surge: ready, serving {service.name} on http://{config.host}:{config.port}", file=sys.stderr, flush=True)
 
     state.extras.setdefault("on_startup", []).append(load_single)
+    from surge.cli.single_model import SingleModelLifecycle
+
+    state.lifecycle = SingleModelLifecycle(config, state.registry)
+    if config.grpc_port:
+        from surge.server.grpc.server import install_grpc
+
+        install_grpc(state)
     return state

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -10,6 +11,7 @@ from surge.config import ServerConfig
 from surge.errors import DeadlineExceeded
 from surge.runtime.registry import ModelRegistry
 from surge.runtime.service import ModelService
+from surge.runtime.stats import InferenceStats
 from surge.types import EmbedOptions, EmbedResult
 
 
@@ -42,6 +44,7 @@ class AppState:
     started: bool = False
     lifecycle: ModelLifecycle | None = None
     extras: dict = field(default_factory=dict)
+    stats: InferenceStats = field(default_factory=InferenceStats)
 
     @property
     def ready(self) -> bool:
@@ -49,9 +52,18 @@ class AppState:
 
     async def run(self, service: ModelService, *, texts=None, token_ids=None,
                   options: EmbedOptions | None = None) -> EmbedResult:
-        """Call a model with the request timeout; a late answer becomes 504."""
+        """Call a model with the request timeout; a late answer becomes 504.
+        Every call is counted in `stats` (KServe v2 statistics), whatever its protocol."""
         timeout = self.config.limits.request_timeout_s
+        start = time.perf_counter_ns()
         try:
-            return await asyncio.wait_for(service.embed(texts=texts, token_ids=token_ids, options=options), timeout)
+            result = await asyncio.wait_for(service.embed(texts=texts, token_ids=token_ids, options=options), timeout)
         except asyncio.TimeoutError:
+            self.stats.record_failure(service.name, service.version, time.perf_counter_ns() - start)
             raise DeadlineExceeded(f"request did not finish within {timeout:g} s") from None
+        except Exception:
+            self.stats.record_failure(service.name, service.version, time.perf_counter_ns() - start)
+            raise
+        self.stats.record_success(service.name, service.version, result, time.perf_counter_ns() - start,
+                                  cache_enabled=bool(getattr(getattr(service, "cache_cfg", None), "enabled", False)))
+        return result

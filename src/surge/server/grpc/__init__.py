@@ -1,0 +1,1 @@
+"""KServe v2 / Open Inference Protocol over gRPC (inference.GRPCInferenceService)."""

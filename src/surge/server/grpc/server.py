@@ -1,0 +1,82 @@
+"""Starting and stopping the gRPC server next to HTTP, in the same process and
+event loop (grpc.aio), from the app's startup and shutdown hooks."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import sys
+
+import grpc
+
+from surge.server.grpc import grpc_service_pb2_grpc as pb_grpc
+from surge.server.grpc.servicer import InferenceServicer
+from surge.server.state import AppState
+
+log = logging.getLogger("surge.server")
+
+# RPCs that skip the API key check, as the HTTP health routes do.
+OPEN_METHODS = frozenset({"ServerLive", "ServerReady"})
+# Responses can be much larger than requests (many inputs x dims x 4 bytes).
+MAX_SEND_BYTES = 512 * 1024 * 1024
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Requires metadata 'authorization: Bearer KEY' (the HTTP header's twin)."""
+
+    def __init__(self, api_key: str):
+        self._expected = f"Bearer {api_key}".encode()
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "missing or invalid API key (send metadata 'authorization: Bearer <key>')")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    async def intercept_service(self, continuation, details):
+        if details.method.rsplit("/", 1)[-1] in OPEN_METHODS:
+            return await continuation(details)
+        given = next((v for k, v in details.invocation_metadata or () if k == "authorization"), "")
+        given = given.encode() if isinstance(given, str) else given
+        if hmac.compare_digest(given, self._expected):
+            return await continuation(details)
+        return self._deny
+
+
+def build_server(state: AppState) -> tuple[grpc.aio.Server, str]:
+    config = state.config
+    interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[
+            # The same bound as an HTTP body: a larger request gets RESOURCE_EXHAUSTED.
+            ("grpc.max_receive_message_length", config.limits.max_body_bytes),
+            ("grpc.max_send_message_length", MAX_SEND_BYTES),
+            ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
+        ],
+    )
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(state), server)
+    address = f"[{config.host}]:{config.grpc_port}" if ":" in config.host else f"{config.host}:{config.grpc_port}"
+    if server.add_insecure_port(address) == 0:
+        raise RuntimeError(f"cannot bind the gRPC port {address}")
+    return server, address
+
+
+def install_grpc(state: AppState) -> None:
+    """Register startup/shutdown hooks that run the gRPC server with the app."""
+
+    async def start(state: AppState) -> None:
+        server, address = build_server(state)
+        await server.start()
+        state.extras["grpc_server"] = server
+        log.info("gRPC (KServe v2) listening on %s", address)
+        print(f"surge: gRPC (KServe v2) on {address}", file=sys.stderr, flush=True)
+
+    async def stop(state: AppState) -> None:
+        server = state.extras.pop("grpc_server", None)
+        if server is not None:
+            await server.stop(grace=5)
+
+    # First, so that ServerLive answers while the models load.
+    state.extras.setdefault("on_startup", []).insert(0, start)
+    state.extras.setdefault("on_shutdown", []).append(stop)

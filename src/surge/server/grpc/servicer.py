@@ -1,0 +1,191 @@
+"""inference.GRPCInferenceService (KServe v2 / Open Inference Protocol over gRPC).
+
+A thin layer: protobuf in, the shared tensor contract (server/kserve_contract.py)
+and AppState.run, protobuf out. A SurgeError becomes its gRPC status
+(errors.SurgeError.grpc_code) with the message as details; anything else is
+logged and answered INTERNAL, never with a stack trace.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import grpc
+
+from surge.errors import InvalidInput, NotFound, SurgeError
+from surge.server import kserve_contract as contract
+from surge.server.grpc import grpc_service_pb2 as pb
+from surge.server.grpc import grpc_service_pb2_grpc as pb_grpc
+from surge.server.state import AppState
+
+log = logging.getLogger("surge.server")
+
+# The typed `contents` field that carries each datatype when raw_input_contents is not used.
+_CONTENTS_FIELD = {
+    "BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+    "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
+    "UINT64": "uint64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
+}
+
+
+def _rpc(method):
+    """Map errors to status codes in one place for every RPC."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except SurgeError as exc:
+            code, message = exc.grpc_code, exc.message
+        except Exception:
+            log.exception("unhandled error in gRPC %s", method.__name__)
+            code, message = grpc.StatusCode.INTERNAL, "internal server error"
+        await context.abort(code, message)
+
+    return wrapper
+
+
+def parameters(entries) -> dict:
+    """A protobuf map<string, InferParameter> as plain Python values."""
+    out = {}
+    for key, value in entries.items():
+        which = value.WhichOneof("parameter_choice")
+        if which is not None:
+            out[key] = getattr(value, which)
+    return out
+
+
+def _set_param(entries, key: str, value) -> None:
+    if isinstance(value, bool):
+        entries[key].bool_param = value
+    elif isinstance(value, int):
+        entries[key].int64_param = value
+    elif isinstance(value, float):
+        entries[key].double_param = value
+    else:
+        entries[key].string_param = str(value)
+
+
+def decode_inputs(request: pb.ModelInferRequest) -> list[contract.InputTensor]:
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidInput(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; "
+                           "send one per input, in order, or none")
+    tensors = []
+    for i, t in enumerate(request.inputs):
+        if raw:
+            if t.HasField("contents"):
+                raise InvalidInput(f"input '{t.name}' has both contents and raw_input_contents")
+            tensors.append(contract.from_raw(t.name, t.datatype, t.shape, raw[i]))
+            continue
+        field = _CONTENTS_FIELD.get(t.datatype)
+        if field is None:
+            contract.numpy_dtype(t.name, t.datatype)  # unknown datatype: a clear error
+            raise InvalidInput(f"input '{t.name}': {t.datatype} data must be sent in raw_input_contents")
+        tensors.append(contract.from_values(t.name, t.datatype, t.shape, list(getattr(t.contents, field))))
+    return tensors
+
+
+def _stats_proto(d: dict) -> pb.ModelStatistics:
+    inference = pb.InferStatistics(**{k: pb.StatisticDuration(**v) for k, v in d["inference_stats"].items()})
+    return pb.ModelStatistics(name=d["name"], version=d["version"], last_inference=d["last_inference"],
+                              inference_count=d["inference_count"], execution_count=d["execution_count"],
+                              inference_stats=inference)
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, state: AppState):
+        self.state = state
+        self.registry = state.registry
+        self.limits = state.config.limits
+
+    def _lifecycle(self):
+        if self.state.lifecycle is None:
+            raise NotFound("this server has no model repository")
+        return self.state.lifecycle
+
+    @_rpc
+    async def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=True)
+
+    @_rpc
+    async def ServerReady(self, request, context):
+        ready = self.state.started and all(s.ready for s in self.registry.services())
+        return pb.ServerReadyResponse(ready=ready)
+
+    @_rpc
+    async def ModelReady(self, request, context):
+        try:
+            service = self.registry.get(request.name, request.version or None)
+        except NotFound:
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=service.ready)
+
+    @_rpc
+    async def ServerMetadata(self, request, context):
+        return pb.ServerMetadataResponse(**contract.server_metadata())
+
+    @_rpc
+    async def ModelMetadata(self, request, context):
+        service = self.registry.get(request.name, request.version or None)
+        versions = [request.version] if request.version else self.registry.versions(request.name)
+        meta = contract.model_metadata(service, versions)
+        tensor = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(name=meta["name"], versions=meta["versions"], platform=meta["platform"],
+                                        inputs=[tensor(**t) for t in meta["inputs"]],
+                                        outputs=[tensor(**t) for t in meta["outputs"]])
+
+    @_rpc
+    async def ModelInfer(self, request, context):
+        service = self.registry.get(request.model_name, request.model_version or None)
+        outputs = [(o.name, parameters(o.parameters)) for o in request.outputs]
+        decoded = contract.decode_request(decode_inputs(request), parameters(request.parameters), outputs,
+                                          self.limits.max_inputs_per_request, self.limits.max_input_chars)
+        result = await self.state.run(service, texts=decoded.texts, token_ids=decoded.token_ids,
+                                      options=decoded.options)
+        array = contract.encode_embedding(result.vectors, decoded.output_datatype)
+        response = pb.ModelInferResponse(model_name=result.model, model_version=result.version, id=request.id)
+        _set_param(response.parameters, "prompt_tokens", int(result.prompt_tokens))
+        response.outputs.add(name=contract.EMBEDDING, datatype=decoded.output_datatype, shape=list(array.shape))
+        response.raw_output_contents.append(array.tobytes())
+        return response
+
+    @_rpc
+    async def ModelStatistics(self, request, context):
+        if not request.name:
+            services = self.registry.services()
+        elif not request.version:
+            self.registry.get(request.name)
+            services = [self.registry.get(request.name, v) for v in self.registry.versions(request.name)]
+        else:
+            services = [self.registry.get(request.name, request.version)]
+        return pb.ModelStatisticsResponse(
+            model_stats=[_stats_proto(self.state.stats.model(s.name, s.version).as_dict()) for s in services])
+
+    @_rpc
+    async def RepositoryIndex(self, request, context):
+        models = await self._lifecycle().index()
+        if request.ready:
+            models = [m for m in models if m["state"] == "READY"]
+        index = pb.RepositoryIndexResponse.ModelIndex
+        return pb.RepositoryIndexResponse(models=[index(**m) for m in models])
+
+    @_rpc
+    async def RepositoryModelLoad(self, request, context):
+        await self._lifecycle().load(request.model_name, contract.check_load_parameters(_repo_params(request)))
+        return pb.RepositoryModelLoadResponse()
+
+    @_rpc
+    async def RepositoryModelUnload(self, request, context):
+        await self._lifecycle().unload(request.model_name, contract.check_load_parameters(_repo_params(request)))
+        return pb.RepositoryModelUnloadResponse()
+
+
+def _repo_params(request) -> dict:
+    """A map<string, ModelRepositoryParameter> as plain Python values."""
+    out = {}
+    for key, value in request.parameters.items():
+        which = value.WhichOneof("parameter_choice")
+        out[key] = None if which is None else getattr(value, which)
+    return out

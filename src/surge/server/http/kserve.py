@@ -1,0 +1,226 @@
+"""KServe v2 / Open Inference Protocol over HTTP/REST.
+
+Health, server and model metadata, readiness, inference with JSON tensors and
+the binary tensor data extension, the model repository extension and
+statistics. Decoding and the model's tensor contract are shared with gRPC
+(server/kserve_contract.py); errors are SurgeErrors, rendered as
+{"error": "..."} by server/errors.py for every /v2 path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
+
+from surge.errors import InvalidInput, NotFound
+from surge.server import kserve_contract as contract
+from surge.server.http.common import ORJSONResponse, decode_json, read_body
+from surge.server.state import AppState
+
+HEADER_LENGTH = "inference-header-content-length"
+
+
+class _Tensor(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: StrictStr
+    datatype: StrictStr
+    shape: list[StrictInt]
+    parameters: dict[str, Any] = {}
+    data: Any = None
+
+
+class _Output(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: StrictStr
+    parameters: dict[str, Any] = {}
+
+
+class _InferRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: StrictStr | None = None
+    parameters: dict[str, Any] = {}
+    inputs: list[_Tensor]
+    outputs: list[_Output] | None = None
+
+
+class _RepositoryRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    ready: StrictBool = False
+    parameters: dict[str, Any] = {}
+
+
+def _validate(model, data):
+    """Schema check; the specification has one status (400) for any malformed request."""
+    if not isinstance(data, dict):
+        raise InvalidInput("request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
+        what = "missing" if first.get("type") == "missing" else f"invalid: {first.get('msg')}"
+        raise InvalidInput(f"field '{where}' is {what}", param=where) from None
+
+
+def split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
+    """The JSON header and the binary tensor data that follows it (binary extension)."""
+    if header_length is None:
+        return body, b""
+    try:
+        n = int(header_length)
+    except ValueError:
+        raise InvalidInput(f"Inference-Header-Content-Length '{header_length}' is not an integer") from None
+    if not 0 < n <= len(body):
+        raise InvalidInput(f"Inference-Header-Content-Length {n} does not fit a body of {len(body)} bytes")
+    return body[:n], body[n:]
+
+
+def decode_inputs(inputs: list[_Tensor], binary: bytes) -> list[contract.InputTensor]:
+    tensors, offset = [], 0
+    for t in inputs:
+        size = t.parameters.get("binary_data_size")
+        if size is not None:
+            if t.data is not None:
+                raise InvalidInput(f"input '{t.name}' has both 'data' and 'binary_data_size'")
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise InvalidInput(f"input '{t.name}': binary_data_size must be a non-negative integer")
+            if offset + size > len(binary):
+                raise InvalidInput(f"input '{t.name}': binary_data_size {size} runs past the end of the binary "
+                                   f"data ({len(binary) - offset} bytes left)")
+            tensors.append(contract.from_raw(t.name, t.datatype, t.shape, binary[offset:offset + size]))
+            offset += size
+        elif t.data is None:
+            raise InvalidInput(f"input '{t.name}' has neither 'data' nor a 'binary_data_size' parameter")
+        else:
+            tensors.append(contract.from_values(t.name, t.datatype, t.shape, t.data))
+    if offset != len(binary):
+        raise InvalidInput(f"{len(binary) - offset} bytes of binary data are not claimed by any input")
+    return tensors
+
+
+def router(state: AppState) -> APIRouter:
+    r = APIRouter()
+    limits = state.config.limits
+    registry = state.registry
+
+    def lifecycle():
+        if state.lifecycle is None:
+            raise NotFound("this server has no model repository")
+        return state.lifecycle
+
+    @r.get("/v2/health/live")
+    async def live():
+        return ORJSONResponse({"live": True})
+
+    @r.get("/v2/health/ready")
+    async def ready():
+        # Ready once startup is done and every loaded model is warm; a model
+        # unloaded on purpose does not make the server unready (as Triton).
+        ok = state.started and all(s.ready for s in registry.services())
+        return ORJSONResponse({"ready": ok}, status_code=200 if ok else 400)
+
+    @r.get("/v2")
+    async def server_metadata():
+        return ORJSONResponse(contract.server_metadata())
+
+    async def stats(name: str | None = None, version: str | None = None):
+        if name is None:
+            services = registry.services()
+        elif version is None:
+            registry.get(name)  # 404 for an unknown model
+            services = [registry.get(name, v) for v in registry.versions(name)]
+        else:
+            services = [registry.get(name, version)]
+        return ORJSONResponse(
+            {"model_stats": [state.stats.model(s.name, s.version).as_dict() for s in services]})
+
+    r.get("/v2/models/stats")(stats)
+    r.get("/v2/models/{name}/stats")(stats)
+    r.get("/v2/models/{name}/versions/{version}/stats")(stats)
+
+    async def model_metadata(name: str, version: str | None = None):
+        service = registry.get(name, version)
+        versions = [version] if version else registry.versions(name)
+        return ORJSONResponse(contract.model_metadata(service, versions))
+
+    r.get("/v2/models/{name}")(model_metadata)
+    r.get("/v2/models/{name}/versions/{version}")(model_metadata)
+
+    async def model_ready(name: str, version: str | None = None):
+        service = registry.get(name, version)
+        if not service.ready:
+            raise InvalidInput(f"model '{name}' is not ready")  # the specification: 4xx means false
+        return ORJSONResponse({"name": service.name, "ready": True})
+
+    r.get("/v2/models/{name}/ready")(model_ready)
+    r.get("/v2/models/{name}/versions/{version}/ready")(model_ready)
+
+    async def infer(request: Request, name: str, version: str | None = None):
+        service = registry.get(name, version)
+        header, binary = split_body(await read_body(request, limits.max_body_bytes),
+                                    request.headers.get(HEADER_LENGTH))
+        req = _validate(_InferRequest, decode_json(header))
+        outputs = [(o.name, o.parameters) for o in req.outputs or []]
+        decoded = contract.decode_request(decode_inputs(req.inputs, binary), req.parameters, outputs,
+                                          limits.max_inputs_per_request, limits.max_input_chars)
+        result = await state.run(service, texts=decoded.texts, token_ids=decoded.token_ids,
+                                 options=decoded.options)
+        array = contract.encode_embedding(result.vectors, decoded.output_datatype)
+        wants_binary = bool(req.parameters.get("binary_data_output", False))
+        for out_name, params in outputs:
+            if out_name == contract.EMBEDDING and "binary_data" in params:
+                wants_binary = bool(params["binary_data"])
+        out = {"name": contract.EMBEDDING, "datatype": decoded.output_datatype, "shape": list(array.shape)}
+        body = {"model_name": result.model, "model_version": result.version,
+                "parameters": {"prompt_tokens": int(result.prompt_tokens)}, "outputs": [out]}
+        if req.id is not None:
+            body["id"] = req.id
+        headers = {"x-surge-model-version": result.version}
+        if not wants_binary:
+            # orjson has no float16: FP16 values go out as the float32 numbers they are exactly.
+            out["data"] = (array.astype(np.float32) if array.dtype == np.float16 else array).ravel()
+            return ORJSONResponse(body, headers=headers)
+        raw = array.tobytes()
+        out["parameters"] = {"binary_data_size": len(raw)}
+        head = orjson.dumps(body)
+        headers["Inference-Header-Content-Length"] = str(len(head))
+        return Response(head + raw, media_type="application/octet-stream", headers=headers)
+
+    r.post("/v2/models/{name}/infer")(infer)
+    r.post("/v2/models/{name}/versions/{version}/infer")(infer)
+
+    async def _repository_body(request: Request) -> _RepositoryRequest:
+        body = await read_body(request, limits.max_body_bytes)
+        return _validate(_RepositoryRequest, decode_json(body)) if body.strip() else _RepositoryRequest()
+
+    @r.post("/v2/repository/index")
+    async def repository_index(request: Request):
+        req = await _repository_body(request)
+        models = await lifecycle().index()
+        if req.ready:
+            models = [m for m in models if m["state"] == "READY"]
+        return ORJSONResponse(models)
+
+    @r.post("/v2/repository/models/{name}/load")
+    async def repository_load(request: Request, name: str):
+        req = await _repository_body(request)
+        await lifecycle().load(name, contract.check_load_parameters(req.parameters))
+        return ORJSONResponse({})
+
+    @r.post("/v2/repository/models/{name}/unload")
+    async def repository_unload(request: Request, name: str):
+        req = await _repository_body(request)
+        await lifecycle().unload(name, contract.check_load_parameters(req.parameters))
+        return ORJSONResponse({})
+
+    return r
+

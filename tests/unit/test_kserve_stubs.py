@@ -1,0 +1,94 @@
+"""The checked-in gRPC stubs: Triton-compatible on the wire, importable next to
+tritonclient, within pyproject's version floors, and reproducible by
+scripts/gen_grpc.sh."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from surge.server.grpc import grpc_service_pb2 as ours
+from surge.server.grpc import grpc_service_pb2_grpc as ours_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+STUB_DIR = ROOT / "src" / "surge" / "server" / "grpc"
+
+
+def _triton():
+    return pytest.importorskip("tritonclient.grpc.service_pb2")
+
+
+def test_every_message_matches_triton_field_by_field():
+    triton = _triton()
+
+    def check(ours_desc, theirs_desc):
+        assert ours_desc.full_name == theirs_desc.full_name
+        theirs_fields = {f.number: f for f in theirs_desc.fields}
+        for f in ours_desc.fields:
+            t = theirs_fields.get(f.number)
+            assert t is not None, f"{ours_desc.full_name}.{f.name} = {f.number} is not in Triton's proto"
+            assert (f.name, f.type, f.is_repeated) == (t.name, t.type, t.is_repeated), f"{ours_desc.full_name}.{f.name}"
+            if f.message_type is not None:
+                assert f.message_type.full_name == t.message_type.full_name
+        for nested in ours_desc.nested_types:
+            check(nested, theirs_desc.nested_types_by_name[nested.name])
+
+    assert ours.DESCRIPTOR.package == "inference"
+    for name, desc in ours.DESCRIPTOR.message_types_by_name.items():
+        check(desc, triton.DESCRIPTOR.message_types_by_name[name])
+    service = ours.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    theirs = triton.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    for m in service.methods:
+        t = theirs.methods_by_name[m.name]
+        assert (m.input_type.full_name, m.output_type.full_name) == (t.input_type.full_name, t.output_type.full_name)
+
+
+def test_wire_compatible_both_ways_in_one_process():
+    triton = _triton()
+    req = ours.ModelInferRequest(model_name="m", model_version="2", id="x")
+    t = req.inputs.add(name="input_ids", datatype="INT64", shape=[1, 3])
+    t.parameters["binary_data_size"].int64_param = 24
+    req.outputs.add(name="embedding").parameters["datatype"].string_param = "FP16"
+    req.parameters["normalize"].bool_param = False
+    req.raw_input_contents.append(b"\x01" * 24)
+    theirs = triton.ModelInferRequest.FromString(req.SerializeToString())
+    assert theirs.SerializeToString(deterministic=True) == req.SerializeToString(deterministic=True)
+    assert theirs.outputs[0].parameters["datatype"].string_param == "FP16"
+    resp = triton.ModelInferResponse(model_name="m")
+    resp.outputs.add(name="embedding", datatype="FP32", shape=[1, 4])
+    resp.raw_output_contents.append(b"\x00" * 16)
+    back = ours.ModelInferResponse.FromString(resp.SerializeToString())
+    assert list(back.outputs[0].shape) == [1, 4] and back.raw_output_contents[0] == b"\x00" * 16
+
+
+def test_stubs_need_no_newer_runtime_than_pyproject_allows():
+    source = (STUB_DIR / "grpc_service_pb2.py").read_text()
+    # No protobuf runtime-version guard (pyproject allows protobuf>=4.25) and a private pool.
+    assert "ValidateProtobufRuntimeVersion" not in source
+    assert "_descriptor_pool.Default()" not in source
+    stamp = re.search(r"GRPC_GENERATED_VERSION = '([0-9.]+)'", (STUB_DIR / "grpc_service_pb2_grpc.py").read_text())
+    floor = re.search(r'"grpcio>=([0-9.]+)"', (ROOT / "pyproject.toml").read_text())
+    as_tuple = lambda v: tuple(int(x) for x in v.split("."))  # noqa: E731
+    assert as_tuple(floor.group(1)) >= as_tuple(stamp.group(1)), "raise pyproject's grpcio floor to the stubs' stamp"
+    assert callable(ours_grpc.add_GRPCInferenceServiceServicer_to_server)
+
+
+def test_gen_script_reproduces_checked_in_stubs(tmp_path):
+    pytest.importorskip("grpc_tools")
+    from importlib.metadata import version
+
+    stamp = re.search(r"GRPC_GENERATED_VERSION = '([0-9.]+)'", (STUB_DIR / "grpc_service_pb2_grpc.py").read_text())
+    if version("grpcio-tools") != stamp.group(1):
+        pytest.skip(f"grpcio-tools {version('grpcio-tools')} installed; the stubs come from {stamp.group(1)}")
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "gen_grpc.sh", tmp_path / "scripts")
+    out = tmp_path / "src" / "surge" / "server" / "grpc"
+    out.mkdir(parents=True)
+    shutil.copy(STUB_DIR / "grpc_service.proto", out)
+    subprocess.run(["bash", str(tmp_path / "scripts" / "gen_grpc.sh")], check=True, capture_output=True)
+    for name in ("grpc_service_pb2.py", "grpc_service_pb2_grpc.py"):
+        assert (out / name).read_text() == (STUB_DIR / name).read_text(), f"{name} is stale: run scripts/gen_grpc.sh"
