@@ -94,8 +94,12 @@ class TorchEngine:
         if not kernels.available():
             raise EngineError("the CUDA path of the torch engine needs Triton")
         self.plan = plan_workspace(cfg, token_bucket(self.capacity), _next_pow2(self.max_batch), self.dtype)
-        self.workspace = self._shared_ws or Workspace(self.device)
-        self.workspace.grow(self.plan.nbytes)
+        try:
+            self.workspace = self._shared_ws or Workspace(self.device)
+            self.workspace.grow(self.plan.nbytes)
+        except torch.cuda.OutOfMemoryError as exc:
+            raise EngineError(f"not enough GPU memory for a {self.plan.nbytes / 2**20:.0f} MiB workspace "
+                              f"({self.plan.tokens} tokens): lower max_batch or max_tokens") from exc
         self._ws_generation = self.workspace.generation
         self.stream = torch.cuda.Stream(self.device)
         self._h_inputs = torch.empty(self.plan.region("inputs").shape, dtype=torch.int32, pin_memory=True)
