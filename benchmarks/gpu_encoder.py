@@ -158,6 +158,7 @@ def main() -> None:
     ap.add_argument("--out", default="gpu_encoder.json")
     ap.add_argument("--compile", default="none", help="none, max-autotune, max-autotune-no-cudagraphs")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     from transformers import BertConfig, BertModel
 
@@ -209,6 +210,17 @@ def main() -> None:
         results["rows"].append(row)
         print(json.dumps(row), flush=True)
 
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        for name, lengths in workloads[:2]:
+            b = surge_batch(lengths, rng)
+            surge_eager.run(b)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    surge_eager.run(b)
+            print(f"--- kernels, {name} (5 runs)")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
     del fp32, fp16
     torch.cuda.empty_cache()
     stream_rows = []

@@ -221,10 +221,13 @@ class TorchEngine:
         key = self.bucket(len(lengths), t, int(lengths.max()))
         ws_lock = self.workspace.lock
         with self._lock, ws_lock:
-            graph, views, out = self._graph(key)
             n = self._stage_inputs(ids, types, pos, lengths, key)
+            inputs = self.workspace.view(self.plan.region("inputs"), (n,))
             with torch.cuda.stream(self.stream):
-                views["inputs"][:n].copy_(self._h_inputs[:n], non_blocking=True)
+                # inputs first: a new bucket's first (eager) forward and its capture read them
+                inputs.copy_(self._h_inputs[:n], non_blocking=True)
+            graph, views, out = self._graph(key)
+            with torch.cuda.stream(self.stream):
                 if graph is not None:
                     graph.replay()
                 else:
