@@ -85,9 +85,7 @@ def surge_model_ms(engine: TorchEngine, batch: TokenBatch) -> float:
     engine.run(batch)  # captures the bucket
     lengths = batch.lengths
     key = engine.bucket(len(lengths), int(lengths.sum()), int(lengths.max()))
-    graph, views, _ = engine._graph(key)
-    with torch.cuda.stream(engine.stream):
-        pass
+    graph = engine._graph(key)[0]
     torch.cuda.synchronize()
     return cuda_time(graph.replay, iters=100, warmup=10)
 
@@ -205,6 +203,8 @@ def main() -> None:
         row["v1_fused_eager_ms"] = cuda_time(lambda: surge_eager.run(b), iters=30)  # kernels, no graph (incl. copies)
         row["surge_ms"] = surge_model_ms(surge, b)
         row["surge_e2e_ms"] = surge_e2e_ms(surge, b)
+        row["surge_gemm_choice"] = {str(k): v for k, v in surge.choices.items()}
+        surge.choices.clear()
         row["surge_seq_per_s"] = len(lengths) / row["surge_ms"] * 1e3
         row["hf_graph_seq_per_s"] = len(lengths) / row["hf_sdpa_fp16_graph_ms"] * 1e3
         results["rows"].append(row)

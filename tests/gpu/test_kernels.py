@@ -96,3 +96,20 @@ def test_bias_gelu(dtype, tanh, n):
     ref = torch.nn.functional.gelu(x.double() + bias.double(), approximate="tanh" if tanh else "none")
     bias_gelu_(x, bias, tanh=tanh)
     assert _rel(x, ref) < _tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(1, 96, 64), (33, 2304, 768), (77, 768, 3072), (1500, 3072, 768), (19, 1001, 130)])
+@pytest.mark.parametrize("act", [0, 1, 2])
+def test_gemm_epilogues(dtype, m, n, k, act):
+    from surge.engines.kernels.gemm import linear
+
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5
+    bias = torch.randn(n, device="cuda", dtype=dtype) if act != 2 or m % 2 else None
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+    linear(a, w, bias, out, act=act)
+    ref = a.double() @ w.double().t() + (bias.double() if bias is not None else 0)
+    if act:
+        ref = torch.nn.functional.gelu(ref, approximate="tanh" if act == 2 else "none")
+    assert _rel(out, ref) < _tol(dtype)

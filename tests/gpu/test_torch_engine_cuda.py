@@ -103,3 +103,17 @@ def test_out_of_memory_is_an_engine_error(model_dir):
     engine = TorchEngine(device="cuda", precision="fp16", max_batch=8, max_tokens=int(free // 1000))
     with pytest.raises(EngineError, match="memory"):
         engine.load(model_dir)
+
+
+@pytest.mark.parametrize("gemm", ["cublas", "mixed", "triton"])
+def test_gemm_modes_agree(model_dir, tokenizer, reference, sentences, gemm):
+    from surge.engines.torch_gpu import TorchEngine
+
+    engine = TorchEngine(device="cuda", precision="fp16", max_batch=64, gemm=gemm)
+    engine.load(model_dir)
+    rng = np.random.default_rng()
+    idx = rng.choice(len(sentences), 100, replace=False)
+    got = _embed(engine, tokenizer, [sentences[i] for i in idx], bs=50)
+    one = _embed(engine, tokenizer, [sentences[idx[0]]], bs=1)
+    cos = cosine_rows(np.concatenate([got, one]), reference[np.concatenate([idx, idx[:1]])])
+    assert cos.min() >= 0.9999, f"{gemm}: worst {cos.min():.6f}"

@@ -79,25 +79,45 @@ def forward_reference(w: EncoderWeights, ids: torch.Tensor, types: torch.Tensor,
 # ---------------------------------------------------------------- fused GPU path
 
 def layer_fused(x: torch.Tensor, lw: LayerWeights, cu: torch.Tensor, max_len: int, batch: int,
-                cfg: EncoderConfig, ws: dict[str, torch.Tensor], reduce: Reduce = None) -> None:
-    """One layer, in place on x [T, H]; ws holds 'qkv', 'ffn' (same bytes), 'ctx', 'tmp' views."""
+                cfg: EncoderConfig, ws: dict[str, torch.Tensor], reduce: Reduce = None, gemm: str = "cublas") -> None:
+    """One layer, in place on x [T, H]; ws holds 'qkv', 'ffn' (same bytes), 'ctx', 'tmp' views.
+
+    gemm: "cublas" (cuBLAS GEMMs, bias+GeLU as its own Triton kernel), "triton"
+    (every GEMM in Triton, bias+GeLU in the FFN GEMM's epilogue) or "mixed"
+    (cuBLAS, except the FFN-in GEMM with the fused epilogue).
+    """
     from surge.engines.kernels.attention import varlen_attention
+    from surge.engines.kernels.gemm import ACT_GELU, ACT_GELU_TANH, linear
     from surge.engines.kernels.norm import add_layernorm, bias_gelu_
 
     red = reduce or (lambda t: t)
+    tanh = cfg.activation == "gelu_tanh"
     qkv, ctx, tmp, ffn = ws["qkv"], ws["ctx"], ws["tmp"], ws["ffn"]
-    torch.addmm(lw.bqkv, x, lw.wqkv.t(), out=qkv)  # fused QKV; bias in cuBLASLt's epilogue
+    if gemm == "triton":
+        linear(x, lw.wqkv, lw.bqkv, qkv)
+    else:
+        torch.addmm(lw.bqkv, x, lw.wqkv.t(), out=qkv)  # fused QKV; bias in cuBLASLt's epilogue
     varlen_attention(qkv, cu, ctx, lw.heads, max_len, batch)
-    torch.mm(ctx, lw.wo.t(), out=tmp)
+    if gemm == "triton":
+        linear(ctx, lw.wo, None, tmp)
+    else:
+        torch.mm(ctx, lw.wo.t(), out=tmp)
     add_layernorm(red(tmp), lw.bo, x, lw.ln1_w, lw.ln1_b, cfg.eps, out=x)  # bias + residual + LN, one pass
-    torch.mm(x, lw.w1.t(), out=ffn)
-    bias_gelu_(ffn, lw.b1, tanh=cfg.activation == "gelu_tanh")
-    torch.mm(ffn, lw.w2.t(), out=tmp)
+    if gemm == "cublas":
+        torch.mm(x, lw.w1.t(), out=ffn)
+        bias_gelu_(ffn, lw.b1, tanh=tanh)
+    else:
+        linear(x, lw.w1, lw.b1, ffn, act=ACT_GELU_TANH if tanh else ACT_GELU)
+    if gemm == "triton":
+        linear(ffn, lw.w2, None, tmp)
+    else:
+        torch.mm(ffn, lw.w2.t(), out=tmp)
     add_layernorm(red(tmp), lw.b2, x, lw.ln2_w, lw.ln2_b, cfg.eps, out=x)
 
 
 def forward_fused(w: EncoderWeights, inputs: torch.Tensor, tokens: int, batch: int, max_len: int,
-                  ws: dict[str, torch.Tensor], layer_hook: Callable[[int], LayerWeights] | None = None) -> torch.Tensor:
+                  ws: dict[str, torch.Tensor], layer_hook: Callable[[int], LayerWeights] | None = None,
+                  gemm: str = "cublas") -> torch.Tensor:
     """inputs: int32 [3*tokens + batch + 1] = ids | types | positions | cu_seqlens. Returns ws['x']."""
     from surge.engines.kernels.norm import embed_layernorm
 
@@ -107,5 +127,5 @@ def forward_fused(w: EncoderWeights, inputs: torch.Tensor, tokens: int, batch: i
     embed_layernorm(ids, types, pos, w.word, w.pos, w.types, w.emb_ln_w, w.emb_ln_b, w.config.eps, out=x)
     for i in range(len(w.layers)):
         lw = layer_hook(i) if layer_hook is not None else w.layers[i]
-        layer_fused(x, lw, cu, max_len, batch, w.config, ws)
+        layer_fused(x, lw, cu, max_len, batch, w.config, ws, gemm=gemm)
     return x

@@ -29,6 +29,7 @@ from surge.types import Layout, TokenBatch
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _WEIGHTS: dict[tuple, EncoderWeights] = {}  # (path, device, dtype) -> weights shared by instances
 _WEIGHTS_LOCK = threading.Lock()
+GEMM_MODES = ("cublas", "mixed", "triton")
 
 
 def _next_pow2(n: int) -> int:
@@ -56,7 +57,7 @@ def shared_weights(path: Path, device: torch.device, dtype: torch.dtype) -> Enco
 class TorchEngine:
     def __init__(self, device: str = "cuda", precision: str = "fp16", max_batch: int = 64,
                  max_tokens: int | None = None, cuda_graphs: bool = True, workspace: Workspace | None = None,
-                 max_graphs: int = 48):
+                 max_graphs: int = 48, gemm: str = "auto"):
         if precision not in _DTYPES:
             raise EngineError(f"the torch engine runs fp32, fp16 or bf16, not {precision!r}")
         self.device = torch.device(device)
@@ -68,6 +69,10 @@ class TorchEngine:
         self.max_tokens = max_tokens  # token capacity of one batch; default max_batch * max_length
         self.cuda_graphs = cuda_graphs
         self.max_graphs = max_graphs
+        if gemm not in ("auto",) + GEMM_MODES:
+            raise EngineError(f"gemm must be auto or one of {GEMM_MODES}, not {gemm!r}")
+        self.gemm = gemm
+        self.choices: dict[tuple, dict[str, float]] = {}  # bucket -> {gemm mode: replay ms} (auto mode)
         self._shared_ws = workspace
         self.weights: EncoderWeights | None = None
         self.capabilities: Capabilities | None = None
@@ -189,11 +194,35 @@ class TorchEngine:
         v["ffn"] = self.workspace.view(big, (tb, self.config.intermediate))
         return v
 
-    def _forward(self, key, views) -> torch.Tensor:
+    def _forward(self, key, views, gemm: str) -> torch.Tensor:
         bb, tb, lb = key
-        return forward_fused(self.weights, views["inputs"], tb, bb, lb, views)
+        return forward_fused(self.weights, views["inputs"], tb, bb, lb, views, gemm=gemm)
+
+    def _capture(self, key, views, gemm: str):
+        with torch.cuda.stream(self.stream):
+            out = self._forward(key, views, gemm)  # compiles/tunes the Triton kernels, creates cuBLAS handles
+        self.stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=self.stream):
+            out = self._forward(key, views, gemm)
+        return graph, out
+
+    def _time(self, graph, reps: int = 5) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            graph.replay()
+            start.record(self.stream)
+            for _ in range(reps):
+                graph.replay()
+            end.record(self.stream)
+        end.synchronize()
+        return start.elapsed_time(end) / reps
 
     def _graph(self, key):
+        """(graph or None, views, output view, gemm mode) for a bucket; captured on first use.
+
+        gemm="auto": every mode is captured and timed on this bucket, the fastest kept.
+        """
         if self.workspace.generation != self._ws_generation:  # a shared workspace grew: old views are stale
             self._graphs.clear()
             self._ws_generation = self.workspace.generation
@@ -202,15 +231,24 @@ class TorchEngine:
             self._graphs.move_to_end(key)
             return g
         views = self._views(key)
-        with torch.cuda.stream(self.stream):
-            out = self._forward(key, views)  # compiles the Triton kernels, creates cuBLAS handles
-        graph = None
-        if self.cuda_graphs:
-            self.stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=self.stream):
-                out = self._forward(key, views)
-        g = (graph, views, out)
+        mode = "cublas" if self.gemm == "auto" else self.gemm
+        if not self.cuda_graphs:
+            with torch.cuda.stream(self.stream):
+                out = self._forward(key, views, mode)
+            g = (None, views, out, mode)
+        elif self.gemm != "auto":
+            graph, out = self._capture(key, views, mode)
+            g = (graph, views, out, mode)
+        else:
+            best = None
+            timings = {}
+            for m in GEMM_MODES:
+                graph, out = self._capture(key, views, m)
+                timings[m] = self._time(graph)
+                if best is None or timings[m] < timings[best[3]]:
+                    best = (graph, views, out, m)
+            self.choices[key] = timings
+            g = best
         self._graphs[key] = g
         if len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
@@ -226,12 +264,12 @@ class TorchEngine:
             with torch.cuda.stream(self.stream):
                 # inputs first: a new bucket's first (eager) forward and its capture read them
                 inputs.copy_(self._h_inputs[:n], non_blocking=True)
-            graph, views, out = self._graph(key)
+            graph, views, out, mode = self._graph(key)
             with torch.cuda.stream(self.stream):
                 if graph is not None:
                     graph.replay()
                 else:
-                    out = self._forward(key, views)
+                    out = self._forward(key, views, mode)
                 h_out = self._h_out[:t]
                 h_out.copy_(out[:t].view(h_out.dtype), non_blocking=True)
                 self._done.record(self.stream)
