@@ -151,12 +151,30 @@ def streams_bench(model_dir: Path, n_instances: int, lengths: list[int], seconds
     return sum(counts) * len(lengths) / el
 
 
+def compile_rows(tmp: Path, args, rng) -> None:
+    from transformers import BertModel
+
+    fp16 = BertModel.from_pretrained(tmp, attn_implementation="sdpa", dtype=torch.float16,
+                                     add_pooling_layer=False).cuda().eval()
+    for name, lengths in [("b1_s32", [32]), ("b128_s32", [32] * 128)]:
+        ids, mask = hf_inputs(len(lengths), lengths, 32, rng)
+        t0 = time.perf_counter()
+        comp = torch.compile(fp16, mode=args.compile, dynamic=False)
+        with torch.inference_mode():
+            comp(input_ids=ids, attention_mask=mask)
+            build = time.perf_counter() - t0
+            ms = cuda_time(lambda: comp(input_ids=ids, attention_mask=mask), iters=50)
+        print(json.dumps({"workload": name, "compile_mode": args.compile, "torch_compile_ms": ms,
+                          "seq_per_s": len(lengths) / ms * 1e3, "build_s": build}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_encoder.json")
     ap.add_argument("--compile", default="none", help="none, max-autotune, max-autotune-no-cudagraphs")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--compile-only", action="store_true", help="only the torch.compile rows (slow to build)")
     args = ap.parse_args()
     from transformers import BertConfig, BertModel
 
@@ -170,6 +188,9 @@ def main() -> None:
     base.save_pretrained(tmp)
     results: dict = {"ceilings": {"tflops": tflops, "tb_s": bw}, "rows": []}
 
+    if args.compile_only:
+        compile_rows(tmp, args, rng)
+        return
     surge = TorchEngine(device="cuda", precision="fp16", max_batch=128)
     surge.load(tmp)
     surge_eager = TorchEngine(device="cuda", precision="fp16", max_batch=128, cuda_graphs=False)

@@ -116,16 +116,24 @@ def layer_fused(x: torch.Tensor, lw: LayerWeights, cu: torch.Tensor, max_len: in
 
 
 def forward_fused(w: EncoderWeights, inputs: torch.Tensor, tokens: int, batch: int, max_len: int,
-                  ws: dict[str, torch.Tensor], layer_hook: Callable[[int], LayerWeights] | None = None,
-                  gemm: str = "cublas") -> torch.Tensor:
-    """inputs: int32 [3*tokens + batch + 1] = ids | types | positions | cu_seqlens. Returns ws['x']."""
+                  ws: dict[str, torch.Tensor], gemm: str = "cublas", offload=None) -> torch.Tensor:
+    """inputs: int32 [3*tokens + batch + 1] = ids | types | positions | cu_seqlens. Returns ws['x'].
+
+    offload: a memory.OffloadedLayers that hands out each layer's weights
+    (streamed from host memory) instead of w.layers.
+    """
     from surge.engines.kernels.norm import embed_layernorm
 
     ids, types, pos = inputs[:tokens], inputs[tokens:2 * tokens], inputs[2 * tokens:3 * tokens]
     cu = inputs[3 * tokens:]
     x = ws["x"]
+    stream = torch.cuda.current_stream() if offload is not None else None
+    if offload is not None:
+        offload.begin(stream)
     embed_layernorm(ids, types, pos, w.word, w.pos, w.types, w.emb_ln_w, w.emb_ln_b, w.config.eps, out=x)
-    for i in range(len(w.layers)):
-        lw = layer_hook(i) if layer_hook is not None else w.layers[i]
+    for i in range(w.config.layers):
+        lw = offload.get(i, stream) if offload is not None else w.layers[i]
         layer_fused(x, lw, cu, max_len, batch, w.config, ws, gemm=gemm)
+        if offload is not None:
+            offload.done(i, stream)
     return x

@@ -139,3 +139,156 @@ class Workspace:
             else:
                 out[r.name] = self.view(r, (tokens,) + r.shape[1:])
         return out
+
+
+# ---------------------------------------------------------------- weight offload
+
+class _Packed:
+    """A layer's tensors laid out back to back in one byte buffer (one copy moves a layer)."""
+
+    def __init__(self, lw):
+        self.heads = lw.heads
+        self.specs, off = [], 0
+        for t in lw.tensors():
+            self.specs.append((off, tuple(t.shape), t.dtype))
+            off = _align(off + t.numel() * t.element_size())
+        self.nbytes = off
+
+    def fill(self, buf: torch.Tensor, lw) -> None:
+        for (off, shape, dt), t in zip(self.specs, lw.tensors()):
+            n = t.numel() * t.element_size()
+            buf[off:off + n].copy_(t.contiguous().view(-1).view(torch.uint8))
+
+    def views(self, buf: torch.Tensor):
+        from surge.engines.encoder_weights import LayerWeights
+
+        ts = []
+        for off, shape, dt in self.specs:
+            n = 1
+            for s in shape:
+                n *= s
+            ts.append(buf[off:off + n * torch.tensor([], dtype=dt).element_size()].view(dt).view(shape))
+        return LayerWeights(*ts, heads=self.heads)
+
+
+class OffloadedLayers:
+    """Layers beyond a GPU memory budget live in pinned host memory and stream in.
+
+    The first `resident` layers stay on the GPU. The others are copied, one
+    layer per copy, on a side stream into two GPU slots (double buffering):
+    while layer j computes from slot j%2, layer j+1 is already in the other
+    slot or on its way, and layer j+2's copy starts as soon as layer j's
+    kernels are done with the slot (an event on the compute stream). Copies
+    and compute overlap; a run costs about max(copy time, compute time).
+    """
+
+    def __init__(self, layers: list, resident: int, device: torch.device):
+        self.device = torch.device(device)
+        self.n = len(layers)
+        self.resident = [self._to_gpu(lw) for lw in layers[:resident]]
+        off = layers[resident:]
+        self.packed = _Packed(off[0]) if off else None
+        self.host = []
+        for lw in off:
+            buf = torch.empty(self.packed.nbytes, dtype=torch.uint8, pin_memory=True)
+            self.packed.fill(buf, lw)
+            self.host.append(buf)
+        nslots = min(2, len(off))
+        self.slots = [torch.empty(self.packed.nbytes, dtype=torch.uint8, device=self.device) for _ in range(nslots)]
+        self.slot_views = [self.packed.views(s) for s in self.slots]
+        self.copy_stream = torch.cuda.Stream(self.device)
+        self.loaded = [torch.cuda.Event() for _ in self.slots]
+        self.freed = [torch.cuda.Event() for _ in self.slots]
+
+    def _to_gpu(self, lw):
+        from surge.engines.encoder_weights import LayerWeights
+
+        return LayerWeights(*[t.to(self.device) for t in lw.tensors()], heads=lw.heads)
+
+    @property
+    def gpu_bytes(self) -> int:
+        return sum(l.nbytes() for l in self.resident) + sum(s.numel() for s in self.slots)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(h.numel() for h in self.host)
+
+    def _prefetch(self, j: int, stream: torch.cuda.Stream) -> None:
+        slot = j % len(self.slots)
+        self.copy_stream.wait_event(self.freed[slot])  # the slot's previous layer is done
+        with torch.cuda.stream(self.copy_stream):
+            self.slots[slot].copy_(self.host[j], non_blocking=True)
+            self.loaded[slot].record(self.copy_stream)
+
+    def begin(self, stream: torch.cuda.Stream) -> None:
+        """Start the first copies (call on the compute stream before the embedding)."""
+        for e in self.freed:
+            e.record(stream)  # slots are free once everything before this run is done
+        for j in range(min(len(self.slots), len(self.host))):
+            self._prefetch(j, stream)
+
+    def get(self, i: int, stream: torch.cuda.Stream):
+        if i < len(self.resident):
+            return self.resident[i]
+        j = i - len(self.resident)
+        slot = j % len(self.slots)
+        stream.wait_event(self.loaded[slot])
+        return self.slot_views[slot]
+
+    def done(self, i: int, stream: torch.cuda.Stream) -> None:
+        if i < len(self.resident):
+            return
+        j = i - len(self.resident)
+        slot = j % len(self.slots)
+        self.freed[slot].record(stream)
+        if j + len(self.slots) < len(self.host):
+            self._prefetch(j + len(self.slots), stream)
+
+
+def resident_layers(layer_bytes: int, n_layers: int, embed_bytes: int, budget: int) -> int:
+    """How many layers stay on the GPU under a weight budget (two slots reserved for streaming)."""
+    if embed_bytes + n_layers * layer_bytes <= budget:
+        return n_layers
+    left = budget - embed_bytes - 2 * layer_bytes
+    if left < 0:
+        from surge.errors import EngineError
+
+        raise EngineError(f"a weight budget of {budget / 2**20:.0f} MiB cannot hold the embeddings "
+                          f"({embed_bytes / 2**20:.0f} MiB) and two streaming slots ({2 * layer_bytes / 2**20:.0f} MiB)")
+    return min(n_layers, left // layer_bytes)
+
+
+# ---------------------------------------------------------------- the plan, as `surge inspect memory` shows it
+
+CONTEXT_BYTES_ESTIMATE = 512 * 2**20  # CUDA context + kernels; not allocated by surge (measured: docs/benchmarks/gpu.md)
+
+
+def memory_report(cfg: EncoderConfig, batch: int, seq: int, dtype: torch.dtype,
+                  weight_budget: int | None = None) -> dict[str, int]:
+    """Bytes by category for serving `batch` x `seq` tokens, with the naive (no reuse) activation sum."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    embed = size * (cfg.vocab + cfg.max_positions + max(cfg.type_vocab, 1) + 2) * cfg.hidden
+    layer = size * (4 * cfg.hidden * cfg.hidden + 2 * cfg.hidden * cfg.intermediate
+                    + 9 * cfg.hidden + cfg.intermediate)
+    weights = embed + cfg.layers * layer
+    if weight_budget is not None and weights > weight_budget:
+        keep = resident_layers(layer, cfg.layers, embed, weight_budget)
+        gpu_weights = embed + keep * layer + 2 * layer
+    else:
+        gpu_weights = weights
+    tokens = batch * seq
+    plan = plan_workspace(cfg, tokens, batch, dtype)
+    host_io = plan.region("inputs").nbytes + tokens * cfg.hidden * size
+    naive = naive_activation_bytes(cfg, batch, seq, size)
+    return {
+        "context": CONTEXT_BYTES_ESTIMATE,
+        "weights": gpu_weights,
+        "weights_total": weights,
+        "workspace": plan.nbytes,
+        "io_device": plan.region("inputs").nbytes,  # inside the workspace
+        "io_host_pinned": host_io,
+        "peak": CONTEXT_BYTES_ESTIMATE + gpu_weights + plan.nbytes,
+        "naive_activations": naive,
+        "naive_peak": CONTEXT_BYTES_ESTIMATE + weights + naive,
+        **{f"region_{r.name}": r.nbytes for r in plan.regions},
+    }

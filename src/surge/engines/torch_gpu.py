@@ -57,7 +57,7 @@ def shared_weights(path: Path, device: torch.device, dtype: torch.dtype) -> Enco
 class TorchEngine:
     def __init__(self, device: str = "cuda", precision: str = "fp16", max_batch: int = 64,
                  max_tokens: int | None = None, cuda_graphs: bool = True, workspace: Workspace | None = None,
-                 max_graphs: int = 48, gemm: str = "auto"):
+                 max_graphs: int = 48, gemm: str = "auto", weight_budget: int | None = None):
         if precision not in _DTYPES:
             raise EngineError(f"the torch engine runs fp32, fp16 or bf16, not {precision!r}")
         self.device = torch.device(device)
@@ -72,6 +72,8 @@ class TorchEngine:
         if gemm not in ("auto",) + GEMM_MODES:
             raise EngineError(f"gemm must be auto or one of {GEMM_MODES}, not {gemm!r}")
         self.gemm = gemm
+        self.weight_budget = weight_budget  # bytes of GPU memory for weights; beyond it layers stream from host
+        self.offload = None
         self.choices: dict[tuple, dict[str, float]] = {}  # bucket -> {gemm mode: replay ms} (auto mode)
         self._shared_ws = workspace
         self.weights: EncoderWeights | None = None
@@ -83,7 +85,10 @@ class TorchEngine:
     def load(self, artifact: Path) -> None:
         path = Path(artifact)
         try:
-            self.weights = shared_weights(path, self.device, self.dtype)
+            if self.weight_budget is not None and self.device.type == "cuda":
+                self._load_offloaded(path)
+            else:
+                self.weights = shared_weights(path, self.device, self.dtype)
         except torch.cuda.OutOfMemoryError as exc:
             raise EngineError(f"not enough GPU memory for the weights of {path}: {exc}") from exc
         cfg = self.weights.config
@@ -111,6 +116,23 @@ class TorchEngine:
         out_dtype = torch.int16 if self.dtype == torch.bfloat16 else self.dtype  # numpy has no bf16
         self._h_out = torch.empty((self.plan.tokens, cfg.hidden), dtype=out_dtype, pin_memory=True)
         self._done = torch.cuda.Event()
+
+    def _load_offloaded(self, path: Path) -> None:
+        from dataclasses import replace
+
+        from surge.engines.memory import OffloadedLayers, resident_layers
+
+        host = load_weights(path).to("cpu", self.dtype)
+        embed_bytes = sum(t.numel() * t.element_size() for t in host.embedding_tensors())
+        keep = resident_layers(host.layers[0].nbytes(), len(host.layers), embed_bytes, self.weight_budget)
+        emb = host.to(self.device) if keep == len(host.layers) else replace(
+            host, layers=[], **{k: getattr(host, k).to(self.device) for k in ("word", "pos", "types", "emb_ln_w", "emb_ln_b")})
+        if keep == len(host.layers):
+            self.weights = emb
+            return
+        self.offload = OffloadedLayers(host.layers, keep, self.device)
+        self.weights = emb
+        self.cuda_graphs = False  # streamed layers run eagerly: the copy stream paces them anyway
 
     def warmup(self, shapes: list[tuple[int, int]]) -> None:
         for b, s in shapes:
@@ -189,14 +211,14 @@ class TorchEngine:
         bb, tb, _ = key
         v = self.workspace.views(self.plan, tb, bb)
         big = self.plan.region("big")
-        hid = self.weights.layers[0].heads * self.config.head_dim
+        hid = self.config.heads * self.config.head_dim
         v["qkv"] = self.workspace.view(big, (tb, 3 * hid))
         v["ffn"] = self.workspace.view(big, (tb, self.config.intermediate))
         return v
 
     def _forward(self, key, views, gemm: str) -> torch.Tensor:
         bb, tb, lb = key
-        return forward_fused(self.weights, views["inputs"], tb, bb, lb, views, gemm=gemm)
+        return forward_fused(self.weights, views["inputs"], tb, bb, lb, views, gemm=gemm, offload=self.offload)
 
     def _capture(self, key, views, gemm: str):
         with torch.cuda.stream(self.stream):
