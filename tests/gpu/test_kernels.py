@@ -44,6 +44,11 @@ def test_varlen_attention(dtype, heads, d):
         p = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(d), -1)
         ref[s:e] = (p @ v).transpose(0, 1).reshape(e - s, hid)
     assert _rel(out, ref) < _tol(dtype)
+    # in place over Q, as the encoder runs it: K and V must stay untouched
+    kv = qkv[:, hid:].clone()
+    varlen_attention(qkv, cu_dev, qkv[:, :hid], heads, max_len=512, batch=len(lengths) + 5)
+    assert _rel(qkv[:, :hid], ref) < _tol(dtype)
+    assert torch.equal(qkv[:, hid:], kv)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

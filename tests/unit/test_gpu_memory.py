@@ -25,7 +25,9 @@ def test_plan_regions_are_disjoint_aligned_and_cover_a_layer(cfg):
         assert e0 <= s1
     assert all(r.offset % 256 == 0 for r in plan.regions)
     h, f = cfg.hidden, cfg.intermediate
-    assert plan.region("big").shape == (1000, max(3 * h, f))  # qkv, then ffn, in the same bytes
+    assert plan.region("big").shape == (1000 * max(3 * h, f),)  # qkv, then ffn, in the same bytes
+    big = plan_workspace(cfg, 40000, 8, torch.float16)  # chunked FFN: qkv is the largest tenant
+    assert big.region("big").shape == (40000 * 3 * h,) and big.region("tmp").shape == (4096, h)
     assert plan.nbytes < naive_activation_bytes(cfg, 8, 125, 2) / 10
 
 
@@ -35,8 +37,8 @@ def test_workspace_views_and_growth():
     c = EncoderConfig("bert", 64, 4, 2, 128, 100, 64, 2, 1e-12, "gelu", 0)
     plan = plan_workspace(c, 64, 4, torch.float32)
     ws = Workspace("cpu", plan.nbytes)
-    v = ws.views(plan, 10, 2)
-    assert v["x"].shape == (10, 64) and v["inputs"].shape == (3 * 10 + 3,) and v["inputs"].dtype == torch.int32
+    v = ws.views(plan, 10, 2, 64, 128)
+    assert v["x"].shape == (10, 64) and v["qkv"].shape == (10, 192) and v["ffn"].shape == (10, 128) and v["inputs"].shape == (3 * 10 + 3,) and v["inputs"].dtype == torch.int32
     v["x"].fill_(1.0)
     v["tmp"].fill_(2.0)
     assert float(v["x"].sum()) == 640.0  # regions do not overlap

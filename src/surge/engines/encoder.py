@@ -80,8 +80,10 @@ def forward_reference(w: EncoderWeights, ids: torch.Tensor, types: torch.Tensor,
 
 def layer_fused(x: torch.Tensor, lw: LayerWeights, cu: torch.Tensor, max_len: int, batch: int,
                 cfg: EncoderConfig, ws: dict[str, torch.Tensor], reduce: Reduce = None, gemm: str = "cublas") -> None:
-    """One layer, in place on x [T, H]; ws holds 'qkv', 'ffn' (same bytes), 'ctx', 'tmp' views.
+    """One layer, in place on x [T, H].
 
+    ws: 'qkv' [T, 3*hid] and 'ffn' [C, ffn] (the same bytes), 'tmp' [C, H];
+    C <= T is the chunk the out-projection and the FFN run in (memory.py).
     gemm: "cublas" (cuBLAS GEMMs, bias+GeLU as its own Triton kernel), "triton"
     (every GEMM in Triton, bias+GeLU in the FFN GEMM's epilogue) or "mixed"
     (cuBLAS, except the FFN-in GEMM with the fused epilogue).
@@ -92,27 +94,36 @@ def layer_fused(x: torch.Tensor, lw: LayerWeights, cu: torch.Tensor, max_len: in
 
     red = reduce or (lambda t: t)
     tanh = cfg.activation == "gelu_tanh"
-    qkv, ctx, tmp, ffn = ws["qkv"], ws["ctx"], ws["tmp"], ws["ffn"]
+    qkv, tmp_full, ffn_full = ws["qkv"], ws["tmp"], ws["ffn"]
+    hid = qkv.shape[1] // 3
+    t, chunk = x.shape[0], tmp_full.shape[0]
     if gemm == "triton":
         linear(x, lw.wqkv, lw.bqkv, qkv)
     else:
         torch.addmm(lw.bqkv, x, lw.wqkv.t(), out=qkv)  # fused QKV; bias in cuBLASLt's epilogue
+    ctx = qkv[:, :hid]  # the context overwrites Q in place: no [T, hid] buffer of its own
     varlen_attention(qkv, cu, ctx, lw.heads, max_len, batch)
-    if gemm == "triton":
-        linear(ctx, lw.wo, None, tmp)
-    else:
-        torch.mm(ctx, lw.wo.t(), out=tmp)
-    add_layernorm(red(tmp), lw.bo, x, lw.ln1_w, lw.ln1_b, cfg.eps, out=x)  # bias + residual + LN, one pass
-    if gemm == "cublas":
-        torch.mm(x, lw.w1.t(), out=ffn)
-        bias_gelu_(ffn, lw.b1, tanh=tanh)
-    else:
-        linear(x, lw.w1, lw.b1, ffn, act=ACT_GELU_TANH if tanh else ACT_GELU)
-    if gemm == "triton":
-        linear(ffn, lw.w2, None, tmp)
-    else:
-        torch.mm(ffn, lw.w2.t(), out=tmp)
-    add_layernorm(red(tmp), lw.b2, x, lw.ln2_w, lw.ln2_b, cfg.eps, out=x)
+    for c0 in range(0, t, chunk):
+        c1 = min(t, c0 + chunk)
+        tmp, xc = tmp_full[:c1 - c0], x[c0:c1]
+        if gemm == "triton":
+            linear(ctx[c0:c1], lw.wo, None, tmp)
+        else:
+            torch.mm(ctx[c0:c1], lw.wo.t(), out=tmp)
+        add_layernorm(red(tmp), lw.bo, xc, lw.ln1_w, lw.ln1_b, cfg.eps, out=xc)  # bias + residual + LN, one pass
+    for c0 in range(0, t, chunk):  # qkv is dead from here: ffn reuses its bytes
+        c1 = min(t, c0 + chunk)
+        tmp, xc, ffn = tmp_full[:c1 - c0], x[c0:c1], ffn_full[:c1 - c0]
+        if gemm == "cublas":
+            torch.mm(xc, lw.w1.t(), out=ffn)
+            bias_gelu_(ffn, lw.b1, tanh=tanh)
+        else:
+            linear(xc, lw.w1, lw.b1, ffn, act=ACT_GELU_TANH if tanh else ACT_GELU)
+        if gemm == "triton":
+            linear(ffn, lw.w2, None, tmp)
+        else:
+            torch.mm(ffn, lw.w2.t(), out=tmp)
+        add_layernorm(red(tmp), lw.b2, xc, lw.ln2_w, lw.ln2_b, cfg.eps, out=xc)
 
 
 def forward_fused(w: EncoderWeights, inputs: torch.Tensor, tokens: int, batch: int, max_len: int,

@@ -2,19 +2,23 @@
 
 The fused encoder (encoder.py) runs a layer as
 
-    qkv  = x @ Wqkv + b            (lives until attention is done)
-    ctx  = attention(qkv)          (lives until the out-projection)
-    tmp  = ctx @ Wo                (lives until LayerNorm writes x)
-    x    = LN(tmp + bo + x)
-    ffn  = gelu(x @ W1 + b1)       (qkv is dead: ffn reuses its bytes)
-    tmp  = ffn @ W2
-    x    = LN(tmp + b2 + x)
+    qkv  = x @ Wqkv + b            [T, 3*hid]
+    ctx  = attention(qkv)          written over Q's columns of qkv (each attention
+                                   program reads its Q block before writing those rows)
+    for each chunk c of <= CHUNK tokens:
+        tmp  = ctx[c] @ Wo         [C, H]
+        x[c] = LN(tmp + bo + x[c])
+    for each chunk c:               (qkv is dead: ffn reuses its bytes)
+        ffn  = gelu(x[c] @ W1 + b1)  [C, ffn]
+        tmp  = ffn @ W2
+        x[c] = LN(tmp + b2 + x[c])
 
-so four regions hold every activation of every layer: x [T,H], big
-[T,max(3*hid,ffn)] (qkv, then ffn), ctx [T,hid] and tmp [T,H]. The plan is
-sized for the largest token bucket, allocated once, and every CUDA graph
-captures views into it. Several models whose runs are serialized can share
-one `Workspace` (its lock serializes them).
+so three regions hold every activation of every layer: x [T,H], big
+max(T*3*hid, C*ffn) elements, and tmp [C,H]; the [T, ffn] intermediate, the
+largest tensor of an unchunked layer, never exists. The plan is sized for
+the largest token bucket, allocated once, and every CUDA graph captures views
+into it. Several models whose runs are serialized can share one `Workspace`
+(its lock serializes them).
 """
 
 from __future__ import annotations
@@ -65,14 +69,18 @@ class WorkspacePlan:
         raise KeyError(name)
 
 
+CHUNK = 4096  # tokens per FFN/out-projection chunk: big enough for full-speed GEMMs
+
+
 def plan_workspace(cfg: EncoderConfig, tokens: int, batch: int, dtype: torch.dtype,
                    heads: int | None = None, ffn: int | None = None) -> WorkspacePlan:
     """Regions for `tokens` packed tokens of `batch` sequences (heads/ffn: this shard's, for TP)."""
     heads = cfg.heads if heads is None else heads
     ffn = cfg.intermediate if ffn is None else ffn
     hid = heads * cfg.head_dim
-    shapes = [("x", (tokens, cfg.hidden), dtype), ("big", (tokens, max(3 * hid, ffn)), dtype),
-              ("ctx", (tokens, hid), dtype), ("tmp", (tokens, cfg.hidden), dtype),
+    chunk = min(tokens, CHUNK)
+    shapes = [("x", (tokens, cfg.hidden), dtype), ("big", (max(tokens * 3 * hid, chunk * ffn),), dtype),
+              ("tmp", (chunk, cfg.hidden), dtype),
               # ids | types | positions | cu_seqlens, one int32 block so one copy feeds a run
               ("inputs", (3 * tokens + batch + 1,), torch.int32)]
     regions, off = [], 0
@@ -130,15 +138,17 @@ class Workspace:
         size = torch.tensor([], dtype=region.dtype).element_size()
         return self._buf[region.offset: region.offset + n * size].view(region.dtype).view(shape)
 
-    def views(self, plan: WorkspacePlan, tokens: int, batch: int) -> dict[str, torch.Tensor]:
+    def views(self, plan: WorkspacePlan, tokens: int, batch: int, hid: int, ffn: int) -> dict[str, torch.Tensor]:
         """Views for a run of `tokens`/`batch` (<= the plan's) at the plan's fixed offsets."""
-        out = {}
-        for r in plan.regions:
-            if r.name == "inputs":
-                out[r.name] = self.view(r, (3 * tokens + batch + 1,))
-            else:
-                out[r.name] = self.view(r, (tokens,) + r.shape[1:])
-        return out
+        chunk = min(tokens, CHUNK)
+        big = plan.region("big")
+        return {
+            "x": self.view(plan.region("x"), (tokens, plan.region("x").shape[1])),
+            "qkv": self.view(big, (tokens, 3 * hid)),
+            "ffn": self.view(big, (chunk, ffn)),
+            "tmp": self.view(plan.region("tmp"), (chunk, plan.region("tmp").shape[1])),
+            "inputs": self.view(plan.region("inputs"), (3 * tokens + batch + 1,)),
+        }
 
 
 # ---------------------------------------------------------------- weight offload

@@ -209,12 +209,8 @@ class TorchEngine:
 
     def _views(self, key) -> dict[str, torch.Tensor]:
         bb, tb, _ = key
-        v = self.workspace.views(self.plan, tb, bb)
-        big = self.plan.region("big")
-        hid = self.config.heads * self.config.head_dim
-        v["qkv"] = self.workspace.view(big, (tb, 3 * hid))
-        v["ffn"] = self.workspace.view(big, (tb, self.config.intermediate))
-        return v
+        return self.workspace.views(self.plan, tb, bb, self.config.heads * self.config.head_dim,
+                                    self.config.intermediate)
 
     def _forward(self, key, views, gemm: str) -> torch.Tensor:
         bb, tb, lb = key
