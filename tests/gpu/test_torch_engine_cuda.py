@@ -71,11 +71,13 @@ def test_every_sentence_matches_fp32_reference(model_dir, tokenizer, reference, 
     cos = cosine_rows(got, reference)
     print(f"{precision}: min cosine {cos.min():.6f} mean {cos.mean():.6f} over {len(cos)} sentences")
     assert cos.min() >= floor, f"worst {cos.min():.6f} at {sentences[int(cos.argmin())][:60]!r}"
-    # padded input and the uncaptured path give the same vectors
+    # padded input and the uncaptured path (cuBLAS GEMMs throughout, while the captured
+    # engine may have picked Triton's FFN GEMM for a bucket) agree to the precision's rounding
     eager = TorchEngine(device="cuda", precision=precision, max_batch=32, cuda_graphs=False)
     eager.load(model_dir)
     sub = sentences[:64]
-    assert cosine_rows(_embed(eager, tokenizer, sub, bs=13, padded=True), got[:64]).min() >= 0.99999
+    same = 0.99999 if precision == "fp16" else 0.9999
+    assert cosine_rows(_embed(eager, tokenizer, sub, bs=13, padded=True), got[:64]).min() >= same
 
 
 def test_graph_replays_follow_new_contents(model_dir, tokenizer, sentences):

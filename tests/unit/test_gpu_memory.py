@@ -27,7 +27,7 @@ def test_plan_regions_are_disjoint_aligned_and_cover_a_layer(cfg):
     h, f = cfg.hidden, cfg.intermediate
     assert plan.region("big").shape == (1000 * max(3 * h, f),)  # qkv, then ffn, in the same bytes
     big = plan_workspace(cfg, 40000, 8, torch.float16)  # chunked FFN: qkv is the largest tenant
-    assert big.region("big").shape == (40000 * 3 * h,) and big.region("tmp").shape == (4096, h)
+    assert big.region("big").shape == (40000 * 3 * h,) and big.region("tmp").shape == (8192, h)
     assert plan.nbytes < naive_activation_bytes(cfg, 8, 125, 2) / 10
 
 
@@ -56,7 +56,7 @@ def test_resident_layers_under_a_budget():
 
 def test_report_peak_is_the_sum_of_its_parts(cfg):
     rep = memory_report(cfg, 64, 512, torch.float16)
-    assert rep["peak"] == rep["context"] + rep["weights"] + rep["workspace"]
+    assert rep["peak"] == rep["context"] + rep["weights"] + rep["workspace"] + rep["libraries"]
     assert rep["naive_peak"] > 5 * rep["peak"]
     sub = memory_report(cfg, 64, 512, torch.float16, weight_budget=rep["weights"] * 3 // 4)
     assert sub["weights"] <= rep["weights"] * 3 // 4 and sub["weights_total"] == rep["weights"]

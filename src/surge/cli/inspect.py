@@ -65,7 +65,8 @@ def memory(
         t.add_row(f"  {r.name}", _mib(r.nbytes), f"{list(r.shape)} {str(r.dtype).replace('torch.', '')}")
     t.add_row("I/O (device)", _mib(rep["io_device"]), "token ids, types, positions, cu_seqlens (in the workspace)")
     t.add_row("I/O (host, pinned)", _mib(rep["io_host_pinned"]), "staging for the H2D and D2H copies")
-    t.add_row("[bold]peak[/bold]", f"[bold]{_mib(rep['peak'])}[/bold]", "context + weights + workspace")
+    t.add_row("libraries", _mib(rep["libraries"]), "cuBLAS workspace of the engine's stream")
+    t.add_row("[bold]peak[/bold]", f"[bold]{_mib(rep['peak'])}[/bold]", "context + weights + workspace + libraries")
     t.add_row("naive sum", _mib(rep["naive_peak"]),
               f"every activation in its own buffer: {_mib(rep['naive_activations'])} of activations")
     console.print(t)
