@@ -152,3 +152,17 @@ def test_packed_batch_equals_one_by_one(cpu_engine, tokenizer, sentences):
     alone = np.concatenate([cpu_engine.run(TokenBatch.pack([it])) for it in items])
     np.testing.assert_allclose(together, alone, rtol=1e-4, atol=1e-5)
     assert forward_reference is not None
+
+
+def test_runtime_builds_a_torch_worker(bundled_spec, reference_embed, sentences):
+    """`engine: torch` through the runtime's loader: packed batches end to end."""
+    from surge.config import EngineConfig
+    from surge.runtime.loader import build_worker
+    from surge.types import EmbedOptions
+
+    worker = build_worker(bundled_spec, None, EngineConfig(engine="torch", device="cpu", precision="fp32",
+                                                           warmup_shapes=[(2, 16)]))
+    assert worker.layout is Layout.PACKED
+    texts = sentences[:12]
+    got = worker.finish(worker.compute(worker.tokenizer.encode(texts)), EmbedOptions())
+    assert cosine_rows(got, reference_embed(texts)).min() >= 0.99999

