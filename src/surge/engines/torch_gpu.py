@@ -27,7 +27,9 @@ from surge.errors import EngineError, InvalidInput
 from surge.types import Layout, TokenBatch
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_WEIGHTS: dict[tuple, EncoderWeights] = {}  # (path, device, dtype) -> weights shared by instances
+# (path, device, dtype) -> [weights, engines using them]: instances of one model share
+# weights; the last close() frees them (a reloaded model version must not leak the old one).
+_WEIGHTS: dict[tuple, list] = {}
 _WEIGHTS_LOCK = threading.Lock()
 GEMM_MODES = ("cublas", "mixed", "triton")
 
@@ -44,14 +46,29 @@ def token_bucket(t: int) -> int:
     return (t + step - 1) // step * step
 
 
+def _weights_key(path: Path, device: torch.device, dtype: torch.dtype) -> tuple:
+    return (str(Path(path).resolve()), str(device), dtype)
+
+
 def shared_weights(path: Path, device: torch.device, dtype: torch.dtype) -> EncoderWeights:
-    key = (str(Path(path).resolve()), str(device), dtype)
+    """The weights for (path, device, dtype), loaded once; each call takes a reference."""
+    key = _weights_key(path, device, dtype)
     with _WEIGHTS_LOCK:
-        w = _WEIGHTS.get(key)
-        if w is None:
-            w = load_weights(path).to(device, dtype)
-            _WEIGHTS[key] = w
-        return w
+        entry = _WEIGHTS.get(key)
+        if entry is None:
+            entry = _WEIGHTS[key] = [load_weights(path).to(device, dtype), 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def release_weights(path: Path, device: torch.device, dtype: torch.dtype) -> None:
+    key = _weights_key(path, device, dtype)
+    with _WEIGHTS_LOCK:
+        entry = _WEIGHTS.get(key)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del _WEIGHTS[key]
 
 
 class TorchEngine:
@@ -84,6 +101,7 @@ class TorchEngine:
     # ------------------------------------------------------------------ load
     def load(self, artifact: Path) -> None:
         path = Path(artifact)
+        self._path = path
         try:
             if self.weight_budget is not None and self.device.type == "cuda":
                 self._load_offloaded(path)
@@ -140,9 +158,18 @@ class TorchEngine:
             self.run(random_batch(b, s, min(self.config.vocab, 30522), Layout.PACKED))
 
     def close(self) -> None:
+        """Drop graphs, buffers and this instance's reference to the weights (idempotent)."""
         with self._lock:
             self._graphs.clear()
+            if self.weights is not None and self.offload is None and getattr(self, "_path", None) is not None:
+                release_weights(self._path, self.device, self.dtype)
             self.weights = None
+            self.offload = None
+            for name in ("workspace", "_h_inputs", "_h_out", "stream"):
+                if hasattr(self, name):
+                    setattr(self, name, None)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------ run
     def _packed_arrays(self, batch: TokenBatch):
