@@ -1,0 +1,325 @@
+"""The PyTorch engine: surge's own BERT-family encoder on a CUDA GPU (or the CPU).
+
+On CUDA every run goes: tokens packed on the host (no padding) -> one pinned
+int32 block -> one asynchronous H2D copy on this instance's stream -> replay of
+the CUDA graph captured for the run's shape bucket -> one D2H copy of the
+hidden states -> one event wait. Buckets round the batch size up to a power of
+two and the token count up by at most 12.5%, so few graphs cover all traffic.
+Each instance has its own stream; instances of one model share the weights.
+
+On the CPU the same weights run through plain PyTorch ops (encoder.forward_reference).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from surge.engines.base import Capabilities, random_batch
+from surge.engines.encoder import forward_fused, forward_reference, position_ids
+from surge.engines.encoder_weights import EncoderWeights, load_weights
+from surge.engines.memory import Workspace, plan_workspace
+from surge.errors import EngineError, InvalidInput
+from surge.types import Layout, TokenBatch
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# (path, device, dtype) -> [weights, engines using them]: instances of one model share
+# weights; the last close() frees them (a reloaded model version must not leak the old one).
+_WEIGHTS: dict[tuple, list] = {}
+_WEIGHTS_LOCK = threading.Lock()
+GEMM_MODES = ("cublas", "mixed", "triton")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def token_bucket(t: int) -> int:
+    """Round a token count up: multiples of 16 up to 128, then steps of 1/8 of the power of two below."""
+    if t <= 128:
+        return max(16, (t + 15) // 16 * 16)
+    step = 1 << (t.bit_length() - 4)
+    return (t + step - 1) // step * step
+
+
+def _weights_key(path: Path, device: torch.device, dtype: torch.dtype) -> tuple:
+    return (str(Path(path).resolve()), str(device), dtype)
+
+
+def shared_weights(path: Path, device: torch.device, dtype: torch.dtype) -> EncoderWeights:
+    """The weights for (path, device, dtype), loaded once; each call takes a reference."""
+    key = _weights_key(path, device, dtype)
+    with _WEIGHTS_LOCK:
+        entry = _WEIGHTS.get(key)
+        if entry is None:
+            entry = _WEIGHTS[key] = [load_weights(path).to(device, dtype), 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def release_weights(path: Path, device: torch.device, dtype: torch.dtype) -> None:
+    key = _weights_key(path, device, dtype)
+    with _WEIGHTS_LOCK:
+        entry = _WEIGHTS.get(key)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del _WEIGHTS[key]
+
+
+class TorchEngine:
+    def __init__(self, device: str = "cuda", precision: str = "fp16", max_batch: int = 64,
+                 max_tokens: int | None = None, cuda_graphs: bool = True, workspace: Workspace | None = None,
+                 max_graphs: int = 48, gemm: str = "auto", weight_budget: int | None = None):
+        if precision not in _DTYPES:
+            raise EngineError(f"the torch engine runs fp32, fp16 or bf16, not {precision!r}")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise EngineError(f"device {device!r} asked for, but no CUDA GPU is available")
+        self.precision = precision
+        self.dtype = _DTYPES[precision]
+        self.max_batch = max_batch
+        self.max_tokens = max_tokens  # token capacity of one batch; default max_batch * max_length
+        self.cuda_graphs = cuda_graphs
+        self.max_graphs = max_graphs
+        if gemm not in ("auto",) + GEMM_MODES:
+            raise EngineError(f"gemm must be auto or one of {GEMM_MODES}, not {gemm!r}")
+        self.gemm = gemm
+        self.weight_budget = weight_budget  # bytes of GPU memory for weights; beyond it layers stream from host
+        self.offload = None
+        self.choices: dict[tuple, dict[str, float]] = {}  # bucket -> {gemm mode: replay ms} (auto mode)
+        self._shared_ws = workspace
+        self.weights: EncoderWeights | None = None
+        self.capabilities: Capabilities | None = None
+        self._lock = threading.RLock()
+        self._graphs: OrderedDict[tuple, tuple] = OrderedDict()
+
+    # ------------------------------------------------------------------ load
+    def load(self, artifact: Path) -> None:
+        path = Path(artifact)
+        self._path = path
+        try:
+            if self.weight_budget is not None and self.device.type == "cuda":
+                self._load_offloaded(path)
+            else:
+                self.weights = shared_weights(path, self.device, self.dtype)
+        except torch.cuda.OutOfMemoryError as exc:
+            raise EngineError(f"not enough GPU memory for the weights of {path}: {exc}") from exc
+        cfg = self.weights.config
+        self.config = cfg
+        self.max_len = cfg.max_length
+        self.capacity = self.max_tokens or min(self.max_batch * self.max_len, 65536)
+        self.capabilities = Capabilities(self.max_batch, self.max_len, Layout.PACKED, str(self.device),
+                                         self.precision, cfg.hidden)
+        if self.device.type != "cuda":
+            return
+        from surge.engines import kernels
+
+        if not kernels.available():
+            raise EngineError("the CUDA path of the torch engine needs Triton")
+        self.plan = plan_workspace(cfg, token_bucket(self.capacity), _next_pow2(self.max_batch), self.dtype)
+        try:
+            self.workspace = self._shared_ws or Workspace(self.device)
+            self.workspace.grow(self.plan.nbytes)
+        except torch.cuda.OutOfMemoryError as exc:
+            raise EngineError(f"not enough GPU memory for a {self.plan.nbytes / 2**20:.0f} MiB workspace "
+                              f"({self.plan.tokens} tokens): lower max_batch or max_tokens") from exc
+        self._ws_generation = self.workspace.generation
+        self.stream = torch.cuda.Stream(self.device)
+        self._h_inputs = torch.empty(self.plan.region("inputs").shape, dtype=torch.int32, pin_memory=True)
+        out_dtype = torch.int16 if self.dtype == torch.bfloat16 else self.dtype  # numpy has no bf16
+        self._h_out = torch.empty((self.plan.tokens, cfg.hidden), dtype=out_dtype, pin_memory=True)
+        self._done = torch.cuda.Event()
+
+    def _load_offloaded(self, path: Path) -> None:
+        from dataclasses import replace
+
+        from surge.engines.memory import OffloadedLayers, resident_layers
+
+        host = load_weights(path).to("cpu", self.dtype)
+        embed_bytes = sum(t.numel() * t.element_size() for t in host.embedding_tensors())
+        keep = resident_layers(host.layers[0].nbytes(), len(host.layers), embed_bytes, self.weight_budget)
+        emb = host.to(self.device) if keep == len(host.layers) else replace(
+            host, layers=[], **{k: getattr(host, k).to(self.device) for k in ("word", "pos", "types", "emb_ln_w", "emb_ln_b")})
+        if keep == len(host.layers):
+            self.weights = emb
+            return
+        self.offload = OffloadedLayers(host.layers, keep, self.device)
+        self.weights = emb
+        self.cuda_graphs = False  # streamed layers run eagerly: the copy stream paces them anyway
+
+    def warmup(self, shapes: list[tuple[int, int]]) -> None:
+        for b, s in shapes:
+            b, s = min(b, self.max_batch), min(s, self.max_len)
+            self.run(random_batch(b, s, min(self.config.vocab, 30522), Layout.PACKED))
+
+    def close(self) -> None:
+        """Drop graphs, buffers and this instance's reference to the weights (idempotent)."""
+        with self._lock:
+            self._graphs.clear()
+            if self.weights is not None and self.offload is None and getattr(self, "_path", None) is not None:
+                release_weights(self._path, self.device, self.dtype)
+            self.weights = None
+            self.offload = None
+            for name in ("workspace", "_h_inputs", "_h_out", "stream"):
+                if hasattr(self, name):
+                    setattr(self, name, None)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------------ run
+    def _packed_arrays(self, batch: TokenBatch):
+        if batch.layout is Layout.PACKED:
+            return batch.input_ids, batch.token_type_ids, batch.lengths
+        mask = batch.attention_mask.astype(bool)
+        return batch.input_ids[mask], batch.token_type_ids[mask], batch.lengths
+
+    def _check(self, ids: np.ndarray, types: np.ndarray, lengths: np.ndarray) -> None:
+        if self.weights is None:
+            raise EngineError("engine not loaded")
+        if len(lengths) > self.max_batch:
+            raise InvalidInput(f"batch of {len(lengths)} exceeds this engine's max_batch {self.max_batch}")
+        if lengths.min() < 1 or lengths.max() > self.max_len:
+            raise InvalidInput(f"sequence lengths must be 1..{self.max_len}")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab):
+            raise InvalidInput(f"token ids must be in 0..{self.config.vocab - 1}")
+        if types.size and types.max() >= max(self.config.type_vocab, 1):
+            raise InvalidInput("token type ids out of range")
+
+    def run(self, batch: TokenBatch) -> np.ndarray:
+        ids, types, lengths = self._packed_arrays(batch)
+        self._check(ids, types, lengths)
+        if self.config.type_vocab == 0:
+            types = np.zeros_like(ids)
+        pos = position_ids(lengths, self.config.position_offset)
+        try:
+            if self.device.type == "cuda":
+                packed = self._run_cuda(ids, types, pos, lengths)
+            else:
+                packed = self._run_reference(ids, types, pos, lengths)
+        except torch.cuda.OutOfMemoryError as exc:
+            torch.cuda.empty_cache()
+            raise EngineError(f"GPU out of memory on a batch of {len(lengths)} x {int(lengths.max())} tokens") from exc
+        if batch.layout is Layout.PACKED:
+            return packed
+        out = np.zeros(batch.input_ids.shape + (packed.shape[1],), dtype=packed.dtype)
+        out[batch.attention_mask.astype(bool)] = packed
+        return out
+
+    def _run_reference(self, ids, types, pos, lengths) -> np.ndarray:
+        cu = [0] + np.cumsum(lengths).tolist()
+        with torch.inference_mode():
+            t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)  # noqa: E731
+            x = forward_reference(self.weights, t(ids), t(types), t(pos), cu)
+            return x.float().cpu().numpy()
+
+    def bucket(self, batch: int, tokens: int, max_len: int) -> tuple[int, int, int]:
+        return (min(_next_pow2(batch), self.plan.batch), min(token_bucket(tokens), self.plan.tokens),
+                max(16, _next_pow2(max_len)))
+
+    def _stage_inputs(self, ids, types, pos, lengths, key) -> int:
+        bb, tb, _ = key
+        t, b = len(ids), len(lengths)
+        h = self._h_inputs.numpy()
+        h[:3 * tb + bb + 1] = 0
+        h[:t] = ids
+        h[tb:tb + t] = types
+        h[2 * tb:2 * tb + t] = pos
+        cu = h[3 * tb:3 * tb + bb + 1]
+        cu[1:b + 1] = np.cumsum(lengths)
+        cu[b + 1:] = t  # empty sequences: their attention programs exit at once
+        return 3 * tb + bb + 1
+
+    def _views(self, key) -> dict[str, torch.Tensor]:
+        bb, tb, _ = key
+        return self.workspace.views(self.plan, tb, bb, self.config.heads * self.config.head_dim,
+                                    self.config.intermediate)
+
+    def _forward(self, key, views, gemm: str) -> torch.Tensor:
+        bb, tb, lb = key
+        return forward_fused(self.weights, views["inputs"], tb, bb, lb, views, gemm=gemm, offload=self.offload)
+
+    def _capture(self, key, views, gemm: str):
+        with torch.cuda.stream(self.stream):
+            out = self._forward(key, views, gemm)  # compiles/tunes the Triton kernels, creates cuBLAS handles
+        self.stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=self.stream):
+            out = self._forward(key, views, gemm)
+        return graph, out
+
+    def _time(self, graph, reps: int = 5) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            graph.replay()
+            start.record(self.stream)
+            for _ in range(reps):
+                graph.replay()
+            end.record(self.stream)
+        end.synchronize()
+        return start.elapsed_time(end) / reps
+
+    def _graph(self, key):
+        """(graph or None, views, output view, gemm mode) for a bucket; captured on first use.
+
+        gemm="auto": every mode is captured and timed on this bucket, the fastest kept.
+        """
+        if self.workspace.generation != self._ws_generation:  # a shared workspace grew: old views are stale
+            self._graphs.clear()
+            self._ws_generation = self.workspace.generation
+        g = self._graphs.get(key)
+        if g is not None:
+            self._graphs.move_to_end(key)
+            return g
+        views = self._views(key)
+        mode = "cublas" if self.gemm == "auto" else self.gemm
+        if not self.cuda_graphs:
+            with torch.cuda.stream(self.stream):
+                out = self._forward(key, views, mode)
+            g = (None, views, out, mode)
+        elif self.gemm != "auto":
+            graph, out = self._capture(key, views, mode)
+            g = (graph, views, out, mode)
+        else:
+            best = None
+            timings = {}
+            for m in GEMM_MODES:
+                graph, out = self._capture(key, views, m)
+                timings[m] = self._time(graph)
+                if best is None or timings[m] < timings[best[3]]:
+                    best = (graph, views, out, m)
+            self.choices[key] = timings
+            g = best
+        self._graphs[key] = g
+        if len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
+        return g
+
+    def _run_cuda(self, ids, types, pos, lengths) -> np.ndarray:
+        t = len(ids)
+        key = self.bucket(len(lengths), t, int(lengths.max()))
+        ws_lock = self.workspace.lock
+        with self._lock, ws_lock:
+            n = self._stage_inputs(ids, types, pos, lengths, key)
+            inputs = self.workspace.view(self.plan.region("inputs"), (n,))
+            with torch.cuda.stream(self.stream):
+                # inputs first: a new bucket's first (eager) forward and its capture read them
+                inputs.copy_(self._h_inputs[:n], non_blocking=True)
+            graph, views, out, mode = self._graph(key)
+            with torch.cuda.stream(self.stream):
+                if graph is not None:
+                    graph.replay()
+                else:
+                    out = self._forward(key, views, mode)
+                h_out = self._h_out[:t]
+                h_out.copy_(out[:t].view(h_out.dtype), non_blocking=True)
+                self._done.record(self.stream)
+            self._done.synchronize()
+            res = h_out.numpy().copy()
+        if self.dtype == torch.bfloat16:
+            res = (res.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        return res
