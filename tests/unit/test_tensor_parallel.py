@@ -185,3 +185,27 @@ def test_xl_class_shape():
     cfg = xlmr_xl_config()
     assert 3.4e9 < parameter_count(cfg) < 3.6e9
     assert cfg.head_dim == 80 and cfg.intermediate % cfg.heads == 0
+
+
+def test_torchrun_launch():
+    """Ranks started by torchrun instead of spawned: rank 0 attaches with launcher="env"."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as sock:  # torchrun wants a real port (0 does not reach the ranks)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    script = Path(__file__).with_name("tp_torchrun_main.py")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-addr", "127.0.0.1", "--master-port", str(port), str(script)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks
+        out, err = proc.communicate()
+    assert proc.returncode == 0 and "TORCHRUN-OK" in out, out[-2000:] + err[-2000:]

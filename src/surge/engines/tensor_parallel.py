@@ -337,7 +337,10 @@ class TensorParallelEngine:
         for r in range(1, self.world):
             while not store.check([f"{what}/{r}"]):
                 # wakes at once when a rank process dies; re-checks the store every 50 ms
-                wait_for_exit([p.sentinel for p in self._procs], timeout=0.05) if self._procs else time.sleep(0.05)
+                if self._procs:
+                    wait_for_exit([p.sentinel for p in self._procs], timeout=0.05)
+                else:  # torchrun's ranks: not our children
+                    time.sleep(0.05)
                 dead = [p for p in self._procs if p.exitcode is not None]
                 if dead and not store.check([f"{what}/{r}"]):
                     raise EngineError(f"tensor-parallel rank process {dead[0].name} exited "
