@@ -14,6 +14,8 @@ Two sources:
   generated per head block and per FFN block from seeds that depend on the
   block's global index, not on the world size: rank r of world w holds exactly
   the rows/columns that world 1 (the unsplit model) holds at those indices.
+  They are drawn on the rank's device (fast for 3.5B parameters), so the
+  numbers depend on the seed and the device type (CPU and CUDA generators differ).
 """
 
 from __future__ import annotations
