@@ -18,7 +18,7 @@ from surge.engines.encoder_weights import load_weights
 from surge.engines.tensor_parallel import TensorParallelEngine
 from surge.engines.tp_weights import (load_shard, parameter_count, random_shard, shard_weights, small_config,
                                       xlmr_xl_config)
-from surge.errors import ConfigError, EngineError, InvalidInput, SurgeError
+from surge.errors import ConfigError, EngineError, InvalidInput
 from surge.types import Encoded, Layout, TokenBatch
 from tests.conftest import cosine_rows
 
@@ -150,7 +150,11 @@ def test_ranks_that_cannot_load_give_a_clear_error_and_no_orphans(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "bert", "hidden_size": 64, "num_attention_heads": 8, '
                                           '"num_hidden_layers": 1, "intermediate_size": 128, "vocab_size": 100}')
     e = TensorParallelEngine(world=2, threads=1)
-    with pytest.raises(SurgeError, match="safetensors"):
+    with pytest.raises(ConfigError, match="safetensors"):  # found before any rank starts
+        e.load(tmp_path)
+    assert e._procs == []
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+    with pytest.raises(EngineError, match="shard"):
         e.load(tmp_path)
     assert e._procs == []  # close() ran: the rank process was joined or killed
     with pytest.raises(EngineError, match="not loaded"):

@@ -40,7 +40,7 @@ from surge.engines.encoder_weights import EncoderConfig, EncoderWeights
 from surge.engines.memory import Workspace, plan_workspace
 from surge.engines.torch_gpu import _DTYPES, TorchEngine, _next_pow2, token_bucket
 from surge.engines.tp_weights import build_shard, check_split, source_config
-from surge.errors import EngineError
+from surge.errors import ConfigError, EngineError, SurgeError
 from surge.types import Layout, TokenBatch
 
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -173,6 +173,28 @@ class ShardRunner(TorchEngine):
         bb, tb, lb = key
         return forward_shard_fused(self.weights, views["inputs"], tb, bb, lb, views, self.reduce)
 
+    def _graph(self, key):
+        """TorchEngine._graph, capturing in thread-local mode: ProcessGroupNCCL's watchdog thread queries
+        the events of earlier collectives, which a global-mode capture would turn into an error."""
+        g = self._graphs.get(key)
+        if g is not None:
+            self._graphs.move_to_end(key)
+            return g
+        views = self._views(key)
+        with torch.cuda.stream(self.stream):
+            out = self._forward(key, views)  # compiles the kernels; matched by the same call on every rank
+        graph = None
+        if self.cuda_graphs:
+            self.stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+                out = self._forward(key, views)
+        g = (graph, views, out)
+        self._graphs[key] = g
+        if len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)  # every rank evicts the same key: they see the same batches
+        return g
+
     def _run_reference(self, ids, types, pos, lengths) -> np.ndarray:
         cu = [0] + np.cumsum(lengths).tolist()
         with torch.inference_mode():
@@ -210,6 +232,17 @@ def _build_runner(source: Source, rank: int, opts: TPOptions, groups: Groups | N
     weights = build_shard(source, rank, opts.world, device, _DTYPES[opts.precision], opts.seed)
     return ShardRunner(weights, device, opts.precision, opts.max_batch, opts.max_tokens, opts.cuda_graphs,
                        reduce=None if groups is None else groups.all_reduce)
+
+
+def _build_runner_or_error(source: Source, rank: int, opts: TPOptions, groups: Groups | None) -> ShardRunner:
+    try:
+        return _build_runner(source, rank, opts, groups)
+    except SurgeError:
+        raise
+    except torch.cuda.OutOfMemoryError as exc:
+        raise EngineError(f"not enough GPU memory for rank {rank}'s shard: {exc}") from exc
+    except Exception as exc:  # safetensors, torch: their own exception types
+        raise EngineError(f"cannot build rank {rank}'s shard of {source}: {type(exc).__name__}: {exc}") from exc
 
 
 # ---------------------------------------------------------------- ranks 1..N-1
@@ -288,6 +321,9 @@ class TensorParallelEngine:
     def load(self, artifact: Source) -> None:
         source = artifact if isinstance(artifact, EncoderConfig) else Path(artifact)
         check_split(source_config(source), self.world)
+        if isinstance(source, Path) and not (any(source.glob("*.safetensors"))
+                                             or (source / "pytorch_model.bin").is_file()):
+            raise ConfigError(f"{source}: no *.safetensors or pytorch_model.bin")  # before starting any rank
         device = self.opts.device(0)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -299,14 +335,14 @@ class TensorParallelEngine:
             try:
                 self._wait(store, "hello", time.monotonic() + self.opts.timeout_s)
                 self.groups = Groups(store, 0, self.world, device, self.opts.timeout_s)
-                self.runner = _build_runner(source, 0, self.opts, self.groups)
+                self.runner = _build_runner_or_error(source, 0, self.opts, self.groups)
                 self._wait(store, "ready", time.monotonic() + self.opts.start_timeout_s)
                 self.groups.all_reduce(torch.zeros(1, device=device))
             except BaseException:
                 self.close()
                 raise
         else:
-            self.runner = _build_runner(source, 0, self.opts, None)
+            self.runner = _build_runner_or_error(source, 0, self.opts, None)
         self.config = self.runner.config
         self.capabilities = self.runner.capabilities
 

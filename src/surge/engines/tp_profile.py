@@ -131,7 +131,7 @@ def _capture(fn, stream, use_graph: bool):
         return fn
     stream.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=stream):
+    with torch.cuda.graph(g, stream=stream, capture_error_mode="thread_local"):  # see ShardRunner._graph
         fn()
     return g.replay
 
