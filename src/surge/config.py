@@ -40,9 +40,13 @@ class EngineConfig(_Strict):
     def _check_devices(self) -> "EngineConfig":
         if (self.devices or self.tensor_parallel > 1) and self.engine != "torch":
             raise ValueError("devices and tensor_parallel need engine: torch")
+        if self.tensor_parallel > 1 and self.instances > 1:
+            raise ValueError("tensor_parallel runs one engine across its ranks: leave instances at 1")
         if self.devices is not None:
             if not self.devices or min(self.devices) < 0:
                 raise ValueError("devices must be a non-empty list of CUDA ordinals")
+            if self.tensor_parallel > 1 and len(set(self.devices)) != len(self.devices):
+                raise ValueError("tensor-parallel ranks need distinct devices")
             if self.tensor_parallel > 1 and len(self.devices) != self.tensor_parallel:
                 raise ValueError(f"tensor_parallel {self.tensor_parallel} needs as many devices, got {self.devices}")
         return self

@@ -121,7 +121,11 @@ def test_config_validation():
         EngineConfig(engine="torch", tensor_parallel=2, devices=[0, 1, 2])
     with pytest.raises(ValueError, match="non-empty"):
         EngineConfig(engine="torch", devices=[])
-    assert EngineConfig(engine="torch", devices=[0, 1]).devices == [0, 1]
+    with pytest.raises(ValueError, match="distinct"):
+        EngineConfig(engine="torch", tensor_parallel=2, devices=[0, 0])
+    with pytest.raises(ValueError, match="instances"):
+        EngineConfig(engine="torch", tensor_parallel=2, instances=2)
+    assert EngineConfig(engine="torch", devices=[0, 0, 1]).devices == [0, 0, 1]  # replicas may share a GPU
 
 
 def test_devices_without_cuda_is_a_clear_error(bundled_spec):

@@ -300,6 +300,8 @@ class TensorParallelEngine:
                  threads: int = 0, timeout_s: float = 300.0, launcher: str = "spawn"):
         if devices is not None and len(devices) != world:
             raise EngineError(f"tensor parallelism over {world} ranks needs {world} devices, got {devices}")
+        if devices is not None and len(set(devices)) != len(devices):
+            raise EngineError(f"tensor-parallel ranks need distinct GPUs (NCCL refuses two on one), got {devices}")
         if devices is not None and not torch.cuda.is_available():
             raise EngineError("CUDA devices asked for, but no CUDA GPU is available")
         if launcher not in ("spawn", "env"):
