@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Strict(BaseModel):
@@ -29,6 +29,27 @@ class EngineConfig(_Strict):
     warmup_shapes: list[tuple[int, int]] = Field(
         default_factory=lambda: [(1, 16), (8, 32)], description="(batch, seq) shapes run before turning ready."
     )
+    devices: list[int] | None = Field(
+        None, description="CUDA ordinals for the torch engine: one replica (x instances) per device, each batch to "
+        "the least-loaded; with tensor_parallel > 1, the devices of ranks 0..N-1.")
+    tensor_parallel: int = Field(
+        1, ge=1, le=64, description="Ranks one model is split over (attention heads and FFN columns), one process "
+        "each; CUDA ranks use `devices` (default 0..N-1), CPU ranks (device: cpu) talk over gloo.")
+
+    @model_validator(mode="after")
+    def _check_devices(self) -> "EngineConfig":
+        if (self.devices or self.tensor_parallel > 1) and self.engine != "torch":
+            raise ValueError("devices and tensor_parallel need engine: torch")
+        if self.tensor_parallel > 1 and self.instances > 1:
+            raise ValueError("tensor_parallel runs one engine across its ranks: leave instances at 1")
+        if self.devices is not None:
+            if not self.devices or min(self.devices) < 0:
+                raise ValueError("devices must be a non-empty list of CUDA ordinals")
+            if self.tensor_parallel > 1 and len(set(self.devices)) != len(self.devices):
+                raise ValueError("tensor-parallel ranks need distinct devices")
+            if self.tensor_parallel > 1 and len(self.devices) != self.tensor_parallel:
+                raise ValueError(f"tensor_parallel {self.tensor_parallel} needs as many devices, got {self.devices}")
+        return self
 
 
 class BatchingConfig(_Strict):

@@ -11,7 +11,7 @@ from surge.runtime.tokenize import Tokenizer
 from surge.runtime.worker import EnginePool, ModelWorker, PostSpec
 
 
-def make_engine(cfg: EngineConfig, spec: ModelSpec, artifact: Path | None) -> Engine:
+def make_engine(cfg: EngineConfig, spec: ModelSpec, artifact: Path | None, device: str | None = None) -> Engine:
     if cfg.engine == "onnxrt":
         from surge.engines.onnxrt import OnnxRuntimeEngine
 
@@ -21,16 +21,40 @@ def make_engine(cfg: EngineConfig, spec: ModelSpec, artifact: Path | None) -> En
     if cfg.engine == "torch":
         from surge.engines.torch_gpu import TorchEngine
 
-        engine = TorchEngine(device=cfg.device, precision=cfg.precision, max_batch=cfg.max_batch_size)
+        engine = TorchEngine(device=device or cfg.device, precision=cfg.precision, max_batch=cfg.max_batch_size)
         engine.load(spec.path)
         return engine
     raise ValueError(f"unknown engine {cfg.engine!r}")
 
 
+def make_tensor_parallel_engine(cfg: EngineConfig, spec: ModelSpec) -> Engine:
+    from surge.engines.tensor_parallel import TensorParallelEngine
+
+    devices = cfg.devices
+    if devices is None and cfg.device != "cpu":
+        devices = list(range(cfg.tensor_parallel))
+    engine = TensorParallelEngine(world=cfg.tensor_parallel, devices=devices, precision=cfg.precision,
+                                  max_batch=cfg.max_batch_size, threads=cfg.threads)
+    engine.load(spec.path)
+    return engine
+
+
+def make_engines(cfg: EngineConfig, spec: ModelSpec, artifact: Path | None):
+    """EnginePool of `instances` engines; DevicePool over `devices`; one tensor-parallel engine."""
+    if cfg.tensor_parallel > 1:  # one engine whose ranks hold all the devices
+        return EnginePool([make_tensor_parallel_engine(cfg, spec)])
+    if cfg.devices:
+        from surge.runtime.devices import DevicePool
+
+        labels = [f"cuda:{d}" for d in cfg.devices for _ in range(cfg.instances)]
+        return DevicePool([make_engine(cfg, spec, artifact, device=d) for d in labels], labels)
+    return EnginePool([make_engine(cfg, spec, artifact) for _ in range(cfg.instances)])
+
+
 def build_worker(spec: ModelSpec, artifact: Path | None, cfg: EngineConfig) -> ModelWorker:
     max_len = min(cfg.max_seq_len or spec.max_length, spec.max_length)
     tokenizer = Tokenizer(spec.tokenizer_file, max_length=max_len, vocab_size=spec.vocab_size, pad_id=spec.pad_token_id)
-    engines = EnginePool([make_engine(cfg, spec, artifact) for _ in range(cfg.instances)])
+    engines = make_engines(cfg, spec, artifact)
     for engine in engines.engines:
         engine.warmup(cfg.warmup_shapes)
     return ModelWorker(spec, tokenizer, engines, PostSpec(spec.pooling, spec.normalize))
