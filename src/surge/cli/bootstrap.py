@@ -38,19 +38,69 @@ def resolve_artifact(spec: ModelSpec, engine: EngineConfig, cache_dir: Path | No
         return ensure_exported(spec, cache_dir or default_cache_dir(), progress=progress)
 
 
-def load_service(config: ServerConfig, spec: ModelSpec, version: str = "1", engine: EngineConfig | None = None):
+def load_service(config: ServerConfig, spec: ModelSpec, version: str = "1", engine: EngineConfig | None = None,
+                 *, artifact: Path | None = None, batching=None, cache=None):
     from surge.runtime.loader import build_worker
     from surge.runtime.service import ModelService
 
     engine = engine or config.engine
-    artifact = resolve_artifact(spec, engine, config.cache_dir)
+    artifact = artifact or resolve_artifact(spec, engine, config.cache_dir)
     worker = build_worker(spec, artifact, engine)
-    return ModelService(spec.name, version, worker, batching=config.batching, cache=config.cache,
-                        limits=config.limits)
+    return ModelService(spec.name, version, worker, batching=batching or config.batching,
+                        cache=cache or config.cache, limits=config.limits)
+
+
+def load_repository_version(config: ServerConfig, entry):
+    """The repository's loader: one `models/<name>/<version>/model.yaml` -> a warmed-up ModelService."""
+    from dataclasses import replace
+
+    cfg = entry.config
+    # Exported under the model directory's own name, so every entry (and every
+    # version) of one model shares one cached artifact; served under the entry's.
+    source = load_model_spec(entry.source_dir or bundled_model_dir())
+    artifact = entry.artifact_dir or resolve_artifact(source, cfg.engine, config.cache_dir)
+    return load_service(config, replace(source, name=entry.name), entry.version, cfg.engine, artifact=artifact,
+                        batching=cfg.batching, cache=cfg.cache)
+
+
+def add_repository(state: AppState) -> None:
+    """Repository mode: models and pipelines from --model-repository, lifecycle API on."""
+    from surge.runtime.dag import PipelineSet
+    from surge.runtime.repository import ModelRepository
+
+    config = state.config
+    repo = ModelRepository(config.model_repository, state.registry,
+                           loader=lambda entry: load_repository_version(config, entry),
+                           poll_s=config.repository_poll_s)
+    pipelines = PipelineSet(state.registry)
+    state.lifecycle = repo
+    state.extras["repository"] = repo
+    state.extras["pipelines"] = pipelines
+
+    async def start(state: AppState) -> None:
+        repo.model_names()  # a missing directory fails the start with a clear message
+        await repo.start()
+        for name, path in repo.pipeline_files().items():
+            try:
+                await pipelines.load(name, path)
+            except Exception as exc:  # reported by GET /pipelines; the models keep serving
+                log.error("pipeline %s: %s", name, getattr(exc, "message", exc))
+        loaded = ", ".join(f"{s.name}:{s.version}" for s in state.registry.services()) or "nothing"
+        print(f"surge: ready, serving {loaded} from {repo.root} on http://{config.host}:{config.port}",
+              file=sys.stderr, flush=True)
+
+    async def stop(state: AppState) -> None:
+        await repo.close()
+
+    state.extras.setdefault("on_startup", []).append(start)
+    state.extras.setdefault("on_shutdown", []).append(stop)
 
 
 def build_state(config: ServerConfig) -> AppState:
     state = AppState(config=config, registry=ModelRegistry())
+    if config.model_repository is not None:
+        add_repository(state)
+        return state
 
     async def load_single(state: AppState) -> None:
         model_dir = config.model_dir or bundled_model_dir()
