@@ -190,8 +190,11 @@ class ModelRepository:
     def _describe(self, name: str, version: str, ventry: VersionEntry | None) -> dict:
         served = self._served.get((name, version))
         state, reason = self._status.get((name, version), (UNAVAILABLE, ""))
-        if ventry is not None and ventry.error and served is None:
-            state, reason = UNAVAILABLE, ventry.error
+        if ventry is not None and ventry.error:
+            if served is None:
+                state, reason = UNAVAILABLE, ventry.error
+            else:  # edited into an invalid file while serving: the loaded build stays
+                reason = f"the loaded build keeps serving; {ventry.error}"
         serving = served is not None and _is_routed(self.registry, name, served)
         return {"name": name, "version": version, "state": state, "reason": reason,
                 "serving": serving, "inflight": served.inflight if served else 0}

@@ -13,6 +13,8 @@ server serves one fixed model and these routes only list it.
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
@@ -42,6 +44,11 @@ def router(state: AppState) -> APIRouter:
                                "or unloaded at run time")
         return state.lifecycle
 
+    async def finish(operation) -> None:
+        # A client that hangs up must not cancel a load halfway (a version left
+        # LOADING, an engine built for nothing): the operation runs to its end.
+        await asyncio.shield(asyncio.ensure_future(operation))
+
     async def version_of(request: Request) -> str | None:
         version = request.query_params.get("version")
         body = await read_body(request, state.config.limits.max_body_bytes)
@@ -67,22 +74,21 @@ def router(state: AppState) -> APIRouter:
 
     @r.post("/models/{name}/load")
     async def load(name: str, request: Request):
-        await lifecycle().load(name, await version_of(request))
+        life = lifecycle()
+        await finish(life.load(name, await version_of(request)))
         return await one(name)
 
     @r.post("/models/{name}/unload")
     async def unload(name: str, request: Request):
-        await lifecycle().unload(name, await version_of(request))
+        life = lifecycle()
+        await finish(life.unload(name, await version_of(request)))
         return await one(name)
 
     @r.post("/models/{name}/reload")
     async def reload(name: str, request: Request):
         life = lifecycle()
         version = await version_of(request)
-        if hasattr(life, "reload"):
-            await life.reload(name, version)
-        else:
-            await life.load(name, version)
+        await finish(life.reload(name, version) if hasattr(life, "reload") else life.load(name, version))
         return await one(name)
 
     return r
