@@ -159,3 +159,21 @@ def test_without_repository_models_are_listed_but_fixed():
         assert [(m["name"], m["version"], m["state"]) for m in models] == [("all-MiniLM-L6-v2", "1", "READY")]
         r = c.post("/models/all-MiniLM-L6-v2/unload")
         assert r.status_code == 400 and "--model-repository" in r.json()["error"]["message"]
+
+
+def test_source_path_relative_to_the_yaml(client, repo, reference_embed):
+    from surge.models import bundled_model_dir
+
+    weights = repo.parent / f"{repo.name}-weights"  # outside the repository: not a model
+    weights.mkdir(exist_ok=True)
+    link = weights / "minilm"
+    if not link.exists():
+        link.symlink_to(bundled_model_dir(), target_is_directory=True)
+    add_version(repo, "local", 1, f"source: ../../../{weights.name}/minilm\n" + FAST)
+    r = client.post("/models/local/load")
+    assert r.status_code == 200, r.text
+    text = "a model directory named by a path relative to model.yaml"
+    body = client.post("/embed", json={"inputs": [text], "model": "local"}).json()
+    assert body["model"] == "local" and body["version"] == "1"
+    assert cosine_rows(np.array(body["embeddings"]), reference_embed([text]))[0] >= 0.99999
+    assert client.post("/models/local/unload").status_code == 200
