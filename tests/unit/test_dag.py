@@ -190,3 +190,40 @@ def test_branches_run_concurrently_and_conditions_skip(tmp_path, registry, monke
     assert max(starts.values()) < min(ends.values())
     out = asyncio.run(p.run({"q": "hello", "mode": "embed"}))
     assert len(out["outputs"]["vec"]) == 384 and out["models"] == {"enc": "1"}
+
+
+def test_tokenize_tokens_input_and_pool(tmp_path, registry, reference_embed):
+    path = write(tmp_path, """
+    inputs: {q: text}
+    nodes:
+      - {name: tok, step: tokenize, params: {model: enc}, inputs: {text: input.q}}
+      - {name: by_ids, model: enc, inputs: {tokens: tok.tokens}, params: {normalize: false}}
+      - {name: by_text, model: enc, inputs: {text: input.q}, params: {normalize: false}}
+      - {name: both, step: pool, params: {mode: mean}, inputs: {a: by_ids.vector, b: by_text.vector}}
+    outputs: {count: tok.count, ids: by_ids.vector, mean: both.vector}
+    """)
+    p = load(path, registry)
+    text = "set a timer for the pasta, twelve minutes"
+    out = asyncio.run(p.run({"q": text}))["outputs"]
+    assert out["count"] == len(reference_embed.tok(text)["input_ids"])
+    # The reference normalizes; compare directions in float64.
+    ref = reference_embed([text])[0].astype(np.float64)
+    for key in ("ids", "mean"):
+        v = np.array(out[key], dtype=np.float64)
+        assert v @ ref / np.linalg.norm(v) / np.linalg.norm(ref) >= 0.99999
+    assert abs(np.linalg.norm(out["ids"]) - 1) > 1e-3  # normalize: false reached the model
+
+
+def test_user_function_error_names_the_node(tmp_path, registry, monkeypatch):
+    (tmp_path / "brokenfns.py").write_text("def boom(x):\n    raise KeyError('nope')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    p = load(write(tmp_path, """
+    inputs: {q: text}
+    nodes:
+      - {name: f, function: "brokenfns:boom", inputs: {x: input.q}, outputs: {y: any}}
+    outputs: {y: f.y}
+    """), registry)
+    from surge.errors import EngineError
+
+    with pytest.raises(EngineError, match="node 'f': brokenfns:boom raised KeyError"):
+        asyncio.run(p.run({"q": "hi"}))

@@ -18,7 +18,7 @@ import numpy as np
 import yaml
 
 from surge.config import PipelineNode
-from surge.errors import ConfigError, EngineError, InvalidInput
+from surge.errors import ConfigError, EngineError, InvalidInput, SurgeError
 from surge.types import EmbedOptions
 
 
@@ -315,9 +315,15 @@ class Function(Node):
         kwargs = dict(args)
         if self.takes_params:
             kwargs["params"] = self.spec.params
-        out = self.fn(**kwargs)
-        if inspect.isawaitable(out):
-            out = await out
+        try:
+            out = self.fn(**kwargs)
+            if inspect.isawaitable(out):
+                out = await out
+        except SurgeError:
+            raise
+        except Exception as exc:  # a bug in user code: say where, keep the server up
+            raise EngineError(f"node '{self.spec.name}': {self.spec.function} raised "
+                              f"{type(exc).__name__}: {exc}") from exc
         if len(self.outputs) == 1 and not isinstance(out, dict):
             out = {next(iter(self.outputs)): out}
         missing = set(self.outputs) - set(out or {})
