@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import textwrap
-import time
 
 import numpy as np
 import pytest
@@ -17,13 +16,20 @@ from surge.runtime.registry import ModelRegistry
 from surge.runtime.service import ModelService
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def registry(bundled_worker):
+    """A registry with model 'enc'. A ModelService belongs to one event loop (its
+    batcher runs there), so each test runs its body in one `serve(...)` call."""
     reg = ModelRegistry()
-    svc = ModelService("enc", "1", bundled_worker)
-    svc.mark_ready()
-    reg.add(svc)
+    reg.add(ModelService("enc", "1", bundled_worker))
+    reg.get("enc").mark_ready()
     return reg
+
+
+def serve(registry, body):
+    """Run `await body()` in one event loop. The service is not closed: that would
+    close the session-wide worker's engines that other tests share."""
+    return asyncio.run(body())
 
 
 def write(tmp_path, text: str, name="pipeline.yaml"):
@@ -136,18 +142,21 @@ def test_invalid_pipeline_names_file_and_field(tmp_path, registry, name, text, n
 
 
 def test_model_node_matches_reference(tmp_path, registry, reference_embed, sentences):
-    p = load(write(tmp_path, GOOD), registry)
-    for text in sentences[:3]:
-        out = asyncio.run(p.run({"query": text}))
-        ref = reference_embed([text])[0].astype(np.float64)
-        got = np.array(out["outputs"]["vec"])
-        assert out["outputs"]["version"] == "1" and out["models"] == {"enc": "1"}
-        assert np.dot(got, ref) / np.linalg.norm(ref) >= 0.99999
-        assert abs(np.linalg.norm(got) - 1) < 1e-5
-    with pytest.raises(InvalidInput, match="query"):
-        asyncio.run(p.run({"query": ""}))
-    with pytest.raises(InvalidInput, match="unknown input"):
-        asyncio.run(p.run({"query": "x", "other": 1}))
+    async def body():
+        p = await load_pipeline("p", write(tmp_path, GOOD), registry)
+        for text in sentences[:3]:
+            out = await p.run({"query": text})
+            ref = reference_embed([text])[0].astype(np.float64)
+            got = np.array(out["outputs"]["vec"])
+            assert out["outputs"]["version"] == "1" and out["models"] == {"enc": "1"}
+            assert np.dot(got, ref) / np.linalg.norm(ref) >= 0.99999
+            assert abs(np.linalg.norm(got) - 1) < 1e-5
+        with pytest.raises(InvalidInput, match="query"):
+            await p.run({"query": ""})
+        with pytest.raises(InvalidInput, match="unknown input"):
+            await p.run({"query": "x", "other": 1})
+
+    serve(registry, body)
 
 
 SLOW = """
@@ -179,17 +188,20 @@ def test_branches_run_concurrently_and_conditions_skip(tmp_path, registry, monke
       - {name: after_gated, step: normalize, inputs: {vector: gated.vector}}
     outputs: {both: join.both, vec: after_gated.vector}
     """)
-    p = load(path, registry)
-    import userfns
+    async def body():
+        p = await load_pipeline("p", path, registry)
+        import userfns
 
-    out = asyncio.run(p.run({"q": "hello", "mode": "skip"}))
-    assert out["outputs"] == {"both": ["L", "R"], "vec": None} and out["models"] == {}
-    starts = {tag: t for kind, tag, t in userfns.LOG if kind == "start"}
-    ends = {tag: t for kind, tag, t in userfns.LOG if kind == "end"}
-    # Both branches started before either finished: they ran at the same time.
-    assert max(starts.values()) < min(ends.values())
-    out = asyncio.run(p.run({"q": "hello", "mode": "embed"}))
-    assert len(out["outputs"]["vec"]) == 384 and out["models"] == {"enc": "1"}
+        out = await p.run({"q": "hello", "mode": "skip"})
+        assert out["outputs"] == {"both": ["L", "R"], "vec": None} and out["models"] == {}
+        starts = {tag: t for kind, tag, t in userfns.LOG if kind == "start"}
+        ends = {tag: t for kind, tag, t in userfns.LOG if kind == "end"}
+        # Both branches started before either finished: they ran at the same time.
+        assert max(starts.values()) < min(ends.values())
+        out = await p.run({"q": "hello", "mode": "embed"})
+        assert len(out["outputs"]["vec"]) == 384 and out["models"] == {"enc": "1"}
+
+    serve(registry, body)
 
 
 def test_tokenize_tokens_input_and_pool(tmp_path, registry, reference_embed):
@@ -202,9 +214,13 @@ def test_tokenize_tokens_input_and_pool(tmp_path, registry, reference_embed):
       - {name: both, step: pool, params: {mode: mean}, inputs: {a: by_ids.vector, b: by_text.vector}}
     outputs: {count: tok.count, ids: by_ids.vector, mean: both.vector}
     """)
-    p = load(path, registry)
     text = "set a timer for the pasta, twelve minutes"
-    out = asyncio.run(p.run({"q": text}))["outputs"]
+
+    async def body():
+        p = await load_pipeline("p", path, registry)
+        return (await p.run({"q": text}))["outputs"]
+
+    out = serve(registry, body)
     assert out["count"] == len(reference_embed.tok(text)["input_ids"])
     # The reference normalizes; compare directions in float64.
     ref = reference_embed([text])[0].astype(np.float64)
@@ -217,13 +233,17 @@ def test_tokenize_tokens_input_and_pool(tmp_path, registry, reference_embed):
 def test_user_function_error_names_the_node(tmp_path, registry, monkeypatch):
     (tmp_path / "brokenfns.py").write_text("def boom(x):\n    raise KeyError('nope')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    p = load(write(tmp_path, """
+    path = write(tmp_path, """
     inputs: {q: text}
     nodes:
       - {name: f, function: "brokenfns:boom", inputs: {x: input.q}, outputs: {y: any}}
     outputs: {y: f.y}
-    """), registry)
+    """)
     from surge.errors import EngineError
 
-    with pytest.raises(EngineError, match="node 'f': brokenfns:boom raised KeyError"):
-        asyncio.run(p.run({"q": "hi"}))
+    async def body():
+        p = await load_pipeline("p", path, registry)
+        with pytest.raises(EngineError, match="node 'f': brokenfns:boom raised KeyError"):
+            await p.run({"q": "hi"})
+
+    serve(registry, body)
