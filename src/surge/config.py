@@ -91,6 +91,9 @@ class ServerConfig(_Strict):
     model_dir: Path | None = Field(None, description="Hugging Face model directory; default: the bundled MiniLM.")
     model_name: str | None = Field(None, description="Name the model is served under; default: from its directory.")
     model_repository: Path | None = Field(None, description="Directory of models/<name>/<version>/model.yaml.")
+    repository_poll_s: float | None = Field(
+        None, gt=0, description="Rescan the model repository this often (new versions, changed model.yaml); None: never."
+    )
     cache_dir: Path | None = Field(None, description="Where exported artifacts are kept; default ~/.cache/surge.")
     log_level: str = Field("info", description="uvicorn log level.")
     engine: EngineConfig = Field(default_factory=EngineConfig)
@@ -108,3 +111,139 @@ def default_cache_dir() -> Path:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "surge"
+
+
+# --- model repository and pipeline files (model.yaml, pipeline.yaml) -----------
+# The schemas live here; runtime/repository.py and runtime/dag.py read them
+# through `load_yaml_file`, whose errors name the file and the field.
+
+
+class VersionPolicy(_Strict):
+    """Which versions of a model are served: exactly one of the three."""
+
+    latest: int | None = Field(None, ge=1, description="Serve the newest N versions (default: 1).")
+    specific: list[str] | None = Field(None, min_length=1, description="Serve exactly these versions.")
+    all: bool = Field(False, description="Serve every version on disk.")
+
+    @model_validator(mode="after")
+    def _one_policy(self):
+        chosen = [k for k, on in (("latest", self.latest is not None), ("specific", self.specific is not None),
+                                   ("all", self.all)) if on]
+        if len(chosen) > 1:
+            raise ValueError(f"choose one of latest, specific or all (got {', '.join(chosen)})")
+        return self
+
+    def select(self, versions: list[str]) -> list[str]:
+        """The versions to serve, out of those on disk (sorted oldest first)."""
+        if self.all:
+            return list(versions)
+        if self.specific is not None:
+            wanted = {str(v) for v in self.specific}
+            return [v for v in versions if v in wanted]
+        return list(versions)[-(self.latest or 1):]
+
+
+class ModelFile(_Strict):
+    """One model version: `models/<name>/<version>/model.yaml`.
+
+    A `models/<name>/model.yaml` next to the version directories may hold
+    defaults shared by every version (and the version policy); a version's own
+    file overrides them field by field.
+    """
+
+    source: str = Field("bundled", description="'bundled' (all-MiniLM-L6-v2) or a model directory, relative to the yaml.")
+    artifact: str | None = Field(None, description="A prebuilt artifact directory (relative to the yaml); default: export `source`.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="Engine, device, precision, instances, warm-up shapes.")
+    batching: BatchingConfig | None = Field(None, description="Batcher settings; default: the server's.")
+    cache: CacheConfig | None = Field(None, description="Cache settings; default: the server's.")
+    version_policy: VersionPolicy = Field(default_factory=VersionPolicy, description="Which versions are served.")
+    description: str = Field("", description="Free text shown by GET /models.")
+
+
+PortType = Literal["text", "tokens", "vector", "label", "number", "ranking", "json", "any"]
+
+
+class PipelineNode(_Strict):
+    """One node of a pipeline: exactly one of model, step or function."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z_][A-Za-z0-9_-]*$", description="Unique node name.")
+    model: str | None = Field(None, description="A served model: the node embeds its input with it.")
+    version: str | None = Field(None, description="Pin a model version (default: the serving one).")
+    step: str | None = Field(None, description="A built-in step: tokenize, pool, normalize, classify, topk.")
+    function: str | None = Field(None, description="A user function, 'package.module:function' (sync or async).")
+    inputs: dict[str, str] = Field(default_factory=dict, description="port -> 'node.output' or 'input.<name>'.")
+    outputs: dict[str, PortType] = Field(default_factory=dict, description="Declared outputs of a function node.")
+    params: dict = Field(default_factory=dict, description="Settings of the step or function.")
+    when: "Condition | None" = Field(None, description="Run only when this holds; skipped nodes output null.")
+
+    @model_validator(mode="after")
+    def _one_kind(self):
+        kinds = [k for k in ("model", "step", "function") if getattr(self, k)]
+        if len(kinds) != 1:
+            raise ValueError(f"node '{self.name}' needs exactly one of model, step, function (got {kinds or 'none'})")
+        return self
+
+
+class Condition(_Strict):
+    input: str = Field(..., description="'node.output' whose value is tested.")
+    in_: list[str | int | float | bool] = Field(..., alias="in", min_length=1, description="Values for which the node runs.")
+
+
+class PipelineFile(_Strict):
+    """A DAG of models and steps: `<repository>/<name>/pipeline.yaml`."""
+
+    description: str = Field("", description="Free text shown by GET /pipelines.")
+    inputs: dict[str, PortType] = Field(..., min_length=1, description="Request fields and their types.")
+    nodes: list[PipelineNode] = Field(..., min_length=1, description="The nodes; order does not matter.")
+    outputs: dict[str, str] = Field(..., min_length=1, description="Response field -> 'node.output'.")
+
+
+PipelineNode.model_rebuild()
+
+
+def load_yaml_file(path: Path, schema: type[BaseModel], *, merge_with: dict | None = None):
+    """Parse and validate a YAML file; a ConfigError names the file, line or field."""
+    import yaml
+    from pydantic import ValidationError
+
+    from surge.errors import ConfigError
+
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of fields at the top level, got {type(data).__name__}")
+    if merge_with:
+        data = _deep_merge(merge_with, data)
+    try:
+        return schema.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(_loc(p) for p in err.get("loc", ())).replace(".[", "[") or "(top level)"
+        msg = err.get("msg", "invalid").removeprefix("Value error, ")
+        if err.get("type") == "extra_forbidden":
+            msg = "unknown field"
+        elif err.get("type") == "missing":
+            msg = "field required"
+        more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+        raise ConfigError(f"{path}: field '{field}': {msg}{more}", param=field) from None
+
+
+def _loc(part) -> str:
+    return f"[{part}]" if isinstance(part, int) else str(part)
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out

@@ -38,19 +38,96 @@ def resolve_artifact(spec: ModelSpec, engine: EngineConfig, cache_dir: Path | No
         return ensure_exported(spec, cache_dir or default_cache_dir(), progress=progress)
 
 
-def load_service(config: ServerConfig, spec: ModelSpec, version: str = "1", engine: EngineConfig | None = None):
+def load_service(config: ServerConfig, spec: ModelSpec, version: str = "1", engine: EngineConfig | None = None,
+                 *, artifact: Path | None = None, batching=None, cache=None):
     from surge.runtime.loader import build_worker
     from surge.runtime.service import ModelService
 
     engine = engine or config.engine
-    artifact = resolve_artifact(spec, engine, config.cache_dir)
+    artifact = artifact or resolve_artifact(spec, engine, config.cache_dir)
     worker = build_worker(spec, artifact, engine)
-    return ModelService(spec.name, version, worker, batching=config.batching, cache=config.cache,
-                        limits=config.limits)
+    return ModelService(spec.name, version, worker, batching=batching or config.batching,
+                        cache=cache or config.cache, limits=config.limits)
+
+
+def load_repository_version(config: ServerConfig, entry):
+    """The repository's loader: one `models/<name>/<version>/model.yaml` -> a warmed-up ModelService."""
+    from dataclasses import replace
+
+    cfg = entry.config
+    # Exported under the model directory's own name, so every entry (and every
+    # version) of one model shares one cached artifact; served under the entry's.
+    source = load_model_spec(entry.source_dir or bundled_model_dir())
+    artifact = entry.artifact_dir or _cached_artifact(source, cfg.engine, config.cache_dir)
+    return load_service(config, replace(source, name=entry.name), entry.version, cfg.engine, artifact=artifact,
+                        batching=cfg.batching, cache=cfg.cache)
+
+
+_ARTIFACTS: dict[tuple, Path | None] = {}
+
+
+def _cached_artifact(spec: ModelSpec, engine: EngineConfig, cache_dir: Path | None) -> Path | None:
+    """resolve_artifact, remembered while the model's files are unchanged: a reload
+    then skips hashing the weights (a quarter of a second for MiniLM)."""
+    files = tuple(sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in spec.path.rglob("*") if p.is_file()))
+    key = (str(spec.path), engine.engine, str(cache_dir), files)
+    found = _ARTIFACTS.get(key)
+    if found is None or not found.is_dir():
+        found = _ARTIFACTS[key] = resolve_artifact(spec, engine, cache_dir)
+    return found
+
+
+def add_repository(state: AppState) -> None:
+    """Repository mode: models and pipelines from --model-repository, lifecycle API on."""
+    from surge.runtime.dag import PipelineSet
+    from surge.runtime.repository import ModelRepository
+
+    config = state.config
+    repo = ModelRepository(config.model_repository, state.registry,
+                           loader=lambda entry: load_repository_version(config, entry),
+                           poll_s=config.repository_poll_s)
+    pipelines = PipelineSet(state.registry)
+    state.lifecycle = repo
+    state.extras["repository"] = repo
+    state.extras["pipelines"] = pipelines
+
+    async def start(state: AppState) -> None:
+        repo.model_names()  # a missing directory fails the start with a clear message
+        await repo.start()
+        for name, path in repo.pipeline_files().items():
+            try:
+                await pipelines.load(name, path)
+            except Exception as exc:  # reported by GET /pipelines; the models keep serving
+                log.error("pipeline %s: %s", name, getattr(exc, "message", exc))
+        loaded = ", ".join(f"{s.name}:{s.version}" for s in state.registry.services()) or "nothing"
+        print(f"surge: ready, serving {loaded} from {repo.root} on http://{config.host}:{config.port}",
+              file=sys.stderr, flush=True)
+
+    async def stop(state: AppState) -> None:
+        await repo.close()
+
+    state.extras.setdefault("on_startup", []).append(start)
+    state.extras.setdefault("on_shutdown", []).append(stop)
 
 
 def build_state(config: ServerConfig) -> AppState:
     state = AppState(config=config, registry=ModelRegistry())
+    if config.model_repository is not None:
+        add_repository(state)
+    else:
+        add_single_model(state)
+    if config.grpc_port:
+        from surge.server.grpc.server import install_grpc
+
+        install_grpc(state)
+    return state
+
+
+def add_single_model(state: AppState) -> None:
+    """The bundled model (or --model-dir) alone; KServe's repository calls reload it."""
+    from surge.cli.single_model import SingleModelLifecycle
+
+    config = state.config
 
     async def load_single(state: AppState) -> None:
         model_dir = config.model_dir or bundled_model_dir()
@@ -62,11 +139,4 @@ def build_state(config: ServerConfig) -> AppState:
         print(f"surge: ready, serving {service.name} on http://{config.host}:{config.port}", file=sys.stderr, flush=True)
 
     state.extras.setdefault("on_startup", []).append(load_single)
-    from surge.cli.single_model import SingleModelLifecycle
-
     state.lifecycle = SingleModelLifecycle(config, state.registry)
-    if config.grpc_port:
-        from surge.server.grpc.server import install_grpc
-
-        install_grpc(state)
-    return state

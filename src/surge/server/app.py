@@ -16,7 +16,7 @@ from surge.server.state import AppState
 
 def create_app(state: AppState) -> FastAPI:
     from surge.server import health
-    from surge.server.http import kserve, native, openai
+    from surge.server.http import kserve, models, native, openai, pipelines
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -43,6 +43,8 @@ def create_app(state: AppState) -> FastAPI:
     app.include_router(openai.router(state))
     app.include_router(native.router(state))
     app.include_router(kserve.router(state))
+    app.include_router(models.router(state))
+    app.include_router(pipelines.router(state))
     for extra in state.extras.get("routers", []):
         app.include_router(extra(state))
     if state.config.api_key:
