@@ -16,7 +16,7 @@ from surge.server.state import AppState
 
 def create_app(state: AppState) -> FastAPI:
     from surge.server import health
-    from surge.server.http import native, openai
+    from surge.server.http import metrics, native, openai
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -42,6 +42,7 @@ def create_app(state: AppState) -> FastAPI:
     app.include_router(health.router(state))
     app.include_router(openai.router(state))
     app.include_router(native.router(state))
+    app.include_router(metrics.router(state))
     for extra in state.extras.get("routers", []):
         app.include_router(extra(state))
     if state.config.api_key:
