@@ -185,3 +185,42 @@ def test_redis_tier_shares_hits_between_two_servers(servers, phrases, redis_serv
         ("surge_cache_hits_total", (("tier", "shared"),)), 0)
     assert hits == 12
     assert after.get(("surge_batch_size_sum", ()), 0) == before.get(("surge_batch_size_sum", ()), 0)
+
+
+def test_cache_hit_answers_equal_the_full_path_answers(servers, phrases):
+    batched = servers[0]
+    for path, key in (("/embed", "inputs"), ("/v1/embeddings", "input")):
+        texts = _unique_inputs(phrases, f"hot{key}", 3)
+        miss = httpx.post(batched.url + path, json={key: texts}, timeout=30)
+        hit = httpx.post(batched.url + path, json={key: texts}, timeout=30)  # answered from the cache
+        assert miss.status_code == hit.status_code == 200
+        assert hit.json() == miss.json()
+        assert hit.headers["x-surge-model-version"] == miss.headers["x-surge-model-version"]
+        assert hit.headers["content-type"] == "application/json"
+    # Requests the hot path does not handle still get the routes' errors.
+    bad = httpx.post(batched.url + "/embed", json={"inputs": [""]}, timeout=30)
+    assert bad.status_code == 400
+
+
+def test_a_client_that_disconnects_is_not_computed(servers, sentences):
+    batched = servers[0]
+    texts = [f"{' '.join(sentences[i:i + 4])} gone{i}" for i in range(192)]
+    before = metrics(batched.url)
+
+    async def impatient():
+        async with httpx.AsyncClient(base_url=batched.url, timeout=0.3) as client:
+            return await asyncio.gather(*(client.post("/embed", json={"inputs": texts[i:i + 32]})
+                                          for i in range(0, 192, 32)), return_exceptions=True)
+
+    outcomes = asyncio.run(impatient())
+    assert all(isinstance(o, httpx.TimeoutException) for o in outcomes), outcomes
+    # The server's own timeout is 30 s: only the disconnect can stop this work.
+    deadline = time.monotonic() + 20
+    while metrics(batched.url)[("surge_inflight_inputs", ())] > 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    after = metrics(batched.url)
+    key = ("surge_inputs_dropped_total", (("reason", "cancelled"),))
+    dropped = after.get(key, 0) - before.get(key, 0)
+    computed = after[("surge_batch_size_sum", ())] - before[("surge_batch_size_sum", ())]
+    assert dropped > 0
+    assert computed + dropped <= 192 and computed < 192

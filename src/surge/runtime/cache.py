@@ -165,6 +165,10 @@ class ResultCache:
         self.learn_slots = max(0, self.cfg.pinned_top_k - len(self.static_hot))
 
     # ---- lookups -------------------------------------------------------------
+    def contains(self, key: Key) -> bool:
+        """Whether a local tier holds `key` (counts nothing, changes nothing)."""
+        return key in self.pinned or key in self.recent
+
     def get(self, key: Key, count_miss: bool = True) -> CacheEntry | None:
         """The entry for `key` or None. count_miss=False when a further tier
         (Redis) is asked next and the caller counts the final miss itself."""

@@ -143,6 +143,30 @@ class ModelService:
                 m.inflight.dec(n)
                 self.admission.release(n)
 
+    def cached_result(self, texts: list[str], options: EmbedOptions | None = None) -> EmbedResult | None:
+        """The answer when every input is in the local cache tiers, else None.
+
+        Synchronous and cheap: the HTTP hot path (server/http/hotpath.py) calls
+        it before any framework work. A None counts nothing; the request then
+        takes the full path, which does the counting.
+        """
+        cache = self.cache
+        if cache is None or not self.ready or not texts:
+            return None
+        options = options or EmbedOptions()
+        okey = options.key()
+        keys = [cache.text_key(t, okey) for t in texts]
+        if not all(cache.contains(k) for k in keys):
+            return None
+        start = time.monotonic()
+        m = self.metrics
+        m.requests.inc()
+        m.inputs.inc(len(keys))
+        entries = [cache.get(k) for k in keys]
+        out = np.stack([e.vector for e in entries])
+        m.latency.observe(time.monotonic() - start)
+        return EmbedResult(out, sum(e.tokens for e in entries), self.name, self.version, [True] * len(keys))
+
     async def _embed(self, texts, token_ids, options: EmbedOptions, priority: int, deadline: float) -> EmbedResult:
         inputs = texts if texts is not None else token_ids
         n = len(inputs)
