@@ -170,3 +170,22 @@ def test_redis_outage_is_a_miss_not_an_error(bundled_worker, sentences):
 
     r, errors = asyncio.run(main())
     assert r.vectors.shape == (2, 384) and errors >= 1
+
+
+def test_query_log_prefill_makes_first_requests_hits(bundled_worker, sentences, tmp_path):
+    log = tmp_path / "log.txt"
+    hot = sentences[60:64]
+    log.write_text("\n".join(hot * 3 + sentences[64:70]) + "\n")
+
+    async def main():
+        svc = _service(bundled_worker, pinned_top_k=4, query_log=log)
+        n = await svc.prefill_pinned()
+        # A differently spaced/cased spelling of a logged query hits the pinned tier too.
+        r = await svc.embed(texts=[hot[0].upper(), hot[3], sentences[65]])
+        await _shutdown(svc)
+        return n, r, svc.cache.stats()
+
+    n, r, stats = asyncio.run(main())
+    assert n == 4
+    assert r.cached == [True, True, False]
+    assert stats["pinned_entries"] == 4 and stats["hits"]["pinned"] == 2

@@ -143,6 +143,22 @@ class ModelService:
                 m.inflight.dec(n)
                 self.admission.release(n)
 
+    async def prefill_pinned(self, batch: int = 64) -> int:
+        """Compute the query log's pinned queries ahead of their first request.
+
+        Runs at low priority (user requests go first) once the service is
+        ready; returns how many queries were computed.
+        """
+        cache = self.cache
+        if cache is None or not cache.static_hot:
+            return 0
+        okey = EmbedOptions().key()
+        todo = sorted(k[1] for k in cache.static_hot if k[0] == okey and not cache.contains(k))
+        for i in range(0, len(todo), batch):
+            # Normalized texts tokenize like the originals, so their keys match.
+            await self.embed(texts=todo[i:i + batch], priority=-1)
+        return len(todo)
+
     def cached_result(self, texts: list[str], options: EmbedOptions | None = None) -> EmbedResult | None:
         """The answer when every input is in the local cache tiers, else None.
 
