@@ -39,6 +39,10 @@ class BatchingConfig(_Strict):
     max_batch_tokens: int = Field(8192, ge=1, description="Token budget per batch (padded tokens for padded engines).")
     max_queue_delay_ms: float = Field(2.0, ge=0, description="Longest a request waits for others to join its batch.")
     max_queue_size: int = Field(2048, ge=1, description="Queued inputs above which new requests get 429.")
+    max_padding_ratio: float = Field(
+        0.25, ge=0, le=1, description="Padded engines: an input that would make more than this share of a batch "
+        "padding waits for the next batch (padding costs as much compute as real tokens)."
+    )
     max_inflight: int | None = Field(
         None, ge=1, description="Inputs admitted at once (queued, tokenizing or computing) before 429; "
         "default: max_queue_size plus one full batch per engine instance."

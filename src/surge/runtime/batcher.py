@@ -24,7 +24,7 @@ import collections
 import itertools
 import time
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -77,10 +77,10 @@ class BatcherConfig:
     max_batch_tokens: int = 8192
     max_queue_delay_s: float = 0.002
     max_queue_size: int = 2048
+    max_padding_ratio: float = 1.0  # inputs that would push a batch's padding share past this wait
     instances: int = 1
     padded: bool = True
     history: int = 10_000
-    extra: dict = field(default_factory=dict)
 
 
 class DynamicBatcher:
@@ -244,6 +244,11 @@ class DynamicBatcher:
                 w = max(width, e.length)
                 cost = w * (len(batch) + 1) if self.cfg.padded else real + e.length
                 if cost > budget:
+                    continue
+                if self.cfg.padded and 1.0 - (real + e.length) / cost > self.cfg.max_padding_ratio:
+                    # Padded tokens cost as much as real ones: an input this far
+                    # from the batch's length waits for the next batch (which,
+                    # with the engine busy, leaves as soon as an instance frees).
                     continue
                 batch.append(e)
                 width, real = w, real + e.length

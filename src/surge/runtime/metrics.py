@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -54,6 +54,7 @@ class _Families:
     cache_evictions: Counter
     cache_bytes: Gauge
     cache_entries: Gauge
+    live: dict = field(default_factory=dict)  # (model, version) -> open ServiceMetrics
 
 
 def _make(reg: CollectorRegistry) -> _Families:
@@ -120,6 +121,9 @@ class ServiceMetrics:
         self.cache_misses = f.cache_misses.labels(*lv)
         self.cache_evictions = f.cache_evictions.labels(*lv)
         self._tiers: dict[str, tuple] = {}
+        with _lock:
+            f.live[lv] = f.live.get(lv, 0) + 1
+        self._closed = False
 
     def failure(self, code: str) -> None:
         self.fam.failures.labels(*self.labels, code).inc()
@@ -137,24 +141,18 @@ class ServiceMetrics:
         return t
 
     def close(self) -> None:
-        """Drop this version's series so that a retired version stops being exported."""
-        f = self.fam
-        for fam in (f.requests, f.inputs, f.latency, f.queue, f.tokenize, f.compute, f.post, f.batch_size,
-                    f.batch_tokens, f.padding, f.queue_depth, f.inflight, f.cache_misses, f.cache_evictions):
-            try:
-                fam.remove(*self.labels)
-            except KeyError:
-                pass
-        for fam in (f.failures, f.dropped, f.cache_hits, f.cache_bytes, f.cache_entries):
-            for labels in list(_label_sets(fam)):
-                if labels[:2] == self.labels:
-                    try:
-                        fam.remove(*labels)
-                    except KeyError:
-                        pass
-
-
-def _label_sets(fam) -> list[tuple]:
-    # prometheus_client keeps children in _metrics; there is no public listing.
-    with fam._lock:
-        return list(fam._metrics)
+        """A retired version holds nothing: zero its gauges. Its series are
+        kept (not removed): a reloaded version with the same labels shares
+        these children, and removing them would silently detach it."""
+        if self._closed:
+            return
+        self._closed = True
+        with _lock:
+            left = self.fam.live[self.labels] = self.fam.live[self.labels] - 1
+        if left:
+            return  # another open service reports under these labels
+        self.queue_depth.set(0)
+        self.inflight.set(0)
+        for _, g_bytes, g_entries in self._tiers.values():
+            g_bytes.set(0)
+            g_entries.set(0)
