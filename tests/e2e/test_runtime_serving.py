@@ -224,3 +224,18 @@ def test_a_client_that_disconnects_is_not_computed(servers, sentences):
     computed = after[("surge_batch_size_sum", ())] - before[("surge_batch_size_sum", ())]
     assert dropped > 0
     assert computed + dropped <= 192 and computed < 192
+
+
+def test_metrics_cover_the_runtime_per_model_and_version(servers):
+    text = httpx.get(servers[0].url + "/metrics", timeout=10).text
+    names = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            names.setdefault(s.name, s.labels)
+    for name in ("surge_requests_total", "surge_request_failures_total", "surge_request_latency_seconds_bucket",
+                 "surge_queue_latency_seconds_bucket", "surge_tokenize_latency_seconds_bucket",
+                 "surge_compute_latency_seconds_bucket", "surge_batch_size_bucket", "surge_batch_tokens_bucket",
+                 "surge_batch_padding_ratio_bucket", "surge_queue_depth", "surge_cache_hits_total",
+                 "surge_cache_misses_total", "surge_cache_evictions_total", "surge_cache_bytes"):
+        assert name in names, name
+        assert names[name]["model"] == "all-MiniLM-L6-v2" and names[name]["version"] == "1", name

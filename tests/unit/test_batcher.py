@@ -189,3 +189,28 @@ def test_wrong_row_count_fails_every_caller_loudly(bundled_worker, pool, encoded
 
     outcomes = asyncio.run(main())
     assert all(isinstance(o, EngineError) for o in outcomes), outcomes
+
+
+def test_service_admission_gives_429_with_retry_after_and_503_when_not_ready(bundled_worker, encoded, sentences):
+    from surge.config import BatchingConfig, CacheConfig
+    from surge.errors import NotReady
+    from surge.runtime.service import ModelService
+
+    async def main():
+        svc = ModelService(bundled_worker.spec.name, "1", bundled_worker,
+                           batching=BatchingConfig(max_queue_size=8, max_inflight=8), cache=CacheConfig(enabled=False))
+        with pytest.raises(NotReady):
+            await svc.embed(texts=sentences[:1])
+        svc.mark_ready()
+        first = asyncio.ensure_future(svc.embed(texts=sentences[:6]))
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded) as info:
+            await svc.embed(texts=sentences[6:9])
+        assert info.value.retry_after >= 1 and info.value.http_status == 429
+        await first
+        ok = await svc.embed(texts=sentences[6:9])  # recovered
+        await svc.admission.drain()
+        await svc.batcher.close()
+        return ok
+
+    assert asyncio.run(main()).vectors.shape == (3, 384)
