@@ -60,6 +60,14 @@ class BatchingConfig(_Strict):
     max_batch_tokens: int = Field(8192, ge=1, description="Token budget per batch (padded tokens for padded engines).")
     max_queue_delay_ms: float = Field(2.0, ge=0, description="Longest a request waits for others to join its batch.")
     max_queue_size: int = Field(2048, ge=1, description="Queued inputs above which new requests get 429.")
+    max_padding_ratio: float = Field(
+        0.25, ge=0, le=1, description="Padded engines: an input that would make more than this share of a batch "
+        "padding waits for the next batch (padding costs as much compute as real tokens)."
+    )
+    max_inflight: int | None = Field(
+        None, ge=1, description="Inputs admitted at once (queued, tokenizing or computing) before 429; "
+        "default: max_queue_size plus one full batch per engine instance."
+    )
 
 
 class CacheConfig(_Strict):
@@ -70,6 +78,9 @@ class CacheConfig(_Strict):
     pinned_top_k: int = Field(0, ge=0, description="Size of the pinned hot tier.")
     query_log: Path | None = Field(None, description="Query-log file (one query per line) that seeds the pinned tier.")
     learn_hot: bool = Field(True, description="Learn the hot set online with a frequency sketch.")
+    recent_policy: Literal["lru", "tinylfu"] = Field(
+        "tinylfu", description="Recent tier: plain LRU, or LRU with TinyLFU admission (keeps one-off queries out)."
+    )
     redis_url: str | None = Field(None, description="Shared tier on Redis, e.g. redis://127.0.0.1:6379/0.")
     redis_ttl_s: int = Field(24 * 3600, ge=1, description="Time-to-live of entries in the shared tier.")
 

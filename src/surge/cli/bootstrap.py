@@ -135,6 +135,9 @@ def add_single_model(state: AppState) -> None:
         service = await asyncio.to_thread(load_service, config, spec)
         state.registry.add(service)
         service.mark_ready()
+        if config.cache.query_log is not None:
+            # Fill the pinned tier from the query log in the background (low priority).
+            state.extras.setdefault("background", set()).add(asyncio.create_task(service.prefill_pinned()))
         log.info("serving %s version %s", service.name, service.version)
         print(f"surge: ready, serving {service.name} on http://{config.host}:{config.port}", file=sys.stderr, flush=True)
 

@@ -39,6 +39,7 @@ def serve(
     cache_bytes: int = typer.Option(64 * 1024 * 1024, envvar="SURGE_CACHE_BYTES", help="Byte bound of the recent cache tier (0 disables the cache)."),
     cache_pinned: int = typer.Option(0, envvar="SURGE_CACHE_PINNED", help="Size of the pinned hot tier."),
     cache_query_log: Optional[Path] = typer.Option(None, envvar="SURGE_CACHE_QUERY_LOG", help="Query log that seeds the pinned tier."),
+    cache_policy: str = typer.Option("tinylfu", envvar="SURGE_CACHE_POLICY", help="Recent cache tier: lru or tinylfu (LRU with TinyLFU admission)."),
     redis_url: Optional[str] = typer.Option(None, envvar="SURGE_REDIS_URL", help="Shared cache tier on Redis."),
     max_inputs: int = typer.Option(256, envvar="SURGE_MAX_INPUTS", help="Most inputs in one request."),
     max_body_bytes: int = typer.Option(2 * 1024 * 1024, envvar="SURGE_MAX_BODY_BYTES", help="Largest request body."),
@@ -65,7 +66,8 @@ def serve(
                                 max_batch_tokens=max_batch_tokens, max_queue_delay_ms=max_queue_delay_ms,
                                 max_queue_size=max_queue_size),
         cache=CacheConfig(enabled=cache_bytes > 0 or cache_pinned > 0, max_bytes=cache_bytes,
-                          pinned_top_k=cache_pinned, query_log=cache_query_log, redis_url=redis_url),
+                          pinned_top_k=cache_pinned, query_log=cache_query_log, redis_url=redis_url,
+                          recent_policy=cache_policy),
         limits=LimitsConfig(max_inputs_per_request=max_inputs, max_body_bytes=max_body_bytes,
                             request_timeout_s=request_timeout_s),
     )

@@ -68,6 +68,11 @@ class Tokenizer:
             out.append(Encoded(arr, np.zeros_like(arr)))
         return out
 
+    @property
+    def backend(self) -> _HFTokenizer:
+        """The Hugging Face tokenizer (read-only use: e.g. the cache's key normalizer)."""
+        return self._tok
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
 

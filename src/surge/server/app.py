@@ -11,12 +11,13 @@ from fastapi import FastAPI
 from surge import __version__
 from surge.server import errors
 from surge.server.auth import ApiKeyMiddleware
+from surge.server.http.hotpath import HotPathMiddleware
 from surge.server.state import AppState
 
 
 def create_app(state: AppState) -> FastAPI:
     from surge.server import health
-    from surge.server.http import kserve, models, native, openai, pipelines
+    from surge.server.http import kserve, metrics, models, native, openai, pipelines
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -45,8 +46,10 @@ def create_app(state: AppState) -> FastAPI:
     app.include_router(kserve.router(state))
     app.include_router(models.router(state))
     app.include_router(pipelines.router(state))
+    app.include_router(metrics.router(state))
     for extra in state.extras.get("routers", []):
         app.include_router(extra(state))
+    app.add_middleware(HotPathMiddleware, state=state)  # inside auth: added before it
     if state.config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=state.config.api_key)
     return app

@@ -1,0 +1,319 @@
+"""The dynamic batcher: many callers' inputs in, engine-sized batches out.
+
+One per model version. Callers `await submit(items, deadline, priority)` and
+get back one row per item, in their own order; the engine sees batches.
+
+How a batch is formed (continuous batching): a scheduler task waits for a free
+engine instance, then for work. It dispatches as soon as the queue holds a full
+batch (by count or by token budget) or the oldest input has waited
+`max_queue_delay`; while every instance is busy the queue keeps filling, so a
+saturated model runs full batches back to back with no added delay. Inside a
+batch, inputs are grouped by length around the most urgent one (highest
+priority, then oldest) to cut padding, and the token budget counts padded
+tokens for padded engines.
+
+Safety: inputs whose caller has gone (cancelled) or whose deadline passed are
+dropped before compute; a batch's result must have exactly one row per input
+or every caller in it gets an EngineError (never someone else's row).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from surge.errors import DeadlineExceeded, EngineError, NotReady, Overloaded
+from surge.runtime.metrics import ServiceMetrics
+from surge.types import Encoded
+
+RunBatch = Callable[[list[Encoded]], np.ndarray]
+
+
+@dataclass(eq=False)
+class _Ticket:
+    """One caller's submission: its future and where its rows go."""
+
+    future: asyncio.Future
+    n: int
+    deadline: float | None
+    priority: int
+    out: np.ndarray | None = None
+    remaining: int = 0
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclass(eq=False, slots=True)
+class _Entry:
+    ticket: _Ticket
+    index: int
+    item: Encoded
+    length: int
+    seq: int
+    arrived: float
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    """What one dispatched batch looked like (kept for tests and benchmarks)."""
+
+    size: int
+    real_tokens: int
+    cost_tokens: int  # padded tokens for padded engines
+    oldest_wait_s: float  # dispatch time minus the oldest input's arrival
+    free_wait_s: float  # dispatch time minus the moment an instance was free and work was queued
+
+
+@dataclass
+class BatcherConfig:
+    enabled: bool = True
+    max_batch_size: int = 64
+    max_batch_tokens: int = 8192
+    max_queue_delay_s: float = 0.002
+    max_queue_size: int = 2048
+    max_padding_ratio: float = 1.0  # inputs that would push a batch's padding share past this wait
+    instances: int = 1
+    padded: bool = True
+    history: int = 10_000
+
+
+class DynamicBatcher:
+    def __init__(self, run: RunBatch, executor: Executor, cfg: BatcherConfig,
+                 metrics: ServiceMetrics | None = None, name: str = "model"):
+        self._run = run
+        self._executor = executor
+        self.cfg = cfg
+        self.name = name
+        self.metrics = metrics
+        self.max_batch_size = cfg.max_batch_size if cfg.enabled else 1
+        self._pending: list[_Entry] = []
+        self._pending_tokens = 0
+        self._seq = itertools.count()
+        self._wake = asyncio.Event()
+        self._slots = asyncio.Semaphore(max(1, cfg.instances))
+        self._running: set[asyncio.Task] = set()
+        self._scheduler: asyncio.Task | None = None
+        self._closed = False
+        self.history: collections.deque[BatchRecord] = collections.deque(maxlen=cfg.history)
+        self.computed_inputs = 0  # inputs that reached the engine
+        self.dropped_inputs = 0  # inputs dropped before compute (cancelled or expired)
+
+    # ---- the caller's side -------------------------------------------------
+    @property
+    def queue_depth(self) -> int:
+        return len(self._pending)
+
+    async def submit(self, items: list[Encoded], deadline: float | None = None, priority: int = 0) -> np.ndarray:
+        """Rows for `items`, in order. `deadline` is a time.monotonic() value;
+        a higher `priority` is served first."""
+        if self._closed:
+            raise NotReady(f"model {self.name} is shutting down")
+        if not items:
+            raise ValueError("submit needs at least one item")
+        if self._pending and len(self._pending) + len(items) > self.cfg.max_queue_size:
+            raise Overloaded(f"the queue of model {self.name} is full ({len(self._pending)} inputs); retry later",
+                             retry_after=1.0)
+        loop = asyncio.get_running_loop()
+        if self._scheduler is None:
+            self._scheduler = loop.create_task(self._schedule(), name=f"surge-batcher-{self.name}")
+        now = time.monotonic()
+        if deadline is not None and deadline <= now:
+            self._drop_count("expired", len(items))
+            raise DeadlineExceeded("the request's deadline passed before it was queued")
+        ticket = _Ticket(loop.create_future(), len(items), deadline, priority, remaining=len(items))
+        for i, it in enumerate(items):
+            entry = _Entry(ticket, i, it, len(it), next(self._seq), now)
+            self._pending.append(entry)
+            self._pending_tokens += entry.length
+        if deadline is not None:
+            ticket.timer = loop.call_at(loop.time() + (deadline - now), self._expire, ticket)
+        ticket.future.add_done_callback(lambda f, t=ticket: self._settled(t))
+        self._depth_changed()
+        self._wake.set()
+        return await ticket.future
+
+    def _expire(self, ticket: _Ticket) -> None:
+        if not ticket.future.done():
+            ticket.future.set_exception(DeadlineExceeded("the request's deadline passed while it was queued"))
+
+    def _settled(self, ticket: _Ticket) -> None:
+        """A ticket finished (result, error, cancel or expiry): forget its queued inputs."""
+        if ticket.timer is not None:
+            ticket.timer.cancel()
+        cancelled = ticket.future.cancelled()
+        if not cancelled and ticket.future.exception() is None:
+            return  # answered: none of its inputs is queued any more
+        before = len(self._pending)
+        if before:
+            self._pending = [e for e in self._pending if e.ticket is not ticket]
+            dropped = before - len(self._pending)
+            if dropped:
+                self._pending_tokens = sum(e.length for e in self._pending)
+                if cancelled:
+                    reason = "cancelled"
+                elif isinstance(ticket.future.exception(), DeadlineExceeded):
+                    reason = "expired"
+                else:
+                    reason = "failed"
+                self._drop_count(reason, dropped)
+                self._depth_changed()
+
+    def _drop_count(self, reason: str, n: int) -> None:
+        self.dropped_inputs += n
+        if self.metrics is not None:
+            self.metrics.dropped(reason, n)
+
+    def _depth_changed(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue_depth.set(len(self._pending))
+
+    # ---- the scheduler -----------------------------------------------------
+    async def _schedule(self) -> None:
+        while True:
+            await self._slots.acquire()
+            try:
+                batch, free_at = await self._next_batch()
+            except BaseException:
+                self._slots.release()
+                raise
+            task = asyncio.get_running_loop().create_task(self._execute(batch, free_at))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def _next_batch(self) -> tuple[list[_Entry], float]:
+        loop = asyncio.get_running_loop()
+        free_at: float | None = None
+        while True:
+            if not self._pending:
+                free_at = None
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            now = time.monotonic()
+            if free_at is None:
+                free_at = now
+            due = self._pending[0].arrived + self.cfg.max_queue_delay_s
+            if (not self.cfg.enabled or self._closed or now >= due or len(self._pending) >= self.max_batch_size
+                    or self._pending_tokens >= self.cfg.max_batch_tokens):
+                batch = self._form(now)
+                if batch:
+                    return batch, free_at
+                continue
+            # Sleep until the oldest input is due or more work arrives (an
+            # event plus a timer: no polling).
+            self._wake.clear()
+            timer = loop.call_later(due - now, self._wake.set)
+            try:
+                await self._wake.wait()
+            finally:
+                timer.cancel()
+
+    def _form(self, now: float) -> list[_Entry]:
+        live = []
+        for e in self._pending:
+            t = e.ticket
+            if t.future.done():
+                continue  # settled callbacks purge these; skip any not yet purged
+            if t.deadline is not None and t.deadline <= now:
+                self._expire(t)
+                continue
+            live.append(e)
+        if not live:
+            self._pending, self._pending_tokens = [], 0
+            self._depth_changed()
+            return []
+        # The anchor is the most urgent input: highest priority, then oldest.
+        top = max(e.ticket.priority for e in live)
+        anchor = next(e for e in live if e.ticket.priority == top)
+        batch = [anchor]
+        if self.max_batch_size > 1:
+            others = [e for e in live if e is not anchor]
+            # Group by length around the anchor; priority first, then age.
+            others.sort(key=lambda e: (-e.ticket.priority, abs(e.length - anchor.length), e.seq))
+            width, real = anchor.length, anchor.length
+            budget = self.cfg.max_batch_tokens
+            for e in others:
+                if len(batch) >= self.max_batch_size:
+                    break
+                w = max(width, e.length)
+                cost = w * (len(batch) + 1) if self.cfg.padded else real + e.length
+                if cost > budget:
+                    continue
+                if self.cfg.padded and 1.0 - (real + e.length) / cost > self.cfg.max_padding_ratio:
+                    # Padded tokens cost as much as real ones: an input this far
+                    # from the batch's length waits for the next batch (which,
+                    # with the engine busy, leaves as soon as an instance frees).
+                    continue
+                batch.append(e)
+                width, real = w, real + e.length
+            # Keep each caller's inputs in order inside the batch (not needed
+            # for correctness, rows are scattered by index, but easier to read).
+            batch.sort(key=lambda e: e.seq)
+        taken = set(map(id, batch))
+        self._pending = [e for e in live if id(e) not in taken]
+        self._pending_tokens = sum(e.length for e in self._pending)
+        self._depth_changed()
+        return batch
+
+    async def _execute(self, batch: list[_Entry], free_at: float) -> None:
+        loop = asyncio.get_running_loop()
+        start = time.monotonic()
+        lengths = [e.length for e in batch]
+        real = sum(lengths)
+        cost = max(lengths) * len(batch) if self.cfg.padded else real
+        self.history.append(BatchRecord(len(batch), real, cost, start - min(e.arrived for e in batch),
+                                        start - free_at))
+        m = self.metrics
+        if m is not None:
+            m.batch_size.observe(len(batch))
+            m.batch_tokens.observe(cost)
+            m.padding.observe(1.0 - real / cost if cost else 0.0)
+            for e in batch:
+                m.queue.observe(start - e.arrived)
+        try:
+            self.computed_inputs += len(batch)
+            rows = await loop.run_in_executor(self._executor, self._run, [e.item for e in batch])
+            if m is not None:
+                m.compute.observe(time.monotonic() - start)
+            if rows.shape[0] != len(batch):
+                raise EngineError(f"engine returned {rows.shape[0]} rows for a batch of {len(batch)}")
+        except Exception as exc:
+            err = exc if isinstance(exc, EngineError) else EngineError(f"batch failed: {type(exc).__name__}: {exc}")
+            for e in batch:
+                if not e.ticket.future.done():
+                    e.ticket.future.set_exception(err)
+            return
+        finally:
+            self._slots.release()
+        for i, e in enumerate(batch):
+            t = e.ticket
+            if t.future.done():
+                continue
+            if t.out is None:
+                t.out = np.empty((t.n, *rows.shape[1:]), dtype=rows.dtype)
+            t.out[e.index] = rows[i]
+            t.remaining -= 1
+            if t.remaining == 0:
+                t.future.set_result(t.out)
+
+    async def close(self) -> None:
+        """Stop taking work, let queued and running batches finish, stop the scheduler."""
+        self._closed = True
+        waiting = {e.ticket.future for e in self._pending}
+        self._wake.set()
+        if waiting:
+            await asyncio.wait(waiting)
+        if self._running:
+            await asyncio.gather(*list(self._running), return_exceptions=True)
+        if self._scheduler is not None:
+            self._scheduler.cancel()
+            try:
+                await self._scheduler
+            except asyncio.CancelledError:
+                pass

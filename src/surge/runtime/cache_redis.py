@@ -1,0 +1,85 @@
+"""The shared cache tier on Redis: replicas of one model version share hits.
+
+Keys are `surge:<model>:<version>:<sha256 of (options, normalized input)>`, so
+two versions never share entries. Values are a 4-byte token count followed by
+the float32 vector. Redis is an optimization, never a dependency: any Redis
+error counts as a miss, and after one the tier rests for a few seconds instead
+of slowing every request down.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+import time
+
+import numpy as np
+
+log = logging.getLogger("surge.cache")
+
+_HEADER = struct.Struct("<I")
+
+
+class RedisTier:
+    def __init__(self, url: str, model: str, version: str, ttl_s: int, timeout_s: float = 0.25,
+                 backoff_s: float = 5.0):
+        import redis.asyncio as aredis
+
+        self.client = aredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.prefix = f"surge:{model}:{version}:"
+        self.ttl_s = ttl_s
+        self.backoff_s = backoff_s
+        self._down_until = 0.0
+        self.errors = 0
+
+    def redis_key(self, key: tuple) -> str:
+        opts, raw = key
+        h = hashlib.sha256(repr(opts).encode())
+        h.update(b"\0")
+        h.update(raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass"))
+        return self.prefix + h.hexdigest()
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _failed(self, exc: Exception) -> None:
+        self.errors += 1
+        self._down_until = time.monotonic() + self.backoff_s
+        log.warning("redis cache tier unavailable for %.0f s: %s", self.backoff_s, exc)
+
+    async def get_many(self, keys: list[tuple]) -> list[tuple[np.ndarray, int] | None]:
+        if not keys or not self.available:
+            return [None] * len(keys)
+        try:
+            raw = await self.client.mget([self.redis_key(k) for k in keys])
+        except Exception as exc:  # redis errors, timeouts, refused connections
+            self._failed(exc)
+            return [None] * len(keys)
+        out = []
+        for value in raw:
+            if value is None or len(value) < _HEADER.size + 4:
+                out.append(None)
+                continue
+            (tokens,) = _HEADER.unpack_from(value)
+            out.append((np.frombuffer(value, dtype=np.float32, offset=_HEADER.size), tokens))
+        return out
+
+    async def put_many(self, items: list[tuple[tuple, np.ndarray, int]]) -> None:
+        if not items or not self.available:
+            return
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for key, vec, tokens in items:
+                    pipe.set(self.redis_key(key), _HEADER.pack(tokens) + np.asarray(vec, np.float32).tobytes(),
+                             ex=self.ttl_s)
+                await pipe.execute()
+        except Exception as exc:
+            self._failed(exc)
+
+    async def close(self) -> None:
+        try:
+            await self.client.aclose()
+        except Exception:
+            pass

@@ -1,0 +1,158 @@
+"""Prometheus metrics of the serving runtime, labelled per model and version.
+
+Metric families live in a CollectorRegistry that the app exposes on /metrics.
+Families are created once per registry (several services, or several apps in
+one test process, share them without duplicate-registration errors); each
+service gets a `ServiceMetrics` view bound to its (model, version) labels.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+_BATCH = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
+_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+_RATIO = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+_lock = threading.Lock()
+_default: CollectorRegistry | None = None
+_families: "weakref.WeakKeyDictionary[CollectorRegistry, _Families]" = weakref.WeakKeyDictionary()
+
+
+def default_registry() -> CollectorRegistry:
+    """The process's surge registry (created on first use, not at import)."""
+    global _default
+    with _lock:
+        if _default is None:
+            _default = CollectorRegistry()
+        return _default
+
+
+@dataclass
+class _Families:
+    requests: Counter
+    failures: Counter
+    inputs: Counter
+    dropped: Counter
+    latency: Histogram
+    queue: Histogram
+    tokenize: Histogram
+    compute: Histogram
+    post: Histogram
+    batch_size: Histogram
+    batch_tokens: Histogram
+    padding: Histogram
+    queue_depth: Gauge
+    inflight: Gauge
+    cache_hits: Counter
+    cache_misses: Counter
+    cache_evictions: Counter
+    cache_bytes: Gauge
+    cache_entries: Gauge
+    live: dict = field(default_factory=dict)  # (model, version) -> open ServiceMetrics
+
+
+def _make(reg: CollectorRegistry) -> _Families:
+    mv = ("model", "version")
+    return _Families(
+        requests=Counter("surge_requests", "Requests received.", mv, registry=reg),
+        failures=Counter("surge_request_failures", "Requests that failed, by error code.", (*mv, "code"), registry=reg),
+        inputs=Counter("surge_inputs", "Inputs (texts or token lists) received.", mv, registry=reg),
+        dropped=Counter("surge_inputs_dropped", "Queued inputs dropped before compute (cancelled, expired).",
+                        (*mv, "reason"), registry=reg),
+        latency=Histogram("surge_request_latency_seconds", "End-to-end latency inside the runtime.", mv,
+                          buckets=_LATENCY, registry=reg),
+        queue=Histogram("surge_queue_latency_seconds", "Time an input waited in the batch queue.", mv,
+                        buckets=_LATENCY, registry=reg),
+        tokenize=Histogram("surge_tokenize_latency_seconds", "Tokenization time per request.", mv,
+                           buckets=_LATENCY, registry=reg),
+        compute=Histogram("surge_compute_latency_seconds", "Engine time per batch (batch build, run, pooling).", mv,
+                          buckets=_LATENCY, registry=reg),
+        post=Histogram("surge_postprocess_latency_seconds", "Post-processing time per request.", mv,
+                       buckets=_LATENCY, registry=reg),
+        batch_size=Histogram("surge_batch_size", "Inputs per engine batch.", mv, buckets=_BATCH, registry=reg),
+        batch_tokens=Histogram("surge_batch_tokens", "Tokens per engine batch (padded for padded engines).", mv,
+                               buckets=_TOKENS, registry=reg),
+        padding=Histogram("surge_batch_padding_ratio", "Share of a batch's tokens that are padding.", mv,
+                          buckets=_RATIO, registry=reg),
+        queue_depth=Gauge("surge_queue_depth", "Inputs waiting in the batch queue.", mv, registry=reg),
+        inflight=Gauge("surge_inflight_inputs", "Inputs admitted and not yet answered.", mv, registry=reg),
+        cache_hits=Counter("surge_cache_hits", "Cache hits, by tier.", (*mv, "tier"), registry=reg),
+        cache_misses=Counter("surge_cache_misses", "Cache misses (every tier missed).", mv, registry=reg),
+        cache_evictions=Counter("surge_cache_evictions", "Entries evicted from the recent tier.", mv, registry=reg),
+        cache_bytes=Gauge("surge_cache_bytes", "Bytes held by the cache, by tier.", (*mv, "tier"), registry=reg),
+        cache_entries=Gauge("surge_cache_entries", "Entries held by the cache, by tier.", (*mv, "tier"), registry=reg),
+    )
+
+
+def families(reg: CollectorRegistry) -> _Families:
+    with _lock:
+        fam = _families.get(reg)
+        if fam is None:
+            fam = _families[reg] = _make(reg)
+        return fam
+
+
+class ServiceMetrics:
+    """One model version's children of every family (label lookups done once)."""
+
+    def __init__(self, model: str, version: str, registry: CollectorRegistry | None = None):
+        self.registry = registry or default_registry()
+        self.labels = (model, version)
+        f = self.fam = families(self.registry)
+        lv = self.labels
+        self.requests = f.requests.labels(*lv)
+        self.inputs = f.inputs.labels(*lv)
+        self.latency = f.latency.labels(*lv)
+        self.queue = f.queue.labels(*lv)
+        self.tokenize = f.tokenize.labels(*lv)
+        self.compute = f.compute.labels(*lv)
+        self.post = f.post.labels(*lv)
+        self.batch_size = f.batch_size.labels(*lv)
+        self.batch_tokens = f.batch_tokens.labels(*lv)
+        self.padding = f.padding.labels(*lv)
+        self.queue_depth = f.queue_depth.labels(*lv)
+        self.inflight = f.inflight.labels(*lv)
+        self.cache_misses = f.cache_misses.labels(*lv)
+        self.cache_evictions = f.cache_evictions.labels(*lv)
+        self._tiers: dict[str, tuple] = {}
+        with _lock:
+            f.live[lv] = f.live.get(lv, 0) + 1
+        self._closed = False
+
+    def failure(self, code: str) -> None:
+        self.fam.failures.labels(*self.labels, code).inc()
+
+    def dropped(self, reason: str, n: int = 1) -> None:
+        self.fam.dropped.labels(*self.labels, reason).inc(n)
+
+    def tier(self, tier: str):
+        """(hits counter, bytes gauge, entries gauge) of one cache tier."""
+        t = self._tiers.get(tier)
+        if t is None:
+            f, lv = self.fam, self.labels
+            t = self._tiers[tier] = (f.cache_hits.labels(*lv, tier), f.cache_bytes.labels(*lv, tier),
+                                     f.cache_entries.labels(*lv, tier))
+        return t
+
+    def close(self) -> None:
+        """A retired version holds nothing: zero its gauges. Its series are
+        kept (not removed): a reloaded version with the same labels shares
+        these children, and removing them would silently detach it."""
+        if self._closed:
+            return
+        self._closed = True
+        with _lock:
+            left = self.fam.live[self.labels] = self.fam.live[self.labels] - 1
+        if left:
+            return  # another open service reports under these labels
+        self.queue_depth.set(0)
+        self.inflight.set(0)
+        for _, g_bytes, g_entries in self._tiers.values():
+            g_bytes.set(0)
+            g_entries.set(0)

@@ -1,0 +1,153 @@
+"""A pure-ASGI layer in front of the embedding routes: cache hits and gone clients.
+
+1. Cache hits skip the framework. A POST /embed or /v1/embeddings whose body
+   is a plain, valid request (texts only, default options) and whose every
+   input is in the model's local cache is answered here, with the same JSON
+   the route would produce. Anything else (a miss, options, token ids, odd
+   shapes, errors) goes to the routes unchanged, which own validation and
+   error messages.
+2. A client that disconnects while its request waits is noticed (the ASGI
+   server reports http.disconnect) and the handler is cancelled, so the
+   runtime drops its queued inputs before spending compute on them.
+
+Only requests with a Content-Length within the body limit are touched; the
+rest pass straight through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import orjson
+
+from surge.errors import SurgeError
+from surge.server.state import AppState
+
+_EMBED = "/embed"
+_OPENAI = "/v1/embeddings"
+_NATIVE_KEYS = frozenset({"inputs", "model", "version"})
+_OPENAI_KEYS = frozenset({"input", "model", "encoding_format", "user"})
+
+
+def _watched(path: str) -> bool:
+    return path in (_EMBED, _OPENAI) or (path.startswith("/v2/models/") and path.endswith("/infer"))
+
+
+class HotPathMiddleware:
+    def __init__(self, app, state: AppState):
+        self.app = app
+        self.state = state
+        self.limits = state.config.limits
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or not _watched(scope["path"]):
+            return await self.app(scope, receive, send)
+        length = None
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                length = int(value) if value.isdigit() else None
+                break
+        if length is None or length > self.limits.max_body_bytes:
+            return await self.app(scope, receive, send)
+        chunks = []
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return  # gone before the body arrived
+            chunks.append(msg.get("body", b""))
+            if not msg.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        if scope["path"] in (_EMBED, _OPENAI):
+            answer = self._from_cache(scope["path"], body)
+            if answer is not None:
+                payload, version = answer
+                await send({"type": "http.response.start", "status": 200, "headers": [
+                    (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+                    (b"x-surge-model-version", version.encode())]})
+                await send({"type": "http.response.body", "body": payload})
+                return
+        await self._run_watched(scope, body, receive, send)
+
+    # ---- 1. cache hits ---------------------------------------------------------
+    def _from_cache(self, path: str, body: bytes) -> tuple[bytes, str] | None:
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return None
+        if type(data) is not dict:
+            return None
+        native = path == _EMBED
+        if not data.keys() <= (_NATIVE_KEYS if native else _OPENAI_KEYS):
+            return None
+        raw = data.get("inputs" if native else "input")
+        texts = [raw] if type(raw) is str else raw
+        if type(texts) is not list or not texts or len(texts) > self.limits.max_inputs_per_request:
+            return None
+        for t in texts:
+            if type(t) is not str or len(t) > self.limits.max_input_chars or not t.strip():
+                return None
+        model, version = data.get("model"), data.get("version")
+        if (model is not None and type(model) is not str) or (version is not None and type(version) is not str):
+            return None
+        if not native:
+            if data.get("encoding_format", "float") != "float" or type(data.get("user", "")) is not str:
+                return None
+        try:
+            service = self.state.registry.get(model, version)
+        except SurgeError:
+            return None
+        result = service.cached_result(texts)
+        if result is None:
+            return None
+        if native:
+            out = {"model": result.model, "version": result.version, "dimensions": int(result.vectors.shape[1]),
+                   "embeddings": result.vectors, "usage": {"prompt_tokens": result.prompt_tokens}}
+        else:
+            out = {"object": "list",
+                   "data": [{"object": "embedding", "index": i, "embedding": row}
+                            for i, row in enumerate(result.vectors)],
+                   "model": service.name,
+                   "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}}
+        return orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY), result.version
+
+    # ---- 2. gone clients ---------------------------------------------------------
+    async def _run_watched(self, scope, body: bytes, receive, send) -> None:
+        gone = asyncio.Event()
+        given = False
+        finished = False
+
+        async def replay():
+            nonlocal given
+            if not given:
+                given = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def tracked_send(msg):
+            nonlocal finished
+            if msg["type"] == "http.response.body" and not msg.get("more_body", False):
+                finished = True
+            await send(msg)
+
+        handler = asyncio.ensure_future(self.app(scope, replay, tracked_send))
+        watcher = asyncio.ensure_future(receive())
+        try:
+            await asyncio.wait((handler, watcher), return_when=asyncio.FIRST_COMPLETED)
+            if not handler.done() and watcher.result()["type"] == "http.disconnect" and not finished:
+                # The client has gone: stop the work (queued inputs are dropped).
+                gone.set()
+                handler.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await handler
+                return
+            await handler
+        finally:
+            if not watcher.done():
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await watcher
+            if not handler.done():
+                handler.cancel()

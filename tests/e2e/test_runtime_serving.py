@@ -1,0 +1,260 @@
+"""The serving runtime end to end: a real `surge serve`, a real HTTP client.
+
+- 10,000 requests of real sentences from 100 concurrent clients: every answer
+  equals the same input computed alone; nothing lost, nothing mixed.
+- Batches form under concurrency (and not with --no-batching).
+- Overload answers 429 with Retry-After, timeouts answer 504 and their queued
+  inputs are never computed; the server recovers.
+- Two server processes share cache hits through a real redis-server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from surge.types import EmbedOptions
+from tests.http_load import closed_loop, encode_post
+from tests.redis_server import redis_server  # noqa: F401  (fixture)
+from tests.server_process import ServerProcess
+
+
+def metrics(url: str) -> dict[tuple, float]:
+    """{(sample name, sorted labels without model/version): value} from GET /metrics."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model", "version")))
+            out[(s.name, labels)] = out.get((s.name, labels), 0.0) + s.value
+    return out
+
+
+def start_all(*servers: ServerProcess) -> None:
+    with ThreadPoolExecutor(len(servers)) as ex:
+        list(ex.map(lambda s: s.start(), servers))
+
+
+@pytest.fixture(scope="module")
+def shared_tier(request):
+    """The redis-server URL, or None when redis-server is not installed (only
+    the shared-tier test is skipped then, not the whole module)."""
+    try:
+        return request.getfixturevalue("redis_server")
+    except pytest.skip.Exception:
+        return None
+
+
+@pytest.fixture(scope="module")
+def servers(shared_tier):
+    redis_args = ["--redis-url", shared_tier] if shared_tier else []
+    batched = ServerProcess(*redis_args, "--max-queue-delay-ms", "5")
+    unbatched = ServerProcess("--no-batching", "--cache-bytes", "0")
+    strained = ServerProcess("--cache-bytes", "0", "--max-queue-size", "48", "--max-batch-size", "16",
+                             "--request-timeout-s", "0.4")
+    try:
+        start_all(batched, unbatched, strained)
+        yield batched, unbatched, strained
+    finally:
+        for s in (batched, unbatched, strained):
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def phrases(sentences) -> list[str]:
+    """Short real inputs: two random word prefixes of every sentence."""
+    rng = random.Random(11)
+    out = set()
+    for s in sentences:
+        words = s.split()
+        for _ in range(2):
+            out.add(" ".join(words[: rng.randint(3, min(9, len(words)))]))
+    return sorted(out)
+
+
+@pytest.fixture(scope="module")
+def alone(bundled_worker, phrases) -> dict[str, np.ndarray]:
+    """Each phrase computed alone (a batch of one) in this process."""
+    w = bundled_worker
+    return {p: w.finish(w.compute(w.tokenizer.encode([p])), EmbedOptions())[0] for p in phrases}
+
+
+def test_10k_concurrent_requests_match_alone_results(servers, phrases, alone):
+    batched = servers[0]
+    rng = random.Random(1)
+    n = 10_000
+    plan = [[rng.choice(phrases) for _ in range(rng.randint(1, 2))] for _ in range(n)]
+    # A lean keep-alive HTTP/1.1 client (httpx would spend more CPU than the server).
+    wire = [encode_post("127.0.0.1", "/embed", {"inputs": p}) for p in plan]
+    res = asyncio.run(closed_loop(batched.url, None, 100, total=n, make=wire.__getitem__, keep_bodies=True))
+    assert res.statuses == {200: n}, res.statuses
+    assert sorted(i for i, _ in res.bodies) == list(range(n)), "a request got no answer"
+    worst = 0.0
+    for i, raw in res.bodies:
+        inputs, body = plan[i], orjson.loads(raw)
+        got = np.asarray(body["embeddings"], dtype=np.float32)
+        want = np.stack([alone[p] for p in inputs])
+        assert got.shape == want.shape
+        worst = max(worst, float(np.abs(got - want).max()))
+    # Batched rows differ from alone rows only in rounding (padding), never by
+    # another input's vector (which would be off by ~1).
+    assert worst < 1e-4, worst
+    m = metrics(batched.url)
+    assert m[("surge_requests_total", ())] >= 10_000
+    assert m[("surge_cache_hits_total", (("tier", "recent"),))] > 0
+
+
+def _unique_inputs(phrases, tag: str, n: int) -> list[str]:
+    # Real phrases made unique per request so that the cache cannot answer.
+    return [f"{phrases[i % len(phrases)]} {tag}{i}" for i in range(n)]
+
+
+def _concurrent(url: str, inputs: list[str], n_clients: int):
+    wire = [encode_post("127.0.0.1", "/embed", {"inputs": [t]}) for t in inputs]
+    res = asyncio.run(closed_loop(url, None, n_clients, total=len(wire), make=wire.__getitem__))
+    assert res.statuses == {200: len(wire)}, res.statuses
+
+
+def test_batches_form_under_64_clients_and_not_with_batching_off(servers, phrases):
+    batched, unbatched, _ = servers
+    for srv, tag in ((batched, "b"), (unbatched, "u")):
+        before = metrics(srv.url)
+        _concurrent(srv.url, _unique_inputs(phrases, tag, 256), 64)
+        after = metrics(srv.url)
+        n = after[("surge_batch_size_count", ())] - before.get(("surge_batch_size_count", ()), 0)
+        inputs = after[("surge_batch_size_sum", ())] - before.get(("surge_batch_size_sum", ()), 0)
+        assert inputs == 256
+        if srv is batched:
+            assert n < inputs / 2, f"{n} batches for {inputs} inputs"
+            # The delay bound shows in the queue-latency histogram too: most
+            # inputs leave the queue in well under a second.
+            assert after[("surge_queue_latency_seconds_count", ())] >= 256
+        else:
+            assert n == inputs
+
+
+def test_overload_gives_429_timeouts_give_504_and_the_server_recovers(servers, sentences, alone, phrases):
+    strained = servers[2]
+    long_inputs = [" ".join(sentences[i:i + 4]) for i in range(0, 96)]
+
+    async def flood():
+        async with httpx.AsyncClient(base_url=strained.url, timeout=30,
+                                     limits=httpx.Limits(max_connections=64)) as client:
+            return await asyncio.gather(*(
+                client.post("/embed", json={"inputs": long_inputs[i:i + 8]}) for i in range(0, 96, 3)))
+
+    before = metrics(strained.url)
+    responses = asyncio.run(flood())
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 429, 504}, codes
+    assert codes.count(429) > 0, codes
+    assert codes.count(504) > 0, codes
+    for r in responses:
+        if r.status_code == 429:
+            assert int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["code"] == "overloaded"
+        if r.status_code == 504:
+            assert r.json()["error"]["code"] == "timeout"
+    assert strained.alive()
+    after = metrics(strained.url)
+    dropped = sum(v for (name, _), v in after.items() if name == "surge_inputs_dropped_total") - sum(
+        v for (name, _), v in before.items() if name == "surge_inputs_dropped_total")
+    computed = after[("surge_batch_size_sum", ())] - before.get(("surge_batch_size_sum", ()), 0)
+    admitted = 8 * (len(codes) - codes.count(429))
+    assert dropped > 0
+    assert computed + dropped <= admitted  # what timed out in the queue was never computed
+    # Recovery: once the work already on the engine has finished (a running
+    # batch cannot be interrupted), the next request is answered, and right.
+    deadline = time.monotonic() + 30
+    while True:
+        r = httpx.post(strained.url + "/embed", json={"inputs": [phrases[0]]}, timeout=10)
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose(r.json()["embeddings"][0], alone[phrases[0]], atol=1e-4)
+
+
+def test_redis_tier_shares_hits_between_two_servers(servers, phrases, shared_tier):
+    if shared_tier is None:
+        pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
+    redis_server = shared_tier
+    batched = servers[0]
+    texts = _unique_inputs(phrases, "shared", 12)
+    first = httpx.post(batched.url + "/embed", json={"inputs": texts}, timeout=30).json()["embeddings"]
+    with ServerProcess("--redis-url", redis_server) as replica:
+        before = metrics(replica.url)
+        second = httpx.post(replica.url + "/embed", json={"inputs": texts}, timeout=30).json()["embeddings"]
+        after = metrics(replica.url)
+    np.testing.assert_array_equal(np.asarray(second), np.asarray(first))
+    hits = after[("surge_cache_hits_total", (("tier", "shared"),))] - before.get(
+        ("surge_cache_hits_total", (("tier", "shared"),)), 0)
+    assert hits == 12
+    assert after.get(("surge_batch_size_sum", ()), 0) == before.get(("surge_batch_size_sum", ()), 0)
+
+
+def test_cache_hit_answers_equal_the_full_path_answers(servers, phrases):
+    batched = servers[0]
+    for path, key in (("/embed", "inputs"), ("/v1/embeddings", "input")):
+        texts = _unique_inputs(phrases, f"hot{key}", 3)
+        miss = httpx.post(batched.url + path, json={key: texts}, timeout=30)
+        hit = httpx.post(batched.url + path, json={key: texts}, timeout=30)  # answered from the cache
+        assert miss.status_code == hit.status_code == 200
+        assert hit.json() == miss.json()
+        assert hit.headers["x-surge-model-version"] == miss.headers["x-surge-model-version"]
+        assert hit.headers["content-type"] == "application/json"
+    # Requests the hot path does not handle still get the routes' errors.
+    bad = httpx.post(batched.url + "/embed", json={"inputs": [""]}, timeout=30)
+    assert bad.status_code == 400
+
+
+def test_a_client_that_disconnects_is_not_computed(servers, sentences):
+    batched = servers[0]
+    texts = [f"{' '.join(sentences[i:i + 4])} gone{i}" for i in range(192)]
+    before = metrics(batched.url)
+
+    async def impatient():
+        async with httpx.AsyncClient(base_url=batched.url, timeout=0.3) as client:
+            return await asyncio.gather(*(client.post("/embed", json={"inputs": texts[i:i + 32]})
+                                          for i in range(0, 192, 32)), return_exceptions=True)
+
+    outcomes = asyncio.run(impatient())
+    assert all(isinstance(o, httpx.TimeoutException) for o in outcomes), outcomes
+    # The server's own timeout is 30 s: only the disconnect can stop this work.
+    deadline = time.monotonic() + 20
+    while metrics(batched.url)[("surge_inflight_inputs", ())] > 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    after = metrics(batched.url)
+    key = ("surge_inputs_dropped_total", (("reason", "cancelled"),))
+    dropped = after.get(key, 0) - before.get(key, 0)
+    computed = after[("surge_batch_size_sum", ())] - before[("surge_batch_size_sum", ())]
+    assert dropped > 0
+    assert computed + dropped <= 192 and computed < 192
+
+
+def test_metrics_cover_the_runtime_per_model_and_version(servers, phrases):
+    url = servers[0].url
+    for _ in range(2):  # a miss, then a hit
+        assert httpx.post(url + "/embed", json={"inputs": [phrases[1]]}, timeout=30).status_code == 200
+    bad = httpx.post(url + "/embed", json={"inputs": [phrases[1]], "dimensions": 100_000}, timeout=30)
+    assert bad.status_code == 400  # refused inside the runtime: counted as a failure
+    text = httpx.get(url + "/metrics", timeout=10).text
+    names = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            names.setdefault(s.name, s.labels)
+    for name in ("surge_requests_total", "surge_request_failures_total", "surge_request_latency_seconds_bucket",
+                 "surge_queue_latency_seconds_bucket", "surge_tokenize_latency_seconds_bucket",
+                 "surge_compute_latency_seconds_bucket", "surge_batch_size_bucket", "surge_batch_tokens_bucket",
+                 "surge_batch_padding_ratio_bucket", "surge_queue_depth", "surge_cache_hits_total",
+                 "surge_cache_misses_total", "surge_cache_evictions_total", "surge_cache_bytes"):
+        assert name in names, name
+        assert names[name]["model"] == "all-MiniLM-L6-v2" and names[name]["version"] == "1", name

@@ -1,0 +1,216 @@
+"""The dynamic batcher with the real bundled model: batching, order, drops, overload."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from surge.errors import DeadlineExceeded, EngineError, Overloaded
+from surge.runtime.batcher import BatcherConfig, DynamicBatcher
+
+
+@pytest.fixture(scope="module")
+def pool():
+    ex = ThreadPoolExecutor(1)
+    yield ex
+    ex.shutdown()
+
+
+@pytest.fixture(scope="module")
+def encoded(bundled_worker, sentences):
+    return bundled_worker.tokenizer.encode(sentences)
+
+
+@pytest.fixture(scope="module")
+def alone(bundled_worker, encoded):
+    """Every sentence computed alone (batch of one): the reference each batched row must equal."""
+    return np.stack([bundled_worker.compute([e])[0] for e in encoded[:128]])
+
+
+def _batcher(worker, pool, **kw) -> DynamicBatcher:
+    return DynamicBatcher(worker.compute, pool, BatcherConfig(**kw))
+
+
+async def _clients(b: DynamicBatcher, encoded, n_clients: int, per_client: int, seed: int = 0):
+    rng = random.Random(seed)
+
+    async def client(c):
+        got = []
+        for _ in range(per_client):
+            k = rng.randint(1, 3)  # some callers send several inputs at once
+            idx = [rng.randrange(128) for _ in range(k)]
+            rows = await b.submit([encoded[i] for i in idx])
+            got.append((idx, rows))
+        return got
+
+    return [x for r in await asyncio.gather(*(client(c) for c in range(n_clients))) for x in r]
+
+
+def test_batches_form_under_concurrency_and_rows_match_alone(bundled_worker, pool, encoded, alone):
+    delay = 0.005
+    b = _batcher(bundled_worker, pool, max_queue_delay_s=delay, max_batch_size=32)
+    results = asyncio.run(_clients(b, encoded, 64, 4))
+    assert len(results) == 64 * 4
+    for idx, rows in results:
+        assert rows.shape == (len(idx), alone.shape[1])
+        # Each caller gets its own rows, in its order (padding changes the last bits only).
+        np.testing.assert_allclose(rows, alone[idx], atol=2e-5, rtol=0)
+    sizes = [r.size for r in b.history]
+    assert max(sizes) > 1 and np.mean(sizes) > 2
+    assert sum(sizes) == b.computed_inputs == sum(len(i) for i, _ in results)
+    # The delay bound: once an instance is free and work is queued, a batch
+    # leaves within max_queue_delay (plus event-loop scheduling slack).
+    slack = 0.05
+    assert all(r.free_wait_s <= delay + slack for r in b.history), max(r.free_wait_s for r in b.history)
+
+
+def test_batching_off_runs_every_input_alone(bundled_worker, pool, encoded, alone):
+    b = _batcher(bundled_worker, pool, enabled=False)
+    results = asyncio.run(_clients(b, encoded, 16, 2, seed=1))
+    assert {r.size for r in b.history} == {1}
+    for idx, rows in results:
+        np.testing.assert_allclose(rows, alone[idx], atol=2e-5, rtol=0)
+
+
+def test_delay_holds_a_lone_request_for_company(bundled_worker, pool, encoded, alone):
+    """With a long max delay, requests arriving close together share one batch."""
+
+    async def main():
+        b = _batcher(bundled_worker, pool, max_queue_delay_s=0.2)
+        t0 = time.monotonic()
+        first = asyncio.ensure_future(b.submit([encoded[0]]))
+        await asyncio.sleep(0.02)
+        rest = [asyncio.ensure_future(b.submit([encoded[i]])) for i in (1, 2, 3)]
+        rows = await asyncio.gather(first, *rest)
+        return b, rows, time.monotonic() - t0
+
+    b, rows, _ = asyncio.run(main())
+    assert [r.size for r in b.history] == [4]
+    np.testing.assert_allclose(np.concatenate(rows), alone[:4], atol=2e-5, rtol=0)
+
+
+async def _busy(b: DynamicBatcher, encoded, n: int = 64):
+    """Keep the single engine instance busy with a large batch."""
+    task = asyncio.ensure_future(b.submit(list(encoded[:n])))
+    while not b.history:  # the scheduler dispatches it at the next loop turns
+        await asyncio.sleep(0.001)
+    return task
+
+
+def test_cancelled_and_expired_inputs_are_never_computed(bundled_worker, pool, encoded):
+    async def main():
+        b = _batcher(bundled_worker, pool, max_queue_delay_s=0.001, max_batch_size=64)
+        big = await _busy(b, encoded)
+        cancelled = asyncio.ensure_future(b.submit(list(encoded[100:110])))
+        expiring = asyncio.ensure_future(b.submit(list(encoded[110:115]), deadline=time.monotonic() + 0.01))
+        kept = asyncio.ensure_future(b.submit(list(encoded[120:123])))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        with pytest.raises(DeadlineExceeded):
+            await expiring
+        await big
+        rows = await kept
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        return b, rows
+
+    b, rows = asyncio.run(main())
+    assert rows.shape[0] == 3
+    assert b.computed_inputs == 64 + 3
+    assert b.dropped_inputs == 10 + 5
+    assert sum(r.size for r in b.history) == 67
+
+
+def test_full_queue_raises_overloaded_and_recovers(bundled_worker, pool, encoded):
+    async def main():
+        b = _batcher(bundled_worker, pool, max_queue_size=8)
+        big = await _busy(b, encoded)
+        queued = asyncio.ensure_future(b.submit(list(encoded[200:206])))
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded) as info:
+            await b.submit(list(encoded[210:214]))
+        assert info.value.retry_after and info.value.retry_after >= 1
+        await big
+        await queued
+        return await b.submit(list(encoded[210:214]))  # room again
+
+    assert asyncio.run(main()).shape[0] == 4
+
+
+def test_priority_runs_first(bundled_worker, pool, encoded):
+    async def main():
+        b = _batcher(bundled_worker, pool, max_batch_size=1)
+        big = await _busy(b, encoded)
+        order = []
+
+        async def sub(i, prio):
+            await b.submit([encoded[i]], priority=prio)
+            order.append(prio)
+
+        tasks = [asyncio.ensure_future(sub(70 + i, p)) for i, p in enumerate([0, 0, 5, 0, 9])]
+        await asyncio.gather(big, *tasks)
+        return order
+
+    assert asyncio.run(main())[:2] == [9, 5]
+
+
+def test_length_grouping_cuts_padding(bundled_worker, pool, encoded):
+    short = sorted(encoded, key=len)[:24]
+    long = sorted(encoded, key=len)[-24:]
+    mixed = [x for pair in zip(short, long) for x in pair]
+
+    async def main(grouped_batch):
+        b = _batcher(bundled_worker, pool, max_batch_size=grouped_batch)
+        big = await _busy(b, encoded, grouped_batch)
+        # Every input queued while the engine is busy: the next batches group by length.
+        await asyncio.gather(big, *(b.submit([e]) for e in mixed))
+        return list(b.history)[1:]
+
+    records = asyncio.run(main(8))
+    real = sum(r.real_tokens for r in records)
+    cost = sum(r.cost_tokens for r in records)
+    arrival_order_cost = sum(max(len(e) for e in mixed[i:i + 8]) * 8 for i in range(0, len(mixed), 8))
+    assert cost < arrival_order_cost
+    assert 1 - real / cost < 0.5
+
+
+def test_wrong_row_count_fails_every_caller_loudly(bundled_worker, pool, encoded):
+    def drops_a_row(items):
+        return bundled_worker.compute(items)[:-1]
+
+    async def main():
+        b = DynamicBatcher(drops_a_row, pool, BatcherConfig(max_queue_delay_s=0.05))
+        return await asyncio.gather(*(b.submit([encoded[i]]) for i in range(4)), return_exceptions=True)
+
+    outcomes = asyncio.run(main())
+    assert all(isinstance(o, EngineError) for o in outcomes), outcomes
+
+
+def test_service_admission_gives_429_with_retry_after_and_503_when_not_ready(bundled_worker, encoded, sentences):
+    from surge.config import BatchingConfig, CacheConfig
+    from surge.errors import NotReady
+    from surge.runtime.service import ModelService
+
+    async def main():
+        svc = ModelService(bundled_worker.spec.name, "1", bundled_worker,
+                           batching=BatchingConfig(max_queue_size=8, max_inflight=8), cache=CacheConfig(enabled=False))
+        with pytest.raises(NotReady):
+            await svc.embed(texts=sentences[:1])
+        svc.mark_ready()
+        first = asyncio.ensure_future(svc.embed(texts=sentences[:6]))
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded) as info:
+            await svc.embed(texts=sentences[6:9])
+        assert info.value.retry_after >= 1 and info.value.http_status == 429
+        await first
+        ok = await svc.embed(texts=sentences[6:9])  # recovered
+        await svc.admission.drain()
+        await svc.batcher.close()
+        return ok
+
+    assert asyncio.run(main()).vectors.shape == (3, 384)
