@@ -120,7 +120,19 @@ def build_state(config: ServerConfig) -> AppState:
         from surge.server.grpc.server import install_grpc
 
         install_grpc(state)
+    if _uses_gpu(config):
+        from surge.engines.gpu_metrics import register_gpu_metrics
+        from surge.runtime.metrics import default_registry
+
+        # GPU utilization, SM utilization and occupancy (NVML) next to the runtime's metrics.
+        register_gpu_metrics(default_registry())
     return state
+
+
+def _uses_gpu(config: ServerConfig) -> bool:
+    if config.engine.device.startswith("cuda") or config.engine.devices:
+        return True
+    return config.model_repository is not None  # a repository may place any model on a GPU
 
 
 def add_single_model(state: AppState) -> None:
