@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,13 +48,15 @@ class ReplicaSpec:
 
 def replica_identity() -> str:
     """`<ray replica id>:<pid>` inside Ray Serve, `local:<pid>` outside it."""
-    try:
-        from ray import serve
+    unique = "local"
+    if "ray" in sys.modules:  # inside a replica Ray is loaded; never import it just to ask
+        try:
+            from ray import serve
 
-        rid = serve.get_replica_context().replica_id
-        unique = getattr(rid, "unique_id", None) or str(rid)
-    except Exception:  # not running inside a Serve replica
-        unique = "local"
+            rid = serve.get_replica_context().replica_id
+            unique = getattr(rid, "unique_id", None) or str(rid)
+        except Exception:  # not running inside a Serve replica
+            pass
     return f"{unique}:{os.getpid()}"
 
 
