@@ -116,6 +116,9 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=3.0, help="Seconds of load before measuring.")
     p.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs (and ORT threads) per replica.")
     p.add_argument("--cores", type=int, default=os.cpu_count(), help="CPUs Ray may use (default: all).")
+    p.add_argument("--worker-niceness", type=int, default=0,
+                   help="Nice value of Ray's workers (Ray's default is 15, which loses the CPU to any other "
+                        "process on a shared machine; 0 puts replicas on a par with the plain process).")
     p.add_argument("--no-plain", action="store_true", help="Skip the plain `surge serve` baseline.")
     p.add_argument("--plot", type=Path, default=None, help="Write a PNG of throughput and p99 per replica count.")
     p.add_argument("--markdown", type=Path, default=None, help="Also write the table as markdown here.")
@@ -148,7 +151,8 @@ def main() -> None:
             with console.status(f"deploying {n} replica(s)"):
                 # Ray may schedule more CPUs than the machine has, so that 4 replicas
                 # fit on 2 cores: that oversubscription is what the 4-replica row shows.
-                deploy(targets, config, num_cpus=max(args.cores, n * args.cpus_per_replica))
+                deploy(targets, config, num_cpus=max(args.cores, n * args.cpus_per_replica),
+                       _system_config={"worker_niceness": args.worker_niceness})
             rows.append((f"Ray Serve, {n} replica(s)", n, measure(f"http://127.0.0.1:{config.port}", texts, args,
                                                                    f"{n} replica(s)")))
     finally:

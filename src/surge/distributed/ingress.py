@@ -35,6 +35,15 @@ _served: ContextVar[list | None] = ContextVar("surge_served", default=None)
 _LOST = (RayActorError, ReplicaUnavailableError)
 
 
+class RemoteWorker:
+    """What protocol layers read of a ModelWorker (e.g. KServe's model metadata
+    reads engines.capabilities.device); the real one lives in the replicas."""
+
+    def __init__(self, capabilities):
+        self.engines = self
+        self.capabilities = capabilities
+
+
 class RemoteModel:
     """Stands in for a ModelService in the registry; the work runs on a replica."""
 
@@ -47,6 +56,7 @@ class RemoteModel:
         self.loaded_at = time.time()
         self.dimensions = 0
         self.max_length = 0
+        self.worker: RemoteWorker | None = None
 
     async def connect(self) -> None:
         """Learn the model's shape from a replica (waits until one is up)."""
@@ -54,6 +64,7 @@ class RemoteModel:
         self.dimensions = info["dimensions"]
         self.max_length = info["max_length"]
         self.loaded_at = info["loaded_at"]
+        self.worker = RemoteWorker(info["capabilities"])
         self.ready = True
 
     def mark_ready(self) -> None:

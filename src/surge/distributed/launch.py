@@ -19,6 +19,8 @@ def serve_on_ray(config: ServerConfig, *, address: str | None, overrides: dict, 
     else:
         targets = plan_single(config, ray_config(None, overrides), resolve)
     where = address or "a local Ray instance"
+    if config.grpc_port:
+        print("surge: note: under --ray only HTTP is served (no gRPC port)", file=sys.stderr, flush=True)
     for t in targets:
         scale = (f"{t.ray.autoscaling.min_replicas}-{t.ray.autoscaling.max_replicas} replicas (autoscaling)"
                  if t.ray.autoscaling else f"{t.ray.num_replicas} replica(s)")

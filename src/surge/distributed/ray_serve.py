@@ -13,6 +13,7 @@ through the Redis cache tier when `CacheConfig.redis_url` is set.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import ray
@@ -41,8 +42,10 @@ class _ServeModelReplica(ModelReplica):
             pass
 
 
-def build_application(targets: list[DeploymentTarget], config: ServerConfig, ingress_cpus: float = 0.0):
-    """The Ray Serve application: one deployment per model version plus the ingress."""
+def build_application(targets: list[DeploymentTarget], config: ServerConfig, *, ingress_replicas: int = 1,
+                      ingress_cpus: float = 0.0):
+    """The Ray Serve application: one deployment per model version plus the ingress
+    (`ingress_replicas` copies of surge's HTTP app; Ray's proxy spreads requests over them)."""
     if not targets:
         raise ValueError("nothing to deploy: no model targets")
     model_deployment = serve.deployment(_ServeModelReplica)
@@ -52,12 +55,12 @@ def build_application(targets: list[DeploymentTarget], config: ServerConfig, ing
         spec = target.spec
         if spec.engine.threads == 0:
             # One ORT thread per reserved CPU: replicas that share a machine do not oversubscribe it.
-            spec.engine = spec.engine.model_copy(update={"threads": target.ray.engine_threads()})
+            spec = dataclasses.replace(spec, engine=spec.engine.model_copy(update={"threads": target.ray.engine_threads()}))
         bound = model_deployment.options(name=target.deployment_name, **target.ray.deployment_options()).bind(spec)
         models.append((spec.name, spec.version, bound))
         retries[f"{spec.name}:{spec.version}"] = target.ray.request_retries
     ingress = serve.deployment(serve.ingress()(SurgeIngress)).options(
-        name=INGRESS_NAME, ray_actor_options={"num_cpus": ingress_cpus},
+        name=INGRESS_NAME, num_replicas=ingress_replicas, ray_actor_options={"num_cpus": ingress_cpus},
         # The ingress only decodes, routes and encodes; it must never be the queue.
         max_ongoing_requests=4096,
     )
@@ -77,13 +80,15 @@ def connect(address: str | None = None, *, num_cpus: float | None = None, http_h
 
 
 def deploy(targets: list[DeploymentTarget], config: ServerConfig, *, address: str | None = None,
-           app_name: str = APP_NAME, route_prefix: str = "/", num_cpus: float | None = None, **init_kwargs):
+           app_name: str = APP_NAME, route_prefix: str = "/", num_cpus: float | None = None,
+           ingress_replicas: int = 1, **init_kwargs):
     """Deploy and wait until every replica is warmed up; returns the ingress handle.
 
-    HTTP is served on config.host:config.port by Ray Serve's proxy.
+    HTTP is served on config.host:config.port by Ray Serve's proxy. `init_kwargs`
+    go to `ray.init` (e.g. namespace, runtime_env).
     """
     connect(address, num_cpus=num_cpus, http_host=config.host, http_port=config.port, **init_kwargs)
-    app = build_application(targets, config)
+    app = build_application(targets, config, ingress_replicas=ingress_replicas)
     return serve.run(app, name=app_name, route_prefix=route_prefix)
 
 

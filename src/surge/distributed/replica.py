@@ -95,7 +95,8 @@ class ModelReplica:
     async def info(self) -> dict:
         s = self.service
         return {"name": s.name, "version": s.version, "dimensions": s.dimensions, "max_length": s.max_length,
-                "loaded_at": s.loaded_at, "replica": self.identity}
+                "loaded_at": s.loaded_at, "replica": self.identity,
+                "capabilities": s.worker.engines.capabilities}
 
     async def check_health(self) -> None:
         """Ray calls this periodically; raising makes Ray replace the replica."""
