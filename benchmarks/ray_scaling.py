@@ -131,7 +131,7 @@ def main() -> None:
     from surge.config import CacheConfig, EngineConfig, ServerConfig, default_cache_dir
     from surge.data import load_sentences
     from surge.distributed.config import RayDeploymentConfig
-    from surge.distributed.ray_serve import deploy, plan_single
+    from surge.distributed.ray_serve import connect, deploy, plan_single
 
     texts = load_sentences()
     counts = [int(x) for x in args.replicas.split(",")]
@@ -144,15 +144,16 @@ def main() -> None:
     rows = []
     if not args.no_plain:
         rows.append(("plain surge serve", args.cores, run_plain_process(texts, args, default_cache_dir())))
+    # Ray may schedule more CPUs than the machine has, so that 4 replicas of 1 CPU fit
+    # on 2 cores: that oversubscription is what the rows past the core count show.
+    connect(None, num_cpus=max(args.cores, max(counts) * args.cpus_per_replica), http_host=config.host,
+            http_port=config.port, _system_config={"worker_niceness": args.worker_niceness})
     try:
         for n in counts:
             ray_cfg = RayDeploymentConfig(num_replicas=n, num_cpus=args.cpus_per_replica)
             targets = plan_single(config, ray_cfg, resolve=resolve_artifact)
             with console.status(f"deploying {n} replica(s)"):
-                # Ray may schedule more CPUs than the machine has, so that 4 replicas
-                # fit on 2 cores: that oversubscription is what the 4-replica row shows.
-                deploy(targets, config, num_cpus=max(args.cores, n * args.cpus_per_replica),
-                       _system_config={"worker_niceness": args.worker_niceness})
+                deploy(targets, config)
             rows.append((f"Ray Serve, {n} replica(s)", n, measure(f"http://127.0.0.1:{config.port}", texts, args,
                                                                    f"{n} replica(s)")))
     finally:
