@@ -111,3 +111,14 @@ def test_health_check_fails_when_the_engine_breaks(replica):
     finally:
         engine.session = session
     asyncio.run(replica.check_health())
+
+
+def test_cli_rejects_conflicting_ray_flags_with_a_clear_message():
+    from typer.testing import CliRunner
+
+    from surge.cli.main import app
+
+    result = CliRunner().invoke(app, ["serve", "--ray", "--ray-replicas", "2", "--ray-max-replicas", "4"])
+    assert result.exit_code == 2
+    assert "cannot be combined with the autoscaling flags" in result.output
+    assert "Traceback" not in result.output

@@ -80,13 +80,13 @@ def serve(
         from surge.errors import SurgeError
 
         try:
-            from surge.distributed.launch import serve_on_ray
-        except ImportError as exc:
-            raise typer.BadParameter(f"needs Ray Serve: pip install 'surge[ray]' ({exc})", param_hint="--ray")
-        try:
             overrides = flag_overrides(replicas=ray_replicas, min_replicas=ray_min_replicas,
                                        max_replicas=ray_max_replicas, target_ongoing=ray_target_ongoing,
                                        num_cpus=ray_num_cpus, num_gpus=ray_num_gpus, max_ongoing=ray_max_ongoing)
+            try:
+                from surge.distributed.launch import serve_on_ray
+            except ImportError as exc:
+                raise typer.BadParameter(f"needs Ray Serve: pip install 'surge[ray]' ({exc})", param_hint="--ray")
             serve_on_ray(config, address=ray_address, overrides=overrides, resolve=resolve_artifact)
         except SurgeError as exc:
             typer.echo(f"surge: {exc.message}", err=True)
