@@ -209,7 +209,7 @@ def test_killing_a_replica_under_load_loses_no_request(cluster, single, sentence
 
 @pytest.mark.redis
 @pytest.mark.skipif(not _runtime_has_redis_tier(),
-                    reason="the shared Redis cache tier (runtime/cache.py, branch `runtime`) is not merged yet")
+                    reason="the shared Redis cache tier (runtime/cache_redis.py, branch `runtime`) is not merged yet")
 def test_a_query_computed_on_one_replica_is_a_cache_hit_on_the_other(cluster, redis_url, single, sentences):
     if redis_url is None:
         pytest.skip("redis-server is not installed")
