@@ -231,3 +231,20 @@ def test_a_query_computed_on_one_replica_is_a_cache_hit_on_the_other(cluster, re
     np.testing.assert_allclose(np.array(r.json()["embeddings"], dtype=np.float32),
                                np.array(first.json()["embeddings"], dtype=np.float32), atol=1e-6)
     np.testing.assert_allclose(np.array(r.json()["embeddings"], dtype=np.float32), single([text]), atol=2e-5)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("surge.server.http.kserve") is None,
+                    reason="the KServe v2 routes (server/http/kserve.py, branch `kserve`) are not merged yet")
+def test_kserve_v2_routes_cross_the_ingress(cluster, single, sentences):
+    texts = sentences[50:53]
+    with httpx.Client(base_url=cluster, timeout=60) as client:
+        meta = client.get(f"/v2/models/{MODEL}")
+        assert meta.status_code == 200, meta.text
+        assert meta.json()["outputs"][0]["shape"] == [-1, 384]
+        r = client.post(f"/v2/models/{MODEL}/infer",
+                        json={"inputs": [{"name": "text", "datatype": "BYTES", "shape": [3], "data": texts}]})
+        assert r.status_code == 200, r.text
+        out = r.json()["outputs"][0]
+        got = np.array(out["data"], dtype=np.float32).reshape(out["shape"])
+        np.testing.assert_allclose(got, single(texts), atol=2e-5)
+        assert r.headers["x-surge-replica"]

@@ -18,6 +18,8 @@ def serve_on_ray(config: ServerConfig, *, address: str | None, overrides: dict, 
         targets = plan_repository(config, overrides, resolve)
     else:
         targets = plan_single(config, ray_config(None, overrides), resolve)
+    if address is None:
+        _check_port_free(config.host, config.port)
     where = address or "a local Ray instance"
     if config.grpc_port:
         print("surge: note: under --ray only HTTP is served (no gRPC port)", file=sys.stderr, flush=True)
@@ -38,3 +40,17 @@ def serve_on_ray(config: ServerConfig, *, address: str | None, overrides: dict, 
         print("surge: stopping", file=sys.stderr, flush=True)
         ray_serve.undeploy(shutdown=address is None)
 
+
+def _check_port_free(host: str, port: int) -> None:
+    """Ray Serve's proxy would fail to bind in the background and deploying would
+    hang; say so up front instead."""
+    import socket
+
+    from surge.errors import ConfigError
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise ConfigError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
