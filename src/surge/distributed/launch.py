@@ -32,7 +32,12 @@ def serve_on_ray(config: ServerConfig, *, address: str | None, overrides: dict, 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        ray_serve.deploy(targets, config, address=address)
+        try:
+            ray_serve.deploy(targets, config, address=address)
+        except Exception as exc:  # e.g. a replica that cannot load its model: Ray says which
+            from surge.errors import EngineError
+
+            raise EngineError(f"deploying on Ray Serve failed: {exc}") from None
         print(f"surge: ready, serving {', '.join(t.spec.name for t in targets)} on "
               f"http://{config.host}:{config.port} (Ray Serve)", file=sys.stderr, flush=True)
         stop.wait()
