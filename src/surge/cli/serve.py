@@ -46,6 +46,15 @@ def serve(
     request_timeout_s: float = typer.Option(30.0, envvar="SURGE_REQUEST_TIMEOUT_S", help="Requests unanswered after this get 504."),
     cache_dir: Optional[Path] = typer.Option(None, envvar="SURGE_CACHE_DIR", help="Where exported artifacts are kept."),
     log_level: str = typer.Option("info", envvar="SURGE_LOG_LEVEL", help="Log level."),
+    ray: bool = typer.Option(False, "--ray", envvar="SURGE_RAY", help="Scale out on Ray Serve: each model is a deployment whose replicas each run a surge engine, batcher and cache (needs the `ray` extra)."),
+    ray_address: Optional[str] = typer.Option(None, envvar="SURGE_RAY_ADDRESS", help="Ray cluster to deploy on (e.g. auto, ray://head:10001); default: start a local Ray instance."),
+    ray_replicas: Optional[int] = typer.Option(None, envvar="SURGE_RAY_REPLICAS", help="Fixed replicas per model (default 1, or model.yaml's ray section)."),
+    ray_min_replicas: Optional[int] = typer.Option(None, envvar="SURGE_RAY_MIN_REPLICAS", help="Autoscaling: fewest replicas."),
+    ray_max_replicas: Optional[int] = typer.Option(None, envvar="SURGE_RAY_MAX_REPLICAS", help="Autoscaling: most replicas."),
+    ray_target_ongoing: Optional[float] = typer.Option(None, envvar="SURGE_RAY_TARGET_ONGOING", help="Autoscaling: ongoing requests per replica to aim for."),
+    ray_num_cpus: Optional[float] = typer.Option(None, envvar="SURGE_RAY_NUM_CPUS", help="CPUs per replica (fractions allowed; default 1)."),
+    ray_num_gpus: Optional[float] = typer.Option(None, envvar="SURGE_RAY_NUM_GPUS", help="GPUs per replica (fractions allowed; default 0)."),
+    ray_max_ongoing: Optional[int] = typer.Option(None, envvar="SURGE_RAY_MAX_ONGOING", help="Requests one replica takes at a time (default 64)."),
 ) -> None:
     """Serve models over HTTP (OpenAI-compatible, native, KServe v2) and gRPC."""
     config = ServerConfig(
@@ -71,6 +80,25 @@ def serve(
         limits=LimitsConfig(max_inputs_per_request=max_inputs, max_body_bytes=max_body_bytes,
                             request_timeout_s=request_timeout_s),
     )
+    if ray or ray_address:
+        # Ray is an optional extra: imported only here, only under --ray.
+        from surge.cli.bootstrap import resolve_artifact
+        from surge.distributed.config import flag_overrides
+        from surge.errors import SurgeError
+
+        try:
+            overrides = flag_overrides(replicas=ray_replicas, min_replicas=ray_min_replicas,
+                                       max_replicas=ray_max_replicas, target_ongoing=ray_target_ongoing,
+                                       num_cpus=ray_num_cpus, num_gpus=ray_num_gpus, max_ongoing=ray_max_ongoing)
+            try:
+                from surge.distributed.launch import serve_on_ray
+            except ImportError as exc:
+                raise typer.BadParameter(f"needs Ray Serve: pip install 'surge[ray]' ({exc})", param_hint="--ray")
+            serve_on_ray(config, address=ray_address, overrides=overrides, resolve=resolve_artifact)
+        except SurgeError as exc:
+            typer.echo(f"surge: {exc.message}", err=True)
+            raise typer.Exit(code=2)
+        return
     run_server(config)
 
 

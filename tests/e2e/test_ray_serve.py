@@ -1,0 +1,250 @@
+"""surge on a real local Ray Serve instance: two replicas of the bundled model,
+each running a whole surge ModelService, behind surge's own HTTP app.
+
+One Ray instance (and one redis-server) for the whole module; 0.5 CPU and one
+ORT thread per replica so that it fits a 2-core CI machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.conftest import cosine_rows
+from tests.server_process import free_port
+
+pytest.importorskip("ray")
+pytest.importorskip("ray.serve")
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+MODEL = "all-MiniLM-L6-v2"
+APP = "surge-test"
+
+
+def _runtime_has_redis_tier() -> bool:
+    """The shared Redis tier comes from the runtime (runtime/cache_redis.py, branch `runtime`)."""
+    return importlib.util.find_spec("surge.runtime.cache_redis") is not None
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    binary = shutil.which("redis-server")
+    if binary is None:
+        yield None
+        return
+    port = free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import redis
+
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def cluster(bundled_spec, bundled_artifact, redis_url):
+    """Two replicas deployed on a local Ray instance; yields the HTTP base URL."""
+    import ray
+    from ray import serve
+
+    from surge.config import CacheConfig, EngineConfig, ServerConfig
+    from surge.distributed.config import RayDeploymentConfig
+    from surge.distributed.ray_serve import deploy, plan_single
+
+    config = ServerConfig(
+        port=free_port(), grpc_port=None,
+        engine=EngineConfig(threads=1, warmup_shapes=[(1, 8)]),
+        cache=CacheConfig(redis_url=redis_url),
+    )
+    ray_cfg = RayDeploymentConfig(num_replicas=2, num_cpus=0.5, health_check_period_s=2, health_check_timeout_s=20)
+    targets = plan_single(config, ray_cfg, resolve=lambda spec, engine, cache_dir: bundled_artifact)
+    # Ray's workers inherit this environment (PYTHONPATH, SURGE_CACHE_DIR).
+    deploy(targets, config, app_name=APP, num_cpus=2, namespace="surge-tests")
+    try:
+        yield f"http://127.0.0.1:{config.port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def single(bundled_worker):
+    """What a single surge process computes (the same worker code, in-process)."""
+    from surge.types import EmbedOptions
+
+    def embed(texts: list[str]) -> np.ndarray:
+        items = bundled_worker.tokenizer.encode(texts)
+        return bundled_worker.finish(bundled_worker.compute(items), EmbedOptions())
+
+    return embed
+
+
+def _replica_pid(replica: str) -> int:
+    return int(replica.rsplit(":", 1)[1])
+
+
+def test_two_replicas_match_a_single_process_and_share_the_load(cluster, single, reference_embed, sentences):
+    texts = sentences[:40]
+
+    async def run():
+        async with httpx.AsyncClient(base_url=cluster, timeout=60) as client:
+            sem = asyncio.Semaphore(8)
+
+            async def one(text):
+                async with sem:
+                    return await client.post("/embed", json={"inputs": [text]})
+
+            return await asyncio.gather(*(one(t) for t in texts))
+
+    responses = asyncio.run(run())
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200][:2]
+    got = np.array([r.json()["embeddings"][0] for r in responses], dtype=np.float32)
+    np.testing.assert_allclose(got, single(texts), atol=2e-5)
+    assert cosine_rows(got, reference_embed(texts)).min() >= 0.99999
+    served_by = {r.headers["x-surge-replica"] for r in responses}
+    assert len(served_by) == 2, f"expected both replicas to serve, got {served_by}"
+    assert all(r.headers["x-surge-model-version"] == "1" for r in responses)
+
+
+def test_openai_routes_and_errors_cross_the_ingress(cluster, single, sentences):
+    texts = sentences[40:44]
+    with httpx.Client(base_url=cluster, timeout=60) as client:
+        r = client.post("/v1/embeddings", json={"input": texts, "model": MODEL})
+        assert r.status_code == 200, r.text
+        got = np.array([d["embedding"] for d in r.json()["data"]], dtype=np.float32)
+        np.testing.assert_allclose(got, single(texts), atol=2e-5)
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [MODEL]
+        assert client.get("/ready").json() == {"status": "ready", "models": [MODEL]}
+        # A SurgeError raised inside a replica keeps its status and message.
+        bad = client.post("/embed", json={"inputs": ["x"], "dimensions": 1000})
+        assert bad.status_code == 400 and "dimensions must be between 1 and 384" in bad.json()["error"]["message"]
+        missing = client.post("/v1/embeddings", json={"input": "x", "model": "nope"})
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_killing_a_replica_under_load_loses_no_request(cluster, single, sentences):
+    from surge.distributed.ray_serve import replica_states
+
+    pool = sentences[:300]
+    n_clients, after_kill = 32, 160
+    results: list[tuple[str, httpx.Response | Exception]] = []
+    killed: dict = {}
+
+    async def run():
+        done_after_kill = 0
+        async with httpx.AsyncClient(base_url=cluster, timeout=60,
+                                     limits=httpx.Limits(max_connections=n_clients)) as client:
+            async def worker(w: int):
+                nonlocal done_after_kill
+                i = 0
+                while done_after_kill < after_kill:
+                    # Unique texts: every answer is computed (no cache hits) and checkable.
+                    text = f"{pool[(w * 37 + i) % len(pool)]} [{w}-{i}]"
+                    i += 1
+                    try:
+                        resp = await client.post("/embed", json={"inputs": [text]})
+                    except Exception as exc:  # a transport error is a client error too
+                        resp = exc
+                    results.append((text, resp))
+                    if killed:
+                        done_after_kill += 1
+                    elif len(results) >= 64 and isinstance(resp, httpx.Response) and resp.status_code == 200:
+                        replica = resp.headers["x-surge-replica"]
+                        killed["replica"] = replica
+                        os.kill(_replica_pid(replica), signal.SIGKILL)
+
+            await asyncio.gather(*(worker(w) for w in range(n_clients)))
+
+    asyncio.run(run())
+    errors = [(t, r if isinstance(r, Exception) else f"{r.status_code} {r.text[:200]}") for t, r in results
+              if isinstance(r, Exception) or r.status_code != 200]
+    assert not errors, f"{len(errors)} of {len(results)} requests failed, e.g. {errors[:3]}"
+    # Every answer belongs to its own request.
+    texts = [t for t, _ in results]
+    got = np.array([r.json()["embeddings"][0] for _, r in results], dtype=np.float32)
+    np.testing.assert_allclose(got, single(texts), atol=2e-5)
+
+    # Ray replaces the lost replica: two running again, one of them new.
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        states = replica_states(APP)
+        if states and all(s.get("RUNNING", 0) == 2 and len(s) == 1 for s in states.values()):
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"replica not replaced: {replica_states(APP)}")
+    seen = set()
+    with httpx.Client(base_url=cluster, timeout=60) as client:
+        for i in range(60):
+            r = client.post("/embed", json={"inputs": [f"after the restart {i}"]})
+            assert r.status_code == 200, r.text
+            seen.add(r.headers["x-surge-replica"])
+            if len(seen) == 2:
+                break
+    assert len(seen) == 2 and killed["replica"] not in seen, (killed, seen)
+
+
+@pytest.mark.redis
+@pytest.mark.skipif(not _runtime_has_redis_tier(),
+                    reason="the shared Redis cache tier (runtime/cache_redis.py, branch `runtime`) is not merged yet")
+def test_a_query_computed_on_one_replica_is_a_cache_hit_on_the_other(cluster, redis_url, single, sentences):
+    if redis_url is None:
+        pytest.skip("redis-server is not installed")
+    text = f"{sentences[7]} {uuid.uuid4().hex}"
+    with httpx.Client(base_url=cluster, timeout=60) as client:
+        first = client.post("/embed", json={"inputs": [text]})
+        assert first.status_code == 200, first.text
+        assert first.headers["x-surge-cache-hits"] == "0/1"
+        origin = first.headers["x-surge-replica"]
+        for _ in range(100):  # Ray routes at random between the two replicas
+            r = client.post("/embed", json={"inputs": [text]})
+            assert r.status_code == 200, r.text
+            if r.headers["x-surge-replica"] != origin:
+                break
+        else:
+            pytest.fail("the other replica never served the query")
+    # The other replica never computed this text: its answer can only come from Redis.
+    assert r.headers["x-surge-cache-hits"] == "1/1"
+    np.testing.assert_allclose(np.array(r.json()["embeddings"], dtype=np.float32),
+                               np.array(first.json()["embeddings"], dtype=np.float32), atol=1e-6)
+    np.testing.assert_allclose(np.array(r.json()["embeddings"], dtype=np.float32), single([text]), atol=2e-5)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("surge.server.http.kserve") is None,
+                    reason="the KServe v2 routes (server/http/kserve.py, branch `kserve`) are not merged yet")
+def test_kserve_v2_routes_cross_the_ingress(cluster, single, sentences):
+    texts = sentences[50:53]
+    with httpx.Client(base_url=cluster, timeout=60) as client:
+        meta = client.get(f"/v2/models/{MODEL}")
+        assert meta.status_code == 200, meta.text
+        assert meta.json()["outputs"][0]["shape"] == [-1, 384]
+        r = client.post(f"/v2/models/{MODEL}/infer",
+                        json={"inputs": [{"name": "text", "datatype": "BYTES", "shape": [3], "data": texts}]})
+        assert r.status_code == 200, r.text
+        out = r.json()["outputs"][0]
+        got = np.array(out["data"], dtype=np.float32).reshape(out["shape"])
+        np.testing.assert_allclose(got, single(texts), atol=2e-5)
+        assert r.headers["x-surge-replica"]
