@@ -169,6 +169,8 @@ class ModelFile(_Strict):
     cache: CacheConfig | None = Field(None, description="Cache settings; default: the server's.")
     version_policy: VersionPolicy = Field(default_factory=VersionPolicy, description="Which versions are served.")
     description: str = Field("", description="Free text shown by GET /models.")
+    ray: "RayDeploymentConfig | None" = Field(
+        None, description="Ray Serve deployment (replicas, autoscaling, resources) under `surge serve --ray`.")
 
 
 PortType = Literal["text", "tokens", "vector", "label", "number", "ranking", "json", "any"]
@@ -258,3 +260,8 @@ def _deep_merge(base: dict, over: dict) -> dict:
         else:
             out[key] = value
     return out
+
+
+from surge.distributed.config import RayDeploymentConfig  # noqa: E402  (no Ray import: plain pydantic)
+
+ModelFile.model_rebuild()
