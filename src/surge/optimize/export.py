@@ -23,9 +23,15 @@ OPSET = 18
 
 
 def export_settings(opset: int = OPSET) -> dict:
-    import torch
+    # The version from package metadata: importing torch only to key the cache
+    # would add seconds to every server start that reuses an artifact.
+    from importlib.metadata import PackageNotFoundError, version
 
-    return {"exporter": "torch.onnx", "opset": opset, "version": EXPORT_VERSION, "torch": torch.__version__.split("+")[0]}
+    try:
+        torch_version = version("torch").split("+")[0]
+    except PackageNotFoundError:
+        torch_version = "none"
+    return {"exporter": "torch.onnx", "opset": opset, "version": EXPORT_VERSION, "torch": torch_version}
 
 
 def load_torch_model(spec: ModelSpec, dtype=None):
