@@ -1,0 +1,139 @@
+"""PNG plots of benchmark runs (matplotlib, Agg backend): latency CDF, latency
+against throughput across a sweep, and cache hit ratio against cache size."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from surge.bench.loadgen import RunResult
+from surge.bench.report import summarize
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def latency_cdf(runs: dict[str, list[RunResult]], path: str | Path, title: str = "latency CDF") -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, rs in runs.items():
+        for r in rs:
+            lat = np.sort(r.latency[r.ok]) * 1000
+            if lat.size == 0:
+                continue
+            y = np.arange(1, lat.size + 1) / lat.size
+            ax.plot(lat, y, label=f"{name} · {r.spec.label()}")
+    ax.set_xscale("log")
+    ax.set_xlabel("latency (ms, log scale)")
+    ax.set_ylabel("fraction of requests")
+    for q in (0.5, 0.99):
+        ax.axhline(q, color="grey", lw=0.5, ls=":")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def latency_vs_throughput(runs: dict[str, list[RunResult]], path: str | Path,
+                          title: str = "latency against throughput") -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (name, rs) in enumerate(runs.items()):
+        ss = [summarize(r) for r in rs]
+        x = [s["throughput_rps"] for s in ss]
+        color = f"C{i}"
+        ax.plot(x, [s["latency_ms"]["p50"] or np.nan for s in ss], "o-", color=color, label=f"{name} p50")
+        ax.plot(x, [s["latency_ms"]["p99"] or np.nan for s in ss], "s--", color=color, label=f"{name} p99")
+        for s, xi in zip(ss, x):
+            ax.annotate(s["label"], (xi, s["latency_ms"]["p99"] or np.nan), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")
+    ax.set_yscale("log")
+    ax.set_xlabel("throughput (successful requests/s)")
+    ax.set_ylabel("latency (ms, log scale)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def lru_hit_ratios(stream: Iterable[str], sizes: list[int], warmup: int = 0) -> list[float]:
+    """Hit ratio of an LRU cache of each size (in entries) over a query stream (after `warmup` requests)."""
+    seq = list(stream)
+    out = []
+    for size in sizes:
+        cache: OrderedDict[str, None] = OrderedDict()
+        hits = total = 0
+        for i, q in enumerate(seq):
+            hit = q in cache
+            if hit:
+                cache.move_to_end(q)
+            elif size > 0:
+                cache[q] = None
+                if len(cache) > size:
+                    cache.popitem(last=False)
+            if i >= warmup:
+                total += 1
+                hits += hit
+        out.append(hits / total if total else 0.0)
+    return out
+
+
+def cache_hit_vs_size(sizes: list[int], ratios: list[float], path: str | Path, measured: dict[str, float] | None = None,
+                      title: str = "cache hit ratio against cache size", bytes_per_entry: int | None = None) -> Path:
+    """Simulated LRU hit ratio by size; `measured` adds server-reported ratios as horizontal lines."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(sizes, ratios, "o-", label="LRU on this workload (simulated)")
+    for i, (name, ratio) in enumerate((measured or {}).items()):
+        ax.axhline(ratio, color=f"C{i + 1}", ls="--", label=f"{name}: measured {ratio:.0%}")
+    ax.set_xscale("symlog", linthresh=max(1, min(s for s in sizes if s > 0)))
+    xlabel = "cache size (entries)"
+    if bytes_per_entry:
+        xlabel += f"; x {bytes_per_entry} B per entry"
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("hit ratio")
+    ax.set_ylim(0, 1)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def _save(fig, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def write_all(runs: dict[str, list[RunResult]], out_dir: str | Path, prefix: str = "bench",
+              workload=None, measured_hits: dict[str, float] | None = None, n_sim: int = 50_000) -> list[Path]:
+    """The three standard plots; the cache plot needs the workload (to simulate) or measured ratios."""
+    out_dir = Path(out_dir)
+    paths = [latency_cdf(runs, out_dir / f"{prefix}_latency_cdf.png"),
+             latency_vs_throughput(runs, out_dir / f"{prefix}_latency_vs_throughput.png")]
+    if workload is not None and workload.weights is not None:
+        n = len(workload.queries)
+        sizes = sorted({0, 50, 100, 250, 500, 1000, 2000, 4000, n})
+        ratios = lru_hit_ratios(_take(workload.stream(seed=workload.seed + 1000), n_sim), sizes, warmup=n_sim // 5)
+        paths.append(cache_hit_vs_size(sizes, ratios, out_dir / f"{prefix}_cache_hit_vs_size.png", measured_hits,
+                                       title=f"cache hit ratio against cache size (Zipf s={workload.zipf_s:.2f}, "
+                                             f"{n} queries)"))
+    return paths
+
+
+def _take(it, n):
+    return [next(it) for _ in range(n)]
