@@ -115,11 +115,29 @@ class NativeHTTP(_HTTPTarget):
 class OpenAIHTTP(_HTTPTarget):
     """Any OpenAI-compatible server: POST /v1/embeddings {"input": [...], "model": ...}."""
 
+    def _v1(self) -> str:
+        return self.base if self.base.endswith("/v1") else self.base + "/v1"
+
     def url(self) -> str:
-        return self.base + ("/embeddings" if self.base.endswith("/v1") else "/v1/embeddings")
+        return self._v1() + "/embeddings"
+
+    async def open(self, connections: int) -> None:
+        await super().open(connections)
+        if not self.model:
+            # OpenAI's API requires a model: take the first one the server lists.
+            try:
+                async with self.session.get(self._v1() + "/models") as resp:
+                    if resp.status == 200:
+                        data = orjson.loads(await resp.read()).get("data") or []
+                        self.model = data[0]["id"] if data else None
+            except Exception:
+                pass  # an unreachable server shows up as request errors
 
     def body(self, texts):
-        return orjson.dumps({"input": texts, "model": self.model or "default"})
+        req = {"input": texts}
+        if self.model:
+            req["model"] = self.model
+        return orjson.dumps(req)
 
     def rows(self, answer):
         return len(answer["data"])

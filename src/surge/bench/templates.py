@@ -102,7 +102,7 @@ MEDIUM: list[str] = [
     "how do you say {phrase} in {language}",
     "what's the fastest way to get to {place} right now",
     "add {item} and {item2} to the grocery list",
-    "what was the score of the last {team} game",
+    "how did {team} do last night",
     "explain {topic} like i'm five",
     "is it going to be colder in {city} or {city2} {day}",
     "schedule a call with {person} {day} at {time}",
