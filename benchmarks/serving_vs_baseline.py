@@ -53,7 +53,7 @@ def main() -> int:
     from surge.bench.servers import ServerProc, free_port, surge_serve_argv
     from surge.bench.targets import make_target
     from surge.bench.workloads import make_workload
-    from surge.cli.bench import _run
+    from surge.bench.cli_helpers import run_coro as _run
 
     console = Console(stderr=True)
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])}

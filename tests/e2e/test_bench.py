@@ -97,6 +97,10 @@ def test_in_process_engine_at_the_asked_rate(bundled_spec, bundled_worker):
     r = asyncio.run(main())
     assert r.ok.all(), r.errors
     assert abs(r.count - rate * duration) < 4 * np.sqrt(rate * duration)
+    # The worker directly (no service, no asyncio in the engine path), closed loop, bounded by count.
+    r = asyncio.run(run_load(InProcess(bundled_worker), make_workload(2000).stream(seed=6),
+                             LoadSpec(mode="closed", concurrency=2, duration_s=30, warmup_s=0, max_requests=20)))
+    assert r.count == 20 and r.ok.all(), r.errors
     # In-process requests still return real embeddings: spot-check one against the engine directly.
     text = make_workload(2000).queries[0]
     v = asyncio.run(service.embed(texts=[text])).vectors[0]

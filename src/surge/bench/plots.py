@@ -25,13 +25,14 @@ def _plt():
 def latency_cdf(runs: dict[str, list[RunResult]], path: str | Path, title: str = "latency CDF") -> Path:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, rs in runs.items():
-        for r in rs:
+    styles = ["-", "--", ":", "-."]
+    for i, (name, rs) in enumerate(runs.items()):
+        for j, r in enumerate(rs):  # one colour per target, one line style per load level
             lat = np.sort(r.latency[r.ok]) * 1000
             if lat.size == 0:
                 continue
             y = np.arange(1, lat.size + 1) / lat.size
-            ax.plot(lat, y, label=f"{name} · {r.spec.label()}")
+            ax.plot(lat, y, color=f"C{i}", ls=styles[j % len(styles)], label=f"{name} · {r.spec.label()}")
     ax.set_xscale("log")
     ax.set_xlabel("latency (ms, log scale)")
     ax.set_ylabel("fraction of requests")
@@ -88,14 +89,18 @@ def lru_hit_ratios(stream: Iterable[str], sizes: list[int], warmup: int = 0) -> 
 
 
 def cache_hit_vs_size(sizes: list[int], ratios: list[float], path: str | Path, measured: dict[str, float] | None = None,
-                      title: str = "cache hit ratio against cache size", bytes_per_entry: int | None = None) -> Path:
-    """Simulated LRU hit ratio by size; `measured` adds server-reported ratios as horizontal lines."""
+                      title: str = "cache hit ratio against cache size", bytes_per_entry: int | None = None,
+                      pinned: list[float] | None = None) -> Path:
+    """Simulated LRU hit ratio by size; `pinned` the ideal static top-K tier's (the popularity mass of
+    the K hottest queries); `measured` adds server-reported ratios as horizontal lines."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot(sizes, ratios, "o-", label="LRU on this workload (simulated)")
+    if pinned is not None:
+        ax.plot(sizes, pinned, "^-", label="pinned top-K hot set (ideal, exact)")
     for i, (name, ratio) in enumerate((measured or {}).items()):
         ax.axhline(ratio, color=f"C{i + 1}", ls="--", label=f"{name}: measured {ratio:.0%}")
-    ax.set_xscale("symlog", linthresh=max(1, min(s for s in sizes if s > 0)))
+    ax.set_xscale("log")
     xlabel = "cache size (entries)"
     if bytes_per_entry:
         xlabel += f"; x {bytes_per_entry} B per entry"
@@ -127,9 +132,12 @@ def write_all(runs: dict[str, list[RunResult]], out_dir: str | Path, prefix: str
              latency_vs_throughput(runs, out_dir / f"{prefix}_latency_vs_throughput.png")]
     if workload is not None and workload.weights is not None:
         n = len(workload.queries)
-        sizes = sorted({0, 50, 100, 250, 500, 1000, 2000, 4000, n})
+        sizes = sorted({10, 50, 100, 250, 500, 1000, 2000, 4000, n})
         ratios = lru_hit_ratios(_take(workload.stream(seed=workload.seed + 1000), n_sim), sizes, warmup=n_sim // 5)
+        mass = np.cumsum(np.sort(workload.weights)[::-1])
+        pinned = [float(mass[min(k, n) - 1]) for k in sizes]
         paths.append(cache_hit_vs_size(sizes, ratios, out_dir / f"{prefix}_cache_hit_vs_size.png", measured_hits,
+                                       pinned=pinned,
                                        title=f"cache hit ratio against cache size (Zipf s={workload.zipf_s:.2f}, "
                                              f"{n} queries)"))
     return paths

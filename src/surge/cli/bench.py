@@ -111,7 +111,8 @@ def run(
     protocol: str = typer.Option("native", "--protocol", "-p", help="native (/embed), openai (/v1/embeddings), kserve (HTTP v2), kserve-grpc."),
     model: Optional[str] = typer.Option(None, help="Model name (OpenAI 'model', KServe model; default: the server's first)."),
     mode: str = typer.Option("closed", help="closed (N clients), open (Poisson arrivals) or replay (a log's times)."),
-    concurrency: str = typer.Option("16", "--concurrency", "-c", help="Clients (closed loop; a list sweeps) or connections (open loop)."),
+    concurrency: str = typer.Option("16", "--concurrency", "-c", help="Clients (closed loop; a list sweeps)."),
+    connections: int = typer.Option(256, help="Open loop/replay: most connections to the target (arrivals beyond wait for one, and that wait counts as latency)."),
     rate: Optional[str] = typer.Option(None, "--rate", "-r", help="Arrivals per second (open loop; a list sweeps)."),
     duration: float = typer.Option(10.0, "--duration", "-d", help="Measured seconds per level."),
     warmup: float = typer.Option(2.0, help="Seconds of unmeasured warm-up per level."),
@@ -140,6 +141,8 @@ def run(
     from surge.bench.targets import make_target
 
     workload = _workload(query_log, queries, zipf, seed)
+    if mode != "closed":
+        concurrency = str(connections)
     specs = _specs(mode, concurrency, rate, duration, warmup, requests, inputs, seed, max_inflight, replay_speed)
     service = None
     if target in ("in-process", "inproc"):
@@ -162,14 +165,9 @@ def run(
 
 
 def _run(coro):
-    try:
-        import uvloop
+    from surge.bench.cli_helpers import run_coro
 
-        return uvloop.run(coro)
-    except ImportError:
-        import asyncio
-
-        return asyncio.run(coro)
+    return run_coro(coro)
 
 
 @bench_app.command("compare")
