@@ -177,3 +177,25 @@ def test_a_stalled_generator_shows_up_in_latency(workload):
     late = lag > 0.1
     assert late.sum() > 10 and np.median(r.latency[late]) > 0.1
     assert r.ok.all()
+
+
+def test_replay_follows_the_log_times_and_the_count_bound(tmp_path):
+    from surge.bench.workloads import poisson_offsets, read_query_log, write_query_log
+
+    texts = make_workload(1000, seed=2).sample(400, seed=3)
+    times = poisson_offsets(400, 100.0, seed=4)
+    log = read_query_log(write_query_log(tmp_path / "q.jsonl", texts, times))
+    seen = []
+
+    def record(i, path, body):
+        import json
+
+        seen.append(json.loads(body)["inputs"][0])
+        return 200, b'{"embeddings": [[1.0]]}'
+
+    with TinyServer(record) as srv:
+        spec = LoadSpec(mode="replay", duration_s=60, warmup_s=0, max_requests=150, concurrency=16)
+        r = asyncio.run(run_load(NativeHTTP(srv.url), log.stream(), spec, times=log.times))
+    assert r.count == 150 and r.ok.all()
+    np.testing.assert_allclose(np.sort(r.scheduled), times[:150], atol=1e-6)  # the log's schedule, kept
+    assert sorted(seen) == sorted(texts[:150])  # the log's queries, in its order (up to arrival races)
