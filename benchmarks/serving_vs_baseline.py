@@ -73,8 +73,10 @@ def main() -> int:
     load_before = os.getloadavg()
     try:
         with console.status("[bold]starting servers[/]") as status:
+            for s in servers:  # both load at once; they are benchmarked one at a time
+                s.start(wait=False)
             for s in servers:
-                s.start(status)
+                s.wait_ready(status)
         targets = {s.name: ((lambda s=s: make_target(args.protocol, s.url, None, args.timeout)), s.url)
                    for s in servers}
         runs = _run(run_many(targets, workload, specs, show_progress=not args.no_progress))

@@ -37,11 +37,16 @@ class ServerProc:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, status=None) -> "ServerProc":
-        import httpx
-
+    def start(self, status=None, wait: bool = True) -> "ServerProc":
         self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
                                      cwd=self.cwd, start_new_session=True)
+        if wait:
+            self.wait_ready(status)
+        return self
+
+    def wait_ready(self, status=None) -> "ServerProc":
+        import httpx
+
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

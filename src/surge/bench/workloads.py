@@ -9,8 +9,9 @@ runs with the same arguments send the same queries in the same order.
 
 Query log format (replayable, written by `write_query_log`): JSON lines,
 one request per line, `{"text": "...", "t": 0.0123}`; `t` (seconds from the
-start, optional) lets a replay reproduce the original arrival times. A plain
-text file with one query per line is read as well.
+start, optional) lets a replay reproduce the original arrival times. Plain
+text, one query per line (what the cache's pinned tier is seeded from), is
+written for a .txt path and read as well.
 """
 
 from __future__ import annotations
@@ -142,9 +143,18 @@ def uniform_workload(queries: list[str], seed: int = 0) -> Workload:
                     source="list")
 
 
-def write_query_log(path: str | Path, texts: list[str], times: np.ndarray | list[float] | None = None) -> Path:
+def write_query_log(path: str | Path, texts: list[str], times: np.ndarray | list[float] | None = None,
+                    fmt: str | None = None) -> Path:
+    """JSON lines (`fmt="jsonl"`, the default) or plain text, one query per line (`fmt="text"`, the
+    default for a .txt path; what `surge serve --cache-query-log` reads to seed its pinned tier)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    fmt = fmt or ("text" if path.suffix == ".txt" else "jsonl")
+    if fmt == "text":
+        if any("\n" in t for t in texts):
+            raise ValueError("a plain-text query log cannot hold queries with newlines")
+        path.write_text("".join(t + "\n" for t in texts), encoding="utf-8")
+        return path
     with path.open("w", encoding="utf-8") as f:
         for i, text in enumerate(texts):
             rec = {"text": text}

@@ -210,7 +210,7 @@ def compare(
 
 @bench_app.command("workload")
 def workload(
-    out: Path = typer.Argument(..., help="Query log to write (JSON lines: text, t)."),
+    out: Path = typer.Argument(..., help="Query log to write: JSON lines (text, t), or one query per line for a .txt path."),
     requests: int = typer.Option(10000, "--requests", "-n", help="Requests in the log."),
     rate: float = typer.Option(0.0, help="Add Poisson arrival times at this rate (0: no times)."),
     queries: int = typer.Option(6000, help="Distinct template queries in the pool."),

@@ -63,6 +63,8 @@ def test_query_log_round_trip(tmp_path):
     np.testing.assert_allclose(log.times, times, atol=1e-6)
     # Replay sends the log in order, then starts over.
     assert [q for q, _ in zip(log.stream(), range(len(texts) + 2))] == texts + texts[:2]
+    assert read_query_log(write_query_log(tmp_path / "w.txt", texts)).queries == texts
+    assert (tmp_path / "w.txt").read_text().splitlines() == texts  # plain text: what the cache reads
     plain = tmp_path / "q.txt"
     plain.write_text("turn on the lights\n\nwhat time is it\n")
     assert read_query_log(plain).queries == ["turn on the lights", "what time is it"]
