@@ -13,7 +13,6 @@ the servers under test (on 2 cores surge and the baseline serve < 1,000 req/s).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import subprocess
 import sys

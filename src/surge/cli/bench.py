@@ -135,7 +135,6 @@ def run(
     progress: bool = typer.Option(True, help="Live progress display."),
 ) -> None:
     """Benchmark one target: closed-loop clients or open-loop Poisson arrivals, over a sweep."""
-    import asyncio
 
     from surge.bench.runner import run_many
     from surge.bench.targets import make_target
