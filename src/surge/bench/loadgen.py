@@ -217,18 +217,18 @@ async def run_load(target, queries: Iterator[str], spec: LoadSpec, *, times: np.
     """One run against an opened-or-not target; the target is opened and closed here."""
     spec.validate()
     rec = Recorder()
-    await target.open(connections or (spec.concurrency if spec.mode == "closed" else max(spec.concurrency, 1)))
     ticker = None
-    if on_progress is not None:
-        t_start = now()
-
-        async def tick():
-            while True:
-                on_progress(rec, now() - t_start)
-                await asyncio.sleep(0.25)
-
-        ticker = asyncio.create_task(tick())
     try:
+        await target.open(connections or spec.concurrency)
+        if on_progress is not None:
+            t_start = now()
+
+            async def tick():
+                while True:
+                    on_progress(rec, now() - t_start)
+                    await asyncio.sleep(0.25)
+
+            ticker = asyncio.create_task(tick())
         if spec.mode == "closed":
             t_measure = await closed_loop(target, queries, spec, rec)
         elif spec.mode == "open":

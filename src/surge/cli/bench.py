@@ -135,7 +135,6 @@ def run(
     progress: bool = typer.Option(True, help="Live progress display."),
 ) -> None:
     """Benchmark one target: closed-loop clients or open-loop Poisson arrivals, over a sweep."""
-
     from surge.bench.runner import run_many
     from surge.bench.targets import make_target
 
@@ -155,9 +154,14 @@ def run(
         factory = lambda: make_target(protocol, target, model, timeout, api_key)  # noqa: E731
         murl = metrics_url or (target if protocol != "kserve-grpc" else None)
     label = name or (target if service is None else "in-process")
-    runs = _run(run_many({label: (factory, murl)}, workload, specs, show_progress=progress))
-    if service is not None:
-        _run(service.close())
+    try:
+        runs = _run(run_many({label: (factory, murl)}, workload, specs, show_progress=progress))
+    except ValueError as exc:  # e.g. a KServe target whose model could not be found
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from None
+    finally:
+        if service is not None:
+            _run(service.close())
     errors = _report(runs, workload, json_out, plots, "bench", f"surge bench · {label}")
     if errors and all(r.ok.sum() == 0 for rs in runs.values() for r in rs):
         raise typer.Exit(code=1)
@@ -200,7 +204,11 @@ def compare(
                     url if protocol != "kserve-grpc" else None)
     workload = _workload(None, queries, zipf, seed)
     specs = _specs("closed", concurrency, None, duration, warmup, requests, 1, seed, 10000, 1.0)
-    runs = _run(run_many(named, workload, specs, show_progress=progress))
+    try:
+        runs = _run(run_many(named, workload, specs, show_progress=progress))
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from None
     _report(runs, workload, json_out, plots, "bench_compare", "surge bench compare")
     names = list(runs)
     for other in names[1:]:
