@@ -100,9 +100,7 @@ def main() -> int:
         write_json(args.json, runs, {"workload": workload.describe(), "surge_flags": surge_flags,
                                      "loadavg_before": load_before, "loadavg_after": load_after})
     if args.plots:
-        measured = {n: summarize(rs[-1]).get("cache_hit_ratio") for n, rs in runs.items()}
-        measured = {n: v for n, v in measured.items() if v is not None}
-        for path in P.write_all(runs, args.plots, prefix="bench", workload=workload, measured_hits=measured):
+        for path in P.write_all(runs, args.plots, prefix="bench", workload=workload):
             print(f"plot: {path}")
     failed = sum(summarize(r)["error_count"] for rs in runs.values() for r in rs)
     return 1 if failed else 0

@@ -6,6 +6,7 @@ by one exact name:
 - cache hits / misses: counters whose name has `cache` and `hit` / `miss`
   (surge_cache_hits_total, nv_cache_num_hits_per_model, ...), or one counter
   with a `result`/`outcome`/`status` label valued hit / miss;
+- cache size: a gauge whose name has `cache` and `entries` (surge_cache_entries), summed;
 - batch sizes: a histogram whose name has `batch_size` (mean from _sum/_count,
   distribution from its buckets), or Triton's nv_inference_count /
   nv_inference_exec_count.
@@ -25,7 +26,7 @@ def parse(text: str) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
     out = {"cache_hits": 0.0, "cache_misses": 0.0, "batch_sum": 0.0, "batch_count": 0.0, "batch_buckets": {},
-           "found": set()}
+           "cache_entries": None, "found": set()}
     triton = {"nv_inference_count": 0.0, "nv_inference_exec_count": 0.0}
     for fam in text_string_to_metric_families(text):
         name = fam.name.lower()
@@ -50,6 +51,8 @@ def parse(text: str) -> dict:
                 continue
             label = next((s.labels[k].lower() for k in _LABELS if k in s.labels), "")
             if fam.type == "gauge":
+                if "entries" in name:  # entries held now (summed over tiers): the cache's size
+                    out["cache_entries"] = (out["cache_entries"] or 0.0) + s.value
                 continue
             if _HIT.search(name) or label in ("hit", "hits"):
                 out["cache_hits"] += s.value
@@ -77,6 +80,8 @@ def delta(before: dict | None, after: dict | None) -> dict:
         out["cache_hits"] = int(hits)
         out["cache_misses"] = int(misses)
         out["cache_hit_ratio"] = hits / (hits + misses) if hits + misses > 0 else None
+        if after.get("cache_entries") is not None:
+            out["cache_entries"] = int(after["cache_entries"])
     if "batch" in after["found"]:
         n = after["batch_count"] - before["batch_count"]
         out["batches"] = int(n)

@@ -88,18 +88,24 @@ def lru_hit_ratios(stream: Iterable[str], sizes: list[int], warmup: int = 0) -> 
     return out
 
 
-def cache_hit_vs_size(sizes: list[int], ratios: list[float], path: str | Path, measured: dict[str, float] | None = None,
+def cache_hit_vs_size(sizes: list[int], ratios: list[float], path: str | Path, measured: dict | None = None,
                       title: str = "cache hit ratio against cache size", bytes_per_entry: int | None = None,
                       pinned: list[float] | None = None) -> Path:
     """Simulated LRU hit ratio by size; `pinned` the ideal static top-K tier's (the popularity mass of
-    the K hottest queries); `measured` adds server-reported ratios as horizontal lines."""
+    the K hottest queries); `measured` adds server-reported ratios: name -> ratio (a horizontal line)
+    or (ratio, entries) (a point at the size the server reported)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot(sizes, ratios, "o-", label="LRU on this workload (simulated)")
     if pinned is not None:
         ax.plot(sizes, pinned, "^-", label="pinned top-K hot set (ideal, exact)")
-    for i, (name, ratio) in enumerate((measured or {}).items()):
-        ax.axhline(ratio, color=f"C{i + 1}", ls="--", label=f"{name}: measured {ratio:.0%}")
+    for i, (name, point) in enumerate((measured or {}).items()):
+        ratio, entries = point if isinstance(point, tuple) else (point, None)
+        if entries:  # the server said how many entries it held: a point at that size
+            ax.plot([entries], [ratio], "*", ms=14, color=f"C{i + 2}",
+                    label=f"{name}: measured {ratio:.0%} at {entries} entries")
+        else:
+            ax.axhline(ratio, color=f"C{i + 2}", ls="--", label=f"{name}: measured {ratio:.0%}")
     ax.set_xscale("log")
     xlabel = "cache size (entries)"
     if bytes_per_entry:
@@ -125,9 +131,11 @@ def _save(fig, path) -> Path:
 
 
 def write_all(runs: dict[str, list[RunResult]], out_dir: str | Path, prefix: str = "bench",
-              workload=None, measured_hits: dict[str, float] | None = None, n_sim: int = 50_000) -> list[Path]:
+              workload=None, measured_hits: dict | None = None, n_sim: int = 50_000) -> list[Path]:
     """The three standard plots; the cache plot needs the workload (to simulate) or measured ratios."""
     out_dir = Path(out_dir)
+    if measured_hits is None:
+        measured_hits = measured_cache_points(runs)
     paths = [latency_cdf(runs, out_dir / f"{prefix}_latency_cdf.png"),
              latency_vs_throughput(runs, out_dir / f"{prefix}_latency_vs_throughput.png")]
     if workload is not None and workload.weights is not None:
@@ -141,6 +149,17 @@ def write_all(runs: dict[str, list[RunResult]], out_dir: str | Path, prefix: str
                                        title=f"cache hit ratio against cache size (Zipf s={workload.zipf_s:.2f}, "
                                              f"{n} queries)"))
     return paths
+
+
+def measured_cache_points(runs: dict[str, list[RunResult]]) -> dict:
+    """Server-reported cache hit ratios of each run, with the entry count when the server gave one."""
+    out = {}
+    for name, rs in runs.items():
+        for r in rs:
+            s = summarize(r)
+            if s.get("cache_hit_ratio") is not None:
+                out[f"{name} · {s['label']}"] = (s["cache_hit_ratio"], s.get("cache_entries"))
+    return out
 
 
 def _take(it, n):

@@ -76,13 +76,7 @@ def _report(runs, workload, json_out, plots, prefix, title):
         path = write_json(json_out, runs, {"workload": workload.describe()})
         console.print(f"JSON: {path}")
     if plots:
-        measured = {}
-        for name, rs in runs.items():
-            ratios = [summarize(r).get("cache_hit_ratio") for r in rs]
-            ratios = [x for x in ratios if x is not None]
-            if ratios:
-                measured[name] = ratios[-1]
-        for p in P.write_all(runs, plots, prefix=prefix, workload=workload, measured_hits=measured):
+        for p in P.write_all(runs, plots, prefix=prefix, workload=workload):
             console.print(f"plot: {p}")
     errors = sum(summarize(r)["error_count"] for rs in runs.values() for r in rs)
     if errors:

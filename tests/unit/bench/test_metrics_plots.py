@@ -9,7 +9,7 @@ from surge.bench import metrics as prom
 
 
 def _exposition(hits: int, misses: int, batches: list[int]) -> str:
-    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
     reg = CollectorRegistry()
     h = Counter("surge_cache_hits", "hits", ["model"], registry=reg)
@@ -17,6 +17,9 @@ def _exposition(hits: int, misses: int, batches: list[int]) -> str:
     b = Histogram("surge_batch_size", "inputs per batch", ["model"], buckets=(1, 2, 4, 8, 16, 32, 64),
                   registry=reg)
     Counter("surge_requests", "unrelated", registry=reg).inc(99)
+    e = Gauge("surge_cache_entries", "entries", ["model", "tier"], registry=reg)
+    e.labels("a", "pinned").set(hits)
+    e.labels("a", "recent").set(misses)
     h.labels("a").inc(hits)
     m.labels("a").inc(misses)
     for x in batches:
@@ -30,6 +33,7 @@ def test_cache_and_batch_deltas_from_prometheus_text():
     d = prom.delta(before, after)
     assert d["cache_hits"] == 70 and d["cache_misses"] == 30
     assert d["cache_hit_ratio"] == pytest.approx(0.7)
+    assert d["cache_entries"] == 80 + 60  # the gauge now (both tiers), not a delta
     assert d["batches"] == 15
     assert d["batch_size_mean"] == pytest.approx((8 * 10 + 16 * 5) / 15)
     assert d["batch_size_buckets"]["8.0"] == 10 and d["batch_size_buckets"]["16.0"] == 15
@@ -77,7 +81,8 @@ def test_plots_are_valid_pngs(tmp_path):
         return RunResult(LoadSpec(concurrency=c), "x", sched, sched, lat, np.ones(500, bool), [None] * 500, 5.0, 1, 0)
 
     runs = {"base": [fake_run(c) for c in (1, 4, 16)], "surge": [fake_run(c) for c in (1, 4, 16)]}
-    paths = write_all(runs, tmp_path, workload=make_workload(2000, seed=0), measured_hits={"surge": 0.4},
+    paths = write_all(runs, tmp_path, workload=make_workload(2000, seed=0),
+                      measured_hits={"surge · 16 clients": (0.4, 900), "other": 0.2},
                       n_sim=5000)
     assert sorted(p.name for p in paths) == ["bench_cache_hit_vs_size.png", "bench_latency_cdf.png",
                                              "bench_latency_vs_throughput.png"]
