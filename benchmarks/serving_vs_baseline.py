@@ -36,6 +36,8 @@ def main() -> int:
                    help="torch threads of the baseline (default 1: on 2 shared cores a 2-thread OpenMP team "
                         "stalls whenever one thread is preempted, which made the baseline ~10x slower; 0: torch's default)")
     p.add_argument("--surge-flag", action="append", default=[], help="extra `surge serve` flag (repeatable)")
+    p.add_argument("--surge-src", type=Path, default=None,
+                   help="serve surge from this src/ directory (e.g. another branch's worktree) instead of this one's")
     p.add_argument("--timeout", type=float, default=120.0, help="per-request timeout (s)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plots", type=Path, default=None, help="directory for bench_*.png")
@@ -64,8 +66,13 @@ def main() -> int:
         base_argv += ["--threads", str(args.baseline_threads)]
     if args.threads:
         surge_flags += ["--threads", str(args.threads)]
+    surge_env = dict(env)
+    if args.surge_src:
+        # Another checkout's code, read only: no bytecode written into it.
+        surge_env.update(PYTHONPATH=os.pathsep.join([str(args.surge_src.resolve()), env["PYTHONPATH"]]),
+                         PYTHONDONTWRITEBYTECODE="1")
     servers = [ServerProc("baseline", base_argv, bport, env=env, cwd=ROOT),
-               ServerProc("surge", surge_serve_argv(sport, *surge_flags), sport, env=env, cwd=ROOT)]
+               ServerProc("surge", surge_serve_argv(sport, *surge_flags), sport, env=surge_env, cwd=ROOT)]
     workload = make_workload(zipf_s=args.zipf, seed=args.seed)
     clients = [int(c) for c in args.clients.split(",")]
     specs = sweep_specs(LoadSpec(mode="closed", duration_s=args.duration, warmup_s=args.warmup,
@@ -91,6 +98,7 @@ def main() -> int:
     print(md)
     note = (f"load average (1, 5, 15 min) before {tuple(round(x, 2) for x in load_before)}, "
             f"after {tuple(round(x, 2) for x in load_after)}; surge flags: {' '.join(surge_flags) or '(defaults)'}; "
+            f"surge code: {args.surge_src or ROOT / 'src'}; "
             f"baseline torch threads: {args.baseline_threads or 'default'}")
     print(note)
     if args.markdown:
