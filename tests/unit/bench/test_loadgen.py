@@ -40,7 +40,7 @@ def test_open_loop_sends_a_poisson_process_at_the_asked_rate(workload):
     # the server saw the same process (arrival gaps at the server, not just on paper).
     srv_gaps = np.diff(arrivals)
     assert np.mean(srv_gaps) == pytest.approx(1 / rate, rel=0.15)
-    assert np.median(r.started - r.scheduled) < 0.01  # the generator kept up
+    assert np.median(r.started - r.scheduled) < 0.05  # the generator kept up
 
 
 def test_open_loop_latency_counts_queueing_from_the_scheduled_time(workload):
