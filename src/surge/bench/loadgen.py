@@ -1,0 +1,252 @@
+"""Load generation: closed loop, open loop (Poisson) and log replay, with warm-up and bounds.
+
+Closed loop: `concurrency` clients, each sending its next request as soon as the
+previous one is answered (throughput at a fixed number of users).
+
+Open loop: arrivals of a Poisson process at `rate` per second, sent whether or
+not earlier ones were answered. Latency is measured from each request's
+*scheduled* send time, so time spent waiting for a connection, or for the
+generator itself, counts: queueing is never hidden (no coordinated omission).
+
+Requests scheduled during the first `warmup_s` seconds are sent but not
+measured. A run stops issuing after `duration_s` seconds of measurement or
+`max_requests` measured requests, whichever comes first, then waits for what is
+in flight (each request is bounded by the target's timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator
+
+import numpy as np
+
+from surge.bench.targets import RequestFailed
+
+now = time.perf_counter
+
+
+@dataclass
+class LoadSpec:
+    mode: str = "closed"  # closed | open | replay
+    concurrency: int = 16  # closed: clients; open/replay: connections to the target
+    rate: float = 0.0  # open: mean arrivals per second
+    duration_s: float = 10.0  # measured seconds (after warm-up)
+    max_requests: int | None = None  # measured requests, at most
+    warmup_s: float = 1.0
+    inputs_per_request: int = 1
+    seed: int = 0
+    max_inflight: int = 10_000  # open loop: arrivals beyond this are failed as `generator_overload`
+    replay_speed: float = 1.0  # replay: >1 compresses the log's time axis
+
+    def validate(self) -> "LoadSpec":
+        if self.mode not in ("closed", "open", "replay"):
+            raise ValueError(f"mode must be closed, open or replay, not {self.mode!r}")
+        if self.mode == "open" and self.rate <= 0:
+            raise ValueError("open loop needs a rate > 0")
+        if self.concurrency < 1 or self.inputs_per_request < 1:
+            raise ValueError("concurrency and inputs_per_request must be >= 1")
+        if self.duration_s <= 0 and not self.max_requests:
+            raise ValueError("bound the run: duration_s > 0 or max_requests")
+        return self
+
+    @property
+    def level(self) -> float:
+        return self.rate if self.mode == "open" else self.concurrency
+
+    def label(self) -> str:
+        return f"{self.rate:g} req/s" if self.mode == "open" else f"{self.concurrency} clients"
+
+
+class Recorder:
+    """Per-request timings (perf_counter seconds) kept in flat lists: cheap to append."""
+
+    def __init__(self):
+        self.sched: list[float] = []
+        self.start: list[float] = []
+        self.end: list[float] = []
+        self.kind: list[str | None] = []
+        self.measured: list[bool] = []
+        self.inflight = 0
+        self.errors = 0
+
+    def add(self, sched: float, start: float, end: float, kind: str | None, measured: bool) -> None:
+        self.sched.append(sched)
+        self.start.append(start)
+        self.end.append(end)
+        self.kind.append(kind)
+        self.measured.append(measured)
+        if kind is not None:
+            self.errors += 1
+
+
+@dataclass
+class RunResult:
+    """Measured requests of one run (warm-up dropped)."""
+
+    spec: LoadSpec
+    target: str
+    scheduled: np.ndarray  # seconds since measurement start
+    started: np.ndarray
+    latency: np.ndarray  # end - scheduled, seconds (failed requests too)
+    ok: np.ndarray  # bool
+    kinds: list[str | None]
+    window_s: float  # measurement start -> last measured completion
+    inputs_per_request: int
+    warmup_requests: int
+    metrics: dict = field(default_factory=dict)  # server-side deltas (bench/metrics.py)
+
+    @property
+    def errors(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for k in self.kinds:
+            if k is not None:
+                out[k] = out.get(k, 0) + 1
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    @property
+    def count(self) -> int:
+        return int(self.ok.shape[0])
+
+
+def _result(rec: Recorder, spec: LoadSpec, target: str, t_measure: float) -> RunResult:
+    m = np.asarray(rec.measured, dtype=bool)
+    sched = np.asarray(rec.sched)[m]
+    start = np.asarray(rec.start)[m]
+    end = np.asarray(rec.end)[m]
+    kinds = [k for k, keep in zip(rec.kind, rec.measured) if keep]
+    window = float(end.max() - t_measure) if end.size else 0.0
+    return RunResult(spec, target, sched - t_measure, start - t_measure, end - sched,
+                     np.array([k is None for k in kinds], dtype=bool), kinds, window,
+                     spec.inputs_per_request, int((~m).sum()))
+
+
+async def _one(target, texts: list[str], sched: float, rec: Recorder, measured: bool) -> None:
+    rec.inflight += 1
+    start = now()
+    kind = None
+    try:
+        await target.send(texts)
+    except RequestFailed as exc:
+        kind = exc.kind
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # a client-side bug still shows up as an error kind
+        kind = f"exception_{type(exc).__name__}"
+    finally:
+        rec.inflight -= 1
+    rec.add(sched, start, now(), kind, measured)
+
+
+def _batches(queries: Iterator[str], k: int) -> Iterator[list[str]]:
+    while True:
+        yield [next(queries) for _ in range(k)]
+
+
+async def closed_loop(target, queries: Iterator[str], spec: LoadSpec, rec: Recorder) -> float:
+    batches = _batches(queries, spec.inputs_per_request)
+    t0 = now()
+    warm_end = t0 + spec.warmup_s
+    stop = warm_end + spec.duration_s if spec.duration_s > 0 else float("inf")
+    issued = 0
+
+    async def client():
+        nonlocal issued
+        while True:
+            t = now()
+            if t >= stop:
+                return
+            measured = t >= warm_end
+            if measured:
+                if spec.max_requests and issued >= spec.max_requests:
+                    return
+                issued += 1
+            await _one(target, next(batches), t, rec, measured)
+
+    await asyncio.gather(*(client() for _ in range(spec.concurrency)))
+    return warm_end
+
+
+async def open_loop(target, queries: Iterator[str], spec: LoadSpec, rec: Recorder,
+                    offsets: Iterator[float]) -> float:
+    """Send at t0 + offset for each offset (Poisson or a log's times); latency from that instant."""
+    batches = _batches(queries, spec.inputs_per_request)
+    loop = asyncio.get_running_loop()
+    t0 = now()
+    warm_end = t0 + spec.warmup_s
+    stop = warm_end + spec.duration_s if spec.duration_s > 0 else float("inf")
+    tasks: set[asyncio.Task] = set()
+    issued = 0
+    for off in offsets:
+        sched = t0 + off
+        if sched >= stop:
+            break
+        measured = sched >= warm_end
+        if measured:
+            if spec.max_requests and issued >= spec.max_requests:
+                break
+            issued += 1
+        delay = sched - now()
+        if delay > 0.0005:
+            await asyncio.sleep(delay)
+        if rec.inflight >= spec.max_inflight:
+            rec.add(sched, now(), now(), "generator_overload", measured)
+            continue
+        task = loop.create_task(_one(target, next(batches), sched, rec, measured))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    if tasks:
+        await asyncio.gather(*tasks)
+    return warm_end
+
+
+def poisson_stream(rate: float, seed: int) -> Iterator[float]:
+    rng = np.random.default_rng(seed)
+    t = 0.0
+    while True:
+        for gap in rng.exponential(1.0 / rate, size=4096):
+            t += gap
+            yield t
+
+
+async def run_load(target, queries: Iterator[str], spec: LoadSpec, *, times: np.ndarray | None = None,
+                   on_progress: Callable[[Recorder, float], None] | None = None,
+                   connections: int | None = None) -> RunResult:
+    """One run against an opened-or-not target; the target is opened and closed here."""
+    spec.validate()
+    rec = Recorder()
+    ticker = None
+    try:
+        await target.open(connections or spec.concurrency)
+        if on_progress is not None:
+            t_start = now()
+
+            async def tick():
+                while True:
+                    on_progress(rec, now() - t_start)
+                    await asyncio.sleep(0.25)
+
+            ticker = asyncio.create_task(tick())
+        if spec.mode == "closed":
+            t_measure = await closed_loop(target, queries, spec, rec)
+        elif spec.mode == "open":
+            t_measure = await open_loop(target, queries, spec, rec, poisson_stream(spec.rate, spec.seed))
+        else:
+            if times is None:
+                raise ValueError("replay needs a query log with times ('t')")
+            t_measure = await open_loop(target, queries, spec, rec, iter(times / spec.replay_speed))
+    finally:
+        if ticker is not None:
+            ticker.cancel()
+            on_progress(rec, now() - t_start)
+        await target.close()
+    return _result(rec, spec, getattr(target, "name", type(target).__name__), t_measure)
+
+
+def sweep_specs(base: LoadSpec, levels: list[float]) -> list[LoadSpec]:
+    """One spec per level: concurrency levels for closed loop, rates for open loop."""
+    if base.mode == "open":
+        return [replace(base, rate=float(r), seed=base.seed + i) for i, r in enumerate(levels)]
+    return [replace(base, concurrency=int(c), seed=base.seed + i) for i, c in enumerate(levels)]

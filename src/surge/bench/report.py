@@ -1,0 +1,131 @@
+"""Summaries of runs: percentiles, throughput, errors by kind, server metrics; JSON and tables."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+from surge.bench.loadgen import RunResult
+
+PERCENTILES = (50.0, 90.0, 99.0, 99.9)
+
+
+def percentiles(latencies_s: np.ndarray, qs=PERCENTILES) -> dict[str, float | None]:
+    """Latency percentiles in milliseconds (numpy's default linear interpolation); None when empty."""
+    lat = np.asarray(latencies_s, dtype=np.float64)
+    if lat.size == 0:
+        return {f"p{q:g}": None for q in qs}
+    vals = np.percentile(lat * 1000.0, qs)
+    return {f"p{q:g}": float(v) for q, v in zip(qs, vals)}
+
+
+def summarize(r: RunResult) -> dict:
+    """One run as a flat, JSON-ready dict. Latency percentiles are over successful requests."""
+    ok_lat = r.latency[r.ok]
+    n_ok = int(r.ok.sum())
+    window = r.window_s if r.window_s > 0 else float("nan")
+    out = {
+        "target": r.target,
+        "mode": r.spec.mode,
+        "level": r.spec.level,
+        "label": r.spec.label(),
+        "concurrency": r.spec.concurrency,
+        "offered_rate": r.spec.rate if r.spec.mode == "open" else None,
+        "requests": r.count,
+        "ok": n_ok,
+        "errors": r.errors,
+        "error_count": r.count - n_ok,
+        "warmup_requests": r.warmup_requests,
+        "window_s": r.window_s,
+        "throughput_rps": n_ok / window if n_ok else 0.0,
+        "inputs_per_s": n_ok * r.inputs_per_request / window if n_ok else 0.0,
+        "sent_rate": r.count / (float(r.scheduled.max()) if r.count > 1 and r.scheduled.max() > 0 else window)
+        if r.count else 0.0,
+        "latency_ms": {**percentiles(ok_lat), "mean": float(ok_lat.mean() * 1000) if n_ok else None,
+                       "max": float(ok_lat.max() * 1000) if n_ok else None},
+        # Open loop only: how late the generator itself sent (its own health check).
+        "send_lag_ms_p99": float(np.percentile((r.started - r.scheduled) * 1000, 99)) if r.count else None,
+    }
+    out.update(r.metrics)
+    return out
+
+
+def environment() -> dict:
+    import os
+
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "host": platform.node(),
+            "cpus": os.cpu_count(), "cpu": _cpu_name(), "python": platform.python_version()}
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def write_json(path: str | Path, runs: dict[str, list[RunResult]], extra: dict | None = None) -> Path:
+    """{"environment", "runs": {target: [summary, ...]}, "latencies_ms": {...}, **extra}."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"environment": environment(), **(extra or {}),
+           "runs": {name: [summarize(r) for r in rs] for name, rs in runs.items()}}
+    path.write_text(json.dumps(doc, indent=2, default=_jsonable))
+    return path
+
+
+def _jsonable(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, set):
+        return sorted(o)
+    return str(o)
+
+
+def _fmt(v, digits=1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def table(runs: dict[str, list[RunResult]], title: str = "surge bench"):
+    """A rich Table: one row per (target, level)."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in ("target", "load", "req/s", "p50 ms", "p90 ms", "p99 ms", "p99.9 ms", "errors", "cache hit",
+                "batch"):
+        t.add_column(col, justify="left" if col in ("target", "load", "errors") else "right")
+    for name, rs in runs.items():
+        for r in rs:
+            s = summarize(r)
+            lat = s["latency_ms"]
+            errs = ", ".join(f"{k}={v}" for k, v in s["errors"].items()) or "0"
+            hit = s.get("cache_hit_ratio")
+            t.add_row(name, s["label"], _fmt(s["throughput_rps"]), _fmt(lat["p50"]), _fmt(lat["p90"]),
+                      _fmt(lat["p99"]), _fmt(lat["p99.9"]), errs, "-" if hit is None else f"{hit:.0%}",
+                      _fmt(s.get("batch_size_mean")))
+    return t
+
+
+def comparison_markdown(base: list[RunResult], cand: list[RunResult], base_name: str, cand_name: str) -> str:
+    """A markdown table comparing two targets level by level (throughput ratio, p99 ratio)."""
+    lines = [f"| load | {base_name} req/s | {cand_name} req/s | speed-up | {base_name} p50 ms | {cand_name} p50 ms "
+             f"| {base_name} p99 ms | {cand_name} p99 ms | p99 ratio | errors ({base_name} / {cand_name}) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for b, c in zip(base, cand):
+        sb, sc = summarize(b), summarize(c)
+        speed = sc["throughput_rps"] / sb["throughput_rps"] if sb["throughput_rps"] else float("nan")
+        p99b, p99c = sb["latency_ms"]["p99"], sc["latency_ms"]["p99"]
+        ratio = p99c / p99b if p99b and p99c else float("nan")
+        lines.append(f"| {sb['label']} | {sb['throughput_rps']:.1f} | {sc['throughput_rps']:.1f} | {speed:.2f}x "
+                     f"| {_fmt(sb['latency_ms']['p50'])} | {_fmt(sc['latency_ms']['p50'])} "
+                     f"| {_fmt(p99b)} | {_fmt(p99c)} | {ratio:.2f} | {sb['error_count']} / {sc['error_count']} |")
+    return "\n".join(lines)

@@ -1,0 +1,265 @@
+"""Targets: how one benchmark request is sent, and how its failure is named.
+
+Every target has `async send(texts) -> None` that raises `RequestFailed(kind)`
+on any failure, so the load generator counts errors by kind instead of hiding
+them: `http_429`, `http_500`, `connect` (nothing listening), `disconnect` (the
+server went away mid-request), `timeout`, `bad_response` (wrong row count or
+unparsable body), `grpc_<CODE>`, `engine_<Error>` (in-process).
+
+HTTP uses one aiohttp session with keep-alive connections, pooled up to the
+client count: a request costs the generator ~0.3 ms of CPU, so it is not the
+bottleneck on a 2-core machine (see docs/benchmarks/bench.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Protocol
+
+import orjson
+
+
+class RequestFailed(Exception):
+    def __init__(self, kind: str, detail: str = ""):
+        super().__init__(f"{kind}: {detail}" if detail else kind)
+        self.kind = kind
+
+
+class Target(Protocol):
+    name: str
+
+    async def open(self, connections: int) -> None: ...
+    async def send(self, texts: list[str]) -> None: ...
+    async def close(self) -> None: ...
+
+
+class _HTTPTarget:
+    """Shared aiohttp plumbing; subclasses build the body and check the answer."""
+
+    path = "/"
+
+    def __init__(self, url: str, model: str | None = None, timeout_s: float = 30.0, api_key: str | None = None):
+        self.base = url.rstrip("/")
+        self.model = model
+        self.timeout_s = timeout_s
+        self.headers = {"content-type": "application/json"}
+        if api_key:
+            self.headers["authorization"] = f"Bearer {api_key}"
+        self.session = None
+        self.name = f"{type(self).__name__}({self.base})"
+
+    async def open(self, connections: int) -> None:
+        import aiohttp
+
+        connector = aiohttp.TCPConnector(limit=max(1, connections), limit_per_host=0, force_close=False,
+                                         enable_cleanup_closed=True, ttl_dns_cache=None)
+        self.session = aiohttp.ClientSession(connector=connector, headers=self.headers,
+                                             timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                                             skip_auto_headers=("User-Agent",))
+
+    def url(self) -> str:
+        return self.base + self.path
+
+    def body(self, texts: list[str]) -> bytes:
+        raise NotImplementedError
+
+    def rows(self, answer: Any) -> int:
+        raise NotImplementedError
+
+    async def send(self, texts: list[str]) -> None:
+        import aiohttp
+
+        try:
+            async with self.session.post(self.url(), data=self.body(texts)) as resp:
+                payload = await resp.read()
+                status = resp.status
+        except asyncio.TimeoutError:
+            raise RequestFailed("timeout") from None
+        except aiohttp.ClientConnectorError as exc:
+            raise RequestFailed("connect", str(exc)) from None
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError,
+                ConnectionResetError) as exc:
+            raise RequestFailed("disconnect", type(exc).__name__) from None
+        except aiohttp.ClientError as exc:
+            raise RequestFailed("client_error", f"{type(exc).__name__}: {exc}") from None
+        if status != 200:
+            raise RequestFailed(f"http_{status}", payload[:200].decode("utf-8", "replace"))
+        try:
+            n = self.rows(orjson.loads(payload))
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            raise RequestFailed("bad_response", f"{type(exc).__name__}: {exc}") from None
+        if n != len(texts):
+            raise RequestFailed("bad_response", f"{n} rows for {len(texts)} inputs")
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+
+class NativeHTTP(_HTTPTarget):
+    """surge's native API: POST /embed {"inputs": [...]} -> {"embeddings": [[...], ...]}."""
+
+    path = "/embed"
+
+    def body(self, texts):
+        req = {"inputs": texts}
+        if self.model:
+            req["model"] = self.model
+        return orjson.dumps(req)
+
+    def rows(self, answer):
+        return len(answer["embeddings"])
+
+
+class OpenAIHTTP(_HTTPTarget):
+    """Any OpenAI-compatible server: POST /v1/embeddings {"input": [...], "model": ...}."""
+
+    def _v1(self) -> str:
+        return self.base if self.base.endswith("/v1") else self.base + "/v1"
+
+    def url(self) -> str:
+        return self._v1() + "/embeddings"
+
+    async def open(self, connections: int) -> None:
+        await super().open(connections)
+        if not self.model:
+            # OpenAI's API requires a model: take the first one the server lists.
+            try:
+                async with self.session.get(self._v1() + "/models") as resp:
+                    if resp.status == 200:
+                        data = orjson.loads(await resp.read()).get("data") or []
+                        self.model = data[0]["id"] if data else None
+            except Exception:
+                pass  # an unreachable server shows up as request errors
+
+    def body(self, texts):
+        req = {"input": texts}
+        if self.model:
+            req["model"] = self.model
+        return orjson.dumps(req)
+
+    def rows(self, answer):
+        return len(answer["data"])
+
+
+class KServeHTTP(_HTTPTarget):
+    """KServe v2 / Open Inference Protocol over HTTP: a BYTES tensor named "text"."""
+
+    def url(self) -> str:
+        return f"{self.base}/v2/models/{self.model}/infer"
+
+    async def open(self, connections: int) -> None:
+        await super().open(connections)
+        if not self.model:
+            self.model = await self._first_model()
+
+    async def _first_model(self) -> str:
+        # The repository extension lists models; a server without it needs --model.
+        try:
+            async with self.session.post(self.base + "/v2/repository/index", data=b"{}") as resp:
+                if resp.status == 200:
+                    for m in orjson.loads(await resp.read()):
+                        if m.get("state", "READY") == "READY":
+                            return m["name"]
+        except Exception:
+            pass
+        raise ValueError("KServe target: pass the model name (--model)")
+
+    def body(self, texts):
+        return orjson.dumps({"inputs": [{"name": "text", "shape": [len(texts)], "datatype": "BYTES",
+                                         "data": texts}]})
+
+    def rows(self, answer):
+        return int(answer["outputs"][0]["shape"][0])
+
+
+class KServeGRPC:
+    """KServe v2 over gRPC (inference.GRPCInferenceService) through tritonclient's asyncio client."""
+
+    def __init__(self, url: str, model: str | None = None, timeout_s: float = 30.0):
+        self.url = url.removeprefix("grpc://")
+        self.model = model
+        self.timeout_s = timeout_s
+        self.client = None
+        self.name = f"KServeGRPC({self.url})"
+
+    async def open(self, connections: int) -> None:
+        import tritonclient.grpc.aio as grpcclient
+
+        self._grpc = grpcclient
+        self.client = grpcclient.InferenceServerClient(self.url)
+        if not self.model:
+            try:
+                index = await self.client.get_model_repository_index(as_json=True)
+                self.model = index["models"][0]["name"]
+            except Exception as exc:
+                raise ValueError(f"KServe gRPC target: pass the model name (--model) ({exc})") from None
+
+    async def send(self, texts: list[str]) -> None:
+        import numpy as np
+        from tritonclient.utils import InferenceServerException
+
+        inp = self._grpc.InferInput("text", [len(texts)], "BYTES")
+        inp.set_data_from_numpy(np.array([t.encode("utf-8") for t in texts], dtype=np.object_))
+        try:
+            result = await self.client.infer(self.model, [inp], client_timeout=self.timeout_s)
+        except InferenceServerException as exc:
+            status = str(exc.status() or "UNKNOWN").removeprefix("StatusCode.")
+            kind = "timeout" if status == "DEADLINE_EXCEEDED" else f"grpc_{status}"
+            raise RequestFailed(kind, str(exc.message())[:200]) from None
+        outputs = result.get_response().outputs
+        if not outputs or (outputs[0].shape[0] if outputs[0].shape else 0) != len(texts):
+            raise RequestFailed("bad_response", "wrong output rows")
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+            self.client = None
+
+
+class InProcess:
+    """An engine in this process: a ModelService (async `embed`) or a ModelWorker (sync, run in a thread)."""
+
+    def __init__(self, service_or_worker: Any, name: str = "in-process"):
+        self.impl = service_or_worker
+        self.name = name
+
+    async def open(self, connections: int) -> None:
+        pass
+
+    async def send(self, texts: list[str]) -> None:
+        from surge.errors import SurgeError
+
+        try:
+            if hasattr(self.impl, "embed"):
+                result = await self.impl.embed(texts=texts)
+                rows = len(result.vectors)
+            else:
+                rows = len(await asyncio.to_thread(self._worker_embed, texts))
+        except SurgeError as exc:
+            raise RequestFailed(f"engine_{type(exc).__name__}", str(exc)) from None
+        except Exception as exc:  # an engine bug is a failed request, named, not a crash of the run
+            raise RequestFailed(f"exception_{type(exc).__name__}", str(exc)) from None
+        if rows != len(texts):
+            raise RequestFailed("bad_response", f"{rows} rows for {len(texts)} inputs")
+
+    def _worker_embed(self, texts):
+        worker = self.impl
+        return worker.compute(worker.tokenizer.encode(texts, truncate=True))
+
+    async def close(self) -> None:
+        pass
+
+
+PROTOCOLS = {"native": NativeHTTP, "openai": OpenAIHTTP, "kserve": KServeHTTP, "kserve-grpc": KServeGRPC}
+
+
+def make_target(protocol: str, url: str, model: str | None = None, timeout_s: float = 30.0,
+                api_key: str | None = None):
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"unknown protocol {protocol!r}; one of {', '.join(PROTOCOLS)} (or in-process)")
+    cls = PROTOCOLS[protocol]
+    if cls is KServeGRPC:
+        return cls(url, model, timeout_s)
+    return cls(url, model, timeout_s, api_key)

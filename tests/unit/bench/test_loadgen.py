@@ -1,0 +1,201 @@
+"""The load generator against a real (tiny, in-test) HTTP server: rates, counts, queueing, errors."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from surge.bench.loadgen import LoadSpec, run_load, sweep_specs
+from surge.bench.targets import KServeHTTP, NativeHTTP, OpenAIHTTP
+from surge.bench.workloads import make_workload
+from tests.unit.bench.tiny_server import TinyServer
+
+
+@pytest.fixture(scope="module")
+def workload():
+    return make_workload(2000, seed=0)
+
+
+def run(target, workload, spec, **kw):
+    return asyncio.run(run_load(target, workload.stream(seed=spec.seed), spec, **kw))
+
+
+def test_open_loop_sends_a_poisson_process_at_the_asked_rate(workload):
+    rate, duration = 150.0, 3.0
+    with TinyServer() as srv:
+        r = run(NativeHTTP(srv.url), workload, LoadSpec(mode="open", rate=rate, duration_s=duration,
+                                                        warmup_s=0.5, concurrency=32, seed=7))
+        arrivals = np.array(srv.arrivals)
+    # Count in the measured window ~ Poisson(rate * duration): within 4 standard deviations.
+    mean = rate * duration
+    assert abs(r.count - mean) < 4 * np.sqrt(mean), r.count
+    assert r.ok.all() and srv.count == r.count + r.warmup_requests
+    # Scheduled gaps are exponential with the asked rate (KS test), and they were kept:
+    gaps = np.diff(np.sort(r.scheduled))
+    assert stats.kstest(gaps, "expon", args=(0, 1 / rate)).pvalue > 1e-3
+    assert np.all(r.scheduled >= 0) and np.all(r.scheduled < duration)
+    # the server saw the same process (arrival gaps at the server, not just on paper).
+    srv_gaps = np.diff(arrivals)
+    assert np.mean(srv_gaps) == pytest.approx(1 / rate, rel=0.15)
+    assert np.median(r.started - r.scheduled) < 0.05  # the generator kept up
+
+
+def test_open_loop_latency_counts_queueing_from_the_scheduled_time(workload):
+    # One-at-a-time server, 40 ms per request, offered 2x its capacity on ONE connection:
+    # waiting for the connection is part of latency (no coordinated omission).
+    service, rate = 0.040, 50.0
+    with TinyServer(service_s=service, serial=True) as srv:
+        r = run(NativeHTTP(srv.url), workload, LoadSpec(mode="open", rate=rate, duration_s=1.5, warmup_s=0.0,
+                                                        concurrency=1, seed=3))
+    sched = np.sort(r.scheduled)
+    # Lindley recursion: the least each request could have waited with a 40 ms server.
+    done = np.empty_like(sched)
+    prev = -np.inf
+    for i, t in enumerate(sched):
+        prev = done[i] = max(prev, t) + service
+    expected = done - sched
+    got = np.sort(r.latency[np.argsort(np.argsort(r.scheduled))])
+    assert r.ok.all()
+    assert np.mean(r.latency) >= 0.9 * np.mean(expected)
+    assert np.max(r.latency) >= 0.9 * np.max(expected) > 0.5  # the queue grew and it shows
+    assert got.size == expected.size
+
+
+def test_closed_loop_count_and_concurrency_are_as_asked(workload):
+    with TinyServer(service_s=0.005) as srv:
+        r = run(NativeHTTP(srv.url), workload, LoadSpec(mode="closed", concurrency=8, duration_s=30.0,
+                                                        warmup_s=0.3, max_requests=300))
+        assert r.count == 300 and r.ok.all()
+        assert srv.count == r.count + r.warmup_requests and r.warmup_requests > 0
+        assert srv.max_inflight == 8  # exactly N clients, never more
+        assert r.window_s < 30.0  # stopped by the count, not by the clock
+
+
+def test_closed_loop_is_bounded_in_time(workload):
+    with TinyServer(service_s=0.01) as srv:
+        r = run(NativeHTTP(srv.url), workload, LoadSpec(mode="closed", concurrency=4, duration_s=0.8, warmup_s=0.2))
+    # 4 clients x 10 ms: ~400 requests/s; the run lasted ~0.8 s, so far fewer than a time-unbounded run.
+    assert 0.75 < r.window_s < 2.0
+    assert 0 < r.count and r.ok.all()
+    assert r.started.max() < 0.8 + 1e-3  # nothing issued after the window
+
+
+def test_errors_are_counted_by_kind_exactly(workload):
+    def flaky(i, path, body):
+        if i % 7 == 3:
+            return "close"
+        if i % 5 == 0:
+            return 500, b'{"error": "boom"}'
+        if i % 5 == 1:
+            return 429, b'{"error": "busy"}'
+        if i % 11 == 2:
+            return 200, b'{"embeddings": []}'  # wrong row count
+        return 200, b'{"embeddings": [[1.0]]}'
+
+    with TinyServer(flaky) as srv:
+        r = run(NativeHTTP(srv.url), workload, LoadSpec(mode="closed", concurrency=4, duration_s=30, warmup_s=0,
+                                                        max_requests=400))
+        seen = dict(srv.statuses)
+    errors = r.errors
+    assert r.count == 400
+    # Every dropped connection, 500 and 429 the server produced is reported, none hidden.
+    assert errors.get("http_500") == seen[500] and errors.get("http_429") == seen[429]
+    assert errors.get("disconnect") == seen["close"]
+    assert errors.get("bad_response", 0) > 0
+    assert int(r.ok.sum()) + sum(errors.values()) == r.count
+
+
+def test_nothing_listening_is_reported(workload):
+    from surge.bench.servers import free_port
+
+    r = run(NativeHTTP(f"http://127.0.0.1:{free_port()}"), workload,
+            LoadSpec(mode="open", rate=100, duration_s=0.5, warmup_s=0, concurrency=4))
+    assert r.count > 20 and not r.ok.any()
+    assert set(r.errors) == {"connect"}
+
+
+def test_timeouts_are_reported(workload):
+    with TinyServer(service_s=0.5) as srv:
+        target = NativeHTTP(srv.url, timeout_s=0.1)
+        r = run(target, workload, LoadSpec(mode="closed", concurrency=2, duration_s=0.5, warmup_s=0))
+    assert r.count > 0 and r.errors == {"timeout": r.count}
+
+
+def test_openai_and_kserve_bodies_follow_their_specs(workload):
+    import json
+
+    seen = []
+
+    def answer(i, path, body):
+        req = json.loads(body)
+        seen.append((path, req))
+        if path == "/v1/embeddings":
+            return 200, json.dumps({"data": [{"embedding": [0.1], "index": k} for k in range(len(req["input"]))]}).encode()
+        inp = req["inputs"][0]
+        assert inp["name"] == "text" and inp["datatype"] == "BYTES" and inp["shape"] == [len(inp["data"])]
+        return 200, json.dumps({"outputs": [{"name": "embedding", "datatype": "FP32",
+                                             "shape": [len(inp["data"]), 1], "data": [0.0] * len(inp["data"])}]}).encode()
+
+    spec = LoadSpec(mode="closed", concurrency=2, duration_s=10, warmup_s=0, max_requests=20, inputs_per_request=3)
+    with TinyServer(answer) as srv:
+        r1 = run(OpenAIHTTP(srv.url, model="m"), workload, spec)
+        r2 = run(KServeHTTP(srv.url, model="mini"), workload, spec)
+    assert r1.ok.all() and r2.ok.all() and r1.count == r2.count == 20
+    assert {p for p, _ in seen} == {"/v1/embeddings", "/v2/models/mini/infer"}
+    assert all(len(req.get("input", req.get("inputs", [{}])[0].get("data"))) == 3 for _, req in seen)
+
+
+def test_sweep_specs_vary_the_level():
+    specs = sweep_specs(LoadSpec(mode="open", rate=1), [10, 20, 40])
+    assert [s.rate for s in specs] == [10, 20, 40] and len({s.seed for s in specs}) == 3
+    specs = sweep_specs(LoadSpec(mode="closed"), [1, 16, 64])
+    assert [s.concurrency for s in specs] == [1, 16, 64]
+    with pytest.raises(ValueError):
+        LoadSpec(mode="open", rate=0).validate()
+    with pytest.raises(ValueError):
+        LoadSpec(mode="closed", duration_s=0).validate()
+
+
+def test_a_stalled_generator_shows_up_in_latency(workload):
+    """If the generator itself falls behind (here its loop is blocked for 0.3 s), the requests it
+    sends late carry that delay in their latency: it is measured from the scheduled time."""
+    import time
+
+    async def main():
+        asyncio.get_running_loop().call_later(0.4, time.sleep, 0.3)
+        with TinyServer() as srv:
+            return await run_load(NativeHTTP(srv.url), workload.stream(seed=1),
+                                  LoadSpec(mode="open", rate=200, duration_s=1.0, warmup_s=0, concurrency=8))
+
+    r = asyncio.run(main())
+    lag = r.started - r.scheduled
+    assert lag.max() > 0.2  # some requests were sent late...
+    assert np.all(r.latency >= lag)  # ...and their latency includes it
+    late = lag > 0.1
+    assert late.sum() > 10 and np.median(r.latency[late]) > 0.1
+    assert r.ok.all()
+
+
+def test_replay_follows_the_log_times_and_the_count_bound(tmp_path):
+    from surge.bench.workloads import poisson_offsets, read_query_log, write_query_log
+
+    texts = make_workload(1000, seed=2).sample(400, seed=3)
+    times = poisson_offsets(400, 100.0, seed=4)
+    log = read_query_log(write_query_log(tmp_path / "q.jsonl", texts, times))
+    seen = []
+
+    def record(i, path, body):
+        import json
+
+        seen.append(json.loads(body)["inputs"][0])
+        return 200, b'{"embeddings": [[1.0]]}'
+
+    with TinyServer(record) as srv:
+        spec = LoadSpec(mode="replay", duration_s=60, warmup_s=0, max_requests=150, concurrency=16)
+        r = asyncio.run(run_load(NativeHTTP(srv.url), log.stream(), spec, times=log.times))
+    assert r.count == 150 and r.ok.all()
+    np.testing.assert_allclose(np.sort(r.scheduled), times[:150], atol=1e-6)  # the log's schedule, kept
+    assert sorted(seen) == sorted(texts[:150])  # the log's queries, in its order (up to arrival races)
