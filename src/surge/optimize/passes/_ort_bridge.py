@@ -28,7 +28,12 @@ def run_ort_fusions(model: ir.Model, steps: Callable[[object], None]) -> ir.Mode
     bert = BertOnnxModel(proto)
     steps(bert)
     bert.prune_graph()
-    return ir.serde.deserialize_model(bert.model)
+    new = ir.serde.deserialize_model(bert.model)
+    # ORT's fusions add contrib nodes without importing their domain (ORT's
+    # own save adds it later); onnx's checker and shape inference need it.
+    if any(n.domain == "com.microsoft" for n in new.graph):
+        new.opset_imports.setdefault("com.microsoft", 1)
+    return new
 
 
 def replace_in_place(model: ir.Model, new: ir.Model) -> None:
