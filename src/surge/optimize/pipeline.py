@@ -158,7 +158,7 @@ def optimize(spec: ModelSpec, out_dir: Path, options: OptimizeOptions, cache_dir
             manifest["latency"] = compare_latency(source_file, final.SerializeToString(), spec, options.threads)
         else:
             manifest["latency"] = {"measured": False,
-                                   "why": "the artifact does not run on ONNX Runtime CPU (target gpu / bf16)"}
+                                   "why": "skipped (--no-latency)" if not options.measure_latency else "the artifact does not run on ONNX Runtime CPU (target gpu / bf16)"}
         result = OptimizeResult(manifest, gate, reports)
         if not gate.passed and not options.force:
             raise GateFailed("accuracy gate failed: " + "; ".join(gate.failures), result)
