@@ -39,14 +39,18 @@ class SplitConcatIdentity(RewriteRuleClassBase):
 
     def pattern(self, op, x):
         parts = op.Split(x, _allow_other_inputs=True, _outputs=[f"s{i}" for i in range(self.n)])
-        return op.Concat(*parts, _outputs=["out"])
+        return op.Concat(*parts)
 
-    def check(self, context, x, out, **parts) -> MatchResult:
+    def check(self, context, x, **parts) -> MatchResult:
         result = MatchResult()
         if x.shape is None:
             return result.fail("rank of x unknown")
-        split, concat = parts["s0"].producer(), out.producer()
+        split, concat = parts["s0"].producer(), context.root
         rank = len(x.shape)
+        # The matcher binds outputs by position only: make sure the Concat reads
+        # every output of this very Split, once, in order.
+        if list(concat.inputs) != list(split.outputs):
+            return result.fail("concat does not read the split's outputs in order")
         if _axis(split, rank) != _axis(concat, rank):
             return result.fail("split and concat axes differ")
         return result
@@ -65,20 +69,22 @@ class SplitConcatInterleave(RewriteRuleClassBase):
     def pattern(self, op, x):
         parts = op.Split(x, _allow_other_inputs=True, _outputs=[f"s{i}" for i in range(self.n)])
         doubled = [p for p in parts for _ in range(2)]
-        return op.Concat(*doubled, _outputs=["out"])
+        return op.Concat(*doubled)
 
-    def check(self, context, x, out, **parts) -> MatchResult:
+    def check(self, context, x, **parts) -> MatchResult:
         result = MatchResult()
         if x.shape is None or not all(isinstance(d, int) for d in x.shape):
             return result.fail("needs a static shape")
-        split, concat = parts["s0"].producer(), out.producer()
+        split, concat = parts["s0"].producer(), context.root
         rank = len(x.shape)
+        if list(concat.inputs) != [o for o in split.outputs for _ in range(2)]:
+            return result.fail("concat does not read each split output twice, in order")
         axis = _axis(split, rank)
         if axis != _axis(concat, rank) or not _split_is_equal(split, x, axis, self.n):
             return result.fail("not an equal split along the concat axis")
         return result
 
-    def rewrite(self, op, x, out, **parts):
+    def rewrite(self, op, x, **parts):
         split = parts["s0"].producer()
         return _interleave(op, x, self.n, list(x.shape), _axis(split, len(x.shape)))
 
@@ -101,18 +107,18 @@ class ConcatRepeatToTile(RewriteRuleClassBase):
         self.r = r
 
     def pattern(self, op, x):
-        return op.Concat(*([x] * self.r), _outputs=["out"])
+        return op.Concat(*([x] * self.r))
 
-    def check(self, context, x, out) -> MatchResult:
+    def check(self, context, x) -> MatchResult:
         result = MatchResult()
         if x.shape is None:
             return result.fail("rank of x unknown")
+        self._concat_axis = _axis(context.root, len(x.shape))  # read back by rewrite()
         return result
 
-    def rewrite(self, op, x, out):
-        rank = len(x.shape)
-        repeats = np.ones(rank, np.int64)
-        repeats[_axis(out.producer(), rank)] = self.r
+    def rewrite(self, op, x):
+        repeats = np.ones(len(x.shape), np.int64)
+        repeats[self._concat_axis] = self.r
         return op.Tile(x, op.Constant(value=ir.tensor(repeats)))
 
 
