@@ -26,6 +26,7 @@ def optimize(
     rule: Optional[list[str]] = typer.Option(None, "--rule", help="Extra rewrite rule(s) by import path, package.module:name (repeatable)."),
     min_cosine: Optional[float] = typer.Option(None, "--min-cosine", help="Override the budget's mean-cosine floor."),
     min_top1: Optional[float] = typer.Option(None, "--min-top1", help="Override the budget's nearest-neighbour top-1 agreement floor."),
+    max_sentences: int = typer.Option(0, "--max-sentences", help="Use only the first N calibration and N held-out sentences (0: all 200 + 200)."),
     explain: bool = typer.Option(False, "--explain", help="List what each pass changed."),
     force: bool = typer.Option(False, "--force", help="Write the artifact even if it misses its accuracy budget."),
     no_latency: bool = typer.Option(False, "--no-latency", help="Skip the latency comparison."),
@@ -50,7 +51,12 @@ def optimize(
         budget = BUDGETS.get(precision, BUDGETS["fp32"])
         budget = dataclasses.replace(budget, **{k: v for k, v in (("mean_cosine", min_cosine), ("top1", min_top1))
                                                 if v is not None})
-    options = OptimizeOptions(budget=budget, target=target, precision=precision, auto_block_list=auto_block_list,
+    calibration = heldout = None
+    if max_sentences > 0:
+        from surge.data import calibration_sentences, heldout_sentences
+
+        calibration, heldout = calibration_sentences()[:max_sentences], heldout_sentences()[:max_sentences]
+    options = OptimizeOptions(budget=budget, calibration=calibration, heldout=heldout, target=target, precision=precision, auto_block_list=auto_block_list,
                               block_list=list(block) if block else None, per_channel=per_channel,
                               prune_heads=prune_heads, rules=list(rule or []), force=force,
                               measure_latency=not no_latency, threads=threads)
