@@ -202,10 +202,10 @@ def _apply_precision(proto: onnx.ModelProto, options: OptimizeOptions, evaluator
     say(f"converting to {p} (FP32 kept for: {', '.join(block) or 'nothing'})")
     low = prec.convert(proto, p, block)
     decisions.update(block_list=block, model=low, block_list_violations=prec.blocked_nodes_ok(low, block))
-    if p == "fp16" and options.target == "cpu":
-        return decisions, low.SerializeToString(), "onnxruntime-cpu fp16"
-    # BF16 has no ORT CPU kernels, and a GPU artifact is not run here: validate
-    # the CPU emulation of its numerics and say so in the manifest.
+    # Validate on the emulation: ORT's CPU provider silently runs FP16 nodes that
+    # lack an FP16 kernel in FP32 (it inserts Casts), so a real CPU run would hide
+    # FP16 overflow; BF16 has no CPU kernels at all; and a GPU artifact is not
+    # run here. The emulation rounds every low-precision value where it is made.
     return decisions, prec.emulate(low, p).SerializeToString(), f"emulated {p} on onnxruntime-cpu (fp32 compute, {p}-rounded values)"
 
 

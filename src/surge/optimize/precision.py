@@ -5,8 +5,10 @@ shape inference types every value) with onnxruntime's float16 converter,
 which inserts the Casts at the borders of the blocked ops. BF16 is the FP16
 result retyped: same borders, bfloat16 storage.
 
-ONNX Runtime's CPU provider has FP16 kernels for the ops an encoder uses but
-almost no BF16 ones, so BF16 numerics are validated on an *emulation*: the
+ONNX Runtime's CPU provider runs an FP16 graph, but a node without an FP16
+CPU kernel is silently computed in FP32 (ORT inserts Casts around it), so such
+a run hides FP16 overflow; BF16 has almost no CPU kernels. Both are therefore
+validated on an *emulation*: the
 same graph in FP32 with every low-precision value rounded to BF16 right where
 it is produced (weights, activations, Cast borders). Compute in FP32 with
 BF16 storage is also what GPU BF16 kernels do (they accumulate in FP32).

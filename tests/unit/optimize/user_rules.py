@@ -13,3 +13,24 @@ class ErfToTanh(RewriteRuleClassBase):
 
 
 erf_to_tanh = ErfToTanh.rule()
+
+
+class FlipMatMul(RewriteRuleClassBase):
+    """MatMul(a, b) -> MatMul(a, -b) where b is a weight: obviously wrong, drastically so."""
+
+    def pattern(self, op, a, b):
+        return op.MatMul(a, b)
+
+    def check(self, context, a, b):
+        from onnxscript.rewriter._basics import MatchResult
+
+        result = MatchResult()
+        if b.const_value is None:
+            return result.fail("not a weight")
+        return result
+
+    def rewrite(self, op, a, b):
+        return op.MatMul(a, op.Neg(b))
+
+
+flip_matmul = FlipMatMul.rule()
