@@ -33,7 +33,7 @@ class RewriteRules(GraphPass):
             for rule in rules:
                 count = RewriteRuleSet([rule]).apply_to_model(model)
                 if count:
-                    name = rule.name or type(rule).__name__
+                    name = rule.name or _describe(rule)
                     fired[name] = fired.get(name, 0) + count
                     changed += count
             if not changed:
@@ -41,3 +41,13 @@ class RewriteRules(GraphPass):
         ir.passes.common.RemoveUnusedNodesPass()(model)
         details = [f"{name}: {count}x" for name, count in sorted(fired.items())] or ["no rule matched"]
         return sum(fired.values()), details
+
+
+def _describe(rule) -> str:
+    """A name for onnxscript's unnamed rules: the pattern they match, on one line."""
+    text = " ".join(str(getattr(rule, "_target_pattern", "")).split())
+    import re
+
+    body = text.split("{", 1)[-1].rsplit("return", 1)[0].strip()
+    body = re.sub(r"^\S+ = ", "", body)  # drop the anonymous output name
+    return f"onnxscript rule [{body[:60]}]" if body else "onnxscript rule"
