@@ -194,7 +194,8 @@ def _apply_precision(proto: onnx.ModelProto, options: OptimizeOptions, evaluator
             return compare(ref, run_model(session(model.SerializeToString(), options.threads), evaluator.spec, data))
 
         budget = options.budget or BUDGETS[p]
-        result = search_block_list(prec.float_op_types(proto), measure, budget, say)
+        result = search_block_list(prec.float_op_types(proto), measure, budget, say,
+                                   all_op_types=sorted({n.op_type for n in proto.graph.node}))
         block = result.block_list
         decisions["search"] = result.to_json()
     else:

@@ -31,13 +31,19 @@ class SearchResult:
 
 
 def search_block_list(candidates: list[str], measure: Callable[[list[str]], SetMetrics], budget: Budget,
-                      progress: Callable[[str], None] | None = None) -> SearchResult:
-    """`measure(block_list)` converts with that block list and returns calibration metrics."""
+                      progress: Callable[[str], None] | None = None,
+                      all_op_types: list[str] | None = None) -> SearchResult:
+    """`measure(block_list)` converts with that block list and returns calibration metrics.
+
+    `all_op_types`: every op type of the graph; to isolate one candidate, all
+    the others are blocked (plumbing ops such as Gather included).
+    """
     say = progress or (lambda _: None)
+    universe = sorted(set(all_op_types or candidates) | set(candidates))
     sensitivity = {}
     for op in candidates:
         say(f"sensitivity of {op}")
-        metrics = measure([c for c in candidates if c != op])
+        metrics = measure([c for c in universe if c != op])
         sensitivity[op] = round(1.0 - metrics.mean_cosine, 9)
     order = sorted(candidates, key=lambda op: sensitivity[op], reverse=True)
     steps = []

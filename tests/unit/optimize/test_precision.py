@@ -73,7 +73,10 @@ def test_search_finds_smallest_passing_block_list(clean_tiny, tiny_spec, sentenc
     candidates = prec.float_op_types(clean_tiny)
     assert "LayerNormalization" in candidates and "MatMul" in candidates
     strict = Budget(mean_cosine=1 - 1e-6)  # tighter than bf16 can do unblocked
-    result = search_block_list(candidates, measure, strict)
+    all_ops = sorted({n.op_type for n in clean_tiny.graph.node})
+    result = search_block_list(candidates, measure, strict, all_op_types=all_ops)
+    # Isolated one at a time, the op types differ in how much they cost.
+    assert len(set(result.sensitivity.values())) > 1
     assert set(result.sensitivity) == set(candidates)
     passing = [s for s in result.steps if s["passed"]]
     failing = [s for s in result.steps if not s["passed"]]
@@ -81,5 +84,5 @@ def test_search_finds_smallest_passing_block_list(clean_tiny, tiny_spec, sentenc
     if result.passed:
         assert passing[0]["block_list"] == result.block_list
         assert len(result.block_list) == len(result.steps) - 1  # stopped at the first passing prefix
-    loose = search_block_list(candidates, measure, BUDGETS["bf16"])
+    loose = search_block_list(candidates, measure, BUDGETS["bf16"], all_op_types=all_ops)
     assert loose.passed and len(loose.block_list) <= len(result.block_list)
