@@ -61,6 +61,10 @@ class OptimizeOptions:
             raise ConfigError("int8 dynamic quantization is a CPU path; use --target cpu")
         if not 0.0 <= self.prune_heads < 1.0:
             raise ConfigError("--prune-heads must be in [0, 1)")
+        from surge.optimize.rules import load_user_rules
+
+        for path in self.rules:  # fail before the slow steps, not in the middle of them
+            load_user_rules(path)
 
 
 @dataclass
