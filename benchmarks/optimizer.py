@@ -149,6 +149,30 @@ def markdown(rows, infos, args) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(rows: list[dict], path: Path) -> None:
+    """Speed-up over PyTorch eager per shape, one panel per model (PNG, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    engines = ["onnxruntime raw export", "surge fp32", "surge int8"]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in rows if r["model"] == model]
+        x = np.arange(len(mine))
+        for i, e in enumerate(engines):
+            ax.bar(x + (i - 1) * 0.27, [r["pytorch eager fp32"] / r[e] for r in mine], 0.27, label=e)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(x, [f"b{r['batch']} s{r['seq']}" for r in mine])
+        ax.set_ylabel("speed-up vs PyTorch eager FP32 (×)")
+        ax.set_title(model)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def _cpu() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -176,6 +200,7 @@ def main() -> None:
     parser.add_argument("--max-runs", type=int, default=30)
     parser.add_argument("--sentences", type=int, default=100, help="calibration and held-out sentences for the gate")
     parser.add_argument("--out", type=Path, default=None, help="also write the markdown table here")
+    parser.add_argument("--plot", type=Path, default=None, help="also write a PNG of the speed-ups here")
     args = parser.parse_args()
     args.load_at_start = ", ".join(f"{x:.1f}" for x in os.getloadavg())
 
@@ -200,6 +225,8 @@ def main() -> None:
     print(text)
     if args.out:
         args.out.write_text(text)
+    if args.plot:
+        plot(rows, args.plot)
 
 
 if __name__ == "__main__":
