@@ -129,7 +129,9 @@ def optimize(spec: ModelSpec, out_dir: Path, options: OptimizeOptions, cache_dir
         # Contrib-op fusions are for ONNX Runtime's CPU kernels; FP16/BF16 graphs
         # keep standard ops so the converter can type every value.
         fuse = options.target == "cpu" and options.precision in ("fp32", "int8")
-        ctx = PassContext(num_heads=num_heads, hidden_size=spec.hidden_size, target=options.target,
+        # The attention width is heads x head size: the hidden size, unless heads were pruned.
+        ctx = PassContext(num_heads=num_heads, hidden_size=num_heads * (spec.hidden_size // spec.num_heads),
+                          target=options.target,
                           user_rules=list(options.rules))
         say("graph passes")
         reports = run_passes(model, graph_passes(fuse=fuse), ctx, on_pass)

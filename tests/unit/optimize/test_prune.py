@@ -52,6 +52,7 @@ def test_pipeline_prunes_and_gate_decides(tmp_path, tiny_spec, sentences):
     assert result.written and m["pruning"]["heads_per_layer"] == tiny_spec.num_heads // 2
     assert m["pruning"]["heads_removed"] == tiny_spec.num_layers * tiny_spec.num_heads // 2
     assert m["validation"]["budget"]["mean_cosine"] == 0.99  # pruning is judged on the lossy budget
+    assert m["op_types"]["after"].get("com.microsoft::Attention") == tiny_spec.num_layers  # pruned layers still fuse
     # The written graph really is smaller: the QKV weights lost half their columns.
     import onnx
 

@@ -27,7 +27,7 @@ class PassContext:
     """What passes may need to know about the model beyond its graph."""
 
     num_heads: int = 0
-    hidden_size: int = 0
+    hidden_size: int = 0  # attention width, num_heads x head size (less than the model's when pruned)
     target: str = "cpu"  # cpu | gpu
     user_rules: list[str] = field(default_factory=list)  # import paths of extra rewrite rules
 
