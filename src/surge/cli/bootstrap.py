@@ -24,6 +24,8 @@ def resolve_artifact(spec: ModelSpec, engine: EngineConfig, cache_dir: Path | No
     """The artifact an engine loads; exported once (with progress) and cached."""
     if engine.engine != "onnxrt":
         return None  # the torch engine loads the weights directly
+    if is_artifact_dir(spec.path):
+        return spec.path  # an artifact written by `surge optimize`: served as it is
     from rich.console import Console
 
     from surge.optimize.export import ensure_exported
@@ -36,6 +38,20 @@ def resolve_artifact(spec: ModelSpec, engine: EngineConfig, cache_dir: Path | No
                 print(f"surge: exporting {spec.name}: {step}", file=sys.stderr, flush=True)
 
         return ensure_exported(spec, cache_dir or default_cache_dir(), progress=progress)
+
+
+def is_artifact_dir(path: Path) -> bool:
+    """A directory `surge optimize` wrote: manifest.json + the model file, tokenizer alongside."""
+    import json
+
+    manifest = Path(path) / "manifest.json"
+    if not manifest.is_file():
+        return False
+    try:
+        data = json.loads(manifest.read_text())
+    except (OSError, ValueError):
+        return False
+    return (Path(path) / data.get("model_file", "model.onnx")).is_file()
 
 
 def load_service(config: ServerConfig, spec: ModelSpec, version: str = "1", engine: EngineConfig | None = None,

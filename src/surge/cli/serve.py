@@ -17,6 +17,7 @@ def register(app: typer.Typer) -> None:
 
 def serve(
     model_dir: Optional[Path] = typer.Argument(None, envvar="SURGE_MODEL_DIR", help="Hugging Face model directory (default: the bundled all-MiniLM-L6-v2)."),
+    artifact: Optional[Path] = typer.Option(None, "--artifact", envvar="SURGE_ARTIFACT", help="Serve an artifact written by `surge optimize` (instead of MODEL_DIR)."),
     host: str = typer.Option("127.0.0.1", envvar="SURGE_HOST", help="Address to bind."),
     port: int = typer.Option(8000, envvar="SURGE_PORT", help="HTTP port."),
     grpc_port: int = typer.Option(8001, envvar="SURGE_GRPC_PORT", help="gRPC port (KServe v2); 0 disables gRPC."),
@@ -57,6 +58,18 @@ def serve(
     ray_max_ongoing: Optional[int] = typer.Option(None, envvar="SURGE_RAY_MAX_ONGOING", help="Requests one replica takes at a time (default 64)."),
 ) -> None:
     """Serve models over HTTP (OpenAI-compatible, native, KServe v2) and gRPC."""
+    if artifact is not None:
+        from surge.cli.bootstrap import is_artifact_dir
+
+        if model_dir is not None or not is_artifact_dir(artifact):
+            raise typer.BadParameter("--artifact takes a directory written by `surge optimize`, and no MODEL_DIR")
+        # The artifact carries its tokenizer and config: it is a model directory
+        # whose ONNX file the engine loads as it is (see bootstrap.resolve_artifact).
+        model_dir = artifact
+        if model_name is None:
+            import json
+
+            model_name = json.loads((artifact / "manifest.json").read_text()).get("model_name")
     config = ServerConfig(
         host=host,
         port=port,

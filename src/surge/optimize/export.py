@@ -68,11 +68,16 @@ class _Wrapper:
 
 def export_onnx(spec: ModelSpec, out_file: Path, opset: int = OPSET, progress=None) -> Path:
     """Write `out_file`; `progress(step: str)` is called as the export advances."""
+    say = progress or (lambda step: None)
+    say("loading PyTorch weights")
+    return export_model(load_torch_model(spec), spec, out_file, opset, progress)
+
+
+def export_model(model, spec: ModelSpec, out_file: Path, opset: int = OPSET, progress=None) -> Path:
+    """Export an already loaded (possibly modified, e.g. pruned) transformers model of `spec`."""
     import torch
 
     say = progress or (lambda step: None)
-    say("loading PyTorch weights")
-    model = load_torch_model(spec)
     uses_types = spec.config.get("type_vocab_size", 0) > 0 and spec.model_type not in ("distilbert",)
     wrapped = _Wrapper.build(model, uses_types)
     batch, seq = 2, 16

@@ -1,0 +1,233 @@
+"""Benchmark: PyTorch eager FP32 vs ONNX Runtime on the raw export vs surge FP32-optimized vs surge INT8.
+
+Models: the bundled all-MiniLM-L6-v2 and a BERT-base with random weights
+(bert-base-uncased's architecture from transformers' BertConfig defaults).
+One process, same inputs, medians; the ratios are against PyTorch eager in
+the same run. Accuracy-gate results (and node counts) come from the same
+`surge optimize` pipeline the CLI runs.
+
+    PYTHONPATH=src python benchmarks/optimizer.py            # default: both models, 4 shapes, short
+    PYTHONPATH=src python benchmarks/optimizer.py --quick    # MiniLM, batch 1 x seq 32 only
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+SHAPES = [(1, 32), (1, 128), (32, 32), (32, 128)]
+
+
+def make_bert_base(out: Path) -> Path:
+    import torch
+    from transformers import BertConfig, BertModel
+
+    from surge.models import bundled_model_dir
+
+    torch.manual_seed(0)
+    BertModel(BertConfig()).eval().save_pretrained(out)  # BertConfig() is bert-base-uncased's shape
+    shutil.copy(bundled_model_dir() / "tokenizer.json", out / "tokenizer.json")
+    return out
+
+
+def timed(fn, budget_s: float, max_runs: int) -> float:
+    """Median ms of fn() after one warm-up; stops after max_runs or budget_s, at least 3 runs."""
+    fn()
+    times = []
+    start = time.perf_counter()
+    while len(times) < max_runs and (len(times) < 3 or time.perf_counter() - start < budget_s):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1000
+
+
+def inputs(vocab: int, batch: int, seq: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1000, min(vocab, 30522), size=(batch, seq), dtype=np.int64)
+    ids[:, 0], ids[:, -1] = 101, 102
+    return {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
+
+
+def ort_runner(model_file: Path, threads: int):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        opts.intra_op_num_threads = threads
+    sess = ort.InferenceSession(str(model_file), opts, providers=["CPUExecutionProvider"])
+    names = {i.name for i in sess.get_inputs()}
+    return lambda feeds: sess.run(None, {k: v for k, v in feeds.items() if k in names})
+
+
+def torch_runner(spec, threads: int):
+    import torch
+
+    from surge.optimize.export import load_torch_model
+
+    if threads:
+        torch.set_num_threads(threads)
+    model = load_torch_model(spec)
+
+    def run(feeds):
+        with torch.inference_mode():
+            return model(**{k: torch.from_numpy(v) for k, v in feeds.items()}).last_hidden_state
+
+    return run
+
+
+def bench_model(spec, cache: Path, work: Path, shapes, args, console) -> tuple[list[dict], dict]:
+    from surge.data import calibration_sentences, heldout_sentences
+    from surge.optimize.export import ensure_exported
+    from surge.optimize.pipeline import GateFailed, OptimizeOptions, optimize
+
+    raw = ensure_exported(spec, cache) / "model.onnx"
+    n = args.sentences
+    info = {}
+    arts = {}
+    for precision in ("fp32", "int8"):
+        console.print(f"[bold]{spec.name}[/]: surge optimize --precision {precision}")
+        opts = OptimizeOptions(precision=precision, measure_latency=False, threads=args.threads, force=True,
+                               calibration=calibration_sentences()[:n], heldout=heldout_sentences()[:n])
+        out = work / f"{spec.name}-{precision}"
+        try:
+            res = optimize(spec, out, opts, cache)
+        except GateFailed as exc:  # force=True writes anyway; kept for clarity
+            res = exc.result
+        m = res.manifest
+        arts[precision] = out / "model.onnx"
+        sets = m["validation"]["sets"]
+        info[precision] = {
+            "nodes": m["nodes"], "fused_nodes": m["passes"][-1]["nodes_after"], "gate": m["validation"]["passed"],
+            "failures": m["validation"]["failures"],
+            "cosine": min(s["mean_cosine"] for s in sets.values()),
+            "top1": min(s["top1"] for s in sets.values()), "top1_tie": min(s["top1_tie"] for s in sets.values()),
+        }
+    runners = {"pytorch eager fp32": torch_runner(spec, args.threads), "onnxruntime raw export": ort_runner(raw, args.threads),
+               "surge fp32": ort_runner(arts["fp32"], args.threads), "surge int8": ort_runner(arts["int8"], args.threads)}
+    rows = []
+    for batch, seq in shapes:
+        feeds = inputs(spec.vocab_size, batch, seq)
+        row = {"model": spec.name, "batch": batch, "seq": seq}
+        for name, run in runners.items():
+            console.print(f"  {spec.name} b={batch} s={seq}: {name}")
+            row[name] = timed(lambda: run(feeds), args.budget_s, args.max_runs)
+        rows.append(row)
+    return rows, info
+
+
+def markdown(rows, infos, args) -> str:
+    engines = ["pytorch eager fp32", "onnxruntime raw export", "surge fp32", "surge int8"]
+    lines = [f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Machine: {platform.machine()}, "
+             f"{_cpu()}, {_cores()} cores, load average at start {args.load_at_start}. Python {platform.python_version()}.",
+             f"Command: `PYTHONPATH=src python benchmarks/optimizer.py {' '.join(sys.argv[1:])}`".rstrip(), "",
+             "Latency, median ms (speed-up vs PyTorch eager FP32 in the same run):", "",
+             "| model | batch | seq | " + " | ".join(engines) + " |", "|---|---:|---:|" + "---:|" * len(engines)]
+    for r in rows:
+        base = r["pytorch eager fp32"]
+        cells = [f"{r[e]:.1f} ({base / r[e]:.2f}x)" for e in engines]
+        lines.append(f"| {r['model']} | {r['batch']} | {r['seq']} | " + " | ".join(cells) + " |")
+    lines += ["", "Graph and accuracy (validation vs the FP32 source on the bundled sentences):", "",
+              "| model | precision | nodes export → surge | reduction | mean cos (worst set) | top-1 strict | top-1 ties≤0.01 | gate (defaults) |",
+              "|---|---|---:|---:|---:|---:|---:|---|"]
+    for model, info in infos.items():
+        for p, i in info.items():
+            before, after = i["nodes"]["before"], i["fused_nodes"]
+            gate = "pass" if i["gate"] else "FAIL: " + "; ".join(i["failures"])
+            lines.append(f"| {model} | {p} | {before} → {i['nodes']['after']} | {before / after:.1f}x (graph passes: {after}) | "
+                         f"{i['cosine']:.5f} | {i['top1']:.3f} | {i['top1_tie']:.3f} | {gate} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Speed-up over PyTorch eager per shape, one panel per model (PNG, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    engines = ["onnxruntime raw export", "surge fp32", "surge int8"]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in rows if r["model"] == model]
+        x = np.arange(len(mine))
+        for i, e in enumerate(engines):
+            ax.bar(x + (i - 1) * 0.27, [r["pytorch eager fp32"] / r[e] for r in mine], 0.27, label=e)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(x, [f"b{r['batch']} s{r['seq']}" for r in mine])
+        ax.set_ylabel("speed-up vs PyTorch eager FP32 (×)")
+        ax.set_title(model)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def main() -> None:
+    import os
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="MiniLM only, batch 1 x seq 32")
+    parser.add_argument("--no-bert-base", action="store_true")
+    parser.add_argument("--threads", type=int, default=0, help="threads for every engine (0: library default)")
+    parser.add_argument("--budget-s", type=float, default=2.0, help="time per cell after 3 runs")
+    parser.add_argument("--max-runs", type=int, default=30)
+    parser.add_argument("--sentences", type=int, default=100, help="calibration and held-out sentences for the gate")
+    parser.add_argument("--out", type=Path, default=None, help="also write the markdown table here")
+    parser.add_argument("--plot", type=Path, default=None, help="also write a PNG of the speed-ups here")
+    args = parser.parse_args()
+    args.load_at_start = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+
+    from rich.console import Console
+
+    from surge.models import bundled_model_dir, load_model_spec
+
+    console = Console(stderr=True)
+    shapes = [(1, 32)] if args.quick else SHAPES
+    rows, infos = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        specs = [load_model_spec(bundled_model_dir())]
+        if not (args.quick or args.no_bert_base):
+            console.print("building BERT-base (random weights)")
+            specs.append(load_model_spec(make_bert_base(tmp / "bert-base-random"), name="bert-base-random"))
+        for spec in specs:
+            r, info = bench_model(spec, tmp / "cache", tmp, shapes, args, console)
+            rows += r
+            infos[spec.name] = info
+    text = markdown(rows, infos, args)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+    if args.plot:
+        plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()

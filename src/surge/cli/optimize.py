@@ -1,0 +1,90 @@
+"""`surge optimize MODEL_DIR -o ARTIFACT_DIR`: graph passes, precision, validation, report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from surge.config import default_cache_dir
+
+
+def register(app: typer.Typer) -> None:
+    app.command("optimize")(optimize)
+
+
+def optimize(
+    model_dir: Optional[Path] = typer.Argument(None, help="Hugging Face model directory (default: the bundled all-MiniLM-L6-v2)."),
+    output: Path = typer.Option(..., "-o", "--output", help="Artifact directory to write."),
+    target: str = typer.Option("cpu", envvar="SURGE_TARGET", help="cpu (ONNX Runtime engine) or gpu."),
+    precision: str = typer.Option("fp32", envvar="SURGE_PRECISION", help="fp32, fp16, bf16 or int8."),
+    auto_block_list: bool = typer.Option(False, "--auto-block-list", help="Search the smallest FP32 block list meeting the budget (fp16/bf16)."),
+    block: Optional[list[str]] = typer.Option(None, "--block", help="Op type kept in FP32 (repeatable; replaces the default block list)."),
+    per_channel: bool = typer.Option(True, "--per-channel/--per-tensor", help="INT8 weight scales per output channel or per tensor."),
+    prune_heads: float = typer.Option(0.0, "--prune-heads", help="Fraction of attention heads to remove (least important on calibration text)."),
+    rule: Optional[list[str]] = typer.Option(None, "--rule", help="Extra rewrite rule(s) by import path, package.module:name (repeatable)."),
+    min_cosine: Optional[float] = typer.Option(None, "--min-cosine", help="Override the budget's mean-cosine floor."),
+    min_top1: Optional[float] = typer.Option(None, "--min-top1", help="Override the budget's nearest-neighbour top-1 agreement floor."),
+    max_sentences: int = typer.Option(0, "--max-sentences", help="Use only the first N calibration and N held-out sentences (0: all 200 + 200)."),
+    explain: bool = typer.Option(False, "--explain", help="List what each pass changed."),
+    force: bool = typer.Option(False, "--force", help="Write the artifact even if it misses its accuracy budget."),
+    no_latency: bool = typer.Option(False, "--no-latency", help="Skip the latency comparison."),
+    threads: int = typer.Option(0, envvar="SURGE_THREADS", help="ONNX Runtime threads for validation (0: all cores)."),
+    cache_dir: Optional[Path] = typer.Option(None, envvar="SURGE_CACHE_DIR", help="Where FP32 exports are cached."),
+) -> None:
+    """Optimize a model into a validated artifact that `surge serve --artifact` serves."""
+    from rich.console import Console
+
+    from surge.errors import SurgeError
+    from surge.models import bundled_model_dir, load_model_spec
+    from surge.optimize.pipeline import GateFailed, OptimizeOptions
+    from surge.optimize.pipeline import optimize as run
+
+    console = Console(stderr=True)
+    budget = None
+    if min_cosine is not None or min_top1 is not None:
+        import dataclasses
+
+        from surge.optimize.validate import BUDGETS
+
+        budget = BUDGETS.get(precision, BUDGETS["fp32"])
+        budget = dataclasses.replace(budget, **{k: v for k, v in (("mean_cosine", min_cosine), ("top1", min_top1))
+                                                if v is not None})
+    calibration = heldout = None
+    if max_sentences > 0:
+        from surge.data import calibration_sentences, heldout_sentences
+
+        calibration, heldout = calibration_sentences()[:max_sentences], heldout_sentences()[:max_sentences]
+    options = OptimizeOptions(budget=budget, calibration=calibration, heldout=heldout, target=target, precision=precision, auto_block_list=auto_block_list,
+                              block_list=list(block) if block else None, per_channel=per_channel,
+                              prune_heads=prune_heads, rules=list(rule or []), force=force,
+                              measure_latency=not no_latency, threads=threads)
+    try:
+        spec = load_model_spec(model_dir or bundled_model_dir())
+        with console.status("[bold]optimizing[/]") as status:
+            def progress(step: str) -> None:
+                status.update(f"[bold]{spec.name}[/]: {step}")
+                if not console.is_terminal:
+                    console.print(f"surge optimize: {step}")
+
+            def on_pass(report) -> None:
+                console.print(f"  [green]✓[/] {report.name:<18} {report.nodes_before:>5} → {report.nodes_after:<5} nodes")
+
+            result = run(spec, output, options, cache_dir or default_cache_dir(), progress, on_pass)
+    except GateFailed as exc:
+        _report(console, exc.result.manifest, exc.result.reports, explain)
+        console.print(f"[bold red]not written[/]: {exc.message} (use --force to write it anyway)")
+        raise typer.Exit(code=2)
+    except SurgeError as exc:
+        console.print(f"[bold red]error[/]: {exc.message}")
+        raise typer.Exit(code=1)
+    _report(console, result.manifest, result.reports, explain)
+    note = " [yellow](forced past a failed gate)[/]" if result.manifest.get("forced") else ""
+    console.print(f"[bold green]wrote[/] {result.artifact}{note}")
+
+
+def _report(console, manifest: dict, reports, explain: bool) -> None:
+    from surge.cli.optimize_report import render
+
+    render(console, manifest, reports, explain)

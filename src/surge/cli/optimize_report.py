@@ -1,0 +1,63 @@
+"""The rich tables `surge optimize` ends with."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+
+def render(console, manifest: dict, reports, explain: bool) -> None:
+    nodes = manifest.get("nodes", {})
+    summary = Table(title=f"surge optimize: {manifest.get('model_name')} → {manifest.get('precision')} ({manifest.get('target')})")
+    summary.add_column("item")
+    summary.add_column("value")
+    if nodes:
+        ratio = nodes["before"] / max(nodes["after"], 1)
+        summary.add_row("nodes", f"{nodes['before']} → {nodes['after']} ({ratio:.1f}x fewer)")
+    decisions = manifest.get("precision_decisions", {})
+    if "block_list" in decisions:
+        summary.add_row("kept in FP32", ", ".join(decisions["block_list"]) or "(nothing)")
+    if "search" in decisions:
+        sens = decisions["search"]["sensitivity"]
+        summary.add_row("sensitivity (1-cos)", ", ".join(f"{k}={v:.1e}" for k, v in sorted(sens.items(), key=lambda kv: -kv[1])))
+    if "quantization" in decisions:
+        q = decisions["quantization"]
+        summary.add_row("int8", f"{q['int8_ops']} ({'per-channel' if q['per_channel'] else 'per-tensor'})")
+    if "pruning" in manifest:
+        p = manifest["pruning"]
+        summary.add_row("pruned heads", f"{p['heads_removed']} of {p['heads_total']} ({p['heads_per_layer']} per layer left)")
+    validation = manifest.get("validation", {})
+    if validation:
+        summary.add_row("executed", validation.get("executed", ""))
+        verdict = "[green]passed[/]" if validation["passed"] else "[red]FAILED: " + "; ".join(validation["failures"]) + "[/]"
+        summary.add_row("accuracy gate", verdict)
+    console.print(summary)
+
+    if validation.get("sets"):
+        acc = Table(title="accuracy vs FP32 source")
+        for col in ("set", "n", "mean cos", "min cos", "max |Δ|", "top-1", "top-1 (ties)", "argmax"):
+            acc.add_column(col, justify="right")
+        for name, m in validation["sets"].items():
+            acc.add_row(name, str(m["n"]), f"{m['mean_cosine']:.6f}", f"{m['min_cosine']:.6f}", f"{m['max_abs_diff']:.2e}",
+                        f"{m['top1']:.3f}", f"{m['top1_tie']:.3f}", "-" if m["argmax"] is None else f"{m['argmax']:.3f}")
+        console.print(acc)
+    latency = manifest.get("latency", {})
+    if latency.get("measured"):
+        lat = Table(title="latency, ONNX Runtime CPU (median ms)")
+        for col in ("batch", "seq", "FP32 source", "optimized", "speedup"):
+            lat.add_column(col, justify="right")
+        for row in latency["rows"]:
+            lat.add_row(str(row["batch"]), str(row["seq"]), f"{row['source_ms']:.2f}", f"{row['optimized_ms']:.2f}",
+                        f"{row['speedup']:.2f}x")
+        console.print(lat)
+    elif latency:
+        console.print(f"latency not measured: {latency.get('why')}")
+
+    if explain:
+        table = Table(title="passes")
+        for col in ("pass", "nodes", "changes", "what changed"):
+            table.add_column(col)
+        for r in reports:
+            delta = ", ".join(f"{k} {v:+d}" for k, v in r.op_delta.items())
+            table.add_row(r.name, f"{r.nodes_before} → {r.nodes_after}", str(r.changes),
+                          "; ".join(r.details) + (f"\n[dim]{delta}[/]" if delta else ""))
+        console.print(table)

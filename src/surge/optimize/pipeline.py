@@ -1,0 +1,236 @@
+"""`surge optimize` end to end: export, prune, passes, precision, validate, measure, write.
+
+Everything that is decided is recorded in the artifact's manifest.json; an
+artifact that misses its accuracy budget is not written unless forced.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+
+from surge.errors import ConfigError, SurgeError
+from surge.models.hf import ModelSpec
+from surge.optimize import artifact as art
+from surge.optimize import precision as prec
+from surge.optimize.passes import PassContext, PassReport, graph_passes, op_counts, run_passes
+from surge.optimize.validate import BUDGETS, LOSSY, Budget, Evaluator, GateResult
+
+PRECISIONS = ("fp32", "fp16", "bf16", "int8")
+TARGETS = ("cpu", "gpu")
+
+
+class GateFailed(SurgeError):
+    code = "accuracy_gate_failed"
+
+    def __init__(self, message: str, result: "OptimizeResult"):
+        super().__init__(message)
+        self.result = result
+
+
+@dataclass
+class OptimizeOptions:
+    target: str = "cpu"
+    precision: str = "fp32"
+    auto_block_list: bool = False  # search for the smallest FP32 block list (fp16/bf16)
+    block_list: list[str] | None = None  # fixed block list; None = precision.DEFAULT_BLOCK_LIST
+    per_channel: bool = True  # int8 weights per output channel (per tensor is far less accurate)
+    prune_heads: float = 0.0  # fraction of attention heads to remove
+    rules: list[str] = field(default_factory=list)  # extra rewrite rules by import path
+    budget: Budget | None = None  # None = validate.BUDGETS[precision] (LOSSY when pruning)
+    force: bool = False
+    calibration: list[str] | None = None
+    heldout: list[str] | None = None
+    search_sentences: int = 48  # calibration sentences the block-list search measures on
+    measure_latency: bool = True
+    threads: int = 0
+
+    def check(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
+        if self.target not in TARGETS:
+            raise ConfigError(f"--target must be one of {', '.join(TARGETS)}, not {self.target!r}")
+        if self.precision == "int8" and self.target == "gpu":
+            raise ConfigError("int8 dynamic quantization is a CPU path; use --target cpu")
+        if not 0.0 <= self.prune_heads < 1.0:
+            raise ConfigError("--prune-heads must be in [0, 1)")
+        from surge.optimize.rules import load_user_rules
+
+        for path in self.rules:  # fail before the slow steps, not in the middle of them
+            load_user_rules(path)
+
+
+@dataclass
+class OptimizeResult:
+    manifest: dict
+    gate: GateResult
+    reports: list[PassReport]
+    written: bool = False
+    artifact: Path | None = None
+
+
+def tool_versions() -> dict:
+    import numpy
+    import onnxruntime
+    import onnxscript
+
+    versions = {"python": platform.python_version(), "onnx": onnx.__version__, "onnx_ir": ir.__version__,
+                "onnxscript": onnxscript.__version__, "onnxruntime": onnxruntime.__version__,
+                "numpy": numpy.__version__}
+    try:
+        import torch
+        import transformers
+
+        versions.update(torch=torch.__version__, transformers=transformers.__version__)
+    except ImportError:
+        pass
+    return versions
+
+
+def optimize(spec: ModelSpec, out_dir: Path, options: OptimizeOptions, cache_dir: Path,
+             progress: Callable[[str], None] | None = None, on_pass=None) -> OptimizeResult:
+    from surge.data import calibration_sentences, heldout_sentences
+    from surge.optimize.export import ensure_exported
+
+    options.check()
+    say = progress or (lambda _: None)
+    say("exporting the FP32 source model")
+    source_dir = ensure_exported(spec, cache_dir, progress=lambda s: say(f"export: {s}"))
+    source_file = source_dir / art.MODEL_FILE
+    calibration = options.calibration or calibration_sentences()
+    heldout = options.heldout or heldout_sentences()
+    say("running the FP32 reference on calibration and held-out sentences")
+    evaluator = Evaluator(spec, source_file, calibration, heldout, threads=options.threads)
+    manifest: dict = {"kind": "optimized", "model_name": spec.name, "source": str(spec.path),
+                      "source_hash": spec.content_hash(), "target": options.target,
+                      "precision": options.precision, "tools": tool_versions()}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work_file = source_file
+        num_heads = spec.num_heads
+        if options.prune_heads > 0:
+            from surge.optimize.prune import prune_and_export
+
+            say("measuring attention-head importance")
+            pruned = prune_and_export(spec, options.prune_heads, calibration, Path(tmp) / "pruned.onnx", say)
+            work_file, num_heads = pruned.onnx_file, pruned.heads_per_layer
+            manifest["pruning"] = pruned.to_json()
+
+        model = ir.load(str(work_file))
+        source_model = ir.load(str(source_file))
+        before = op_counts(source_model)
+        # Contrib-op fusions are for ONNX Runtime's CPU kernels; FP16/BF16 graphs
+        # keep standard ops so the converter can type every value.
+        fuse = options.target == "cpu" and options.precision in ("fp32", "int8")
+        # The attention width is heads x head size: the hidden size, unless heads were pruned.
+        ctx = PassContext(num_heads=num_heads, hidden_size=num_heads * (spec.hidden_size // spec.num_heads),
+                          target=options.target,
+                          user_rules=list(options.rules))
+        say("graph passes")
+        reports = run_passes(model, graph_passes(fuse=fuse), ctx, on_pass)
+        proto = ir.serde.serialize_model(model)
+        decisions, candidate, executed = _apply_precision(proto, options, evaluator, say)
+        manifest["precision_decisions"] = decisions
+
+        budget = options.budget or (LOSSY if options.prune_heads > 0 and options.precision != "int8"
+                                    else BUDGETS[options.precision])
+        say("validating against the FP32 source")
+        gate = evaluator.gate(candidate, budget)
+        gate_json = gate.to_json()
+        gate_json["executed"] = executed
+        manifest["validation"] = gate_json
+        final = proto if not isinstance(decisions.get("model"), onnx.ModelProto) else decisions.pop("model")
+        manifest["precision_decisions"].pop("model", None)
+        after = {}
+        for node in final.graph.node:
+            key = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+            after[key] = after.get(key, 0) + 1
+        manifest.update(
+            nodes={"before": sum(before.values()), "after": sum(after.values())},
+            op_types={"before": dict(sorted(before.items())), "after": dict(sorted(after.items()))},
+            passes=[r.to_json() for r in reports],
+        )
+        if options.measure_latency and executed.startswith("onnxruntime-cpu"):
+            from surge.optimize.latency import compare_latency
+
+            say("measuring latency (ONNX Runtime CPU)")
+            manifest["latency"] = compare_latency(source_file, final.SerializeToString(), spec, options.threads)
+        else:
+            manifest["latency"] = {"measured": False,
+                                   "why": "skipped (--no-latency)" if not options.measure_latency else "the artifact does not run on ONNX Runtime CPU (target gpu / bf16)"}
+        result = OptimizeResult(manifest, gate, reports)
+        if not gate.passed and not options.force:
+            raise GateFailed("accuracy gate failed: " + "; ".join(gate.failures), result)
+        manifest["forced"] = not gate.passed
+        say("writing the artifact")
+        _write(out_dir, final, manifest, spec)
+        result.written, result.artifact = True, Path(out_dir)
+        return result
+
+
+def _apply_precision(proto: onnx.ModelProto, options: OptimizeOptions, evaluator: Evaluator, say):
+    """(decisions, model to validate, how it was executed)."""
+    p = options.precision
+    if p == "fp32":
+        return {"precision": "fp32"}, proto.SerializeToString(), "onnxruntime-cpu fp32"
+    if p == "int8":
+        from surge.optimize.quantize import quantize_int8
+
+        say("quantizing to int8 (dynamic)")
+        q, info = quantize_int8(proto, per_channel=options.per_channel)
+        return {"precision": "int8", "quantization": info, "model": q}, q.SerializeToString(), "onnxruntime-cpu int8"
+    decisions: dict = {"precision": p}
+    if options.auto_block_list:
+        from surge.optimize.search import search_block_list
+        from surge.optimize.validate import Encoded, compare, run_model, session
+
+        sample = evaluator.data["calibration"].texts[: options.search_sentences]
+        data = Encoded(evaluator.spec, sample)
+        ref = run_model(session(evaluator.reference_model_bytes, options.threads), evaluator.spec, data)
+
+        def measure(block: list[str]):
+            model = prec.emulate(prec.convert(proto, p, block), p)
+            return compare(ref, run_model(session(model.SerializeToString(), options.threads), evaluator.spec, data))
+
+        budget = options.budget or BUDGETS[p]
+        result = search_block_list(prec.float_op_types(proto), measure, budget, say,
+                                   all_op_types=sorted({n.op_type for n in proto.graph.node}))
+        block = result.block_list
+        decisions["search"] = result.to_json()
+    else:
+        block = list(options.block_list if options.block_list is not None else prec.DEFAULT_BLOCK_LIST)
+    say(f"converting to {p} (FP32 kept for: {', '.join(block) or 'nothing'})")
+    low = prec.convert(proto, p, block)
+    decisions.update(block_list=block, model=low, block_list_violations=prec.blocked_nodes_ok(low, block))
+    # Validate on the emulation: ORT's CPU provider silently runs FP16 nodes that
+    # lack an FP16 kernel in FP32 (it inserts Casts), so a real CPU run would hide
+    # FP16 overflow; BF16 has no CPU kernels at all; and a GPU artifact is not
+    # run here. The emulation rounds every low-precision value where it is made.
+    return decisions, prec.emulate(low, p).SerializeToString(), f"emulated {p} on onnxruntime-cpu (fp32 compute, {p}-rounded values)"
+
+
+def _write(out_dir: Path, model: onnx.ModelProto, manifest: dict, spec: ModelSpec) -> None:
+    out_dir = Path(out_dir)
+    manifest.update(model_file=art.MODEL_FILE, pooling=spec.pooling, normalize=spec.normalize,
+                    max_length=spec.max_length, hidden_size=spec.hidden_size, vocab_size=spec.vocab_size)
+    if out_dir.exists():
+        if not (out_dir / art.MANIFEST).is_file() and any(out_dir.iterdir()):
+            raise ConfigError(f"{out_dir} exists and is not a surge artifact; refusing to overwrite it")
+        shutil.rmtree(out_dir)
+    with art.staging_dir(out_dir) as tmp:
+        onnx.save(model, str(tmp / art.MODEL_FILE))
+        # The tokenizer travels with the artifact so that it can be served alone.
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "config.json",
+                     "modules.json", "sentence_bert_config.json"):
+            if (spec.path / name).is_file():
+                shutil.copy2(spec.path / name, tmp / name)
+        if (spec.path / "1_Pooling").is_dir():
+            shutil.copytree(spec.path / "1_Pooling", tmp / "1_Pooling")
+        art.write_manifest(tmp, manifest)

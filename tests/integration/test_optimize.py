@@ -1,0 +1,126 @@
+"""`surge optimize` end to end: gates pass on the bundled model, fail on broken ones; the artifact serves."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import onnx
+import pytest
+from typer.testing import CliRunner
+
+from surge.cli.main import app
+from surge.optimize import precision as prec
+from surge.optimize.pipeline import GateFailed, OptimizeOptions, optimize
+from tests.conftest import CACHE_DIR, cosine_rows
+from tests.server_process import ServerProcess
+from tests.unit.optimize.conftest import make_tiny_bert
+
+N = 48  # calibration and held-out sentences per run: enough for the gate, quick on 2 cores
+
+
+def _options(sentences, **kw) -> OptimizeOptions:
+    return OptimizeOptions(calibration=sentences[:N], heldout=sentences[200 : 200 + N], measure_latency=False,
+                           threads=2, **kw)
+
+
+@pytest.fixture(scope="module")
+def int8_artifact(tmp_path_factory):
+    """The bundled model through the real CLI, INT8."""
+    out = tmp_path_factory.mktemp("art") / "minilm-int8"
+    # The nearest-neighbour budget is relaxed to 0.9 here: dynamic INT8 of MiniLM
+    # agrees on ~93% of neighbours of these sentences (docs/benchmarks/optimizer.md),
+    # under the issue's 98% default; the cosine budget (0.99) is the default.
+    result = CliRunner().invoke(app, ["optimize", "-o", str(out), "--precision", "int8", "--max-sentences", str(N),
+                                      "--no-latency", "--threads", "2", "--min-top1", "0.9", "--explain",
+                                      "--cache-dir", str(CACHE_DIR)])
+    assert result.exit_code == 0, result.output
+    assert "attention_fusion" in result.output and "wrote" in result.output
+    return out
+
+
+def test_int8_manifest_records_everything(int8_artifact):
+    m = json.loads((int8_artifact / "manifest.json").read_text())
+    assert m["precision"] == "int8" and m["validation"]["passed"]
+    assert m["nodes"]["before"] >= 5 * m["passes"][-1]["nodes_after"]  # graph passes, before INT8 splits MatMuls up
+    assert m["precision_decisions"]["quantization"]["int8_ops"]["QAttention"] == 6
+    assert {"onnx", "onnxruntime", "onnxscript", "onnx_ir"} <= set(m["tools"])
+    assert len(m["source_hash"]) == 64 and m["passes"][0]["name"] == "constant_folding"
+    for s in m["validation"]["sets"].values():
+        assert s["mean_cosine"] >= 0.99 and s["n"] == N
+
+
+def test_served_artifact_is_the_optimized_one(int8_artifact, reference_embed, sentences):
+    texts = sentences[300:306]
+    with ServerProcess("--artifact", str(int8_artifact), "--threads", "2") as srv:
+        r = httpx.post(srv.url + "/v1/embeddings", json={"input": texts, "model": "all-MiniLM-L6-v2"}, timeout=60)
+    assert r.status_code == 200, r.text
+    got = np.array([d["embedding"] for d in r.json()["data"]], np.float32)
+    cos = cosine_rows(got, reference_embed(texts))
+    # Close to FP32 — and not bit-identical to it, which is how we know INT8 was served.
+    assert cos.min() >= 0.98 and cos.max() < 0.99999
+
+
+def test_fp16_bundled_passes_and_block_list_in_written_model(tmp_path, bundled_spec, sentences):
+    out = tmp_path / "minilm-fp16"
+    result = optimize(bundled_spec, out, _options(sentences, precision="fp16"), CACHE_DIR)
+    assert result.gate.passed and result.written
+    m = json.loads((out / "manifest.json").read_text())
+    block = m["precision_decisions"]["block_list"]
+    assert block == prec.DEFAULT_BLOCK_LIST
+    model = onnx.load(str(out / "model.onnx"))
+    assert prec.blocked_nodes_ok(model, block) == []
+    assert any(t.data_type == onnx.TensorProto.FLOAT16 for t in model.graph.initializer)
+    assert m["validation"]["executed"].startswith("emulated fp16")
+    for s in m["validation"]["sets"].values():
+        assert s["top1_tie"] >= 0.998
+
+
+def _fp16_overflow(model):
+    # FFN outputs far beyond FP16's 65504: FP32 copes (LayerNorm rescales), FP16 gives inf/NaN.
+    for layer in model.encoder.layer:
+        layer.intermediate.dense.weight.mul_(300)
+        layer.output.dense.weight.mul_(1e4)
+
+
+def _int8_outlier(model):
+    # One input row of every projection 300x larger: INT8 scales are set by it and the
+    # rest of each weight column rounds to almost nothing.
+    for layer in model.encoder.layer:
+        for lin in (layer.attention.self.query, layer.attention.self.key, layer.attention.self.value,
+                    layer.attention.output.dense, layer.intermediate.dense, layer.output.dense):
+            lin.weight[:, 0].mul_(300)
+
+
+@pytest.mark.parametrize("precision,mutate", [("fp16", _fp16_overflow), ("int8", _int8_outlier)])
+def test_gate_fails_on_a_broken_model(tmp_path, sentences, precision, mutate):
+    from surge.models import load_model_spec
+
+    spec = load_model_spec(make_tiny_bert(tmp_path / "broken", seed=7, mutate=mutate))
+    out = tmp_path / "artifact"
+    with pytest.raises(GateFailed) as info:
+        optimize(spec, out, _options(sentences, precision=precision), CACHE_DIR)
+    assert not out.exists()
+    failures = info.value.result.gate.failures
+    assert any("mean_cosine" in f for f in failures), failures
+    # --force writes it anyway and says so in the manifest.
+    forced = optimize(spec, out, _options(sentences, precision=precision, force=True), CACHE_DIR)
+    assert forced.written and json.loads((out / "manifest.json").read_text())["forced"] is True
+
+
+def test_cli_reports_which_check_failed_for_a_bad_user_rule(tmp_path):
+    # The bundled model, not a random one: random encoders map every sentence to
+    # nearly the same embedding and hardly notice a broken graph.
+    out = tmp_path / "artifact"
+    result = CliRunner().invoke(app, ["optimize", "-o", str(out),
+                                      "--rule", "tests.unit.optimize.user_rules:flip_matmul", "--max-sentences", "16",
+                                      "--no-latency", "--threads", "2", "--cache-dir", str(CACHE_DIR)])
+    assert result.exit_code == 2, result.output
+    assert "not written" in result.output and "cosine" in result.output
+    assert not out.exists()
+
+
+def test_cli_rejects_bad_options(tmp_path):
+    result = CliRunner().invoke(app, ["optimize", "-o", str(tmp_path / "x"), "--precision", "int4"])
+    assert result.exit_code == 1 and "precision" in result.output

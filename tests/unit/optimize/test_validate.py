@@ -1,0 +1,62 @@
+"""The gate's metrics on known cases, and the classifier-head argmax path."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+
+from surge.optimize.validate import Budget, SetMetrics, check, top1_agreement
+from tests.conftest import CACHE_DIR
+
+
+def test_top1_agreement_strict_and_with_ties():
+    rng = np.random.default_rng(0)
+    ref = rng.standard_normal((50, 16))
+    assert top1_agreement(ref, ref) == 1.0
+    # Swap the two nearest neighbours of a query whose neighbours are a near-tie.
+    ref[1] = ref[0] + 1e-3 * rng.standard_normal(16)
+    ref[2] = ref[0] + 1e-3 * rng.standard_normal(16)
+    cand = ref.copy()
+    cand[0] = ref[0] + 5e-3 * (ref[2] - ref[1]) / np.linalg.norm(ref[2] - ref[1])
+    sims = ref @ ref.T
+    assert top1_agreement(ref, cand) < 1.0 or sims[0, 1] == sims[0, 2]
+    assert top1_agreement(ref, cand, tolerance=0.01) == 1.0
+    noise = rng.standard_normal(ref.shape) * 10
+    assert top1_agreement(ref, noise, tolerance=0.01) < 0.5
+
+
+def test_check_names_every_failed_metric():
+    m = SetMetrics(n=10, mean_cosine=0.95, min_cosine=0.9, max_abs_diff=1.0, top1=0.5, top1_tie=0.7, argmax=float("nan"))
+    result = check(Budget(mean_cosine=0.99, top1=0.98, argmax=0.98), {"heldout": m})
+    assert not result.passed
+    text = " ".join(result.failures)
+    assert "heldout: mean_cosine" in text and "top1_tie" in text and "argmax" in text  # NaN fails too
+
+
+def test_classifier_argmax_agreement(tmp_path, sentences):
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from surge.models import bundled_model_dir, load_model_spec
+    from surge.optimize.export import ensure_exported
+    from surge.optimize.validate import Evaluator
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=64, num_labels=3)
+    BertForSequenceClassification(cfg).eval().save_pretrained(tmp_path)
+    shutil.copy(bundled_model_dir() / "tokenizer.json", tmp_path / "tokenizer.json")
+    spec = load_model_spec(tmp_path)
+    source = ensure_exported(spec, CACHE_DIR) / "model.onnx"
+    ev = Evaluator(spec, source, sentences[:16], sentences[200:216], threads=2)
+    assert ev.head is not None
+    logits = ev.head.logits(ev.reference["calibration"].cls)
+    assert logits.shape == (16, 3)
+    with torch.inference_mode():  # the head in numpy equals transformers' own classifier
+        model = BertForSequenceClassification.from_pretrained(tmp_path).eval()
+        pooled = model.bert.pooler(torch.from_numpy(ev.reference["calibration"].cls)[:, None, :])
+        expected = model.classifier(pooled).numpy()
+    np.testing.assert_allclose(logits, expected, atol=1e-4)
+    metrics = ev.metrics(source)
+    assert all(m.argmax == 1.0 for m in metrics.values())
