@@ -89,21 +89,27 @@ def test_in_process_engine_at_the_asked_rate(bundled_spec, bundled_worker):
     service.mark_ready()
     rate, duration = 50.0, 3.0
 
+    text = make_workload(2000).queries[0]
+
     async def main():
-        return await run_load(InProcess(service), make_workload(2000).stream(seed=4),
+        load = await run_load(InProcess(service), make_workload(2000).stream(seed=4),
                               LoadSpec(mode="open", rate=rate, duration_s=duration, warmup_s=0.3, seed=5,
                                        inputs_per_request=2))
+        # A service's batcher lives on the loop that first used it: spot-check on the same loop.
+        return load, (await service.embed(texts=[text])).vectors[0]
 
-    r = asyncio.run(main())
+    r, v = asyncio.run(main())
     assert r.ok.all(), r.errors
     assert abs(r.count - rate * duration) < 4 * np.sqrt(rate * duration)
     # The worker directly (no service, no asyncio in the engine path), closed loop, bounded by count.
     r = asyncio.run(run_load(InProcess(bundled_worker), make_workload(2000).stream(seed=6),
                              LoadSpec(mode="closed", concurrency=2, duration_s=30, warmup_s=0, max_requests=20)))
     assert r.count == 20 and r.ok.all(), r.errors
-    # In-process requests still return real embeddings: spot-check one against the engine directly.
-    text = make_workload(2000).queries[0]
-    v = asyncio.run(service.embed(texts=[text])).vectors[0]
+    # In-process requests still return real embeddings: the same vector the engine gives directly.
+    from surge.types import EmbedOptions
+
+    direct = bundled_worker.finish(bundled_worker.compute(bundled_worker.tokenizer.encode([text])), EmbedOptions())[0]
+    np.testing.assert_allclose(v, direct, atol=1e-5)
     assert np.linalg.norm(v) == pytest.approx(1.0, abs=1e-4)
 
 

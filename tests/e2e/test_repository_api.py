@@ -153,12 +153,16 @@ def test_polling_notices_a_new_version(tmp_path):
         assert c.post("/embed", json={"inputs": "hi", "model": "enc"}).json()["version"] == "2"
 
 
-def test_without_repository_models_are_listed_but_fixed():
+def test_without_repository_the_single_model_is_listed_and_reloads():
     with ServerProcess("--threads", "1") as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
         models = c.get("/models").json()["models"]
         assert [(m["name"], m["version"], m["state"]) for m in models] == [("all-MiniLM-L6-v2", "1", "READY")]
-        r = c.post("/models/all-MiniLM-L6-v2/unload")
-        assert r.status_code == 400 and "--model-repository" in r.json()["error"]["message"]
+        before = c.post("/embed", json={"inputs": "set a timer for ten minutes"}).json()["embeddings"]
+        r = c.post("/models/all-MiniLM-L6-v2/reload")
+        assert r.status_code == 200, r.text
+        after = c.post("/embed", json={"inputs": "set a timer for ten minutes"})
+        assert after.status_code == 200 and after.json()["embeddings"] == before
+        assert c.post("/models/unknown-model/reload").status_code == 404
 
 
 def test_source_path_relative_to_the_yaml(client, repo, reference_embed):

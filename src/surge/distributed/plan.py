@@ -92,6 +92,10 @@ def _versions(root: Path, name: str):
         entry = scan_model(root, name)
         if entry.error and not entry.versions:
             raise ConfigError(entry.error)
+        for ventry in entry.versions.values():
+            if ventry.error:
+                # A deployment is planned up front: an invalid model.yaml stops it, naming file and field.
+                raise ConfigError(ventry.error)
         for v in entry.desired():
             ventry = entry.versions[v]
             yield v, ventry.dir, _merged_yaml(root / name, ventry.dir), ventry.dir / "model.yaml"

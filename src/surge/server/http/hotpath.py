@@ -98,7 +98,8 @@ class HotPathMiddleware:
             service = self.state.registry.get(model, version)
         except SurgeError:
             return None
-        result = service.cached_result(texts)
+        lookup = getattr(service, "cached_result", None)  # remote models (Ray ingress) have no local cache
+        result = lookup(texts) if lookup is not None else None
         if result is None:
             return None
         if native:
