@@ -127,13 +127,17 @@ class ShardRunner(TorchEngine):
     """The TorchEngine (packing, buckets, workspace, CUDA graphs) over one rank's shard.
 
     Only what a shard changes is overridden: where the weights come from, the
-    FFN width of the workspace, and the `reduce` in the forward.
+    FFN width of the workspace, the `reduce` in the forward, and thread-local
+    graph capture.
     """
+
+    capture_error_mode = "thread_local"
 
     def __init__(self, weights: EncoderWeights, device, precision: str, max_batch: int,
                  max_tokens: int | None = None, cuda_graphs: bool = True, reduce=None):
+        # gemm fixed (no per-rank timing of variants): ranks must record identical graphs.
         super().__init__(device=str(device), precision=precision, max_batch=max_batch, max_tokens=max_tokens,
-                         cuda_graphs=cuda_graphs)
+                         cuda_graphs=cuda_graphs, gemm="cublas")
         self.reduce = reduce
         self._attach(weights)
 
@@ -169,31 +173,9 @@ class ShardRunner(TorchEngine):
         v["ffn"] = self.workspace.view(self.plan.region("big"), (key[1], self.weights.layers[0].w1.shape[0]))
         return v
 
-    def _forward(self, key, views) -> torch.Tensor:
-        bb, tb, lb = key
+    def _forward(self, key, views, gemm: str = "cublas") -> torch.Tensor:
+        bb, tb, lb = key  # shards run cuBLAS GEMMs: every rank must capture the same collectives
         return forward_shard_fused(self.weights, views["inputs"], tb, bb, lb, views, self.reduce)
-
-    def _graph(self, key):
-        """TorchEngine._graph, capturing in thread-local mode: ProcessGroupNCCL's watchdog thread queries
-        the events of earlier collectives, which a global-mode capture would turn into an error."""
-        g = self._graphs.get(key)
-        if g is not None:
-            self._graphs.move_to_end(key)
-            return g
-        views = self._views(key)
-        with torch.cuda.stream(self.stream):
-            out = self._forward(key, views)  # compiles the kernels; matched by the same call on every rank
-        graph = None
-        if self.cuda_graphs:
-            self.stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
-                out = self._forward(key, views)
-        g = (graph, views, out)
-        self._graphs[key] = g
-        if len(self._graphs) > self.max_graphs:
-            self._graphs.popitem(last=False)  # every rank evicts the same key: they see the same batches
-        return g
 
     def _run_reference(self, ids, types, pos, lengths) -> np.ndarray:
         cu = [0] + np.cumsum(lengths).tolist()

@@ -72,6 +72,10 @@ def release_weights(path: Path, device: torch.device, dtype: torch.dtype) -> Non
 
 
 class TorchEngine:
+    # A tensor-parallel shard captures in "thread_local" mode (NCCL's watchdog thread
+    # touches events while a capture runs); a plain engine keeps the strict default.
+    capture_error_mode = "global"
+
     def __init__(self, device: str = "cuda", precision: str = "fp16", max_batch: int = 64,
                  max_tokens: int | None = None, cuda_graphs: bool = True, workspace: Workspace | None = None,
                  max_graphs: int = 48, gemm: str = "auto", weight_budget: int | None = None):
@@ -248,7 +252,7 @@ class TorchEngine:
             out = self._forward(key, views, gemm)  # compiles/tunes the Triton kernels, creates cuBLAS handles
         self.stream.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=self.stream):
+        with torch.cuda.graph(graph, stream=self.stream, capture_error_mode=self.capture_error_mode):
             out = self._forward(key, views, gemm)
         return graph, out
 

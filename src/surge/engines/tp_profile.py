@@ -99,7 +99,7 @@ def _profile_cuda(runner, groups, batch, iters, layers) -> dict:
     key = runner.bucket(len(lengths), int(lengths.sum()), int(lengths.max()))
     sync = _barrier(groups)
     with runner._lock, runner.workspace.lock:
-        graph, views, _ = runner._graph(key)
+        graph, views, _, _ = runner._graph(key)
         stream = runner.stream
         replay = graph.replay if graph is not None else (lambda: runner._forward(key, views))
         total = _cuda_ms(replay, iters, stream, sync)
@@ -131,7 +131,7 @@ def _capture(fn, stream, use_graph: bool):
         return fn
     stream.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=stream, capture_error_mode="thread_local"):  # see ShardRunner._graph
+    with torch.cuda.graph(g, stream=stream, capture_error_mode="thread_local"):  # see ShardRunner.capture_error_mode
         fn()
     return g.replay
 
