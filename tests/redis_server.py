@@ -6,6 +6,7 @@ the redis-server binary is not installed (`apt-get install -y redis-server`).
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import tempfile
@@ -16,11 +17,9 @@ import pytest
 from tests.server_process import free_port
 
 
-@pytest.fixture(scope="session")
-def redis_server():
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (apt-get install -y redis-server); shared-tier tests skipped")
+@contextlib.contextmanager
+def running_redis(binary: str):
+    """A redis-server on a free loopback port, without persistence; yields its URL."""
     import redis
 
     port = free_port()
@@ -45,3 +44,12 @@ def redis_server():
         client.close()
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed (apt-get install -y redis-server); shared-tier tests skipped")
+    with running_redis(binary) as url:
+        yield url

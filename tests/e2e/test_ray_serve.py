@@ -12,7 +12,6 @@ import importlib.util
 import os
 import shutil
 import signal
-import subprocess
 import time
 import uuid
 
@@ -39,29 +38,14 @@ def _runtime_has_redis_tier() -> bool:
 
 @pytest.fixture(scope="module")
 def redis_url():
+    from tests.redis_server import running_redis
+
     binary = shutil.which("redis-server")
     if binary is None:
-        yield None
+        yield None  # the cluster runs without the shared tier; the cache-hit test skips
         return
-    port = free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    import redis
-
-    client = redis.Redis(port=port)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.terminate()
-    proc.wait(10)
+    with running_redis(binary) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -58,6 +58,21 @@ def test_bad_input_is_a_clear_error(cpu_engine):
         cpu_engine.run(random_batch(33, 4, 30522, Layout.PACKED))
 
 
+def test_batch_beyond_planned_tokens_is_refused_and_engine_keeps_serving(bundled_spec, reference_embed):
+    from surge.engines.torch_gpu import TorchEngine
+    from surge.errors import EngineError
+
+    engine = TorchEngine(device="cpu", precision="fp32", max_batch=8, max_tokens=40)
+    engine.load(bundled_spec.path)
+    with pytest.raises(EngineError, match="planned capacity of 40"):
+        engine.run(random_batch(3, 16, 30522, Layout.PACKED))  # 48 tokens
+    ids = reference_embed.tok("turn on the lights")["input_ids"]
+    from surge.types import Encoded
+
+    hidden = engine.run(TokenBatch.pack([Encoded(np.array(ids), np.zeros(len(ids), dtype=np.int64))]))
+    assert hidden.shape == (len(ids), 384) and np.isfinite(hidden).all()
+
+
 def _hf_models():
     from transformers import BertConfig, DistilBertConfig, RobertaConfig
 

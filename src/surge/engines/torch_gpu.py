@@ -193,6 +193,10 @@ class TorchEngine:
             raise InvalidInput(f"token ids must be in 0..{self.config.vocab - 1}")
         if types.size and types.max() >= max(self.config.type_vocab, 1):
             raise InvalidInput("token type ids out of range")
+        if ids.size > self.capacity:
+            # Larger than the workspace was planned for: refuse this batch, keep serving others.
+            raise EngineError(f"batch of {ids.size} tokens exceeds this engine's planned capacity of "
+                              f"{self.capacity} tokens (max_tokens)")
 
     def run(self, batch: TokenBatch) -> np.ndarray:
         ids, types, lengths = self._packed_arrays(batch)
