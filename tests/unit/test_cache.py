@@ -161,6 +161,35 @@ def test_new_version_never_serves_the_old_versions_results(bundled_worker, sente
     np.testing.assert_array_equal(c.vectors, a.vectors)
 
 
+def test_same_version_rebuilt_with_other_settings_misses_the_shared_tier(bundled_worker, bundled_spec,
+                                                                         bundled_artifact, sentences,
+                                                                         redis_server):  # noqa: F811
+    from surge.config import EngineConfig
+    from surge.runtime.loader import build_worker
+
+    # Version "7" reloaded with a shorter truncation: its outputs differ, so the
+    # shared tier must not hand it what the first build wrote.
+    short = build_worker(bundled_spec, bundled_artifact, EngineConfig(threads=1, max_seq_len=8, warmup_shapes=[(1, 8)]))
+    assert short.fingerprint() != bundled_worker.fingerprint()
+    assert bundled_worker.fingerprint() == bundled_worker.fingerprint()
+    texts = sentences[60:64]
+
+    async def main():
+        first = _service(bundled_worker, "7", redis_url=redis_server)
+        a = await first.embed(texts=texts)
+        await asyncio.gather(*first._background)
+        rebuilt = _service(short, "7", redis_url=redis_server)
+        b = await rebuilt.embed(texts=texts)
+        for svc in (first, rebuilt):
+            await _shutdown(svc)
+        return a, b
+
+    a, b = asyncio.run(main())
+    assert b.cached == [False] * 4
+    assert not np.allclose(a.vectors, b.vectors, atol=1e-3)  # truncated to 8 tokens: really other outputs
+    short.engines.close()
+
+
 def test_redis_outage_is_a_miss_not_an_error(bundled_worker, sentences):
     async def main():
         svc = _service(bundled_worker, redis_url="redis://127.0.0.1:1/0")

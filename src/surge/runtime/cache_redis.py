@@ -23,11 +23,13 @@ _HEADER = struct.Struct("<I")
 
 class RedisTier:
     def __init__(self, url: str, model: str, version: str, ttl_s: int, timeout_s: float = 0.25,
-                 backoff_s: float = 5.0):
+                 backoff_s: float = 5.0, build: str = ""):
         import redis.asyncio as aredis
 
         self.client = aredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-        self.prefix = f"surge:{model}:{version}:"
+        # build: the worker's fingerprint, so that a version reloaded with other
+        # settings or weights starts from an empty shared tier.
+        self.prefix = f"surge:{model}:{version}:{build}:" if build else f"surge:{model}:{version}:"
         self.ttl_s = ttl_s
         self.backoff_s = backoff_s
         self._down_until = 0.0

@@ -76,7 +76,7 @@ class ModelService:
             if c.redis_url:
                 from surge.runtime.cache_redis import RedisTier
 
-                self.redis = RedisTier(c.redis_url, name, version, c.redis_ttl_s)
+                self.redis = RedisTier(c.redis_url, name, version, c.redis_ttl_s, build=worker.fingerprint())
         self._background: set[asyncio.Task] = set()
 
     @property

@@ -63,6 +63,33 @@ class ModelWorker:
     def layout(self) -> Layout:
         return self.engines.capabilities.layout
 
+    def fingerprint(self) -> str:
+        """What makes this build's outputs what they are, the same in every process.
+
+        Keys the shared (Redis) cache tier next to (model, version), so that a
+        version reloaded with other settings or weights never reads results an
+        earlier build wrote. Cheap: weights are sampled (size, head, tail), not hashed.
+        """
+        import hashlib
+        import json
+
+        caps = self.engines.capabilities
+        digest = hashlib.sha256(json.dumps({
+            "model_type": self.spec.model_type, "hidden": self.spec.hidden_size, "layers": self.spec.num_layers,
+            "vocab": self.spec.vocab_size, "max_length": self.tokenizer.max_length, "pooling": self.post.pooling,
+            "normalize": self.post.normalize, "dtype": caps.dtype, "device_kind": caps.device.split(":")[0],
+        }, sort_keys=True).encode())
+        for name in ("model.safetensors", "pytorch_model.bin", "tokenizer.json", "config.json"):
+            path = self.spec.path / name
+            if path.is_file():
+                size = path.stat().st_size
+                digest.update(f"{name}:{size}".encode())
+                with path.open("rb") as fh:
+                    digest.update(fh.read(1 << 16))
+                    fh.seek(max(0, size - (1 << 16)))
+                    digest.update(fh.read(1 << 16))
+        return digest.hexdigest()[:16]
+
     def make_batch(self, items: list[Encoded]) -> TokenBatch:
         if self.layout is Layout.PACKED:
             return TokenBatch.pack(items)
