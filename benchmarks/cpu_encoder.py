@@ -10,21 +10,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import time
 
 import numpy as np
-
-
-def timeit(fn, iters: int, warmup: int = 10) -> np.ndarray:
-    for _ in range(warmup):
-        fn()
-    times = np.empty(iters)
-    for i in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times[i] = time.perf_counter() - t0
-    return times * 1e3
 
 
 def main() -> None:
@@ -36,6 +23,7 @@ def main() -> None:
 
     import torch
 
+    from surge.bench.timing import cpu_name, wall_ms
     from surge.config import default_cache_dir
     from surge.engines.base import random_batch
     from surge.engines.onnxrt import OnnxRuntimeEngine
@@ -60,12 +48,12 @@ def main() -> None:
             with torch.inference_mode():
                 model(input_ids=ids, attention_mask=mask, token_type_ids=types)
 
-        t_torch = timeit(torch_run, args.iters)
-        t_ort = timeit(lambda: engine.run(batch), args.iters)
+        t_torch = wall_ms(torch_run, args.iters, warmup=10)
+        t_ort = wall_ms(lambda: engine.run(batch), args.iters, warmup=10)
         rows.append((batch_size, t_torch, t_ort))
 
     print(f"\nbundled all-MiniLM-L6-v2, seq {args.seq}, {args.threads} threads, {args.iters} iterations, "
-          f"{platform.processor() or platform.machine()}, torch {torch.__version__}")
+          f"{cpu_name()}, torch {torch.__version__}")
     print(f"{'batch':>5} | {'torch eager p50':>15} {'p99':>8} | {'surge ORT p50':>13} {'p99':>8} | {'speed-up (p50)':>14}")
     print("-" * 80)
     for b, tt, to in rows:

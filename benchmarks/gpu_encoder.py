@@ -102,14 +102,9 @@ def surge_v0_ms(engine: TorchEngine, batch: TokenBatch) -> float:
 
 
 def surge_e2e_ms(engine: TorchEngine, batch: TokenBatch, iters: int = 100) -> float:
-    for _ in range(5):
-        engine.run(batch)
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        engine.run(batch)
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ts)
+    from surge.bench.timing import wall_ms
+
+    return float(np.median(wall_ms(lambda: engine.run(batch), iters, warmup=5)))
 
 
 def hf_graph(model, ids, mask):

@@ -128,14 +128,9 @@ def bench_replicas(args, progress) -> dict:
 # ---------------------------------------------------------------- tensor parallel
 
 def e2e_ms(engine, batch: TokenBatch, iters: int) -> float:
-    for _ in range(3):
-        engine.run(batch)
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        engine.run(batch)
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ts)
+    from surge.bench.timing import wall_ms
+
+    return float(np.median(wall_ms(lambda: engine.run(batch), iters, warmup=3)))
 
 
 def bench_tp(args, progress) -> dict:

@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from surge.bench.timing import cpu_name
+
 import numpy as np
 
 SHAPES = [(1, 32), (1, 128), (32, 32), (32, 128)]
@@ -129,7 +131,7 @@ def bench_model(spec, cache: Path, work: Path, shapes, args, console) -> tuple[l
 def markdown(rows, infos, args) -> str:
     engines = ["pytorch eager fp32", "onnxruntime raw export", "surge fp32", "surge int8"]
     lines = [f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Machine: {platform.machine()}, "
-             f"{_cpu()}, {_cores()} cores, load average at start {args.load_at_start}. Python {platform.python_version()}.",
+             f"{cpu_name()}, {_cores()} cores, load average at start {args.load_at_start}. Python {platform.python_version()}.",
              f"Command: `PYTHONPATH=src python benchmarks/optimizer.py {' '.join(sys.argv[1:])}`".rstrip(), "",
              "Latency, median ms (speed-up vs PyTorch eager FP32 in the same run):", "",
              "| model | batch | seq | " + " | ".join(engines) + " |", "|---|---:|---:|" + "---:|" * len(engines)]
@@ -172,15 +174,6 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
 
 
 def _cores() -> int:

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from surge.bench.loadgen import RunResult
+from surge.bench.timing import cpu_name
 
 PERCENTILES = (50.0, 90.0, 99.0, 99.9)
 
@@ -58,17 +59,7 @@ def environment() -> dict:
     import os
 
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "host": platform.node(),
-            "cpus": os.cpu_count(), "cpu": _cpu_name(), "python": platform.python_version()}
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+            "cpus": os.cpu_count(), "cpu": cpu_name(), "python": platform.python_version()}
 
 
 def write_json(path: str | Path, runs: dict[str, list[RunResult]], extra: dict | None = None) -> Path:
