@@ -14,6 +14,8 @@ from surge.errors import InvalidInput, PayloadTooLarge, Unprocessable
 
 M = TypeVar("M", bound=BaseModel)
 
+PARSED_BODY = "surge.parsed_body"  # request.state key: JSON the hot-path layer already decoded
+
 _INPUT_HINT = "expected a string, a list of strings, a list of token ids, or a list of token-id lists"
 UNION_HINTS = {"input": _INPUT_HINT, "inputs": _INPUT_HINT}
 
@@ -77,4 +79,8 @@ def validate(model: type[M], data) -> M:
 
 
 async def parse(request: Request, model: type[M], limit: int) -> M:
+    # orjson only decodes valid UTF-8 JSON, so a body the hot path parsed needs no second look.
+    parsed = request.scope.get("state", {}).get(PARSED_BODY)
+    if parsed is not None:
+        return validate(model, parsed)
     return validate(model, decode_json(await read_body(request, limit)))

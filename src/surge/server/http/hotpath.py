@@ -22,6 +22,7 @@ import contextlib
 import orjson
 
 from surge.errors import SurgeError
+from surge.server.http.common import PARSED_BODY
 from surge.server.state import AppState
 
 _EMBED = "/embed"
@@ -60,7 +61,7 @@ class HotPathMiddleware:
                 break
         body = b"".join(chunks)
         if scope["path"] in (_EMBED, _OPENAI):
-            answer = self._from_cache(scope["path"], body)
+            answer = self._from_cache(scope, body)
             if answer is not None:
                 payload, version = answer
                 await send({"type": "http.response.start", "status": 200, "headers": [
@@ -71,13 +72,16 @@ class HotPathMiddleware:
         await self._run_watched(scope, body, receive, send)
 
     # ---- 1. cache hits ---------------------------------------------------------
-    def _from_cache(self, path: str, body: bytes) -> tuple[bytes, str] | None:
+    def _from_cache(self, scope, body: bytes) -> tuple[bytes, str] | None:
+        path = scope["path"]
         try:
             data = orjson.loads(body)
         except orjson.JSONDecodeError:
             return None
         if type(data) is not dict:
             return None
+        # A miss goes on to the route: hand it the parsed body so it is not decoded twice.
+        scope.setdefault("state", {})[PARSED_BODY] = data
         native = path == _EMBED
         if not data.keys() <= (_NATIVE_KEYS if native else _OPENAI_KEYS):
             return None
