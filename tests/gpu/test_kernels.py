@@ -118,3 +118,75 @@ def test_gemm_epilogues(dtype, m, n, k, act):
     if act:
         ref = torch.nn.functional.gelu(ref, approximate="tanh" if act == 2 else "none")
     assert _rel(out, ref) < _tol(dtype)
+
+
+def _small_block_inputs(heads, d, inter, dtype, g):
+    hid = heads * d
+    lengths = [1, 7, 33, 64, 5, 2]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    t = cu[-1] + 9  # bucket rows past the last token, as a CUDA-graph bucket has
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to("cuda", dtype)
+
+    w = dict(x=r(t, hid), wqkv=r(3 * hid, hid, scale=hid ** -0.5), bqkv=r(3 * hid, scale=0.1),
+             wo=r(hid, hid, scale=hid ** -0.5), bo=r(hid, scale=0.1), w1=r(inter, hid, scale=hid ** -0.5),
+             b1=r(inter, scale=0.1), w2=r(hid, inter, scale=inter ** -0.5), lnw=r(hid), lnb=r(hid))
+    # the grid covers 3 empty sequences more than the batch has (a bucket's padding)
+    cu_dev = torch.tensor(cu + [cu[-1]] * 3, dtype=torch.int32, device="cuda")
+    return w, cu, cu_dev, len(lengths) + 3
+
+
+def _attention_ref(w, cu, heads):
+    x = w["x"].double()
+    hid = x.shape[1]
+    d = hid // heads
+    qkv = x @ w["wqkv"].double().T + w["bqkv"].double()
+    ctx = torch.zeros_like(x)
+    for s, e in zip(cu[:-1], cu[1:]):
+        q, k, v = (qkv[s:e, j * hid:(j + 1) * hid].reshape(e - s, heads, d).transpose(0, 1) for j in range(3))
+        ctx[s:e] = (torch.softmax(q @ k.transpose(1, 2) / math.sqrt(d), -1) @ v).transpose(0, 1).reshape(e - s, hid)
+    return ctx @ w["wo"].double().T, qkv
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,d,inter", [(12, 64, 3072), (12, 32, 1536), (3, 20, 100)])
+@pytest.mark.parametrize("atomic", [True, False])
+@pytest.mark.parametrize("fuse_qkv", [True, False])
+def test_small_batch_blocks(dtype, heads, d, inter, atomic, fuse_qkv):
+    """attention_block, reduce_layernorm and ffn_block (kernels/small_batch.py) vs float64."""
+    from surge.engines.kernels.small_batch import attention_block, ffn_block, partial_splits, reduce_layernorm
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    w, cu, cu_dev, grid_batch = _small_block_inputs(heads, d, inter, dtype, g)
+    n, t, hid = cu[-1], w["x"].shape[0], w["x"].shape[1]
+    ref_attn, qkv64 = _attention_ref(w, cu, heads)
+    splits = partial_splits(heads, inter)
+    # atomics add into zeros; the partials buffer is poisoned: every slot read must have been written
+    part = (torch.zeros(t, hid, device="cuda") if atomic
+            else torch.full((splits, t, hid), float("nan"), device="cuda"))
+    qkv = None if fuse_qkv else qkv64.to(dtype)
+    attention_block(w["x"], w["wqkv"], w["bqkv"], w["wo"], cu_dev, part, heads, max_len=64, batch=grid_batch,
+                    qkv=qkv, atomic=atomic)
+    got = part[:n] if atomic else part[:heads, :n].sum(0)
+    assert _rel(got, ref_attn[:n]) < _tol(dtype)
+
+    x = w["x"].clone()
+    x[n:] = 0  # rows past the tokens are the bucket's padding: computed, never read back
+    if not atomic:
+        part[:heads, n:] = 0
+    reduce_layernorm(part, heads, w["bo"], x, w["lnw"], w["lnb"], 1e-12, atomic=atomic)
+    h_ref = torch.nn.functional.layer_norm(ref_attn + w["bo"].double() + w["x"].double(), (hid,),
+                                           w["lnw"].double(), w["lnb"].double(), 1e-12)
+    assert _rel(x[:n], h_ref[:n]) < _tol(dtype)
+    if atomic:
+        assert torch.count_nonzero(part) == 0, "the reducing LayerNorm must leave the accumulator zeroed"
+
+    part.fill_(0.0 if atomic else float("nan"))
+    ffn_block(x, w["w1"], w["b1"], w["w2"], part, atomic=atomic)
+    slices = -(-inter // 64)
+    got = part if atomic else part[:slices].sum(0)
+    f_ref = torch.nn.functional.gelu(x.double() @ w["w1"].double().T + w["b1"].double()) @ w["w2"].double().T
+    assert _rel(got[:n], f_ref[:n]) < _tol(dtype)

@@ -84,7 +84,8 @@ def layer_fused(x: torch.Tensor, lw: LayerWeights, cu: torch.Tensor, max_len: in
 
     ws: 'qkv' [T, 3*hid] and 'ffn' [C, ffn] (the same bytes), 'tmp' [C, H];
     C <= T is the chunk the out-projection and the FFN run in (memory.py).
-    gemm: "cublas" (cuBLAS GEMMs, bias+GeLU as its own Triton kernel), "triton"
+    gemm: "cublas" (cuBLAS GEMMs, bias+GeLU as its own Triton kernel), "cublaslt_gelu"
+    (cuBLAS, bias+GeLU in cuBLASLt's epilogue, tanh form), "triton"
     (every GEMM in Triton, bias+GeLU in the FFN GEMM's epilogue) or "mixed"
     (cuBLAS, except the FFN-in GEMM with the fused epilogue).
     """
@@ -117,6 +118,10 @@ def layer_fused(x: torch.Tensor, lw: LayerWeights, cu: torch.Tensor, max_len: in
         if gemm == "cublas":
             torch.mm(xc, lw.w1.t(), out=ffn)
             bias_gelu_(ffn, lw.b1, tanh=tanh)
+        elif gemm == "cublaslt_gelu":
+            # bias + GeLU in cuBLASLt's epilogue: no pass over [C, ffn]; cuBLASLt's GeLU is the
+            # tanh form, so the engine offers this mode only where that is allowed (approximate_gelu)
+            torch._addmm_activation(lw.b1, xc, lw.w1.t(), use_gelu=True, out=ffn)
         else:
             linear(xc, lw.w1, lw.b1, ffn, act=ACT_GELU_TANH if tanh else ACT_GELU)
         if gemm == "triton":
@@ -124,6 +129,29 @@ def layer_fused(x: torch.Tensor, lw: LayerWeights, cu: torch.Tensor, max_len: in
         else:
             torch.mm(ffn, lw.w2.t(), out=tmp)
         add_layernorm(red(tmp), lw.b2, xc, lw.ln2_w, lw.ln2_b, cfg.eps, out=xc)
+
+
+def layer_small(x: torch.Tensor, lw: LayerWeights, cu: torch.Tensor, max_len: int, batch: int,
+                cfg: EncoderConfig, ws: dict[str, torch.Tensor], mode: str) -> None:
+    """One layer in 4 kernels (kernels/small_batch.py), in place on x [T, H], for few tokens.
+
+    mode: "small" plus any of "+pdl" (programmatic dependent launch), "+split" (partials
+    summed in a fixed order instead of fp32 atomics), "+qkv" (QKV as one cuBLAS GEMM
+    into ws['qkv'] instead of inside the attention kernel).
+    ws['acc']: fp32 [T, H], all zeros between kernels; ws['part']: fp32 [splits, T, H].
+    """
+    from surge.engines.kernels.small_batch import FFN_BLOCK_I, attention_block, ffn_block, reduce_layernorm
+
+    atomic, pdl = "+split" not in mode, "+pdl" in mode
+    part = ws["acc"] if atomic else ws["part"]
+    qkv = None
+    if "+qkv" in mode:
+        qkv = ws["qkv"]
+        torch.addmm(lw.bqkv, x, lw.wqkv.t(), out=qkv)
+    attention_block(x, lw.wqkv, lw.bqkv, lw.wo, cu, part, lw.heads, max_len, batch, qkv=qkv, atomic=atomic, pdl=pdl)
+    reduce_layernorm(part, lw.heads, lw.bo, x, lw.ln1_w, lw.ln1_b, cfg.eps, atomic=atomic, pdl=pdl)
+    ffn_block(x, lw.w1, lw.b1, lw.w2, part, tanh=cfg.activation == "gelu_tanh", atomic=atomic, pdl=pdl)
+    reduce_layernorm(part, -(-lw.w1.shape[0] // FFN_BLOCK_I), lw.b2, x, lw.ln2_w, lw.ln2_b, cfg.eps, atomic=atomic, pdl=pdl)
 
 
 def forward_fused(w: EncoderWeights, inputs: torch.Tensor, tokens: int, batch: int, max_len: int,
@@ -144,7 +172,10 @@ def forward_fused(w: EncoderWeights, inputs: torch.Tensor, tokens: int, batch: i
     embed_layernorm(ids, types, pos, w.word, w.pos, w.types, w.emb_ln_w, w.emb_ln_b, w.config.eps, out=x)
     for i in range(w.config.layers):
         lw = offload.get(i, stream) if offload is not None else w.layers[i]
-        layer_fused(x, lw, cu, max_len, batch, w.config, ws, gemm=gemm)
+        if gemm.startswith("small"):
+            layer_small(x, lw, cu, max_len, batch, w.config, ws, gemm)
+        else:
+            layer_fused(x, lw, cu, max_len, batch, w.config, ws, gemm=gemm)
         if offload is not None:
             offload.done(i, stream)
     return x

@@ -32,6 +32,11 @@ _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _WEIGHTS: dict[tuple, list] = {}
 _WEIGHTS_LOCK = threading.Lock()
 GEMM_MODES = ("cublas", "mixed", "triton")
+# bias + GeLU in cuBLASLt's epilogue (the tanh form of GeLU): offered where approximate_gelu allows
+LT_GELU = "cublaslt_gelu"
+# a layer in 4 kernels (kernels/small_batch.py), for buckets of few tokens and short sequences
+SMALL_MODES = ("small", "small+pdl", "small+split+pdl", "small+qkv+pdl")
+SMALL_TOKENS = 128
 
 
 def _next_pow2(n: int) -> int:
@@ -78,7 +83,8 @@ class TorchEngine:
 
     def __init__(self, device: str = "cuda", precision: str = "fp16", max_batch: int = 64,
                  max_tokens: int | None = None, cuda_graphs: bool = True, workspace: Workspace | None = None,
-                 max_graphs: int = 48, gemm: str = "auto", weight_budget: int | None = None):
+                 max_graphs: int = 48, gemm: str = "auto", weight_budget: int | None = None,
+                 approximate_gelu: bool | None = None):
         if precision not in _DTYPES:
             raise EngineError(f"the torch engine runs fp32, fp16 or bf16, not {precision!r}")
         self.device = torch.device(device)
@@ -90,13 +96,19 @@ class TorchEngine:
         self.max_tokens = max_tokens  # token capacity of one batch; default max_batch * max_length
         self.cuda_graphs = cuda_graphs
         self.max_graphs = max_graphs
-        if gemm not in ("auto",) + GEMM_MODES:
-            raise EngineError(f"gemm must be auto or one of {GEMM_MODES}, not {gemm!r}")
+        modes = GEMM_MODES + (LT_GELU,) + SMALL_MODES
+        if gemm not in ("auto",) + modes:
+            raise EngineError(f"gemm must be auto or one of {modes}, not {gemm!r}")
         self.gemm = gemm
+        # The tanh form differs from erf-GeLU by < 5e-4, under half an fp16 ulp at |x| > 0.25 and far
+        # under bf16's: allowed by default in half precision, never in fp32 (tests check the cosine).
+        self.approximate_gelu = precision != "fp32" if approximate_gelu is None else approximate_gelu
         self.weight_budget = weight_budget  # bytes of GPU memory for weights; beyond it layers stream from host
         self.offload = None
         self.choices: dict[tuple, dict[str, float]] = {}  # bucket -> {gemm mode: replay ms} (auto mode)
+        self.mode_errors: dict[str, str] = {}  # modes that failed to build on this GPU, and why
         self._shared_ws = workspace
+        self._small = None  # (tokens, acc, partials, splits) of the small-batch modes, set by load()
         self.weights: EncoderWeights | None = None
         self.capabilities: Capabilities | None = None
         self._lock = threading.RLock()
@@ -138,6 +150,19 @@ class TorchEngine:
         out_dtype = torch.int16 if self.dtype == torch.bfloat16 else self.dtype  # numpy has no bf16
         self._h_out = torch.empty((self.plan.tokens, cfg.hidden), dtype=out_dtype, pin_memory=True)
         self._done = torch.cuda.Event()
+        self._small = self._small_buffers(cfg)
+
+    def _small_buffers(self, cfg):
+        """fp32 partial-sum buffers of the small-batch modes (a few MiB), or None where they do not apply."""
+        if self.offload is not None or cfg.heads * cfg.head_dim != cfg.hidden:
+            return None
+        from surge.engines.kernels.small_batch import partial_splits
+
+        tokens = min(SMALL_TOKENS, token_bucket(self.capacity))
+        splits = partial_splits(cfg.heads, cfg.intermediate)
+        # acc must hold zeros between kernels (the reducing LayerNorm re-zeroes what it read)
+        return (tokens, torch.zeros((tokens, cfg.hidden), dtype=torch.float32, device=self.device),
+                torch.zeros(splits * tokens * cfg.hidden, dtype=torch.float32, device=self.device), splits)
 
     def _load_offloaded(self, path: Path) -> None:
         from dataclasses import replace
@@ -169,6 +194,7 @@ class TorchEngine:
                 release_weights(self._path, self.device, self.dtype)
             self.weights = None
             self.offload = None
+            self._small = None
             for name in ("workspace", "_h_inputs", "_h_out", "stream"):
                 if hasattr(self, name):
                     setattr(self, name, None)
@@ -244,8 +270,26 @@ class TorchEngine:
 
     def _views(self, key) -> dict[str, torch.Tensor]:
         bb, tb, _ = key
-        return self.workspace.views(self.plan, tb, bb, self.config.heads * self.config.head_dim,
-                                    self.config.intermediate)
+        views = self.workspace.views(self.plan, tb, bb, self.config.heads * self.config.head_dim,
+                                     self.config.intermediate)
+        if self._small is not None and tb <= self._small[0]:
+            _, acc, part, splits = self._small
+            views["acc"] = acc[:tb]
+            views["part"] = part[:splits * tb * self.config.hidden].view(splits, tb, self.config.hidden)
+        return views
+
+    def modes(self, key) -> tuple[str, ...]:
+        """The GEMM/fusion modes that can run a bucket; gemm="auto" times them all."""
+        bb, tb, lb = key
+        from surge.engines.kernels.small_batch import MAX_LEN
+
+        out = ("cublas", "mixed") + (("triton",) if tb <= 1024 else ())
+        if self.approximate_gelu or self.config.activation == "gelu_tanh":
+            out += (LT_GELU,)
+        if self._small is not None and tb <= self._small[0] and lb <= MAX_LEN:
+            hopper = torch.cuda.get_device_capability(self.device)[0] >= 9  # PDL needs sm_90
+            out += tuple(m for m in SMALL_MODES if hopper or "+pdl" not in m)
+        return out
 
     def _forward(self, key, views, gemm: str) -> torch.Tensor:
         bb, tb, lb = key
@@ -260,7 +304,7 @@ class TorchEngine:
             out = self._forward(key, views, gemm)
         return graph, out
 
-    def _time(self, graph, reps: int = 5) -> float:
+    def _time(self, graph, reps: int = 20) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
             graph.replay()
@@ -284,7 +328,8 @@ class TorchEngine:
             self._graphs.move_to_end(key)
             return g
         views = self._views(key)
-        mode = "cublas" if self.gemm == "auto" else self.gemm
+        modes = self.modes(key)
+        mode = "cublas" if self.gemm == "auto" or self.gemm not in modes else self.gemm
         if not self.cuda_graphs:
             with torch.cuda.stream(self.stream):
                 out = self._forward(key, views, mode)
@@ -295,8 +340,15 @@ class TorchEngine:
         else:
             best = None
             timings = {}
-            for m in GEMM_MODES:
-                graph, out = self._capture(key, views, m)
+            for m in modes:
+                try:
+                    graph, out = self._capture(key, views, m)
+                except Exception as exc:  # noqa: BLE001 - a variant that cannot build here is skipped, not fatal
+                    if m == "cublas":
+                        raise
+                    self.mode_errors[m] = f"{type(exc).__name__}: {exc}"[:500]
+                    torch.cuda.synchronize(self.device)
+                    continue
                 timings[m] = self._time(graph)
                 if best is None or timings[m] < timings[best[3]]:
                     best = (graph, views, out, m)
