@@ -86,6 +86,12 @@ def two_streams_seq_per_s(engines, graphs, batch: int, rounds: int = 200) -> flo
     return rounds * len(engines) * batch / (start.elapsed_time(end) / 1e3)
 
 
+def _tunable() -> None:
+    torch.cuda.tunable.enable(True)
+    torch.cuda.tunable.tuning_enable(True)
+    torch.cuda.tunable.set_max_tuning_iterations(20)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_modes.json")
@@ -110,6 +116,22 @@ def main() -> None:
         row["seq_per_s"] = len(lengths) / row["surge_ms"] * 1e3
         rows.append(row)
         print(json.dumps(row), flush=True)
+    # ablations on the two headline buckets, each mode fixed to what auto chose
+    import surge.engines.encoder as enc
+
+    chosen = {r["workload"]: r["chosen"] for r in rows}
+    ablations = []
+    for label, setup in [("residual as a separate LN input (before)", lambda: setattr(enc, "RESIDUAL_IN_GEMM", False)),
+                         ("TunableOp-tuned cuBLAS GEMMs", _tunable)]:
+        setup()
+        for name, lengths in [("b1_s32", [32]), ("b128_s32", [32] * 128)]:
+            e = TorchEngine(device="cuda", precision="fp16", max_batch=128, gemm=chosen[name])
+            e.load(tmp)
+            _, (graph, _, _, mode) = graph_of(e, batch_of(lengths, rng))
+            ablations.append({"ablation": label, "workload": name, "mode": mode, "ms": cuda_time(graph.replay)})
+            print(json.dumps(ablations[-1]), flush=True)
+            e.close()
+        enc.RESIDUAL_IN_GEMM = True
     # two instances (shared weights, own workspaces and streams) replaying batch-128 graphs concurrently
     from surge.engines.memory import Workspace
 
@@ -137,12 +159,15 @@ def main() -> None:
             print(f"--- {name} ({mode}), 10 replays\n{table}", flush=True)
     if engine.mode_errors:
         print("modes that failed to build:", json.dumps(engine.mode_errors, indent=1), flush=True)
-    Path(args.out).write_text(json.dumps({"rows": rows, "mode_errors": engine.mode_errors, "streams": streams, "profile": profile}, indent=1))
+    Path(args.out).write_text(json.dumps({"rows": rows, "ablations": ablations, "mode_errors": engine.mode_errors, "streams": streams, "profile": profile}, indent=1))
     print("\n| workload | chosen | surge ms | HF+graph ms | x HF | seq/s | per mode (ms) |\n|---|---|---|---|---|---|---|")
     for r in rows:
         modes = ", ".join(f"{m} {v:.3f}" for m, v in sorted(r["modes_ms"].items(), key=lambda kv: kv[1]))
         print(f"| {r['workload']} | {r['chosen']} | {r['surge_ms']:.3f} | {r['hf_graph_ms']:.3f} | "
               f"{r['hf_graph_ms'] / r['surge_ms']:.2f} | {r['seq_per_s']:.0f} | {modes} |")
+    print("\n| ablation | workload | mode | ms |\n|---|---|---|---|")
+    for a in ablations:
+        print(f"| {a['ablation']} | {a['workload']} | {a['mode']} | {a['ms']:.3f} |")
     print(f"\nbatch 128 x 32: one stream {one:.0f} seq/s, two instances on two streams {two:.0f} seq/s "
           f"({two / one:.2f}x)")
 

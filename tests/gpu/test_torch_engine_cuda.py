@@ -107,7 +107,7 @@ def test_out_of_memory_is_an_engine_error(model_dir):
         engine.load(model_dir)
 
 
-@pytest.mark.parametrize("gemm", ["cublas", "mixed", "triton", "cublaslt_gelu"])
+@pytest.mark.parametrize("gemm", ["cublas", "mixed", "triton", "cublaslt_gelu", "cublas+l2", "cublaslt_gelu+l2"])
 def test_gemm_modes_agree(model_dir, tokenizer, reference, sentences, gemm):
     from surge.engines.torch_gpu import TorchEngine
 
@@ -121,7 +121,7 @@ def test_gemm_modes_agree(model_dir, tokenizer, reference, sentences, gemm):
     assert cos.min() >= 0.9999, f"{gemm}: worst {cos.min():.6f}"
 
 
-@pytest.mark.parametrize("mode", ["small", "small+pdl", "small+split+pdl", "small+qkv+pdl"])
+@pytest.mark.parametrize("mode", ["small", "small+pdl", "small+split+pdl", "small+qkv+pdl", "small+qkv+pdl+l2"])
 @pytest.mark.parametrize("precision,floor", [("fp16", 0.9999), ("bf16", 0.999)])
 def test_small_batch_modes_match_reference(model_dir, tokenizer, reference, sentences, mode, precision, floor):
     """The 4-kernel layer (kernels/small_batch.py) on small buckets: every sentence, odd batch sizes."""
@@ -129,7 +129,7 @@ def test_small_batch_modes_match_reference(model_dir, tokenizer, reference, sent
 
     engine = TorchEngine(device="cuda", precision=precision, max_batch=8, gemm=mode)
     engine.load(model_dir)
-    lens = np.array([len(x.input_ids) for x in tokenizer.encode(sentences)])
+    lens = np.array([len(x) for x in tokenizer.encode(sentences)])
     idx = np.flatnonzero(lens <= 64)
     rng = np.random.default_rng()
     rng.shuffle(idx)

@@ -91,9 +91,9 @@ def layer_fused(x: torch.Tensor, lw: LayerWeights, cu: torch.Tensor, max_len: in
     """
     from surge.engines.kernels.attention import varlen_attention
     from surge.engines.kernels.gemm import ACT_GELU, ACT_GELU_TANH, linear
-    from surge.engines.kernels.norm import add_layernorm, bias_gelu_
+    from surge.engines.kernels.norm import bias_gelu_
 
-    red = reduce or (lambda t: t)
+    gemm = gemm.split("+")[0]  # "+l2" (weight prefetch) is forward_fused's business
     tanh = cfg.activation == "gelu_tanh"
     qkv, tmp_full, ffn_full = ws["qkv"], ws["tmp"], ws["ffn"]
     hid = qkv.shape[1] // 3
@@ -106,12 +106,8 @@ def layer_fused(x: torch.Tensor, lw: LayerWeights, cu: torch.Tensor, max_len: in
     varlen_attention(qkv, cu, ctx, lw.heads, max_len, batch)
     for c0 in range(0, t, chunk):
         c1 = min(t, c0 + chunk)
-        tmp, xc = tmp_full[:c1 - c0], x[c0:c1]
-        if gemm == "triton":
-            linear(ctx[c0:c1], lw.wo, None, tmp)
-        else:
-            torch.mm(ctx[c0:c1], lw.wo.t(), out=tmp)
-        add_layernorm(red(tmp), lw.bo, xc, lw.ln1_w, lw.ln1_b, cfg.eps, out=xc)  # bias + residual + LN, one pass
+        _project_add_ln(ctx[c0:c1], lw.wo, lw.bo, x[c0:c1], tmp_full[:c1 - c0], lw.ln1_w, lw.ln1_b, cfg.eps,
+                        gemm, reduce)
     for c0 in range(0, t, chunk):  # qkv is dead from here: ffn reuses its bytes
         c1 = min(t, c0 + chunk)
         tmp, xc, ffn = tmp_full[:c1 - c0], x[c0:c1], ffn_full[:c1 - c0]
@@ -124,11 +120,29 @@ def layer_fused(x: torch.Tensor, lw: LayerWeights, cu: torch.Tensor, max_len: in
             torch._addmm_activation(lw.b1, xc, lw.w1.t(), use_gelu=True, out=ffn)
         else:
             linear(xc, lw.w1, lw.b1, ffn, act=ACT_GELU_TANH if tanh else ACT_GELU)
-        if gemm == "triton":
-            linear(ffn, lw.w2, None, tmp)
-        else:
-            torch.mm(ffn, lw.w2.t(), out=tmp)
-        add_layernorm(red(tmp), lw.b2, xc, lw.ln2_w, lw.ln2_b, cfg.eps, out=xc)
+        _project_add_ln(ffn, lw.w2, lw.b2, xc, tmp, lw.ln2_w, lw.ln2_b, cfg.eps, gemm, reduce)
+
+
+# The residual enters the out-projection and FFN-out GEMMs as cuBLAS's C operand (beta = 1,
+# in place on x), so the LayerNorm pass after them reads one [T, H] tensor less.
+RESIDUAL_IN_GEMM = True
+
+
+def _project_add_ln(a, w, bias, xc, tmp, ln_w, ln_b, eps: float, gemm: str, reduce: Reduce) -> None:
+    """xc = LayerNorm(a @ w^T + bias + xc), in place on xc."""
+    from surge.engines.kernels.gemm import linear
+    from surge.engines.kernels.norm import add_layernorm, bias_layernorm_
+
+    if gemm == "triton":
+        linear(a, w, None, tmp)
+    elif reduce is None and RESIDUAL_IN_GEMM:
+        xc.addmm_(a, w.t())
+        bias_layernorm_(xc, bias, ln_w, ln_b, eps)
+        return
+    else:
+        torch.mm(a, w.t(), out=tmp)
+    # a tensor-parallel shard all-reduces its partial product before the residual is added
+    add_layernorm(reduce(tmp) if reduce else tmp, bias, xc, ln_w, ln_b, eps, out=xc)
 
 
 def layer_small(x: torch.Tensor, lw: LayerWeights, cu: torch.Tensor, max_len: int, batch: int,
@@ -155,11 +169,13 @@ def layer_small(x: torch.Tensor, lw: LayerWeights, cu: torch.Tensor, max_len: in
 
 
 def forward_fused(w: EncoderWeights, inputs: torch.Tensor, tokens: int, batch: int, max_len: int,
-                  ws: dict[str, torch.Tensor], gemm: str = "cublas", offload=None) -> torch.Tensor:
+                  ws: dict[str, torch.Tensor], gemm: str = "cublas", offload=None, prefetch=None) -> torch.Tensor:
     """inputs: int32 [3*tokens + batch + 1] = ids | types | positions | cu_seqlens. Returns ws['x'].
 
     offload: a memory.OffloadedLayers that hands out each layer's weights
     (streamed from host memory) instead of w.layers.
+    prefetch: a kernels.prefetch.LayerPrefetcher: layer i+1's weights are pulled into L2
+    on a side stream while layer i runs.
     """
     from surge.engines.kernels.norm import embed_layernorm
 
@@ -170,7 +186,12 @@ def forward_fused(w: EncoderWeights, inputs: torch.Tensor, tokens: int, batch: i
     if offload is not None:
         offload.begin(stream)
     embed_layernorm(ids, types, pos, w.word, w.pos, w.types, w.emb_ln_w, w.emb_ln_b, w.config.eps, out=x)
+    main = torch.cuda.current_stream() if prefetch is not None else None
+    if prefetch is not None:
+        prefetch.start(main)
     for i in range(w.config.layers):
+        if prefetch is not None:
+            prefetch.layer_started(i, main)
         lw = offload.get(i, stream) if offload is not None else w.layers[i]
         if gemm.startswith("small"):
             layer_small(x, lw, cu, max_len, batch, w.config, ws, gemm)
@@ -178,4 +199,6 @@ def forward_fused(w: EncoderWeights, inputs: torch.Tensor, tokens: int, batch: i
             layer_fused(x, lw, cu, max_len, batch, w.config, ws, gemm=gemm)
         if offload is not None:
             offload.done(i, stream)
+    if prefetch is not None:
+        prefetch.join(main)
     return x

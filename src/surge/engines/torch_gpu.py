@@ -37,6 +37,10 @@ LT_GELU = "cublaslt_gelu"
 # a layer in 4 kernels (kernels/small_batch.py), for buckets of few tokens and short sequences
 SMALL_MODES = ("small", "small+pdl", "small+split+pdl", "small+qkv+pdl")
 SMALL_TOKENS = 128
+# "+l2": the next layer's weights prefetched into L2 on a side branch (kernels/prefetch.py);
+# offered up to this many tokens, where GEMMs wait on weight reads rather than arithmetic
+PREFETCH_TOKENS = 512
+PREFETCH_MODES = ("cublas+l2", LT_GELU + "+l2", "small+qkv+pdl+l2")
 
 
 def _next_pow2(n: int) -> int:
@@ -96,7 +100,7 @@ class TorchEngine:
         self.max_tokens = max_tokens  # token capacity of one batch; default max_batch * max_length
         self.cuda_graphs = cuda_graphs
         self.max_graphs = max_graphs
-        modes = GEMM_MODES + (LT_GELU,) + SMALL_MODES
+        modes = GEMM_MODES + (LT_GELU,) + SMALL_MODES + PREFETCH_MODES
         if gemm not in ("auto",) + modes:
             raise EngineError(f"gemm must be auto or one of {modes}, not {gemm!r}")
         self.gemm = gemm
@@ -154,7 +158,9 @@ class TorchEngine:
 
     def _small_buffers(self, cfg):
         """fp32 partial-sum buffers of the small-batch modes (a few MiB), or None where they do not apply."""
-        if self.offload is not None or cfg.heads * cfg.head_dim != cfg.hidden:
+        # the kernels tile the head dim and the hidden size by powers of two
+        d = cfg.head_dim
+        if self.offload is not None or cfg.heads * d != cfg.hidden or d & (d - 1) or d < 16 or cfg.hidden % 64:
             return None
         from surge.engines.kernels.small_batch import partial_splits
 
@@ -286,14 +292,27 @@ class TorchEngine:
         out = ("cublas", "mixed") + (("triton",) if tb <= 1024 else ())
         if self.approximate_gelu or self.config.activation == "gelu_tanh":
             out += (LT_GELU,)
-        if self._small is not None and tb <= self._small[0] and lb <= MAX_LEN:
+        small = self._small is not None and tb <= self._small[0] and lb <= MAX_LEN
+        if small:
             hopper = torch.cuda.get_device_capability(self.device)[0] >= 9  # PDL needs sm_90
             out += tuple(m for m in SMALL_MODES if hopper or "+pdl" not in m)
+        if tb <= PREFETCH_TOKENS and self.offload is None:
+            out += tuple(m for m in PREFETCH_MODES
+                         if (small or not m.startswith("small")) and (m.split("+")[0] in out))
         return out
 
     def _forward(self, key, views, gemm: str) -> torch.Tensor:
         bb, tb, lb = key
-        return forward_fused(self.weights, views["inputs"], tb, bb, lb, views, gemm=gemm, offload=self.offload)
+        prefetch = None
+        if gemm.endswith("+l2"):
+            from surge.engines.kernels.prefetch import LayerPrefetcher
+
+            if getattr(self, "_side", None) is None:
+                self._side = torch.cuda.Stream(self.device)
+            prefetch = LayerPrefetcher(self._side, self.weights.layers)
+            gemm = gemm[:-3]
+        return forward_fused(self.weights, views["inputs"], tb, bb, lb, views, gemm=gemm, offload=self.offload,
+                             prefetch=prefetch)
 
     def _capture(self, key, views, gemm: str):
         with torch.cuda.stream(self.stream):

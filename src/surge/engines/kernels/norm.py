@@ -32,13 +32,14 @@ def _embed_ln(ids_ptr, types_ptr, pos_ptr, word_ptr, posw_ptr, typew_ptr, w_ptr,
 
 
 @triton.jit
-def _add_ln(a_ptr, bias_ptr, res_ptr, w_ptr, b_ptr, out_ptr, N, eps, BLOCK: tl.constexpr):
+def _add_ln(a_ptr, bias_ptr, res_ptr, w_ptr, b_ptr, out_ptr, N, eps, BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(a_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
     x += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    x += tl.load(res_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x += tl.load(res_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
     mean = tl.sum(x, 0) / N
     d = tl.where(mask, x - mean, 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(d * d, 0) / N + eps)
@@ -78,8 +79,16 @@ def add_layernorm(a, bias, residual, w, b, eps: float, out: torch.Tensor) -> tor
     """out = LayerNorm(a + bias + residual); out may alias residual (each row is read before written)."""
     rows, n = a.shape
     block = triton.next_power_of_2(n)
-    _add_ln[(rows,)](a, bias, residual, w, b, out, n, eps, BLOCK=block, num_warps=_warps(n))
+    _add_ln[(rows,)](a, bias, residual, w, b, out, n, eps, BLOCK=block, HAS_RES=True, num_warps=_warps(n))
     return out
+
+
+def bias_layernorm_(x, bias, w, b, eps: float) -> torch.Tensor:
+    """In place: x = LayerNorm(x + bias) (the residual already added by the GEMM's beta = 1)."""
+    rows, n = x.shape
+    block = triton.next_power_of_2(n)
+    _add_ln[(rows,)](x, bias, x, w, b, x, n, eps, BLOCK=block, HAS_RES=False, num_warps=_warps(n))
+    return x
 
 
 def bias_gelu_(x: torch.Tensor, bias: torch.Tensor, tanh: bool = False) -> torch.Tensor:
