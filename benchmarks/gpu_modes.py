@@ -2,8 +2,10 @@
 
 For each workload the engine (gemm="auto") captures one CUDA graph per mode that
 can run the bucket and times its replays; this prints those times side by side
-with HF SDPA FP16 under a CUDA graph (the issue's baseline), plus the throughput
-of two instances replaying concurrently on their own streams (batch 128).
+with HF SDPA FP16 under a CUDA graph (the issue's baseline). Then ablations on
+batch 1 and 128 (the residual as a separate LayerNorm input instead of the GEMM's
+C operand; cuBLAS GEMMs tuned by PyTorch's TunableOp), and the throughput of two
+instances replaying batch-128 graphs concurrently on their own streams.
 
     PYTHONPATH=src python3 benchmarks/gpu_modes.py --out gpu_modes.json [--profile]
 """

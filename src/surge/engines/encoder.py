@@ -93,7 +93,6 @@ def layer_fused(x: torch.Tensor, lw: LayerWeights, cu: torch.Tensor, max_len: in
     from surge.engines.kernels.gemm import ACT_GELU, ACT_GELU_TANH, linear
     from surge.engines.kernels.norm import bias_gelu_
 
-    gemm = gemm.split("+")[0]  # "+l2" (weight prefetch) is forward_fused's business
     tanh = cfg.activation == "gelu_tanh"
     qkv, tmp_full, ffn_full = ws["qkv"], ws["tmp"], ws["ffn"]
     hid = qkv.shape[1] // 3
@@ -145,37 +144,12 @@ def _project_add_ln(a, w, bias, xc, tmp, ln_w, ln_b, eps: float, gemm: str, redu
     add_layernorm(reduce(tmp) if reduce else tmp, bias, xc, ln_w, ln_b, eps, out=xc)
 
 
-def layer_small(x: torch.Tensor, lw: LayerWeights, cu: torch.Tensor, max_len: int, batch: int,
-                cfg: EncoderConfig, ws: dict[str, torch.Tensor], mode: str) -> None:
-    """One layer in 4 kernels (kernels/small_batch.py), in place on x [T, H], for few tokens.
-
-    mode: "small" plus any of "+pdl" (programmatic dependent launch), "+split" (partials
-    summed in a fixed order instead of fp32 atomics), "+qkv" (QKV as one cuBLAS GEMM
-    into ws['qkv'] instead of inside the attention kernel).
-    ws['acc']: fp32 [T, H], all zeros between kernels; ws['part']: fp32 [splits, T, H].
-    """
-    from surge.engines.kernels.small_batch import FFN_BLOCK_I, attention_block, ffn_block, reduce_layernorm
-
-    atomic, pdl = "+split" not in mode, "+pdl" in mode
-    part = ws["acc"] if atomic else ws["part"]
-    qkv = None
-    if "+qkv" in mode:
-        qkv = ws["qkv"]
-        torch.addmm(lw.bqkv, x, lw.wqkv.t(), out=qkv)
-    attention_block(x, lw.wqkv, lw.bqkv, lw.wo, cu, part, lw.heads, max_len, batch, qkv=qkv, atomic=atomic, pdl=pdl)
-    reduce_layernorm(part, lw.heads, lw.bo, x, lw.ln1_w, lw.ln1_b, cfg.eps, atomic=atomic, pdl=pdl)
-    ffn_block(x, lw.w1, lw.b1, lw.w2, part, tanh=cfg.activation == "gelu_tanh", atomic=atomic, pdl=pdl)
-    reduce_layernorm(part, -(-lw.w1.shape[0] // FFN_BLOCK_I), lw.b2, x, lw.ln2_w, lw.ln2_b, cfg.eps, atomic=atomic, pdl=pdl)
-
-
 def forward_fused(w: EncoderWeights, inputs: torch.Tensor, tokens: int, batch: int, max_len: int,
-                  ws: dict[str, torch.Tensor], gemm: str = "cublas", offload=None, prefetch=None) -> torch.Tensor:
+                  ws: dict[str, torch.Tensor], gemm: str = "cublas", offload=None) -> torch.Tensor:
     """inputs: int32 [3*tokens + batch + 1] = ids | types | positions | cu_seqlens. Returns ws['x'].
 
     offload: a memory.OffloadedLayers that hands out each layer's weights
     (streamed from host memory) instead of w.layers.
-    prefetch: a kernels.prefetch.LayerPrefetcher: layer i+1's weights are pulled into L2
-    on a side stream while layer i runs.
     """
     from surge.engines.kernels.norm import embed_layernorm
 
@@ -186,19 +160,9 @@ def forward_fused(w: EncoderWeights, inputs: torch.Tensor, tokens: int, batch: i
     if offload is not None:
         offload.begin(stream)
     embed_layernorm(ids, types, pos, w.word, w.pos, w.types, w.emb_ln_w, w.emb_ln_b, w.config.eps, out=x)
-    main = torch.cuda.current_stream() if prefetch is not None else None
-    if prefetch is not None:
-        prefetch.start(main)
     for i in range(w.config.layers):
-        if prefetch is not None:
-            prefetch.layer_started(i, main)
         lw = offload.get(i, stream) if offload is not None else w.layers[i]
-        if gemm.startswith("small"):
-            layer_small(x, lw, cu, max_len, batch, w.config, ws, gemm)
-        else:
-            layer_fused(x, lw, cu, max_len, batch, w.config, ws, gemm=gemm)
+        layer_fused(x, lw, cu, max_len, batch, w.config, ws, gemm=gemm)
         if offload is not None:
             offload.done(i, stream)
-    if prefetch is not None:
-        prefetch.join(main)
     return x

@@ -34,13 +34,6 @@ _WEIGHTS_LOCK = threading.Lock()
 GEMM_MODES = ("cublas", "mixed", "triton")
 # bias + GeLU in cuBLASLt's epilogue (the tanh form of GeLU): offered where approximate_gelu allows
 LT_GELU = "cublaslt_gelu"
-# a layer in 4 kernels (kernels/small_batch.py), for buckets of few tokens and short sequences
-SMALL_MODES = ("small", "small+pdl", "small+split+pdl", "small+qkv+pdl")
-SMALL_TOKENS = 128
-# "+l2": the next layer's weights prefetched into L2 on a side branch (kernels/prefetch.py);
-# offered up to this many tokens, where GEMMs wait on weight reads rather than arithmetic
-PREFETCH_TOKENS = 512
-PREFETCH_MODES = ("cublas+l2", LT_GELU + "+l2", "small+qkv+pdl+l2")
 
 
 def _next_pow2(n: int) -> int:
@@ -100,7 +93,7 @@ class TorchEngine:
         self.max_tokens = max_tokens  # token capacity of one batch; default max_batch * max_length
         self.cuda_graphs = cuda_graphs
         self.max_graphs = max_graphs
-        modes = GEMM_MODES + (LT_GELU,) + SMALL_MODES + PREFETCH_MODES
+        modes = GEMM_MODES + (LT_GELU,)
         if gemm not in ("auto",) + modes:
             raise EngineError(f"gemm must be auto or one of {modes}, not {gemm!r}")
         self.gemm = gemm
@@ -112,7 +105,6 @@ class TorchEngine:
         self.choices: dict[tuple, dict[str, float]] = {}  # bucket -> {gemm mode: replay ms} (auto mode)
         self.mode_errors: dict[str, str] = {}  # modes that failed to build on this GPU, and why
         self._shared_ws = workspace
-        self._small = None  # (tokens, acc, partials, splits) of the small-batch modes, set by load()
         self.weights: EncoderWeights | None = None
         self.capabilities: Capabilities | None = None
         self._lock = threading.RLock()
@@ -154,21 +146,6 @@ class TorchEngine:
         out_dtype = torch.int16 if self.dtype == torch.bfloat16 else self.dtype  # numpy has no bf16
         self._h_out = torch.empty((self.plan.tokens, cfg.hidden), dtype=out_dtype, pin_memory=True)
         self._done = torch.cuda.Event()
-        self._small = self._small_buffers(cfg)
-
-    def _small_buffers(self, cfg):
-        """fp32 partial-sum buffers of the small-batch modes (a few MiB), or None where they do not apply."""
-        # the kernels tile the head dim and the hidden size by powers of two
-        d = cfg.head_dim
-        if self.offload is not None or cfg.heads * d != cfg.hidden or d & (d - 1) or d < 16 or cfg.hidden % 64:
-            return None
-        from surge.engines.kernels.small_batch import partial_splits
-
-        tokens = min(SMALL_TOKENS, token_bucket(self.capacity))
-        splits = partial_splits(cfg.heads, cfg.intermediate)
-        # acc must hold zeros between kernels (the reducing LayerNorm re-zeroes what it read)
-        return (tokens, torch.zeros((tokens, cfg.hidden), dtype=torch.float32, device=self.device),
-                torch.zeros(splits * tokens * cfg.hidden, dtype=torch.float32, device=self.device), splits)
 
     def _load_offloaded(self, path: Path) -> None:
         from dataclasses import replace
@@ -200,7 +177,6 @@ class TorchEngine:
                 release_weights(self._path, self.device, self.dtype)
             self.weights = None
             self.offload = None
-            self._small = None
             for name in ("workspace", "_h_inputs", "_h_out", "stream"):
                 if hasattr(self, name):
                     setattr(self, name, None)
@@ -276,43 +252,20 @@ class TorchEngine:
 
     def _views(self, key) -> dict[str, torch.Tensor]:
         bb, tb, _ = key
-        views = self.workspace.views(self.plan, tb, bb, self.config.heads * self.config.head_dim,
-                                     self.config.intermediate)
-        if self._small is not None and tb <= self._small[0]:
-            _, acc, part, splits = self._small
-            views["acc"] = acc[:tb]
-            views["part"] = part[:splits * tb * self.config.hidden].view(splits, tb, self.config.hidden)
-        return views
+        return self.workspace.views(self.plan, tb, bb, self.config.heads * self.config.head_dim,
+                                    self.config.intermediate)
 
     def modes(self, key) -> tuple[str, ...]:
         """The GEMM/fusion modes that can run a bucket; gemm="auto" times them all."""
         bb, tb, lb = key
-        from surge.engines.kernels.small_batch import MAX_LEN
-
-        out = ("cublas", "mixed") + (("triton",) if tb <= 1024 else ())
+        out = ("cublas", "mixed") + (("triton",) if tb <= 1024 else ())  # Triton's GEMM lost every large bucket
         if self.approximate_gelu or self.config.activation == "gelu_tanh":
             out += (LT_GELU,)
-        small = self._small is not None and tb <= self._small[0] and lb <= MAX_LEN
-        if small:
-            hopper = torch.cuda.get_device_capability(self.device)[0] >= 9  # PDL needs sm_90
-            out += tuple(m for m in SMALL_MODES if hopper or "+pdl" not in m)
-        if tb <= PREFETCH_TOKENS and self.offload is None:
-            out += tuple(m for m in PREFETCH_MODES
-                         if (small or not m.startswith("small")) and (m.split("+")[0] in out))
         return out
 
     def _forward(self, key, views, gemm: str) -> torch.Tensor:
         bb, tb, lb = key
-        prefetch = None
-        if gemm.endswith("+l2"):
-            from surge.engines.kernels.prefetch import LayerPrefetcher
-
-            if getattr(self, "_side", None) is None:
-                self._side = torch.cuda.Stream(self.device)
-            prefetch = LayerPrefetcher(self._side, self.weights.layers)
-            gemm = gemm[:-3]
-        return forward_fused(self.weights, views["inputs"], tb, bb, lb, views, gemm=gemm, offload=self.offload,
-                             prefetch=prefetch)
+        return forward_fused(self.weights, views["inputs"], tb, bb, lb, views, gemm=gemm, offload=self.offload)
 
     def _capture(self, key, views, gemm: str):
         with torch.cuda.stream(self.stream):
