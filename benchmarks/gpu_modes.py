@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -24,24 +24,12 @@ import torch
 from surge.engines.torch_gpu import TorchEngine
 from surge.types import Encoded, TokenBatch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_encoder import cuda_time, hf_graph  # noqa: E402  (same timer and HF graph as the main GPU benchmark)
+
 VOCAB = 30522
 WORKLOADS = [("b1_s32", [32]), ("b1_s16", [16]), ("b2_s32", [32] * 2), ("b4_s32", [32] * 4),
              ("b8_s16", [16] * 8), ("b16_s32", [32] * 16), ("b128_s32", [32] * 128)]
-
-
-def cuda_time(fn, iters: int = 200, warmup: int = 20) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
 
 
 def batch_of(lengths, rng) -> TokenBatch:
@@ -56,17 +44,7 @@ def graph_of(engine: TorchEngine, batch: TokenBatch):
 
 def hf_graph_ms(model, lengths) -> float:
     ids = torch.randint(1000, VOCAB, (len(lengths), max(lengths)), device="cuda")
-    mask = torch.ones_like(ids)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.inference_mode():
-        for _ in range(3):
-            model(input_ids=ids, attention_mask=mask)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g), torch.inference_mode():
-        model(input_ids=ids, attention_mask=mask)
-    return cuda_time(g.replay, iters=100)
+    return cuda_time(hf_graph(model, ids, torch.ones_like(ids)), iters=100)
 
 
 def two_streams_seq_per_s(engines, graphs, batch: int, rounds: int = 200) -> float:
@@ -114,7 +92,7 @@ def main() -> None:
         b = batch_of(lengths, rng)
         key, (graph, _, _, mode) = graph_of(engine, b)
         row = {"workload": name, "bucket": list(key), "chosen": mode, "modes_ms": engine.choices.get(key, {}),
-               "surge_ms": cuda_time(graph.replay), "hf_graph_ms": hf_graph_ms(hf, lengths)}
+               "surge_ms": cuda_time(graph.replay, iters=200, warmup=20), "hf_graph_ms": hf_graph_ms(hf, lengths)}
         row["seq_per_s"] = len(lengths) / row["surge_ms"] * 1e3
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -130,7 +108,7 @@ def main() -> None:
             e = TorchEngine(device="cuda", precision="fp16", max_batch=128, gemm=chosen[name])
             e.load(tmp)
             _, (graph, _, _, mode) = graph_of(e, batch_of(lengths, rng))
-            ablations.append({"ablation": label, "workload": name, "mode": mode, "ms": cuda_time(graph.replay)})
+            ablations.append({"ablation": label, "workload": name, "mode": mode, "ms": cuda_time(graph.replay, iters=200, warmup=20)})
             print(json.dumps(ablations[-1]), flush=True)
             e.close()
         enc.RESIDUAL_IN_GEMM = True
@@ -141,7 +119,7 @@ def main() -> None:
     pair[1].load(tmp)
     b = batch_of([32] * 128, rng)
     graphs = [graph_of(e, b)[1][0] for e in pair]
-    one = 128 / cuda_time(graphs[0].replay) * 1e3
+    one = 128 / cuda_time(graphs[0].replay, iters=200, warmup=20) * 1e3
     two = two_streams_seq_per_s(pair, graphs, 128)
     streams = {"one_stream_seq_per_s": one, "two_streams_seq_per_s": two, "gain": two / one}
     print(json.dumps(streams), flush=True)
