@@ -218,3 +218,64 @@ def test_query_log_prefill_makes_first_requests_hits(bundled_worker, sentences, 
     assert n == 4
     assert r.cached == [True, True, False]
     assert stats["pinned_entries"] == 4 and stats["hits"]["pinned"] == 2
+
+
+def _fresh(worker, version):
+    from prometheus_client import CollectorRegistry
+
+    svc = ModelService(worker.spec.name, version, worker, batching=BatchingConfig(max_queue_delay_ms=2),
+                       cache=CacheConfig(), metrics_registry=CollectorRegistry())
+    svc.mark_ready()
+    return svc
+
+
+def test_concurrent_identical_misses_are_computed_once(bundled_worker, sentences, reference_embed):
+    a, b = random.Random(11).sample(sentences, 2)
+
+    async def main():
+        svc = _fresh(bundled_worker, "coalesce")
+        reqs = [[a]] * 16 + [[b, a]] * 4 + [[a, a, b]]  # also duplicates inside one request
+        results = await asyncio.gather(*(svc.embed(texts=t) for t in reqs))
+        computed = svc.metrics.batch_size._sum.get()  # inputs that reached the engine
+        coalesced = svc.metrics.coalesced._value.get()
+        left = len(svc._inflight)
+        await _shutdown(svc)
+        return results, computed, coalesced, left
+
+    results, computed, coalesced, left = asyncio.run(main())
+    assert computed == 2, f"{computed} inputs computed for 2 distinct texts"
+    assert coalesced > 0 and left == 0
+    ref = reference_embed([a, b])
+    for res, texts in zip(results, [[a]] * 16 + [[b, a]] * 4 + [[a, a, b]]):
+        want = np.stack([ref[0] if t == a else ref[1] for t in texts])
+        assert np.abs(res.vectors - want).max() < 1e-4
+
+
+def test_a_failed_leader_leaves_followers_to_compute(bundled_worker, sentences, reference_embed):
+    import time
+
+    from surge.errors import DeadlineExceeded
+
+    text = random.Random(12).choice(sentences)
+
+    async def main():
+        svc = _fresh(bundled_worker, "coalesce-fail")
+        # the leader's deadline passes before its batch is queued; the follower's does not
+        leader = asyncio.ensure_future(svc.embed(texts=[text], deadline=time.monotonic() - 1))
+        follower = asyncio.ensure_future(svc.embed(texts=[text]))
+        out = await asyncio.gather(leader, follower, return_exceptions=True)
+        # and a follower out of time gets its own 504 while the leader's answer stands
+        other = random.Random(13).choice([s for s in sentences if s != text])
+        lead2 = asyncio.ensure_future(svc.embed(texts=[other]))
+        late = asyncio.ensure_future(svc.embed(texts=[other], deadline=time.monotonic() + 1e-4))
+        out2 = await asyncio.gather(lead2, late, return_exceptions=True)
+        left = len(svc._inflight)
+        await _shutdown(svc)
+        return out, out2, other, left
+
+    (lead, follow), (lead2, late), other, left = asyncio.run(main())
+    assert isinstance(lead, DeadlineExceeded)
+    assert np.abs(follow.vectors[0] - reference_embed([text])[0]).max() < 1e-4
+    assert isinstance(late, DeadlineExceeded)
+    assert np.abs(lead2.vectors[0] - reference_embed([other])[0]).max() < 1e-4
+    assert left == 0

@@ -52,6 +52,7 @@ class _Families:
     cache_hits: Counter
     cache_misses: Counter
     cache_evictions: Counter
+    coalesced: Counter
     cache_bytes: Gauge
     cache_entries: Gauge
     live: dict = field(default_factory=dict)  # (model, version) -> open ServiceMetrics
@@ -85,6 +86,8 @@ def _make(reg: CollectorRegistry) -> _Families:
         cache_hits=Counter("surge_cache_hits", "Cache hits, by tier.", (*mv, "tier"), registry=reg),
         cache_misses=Counter("surge_cache_misses", "Cache misses (every tier missed).", mv, registry=reg),
         cache_evictions=Counter("surge_cache_evictions", "Entries evicted from the recent tier.", mv, registry=reg),
+        coalesced=Counter("surge_inputs_coalesced", "Missed inputs answered by an identical input's computation "
+                          "already in flight.", mv, registry=reg),
         cache_bytes=Gauge("surge_cache_bytes", "Bytes held by the cache, by tier.", (*mv, "tier"), registry=reg),
         cache_entries=Gauge("surge_cache_entries", "Entries held by the cache, by tier.", (*mv, "tier"), registry=reg),
     )
@@ -120,6 +123,7 @@ class ServiceMetrics:
         self.inflight = f.inflight.labels(*lv)
         self.cache_misses = f.cache_misses.labels(*lv)
         self.cache_evictions = f.cache_evictions.labels(*lv)
+        self.coalesced = f.coalesced.labels(*lv)
         self._tiers: dict[str, tuple] = {}
         with _lock:
             f.live[lv] = f.live.get(lv, 0) + 1

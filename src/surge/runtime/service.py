@@ -23,6 +23,7 @@ from surge.errors import InvalidInput, NotReady, SurgeError
 from surge.runtime.admission import Admission
 from surge.runtime.batcher import BatcherConfig, DynamicBatcher
 from surge.runtime.cache import ResultCache, text_normalizer
+from surge.runtime.coalesce import InFlight
 from surge.runtime.metrics import ServiceMetrics
 from surge.runtime.worker import ModelWorker
 from surge.types import EmbedOptions, EmbedResult, Encoded, Layout
@@ -78,6 +79,7 @@ class ModelService:
 
                 self.redis = RedisTier(c.redis_url, name, version, c.redis_ttl_s, build=worker.fingerprint())
         self._background: set[asyncio.Task] = set()
+        self._inflight = InFlight()  # cache keys being computed now -> their result futures
 
     @property
     def spec(self):
@@ -207,7 +209,9 @@ class ModelService:
                     vectors[i], tokens[i], cached[i] = e.vector, e.tokens, True
             if miss and self.redis is not None:
                 miss = await self._shared_lookup(keys, miss, vectors, tokens, cached)
-        if miss:
+        if miss and keys is not None:
+            await self._compute_once(inputs, texts is not None, miss, options, priority, deadline, vectors, tokens, keys)
+        elif miss:
             await self._compute(inputs, texts is not None, miss, options, priority, deadline, vectors, tokens, keys)
         out = np.stack(vectors) if n else np.zeros((0, self.dimensions), np.float32)
         return EmbedResult(out, sum(tokens), self.name, self.version, cached)
@@ -224,6 +228,22 @@ class ModelService:
             vectors[i], tokens[i], cached[i] = entry.vector, entry.tokens, True
         self.cache.count_miss(len(still))
         return still
+
+    async def _compute_once(self, inputs, is_text, miss, options, priority, deadline, vectors, tokens, keys) -> None:
+        """_compute, except that inputs another request is computing right now are awaited, not redone."""
+        claim = self._inflight.claim(keys, miss)
+        ok = False
+        try:
+            if claim.lead:
+                await self._compute(inputs, is_text, claim.lead, options, priority, deadline, vectors, tokens, keys)
+            ok = True
+        finally:
+            self._inflight.settle(claim, vectors, tokens, ok)
+        if claim.follow:
+            retry, filled = await self._inflight.wait(claim, vectors, tokens, deadline)
+            self.metrics.coalesced.inc(filled)
+            if retry:  # the leader failed: compute them here
+                await self._compute(inputs, is_text, retry, options, priority, deadline, vectors, tokens, keys)
 
     async def _compute(self, inputs, is_text, miss, options, priority, deadline, vectors, tokens, keys) -> None:
         loop = asyncio.get_running_loop()
