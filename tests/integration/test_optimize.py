@@ -133,6 +133,9 @@ def test_cli_reports_which_check_failed_for_a_bad_user_rule(tmp_path):
     assert not out.exists()
 
 
-def test_cli_rejects_bad_options(tmp_path):
-    result = CliRunner().invoke(app, ["optimize", "-o", str(tmp_path / "x"), "--precision", "int4"])
-    assert result.exit_code == 1 and "precision" in result.output
+@pytest.mark.parametrize("args,word", [(["--precision", "int4"], "precision"),
+                                       (["--precision", "int8", "--smooth-alpha", "1.5"], "smooth-alpha"),
+                                       (["--precision", "int8", "--smooth-alpha", "strong"], "smooth-alpha")])
+def test_cli_rejects_bad_options(tmp_path, args, word):
+    result = CliRunner().invoke(app, ["optimize", "-o", str(tmp_path / "x"), *args])
+    assert result.exit_code == 1 and word in result.output
