@@ -41,16 +41,16 @@ def make_bert_base(out: Path) -> Path:
     return out
 
 
-def timed(fn, budget_s: float, max_runs: int) -> float:
-    """Median ms of fn() after one warm-up; stops after max_runs or budget_s, at least 3 runs."""
+def timed(fn, budget_s: float, max_runs: int) -> list[float]:
+    """Times (ms) of fn() after one warm-up; stops after max_runs or budget_s, at least 3 runs."""
     fn()
     times = []
     start = time.perf_counter()
     while len(times) < max_runs and (len(times) < 3 or time.perf_counter() - start < budget_s):
         t = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1000
+        times.append((time.perf_counter() - t) * 1000)
+    return times
 
 
 def inputs(vocab: int, batch: int, seq: int, seed: int = 0) -> dict:
@@ -121,9 +121,17 @@ def bench_model(spec, cache: Path, work: Path, shapes, args, console) -> tuple[l
     for batch, seq in shapes:
         feeds = inputs(spec.vocab_size, batch, seq)
         row = {"model": spec.name, "batch": batch, "seq": seq}
-        for name, run in runners.items():
-            console.print(f"  {spec.name} b={batch} s={seq}: {name}")
-            row[name] = timed(lambda: run(feeds), args.budget_s, args.max_runs)
+        samples: dict[str, list[float]] = {name: [] for name in runners}
+        # Engines take turns in rounds (each a block of consecutive runs, so its caches
+        # stay warm): a slow drift of the shared CPU hits every column alike instead
+        # of whichever engine happened to be timed during it.
+        for r in range(args.rounds):
+            for name, run in runners.items():
+                console.print(f"  {spec.name} b={batch} s={seq}: {name} (round {r + 1}/{args.rounds})")
+                samples[name] += timed(lambda: run(feeds), args.budget_s / args.rounds, max(3, args.max_runs // args.rounds))
+        for name, times in samples.items():
+            row[name] = statistics.median(times)
+        row["runs"] = min(len(t) for t in samples.values())
         rows.append(row)
     return rows, info
 
@@ -133,7 +141,8 @@ def markdown(rows, infos, args) -> str:
     lines = [f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Machine: {platform.machine()}, "
              f"{cpu_name()}, {_cores()} cores, load average at start {args.load_at_start}. Python {platform.python_version()}.",
              f"Command: `PYTHONPATH=src python benchmarks/optimizer.py {' '.join(sys.argv[1:])}`".rstrip(), "",
-             "Latency, median ms (speed-up vs PyTorch eager FP32 in the same run):", "",
+             f"Latency, median ms over up to {args.max_runs} runs per cell, engines taking turns in {args.rounds} rounds "
+             "(speed-up vs PyTorch eager FP32 in the same run):", "",
              "| model | batch | seq | " + " | ".join(engines) + " |", "|---|---:|---:|" + "---:|" * len(engines)]
     for r in rows:
         base = r["pytorch eager fp32"]
@@ -188,9 +197,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="MiniLM only, batch 1 x seq 32")
     parser.add_argument("--no-bert-base", action="store_true")
+    parser.add_argument("--no-minilm", action="store_true", help="BERT-base only")
     parser.add_argument("--threads", type=int, default=0, help="threads for every engine (0: library default)")
     parser.add_argument("--budget-s", type=float, default=2.0, help="time per cell after 3 runs")
-    parser.add_argument("--max-runs", type=int, default=30)
+    parser.add_argument("--max-runs", type=int, default=150, help="timed runs per cell, at most (split over the rounds)")
+    parser.add_argument("--rounds", type=int, default=3, help="engines take turns this many times per shape")
     parser.add_argument("--sentences", type=int, default=100, help="calibration and held-out sentences for the gate")
     parser.add_argument("--out", type=Path, default=None, help="also write the markdown table here")
     parser.add_argument("--plot", type=Path, default=None, help="also write a PNG of the speed-ups here")
@@ -206,7 +217,7 @@ def main() -> None:
     rows, infos = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        specs = [load_model_spec(bundled_model_dir())]
+        specs = [] if args.no_minilm else [load_model_spec(bundled_model_dir())]
         if not (args.quick or args.no_bert_base):
             console.print("building BERT-base (random weights)")
             specs.append(load_model_spec(make_bert_base(tmp / "bert-base-random"), name="bert-base-random"))

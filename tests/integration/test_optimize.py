@@ -18,6 +18,9 @@ from tests.server_process import ServerProcess
 from tests.unit.optimize.conftest import make_tiny_bert
 
 N = 48  # calibration and held-out sentences per run: enough for the gate, quick on 2 cores
+# The INT8 gate's top-1 floor (0.98) allows no miss at all among 48 sentences; on 100
+# it allows two, which is the granularity the budget is meant to have.
+N_INT8 = 100
 
 
 def _options(sentences, **kw) -> OptimizeOptions:
@@ -29,11 +32,10 @@ def _options(sentences, **kw) -> OptimizeOptions:
 def int8_artifact(tmp_path_factory):
     """The bundled model through the real CLI, INT8."""
     out = tmp_path_factory.mktemp("art") / "minilm-int8"
-    # The nearest-neighbour budget is relaxed to 0.9 here: dynamic INT8 of MiniLM
-    # agrees on ~93% of neighbours of these sentences (docs/benchmarks/optimizer.md),
-    # under the issue's 98% default; the cosine budget (0.99) is the default.
-    result = CliRunner().invoke(app, ["optimize", "-o", str(out), "--precision", "int8", "--max-sentences", str(N),
-                                      "--no-latency", "--threads", "2", "--min-top1", "0.9", "--explain",
+    # The issue's default INT8 budget (cosine >= 0.99, top-1 >= 0.98): plain dynamic INT8
+    # misses its top-1 part on MiniLM; SmoothQuant migration (measured alpha) meets it.
+    result = CliRunner().invoke(app, ["optimize", "-o", str(out), "--precision", "int8", "--max-sentences", str(N_INT8),
+                                      "--no-latency", "--threads", "2", "--explain",
                                       "--cache-dir", str(CACHE_DIR)])
     assert result.exit_code == 0, result.output
     assert "attention_fusion" in result.output and "wrote" in result.output
@@ -48,7 +50,13 @@ def test_int8_manifest_records_everything(int8_artifact):
     assert {"onnx", "onnxruntime", "onnxscript", "onnx_ir"} <= set(m["tools"])
     assert len(m["source_hash"]) == 64 and m["passes"][0]["name"] == "constant_folding"
     for s in m["validation"]["sets"].values():
-        assert s["mean_cosine"] >= 0.99 and s["n"] == N
+        assert s["mean_cosine"] >= 0.99 and s["top1_tie"] >= 0.98 and s["n"] == N_INT8
+    assert m["validation"]["budget"]["top1"] == 0.98  # the default, not relaxed
+    q = m["precision_decisions"]["quantization"]
+    # The measured smoothing choice and what it did are recorded; the alpha grid was measured.
+    assert q["smoothing"]["alpha"] in (0.5, 0.65, 0.8, 0.9) and q["smoothing"]["muls_inserted"] == 18
+    assert [t["alpha"] for t in q["alpha_search"]] == [None, 0.5, 0.65, 0.8, 0.9]
+    assert len(q["kept_fp32"]) <= 6 and q["fallback_steps"][-1]["passed"]
 
 
 def test_served_artifact_is_the_optimized_one(int8_artifact, reference_embed, sentences):
@@ -103,7 +111,11 @@ def test_gate_fails_on_a_broken_model(tmp_path, sentences, precision, mutate):
         optimize(spec, out, _options(sentences, precision=precision), CACHE_DIR)
     assert not out.exists()
     failures = info.value.result.gate.failures
-    assert any("mean_cosine" in f for f in failures), failures
+    # FP16 overflows to NaN/inf: the cosine check fails. INT8 smoothing and the FP32
+    # fallback win back most of the cosine (measured 0.888 -> 0.995) but not the
+    # nearest-neighbour agreement (0.69 -> 0.94), which the gate also requires.
+    check = "mean_cosine" if precision == "fp16" else "top1_tie"
+    assert any(check in f for f in failures), failures
     # --force writes it anyway and says so in the manifest.
     forced = optimize(spec, out, _options(sentences, precision=precision, force=True), CACHE_DIR)
     assert forced.written and json.loads((out / "manifest.json").read_text())["forced"] is True
@@ -121,6 +133,9 @@ def test_cli_reports_which_check_failed_for_a_bad_user_rule(tmp_path):
     assert not out.exists()
 
 
-def test_cli_rejects_bad_options(tmp_path):
-    result = CliRunner().invoke(app, ["optimize", "-o", str(tmp_path / "x"), "--precision", "int4"])
-    assert result.exit_code == 1 and "precision" in result.output
+@pytest.mark.parametrize("args,word", [(["--precision", "int4"], "precision"),
+                                       (["--precision", "int8", "--smooth-alpha", "1.5"], "smooth-alpha"),
+                                       (["--precision", "int8", "--smooth-alpha", "strong"], "smooth-alpha")])
+def test_cli_rejects_bad_options(tmp_path, args, word):
+    result = CliRunner().invoke(app, ["optimize", "-o", str(tmp_path / "x"), *args])
+    assert result.exit_code == 1 and word in result.output

@@ -22,6 +22,8 @@ def optimize(
     auto_block_list: bool = typer.Option(False, "--auto-block-list", help="Search the smallest FP32 block list meeting the budget (fp16/bf16)."),
     block: Optional[list[str]] = typer.Option(None, "--block", help="Op type kept in FP32 (repeatable; replaces the default block list)."),
     per_channel: bool = typer.Option(True, "--per-channel/--per-tensor", help="INT8 weight scales per output channel or per tensor."),
+    smooth_alpha: str = typer.Option("auto", "--smooth-alpha", help="INT8 SmoothQuant strength: auto (measured on calibration text), off, or a number in (0, 1]."),
+    int8_fallback: bool = typer.Option(True, "--int8-fallback/--no-int8-fallback", help="INT8: keep the most sensitive MatMuls in FP32 (at most 1/4) until the calibration budget is met."),
     prune_heads: float = typer.Option(0.0, "--prune-heads", help="Fraction of attention heads to remove (least important on calibration text)."),
     rule: Optional[list[str]] = typer.Option(None, "--rule", help="Extra rewrite rule(s) by import path, package.module:name (repeatable)."),
     min_cosine: Optional[float] = typer.Option(None, "--min-cosine", help="Override the budget's mean-cosine floor."),
@@ -51,13 +53,19 @@ def optimize(
         budget = BUDGETS.get(precision, BUDGETS["fp32"])
         budget = dataclasses.replace(budget, **{k: v for k, v in (("mean_cosine", min_cosine), ("top1", min_top1))
                                                 if v is not None})
+    alpha: float | str | None = {"auto": "auto", "off": None}.get(smooth_alpha.lower(), smooth_alpha)
+    if isinstance(alpha, str) and alpha != "auto":
+        try:
+            alpha = float(alpha)
+        except ValueError:
+            pass  # OptimizeOptions.check names the bad value
     calibration = heldout = None
     if max_sentences > 0:
         from surge.data import calibration_sentences, heldout_sentences
 
         calibration, heldout = calibration_sentences()[:max_sentences], heldout_sentences()[:max_sentences]
     options = OptimizeOptions(budget=budget, calibration=calibration, heldout=heldout, target=target, precision=precision, auto_block_list=auto_block_list,
-                              block_list=list(block) if block else None, per_channel=per_channel,
+                              block_list=list(block) if block else None, per_channel=per_channel, smooth_alpha=alpha, int8_fallback=int8_fallback,
                               prune_heads=prune_heads, rules=list(rule or []), force=force,
                               measure_latency=not no_latency, threads=threads)
     try:

@@ -22,6 +22,11 @@ def render(console, manifest: dict, reports, explain: bool) -> None:
     if "quantization" in decisions:
         q = decisions["quantization"]
         summary.add_row("int8", f"{q['int8_ops']} ({'per-channel' if q['per_channel'] else 'per-tensor'})")
+        if "smoothing" in q:
+            alpha = q["smoothing"].get("alpha")
+            summary.add_row("smoothing (SmoothQuant)", "off" if alpha is None else
+                            f"alpha {alpha}: {q['smoothing']['muls_inserted']} Mul inserted, {q['smoothing']['folded_into_v']} folded into V")
+            summary.add_row("int8 nodes kept in FP32", ", ".join(q.get("kept_fp32", [])) or "(none)")
     if "pruning" in manifest:
         p = manifest["pruning"]
         summary.add_row("pruned heads", f"{p['heads_removed']} of {p['heads_total']} ({p['heads_per_layer']} per layer left)")

@@ -42,6 +42,8 @@ class OptimizeOptions:
     auto_block_list: bool = False  # search for the smallest FP32 block list (fp16/bf16)
     block_list: list[str] | None = None  # fixed block list; None = precision.DEFAULT_BLOCK_LIST
     per_channel: bool = True  # int8 weights per output channel (per tensor is far less accurate)
+    smooth_alpha: float | str | None = "auto"  # int8 SmoothQuant strength: "auto" (measured), None (off), or 0 < a <= 1
+    int8_fallback: bool = True  # int8: keep the most sensitive nodes in FP32 until the calibration budget is met
     prune_heads: float = 0.0  # fraction of attention heads to remove
     rules: list[str] = field(default_factory=list)  # extra rewrite rules by import path
     budget: Budget | None = None  # None = validate.BUDGETS[precision] (LOSSY when pruning)
@@ -59,6 +61,9 @@ class OptimizeOptions:
             raise ConfigError(f"--target must be one of {', '.join(TARGETS)}, not {self.target!r}")
         if self.precision == "int8" and self.target == "gpu":
             raise ConfigError("int8 dynamic quantization is a CPU path; use --target cpu")
+        if self.smooth_alpha not in ("auto", None) and not (isinstance(self.smooth_alpha, (int, float))
+                                                            and 0.0 < self.smooth_alpha <= 1.0):
+            raise ConfigError(f"--smooth-alpha must be 'auto', 'off' or in (0, 1], not {self.smooth_alpha!r}")
         if not 0.0 <= self.prune_heads < 1.0:
             raise ConfigError("--prune-heads must be in [0, 1)")
         from surge.optimize.rules import load_user_rules
@@ -136,11 +141,11 @@ def optimize(spec: ModelSpec, out_dir: Path, options: OptimizeOptions, cache_dir
         say("graph passes")
         reports = run_passes(model, graph_passes(fuse=fuse), ctx, on_pass)
         proto = ir.serde.serialize_model(model)
-        decisions, candidate, executed = _apply_precision(proto, options, evaluator, say)
-        manifest["precision_decisions"] = decisions
-
         budget = options.budget or (LOSSY if options.prune_heads > 0 and options.precision != "int8"
                                     else BUDGETS[options.precision])
+        decisions, candidate, executed = _apply_precision(proto, options, evaluator, say, budget)
+        manifest["precision_decisions"] = decisions
+
         say("validating against the FP32 source")
         gate = evaluator.gate(candidate, budget)
         gate_json = gate.to_json()
@@ -175,17 +180,19 @@ def optimize(spec: ModelSpec, out_dir: Path, options: OptimizeOptions, cache_dir
         return result
 
 
-def _apply_precision(proto: onnx.ModelProto, options: OptimizeOptions, evaluator: Evaluator, say):
+def _apply_precision(proto: onnx.ModelProto, options: OptimizeOptions, evaluator: Evaluator, say, budget: Budget):
     """(decisions, model to validate, how it was executed)."""
     p = options.precision
     if p == "fp32":
         return {"precision": "fp32"}, proto.SerializeToString(), "onnxruntime-cpu fp32"
     if p == "int8":
-        from surge.optimize.quantize import quantize_int8
+        from surge.optimize.int8_search import build_int8
 
         say("quantizing to int8 (dynamic)")
-        q, info = quantize_int8(proto, per_channel=options.per_channel)
-        return {"precision": "int8", "quantization": info, "model": q}, q.SerializeToString(), "onnxruntime-cpu int8"
+        plan = build_int8(proto, evaluator, budget, per_channel=options.per_channel, alpha=options.smooth_alpha,
+                          search=options.int8_fallback, progress=say)
+        return ({"precision": "int8", "quantization": plan.info, "model": plan.model}, plan.model.SerializeToString(),
+                "onnxruntime-cpu int8")
     decisions: dict = {"precision": p}
     if options.auto_block_list:
         from surge.optimize.search import search_block_list
