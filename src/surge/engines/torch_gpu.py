@@ -7,7 +7,8 @@ hidden states -> one event wait. Buckets round the batch size up to a power of
 two and the token count up by at most 12.5%, so few graphs cover all traffic.
 Each instance has its own stream; instances of one model share the weights.
 
-On the CPU the same weights run through plain PyTorch ops (encoder.forward_reference).
+On the CPU the same weights run through encoder_cpu.forward: packed GEMMs (oneDNN;
+AMX tiles for bf16 where the CPU has them) and one batched attention call per layer.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from surge.engines.base import Capabilities, random_batch
-from surge.engines.encoder import forward_fused, forward_reference, position_ids
+from surge.engines.encoder import forward_fused, position_ids
 from surge.engines.encoder_weights import EncoderWeights, load_weights
 from surge.engines.memory import Workspace, plan_workspace
 from surge.errors import EngineError, InvalidInput
@@ -78,7 +79,7 @@ class TorchEngine:
 
     def __init__(self, device: str = "cuda", precision: str = "fp16", max_batch: int = 64,
                  max_tokens: int | None = None, cuda_graphs: bool = True, workspace: Workspace | None = None,
-                 max_graphs: int = 48, gemm: str = "auto", weight_budget: int | None = None):
+                 max_graphs: int = 48, gemm: str = "auto", weight_budget: int | None = None, threads: int = 0):
         if precision not in _DTYPES:
             raise EngineError(f"the torch engine runs fp32, fp16 or bf16, not {precision!r}")
         self.device = torch.device(device)
@@ -94,6 +95,7 @@ class TorchEngine:
             raise EngineError(f"gemm must be auto or one of {GEMM_MODES}, not {gemm!r}")
         self.gemm = gemm
         self.weight_budget = weight_budget  # bytes of GPU memory for weights; beyond it layers stream from host
+        self.threads = threads  # CPU only: torch intra-op threads (process-wide); 0 leaves torch's default
         self.offload = None
         self.choices: dict[tuple, dict[str, float]] = {}  # bucket -> {gemm mode: replay ms} (auto mode)
         self._shared_ws = workspace
@@ -120,6 +122,8 @@ class TorchEngine:
         self.capabilities = Capabilities(self.max_batch, self.max_len, Layout.PACKED, str(self.device),
                                          self.precision, cfg.hidden)
         if self.device.type != "cuda":
+            if self.threads:
+                torch.set_num_threads(self.threads)  # process-wide: every CPU torch engine shares the setting
             return
         from surge.engines import kernels
 
@@ -219,11 +223,13 @@ class TorchEngine:
         return out
 
     def _run_reference(self, ids, types, pos, lengths) -> np.ndarray:
-        cu = [0] + np.cumsum(lengths).tolist()
+        """The non-CUDA path: encoder_cpu (batched attention, packed oneDNN GEMMs)."""
+        from surge.engines import encoder_cpu
+
         with torch.inference_mode():
-            t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)  # noqa: E731
-            x = forward_reference(self.weights, t(ids), t(types), t(pos), cu)
-            return x.float().cpu().numpy()
+            t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))  # noqa: E731
+            x = encoder_cpu.forward(self.weights, t(ids), t(types), t(pos), lengths)
+            return x.float().numpy()
 
     def bucket(self, batch: int, tokens: int, max_len: int) -> tuple[int, int, int]:
         return (min(_next_pow2(batch), self.plan.batch), min(token_bucket(tokens), self.plan.tokens),
