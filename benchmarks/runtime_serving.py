@@ -121,7 +121,7 @@ def bench_batching(args) -> list[dict]:
         pooled = sorted(lat[k])
         rows.append({"mode": label, "rps": float(np.median(rps[k])), "rps_rounds": rps[k],
                      "p50_ms": pooled[len(pooled) // 2] * 1e3, "p99_ms": pooled[int(0.99 * len(pooled))] * 1e3,
-                     "mean_batch": sizes[k], "errors": errors[k]})
+                     **sizes[k], "errors": errors[k]})
     return rows
 
 
@@ -131,18 +131,21 @@ def engine_flags(args) -> list[str]:
             "--instances", str(args.instances)]
 
 
-def _batch_sizes(url: str) -> float:
+def _batch_sizes(url: str) -> dict:
+    """Mean batch size and mean engine time per batch and per input, from the server's /metrics."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    s = c = 0.0
+    v = {"surge_batch_size_sum": 0.0, "surge_batch_size_count": 0.0, "surge_compute_latency_seconds_sum": 0.0}
     for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
         for smp in fam.samples:
-            if smp.name == "surge_batch_size_sum":
-                s += smp.value
-            elif smp.name == "surge_batch_size_count":
-                c += smp.value
-    return s / c if c else float("nan")
+            if smp.name in v:
+                v[smp.name] += smp.value
+    n, inputs = v["surge_batch_size_count"], v["surge_batch_size_sum"]
+    nan = float("nan")
+    return {"mean_batch": inputs / n if n else nan,
+            "compute_ms_per_batch": v["surge_compute_latency_seconds_sum"] * 1e3 / n if n else nan,
+            "compute_ms_per_input": v["surge_compute_latency_seconds_sum"] * 1e3 / inputs if inputs else nan}
 
 
 # ---- part 2: hit ratios ---------------------------------------------------------------
@@ -265,11 +268,13 @@ def main() -> None:
         rows = results["batching"] = bench_batching(args)
         t = Table(title=f"{args.clients} closed-loop clients, 5-20 token queries, cache off ({args.seconds:g} s), "
                         f"engine {args.engine} {args.precision}, {args.threads} thread(s) x {args.instances}")
-        for col in ("mode", "req/s", "p50 ms", "p99 ms", "mean batch", "errors"):
+        for col in ("mode", "req/s", "p50 ms", "p99 ms", "mean batch", "engine ms/batch", "engine ms/input",
+                    "errors"):
             t.add_column(col)
         for r in rows:
             t.add_row(r["mode"], f"{r['rps']:.0f}", f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}",
-                      f"{r['mean_batch']:.1f}", str(r["errors"]))
+                      f"{r['mean_batch']:.1f}", f"{r['compute_ms_per_batch']:.2f}", f"{r['compute_ms_per_input']:.2f}",
+                      str(r["errors"]))
         console.print(t)
         off, on = rows
         console.print(f"batching on / off: throughput x{on['rps'] / off['rps']:.2f}, "

@@ -124,6 +124,9 @@ class TorchEngine:
         if self.device.type != "cuda":
             if self.threads:
                 torch.set_num_threads(self.threads)  # process-wide: every CPU torch engine shares the setting
+            from surge.engines.encoder_cpu import CpuEncoder
+
+            self._cpu = CpuEncoder(self.weights)  # weights packed once for oneDNN (see encoder_cpu)
             return
         from surge.engines import kernels
 
@@ -173,7 +176,7 @@ class TorchEngine:
                 release_weights(self._path, self.device, self.dtype)
             self.weights = None
             self.offload = None
-            for name in ("workspace", "_h_inputs", "_h_out", "stream"):
+            for name in ("workspace", "_h_inputs", "_h_out", "stream", "_cpu"):
                 if hasattr(self, name):
                     setattr(self, name, None)
         if self.device.type == "cuda":
@@ -224,12 +227,9 @@ class TorchEngine:
 
     def _run_reference(self, ids, types, pos, lengths) -> np.ndarray:
         """The non-CUDA path: encoder_cpu (batched attention, packed oneDNN GEMMs)."""
-        from surge.engines import encoder_cpu
-
         with torch.inference_mode():
             t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))  # noqa: E731
-            x = encoder_cpu.forward(self.weights, t(ids), t(types), t(pos), lengths)
-            return x.float().numpy()
+            return self._cpu.forward(t(ids), t(types), t(pos), lengths).float().numpy()
 
     def bucket(self, batch: int, tokens: int, max_len: int) -> tuple[int, int, int]:
         return (min(_next_pow2(batch), self.plan.batch), min(token_bucket(tokens), self.plan.tokens),
