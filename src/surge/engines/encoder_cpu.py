@@ -1,46 +1,36 @@
-"""The CPU path of the torch engine: batched attention, oneDNN GEMMs, few ops per layer.
+"""The CPU path of the torch engine: packed oneDNN GEMMs, batched attention, one compiled call.
 
 `encoder.forward_reference` runs attention one sequence at a time (a Python
-loop of SDPA calls per layer), which makes a batch of 32 cost nearly 32 batch-1
-runs. Here a packed batch [T, H] keeps its packed layout for every GEMM (no
-padded tokens are multiplied), and only attention scatters Q/K/V into a
-[B, heads, L, d] block padded to the longest sequence and runs ONE
-scaled_dot_product_attention call for the whole batch with a key-padding mask
-(PyTorch's fused CPU flash-attention kernel: softmax in fp32 even for bf16
-inputs, no [B, heads, L, L] score tensor in bf16). A batch of one sequence skips
-the mask and the scatter.
+loop of SDPA calls per layer), so a batch of 32 costs nearly 32 batch-1 runs,
+and every op re-takes the GIL. Here:
 
-With bf16 weights every GEMM is a oneDNN bf16 GEMM, which uses AMX tiles on
-CPUs that have them (Sapphire Rapids and later): there the GEMMs of a batch run
-several times faster per token than of a single short sequence, so batching
-pays. Embedding sums and LayerNorm statistics are computed in fp32 (torch's
-CPU LayerNorm accumulates in fp32 for bf16 inputs); GeLU stays in bf16, because
-converting [T, ffn] to fp32 and back costs more than the GeLU itself.
+* a packed batch [T, H] stays packed for every GEMM (no padded tokens are
+  multiplied); only attention copies Q/K/V into blocks of >= 64 tokens, each
+  holding several consecutive sequences, and runs ONE
+  scaled_dot_product_attention call for the batch with a block-diagonal mask
+  (PyTorch's CPU flash-attention kernel: softmax in fp32 even for bf16);
+* weights are reordered once into oneDNN's blocked layout, and bias + GeLU and
+  bias + residual run in the GEMM epilogue (`torch.ops.mkldnn._linear_pointwise`,
+  the ops Inductor emits for CPU). With bf16 weights the GEMMs use AMX tiles on
+  CPUs that have them (Sapphire Rapids and later), whose per-token cost falls
+  several times from a 16-token sequence to a batch of hundreds of tokens, so
+  batching pays;
+* embedding sum and LayerNorms work in fp32 (the LayerNorm kernel accumulates
+  in fp32 for bf16 inputs); GeLU runs in bf16 inside the GEMM;
+* the whole forward is one TorchScript call that runs without the GIL.
 """
 
 from __future__ import annotations
+
+import threading
+import warnings
+from typing import List, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from surge.engines.encoder_weights import EncoderWeights
-
-
-def _gelu(x: torch.Tensor, kind: str) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh" if kind == "gelu_tanh" else "none")
-
-
-def embed(w: EncoderWeights, ids: torch.Tensor, types: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """Embedding sum and LayerNorm in fp32 (T x H: cheap), returned in the weights' dtype."""
-    cfg = w.config
-    x = w.word[ids].float() + w.pos[pos].float()
-    if cfg.type_vocab:
-        x += w.types[types].float()
-    else:
-        x += w.types[0].float()
-    x = F.layer_norm(x, (cfg.hidden,), w.emb_ln_w.float(), w.emb_ln_b.float(), cfg.eps)
-    return x.to(w.word.dtype)
 
 
 BIN_TOKENS = 64  # attention block size: short sequences share a block (block-diagonal mask)
@@ -80,33 +70,105 @@ class AttentionPlan:
         seg = np.full((len(bins), p), -1, dtype=np.int64)
         for i, b in enumerate(bins):
             seg[i, :sum(b)] = np.repeat(np.arange(len(b)), b)
-        seg_t = torch.from_numpy(seg)
-        self.mask = (seg_t[:, :, None] == seg_t[:, None, :])[:, None]  # [blocks, 1, P, P], True = attend
+        self.mask = torch.from_numpy(seg[:, None, :, None] == seg[:, None, None, :])  # [blocks, 1, P, P]: True = attend
 
 
-def attention(qkv: torch.Tensor, plan: AttentionPlan, heads: int) -> torch.Tensor:
-    """Packed qkv [T, 3*hid] -> packed context [T, hid], one SDPA call for the batch."""
-    t, three_hid = qkv.shape
+# ---------------------------------------------------------------- the layers (TorchScript source)
+# Written in the TorchScript subset: compiled once (torch.jit.script), the whole
+# layer stack runs in C++ with the GIL released. Run eagerly, each of its ~15
+# ops per layer would re-take the GIL, and in a server whose event loop thread
+# holds the GIL most of the time, every re-take waits for the interpreter's
+# switch interval: measured 9x slower under a busy Python thread.
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, gelu: bool, residual: Optional[torch.Tensor],
+            fused: bool, gelu_tanh: bool) -> torch.Tensor:
+    if fused:  # oneDNN with prepacked weights; bias + GeLU / bias + residual in the GEMM's epilogue
+        if residual is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, residual, w, b, "add")
+        if gelu:
+            return torch.ops.mkldnn._linear_pointwise(x, w, b, "gelu", [], "tanh" if gelu_tanh else "none")
+        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    y = F.linear(x, w, b)
+    if gelu:
+        y = F.gelu(y, approximate="tanh" if gelu_tanh else "none")
+    if residual is not None:
+        y = y + residual
+    return y
+
+
+def _attention(qkv: torch.Tensor, heads: int, fill: List[int], block: int, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Packed qkv [T, 3*hid] -> packed context [T, hid], one SDPA call for the batch.
+
+    fill empty: one sequence, no mask. Otherwise fill[i] real tokens of block i
+    (consecutive sequences, block-diagonal mask), each block `block` long.
+    """
+    t, three_hid = qkv.size(0), qkv.size(1)
     hid = three_hid // 3
     d = hid // heads
-    if plan.single:
-        q, k, v = qkv.view(1, t, 3, heads, d).permute(2, 0, 3, 1, 4).unbind(0)
-        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(t, hid)
-    nb, p = len(plan.fill), plan.block
-    if nb * p == t:
-        blocks = qkv
-    else:
-        blocks = qkv.new_zeros(nb * p, three_hid)
+    nb = len(fill)
+    if nb == 0:
+        qkv5 = qkv.view(1, t, 3, heads, d).permute(2, 0, 3, 1, 4)
+        ctx = F.scaled_dot_product_attention(qkv5[0], qkv5[1], qkv5[2])
+        return ctx.transpose(1, 2).reshape(t, hid)
+    exact = nb * block == t
+    blocks = qkv
+    if not exact:
+        blocks = qkv.new_zeros(nb * block, three_hid)
         s = 0
-        for i, n in enumerate(plan.fill):
-            blocks[i * p:i * p + n] = qkv[s:s + n]
-            s += n
-    q, k, v = blocks.view(nb, p, 3, heads, d).permute(2, 0, 3, 1, 4).unbind(0)
-    ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask)  # [blocks, heads, P, d]
-    ctx = ctx.transpose(1, 2).reshape(nb * p, hid)
-    if nb * p == t:
+        for i in range(nb):
+            blocks.narrow(0, i * block, fill[i]).copy_(qkv.narrow(0, s, fill[i]))
+            s += fill[i]
+    qkv5 = blocks.view(nb, block, 3, heads, d).permute(2, 0, 3, 1, 4)
+    ctx = F.scaled_dot_product_attention(qkv5[0], qkv5[1], qkv5[2], attn_mask=mask)  # [blocks, heads, P, d]
+    ctx = ctx.transpose(1, 2).reshape(nb * block, hid)
+    if exact:
         return ctx
-    return torch.cat([ctx[i * p:i * p + n] for i, n in enumerate(plan.fill)])
+    parts: List[torch.Tensor] = []
+    for i in range(nb):
+        parts.append(ctx.narrow(0, i * block, fill[i]))
+    return torch.cat(parts)
+
+
+def encode(ids: torch.Tensor, types: torch.Tensor, pos: torch.Tensor, emb: List[torch.Tensor],
+           weights: List[torch.Tensor], heads: int, eps: float, gelu_tanh: bool, fused: bool,
+           fill: List[int], block: int, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Packed token ids [T] -> last hidden state [T, H] in fp32.
+
+    emb: word, position, token-type tables (the weights' dtype), embedding LayerNorm
+    weight and bias (fp32); the embedding sum and its LayerNorm run in fp32.
+    weights: 12 per layer, in LayerWeights.tensors() order.
+    """
+    word = emb[0]
+    # index_select, not word[ids]: TorchScript's aten::index re-takes the GIL (measured: one
+    # switch interval, 5 ms, per lookup while another thread runs Python).
+    x = word.index_select(0, ids).float() + emb[1].index_select(0, pos).float() + emb[2].index_select(0, types).float()
+    norm = [x.size(1)]
+    x = F.layer_norm(x, norm, emb[3], emb[4], eps).to(word.dtype)
+    for i in range(len(weights) // 12):
+        o = 12 * i
+        qkv = _linear(x, weights[o], weights[o + 1], False, None, fused, gelu_tanh)  # fused QKV: one GEMM
+        ctx = _attention(qkv, heads, fill, block, mask)
+        h = _linear(ctx, weights[o + 2], weights[o + 3], False, x, fused, gelu_tanh)
+        h = F.layer_norm(h, norm, weights[o + 4], weights[o + 5], eps)
+        f = _linear(h, weights[o + 6], weights[o + 7], True, None, fused, gelu_tanh)
+        x = F.layer_norm(_linear(f, weights[o + 8], weights[o + 9], False, h, fused, gelu_tanh), norm,
+                         weights[o + 10], weights[o + 11], eps)
+    return x.float()
+
+
+_SCRIPTED = None
+_SCRIPT_LOCK = threading.Lock()
+
+
+def scripted_encode():
+    """encode compiled by TorchScript (once per process)."""
+    global _SCRIPTED
+    with _SCRIPT_LOCK:
+        if _SCRIPTED is None:
+            with warnings.catch_warnings():  # torch.jit is deprecated in favour of torch.compile, which
+                warnings.simplefilter("ignore")  # would need a C++ toolchain and minutes of compiling per shape
+                _SCRIPTED = torch.jit.script(encode)
+        return _SCRIPTED
 
 
 def _has_fused_linear() -> bool:
@@ -117,12 +179,13 @@ def _has_fused_linear() -> bool:
 class CpuEncoder:
     """An encoder's weights prepared for the CPU, and its forward pass over packed batches.
 
-    fused=True (the default where PyTorch is built with oneDNN): every weight is
-    reordered once, at load, into oneDNN's blocked layout (AMX/VNNI tiles for
-    bf16), instead of on every call, which is most of a short batch's GEMM time;
-    bias + GeLU and bias + residual add run in the GEMM's epilogue, so a layer
-    is 4 GEMMs, 2 LayerNorms and the attention call, with no separate
-    elementwise passes over [T, ffn]. fused=False: plain F.linear (any build).
+    fused=True (the default where PyTorch is built with oneDNN, for fp32 and
+    bf16): every weight is reordered once, at load, into oneDNN's blocked layout
+    (AMX/VNNI tiles for bf16) instead of on every call, which is most of a short
+    batch's GEMM time; bias + GeLU and bias + residual add run in the GEMM's
+    epilogue, so a layer is 4 GEMMs, 2 LayerNorms and the attention call; and the
+    layer stack runs as TorchScript, with the GIL released. fused=False: plain
+    F.linear, run eagerly (any build, any dtype).
     """
 
     PACK_HINT = 64  # oneDNN picks the blocked layout for this many rows; any row count runs on it
@@ -133,40 +196,36 @@ class CpuEncoder:
         if fused is None:  # oneDNN's fp16 GEMMs need AVX512-FP16/AMX-FP16: fp16 keeps plain F.linear
             fused = _has_fused_linear() and w.word.dtype in (torch.float32, torch.bfloat16)
         self.fused = fused
-        self.gelu_algo = "tanh" if w.config.activation == "gelu_tanh" else "none"
-        pack = (lambda t: torch.ops.mkldnn._reorder_linear_weight(t, self.PACK_HINT)) if self.fused else (lambda t: t)
-        # Per layer: packed weights (the originals stay in `w`, shared with other engines).
-        self.layers = [(pack(lw.wqkv), pack(lw.wo), pack(lw.w1), pack(lw.w2)) for lw in w.layers]
-
-    def _linear(self, x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor, act: str | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        if not self.fused:
-            y = F.linear(x, wt, b)
-            if act is not None:
-                y = _gelu(y, self.config.activation)
-            return y if residual is None else y.add_(residual)
-        if residual is not None:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, wt, b, "add")
-        if act is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, wt, b, "gelu", [], self.gelu_algo)
-        return torch.ops.mkldnn._linear_pointwise(x, wt, b, "none", [], "")
+        heads = {lw.heads for lw in w.layers}
+        if len(heads) > 1:
+            raise ValueError("every layer must have the same number of heads")
+        self.heads = heads.pop() if heads else w.config.heads
+        pack = (lambda t: torch.ops.mkldnn._reorder_linear_weight(t, self.PACK_HINT)) if fused else (lambda t: t)
+        # 12 tensors per layer; the four matrices packed for oneDNN (the originals stay in `w`,
+        # which other engine instances share).
+        self.flat: list[torch.Tensor] = []
+        for lw in w.layers:
+            for j, t in enumerate(lw.tensors()):
+                self.flat.append(pack(t) if j in (0, 2, 6, 8) else t)
+        self.emb = [w.word, w.pos, w.types, w.emb_ln_w.float(), w.emb_ln_b.float()]
+        self.encode = scripted_encode() if fused else encode
 
     def forward(self, ids: torch.Tensor, types: torch.Tensor, pos: torch.Tensor, lengths: np.ndarray) -> torch.Tensor:
-        """Last hidden state [T, H] (in the weights' dtype) of a packed batch."""
+        """Last hidden state [T, H] (fp32) of a packed batch.
+
+        One call into the compiled graph: the plan and the mask are built with
+        numpy, so no torch op runs (and re-takes the GIL) outside it.
+        """
         cfg = self.config
         plan = AttentionPlan(lengths)
-        x = embed(self.w, ids, types, pos)
-        norm = (cfg.hidden,)
-        for lw, (wqkv, wo, w1, w2) in zip(self.w.layers, self.layers):
-            qkv = self._linear(x, wqkv, lw.bqkv)  # fused QKV: one GEMM
-            ctx = attention(qkv, plan, lw.heads)
-            h = F.layer_norm(self._linear(ctx, wo, lw.bo, residual=x), norm, lw.ln1_w, lw.ln1_b, cfg.eps)
-            f = self._linear(h, w1, lw.b1, act="gelu")
-            x = F.layer_norm(self._linear(f, w2, lw.b2, residual=h), norm, lw.ln2_w, lw.ln2_b, cfg.eps)
-        return x
+        if not cfg.type_vocab:
+            types = torch.zeros_like(ids)
+        fill, block, mask = ([], 0, None) if plan.single else (plan.fill, plan.block, plan.mask)
+        return self.encode(ids, types, pos, self.emb, self.flat, self.heads, float(cfg.eps),
+                           cfg.activation == "gelu_tanh", self.fused, fill, block, mask)
 
 
 def forward(w: EncoderWeights, ids: torch.Tensor, types: torch.Tensor, pos: torch.Tensor,
             lengths: np.ndarray) -> torch.Tensor:
-    """One-off forward without prepared weights (plain F.linear); engines keep a CpuEncoder."""
+    """One-off forward without prepared weights (plain F.linear, eager); engines keep a CpuEncoder."""
     return CpuEncoder(w, fused=False).forward(ids, types, pos, lengths)
