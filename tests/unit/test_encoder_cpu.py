@@ -92,3 +92,23 @@ def test_cpu_engine_thread_setting_applies(bundled_spec):
         engine.close()
     finally:
         torch.set_num_threads(before)
+
+
+def test_model_yaml_selects_the_bf16_cpu_engine(tmp_path, bundled_spec, reference_embed, sentences):
+    """`engine: {engine: torch, device: cpu, precision: bf16}` in a model.yaml builds a worker on encoder_cpu."""
+    from surge.config import ModelFile, load_yaml_file
+    from surge.runtime.loader import build_worker
+
+    (tmp_path / "model.yaml").write_text("engine: {engine: torch, device: cpu, precision: bf16, threads: 1}\n")
+    cfg = load_yaml_file(tmp_path / "model.yaml", ModelFile).engine
+    before = torch.get_num_threads()
+    try:
+        worker = build_worker(bundled_spec, None, cfg)
+        caps = worker.engines.capabilities
+        assert (caps.device, caps.dtype, caps.layout) == ("cpu", "bf16", Layout.PACKED)
+        texts = [sentences[i] for i in np.random.default_rng().choice(len(sentences), 20, replace=False)]
+        got = l2_normalize(worker.compute(worker.tokenizer.encode(texts)))
+        assert cosine_rows(got, reference_embed(texts)).min() >= 0.999
+        worker.engines.close()
+    finally:
+        torch.set_num_threads(before)
