@@ -227,9 +227,7 @@ class TorchEngine:
 
     def _run_reference(self, ids, types, pos, lengths) -> np.ndarray:
         """The non-CUDA path: encoder_cpu (batched attention, packed oneDNN GEMMs)."""
-        with torch.inference_mode():
-            t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))  # noqa: E731
-            return self._cpu.forward(t(ids), t(types), t(pos), lengths).float().numpy()
+        return self._cpu.run(ids, types, pos, lengths)
 
     def bucket(self, batch: int, tokens: int, max_len: int) -> tuple[int, int, int]:
         return (min(_next_pow2(batch), self.plan.batch), min(token_bucket(tokens), self.plan.tokens),
