@@ -224,13 +224,15 @@ class CpuEncoder:
         GEMM primitive per row count, and a server's batches have a new token
         count almost every time, which measured 2x slower than repeated shapes.
         Buckets keep the row counts to a few dozen, all cached after warm-up.
+        A single sequence is not padded: it has at most max_length row counts,
+        and its unmasked attention is cheaper (measured 5.4 vs 7.4 ms at batch 1).
         The plan and mask are built with numpy, so no torch op runs (and
         re-takes the GIL) outside the one compiled call.
         """
         cfg = self.config
         lengths = np.asarray(lengths, dtype=np.int64)
         t = int(lengths.sum())
-        pad = token_bucket(t) - t if self.bucket else 0
+        pad = token_bucket(t) - t if self.bucket and len(lengths) > 1 else 0
         if pad:
             chunk = max(BIN_TOKENS, int(lengths.max()))
             extra = [chunk] * (pad // chunk) + ([pad % chunk] if pad % chunk else [])
