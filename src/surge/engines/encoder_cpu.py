@@ -171,6 +171,24 @@ def scripted_encode():
         return _SCRIPTED
 
 
+GIL_SWITCH_S = 0.0001
+
+
+def shorten_gil_switch() -> None:
+    """Lower the interpreter's switch interval (process-wide) to 0.5 ms, if it is longer.
+
+    The compiled forward runs without the GIL, but a batch still takes it a few
+    times (packing, the call's entry and exit, pooling). In a server whose event
+    loop thread runs Python most of the time, each take waits up to the switch
+    interval (default 5 ms): a batch of 30 short queries measured 45 ms in the
+    server against 18 ms alone.
+    """
+    import sys
+
+    if sys.getswitchinterval() > GIL_SWITCH_S:
+        sys.setswitchinterval(GIL_SWITCH_S)
+
+
 def _has_fused_linear() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise") \
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")

@@ -124,7 +124,9 @@ class TorchEngine:
         if self.device.type != "cuda":
             if self.threads:
                 torch.set_num_threads(self.threads)  # process-wide: every CPU torch engine shares the setting
-            from surge.engines.encoder_cpu import CpuEncoder
+            from surge.engines.encoder_cpu import CpuEncoder, shorten_gil_switch
+
+            shorten_gil_switch()
 
             self._cpu = CpuEncoder(self.weights)  # weights packed once for oneDNN (see encoder_cpu)
             return
