@@ -77,7 +77,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1, help="Intra-op threads (1: as the serving benchmark's servers).")
     ap.add_argument("--reps", type=int, default=15, help="Interleaved rounds; the table shows medians.")
-    ap.add_argument("--calls", type=int, default=4, help="Timed back-to-back calls per engine and batch size per round.")
+    ap.add_argument("--calls", type=int, default=4,
+                    help="Timed back-to-back calls per engine and batch size per round.")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--engines", default="ort-fp32,torch-fp32,torch-bf16,torch-bf16-per-seq")
     ap.add_argument("--out", type=Path, default=None, help="Write the results as JSON here.")

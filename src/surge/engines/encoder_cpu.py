@@ -70,7 +70,8 @@ class AttentionPlan:
         seg = np.full((len(bins), p), -1, dtype=np.int64)
         for i, b in enumerate(bins):
             seg[i, :sum(b)] = np.repeat(np.arange(len(b)), b)
-        self.mask = torch.from_numpy(seg[:, None, :, None] == seg[:, None, None, :])  # [blocks, 1, P, P]: True = attend
+        # [blocks, 1, P, P]: True = attend
+        self.mask = torch.from_numpy(seg[:, None, :, None] == seg[:, None, None, :])
 
 
 # ---------------------------------------------------------------- the layers (TorchScript source)
