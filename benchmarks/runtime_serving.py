@@ -1,6 +1,7 @@
 """Serving-runtime benchmark: batching on/off, cache hit ratios, cache-hit throughput.
 
     PYTHONPATH=src python benchmarks/runtime_serving.py [--seconds 15] [--zipf-exponent 0.85]
+    PYTHONPATH=src python benchmarks/runtime_serving.py --parts batching --engine torch --precision bf16
 
 One run, three parts, each against a baseline measured in the same run:
 1. 64 closed-loop clients, short real queries (5-20 tokens), cache off:
@@ -91,8 +92,9 @@ def bench_batching(args) -> list[dict]:
 
     queries = short_queries(2000)
     modes = (("batching off (max batch 1)", ["--no-batching"]),
-             ("batching on", ["--max-batch-size", "64", "--max-queue-delay-ms", str(args.delay_ms)]))
-    servers = [ServerProcess("--cache-bytes", "0", "--threads", str(args.threads), *flags) for _, flags in modes]
+             ("batching on", ["--max-batch-size", str(args.max_batch), "--max-queue-delay-ms", str(args.delay_ms)]))
+    servers = [ServerProcess("--cache-bytes", "0", "--threads", str(args.threads), *engine_flags(args), *flags)
+               for _, flags in modes]
     wire = [encode_post("127.0.0.1", "/embed", {"inputs": [q]}) for q in queries]
     rps: list[list[float]] = [[], []]
     lat: list[list[float]] = [[], []]
@@ -119,22 +121,31 @@ def bench_batching(args) -> list[dict]:
         pooled = sorted(lat[k])
         rows.append({"mode": label, "rps": float(np.median(rps[k])), "rps_rounds": rps[k],
                      "p50_ms": pooled[len(pooled) // 2] * 1e3, "p99_ms": pooled[int(0.99 * len(pooled))] * 1e3,
-                     "mean_batch": sizes[k], "errors": errors[k]})
+                     **sizes[k], "errors": errors[k]})
     return rows
 
 
-def _batch_sizes(url: str) -> float:
+def engine_flags(args) -> list[str]:
+    """`surge serve` flags for the engine under test (the default: ONNX Runtime FP32)."""
+    return ["--engine", args.engine, "--device", "cpu", "--precision", args.precision,
+            "--instances", str(args.instances)]
+
+
+def _batch_sizes(url: str) -> dict:
+    """Mean batch size and mean engine time per batch and per input, from the server's /metrics."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    s = c = 0.0
+    v = {"surge_batch_size_sum": 0.0, "surge_batch_size_count": 0.0, "surge_compute_latency_seconds_sum": 0.0}
     for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
         for smp in fam.samples:
-            if smp.name == "surge_batch_size_sum":
-                s += smp.value
-            elif smp.name == "surge_batch_size_count":
-                c += smp.value
-    return s / c if c else float("nan")
+            if smp.name in v:
+                v[smp.name] += smp.value
+    n, inputs = v["surge_batch_size_count"], v["surge_batch_size_sum"]
+    nan = float("nan")
+    return {"mean_batch": inputs / n if n else nan,
+            "compute_ms_per_batch": v["surge_compute_latency_seconds_sum"] * 1e3 / n if n else nan,
+            "compute_ms_per_input": v["surge_compute_latency_seconds_sum"] * 1e3 / inputs if inputs else nan}
 
 
 # ---- part 2: hit ratios ---------------------------------------------------------------
@@ -230,6 +241,12 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=64, help="Closed-loop clients for the batching runs.")
     ap.add_argument("--hit-clients", type=int, default=8, help="Closed-loop clients for the cache-hit run.")
     ap.add_argument("--delay-ms", type=float, default=2.0, help="max_queue_delay of the batching-on server.")
+    ap.add_argument("--max-batch", type=int, default=64, help="max_batch_size of the batching-on server.")
+    ap.add_argument("--engine", choices=("onnxrt", "torch"), default="onnxrt",
+                    help="Engine of the batching servers: onnxrt (default) or torch (its CPU path, encoder_cpu).")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                    help="Compute precision of the engine (bf16: torch engine only; AMX GEMMs where available).")
+    ap.add_argument("--instances", type=int, default=1, help="Engine instances per server.")
     ap.add_argument("--threads", type=int, default=1,
                     help="ONNX Runtime threads per server (0: all cores). 1 on a 2-core box: the event loop, tokenizer and "
                     "this load generator need the other core, and a 2-thread ORT run then waits on a busy core.")
@@ -249,12 +266,15 @@ def main() -> None:
 
     if "batching" in parts:
         rows = results["batching"] = bench_batching(args)
-        t = Table(title=f"{args.clients} closed-loop clients, 5-20 token queries, cache off ({args.seconds:g} s)")
-        for col in ("mode", "req/s", "p50 ms", "p99 ms", "mean batch", "errors"):
+        t = Table(title=f"{args.clients} closed-loop clients, 5-20 token queries, cache off ({args.seconds:g} s), "
+                        f"engine {args.engine} {args.precision}, {args.threads} thread(s) x {args.instances}")
+        for col in ("mode", "req/s", "p50 ms", "p99 ms", "mean batch", "engine ms/batch", "engine ms/input",
+                    "errors"):
             t.add_column(col)
         for r in rows:
             t.add_row(r["mode"], f"{r['rps']:.0f}", f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}",
-                      f"{r['mean_batch']:.1f}", str(r["errors"]))
+                      f"{r['mean_batch']:.1f}", f"{r['compute_ms_per_batch']:.2f}", f"{r['compute_ms_per_input']:.2f}",
+                      str(r["errors"]))
         console.print(t)
         off, on = rows
         console.print(f"batching on / off: throughput x{on['rps'] / off['rps']:.2f}, "

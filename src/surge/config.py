@@ -19,10 +19,13 @@ class _Strict(BaseModel):
 class EngineConfig(_Strict):
     """Which engine runs the model and how."""
 
-    engine: Literal["onnxrt", "torch"] = Field("onnxrt", description="onnxrt (CPU) or torch (GPU, or CPU fallback).")
+    engine: Literal["onnxrt", "torch"] = Field(
+        "onnxrt", description="onnxrt (CPU) or torch (GPU; on device cpu its own CPU path, encoder_cpu: with "
+        "precision bf16 its GEMMs use AMX where the CPU has it, and gain most from batching).")
     device: str = Field("cpu", description="cpu, cuda or cuda:N.")
     precision: Literal["fp32", "fp16", "bf16", "int8"] = Field("fp32", description="Compute precision.")
-    threads: int = Field(0, ge=0, description="Intra-op threads for the CPU engine; 0 lets the runtime choose.")
+    threads: int = Field(0, ge=0, description="Intra-op threads for a CPU engine (ONNX Runtime per session; torch "
+                         "on device cpu: torch.set_num_threads, process-wide); 0 lets the runtime choose.")
     instances: int = Field(1, ge=1, le=64, description="Engine copies run concurrently for this model.")
     max_batch_size: int = Field(64, ge=1, description="Largest batch the engine is run with.")
     max_seq_len: int | None = Field(None, ge=1, description="Truncation length; default: the model's own.")

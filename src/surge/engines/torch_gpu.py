@@ -7,7 +7,8 @@ hidden states -> one event wait. Buckets round the batch size up to a power of
 two and the token count up by at most 12.5%, so few graphs cover all traffic.
 Each instance has its own stream; instances of one model share the weights.
 
-On the CPU the same weights run through plain PyTorch ops (encoder.forward_reference).
+On the CPU the same weights run through encoder_cpu.forward: packed GEMMs (oneDNN;
+AMX tiles for bf16 where the CPU has them) and one batched attention call per layer.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from surge.engines.base import Capabilities, random_batch
-from surge.engines.encoder import forward_fused, forward_reference, position_ids
+from surge.engines.encoder import forward_fused, position_ids
 from surge.engines.encoder_weights import EncoderWeights, load_weights
 from surge.engines.memory import Workspace, plan_workspace
 from surge.errors import EngineError, InvalidInput
@@ -81,7 +82,7 @@ class TorchEngine:
     def __init__(self, device: str = "cuda", precision: str = "fp16", max_batch: int = 64,
                  max_tokens: int | None = None, cuda_graphs: bool = True, workspace: Workspace | None = None,
                  max_graphs: int = 48, gemm: str = "auto", weight_budget: int | None = None,
-                 approximate_gelu: bool | None = None):
+                 approximate_gelu: bool | None = None, threads: int = 0):
         if precision not in _DTYPES:
             raise EngineError(f"the torch engine runs fp32, fp16 or bf16, not {precision!r}")
         self.device = torch.device(device)
@@ -101,6 +102,7 @@ class TorchEngine:
         # under bf16's: allowed by default in half precision, never in fp32 (tests check the cosine).
         self.approximate_gelu = precision != "fp32" if approximate_gelu is None else approximate_gelu
         self.weight_budget = weight_budget  # bytes of GPU memory for weights; beyond it layers stream from host
+        self.threads = threads  # CPU only: torch intra-op threads (process-wide); 0 leaves torch's default
         self.offload = None
         self.choices: dict[tuple, dict[str, float]] = {}  # bucket -> {gemm mode: replay ms} (auto mode)
         self.mode_errors: dict[str, str] = {}  # modes that failed to build on this GPU, and why
@@ -128,6 +130,13 @@ class TorchEngine:
         self.capabilities = Capabilities(self.max_batch, self.max_len, Layout.PACKED, str(self.device),
                                          self.precision, cfg.hidden)
         if self.device.type != "cuda":
+            if self.threads:
+                torch.set_num_threads(self.threads)  # process-wide: every CPU torch engine shares the setting
+            from surge.engines.encoder_cpu import CpuEncoder, shorten_gil_switch
+
+            shorten_gil_switch()
+
+            self._cpu = CpuEncoder(self.weights)  # weights packed once for oneDNN (see encoder_cpu)
             return
         from surge.engines import kernels
 
@@ -177,7 +186,7 @@ class TorchEngine:
                 release_weights(self._path, self.device, self.dtype)
             self.weights = None
             self.offload = None
-            for name in ("workspace", "_h_inputs", "_h_out", "stream"):
+            for name in ("workspace", "_h_inputs", "_h_out", "stream", "_cpu"):
                 if hasattr(self, name):
                     setattr(self, name, None)
         if self.device.type == "cuda":
@@ -227,11 +236,8 @@ class TorchEngine:
         return out
 
     def _run_reference(self, ids, types, pos, lengths) -> np.ndarray:
-        cu = [0] + np.cumsum(lengths).tolist()
-        with torch.inference_mode():
-            t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)  # noqa: E731
-            x = forward_reference(self.weights, t(ids), t(types), t(pos), cu)
-            return x.float().cpu().numpy()
+        """The non-CUDA path: encoder_cpu (batched attention, packed oneDNN GEMMs)."""
+        return self._cpu.run(ids, types, pos, lengths)
 
     def bucket(self, batch: int, tokens: int, max_len: int) -> tuple[int, int, int]:
         return (min(_next_pow2(batch), self.plan.batch), min(token_bucket(tokens), self.plan.tokens),

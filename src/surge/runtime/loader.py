@@ -21,7 +21,8 @@ def make_engine(cfg: EngineConfig, spec: ModelSpec, artifact: Path | None, devic
     if cfg.engine == "torch":
         from surge.engines.torch_gpu import TorchEngine
 
-        engine = TorchEngine(device=device or cfg.device, precision=cfg.precision, max_batch=cfg.max_batch_size)
+        engine = TorchEngine(device=device or cfg.device, precision=cfg.precision, max_batch=cfg.max_batch_size,
+                             threads=cfg.threads)
         engine.load(spec.path)
         return engine
     raise ValueError(f"unknown engine {cfg.engine!r}")
