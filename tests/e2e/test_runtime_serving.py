@@ -211,6 +211,15 @@ def test_cache_hit_answers_equal_the_full_path_answers(servers, phrases):
         assert hit.json() == miss.json()
         assert hit.headers["x-surge-model-version"] == miss.headers["x-surge-model-version"]
         assert hit.headers["content-type"] == "application/json"
+    # The hot path answers plain misses itself: the same bytes as the FastAPI routes give
+    # (forced here by an option at its default value, which the hot path leaves to the route).
+    for path, key, extra in (("/embed", "inputs", {"truncate": True}), ("/v1/embeddings", "input", {"dimensions": None})):
+        texts = _unique_inputs(phrases, f"direct{key}", 3)
+        direct = httpx.post(batched.url + path, json={key: texts}, timeout=30)
+        routed = httpx.post(batched.url + path, json={key: texts, **extra}, timeout=30)
+        assert direct.status_code == routed.status_code == 200
+        assert direct.content == routed.content
+        assert direct.headers["x-surge-model-version"] == routed.headers["x-surge-model-version"]
     # Requests the hot path does not handle still get the routes' errors.
     bad = httpx.post(batched.url + "/embed", json={"inputs": [""]}, timeout=30)
     assert bad.status_code == 400
