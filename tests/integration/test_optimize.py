@@ -57,6 +57,11 @@ def test_int8_manifest_records_everything(int8_artifact):
     assert q["smoothing"]["alpha"] in (0.5, 0.65, 0.8, 0.9) and q["smoothing"]["muls_inserted"] == 18
     assert [t["alpha"] for t in q["alpha_search"]] == [None, 0.5, 0.65, 0.8, 0.9]
     assert len(q["kept_fp32"]) <= 6 and q["fallback_steps"][-1]["passed"]
+    # SkipLayerNormalization fused vs split back: both timed on this CPU, the faster kept
+    sl = m["skip_layernorm"]
+    assert sl["nodes"] == 12 and set(sl["median_ms_b1_s32"]) == {"fused", "split"}
+    assert sl["split"] == (sl["median_ms_b1_s32"]["split"] < sl["median_ms_b1_s32"]["fused"])
+    assert m["ort_disabled_optimizers"] == sl["ort_disabled_optimizers"]
 
 
 def test_served_artifact_is_the_optimized_one(int8_artifact, reference_embed, sentences):

@@ -40,8 +40,11 @@ class OnnxRuntimeEngine:
         # need between batches; serving prefers them parked.
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         model_file = artifact / manifest.get("model_file", "model.onnx")
+        # optimizers the artifact was measured without (optimize/skip_split.py), so ORT does not undo it
+        disabled = list(manifest.get("ort_disabled_optimizers", []))
         try:
-            self.session = ort.InferenceSession(str(model_file), opts, providers=["CPUExecutionProvider"])
+            self.session = ort.InferenceSession(str(model_file), opts, providers=["CPUExecutionProvider"],
+                                                **({"disabled_optimizers": disabled} if disabled else {}))
         except Exception as exc:  # onnxruntime raises its own opaque types
             raise EngineError(f"cannot load {model_file}: {exc}") from exc
         self._inputs = {i.name for i in self.session.get_inputs()}

@@ -141,6 +141,12 @@ def optimize(spec: ModelSpec, out_dir: Path, options: OptimizeOptions, cache_dir
         say("graph passes")
         reports = run_passes(model, graph_passes(fuse=fuse), ctx, on_pass)
         proto = ir.serde.serialize_model(model)
+        if fuse:
+            from surge.optimize import skip_split
+
+            say("timing SkipLayerNormalization fused vs split on this CPU")
+            proto, manifest["skip_layernorm"] = skip_split.choose(proto, spec.vocab_size, options.threads)
+            manifest["ort_disabled_optimizers"] = manifest["skip_layernorm"]["ort_disabled_optimizers"]
         budget = options.budget or (LOSSY if options.prune_heads > 0 and options.precision != "int8"
                                     else BUDGETS[options.precision])
         decisions, candidate, executed = _apply_precision(proto, options, evaluator, say, budget)
