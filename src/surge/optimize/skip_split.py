@@ -70,8 +70,8 @@ def _session(model: onnx.ModelProto, threads: int, disabled: list[str]):
                                 disabled_optimizers=disabled)
 
 
-def choose(model: onnx.ModelProto, vocab: int, threads: int = 0, rounds: int = 5,
-           runs: int = 30) -> tuple[onnx.ModelProto, dict]:
+def choose(model: onnx.ModelProto, vocab: int, threads: int = 0, rounds: int = 8,
+           runs: int = 40) -> tuple[onnx.ModelProto, dict]:
     """(the faster of the fused and split graphs, what was measured) at batch 1 x 32 tokens."""
     split, n = split_skip_layernorm(model)
     if n == 0:
