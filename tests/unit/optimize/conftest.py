@@ -79,3 +79,15 @@ def run_onnx(model, feeds) -> np.ndarray:
     out = sess.run(None, {k: v for k, v in feeds.items() if k in names})[0].astype(np.float32)
     # Padded positions carry no meaning (and fused attention skips them): compare real tokens.
     return out * feeds["attention_mask"][..., None]
+
+
+@pytest.fixture(scope="session")
+def fused_minilm(bundled_export, bundled_spec):
+    """The bundled model's export after `surge optimize`'s graph passes (ONNX proto)."""
+    import onnx_ir as ir
+
+    from surge.optimize.passes import PassContext, graph_passes, run_passes
+
+    model = ir.load(str(bundled_export))
+    run_passes(model, graph_passes(), PassContext(bundled_spec.num_heads, bundled_spec.hidden_size))
+    return ir.serde.serialize_model(model)

@@ -2,21 +2,10 @@
 
 from __future__ import annotations
 
-import numpy as np
-import onnx
-import onnx_ir as ir
 import pytest
 
-from surge.optimize.passes import PassContext, graph_passes, run_passes
 from surge.optimize.quantize import quantize_int8
 from surge.optimize.validate import BUDGETS, Evaluator
-
-
-@pytest.fixture(scope="module")
-def fused_minilm(bundled_export, bundled_spec) -> onnx.ModelProto:
-    model = ir.load(str(bundled_export))
-    run_passes(model, graph_passes(), PassContext(bundled_spec.num_heads, bundled_spec.hidden_size))
-    return ir.serde.serialize_model(model)
 
 
 @pytest.fixture(scope="module")

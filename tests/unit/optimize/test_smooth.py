@@ -16,13 +16,6 @@ from tests.unit.optimize.conftest import feeds_for, make_tiny_bert, run_onnx
 
 
 @pytest.fixture(scope="module")
-def fused_minilm(bundled_export, bundled_spec) -> onnx.ModelProto:
-    model = ir.load(str(bundled_export))
-    run_passes(model, graph_passes(), PassContext(bundled_spec.num_heads, bundled_spec.hidden_size))
-    return ir.serde.serialize_model(model)
-
-
-@pytest.fixture(scope="module")
 def calib_absmax(fused_minilm, bundled_spec, sentences):
     return activation_absmax(fused_minilm, Encoded(bundled_spec, sentences[:64]).batches, threads=2)
 
