@@ -26,6 +26,8 @@ class EngineConfig(_Strict):
     precision: Literal["fp32", "fp16", "bf16", "int8"] = Field("fp32", description="Compute precision.")
     threads: int = Field(0, ge=0, description="Intra-op threads for a CPU engine (ONNX Runtime per session; torch "
                          "on device cpu: torch.set_num_threads, process-wide); 0 lets the runtime choose.")
+    exact_gelu: bool = Field(False, description="Torch engine on CUDA: never use cuBLASLt's bias+GeLU epilogue "
+                             "(tanh form, < 5e-4 from erf-GeLU; offered in fp16/bf16 when this is false).")
     instances: int = Field(1, ge=1, le=64, description="Engine copies run concurrently for this model.")
     max_batch_size: int = Field(64, ge=1, description="Largest batch the engine is run with.")
     max_seq_len: int | None = Field(None, ge=1, description="Truncation length; default: the model's own.")

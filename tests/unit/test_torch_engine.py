@@ -199,3 +199,20 @@ def test_instances_share_weights_and_the_last_close_frees_them(bundled_spec):
     assert out.shape == (18, 384) and np.isfinite(out).all()
     b.close()
     assert key not in torch_gpu._WEIGHTS
+
+
+def test_gelu_epilogue_policy_follows_config_and_precision(bundled_spec):
+    """cuBLASLt's tanh-GeLU epilogue: allowed by default in half precision only; exact_gelu forbids it."""
+    from surge.config import EngineConfig
+    from surge.runtime.loader import make_engine
+
+    assert TorchEngine(device="cpu", precision="fp16").approximate_gelu is True
+    assert TorchEngine(device="cpu", precision="bf16").approximate_gelu is True
+    assert TorchEngine(device="cpu", precision="fp32").approximate_gelu is False
+    exact = make_engine(EngineConfig(engine="torch", precision="bf16", exact_gelu=True), bundled_spec, None)
+    default = make_engine(EngineConfig(engine="torch", precision="bf16"), bundled_spec, None)
+    try:
+        assert exact.approximate_gelu is False and default.approximate_gelu is True
+    finally:
+        exact.close()
+        default.close()

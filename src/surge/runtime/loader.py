@@ -22,7 +22,7 @@ def make_engine(cfg: EngineConfig, spec: ModelSpec, artifact: Path | None, devic
         from surge.engines.torch_gpu import TorchEngine
 
         engine = TorchEngine(device=device or cfg.device, precision=cfg.precision, max_batch=cfg.max_batch_size,
-                             threads=cfg.threads)
+                             threads=cfg.threads, approximate_gelu=False if cfg.exact_gelu else None)
         engine.load(spec.path)
         return engine
     raise ValueError(f"unknown engine {cfg.engine!r}")
