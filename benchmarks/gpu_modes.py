@@ -112,6 +112,7 @@ def main() -> None:
             print(json.dumps(ablations[-1]), flush=True)
             e.close()
         enc.RESIDUAL_IN_GEMM = True
+        torch.cuda.tunable.enable(False)  # each ablation alone; later rows run untuned
     # two instances (shared weights, own workspaces and streams) replaying batch-128 graphs concurrently
     from surge.engines.memory import Workspace
 

@@ -66,16 +66,11 @@ def inputs(vocab: int, batch: int, seq: int, seed: int = 0) -> dict:
 def ort_runner(model_file: Path, threads: int):
     import json
 
-    import onnxruntime as ort
+    from surge.optimize.validate import session
 
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    if threads:
-        opts.intra_op_num_threads = threads
     manifest = model_file.parent / "manifest.json"  # a surge artifact: load it as its engine does
     disabled = json.loads(manifest.read_text()).get("ort_disabled_optimizers", []) if manifest.exists() else []
-    sess = ort.InferenceSession(str(model_file), opts, providers=["CPUExecutionProvider"],
-                                **({"disabled_optimizers": disabled} if disabled else {}))
+    sess = session(model_file, threads, disabled)
     names = {i.name for i in sess.get_inputs()}
     return lambda feeds: sess.run(None, {k: v for k, v in feeds.items() if k in names})
 

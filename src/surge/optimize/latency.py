@@ -26,10 +26,10 @@ def _median_ms(sess, feeds: dict, runs: int) -> float:
 
 
 def compare_latency(source: Path | bytes, optimized: Path | bytes, spec: ModelSpec, threads: int = 0,
-                    shapes=SHAPES, runs: int = 10) -> dict:
+                    shapes=SHAPES, runs: int = 10, disabled_optimizers: list[str] | tuple = ()) -> dict:
     from surge.optimize.validate import session
 
-    src, opt = session(source, threads), session(optimized, threads)
+    src, opt = session(source, threads), session(optimized, threads, disabled_optimizers)
     rows = []
     for batch, seq in shapes:
         b = random_batch(batch, seq, min(spec.vocab_size, 30522))

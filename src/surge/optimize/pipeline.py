@@ -172,7 +172,8 @@ def optimize(spec: ModelSpec, out_dir: Path, options: OptimizeOptions, cache_dir
             from surge.optimize.latency import compare_latency
 
             say("measuring latency (ONNX Runtime CPU)")
-            manifest["latency"] = compare_latency(source_file, final.SerializeToString(), spec, options.threads)
+            manifest["latency"] = compare_latency(source_file, final.SerializeToString(), spec, options.threads,
+                                                  disabled_optimizers=manifest.get("ort_disabled_optimizers", ()))
         else:
             manifest["latency"] = {"measured": False,
                                    "why": "skipped (--no-latency)" if not options.measure_latency else "the artifact does not run on ONNX Runtime CPU (target gpu / bf16)"}

@@ -57,19 +57,6 @@ def split_skip_layernorm(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     return out, n
 
 
-def _session(model: onnx.ModelProto, threads: int, disabled: list[str]):
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts.log_severity_level = 3
-    if threads:
-        opts.intra_op_num_threads = threads
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as the serving engine runs
-    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"],
-                                disabled_optimizers=disabled)
-
-
 def choose(model: onnx.ModelProto, vocab: int, threads: int = 0, rounds: int = 8,
            runs: int = 40) -> tuple[onnx.ModelProto, dict]:
     """(the faster of the fused and split graphs, what was measured) at batch 1 x 32 tokens."""
@@ -78,9 +65,11 @@ def choose(model: onnx.ModelProto, vocab: int, threads: int = 0, rounds: int = 8
         return model, {"split": False, "why": "no SkipLayerNormalization in the graph"}
     b = random_batch(1, 32, min(vocab, 30522))
     feeds = {"input_ids": b.input_ids, "attention_mask": b.attention_mask, "token_type_ids": b.token_type_ids}
+    from surge.optimize.validate import session
+
     runners = {}
     for name, m, disabled in (("fused", model, []), ("split", split, DISABLED_OPTIMIZERS)):
-        sess = _session(m, threads, disabled)
+        sess = session(m.SerializeToString(), threads, disabled, spinning=False)  # as the serving engine runs
         names = {i.name for i in sess.get_inputs()}
         f = {k: v for k, v in feeds.items() if k in names}
         runners[name] = (sess, f)

@@ -71,14 +71,20 @@ class GateResult:
                 "sets": {k: v.to_json() for k, v in self.sets.items()}}
 
 
-def session(model: str | Path | bytes, threads: int = 0) -> ort.InferenceSession:
+def session(model: str | Path | bytes, threads: int = 0, disabled_optimizers: list[str] | tuple = (),
+            spinning: bool = True) -> ort.InferenceSession:
+    """An ONNX Runtime CPU session; `disabled_optimizers` as an artifact's manifest lists them,
+    `spinning=False` as the serving engine runs (engines/onnxrt.py)."""
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.log_severity_level = 3
     if threads:
         opts.intra_op_num_threads = threads
+    if not spinning:
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     src = model if isinstance(model, bytes) else str(model)
-    return ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
+    extra = {"disabled_optimizers": list(disabled_optimizers)} if disabled_optimizers else {}
+    return ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"], **extra)
 
 
 class Encoded:

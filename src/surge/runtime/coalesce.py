@@ -17,8 +17,6 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from surge.errors import DeadlineExceeded
 
 
@@ -73,6 +71,6 @@ class InFlight:
                 continue
             vec, ntok = res
             for i in positions:
-                vectors[i], tokens[i] = np.asarray(vec), ntok
+                vectors[i], tokens[i] = vec, ntok
             filled += len(positions)
         return retry, filled

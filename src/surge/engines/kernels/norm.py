@@ -12,6 +12,17 @@ import triton.language as tl
 
 
 @triton.jit
+def _layernorm_store(x, cols, mask, N, eps, w_ptr, b_ptr, out_row_ptr):
+    """LayerNorm of one fp32 row (statistics in fp32), stored in the output's type."""
+    mean = tl.sum(x, 0) / N
+    d = tl.where(mask, x - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(d * d, 0) / N + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_row_ptr + cols, (d * rstd * w + b).to(out_row_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _embed_ln(ids_ptr, types_ptr, pos_ptr, word_ptr, posw_ptr, typew_ptr, w_ptr, b_ptr, out_ptr,
               N, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -23,12 +34,7 @@ def _embed_ln(ids_ptr, types_ptr, pos_ptr, word_ptr, posw_ptr, typew_ptr, w_ptr,
     x = tl.load(word_ptr + tok * N + cols, mask=mask, other=0.0).to(tl.float32)
     x += tl.load(posw_ptr + pos * N + cols, mask=mask, other=0.0).to(tl.float32)
     x += tl.load(typew_ptr + typ * N + cols, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(x, 0) / N
-    d = tl.where(mask, x - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(d * d, 0) / N + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + cols, (d * rstd * w + b).to(out_ptr.dtype.element_ty), mask=mask)
+    _layernorm_store(x, cols, mask, N, eps, w_ptr, b_ptr, out_ptr + row * N)
 
 
 @triton.jit
@@ -40,12 +46,7 @@ def _add_ln(a_ptr, bias_ptr, res_ptr, w_ptr, b_ptr, out_ptr, N, eps, BLOCK: tl.c
     x += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         x += tl.load(res_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(x, 0) / N
-    d = tl.where(mask, x - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(d * d, 0) / N + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + cols, (d * rstd * w + b).to(out_ptr.dtype.element_ty), mask=mask)
+    _layernorm_store(x, cols, mask, N, eps, w_ptr, b_ptr, out_ptr + row * N)
 
 
 @triton.jit
