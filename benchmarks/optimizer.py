@@ -30,6 +30,7 @@ from surge.bench.timing import cpu_name
 import numpy as np
 
 SHAPES = [(1, 32), (1, 128), (32, 32), (32, 128)]
+EAGER = "pytorch eager fp32"
 
 
 def make_bert_base(out: Path) -> Path:
@@ -118,7 +119,7 @@ def bench_model(spec, cache: Path, work: Path, shapes, args, console) -> tuple[l
             "cosine": min(s["mean_cosine"] for s in sets.values()),
             "top1": min(s["top1"] for s in sets.values()), "top1_tie": min(s["top1_tie"] for s in sets.values()),
         }
-    sources = {"pytorch eager fp32": ("torch", str(spec.path)), "onnxruntime raw export": ("ort", str(raw)),
+    sources = {EAGER: ("torch", str(spec.path)), "onnxruntime raw export": ("ort", str(raw)),
                "surge fp32": ("ort", str(arts["fp32"])), "surge int8": ("ort", str(arts["int8"]))}
     if args.isolate:
         runners = {name: _isolated(kind, path, spec, args) for name, (kind, path) in sources.items()}
@@ -130,6 +131,7 @@ def bench_model(spec, cache: Path, work: Path, shapes, args, console) -> tuple[l
         feeds = inputs(spec.vocab_size, batch, seq)
         row = {"model": spec.name, "batch": batch, "seq": seq}
         samples: dict[str, list[float]] = {name: [] for name in runners}
+        blocks: dict[str, list[float]] = {name: [] for name in runners}  # per-round block medians
         # Engines take turns in rounds (each a block of consecutive runs, so its caches
         # stay warm): a slow drift of the shared CPU hits every column alike instead
         # of whichever engine happened to be timed during it.
@@ -137,10 +139,15 @@ def bench_model(spec, cache: Path, work: Path, shapes, args, console) -> tuple[l
             for name, run in runners.items():
                 console.print(f"  {spec.name} b={batch} s={seq}: {name} (round {r + 1}/{args.rounds})")
                 budget, runs = args.budget_s / args.rounds, max(3, args.max_runs // args.rounds)
-                samples[name] += (run(batch, seq, budget, runs) if args.isolate
-                                  else timed(lambda: run(feeds), budget, runs))
+                times = run(batch, seq, budget, runs) if args.isolate else timed(lambda: run(feeds), budget, runs)
+                samples[name] += times
+                blocks[name].append(statistics.median(times))
+        base = blocks[EAGER]
         for name, times in samples.items():
             row[name] = statistics.median(times)
+            # Paired ratios: each engine against the eager block of its own round,
+            # seconds apart, so the VM's minute-to-minute speed cancels out.
+            row[name + " ratios"] = [e / t for e, t in zip(base, blocks[name])]
         row["runs"] = min(len(t) for t in samples.values())
         rows.append(row)
     return rows, info
@@ -178,7 +185,7 @@ def _time_one(job: str) -> None:
 
 
 def markdown(rows, infos, args) -> str:
-    engines = ["pytorch eager fp32", "onnxruntime raw export", "surge fp32", "surge int8"]
+    engines = [EAGER, "onnxruntime raw export", "surge fp32", "surge int8"]
     lines = [f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Machine: {platform.machine()}, "
              f"{cpu_name()}, {_cores()} cores, load average at start {args.load_at_start}. Python {platform.python_version()}.",
              f"Command: `PYTHONPATH=src python benchmarks/optimizer.py {' '.join(sys.argv[1:])}`".rstrip(), "",
@@ -187,8 +194,15 @@ def markdown(rows, infos, args) -> str:
              "(speed-up vs PyTorch eager FP32 in the same run):", "",
              "| model | batch | seq | " + " | ".join(engines) + " |", "|---|---:|---:|" + "---:|" * len(engines)]
     for r in rows:
-        base = r["pytorch eager fp32"]
+        base = r[EAGER]
         cells = [f"{r[e]:.1f} ({base / r[e]:.2f}x)" for e in engines]
+        lines.append(f"| {r['model']} | {r['batch']} | {r['seq']} | " + " | ".join(cells) + " |")
+    lines += ["", "Paired speed-ups: per round, eager's block median over the engine's block median "
+              "(adjacent blocks, so a drifting VM hits both alike); median over the rounds [lowest, highest]:", "",
+              "| model | batch | seq | " + " | ".join(engines[1:]) + " |", "|---|---:|---:|" + "---:|" * (len(engines) - 1)]
+    for r in rows:
+        cells = [f"{statistics.median(r[e + ' ratios']):.2f}x [{min(r[e + ' ratios']):.2f}, "
+                 f"{max(r[e + ' ratios']):.2f}]" for e in engines[1:]]
         lines.append(f"| {r['model']} | {r['batch']} | {r['seq']} | " + " | ".join(cells) + " |")
     lines += ["", "Graph and accuracy (validation vs the FP32 source on the bundled sentences):", "",
               "| model | precision | nodes export → surge | reduction | mean cos (worst set) | top-1 strict | top-1 ties≤0.01 | gate (defaults) |",
@@ -216,7 +230,7 @@ def plot(rows: list[dict], path: Path) -> None:
         mine = [r for r in rows if r["model"] == model]
         x = np.arange(len(mine))
         for i, e in enumerate(engines):
-            ax.bar(x + (i - 1) * 0.27, [r["pytorch eager fp32"] / r[e] for r in mine], 0.27, label=e)
+            ax.bar(x + (i - 1) * 0.27, [r[EAGER] / r[e] for r in mine], 0.27, label=e)
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xticks(x, [f"b{r['batch']} s{r['seq']}" for r in mine])
         ax.set_ylabel("speed-up vs PyTorch eager FP32 (×)")
@@ -243,7 +257,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="threads for every engine (0: library default)")
     parser.add_argument("--budget-s", type=float, default=2.0, help="time per cell after 3 runs")
     parser.add_argument("--max-runs", type=int, default=150, help="timed runs per cell, at most (split over the rounds)")
-    parser.add_argument("--rounds", type=int, default=3, help="engines take turns this many times per shape")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="engines take turns this many times per shape (default 3; 7 with --quick)")
     parser.add_argument("--sentences", type=int, default=100, help="calibration and held-out sentences for the gate")
     parser.add_argument("--out", type=Path, default=None, help="also write the markdown table here")
     parser.add_argument("--plot", type=Path, default=None, help="also write a PNG of the speed-ups here")
@@ -253,6 +268,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.time_one:
         return _time_one(args.time_one)
+    args.rounds = args.rounds or (7 if args.quick else 3)
     args.load_at_start = ", ".join(f"{x:.1f}" for x in os.getloadavg())
 
     from rich.console import Console
