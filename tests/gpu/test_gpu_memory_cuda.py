@@ -8,7 +8,6 @@ import torch
 
 from surge.engines.base import random_batch
 from surge.types import Layout
-from tests.gpu.test_torch_engine_cuda import model_dir  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.cuda
 

@@ -1,15 +1,7 @@
-"""The CUDA engine on the bundled MiniLM against the FP32 reference, every sentence.
-
-On a GPU machine without the bundled-model package, SURGE_GPU_MODEL_DIR points
-at a copy of the model (weights may be stored in fp16) and SURGE_GPU_REF at the
-FP32 reference vectors of all `load_sentences()` computed from the original
-fp32 weights (benchmarks/gpu_prepare.py writes both).
-"""
+"""The CUDA engine on the bundled MiniLM against the FP32 reference, every sentence
+(model_dir, reference, tokenizer: tests/gpu/conftest.py)."""
 
 from __future__ import annotations
-
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,37 +14,8 @@ from tests.conftest import cosine_rows
 pytestmark = pytest.mark.cuda
 
 
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    env = os.environ.get("SURGE_GPU_MODEL_DIR")
-    if env:
-        return Path(env)
-    from surge.models import bundled_model_dir
-
-    return bundled_model_dir()
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir, sentences):
-    env = os.environ.get("SURGE_GPU_REF")
-    if env:
-        return np.load(env)
-    from surge.models import load_model_spec
-    from tests.reference import TorchReference
-
-    return TorchReference(load_model_spec(model_dir))(sentences)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    from surge.models import load_model_spec
-    from surge.runtime.tokenize import Tokenizer
-
-    spec = load_model_spec(model_dir)
-    return Tokenizer(spec.tokenizer_file, spec.max_length, spec.vocab_size, spec.pad_token_id)
-
-
-def _embed(engine, tokenizer, texts, bs=32, padded=False):
+def embed(engine, tokenizer, texts, bs=32, padded=False):
+    """Pooled, normalized sentence vectors, `bs` texts a batch."""
     out = []
     for i in range(0, len(texts), bs):
         items = tokenizer.encode(texts[i:i + bs])
@@ -67,7 +30,7 @@ def test_every_sentence_matches_fp32_reference(model_dir, tokenizer, reference, 
 
     engine = TorchEngine(device="cuda", precision=precision, max_batch=32)
     engine.load(model_dir)
-    got = _embed(engine, tokenizer, sentences)
+    got = embed(engine, tokenizer, sentences)
     cos = cosine_rows(got, reference)
     print(f"{precision}: min cosine {cos.min():.6f} mean {cos.mean():.6f} over {len(cos)} sentences")
     assert cos.min() >= floor, f"worst {cos.min():.6f} at {sentences[int(cos.argmin())][:60]!r}"
@@ -77,7 +40,7 @@ def test_every_sentence_matches_fp32_reference(model_dir, tokenizer, reference, 
     eager.load(model_dir)
     sub = sentences[:64]
     same = 0.99999 if precision == "fp16" else 0.9999
-    assert cosine_rows(_embed(eager, tokenizer, sub, bs=13, padded=True), got[:64]).min() >= same
+    assert cosine_rows(embed(eager, tokenizer, sub, bs=13, padded=True), got[:64]).min() >= same
 
 
 def test_graph_replays_follow_new_contents(model_dir, tokenizer, sentences):
@@ -115,8 +78,8 @@ def test_gemm_modes_agree(model_dir, tokenizer, reference, sentences, gemm):
     engine.load(model_dir)
     rng = np.random.default_rng()
     idx = rng.choice(len(sentences), 100, replace=False)
-    got = _embed(engine, tokenizer, [sentences[i] for i in idx], bs=50)
-    one = _embed(engine, tokenizer, [sentences[idx[0]]], bs=1)
+    got = embed(engine, tokenizer, [sentences[i] for i in idx], bs=50)
+    one = embed(engine, tokenizer, [sentences[idx[0]]], bs=1)
     cos = cosine_rows(np.concatenate([got, one]), reference[np.concatenate([idx, idx[:1]])])
     assert cos.min() >= 0.9999, f"{gemm}: worst {cos.min():.6f}"
 

@@ -156,3 +156,55 @@ def test_replicas_on_gpus_through_the_loader(bundled_spec, reference_embed, sent
     assert cosine_rows(l2_normalize(vecs), reference_embed(texts)).min() >= 0.999
     assert all(s["served_batches"] > 0 for s in worker.engines.stats())
     worker.engines.close()
+
+
+def test_per_device_load_is_exported_on_metrics(bundled_spec, tokenizer, reference, sentences):
+    """A ModelService over a DevicePool reports each device's batches, tokens and instances; a retired version's
+    device series go away."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from surge.config import BatchingConfig, CacheConfig
+    from surge.engines.pooling import l2_normalize, pool as pool_tokens
+    from surge.runtime.service import ModelService
+    from surge.runtime.worker import ModelWorker, PostSpec
+
+    pool = DevicePool(_engines(bundled_spec, 3), ["dev0", "dev0", "dev1"])
+    worker = ModelWorker(bundled_spec, tokenizer, pool, PostSpec(bundled_spec.pooling, bundled_spec.normalize))
+    reg = CollectorRegistry()
+    rng = np.random.default_rng()
+    texts = [sentences[i] for i in rng.choice(len(sentences), 24, replace=False)]
+
+    def scrape() -> dict:
+        out = {}
+        for fam in text_string_to_metric_families(generate_latest(reg).decode()):
+            for s in fam.samples:
+                if s.name.startswith("surge_device_"):
+                    out[(s.name, s.labels["device"])] = (s.value, s.labels["model"], s.labels["version"])
+        return out
+
+    async def main():
+        svc = ModelService(bundled_spec.name, "7", worker, batching=BatchingConfig(max_batch_size=4, max_queue_delay_ms=2),
+                           cache=CacheConfig(enabled=False), metrics_registry=reg)
+        svc.mark_ready()
+        results = await asyncio.gather(*(svc.embed(texts=texts[i:i + 2]) for i in range(0, len(texts), 2)))
+        during = scrape()
+        await svc.close()
+        return results, during
+
+    results, during = asyncio.run(main())
+    stats = {s["device"]: s for s in pool.stats()}
+    assert stats["dev0"]["served_batches"] + stats["dev1"]["served_batches"] >= 6  # 24 inputs, at most 4 a batch
+    for dev in ("dev0", "dev1"):
+        assert during[("surge_device_batches_total", dev)][0] == stats[dev]["served_batches"]
+        assert during[("surge_device_tokens_total", dev)][0] == stats[dev]["served_tokens"]
+        assert during[("surge_device_inflight_batches", dev)][0] == 0
+        assert during[("surge_device_batches_total", dev)][1:] == (bundled_spec.name, "7")
+    assert during[("surge_device_instances", "dev0")][0] == 2 and during[("surge_device_instances", "dev1")][0] == 1
+    assert not scrape(), "a closed service's device series are dropped"
+    got = np.concatenate([r.vectors for r in results])  # request order; every row its own text's
+    batch = TokenBatch.pack(tokenizer.encode(texts))
+    want = l2_normalize(pool_tokens(reference.run(batch), batch, "mean"))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -13,6 +13,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 _BATCH = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
@@ -55,7 +56,35 @@ class _Families:
     coalesced: Counter
     cache_bytes: Gauge
     cache_entries: Gauge
+    devices: "_DeviceCollector"
     live: dict = field(default_factory=dict)  # (model, version) -> open ServiceMetrics
+
+
+class _DeviceCollector:
+    """Per-device load of replicated engines (runtime/devices.DevicePool), read at scrape time:
+    the pool keeps these counts for its least-loaded dispatch already, so serving pays nothing."""
+
+    def __init__(self):
+        self.pools: dict[tuple[str, str], object] = {}
+
+    def collect(self):
+        mvd = ("model", "version", "device")
+        fams = {
+            "served_batches": CounterMetricFamily("surge_device_batches", "Engine batches run, by device.", labels=mvd),
+            "served_tokens": CounterMetricFamily("surge_device_tokens", "Tokens sent to the engines (padded), by device.",
+                                                 labels=mvd),
+            "inflight_batches": GaugeMetricFamily("surge_device_inflight_batches", "Batches running now, by device.",
+                                                  labels=mvd),
+            "instances": GaugeMetricFamily("surge_device_instances", "Engine instances (streams) per device.",
+                                           labels=mvd),
+        }
+        with _lock:
+            pools = list(self.pools.items())
+        for labels, pool in pools:
+            for st in pool.stats():
+                for key, fam in fams.items():
+                    fam.add_metric([*labels, st["device"]], st[key])
+        yield from fams.values()
 
 
 def _make(reg: CollectorRegistry) -> _Families:
@@ -90,7 +119,13 @@ def _make(reg: CollectorRegistry) -> _Families:
                           "already in flight.", mv, registry=reg),
         cache_bytes=Gauge("surge_cache_bytes", "Bytes held by the cache, by tier.", (*mv, "tier"), registry=reg),
         cache_entries=Gauge("surge_cache_entries", "Entries held by the cache, by tier.", (*mv, "tier"), registry=reg),
+        devices=_register(reg, _DeviceCollector()),
     )
+
+
+def _register(reg: CollectorRegistry, collector):
+    reg.register(collector)
+    return collector
 
 
 def families(reg: CollectorRegistry) -> _Families:
@@ -144,6 +179,11 @@ class ServiceMetrics:
                                      f.cache_entries.labels(*lv, tier))
         return t
 
+    def watch_devices(self, pool) -> None:
+        """Export a DevicePool's per-device counts under this version's labels until close()."""
+        with _lock:
+            self.fam.devices.pools[self.labels] = pool
+
     def close(self) -> None:
         """A retired version holds nothing: zero its gauges. Its series are
         kept (not removed): a reloaded version with the same labels shares
@@ -153,6 +193,8 @@ class ServiceMetrics:
         self._closed = True
         with _lock:
             left = self.fam.live[self.labels] = self.fam.live[self.labels] - 1
+            if not left:
+                self.fam.devices.pools.pop(self.labels, None)
         if left:
             return  # another open service reports under these labels
         self.queue_depth.set(0)

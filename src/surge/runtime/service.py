@@ -24,6 +24,7 @@ from surge.runtime.admission import Admission
 from surge.runtime.batcher import BatcherConfig, DynamicBatcher
 from surge.runtime.cache import ResultCache, text_normalizer
 from surge.runtime.coalesce import InFlight
+from surge.runtime.devices import DevicePool
 from surge.runtime.metrics import ServiceMetrics
 from surge.runtime.worker import ModelWorker
 from surge.types import EmbedOptions, EmbedResult, Encoded, Layout
@@ -54,6 +55,8 @@ class ModelService:
         self._engine_pool = ThreadPoolExecutor(instances, thread_name_prefix=f"surge-{name}-engine")
         self._post_pool = ThreadPoolExecutor(1, thread_name_prefix=f"surge-{name}-post")
         self.metrics = ServiceMetrics(name, version, metrics_registry)
+        if isinstance(worker.engines, DevicePool):  # replicas over GPUs: per-device load on /metrics
+            self.metrics.watch_devices(worker.engines)
         b = self.batching
         self.batcher = DynamicBatcher(
             worker.compute,
