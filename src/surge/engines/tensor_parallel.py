@@ -127,11 +127,8 @@ class ShardRunner(TorchEngine):
     """The TorchEngine (packing, buckets, workspace, CUDA graphs) over one rank's shard.
 
     Only what a shard changes is overridden: where the weights come from, the
-    FFN width of the workspace, the `reduce` in the forward, and thread-local
-    graph capture.
+    shard's QKV and FFN widths in the workspace, and the `reduce` in the forward.
     """
-
-    capture_error_mode = "thread_local"
 
     def __init__(self, weights: EncoderWeights, device, precision: str, max_batch: int,
                  max_tokens: int | None = None, cuda_graphs: bool = True, reduce=None):
@@ -169,8 +166,10 @@ class ShardRunner(TorchEngine):
         self._done = torch.cuda.Event()
 
     def _views(self, key) -> dict[str, torch.Tensor]:
-        v = super()._views(key)
-        v["ffn"] = self.workspace.view(self.plan.region("big"), (key[1], self.weights.layers[0].w1.shape[0]))
+        bb, tb, _ = key  # this shard's QKV and FFN widths, not the whole model's
+        lw = self.weights.layers[0]
+        v = self.workspace.views(self.plan, tb, bb, lw.heads * self.config.head_dim, lw.w1.shape[0])
+        v["ffn"] = self.workspace.view(self.plan.region("big"), (tb, lw.w1.shape[0]))
         return v
 
     def _forward(self, key, views, gemm: str = "cublas") -> torch.Tensor:
@@ -409,7 +408,10 @@ class TensorParallelEngine:
                 _send(self.groups, CMD_PROFILE, ids, types, lengths, arg=iters)
             packed = TokenBatch(ids, np.ones_like(ids), types, lengths, Layout.PACKED,
                                 np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
-            return profile(self.runner, self.groups, packed, iters)
+            if self.runner.device.type != "cuda":
+                return profile(self.runner, self.groups, packed, iters)
+            with torch.cuda.device(self.runner.device):  # the calling thread's current device may be another
+                return profile(self.runner, self.groups, packed, iters)
 
     def close(self) -> None:
         with self._lock:

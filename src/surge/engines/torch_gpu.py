@@ -74,10 +74,18 @@ def release_weights(path: Path, device: torch.device, dtype: torch.dtype) -> Non
                 del _WEIGHTS[key]
 
 
+# One capture at a time in a process: captures are rare (once per bucket) and short,
+# and two interleaved ones would share the allocator's capture bookkeeping.
+_CAPTURE_LOCK = threading.Lock()
+
+
 class TorchEngine:
-    # A tensor-parallel shard captures in "thread_local" mode (NCCL's watchdog thread
-    # touches events while a capture runs); a plain engine keeps the strict default.
-    capture_error_mode = "global"
+    # "thread_local": several engines (instances on streams, replicas on other GPUs,
+    # NCCL's watchdog thread of a tensor-parallel shard) run while one of them captures
+    # a new bucket; in "global" mode their cuBLAS handle creation, allocations and
+    # syncs would fail that capture and themselves (CUBLAS_STATUS_NOT_INITIALIZED,
+    # seen with replicas on two H200s). The capturing thread is still checked.
+    capture_error_mode = "thread_local"
 
     def __init__(self, device: str = "cuda", precision: str = "fp16", max_batch: int = 64,
                  max_tokens: int | None = None, cuda_graphs: bool = True, workspace: Workspace | None = None,
@@ -223,7 +231,11 @@ class TorchEngine:
         pos = position_ids(lengths, self.config.position_offset)
         try:
             if self.device.type == "cuda":
-                packed = self._run_cuda(ids, types, pos, lengths)
+                # cuBLAS handles and Triton launches follow the calling thread's current
+                # device, not the tensors': replicas on cuda:1 run from threads whose
+                # current device is cuda:0 (cuBLASLt then fails with EXECUTION_FAILED).
+                with torch.cuda.device(self.device):
+                    packed = self._run_cuda(ids, types, pos, lengths)
             else:
                 packed = self._run_reference(ids, types, pos, lengths)
         except torch.cuda.OutOfMemoryError as exc:
@@ -278,7 +290,7 @@ class TorchEngine:
             out = self._forward(key, views, gemm)  # compiles/tunes the Triton kernels, creates cuBLAS handles
         self.stream.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=self.stream, capture_error_mode=self.capture_error_mode):
+        with _CAPTURE_LOCK, torch.cuda.graph(graph, stream=self.stream, capture_error_mode=self.capture_error_mode):
             out = self._forward(key, views, gemm)
         return graph, out
 
