@@ -31,11 +31,13 @@ from rich.table import Table
 console = Console(stderr=True)
 
 
-async def load(url: str, texts: list[str], clients: int, duration: float) -> dict:
-    """`clients` closed-loop clients, one text per request, for `duration` seconds."""
+async def _clients(url: str, texts: list[str], clients: int, duration: float, first: int = 0,
+                   stride: int = 0) -> dict:
+    """`clients` closed-loop clients, one text per request, for `duration` seconds (raw samples)."""
     latencies: list[float] = []
     errors = 0
     replicas: set[str] = set()
+    stride = stride or clients
     stop_at = time.perf_counter() + duration
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=clients)) as client:
         async def worker(w: int):
@@ -49,22 +51,44 @@ async def load(url: str, texts: list[str], clients: int, duration: float) -> dic
                     replicas.add(r.headers.get("x-surge-replica", "-"))
                 else:
                     errors += 1
-                i += clients
+                i += stride
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker(w) for w in range(clients)))
+        await asyncio.gather(*(worker(first + w) for w in range(clients)))
         elapsed = time.perf_counter() - t0
-    lat = np.array(latencies) * 1000
-    return {"rps": len(latencies) / elapsed, "p50": float(np.percentile(lat, 50)) if len(lat) else float("nan"),
-            "p99": float(np.percentile(lat, 99)) if len(lat) else float("nan"), "errors": errors,
-            "replicas": len(replicas - {"-"})}
+    return {"latencies": latencies, "elapsed": elapsed, "errors": errors, "replicas": sorted(replicas - {"-"})}
+
+
+def _clients_proc(url: str, texts: list[str], clients: int, duration: float, first: int, stride: int) -> dict:
+    return asyncio.run(_clients(url, texts, clients, duration, first, stride))
+
+
+def load(url: str, texts: list[str], clients: int, duration: float, procs: int = 1) -> dict:
+    """Closed-loop load from `procs` processes (one httpx client process tops out near 1-2k req/s,
+    below what many replicas serve), `clients` in all."""
+    if procs <= 1:
+        parts = [asyncio.run(_clients(url, texts, clients, duration))]
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        shares = [clients // procs + (k < clients % procs) for k in range(procs)]
+        firsts = np.cumsum([0] + shares[:-1]).tolist()
+        with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as ex:  # no fork under Ray
+            parts = list(ex.map(_clients_proc, [url] * procs, [texts] * procs, shares, [duration] * procs, firsts,
+                                [clients] * procs))
+    lat = np.array([x for p in parts for x in p["latencies"]]) * 1000
+    elapsed = max(p["elapsed"] for p in parts)
+    return {"rps": len(lat) / elapsed, "p50": float(np.percentile(lat, 50)) if len(lat) else float("nan"),
+            "p99": float(np.percentile(lat, 99)) if len(lat) else float("nan"),
+            "errors": sum(p["errors"] for p in parts), "replicas": len({r for p in parts for r in p["replicas"]})}
 
 
 def measure(url: str, texts: list[str], args, label: str) -> dict:
-    asyncio.run(load(url, texts, args.clients, args.warmup))  # warm-up: fills batches, JITs nothing
+    load(url, texts, args.clients, args.warmup, args.load_procs)  # warm-up: fills batches, JITs nothing
     rounds = []
     for r in range(args.rounds):
-        rounds.append(asyncio.run(load(url, texts, args.clients, args.duration)))
+        rounds.append(load(url, texts, args.clients, args.duration, args.load_procs))
         console.print(f"  {label} round {r + 1}: {rounds[-1]['rps']:.0f} req/s, p99 {rounds[-1]['p99']:.0f} ms")
     med = {k: statistics.median(x[k] for x in rounds) for k in ("rps", "p50", "p99")}
     med["errors"] = sum(x["errors"] for x in rounds)
@@ -86,8 +110,10 @@ def run_plain_process(texts, args, artifact_cache: Path) -> dict:
 
     port = free_port()
     env = {**os.environ, "SURGE_CACHE_DIR": str(artifact_cache)}
-    proc = subprocess.Popen([sys.executable, "-m", "surge.cli.main", "serve", "--port", str(port), "--grpc-port", "0",
-                             "--threads", str(args.cores), "--cache-bytes", "0", "--log-level", "warning"],
+    model = [str(args.model_dir)] if args.model_dir else []
+    proc = subprocess.Popen([sys.executable, "-m", "surge.cli.main", "serve", *model, "--port", str(port),
+                             "--grpc-port", "0", "--threads", str(args.cores), "--cache-bytes", "0",
+                             "--log-level", "warning"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -120,6 +146,10 @@ def main() -> None:
                    help="Nice value of Ray's workers (Ray's default is 15, which loses the CPU to any other "
                         "process on a shared machine; 0 puts replicas on a par with the plain process).")
     p.add_argument("--no-plain", action="store_true", help="Skip the plain `surge serve` baseline.")
+    p.add_argument("--load-procs", type=int, default=1, help="Processes the clients are spread over.")
+    p.add_argument("--ingress-replicas", type=int, default=1, help="Replicas of the HTTP ingress deployment.")
+    p.add_argument("--model-dir", type=Path, default=None,
+                   help="Hugging Face model directory to serve (default: the bundled MiniLM).")
     p.add_argument("--plot", type=Path, default=None, help="Write a PNG of throughput and p99 per replica count.")
     p.add_argument("--markdown", type=Path, default=None, help="Also write the table as markdown here.")
     args = p.parse_args()
@@ -136,7 +166,7 @@ def main() -> None:
     texts = load_sentences()
     counts = [int(x) for x in args.replicas.split(",")]
     # The cache is off: every request is computed, so this measures compute scaling.
-    config = ServerConfig(port=free_port(), grpc_port=None, cache=CacheConfig(enabled=False),
+    config = ServerConfig(port=free_port(), grpc_port=None, cache=CacheConfig(enabled=False), model_dir=args.model_dir,
                           engine=EngineConfig(warmup_shapes=[(1, 16), (32, 32)]))
     console.print(f"[bold]surge on Ray Serve[/]: replicas {counts}, {args.clients} clients, "
                   f"{args.cpus_per_replica:g} CPU per replica, {args.cores} cores for Ray "
@@ -153,7 +183,7 @@ def main() -> None:
             ray_cfg = RayDeploymentConfig(num_replicas=n, num_cpus=args.cpus_per_replica)
             targets = plan_single(config, ray_cfg, resolve=resolve_artifact)
             with console.status(f"deploying {n} replica(s)"):
-                deploy(targets, config)
+                deploy(targets, config, ingress_replicas=args.ingress_replicas)
             rows.append((f"Ray Serve, {n} replica(s)", n, measure(f"http://127.0.0.1:{config.port}", texts, args,
                                                                    f"{n} replica(s)")))
     finally:
@@ -161,7 +191,8 @@ def main() -> None:
         ray.shutdown()
 
     base = next((m for label, _, m in rows if label.startswith("Ray Serve, 1 ")), rows[0][2])
-    table = Table(title=f"surge on Ray Serve, {args.clients} clients, {args.cores} cores")
+    table = Table(title=f"surge on Ray Serve, {args.clients} clients from {args.load_procs} process(es), "
+                        f"{args.ingress_replicas} ingress replica(s), {args.cores} cores")
     for col in ("configuration", "req/s (median)", "x vs 1 replica", "p50 ms", "p99 ms", "replicas seen", "errors"):
         table.add_column(col, justify="right" if col != "configuration" else "left")
     md = ["| configuration | req/s (median) | x vs 1 replica | p50 ms | p99 ms | replicas seen | errors |",
