@@ -32,20 +32,31 @@ console = Console(stderr=True)
 
 
 async def _clients(url: str, texts: list[str], clients: int, duration: float, first: int = 0,
-                   stride: int = 0) -> dict:
-    """`clients` closed-loop clients, one text per request, for `duration` seconds (raw samples)."""
+                   stride: int = 0, per_request: int = 1) -> dict:
+    """`clients` closed-loop clients, `per_request` texts a request, for `duration` seconds (raw samples).
+
+    One text: the native /embed. More: OpenAI /v1/embeddings with base64 vectors, so that
+    the proxy and the ingress move 1.5 KB a vector instead of a JSON float list."""
     latencies: list[float] = []
     errors = 0
     replicas: set[str] = set()
     stride = stride or clients
     stop_at = time.perf_counter() + duration
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=clients)) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"] if per_request > 1 else None
+
+        def request(i: int):
+            if per_request == 1:
+                return client.post("/embed", json={"inputs": [texts[i % len(texts)]]})
+            batch = [texts[(i * per_request + k) % len(texts)] for k in range(per_request)]
+            return client.post("/v1/embeddings", json={"input": batch, "model": model, "encoding_format": "base64"})
+
         async def worker(w: int):
             nonlocal errors
             i = w
             while time.perf_counter() < stop_at:
                 t0 = time.perf_counter()
-                r = await client.post("/embed", json={"inputs": [texts[i % len(texts)]]})
+                r = await request(i)
                 if r.status_code == 200:
                     latencies.append(time.perf_counter() - t0)
                     replicas.add(r.headers.get("x-surge-replica", "-"))
@@ -59,15 +70,16 @@ async def _clients(url: str, texts: list[str], clients: int, duration: float, fi
     return {"latencies": latencies, "elapsed": elapsed, "errors": errors, "replicas": sorted(replicas - {"-"})}
 
 
-def _clients_proc(url: str, texts: list[str], clients: int, duration: float, first: int, stride: int) -> dict:
-    return asyncio.run(_clients(url, texts, clients, duration, first, stride))
+def _clients_proc(url: str, texts: list[str], clients: int, duration: float, first: int, stride: int,
+                  per_request: int) -> dict:
+    return asyncio.run(_clients(url, texts, clients, duration, first, stride, per_request))
 
 
-def load(url: str, texts: list[str], clients: int, duration: float, procs: int = 1) -> dict:
+def load(url: str, texts: list[str], clients: int, duration: float, procs: int = 1, per_request: int = 1) -> dict:
     """Closed-loop load from `procs` processes (one httpx client process tops out near 1-2k req/s,
     below what many replicas serve), `clients` in all."""
     if procs <= 1:
-        parts = [asyncio.run(_clients(url, texts, clients, duration))]
+        parts = [asyncio.run(_clients(url, texts, clients, duration, per_request=per_request))]
     else:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
@@ -76,21 +88,22 @@ def load(url: str, texts: list[str], clients: int, duration: float, procs: int =
         firsts = np.cumsum([0] + shares[:-1]).tolist()
         with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as ex:  # no fork under Ray
             parts = list(ex.map(_clients_proc, [url] * procs, [texts] * procs, shares, [duration] * procs, firsts,
-                                [clients] * procs))
+                                [clients] * procs, [per_request] * procs))
     lat = np.array([x for p in parts for x in p["latencies"]]) * 1000
     elapsed = max(p["elapsed"] for p in parts)
-    return {"rps": len(lat) / elapsed, "p50": float(np.percentile(lat, 50)) if len(lat) else float("nan"),
+    return {"rps": len(lat) / elapsed, "texts_s": len(lat) * per_request / elapsed,
+            "p50": float(np.percentile(lat, 50)) if len(lat) else float("nan"),
             "p99": float(np.percentile(lat, 99)) if len(lat) else float("nan"),
             "errors": sum(p["errors"] for p in parts), "replicas": len({r for p in parts for r in p["replicas"]})}
 
 
 def measure(url: str, texts: list[str], args, label: str) -> dict:
-    load(url, texts, args.clients, args.warmup, args.load_procs)  # warm-up: fills batches, JITs nothing
+    load(url, texts, args.clients, args.warmup, args.load_procs, args.texts_per_request)  # warm-up: fills batches, JITs nothing
     rounds = []
     for r in range(args.rounds):
-        rounds.append(load(url, texts, args.clients, args.duration, args.load_procs))
+        rounds.append(load(url, texts, args.clients, args.duration, args.load_procs, args.texts_per_request))
         console.print(f"  {label} round {r + 1}: {rounds[-1]['rps']:.0f} req/s, p99 {rounds[-1]['p99']:.0f} ms")
-    med = {k: statistics.median(x[k] for x in rounds) for k in ("rps", "p50", "p99")}
+    med = {k: statistics.median(x[k] for x in rounds) for k in ("rps", "texts_s", "p50", "p99")}
     med["errors"] = sum(x["errors"] for x in rounds)
     med["replicas_seen"] = max(x["replicas"] for x in rounds)
     return med
@@ -147,6 +160,8 @@ def main() -> None:
                         "process on a shared machine; 0 puts replicas on a par with the plain process).")
     p.add_argument("--no-plain", action="store_true", help="Skip the plain `surge serve` baseline.")
     p.add_argument("--load-procs", type=int, default=1, help="Processes the clients are spread over.")
+    p.add_argument("--texts-per-request", type=int, default=1,
+                   help="Texts a request (more than 1: /v1/embeddings, base64 vectors).")
     p.add_argument("--ingress-replicas", type=int, default=1, help="Replicas of the HTTP ingress deployment.")
     p.add_argument("--model-dir", type=Path, default=None,
                    help="Hugging Face model directory to serve (default: the bundled MiniLM).")
@@ -193,12 +208,15 @@ def main() -> None:
     base = next((m for label, _, m in rows if label.startswith("Ray Serve, 1 ")), rows[0][2])
     table = Table(title=f"surge on Ray Serve, {args.clients} clients from {args.load_procs} process(es), "
                         f"{args.ingress_replicas} ingress replica(s), {args.cores} cores")
-    for col in ("configuration", "req/s (median)", "x vs 1 replica", "p50 ms", "p99 ms", "replicas seen", "errors"):
+    for col in ("configuration", "req/s (median)", "texts/s", "x vs 1 replica", "p50 ms", "p99 ms", "replicas seen",
+                "errors"):
         table.add_column(col, justify="right" if col != "configuration" else "left")
-    md = ["| configuration | req/s (median) | x vs 1 replica | p50 ms | p99 ms | replicas seen | errors |",
-          "|---|---:|---:|---:|---:|---:|---:|"]
+    md = [f"{args.texts_per_request} text(s) a request, {args.clients} clients from {args.load_procs} process(es), "
+          f"{args.ingress_replicas} ingress replica(s), {args.cores} cores for Ray (machine: {os.cpu_count()}).", "",
+          "| configuration | req/s (median) | texts/s | x vs 1 replica | p50 ms | p99 ms | replicas seen | errors |",
+          "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for label, _, m in rows:
-        cells = [label, f"{m['rps']:.0f}", f"{m['rps'] / base['rps']:.2f}", f"{m['p50']:.0f}", f"{m['p99']:.0f}",
+        cells = [label, f"{m['rps']:.0f}", f"{m['texts_s']:.0f}", f"{m['rps'] / base['rps']:.2f}", f"{m['p50']:.0f}", f"{m['p99']:.0f}",
                  str(m["replicas_seen"] or "-"), str(m["errors"])]
         table.add_row(*cells)
         md.append("| " + " | ".join(cells) + " |")
