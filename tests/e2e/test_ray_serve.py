@@ -65,7 +65,9 @@ def cluster(bundled_spec, bundled_artifact, redis_url):
     )
     ray_cfg = RayDeploymentConfig(num_replicas=2, num_cpus=0.5, health_check_period_s=2, health_check_timeout_s=20)
     targets = plan_single(config, ray_cfg, resolve=lambda spec, engine, cache_dir: bundled_artifact)
-    # Ray's workers inherit this environment (PYTHONPATH, SURGE_CACHE_DIR).
+    # Ray's workers inherit this environment (PYTHONPATH, SURGE_CACHE_DIR, and a short
+    # metrics push period so that /metrics shows the replicas within a second).
+    os.environ["SURGE_RAY_METRICS_PERIOD_S"] = "0.5"
     deploy(targets, config, app_name=APP, num_cpus=2, namespace="surge-tests")
     try:
         yield f"http://127.0.0.1:{config.port}"
@@ -111,6 +113,33 @@ def test_two_replicas_match_a_single_process_and_share_the_load(cluster, single,
     served_by = {r.headers["x-surge-replica"] for r in responses}
     assert len(served_by) == 2, f"expected both replicas to serve, got {served_by}"
     assert all(r.headers["x-surge-model-version"] == "1" for r in responses)
+
+
+def test_metrics_show_every_replica(cluster, sentences):
+    """/metrics on the ingress carries each model replica's own counters, labelled by replica."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    served: dict[str, int] = {}
+    with httpx.Client(base_url=cluster, timeout=60) as client:
+        rng = np.random.default_rng()
+        for i in rng.choice(len(sentences), 24, replace=False):
+            r = client.post("/embed", json={"inputs": [sentences[i]]})
+            assert r.status_code == 200, r.text
+            served[r.headers["x-surge-replica"]] = served.get(r.headers["x-surge-replica"], 0) + 1
+        deadline = time.monotonic() + 30
+        while True:
+            requests = {}
+            for fam in text_string_to_metric_families(client.get("/metrics").text):
+                for smp in fam.samples:
+                    if smp.name == "surge_requests_total" and smp.labels.get("model") == MODEL:
+                        requests[smp.labels["replica"]] = requests.get(smp.labels["replica"], 0) + smp.value
+            # counters only grow: each replica has counted at least the requests it answered here
+            if all(requests.get(rep, 0) >= n for rep, n in served.items()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+    assert set(served) <= set(requests), f"replicas answering {sorted(served)}, on /metrics {sorted(requests)}"
+    for rep, n in served.items():
+        assert requests[rep] >= n, (rep, requests[rep], n)
 
 
 def test_openai_routes_and_errors_cross_the_ingress(cluster, single, sentences):

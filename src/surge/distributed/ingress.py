@@ -16,6 +16,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
 
 from surge.config import ServerConfig
+from surge.distributed.metrics_hub import collect_replicas
 from surge.errors import EngineError, NotReady, Overloaded, SurgeError
 from surge.runtime.registry import ModelRegistry
 from surge.server.state import AppState
@@ -143,6 +144,8 @@ class SurgeIngress:
             registry.add(remote)  # duck-typed: same attributes and embed() as a ModelService
         self.state = AppState(config=config, registry=registry)
         self.state.extras["on_startup"] = [self._connect]
+        # /metrics also shows every model replica's metrics (distributed/metrics_hub.py).
+        self.state.extras["metrics_sources"] = collect_replicas
         # The ingress must not stop its own process when startup fails; it reports it.
         self.state.extras["exit_on_startup_failure"] = False
 

@@ -22,6 +22,7 @@ from ray import serve
 from surge.config import ServerConfig
 from surge.distributed.config import RayDeploymentConfig
 from surge.distributed.ingress import SurgeIngress
+from surge.distributed.metrics_hub import Pusher
 from surge.distributed.plan import DeploymentTarget, plan_repository, plan_single
 from surge.distributed.replica import ModelReplica
 
@@ -35,7 +36,12 @@ INGRESS_NAME = "surge-ingress"
 
 
 class _ServeModelReplica(ModelReplica):
+    def __init__(self, spec):
+        super().__init__(spec)
+        self._metrics = Pusher(self.identity)  # this replica's registry to the ingress's /metrics
+
     async def __del__(self):  # Ray Serve awaits this when it stops a replica gracefully
+        self._metrics.stop()
         try:
             await self.close()
         except Exception:  # the process is going away anyway

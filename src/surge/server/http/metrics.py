@@ -18,6 +18,12 @@ def router(state: AppState) -> APIRouter:
         # A registry set on the state (e.g. by an embedding application) wins;
         # services record into the process default otherwise.
         registry = state.extras.get("metrics_registry") or default_registry()
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        body = generate_latest(registry)
+        sources = state.extras.get("metrics_sources")  # other processes' metrics (Ray replicas)
+        if sources is not None:
+            from surge.distributed.metrics_hub import merge
+
+            body = merge(body, await sources())
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     return r
