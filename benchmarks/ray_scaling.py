@@ -8,7 +8,7 @@ is near-linear until the machine's cores run out.
     PYTHONPATH=src python benchmarks/ray_scaling.py                  # 1,2,4 replicas, 64 clients
     PYTHONPATH=src python benchmarks/ray_scaling.py --duration 20 --rounds 3 --plot docs/benchmarks/ray.png
 
-The load generator runs on the same machine (asyncio + httpx, one process) and
+The load generator (surge's own, bench/loadgen.py: aiohttp, one process) runs on the same machine and
 takes CPU from the replicas; the report says how many cores there were.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import statistics
 import subprocess
@@ -31,81 +32,35 @@ from rich.table import Table
 console = Console(stderr=True)
 
 
-async def _clients(url: str, texts: list[str], clients: int, duration: float, first: int = 0,
-                   stride: int = 0, per_request: int = 1) -> dict:
-    """`clients` closed-loop clients, `per_request` texts a request, for `duration` seconds (raw samples).
+def load(url: str, texts: list[str], clients: int, duration: float, per_request: int = 1,
+         warmup: float = 0.0) -> dict:
+    """`clients` closed-loop clients of surge's load generator (bench/loadgen.py), `per_request`
+    texts a request: one on the native /embed, more on OpenAI /v1/embeddings with base64
+    vectors (the proxy and the ingress move 1.5 KB a vector instead of a JSON float list)."""
+    from surge.bench.loadgen import LoadSpec, run_load
+    from surge.bench.targets import NativeHTTP, OpenAIHTTP
 
-    One text: the native /embed. More: OpenAI /v1/embeddings with base64 vectors, so that
-    the proxy and the ingress move 1.5 KB a vector instead of a JSON float list."""
-    latencies: list[float] = []
-    errors = 0
-    replicas: set[str] = set()
-    stride = stride or clients
-    stop_at = time.perf_counter() + duration
-    async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=clients)) as client:
-        model = (await client.get("/v1/models")).json()["data"][0]["id"] if per_request > 1 else None
-
-        def request(i: int):
-            if per_request == 1:
-                return client.post("/embed", json={"inputs": [texts[i % len(texts)]]})
-            batch = [texts[(i * per_request + k) % len(texts)] for k in range(per_request)]
-            return client.post("/v1/embeddings", json={"input": batch, "model": model, "encoding_format": "base64"})
-
-        async def worker(w: int):
-            nonlocal errors
-            i = w
-            while time.perf_counter() < stop_at:
-                t0 = time.perf_counter()
-                r = await request(i)
-                if r.status_code == 200:
-                    latencies.append(time.perf_counter() - t0)
-                    replicas.add(r.headers.get("x-surge-replica", "-"))
-                else:
-                    errors += 1
-                i += stride
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker(first + w) for w in range(clients)))
-        elapsed = time.perf_counter() - t0
-    return {"latencies": latencies, "elapsed": elapsed, "errors": errors, "replicas": sorted(replicas - {"-"})}
+    target = (NativeHTTP(url, timeout_s=60) if per_request == 1
+              else OpenAIHTTP(url, timeout_s=60, encoding_format="base64"))
+    spec = LoadSpec(mode="closed", concurrency=clients, duration_s=duration, warmup_s=warmup,
+                    inputs_per_request=per_request)
+    res = asyncio.run(run_load(target, itertools.cycle(texts), spec))
+    ok = int(res.ok.sum())
+    lat = res.latency[res.ok] * 1000
+    return {"rps": ok / res.window_s, "texts_s": ok * per_request / res.window_s,
+            "p50": float(np.percentile(lat, 50)) if ok else float("nan"),
+            "p99": float(np.percentile(lat, 99)) if ok else float("nan"), "errors": res.count - ok}
 
 
-def _clients_proc(url: str, texts: list[str], clients: int, duration: float, first: int, stride: int,
-                  per_request: int) -> dict:
-    return asyncio.run(_clients(url, texts, clients, duration, first, stride, per_request))
-
-
-def load(url: str, texts: list[str], clients: int, duration: float, procs: int = 1, per_request: int = 1) -> dict:
-    """Closed-loop load from `procs` processes (one httpx client process tops out near 1-2k req/s,
-    below what many replicas serve), `clients` in all."""
-    if procs <= 1:
-        parts = [asyncio.run(_clients(url, texts, clients, duration, per_request=per_request))]
-    else:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        shares = [clients // procs + (k < clients % procs) for k in range(procs)]
-        firsts = np.cumsum([0] + shares[:-1]).tolist()
-        with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as ex:  # no fork under Ray
-            parts = list(ex.map(_clients_proc, [url] * procs, [texts] * procs, shares, [duration] * procs, firsts,
-                                [clients] * procs, [per_request] * procs))
-    lat = np.array([x for p in parts for x in p["latencies"]]) * 1000
-    elapsed = max(p["elapsed"] for p in parts)
-    return {"rps": len(lat) / elapsed, "texts_s": len(lat) * per_request / elapsed,
-            "p50": float(np.percentile(lat, 50)) if len(lat) else float("nan"),
-            "p99": float(np.percentile(lat, 99)) if len(lat) else float("nan"),
-            "errors": sum(p["errors"] for p in parts), "replicas": len({r for p in parts for r in p["replicas"]})}
-
-
-def measure(url: str, texts: list[str], args, label: str) -> dict:
-    load(url, texts, args.clients, args.warmup, args.load_procs, args.texts_per_request)  # warm-up: fills batches, JITs nothing
+def measure(url: str, texts: list[str], args, label: str, running=None) -> dict:
     rounds = []
-    for r in range(args.rounds):
-        rounds.append(load(url, texts, args.clients, args.duration, args.load_procs, args.texts_per_request))
+    for r in range(args.rounds):  # the first round's warm-up fills batches and connections
+        rounds.append(load(url, texts, args.clients, args.duration, args.texts_per_request,
+                           args.warmup if r == 0 else 0.0))
         console.print(f"  {label} round {r + 1}: {rounds[-1]['rps']:.0f} req/s, p99 {rounds[-1]['p99']:.0f} ms")
     med = {k: statistics.median(x[k] for x in rounds) for k in ("rps", "texts_s", "p50", "p99")}
     med["errors"] = sum(x["errors"] for x in rounds)
-    med["replicas_seen"] = max(x["replicas"] for x in rounds)
+    med["replicas_running"] = running() if running else 0
     return med
 
 
@@ -159,7 +114,6 @@ def main() -> None:
                    help="Nice value of Ray's workers (Ray's default is 15, which loses the CPU to any other "
                         "process on a shared machine; 0 puts replicas on a par with the plain process).")
     p.add_argument("--no-plain", action="store_true", help="Skip the plain `surge serve` baseline.")
-    p.add_argument("--load-procs", type=int, default=1, help="Processes the clients are spread over.")
     p.add_argument("--texts-per-request", type=int, default=1,
                    help="Texts a request (more than 1: /v1/embeddings, base64 vectors).")
     p.add_argument("--ingress-replicas", type=int, default=1, help="Replicas of the HTTP ingress deployment.")
@@ -176,7 +130,7 @@ def main() -> None:
     from surge.config import CacheConfig, EngineConfig, ServerConfig, default_cache_dir
     from surge.data import load_sentences
     from surge.distributed.config import RayDeploymentConfig
-    from surge.distributed.ray_serve import connect, deploy, plan_single
+    from surge.distributed.ray_serve import connect, deploy, plan_single, replica_states
 
     texts = load_sentences()
     counts = [int(x) for x in args.replicas.split(",")]
@@ -199,27 +153,32 @@ def main() -> None:
             targets = plan_single(config, ray_cfg, resolve=resolve_artifact)
             with console.status(f"deploying {n} replica(s)"):
                 deploy(targets, config, ingress_replicas=args.ingress_replicas)
+            running = lambda: sum(d.get("RUNNING", 0) for d in replica_states().values())  # noqa: E731
             rows.append((f"Ray Serve, {n} replica(s)", n, measure(f"http://127.0.0.1:{config.port}", texts, args,
-                                                                   f"{n} replica(s)")))
+                                                                   f"{n} replica(s)", running)))
     finally:
         serve.shutdown()
         ray.shutdown()
 
     base = next((m for label, _, m in rows if label.startswith("Ray Serve, 1 ")), rows[0][2])
-    table = Table(title=f"surge on Ray Serve, {args.clients} clients from {args.load_procs} process(es), "
-                        f"{args.ingress_replicas} ingress replica(s), {args.cores} cores")
-    for col in ("configuration", "req/s (median)", "texts/s", "x vs 1 replica", "p50 ms", "p99 ms", "replicas seen",
+    table = Table(title=f"surge on Ray Serve, {args.clients} clients, {args.ingress_replicas} ingress replica(s), "
+                        f"{args.cores} cores")
+    for col in ("configuration", "req/s (median)", "texts/s", "x vs 1 replica", "p50 ms", "p99 ms", "replicas running",
                 "errors"):
         table.add_column(col, justify="right" if col != "configuration" else "left")
-    md = [f"{args.texts_per_request} text(s) a request, {args.clients} clients from {args.load_procs} process(es), "
+    md = [f"{args.texts_per_request} text(s) a request, {args.clients} clients, "
           f"{args.ingress_replicas} ingress replica(s), {args.cores} cores for Ray (machine: {os.cpu_count()}).", "",
-          "| configuration | req/s (median) | texts/s | x vs 1 replica | p50 ms | p99 ms | replicas seen | errors |",
+          "| configuration | req/s (median) | texts/s | x vs 1 replica | p50 ms | p99 ms | replicas running | errors |",
           "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for label, _, m in rows:
-        cells = [label, f"{m['rps']:.0f}", f"{m['texts_s']:.0f}", f"{m['rps'] / base['rps']:.2f}", f"{m['p50']:.0f}", f"{m['p99']:.0f}",
-                 str(m["replicas_seen"] or "-"), str(m["errors"])]
+        cells = [label, f"{m['rps']:.0f}", f"{m['texts_s']:.0f}", f"{m['rps'] / base['rps']:.2f}", f"{m['p50']:.0f}",
+                 f"{m['p99']:.0f}", str(m["replicas_running"] or "-"), str(m["errors"])]
         table.add_row(*cells)
         md.append("| " + " | ".join(cells) + " |")
+    short = [label for label, _, m in rows if m["p50"] > 500 * args.duration]
+    if short:  # requests that outlast half a round: a round counts too few of them to give a rate
+        md += ["", f"Unreliable rate (p50 over half of the {args.duration:g} s round; use a longer --duration "
+                   f"or fewer --clients): {', '.join(short)}."]
     Console(width=120).print(table)
     print("\n".join(md))
     if args.markdown:

@@ -67,13 +67,18 @@ def cluster(bundled_spec, bundled_artifact, redis_url):
     targets = plan_single(config, ray_cfg, resolve=lambda spec, engine, cache_dir: bundled_artifact)
     # Ray's workers inherit this environment (PYTHONPATH, SURGE_CACHE_DIR, and a short
     # metrics push period so that /metrics shows the replicas within a second).
+    period = os.environ.get("SURGE_RAY_METRICS_PERIOD_S")
     os.environ["SURGE_RAY_METRICS_PERIOD_S"] = "0.5"
-    deploy(targets, config, app_name=APP, num_cpus=2, namespace="surge-tests")
     try:
+        deploy(targets, config, app_name=APP, num_cpus=2, namespace="surge-tests")
         yield f"http://127.0.0.1:{config.port}"
     finally:
         serve.shutdown()
         ray.shutdown()
+        if period is None:
+            os.environ.pop("SURGE_RAY_METRICS_PERIOD_S", None)
+        else:
+            os.environ["SURGE_RAY_METRICS_PERIOD_S"] = period
 
 
 @pytest.fixture(scope="module")

@@ -113,7 +113,13 @@ class NativeHTTP(_HTTPTarget):
 
 
 class OpenAIHTTP(_HTTPTarget):
-    """Any OpenAI-compatible server: POST /v1/embeddings {"input": [...], "model": ...}."""
+    """Any OpenAI-compatible server: POST /v1/embeddings {"input": [...], "model": ...}
+    (`encoding_format="base64"` asks for packed float32 vectors instead of JSON lists)."""
+
+    def __init__(self, url: str, model: str | None = None, timeout_s: float = 30.0, api_key: str | None = None,
+                 encoding_format: str | None = None):
+        super().__init__(url, model, timeout_s, api_key)
+        self.encoding_format = encoding_format
 
     def _v1(self) -> str:
         return self.base if self.base.endswith("/v1") else self.base + "/v1"
@@ -137,6 +143,8 @@ class OpenAIHTTP(_HTTPTarget):
         req = {"input": texts}
         if self.model:
             req["model"] = self.model
+        if self.encoding_format:
+            req["encoding_format"] = self.encoding_format
         return orjson.dumps(req)
 
     def rows(self, answer):

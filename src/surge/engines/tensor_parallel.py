@@ -408,9 +408,7 @@ class TensorParallelEngine:
                 _send(self.groups, CMD_PROFILE, ids, types, lengths, arg=iters)
             packed = TokenBatch(ids, np.ones_like(ids), types, lengths, Layout.PACKED,
                                 np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
-            if self.runner.device.type != "cuda":
-                return profile(self.runner, self.groups, packed, iters)
-            with torch.cuda.device(self.runner.device):  # the calling thread's current device may be another
+            with self.runner.on_device():  # the calling thread's current device may be another GPU
                 return profile(self.runner, self.groups, packed, iters)
 
     def close(self) -> None:

@@ -13,6 +13,8 @@ AMX tiles for bf16 where the CPU has them) and one batched attention call per la
 
 from __future__ import annotations
 
+import contextlib
+
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -231,10 +233,7 @@ class TorchEngine:
         pos = position_ids(lengths, self.config.position_offset)
         try:
             if self.device.type == "cuda":
-                # cuBLAS handles and Triton launches follow the calling thread's current
-                # device, not the tensors': replicas on cuda:1 run from threads whose
-                # current device is cuda:0 (cuBLASLt then fails with EXECUTION_FAILED).
-                with torch.cuda.device(self.device):
+                with self.on_device():
                     packed = self._run_cuda(ids, types, pos, lengths)
             else:
                 packed = self._run_reference(ids, types, pos, lengths)
@@ -246,6 +245,12 @@ class TorchEngine:
         out = np.zeros(batch.input_ids.shape + (packed.shape[1],), dtype=packed.dtype)
         out[batch.attention_mask.astype(bool)] = packed
         return out
+
+    def on_device(self):
+        """This engine's GPU as the calling thread's current device (a no-op on the CPU): cuBLAS
+        handles and Triton launches follow the current device, not the tensors', and replicas on
+        cuda:1 run from threads whose current device is cuda:0 (cuBLASLt: EXECUTION_FAILED)."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def _run_reference(self, ids, types, pos, lengths) -> np.ndarray:
         """The non-CUDA path: encoder_cpu (batched attention, packed oneDNN GEMMs)."""

@@ -143,8 +143,11 @@ def test_openai_and_kserve_bodies_follow_their_specs(workload):
     with TinyServer(answer) as srv:
         r1 = run(OpenAIHTTP(srv.url, model="m"), workload, spec)
         r2 = run(KServeHTTP(srv.url, model="mini"), workload, spec)
-    assert r1.ok.all() and r2.ok.all() and r1.count == r2.count == 20
+        r3 = run(OpenAIHTTP(srv.url, model="m", encoding_format="base64"), workload, spec)
+    assert r1.ok.all() and r2.ok.all() and r3.ok.all() and r1.count == r2.count == r3.count == 20
     assert {p for p, _ in seen} == {"/v1/embeddings", "/v2/models/mini/infer"}
+    formats = [req.get("encoding_format") for p, req in seen if p == "/v1/embeddings"]
+    assert formats.count("base64") == 20 and formats.count(None) == 20
     assert all(len(req.get("input", req.get("inputs", [{}])[0].get("data"))) == 3 for _, req in seen)
 
 
