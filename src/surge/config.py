@@ -107,6 +107,11 @@ class ServerConfig(_Strict):
     model_dir: Path | None = Field(None, description="Hugging Face model directory; default: the bundled MiniLM.")
     model_name: str | None = Field(None, description="Name the model is served under; default: from its directory.")
     model_repository: Path | None = Field(None, description="Directory of models/<name>/<version>/model.yaml.")
+    task: Literal["embed", "classify", "rerank", "token-classify", "generate"] | None = Field(
+        None, description="Override the task detected from the model directory (config.json architectures, "
+        "sentence-transformers files).")
+    tei_embed: bool = Field(False, description="POST /embed answers text-embeddings-inference's bare array of "
+                            "vectors instead of surge's native object (POST / always answers TEI's shapes).")
     repository_poll_s: float | None = Field(
         None, gt=0, description="Rescan the model repository this often (new versions, changed model.yaml); None: never."
     )
@@ -168,6 +173,11 @@ class ModelFile(_Strict):
     """
 
     source: str = Field("bundled", description="'bundled' (all-MiniLM-L6-v2) or a model directory, relative to the yaml.")
+    task: Literal["embed", "classify", "rerank", "token-classify", "generate"] | None = Field(
+        None, description="Override the task detected from `source` (config.json architectures).")
+    heads: "list[HeadFile] | None" = Field(
+        None, description="Several heads on the backbone of `source` (encode once): each is served under its own "
+        "name; the first also under the model's name.")
     artifact: str | None = Field(None, description="A prebuilt artifact directory (relative to the yaml); default: export `source`.")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="Engine, device, precision, instances, warm-up shapes.")
     batching: BatchingConfig | None = Field(None, description="Batcher settings; default: the server's.")
@@ -176,6 +186,21 @@ class ModelFile(_Strict):
     description: str = Field("", description="Free text shown by GET /models.")
     ray: "RayDeploymentConfig | None" = Field(
         None, description="Ray Serve deployment (replicas, autoscaling, resources) under `surge serve --ray`.")
+
+
+class HeadFile(_Strict):
+    """One head of a multi-head model.yaml."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]+$", description="Model name the head is served under.")
+    task: Literal["embed", "classify", "rerank", "token-classify"] = Field(..., description="The head's task.")
+    source: str | None = Field(None, description="Model directory holding the trained head (relative to the yaml), "
+                               "trained on this backbone; embed heads use the backbone's pooling and need none.")
+
+    @model_validator(mode="after")
+    def _needs_source(self):
+        if self.task != "embed" and not self.source:
+            raise ValueError(f"head '{self.name}' of task {self.task} needs a source (its trained checkpoint)")
+        return self
 
 
 PortType = Literal["text", "tokens", "vector", "label", "number", "ranking", "json", "any"]

@@ -29,6 +29,12 @@ class InvalidInput(SurgeError):
     code = "invalid_input"
 
 
+class WrongTask(InvalidInput):
+    """A route of one task called on a model of another (the message names the model's task)."""
+
+    code = "wrong_task"
+
+
 class Unauthorized(SurgeError):
     http_status = 401
     grpc_code = grpc.StatusCode.UNAUTHENTICATED

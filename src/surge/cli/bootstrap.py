@@ -55,15 +55,24 @@ def is_artifact_dir(path: Path) -> bool:
 
 
 def load_service(config: ServerConfig, spec: ModelSpec, version: str = "1", engine: EngineConfig | None = None,
-                 *, artifact: Path | None = None, batching=None, cache=None):
+                 *, artifact: Path | None = None, batching=None, cache=None, heads=None):
+    from surge.models.tasks import check_servable
     from surge.runtime.loader import build_worker
     from surge.runtime.service import ModelService
 
+    # Before any export: a model surge cannot serve fails the start naming its architecture.
+    check_servable(spec.task_info, spec.model_type, spec.path)
     engine = engine or config.engine
     artifact = artifact or resolve_artifact(spec, engine, config.cache_dir)
-    worker = build_worker(spec, artifact, engine)
-    return ModelService(spec.name, version, worker, batching=batching or config.batching,
-                        cache=cache or config.cache, limits=config.limits)
+    worker = build_worker(spec, artifact, engine, heads=heads)
+    service = ModelService(spec.name, version, worker, batching=batching or config.batching,
+                           cache=cache or config.cache, limits=config.limits)
+    if heads:  # multi-head model.yaml: every head under its own name as well
+        from surge.runtime.tasks import HeadView
+
+        service.views = [HeadView(service, worker.heads[h.name], h.name) for h in heads if h.name != spec.name]
+        service.task = worker.heads[heads[0].name].task
+    return service
 
 
 def load_repository_version(config: ServerConfig, entry):
@@ -73,10 +82,12 @@ def load_repository_version(config: ServerConfig, entry):
     cfg = entry.config
     # Exported under the model directory's own name, so every entry (and every
     # version) of one model shares one cached artifact; served under the entry's.
-    source = load_model_spec(entry.source_dir or bundled_model_dir())
+    source = load_model_spec(entry.source_dir or bundled_model_dir(), task=cfg.task)
     artifact = entry.artifact_dir or _cached_artifact(source, cfg.engine, config.cache_dir)
+    heads = [h.model_copy(update={"source": str(entry.resolve(h.source))}) if h.source else h
+             for h in cfg.heads] if cfg.heads else None
     return load_service(config, replace(source, name=entry.name), entry.version, cfg.engine, artifact=artifact,
-                        batching=cfg.batching, cache=cfg.cache)
+                        batching=cfg.batching, cache=cfg.cache, heads=heads)
 
 
 _ARTIFACTS: dict[tuple, Path | None] = {}
@@ -159,7 +170,7 @@ def add_single_model(state: AppState) -> None:
 
     async def load_single(state: AppState) -> None:
         model_dir = config.model_dir or bundled_model_dir()
-        spec = load_model_spec(model_dir, name=config.model_name)
+        spec = load_model_spec(model_dir, name=config.model_name, task=config.task)
         service = await asyncio.to_thread(load_service, config, spec)
         state.registry.add(service)
         service.mark_ready()

@@ -33,7 +33,8 @@ class SingleModelLifecycle:
 
     @cached_property
     def spec(self):
-        return load_model_spec(self.config.model_dir or bundled_model_dir(), name=self.config.model_name)
+        return load_model_spec(self.config.model_dir or bundled_model_dir(), name=self.config.model_name,
+                               task=self.config.task)
 
     @property
     def name(self) -> str:

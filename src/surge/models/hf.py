@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from surge.errors import ConfigError
+from surge.models.tasks import TaskInfo, detect_task
 
 Pooling = Literal["mean", "cls", "max", "last"]
 
@@ -36,6 +37,14 @@ class ModelSpec:
     normalize: bool
     pad_token_id: int
     config: dict = field(repr=False, hash=False, compare=False)
+    # embed | classify | rerank | token-classify | generate (models/tasks.py decides it)
+    task: str = "embed"
+    task_info: "TaskInfo | None" = field(default=None, repr=False, hash=False, compare=False)
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """Head labels in id order (empty for embedding models)."""
+        return self.task_info.labels if self.task_info else ()
 
     @property
     def tokenizer_file(self) -> Path:
@@ -101,8 +110,10 @@ def _max_length(path: Path, config: dict) -> int:
     return positions
 
 
-def load_model_spec(path: str | Path, name: str | None = None) -> ModelSpec:
-    """Read a model directory; raise ConfigError naming the missing piece."""
+def load_model_spec(path: str | Path, name: str | None = None, task: str | None = None) -> ModelSpec:
+    """Read a model directory; raise ConfigError naming the missing piece.
+
+    `task` overrides the task detected from the directory (model.yaml's `task:`, `--task`)."""
     path = Path(path).expanduser().resolve()
     if not path.is_dir():
         raise ConfigError(f"model directory {path} does not exist")
@@ -112,6 +123,7 @@ def load_model_spec(path: str | Path, name: str | None = None) -> ModelSpec:
     if not (path / "tokenizer.json").is_file():
         raise ConfigError(f"{path}: tokenizer.json missing (a fast tokenizer file is required)")
     config = _read_json(cfg_file)
+    info = detect_task(path, config, task)
     pooling, normalize = _pooling_from_st(path)
     model_type = config.get("model_type", "bert")
     if pooling is None:
@@ -130,6 +142,8 @@ def load_model_spec(path: str | Path, name: str | None = None) -> ModelSpec:
         normalize=normalize,
         pad_token_id=int(config.get("pad_token_id") or 0),
         config=config,
+        task=info.task,
+        task_info=info,
     )
 
 

@@ -52,10 +52,40 @@ def make_engines(cfg: EngineConfig, spec: ModelSpec, artifact: Path | None):
     return EnginePool([make_engine(cfg, spec, artifact) for _ in range(cfg.instances)])
 
 
-def build_worker(spec: ModelSpec, artifact: Path | None, cfg: EngineConfig) -> ModelWorker:
+def build_heads(spec: ModelSpec, extra=None):
+    """The HeadSet of a task model (None for a plain embedding model).
+
+    `extra`: model.yaml's `heads` (several heads on this backbone, encode once); each entry has
+    name, task and the model directory holding the trained head (`source`)."""
+    from surge.engines.heads import HeadSet, load_head
+    from surge.models.tasks import check_servable
+
+    check_servable(spec.task_info, spec.model_type, spec.path)
+    if not extra:
+        if spec.task == "embed":
+            return None
+        return HeadSet([load_head(spec.path, spec.name, spec.task, spec.model_type, spec.labels,
+                                  spec.task_info.multi_label, spec.pooling, spec.hidden_size)])
+    from surge.models.hf import load_model_spec
+    from surge.models.multihead import check_same_backbone
+
+    heads = []
+    for h in extra:
+        if h.task == "embed":
+            heads.append(load_head(spec.path, h.name, "embed", spec.model_type, (), pooling=spec.pooling,
+                                   hidden=spec.hidden_size))
+            continue
+        hs = load_model_spec(h.source, task=h.task)
+        check_same_backbone(spec, hs, h.name)
+        heads.append(load_head(hs.path, h.name, hs.task, hs.model_type, hs.labels, hs.task_info.multi_label))
+    return HeadSet(heads)
+
+
+def build_worker(spec: ModelSpec, artifact: Path | None, cfg: EngineConfig, heads=None) -> ModelWorker:
+    head_set = build_heads(spec, heads)
     max_len = min(cfg.max_seq_len or spec.max_length, spec.max_length)
     tokenizer = Tokenizer(spec.tokenizer_file, max_length=max_len, vocab_size=spec.vocab_size, pad_id=spec.pad_token_id)
     engines = make_engines(cfg, spec, artifact)
     for engine in engines.engines:
         engine.warmup(cfg.warmup_shapes)
-    return ModelWorker(spec, tokenizer, engines, PostSpec(spec.pooling, spec.normalize))
+    return ModelWorker(spec, tokenizer, engines, PostSpec(spec.pooling, spec.normalize), head_set)

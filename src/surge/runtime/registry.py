@@ -13,6 +13,8 @@ class ModelRegistry:
 
     def add(self, service: ModelService) -> None:
         self._models.setdefault(service.name, {})[service.version] = service
+        for view in getattr(service, "views", None) or ():  # heads of a multi-head model, by their names
+            self._models.setdefault(view.name, {})[view.version] = view
         if self.default is None:
             self.default = service.name
 
@@ -21,6 +23,9 @@ class ModelRegistry:
         svc = versions.pop(version, None)
         if not versions:
             self._models.pop(name, None)
+        for view in getattr(svc, "views", None) or ():
+            if view.name != name:
+                self.remove(view.name, version)
         return svc
 
     def names(self) -> list[str]:
@@ -30,6 +35,7 @@ class ModelRegistry:
         return sorted(self._models.get(name, {}), key=_version_key)
 
     def services(self) -> list[ModelService]:
+        """Every served model (head views of a multi-head model included; see `backbones`)."""
         return [s for n in self.names() for s in (self._models[n][v] for v in self.versions(n))]
 
     def get(self, name: str | None = None, version: str | None = None) -> ModelService:

@@ -83,6 +83,18 @@ class ModelService:
                 self.redis = RedisTier(c.redis_url, name, version, c.redis_ttl_s, build=worker.fingerprint())
         self._background: set[asyncio.Task] = set()
         self._inflight = InFlight()  # cache keys being computed now -> their result futures
+        # Tasks (issue 17): classify / rerank / token-classify entry points (runtime/tasks.py);
+        # `views`: the heads of a multi-head model served under their own names (registered with it).
+        from surge.runtime.tasks import TaskRunner
+
+        self.task = worker.task
+        self.kind = "hf"
+        self.tasks = TaskRunner(self)
+        self.views: list = []
+
+    async def infer(self, request, head: str | None = None, **kwargs):
+        """Run a task head (runtime/tasks.TaskRequest in, TaskResult out)."""
+        return await self.tasks.infer(request, head, **kwargs)
 
     @property
     def spec(self):
@@ -113,9 +125,14 @@ class ModelService:
         *,
         priority: int = 0,
         deadline: float | None = None,
+        head: str | None = None,
     ) -> EmbedResult:
         """Embed texts (or token ids). `deadline` is a time.monotonic() value
         (default: now + the request timeout); higher `priority` goes first."""
+        if head is None and self.task != "embed" or not self.worker.can_embed:
+            from surge.runtime.tasks import require_task
+
+            require_task(self, "embed")  # 400: model 'x' serves task 'classify', not 'embed'
         m = self.metrics
         n = len(texts if texts is not None else token_ids or [])
         m.requests.inc()

@@ -47,6 +47,27 @@ class Tokenizer:
             Encoded(np.asarray(e.ids, dtype=np.int64), np.asarray(e.type_ids, dtype=np.int64)) for e in encs
         ]
 
+    def encodings(self, inputs: list, truncate: bool = True, param: str = "input") -> list:
+        """The tokenizers `Encoding`s of texts or (text, text_pair) tuples (offsets, special-token
+        masks, type ids: pairs get token_type_ids 0 then 1). Too long and truncate=False gives 413."""
+        if not truncate:
+            self._tok.no_truncation()
+            try:
+                encs = self._tok.encode_batch(inputs)
+            finally:
+                self._tok.enable_truncation(max_length=self.max_length)
+            for i, enc in enumerate(encs):
+                if len(enc.ids) > self.max_length:
+                    raise PayloadTooLarge(
+                        f"{param}[{i}] has {len(enc.ids)} tokens, more than the model's maximum of "
+                        f"{self.max_length} (send truncate=true to cut it)", param=param)
+            return encs
+        return self._tok.encode_batch(inputs)
+
+    @staticmethod
+    def to_encoded(encs: list) -> list[Encoded]:
+        return [Encoded(np.asarray(e.ids, dtype=np.int64), np.asarray(e.type_ids, dtype=np.int64)) for e in encs]
+
     def from_ids(self, sequences: list[list[int]], truncate: bool = True) -> list[Encoded]:
         """Accept pre-tokenized ids as given (special tokens are the caller's)."""
         out = []

@@ -53,11 +53,22 @@ class EnginePool:
 
 
 class ModelWorker:
-    def __init__(self, spec: ModelSpec, tokenizer: Tokenizer, engines: EnginePool, post: PostSpec):
+    def __init__(self, spec: ModelSpec, tokenizer: Tokenizer, engines: EnginePool, post: PostSpec, heads=None):
         self.spec = spec
         self.tokenizer = tokenizer
         self.engines = engines
         self.post = post
+        # engines/heads.HeadSet for task models (classify, rerank, token-classify, several heads on one
+        # backbone); None: a plain embedding model, whose rows are pooled vectors.
+        self.heads = heads
+
+    @property
+    def task(self) -> str:
+        return self.heads.first.task if self.heads is not None else "embed"
+
+    @property
+    def can_embed(self) -> bool:
+        return self.heads is None or any(h.task == "embed" for h in self.heads.heads)
 
     @property
     def layout(self) -> Layout:
@@ -77,7 +88,8 @@ class ModelWorker:
         digest = hashlib.sha256(json.dumps({
             "model_type": self.spec.model_type, "hidden": self.spec.hidden_size, "layers": self.spec.num_layers,
             "vocab": self.spec.vocab_size, "max_length": self.tokenizer.max_length, "pooling": self.post.pooling,
-            "normalize": self.post.normalize, "dtype": caps.dtype, "device_kind": caps.device.split(":")[0],
+            "normalize": self.post.normalize, "task": self.task,
+            "heads": [h.name for h in self.heads.heads] if self.heads is not None else [], "dtype": caps.dtype, "device_kind": caps.device.split(":")[0],
         }, sort_keys=True).encode())
         for name in ("model.safetensors", "pytorch_model.bin", "tokenizer.json", "config.json"):
             path = self.spec.path / name
@@ -99,6 +111,11 @@ class ModelWorker:
         """Pooled, unnormalized float32 vectors, one row per item, in order."""
         batch = self.make_batch(items)
         hidden = self.engines.run(batch)
+        if self.heads is not None:  # every head of the model from this one backbone pass
+            rows = self.heads.apply(hidden, batch)
+            if rows.shape[0] != len(items):
+                raise EngineError(f"engine returned {rows.shape[0]} rows for a batch of {len(items)}")
+            return rows
         vectors = pool(hidden, batch, self.post.pooling)
         if vectors.shape[0] != len(items):
             # Never hand anyone a row that belongs to another request.
@@ -107,6 +124,8 @@ class ModelWorker:
 
     def finish(self, vectors: np.ndarray, options: EmbedOptions) -> np.ndarray:
         """Apply per-request options to pooled vectors."""
+        if self.heads is not None:  # rows of every head: the embedding head's pooled vectors
+            vectors = self.heads.embed_rows(vectors)
         out = vectors
         if options.dimensions is not None:
             out = out[:, : options.dimensions]

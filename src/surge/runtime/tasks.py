@@ -1,0 +1,212 @@
+"""The task entry point of a served encoder: classify, rerank, token-classify (and embed heads).
+
+A `ModelService` whose worker carries heads (engines/heads.py) answers
+`infer(TaskRequest)` here. The path is the embedding path's: admission ->
+cache (keyed by the inputs, the truncation option and the model's head set)
+-> tokenize in the service's tokenizer thread -> the same dynamic batcher (one
+backbone pass computes every head of the model for an input; pairs are items
+like any other, so one query with 100 documents is packed into batches by the
+token budget and comes back in order) -> this head's slice of each row.
+
+Post-processing that depends on request options (softmax / sigmoid, label
+names, top-k, entity aggregation) is the protocol layer's: results here are
+raw logits, so one cache entry serves every option.
+
+`HeadView` is one head of a multi-head model, served under its own name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from surge.engines.heads import Head
+from surge.errors import InvalidInput, NotReady, PayloadTooLarge, SurgeError, WrongTask
+
+
+@dataclass
+class TaskRequest:
+    """Inputs of one task call: texts, or (text, text_pair) pairs (a reranker's (query, document))."""
+
+    texts: list[str] | None = None
+    pairs: list[tuple[str, str]] | None = None
+    truncate: bool = True
+    param: str = "inputs"  # the request field the inputs came from (error messages name it)
+
+    @property
+    def items(self) -> list:
+        return list(self.pairs) if self.pairs is not None else list(self.texts or [])
+
+
+@dataclass
+class TaskResult:
+    head: Head
+    outputs: list[np.ndarray]  # per input: [labels] logits, [hidden] pooled, or [n_tokens, labels] logits
+    prompt_tokens: int
+    model: str
+    version: str
+    cached: list[bool] = field(default_factory=list)
+    encodings: list | None = None  # tokenizers Encodings (token-classify: offsets, special tokens)
+
+
+def require_task(served, *tasks: str) -> None:
+    """400 naming the model's task when it serves none of `tasks`."""
+    task = getattr(served, "task", "embed")
+    if task not in tasks:
+        raise WrongTask(f"model '{served.name}' serves task '{task}', not '{' or '.join(tasks)}'", param="model")
+
+
+class TaskRunner:
+    def __init__(self, service):
+        self.service = service
+
+    @property
+    def heads(self):
+        return self.service.worker.heads
+
+    def head(self, name: str | None) -> Head:
+        heads = self.heads
+        if heads is None:
+            raise WrongTask(f"model '{self.service.name}' serves task 'embed' only", param="model")
+        if name is None:
+            return heads.first
+        try:
+            return heads[name]
+        except KeyError:
+            raise InvalidInput(f"model '{self.service.name}' has no head '{name}'", param="model") from None
+
+    async def infer(self, req: TaskRequest, head: str | None = None, *, priority: int = 0,
+                    deadline: float | None = None) -> TaskResult:
+        s = self.service
+        h = self.head(head)
+        items = req.items
+        n = len(items)
+        if n == 0:
+            raise InvalidInput(f"'{req.param}' must not be empty", param=req.param)
+        if n > s.limits.max_inputs_per_request:
+            raise PayloadTooLarge(f"'{req.param}' has {n} entries, more than the limit of "
+                                  f"{s.limits.max_inputs_per_request}", param=req.param)
+        m = s.metrics
+        m.requests.inc()
+        m.inputs.inc(n)
+        start = time.monotonic()
+        admitted = False
+        try:
+            if not s.ready:
+                raise NotReady(f"model {s.name} version {s.version} is not ready")
+            s.admission.admit(n)
+            admitted = True
+            m.inflight.inc(n)
+            deadline = deadline if deadline is not None else start + s.limits.request_timeout_s
+            result = await self._infer(req, items, h, priority, deadline)
+            m.latency.observe(time.monotonic() - start)
+            return result
+        except SurgeError as exc:
+            m.failure(exc.code)
+            raise
+        except asyncio.CancelledError:
+            m.failure("cancelled")
+            raise
+        except Exception:
+            m.failure("internal_error")
+            raise
+        finally:
+            if admitted:
+                m.inflight.dec(n)
+                s.admission.release(n)
+
+    def _key(self, item, okey):
+        cache = self.service.cache
+        if isinstance(item, tuple):
+            return (okey, ("pair", cache.normalize(item[0]), cache.normalize(item[1])))
+        return cache.text_key(item, okey)
+
+    async def _infer(self, req: TaskRequest, items: list, h: Head, priority: int, deadline: float) -> TaskResult:
+        s = self.service
+        loop = asyncio.get_running_loop()
+        n = len(items)
+        rows: list[np.ndarray | None] = [None] * n
+        tokens = [0] * n
+        cached = [False] * n
+        cache = s.cache
+        okey = ("heads", req.truncate)  # every head's raw output; never an embedding key (3-tuples)
+        keys = [self._key(it, okey) for it in items] if cache is not None else None
+        miss = list(range(n))
+        if keys is not None:
+            miss = []
+            for i, k in enumerate(keys):
+                e = cache.get(k)
+                if e is None:
+                    miss.append(i)
+                else:
+                    rows[i], tokens[i], cached[i] = e.vector, e.tokens, True
+        need_encodings = h.task == "token-classify"
+        encodings = None
+        tok = s.worker.tokenizer
+        pool = getattr(s, "_tok_pool", None)
+        if miss or need_encodings:
+            todo = items if need_encodings else [items[i] for i in miss]
+            t = time.monotonic()
+            encs = await loop.run_in_executor(pool, tok.encodings, todo, req.truncate, req.param)
+            s.metrics.tokenize.observe(time.monotonic() - t)
+            if need_encodings:
+                encodings = encs
+                encs = [encs[i] for i in miss]
+            if miss:
+                out = await s.batcher.submit(tok.to_encoded(encs), deadline, priority)
+                if len(out) != len(miss):
+                    raise SurgeError(f"the engine returned {len(out)} rows for {len(miss)} inputs")
+                for j, i in enumerate(miss):
+                    rows[i], tokens[i] = np.asarray(out[j], dtype=np.float32), len(encs[j].ids)
+                    if keys is not None:
+                        cache.put(keys[i], rows[i], tokens[i])
+        heads = s.worker.heads
+        outputs = [heads.split(rows[i], h.name, tokens[i]) for i in range(n)]
+        return TaskResult(h, outputs, sum(tokens), s.name, s.version, cached, encodings)
+
+
+class HeadView:
+    """One head of a multi-head model under its own name: a served model like any other
+    (name, version, ready, task, kind), backed by the shared service (one backbone pass)."""
+
+    kind = "hf"
+
+    def __init__(self, service, head: Head, name: str):
+        self.service = service
+        self.head = head
+        self.name = name
+        self.task = head.task
+
+    def __getattr__(self, item):
+        return getattr(self.service, item)
+
+    def __repr__(self) -> str:
+        return f"HeadView({self.name!r} -> {self.service.name!r}:{self.head.name})"
+
+    @property
+    def version(self) -> str:
+        return self.service.version
+
+    @property
+    def ready(self) -> bool:
+        return self.service.ready
+
+    def mark_ready(self) -> None:
+        pass  # readiness is the backbone service's
+
+    async def infer(self, req: TaskRequest, head: str | None = None, **kw) -> TaskResult:
+        return await self.service.tasks.infer(req, head or self.head.name, **kw)
+
+    async def embed(self, *args, **kwargs):
+        if self.task != "embed":
+            require_task(self, "embed")
+        return await self.service.embed(*args, head=self.head.name, **kwargs)
+
+    def cached_result(self, *args, **kwargs):
+        return None  # the hot path's cache keys are the backbone's; views take the full path
+
+    async def close(self) -> None:
+        pass  # the backbone service is closed once, as itself
