@@ -51,6 +51,10 @@ class TaskResult:
     cached: list[bool] = field(default_factory=list)
     encodings: list | None = None  # tokenizers Encodings (token-classify: offsets, special tokens)
 
+    @property
+    def vectors(self) -> list[np.ndarray]:  # what the statistics count (one per input), as EmbedResult's
+        return self.outputs
+
 
 def require_task(served, *tasks: str) -> None:
     """400 naming the model's task when it serves none of `tasks`."""

@@ -17,7 +17,7 @@ from surge.server.state import AppState
 
 def create_app(state: AppState) -> FastAPI:
     from surge.server import health
-    from surge.server.http import kserve, metrics, models, native, openai, pipelines
+    from surge.server.http import kserve, metrics, models, native, openai, pipelines, rerank, tei
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -47,6 +47,8 @@ def create_app(state: AppState) -> FastAPI:
     app.include_router(models.router(state))
     app.include_router(pipelines.router(state))
     app.include_router(metrics.router(state))
+    app.include_router(tei.router(state))  # TEI / HF Inference shapes (POST /, /predict, /rerank, ...)
+    app.include_router(rerank.router(state))  # POST /v1/rerank (Cohere / Jina)
     for extra in state.extras.get("routers", []):
         app.include_router(extra(state))
     app.add_middleware(HotPathMiddleware, state=state)  # inside auth: added before it

@@ -121,6 +121,8 @@ class HotPathMiddleware:
         # A miss goes on to the route: hand it the parsed body so it is not decoded twice.
         scope.setdefault("state", {})[PARSED_BODY] = data
         native = path == _EMBED
+        if native and self.state.config.tei_embed:
+            return None  # TEI's bare-array shape: the route answers
         if not data.keys() <= (_NATIVE_KEYS if native else _OPENAI_KEYS):
             return None
         raw = data.get("inputs" if native else "input")

@@ -35,6 +35,8 @@ def router(state: AppState) -> APIRouter:
         service = state.registry.get(req.model, req.version)
         options = EmbedOptions(normalize=req.normalize, truncate=req.truncate, dimensions=req.dimensions)
         result = await state.run(service, texts=texts, token_ids=ids, options=options)
+        if state.config.tei_embed:  # text-embeddings-inference's shape: the bare array of vectors
+            return ORJSONResponse(result.vectors, headers={"x-surge-model-version": result.version})
         body = {
             "model": result.model,
             "version": result.version,

@@ -1,0 +1,277 @@
+"""The Hugging Face Inference / text-embeddings-inference (TEI) routes.
+
+POST /  (and POST /models/{name})  dispatches on the model's task, as TEI and the HF Inference API do:
+    embed           {"inputs": str | [str]}            -> [[float]] (bare nested array)
+                    {"inputs": {"source_sentence", "sentences"}} -> [float] (cosine similarity)
+    classify        {"inputs": str | [str], "parameters": {"top_k", "function_to_apply"}}
+                                                       -> [[{"label", "score"}]] per input, best first
+    rerank          {"inputs": {"text", "text_pair"} | [...]} -> [[{"label", "score"}]];
+                    {"inputs": {"source_sentence", "sentences"}} -> [float] (cross-encoder scores)
+    token-classify  {"inputs": str | [str], "parameters": {"aggregation_strategy", "ignore_labels"}}
+                                                       -> entities (a list per input for a list)
+POST /predict   TEI: {"inputs": str | [str, str] (a pair) | [str | [str, str]], "raw_scores", "truncate"}
+POST /rerank    TEI: {"query", "texts", "raw_scores", "return_text", "truncate"} -> [{"index", "score", "text"?}]
+POST /tokenize  TEI: {"inputs", "add_special_tokens"} -> [[{"id", "text", "special", "start", "stop"}]]
+POST /decode    TEI: {"ids", "skip_special_tokens"} -> [str]
+GET  /info      TEI: model id, type (embedding / classifier / reranker), limits, version
+
+`huggingface_hub.InferenceClient(model="http://HOST:PORT")` posts to "/" (tested for
+feature_extraction, text_classification, token_classification, sentence_similarity).
+TEI's `truncate` default (false: a text longer than the model is a 413) is kept.
+Every body may name a `model` (surge serves several); the default is the first loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import numpy as np
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from surge import __version__
+from surge.engines.pooling import l2_normalize
+from surge.errors import InvalidInput
+from surge.runtime.entities import check_strategy
+from surge.runtime.tasks import TaskRequest
+from surge.server.http.common import ORJSONResponse, parse
+from surge.server.http.task_io import (body_schema, check_pairs, check_texts, entities, label_scores,
+                                       rerank_scores, run_task)
+from surge.server.state import AppState
+from surge.types import EmbedOptions
+
+Pair = list[StrictStr]
+
+
+class InferenceRequest(BaseModel):
+    """HF Inference API body (task parameters under `parameters`; TEI's embedding options at the root)."""
+
+    model_config = ConfigDict(extra="forbid")
+    inputs: Union[StrictStr, list[Union[StrictStr, dict[str, StrictStr]]], dict[str, Any]]
+    parameters: dict[str, Any] | None = None
+    model: StrictStr | None = None
+    normalize: StrictBool | None = None
+    truncate: StrictBool | None = None
+    truncation_direction: StrictStr | None = None
+    prompt_name: StrictStr | None = None
+    dimensions: StrictInt | None = Field(None, ge=1)
+
+
+class PredictRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    inputs: Union[StrictStr, list[Union[StrictStr, Pair]]]
+    raw_scores: StrictBool = False
+    truncate: StrictBool = False
+    truncation_direction: StrictStr | None = None
+    model: StrictStr | None = None
+
+
+class RerankRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    query: StrictStr
+    texts: list[StrictStr]
+    raw_scores: StrictBool = False
+    return_text: StrictBool = False
+    truncate: StrictBool = False
+    truncation_direction: StrictStr | None = None
+    model: StrictStr | None = None
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    inputs: Union[StrictStr, list[StrictStr]]
+    add_special_tokens: StrictBool = True
+    model: StrictStr | None = None
+
+
+class DecodeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    ids: Union[list[StrictInt], list[list[StrictInt]]]
+    skip_special_tokens: StrictBool = True
+    model: StrictStr | None = None
+
+
+def _direction(value: str | None) -> None:
+    if value not in (None, "right", "Right"):
+        raise InvalidInput("truncation_direction: only 'right' is supported", param="truncation_direction")
+
+
+def router(state: AppState) -> APIRouter:
+    r = APIRouter()
+    limits = state.config.limits
+    registry = state.registry
+
+    # ------------------------------------------------------------------ POST /
+    async def dispatch(request: Request, name: str | None):
+        req = await parse(request, InferenceRequest, limits.max_body_bytes)
+        served = registry.get(name or req.model)
+        params = dict(req.parameters or {})
+        task = getattr(served, "task", "embed")
+        inputs = req.inputs
+        _direction(req.truncation_direction)
+        truncate = bool(req.truncate) if req.truncate is not None else bool(params.get("truncate", False))
+        if isinstance(inputs, dict) and "source_sentence" in inputs:
+            return ORJSONResponse(await _similarity(served, inputs, truncate))
+        if task == "embed":
+            texts = check_texts([inputs] if isinstance(inputs, str) else _strings(inputs), "inputs", limits)
+            result = await state.run(served, texts=texts, options=EmbedOptions(
+                normalize=req.normalize if req.normalize is not None else True, truncate=truncate,
+                dimensions=req.dimensions))
+            return ORJSONResponse(result.vectors, headers={"x-surge-model-version": result.version})
+        if task == "token-classify":
+            single = isinstance(inputs, str)
+            texts = check_texts([inputs] if single else _strings(inputs), "inputs", limits)
+            strategy = check_strategy(params.get("aggregation_strategy"))
+            ignore = params.get("ignore_labels")
+            if ignore is not None and not (isinstance(ignore, list) and all(isinstance(x, str) for x in ignore)):
+                raise InvalidInput("parameters.ignore_labels must be a list of label names", param="ignore_labels")
+            result = await run_task(state, served, TaskRequest(texts=texts, truncate=truncate), "token-classify")
+            ents = entities(served, texts, result, strategy, ignore)
+            return ORJSONResponse(ents[0] if single else ents)
+        top_k = params.get("top_k")
+        if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+            raise InvalidInput("parameters.top_k must be a positive integer", param="top_k")
+        function = params.get("function_to_apply")
+        if function not in (None, "softmax", "sigmoid", "none"):
+            raise InvalidInput("parameters.function_to_apply must be softmax, sigmoid or none",
+                               param="function_to_apply")
+        if task == "rerank" or (isinstance(inputs, dict) or isinstance(inputs, list) and inputs
+                                and isinstance(inputs[0], dict)):
+            items = [inputs] if isinstance(inputs, dict) else inputs
+            pairs = check_pairs([_text_pair(x, i) for i, x in enumerate(items)], "inputs", limits)
+            result = await run_task(state, served, TaskRequest(pairs=pairs, truncate=truncate), "classify", "rerank")
+        else:
+            texts = check_texts([inputs] if isinstance(inputs, str) else _strings(inputs), "inputs", limits)
+            result = await run_task(state, served, TaskRequest(texts=texts, truncate=truncate), "classify")
+        return ORJSONResponse(label_scores(result, top_k=top_k, function=function))
+
+    async def _similarity(served, inputs: dict, truncate: bool) -> list[float]:
+        source, others = inputs.get("source_sentence"), inputs.get("sentences")
+        if not isinstance(source, str) or not source.strip():
+            raise InvalidInput("inputs.source_sentence must be a non-empty string", param="source_sentence")
+        if not isinstance(others, list):
+            raise InvalidInput("inputs.sentences must be a list of strings", param="sentences")
+        check_texts(others, "sentences", limits)
+        if getattr(served, "task", "embed") == "rerank":
+            result = await run_task(state, served, TaskRequest(pairs=[(source, s) for s in others],
+                                                               truncate=truncate, param="sentences"), "rerank")
+            return rerank_scores(result)
+        result = await state.run(served, texts=[source] + others,
+                                 options=EmbedOptions(normalize=True, truncate=truncate))
+        v = l2_normalize(result.vectors.astype(np.float64))
+        return [float(x) for x in v[1:] @ v[0]]
+
+    @r.post("/", openapi_extra=body_schema(InferenceRequest))
+    async def root(request: Request):
+        return await dispatch(request, None)
+
+    @r.post("/models/{name}", openapi_extra=body_schema(InferenceRequest))
+    async def named(name: str, request: Request):
+        return await dispatch(request, name)
+
+    # ------------------------------------------------------------------ TEI routes
+    @r.post("/predict", openapi_extra=body_schema(PredictRequest))
+    async def predict(request: Request):
+        req = await parse(request, PredictRequest, limits.max_body_bytes)
+        _direction(req.truncation_direction)
+        served = registry.get(req.model)
+        raw = req.inputs
+        # TEI's reading: a string, or a pair [a, b], is one input; anything else a batch of them.
+        single = isinstance(raw, str) or (len(raw) == 2 and all(isinstance(x, str) for x in raw))
+        items = [raw] if single else list(raw)
+        if not items:
+            raise InvalidInput("'inputs' must not be empty", param="inputs")
+        kinds = {isinstance(x, str) for x in items}
+        if len(kinds) > 1:
+            raise InvalidInput("'inputs' mixes single texts and pairs", param="inputs")
+        if isinstance(items[0], str):
+            req_ = TaskRequest(texts=check_texts(items, "inputs", limits), truncate=req.truncate)
+        else:
+            req_ = TaskRequest(pairs=check_pairs(items, "inputs", limits), truncate=req.truncate)
+        result = await run_task(state, served, req_, "classify", "rerank")
+        out = label_scores(result, raw=req.raw_scores)
+        return ORJSONResponse(out[0] if single else out)
+
+    @r.post("/rerank", openapi_extra=body_schema(RerankRequest))
+    async def rerank(request: Request):
+        req = await parse(request, RerankRequest, limits.max_body_bytes)
+        _direction(req.truncation_direction)
+        served = registry.get(req.model)
+        if not req.query.strip():
+            raise InvalidInput("'query' must be a non-empty string", param="query")
+        texts = check_texts(req.texts, "texts", limits)
+        result = await run_task(state, served, TaskRequest(pairs=[(req.query, t) for t in texts],
+                                                           truncate=req.truncate, param="texts"), "rerank")
+        scores = rerank_scores(result, raw=req.raw_scores)
+        order = sorted(range(len(texts)), key=lambda i: -scores[i])
+        return ORJSONResponse([{"index": i, "score": scores[i], **({"text": texts[i]} if req.return_text else {})}
+                               for i in order])
+
+    @r.post("/tokenize", openapi_extra=body_schema(TokenizeRequest))
+    async def tokenize(request: Request):
+        req = await parse(request, TokenizeRequest, limits.max_body_bytes)
+        served = registry.get(req.model)
+        texts = check_texts([req.inputs] if isinstance(req.inputs, str) else req.inputs, "inputs", limits)
+        tok = served.worker.tokenizer.backend
+        encs = tok.encode_batch(texts, add_special_tokens=req.add_special_tokens)
+        out = []
+        for text, e in zip(texts, encs):
+            out.append([{"id": i, "text": text[s:t] if not sp else tok.id_to_token(i), "special": bool(sp),
+                         "start": None if sp else s, "stop": None if sp else t}
+                        for i, sp, (s, t) in zip(e.ids, e.special_tokens_mask, e.offsets)])
+        return ORJSONResponse(out)
+
+    @r.post("/decode", openapi_extra=body_schema(DecodeRequest))
+    async def decode(request: Request):
+        req = await parse(request, DecodeRequest, limits.max_body_bytes)
+        served = registry.get(req.model)
+        seqs = [req.ids] if req.ids and isinstance(req.ids[0], int) else req.ids
+        if not seqs or any(not s for s in seqs):
+            raise InvalidInput("'ids' must be a non-empty list of token ids (or of such lists)", param="ids")
+        tok = served.worker.tokenizer
+        vocab = tok.vocab_size
+        for i, s in enumerate(seqs):
+            if min(s) < 0 or max(s) >= vocab:
+                raise InvalidInput(f"ids[{i}] has a token id outside [0, {vocab})", param="ids")
+        return ORJSONResponse(tok.backend.decode_batch(seqs, skip_special_tokens=req.skip_special_tokens))
+
+    @r.get("/info")
+    async def info(model: str | None = None):
+        served = registry.get(model)
+        spec = served.spec
+        task = getattr(served, "task", "embed")
+        if task == "embed":
+            model_type = {"embedding": {"pooling": spec.pooling}}
+        else:
+            head = served.tasks.head(getattr(getattr(served, "head", None), "name", None))
+            labels = {str(i): l for i, l in enumerate(head.labels)}
+            kind = "reranker" if task == "rerank" else "classifier"
+            model_type = {kind: {"id2label": labels, "label2id": {l: int(i) for i, l in labels.items()}},
+                          "task": task}
+        caps = served.worker.engines.capabilities
+        return ORJSONResponse({
+            "model_id": served.name, "model_sha": None, "model_dtype": caps.dtype, "model_type": model_type,
+            "task": task, "architecture": spec.task_info.architecture if spec.task_info else None,
+            "max_concurrent_requests": served.batching.max_queue_size, "max_input_length": served.max_length,
+            "max_batch_tokens": served.batching.max_batch_tokens,
+            "max_client_batch_size": limits.max_inputs_per_request, "tokenization_workers": 1,
+            "version": __version__, "sha": None, "docker_label": None,
+        })
+
+    return r
+
+
+def _strings(inputs) -> list[str]:
+    if not isinstance(inputs, list) or not all(isinstance(x, str) for x in inputs):
+        raise InvalidInput("'inputs' must be a string or a list of strings for this model", param="inputs")
+    return inputs
+
+
+def _text_pair(x, i: int):
+    if isinstance(x, dict):
+        extra = set(x) - {"text", "text_pair"}
+        if extra:
+            raise InvalidInput(f"inputs[{i}] has unknown keys {sorted(extra)}; expected text and text_pair",
+                               param="inputs")
+        return [x.get("text"), x.get("text_pair")]
+    return x
