@@ -113,12 +113,48 @@ def export_model(model, spec: ModelSpec, out_file: Path, opset: int = OPSET, pro
     return out_file
 
 
+_HEAD_PREFIXES = ("classifier.", "pre_classifier.", "pooler.", "score.")
+_HEAD_CONFIG_KEYS = ("architectures", "id2label", "label2id", "num_labels", "problem_type", "_name_or_path",
+                     "transformers_version", "finetuning_task", "sentence_transformers")
+
+
+def backbone_hash(spec: ModelSpec) -> str | None:
+    """A hash of what the exported graph depends on for a task model: the backbone only.
+
+    The graph ends at the last hidden state (heads run after the engine, engines/heads.py), so task
+    checkpoints trained on one frozen backbone share one artifact. None when the weights are not
+    a single safetensors file (the whole directory is hashed then)."""
+    import hashlib
+    import json
+
+    if spec.task == "embed" or not spec.weights_file.is_file():
+        return None
+    from safetensors import safe_open
+
+    digest = hashlib.sha256(b"backbone-v1")
+    cfg = {k: v for k, v in spec.config.items() if k not in _HEAD_CONFIG_KEYS}
+    digest.update(json.dumps(cfg, sort_keys=True).encode())
+    digest.update(str(spec.max_length).encode())
+    digest.update(spec.tokenizer_file.read_bytes())
+    with safe_open(str(spec.weights_file), framework="np") as f:
+        names = {}
+        for k in f.keys():
+            short = k.split(".", 1)[1] if k.split(".", 1)[0] in ("bert", "roberta", "distilbert") else k
+            if not short.startswith(_HEAD_PREFIXES) and not k.startswith(_HEAD_PREFIXES):
+                names[short] = k
+        for short in sorted(names):
+            digest.update(short.encode())
+            digest.update(f.get_tensor(names[short]).tobytes())
+    return digest.hexdigest()
+
+
 def ensure_exported(spec: ModelSpec, cache_dir: Path, progress=None) -> Path:
     """The artifact for `spec`, exported once and reused from `cache_dir` after."""
     settings = export_settings()
-    model_hash = spec.content_hash()
+    shared = backbone_hash(spec)
+    model_hash = shared or spec.content_hash()
     key = art.settings_key(model_hash, settings)
-    final = Path(cache_dir) / "artifacts" / f"{spec.name}-{key}"
+    final = Path(cache_dir) / "artifacts" / (f"{spec.model_type}-backbone-{key}" if shared else f"{spec.name}-{key}")
     if art.is_complete(final):
         return final
     with art.staging_dir(final) as tmp:
@@ -133,6 +169,8 @@ def ensure_exported(spec: ModelSpec, cache_dir: Path, progress=None) -> Path:
                 "source_hash": model_hash,
                 "settings": settings,
                 "precision": "fp32",
+                "task": spec.task,  # the graph is the backbone; heads run after the engine
+                "backbone_shared": bool(shared),
                 "nodes": len(graph.graph.node),
                 "pooling": spec.pooling,
                 "normalize": spec.normalize,
