@@ -292,7 +292,7 @@ class ModelRepository:
             service.mark_ready()
             served = ServedModel(service)
             # Warm-up through the full path (tokenizer, batcher, engine) before any traffic.
-            await served.embed(texts=[self.warmup_text])
+            await served.warmup(self.warmup_text)
         except Exception as exc:  # noqa: BLE001 - any failure is reported the same way
             reason = exc.message if isinstance(exc, SurgeError) else f"{type(exc).__name__}: {exc}"
             self._failed_fp[key] = ventry.fingerprint

@@ -37,6 +37,27 @@ class ServedModel:
             if self.inflight == 0:
                 self._idle.set()
 
+    async def infer(self, *args, **kwargs):
+        """A task call (classify, rerank, token-classify), counted like `embed`."""
+        self.inflight += 1
+        self._idle.clear()
+        try:
+            return await self.service.infer(*args, **kwargs)
+        finally:
+            self.inflight -= 1
+            if self.inflight == 0:
+                self._idle.set()
+
+    async def warmup(self, text: str) -> None:
+        """One call through the full path of the model's task (tokenizer, batcher, engine, heads)."""
+        if getattr(self.service, "task", "embed") == "embed":
+            await self.embed(texts=[text])
+            return
+        from surge.runtime.tasks import TaskRequest
+
+        pairs = [(text, text)] if self.service.task == "rerank" else None
+        await self.infer(TaskRequest(texts=None if pairs else [text], pairs=pairs, truncate=True))
+
     async def drain(self, grace_s: float = 0.2) -> None:
         """Wait until no call is in flight. Call after routing has moved away.
 

@@ -274,6 +274,10 @@ def server_metadata() -> dict:
 
 
 def model_metadata(service, versions: list[str]) -> dict:
+    if getattr(service, "task", "embed") != "embed":  # classify / rerank / token-classify: their own contract
+        from surge.server import kserve_tasks
+
+        return kserve_tasks.metadata(service, versions)
     ids = {"datatype": "INT64", "shape": [-1, -1]}
     return {
         "name": service.name,

@@ -140,6 +140,19 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         service = self.registry.get(request.model_name, request.model_version or None)
         outputs = [(o.name, parameters(o.parameters)) for o in request.outputs]
+        if getattr(service, "task", "embed") != "embed":  # task models: server/kserve_tasks.py's contract
+            from surge.server import kserve_tasks
+
+            result, arrays = await kserve_tasks.infer(self.state, service, decode_inputs(request),
+                                                      parameters(request.parameters), outputs, self.limits)
+            wanted = {n for n, _ in outputs}
+            response = pb.ModelInferResponse(model_name=result.model, model_version=result.version, id=request.id)
+            _set_param(response.parameters, "prompt_tokens", int(result.prompt_tokens))
+            for name, dtype, array in arrays:
+                if not wanted or name in wanted:
+                    response.outputs.add(name=name, datatype=dtype, shape=list(array.shape))
+                    response.raw_output_contents.append(array.tobytes())
+            return response
         decoded = contract.decode_request(decode_inputs(request), parameters(request.parameters), outputs,
                                           self.limits.max_inputs_per_request, self.limits.max_input_chars)
         result = await self.state.run(service, texts=decoded.texts, token_ids=decoded.token_ids,

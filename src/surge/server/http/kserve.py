@@ -170,6 +170,8 @@ def router(state: AppState) -> APIRouter:
                                     request.headers.get(HEADER_LENGTH))
         req = _validate(_InferRequest, decode_json(header))
         outputs = [(o.name, o.parameters) for o in req.outputs or []]
+        if getattr(service, "task", "embed") != "embed":  # task models: server/kserve_tasks.py's contract
+            return await _task_infer(service, req, binary, outputs)
         decoded = contract.decode_request(decode_inputs(req.inputs, binary), req.parameters, outputs,
                                           limits.max_inputs_per_request, limits.max_input_chars)
         result = await state.run(service, texts=decoded.texts, token_ids=decoded.token_ids,
@@ -192,6 +194,36 @@ def router(state: AppState) -> APIRouter:
         raw = array.tobytes()
         out["parameters"] = {"binary_data_size": len(raw)}
         head = orjson.dumps(body)
+        headers["Inference-Header-Content-Length"] = str(len(head))
+        return Response(head + raw, media_type="application/octet-stream", headers=headers)
+
+    async def _task_infer(service, req, binary: bytes, outputs):
+        from surge.server import kserve_tasks
+
+        result, arrays = await kserve_tasks.infer(state, service, decode_inputs(req.inputs, binary), req.parameters,
+                                                  outputs, limits)
+        wanted = {n for n, _ in outputs}
+        arrays = [a for a in arrays if not wanted or a[0] in wanted]
+        default_binary = bool(req.parameters.get("binary_data_output", False))
+        binary_of = {n: bool(p.get("binary_data", default_binary)) for n, p in outputs}
+        body = {"model_name": result.model, "model_version": result.version,
+                "parameters": {"prompt_tokens": int(result.prompt_tokens)}, "outputs": []}
+        if req.id is not None:
+            body["id"] = req.id
+        raw = b""
+        for name, dtype, array in arrays:
+            out = {"name": name, "datatype": dtype, "shape": list(array.shape)}
+            if binary_of.get(name, default_binary):
+                data = array.tobytes()
+                out["parameters"] = {"binary_data_size": len(data)}
+                raw += data
+            else:
+                out["data"] = array.ravel()
+            body["outputs"].append(out)
+        headers = {"x-surge-model-version": result.version}
+        if not raw:
+            return ORJSONResponse(body, headers=headers)
+        head = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
         headers["Inference-Header-Content-Length"] = str(len(head))
         return Response(head + raw, media_type="application/octet-stream", headers=headers)
 

@@ -1,0 +1,222 @@
+"""Task models behind a real `surge serve --model-repository`, called with real clients:
+huggingface_hub.InferenceClient (feature_extraction, text_classification, token_classification,
+sentence_similarity), the TEI routes, POST /v1/rerank (Cohere shape), KServe v2 over HTTP and gRPC
+(tritonclient), one backbone with three heads (intent + slots + embedding), bad input and wrong tasks;
+and a decoder checkpoint refused at startup."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import httpx
+import numpy as np
+import pytest
+
+from surge.models import bundled_model_dir
+from surge.models.finetune import heldout_commands
+from tests.conftest import cosine_rows
+from tests.e2e.repo_helpers import add_version
+from tests.server_process import ROOT, ServerProcess, free_port
+from tests.task_models import task_models_dir
+
+ENGINE = "engine: {threads: 1, warmup_shapes: [[1, 8]]}\n"
+
+
+@pytest.fixture(scope="module")
+def models():
+    return task_models_dir()
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("taskrepo")
+    add_version(root, "assistant", 1, ENGINE + f"""heads:
+  - {{name: intent, task: classify, source: {models / 'intent'}}}
+  - {{name: slots, task: token-classify, source: {models / 'slots'}}}
+  - {{name: embed, task: embed}}
+""")
+    add_version(root, "ce", 1, ENGINE + f"source: {models / 'ce'}\n")
+    with ServerProcess("--model-repository", str(root), "--threads", "1", grpc=True) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def _pipe(models, name, task, **kw):
+    import transformers
+    from transformers import pipeline
+
+    transformers.logging.set_verbosity_error()
+    return pipeline(task, model=str(models / name), device="cpu", **kw)
+
+
+def test_inference_client_text_and_token_classification(server, models):
+    from huggingface_hub import InferenceClient
+
+    texts = heldout_commands(6) + ["Turn on the lights in Zürich's kitchen, please!"]
+    intent = InferenceClient(model=server.url)  # POST /: the default model is the first head (intent)
+    ref = _pipe(models, "intent", "text-classification", top_k=None)
+    for t in texts:
+        got = intent.text_classification(t, top_k=3)
+        want = ref(t)
+        want = (want[0] if isinstance(want[0], list) else want)[:3]
+        assert [g.label for g in got] == [w["label"] for w in want]
+        assert [g.score for g in got] == pytest.approx([w["score"] for w in want], abs=1e-4)
+    slots = InferenceClient(model=server.url + "/models/slots")
+    for strategy in ("simple", "first", "max"):
+        pipe = _pipe(models, "slots", "token-classification", aggregation_strategy=strategy)
+        for t in texts:
+            got = slots.token_classification(t, aggregation_strategy=strategy)
+            want = pipe(t)
+            assert [(g.entity_group, g.word, g.start, g.end) for g in got] == \
+                [(w["entity_group"], w["word"], w["start"], w["end"]) for w in want]
+            assert [g.score for g in got] == pytest.approx([float(w["score"]) for w in want], abs=1e-4)
+
+
+def test_inference_client_feature_extraction_and_similarity(server, reference_embed, sentences):
+    from huggingface_hub import InferenceClient
+
+    emb = InferenceClient(model=server.url + "/models/embed")
+    texts = sentences[:5]
+    got = np.vstack([np.asarray(emb.feature_extraction(t)) for t in texts])
+    assert got.shape == (5, 384)
+    assert cosine_rows(got, reference_embed(texts)).min() >= 0.99999
+    sims = emb.sentence_similarity(texts[0], other_sentences=texts[1:])
+    ref = reference_embed(texts)
+    want = (ref[1:] @ ref[0]) / np.linalg.norm(ref[1:], axis=1) / np.linalg.norm(ref[0])
+    assert sims == pytest.approx(want.tolist(), abs=1e-4)
+
+
+def test_rerank_routes_match_cross_encoder(client, models, sentences):
+    from sentence_transformers import CrossEncoder
+
+    query = "what happens when a module is imported"
+    docs = sentences[:12]
+    ref = np.asarray(CrossEncoder(str(models / "ce"), device="cpu").predict([(query, d) for d in docs]))
+    order = list(np.argsort(-ref))
+    r = client.post("/rerank", json={"model": "ce", "query": query, "texts": docs, "return_text": True,
+                                     "truncate": True})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert [x["index"] for x in got] == order
+    assert [x["score"] for x in got] == pytest.approx(ref[order].tolist(), abs=1e-5)
+    assert got[0]["text"] == docs[order[0]]
+    r = client.post("/v1/rerank", json={"model": "ce", "query": query, "documents": [{"text": d} for d in docs],
+                                        "top_n": 3, "return_documents": True})
+    assert r.status_code == 200, r.text
+    res = r.json()["results"]
+    assert [x["index"] for x in res] == order[:3]
+    assert [x["relevance_score"] for x in res] == pytest.approx(ref[order[:3]].tolist(), abs=1e-5)
+    assert res[0]["document"]["text"] == docs[order[0]]
+    # TEI /predict with pairs and the HF sentence-similarity shape on a reranker
+    r = client.post("/predict", json={"model": "ce", "inputs": [[query, docs[0]], [query, docs[1]]], "raw_scores": True})
+    assert r.status_code == 200
+    assert r.json()[0][0]["score"] == pytest.approx(float(np.log(ref[0] / (1 - ref[0]))), abs=1e-4)
+
+
+def test_kserve_task_contracts_http_and_grpc(server, models):
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    import torch
+
+    from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification, AutoTokenizer
+
+    texts = heldout_commands(4)
+    h = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+    g = grpcclient.InferenceServerClient(server.grpc_url)
+    meta = h.get_model_metadata("intent")
+    assert meta["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": [-1, 9]}]
+    gmeta = g.get_model_metadata("ce")
+    assert [i.name for i in gmeta.inputs] == ["text", "text_pair"] and list(gmeta.outputs[0].shape) == [-1, 1]
+    assert [o["name"] for o in h.get_model_metadata("slots")["outputs"]] == ["logits", "lengths"]
+    tok = AutoTokenizer.from_pretrained(str(models / "intent"))
+    with torch.no_grad():
+        want = AutoModelForSequenceClassification.from_pretrained(str(models / "intent")).eval()(
+            **tok(texts, padding=True, return_tensors="pt")).logits.numpy()
+        tags = AutoModelForTokenClassification.from_pretrained(str(models / "slots")).eval()
+        want_tok = [tags(**tok([t], return_tensors="pt")).logits[0].numpy() for t in texts]
+    for mod in (httpclient, grpcclient):
+        c = h if mod is httpclient else g
+        x = mod.InferInput("text", [len(texts)], "BYTES")
+        x.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=object))
+        np.testing.assert_allclose(c.infer("intent", [x]).as_numpy("logits"), want, atol=1e-3)
+        res = c.infer("slots", [x])
+        logits, lengths = res.as_numpy("logits"), res.as_numpy("lengths")
+        for i, w in enumerate(want_tok):
+            assert lengths[i] == len(w)
+            np.testing.assert_allclose(logits[i, :lengths[i]], w, atol=1e-3)
+
+
+BAD = [
+    ("/predict", {"model": "intent", "inputs": []}, 400, "inputs"),
+    ("/predict", {"model": "ce", "inputs": [["only one side"]]}, 400, "inputs"),
+    ("/predict", {"model": "ce", "inputs": [["a", ""], ["b", "c"]]}, 400, "inputs"),
+    ("/rerank", {"model": "ce", "query": "q", "texts": []}, 400, "texts"),
+    ("/rerank", {"model": "ce", "query": "q", "texts": ["x"] * 300}, 413, "texts"),
+    ("/rerank", {"model": "ce", "query": "q", "texts": ["word " * 600]}, 413, "texts"),
+    ("/v1/rerank", {"model": "ce", "query": "q", "documents": ["a", "b"], "top_n": 3}, 400, "top_n"),
+    ("/v1/rerank", {"model": "ce", "query": "q", "documents": ["a"], "top_n": 0}, 400, "top_n"),
+    ("/v1/rerank", {"model": "ce", "query": "q", "documents": []}, 400, "documents"),
+    ("/models/slots", {"inputs": "play jazz", "parameters": {"aggregation_strategy": "longest"}}, 400,
+     "aggregation_strategy"),
+    ("/v1/embeddings", {"model": "intent", "input": "hello"}, 400, "model"),
+    ("/rerank", {"model": "intent", "query": "q", "texts": ["a"]}, 400, "model"),
+    ("/predict", {"model": "embed", "inputs": "hello"}, 400, "model"),
+    ("/v1/rerank", {"model": "slots", "query": "q", "documents": ["a"]}, 400, "model"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,field", BAD)
+def test_bad_input_is_a_clear_4xx(client, path, body, status, field):
+    r = client.post(path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == field, err
+    if field == "model":
+        assert "serves task" in err["message"]
+
+
+def test_truncate_option_and_other_requests_unaffected(client, models):
+    long = "turn on the lights " * 200
+    assert client.post("/predict", json={"model": "intent", "inputs": long}).status_code == 413
+    ok = client.post("/predict", json={"model": "intent", "inputs": long, "truncate": True})
+    assert ok.status_code == 200 and ok.json()[0]["label"]
+    # a bad request among good ones: the good ones get their own answers
+    ref = _pipe(models, "intent", "text-classification")
+    texts = heldout_commands(5)
+    with httpx.Client(base_url=str(client.base_url), timeout=60) as c:
+        for t in texts:
+            assert c.post("/predict", json={"model": "intent", "inputs": [t, t, ""]}).status_code == 400
+            r = c.post("/predict", json={"model": "intent", "inputs": t})
+            want = ref(t)
+            assert r.json()[0]["label"] == (want[0][0] if isinstance(want[0], list) else want[0])["label"]
+
+
+def test_info_tokenize_decode(client):
+    info = client.get("/info", params={"model": "intent"}).json()
+    assert info["model_type"]["classifier"]["id2label"]["0"] == "lights_on" and info["task"] == "classify"
+    assert client.get("/info", params={"model": "embed"}).json()["model_type"] == {"embedding": {"pooling": "mean"}}
+    toks = client.post("/tokenize", json={"model": "intent", "inputs": "Play Jazz"}).json()[0]
+    assert [t["text"] for t in toks] == ["[CLS]", "Play", "Jazz", "[SEP]"] and toks[1]["start"] == 0
+    ids = [t["id"] for t in toks]
+    assert client.post("/decode", json={"model": "intent", "ids": ids}).json() == ["play jazz"]
+
+
+def test_decoder_checkpoint_is_a_clear_startup_error(tmp_path):
+    d = tmp_path / "gpt2"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+                                               "n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 30522}))
+    shutil.copy(bundled_model_dir() / "tokenizer.json", d / "tokenizer.json")
+    p = subprocess.run([sys.executable, "-m", "surge.cli.main", "serve", str(d), "--port", str(free_port()),
+                        "--grpc-port", "0"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode != 0
+    out = p.stdout + p.stderr
+    assert "GPT2LMHeadModel" in out and "supported" in out and "ForSequenceClassification" in out
