@@ -32,6 +32,21 @@ from surge.errors import ConfigError
 from surge.types import Layout, TokenBatch
 
 SEQUENCE, TOKEN, POOLED = "sequence", "token", "pooled"
+HEAD_FILE = "head.safetensors"
+_HEAD_PARTS = ("classifier.", "pre_classifier.", "pooler.")
+
+
+def save_head_tensors(model_dir: Path, out_dir: Path) -> Path:
+    """Copy a checkpoint's head tensors (classifier, pre_classifier, pooler) into out_dir/head.safetensors."""
+    from safetensors.numpy import save_file
+
+    t = _Tensors(model_dir)
+    keep = {k: t.get(k) for k in t.keys() if any(k.startswith(p) or f".{p}" in f".{k}" for p in _HEAD_PARTS)}
+    if not keep:
+        raise ConfigError(f"{model_dir}: no head tensors to save")
+    out = Path(out_dir) / HEAD_FILE
+    save_file(keep, str(out))
+    return out
 
 
 @dataclass
@@ -75,6 +90,8 @@ class _Tensors:
     def __init__(self, path: Path):
         self.path = Path(path)
         self._st = self.path / "model.safetensors"
+        if not self._st.is_file() and (self.path / HEAD_FILE).is_file():
+            self._st = self.path / HEAD_FILE  # an optimized artifact: the head's tensors only
         self._keys: set[str] | None = None
         self._sd = None
 
@@ -188,12 +205,25 @@ class HeadSet:
         if not self.has_tokens:
             return np.ascontiguousarray(fixed)
         flat = hidden if packed else hidden[batch.attention_mask.astype(bool)]  # [T, H], sequences in order
-        tokens = [h.tokens(flat) for h in self.heads if h.kind == TOKEN]
-        bounds = np.concatenate([[0], np.cumsum(batch.lengths)])
-        rows = np.empty(batch.size, dtype=object)
-        for i in range(batch.size):
+        tokens = np.concatenate([h.tokens(flat) for h in self.heads if h.kind == TOKEN], axis=1)
+        return self.rows(fixed, tokens, batch.lengths)
+
+    @property
+    def token_widths(self) -> list[int]:
+        return [h.width for h in self.heads if h.kind == TOKEN]
+
+    def rows(self, fixed: np.ndarray, tokens: np.ndarray | None, lengths: np.ndarray) -> np.ndarray:
+        """Rows out of every input's fixed outputs [B, fixed] and every token's [T, sum of token widths]
+        (the layout an engine computing the heads itself returns, see TorchEngine.run_heads)."""
+        if not self.has_tokens:
+            return np.ascontiguousarray(fixed, dtype=np.float32)
+        bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        cols = np.concatenate([[0], np.cumsum(self.token_widths)]).astype(np.int64)
+        rows = np.empty(len(lengths), dtype=object)
+        for i in range(len(lengths)):
             s, e = int(bounds[i]), int(bounds[i + 1])
-            rows[i] = np.concatenate([fixed[i]] + [t[s:e].reshape(-1) for t in tokens]).astype(np.float32)
+            rows[i] = np.concatenate([fixed[i]] + [tokens[s:e, cols[k]:cols[k + 1]].reshape(-1)
+                                                   for k in range(len(cols) - 1)]).astype(np.float32)
         return rows
 
     def split(self, row: np.ndarray, name: str, n_tokens: int) -> np.ndarray:

@@ -121,6 +121,9 @@ class TorchEngine:
         self.capabilities: Capabilities | None = None
         self._lock = threading.RLock()
         self._graphs: OrderedDict[tuple, tuple] = OrderedDict()
+        self.head_set = None  # engines/heads.HeadSet computed inside the captured graph (attach_heads)
+        self._dev_heads: list | None = None
+        self._heads_mode = False  # the current _run_cuda call wants the heads' output (set under _lock)
 
     # ------------------------------------------------------------------ load
     def load(self, artifact: Path) -> None:
@@ -186,7 +189,8 @@ class TorchEngine:
     def warmup(self, shapes: list[tuple[int, int]]) -> None:
         for b, s in shapes:
             b, s = min(b, self.max_batch), min(s, self.max_len)
-            self.run(random_batch(b, s, min(self.config.vocab, 30522), Layout.PACKED))
+            batch = random_batch(b, s, min(self.config.vocab, 30522), Layout.PACKED)
+            self.run_heads(batch) if self.head_set is not None else self.run(batch)
 
     def close(self) -> None:
         """Drop graphs, buffers and this instance's reference to the weights (idempotent)."""
@@ -288,7 +292,72 @@ class TorchEngine:
 
     def _forward(self, key, views, gemm: str) -> torch.Tensor:
         bb, tb, lb = key
-        return forward_fused(self.weights, views["inputs"], tb, bb, lb, views, gemm=gemm, offload=self.offload)
+        x = forward_fused(self.weights, views["inputs"], tb, bb, lb, views, gemm=gemm, offload=self.offload)
+        if self._heads_mode:
+            return self._heads_forward(x[:tb], views["inputs"], key)
+        return x
+
+    # ------------------------------------------------------------------ task heads in the graph
+    def attach_heads(self, head_set) -> bool:
+        """Compute `head_set`'s classification / token heads inside the captured graph (CUDA only).
+
+        The graph then ends in the heads' logits (fp32): [batch, fixed] for sequence heads,
+        [tokens, widths] for token heads, and only those are copied back, not the hidden
+        states. Embedding heads (pooling) stay on the host path: returns False then."""
+        from surge.engines.heads import POOLED, SEQUENCE
+
+        if self.device.type != "cuda" or any(h.kind == POOLED for h in head_set.heads):
+            return False
+        dev = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(self.device)  # noqa: E731
+        heads = []
+        for h in head_set.heads:
+            pre = [(dev(w), dev(b), act) for w, b, act in h.pre]
+            heads.append((h.kind == SEQUENCE, pre, dev(h.weight), dev(h.bias)))
+        with self._lock:
+            self._graphs.clear()
+            self._dev_heads = heads
+            self.head_set = head_set
+            self._fixed = head_set.fixed
+            self._tok_width = sum(head_set.token_widths)
+            n = self.plan.batch * self._fixed + self.plan.tokens * self._tok_width
+            self._h_heads = torch.empty(n, dtype=torch.float32, pin_memory=True)
+        return True
+
+    def _heads_forward(self, x: torch.Tensor, inputs: torch.Tensor, key) -> torch.Tensor:
+        bb, tb, _ = key
+        cu = inputs[3 * tb:3 * tb + bb + 1].long()
+        cls = x.index_select(0, cu[:-1].clamp(max=tb - 1)).float()  # padded batch rows read a real row
+        fixed, tokens = [], []
+        xf = None
+        for seq, pre, w, b in self._dev_heads:
+            if seq:
+                h = cls
+                for pw, pb, act in pre:
+                    h = torch.addmm(pb, h, pw.t())
+                    h = torch.tanh(h) if act == "tanh" else torch.relu(h)
+                fixed.append(torch.addmm(b, h, w.t()))
+            else:
+                xf = x.float() if xf is None else xf
+                tokens.append(torch.addmm(b, xf, w.t()))
+        parts = [torch.cat(fixed, 1).reshape(-1)] if fixed else []
+        if tokens:
+            parts.append(torch.cat(tokens, 1).reshape(-1))
+        return torch.cat(parts)
+
+    def run_heads(self, batch: TokenBatch) -> np.ndarray:
+        """The attached heads' rows for a batch (HeadSet.rows layout), heads computed on the GPU."""
+        ids, types, lengths = self._packed_arrays(batch)
+        self._check(ids, types, lengths)
+        if self.config.type_vocab == 0:
+            types = np.zeros_like(ids)
+        pos = position_ids(lengths, self.config.position_offset)
+        try:
+            with self.on_device():
+                fixed, tokens = self._run_cuda(ids, types, pos, lengths, heads=True)
+        except torch.cuda.OutOfMemoryError as exc:
+            torch.cuda.empty_cache()
+            raise EngineError(f"GPU out of memory on a batch of {len(lengths)} x {int(lengths.max())} tokens") from exc
+        return self.head_set.rows(fixed, tokens, lengths)
 
     def _capture(self, key, views, gemm: str):
         with torch.cuda.stream(self.stream):
@@ -318,9 +387,10 @@ class TorchEngine:
         if self.workspace.generation != self._ws_generation:  # a shared workspace grew: old views are stale
             self._graphs.clear()
             self._ws_generation = self.workspace.generation
-        g = self._graphs.get(key)
+        gkey = key + (self._heads_mode,)  # hidden-state and heads graphs are kept apart
+        g = self._graphs.get(gkey)
         if g is not None:
-            self._graphs.move_to_end(key)
+            self._graphs.move_to_end(gkey)
             return g
         views = self._views(key)
         modes = self.modes(key)
@@ -349,16 +419,17 @@ class TorchEngine:
                     best = (graph, views, out, m)
             self.choices[key] = timings
             g = best
-        self._graphs[key] = g
+        self._graphs[gkey] = g
         if len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
         return g
 
-    def _run_cuda(self, ids, types, pos, lengths) -> np.ndarray:
+    def _run_cuda(self, ids, types, pos, lengths, heads: bool = False):
         t = len(ids)
         key = self.bucket(len(lengths), t, int(lengths.max()))
         ws_lock = self.workspace.lock
         with self._lock, ws_lock:
+            self._heads_mode = heads
             n = self._stage_inputs(ids, types, pos, lengths, key)
             inputs = self.workspace.view(self.plan.region("inputs"), (n,))
             with torch.cuda.stream(self.stream):
@@ -370,11 +441,22 @@ class TorchEngine:
                     graph.replay()
                 else:
                     out = self._forward(key, views, mode)
-                h_out = self._h_out[:t]
-                h_out.copy_(out[:t].view(h_out.dtype), non_blocking=True)
+                if heads:  # the graph's output is the heads' logits: [bb, fixed] then [tb, widths]
+                    bb = key[0]
+                    n = bb * self._fixed + t * self._tok_width
+                    h_out = self._h_heads[:n]
+                    h_out.copy_(out[:n], non_blocking=True)
+                else:
+                    h_out = self._h_out[:t]
+                    h_out.copy_(out[:t].view(h_out.dtype), non_blocking=True)
                 self._done.record(self.stream)
             self._done.synchronize()
             res = h_out.numpy().copy()
+        if heads:
+            b = len(lengths)
+            fixed = res[:bb * self._fixed].reshape(bb, self._fixed)[:b]
+            tokens = res[bb * self._fixed:].reshape(t, self._tok_width) if self._tok_width else None
+            return fixed, tokens
         if self.dtype == torch.bfloat16:
             res = (res.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
         return res

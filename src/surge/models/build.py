@@ -76,3 +76,21 @@ def random_bert_base(out: Path, tokenizer_dir: Path, task: str = "classify", lab
                      label2id={f"intent_{i}": i for i in range(labels)})
     model = BertModel(cfg) if task == "embed" else BertForSequenceClassification(cfg)
     return save_checkpoint(model.eval(), tokenizer_dir, out)
+
+
+def assemble_checkpoint(backbone_dir: Path, head_dir: Path, out: Path, prefix: str = "bert.") -> Path:
+    """A task checkpoint from a backbone directory and a head directory (its config.json and
+    head.safetensors, as `surge optimize` writes them beside a graph): backbone tensors under
+    `prefix`, head tensors as saved. Used where only the backbone travels (the GPU machine)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    sd = {prefix + k: v.float().contiguous() for k, v in load_file(str(Path(backbone_dir) / "model.safetensors")).items()
+          if not k.startswith("pooler.")}
+    sd.update({k: v.float().contiguous() for k, v in load_file(str(Path(head_dir) / "head.safetensors")).items()})
+    save_file({k: v.to(torch.float32) for k, v in sd.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    copy_tokenizer(backbone_dir, out)
+    shutil.copy(Path(head_dir) / "config.json", out / "config.json")
+    return out

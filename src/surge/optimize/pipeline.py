@@ -247,4 +247,8 @@ def _write(out_dir: Path, model: onnx.ModelProto, manifest: dict, spec: ModelSpe
                 shutil.copy2(spec.path / name, tmp / name)
         if (spec.path / "1_Pooling").is_dir():
             shutil.copytree(spec.path / "1_Pooling", tmp / "1_Pooling")
+        if spec.task in ("classify", "rerank", "token-classify"):
+            from surge.engines.heads import save_head_tensors
+
+            save_head_tensors(spec.path, tmp)  # the graph ends at the hidden states; the head travels beside it
         art.write_manifest(tmp, manifest)

@@ -5,6 +5,14 @@ the pooled embeddings, the largest absolute difference of the hidden states
 over real tokens, nearest-neighbour (retrieval) top-1 agreement, and — when
 the model directory carries a sequence-classification head — argmax agreement
 of the logits computed from that head.
+
+What the gate measures follows the model's task (models/tasks.py):
+  classify        argmax agreement of the labels (FP16/BF16: at most 0.2% change)
+  rerank          sentences become (query, document) pairs, 8 queries x 20 documents per set;
+                  top-1 agreement of each query's best document (ties within 1e-3 of the
+                  score range agree) and NDCG@10 of the candidate's ranking, graded by the
+                  FP32 ranking (gain 10 - rank for its top 10)
+  token-classify  per-token label agreement over every real token
 """
 
 from __future__ import annotations
@@ -28,18 +36,21 @@ class Budget:
     min_cosine: float = 0.0
     top1: float = 0.0  # nearest-neighbour agreement, ties within TIE_TOLERANCE counted as agreeing
     argmax: float = 0.0  # classifier models only
+    rank_top1: float = 0.0  # rerank models only
+    ndcg10: float = 0.0  # rerank models only
+    tokens: float = 0.0  # token-classify models only: per-token label agreement
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
 BUDGETS = {
-    "fp32": Budget(mean_cosine=0.9999, top1=0.998, argmax=0.998),
+    "fp32": Budget(mean_cosine=0.9999, top1=0.998, argmax=0.998, rank_top1=0.99, ndcg10=0.999, tokens=0.998),
     # FP16/BF16: the issue's gate is argmax / top-1 agreement; the cosine floor
     # catches a model that overflowed to NaN or inf on some inputs.
-    "fp16": Budget(mean_cosine=0.999, top1=0.998, argmax=0.998),
-    "bf16": Budget(mean_cosine=0.99, top1=0.998, argmax=0.998),
-    "int8": Budget(mean_cosine=0.99, top1=0.98, argmax=0.98),
+    "fp16": Budget(mean_cosine=0.999, top1=0.998, argmax=0.998, rank_top1=0.97, ndcg10=0.99, tokens=0.995),
+    "bf16": Budget(mean_cosine=0.99, top1=0.998, argmax=0.998, rank_top1=0.95, ndcg10=0.98, tokens=0.99),
+    "int8": Budget(mean_cosine=0.99, top1=0.98, argmax=0.98, rank_top1=0.9, ndcg10=0.95, tokens=0.97),
 }
 # Pruning removes computation rather than rounding it: it gets the lossy budget.
 LOSSY = BUDGETS["int8"]
@@ -54,6 +65,9 @@ class SetMetrics:
     top1: float  # strict: the candidate's nearest neighbour is the reference's
     top1_tie: float  # the candidate's neighbour scores within TIE_TOLERANCE of the reference's best
     argmax: float | None = None
+    rank_top1: float | None = None
+    ndcg10: float | None = None
+    tokens: float | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -95,7 +109,7 @@ class Encoded:
 
         tok = Tokenizer(spec.tokenizer_file, max_length=min(max_length, spec.max_length), vocab_size=spec.vocab_size,
                         pad_id=spec.pad_token_id)
-        items = tok.encode(texts)
+        items = tok.to_encoded(tok.encodings(texts))  # texts, or (text, text_pair) tuples
         self.order = np.argsort([len(e) for e in items], kind="stable")
         self.batches = [TokenBatch.pad([items[i] for i in self.order[s : s + batch_size]], pad_id=spec.pad_token_id)
                         for s in range(0, len(items), batch_size)]
@@ -168,17 +182,56 @@ def compare(ref: Outputs, cand: Outputs, head=None) -> SetMetrics:
     max_abs = float(np.max(diffs)) if np.all(np.isfinite(diffs)) else float("inf")
     top1 = top1_agreement(ref.embeddings, cand.embeddings)
     top1_tie = top1_agreement(ref.embeddings, cand.embeddings, TIE_TOLERANCE)
-    argmax = None
-    if head is not None:
-        argmax = float((head.logits(ref.cls).argmax(1) == head.logits(cand.cls).argmax(1)).mean())
-    return SetMetrics(len(cos), float(cos.mean()), float(cos.min()), max_abs, top1, top1_tie, argmax)
+    out = SetMetrics(len(cos), float(cos.mean()), float(cos.min()), max_abs, top1, top1_tie)
+    if head is None:
+        return out
+    task = head.head.task
+    if task == "classify":
+        out.argmax = float((head.logits(ref.cls).argmax(1) == head.logits(cand.cls).argmax(1)).mean())
+    elif task == "rerank":
+        r = head.logits(ref.cls)[:, 0].reshape(RERANK_QUERIES, -1)
+        c = np.nan_to_num(head.logits(cand.cls)[:, 0].reshape(RERANK_QUERIES, -1), nan=-np.inf)
+        out.rank_top1, out.ndcg10 = ranking_agreement(r, c)
+    elif task == "token-classify":
+        agree = [(head.head.tokens(a).argmax(1) == head.head.tokens(b).argmax(1)) for a, b in zip(ref.hidden, cand.hidden)]
+        out.tokens = float(np.concatenate(agree).mean())
+    return out
+
+
+RERANK_QUERIES, RERANK_DOCS = 8, 20
+
+
+def rerank_pairs(texts: list[str]) -> list[tuple[str, str]]:
+    """8 queries x 20 documents out of a sentence set (query-major order)."""
+    queries, docs = texts[:RERANK_QUERIES], texts[RERANK_QUERIES:RERANK_QUERIES + RERANK_DOCS]
+    if len(docs) < RERANK_DOCS:
+        raise ValueError(f"a rerank gate needs at least {RERANK_QUERIES + RERANK_DOCS} sentences per set")
+    return [(q, d) for q in queries for d in docs]
+
+
+def ranking_agreement(ref: np.ndarray, cand: np.ndarray, k: int = 10, tie: float = 1e-3) -> tuple[float, float]:
+    """(top-1 agreement, mean NDCG@k) of candidate scores [Q, D] against reference scores [Q, D]."""
+    top1, ndcg = [], []
+    for r, c in zip(ref.astype(np.float64), cand.astype(np.float64)):
+        spread = max(float(r.max() - r.min()), 1e-12)
+        top1.append(bool(r[int(np.argmax(c))] >= r.max() - tie * spread))
+        ranks = np.empty(len(r), dtype=np.int64)
+        ranks[np.argsort(-r, kind="stable")] = np.arange(len(r))
+        gain = np.clip(k - ranks, 0, None).astype(np.float64)  # graded by the reference ranking
+        kk = min(k, len(r))
+        disc = 1.0 / np.log2(np.arange(2, kk + 2))
+        dcg = (gain[np.argsort(-c, kind="stable")[:kk]] * disc).sum()
+        idcg = (np.sort(gain)[::-1][:kk] * disc).sum()
+        ndcg.append(dcg / idcg)
+    return float(np.mean(top1)), float(np.mean(ndcg))
 
 
 def check(budget: Budget, sets: dict[str, SetMetrics]) -> GateResult:
     failures = []
     for name, m in sets.items():
         for metric, measured in (("mean_cosine", "mean_cosine"), ("min_cosine", "min_cosine"),
-                                 ("top1", "top1_tie"), ("argmax", "argmax")):
+                                 ("top1", "top1_tie"), ("argmax", "argmax"), ("rank_top1", "rank_top1"),
+                                 ("ndcg10", "ndcg10"), ("tokens", "tokens")):
             value, floor = getattr(m, measured), getattr(budget, metric)
             if value is None or floor <= 0:
                 continue
@@ -188,37 +241,23 @@ def check(budget: Budget, sets: dict[str, SetMetrics]) -> GateResult:
 
 
 class ClassifierHead:
-    """Logits from a BERT sequence-classification checkpoint's pooler + classifier, in numpy.
+    """The task head a checkpoint carries (engines/heads.py), applied to the hidden states the
+    exported graph returns, so that the gate measures what the task means."""
 
-    The exported graph returns the hidden states; this applies the head the
-    checkpoint carries so that argmax agreement can be measured.
-    """
-
-    def __init__(self, weights: dict[str, np.ndarray]):
-        self.w = weights
+    def __init__(self, head):
+        self.head = head
 
     @classmethod
     def from_model_dir(cls, spec: ModelSpec) -> "ClassifierHead | None":
-        archs = spec.config.get("architectures") or []
-        if not any(a.endswith("ForSequenceClassification") for a in archs) or not spec.weights_file.is_file():
+        if spec.task not in ("classify", "rerank", "token-classify"):
             return None
-        from safetensors.numpy import load_file
+        from surge.engines.heads import load_head
 
-        tensors = load_file(str(spec.weights_file))
-        pick = {}
-        for key, value in tensors.items():
-            for part in ("pooler.dense.weight", "pooler.dense.bias", "classifier.weight", "classifier.bias"):
-                if key.endswith(part):
-                    pick[part] = value.astype(np.float32)
-        if "classifier.weight" not in pick:
-            return None
-        return cls(pick)
+        info = spec.task_info
+        return cls(load_head(spec.path, spec.name, spec.task, spec.model_type, spec.labels, info.multi_label))
 
     def logits(self, cls_hidden: np.ndarray) -> np.ndarray:
-        x = cls_hidden
-        if "pooler.dense.weight" in self.w:
-            x = np.tanh(x @ self.w["pooler.dense.weight"].T + self.w["pooler.dense.bias"])
-        return x @ self.w["classifier.weight"].T + self.w.get("classifier.bias", 0.0)
+        return self.head.classify(cls_hidden.astype(np.float32))
 
 
 class Evaluator:
@@ -228,8 +267,10 @@ class Evaluator:
                  heldout: list[str], threads: int = 0):
         self.spec = spec
         self.threads = threads
-        self.data = {"calibration": Encoded(spec, calibration), "heldout": Encoded(spec, heldout)}
         self.head = ClassifierHead.from_model_dir(spec)
+        if spec.task == "rerank":  # a reranker is measured on (query, document) pairs
+            calibration, heldout = rerank_pairs(calibration), rerank_pairs(heldout)
+        self.data = {"calibration": Encoded(spec, calibration), "heldout": Encoded(spec, heldout)}
         self.reference_model_bytes = reference_model if isinstance(reference_model, bytes) else Path(reference_model).read_bytes()
         ref = session(self.reference_model_bytes, threads)
         self.reference = {name: run_model(ref, spec, data) for name, data in self.data.items()}

@@ -86,6 +86,11 @@ def build_worker(spec: ModelSpec, artifact: Path | None, cfg: EngineConfig, head
     max_len = min(cfg.max_seq_len or spec.max_length, spec.max_length)
     tokenizer = Tokenizer(spec.tokenizer_file, max_length=max_len, vocab_size=spec.vocab_size, pad_id=spec.pad_token_id)
     engines = make_engines(cfg, spec, artifact)
+    if head_set is not None:  # GPU engines run the heads inside their captured graphs
+        for engine in engines.engines:
+            attach = getattr(engine, "attach_heads", None)
+            if attach is not None:
+                attach(head_set)
     for engine in engines.engines:
         engine.warmup(cfg.warmup_shapes)
     return ModelWorker(spec, tokenizer, engines, PostSpec(spec.pooling, spec.normalize), head_set)

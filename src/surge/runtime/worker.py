@@ -47,6 +47,14 @@ class EnginePool:
         finally:
             self._free.put(engine)
 
+    def run_heads(self, batch: TokenBatch) -> np.ndarray:
+        """Head rows computed by the engine itself (TorchEngine.attach_heads: inside its CUDA graph)."""
+        engine = self._free.get()
+        try:
+            return engine.run_heads(batch)
+        finally:
+            self._free.put(engine)
+
     def close(self) -> None:
         for e in self.engines:
             e.close()
@@ -61,6 +69,9 @@ class ModelWorker:
         # engines/heads.HeadSet for task models (classify, rerank, token-classify, several heads on one
         # backbone); None: a plain embedding model, whose rows are pooled vectors.
         self.heads = heads
+        # Every engine computes the heads itself (GPU: inside the captured graph): rows come straight back.
+        self.engine_heads = heads is not None and isinstance(engines, EnginePool) and all(
+            getattr(e, "head_set", None) is heads for e in engines.engines)
 
     @property
     def task(self) -> str:
@@ -110,6 +121,11 @@ class ModelWorker:
     def compute(self, items: list[Encoded]) -> np.ndarray:
         """Pooled, unnormalized float32 vectors, one row per item, in order."""
         batch = self.make_batch(items)
+        if self.engine_heads:
+            rows = self.engines.run_heads(batch)
+            if rows.shape[0] != len(items):
+                raise EngineError(f"engine returned {rows.shape[0]} rows for a batch of {len(items)}")
+            return rows
         hidden = self.engines.run(batch)
         if self.heads is not None:  # every head of the model from this one backbone pass
             rows = self.heads.apply(hidden, batch)
