@@ -1,0 +1,271 @@
+"""Task models: surge against the baselines, in one run (numbers in docs/benchmarks.md, issue 17).
+
+gpu (a CUDA machine): a BERT-base classifier with random weights (8 labels)
+  * surge's GPU engine, fp16, the head inside the captured graph (run_heads), against
+    transformers FP16 + CUDA graph (BertForSequenceClassification, static padded shapes,
+    one torch.cuda.CUDAGraph per shape) and against surge's embedding engine on the same
+    backbone (hidden states back to the host, mean pooling): batch 1 x 32 tokens and
+    batch 64 of mixed lengths (8..128 tokens, seeded);
+  * rerank: one query x 100 documents through the runtime (tokenize, batcher: 64 + 36,
+    heads), a BERT-base cross-encoder (1 label, random), latency.
+cpu (this 2-core machine): the trained intent classifier (tests/task_models.py) served end
+  to end, `surge serve --engine torch --device cpu --precision bf16 --threads 1` (cache off)
+  against benchmarks/baselines/fastapi_pipeline.py (FastAPI + transformers pipeline), both
+  POST /predict, 1 and 64 closed-loop clients.
+
+    PYTHONPATH=src:. python3 benchmarks/tasks.py gpu [--tokenizer-dir DIR] [--out FILE.json]
+    PYTHONPATH=src:. python3 benchmarks/tasks.py cpu [--seconds 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+console = Console()
+
+
+def _median_ms(fn, reps: int, warm: int = 5) -> float:
+    for _ in range(warm):
+        fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def _lengths(n: int, lo: int, hi: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(lo, hi + 1, size=n)
+
+
+def _items(lengths, vocab: int = 30522, seed: int = 1):
+    from surge.types import Encoded
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in lengths:
+        ids = rng.integers(1000, vocab, size=int(n), dtype=np.int64)
+        ids[0], ids[-1] = 101, 102
+        out.append(Encoded(ids, np.zeros_like(ids)))
+    return out
+
+
+# ------------------------------------------------------------------------------------ gpu
+def _hf_graph(model, batch: int, seq: int, lengths=None):
+    """transformers FP16 forward captured in a CUDA graph for one static padded shape; returns a
+    callable that replays it and copies the logits to the host."""
+    import torch
+
+    ids = torch.randint(1000, 30522, (batch, seq), device="cuda")
+    mask = torch.ones(batch, seq, dtype=torch.long, device="cuda")
+    if lengths is not None:
+        for i, n in enumerate(lengths):
+            mask[i, int(n):] = 0
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.inference_mode(), torch.cuda.stream(s):
+        for _ in range(3):
+            model(input_ids=ids, attention_mask=mask)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.inference_mode(), torch.cuda.graph(g):
+        out = model(input_ids=ids, attention_mask=mask).logits
+
+    def run():
+        g.replay()
+        return out.float().cpu().numpy()
+
+    return run
+
+
+def bench_gpu(args) -> dict:
+    import torch
+    import transformers
+    from transformers import BertForSequenceClassification
+
+    from surge.engines.heads import HeadSet, load_head
+    from surge.engines.pooling import pool
+    from surge.engines.torch_gpu import TorchEngine
+    from surge.models import load_model_spec
+    from surge.models.build import random_bert_base
+    from surge.types import TokenBatch
+
+    transformers.logging.set_verbosity_error()
+    tok_dir = Path(args.tokenizer_dir) if args.tokenizer_dir else None
+    if tok_dir is None:
+        from surge.models import bundled_model_dir
+
+        tok_dir = bundled_model_dir()
+    work = Path(tempfile.mkdtemp(prefix="surge-tasks-"))
+    cls_dir = random_bert_base(work / "bert-base-cls", tok_dir, labels=8, seed=0)
+    ce_dir = random_bert_base(work / "bert-base-ce", tok_dir, labels=1, seed=1)
+    spec = load_model_spec(cls_dir)
+    head = load_head(spec.path, spec.name, spec.task, spec.model_type, spec.labels)
+    hs = HeadSet([head])
+    cls_engine = TorchEngine(device="cuda", precision="fp16", max_batch=64)
+    cls_engine.load(cls_dir)
+    cls_engine.attach_heads(hs)
+    emb_engine = TorchEngine(device="cuda", precision="fp16", max_batch=64)
+    emb_engine.load(cls_dir)
+    hf = BertForSequenceClassification.from_pretrained(str(cls_dir), dtype=torch.float16,
+                                                       attn_implementation="sdpa").eval().cuda()
+    shapes = {"batch 1 x 32": _lengths(1, 32, 32), "batch 64 mixed (8-128)": _lengths(64, 8, 128)}
+    rows = []
+    for label, lengths in shapes.items():
+        batch = TokenBatch.pack(_items(lengths))
+        ref = hf.float()  # correctness of this shape first: surge's logits vs transformers FP32
+        with torch.inference_mode():
+            ids = torch.from_numpy(np.concatenate([b.ids[None] for b in _items(lengths[:1])])).cuda()
+            want = ref(input_ids=ids).logits.float().cpu().numpy()
+        hf.half()
+        got = cls_engine.run_heads(TokenBatch.pack(_items(lengths[:1])))
+        err = float(np.abs(np.asarray(got)[0] - want[0]).max())
+        surge_ms = _median_ms(lambda: cls_engine.run_heads(batch), args.reps)
+        emb_ms = _median_ms(lambda: pool(emb_engine.run(batch), batch, "mean"), args.reps)
+        hf_run = _hf_graph(hf, len(lengths), int(lengths.max()), lengths)
+        hf_ms = _median_ms(hf_run, args.reps)
+        rows.append({"shape": label, "surge_classifier_ms": surge_ms, "surge_embedding_ms": emb_ms,
+                     "transformers_fp16_graph_ms": hf_ms, "classifier_vs_embedding": surge_ms / emb_ms,
+                     "speedup_vs_transformers": hf_ms / surge_ms, "max_abs_logit_diff_vs_fp32": err,
+                     "tokens": int(lengths.sum())})
+    del hf
+    torch.cuda.empty_cache()
+    rerank = _bench_rerank(ce_dir, args.reps)
+    table = Table(title="Issue 17 GPU: BERT-base classifier (random weights, fp16)")
+    for col in ("shape", "surge classifier ms", "surge embedding ms", "cls / emb", "transformers FP16+graph ms",
+                "speed-up", "|Δlogit| vs FP32"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["shape"], f"{r['surge_classifier_ms']:.3f}", f"{r['surge_embedding_ms']:.3f}",
+                      f"{r['classifier_vs_embedding']:.3f}", f"{r['transformers_fp16_graph_ms']:.3f}",
+                      f"{r['speedup_vs_transformers']:.2f}x", f"{r['max_abs_logit_diff_vs_fp32']:.4f}")
+    console.print(table)
+    console.print(f"rerank 1 query x 100 documents (BERT-base cross-encoder, runtime path): "
+                  f"p50 {rerank['p50_ms']:.2f} ms, p90 {rerank['p90_ms']:.2f} ms, batches {rerank['batches']}")
+    out = {"gpu": torch.cuda.get_device_name(), "rows": rows, "rerank": rerank}
+    return out
+
+
+def _bench_rerank(ce_dir: Path, reps: int) -> dict:
+    import asyncio
+
+    from surge.cli.bootstrap import load_service
+    from surge.config import BatchingConfig, CacheConfig, EngineConfig, ServerConfig
+    from surge.data import load_sentences
+    from surge.models import load_model_spec
+    from surge.runtime.tasks import TaskRequest
+
+    config = ServerConfig(engine=EngineConfig(engine="torch", device="cuda", precision="fp16", max_batch_size=64,
+                                              warmup_shapes=[(64, 64), (64, 32)]),
+                          batching=BatchingConfig(max_batch_size=64, max_batch_tokens=16384),
+                          cache=CacheConfig(enabled=False))
+    service = load_service(config, load_model_spec(ce_dir))
+    service.mark_ready()
+    docs = load_sentences()[:100]
+    query = "how are keyword arguments passed to a function"
+
+    async def go():
+        times = []
+        for i in range(reps + 5):
+            t = time.perf_counter()
+            res = await service.infer(TaskRequest(pairs=[(query, d) for d in docs], truncate=True))
+            if i >= 5:
+                times.append(time.perf_counter() - t)
+        assert len(res.outputs) == 100
+        before = len(service.batcher.history)
+        await service.infer(TaskRequest(pairs=[(query, d) for d in docs], truncate=True))
+        batches = [b.size for b in list(service.batcher.history)[before:]]
+        await service.close()
+        return times, batches
+
+    times, batches = asyncio.run(go())
+    times.sort()
+    return {"p50_ms": times[len(times) // 2] * 1e3, "p90_ms": times[int(len(times) * 0.9)] * 1e3,
+            "batches": batches}
+
+
+# ------------------------------------------------------------------------------------ cpu
+def bench_cpu(args) -> dict:
+    import os
+    import subprocess
+
+    import uvloop
+
+    from surge.bench.servers import ServerProc, free_port
+    from surge.models.finetune import heldout_commands
+    from tests.http_load import closed_loop, encode_post
+    from tests.server_process import ServerProcess
+    from tests.task_models import task_models_dir
+
+    model = task_models_dir() / "intent"
+    queries = list(dict.fromkeys(heldout_commands(4000, seed=11)))
+    wire = [encode_post("127.0.0.1", "/predict", {"inputs": q}) for q in queries]
+    port = free_port()
+    baseline = ServerProc("fastapi-pipeline", [sys.executable, str(Path(__file__).parent / "baselines" /
+                                                                   "fastapi_pipeline.py"),
+                                               "--port", str(port), "--model-dir", str(model)], port,
+                          ready_timeout_s=180, env=dict(os.environ))
+    surge = ServerProcess(str(model), "--engine", "torch", "--device", "cpu", "--precision", "bf16",
+                          "--threads", "1", "--cache-bytes", "0", "--max-queue-delay-ms", "2")
+    rows = []
+    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    try:
+        for srv in (surge, baseline):
+            srv.start()
+        for clients in (1, 64):
+            res = {}
+            for name, srv in (("surge", surge), ("baseline", baseline)):
+                uvloop.run(closed_loop(srv.url, wire, clients, duration=2.0))
+                rps, lat = [], []
+                for _ in range(args.rounds):  # alternating rounds: drifting background load hits both
+                    r = uvloop.run(closed_loop(srv.url, wire, clients, duration=args.seconds / args.rounds))
+                    assert r.ok == len(r.latencies), r.statuses
+                    rps.append(r.throughput)
+                    lat += r.latencies
+                lat.sort()
+                res[name] = {"rps": statistics.median(rps), "p50_ms": lat[len(lat) // 2] * 1e3,
+                             "p99_ms": lat[int(len(lat) * 0.99)] * 1e3}
+            rows.append({"clients": clients, **{f"{k}_{m}": v for k, d in res.items() for m, v in d.items()},
+                         "ratio": res["surge"]["rps"] / res["baseline"]["rps"]})
+    finally:
+        surge.stop()
+        baseline.stop()
+    table = Table(title="Issue 17 CPU (2 cores): intent classifier end to end, POST /predict")
+    for col in ("clients", "surge req/s", "surge p50 ms", "baseline req/s", "baseline p50 ms", "surge / baseline"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(str(r["clients"]), f"{r['surge_rps']:.1f}", f"{r['surge_p50_ms']:.1f}",
+                      f"{r['baseline_rps']:.1f}", f"{r['baseline_p50_ms']:.1f}", f"{r['ratio']:.1f}x")
+    console.print(table)
+    console.print(f"load before the run: {load}")
+    return {"rows": rows, "uptime": load}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("mode", choices=["gpu", "cpu"])
+    p.add_argument("--tokenizer-dir", default=None, help="gpu: a directory with the BERT tokenizer (default: bundled)")
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    result = bench_gpu(args) if args.mode == "gpu" else bench_cpu(args)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2, default=float))
+
+
+if __name__ == "__main__":
+    main()
