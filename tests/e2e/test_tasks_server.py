@@ -23,6 +23,19 @@ from tests.server_process import ROOT, ServerProcess, free_port
 from tests.task_models import task_models_dir
 
 ENGINE = "engine: {threads: 1, warmup_shapes: [[1, 8]]}\n"
+PASSAGES = ["Lights can be switched on by voice in every room.", "Timers ring when the countdown ends.",
+            "The thermostat keeps the temperature you set.", "Music plays on any speaker in the house.",
+            "Reminders are sent as notifications.", "Weather forecasts cover the next ten days."]
+PIPELINE = """
+inputs: {query: text}
+nodes:
+  - {name: intent, model: intent, inputs: {text: input.query}}
+  - {name: slots, model: slots, inputs: {text: input.query}, params: {aggregation_strategy: simple}}
+  - {name: emb, model: embed, inputs: {text: input.query}}
+  - {name: top, step: topk, inputs: {vector: emb.vector}, params: {passages: passages.yaml, k: 4}}
+  - {name: rr, model: ce, inputs: {text: input.query, ranking: top.ranking}}
+outputs: {intent: intent.label, entities: slots.entities, answers: rr.ranking, best: rr.best}
+"""
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +52,9 @@ def server(models, tmp_path_factory):
   - {{name: embed, task: embed}}
 """)
     add_version(root, "ce", 1, ENGINE + f"source: {models / 'ce'}\n")
+    (root / "assist").mkdir()
+    (root / "assist" / "passages.yaml").write_text(json.dumps({"passages": PASSAGES}))
+    (root / "assist" / "pipeline.yaml").write_text(PIPELINE)
     with ServerProcess("--model-repository", str(root), "--threads", "1", grpc=True) as srv:
         yield srv
 
@@ -220,3 +236,20 @@ def test_decoder_checkpoint_is_a_clear_startup_error(tmp_path):
     assert p.returncode != 0
     out = p.stdout + p.stderr
     assert "GPT2LMHeadModel" in out and "supported" in out and "ForSequenceClassification" in out
+
+
+def test_pipeline_calls_every_task(client, models):
+    """classify with the trained head, tag slots, retrieve with the embedding head, rerank the top-k."""
+    from sentence_transformers import CrossEncoder
+
+    q = "turn on the lights in the kitchen"
+    r = client.post("/pipelines/assist", json={"inputs": {"query": q}})
+    assert r.status_code == 200, r.text
+    out = r.json()["outputs"]
+    assert out["intent"] == "lights_on"
+    assert {e["entity_group"] for e in out["entities"]} >= {"device", "room"}
+    answers = out["answers"]
+    assert len(answers) == 4 and out["best"] == answers[0]["text"]
+    ref = CrossEncoder(str(models / "ce"), device="cpu").predict([(q, a["text"]) for a in answers])
+    assert [a["rerank_score"] for a in answers] == pytest.approx([float(x) for x in ref], abs=1e-5)
+    assert list(ref) == sorted(ref, reverse=True)

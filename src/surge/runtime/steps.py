@@ -343,6 +343,14 @@ BUILTIN_STEPS: dict[str, type[Node]] = {
 
 def make_node(spec: PipelineNode, ctx: LoadContext) -> Node:
     if spec.model:
+        try:
+            served = ctx.registry.get(spec.model, spec.version)
+        except Exception:  # noqa: BLE001 - ModelNode reports the unknown model
+            served = None
+        if served is not None and getattr(served, "task", "embed") != "embed":
+            from surge.runtime.task_steps import TaskModelNode  # classify / rerank / token-classify
+
+            return TaskModelNode(spec, ctx, served)
         return ModelNode(spec, ctx)
     if spec.function:
         return Function(spec, ctx)

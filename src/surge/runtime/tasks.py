@@ -202,12 +202,16 @@ class HeadView:
         pass  # readiness is the backbone service's
 
     async def infer(self, req: TaskRequest, head: str | None = None, **kw) -> TaskResult:
-        return await self.service.tasks.infer(req, head or self.head.name, **kw)
+        result = await self.service.tasks.infer(req, head or self.head.name, **kw)
+        result.model = self.name  # answers (and pipeline provenance) name the head's model
+        return result
 
     async def embed(self, *args, **kwargs):
         if self.task != "embed":
             require_task(self, "embed")
-        return await self.service.embed(*args, head=self.head.name, **kwargs)
+        result = await self.service.embed(*args, head=self.head.name, **kwargs)
+        result.model = self.name
+        return result
 
     def cached_result(self, *args, **kwargs):
         return None  # the hot path's cache keys are the backbone's; views take the full path
