@@ -123,6 +123,13 @@ def bench_gpu(args) -> dict:
                                                        attn_implementation="sdpa").eval().cuda()
     shapes = {"batch 1 x 32": _lengths(1, 32, 32), "batch 64 mixed (8-128)": _lengths(64, 8, 128)}
     rows = []
+    partial = {"gpu": torch.cuda.get_device_name(), "rows": rows}
+
+    def save(stage: str) -> None:  # partial results survive a later failure
+        console.print(f"[dim]stage done: {stage}[/]")
+        if args.out:
+            Path(args.out).write_text(json.dumps(partial, indent=2, default=float))
+
     for label, lengths in shapes.items():
         batch = TokenBatch.pack(_items(lengths))
         ref = hf.float()  # correctness of this shape first: surge's logits vs transformers FP32
@@ -134,15 +141,20 @@ def bench_gpu(args) -> dict:
         err = float(np.abs(np.asarray(got)[0] - want[0]).max())
         surge_ms = _median_ms(lambda: cls_engine.run_heads(batch), args.reps)
         emb_ms = _median_ms(lambda: pool(emb_engine.run(batch), batch, "mean"), args.reps)
+        partial[label] = {"surge_classifier_ms": surge_ms, "surge_embedding_ms": emb_ms, "err": err}
+        save(f"{label}: surge")
         hf_run = _hf_graph(hf, len(lengths), int(lengths.max()), lengths)
         hf_ms = _median_ms(hf_run, args.reps)
         rows.append({"shape": label, "surge_classifier_ms": surge_ms, "surge_embedding_ms": emb_ms,
                      "transformers_fp16_graph_ms": hf_ms, "classifier_vs_embedding": surge_ms / emb_ms,
                      "speedup_vs_transformers": hf_ms / surge_ms, "max_abs_logit_diff_vs_fp32": err,
                      "tokens": int(lengths.sum())})
+        save(f"{label}: transformers")
     del hf
     torch.cuda.empty_cache()
     rerank = _bench_rerank(ce_dir, args.reps)
+    partial["rerank"] = rerank
+    save("rerank")
     table = Table(title="Issue 17 GPU: BERT-base classifier (random weights, fp16)")
     for col in ("shape", "surge classifier ms", "surge embedding ms", "cls / emb", "transformers FP16+graph ms",
                 "speed-up", "|Δlogit| vs FP32"):
