@@ -73,14 +73,16 @@ def _hf_graph(model, batch: int, seq: int, lengths=None):
     if lengths is not None:
         for i, n in enumerate(lengths):
             mask[i, int(n):] = 0
+    # As benchmarks/gpu_encoder.py's hf_graph (proven there): no_grad, not inference_mode. The
+    # inference_mode variant hit a gather index assert on replay on the H200 (2026-12-01 run).
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
-    with torch.inference_mode(), torch.cuda.stream(s):
+    with torch.no_grad(), torch.cuda.stream(s):
         for _ in range(3):
             model(input_ids=ids, attention_mask=mask)
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    with torch.inference_mode(), torch.cuda.graph(g):
+    with torch.no_grad(), torch.cuda.graph(g):
         out = model(input_ids=ids, attention_mask=mask).logits
 
     def run():
@@ -121,6 +123,7 @@ def bench_gpu(args) -> dict:
     emb_engine.load(cls_dir)
     hf = BertForSequenceClassification.from_pretrained(str(cls_dir), dtype=torch.float16,
                                                        attn_implementation="sdpa").eval().cuda()
+    hf32 = BertForSequenceClassification.from_pretrained(str(cls_dir), dtype=torch.float32).eval().cuda()
     shapes = {"batch 1 x 32": _lengths(1, 32, 32), "batch 64 mixed (8-128)": _lengths(64, 8, 128)}
     rows = []
     partial = {"gpu": torch.cuda.get_device_name(), "rows": rows}
@@ -132,11 +135,9 @@ def bench_gpu(args) -> dict:
 
     for label, lengths in shapes.items():
         batch = TokenBatch.pack(_items(lengths))
-        ref = hf.float()  # correctness of this shape first: surge's logits vs transformers FP32
-        with torch.inference_mode():
+        with torch.no_grad():  # correctness first: surge's logits vs transformers FP32 (a separate copy)
             ids = torch.from_numpy(np.concatenate([b.ids[None] for b in _items(lengths[:1])])).cuda()
-            want = ref(input_ids=ids).logits.float().cpu().numpy()
-        hf.half()
+            want = hf32(input_ids=ids).logits.float().cpu().numpy()
         got = cls_engine.run_heads(TokenBatch.pack(_items(lengths[:1])))
         err = float(np.abs(np.asarray(got)[0] - want[0]).max())
         surge_ms = _median_ms(lambda: cls_engine.run_heads(batch), args.reps)
@@ -150,7 +151,7 @@ def bench_gpu(args) -> dict:
                      "speedup_vs_transformers": hf_ms / surge_ms, "max_abs_logit_diff_vs_fp32": err,
                      "tokens": int(lengths.sum())})
         save(f"{label}: transformers")
-    del hf
+    del hf, hf32
     torch.cuda.empty_cache()
     rerank = _bench_rerank(ce_dir, args.reps)
     partial["rerank"] = rerank
