@@ -76,7 +76,7 @@ def _pipe(models, name, task, **kw):
 def test_inference_client_text_and_token_classification(server, models):
     from huggingface_hub import InferenceClient
 
-    texts = heldout_commands(6) + ["Turn on the lights in Zürich's kitchen, please!"]
+    texts = heldout_commands(4) + ["Turn on the lights in Zürich's kitchen, please!"]
     intent = InferenceClient(model=server.url)  # POST /: the default model is the first head (intent)
     ref = _pipe(models, "intent", "text-classification", top_k=None)
     for t in texts:
@@ -86,7 +86,7 @@ def test_inference_client_text_and_token_classification(server, models):
         assert [g.label for g in got] == [w["label"] for w in want]
         assert [g.score for g in got] == pytest.approx([w["score"] for w in want], abs=1e-4)
     slots = InferenceClient(model=server.url + "/models/slots")
-    for strategy in ("simple", "first", "max"):
+    for strategy in ("simple", "max"):
         pipe = _pipe(models, "slots", "token-classification", aggregation_strategy=strategy)
         for t in texts:
             got = slots.token_classification(t, aggregation_strategy=strategy)
