@@ -158,11 +158,21 @@ def test_kserve_task_contracts_http_and_grpc(server, models):
             **tok(texts, padding=True, return_tensors="pt")).logits.numpy()
         tags = AutoModelForTokenClassification.from_pretrained(str(models / "slots")).eval()
         want_tok = [tags(**tok([t], return_tensors="pt")).logits[0].numpy() for t in texts]
+        ce = AutoModelForSequenceClassification.from_pretrained(str(models / "ce")).eval()
+        want_ce = ce(**tok(["turn on the lights"] * len(texts), texts, padding=True,
+                           return_tensors="pt")).logits[:, 0].numpy()
     for mod in (httpclient, grpcclient):
         c = h if mod is httpclient else g
         x = mod.InferInput("text", [len(texts)], "BYTES")
         x.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=object))
         np.testing.assert_allclose(c.infer("intent", [x]).as_numpy("logits"), want, atol=1e-3)
+        q = mod.InferInput("text", [1], "BYTES")  # one query against every document
+        q.set_data_from_numpy(np.array([b"turn on the lights"], dtype=object))
+        docs = mod.InferInput("text_pair", [len(texts)], "BYTES")
+        docs.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=object))
+        scores = c.infer("ce", [q, docs]).as_numpy("logits")
+        assert scores.shape == (len(texts), 1)
+        np.testing.assert_allclose(scores[:, 0], want_ce, atol=1e-3)
         res = c.infer("slots", [x])
         logits, lengths = res.as_numpy("logits"), res.as_numpy("lengths")
         for i, w in enumerate(want_tok):
