@@ -35,8 +35,9 @@ def train_tokenizer(vocab_size: int = 384):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    # Only the characters of the text as the alphabet: a random model's output then decodes to
+    # readable text (no stray bytes of split characters).
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False)
     tok.train_from_iterator(load_sentences(), trainer)
     return tok
 

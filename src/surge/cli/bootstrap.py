@@ -13,6 +13,7 @@ from pathlib import Path
 
 from surge.config import EngineConfig, ServerConfig, default_cache_dir
 from surge.models import bundled_model_dir, load_model_spec
+from surge.models.decoder import is_decoder_dir
 from surge.models.hf import ModelSpec
 from surge.runtime.registry import ModelRegistry
 from surge.server.state import AppState
@@ -60,6 +61,10 @@ def load_service(config: ServerConfig, spec: ModelSpec, version: str = "1", engi
     from surge.runtime.service import ModelService
 
     engine = engine or config.engine
+    if is_decoder_dir(spec.path):  # a causal LM: task "generate", served by its own service
+        from surge.runtime.loader import build_generate_service
+
+        return build_generate_service(spec, version, engine, config.limits)
     artifact = artifact or resolve_artifact(spec, engine, config.cache_dir)
     worker = build_worker(spec, artifact, engine)
     return ModelService(spec.name, version, worker, batching=batching or config.batching,
@@ -74,7 +79,8 @@ def load_repository_version(config: ServerConfig, entry):
     # Exported under the model directory's own name, so every entry (and every
     # version) of one model shares one cached artifact; served under the entry's.
     source = load_model_spec(entry.source_dir or bundled_model_dir())
-    artifact = entry.artifact_dir or _cached_artifact(source, cfg.engine, config.cache_dir)
+    artifact = None if is_decoder_dir(source.path) else \
+        entry.artifact_dir or _cached_artifact(source, cfg.engine, config.cache_dir)
     return load_service(config, replace(source, name=entry.name), entry.version, cfg.engine, artifact=artifact,
                         batching=cfg.batching, cache=cfg.cache)
 

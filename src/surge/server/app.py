@@ -17,7 +17,7 @@ from surge.server.state import AppState
 
 def create_app(state: AppState) -> FastAPI:
     from surge.server import health
-    from surge.server.http import kserve, metrics, models, native, openai, pipelines
+    from surge.server.http import kserve, kserve_generate, metrics, models, native, openai, openai_chat, pipelines
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -44,6 +44,8 @@ def create_app(state: AppState) -> FastAPI:
     app.include_router(openai.router(state))
     app.include_router(native.router(state))
     app.include_router(kserve.router(state))
+    app.include_router(openai_chat.router(state))  # generation (decoder models)
+    app.include_router(kserve_generate.router(state))
     app.include_router(models.router(state))
     app.include_router(pipelines.router(state))
     app.include_router(metrics.router(state))
