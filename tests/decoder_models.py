@@ -5,6 +5,7 @@ transformers configs + save_pretrained, a byte-level BPE tokenizer trained on th
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from pathlib import Path
 
 # A Qwen2/ChatML-style template (the shape most chat models ship).
@@ -27,7 +28,19 @@ LLAMA2 = (
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
+@lru_cache(maxsize=4)
+def _trained(vocab_size: int) -> str:
+    return _train(vocab_size).to_str()
+
+
 def train_tokenizer(vocab_size: int = 384):
+    """Trained once per process (a second each)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(_trained(vocab_size))
+
+
+def _train(vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from surge.data import load_sentences
