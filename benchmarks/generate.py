@@ -111,7 +111,7 @@ async def _surge_round(service, prompts, n_out):
             "itl_p50_ms": 1e3 * pct(itl, 50), "itl_p99_ms": 1e3 * pct(itl, 99)}
 
 
-def run_surge(path: Path, args, prompts) -> dict:
+def run_surge(path: Path, args, prompts, fused: bool = True) -> dict:
     from surge.engines.decoder import DecoderEngine
     from surge.runtime.generate_service import GenerateService, GenerationConfig
 
@@ -122,7 +122,7 @@ def run_surge(path: Path, args, prompts) -> dict:
     t = time.perf_counter()
     engine = DecoderEngine(path, device=args.device, dtype=args.dtype, max_num_seqs=gen.max_num_seqs,
                            max_model_len=max_len, kv_cache_tokens=(n + 8) * max_len, threads=args.threads,
-                           cuda_graphs=not args.no_graphs)
+                           cuda_graphs=not args.no_graphs, fused=fused)
     engine.warmup()
     load_s = time.perf_counter() - t
     service = GenerateService("bench", "1", path, engine, _NoText(), None, gen, request_timeout_s=600)
@@ -140,6 +140,8 @@ def run_surge(path: Path, args, prompts) -> dict:
     best["rounds_tok_s"] = [round(r["tok_s"], 1) for r in rounds]
     best["load_s"] = load_s
     best["steps"] = service.steps
+    best["engine_busy_s"] = round(service.busy_s, 3)
+    best["fused"] = fused
     return best
 
 
@@ -187,6 +189,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--no-fused", action="store_true", help="plain torch norms / RoPE / SwiGLU on the GPU")
     ap.add_argument("--baseline", choices=["hf", "none"], default="hf")
     ap.add_argument("--compile", action="store_true", help="also transformers with torch.compile")
     ap.add_argument("--json", type=Path)
@@ -202,7 +205,11 @@ def main(argv=None) -> int:
             vocab = SHAPES[shape][1].get("vocab_size", 1000)
             g = torch.Generator().manual_seed(1)
             prompts = torch.randint(2, vocab, (args.streams, args.prompt), generator=g).tolist()
-            rows = [("surge", run_surge(path, args, prompts))]
+            try:
+                rows = [("surge", run_surge(path, args, prompts, fused=not args.no_fused))]
+            except Exception as exc:  # the fused kernels failed here: say so, measure without them
+                print(f"surge with fused kernels failed: {type(exc).__name__}: {exc}", flush=True)
+                rows = [("surge (unfused)", run_surge(path, args, prompts, fused=False))]
             if args.baseline == "hf":
                 rows.append(("transformers static", run_hf(path, args, prompts, False)))
                 if args.compile:

@@ -17,6 +17,7 @@ import asyncio
 import itertools
 import logging
 import queue
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -94,9 +95,22 @@ class GenerationResult:
 
 @dataclass(eq=False)
 class _Handle:
+    """The event-loop side of one sequence: events the engine thread delivered, and the
+    future its coroutine sleeps on (no task or queue per token)."""
+
     seq: Sequence
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    events: list = field(default_factory=list)
+    waiter: asyncio.Future | None = None
     done: bool = False
+
+    def push(self, ev) -> None:
+        self.events.append(ev)
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def expire(self) -> None:
+        self.push(DeadlineExceeded("generation did not finish within the request deadline"))
 
 
 class GenerateService:
@@ -132,6 +146,12 @@ class GenerateService:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cache: OrderedDict[tuple, list[Delta]] = OrderedDict()
         self.steps = 0
+        self.busy_s = 0.0  # time inside engine.step (the rest of a step is scheduling and hand-off)
+        # The engine thread gives up the GIL at every device sync and wake-up; with the default 5 ms
+        # switch interval it can then wait that long behind the event loop's per-token work, which is a
+        # decode step's whole budget. A shorter interval bounds that wait (process-wide, cheap).
+        if sys.getswitchinterval() > 0.0005:
+            sys.setswitchinterval(0.0005)
         self._thread = threading.Thread(target=self._run, name=f"surge-{name}-generate", daemon=True)
         self._thread.start()
 
@@ -211,37 +231,42 @@ class GenerateService:
         recorded: list[Delta] = []
         start = last = time.monotonic()
         n_out = 0
+        timer = self._loop.call_at(self._loop.time() + max(0.0, deadline - time.monotonic()), handle.expire)
         try:
             while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise DeadlineExceeded("generation did not finish within the request deadline")
-                try:
-                    ev = await asyncio.wait_for(handle.queue.get(), remaining)
-                except asyncio.TimeoutError:
-                    raise DeadlineExceeded("generation did not finish within the request deadline") from None
-                if isinstance(ev, Exception):
-                    raise ev
-                token, out, finish = ev
+                while not handle.events:
+                    handle.waiter = self._loop.create_future()
+                    await handle.waiter
+                events, handle.events = handle.events, []
+                text, tokens, lps, finish = [], [], [], None
                 now = time.monotonic()
-                (self.metrics.ttft if n_out == 0 else self.metrics.itl).observe(now - (start if n_out == 0 else last))
-                last = now
-                n_out += 1
-                self.metrics.output.inc()
-                if finish == "stop" and token in stops:
-                    delta = state.flush()  # the stop token itself is not text
-                else:
-                    delta = state.add(token, final=finish is not None)
-                if state.stopped and finish is None:
-                    finish = "stop"
-                    self._abort(handle, "stop")
-                if finish is not None:
-                    delta += state.flush()
-                lp = None
-                if params.logprobs is not None and out is not None:
-                    lp = [{"token_id": token, "token": self.decode([token]), "logprob": out.logprob,
-                           "top": [(self.decode([t]), v, t) for t, v in (out.top or [])]}]
-                d = Delta(delta, [token], lp, finish, len(prompt_ids), n_out)
+                for ev in events:
+                    if isinstance(ev, Exception):
+                        raise ev
+                    token, out, finish = ev
+                    # tokens that arrive together reach the client together: one gap, then zeros
+                    (self.metrics.ttft if n_out == 0 else self.metrics.itl).observe(
+                        now - (start if n_out == 0 else last))
+                    last = now
+                    n_out += 1
+                    tokens.append(token)
+                    if finish == "stop" and token in stops:
+                        text.append(state.flush())  # the stop token itself is not text
+                    else:
+                        text.append(state.add(token, final=finish is not None))
+                    if state.stopped and finish is None:
+                        finish = "stop"
+                        self._abort(handle, "stop")
+                    if finish is not None:
+                        text.append(state.flush())
+                    if params.logprobs is not None and out is not None:
+                        lps.append({"token_id": token, "token": self.decode([token]), "logprob": out.logprob,
+                                    "top": [(self.decode([t]), v, t) for t, v in (out.top or [])]})
+                    if finish is not None:
+                        break
+                self.metrics.output.inc(len(tokens))
+                d = Delta("".join(text), tokens, lps if params.logprobs is not None else None, finish,
+                          len(prompt_ids), n_out)
                 if key is not None:
                     recorded.append(d)
                 yield d
@@ -252,6 +277,7 @@ class GenerateService:
                         self._remember(key, recorded)
                     return
         finally:
+            timer.cancel()
             if not handle.done:
                 handle.done = True
                 self._abort(handle, "abort")
@@ -310,7 +336,9 @@ class GenerateService:
                 self._wake.clear()
                 continue
             try:
+                t0 = time.perf_counter()
                 outs = self.engine.step(scheduled)
+                self.busy_s += time.perf_counter() - t0
             except Exception as exc:  # the batch's requests fail; the service keeps serving
                 log.exception("generation step failed")
                 err = EngineError(f"generation failed: {type(exc).__name__}: {exc}")
@@ -336,7 +364,7 @@ class GenerateService:
         for sid, ev in events:
             h = self._handles.get(sid)
             if h is not None and not h.done:
-                h.queue.put_nowait(ev)
+                h.push(ev)
 
     def _deliver_error(self, seq: Sequence, err: Exception) -> None:
         if self._loop is not None:

@@ -10,7 +10,6 @@ buffers, so one graph serves any context length up to max_model_len.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from surge.engines.decoder.attention import AttnMeta
@@ -24,22 +23,24 @@ class DecodeGraphs:
         self.buckets = [b for b in BUCKETS if b < max_num_seqs] + [max_num_seqs]
         dev = engine.device
         n, width = self.buckets[-1], engine.max_blocks_per_seq
-        self.ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slots = torch.full((n,), engine.kv.scratch_block * engine.block_size, dtype=torch.long, device=dev)
+        # ids, positions, slots, context lengths: one [4, n] buffer, one copy per step
+        self.packed = torch.zeros((4, n), dtype=torch.long, device=dev)
+        self.packed[2] = engine.kv.scratch_block * engine.block_size
+        self.packed[3] = 1
+        self.ids, self.pos, self.slots = self.packed[0], self.packed[1], self.packed[2]
         self.ctx = torch.ones(n, dtype=torch.int32, device=dev)
         self.tables = torch.full((n, width), engine.kv.scratch_block, dtype=torch.int32, device=dev)
         self.qstart = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.width = width
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (logits, argmax)
         self.pool = None
-        # pinned staging: one host->device copy per input
-        self.h_ids = torch.zeros(n, dtype=torch.long).pin_memory()
-        self.h_pos = torch.zeros(n, dtype=torch.long).pin_memory()
-        self.h_slots = torch.zeros(n, dtype=torch.long).pin_memory()
-        self.h_ctx = torch.ones(n, dtype=torch.int32).pin_memory()
-        self.h_tables = torch.zeros((n, width), dtype=torch.int32).pin_memory()
+        # pinned staging, filled through numpy views (no per-element torch calls)
+        pin = dev.type == "cuda"
+        self.h_packed = torch.zeros((4, n), dtype=torch.long, pin_memory=pin)
+        self.h_tables = torch.zeros((n, width), dtype=torch.int32, pin_memory=pin)
+        self.np_packed = self.h_packed.numpy()
+        self.np_tables = self.h_tables.numpy()
 
     def fits(self, batch: int, width: int) -> bool:
         return batch <= self.buckets[-1] and width <= self.width and bool(self.graphs)
@@ -49,10 +50,12 @@ class DecodeGraphs:
                         query_start=self.qstart[:b + 1], max_query=1, q_lens=[1] * b, ctx_lens=[1] * b,
                         tables=[[0]] * b)
 
-    def _forward(self, b: int) -> torch.Tensor:
+    def _forward(self, b: int):
         m = self.engine.model
+        self.ctx[:b].copy_(self.packed[3, :b])  # int32 view for the kernel, inside the graph
         hidden = m.forward(self.ids[:b], self.pos[:b], self.engine.kv, self._meta(b))
-        return m.logits(hidden)
+        logits = m.logits(hidden)
+        return logits, logits.argmax(-1)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -71,22 +74,25 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
-    def run(self, ids, pos, slots, ctx, table_np) -> torch.Tensor:
+    def run(self, ids: list[int], pos: list[int], slots: list[int], tables: list[list[int]]):
+        """One decode step of len(ids) sequences -> (logits [b, vocab] fp32, greedy tokens [b])."""
         b = len(ids)
         bucket = next(x for x in self.buckets if x >= b)
         e = self.engine
-        self.h_ids[:b] = torch.as_tensor(ids)
-        self.h_pos[:b] = torch.from_numpy(pos)
-        self.h_slots[:b] = torch.from_numpy(slots)
-        self.h_slots[b:bucket] = e.kv.scratch_block * e.block_size
-        self.h_ctx[:b] = torch.as_tensor(ctx, dtype=torch.int32)
-        self.h_ctx[b:bucket] = 1
-        self.h_tables[:bucket] = e.kv.scratch_block
-        self.h_tables[:b, :table_np.shape[1]] = torch.from_numpy(table_np)
-        self.ids[:bucket].copy_(self.h_ids[:bucket], non_blocking=True)
-        self.pos[:bucket].copy_(self.h_pos[:bucket], non_blocking=True)
-        self.slots[:bucket].copy_(self.h_slots[:bucket], non_blocking=True)
-        self.ctx[:bucket].copy_(self.h_ctx[:bucket], non_blocking=True)
+        p, t = self.np_packed, self.np_tables
+        p[0, :b] = ids
+        p[1, :b] = pos
+        p[2, :b] = slots
+        p[3, :b] = pos
+        p[3, :b] += 1
+        if bucket > b:  # padded rows: one token of context, written to the scratch block
+            p[2, b:bucket] = e.kv.scratch_block * e.block_size
+            p[3, b:bucket] = 1
+        t[:bucket] = e.kv.scratch_block
+        for i, row in enumerate(tables):
+            t[i, :len(row)] = row
+        self.packed[:, :bucket].copy_(self.h_packed[:, :bucket], non_blocking=True)
         self.tables[:bucket].copy_(self.h_tables[:bucket], non_blocking=True)
         self.graphs[bucket].replay()
-        return self.outputs[bucket][:b]
+        logits, tokens = self.outputs[bucket]
+        return logits[:b], tokens[:b]

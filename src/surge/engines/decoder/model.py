@@ -19,13 +19,14 @@ from surge.models.decoder import DecoderConfig, rope_inv_freq
 
 class DecoderModel:
     def __init__(self, cfg: DecoderConfig, weights: dict, device: torch.device, dtype: torch.dtype,
-                 attention: str = "torch"):
+                 attention: str = "torch", fused: bool = True):
         self.cfg = cfg
         self.w = weights
         self.device = device
         self.dtype = dtype
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.attention = attention
+        self.fused = False
         if attention == "triton":
             from surge.engines.kernels.paged_attention import paged_attention
 
@@ -39,6 +40,9 @@ class DecoderModel:
             self.cos = (emb.cos() * att_scale).to(device=device, dtype=dtype)
             self.sin = (emb.sin() * att_scale).to(device=device, dtype=dtype)
             self.rot_dim = emb.shape[-1]
+            d = cfg.head_dim
+            # the fused kernels (GPU): full rotary dims, a power-of-two head size
+            self.fused = attention == "triton" and fused and self.rot_dim == d and d >= 16 and d & (d - 1) == 0
 
     # -- pieces ---------------------------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -86,7 +90,28 @@ class DecoderModel:
             x = x + F.linear(h, w[p + "fc_out"], w[p + "fc_out.bias"])
         return F.layer_norm(x, (c.hidden_size,), w["final_norm"], w["final_norm.bias"], c.norm_eps)
 
+    def _llama_fused(self, ids, positions, kv, meta):
+        from surge.engines.kernels.decoder_fused import add_rmsnorm, rope_and_cache, silu_mul
+
+        c, w = self.cfg, self.w
+        t = ids.shape[0]
+        x = F.embedding(ids, w["embed"])  # the residual stream, updated in place
+        hd, nq, nkv = c.head_dim, c.num_heads, c.num_kv_heads
+        h = add_rmsnorm(x, None, w["l0.attn_norm"], c.norm_eps)
+        for i in range(c.num_layers):
+            p = f"l{i}."
+            qkv = F.linear(h, w[p + "qkv"], w.get(p + "qkv.bias"))
+            q = rope_and_cache(qkv, self.cos, self.sin, positions, meta.slot_mapping, kv.k[i], kv.v[i], nq, nkv, hd)
+            a = self._triton(q, kv.k[i], kv.v[i], meta, self.scale)
+            h = add_rmsnorm(x, F.linear(a.view(t, nq * hd), w[p + "o"]), w[p + "mlp_norm"], c.norm_eps)
+            m = F.linear(silu_mul(F.linear(h, w[p + "up_gate"])), w[p + "down"])
+            nxt = w[f"l{i + 1}.attn_norm"] if i + 1 < c.num_layers else w["final_norm"]
+            h = add_rmsnorm(x, m, nxt, c.norm_eps)
+        return h
+
     def _llama(self, ids, positions, kv, meta):
+        if self.fused:
+            return self._llama_fused(ids, positions, kv, meta)
         c, w = self.cfg, self.w
         t = ids.shape[0]
         x = F.embedding(ids, w["embed"])

@@ -42,7 +42,7 @@ class DecoderEngine:
     def __init__(self, path: str | Path, *, device: str = "cpu", dtype: str | None = None, block_size: int = 16,
                  num_blocks: int | None = None, kv_cache_tokens: int | None = None, max_num_seqs: int = 64,
                  max_model_len: int | None = None, cuda_graphs: bool = True, attention: str | None = None,
-                 threads: int = 0):
+                 threads: int = 0, fused: bool = True):
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         if threads and not cuda:
@@ -58,7 +58,7 @@ class DecoderEngine:
         self.max_num_seqs = max_num_seqs
         weights = load_decoder_weights(path, self.cfg, self.dtype, self.device)
         self.model = DecoderModel(self.cfg, weights, self.device, self.dtype,
-                                  attention=attention or ("triton" if cuda else "torch"))
+                                  attention=attention or ("triton" if cuda else "torch"), fused=fused)
         self.kv = KVCache(self.cfg, num_blocks, block_size, self.device, self.dtype)
         self.sampler = Sampler(self.device)
         self.max_blocks_per_seq = -(-self.max_model_len // block_size)
@@ -105,31 +105,42 @@ class DecoderEngine:
     def step(self, scheduled: list[ScheduledSeq]) -> dict[int, SampleOut]:
         if not scheduled:
             return {}
+        if self.graphs is not None and self.graphs.graphs and len(scheduled) <= self.graphs.buckets[-1] \
+                and all(s.num_tokens == 1 and s.sample for s in scheduled):
+            return self._decode_graph(scheduled)
         ids, pos, slots, q_lens, ctx, tables, table_np, qstart = self.prepare(scheduled)
         sample_rows = [i for i, s in enumerate(scheduled) if s.sample]
-        decode_only = max(q_lens) == 1
-        if decode_only and self.graphs is not None and self.graphs.fits(len(scheduled), table_np.shape[1]):
-            logits = self.graphs.run(ids, pos, slots, ctx, table_np)
-            logits = logits[sample_rows] if len(sample_rows) != len(scheduled) else logits
-        else:
-            dev = self.device
-            meta = AttnMeta(
-                slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
-                block_tables=torch.from_numpy(table_np).to(dev, non_blocking=True),
-                context_lens=torch.tensor(ctx, dtype=torch.int32).to(dev, non_blocking=True),
-                query_start=torch.from_numpy(qstart).to(dev, non_blocking=True),
-                max_query=max(q_lens), q_lens=q_lens, ctx_lens=ctx, tables=tables)
-            hidden = self.model.forward(torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
-                                        torch.from_numpy(pos).to(dev, non_blocking=True), self.kv, meta)
-            if not sample_rows:
-                return {}
-            last = torch.as_tensor(qstart[1:][sample_rows] - 1, dtype=torch.long).to(dev, non_blocking=True)
-            logits = self.model.logits(hidden.index_select(0, last))
+        dev = self.device
+        meta = AttnMeta(
+            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(table_np).to(dev, non_blocking=True),
+            context_lens=torch.tensor(ctx, dtype=torch.int32).to(dev, non_blocking=True),
+            query_start=torch.from_numpy(qstart).to(dev, non_blocking=True),
+            max_query=max(q_lens), q_lens=q_lens, ctx_lens=ctx, tables=tables)
+        hidden = self.model.forward(torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
+                                    torch.from_numpy(pos).to(dev, non_blocking=True), self.kv, meta)
         if not sample_rows:
             return {}
+        last = torch.as_tensor(qstart[1:][sample_rows] - 1, dtype=torch.long).to(dev, non_blocking=True)
+        logits = self.model.logits(hidden.index_select(0, last))
         seqs = [scheduled[i].seq for i in sample_rows]
         outs = self.sampler(logits, seqs)
         return {seq.seq_id: o for seq, o in zip(seqs, outs)}
+
+    def _decode_graph(self, scheduled: list[ScheduledSeq]) -> dict[int, SampleOut]:
+        bs = self.block_size
+        seqs = [s.seq for s in scheduled]
+        pos = [s.start for s in scheduled]
+        ids = [q.token_ids[p] for q, p in zip(seqs, pos)]
+        tables = [q.block_table for q in seqs]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
+        if max(len(t) for t in tables) > self.graphs.width:
+            raise ValueError("a block table is wider than max_model_len allows")
+        logits, greedy = self.graphs.run(ids, pos, slots, tables)
+        if all(q.params.greedy and not q.params.penalized and q.params.logprobs is None for q in seqs):
+            return {q.seq_id: SampleOut(t) for q, t in zip(seqs, greedy.cpu().tolist())}
+        outs = self.sampler(logits, seqs)
+        return {q.seq_id: o for q, o in zip(seqs, outs)}
 
     def forget(self, seq_id: int) -> None:
         self.sampler.forget(seq_id)
