@@ -76,18 +76,18 @@ def build_model(kind: str, out: Path, *, seed: int = 0, vocab: int = 384, templa
     bos = tok.token_to_id("<|endoftext|>")
     common = dict(vocab_size=tok.get_vocab_size(), bos_token_id=bos, eos_token_id=eos, pad_token_id=bos)
     if kind == "gpt2":
-        cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256, initializer_range=0.08,
-                         **common, **overrides)
+        cfg = GPT2Config(**{**dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, initializer_range=0.08),
+                            **common, **overrides})
         cls = GPT2LMHeadModel
     elif kind == "llama":
-        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.08,
-                          tie_word_embeddings=False, **common, **overrides)
+        cfg = LlamaConfig(**{**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                    initializer_range=0.08, tie_word_embeddings=False), **common, **overrides})
         cls = LlamaForCausalLM
     elif kind == "qwen2":
-        cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-                          num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.08,
-                          tie_word_embeddings=True, **common, **overrides)
+        cfg = Qwen2Config(**{**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
+                                    initializer_range=0.08, tie_word_embeddings=True), **common, **overrides})
         cls = Qwen2ForCausalLM
     else:
         raise ValueError(kind)
