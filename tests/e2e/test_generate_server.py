@@ -254,3 +254,25 @@ def test_full_queue_gets_429_and_deadline_504(slow_model_dir):
         limited = next(r for r in responses if r.status_code == 429)
         assert int(limited.headers["retry-after"]) >= 1 and limited.json()["error"]["type"] == "rate_limit_error"
         assert next(r for r in responses if r.status_code == 504).json()["error"]["code"] == "timeout"
+
+
+def test_repository_versions_and_zero_downtime_reload(tmp_path, model_dir):
+    import shutil
+
+    root = tmp_path / "repo"
+    (root / "chat" / "1").mkdir(parents=True)
+    (root / "chat" / "1" / "model.yaml").write_text(f"source: {model_dir}\nengine:\n  threads: 1\n")
+    with ServerProcess("--model-repository", str(root)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        kw = dict(model="chat", prompt="The target", max_tokens=150, temperature=0, extra_body={"ignore_eos": True})
+        reference = client.completions.create(**kw).choices[0].text
+        stream = client.completions.create(**kw, stream=True)
+        first = next(iter(stream))  # a stream in flight on version 1
+        shutil.copytree(root / "chat" / "1", root / "chat" / "2")
+        r = httpx.post(srv.url + "/models/chat/reload", timeout=60)
+        assert r.status_code == 200, r.text
+        rest = "".join(c.choices[0].text for c in stream if c.choices)
+        assert first.choices[0].text + rest == reference  # finished on the old version, whole
+        after = httpx.post(srv.url + "/v1/completions", json={**{k: v for k, v in kw.items() if k != "extra_body"},
+                                                             "ignore_eos": True, "max_tokens": 5})
+        assert after.status_code == 200 and after.headers["x-surge-model-version"] == "2"

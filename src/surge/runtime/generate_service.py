@@ -163,6 +163,12 @@ class GenerateService:
     def mark_ready(self) -> None:
         self.ready = True
 
+    async def warmup_request(self) -> None:
+        """One short generation through the whole path (the repository calls it before traffic)."""
+        prompt = self.encode("surge warm-up") or [0]
+        await self.generate(prompt[: max(1, self.max_model_len // 2)],
+                            SamplingParams(max_tokens=2, temperature=0.7, ignore_eos=True))
+
     async def embed(self, *args, **kwargs):
         raise InvalidInput(f"model '{self.name}' serves task 'generate', not 'embed'", param="model")
 

@@ -291,8 +291,10 @@ class ModelRepository:
             service = await asyncio.to_thread(self.loader, ventry)
             service.mark_ready()
             served = ServedModel(service)
-            # Warm-up through the full path (tokenizer, batcher, engine) before any traffic.
-            await served.embed(texts=[self.warmup_text])
+            # Warm-up through the full path (tokenizer, batcher, engine) before any traffic;
+            # a service of another task (generation) brings its own warm-up request.
+            warm = getattr(service, "warmup_request", None)
+            await (warm() if warm is not None else served.embed(texts=[self.warmup_text]))
         except Exception as exc:  # noqa: BLE001 - any failure is reported the same way
             reason = exc.message if isinstance(exc, SurgeError) else f"{type(exc).__name__}: {exc}"
             self._failed_fp[key] = ventry.fingerprint
