@@ -195,6 +195,11 @@ def test_kserve_generate_and_generate_stream(server, client):
         events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
     assert "".join(e["text_output"] for e in events) == text
     assert events[-1]["finish_reason"] in ("length", "stop")
+    meta = httpx.get(server.url + "/v2/models/chat-qwen")
+    assert meta.status_code == 200 and meta.json()["inputs"][0]["name"] == "text_input"
+    infer = httpx.post(server.url + "/v2/models/chat-qwen/infer",
+                       json={"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["hi"]}]})
+    assert infer.status_code == 400 and "generate" in infer.json()["error"]
     bad = httpx.post(server.url + "/v2/models/nope/generate", json={"text_input": "x"})
     assert bad.status_code == 404 and "error" in bad.json()
 

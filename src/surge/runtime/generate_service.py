@@ -163,6 +163,13 @@ class GenerateService:
     def mark_ready(self) -> None:
         self.ready = True
 
+    def kserve_metadata(self, versions: list[str]) -> dict:
+        """KServe model metadata: the generate extension's tensors (Triton's names)."""
+        caps = self.engine.capabilities
+        return {"name": self.name, "versions": versions, "platform": f"surge_{caps.device}", "task": self.task,
+                "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1]}],
+                "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [1]}]}
+
     async def warmup_request(self) -> None:
         """One short generation through the whole path (the repository calls it before traffic)."""
         prompt = self.encode("surge warm-up") or [0]
