@@ -64,6 +64,11 @@ class GRPCInferenceServiceStub:
                 request_serializer=surge_dot_server_dot_grpc_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
                 response_deserializer=surge_dot_server_dot_grpc_dot_grpc__service__pb2.ModelInferResponse.FromString,
                 _registered_method=True)
+        self.ModelConfig = channel.unary_unary(
+                '/inference.GRPCInferenceService/ModelConfig',
+                request_serializer=surge_dot_server_dot_grpc_dot_grpc__service__pb2.ModelConfigRequest.SerializeToString,
+                response_deserializer=surge_dot_server_dot_grpc_dot_grpc__service__pb2.ModelConfigResponse.FromString,
+                _registered_method=True)
         self.ModelStatistics = channel.unary_unary(
                 '/inference.GRPCInferenceService/ModelStatistics',
                 request_serializer=surge_dot_server_dot_grpc_dot_grpc__service__pb2.ModelStatisticsRequest.SerializeToString,
@@ -125,6 +130,12 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ModelConfig(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ModelStatistics(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -181,6 +192,11 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.ModelInfer,
                     request_deserializer=surge_dot_server_dot_grpc_dot_grpc__service__pb2.ModelInferRequest.FromString,
                     response_serializer=surge_dot_server_dot_grpc_dot_grpc__service__pb2.ModelInferResponse.SerializeToString,
+            ),
+            'ModelConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelConfig,
+                    request_deserializer=surge_dot_server_dot_grpc_dot_grpc__service__pb2.ModelConfigRequest.FromString,
+                    response_serializer=surge_dot_server_dot_grpc_dot_grpc__service__pb2.ModelConfigResponse.SerializeToString,
             ),
             'ModelStatistics': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelStatistics,
@@ -365,6 +381,33 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/ModelInfer',
             surge_dot_server_dot_grpc_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
             surge_dot_server_dot_grpc_dot_grpc__service__pb2.ModelInferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ModelConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/ModelConfig',
+            surge_dot_server_dot_grpc_dot_grpc__service__pb2.ModelConfigRequest.SerializeToString,
+            surge_dot_server_dot_grpc_dot_grpc__service__pb2.ModelConfigResponse.FromString,
             options,
             channel_credentials,
             insecure,
