@@ -176,6 +176,11 @@ class ModelFile(_Strict):
     description: str = Field("", description="Free text shown by GET /models.")
     ray: "RayDeploymentConfig | None" = Field(
         None, description="Ray Serve deployment (replicas, autoscaling, resources) under `surge serve --ray`.")
+    kind: Literal["hf", "onnx", "torch", "python"] = Field(
+        "hf", description="hf: a Hugging Face encoder (`source`); onnx, torch (.pt2), python (model.py): a tensor "
+        "model served by tensor name (KServe v2), see the `tensor` section.")
+    tensor: "TensorModelOptions" = Field(default_factory=lambda: TensorModelOptions(),
+                                         description="Kinds onnx, torch, python: file, inputs, outputs, batching.")
 
 
 PortType = Literal["text", "tokens", "vector", "label", "number", "ranking", "json", "any"]
@@ -268,5 +273,6 @@ def _deep_merge(base: dict, over: dict) -> dict:
 
 
 from surge.distributed.config import RayDeploymentConfig  # noqa: E402  (no Ray import: plain pydantic)
+from surge.models.tensor_config import TensorModelOptions  # noqa: E402  (plain pydantic)
 
 ModelFile.model_rebuild()

@@ -32,6 +32,7 @@ log = logging.getLogger("surge.repository")
 
 MODEL_YAML = "model.yaml"
 PIPELINE_YAML = "pipeline.yaml"
+CONFIG_PBTXT = "config.pbtxt"
 READY, LOADING, UNAVAILABLE = "READY", "LOADING", "UNAVAILABLE"
 
 
@@ -102,15 +103,23 @@ def scan_model(root: Path, name: str) -> ModelEntry:
     for sub in sorted(p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()):
         ventry = VersionEntry(name, str(int(sub.name)), sub)
         own = sub / MODEL_YAML
+        # Triton's config.pbtxt (in the version directory, or the model's) stands in for a model.yaml.
+        pbtxt = next((p for p in (sub / CONFIG_PBTXT, model_dir / CONFIG_PBTXT) if p.is_file()), None)
         texts = [shared_file.read_bytes() if shared_file.is_file() else b""]
         try:
             if own.is_file():
                 texts.append(own.read_bytes())
                 ventry.config = load_yaml_file(own, ModelFile, merge_with=shared)
+            elif pbtxt is not None:
+                from surge.models.config_pbtxt import load_model_file
+
+                texts.append(pbtxt.read_bytes())
+                ventry.config = load_model_file(pbtxt, merge_with=shared)
             elif shared_file.is_file():
                 ventry.config = ModelFile.model_validate(shared)
             else:
-                raise ConfigError(f"{own}: file missing (each version needs a model.yaml, or put one in {model_dir})")
+                raise ConfigError(f"{own}: file missing (each version needs a model.yaml or a config.pbtxt, "
+                                  f"or put one in {model_dir})")
             for path in (ventry.source_dir, ventry.artifact_dir):
                 if path is not None and not path.is_dir():
                     field_name = "source" if path == ventry.source_dir else "artifact"
@@ -195,6 +204,8 @@ class ModelRepository:
                 state, reason = UNAVAILABLE, ventry.error
             else:  # edited into an invalid file while serving: the loaded build stays
                 reason = f"the loaded build keeps serving; {ventry.error}"
+        if served is not None and not reason and getattr(served, "last_error", ""):
+            reason = served.last_error  # e.g. a python model's worker that crashed and was restarted
         serving = served is not None and _is_routed(self.registry, name, served)
         return {"name": name, "version": version, "state": state, "reason": reason,
                 "serving": serving, "inflight": served.inflight if served else 0}
@@ -292,7 +303,10 @@ class ModelRepository:
             service.mark_ready()
             served = ServedModel(service)
             # Warm-up through the full path (tokenizer, batcher, engine) before any traffic.
-            await served.embed(texts=[self.warmup_text])
+            if getattr(service, "task", "embed") == "tensor":
+                await service.warmup()  # random tensors of batch 1 (kinds onnx, torch)
+            else:
+                await served.embed(texts=[self.warmup_text])
         except Exception as exc:  # noqa: BLE001 - any failure is reported the same way
             reason = exc.message if isinstance(exc, SurgeError) else f"{type(exc).__name__}: {exc}"
             self._failed_fp[key] = ventry.fingerprint

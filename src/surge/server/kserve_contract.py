@@ -274,6 +274,8 @@ def server_metadata() -> dict:
 
 
 def model_metadata(service, versions: list[str]) -> dict:
+    if getattr(service, "task", "embed") == "tensor":  # onnx, torch, python: their own tensors
+        return service.config.metadata(versions)
     ids = {"datatype": "INT64", "shape": [-1, -1]}
     return {
         "name": service.name,

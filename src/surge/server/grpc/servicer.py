@@ -15,6 +15,7 @@ import grpc
 
 from surge.errors import InvalidInput, NotFound, SurgeError
 from surge.server import kserve_contract as contract
+from surge.server import kserve_tensor
 from surge.server.grpc import grpc_service_pb2 as pb
 from surge.server.grpc import grpc_service_pb2_grpc as pb_grpc
 from surge.server.state import AppState
@@ -140,6 +141,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         service = self.registry.get(request.model_name, request.model_version or None)
         outputs = [(o.name, parameters(o.parameters)) for o in request.outputs]
+        if kserve_tensor.is_tensor_model(service):
+            return await self._tensor_infer(service, request, outputs)
         decoded = contract.decode_request(decode_inputs(request), parameters(request.parameters), outputs,
                                           self.limits.max_inputs_per_request, self.limits.max_input_chars)
         result = await self.state.run(service, texts=decoded.texts, token_ids=decoded.token_ids,
@@ -150,6 +153,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         response.outputs.add(name=contract.EMBEDDING, datatype=decoded.output_datatype, shape=list(array.shape))
         response.raw_output_contents.append(array.tobytes())
         return response
+
+    async def _tensor_infer(self, service, request, outputs):
+        inputs = kserve_tensor.to_arrays(decode_inputs(request))
+        result = await kserve_tensor.run(self.state, service, inputs, kserve_tensor.check_outputs(outputs))
+        response = pb.ModelInferResponse(model_name=result.model, model_version=result.version, id=request.id)
+        for name, array in result.outputs.items():
+            response.outputs.add(name=name, datatype=kserve_tensor.datatype_of(array), shape=list(array.shape))
+            response.raw_output_contents.append(kserve_tensor.raw_bytes(array))
+        return response
+
+    @_rpc
+    async def ModelConfig(self, request, context):
+        service = self.registry.get(request.name, request.version or None)
+        return pb.ModelConfigResponse(config=kserve_tensor.model_config_proto(service))
 
     @_rpc
     async def ModelStatistics(self, request, context):

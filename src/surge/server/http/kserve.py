@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, Va
 
 from surge.errors import InvalidInput, NotFound
 from surge.server import kserve_contract as contract
+from surge.server import kserve_tensor
 from surge.server.http.common import ORJSONResponse, decode_json, read_body
 from surge.server.state import AppState
 
@@ -155,6 +156,12 @@ def router(state: AppState) -> APIRouter:
     r.get("/v2/models/{name}")(model_metadata)
     r.get("/v2/models/{name}/versions/{version}")(model_metadata)
 
+    async def model_config(name: str, version: str | None = None):
+        return ORJSONResponse(kserve_tensor.model_config(registry.get(name, version)))
+
+    r.get("/v2/models/{name}/config")(model_config)
+    r.get("/v2/models/{name}/versions/{version}/config")(model_config)
+
     async def model_ready(name: str, version: str | None = None):
         service = registry.get(name, version)
         if not service.ready:
@@ -170,6 +177,8 @@ def router(state: AppState) -> APIRouter:
                                     request.headers.get(HEADER_LENGTH))
         req = _validate(_InferRequest, decode_json(header))
         outputs = [(o.name, o.parameters) for o in req.outputs or []]
+        if kserve_tensor.is_tensor_model(service):
+            return await tensor_infer(service, req, binary, outputs)
         decoded = contract.decode_request(decode_inputs(req.inputs, binary), req.parameters, outputs,
                                           limits.max_inputs_per_request, limits.max_input_chars)
         result = await state.run(service, texts=decoded.texts, token_ids=decoded.token_ids,
@@ -194,6 +203,31 @@ def router(state: AppState) -> APIRouter:
         head = orjson.dumps(body)
         headers["Inference-Header-Content-Length"] = str(len(head))
         return Response(head + raw, media_type="application/octet-stream", headers=headers)
+
+    async def tensor_infer(service, req: _InferRequest, binary: bytes, outputs: list[tuple[str, dict]]):
+        inputs = kserve_tensor.to_arrays(decode_inputs(req.inputs, binary))
+        result = await kserve_tensor.run(state, service, inputs, kserve_tensor.check_outputs(outputs))
+        binary_default = bool(req.parameters.get("binary_data_output", False))
+        wants = {n: bool(p.get("binary_data", binary_default)) for n, p in outputs}
+        body = {"model_name": result.model, "model_version": result.version, "outputs": []}
+        if req.id is not None:
+            body["id"] = req.id
+        raws = []
+        for out_name, array in result.outputs.items():
+            out = {"name": out_name, "datatype": kserve_tensor.datatype_of(array), "shape": list(array.shape)}
+            if wants.get(out_name, binary_default):
+                raw = kserve_tensor.raw_bytes(array)
+                out["parameters"] = {"binary_data_size": len(raw)}
+                raws.append(raw)
+            else:
+                out["data"] = kserve_tensor.json_data(array)
+            body["outputs"].append(out)
+        headers = {"x-surge-model-version": result.version}
+        if not raws:
+            return ORJSONResponse(body, headers=headers)
+        head = orjson.dumps(body)
+        headers["Inference-Header-Content-Length"] = str(len(head))
+        return Response(head + b"".join(raws), media_type="application/octet-stream", headers=headers)
 
     r.post("/v2/models/{name}/infer")(infer)
     r.post("/v2/models/{name}/versions/{version}/infer")(infer)
