@@ -42,6 +42,10 @@ class _Died(Exception):
     pass
 
 
+class _Hung(Exception):  # not TimeoutError: that is an OSError, which means a broken pipe here
+    pass
+
+
 class PythonWorker:
     """One model.py process. Sync API, used from one executor thread at a time."""
 
@@ -72,7 +76,7 @@ class PythonWorker:
             msg = self._wait(time.monotonic() + self.init_timeout_s)
         except _Died as exc:
             raise EngineError(f"model.py of '{self.name}': the worker {exc} during initialize") from None
-        except TimeoutError:
+        except _Hung:
             self.kill()
             raise EngineError(f"model.py of '{self.name}': initialize did not finish within "
                               f"{self.init_timeout_s:g} s") from None
@@ -94,7 +98,7 @@ class PythonWorker:
             try:
                 self.conn.send(("stop",))
                 self._wait(time.monotonic() + timeout_s)
-            except (_Died, TimeoutError, OSError):
+            except (_Died, _Hung, OSError):
                 pass
         self.kill()
 
@@ -103,13 +107,17 @@ class PythonWorker:
         while True:
             left = deadline - time.monotonic()
             try:
-                if left <= 0 or not self.conn.poll(left):
-                    raise TimeoutError
-                msg = self.conn.recv()
+                ready = left > 0 and self.conn.poll(left)
+                msg = self.conn.recv() if ready else None
             except (EOFError, OSError, ConnectionError):
-                code = self.proc.wait(timeout=10) if self.proc is not None else None
+                try:
+                    code = self.proc.wait(timeout=10) if self.proc is not None else None
+                except subprocess.TimeoutExpired:  # the pipe broke but the process lives on
+                    code = "none (it closed its pipe)"
                 self.kill()
                 raise _Died(f"exited with code {code}") from None
+            if msg is None:
+                raise _Hung
             if msg[0] != "call":
                 return msg
             self._serve_call(msg, deadline)
@@ -137,7 +145,7 @@ class PythonWorker:
         try:
             self.conn.send(("exec", [(r, None, {}) for r in requests]))
             msg = self._wait(time.monotonic() + self.timeout_s)
-        except TimeoutError:
+        except _Hung:
             self.kill()
             why = f"execute did not finish within {self.timeout_s:g} s"
             self._restart(why)
