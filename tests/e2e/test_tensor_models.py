@@ -274,3 +274,16 @@ def test_python_model_calls_another_model_through_the_in_process_client(repo, cl
 def test_embedding_routes_refuse_tensor_models_naming_the_task(http):
     r = http.post("/v1/embeddings", json={"model": "mlp", "input": "hello"})
     assert r.status_code == 400 and "serves task 'tensor', not 'embed'" in r.text
+
+
+def test_python_models_as_pipeline_steps(repo, http):
+    sess = ort.InferenceSession(str(repo / "mlp" / "1" / "model.onnx"))
+    x = np.abs(np.random.default_rng(23).standard_normal(8)).astype(np.float32)
+    r = http.post("/pipelines/scaled_route", json={"inputs": {"features": x.tolist()}})
+    assert r.status_code == 200, r.text
+    out = r.json()["outputs"]
+    probs, top = sess.run(["probs", "top"], {"x": x[None] * 3, "bias": np.zeros((1, 1), np.int64)})
+    np.testing.assert_allclose(out["scaled"], x * 3, rtol=1e-6)
+    np.testing.assert_allclose(out["probs"], probs[0], rtol=1e-5, atol=1e-6)
+    assert out["label"] == ["abcde"[top[0]]] or out["label"] == "abcde"[top[0]]
+    assert r.json()["models"] == {"scale": "1", "router": "1"}

@@ -55,3 +55,18 @@ def fixed_onnx(path: Path, seed: int = 1) -> None:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.save(model, str(path))
+
+
+def embed_onnx(path: Path, seed: int = 2, vocab: int = 10, dim: int = 4) -> np.ndarray:
+    """ids INT64 [N, L] -> mean FP32 [N, dim]: mean of table rows (Gather: an id >= vocab is an error)."""
+    table = np.random.default_rng(seed).standard_normal((vocab, dim)).astype(np.float32)
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["rows"], axis=0),
+             helper.make_node("ReduceMean", ["rows", "axes"], ["mean"], keepdims=0)]
+    graph = helper.make_graph(nodes, "embed", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", "L"])],
+                              [helper.make_tensor_value_info("mean", TensorProto.FLOAT, ["N", dim])],
+                              [numpy_helper.from_array(table, "table"),
+                               numpy_helper.from_array(np.array([1], np.int64), "axes")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return table

@@ -98,6 +98,16 @@ instance_group [ { count: 1 kind: KIND_CPU } ]
 """
 
 
+# Two python models as pipeline steps: scale x by 3, then route the result through the mlp.
+PIPELINE = """
+inputs: {features: any}
+nodes:
+  - {name: scaled, model: scale, inputs: {x: input.features}}
+  - {name: routed, model: router, inputs: {x: scaled.y}}
+outputs: {scaled: scaled.y, label: routed.label, probs: routed.probs}
+"""
+
+
 def write(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(textwrap.dedent(text))
@@ -119,6 +129,7 @@ def build_repository(root: Path, *, with_minilm: bool = True, timeout_s: float =
     write(root / "initfail" / "1" / "model.yaml", PY_DECL % {"timeout": 10})
     write(root / "broken" / "1" / "model.onnx", "this is not an onnx file")
     write(root / "broken" / "1" / "model.yaml", "kind: onnx\n")
+    write(root / "scaled_route" / "pipeline.yaml", PIPELINE)
     if with_minilm:
         write(root / "minilm" / "1" / "model.yaml", "engine: {threads: 1, warmup_shapes: [[1, 8]]}\n")
     return root

@@ -115,7 +115,7 @@ def model_file_dict(path: Path) -> tuple[dict, list[str]]:
                 raise ConfigError(f"{path}: field '{field}': each entry needs name and data_type", param=field)
             d = {"name": t["name"], "datatype": t["data_type"], "dims": [int(x) for x in _list(t.get("dims"))]}
             if "reshape" in t:
-                d["dims"] = [int(x) for x in _list(t["reshape"].get("shape"))] or d["dims"]
+                d["dims"] = [int(x) for x in _list((t["reshape"] or {}).get("shape"))]  # what surge serves
             if t.get("optional"):
                 d["optional"] = True
             out.append(d)

@@ -183,7 +183,8 @@ async def load_pipeline(name: str, file: Path, registry) -> Pipeline:
                                   param=f"{where}.inputs.{port}")
             wiring[n.name][port] = ref
         missing = node.required_inputs(set(n.inputs)) - set(n.inputs)
-        if n.model and len({"text", "tokens"} & set(n.inputs)) != 1:
+        embeds = n.model and {"text", "tokens"} <= set(node.inputs)  # tensor models have their own ports
+        if embeds and len({"text", "tokens"} & set(n.inputs)) != 1:
             missing = {"text or tokens (exactly one)"}
         if node.variadic == "vector" and not n.inputs:
             missing = {"at least one vector"}
