@@ -287,3 +287,24 @@ def test_python_models_as_pipeline_steps(repo, http):
     np.testing.assert_allclose(out["probs"], probs[0], rtol=1e-5, atol=1e-6)
     assert out["label"] == ["abcde"[top[0]]] or out["label"] == "abcde"[top[0]]
     assert r.json()["models"] == {"scale": "1", "router": "1"}
+
+
+def test_surge_serve_an_onnx_file(tmp_path):
+    """`surge serve model.onnx`: the graph's contract, batched, results equal onnxruntime."""
+    from tests.tensor.graphs import mlp_onnx
+
+    path = tmp_path / "classifier.onnx"
+    mlp_onnx(path, seed=4)
+    sess = ort.InferenceSession(str(path))
+    req = mlp_inputs(np.random.default_rng(24), 3)
+    with ServerProcess(str(path), "--threads", "1") as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+        meta = c.get("/v2/models/classifier").json()
+        assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 8]},
+                                  {"name": "bias", "datatype": "INT64", "shape": [-1, 1]}]
+        assert c.get("/v2/models/classifier/config").json()["max_batch_size"] == 64
+        client = thttp.InferenceServerClient(srv.url.removeprefix("http://"))
+        try:
+            res = infer(thttp, client, "classifier", req)
+        finally:
+            client.close()
+        np.testing.assert_allclose(res.as_numpy("probs"), sess.run(["probs"], req)[0], rtol=1e-5, atol=1e-6)

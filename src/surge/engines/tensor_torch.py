@@ -103,23 +103,27 @@ class TorchTensorEngine:
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         try:
-            args = self._to_device(feeds)
-            n = args[0].shape[0] if args and args[0].dim() else None
-            bucket = self._bucket(n) if self.graphs and n is not None else None
-            if bucket is None:
-                return self._to_numpy(self._eager(args), None)
-            with self._lock:
-                graph, static_in, static_out = self.graphs[bucket]
-                for s, a in zip(static_in, args):
-                    s[:n].copy_(a)
-                graph.replay()
-                return self._to_numpy(static_out, n)
+            with self.torch.inference_mode():  # the CUDA graphs' static buffers are inference tensors
+                return self._run(feeds)
         except (RuntimeError, ValueError) as exc:
             msg = str(exc).strip().splitlines()[0][:300] if str(exc) else type(exc).__name__
             # Guard failures of the exported program are shapes it was not exported for: the client's error.
             if "guard" in msg.lower() or "shape" in msg.lower() or "size" in msg.lower():
                 raise InvalidInput(f"the model rejected the inputs: {msg}") from None
             raise EngineError(f"inference failed: {msg}") from None
+
+    def _run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        args = self._to_device(feeds)
+        n = args[0].shape[0] if args and args[0].dim() else None
+        bucket = self._bucket(n) if self.graphs and n is not None else None
+        if bucket is None:
+            return self._to_numpy(self._eager(args), None)
+        with self._lock:
+            graph, static_in, static_out = self.graphs[bucket]
+            for s, a in zip(static_in, args):
+                s[:n].copy_(a)
+            graph.replay()
+            return self._to_numpy(static_out, n)
 
     def _bucket(self, n: int) -> int | None:
         for b in sorted(self.graphs):

@@ -138,8 +138,6 @@ def _prune_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
     kept = [t for t in model.graph.initializer if t.name in used]
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept)
-    for n in list(model.graph.node):  # Identity of a dropped initializer (the exporter adds them)
-        pass
     return model
 
 
