@@ -271,6 +271,15 @@ def test_python_model_calls_another_model_through_the_in_process_client(repo, cl
             ["abcde"[i] for i in top]
 
 
+def test_python_model_embeds_through_the_client(clients, http):
+    texts = ["turn on the kitchen lights", "what is the weather tomorrow"]
+    want = np.array(http.post("/embed", json={"inputs": texts, "model": "minilm"}).json()["embeddings"], np.float32)
+    mod, client = clients[1]
+    arr = np.array([[t.encode()] for t in texts], dtype=object)
+    got = infer(mod, client, "embedder", {"text": arr}).as_numpy("vec")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_embedding_routes_refuse_tensor_models_naming_the_task(http):
     r = http.post("/v1/embeddings", json={"model": "mlp", "input": "hello"})
     assert r.status_code == 400 and "serves task 'tensor', not 'embed'" in r.text

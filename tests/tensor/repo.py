@@ -73,6 +73,23 @@ tensor:
   outputs: [{name: probs, datatype: FP32, dims: [5]}, {name: label, datatype: BYTES, dims: []}]
 """
 
+# Calls an embedding model through the client: BYTES text in, its MiniLM vector out.
+EMBEDDER_PY = '''
+from surge.models.python_backend import client
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [{"vec": client.embed("minilm", [t.decode() for t in r.input("text").ravel()])} for r in requests]
+'''
+
+EMBEDDER_DECL = """kind: python
+tensor:
+  max_batch_size: 4
+  inputs: [{name: text, datatype: BYTES, dims: [1]}]
+  outputs: [{name: vec, datatype: FP32, dims: [384]}]
+"""
+
 COUNT_PY = '''
 class TritonPythonModel:
     def execute(self, requests):
@@ -131,5 +148,7 @@ def build_repository(root: Path, *, with_minilm: bool = True, timeout_s: float =
     write(root / "broken" / "1" / "model.yaml", "kind: onnx\n")
     write(root / "scaled_route" / "pipeline.yaml", PIPELINE)
     if with_minilm:
+        write(root / "embedder" / "1" / "model.py", EMBEDDER_PY)
+        write(root / "embedder" / "1" / "model.yaml", EMBEDDER_DECL)
         write(root / "minilm" / "1" / "model.yaml", "engine: {threads: 1, warmup_shapes: [[1, 8]]}\n")
     return root
