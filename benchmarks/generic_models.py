@@ -41,25 +41,26 @@ def _row(rows, name, batch, ms, **extra):
                  **extra})
 
 
-def cpu_resnet(threads: int, iters1: int, iters32: int, work: Path) -> list[dict]:
+def cpu_resnet(threads: int, iters1: int, iters32: int, work: Path, layers=(3, 4, 6, 3), size: int = 224,
+               calib_n: int = 16) -> list[dict]:
     import onnx
     import onnxruntime as ort
     import torch
 
-    from surge.models.vision import export_onnx, resnet50
+    from surge.models.vision import export_onnx, resnet
     from surge.optimize.vision import fold_batchnorm, fuse_conv_add_relu, quantize_int8
 
     torch.set_num_threads(threads)
     t = time.time()
-    export_onnx(resnet50(seed=0), work / "raw.onnx", 224)
+    export_onnx(resnet(layers, 64, 1000, seed=0), work / "raw.onnx", size)
     raw = onnx.load(str(work / "raw.onnx"))
     print(f"export {time.time() - t:.1f} s", flush=True)
     rng = np.random.default_rng(0)
     folded, n_fold = fold_batchnorm(raw)
     fused, n_fuse = fuse_conv_add_relu(folded)
-    calib = {"pixels": rng.standard_normal((32, 3, 224, 224)).astype(np.float32)}
+    calib = {"pixels": rng.standard_normal((calib_n, 3, size, size)).astype(np.float32)}
     t = time.time()
-    int8 = quantize_int8(folded, calib, work / "q")
+    int8 = quantize_int8(folded, calib, work / "q", batch=8)
     print(f"folded {n_fold}, fused {n_fuse}; int8 calibration {time.time() - t:.1f} s", flush=True)
 
     def session(model):
@@ -70,12 +71,12 @@ def cpu_resnet(threads: int, iters1: int, iters32: int, work: Path) -> list[dict
 
     sessions = {"ORT on the raw export (baseline)": session(raw), "surge optimized FP32": session(fused),
                 "surge INT8 (static QDQ)": session(int8)}
-    check = rng.standard_normal((64, 3, 224, 224)).astype(np.float32)
+    check = rng.standard_normal((64, 3, size, size)).astype(np.float32)
     ref = np.concatenate([sessions["ORT on the raw export (baseline)"].run(None, {"pixels": check[i:i + 16]})[0]
                           for i in range(0, 64, 16)])
     rows = []
     for batch, iters in ((1, iters1), (32, iters32)):
-        x = rng.standard_normal((batch, 3, 224, 224)).astype(np.float32)
+        x = rng.standard_normal((batch, 3, size, size)).astype(np.float32)
         times = {k: [] for k in sessions}
         for s in sessions.values():  # warm-up at this batch size
             s.run(None, {"pixels": x})
@@ -207,6 +208,8 @@ def main() -> None:
     ap.add_argument("--py-iters", type=int, default=500)
     ap.add_argument("--skip-python", action="store_true")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--layers", default="3,4,6,3", help="ResNet blocks per stage (3,4,6,3: ResNet-50)")
+    ap.add_argument("--size", type=int, default=224)
     args = ap.parse_args()
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_name(), "threads": args.threads,
               "load_average": os.getloadavg()}
@@ -219,7 +222,9 @@ def main() -> None:
             result["resnet50_gpu"] = gpu_resnet(args.iters1 * 3, args.iters32 * 4, work)
             print(table(result["resnet50_gpu"]), flush=True)
         else:
-            result["resnet50_cpu"] = cpu_resnet(args.threads, args.iters1, args.iters32, work)
+            layers = tuple(int(v) for v in args.layers.split(","))
+            result["resnet_layers"], result["image_size"] = list(layers), args.size
+            result["resnet50_cpu"] = cpu_resnet(args.threads, args.iters1, args.iters32, work, layers, args.size)
             print(table(result["resnet50_cpu"]), flush=True)
         if not args.skip_python:
             result["python_backend"] = python_overhead(args.py_iters, work)
