@@ -317,3 +317,16 @@ def test_surge_serve_an_onnx_file(tmp_path):
         finally:
             client.close()
         np.testing.assert_allclose(res.as_numpy("probs"), sess.run(["probs"], req)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_surge_serve_a_model_py_with_its_model_yaml(repo):
+    """`surge serve DIR/1/model.py`: tensors declared by the model.yaml beside it; served as 'scale'."""
+    x = np.abs(np.random.default_rng(25).standard_normal((2, 8))).astype(np.float32)
+    with ServerProcess(str(repo / "scale" / "1" / "model.py"), grpc=True) as srv:
+        client = tgrpc.InferenceServerClient(srv.grpc_url)
+        try:
+            np.testing.assert_allclose(infer(tgrpc, client, "scale", {"x": x}).as_numpy("y"), x * 3, rtol=1e-6)
+            cfg = client.get_model_config("scale").config
+            assert cfg.backend == "python" and cfg.max_batch_size == 8 and cfg.input[0].name == "x"
+        finally:
+            client.close()

@@ -209,6 +209,18 @@ def load_tensor_file(config: ServerConfig, path: Path):
     from surge.runtime.tensor_loader import build_tensor_service, kind_of_path
 
     path = Path(path).resolve()
-    name = config.model_name or (path.parent.name if path.stem == "model" else path.stem)
-    return build_tensor_service(name, "1", kind_of_path(path), path, TensorModelOptions(), config.engine,
-                                config.batching, config.cache, config.limits)
+    folder = path.parent.parent if path.parent.name.isdigit() else path.parent  # <name>/<version>/model.onnx
+    name = config.model_name or (folder.name if path.stem == "model" else path.stem)
+    # A model.yaml or config.pbtxt beside the file declares what the graph cannot (a python model's tensors).
+    opts, engine, batching = TensorModelOptions(), config.engine, config.batching
+    beside = next((p for p in (path.parent / "model.yaml", path.parent / "config.pbtxt") if p.is_file()), None)
+    if beside is not None:
+        from surge.config import ModelFile, load_yaml_file
+        from surge.models.config_pbtxt import load_model_file
+
+        mf = load_yaml_file(beside, ModelFile) if beside.suffix == ".yaml" else load_model_file(beside)
+        opts, batching = mf.tensor, mf.batching or batching
+        if "engine" in mf.model_fields_set:
+            engine = mf.engine
+    return build_tensor_service(name, "1", kind_of_path(path), path, opts, engine, batching, config.cache,
+                                config.limits)
