@@ -154,7 +154,8 @@ def test_wrong_byte_size_is_400(http):
         {"name": "x", "datatype": "FP32", "shape": [1, 8], "parameters": {"binary_data_size": 28}},
         {"name": "bias", "datatype": "INT64", "shape": [1, 1], "data": [1]}]}).encode()
     r = http.post("/v2/models/mlp/infer", content=header + x.tobytes()[:28],
-                  headers={"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"})
+                  headers={"Inference-Header-Content-Length": str(len(header)),
+                           "Content-Type": "application/octet-stream"})
     assert r.status_code == 400 and "needs 32" in r.json()["error"]
 
 

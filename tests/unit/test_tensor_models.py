@@ -55,7 +55,8 @@ def test_config_pbtxt_maps_onto_a_model_file(tmp_path):
     assert ignored == ["version_policy"]
     mf = load_model_file(tmp_path / "config.pbtxt")
     assert mf.kind == "onnx" and mf.tensor.max_batch_size == 8
-    assert [(t.name, t.datatype, t.dims) for t in mf.tensor.outputs] == [("logits", "FP32", [10]), ("label", "BYTES", [])]
+    assert [(t.name, t.datatype, t.dims) for t in mf.tensor.outputs] == [("logits", "FP32", [10]),
+                                                                        ("label", "BYTES", [])]
     assert mf.batching.enabled and mf.batching.max_queue_delay_ms == pytest.approx(0.3)
     assert mf.engine.instances == 2 and mf.engine.device == "cuda:1"
     assert mf.tensor.parameters == {"threshold": "0.5"}

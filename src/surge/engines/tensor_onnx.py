@@ -88,7 +88,9 @@ class OnnxTensorEngine:
         out = {}
         for n, v in zip(names, got):
             v = np.asarray(v)
-            out[n] = np.array([s.encode() for s in v.ravel()], dtype=object).reshape(v.shape) if v.dtype.kind in "UO" else v
+            if v.dtype.kind in "UO":  # ORT returns strings as str: BYTES travel as bytes
+                v = np.array([s.encode() for s in v.ravel()], dtype=object).reshape(v.shape)
+            out[n] = v
         return out
 
     def close(self) -> None:

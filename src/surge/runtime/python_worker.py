@@ -149,7 +149,8 @@ class PythonWorker:
             self.kill()
             why = f"execute did not finish within {self.timeout_s:g} s"
             self._restart(why)
-            return [DeadlineExceeded(f"model '{self.name}': {why}; its worker was killed and restarted")] * len(requests)
+            err = DeadlineExceeded(f"model '{self.name}': {why}; its worker was killed and restarted")
+            return [err] * len(requests)
         except (_Died, OSError) as exc:
             why = f"the model.py worker {exc} during execute"
             self._restart(why)

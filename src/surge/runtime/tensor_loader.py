@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from surge.config import BatchingConfig, CacheConfig, EngineConfig, LimitsConfig
-from surge.errors import ConfigError, EngineError
+from surge.errors import ConfigError
 from surge.models.tensor_config import (DEFAULT_FILES, TensorModelConfig, TensorModelOptions, TensorSpec,
                                         specs_from_decls)
 from surge.runtime.tensor_service import StackedBackend, TensorModelService
@@ -127,5 +127,3 @@ def attach_registry(service, registry) -> None:
     if attach is not None:
         attach(registry)
 
-
-__all__ = ["build_tensor_service", "kind_of_path", "model_path", "attach_registry", "EngineError"]

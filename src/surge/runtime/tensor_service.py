@@ -342,8 +342,9 @@ class StackedBackend:
                 for i in idx:
                     self._run_group(requests, [i], results)
                 return
+            last = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else ""
             results[idx[0]] = exc if isinstance(exc, SurgeError) else EngineError(
-                f"inference failed: {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300] if str(exc) else ''}")
+                f"inference failed: {type(exc).__name__}: {last}")
 
     def close(self) -> None:
         self.engine.close()
