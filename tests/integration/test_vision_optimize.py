@@ -13,7 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from surge.models.vision import SmallCNN, export_onnx, resnet, shapes_dataset, train  # noqa: E402
-from surge.optimize.vision import fold_batchnorm, fuse_conv_add_relu, optimize_vision, run  # noqa: E402
+from surge.optimize.vision import (fold_batchnorm, fuse_conv_add_relu, optimize_vision, run,  # noqa: E402
+                                   save_candidate)
 
 
 def ops(model):
@@ -66,6 +67,26 @@ def test_every_precision_passes_the_gate_on_the_trained_cnn(trained, tmp_path):
     # FP16 block list: the blocked op types still compute in FP32
     fp16 = by["fp16"].model
     assert any(t.data_type == onnx.TensorProto.FLOAT16 for t in fp16.graph.initializer)
+    # The gated INT8 graph, written as a repository version, serves as kind onnx with the same outputs.
+    import asyncio
+
+    from surge.config import BatchingConfig, CacheConfig, EngineConfig, ModelFile, load_yaml_file
+    from surge.runtime.tensor_loader import build_tensor_service
+
+    vdir = save_candidate(report, "int8", tmp_path / "repo" / "cnn" / "1")
+    mf = load_yaml_file(vdir / "model.yaml", ModelFile)
+
+    async def serve():
+        s = build_tensor_service("cnn", "1", mf.kind, vdir / "model.onnx", mf.tensor, EngineConfig(threads=1),
+                                 BatchingConfig(), CacheConfig(enabled=False), None)
+        await s.warmup()
+        s.mark_ready()
+        got = (await s.infer({"pixels": val_x[:8]})).outputs["logits"]
+        await s.close()
+        return got
+
+    np.testing.assert_allclose(asyncio.run(serve()), run(by["int8"].model, {"pixels": val_x[:8]}), rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_the_gate_rejects_a_badly_calibrated_int8(trained, tmp_path):
@@ -76,3 +97,5 @@ def test_the_gate_rejects_a_badly_calibrated_int8(trained, tmp_path):
     cand = report.candidates[0]
     assert not cand.passed and cand.top1_agreement < 0.97 and "gate" in cand.note
     assert report.best("int8") is None
+    with pytest.raises(ValueError, match="no int8 candidate passed the gate"):
+        save_candidate(report, "int8", tmp_path / "never")

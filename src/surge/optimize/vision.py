@@ -251,3 +251,27 @@ def optimize_vision(model: onnx.ModelProto, calibration: dict[str, np.ndarray], 
                                            "" if ok else f"gate: top-1 agreement {agree:.3f} < {min_top1_agreement}"
                                            if agree < min_top1_agreement else "gate: accuracy dropped"))
     return report
+
+
+def save_candidate(report: VisionReport, name: str, version_dir: Path, max_batch_size: int = 32) -> Path:
+    """Write a gated candidate as a repository version: model.onnx, model.yaml (kind onnx), manifest.json.
+
+    Only a candidate that passed the gate is written (ValueError otherwise), so a
+    repository never serves a graph that failed its accuracy check."""
+    import json
+
+    cand = report.best(name)
+    if cand is None:
+        tried = next((c for c in report.candidates if c.name == name), None)
+        raise ValueError(f"no {name} candidate passed the gate" + (f": {tried.note}" if tried else ""))
+    version_dir = Path(version_dir)
+    version_dir.mkdir(parents=True, exist_ok=True)
+    onnx.save(cand.model, str(version_dir / "model.onnx"))
+    (version_dir / "model.yaml").write_text(
+        f"kind: onnx\ndescription: surge optimize (vision) {name}, top-1 agreement {cand.top1_agreement:.4f}\n"
+        f"tensor: {{max_batch_size: {max_batch_size}}}\n")
+    manifest = {"precision": name, "top1_agreement": cand.top1_agreement, "accuracy": cand.accuracy,
+                "reference_accuracy": report.reference_accuracy, "batchnorm_folded": report.folded,
+                "convs_fused": report.fused, "model_file": "model.onnx"}
+    (version_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return version_dir
