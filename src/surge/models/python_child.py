@@ -74,7 +74,24 @@ def _load(spec: dict):
     return model
 
 
+def _exit_with_parent(parent: int) -> None:
+    """A hung execute() must not outlive the server: exit once the parent is gone (re-parented)."""
+    import os
+    import threading
+    import time
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="surge-parent-watch", daemon=True).start()
+
+
 def main(fd: int) -> None:
+    import os
+
+    _exit_with_parent(os.getppid())
     conn = Connection(fd)
     api.client._conn = conn
     model = None
