@@ -142,6 +142,8 @@ class PythonWorker:
         """One result per request: its outputs, or a SurgeError for it alone."""
         if self.conn is None:
             self._restart("it was not running")
+            if self.conn is None:  # initialize keeps failing: say why, for every request
+                return [NotReady(f"model '{self.name}' is not available: {self.last_error}")] * len(requests)
         try:
             self.conn.send(("exec", [(r, None, {}) for r in requests]))
             msg = self._wait(time.monotonic() + self.timeout_s)
