@@ -16,7 +16,7 @@ def register(app: typer.Typer) -> None:
 
 
 def serve(
-    model_dir: Optional[Path] = typer.Argument(None, envvar="SURGE_MODEL_DIR", help="Hugging Face model directory (default: the bundled all-MiniLM-L6-v2)."),
+    model_dir: Optional[Path] = typer.Argument(None, envvar="SURGE_MODEL_DIR", help="Hugging Face model directory (default: the bundled all-MiniLM-L6-v2), or a tensor model file: .onnx, .pt2 (torch.export) or model.py."),
     artifact: Optional[Path] = typer.Option(None, "--artifact", envvar="SURGE_ARTIFACT", help="Serve an artifact written by `surge optimize` (instead of MODEL_DIR)."),
     host: str = typer.Option("127.0.0.1", envvar="SURGE_HOST", help="Address to bind."),
     port: int = typer.Option(8000, envvar="SURGE_PORT", help="HTTP port."),
