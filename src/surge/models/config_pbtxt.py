@@ -166,6 +166,9 @@ def load_model_file(path: Path, merge_with: dict | None = None):
 
     data, ignored = model_file_dict(path)
     if ignored:
+        import logging
+
+        logging.getLogger("surge.repository").warning("%s: fields not used by surge: %s", path, ", ".join(ignored))
         data["description"] = f"from {Path(path).name} (not used: {', '.join(ignored)})"
     try:
         return ModelFile.model_validate(_deep_merge(merge_with or {}, data))
