@@ -111,6 +111,24 @@ def test_onnx_json_tensors_and_requested_outputs(repo, http):
     assert out[0]["datatype"] == "INT64" and out[0]["data"] == sess.run(["top"], req)[0].tolist()
 
 
+def test_torch_kind_over_both_protocols_equals_eager(repo, clients):
+    import torch
+
+    program = torch.export.load(str(repo / "heads" / "1" / "model.pt2"))
+    model = program.module()
+    rng = np.random.default_rng(26)
+    requests = [{"pixels": rng.standard_normal((n, 3, 16, 16)).astype(np.float32)} for n in (1, 3, 2)]
+    for mod, client in clients:
+        for req, res in zip(requests, concurrently(mod, client, "heads", requests)):
+            with torch.no_grad():
+                logits, peak = model(torch.from_numpy(req["pixels"]))
+            np.testing.assert_allclose(res.as_numpy("logits"), logits.numpy(), rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(res.as_numpy("peak"), peak.numpy(), rtol=1e-5, atol=1e-5)
+        cfg = client.get_model_config("heads")
+        backend = cfg["backend"] if mod is thttp else cfg.config.backend
+        assert backend == "pytorch"
+
+
 def test_fixed_shape_model_from_config_pbtxt_runs_unbatched(repo, clients):
     sess = ort.InferenceSession(str(repo / "fixed" / "1" / "model.onnx"))
     x = np.random.default_rng(13).standard_normal((2, 3)).astype(np.float32)
@@ -257,7 +275,7 @@ def test_failed_loads_are_named_in_get_models(http):
     assert models["initfail"]["state"] == "UNAVAILABLE"
     assert "RuntimeError: cannot find my weights" in models["initfail"]["reason"]
     assert models["broken"]["state"] == "UNAVAILABLE" and "cannot load model.onnx" in models["broken"]["reason"]
-    for name in ("mlp", "fixed", "scale", "router", "minilm"):
+    for name in ("mlp", "fixed", "scale", "router", "minilm", "heads"):
         assert models[name]["state"] == "READY", models[name]
 
 

@@ -90,6 +90,12 @@ tensor:
   outputs: [{name: vec, datatype: FP32, dims: [384]}]
 """
 
+HEADS_DECL = """kind: torch
+batching: {max_batch_size: 8, max_queue_delay_ms: 20}
+tensor:
+  outputs: [{name: logits, datatype: FP32, dims: [4]}, {name: peak, datatype: FP32, dims: []}]
+"""
+
 COUNT_PY = '''
 class TritonPythonModel:
     def execute(self, requests):
@@ -147,6 +153,11 @@ def build_repository(root: Path, *, with_minilm: bool = True, timeout_s: float =
     write(root / "broken" / "1" / "model.onnx", "this is not an onnx file")
     write(root / "broken" / "1" / "model.yaml", "kind: onnx\n")
     write(root / "scaled_route" / "pipeline.yaml", PIPELINE)
+    from tests.tensor.torch_models import export_two_heads  # torch.export: a few seconds
+
+    (root / "heads" / "1").mkdir(parents=True)
+    export_two_heads(root / "heads" / "1" / "model.pt2")
+    write(root / "heads" / "1" / "model.yaml", HEADS_DECL)
     if with_minilm:
         write(root / "embedder" / "1" / "model.py", EMBEDDER_PY)
         write(root / "embedder" / "1" / "model.yaml", EMBEDDER_DECL)
