@@ -288,6 +288,7 @@ class ModelRepository:
             return  # failed before with this very model.yaml: wait for a change (or an explicit load)
         self._status[key] = (READY if old else LOADING, "reloading" if old else "loading")
         try:
+            self.registry.set_aliases(ventry.name, ventry.config.aliases)  # a clash fails the load, before building
             service = await asyncio.to_thread(self.loader, ventry)
             service.mark_ready()
             served = ServedModel(service)
