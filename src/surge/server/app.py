@@ -60,6 +60,8 @@ async def _start(state: AppState) -> None:
         for hook in state.extras.get("on_startup", []):
             await hook(state)
         state.started = True
+        for hook in state.extras.get("on_started", []):  # readiness watchers (gRPC health)
+            hook(state)
     except Exception as exc:  # the process stays up, unready, and says why
         state.extras["startup_error"] = f"{type(exc).__name__}: {exc}"
         logging.getLogger("surge.server").exception("startup failed")
