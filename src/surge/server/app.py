@@ -17,7 +17,8 @@ from surge.server.state import AppState
 
 def create_app(state: AppState) -> FastAPI:
     from surge.server import health
-    from surge.server.http import kserve, metrics, models, native, openai, pipelines
+    from surge.server.http import kserve, metrics, models, native, openai, pipelines, triton_extras
+    from surge.server.http.compression import DecompressMiddleware
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -47,9 +48,11 @@ def create_app(state: AppState) -> FastAPI:
     app.include_router(models.router(state))
     app.include_router(pipelines.router(state))
     app.include_router(metrics.router(state))
+    app.include_router(triton_extras.router(state))
     for extra in state.extras.get("routers", []):
         app.include_router(extra(state))
     app.add_middleware(HotPathMiddleware, state=state)  # inside auth: added before it
+    app.add_middleware(DecompressMiddleware, max_bytes=state.config.limits.max_body_bytes)  # gzip/deflate bodies
     if state.config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=state.config.api_key)
     return app
