@@ -54,7 +54,11 @@ def create_app(state: AppState) -> FastAPI:
     app.add_middleware(HotPathMiddleware, state=state)  # inside auth: added before it
     app.add_middleware(DecompressMiddleware, max_bytes=state.config.limits.max_body_bytes)  # gzip/deflate bodies
     if state.config.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=state.config.api_key)
+        from surge.server.health import OPEN_PATHS
+
+        # --metrics-public: scrapers that send no key read /metrics.
+        open_paths = OPEN_PATHS | ({"/metrics"} if state.config.metrics.public else set())
+        app.add_middleware(ApiKeyMiddleware, api_key=state.config.api_key, open_paths=frozenset(open_paths))
     return app
 
 
