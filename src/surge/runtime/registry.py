@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 from surge.errors import ConfigError, NotFound
 from surge.runtime.service import ModelService
+
+log = logging.getLogger("surge")
 
 
 class ModelRegistry:
@@ -16,6 +19,10 @@ class ModelRegistry:
         self.default = default
 
     def add(self, service: ModelService) -> None:
+        if self._aliases.get(service.name, service.name) != service.name:
+            # A model's own name wins over another model's alias.
+            log.warning("model '%s' is loaded: it is no longer an alias of '%s'", service.name,
+                        self._aliases.pop(service.name))
         self._models.setdefault(service.name, {})[service.version] = service
         if self.default is None:
             self.default = service.name

@@ -64,6 +64,14 @@ def test_stream_infer_matches_responses_by_id_with_errors_per_request(grpc_clien
         assert any("bad-input" in e and "empty" in e for e in errors), errors
     finally:
         grpc_client.stop_stream()
+    # Without the API key, a stream is refused like any call.
+    grpc_client.start_stream(callback=lambda result, error: got.put((result, error)))
+    try:
+        grpc_client.async_stream_infer(MODEL, [_text(grpcclient, ["no key"])], request_id="nokey")
+        result, error = got.get(timeout=60)
+        assert result is None and "UNAUTHENTICATED" in str(error.status())
+    finally:
+        grpc_client.stop_stream()
     # The connection still serves unary calls afterwards.
     out = grpc_client.infer(MODEL, [_text(grpcclient, ["after the stream"])], headers=META).as_numpy("embedding")
     assert out.shape == (1, 384)
