@@ -54,8 +54,9 @@ class DecompressMiddleware:
             chunks.append(chunk)
             if not msg.get("more_body", False):
                 break
+        raw = b"".join(chunks)
         try:
-            body = self._inflate(b"".join(chunks), _WBITS[encoding])
+            body = self._inflate(raw, _WBITS[encoding]) if raw else raw  # no body (a GET): nothing to inflate
         except _TooLarge as exc:
             return await fail(413, str(exc), "payload_too_large")
         except ValueError as exc:

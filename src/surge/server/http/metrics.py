@@ -14,8 +14,8 @@
 
 from __future__ import annotations
 
-import logging
 import sys
+import weakref
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -26,15 +26,14 @@ from prometheus_client.exposition import choose_encoder
 from surge.runtime.metrics import default_registry
 from surge.server.state import AppState
 
-log = logging.getLogger("surge.server")
-_WITH_PROCESS: set[int] = set()  # registries (by id) that already carry the process collectors
+_WITH_PROCESS: weakref.WeakSet = weakref.WeakSet()  # registries that already carry the process collectors
 
 
 def add_process_metrics(registry: CollectorRegistry) -> None:
     """process_* and python_info on `registry`, once."""
-    if id(registry) in _WITH_PROCESS:
+    if registry in _WITH_PROCESS:
         return
-    _WITH_PROCESS.add(id(registry))
+    _WITH_PROCESS.add(registry)
     for collector in (ProcessCollector, PlatformCollector):
         try:
             collector(registry=registry)
