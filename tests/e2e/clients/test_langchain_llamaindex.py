@@ -121,3 +121,26 @@ def test_cl100k_file_is_the_one_tiktoken_wants():
 
     name = hashlib.sha1(b"https://openaipublic.blob.core.windows.net/encodings/cl100k_base.tiktoken").hexdigest()
     assert (_cl100k_cache_dir() / name).is_file(), os.listdir(_cl100k_cache_dir())
+
+
+def test_langchain_chunks_long_documents_with_the_models_own_tokenizer(main_server, reference_embed, sentences):
+    """LangChain's length-safe path, offline, with the served model's tokenizer instead of
+    tiktoken: long documents are cut into chunks that fit the model and averaged."""
+    from langchain_openai import OpenAIEmbeddings
+
+    from surge.models import bundled_model_dir
+
+    emb = OpenAIEmbeddings(model="text-embedding-3-small", base_url=main_server.url + "/v1", api_key=API_KEY,
+                           tiktoken_enabled=False, tiktoken_model_name=str(bundled_model_dir()),
+                           embedding_ctx_length=254, max_retries=0)  # 254 + [CLS] and [SEP] = the model's 256
+    long, short = " ".join(sentences[:80]), sentences[5]
+    got = np.array(emb.embed_documents([short, long]), dtype=np.float32)
+    assert cosine_rows(got[:1], reference_embed([short]))[0] >= 0.99999
+    tok = reference_embed.tok
+    ids = tok.encode(long, add_special_tokens=False)
+    chunks = [tok.decode(ids[i:i + 254]) for i in range(0, len(ids), 254)]
+    assert len(chunks) >= 3
+    ref = reference_embed(chunks)
+    weights = np.array([len(ids[i:i + 254]) for i in range(0, len(ids), 254)], dtype=np.float64)
+    mean = (ref * weights[:, None]).sum(0) / weights.sum()  # LangChain's weighted average, renormalized
+    assert cosine_rows(got[1:], (mean / np.linalg.norm(mean))[None])[0] >= 0.9999
