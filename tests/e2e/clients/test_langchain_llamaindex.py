@@ -51,10 +51,10 @@ def test_langchain_documented_settings(main_server, reference_embed, sentences):
     emb = OpenAIEmbeddings(model="text-embedding-3-small", base_url=main_server.url + "/v1", api_key=API_KEY,
                            check_embedding_ctx_length=False, max_retries=0)
     assert emb.chunk_size == 1000  # LangChain's default: 1,000 texts per request (surge takes up to 2,048)
-    texts = _short_texts(sentences, 1200)
+    texts = _short_texts(sentences, 1004)  # two requests: 1,000 texts, then 4
     got = np.array(emb.embed_documents(texts), dtype=np.float32)
-    assert got.shape == (1200, 384)
-    pick = [0, 999, 1000, 1199]
+    assert got.shape == (1004, 384)
+    pick = [0, 999, 1000, 1003]
     assert cosine_rows(got[pick], reference_embed([texts[i] for i in pick])).min() >= 0.99999
     query = "how do I reset my password?"
     assert cosine_rows(np.array([emb.embed_query(query)]), reference_embed([query]))[0] >= 0.99999
@@ -101,7 +101,7 @@ def test_llamaindex_openai_embedding_defaults_and_openai_like(main_server, refer
     from llama_index.embeddings.openai import OpenAIEmbedding
     from llama_index.embeddings.openai_like import OpenAILikeEmbedding
 
-    texts = _short_texts(sentences, 150)  # more than embed_batch_size (100): two requests
+    texts = _short_texts(sentences, 104)  # more than embed_batch_size (100): two requests
     ref = reference_embed(texts)
     default = OpenAIEmbedding(api_base=main_server.url + "/v1", api_key=API_KEY, max_retries=0)
     assert default.model_name == "text-embedding-ada-002"  # its default name: served as an alias
