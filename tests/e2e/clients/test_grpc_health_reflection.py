@@ -105,3 +105,24 @@ def test_reflection_lists_and_describes_the_services(main_server):
         assert method.input_type.fields_by_name["raw_input_contents"].number == 7
         health = pool.FindServiceByName("grpc.health.v1.Health")
         assert {m.name for m in health.methods} == {"Check", "Watch"}
+
+
+def test_watch_from_process_start_turns_serving_after_warm_up():
+    """gRPC starts before the model loads, so a probe can watch the whole start-up:
+    NOT_SERVING while loading (when it connects early enough), then SERVING."""
+    from tests.server_process import ServerProcess
+
+    srv = ServerProcess("--threads", "1", grpc=True)
+    srv.start(wait=False)
+    try:
+        with grpc.insecure_channel(srv.grpc_url) as ch:
+            seen = []
+            for resp in health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""),
+                                                             wait_for_ready=True, timeout=180):
+                seen.append(resp.status)
+                if resp.status == SERVING:
+                    break
+        assert seen[-1] == SERVING and set(seen[:-1]) <= {NOT_SERVING}, seen
+        assert httpx.get(srv.url + "/ready", timeout=10).status_code == 200  # SERVING means ready
+    finally:
+        srv.stop()
