@@ -241,6 +241,11 @@ class TensorModelService:
             key = self.cache.key(inputs) if self.cache is not None and not _warmup else None
             got = self.cache.get(key) if key is not None else None
             cached = got is not None
+            if key is not None:  # the same Prometheus families as the text cache (tier "recent")
+                if cached:
+                    m.tier("recent")[0].inc()
+                else:
+                    m.cache_misses.inc()
             if got is None:
                 if deadline is None:
                     deadline = start + self.limits.request_timeout_s
@@ -249,6 +254,9 @@ class TensorModelService:
                     raise got
                 if key is not None:
                     self.cache.put(key, got)
+                    _, size, entries = m.tier("recent")
+                    size.set(self.cache.bytes)
+                    entries.set(len(self.cache.entries))
             wanted = outputs or [t.name for t in self.config.outputs]
             result = TensorResult({n: got[n] for n in wanted if n in got}, self.name, self.version, rows, [cached])
             m.latency.observe(time.monotonic() - start)
