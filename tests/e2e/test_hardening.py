@@ -166,7 +166,8 @@ def test_out_of_range_token_ids_are_400_and_keep_the_connection(server):
                 for payload in ([101, bad, 102], [[101, 102], [101, bad]]):
                     body = b'{"%s": %s, "model": "enc"}' % (key.encode(), str(payload).encode())
                     status, headers, text = raw_post(server, path, body, conn=conn)
-                    assert status == 400, (path, bad, status, text)
+                    # Past 64 bits the JSON parser reads a float: not an integer list (422).
+                    assert status == 400 or (status == 422 and bad >= 2 ** 64), (path, bad, status, text)
                     assert headers.get("connection", "").lower() != "close"
             body = b'{"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [1, 3], "data": [101, %d, 102]}]}' % bad
             status, _, text = raw_post(server, "/v2/models/enc/infer", body, conn=conn)
