@@ -269,6 +269,16 @@ def check_load_parameters(params: dict) -> str | None:
     return None if version is None else str(version)
 
 
+INDEX_FIELDS = ("name", "version", "state", "reason")
+
+
+def repository_index(models: list[dict], ready_only: bool) -> list[dict]:
+    """The KServe repository index: its four fields of each entry (the native
+    listing adds `serving` and `inflight`, which the index messages do not have)."""
+    return [{k: str(m.get(k, "")) for k in INDEX_FIELDS} for m in models
+            if not ready_only or m.get("state") == "READY"]
+
+
 def server_metadata() -> dict:
     return {"name": "surge", "version": __version__, "extensions": list(EXTENSIONS)}
 

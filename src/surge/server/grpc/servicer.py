@@ -165,9 +165,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_rpc
     async def RepositoryIndex(self, request, context):
-        models = await self._lifecycle().index()
-        if request.ready:
-            models = [m for m in models if m["state"] == "READY"]
+        models = contract.repository_index(await self._lifecycle().index(), request.ready)
         index = pb.RepositoryIndexResponse.ModelIndex
         return pb.RepositoryIndexResponse(models=[index(**m) for m in models])
 

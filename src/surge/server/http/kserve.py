@@ -205,10 +205,7 @@ def router(state: AppState) -> APIRouter:
     @r.post("/v2/repository/index")
     async def repository_index(request: Request):
         req = await _repository_body(request)
-        models = await lifecycle().index()
-        if req.ready:
-            models = [m for m in models if m["state"] == "READY"]
-        return ORJSONResponse(models)
+        return ORJSONResponse(contract.repository_index(await lifecycle().index(), req.ready))
 
     @r.post("/v2/repository/models/{name}/load")
     async def repository_load(request: Request, name: str):
