@@ -17,7 +17,7 @@ from surge.server.state import AppState
 
 def create_app(state: AppState) -> FastAPI:
     from surge.server import health
-    from surge.server.http import kserve, metrics, models, native, openai, pipelines
+    from surge.server.http import kserve, metrics, models, native, openai, openapi, pipelines
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -40,6 +40,7 @@ def create_app(state: AppState) -> FastAPI:
     app = FastAPI(title="surge", version=__version__, docs_url="/docs", redoc_url=None, lifespan=lifespan)
     app.state.surge = state
     errors.install(app)
+    openapi.install(app)
     app.include_router(health.router(state))
     app.include_router(openai.router(state))
     app.include_router(native.router(state))

@@ -20,12 +20,13 @@ log = logging.getLogger("surge.server")
 
 
 def error_response(request_path: str, status: int, message: str, *, type_: str, code: str,
-                   param: str | None = None, retry_after: float | None = None) -> ORJSONResponse:
+                   param: str | None = None, retry_after: float | None = None,
+                   headers: dict | None = None) -> ORJSONResponse:
     if request_path.startswith("/v2"):
         body = {"error": message}
     else:
         body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    headers = {}
+    headers = dict(headers or {})
     if retry_after is not None:
         headers["Retry-After"] = str(max(1, int(round(retry_after))))
     return ORJSONResponse(body, status_code=status, headers=headers)
@@ -50,8 +51,10 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
+        # Starlette's headers are kept: a 405 names the allowed methods in `Allow`.
         return error_response(request.url.path, exc.status_code, str(exc.detail),
-                              type_="invalid_request_error", code=f"http_{exc.status_code}")
+                              type_="invalid_request_error", code=f"http_{exc.status_code}",
+                              headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, Va
 from surge.errors import InvalidInput, NotFound
 from surge.server import kserve_contract as contract
 from surge.server.http.common import ORJSONResponse, decode_json, read_body
+from surge.server.http.openapi import BINARY, JSON, body
 from surge.server.state import AppState
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -121,7 +122,9 @@ def router(state: AppState) -> APIRouter:
     async def live():
         return ORJSONResponse({"live": True})
 
-    @r.get("/v2/health/ready")
+    not_ready = {"type": "object", "required": ["ready"], "properties": {"ready": {"type": "boolean"}}}
+
+    @r.get("/v2/health/ready", responses={400: {"description": "Not ready", "content": {JSON: {"schema": not_ready}}}})
     async def ready():
         # Ready once startup is done and every loaded model is warm; a model
         # unloaded on purpose does not make the server unready (as Triton).
@@ -195,25 +198,28 @@ def router(state: AppState) -> APIRouter:
         headers["Inference-Header-Content-Length"] = str(len(head))
         return Response(head + raw, media_type="application/octet-stream", headers=headers)
 
-    r.post("/v2/models/{name}/infer")(infer)
-    r.post("/v2/models/{name}/versions/{version}/infer")(infer)
+    infer_doc = {"openapi_extra": body(_InferRequest, binary=True),
+                 "responses": {200: {"description": "The outputs (JSON, or a JSON header and binary tensor data)",
+                                     "content": {JSON: {}, BINARY: {}}}}}
+    r.post("/v2/models/{name}/infer", **infer_doc)(infer)
+    r.post("/v2/models/{name}/versions/{version}/infer", **infer_doc)(infer)
 
     async def _repository_body(request: Request) -> _RepositoryRequest:
         body = await read_body(request, limits.max_body_bytes)
         return _validate(_RepositoryRequest, decode_json(body)) if body.strip() else _RepositoryRequest()
 
-    @r.post("/v2/repository/index")
+    @r.post("/v2/repository/index", openapi_extra=body(_RepositoryRequest, required=False))
     async def repository_index(request: Request):
         req = await _repository_body(request)
         return ORJSONResponse(contract.repository_index(await lifecycle().index(), req.ready))
 
-    @r.post("/v2/repository/models/{name}/load")
+    @r.post("/v2/repository/models/{name}/load", openapi_extra=body(_RepositoryRequest, required=False))
     async def repository_load(request: Request, name: str):
         req = await _repository_body(request)
         await lifecycle().load(name, contract.check_load_parameters(req.parameters))
         return ORJSONResponse({})
 
-    @r.post("/v2/repository/models/{name}/unload")
+    @r.post("/v2/repository/models/{name}/unload", openapi_extra=body(_RepositoryRequest, required=False))
     async def repository_unload(request: Request, name: str):
         req = await _repository_body(request)
         await lifecycle().unload(name, contract.check_load_parameters(req.parameters))

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
 from surge.errors import InvalidInput, NotFound
 from surge.server.http.common import ORJSONResponse, decode_json, read_body, validate
+from surge.server.http.openapi import body
 from surge.server.state import AppState
 
 
@@ -72,19 +73,21 @@ def router(state: AppState) -> APIRouter:
     async def get_model(name: str):
         return await one(name)
 
-    @r.post("/models/{name}/load")
+    optional = body(LifecycleRequest, required=False)
+
+    @r.post("/models/{name}/load", openapi_extra=optional)
     async def load(name: str, request: Request):
         life = lifecycle()
         await finish(life.load(name, await version_of(request)))
         return await one(name)
 
-    @r.post("/models/{name}/unload")
+    @r.post("/models/{name}/unload", openapi_extra=optional)
     async def unload(name: str, request: Request):
         life = lifecycle()
         await finish(life.unload(name, await version_of(request)))
         return await one(name)
 
-    @r.post("/models/{name}/reload")
+    @r.post("/models/{name}/reload", openapi_extra=optional)
     async def reload(name: str, request: Request):
         life = lifecycle()
         version = await version_of(request)

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from surge.errors import InvalidInput, PayloadTooLarge, shown
 from surge.server.http.common import ORJSONResponse, parse
+from surge.server.http.openapi import body
 from surge.server.state import AppState
 from surge.types import EmbedOptions
 
@@ -65,7 +66,7 @@ def router(state: AppState) -> APIRouter:
     r = APIRouter()
     limits = state.config.limits
 
-    @r.post("/v1/embeddings")
+    @r.post("/v1/embeddings", openapi_extra=body(EmbeddingsRequest))
     async def embeddings(request: Request):
         req = await parse(request, EmbeddingsRequest, limits.max_body_bytes)
         texts, ids = split_input(req.input, limits.max_inputs_per_request, limits.max_input_chars)

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict
 
 from surge.errors import DeadlineExceeded, NotFound, PayloadTooLarge
 from surge.server.http.common import ORJSONResponse, parse
+from surge.server.http.openapi import body
 from surge.server.state import AppState
 
 
@@ -47,11 +48,11 @@ def router(state: AppState) -> APIRouter:
     async def get_pipeline(name: str):
         return ORJSONResponse(pipelines().get(name).describe())
 
-    @r.post("/pipelines/{name}/reload")
+    @r.post("/pipelines/{name}/reload", openapi_extra=body(required=False))
     async def reload(name: str):
         return ORJSONResponse((await pipelines().reload(name)).describe())
 
-    @r.post("/pipelines/{name}")
+    @r.post("/pipelines/{name}", openapi_extra=body(PipelineRequest))
     async def run(name: str, request: Request):
         pipeline = pipelines().get(name)
         req = await parse(request, PipelineRequest, limits.max_body_bytes)
