@@ -233,8 +233,17 @@ def test_json_routes_want_a_json_content_type(server, client):
     for ctype in ("application/json", "application/json; charset=utf-8", "APPLICATION/JSON"):
         r = httpx.post(server.url + "/embed", content=ok_json, headers={"Content-Type": ctype}, timeout=60)
         assert r.status_code == 200, (ctype, r.text)
-    # Body-less lifecycle calls need no content type (curl -XPOST .../load).
+    # Body-less lifecycle calls need no content type (curl -XPOST .../load)...
     r = httpx.post(server.url + "/models/enc/load", timeout=120)
+    assert r.status_code == 200, r.text
+    # ...unless a browser sends them from another origin (no preflight would stop it).
+    for hdrs in ({"Origin": "http://evil.example"}, {"Sec-Fetch-Site": "cross-site"}):
+        for path in ("/models/enc/unload", "/v2/repository/models/enc/unload"):
+            r = httpx.post(server.url + path, headers=hdrs, timeout=60)
+            assert r.status_code == 415, (path, hdrs, r.text)
+    assert served_names(client) == {"enc"}
+    r = httpx.post(server.url + "/models/enc/load", timeout=120,
+                   headers={"Origin": server.url, "Sec-Fetch-Site": "same-origin"})
     assert r.status_code == 200, r.text
 
 

@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from surge import __version__
 from surge.server import errors
 from surge.server.auth import ApiKeyMiddleware
+from surge.server.http.content_type import ContentTypeMiddleware
 from surge.server.http.hotpath import HotPathMiddleware
 from surge.server.state import AppState
 
@@ -51,6 +52,7 @@ def create_app(state: AppState) -> FastAPI:
     for extra in state.extras.get("routers", []):
         app.include_router(extra(state))
     app.add_middleware(HotPathMiddleware, state=state)  # inside auth: added before it
+    app.add_middleware(ContentTypeMiddleware)  # 415 before any route or the hot path reads a body
     if state.config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=state.config.api_key)
     return app
