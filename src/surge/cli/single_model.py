@@ -16,7 +16,7 @@ import logging
 from functools import cached_property
 
 from surge.config import ServerConfig
-from surge.errors import EngineError, NotFound, SurgeError
+from surge.errors import EngineError, NotFound, SurgeError, shown
 from surge.models import bundled_model_dir, load_model_spec
 from surge.runtime.registry import ModelRegistry
 
@@ -43,9 +43,9 @@ class SingleModelLifecycle:
 
     def _check(self, name: str, version: str | None) -> None:
         if name != self.name:
-            raise NotFound(f"model '{name}' not found; this server serves '{self.name}'", param="model")
+            raise NotFound(f"model '{shown(name)}' not found; this server serves '{self.name}'", param="model")
         if version not in (None, "", VERSION):
-            raise NotFound(f"model '{name}' has no version '{version}'", param="version")
+            raise NotFound(f"model '{shown(name)}' has no version '{shown(version)}'", param="version")
 
     def _loaded(self):
         try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from surge.errors import NotFound
+from surge.errors import NotFound, shown
 from surge.runtime.service import ModelService
 
 
@@ -38,12 +38,12 @@ class ModelRegistry:
         if not versions:
             if name is None:
                 raise NotFound("no model is loaded", param="model")
-            raise NotFound(f"model '{name}' not found; available: {', '.join(self.names()) or 'none'}", param="model")
+            raise NotFound(f"model '{shown(name)}' not found; available: {shown(', '.join(self.names()) or 'none', 512)}", param="model")
         if version is None:
             return versions[self.versions(name)[-1]]
         svc = versions.get(str(version))
         if svc is None:
-            raise NotFound(f"model '{name}' has no version '{version}'", param="version")
+            raise NotFound(f"model '{shown(name)}' has no version '{shown(version)}'", param="version")
         return svc
 
     @property

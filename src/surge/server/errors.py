@@ -13,15 +13,17 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from surge.errors import SurgeError
+from surge.errors import SurgeError, shown
 from surge.server.http.common import ORJSONResponse
 
 log = logging.getLogger("surge.server")
+MAX_MESSAGE_CHARS = 1024
 
 
 def error_response(request_path: str, status: int, message: str, *, type_: str, code: str,
                    param: str | None = None, retry_after: float | None = None,
                    headers: dict | None = None) -> ORJSONResponse:
+    message = shown(message, MAX_MESSAGE_CHARS)  # whatever a message repeats, its size is bounded
     if request_path.startswith("/v2"):
         body = {"error": message}
     else:
@@ -45,7 +47,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ())) or "request"
+        where = shown(".".join(str(p) for p in first.get("loc", ()))) or "request"
         return error_response(request.url.path, 422, f"invalid field '{where}': {first.get('msg', 'invalid')}",
                               type_="invalid_request_error", code="unprocessable", param=where)
 

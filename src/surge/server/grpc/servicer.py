@@ -13,7 +13,7 @@ import logging
 
 import grpc
 
-from surge.errors import InvalidInput, NotFound, SurgeError
+from surge.errors import InvalidInput, NotFound, SurgeError, shown
 from surge.server import kserve_contract as contract
 from surge.server.grpc import grpc_service_pb2 as pb
 from surge.server.grpc import grpc_service_pb2_grpc as pb_grpc
@@ -41,7 +41,7 @@ def _rpc(method):
         except Exception:
             log.exception("unhandled error in gRPC %s", method.__name__)
             code, message = grpc.StatusCode.INTERNAL, "internal server error"
-        await context.abort(code, message)
+        await context.abort(code, shown(message, 1024))  # bounded, as HTTP's (server/errors.py)
 
     return wrapper
 
@@ -76,13 +76,13 @@ def decode_inputs(request: pb.ModelInferRequest) -> list[contract.InputTensor]:
     for i, t in enumerate(request.inputs):
         if raw:
             if t.HasField("contents"):
-                raise InvalidInput(f"input '{t.name}' has both contents and raw_input_contents")
+                raise InvalidInput(f"input '{shown(t.name)}' has both contents and raw_input_contents")
             tensors.append(contract.from_raw(t.name, t.datatype, t.shape, raw[i]))
             continue
         field = _CONTENTS_FIELD.get(t.datatype)
         if field is None:
             contract.numpy_dtype(t.name, t.datatype)  # unknown datatype: a clear error
-            raise InvalidInput(f"input '{t.name}': {t.datatype} data must be sent in raw_input_contents")
+            raise InvalidInput(f"input '{shown(t.name)}': {shown(t.datatype)} data must be sent in raw_input_contents")
         tensors.append(contract.from_values(t.name, t.datatype, t.shape, list(getattr(t.contents, field))))
     return tensors
 

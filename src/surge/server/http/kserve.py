@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
 
-from surge.errors import InvalidInput, NotFound
+from surge.errors import InvalidInput, NotFound, shown
 from surge.server import kserve_contract as contract
 from surge.server.http.common import ORJSONResponse, decode_json, read_body
 from surge.server.http.openapi import BINARY, JSON, body
@@ -69,7 +69,7 @@ def _validate(model, data):
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ())) or "body"
         what = "missing" if first.get("type") == "missing" else f"invalid: {first.get('msg')}"
-        raise InvalidInput(f"field '{where}' is {what}", param=where) from None
+        raise InvalidInput(f"field '{shown(where)}' is {what}", param=shown(where)) from None
 
 
 def split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
@@ -91,16 +91,16 @@ def decode_inputs(inputs: list[_Tensor], binary: bytes) -> list[contract.InputTe
         size = t.parameters.get("binary_data_size")
         if size is not None:
             if t.data is not None:
-                raise InvalidInput(f"input '{t.name}' has both 'data' and 'binary_data_size'")
+                raise InvalidInput(f"input '{shown(t.name)}' has both 'data' and 'binary_data_size'")
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-                raise InvalidInput(f"input '{t.name}': binary_data_size must be a non-negative integer")
+                raise InvalidInput(f"input '{shown(t.name)}': binary_data_size must be a non-negative integer")
             if offset + size > len(binary):
-                raise InvalidInput(f"input '{t.name}': binary_data_size {size} runs past the end of the binary "
+                raise InvalidInput(f"input '{shown(t.name)}': binary_data_size {size} runs past the end of the binary "
                                    f"data ({len(binary) - offset} bytes left)")
             tensors.append(contract.from_raw(t.name, t.datatype, t.shape, binary[offset:offset + size]))
             offset += size
         elif t.data is None:
-            raise InvalidInput(f"input '{t.name}' has neither 'data' nor a 'binary_data_size' parameter")
+            raise InvalidInput(f"input '{shown(t.name)}' has neither 'data' nor a 'binary_data_size' parameter")
         else:
             tensors.append(contract.from_values(t.name, t.datatype, t.shape, t.data))
     if offset != len(binary):
@@ -161,7 +161,7 @@ def router(state: AppState) -> APIRouter:
     async def model_ready(name: str, version: str | None = None):
         service = registry.get(name, version)
         if not service.ready:
-            raise InvalidInput(f"model '{name}' is not ready")  # the specification: 4xx means false
+            raise InvalidInput(f"model '{shown(name)}' is not ready")  # the specification: 4xx means false
         return ORJSONResponse({"name": service.name, "ready": True})
 
     r.get("/v2/models/{name}/ready")(model_ready)

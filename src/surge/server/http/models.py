@@ -18,7 +18,7 @@ import asyncio
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
-from surge.errors import InvalidInput, NotFound
+from surge.errors import InvalidInput, NotFound, shown
 from surge.server.http.common import ORJSONResponse, decode_json, read_body, validate
 from surge.server.http.openapi import body
 from surge.server.state import AppState
@@ -62,7 +62,7 @@ def router(state: AppState) -> APIRouter:
     async def one(name: str) -> ORJSONResponse:
         versions = [e for e in await listing() if e["name"] == name]
         if not versions:
-            raise NotFound(f"model '{name}' not found", param="model")
+            raise NotFound(f"model '{shown(name)}' not found", param="model")
         return ORJSONResponse({"name": name, "versions": versions})
 
     @r.get("/models")

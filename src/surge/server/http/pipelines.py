@@ -14,7 +14,7 @@ from typing import Any, Union
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
-from surge.errors import DeadlineExceeded, NotFound, PayloadTooLarge
+from surge.errors import DeadlineExceeded, NotFound, PayloadTooLarge, shown
 from surge.server.http.common import ORJSONResponse, parse
 from surge.server.http.openapi import body
 from surge.server.state import AppState
@@ -63,7 +63,7 @@ def router(state: AppState) -> APIRouter:
         for item in items:
             for key, value in item.items():
                 if isinstance(value, str) and len(value) > limits.max_input_chars:
-                    raise PayloadTooLarge(f"input '{key}' has {len(value)} characters; at most "
+                    raise PayloadTooLarge(f"input '{shown(key)}' has {len(value)} characters; at most "
                                           f"{limits.max_input_chars} are allowed", param=key)
         try:
             results = await asyncio.wait_for(asyncio.gather(*(pipeline.run(i) for i in items)),
