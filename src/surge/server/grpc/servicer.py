@@ -34,16 +34,28 @@ def _rpc(method):
 
     @functools.wraps(method)
     async def wrapper(self, request, context):
+        trailers = ()
         try:
             return await method(self, request, context)
         except SurgeError as exc:
             code, message = exc.grpc_code, exc.message
+            trailers = retry_trailers(exc.retry_after)
         except Exception:
             log.exception("unhandled error in gRPC %s", method.__name__)
             code, message = grpc.StatusCode.INTERNAL, "internal server error"
-        await context.abort(code, shown(message, 1024))  # bounded, as HTTP's (server/errors.py)
+        await context.abort(code, shown(message, 1024), trailing_metadata=trailers)  # bounded, as HTTP's
 
     return wrapper
+
+
+def retry_trailers(retry_after: float | None) -> tuple:
+    """HTTP's Retry-After for gRPC: `retry-after` (whole seconds, as the HTTP header) and
+    gRPC's own retry pushback (`grpc-retry-pushback-ms`, which grpc clients with a
+    retry policy obey) in the trailing metadata of an overload answer."""
+    if retry_after is None:
+        return ()
+    seconds = max(1, int(round(retry_after)))
+    return (("retry-after", str(seconds)), ("grpc-retry-pushback-ms", str(seconds * 1000)))
 
 
 def parameters(entries) -> dict:
