@@ -202,6 +202,9 @@ def test_405_keeps_allow(client):
         assert r.status_code == 405, (method, path, r.status_code)
         assert r.headers.get("allow"), (method, path, r.headers)
         assert method not in r.headers["allow"]
+    # Every route of the path counts (GET and POST /pipelines/{name} are two routes).
+    r = client.request("PUT", "/pipelines/x")
+    assert r.status_code == 405 and {"GET", "POST"} <= set(r.headers["allow"].replace(" ", "").split(","))
 
 
 def test_openapi_declares_bodies_and_errors(client):

@@ -39,6 +39,20 @@ def render(request_path: str, exc: SurgeError) -> ORJSONResponse:
                           param=exc.param, retry_after=exc.retry_after)
 
 
+def _allowed_methods(request: Request) -> str:
+    """Every method some route takes on this path. Starlette's own 405 names only the
+    first route that matched the path (GET /pipelines/{name} hides its POST twin)."""
+    from starlette.routing import Match
+
+    allowed = []
+    for method in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"):
+        scope = {**request.scope, "method": method}
+        # BaseRoute.matches: the routing protocol every route (and included router) implements.
+        if any(route.matches(scope)[0] is Match.FULL for route in request.app.router.routes):
+            allowed.append(method)
+    return ", ".join(allowed)
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(SurgeError)
     async def _surge(request: Request, exc: SurgeError):
@@ -53,10 +67,11 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        # Starlette's headers are kept: a 405 names the allowed methods in `Allow`.
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:
+            headers["Allow"] = _allowed_methods(request) or headers.get("Allow", "")
         return error_response(request.url.path, exc.status_code, str(exc.detail),
-                              type_="invalid_request_error", code=f"http_{exc.status_code}",
-                              headers=getattr(exc, "headers", None))
+                              type_="invalid_request_error", code=f"http_{exc.status_code}", headers=headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
