@@ -55,7 +55,7 @@ schema = schemathesis.pytest.from_fixture("served_schema")
 
 
 @schema.parametrize()
-@settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True,
+@settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 def test_every_operation_of_the_served_openapi(case, fuzzed_server):
     case.call_and_validate(timeout=60)
