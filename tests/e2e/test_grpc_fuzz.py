@@ -68,7 +68,7 @@ def near_valid(draw, clean: bool = False):
         if not clean:
             word = st.one_of(word, st.text(st.characters(codec="utf-8"), max_size=30))
         texts = draw(st.lists(word, min_size=max(0, n + off), max_size=max(0, n + off)))
-        shape = draw(st.sampled_from([[n], [n, 1], [1, n]]))
+        shape = draw(st.sampled_from([[n], [n, 1]] if clean else [[n], [n, 1], [1, n]]))
         return [("text", "BYTES", shape, ("bytes_contents", [t.encode() for t in texts]))]
     length = draw(st.integers(1, 6)) if clean or draw(st.integers(0, 4)) else 0
     good_id = st.integers(0, 30521)

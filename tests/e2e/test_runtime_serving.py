@@ -28,8 +28,8 @@ from tests.http_load import closed_loop, encode_post
 from tests.redis_server import redis_server  # noqa: F401  (fixture)
 from tests.server_process import ServerProcess
 
-STRAINED_DELAY_S = 2.0  # added to every engine batch of the strained server
-STRAINED_TIMEOUT_S = 3.0  # its request timeout: one batch fits, two do not
+STRAINED_DELAY_S = 3.0  # added to every engine batch of the strained server
+STRAINED_TIMEOUT_S = 4.5  # its request timeout: one batch fits (1.5 s to spare), two do not
 
 
 def metrics(url: str) -> dict[tuple, float]:
@@ -63,8 +63,8 @@ def servers(shared_tier):
     redis_args = ["--redis-url", shared_tier] if shared_tier else []
     batched = ServerProcess(*redis_args, "--max-queue-delay-ms", "5")
     unbatched = ServerProcess("--no-batching", "--cache-bytes", "0")
-    # Every batch of `strained` takes 2 s more than its compute (a test-only engine
-    # slow-down) and a request times out after 3 s, so what gets 429, 504 or is dropped
+    # Every batch of `strained` takes 3 s more than its compute (a test-only engine
+    # slow-down) and a request times out after 4.5 s, so what gets 429, 504 or is dropped
     # follows from the arithmetic below, not from how fast this machine is.
     strained = ServerProcess("--cache-bytes", "0", "--max-queue-size", "48", "--max-batch-size", "16",
                              "--request-timeout-s", str(STRAINED_TIMEOUT_S), "--threads", "1",
@@ -151,15 +151,15 @@ def test_batches_form_under_64_clients_and_not_with_batching_off(servers, phrase
 
 
 def test_overload_gives_429_timeouts_give_504_and_the_server_recovers(servers, sentences, alone, phrases):
-    """Deterministic: every batch takes >= 2 s and a request times out after 3 s.
+    """Deterministic: every batch takes >= 3 s and a request times out after 4.5 s.
 
     Seven requests of 8 inputs of one length are admitted (56 inputs: the first
     batch takes 8 or 16, the queue of 48 holds the rest). While they are all in
-    flight (the first batch holds the engine for 2 s), requests of 16 more inputs
+    flight (the first batch holds the engine for 3 s), requests of 16 more inputs
     pass the admission bound (48 queued + one batch of 16 = 64): HTTP gets 429,
     gRPC RESOURCE_EXHAUSTED, both with a retry hint. The first batch answers at
-    2 s; the second runs from 2 s to 4 s, past the timeout: 504; every input still
-    queued at 3 s expires there: 504, never computed.
+    3 s; the second runs from 3 s to 6 s, past the timeout: 504; every input still
+    queued at 4.5 s expires there: 504, never computed.
     """
     from surge.server.grpc import grpc_service_pb2 as pb
     from surge.server.grpc import grpc_service_pb2_grpc as pb_grpc
@@ -177,7 +177,7 @@ def test_overload_gives_429_timeouts_give_504_and_the_server_recovers(servers, s
                                      limits=httpx.Limits(max_connections=64)) as client:
             first = [asyncio.ensure_future(client.post("/embed", json={"inputs": texts[i:i + 8]}))
                      for i in range(0, 56, 8)]
-            # All 56 inputs admitted (the engine is still on the first batch for 2 s):
+            # All 56 inputs admitted (the engine is still on the first batch for 3 s):
             # from here on 16 more are over the bound.
             while await asyncio.to_thread(inflight) < 56:
                 assert not any(f.done() for f in first), [f.result().status_code for f in first if f.done()]
