@@ -86,6 +86,15 @@ class Cancelled(SurgeError):
     code = "cancelled"
 
 
+class Unsupported(SurgeError):
+    """A feature of a protocol that surge does not implement (Triton: UNSUPPORTED)."""
+
+    http_status = 501
+    grpc_code = grpc.StatusCode.UNIMPLEMENTED
+    openai_type = "invalid_request_error"
+    code = "unsupported"
+
+
 class EngineError(SurgeError):
     """The engine failed on a batch (out of memory, a bad shape...)."""
 

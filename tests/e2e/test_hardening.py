@@ -54,7 +54,7 @@ def layout(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(layout):
     _, repo, _ = layout
-    with ServerProcess("--model-repository", str(repo), "--threads", "1", grpc=True) as srv:
+    with ServerProcess("--model-repository", str(repo), "--threads", "1", "--allow-token-ids", grpc=True) as srv:
         yield srv
 
 

@@ -160,9 +160,10 @@ def add_single_model(state: AppState) -> None:
     async def load_single(state: AppState) -> None:
         model_dir = config.model_dir or bundled_model_dir()
         spec = load_model_spec(model_dir, name=config.model_name)
+        state.registry.set_aliases(spec.name, config.served_model_names)
         service = await asyncio.to_thread(load_service, config, spec)
+        service.mark_ready()  # before it is added: registry listeners (gRPC health) see it ready
         state.registry.add(service)
-        service.mark_ready()
         if config.cache.query_log is not None:
             # Fill the pinned tier from the query log in the background (low priority).
             state.extras.setdefault("background", set()).add(asyncio.create_task(service.prefill_pinned()))

@@ -327,6 +327,7 @@ class ModelRepository:
             return  # failed before with this very model.yaml: wait for a change (or an explicit load)
         self._status[key] = (READY if old else LOADING, "reloading" if old else "loading")
         try:
+            self._set_aliases(ventry)  # a clash fails the load, before building
             service = await asyncio.to_thread(self.loader, ventry)
             service.mark_ready()
             served = ServedModel(service)
@@ -354,6 +355,22 @@ class ModelRepository:
         log.info("serving %s version %s", ventry.name, ventry.version)
         if old is not None:
             await self._retire(old)
+
+    def _set_aliases(self, ventry: VersionEntry) -> None:
+        # Checked against every model of the repository, loaded or not, so that
+        # the outcome does not depend on the order in which models load.
+        models = self._model_dirs()
+        for alias in ventry.config.aliases:
+            if alias != ventry.name and alias in models:
+                raise ConfigError(f"{ventry.dir / MODEL_YAML}: field 'aliases': alias '{alias}' is the name of "
+                                  "another model in the repository", param="aliases")
+        self.registry.set_aliases(ventry.name, ventry.config.aliases)
+
+    def _model_dirs(self) -> set[str]:
+        try:
+            return set(self.model_names())
+        except ConfigError:
+            return set()
 
     async def _unload_version(self, key: tuple[str, str], reason: str) -> None:
         served = self._served.pop(key, None)

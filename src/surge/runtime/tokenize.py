@@ -81,5 +81,13 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
 
+    def count_untruncated(self, texts: list[str]) -> list[int]:
+        """Token counts with no truncation (call from the one thread that uses this tokenizer)."""
+        self._tok.no_truncation()
+        try:
+            return [len(e.ids) for e in self._tok.encode_batch(texts)]
+        finally:
+            self._tok.enable_truncation(max_length=self.max_length)
+
     def count(self, texts: list[str]) -> list[int]:
         return [len(e.ids) for e in self._tok.encode_batch(texts)]

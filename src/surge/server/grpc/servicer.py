@@ -17,6 +17,7 @@ from surge.errors import InvalidInput, NotFound, SurgeError, shown
 from surge.server import kserve_contract as contract
 from surge.server.grpc import grpc_service_pb2 as pb
 from surge.server.grpc import grpc_service_pb2_grpc as pb_grpc
+from surge.server.grpc.extras import TritonExtras
 from surge.server.state import AppState
 
 log = logging.getLogger("surge.server")
@@ -106,7 +107,7 @@ def _stats_proto(d: dict) -> pb.ModelStatistics:
                               inference_stats=inference)
 
 
-class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+class InferenceServicer(TritonExtras, pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, state: AppState):
         self.state = state
         self.registry = state.registry
@@ -150,6 +151,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_rpc
     async def ModelInfer(self, request, context):
+        return await self._infer(request)
+
+    async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        """One inference (ModelInfer, and each request of ModelStreamInfer); raises SurgeError."""
         service = self.registry.get(request.model_name, request.model_version or None)
         outputs = [(o.name, parameters(o.parameters)) for o in request.outputs]
         decoded = contract.decode_request(decode_inputs(request), parameters(request.parameters), outputs,
