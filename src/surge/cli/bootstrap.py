@@ -114,7 +114,7 @@ def add_repository(state: AppState) -> None:
 
     repo = ModelRepository(config.model_repository, state.registry, loader=loader,
                            poll_s=config.repository_poll_s)
-    pipelines = PipelineSet(state.registry)
+    pipelines = PipelineSet(state.registry, root=repo.root)
     state.lifecycle = repo
     state.extras["repository"] = repo
     state.extras["pipelines"] = pipelines

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from surge.errors import ConfigError, NotFound
+from surge.errors import ConfigError, NotFound, shown
 from surge.runtime.service import ModelService
 
 log = logging.getLogger("surge")
@@ -87,14 +87,14 @@ class ModelRegistry:
             if name is None:
                 raise NotFound("no model is loaded", param="model")
             if name != asked:
-                raise NotFound(f"model '{asked}' (an alias of '{name}') is not loaded", param="model")
+                raise NotFound(f"model '{shown(asked)}' (an alias of '{name}') is not loaded", param="model")
             known = ", ".join(self.names() + sorted(self._aliases)) or "none"
-            raise NotFound(f"model '{name}' not found; available: {known}", param="model")
+            raise NotFound(f"model '{shown(name)}' not found; available: {shown(known, 512)}", param="model")
         if version is None:
             return versions[self.versions(name)[-1]]
         svc = versions.get(str(version))
         if svc is None:
-            raise NotFound(f"model '{name}' has no version '{version}'", param="version")
+            raise NotFound(f"model '{shown(name)}' has no version '{shown(version)}'", param="version")
         return svc
 
     @property

@@ -51,7 +51,12 @@ class Tokenizer:
         """Accept pre-tokenized ids as given (special tokens are the caller's)."""
         out = []
         for i, seq in enumerate(sequences):
-            arr = np.asarray(seq, dtype=np.int64)
+            try:
+                arr = np.asarray(seq, dtype=np.int64)
+            except OverflowError:  # JSON allows any integer; int64 does not (e.g. 2**63)
+                raise InvalidInput(f"input {i}: token id out of range [0, {self.vocab_size})", param="input") from None
+            except (TypeError, ValueError):
+                raise InvalidInput(f"input {i}: token ids must be a non-empty list of integers", param="input") from None
             if arr.ndim != 1 or arr.size == 0:
                 raise InvalidInput(f"input {i}: token ids must be a non-empty list of integers", param="input")
             if int(arr.min()) < 0 or int(arr.max()) >= self.vocab_size:

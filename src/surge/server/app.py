@@ -11,13 +11,14 @@ from fastapi import FastAPI
 from surge import __version__
 from surge.server import errors
 from surge.server.auth import ApiKeyMiddleware
+from surge.server.http.content_type import ContentTypeMiddleware
 from surge.server.http.hotpath import HotPathMiddleware
 from surge.server.state import AppState
 
 
 def create_app(state: AppState) -> FastAPI:
     from surge.server import health
-    from surge.server.http import kserve, metrics, models, native, openai, pipelines, triton_extras
+    from surge.server.http import kserve, metrics, models, native, openai, openapi, pipelines, triton_extras
     from surge.server.http.compression import DecompressMiddleware
 
     @contextlib.asynccontextmanager
@@ -41,6 +42,7 @@ def create_app(state: AppState) -> FastAPI:
     app = FastAPI(title="surge", version=__version__, docs_url="/docs", redoc_url=None, lifespan=lifespan)
     app.state.surge = state
     errors.install(app)
+    openapi.install(app)
     app.include_router(health.router(state))
     app.include_router(openai.router(state))
     app.include_router(native.router(state))
@@ -53,6 +55,7 @@ def create_app(state: AppState) -> FastAPI:
         app.include_router(extra(state))
     app.add_middleware(HotPathMiddleware, state=state)  # inside auth: added before it
     app.add_middleware(DecompressMiddleware, max_bytes=state.config.limits.max_body_bytes)  # gzip/deflate bodies
+    app.add_middleware(ContentTypeMiddleware)  # 415 before any route or the hot path reads a body
     if state.config.api_key:
         from surge.server.health import OPEN_PATHS
 

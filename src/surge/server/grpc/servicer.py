@@ -13,7 +13,7 @@ import logging
 
 import grpc
 
-from surge.errors import InvalidInput, NotFound, SurgeError
+from surge.errors import InvalidInput, NotFound, SurgeError, shown
 from surge.server import kserve_contract as contract
 from surge.server import kserve_tensor
 from surge.server.grpc import grpc_service_pb2 as pb
@@ -36,16 +36,28 @@ def _rpc(method):
 
     @functools.wraps(method)
     async def wrapper(self, request, context):
+        trailers = ()
         try:
             return await method(self, request, context)
         except SurgeError as exc:
             code, message = exc.grpc_code, exc.message
+            trailers = retry_trailers(exc.retry_after)
         except Exception:
             log.exception("unhandled error in gRPC %s", method.__name__)
             code, message = grpc.StatusCode.INTERNAL, "internal server error"
-        await context.abort(code, message)
+        await context.abort(code, shown(message, 1024), trailing_metadata=trailers)  # bounded, as HTTP's
 
     return wrapper
+
+
+def retry_trailers(retry_after: float | None) -> tuple:
+    """HTTP's Retry-After for gRPC: `retry-after` (whole seconds, as the HTTP header) and
+    gRPC's own retry pushback (`grpc-retry-pushback-ms`, which grpc clients with a
+    retry policy obey) in the trailing metadata of an overload answer."""
+    if retry_after is None:
+        return ()
+    seconds = max(1, int(round(retry_after)))
+    return (("retry-after", str(seconds)), ("grpc-retry-pushback-ms", str(seconds * 1000)))
 
 
 def parameters(entries) -> dict:
@@ -78,13 +90,13 @@ def decode_inputs(request: pb.ModelInferRequest) -> list[contract.InputTensor]:
     for i, t in enumerate(request.inputs):
         if raw:
             if t.HasField("contents"):
-                raise InvalidInput(f"input '{t.name}' has both contents and raw_input_contents")
+                raise InvalidInput(f"input '{shown(t.name)}' has both contents and raw_input_contents")
             tensors.append(contract.from_raw(t.name, t.datatype, t.shape, raw[i]))
             continue
         field = _CONTENTS_FIELD.get(t.datatype)
         if field is None:
             contract.numpy_dtype(t.name, t.datatype)  # unknown datatype: a clear error
-            raise InvalidInput(f"input '{t.name}': {t.datatype} data must be sent in raw_input_contents")
+            raise InvalidInput(f"input '{shown(t.name)}': {shown(t.datatype)} data must be sent in raw_input_contents")
         tensors.append(contract.from_values(t.name, t.datatype, t.shape, list(getattr(t.contents, field))))
     return tensors
 
@@ -187,9 +199,7 @@ class InferenceServicer(TritonExtras, pb_grpc.GRPCInferenceServiceServicer):
 
     @_rpc
     async def RepositoryIndex(self, request, context):
-        models = await self._lifecycle().index()
-        if request.ready:
-            models = [m for m in models if m["state"] == "READY"]
+        models = contract.repository_index(await self._lifecycle().index(), request.ready)
         index = pb.RepositoryIndexResponse.ModelIndex
         return pb.RepositoryIndexResponse(models=[index(**m) for m in models])
 

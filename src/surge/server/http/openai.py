@@ -8,13 +8,15 @@ from typing import Literal, Union
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from surge.errors import InvalidInput, PayloadTooLarge
+from surge.errors import InvalidInput, PayloadTooLarge, shown
 from surge.server.http.common import ORJSONResponse, parse
+from surge.server.http.openapi import body
 from surge.server.http.openai_inputs import check_lengths, check_token_ids
 from surge.server.state import AppState
 from surge.types import EmbedOptions
 
 TokenIds = list[StrictInt]
+_MAX_ID = 2 ** 63 - 1
 
 
 class EmbeddingsRequest(BaseModel):
@@ -54,6 +56,12 @@ def split_input(raw, max_inputs: int, max_chars: int) -> tuple[list[str] | None,
         for i, seq in enumerate(ids):
             if not seq:
                 raise InvalidInput(f"input {i} is an empty token list", param="input")
+            # JSON integers are unbounded; the cache key and the engine take int64. The
+            # vocabulary bound is the tokenizer's check, this one keeps ids convertible.
+            if min(seq) < 0 or max(seq) > _MAX_ID:
+                bad = min(seq) if min(seq) < 0 else max(seq)
+                raise InvalidInput(f"input {i}: token id {shown(bad)} is out of range (ids are non-negative and "
+                                   "below the model's vocabulary size)", param="input")
     return texts, ids
 
 
@@ -61,7 +69,7 @@ def router(state: AppState) -> APIRouter:
     r = APIRouter()
     limits = state.config.limits
 
-    @r.post("/v1/embeddings")
+    @r.post("/v1/embeddings", openapi_extra=body(EmbeddingsRequest))
     async def embeddings(request: Request):
         req = await parse(request, EmbeddingsRequest, limits.max_body_bytes)
         texts, ids = split_input(req.input, limits.max_inputs_per_request, limits.max_input_chars)

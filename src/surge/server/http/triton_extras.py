@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from surge.errors import InvalidInput
 from surge.server import triton_settings as settings
 from surge.server.http.common import ORJSONResponse, decode_json, read_body
+from surge.server.http.openapi import body as body_doc
 from surge.server.state import AppState
 
 _OBJECT_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
@@ -55,10 +56,15 @@ def router(state: AppState) -> APIRouter:
     async def unsupported(region: str | None = None):
         settings.shared_memory()
 
+    # Documented as what they answer (501), so that clients and the OpenAPI fuzz know it.
+    not_implemented = {501: {"description": "Shared memory is not supported", "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/KServeError"}}}}}
     for kind in ("systemsharedmemory", "cudasharedmemory"):
-        r.get(f"/v2/{kind}/status")(unsupported)
-        r.get(f"/v2/{kind}/region/{{region}}/status")(unsupported)
-        r.post(f"/v2/{kind}/region/{{region}}/register", openapi_extra=_OBJECT_BODY)(unsupported)
-        r.post(f"/v2/{kind}/region/{{region}}/unregister")(unsupported)
-        r.post(f"/v2/{kind}/unregister")(unsupported)
+        r.get(f"/v2/{kind}/status", responses=not_implemented)(unsupported)
+        r.get(f"/v2/{kind}/region/{{region}}/status", responses=not_implemented)(unsupported)
+        r.post(f"/v2/{kind}/region/{{region}}/register", openapi_extra=_OBJECT_BODY,
+               responses=not_implemented)(unsupported)
+        r.post(f"/v2/{kind}/region/{{region}}/unregister", openapi_extra=body_doc(required=False),
+               responses=not_implemented)(unsupported)
+        r.post(f"/v2/{kind}/unregister", openapi_extra=body_doc(required=False), responses=not_implemented)(unsupported)
     return r
