@@ -7,6 +7,7 @@ from pathlib import Path
 from surge.config import EngineConfig
 from surge.engines.base import Engine
 from surge.models.hf import ModelSpec
+from surge.runtime.slowdown import engine_delay_s, slow_down
 from surge.runtime.tokenize import Tokenizer
 from surge.runtime.worker import EnginePool, ModelWorker, PostSpec
 
@@ -58,6 +59,7 @@ def build_worker(spec: ModelSpec, artifact: Path | None, cfg: EngineConfig) -> M
     engines = make_engines(cfg, spec, artifact)
     for engine in engines.engines:
         engine.warmup(cfg.warmup_shapes)
+    slow_down(engines, engine_delay_s())  # a test-only setting; a no-op unless SURGE_TEST_ENGINE_DELAY_MS is set
     return ModelWorker(spec, tokenizer, engines, PostSpec(spec.pooling, spec.normalize))
 
 

@@ -37,6 +37,17 @@ class ServedModel:
             if self.inflight == 0:
                 self._idle.set()
 
+    async def infer(self, *args, **kwargs):
+        """Tensor models (runtime/tensor_service.py): counted as embed is."""
+        self.inflight += 1
+        self._idle.clear()
+        try:
+            return await self.service.infer(*args, **kwargs)
+        finally:
+            self.inflight -= 1
+            if self.inflight == 0:
+                self._idle.set()
+
     # generation (task "generate"): counted too, so a replaced version finishes its streams
     async def generate(self, *args, **kwargs):
         self.inflight += 1

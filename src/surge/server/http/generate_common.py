@@ -89,21 +89,3 @@ async def sse_response(first, rest: AsyncIterator[bytes], render_error, done: bo
     return StreamingResponse(body(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-
-def openapi_body(model) -> dict:
-    """`openapi_extra` declaring a JSON body of `model` (schema inlined: routes parse the body themselves,
-    with the project's error messages, so FastAPI must not validate it a second time)."""
-    schema = model.model_json_schema()
-    defs = schema.pop("$defs", {})
-
-    def inline(node):
-        if isinstance(node, dict):
-            ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#/$defs/"):
-                return inline(defs[ref.removeprefix("#/$defs/")])
-            return {k: inline(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [inline(v) for v in node]
-        return node
-
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}

@@ -14,8 +14,9 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from surge.server.http.common import ORJSONResponse, parse
-from surge.server.http.generate_common import (deadline_for, generate_model, make_params, openapi_body, sse,
-                                               sse_response, until_disconnect)
+from surge.server.http.generate_common import (deadline_for, generate_model, make_params, sse, sse_response,
+                                               until_disconnect)
+from surge.server.http.openapi import body
 from surge.server.state import AppState
 
 
@@ -93,8 +94,11 @@ def router(state: AppState) -> APIRouter:
 
         return await sse_response(b"", rest(), lambda exc: {"error": exc.message}, done=False)
 
-    extra = openapi_body(GenerateRequest)
+    extra = body(GenerateRequest)
+    events = {200: {"description": "One server-sent event per delta",
+                    "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
     for base in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
         r.add_api_route(base + "/generate", generate, methods=["POST"], openapi_extra=extra)
-        r.add_api_route(base + "/generate_stream", generate_stream, methods=["POST"], openapi_extra=extra)
+        r.add_api_route(base + "/generate_stream", generate_stream, methods=["POST"], openapi_extra=extra,
+                        responses=events)
     return r

@@ -19,8 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from surge.errors import InvalidInput, PayloadTooLarge
 from surge.server.http.common import ORJSONResponse, parse
-from surge.server.http.generate_common import (deadline_for, generate_model, make_params, openapi_body, sse,
-                                               sse_response, until_disconnect)
+from surge.server.http.generate_common import (deadline_for, generate_model, make_params, sse, sse_response,
+                                               until_disconnect)
+from surge.server.http.openapi import body
 from surge.server.state import AppState
 
 
@@ -82,6 +83,11 @@ class CompletionRequest(_Sampling):
     suffix: StrictStr | None = None
 
 
+ANSWER_OR_STREAM = {200: {"description": "The answer (JSON), or with `stream` server-sent events ending in "
+                               "`data: [DONE]`", "content": {"application/json": {"schema": {"type": "object"}},
+                                                             "text/event-stream": {"schema": {"type": "string"}}}}}
+
+
 def _messages(req: ChatCompletionRequest) -> list[dict]:
     out = []
     for m in req.messages:
@@ -123,7 +129,7 @@ def router(state: AppState) -> APIRouter:
     r = APIRouter()
     limits = state.config.limits
 
-    @r.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
+    @r.post("/v1/chat/completions", openapi_extra=body(ChatCompletionRequest), responses=ANSWER_OR_STREAM)
     async def chat(request: Request):
         req = await parse(request, ChatCompletionRequest, limits.max_body_bytes)
         service = generate_model(state, req.model)
@@ -174,7 +180,7 @@ def router(state: AppState) -> APIRouter:
 
         return await sse_response(b"", _closing(rest(), agen), _error_body)
 
-    @r.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
+    @r.post("/v1/completions", openapi_extra=body(CompletionRequest), responses=ANSWER_OR_STREAM)
     async def completions(request: Request):
         req = await parse(request, CompletionRequest, limits.max_body_bytes)
         service = generate_model(state, req.model)
