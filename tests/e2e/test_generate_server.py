@@ -281,3 +281,18 @@ def test_repository_versions_and_zero_downtime_reload(tmp_path, model_dir):
         after = httpx.post(srv.url + "/v1/completions", json={**{k: v for k, v in kw.items() if k != "extra_body"},
                                                              "ignore_eos": True, "max_tokens": 5})
         assert after.status_code == 200 and after.headers["x-surge-model-version"] == "2"
+
+
+def test_non_streamed_request_is_aborted_when_the_client_leaves(server):
+    aborted = metric(server, "surge_generate_requests_total", finish_reason="abort")
+    body = {"model": "chat-qwen", "prompt": "Names", "max_tokens": 240, "temperature": 0, "ignore_eos": True,
+            "seed": 11}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.05))
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (
+            metric(server, "surge_generate_requests_total", finish_reason="abort") == aborted
+            or metric(server, "surge_generate_running_sequences") != 0):
+        time.sleep(0.05)
+    assert metric(server, "surge_generate_requests_total", finish_reason="abort") == aborted + 1
+    assert metric(server, "surge_generate_running_sequences") == 0

@@ -52,7 +52,7 @@ class DecoderEngine:
         self.max_model_len = min(max_model_len or self.cfg.max_positions, self.cfg.max_positions)
         self.block_size = block_size
         if num_blocks is None:
-            tokens = kv_cache_tokens or (262_144 if cuda else 32_768)
+            tokens = kv_cache_tokens or self._default_kv_tokens(cuda, block_size)
             num_blocks = max(1, math.ceil(tokens / block_size))
         self.num_blocks = num_blocks
         self.max_num_seqs = max_num_seqs
@@ -67,6 +67,18 @@ class DecoderEngine:
             from surge.engines.decoder.graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self, max_num_seqs)
+
+    def _default_kv_tokens(self, cuda: bool, block_size: int) -> int:
+        """256k tokens on a GPU, 32k on the CPU, within 40% of free GPU memory / 1 GiB of host memory."""
+        per_token = KVCache.bytes_per_block(self.cfg, block_size, self.dtype) // block_size
+        if cuda:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            # the weights are not loaded yet: leave them and the activations room
+            budget = int(0.4 * free)
+        else:
+            budget = 1 << 30
+        want = 262_144 if cuda else 32_768
+        return max(block_size * 4, min(want, budget // max(1, per_token)))
 
     @property
     def capabilities(self) -> EngineCaps:
