@@ -235,17 +235,18 @@ def test_info_tokenize_decode(client):
     assert client.post("/decode", json={"model": "intent", "ids": ids}).json() == ["play jazz"]
 
 
-def test_decoder_checkpoint_is_a_clear_startup_error(tmp_path):
-    d = tmp_path / "gpt2"
+def test_unsupported_architecture_is_a_clear_startup_error(tmp_path):
+    """Never a silent embedding server: the architecture is named, the supported ones listed."""
+    d = tmp_path / "qa"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-                                               "n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 30522}))
+    (d / "config.json").write_text(json.dumps({"architectures": ["BertForQuestionAnswering"], "model_type": "bert",
+                                               "hidden_size": 32, "vocab_size": 30522}))
     shutil.copy(bundled_model_dir() / "tokenizer.json", d / "tokenizer.json")
     p = subprocess.run([sys.executable, "-m", "surge.cli.main", "serve", str(d), "--port", str(free_port()),
                         "--grpc-port", "0"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert p.returncode != 0
     out = p.stdout + p.stderr
-    assert "GPT2LMHeadModel" in out and "supported" in out and "ForSequenceClassification" in out
+    assert "BertForQuestionAnswering" in out and "supported" in out and "ForSequenceClassification" in out
 
 
 def test_pipeline_calls_every_task(client, models):

@@ -109,8 +109,9 @@ def _overridden(path: Path, config: dict, arch: str, task: str) -> TaskInfo:
 def check_servable(task: TaskInfo, model_type: str, path: Path) -> None:
     """Raise a startup error for a model the encoder engines cannot serve."""
     if task.task == GENERATE:
-        raise ConfigError(f"{path}: architecture {task.architecture} is a text generator (task generate), which this "
-                          f"build of surge cannot serve; supported: {SUPPORTED_ARCHITECTURES}", param="task")
+        raise ConfigError(f"{path}: architecture {task.architecture} is a text generator (task generate) that "
+                          f"surge's decoder engine does not run (models/decoder.py lists those it does); "
+                          f"supported: {SUPPORTED_ARCHITECTURES}", param="task")
     if model_type not in ENCODER_TYPES:
         raise ConfigError(f"{path}: model_type {model_type!r} ({task.architecture}) is not an encoder surge "
                           f"serves; supported model types: {', '.join(ENCODER_TYPES)}")

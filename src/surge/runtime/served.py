@@ -38,11 +38,33 @@ class ServedModel:
                 self._idle.set()
 
     async def infer(self, *args, **kwargs):
-        """A task call (classify, rerank, token-classify), counted like `embed`."""
+        """Task models (classify, rerank, token-classify; tensor models): counted as embed is."""
         self.inflight += 1
         self._idle.clear()
         try:
             return await self.service.infer(*args, **kwargs)
+        finally:
+            self.inflight -= 1
+            if self.inflight == 0:
+                self._idle.set()
+
+    # generation (task "generate"): counted too, so a replaced version finishes its streams
+    async def generate(self, *args, **kwargs):
+        self.inflight += 1
+        self._idle.clear()
+        try:
+            return await self.service.generate(*args, **kwargs)
+        finally:
+            self.inflight -= 1
+            if self.inflight == 0:
+                self._idle.set()
+
+    async def stream(self, *args, **kwargs):
+        self.inflight += 1
+        self._idle.clear()
+        try:
+            async for delta in self.service.stream(*args, **kwargs):
+                yield delta
         finally:
             self.inflight -= 1
             if self.inflight == 0:

@@ -343,11 +343,15 @@ BUILTIN_STEPS: dict[str, type[Node]] = {
 
 def make_node(spec: PipelineNode, ctx: LoadContext) -> Node:
     if spec.model:
+        from surge.runtime.tensor_steps import TensorModelNode, is_tensor_model
+
+        if is_tensor_model(ctx.registry, spec):  # kinds onnx, torch, python: ports are its tensors
+            return TensorModelNode(spec, ctx)
         try:
             served = ctx.registry.get(spec.model, spec.version)
         except Exception:  # noqa: BLE001 - ModelNode reports the unknown model
             served = None
-        if served is not None and getattr(served, "task", "embed") != "embed":
+        if served is not None and getattr(served, "task", "embed") in ("classify", "rerank", "token-classify"):
             from surge.runtime.task_steps import TaskModelNode  # classify / rerank / token-classify
 
             return TaskModelNode(spec, ctx, served)
