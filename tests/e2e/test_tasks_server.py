@@ -185,7 +185,7 @@ BAD = [
     ("/predict", {"model": "ce", "inputs": [["only one side"]]}, 400, "inputs"),
     ("/predict", {"model": "ce", "inputs": [["a", ""], ["b", "c"]]}, 400, "inputs"),
     ("/rerank", {"model": "ce", "query": "q", "texts": []}, 400, "texts"),
-    ("/rerank", {"model": "ce", "query": "q", "texts": ["x"] * 300}, 413, "texts"),
+    ("/rerank", {"model": "ce", "query": "q", "texts": ["x"] * 3000}, 413, "texts"),
     ("/rerank", {"model": "ce", "query": "q", "texts": ["word " * 600]}, 413, "texts"),
     ("/v1/rerank", {"model": "ce", "query": "q", "documents": ["a", "b"], "top_n": 3}, 400, "top_n"),
     ("/v1/rerank", {"model": "ce", "query": "q", "documents": ["a"], "top_n": 0}, 400, "top_n"),
