@@ -55,7 +55,7 @@ def server(models, tmp_path_factory):
     (root / "assist").mkdir()
     (root / "assist" / "passages.yaml").write_text(json.dumps({"passages": PASSAGES}))
     (root / "assist" / "pipeline.yaml").write_text(PIPELINE)
-    with ServerProcess("--model-repository", str(root), "--threads", "1", grpc=True) as srv:
+    with ServerProcess("--model-repository", str(root), "--threads", "1", "--tei-embed", grpc=True) as srv:
         yield srv
 
 
@@ -264,3 +264,13 @@ def test_pipeline_calls_every_task(client, models):
     ref = CrossEncoder(str(models / "ce"), device="cpu").predict([(q, a["text"]) for a in answers])
     assert [a["rerank_score"] for a in answers] == pytest.approx([float(x) for x in ref], abs=1e-5)
     assert list(ref) == sorted(ref, reverse=True)
+
+
+def test_tei_embed_shape(client, reference_embed, sentences):
+    """--tei-embed: POST /embed answers TEI's bare array (the native object otherwise)."""
+    r = client.post("/embed", json={"inputs": sentences[:3], "model": "embed"})
+    assert r.status_code == 200, r.text
+    got = np.asarray(r.json(), dtype=np.float32)
+    assert got.shape == (3, 384)
+    assert cosine_rows(got, reference_embed(sentences[:3])).min() >= 0.99999
+    assert client.post("/embed", json={"inputs": "hi", "model": "intent"}).status_code == 400
