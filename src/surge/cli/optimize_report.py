@@ -21,7 +21,9 @@ def render(console, manifest: dict, reports, explain: bool) -> None:
         summary.add_row("sensitivity (1-cos)", ", ".join(f"{k}={v:.1e}" for k, v in sorted(sens.items(), key=lambda kv: -kv[1])))
     if "quantization" in decisions:
         q = decisions["quantization"]
-        summary.add_row("int8", f"{q['int8_ops']} ({'per-channel' if q['per_channel'] else 'per-tensor'})")
+        ops = q.get("int8_ops") or q.get("quantized_ops")
+        summary.add_row("int8", f"{q.get('method', 'dynamic')}: {ops} ({'per-channel' if q['per_channel'] else 'per-tensor'} weights;"
+                                f" activations {q.get('activation_type', '?')})")
         if "smoothing" in q:
             alpha = q["smoothing"].get("alpha")
             summary.add_row("smoothing (SmoothQuant)", "off" if alpha is None else

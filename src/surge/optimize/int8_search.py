@@ -17,6 +17,14 @@
    past that the artifact is no longer an INT8 model, and the final gate
    (calibration and held-out) refuses it.
 
+The search aims above the budget's minimum-cosine floor (half-way from the
+floor to 1: 0.995 for 0.99), because the calibration set's worst sentence is
+an optimistic estimate of the worst of a held-out set three times larger
+(measured: calibration min 0.994, held-out min 0.989 for the same model).
+Sensitivities and fallback steps are measured on the calibration sentences
+that the chosen plan gets worst (HARD_SENTENCES of them): the budget is about
+the tail, and these cost a fifth of the full set to run.
+
 The held-out sentences are never looked at here; the pipeline's gate checks
 them afterwards.
 """
@@ -33,6 +41,16 @@ from surge.optimize.validate import Budget, Evaluator, SetMetrics, check
 
 ALPHAS = (0.5, 0.65, 0.8)
 METHODS = ("per-row", "dynamic")
+HARD_SENTENCES = 160
+
+
+def search_budget(budget: Budget) -> Budget:
+    """The budget with a safety margin on the minimum cosine (see the module docstring)."""
+    import dataclasses
+
+    if budget.min_cosine <= 0:
+        return budget
+    return dataclasses.replace(budget, min_cosine=round(1 - (1 - budget.min_cosine) / 2, 6))
 
 
 @dataclass
@@ -76,9 +94,10 @@ def build_int8(proto: onnx.ModelProto, evaluator: Evaluator, budget: Budget, per
     say = progress or (lambda _: None)
     quantize = quantizer(method, per_channel)
     calibration = evaluator.data["calibration"]
+    target = search_budget(budget)
 
-    def measure(model: onnx.ModelProto) -> SetMetrics:
-        return evaluator.metrics(model.SerializeToString(), sets=("calibration",))["calibration"]
+    def measure(model: onnx.ModelProto, subset: str = "calibration") -> SetMetrics:
+        return evaluator.metrics(model.SerializeToString(), sets=(subset,))[subset]
 
     say("int8: measuring activation ranges on the calibration sentences")
     absmax = activation_absmax(proto, calibration.batches, evaluator.threads)
@@ -93,30 +112,37 @@ def build_int8(proto: onnx.ModelProto, evaluator: Evaluator, budget: Budget, per
         tried.append(_row(m, alpha=a))
         if best is None or (m.tail_cosine, m.mean_cosine) > (best[3].tail_cosine, best[3].mean_cosine):
             best = (a, smoothed, sinfo, m, q, qinfo)
-        if a is None and alpha == "auto" and check(budget, {"calibration": m}).passed:
+        if a is None and alpha == "auto" and check(target, {"calibration": m}).passed:
             break  # plain INT8 already meets the budget: no smoothing Muls (fewer nodes, faster)
     a, smoothed, sinfo, metrics, q, qinfo = best
     info: dict = {"smoothing": sinfo.to_json() if sinfo else {"alpha": None},
                   "alpha_search": tried if len(tried) > 1 else None}
     kept: list[str] = []
-    passed = check(budget, {"calibration": metrics}).passed
+    passed = check(target, {"calibration": metrics}).passed
     steps = [_row(metrics, kept_fp32=[], passed=passed)]
+    info["search_budget"] = target.to_json()
     if not passed and search:
+        hard = evaluator.add_subset("hard", metrics.order_worst[:HARD_SENTENCES], "calibration")
+        base = measure(q, "hard")
+        info["hard_sentences"] = hard
         names = candidates(smoothed, method)
         limit = int(max_fp32_fraction * len(names))
         sensitivity = {}
         for i, name in enumerate(names):
-            say(f"int8: sensitivity of {name} ({i + 1}/{len(names)})")
-            m = measure(quantize(smoothed, [name])[0])
-            sensitivity[name] = round(m.tail_cosine - metrics.tail_cosine, 9)
+            say(f"int8: sensitivity of {name} ({i + 1}/{len(names)}, on the {hard} hardest calibration sentences)")
+            m = measure(quantize(smoothed, [name])[0], "hard")
+            sensitivity[name] = round(m.tail_cosine - base.tail_cosine, 9)
         order = sorted(names, key=lambda n: sensitivity[n], reverse=True)
         info["sensitivity"] = {n: sensitivity[n] for n in order}
         for name in order[:limit]:
             kept.append(name)
             say(f"int8: keeping {len(kept)} node(s) in FP32")
             q, qinfo = quantize(smoothed, list(kept))
-            metrics = measure(q)
-            passed = check(budget, {"calibration": metrics}).passed
+            if not check(target, {"hard": measure(q, "hard")}).passed:
+                steps.append({"kept_fp32": list(kept), "passed": False, "measured_on": "hard"})
+                continue
+            metrics = measure(q)  # the hard subset passes: confirm on the whole calibration set
+            passed = check(target, {"calibration": metrics}).passed
             steps.append(_row(metrics, kept_fp32=list(kept), passed=passed))
             if passed:
                 break

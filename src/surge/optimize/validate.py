@@ -58,11 +58,14 @@ class SetMetrics:
     top1_tie: float  # the candidate's neighbour scores within TIE_TOLERANCE of the reference's best
     argmax: float | None = None
     tail_cosine: float | None = None  # mean cosine of the worst 1% of sentences (the search's objective)
-    top1_tie_ci95: tuple[float, float] | None = None  # Wilson score interval of top1_tie over n queries
+    top1_tie_ci95: tuple[float, float] | None = None  # Wilson score interval of top1_tie over n queries (95%)
     worst: list[dict] | None = None  # the lowest-cosine sentences (index into the set, cosine)
+    order_worst: list[int] = field(default_factory=list, repr=False)  # every index, worst first (not serialized)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d.pop("order_worst")
+        return d
 
 
 @dataclass
@@ -236,7 +239,7 @@ def compare(ref: Outputs, cand: Outputs, head=None) -> SetMetrics:
     worst = [{"index": int(i), "cosine": round(float(cos[i]), 6)} for i in np.argsort(cos)[:5]]
     return SetMetrics(len(cos), float(cos.mean()), float(cos.min()), max_abs, top1, top1_tie, argmax,
                       tail_cosine=tail_mean(cos), top1_tie_ci95=wilson_interval(round(top1_tie * len(cos)), len(cos)),
-                      worst=worst)
+                      worst=worst, order_worst=[int(i) for i in np.argsort(cos, kind="stable")])
 
 
 def check(budget: Budget, sets: dict[str, SetMetrics]) -> GateResult:
@@ -300,6 +303,13 @@ class Evaluator:
         self.reference_model_bytes = reference_model if isinstance(reference_model, bytes) else Path(reference_model).read_bytes()
         ref = session(self.reference_model_bytes, threads)
         self.reference = {name: run_model(ref, spec, data) for name, data in self.data.items()}
+
+    def add_subset(self, name: str, indices: list[int], of: str = "calibration") -> int:
+        """A named subset of a set (e.g. its hardest sentences), reference computed; returns its size."""
+        texts = [self.data[of].texts[i] for i in indices]
+        self.data[name] = Encoded(self.spec, texts)
+        self.reference[name] = run_model(session(self.reference_model_bytes, self.threads), self.spec, self.data[name])
+        return len(texts)
 
     def metrics(self, model: str | Path | bytes, sets=("calibration", "heldout")) -> dict[str, SetMetrics]:
         sess = session(model, self.threads)
