@@ -11,6 +11,9 @@ Loss per batch (real tokens only; padding carries no meaning):
 - classifiers: additionally the KL divergence of the softened logits
   (temperature 2, Hinton et al. 2015).
 
+The word-embedding table is frozen (shared with the teacher); the teacher's
+targets are computed once per text; batches are length-bucketed.
+
 Training text: the shipped calibration queries plus the 400 prose sentences
 (`surge.data`), or a file of one text per line (a query log). The held-out
 queries are never trained on: the gate measures the student on them.
@@ -183,29 +186,38 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
             mask[row, : len(encoded[i])] = 1
         return torch.from_numpy(ids), torch.from_numpy(mask)
 
+    # The teacher's outputs are the targets and do not change: computed once per
+    # text (in length-sorted batches, no padding waste), not once per step.
+    t_hidden_of, t_logits_of = _teacher_targets(teacher, encoded, batch, classifier)
+    # The word embeddings stay the teacher's: a third of MiniLM's weights, whose
+    # dense gradient and AdamW update cost more than the 3 layers they feed.
+    base = getattr(student, student.base_model_prefix, student)
+    base.embeddings.word_embeddings.weight.requires_grad_(False)
     params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=options.lr, weight_decay=0.01)
     warm = max(1, int(options.warmup * options.steps))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / options.steps))))
-    order: list[int] = []
+    batches: list[list[int]] = []
     losses: list[float] = []
     start = time.perf_counter()
     for step in range(options.steps):
-        if len(order) < options.batch_size:
-            order += list(rng.permutation(len(encoded)))
-        picked, order = order[: options.batch_size], order[options.batch_size:]
+        if not batches:
+            batches = _length_bucketed(encoded, options.batch_size, rng)
+        picked = batches.pop()
         ids, mask = batch(picked)
-        with torch.no_grad():
-            t_out = teacher(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        t_hidden = torch.zeros(ids.shape[0], ids.shape[1], t_hidden_of[0].shape[-1])
+        for row, i in enumerate(picked):
+            t_hidden[row, : t_hidden_of[i].shape[0]] = t_hidden_of[i]
         s_out = student(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-        t_hidden, s_hidden = t_out.hidden_states[-1], s_out.hidden_states[-1]
+        s_hidden = s_out.hidden_states[-1]
         real = mask.bool()
         loss = (1 - F.cosine_similarity(_pool(s_hidden, mask, pooling), _pool(t_hidden, mask, pooling), dim=-1)).mean()
         loss = loss + F.mse_loss(s_hidden[real], t_hidden[real])
         if classifier:
             tau = options.temperature
-            loss = loss + F.kl_div(F.log_softmax(s_out.logits / tau, -1), F.softmax(t_out.logits / tau, -1),
+            t_logits = torch.stack([t_logits_of[i] for i in picked])
+            loss = loss + F.kl_div(F.log_softmax(s_out.logits / tau, -1), F.softmax(t_logits / tau, -1),
                                    reduction="batchmean") * tau * tau
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -223,6 +235,36 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
                           "loss": "1-cos(pooled) + MSE(last hidden)" + (" + KL(logits, T=2)" if classifier else ""),
                           "steps_planned": options.steps, "batch_size": options.batch_size, "lr": options.lr,
                           "seed": options.seed})
+
+
+def _length_bucketed(encoded: list, batch_size: int, rng) -> list[list[int]]:
+    """One epoch of batches of similar lengths (little padding), in random order."""
+    order = list(rng.permutation(len(encoded)))
+    chunk = batch_size * 16
+    out = []
+    for c in range(0, len(order), chunk):
+        part = sorted(order[c : c + chunk], key=lambda i: len(encoded[i]))
+        out += [part[b : b + batch_size] for b in range(0, len(part), batch_size)]
+    rng.shuffle(out)
+    return out
+
+
+def _teacher_targets(teacher, encoded: list, batch, classifier: bool):
+    import torch
+
+    hidden: list = [None] * len(encoded)
+    logits: list = [None] * len(encoded)
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+    with torch.inference_mode():
+        for b in range(0, len(order), 64):
+            picked = order[b : b + 64]
+            ids, mask = batch(picked)
+            out = teacher(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+            for row, i in enumerate(picked):
+                hidden[i] = out.hidden_states[-1][row, : len(encoded[i])].clone()
+                if classifier:
+                    logits[i] = out.logits[row].clone()
+    return hidden, logits
 
 
 def _write_model_dir(student, spec: ModelSpec, out_dir: Path) -> None:
