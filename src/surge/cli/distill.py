@@ -66,8 +66,12 @@ def distill(
                       console=console, transient=not console.is_terminal) as bar:
             task = bar.add_task(f"{spec.name}: {spec.num_layers} -> {layers} layers", total=steps, loss=float("nan"))
 
+            every = max(1, steps // 10)
+
             def on_step(step: int, loss: float) -> None:
                 bar.update(task, completed=step + 1, loss=loss)
+                if not console.is_terminal and ((step + 1) % every == 0 or step + 1 == steps):
+                    console.print(f"surge distill: step {step + 1}/{steps} loss {loss:.4f}")  # logs get progress too
 
             result = train(spec, staging, options, on_step)
         report = result.to_json()
