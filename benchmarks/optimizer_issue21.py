@@ -84,7 +84,7 @@ def serve_and_bench(artifact: Path, name: str, clients: int, duration: float, th
     with ServerProc(name, argv, port) as srv:
         srv.start()
         report = out / f"bench-{name}.json"
-        cmd = [sys.executable, "-m", "surge.cli.main", "bench", srv.url, "-p", "openai", "-c", str(clients),
+        cmd = [sys.executable, "-m", "surge.cli.main", "bench", "run", srv.url, "-p", "openai", "-c", str(clients),
                "-d", str(duration), "--warmup", "5", "--query-log", str(queries), "--json", str(report),
                "--no-progress", "--name", name]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)

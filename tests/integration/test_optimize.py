@@ -34,8 +34,9 @@ def int8_artifact(tmp_path_factory):
     out = tmp_path_factory.mktemp("art") / "minilm-int8"
     # The default INT8 budget (every sentence's cosine >= 0.99, mean >= 0.99, top-1 >= 0.98)
     # on the first 100 + 100 shipped queries, per-row (batch invariant) INT8.
+    # --smooth-alpha 0.65: the grid's choice on the full corpus, fixed here to keep the test short.
     result = CliRunner().invoke(app, ["optimize", "-o", str(out), "--precision", "int8", "--max-sentences", str(N_INT8),
-                                      "--no-latency", "--threads", "2", "--explain",
+                                      "--smooth-alpha", "0.65", "--no-latency", "--threads", "2", "--explain",
                                       "--cache-dir", str(CACHE_DIR)])
     assert result.exit_code == 0, result.output
     assert "attention_fusion" in result.output and "wrote" in result.output
@@ -56,9 +57,8 @@ def test_int8_manifest_records_everything(int8_artifact):
         lo, hi = s["top1_tie_ci95"]
         assert lo <= s["top1_tie"] <= hi and hi - lo < 0.1  # the interval is reported
     assert m["validation"]["budget"] == {"mean_cosine": 0.99, "min_cosine": 0.99, "top1": 0.98, "argmax": 0.98}
-    # The measured smoothing choice is recorded; the alpha grid was measured (or plain INT8 sufficed).
-    assert q["smoothing"]["alpha"] in (None, 0.5, 0.65, 0.8)
-    assert q["alpha_search"] is None or [t["alpha"] for t in q["alpha_search"]][0] is None
+    # The smoothing choice and what it did are recorded.
+    assert q["smoothing"]["alpha"] == 0.65 and q["smoothing"]["muls_inserted"] + q["smoothing"]["folded_into_v"] > 0
     assert len(q["kept_fp32"]) <= 6 and q["fallback_steps"][-1]["passed"]
     # SkipLayerNormalization fused vs split back: both timed on this CPU, the faster kept
     sl = m["skip_layernorm"]

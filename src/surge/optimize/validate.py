@@ -219,7 +219,9 @@ def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, f
     den = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / den
     half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-    return (float(max(0.0, centre - half)), float(min(1.0, centre + half)))
+    lo, hi = max(0.0, centre - half), min(1.0, centre + half)
+    # At p = 0 or 1 the bound is exactly 0 or 1; rounding must not put p outside its interval.
+    return (0.0 if successes <= 0 else float(min(lo, p)), 1.0 if successes >= n else float(max(hi, p)))
 
 
 def tail_mean(cos: np.ndarray, fraction: float = 0.01) -> float:
