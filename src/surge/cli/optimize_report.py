@@ -60,7 +60,7 @@ def render(console, manifest: dict, reports, explain: bool) -> None:
     latency = manifest.get("latency", {})
     if latency.get("measured"):
         lat = Table(title=f"latency, ONNX Runtime CPU (median ms over {latency.get('rounds', '?')} interleaved rounds, "
-                          "[p25-p75])")
+                          "in brackets p25-p75)")
         for col in ("batch", "seq", "FP32 source", "optimized", "speedup", "faster?"):
             lat.add_column(col, justify="right")
         for row in latency["rows"]:
