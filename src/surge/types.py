@@ -108,3 +108,4 @@ class EmbedResult:
     model: str
     version: str
     cached: list[bool] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # per input: the tokens computed (after truncation)

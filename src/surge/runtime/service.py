@@ -187,7 +187,8 @@ class ModelService:
         entries = [cache.get(k) for k in keys]
         out = np.stack([e.vector for e in entries])
         m.latency.observe(time.monotonic() - start)
-        return EmbedResult(out, sum(e.tokens for e in entries), self.name, self.version, [True] * len(keys))
+        return EmbedResult(out, sum(e.tokens for e in entries), self.name, self.version, [True] * len(keys),
+                           [e.tokens for e in entries])
 
     async def _embed(self, texts, token_ids, options: EmbedOptions, priority: int, deadline: float) -> EmbedResult:
         inputs = texts if texts is not None else token_ids
@@ -217,7 +218,7 @@ class ModelService:
         elif miss:
             await self._compute(inputs, texts is not None, miss, options, priority, deadline, vectors, tokens, keys)
         out = np.stack(vectors) if n else np.zeros((0, self.dimensions), np.float32)
-        return EmbedResult(out, sum(tokens), self.name, self.version, cached)
+        return EmbedResult(out, sum(tokens), self.name, self.version, cached, tokens)
 
     async def _shared_lookup(self, keys, miss, vectors, tokens, cached) -> list[int]:
         found = await self.redis.get_many([keys[i] for i in miss])
@@ -278,6 +279,11 @@ class ModelService:
         if texts is not None:
             return self.worker.tokenizer.encode(texts, truncate=truncate)
         return self.worker.tokenizer.from_ids(token_ids or [], truncate=truncate)
+
+    async def count_tokens(self, texts: list[str]) -> list[int]:
+        """Each text's token count before truncation (in the tokenizer's thread: it owns the tokenizer)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tok_pool, self.worker.tokenizer.count_untruncated, texts)
 
     async def close(self) -> None:
         """Stop taking requests, drain in-flight work, then free the engines."""

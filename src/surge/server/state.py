@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from surge.config import ServerConfig
-from surge.errors import DeadlineExceeded
+from surge.errors import DeadlineExceeded, NotReady, SurgeError
 from surge.runtime.registry import ModelRegistry
 from surge.runtime.service import ModelService
 from surge.runtime.stats import InferenceStats
@@ -57,7 +57,7 @@ class AppState:
         timeout = self.config.limits.request_timeout_s
         start = time.perf_counter_ns()
         try:
-            result = await asyncio.wait_for(service.embed(texts=texts, token_ids=token_ids, options=options), timeout)
+            result = await asyncio.wait_for(self._embed(service, texts, token_ids, options), timeout)
         except asyncio.TimeoutError:
             self.stats.record_failure(service.name, service.version, time.perf_counter_ns() - start)
             raise DeadlineExceeded(f"request did not finish within {timeout:g} s") from None
@@ -67,3 +67,18 @@ class AppState:
         self.stats.record_success(service.name, service.version, result, time.perf_counter_ns() - start,
                                   cache_enabled=bool(getattr(getattr(service, "cache_cfg", None), "enabled", False)))
         return result
+
+    async def _embed(self, service, texts, token_ids, options):
+        try:
+            return await service.embed(texts=texts, token_ids=token_ids, options=options)
+        except NotReady:
+            # The copy this request looked up was replaced (a reload) between the lookup and
+            # the call, e.g. while the request body was still arriving: the new copy answers.
+            # NotReady is raised before any work is admitted, so the call is safe to repeat.
+            try:
+                current = self.registry.get(service.name, service.version)
+            except SurgeError:
+                current = service
+            if current is service:
+                raise
+            return await current.embed(texts=texts, token_ids=token_ids, options=options)
