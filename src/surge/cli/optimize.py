@@ -34,7 +34,7 @@ def optimize(
     force: bool = typer.Option(False, "--force", help="Write the artifact even if it misses its accuracy budget."),
     no_latency: bool = typer.Option(False, "--no-latency", help="Skip the latency comparison (and its gate)."),
     shapes: str = typer.Option("1x32,8x64", "--shapes", help="Serving shapes BATCHxSEQ the latency gate measures (comma-separated)."),
-    min_speedup: float = typer.Option(1.0, "--min-speedup", help="Latency gate: the artifact must beat its source by more than this factor at every shape."),
+    min_speedup: float = typer.Option(1.0, "--min-speedup", help="Latency gate: the artifact must beat its source by more than this factor at every shape (0: measure only)."),
     threads: int = typer.Option(0, envvar="SURGE_THREADS", help="ONNX Runtime threads for validation (0: all cores)."),
     cache_dir: Optional[Path] = typer.Option(None, envvar="SURGE_CACHE_DIR", help="Where FP32 exports are cached."),
 ) -> None:

@@ -50,6 +50,7 @@ def test_one_lucky_round_does_not_pass():
 def test_min_speedup_raises_the_bar():
     t = _timings([[10]] * 5, [[8]] * 5)
     assert decide([t], 1.0)["passed"] and not decide([t], 1.5)["passed"]
+    assert decide([_timings([[10]] * 3, [[20]] * 3)], 0.0)["passed"]  # 0: measured and reported, never refused
 
 
 def test_parse_shapes():
