@@ -81,8 +81,7 @@ def serve_and_bench(artifact: Path, name: str, clients: int, duration: float, th
 
     port = free_port()
     argv = surge_serve_argv(port, "--artifact", str(artifact), "--threads", str(threads), "--cache-bytes", "0")
-    with ServerProc(name, argv, port) as srv:
-        srv.start()
+    with ServerProc(name, argv, port) as srv:  # __enter__ starts it and waits until ready
         report = out / f"bench-{name}.json"
         cmd = [sys.executable, "-m", "surge.cli.main", "bench", "run", srv.url, "-p", "openai", "-c", str(clients),
                "-d", str(duration), "--warmup", "5", "--query-log", str(queries), "--json", str(report),
