@@ -16,6 +16,7 @@ at batch 1 x 32 on the 2-core VM); `--no-isolate` times everything in this proce
 from __future__ import annotations
 
 import argparse
+import os
 import datetime
 import platform
 import shutil
@@ -265,9 +266,29 @@ def main() -> None:
     parser.add_argument("--no-isolate", dest="isolate", action="store_false",
                         help="time every engine in this process instead of a fresh process per block")
     parser.add_argument("--time-one", default=None, help=argparse.SUPPRESS)  # internal: one isolated block
+    i21 = parser.add_argument_group("issue 21 (benchmarks/optimizer_issue21.py)")
+    i21.add_argument("--issue21", action="store_true", help="INT8 held-out accuracy + intervals, batch invariance, "
+                     "retrieval, distilled student, serve FP32 vs INT8 end to end")
+    i21.add_argument("--int8-artifact", default=None, help="reuse this INT8 artifact (default: optimize one)")
+    i21.add_argument("--fp32-artifact", default=None, help="reuse this FP32 artifact (default: optimize one)")
+    i21.add_argument("--student", default=None, help="a `surge distill` output directory to report")
+    i21.add_argument("--clients", type=int, default=64, help="closed-loop clients for the serve comparison (0: skip)")
+    i21.add_argument("--duration", type=float, default=20.0, help="measured seconds per server")
+    i21.add_argument("--workdir", default=None)
+    i21.add_argument("--serve-only", action="store_true", help="only the serve comparison (reuses --workdir's results)")
     args = parser.parse_args()
     if args.time_one:
         return _time_one(args.time_one)
+    if args.issue21:
+        from rich.console import Console
+
+        sys.path.insert(0, str(Path(__file__).parent))
+        from optimizer_issue21 import main as issue21
+
+        print(f"load average at start: {', '.join(f'{x:.1f}' for x in os.getloadavg())}", file=sys.stderr)
+        issue21(args, Console(stderr=True))
+        print(f"load average at end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}", file=sys.stderr)
+        return
     args.rounds = args.rounds or (7 if args.quick else 3)
     args.load_at_start = ", ".join(f"{x:.1f}" for x in os.getloadavg())
 

@@ -32,10 +32,11 @@ def _options(sentences, **kw) -> OptimizeOptions:
 def int8_artifact(tmp_path_factory):
     """The bundled model through the real CLI, INT8."""
     out = tmp_path_factory.mktemp("art") / "minilm-int8"
-    # The issue's default INT8 budget (cosine >= 0.99, top-1 >= 0.98): plain dynamic INT8
-    # misses its top-1 part on MiniLM; SmoothQuant migration (measured alpha) meets it.
+    # The default INT8 budget (every sentence's cosine >= 0.99, mean >= 0.99, top-1 >= 0.98)
+    # on the first 100 + 100 shipped queries, per-row (batch invariant) INT8.
+    # --smooth-alpha 0.65: the grid's choice on the full corpus, fixed here to keep the test short.
     result = CliRunner().invoke(app, ["optimize", "-o", str(out), "--precision", "int8", "--max-sentences", str(N_INT8),
-                                      "--no-latency", "--threads", "2", "--explain",
+                                      "--smooth-alpha", "0.65", "--no-latency", "--threads", "2", "--explain",
                                       "--cache-dir", str(CACHE_DIR)])
     assert result.exit_code == 0, result.output
     assert "attention_fusion" in result.output and "wrote" in result.output
@@ -46,16 +47,18 @@ def test_int8_manifest_records_everything(int8_artifact):
     m = json.loads((int8_artifact / "manifest.json").read_text())
     assert m["precision"] == "int8" and m["validation"]["passed"]
     assert m["nodes"]["before"] >= 5 * m["passes"][-1]["nodes_after"]  # graph passes, before INT8 splits MatMuls up
-    assert m["precision_decisions"]["quantization"]["int8_ops"]["QAttention"] == 6
+    q = m["precision_decisions"]["quantization"]
+    assert q["method"] == "per-row" and q["batch_invariant"] is True
+    assert sum(q["quantized_ops"].values()) + len(q["kept_fp32"]) == 24  # 18 MatMuls + 6 Attentions
     assert {"onnx", "onnxruntime", "onnxscript", "onnx_ir"} <= set(m["tools"])
     assert len(m["source_hash"]) == 64 and m["passes"][0]["name"] == "constant_folding"
     for s in m["validation"]["sets"].values():
-        assert s["mean_cosine"] >= 0.99 and s["top1_tie"] >= 0.98 and s["n"] == N_INT8
-    assert m["validation"]["budget"]["top1"] == 0.98  # the default, not relaxed
-    q = m["precision_decisions"]["quantization"]
-    # The measured smoothing choice and what it did are recorded; the alpha grid was measured.
-    assert q["smoothing"]["alpha"] in (0.5, 0.65, 0.8, 0.9) and q["smoothing"]["muls_inserted"] == 18
-    assert [t["alpha"] for t in q["alpha_search"]] == [None, 0.5, 0.65, 0.8, 0.9]
+        assert s["min_cosine"] >= 0.99 and s["top1_tie"] >= 0.98 and s["n"] == N_INT8
+        lo, hi = s["top1_tie_ci95"]
+        assert lo <= s["top1_tie"] <= hi and hi - lo < 0.1  # the interval is reported
+    assert m["validation"]["budget"] == {"mean_cosine": 0.99, "min_cosine": 0.99, "top1": 0.98, "argmax": 0.98}
+    # The smoothing choice and what it did are recorded.
+    assert q["smoothing"]["alpha"] == 0.65 and q["smoothing"]["muls_inserted"] + q["smoothing"]["folded_into_v"] > 0
     assert len(q["kept_fp32"]) <= 6 and q["fallback_steps"][-1]["passed"]
     # SkipLayerNormalization fused vs split back: both timed on this CPU, the faster kept
     sl = m["skip_layernorm"]
@@ -98,31 +101,32 @@ def _fp16_overflow(model):
 
 
 def _int8_outlier(model):
-    # One input row of every projection 300x larger: INT8 scales are set by it and the
-    # rest of each weight column rounds to almost nothing.
+    # One input row of every projection 3000x larger: per-channel INT8 weight scales are
+    # set by it and the rest of each weight column rounds to nothing. (At 300x, per-row
+    # INT8 with SmoothQuant and the FP32 fallback now meets the budget.)
     for layer in model.encoder.layer:
         for lin in (layer.attention.self.query, layer.attention.self.key, layer.attention.self.value,
                     layer.attention.output.dense, layer.intermediate.dense, layer.output.dense):
-            lin.weight[:, 0].mul_(300)
+            lin.weight[:, 0].mul_(3000)
 
 
-@pytest.mark.parametrize("precision,mutate", [("fp16", _fp16_overflow), ("int8", _int8_outlier)])
-def test_gate_fails_on_a_broken_model(tmp_path, sentences, precision, mutate):
+@pytest.mark.parametrize("precision,mutate,kw", [("fp16", _fp16_overflow, {}),
+                                                 ("int8", _int8_outlier, {"smooth_alpha": None, "int8_fallback": False})])
+def test_gate_fails_on_a_broken_model(tmp_path, sentences, precision, mutate, kw):
     from surge.models import load_model_spec
 
     spec = load_model_spec(make_tiny_bert(tmp_path / "broken", seed=7, mutate=mutate))
     out = tmp_path / "artifact"
     with pytest.raises(GateFailed) as info:
-        optimize(spec, out, _options(sentences, precision=precision), CACHE_DIR)
+        optimize(spec, out, _options(sentences, precision=precision, **kw), CACHE_DIR)
     assert not out.exists()
     failures = info.value.result.gate.failures
-    # FP16 overflows to NaN/inf: the cosine check fails. INT8 smoothing and the FP32
-    # fallback win back most of the cosine (measured 0.888 -> 0.995) but not the
-    # nearest-neighbour agreement (0.69 -> 0.94), which the gate also requires.
-    check = "mean_cosine" if precision == "fp16" else "top1_tie"
-    assert any(check in f for f in failures), failures
+    # FP16 overflows to NaN/inf: the cosine check fails. INT8 (no smoothing, no fallback)
+    # loses the weights next to the outlier row: cosine and neighbours both fail.
+    checks = ("mean_cosine",) if precision == "fp16" else ("top1_tie", "min_cosine", "mean_cosine")
+    assert any(c in f for f in failures for c in checks), failures
     # --force writes it anyway and says so in the manifest.
-    forced = optimize(spec, out, _options(sentences, precision=precision, force=True), CACHE_DIR)
+    forced = optimize(spec, out, _options(sentences, precision=precision, force=True, **kw), CACHE_DIR)
     assert forced.written and json.loads((out / "manifest.json").read_text())["forced"] is True
 
 
@@ -144,3 +148,23 @@ def test_cli_reports_which_check_failed_for_a_bad_user_rule(tmp_path):
 def test_cli_rejects_bad_options(tmp_path, args, word):
     result = CliRunner().invoke(app, ["optimize", "-o", str(tmp_path / "x"), *args])
     assert result.exit_code == 1 and word in result.output
+
+
+def test_latency_gate_refuses_an_artifact_not_faster_than_asked(tmp_path, sentences):
+    """No artifact is 1000x faster than its source: the latency gate refuses it, --force overrides."""
+    from surge.models import load_model_spec
+
+    spec = load_model_spec(make_tiny_bert(tmp_path / "tiny", seed=3))
+    out = tmp_path / "artifact"
+    kw = dict(measure_latency=True, min_speedup=1000.0, latency_rounds=3, serving_shapes=((1, 16),))
+    with pytest.raises(GateFailed) as info:
+        optimize(spec, out, OptimizeOptions(calibration=sentences[:16], heldout=sentences[200:216], threads=2, **kw),
+                 CACHE_DIR)
+    assert "latency gate failed" in info.value.message and not out.exists()
+    lat = info.value.result.manifest["latency"]
+    assert lat["gate"]["passed"] is False and lat["rows"][0]["batch"] == 1 and lat["rounds"] == 3
+    assert {"source_p25", "source_p75", "optimized_p25", "optimized_p75", "rounds_won"} <= set(lat["rows"][0])
+    forced = optimize(spec, out, OptimizeOptions(calibration=sentences[:16], heldout=sentences[200:216], threads=2,
+                                                 force=True, **kw), CACHE_DIR)
+    m = json.loads((out / "manifest.json").read_text())
+    assert forced.written and m["forced"] is True and m["promotion"]["latency"] is False

@@ -17,7 +17,7 @@ def _register() -> None:
     from surge.cli import serve
 
     serve.register(app)
-    for name in ("optimize", "bench", "inspect"):
+    for name in ("optimize", "bench", "inspect", "distill"):
         try:
             module = __import__(f"surge.cli.{name}", fromlist=["register"])
         except ImportError:

@@ -28,10 +28,13 @@ def optimize(
     rule: Optional[list[str]] = typer.Option(None, "--rule", help="Extra rewrite rule(s) by import path, package.module:name (repeatable)."),
     min_cosine: Optional[float] = typer.Option(None, "--min-cosine", help="Override the budget's mean-cosine floor."),
     min_top1: Optional[float] = typer.Option(None, "--min-top1", help="Override the budget's nearest-neighbour top-1 agreement floor."),
-    max_sentences: int = typer.Option(0, "--max-sentences", help="Use only the first N calibration and N held-out sentences (0: all 200 + 200)."),
+    max_sentences: int = typer.Option(0, "--max-sentences", help="Use only the first N calibration and N held-out sentences (0: all 904 + 2,715 shipped queries)."),
+    int8_method: str = typer.Option("per-row", "--int8-method", help="INT8 activations: per-row (one scale per token, batch invariant) or dynamic (ORT per tensor, batch dependent)."),
     explain: bool = typer.Option(False, "--explain", help="List what each pass changed."),
     force: bool = typer.Option(False, "--force", help="Write the artifact even if it misses its accuracy budget."),
-    no_latency: bool = typer.Option(False, "--no-latency", help="Skip the latency comparison."),
+    no_latency: bool = typer.Option(False, "--no-latency", help="Skip the latency comparison (and its gate)."),
+    shapes: str = typer.Option("1x32,8x64", "--shapes", help="Serving shapes BATCHxSEQ the latency gate measures (comma-separated)."),
+    min_speedup: float = typer.Option(1.0, "--min-speedup", help="Latency gate: the artifact must beat its source by more than this factor at every shape (0: measure only)."),
     threads: int = typer.Option(0, envvar="SURGE_THREADS", help="ONNX Runtime threads for validation (0: all cores)."),
     cache_dir: Optional[Path] = typer.Option(None, envvar="SURGE_CACHE_DIR", help="Where FP32 exports are cached."),
 ) -> None:
@@ -61,14 +64,17 @@ def optimize(
             pass  # OptimizeOptions.check names the bad value
     calibration = heldout = None
     if max_sentences > 0:
-        from surge.data import calibration_sentences, heldout_sentences
+        from surge.data import calibration_queries, heldout_queries
 
-        calibration, heldout = calibration_sentences()[:max_sentences], heldout_sentences()[:max_sentences]
+        calibration, heldout = calibration_queries()[:max_sentences], heldout_queries()[:max_sentences]
     options = OptimizeOptions(budget=budget, calibration=calibration, heldout=heldout, target=target, precision=precision, auto_block_list=auto_block_list,
-                              block_list=list(block) if block else None, per_channel=per_channel, smooth_alpha=alpha, int8_fallback=int8_fallback,
+                              block_list=list(block) if block else None, per_channel=per_channel, smooth_alpha=alpha, int8_fallback=int8_fallback, int8_method=int8_method,
                               prune_heads=prune_heads, rules=list(rule or []), force=force,
-                              measure_latency=not no_latency, threads=threads)
+                              measure_latency=not no_latency, threads=threads, min_speedup=min_speedup)
     try:
+        from surge.optimize.latency import parse_shapes
+
+        options.serving_shapes = parse_shapes(shapes)
         spec = load_model_spec(model_dir or bundled_model_dir())
         with console.status("[bold]optimizing[/]") as status:
             def progress(step: str) -> None:

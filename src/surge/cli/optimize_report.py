@@ -21,7 +21,9 @@ def render(console, manifest: dict, reports, explain: bool) -> None:
         summary.add_row("sensitivity (1-cos)", ", ".join(f"{k}={v:.1e}" for k, v in sorted(sens.items(), key=lambda kv: -kv[1])))
     if "quantization" in decisions:
         q = decisions["quantization"]
-        summary.add_row("int8", f"{q['int8_ops']} ({'per-channel' if q['per_channel'] else 'per-tensor'})")
+        ops = q.get("int8_ops") or q.get("quantized_ops")
+        summary.add_row("int8", f"{q.get('method', 'dynamic')}: {ops} ({'per-channel' if q['per_channel'] else 'per-tensor'} weights;"
+                                f" activations {q.get('activation_type', '?')})")
         if "smoothing" in q:
             alpha = q["smoothing"].get("alpha")
             summary.add_row("smoothing (SmoothQuant)", "off" if alpha is None else
@@ -39,21 +41,38 @@ def render(console, manifest: dict, reports, explain: bool) -> None:
 
     if validation.get("sets"):
         acc = Table(title="accuracy vs FP32 source")
-        for col in ("set", "n", "mean cos", "min cos", "max |Δ|", "top-1", "top-1 (ties)", "argmax"):
+        for col in ("set", "n", "mean cos", "worst 1% cos", "min cos", "max |Δ|", "top-1", "top-1 (ties) [95% CI]", "argmax"):
             acc.add_column(col, justify="right")
         for name, m in validation["sets"].items():
-            acc.add_row(name, str(m["n"]), f"{m['mean_cosine']:.6f}", f"{m['min_cosine']:.6f}", f"{m['max_abs_diff']:.2e}",
-                        f"{m['top1']:.3f}", f"{m['top1_tie']:.3f}", "-" if m["argmax"] is None else f"{m['argmax']:.3f}")
+            ci = m.get("top1_tie_ci95")
+            tail = m.get("tail_cosine")
+            acc.add_row(name, str(m["n"]), f"{m['mean_cosine']:.6f}", "-" if tail is None else f"{tail:.6f}",
+                        f"{m['min_cosine']:.6f}", f"{m['max_abs_diff']:.2e}", f"{m['top1']:.3f}",
+                        f"{m['top1_tie']:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""),
+                        "-" if m["argmax"] is None else f"{m['argmax']:.3f}")
         console.print(acc)
+    q = manifest.get("precision_decisions", {}).get("quantization") or {}
+    if q.get("method"):
+        kept = q.get("kept_fp32") or []
+        console.print(f"int8 {q['method']}: batch invariant {q.get('batch_invariant', False)}; "
+                      f"smoothing alpha {q.get('smoothing', {}).get('alpha')}; "
+                      f"kept in FP32: {', '.join(kept) if kept else 'none'}")
     latency = manifest.get("latency", {})
     if latency.get("measured"):
-        lat = Table(title="latency, ONNX Runtime CPU (median ms)")
-        for col in ("batch", "seq", "FP32 source", "optimized", "speedup"):
+        lat = Table(title=f"latency, ONNX Runtime CPU (median ms over {latency.get('rounds', '?')} interleaved rounds, "
+                          "in brackets p25-p75)")
+        for col in ("batch", "seq", "FP32 source", "optimized", "speedup", "faster?"):
             lat.add_column(col, justify="right")
         for row in latency["rows"]:
-            lat.add_row(str(row["batch"]), str(row["seq"]), f"{row['source_ms']:.2f}", f"{row['optimized_ms']:.2f}",
-                        f"{row['speedup']:.2f}x")
+            spread = lambda r, k: f" [{r[k + '_p25']:.2f}-{r[k + '_p75']:.2f}]" if k + "_p25" in r else ""
+            lat.add_row(str(row["batch"]), str(row["seq"]), f"{row['source_ms']:.2f}" + spread(row, "source"),
+                        f"{row['optimized_ms']:.2f}" + spread(row, "optimized"), f"{row['speedup']:.2f}x",
+                        {True: "[green]yes[/]", False: "[red]no[/]"}.get(row.get("faster"), "-"))
         console.print(lat)
+        gate = latency.get("gate")
+        if gate:
+            verdict = "[green]passed[/]" if gate["passed"] else "[red]FAILED[/]"
+            console.print(f"latency gate: {verdict} ({gate['rule']})")
     elif latency:
         console.print(f"latency not measured: {latency.get('why')}")
 

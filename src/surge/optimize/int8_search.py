@@ -1,16 +1,29 @@
 """`--precision int8` decisions, each measured on the calibration sentences.
 
-1. Smoothing strength: if plain INT8 meets the budget on the calibration
-   sentences it is kept (smoothing adds a Mul per MatMul it cannot fold).
-   Otherwise quantize with SmoothQuant migration at each alpha of a small grid
-   and keep the one with the highest calibration mean cosine (a continuous
-   metric: the top-1 agreement moves in steps of 1/N and would pick by noise).
+0. Method: "per-row" (default): activations quantized per token row
+   (rowquant.py), so a sentence's vector does not depend on its batch;
+   "dynamic": ONNX Runtime's per-tensor dynamic quantization (quantize.py),
+   faster by ~20% but batch dependent, kept for comparison.
+1. Smoothing strength: quantize with SmoothQuant migration at each alpha of
+   a small grid (and without) and keep the one with the best calibration
+   *tail* cosine (the mean of the worst 1% of sentences: the budget bounds
+   every sentence, and the tail is a continuous, less noisy proxy for the
+   minimum than the minimum itself). If plain INT8 already meets the budget
+   it is kept (smoothing adds a Mul per MatMul it cannot fold).
 2. FP32 fallback: if the calibration set still misses the budget, measure
-   every quantized node's sensitivity (the calibration mean cosine gained by
+   every quantized node's sensitivity (the calibration tail cosine gained by
    keeping only that node in FP32) and keep nodes in FP32 in that order until
    the budget is met. At most `max_fp32_fraction` of the nodes may stay FP32:
    past that the artifact is no longer an INT8 model, and the final gate
    (calibration and held-out) refuses it.
+
+The search aims above the budget's minimum-cosine floor (half-way from the
+floor to 1: 0.995 for 0.99), because the calibration set's worst sentence is
+an optimistic estimate of the worst of a held-out set three times larger
+(measured: calibration min 0.994, held-out min 0.989 for the same model).
+Sensitivities and fallback steps are measured on the calibration sentences
+that the chosen plan gets worst (HARD_SENTENCES of them): the budget is about
+the tail, and these cost a fifth of the full set to run.
 
 The held-out sentences are never looked at here; the pipeline's gate checks
 them afterwards.
@@ -23,11 +36,21 @@ from dataclasses import dataclass, field
 
 import onnx
 
-from surge.optimize.quantize import quantize_int8
 from surge.optimize.smooth import activation_absmax, smooth, weighted_nodes
 from surge.optimize.validate import Budget, Evaluator, SetMetrics, check
 
-ALPHAS = (0.5, 0.65, 0.8, 0.9)
+ALPHAS = (0.5, 0.65, 0.8)
+METHODS = ("per-row", "dynamic")
+HARD_SENTENCES = 160
+
+
+def search_budget(budget: Budget) -> Budget:
+    """The budget with a safety margin on the minimum cosine (see the module docstring)."""
+    import dataclasses
+
+    if budget.min_cosine <= 0:
+        return budget
+    return dataclasses.replace(budget, min_cosine=round(1 - (1 - budget.min_cosine) / 2, 6))
 
 
 @dataclass
@@ -39,15 +62,42 @@ class Int8Plan:
     info: dict = field(default_factory=dict)
 
 
+def quantizer(method: str, per_channel: bool = True) -> Callable[[onnx.ModelProto, list[str]], tuple[onnx.ModelProto, dict]]:
+    if method == "per-row":
+        from surge.optimize.rowquant import quantize_rows
+
+        return lambda model, exclude: quantize_rows(model, exclude=exclude)
+    if method == "dynamic":
+        from surge.optimize.quantize import quantize_int8
+
+        return lambda model, exclude: quantize_int8(model, per_channel=per_channel, exclude=exclude)
+    raise ValueError(f"int8 method must be one of {', '.join(METHODS)}, not {method!r}")
+
+
+def candidates(model: onnx.ModelProto, method: str) -> list[str]:
+    if method == "per-row":
+        from surge.optimize.rowquant import quantizable
+
+        return [n.name for n in quantizable(model) if n.name]
+    return [n.name for n in weighted_nodes(model) if n.name]
+
+
+def _row(m: SetMetrics, **extra) -> dict:
+    return {**extra, "mean_cosine": round(m.mean_cosine, 6), "tail_cosine": round(m.tail_cosine or 0.0, 6),
+            "min_cosine": round(m.min_cosine, 6), "top1_tie": round(m.top1_tie, 4)}
+
+
 def build_int8(proto: onnx.ModelProto, evaluator: Evaluator, budget: Budget, per_channel: bool = True,
                alpha: float | None | str = "auto", search: bool = True, max_fp32_fraction: float = 0.25,
-               progress: Callable[[str], None] | None = None) -> Int8Plan:
+               progress: Callable[[str], None] | None = None, method: str = "per-row") -> Int8Plan:
     """alpha: "auto" (measured grid), None (no smoothing) or a fixed value in (0, 1]."""
     say = progress or (lambda _: None)
+    quantize = quantizer(method, per_channel)
     calibration = evaluator.data["calibration"]
+    target = search_budget(budget)
 
-    def measure(model: onnx.ModelProto) -> SetMetrics:
-        return evaluator.metrics(model.SerializeToString(), sets=("calibration",))["calibration"]
+    def measure(model: onnx.ModelProto, subset: str = "calibration") -> SetMetrics:
+        return evaluator.metrics(model.SerializeToString(), sets=(subset,))[subset]
 
     say("int8: measuring activation ranges on the calibration sentences")
     absmax = activation_absmax(proto, calibration.batches, evaluator.threads)
@@ -55,39 +105,45 @@ def build_int8(proto: onnx.ModelProto, evaluator: Evaluator, budget: Budget, per
     tried = []
     best = None
     for a in alphas:
-        say(f"int8: smoothing alpha {a if a is not None else 'off'}")
+        say(f"int8 ({method}): smoothing alpha {a if a is not None else 'off'}")
         smoothed, sinfo = smooth(proto, absmax, a) if a is not None else (proto, None)
-        q, qinfo = quantize_int8(smoothed, per_channel=per_channel)
+        q, qinfo = quantize(smoothed, [])
         m = measure(q)
-        tried.append({"alpha": a, "mean_cosine": round(m.mean_cosine, 6), "top1_tie": m.top1_tie})
-        if best is None or m.mean_cosine > best[3].mean_cosine:
+        tried.append(_row(m, alpha=a))
+        if best is None or (m.tail_cosine, m.mean_cosine) > (best[3].tail_cosine, best[3].mean_cosine):
             best = (a, smoothed, sinfo, m, q, qinfo)
-        if a is None and alpha == "auto" and check(budget, {"calibration": m}).passed:
+        if a is None and alpha == "auto" and check(target, {"calibration": m}).passed:
             break  # plain INT8 already meets the budget: no smoothing Muls (fewer nodes, faster)
     a, smoothed, sinfo, metrics, q, qinfo = best
     info: dict = {"smoothing": sinfo.to_json() if sinfo else {"alpha": None},
                   "alpha_search": tried if len(tried) > 1 else None}
     kept: list[str] = []
-    passed = check(budget, {"calibration": metrics}).passed
-    steps = [{"kept_fp32": [], "mean_cosine": round(metrics.mean_cosine, 6), "top1_tie": metrics.top1_tie, "passed": passed}]
+    passed = check(target, {"calibration": metrics}).passed
+    steps = [_row(metrics, kept_fp32=[], passed=passed)]
+    info["search_budget"] = target.to_json()
     if not passed and search:
-        names = [n.name for n in weighted_nodes(smoothed) if n.name]
+        hard = evaluator.add_subset("hard", metrics.order_worst[:HARD_SENTENCES], "calibration")
+        base = measure(q, "hard")
+        info["hard_sentences"] = hard
+        names = candidates(smoothed, method)
         limit = int(max_fp32_fraction * len(names))
         sensitivity = {}
         for i, name in enumerate(names):
-            say(f"int8: sensitivity of {name} ({i + 1}/{len(names)})")
-            sensitivity[name] = round(measure(quantize_int8(smoothed, per_channel, exclude=[name])[0]).mean_cosine
-                                      - metrics.mean_cosine, 9)
+            say(f"int8: sensitivity of {name} ({i + 1}/{len(names)}, on the {hard} hardest calibration sentences)")
+            m = measure(quantize(smoothed, [name])[0], "hard")
+            sensitivity[name] = round(m.tail_cosine - base.tail_cosine, 9)
         order = sorted(names, key=lambda n: sensitivity[n], reverse=True)
         info["sensitivity"] = {n: sensitivity[n] for n in order}
         for name in order[:limit]:
             kept.append(name)
             say(f"int8: keeping {len(kept)} node(s) in FP32")
-            q, qinfo = quantize_int8(smoothed, per_channel, exclude=kept)
-            metrics = measure(q)
-            passed = check(budget, {"calibration": metrics}).passed
-            steps.append({"kept_fp32": list(kept), "mean_cosine": round(metrics.mean_cosine, 6),
-                          "top1_tie": metrics.top1_tie, "passed": passed})
+            q, qinfo = quantize(smoothed, list(kept))
+            if not check(target, {"hard": measure(q, "hard")}).passed:
+                steps.append({"kept_fp32": list(kept), "passed": False, "measured_on": "hard"})
+                continue
+            metrics = measure(q)  # the hard subset passes: confirm on the whole calibration set
+            passed = check(target, {"calibration": metrics}).passed
+            steps.append(_row(metrics, kept_fp32=list(kept), passed=passed))
             if passed:
                 break
         info["max_fp32"] = limit

@@ -44,6 +44,7 @@ class OptimizeOptions:
     per_channel: bool = True  # int8 weights per output channel (per tensor is far less accurate)
     smooth_alpha: float | str | None = "auto"  # int8 SmoothQuant strength: "auto" (measured), None (off), or 0 < a <= 1
     int8_fallback: bool = True  # int8: keep the most sensitive nodes in FP32 until the calibration budget is met
+    int8_method: str = "per-row"  # "per-row" (batch invariant) or "dynamic" (ORT per-tensor, batch dependent)
     prune_heads: float = 0.0  # fraction of attention heads to remove
     rules: list[str] = field(default_factory=list)  # extra rewrite rules by import path
     budget: Budget | None = None  # None = validate.BUDGETS[precision] (LOSSY when pruning)
@@ -51,7 +52,10 @@ class OptimizeOptions:
     calibration: list[str] | None = None
     heldout: list[str] | None = None
     search_sentences: int = 48  # calibration sentences the block-list search measures on
-    measure_latency: bool = True
+    measure_latency: bool = True  # and gate on it: promote only an artifact faster than its source
+    serving_shapes: tuple = ()  # (batch, seq) pairs the latency gate measures; () = latency.SHAPES
+    min_speedup: float = 1.0  # the latency gate's floor on the median interleaved speedup
+    latency_rounds: int = 9
     threads: int = 0
 
     def check(self) -> None:
@@ -60,7 +64,11 @@ class OptimizeOptions:
         if self.target not in TARGETS:
             raise ConfigError(f"--target must be one of {', '.join(TARGETS)}, not {self.target!r}")
         if self.precision == "int8" and self.target == "gpu":
-            raise ConfigError("int8 dynamic quantization is a CPU path; use --target cpu")
+            raise ConfigError("int8 quantization is a CPU path; use --target cpu")
+        from surge.optimize.int8_search import METHODS
+
+        if self.int8_method not in METHODS:
+            raise ConfigError(f"--int8-method must be one of {', '.join(METHODS)}, not {self.int8_method!r}")
         if self.smooth_alpha not in ("auto", None) and not (isinstance(self.smooth_alpha, (int, float))
                                                             and 0.0 < self.smooth_alpha <= 1.0):
             raise ConfigError(f"--smooth-alpha must be 'auto', 'off' or in (0, 1], not {self.smooth_alpha!r}")
@@ -101,7 +109,7 @@ def tool_versions() -> dict:
 
 def optimize(spec: ModelSpec, out_dir: Path, options: OptimizeOptions, cache_dir: Path,
              progress: Callable[[str], None] | None = None, on_pass=None) -> OptimizeResult:
-    from surge.data import calibration_sentences, heldout_sentences
+    from surge.data import calibration_queries, heldout_queries
     from surge.optimize.export import ensure_exported
 
     options.check()
@@ -109,8 +117,8 @@ def optimize(spec: ModelSpec, out_dir: Path, options: OptimizeOptions, cache_dir
     say("exporting the FP32 source model")
     source_dir = ensure_exported(spec, cache_dir, progress=lambda s: say(f"export: {s}"))
     source_file = source_dir / art.MODEL_FILE
-    calibration = options.calibration or calibration_sentences()
-    heldout = options.heldout or heldout_sentences()
+    calibration = options.calibration or calibration_queries()
+    heldout = options.heldout or heldout_queries()
     say("running the FP32 reference on calibration and held-out sentences")
     evaluator = Evaluator(spec, source_file, calibration, heldout, threads=options.threads)
     manifest: dict = {"kind": "optimized", "model_name": spec.name, "source": str(spec.path),
@@ -169,18 +177,28 @@ def optimize(spec: ModelSpec, out_dir: Path, options: OptimizeOptions, cache_dir
             passes=[r.to_json() for r in reports],
         )
         if options.measure_latency and executed.startswith("onnxruntime-cpu"):
-            from surge.optimize.latency import compare_latency
+            from surge.optimize.latency import SHAPES, compare_latency
 
             say("measuring latency (ONNX Runtime CPU)")
             manifest["latency"] = compare_latency(source_file, final.SerializeToString(), spec, options.threads,
-                                                  disabled_optimizers=manifest.get("ort_disabled_optimizers", ()))
+                                                  shapes=tuple(options.serving_shapes) or SHAPES,
+                                                  rounds=options.latency_rounds,
+                                                  disabled_optimizers=manifest.get("ort_disabled_optimizers", ()),
+                                                  min_speedup=options.min_speedup)
         else:
             manifest["latency"] = {"measured": False,
                                    "why": "skipped (--no-latency)" if not options.measure_latency else "the artifact does not run on ONNX Runtime CPU (target gpu / bf16)"}
         result = OptimizeResult(manifest, gate, reports)
-        if not gate.passed and not options.force:
-            raise GateFailed("accuracy gate failed: " + "; ".join(gate.failures), result)
-        manifest["forced"] = not gate.passed
+        failures = [] if gate.passed else ["accuracy gate failed: " + "; ".join(gate.failures)]
+        latency_gate = manifest["latency"].get("gate")
+        if latency_gate and not latency_gate["passed"]:
+            slow = [f"{r['batch']}x{r['seq']} {r['speedup']:.2f}x" for r in manifest["latency"]["rows"] if not r["faster"]]
+            failures.append("latency gate failed: not faster than the FP32 source at " + ", ".join(slow))
+        if failures and not options.force:
+            raise GateFailed("; ".join(failures), result)
+        manifest["forced"] = bool(failures)
+        manifest["promotion"] = {"accuracy": gate.passed, "latency": latency_gate["passed"] if latency_gate else None,
+                                 "forced": bool(failures)}
         say("writing the artifact")
         _write(out_dir, final, manifest, spec)
         result.written, result.artifact = True, Path(out_dir)
@@ -195,9 +213,9 @@ def _apply_precision(proto: onnx.ModelProto, options: OptimizeOptions, evaluator
     if p == "int8":
         from surge.optimize.int8_search import build_int8
 
-        say("quantizing to int8 (dynamic)")
+        say(f"quantizing to int8 ({options.int8_method})")
         plan = build_int8(proto, evaluator, budget, per_channel=options.per_channel, alpha=options.smooth_alpha,
-                          search=options.int8_fallback, progress=say)
+                          search=options.int8_fallback, progress=say, method=options.int8_method)
         return ({"precision": "int8", "quantization": plan.info, "model": plan.model}, plan.model.SerializeToString(),
                 "onnxruntime-cpu int8")
     decisions: dict = {"precision": p}

@@ -50,10 +50,13 @@ BUDGETS = {
     # catches a model that overflowed to NaN or inf on some inputs.
     "fp16": Budget(mean_cosine=0.999, top1=0.998, argmax=0.998, rank_top1=0.97, ndcg10=0.99, tokens=0.995),
     "bf16": Budget(mean_cosine=0.99, top1=0.998, argmax=0.998, rank_top1=0.95, ndcg10=0.98, tokens=0.99),
-    "int8": Budget(mean_cosine=0.99, top1=0.98, argmax=0.98, rank_top1=0.9, ndcg10=0.95, tokens=0.97),
+    # INT8: every held-out sentence within cosine 0.99 of FP32 (not just the
+    # mean: a mean of 0.997 hid sentences at 0.95-0.97), and retrieval top-1 >= 98%.
+    "int8": Budget(mean_cosine=0.99, min_cosine=0.99, top1=0.98, argmax=0.98, rank_top1=0.9, ndcg10=0.95, tokens=0.97),
 }
-# Pruning removes computation rather than rounding it: it gets the lossy budget.
-LOSSY = BUDGETS["int8"]
+# Pruning and distillation remove computation rather than round it: a mean
+# budget (a student is a different model; its worst sentence is reported).
+LOSSY = Budget(mean_cosine=0.99, top1=0.98, argmax=0.98)
 
 
 @dataclass
@@ -68,9 +71,15 @@ class SetMetrics:
     rank_top1: float | None = None
     ndcg10: float | None = None
     tokens: float | None = None
+    tail_cosine: float | None = None  # mean cosine of the worst 1% of sentences (the search's objective)
+    top1_tie_ci95: tuple[float, float] | None = None  # Wilson score interval of top1_tie over n queries (95%)
+    worst: list[dict] | None = None  # the lowest-cosine sentences (index into the set, cosine)
+    order_worst: list[int] = field(default_factory=list, repr=False)  # every index, worst first (not serialized)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d.pop("order_worst")
+        return d
 
 
 @dataclass
@@ -101,19 +110,59 @@ def session(model: str | Path | bytes, threads: int = 0, disabled_optimizers: li
     return ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"], **extra)
 
 
+# Batch sizes of the "serving" layout: what the server's batcher forms under
+# light to heavy load (1 = a lone request; 64 = --max-batch's default region).
+SERVING_BATCH_SIZES = (1, 4, 16, 32, 64)
+
+
+def encode_texts(spec: ModelSpec, texts: list[str], max_length: int = 128) -> list:
+    """Token ids per text, truncated, unpadded ([CLS] ... [SEP]), as the server tokenizes."""
+    from tokenizers import Tokenizer
+
+    from surge.types import Encoded as Item
+
+    tok = Tokenizer.from_file(str(spec.tokenizer_file))
+    tok.no_padding()
+    tok.enable_truncation(max_length=min(max_length, spec.max_length))
+    vocab = spec.vocab_size
+    out = []
+    for e in tok.encode_batch(list(texts)):
+        ids = np.asarray(e.ids, dtype=np.int64)
+        if vocab and ids.size and ids.max() >= vocab:
+            raise ValueError(f"token id {int(ids.max())} outside the model's vocabulary ({vocab})")
+        out.append(Item(ids, np.asarray(e.type_ids, dtype=np.int64)))
+    return out
+
+
 class Encoded:
-    """Sentences tokenized once, in length-sorted batches (less padding, same results)."""
+    """Sentences tokenized once and laid out in padded batches.
 
-    def __init__(self, spec: ModelSpec, texts: list[str], batch_size: int = 32, max_length: int = 128):
-        from surge.runtime.tokenize import Tokenizer
+    layout "sorted": length-sorted batches of `batch_size` (least padding: the
+    fast layout for searches). layout "serving": a seeded shuffle cut into
+    batches whose sizes cycle through SERVING_BATCH_SIZES, so short sentences
+    sit beside long ones with heavy padding, as under real traffic: a model
+    whose output depends on its batch neighbours shows it here.
+    """
 
-        tok = Tokenizer(spec.tokenizer_file, max_length=min(max_length, spec.max_length), vocab_size=spec.vocab_size,
-                        pad_id=spec.pad_token_id)
-        items = tok.to_encoded(tok.encodings(texts))  # texts, or (text, text_pair) tuples
-        self.order = np.argsort([len(e) for e in items], kind="stable")
-        self.batches = [TokenBatch.pad([items[i] for i in self.order[s : s + batch_size]], pad_id=spec.pad_token_id)
-                        for s in range(0, len(items), batch_size)]
+    def __init__(self, spec: ModelSpec, texts: list[str], batch_size: int = 32, max_length: int = 128,
+                 layout: str = "sorted", seed: int = 0):
+        items = encode_texts(spec, texts, max_length)
+        if layout == "sorted":
+            self.order = np.argsort([len(e) for e in items], kind="stable")
+            cuts = list(range(0, len(items), batch_size)) + [len(items)]
+        elif layout == "serving":
+            self.order = np.random.default_rng(seed).permutation(len(items))
+            cuts, i, k = [0], 0, 0
+            while i < len(items):
+                i = min(len(items), i + SERVING_BATCH_SIZES[k % len(SERVING_BATCH_SIZES)])
+                cuts.append(i)
+                k += 1
+        else:
+            raise ValueError(f"layout must be 'sorted' or 'serving', not {layout!r}")
+        self.batches = [TokenBatch.pad([items[j] for j in self.order[a:b]], pad_id=spec.pad_token_id)
+                        for a, b in zip(cuts, cuts[1:]) if b > a]
         self.texts = texts
+        self.layout = layout
 
 
 @dataclass
@@ -176,13 +225,34 @@ def top1_agreement(ref: np.ndarray, cand: np.ndarray, tolerance: float = 0.0) ->
     return float((chosen >= best - tolerance).mean())
 
 
+def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion (well behaved near 0 and 1, unlike the normal one)."""
+    if n <= 0:
+        return (0.0, 1.0)
+    p = successes / n
+    den = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / den
+    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    lo, hi = max(0.0, centre - half), min(1.0, centre + half)
+    # At p = 0 or 1 the bound is exactly 0 or 1; rounding must not put p outside its interval.
+    return (0.0 if successes <= 0 else float(min(lo, p)), 1.0 if successes >= n else float(max(hi, p)))
+
+
+def tail_mean(cos: np.ndarray, fraction: float = 0.01) -> float:
+    k = max(1, int(np.ceil(len(cos) * fraction)))
+    return float(np.sort(cos)[:k].mean())
+
+
 def compare(ref: Outputs, cand: Outputs, head=None) -> SetMetrics:
     cos = _cosine(ref.embeddings, cand.embeddings)
     diffs = [np.abs(r - c).max() for r, c in zip(ref.hidden, cand.hidden)]
     max_abs = float(np.max(diffs)) if np.all(np.isfinite(diffs)) else float("inf")
     top1 = top1_agreement(ref.embeddings, cand.embeddings)
     top1_tie = top1_agreement(ref.embeddings, cand.embeddings, TIE_TOLERANCE)
-    out = SetMetrics(len(cos), float(cos.mean()), float(cos.min()), max_abs, top1, top1_tie)
+    worst = [{"index": int(i), "cosine": round(float(cos[i]), 6)} for i in np.argsort(cos)[:5]]
+    out = SetMetrics(len(cos), float(cos.mean()), float(cos.min()), max_abs, top1, top1_tie,
+                     tail_cosine=tail_mean(cos), top1_tie_ci95=wilson_interval(round(top1_tie * len(cos)), len(cos)),
+                     worst=worst, order_worst=[int(i) for i in np.argsort(cos, kind="stable")])
     if head is None:
         return out
     task = head.head.task
@@ -270,10 +340,19 @@ class Evaluator:
         self.head = ClassifierHead.from_model_dir(spec)
         if spec.task == "rerank":  # a reranker is measured on (query, document) pairs
             calibration, heldout = rerank_pairs(calibration), rerank_pairs(heldout)
-        self.data = {"calibration": Encoded(spec, calibration), "heldout": Encoded(spec, heldout)}
+        # The search measures on the calibration set in the fast layout; the gate
+        # measures the held-out set as traffic arrives (mixed lengths and batch sizes).
+        self.data = {"calibration": Encoded(spec, calibration), "heldout": Encoded(spec, heldout, layout="serving")}
         self.reference_model_bytes = reference_model if isinstance(reference_model, bytes) else Path(reference_model).read_bytes()
         ref = session(self.reference_model_bytes, threads)
         self.reference = {name: run_model(ref, spec, data) for name, data in self.data.items()}
+
+    def add_subset(self, name: str, indices: list[int], of: str = "calibration") -> int:
+        """A named subset of a set (e.g. its hardest sentences), reference computed; returns its size."""
+        texts = [self.data[of].texts[i] for i in indices]
+        self.data[name] = Encoded(self.spec, texts)
+        self.reference[name] = run_model(session(self.reference_model_bytes, self.threads), self.spec, self.data[name])
+        return len(texts)
 
     def metrics(self, model: str | Path | bytes, sets=("calibration", "heldout")) -> dict[str, SetMetrics]:
         sess = session(model, self.threads)

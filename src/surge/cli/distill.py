@@ -1,0 +1,154 @@
+"""`surge distill MODEL -o DIR --layers K`: train a shallower student, gate it, write a model directory.
+
+The student is validated by the optimizer's gate (the held-out queries in
+the serving layout, against the teacher's FP32 export) and by its latency
+gate (faster than the teacher at the serving shapes). A student that misses
+either is left in DIR.rejected with its report instead (--force promotes it).
+The written directory is a Hugging Face model directory: `surge optimize`
+and `surge serve` take it like any other.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from surge.config import default_cache_dir
+
+
+def register(app: typer.Typer) -> None:
+    app.command("distill")(distill)
+
+
+def distill(
+    model_dir: Optional[Path] = typer.Argument(None, help="Teacher: a Hugging Face model directory (default: the bundled all-MiniLM-L6-v2)."),
+    output: Path = typer.Option(..., "-o", "--output", help="Student model directory to write."),
+    layers: int = typer.Option(3, "--layers", help="Encoder layers the student keeps (evenly spaced, the last always)."),
+    steps: int = typer.Option(400, "--steps", help="Training steps."),
+    batch_size: int = typer.Option(32, "--batch-size", help="Sentences per training step."),
+    lr: float = typer.Option(1e-4, "--lr", help="AdamW learning rate (cosine decay after a short warm-up)."),
+    texts: Optional[Path] = typer.Option(None, "--texts", help="Training text: one per line or JSON lines with 'text' (a query log). Default: the shipped calibration queries + prose sentences."),
+    min_cosine: float = typer.Option(0.95, "--min-cosine", help="Gate: mean cosine to the teacher on the held-out queries."),
+    min_top1: float = typer.Option(0.90, "--min-top1", help="Gate: retrieval top-1 agreement with the teacher (ties within 0.01 agree)."),
+    max_sentences: int = typer.Option(0, "--max-sentences", help="Gate on the first N held-out queries only (0: all 2,715)."),
+    no_latency: bool = typer.Option(False, "--no-latency", help="Skip the latency gate."),
+    force: bool = typer.Option(False, "--force", help="Promote the student even if it misses a gate."),
+    seed: int = typer.Option(0, "--seed", help="Seed for initial order and sampling."),
+    threads: int = typer.Option(0, envvar="SURGE_THREADS", help="Torch / ONNX Runtime threads (0: all cores)."),
+    cache_dir: Optional[Path] = typer.Option(None, envvar="SURGE_CACHE_DIR", help="Where FP32 exports are cached."),
+) -> None:
+    """Distil a model into a shallower student trained to reproduce its outputs."""
+    import json
+    import shutil
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from surge.errors import SurgeError
+    from surge.models import bundled_model_dir, load_model_spec
+    from surge.optimize.distill import DistillOptions, plot_losses, read_texts
+    from surge.optimize.distill import distill as train
+
+    console = Console(stderr=True)
+    output = Path(output)
+    staging = output.with_name(output.name + ".staging")
+    try:
+        spec = load_model_spec(model_dir or bundled_model_dir())
+        options = DistillOptions(layers=layers, steps=steps, batch_size=batch_size, lr=lr, seed=seed, threads=threads,
+                                 texts=read_texts(texts) if texts else None)
+        options.check(spec.num_layers)
+        if staging.exists():
+            shutil.rmtree(staging)
+        with Progress(TextColumn("[bold]distilling[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("loss {task.fields[loss]:.4f}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                      console=console, transient=not console.is_terminal) as bar:
+            task = bar.add_task(f"{spec.name}: {spec.num_layers} -> {layers} layers", total=steps, loss=float("nan"))
+
+            every = max(1, steps // 10)
+
+            def on_step(step: int, loss: float) -> None:
+                bar.update(task, completed=step + 1, loss=loss)
+                if not console.is_terminal and ((step + 1) % every == 0 or step + 1 == steps):
+                    console.print(f"surge distill: step {step + 1}/{steps} loss {loss:.4f}")  # logs get progress too
+
+            result = train(spec, staging, options, on_step)
+        report = result.to_json()
+        plot_losses(result.losses, staging / "distill_loss.png",
+                    f"{spec.name}: {spec.num_layers} -> {len(result.kept_layers)} layers")
+        console.print(f"trained {len(result.losses)} steps in {result.seconds:.0f} s on {result.texts} texts; "
+                      f"loss {report['loss_first_10pct']:.4f} -> {report['loss_last_10pct']:.4f}; "
+                      f"kept teacher layers {result.kept_layers}")
+        report["gate"], report["latency"] = _gate(spec, staging, min_cosine, min_top1, max_sentences, threads,
+                                                  not no_latency, cache_dir or default_cache_dir(), console)
+        failures = list(report["gate"]["failures"])
+        if report["latency"].get("gate") and not report["latency"]["gate"]["passed"]:
+            failures.append("latency gate failed: the student is not faster than its teacher")
+        report["promoted"], report["forced"] = not failures or force, bool(failures) and force
+        (staging / "distill.json").write_text(json.dumps(report, indent=2, default=str))
+        _render(console, report)
+        target = output if (not failures or force) else output.with_name(output.name + ".rejected")
+        if target.exists():
+            if not (target / "config.json").is_file() and any(target.iterdir()):
+                raise SurgeError(f"{target} exists and is not a model directory; refusing to overwrite it")
+            shutil.rmtree(target)
+        staging.rename(target)
+    except SurgeError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        console.print(f"[bold red]error[/]: {exc.message}")
+        raise typer.Exit(code=1)
+    if failures and not force:
+        console.print(f"[bold red]not promoted[/]: {'; '.join(failures)} (the student is in {target}; --force promotes it)")
+        raise typer.Exit(code=2)
+    note = " [yellow](forced past a failed gate)[/]" if failures else ""
+    console.print(f"[bold green]wrote[/] {target} (loss curve: {target / 'distill_loss.png'}){note}")
+
+
+def _gate(spec, student_dir: Path, min_cosine: float, min_top1: float, max_sentences: int, threads: int,
+          latency: bool, cache_dir: Path, console) -> tuple[dict, dict]:
+    from surge.data import calibration_queries, heldout_queries
+    from surge.models import load_model_spec
+    from surge.optimize.export import ensure_exported
+    from surge.optimize.validate import Budget, Evaluator
+
+    with console.status("[bold]gate[/]: exporting teacher and student, measuring on the held-out queries"):
+        student = load_model_spec(student_dir, name=spec.name)
+        teacher_onnx = ensure_exported(spec, cache_dir) / "model.onnx"
+        student_onnx = ensure_exported(student, cache_dir) / "model.onnx"
+        heldout = heldout_queries()[:max_sentences] if max_sentences > 0 else heldout_queries()
+        # Calibration text is training text here: the gate that counts is the held-out set.
+        calibration = calibration_queries()[: min(200, len(heldout))]
+        evaluator = Evaluator(spec, teacher_onnx, calibration, heldout, threads=threads)
+        evaluator.head = None  # the student's head was trained too: the teacher's head would not read its states
+        gate = evaluator.gate(student_onnx.read_bytes(), Budget(mean_cosine=min_cosine, top1=min_top1))
+        lat: dict = {"measured": False, "why": "--no-latency"}
+        if latency:
+            from surge.optimize.latency import compare_latency
+
+            lat = compare_latency(teacher_onnx, student_onnx, spec, threads)
+    return gate.to_json(), lat
+
+
+def _render(console, report: dict) -> None:
+    from rich.table import Table
+
+    acc = Table(title="student vs teacher (FP32, ONNX Runtime)")
+    for col in ("set", "n", "mean cos", "worst 1% cos", "min cos", "top-1", "top-1 (ties) [95% CI]"):
+        acc.add_column(col, justify="right")
+    for name, m in report["gate"]["sets"].items():
+        ci = m.get("top1_tie_ci95") or (0, 0)
+        acc.add_row(name, str(m["n"]), f"{m['mean_cosine']:.4f}", f"{m['tail_cosine']:.4f}", f"{m['min_cosine']:.4f}",
+                    f"{m['top1']:.3f}", f"{m['top1_tie']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]")
+    console.print(acc)
+    verdict = "[green]passed[/]" if report["gate"]["passed"] else "[red]FAILED: " + "; ".join(report["gate"]["failures"]) + "[/]"
+    console.print(f"accuracy gate: {verdict}")
+    lat = report.get("latency") or {}
+    if lat.get("measured"):
+        t = Table(title="latency, ONNX Runtime CPU (median ms, interleaved rounds)")
+        for col in ("batch", "seq", "teacher", "student", "speedup", "faster?"):
+            t.add_column(col, justify="right")
+        for r in lat["rows"]:
+            t.add_row(str(r["batch"]), str(r["seq"]), f"{r['source_ms']:.2f}", f"{r['optimized_ms']:.2f}",
+                      f"{r['speedup']:.2f}x", "yes" if r["faster"] else "no")
+        console.print(t)

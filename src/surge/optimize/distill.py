@@ -1,0 +1,303 @@
+"""Distillation: a shallower student initialised from the teacher's own layers, trained to match it.
+
+The student is the teacher's architecture with K of its L layers (evenly
+spaced, the last one always kept: it writes the representation the pooling
+reads), its embeddings, and — for a classifier — its head. It is trained on
+unlabeled text only: the teacher's outputs on that text are the targets.
+
+Loss per batch (real tokens only; padding carries no meaning):
+- embedding models: 1 - cos(student pooled, teacher pooled) + MSE of the
+  last hidden states (the pooled vector alone under-constrains the tokens);
+- classifiers: additionally the KL divergence of the softened logits
+  (temperature 2, Hinton et al. 2015).
+
+The word-embedding table is frozen (shared with the teacher); the teacher's
+targets are computed once per text; batches are length-bucketed.
+
+Training text: the shipped calibration queries plus the 400 prose sentences
+(`surge.data`), or a file of one text per line (a query log). The held-out
+queries are never trained on: the gate measures the student on them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from surge.errors import ConfigError
+from surge.models.hf import ModelSpec
+
+# Files a model directory needs beside its weights to be served as the teacher is.
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "modules.json",
+              "sentence_bert_config.json", "config_sentence_transformers.json")
+
+
+@dataclass
+class DistillOptions:
+    layers: int = 3
+    steps: int = 400
+    batch_size: int = 32
+    lr: float = 1e-4
+    warmup: float = 0.06  # fraction of steps with a linear learning-rate warm-up
+    max_length: int = 128
+    seed: int = 0
+    texts: list[str] | None = None  # None: the shipped calibration queries + prose sentences
+    threads: int = 0
+    temperature: float = 2.0
+
+    def check(self, teacher_layers: int) -> None:
+        if not 1 <= self.layers < teacher_layers:
+            raise ConfigError(f"--layers must be between 1 and {teacher_layers - 1} (the teacher has {teacher_layers})")
+        if self.steps < 1 or self.batch_size < 1:
+            raise ConfigError("--steps and --batch-size must be positive")
+        if not 0 < self.lr < 1:
+            raise ConfigError("--lr must be in (0, 1)")
+
+
+@dataclass
+class DistillResult:
+    out_dir: Path
+    kept_layers: list[int]
+    losses: list[float]
+    seconds: float
+    texts: int
+    info: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        head = self.losses[: max(1, len(self.losses) // 10)]
+        tail = self.losses[-max(1, len(self.losses) // 10):]
+        return {"kept_layers": self.kept_layers, "steps": len(self.losses), "seconds": round(self.seconds, 1),
+                "training_texts": self.texts, "loss_first_10pct": round(float(np.mean(head)), 6),
+                "loss_last_10pct": round(float(np.mean(tail)), 6), "losses": [round(x, 6) for x in self.losses],
+                **self.info}
+
+
+def pick_layers(teacher_layers: int, k: int) -> list[int]:
+    """K evenly spaced layer indices of L, always ending with the last layer."""
+    if k == 1:
+        return [teacher_layers - 1]
+    picks = np.round(np.linspace(teacher_layers - 1, 0, k)).astype(int)[::-1]
+    # linspace from the top keeps the last layer exactly; ties are impossible for k < L
+    return sorted({int(i) for i in picks})
+
+
+def default_texts() -> list[str]:
+    from surge.data import calibration_queries, load_sentences
+
+    return calibration_queries() + load_sentences()
+
+
+def read_texts(path: Path) -> list[str]:
+    """One text per line, or JSON lines with a "text" (or "input") field: a query log."""
+    texts = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("{"):
+            try:
+                row = json.loads(line)
+                line = str(row.get("text") or row.get("input") or "")
+            except json.JSONDecodeError:
+                pass
+        if line:
+            texts.append(line)
+    if not texts:
+        raise ConfigError(f"{path}: no texts to train on")
+    return texts
+
+
+def _is_classifier(spec: ModelSpec) -> bool:
+    return any(a.endswith("ForSequenceClassification") for a in spec.config.get("architectures") or [])
+
+
+def _load(spec: ModelSpec):
+    import torch
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    cls = AutoModelForSequenceClassification if _is_classifier(spec) else AutoModel
+    return cls.from_pretrained(str(spec.path), dtype=torch.float32, attn_implementation="eager",
+                               local_files_only=True).eval()
+
+
+def make_student(teacher, kept: list[int]):
+    """A copy of the teacher with only the `kept` encoder layers."""
+    import copy
+
+    import torch
+
+    student = copy.deepcopy(teacher)
+    base = getattr(student, student.base_model_prefix, student)
+    base.encoder.layer = torch.nn.ModuleList([base.encoder.layer[i] for i in kept])
+    student.config.num_hidden_layers = len(kept)
+    return student
+
+
+def _pool(hidden, mask, pooling: str):
+    import torch
+
+    m = mask.unsqueeze(-1).to(hidden.dtype)
+    if pooling == "cls":
+        return hidden[:, 0]
+    if pooling == "max":
+        return hidden.masked_fill(m == 0, -1e9).max(1).values
+    if pooling == "last":
+        return hidden[torch.arange(hidden.shape[0]), mask.sum(1) - 1]
+    return (hidden * m).sum(1) / m.sum(1).clamp(min=1.0)
+
+
+def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
+            on_step: Callable[[int, float], None] | None = None) -> DistillResult:
+    """Train and write the student as a Hugging Face model directory (no gate here: see cli/distill.py)."""
+    import torch
+    import torch.nn.functional as F
+    from tokenizers import Tokenizer
+
+    options.check(spec.num_layers)
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    torch.manual_seed(options.seed)
+    texts = options.texts or default_texts()
+    teacher = _load(spec)
+    kept = pick_layers(spec.num_layers, options.layers)
+    student = make_student(teacher, kept).train()
+    classifier = _is_classifier(spec)
+    pooling = str(spec.pooling)
+
+    tok = Tokenizer.from_file(str(spec.tokenizer_file))
+    tok.no_padding()
+    tok.enable_truncation(max_length=min(options.max_length, spec.max_length))
+    encoded = [e.ids for e in tok.encode_batch(texts)]
+    rng = np.random.default_rng(options.seed)
+
+    def batch(indices):
+        n = max(len(encoded[i]) for i in indices)
+        ids = np.full((len(indices), n), spec.pad_token_id, np.int64)
+        mask = np.zeros((len(indices), n), np.int64)
+        for row, i in enumerate(indices):
+            ids[row, : len(encoded[i])] = encoded[i]
+            mask[row, : len(encoded[i])] = 1
+        return torch.from_numpy(ids), torch.from_numpy(mask)
+
+    # The teacher's outputs are the targets and do not change: computed once per
+    # text (in length-sorted batches, no padding waste), not once per step.
+    t_hidden_of, t_logits_of = _teacher_targets(teacher, encoded, batch, classifier)
+    # The word embeddings stay the teacher's: a third of MiniLM's weights, whose
+    # dense gradient and AdamW update cost more than the 3 layers they feed.
+    base = getattr(student, student.base_model_prefix, student)
+    base.embeddings.word_embeddings.weight.requires_grad_(False)
+    params = [p for p in student.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=options.lr, weight_decay=0.01)
+    warm = max(1, int(options.warmup * options.steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / options.steps))))
+    batches: list[list[int]] = []
+    losses: list[float] = []
+    start = time.perf_counter()
+    for step in range(options.steps):
+        if not batches:
+            batches = _length_bucketed(encoded, options.batch_size, rng)
+        picked = batches.pop()
+        ids, mask = batch(picked)
+        t_hidden = torch.zeros(ids.shape[0], ids.shape[1], t_hidden_of[0].shape[-1])
+        for row, i in enumerate(picked):
+            t_hidden[row, : t_hidden_of[i].shape[0]] = t_hidden_of[i]
+        s_out = student(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        s_hidden = s_out.hidden_states[-1]
+        real = mask.bool()
+        loss = (1 - F.cosine_similarity(_pool(s_hidden, mask, pooling), _pool(t_hidden, mask, pooling), dim=-1)).mean()
+        loss = loss + F.mse_loss(s_hidden[real], t_hidden[real])
+        if classifier:
+            tau = options.temperature
+            t_logits = torch.stack([t_logits_of[i] for i in picked])
+            loss = loss + F.kl_div(F.log_softmax(s_out.logits / tau, -1), F.softmax(t_logits / tau, -1),
+                                   reduction="batchmean") * tau * tau
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        losses.append(float(loss.detach()))
+        if on_step:
+            on_step(step, losses[-1])
+    seconds = time.perf_counter() - start
+    _write_model_dir(student.eval(), spec, Path(out_dir))
+    return DistillResult(Path(out_dir), kept, losses, seconds, len(texts),
+                         {"teacher": spec.name, "teacher_layers": spec.num_layers, "student_layers": len(kept),
+                          "task": "classify" if classifier else "embed",
+                          "loss": "1-cos(pooled) + MSE(last hidden)" + (" + KL(logits, T=2)" if classifier else ""),
+                          "steps_planned": options.steps, "batch_size": options.batch_size, "lr": options.lr,
+                          "seed": options.seed})
+
+
+def _length_bucketed(encoded: list, batch_size: int, rng) -> list[list[int]]:
+    """One epoch of batches of similar lengths (little padding), in random order."""
+    order = list(rng.permutation(len(encoded)))
+    chunk = batch_size * 16
+    out = []
+    for c in range(0, len(order), chunk):
+        part = sorted(order[c : c + chunk], key=lambda i: len(encoded[i]))
+        out += [part[b : b + batch_size] for b in range(0, len(part), batch_size)]
+    rng.shuffle(out)
+    return out
+
+
+def _teacher_targets(teacher, encoded: list, batch, classifier: bool):
+    import torch
+
+    hidden: list = [None] * len(encoded)
+    logits: list = [None] * len(encoded)
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+    with torch.inference_mode():
+        for b in range(0, len(order), 64):
+            picked = order[b : b + 64]
+            ids, mask = batch(picked)
+            out = teacher(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+            for row, i in enumerate(picked):
+                hidden[i] = out.hidden_states[-1][row, : len(encoded[i])].clone()
+                if classifier:
+                    logits[i] = out.logits[row].clone()
+    return hidden, logits
+
+
+def _write_model_dir(student, spec: ModelSpec, out_dir: Path) -> None:
+    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / "config.json").is_file():
+        raise ConfigError(f"{out_dir} exists and is not a model directory; refusing to overwrite it")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    student.save_pretrained(str(out_dir), safe_serialization=True)
+    for name in SIDE_FILES:
+        if (spec.path / name).is_file():
+            shutil.copy2(spec.path / name, out_dir / name)
+    if (spec.path / "1_Pooling").is_dir():
+        shutil.copytree(spec.path / "1_Pooling", out_dir / "1_Pooling", dirs_exist_ok=True)
+
+
+def plot_losses(losses: list[float], path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
+    x = np.arange(1, len(losses) + 1)
+    ax.plot(x, losses, lw=0.8, alpha=0.35, label="per step")
+    if len(losses) >= 10:
+        k = max(5, len(losses) // 25)
+        smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
+        ax.plot(np.arange(k, len(losses) + 1), smooth, lw=2, label=f"mean of {k}")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("distillation loss")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,82 @@
+"""`surge distill` on a tiny budget: the loss falls, the student is a model directory surge loads and serves."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from surge.cli.main import app
+from surge.optimize.distill import pick_layers
+from tests.conftest import CACHE_DIR
+from tests.server_process import ServerProcess
+from tests.unit.optimize.conftest import make_tiny_bert
+
+
+def test_pick_layers_keeps_the_last_and_spreads_the_rest():
+    assert pick_layers(6, 3) == [0, 2, 5]
+    assert pick_layers(6, 1) == [5] and pick_layers(12, 4) == [0, 4, 7, 11]
+    assert all(len(pick_layers(12, k)) == k and pick_layers(12, k)[-1] == 11 for k in range(1, 12))
+
+
+@pytest.fixture(scope="module")
+def student(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distill")
+    teacher = make_tiny_bert(root / "teacher", seed=5, layers=4, hidden=64, heads=4)
+    out = root / "student"
+    result = CliRunner().invoke(app, ["distill", str(teacher), "-o", str(out), "--layers", "2", "--steps", "40",
+                                      "--batch-size", "16", "--lr", "1e-3", "--max-sentences", "32", "--force",
+                                      "--no-latency", "--threads", "2", "--cache-dir", str(CACHE_DIR)])
+    assert result.exit_code == 0, result.output
+    return teacher, out
+
+
+def test_loss_falls_and_the_report_is_written(student):
+    _, out = student
+    report = json.loads((out / "distill.json").read_text())
+    assert report["kept_layers"] == [0, 3] and report["steps"] == 40 and len(report["losses"]) == 40
+    assert report["loss_last_10pct"] < 0.85 * report["loss_first_10pct"], report["losses"]
+    assert all(np.isfinite(report["losses"]))
+    assert report["gate"]["sets"]["heldout"]["n"] == 32 and "top1_tie_ci95" in report["gate"]["sets"]["heldout"]
+    assert (out / "distill_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_student_is_a_model_directory_surge_optimizes_and_serves(student, tmp_path):
+    import torch
+    from transformers import AutoModel
+
+    from surge.engines.pooling import l2_normalize, pool
+    from surge.models import load_model_spec
+    from surge.optimize.validate import encode_texts
+    from surge.types import TokenBatch
+
+    teacher, out = student
+    spec = load_model_spec(out)
+    assert spec.num_layers == 2 and spec.hidden_size == 64
+    model = AutoModel.from_pretrained(str(out), local_files_only=True).eval()
+    assert model.config.num_hidden_layers == 2
+    art = tmp_path / "art"
+    r = CliRunner().invoke(app, ["optimize", str(out), "-o", str(art), "--max-sentences", "16", "--no-latency",
+                                 "--threads", "2", "--cache-dir", str(CACHE_DIR)])
+    assert r.exit_code == 0, r.output
+    texts = ["turn the volume down", "what's the weather like in Lisbon tomorrow"]
+    with ServerProcess(str(out), "--threads", "2") as srv:
+        resp = httpx.post(srv.url + "/v1/embeddings", json={"input": texts, "model": spec.name}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    got = np.array([d["embedding"] for d in resp.json()["data"]], np.float32)
+    b = TokenBatch.pad(encode_texts(spec, texts))
+    with torch.inference_mode():
+        hidden = model(input_ids=torch.from_numpy(b.input_ids), attention_mask=torch.from_numpy(b.attention_mask)).last_hidden_state
+    want = pool(hidden.numpy(), b, spec.pooling)
+    want = l2_normalize(want) if spec.normalize else want
+    cos = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
+    assert cos.min() > 0.999  # the served student is the student
+
+
+def test_bad_layer_count_is_a_clear_error(tmp_path):
+    r = CliRunner().invoke(app, ["distill", "-o", str(tmp_path / "s"), "--layers", "6"])
+    assert r.exit_code == 1 and "--layers must be between 1 and 5" in r.output
+    assert not (tmp_path / "s").exists()

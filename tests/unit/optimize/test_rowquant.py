@@ -1,0 +1,82 @@
+"""Per-row INT8: a sentence's vector does not depend on its batch neighbours or its padding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from surge.data import calibration_queries, heldout_queries
+from surge.engines.pooling import l2_normalize, pool
+from surge.optimize.rowquant import quantize_rows
+from surge.optimize.validate import encode_texts, session
+from surge.types import TokenBatch
+from tests.conftest import cosine_rows
+
+
+@pytest.fixture(scope="module")
+def row_int8(fused_minilm):
+    return quantize_rows(fused_minilm)
+
+
+@pytest.fixture(scope="module")
+def dynamic_int8(fused_minilm):
+    from surge.optimize.quantize import quantize_int8
+
+    return quantize_int8(fused_minilm, per_channel=True)[0]
+
+
+def _embed(sess, spec, texts, pad_to=None):
+    b = TokenBatch.pad(encode_texts(spec, texts), pad_id=spec.pad_token_id, pad_to=pad_to)
+    names = {i.name for i in sess.get_inputs()}
+    feeds = {k: v for k, v in (("input_ids", b.input_ids), ("attention_mask", b.attention_mask),
+                               ("token_type_ids", b.token_type_ids)) if k in names}
+    return l2_normalize(pool(sess.run(None, feeds)[0], b, spec.pooling))
+
+
+def _alone_vs_batched(model, spec, probes, neighbours):
+    """Each probe alone, then at a random position among long neighbours, then alone padded to 128."""
+    sess = session(model.SerializeToString(), threads=2)
+    alone = np.concatenate([_embed(sess, spec, [t]) for t in probes])
+    rng = np.random.default_rng(0)
+    batched, padded = [], []
+    for t in probes:
+        batch = list(neighbours)
+        pos = int(rng.integers(0, len(batch) + 1))
+        batch.insert(pos, t)
+        batched.append(_embed(sess, spec, batch)[pos])
+        padded.append(_embed(sess, spec, [t], pad_to=128)[0])
+    return alone, np.stack(batched), np.stack(padded)
+
+
+def test_sentence_alone_equals_sentence_in_any_batch(row_int8, dynamic_int8, bundled_spec):
+    model, info = row_int8
+    assert info["batch_invariant"] and info["quantized_ops"] == {"MatMul": 18, "Attention": 6}
+    probes = heldout_queries()[:8]
+    long = sorted(calibration_queries(), key=len)[-3:]  # the loudest neighbours: long chat answers
+    alone, batched, padded = _alone_vs_batched(model, bundled_spec, probes, long)
+    assert cosine_rows(alone, batched).min() >= 0.9999
+    assert cosine_rows(alone, padded).min() >= 0.9999
+    # The test can see the defect it guards against: ORT's per-tensor dynamic INT8 moves.
+    d_alone, d_batched, _ = _alone_vs_batched(dynamic_int8, bundled_spec, probes, long)
+    assert cosine_rows(d_alone, d_batched).min() < 0.9999
+
+
+def test_structure_and_accuracy_against_fp32(row_int8, fused_minilm, bundled_spec):
+    model, _ = row_int8
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("MatMulIntegerToFloat") == 24 and ops.count("MultiHeadAttention") == 6
+    assert not {"Attention", "QAttention", "DynamicQuantizeLinear", "MatMul"} & set(ops)
+    assert any(i.data_type == 3 for i in model.graph.initializer)  # int8 weights stored
+    texts = heldout_queries()[100:140]
+    ref = _embed(session(fused_minilm.SerializeToString(), 2), bundled_spec, texts)
+    got = _embed(session(model.SerializeToString(), 2), bundled_spec, texts)
+    cos = cosine_rows(ref, got)
+    assert cos.mean() >= 0.99 and cos.min() >= 0.95 and cos.max() < 0.999999  # close, and really INT8
+
+
+def test_excluded_nodes_stay_fp32(fused_minilm):
+    keep = ["Attention_0", "/model/encoder/layer.5/output/dense/MatMul"]
+    model, info = quantize_rows(fused_minilm, exclude=keep)
+    names = {n.name for n in model.graph.node}
+    assert set(keep) <= names and info["kept_fp32"] == sorted(keep)
+    assert info["quantized_ops"] == {"MatMul": 17, "Attention": 5}
