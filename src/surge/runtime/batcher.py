@@ -4,11 +4,11 @@ One per model version. Callers `await submit(items, deadline, priority)` and
 get back one row per item, in their own order; the engine sees batches.
 
 How a batch is formed (continuous batching): a scheduler task waits for a free
-engine instance, then for work. It dispatches as soon as the queue holds a full
-batch (by count or by token budget) or the oldest input has waited
-`max_queue_delay`; while every instance is busy the queue keeps filling, so a
-saturated model runs full batches back to back with no added delay. Inside a
-batch, inputs are grouped by length around the most urgent one (highest
+engine instance, then for work, and dispatches at once: a lone request pays no
+batching delay, and inputs accumulate only while every instance is busy, so a
+saturated model runs full batches back to back and an idle one answers at
+once. `max_queue_delay` is therefore an upper bound (met by construction), not
+a wait. Inside a batch, inputs are grouped by length around the most urgent one (highest
 priority, then oldest) to cut padding, and the token budget counts padded
 tokens for padded engines.
 
@@ -99,6 +99,7 @@ class DynamicBatcher:
         self._slots = asyncio.Semaphore(max(1, cfg.instances))
         self._running: set[asyncio.Task] = set()
         self._scheduler: asyncio.Task | None = None
+        self._slot_free_at = 0.0
         self._closed = False
         self.history: collections.deque[BatchRecord] = collections.deque(maxlen=cfg.history)
         self.computed_inputs = 0  # inputs that reached the engine
@@ -177,6 +178,7 @@ class DynamicBatcher:
     async def _schedule(self) -> None:
         while True:
             await self._slots.acquire()
+            self._slot_free_at = time.monotonic()
             try:
                 batch, free_at = await self._next_batch()
             except BaseException:
@@ -187,32 +189,22 @@ class DynamicBatcher:
             task.add_done_callback(self._running.discard)
 
     async def _next_batch(self) -> tuple[list[_Entry], float]:
-        loop = asyncio.get_running_loop()
-        free_at: float | None = None
+        """The next batch, formed the moment an instance is free and work is queued.
+
+        Called with an engine slot held. Nothing waits here for company: a
+        lone request leaves at once, and inputs accumulate only while every
+        instance is busy (continuous batching), so `max_queue_delay` is an
+        upper bound that the scheduler meets by construction, not a wait.
+        """
         while True:
             if not self._pending:
-                free_at = None
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             now = time.monotonic()
-            if free_at is None:
-                free_at = now
-            due = self._pending[0].arrived + self.cfg.max_queue_delay_s
-            if (not self.cfg.enabled or self._closed or now >= due or len(self._pending) >= self.max_batch_size
-                    or self._pending_tokens >= self.cfg.max_batch_tokens):
-                batch = self._form(now)
-                if batch:
-                    return batch, free_at
-                continue
-            # Sleep until the oldest input is due or more work arrives (an
-            # event plus a timer: no polling).
-            self._wake.clear()
-            timer = loop.call_later(due - now, self._wake.set)
-            try:
-                await self._wake.wait()
-            finally:
-                timer.cancel()
+            batch = self._form(now)
+            if batch:
+                return batch, max(self._slot_free_at, min(e.arrived for e in batch))
 
     def _form(self, now: float) -> list[_Entry]:
         live = []
