@@ -61,8 +61,9 @@ def load_service(config: ServerConfig, spec: ModelSpec, version: str = "1", engi
 
     engine = engine or config.engine
     artifact = artifact or resolve_artifact(spec, engine, config.cache_dir)
-    worker = build_worker(spec, artifact, engine)
-    return ModelService(spec.name, version, worker, batching=batching or config.batching,
+    batching = batching or config.batching
+    worker = build_worker(spec, artifact, engine, batch_tokens=batching.max_batch_tokens)
+    return ModelService(spec.name, version, worker, batching=batching,
                         cache=cache or config.cache, limits=config.limits)
 
 

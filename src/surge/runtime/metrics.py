@@ -57,6 +57,7 @@ class _Families:
     cache_bytes: Gauge
     cache_entries: Gauge
     devices: "_DeviceCollector"
+    engines: "_EngineCollector"
     live: dict = field(default_factory=dict)  # (model, version) -> open ServiceMetrics
 
 
@@ -85,6 +86,33 @@ class _DeviceCollector:
                 for key, fam in fams.items():
                     fam.add_metric([*labels, st["device"]], st[key])
         yield from fams.values()
+
+
+class _EngineCollector:
+    """Engine shape buckets built (CUDA graphs captured, kernels compiled), read at scrape time.
+
+    phase="serving" counts builds after warm-up: each stalled requests for a capture, so the
+    engine builds every bucket before ready and tests keep this at 0 under load."""
+
+    def __init__(self):
+        self.engines: dict[tuple[str, str], list] = {}
+
+    def collect(self):
+        fam = CounterMetricFamily("surge_engine_graph_builds", "Engine shape buckets built (CUDA graph captures "
+                                  "with their kernel compilation), by phase: warmup or serving (after ready).",
+                                  labels=("model", "version", "phase"))
+        secs = CounterMetricFamily("surge_engine_graph_build_seconds", "Time spent building engine shape buckets.",
+                                   labels=("model", "version"))
+        with _lock:
+            items = list(self.engines.items())
+        for labels, engines in items:
+            built = sum(getattr(e, "builds", 0) for e in engines)
+            after = sum(getattr(e, "builds_after_ready", 0) for e in engines)
+            fam.add_metric([*labels, "warmup"], built - after)
+            fam.add_metric([*labels, "serving"], after)
+            secs.add_metric(list(labels), sum(getattr(e, "build_s", 0.0) for e in engines))
+        yield fam
+        yield secs
 
 
 def _make(reg: CollectorRegistry) -> _Families:
@@ -120,6 +148,7 @@ def _make(reg: CollectorRegistry) -> _Families:
         cache_bytes=Gauge("surge_cache_bytes", "Bytes held by the cache, by tier.", (*mv, "tier"), registry=reg),
         cache_entries=Gauge("surge_cache_entries", "Entries held by the cache, by tier.", (*mv, "tier"), registry=reg),
         devices=_register(reg, _DeviceCollector()),
+        engines=_register(reg, _EngineCollector()),
     )
 
 
@@ -184,6 +213,11 @@ class ServiceMetrics:
         with _lock:
             self.fam.devices.pools[self.labels] = pool
 
+    def watch_engines(self, engines: list) -> None:
+        """Export the engines' bucket-build counts (surge_engine_graph_builds) until close()."""
+        with _lock:
+            self.fam.engines.engines[self.labels] = list(engines)
+
     def close(self) -> None:
         """A retired version holds nothing: zero its gauges. Its series are
         kept (not removed): a reloaded version with the same labels shares
@@ -195,6 +229,7 @@ class ServiceMetrics:
             left = self.fam.live[self.labels] = self.fam.live[self.labels] - 1
             if not left:
                 self.fam.devices.pools.pop(self.labels, None)
+                self.fam.engines.engines.pop(self.labels, None)
         if left:
             return  # another open service reports under these labels
         self.queue_depth.set(0)

@@ -57,6 +57,7 @@ class ModelService:
         self.metrics = ServiceMetrics(name, version, metrics_registry)
         if isinstance(worker.engines, DevicePool):  # replicas over GPUs: per-device load on /metrics
             self.metrics.watch_devices(worker.engines)
+        self.metrics.watch_engines(worker.engines.engines)
         b = self.batching
         self.batcher = DynamicBatcher(
             worker.compute,
