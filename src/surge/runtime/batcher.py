@@ -47,6 +47,7 @@ class _Ticket:
     out: np.ndarray | None = None
     remaining: int = 0
     timer: asyncio.TimerHandle | None = None
+    timings: dict | None = None  # the caller's Request.timings: queue_ns and compute_infer_ns added here
 
 
 @dataclass(eq=False, slots=True)
@@ -110,9 +111,11 @@ class DynamicBatcher:
     def queue_depth(self) -> int:
         return len(self._pending)
 
-    async def submit(self, items: list[Encoded], deadline: float | None = None, priority: int = 0) -> np.ndarray:
+    async def submit(self, items: list[Encoded], deadline: float | None = None, priority: int = 0,
+                     timings: dict | None = None) -> np.ndarray:
         """Rows for `items`, in order. `deadline` is a time.monotonic() value;
-        a higher `priority` is served first."""
+        a higher `priority` is served first. `timings` (a dict) gets the time the
+        inputs waited (queue_ns, the longest of them) and computed (compute_infer_ns)."""
         if self._closed:
             raise NotReady(f"model {self.name} is shutting down")
         if not items:
@@ -127,7 +130,7 @@ class DynamicBatcher:
         if deadline is not None and deadline <= now:
             self._drop_count("expired", len(items))
             raise DeadlineExceeded("the request's deadline passed before it was queued")
-        ticket = _Ticket(loop.create_future(), len(items), deadline, priority, remaining=len(items))
+        ticket = _Ticket(loop.create_future(), len(items), deadline, priority, remaining=len(items), timings=timings)
         for i, it in enumerate(items):
             entry = _Entry(ticket, i, it, len(it), next(self._seq), now)
             self._pending.append(entry)
@@ -271,8 +274,19 @@ class DynamicBatcher:
         try:
             self.computed_inputs += len(batch)
             rows = await loop.run_in_executor(self._executor, self._run, [e.item for e in batch])
+            took = time.monotonic() - start
             if m is not None:
-                m.compute.observe(time.monotonic() - start)
+                m.compute.observe(took)
+            seen = set()
+            for e in batch:
+                tm = e.ticket.timings
+                if tm is not None:
+                    wait = int((start - e.arrived) * 1e9)
+                    if wait > tm.get("queue_ns", 0):
+                        tm["queue_ns"] = wait
+                    if id(e.ticket) not in seen:  # a caller's inputs in one batch: one compute time
+                        seen.add(id(e.ticket))
+                        tm["compute_infer_ns"] = tm.get("compute_infer_ns", 0) + int(took * 1e9)
             if rows.shape[0] != len(batch):
                 raise EngineError(f"engine returned {rows.shape[0]} rows for a batch of {len(batch)}")
         except Exception as exc:

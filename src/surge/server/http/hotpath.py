@@ -27,6 +27,7 @@ import logging
 import orjson
 
 from surge.errors import SurgeError
+from surge.runtime.request import timing_headers
 from surge.server.errors import error_response, render
 from surge.server.http.common import PARSED_BODY
 from surge.server.state import AppState
@@ -74,8 +75,7 @@ class HotPathMiddleware:
             plain = self._plain(scope, body)
             if plain is not None:
                 native, texts, service = plain
-                lookup = getattr(service, "cached_result", None)  # remote models (Ray ingress) have no local cache
-                result = lookup(texts) if lookup is not None else None
+                result = self.state.cached(service, texts)  # counted in the statistics when it answers
                 if result is not None:
                     return await _send_json(send, *self._payload(native, service, result))
                 app = self._direct(native, texts, service)
@@ -97,7 +97,7 @@ class HotPathMiddleware:
         return app
 
     @staticmethod
-    def _payload(native: bool, service, result) -> tuple[bytes, str]:
+    def _payload(native: bool, service, result) -> tuple[bytes, str, list]:
         if native:
             out = {"model": result.model, "version": result.version, "dimensions": int(result.vectors.shape[1]),
                    "embeddings": result.vectors, "usage": {"prompt_tokens": result.prompt_tokens}}
@@ -107,7 +107,7 @@ class HotPathMiddleware:
                             for i, row in enumerate(result.vectors)],
                    "model": service.name,
                    "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}}
-        return orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY), result.version
+        return orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY), result.version, timing_headers(result)
 
     def _plain(self, scope, body: bytes):
         """(native?, texts, service) for a plain, valid request, else None (the route handles it)."""
@@ -183,8 +183,8 @@ class HotPathMiddleware:
                 handler.cancel()
 
 
-async def _send_json(send, payload: bytes, version: str) -> None:
+async def _send_json(send, payload: bytes, version: str, extra: list = ()) -> None:
     await send({"type": "http.response.start", "status": 200, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-        (b"x-surge-model-version", version.encode())]})
+        (b"x-surge-model-version", version.encode()), *extra]})
     await send({"type": "http.response.body", "body": payload})

@@ -12,6 +12,7 @@ from surge.errors import InvalidInput, PayloadTooLarge
 from surge.server.http.common import ORJSONResponse, parse
 from surge.server.state import AppState
 from surge.types import EmbedOptions
+from surge.runtime.request import response_headers
 
 TokenIds = list[StrictInt]
 
@@ -77,7 +78,7 @@ def router(state: AppState) -> APIRouter:
             "model": service.name,
             "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
         }
-        return ORJSONResponse(body, headers={"x-surge-model-version": result.version})
+        return ORJSONResponse(body, headers=response_headers(result))
 
     @r.get("/v1/models")
     async def models():
