@@ -18,6 +18,7 @@ KServe statistics are recorded from the result's timings by AppState.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -60,7 +61,9 @@ class ModelService:
         instances = len(worker.engines.engines)
         # Threads: one per engine instance, one tokenizer (long or bursty inputs only).
         self._engine_pool = ThreadPoolExecutor(instances, thread_name_prefix=f"surge-{name}-engine")
-        self.tokenize = TokenizeStage(self.encode, name)
+        # No reference back to the service (a cycle would keep a retired version's engines
+        # alive until the cyclic GC runs): the stage gets the tokenizer's own function.
+        self.tokenize = TokenizeStage(functools.partial(encode_inputs, worker.tokenizer), name)
         self.metrics = ServiceMetrics(name, version, metrics_registry)
         if isinstance(worker.engines, DevicePool):  # replicas over GPUs: per-device load on /metrics
             self.metrics.watch_devices(worker.engines)
@@ -289,9 +292,7 @@ class ModelService:
             task.add_done_callback(self._background.discard)
 
     def encode(self, texts: list[str] | None, token_ids: list[list[int]] | None, truncate: bool) -> list[Encoded]:
-        if texts is not None:
-            return self.worker.tokenizer.encode(texts, truncate=truncate)
-        return self.worker.tokenizer.from_ids(token_ids or [], truncate=truncate)
+        return encode_inputs(self.worker.tokenizer, texts, token_ids, truncate)
 
     async def close(self) -> None:
         """Stop taking requests, drain in-flight work, then free the engines."""
@@ -306,3 +307,10 @@ class ModelService:
         if self.redis is not None:
             await self.redis.close()
         self.metrics.close()
+
+
+def encode_inputs(tokenizer, texts: list[str] | None, token_ids: list[list[int]] | None,
+                  truncate: bool) -> list[Encoded]:
+    if texts is not None:
+        return tokenizer.encode(texts, truncate=truncate)
+    return tokenizer.from_ids(token_ids or [], truncate=truncate)
