@@ -113,6 +113,9 @@ class ServerConfig(_Strict):
     )
     cache_dir: Path | None = Field(None, description="Where exported artifacts are kept; default ~/.cache/surge.")
     log_level: str = Field("info", description="uvicorn log level.")
+    workers: int = Field(
+        1, ge=0, description="Front-end processes (HTTP, cache, tokenizing) in front of one engine process "
+        "(cli/workers.py); 1 serves from one process; 0: one per CPU core.")
     engine: EngineConfig = Field(default_factory=EngineConfig)
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)

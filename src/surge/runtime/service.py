@@ -49,7 +49,11 @@ class ModelService:
         cache: CacheConfig | None = None,
         limits: LimitsConfig | None = None,
         metrics_registry: CollectorRegistry | None = None,
+        batcher=None,
     ):
+        """`batcher`: something with DynamicBatcher's submit/close that runs the engine elsewhere
+        (a front end's runtime/ipc.EngineClient under --workers); default: a local batcher over
+        the worker's engines."""
         self.name = name
         self.version = version
         self.worker = worker
@@ -58,9 +62,10 @@ class ModelService:
         self.limits = limits or LimitsConfig()
         self.ready = False
         self.loaded_at = time.time()
-        instances = len(worker.engines.engines)
+        instances = max(1, len(worker.engines.engines))
         # Threads: one per engine instance, one tokenizer (long or bursty inputs only).
-        self._engine_pool = ThreadPoolExecutor(instances, thread_name_prefix=f"surge-{name}-engine")
+        self._engine_pool = (ThreadPoolExecutor(instances, thread_name_prefix=f"surge-{name}-engine")
+                             if batcher is None else None)
         # No reference back to the service (a cycle would keep a retired version's engines
         # alive until the cyclic GC runs): the stage gets the tokenizer's own function.
         self.tokenize = TokenizeStage(functools.partial(encode_inputs, worker.tokenizer), name)
@@ -69,7 +74,7 @@ class ModelService:
             self.metrics.watch_devices(worker.engines)
         self.metrics.watch_engines(worker.engines.engines)
         b = self.batching
-        self.batcher = DynamicBatcher(
+        self.batcher = batcher or DynamicBatcher(
             worker.compute,
             self._engine_pool,
             BatcherConfig(enabled=b.enabled, max_batch_size=min(b.max_batch_size, worker.engines.capabilities.max_batch),
@@ -302,7 +307,8 @@ class ModelService:
         if self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
         self.tokenize.close()
-        self._engine_pool.shutdown(wait=True, cancel_futures=False)
+        if self._engine_pool is not None:
+            self._engine_pool.shutdown(wait=True, cancel_futures=False)
         self.worker.engines.close()
         if self.redis is not None:
             await self.redis.close()
