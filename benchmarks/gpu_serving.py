@@ -185,6 +185,23 @@ def servers(args, model_dir: Path, port: int) -> dict:
     return out
 
 
+def write(out: Path, results: list[dict]) -> None:
+    """gpu_serving.json and gpu_serving.md (the table), rewritten after every server."""
+    (out / "gpu_serving.json").write_text(json.dumps(results, indent=1))
+    lines = ["| model | server | clients | req/s | p50 ms | p99 ms | errors | load-gen cores | SM util | builds after ready |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        if "skipped" in r:
+            lines.append(f"| {r['model']} | {r['server']} | - | skipped: {r['skipped'][:80]} | | | | | | |")
+            continue
+        f = lambda v, d=1: "-" if v is None else f"{v:,.{d}f}"  # noqa: E731
+        lines.append(f"| {r['model']} | {r['server']} | {r['clients']} | {r['rps']:,.0f} | {f(r['p50_ms'], 2)} | "
+                     f"{f(r['p99_ms'], 2)} | {sum(r['errors'].values())} | {r['loadgen_cores']:.2f} | "
+                     f"{f(r.get('sm_util'), 2)} | {f(r.get('builds_serving'), 0)} |")
+    (out / "gpu_serving.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--files", type=Path, required=True)
@@ -197,6 +214,7 @@ def main() -> int:
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--load-procs", type=int, default=8)
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the script")
+    p.add_argument("--models-dir", type=Path, default=None, help="where the random-weight models go (default OUT/models)")
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting servers after this many seconds")
     args = p.parse_args()
 
@@ -206,7 +224,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     for kind in args.models.split(","):
-        model_dir = make_model(kind, args.files, args.out / "models")
+        model_dir = make_model(kind, args.files, args.models_dir or args.out / "models")
         for name in args.servers.split(","):
             if time.monotonic() - t_start > args.budget_s:
                 print(f"budget spent: skipping {name} on {kind}", flush=True)
@@ -239,28 +257,18 @@ def main() -> int:
                                              "surge_tokenize_latency_seconds_count"))
                         r["sm_util"] = next((v for k, v in m.items() if k.startswith("surge_gpu_sm_util")), None)
                         r["gpu_util"] = next((v for k, v in m.items() if k.startswith("surge_gpu_utilization")), None)
-                        r["builds_serving"] = sum(v for k, v in m.items() if 'phase="serving"' in k)
+                        served = [v for k, v in m.items() if 'phase="serving"' in k]
+                        r["builds_serving"] = sum(served) if served else None  # None: engine in another process
                     r.update(model=kind, server=name, startup_s=startup)
                     results.append(r)
                     print(json.dumps(r), flush=True)
             finally:
                 srv.stop()
+                write(args.out, results)
                 tail = srv.output(1500)
                 if "Traceback" in tail:
                     print(f"--- {name} log tail ---\n{tail}", flush=True)
-    (args.out / "gpu_serving.json").write_text(json.dumps(results, indent=1))
-    lines = ["| model | server | clients | req/s | p50 ms | p99 ms | errors | load-gen cores | SM util | builds after ready |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in results:
-        if "skipped" in r:
-            lines.append(f"| {r['model']} | {r['server']} | - | skipped: {r['skipped'][:80]} | | | | | | |")
-            continue
-        f = lambda v, d=1: "-" if v is None else f"{v:,.{d}f}"  # noqa: E731
-        lines.append(f"| {r['model']} | {r['server']} | {r['clients']} | {r['rps']:,.0f} | {f(r['p50_ms'], 2)} | "
-                     f"{f(r['p99_ms'], 2)} | {sum(r['errors'].values())} | {r['loadgen_cores']:.2f} | "
-                     f"{f(r.get('sm_util'), 2)} | {f(r.get('builds_serving'), 0)} |")
-    (args.out / "gpu_serving.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write(args.out, results)
     return 0
 
 

@@ -82,8 +82,9 @@ def release_weights(path: Path, device: torch.device, dtype: torch.dtype) -> Non
 # One capture at a time in a process: captures are rare (once per bucket) and short,
 # and two interleaved ones would share the allocator's capture bookkeeping.
 _CAPTURE_LOCK = threading.Lock()
-# (weights key, bucket) -> the GEMM mode gemm="auto" timed fastest: a second instance of the same
-# model on the same GPU captures only that mode (warm-up of N instances costs ~1 + (N-1)/4 of one).
+# (weights key, token bucket) -> the GEMM mode gemm="auto" timed fastest. The mode changes the GEMMs
+# only, whose shapes depend on the token bucket alone: buckets that differ in sequences or length
+# reuse the choice, and so does a second instance of the model on the GPU (warm-up ~halved).
 _MODE_CHOICE: dict[tuple, str] = {}
 
 
@@ -379,9 +380,10 @@ class TorchEngine:
             with torch.cuda.stream(self.stream):
                 out = self._forward(key, views, mode)
             g = (None, views, out, mode)
-        elif self.gemm != "auto" or (getattr(self, "_wkey", None), key) in _MODE_CHOICE:
+        elif self.gemm != "auto" or (getattr(self, "_wkey", None), key[1]) in _MODE_CHOICE:
             if self.gemm == "auto":
-                mode = _MODE_CHOICE[(self._wkey, key)]
+                mode = _MODE_CHOICE[(self._wkey, key[1])]
+                mode = mode if mode in modes else "cublas"
             graph, out = self._capture(key, views, mode)
             g = (graph, views, out, mode)
         else:
@@ -402,7 +404,7 @@ class TorchEngine:
             self.choices[key] = timings
             g = best
             if getattr(self, "_wkey", None) is not None:
-                _MODE_CHOICE[(self._wkey, key)] = best[3]
+                _MODE_CHOICE[(self._wkey, key[1])] = best[3]
         self._graphs[key] = g
         self.builds += 1
         self.build_s += time.perf_counter() - started

@@ -106,6 +106,8 @@ class _EngineCollector:
         with _lock:
             items = list(self.engines.items())
         for labels, engines in items:
+            if not engines:
+                continue  # a front end under --workers: its engines live in the engine process
             built = sum(getattr(e, "builds", 0) for e in engines)
             after = sum(getattr(e, "builds_after_ready", 0) for e in engines)
             fam.add_metric([*labels, "warmup"], built - after)
