@@ -232,9 +232,13 @@ def front_main(config_json: str, sock: str, fd: str) -> None:
 
     config = ServerConfig.model_validate_json(config_json)
     app = create_app(front_state(config, sock))
-    server = uvicorn.Server(uvicorn.Config(app, fd=int(fd), log_level=config.log_level, access_log=False,
+    # The inherited TCP socket, with its real family: uvicorn's own `fd=` wraps it as AF_UNIX, and
+    # asyncio then leaves Nagle on for accepted connections (TCP_NODELAY is set for INET sockets
+    # only): every response waited ~40 ms for the client's delayed ACK.
+    listener = socket.socket(fileno=int(fd))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, access_log=False,
                                            timeout_graceful_shutdown=10))
-    server.run()
+    server.run(sockets=[listener])
 
 
 if __name__ == "__main__":
