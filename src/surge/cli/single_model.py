@@ -30,6 +30,7 @@ class SingleModelLifecycle:
         self._lock = asyncio.Lock()
         self._loading = False
         self._reason = ""
+        self.drain_grace_s = 0.2
 
     @cached_property
     def spec(self):
@@ -83,6 +84,10 @@ class SingleModelLifecycle:
             self._reason = ""
             log.info("loaded %s version %s", service.name, service.version)
             if old is not None:
+                # A request that looked the old copy up just before the swap has not been admitted
+                # yet: closing at once would answer it 503. Let such requests start (the grace, as
+                # the repository's ServedModel.drain), then close (which waits for those in flight).
+                await asyncio.sleep(self.drain_grace_s)
                 await old.close()
 
     async def unload(self, name: str, version: str | None = None) -> None:
