@@ -78,6 +78,17 @@ def test_concurrent_results_match_reference_and_never_mix(server, sentences, ref
         assert got.shape[0] == len(texts)
         assert cosine_rows(got, np.stack([ref[t] for t in texts])).min() >= 0.9999
         assert "x-surge-inference-ms" in headers  # the engine process's timings came back
+    # /metrics is whole: any front end answers with every process's counts (24 requests in all,
+    # the engine process's batches included)
+    for _ in range(4):
+        text = httpx.get(server.url + "/metrics", headers={"connection": "close"}).text
+        assert _sample(text, "surge_requests_total") == len(picks)
+        assert _sample(text, "surge_inputs_total") == sum(map(len, picks))
+        assert _sample(text, "surge_batch_size_count") >= 1
+
+
+def _sample(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 def test_engine_crash_fails_in_flight_with_503_at_once_and_recovers(server, sentences):

@@ -63,6 +63,10 @@ def serve_workers(config: ServerConfig, workers: int) -> int:
     """Run the supervisor until SIGTERM / SIGINT; returns the exit code."""
     tmp = tempfile.mkdtemp(prefix="surge-engine-")
     sock = str(Path(tmp) / "engine.sock")
+    # Metrics whole across processes: every child writes prometheus_client's multiprocess
+    # files here, and any front end's /metrics reads them all (runtime/metrics.WholeRegistry).
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(Path(tmp) / "metrics")
+    os.mkdir(os.environ["PROMETHEUS_MULTIPROC_DIR"])
     cfg = config.model_dump_json()
     print(f"surge: starting the engine process and {workers} front ends", file=sys.stderr, flush=True)
     engine = _child("engine", cfg, sock)
@@ -88,6 +92,7 @@ def serve_workers(config: ServerConfig, workers: int) -> int:
     try:
         while True:
             pid, status = os.wait()
+            _mark_dead(pid)
             if engine.pid == pid:
                 engine.returncode = os.waitstatus_to_exitcode(status)
                 log.error("engine process exited (%s); starting it again", engine.returncode)
@@ -123,12 +128,20 @@ def serve_workers(config: ServerConfig, workers: int) -> int:
             engine.wait(timeout=30)
         except subprocess.TimeoutExpired:
             engine.kill()
-    try:
-        os.unlink(sock)
-        os.rmdir(tmp)
-    except OSError:
-        pass
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+def _mark_dead(pid: int) -> None:
+    """A dead process's live gauges (in flight, queue depth) leave the sums."""
+    try:
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid)
+    except Exception:  # noqa: BLE001 - metrics must never take the supervisor down
+        pass
 
 
 # ---------------------------------------------------------------- the engine process
@@ -217,12 +230,24 @@ def front_state(config: ServerConfig, sock: str):
               file=sys.stderr, flush=True)
 
     state.extras.setdefault("on_startup", []).append(connect)
+    from surge.runtime.metrics import WholeRegistry, default_registry, families, multiprocess_dir
+
+    gpu = None
     if config.engine.device.startswith("cuda"):
         from surge.engines.gpu_metrics import register_gpu_metrics
-        from surge.runtime.metrics import default_registry
 
-        register_gpu_metrics(default_registry())
+        gpu = register_gpu_metrics(CollectorRegistryStub())
+    if multiprocess_dir():
+        fam = families(default_registry())
+        state.extras["metrics_registry"] = WholeRegistry(multiprocess_dir(), [gpu, fam.devices])
     return state
+
+
+class CollectorRegistryStub:
+    """Takes the GPU collector without exporting it twice (WholeRegistry exports it)."""
+
+    def register(self, collector) -> None:
+        pass
 
 
 def front_main(config_json: str, sock: str, fd: str) -> None:

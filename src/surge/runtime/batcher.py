@@ -31,7 +31,7 @@ from typing import Callable
 import numpy as np
 
 from surge.errors import DeadlineExceeded, EngineError, NotReady, Overloaded
-from surge.runtime.metrics import ServiceMetrics
+from surge.runtime.metrics import ServiceMetrics, multiprocess_dir
 from surge.types import Encoded
 
 RunBatch = Callable[[list[Encoded]], np.ndarray]
@@ -105,7 +105,10 @@ class DynamicBatcher:
         self._closed = False
         self.history: collections.deque[BatchRecord] = collections.deque(maxlen=cfg.history)
         self.computed_inputs = 0  # inputs that reached the engine
-        if metrics is not None:
+        self._depth_gauge = None
+        if metrics is not None and multiprocess_dir() is not None:
+            self._depth_gauge = metrics.queue_depth  # several processes: each writes its own value
+        elif metrics is not None:
             # Read at scrape time: a Gauge.set per submit and per batch took a lock each time
             # (7% of the event loop's samples at 64 clients). A weak reference, so a retired
             # version's batcher is not kept alive by its labels' gauge.
@@ -181,7 +184,8 @@ class DynamicBatcher:
             self.metrics.dropped(reason, n)
 
     def _depth_changed(self) -> None:
-        pass  # the gauge reads the queue at scrape time (see __init__): nothing to do per request
+        if self._depth_gauge is not None:  # else the gauge reads the queue at scrape time (see __init__)
+            self._depth_gauge.set(len(self._pending))
 
     # ---- the scheduler -----------------------------------------------------
     async def _schedule(self) -> None:

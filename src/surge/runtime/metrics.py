@@ -140,18 +140,44 @@ def _make(reg: CollectorRegistry) -> _Families:
                                buckets=_TOKENS, registry=reg),
         padding=Histogram("surge_batch_padding_ratio", "Share of a batch's tokens that are padding.", mv,
                           buckets=_RATIO, registry=reg),
-        queue_depth=Gauge("surge_queue_depth", "Inputs waiting in the batch queue.", mv, registry=reg),
-        inflight=Gauge("surge_inflight_inputs", "Inputs admitted and not yet answered.", mv, registry=reg),
+        queue_depth=Gauge("surge_queue_depth", "Inputs waiting in the batch queue.", mv, registry=reg, multiprocess_mode="livesum"),
+        inflight=Gauge("surge_inflight_inputs", "Inputs admitted and not yet answered.", mv, registry=reg, multiprocess_mode="livesum"),
         cache_hits=Counter("surge_cache_hits", "Cache hits, by tier.", (*mv, "tier"), registry=reg),
         cache_misses=Counter("surge_cache_misses", "Cache misses (every tier missed).", mv, registry=reg),
         cache_evictions=Counter("surge_cache_evictions", "Entries evicted from the recent tier.", mv, registry=reg),
         coalesced=Counter("surge_inputs_coalesced", "Missed inputs answered by an identical input's computation "
                           "already in flight.", mv, registry=reg),
-        cache_bytes=Gauge("surge_cache_bytes", "Bytes held by the cache, by tier.", (*mv, "tier"), registry=reg),
-        cache_entries=Gauge("surge_cache_entries", "Entries held by the cache, by tier.", (*mv, "tier"), registry=reg),
+        cache_bytes=Gauge("surge_cache_bytes", "Bytes held by the cache, by tier.", (*mv, "tier"), registry=reg, multiprocess_mode="livesum"),
+        cache_entries=Gauge("surge_cache_entries", "Entries held by the cache, by tier.", (*mv, "tier"), registry=reg, multiprocess_mode="livesum"),
         devices=_register(reg, _DeviceCollector()),
         engines=_register(reg, _EngineCollector()),
     )
+
+
+def multiprocess_dir() -> str | None:
+    """PROMETHEUS_MULTIPROC_DIR under `--workers` (the supervisor sets it for its children)."""
+    import os
+
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+class WholeRegistry:
+    """/metrics under `--workers`: every process's counters, histograms and gauges (prometheus_client's
+    multiprocess files: counters and histograms summed over processes, gauges summed over live ones),
+    plus this process's collectors that read live objects (GPU, devices)."""
+
+    def __init__(self, path: str, extra: list):
+        self.path = path
+        self.extra = [c for c in extra if c is not None]
+
+    def collect(self):
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        reg = CollectorRegistry()
+        MultiProcessCollector(reg, self.path)
+        yield from reg.collect()
+        for c in self.extra:
+            yield from c.collect()
 
 
 def _register(reg: CollectorRegistry, collector):
