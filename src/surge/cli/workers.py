@@ -12,6 +12,10 @@ far fewer real ones, while the GPU engine runs 85,000 sequences/s; the
 per-request work (HTTP, JSON, tokenizing) is what scales with processes, and
 the GPU wants one process batching everybody's inputs.
 
+Cache: each front end keeps its own local tiers (no lock, no hop); behind them the engine
+process keeps a tier all front ends share (runtime/ipc.SharedTier, keyed by token ids, sized
+by --cache-bytes), and Redis stays available as the tier shared between machines.
+
 Lifecycle: the engine process warms up (every bucket) before it listens, and
 front ends report ready only once connected. A front end that crashes is
 started again; an engine process that crashes makes every front end fail its
@@ -149,7 +153,7 @@ def _mark_dead(pid: int) -> None:
 def engine_main(config_json: str, sock: str) -> None:
     from surge.cli.bootstrap import load_service
     from surge.models import bundled_model_dir, load_model_spec
-    from surge.runtime.ipc import EngineServer
+    from surge.runtime.ipc import EngineServer, SharedTier
 
     config = ServerConfig.model_validate_json(config_json)
     spec = load_model_spec(config.model_dir or bundled_model_dir(), name=config.model_name)
@@ -164,7 +168,9 @@ def engine_main(config_json: str, sock: str) -> None:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         loop.add_signal_handler(signal.SIGINT, lambda: None)  # the supervisor decides
-        server = EngineServer(service.batcher, hello)
+        c = config.cache
+        shared = SharedTier(c.max_bytes, service.metrics) if c.enabled and c.max_bytes > 0 else None
+        server = EngineServer(service.batcher, hello, shared)
         part = sock + ".part"
         for p in (part, sock):
             if os.path.exists(p):

@@ -229,13 +229,72 @@ class EngineClient:
             self._reader_task.cancel()
 
 
+class SharedTier:
+    """The hot-query cache tier every front end shares: pooled rows keyed by token ids, in the
+    engine process (each front end's misses arrive here anyway, so a lookup costs no extra hop).
+
+    Byte-bounded LRU. Keys are the exact token ids and type ids, so any text, option or front end
+    that tokenizes to the same input shares the row; the engine process serves one model build,
+    and a restarted engine starts empty (never stale). Rows are pooled and unnormalized: the
+    front end applies the request's options (dimensions, normalize) after, as for computed rows.
+    """
+
+    def __init__(self, max_bytes: int, metrics=None):
+        import collections
+
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._rows: collections.OrderedDict[bytes, np.ndarray] = collections.OrderedDict()
+        self.hits = self.misses = 0
+        self._metric = metrics.tier("shared")[0] if metrics is not None else None
+
+    @staticmethod
+    def key(e: Encoded) -> bytes:
+        return e.ids.tobytes() + b"|" + e.type_ids.tobytes()
+
+    def get(self, key: bytes) -> np.ndarray | None:
+        row = self._rows.get(key)
+        if row is None:
+            self.misses += 1
+            return None
+        self._rows.move_to_end(key)
+        self.hits += 1
+        if self._metric is not None:
+            self._metric.inc()
+        return row
+
+    def put(self, key: bytes, row: np.ndarray) -> None:
+        if key in self._rows or row.nbytes + len(key) > self.max_bytes:
+            return
+        self._rows[key] = row
+        self.bytes += row.nbytes + len(key)
+        while self.bytes > self.max_bytes:
+            k, r = self._rows.popitem(last=False)
+            self.bytes -= r.nbytes + len(k)
+
+
 class EngineServer:
     """The engine process's side: every connection's requests into one batcher."""
 
-    def __init__(self, batcher, hello: dict):
+    def __init__(self, batcher, hello: dict, shared: SharedTier | None = None):
         self.batcher = batcher
         self.hello = hello
+        self.shared = shared
         self.connections = 0
+
+    async def _rows(self, items: list[Encoded], deadline, priority, timings: dict) -> np.ndarray:
+        shared = self.shared
+        if shared is None:
+            return await self.batcher.submit(items, deadline, priority, timings)
+        keys = [shared.key(e) for e in items]
+        found = [shared.get(k) for k in keys]
+        miss = [i for i, r in enumerate(found) if r is None]
+        if miss:
+            rows = await self.batcher.submit([items[i] for i in miss], deadline, priority, timings)
+            for j, i in enumerate(miss):
+                found[i] = rows[j]
+                shared.put(keys[i], rows[j].copy())
+        return np.stack(found)
 
     async def serve(self, path: str) -> asyncio.AbstractServer:
         return await asyncio.start_unix_server(self._conn, path)
@@ -249,7 +308,7 @@ class EngineServer:
         async def one(rid, items, deadline, priority):
             timings: dict = {}
             try:
-                rows = await self.batcher.submit(items, deadline, priority, timings)
+                rows = await self._rows(items, deadline, priority, timings)
                 out = encode_result(rid, rows, timings)
             except asyncio.CancelledError:
                 return
