@@ -22,8 +22,8 @@ started again; an engine process that crashes makes every front end fail its
 in-flight requests with 503 at once (EOF on the socket) and report not ready
 until the restarted engine is back. SIGTERM (or Ctrl-C): front ends drain
 (uvicorn's graceful shutdown, requests in flight are answered), then the
-engine process stops. Single-model mode only for now; --model-repository and
---ray keep one process.
+engine process stops. Single-model mode and HTTP only for now (gRPC, the
+repository and --ray keep one process).
 """
 
 from __future__ import annotations
@@ -73,6 +73,9 @@ def serve_workers(config: ServerConfig, workers: int) -> int:
     os.mkdir(os.environ["PROMETHEUS_MULTIPROC_DIR"])
     cfg = config.model_dump_json()
     print(f"surge: starting the engine process and {workers} front ends", file=sys.stderr, flush=True)
+    if config.grpc_port:
+        # The gRPC server refuses a shared port (so_reuseport off, on purpose): HTTP only for now.
+        print("surge: --workers serves HTTP only; gRPC is not started", file=sys.stderr, flush=True)
     engine = _child("engine", cfg, sock)
     _wait_engine(engine, sock)
     listener = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
