@@ -94,10 +94,26 @@ class CacheConfig(_Strict):
 class LimitsConfig(_Strict):
     """Input limits enforced by the protocol layers."""
 
-    max_inputs_per_request: int = Field(256, ge=1, description="Most inputs in one request.")
+    max_inputs_per_request: int = Field(
+        2048, ge=1, description="Most inputs in one request (OpenAI's own limit; the batcher still runs them in "
+        "batches of its max batch size).")
     max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024, description="Largest request body accepted.")
     max_input_chars: int = Field(20_000, ge=1, description="Longest single text input, in characters.")
     request_timeout_s: float = Field(30.0, gt=0, description="A request still unanswered then gets 504.")
+    auto_truncate: bool = Field(
+        False, description="OpenAI route: cut inputs longer than the model instead of answering 400 (a request "
+        "can also ask with \"truncate\": true).")
+    allow_token_ids: bool = Field(
+        False, description="OpenAI route: accept token-id inputs as ids of the model's own tokenizer (clients such "
+        "as LangChain send tiktoken ids of another vocabulary, so by default they get 400).")
+
+
+class MetricsConfig(_Strict):
+    """Who can read /metrics and where."""
+
+    public: bool = Field(False, description="Serve /metrics without the API key (scrapers that send none).")
+    port: int | None = Field(None, ge=0, le=65535, description="Also serve the metrics on this port, with no "
+                             "API key (as Triton's and TEI's metrics ports); None: only on the HTTP port.")
 
 
 class ServerConfig(_Strict):
@@ -107,6 +123,9 @@ class ServerConfig(_Strict):
     api_key: str | None = Field(None, description="When set, every route but the health checks needs Bearer auth.")
     model_dir: Path | None = Field(None, description="Hugging Face model directory; default: the bundled MiniLM.")
     model_name: str | None = Field(None, description="Name the model is served under; default: from its directory.")
+    served_model_names: list[str] = Field(
+        default_factory=list, description="More names the model answers to on every protocol, e.g. "
+        "text-embedding-3-small (the defaults of OpenAI clients, LangChain, LlamaIndex).")
     model_repository: Path | None = Field(None, description="Directory of models/<name>/<version>/model.yaml.")
     repository_poll_s: float | None = Field(
         None, gt=0, description="Rescan the model repository this often (new versions, changed model.yaml); None: never."
@@ -120,6 +139,7 @@ class ServerConfig(_Strict):
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
 
 def default_cache_dir() -> Path:
@@ -178,8 +198,15 @@ class ModelFile(_Strict):
     cache: CacheConfig | None = Field(None, description="Cache settings; default: the server's.")
     version_policy: VersionPolicy = Field(default_factory=VersionPolicy, description="Which versions are served.")
     description: str = Field("", description="Free text shown by GET /models.")
+    aliases: list[str] = Field(default_factory=list, description="More names the model answers to on every "
+                               "protocol (e.g. text-embedding-3-small), listed by GET /v1/models.")
     ray: "RayDeploymentConfig | None" = Field(
         None, description="Ray Serve deployment (replicas, autoscaling, resources) under `surge serve --ray`.")
+    kind: Literal["hf", "onnx", "torch", "python"] = Field(
+        "hf", description="hf: a Hugging Face encoder (`source`); onnx, torch (.pt2), python (model.py): a tensor "
+        "model served by tensor name (KServe v2), see the `tensor` section.")
+    tensor: "TensorModelOptions" = Field(default_factory=lambda: TensorModelOptions(),
+                                         description="Kinds onnx, torch, python: file, inputs, outputs, batching.")
 
 
 PortType = Literal["text", "tokens", "vector", "label", "number", "ranking", "json", "any"]
@@ -272,5 +299,6 @@ def _deep_merge(base: dict, over: dict) -> dict:
 
 
 from surge.distributed.config import RayDeploymentConfig  # noqa: E402  (no Ray import: plain pydantic)
+from surge.models.tensor_config import TensorModelOptions  # noqa: E402  (plain pydantic)
 
 ModelFile.model_rebuild()

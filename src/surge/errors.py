@@ -86,6 +86,15 @@ class Cancelled(SurgeError):
     code = "cancelled"
 
 
+class Unsupported(SurgeError):
+    """A feature of a protocol that surge does not implement (Triton: UNSUPPORTED)."""
+
+    http_status = 501
+    grpc_code = grpc.StatusCode.UNIMPLEMENTED
+    openai_type = "invalid_request_error"
+    code = "unsupported"
+
+
 class EngineError(SurgeError):
     """The engine failed on a batch (out of memory, a bad shape...)."""
 
@@ -100,3 +109,26 @@ class ConfigError(SurgeError):
     http_status = 400
     grpc_code = grpc.StatusCode.INVALID_ARGUMENT
     code = "invalid_config"
+
+
+# -- what error messages may echo -------------------------------------------------------
+ECHO_CHARS = 64
+
+
+def shown(value, limit: int = ECHO_CHARS) -> str:
+    """A client-given name as an error message repeats it: at most `limit` characters.
+
+    A 100 KB model name must not come back as a 100 KB error body (nor fill logs).
+    """
+    text = str(value)
+    return text if len(text) <= limit else text[:limit] + "\u2026"
+
+
+def relative_paths(message: str, root) -> str:
+    """A message with the absolute `root` prefix taken off its paths: clients see
+    `enc/1/model.yaml`, not where the repository lies on the server's disk."""
+    import re
+
+    root = re.escape(str(root).rstrip("/"))
+    message = re.sub(root + "/", "", message)
+    return re.sub(root + r"(?![\w.-])", ".", message)  # the root itself, not a sibling named like it

@@ -3,8 +3,9 @@
 - 10,000 requests of real sentences from 100 concurrent clients: every answer
   equals the same input computed alone; nothing lost, nothing mixed.
 - Batches form under concurrency (and not with --no-batching).
-- Overload answers 429 with Retry-After, timeouts answer 504 and their queued
-  inputs are never computed; the server recovers.
+- Overload answers 429 with Retry-After (gRPC: RESOURCE_EXHAUSTED with the hint
+  in trailing metadata), timeouts answer 504 and their queued inputs are never
+  computed; the server recovers. Deterministic: a test-only engine slow-down.
 - Two server processes share cache hits through a real redis-server.
 """
 
@@ -15,6 +16,7 @@ import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import httpx
 import numpy as np
 import orjson
@@ -25,6 +27,9 @@ from surge.types import EmbedOptions
 from tests.http_load import closed_loop, encode_post
 from tests.redis_server import redis_server  # noqa: F401  (fixture)
 from tests.server_process import ServerProcess
+
+STRAINED_DELAY_S = 3.0  # added to every engine batch of the strained server
+STRAINED_TIMEOUT_S = 4.5  # its request timeout: one batch fits (1.5 s to spare), two do not
 
 
 def metrics(url: str) -> dict[tuple, float]:
@@ -58,8 +63,12 @@ def servers(shared_tier):
     redis_args = ["--redis-url", shared_tier] if shared_tier else []
     batched = ServerProcess(*redis_args, "--max-queue-delay-ms", "5")
     unbatched = ServerProcess("--no-batching", "--cache-bytes", "0")
+    # Every batch of `strained` takes 3 s more than its compute (a test-only engine
+    # slow-down) and a request times out after 4.5 s, so what gets 429, 504 or is dropped
+    # follows from the arithmetic below, not from how fast this machine is.
     strained = ServerProcess("--cache-bytes", "0", "--max-queue-size", "48", "--max-batch-size", "16",
-                             "--request-timeout-s", "0.4")
+                             "--request-timeout-s", str(STRAINED_TIMEOUT_S), "--threads", "1",
+                             env={"SURGE_TEST_ENGINE_DELAY_MS": str(int(STRAINED_DELAY_S * 1000))}, grpc=True)
     try:
         start_all(batched, unbatched, strained)
         yield batched, unbatched, strained
@@ -142,45 +151,89 @@ def test_batches_form_under_64_clients_and_not_with_batching_off(servers, phrase
 
 
 def test_overload_gives_429_timeouts_give_504_and_the_server_recovers(servers, sentences, alone, phrases):
+    """Deterministic: every batch takes >= 3 s and a request times out after 4.5 s.
+
+    Seven requests of 8 inputs of one length are admitted (56 inputs: the first
+    batch takes 8 or 16, the queue of 48 holds the rest). While they are all in
+    flight (the first batch holds the engine for 3 s), requests of 16 more inputs
+    pass the admission bound (48 queued + one batch of 16 = 64): HTTP gets 429,
+    gRPC RESOURCE_EXHAUSTED, both with a retry hint. The first batch answers at
+    3 s; the second runs from 3 s to 6 s, past the timeout: 504; every input still
+    queued at 4.5 s expires there: 504, never computed.
+    """
+    from surge.server.grpc import grpc_service_pb2 as pb
+    from surge.server.grpc import grpc_service_pb2_grpc as pb_grpc
+
     strained = servers[2]
-    long_inputs = [" ".join(sentences[i:i + 4]) for i in range(0, 96)]
+    # Unique (no cache, no coalescing) and all of one token length (no padding rule splits a batch).
+    words = ["red", "blue", "green", "black", "white", "brown", "cat", "dog", "fish", "bird", "tree", "house"]
+    texts = [f"the {a} and the {b} and the {c}" for a in words for b in words for c in words][:104]
+
+    def inflight() -> float:
+        return metrics(strained.url).get(("surge_inflight_inputs", ()), 0.0)
 
     async def flood():
         async with httpx.AsyncClient(base_url=strained.url, timeout=30,
                                      limits=httpx.Limits(max_connections=64)) as client:
-            return await asyncio.gather(*(
-                client.post("/embed", json={"inputs": long_inputs[i:i + 8]}) for i in range(0, 96, 3)))
+            first = [asyncio.ensure_future(client.post("/embed", json={"inputs": texts[i:i + 8]}))
+                     for i in range(0, 56, 8)]
+            # All 56 inputs admitted (the engine is still on the first batch for 3 s):
+            # from here on 16 more are over the bound.
+            while await asyncio.to_thread(inflight) < 56:
+                assert not any(f.done() for f in first), [f.result().status_code for f in first if f.done()]
+                await asyncio.sleep(0.01)
+            refused = await asyncio.gather(*(client.post("/embed", json={"inputs": texts[i:i + 16]})
+                                             for i in range(56, 88, 16)))
+            async with grpc.aio.insecure_channel(strained.grpc_url) as channel:
+                req = pb.ModelInferRequest(model_name="all-MiniLM-L6-v2")
+                req.inputs.add(name="text", datatype="BYTES", shape=[16]).contents.bytes_contents.extend(
+                    t.encode() for t in texts[88:104])
+                try:
+                    await pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(req, timeout=30)
+                    grpc_error = None
+                except grpc.aio.AioRpcError as exc:
+                    grpc_error = exc
+            return await asyncio.gather(*first), refused, grpc_error
 
     before = metrics(strained.url)
-    responses = asyncio.run(flood())
-    codes = [r.status_code for r in responses]
-    assert set(codes) <= {200, 429, 504}, codes
-    assert codes.count(429) > 0, codes
-    assert codes.count(504) > 0, codes
-    for r in responses:
-        if r.status_code == 429:
-            assert int(r.headers["retry-after"]) >= 1
-            assert r.json()["error"]["code"] == "overloaded"
+    first, refused, grpc_error = asyncio.run(flood())
+    assert [r.status_code for r in refused] == [429] * 2, [r.text for r in refused]
+    for r in refused:
+        assert int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["code"] == "overloaded"
+    # gRPC's overload answer carries the same hint in its trailing metadata.
+    assert grpc_error is not None and grpc_error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, grpc_error
+    trailers = dict(grpc_error.trailing_metadata() or ())
+    assert int(trailers["retry-after"]) >= 1, trailers
+    assert int(trailers["grpc-retry-pushback-ms"]) == 1000 * int(trailers["retry-after"]), trailers
+    codes = [r.status_code for r in first]
+    assert set(codes) <= {200, 504}, codes
+    assert 1 <= codes.count(200) <= 2, codes  # the first batch: 8 or 16 inputs
+    assert codes.count(504) >= 5, codes
+    for r in first:
         if r.status_code == 504:
             assert r.json()["error"]["code"] == "timeout"
     assert strained.alive()
-    after = metrics(strained.url)
-    dropped = sum(v for (name, _), v in after.items() if name == "surge_inputs_dropped_total") - sum(
-        v for (name, _), v in before.items() if name == "surge_inputs_dropped_total")
-    computed = after[("surge_batch_size_sum", ())] - before.get(("surge_batch_size_sum", ()), 0)
-    admitted = 8 * (len(codes) - codes.count(429))
-    assert dropped > 0
-    assert computed + dropped <= admitted  # what timed out in the queue was never computed
-    # Recovery: once the work already on the engine has finished (a running
-    # batch cannot be interrupted), the next request is answered, and right.
-    deadline = time.monotonic() + 30
+    # Recovery: once the second batch has left the engine (a running batch cannot be
+    # interrupted), the next request is answered, and right.
+    deadline = time.monotonic() + 60
+    attempts = 0
     while True:
-        r = httpx.post(strained.url + "/embed", json={"inputs": [phrases[0]]}, timeout=10)
+        attempts += 1
+        r = httpx.post(strained.url + "/embed", json={"inputs": [phrases[0]]}, timeout=30)
         if r.status_code == 200 or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     assert r.status_code == 200, r.text
     np.testing.assert_allclose(r.json()["embeddings"][0], alone[phrases[0]], atol=1e-4)
+    after = metrics(strained.url)
+    dropped = sum(v for (name, _), v in after.items() if name == "surge_inputs_dropped_total") - sum(
+        v for (name, _), v in before.items() if name == "surge_inputs_dropped_total")
+    computed = after[("surge_batch_size_sum", ())] - before.get(("surge_batch_size_sum", ()), 0)
+    # Queued past the deadline: at least 56 - 2 batches of 16 = 24 inputs were never computed.
+    assert dropped >= 24, (dropped, computed)
+    # What timed out in the queue was never computed (each recovery attempt is one input).
+    assert computed + dropped <= 56 + attempts, (computed, dropped, attempts)
 
 
 def test_redis_tier_shares_hits_between_two_servers(servers, phrases, shared_tier):

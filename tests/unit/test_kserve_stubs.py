@@ -38,8 +38,14 @@ def test_every_message_matches_triton_field_by_field():
             check(nested, theirs_desc.nested_types_by_name[nested.name])
 
     assert ours.DESCRIPTOR.package == "inference"
+    # Triton keeps the model configuration messages in model_config.proto (same package).
+    config = pytest.importorskip("tritonclient.grpc.model_config_pb2")
+    theirs_messages = {**config.DESCRIPTOR.message_types_by_name, **triton.DESCRIPTOR.message_types_by_name}
     for name, desc in ours.DESCRIPTOR.message_types_by_name.items():
-        check(desc, triton.DESCRIPTOR.message_types_by_name[name])
+        check(desc, theirs_messages[name])
+    for name, enum in ours.DESCRIPTOR.enum_types_by_name.items():
+        theirs_enum = config.DESCRIPTOR.enum_types_by_name[name]
+        assert {(v.name, v.number) for v in enum.values} <= {(v.name, v.number) for v in theirs_enum.values}
     service = ours.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     theirs = triton.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     for m in service.methods:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from surge.config import EngineConfig, ServerConfig, default_cache_dir
 from surge.models import bundled_model_dir, load_model_spec
+from surge.models.decoder import is_decoder_dir
 from surge.models.hf import ModelSpec
 from surge.runtime.registry import ModelRegistry
 from surge.server.state import AppState
@@ -60,6 +61,10 @@ def load_service(config: ServerConfig, spec: ModelSpec, version: str = "1", engi
     from surge.runtime.service import ModelService
 
     engine = engine or config.engine
+    if is_decoder_dir(spec.path):  # a causal LM: task "generate", served by its own service
+        from surge.runtime.loader import build_generate_service
+
+        return build_generate_service(spec, version, engine, config.limits)
     artifact = artifact or resolve_artifact(spec, engine, config.cache_dir)
     batching = batching or config.batching
     worker = build_worker(spec, artifact, engine, batch_tokens=batching.max_batch_tokens)
@@ -72,10 +77,17 @@ def load_repository_version(config: ServerConfig, entry):
     from dataclasses import replace
 
     cfg = entry.config
+    if cfg.kind != "hf":  # onnx, torch, python: a tensor model from its version directory
+        from surge.runtime.tensor_loader import build_tensor_service, model_path
+
+        own_cache = cfg.cache if cfg.kind == "python" else (cfg.cache or config.cache)
+        return build_tensor_service(entry.name, entry.version, cfg.kind, model_path(entry.dir, cfg.kind, cfg.tensor),
+                                    cfg.tensor, cfg.engine, cfg.batching or config.batching, own_cache, config.limits)
     # Exported under the model directory's own name, so every entry (and every
     # version) of one model shares one cached artifact; served under the entry's.
     source = load_model_spec(entry.source_dir or bundled_model_dir())
-    artifact = entry.artifact_dir or _cached_artifact(source, cfg.engine, config.cache_dir)
+    artifact = None if is_decoder_dir(source.path) else \
+        entry.artifact_dir or _cached_artifact(source, cfg.engine, config.cache_dir)
     return load_service(config, replace(source, name=entry.name), entry.version, cfg.engine, artifact=artifact,
                         batching=cfg.batching, cache=cfg.cache)
 
@@ -100,10 +112,16 @@ def add_repository(state: AppState) -> None:
     from surge.runtime.repository import ModelRepository
 
     config = state.config
-    repo = ModelRepository(config.model_repository, state.registry,
-                           loader=lambda entry: load_repository_version(config, entry),
+    from surge.runtime.tensor_loader import attach_registry
+
+    def loader(entry):
+        service = load_repository_version(config, entry)
+        attach_registry(service, state.registry)  # a python model's in-process client
+        return service
+
+    repo = ModelRepository(config.model_repository, state.registry, loader=loader,
                            poll_s=config.repository_poll_s)
-    pipelines = PipelineSet(state.registry)
+    pipelines = PipelineSet(state.registry, root=repo.root)
     state.lifecycle = repo
     state.extras["repository"] = repo
     state.extras["pipelines"] = pipelines
@@ -160,10 +178,23 @@ def add_single_model(state: AppState) -> None:
 
     async def load_single(state: AppState) -> None:
         model_dir = config.model_dir or bundled_model_dir()
+        if _tensor_file(model_dir):  # surge serve model.onnx / model.pt2 / model.py
+            from surge.runtime.tensor_loader import attach_registry
+
+            service = await asyncio.to_thread(load_tensor_file, config, model_dir)
+            attach_registry(service, state.registry)
+            state.lifecycle = None
+            state.registry.add(service)
+            await service.warmup()
+            service.mark_ready()
+            print(f"surge: ready, serving {service.name} ({service.kind}) on http://{config.host}:{config.port}",
+                  file=sys.stderr, flush=True)
+            return
         spec = load_model_spec(model_dir, name=config.model_name)
+        state.registry.set_aliases(spec.name, config.served_model_names)
         service = await asyncio.to_thread(load_service, config, spec)
+        service.mark_ready()  # before it is added: registry listeners (gRPC health) see it ready
         state.registry.add(service)
-        service.mark_ready()
         if config.cache.query_log is not None:
             # Fill the pinned tier from the query log in the background (low priority).
             state.extras.setdefault("background", set()).add(asyncio.create_task(service.prefill_pinned()))
@@ -172,3 +203,32 @@ def add_single_model(state: AppState) -> None:
 
     state.extras.setdefault("on_startup", []).append(load_single)
     state.lifecycle = SingleModelLifecycle(config, state.registry)
+
+
+def _tensor_file(path: Path) -> bool:
+    from surge.runtime.tensor_loader import kind_of_path
+
+    return kind_of_path(path) is not None
+
+
+def load_tensor_file(config: ServerConfig, path: Path):
+    """`surge serve model.onnx` (or .pt2, or model.py): one tensor model, named after the file."""
+    from surge.models.tensor_config import TensorModelOptions
+    from surge.runtime.tensor_loader import build_tensor_service, kind_of_path
+
+    path = Path(path).resolve()
+    folder = path.parent.parent if path.parent.name.isdigit() else path.parent  # <name>/<version>/model.onnx
+    name = config.model_name or (folder.name if path.stem == "model" else path.stem)
+    # A model.yaml or config.pbtxt beside the file declares what the graph cannot (a python model's tensors).
+    opts, engine, batching = TensorModelOptions(), config.engine, config.batching
+    beside = next((p for p in (path.parent / "model.yaml", path.parent / "config.pbtxt") if p.is_file()), None)
+    if beside is not None:
+        from surge.config import ModelFile, load_yaml_file
+        from surge.models.config_pbtxt import load_model_file
+
+        mf = load_yaml_file(beside, ModelFile) if beside.suffix == ".yaml" else load_model_file(beside)
+        opts, batching = mf.tensor, mf.batching or batching
+        if "engine" in mf.model_fields_set:
+            engine = mf.engine
+    return build_tensor_service(name, "1", kind_of_path(path), path, opts, engine, batching, config.cache,
+                                config.limits)

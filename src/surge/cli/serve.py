@@ -5,11 +5,17 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
-from surge.config import BatchingConfig, CacheConfig, EngineConfig, LimitsConfig, ServerConfig, default_cache_dir
+from surge.config import (BatchingConfig, CacheConfig, EngineConfig, LimitsConfig, MetricsConfig, ServerConfig,
+                          default_cache_dir)
+
+
+def _default(model, field: str):
+    """A flag's default is the config field's: written once, in config.py."""
+    return model.model_fields[field].default
 
 
 def register(app: typer.Typer) -> None:
@@ -17,7 +23,7 @@ def register(app: typer.Typer) -> None:
 
 
 def serve(
-    model_dir: Optional[Path] = typer.Argument(None, envvar="SURGE_MODEL_DIR", help="Hugging Face model directory (default: the bundled all-MiniLM-L6-v2)."),
+    model_dir: Optional[Path] = typer.Argument(None, envvar="SURGE_MODEL_DIR", help="Hugging Face model directory (default: the bundled all-MiniLM-L6-v2), or a tensor model file: .onnx, .pt2 (torch.export) or model.py."),
     artifact: Optional[Path] = typer.Option(None, "--artifact", envvar="SURGE_ARTIFACT", help="Serve an artifact written by `surge optimize` (instead of MODEL_DIR)."),
     host: str = typer.Option("127.0.0.1", envvar="SURGE_HOST", help="Address to bind."),
     port: int = typer.Option(8000, envvar="SURGE_PORT", help="HTTP port."),
@@ -25,6 +31,11 @@ def serve(
     threads: int = typer.Option(0, envvar="SURGE_THREADS", help="Intra-op threads of a CPU engine: ONNX Runtime per instance, torch (--device cpu) per process (0: all cores)."),
     instances: int = typer.Option(1, envvar="SURGE_INSTANCES", help="Engine copies run concurrently."),
     model_name: Optional[str] = typer.Option(None, envvar="SURGE_MODEL_NAME", help="Name to serve the model under."),
+    served_model_name: Optional[List[str]] = typer.Option(None, envvar="SURGE_SERVED_MODEL_NAME", help="More names the model answers to, e.g. text-embedding-3-small (comma-separated and/or repeated)."),
+    auto_truncate: bool = typer.Option(_default(LimitsConfig, "auto_truncate"), "--auto-truncate", envvar="SURGE_AUTO_TRUNCATE", help="OpenAI route: cut inputs longer than the model instead of answering 400."),
+    allow_token_ids: bool = typer.Option(_default(LimitsConfig, "allow_token_ids"), "--allow-token-ids", envvar="SURGE_ALLOW_TOKEN_IDS", help="OpenAI route: accept token-id inputs (as ids of the model's own tokenizer)."),
+    metrics_public: bool = typer.Option(_default(MetricsConfig, "public"), "--metrics-public", envvar="SURGE_METRICS_PUBLIC", help="Serve /metrics without the API key."),
+    metrics_port: Optional[int] = typer.Option(_default(MetricsConfig, "port"), envvar="SURGE_METRICS_PORT", help="Also serve the metrics on this port (no API key)."),
     model_repository: Optional[Path] = typer.Option(None, envvar="SURGE_MODEL_REPOSITORY", help="Directory of models/<name>/<version>/model.yaml."),
     repository_poll_s: Optional[float] = typer.Option(None, envvar="SURGE_REPOSITORY_POLL_S", help="Rescan the model repository every N seconds (new versions, changed model.yaml)."),
     engine: str = typer.Option("onnxrt", envvar="SURGE_ENGINE", help="onnxrt (CPU) or torch (GPU, or its CPU path with --device cpu; --precision bf16 uses AMX GEMMs)."),
@@ -43,7 +54,7 @@ def serve(
     cache_query_log: Optional[Path] = typer.Option(None, envvar="SURGE_CACHE_QUERY_LOG", help="Query log that seeds the pinned tier."),
     cache_policy: str = typer.Option("tinylfu", envvar="SURGE_CACHE_POLICY", help="Recent cache tier: lru or tinylfu (LRU with TinyLFU admission)."),
     redis_url: Optional[str] = typer.Option(None, envvar="SURGE_REDIS_URL", help="Shared cache tier on Redis."),
-    max_inputs: int = typer.Option(256, envvar="SURGE_MAX_INPUTS", help="Most inputs in one request."),
+    max_inputs: int = typer.Option(_default(LimitsConfig, "max_inputs_per_request"), envvar="SURGE_MAX_INPUTS", help="Most inputs in one request."),
     max_body_bytes: int = typer.Option(2 * 1024 * 1024, envvar="SURGE_MAX_BODY_BYTES", help="Largest request body."),
     request_timeout_s: float = typer.Option(30.0, envvar="SURGE_REQUEST_TIMEOUT_S", help="Requests unanswered after this get 504."),
     cache_dir: Optional[Path] = typer.Option(None, envvar="SURGE_CACHE_DIR", help="Where exported artifacts are kept."),
@@ -79,6 +90,7 @@ def serve(
         api_key=api_key or None,
         model_dir=model_dir,
         model_name=model_name,
+        served_model_names=[n.strip() for v in served_model_name or [] for n in v.split(",") if n.strip()],
         model_repository=model_repository,
         repository_poll_s=repository_poll_s or None,
         cache_dir=cache_dir,
@@ -94,7 +106,9 @@ def serve(
                           pinned_top_k=cache_pinned, query_log=cache_query_log, redis_url=redis_url,
                           recent_policy=cache_policy),
         limits=LimitsConfig(max_inputs_per_request=max_inputs, max_body_bytes=max_body_bytes,
-                            request_timeout_s=request_timeout_s),
+                            request_timeout_s=request_timeout_s, auto_truncate=auto_truncate,
+                            allow_token_ids=allow_token_ids),
+        metrics=MetricsConfig(public=metrics_public, port=metrics_port),
     )
     if ray or ray_address:
         # Ray is an optional extra: imported only here, only under --ray.

@@ -4,8 +4,9 @@ What the KServe repository extension (load, unload, index) does when there is
 no model repository: unload takes the model out of the registry and frees it
 (later requests get 404 / NOT_FOUND), load builds it again from the same
 configuration and registers it once it is warmed up; load of a loaded model
-reloads it (the new copy is registered before the old one is freed, so
-requests keep being answered).
+reloads it (the new copy is registered before the old one is drained and
+freed, so requests keep being answered; one that still reaches the old copy
+is handed to the new one by AppState.run).
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import logging
 from functools import cached_property
 
 from surge.config import ServerConfig
-from surge.errors import EngineError, NotFound, SurgeError
+from surge.errors import EngineError, NotFound, SurgeError, shown
 from surge.models import bundled_model_dir, load_model_spec
 from surge.runtime.registry import ModelRegistry
 
 log = logging.getLogger("surge")
 VERSION = "1"
+DRAIN_GRACE_S = 0.2  # as ModelRepository.drain_grace_s
 
 
 class SingleModelLifecycle:
@@ -30,7 +32,6 @@ class SingleModelLifecycle:
         self._lock = asyncio.Lock()
         self._loading = False
         self._reason = ""
-        self.drain_grace_s = 0.2
 
     @cached_property
     def spec(self):
@@ -42,9 +43,9 @@ class SingleModelLifecycle:
 
     def _check(self, name: str, version: str | None) -> None:
         if name != self.name:
-            raise NotFound(f"model '{name}' not found; this server serves '{self.name}'", param="model")
+            raise NotFound(f"model '{shown(name)}' not found; this server serves '{self.name}'", param="model")
         if version not in (None, "", VERSION):
-            raise NotFound(f"model '{name}' has no version '{version}'", param="version")
+            raise NotFound(f"model '{shown(name)}' has no version '{shown(version)}'", param="version")
 
     def _loaded(self):
         try:
@@ -84,10 +85,10 @@ class SingleModelLifecycle:
             self._reason = ""
             log.info("loaded %s version %s", service.name, service.version)
             if old is not None:
-                # A request that looked the old copy up just before the swap has not been admitted
-                # yet: closing at once would answer it 503. Let such requests start (the grace, as
-                # the repository's ServedModel.drain), then close (which waits for those in flight).
-                await asyncio.sleep(self.drain_grace_s)
+                # Drain as repository mode does: requests that looked the old copy up a
+                # moment ago still reach it (a grace period), admitted work finishes
+                # (close() waits for it), then it is freed.
+                await asyncio.sleep(DRAIN_GRACE_S)
                 await old.close()
 
     async def unload(self, name: str, version: str | None = None) -> None:

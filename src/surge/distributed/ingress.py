@@ -142,6 +142,8 @@ class SurgeIngress:
                         for name, version, handle in models]
         for remote in self.remotes:
             registry.add(remote)  # duck-typed: same attributes and embed() as a ModelService
+        if config.model_repository is None and self.remotes:  # --served-model-name for the one model
+            registry.set_aliases(self.remotes[0].name, config.served_model_names)
         self.state = AppState(config=config, registry=registry)
         self.state.extras["on_startup"] = [self._connect]
         # /metrics also shows every model replica's metrics (distributed/metrics_hub.py).

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from surge.config import PipelineFile, load_yaml_file
-from surge.errors import ConfigError, InvalidInput, NotFound
+from surge.errors import ConfigError, InvalidInput, NotFound, relative_paths, shown
 from surge.runtime.steps import Embedding, LoadContext, Node, check_value, make_node
 
 INPUT = "input"
@@ -183,7 +183,8 @@ async def load_pipeline(name: str, file: Path, registry) -> Pipeline:
                                   param=f"{where}.inputs.{port}")
             wiring[n.name][port] = ref
         missing = node.required_inputs(set(n.inputs)) - set(n.inputs)
-        if n.model and len({"text", "tokens"} & set(n.inputs)) != 1:
+        embeds = n.model and {"text", "tokens"} <= set(node.inputs)  # tensor models have their own ports
+        if embeds and len({"text", "tokens"} & set(n.inputs)) != 1:
             missing = {"text or tokens (exactly one)"}
         if node.variadic == "vector" and not n.inputs:
             missing = {"at least one vector"}
@@ -228,8 +229,9 @@ def _upstream_models(p: Pipeline, name: str) -> set[str]:
 class PipelineSet:
     """The served pipelines, by name; errors of those that failed to load are kept."""
 
-    def __init__(self, registry):
+    def __init__(self, registry, root: Path | None = None):
         self.registry = registry
+        self.root = root  # the repository: messages name files relative to it
         self.pipelines: dict[str, Pipeline] = {}
         self.errors: dict[str, str] = {}
         self.files: dict[str, Path] = {}
@@ -239,15 +241,16 @@ class PipelineSet:
         try:
             pipeline = await load_pipeline(name, file, self.registry)
         except ConfigError as exc:
-            self.errors[name] = exc.message
-            raise
+            message = relative_paths(exc.message, self.root) if self.root else exc.message
+            self.errors[name] = message
+            raise ConfigError(message, param=exc.param) from None
         self.pipelines[name] = pipeline  # swapped in whole: requests see the old or the new one
         self.errors.pop(name, None)
         return pipeline
 
     async def reload(self, name: str) -> Pipeline:
         if name not in self.files:
-            raise NotFound(f"pipeline '{name}' not found; available: {', '.join(sorted(self.files)) or 'none'}",
+            raise NotFound(f"pipeline '{shown(name)}' not found; available: {', '.join(sorted(self.files)) or 'none'}",
                            param="pipeline")
         return await self.load(name, self.files[name])
 
@@ -256,6 +259,6 @@ class PipelineSet:
         if pipeline is None:
             if name in self.errors:
                 raise NotFound(f"pipeline '{name}' failed to load: {self.errors[name]}", param="pipeline")
-            raise NotFound(f"pipeline '{name}' not found; available: {', '.join(sorted(self.pipelines)) or 'none'}",
+            raise NotFound(f"pipeline '{shown(name)}' not found; available: {', '.join(sorted(self.pipelines)) or 'none'}",
                            param="pipeline")
         return pipeline

@@ -7,6 +7,7 @@ from pathlib import Path
 from surge.config import EngineConfig
 from surge.engines.base import Engine
 from surge.models.hf import ModelSpec
+from surge.runtime.slowdown import engine_delay_s, slow_down
 from surge.runtime.tokenize import Tokenizer
 from surge.runtime.worker import EnginePool, ModelWorker, PostSpec
 
@@ -64,4 +65,23 @@ def build_worker(spec: ModelSpec, artifact: Path | None, cfg: EngineConfig,
     engines = make_engines(cfg, spec, artifact, max_tokens)
     for engine in engines.engines:
         engine.warmup(cfg.warmup_shapes)
+    slow_down(engines, engine_delay_s())  # a test-only setting; a no-op unless SURGE_TEST_ENGINE_DELAY_MS is set
     return ModelWorker(spec, tokenizer, engines, PostSpec(spec.pooling, spec.normalize))
+
+
+def build_generate_service(spec: ModelSpec, version: str, cfg: EngineConfig, limits):
+    """A decoder directory -> a warmed-up GenerateService (paged KV cache, iteration scheduler).
+    On the CPU it computes in fp32 or bf16; on a GPU in bf16 unless fp16/fp32 is asked for."""
+    from surge.runtime.generate_service import GenerationConfig, load_generate_service
+
+    device = f"cuda:{cfg.devices[0]}" if cfg.devices else cfg.device
+    precision = cfg.precision
+    if precision == "int8":
+        from surge.errors import ConfigError
+
+        raise ConfigError(f"{spec.path}: precision int8 is not supported for decoder models")
+    if device.startswith("cuda") and precision == "fp32":
+        precision = "bf16"  # the default precision means "the device's default" for decoders
+    gen = GenerationConfig.from_env(max_model_len=cfg.max_seq_len, max_num_seqs=cfg.max_batch_size)
+    return load_generate_service(spec.path, spec.name, version, device=device, precision=precision,
+                                 threads=cfg.threads, config=gen, request_timeout_s=limits.request_timeout_s)

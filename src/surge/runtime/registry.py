@@ -2,48 +2,99 @@
 
 from __future__ import annotations
 
-from surge.errors import NotFound
+import logging
+from typing import Callable
+
+from surge.errors import ConfigError, NotFound, shown
 from surge.runtime.service import ModelService
+
+log = logging.getLogger("surge")
 
 
 class ModelRegistry:
     def __init__(self, default: str | None = None):
         self._models: dict[str, dict[str, ModelService]] = {}
+        self._aliases: dict[str, str] = {}  # alias -> model name (kept while the model is unloaded)
+        self._listeners: list[Callable[[], None]] = []
         self.default = default
 
     def add(self, service: ModelService) -> None:
+        if self._aliases.get(service.name, service.name) != service.name:
+            # A model's own name wins over another model's alias.
+            log.warning("model '%s' is loaded: it is no longer an alias of '%s'", service.name,
+                        self._aliases.pop(service.name))
         self._models.setdefault(service.name, {})[service.version] = service
         if self.default is None:
             self.default = service.name
+        self._changed()
 
     def remove(self, name: str, version: str) -> ModelService | None:
         versions = self._models.get(name, {})
         svc = versions.pop(version, None)
         if not versions:
             self._models.pop(name, None)
+        self._changed()
         return svc
+
+    # ---- aliases: more names one model answers to (--served-model-name, model.yaml `aliases`)
+    def set_aliases(self, name: str, aliases: list[str]) -> None:
+        """Make `aliases` (and only them) answer for model `name`; ConfigError on a clash."""
+        wanted = [a for a in dict.fromkeys(aliases) if a != name]
+        for alias in wanted:
+            if not alias or alias != alias.strip():
+                raise ConfigError(f"model '{name}': alias {alias!r} is empty or has surrounding spaces")
+            if alias in self._models:
+                raise ConfigError(f"model '{name}': alias '{alias}' is the name of another model")
+            owner = self._aliases.get(alias)
+            if owner is not None and owner != name:
+                raise ConfigError(f"model '{name}': alias '{alias}' already names model '{owner}'")
+        self._aliases = {a: n for a, n in self._aliases.items() if n != name}
+        self._aliases.update({a: name for a in wanted})
+        self._changed()
+
+    def aliases(self) -> dict[str, str]:
+        """alias -> model name, for every alias (whether its model is loaded or not)."""
+        return dict(self._aliases)
+
+    def resolve(self, name: str | None) -> str | None:
+        """The model name behind `name` (itself when it is no alias)."""
+        if name is None or name in self._models:
+            return name
+        return self._aliases.get(name, name)
+
+    # ---- change notification (gRPC health Watch follows it) ------------------------
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        self._listeners.append(listener)
+
+    def _changed(self) -> None:
+        for listener in list(self._listeners):
+            listener()
 
     def names(self) -> list[str]:
         return sorted(self._models)
 
     def versions(self, name: str) -> list[str]:
-        return sorted(self._models.get(name, {}), key=_version_key)
+        return sorted(self._models.get(self.resolve(name), {}), key=_version_key)
 
     def services(self) -> list[ModelService]:
         return [s for n in self.names() for s in (self._models[n][v] for v in self.versions(n))]
 
     def get(self, name: str | None = None, version: str | None = None) -> ModelService:
-        name = name or self.default
+        asked = name or self.default
+        name = self.resolve(asked)
         versions = self._models.get(name or "")
         if not versions:
             if name is None:
                 raise NotFound("no model is loaded", param="model")
-            raise NotFound(f"model '{name}' not found; available: {', '.join(self.names()) or 'none'}", param="model")
+            if name != asked:
+                raise NotFound(f"model '{shown(asked)}' (an alias of '{name}') is not loaded", param="model")
+            known = ", ".join(self.names() + sorted(self._aliases)) or "none"
+            raise NotFound(f"model '{shown(name)}' not found; available: {shown(known, 512)}", param="model")
         if version is None:
             return versions[self.versions(name)[-1]]
         svc = versions.get(str(version))
         if svc is None:
-            raise NotFound(f"model '{name}' has no version '{version}'", param="version")
+            raise NotFound(f"model '{shown(name)}' has no version '{shown(version)}'", param="version")
         return svc
 
     @property

@@ -9,6 +9,12 @@ leaves whatever is serving untouched, and the index reports why.
 
 Building a service needs the artifact exporter, which lives on the offline side:
 the CLI passes a `loader` callable in, so runtime/ never imports optimize/.
+
+Names come from clients (HTTP paths, gRPC fields), so a name is only ever looked
+up in the repository's own listing, never joined onto a path: `../x`, `/abs`,
+`m/.` or `./m` are simply not in it. Every directory the listing offers (model,
+version, artifact, pipeline) must resolve inside the root too, so a symlink
+cannot lead out of it. Messages name files relative to the root.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from typing import Callable
 import yaml
 
 from surge.config import ModelFile, load_yaml_file
-from surge.errors import ConfigError, EngineError, InvalidInput, NotFound, SurgeError
+from surge.errors import ConfigError, EngineError, InvalidInput, NotFound, SurgeError, relative_paths, shown
 from surge.runtime.registry import ModelRegistry
 from surge.runtime.served import ServedModel
 
@@ -32,6 +38,7 @@ log = logging.getLogger("surge.repository")
 
 MODEL_YAML = "model.yaml"
 PIPELINE_YAML = "pipeline.yaml"
+CONFIG_PBTXT = "config.pbtxt"
 READY, LOADING, UNAVAILABLE = "READY", "LOADING", "UNAVAILABLE"
 
 
@@ -86,8 +93,25 @@ class ModelEntry:
 Loader = Callable[[VersionEntry], object]  # builds a warmed-up ModelService (blocking)
 
 
+def inside(path: Path, root: Path) -> bool:
+    """Whether `path`, symlinks followed, lies in `root` (a resolved directory)."""
+    try:
+        return Path(path).resolve().is_relative_to(root)
+    except (OSError, ValueError):
+        return False
+
+
 def scan_model(root: Path, name: str) -> ModelEntry:
     """Read `<root>/<name>/`: shared model.yaml, then each numeric version directory."""
+    root = Path(root).resolve()
+    entry = _scan_model(root, name)
+    entry.error = relative_paths(entry.error, root) if entry.error else entry.error
+    for ventry in entry.versions.values():
+        ventry.error = relative_paths(ventry.error, root) if ventry.error else ventry.error
+    return entry
+
+
+def _scan_model(root: Path, name: str) -> ModelEntry:
     model_dir = root / name
     entry = ModelEntry(name)
     shared: dict = {}
@@ -102,20 +126,35 @@ def scan_model(root: Path, name: str) -> ModelEntry:
     for sub in sorted(p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()):
         ventry = VersionEntry(name, str(int(sub.name)), sub)
         own = sub / MODEL_YAML
+        # Triton's config.pbtxt (in the version directory, or the model's) stands in for a model.yaml.
+        pbtxt = next((p for p in (sub / CONFIG_PBTXT, model_dir / CONFIG_PBTXT) if p.is_file()), None)
         texts = [shared_file.read_bytes() if shared_file.is_file() else b""]
         try:
+            if not inside(sub, root):
+                raise ConfigError(f"{sub}: the version directory lies outside the repository")
             if own.is_file():
                 texts.append(own.read_bytes())
                 ventry.config = load_yaml_file(own, ModelFile, merge_with=shared)
+            elif pbtxt is not None:
+                from surge.models.config_pbtxt import load_model_file
+
+                texts.append(pbtxt.read_bytes())
+                ventry.config = load_model_file(pbtxt, merge_with=shared)
             elif shared_file.is_file():
                 ventry.config = ModelFile.model_validate(shared)
             else:
-                raise ConfigError(f"{own}: file missing (each version needs a model.yaml, or put one in {model_dir})")
-            for path in (ventry.source_dir, ventry.artifact_dir):
+                raise ConfigError(f"{own}: file missing (each version needs a model.yaml or a config.pbtxt, "
+                                  f"or put one in {model_dir})")
+            # Paths are named as model.yaml writes them: an absolute one outside the root is not echoed.
+            for field_name, path in (("source", ventry.source_dir), ("artifact", ventry.artifact_dir)):
                 if path is not None and not path.is_dir():
-                    field_name = "source" if path == ventry.source_dir else "artifact"
-                    raise ConfigError(f"{own}: field '{field_name}': directory {path} does not exist",
-                                      param=field_name)
+                    raise ConfigError(f"{own}: field '{field_name}': directory "
+                                      f"'{getattr(ventry.config, field_name)}' does not exist", param=field_name)
+            if ventry.artifact_dir is not None and not inside(ventry.artifact_dir, root):
+                # Only `source` (model weights) may live elsewhere; what the server loads
+                # as built for it stays inside the repository.
+                raise ConfigError(f"{own}: field 'artifact': directory '{ventry.config.artifact}' lies outside "
+                                  "the repository", param="artifact")
         except ConfigError as exc:
             ventry.config, ventry.error = None, exc.message
         ventry.fingerprint = hashlib.sha256(b"\0".join(texts)).hexdigest()[:16]
@@ -146,20 +185,29 @@ class ModelRepository:
 
     # -- disk -------------------------------------------------------------------------
     def model_names(self) -> list[str]:
+        """The models: the root's directories (inside it, symlinks followed), pipelines excepted.
+        The only names that load: every lifecycle call checks its name against this list."""
         if not self.root.is_dir():
             raise ConfigError(f"model repository {self.root} does not exist")
         return sorted(p.name for p in self.root.iterdir()
-                      if p.is_dir() and not p.name.startswith((".", "_")) and not (p / PIPELINE_YAML).is_file())
+                      if p.is_dir() and not p.name.startswith((".", "_")) and not (p / PIPELINE_YAML).is_file()
+                      and inside(p, self.root))
 
     def pipeline_files(self) -> dict[str, Path]:
         """`<root>/<name>/pipeline.yaml` files: the pipelines the server loads after the models."""
-        return {p.parent.name: p for p in sorted(self.root.glob(f"*/{PIPELINE_YAML}"))}
+        return {p.parent.name: p for p in sorted(self.root.glob(f"*/{PIPELINE_YAML}"))
+                if not p.parent.name.startswith((".", "_")) and inside(p, self.root)}
 
     def scan(self, name: str) -> ModelEntry:
-        if not (self.root / name).is_dir() or (self.root / name / PIPELINE_YAML).is_file():
-            known = ", ".join(self.model_names()) or "none"
-            raise NotFound(f"model '{name}' is not in the repository {self.root}; available: {known}", param="model")
+        names = self.model_names()
+        if name not in names:  # an exact listed name: never a path built from what the client sent
+            known = ", ".join(names) or "none"
+            raise NotFound(f"model '{shown(name)}' is not in the repository; available: {shown(known, 512)}",
+                           param="model")
         return scan_model(self.root, name)
+
+    def relative(self, message: str) -> str:
+        return relative_paths(message, self.root)
 
     # -- lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
@@ -195,6 +243,8 @@ class ModelRepository:
                 state, reason = UNAVAILABLE, ventry.error
             else:  # edited into an invalid file while serving: the loaded build stays
                 reason = f"the loaded build keeps serving; {ventry.error}"
+        if served is not None and not reason and getattr(served, "last_error", ""):
+            reason = served.last_error  # e.g. a python model's worker that crashed and was restarted
         serving = served is not None and _is_routed(self.registry, name, served)
         return {"name": name, "version": version, "state": state, "reason": reason,
                 "serving": serving, "inflight": served.inflight if served else 0}
@@ -218,7 +268,7 @@ class ModelRepository:
         version = _check_version(version)
         ventry = entry.versions.get(version)
         if ventry is None:
-            raise NotFound(f"model '{name}' has no version '{version}' in the repository "
+            raise NotFound(f"model '{name}' has no version '{shown(version)}' in the repository "
                            f"(on disk: {', '.join(entry.sorted_versions()) or 'none'})", param="version")
         async with self._lock(name):
             await self._load_version(ventry, force=force, explicit=True)
@@ -229,8 +279,8 @@ class ModelRepository:
         if not keys:
             if version is None:
                 self.scan(name)  # NotFound when it is not in the repository at all
-                raise NotFound(f"model '{name}' is not loaded", param="model")
-            raise NotFound(f"model '{name}' version '{version}' is not loaded", param="version")
+                raise NotFound(f"model '{shown(name)}' is not loaded", param="model")
+            raise NotFound(f"model '{shown(name)}' version '{shown(version)}' is not loaded", param="version")
         if version is None:
             self._user_unloaded.add(name)  # polling leaves it alone until it is loaded again
         async with self._lock(name):
@@ -288,13 +338,19 @@ class ModelRepository:
             return  # failed before with this very model.yaml: wait for a change (or an explicit load)
         self._status[key] = (READY if old else LOADING, "reloading" if old else "loading")
         try:
+            self._set_aliases(ventry)  # a clash fails the load, before building
             service = await asyncio.to_thread(self.loader, ventry)
             service.mark_ready()
             served = ServedModel(service)
             # Warm-up through the full path (tokenizer, batcher, engine) before any traffic.
-            await served.embed(texts=[self.warmup_text])
+            if getattr(service, "task", "embed") == "tensor":
+                await service.warmup()  # random tensors of batch 1 (kinds onnx, torch)
+            elif getattr(service, "task", "embed") == "generate":
+                await service.warmup_request()  # one short generation (decoder models)
+            else:
+                await served.embed(texts=[self.warmup_text])
         except Exception as exc:  # noqa: BLE001 - any failure is reported the same way
-            reason = exc.message if isinstance(exc, SurgeError) else f"{type(exc).__name__}: {exc}"
+            reason = self.relative(exc.message if isinstance(exc, SurgeError) else f"{type(exc).__name__}: {exc}")
             self._failed_fp[key] = ventry.fingerprint
             if old is not None:
                 self._status[key] = (READY, f"reload failed, the previous build keeps serving: {reason}")
@@ -315,6 +371,22 @@ class ModelRepository:
         log.info("serving %s version %s", ventry.name, ventry.version)
         if old is not None:
             await self._retire(old)
+
+    def _set_aliases(self, ventry: VersionEntry) -> None:
+        # Checked against every model of the repository, loaded or not, so that
+        # the outcome does not depend on the order in which models load.
+        models = self._model_dirs()
+        for alias in ventry.config.aliases:
+            if alias != ventry.name and alias in models:
+                raise ConfigError(f"{ventry.dir / MODEL_YAML}: field 'aliases': alias '{alias}' is the name of "
+                                  "another model in the repository", param="aliases")
+        self.registry.set_aliases(ventry.name, ventry.config.aliases)
+
+    def _model_dirs(self) -> set[str]:
+        try:
+            return set(self.model_names())
+        except ConfigError:
+            return set()
 
     async def _unload_version(self, key: tuple[str, str], reason: str) -> None:
         served = self._served.pop(key, None)
@@ -373,7 +445,7 @@ def _is_routed(registry: ModelRegistry, name: str, served: ServedModel) -> bool:
 def _check_version(version) -> str:
     version = str(version)
     if not version.isdigit():
-        raise InvalidInput(f"version must be a positive integer, got '{version}'", param="version")
+        raise InvalidInput(f"version must be a positive integer, got '{shown(version)}'", param="version")
     return str(int(version))
 
 

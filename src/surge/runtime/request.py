@@ -57,7 +57,8 @@ class Request:
 
     def result(self, model: str, version: str, dimensions: int) -> EmbedResult:
         out = np.stack(self.vectors) if self.n else np.zeros((0, dimensions), np.float32)
-        return EmbedResult(out, sum(self.tokens), model, version, list(self.cached), timings=dict(self.timings))
+        return EmbedResult(out, sum(self.tokens), model, version, list(self.cached), list(self.tokens),
+                           timings=dict(self.timings))
 
 
 def timing_headers(result) -> list[tuple[bytes, bytes]]:

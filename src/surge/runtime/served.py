@@ -37,6 +37,39 @@ class ServedModel:
             if self.inflight == 0:
                 self._idle.set()
 
+    async def infer(self, *args, **kwargs):
+        """Tensor models (runtime/tensor_service.py): counted as embed is."""
+        self.inflight += 1
+        self._idle.clear()
+        try:
+            return await self.service.infer(*args, **kwargs)
+        finally:
+            self.inflight -= 1
+            if self.inflight == 0:
+                self._idle.set()
+
+    # generation (task "generate"): counted too, so a replaced version finishes its streams
+    async def generate(self, *args, **kwargs):
+        self.inflight += 1
+        self._idle.clear()
+        try:
+            return await self.service.generate(*args, **kwargs)
+        finally:
+            self.inflight -= 1
+            if self.inflight == 0:
+                self._idle.set()
+
+    async def stream(self, *args, **kwargs):
+        self.inflight += 1
+        self._idle.clear()
+        try:
+            async for delta in self.service.stream(*args, **kwargs):
+                yield delta
+        finally:
+            self.inflight -= 1
+            if self.inflight == 0:
+                self._idle.set()
+
     async def drain(self, grace_s: float = 0.2) -> None:
         """Wait until no call is in flight. Call after routing has moved away.
 

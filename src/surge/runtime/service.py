@@ -236,7 +236,8 @@ class ModelService:
         entries = [cache.get(k) for k in keys]
         out = np.stack([e.vector for e in entries])
         m.latency.observe(time.monotonic() - start)
-        return EmbedResult(out, sum(e.tokens for e in entries), self.name, self.version, [True] * len(keys))
+        return EmbedResult(out, sum(e.tokens for e in entries), self.name, self.version, [True] * len(keys),
+                           [e.tokens for e in entries])
 
     async def _from_cache(self, req: Request) -> list[int]:
         """Stage cache: fill hits from the local tiers, then Redis; the positions still missing."""
@@ -298,6 +299,10 @@ class ModelService:
 
     def encode(self, texts: list[str] | None, token_ids: list[list[int]] | None, truncate: bool) -> list[Encoded]:
         return encode_inputs(self.worker.tokenizer, texts, token_ids, truncate)
+
+    async def count_tokens(self, texts: list[str]) -> list[int]:
+        """Each text's token count before truncation (in the tokenizer's thread: it owns the tokenizer)."""
+        return await self.tokenize.exclusive(self.worker.tokenizer.count_untruncated, texts)
 
     async def close(self) -> None:
         """Stop taking requests, drain in-flight work, then free the engines."""

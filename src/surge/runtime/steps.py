@@ -343,6 +343,10 @@ BUILTIN_STEPS: dict[str, type[Node]] = {
 
 def make_node(spec: PipelineNode, ctx: LoadContext) -> Node:
     if spec.model:
+        from surge.runtime.tensor_steps import TensorModelNode, is_tensor_model
+
+        if is_tensor_model(ctx.registry, spec):  # kinds onnx, torch, python: ports are its tensors
+            return TensorModelNode(spec, ctx)
         return ModelNode(spec, ctx)
     if spec.function:
         return Function(spec, ctx)

@@ -51,7 +51,12 @@ class Tokenizer:
         """Accept pre-tokenized ids as given (special tokens are the caller's)."""
         out = []
         for i, seq in enumerate(sequences):
-            arr = np.asarray(seq, dtype=np.int64)
+            try:
+                arr = np.asarray(seq, dtype=np.int64)
+            except OverflowError:  # JSON allows any integer; int64 does not (e.g. 2**63)
+                raise InvalidInput(f"input {i}: token id out of range [0, {self.vocab_size})", param="input") from None
+            except (TypeError, ValueError):
+                raise InvalidInput(f"input {i}: token ids must be a non-empty list of integers", param="input") from None
             if arr.ndim != 1 or arr.size == 0:
                 raise InvalidInput(f"input {i}: token ids must be a non-empty list of integers", param="input")
             if int(arr.min()) < 0 or int(arr.max()) >= self.vocab_size:
@@ -75,6 +80,14 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
+
+    def count_untruncated(self, texts: list[str]) -> list[int]:
+        """Token counts with no truncation (call from the one thread that uses this tokenizer)."""
+        self._tok.no_truncation()
+        try:
+            return [len(e.ids) for e in self._tok.encode_batch(texts)]
+        finally:
+            self._tok.enable_truncation(max_length=self.max_length)
 
     def count(self, texts: list[str]) -> list[int]:
         return [len(e.ids) for e in self._tok.encode_batch(texts)]

@@ -39,6 +39,7 @@ class TokenizeStage:
         self._lock = threading.Lock()
         self._queue: list[tuple[list[str], bool, asyncio.Future, asyncio.AbstractEventLoop]] = []
         self._busy = False
+        self._exclusive = 0  # calls of exclusive() running: no inline tokenizing meanwhile
         self.batches = 0  # encode_batch calls made by the thread (for tests and benchmarks)
         self.inline = 0  # requests tokenized inline
 
@@ -46,7 +47,7 @@ class TokenizeStage:
         if texts is None:
             return self._encode(None, token_ids, truncate)  # validation and numpy: cheap
         with self._lock:
-            idle = not self._busy
+            idle = not self._busy and not self._exclusive
         if idle and truncate and sum(map(len, texts)) <= self.inline_chars:
             self.inline += 1
             return self._encode(texts, None, truncate)
@@ -59,6 +60,15 @@ class TokenizeStage:
         if start:
             self._pool.submit(self._drain)
         return await fut
+
+    async def exclusive(self, fn, *args):
+        """Run another use of the tokenizer (e.g. counting without truncation, which changes its
+        settings) on the tokenizer thread, with inline tokenizing held off until it is done."""
+        self._exclusive += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        finally:
+            self._exclusive -= 1
 
     def _drain(self) -> None:
         while True:

@@ -11,13 +11,16 @@ from fastapi import FastAPI
 from surge import __version__
 from surge.server import errors
 from surge.server.auth import ApiKeyMiddleware
+from surge.server.http.content_type import ContentTypeMiddleware
 from surge.server.http.hotpath import HotPathMiddleware
 from surge.server.state import AppState
 
 
 def create_app(state: AppState) -> FastAPI:
     from surge.server import health
-    from surge.server.http import kserve, metrics, models, native, openai, pipelines
+    from surge.server.http import (kserve, kserve_generate, metrics, models, native, openai, openai_chat, openapi,
+                                   pipelines, triton_extras)
+    from surge.server.http.compression import DecompressMiddleware
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -40,18 +43,28 @@ def create_app(state: AppState) -> FastAPI:
     app = FastAPI(title="surge", version=__version__, docs_url="/docs", redoc_url=None, lifespan=lifespan)
     app.state.surge = state
     errors.install(app)
+    openapi.install(app)
     app.include_router(health.router(state))
     app.include_router(openai.router(state))
     app.include_router(native.router(state))
     app.include_router(kserve.router(state))
+    app.include_router(openai_chat.router(state))  # generation (decoder models)
+    app.include_router(kserve_generate.router(state))
     app.include_router(models.router(state))
     app.include_router(pipelines.router(state))
     app.include_router(metrics.router(state))
+    app.include_router(triton_extras.router(state))
     for extra in state.extras.get("routers", []):
         app.include_router(extra(state))
     app.add_middleware(HotPathMiddleware, state=state)  # inside auth: added before it
+    app.add_middleware(DecompressMiddleware, max_bytes=state.config.limits.max_body_bytes)  # gzip/deflate bodies
+    app.add_middleware(ContentTypeMiddleware)  # 415 before any route or the hot path reads a body
     if state.config.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=state.config.api_key)
+        from surge.server.health import OPEN_PATHS
+
+        # --metrics-public: scrapers that send no key read /metrics.
+        open_paths = OPEN_PATHS | ({"/metrics"} if state.config.metrics.public else set())
+        app.add_middleware(ApiKeyMiddleware, api_key=state.config.api_key, open_paths=frozenset(open_paths))
     return app
 
 
@@ -60,6 +73,8 @@ async def _start(state: AppState) -> None:
         for hook in state.extras.get("on_startup", []):
             await hook(state)
         state.started = True
+        for hook in state.extras.get("on_started", []):  # readiness watchers (gRPC health)
+            hook(state)
     except Exception as exc:  # the process stays up, unready, and says why
         state.extras["startup_error"] = f"{type(exc).__name__}: {exc}"
         logging.getLogger("surge.server").exception("startup failed")

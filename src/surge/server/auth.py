@@ -9,12 +9,13 @@ from surge.server.health import OPEN_PATHS
 
 
 class ApiKeyMiddleware:
-    def __init__(self, app, api_key: str):
+    def __init__(self, app, api_key: str, open_paths: frozenset[str] = OPEN_PATHS):
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
+        self._open = open_paths
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in self._open:
             return await self.app(scope, receive, send)
         given = b""
         for name, value in scope.get("headers", ()):

@@ -13,19 +13,22 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from surge.errors import SurgeError
+from surge.errors import SurgeError, shown
 from surge.server.http.common import ORJSONResponse
 
 log = logging.getLogger("surge.server")
+MAX_MESSAGE_CHARS = 1024
 
 
 def error_response(request_path: str, status: int, message: str, *, type_: str, code: str,
-                   param: str | None = None, retry_after: float | None = None) -> ORJSONResponse:
+                   param: str | None = None, retry_after: float | None = None,
+                   headers: dict | None = None) -> ORJSONResponse:
+    message = shown(message, MAX_MESSAGE_CHARS)  # whatever a message repeats, its size is bounded
     if request_path.startswith("/v2"):
         body = {"error": message}
     else:
         body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    headers = {}
+    headers = dict(headers or {})
     if retry_after is not None:
         headers["Retry-After"] = str(max(1, int(round(retry_after))))
     return ORJSONResponse(body, status_code=status, headers=headers)
@@ -36,6 +39,20 @@ def render(request_path: str, exc: SurgeError) -> ORJSONResponse:
                           param=exc.param, retry_after=exc.retry_after)
 
 
+def _allowed_methods(request: Request) -> str:
+    """Every method some route takes on this path. Starlette's own 405 names only the
+    first route that matched the path (GET /pipelines/{name} hides its POST twin)."""
+    from starlette.routing import Match
+
+    allowed = []
+    for method in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"):
+        scope = {**request.scope, "method": method}
+        # BaseRoute.matches: the routing protocol every route (and included router) implements.
+        if any(route.matches(scope)[0] is Match.FULL for route in request.app.router.routes):
+            allowed.append(method)
+    return ", ".join(allowed)
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(SurgeError)
     async def _surge(request: Request, exc: SurgeError):
@@ -44,14 +61,17 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ())) or "request"
+        where = shown(".".join(str(p) for p in first.get("loc", ()))) or "request"
         return error_response(request.url.path, 422, f"invalid field '{where}': {first.get('msg', 'invalid')}",
                               type_="invalid_request_error", code="unprocessable", param=where)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:
+            headers["Allow"] = _allowed_methods(request) or headers.get("Allow", "")
         return error_response(request.url.path, exc.status_code, str(exc.detail),
-                              type_="invalid_request_error", code=f"http_{exc.status_code}")
+                              type_="invalid_request_error", code=f"http_{exc.status_code}", headers=headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from surge.server.http.common import ORJSONResponse
+from surge.server.http.openapi import JSON
 from surge.server.state import AppState
 
 # Paths that skip the API key check (load balancers probe them unauthenticated).
@@ -18,7 +19,10 @@ def router(state: AppState) -> APIRouter:
     async def live():
         return ORJSONResponse({"status": "ok"})
 
-    @r.get("/ready")
+    not_ready = {"type": "object", "required": ["status"],
+                 "properties": {"status": {"type": "string"}, "error": {"type": "string"}}}
+
+    @r.get("/ready", responses={503: {"description": "Not ready", "content": {JSON: {"schema": not_ready}}}})
     async def ready():
         if state.ready:
             return ORJSONResponse({"status": "ready", "models": state.registry.names()})

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from surge import __version__
-from surge.errors import InvalidInput, SurgeError
+from surge.errors import InvalidInput, SurgeError, shown
 from surge.server.http.openai import split_input
 from surge.types import EmbedOptions
 
@@ -69,7 +69,7 @@ class DecodedRequest:
 def check_shape(name: str, shape) -> tuple[int, ...]:
     shape = tuple(int(d) for d in shape)
     if any(d < 0 for d in shape):
-        raise InvalidInput(f"input '{name}': shape {list(shape)} has a negative dimension")
+        raise InvalidInput(f"input '{shown(name)}': shape {list(shape)} has a negative dimension")
     return shape
 
 
@@ -81,7 +81,7 @@ def numpy_dtype(name: str, datatype: str) -> np.dtype:
     dt = NUMPY_DTYPES.get(datatype)
     if dt is None:
         known = ", ".join(["BYTES", *NUMPY_DTYPES])
-        raise InvalidInput(f"input '{name}': unknown datatype '{datatype}' (one of {known})")
+        raise InvalidInput(f"input '{shown(name)}': unknown datatype '{shown(datatype)}' (one of {known})")
     return dt
 
 
@@ -93,22 +93,22 @@ def from_raw(name: str, datatype: str, shape, raw: bytes) -> InputTensor:
         items, off, view = [], 0, memoryview(raw)
         while off < len(raw):
             if off + 4 > len(raw):
-                raise InvalidInput(f"input '{name}': BYTES data ends inside the 4-byte length of element {len(items)}")
+                raise InvalidInput(f"input '{shown(name)}': BYTES data ends inside the 4-byte length of element {len(items)}")
             (size,) = struct.unpack_from("<I", raw, off)
             off += 4
             if off + size > len(raw):
-                raise InvalidInput(f"input '{name}': BYTES element {len(items)} declares {size} bytes but only "
+                raise InvalidInput(f"input '{shown(name)}': BYTES element {len(items)} declares {size} bytes but only "
                                    f"{len(raw) - off} remain")
             items.append(bytes(view[off:off + size]))
             off += size
         if len(items) != n:
-            raise InvalidInput(f"input '{name}': {len(items)} BYTES elements for shape {list(shape)}, "
+            raise InvalidInput(f"input '{shown(name)}': {len(items)} BYTES elements for shape {list(shape)}, "
                                f"which needs {n}")
         return InputTensor(name, datatype, shape, items)
     dt = numpy_dtype(name, datatype)
     expected = n * dt.itemsize
     if len(raw) != expected:
-        raise InvalidInput(f"input '{name}': {len(raw)} bytes of data, but shape {list(shape)} of {datatype} "
+        raise InvalidInput(f"input '{shown(name)}': {len(raw)} bytes of data, but shape {list(shape)} of {shown(datatype)} "
                            f"needs {expected}")
     return InputTensor(name, datatype, shape, np.frombuffer(raw, dtype=dt))
 
@@ -119,7 +119,7 @@ def from_values(name: str, datatype: str, shape, data) -> InputTensor:
     n = element_count(shape)
     flat = _flatten(data)
     if len(flat) != n:
-        raise InvalidInput(f"input '{name}': {len(flat)} elements for shape {list(shape)}, which needs {n}")
+        raise InvalidInput(f"input '{shown(name)}': {len(flat)} elements for shape {list(shape)}, which needs {n}")
     if datatype == "BYTES":
         items = []
         for i, x in enumerate(flat):
@@ -128,7 +128,7 @@ def from_values(name: str, datatype: str, shape, data) -> InputTensor:
             elif isinstance(x, (bytes, bytearray)):
                 items.append(bytes(x))
             else:
-                raise InvalidInput(f"input '{name}': element {i} is {type(x).__name__}, but BYTES needs strings")
+                raise InvalidInput(f"input '{shown(name)}': element {i} is {type(x).__name__}, but BYTES needs strings")
         return InputTensor(name, datatype, shape, items)
     dt = numpy_dtype(name, datatype)
     for i, x in enumerate(flat):
@@ -136,11 +136,11 @@ def from_values(name: str, datatype: str, shape, data) -> InputTensor:
             isinstance(x, int) and not isinstance(x, bool) if dt.kind in "iu" else
             isinstance(x, (int, float)) and not isinstance(x, bool))
         if not ok:
-            raise InvalidInput(f"input '{name}': element {i} ({x!r}) is not a valid {datatype} value")
+            raise InvalidInput(f"input '{shown(name)}': element {i} ({shown(repr(x))}) is not a valid {shown(datatype)} value")
     try:
         return InputTensor(name, datatype, shape, np.asarray(flat, dtype=dt))
     except OverflowError:
-        raise InvalidInput(f"input '{name}': a value does not fit in {datatype}") from None
+        raise InvalidInput(f"input '{shown(name)}': a value does not fit in {shown(datatype)}") from None
 
 
 def _flatten(data) -> list:
@@ -168,11 +168,11 @@ def decode_request(tensors: list[InputTensor], params: dict, outputs: list[tuple
     by_name: dict[str, InputTensor] = {}
     for t in tensors:
         if t.name in by_name:
-            raise InvalidInput(f"input '{t.name}' is given twice")
+            raise InvalidInput(f"input '{shown(t.name)}' is given twice")
         by_name[t.name] = t
     unknown = sorted(set(by_name) - {TEXT, INPUT_IDS, ATTENTION_MASK})
     if unknown:
-        raise InvalidInput(f"unexpected input '{unknown[0]}': {_USAGE}")
+        raise InvalidInput(f"unexpected input '{shown(unknown[0])}': {_USAGE}")
     if TEXT in by_name and INPUT_IDS in by_name:
         raise InvalidInput(f"send either 'text' or 'input_ids', not both: {_USAGE}")
     if TEXT in by_name:
@@ -186,10 +186,10 @@ def decode_request(tensors: list[InputTensor], params: dict, outputs: list[tuple
     datatype = _param(params, "datatype", str, "FP32")
     for name, out_params in outputs:
         if name != EMBEDDING:
-            raise InvalidInput(f"unknown output '{name}': this model has one output, '{EMBEDDING}'")
+            raise InvalidInput(f"unknown output '{shown(name)}': this model has one output, '{EMBEDDING}'")
         datatype = _param(out_params, "datatype", str, datatype)
     if datatype not in OUTPUT_DATATYPES:
-        raise InvalidInput(f"output datatype '{datatype}' is not supported (FP32 or FP16)")
+        raise InvalidInput(f"output datatype '{shown(datatype)}' is not supported (FP32 or FP16)")
     options = EmbedOptions(normalize=_param(params, "normalize", bool, None),
                            truncate=_param(params, "truncate", bool, True),
                            dimensions=_param(params, "dimensions", int, None))
@@ -201,7 +201,7 @@ def _param(params: dict, key: str, kind: type, default):
         return default
     value = params[key]
     if kind is int and isinstance(value, bool) or not isinstance(value, kind):
-        raise InvalidInput(f"parameter '{key}' must be {kind.__name__}, got {value!r}")
+        raise InvalidInput(f"parameter '{shown(key)}' must be {kind.__name__}, got {shown(repr(value))}")
     return value
 
 
@@ -263,10 +263,20 @@ def check_load_parameters(params: dict) -> str | None:
     they are refused rather than silently ignored."""
     for key in params:
         if key == "config" or key.startswith("file:"):
-            raise InvalidInput(f"parameter '{key}' is not supported: surge loads models from their own directory "
+            raise InvalidInput(f"parameter '{shown(key)}' is not supported: surge loads models from their own directory "
                                "(model.yaml), not from a config sent with the request")
     version = params.get("version")
     return None if version is None else str(version)
+
+
+INDEX_FIELDS = ("name", "version", "state", "reason")
+
+
+def repository_index(models: list[dict], ready_only: bool) -> list[dict]:
+    """The KServe repository index: its four fields of each entry (the native
+    listing adds `serving` and `inflight`, which the index messages do not have)."""
+    return [{k: str(m.get(k, "")) for k in INDEX_FIELDS} for m in models
+            if not ready_only or m.get("state") == "READY"]
 
 
 def server_metadata() -> dict:
@@ -274,6 +284,11 @@ def server_metadata() -> dict:
 
 
 def model_metadata(service, versions: list[str]) -> dict:
+    if getattr(service, "task", "embed") == "tensor":  # onnx, torch, python: their own tensors
+        return service.config.metadata(versions)
+    own = getattr(service, "kserve_metadata", None)  # a model of another task describes itself
+    if own is not None:
+        return own(versions)
     ids = {"datatype": "INT64", "shape": [-1, -1]}
     return {
         "name": service.name,

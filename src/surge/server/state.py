@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from surge.config import ServerConfig
-from surge.errors import DeadlineExceeded
+from surge.errors import DeadlineExceeded, NotReady, SurgeError
 from surge.runtime.registry import ModelRegistry
 from surge.runtime.service import ModelService
 from surge.runtime.stats import InferenceStats
@@ -61,19 +61,37 @@ class AppState:
         start = time.perf_counter_ns()
         try:
             if _accepts_deadline(service):
-                result = await service.embed(texts=texts, token_ids=token_ids, options=options,
-                                             deadline=time.monotonic() + timeout)
+                result = await self._embed(service, texts, token_ids, options, time.monotonic() + timeout)
             else:
                 try:
-                    result = await asyncio.wait_for(service.embed(texts=texts, token_ids=token_ids, options=options),
-                                                    timeout)
+                    result = await asyncio.wait_for(self._embed(service, texts, token_ids, options), timeout)
                 except asyncio.TimeoutError:
                     raise DeadlineExceeded(f"request did not finish within {timeout:g} s") from None
         except Exception:
             self.stats.record_failure(service.name, service.version, time.perf_counter_ns() - start)
             raise
-        self._record(service, result, time.perf_counter_ns() - start)
+        self.record(service, result, time.perf_counter_ns() - start)
         return result
+
+    async def _embed(self, service, texts, token_ids, options, deadline: float | None = None):
+        def call(s):
+            if deadline is not None and _accepts_deadline(s):
+                return s.embed(texts=texts, token_ids=token_ids, options=options, deadline=deadline)
+            return s.embed(texts=texts, token_ids=token_ids, options=options)
+
+        try:
+            return await call(service)
+        except NotReady:
+            # The copy this request looked up was replaced (a reload) between the lookup and
+            # the call, e.g. while the request body was still arriving: the new copy answers.
+            # NotReady is raised before any work is admitted, so the call is safe to repeat.
+            try:
+                current = self.registry.get(service.name, service.version)
+            except SurgeError:
+                current = service
+            if current is service:
+                raise
+            return await call(current)
 
     def cached(self, service, texts: list[str]) -> EmbedResult | None:
         """The fast path's cache lookup (default options), counted like `run` when it answers."""
@@ -83,10 +101,11 @@ class AppState:
         start = time.perf_counter_ns()
         result = lookup(texts)
         if result is not None:
-            self._record(service, result, time.perf_counter_ns() - start)
+            self.record(service, result, time.perf_counter_ns() - start)
         return result
 
-    def _record(self, service, result: EmbedResult, elapsed_ns: int) -> None:
+    def record(self, service, result: EmbedResult, elapsed_ns: int) -> None:
+        """Count one answered request in the KServe statistics (every protocol, one place)."""
         self.stats.record_success(service.name, service.version, result, elapsed_ns,
                                   cache_enabled=bool(getattr(getattr(service, "cache_cfg", None), "enabled", False)))
 

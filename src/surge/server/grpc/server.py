@@ -10,6 +10,7 @@ import sys
 import grpc
 
 from surge.server.grpc import grpc_service_pb2_grpc as pb_grpc
+from surge.server.grpc.health import OPEN_METHODS as HEALTH_METHODS, add_health_and_reflection
 from surge.server.grpc.servicer import InferenceServicer
 from surge.server.state import AppState
 
@@ -34,7 +35,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
     async def intercept_service(self, continuation, details):
-        if details.method.rsplit("/", 1)[-1] in OPEN_METHODS:
+        if details.method in HEALTH_METHODS or details.method.rsplit("/", 1)[-1] in OPEN_METHODS:
             return await continuation(details)
         given = next((v for k, v in details.invocation_metadata or () if k == "authorization"), "")
         given = given.encode() if isinstance(given, str) else given
@@ -56,6 +57,7 @@ def build_server(state: AppState) -> tuple[grpc.aio.Server, str]:
         ],
     )
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(state), server)
+    add_health_and_reflection(server, state)  # grpc.health.v1.Health, server reflection
     address = f"[{config.host}]:{config.grpc_port}" if ":" in config.host else f"{config.host}:{config.grpc_port}"
     if server.add_insecure_port(address) == 0:
         raise RuntimeError(f"cannot bind the gRPC port {address}")

@@ -13,10 +13,12 @@ import logging
 
 import grpc
 
-from surge.errors import InvalidInput, NotFound, SurgeError
+from surge.errors import InvalidInput, NotFound, SurgeError, shown
 from surge.server import kserve_contract as contract
+from surge.server import kserve_tensor
 from surge.server.grpc import grpc_service_pb2 as pb
 from surge.server.grpc import grpc_service_pb2_grpc as pb_grpc
+from surge.server.grpc.extras import TritonExtras
 from surge.server.state import AppState
 
 log = logging.getLogger("surge.server")
@@ -34,16 +36,28 @@ def _rpc(method):
 
     @functools.wraps(method)
     async def wrapper(self, request, context):
+        trailers = ()
         try:
             return await method(self, request, context)
         except SurgeError as exc:
             code, message = exc.grpc_code, exc.message
+            trailers = retry_trailers(exc.retry_after)
         except Exception:
             log.exception("unhandled error in gRPC %s", method.__name__)
             code, message = grpc.StatusCode.INTERNAL, "internal server error"
-        await context.abort(code, message)
+        await context.abort(code, shown(message, 1024), trailing_metadata=trailers)  # bounded, as HTTP's
 
     return wrapper
+
+
+def retry_trailers(retry_after: float | None) -> tuple:
+    """HTTP's Retry-After for gRPC: `retry-after` (whole seconds, as the HTTP header) and
+    gRPC's own retry pushback (`grpc-retry-pushback-ms`, which grpc clients with a
+    retry policy obey) in the trailing metadata of an overload answer."""
+    if retry_after is None:
+        return ()
+    seconds = max(1, int(round(retry_after)))
+    return (("retry-after", str(seconds)), ("grpc-retry-pushback-ms", str(seconds * 1000)))
 
 
 def parameters(entries) -> dict:
@@ -76,13 +90,13 @@ def decode_inputs(request: pb.ModelInferRequest) -> list[contract.InputTensor]:
     for i, t in enumerate(request.inputs):
         if raw:
             if t.HasField("contents"):
-                raise InvalidInput(f"input '{t.name}' has both contents and raw_input_contents")
+                raise InvalidInput(f"input '{shown(t.name)}' has both contents and raw_input_contents")
             tensors.append(contract.from_raw(t.name, t.datatype, t.shape, raw[i]))
             continue
         field = _CONTENTS_FIELD.get(t.datatype)
         if field is None:
             contract.numpy_dtype(t.name, t.datatype)  # unknown datatype: a clear error
-            raise InvalidInput(f"input '{t.name}': {t.datatype} data must be sent in raw_input_contents")
+            raise InvalidInput(f"input '{shown(t.name)}': {shown(t.datatype)} data must be sent in raw_input_contents")
         tensors.append(contract.from_values(t.name, t.datatype, t.shape, list(getattr(t.contents, field))))
     return tensors
 
@@ -94,7 +108,7 @@ def _stats_proto(d: dict) -> pb.ModelStatistics:
                               inference_stats=inference)
 
 
-class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+class InferenceServicer(TritonExtras, pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, state: AppState):
         self.state = state
         self.registry = state.registry
@@ -138,8 +152,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_rpc
     async def ModelInfer(self, request, context):
+        return await self._infer(request)
+
+    async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        """One inference (ModelInfer, and each request of ModelStreamInfer); raises SurgeError."""
         service = self.registry.get(request.model_name, request.model_version or None)
         outputs = [(o.name, parameters(o.parameters)) for o in request.outputs]
+        if kserve_tensor.is_tensor_model(service):
+            return await self._tensor_infer(service, request, outputs)
         decoded = contract.decode_request(decode_inputs(request), parameters(request.parameters), outputs,
                                           self.limits.max_inputs_per_request, self.limits.max_input_chars)
         result = await self.state.run(service, texts=decoded.texts, token_ids=decoded.token_ids,
@@ -150,6 +170,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         response.outputs.add(name=contract.EMBEDDING, datatype=decoded.output_datatype, shape=list(array.shape))
         response.raw_output_contents.append(array.tobytes())
         return response
+
+    async def _tensor_infer(self, service, request, outputs):
+        inputs = kserve_tensor.to_arrays(decode_inputs(request))
+        result = await kserve_tensor.run(self.state, service, inputs, kserve_tensor.check_outputs(outputs))
+        response = pb.ModelInferResponse(model_name=result.model, model_version=result.version, id=request.id)
+        for name, array in result.outputs.items():
+            response.outputs.add(name=name, datatype=kserve_tensor.datatype_of(array), shape=list(array.shape))
+            response.raw_output_contents.append(kserve_tensor.raw_bytes(array))
+        return response
+
+    @_rpc
+    async def ModelConfig(self, request, context):
+        service = self.registry.get(request.name, request.version or None)
+        return pb.ModelConfigResponse(config=kserve_tensor.model_config_proto(service))
 
     @_rpc
     async def ModelStatistics(self, request, context):
@@ -165,9 +199,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_rpc
     async def RepositoryIndex(self, request, context):
-        models = await self._lifecycle().index()
-        if request.ready:
-            models = [m for m in models if m["state"] == "READY"]
+        models = contract.repository_index(await self._lifecycle().index(), request.ready)
         index = pb.RepositoryIndexResponse.ModelIndex
         return pb.RepositoryIndexResponse(models=[index(**m) for m in models])
 

@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
-from surge.errors import InvalidInput, PayloadTooLarge, Unprocessable
+from surge.errors import InvalidInput, PayloadTooLarge, Unprocessable, shown
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -66,7 +66,7 @@ def validate(model: type[M], data) -> M:
     except ValidationError as exc:
         errors = exc.errors()
         first = errors[0]
-        field = str(first["loc"][0]) if first.get("loc") else "body"
+        field = shown(first["loc"][0]) if first.get("loc") else "body"
         if field in UNION_HINTS and any(len(e.get("loc", ())) > 1 for e in errors):
             # A union's errors list every alternative; one plain sentence helps more.
             raise Unprocessable(f"invalid field '{field}': {UNION_HINTS[field]}", param=field) from None
@@ -74,7 +74,7 @@ def validate(model: type[M], data) -> M:
             raise Unprocessable(f"missing required field '{field}'", param=field) from None
         if first.get("type") == "extra_forbidden":
             raise Unprocessable(f"unknown field '{field}'", param=field) from None
-        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
+        where = shown(".".join(str(p) for p in first.get("loc", ()))) or "body"
         raise Unprocessable(f"invalid field '{where}': {first.get('msg')}", param=field) from None
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 import orjson
 
@@ -30,6 +31,7 @@ from surge.errors import SurgeError
 from surge.runtime.request import timing_headers
 from surge.server.errors import error_response, render
 from surge.server.http.common import PARSED_BODY
+from surge.server.http.openai_inputs import check_lengths, suspects
 from surge.server.state import AppState
 from surge.types import EmbedOptions
 
@@ -74,30 +76,36 @@ class HotPathMiddleware:
         if scope["path"] in (_EMBED, _OPENAI):
             plain = self._plain(scope, body)
             if plain is not None:
-                native, texts, service = plain
-                result = self.state.cached(service, texts)  # counted in the statistics when it answers
-                if result is not None:
-                    return await _send_json(send, *self._payload(native, service, result))
-                app = self._direct(native, texts, service)
+                native, texts, service, model = plain
+                lookup = getattr(service, "cached_result", None)  # remote models (Ray ingress) have no local cache
+                start = time.perf_counter_ns()
+                result = lookup(texts) if lookup is not None else None
+                # An OpenAI input that may be longer than the model takes the checking path.
+                if result is not None and (native or self.limits.auto_truncate or not suspects(service, result)):
+                    self.state.record(service, result, time.perf_counter_ns() - start)  # KServe statistics
+                    return await _send_json(send, *self._payload(native, model, result))
+                app = self._direct(native, texts, service, model)
         await self._run_watched(scope, body, receive, send, app)
 
     # ---- 1. plain requests ----------------------------------------------------------
-    def _direct(self, native: bool, texts: list[str], service):
+    def _direct(self, native: bool, texts: list[str], service, model: str):
         """An ASGI app answering one plain request that missed the cache, as the route would."""
         async def app(scope, receive, send):
             try:
                 result = await self.state.run(service, texts=texts, options=EmbedOptions())
+                if not native and not self.limits.auto_truncate:
+                    await check_lengths(service, texts, result)
             except SurgeError as exc:
                 return await render(scope["path"], exc)(scope, receive, send)
             except Exception:  # noqa: BLE001 - the routes' catch-all answers the same way
                 log.exception("unhandled error on %s", scope["path"])
                 return await error_response(scope["path"], 500, "internal server error", type_="server_error",
                                             code="internal_error")(scope, receive, send)
-            await _send_json(send, *self._payload(native, service, result))
+            await _send_json(send, *self._payload(native, model, result))
         return app
 
     @staticmethod
-    def _payload(native: bool, service, result) -> tuple[bytes, str, list]:
+    def _payload(native: bool, model: str, result) -> tuple[bytes, str, list]:
         if native:
             out = {"model": result.model, "version": result.version, "dimensions": int(result.vectors.shape[1]),
                    "embeddings": result.vectors, "usage": {"prompt_tokens": result.prompt_tokens}}
@@ -105,12 +113,12 @@ class HotPathMiddleware:
             out = {"object": "list",
                    "data": [{"object": "embedding", "index": i, "embedding": row}
                             for i, row in enumerate(result.vectors)],
-                   "model": service.name,
+                   "model": model,
                    "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}}
         return orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY), result.version, timing_headers(result)
 
     def _plain(self, scope, body: bytes):
-        """(native?, texts, service) for a plain, valid request, else None (the route handles it)."""
+        """(native?, texts, service, model name asked for) for a plain, valid request, else None (the route's)."""
         path = scope["path"]
         try:
             data = orjson.loads(body)
@@ -140,7 +148,7 @@ class HotPathMiddleware:
             service = self.state.registry.get(model, version)
         except SurgeError:
             return None  # the route renders the unknown-model error
-        return native, texts, service
+        return native, texts, service, model or service.name
 
     # ---- 2. gone clients ---------------------------------------------------------
     async def _run_watched(self, scope, body: bytes, receive, send, app) -> None:

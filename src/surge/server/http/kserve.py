@@ -17,9 +17,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
 
-from surge.errors import InvalidInput, NotFound
+from surge.errors import InvalidInput, NotFound, shown
 from surge.server import kserve_contract as contract
+from surge.server import kserve_tensor
 from surge.server.http.common import ORJSONResponse, decode_json, read_body
+from surge.server.http.openapi import BINARY, JSON, body
 from surge.server.state import AppState
 from surge.runtime.request import response_headers
 
@@ -69,7 +71,7 @@ def _validate(model, data):
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ())) or "body"
         what = "missing" if first.get("type") == "missing" else f"invalid: {first.get('msg')}"
-        raise InvalidInput(f"field '{where}' is {what}", param=where) from None
+        raise InvalidInput(f"field '{shown(where)}' is {what}", param=shown(where)) from None
 
 
 def split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
@@ -91,16 +93,16 @@ def decode_inputs(inputs: list[_Tensor], binary: bytes) -> list[contract.InputTe
         size = t.parameters.get("binary_data_size")
         if size is not None:
             if t.data is not None:
-                raise InvalidInput(f"input '{t.name}' has both 'data' and 'binary_data_size'")
+                raise InvalidInput(f"input '{shown(t.name)}' has both 'data' and 'binary_data_size'")
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-                raise InvalidInput(f"input '{t.name}': binary_data_size must be a non-negative integer")
+                raise InvalidInput(f"input '{shown(t.name)}': binary_data_size must be a non-negative integer")
             if offset + size > len(binary):
-                raise InvalidInput(f"input '{t.name}': binary_data_size {size} runs past the end of the binary "
+                raise InvalidInput(f"input '{shown(t.name)}': binary_data_size {size} runs past the end of the binary "
                                    f"data ({len(binary) - offset} bytes left)")
             tensors.append(contract.from_raw(t.name, t.datatype, t.shape, binary[offset:offset + size]))
             offset += size
         elif t.data is None:
-            raise InvalidInput(f"input '{t.name}' has neither 'data' nor a 'binary_data_size' parameter")
+            raise InvalidInput(f"input '{shown(t.name)}' has neither 'data' nor a 'binary_data_size' parameter")
         else:
             tensors.append(contract.from_values(t.name, t.datatype, t.shape, t.data))
     if offset != len(binary):
@@ -122,7 +124,9 @@ def router(state: AppState) -> APIRouter:
     async def live():
         return ORJSONResponse({"live": True})
 
-    @r.get("/v2/health/ready")
+    not_ready = {"type": "object", "required": ["ready"], "properties": {"ready": {"type": "boolean"}}}
+
+    @r.get("/v2/health/ready", responses={400: {"description": "Not ready", "content": {JSON: {"schema": not_ready}}}})
     async def ready():
         # Ready once startup is done and every loaded model is warm; a model
         # unloaded on purpose does not make the server unready (as Triton).
@@ -156,10 +160,16 @@ def router(state: AppState) -> APIRouter:
     r.get("/v2/models/{name}")(model_metadata)
     r.get("/v2/models/{name}/versions/{version}")(model_metadata)
 
+    async def model_config(name: str, version: str | None = None):
+        return ORJSONResponse(kserve_tensor.model_config(registry.get(name, version)))
+
+    r.get("/v2/models/{name}/config")(model_config)
+    r.get("/v2/models/{name}/versions/{version}/config")(model_config)
+
     async def model_ready(name: str, version: str | None = None):
         service = registry.get(name, version)
         if not service.ready:
-            raise InvalidInput(f"model '{name}' is not ready")  # the specification: 4xx means false
+            raise InvalidInput(f"model '{shown(name)}' is not ready")  # the specification: 4xx means false
         return ORJSONResponse({"name": service.name, "ready": True})
 
     r.get("/v2/models/{name}/ready")(model_ready)
@@ -171,6 +181,8 @@ def router(state: AppState) -> APIRouter:
                                     request.headers.get(HEADER_LENGTH))
         req = _validate(_InferRequest, decode_json(header))
         outputs = [(o.name, o.parameters) for o in req.outputs or []]
+        if kserve_tensor.is_tensor_model(service):
+            return await tensor_infer(service, req, binary, outputs)
         decoded = contract.decode_request(decode_inputs(req.inputs, binary), req.parameters, outputs,
                                           limits.max_inputs_per_request, limits.max_input_chars)
         result = await state.run(service, texts=decoded.texts, token_ids=decoded.token_ids,
@@ -196,28 +208,53 @@ def router(state: AppState) -> APIRouter:
         headers["Inference-Header-Content-Length"] = str(len(head))
         return Response(head + raw, media_type="application/octet-stream", headers=headers)
 
-    r.post("/v2/models/{name}/infer")(infer)
-    r.post("/v2/models/{name}/versions/{version}/infer")(infer)
+    async def tensor_infer(service, req: _InferRequest, binary: bytes, outputs: list[tuple[str, dict]]):
+        inputs = kserve_tensor.to_arrays(decode_inputs(req.inputs, binary))
+        result = await kserve_tensor.run(state, service, inputs, kserve_tensor.check_outputs(outputs))
+        binary_default = bool(req.parameters.get("binary_data_output", False))
+        wants = {n: bool(p.get("binary_data", binary_default)) for n, p in outputs}
+        body = {"model_name": result.model, "model_version": result.version, "outputs": []}
+        if req.id is not None:
+            body["id"] = req.id
+        raws = []
+        for out_name, array in result.outputs.items():
+            out = {"name": out_name, "datatype": kserve_tensor.datatype_of(array), "shape": list(array.shape)}
+            if wants.get(out_name, binary_default):
+                raw = kserve_tensor.raw_bytes(array)
+                out["parameters"] = {"binary_data_size": len(raw)}
+                raws.append(raw)
+            else:
+                out["data"] = kserve_tensor.json_data(array)
+            body["outputs"].append(out)
+        headers = {"x-surge-model-version": result.version}
+        if not raws:
+            return ORJSONResponse(body, headers=headers)
+        head = orjson.dumps(body)
+        headers["Inference-Header-Content-Length"] = str(len(head))
+        return Response(head + b"".join(raws), media_type="application/octet-stream", headers=headers)
+
+    infer_doc = {"openapi_extra": body(_InferRequest, binary=True),
+                 "responses": {200: {"description": "The outputs (JSON, or a JSON header and binary tensor data)",
+                                     "content": {JSON: {}, BINARY: {}}}}}
+    r.post("/v2/models/{name}/infer", **infer_doc)(infer)
+    r.post("/v2/models/{name}/versions/{version}/infer", **infer_doc)(infer)
 
     async def _repository_body(request: Request) -> _RepositoryRequest:
         body = await read_body(request, limits.max_body_bytes)
         return _validate(_RepositoryRequest, decode_json(body)) if body.strip() else _RepositoryRequest()
 
-    @r.post("/v2/repository/index")
+    @r.post("/v2/repository/index", openapi_extra=body(_RepositoryRequest, required=False))
     async def repository_index(request: Request):
         req = await _repository_body(request)
-        models = await lifecycle().index()
-        if req.ready:
-            models = [m for m in models if m["state"] == "READY"]
-        return ORJSONResponse(models)
+        return ORJSONResponse(contract.repository_index(await lifecycle().index(), req.ready))
 
-    @r.post("/v2/repository/models/{name}/load")
+    @r.post("/v2/repository/models/{name}/load", openapi_extra=body(_RepositoryRequest, required=False))
     async def repository_load(request: Request, name: str):
         req = await _repository_body(request)
         await lifecycle().load(name, contract.check_load_parameters(req.parameters))
         return ORJSONResponse({})
 
-    @r.post("/v2/repository/models/{name}/unload")
+    @r.post("/v2/repository/models/{name}/unload", openapi_extra=body(_RepositoryRequest, required=False))
     async def repository_unload(request: Request, name: str):
         req = await _repository_body(request)
         await lifecycle().unload(name, contract.check_load_parameters(req.parameters))

@@ -18,8 +18,9 @@ import asyncio
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
-from surge.errors import InvalidInput, NotFound
+from surge.errors import InvalidInput, NotFound, shown
 from surge.server.http.common import ORJSONResponse, decode_json, read_body, validate
+from surge.server.http.openapi import body
 from surge.server.state import AppState
 
 
@@ -61,7 +62,7 @@ def router(state: AppState) -> APIRouter:
     async def one(name: str) -> ORJSONResponse:
         versions = [e for e in await listing() if e["name"] == name]
         if not versions:
-            raise NotFound(f"model '{name}' not found", param="model")
+            raise NotFound(f"model '{shown(name)}' not found", param="model")
         return ORJSONResponse({"name": name, "versions": versions})
 
     @r.get("/models")
@@ -72,19 +73,21 @@ def router(state: AppState) -> APIRouter:
     async def get_model(name: str):
         return await one(name)
 
-    @r.post("/models/{name}/load")
+    optional = body(LifecycleRequest, required=False)
+
+    @r.post("/models/{name}/load", openapi_extra=optional)
     async def load(name: str, request: Request):
         life = lifecycle()
         await finish(life.load(name, await version_of(request)))
         return await one(name)
 
-    @r.post("/models/{name}/unload")
+    @r.post("/models/{name}/unload", openapi_extra=optional)
     async def unload(name: str, request: Request):
         life = lifecycle()
         await finish(life.unload(name, await version_of(request)))
         return await one(name)
 
-    @r.post("/models/{name}/reload")
+    @r.post("/models/{name}/reload", openapi_extra=optional)
     async def reload(name: str, request: Request):
         life = lifecycle()
         version = await version_of(request)

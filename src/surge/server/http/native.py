@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from surge.server.http.common import ORJSONResponse, parse
+from surge.server.http.openapi import body
 from surge.server.http.openai import TokenIds, split_input
 from surge.server.state import AppState
 from surge.types import EmbedOptions
@@ -29,7 +30,7 @@ def router(state: AppState) -> APIRouter:
     r = APIRouter()
     limits = state.config.limits
 
-    @r.post("/embed")
+    @r.post("/embed", openapi_extra=body(EmbedRequest))
     async def embed(request: Request):
         req = await parse(request, EmbedRequest, limits.max_body_bytes)
         texts, ids = split_input(req.inputs, limits.max_inputs_per_request, limits.max_input_chars)

@@ -1,4 +1,4 @@
-"""OpenAI-compatible embeddings: POST /v1/embeddings, GET /v1/models."""
+"""OpenAI-compatible embeddings: POST /v1/embeddings, GET /v1/models, GET /v1/models/{id}."""
 
 from __future__ import annotations
 
@@ -6,15 +6,18 @@ import base64
 from typing import Literal, Union
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from surge.errors import InvalidInput, PayloadTooLarge
+from surge.errors import InvalidInput, PayloadTooLarge, shown
 from surge.server.http.common import ORJSONResponse, parse
+from surge.server.http.openapi import body
+from surge.server.http.openai_inputs import check_lengths, check_token_ids
 from surge.server.state import AppState
 from surge.types import EmbedOptions
 from surge.runtime.request import response_headers
 
 TokenIds = list[StrictInt]
+_MAX_ID = 2 ** 63 - 1
 
 
 class EmbeddingsRequest(BaseModel):
@@ -25,6 +28,8 @@ class EmbeddingsRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = Field(None, ge=1)
     user: StrictStr | None = None
+    truncate: StrictBool | None = Field(None, description="Cut inputs longer than the model (default: the "
+                                        "server's --auto-truncate; off: such an input gets 400).")
 
 
 def split_input(raw, max_inputs: int, max_chars: int) -> tuple[list[str] | None, list[list[int]] | None]:
@@ -52,6 +57,12 @@ def split_input(raw, max_inputs: int, max_chars: int) -> tuple[list[str] | None,
         for i, seq in enumerate(ids):
             if not seq:
                 raise InvalidInput(f"input {i} is an empty token list", param="input")
+            # JSON integers are unbounded; the cache key and the engine take int64. The
+            # vocabulary bound is the tokenizer's check, this one keeps ids convertible.
+            if min(seq) < 0 or max(seq) > _MAX_ID:
+                bad = min(seq) if min(seq) < 0 else max(seq)
+                raise InvalidInput(f"input {i}: token id {shown(bad)} is out of range (ids are non-negative and "
+                                   "below the model's vocabulary size)", param="input")
     return texts, ids
 
 
@@ -59,12 +70,17 @@ def router(state: AppState) -> APIRouter:
     r = APIRouter()
     limits = state.config.limits
 
-    @r.post("/v1/embeddings")
+    @r.post("/v1/embeddings", openapi_extra=body(EmbeddingsRequest))
     async def embeddings(request: Request):
         req = await parse(request, EmbeddingsRequest, limits.max_body_bytes)
         texts, ids = split_input(req.input, limits.max_inputs_per_request, limits.max_input_chars)
         service = state.registry.get(req.model)
+        truncate = limits.auto_truncate if req.truncate is None else req.truncate
+        check_token_ids(ids, service.name, limits.allow_token_ids, getattr(service, "max_length", None), truncate)
+        # Computed truncated whatever was asked (cache keys stay one); too long without truncation: 400 after.
         result = await state.run(service, texts=texts, token_ids=ids, options=EmbedOptions(dimensions=req.dimensions))
+        if not truncate:
+            await check_lengths(service, texts, result)
         if req.encoding_format == "base64":
             data = [
                 {"object": "embedding", "index": i, "embedding": base64.b64encode(row.tobytes()).decode()}
@@ -75,17 +91,25 @@ def router(state: AppState) -> APIRouter:
         body = {
             "object": "list",
             "data": data,
-            "model": service.name,
+            "model": req.model or service.name,
             "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
         }
         return ORJSONResponse(body, headers=response_headers(result))
 
+    def model_object(name: str) -> dict:
+        service = state.registry.get(name)
+        return {"id": name, "object": "model", "created": int(service.loaded_at), "owned_by": "surge",
+                "root": service.name}
+
     @r.get("/v1/models")
     async def models():
-        data = [
-            {"id": name, "object": "model", "created": int(state.registry.get(name).loaded_at), "owned_by": "surge"}
-            for name in state.registry.names()
-        ]
-        return ORJSONResponse({"object": "list", "data": data})
+        registry = state.registry
+        names = registry.names() + sorted(a for a, n in registry.aliases().items() if n in registry.names())
+        return ORJSONResponse({"object": "list", "data": [model_object(n) for n in names]})
+
+    @r.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        # The openai client's models.retrieve(id); 404 in OpenAI's error body for an unknown id.
+        return ORJSONResponse(model_object(model_id))
 
     return r

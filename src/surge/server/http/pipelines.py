@@ -14,8 +14,9 @@ from typing import Any, Union
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
-from surge.errors import DeadlineExceeded, NotFound, PayloadTooLarge
+from surge.errors import DeadlineExceeded, NotFound, PayloadTooLarge, shown
 from surge.server.http.common import ORJSONResponse, parse
+from surge.server.http.openapi import body
 from surge.server.state import AppState
 
 
@@ -47,11 +48,11 @@ def router(state: AppState) -> APIRouter:
     async def get_pipeline(name: str):
         return ORJSONResponse(pipelines().get(name).describe())
 
-    @r.post("/pipelines/{name}/reload")
+    @r.post("/pipelines/{name}/reload", openapi_extra=body(required=False))
     async def reload(name: str):
         return ORJSONResponse((await pipelines().reload(name)).describe())
 
-    @r.post("/pipelines/{name}")
+    @r.post("/pipelines/{name}", openapi_extra=body(PipelineRequest))
     async def run(name: str, request: Request):
         pipeline = pipelines().get(name)
         req = await parse(request, PipelineRequest, limits.max_body_bytes)
@@ -62,7 +63,7 @@ def router(state: AppState) -> APIRouter:
         for item in items:
             for key, value in item.items():
                 if isinstance(value, str) and len(value) > limits.max_input_chars:
-                    raise PayloadTooLarge(f"input '{key}' has {len(value)} characters; at most "
+                    raise PayloadTooLarge(f"input '{shown(key)}' has {len(value)} characters; at most "
                                           f"{limits.max_input_chars} are allowed", param=key)
         try:
             results = await asyncio.wait_for(asyncio.gather(*(pipeline.run(i) for i in items)),

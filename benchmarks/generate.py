@@ -1,0 +1,240 @@
+"""Generation throughput and latency: surge's decoder service against transformers' generate.
+
+    python3 benchmarks/generate.py --device cuda --shape qwen2-0.5b --shape llama-1b
+    python3 benchmarks/generate.py --device cpu --shape gpt2-small --streams 8 --prompt 64 --output 32
+
+For each shape a random-weight model of that shape is built with transformers and saved
+(safetensors), then:
+
+* surge: `--streams` concurrent streams through GenerateService.stream (the API the HTTP
+  routes call: iteration scheduler, paged KV cache, chunked prefill, CUDA-graph decode), all
+  submitted at once, each a `--prompt`-token random prompt generating `--output` tokens with
+  EOS ignored. Token ids in, token ids out: detokenization is left out (the model has no real
+  tokenizer), as in vLLM's throughput benchmark. Reported: output tokens/s over the wall time,
+  time to first token (TTFT) and inter-token latency (ITL) p50/p99 over all streams.
+* transformers: `generate` on one padded batch of the same prompts with a static cache
+  (greedy, `min_new_tokens` = `max_new_tokens`), eager and, with --compile, torch.compile'd
+  (transformers' own auto-compile of static-cache decoding). TTFT: a generate of one token;
+  ITL: (total - TTFT) / (output - 1).
+
+The table and a JSON record are printed; --json writes the records to a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+SHAPES = {
+    # Qwen2-0.5B: 24 layers, 896 hidden, 14 q / 2 kv heads, 4864 FFN, 151936 vocab, tied embeddings
+    "qwen2-0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                                 max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1e6)),
+    # Llama-3.2-1B: 16 layers, 2048 hidden, 32 q / 8 kv heads, 8192 FFN, 128256 vocab, llama3 RoPE
+    "llama-1b": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                               max_position_embeddings=4096, tie_word_embeddings=True,
+                               rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                               rope_theta=500000.0)),
+    # GPT-2 small (124M)
+    "gpt2-small": ("gpt2", dict(n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=50257)),
+    "gpt2-tiny": ("gpt2", dict(n_embd=128, n_layer=2, n_head=4, n_positions=512, vocab_size=1000)),
+}
+
+
+def build(shape: str, out: Path, device: str) -> Path:
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    kind, kw = SHAPES[shape]
+    cfg_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM),
+                          "gpt2": (GPT2Config, GPT2LMHeadModel)}[kind]
+    cfg = cfg_cls(bos_token_id=0, eos_token_id=1, pad_token_id=0, **kw)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = model_cls(cfg)
+    model.save_pretrained(out, safe_serialization=True)
+    del model
+    return out
+
+
+class _NoText:
+    """Token ids only: the benchmark measures generation, not detokenization."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+    def encode(self, text, add_special_tokens=True):
+        raise NotImplementedError
+
+
+def pct(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))] if values else float("nan")
+
+
+async def _surge_round(service, prompts, n_out):
+    from surge.runtime.scheduler import SamplingParams
+
+    params = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
+    ttft, itl, counts = [], [], []
+
+    async def one(p):
+        start = time.perf_counter()
+        last, n = None, 0
+        async for d in service.stream(p, params, deadline=time.monotonic() + 600):
+            now = time.perf_counter()
+            if last is None:
+                ttft.append(now - start)
+            else:
+                itl.append(now - last)
+            last = now
+            n += len(d.token_ids)
+        counts.append(n)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(p) for p in prompts))
+    wall = time.perf_counter() - t0
+    return {"output_tokens": sum(counts), "wall_s": wall, "tok_s": sum(counts) / wall,
+            "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
+            "itl_p50_ms": 1e3 * pct(itl, 50), "itl_p99_ms": 1e3 * pct(itl, 99)}
+
+
+def run_surge(path: Path, args, prompts, fused: bool = True) -> dict:
+    from surge.engines.decoder import DecoderEngine
+    from surge.runtime.generate_service import GenerateService, GenerationConfig
+
+    n = len(prompts)
+    max_len = args.prompt + args.output + 16
+    gen = GenerationConfig(max_num_seqs=max(n, 1), max_num_batched_tokens=args.budget, max_model_len=max_len,
+                           cache_entries=0, prefix_caching=False)
+    t = time.perf_counter()
+    engine = DecoderEngine(path, device=args.device, dtype=args.dtype, max_num_seqs=gen.max_num_seqs,
+                           max_model_len=max_len, kv_cache_tokens=(n + 8) * max_len, threads=args.threads,
+                           cuda_graphs=not args.no_graphs, fused=fused)
+    engine.warmup()
+    load_s = time.perf_counter() - t
+    service = GenerateService("bench", "1", path, engine, _NoText(), None, gen, request_timeout_s=600)
+    service.mark_ready()
+
+    async def main():
+        # warm-up round (Triton compiles the prefill variants), then the measured rounds
+        await _surge_round(service, prompts[: min(n, 8)], 4)
+        rounds = [await _surge_round(service, prompts, args.output) for _ in range(args.rounds)]
+        await service.close()
+        return rounds
+
+    rounds = asyncio.run(main())
+    best = max(rounds, key=lambda r: r["tok_s"])
+    best["rounds_tok_s"] = [round(r["tok_s"], 1) for r in rounds]
+    best["load_s"] = load_s
+    best["steps"] = service.steps
+    best["engine_busy_s"] = round(service.busy_s, 3)
+    best["fused"] = fused
+    return best
+
+
+def run_hf(path: Path, args, prompts, compile_: bool) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
+    ids = torch.tensor(prompts, device=args.device)  # equal lengths: the padded batch has no padding
+    mask = torch.ones_like(ids)
+    kw = dict(do_sample=False, cache_implementation="static", pad_token_id=0, eos_token_id=None,
+              disable_compile=not compile_)
+
+    def gen(n):
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, **kw)
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    t = time.perf_counter()
+    gen(args.output)  # warm-up (and compilation)
+    warm_s = time.perf_counter() - t
+    ttft = min(gen(1) for _ in range(2))
+    totals = [gen(args.output) for _ in range(args.rounds)]
+    total = min(totals)
+    out = len(prompts) * args.output
+    return {"output_tokens": out, "wall_s": total, "tok_s": out / total, "ttft_p50_ms": 1e3 * ttft,
+            "ttft_p99_ms": 1e3 * ttft, "itl_p50_ms": 1e3 * (total - ttft) / max(1, args.output - 1),
+            "itl_p99_ms": float("nan"), "warmup_s": warm_s, "rounds_tok_s": [round(out / x, 1) for x in totals]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="bf16 (GPU default) | fp32 (CPU default) | fp16")
+    ap.add_argument("--shape", action="append", choices=sorted(SHAPES))
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--output", type=int, default=128)
+    ap.add_argument("--budget", type=int, default=2048, help="token budget of one step (chunked prefill)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--no-fused", action="store_true", help="plain torch norms / RoPE / SwiGLU on the GPU")
+    ap.add_argument("--baseline", choices=["hf", "none"], default="hf")
+    ap.add_argument("--compile", action="store_true", help="also transformers with torch.compile")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
+    if args.threads and not args.device.startswith("cuda"):
+        torch.set_num_threads(args.threads)
+    shapes = args.shape or (["qwen2-0.5b"] if args.device.startswith("cuda") else ["gpt2-small"])
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in shapes:
+            path = build(shape, Path(tmp) / shape, args.device)
+            vocab = SHAPES[shape][1].get("vocab_size", 1000)
+            g = torch.Generator().manual_seed(1)
+            prompts = torch.randint(2, vocab, (args.streams, args.prompt), generator=g).tolist()
+            try:
+                rows = [("surge", run_surge(path, args, prompts, fused=not args.no_fused))]
+            except Exception as exc:  # the fused kernels failed here: say so, measure without them
+                print(f"surge with fused kernels failed: {type(exc).__name__}: {exc}", flush=True)
+                rows = [("surge (unfused)", run_surge(path, args, prompts, fused=False))]
+            if args.baseline == "hf":
+                rows.append(("transformers static", run_hf(path, args, prompts, False)))
+                if args.compile:
+                    try:
+                        rows.append(("transformers static+compile", run_hf(path, args, prompts, True)))
+                    except Exception as exc:  # reported, not fatal
+                        print(f"torch.compile baseline failed: {type(exc).__name__}: {exc}", flush=True)
+            base = rows[1][1]["tok_s"] if len(rows) > 1 else None
+            print(f"\n{shape} ({args.device}, {args.dtype}): {args.streams} streams, {args.prompt}-token prompts, "
+                  f"{args.output} output tokens")
+            print(f"| engine | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | vs transformers |")
+            print("| --- | --- | --- | --- | --- |")
+            for name, r in rows:
+                ratio = f"{r['tok_s'] / base:.2f}x" if base else "-"
+                print(f"| {name} | {r['tok_s']:.0f} | {r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} | "
+                      f"{r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f} | {ratio} |")
+                records.append({"shape": shape, "engine": name, "device": args.device, "dtype": args.dtype,
+                                "streams": args.streams, "prompt": args.prompt, "output": args.output, **r})
+            print(json.dumps(records[-len(rows):]), flush=True)
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    if args.json:
+        args.json.write_text(json.dumps(records, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,153 @@
+"""GPT-2 and Llama / Qwen2 forward passes over packed tokens and a paged KV cache.
+
+Plain torch ops on weights laid out by models/decoder.py (fused q/k/v and
+gate/up GEMMs). The same code runs FP32 / BF16 on the CPU and BF16 / FP16 on the
+GPU, where attention is the Triton paged kernel and decode steps are replayed
+from CUDA graphs (engines/decoder/graphs.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from surge.engines.decoder.attention import AttnMeta, paged_attention_torch, write_kv
+from surge.models.decoder import DecoderConfig, rope_inv_freq
+
+
+class DecoderModel:
+    def __init__(self, cfg: DecoderConfig, weights: dict, device: torch.device, dtype: torch.dtype,
+                 attention: str = "torch", fused: bool = True):
+        self.cfg = cfg
+        self.w = weights
+        self.device = device
+        self.dtype = dtype
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.attention = attention
+        self.fused = False
+        if attention == "triton":
+            from surge.engines.kernels.paged_attention import paged_attention
+
+            self._triton = paged_attention
+        if cfg.arch == "llama":
+            inv, att_scale = rope_inv_freq(cfg)
+            pos = torch.arange(cfg.max_positions, dtype=torch.float32)
+            freqs = pos[:, None] * inv[None, :]
+            emb = torch.cat([freqs, freqs], dim=-1)
+            # transformers computes cos/sin in float32 and casts to the activations' dtype
+            self.cos = (emb.cos() * att_scale).to(device=device, dtype=dtype)
+            self.sin = (emb.sin() * att_scale).to(device=device, dtype=dtype)
+            self.rot_dim = emb.shape[-1]
+            d = cfg.head_dim
+            # the fused kernels (GPU): full rotary dims, a power-of-two head size
+            self.fused = attention == "triton" and fused and self.rot_dim == d and d >= 16 and d & (d - 1) == 0
+
+    # -- pieces ---------------------------------------------------------------------------------------
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.cfg.norm_eps)
+        return w * h.to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        r = self.rot_dim
+        xr = x[..., :r]
+        half = r // 2
+        rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+        out = xr * cos + rotated * sin
+        return out if r == x.shape[-1] else torch.cat([out, x[..., r:]], dim=-1)
+
+    def _attend(self, q, k, v, layer: int, kv, meta: AttnMeta) -> torch.Tensor:
+        k_cache, v_cache = kv.k[layer], kv.v[layer]
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if self.attention == "triton":
+            return self._triton(q, k_cache, v_cache, meta, self.scale)
+        return paged_attention_torch(q, k_cache, v_cache, meta, self.scale)
+
+    # -- forward ----------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv, meta: AttnMeta) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm."""
+        if self.cfg.arch == "gpt2":
+            return self._gpt2(input_ids, positions, kv, meta)
+        return self._llama(input_ids, positions, kv, meta)
+
+    def _gpt2(self, ids, positions, kv, meta):
+        c, w = self.cfg, self.w
+        t = ids.shape[0]
+        x = F.embedding(ids, w["embed"]) + F.embedding(positions, w["pos_embed"])
+        hd, nh = c.head_dim, c.num_heads
+        for i in range(c.num_layers):
+            p = f"l{i}."
+            h = F.layer_norm(x, (c.hidden_size,), w[p + "attn_norm"], w[p + "attn_norm.bias"], c.norm_eps)
+            qkv = F.linear(h, w[p + "qkv"], w[p + "qkv.bias"]).view(t, 3, nh, hd)
+            q, k, v = qkv[:, 0], qkv[:, 1].contiguous(), qkv[:, 2].contiguous()
+            a = self._attend(q.contiguous(), k, v, i, kv, meta).reshape(t, c.hidden_size)
+            x = x + F.linear(a, w[p + "o"], w[p + "o.bias"])
+            h = F.layer_norm(x, (c.hidden_size,), w[p + "mlp_norm"], w[p + "mlp_norm.bias"], c.norm_eps)
+            h = F.gelu(F.linear(h, w[p + "fc_in"], w[p + "fc_in.bias"]),
+                       approximate="none" if c.rope.get("activation") == "gelu" else "tanh")
+            x = x + F.linear(h, w[p + "fc_out"], w[p + "fc_out.bias"])
+        return F.layer_norm(x, (c.hidden_size,), w["final_norm"], w["final_norm.bias"], c.norm_eps)
+
+    def _llama_fused(self, ids, positions, kv, meta):
+        from surge.engines.kernels.decoder_fused import add_rmsnorm, rope_and_cache, silu_mul
+
+        c, w = self.cfg, self.w
+        t = ids.shape[0]
+        x = F.embedding(ids, w["embed"])  # the residual stream, updated in place
+        hd, nq, nkv = c.head_dim, c.num_heads, c.num_kv_heads
+        h = add_rmsnorm(x, None, w["l0.attn_norm"], c.norm_eps)
+        for i in range(c.num_layers):
+            p = f"l{i}."
+            qkv = F.linear(h, w[p + "qkv"], w.get(p + "qkv.bias"))
+            q = rope_and_cache(qkv, self.cos, self.sin, positions, meta.slot_mapping, kv.k[i], kv.v[i], nq, nkv, hd)
+            a = self._triton(q, kv.k[i], kv.v[i], meta, self.scale)
+            h = add_rmsnorm(x, F.linear(a.view(t, nq * hd), w[p + "o"]), w[p + "mlp_norm"], c.norm_eps)
+            m = F.linear(silu_mul(F.linear(h, w[p + "up_gate"])), w[p + "down"])
+            nxt = w[f"l{i + 1}.attn_norm"] if i + 1 < c.num_layers else w["final_norm"]
+            h = add_rmsnorm(x, m, nxt, c.norm_eps)
+        return h
+
+    def _llama(self, ids, positions, kv, meta):
+        if self.fused:
+            return self._llama_fused(ids, positions, kv, meta)
+        c, w = self.cfg, self.w
+        t = ids.shape[0]
+        x = F.embedding(ids, w["embed"])
+        hd, nq, nkv = c.head_dim, c.num_heads, c.num_kv_heads
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        qd, kd = nq * hd, nkv * hd
+        for i in range(c.num_layers):
+            p = f"l{i}."
+            h = self._rms(x, w[p + "attn_norm"])
+            qkv = F.linear(h, w[p + "qkv"], w.get(p + "qkv.bias"))
+            q = self._rope(qkv[:, :qd].view(t, nq, hd), cos, sin)
+            k = self._rope(qkv[:, qd:qd + kd].view(t, nkv, hd), cos, sin)
+            v = qkv[:, qd + kd:].reshape(t, nkv, hd)
+            a = self._attend(q.contiguous(), k.contiguous(), v.contiguous(), i, kv, meta).reshape(t, qd)
+            x = x + F.linear(a, w[p + "o"])
+            h = self._rms(x, w[p + "mlp_norm"])
+            gate, up = F.linear(h, w[p + "up_gate"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w[p + "down"])
+        return self._rms(x, w["final_norm"])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.w["lm_head"]).float()
+
+
+class KVCache:
+    """K and V of every layer: [layers, blocks, block_size, kv_heads, head_dim] each. The last block
+    is scratch space that padded rows of a CUDA-graph batch write into."""
+
+    def __init__(self, cfg: DecoderConfig, num_blocks: int, block_size: int, device, dtype):
+        shape = (cfg.num_layers, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.scratch_block = num_blocks
+
+    @staticmethod
+    def bytes_per_block(cfg: DecoderConfig, block_size: int, dtype) -> int:
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8

@@ -1,0 +1,158 @@
+"""DecoderEngine: one step of the iteration scheduler on a device.
+
+`step(scheduled)` packs the step's tokens (prefill chunks and decodes), runs the
+model over the paged KV cache, computes logits only at the rows that sample, and
+samples. A step of decodes only, on CUDA, is replayed from the CUDA graph of
+the smallest captured batch-size bucket that holds it. Sync, no queues: time and
+order live in runtime/ (the generation service drives this from one thread).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from surge.engines.decoder.attention import AttnMeta
+from surge.engines.decoder.model import DecoderModel, KVCache
+from surge.engines.decoder.sampler import SampleOut, Sampler
+from surge.models.decoder import load_decoder_config, load_decoder_weights
+from surge.runtime.scheduler.scheduler import ScheduledSeq
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+
+__all__ = ["DecoderEngine", "SampleOut", "EngineCaps"]
+
+
+@dataclass(frozen=True)
+class EngineCaps:
+    device: str
+    dtype: str
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_model_len: int
+
+
+class DecoderEngine:
+    def __init__(self, path: str | Path, *, device: str = "cpu", dtype: str | None = None, block_size: int = 16,
+                 num_blocks: int | None = None, kv_cache_tokens: int | None = None, max_num_seqs: int = 64,
+                 max_model_len: int | None = None, cuda_graphs: bool = True, attention: str | None = None,
+                 threads: int = 0, fused: bool = True):
+        self.device = torch.device(device)
+        cuda = self.device.type == "cuda"
+        if threads and not cuda:
+            torch.set_num_threads(threads)
+        self.dtype = _DTYPES[dtype or ("bf16" if cuda else "fp32")]
+        self.cfg = load_decoder_config(path)
+        self.max_model_len = min(max_model_len or self.cfg.max_positions, self.cfg.max_positions)
+        self.block_size = block_size
+        if num_blocks is None:
+            tokens = kv_cache_tokens or self._default_kv_tokens(cuda, block_size)
+            num_blocks = max(1, math.ceil(tokens / block_size))
+        self.num_blocks = num_blocks
+        self.max_num_seqs = max_num_seqs
+        weights = load_decoder_weights(path, self.cfg, self.dtype, self.device)
+        self.model = DecoderModel(self.cfg, weights, self.device, self.dtype,
+                                  attention=attention or ("triton" if cuda else "torch"), fused=fused)
+        self.kv = KVCache(self.cfg, num_blocks, block_size, self.device, self.dtype)
+        self.sampler = Sampler(self.device)
+        self.max_blocks_per_seq = -(-self.max_model_len // block_size)
+        self.graphs = None
+        if cuda and cuda_graphs:
+            from surge.engines.decoder.graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self, max_num_seqs)
+
+    def _default_kv_tokens(self, cuda: bool, block_size: int) -> int:
+        """256k tokens on a GPU, 32k on the CPU, within 40% of free GPU memory / 1 GiB of host memory."""
+        per_token = KVCache.bytes_per_block(self.cfg, block_size, self.dtype) // block_size
+        if cuda:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            # the weights are not loaded yet: leave them and the activations room
+            budget = int(0.4 * free)
+        else:
+            budget = 1 << 30
+        want = 262_144 if cuda else 32_768
+        return max(block_size * 4, min(want, budget // max(1, per_token)))
+
+    @property
+    def capabilities(self) -> EngineCaps:
+        return EngineCaps(str(self.device), str(self.dtype).removeprefix("torch."), self.num_blocks, self.block_size,
+                          self.max_num_seqs, self.max_model_len)
+
+    def warmup(self) -> None:
+        if self.graphs is not None:
+            self.graphs.capture()
+
+    # -- one step ----------------------------------------------------------------------------------------
+    def prepare(self, scheduled: list[ScheduledSeq]):
+        bs = self.block_size
+        ids, pos, slots, q_lens, ctx, tables = [], [], [], [], [], []
+        for s in scheduled:
+            seq, n, start = s.seq, s.num_tokens, s.start
+            ids.extend(seq.token_ids[start:start + n])
+            p = np.arange(start, start + n)
+            pos.append(p)
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            slots.append(table[p // bs] * bs + p % bs)
+            q_lens.append(n)
+            ctx.append(start + n)
+            tables.append(seq.block_table)
+        pos_np = np.concatenate(pos)
+        slots_np = np.concatenate(slots)
+        width = max(len(t) for t in tables)
+        table_np = np.full((len(tables), width), self.kv.scratch_block, dtype=np.int32)
+        for i, t in enumerate(tables):
+            table_np[i, :len(t)] = t
+        qstart = np.zeros(len(q_lens) + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=qstart[1:])
+        return ids, pos_np, slots_np, q_lens, ctx, tables, table_np, qstart
+
+    @torch.inference_mode()
+    def step(self, scheduled: list[ScheduledSeq]) -> dict[int, SampleOut]:
+        if not scheduled:
+            return {}
+        if self.graphs is not None and self.graphs.graphs and len(scheduled) <= self.graphs.buckets[-1] \
+                and all(s.num_tokens == 1 and s.sample for s in scheduled):
+            return self._decode_graph(scheduled)
+        ids, pos, slots, q_lens, ctx, tables, table_np, qstart = self.prepare(scheduled)
+        sample_rows = [i for i, s in enumerate(scheduled) if s.sample]
+        dev = self.device
+        meta = AttnMeta(
+            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(table_np).to(dev, non_blocking=True),
+            context_lens=torch.tensor(ctx, dtype=torch.int32).to(dev, non_blocking=True),
+            query_start=torch.from_numpy(qstart).to(dev, non_blocking=True),
+            max_query=max(q_lens), q_lens=q_lens, ctx_lens=ctx, tables=tables)
+        hidden = self.model.forward(torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
+                                    torch.from_numpy(pos).to(dev, non_blocking=True), self.kv, meta)
+        if not sample_rows:
+            return {}
+        last = torch.as_tensor(qstart[1:][sample_rows] - 1, dtype=torch.long).to(dev, non_blocking=True)
+        logits = self.model.logits(hidden.index_select(0, last))
+        seqs = [scheduled[i].seq for i in sample_rows]
+        outs = self.sampler(logits, seqs)
+        return {seq.seq_id: o for seq, o in zip(seqs, outs)}
+
+    def _decode_graph(self, scheduled: list[ScheduledSeq]) -> dict[int, SampleOut]:
+        bs = self.block_size
+        seqs = [s.seq for s in scheduled]
+        pos = [s.start for s in scheduled]
+        ids = [q.token_ids[p] for q, p in zip(seqs, pos)]
+        tables = [q.block_table for q in seqs]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
+        if max(len(t) for t in tables) > self.graphs.width:
+            raise ValueError("a block table is wider than max_model_len allows")
+        logits, greedy = self.graphs.run(ids, pos, slots, tables)
+        if all(q.params.greedy and not q.params.penalized and q.params.logprobs is None for q in seqs):
+            return {q.seq_id: SampleOut(t) for q, t in zip(seqs, greedy.cpu().tolist())}
+        outs = self.sampler(logits, seqs)
+        return {q.seq_id: o for q, o in zip(seqs, outs)}
+
+    def forget(self, seq_id: int) -> None:
+        self.sampler.forget(seq_id)

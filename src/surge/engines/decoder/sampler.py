@@ -1,0 +1,128 @@
+"""Sampling on the device: penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
+
+Rows are sequences of one step. Greedy rows take the argmax of the (penalized)
+logits. Sampled rows draw with the exponential-race trick (argmax of p / E,
+E ~ Exp(1)), which needs one uniform vector per row: a row with a seed draws it
+from its own generator, so its tokens do not depend on the batch it ran in.
+Log-probabilities are those of the model (log-softmax of the raw logits), as
+OpenAI reports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from surge.runtime.scheduler.sequence import Sequence
+
+
+@dataclass
+class SampleOut:
+    token: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None  # (token, logprob), best first
+
+
+class Sampler:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._generators: dict[int, torch.Generator] = {}
+        self._shared = torch.Generator(device=device)
+        self._shared.seed()
+
+    def forget(self, seq_id: int) -> None:
+        self._generators.pop(seq_id, None)
+
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        g = self._generators.get(seq.seq_id)
+        if g is None:
+            g = self._generators[seq.seq_id] = torch.Generator(device=self.device)
+            g.manual_seed(int(seq.params.seed) & 0xFFFF_FFFF_FFFF_FFFF)
+        return g
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleOut]:
+        params = [s.params for s in seqs]
+        want_logprobs = any(p.logprobs is not None for p in params)
+        if all(p.greedy and not p.penalized for p in params) and not want_logprobs:
+            return [SampleOut(int(t)) for t in logits.argmax(-1).tolist()]
+        raw = logits
+        logits = logits.clone()
+        if any(p.penalized for p in params):
+            self._penalize(logits, seqs)
+        tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if greedy:
+            idx = torch.tensor(greedy, device=logits.device)
+            tokens[idx] = logits[idx].argmax(-1)
+        if sampled:
+            idx = torch.tensor(sampled, device=logits.device)
+            probs = self._probs(logits[idx], [params[i] for i in sampled])
+            noise = torch.empty_like(probs)
+            unseeded = []
+            for row, i in enumerate(sampled):
+                if params[i].seed is not None:
+                    noise[row] = torch.rand(probs.shape[1], generator=self._generator(seqs[i]), device=probs.device)
+                else:
+                    unseeded.append(row)
+            if unseeded:
+                rows = torch.tensor(unseeded, device=probs.device)
+                noise[rows] = torch.rand((len(unseeded), probs.shape[1]), generator=self._shared, device=probs.device)
+            race = probs / (-torch.log(noise.clamp_min(1e-20)))
+            tokens[idx] = race.argmax(-1)
+        out = [SampleOut(int(t)) for t in tokens.tolist()]
+        if want_logprobs:
+            lp = torch.log_softmax(raw, dim=-1)
+            chosen = lp.gather(1, tokens[:, None])[:, 0].tolist()
+            k = max(p.logprobs or 0 for p in params)
+            top_v, top_i = lp.topk(k, dim=-1) if k else (None, None)
+            top_v = top_v.tolist() if k else None
+            top_i = top_i.tolist() if k else None
+            for i, p in enumerate(params):
+                if p.logprobs is None:
+                    continue
+                out[i].logprob = chosen[i]
+                if p.logprobs:
+                    out[i].top = list(zip(top_i[i][: p.logprobs], top_v[i][: p.logprobs]))
+        return out
+
+    def _penalize(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        dev = logits.device
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if p.repetition_penalty != 1.0:
+                # transformers' RepetitionPenaltyLogitsProcessor, over prompt and output
+                ids = torch.tensor(sorted(set(seq.token_ids)), device=dev)
+                score = logits[i, ids]
+                logits[i, ids] = torch.where(score < 0, score * p.repetition_penalty, score / p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and seq.output_ids:
+                # OpenAI: logit -= count * frequency + (count > 0) * presence, over the output
+                out = torch.tensor(seq.output_ids, device=dev)
+                counts = torch.zeros(logits.shape[1], device=dev).index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
+                logits[i] -= counts * p.frequency_penalty + (counts > 0).float() * p.presence_penalty
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, params) -> torch.Tensor:
+        temps = torch.tensor([p.temperature for p in params], device=logits.device, dtype=logits.dtype)
+        logits = logits / temps[:, None]
+        top_k = [p.top_k for p in params]
+        if any(k > 0 for k in top_k):
+            v = logits.shape[1]
+            ks = torch.tensor([k if 0 < k < v else v for k in top_k], device=logits.device)
+            kth = logits.sort(dim=-1, descending=True).values.gather(1, (ks - 1)[:, None])
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        top_p = [p.top_p for p in params]
+        if any(tp < 1.0 for tp in top_p):
+            sp, si = probs.sort(dim=-1, descending=True)
+            cum = sp.cumsum(-1)
+            tp = torch.tensor(top_p, device=probs.device, dtype=probs.dtype)[:, None]
+            drop = (cum - sp) >= tp  # tokens after the nucleus (the first is always kept)
+            sp = sp.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(1, si, sp)
+        min_p = [p.min_p for p in params]
+        if any(mp > 0 for mp in min_p):
+            mp = torch.tensor(min_p, device=probs.device, dtype=probs.dtype)[:, None]
+            probs = probs.masked_fill(probs < mp * probs.max(-1, keepdim=True).values, 0.0)
+        return probs / probs.sum(-1, keepdim=True)

@@ -1,0 +1,104 @@
+"""Chat templates: the jinja2 template a model ships, rendered as transformers'
+`apply_chat_template` renders it (same sandboxed environment, filters and globals,
+the tokenizer's special tokens as variables), without importing transformers.
+
+Tested for equality against transformers (tests/unit/test_chat_template.py).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+
+from surge.errors import ConfigError, InvalidInput
+
+_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _token_str(value) -> str | None:
+    if isinstance(value, dict):  # AddedToken serialized
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str):
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # jinja's own tojson escapes HTML characters; transformers' does not
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.now().strftime(fmt)
+
+    class TemplateNamespace(jinja2.utils.Namespace):
+        def __init__(*args, **kwargs):
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                TemplateNamespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            TemplateNamespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"chat templates cannot set {name!r} on a namespace")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    env.globals["dict"] = dict
+    env.globals["namespace"] = TemplateNamespace
+    return env.from_string(template)
+
+
+class ChatTemplate:
+    def __init__(self, template: str, special_tokens: dict[str, str]):
+        self.template = template
+        self.special_tokens = special_tokens
+        _compile(template)  # a syntax error is a startup error
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ChatTemplate | None":
+        path = Path(path)
+        cfg_file = path / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        jinja_file = path / "chat_template.jinja"  # where transformers >= 4.50 saves it
+        if jinja_file.is_file():
+            template = jinja_file.read_text()
+        if not template:
+            return None
+        special = {k: s for k in _SPECIAL if (s := _token_str(cfg.get(k))) is not None}
+        try:
+            return cls(template, special)
+        except Exception as exc:
+            raise ConfigError(f"{path}: invalid chat template ({exc})") from exc
+
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True, tools=None, documents=None,
+               **kwargs) -> str:
+        import jinja2
+
+        chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        try:
+            return _compile(self.template).render(messages=chat, tools=tools, documents=documents,
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  **{**self.special_tokens, **kwargs})
+        except jinja2.exceptions.TemplateError as exc:
+            raise InvalidInput(f"chat template: {exc}", param="messages") from None

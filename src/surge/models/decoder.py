@@ -1,0 +1,242 @@
+"""Decoder-only (causal LM) Hugging Face directories: GPT-2 and the Llama / Qwen2 family.
+
+`load_decoder_config` reads config.json into one normalized DecoderConfig (the
+two families differ in norms, MLP, positions and attention layout; the engine
+switches on `arch`), `load_decoder_weights` reads the safetensors into one
+naming scheme, so the engine never sees checkpoint names. Anything else that
+calls itself a causal LM is refused at startup with the list of what is
+supported.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from surge.errors import ConfigError
+
+# model_type -> engine family
+SUPPORTED = {"gpt2": "gpt2", "llama": "llama", "qwen2": "llama", "mistral": "llama"}
+_CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+
+
+def is_decoder_config(config: dict) -> bool:
+    """A causal-LM config (what issue 17 calls task 'generate')."""
+    archs = config.get("architectures") or []
+    if any(a.endswith(_CAUSAL_SUFFIXES) for a in archs):
+        return True
+    return not archs and config.get("model_type") in SUPPORTED
+
+
+def is_decoder_dir(path: str | Path) -> bool:
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        return False
+    try:
+        return is_decoder_config(json.loads(file.read_text()))
+    except (OSError, ValueError):
+        return False
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    arch: str  # "gpt2" | "llama"
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_positions: int
+    norm_eps: float
+    qkv_bias: bool
+    tie_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    rope: dict = field(default_factory=dict)  # rope_type, rope_theta and the scaling fields
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def _rope_params(cfg: dict) -> dict:
+    # transformers >= 5 writes `rope_parameters`; older configs have rope_theta + rope_scaling.
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    params.setdefault("rope_theta", float(cfg.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type") or params.get("type") or "default"
+    params["rope_type"] = kind
+    if kind not in ("default", "linear", "dynamic", "llama3", "yarn"):
+        raise ConfigError(f"rope scaling type {kind!r} is not supported (default, linear, dynamic, llama3, yarn)")
+    params["partial_rotary_factor"] = float(cfg.get("partial_rotary_factor", 1.0))
+    return params
+
+
+def load_decoder_config(path: str | Path) -> DecoderConfig:
+    path = Path(path)
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: cannot read config.json ({exc})") from exc
+    model_type = cfg.get("model_type", "")
+    if model_type not in SUPPORTED:
+        archs = ", ".join(cfg.get("architectures") or [model_type or "?"])
+        raise ConfigError(f"{path}: decoder architecture {archs} (model_type {model_type!r}) is not supported; "
+                          f"supported: {', '.join(sorted(SUPPORTED))}")
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    if SUPPORTED[model_type] == "gpt2":
+        hidden = int(cfg["n_embd"])
+        heads = int(cfg["n_head"])
+        if cfg.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
+            raise ConfigError(f"{path}: activation {cfg.get('activation_function')!r} is not supported")
+        return DecoderConfig(
+            arch="gpt2", model_type=model_type, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+            num_layers=int(cfg["n_layer"]), num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
+            intermediate_size=int(cfg.get("n_inner") or 4 * hidden), max_positions=int(cfg["n_positions"]),
+            norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)), qkv_bias=True,
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", True)), eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"), rope={"activation": cfg.get("activation_function", "gelu_new")})
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"{path}: hidden_act {cfg.get('hidden_act')!r} is not supported (silu)")
+    if cfg.get("use_sliding_window"):
+        raise ConfigError(f"{path}: sliding-window attention is not supported")
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    return DecoderConfig(
+        arch="llama", model_type=model_type, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+        num_layers=int(cfg["num_hidden_layers"]), num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads), intermediate_size=int(cfg["intermediate_size"]),
+        max_positions=int(cfg.get("max_position_embeddings", 2048)), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        # Qwen2 has biases on q/k/v and none elsewhere; Llama has `attention_bias`.
+        qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), eos_token_ids=eos_ids,
+        bos_token_id=cfg.get("bos_token_id"), rope=_rope_params(cfg))
+
+
+def rope_inv_freq(cfg: DecoderConfig):
+    """(inv_freq [head_dim/2], attention scaling of cos/sin) as transformers computes them."""
+    import torch
+
+    p = cfg.rope
+    dim = int(cfg.head_dim * p.get("partial_rotary_factor", 1.0))
+    base = float(p["rope_theta"])
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    kind = p["rope_type"]
+    scale = 1.0
+    if kind == "linear":
+        inv = inv / float(p["factor"])
+    elif kind == "llama3":
+        factor, low, high = float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"])
+        old = float(p["original_max_position_embeddings"])
+        low_wl, high_wl = old / low, old / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wl, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
+        inv = torch.where(medium, smoothed, scaled)
+    elif kind == "yarn":
+        factor = float(p["factor"])
+        old = float(p.get("original_max_position_embeddings") or cfg.max_positions)
+        if p.get("original_max_position_embeddings") and cfg.max_positions / old != factor:
+            factor = cfg.max_positions / old  # transformers' rule when both are given
+        mscale, mscale_all = p.get("mscale"), p.get("mscale_all_dim")
+
+        def get_mscale(s, m=1.0):
+            return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+
+        att = p.get("attention_factor")
+        if att is None:
+            att = get_mscale(factor, mscale) / get_mscale(factor, mscale_all) if mscale and mscale_all \
+                else get_mscale(factor)
+        scale = float(att)
+        beta_fast, beta_slow = float(p.get("beta_fast") or 32), float(p.get("beta_slow") or 1)
+
+        def corr_dim(rot):
+            return (dim * math.log(old / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+        lo, hi = corr_dim(beta_fast), corr_dim(beta_slow)
+        if p.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, dim - 1)
+        if lo == hi:
+            hi += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+        pos = base ** (torch.arange(0, dim, 2).float() / dim)
+        inter, extra = 1.0 / (factor * pos), 1.0 / pos
+        extra_factor = 1 - ramp
+        inv = inter * (1 - extra_factor) + extra * extra_factor
+    # "dynamic" (NTK) equals the default within the original context, the only range served here.
+    return inv.float(), scale
+
+
+def _open_safetensors(path: Path):
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{path}: no *.safetensors weights (only safetensors checkpoints are loaded)")
+    return files
+
+
+def load_decoder_weights(path: str | Path, cfg: DecoderConfig, dtype, device="cpu") -> dict:
+    """Weights under the engine's names: embed, pos_embed, lm_head, final_norm(.bias), and per layer
+    `l{i}.` + attn_norm, qkv(.bias), o(.bias), mlp_norm, up_gate | fc_in, down | fc_out (Linear layout
+    [out, in]); q/k/v and gate/up are concatenated so one GEMM computes them."""
+    import torch
+    from safetensors import safe_open
+
+    path = Path(path)
+    raw: dict[str, torch.Tensor] = {}
+    for file in _open_safetensors(path):
+        with safe_open(str(file), framework="pt") as fh:
+            for key in fh.keys():
+                raw[key.removeprefix("model.").removeprefix("transformer.")] = fh.get_tensor(key)
+
+    def take(name: str):
+        if name not in raw:
+            raise ConfigError(f"{path}: weight {name!r} missing from the checkpoint")
+        return raw[name]
+
+    out: dict[str, torch.Tensor] = {}
+    if cfg.arch == "gpt2":
+        out["embed"] = take("wte.weight")
+        out["pos_embed"] = take("wpe.weight")
+        out["final_norm"], out["final_norm.bias"] = take("ln_f.weight"), take("ln_f.bias")
+        for i in range(cfg.num_layers):
+            p = f"h.{i}."
+            # GPT-2's Conv1D stores [in, out]: transpose to Linear's [out, in].
+            out[f"l{i}.attn_norm"], out[f"l{i}.attn_norm.bias"] = take(p + "ln_1.weight"), take(p + "ln_1.bias")
+            out[f"l{i}.qkv"], out[f"l{i}.qkv.bias"] = take(p + "attn.c_attn.weight").t(), take(p + "attn.c_attn.bias")
+            out[f"l{i}.o"], out[f"l{i}.o.bias"] = take(p + "attn.c_proj.weight").t(), take(p + "attn.c_proj.bias")
+            out[f"l{i}.mlp_norm"], out[f"l{i}.mlp_norm.bias"] = take(p + "ln_2.weight"), take(p + "ln_2.bias")
+            out[f"l{i}.fc_in"], out[f"l{i}.fc_in.bias"] = take(p + "mlp.c_fc.weight").t(), take(p + "mlp.c_fc.bias")
+            out[f"l{i}.fc_out"], out[f"l{i}.fc_out.bias"] = take(p + "mlp.c_proj.weight").t(), take(p + "mlp.c_proj.bias")
+        lm_head = raw.get("lm_head.weight")
+    else:
+        out["embed"] = take("embed_tokens.weight")
+        out["final_norm"] = take("norm.weight")
+        for i in range(cfg.num_layers):
+            p = f"layers.{i}."
+            out[f"l{i}.attn_norm"] = take(p + "input_layernorm.weight")
+            out[f"l{i}.mlp_norm"] = take(p + "post_attention_layernorm.weight")
+            out[f"l{i}.qkv"] = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            if cfg.qkv_bias:
+                out[f"l{i}.qkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            out[f"l{i}.o"] = take(p + "self_attn.o_proj.weight")
+            out[f"l{i}.up_gate"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            out[f"l{i}.down"] = take(p + "mlp.down_proj.weight")
+        lm_head = raw.get("lm_head.weight")
+    tied = lm_head is None or cfg.tie_embeddings
+    if not tied:
+        out["lm_head"] = lm_head
+    out = {k: v.to(device=device, dtype=dtype).contiguous() for k, v in out.items()}
+    if tied:
+        out["lm_head"] = out["embed"]  # one copy in memory
+    return out

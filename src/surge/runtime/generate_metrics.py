@@ -1,0 +1,88 @@
+"""Prometheus metrics of generation, per model and version, on the runtime's registry."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from surge.runtime.metrics import default_registry
+
+_TTFT = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+_ITL = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+_lock = threading.Lock()
+_families: "weakref.WeakKeyDictionary[CollectorRegistry, dict]" = weakref.WeakKeyDictionary()
+
+
+def _make(registry: CollectorRegistry) -> dict:
+    labels = ("model", "version")
+    return {
+        "ttft": Histogram("surge_generate_time_to_first_token_seconds", "Time to first token.", labels,
+                          buckets=_TTFT, registry=registry),
+        "itl": Histogram("surge_generate_inter_token_latency_seconds", "Time between output tokens of a stream.",
+                         labels, buckets=_ITL, registry=registry),
+        "output": Counter("surge_generate_output_tokens", "Output tokens generated (rate: tokens/s).", labels,
+                          registry=registry),
+        "prompt": Counter("surge_generate_prompt_tokens", "Prompt tokens received.", labels, registry=registry),
+        "requests": Counter("surge_generate_requests", "Generation requests by finish reason.",
+                            (*labels, "finish_reason"), registry=registry),
+        "running": Gauge("surge_generate_running_sequences", "Sequences in the running batch.", labels,
+                         registry=registry),
+        "waiting": Gauge("surge_generate_waiting_sequences", "Sequences waiting for KV blocks.", labels,
+                         registry=registry),
+        "kv": Gauge("surge_generate_kv_cache_usage_ratio", "Share of KV cache blocks in use.", labels,
+                    registry=registry),
+        "prefix_queried": Counter("surge_generate_prefix_cache_queried_tokens",
+                                  "Prompt tokens looked up in the prefix cache.", labels, registry=registry),
+        "prefix_hit": Counter("surge_generate_prefix_cache_hit_tokens",
+                              "Prompt tokens found in the prefix cache (hit rate: hit / queried).", labels,
+                              registry=registry),
+        "preempt": Counter("surge_generate_preemptions", "Sequences preempted for KV blocks.", labels,
+                           registry=registry),
+        "cache_hits": Counter("surge_generate_cache_hits", "Requests answered from the generation cache.", labels,
+                              registry=registry),
+    }
+
+
+class GenerateMetrics:
+    def __init__(self, model: str, version: str, registry: CollectorRegistry | None = None):
+        registry = registry or default_registry()
+        with _lock:
+            fam = _families.get(registry)
+            if fam is None:
+                fam = _families[registry] = _make(registry)
+        lab = {"model": model, "version": version}
+        self.ttft = fam["ttft"].labels(**lab)
+        self.itl = fam["itl"].labels(**lab)
+        self.output = fam["output"].labels(**lab)
+        self.prompt = fam["prompt"].labels(**lab)
+        self._requests = fam["requests"]
+        self._lab = lab
+        self.running = fam["running"].labels(**lab)
+        self.waiting = fam["waiting"].labels(**lab)
+        self.kv = fam["kv"].labels(**lab)
+        self.prefix_queried = fam["prefix_queried"].labels(**lab)
+        self.prefix_hit = fam["prefix_hit"].labels(**lab)
+        self.preempt = fam["preempt"].labels(**lab)
+        self.cache_hits = fam["cache_hits"].labels(**lab)
+        self._seen = (0, 0, 0)
+
+    def finished(self, reason: str) -> None:
+        self._requests.labels(**self._lab, finish_reason=reason).inc()
+
+    def engine_state(self, scheduler) -> None:
+        """After a step (engine thread): gauges and the prefix cache's counters."""
+        self.running.set(len(scheduler.running))
+        self.waiting.set(len(scheduler.waiting))
+        b = scheduler.blocks
+        self.kv.set(b.usage)
+        q, h, p = b.queried_tokens, b.hit_tokens, scheduler.preemptions
+        sq, sh, sp = self._seen
+        if q > sq:
+            self.prefix_queried.inc(q - sq)
+        if h > sh:
+            self.prefix_hit.inc(h - sh)
+        if p > sp:
+            self.preempt.inc(p - sp)
+        self._seen = (q, h, p)

@@ -1,0 +1,408 @@
+"""The async face of one served decoder model: generate and stream.
+
+Requests become Sequences handed to one engine thread that runs the iteration
+loop (schedule -> engine step -> update) while there is work and sleeps on an
+event otherwise. Each step's sampled tokens go back to the event loop in one
+call; each request's own coroutine detokenizes, applies stop strings and
+yields deltas. A request that ends early (client gone, deadline, stop string)
+aborts its sequence: the engine thread frees its KV blocks before the next
+step. Greedy and seeded requests are answered from a bounded cache of finished
+generations (keyed by version, prompt ids and parameters), streamed as they
+were first streamed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import sys
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator
+
+from surge.errors import DeadlineExceeded, EngineError, InvalidInput, NotReady, Overloaded
+from surge.runtime.detok import TextState
+from surge.runtime.generate_metrics import GenerateMetrics
+from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
+
+log = logging.getLogger("surge.generate")
+
+
+@dataclass
+class GenerationConfig:
+    """Generation settings of one decoder model (defaults in code; model.yaml may override)."""
+
+    block_size: int = 16
+    kv_cache_tokens: int | None = None  # default: 32k tokens on the CPU, 256k on a GPU
+    max_num_seqs: int = 64  # running at once (also the largest CUDA-graph bucket)
+    max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_waiting: int = 256  # queued sequences above which new requests get 429
+    prefix_caching: bool = True
+    cuda_graphs: bool = True
+    cache_entries: int = 1024  # finished greedy / seeded generations kept (0: off)
+    default_max_tokens: int = 256
+
+    @classmethod
+    def from_env(cls, env=None, **overrides) -> "GenerationConfig":
+        """Defaults, then SURGE_GENERATION_<FIELD> variables (read when a model loads), then `overrides`."""
+        import dataclasses
+        import os
+
+        env = os.environ if env is None else env
+        values = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(f"SURGE_GENERATION_{f.name.upper()}")
+            if raw is None:
+                continue
+            kind = str(f.type)
+            if "bool" in kind:
+                values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
+            elif raw.strip().lower() in ("", "none"):
+                values[f.name] = None
+            else:
+                values[f.name] = int(raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict] | None = None  # per token: {"token", "logprob", "top": [(token, logprob)]}
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached: bool = False
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: list[dict] | None = None
+    cached: bool = False
+
+
+@dataclass(eq=False)
+class _Handle:
+    """The event-loop side of one sequence: events the engine thread delivered, and the
+    future its coroutine sleeps on (no task or queue per token)."""
+
+    seq: Sequence
+    events: list = field(default_factory=list)
+    waiter: asyncio.Future | None = None
+    done: bool = False
+
+    def push(self, ev) -> None:
+        self.events.append(ev)
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def expire(self) -> None:
+        self.push(DeadlineExceeded("generation did not finish within the request deadline"))
+
+
+class GenerateService:
+    task = "generate"
+    kind = "hf"
+
+    def __init__(self, name: str, version: str, path: Path, engine, tokenizer, chat_template=None,
+                 config: GenerationConfig | None = None, request_timeout_s: float = 30.0, metrics_registry=None):
+        self.name = name
+        self.version = version
+        self.path = Path(path)
+        self.engine = engine
+        self.tokenizer = tokenizer  # tokenizers.Tokenizer
+        self.chat_template = chat_template
+        self.config = config or GenerationConfig()
+        self.request_timeout_s = request_timeout_s
+        self.ready = False
+        self.loaded_at = time.time()
+        c = self.config
+        caps = engine.capabilities
+        self.max_model_len = caps.max_model_len
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_blocks=caps.num_blocks, block_size=caps.block_size, max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=max(c.max_num_batched_tokens, c.max_num_seqs), max_model_len=caps.max_model_len,
+            prefix_caching=c.prefix_caching), eos_token_ids=engine.cfg.eos_token_ids)
+        self.metrics = GenerateMetrics(name, version, metrics_registry)
+        self._ids = itertools.count(1)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._closed = False
+        self._pending = 0  # submitted, not yet taken by the engine thread
+        self._handles: dict[int, _Handle] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._cache: OrderedDict[tuple, list[Delta]] = OrderedDict()
+        self.steps = 0
+        self.busy_s = 0.0  # time inside engine.step (the rest of a step is scheduling and hand-off)
+        # The engine thread gives up the GIL at every device sync and wake-up; with the default 5 ms
+        # switch interval it can then wait that long behind the event loop's per-token work, which is a
+        # decode step's whole budget. A shorter interval bounds that wait (process-wide, cheap).
+        if sys.getswitchinterval() > 0.0005:
+            sys.setswitchinterval(0.0005)
+        self._thread = threading.Thread(target=self._run, name=f"surge-{name}-generate", daemon=True)
+        self._thread.start()
+
+    # -- what the protocol layers use --------------------------------------------------------------------
+    @property
+    def spec(self):
+        return self.engine.cfg
+
+    def mark_ready(self) -> None:
+        self.ready = True
+
+    def kserve_metadata(self, versions: list[str]) -> dict:
+        """KServe model metadata: the generate extension's tensors (Triton's names)."""
+        caps = self.engine.capabilities
+        return {"name": self.name, "versions": versions, "platform": f"surge_{caps.device}", "task": self.task,
+                "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1]}],
+                "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [1]}]}
+
+    async def warmup_request(self) -> None:
+        """One short generation through the whole path (the repository calls it before traffic)."""
+        prompt = self.encode("surge warm-up") or [0]
+        await self.generate(prompt[: max(1, self.max_model_len // 2)],
+                            SamplingParams(max_tokens=2, temperature=0.7, ignore_eos=True))
+
+    async def embed(self, *args, **kwargs):
+        raise InvalidInput(f"model '{self.name}' serves task 'generate', not 'embed'", param="model")
+
+    def encode(self, text: str, *, special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=special).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def render_chat(self, messages: list[dict], **kwargs) -> str:
+        if self.chat_template is None:
+            raise InvalidInput(f"model '{self.name}' has no chat template; use /v1/completions", param="messages")
+        return self.chat_template.render(messages, **kwargs)
+
+    def check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise InvalidInput("the prompt is empty", param="prompt")
+        if len(ids) >= self.max_model_len:
+            raise InvalidInput(f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} "
+                               "tokens, prompt and output", param="prompt")
+        vocab = self.engine.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidInput(f"token ids must be in [0, {vocab})", param="prompt")
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, *,
+                       deadline: float | None = None) -> GenerationResult:
+        text, ids, logprobs, last = [], [], [], None
+        async for d in self.stream(prompt_ids, params, deadline=deadline):
+            text.append(d.text)
+            ids.extend(d.token_ids)
+            if d.logprobs:
+                logprobs.extend(d.logprobs)
+            last = d
+        return GenerationResult("".join(text), ids, last.finish_reason, last.prompt_tokens, last.completion_tokens,
+                                logprobs if params.logprobs is not None else None, last.cached)
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams, *,
+                     deadline: float | None = None) -> AsyncIterator[Delta]:
+        """Deltas of text and tokens; the last one has finish_reason and the token counts."""
+        if not self.ready or self._closed:
+            raise NotReady(f"model '{self.name}' is not ready")
+        self.check_prompt(prompt_ids)
+        deadline = deadline or time.monotonic() + self.request_timeout_s
+        key = (self.version, tuple(prompt_ids), params.key()) if params.deterministic and self.config.cache_entries \
+            else None
+        if key is not None and key in self._cache:
+            self._cache.move_to_end(key)
+            self.metrics.cache_hits.inc()
+            for d in self._cache[key]:
+                yield Delta(d.text, d.token_ids, d.logprobs, d.finish_reason, d.prompt_tokens, d.completion_tokens,
+                            cached=True)
+            return
+        if len(self.scheduler.waiting) + self._pending >= self.config.max_waiting:
+            raise Overloaded(f"model '{self.name}': {self.config.max_waiting} requests already wait for KV cache "
+                             "space", retry_after=1.0)
+        self._loop = self._loop or asyncio.get_running_loop()
+        seq = Sequence(next(self._ids), list(prompt_ids), params, time.monotonic())
+        handle = _Handle(seq)
+        self._handles[seq.seq_id] = handle
+        self._pending += 1
+        self._inbox.put(("add", seq))
+        self._wake.set()
+        self.metrics.prompt.inc(len(prompt_ids))
+        state = TextState(self.decode, params.stop)
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.engine.cfg.eos_token_ids))
+        recorded: list[Delta] = []
+        start = last = time.monotonic()
+        n_out = 0
+        timer = self._loop.call_at(self._loop.time() + max(0.0, deadline - time.monotonic()), handle.expire)
+        try:
+            while True:
+                while not handle.events:
+                    handle.waiter = self._loop.create_future()
+                    await handle.waiter
+                events, handle.events = handle.events, []
+                text, tokens, lps, finish = [], [], [], None
+                now = time.monotonic()
+                for ev in events:
+                    if isinstance(ev, Exception):
+                        raise ev
+                    token, out, finish = ev
+                    # tokens that arrive together reach the client together: one gap, then zeros
+                    (self.metrics.ttft if n_out == 0 else self.metrics.itl).observe(
+                        now - (start if n_out == 0 else last))
+                    last = now
+                    n_out += 1
+                    tokens.append(token)
+                    if finish == "stop" and token in stops:
+                        text.append(state.flush())  # the stop token itself is not text
+                    else:
+                        text.append(state.add(token, final=finish is not None))
+                    if state.stopped and finish is None:
+                        finish = "stop"
+                        self._abort(handle, "stop")
+                    if finish is not None:
+                        text.append(state.flush())
+                    if params.logprobs is not None and out is not None:
+                        lps.append({"token_id": token, "token": self.decode([token]), "logprob": out.logprob,
+                                    "top": [(self.decode([t]), v, t) for t, v in (out.top or [])]})
+                    if finish is not None:
+                        break
+                self.metrics.output.inc(len(tokens))
+                d = Delta("".join(text), tokens, lps if params.logprobs is not None else None, finish,
+                          len(prompt_ids), n_out)
+                if key is not None:
+                    recorded.append(d)
+                yield d
+                if finish is not None:
+                    handle.done = True
+                    self.metrics.finished(finish)
+                    if key is not None:
+                        self._remember(key, recorded)
+                    return
+        finally:
+            timer.cancel()
+            if not handle.done:
+                handle.done = True
+                self._abort(handle, "abort")
+                self.metrics.finished("abort")
+            self._handles.pop(seq.seq_id, None)
+
+    def _remember(self, key, deltas: list[Delta]) -> None:
+        self._cache[key] = deltas
+        while len(self._cache) > self.config.cache_entries:
+            self._cache.popitem(last=False)
+
+    def _abort(self, handle: _Handle, reason: str) -> None:
+        self._inbox.put(("abort", handle.seq, reason))
+        self._wake.set()
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {"running": len(s.running), "waiting": len(s.waiting), "kv_usage": s.blocks.usage,
+                "free_blocks": s.blocks.num_free, "prefix_hit_tokens": s.blocks.hit_tokens,
+                "prefix_queried_tokens": s.blocks.queried_tokens, "preemptions": s.preemptions, "steps": self.steps}
+
+    async def close(self) -> None:
+        self.ready = False
+        self._closed = True
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join, 10.0)
+
+    # -- the engine thread -------------------------------------------------------------------------------
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "add":
+                self._pending -= 1
+                try:
+                    self.scheduler.add(msg[1])
+                except ValueError as exc:
+                    self._deliver_error(msg[1], InvalidInput(str(exc), param="prompt"))
+            else:
+                self.scheduler.abort(msg[1], msg[2])
+                self.engine.forget(msg[1].seq_id)
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._drain_inbox()
+            if not self.scheduler.has_work:
+                self.metrics.engine_state(self.scheduler)
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            scheduled = self.scheduler.schedule()
+            if not scheduled:  # nothing fits now (cannot happen while something runs); wait for a change
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                t0 = time.perf_counter()
+                outs = self.engine.step(scheduled)
+                self.busy_s += time.perf_counter() - t0
+            except Exception as exc:  # the batch's requests fail; the service keeps serving
+                log.exception("generation step failed")
+                err = EngineError(f"generation failed: {type(exc).__name__}: {exc}")
+                for s in scheduled:
+                    self.scheduler.abort(s.seq, "error")
+                    self._deliver_error(s.seq, err)
+                continue
+            finished = {f.seq.seq_id: f.reason for f in self.scheduler.update(scheduled, {k: o.token for k, o in outs.items()})}
+            self.steps += 1
+            events = []
+            for sid, out in outs.items():
+                events.append((sid, (out.token, out, finished.get(sid))))
+                if sid in finished:
+                    self.engine.forget(sid)
+            if events and self._loop is not None:
+                self._loop.call_soon_threadsafe(self._deliver, events)
+            self.metrics.engine_state(self.scheduler)
+        for s in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.scheduler.abort(s, "abort")
+            self._deliver_error(s, NotReady(f"model '{self.name}' was unloaded"))
+
+    def _deliver(self, events) -> None:
+        for sid, ev in events:
+            h = self._handles.get(sid)
+            if h is not None and not h.done:
+                h.push(ev)
+
+    def _deliver_error(self, seq: Sequence, err: Exception) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._deliver, [(seq.seq_id, err)])
+
+
+def load_generate_service(path: Path, name: str, version: str = "1", *, device: str = "cpu",
+                          precision: str | None = None, threads: int = 0, config: GenerationConfig | None = None,
+                          request_timeout_s: float = 30.0) -> GenerateService:
+    """A decoder directory -> a warmed-up GenerateService (the caller marks it ready)."""
+    from tokenizers import Tokenizer
+
+    from surge.engines.decoder import DecoderEngine
+    from surge.errors import ConfigError
+    from surge.models.chat_template import ChatTemplate
+
+    config = config or GenerationConfig()
+    path = Path(path)
+    if not (path / "tokenizer.json").is_file():
+        raise ConfigError(f"{path}: tokenizer.json missing (a fast tokenizer file is required)")
+    dtype = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "auto": None, None: None}.get(precision, precision)
+    engine = DecoderEngine(path, device=device, dtype=dtype, block_size=config.block_size,
+                           kv_cache_tokens=config.kv_cache_tokens, max_num_seqs=config.max_num_seqs,
+                           max_model_len=config.max_model_len, cuda_graphs=config.cuda_graphs, threads=threads)
+    engine.warmup()
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    return GenerateService(name, version, path, engine, tokenizer, ChatTemplate.from_dir(path), config,
+                           request_timeout_s=request_timeout_s)

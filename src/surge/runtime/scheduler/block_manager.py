@@ -1,0 +1,126 @@
+"""The paged KV cache's bookkeeping: fixed-size blocks, reference counts, prefix cache.
+
+A block holds `block_size` tokens' K/V for every layer (the engine owns the
+memory; this class only hands out block numbers). A full block is named by a
+chained hash of its tokens and of every token before it, so two sequences with
+the same prefix (the assistant's system prompt) share the blocks: the second
+one starts with those tokens already computed. Freed blocks keep their hash
+and contents until they are reused, least recently freed first, so a prefix
+stays cached while memory allows.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from surge.runtime.scheduler.sequence import Sequence
+
+_ROOT = 0x5EED
+
+
+def chain_hash(parent: int, tokens) -> int:
+    return hash((parent, tuple(tokens)))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self.ref = [0] * num_blocks
+        self.hash_of: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # chained hash -> block
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.queried_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.hit_tokens = 0  # of those, found
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- admission ---------------------------------------------------------------------------------
+    def allocate_prefix(self, seq: Sequence) -> None:
+        """Give a new (or preempted) sequence the cached blocks of its longest known prefix.
+        At least one token is left to compute: its logits give the next token."""
+        bs = self.block_size
+        seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
+        if not self.prefix_caching:
+            return
+        parent = _ROOT
+        usable = (seq.num_tokens - 1) // bs
+        for i in range(usable):
+            h = chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            block = self.cached.get(h)
+            if block is None:
+                break
+            self._acquire(block)
+            seq.block_table.append(block)
+            seq.block_hashes.append(h)
+            parent = h
+        seq.num_computed = len(seq.block_table) * bs
+        seq.num_cached_prompt = seq.num_computed
+
+    def _acquire(self, block: int) -> None:
+        if self.ref[block] == 0:
+            del self.free[block]
+        self.ref[block] += 1
+
+    def ensure(self, seq: Sequence, num_tokens: int) -> bool:
+        """Blocks for the first `num_tokens` tokens of `seq`; False (nothing taken) if memory is short."""
+        need = self.blocks_for(num_tokens) - len(seq.block_table)
+        if need <= 0:
+            return True
+        if need > len(self.free):
+            return False
+        for _ in range(need):
+            block, _ = self.free.popitem(last=False)  # least recently freed
+            old = self.hash_of[block]
+            if old is not None:  # evicted from the prefix cache
+                if self.cached.get(old) == block:
+                    del self.cached[old]
+                self.hash_of[block] = None
+            self.ref[block] = 1
+            seq.block_table.append(block)
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        """Name the blocks that became full (computed) so later sequences can share them."""
+        if not self.prefix_caching:
+            return
+        bs = self.block_size
+        full = min(seq.num_computed, seq.num_tokens) // bs
+        parent = seq.block_hashes[-1] if seq.block_hashes else _ROOT
+        for i in range(len(seq.block_hashes), full):
+            h = chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            block = seq.block_table[i]
+            if h not in self.cached:
+                self.cached[h] = block
+                self.hash_of[block] = h
+            seq.block_hashes.append(h)
+            parent = h
+
+    def release(self, seq: Sequence) -> None:
+        """Give back a sequence's blocks (finished, aborted or preempted). The tail goes
+        first into the free list, so it is reused before the shared head."""
+        for block in reversed(seq.block_table):
+            self.ref[block] -= 1
+            if self.ref[block] == 0:
+                self.free[block] = None
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed = 0
+
+    def check(self) -> None:
+        """Invariants (for tests): free blocks have no references, counts add up."""
+        assert all(self.ref[b] == 0 for b in self.free)
+        assert sum(1 for r in self.ref if r > 0) + len(self.free) == self.num_blocks
+        assert all(r >= 0 for r in self.ref)

@@ -1,0 +1,69 @@
+"""Per-request sampling parameters (OpenAI's names), validated once at the edge."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from surge.errors import InvalidInput
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0: greedy
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # transformers' rule, over prompt and output
+    presence_penalty: float = 0.0  # OpenAI's rules, over the output
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top log-probabilities per output token (0: only the chosen one's)
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise InvalidInput("max_tokens must be at least 1", param="max_tokens")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise InvalidInput("temperature must be between 0 and 100", param="temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidInput("top_p must be in (0, 1]", param="top_p")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidInput("min_p must be in [0, 1]", param="min_p")
+        if self.top_k < -1:
+            raise InvalidInput("top_k must be -1, 0 (off) or positive", param="top_k")
+        if self.repetition_penalty <= 0:
+            raise InvalidInput("repetition_penalty must be positive", param="repetition_penalty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidInput(f"{name} must be between -2 and 2", param=name)
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise InvalidInput("top_logprobs / logprobs must be between 0 and 20", param="logprobs")
+        if any(not s for s in self.stop):
+            raise InvalidInput("stop strings must not be empty", param="stop")
+        if len(self.stop) > 16:
+            raise InvalidInput("at most 16 stop strings are allowed", param="stop")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def deterministic(self) -> bool:
+        """Same prompt + params -> same answer: what the generation cache may store."""
+        return self.greedy or self.seed is not None
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def key(self) -> tuple:
+        d = asdict(self)
+        d.pop("extra")
+        if self.greedy:  # these do not change a greedy answer
+            for k in ("temperature", "top_k", "top_p", "min_p", "seed"):
+                d.pop(k)
+        return tuple(sorted(d.items()))

@@ -1,0 +1,47 @@
+"""One generation request as the scheduler sees it: tokens, progress, KV blocks."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from surge.runtime.scheduler.params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = 0.0
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks computed
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_cached_prompt: int = 0  # of those, found in the prefix cache at admission
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    preemptions: int = 0
+
+    def __post_init__(self):
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    def append(self, token: int) -> None:
+        self.token_ids.append(token)
+        self.output_ids.append(token)

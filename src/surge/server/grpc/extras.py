@@ -1,0 +1,123 @@
+"""Triton's gRPC extras on the KServe servicer: ModelStreamInfer (bidirectional
+streaming), LogSettings, TraceSetting and the shared-memory RPCs.
+
+ModelStreamInfer: each request on the stream runs as soon as it arrives (up to
+STREAM_INFLIGHT at once per stream, then reading waits), through the same path
+as ModelInfer; each response carries its request's id, in completion order, as
+Triton's decoupled streams do. An error belongs to its request: it comes back
+as that response's error_message (naming the request id, since tritonclient's
+stream callback gets only the message) and the stream goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from surge.errors import SurgeError
+from surge.server import triton_settings as settings
+from surge.server.grpc import grpc_service_pb2 as pb
+
+log = logging.getLogger("surge.server")
+STREAM_INFLIGHT = 64
+
+
+def _stream_error(request, message: str) -> pb.ModelStreamInferResponse:
+    text = f"request '{request.id}': {message}" if request.id else message
+    return pb.ModelStreamInferResponse(error_message=text, infer_response=pb.ModelInferResponse(
+        model_name=request.model_name, model_version=request.model_version, id=request.id))
+
+
+def _log_values(entries) -> dict:
+    out = {}
+    for key, value in entries.items():
+        which = value.WhichOneof("parameter_choice")
+        out[key] = None if which is None else getattr(value, which)
+    return out
+
+
+def _log_response(values: dict) -> pb.LogSettingsResponse:
+    resp = pb.LogSettingsResponse()
+    for key, value in values.items():
+        if isinstance(value, bool):
+            resp.settings[key].bool_param = value
+        elif isinstance(value, int):
+            resp.settings[key].uint32_param = value
+        else:
+            resp.settings[key].string_param = value
+    return resp
+
+
+def _trace_response(values: dict) -> pb.TraceSettingResponse:
+    resp = pb.TraceSettingResponse()
+    for key, value in values.items():
+        resp.settings[key].value.extend(value if isinstance(value, list) else [value])
+    return resp
+
+
+class TritonExtras:
+    """Mixed into InferenceServicer: needs `self._infer(request)` and `self.registry`."""
+
+    async def ModelStreamInfer(self, request_iterator, context):
+        out: asyncio.Queue = asyncio.Queue()
+        slots = asyncio.Semaphore(STREAM_INFLIGHT)
+        tasks: set[asyncio.Task] = set()
+
+        async def one(request):
+            try:
+                response = pb.ModelStreamInferResponse(infer_response=await self._infer(request))
+            except SurgeError as exc:
+                response = _stream_error(request, exc.message)
+            except Exception:  # noqa: BLE001 - logged, answered like ModelInfer's catch-all
+                log.exception("unhandled error in gRPC ModelStreamInfer")
+                response = _stream_error(request, "internal server error")
+            finally:
+                slots.release()
+            out.put_nowait(response)
+
+        async def read():
+            try:
+                async for request in request_iterator:
+                    await slots.acquire()
+                    task = asyncio.ensure_future(one(request))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                while tasks:  # the client closed its side: finish what it sent
+                    await asyncio.gather(*list(tasks), return_exceptions=True)
+            finally:
+                out.put_nowait(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while (response := await out.get()) is not None:
+                yield response
+            await reader
+        finally:
+            reader.cancel()
+            for task in list(tasks):  # the client went away: stop its work
+                task.cancel()
+
+    async def LogSettings(self, request, context):
+        return await self._answer(context, lambda: _log_response(
+            settings.update_log_settings(_log_values(request.settings))))
+
+    async def TraceSetting(self, request, context):
+        def run():
+            if request.model_name:
+                self.registry.get(request.model_name)
+            changes = {k: (list(v.value) or None) for k, v in request.settings.items()}
+            return _trace_response(settings.update_trace_settings(changes))
+        return await self._answer(context, run)
+
+    async def _unsupported(self, request, context):
+        return await self._answer(context, settings.shared_memory)
+
+    SystemSharedMemoryStatus = SystemSharedMemoryRegister = SystemSharedMemoryUnregister = _unsupported
+    CudaSharedMemoryStatus = CudaSharedMemoryRegister = CudaSharedMemoryUnregister = _unsupported
+
+    @staticmethod
+    async def _answer(context, build):
+        try:
+            return build()
+        except SurgeError as exc:
+            await context.abort(exc.grpc_code, exc.message)

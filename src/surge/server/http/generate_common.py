@@ -1,0 +1,91 @@
+"""What the generation routes share: model lookup by task, sampling params from a request,
+server-sent events, and answers that stop when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import AsyncIterator
+
+import orjson
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from surge.errors import InvalidInput, SurgeError
+from surge.runtime.scheduler import SamplingParams
+
+
+def generate_model(state, name: str | None, version: str | None = None):
+    service = state.registry.get(name, version)
+    task = getattr(service, "task", "embed")
+    if task != "generate":
+        raise InvalidInput(f"model '{service.name}' serves task '{task}', not 'generate'", param="model")
+    return service
+
+
+def stop_list(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def make_params(service, *, max_tokens, temperature, top_p, top_k=None, min_p=None, seed=None, stop=None,
+                stop_token_ids=None, presence_penalty=None, frequency_penalty=None, repetition_penalty=None,
+                ignore_eos=None, logprobs=None) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens if max_tokens is not None else service.config.default_max_tokens,
+        temperature=1.0 if temperature is None else float(temperature),
+        top_p=1.0 if top_p is None else float(top_p), top_k=top_k or 0, min_p=min_p or 0.0, seed=seed,
+        stop=stop_list(stop), stop_token_ids=tuple(stop_token_ids or ()),
+        presence_penalty=presence_penalty or 0.0, frequency_penalty=frequency_penalty or 0.0,
+        repetition_penalty=repetition_penalty or 1.0, ignore_eos=bool(ignore_eos), logprobs=logprobs)
+
+
+def deadline_for(state) -> float:
+    return time.monotonic() + state.config.limits.request_timeout_s
+
+
+async def until_disconnect(request: Request, work):
+    """Await `work`, cancelled at once if the client disconnects (its KV blocks are then freed)."""
+    task = asyncio.ensure_future(work)
+
+    async def gone():
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise asyncio.CancelledError("client disconnected")
+    finally:
+        watcher.cancel()
+
+
+def sse(obj) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+async def sse_response(first, rest: AsyncIterator[bytes], render_error, done: bool = True) -> StreamingResponse:
+    """`first` is the first event (computed before answering, so that 429 / 400 / 504 keep their status)."""
+
+    async def body():
+        yield first
+        try:
+            async for chunk in rest:
+                yield chunk
+        except SurgeError as exc:  # after the headers: an error event ends the stream
+            yield sse(render_error(exc))
+        if done:
+            yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+

@@ -1,0 +1,268 @@
+"""OpenAI-compatible generation: POST /v1/chat/completions and /v1/completions, streamed or not.
+
+Chat messages are rendered with the model's chat template (as transformers'
+apply_chat_template does) and tokenized without special tokens, since the
+template writes them. Streams are server-sent events ending in `data: [DONE]`;
+with `stream_options.include_usage` the last chunk before it carries the usage.
+Beyond OpenAI's fields, vLLM's `top_k`, `min_p`, `repetition_penalty`,
+`ignore_eos` and `stop_token_ids` are accepted.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal, Union
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+from surge.errors import InvalidInput, PayloadTooLarge
+from surge.server.http.common import ORJSONResponse, parse
+from surge.server.http.generate_common import (deadline_for, generate_model, make_params, sse, sse_response,
+                                               until_disconnect)
+from surge.server.http.openapi import body
+from surge.server.state import AppState
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=1, description="Only 1 is supported.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Union[StrictStr, list[StrictStr], None] = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    user: StrictStr | None = None
+    # extensions (vLLM's names)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[StrictInt] | None = None
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Union[StrictStr, list[TextPart], None] = None
+    name: StrictStr | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+TokenIds = list[StrictInt]
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[StrictStr, list[StrictStr], TokenIds, list[TokenIds]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    suffix: StrictStr | None = None
+
+
+ANSWER_OR_STREAM = {200: {"description": "The answer (JSON), or with `stream` server-sent events ending in "
+                               "`data: [DONE]`", "content": {"application/json": {"schema": {"type": "object"}},
+                                                             "text/event-stream": {"schema": {"type": "string"}}}}}
+
+
+def _messages(req: ChatCompletionRequest) -> list[dict]:
+    out = []
+    for m in req.messages:
+        d = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):  # text parts joined, as most templates expect a string
+            d["content"] = "".join(p.text for p in m.content)
+        out.append(d)
+    return out
+
+
+def _chat_logprobs(items) -> dict | None:
+    if items is None:
+        return None
+    return {"content": [{"token": it["token"], "logprob": it["logprob"], "bytes": list(it["token"].encode()),
+                         "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
+                                          for t, v, _ in it["top"]]} for it in items]}
+
+
+def _completion_logprobs(items, offset0: int = 0) -> dict | None:
+    if items is None:
+        return None
+    offsets, pos = [], offset0
+    for it in items:
+        offsets.append(pos)
+        pos += len(it["token"])
+    return {"tokens": [it["token"] for it in items], "token_logprobs": [it["logprob"] for it in items],
+            "top_logprobs": [{t: v for t, v, _ in it["top"]} for it in items], "text_offset": offsets}
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _error_body(exc) -> dict:
+    return {"error": {"message": exc.message, "type": exc.openai_type, "param": exc.param, "code": exc.code}}
+
+
+def router(state: AppState) -> APIRouter:
+    r = APIRouter()
+    limits = state.config.limits
+
+    @r.post("/v1/chat/completions", openapi_extra=body(ChatCompletionRequest), responses=ANSWER_OR_STREAM)
+    async def chat(request: Request):
+        req = await parse(request, ChatCompletionRequest, limits.max_body_bytes)
+        service = generate_model(state, req.model)
+        prompt = service.render_chat(_messages(req), add_generation_prompt=True)
+        ids = service.encode(prompt, special=False)
+        params = make_params(service, max_tokens=req.max_completion_tokens or req.max_tokens,
+                             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                             seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                             repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos,
+                             logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        deadline = deadline_for(state)
+        if not req.stream:
+            res = await until_disconnect(request, service.generate(ids, params, deadline=deadline))
+            return ORJSONResponse({
+                "id": rid, "object": "chat.completion", "created": created, "model": service.name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": res.text},
+                             "logprobs": _chat_logprobs(res.logprobs), "finish_reason": res.finish_reason}],
+                "usage": _usage(res.prompt_tokens, res.completion_tokens),
+            }, headers={"x-surge-model-version": service.version})
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(delta: dict, finish=None, logprobs=None) -> bytes:
+            c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": service.name,
+                 "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+            if usage:
+                c["usage"] = None
+            return sse(c)
+
+        agen = service.stream(ids, params, deadline=deadline)
+        first = await agen.__anext__()  # errors before any output keep their HTTP status
+
+        async def rest():
+            d = first
+            yield chunk({"role": "assistant", "content": ""})
+            while True:
+                if d.text or d.logprobs:
+                    yield chunk({"content": d.text}, logprobs=_chat_logprobs(d.logprobs))
+                if d.finish_reason is not None:
+                    yield chunk({}, finish=d.finish_reason)
+                    if usage:
+                        yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                   "model": service.name, "choices": [],
+                                   "usage": _usage(d.prompt_tokens, d.completion_tokens)})
+                    return
+                d = await agen.__anext__()
+
+        return await sse_response(b"", _closing(rest(), agen), _error_body)
+
+    @r.post("/v1/completions", openapi_extra=body(CompletionRequest), responses=ANSWER_OR_STREAM)
+    async def completions(request: Request):
+        req = await parse(request, CompletionRequest, limits.max_body_bytes)
+        service = generate_model(state, req.model)
+        if req.suffix:
+            raise InvalidInput("'suffix' is not supported", param="suffix")
+        if req.echo:
+            raise InvalidInput("'echo' is not supported", param="echo")
+        prompts = _prompts(req.prompt, service, limits.max_inputs_per_request)
+        if req.stream and len(prompts) > 1:
+            raise InvalidInput("streaming takes a single prompt", param="prompt")
+        params = make_params(service, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                             top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop,
+                             stop_token_ids=req.stop_token_ids, presence_penalty=req.presence_penalty,
+                             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                             ignore_eos=req.ignore_eos, logprobs=req.logprobs)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        deadline = deadline_for(state)
+        if not req.stream:
+            import asyncio
+
+            results = await until_disconnect(request, asyncio.gather(
+                *(service.generate(p, params, deadline=deadline) for p in prompts)))
+            return ORJSONResponse({
+                "id": rid, "object": "text_completion", "created": created, "model": service.name,
+                "choices": [{"index": i, "text": res.text, "logprobs": _completion_logprobs(res.logprobs),
+                             "finish_reason": res.finish_reason} for i, res in enumerate(results)],
+                "usage": _usage(sum(r.prompt_tokens for r in results), sum(r.completion_tokens for r in results)),
+            }, headers={"x-surge-model-version": service.version})
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(text: str, finish=None, logprobs=None) -> bytes:
+            c = {"id": rid, "object": "text_completion", "created": created, "model": service.name,
+                 "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+            if usage:
+                c["usage"] = None
+            return sse(c)
+
+        agen = service.stream(prompts[0], params, deadline=deadline)
+        first = await agen.__anext__()
+
+        async def rest():
+            d, offset = first, 0
+            while True:
+                if d.text or d.finish_reason is not None or d.logprobs:
+                    yield chunk(d.text, d.finish_reason, _completion_logprobs(d.logprobs, offset))
+                    offset += len(d.text)
+                if d.finish_reason is not None:
+                    if usage:
+                        yield sse({"id": rid, "object": "text_completion", "created": created,
+                                   "model": service.name, "choices": [],
+                                   "usage": _usage(d.prompt_tokens, d.completion_tokens)})
+                    return
+                d = await agen.__anext__()
+
+        return await sse_response(b"", _closing(rest(), agen), _error_body)
+
+    return r
+
+
+async def _closing(gen, inner):
+    """Iterate `gen`; whatever ends it (client gone, error), close the service's stream at once."""
+    try:
+        async for x in gen:
+            yield x
+    finally:
+        await inner.aclose()
+
+
+def _prompts(raw, service, max_inputs: int) -> list[list[int]]:
+    if isinstance(raw, str):
+        items = [raw]
+    elif raw and all(isinstance(x, int) for x in raw):
+        items = [raw]
+    else:
+        items = list(raw)
+    if not items:
+        raise InvalidInput("'prompt' must not be empty", param="prompt")
+    if len(items) > max_inputs:
+        raise PayloadTooLarge(f"'prompt' has {len(items)} items; at most {max_inputs} are allowed", param="prompt")
+    out = []
+    for p in items:
+        ids = service.encode(p) if isinstance(p, str) else list(p)
+        service.check_prompt(ids)
+        out.append(ids)
+    return out

@@ -1,0 +1,116 @@
+"""KServe v2 inference by tensor name (tensor models: kinds onnx, torch, python),
+and Triton's model configuration for every served model.
+
+server/http/kserve.py and server/grpc/servicer.py decode their wire format into
+`InputTensor`s (server/kserve_contract.py, which also checks byte sizes), then
+hand a tensor model's request here; the model's contract check (names,
+datatypes, shapes) is the service's own (runtime/tensor_service.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import time
+
+import numpy as np
+
+from surge.errors import DeadlineExceeded, InvalidInput
+from surge.models.tensor_config import TRITON_TYPE, instance_group
+from surge.server import kserve_contract as contract
+
+
+def is_tensor_model(service) -> bool:
+    return getattr(service, "task", "embed") == "tensor"
+
+
+def to_arrays(tensors: list[contract.InputTensor]) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for t in tensors:
+        if t.name in out:
+            raise InvalidInput(f"input '{t.name}' is given twice", param=t.name)
+        if t.datatype == "BYTES":
+            out[t.name] = np.array(list(t.values), dtype=object).reshape(t.shape) if t.values else \
+                np.empty(t.shape, dtype=object)
+        else:
+            out[t.name] = np.asarray(t.values).reshape(t.shape)
+    return out
+
+
+def datatype_of(array: np.ndarray) -> str:
+    from surge.runtime.tensor_service import datatype_of as dt
+
+    return dt(array)
+
+
+def raw_bytes(array: np.ndarray) -> bytes:
+    """The binary tensor data of one output (BYTES: each element after its 4-byte little-endian length)."""
+    if array.dtype == object:
+        return b"".join(struct.pack("<I", len(v)) + v for v in array.ravel())
+    return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+
+
+def json_data(array: np.ndarray) -> list:
+    if array.dtype == object:
+        return [v.decode("utf-8", errors="replace") for v in array.ravel()]
+    if array.dtype == np.float16:
+        return array.astype(np.float32).ravel().tolist()
+    return array.ravel().tolist()
+
+
+async def run(state, service, inputs: dict[str, np.ndarray], outputs: list[str] | None):
+    """service.infer with the request timeout (504) and the KServe statistics, as AppState.run does for embed."""
+    timeout = state.config.limits.request_timeout_s
+    start = time.perf_counter_ns()
+    try:
+        result = await asyncio.wait_for(service.infer(inputs, outputs), timeout)
+    except asyncio.TimeoutError:
+        state.stats.record_failure(service.name, service.version, time.perf_counter_ns() - start)
+        raise DeadlineExceeded(f"request did not finish within {timeout:g} s") from None
+    except Exception:
+        state.stats.record_failure(service.name, service.version, time.perf_counter_ns() - start)
+        raise
+    state.stats.record_success(service.name, service.version, result, time.perf_counter_ns() - start,
+                               cache_enabled=getattr(service, "cache", None) is not None)
+    return result
+
+
+def check_outputs(outputs: list[tuple[str, dict]]) -> list[str] | None:
+    names = [n for n, _ in outputs]
+    if len(set(names)) != len(names):
+        raise InvalidInput("an output is requested twice")
+    return names or None
+
+
+# ---- Triton model configuration ----------------------------------------------------
+def model_config(service) -> dict:
+    """Triton's ModelConfig (JSON form: proto field names, enum names) for any served model."""
+    if is_tensor_model(service):
+        return service.config.triton_config()
+    # An embedding model: its tensor contract (README "KServe v2") in Triton's terms.
+    batching = getattr(service, "batching", None)
+    caps = service.worker.engines.capabilities
+    max_batch = min(batching.max_batch_size, caps.max_batch) if batching is not None and batching.enabled else 0
+    ids = {"data_type": "TYPE_INT64", "dims": [-1], "optional": True}
+    cfg = {
+        "name": service.name, "platform": f"surge_{caps.device.split(':')[0]}", "backend": "surge",
+        "max_batch_size": max_batch,
+        "input": [{"name": contract.TEXT, "data_type": TRITON_TYPE["BYTES"], "dims": [1], "reshape": {"shape": []},
+                   "optional": True},
+                  {"name": contract.INPUT_IDS, **ids}, {"name": contract.ATTENTION_MASK, **ids}],
+        "output": [{"name": contract.EMBEDDING, "data_type": "TYPE_FP32", "dims": [int(service.dimensions)]}],
+        "instance_group": [instance_group(caps.device, len(service.worker.engines.engines))],
+        "parameters": {"task": {"string_value": getattr(service, "task", "embed")},
+                       "kind": {"string_value": getattr(service, "kind", "hf")}},
+    }
+    if max_batch:
+        cfg["dynamic_batching"] = {"max_queue_delay_microseconds": int(batching.max_queue_delay_ms * 1000)}
+    return cfg
+
+
+def model_config_proto(service):
+    from google.protobuf import json_format
+
+    from surge.server.grpc import grpc_service_pb2 as pb
+
+    return json_format.ParseDict(model_config(service), pb.ModelConfig())

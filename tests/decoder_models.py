@@ -1,0 +1,103 @@
+"""Tiny random-weight decoder models for the generation tests, built like a user would have them:
+transformers configs + save_pretrained, a byte-level BPE tokenizer trained on the shipped sentences
+(tokenizers), and a chat template in tokenizer_config.json."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+# A Qwen2/ChatML-style template (the shape most chat models ship).
+CHATML = (
+    "{%- if messages[0]['role'] != 'system' %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] | trim + "
+    "'<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# A Llama-2-style one: bos_token, raise_exception, loop variables.
+LLAMA2 = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] + eos_token }}{% endif %}{% endfor %}"
+)
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+@lru_cache(maxsize=4)
+def _trained(vocab_size: int) -> str:
+    return _train(vocab_size).to_str()
+
+
+def train_tokenizer(vocab_size: int = 384):
+    """Trained once per process (a second each)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(_trained(vocab_size))
+
+
+def _train(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from surge.data import load_sentences
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    # Only the characters of the text as the alphabet: a random model's output then decodes to
+    # readable text (no stray bytes of split characters).
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False)
+    tok.train_from_iterator(load_sentences(), trainer)
+    return tok
+
+
+def save_tokenizer(tok, out: Path, template: str = CHATML) -> None:
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "unk_token": None, "model_max_length": 512, "chat_template": template,
+        "add_bos_token": False, "clean_up_tokenization_spaces": False,
+    }))
+
+
+def build_model(kind: str, out: Path, *, seed: int = 0, vocab: int = 384, template: str = CHATML, **overrides) -> Path:
+    """kind: gpt2 | llama | qwen2. Weights: seeded random, larger than the default init so that greedy
+    choices are not near-ties (FP32 rounding then never flips a token)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(vocab)
+    eos = tok.token_to_id("<|im_end|>")
+    bos = tok.token_to_id("<|endoftext|>")
+    common = dict(vocab_size=tok.get_vocab_size(), bos_token_id=bos, eos_token_id=eos, pad_token_id=bos)
+    if kind == "gpt2":
+        cfg = GPT2Config(**{**dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, initializer_range=0.08),
+                            **common, **overrides})
+        cls = GPT2LMHeadModel
+    elif kind == "llama":
+        cfg = LlamaConfig(**{**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                    initializer_range=0.08, tie_word_embeddings=False), **common, **overrides})
+        cls = LlamaForCausalLM
+    elif kind == "qwen2":
+        cfg = Qwen2Config(**{**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
+                                    initializer_range=0.08, tie_word_embeddings=True), **common, **overrides})
+        cls = Qwen2ForCausalLM
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    if kind == "qwen2":  # biases start at zero: make them count
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.1)
+    model.save_pretrained(out, safe_serialization=True)
+    save_tokenizer(tok, out, template)
+    return out

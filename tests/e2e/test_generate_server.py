@@ -1,0 +1,298 @@
+"""Generation end to end: a real `surge serve` process with a decoder model, called with the real
+`openai` client (sync, async, streaming) and httpx; answers checked against transformers."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import pytest
+
+torch = pytest.importorskip("torch")
+openai = pytest.importorskip("openai")
+
+from tests.decoder_models import build_model  # noqa: E402
+from tests.server_process import ServerProcess  # noqa: E402
+
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Define assignment."}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    # big enough that a 200-token generation takes far longer than reading two chunks
+    return build_model("qwen2", tmp_path_factory.mktemp("chatmodel") / "chat-qwen", seed=4, hidden_size=128,
+                       intermediate_size=256, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def slow_model_dir(tmp_path_factory):
+    # ~20M parameters: a decode step takes milliseconds, so 200 tokens outlast a 0.3 s deadline many times over
+    return build_model("llama", tmp_path_factory.mktemp("slowmodel") / "slow-llama", seed=5, hidden_size=512,
+                       intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with ServerProcess(str(model_dir), "--threads", "1") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), \
+        AutoTokenizer.from_pretrained(model_dir)
+
+
+def hf_text(hf, ids, n):
+    model, tok = hf
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)[0, len(ids):]
+    return tok.decode(out, skip_special_tokens=True), len(out)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def metric(server, name: str, **labels) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_chat_equals_transformers_with_the_chat_template(client, hf):
+    model, tok = hf
+    ids = tok.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    expected, n = hf_text(hf, ids, 24)
+    r = client.chat.completions.create(model="chat-qwen", messages=CHAT, max_tokens=24, temperature=0)
+    assert r.choices[0].message.content == expected
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == n
+    assert r.choices[0].finish_reason == ("length" if n == 24 else "stop")
+
+
+def test_stream_concatenation_equals_the_answer_and_usage_comes_last(client):
+    whole = client.chat.completions.create(messages=CHAT, model="chat-qwen", max_tokens=30, temperature=0, seed=1,
+                                           frequency_penalty=0.5)
+    chunks = list(client.chat.completions.create(messages=CHAT, model="chat-qwen", max_tokens=30, temperature=0,
+                                                 seed=1, frequency_penalty=0.5, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_async_completions_join_a_running_batch(server, hf):
+    model, tok = hf
+    prompts = ["The assignment", "If a specific method is not defined, the augmented",
+               "For expressions as assignment targets, the annotations are evaluated if in class", "A",
+               "Assignment is defined recursively depending on the form of the target", "Names"]
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        try:
+            jobs = []
+            for i, p in enumerate(prompts):
+                jobs.append(asyncio.create_task(client.completions.create(model="chat-qwen", prompt=p,
+                                                                          max_tokens=12 + 3 * i, temperature=0)))
+                await asyncio.sleep(0.01 * i)  # later ones join while earlier ones decode
+            return await asyncio.gather(*jobs)
+        finally:
+            await client.close()
+
+    results = asyncio.run(main())
+    for i, (p, r) in enumerate(zip(prompts, results)):
+        expected, _ = hf_text(hf, tok(p)["input_ids"], 12 + 3 * i)
+        assert r.choices[0].text == expected, p
+
+
+def test_completion_stream_ends_with_done_and_token_prompts_work(server, hf):
+    model, tok = hf
+    ids = tok("Assignment is defined")["input_ids"]
+    body = {"model": "chat-qwen", "prompt": ids, "max_tokens": 10, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    import json
+
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == hf_text(hf, ids, 10)[0]
+    assert chunks[-1]["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_stop_strings_cut_exactly(client):
+    full = client.completions.create(model="chat-qwen", prompt="The target", max_tokens=40, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    words = re.findall(r"\S{2,}", full[6:])
+    assert words, f"no word to stop at in {full!r}"
+    stop = words[0]
+    cut = client.completions.create(model="chat-qwen", prompt="The target", max_tokens=40, temperature=0,
+                                    stop=[stop, "\x00never"], extra_body={"ignore_eos": True})
+    assert cut.choices[0].text == full[: full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model="chat-qwen", prompt="The target", max_tokens=40, temperature=0,
+                                         stop=stop, stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == full[: full.index(stop)]
+
+
+def test_seeded_sampling_is_reproducible_and_logprobs(client):
+    a = client.completions.create(model="chat-qwen", prompt="Assign", max_tokens=20, temperature=1.0, top_p=0.95,
+                                  seed=42, extra_body={"ignore_eos": True})
+    # one more token: another cache key, so this is sampled again, and must start the same way
+    b = client.completions.create(model="chat-qwen", prompt="Assign", max_tokens=21, temperature=1.0, top_p=0.95,
+                                  seed=42, extra_body={"ignore_eos": True})
+    assert b.choices[0].text.startswith(a.choices[0].text)
+    c = client.completions.create(model="chat-qwen", prompt="Assign", max_tokens=20, temperature=1.0, top_p=0.95,
+                                  seed=7, extra_body={"ignore_eos": True})
+    assert c.choices[0].text != a.choices[0].text
+    r = client.chat.completions.create(model="chat-qwen", messages=CHAT, max_tokens=5, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert 1 <= len(content) <= 5
+    for item in content:
+        assert item.logprob <= 0 and len(item.top_logprobs) == 3
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[-1].logprob
+        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob)  # greedy takes the best
+
+
+def test_generation_cache_answers_repeats(server, client):
+    before = metric(server, "surge_generate_cache_hits_total")
+    kw = dict(model="chat-qwen", prompt="Names are bound", max_tokens=16, temperature=0)
+    first = client.completions.create(**kw).choices[0].text
+    again = client.completions.create(**kw).choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True) if c.choices)
+    assert first == again == streamed
+    assert metric(server, "surge_generate_cache_hits_total") == before + 2
+
+
+def test_kserve_generate_and_generate_stream(server, client):
+    text = client.completions.create(model="chat-qwen", prompt="The target list", max_tokens=12,
+                                     temperature=0).choices[0].text
+    r = httpx.post(server.url + "/v2/models/chat-qwen/generate",
+                   json={"text_input": "The target list", "parameters": {"max_tokens": 12, "temperature": 0}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["text_output"] == text and body["model_name"] == "chat-qwen" and body["model_version"] == "1"
+    import json
+
+    with httpx.stream("POST", server.url + "/v2/models/chat-qwen/versions/1/generate_stream",
+                      json={"text_input": "The target list", "max_tokens": 12, "temperature": 0}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+    assert "".join(e["text_output"] for e in events) == text
+    assert events[-1]["finish_reason"] in ("length", "stop")
+    meta = httpx.get(server.url + "/v2/models/chat-qwen")
+    assert meta.status_code == 200 and meta.json()["inputs"][0]["name"] == "text_input"
+    infer = httpx.post(server.url + "/v2/models/chat-qwen/infer",
+                       json={"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["hi"]}]})
+    assert infer.status_code == 400 and "generate" in infer.json()["error"]
+    bad = httpx.post(server.url + "/v2/models/nope/generate", json={"text_input": "x"})
+    assert bad.status_code == 404 and "error" in bad.json()
+
+
+def test_bad_requests_get_clear_errors(server, client):
+    url = server.url
+    r = httpx.post(url + "/v1/embeddings", json={"input": "hello"})
+    assert r.status_code == 400 and "serves task 'generate'" in r.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="missing", prompt="x", max_tokens=2)
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": CHAT, "temperature": 7})
+    assert r.status_code == 422 and "temperature" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": []})
+    assert r.status_code == 422
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x " * 400, "max_tokens": 2})
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/completions", json={"prompt": [10 ** 6], "max_tokens": 2})
+    assert r.status_code == 400
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["chat-qwen"]
+    assert "/v1/chat/completions" in httpx.get(url + "/openapi.json").json()["paths"]
+
+
+def test_client_disconnect_frees_kv_blocks(server):
+    aborted = metric(server, "surge_generate_requests_total", finish_reason="abort")
+    body = {"model": "chat-qwen", "prompt": "Assignment", "max_tokens": 200, "temperature": 0, "stream": True,
+            "ignore_eos": True, "seed": 5}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(3)]
+    assert any(line.startswith("data: ") for line in got)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if metric(server, "surge_generate_requests_total", finish_reason="abort") > aborted \
+                and metric(server, "surge_generate_running_sequences") == 0:
+            break
+        time.sleep(0.05)
+    assert metric(server, "surge_generate_requests_total", finish_reason="abort") == aborted + 1
+    assert metric(server, "surge_generate_running_sequences") == 0
+    assert metric(server, "surge_generate_kv_cache_usage_ratio") == 0.0
+    assert metric(server, "surge_generate_output_tokens_total") > 0
+    assert metric(server, "surge_generate_time_to_first_token_seconds_count") > 0
+
+
+def test_full_queue_gets_429_and_deadline_504(slow_model_dir):
+    env = {"SURGE_GENERATION_MAX_WAITING": "1", "SURGE_GENERATION_CACHE_ENTRIES": "0"}
+    with ServerProcess(str(slow_model_dir), "--threads", "1", "--max-batch-size", "1", "--request-timeout-s", "0.3",
+                       env=env) as srv:
+        async def main():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+                body = {"prompt": "Assignment is", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+                return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(4)))
+
+        responses = asyncio.run(main())
+        codes = sorted(r.status_code for r in responses)
+        assert 429 in codes and 504 in codes, codes
+        limited = next(r for r in responses if r.status_code == 429)
+        assert int(limited.headers["retry-after"]) >= 1 and limited.json()["error"]["type"] == "rate_limit_error"
+        assert next(r for r in responses if r.status_code == 504).json()["error"]["code"] == "timeout"
+
+
+def test_repository_versions_and_zero_downtime_reload(tmp_path, model_dir):
+    import shutil
+
+    root = tmp_path / "repo"
+    (root / "chat" / "1").mkdir(parents=True)
+    (root / "chat" / "1" / "model.yaml").write_text(f"source: {model_dir}\nengine:\n  threads: 1\n")
+    with ServerProcess("--model-repository", str(root)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        kw = dict(model="chat", prompt="The target", max_tokens=150, temperature=0, extra_body={"ignore_eos": True})
+        reference = client.completions.create(**kw).choices[0].text
+        stream = client.completions.create(**kw, stream=True)
+        first = next(iter(stream))  # a stream in flight on version 1
+        shutil.copytree(root / "chat" / "1", root / "chat" / "2")
+        r = httpx.post(srv.url + "/models/chat/reload", timeout=60)
+        assert r.status_code == 200, r.text
+        rest = "".join(c.choices[0].text for c in stream if c.choices)
+        assert first.choices[0].text + rest == reference  # finished on the old version, whole
+        after = httpx.post(srv.url + "/v1/completions", json={**{k: v for k, v in kw.items() if k != "extra_body"},
+                                                             "ignore_eos": True, "max_tokens": 5})
+        assert after.status_code == 200 and after.headers["x-surge-model-version"] == "2"
+
+
+def test_non_streamed_request_is_aborted_when_the_client_leaves(server):
+    aborted = metric(server, "surge_generate_requests_total", finish_reason="abort")
+    body = {"model": "chat-qwen", "prompt": "Names", "max_tokens": 240, "temperature": 0, "ignore_eos": True,
+            "seed": 11}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.05))
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (
+            metric(server, "surge_generate_requests_total", finish_reason="abort") == aborted
+            or metric(server, "surge_generate_running_sequences") != 0):
+        time.sleep(0.05)
+    assert metric(server, "surge_generate_requests_total", finish_reason="abort") == aborted + 1
+    assert metric(server, "surge_generate_running_sequences") == 0

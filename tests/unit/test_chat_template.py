@@ -1,0 +1,65 @@
+"""Chat templates render exactly as transformers' apply_chat_template renders them."""
+
+from __future__ import annotations
+
+import pytest
+
+from surge.errors import InvalidInput
+from surge.models.chat_template import ChatTemplate
+from tests.decoder_models import CHATML, LLAMA2, save_tokenizer, train_tokenizer
+
+# A template using tojson, namespace, loop controls and strftime_now-free features most real ones use.
+TOOLS = (
+    "{%- set ns = namespace(n=0) %}{%- for m in messages %}{%- if m.role == 'system' %}{%- continue %}{%- endif %}"
+    "{%- set ns.n = ns.n + 1 %}<{{ m.role }}:{{ ns.n }}>{{ m.content | tojson }}{%- if m.name is defined %}"
+    "({{ m.name }}){%- endif %}\n{%- endfor %}{%- if add_generation_prompt %}<assistant>{%- endif %}"
+)
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi there!"}],
+    [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "What is 2+2? "},
+     {"role": "assistant", "content": "4"}, {"role": "user", "content": "And <b>3+3</b> \"quoted\" é?"}],
+    [{"role": "user", "content": "a", "name": "bob"}, {"role": "assistant", "content": "b"},
+     {"role": "user", "content": "  spaced  \n"}],
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dirs(tmp_path_factory):
+    tok = train_tokenizer()
+    dirs = {}
+    for name, template in (("chatml", CHATML), ("llama2", LLAMA2), ("tools", TOOLS)):
+        d = tmp_path_factory.mktemp(name)
+        save_tokenizer(tok, d, template)
+        dirs[name] = d
+    return dirs
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama2", "tools"])
+@pytest.mark.parametrize("gen", [True, False])
+def test_rendering_equals_transformers(name, gen, tokenizer_dirs):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tokenizer_dirs[name])
+    ours = ChatTemplate.from_dir(tokenizer_dirs[name])
+    for conv in CONVERSATIONS:
+        if name == "llama2" and conv[0]["role"] == "system":
+            continue
+        try:
+            expected = hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen)
+        except Exception as exc:  # the template refuses this conversation: so must ours
+            with pytest.raises(InvalidInput, match="alternate"):
+                ours.render(conv, add_generation_prompt=gen)
+            assert "alternate" in str(exc)
+            continue
+        assert ours.render(conv, add_generation_prompt=gen) == expected
+        ids = hf.apply_chat_template(conv, tokenize=True, add_generation_prompt=gen)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        assert hf(expected, add_special_tokens=False)["input_ids"] == list(ids)
+
+
+def test_llama2_template_rejects_bad_roles(tokenizer_dirs):
+    ours = ChatTemplate.from_dir(tokenizer_dirs["llama2"])
+    with pytest.raises(InvalidInput, match="alternate"):
+        ours.render([{"role": "assistant", "content": "x"}])

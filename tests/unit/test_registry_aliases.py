@@ -1,0 +1,56 @@
+"""ModelRegistry aliases and change notifications (no engine needed: the registry
+only reads a served object's name, version and ready)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from surge.errors import ConfigError, NotFound
+from surge.runtime.registry import ModelRegistry
+
+
+@dataclass
+class Served:
+    name: str
+    version: str = "1"
+    ready: bool = True
+
+
+def test_alias_resolves_for_every_lookup_and_survives_unload():
+    reg = ModelRegistry()
+    changes = []
+    reg.subscribe(lambda: changes.append(sorted(reg.names())))
+    a, a2 = Served("mini"), Served("mini", "2")
+    reg.add(a)
+    reg.add(a2)
+    reg.set_aliases("mini", ["text-embedding-3-small", "mini", "ada", "ada"])  # itself and repeats dropped
+    assert reg.aliases() == {"text-embedding-3-small": "mini", "ada": "mini"}
+    assert reg.get("ada") is a2 and reg.get("ada", "1") is a and reg.versions("ada") == ["1", "2"]
+    reg.remove("mini", "1")
+    reg.remove("mini", "2")
+    with pytest.raises(NotFound, match="'ada' \\(an alias of 'mini'\\) is not loaded"):
+        reg.get("ada")
+    reg.add(a)
+    assert reg.get("text-embedding-3-small") is a
+    reg.set_aliases("mini", ["ada"])  # replaces the set
+    assert reg.aliases() == {"ada": "mini"}
+    assert len(changes) == 7  # add, add, set, remove, remove, add, set
+
+
+def test_alias_clashes_are_config_errors_and_a_model_name_wins():
+    reg = ModelRegistry()
+    reg.add(Served("a"))
+    reg.add(Served("b"))
+    with pytest.raises(ConfigError, match="name of another model"):
+        reg.set_aliases("a", ["b"])
+    reg.set_aliases("a", ["x"])
+    with pytest.raises(ConfigError, match="already names model 'a'"):
+        reg.set_aliases("b", ["x"])
+    with pytest.raises(ConfigError, match="empty or has surrounding spaces"):
+        reg.set_aliases("b", [" y"])
+    with pytest.raises(NotFound, match="available: a, b, x"):
+        reg.get("nope")
+    reg.add(Served("x"))  # a model named like an alias: the model wins
+    assert reg.get("x").name == "x" and "x" not in reg.aliases()

@@ -1,0 +1,177 @@
+"""The generation scheduler alone (no torch, no model): blocks, admission, budget, preemption, prefix cache.
+
+A fake engine "computes" a step by checking that every scheduled token's position has a block,
+and samples a token that is a function of the whole sequence so far, so any scheduling
+mistake (a lost token, a wrong order after preemption) changes the outputs.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from surge.runtime.scheduler import BlockManager, SamplingParams, Scheduler, SchedulerConfig, Sequence, SeqStatus
+
+
+def fake_token(tokens: list[int]) -> int:
+    return (sum((i + 1) * t for i, t in enumerate(tokens)) * 2654435761) % 997
+
+
+def run(sched: Scheduler, seqs, *, check=None, max_steps=10_000):
+    steps = []
+    for _ in range(max_steps):
+        if not sched.has_work:
+            break
+        scheduled = sched.schedule()
+        assert scheduled, "a step with work scheduled nothing"
+        tokens = sum(s.num_tokens for s in scheduled)
+        assert tokens <= sched.config.max_num_batched_tokens
+        assert len(sched.running) <= sched.config.max_num_seqs
+        for s in scheduled:
+            # every computed position has a block, and blocks are not shared unless cached
+            assert len(s.seq.block_table) * sched.config.block_size >= s.start + s.num_tokens
+            assert s.start == s.seq.num_computed
+        samples = {s.seq.seq_id: fake_token(s.seq.token_ids) for s in scheduled if s.sample}
+        sched.update(scheduled, samples)
+        sched.blocks.check()
+        steps.append(scheduled)
+        if check:
+            check(sched, scheduled)
+    assert not sched.has_work
+    return steps
+
+
+def expected(prompt, n):
+    toks = list(prompt)
+    for _ in range(n):
+        toks.append(fake_token(toks))
+    return toks[len(prompt):]
+
+
+def greedy(n):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def test_block_manager_prefix_sharing_and_eviction_order():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a = Sequence(1, list(range(10)), greedy(1))
+    bm.allocate_prefix(a)
+    assert a.num_computed == 0 and bm.ensure(a, 10) and len(a.block_table) == 3
+    a.num_computed = 10
+    bm.commit(a)
+    assert len(a.block_hashes) == 2  # two full blocks named
+    b = Sequence(2, list(range(8)) + [99, 98, 97], greedy(1))
+    bm.allocate_prefix(b)
+    assert b.block_table == a.block_table[:2] and b.num_computed == 8  # shared head
+    bm.release(a)
+    assert bm.num_free == 6 - 2  # the shared blocks stay referenced by b
+    bm.release(b)
+    bm.check()
+    # a prompt that is exactly cached still computes its last token
+    c = Sequence(3, list(range(8)), greedy(1))
+    bm.allocate_prefix(c)
+    assert c.num_computed == 4
+    bm.release(c)
+    # eviction: allocating every block drops the cached hashes
+    d = Sequence(4, [7] * 24, greedy(1))
+    bm.allocate_prefix(d)
+    assert bm.ensure(d, 24) and not bm.cached
+    assert not bm.ensure(Sequence(5, [1], greedy(1)), 1)
+
+
+def test_outputs_are_right_with_joins_leaves_and_chunked_prefill():
+    rng = random.Random(0)
+    cfg = SchedulerConfig(num_blocks=200, block_size=4, max_num_seqs=3, max_num_batched_tokens=8, max_model_len=512)
+    sched = Scheduler(cfg)
+    seqs = [Sequence(i, [rng.randrange(1000) for _ in range(rng.randint(1, 30))], greedy(rng.randint(1, 12)))
+            for i in range(10)]
+    for s in seqs:
+        sched.add(s)
+    chunked = []
+
+    def check(sched, scheduled):
+        if any(s.num_tokens > 1 and not s.sample for s in scheduled):
+            chunked.append(1)
+
+    run(sched, seqs, check=check)
+    assert chunked, "a 30-token prompt over a budget of 8 must be split"
+    for s in seqs:
+        assert s.status is SeqStatus.FINISHED and s.finish_reason == "length"
+        assert s.output_ids == expected(s.prompt_ids, s.params.max_tokens)
+    assert sched.blocks.num_free == cfg.num_blocks
+
+
+def test_admission_waits_for_free_blocks_and_preemption_keeps_outputs():
+    cfg = SchedulerConfig(num_blocks=12, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512)
+    sched = Scheduler(cfg, eos_token_ids=())
+    rng = random.Random(1)
+    seqs = [Sequence(i, [rng.randrange(1000) for _ in range(10)], greedy(14)) for i in range(5)]
+    for s in seqs:
+        sched.add(s)
+    first = sched.schedule()
+    # 10 prompt tokens = 3 blocks each: only 4 of 5 fit in 12 blocks
+    assert len(first) == 4 and len(sched.waiting) == 1
+    sched.update(first, {s.seq.seq_id: fake_token(s.seq.token_ids) for s in first if s.sample})
+    run(sched, seqs)
+    assert sched.preemptions > 0, "growing sequences must run out of blocks"
+    for s in seqs:
+        assert s.output_ids == expected(s.prompt_ids, 14)
+    assert sched.blocks.num_free == cfg.num_blocks
+
+
+def test_prefix_cache_hits_for_a_shared_system_prompt():
+    cfg = SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512)
+    sched = Scheduler(cfg)
+    system = list(range(100, 120))  # 5 full blocks
+    first = Sequence(0, system + [1, 2], greedy(3))
+    sched.add(first)
+    run(sched, [first])
+    later = [Sequence(i, system + [i, i + 1, i + 2], greedy(3)) for i in range(1, 4)]
+    for s in later:
+        sched.add(s)
+    run(sched, later)
+    assert all(s.num_cached_prompt == 20 for s in later)
+    assert sched.blocks.hit_tokens == 60
+    for s in [first, *later]:
+        assert s.output_ids == expected(s.prompt_ids, 3)
+
+
+def test_abort_frees_blocks_at_once_and_stop_tokens_finish():
+    cfg = SchedulerConfig(num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+    sched = Scheduler(cfg, eos_token_ids=(5,))
+    a = Sequence(1, [1, 2, 3, 4, 5, 6], greedy(50))
+    b = Sequence(2, [9, 9], SamplingParams(max_tokens=50, temperature=0.0, stop_token_ids=(fake_token([9, 9]),)))
+    sched.add(a)
+    sched.add(b)
+    s1 = sched.schedule()
+    fin = sched.update(s1, {s.seq.seq_id: fake_token(s.seq.token_ids) for s in s1})
+    assert [f.seq for f in fin] == [b] and b.finish_reason == "stop"
+    assert sched.blocks.num_free < cfg.num_blocks
+    sched.abort(a)
+    assert a.status is SeqStatus.FINISHED and sched.blocks.num_free == cfg.num_blocks and not sched.has_work
+
+
+def test_max_model_len_and_oversized_prompts():
+    cfg = SchedulerConfig(num_blocks=4, block_size=4, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=12)
+    sched = Scheduler(cfg)
+    with pytest.raises(ValueError):
+        sched.add(Sequence(1, list(range(12)), greedy(2)))
+    s = Sequence(2, list(range(8)), greedy(100))
+    sched.add(s)
+    run(sched, [s])
+    assert s.finish_reason == "length" and s.num_tokens == 12
+    with pytest.raises(ValueError):
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4)
+
+
+def test_sampling_params_validation_and_keys():
+    from surge.errors import InvalidInput
+
+    for bad in ({"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_k": -2}, {"stop": ("",)},
+                {"presence_penalty": 3}, {"logprobs": 21}):
+        with pytest.raises(InvalidInput):
+            SamplingParams(**bad)
+    assert SamplingParams(temperature=0, seed=1).key() == SamplingParams(temperature=0, seed=2).key()
+    assert SamplingParams(seed=1).key() != SamplingParams(seed=2).key()
+    assert SamplingParams(seed=1).deterministic and not SamplingParams().deterministic
