@@ -53,11 +53,13 @@ def _wait_ready(srv, timeout=120.0) -> None:
     raise TimeoutError("not ready again")
 
 
-async def _many(url, texts, timeout=60.0):
+async def _many(url, texts, timeout=60.0, native=False):
+    """native: POST /embed, which truncates long inputs (OpenAI's route refuses them with 400)."""
     async with httpx.AsyncClient(base_url=url, timeout=timeout) as c:
         async def one(t):
             try:
-                r = await c.post("/v1/embeddings", json={"input": t})
+                r = await (c.post("/embed", json={"inputs": t}) if native else
+                           c.post("/v1/embeddings", json={"input": t}))
             except httpx.TransportError as exc:  # connection refused or cut: status 0
                 return 0, repr(exc), {}
             return r.status_code, (r.json() if r.status_code == 200 else r.text), r.headers
@@ -96,7 +98,7 @@ def test_engine_crash_fails_in_flight_with_503_at_once_and_recovers(server, sent
     long = [" ".join(sentences[i:i + 12]) for i in range(0, 120, 3)]  # long inputs: the engine is busy a while
 
     async def main():
-        task = asyncio.ensure_future(_many(server.url, [[t] for t in long], timeout=60))
+        task = asyncio.ensure_future(_many(server.url, [[t] for t in long], timeout=60, native=True))
         await asyncio.sleep(0.5)
         engine.kill()
         t0 = time.monotonic()
@@ -135,7 +137,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(server, sentences):
     texts = [[" ".join(sentences[i:i + 12])] for i in range(0, 48, 3)]  # ~1 s of compute on 2 cores
 
     async def main():
-        task = asyncio.ensure_future(_many(server.url, texts))
+        task = asyncio.ensure_future(_many(server.url, texts, native=True))
         await asyncio.sleep(0.5)  # all sent and in flight
         server.proc.send_signal(signal.SIGTERM)
         return await task

@@ -170,6 +170,13 @@ class WholeRegistry:
         self.path = path
         self.extra = [c for c in extra if c is not None]
 
+    def register(self, collector) -> None:
+        """Collectors of this process added later (e.g. process_* metrics): exported as they are."""
+        self.extra.append(collector)
+
+    def unregister(self, collector) -> None:
+        self.extra = [c for c in self.extra if c is not collector]
+
     def collect(self):
         from prometheus_client.multiprocess import MultiProcessCollector
 
