@@ -63,7 +63,8 @@ class BatchingConfig(_Strict):
     enabled: bool = Field(True, description="Off: every request runs alone (max batch 1).")
     max_batch_size: int = Field(64, ge=1, description="Most requests' inputs in one engine batch.")
     max_batch_tokens: int = Field(8192, ge=1, description="Token budget per batch (padded tokens for padded engines).")
-    max_queue_delay_ms: float = Field(2.0, ge=0, description="Longest a request waits for others to join its batch.")
+    max_queue_delay_ms: float = Field(2.0, ge=0, description="Upper bound on an input's wait in the batch queue while an engine is "
+                                      "free (batches leave as soon as an instance is free: no added wait).")
     max_queue_size: int = Field(2048, ge=1, description="Queued inputs above which new requests get 429.")
     max_padding_ratio: float = Field(
         0.25, ge=0, le=1, description="Padded engines: an input that would make more than this share of a batch "
@@ -136,6 +137,9 @@ class ServerConfig(_Strict):
     )
     cache_dir: Path | None = Field(None, description="Where exported artifacts are kept; default ~/.cache/surge.")
     log_level: str = Field("info", description="uvicorn log level.")
+    workers: int = Field(
+        1, ge=0, description="Front-end processes (HTTP, cache, tokenizing) in front of one engine process "
+        "(cli/workers.py); 1 serves from one process; 0: one per CPU core.")
     engine: EngineConfig = Field(default_factory=EngineConfig)
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)

@@ -109,3 +109,6 @@ class EmbedResult:
     version: str
     cached: list[bool] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # per input: the tokens computed (after truncation)
+    # stage timings in ns (runtime/request.py: queue_ns, compute_input_ns, compute_infer_ns,
+    # compute_output_ns); None where the runtime did not measure (a remote model)
+    timings: dict | None = None

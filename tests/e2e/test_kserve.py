@@ -5,6 +5,7 @@ Results must equal those of the native API (/embed) and the PyTorch reference.""
 from __future__ import annotations
 
 import struct
+import time
 
 import grpc
 import httpx
@@ -443,3 +444,23 @@ def test_grpc_api_key():
             stub.ModelInfer(req, metadata=[("authorization", "Bearer wrong")])
         ok = stub.ModelInfer(req, metadata=[("authorization", "Bearer k-123")])
         assert len(ok.raw_output_contents[0]) == 384 * 4
+
+
+def test_statistics_count_fast_path_cache_hits_and_real_stage_durations(http):
+    """One place records statistics: a cache hit answered by the HTTP fast path is counted
+    (cache_hit, no execution), and the stages of a computed request have real durations."""
+    def stats():
+        return http.get(f"/v2/models/{MODEL}/stats").json()["model_stats"][0]
+
+    text = f"a sentence for the statistics test {time.time_ns()}"
+    first = http.post("/embed", json={"inputs": [text]})
+    assert first.status_code == 200 and float(first.headers["x-surge-inference-ms"]) > 0
+    before = stats()
+    again = http.post("/embed", json={"inputs": [text]})  # plain request, in the cache: the fast path
+    assert again.status_code == 200 and again.json()["embeddings"] == first.json()["embeddings"]
+    after = stats()
+    assert after["inference_stats"]["cache_hit"]["count"] == before["inference_stats"]["cache_hit"]["count"] + 1
+    assert after["execution_count"] == before["execution_count"]
+    assert after["inference_count"] == before["inference_count"] + 1
+    for stage in ("queue", "compute_input", "compute_infer", "compute_output"):
+        assert after["inference_stats"][stage]["count"] >= 1 and after["inference_stats"][stage]["ns"] > 0, stage

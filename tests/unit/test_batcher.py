@@ -77,21 +77,27 @@ def test_batching_off_runs_every_input_alone(bundled_worker, pool, encoded, alon
         np.testing.assert_allclose(rows, alone[idx], atol=2e-5, rtol=0)
 
 
-def test_delay_holds_a_lone_request_for_company(bundled_worker, pool, encoded, alone):
-    """With a long max delay, requests arriving close together share one batch."""
+def test_lone_request_pays_no_delay_and_arrivals_during_compute_share_the_next_batch(
+        bundled_worker, pool, encoded, alone):
+    """Continuous batching: a huge max delay is an upper bound, never a wait.
+
+    A lone request leaves at once (it would otherwise take 100 s here); inputs
+    that arrive while the only instance is busy accumulate and leave together
+    the moment it frees."""
 
     async def main():
-        b = _batcher(bundled_worker, pool, max_queue_delay_s=0.2)
-        t0 = time.monotonic()
-        first = asyncio.ensure_future(b.submit([encoded[0]]))
-        await asyncio.sleep(0.02)
+        b = _batcher(bundled_worker, pool, max_queue_delay_s=100.0)
+        lone = await asyncio.wait_for(b.submit([encoded[0]]), 30)
+        big = await _busy(b, encoded)
         rest = [asyncio.ensure_future(b.submit([encoded[i]])) for i in (1, 2, 3)]
-        rows = await asyncio.gather(first, *rest)
-        return b, rows, time.monotonic() - t0
+        rows = await asyncio.wait_for(asyncio.gather(*rest), 30)
+        await big
+        return b, lone, rows
 
-    b, rows, _ = asyncio.run(main())
-    assert [r.size for r in b.history] == [4]
-    np.testing.assert_allclose(np.concatenate(rows), alone[:4], atol=2e-5, rtol=0)
+    b, lone, rows = asyncio.run(main())
+    assert [r.size for r in b.history] == [1, 64, 3]
+    np.testing.assert_allclose(lone, alone[:1], atol=2e-5, rtol=0)
+    np.testing.assert_allclose(np.concatenate(rows), alone[1:4], atol=2e-5, rtol=0)
 
 
 async def _busy(b: DynamicBatcher, encoded, n: int = 64):

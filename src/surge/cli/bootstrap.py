@@ -69,8 +69,9 @@ def load_service(config: ServerConfig, spec: ModelSpec, version: str = "1", engi
     # Before any export: a model surge cannot serve fails the start naming its architecture.
     check_servable(spec.task_info, spec.model_type, spec.path)
     artifact = artifact or resolve_artifact(spec, engine, config.cache_dir)
-    worker = build_worker(spec, artifact, engine, heads=heads)
-    service = ModelService(spec.name, version, worker, batching=batching or config.batching,
+    batching = batching or config.batching
+    worker = build_worker(spec, artifact, engine, heads=heads, batch_tokens=batching.max_batch_tokens)
+    service = ModelService(spec.name, version, worker, batching=batching,
                            cache=cache or config.cache, limits=config.limits)
     if heads:  # multi-head model.yaml: every head under its own name as well
         from surge.runtime.tasks import HeadView

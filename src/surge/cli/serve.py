@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import List, Optional
 
@@ -60,6 +61,7 @@ def serve(
     task: Optional[str] = typer.Option(None, envvar="SURGE_TASK", help="Override the task detected from the model directory: embed, classify, rerank, token-classify."),
     tei_embed: bool = typer.Option(False, "--tei-embed", envvar="SURGE_TEI_EMBED", help="POST /embed answers TEI's bare array of vectors."),
     log_level: str = typer.Option("info", envvar="SURGE_LOG_LEVEL", help="Log level."),
+    workers: int = typer.Option(1, envvar="SURGE_WORKERS", help="Front-end processes in front of one engine process (1: one process; 0: one per core)."),
     ray: bool = typer.Option(False, "--ray", envvar="SURGE_RAY", help="Scale out on Ray Serve: each model is a deployment whose replicas each run a surge engine, batcher and cache (needs the `ray` extra)."),
     ray_address: Optional[str] = typer.Option(None, envvar="SURGE_RAY_ADDRESS", help="Ray cluster to deploy on (e.g. auto, ray://head:10001); default: start a local Ray instance."),
     ray_replicas: Optional[int] = typer.Option(None, envvar="SURGE_RAY_REPLICAS", help="Fixed replicas per model (default 1, or model.yaml's ray section)."),
@@ -97,6 +99,7 @@ def serve(
         log_level=log_level,
         task=task,
         tei_embed=tei_embed,
+        workers=workers,
         engine=EngineConfig(engine=engine, device=device, precision=precision, threads=threads, instances=instances,
                             max_batch_size=max_batch_size, tensor_parallel=tensor_parallel,
                             devices=[int(d) for d in devices.split(",")] if devices else None),
@@ -130,6 +133,12 @@ def serve(
             typer.echo(f"surge: {exc.message}", err=True)
             raise typer.Exit(code=2)
         return
+    if config.workers != 1:
+        if config.model_repository is not None:
+            raise typer.BadParameter("--workers serves one model (no --model-repository yet)", param_hint="--workers")
+        from surge.cli.workers import serve_workers
+
+        raise typer.Exit(code=serve_workers(config, config.workers or (os.cpu_count() or 1)))
     run_server(config)
 
 

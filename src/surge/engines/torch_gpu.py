@@ -3,9 +3,11 @@
 On CUDA every run goes: tokens packed on the host (no padding) -> one pinned
 int32 block -> one asynchronous H2D copy on this instance's stream -> replay of
 the CUDA graph captured for the run's shape bucket -> one D2H copy of the
-hidden states -> one event wait. Buckets round the batch size up to a power of
-two and the token count up by at most 12.5%, so few graphs cover all traffic.
-Each instance has its own stream; instances of one model share the weights.
+hidden states -> one event wait. The buckets are a small, fixed set (see
+engines/buckets.py) and `warmup` captures every one of them, so nothing is
+compiled or captured once the engine serves (`builds_after_ready` counts any
+that are, and tests keep it at 0). Each instance has its own stream and
+workspace; instances of one model share the weights.
 
 On the CPU the same weights run through encoder_cpu.forward: packed GEMMs (oneDNN;
 AMX tiles for bf16 where the CPU has them) and one batched attention call per layer.
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 
 from surge.engines.base import Capabilities, random_batch
+from surge.engines.buckets import Buckets
 from surge.engines.encoder import forward_fused, position_ids
 from surge.engines.encoder_weights import EncoderWeights, load_weights
 from surge.engines.memory import Workspace, plan_workspace
@@ -79,6 +82,10 @@ def release_weights(path: Path, device: torch.device, dtype: torch.dtype) -> Non
 # One capture at a time in a process: captures are rare (once per bucket) and short,
 # and two interleaved ones would share the allocator's capture bookkeeping.
 _CAPTURE_LOCK = threading.Lock()
+# (weights key, token bucket) -> the GEMM mode gemm="auto" timed fastest. The mode changes the GEMMs
+# only, whose shapes depend on the token bucket alone: buckets that differ in sequences or length
+# reuse the choice, and so does a second instance of the model on the GPU (warm-up ~halved).
+_MODE_CHOICE: dict[tuple, str] = {}
 
 
 class TorchEngine:
@@ -124,11 +131,16 @@ class TorchEngine:
         self.head_set = None  # engines/heads.HeadSet computed inside the captured graph (attach_heads)
         self._dev_heads: list | None = None
         self._heads_mode = False  # the current _run_cuda call wants the heads' output (set under _lock)
+        self.buckets: Buckets | None = None
+        self.builds = 0  # buckets built (captured; compiled and tuned on first use)
+        self.build_s = 0.0  # seconds spent building them
+        self._sealed_builds: int | None = None  # `builds` when warm-up finished
 
     # ------------------------------------------------------------------ load
     def load(self, artifact: Path) -> None:
         path = Path(artifact)
         self._path = path
+        self._wkey = _weights_key(path, self.device, self.dtype)
         try:
             if self.weight_budget is not None and self.device.type == "cuda":
                 self._load_offloaded(path)
@@ -152,10 +164,17 @@ class TorchEngine:
             self._cpu = CpuEncoder(self.weights)  # weights packed once for oneDNN (see encoder_cpu)
             return
         from surge.engines import kernels
+        from surge.engines.encoder_cpu import shorten_gil_switch
 
+        # The engine thread takes the GIL back after every wait on the GPU (the event, the
+        # copies); behind a busy event loop each take waited up to the default 5 ms switch
+        # interval, a stall per batch that grows with load (the issue's profile: SM utilization
+        # 14%, throughput falling from 16 to 256 clients). Same remedy as the CPU path.
+        shorten_gil_switch()
         if not kernels.available():
             raise EngineError("the CUDA path of the torch engine needs Triton")
         self.plan = plan_workspace(cfg, token_bucket(self.capacity), _next_pow2(self.max_batch), self.dtype)
+        self._make_buckets()
         try:
             self.workspace = self._shared_ws or Workspace(self.device)
             self.workspace.grow(self.plan.nbytes)
@@ -187,10 +206,41 @@ class TorchEngine:
         self.cuda_graphs = False  # streamed layers run eagerly: the copy stream paces them anyway
 
     def warmup(self, shapes: list[tuple[int, int]]) -> None:
+        """Build every bucket (CUDA graphs), then run `shapes`; later builds count as after-ready."""
+        if self.device.type == "cuda" and self.buckets is not None:
+            with self.on_device():
+                for key in self.buckets.keys:
+                    self._build(key)
         for b, s in shapes:
             b, s = min(b, self.max_batch), min(s, self.max_len)
             batch = random_batch(b, s, min(self.config.vocab, 30522), Layout.PACKED)
             self.run_heads(batch) if self.head_set is not None else self.run(batch)
+        self._sealed_builds = self.builds
+
+    @property
+    def builds_after_ready(self) -> int:
+        """Buckets built after warm-up: each one stalled serving (kept at 0 by the bucket set)."""
+        return 0 if self._sealed_builds is None else self.builds - self._sealed_builds
+
+    def _build(self, key) -> None:
+        """Capture one bucket on valid synthetic inputs: full sequences of lb tokens, as many as fit."""
+        bb, tb, lb = key
+        lens = [lb] * (tb // lb) + ([tb % lb] if tb % lb else [])
+        lengths = np.asarray(lens[:bb], dtype=np.int64)
+        t = int(lengths.sum())
+        rng = np.random.default_rng(tb * 1000 + lb)
+        ids = rng.integers(0, min(self.config.vocab, 30522), t).astype(np.int64)
+        types = np.zeros(t, np.int64)
+        pos = position_ids(lengths, self.config.position_offset)
+        with self._lock, self.workspace.lock:
+            n = self._stage_inputs(ids, types, pos, lengths, key)
+            inputs = self.workspace.view(self.plan.region("inputs"), (n,))
+            with torch.cuda.stream(self.stream):
+                inputs.copy_(self._h_inputs[:n], non_blocking=True)
+            # A model with heads in its graph only ever runs the heads graphs: build those.
+            self._heads_mode = self.head_set is not None
+            self._graph(key)
+            self.stream.synchronize()
 
     def close(self) -> None:
         """Drop graphs, buffers and this instance's reference to the weights (idempotent)."""
@@ -260,9 +310,15 @@ class TorchEngine:
         """The non-CUDA path: encoder_cpu (batched attention, packed oneDNN GEMMs)."""
         return self._cpu.run(ids, types, pos, lengths)
 
+    def _make_buckets(self) -> None:
+        self.buckets = Buckets(self.max_batch, self.max_len, self.plan.tokens)
+        # Every bucket's graph is kept: an evicted one would be captured again while serving.
+        self.max_graphs = max(self.max_graphs, len(self.buckets))
+
     def bucket(self, batch: int, tokens: int, max_len: int) -> tuple[int, int, int]:
-        return (min(_next_pow2(batch), self.plan.batch), min(token_bucket(tokens), self.plan.tokens),
-                max(16, _next_pow2(max_len)))
+        if self.buckets is None:  # subclasses that plan their own workspace (tensor-parallel shards)
+            self._make_buckets()
+        return self.buckets.key(batch, tokens, max_len)
 
     def _stage_inputs(self, ids, types, pos, lengths, key) -> int:
         bb, tb, _ = key
@@ -368,7 +424,7 @@ class TorchEngine:
             out = self._forward(key, views, gemm)
         return graph, out
 
-    def _time(self, graph, reps: int = 20) -> float:
+    def _time(self, graph, reps: int = 10) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
             graph.replay()
@@ -392,6 +448,9 @@ class TorchEngine:
         if g is not None:
             self._graphs.move_to_end(gkey)
             return g
+        import time
+
+        started = time.perf_counter()
         views = self._views(key)
         modes = self.modes(key)
         mode = "cublas" if self.gemm == "auto" or self.gemm not in modes else self.gemm
@@ -399,7 +458,10 @@ class TorchEngine:
             with torch.cuda.stream(self.stream):
                 out = self._forward(key, views, mode)
             g = (None, views, out, mode)
-        elif self.gemm != "auto":
+        elif self.gemm != "auto" or (getattr(self, "_wkey", None), key[1]) in _MODE_CHOICE:
+            if self.gemm == "auto":
+                mode = _MODE_CHOICE[(self._wkey, key[1])]
+                mode = mode if mode in modes else "cublas"
             graph, out = self._capture(key, views, mode)
             g = (graph, views, out, mode)
         else:
@@ -419,7 +481,11 @@ class TorchEngine:
                     best = (graph, views, out, m)
             self.choices[key] = timings
             g = best
+            if getattr(self, "_wkey", None) is not None:
+                _MODE_CHOICE[(self._wkey, key[1])] = best[3]
         self._graphs[gkey] = g
+        self.builds += 1
+        self.build_s += time.perf_counter() - started
         if len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
         return g

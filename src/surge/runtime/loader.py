@@ -12,7 +12,8 @@ from surge.runtime.tokenize import Tokenizer
 from surge.runtime.worker import EnginePool, ModelWorker, PostSpec
 
 
-def make_engine(cfg: EngineConfig, spec: ModelSpec, artifact: Path | None, device: str | None = None) -> Engine:
+def make_engine(cfg: EngineConfig, spec: ModelSpec, artifact: Path | None, device: str | None = None,
+                max_tokens: int | None = None) -> Engine:
     if cfg.engine == "onnxrt":
         from surge.engines.onnxrt import OnnxRuntimeEngine
 
@@ -23,7 +24,7 @@ def make_engine(cfg: EngineConfig, spec: ModelSpec, artifact: Path | None, devic
         from surge.engines.torch_gpu import TorchEngine
 
         engine = TorchEngine(device=device or cfg.device, precision=cfg.precision, max_batch=cfg.max_batch_size,
-                             threads=cfg.threads, approximate_gelu=False if cfg.exact_gelu else None)
+                             max_tokens=max_tokens, threads=cfg.threads, approximate_gelu=False if cfg.exact_gelu else None)
         engine.load(spec.path)
         return engine
     raise ValueError(f"unknown engine {cfg.engine!r}")
@@ -41,7 +42,7 @@ def make_tensor_parallel_engine(cfg: EngineConfig, spec: ModelSpec) -> Engine:
     return engine
 
 
-def make_engines(cfg: EngineConfig, spec: ModelSpec, artifact: Path | None):
+def make_engines(cfg: EngineConfig, spec: ModelSpec, artifact: Path | None, max_tokens: int | None = None):
     """EnginePool of `instances` engines; DevicePool over `devices`; one tensor-parallel engine."""
     if cfg.tensor_parallel > 1:  # one engine whose ranks hold all the devices
         return EnginePool([make_tensor_parallel_engine(cfg, spec)])
@@ -49,8 +50,8 @@ def make_engines(cfg: EngineConfig, spec: ModelSpec, artifact: Path | None):
         from surge.runtime.devices import DevicePool
 
         labels = [f"cuda:{d}" for d in cfg.devices for _ in range(cfg.instances)]
-        return DevicePool([make_engine(cfg, spec, artifact, device=d) for d in labels], labels)
-    return EnginePool([make_engine(cfg, spec, artifact) for _ in range(cfg.instances)])
+        return DevicePool([make_engine(cfg, spec, artifact, device=d, max_tokens=max_tokens) for d in labels], labels)
+    return EnginePool([make_engine(cfg, spec, artifact, max_tokens=max_tokens) for _ in range(cfg.instances)])
 
 
 def build_heads(spec: ModelSpec, extra=None):
@@ -82,11 +83,16 @@ def build_heads(spec: ModelSpec, extra=None):
     return HeadSet(heads)
 
 
-def build_worker(spec: ModelSpec, artifact: Path | None, cfg: EngineConfig, heads=None) -> ModelWorker:
+def build_worker(spec: ModelSpec, artifact: Path | None, cfg: EngineConfig, heads=None,
+                 batch_tokens: int | None = None) -> ModelWorker:
+    """`batch_tokens`: the batcher's token budget; a packed engine then plans its workspace
+    (and the shape buckets it builds before ready) for the batches it can really get: at most
+    max(budget, one full-length input) tokens. `heads`: model.yaml's extra heads (build_heads)."""
     head_set = build_heads(spec, heads)
     max_len = min(cfg.max_seq_len or spec.max_length, spec.max_length)
     tokenizer = Tokenizer(spec.tokenizer_file, max_length=max_len, vocab_size=spec.vocab_size, pad_id=spec.pad_token_id)
-    engines = make_engines(cfg, spec, artifact)
+    max_tokens = None if batch_tokens is None else (max(batch_tokens, max_len) + 15) // 16 * 16
+    engines = make_engines(cfg, spec, artifact, max_tokens)
     if head_set is not None:  # GPU engines run the heads inside their captured graphs
         for engine in engines.engines:
             attach = getattr(engine, "attach_heads", None)

@@ -57,6 +57,7 @@ class _Families:
     cache_bytes: Gauge
     cache_entries: Gauge
     devices: "_DeviceCollector"
+    engines: "_EngineCollector"
     live: dict = field(default_factory=dict)  # (model, version) -> open ServiceMetrics
 
 
@@ -87,6 +88,35 @@ class _DeviceCollector:
         yield from fams.values()
 
 
+class _EngineCollector:
+    """Engine shape buckets built (CUDA graphs captured, kernels compiled), read at scrape time.
+
+    phase="serving" counts builds after warm-up: each stalled requests for a capture, so the
+    engine builds every bucket before ready and tests keep this at 0 under load."""
+
+    def __init__(self):
+        self.engines: dict[tuple[str, str], list] = {}
+
+    def collect(self):
+        fam = CounterMetricFamily("surge_engine_graph_builds", "Engine shape buckets built (CUDA graph captures "
+                                  "with their kernel compilation), by phase: warmup or serving (after ready).",
+                                  labels=("model", "version", "phase"))
+        secs = CounterMetricFamily("surge_engine_graph_build_seconds", "Time spent building engine shape buckets.",
+                                   labels=("model", "version"))
+        with _lock:
+            items = list(self.engines.items())
+        for labels, engines in items:
+            if not engines:
+                continue  # a front end under --workers: its engines live in the engine process
+            built = sum(getattr(e, "builds", 0) for e in engines)
+            after = sum(getattr(e, "builds_after_ready", 0) for e in engines)
+            fam.add_metric([*labels, "warmup"], built - after)
+            fam.add_metric([*labels, "serving"], after)
+            secs.add_metric(list(labels), sum(getattr(e, "build_s", 0.0) for e in engines))
+        yield fam
+        yield secs
+
+
 def _make(reg: CollectorRegistry) -> _Families:
     mv = ("model", "version")
     return _Families(
@@ -110,17 +140,51 @@ def _make(reg: CollectorRegistry) -> _Families:
                                buckets=_TOKENS, registry=reg),
         padding=Histogram("surge_batch_padding_ratio", "Share of a batch's tokens that are padding.", mv,
                           buckets=_RATIO, registry=reg),
-        queue_depth=Gauge("surge_queue_depth", "Inputs waiting in the batch queue.", mv, registry=reg),
-        inflight=Gauge("surge_inflight_inputs", "Inputs admitted and not yet answered.", mv, registry=reg),
+        queue_depth=Gauge("surge_queue_depth", "Inputs waiting in the batch queue.", mv, registry=reg, multiprocess_mode="livesum"),
+        inflight=Gauge("surge_inflight_inputs", "Inputs admitted and not yet answered.", mv, registry=reg, multiprocess_mode="livesum"),
         cache_hits=Counter("surge_cache_hits", "Cache hits, by tier.", (*mv, "tier"), registry=reg),
         cache_misses=Counter("surge_cache_misses", "Cache misses (every tier missed).", mv, registry=reg),
         cache_evictions=Counter("surge_cache_evictions", "Entries evicted from the recent tier.", mv, registry=reg),
         coalesced=Counter("surge_inputs_coalesced", "Missed inputs answered by an identical input's computation "
                           "already in flight.", mv, registry=reg),
-        cache_bytes=Gauge("surge_cache_bytes", "Bytes held by the cache, by tier.", (*mv, "tier"), registry=reg),
-        cache_entries=Gauge("surge_cache_entries", "Entries held by the cache, by tier.", (*mv, "tier"), registry=reg),
+        cache_bytes=Gauge("surge_cache_bytes", "Bytes held by the cache, by tier.", (*mv, "tier"), registry=reg, multiprocess_mode="livesum"),
+        cache_entries=Gauge("surge_cache_entries", "Entries held by the cache, by tier.", (*mv, "tier"), registry=reg, multiprocess_mode="livesum"),
         devices=_register(reg, _DeviceCollector()),
+        engines=_register(reg, _EngineCollector()),
     )
+
+
+def multiprocess_dir() -> str | None:
+    """PROMETHEUS_MULTIPROC_DIR under `--workers` (the supervisor sets it for its children)."""
+    import os
+
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+class WholeRegistry:
+    """/metrics under `--workers`: every process's counters, histograms and gauges (prometheus_client's
+    multiprocess files: counters and histograms summed over processes, gauges summed over live ones),
+    plus this process's collectors that read live objects (GPU, devices)."""
+
+    def __init__(self, path: str, extra: list):
+        self.path = path
+        self.extra = [c for c in extra if c is not None]
+
+    def register(self, collector) -> None:
+        """Collectors of this process added later (e.g. process_* metrics): exported as they are."""
+        self.extra.append(collector)
+
+    def unregister(self, collector) -> None:
+        self.extra = [c for c in self.extra if c is not collector]
+
+    def collect(self):
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        reg = CollectorRegistry()
+        MultiProcessCollector(reg, self.path)
+        yield from reg.collect()
+        for c in self.extra:
+            yield from c.collect()
 
 
 def _register(reg: CollectorRegistry, collector):
@@ -184,6 +248,11 @@ class ServiceMetrics:
         with _lock:
             self.fam.devices.pools[self.labels] = pool
 
+    def watch_engines(self, engines: list) -> None:
+        """Export the engines' bucket-build counts (surge_engine_graph_builds) until close()."""
+        with _lock:
+            self.fam.engines.engines[self.labels] = list(engines)
+
     def close(self) -> None:
         """A retired version holds nothing: zero its gauges. Its series are
         kept (not removed): a reloaded version with the same labels shares
@@ -195,6 +264,7 @@ class ServiceMetrics:
             left = self.fam.live[self.labels] = self.fam.live[self.labels] - 1
             if not left:
                 self.fam.devices.pools.pop(self.labels, None)
+                self.fam.engines.engines.pop(self.labels, None)
         if left:
             return  # another open service reports under these labels
         self.queue_depth.set(0)

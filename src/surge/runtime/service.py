@@ -1,17 +1,24 @@
 """The async face of one served model version: what the protocol layers call.
 
-A request goes: admission (bounded, 429 past the bound) -> cache lookup
-(text-keyed, before tokenizing; local tiers, then Redis) -> tokenize (a thread)
--> dynamic batcher -> engine run (one thread per engine instance) -> post-process
-(pool already done in the engine stage; options, normalization in a thread) ->
-cache fill. The three compute stages run in separate threads, so tokenizing
-the next request and finishing the previous one overlap with the engine, and
-the event loop never runs compute.
+One entry point, `embed`, runs a Request (runtime/request.py) through explicit
+stages, each a method below:
+
+    admit (bounded, 429 past the bound) -> cache (text-keyed, before tokenizing:
+    local tiers, then Redis) -> coalesce (identical inputs in flight computed
+    once) -> tokenize (runtime/tokenize_stage.py: inline when short, else
+    batched on a thread) -> batch (runtime/batcher.py, continuous) -> engine
+    (one thread per engine instance) -> post-process (options, normalization:
+    inline, microseconds) -> respond (the EmbedResult, with the stage timings)
+
+One deadline bounds the whole request (asyncio.timeout_at: DeadlineExceeded,
+504). Metrics are recorded here, once per request, whatever the protocol; the
+KServe statistics are recorded from the result's timings by AppState.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,13 +26,15 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from surge.config import BatchingConfig, CacheConfig, LimitsConfig
-from surge.errors import InvalidInput, NotReady, SurgeError
+from surge.errors import DeadlineExceeded, InvalidInput, NotReady, SurgeError
 from surge.runtime.admission import Admission
 from surge.runtime.batcher import BatcherConfig, DynamicBatcher
 from surge.runtime.cache import ResultCache, text_normalizer
 from surge.runtime.coalesce import InFlight
 from surge.runtime.devices import DevicePool
 from surge.runtime.metrics import ServiceMetrics
+from surge.runtime.request import POST, TOKENIZE, Request
+from surge.runtime.tokenize_stage import TokenizeStage
 from surge.runtime.worker import ModelWorker
 from surge.types import EmbedOptions, EmbedResult, Encoded, Layout
 
@@ -40,7 +49,11 @@ class ModelService:
         cache: CacheConfig | None = None,
         limits: LimitsConfig | None = None,
         metrics_registry: CollectorRegistry | None = None,
+        batcher=None,
     ):
+        """`batcher`: something with DynamicBatcher's submit/close that runs the engine elsewhere
+        (a front end's runtime/ipc.EngineClient under --workers); default: a local batcher over
+        the worker's engines."""
         self.name = name
         self.version = version
         self.worker = worker
@@ -49,16 +62,19 @@ class ModelService:
         self.limits = limits or LimitsConfig()
         self.ready = False
         self.loaded_at = time.time()
-        instances = len(worker.engines.engines)
-        # One thread per stage (per engine instance for the engine stage).
-        self._tok_pool = ThreadPoolExecutor(1, thread_name_prefix=f"surge-{name}-tok")
-        self._engine_pool = ThreadPoolExecutor(instances, thread_name_prefix=f"surge-{name}-engine")
-        self._post_pool = ThreadPoolExecutor(1, thread_name_prefix=f"surge-{name}-post")
+        instances = max(1, len(worker.engines.engines))
+        # Threads: one per engine instance, one tokenizer (long or bursty inputs only).
+        self._engine_pool = (ThreadPoolExecutor(instances, thread_name_prefix=f"surge-{name}-engine")
+                             if batcher is None else None)
+        # No reference back to the service (a cycle would keep a retired version's engines
+        # alive until the cyclic GC runs): the stage gets the tokenizer's own function.
+        self.tokenize = TokenizeStage(functools.partial(encode_inputs, worker.tokenizer), name)
         self.metrics = ServiceMetrics(name, version, metrics_registry)
         if isinstance(worker.engines, DevicePool):  # replicas over GPUs: per-device load on /metrics
             self.metrics.watch_devices(worker.engines)
+        self.metrics.watch_engines(worker.engines.engines)
         b = self.batching
-        self.batcher = DynamicBatcher(
+        self.batcher = batcher or DynamicBatcher(
             worker.compute,
             self._engine_pool,
             BatcherConfig(enabled=b.enabled, max_batch_size=min(b.max_batch_size, worker.engines.capabilities.max_batch),
@@ -134,7 +150,9 @@ class ModelService:
 
             require_task(self, "embed")  # 400: model 'x' serves task 'classify', not 'embed'
         m = self.metrics
-        n = len(texts if texts is not None else token_ids or [])
+        is_text = texts is not None
+        inputs = texts if is_text else (token_ids or [])
+        n = len(inputs)
         m.requests.inc()
         m.inputs.inc(n)
         start = time.monotonic()
@@ -144,12 +162,20 @@ class ModelService:
                 raise NotReady(f"model {self.name} version {self.version} is not ready")
             options = options or EmbedOptions()
             self.check_options(options)
-            self.admission.admit(n)
+            self.admission.admit(n)  # stage: admit
             admitted = True
             m.inflight.inc(n)
             if deadline is None:
                 deadline = start + self.limits.request_timeout_s
-            result = await self._embed(texts, token_ids, options, priority, deadline)
+            req = Request(inputs, is_text, options, deadline, priority, start)
+            loop = asyncio.get_running_loop()
+            try:
+                async with asyncio.timeout_at(loop.time() + (deadline - time.monotonic())):
+                    await self._run(req)
+            except TimeoutError:
+                raise DeadlineExceeded(f"request did not finish within "
+                                       f"{deadline - start:.3g} s") from None
+            result = req.result(self.name, self.version, self.dimensions)  # stage: respond
             m.latency.observe(time.monotonic() - start)
             return result
         except SurgeError as exc:
@@ -165,6 +191,29 @@ class ModelService:
             if admitted:
                 m.inflight.dec(n)
                 self.admission.release(n)
+
+    async def _run(self, req: Request) -> None:
+        """cache -> coalesce -> tokenize -> batch/engine -> post-process, filling req's slots."""
+        miss = await self._from_cache(req) if self.cache is not None else list(range(req.n))
+        if not miss:
+            return
+        if req.keys is None:
+            await self._compute(req, miss)
+            return
+        # stage: coalesce (inputs another request computes right now are awaited, not redone)
+        claim = self._inflight.claim(req.keys, miss)
+        ok = False
+        try:
+            if claim.lead:
+                await self._compute(req, claim.lead)
+            ok = True
+        finally:
+            self._inflight.settle(claim, req.vectors, req.tokens, ok)
+        if claim.follow:
+            retry, filled = await self._inflight.wait(claim, req.vectors, req.tokens, req.deadline)
+            self.metrics.coalesced.inc(filled)
+            if retry:  # the leader failed: compute them here
+                await self._compute(req, retry)
 
     async def prefill_pinned(self, batch: int = 64) -> int:
         """Compute the query log's pinned queries ahead of their first request.
@@ -207,100 +256,70 @@ class ModelService:
         return EmbedResult(out, sum(e.tokens for e in entries), self.name, self.version, [True] * len(keys),
                            [e.tokens for e in entries])
 
-    async def _embed(self, texts, token_ids, options: EmbedOptions, priority: int, deadline: float) -> EmbedResult:
-        inputs = texts if texts is not None else token_ids
-        n = len(inputs)
-        vectors: list[np.ndarray | None] = [None] * n
-        tokens = [0] * n
-        cached = [False] * n
-        miss = list(range(n))
-        keys = None
+    async def _from_cache(self, req: Request) -> list[int]:
+        """Stage cache: fill hits from the local tiers, then Redis; the positions still missing."""
         cache = self.cache
-        if cache is not None:
-            okey = options.key()
-            keys = ([cache.text_key(t, okey) for t in texts] if texts is not None
-                    else [cache.ids_key(ids, okey) for ids in token_ids])
-            miss = []
-            count_miss = self.redis is None
-            for i, k in enumerate(keys):
-                e = cache.get(k, count_miss)
-                if e is None:
-                    miss.append(i)
-                else:
-                    vectors[i], tokens[i], cached[i] = e.vector, e.tokens, True
-            if miss and self.redis is not None:
-                miss = await self._shared_lookup(keys, miss, vectors, tokens, cached)
-        if miss and keys is not None:
-            await self._compute_once(inputs, texts is not None, miss, options, priority, deadline, vectors, tokens, keys)
-        elif miss:
-            await self._compute(inputs, texts is not None, miss, options, priority, deadline, vectors, tokens, keys)
-        out = np.stack(vectors) if n else np.zeros((0, self.dimensions), np.float32)
-        return EmbedResult(out, sum(tokens), self.name, self.version, cached, tokens)
+        okey = req.options.key()
+        req.keys = keys = ([cache.text_key(t, okey) for t in req.inputs] if req.is_text
+                           else [cache.ids_key(ids, okey) for ids in req.inputs])
+        miss = []
+        count_miss = self.redis is None
+        for i, k in enumerate(keys):
+            e = cache.get(k, count_miss)
+            if e is None:
+                miss.append(i)
+            else:
+                req.fill(i, e.vector, e.tokens, cached=True)
+        if miss and self.redis is not None:
+            found = await self.redis.get_many([keys[i] for i in miss])
+            still = []
+            for i, f in zip(miss, found):
+                if f is None:
+                    still.append(i)
+                    continue
+                entry = cache.put(keys[i], f[0], f[1])
+                cache.count_shared_hit()
+                req.fill(i, entry.vector, entry.tokens, cached=True)
+            cache.count_miss(len(still))
+            miss = still
+        return miss
 
-    async def _shared_lookup(self, keys, miss, vectors, tokens, cached) -> list[int]:
-        found = await self.redis.get_many([keys[i] for i in miss])
-        still = []
-        for i, f in zip(miss, found):
-            if f is None:
-                still.append(i)
-                continue
-            entry = self.cache.put(keys[i], f[0], f[1])
-            self.cache.count_shared_hit()
-            vectors[i], tokens[i], cached[i] = entry.vector, entry.tokens, True
-        self.cache.count_miss(len(still))
-        return still
-
-    async def _compute_once(self, inputs, is_text, miss, options, priority, deadline, vectors, tokens, keys) -> None:
-        """_compute, except that inputs another request is computing right now are awaited, not redone."""
-        claim = self._inflight.claim(keys, miss)
-        ok = False
-        try:
-            if claim.lead:
-                await self._compute(inputs, is_text, claim.lead, options, priority, deadline, vectors, tokens, keys)
-            ok = True
-        finally:
-            self._inflight.settle(claim, vectors, tokens, ok)
-        if claim.follow:
-            retry, filled = await self._inflight.wait(claim, vectors, tokens, deadline)
-            self.metrics.coalesced.inc(filled)
-            if retry:  # the leader failed: compute them here
-                await self._compute(inputs, is_text, retry, options, priority, deadline, vectors, tokens, keys)
-
-    async def _compute(self, inputs, is_text, miss, options, priority, deadline, vectors, tokens, keys) -> None:
-        loop = asyncio.get_running_loop()
+    async def _compute(self, req: Request, miss: list[int]) -> None:
+        """Stages tokenize -> batch -> engine -> post-process for the inputs at `miss`."""
         m = self.metrics
-        sub = [inputs[i] for i in miss]
+        sub = [req.inputs[i] for i in miss]
         t = time.monotonic()
-        encs: list[Encoded] = await loop.run_in_executor(
-            self._tok_pool, self.encode, sub if is_text else None, None if is_text else sub, options.truncate)
-        m.tokenize.observe(time.monotonic() - t)
-        pooled = await self.batcher.submit(encs, deadline, priority)
+        encs: list[Encoded] = await self.tokenize.encode(sub if req.is_text else None,
+                                                         None if req.is_text else sub, req.options.truncate)
+        took = time.monotonic() - t
+        m.tokenize.observe(took)
+        req.add_time(TOKENIZE, took)
+        pooled = await self.batcher.submit(encs, req.deadline, req.priority, req.timings)
         t = time.monotonic()
-        out = await loop.run_in_executor(self._post_pool, self.worker.finish, pooled, options)
-        m.post.observe(time.monotonic() - t)
+        out = self.worker.finish(pooled, req.options)  # row-wise options and normalization: microseconds
+        took = time.monotonic() - t
+        m.post.observe(took)
+        req.add_time(POST, took)
         if out.shape[0] != len(miss):  # finish is row-wise; this guards the contract
             raise SurgeError(f"post-processing returned {out.shape[0]} rows for {len(miss)} inputs")
         fills = []
         for j, i in enumerate(miss):
-            vectors[i], tokens[i] = out[j], len(encs[j])
-            if keys is not None:
-                self.cache.put(keys[i], out[j], len(encs[j]))
-                fills.append((keys[i], out[j], len(encs[j])))
+            req.fill(i, out[j], len(encs[j]))
+            if req.keys is not None:
+                self.cache.put(req.keys[i], out[j], len(encs[j]))
+                fills.append((req.keys[i], out[j], len(encs[j])))
         if fills and self.redis is not None:
             # Filling the shared tier is not on the response's path.
-            task = loop.create_task(self.redis.put_many(fills))
+            task = asyncio.get_running_loop().create_task(self.redis.put_many(fills))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
     def encode(self, texts: list[str] | None, token_ids: list[list[int]] | None, truncate: bool) -> list[Encoded]:
-        if texts is not None:
-            return self.worker.tokenizer.encode(texts, truncate=truncate)
-        return self.worker.tokenizer.from_ids(token_ids or [], truncate=truncate)
+        return encode_inputs(self.worker.tokenizer, texts, token_ids, truncate)
 
     async def count_tokens(self, texts: list[str]) -> list[int]:
         """Each text's token count before truncation (in the tokenizer's thread: it owns the tokenizer)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tok_pool, self.worker.tokenizer.count_untruncated, texts)
+        return await self.tokenize.exclusive(self.worker.tokenizer.count_untruncated, texts)
 
     async def close(self) -> None:
         """Stop taking requests, drain in-flight work, then free the engines."""
@@ -309,9 +328,17 @@ class ModelService:
         await self.batcher.close()
         if self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
-        for pool in (self._tok_pool, self._engine_pool, self._post_pool):
-            pool.shutdown(wait=True, cancel_futures=False)
+        self.tokenize.close()
+        if self._engine_pool is not None:
+            self._engine_pool.shutdown(wait=True, cancel_futures=False)
         self.worker.engines.close()
         if self.redis is not None:
             await self.redis.close()
         self.metrics.close()
+
+
+def encode_inputs(tokenizer, texts: list[str] | None, token_ids: list[list[int]] | None,
+                  truncate: bool) -> list[Encoded]:
+    if texts is not None:
+        return tokenizer.encode(texts, truncate=truncate)
+    return tokenizer.from_ids(token_ids or [], truncate=truncate)

@@ -62,8 +62,8 @@ class ModelStats:
         }
 
 
-# Stage timings a result may carry (nanoseconds); the runtime's batcher can
-# attach them to EmbedResult as attributes, and they are recorded when present.
+# Stage timings a result carries (nanoseconds, EmbedResult.timings: runtime/request.py
+# measures them); recorded when present.
 STAGES = ("queue_ns", "compute_input_ns", "compute_infer_ns", "compute_output_ns")
 
 
@@ -92,8 +92,9 @@ class InferenceStats:
         stats.execution_count += 1
         if cache_enabled:  # as Triton: cache counters only for models with a cache
             s.cache_miss.add(elapsed_ns)
+        timings = getattr(result, "timings", None) or {}
         for stage in STAGES:
-            ns = getattr(result, stage, None)
+            ns = timings.get(stage, getattr(result, stage, None))
             if ns is not None:
                 getattr(s, stage[: -len("_ns")]).add(ns)
 

@@ -50,27 +50,37 @@ class AppState:
     def ready(self) -> bool:
         return self.started and self.registry.ready
 
-    async def run(self, service: ModelService, *, texts=None, token_ids=None,
+    async def run(self, service, *, texts=None, token_ids=None,
                   options: EmbedOptions | None = None) -> EmbedResult:
-        """Call a model with the request timeout; a late answer becomes 504.
-        Every call is counted in `stats` (KServe v2 statistics), whatever its protocol."""
+        """The one entry point of every protocol (HTTP fast path, FastAPI routes, gRPC).
+
+        One deadline: a local model gets it and enforces it itself (504 past it);
+        a remote one (Ray ingress) is bounded here. Every call is counted once in
+        `stats` (KServe v2 statistics), with the stage timings the runtime measured."""
         timeout = self.config.limits.request_timeout_s
         start = time.perf_counter_ns()
         try:
-            result = await asyncio.wait_for(self._embed(service, texts, token_ids, options), timeout)
-        except asyncio.TimeoutError:
-            self.stats.record_failure(service.name, service.version, time.perf_counter_ns() - start)
-            raise DeadlineExceeded(f"request did not finish within {timeout:g} s") from None
+            if _accepts_deadline(service):
+                result = await self._embed(service, texts, token_ids, options, time.monotonic() + timeout)
+            else:
+                try:
+                    result = await asyncio.wait_for(self._embed(service, texts, token_ids, options), timeout)
+                except asyncio.TimeoutError:
+                    raise DeadlineExceeded(f"request did not finish within {timeout:g} s") from None
         except Exception:
             self.stats.record_failure(service.name, service.version, time.perf_counter_ns() - start)
             raise
-        self.stats.record_success(service.name, service.version, result, time.perf_counter_ns() - start,
-                                  cache_enabled=bool(getattr(getattr(service, "cache_cfg", None), "enabled", False)))
+        self.record(service, result, time.perf_counter_ns() - start)
         return result
 
-    async def _embed(self, service, texts, token_ids, options):
+    async def _embed(self, service, texts, token_ids, options, deadline: float | None = None):
+        def call(s):
+            if deadline is not None and _accepts_deadline(s):
+                return s.embed(texts=texts, token_ids=token_ids, options=options, deadline=deadline)
+            return s.embed(texts=texts, token_ids=token_ids, options=options)
+
         try:
-            return await service.embed(texts=texts, token_ids=token_ids, options=options)
+            return await call(service)
         except NotReady:
             # The copy this request looked up was replaced (a reload) between the lookup and
             # the call, e.g. while the request body was still arriving: the new copy answers.
@@ -81,4 +91,25 @@ class AppState:
                 current = service
             if current is service:
                 raise
-            return await current.embed(texts=texts, token_ids=token_ids, options=options)
+            return await call(current)
+
+    def cached(self, service, texts: list[str]) -> EmbedResult | None:
+        """The fast path's cache lookup (default options), counted like `run` when it answers."""
+        lookup = getattr(service, "cached_result", None)  # remote models (Ray ingress) have no local cache
+        if lookup is None:
+            return None
+        start = time.perf_counter_ns()
+        result = lookup(texts)
+        if result is not None:
+            self.record(service, result, time.perf_counter_ns() - start)
+        return result
+
+    def record(self, service, result: EmbedResult, elapsed_ns: int) -> None:
+        """Count one answered request in the KServe statistics (every protocol, one place)."""
+        self.stats.record_success(service.name, service.version, result, elapsed_ns,
+                                  cache_enabled=bool(getattr(getattr(service, "cache_cfg", None), "enabled", False)))
+
+
+def _accepts_deadline(service) -> bool:
+    inner = getattr(service, "service", service)  # ServedModel wraps the repository's services
+    return isinstance(inner, ModelService)

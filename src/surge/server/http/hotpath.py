@@ -23,10 +23,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 import orjson
 
 from surge.errors import SurgeError
+from surge.runtime.request import timing_headers
 from surge.server.errors import error_response, render
 from surge.server.http.common import PARSED_BODY
 from surge.server.http.openai_inputs import check_lengths, suspects
@@ -76,9 +78,11 @@ class HotPathMiddleware:
             if plain is not None:
                 native, texts, service, model = plain
                 lookup = getattr(service, "cached_result", None)  # remote models (Ray ingress) have no local cache
+                start = time.perf_counter_ns()
                 result = lookup(texts) if lookup is not None else None
                 # An OpenAI input that may be longer than the model takes the checking path.
                 if result is not None and (native or self.limits.auto_truncate or not suspects(service, result)):
+                    self.state.record(service, result, time.perf_counter_ns() - start)  # KServe statistics
                     return await _send_json(send, *self._payload(native, model, result))
                 app = self._direct(native, texts, service, model)
         await self._run_watched(scope, body, receive, send, app)
@@ -101,7 +105,7 @@ class HotPathMiddleware:
         return app
 
     @staticmethod
-    def _payload(native: bool, model: str, result) -> tuple[bytes, str]:
+    def _payload(native: bool, model: str, result) -> tuple[bytes, str, list]:
         if native:
             out = {"model": result.model, "version": result.version, "dimensions": int(result.vectors.shape[1]),
                    "embeddings": result.vectors, "usage": {"prompt_tokens": result.prompt_tokens}}
@@ -111,7 +115,7 @@ class HotPathMiddleware:
                             for i, row in enumerate(result.vectors)],
                    "model": model,
                    "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}}
-        return orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY), result.version
+        return orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY), result.version, timing_headers(result)
 
     def _plain(self, scope, body: bytes):
         """(native?, texts, service, model name asked for) for a plain, valid request, else None (the route's)."""
@@ -189,8 +193,8 @@ class HotPathMiddleware:
                 handler.cancel()
 
 
-async def _send_json(send, payload: bytes, version: str) -> None:
+async def _send_json(send, payload: bytes, version: str, extra: list = ()) -> None:
     await send({"type": "http.response.start", "status": 200, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-        (b"x-surge-model-version", version.encode())]})
+        (b"x-surge-model-version", version.encode()), *extra]})
     await send({"type": "http.response.body", "body": payload})

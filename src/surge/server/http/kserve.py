@@ -23,6 +23,7 @@ from surge.server import kserve_tensor
 from surge.server.http.common import ORJSONResponse, decode_json, read_body
 from surge.server.http.openapi import BINARY, JSON, body
 from surge.server.state import AppState
+from surge.runtime.request import response_headers
 
 HEADER_LENGTH = "inference-header-content-length"
 
@@ -198,7 +199,7 @@ def router(state: AppState) -> APIRouter:
                 "parameters": {"prompt_tokens": int(result.prompt_tokens)}, "outputs": [out]}
         if req.id is not None:
             body["id"] = req.id
-        headers = {"x-surge-model-version": result.version}
+        headers = response_headers(result)
         if not wants_binary:
             # orjson has no float16: FP16 values go out as the float32 numbers they are exactly.
             out["data"] = (array.astype(np.float32) if array.dtype == np.float16 else array).ravel()

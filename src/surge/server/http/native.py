@@ -12,6 +12,7 @@ from surge.server.http.openapi import body
 from surge.server.http.openai import TokenIds, split_input
 from surge.server.state import AppState
 from surge.types import EmbedOptions
+from surge.runtime.request import response_headers
 
 
 class EmbedRequest(BaseModel):
@@ -45,6 +46,6 @@ def router(state: AppState) -> APIRouter:
             "embeddings": result.vectors,
             "usage": {"prompt_tokens": result.prompt_tokens},
         }
-        return ORJSONResponse(body, headers={"x-surge-model-version": result.version})
+        return ORJSONResponse(body, headers=response_headers(result))
 
     return r

@@ -14,6 +14,7 @@ from surge.server.http.openapi import body
 from surge.server.http.openai_inputs import check_lengths, check_token_ids
 from surge.server.state import AppState
 from surge.types import EmbedOptions
+from surge.runtime.request import response_headers
 
 TokenIds = list[StrictInt]
 _MAX_ID = 2 ** 63 - 1
@@ -93,7 +94,7 @@ def router(state: AppState) -> APIRouter:
             "model": req.model or service.name,
             "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
         }
-        return ORJSONResponse(body, headers={"x-surge-model-version": result.version})
+        return ORJSONResponse(body, headers=response_headers(result))
 
     def model_object(name: str) -> dict:
         service = state.registry.get(name)

@@ -1,0 +1,285 @@
+"""`surge serve --workers N`: N front-end processes and one engine process.
+
+    supervisor (this module's serve_workers)
+      ├── engine process: the engines, the continuous batcher (runtime/batcher.py),
+      │     listening on a Unix socket (runtime/ipc.py EngineServer)
+      └── front ends x N: uvicorn on one shared listening socket (the kernel spreads
+            connections); HTTP parsing, validation, cache, tokenization and
+            post-processing; token batches to the engine (ipc.EngineClient)
+
+Why: one Python process tops out at ~30,000 trivial responses a second and
+far fewer real ones, while the GPU engine runs 85,000 sequences/s; the
+per-request work (HTTP, JSON, tokenizing) is what scales with processes, and
+the GPU wants one process batching everybody's inputs.
+
+Cache: each front end keeps its own local tiers (no lock, no hop); behind them the engine
+process keeps a tier all front ends share (runtime/ipc.SharedTier, keyed by token ids, sized
+by --cache-bytes), and Redis stays available as the tier shared between machines.
+
+Lifecycle: the engine process warms up (every bucket) before it listens, and
+front ends report ready only once connected. A front end that crashes is
+started again; an engine process that crashes makes every front end fail its
+in-flight requests with 503 at once (EOF on the socket) and report not ready
+until the restarted engine is back. SIGTERM (or Ctrl-C): front ends drain
+(uvicorn's graceful shutdown, requests in flight are answered), then the
+engine process stops. Single-model mode and HTTP only for now (gRPC, the
+repository and --ray keep one process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from surge.config import ServerConfig
+
+log = logging.getLogger("surge")
+
+
+class _Stop(Exception):
+    pass
+
+
+def _child(role: str, config_json: str, sock: str, *extra: str, pass_fds=()) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "surge.cli.workers", role, config_json, sock, *extra],
+                            pass_fds=pass_fds)
+
+
+def _wait_engine(proc: subprocess.Popen, sock: str, timeout_s: float = 900.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not os.path.exists(sock):
+        if proc.poll() is not None:
+            raise SystemExit(f"surge: the engine process exited ({proc.returncode}) while starting")
+        if time.monotonic() > end:
+            raise SystemExit("surge: the engine process did not start in time")
+        time.sleep(0.1)
+
+
+def serve_workers(config: ServerConfig, workers: int) -> int:
+    """Run the supervisor until SIGTERM / SIGINT; returns the exit code."""
+    tmp = tempfile.mkdtemp(prefix="surge-engine-")
+    sock = str(Path(tmp) / "engine.sock")
+    # Metrics whole across processes: every child writes prometheus_client's multiprocess
+    # files here, and any front end's /metrics reads them all (runtime/metrics.WholeRegistry).
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(Path(tmp) / "metrics")
+    os.mkdir(os.environ["PROMETHEUS_MULTIPROC_DIR"])
+    cfg = config.model_dump_json()
+    print(f"surge: starting the engine process and {workers} front ends", file=sys.stderr, flush=True)
+    if config.grpc_port:
+        # The gRPC server refuses a shared port (so_reuseport off, on purpose): HTTP only for now.
+        print("surge: --workers serves HTTP only; gRPC is not started", file=sys.stderr, flush=True)
+    engine = _child("engine", cfg, sock)
+    _wait_engine(engine, sock)
+    listener = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((config.host, config.port))
+    listener.listen(4096)
+    listener.set_inheritable(True)
+    fd = listener.fileno()
+    fronts = {i: _child("front", cfg, sock, str(fd), pass_fds=(fd,)) for i in range(workers)}
+    stopping = False
+
+    def stop(signum, frame):
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            raise _Stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    restarts = 0
+    try:
+        while True:
+            pid, status = os.wait()
+            _mark_dead(pid)
+            if engine.pid == pid:
+                engine.returncode = os.waitstatus_to_exitcode(status)
+                log.error("engine process exited (%s); starting it again", engine.returncode)
+                print(f"surge: engine process exited ({engine.returncode}); restarting", file=sys.stderr, flush=True)
+                engine = _child("engine", cfg, sock)
+                restarts += 1
+                continue
+            for i, p in fronts.items():
+                if p.pid == pid:
+                    p.returncode = os.waitstatus_to_exitcode(status)
+                    print(f"surge: front end {i} exited ({p.returncode}); restarting", file=sys.stderr, flush=True)
+                    fronts[i] = _child("front", cfg, sock, str(fd), pass_fds=(fd,))
+                    restarts += 1
+                    break
+    except _Stop:
+        pass
+    except ChildProcessError:
+        pass
+    # Drain: front ends first (they answer what they hold), then the engine.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for p in fronts.values():
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in fronts.values():
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    listener.close()
+    if engine.poll() is None:
+        engine.send_signal(signal.SIGTERM)
+        try:
+            engine.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            engine.kill()
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+def _mark_dead(pid: int) -> None:
+    """A dead process's live gauges (in flight, queue depth) leave the sums."""
+    try:
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid)
+    except Exception:  # noqa: BLE001 - metrics must never take the supervisor down
+        pass
+
+
+# ---------------------------------------------------------------- the engine process
+
+def engine_main(config_json: str, sock: str) -> None:
+    from surge.cli.bootstrap import load_service
+    from surge.models import bundled_model_dir, load_model_spec
+    from surge.runtime.ipc import EngineServer, SharedTier
+
+    config = ServerConfig.model_validate_json(config_json)
+    spec = load_model_spec(config.model_dir or bundled_model_dir(), name=config.model_name)
+    service = load_service(config, spec)  # engines built and warmed up (every bucket) here
+    caps = service.worker.engines.capabilities
+    hello = {"max_batch": caps.max_batch, "max_tokens": caps.max_tokens, "layout": caps.layout.value,
+             "device": caps.device, "dtype": caps.dtype, "hidden": caps.hidden_size,
+             "fingerprint": service.worker.fingerprint()}
+
+    async def main():
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        loop.add_signal_handler(signal.SIGINT, lambda: None)  # the supervisor decides
+        c = config.cache
+        shared = SharedTier(c.max_bytes, service.metrics) if c.enabled and c.max_bytes > 0 else None
+        server = EngineServer(service.batcher, hello, shared)
+        part = sock + ".part"
+        for p in (part, sock):
+            if os.path.exists(p):
+                os.unlink(p)
+        srv = await server.serve(part)
+        os.replace(part, sock)  # appears complete: the supervisor and front ends wait for this path
+        await stop.wait()
+        srv.close()
+        await service.close()
+
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------------- a front end
+
+class RemoteEngines:
+    """What a front end's ModelWorker holds instead of engines: their capabilities."""
+
+    def __init__(self, caps):
+        self.capabilities = caps
+        self.engines: list = []
+
+    def close(self) -> None:
+        pass
+
+
+def front_state(config: ServerConfig, sock: str):
+    from surge.engines.base import Capabilities
+    from surge.models import bundled_model_dir, load_model_spec
+    from surge.runtime.ipc import EngineClient
+    from surge.runtime.registry import ModelRegistry
+    from surge.runtime.service import ModelService
+    from surge.runtime.tokenize import Tokenizer
+    from surge.runtime.worker import ModelWorker, PostSpec
+    from surge.server.state import AppState
+    from surge.types import Layout
+
+    state = AppState(config=config, registry=ModelRegistry())
+    spec = load_model_spec(config.model_dir or bundled_model_dir(), name=config.model_name)
+
+    async def connect(state: AppState) -> None:
+        holder = {}
+
+        def on_state(up: bool) -> None:
+            svc = holder.get("service")
+            if svc is not None:
+                svc.ready = up  # not ready (503 at once) while the engine process is away
+
+        client = EngineClient(sock, on_state=on_state)
+        hello = await client.connect()
+        caps = Capabilities(hello["max_batch"], hello["max_tokens"], Layout(hello["layout"]), hello["device"],
+                            hello["dtype"], hello["hidden"])
+        max_len = min(config.engine.max_seq_len or spec.max_length, spec.max_length)
+        tok = Tokenizer(spec.tokenizer_file, max_length=max_len, vocab_size=spec.vocab_size, pad_id=spec.pad_token_id)
+        worker = ModelWorker(spec, tok, RemoteEngines(caps), PostSpec(spec.pooling, spec.normalize))
+        worker.fingerprint = lambda: hello["fingerprint"]  # the engine's build (shared cache tier key)
+        service = ModelService(spec.name, "1", worker, batching=config.batching, cache=config.cache,
+                               limits=config.limits, batcher=client)
+        holder["service"] = service
+        state.registry.add(service)
+        service.mark_ready()
+        print(f"surge: front end {os.getpid()} ready, serving {service.name} on http://{config.host}:{config.port}",
+              file=sys.stderr, flush=True)
+
+    state.extras.setdefault("on_startup", []).append(connect)
+    from surge.runtime.metrics import WholeRegistry, default_registry, families, multiprocess_dir
+
+    gpu = None
+    if config.engine.device.startswith("cuda"):
+        from surge.engines.gpu_metrics import register_gpu_metrics
+
+        gpu = register_gpu_metrics(CollectorRegistryStub())
+    if multiprocess_dir():
+        fam = families(default_registry())
+        state.extras["metrics_registry"] = WholeRegistry(multiprocess_dir(), [gpu, fam.devices])
+    return state
+
+
+class CollectorRegistryStub:
+    """Takes the GPU collector without exporting it twice (WholeRegistry exports it)."""
+
+    def register(self, collector) -> None:
+        pass
+
+
+def front_main(config_json: str, sock: str, fd: str) -> None:
+    import uvicorn
+
+    from surge.server.app import create_app
+
+    config = ServerConfig.model_validate_json(config_json)
+    app = create_app(front_state(config, sock))
+    # The inherited TCP socket, with its real family: uvicorn's own `fd=` wraps it as AF_UNIX, and
+    # asyncio then leaves Nagle on for accepted connections (TCP_NODELAY is set for INET sockets
+    # only): every response waited ~40 ms for the client's delayed ACK.
+    listener = socket.socket(fileno=int(fd))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, access_log=False,
+                                           timeout_graceful_shutdown=10))
+    server.run(sockets=[listener])
+
+
+if __name__ == "__main__":
+    role, *rest = sys.argv[1:]
+    if role == "engine":
+        engine_main(*rest)
+    elif role == "front":
+        front_main(*rest)
+    else:
+        raise SystemExit(f"unknown role {role!r}")

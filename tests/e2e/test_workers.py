@@ -1,0 +1,149 @@
+"""`surge serve --workers 2`: real processes (supervisor, two front ends, one engine process).
+
+Results match the FP32 reference under concurrency with no mixing; a killed
+engine process fails the requests it held with 503 at once (nothing hangs)
+and comes back; a killed front end is started again; SIGTERM drains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import httpx
+import numpy as np
+import psutil
+import pytest
+
+from tests.conftest import cosine_rows
+from tests.server_process import ServerProcess
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess("--workers", "2", "--engine", "torch", "--device", "cpu", "--cache-bytes", "0",
+                       "--max-batch-size", "16") as srv:
+        yield srv
+
+
+def _children(srv) -> dict[str, list[psutil.Process]]:
+    out = {"engine": [], "front": []}
+    for p in psutil.Process(srv.proc.pid).children(recursive=True):
+        try:
+            cmd = p.cmdline()
+        except psutil.NoSuchProcess:
+            continue
+        if "surge.cli.workers" in cmd:
+            out[cmd[cmd.index("surge.cli.workers") + 1]].append(p)
+    return out
+
+
+def _wait_ready(srv, timeout=120.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            if httpx.get(srv.url + "/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("not ready again")
+
+
+async def _many(url, texts, timeout=60.0, native=False):
+    """native: POST /embed, which truncates long inputs (OpenAI's route refuses them with 400)."""
+    async with httpx.AsyncClient(base_url=url, timeout=timeout) as c:
+        async def one(t):
+            try:
+                r = await (c.post("/embed", json={"inputs": t}) if native else
+                           c.post("/v1/embeddings", json={"input": t}))
+            except httpx.TransportError as exc:  # connection refused or cut: status 0
+                return 0, repr(exc), {}
+            return r.status_code, (r.json() if r.status_code == 200 else r.text), r.headers
+        return await asyncio.gather(*(one(t) for t in texts))
+
+
+def test_concurrent_results_match_reference_and_never_mix(server, sentences, reference_embed):
+    assert len(_children(server)["front"]) == 2 and len(_children(server)["engine"]) == 1
+    rng = np.random.default_rng()
+    picks = [[sentences[i] for i in rng.choice(len(sentences), int(rng.integers(1, 4)), replace=False)]
+             for _ in range(24)]
+    out = asyncio.run(_many(server.url, picks))
+    uniq = sorted({t for p in picks for t in p})
+    ref = {t: v for t, v in zip(uniq, reference_embed(uniq))}
+    for texts, (status, body, headers) in zip(picks, out):
+        assert status == 200, body
+        got = np.array([d["embedding"] for d in body["data"]], dtype=np.float32)
+        assert got.shape[0] == len(texts)
+        assert cosine_rows(got, np.stack([ref[t] for t in texts])).min() >= 0.9999
+        assert "x-surge-inference-ms" in headers  # the engine process's timings came back
+    # /metrics is whole: any front end answers with every process's counts (24 requests in all,
+    # the engine process's batches included)
+    for _ in range(4):
+        text = httpx.get(server.url + "/metrics", headers={"connection": "close"}).text
+        assert _sample(text, "surge_requests_total") == len(picks)
+        assert _sample(text, "surge_inputs_total") == sum(map(len, picks))
+        assert _sample(text, "surge_batch_size_count") >= 1
+
+
+def _sample(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_engine_crash_fails_in_flight_with_503_at_once_and_recovers(server, sentences):
+    engine = _children(server)["engine"][0]
+    long = [" ".join(sentences[i:i + 12]) for i in range(0, 120, 3)]  # long inputs: the engine is busy a while
+
+    async def main():
+        task = asyncio.ensure_future(_many(server.url, [[t] for t in long], timeout=60, native=True))
+        await asyncio.sleep(0.5)
+        engine.kill()
+        t0 = time.monotonic()
+        res = await task
+        return res, time.monotonic() - t0
+
+    res, took = asyncio.run(main())
+    codes = [s for s, _, _ in res]
+    assert set(codes) <= {200, 503}, codes
+    assert 503 in codes
+    assert took < 30  # failed at once, not after the request timeout
+    _wait_ready(server)
+    new = _children(server)["engine"]
+    assert len(new) == 1 and new[0].pid != engine.pid
+    (status, body, _), = asyncio.run(_many(server.url, [["after the restart"]]))
+    assert status == 200, body
+
+
+def test_crashed_front_end_is_started_again(server):
+    old = _children(server)["front"]
+    old[0].kill()
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        fronts = _children(server)["front"]
+        if len(fronts) == 2 and old[0].pid not in {p.pid for p in fronts}:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("the front end was not restarted")
+    _wait_ready(server)
+    out = asyncio.run(_many(server.url, [["front end %d" % i] for i in range(8)]))
+    assert all(s == 200 for s, _, _ in out)
+
+
+def test_sigterm_drains_in_flight_requests_then_exits(server, sentences):
+    texts = [[" ".join(sentences[i:i + 12])] for i in range(0, 48, 3)]  # ~1 s of compute on 2 cores
+
+    async def main():
+        task = asyncio.ensure_future(_many(server.url, texts, native=True))
+        await asyncio.sleep(0.5)  # all sent and in flight
+        server.proc.send_signal(signal.SIGTERM)
+        return await task
+
+    out = asyncio.run(main())
+    assert server.proc.wait(timeout=60) == 0
+    # every request in flight at SIGTERM was answered, none cut off
+    codes = [s for s, _, _ in out]
+    assert codes == [200] * len(texts), codes
