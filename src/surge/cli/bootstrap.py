@@ -56,7 +56,7 @@ def is_artifact_dir(path: Path) -> bool:
 
 
 def load_service(config: ServerConfig, spec: ModelSpec, version: str = "1", engine: EngineConfig | None = None,
-                 *, artifact: Path | None = None, batching=None, cache=None):
+                 *, artifact: Path | None = None, batching=None, cache=None, generation=None):
     from surge.runtime.loader import build_worker
     from surge.runtime.service import ModelService
 
@@ -64,7 +64,7 @@ def load_service(config: ServerConfig, spec: ModelSpec, version: str = "1", engi
     if is_decoder_dir(spec.path):  # a causal LM: task "generate", served by its own service
         from surge.runtime.loader import build_generate_service
 
-        return build_generate_service(spec, version, engine, config.limits)
+        return build_generate_service(spec, version, engine, config.limits, config.generation.merged(generation))
     artifact = artifact or resolve_artifact(spec, engine, config.cache_dir)
     worker = build_worker(spec, artifact, engine)
     return ModelService(spec.name, version, worker, batching=batching or config.batching,
@@ -88,7 +88,7 @@ def load_repository_version(config: ServerConfig, entry):
     artifact = None if is_decoder_dir(source.path) else \
         entry.artifact_dir or _cached_artifact(source, cfg.engine, config.cache_dir)
     return load_service(config, replace(source, name=entry.name), entry.version, cfg.engine, artifact=artifact,
-                        batching=cfg.batching, cache=cfg.cache)
+                        batching=cfg.batching, cache=cfg.cache, generation=cfg.generation)
 
 
 _ARTIFACTS: dict[tuple, Path | None] = {}

@@ -25,50 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
+from surge.config import GenerationConfig  # noqa: F401  (re-exported: callers build it from here)
 from surge.errors import DeadlineExceeded, EngineError, InvalidInput, NotReady, Overloaded
 from surge.runtime.detok import TextState
 from surge.runtime.generate_metrics import GenerateMetrics
 from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
 
 log = logging.getLogger("surge.generate")
-
-
-@dataclass
-class GenerationConfig:
-    """Generation settings of one decoder model (defaults in code; model.yaml may override)."""
-
-    block_size: int = 16
-    kv_cache_tokens: int | None = None  # default: 32k tokens on the CPU, 256k on a GPU
-    max_num_seqs: int = 64  # running at once (also the largest CUDA-graph bucket)
-    max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    max_waiting: int = 256  # queued sequences above which new requests get 429
-    prefix_caching: bool = True
-    cuda_graphs: bool = True
-    cache_entries: int = 1024  # finished greedy / seeded generations kept (0: off)
-    default_max_tokens: int = 256
-
-    @classmethod
-    def from_env(cls, env=None, **overrides) -> "GenerationConfig":
-        """Defaults, then SURGE_GENERATION_<FIELD> variables (read when a model loads), then `overrides`."""
-        import dataclasses
-        import os
-
-        env = os.environ if env is None else env
-        values = {}
-        for f in dataclasses.fields(cls):
-            raw = env.get(f"SURGE_GENERATION_{f.name.upper()}")
-            if raw is None:
-                continue
-            kind = str(f.type)
-            if "bool" in kind:
-                values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
-            elif raw.strip().lower() in ("", "none"):
-                values[f.name] = None
-            else:
-                values[f.name] = int(raw)
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
 
 
 @dataclass
@@ -125,7 +88,7 @@ class GenerateService:
         self.engine = engine
         self.tokenizer = tokenizer  # tokenizers.Tokenizer
         self.chat_template = chat_template
-        self.config = config or GenerationConfig()
+        self.config = (config or GenerationConfig()).resolved()
         self.request_timeout_s = request_timeout_s
         self.ready = False
         self.loaded_at = time.time()
@@ -394,7 +357,7 @@ def load_generate_service(path: Path, name: str, version: str = "1", *, device: 
     from surge.errors import ConfigError
     from surge.models.chat_template import ChatTemplate
 
-    config = config or GenerationConfig()
+    config = (config or GenerationConfig()).resolved()
     path = Path(path)
     if not (path / "tokenizer.json").is_file():
         raise ConfigError(f"{path}: tokenizer.json missing (a fast tokenizer file is required)")
