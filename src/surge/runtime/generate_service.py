@@ -28,6 +28,7 @@ from typing import AsyncIterator
 from surge.config import GenerationConfig  # noqa: F401  (re-exported: callers build it from here)
 from surge.errors import DeadlineExceeded, EngineError, InvalidInput, NotReady, Overloaded
 from surge.runtime.detok import TextState
+from surge.runtime.generate_text import PromptText
 from surge.runtime.generate_metrics import GenerateMetrics
 from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
 
@@ -76,7 +77,7 @@ class _Handle:
         self.push(DeadlineExceeded("generation did not finish within the request deadline"))
 
 
-class GenerateService:
+class GenerateService(PromptText):
     task = "generate"
     kind = "hf"
 
@@ -95,6 +96,7 @@ class GenerateService:
         c = self.config
         caps = engine.capabilities
         self.max_model_len = caps.max_model_len
+        self.vocab_size = engine.cfg.vocab_size
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=caps.num_blocks, block_size=caps.block_size, max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=max(c.max_num_batched_tokens, c.max_num_seqs), max_model_len=caps.max_model_len,
@@ -142,31 +144,10 @@ class GenerateService:
     async def embed(self, *args, **kwargs):
         raise InvalidInput(f"model '{self.name}' serves task 'generate', not 'embed'", param="model")
 
-    def encode(self, text: str, *, special: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=special).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def render_chat(self, messages: list[dict], **kwargs) -> str:
-        if self.chat_template is None:
-            raise InvalidInput(f"model '{self.name}' has no chat template; use /v1/completions", param="messages")
-        return self.chat_template.render(messages, **kwargs)
-
-    def check_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise InvalidInput("the prompt is empty", param="prompt")
-        if len(ids) >= self.max_model_len:
-            raise InvalidInput(f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} "
-                               "tokens, prompt and output", param="prompt")
-        vocab = self.engine.cfg.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise InvalidInput(f"token ids must be in [0, {vocab})", param="prompt")
-
     async def generate(self, prompt_ids: list[int], params: SamplingParams, *,
-                       deadline: float | None = None) -> GenerationResult:
+                       deadline: float | None = None, use_cache: bool = True) -> GenerationResult:
         text, ids, logprobs, last = [], [], [], None
-        async for d in self.stream(prompt_ids, params, deadline=deadline):
+        async for d in self.stream(prompt_ids, params, deadline=deadline, use_cache=use_cache):
             text.append(d.text)
             ids.extend(d.token_ids)
             if d.logprobs:
@@ -176,13 +157,15 @@ class GenerateService:
                                 logprobs if params.logprobs is not None else None, last.cached)
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams, *,
-                     deadline: float | None = None) -> AsyncIterator[Delta]:
-        """Deltas of text and tokens; the last one has finish_reason and the token counts."""
+                     deadline: float | None = None, use_cache: bool = True) -> AsyncIterator[Delta]:
+        """Deltas of text and tokens; the last one has finish_reason and the token counts.
+        `use_cache=False`: computed even when cached (a health probe must reach the engine)."""
         if not self.ready or self._closed:
             raise NotReady(f"model '{self.name}' is not ready")
         self.check_prompt(prompt_ids)
         deadline = deadline or time.monotonic() + self.request_timeout_s
-        key = (self.version, tuple(prompt_ids), params.key()) if params.deterministic and self.config.cache_entries \
+        key = (self.version, tuple(prompt_ids), params.key()) if use_cache and params.deterministic \
+            and self.config.cache_entries \
             else None
         if key is not None and key in self._cache:
             self._cache.move_to_end(key)
