@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 
 import httpx
 import pytest
@@ -30,7 +31,8 @@ PROMPTS = ["The assignment", "If a specific method is not defined, the augmented
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_model("gpt2", tmp_path_factory.mktemp("raygen") / "tiny-gpt2", seed=3)
+    # a long context: a 1000-token stream outlasts reading its first chunks many times over
+    return build_model("gpt2", tmp_path_factory.mktemp("raygen") / "tiny-gpt2", seed=3, n_positions=1024)
 
 
 def _answers(base_url: str) -> dict:
@@ -44,14 +46,40 @@ def _answers(base_url: str) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def local(model_dir):
-    with ServerProcess(str(model_dir), "--threads", "1") as srv:
-        return _answers(srv.url)
+class _LocalAnswers(threading.Thread):
+    """The answers of a single `surge serve` process, computed while Ray starts (their start-ups overlap)."""
+
+    def __init__(self, model_dir):
+        super().__init__(daemon=True)
+        self.model_dir, self.answers, self.error = model_dir, None, None
+        self.start()
+
+    def run(self):
+        try:
+            with ServerProcess(str(self.model_dir), "--threads", "1") as srv:
+                self.answers = _answers(srv.url)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            self.error = exc
+
+    def result(self) -> dict:
+        self.join(300)
+        if self.error is not None:
+            raise self.error
+        return self.answers
 
 
 @pytest.fixture(scope="module")
-def cluster(model_dir, local):
+def started_local(model_dir):
+    return _LocalAnswers(model_dir)
+
+
+@pytest.fixture(scope="module")
+def local(cluster, started_local):
+    return started_local.result()
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, started_local):
     import ray
     from ray import serve
 
@@ -130,3 +158,34 @@ def test_both_replicas_serve_and_protocol_errors_cross_the_ingress(cluster, loca
         r = http.post("/v1/completions", json={"prompt": "Names", "max_tokens": 4, "top_p": 0})
         assert r.status_code in (400, 422), r.text
         assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny-gpt2"]
+
+
+def _metric(base_url: str, name: str, **labels) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for fam in text_string_to_metric_families(httpx.get(base_url + "/metrics", timeout=30).text):
+        for smp in fam.samples:
+            if smp.name == name and all(smp.labels.get(k) == v for k, v in labels.items()):
+                total += smp.value
+    return total
+
+
+def test_a_stream_whose_client_leaves_is_aborted_on_its_replica(cluster):
+    import time
+
+    aborted = _metric(cluster, "surge_generate_requests_total", finish_reason="abort")
+    body = {"prompt": "Names", "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True, "seed": 5}
+    with httpx.stream("POST", cluster + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(3)]
+    assert any(line.startswith("data: ") for line in got)
+    deadline = time.monotonic() + 30  # replicas push their metrics every 0.5 s
+    while time.monotonic() < deadline:
+        if _metric(cluster, "surge_generate_requests_total", finish_reason="abort") > aborted \
+                and _metric(cluster, "surge_generate_running_sequences") == 0:
+            break
+        time.sleep(0.2)
+    assert _metric(cluster, "surge_generate_requests_total", finish_reason="abort") == aborted + 1
+    assert _metric(cluster, "surge_generate_requests_total", finish_reason="length") >= 1
+    assert _metric(cluster, "surge_generate_running_sequences") == 0
