@@ -27,7 +27,7 @@ def test_model_yaml_generation_section_overrides_the_servers_settings(tmp_path, 
         (root / name / "1" / "model.yaml").write_text(f"source: {model_dir}\nengine:\n  threads: 1\n{extra}")
     # Server-wide: default_max_tokens 7 and an 80-token context (the flag); cache off (the environment).
     with ServerProcess("--model-repository", str(root), "--generation", "default_max_tokens=7,max_model_len=80",
-                       env={"SURGE_GENERATION_CACHE_ENTRIES": "0"}) as srv:
+                       env={"SURGE_GENERATION_CACHE_ENTRIES": "0"}, grpc=True) as srv:
         def complete(model, prompt="The assignment", **kw):
             return httpx.post(srv.url + "/v1/completions", timeout=60,
                               json={"model": model, "prompt": prompt, "temperature": 0, "ignore_eos": True, **kw})
@@ -48,6 +48,17 @@ def test_model_yaml_generation_section_overrides_the_servers_settings(tmp_path, 
         for model in ("short", "plain"):  # the fields a section does not set stay the server's: 80 tokens
             r = complete(model, prompt=long_prompt)
             assert r.status_code == 400 and "context is 80 tokens" in r.text, r.text
+        # Triton's model configuration of a decoder model (tritonclient's get_model_config reads it)
+        cfg = httpx.get(srv.url + "/v2/models/plain/config")
+        assert cfg.status_code == 200, cfg.text
+        assert [t["name"] for t in cfg.json()["input"]] == ["text_input"]
+        assert cfg.json()["parameters"]["task"] == {"string_value": "generate"}
+        import tritonclient.grpc as tgrpc
+
+        g = tgrpc.InferenceServerClient(srv.grpc_url)
+        proto = g.get_model_config("plain").config
+        assert proto.input[0].name == "text_input" and proto.parameters["task"].string_value == "generate"
+        g.close()
         # cache_entries 0 from the environment: a repeated greedy request is computed again
         complete("plain", max_tokens=4)
         complete("plain", max_tokens=4)

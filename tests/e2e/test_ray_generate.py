@@ -149,6 +149,7 @@ def test_both_replicas_serve_and_protocol_errors_cross_the_ingress(cluster, loca
         assert r.status_code == 200, r.text
         assert r.json()["text_output"] == local["Names"][:len(r.json()["text_output"])]
         assert http.get("/v2/models/tiny-gpt2").json()["inputs"][0]["name"] == "text_input"
+        assert http.get("/v2/models/tiny-gpt2/config").json()["input"][0]["name"] == "text_input"
         # bad input: the ingress's own checks and a replica's errors keep their statuses
         long_prompt = " ".join(["assignment target"] * 400)
         r = http.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 4})

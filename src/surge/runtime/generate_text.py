@@ -11,8 +11,8 @@ from surge.errors import InvalidInput
 
 
 class PromptText:
-    """Needs `name`, `tokenizer` (tokenizers.Tokenizer), `chat_template` (or None),
-    `max_model_len` and `vocab_size`."""
+    """Needs `name`, `kind`, `tokenizer` (tokenizers.Tokenizer), `chat_template` (or None),
+    `max_model_len`, `vocab_size` and `kserve_metadata(versions)`."""
 
     name: str
     max_model_len: int
@@ -37,3 +37,13 @@ class PromptText:
                                "tokens, prompt and output", param="prompt")
         if any(not 0 <= t < self.vocab_size for t in ids):
             raise InvalidInput(f"token ids must be in [0, {self.vocab_size})", param="prompt")
+
+    def triton_config(self) -> dict:
+        """Triton's ModelConfig (JSON form) of a generate model: the generate extension's tensors
+        (only the fields surge's gRPC ModelConfig has, so HTTP and gRPC answer alike)."""
+        meta = self.kserve_metadata([])
+        device = meta["platform"].removeprefix("surge_").split(":")[0]
+        return {"name": self.name, "platform": f"surge_{device}", "backend": "surge", "max_batch_size": 0,
+                "input": [{"name": "text_input", "data_type": "TYPE_STRING", "dims": [1]}],
+                "output": [{"name": "text_output", "data_type": "TYPE_STRING", "dims": [1]}],
+                "parameters": {"task": {"string_value": "generate"}, "kind": {"string_value": self.kind}}}
