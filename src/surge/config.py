@@ -116,6 +116,61 @@ class MetricsConfig(_Strict):
                              "API key (as Triton's and TEI's metrics ports); None: only on the HTTP port.")
 
 
+class GenerationConfig(_Strict):
+    """Decoder models (task generate): KV cache, scheduler and defaults of one model.
+
+    Server-wide from `--generation FIELD=VALUE` / SURGE_GENERATION_<FIELD>; a model.yaml's
+    `generation:` section overrides it field by field.
+    """
+
+    block_size: int = Field(16, ge=1, description="Tokens per KV-cache block.")
+    kv_cache_tokens: int | None = Field(None, ge=1, description="KV-cache size in tokens; default: sized by memory "
+                                        "(1 GiB on the host, 40% of free GPU memory).")
+    max_num_seqs: int | None = Field(None, ge=1, description="Sequences running at once (also the largest "
+                                     "CUDA-graph bucket); default: engine.max_batch_size.")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget of one step (chunked prefill).")
+    max_model_len: int | None = Field(None, ge=1, description="Longest prompt + output; default: engine.max_seq_len, "
+                                      "else the model's max_position_embeddings.")
+    max_waiting: int = Field(256, ge=1, description="Queued sequences above which new requests get 429.")
+    prefix_caching: bool = Field(True, description="Reuse the KV blocks of a seen prompt prefix (by block hash).")
+    cuda_graphs: bool = Field(True, description="On a GPU: replay decode steps as CUDA graphs per batch bucket.")
+    cache_entries: int = Field(1024, ge=0, description="Finished greedy / seeded generations kept (0: off).")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that gives none.")
+
+    def resolved(self, engine: "EngineConfig | None" = None) -> "GenerationConfig":
+        """Concrete values: the fields left to the engine's settings take them."""
+        engine = engine or EngineConfig()
+        return self.model_copy(update={"max_num_seqs": self.max_num_seqs or engine.max_batch_size,
+                                       "max_model_len": self.max_model_len or engine.max_seq_len})
+
+    def merged(self, over: "GenerationConfig | None") -> "GenerationConfig":
+        """These settings with the fields `over` sets (a model.yaml's section) replaced."""
+        if over is None:
+            return self
+        return self.model_validate({**self.model_dump(), **over.model_dump(exclude_unset=True)})
+
+    @classmethod
+    def from_sources(cls, pairs: list[str] | None = None, env=None) -> "GenerationConfig":
+        """SURGE_GENERATION_<FIELD> variables, then FIELD=VALUE pairs (the --generation flag)."""
+        import os
+
+        env = os.environ if env is None else env
+        values: dict = {}
+        for name in cls.model_fields:
+            raw = env.get(f"SURGE_GENERATION_{name.upper()}")
+            if raw is not None:
+                values[name] = None if raw.strip().lower() in ("", "none") else raw.strip()
+        for pair in pairs or []:
+            for item in filter(None, (p.strip() for p in pair.split(","))):
+                key, sep, raw = item.partition("=")
+                key = key.strip().replace("-", "_")
+                if not sep or key not in cls.model_fields:
+                    raise ValueError(f"--generation takes FIELD=VALUE with FIELD one of "
+                                     f"{', '.join(cls.model_fields)}; got {item!r}")
+                values[key] = None if raw.strip().lower() in ("", "none") else raw.strip()
+        return cls.model_validate(values)
+
+
 class ServerConfig(_Strict):
     host: str = Field("127.0.0.1", description="Address to bind.")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port.")
@@ -145,6 +200,7 @@ class ServerConfig(_Strict):
     cache: CacheConfig = Field(default_factory=CacheConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Decoder models' settings.")
 
 
 def default_cache_dir() -> Path:
@@ -217,6 +273,9 @@ class ModelFile(_Strict):
         "model served by tensor name (KServe v2), see the `tensor` section.")
     tensor: "TensorModelOptions" = Field(default_factory=lambda: TensorModelOptions(),
                                          description="Kinds onnx, torch, python: file, inputs, outputs, batching.")
+    generation: GenerationConfig | None = Field(
+        None, description="Decoder models: KV cache, scheduler, default max_tokens; default: the server's "
+        "(fields set here override it one by one).")
 
 
 class HeadFile(_Strict):

@@ -122,3 +122,28 @@ def test_cli_rejects_conflicting_ray_flags_with_a_clear_message():
     assert result.exit_code == 2
     assert "cannot be combined with the autoscaling flags" in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_decoder_model_is_planned_unexported_with_its_generation_settings(tmp_path):
+    pytest.importorskip("torch")
+    from surge.config import GenerationConfig
+    from tests.decoder_models import build_model
+
+    model = build_model("gpt2", tmp_path / "tiny-gpt2", seed=1)
+    root = tmp_path / "models"
+    _write(root / "chat" / "1" / "model.yaml",
+           f"source: {model}\ngeneration: {{default_max_tokens: 5}}\nray: {{num_replicas: 2}}\n")
+    config = ServerConfig(model_repository=root, generation=GenerationConfig(max_waiting=3, default_max_tokens=9))
+
+    def resolve(*_):
+        raise AssertionError("a decoder model is not exported")
+
+    (target,) = plan_repository(config, None, resolve)
+    assert target.spec.task == "generate" and target.spec.artifact is None and target.ray.num_replicas == 2
+    assert (target.spec.generation.default_max_tokens, target.spec.generation.max_waiting) == (5, 3)
+    (single,) = plan_single(ServerConfig(model_dir=model, generation=GenerationConfig(max_waiting=3)),
+                            RayDeploymentConfig(), resolve)
+    assert single.spec.task == "generate" and single.spec.generation.max_waiting == 3
+    _write(root / "chat" / "1" / "model.yaml", f"source: {model}\ngeneration: {{max_waiting: 0}}\n")
+    with pytest.raises(ConfigError, match="generation.max_waiting"):
+        plan_repository(config, None, resolve)

@@ -56,7 +56,7 @@ def is_artifact_dir(path: Path) -> bool:
 
 
 def load_service(config: ServerConfig, spec: ModelSpec, version: str = "1", engine: EngineConfig | None = None,
-                 *, artifact: Path | None = None, batching=None, cache=None, heads=None):
+                 *, artifact: Path | None = None, batching=None, cache=None, heads=None, generation=None):
     from surge.models.tasks import check_servable
     from surge.runtime.loader import build_worker
     from surge.runtime.service import ModelService
@@ -65,7 +65,7 @@ def load_service(config: ServerConfig, spec: ModelSpec, version: str = "1", engi
     if is_decoder_dir(spec.path):  # a causal LM: task "generate", served by its own service
         from surge.runtime.loader import build_generate_service
 
-        return build_generate_service(spec, version, engine, config.limits)
+        return build_generate_service(spec, version, engine, config.limits, config.generation.merged(generation))
     # Before any export: a model surge cannot serve fails the start naming its architecture.
     check_servable(spec.task_info, spec.model_type, spec.path)
     artifact = artifact or resolve_artifact(spec, engine, config.cache_dir)
@@ -100,7 +100,7 @@ def load_repository_version(config: ServerConfig, entry):
     heads = [h.model_copy(update={"source": str(entry.resolve(h.source))}) if h.source else h
              for h in cfg.heads] if cfg.heads else None
     return load_service(config, replace(source, name=entry.name), entry.version, cfg.engine, artifact=artifact,
-                        batching=cfg.batching, cache=cfg.cache, heads=heads)
+                        batching=cfg.batching, cache=cfg.cache, heads=heads, generation=cfg.generation)
 
 
 _ARTIFACTS: dict[tuple, Path | None] = {}

@@ -9,8 +9,8 @@ from typing import List, Optional
 
 import typer
 
-from surge.config import (BatchingConfig, CacheConfig, EngineConfig, LimitsConfig, MetricsConfig, ServerConfig,
-                          default_cache_dir)
+from surge.config import (BatchingConfig, CacheConfig, EngineConfig, GenerationConfig, LimitsConfig, MetricsConfig,
+                          ServerConfig, default_cache_dir)
 
 
 def _default(model, field: str):
@@ -62,6 +62,7 @@ def serve(
     tei_embed: bool = typer.Option(False, "--tei-embed", envvar="SURGE_TEI_EMBED", help="POST /embed answers TEI's bare array of vectors."),
     log_level: str = typer.Option("info", envvar="SURGE_LOG_LEVEL", help="Log level."),
     workers: int = typer.Option(1, envvar="SURGE_WORKERS", help="Front-end processes in front of one engine process (1: one process; 0: one per core)."),
+    generation: Optional[List[str]] = typer.Option(None, "--generation", help="Decoder models: FIELD=VALUE settings (comma-separated and/or repeated; fields: " + ", ".join(GenerationConfig.model_fields) + "); also SURGE_GENERATION_<FIELD>; a model.yaml's generation section overrides them."),
     ray: bool = typer.Option(False, "--ray", envvar="SURGE_RAY", help="Scale out on Ray Serve: each model is a deployment whose replicas each run a surge engine, batcher and cache (needs the `ray` extra)."),
     ray_address: Optional[str] = typer.Option(None, envvar="SURGE_RAY_ADDRESS", help="Ray cluster to deploy on (e.g. auto, ray://head:10001); default: start a local Ray instance."),
     ray_replicas: Optional[int] = typer.Option(None, envvar="SURGE_RAY_REPLICAS", help="Fixed replicas per model (default 1, or model.yaml's ray section)."),
@@ -85,6 +86,10 @@ def serve(
             import json
 
             model_name = json.loads((artifact / "manifest.json").read_text()).get("model_name")
+    try:
+        generation_config = GenerationConfig.from_sources(generation)
+    except ValueError as exc:  # pydantic's ValidationError included
+        raise typer.BadParameter(str(exc).replace("GenerationConfig", "generation settings"), param_hint="--generation")
     config = ServerConfig(
         host=host,
         port=port,
@@ -113,6 +118,7 @@ def serve(
                             request_timeout_s=request_timeout_s, auto_truncate=auto_truncate,
                             allow_token_ids=allow_token_ids),
         metrics=MetricsConfig(public=metrics_public, port=metrics_port),
+        generation=generation_config,
     )
     if ray or ray_address:
         # Ray is an optional extra: imported only here, only under --ray.

@@ -138,8 +138,12 @@ class SurgeIngress:
 
     def __init__(self, config: ServerConfig, models: list[tuple[str, str, object]], retries: dict[str, int]):
         registry = ModelRegistry()
-        self.remotes = [RemoteModel(name, version, handle, retries.get(f"{name}:{version}", 1))
-                        for name, version, handle in models]
+        from surge.distributed.remote_generate import RemoteGenerateModel
+
+        # (name, version, handle[, task]): a decoder model's stand-in has generate() and stream()
+        self.remotes = [(RemoteGenerateModel if task == ["generate"] else RemoteModel)(
+                            name, version, handle, retries.get(f"{name}:{version}", 1))
+                        for name, version, handle, *task in models]
         for remote in self.remotes:
             registry.add(remote)  # duck-typed: same attributes and embed() as a ModelService
         if config.model_repository is None and self.remotes:  # --served-model-name for the one model

@@ -15,11 +15,12 @@ from typing import Callable
 import yaml
 from pydantic import ValidationError
 
-from surge.config import BatchingConfig, CacheConfig, EngineConfig, ServerConfig
+from surge.config import BatchingConfig, CacheConfig, EngineConfig, GenerationConfig, ServerConfig
 from surge.distributed.config import RayDeploymentConfig
 from surge.distributed.replica import ReplicaSpec
 from surge.errors import ConfigError
 from surge.models import bundled_model_dir, load_model_spec
+from surge.models.decoder import is_decoder_dir
 from surge.models.hf import ModelSpec
 
 Resolve = Callable[[ModelSpec, EngineConfig, "Path | None"], "Path | None"]
@@ -56,6 +57,10 @@ def ray_config(section: dict | RayDeploymentConfig | None, overrides: dict | Non
 def plan_single(config: ServerConfig, ray_cfg: RayDeploymentConfig, resolve: Resolve) -> list[DeploymentTarget]:
     """The one model of `config.model_dir` (default: the bundled model)."""
     spec = load_model_spec(config.model_dir or bundled_model_dir(), name=config.model_name)
+    if is_decoder_dir(spec.path):  # a causal LM: replicas load its weights directly
+        replica = ReplicaSpec(spec.name, "1", spec.path, None, config.engine, config.batching, config.cache,
+                              config.limits, task="generate", generation=config.generation)
+        return [DeploymentTarget(replica, ray_cfg)]
     artifact = resolve(spec, config.engine, config.cache_dir)
     replica = ReplicaSpec(spec.name, "1", spec.path, artifact, config.engine, config.batching, config.cache,
                           config.limits)
@@ -149,6 +154,11 @@ def _target(config: ServerConfig, name: str, version: str, vdir: Path, fields: d
     source = fields.get("source", "bundled")
     src = bundled_model_dir() if source == "bundled" else _rel(vdir, source)
     spec = load_model_spec(src, name=name)
+    if is_decoder_dir(spec.path):
+        generation = section("generation", GenerationConfig, config.generation)
+        replica = ReplicaSpec(name, version, spec.path, None, engine, batching, cache, config.limits,
+                              task="generate", generation=generation)
+        return DeploymentTarget(replica, ray_config(fields.get("ray"), overrides, where=str(yaml_file)))
     artifact = _rel(vdir, fields["artifact"]) if fields.get("artifact") else resolve(spec, engine, config.cache_dir)
     replica = ReplicaSpec(name, version, spec.path, artifact, engine, batching, cache, config.limits)
     return DeploymentTarget(replica, ray_config(fields.get("ray"), overrides, where=str(yaml_file)))

@@ -24,6 +24,7 @@ from surge.distributed.config import RayDeploymentConfig
 from surge.distributed.ingress import SurgeIngress
 from surge.distributed.metrics_hub import Pusher
 from surge.distributed.plan import DeploymentTarget, plan_repository, plan_single
+from surge.distributed.generate_replica import GenerateReplica
 from surge.distributed.replica import ModelReplica
 
 __all__ = ["DeploymentTarget", "RayDeploymentConfig", "build_application", "connect", "deploy", "plan_repository",
@@ -48,6 +49,16 @@ class _ServeModelReplica(ModelReplica):
             pass
 
 
+class _ServeGenerateReplica(GenerateReplica):
+    """A decoder model's replica (task generate): same metrics push and graceful stop."""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self._metrics = Pusher(self.identity)
+
+    __del__ = _ServeModelReplica.__del__
+
+
 def build_application(targets: list[DeploymentTarget], config: ServerConfig, *, ingress_replicas: int = 1,
                       ingress_cpus: float = 0.0):
     """The Ray Serve application: one deployment per model version plus the ingress
@@ -55,6 +66,7 @@ def build_application(targets: list[DeploymentTarget], config: ServerConfig, *, 
     if not targets:
         raise ValueError("nothing to deploy: no model targets")
     model_deployment = serve.deployment(_ServeModelReplica)
+    generate_deployment = serve.deployment(_ServeGenerateReplica)
     models = []
     retries = {}
     for target in targets:
@@ -62,8 +74,9 @@ def build_application(targets: list[DeploymentTarget], config: ServerConfig, *, 
         if spec.engine.threads == 0:
             # One ORT thread per reserved CPU: replicas that share a machine do not oversubscribe it.
             spec = dataclasses.replace(spec, engine=spec.engine.model_copy(update={"threads": target.ray.engine_threads()}))
-        bound = model_deployment.options(name=target.deployment_name, **target.ray.deployment_options()).bind(spec)
-        models.append((spec.name, spec.version, bound))
+        deployment = generate_deployment if spec.task == "generate" else model_deployment
+        bound = deployment.options(name=target.deployment_name, **target.ray.deployment_options()).bind(spec)
+        models.append((spec.name, spec.version, bound, spec.task))
         retries[f"{spec.name}:{spec.version}"] = target.ray.request_retries
     ingress = serve.deployment(serve.ingress()(SurgeIngress)).options(
         name=INGRESS_NAME, num_replicas=ingress_replicas, ray_actor_options={"num_cpus": ingress_cpus},

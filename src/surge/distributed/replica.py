@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from surge.config import BatchingConfig, CacheConfig, EngineConfig, LimitsConfig
+from surge.config import BatchingConfig, CacheConfig, EngineConfig, GenerationConfig, LimitsConfig
 from surge.errors import EngineError
 from surge.types import EmbedOptions, EmbedResult
 
@@ -44,6 +44,8 @@ class ReplicaSpec:
     batching: BatchingConfig
     cache: CacheConfig
     limits: LimitsConfig
+    task: str = "embed"  # "generate": a decoder model, served by generate_replica.GenerateReplica
+    generation: GenerationConfig | None = None  # decoder models' settings (server's merged with model.yaml's)
 
 
 def replica_identity() -> str:

@@ -90,7 +90,13 @@ def _exit_with_parent(parent: int) -> None:
 
 def main(fd: int) -> None:
     import os
+    import signal
 
+    # The server ends this process (stop: finalize, then exit; or kill); a SIGTERM / SIGINT sent
+    # to the whole process group (a terminal's Ctrl-C, `kill -- -PGID`, a container runtime) must
+    # not end it before the server has asked for finalize().
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent(os.getppid())
     conn = Connection(fd)
     api.client._conn = conn

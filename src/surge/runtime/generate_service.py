@@ -25,50 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
 
+from surge.config import GenerationConfig  # noqa: F401  (re-exported: callers build it from here)
 from surge.errors import DeadlineExceeded, EngineError, InvalidInput, NotReady, Overloaded
 from surge.runtime.detok import TextState
+from surge.runtime.generate_text import PromptText
 from surge.runtime.generate_metrics import GenerateMetrics
 from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
 
 log = logging.getLogger("surge.generate")
-
-
-@dataclass
-class GenerationConfig:
-    """Generation settings of one decoder model (defaults in code; model.yaml may override)."""
-
-    block_size: int = 16
-    kv_cache_tokens: int | None = None  # default: 32k tokens on the CPU, 256k on a GPU
-    max_num_seqs: int = 64  # running at once (also the largest CUDA-graph bucket)
-    max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill)
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    max_waiting: int = 256  # queued sequences above which new requests get 429
-    prefix_caching: bool = True
-    cuda_graphs: bool = True
-    cache_entries: int = 1024  # finished greedy / seeded generations kept (0: off)
-    default_max_tokens: int = 256
-
-    @classmethod
-    def from_env(cls, env=None, **overrides) -> "GenerationConfig":
-        """Defaults, then SURGE_GENERATION_<FIELD> variables (read when a model loads), then `overrides`."""
-        import dataclasses
-        import os
-
-        env = os.environ if env is None else env
-        values = {}
-        for f in dataclasses.fields(cls):
-            raw = env.get(f"SURGE_GENERATION_{f.name.upper()}")
-            if raw is None:
-                continue
-            kind = str(f.type)
-            if "bool" in kind:
-                values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
-            elif raw.strip().lower() in ("", "none"):
-                values[f.name] = None
-            else:
-                values[f.name] = int(raw)
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
 
 
 @dataclass
@@ -113,7 +77,7 @@ class _Handle:
         self.push(DeadlineExceeded("generation did not finish within the request deadline"))
 
 
-class GenerateService:
+class GenerateService(PromptText):
     task = "generate"
     kind = "hf"
 
@@ -125,13 +89,14 @@ class GenerateService:
         self.engine = engine
         self.tokenizer = tokenizer  # tokenizers.Tokenizer
         self.chat_template = chat_template
-        self.config = config or GenerationConfig()
+        self.config = (config or GenerationConfig()).resolved()
         self.request_timeout_s = request_timeout_s
         self.ready = False
         self.loaded_at = time.time()
         c = self.config
         caps = engine.capabilities
         self.max_model_len = caps.max_model_len
+        self.vocab_size = engine.cfg.vocab_size
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=caps.num_blocks, block_size=caps.block_size, max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=max(c.max_num_batched_tokens, c.max_num_seqs), max_model_len=caps.max_model_len,
@@ -179,31 +144,10 @@ class GenerateService:
     async def embed(self, *args, **kwargs):
         raise InvalidInput(f"model '{self.name}' serves task 'generate', not 'embed'", param="model")
 
-    def encode(self, text: str, *, special: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=special).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def render_chat(self, messages: list[dict], **kwargs) -> str:
-        if self.chat_template is None:
-            raise InvalidInput(f"model '{self.name}' has no chat template; use /v1/completions", param="messages")
-        return self.chat_template.render(messages, **kwargs)
-
-    def check_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise InvalidInput("the prompt is empty", param="prompt")
-        if len(ids) >= self.max_model_len:
-            raise InvalidInput(f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} "
-                               "tokens, prompt and output", param="prompt")
-        vocab = self.engine.cfg.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise InvalidInput(f"token ids must be in [0, {vocab})", param="prompt")
-
     async def generate(self, prompt_ids: list[int], params: SamplingParams, *,
-                       deadline: float | None = None) -> GenerationResult:
+                       deadline: float | None = None, use_cache: bool = True) -> GenerationResult:
         text, ids, logprobs, last = [], [], [], None
-        async for d in self.stream(prompt_ids, params, deadline=deadline):
+        async for d in self.stream(prompt_ids, params, deadline=deadline, use_cache=use_cache):
             text.append(d.text)
             ids.extend(d.token_ids)
             if d.logprobs:
@@ -213,13 +157,15 @@ class GenerateService:
                                 logprobs if params.logprobs is not None else None, last.cached)
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams, *,
-                     deadline: float | None = None) -> AsyncIterator[Delta]:
-        """Deltas of text and tokens; the last one has finish_reason and the token counts."""
+                     deadline: float | None = None, use_cache: bool = True) -> AsyncIterator[Delta]:
+        """Deltas of text and tokens; the last one has finish_reason and the token counts.
+        `use_cache=False`: computed even when cached (a health probe must reach the engine)."""
         if not self.ready or self._closed:
             raise NotReady(f"model '{self.name}' is not ready")
         self.check_prompt(prompt_ids)
         deadline = deadline or time.monotonic() + self.request_timeout_s
-        key = (self.version, tuple(prompt_ids), params.key()) if params.deterministic and self.config.cache_entries \
+        key = (self.version, tuple(prompt_ids), params.key()) if use_cache and params.deterministic \
+            and self.config.cache_entries \
             else None
         if key is not None and key in self._cache:
             self._cache.move_to_end(key)
@@ -394,7 +340,7 @@ def load_generate_service(path: Path, name: str, version: str = "1", *, device: 
     from surge.errors import ConfigError
     from surge.models.chat_template import ChatTemplate
 
-    config = config or GenerationConfig()
+    config = (config or GenerationConfig()).resolved()
     path = Path(path)
     if not (path / "tokenizer.json").is_file():
         raise ConfigError(f"{path}: tokenizer.json missing (a fast tokenizer file is required)")

@@ -87,6 +87,8 @@ def model_config(service) -> dict:
     """Triton's ModelConfig (JSON form: proto field names, enum names) for any served model."""
     if is_tensor_model(service):
         return service.config.triton_config()
+    if getattr(service, "task", "embed") == "generate":  # a decoder model describes itself
+        return service.triton_config()
     # An embedding model: its tensor contract (README "KServe v2") in Triton's terms.
     batching = getattr(service, "batching", None)
     caps = service.worker.engines.capabilities

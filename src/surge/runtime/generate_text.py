@@ -1,0 +1,49 @@
+"""The text side of a generate model: tokenizer, chat template, prompt checks.
+
+Shared by the local GenerateService and the Ray ingress's stand-in for a remote one
+(distributed/remote_generate.py), so both give the protocol layers the same answers
+and the same errors without a round trip to the engine.
+"""
+
+from __future__ import annotations
+
+from surge.errors import InvalidInput
+
+
+class PromptText:
+    """Needs `name`, `kind`, `tokenizer` (tokenizers.Tokenizer), `chat_template` (or None),
+    `max_model_len`, `vocab_size` and `kserve_metadata(versions)`."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+
+    def encode(self, text: str, *, special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=special).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def render_chat(self, messages: list[dict], **kwargs) -> str:
+        if self.chat_template is None:
+            raise InvalidInput(f"model '{self.name}' has no chat template; use /v1/completions", param="messages")
+        return self.chat_template.render(messages, **kwargs)
+
+    def check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise InvalidInput("the prompt is empty", param="prompt")
+        if len(ids) >= self.max_model_len:
+            raise InvalidInput(f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} "
+                               "tokens, prompt and output", param="prompt")
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise InvalidInput(f"token ids must be in [0, {self.vocab_size})", param="prompt")
+
+    def triton_config(self) -> dict:
+        """Triton's ModelConfig (JSON form) of a generate model: the generate extension's tensors
+        (only the fields surge's gRPC ModelConfig has, so HTTP and gRPC answer alike)."""
+        meta = self.kserve_metadata([])
+        device = meta["platform"].removeprefix("surge_").split(":")[0]
+        return {"name": self.name, "platform": f"surge_{device}", "backend": "surge", "max_batch_size": 0,
+                "input": [{"name": "text_input", "data_type": "TYPE_STRING", "dims": [1]}],
+                "output": [{"name": "text_output", "data_type": "TYPE_STRING", "dims": [1]}],
+                "parameters": {"task": {"string_value": "generate"}, "kind": {"string_value": self.kind}}}
