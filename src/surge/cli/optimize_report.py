@@ -39,11 +39,18 @@ def render(console, manifest: dict, reports, explain: bool) -> None:
 
     if validation.get("sets"):
         acc = Table(title="accuracy vs FP32 source")
-        for col in ("set", "n", "mean cos", "min cos", "max |Δ|", "top-1", "top-1 (ties)", "argmax"):
+        cols = {"argmax": "argmax", "rank_top1": "rank top-1", "ndcg10": "NDCG@10", "tokens": "token labels"}
+        task_cols = [k for k in cols if any(m.get(k) is not None for m in validation["sets"].values())]
+        for col in ("set", "n", "mean cos", "min cos", "max |Δ|", "top-1", "top-1 (ties)",
+                    *[cols[k] for k in task_cols or ["argmax"]]):
             acc.add_column(col, justify="right")
+
+        def f3(v):  # task graphs have no nearest-neighbour top-1 (None)
+            return "-" if v is None else f"{v:.3f}"
+
         for name, m in validation["sets"].items():
             acc.add_row(name, str(m["n"]), f"{m['mean_cosine']:.6f}", f"{m['min_cosine']:.6f}", f"{m['max_abs_diff']:.2e}",
-                        f"{m['top1']:.3f}", f"{m['top1_tie']:.3f}", "-" if m["argmax"] is None else f"{m['argmax']:.3f}")
+                        f3(m["top1"]), f3(m["top1_tie"]), *[f3(m.get(k)) for k in task_cols or ["argmax"]])
         console.print(acc)
     latency = manifest.get("latency", {})
     if latency.get("measured"):
