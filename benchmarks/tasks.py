@@ -15,7 +15,12 @@ cpu (this 2-core machine): the trained intent classifier (tests/task_models.py) 
   (which repeat, as assistant traffic does: 1229 of 4000 are distinct).
 
     PYTHONPATH=src:. python3 benchmarks/tasks.py gpu [--tokenizer-dir DIR] [--out FILE.json]
+heads (this machine): encode once, many heads: one backbone pass feeding intent + slots +
+  embedding heads against the three models run separately, batch 1 and 32, ONNX Runtime and
+  the torch CPU path, in-process (model time only).
+
     PYTHONPATH=src:. python3 benchmarks/tasks.py cpu [--seconds 20]
+    PYTHONPATH=src:. python3 benchmarks/tasks.py heads [--reps 50] [--threads 1]
 """
 
 from __future__ import annotations
@@ -275,16 +280,70 @@ def bench_cpu(args) -> dict:
     return {"rows": rows, "uptime": load}
 
 
+def bench_heads(args) -> dict:
+    """Encode once, many heads: one worker with intent + slots + embedding heads on one backbone pass
+    against the three models run separately (three workers, three backbone passes), same inputs,
+    in-process (tokenized once, outside the timing), per engine."""
+    import subprocess
+
+    from surge.cli.bootstrap import resolve_artifact
+    from surge.config import EngineConfig, HeadFile, default_cache_dir
+    from surge.models import bundled_model_dir, load_model_spec
+    from surge.models.finetune import heldout_commands
+    from surge.runtime.loader import build_worker
+    from tests.task_models import task_models_dir
+
+    models = task_models_dir()
+    heads = [HeadFile(name="intent", task="classify", source=str(models / "intent")),
+             HeadFile(name="slots", task="token-classify", source=str(models / "slots")),
+             HeadFile(name="embed", task="embed")]
+    cache = default_cache_dir()
+    rows = []
+    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    for engine in ("onnxrt", "torch"):
+        cfg = EngineConfig(engine=engine, threads=args.threads, warmup_shapes=[[1, 16]])
+
+        def worker(path, hs=None, name=None):
+            spec = load_model_spec(path, name=name)
+            return build_worker(spec, resolve_artifact(spec, cfg, cache, backbone=bool(hs)), cfg, heads=hs)
+
+        multi = worker(bundled_model_dir(), heads, "assistant")
+        alone = [worker(models / "intent"), worker(models / "slots"), worker(bundled_model_dir())]
+        tok = multi.tokenizer
+        for batch in (1, 32):
+            texts = heldout_commands(batch, seed=5 + batch)
+            items = tok.to_encoded(tok.encodings(texts))
+            t_multi, t_alone = [], []
+            for _ in range(args.rounds):  # alternating: drifting background load hits both
+                t_multi.append(_median_ms(lambda: multi.compute(items), args.reps))
+                t_alone.append(_median_ms(lambda: [w.compute(items) for w in alone], args.reps))
+            m, a = statistics.median(t_multi), statistics.median(t_alone)
+            rows.append({"engine": engine, "batch": batch, "tokens": int(sum(len(e) for e in items)),
+                         "multi_ms": m, "separate_ms": a, "speedup": a / m})
+        for w in [multi, *alone]:
+            w.engines.close()
+    table = Table(title=f"Encode once, many heads (intent + slots + embedding), {args.threads} thread(s)")
+    for col in ("engine", "batch", "tokens", "one backbone, 3 heads (ms)", "3 models separately (ms)", "speedup"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["engine"], str(r["batch"]), str(r["tokens"]), f"{r['multi_ms']:.2f}",
+                      f"{r['separate_ms']:.2f}", f"{r['speedup']:.2f}x")
+    console.print(table)
+    console.print(f"load before the run: {load}")
+    return {"rows": rows, "uptime": load}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=["gpu", "cpu"])
+    p.add_argument("mode", choices=["gpu", "cpu", "heads"])
     p.add_argument("--tokenizer-dir", default=None, help="gpu: a directory with the BERT tokenizer (default: bundled)")
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="heads: engine threads")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    result = bench_gpu(args) if args.mode == "gpu" else bench_cpu(args)
+    result = {"gpu": bench_gpu, "cpu": bench_cpu, "heads": bench_heads}[args.mode](args)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2, default=float))
 

@@ -69,17 +69,24 @@ def test_task_gate_metrics(tmp_path, models, sentences, name, metric, precision)
     assert result.gate.budget.to_json()[metric] > 0
 
 
-def test_gate_fails_when_the_head_sees_broken_hidden_states(models, sentences):
-    """A candidate whose hidden states are off changes labels: the task metric catches it."""
+def test_gate_fails_when_the_logits_are_off(models, sentences):
+    """A candidate whose token logits are off changes labels: the task metric catches it."""
     from surge.optimize.export import ensure_exported
-    from surge.optimize.validate import compare
+    from surge.optimize.validate import compare, session
 
     spec = load_model_spec(models / "slots")
     src = ensure_exported(spec, CACHE_DIR) / "model.onnx"
+    assert [o.name for o in session(src).get_outputs()] == ["logits"]  # the head is in the graph
     ev = Evaluator(spec, src, sentences[:8], sentences[200:216], threads=2)
     ref = ev.reference["heldout"]
     rng = np.random.default_rng()
-    broken = type(ref)(ref.embeddings, [h + rng.normal(0, 2.0, h.shape).astype(np.float32) for h in ref.hidden],
-                       ref.cls)
-    assert compare(ref, ref, ev.head).tokens == 1.0
-    assert compare(ref, broken, ev.head).tokens < 0.9
+    noisy = [t + rng.normal(0, 4.0, t.shape).astype(np.float32) for t in ref.logits]
+    broken = type(ref)(np.concatenate(noisy), noisy, np.concatenate(noisy), noisy, ref.task)
+    assert compare(ref, ref).tokens == 1.0
+    assert compare(ref, broken).tokens < 0.9
+    inf = [t.copy() for t in ref.logits]
+    inf[0][0, 0] = np.inf
+    from surge.optimize.validate import BUDGETS, check
+
+    bad = compare(ref, type(ref)(np.concatenate(inf), inf, np.concatenate(inf), inf, ref.task))
+    assert not check(BUDGETS["fp32"], {"heldout": bad}).passed

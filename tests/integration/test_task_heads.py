@@ -52,7 +52,7 @@ def _build_worker(path, engine, heads=None, name=None):
 
     spec = load_model_spec(path, name=name)
     cfg = EngineConfig(engine=engine, threads=2)
-    return build_worker(spec, resolve_artifact(spec, cfg, CACHE_DIR), cfg, heads=heads)
+    return build_worker(spec, resolve_artifact(spec, cfg, CACHE_DIR, backbone=bool(heads)), cfg, heads=heads)
 
 
 def _rows(worker, items, batch=8):

@@ -21,8 +21,10 @@ from surge.server.state import AppState
 log = logging.getLogger("surge")
 
 
-def resolve_artifact(spec: ModelSpec, engine: EngineConfig, cache_dir: Path | None) -> Path | None:
-    """The artifact an engine loads; exported once (with progress) and cached."""
+def resolve_artifact(spec: ModelSpec, engine: EngineConfig, cache_dir: Path | None, backbone: bool = False
+                     ) -> Path | None:
+    """The artifact an engine loads; exported once (with progress) and cached. A task model's graph
+    keeps its head (logits out) unless `backbone`: several heads (model.yaml `heads:`) share it."""
     if engine.engine != "onnxrt":
         return None  # the torch engine loads the weights directly
     if is_artifact_dir(spec.path):
@@ -38,7 +40,7 @@ def resolve_artifact(spec: ModelSpec, engine: EngineConfig, cache_dir: Path | No
             if not console.is_terminal:
                 print(f"surge: exporting {spec.name}: {step}", file=sys.stderr, flush=True)
 
-        return ensure_exported(spec, cache_dir or default_cache_dir(), progress=progress)
+        return ensure_exported(spec, cache_dir or default_cache_dir(), progress=progress, backbone=backbone)
 
 
 def is_artifact_dir(path: Path) -> bool:
@@ -68,7 +70,7 @@ def load_service(config: ServerConfig, spec: ModelSpec, version: str = "1", engi
         return build_generate_service(spec, version, engine, config.limits, config.generation.merged(generation))
     # Before any export: a model surge cannot serve fails the start naming its architecture.
     check_servable(spec.task_info, spec.model_type, spec.path)
-    artifact = artifact or resolve_artifact(spec, engine, config.cache_dir)
+    artifact = artifact or resolve_artifact(spec, engine, config.cache_dir, backbone=bool(heads))
     batching = batching or config.batching
     worker = build_worker(spec, artifact, engine, heads=heads, batch_tokens=batching.max_batch_tokens)
     service = ModelService(spec.name, version, worker, batching=batching,
@@ -96,7 +98,7 @@ def load_repository_version(config: ServerConfig, entry):
     # version) of one model shares one cached artifact; served under the entry's.
     source = load_model_spec(entry.source_dir or bundled_model_dir(), task=cfg.task)
     artifact = None if is_decoder_dir(source.path) else \
-        entry.artifact_dir or _cached_artifact(source, cfg.engine, config.cache_dir)
+        entry.artifact_dir or _cached_artifact(source, cfg.engine, config.cache_dir, backbone=bool(cfg.heads))
     heads = [h.model_copy(update={"source": str(entry.resolve(h.source))}) if h.source else h
              for h in cfg.heads] if cfg.heads else None
     return load_service(config, replace(source, name=entry.name), entry.version, cfg.engine, artifact=artifact,
@@ -106,14 +108,15 @@ def load_repository_version(config: ServerConfig, entry):
 _ARTIFACTS: dict[tuple, Path | None] = {}
 
 
-def _cached_artifact(spec: ModelSpec, engine: EngineConfig, cache_dir: Path | None) -> Path | None:
+def _cached_artifact(spec: ModelSpec, engine: EngineConfig, cache_dir: Path | None, backbone: bool = False
+                     ) -> Path | None:
     """resolve_artifact, remembered while the model's files are unchanged: a reload
     then skips hashing the weights (a quarter of a second for MiniLM)."""
     files = tuple(sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in spec.path.rglob("*") if p.is_file()))
-    key = (str(spec.path), engine.engine, str(cache_dir), files)
+    key = (str(spec.path), spec.task, backbone, engine.engine, str(cache_dir), files)
     found = _ARTIFACTS.get(key)
     if found is None or not found.is_dir():
-        found = _ARTIFACTS[key] = resolve_artifact(spec, engine, cache_dir)
+        found = _ARTIFACTS[key] = resolve_artifact(spec, engine, cache_dir, backbone=backbone)
     return found
 
 

@@ -41,15 +41,22 @@ def render(console, manifest: dict, reports, explain: bool) -> None:
 
     if validation.get("sets"):
         acc = Table(title="accuracy vs FP32 source")
-        for col in ("set", "n", "mean cos", "worst 1% cos", "min cos", "max |Δ|", "top-1", "top-1 (ties) [95% CI]", "argmax"):
+        cols = {"argmax": "argmax", "rank_top1": "rank top-1", "ndcg10": "NDCG@10", "tokens": "token labels"}
+        task_cols = [k for k in cols if any(m.get(k) is not None for m in validation["sets"].values())]
+        for col in ("set", "n", "mean cos", "worst 1% cos", "min cos", "max |Δ|", "top-1", "top-1 (ties) [95% CI]",
+                    *[cols[k] for k in task_cols or ["argmax"]]):
             acc.add_column(col, justify="right")
+
+        def f3(v):  # task graphs have no nearest-neighbour top-1 (None)
+            return "-" if v is None else f"{v:.3f}"
+
         for name, m in validation["sets"].items():
             ci = m.get("top1_tie_ci95")
             tail = m.get("tail_cosine")
             acc.add_row(name, str(m["n"]), f"{m['mean_cosine']:.6f}", "-" if tail is None else f"{tail:.6f}",
-                        f"{m['min_cosine']:.6f}", f"{m['max_abs_diff']:.2e}", f"{m['top1']:.3f}",
-                        f"{m['top1_tie']:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""),
-                        "-" if m["argmax"] is None else f"{m['argmax']:.3f}")
+                        f"{m['min_cosine']:.6f}", f"{m['max_abs_diff']:.2e}", f3(m["top1"]),
+                        f3(m["top1_tie"]) + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""),
+                        *[f3(m.get(k)) for k in task_cols or ["argmax"]])
         console.print(acc)
     q = manifest.get("precision_decisions", {}).get("quantization") or {}
     if q.get("method"):

@@ -2,6 +2,12 @@
 
 Padded layout: the graph wants [B, L] ids, mask and token types. Inputs the
 graph does not declare (an optimized graph may drop token_type_ids) are not fed.
+
+A task model's graph (optimize/export.py) keeps its head and returns `logits`
+([B, labels], or [B, L, labels] for a token head): `attach_heads` takes the
+model's one head and `run_heads` hands back its rows (engines/heads.HeadSet
+layout) with no host-side head. A backbone graph (hidden states) runs the heads
+after the engine, as several heads on one backbone do.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ class OnnxRuntimeEngine:
         self.inter_op_threads = inter_op_threads
         self.max_batch = max_batch
         self.session: ort.InferenceSession | None = None
+        self.head_set = None  # engines/heads.HeadSet whose one head the graph computes (attach_heads)
+        self.logits = False  # the graph returns a task head's logits, not hidden states
         self.capabilities: Capabilities | None = None
         self._lock = threading.Lock()
 
@@ -50,6 +58,8 @@ class OnnxRuntimeEngine:
         self._inputs = {i.name for i in self.session.get_inputs()}
         self._output = self.session.get_outputs()[0].name
         out_type = self.session.get_outputs()[0].type
+        self.logits = self._output == "logits"
+        self._out_shape = self.session.get_outputs()[0].shape
         self.capabilities = Capabilities(
             max_batch=self.max_batch,
             max_tokens=int(manifest.get("max_length", 512)),
@@ -63,6 +73,32 @@ class OnnxRuntimeEngine:
     def warmup(self, shapes: list[tuple[int, int]]) -> None:
         for b, s in shapes:
             self.run(random_batch(b, s, min(self._vocab, 30522)))
+
+    def attach_heads(self, head_set) -> bool:
+        """Take `head_set` as the graph's own head (a task graph and one matching head), else False."""
+        if not self.logits:
+            return False
+        from surge.engines.heads import POOLED, TOKEN
+        from surge.errors import ConfigError
+
+        heads = head_set.heads
+        width = self._out_shape[-1]
+        token_graph = len(self._out_shape) == 3
+        if len(heads) != 1 or heads[0].kind == POOLED or (heads[0].kind == TOKEN) != token_graph or (
+                isinstance(width, int) and width != heads[0].width):
+            raise ConfigError(f"this ONNX graph computes one {'token' if token_graph else 'sequence'} head "
+                              f"with {width} outputs; it cannot serve the heads {[h.name for h in heads]} "
+                              f"(several heads need the backbone graph)")
+        self.head_set = head_set
+        return True
+
+    def run_heads(self, batch: TokenBatch) -> np.ndarray:
+        """The attached head's rows: [B, labels], or per input its [n, labels] token logits flattened."""
+        logits = self.run(batch).astype(np.float32, copy=False)
+        if logits.ndim == 2:
+            return np.ascontiguousarray(logits)
+        tokens = logits[batch.attention_mask.astype(bool)]  # [T, labels], sequences in order
+        return self.head_set.rows(np.zeros((batch.size, 0), np.float32), tokens, batch.lengths)
 
     def run(self, batch: TokenBatch) -> np.ndarray:
         if self.session is None:

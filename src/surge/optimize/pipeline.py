@@ -268,5 +268,7 @@ def _write(out_dir: Path, model: onnx.ModelProto, manifest: dict, spec: ModelSpe
         if spec.task in ("classify", "rerank", "token-classify"):
             from surge.engines.heads import save_head_tensors
 
-            save_head_tensors(spec.path, tmp)  # the graph ends at the hidden states; the head travels beside it
+            # The graph computes the head (logits out); its tensors travel beside it as well, so the
+            # artifact reads as the task model it is (labels checked against the head's outputs).
+            save_head_tensors(spec.path, tmp)
         art.write_manifest(tmp, manifest)

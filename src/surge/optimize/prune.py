@@ -120,9 +120,11 @@ def prune_heads(model, keep: dict[int, list[int]], head_size: int) -> None:
 
 def prune_and_export(spec: ModelSpec, fraction: float, texts: list[str], out_file: Path, progress=None,
                      max_texts: int = 64) -> PruneResult:
-    from surge.optimize.export import export_model, load_torch_model
+    from surge.optimize.export import export_model, load_torch_model, task_graph
 
-    model = load_torch_model(spec)
+    # A task model is pruned inside its head model, so the pruned graph keeps the head as the source does.
+    full = load_torch_model(spec, head=task_graph(spec))
+    model = full.base_model
     scores = head_importance(model, spec, texts[:max_texts], progress)
     heads = spec.num_heads
     drop = min(int(round(fraction * heads)), heads - 1)
@@ -134,5 +136,5 @@ def prune_and_export(spec: ModelSpec, fraction: float, texts: list[str], out_fil
     prune_heads(model, keep, spec.hidden_size // heads)
     if progress:
         progress(f"exporting the pruned model ({heads - drop} heads per layer)")
-    export_model(model, spec, out_file)
+    export_model(full, spec, out_file)
     return PruneResult(out_file, heads * len(scores), drop * len(scores), heads - drop, removed, scores.tolist())

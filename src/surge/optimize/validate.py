@@ -65,8 +65,8 @@ class SetMetrics:
     mean_cosine: float
     min_cosine: float
     max_abs_diff: float
-    top1: float  # strict: the candidate's nearest neighbour is the reference's
-    top1_tie: float  # the candidate's neighbour scores within TIE_TOLERANCE of the reference's best
+    top1: float | None  # strict: the candidate's nearest neighbour is the reference's (None: a task graph)
+    top1_tie: float | None  # the candidate's neighbour scores within TIE_TOLERANCE of the reference's best
     argmax: float | None = None
     rank_top1: float | None = None
     ndcg10: float | None = None
@@ -170,10 +170,17 @@ class Outputs:
     embeddings: np.ndarray  # [N, H] pooled (and normalized if the model does), input order
     hidden: list[np.ndarray]  # per batch, real tokens only, flattened [T, H]
     cls: np.ndarray  # [N, H] first-token states, input order (classifier heads read these)
+    # A task graph (its head inside, optimize/export.py): its logits, [N, labels] in input order
+    # for sequence heads; per batch [T, labels] over real tokens for token heads. The fields above
+    # then hold the logits too (embeddings: one vector per input / token, see _task_outputs).
+    logits: np.ndarray | list[np.ndarray] | None = None
+    task: str | None = None  # the task graph's task (models/tasks.py)
 
 
 def run_model(sess: ort.InferenceSession, spec: ModelSpec, data: Encoded) -> Outputs:
     names = {i.name for i in sess.get_inputs()}
+    if sess.get_outputs()[0].name == "logits":
+        return _task_outputs(sess, names, data, spec.task)
     pooled, hidden, first = [], [], []
     for batch in data.batches:
         feeds = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
@@ -189,6 +196,32 @@ def run_model(sess: ort.InferenceSession, spec: ModelSpec, data: Encoded) -> Out
     cls = np.empty((len(data.texts), first[0].shape[1]), np.float32)
     cls[data.order] = np.concatenate(first)
     return Outputs(emb, hidden, cls)
+
+
+def _task_outputs(sess: ort.InferenceSession, names: set, data: Encoded, task: str) -> Outputs:
+    """A task graph's logits. `embeddings` gets a continuous signal for the optimizer's searches
+    (int8 smoothing, fallback, block lists rank candidates by mean cosine): the logits of each input,
+    each token's logits for token heads, and each query's centred document scores for a reranker."""
+    seq, tokens = [], []
+    for batch in data.batches:
+        feeds = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+                 "token_type_ids": batch.token_type_ids}
+        (out,) = sess.run(None, {k: v for k, v in feeds.items() if k in names})
+        out = out.astype(np.float32)
+        if out.ndim == 3:
+            tokens.append(out[batch.attention_mask.astype(bool)])
+        else:
+            seq.append(out)
+    if tokens:
+        flat = np.concatenate(tokens)
+        return Outputs(flat, tokens, flat, tokens, task)
+    logits = np.empty((len(data.texts), seq[0].shape[1]), np.float32)
+    logits[data.order] = np.concatenate(seq)
+    emb = logits
+    if task == "rerank":  # one score per (query, document) pair: per query, centred
+        emb = logits[:, 0].reshape(RERANK_QUERIES, -1)
+        emb = emb - emb.mean(axis=1, keepdims=True)
+    return Outputs(emb, [logits], logits, logits, task)
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -244,6 +277,8 @@ def tail_mean(cos: np.ndarray, fraction: float = 0.01) -> float:
 
 
 def compare(ref: Outputs, cand: Outputs, head=None) -> SetMetrics:
+    if ref.logits is not None:
+        return _compare_logits(ref, cand)
     cos = _cosine(ref.embeddings, cand.embeddings)
     diffs = [np.abs(r - c).max() for r, c in zip(ref.hidden, cand.hidden)]
     max_abs = float(np.max(diffs)) if np.all(np.isfinite(diffs)) else float("inf")
@@ -269,6 +304,25 @@ def compare(ref: Outputs, cand: Outputs, head=None) -> SetMetrics:
 
 
 RERANK_QUERIES, RERANK_DOCS = 8, 20
+
+
+def _compare_logits(ref: Outputs, cand: Outputs) -> SetMetrics:
+    """Task graphs: the task's metric on the logits themselves (no nearest-neighbour top-1: the
+    outputs are not embeddings; `top1` is None and the gate skips it, see `check`)."""
+    cos = _cosine(ref.embeddings, cand.embeddings)
+    diffs = [np.abs(r - c).max() for r, c in zip(ref.hidden, cand.hidden)]
+    max_abs = float(np.max(diffs)) if np.all(np.isfinite(diffs)) else float("inf")
+    out = SetMetrics(len(cos), float(cos.mean()), float(cos.min()), max_abs, None, None)
+    if ref.task == "token-classify":
+        agree = [a.argmax(1) == b.argmax(1) for a, b in zip(ref.logits, cand.logits)]
+        out.tokens = float(np.concatenate(agree).mean())
+    elif ref.task == "rerank":  # one score per (query, document) pair
+        r = ref.logits[:, 0].reshape(RERANK_QUERIES, -1)
+        c = np.nan_to_num(cand.logits[:, 0].reshape(RERANK_QUERIES, -1), nan=-np.inf)
+        out.rank_top1, out.ndcg10 = ranking_agreement(r, c)
+    else:
+        out.argmax = float((ref.logits.argmax(1) == cand.logits.argmax(1)).mean())
+    return out
 
 
 def rerank_pairs(texts: list[str]) -> list[tuple[str, str]]:
@@ -299,12 +353,16 @@ def ranking_agreement(ref: np.ndarray, cand: np.ndarray, k: int = 10, tie: float
 def check(budget: Budget, sets: dict[str, SetMetrics]) -> GateResult:
     failures = []
     for name, m in sets.items():
+        if m.top1 is None and not np.isfinite(m.max_abs_diff):  # a task graph: its metric, and finite logits
+            failures.append(f"{name}: non-finite logits")
         for metric, measured in (("mean_cosine", "mean_cosine"), ("min_cosine", "min_cosine"),
                                  ("top1", "top1_tie"), ("argmax", "argmax"), ("rank_top1", "rank_top1"),
                                  ("ndcg10", "ndcg10"), ("tokens", "tokens")):
             value, floor = getattr(m, measured), getattr(budget, metric)
             if value is None or floor <= 0:
                 continue
+            if m.top1 is None and metric in ("mean_cosine", "min_cosine"):
+                continue  # a task graph's gate is what the task means (its logits are not embeddings)
             if not value >= floor:  # also catches NaN
                 failures.append(f"{name}: {measured} {value:.4f} < {floor}")
     return GateResult(not failures, budget, sets, failures)

@@ -93,11 +93,16 @@ def build_worker(spec: ModelSpec, artifact: Path | None, cfg: EngineConfig, head
     tokenizer = Tokenizer(spec.tokenizer_file, max_length=max_len, vocab_size=spec.vocab_size, pad_id=spec.pad_token_id)
     max_tokens = None if batch_tokens is None else (max(batch_tokens, max_len) + 15) // 16 * 16
     engines = make_engines(cfg, spec, artifact, max_tokens)
-    if head_set is not None:  # GPU engines run the heads inside their captured graphs
+    if head_set is not None:  # GPU engines run the heads inside their captured graphs, ORT task graphs in theirs
         for engine in engines.engines:
             attach = getattr(engine, "attach_heads", None)
             if attach is not None:
                 attach(head_set)
+    elif any(getattr(e, "logits", False) for e in engines.engines):
+        from surge.errors import ConfigError
+
+        raise ConfigError(f"{artifact}: the ONNX graph returns a task head's logits; "
+                          f"{spec.name} is served as task '{spec.task}' and needs the hidden states")
     for engine in engines.engines:
         engine.warmup(cfg.warmup_shapes)
     slow_down(engines, engine_delay_s())  # a test-only setting; a no-op unless SURGE_TEST_ENGINE_DELAY_MS is set

@@ -3,7 +3,8 @@
 A `ModelService` whose worker carries heads (engines/heads.py) answers
 `infer(TaskRequest)` here. The path is the embedding path's: admission ->
 cache (keyed by the inputs, the truncation option and the model's head set)
--> tokenize in the service's tokenizer thread -> the same dynamic batcher (one
+-> the shared Redis tier when configured (keys carry the model's build fingerprint, which names
+its task and heads) -> tokenize in the service's tokenizer thread -> the same dynamic batcher (one
 backbone pass computes every head of the model for an input; pairs are items
 like any other, so one query with 100 documents is packed into batches by the
 token budget and comes back in order) -> this head's slice of each row.
@@ -18,6 +19,7 @@ raw logits, so one cache entry serves every option.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -124,8 +126,8 @@ class TaskRunner:
 
     def _key(self, item, okey):
         cache = self.service.cache
-        if isinstance(item, tuple):
-            return (okey, ("pair", cache.normalize(item[0]), cache.normalize(item[1])))
+        if isinstance(item, tuple):  # pairs under their own options key; JSON keeps the two sides apart
+            return ((*okey, "pair"), json.dumps([cache.normalize(item[0]), cache.normalize(item[1])]))
         return cache.text_key(item, okey)
 
     async def _infer(self, req: TaskRequest, items: list, h: Head, priority: int, deadline: float) -> TaskResult:
@@ -139,14 +141,17 @@ class TaskRunner:
         okey = ("heads", req.truncate)  # every head's raw output; never an embedding key (3-tuples)
         keys = [self._key(it, okey) for it in items] if cache is not None else None
         miss = list(range(n))
+        redis = getattr(s, "redis", None)  # the shared tier (runtime/cache_redis.py), as embeddings use it
         if keys is not None:
             miss = []
             for i, k in enumerate(keys):
-                e = cache.get(k)
+                e = cache.get(k, redis is None)
                 if e is None:
                     miss.append(i)
                 else:
                     rows[i], tokens[i], cached[i] = e.vector, e.tokens, True
+            if miss and redis is not None:  # fills the local tiers and counts shared hits and misses
+                miss = await _shared_lookup(cache, redis, keys, miss, rows, tokens, cached)
         need_encodings = h.task == "token-classify"
         encodings = None
         tok = s.worker.tokenizer
@@ -163,10 +168,16 @@ class TaskRunner:
                 out = await s.batcher.submit(tok.to_encoded(encs), deadline, priority)
                 if len(out) != len(miss):
                     raise SurgeError(f"the engine returned {len(out)} rows for {len(miss)} inputs")
+                fills = []
                 for j, i in enumerate(miss):
                     rows[i], tokens[i] = np.asarray(out[j], dtype=np.float32), len(encs[j].ids)
                     if keys is not None:
                         cache.put(keys[i], rows[i], tokens[i])
+                        fills.append((keys[i], rows[i], tokens[i]))
+                if fills and redis is not None:  # off the response's path, as the embedding path fills it
+                    task = loop.create_task(redis.put_many(fills))
+                    s._background.add(task)
+                    task.add_done_callback(s._background.discard)
         heads = s.worker.heads
         outputs = [heads.split(rows[i], h.name, tokens[i]) for i in range(n)]
         return TaskResult(h, outputs, sum(tokens), s.name, s.version, cached, encodings)
@@ -218,3 +229,18 @@ class HeadView:
 
     async def close(self) -> None:
         pass  # the backbone service is closed once, as itself
+
+
+async def _shared_lookup(cache, redis, keys, miss, rows, tokens, cached) -> list[int]:
+    """Look the local misses up in the shared (Redis) tier; hits fill the local tiers. The positions still missing."""
+    found = await redis.get_many([keys[i] for i in miss])
+    still = []
+    for i, f in zip(miss, found):
+        if f is None:
+            still.append(i)
+            continue
+        entry = cache.put(keys[i], f[0], f[1])
+        cache.count_shared_hit()
+        rows[i], tokens[i], cached[i] = entry.vector, entry.tokens, True
+    cache.count_miss(len(still))
+    return still

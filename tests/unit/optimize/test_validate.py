@@ -6,7 +6,7 @@ import shutil
 
 import numpy as np
 
-from surge.optimize.validate import Budget, SetMetrics, check, top1_agreement
+from surge.optimize.validate import BUDGETS, Budget, SetMetrics, check, top1_agreement
 from tests.conftest import CACHE_DIR
 
 
@@ -50,13 +50,15 @@ def test_classifier_argmax_agreement(tmp_path, sentences):
     spec = load_model_spec(tmp_path)
     source = ensure_exported(spec, CACHE_DIR) / "model.onnx"
     ev = Evaluator(spec, source, sentences[:16], sentences[200:216], threads=2)
-    assert ev.head is not None
-    logits = ev.head.logits(ev.reference["calibration"].cls)
+    logits = ev.reference["calibration"].logits  # the graph keeps the head: logits out
     assert logits.shape == (16, 3)
-    with torch.inference_mode():  # the head in numpy equals transformers' own classifier
+    from transformers import AutoTokenizer
+
+    with torch.inference_mode():  # the exported head equals transformers' own classifier
         model = BertForSequenceClassification.from_pretrained(tmp_path).eval()
-        pooled = model.bert.pooler(torch.from_numpy(ev.reference["calibration"].cls)[:, None, :])
-        expected = model.classifier(pooled).numpy()
+        enc = AutoTokenizer.from_pretrained(bundled_model_dir())(sentences[:16], padding=True, return_tensors="pt")
+        expected = model(**enc).logits.numpy()
     np.testing.assert_allclose(logits, expected, atol=1e-4)
     metrics = ev.metrics(source)
-    assert all(m.argmax == 1.0 for m in metrics.values())
+    assert all(m.argmax == 1.0 and m.top1 is None for m in metrics.values())
+    assert check(BUDGETS["fp32"], metrics).passed
