@@ -312,7 +312,10 @@ def _compare_logits(ref: Outputs, cand: Outputs) -> SetMetrics:
     cos = _cosine(ref.embeddings, cand.embeddings)
     diffs = [np.abs(r - c).max() for r, c in zip(ref.hidden, cand.hidden)]
     max_abs = float(np.max(diffs)) if np.all(np.isfinite(diffs)) else float("inf")
-    out = SetMetrics(len(cos), float(cos.mean()), float(cos.min()), max_abs, None, None)
+    # The logits' cosine still ranks candidates in the INT8 and block-list searches (worst 1% first).
+    out = SetMetrics(len(cos), float(cos.mean()), float(cos.min()), max_abs, None, None, tail_cosine=tail_mean(cos),
+                     worst=[{"index": int(i), "cosine": round(float(cos[i]), 6)} for i in np.argsort(cos)[:5]],
+                     order_worst=[int(i) for i in np.argsort(cos, kind="stable")])
     if ref.task == "token-classify":
         agree = [a.argmax(1) == b.argmax(1) for a, b in zip(ref.logits, cand.logits)]
         out.tokens = float(np.concatenate(agree).mean())

@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry
 
 from surge.config import BatchingConfig, CacheConfig, LimitsConfig
 from surge.errors import DeadlineExceeded, InvalidInput, NotReady, SurgeError
+from surge.runtime.outcome import count_failures
 from surge.runtime.admission import Admission
 from surge.runtime.batcher import BatcherConfig, DynamicBatcher
 from surge.runtime.cache import ResultCache, text_normalizer
@@ -158,35 +159,27 @@ class ModelService:
         start = time.monotonic()
         admitted = False
         try:
-            if not self.ready:
-                raise NotReady(f"model {self.name} version {self.version} is not ready")
-            options = options or EmbedOptions()
-            self.check_options(options)
-            self.admission.admit(n)  # stage: admit
-            admitted = True
-            m.inflight.inc(n)
-            if deadline is None:
-                deadline = start + self.limits.request_timeout_s
-            req = Request(inputs, is_text, options, deadline, priority, start)
-            loop = asyncio.get_running_loop()
-            try:
-                async with asyncio.timeout_at(loop.time() + (deadline - time.monotonic())):
-                    await self._run(req)
-            except TimeoutError:
-                raise DeadlineExceeded(f"request did not finish within "
-                                       f"{deadline - start:.3g} s") from None
-            result = req.result(self.name, self.version, self.dimensions)  # stage: respond
-            m.latency.observe(time.monotonic() - start)
-            return result
-        except SurgeError as exc:
-            m.failure(exc.code)
-            raise
-        except asyncio.CancelledError:
-            m.failure("cancelled")
-            raise
-        except Exception:
-            m.failure("internal_error")
-            raise
+            with count_failures(m):
+                if not self.ready:
+                    raise NotReady(f"model {self.name} version {self.version} is not ready")
+                options = options or EmbedOptions()
+                self.check_options(options)
+                self.admission.admit(n)  # stage: admit
+                admitted = True
+                m.inflight.inc(n)
+                if deadline is None:
+                    deadline = start + self.limits.request_timeout_s
+                req = Request(inputs, is_text, options, deadline, priority, start)
+                loop = asyncio.get_running_loop()
+                try:
+                    async with asyncio.timeout_at(loop.time() + (deadline - time.monotonic())):
+                        await self._run(req)
+                except TimeoutError:
+                    raise DeadlineExceeded(f"request did not finish within "
+                                           f"{deadline - start:.3g} s") from None
+                result = req.result(self.name, self.version, self.dimensions)  # stage: respond
+                m.latency.observe(time.monotonic() - start)
+                return result
         finally:
             if admitted:
                 m.inflight.dec(n)

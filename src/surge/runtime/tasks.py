@@ -27,6 +27,7 @@ import numpy as np
 
 from surge.engines.heads import Head
 from surge.errors import InvalidInput, NotReady, PayloadTooLarge, SurgeError, WrongTask
+from surge.runtime.outcome import count_failures
 
 
 @dataclass
@@ -101,24 +102,16 @@ class TaskRunner:
         start = time.monotonic()
         admitted = False
         try:
-            if not s.ready:
-                raise NotReady(f"model {s.name} version {s.version} is not ready")
-            s.admission.admit(n)
-            admitted = True
-            m.inflight.inc(n)
-            deadline = deadline if deadline is not None else start + s.limits.request_timeout_s
-            result = await self._infer(req, items, h, priority, deadline)
-            m.latency.observe(time.monotonic() - start)
-            return result
-        except SurgeError as exc:
-            m.failure(exc.code)
-            raise
-        except asyncio.CancelledError:
-            m.failure("cancelled")
-            raise
-        except Exception:
-            m.failure("internal_error")
-            raise
+            with count_failures(m):
+                if not s.ready:
+                    raise NotReady(f"model {s.name} version {s.version} is not ready")
+                s.admission.admit(n)
+                admitted = True
+                m.inflight.inc(n)
+                deadline = deadline if deadline is not None else start + s.limits.request_timeout_s
+                result = await self._infer(req, items, h, priority, deadline)
+                m.latency.observe(time.monotonic() - start)
+                return result
         finally:
             if admitted:
                 m.inflight.dec(n)

@@ -31,6 +31,7 @@ from surge.errors import EngineError, InvalidInput, NotReady, SurgeError
 from surge.models.tensor_config import TensorModelConfig, TensorSpec
 from surge.runtime.batcher import BatcherConfig, DynamicBatcher
 from surge.runtime.metrics import ServiceMetrics
+from surge.runtime.outcome import count_failures
 
 NUMPY_OF = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
             "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
@@ -232,7 +233,7 @@ class TensorModelService:
         m = self.metrics
         m.requests.inc()
         start = time.monotonic()
-        try:
+        with count_failures(m):
             if not self.ready and not _warmup:
                 raise NotReady(f"model {self.name} version {self.version} is not ready"
                                + (f": {self.last_error}" if self.last_error else ""))
@@ -261,12 +262,6 @@ class TensorModelService:
             result = TensorResult({n: got[n] for n in wanted if n in got}, self.name, self.version, rows, [cached])
             m.latency.observe(time.monotonic() - start)
             return result
-        except SurgeError as exc:
-            m.failure(exc.code)
-            raise
-        except asyncio.CancelledError:
-            m.failure("cancelled")
-            raise
 
     def _run_batch(self, items: list[_Item]) -> np.ndarray:
         results = self.backend.run_requests([it.inputs for it in items])
