@@ -85,3 +85,20 @@ class RedisTier:
             await self.client.aclose()
         except Exception:
             pass
+
+
+async def shared_lookup(cache, redis: "RedisTier", keys: list, miss: list[int], fill) -> list[int]:
+    """Look the local tiers' misses up in the shared tier: each hit is put in the local tiers,
+    counted as a shared hit and handed to `fill(position, vector, tokens)`; the rest are counted
+    as misses. Returns the positions still missing."""
+    found = await redis.get_many([keys[i] for i in miss])
+    still = []
+    for i, f in zip(miss, found):
+        if f is None:
+            still.append(i)
+            continue
+        entry = cache.put(keys[i], f[0], f[1])
+        cache.count_shared_hit()
+        fill(i, entry.vector, entry.tokens)
+    cache.count_miss(len(still))
+    return still

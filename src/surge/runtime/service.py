@@ -264,17 +264,10 @@ class ModelService:
             else:
                 req.fill(i, e.vector, e.tokens, cached=True)
         if miss and self.redis is not None:
-            found = await self.redis.get_many([keys[i] for i in miss])
-            still = []
-            for i, f in zip(miss, found):
-                if f is None:
-                    still.append(i)
-                    continue
-                entry = cache.put(keys[i], f[0], f[1])
-                cache.count_shared_hit()
-                req.fill(i, entry.vector, entry.tokens, cached=True)
-            cache.count_miss(len(still))
-            miss = still
+            from surge.runtime.cache_redis import shared_lookup
+
+            miss = await shared_lookup(cache, self.redis, keys, miss,
+                                       lambda i, vector, tokens: req.fill(i, vector, tokens, cached=True))
         return miss
 
     async def _compute(self, req: Request, miss: list[int]) -> None:

@@ -144,7 +144,12 @@ class TaskRunner:
                 else:
                     rows[i], tokens[i], cached[i] = e.vector, e.tokens, True
             if miss and redis is not None:  # fills the local tiers and counts shared hits and misses
-                miss = await _shared_lookup(cache, redis, keys, miss, rows, tokens, cached)
+                from surge.runtime.cache_redis import shared_lookup
+
+                def fill(i, vector, n_tokens):
+                    rows[i], tokens[i], cached[i] = vector, n_tokens, True
+
+                miss = await shared_lookup(cache, redis, keys, miss, fill)
         need_encodings = h.task == "token-classify"
         encodings = None
         tok = s.worker.tokenizer
@@ -222,18 +227,3 @@ class HeadView:
 
     async def close(self) -> None:
         pass  # the backbone service is closed once, as itself
-
-
-async def _shared_lookup(cache, redis, keys, miss, rows, tokens, cached) -> list[int]:
-    """Look the local misses up in the shared (Redis) tier; hits fill the local tiers. The positions still missing."""
-    found = await redis.get_many([keys[i] for i in miss])
-    still = []
-    for i, f in zip(miss, found):
-        if f is None:
-            still.append(i)
-            continue
-        entry = cache.put(keys[i], f[0], f[1])
-        cache.count_shared_hit()
-        rows[i], tokens[i], cached[i] = entry.vector, entry.tokens, True
-    cache.count_miss(len(still))
-    return still
