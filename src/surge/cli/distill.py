@@ -26,9 +26,10 @@ def distill(
     model_dir: Optional[Path] = typer.Argument(None, help="Teacher: a Hugging Face model directory (default: the bundled all-MiniLM-L6-v2)."),
     output: Path = typer.Option(..., "-o", "--output", help="Student model directory to write."),
     layers: int = typer.Option(3, "--layers", help="Encoder layers the student keeps (evenly spaced, the last always)."),
-    steps: int = typer.Option(400, "--steps", help="Training steps."),
+    steps: int = typer.Option(3000, "--steps", help="Training steps (at most: --time-budget may stop it first)."),
+    time_budget: float = typer.Option(300.0, "--time-budget", help="Seconds of training at most (0: no limit); the learning-rate schedule follows steps or time, whichever is further along."),
     batch_size: int = typer.Option(32, "--batch-size", help="Sentences per training step."),
-    lr: float = typer.Option(1e-4, "--lr", help="AdamW learning rate (cosine decay after a short warm-up)."),
+    lr: float = typer.Option(5e-4, "--lr", help="AdamW learning rate (cosine decay after a short warm-up)."),
     texts: Optional[Path] = typer.Option(None, "--texts", help="Training text: one per line or JSON lines with 'text' (a query log). Default: the shipped calibration queries + prose sentences."),
     min_cosine: float = typer.Option(0.95, "--min-cosine", help="Gate: mean cosine to the teacher on the held-out queries."),
     min_top1: float = typer.Option(0.90, "--min-top1", help="Gate: retrieval top-1 agreement with the teacher (ties within 0.01 agree)."),
@@ -57,21 +58,25 @@ def distill(
     try:
         spec = load_model_spec(model_dir or bundled_model_dir())
         options = DistillOptions(layers=layers, steps=steps, batch_size=batch_size, lr=lr, seed=seed, threads=threads,
+                                 time_budget=time_budget,
                                  texts=read_texts(texts) if texts else None)
         options.check(spec.num_layers)
         if staging.exists():
             shutil.rmtree(staging)
-        with Progress(TextColumn("[bold]distilling[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TextColumn("loss {task.fields[loss]:.4f}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                      console=console, transient=not console.is_terminal) as bar:
-            task = bar.add_task(f"{spec.name}: {spec.num_layers} -> {layers} layers", total=steps, loss=float("nan"))
+        with Progress(TextColumn("[bold]distilling[/] {task.description}"), BarColumn(),
+                      TextColumn("step {task.fields[step]}"), TextColumn("loss {task.fields[loss]:.4f}"),
+                      TimeElapsedColumn(), TimeRemainingColumn(), console=console,
+                      transient=not console.is_terminal) as bar:
+            # Progress is steps or time, whichever is further along (--time-budget may end it first).
+            task = bar.add_task(f"{spec.name}: {spec.num_layers} -> {layers} layers", total=1000, loss=float("nan"),
+                                step=0)
+            said = [0]
 
-            every = max(1, steps // 10)
-
-            def on_step(step: int, loss: float) -> None:
-                bar.update(task, completed=step + 1, loss=loss)
-                if not console.is_terminal and ((step + 1) % every == 0 or step + 1 == steps):
-                    console.print(f"surge distill: step {step + 1}/{steps} loss {loss:.4f}")  # logs get progress too
+            def on_step(step: int, loss: float, progress: float) -> None:
+                bar.update(task, completed=int(1000 * progress), loss=loss, step=step + 1)
+                if not console.is_terminal and int(10 * progress) > said[0]:
+                    said[0] = int(10 * progress)
+                    console.print(f"surge distill: {10 * said[0]}% (step {step + 1}) loss {loss:.4f}")  # logs get progress too
 
             result = train(spec, staging, options, on_step)
         report = result.to_json()

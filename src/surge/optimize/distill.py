@@ -6,13 +6,29 @@ reads), its embeddings, and — for a classifier — its head. It is trained on
 unlabeled text only: the teacher's outputs on that text are the targets.
 
 Loss per batch (real tokens only; padding carries no meaning):
-- embedding models: 1 - cos(student pooled, teacher pooled) + MSE of the
-  last hidden states (the pooled vector alone under-constrains the tokens);
+- 1 - cos(student pooled, teacher pooled): what the gate measures;
+- relation: MSE between the student's and the teacher's in-batch cosine
+  similarity matrices of the pooled vectors (x RELATION_WEIGHT): retrieval
+  is about which sentence is closer to which, and this trains exactly that
+  (as MiniLM's own relation distillation does for attention);
+- layer-wise hidden states: each student layer's output against the output
+  of the teacher layer it was copied from, MSE over the teacher's mean
+  square (scale free), summed over layers and x HIDDEN_WEIGHT: the pooled
+  vector alone under-constrains the tokens, and the intermediate targets
+  give the early layers a signal of their own;
 - classifiers: additionally the KL divergence of the softened logits
   (temperature 2, Hinton et al. 2015).
 
 The word-embedding table is frozen (shared with the teacher); the teacher's
-targets are computed once per text; batches are length-bucketed.
+targets (every kept layer's states and the pooled vector) are computed once
+per text; batches are length-bucketed. Training stops at `steps` or at
+`time_budget` seconds, whichever comes first; the learning-rate schedule
+(warm-up, then cosine decay) follows whichever is further along, so a time
+budget still ends on a decayed rate.
+
+Measured (bundled MiniLM, 6 -> 3 layers): the session-1 recipe (lr 1e-4,
+pooled cosine + last-layer MSE, 100 steps) reached mean cosine 0.82; this one
+is in docs/benchmarks/optimizer.md (Issue 21, session 2).
 
 Training text: the shipped calibration queries plus the 400 prose sentences
 (`surge.data`), or a file of one text per line (a query log). The held-out
@@ -42,9 +58,10 @@ SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 @dataclass
 class DistillOptions:
     layers: int = 3
-    steps: int = 400
+    steps: int = 3000
     batch_size: int = 32
-    lr: float = 1e-4
+    lr: float = 5e-4
+    time_budget: float = 300.0  # seconds of training; 0: no limit (steps only)
     warmup: float = 0.06  # fraction of steps with a linear learning-rate warm-up
     max_length: int = 128
     seed: int = 0
@@ -59,6 +76,8 @@ class DistillOptions:
             raise ConfigError("--steps and --batch-size must be positive")
         if not 0 < self.lr < 1:
             raise ConfigError("--lr must be in (0, 1)")
+        if self.time_budget < 0:
+            raise ConfigError("--time-budget must be >= 0 seconds (0: no limit)")
 
 
 @dataclass
@@ -140,6 +159,10 @@ def make_student(teacher, kept: list[int]):
     return student
 
 
+RELATION_WEIGHT = 10.0
+HIDDEN_WEIGHT = 0.1
+
+
 def _pool(hidden, mask, pooling: str):
     import torch
 
@@ -154,7 +177,7 @@ def _pool(hidden, mask, pooling: str):
 
 
 def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
-            on_step: Callable[[int, float], None] | None = None) -> DistillResult:
+            on_step: Callable[[int, float, float], None] | None = None) -> DistillResult:
     """Train and write the student as a Hugging Face model directory (no gate here: see cli/distill.py)."""
     import torch
     import torch.nn.functional as F
@@ -188,53 +211,72 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
 
     # The teacher's outputs are the targets and do not change: computed once per
     # text (in length-sorted batches, no padding waste), not once per step.
-    t_hidden_of, t_logits_of = _teacher_targets(teacher, encoded, batch, classifier)
+    targets = _teacher_targets(teacher, encoded, batch, classifier, kept, pooling)
     # The word embeddings stay the teacher's: a third of MiniLM's weights, whose
     # dense gradient and AdamW update cost more than the 3 layers they feed.
     base = getattr(student, student.base_model_prefix, student)
     base.embeddings.word_embeddings.weight.requires_grad_(False)
     params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=options.lr, weight_decay=0.01)
-    warm = max(1, int(options.warmup * options.steps))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / options.steps))))
+    budget = options.time_budget or float("inf")
+    start = time.perf_counter()
+
+    def progress_at(step: int) -> float:  # how far along training is: by steps or by time
+        return max(step / options.steps, (time.perf_counter() - start) / budget)
+
+    def rate(step: int) -> float:
+        p = progress_at(step)
+        warmed = min(1.0, max(p, (step + 1) / options.steps) / options.warmup) if options.warmup else 1.0
+        return options.lr * warmed * 0.5 * (1 + math.cos(math.pi * min(1.0, p)))
+
     batches: list[list[int]] = []
     losses: list[float] = []
-    start = time.perf_counter()
-    for step in range(options.steps):
+    parts = {"cosine": 0.0, "relation": 0.0, "hidden": 0.0}
+    step = 0
+    while step < options.steps and progress_at(step) < 1.0:
         if not batches:
             batches = _length_bucketed(encoded, options.batch_size, rng)
         picked = batches.pop()
         ids, mask = batch(picked)
-        t_hidden = torch.zeros(ids.shape[0], ids.shape[1], t_hidden_of[0].shape[-1])
-        for row, i in enumerate(picked):
-            t_hidden[row, : t_hidden_of[i].shape[0]] = t_hidden_of[i]
-        s_out = student(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-        s_hidden = s_out.hidden_states[-1]
         real = mask.bool()
-        loss = (1 - F.cosine_similarity(_pool(s_hidden, mask, pooling), _pool(t_hidden, mask, pooling), dim=-1)).mean()
-        loss = loss + F.mse_loss(s_hidden[real], t_hidden[real])
+        s_out = student(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        hidden_loss = 0.0
+        for j in range(len(kept)):  # student layer j was teacher layer kept[j]
+            want = torch.cat([targets.hidden[i][j] for i in picked])  # [real tokens, H]
+            hidden_loss = hidden_loss + F.mse_loss(s_out.hidden_states[j + 1][real], want) / targets.scale[j]
+        s_pooled = _pool(s_out.hidden_states[-1], mask, pooling)
+        t_pooled = torch.stack([targets.pooled[i] for i in picked])
+        cos_loss = (1 - F.cosine_similarity(s_pooled, t_pooled, dim=-1)).mean()
+        s_unit, t_unit = F.normalize(s_pooled, dim=-1), F.normalize(t_pooled, dim=-1)
+        rel_loss = F.mse_loss(s_unit @ s_unit.T, t_unit @ t_unit.T)
+        loss = cos_loss + RELATION_WEIGHT * rel_loss + HIDDEN_WEIGHT * hidden_loss
         if classifier:
             tau = options.temperature
-            t_logits = torch.stack([t_logits_of[i] for i in picked])
+            t_logits = torch.stack([targets.logits[i] for i in picked])
             loss = loss + F.kl_div(F.log_softmax(s_out.logits / tau, -1), F.softmax(t_logits / tau, -1),
                                    reduction="batchmean") * tau * tau
+        for group in opt.param_groups:
+            group["lr"] = rate(step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        sched.step()
         losses.append(float(loss.detach()))
+        parts["cosine"], parts["relation"], parts["hidden"] = float(cos_loss), float(rel_loss), float(hidden_loss)
         if on_step:
-            on_step(step, losses[-1])
+            on_step(step, losses[-1], min(1.0, progress_at(step + 1)))
+        step += 1
     seconds = time.perf_counter() - start
     _write_model_dir(student.eval(), spec, Path(out_dir))
     return DistillResult(Path(out_dir), kept, losses, seconds, len(texts),
                          {"teacher": spec.name, "teacher_layers": spec.num_layers, "student_layers": len(kept),
                           "task": "classify" if classifier else "embed",
-                          "loss": "1-cos(pooled) + MSE(last hidden)" + (" + KL(logits, T=2)" if classifier else ""),
-                          "steps_planned": options.steps, "batch_size": options.batch_size, "lr": options.lr,
-                          "seed": options.seed})
+                          "loss": f"1-cos(pooled) + {RELATION_WEIGHT:g} MSE(in-batch cosines) + {HIDDEN_WEIGHT:g} "
+                                  "sum_layers MSE(hidden)/E[teacher^2]" + (" + KL(logits, T=2)" if classifier else ""),
+                          "last_loss_parts": {k: round(v, 6) for k, v in parts.items()},
+                          "steps_planned": options.steps, "time_budget_s": options.time_budget,
+                          "stopped_by": "steps" if len(losses) >= options.steps else "time budget",
+                          "batch_size": options.batch_size, "lr": options.lr, "seed": options.seed})
 
 
 def _length_bucketed(encoded: list, batch_size: int, rng) -> list[list[int]]:
@@ -249,22 +291,41 @@ def _length_bucketed(encoded: list, batch_size: int, rng) -> list[list[int]]:
     return out
 
 
-def _teacher_targets(teacher, encoded: list, batch, classifier: bool):
+@dataclass
+class _Targets:
+    hidden: list  # per text: per kept layer, that layer's output over the text's tokens [T, H]
+    pooled: list  # per text: the teacher's pooled vector [H]
+    logits: list  # per text: classifier logits (or None)
+    scale: list  # per kept layer: mean square of the teacher's states (the hidden loss is relative to it)
+
+
+def _teacher_targets(teacher, encoded: list, batch, classifier: bool, kept: list[int], pooling: str) -> _Targets:
     import torch
 
     hidden: list = [None] * len(encoded)
+    pooled: list = [None] * len(encoded)
     logits: list = [None] * len(encoded)
+    sq = [0.0] * len(kept)
+    count = 0
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     with torch.inference_mode():
         for b in range(0, len(order), 64):
             picked = order[b : b + 64]
             ids, mask = batch(picked)
             out = teacher(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+            states = [out.hidden_states[k + 1] for k in kept]  # hidden_states[0] is the embeddings
+            p = _pool(out.hidden_states[-1], mask, pooling)
+            real = mask.bool()
+            for j, h in enumerate(states):
+                sq[j] += float((h[real] ** 2).sum())
+            count += int(real.sum()) * states[0].shape[-1]
             for row, i in enumerate(picked):
-                hidden[i] = out.hidden_states[-1][row, : len(encoded[i])].clone()
+                n = len(encoded[i])
+                hidden[i] = [h[row, :n].clone() for h in states]
+                pooled[i] = p[row].clone()
                 if classifier:
                     logits[i] = out.logits[row].clone()
-    return hidden, logits
+    return _Targets(hidden, pooled, logits, [max(v / max(count, 1), 1e-12) for v in sq])
 
 
 def _write_model_dir(student, spec: ModelSpec, out_dir: Path) -> None:

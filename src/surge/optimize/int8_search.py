@@ -10,20 +10,25 @@
    every sentence, and the tail is a continuous, less noisy proxy for the
    minimum than the minimum itself). If plain INT8 already meets the budget
    it is kept (smoothing adds a Mul per MatMul it cannot fold).
-2. FP32 fallback: if the calibration set still misses the budget, measure
-   every quantized node's sensitivity (the calibration tail cosine gained by
-   keeping only that node in FP32) and keep nodes in FP32 in that order until
-   the budget is met. At most `max_fp32_fraction` of the nodes may stay FP32:
+2. Weight rounding (per-row method): GPTQ error feedback (gptq.py) on the
+   chosen smoothing, kept if it measures better on calibration than plain
+   nearest rounding.
+3. FP32 fallback: if the calibration set still misses the budget, measure
+   every quantized node's sensitivity (the calibration mean cosine gained by
+   keeping only that node in FP32: the mean, not the tail, because strict
+   retrieval top-1 follows every sentence's error, and the minimum is
+   re-checked at each step) and keep nodes in FP32 in that order until the
+   budget is met. At most `max_fp32_fraction` of the nodes may stay FP32:
    past that the artifact is no longer an INT8 model, and the final gate
-   (calibration and held-out) refuses it.
+   (calibration and held-out) refuses it; the latency gate then tells
+   whether the mixed model is still worth serving.
 
-The search aims above the budget's minimum-cosine floor (half-way from the
-floor to 1: 0.995 for 0.99), because the calibration set's worst sentence is
-an optimistic estimate of the worst of a held-out set three times larger
-(measured: calibration min 0.994, held-out min 0.989 for the same model).
-Sensitivities and fallback steps are measured on the calibration sentences
-that the chosen plan gets worst (HARD_SENTENCES of them): the budget is about
-the tail, and these cost a fifth of the full set to run.
+The search aims above the budget's floors: the minimum cosine half-way from
+the floor to 1 (0.995 for 0.99), because the calibration set's worst sentence
+is an optimistic estimate of the worst of a held-out set three times larger
+(measured: calibration min 0.994, held-out min 0.989 for the same model); the
+strict top-1 a quarter of the way (0.985 for 0.98), about one standard error
+of a proportion near 0.98 over the 904 calibration queries.
 
 The held-out sentences are never looked at here; the pipeline's gate checks
 them afterwards.
@@ -41,16 +46,18 @@ from surge.optimize.validate import Budget, Evaluator, SetMetrics, check
 
 ALPHAS = (0.5, 0.65, 0.8)
 METHODS = ("per-row", "dynamic")
-HARD_SENTENCES = 160
 
 
 def search_budget(budget: Budget) -> Budget:
     """The budget with a safety margin on the minimum cosine (see the module docstring)."""
     import dataclasses
 
-    if budget.min_cosine <= 0:
-        return budget
-    return dataclasses.replace(budget, min_cosine=round(1 - (1 - budget.min_cosine) / 2, 6))
+    changes = {}
+    if budget.min_cosine > 0:
+        changes["min_cosine"] = round(1 - (1 - budget.min_cosine) / 2, 6)
+    if budget.top1_strict > 0:
+        changes["top1_strict"] = round(1 - (1 - budget.top1_strict) * 0.75, 6)
+    return dataclasses.replace(budget, **changes) if changes else budget
 
 
 @dataclass
@@ -62,11 +69,12 @@ class Int8Plan:
     info: dict = field(default_factory=dict)
 
 
-def quantizer(method: str, per_channel: bool = True) -> Callable[[onnx.ModelProto, list[str]], tuple[onnx.ModelProto, dict]]:
+def quantizer(method: str, per_channel: bool = True,
+              weights: dict | None = None) -> Callable[[onnx.ModelProto, list[str]], tuple[onnx.ModelProto, dict]]:
     if method == "per-row":
         from surge.optimize.rowquant import quantize_rows
 
-        return lambda model, exclude: quantize_rows(model, exclude=exclude)
+        return lambda model, exclude: quantize_rows(model, exclude=exclude, weights=weights)
     if method == "dynamic":
         from surge.optimize.quantize import quantize_int8
 
@@ -85,13 +93,16 @@ def candidates(model: onnx.ModelProto, method: str) -> list[str]:
 def _row(m: SetMetrics, **extra) -> dict:
     return {**extra, "mean_cosine": round(m.mean_cosine, 6), "tail_cosine": round(m.tail_cosine or 0.0, 6),
             "min_cosine": round(m.min_cosine, 6),
-            "top1_tie": None if m.top1_tie is None else round(m.top1_tie, 4)}  # None: a task graph (logits)
+            "top1": None if m.top1 is None else round(m.top1, 4),  # strict retrieval top-1 (None: a task graph)
+            "top1_tie": None if m.top1_tie is None else round(m.top1_tie, 4)}
 
 
 def build_int8(proto: onnx.ModelProto, evaluator: Evaluator, budget: Budget, per_channel: bool = True,
                alpha: float | None | str = "auto", search: bool = True, max_fp32_fraction: float = 0.25,
-               progress: Callable[[str], None] | None = None, method: str = "per-row") -> Int8Plan:
-    """alpha: "auto" (measured grid), None (no smoothing) or a fixed value in (0, 1]."""
+               progress: Callable[[str], None] | None = None, method: str = "per-row",
+               weight_rounding: str = "gptq") -> Int8Plan:
+    """alpha: "auto" (measured grid), None (no smoothing) or a fixed value in (0, 1].
+    weight_rounding: "gptq" (tried, kept if better on calibration) or "nearest" (per-row method only)."""
     say = progress or (lambda _: None)
     quantize = quantizer(method, per_channel)
     calibration = evaluator.data["calibration"]
@@ -120,29 +131,37 @@ def build_int8(proto: onnx.ModelProto, evaluator: Evaluator, budget: Budget, per
                   "alpha_search": tried if len(tried) > 1 else None}
     kept: list[str] = []
     passed = check(target, {"calibration": metrics}).passed
+    if method == "per-row" and weight_rounding == "gptq" and not passed:
+        from surge.optimize.gptq import gptq_weights
+
+        say("int8: GPTQ weight rounding (error feedback over the calibration inputs)")
+        weights = gptq_weights(smoothed, calibration.batches, evaluator.threads)
+        q2, qinfo2 = quantizer(method, per_channel, weights)(smoothed, [])
+        m2 = measure(q2)
+        info["weight_rounding"] = {"nearest": _row(metrics), "gptq": _row(m2)}
+        if (m2.mean_cosine, m2.tail_cosine) > (metrics.mean_cosine, metrics.tail_cosine):
+            quantize, q, qinfo, metrics = quantizer(method, per_channel, weights), q2, qinfo2, m2
+            info["weight_rounding"]["chosen"] = "gptq"
+            passed = check(target, {"calibration": metrics}).passed
+        else:
+            info["weight_rounding"]["chosen"] = "nearest"
     steps = [_row(metrics, kept_fp32=[], passed=passed)]
     info["search_budget"] = target.to_json()
     if not passed and search:
-        hard = evaluator.add_subset("hard", metrics.order_worst[:HARD_SENTENCES], "calibration")
-        base = measure(q, "hard")
-        info["hard_sentences"] = hard
         names = candidates(smoothed, method)
         limit = int(max_fp32_fraction * len(names))
         sensitivity = {}
         for i, name in enumerate(names):
-            say(f"int8: sensitivity of {name} ({i + 1}/{len(names)}, on the {hard} hardest calibration sentences)")
-            m = measure(quantize(smoothed, [name])[0], "hard")
-            sensitivity[name] = round(m.tail_cosine - base.tail_cosine, 9)
+            say(f"int8: sensitivity of {name} ({i + 1}/{len(names)}, calibration mean cosine)")
+            m = measure(quantize(smoothed, [name])[0])
+            sensitivity[name] = round(m.mean_cosine - metrics.mean_cosine, 9)
         order = sorted(names, key=lambda n: sensitivity[n], reverse=True)
         info["sensitivity"] = {n: sensitivity[n] for n in order}
         for name in order[:limit]:
             kept.append(name)
             say(f"int8: keeping {len(kept)} node(s) in FP32")
             q, qinfo = quantize(smoothed, list(kept))
-            if not check(target, {"hard": measure(q, "hard")}).passed:
-                steps.append({"kept_fp32": list(kept), "passed": False, "measured_on": "hard"})
-                continue
-            metrics = measure(q)  # the hard subset passes: confirm on the whole calibration set
+            metrics = measure(q)
             passed = check(target, {"calibration": metrics}).passed
             steps.append(_row(metrics, kept_fp32=list(kept), passed=passed))
             if passed:

@@ -64,8 +64,10 @@ def _weight(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.clip(np.round(w / scale), -127, 127).astype(np.int8), scale.astype(np.float32)
 
 
-def quantize_rows(model: onnx.ModelProto, exclude: list[str] | tuple[str, ...] = ()) -> tuple[onnx.ModelProto, dict]:
-    """The per-row INT8 model and what was done (for the manifest). `exclude`: node names kept in FP32."""
+def quantize_rows(model: onnx.ModelProto, exclude: list[str] | tuple[str, ...] = (),
+                  weights: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> tuple[onnx.ModelProto, dict]:
+    """The per-row INT8 model and what was done (for the manifest). `exclude`: node names kept in FP32;
+    `weights`: node name -> (int8 codes [K, N], scale [N]) already chosen (gptq.py), else rounded here."""
     out = onnx.ModelProto.FromString(model.SerializeToString())
     graph = out.graph
     inits = {i.name: i for i in graph.initializer}
@@ -86,7 +88,7 @@ def quantize_rows(model: onnx.ModelProto, exclude: list[str] | tuple[str, ...] =
             continue
         p = f"rowq/{node.name}"
         w = nh.to_array(inits[node.input[1]]).astype(np.float32)
-        wq, ws = _weight(w)
+        wq, ws = weights[node.name] if weights and node.name in weights else _weight(w)
         graph.initializer.extend([nh.from_array(wq, p + "/wq"), nh.from_array(ws, p + "/ws"),
                                   nh.from_array(np.array([-1, w.shape[0]], np.int64), p + "/rows_k")])
         new = _row_quantize(p, node.input[0])
