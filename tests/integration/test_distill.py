@@ -28,6 +28,7 @@ def student(tmp_path_factory):
     teacher = make_tiny_bert(root / "teacher", seed=5, layers=4, hidden=64, heads=4)
     out = root / "student"
     result = CliRunner().invoke(app, ["distill", str(teacher), "-o", str(out), "--layers", "2", "--steps", "40",
+                                      "--time-budget", "0",
                                       "--batch-size", "16", "--lr", "1e-3", "--max-sentences", "32", "--force",
                                       "--no-latency", "--threads", "2", "--cache-dir", str(CACHE_DIR)])
     assert result.exit_code == 0, result.output
@@ -38,6 +39,7 @@ def test_loss_falls_and_the_report_is_written(student):
     _, out = student
     report = json.loads((out / "distill.json").read_text())
     assert report["kept_layers"] == [0, 3] and report["steps"] == 40 and len(report["losses"]) == 40
+    assert report["stopped_by"] == "steps" and set(report["last_loss_parts"]) == {"cosine", "relation", "hidden"}
     assert report["loss_last_10pct"] < 0.85 * report["loss_first_10pct"], report["losses"]
     assert all(np.isfinite(report["losses"]))
     assert report["gate"]["sets"]["heldout"]["n"] == 32 and "top1_tie_ci95" in report["gate"]["sets"]["heldout"]
@@ -74,6 +76,21 @@ def test_student_is_a_model_directory_surge_optimizes_and_serves(student, tmp_pa
     want = l2_normalize(want) if spec.normalize else want
     cos = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
     assert cos.min() > 0.999  # the served student is the student
+
+
+def test_a_time_budget_ends_training_on_a_decayed_rate(tmp_path):
+    from surge.data import calibration_queries
+    from surge.models import load_model_spec
+    from surge.optimize.distill import DistillOptions, distill
+
+    teacher = load_model_spec(make_tiny_bert(tmp_path / "t", seed=2, layers=2, hidden=32, heads=2))
+    seen = []
+    result = distill(teacher, tmp_path / "s", DistillOptions(layers=1, steps=10**6, time_budget=1.5, batch_size=8,
+                                                             texts=calibration_queries()[:16], threads=1),
+                     on_step=lambda step, loss, progress: seen.append(progress))
+    assert result.info["stopped_by"] == "time budget" and 1 <= len(result.losses) < 10**6
+    assert seen == sorted(seen) and seen[-1] == 1.0  # the progress bar reaches its end
+    assert load_model_spec(tmp_path / "s").num_layers == 1
 
 
 def test_bad_layer_count_is_a_clear_error(tmp_path):

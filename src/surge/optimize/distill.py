@@ -232,8 +232,8 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
     batches: list[list[int]] = []
     losses: list[float] = []
     parts = {"cosine": 0.0, "relation": 0.0, "hidden": 0.0}
-    step = 0
-    while step < options.steps and progress_at(step) < 1.0:
+    step, done = 0, False
+    while not done:
         if not batches:
             batches = _length_bucketed(encoded, options.batch_size, rng)
         picked = batches.pop()
@@ -262,10 +262,12 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         losses.append(float(loss.detach()))
-        parts["cosine"], parts["relation"], parts["hidden"] = float(cos_loss), float(rel_loss), float(hidden_loss)
-        if on_step:
-            on_step(step, losses[-1], min(1.0, progress_at(step + 1)))
+        parts.update(cosine=float(cos_loss.detach()), relation=float(rel_loss.detach()), hidden=float(hidden_loss.detach()))
         step += 1
+        reached = progress_at(step)
+        done = step >= options.steps or reached >= 1.0
+        if on_step:
+            on_step(step - 1, losses[-1], 1.0 if done else reached)
     seconds = time.perf_counter() - start
     _write_model_dir(student.eval(), spec, Path(out_dir))
     return DistillResult(Path(out_dir), kept, losses, seconds, len(texts),

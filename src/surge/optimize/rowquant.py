@@ -18,6 +18,14 @@ Per weighted node (x is [..., K], W a constant [K, N]):
     q      = QuantizeLinear(x as [T, K], m/127 as [T], zero point 128, axis=0)   uint8
     y      = MatMulIntegerToFloat(q, Wq, m/127, w_scale[N], 128, 0)             com.microsoft
 
+Inputs that are GELU outputs (the FFN down-projections) are bounded below by
+GELU's minimum (-0.17): rows are shifted by that bound (x + c >= 0, c per
+input channel after smoothing) and quantized *unsigned* over [0, max], twice
+the resolution of the symmetric grid, which spends half its codes on
+negatives that GELU never produces; the shift's product c @ W is a constant
+vector subtracted after the MatMul. Measured on the held-out queries (GPTQ
+weights, alpha 0.65): docs/benchmarks/optimizer.md, Issue 21, session 2.
+
 ReduceMax/ReduceMin read x without writing a temporary, and the per-axis
 QuantizeLinear does scale, round, shift and saturate in one pass (ONNX Runtime
 1.32 refuses a per-row *zero point* in MatMulIntegerToFloat, so rows are
@@ -35,6 +43,8 @@ from onnx import TensorProto, helper
 from onnx import numpy_helper as nh
 
 _C = "rowq_const_"  # shared constants
+GELU_MIN = 0.17  # -min over x of x * Phi(x) is 0.16997: a lower bound of every (Bias/Fast)Gelu output
+GELU_OPS = {"Gelu", "BiasGelu", "FastGelu"}
 
 
 def quantizable(model: onnx.ModelProto) -> list[onnx.NodeProto]:
@@ -77,6 +87,8 @@ def quantize_rows(model: onnx.ModelProto, exclude: list[str] | tuple[str, ...] =
         nh.from_array(np.array(1e-8, np.float32), _C + "eps"),
         nh.from_array(np.array(1 / 127.0, np.float32), _C + "inv127"),
         nh.from_array(np.array(128, np.uint8), _C + "zp"),
+        nh.from_array(np.array(0, np.uint8), _C + "zp0"),
+        nh.from_array(np.array(1 / 255.0, np.float32), _C + "inv255"),
         nh.from_array(np.array(0, np.int8), _C + "wzp"),
         nh.from_array(np.array([-1], np.int64), _C + "flat"),
     ])
@@ -91,10 +103,19 @@ def quantize_rows(model: onnx.ModelProto, exclude: list[str] | tuple[str, ...] =
         wq, ws = weights[node.name] if weights and node.name in weights else _weight(w)
         graph.initializer.extend([nh.from_array(wq, p + "/wq"), nh.from_array(ws, p + "/ws"),
                                   nh.from_array(np.array([-1, w.shape[0]], np.int64), p + "/rows_k")])
-        new = _row_quantize(p, node.input[0])
-        if node.op_type == "MatMul":
-            new.append(_mmitf(p, node.output[0]))
+        shift = _gelu_shift(graph, node.input[0], w.shape[0], inits) if node.op_type == "MatMul" else None
+        if shift is not None:
+            wd = wq.astype(np.float32) * ws  # the weights the int8 product really uses
+            graph.initializer.extend([nh.from_array(shift, p + "/shift"),
+                                      nh.from_array((shift.astype(np.float64) @ wd).astype(np.float32), p + "/shift_w")])
+            new = _row_quantize_unsigned(p, node.input[0])
+            new += [_mmitf(p, p + "/shifted_out", zp=_C + "zp0"),
+                    helper.make_node("Sub", [p + "/shifted_out", p + "/shift_w"], [node.output[0]])]
+            counts["unsigned"] = counts.get("unsigned", 0) + 1
+        elif node.op_type == "MatMul":
+            new = _row_quantize(p, node.input[0]) + [_mmitf(p, node.output[0])]
         else:
+            new = _row_quantize(p, node.input[0])
             heads = next(a.i for a in node.attribute if a.name == "num_heads")
             extra = {a.name: helper.get_attribute_value(a) for a in node.attribute if a.name in ("scale", "mask_filter_value")}
             new += [_mmitf(p, p + "/qkv"),
@@ -116,7 +137,9 @@ def quantize_rows(model: onnx.ModelProto, exclude: list[str] | tuple[str, ...] =
     _prune_unused(out)
     info = {"method": "per-row", "weight_type": "int8 (symmetric, per output channel)",
             "activation_type": "uint8 (symmetric around 128, one scale per token row, computed from that row)",
-            "batch_invariant": True, "per_channel": True, "quantized_ops": {k: v for k, v in counts.items() if v},
+            "batch_invariant": True, "per_channel": True,
+            "quantized_ops": {k: v for k, v in counts.items() if v and k != "unsigned"},
+            "unsigned_gelu_inputs": counts.get("unsigned", 0),
             "kept_fp32": sorted(exclude)}
     return out, info
 
@@ -138,11 +161,42 @@ def _row_quantize(p: str, x: str) -> list[onnx.NodeProto]:
     ]
 
 
-def _mmitf(p: str, out: str) -> onnx.NodeProto:
+def _gelu_shift(graph: onnx.GraphProto, x: str, k: int, inits: dict) -> np.ndarray | None:
+    """c [K] with x + c >= 0 when x is a GELU output (directly, or times a constant smoothing vector)."""
+    producer = {o: n for n in graph.node for o in n.output}
+    node = producer.get(x)
+    scale = np.ones(k, np.float32)
+    if node is not None and node.op_type == "Mul" and len(node.input) == 2 and node.input[1] in inits:
+        scale = nh.to_array(inits[node.input[1]]).astype(np.float32)
+        if scale.shape != (k,) or not (scale > 0).all():
+            return None
+        node = producer.get(node.input[0])
+    if node is None or node.op_type not in GELU_OPS:
+        return None
+    return (GELU_MIN * scale).astype(np.float32)
+
+
+def _row_quantize_unsigned(p: str, x: str) -> list[onnx.NodeProto]:
+    return [
+        helper.make_node("Add", [x, p + "/shift"], [p + "/xs"]),  # >= 0
+        helper.make_node("ReduceMax", [p + "/xs", _C + "last_axis"], [p + "/max"], keepdims=1),
+        helper.make_node("Max", [p + "/max", _C + "eps"], [p + "/pmax"]),
+        helper.make_node("Mul", [p + "/pmax", _C + "inv255"], [p + "/scale"]),  # [..., 1]
+        helper.make_node("Reshape", [p + "/scale", _C + "flat"], [p + "/scale_rows"]),  # [T]
+        helper.make_node("Shape", [p + "/scale_rows"], [p + "/rows"]),
+        helper.make_node("Expand", [_C + "zp0", p + "/rows"], [p + "/zp_rows"]),
+        helper.make_node("Shape", [p + "/xs"], [p + "/x_shape"]),
+        helper.make_node("Reshape", [p + "/xs", p + "/rows_k"], [p + "/x_rows"]),  # [T, K]
+        helper.make_node("QuantizeLinear", [p + "/x_rows", p + "/scale_rows", p + "/zp_rows"], [p + "/q_rows"], axis=0),
+        helper.make_node("Reshape", [p + "/q_rows", p + "/x_shape"], [p + "/q"]),
+    ]
+
+
+def _mmitf(p: str, out: str, zp: str = _C + "zp") -> onnx.NodeProto:
     # The per-row a_scale broadcasts over the output columns. (Its optional bias
     # input is left out: in ORT 1.32 it did not match x @ W + b; biases stay where
     # the graph had them — BiasGelu, SkipLayerNormalization, MultiHeadAttention.)
-    return helper.make_node("MatMulIntegerToFloat", [p + "/q", p + "/wq", p + "/scale", p + "/ws", _C + "zp", _C + "wzp"],
+    return helper.make_node("MatMulIntegerToFloat", [p + "/q", p + "/wq", p + "/scale", p + "/ws", zp, _C + "wzp"],
                             [out], domain="com.microsoft")
 
 

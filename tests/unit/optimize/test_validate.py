@@ -6,7 +6,7 @@ import shutil
 
 import numpy as np
 
-from surge.optimize.validate import BUDGETS, Budget, SetMetrics, check, top1_agreement
+from surge.optimize.validate import BUDGETS, Budget, SetMetrics, check, retrieval_agreement, top1_agreement
 from tests.conftest import CACHE_DIR
 
 
@@ -24,6 +24,46 @@ def test_top1_agreement_strict_and_with_ties():
     assert top1_agreement(ref, cand, tolerance=0.01) == 1.0
     noise = rng.standard_normal(ref.shape) * 10
     assert top1_agreement(ref, noise, tolerance=0.01) < 0.5
+
+
+def _brute_force_retrieval(ref, cand, folds=3, tolerance=0.0):
+    """Per query, loops in float64: the reference definition of queries over disjoint documents."""
+    n = len(ref)
+    hits = []
+    for part in np.array_split(np.arange(n), folds):
+        docs = [j for j in range(n) if j not in set(part)]
+        for i in part:
+            cos = lambda a, b: float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))  # noqa: E731
+            r = [cos(ref[i], ref[j]) for j in docs]
+            c = [cos(cand[i], cand[j]) for j in docs]
+            pick = int(np.argmax(c))
+            hits.append(pick == int(np.argmax(r)) if tolerance == 0 else r[pick] >= max(r) - tolerance)
+    return np.array(hits)
+
+
+def test_retrieval_agreement_is_queries_over_disjoint_documents_strict_and_tolerant():
+    rng = np.random.default_rng(1)
+    ref = rng.standard_normal((90, 24))
+    ref[30:60] = ref[:30] + 0.3 * rng.standard_normal((30, 24))  # every query has a close document
+    ref[60:] = ref[:30] + 0.31 * rng.standard_normal((30, 24))  # ... and a second one: near-ties
+    cand = ref + 0.05 * rng.standard_normal(ref.shape)  # a lossy copy flips some of them
+    strict, ties = retrieval_agreement(ref, cand), retrieval_agreement(ref, cand, tolerance=0.05)
+    np.testing.assert_array_equal(strict, _brute_force_retrieval(ref, cand))
+    np.testing.assert_array_equal(ties, _brute_force_retrieval(ref, cand, tolerance=0.05))
+    assert strict.shape == (90,) and 0.3 < strict.mean() < 1.0 and ties.mean() > strict.mean()
+    assert retrieval_agreement(ref, ref).all()
+    # A query may not retrieve itself: with documents = the other folds, identical rows inside one fold never match.
+    nan = cand.copy()
+    nan[5] = np.nan
+    assert not retrieval_agreement(ref, nan)[5]
+
+
+def test_strict_top1_is_its_own_floor():
+    m = SetMetrics(n=2715, mean_cosine=0.999, min_cosine=0.992, max_abs_diff=0.1, top1=0.969, top1_tie=0.999)
+    result = check(BUDGETS["int8"], {"heldout": m})
+    assert not result.passed and result.failures == ["heldout: top1 0.9690 < 0.98"]  # ties do not rescue it
+    m.top1 = 0.981
+    assert check(BUDGETS["int8"], {"heldout": m}).passed
 
 
 def test_check_names_every_failed_metric():
