@@ -139,12 +139,12 @@ def _render(console, report: dict) -> None:
     from rich.table import Table
 
     acc = Table(title="student vs teacher (FP32, ONNX Runtime)")
-    for col in ("set", "n", "mean cos", "worst 1% cos", "min cos", "top-1", "top-1 (ties) [95% CI]"):
+    for col in ("set", "n", "mean cos", "worst 1% cos", "min cos", "top-1 strict [95% CI]", "top-1 (ties) [95% CI]"):
         acc.add_column(col, justify="right")
     for name, m in report["gate"]["sets"].items():
-        ci = m.get("top1_tie_ci95") or (0, 0)
+        ci, sci = m.get("top1_tie_ci95") or (0, 0), m.get("top1_ci95") or (0, 0)
         acc.add_row(name, str(m["n"]), f"{m['mean_cosine']:.4f}", f"{m['tail_cosine']:.4f}", f"{m['min_cosine']:.4f}",
-                    f"{m['top1']:.3f}", f"{m['top1_tie']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]")
+                    f"{m['top1']:.3f} [{sci[0]:.3f}, {sci[1]:.3f}]", f"{m['top1_tie']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]")
     console.print(acc)
     verdict = "[green]passed[/]" if report["gate"]["passed"] else "[red]FAILED: " + "; ".join(report["gate"]["failures"]) + "[/]"
     console.print(f"accuracy gate: {verdict}")

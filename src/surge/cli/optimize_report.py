@@ -43,7 +43,7 @@ def render(console, manifest: dict, reports, explain: bool) -> None:
         acc = Table(title="accuracy vs FP32 source")
         cols = {"argmax": "argmax", "rank_top1": "rank top-1", "ndcg10": "NDCG@10", "tokens": "token labels"}
         task_cols = [k for k in cols if any(m.get(k) is not None for m in validation["sets"].values())]
-        for col in ("set", "n", "mean cos", "worst 1% cos", "min cos", "max |Δ|", "top-1", "top-1 (ties) [95% CI]",
+        for col in ("set", "n", "mean cos", "worst 1% cos", "min cos", "max |Δ|", "top-1 strict [95% CI]", "top-1 (ties) [95% CI]",
                     *[cols[k] for k in task_cols or ["argmax"]]):
             acc.add_column(col, justify="right")
 
@@ -51,16 +51,21 @@ def render(console, manifest: dict, reports, explain: bool) -> None:
             return "-" if v is None else f"{v:.3f}"
 
         for name, m in validation["sets"].items():
-            ci = m.get("top1_tie_ci95")
+            ci, sci = m.get("top1_tie_ci95"), m.get("top1_ci95")
             tail = m.get("tail_cosine")
             acc.add_row(name, str(m["n"]), f"{m['mean_cosine']:.6f}", "-" if tail is None else f"{tail:.6f}",
-                        f"{m['min_cosine']:.6f}", f"{m['max_abs_diff']:.2e}", f3(m["top1"]),
+                        f"{m['min_cosine']:.6f}", f"{m['max_abs_diff']:.2e}",
+                        f3(m["top1"]) + (f" [{sci[0]:.3f}, {sci[1]:.3f}]" if sci else ""),
                         f3(m["top1_tie"]) + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""),
                         *[f3(m.get(k)) for k in task_cols or ["argmax"]])
         console.print(acc)
     q = manifest.get("precision_decisions", {}).get("quantization") or {}
     if q.get("method"):
         kept = q.get("kept_fp32") or []
+        rounding = (q.get("weight_rounding") or {}).get("chosen")
+        if rounding:
+            console.print(f"int8 weight rounding: {rounding}; GELU inputs on the unsigned grid: "
+                          f"{q.get('unsigned_gelu_inputs', 0)}")
         console.print(f"int8 {q['method']}: batch invariant {q.get('batch_invariant', False)}; "
                       f"smoothing alpha {q.get('smoothing', {}).get('alpha')}; "
                       f"kept in FP32: {', '.join(kept) if kept else 'none'}")

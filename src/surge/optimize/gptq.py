@@ -51,8 +51,11 @@ def input_moments(model: onnx.ModelProto, batches, inputs: set[str], threads: in
     return {k: sums[k] / max(count[k], 1) for k in sums}
 
 
-def gptq_int8(w: np.ndarray, h: np.ndarray, damp: float = 0.01) -> tuple[np.ndarray, np.ndarray]:
-    """int8 codes [K, N] and per-column scales [N] of W [K, N] (y = x @ W), given H = E[x x^T] [K, K]."""
+def gptq_int8(w: np.ndarray, h: np.ndarray, damp: float = 0.01, block: int = 128) -> tuple[np.ndarray, np.ndarray]:
+    """int8 codes [K, N] and per-column scales [N] of W [K, N] (y = x @ W), given H = E[x x^T] [K, K].
+
+    Rows are rounded in blocks of `block`: inside a block the feedback is applied row by row, to the
+    rows after it the block's errors go in one matrix product (the paper's lazy batch updates)."""
     w = w.astype(np.float64).copy()
     k = w.shape[0]
     scale = np.maximum(np.abs(w).max(0), 1e-12) / 127.0
@@ -63,11 +66,16 @@ def gptq_int8(w: np.ndarray, h: np.ndarray, damp: float = 0.01) -> tuple[np.ndar
     h += damp * float(np.mean(np.diag(h))) * np.eye(k)  # dampening keeps the inverse well conditioned
     u = np.linalg.cholesky(np.linalg.inv(h)).T  # upper triangular: row i's feedback onto rows > i
     q = np.empty(w.shape, np.int8)
-    for i in range(k):
-        row = np.clip(np.round(w[i] / scale), -127, 127)
-        q[i] = row
-        err = (w[i] - row * scale) / u[i, i]
-        w[i + 1:] -= np.outer(u[i, i + 1:], err)
+    for b0 in range(0, k, block):
+        b1 = min(b0 + block, k)
+        part = w[b0:b1].copy()
+        errs = np.empty_like(part)
+        for i in range(b1 - b0):
+            row = np.clip(np.round(part[i] / scale), -127, 127)
+            q[b0 + i] = row
+            errs[i] = (part[i] - row * scale) / u[b0 + i, b0 + i]
+            part[i + 1:] -= np.outer(u[b0 + i, b0 + i + 1 : b1], errs[i])
+        w[b1:] -= u[b0:b1, b1:].T @ errs
     return q, scale.astype(np.float32)
 
 

@@ -75,9 +75,11 @@ def _weight(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def quantize_rows(model: onnx.ModelProto, exclude: list[str] | tuple[str, ...] = (),
-                  weights: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> tuple[onnx.ModelProto, dict]:
+                  weights: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+                  unsigned_gelu: bool = True) -> tuple[onnx.ModelProto, dict]:
     """The per-row INT8 model and what was done (for the manifest). `exclude`: node names kept in FP32;
-    `weights`: node name -> (int8 codes [K, N], scale [N]) already chosen (gptq.py), else rounded here."""
+    `weights`: node name -> (int8 codes [K, N], scale [N]) already chosen (gptq.py), else rounded here;
+    `unsigned_gelu`: GELU-fed inputs shifted and quantized unsigned (False: symmetric like the others)."""
     out = onnx.ModelProto.FromString(model.SerializeToString())
     graph = out.graph
     inits = {i.name: i for i in graph.initializer}
@@ -103,7 +105,7 @@ def quantize_rows(model: onnx.ModelProto, exclude: list[str] | tuple[str, ...] =
         wq, ws = weights[node.name] if weights and node.name in weights else _weight(w)
         graph.initializer.extend([nh.from_array(wq, p + "/wq"), nh.from_array(ws, p + "/ws"),
                                   nh.from_array(np.array([-1, w.shape[0]], np.int64), p + "/rows_k")])
-        shift = _gelu_shift(graph, node.input[0], w.shape[0], inits) if node.op_type == "MatMul" else None
+        shift = _gelu_shift(graph, node.input[0], w.shape[0], inits) if node.op_type == "MatMul" and unsigned_gelu else None
         if shift is not None:
             wd = wq.astype(np.float32) * ws  # the weights the int8 product really uses
             graph.initializer.extend([nh.from_array(shift, p + "/shift"),
