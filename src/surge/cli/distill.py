@@ -25,7 +25,8 @@ def register(app: typer.Typer) -> None:
 def distill(
     model_dir: Optional[Path] = typer.Argument(None, help="Teacher: a Hugging Face model directory (default: the bundled all-MiniLM-L6-v2)."),
     output: Path = typer.Option(..., "-o", "--output", help="Student model directory to write."),
-    layers: int = typer.Option(3, "--layers", help="Encoder layers the student keeps (evenly spaced, the last always)."),
+    layers: int = typer.Option(3, "--layers", help="Encoder layers the student keeps (the last always)."),
+    layer_choice: str = typer.Option("measured", "--layer-choice", help="measured: the subset of teacher layers whose untrained student is closest to the teacher; spaced: evenly spaced."),
     steps: int = typer.Option(3000, "--steps", help="Training steps (at most: --time-budget may stop it first)."),
     time_budget: float = typer.Option(300.0, "--time-budget", help="Seconds of training at most (0: no limit); the learning-rate schedule follows steps or time, whichever is further along."),
     batch_size: int = typer.Option(32, "--batch-size", help="Sentences per training step."),
@@ -58,7 +59,7 @@ def distill(
     try:
         spec = load_model_spec(model_dir or bundled_model_dir())
         options = DistillOptions(layers=layers, steps=steps, batch_size=batch_size, lr=lr, seed=seed, threads=threads,
-                                 time_budget=time_budget,
+                                 time_budget=time_budget, layer_choice=layer_choice,
                                  texts=read_texts(texts) if texts else None)
         options.check(spec.num_layers)
         if staging.exists():

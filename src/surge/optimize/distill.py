@@ -62,6 +62,7 @@ class DistillOptions:
     batch_size: int = 32
     lr: float = 5e-4
     time_budget: float = 300.0  # seconds of training; 0: no limit (steps only)
+    layer_choice: str = "measured"  # "measured": the teacher-layer subset whose untrained student is closest; "spaced"
     warmup: float = 0.06  # fraction of steps with a linear learning-rate warm-up
     max_length: int = 128
     seed: int = 0
@@ -76,6 +77,8 @@ class DistillOptions:
             raise ConfigError("--steps and --batch-size must be positive")
         if not 0 < self.lr < 1:
             raise ConfigError("--lr must be in (0, 1)")
+        if self.layer_choice not in ("measured", "spaced"):
+            raise ConfigError(f"--layer-choice must be 'measured' or 'spaced', not {self.layer_choice!r}")
         if self.time_budget < 0:
             raise ConfigError("--time-budget must be >= 0 seconds (0: no limit)")
 
@@ -105,6 +108,44 @@ def pick_layers(teacher_layers: int, k: int) -> list[int]:
     picks = np.round(np.linspace(teacher_layers - 1, 0, k)).astype(int)[::-1]
     # linspace from the top keeps the last layer exactly; ties are impossible for k < L
     return sorted({int(i) for i in picks})
+
+
+MAX_LAYER_SUBSETS = 64  # past this many subsets to try (deep teachers), evenly spaced layers instead
+CHOICE_TEXTS = 256  # training texts the subsets are compared on
+
+
+def choose_layers(teacher, teacher_layers: int, k: int, encoded: list, batch, pooling: str,
+                  how: str = "measured") -> tuple[list[int], dict]:
+    """The teacher layers the student keeps, and how they were chosen.
+
+    "measured": every subset of K layers that ends with the last one is built untrained and run on the
+    first CHOICE_TEXTS training texts; the one whose pooled vectors are closest to the teacher's (mean
+    cosine) starts the training. Measured on MiniLM 6 -> 3 (held-out queries): layers [0, 4, 5] start
+    at cosine 0.73, the evenly spaced [0, 2, 5] at 0.63, [1, 3, 5] at 0.53.
+    """
+    import itertools
+
+    import torch
+    import torch.nn.functional as F
+
+    spaced = pick_layers(teacher_layers, k)
+    subsets = [[*c, teacher_layers - 1] for c in itertools.combinations(range(teacher_layers - 1), k - 1)]
+    if how == "spaced" or len(subsets) > MAX_LAYER_SUBSETS or len(subsets) == 1:
+        return spaced, {"how": "spaced" if how == "spaced" or len(subsets) == 1 else f"spaced (over {MAX_LAYER_SUBSETS} subsets)"}
+    picked = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))[:: max(1, len(encoded) // CHOICE_TEXTS)]
+    ids, mask = batch(picked[:CHOICE_TEXTS])
+    scores = {}
+    with torch.inference_mode():
+        base = getattr(teacher, teacher.base_model_prefix, teacher)
+        want = F.normalize(_pool(base(input_ids=ids, attention_mask=mask).last_hidden_state, mask, pooling), dim=-1)
+        for subset in subsets:
+            s = make_student(teacher, subset)
+            sb = getattr(s, s.base_model_prefix, s)
+            got = F.normalize(_pool(sb(input_ids=ids, attention_mask=mask).last_hidden_state, mask, pooling), dim=-1)
+            scores[str(subset)] = round(float((got * want).sum(-1).mean()), 4)
+    best = max(subsets, key=lambda c: scores[str(c)])
+    return best, {"how": "measured (untrained student's mean cosine to the teacher)", "texts": len(picked[:CHOICE_TEXTS]),
+                  "cosine_at_init": scores, "spaced_would_be": spaced}
 
 
 def default_texts() -> list[str]:
@@ -189,8 +230,6 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
     torch.manual_seed(options.seed)
     texts = options.texts or default_texts()
     teacher = _load(spec)
-    kept = pick_layers(spec.num_layers, options.layers)
-    student = make_student(teacher, kept).train()
     classifier = _is_classifier(spec)
     pooling = str(spec.pooling)
 
@@ -209,6 +248,8 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
             mask[row, : len(encoded[i])] = 1
         return torch.from_numpy(ids), torch.from_numpy(mask)
 
+    kept, choice = choose_layers(teacher, spec.num_layers, options.layers, encoded, batch, pooling, options.layer_choice)
+    student = make_student(teacher, kept).train()
     # The teacher's outputs are the targets and do not change: computed once per
     # text (in length-sorted batches, no padding waste), not once per step.
     targets = _teacher_targets(teacher, encoded, batch, classifier, kept, pooling)
@@ -276,6 +317,7 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
                           "loss": f"1-cos(pooled) + {RELATION_WEIGHT:g} MSE(in-batch cosines) + {HIDDEN_WEIGHT:g} "
                                   "sum_layers MSE(hidden)/E[teacher^2]" + (" + KL(logits, T=2)" if classifier else ""),
                           "last_loss_parts": {k: round(v, 6) for k, v in parts.items()},
+                          "layer_choice": choice,
                           "steps_planned": options.steps, "time_budget_s": options.time_budget,
                           "stopped_by": "steps" if len(losses) >= options.steps else "time budget",
                           "batch_size": options.batch_size, "lr": options.lr, "seed": options.seed})
