@@ -38,7 +38,11 @@ def student(tmp_path_factory):
 def test_loss_falls_and_the_report_is_written(student):
     _, out = student
     report = json.loads((out / "distill.json").read_text())
-    assert report["kept_layers"] == [0, 3] and report["steps"] == 40 and len(report["losses"]) == 40
+    assert report["steps"] == 40 and len(report["losses"]) == 40
+    # the kept layers: of the subsets that end with the last layer, the one whose untrained student was closest
+    choice = report["layer_choice"]
+    assert set(choice["cosine_at_init"]) == {"[0, 3]", "[1, 3]", "[2, 3]"}
+    assert choice["cosine_at_init"][str(report["kept_layers"])] == max(choice["cosine_at_init"].values())
     assert report["stopped_by"] == "steps" and set(report["last_loss_parts"]) == {"cosine", "relation", "hidden"}
     assert report["loss_last_10pct"] < 0.85 * report["loss_first_10pct"], report["losses"]
     assert all(np.isfinite(report["losses"]))
@@ -86,6 +90,7 @@ def test_a_time_budget_ends_training_on_a_decayed_rate(tmp_path):
     teacher = load_model_spec(make_tiny_bert(tmp_path / "t", seed=2, layers=2, hidden=32, heads=2))
     seen = []
     result = distill(teacher, tmp_path / "s", DistillOptions(layers=1, steps=10**6, time_budget=1.5, batch_size=8,
+                                                             layer_choice="spaced",
                                                              texts=calibration_queries()[:16], threads=1),
                      on_step=lambda step, loss, progress: seen.append(progress))
     assert result.info["stopped_by"] == "time budget" and 1 <= len(result.losses) < 10**6

@@ -23,11 +23,12 @@ def optimize(
     block: Optional[list[str]] = typer.Option(None, "--block", help="Op type kept in FP32 (repeatable; replaces the default block list)."),
     per_channel: bool = typer.Option(True, "--per-channel/--per-tensor", help="INT8 weight scales per output channel or per tensor."),
     smooth_alpha: str = typer.Option("auto", "--smooth-alpha", help="INT8 SmoothQuant strength: auto (measured on calibration text), off, or a number in (0, 1]."),
-    int8_fallback: bool = typer.Option(True, "--int8-fallback/--no-int8-fallback", help="INT8: keep the most sensitive MatMuls in FP32 (at most 1/4) until the calibration budget is met."),
+    int8_fallback: bool = typer.Option(True, "--int8-fallback/--no-int8-fallback", help="INT8: keep the most sensitive MatMuls in FP32 (at most 1/4) until the calibration budget (min cosine, strict top-1) is met."),
     prune_heads: float = typer.Option(0.0, "--prune-heads", help="Fraction of attention heads to remove (least important on calibration text)."),
     rule: Optional[list[str]] = typer.Option(None, "--rule", help="Extra rewrite rule(s) by import path, package.module:name (repeatable)."),
     min_cosine: Optional[float] = typer.Option(None, "--min-cosine", help="Override the budget's mean-cosine floor."),
-    min_top1: Optional[float] = typer.Option(None, "--min-top1", help="Override the budget's nearest-neighbour top-1 agreement floor."),
+    min_top1: Optional[float] = typer.Option(None, "--min-top1", help="Override the budget's retrieval top-1 floor, near-ties (within 0.01) counted as agreeing."),
+    min_top1_strict: Optional[float] = typer.Option(None, "--min-top1-strict", help="Override the budget's strict retrieval top-1 floor (int8: 0.98)."),
     max_sentences: int = typer.Option(0, "--max-sentences", help="Use only the first N calibration and N held-out sentences (0: all 904 + 2,715 shipped queries)."),
     int8_method: str = typer.Option("per-row", "--int8-method", help="INT8 activations: per-row (one scale per token, batch invariant) or dynamic (ORT per tensor, batch dependent)."),
     explain: bool = typer.Option(False, "--explain", help="List what each pass changed."),
@@ -48,14 +49,14 @@ def optimize(
 
     console = Console(stderr=True)
     budget = None
-    if min_cosine is not None or min_top1 is not None:
+    if min_cosine is not None or min_top1 is not None or min_top1_strict is not None:
         import dataclasses
 
         from surge.optimize.validate import BUDGETS
 
         budget = BUDGETS.get(precision, BUDGETS["fp32"])
-        budget = dataclasses.replace(budget, **{k: v for k, v in (("mean_cosine", min_cosine), ("top1", min_top1))
-                                                if v is not None})
+        budget = dataclasses.replace(budget, **{k: v for k, v in (("mean_cosine", min_cosine), ("top1", min_top1),
+                                                                  ("top1_strict", min_top1_strict)) if v is not None})
     alpha: float | str | None = {"auto": "auto", "off": None}.get(smooth_alpha.lower(), smooth_alpha)
     if isinstance(alpha, str) and alpha != "auto":
         try:
