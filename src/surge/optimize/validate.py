@@ -278,14 +278,15 @@ def retrieval_agreement(ref: np.ndarray, cand: np.ndarray, tolerance: float = 0.
         return np.nan_to_num(x / np.clip(np.linalg.norm(x, axis=1, keepdims=True), 1e-12, None), nan=0.0)
 
     r, c = unit(ref), unit(cand)
-    if not np.all(np.isfinite(cand)):  # a NaN embedding retrieves nothing
-        c[~np.isfinite(cand).all(1)] = 0.0
+    broken = ~np.isfinite(cand).all(1)
+    c[broken] = 0.0  # a NaN / inf embedding is retrieved by nothing
     hits = np.zeros(n, bool)
     for q in np.array_split(np.arange(n), folds):
         docs = np.setdiff1d(np.arange(n), q)
         rs, cs = r[q] @ r[docs].T, c[q] @ c[docs].T
         pick = cs.argmax(1)
         hits[q] = (pick == rs.argmax(1)) if tolerance <= 0 else rs[np.arange(len(q)), pick] >= rs.max(1) - tolerance
+    hits[broken] = False  # ... and retrieves nothing
     return hits
 
 
