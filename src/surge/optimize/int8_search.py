@@ -12,7 +12,9 @@
    it is kept (smoothing adds a Mul per MatMul it cannot fold).
 2. FP32 fallback: if the calibration set still misses the budget, measure
    every quantized node's sensitivity (the calibration tail cosine gained by
-   keeping only that node in FP32) and keep nodes in FP32 in that order until
+   keeping only that node in FP32; for a task graph the task metric gained —
+   labels or tokens kept, NDCG@10 — the logits' tail cosine breaking ties:
+   SetMetrics.objective) and keep nodes in FP32 in that order until
    the budget is met. At most `max_fp32_fraction` of the nodes may stay FP32:
    past that the artifact is no longer an INT8 model, and the final gate
    (calibration and held-out) refuses it.
@@ -111,7 +113,7 @@ def build_int8(proto: onnx.ModelProto, evaluator: Evaluator, budget: Budget, per
         q, qinfo = quantize(smoothed, [])
         m = measure(q)
         tried.append(_row(m, alpha=a))
-        if best is None or (m.tail_cosine, m.mean_cosine) > (best[3].tail_cosine, best[3].mean_cosine):
+        if best is None or (m.objective, m.mean_cosine) > (best[3].objective, best[3].mean_cosine):
             best = (a, smoothed, sinfo, m, q, qinfo)
         if a is None and alpha == "auto" and check(target, {"calibration": m}).passed:
             break  # plain INT8 already meets the budget: no smoothing Muls (fewer nodes, faster)
@@ -128,11 +130,19 @@ def build_int8(proto: onnx.ModelProto, evaluator: Evaluator, budget: Budget, per
         info["hard_sentences"] = hard
         names = candidates(smoothed, method)
         limit = int(max_fp32_fraction * len(names))
+        if evaluator.reference["calibration"].logits is not None:  # a task graph: its head first (one measurement)
+            head = _head_first(smoothed, names, quantize, evaluator, measure, target, say)
+            if head is not None:
+                kept, (q, qinfo), metrics = head
+                steps.append(_row(metrics, kept_fp32=list(kept), passed=True, why="head first"))
+                info.update(fallback_steps=steps, max_fp32=limit)
+                qinfo.update(info)
+                return Int8Plan(q, a, kept, True, qinfo)
         sensitivity = {}
         for i, name in enumerate(names):
             say(f"int8: sensitivity of {name} ({i + 1}/{len(names)}, on the {hard} hardest calibration sentences)")
             m = measure(quantize(smoothed, [name])[0], "hard")
-            sensitivity[name] = round(m.tail_cosine - base.tail_cosine, 9)
+            sensitivity[name] = round(m.objective - base.objective, 9)  # a task graph: its task metric first
         order = sorted(names, key=lambda n: sensitivity[n], reverse=True)
         info["sensitivity"] = {n: sensitivity[n] for n in order}
         for name in order[:limit]:
@@ -151,3 +161,19 @@ def build_int8(proto: onnx.ModelProto, evaluator: Evaluator, budget: Budget, per
     info["fallback_steps"] = steps
     qinfo.update(info)
     return Int8Plan(q, a, kept, passed, qinfo)
+
+
+def _head_first(smoothed, names, quantize, evaluator, measure, target, say):
+    """A task graph's head projection (the weighted node nearest the logits) kept in FP32 alone:
+    (kept, quantized, calibration metrics) when that meets the budget, else None."""
+    from surge.optimize.task_fallback import nearest_output
+
+    kept = nearest_output(smoothed, set(names))
+    if not kept:
+        return None
+    say(f"int8: the head ({', '.join(kept)}) in FP32")
+    quantized = quantize(smoothed, list(kept))
+    if not check(target, {"hard": measure(quantized[0], "hard")}).passed:
+        return None
+    metrics = measure(quantized[0])
+    return (kept, quantized, metrics) if check(target, {"calibration": metrics}).passed else None

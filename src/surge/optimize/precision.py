@@ -37,12 +37,13 @@ def float_op_types(model: onnx.ModelProto) -> list[str]:
     return sorted({n.op_type for n in model.graph.node} - skip - _NEVER)
 
 
-def convert(model: onnx.ModelProto, precision: str, block_list: list[str]) -> onnx.ModelProto:
-    """A copy of `model` in `precision` (fp16 | bf16), `block_list` op types kept in FP32, FP32 inputs/outputs."""
+def convert(model: onnx.ModelProto, precision: str, block_list: list[str], nodes=()) -> onnx.ModelProto:
+    """A copy of `model` in `precision` (fp16 | bf16), `block_list` op types and the nodes named in
+    `nodes` kept in FP32, FP32 inputs/outputs."""
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     low = convert_float_to_float16(onnx.ModelProto.FromString(model.SerializeToString()), keep_io_types=True,
-                                   op_block_list=sorted(set(block_list) | _NEVER))
+                                   op_block_list=sorted(set(block_list) | _NEVER), node_block_list=list(nodes))
     if precision == "fp16":
         return low
     if precision == "bf16":
