@@ -12,7 +12,8 @@ cpu (this 2-core machine): the trained intent classifier (tests/task_models.py) 
   to end, `surge serve --engine torch --device cpu --precision bf16 --threads 1` (cache off)
   and with its cache on (default), against benchmarks/baselines/fastapi_pipeline.py (FastAPI +
   transformers pipeline), all POST /predict, 1 and 64 closed-loop clients, generated commands
-  (which repeat, as assistant traffic does: 1229 of 4000 are distinct).
+  (which repeat, as assistant traffic does: 1229 of 4000 are distinct); besides req/s, each server's
+  CPU time per request (process tree, user + system), which the machine's other load moves less.
 
     PYTHONPATH=src:. python3 benchmarks/tasks.py gpu [--tokenizer-dir DIR] [--out FILE.json]
 heads (this machine): encode once, many heads: one backbone pass feeding intent + slots +
@@ -295,14 +296,16 @@ def bench_cpu(args) -> dict:
             for name, srv in (("surge", surge), ("cached", cached), ("baseline", baseline)):
                 uvloop.run(closed_loop(srv.url, wire, clients, duration=2.0))
                 rps, lat = [], []
+                cpu0 = _cpu_seconds(srv.pid())
                 for _ in range(args.rounds):  # alternating rounds: drifting background load hits both
                     r = uvloop.run(closed_loop(srv.url, wire, clients, duration=args.seconds / args.rounds))
                     assert r.ok == len(r.latencies), r.statuses
                     rps.append(r.throughput)
                     lat += r.latencies
+                cpu = (_cpu_seconds(srv.pid()) - cpu0) / len(lat) * 1e3
                 lat.sort()
                 res[name] = {"rps": statistics.median(rps), "p50_ms": lat[len(lat) // 2] * 1e3,
-                             "p99_ms": lat[int(len(lat) * 0.99)] * 1e3}
+                             "p99_ms": lat[int(len(lat) * 0.99)] * 1e3, "cpu_ms_per_req": cpu}
             rows.append({"clients": clients, **{f"{k}_{m}": v for k, d in res.items() for m, v in d.items()},
                          "ratio": res["surge"]["rps"] / res["baseline"]["rps"],
                          "ratio_cached": res["cached"]["rps"] / res["baseline"]["rps"]})
@@ -310,17 +313,29 @@ def bench_cpu(args) -> dict:
         for srv in (surge, cached, baseline):
             srv.stop()
     table = Table(title="Issue 17 CPU (2 cores): intent classifier end to end, POST /predict")
-    for col in ("clients", "surge (cache off) req/s", "p50 ms", "surge (cache on) req/s", "p50 ms",
-                "baseline req/s", "p50 ms", "off / baseline", "on / baseline"):
+    for col in ("clients", "surge (cache off) req/s", "p50 / p99 ms", "CPU ms/req", "surge (cache on) req/s",
+                "p50 / p99 ms", "baseline req/s", "p50 / p99 ms", "CPU ms/req", "off / baseline", "on / baseline"):
         table.add_column(col)
     for r in rows:
-        table.add_row(str(r["clients"]), f"{r['surge_rps']:.1f}", f"{r['surge_p50_ms']:.1f}",
-                      f"{r['cached_rps']:.1f}", f"{r['cached_p50_ms']:.1f}",
-                      f"{r['baseline_rps']:.1f}", f"{r['baseline_p50_ms']:.1f}", f"{r['ratio']:.1f}x",
-                      f"{r['ratio_cached']:.1f}x")
+        table.add_row(str(r["clients"]), f"{r['surge_rps']:.1f}", f"{r['surge_p50_ms']:.1f} / {r['surge_p99_ms']:.0f}",
+                      f"{r['surge_cpu_ms_per_req']:.2f}", f"{r['cached_rps']:.1f}",
+                      f"{r['cached_p50_ms']:.1f} / {r['cached_p99_ms']:.0f}", f"{r['baseline_rps']:.1f}",
+                      f"{r['baseline_p50_ms']:.1f} / {r['baseline_p99_ms']:.0f}", f"{r['baseline_cpu_ms_per_req']:.2f}",
+                      f"{r['ratio']:.1f}x", f"{r['ratio_cached']:.1f}x")
+    after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     console.print(table)
-    console.print(f"load before the run: {load}")
-    return {"rows": rows, "uptime": load}
+    console.print(f"load before the run: {load}\nload after the run: {after}")
+    return {"rows": rows, "uptime": load, "uptime_after": after, "surge_flags": list(flags)}
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of a server process and its children so far: the cost of a request
+    in CPU, which the machine's other load shifts far less than the wall-clock throughput."""
+    import psutil
+
+    procs = [psutil.Process(pid)]
+    procs += procs[0].children(recursive=True)
+    return sum(t.user + t.system for t in (p.cpu_times() for p in procs))
 
 
 def bench_heads(args) -> dict:

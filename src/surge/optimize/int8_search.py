@@ -87,7 +87,8 @@ def candidates(model: onnx.ModelProto, method: str) -> list[str]:
 def _row(m: SetMetrics, **extra) -> dict:
     return {**extra, "mean_cosine": round(m.mean_cosine, 6), "tail_cosine": round(m.tail_cosine or 0.0, 6),
             "min_cosine": round(m.min_cosine, 6),
-            "top1_tie": None if m.top1_tie is None else round(m.top1_tie, 4)}  # None: a task graph (logits)
+            "top1_tie": None if m.top1_tie is None else round(m.top1_tie, 4),  # None: a task graph (logits)
+            **({"objective": round(m.objective, 6)} if m.top1 is None else {})}  # a task graph: its metric
 
 
 def build_int8(proto: onnx.ModelProto, evaluator: Evaluator, budget: Budget, per_channel: bool = True,
