@@ -93,8 +93,9 @@ def test_fp16_tagger_keeps_its_head_in_fp32_to_meet_the_token_gate(tmp_path, mod
 
 def test_int8_tagger_reaches_the_token_gate_with_measured_fallback(tmp_path, models):
     spec = load_model_spec(models / "slots")
-    opts = OptimizeOptions(calibration=calibration_queries()[:64], heldout=heldout_queries()[:64], precision="int8",
-                           measure_latency=False, threads=2)
+    texts = heldout_commands(64, seed=45)
+    opts = OptimizeOptions(calibration=calibration_queries()[:64] + texts[:32], heldout=heldout_queries()[:64] + texts[32:],
+                           precision="int8", measure_latency=False, threads=2)
     result = optimize(spec, tmp_path / "slots-int8", opts, CACHE_DIR)
     q = result.manifest["precision_decisions"]["quantization"]
     steps = q["fallback_steps"]

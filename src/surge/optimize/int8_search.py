@@ -20,7 +20,7 @@
    (calibration and held-out) refuses it.
 
 The search aims above the budget's minimum-cosine floor (half-way from the
-floor to 1: 0.995 for 0.99), because the calibration set's worst sentence is
+floor to 1: 0.995 for 0.99; the task metrics likewise: tokens 0.985 for 0.97), because the calibration set's worst sentence is
 an optimistic estimate of the worst of a held-out set three times larger
 (measured: calibration min 0.994, held-out min 0.989 for the same model).
 Sensitivities and fallback steps are measured on the calibration sentences
@@ -50,9 +50,11 @@ def search_budget(budget: Budget) -> Budget:
     """The budget with a safety margin on the minimum cosine (see the module docstring)."""
     import dataclasses
 
-    if budget.min_cosine <= 0:
-        return budget
-    return dataclasses.replace(budget, min_cosine=round(1 - (1 - budget.min_cosine) / 2, 6))
+    # The task metrics get the same margin: a search fitted to the calibration set's labels just at
+    # the floor missed it on held-out text (slot tagger, 64 sentences: 0.97 met, held-out 0.959).
+    fields = {f: round(1 - (1 - getattr(budget, f)) / 2, 6)
+              for f in ("min_cosine", "argmax", "tokens", "rank_top1", "ndcg10") if getattr(budget, f) > 0}
+    return dataclasses.replace(budget, **fields)
 
 
 @dataclass
