@@ -111,3 +111,38 @@ def test_int8_tagger_reaches_the_token_gate_with_measured_fallback(tmp_path, mod
     got = _artifact_token_labels(result.artifact, sentences)
     agree = np.concatenate([g == w for g, w in zip(got, want)])
     assert agree.mean() >= 0.97, agree.mean()
+
+
+def test_pruned_classifier_is_checked_by_the_classify_gate(tmp_path, models):
+    """Head pruning on a classifier: importance measured on its logits, the pruned graph keeps the
+    head, and the gate's argmax agreement is what transformers' pipeline says of the artifact's
+    labels on the same held-out commands; the gate decides promotion on it (the lossy budget)."""
+    import transformers
+    from transformers import pipeline
+
+    from surge.cli.bootstrap import resolve_artifact
+    from surge.config import EngineConfig
+    from surge.optimize.validate import LOSSY
+    from surge.runtime.loader import build_worker
+
+    spec = load_model_spec(models / "intent")
+    texts = heldout_commands(96, seed=51)
+    opts = OptimizeOptions(calibration=texts[:32], heldout=texts[32:], prune_heads=1 / 12, measure_latency=False,
+                           threads=2, force=True)
+    result = optimize(spec, tmp_path / "intent-pruned", opts, CACHE_DIR)
+    pruning = result.manifest["pruning"]
+    assert pruning["heads_per_layer"] == spec.num_heads - 1 and pruning["measured_on"] == "logits"
+    gate = {k: m.argmax for k, m in result.gate.sets.items()}
+    assert all(v is not None for v in gate.values())
+    assert result.gate.passed == all(v >= LOSSY.argmax for v in gate.values()) == (not result.manifest["forced"])
+    art = load_model_spec(result.artifact)
+    assert art.task == "classify"
+    w = build_worker(art, resolve_artifact(art, EngineConfig(), CACHE_DIR), EngineConfig(threads=2))
+    heldout = texts[32:]
+    got = w.compute(w.tokenizer.to_encoded(w.tokenizer.encodings(heldout))).argmax(1)
+    w.engines.close()
+    transformers.logging.set_verbosity_error()
+    want = [r["label"] for r in pipeline("text-classification", model=str(models / "intent"), device="cpu")(heldout)]
+    agree = float(np.mean([art.labels[g] == x for g, x in zip(got, want)]))
+    assert abs(agree - gate["heldout"]) <= 1 / len(heldout), (agree, gate)
+    assert agree >= 0.95, agree  # one head of twelve per layer: most labels survive
