@@ -126,6 +126,17 @@ class DynamicBatcher:
         """Rows for `items`, in order. `deadline` is a time.monotonic() value;
         a higher `priority` is served first. `timings` (a dict) gets the time the
         inputs waited (queue_ns, the longest of them) and computed (compute_infer_ns)."""
+        return await self.enqueue(items, deadline, priority, timings)
+
+    def enqueue(self, items: list[Encoded], deadline: float | None = None, priority: int = 0,
+                timings: dict | None = None, timer: bool = True) -> asyncio.Future:
+        """`submit` without the coroutine: the future of the rows (cancel it to withdraw the inputs).
+
+        The engine process (runtime/ipc.py) takes thousands of requests a second this way, with a
+        done-callback instead of a task per request. `timer=False`: no expiry timer per request
+        (expired inputs are still dropped when a batch is formed; the caller enforces its own
+        deadline and cancels), which saves a timer-heap entry per request.
+        """
         if self._closed:
             raise NotReady(f"model {self.name} is shutting down")
         if not items:
@@ -145,12 +156,12 @@ class DynamicBatcher:
             entry = _Entry(ticket, i, it, len(it), next(self._seq), now)
             self._pending.append(entry)
             self._pending_tokens += entry.length
-        if deadline is not None:
+        if deadline is not None and timer:
             ticket.timer = loop.call_at(loop.time() + (deadline - now), self._expire, ticket)
         ticket.future.add_done_callback(lambda f, t=ticket: self._settled(t))
         self._depth_changed()
         self._wake.set()
-        return await ticket.future
+        return ticket.future
 
     def _expire(self, ticket: _Ticket) -> None:
         if not ticket.future.done():
