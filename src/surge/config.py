@@ -195,6 +195,10 @@ class ServerConfig(_Strict):
     workers: int = Field(
         1, ge=0, description="Front-end processes (HTTP, cache, tokenizing) in front of one engine process "
         "(cli/workers.py); 1 serves from one process; 0: one per CPU core.")
+    engine_processes: int = Field(
+        1, ge=1, description="Under --workers: engine processes sharing the device(s); front end i talks to "
+        "engine process i mod N (each batches its front ends' requests; several processes can share one "
+        "GPU, with NVIDIA MPS where it runs).")
     engine: EngineConfig = Field(default_factory=EngineConfig)
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)

@@ -66,25 +66,31 @@ def _wait_engine(proc: subprocess.Popen, sock: str, timeout_s: float = 900.0) ->
 def serve_workers(config: ServerConfig, workers: int) -> int:
     """Run the supervisor until SIGTERM / SIGINT; returns the exit code."""
     tmp = tempfile.mkdtemp(prefix="surge-engine-")
-    sock = str(Path(tmp) / "engine.sock")
+    n_eng = max(1, config.engine_processes)
+    socks = [str(Path(tmp) / f"engine{j}.sock") for j in range(n_eng)]
     # Metrics whole across processes: every child writes prometheus_client's multiprocess
     # files here, and any front end's /metrics reads them all (runtime/metrics.WholeRegistry).
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(Path(tmp) / "metrics")
     os.mkdir(os.environ["PROMETHEUS_MULTIPROC_DIR"])
     cfg = config.model_dump_json()
-    print(f"surge: starting the engine process and {workers} front ends", file=sys.stderr, flush=True)
+    print(f"surge: starting {n_eng} engine process(es) and {workers} front ends", file=sys.stderr, flush=True)
     if config.grpc_port:
         # The gRPC server refuses a shared port (so_reuseport off, on purpose): HTTP only for now.
         print("surge: --workers serves HTTP only; gRPC is not started", file=sys.stderr, flush=True)
-    engine = _child("engine", cfg, sock)
-    _wait_engine(engine, sock)
+    engines = [_child("engine", cfg, sk) for sk in socks]  # they warm up side by side
+    for eng, sk in zip(engines, socks):
+        _wait_engine(eng, sk)
     listener = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind((config.host, config.port))
     listener.listen(4096)
     listener.set_inheritable(True)
     fd = listener.fileno()
-    fronts = {i: _child("front", cfg, sock, str(fd), pass_fds=(fd,)) for i in range(workers)}
+
+    def front(i: int) -> subprocess.Popen:
+        return _child("front", cfg, socks[i % n_eng], str(fd), pass_fds=(fd,))
+
+    fronts = {i: front(i) for i in range(workers)}
     stopping = False
 
     def stop(signum, frame):
@@ -100,25 +106,29 @@ def serve_workers(config: ServerConfig, workers: int) -> int:
         while True:
             pid, status = os.wait()
             _mark_dead(pid)
-            if engine.pid == pid:
-                engine.returncode = os.waitstatus_to_exitcode(status)
-                log.error("engine process exited (%s); starting it again", engine.returncode)
-                print(f"surge: engine process exited ({engine.returncode}); restarting", file=sys.stderr, flush=True)
-                engine = _child("engine", cfg, sock)
-                restarts += 1
-                continue
-            for i, p in fronts.items():
-                if p.pid == pid:
-                    p.returncode = os.waitstatus_to_exitcode(status)
-                    print(f"surge: front end {i} exited ({p.returncode}); restarting", file=sys.stderr, flush=True)
-                    fronts[i] = _child("front", cfg, sock, str(fd), pass_fds=(fd,))
+            for j, eng in enumerate(engines):
+                if eng.pid == pid:
+                    eng.returncode = os.waitstatus_to_exitcode(status)
+                    log.error("engine process %d exited (%s); starting it again", j, eng.returncode)
+                    print(f"surge: engine process {j} exited ({eng.returncode}); restarting", file=sys.stderr,
+                          flush=True)
+                    engines[j] = _child("engine", cfg, socks[j])
                     restarts += 1
                     break
+            else:
+                for i, p in fronts.items():
+                    if p.pid == pid:
+                        p.returncode = os.waitstatus_to_exitcode(status)
+                        print(f"surge: front end {i} exited ({p.returncode}); restarting", file=sys.stderr,
+                              flush=True)
+                        fronts[i] = front(i)
+                        restarts += 1
+                        break
     except _Stop:
         pass
     except ChildProcessError:
         pass
-    # Drain: front ends first (they answer what they hold), then the engine.
+    # Drain: front ends first (they answer what they hold), then the engines.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for p in fronts.values():
         if p.poll() is None:
@@ -129,12 +139,14 @@ def serve_workers(config: ServerConfig, workers: int) -> int:
         except subprocess.TimeoutExpired:
             p.kill()
     listener.close()
-    if engine.poll() is None:
-        engine.send_signal(signal.SIGTERM)
+    for eng in engines:
+        if eng.poll() is None:
+            eng.send_signal(signal.SIGTERM)
+    for eng in engines:
         try:
-            engine.wait(timeout=30)
+            eng.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            engine.kill()
+            eng.kill()
     import shutil
 
     shutil.rmtree(tmp, ignore_errors=True)
@@ -184,7 +196,17 @@ def engine_main(config_json: str, sock: str) -> None:
         srv.close()
         await service.close()
 
-    asyncio.run(main())
+    _run_loop(main())
+
+
+def _run_loop(coro) -> None:
+    """uvloop where installed (as uvicorn does for the front ends): its loop costs about half of asyncio's per callback."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+        return
+    uvloop.run(coro)
 
 
 # ---------------------------------------------------------------- a front end

@@ -99,7 +99,7 @@ class TorchEngine:
     def __init__(self, device: str = "cuda", precision: str = "fp16", max_batch: int = 64,
                  max_tokens: int | None = None, cuda_graphs: bool = True, workspace: Workspace | None = None,
                  max_graphs: int = 48, gemm: str = "auto", weight_budget: int | None = None,
-                 approximate_gelu: bool | None = None, threads: int = 0):
+                 approximate_gelu: bool | None = None, threads: int = 0, pipeline_depth: int = 2):
         if precision not in _DTYPES:
             raise EngineError(f"the torch engine runs fp32, fp16 or bf16, not {precision!r}")
         self.device = torch.device(device)
@@ -135,6 +135,13 @@ class TorchEngine:
         self.builds = 0  # buckets built (captured; compiled and tuned on first use)
         self.build_s = 0.0  # seconds spent building them
         self._sealed_builds: int | None = None  # `builds` when warm-up finished
+        # Batches in flight on this instance's stream at once (double-buffered pinned staging): the
+        # host packs and copies batch k+1 while the GPU runs batch k. EnginePool hands the instance
+        # out this many times. 1 with a workspace shared between instances (their streams differ:
+        # one's graph could overwrite the other's activations).
+        pipelined = workspace is None and self.device.type == "cuda" and weight_budget is None
+        self.pipeline_depth = max(1, pipeline_depth) if pipelined else 1
+        self._slots: list | None = None
 
     # ------------------------------------------------------------------ load
     def load(self, artifact: Path) -> None:
@@ -320,10 +327,10 @@ class TorchEngine:
             self._make_buckets()
         return self.buckets.key(batch, tokens, max_len)
 
-    def _stage_inputs(self, ids, types, pos, lengths, key) -> int:
+    def _stage_inputs(self, ids, types, pos, lengths, key, host: torch.Tensor | None = None) -> int:
         bb, tb, _ = key
         t, b = len(ids), len(lengths)
-        h = self._h_inputs.numpy()
+        h = (self._h_inputs if host is None else host).numpy()
         h[:3 * tb + bb + 1] = 0
         h[:t] = ids
         h[tb:tb + t] = types
@@ -377,6 +384,7 @@ class TorchEngine:
             self._tok_width = sum(head_set.token_widths)
             n = self.plan.batch * self._fixed + self.plan.tokens * self._tok_width
             self._h_heads = torch.empty(n, dtype=torch.float32, pin_memory=True)
+            self._slots = None  # rebuilt with a heads buffer per slot
         return True
 
     def _heads_forward(self, x: torch.Tensor, inputs: torch.Tensor, key) -> torch.Tensor:
@@ -490,34 +498,77 @@ class TorchEngine:
             self._graphs.popitem(last=False)
         return g
 
+    def _ensure_slots(self) -> None:
+        """The staging slots: (pinned inputs, pinned outputs, pinned heads output, done event) each.
+
+        Slot 0 is the buffers load() made (subclasses that plan their own workspace make them
+        too); the others are allocated here, on first use."""
+        if self._slots is not None:
+            return
+        import queue
+
+        with self._lock:
+            if self._slots is not None:
+                return
+            heads = getattr(self, "_h_heads", None)
+            slots = [(self._h_inputs, self._h_out, heads, self._done)]
+            for _ in range(self.pipeline_depth - 1):
+                slots.append((torch.empty(self._h_inputs.shape, dtype=self._h_inputs.dtype, pin_memory=True),
+                              torch.empty(self._h_out.shape, dtype=self._h_out.dtype, pin_memory=True),
+                              None if heads is None else torch.empty(heads.shape, dtype=heads.dtype,
+                                                                     pin_memory=True),
+                              torch.cuda.Event()))
+            free: queue.SimpleQueue = queue.SimpleQueue()
+            for i in range(len(slots)):
+                free.put(i)
+            self._free_slots = free
+            self._slots = slots
+
     def _run_cuda(self, ids, types, pos, lengths, heads: bool = False):
+        """One batch: pack into a free pinned slot (no lock: overlaps the other slot's batch on
+        the GPU), then under the lock enqueue copy in -> graph replay -> copy out -> event on this
+        instance's stream, then wait for the event without the lock (the next batch enqueues
+        behind this one meanwhile). The stream orders the two batches' use of the workspace."""
+        self._ensure_slots()
         t = len(ids)
         key = self.bucket(len(lengths), t, int(lengths.max()))
         ws_lock = self.workspace.lock
-        with self._lock, ws_lock:
-            self._heads_mode = heads
-            n = self._stage_inputs(ids, types, pos, lengths, key)
-            inputs = self.workspace.view(self.plan.region("inputs"), (n,))
-            with torch.cuda.stream(self.stream):
-                # inputs first: a new bucket's first (eager) forward and its capture read them
-                inputs.copy_(self._h_inputs[:n], non_blocking=True)
-            graph, views, out, mode = self._graph(key)
-            with torch.cuda.stream(self.stream):
-                if graph is not None:
-                    graph.replay()
-                else:
-                    out = self._forward(key, views, mode)
-                if heads:  # the graph's output is the heads' logits: [bb, fixed] then [tb, widths]
-                    bb = key[0]
-                    n = bb * self._fixed + t * self._tok_width
-                    h_out = self._h_heads[:n]
-                    h_out.copy_(out[:n], non_blocking=True)
-                else:
-                    h_out = self._h_out[:t]
-                    h_out.copy_(out[:t].view(h_out.dtype), non_blocking=True)
-                self._done.record(self.stream)
-            self._done.synchronize()
+        slot = self._free_slots.get()
+        h_in, h_out_all, h_heads, done = self._slots[slot]
+        shared_ws = self.pipeline_depth == 1  # hold the workspace until the batch is done
+        try:
+            n = self._stage_inputs(ids, types, pos, lengths, key, h_in)
+            with self._lock:
+                ws_lock.acquire()
+                try:
+                    self._heads_mode = heads
+                    inputs = self.workspace.view(self.plan.region("inputs"), (n,))
+                    with torch.cuda.stream(self.stream):
+                        # inputs first: a new bucket's first (eager) forward and its capture read them
+                        inputs.copy_(h_in[:n], non_blocking=True)
+                    graph, views, out, mode = self._graph(key)
+                    with torch.cuda.stream(self.stream):
+                        if graph is not None:
+                            graph.replay()
+                        else:
+                            out = self._forward(key, views, mode)
+                        if heads:  # the graph's output is the heads' logits: [bb, fixed] then [tb, widths]
+                            bb = key[0]
+                            n = bb * self._fixed + t * self._tok_width
+                            h_out = h_heads[:n]
+                            h_out.copy_(out[:n], non_blocking=True)
+                        else:
+                            h_out = h_out_all[:t]
+                            h_out.copy_(out[:t].view(h_out.dtype), non_blocking=True)
+                        done.record(self.stream)
+                    if shared_ws:
+                        done.synchronize()
+                finally:
+                    ws_lock.release()
+            done.synchronize()
             res = h_out.numpy().copy()
+        finally:
+            self._free_slots.put(slot)
         if heads:
             b = len(lengths)
             fixed = res[:bb * self._fixed].reshape(bb, self._fixed)[:b]

@@ -63,7 +63,7 @@ class ModelService:
         self.limits = limits or LimitsConfig()
         self.ready = False
         self.loaded_at = time.time()
-        instances = max(1, len(worker.engines.engines))
+        instances = max(1, getattr(worker.engines, "slots", 0) or len(worker.engines.engines))
         # Threads: one per engine instance, one tokenizer (long or bursty inputs only).
         self._engine_pool = (ThreadPoolExecutor(instances, thread_name_prefix=f"surge-{name}-engine")
                              if batcher is None else None)

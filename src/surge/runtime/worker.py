@@ -33,8 +33,13 @@ class EnginePool:
             raise ValueError("at least one engine instance is needed")
         self.engines = engines
         self._free: queue.SimpleQueue[Engine] = queue.SimpleQueue()
+        # An engine that keeps several batches in flight (TorchEngine on CUDA: double-buffered
+        # staging) is handed out that many times; `slots` is how many batches run at once.
+        self.slots = 0
         for e in engines:
-            self._free.put(e)
+            for _ in range(max(1, int(getattr(e, "pipeline_depth", 1) or 1))):
+                self._free.put(e)
+                self.slots += 1
 
     @property
     def capabilities(self):
