@@ -40,6 +40,7 @@ def main() -> None:
     for _ in range(2):
         e = TorchEngine(device="cuda", precision="fp16", max_batch=64, max_tokens=8192, pipeline_depth=2)
         e.load(args.model_dir)
+        e.attach_pooling(spec.pooling)  # as served: rows, not hidden states, come back
         e.warmup([(1, 16)])
         engines.append(e)
     rows = []

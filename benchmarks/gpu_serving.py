@@ -237,7 +237,10 @@ def servers(args, model_dir: Path, port: int) -> dict:
     out["surge"] = (surge, "/ready", "/v1/embeddings", {})
     for spec in args.surge:
         name, _, flags = spec.partition("=")
-        out[name] = (surge + shlex.split(flags), "/ready", "/v1/embeddings", {})
+        toks = shlex.split(flags)  # KEY=VALUE tokens (upper-case keys) are environment variables
+        env = dict(t.split("=", 1) for t in toks if re.match(r"^[A-Z][A-Z0-9_]*=", t))
+        out[name] = (surge + [t for t in toks if not re.match(r"^[A-Z][A-Z0-9_]*=", t)], "/ready",
+                     "/v1/embeddings", env)
     out["baseline"] = ([py, str(HERE / "baselines" / "fastapi_st.py"), "--port", str(port), "--model-dir",
                         str(model_dir), "--device", args.device], "/ready", "/v1/embeddings", {})
     inf_path = os.environ.get("INFINITY_PATH")

@@ -172,6 +172,12 @@ def engine_main(config_json: str, sock: str) -> None:
 
     config = ServerConfig.model_validate_json(config_json)
     spec = load_model_spec(config.model_dir or bundled_model_dir(), name=config.model_name)
+    try:  # nothing else in this process wants the GIL: keep two batches in flight per instance
+        from surge.engines import torch_gpu
+
+        torch_gpu.DEFAULT_PIPELINE_DEPTH = int(os.environ.get("SURGE_PIPELINE_DEPTH", "2"))
+    except ImportError:  # no torch: CPU engines only
+        pass
     service = load_service(config, spec)  # engines built and warmed up (every bucket) here
     caps = service.worker.engines.capabilities
     hello = {"max_batch": caps.max_batch, "max_tokens": caps.max_tokens, "layout": caps.layout.value,
@@ -282,6 +288,9 @@ class CollectorRegistryStub:
 
 
 def front_main(config_json: str, sock: str, fd: str) -> None:
+    # N front ends on one host: each tokenizes inline, one short request at a time; tokenizers'
+    # own thread pool (a thread per core in every process) would only contend with the others.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import uvicorn
 
     from surge.server.app import create_app

@@ -38,6 +38,12 @@ _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _WEIGHTS: dict[tuple, list] = {}
 _WEIGHTS_LOCK = threading.Lock()
 GEMM_MODES = ("cublas", "mixed", "triton")
+# Batches in flight per CUDA instance when the caller does not say. 1 in a process that also
+# serves HTTP: on the H200 a second engine thread took the GIL from the event loop (one process
+# fell from 2,496 to 1,420 req/s at 16 clients). The engine process of --workers sets 2
+# (cli/workers.py): there nothing else wants the GIL, and two in flight gave 1.5x the batches/s
+# of one at batch 64 (benchmarks/gpu_pipeline.py).
+DEFAULT_PIPELINE_DEPTH = 1
 # bias + GeLU in cuBLASLt's epilogue (the tanh form of GeLU): offered where approximate_gelu allows
 LT_GELU = "cublaslt_gelu"
 
@@ -99,7 +105,7 @@ class TorchEngine:
     def __init__(self, device: str = "cuda", precision: str = "fp16", max_batch: int = 64,
                  max_tokens: int | None = None, cuda_graphs: bool = True, workspace: Workspace | None = None,
                  max_graphs: int = 48, gemm: str = "auto", weight_budget: int | None = None,
-                 approximate_gelu: bool | None = None, threads: int = 0, pipeline_depth: int = 2):
+                 approximate_gelu: bool | None = None, threads: int = 0, pipeline_depth: int | None = None):
         if precision not in _DTYPES:
             raise EngineError(f"the torch engine runs fp32, fp16 or bf16, not {precision!r}")
         self.device = torch.device(device)
@@ -140,8 +146,10 @@ class TorchEngine:
         # out this many times. 1 with a workspace shared between instances (their streams differ:
         # one's graph could overwrite the other's activations).
         pipelined = workspace is None and self.device.type == "cuda" and weight_budget is None
-        self.pipeline_depth = max(1, pipeline_depth) if pipelined else 1
+        depth = DEFAULT_PIPELINE_DEPTH if pipeline_depth is None else pipeline_depth
+        self.pipeline_depth = max(1, depth) if pipelined else 1
         self._slots: list | None = None
+        self.pool_mode: str | None = None  # pooling computed in the graph (attach_pooling); run() returns rows
 
     # ------------------------------------------------------------------ load
     def load(self, artifact: Path) -> None:
@@ -301,7 +309,7 @@ class TorchEngine:
         except torch.cuda.OutOfMemoryError as exc:
             torch.cuda.empty_cache()
             raise EngineError(f"GPU out of memory on a batch of {len(lengths)} x {int(lengths.max())} tokens") from exc
-        if batch.layout is Layout.PACKED:
+        if batch.layout is Layout.PACKED or self.pool_mode is not None:  # pooled: one row per sequence
             return packed
         out = np.zeros(batch.input_ids.shape + (packed.shape[1],), dtype=packed.dtype)
         out[batch.attention_mask.astype(bool)] = packed
@@ -358,7 +366,29 @@ class TorchEngine:
         x = forward_fused(self.weights, views["inputs"], tb, bb, lb, views, gemm=gemm, offload=self.offload)
         if self._heads_mode:
             return self._heads_forward(x[:tb], views["inputs"], key)
+        if self.pool_mode is not None:
+            from surge.engines.device_pool import pool_on_device
+
+            return pool_on_device(x, views["inputs"], key, self.pool_mode)
         return x
+
+    # ------------------------------------------------------------------ pooling in the graph
+    def attach_pooling(self, mode: str) -> bool:
+        """Pool inside the captured graph (engines/device_pool.py): run() then returns [batch, hidden]
+        float32 rows, and only those are copied back. CUDA only, mean / cls / last, before warm-up
+        (the graphs are rebuilt). False: the caller pools the hidden states on the host."""
+        from surge.engines.device_pool import DEVICE_POOLING
+
+        if (self.device.type != "cuda" or self.head_set is not None or self.offload is not None
+                or mode not in DEVICE_POOLING or self.weights is None):
+            return False
+        with self._lock:
+            self._graphs.clear()
+            self.pool_mode = mode
+            self._h_pooled = torch.empty((self.plan.batch, self.config.hidden), dtype=torch.float32,
+                                         pin_memory=True)
+            self._slots = None  # rebuilt with a pooled-rows buffer per slot
+        return True
 
     # ------------------------------------------------------------------ task heads in the graph
     def attach_heads(self, head_set) -> bool:
@@ -511,13 +541,14 @@ class TorchEngine:
             if self._slots is not None:
                 return
             heads = getattr(self, "_h_heads", None)
-            slots = [(self._h_inputs, self._h_out, heads, self._done)]
+            pooled = getattr(self, "_h_pooled", None) if self.pool_mode is not None else None
+
+            def like(t):
+                return None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+
+            slots = [(self._h_inputs, self._h_out, heads, self._done, pooled)]
             for _ in range(self.pipeline_depth - 1):
-                slots.append((torch.empty(self._h_inputs.shape, dtype=self._h_inputs.dtype, pin_memory=True),
-                              torch.empty(self._h_out.shape, dtype=self._h_out.dtype, pin_memory=True),
-                              None if heads is None else torch.empty(heads.shape, dtype=heads.dtype,
-                                                                     pin_memory=True),
-                              torch.cuda.Event()))
+                slots.append((like(self._h_inputs), like(self._h_out), like(heads), torch.cuda.Event(), like(pooled)))
             free: queue.SimpleQueue = queue.SimpleQueue()
             for i in range(len(slots)):
                 free.put(i)
@@ -534,7 +565,8 @@ class TorchEngine:
         key = self.bucket(len(lengths), t, int(lengths.max()))
         ws_lock = self.workspace.lock
         slot = self._free_slots.get()
-        h_in, h_out_all, h_heads, done = self._slots[slot]
+        h_in, h_out_all, h_heads, done, h_pooled = self._slots[slot]
+        pooled = self.pool_mode is not None and not heads
         shared_ws = self.pipeline_depth == 1  # hold the workspace until the batch is done
         try:
             n = self._stage_inputs(ids, types, pos, lengths, key, h_in)
@@ -557,6 +589,9 @@ class TorchEngine:
                             n = bb * self._fixed + t * self._tok_width
                             h_out = h_heads[:n]
                             h_out.copy_(out[:n], non_blocking=True)
+                        elif pooled:  # the graph's output is the pooled rows: [bb, hidden] float32
+                            h_out = h_pooled[:len(lengths)]
+                            h_out.copy_(out[:len(lengths)], non_blocking=True)
                         else:
                             h_out = h_out_all[:t]
                             h_out.copy_(out[:t].view(h_out.dtype), non_blocking=True)
@@ -574,6 +609,6 @@ class TorchEngine:
             fixed = res[:bb * self._fixed].reshape(bb, self._fixed)[:b]
             tokens = res[bb * self._fixed:].reshape(t, self._tok_width) if self._tok_width else None
             return fixed, tokens
-        if self.dtype == torch.bfloat16:
+        if self.dtype == torch.bfloat16 and not pooled:
             res = (res.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
         return res

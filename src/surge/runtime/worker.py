@@ -77,6 +77,9 @@ class ModelWorker:
         # Every engine computes the heads itself (GPU: inside the captured graph): rows come straight back.
         self.engine_heads = heads is not None and isinstance(engines, EnginePool) and all(
             getattr(e, "head_set", None) is heads for e in engines.engines)
+        # Every engine pools inside its graph (TorchEngine.attach_pooling): its rows are the pooled vectors.
+        self.engine_pools = heads is None and bool(engines.engines) and all(
+            getattr(e, "pool_mode", None) == post.pooling for e in engines.engines)
 
     @property
     def task(self) -> str:
@@ -132,6 +135,10 @@ class ModelWorker:
                 raise EngineError(f"engine returned {rows.shape[0]} rows for a batch of {len(items)}")
             return rows
         hidden = self.engines.run(batch)
+        if self.engine_pools:
+            if hidden.shape[0] != len(items):
+                raise EngineError(f"engine returned {hidden.shape[0]} rows for a batch of {len(items)}")
+            return hidden
         if self.heads is not None:  # every head of the model from this one backbone pass
             rows = self.heads.apply(hidden, batch)
             if rows.shape[0] != len(items):
