@@ -22,8 +22,9 @@ started again; an engine process that crashes makes every front end fail its
 in-flight requests with 503 at once (EOF on the socket) and report not ready
 until the restarted engine is back. SIGTERM (or Ctrl-C): front ends drain
 (uvicorn's graceful shutdown, requests in flight are answered), then the
-engine process stops. Single-model mode and HTTP only for now (gRPC, the
-repository and --ray keep one process).
+engine process stops. HTTP and gRPC (both ports shared by every front end: the
+HTTP socket is inherited, the gRPC port bound with SO_REUSEPORT). Single-model mode
+only (the repository and --ray keep one process).
 """
 
 from __future__ import annotations
@@ -74,9 +75,7 @@ def serve_workers(config: ServerConfig, workers: int) -> int:
     os.mkdir(os.environ["PROMETHEUS_MULTIPROC_DIR"])
     cfg = config.model_dump_json()
     print(f"surge: starting {n_eng} engine process(es) and {workers} front ends", file=sys.stderr, flush=True)
-    if config.grpc_port:
-        # The gRPC server refuses a shared port (so_reuseport off, on purpose): HTTP only for now.
-        print("surge: --workers serves HTTP only; gRPC is not started", file=sys.stderr, flush=True)
+    grpc_hold = _hold_grpc_port(config) if config.grpc_port else None  # every front end serves gRPC too
     engines = [_child("engine", cfg, sk) for sk in socks]  # they warm up side by side
     for eng, sk in zip(engines, socks):
         _wait_engine(eng, sk)
@@ -139,6 +138,8 @@ def serve_workers(config: ServerConfig, workers: int) -> int:
         except subprocess.TimeoutExpired:
             p.kill()
     listener.close()
+    if grpc_hold is not None:
+        grpc_hold.close()
     for eng in engines:
         if eng.poll() is None:
             eng.send_signal(signal.SIGTERM)
@@ -151,6 +152,23 @@ def serve_workers(config: ServerConfig, workers: int) -> int:
 
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+def _hold_grpc_port(config: ServerConfig) -> socket.socket:
+    """Bind (not listen) the gRPC port with SO_REUSEPORT for as long as the supervisor runs.
+
+    The front ends' gRPC servers bind it with SO_REUSEPORT too and the kernel spreads
+    connections over them. Holding it here makes a port another program already uses fail
+    at start with a clear message, and keeps servers of other users off it."""
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        s.bind((config.host, config.grpc_port))
+    except OSError as exc:
+        s.close()
+        raise SystemExit(f"surge: cannot bind the gRPC port {config.host}:{config.grpc_port}: {exc}") from None
+    return s
 
 
 def _mark_dead(pid: int) -> None:
@@ -198,11 +216,34 @@ def engine_main(config_json: str, sock: str) -> None:
                 os.unlink(p)
         srv = await server.serve(part)
         os.replace(part, sock)  # appears complete: the supervisor and front ends wait for this path
+        builds = loop.create_task(_export_builds(service))
         await stop.wait()
+        builds.cancel()
         srv.close()
         await service.close()
 
     _run_loop(main())
+
+
+async def _export_builds(service, every_s: float = 1.0) -> None:
+    """The engine-build counts (surge_engine_graph_builds_total, by phase) on every front end's /metrics.
+
+    In one process a collector reads them off the engines at scrape time; here the engines are in
+    this process and the front ends read prometheus_client's multiprocess files, so the counts are
+    written there (a gauge summed over live engine processes), refreshed every second."""
+    from prometheus_client import CollectorRegistry, Gauge
+
+    gauge = Gauge("surge_engine_graph_builds_total", "Engine shape buckets built (CUDA graph captures with "
+                  "their kernel compilation), by phase: warmup or serving (after ready).",
+                  labelnames=("model", "version", "phase"), multiprocess_mode="livesum",
+                  registry=CollectorRegistry())
+    engines = list(service.worker.engines.engines)
+    while True:
+        built = sum(getattr(e, "builds", 0) for e in engines)
+        after = sum(getattr(e, "builds_after_ready", 0) for e in engines)
+        gauge.labels(service.name, service.version, "warmup").set(built - after)
+        gauge.labels(service.name, service.version, "serving").set(after)
+        await asyncio.sleep(every_s)
 
 
 def _run_loop(coro) -> None:
@@ -267,6 +308,10 @@ def front_state(config: ServerConfig, sock: str):
               file=sys.stderr, flush=True)
 
     state.extras.setdefault("on_startup", []).append(connect)
+    if config.grpc_port:  # gRPC (KServe v2) from every front end, on one shared port
+        from surge.server.grpc.server import install_grpc
+
+        install_grpc(state, reuse_port=True)
     from surge.runtime.metrics import WholeRegistry, default_registry, families, multiprocess_dir
 
     gpu = None

@@ -141,7 +141,10 @@ class DynamicBatcher:
             raise NotReady(f"model {self.name} is shutting down")
         if not items:
             raise ValueError("submit needs at least one item")
-        if self._pending and len(self._pending) + len(items) > self.cfg.max_queue_size:
+        # Inputs a free instance takes at once are not queued: without this, requests arriving in
+        # one event-loop pass (before the scheduler runs) counted the first batch as queue.
+        room = self.cfg.max_queue_size + getattr(self._slots, "_value", 0) * self.max_batch_size
+        if self._pending and len(self._pending) + len(items) > room:
             raise Overloaded(f"the queue of model {self.name} is full ({len(self._pending)} inputs); retry later",
                              retry_after=1.0)
         loop = asyncio.get_running_loop()
