@@ -55,3 +55,52 @@ def test_two_batches_in_flight_on_one_engine_never_mix(model_dir, tokenizer, ref
         assert cosine_rows(vec.astype(np.float32), reference[idx]).min() >= 0.999
     assert engine.builds_after_ready == 0
     engine.close()
+
+
+def test_served_path_pools_in_the_graph_launches_on_the_loop_and_matches_the_reference(model_dir, reference,
+                                                                                      sentences):
+    """The service as --workers' engine process builds it: pooling in the graph, two batches in
+    flight, launch/collect on the event loop; 64 concurrent callers each get their own rows."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from surge.config import BatchingConfig, CacheConfig, EngineConfig
+    from surge.engines import torch_gpu
+    from surge.models import load_model_spec
+    from surge.runtime.loader import build_worker
+    from surge.runtime.service import ModelService
+
+    spec = load_model_spec(model_dir)
+    torch_gpu.DEFAULT_PIPELINE_DEPTH = 2
+    try:
+        worker = build_worker(spec, None, EngineConfig(engine="torch", device="cuda", precision="fp16"),
+                              batch_tokens=8192)
+    finally:
+        torch_gpu.DEFAULT_PIPELINE_DEPTH = 1
+    assert worker.engine_pools and worker.can_launch
+    svc = ModelService(spec.name, "1", worker, batching=BatchingConfig(), cache=CacheConfig(enabled=False),
+                       metrics_registry=CollectorRegistry())
+    assert svc.batcher._split is not None
+    svc.mark_ready()
+    rng = np.random.default_rng()
+
+    async def load():
+        async def client():
+            out = []
+            for _ in range(20):
+                idx = rng.choice(len(sentences), int(rng.integers(1, 5)), replace=False)
+                res = await svc.embed(texts=[sentences[i] for i in idx])
+                out.append((idx, res.vectors))
+            return out
+
+        got = await asyncio.gather(*(client() for _ in range(64)))
+        await svc.close()
+        return [x for g in got for x in g]
+
+    results = asyncio.run(load())
+    assert len(results) == 64 * 20
+    for idx, vec in results:
+        assert cosine_rows(vec.astype(np.float32), reference[idx]).min() >= 0.999
+    assert max(r.size for r in svc.batcher.history) > 1  # batches formed
+    assert worker.engines.engines[0].builds_after_ready == 0

@@ -197,6 +197,10 @@ def engine_main(config_json: str, sock: str) -> None:
     except ImportError:  # no torch: CPU engines only
         pass
     service = load_service(config, spec)  # engines built and warmed up (every bucket) here
+    # The event loop (IPC, batching) and the engine threads take turns on the GIL many times per
+    # batch; a thread that wants it waits up to the switch interval (the engines set 0.5 ms). This
+    # process runs no long pure-Python stretches, so a shorter interval only shortens the waits.
+    sys.setswitchinterval(float(os.environ.get("SURGE_ENGINE_SWITCH_S", "0.00005")))
     caps = service.worker.engines.capabilities
     hello = {"max_batch": caps.max_batch, "max_tokens": caps.max_tokens, "layout": caps.layout.value,
              "device": caps.device, "dtype": caps.dtype, "hidden": caps.hidden_size,

@@ -556,10 +556,14 @@ class TorchEngine:
             self._slots = slots
 
     def _run_cuda(self, ids, types, pos, lengths, heads: bool = False):
-        """One batch: pack into a free pinned slot (no lock: overlaps the other slot's batch on
-        the GPU), then under the lock enqueue copy in -> graph replay -> copy out -> event on this
-        instance's stream, then wait for the event without the lock (the next batch enqueues
-        behind this one meanwhile). The stream orders the two batches' use of the workspace."""
+        return self._collect_cuda(self._launch_cuda(ids, types, pos, lengths, heads))
+
+    def _launch_cuda(self, ids, types, pos, lengths, heads: bool = False) -> "Launched":
+        """One batch, up to the GPU: pack into a free pinned slot (no lock: overlaps the other
+        slot's batch on the GPU), then under the lock enqueue copy in -> graph replay -> copy out
+        -> event on this instance's stream. `_collect_cuda` waits for the event without the lock
+        (the next batch enqueues behind this one meanwhile). The stream orders the two batches'
+        use of the workspace."""
         self._ensure_slots()
         t = len(ids)
         key = self.bucket(len(lengths), t, int(lengths.max()))
@@ -567,7 +571,8 @@ class TorchEngine:
         slot = self._free_slots.get()
         h_in, h_out_all, h_heads, done, h_pooled = self._slots[slot]
         pooled = self.pool_mode is not None and not heads
-        shared_ws = self.pipeline_depth == 1  # hold the workspace until the batch is done
+        # A workspace shared with other instances (their own streams) is held until the batch is done.
+        shared_ws = self._shared_ws is not None
         try:
             n = self._stage_inputs(ids, types, pos, lengths, key, h_in)
             with self._lock:
@@ -600,15 +605,58 @@ class TorchEngine:
                         done.synchronize()
                 finally:
                     ws_lock.release()
-            done.synchronize()
-            res = h_out.numpy().copy()
-        finally:
+        except BaseException:
             self._free_slots.put(slot)
-        if heads:
-            b = len(lengths)
+            raise
+        return Launched(self, slot, done, h_out, key, t, len(lengths), heads, pooled)
+
+    def _collect_cuda(self, job: "Launched"):
+        try:
+            job.done.synchronize()
+            res = job.h_out.numpy().copy()
+        finally:
+            self._free_slots.put(job.slot)
+        if job.heads:
+            bb, t, b = job.key[0], job.tokens, job.rows
             fixed = res[:bb * self._fixed].reshape(bb, self._fixed)[:b]
             tokens = res[bb * self._fixed:].reshape(t, self._tok_width) if self._tok_width else None
             return fixed, tokens
-        if self.dtype == torch.bfloat16 and not pooled:
+        if self.dtype == torch.bfloat16 and not job.pooled:
             res = (res.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
         return res
+
+    # ------------------------------------------------------------------ launch / collect (pooled rows)
+    def launch(self, batch: TokenBatch) -> "Launched":
+        """The host part of run() (checks, packing, copy, graph launch), returning at once; the
+        caller waits (`Launched.wait`, off its event loop) then takes the rows (`collect`). With
+        pooling in the graph only: run() is collect(launch()). The batcher calls launch and collect
+        on its event loop and only the wait on a thread: no GIL hand-offs for the host work."""
+        if self.pool_mode is None or self.device.type != "cuda":
+            raise EngineError("launch/collect needs pooling in the graph on CUDA (attach_pooling)")
+        ids, types, lengths = self._packed_arrays(batch)
+        self._check(ids, types, lengths)
+        if self.config.type_vocab == 0:
+            types = np.zeros_like(ids)
+        pos = position_ids(lengths, self.config.position_offset)
+        try:
+            with self.on_device():
+                return self._launch_cuda(ids, types, pos, lengths)
+        except torch.cuda.OutOfMemoryError as exc:
+            torch.cuda.empty_cache()
+            raise EngineError(f"GPU out of memory on a batch of {len(lengths)} x {int(lengths.max())} tokens") from exc
+
+    def collect(self, job: "Launched") -> np.ndarray:
+        return self._collect_cuda(job)
+
+
+class Launched:
+    """A batch on its way through the GPU (TorchEngine.launch): wait() blocks without the GIL."""
+
+    __slots__ = ("engine", "slot", "done", "h_out", "key", "tokens", "rows", "heads", "pooled")
+
+    def __init__(self, engine, slot, done, h_out, key, tokens, rows, heads, pooled):
+        self.engine, self.slot, self.done, self.h_out, self.key = engine, slot, done, h_out, key
+        self.tokens, self.rows, self.heads, self.pooled = tokens, rows, heads, pooled
+
+    def wait(self) -> None:
+        self.done.synchronize()

@@ -87,8 +87,12 @@ class BatcherConfig:
 
 class DynamicBatcher:
     def __init__(self, run: RunBatch, executor: Executor, cfg: BatcherConfig,
-                 metrics: ServiceMetrics | None = None, name: str = "model"):
+                 metrics: ServiceMetrics | None = None, name: str = "model", split=None):
+        """`split`: (launch, wait, collect) for engines that run a batch in halves
+        (ModelWorker.compute_launch/_wait/_collect): launch and collect run on the event loop,
+        only wait on the executor, so the engine's host work never waits for the GIL."""
         self._run = run
+        self._split = split
         self._executor = executor
         self.cfg = cfg
         self.name = name
@@ -297,7 +301,15 @@ class DynamicBatcher:
                 m.queue.observe(start - e.arrived)
         try:
             self.computed_inputs += len(batch)
-            rows = await loop.run_in_executor(self._executor, self._run, [e.item for e in batch])
+            if self._split is not None:
+                launch, wait, collect = self._split
+                pending = launch([e.item for e in batch])
+                try:
+                    await loop.run_in_executor(self._executor, wait, pending)
+                finally:
+                    rows = collect(pending)  # also frees the engine's slot if the wait failed
+            else:
+                rows = await loop.run_in_executor(self._executor, self._run, [e.item for e in batch])
             took = time.monotonic() - start
             if m is not None:
                 m.compute.observe(took)

@@ -52,6 +52,22 @@ class EnginePool:
         finally:
             self._free.put(engine)
 
+    def launch(self, batch: TokenBatch):
+        """An instance's launch (TorchEngine.launch); the batcher holds a slot, so one is free."""
+        engine = self._free.get()
+        try:
+            return engine, engine.launch(batch)
+        except BaseException:
+            self._free.put(engine)
+            raise
+
+    def collect(self, token) -> np.ndarray:
+        engine, job = token
+        try:
+            return engine.collect(job)
+        finally:
+            self._free.put(engine)
+
     def run_heads(self, batch: TokenBatch) -> np.ndarray:
         """Head rows computed by the engine itself (TorchEngine.attach_heads: inside its CUDA graph)."""
         engine = self._free.get()
@@ -80,6 +96,9 @@ class ModelWorker:
         # Every engine pools inside its graph (TorchEngine.attach_pooling): its rows are the pooled vectors.
         self.engine_pools = heads is None and bool(engines.engines) and all(
             getattr(e, "pool_mode", None) == post.pooling for e in engines.engines)
+        # ... and can split a batch into launch (host work, on the batcher's event loop) and collect.
+        self.can_launch = self.engine_pools and isinstance(engines, EnginePool) and all(
+            hasattr(e, "launch") for e in engines.engines)
 
     @property
     def task(self) -> str:
@@ -149,6 +168,23 @@ class ModelWorker:
             # Never hand anyone a row that belongs to another request.
             raise EngineError(f"engine returned {vectors.shape[0]} rows for a batch of {len(items)}")
         return vectors
+
+    def compute_launch(self, items: list[Encoded]):
+        """compute() in two halves (can_launch): this one returns once the batch is on the GPU."""
+        batch = self.make_batch(items)
+        return len(items), self.engines.launch(batch)
+
+    @staticmethod
+    def compute_wait(pending) -> None:
+        """Blocks (without the GIL) until the launched batch is done: the only part off the loop."""
+        pending[1][1].wait()
+
+    def compute_collect(self, pending) -> np.ndarray:
+        n, token = pending
+        rows = self.engines.collect(token)
+        if rows.shape[0] != n:
+            raise EngineError(f"engine returned {rows.shape[0]} rows for a batch of {n}")
+        return rows
 
     def finish(self, vectors: np.ndarray, options: EmbedOptions) -> np.ndarray:
         """Apply per-request options to pooled vectors."""
