@@ -192,13 +192,15 @@ class ServerConfig(_Strict):
     )
     cache_dir: Path | None = Field(None, description="Where exported artifacts are kept; default ~/.cache/surge.")
     log_level: str = Field("info", description="uvicorn log level.")
-    workers: int = Field(
-        1, ge=0, description="Front-end processes (HTTP, cache, tokenizing) in front of one engine process "
-        "(cli/workers.py); 1 serves from one process; 0: one per CPU core.")
-    engine_processes: int = Field(
-        1, ge=1, description="Under --workers: engine processes sharing the device(s); front end i talks to "
+    workers: int | None = Field(
+        None, ge=0, description="Front-end processes (HTTP, gRPC, cache, tokenizing) in front of the engine "
+        "process(es) (cli/workers.py); 1 serves from one process; 0: one per CPU core; None (default): from the "
+        "core count where the mode supports it (one embedding model on one CUDA device: half the cores, at "
+        "most 8), else 1.")
+    engine_processes: int | None = Field(
+        None, ge=1, description="Under --workers: engine processes sharing the device(s); front end i talks to "
         "engine process i mod N (each batches its front ends' requests; several processes can share one "
-        "GPU, with NVIDIA MPS where it runs).")
+        "GPU, with NVIDIA MPS where it runs). None (default): 2 with 8 or more front ends, else 1.")
     engine: EngineConfig = Field(default_factory=EngineConfig)
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 from typing import List, Optional
 
@@ -61,8 +60,8 @@ def serve(
     task: Optional[str] = typer.Option(None, envvar="SURGE_TASK", help="Override the task detected from the model directory: embed, classify, rerank, token-classify."),
     tei_embed: bool = typer.Option(False, "--tei-embed", envvar="SURGE_TEI_EMBED", help="POST /embed answers TEI's bare array of vectors."),
     log_level: str = typer.Option("info", envvar="SURGE_LOG_LEVEL", help="Log level."),
-    workers: int = typer.Option(1, envvar="SURGE_WORKERS", help="Front-end processes in front of one engine process (1: one process; 0: one per core)."),
-    engine_processes: int = typer.Option(1, envvar="SURGE_ENGINE_PROCESSES", help="Under --workers: engine processes sharing the device(s); front end i talks to engine process i mod N."),
+    workers: Optional[int] = typer.Option(None, envvar="SURGE_WORKERS", help="Front-end processes in front of the engine process(es) (1: one process; 0: one per core; default: from the core count where the mode supports it)."),
+    engine_processes: Optional[int] = typer.Option(None, envvar="SURGE_ENGINE_PROCESSES", help="Under --workers: engine processes sharing the device(s); front end i talks to engine process i mod N (default: 2 with 8 or more front ends, else 1)."),
     generation: Optional[List[str]] = typer.Option(None, "--generation", help="Decoder models: FIELD=VALUE settings (comma-separated and/or repeated; fields: " + ", ".join(GenerationConfig.model_fields) + "); also SURGE_GENERATION_<FIELD>; a model.yaml's generation section overrides them."),
     ray: bool = typer.Option(False, "--ray", envvar="SURGE_RAY", help="Scale out on Ray Serve: each model is a deployment whose replicas each run a surge engine, batcher and cache (needs the `ray` extra)."),
     ray_address: Optional[str] = typer.Option(None, envvar="SURGE_RAY_ADDRESS", help="Ray cluster to deploy on (e.g. auto, ray://head:10001); default: start a local Ray instance."),
@@ -141,12 +140,13 @@ def serve(
             typer.echo(f"surge: {exc.message}", err=True)
             raise typer.Exit(code=2)
         return
-    if config.workers != 1:
+    from surge.cli.workers import resolve_workers, serve_workers
+
+    workers = resolve_workers(config)
+    if workers != 1:
         if config.model_repository is not None:
             raise typer.BadParameter("--workers serves one model (no --model-repository yet)", param_hint="--workers")
-        from surge.cli.workers import serve_workers
-
-        raise typer.Exit(code=serve_workers(config, config.workers or (os.cpu_count() or 1)))
+        raise typer.Exit(code=serve_workers(config, workers))
     run_server(config)
 
 
