@@ -195,8 +195,8 @@ class ServerConfig(_Strict):
     workers: int | None = Field(
         None, ge=0, description="Front-end processes (HTTP, gRPC, cache, tokenizing) in front of the engine "
         "process(es) (cli/workers.py); 1 serves from one process; 0: one per CPU core; None (default): from the "
-        "core count where the mode supports it (one embedding model on one CUDA device: half the cores, at "
-        "most 8), else 1.")
+        "core count where the mode supports it (one embedding model on one CUDA device: three quarters of the "
+        "cores, at most 12), else 1.")
     engine_processes: int | None = Field(
         None, ge=1, description="Under --workers: engine processes sharing the device(s); front end i talks to "
         "engine process i mod N (each batches its front ends' requests; several processes can share one "

@@ -10,9 +10,9 @@ from surge.config import EngineConfig, ServerConfig
 
 
 @pytest.mark.parametrize("cores, kw, want", [
-    (16, dict(engine=EngineConfig(engine="torch", device="cuda")), 8),
-    (64, dict(engine=EngineConfig(engine="torch", device="cuda:1")), 8),
-    (6, dict(engine=EngineConfig(engine="torch", device="cuda")), 3),
+    (16, dict(engine=EngineConfig(engine="torch", device="cuda")), 12),
+    (64, dict(engine=EngineConfig(engine="torch", device="cuda:1")), 12),
+    (8, dict(engine=EngineConfig(engine="torch", device="cuda")), 6),
     (2, dict(engine=EngineConfig(engine="torch", device="cuda")), 1),  # no cores to spare
     (16, dict(), 1),  # CPU engines: the engine is the limit, one process
     (16, dict(engine=EngineConfig(engine="torch", device="cuda", devices=[0, 1])), 1),  # replicas
