@@ -177,3 +177,47 @@ def test_sigterm_drains_in_flight_requests_then_exits(server, sentences):
     # every request in flight at SIGTERM was answered, none cut off
     codes = [s for s, _, _ in out]
     assert codes == [200] * len(texts), codes
+
+
+def test_two_engine_processes_each_restarted_on_its_own(sentences, reference_embed):
+    """`--engine-processes 2`: front end i talks to engine process i mod 2; answers match the
+    reference whichever pair serves them; a killed engine process is started again (the other one
+    keeps its pid) and every request answers 200 after."""
+    with ServerProcess("--workers", "2", "--engine-processes", "2", "--engine", "torch", "--device", "cpu",
+                       "--cache-bytes", "0", "--max-batch-size", "8") as srv:
+        kids = _children(srv)
+        assert len(kids["engine"]) == 2 and len(kids["front"]) == 2
+        rng = np.random.default_rng()
+        texts = [sentences[i] for i in rng.choice(len(sentences), 16, replace=False)]
+        ref = reference_embed(texts)
+
+        def ask():
+            out = []
+            for t in texts:  # a new connection each time: the kernel spreads them over the front ends
+                r = httpx.post(srv.url + "/v1/embeddings", json={"input": t}, headers={"connection": "close"},
+                               timeout=60)
+                out.append(r)
+            return out
+
+        for r, want in zip(ask(), ref):
+            assert r.status_code == 200, r.text
+            assert cosine_rows(np.array([r.json()["data"][0]["embedding"]], np.float32), want[None]).min() >= 0.9999
+        victim, other = kids["engine"]
+        victim.kill()
+        end = time.monotonic() + 120
+        while time.monotonic() < end:
+            pids = {p.pid for p in _children(srv)["engine"]}
+            if len(pids) == 2 and victim.pid not in pids:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the engine process was not restarted")
+        assert other.pid in pids  # the other engine process was left alone
+        _wait_ready(srv)
+        deadline = time.monotonic() + 60
+        while True:  # the restarted engine's front end reconnects on its own, shortly after it listens
+            codes = [r.status_code for r in ask()]
+            if codes == [200] * len(texts) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert codes == [200] * len(texts), codes
