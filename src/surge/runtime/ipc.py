@@ -17,8 +17,8 @@ process enqueues each request into the batcher with a done-callback. The
 socket gives EOF detection: a dead peer is noticed at once, so in-flight
 requests fail with 503 instead of hanging.
 
-Measured with a null engine on the 2-core machine (benchmarks/ipc_loop.py): a frame, a task and
-a send per request cost the engine process 55 us of CPU per request; in bulk, see that script.
+Measured with a stand-in engine on the 2-core machine (benchmarks/ipc_loop.py): a frame, a task
+and a send per request cost the engine process 36-58 us of CPU per request, in bulk 25-26 us.
 """
 
 from __future__ import annotations
