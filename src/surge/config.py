@@ -134,6 +134,8 @@ class GenerationConfig(_Strict):
     max_waiting: int = Field(256, ge=1, description="Queued sequences above which new requests get 429.")
     prefix_caching: bool = Field(True, description="Reuse the KV blocks of a seen prompt prefix (by block hash).")
     cuda_graphs: bool = Field(True, description="On a GPU: replay decode steps as CUDA graphs per batch bucket.")
+    overlap_steps: bool = Field(True, description="Launch the next greedy decode step before the last one's tokens "
+                                "are read back (its inputs stay on the device), so host work overlaps the GPU.")
     cache_entries: int = Field(1024, ge=0, description="Finished greedy / seeded generations kept (0: off).")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that gives none.")
 

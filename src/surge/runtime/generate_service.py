@@ -31,6 +31,7 @@ from surge.runtime.detok import TextState
 from surge.runtime.generate_text import PromptText
 from surge.runtime.generate_metrics import GenerateMetrics
 from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
+from surge.runtime.scheduler.overlap import StepLoop
 
 log = logging.getLogger("surge.generate")
 
@@ -102,6 +103,7 @@ class GenerateService(PromptText):
             max_num_batched_tokens=max(c.max_num_batched_tokens, c.max_num_seqs), max_model_len=caps.max_model_len,
             prefix_caching=c.prefix_caching), eos_token_ids=engine.cfg.eos_token_ids)
         self.metrics = GenerateMetrics(name, version, metrics_registry)
+        self.loop = StepLoop(self.scheduler, engine, overlap=c.overlap_steps)
         self._ids = itertools.count(1)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -111,7 +113,7 @@ class GenerateService(PromptText):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cache: OrderedDict[tuple, list[Delta]] = OrderedDict()
         self.steps = 0
-        self.busy_s = 0.0  # time inside engine.step (the rest of a step is scheduling and hand-off)
+        self.busy_s = 0.0  # time inside the step loop (schedule, launch, read back, resolve)
         # The engine thread gives up the GIL at every device sync and wake-up; with the default 5 ms
         # switch interval it can then wait that long behind the event loop's per-token work, which is a
         # decode step's whole budget. A shorter interval bounds that wait (process-wide, cheap).
@@ -256,7 +258,8 @@ class GenerateService(PromptText):
         s = self.scheduler
         return {"running": len(s.running), "waiting": len(s.waiting), "kv_usage": s.blocks.usage,
                 "free_blocks": s.blocks.num_free, "prefix_hit_tokens": s.blocks.hit_tokens,
-                "prefix_queried_tokens": s.blocks.queried_tokens, "preemptions": s.preemptions, "steps": self.steps}
+                "prefix_queried_tokens": s.blocks.queried_tokens, "preemptions": s.preemptions, "steps": self.steps,
+                "overlapped_steps": self.loop.overlapped}
 
     async def close(self) -> None:
         self.ready = False
@@ -282,39 +285,43 @@ class GenerateService(PromptText):
                 self.engine.forget(msg[1].seq_id)
 
     def _run(self) -> None:
+        loop = self.loop
         while not self._closed:
             self._drain_inbox()
-            if not self.scheduler.has_work:
+            if not loop.busy:
                 self.metrics.engine_state(self.scheduler)
                 self._wake.wait()
                 self._wake.clear()
                 continue
-            scheduled = self.scheduler.schedule()
-            if not scheduled:  # nothing fits now (cannot happen while something runs); wait for a change
+            try:
+                t0 = time.perf_counter()
+                results = loop.step()
+                self.busy_s += time.perf_counter() - t0
+            except Exception as exc:  # the steps' requests fail; the service keeps serving
+                log.exception("generation step failed")
+                err = EngineError(f"generation failed: {type(exc).__name__}: {exc}")
+                for seq in loop.involved():
+                    self.scheduler.abort(seq, "error")
+                    self._deliver_error(seq, err)
+                continue
+            if loop.stalled:
+                # nothing fits now (cannot happen while something runs); wait for a change
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
-            try:
-                t0 = time.perf_counter()
-                outs = self.engine.step(scheduled)
-                self.busy_s += time.perf_counter() - t0
-            except Exception as exc:  # the batch's requests fail; the service keeps serving
-                log.exception("generation step failed")
-                err = EngineError(f"generation failed: {type(exc).__name__}: {exc}")
-                for s in scheduled:
-                    self.scheduler.abort(s.seq, "error")
-                    self._deliver_error(s.seq, err)
-                continue
-            finished = {f.seq.seq_id: f.reason for f in self.scheduler.update(scheduled, {k: o.token for k, o in outs.items()})}
-            self.steps += 1
             events = []
-            for sid, out in outs.items():
-                events.append((sid, (out.token, out, finished.get(sid))))
-                if sid in finished:
-                    self.engine.forget(sid)
+            for r in results:
+                self.steps += 1
+                finished = {f.seq.seq_id: f.reason for f in r.finished}
+                for sid, out in r.outs.items():
+                    events.append((sid, (out.token, out, finished.get(sid))))
+                    if sid in finished:
+                        self.engine.forget(sid)
             if events and self._loop is not None:
                 self._loop.call_soon_threadsafe(self._deliver, events)
             self.metrics.engine_state(self.scheduler)
+        if loop.busy:
+            loop.involved()
         for s in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.abort(s, "abort")
             self._deliver_error(s, NotReady(f"model '{self.name}' was unloaded"))
