@@ -103,7 +103,9 @@ class GenerateService(PromptText):
             max_num_batched_tokens=max(c.max_num_batched_tokens, c.max_num_seqs), max_model_len=caps.max_model_len,
             prefix_caching=c.prefix_caching), eos_token_ids=engine.cfg.eos_token_ids)
         self.metrics = GenerateMetrics(name, version, metrics_registry)
-        self.loop = StepLoop(self.scheduler, engine, overlap=c.overlap_steps)
+        # overlap needs a device that runs behind the host; on the CPU a step is the host's own work
+        on_gpu = getattr(getattr(engine, "device", None), "type", "cpu") == "cuda"
+        self.loop = StepLoop(self.scheduler, engine, overlap=c.overlap_steps and on_gpu)
         self._ids = itertools.count(1)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()

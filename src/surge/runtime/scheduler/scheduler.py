@@ -159,12 +159,11 @@ class Scheduler:
 
     # -- overlapped steps: advance() at launch, resolve() when the step's tokens are read back ----------
     def decode_fits(self) -> bool:
-        """The next step can be scheduled before the running one's tokens are known: nothing waits
-        (no prefill to mix in), every running sequence keeps its tokens on the device, and each gets
-        the block its next token needs without preempting anyone (a preempted sequence would be
-        recomputed from a placeholder)."""
-        if self.waiting:
-            return False
+        """The next step can be scheduled before the running one's tokens are known: every running
+        sequence decodes and keeps its tokens on the device, and each gets the block its next token
+        needs without preempting anyone (a preempted sequence would be recomputed from a
+        placeholder). A waiting sequence admitted by that schedule makes the step a prefill, which
+        the loop runs synchronously after reading the running step back."""
         bs, need = self.config.block_size, 0
         for seq in self.running:
             if seq.draining:
