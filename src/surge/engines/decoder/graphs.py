@@ -10,6 +10,7 @@ buffers, so one graph serves any context length up to max_model_len.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from surge.engines.decoder.attention import AttnMeta
@@ -96,6 +97,9 @@ class DecodeGraphs:
         self._slot ^= 1
         p, t = self.np_packed[k], self.np_tables[k]
         p[0, :b] = ids
+        np.maximum(p[0, :b], 0, out=p[0, :b])  # placeholders (taken from `prev` on the device)
+        p[0, b:bucket] = 0  # padded rows: a valid token (stale ids of a larger batch may be placeholders)
+        p[1, b:bucket] = 0
         p[1, :b] = pos
         p[2, :b] = slots
         p[3, :b] = pos

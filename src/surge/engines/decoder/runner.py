@@ -189,12 +189,15 @@ class DecoderEngine:
             if t < 0 and (src is None or src[i] < 0):
                 raise RuntimeError(f"sequence {seqs[i].seq_id}: input token not sampled yet and not in flight")
         b = len(seqs)
-        use_graph = self.graphs is not None and self.graphs.fits(b, max(len(q.block_table) for q in seqs))
+        use_graph = self.graphs is not None and self.graphs.fits(b, max(len(q.block_table) for q in seqs)) \
+            and (prev is None or prev.graph or len(prev.seq_ids) <= self.graphs.buckets[-1])
         if use_graph:
             tables = [q.block_table for q in seqs]
             slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
             prev_tokens = prev.tokens if prev is not None and not prev.graph else None
             _, tokens = self.graphs.run(ids, pos, slots, tables, src, prev_tokens)
+            if self.device.type != "cuda":  # graphs driven on the host (tests): the next replay reuses the buffer
+                tokens = tokens.clone()
         else:
             tokens = self._eager_decode(scheduled, ids, src, prev)
         out = Launch([q.seq_id for q in seqs], {q.seq_id: i for i, q in enumerate(seqs)}, tokens, graph=use_graph)
