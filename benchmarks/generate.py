@@ -171,7 +171,8 @@ async def _profiled_round(service, prompts, n_out) -> dict:
     print(table, flush=True)
     # the prefill step: the largest gap-free span is hard to get from key_averages; report its kernels
     return {"steps": steps, "wall_ms": 1e3 * r["wall_s"], "kernel_ms": kernel_us / 1e3,
-            "wall_per_step_ms": 1e3 * r["wall_s"] / max(1, steps), "kernel_per_step_ms": kernel_us / 1e3 / max(1, steps),
+            "wall_per_step_ms": 1e3 * r["wall_s"] / max(1, steps),
+            "kernel_per_step_ms": kernel_us / 1e3 / max(1, steps),
             "ttft_p50_ms": r["ttft_p50_ms"], "itl_p50_ms": r["itl_p50_ms"], "tok_s": r["tok_s"]}
 
 

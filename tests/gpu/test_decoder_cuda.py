@@ -84,7 +84,8 @@ def _run_overlapped(engine, prompts, n, max_num_seqs=16):
 
     sched = Scheduler(SchedulerConfig(num_blocks=engine.num_blocks, block_size=engine.block_size,
                                       max_num_seqs=max_num_seqs, max_num_batched_tokens=512, max_model_len=512), ())
-    seqs = [Sequence(i, p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)) for i, p in enumerate(prompts)]
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+            for i, p in enumerate(prompts)]
     for s in seqs:
         sched.add(s)
     loop = StepLoop(sched, engine)

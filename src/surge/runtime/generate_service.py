@@ -45,6 +45,9 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached: bool = False
+    # on the last delta: KServe statistics' stages in ns (queue: until admitted; compute_input: the
+    # prefill, until the first token; compute_infer: the decode, first to last token)
+    timings: dict | None = None
 
 
 @dataclass
@@ -56,6 +59,7 @@ class GenerationResult:
     completion_tokens: int
     logprobs: list[dict] | None = None
     cached: bool = False
+    timings: dict | None = None
 
 
 @dataclass(eq=False)
@@ -158,7 +162,7 @@ class GenerateService(PromptText):
                 logprobs.extend(d.logprobs)
             last = d
         return GenerationResult("".join(text), ids, last.finish_reason, last.prompt_tokens, last.completion_tokens,
-                                logprobs if params.logprobs is not None else None, last.cached)
+                                logprobs if params.logprobs is not None else None, last.cached, last.timings)
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams, *,
                      deadline: float | None = None, use_cache: bool = True) -> AsyncIterator[Delta]:
@@ -192,7 +196,7 @@ class GenerateService(PromptText):
         state = TextState(self.decode, params.stop)
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.engine.cfg.eos_token_ids))
         recorded: list[Delta] = []
-        start = last = time.monotonic()
+        start = last = first = time.monotonic()
         n_out = 0
         timer = self._loop.call_at(self._loop.time() + max(0.0, deadline - time.monotonic()), handle.expire)
         try:
@@ -210,6 +214,8 @@ class GenerateService(PromptText):
                     # tokens that arrive together reach the client together: one gap, then zeros
                     (self.metrics.ttft if n_out == 0 else self.metrics.itl).observe(
                         now - (start if n_out == 0 else last))
+                    if n_out == 0:
+                        first = now
                     last = now
                     n_out += 1
                     tokens.append(token)
@@ -230,6 +236,11 @@ class GenerateService(PromptText):
                 self.metrics.output.inc(len(tokens))
                 d = Delta("".join(text), tokens, lps if params.logprobs is not None else None, finish,
                           len(prompt_ids), n_out)
+                if finish is not None:
+                    admitted = seq.scheduled_at or start
+                    d.timings = {"queue_ns": int(1e9 * max(0.0, admitted - start)),
+                                 "compute_input_ns": int(1e9 * max(0.0, first - admitted)),
+                                 "compute_infer_ns": int(1e9 * max(0.0, last - first))}
                 if key is not None:
                     recorded.append(d)
                 yield d

@@ -13,6 +13,7 @@ schedule() -> the engine runs the step -> update(samples): vLLM's three-line loo
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -132,6 +133,8 @@ class Scheduler:
             self.blocks.queried_tokens += seq.num_tokens
             self.blocks.hit_tokens += seq.num_cached_prompt
             seq.status = SeqStatus.RUNNING
+            if not seq.scheduled_at:
+                seq.scheduled_at = time.monotonic()
             self.running.append(seq)
             out.append(ScheduledSeq(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
             budget -= n
