@@ -83,8 +83,9 @@ async def counted(state, service, work):
     except Exception:
         state.stats.record_failure(service.name, service.version, time.perf_counter_ns() - start)
         raise
-    state.stats.record_generation(service.name, service.version, time.perf_counter_ns() - start, res.timings,
-                                  res.cached, _cache_enabled(service))
+    state.stats.record_generation(service.name, service.version, time.perf_counter_ns() - start,
+                                  getattr(res, "timings", None), bool(getattr(res, "cached", False)),
+                                  _cache_enabled(service))
     return res
 
 
@@ -96,7 +97,8 @@ async def counted_stream(state, service, agen) -> AsyncIterator:
         async for d in agen:
             if d.finish_reason is not None:
                 state.stats.record_generation(service.name, service.version, time.perf_counter_ns() - start,
-                                              d.timings, d.cached, _cache_enabled(service))
+                                              getattr(d, "timings", None), bool(getattr(d, "cached", False)),
+                                              _cache_enabled(service))
             yield d
     except (asyncio.CancelledError, GeneratorExit):
         raise
