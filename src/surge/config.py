@@ -203,6 +203,16 @@ class ServerConfig(_Strict):
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Decoder models' settings.")
 
 
+def merge_set(base: BaseModel, over: BaseModel) -> BaseModel:
+    """`base` with the fields `over` set explicitly (its `model_fields_set`) replacing its own;
+    validated again, so the result is as if both were written in one file."""
+    if not over.model_fields_set:
+        return base
+    data = base.model_dump(exclude_unset=True)
+    data.update({k: getattr(over, k) for k in over.model_fields_set})
+    return type(base).model_validate(data)
+
+
 def default_cache_dir() -> Path:
     """The artifact cache directory, resolved at call time (never at import)."""
     import os
