@@ -7,8 +7,8 @@ POST /models/{name}/unload        stop routing, drain, free (all versions, or on
 POST /models/{name}/reload        rebuild from model.yaml and swap in with zero downtime
 
 The version may also be given as `?version=2`. The work is done by
-`state.lifecycle` (the model repository); without --model-repository the
-server serves one fixed model and these routes only list it.
+`state.lifecycle` (the model repository; `surge serve MODEL` is a repository of
+one entry); a server without one (a --workers front end) only lists its model.
 """
 
 from __future__ import annotations
