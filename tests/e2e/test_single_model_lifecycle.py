@@ -201,6 +201,11 @@ def test_every_task_kind_in_single_model_mode(assistant, models, reference_embed
     with httpx.Client(base_url=assistant.url, timeout=60) as c:
         got = _answers(c, query, docs)
         index = c.post("/v2/repository/index", json={}).json()
+        # task results carry their stage timings into the KServe statistics, as embeddings do
+        for head in ("intent", "slots", "ce"):
+            st = c.get(f"/v2/models/{head}/stats").json()["model_stats"][0]["inference_stats"]
+            for stage in ("queue", "compute_input", "compute_infer", "compute_output"):
+                assert st[stage]["count"] >= 1 and st[stage]["ns"] > 0, (head, stage, st)
     assert [(m["name"], m["state"]) for m in index] == [("assistant", "READY")]
     want = pipeline("text-classification", model=str(models / "intent"), device="cpu", top_k=None)(query)
     want = want[0] if isinstance(want[0], list) else want
