@@ -128,3 +128,24 @@ def test_flags_used_in_readme_docs_and_tests_exist():
             used.update(re.findall(r"\"(--[a-z][a-z0-9-]+)\"", call))
     missing = sorted(used - known - {"--help"})
     assert not missing, missing
+
+
+def test_model_yaml_against_the_flags_in_each_mode():
+    """`surge serve MODEL`: a set flag beats the model.yaml; in a repository the model.yaml's field
+    beats the server-wide flag, and the flag fills what the model.yaml leaves unset."""
+    from surge.cli.bootstrap import _sections
+    from surge.config import ModelFile
+
+    server = _config(["--max-batch-size", "8", "--max-queue-delay-ms", "3", "--threads", "1"])
+    own = ModelFile.model_validate({"engine": {"instances": 2, "max_batch_size": 16},
+                                    "batching": {"max_batch_size": 16, "max_queue_size": 100}})
+    engine, batching, cache, _ = _sections(server, own, single=True)
+    assert (engine.max_batch_size, engine.instances, engine.threads) == (8, 2, 1)
+    assert (batching.max_batch_size, batching.max_queue_delay_ms, batching.max_queue_size) == (8, 3.0, 100)
+    engine, batching, cache, _ = _sections(server, own, single=False)
+    assert (engine.max_batch_size, engine.instances, engine.threads) == (16, 2, 1)
+    assert (batching.max_batch_size, batching.max_queue_delay_ms, batching.max_queue_size) == (16, 3.0, 100)
+    assert cache == server.cache  # no cache section: the server's
+    # nothing set anywhere: the field defaults
+    engine, batching, _, _ = _sections(_config([]), ModelFile(), single=True)
+    assert engine == ServerConfig().engine and batching == ServerConfig().batching
