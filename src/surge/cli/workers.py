@@ -81,11 +81,12 @@ def resolve_workers(config: ServerConfig) -> int:
     if cores < 4:
         return 1
     try:
-        from surge.cli.bootstrap import _tensor_file
         from surge.models import bundled_model_dir, load_model_spec
+        from surge.runtime.tensor_loader import kind_of_path
 
         model_dir = config.model_dir or bundled_model_dir()
-        if _tensor_file(model_dir) or load_model_spec(model_dir, name=config.model_name, task=config.task).task != "embed":
+        if (kind_of_path(model_dir) is not None
+                or load_model_spec(model_dir, name=config.model_name, task=config.task).task != "embed"):
             return 1  # tensor files, task heads, decoders: one process
     except Exception:  # noqa: BLE001 - the one-process path reports a bad model directory properly
         return 1
