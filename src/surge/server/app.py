@@ -12,7 +12,7 @@ from surge import __version__
 from surge.server import errors
 from surge.server.auth import ApiKeyMiddleware
 from surge.server.http.content_type import ContentTypeMiddleware
-from surge.server.http.hotpath import HotPathMiddleware
+from surge.server.http.hotpath import HotPathMiddleware, install_outer
 from surge.server.http.task_hotpath import TaskHotPathMiddleware
 from surge.server.state import AppState
 
@@ -69,6 +69,7 @@ def create_app(state: AppState) -> FastAPI:
         # --metrics-public: scrapers that send no key read /metrics.
         open_paths = OPEN_PATHS | ({"/metrics"} if state.config.metrics.public else set())
         app.add_middleware(ApiKeyMiddleware, api_key=state.config.api_key, open_paths=frozenset(open_paths))
+    install_outer(app, state)  # plain embedding requests skip the middleware stack (server/http/hotpath.py)
     return app
 
 
