@@ -99,10 +99,10 @@ def test_int8_tagger_reaches_the_token_gate_with_measured_fallback(tmp_path, mod
     result = optimize(spec, tmp_path / "slots-int8", opts, CACHE_DIR)
     q = result.manifest["precision_decisions"]["quantization"]
     steps = q["fallback_steps"]
-    assert not steps[0]["passed"] and steps[-1]["passed"], steps  # plain INT8 misses the search's 0.985; the fallback meets it
+    assert not steps[0]["passed"] and steps[-1]["passed"], steps  # plain INT8 misses 0.97; the fallback meets it
     assert result.gate.passed, result.gate.failures
-    kept = steps[-1]["kept_fp32"]  # (none when plain INT8 meets the budget itself, short of the search margin)
-    assert len(kept) <= q["max_fp32"], kept
+    kept = steps[-1]["kept_fp32"]
+    assert 1 <= len(kept) <= q["max_fp32"], kept
     if "sensitivity" in q:  # measured on the task metric: the kept nodes are the most sensitive, in order
         order = list(q["sensitivity"])
         assert kept == order[:len(kept)], (kept, order)

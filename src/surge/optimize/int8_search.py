@@ -160,17 +160,6 @@ def build_int8(proto: onnx.ModelProto, evaluator: Evaluator, budget: Budget, per
             steps.append(_row(metrics, kept_fp32=list(kept), passed=passed))
             if passed:
                 break
-        if not passed and target != budget and evaluator.reference["calibration"].logits is not None:
-            # A task graph whose search margin is out of reach within the limit: the fewest of the
-            # kept nodes (in sensitivity order) with which the calibration set meets the budget itself.
-            for k in range(len(kept)):
-                say(f"int8: the task budget without the margin, {k} node(s) in FP32")
-                qk = quantize(smoothed, kept[:k])
-                mk = measure(qk[0])
-                if check(budget, {"calibration": mk}).passed:
-                    kept, (q, qinfo), passed = kept[:k], qk, True
-                    steps.append(_row(mk, kept_fp32=list(kept), passed=True, why="budget without the search margin"))
-                    break
         info["max_fp32"] = limit
     info["fallback_steps"] = steps
     qinfo.update(info)
