@@ -62,6 +62,8 @@ def make_model(kind: str, files: Path, out: Path) -> Path:
 
 # ---------------------------------------------------------------- load generator (processes)
 
+STAGES = ("x-surge-tokenize-ms", "x-surge-queue-ms", "x-surge-inference-ms", "x-surge-postprocess-ms")
+
 def _load_proc(url: str, body_model: str, clients: int, warmup: float, duration: float, seed: int,
                start_at: float, q) -> None:
     import asyncio
@@ -76,6 +78,7 @@ def _load_proc(url: str, body_model: str, clients: int, warmup: float, duration:
     rng = random.Random(seed)
     lat: list[float] = []
     errors: dict[str, int] = {}
+    stages: dict[str, float] = {}
 
     async def client(session, t_measure, t_end):
         while True:
@@ -88,6 +91,12 @@ def _load_proc(url: str, body_model: str, clients: int, warmup: float, duration:
                     await r.read()
                     ok = r.status == 200
                     kind = None if ok else str(r.status)
+                    if ok and t0 >= t_measure:
+                        for h in STAGES:  # surge's own stage timings (ms), where the server sends them
+                            v = r.headers.get(h)
+                            if v is not None:
+                                stages[h] = stages.get(h, 0.0) + float(v)
+                                stages[h + "#"] = stages.get(h + "#", 0) + 1
             except Exception as exc:  # noqa: BLE001
                 kind = type(exc).__name__
             t1 = time.perf_counter()
@@ -113,7 +122,7 @@ def _load_proc(url: str, body_model: str, clients: int, warmup: float, duration:
     except ImportError:
         asyncio.run(main())
     cpu = os.times()
-    q.put({"lat": lat, "errors": errors, "cpu_s": cpu.user + cpu.system})
+    q.put({"lat": lat, "errors": errors, "cpu_s": cpu.user + cpu.system, "stages": stages})
 
 
 def run_level(url: str, model: str, clients: int, procs: int, warmup: float, duration: float, seed: int) -> dict:
@@ -137,10 +146,66 @@ def run_level(url: str, model: str, clients: int, procs: int, warmup: float, dur
         for k, v in o["errors"].items():
             errors[k] = errors.get(k, 0) + v
     cpu = sum(o["cpu_s"] for o in outs)
+    st: dict[str, float] = {}
+    for o in outs:
+        for k, v in o["stages"].items():
+            st[k] = st.get(k, 0) + v
+    stage_ms = {k.removeprefix("x-surge-").removesuffix("-ms"): round(st[k] / st[k + "#"], 4)
+                for k in STAGES if st.get(k + "#")}
     return {"clients": clients, "requests": int(lat.size), "rps": lat.size / duration,
             "p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
             "p99_ms": float(np.percentile(lat, 99)) if lat.size else None,
-            "errors": errors, "loadgen_cores": cpu / (warmup + duration + 0.5), "loadgen_procs": procs}
+            "errors": errors, "loadgen_cores": cpu / (warmup + duration + 0.5), "loadgen_procs": procs,
+            "stage_ms": stage_ms}
+
+
+def _roles(pid: int) -> dict[str, list]:
+    """surge's processes by role (engine, front, main) under the server's pid."""
+    import psutil
+
+    out: dict[str, list] = {}
+    try:
+        procs = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return out
+    for p in procs:
+        try:
+            cmd = p.cmdline()
+        except psutil.Error:
+            continue
+        role = cmd[cmd.index("surge.cli.workers") + 1] if "surge.cli.workers" in cmd else "main"
+        out.setdefault(role, []).append(p)
+    return out
+
+
+def _cpu(roles: dict[str, list]) -> dict[str, float]:
+    out = {}
+    for role, ps in roles.items():
+        t = 0.0
+        for p in ps:
+            try:
+                c = p.cpu_times()
+                t += c.user + c.system
+            except Exception:  # noqa: BLE001 - a process that went away
+                pass
+        out[role] = t
+    return out
+
+
+def _spy(roles: dict[str, list], seconds: float, out: Path, tag: str) -> list:
+    """py-spy (if installed) on the engine process(es) and the first front end, raw stacks to OUT."""
+    import subprocess
+
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return []
+    targets = [("engine", p) for p in roles.get("engine", [])[:2]] + [("front", p) for p in roles.get("front", [])[:1]]
+    if not targets:
+        targets = [("main", p) for p in roles.get("main", [])[:1]]
+    return [subprocess.Popen([spy, "record", "-p", str(p.pid), "-d", str(max(1, int(seconds))), "-r", "97",
+                              "-f", "raw", "--nonblocking", "-o", str(out / f"prof_{tag}_{role}{i}.txt")],
+                             stdout=subprocess.DEVNULL, stderr=open(out / f"prof_{tag}_{role}{i}.err", "w"))
+            for i, (role, p) in enumerate(targets)]
 
 
 def scrape(url: str, names: tuple[str, ...]) -> dict:
@@ -172,7 +237,10 @@ def servers(args, model_dir: Path, port: int) -> dict:
     out["surge"] = (surge, "/ready", "/v1/embeddings", {})
     for spec in args.surge:
         name, _, flags = spec.partition("=")
-        out[name] = (surge + shlex.split(flags), "/ready", "/v1/embeddings", {})
+        toks = shlex.split(flags)  # KEY=VALUE tokens (upper-case keys) are environment variables
+        env = dict(t.split("=", 1) for t in toks if re.match(r"^[A-Z][A-Z0-9_]*=", t))
+        out[name] = (surge + [t for t in toks if not re.match(r"^[A-Z][A-Z0-9_]*=", t)], "/ready",
+                     "/v1/embeddings", env)
     out["baseline"] = ([py, str(HERE / "baselines" / "fastapi_st.py"), "--port", str(port), "--model-dir",
                         str(model_dir), "--device", args.device], "/ready", "/v1/embeddings", {})
     inf_path = os.environ.get("INFINITY_PATH")
@@ -188,15 +256,16 @@ def servers(args, model_dir: Path, port: int) -> dict:
 def write(out: Path, results: list[dict]) -> None:
     """gpu_serving.json and gpu_serving.md (the table), rewritten after every server."""
     (out / "gpu_serving.json").write_text(json.dumps(results, indent=1))
-    lines = ["| model | server | clients | req/s | p50 ms | p99 ms | errors | load-gen cores | SM util | builds after ready |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| model | server | clients | req/s | p50 ms | p99 ms | errors | load-gen cores | server cores | SM util | builds after ready |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for r in results:
         if "skipped" in r:
-            lines.append(f"| {r['model']} | {r['server']} | - | skipped: {r['skipped'][:80]} | | | | | | |")
+            lines.append(f"| {r['model']} | {r['server']} | - | skipped: {r['skipped'][:80]} | | | | | | | |")
             continue
         f = lambda v, d=1: "-" if v is None else f"{v:,.{d}f}"  # noqa: E731
         lines.append(f"| {r['model']} | {r['server']} | {r['clients']} | {r['rps']:,.0f} | {f(r['p50_ms'], 2)} | "
                      f"{f(r['p99_ms'], 2)} | {sum(r['errors'].values())} | {r['loadgen_cores']:.2f} | "
+                     f"{' '.join(f'{k} {v:.2f}' for k, v in sorted(r.get('server_cores', {}).items()))} | "
                      f"{f(r.get('sm_util'), 2)} | {f(r.get('builds_serving'), 0)} |")
     (out / "gpu_serving.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -216,7 +285,10 @@ def main() -> int:
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the script")
     p.add_argument("--models-dir", type=Path, default=None, help="where the random-weight models go (default OUT/models)")
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting servers after this many seconds")
+    p.add_argument("--profile", default="", help="client counts at which py-spy samples surge's engine "
+                   "process(es) and a front end (raw stacks to OUT/prof_*.txt)")
     args = p.parse_args()
+    args.profile = {int(x) for x in args.profile.split(",") if x}
 
     from surge.bench.servers import ServerProc, free_port
 
@@ -250,7 +322,25 @@ def main() -> int:
                 for c in [int(x) for x in args.clients.split(",")]:
                     if name.startswith("surge"):
                         scrape(srv.url, ("surge_gpu",))  # opens the NVML sampling window
+                    roles = _roles(srv.proc.pid)
+                    cpu0 = _cpu(roles)
+                    spies = []
+                    if c in args.profile and name.startswith("surge"):
+                        import threading
+
+                        timer = threading.Timer(1.0 + args.warmup, lambda: spies.extend(
+                            _spy(roles, args.duration - 0.5, args.out, f"{name}_{kind}_{c}")))
+                        timer.start()
+                    t_lvl = time.monotonic()
                     r = run_level(srv.url + path, "m", c, args.load_procs, args.warmup, args.duration, c)
+                    span = time.monotonic() - t_lvl
+                    cpu1 = _cpu(roles)
+                    r["server_cores"] = {k: round((cpu1[k] - cpu0.get(k, 0.0)) / span, 2) for k in cpu1}
+                    for sp in spies:
+                        try:
+                            sp.wait(timeout=30)
+                        except Exception:  # noqa: BLE001
+                            sp.kill()
                     if name.startswith("surge"):
                         m = scrape(srv.url, ("surge_gpu_sm_utilization", "surge_gpu_utilization",
                                              "surge_engine_graph_builds", "surge_tokenize_latency_seconds_sum",

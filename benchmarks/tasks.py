@@ -12,7 +12,8 @@ cpu (this 2-core machine): the trained intent classifier (tests/task_models.py) 
   to end, `surge serve --engine torch --device cpu --precision bf16 --threads 1` (cache off)
   and with its cache on (default), against benchmarks/baselines/fastapi_pipeline.py (FastAPI +
   transformers pipeline), all POST /predict, 1 and 64 closed-loop clients, generated commands
-  (which repeat, as assistant traffic does: 1229 of 4000 are distinct).
+  (which repeat, as assistant traffic does: 1229 of 4000 are distinct); besides req/s, each server's
+  CPU time per request (process tree, user + system), which the machine's other load moves less.
 
     PYTHONPATH=src:. python3 benchmarks/tasks.py gpu [--tokenizer-dir DIR] [--out FILE.json]
 heads (this machine): encode once, many heads: one backbone pass feeding intent + slots +
@@ -69,18 +70,25 @@ def _items(lengths, vocab: int = 30522, seed: int = 1):
 
 
 # ------------------------------------------------------------------------------------ gpu
-def _hf_graph(model, batch: int, seq: int, lengths=None):
-    """transformers FP16 forward captured in a CUDA graph for one static padded shape; returns a
-    callable that replays it and copies the logits to the host."""
+def _padded(items):
+    """The items as transformers takes them: padded ids and attention mask on the GPU."""
     import torch
 
-    ids = torch.randint(1000, 30522, (batch, seq), device="cuda")
-    mask = torch.ones(batch, seq, dtype=torch.long, device="cuda")
-    if lengths is not None:
-        for i, n in enumerate(lengths):
-            mask[i, int(n):] = 0
-    # As benchmarks/gpu_encoder.py's hf_graph (proven there): no_grad, not inference_mode. The
-    # inference_mode variant hit a gather index assert on replay on the H200 (2026-12-01 run).
+    seq = max(len(e.ids) for e in items)
+    ids = torch.zeros(len(items), seq, dtype=torch.long)
+    mask = torch.zeros(len(items), seq, dtype=torch.long)
+    for i, e in enumerate(items):
+        ids[i, :len(e.ids)] = torch.from_numpy(e.ids)
+        mask[i, :len(e.ids)] = 1
+    return ids.cuda(), mask.cuda()
+
+
+def _hf_graph(model, items):
+    """transformers FP16 forward captured in a CUDA graph for one static padded shape (the items'
+    batch, padded to the longest); returns a callable that replays it and copies the logits to the host."""
+    import torch
+
+    ids, mask = _padded(items)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.no_grad(), torch.cuda.stream(s):
@@ -95,6 +103,10 @@ def _hf_graph(model, batch: int, seq: int, lengths=None):
         g.replay()
         return out.float().cpu().numpy()
 
+    # The graph reads `ids` / `mask` at their captured addresses but holds no reference to them:
+    # freed with this frame, their memory went back to the caching allocator and the replay read
+    # whatever lay there as token ids (the 2026-12-01 `vectorized gather kernel index out of bounds`).
+    run.static = (ids, mask, out)
     return run
 
 
@@ -140,21 +152,25 @@ def bench_gpu(args) -> dict:
             Path(args.out).write_text(json.dumps(partial, indent=2, default=float))
 
     for label, lengths in shapes.items():
-        batch = TokenBatch.pack(_items(lengths))
-        with torch.no_grad():  # correctness first: surge's logits vs transformers FP32 (a separate copy)
-            ids = torch.from_numpy(np.concatenate([b.ids[None] for b in _items(lengths[:1])])).cuda()
-            want = hf32(input_ids=ids).logits.float().cpu().numpy()
-        got = cls_engine.run_heads(TokenBatch.pack(_items(lengths[:1])))
-        err = float(np.abs(np.asarray(got)[0] - want[0]).max())
+        items = _items(lengths)
+        batch = TokenBatch.pack(items)
+        with torch.no_grad():  # correctness first: every row's logits vs transformers FP32 (a separate copy)
+            ids, mask = _padded(items)
+            want = hf32(input_ids=ids, attention_mask=mask).logits.float().cpu().numpy()
+        got = np.asarray(cls_engine.run_heads(batch))
+        err = float(np.abs(got - want).max())
+        agree = float((got.argmax(-1) == want.argmax(-1)).mean())
         surge_ms = _median_ms(lambda: cls_engine.run_heads(batch), args.reps)
         emb_ms = _median_ms(lambda: pool(emb_engine.run(batch), batch, "mean"), args.reps)
         partial[label] = {"surge_classifier_ms": surge_ms, "surge_embedding_ms": emb_ms, "err": err}
         save(f"{label}: surge")
-        hf_run = _hf_graph(hf, len(lengths), int(lengths.max()), lengths)
+        hf_run = _hf_graph(hf, items)
+        hf_err = float(np.abs(hf_run() - want).max())  # the baseline computes the same inputs
         hf_ms = _median_ms(hf_run, args.reps)
         rows.append({"shape": label, "surge_classifier_ms": surge_ms, "surge_embedding_ms": emb_ms,
                      "transformers_fp16_graph_ms": hf_ms, "classifier_vs_embedding": surge_ms / emb_ms,
                      "speedup_vs_transformers": hf_ms / surge_ms, "max_abs_logit_diff_vs_fp32": err,
+                     "argmax_agreement_vs_fp32": agree, "transformers_fp16_max_abs_diff_vs_fp32": hf_err,
                      "tokens": int(lengths.sum())})
         save(f"{label}: transformers")
     del hf, hf32
@@ -177,8 +193,14 @@ def bench_gpu(args) -> dict:
     return out
 
 
-def _bench_rerank(ce_dir: Path, reps: int) -> dict:
+def _bench_rerank(ce_dir: Path, reps: int, device: str = "cuda") -> dict:
+    """1 query x 100 documents through the runtime (tokenize, batcher, engine, heads), latency; the
+    scores checked against transformers FP32 on the same pairs, and transformers FP16 (eager, one
+    padded batch of 100, tokenizer included) timed beside it."""
     import asyncio
+
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from surge.cli.bootstrap import load_service
     from surge.config import BatchingConfig, CacheConfig, EngineConfig, ServerConfig
@@ -186,7 +208,8 @@ def _bench_rerank(ce_dir: Path, reps: int) -> dict:
     from surge.models import load_model_spec
     from surge.runtime.tasks import TaskRequest
 
-    config = ServerConfig(engine=EngineConfig(engine="torch", device="cuda", precision="fp16", max_batch_size=64,
+    precision = "fp16" if device == "cuda" else "fp32"
+    config = ServerConfig(engine=EngineConfig(engine="torch", device=device, precision=precision, max_batch_size=64,
                                               warmup_shapes=[(64, 64), (64, 32)]),
                           batching=BatchingConfig(max_batch_size=64, max_batch_tokens=16384),
                           cache=CacheConfig(enabled=False))
@@ -194,25 +217,46 @@ def _bench_rerank(ce_dir: Path, reps: int) -> dict:
     service.mark_ready()
     docs = load_sentences()[:100]
     query = "how are keyword arguments passed to a function"
+    pairs = [(query, d) for d in docs]
 
     async def go():
         times = []
         for i in range(reps + 5):
             t = time.perf_counter()
-            res = await service.infer(TaskRequest(pairs=[(query, d) for d in docs], truncate=True))
+            res = await service.infer(TaskRequest(pairs=pairs, truncate=True))
             if i >= 5:
                 times.append(time.perf_counter() - t)
         assert len(res.outputs) == 100
         before = len(service.batcher.history)
-        await service.infer(TaskRequest(pairs=[(query, d) for d in docs], truncate=True))
+        await service.infer(TaskRequest(pairs=pairs, truncate=True))
         batches = [b.size for b in list(service.batcher.history)[before:]]
         await service.close()
-        return times, batches
+        return times, batches, res
 
-    times, batches = asyncio.run(go())
+    times, batches, res = asyncio.run(go())
     times.sort()
-    return {"p50_ms": times[len(times) // 2] * 1e3, "p90_ms": times[int(len(times) * 0.9)] * 1e3,
-            "batches": batches}
+    got = np.array([float(np.asarray(o).reshape(-1)[0]) for o in res.outputs])
+    tok = AutoTokenizer.from_pretrained(str(ce_dir))
+    enc = tok([a for a, _ in pairs], [b for _, b in pairs], padding=True, truncation=True, return_tensors="pt")
+    enc = {k: v.to(device) for k, v in enc.items()}
+    m32 = AutoModelForSequenceClassification.from_pretrained(str(ce_dir), dtype=torch.float32).eval().to(device)
+    with torch.no_grad():
+        want = m32(**enc).logits.float().cpu().numpy()[:, 0]
+    del m32
+    out = {"p50_ms": times[len(times) // 2] * 1e3, "p90_ms": times[int(len(times) * 0.9)] * 1e3,
+           "batches": batches, "max_abs_score_diff_vs_fp32": float(np.abs(got - want).max()),
+           "top1_same_as_fp32": bool(int(got.argmax()) == int(want.argmax()))}
+    if device == "cuda":
+        m16 = AutoModelForSequenceClassification.from_pretrained(str(ce_dir), dtype=torch.float16,
+                                                                 attn_implementation="sdpa").eval().cuda()
+
+        def hf_rerank():
+            e = tok([a for a, _ in pairs], [b for _, b in pairs], padding=True, truncation=True, return_tensors="pt")
+            with torch.no_grad():
+                return m16(**{k: v.cuda() for k, v in e.items()}).logits.float().cpu().numpy()
+
+        out["transformers_fp16_eager_ms"] = _median_ms(hf_rerank, reps)
+    return out
 
 
 # ------------------------------------------------------------------------------------ cpu
@@ -252,14 +296,16 @@ def bench_cpu(args) -> dict:
             for name, srv in (("surge", surge), ("cached", cached), ("baseline", baseline)):
                 uvloop.run(closed_loop(srv.url, wire, clients, duration=2.0))
                 rps, lat = [], []
+                cpu0 = _cpu_seconds(srv.pid())
                 for _ in range(args.rounds):  # alternating rounds: drifting background load hits both
                     r = uvloop.run(closed_loop(srv.url, wire, clients, duration=args.seconds / args.rounds))
                     assert r.ok == len(r.latencies), r.statuses
                     rps.append(r.throughput)
                     lat += r.latencies
+                cpu = (_cpu_seconds(srv.pid()) - cpu0) / len(lat) * 1e3
                 lat.sort()
                 res[name] = {"rps": statistics.median(rps), "p50_ms": lat[len(lat) // 2] * 1e3,
-                             "p99_ms": lat[int(len(lat) * 0.99)] * 1e3}
+                             "p99_ms": lat[int(len(lat) * 0.99)] * 1e3, "cpu_ms_per_req": cpu}
             rows.append({"clients": clients, **{f"{k}_{m}": v for k, d in res.items() for m, v in d.items()},
                          "ratio": res["surge"]["rps"] / res["baseline"]["rps"],
                          "ratio_cached": res["cached"]["rps"] / res["baseline"]["rps"]})
@@ -267,17 +313,29 @@ def bench_cpu(args) -> dict:
         for srv in (surge, cached, baseline):
             srv.stop()
     table = Table(title="Issue 17 CPU (2 cores): intent classifier end to end, POST /predict")
-    for col in ("clients", "surge (cache off) req/s", "p50 ms", "surge (cache on) req/s", "p50 ms",
-                "baseline req/s", "p50 ms", "off / baseline", "on / baseline"):
+    for col in ("clients", "surge (cache off) req/s", "p50 / p99 ms", "CPU ms/req", "surge (cache on) req/s",
+                "p50 / p99 ms", "baseline req/s", "p50 / p99 ms", "CPU ms/req", "off / baseline", "on / baseline"):
         table.add_column(col)
     for r in rows:
-        table.add_row(str(r["clients"]), f"{r['surge_rps']:.1f}", f"{r['surge_p50_ms']:.1f}",
-                      f"{r['cached_rps']:.1f}", f"{r['cached_p50_ms']:.1f}",
-                      f"{r['baseline_rps']:.1f}", f"{r['baseline_p50_ms']:.1f}", f"{r['ratio']:.1f}x",
-                      f"{r['ratio_cached']:.1f}x")
+        table.add_row(str(r["clients"]), f"{r['surge_rps']:.1f}", f"{r['surge_p50_ms']:.1f} / {r['surge_p99_ms']:.0f}",
+                      f"{r['surge_cpu_ms_per_req']:.2f}", f"{r['cached_rps']:.1f}",
+                      f"{r['cached_p50_ms']:.1f} / {r['cached_p99_ms']:.0f}", f"{r['baseline_rps']:.1f}",
+                      f"{r['baseline_p50_ms']:.1f} / {r['baseline_p99_ms']:.0f}", f"{r['baseline_cpu_ms_per_req']:.2f}",
+                      f"{r['ratio']:.1f}x", f"{r['ratio_cached']:.1f}x")
+    after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     console.print(table)
-    console.print(f"load before the run: {load}")
-    return {"rows": rows, "uptime": load}
+    console.print(f"load before the run: {load}\nload after the run: {after}")
+    return {"rows": rows, "uptime": load, "uptime_after": after, "surge_flags": list(flags)}
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of a server process and its children so far: the cost of a request
+    in CPU, which the machine's other load shifts far less than the wall-clock throughput."""
+    import psutil
+
+    procs = [psutil.Process(pid)]
+    procs += procs[0].children(recursive=True)
+    return sum(t.user + t.system for t in (p.cpu_times() for p in procs))
 
 
 def bench_heads(args) -> dict:

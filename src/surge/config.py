@@ -1,15 +1,18 @@
 """Typed configuration, one object per concern. Defaults live here, in code.
 
-The CLI maps flags (and their SURGE_* environment variables) onto these
-objects; nothing reads the environment at import time.
+`surge serve`'s flags and their SURGE_* environment variables are derived from
+these fields (cli/options.py): name, type, default and help (the description).
+A field's `json_schema_extra={"flag": ...}` renames its flag; a class's
+`flag_prefix` goes in front of its fields' flags. Nothing reads the environment
+at import time.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -32,8 +35,8 @@ class EngineConfig(_Strict):
     max_batch_size: int = Field(64, ge=1, description="Largest batch the engine is run with.")
     max_seq_len: int | None = Field(None, ge=1, description="Truncation length; default: the model's own.")
     warmup_shapes: list[tuple[int, int]] = Field(
-        default_factory=lambda: [(1, 16), (8, 32)], description="(batch, seq) shapes run before turning ready."
-    )
+        default_factory=lambda: [(1, 16), (8, 32)], description="(batch, seq) shapes run before turning ready "
+        "(flag: 1x16,8x32).")
     devices: list[int] | None = Field(
         None, description="CUDA ordinals for the torch engine: one replica (x instances) per device, each batch to "
         "the least-loaded; with tensor_parallel > 1, the devices of ranks 0..N-1.")
@@ -60,7 +63,8 @@ class EngineConfig(_Strict):
 class BatchingConfig(_Strict):
     """Dynamic batcher settings (per model)."""
 
-    enabled: bool = Field(True, description="Off: every request runs alone (max batch 1).")
+    enabled: bool = Field(True, description="Off: every request runs alone (max batch 1).",
+                          json_schema_extra={"flag": "batching"})
     max_batch_size: int = Field(64, ge=1, description="Most requests' inputs in one engine batch.")
     max_batch_tokens: int = Field(8192, ge=1, description="Token budget per batch (padded tokens for padded engines).")
     max_queue_delay_ms: float = Field(2.0, ge=0, description="Upper bound on an input's wait in the batch queue while an engine is "
@@ -79,16 +83,23 @@ class BatchingConfig(_Strict):
 class CacheConfig(_Strict):
     """Hot-query cache settings (per model)."""
 
-    enabled: bool = Field(True, description="Serve repeated inputs from memory.")
-    max_bytes: int = Field(64 * 1024 * 1024, ge=0, description="Byte bound of the recent tier.")
-    pinned_top_k: int = Field(0, ge=0, description="Size of the pinned hot tier.")
+    flag_prefix: ClassVar[str] = "cache-"
+
+    enabled: bool = Field(True, description="Serve repeated inputs from memory (the flags --cache-bytes 0 and "
+                          "--cache-pinned 0 together turn it off too).", json_schema_extra={"flag": "cache"})
+    max_bytes: int = Field(64 * 1024 * 1024, ge=0, description="Byte bound of the recent tier (0 disables the "
+                           "cache unless a pinned tier is asked for).", json_schema_extra={"flag": "cache-bytes"})
+    pinned_top_k: int = Field(0, ge=0, description="Size of the pinned hot tier.",
+                              json_schema_extra={"flag": "cache-pinned"})
     query_log: Path | None = Field(None, description="Query-log file (one query per line) that seeds the pinned tier.")
     learn_hot: bool = Field(True, description="Learn the hot set online with a frequency sketch.")
     recent_policy: Literal["lru", "tinylfu"] = Field(
-        "tinylfu", description="Recent tier: plain LRU, or LRU with TinyLFU admission (keeps one-off queries out)."
-    )
-    redis_url: str | None = Field(None, description="Shared tier on Redis, e.g. redis://127.0.0.1:6379/0.")
-    redis_ttl_s: int = Field(24 * 3600, ge=1, description="Time-to-live of entries in the shared tier.")
+        "tinylfu", description="Recent tier: plain LRU, or LRU with TinyLFU admission (keeps one-off queries out).",
+        json_schema_extra={"flag": "cache-policy"})
+    redis_url: str | None = Field(None, description="Shared tier on Redis, e.g. redis://127.0.0.1:6379/0.",
+                                  json_schema_extra={"flag": "redis-url"})
+    redis_ttl_s: int = Field(24 * 3600, ge=1, description="Time-to-live of entries in the shared tier.",
+                             json_schema_extra={"flag": "redis-ttl-s"})
 
 
 class LimitsConfig(_Strict):
@@ -96,7 +107,7 @@ class LimitsConfig(_Strict):
 
     max_inputs_per_request: int = Field(
         2048, ge=1, description="Most inputs in one request (OpenAI's own limit; the batcher still runs them in "
-        "batches of its max batch size).")
+        "batches of its max batch size).", json_schema_extra={"flag": "max-inputs"})
     max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024, description="Largest request body accepted.")
     max_input_chars: int = Field(20_000, ge=1, description="Longest single text input, in characters.")
     request_timeout_s: float = Field(30.0, gt=0, description="A request still unanswered then gets 504.")
@@ -110,6 +121,8 @@ class LimitsConfig(_Strict):
 
 class MetricsConfig(_Strict):
     """Who can read /metrics and where."""
+
+    flag_prefix: ClassVar[str] = "metrics-"
 
     public: bool = Field(False, description="Serve /metrics without the API key (scrapers that send none).")
     port: int | None = Field(None, ge=0, le=65535, description="Also serve the metrics on this port, with no "
@@ -134,6 +147,8 @@ class GenerationConfig(_Strict):
     max_waiting: int = Field(256, ge=1, description="Queued sequences above which new requests get 429.")
     prefix_caching: bool = Field(True, description="Reuse the KV blocks of a seen prompt prefix (by block hash).")
     cuda_graphs: bool = Field(True, description="On a GPU: replay decode steps as CUDA graphs per batch bucket.")
+    overlap_steps: bool = Field(True, description="Launch the next greedy decode step before the last one's tokens "
+                                "are read back (its inputs stay on the device), so host work overlaps the GPU.")
     cache_entries: int = Field(1024, ge=0, description="Finished greedy / seeded generations kept (0: off).")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that gives none.")
 
@@ -174,13 +189,15 @@ class GenerationConfig(_Strict):
 class ServerConfig(_Strict):
     host: str = Field("127.0.0.1", description="Address to bind.")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port.")
-    grpc_port: int | None = Field(8001, description="gRPC port (KServe v2); None disables gRPC.")
-    api_key: str | None = Field(None, description="When set, every route but the health checks needs Bearer auth.")
+    grpc_port: int | None = Field(8001, ge=0, le=65535, description="gRPC port (KServe v2); 0 or None disables gRPC.")
+    api_key: str | None = Field(None, description="When set, every route but the health checks needs "
+                                "'Authorization: Bearer KEY'.")
     model_dir: Path | None = Field(None, description="Hugging Face model directory; default: the bundled MiniLM.")
     model_name: str | None = Field(None, description="Name the model is served under; default: from its directory.")
     served_model_names: list[str] = Field(
         default_factory=list, description="More names the model answers to on every protocol, e.g. "
-        "text-embedding-3-small (the defaults of OpenAI clients, LangChain, LlamaIndex).")
+        "text-embedding-3-small (the defaults of OpenAI clients, LangChain, LlamaIndex); comma-separated "
+        "and/or repeated.", json_schema_extra={"flag": "served-model-name"})
     model_repository: Path | None = Field(None, description="Directory of models/<name>/<version>/model.yaml.")
     task: Literal["embed", "classify", "rerank", "token-classify", "generate"] | None = Field(
         None, description="Override the task detected from the model directory (config.json architectures, "
@@ -188,19 +205,41 @@ class ServerConfig(_Strict):
     tei_embed: bool = Field(False, description="POST /embed answers text-embeddings-inference's bare array of "
                             "vectors instead of surge's native object (POST / always answers TEI's shapes).")
     repository_poll_s: float | None = Field(
-        None, gt=0, description="Rescan the model repository this often (new versions, changed model.yaml); None: never."
-    )
+        None, gt=0, description="Rescan the model repository this often, in seconds (new versions, changed "
+        "model.yaml); 0 or None: never.")
     cache_dir: Path | None = Field(None, description="Where exported artifacts are kept; default ~/.cache/surge.")
     log_level: str = Field("info", description="uvicorn log level.")
-    workers: int = Field(
-        1, ge=0, description="Front-end processes (HTTP, cache, tokenizing) in front of one engine process "
-        "(cli/workers.py); 1 serves from one process; 0: one per CPU core.")
+    workers: int | None = Field(
+        None, ge=0, description="Front-end processes (HTTP, gRPC, cache, tokenizing) in front of the engine "
+        "process(es) (cli/workers.py); 1 serves from one process; 0: one per CPU core; None (default): from the "
+        "core count where the mode supports it (one embedding model on one CUDA device: three quarters of the "
+        "cores, at most 12), else 1.")
+    engine_processes: int | None = Field(
+        None, ge=1, description="Under --workers: engine processes sharing the device(s); front end i talks to "
+        "engine process i mod N (each batches its front ends' requests; several processes can share one "
+        "GPU, with NVIDIA MPS where it runs). None (default): 2 with 8 or more front ends, else 1.")
     engine: EngineConfig = Field(default_factory=EngineConfig)
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Decoder models' settings.")
+
+    @field_validator("grpc_port", "repository_poll_s", "api_key", mode="before")
+    @classmethod
+    def _off(cls, value):
+        """0 (a port, a period) or an empty key: off, as None (what a flag or variable can write)."""
+        return None if value in (0, "0", "") else value
+
+
+def merge_set(base: BaseModel, over: BaseModel) -> BaseModel:
+    """`base` with the fields `over` set explicitly (its `model_fields_set`) replacing its own;
+    validated again, so the result is as if both were written in one file."""
+    if not over.model_fields_set:
+        return base
+    data = base.model_dump(exclude_unset=True)
+    data.update({k: getattr(over, k) for k in over.model_fields_set})
+    return type(base).model_validate(data)
 
 
 def default_cache_dir() -> Path:

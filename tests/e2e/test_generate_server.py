@@ -35,7 +35,7 @@ def slow_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    with ServerProcess(str(model_dir), "--threads", "1") as srv:
+    with ServerProcess(str(model_dir), "--threads", "1", grpc=True) as srv:
         yield srv
 
 
@@ -178,6 +178,70 @@ def test_generation_cache_answers_repeats(server, client):
     streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True) if c.choices)
     assert first == again == streamed
     assert metric(server, "surge_generate_cache_hits_total") == before + 2
+
+
+def test_kserve_statistics_count_generations(server, client):
+    """GET /v2/models/{m}/stats and gRPC ModelStatistics of a decoder model: each generation is one
+    inference (HTTP OpenAI / KServe, streamed or not), a cache hit is no execution, a failure counts
+    as one, and the stages are the queue (until admitted), the prefill (compute_input, to the first
+    token) and the decode (compute_infer)."""
+    import grpc
+
+    from surge.server.grpc import grpc_service_pb2 as pb
+    from surge.server.grpc import grpc_service_pb2_grpc as pb_grpc
+
+    def stats():
+        r = httpx.get(server.url + "/v2/models/chat-qwen/stats")
+        assert r.status_code == 200, r.text
+        (m,) = r.json()["model_stats"]
+        return m
+
+    def diff(a, b, *path):
+        for key in path:
+            a, b = a[key], b[key]
+        return b - a
+
+    before = stats()
+    tag = f"{time.time_ns()}"  # prompts never seen: computed, not cached
+    client.chat.completions.create(model="chat-qwen", messages=[{"role": "user", "content": f"stats {tag}"}],
+                                   max_tokens=8, temperature=0)
+    streamed = client.completions.create(model="chat-qwen", prompt=f"stream {tag}", max_tokens=8, temperature=0,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) is not None
+    body = {"text_input": f"kserve {tag}", "parameters": {"max_tokens": 8, "temperature": 0}}
+    assert httpx.post(server.url + "/v2/models/chat-qwen/generate", json=body).status_code == 200
+    with httpx.stream("POST", server.url + "/v2/models/chat-qwen/generate_stream",
+                      json={**body, "text_input": f"kserve stream {tag}"}) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]  # read to the end
+        assert r.status_code == 200 and '"finish_reason":"length"' in events[-1].replace(" ", "")
+    assert httpx.post(server.url + "/v2/models/chat-qwen/generate", json=body).status_code == 200  # cached
+    too_long = client.with_options(max_retries=0)
+    with pytest.raises(openai.BadRequestError):
+        too_long.chat.completions.create(model="chat-qwen", messages=[{"role": "user", "content": "word " * 600}],
+                                         max_tokens=4)
+    after = stats()
+    assert diff(before, after, "inference_count") == 5
+    assert diff(before, after, "execution_count") == 4
+    assert diff(before, after, "inference_stats", "success", "count") == 5
+    assert diff(before, after, "inference_stats", "fail", "count") == 1
+    assert diff(before, after, "inference_stats", "cache_hit", "count") == 1
+    assert diff(before, after, "inference_stats", "cache_miss", "count") == 4
+    for stage in ("queue", "compute_input", "compute_infer"):
+        assert diff(before, after, "inference_stats", stage, "count") == 4, stage
+    for stage in ("compute_input", "compute_infer", "success"):
+        assert diff(before, after, "inference_stats", stage, "ns") > 0, stage
+    # the decode of 8 tokens takes longer than nothing, and the whole request longer than its stages
+    s = after["inference_stats"]
+    assert s["success"]["ns"] >= s["compute_input"]["ns"] + s["compute_infer"]["ns"]
+    assert after["last_inference"] > 0 and after["last_inference"] >= before["last_inference"]
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        res = pb_grpc.GRPCInferenceServiceStub(channel).ModelStatistics(pb.ModelStatisticsRequest(name="chat-qwen"))
+    (m,) = res.model_stats
+    assert (m.name, m.version) == ("chat-qwen", "1")
+    assert m.inference_count == after["inference_count"] and m.execution_count == after["execution_count"]
+    for stage in ("success", "fail", "cache_hit", "queue", "compute_input", "compute_infer"):
+        got = getattr(m.inference_stats, stage)
+        assert (got.count, got.ns) == (s[stage]["count"], s[stage]["ns"]), stage
 
 
 def test_kserve_generate_and_generate_stream(server, client):

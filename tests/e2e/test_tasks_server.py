@@ -225,6 +225,33 @@ def test_truncate_option_and_other_requests_unaffected(client, models):
             assert r.json()[0]["label"] == (want[0][0] if isinstance(want[0], list) else want[0])["label"]
 
 
+def test_plain_predict_hot_path_answers_as_the_route(client, models):
+    """Plain POST /predict bodies (texts only) are answered by server/http/task_hotpath.py; a body with
+    an option goes through the FastAPI route: the same JSON, and both what transformers' pipeline says."""
+    ref = _pipe(models, "intent", "text-classification", top_k=None)
+    texts = heldout_commands(6, seed=23) + ["Please switch the kitchen lights off in Zürich"]
+    for body in ({"model": "intent", "inputs": texts[0]}, {"model": "intent", "inputs": texts[:1]},
+                 {"model": "intent", "inputs": texts[:3]}, {"model": "intent", "inputs": texts}):
+        hot = client.post("/predict", json=body)
+        route = client.post("/predict", json={**body, "raw_scores": False})
+        assert hot.status_code == route.status_code == 200, (hot.text, route.text)
+        assert hot.json() == route.json()
+        got = hot.json()
+        got = [got] if isinstance(body["inputs"], str) else got
+        want = [ref(t) for t in ([body["inputs"]] if isinstance(body["inputs"], str) else body["inputs"])]
+        for g, w in zip(got, want):
+            w = w[0] if isinstance(w[0], list) else w
+            assert [x["label"] for x in g] == [x["label"] for x in w]
+            assert [x["score"] for x in g] == pytest.approx([x["score"] for x in w], abs=1e-4)
+    # what the hot path leaves to the route: a two-text list is a pair (TEI), a bad text a 400 naming the field
+    pair = client.post("/predict", json={"model": "intent", "inputs": texts[:2]})
+    assert pair.status_code == 200 and isinstance(pair.json()[0], dict)
+    bad = client.post("/predict", json={"model": "intent", "inputs": [texts[0], "  ", texts[1]]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "inputs"
+    wrong = client.post("/predict", json={"model": "slots", "inputs": texts[0]})
+    assert wrong.status_code == 400 and "serves task" in wrong.json()["error"]["message"]
+
+
 def test_info_tokenize_decode(client):
     info = client.get("/info", params={"model": "intent"}).json()
     assert info["model_type"]["classifier"]["id2label"]["0"] == "lights_on" and info["task"] == "classify"

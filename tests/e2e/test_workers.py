@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def server():
     with ServerProcess("--workers", "2", "--engine", "torch", "--device", "cpu", "--cache-bytes", "0",
-                       "--max-batch-size", "16") as srv:
+                       "--max-batch-size", "16", grpc=True) as srv:
         yield srv
 
 
@@ -89,6 +89,36 @@ def test_concurrent_results_match_reference_and_never_mix(server, sentences, ref
         assert _sample(text, "surge_batch_size_count") >= 1
 
 
+def test_grpc_is_served_by_every_front_end_on_one_port(server, sentences, reference_embed):
+    """KServe v2 gRPC through the shared port: both front ends listen on it (SO_REUSEPORT), every
+    answer matches the FP32 reference, and the engine's build counts reach /metrics."""
+    import grpc
+
+    from surge.server.grpc import grpc_service_pb2 as pb
+    from surge.server.grpc import grpc_service_pb2_grpc as pb_grpc
+
+    for front in _children(server)["front"]:
+        ports = {c.laddr.port for c in front.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+        assert server.grpc_port in ports, ports
+    rng = np.random.default_rng()
+    texts = [sentences[i] for i in rng.choice(len(sentences), 12, replace=False)]
+    ref = reference_embed(texts)
+    before = _sample(httpx.get(server.url + "/metrics").text, "surge_requests_total")
+    for i, text in enumerate(texts):
+        with grpc.insecure_channel(server.grpc_url) as channel:  # a new connection each time
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            assert stub.ServerReady(pb.ServerReadyRequest(), timeout=30).ready
+            req = pb.ModelInferRequest(model_name="all-MiniLM-L6-v2")
+            req.inputs.add(name="text", datatype="BYTES", shape=[1]).contents.bytes_contents.append(text.encode())
+            got = np.frombuffer(stub.ModelInfer(req, timeout=60).raw_output_contents[0], dtype="<f4")
+        assert cosine_rows(got[None, :], ref[i:i + 1]).min() >= 0.9999
+    text = httpx.get(server.url + "/metrics", headers={"connection": "close"}).text
+    assert _sample(text, "surge_requests_total") == before + len(texts)
+    served = [line for line in text.splitlines() if line.startswith("surge_engine_graph_builds_total{")
+              and 'phase="serving"' in line]
+    assert served and all(float(line.rsplit(" ", 1)[1]) == 0 for line in served), served
+
+
 def _sample(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
@@ -147,3 +177,47 @@ def test_sigterm_drains_in_flight_requests_then_exits(server, sentences):
     # every request in flight at SIGTERM was answered, none cut off
     codes = [s for s, _, _ in out]
     assert codes == [200] * len(texts), codes
+
+
+def test_two_engine_processes_each_restarted_on_its_own(sentences, reference_embed):
+    """`--engine-processes 2`: front end i talks to engine process i mod 2; answers match the
+    reference whichever pair serves them; a killed engine process is started again (the other one
+    keeps its pid) and every request answers 200 after."""
+    with ServerProcess("--workers", "2", "--engine-processes", "2", "--engine", "torch", "--device", "cpu",
+                       "--cache-bytes", "0", "--max-batch-size", "8") as srv:
+        kids = _children(srv)
+        assert len(kids["engine"]) == 2 and len(kids["front"]) == 2
+        rng = np.random.default_rng()
+        texts = [sentences[i] for i in rng.choice(len(sentences), 16, replace=False)]
+        ref = reference_embed(texts)
+
+        def ask():
+            out = []
+            for t in texts:  # a new connection each time: the kernel spreads them over the front ends
+                r = httpx.post(srv.url + "/v1/embeddings", json={"input": t}, headers={"connection": "close"},
+                               timeout=60)
+                out.append(r)
+            return out
+
+        for r, want in zip(ask(), ref):
+            assert r.status_code == 200, r.text
+            assert cosine_rows(np.array([r.json()["data"][0]["embedding"]], np.float32), want[None]).min() >= 0.9999
+        victim, other = kids["engine"]
+        victim.kill()
+        end = time.monotonic() + 120
+        while time.monotonic() < end:
+            pids = {p.pid for p in _children(srv)["engine"]}
+            if len(pids) == 2 and victim.pid not in pids:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the engine process was not restarted")
+        assert other.pid in pids  # the other engine process was left alone
+        _wait_ready(srv)
+        deadline = time.monotonic() + 60
+        while True:  # the restarted engine's front end reconnects on its own, shortly after it listens
+            codes = [r.status_code for r in ask()]
+            if codes == [200] * len(texts) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert codes == [200] * len(texts), codes

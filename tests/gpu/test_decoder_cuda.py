@@ -67,7 +67,7 @@ def _run(engine, prompts, n, max_num_seqs=16, logprobs=None, tops=None):
         outs = engine.step(scheduled)
         if tops is not None:
             for k, v in outs.items():
-                tops.setdefault(k, []).append([t for t, _ in v.top or []])
+                tops.setdefault(k, []).append(list(v.top or []))
         sched.update(scheduled, {k: v.token for k, v in outs.items()})
     return [s.output_ids for s in seqs]
 
@@ -77,46 +77,128 @@ def _prompts(vocab, n=12):
     return [torch.randint(3, vocab, (int(l),), generator=g).tolist() for l in torch.randint(4, 120, (n,), generator=g)]
 
 
-def test_bf16_logits_and_greedy_tokens_follow_transformers(qwen_dir):
+def _run_overlapped(engine, prompts, n, max_num_seqs=16):
+    """The service's loop (overlapped CUDA-graph decode steps); returns outputs and overlapped steps."""
+    from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
+    from surge.runtime.scheduler.overlap import StepLoop
+
+    sched = Scheduler(SchedulerConfig(num_blocks=engine.num_blocks, block_size=engine.block_size,
+                                      max_num_seqs=max_num_seqs, max_num_batched_tokens=512, max_model_len=512), ())
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    for s in seqs:
+        sched.add(s)
+    loop = StepLoop(sched, engine)
+    while loop.busy:
+        loop.step()
+    return [s.output_ids for s in seqs], loop.overlapped
+
+
+@pytest.fixture(scope="module")
+def trained_dir(tmp_path_factory):
+    """A Qwen2-shaped model fitted for a few hundred steps to a corpus with structure (each token's
+    successor is fixed with probability 0.85, else random): its greedy choices have the margins of
+    a trained model, where random weights tie within BF16's rounding."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.decoder_models import build_model
+
+    d = build_model("qwen2", tmp_path_factory.mktemp("qwen2_trained"), seed=11, hidden_size=256,
+                    intermediate_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                    max_position_embeddings=512)
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).cuda().train()
+    v = model.config.vocab_size
+    g = torch.Generator(device="cuda").manual_seed(0)
+    succ = torch.cat([torch.arange(3, device="cuda"), torch.randperm(v - 3, generator=g, device="cuda") + 3])
+    n_seq, length = 2048, 160
+    x = torch.empty(n_seq, length, dtype=torch.long, device="cuda")
+    x[:, 0] = torch.randint(3, v, (n_seq,), generator=g, device="cuda")
+    noise = torch.rand(n_seq, length, generator=g, device="cuda") < 0.15
+    rnd = torch.randint(3, v, (n_seq, length), generator=g, device="cuda")
+    for t in range(1, length):
+        x[:, t] = torch.where(noise[:, t], rnd[:, t], succ[x[:, t - 1]])
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    for step in range(300):
+        batch = x[torch.randint(0, n_seq, (32,), generator=g, device="cuda")]
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    print(f"trained: loss {loss.item():.3f} after 300 steps")
+    model.eval().save_pretrained(d, safe_serialization=True)
+    return d
+
+
+def _compare_greedy(model_dir, prompts, steps=32, same_paths=True):
+    """surge BF16 (CUDA graphs, overlapped steps) against transformers BF16 generate, and the BF16
+    logits of a prefill against transformers FP32. Returns (equal, near_ties, other, logit_err, scale)."""
     from transformers import AutoModelForCausalLM
 
     from surge.engines.decoder import DecoderEngine
     from surge.engines.decoder.attention import AttnMeta
 
-    engine = DecoderEngine(qwen_dir, device="cuda", dtype="bf16", num_blocks=512, max_num_seqs=16, max_model_len=512)
+    engine = DecoderEngine(model_dir, device="cuda", dtype="bf16", num_blocks=512, max_num_seqs=16, max_model_len=512)
     engine.warmup()
-    hf32 = AutoModelForCausalLM.from_pretrained(qwen_dir, dtype=torch.float32).cuda().eval()
-    hf16 = AutoModelForCausalLM.from_pretrained(qwen_dir, dtype=torch.bfloat16).cuda().eval()
-    prompts = _prompts(engine.cfg.vocab_size)
-    # logits of a whole prompt (prefill through the Triton kernel) against FP32
-    p = prompts[0]
-    n = len(p)
-    meta = AttnMeta(torch.arange(n, device="cuda"), torch.arange(-(-n // 16), dtype=torch.int32, device="cuda")[None],
-                    torch.tensor([n], dtype=torch.int32, device="cuda"),
-                    torch.tensor([0, n], dtype=torch.int32, device="cuda"), n, [n], [n], [list(range(-(-n // 16)))])
-    with torch.no_grad():
-        ours = engine.model.logits(engine.model.forward(torch.tensor(p, device="cuda"), torch.arange(n, device="cuda"),
-                                                        engine.kv, meta))
-        ref = hf32(torch.tensor([p], device="cuda")).logits[0].float()
-    scale = ref.abs().max().item()
-    assert (ours - ref).abs().max().item() < 0.05 * scale
-    # greedy against transformers' BF16 generate over 32 steps: where the two BF16 implementations part,
-    # it is at a near-tie (transformers' token is among our top 3 at that step). Measured on an H200
-    # (2026-12-01): 5 of these 12 prompts equal on all 32 steps, every divergence a near-tie; the
-    # issue's "bulk of prompts equal" is therefore not asserted (random weights tie often in BF16).
+    hf32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    hf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    # logits of whole prompts (prefill through the Triton kernel) against FP32
+    err, scale = 0.0, 0.0
+    for p in prompts[:4]:
+        n = len(p)
+        nb = -(-n // 16)
+        meta = AttnMeta(torch.arange(n, device="cuda"), torch.arange(nb, dtype=torch.int32, device="cuda")[None],
+                        torch.tensor([n], dtype=torch.int32, device="cuda"),
+                        torch.tensor([0, n], dtype=torch.int32, device="cuda"), n, [n], [n], [list(range(nb))])
+        with torch.no_grad():
+            ours = engine.model.logits(engine.model.forward(torch.tensor(p, device="cuda"),
+                                                            torch.arange(n, device="cuda"), engine.kv, meta))
+            ref = hf32(torch.tensor([p], device="cuda")).logits[0].float()
+        err = max(err, (ours - ref).abs().max().item())
+        scale = max(scale, ref.abs().max().item())
+    # greedy: the overlapped graph loop, and the host sampler with the top-2 logprobs (the margins)
+    fast, overlapped = _run_overlapped(engine, prompts, steps)
+    assert overlapped > 0
     tops: dict = {}
-    got = _run(engine, prompts, 32, logprobs=3, tops=tops)
-    equal = 0
+    got = _run(engine, prompts, steps, logprobs=2, tops=tops)
+    if same_paths:  # (random weights: batches formed at other steps may flip BF16 near-ties)
+        assert fast == got, "the overlapped CUDA-graph loop and the host sampler disagree"
+    equal, near, other = 0, [], []
     for i, (p, g) in enumerate(zip(prompts, got)):
-        out = hf16.generate(torch.tensor([p], device="cuda"), max_new_tokens=32, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)[0, len(p):].tolist()
+        out = hf16.generate(torch.tensor([p], device="cuda"), max_new_tokens=steps, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         if out == g:
             equal += 1
             continue
         j = next(k for k, (a, b) in enumerate(zip(out, g)) if a != b)
-        assert out[j] in tops[i][j], f"prompt {i}: step {j} chose {g[j]}, transformers {out[j]} (not a near-tie)"
-    print(f"{equal}/{len(prompts)} prompts equal on 32 greedy BF16 steps")
-    assert equal >= 1, "no prompt equal on 32 greedy steps"
+        (lp1, lp2) = [v for _, v in tops[i][j]]
+        margin = lp1 - lp2  # surge's top-2 logit gap where the two parted (same context up to there)
+        (near if margin < 2 * err else other).append((i, j, round(margin, 4)))
+    return equal, near, other, err, scale
+
+
+def test_bf16_trained_model_greedy_equals_transformers(trained_dir):
+    """The issue's GPU test on a model with real margins: logits within tolerance of FP32, and greedy
+    BF16 tokens equal to transformers' BF16 generate on all 32 steps for the bulk (>= 75%) of
+    prompts; a prompt that parts is counted apart when it parts at a near-tie (top-2 gap below
+    twice the measured BF16 logit error) and must not part anywhere else."""
+    prompts = _prompts(384, 24)
+    equal, near, other, err, scale = _compare_greedy(trained_dir, prompts)
+    print(f"trained model: {equal}/{len(prompts)} prompts equal on 32 greedy BF16 steps; near-ties {near}; "
+          f"other {other}; max logit error {err:.4f} of scale {scale:.2f}")
+    assert err < 0.05 * scale
+    assert not other, f"divergences that are not near-ties: {other}"
+    assert equal >= 0.75 * len(prompts), f"only {equal}/{len(prompts)} prompts equal"
+
+
+def test_bf16_logits_and_greedy_tokens_follow_transformers(qwen_dir):
+    """Random weights (near-uniform logits): logits within tolerance; prompts that part from
+    transformers part at near-ties only (counted, not required to be few: random weights tie often)."""
+    prompts = _prompts(384)
+    equal, near, other, err, scale = _compare_greedy(qwen_dir, prompts, same_paths=False)
+    print(f"random model: {equal}/{len(prompts)} prompts equal on 32 greedy BF16 steps; near-ties {near}; "
+          f"other {other}; max logit error {err:.4f} of scale {scale:.2f}")
+    assert err < 0.05 * scale
+    assert not other, f"divergences that are not near-ties: {other}"
 
 
 def test_cuda_graph_decode_equals_eager(qwen_dir):
@@ -128,4 +210,7 @@ def test_cuda_graph_decode_equals_eager(qwen_dir):
     assert a.graphs is not None and a.graphs.graphs
     b = DecoderEngine(qwen_dir, device="cuda", dtype="fp32", num_blocks=512, max_num_seqs=16, max_model_len=512,
                       cuda_graphs=False)
-    assert _run(a, prompts, 24) == _run(b, prompts, 24)
+    want = _run(b, prompts, 24)
+    assert _run(a, prompts, 24) == want
+    got, overlapped = _run_overlapped(a, prompts, 24)
+    assert got == want and overlapped > 10

@@ -69,6 +69,38 @@ def test_batches_form_under_concurrency_and_rows_match_alone(bundled_worker, poo
     assert all(r.free_wait_s <= delay + slack for r in b.history), max(r.free_wait_s for r in b.history)
 
 
+def test_split_batches_launch_and_collect_on_the_loop_and_wait_on_the_executor(bundled_worker, pool, encoded,
+                                                                               alone):
+    """The launch / wait / collect path (CUDA engines pooling in their graphs): each caller still
+    gets exactly its rows, launch and collect run on the event loop's thread, only wait elsewhere."""
+    import threading
+
+    loop_threads, wait_threads = set(), set()
+
+    def launch(items):
+        loop_threads.add(threading.get_ident())
+        return bundled_worker.compute(items)  # the CPU engine computes at once; a GPU one would return early
+
+    def wait(rows):
+        wait_threads.add(threading.get_ident())
+
+    def collect(rows):
+        loop_threads.add(threading.get_ident())
+        return rows
+
+    b = DynamicBatcher(bundled_worker.compute, pool, BatcherConfig(max_batch_size=32), split=(launch, wait, collect))
+    main = []
+
+    async def run():
+        main.append(threading.get_ident())
+        return await _clients(b, encoded, 32, 3, seed=5)
+
+    results = asyncio.run(run())
+    for idx, rows in results:
+        np.testing.assert_allclose(rows, alone[idx], atol=2e-5, rtol=0)
+    assert loop_threads == set(main) and main[0] not in wait_threads and wait_threads
+
+
 def test_batching_off_runs_every_input_alone(bundled_worker, pool, encoded, alone):
     b = _batcher(bundled_worker, pool, enabled=False)
     results = asyncio.run(_clients(b, encoded, 16, 2, seed=1))

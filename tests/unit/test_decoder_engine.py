@@ -103,6 +103,40 @@ def test_greedy_equals_transformers(name, model_dirs, hf_models):
 
 
 @pytest.mark.parametrize("name", ["gpt2", "qwen2"])
+def test_overlapped_steps_equal_transformers(name, model_dirs, hf_models):
+    """The loop that launches a decode step before reading the last one back (its input tokens
+    gathered from the previous step's output) gives transformers' tokens, with joins, preemption,
+    prefix-cache hits and stop tokens found one step late."""
+    from surge.runtime.scheduler.overlap import StepLoop
+
+    engine = DecoderEngine(model_dirs[name], num_blocks=24, block_size=4)
+    sched = Scheduler(SchedulerConfig(num_blocks=24, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                                      max_model_len=256), engine.cfg.eos_token_ids)
+    prompts = prompts_for(engine.cfg.vocab_size, 7)
+    n_new = 18
+    refs = [hf_greedy(hf_models[name], p, n_new) for p in prompts]
+    # every third sequence stops at the token it would produce 6th (found a step after it is launched)
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True,
+                                          stop_token_ids=(refs[i][5],) if i % 3 == 0 else ()))
+            for i, p in enumerate(prompts)]
+    arrivals = [0, 0, 0, 3, 5, 9, 0, 30, 31]
+    loop = StepLoop(sched, engine)
+    step, added, order = 0, 0, sorted(range(len(seqs)), key=lambda i: arrivals[i])
+    while added < len(seqs) or loop.busy:
+        while added < len(seqs) and arrivals[order[added]] <= step:
+            sched.add(seqs[order[added]])
+            added += 1
+        loop.step()
+        sched.blocks.check()
+        step += 1
+    for s, ref in zip(seqs, refs):
+        want = ref[: ref.index(ref[5]) + 1] if s.seq_id % 3 == 0 else ref
+        assert s.output_ids == want, f"prompt {s.seq_id}"
+    assert loop.overlapped > 10 and sched.preemptions > 0 and sched.blocks.hit_tokens > 0
+    assert sched.blocks.num_free == 24
+
+
+@pytest.mark.parametrize("name", ["gpt2", "qwen2"])
 def test_logits_and_logprobs_match(name, model_dirs, hf_models):
     engine = DecoderEngine(model_dirs[name], num_blocks=64, block_size=8)
     sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=8, max_num_seqs=4, max_num_batched_tokens=64,

@@ -12,6 +12,7 @@ import random
 import pytest
 
 from surge.runtime.scheduler import BlockManager, SamplingParams, Scheduler, SchedulerConfig, Sequence, SeqStatus
+from surge.runtime.scheduler.sequence import PLACEHOLDER
 
 
 def fake_token(tokens: list[int]) -> int:
@@ -175,3 +176,98 @@ def test_sampling_params_validation_and_keys():
     assert SamplingParams(temperature=0, seed=1).key() == SamplingParams(temperature=0, seed=2).key()
     assert SamplingParams(seed=1).key() != SamplingParams(seed=2).key()
     assert SamplingParams(seed=1).deterministic and not SamplingParams().deterministic
+
+
+class _Out:
+    def __init__(self, token):
+        self.token = token
+
+
+class FakeEngine:
+    """Launched steps as the GPU engine runs them: a sequence's input token may be a placeholder, then
+    it must come from the previous launch's output (what the device gathers)."""
+
+    def __init__(self):
+        self.launched = 0
+
+    def can_launch(self, scheduled):
+        return bool(scheduled) and all(s.num_tokens == 1 and s.sample and s.seq.fast for s in scheduled)
+
+    def _token(self, s, prev=None):
+        toks = s.seq.token_ids[: s.start + s.num_tokens]
+        assert PLACEHOLDER not in toks[:-1], "only the newest input token can still be on the device"
+        if toks[-1] == PLACEHOLDER:
+            assert prev is not None and s.seq.seq_id in prev, "a placeholder input must be in the previous launch"
+            toks = toks[:-1] + [prev[s.seq.seq_id]]
+        return fake_token(toks)
+
+    def launch(self, scheduled, prev):
+        self.launched += 1
+        return {s.seq.seq_id: self._token(s, prev) for s in scheduled}
+
+    def collect(self, handle):
+        return {k: _Out(v) for k, v in handle.items()}
+
+    def step(self, scheduled):
+        return {s.seq.seq_id: _Out(self._token(s)) for s in scheduled if s.sample}
+
+
+def _loop_run(overlap, seed, abort_at=None):
+    from surge.runtime.scheduler.overlap import StepLoop
+
+    rng = random.Random(seed)
+    cfg = SchedulerConfig(num_blocks=56, block_size=4, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=96)
+    sched = Scheduler(cfg, eos_token_ids=(3,))
+    stops = tuple(range(0, 997, 13))  # ~8% of tokens stop a sequence that does not ignore EOS
+    seqs = []
+    for i in range(14):
+        prompt = [rng.randrange(5, 997) for _ in range(rng.randrange(1, 30))]
+        kind = i % 4
+        host = i in (3, 10)  # logprobs: not fast, the host path (short, so that chains form around them)
+        params = SamplingParams(max_tokens=rng.randrange(1, 6 if host else 40), temperature=0.0,
+                                stop_token_ids=stops if kind == 1 else (), ignore_eos=kind != 2,
+                                logprobs=0 if host else None)
+        seqs.append(Sequence(i, prompt, params))
+    arrivals = sorted(rng.choice((0, 0, 15, 30)) + rng.randrange(0, 3) for _ in seqs)  # in bursts
+    engine = FakeEngine()
+    loop = StepLoop(sched, engine, overlap=overlap)
+    streamed = {s.seq_id: [] for s in seqs}
+    step, added = 0, 0
+    while added < len(seqs) or loop.busy:
+        while added < len(seqs) and arrivals[added] <= step:
+            sched.add(seqs[added])
+            added += 1
+        if abort_at is not None and step == abort_at:
+            for s in seqs[:3]:
+                sched.abort(s)
+        for r in loop.step():
+            for k, o in r.outs.items():
+                streamed[k].append(o.token)
+            for f in r.finished:
+                assert f.seq.finish_reason in ("stop", "length")
+        sched.blocks.check()
+        step += 1
+    assert sched.blocks.num_free == cfg.num_blocks
+    return seqs, streamed, loop, sched
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_overlapped_steps_give_the_synchronous_results(seed):
+    """Stops found one step late, sequences joining a chain, host-path sequences breaking it,
+    preemption between chains: the tokens, finish reasons and streamed tokens are those of the
+    synchronous loop (and of a sequence computed alone)."""
+    a, sa, _, sched_a = _loop_run(False, seed)
+    b, sb, loop, sched_b = _loop_run(True, seed)
+    assert loop.overlapped >= 20, "the run must overlap steps"
+    for x, y in zip(a, b):
+        assert y.output_ids == x.output_ids and y.finish_reason == x.finish_reason, y.seq_id
+        assert PLACEHOLDER not in y.token_ids
+        assert sb[y.seq_id] == y.output_ids  # each token streamed once, in order
+        assert x.output_ids == expected(x.prompt_ids, len(x.output_ids))
+    assert any(s.finish_reason == "stop" for s in b) and any(s.finish_reason == "length" for s in b)
+    # aborted mid-chain: blocks free at once, nothing else changes
+    c, sc, _, _ = _loop_run(True, seed, abort_at=12)
+    for x, y in zip(a[3:], c[3:]):
+        assert y.output_ids == x.output_ids
+    for y in c[:3]:
+        assert sc[y.seq_id] == [t for t in y.output_ids if t != PLACEHOLDER][: len(sc[y.seq_id])]

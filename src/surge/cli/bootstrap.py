@@ -6,7 +6,6 @@ offline side (optimize/export) and the online side (runtime, server).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 from pathlib import Path
@@ -83,26 +82,50 @@ def load_service(config: ServerConfig, spec: ModelSpec, version: str = "1", engi
     return service
 
 
-def load_repository_version(config: ServerConfig, entry):
-    """The repository's loader: one `models/<name>/<version>/model.yaml` -> a warmed-up ModelService."""
+def load_repository_version(config: ServerConfig, entry, *, single: bool = False):
+    """The one builder: one entry's `model.yaml` (a repository's version, or the one model of
+    `surge serve MODEL`) -> a ModelService (engines built and warmed up; ModelRepository then
+    warms it up through the full path). The server's sections (flags, SURGE_* variables) and
+    the model.yaml's are merged field by field (`_sections`)."""
     from dataclasses import replace
 
     cfg = entry.config
+    engine, batching, cache, generation = _sections(config, cfg, single)
     if cfg.kind != "hf":  # onnx, torch, python: a tensor model from its version directory
         from surge.runtime.tensor_loader import build_tensor_service, model_path
 
-        own_cache = cfg.cache if cfg.kind == "python" else (cfg.cache or config.cache)
+        # A python model may answer differently each call: cached only when its model.yaml asks.
+        own_cache = (cache if cfg.cache is not None else None) if cfg.kind == "python" else cache
         return build_tensor_service(entry.name, entry.version, cfg.kind, model_path(entry.dir, cfg.kind, cfg.tensor),
-                                    cfg.tensor, cfg.engine, cfg.batching or config.batching, own_cache, config.limits)
+                                    cfg.tensor, engine, batching, own_cache, config.limits)
     # Exported under the model directory's own name, so every entry (and every
     # version) of one model shares one cached artifact; served under the entry's.
     source = load_model_spec(entry.source_dir or bundled_model_dir(), task=cfg.task)
     artifact = None if is_decoder_dir(source.path) else \
-        entry.artifact_dir or _cached_artifact(source, cfg.engine, config.cache_dir, backbone=bool(cfg.heads))
+        entry.artifact_dir or _cached_artifact(source, engine, config.cache_dir, backbone=bool(cfg.heads))
     heads = [h.model_copy(update={"source": str(entry.resolve(h.source))}) if h.source else h
              for h in cfg.heads] if cfg.heads else None
-    return load_service(config, replace(source, name=entry.name), entry.version, cfg.engine, artifact=artifact,
-                        batching=cfg.batching, cache=cfg.cache, heads=heads, generation=cfg.generation)
+    return load_service(config, replace(source, name=entry.name), entry.version, engine, artifact=artifact,
+                        batching=batching, cache=cache, heads=heads, generation=generation)
+
+
+def _sections(config: ServerConfig, cfg, single: bool):
+    """Engine, batching, cache and generation settings of one model, merged field by field.
+
+    The more specific source wins. In a repository the server's settings are every model's
+    defaults and a model.yaml's fields override them. `surge serve MODEL`'s flags and
+    variables are about that one model: the fields they set override its model.yaml's
+    (flag > SURGE_* variable > model.yaml > field default)."""
+    from surge.config import merge_set
+
+    def pick(server, own):
+        if own is None:
+            return server
+        return merge_set(own, server) if single else merge_set(server, own)
+
+    engine_own = cfg.engine if "engine" in cfg.model_fields_set else None
+    return (pick(config.engine, engine_own), pick(config.batching, cfg.batching), pick(config.cache, cfg.cache),
+            pick(config.generation, cfg.generation))
 
 
 _ARTIFACTS: dict[tuple, Path | None] = {}
@@ -120,40 +143,53 @@ def _cached_artifact(spec: ModelSpec, engine: EngineConfig, cache_dir: Path | No
     return found
 
 
-def add_repository(state: AppState) -> None:
-    """Repository mode: models and pipelines from --model-repository, lifecycle API on."""
-    from surge.runtime.dag import PipelineSet
-    from surge.runtime.repository import ModelRepository
-
-    config = state.config
+def add_lifecycle(state: AppState) -> None:
+    """One lifecycle for both modes: a ModelRepository over the repository directory
+    (--model-repository, pipelines too) or over the one entry of `surge serve MODEL`.
+    Load, warm-up, ready, reload, unload, the KServe repository index, and the drain on
+    SIGTERM are that class's, whichever the mode."""
+    from surge.runtime.repository import DiskCatalog, ModelRepository
     from surge.runtime.tensor_loader import attach_registry
 
+    config = state.config
+    single = config.model_repository is None
+    if single:
+        from surge.cli.single_model import SingleModelCatalog
+
+        catalog = SingleModelCatalog(config)
+    else:
+        catalog = DiskCatalog(config.model_repository)
+
     def loader(entry):
-        service = load_repository_version(config, entry)
+        service = load_repository_version(config, entry, single=single)
         attach_registry(service, state.registry)  # a python model's in-process client
         return service
 
-    repo = ModelRepository(config.model_repository, state.registry, loader=loader,
-                           poll_s=config.repository_poll_s)
-    pipelines = PipelineSet(state.registry, root=repo.root)
+    repo = ModelRepository(catalog, state.registry, loader=loader, reload_on_load=single,
+                           poll_s=None if single else config.repository_poll_s)
     state.lifecycle = repo
     state.extras["repository"] = repo
-    state.extras["pipelines"] = pipelines
+    pipelines = None
+    if not single:
+        from surge.runtime.dag import PipelineSet
+
+        pipelines = state.extras["pipelines"] = PipelineSet(state.registry, root=repo.root)
 
     async def start(state: AppState) -> None:
         repo.model_names()  # a missing directory fails the start with a clear message
-        await repo.start()
+        await repo.start(strict=single)  # the one model failing to load fails the start
         for name, path in repo.pipeline_files().items():
             try:
                 await pipelines.load(name, path)
             except Exception as exc:  # reported by GET /pipelines; the models keep serving
                 log.error("pipeline %s: %s", name, getattr(exc, "message", exc))
-        loaded = ", ".join(f"{s.name}:{s.version}" for s in state.registry.services()) or "nothing"
-        print(f"surge: ready, serving {loaded} from {repo.root} on http://{config.host}:{config.port}",
+        loaded = ", ".join(s.name if single else f"{s.name}:{s.version}" for s in state.registry.services())
+        where = "" if single else f" from {repo.root}"
+        print(f"surge: ready, serving {loaded or 'nothing'}{where} on http://{config.host}:{config.port}",
               file=sys.stderr, flush=True)
 
     async def stop(state: AppState) -> None:
-        await repo.close()
+        await repo.close()  # routing stops, in-flight calls finish, every version is freed
 
     state.extras.setdefault("on_startup", []).append(start)
     state.extras.setdefault("on_shutdown", []).append(stop)
@@ -161,14 +197,13 @@ def add_repository(state: AppState) -> None:
 
 def build_state(config: ServerConfig) -> AppState:
     state = AppState(config=config, registry=ModelRegistry())
-    if config.model_repository is not None:
-        add_repository(state)
-    else:
-        add_single_model(state)
     if config.grpc_port:
         from surge.server.grpc.server import install_grpc
 
         install_grpc(state)
+    # After gRPC: on SIGTERM the gRPC server stops taking calls (finishing those in flight)
+    # before the models drain.
+    add_lifecycle(state)
     if _uses_gpu(config):
         from surge.engines.gpu_metrics import register_gpu_metrics
         from surge.runtime.metrics import default_registry
@@ -182,67 +217,3 @@ def _uses_gpu(config: ServerConfig) -> bool:
     if config.engine.device.startswith("cuda") or config.engine.devices:
         return True
     return config.model_repository is not None  # a repository may place any model on a GPU
-
-
-def add_single_model(state: AppState) -> None:
-    """The bundled model (or --model-dir) alone; KServe's repository calls reload it."""
-    from surge.cli.single_model import SingleModelLifecycle
-
-    config = state.config
-
-    async def load_single(state: AppState) -> None:
-        model_dir = config.model_dir or bundled_model_dir()
-        if _tensor_file(model_dir):  # surge serve model.onnx / model.pt2 / model.py
-            from surge.runtime.tensor_loader import attach_registry
-
-            service = await asyncio.to_thread(load_tensor_file, config, model_dir)
-            attach_registry(service, state.registry)
-            state.lifecycle = None
-            state.registry.add(service)
-            await service.warmup()
-            service.mark_ready()
-            print(f"surge: ready, serving {service.name} ({service.kind}) on http://{config.host}:{config.port}",
-                  file=sys.stderr, flush=True)
-            return
-        spec = load_model_spec(model_dir, name=config.model_name, task=config.task)
-        state.registry.set_aliases(spec.name, config.served_model_names)
-        service = await asyncio.to_thread(load_service, config, spec)
-        service.mark_ready()  # before it is added: registry listeners (gRPC health) see it ready
-        state.registry.add(service)
-        if config.cache.query_log is not None:
-            # Fill the pinned tier from the query log in the background (low priority).
-            state.extras.setdefault("background", set()).add(asyncio.create_task(service.prefill_pinned()))
-        log.info("serving %s version %s", service.name, service.version)
-        print(f"surge: ready, serving {service.name} on http://{config.host}:{config.port}", file=sys.stderr, flush=True)
-
-    state.extras.setdefault("on_startup", []).append(load_single)
-    state.lifecycle = SingleModelLifecycle(config, state.registry)
-
-
-def _tensor_file(path: Path) -> bool:
-    from surge.runtime.tensor_loader import kind_of_path
-
-    return kind_of_path(path) is not None
-
-
-def load_tensor_file(config: ServerConfig, path: Path):
-    """`surge serve model.onnx` (or .pt2, or model.py): one tensor model, named after the file."""
-    from surge.models.tensor_config import TensorModelOptions
-    from surge.runtime.tensor_loader import build_tensor_service, kind_of_path
-
-    path = Path(path).resolve()
-    folder = path.parent.parent if path.parent.name.isdigit() else path.parent  # <name>/<version>/model.onnx
-    name = config.model_name or (folder.name if path.stem == "model" else path.stem)
-    # A model.yaml or config.pbtxt beside the file declares what the graph cannot (a python model's tensors).
-    opts, engine, batching = TensorModelOptions(), config.engine, config.batching
-    beside = next((p for p in (path.parent / "model.yaml", path.parent / "config.pbtxt") if p.is_file()), None)
-    if beside is not None:
-        from surge.config import ModelFile, load_yaml_file
-        from surge.models.config_pbtxt import load_model_file
-
-        mf = load_yaml_file(beside, ModelFile) if beside.suffix == ".yaml" else load_model_file(beside)
-        opts, batching = mf.tensor, mf.batching or batching
-        if "engine" in mf.model_fields_set:
-            engine = mf.engine
-    return build_tensor_service(name, "1", kind_of_path(path), path, opts, engine, batching, config.cache,
-                                config.limits)

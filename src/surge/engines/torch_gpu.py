@@ -38,6 +38,12 @@ _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _WEIGHTS: dict[tuple, list] = {}
 _WEIGHTS_LOCK = threading.Lock()
 GEMM_MODES = ("cublas", "mixed", "triton")
+# Batches in flight per CUDA instance when the caller does not say. 1 in a process that also
+# serves HTTP: on the H200 a second engine thread took the GIL from the event loop (one process
+# fell from 2,496 to 1,420 req/s at 16 clients). The engine process of --workers sets 2
+# (cli/workers.py): there nothing else wants the GIL, and two in flight gave 1.5x the batches/s
+# of one at batch 64 (benchmarks/gpu_pipeline.py).
+DEFAULT_PIPELINE_DEPTH = 1
 # bias + GeLU in cuBLASLt's epilogue (the tanh form of GeLU): offered where approximate_gelu allows
 LT_GELU = "cublaslt_gelu"
 
@@ -99,7 +105,7 @@ class TorchEngine:
     def __init__(self, device: str = "cuda", precision: str = "fp16", max_batch: int = 64,
                  max_tokens: int | None = None, cuda_graphs: bool = True, workspace: Workspace | None = None,
                  max_graphs: int = 48, gemm: str = "auto", weight_budget: int | None = None,
-                 approximate_gelu: bool | None = None, threads: int = 0):
+                 approximate_gelu: bool | None = None, threads: int = 0, pipeline_depth: int | None = None):
         if precision not in _DTYPES:
             raise EngineError(f"the torch engine runs fp32, fp16 or bf16, not {precision!r}")
         self.device = torch.device(device)
@@ -135,6 +141,15 @@ class TorchEngine:
         self.builds = 0  # buckets built (captured; compiled and tuned on first use)
         self.build_s = 0.0  # seconds spent building them
         self._sealed_builds: int | None = None  # `builds` when warm-up finished
+        # Batches in flight on this instance's stream at once (double-buffered pinned staging): the
+        # host packs and copies batch k+1 while the GPU runs batch k. EnginePool hands the instance
+        # out this many times. 1 with a workspace shared between instances (their streams differ:
+        # one's graph could overwrite the other's activations).
+        pipelined = workspace is None and self.device.type == "cuda" and weight_budget is None
+        depth = DEFAULT_PIPELINE_DEPTH if pipeline_depth is None else pipeline_depth
+        self.pipeline_depth = max(1, depth) if pipelined else 1
+        self._slots: list | None = None
+        self.pool_mode: str | None = None  # pooling computed in the graph (attach_pooling); run() returns rows
 
     # ------------------------------------------------------------------ load
     def load(self, artifact: Path) -> None:
@@ -294,7 +309,7 @@ class TorchEngine:
         except torch.cuda.OutOfMemoryError as exc:
             torch.cuda.empty_cache()
             raise EngineError(f"GPU out of memory on a batch of {len(lengths)} x {int(lengths.max())} tokens") from exc
-        if batch.layout is Layout.PACKED:
+        if batch.layout is Layout.PACKED or self.pool_mode is not None:  # pooled: one row per sequence
             return packed
         out = np.zeros(batch.input_ids.shape + (packed.shape[1],), dtype=packed.dtype)
         out[batch.attention_mask.astype(bool)] = packed
@@ -320,10 +335,10 @@ class TorchEngine:
             self._make_buckets()
         return self.buckets.key(batch, tokens, max_len)
 
-    def _stage_inputs(self, ids, types, pos, lengths, key) -> int:
+    def _stage_inputs(self, ids, types, pos, lengths, key, host: torch.Tensor | None = None) -> int:
         bb, tb, _ = key
         t, b = len(ids), len(lengths)
-        h = self._h_inputs.numpy()
+        h = (self._h_inputs if host is None else host).numpy()
         h[:3 * tb + bb + 1] = 0
         h[:t] = ids
         h[tb:tb + t] = types
@@ -351,7 +366,29 @@ class TorchEngine:
         x = forward_fused(self.weights, views["inputs"], tb, bb, lb, views, gemm=gemm, offload=self.offload)
         if self._heads_mode:
             return self._heads_forward(x[:tb], views["inputs"], key)
+        if self.pool_mode is not None:
+            from surge.engines.device_pool import pool_on_device
+
+            return pool_on_device(x, views["inputs"], key, self.pool_mode)
         return x
+
+    # ------------------------------------------------------------------ pooling in the graph
+    def attach_pooling(self, mode: str) -> bool:
+        """Pool inside the captured graph (engines/device_pool.py): run() then returns [batch, hidden]
+        float32 rows, and only those are copied back. CUDA only, mean / cls / last, before warm-up
+        (the graphs are rebuilt). False: the caller pools the hidden states on the host."""
+        from surge.engines.device_pool import DEVICE_POOLING
+
+        if (self.device.type != "cuda" or self.head_set is not None or self.offload is not None
+                or mode not in DEVICE_POOLING or self.weights is None):
+            return False
+        with self._lock:
+            self._graphs.clear()
+            self.pool_mode = mode
+            self._h_pooled = torch.empty((self.plan.batch, self.config.hidden), dtype=torch.float32,
+                                         pin_memory=True)
+            self._slots = None  # rebuilt with a pooled-rows buffer per slot
+        return True
 
     # ------------------------------------------------------------------ task heads in the graph
     def attach_heads(self, head_set) -> bool:
@@ -377,6 +414,7 @@ class TorchEngine:
             self._tok_width = sum(head_set.token_widths)
             n = self.plan.batch * self._fixed + self.plan.tokens * self._tok_width
             self._h_heads = torch.empty(n, dtype=torch.float32, pin_memory=True)
+            self._slots = None  # rebuilt with a heads buffer per slot
         return True
 
     def _heads_forward(self, x: torch.Tensor, inputs: torch.Tensor, key) -> torch.Tensor:
@@ -490,39 +528,135 @@ class TorchEngine:
             self._graphs.popitem(last=False)
         return g
 
+    def _ensure_slots(self) -> None:
+        """The staging slots: (pinned inputs, pinned outputs, pinned heads output, done event) each.
+
+        Slot 0 is the buffers load() made (subclasses that plan their own workspace make them
+        too); the others are allocated here, on first use."""
+        if self._slots is not None:
+            return
+        import queue
+
+        with self._lock:
+            if self._slots is not None:
+                return
+            heads = getattr(self, "_h_heads", None)
+            pooled = getattr(self, "_h_pooled", None) if self.pool_mode is not None else None
+
+            def like(t):
+                return None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+
+            slots = [(self._h_inputs, self._h_out, heads, self._done, pooled)]
+            for _ in range(self.pipeline_depth - 1):
+                slots.append((like(self._h_inputs), like(self._h_out), like(heads), torch.cuda.Event(), like(pooled)))
+            free: queue.SimpleQueue = queue.SimpleQueue()
+            for i in range(len(slots)):
+                free.put(i)
+            self._free_slots = free
+            self._slots = slots
+
     def _run_cuda(self, ids, types, pos, lengths, heads: bool = False):
+        return self._collect_cuda(self._launch_cuda(ids, types, pos, lengths, heads))
+
+    def _launch_cuda(self, ids, types, pos, lengths, heads: bool = False) -> "Launched":
+        """One batch, up to the GPU: pack into a free pinned slot (no lock: overlaps the other
+        slot's batch on the GPU), then under the lock enqueue copy in -> graph replay -> copy out
+        -> event on this instance's stream. `_collect_cuda` waits for the event without the lock
+        (the next batch enqueues behind this one meanwhile). The stream orders the two batches'
+        use of the workspace."""
+        self._ensure_slots()
         t = len(ids)
         key = self.bucket(len(lengths), t, int(lengths.max()))
         ws_lock = self.workspace.lock
-        with self._lock, ws_lock:
-            self._heads_mode = heads
-            n = self._stage_inputs(ids, types, pos, lengths, key)
-            inputs = self.workspace.view(self.plan.region("inputs"), (n,))
-            with torch.cuda.stream(self.stream):
-                # inputs first: a new bucket's first (eager) forward and its capture read them
-                inputs.copy_(self._h_inputs[:n], non_blocking=True)
-            graph, views, out, mode = self._graph(key)
-            with torch.cuda.stream(self.stream):
-                if graph is not None:
-                    graph.replay()
-                else:
-                    out = self._forward(key, views, mode)
-                if heads:  # the graph's output is the heads' logits: [bb, fixed] then [tb, widths]
-                    bb = key[0]
-                    n = bb * self._fixed + t * self._tok_width
-                    h_out = self._h_heads[:n]
-                    h_out.copy_(out[:n], non_blocking=True)
-                else:
-                    h_out = self._h_out[:t]
-                    h_out.copy_(out[:t].view(h_out.dtype), non_blocking=True)
-                self._done.record(self.stream)
-            self._done.synchronize()
-            res = h_out.numpy().copy()
-        if heads:
-            b = len(lengths)
+        slot = self._free_slots.get()
+        h_in, h_out_all, h_heads, done, h_pooled = self._slots[slot]
+        pooled = self.pool_mode is not None and not heads
+        # A workspace shared with other instances (their own streams) is held until the batch is done.
+        shared_ws = self._shared_ws is not None
+        try:
+            n = self._stage_inputs(ids, types, pos, lengths, key, h_in)
+            with self._lock:
+                ws_lock.acquire()
+                try:
+                    self._heads_mode = heads
+                    inputs = self.workspace.view(self.plan.region("inputs"), (n,))
+                    with torch.cuda.stream(self.stream):
+                        # inputs first: a new bucket's first (eager) forward and its capture read them
+                        inputs.copy_(h_in[:n], non_blocking=True)
+                    graph, views, out, mode = self._graph(key)
+                    with torch.cuda.stream(self.stream):
+                        if graph is not None:
+                            graph.replay()
+                        else:
+                            out = self._forward(key, views, mode)
+                        if heads:  # the graph's output is the heads' logits: [bb, fixed] then [tb, widths]
+                            bb = key[0]
+                            n = bb * self._fixed + t * self._tok_width
+                            h_out = h_heads[:n]
+                            h_out.copy_(out[:n], non_blocking=True)
+                        elif pooled:  # the graph's output is the pooled rows: [bb, hidden] float32
+                            h_out = h_pooled[:len(lengths)]
+                            h_out.copy_(out[:len(lengths)], non_blocking=True)
+                        else:
+                            h_out = h_out_all[:t]
+                            h_out.copy_(out[:t].view(h_out.dtype), non_blocking=True)
+                        done.record(self.stream)
+                    if shared_ws:
+                        done.synchronize()
+                finally:
+                    ws_lock.release()
+        except BaseException:
+            self._free_slots.put(slot)
+            raise
+        return Launched(self, slot, done, h_out, key, t, len(lengths), heads, pooled)
+
+    def _collect_cuda(self, job: "Launched"):
+        try:
+            job.done.synchronize()
+            res = job.h_out.numpy().copy()
+        finally:
+            self._free_slots.put(job.slot)
+        if job.heads:
+            bb, t, b = job.key[0], job.tokens, job.rows
             fixed = res[:bb * self._fixed].reshape(bb, self._fixed)[:b]
             tokens = res[bb * self._fixed:].reshape(t, self._tok_width) if self._tok_width else None
             return fixed, tokens
-        if self.dtype == torch.bfloat16:
+        if self.dtype == torch.bfloat16 and not job.pooled:
             res = (res.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
         return res
+
+    # ------------------------------------------------------------------ launch / collect (pooled rows)
+    def launch(self, batch: TokenBatch) -> "Launched":
+        """The host part of run() (checks, packing, copy, graph launch), returning at once; the
+        caller waits (`Launched.wait`, off its event loop) then takes the rows (`collect`). With
+        pooling in the graph only: run() is collect(launch()). The batcher calls launch and collect
+        on its event loop and only the wait on a thread: no GIL hand-offs for the host work."""
+        if self.pool_mode is None or self.device.type != "cuda":
+            raise EngineError("launch/collect needs pooling in the graph on CUDA (attach_pooling)")
+        ids, types, lengths = self._packed_arrays(batch)
+        self._check(ids, types, lengths)
+        if self.config.type_vocab == 0:
+            types = np.zeros_like(ids)
+        pos = position_ids(lengths, self.config.position_offset)
+        try:
+            with self.on_device():
+                return self._launch_cuda(ids, types, pos, lengths)
+        except torch.cuda.OutOfMemoryError as exc:
+            torch.cuda.empty_cache()
+            raise EngineError(f"GPU out of memory on a batch of {len(lengths)} x {int(lengths.max())} tokens") from exc
+
+    def collect(self, job: "Launched") -> np.ndarray:
+        return self._collect_cuda(job)
+
+
+class Launched:
+    """A batch on its way through the GPU (TorchEngine.launch): wait() blocks without the GIL."""
+
+    __slots__ = ("engine", "slot", "done", "h_out", "key", "tokens", "rows", "heads", "pooled")
+
+    def __init__(self, engine, slot, done, h_out, key, tokens, rows, heads, pooled):
+        self.engine, self.slot, self.done, self.h_out, self.key = engine, slot, done, h_out, key
+        self.tokens, self.rows, self.heads, self.pooled = tokens, rows, heads, pooled
+
+    def wait(self) -> None:
+        self.done.synchronize()

@@ -239,8 +239,15 @@ def _apply_precision(proto: onnx.ModelProto, options: OptimizeOptions, evaluator
     else:
         block = list(options.block_list if options.block_list is not None else prec.DEFAULT_BLOCK_LIST)
     say(f"converting to {p} (FP32 kept for: {', '.join(block) or 'nothing'})")
-    low = prec.convert(proto, p, block)
-    decisions.update(block_list=block, model=low, block_list_violations=prec.blocked_nodes_ok(low, block))
+    nodes: list[str] = []
+    if evaluator.reference["calibration"].logits is not None:  # a task graph: its metric may need a few FP32 nodes
+        from surge.optimize.task_fallback import search_fp32_nodes
+
+        nodes, decisions["fp32_fallback"] = search_fp32_nodes(
+            proto, lambda kept: prec.emulate(prec.convert(proto, p, block, kept), p), evaluator, budget, say)
+    low = prec.convert(proto, p, block, nodes)
+    decisions.update(block_list=block, fp32_nodes=nodes, model=low,
+                     block_list_violations=prec.blocked_nodes_ok(low, block))
     # Validate on the emulation: ORT's CPU provider silently runs FP16 nodes that
     # lack an FP16 kernel in FP32 (it inserts Casts), so a real CPU run would hide
     # FP16 overflow; BF16 has no CPU kernels at all; and a GPU artifact is not

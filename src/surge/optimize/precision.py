@@ -37,17 +37,70 @@ def float_op_types(model: onnx.ModelProto) -> list[str]:
     return sorted({n.op_type for n in model.graph.node} - skip - _NEVER)
 
 
-def convert(model: onnx.ModelProto, precision: str, block_list: list[str]) -> onnx.ModelProto:
-    """A copy of `model` in `precision` (fp16 | bf16), `block_list` op types kept in FP32, FP32 inputs/outputs."""
+def convert(model: onnx.ModelProto, precision: str, block_list: list[str], nodes=()) -> onnx.ModelProto:
+    """A copy of `model` in `precision` (fp16 | bf16), `block_list` op types and the nodes named in
+    `nodes` kept in FP32, FP32 inputs/outputs."""
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     low = convert_float_to_float16(onnx.ModelProto.FromString(model.SerializeToString()), keep_io_types=True,
-                                   op_block_list=sorted(set(block_list) | _NEVER))
+                                   op_block_list=sorted(set(block_list) | _NEVER), node_block_list=list(nodes))
+    if nodes:
+        _unround_kept(low, model, set(nodes))
     if precision == "fp16":
         return low
     if precision == "bf16":
         return _retype(low, TensorProto.FLOAT16, TensorProto.BFLOAT16, originals=model)
     raise ValueError(f"unknown precision {precision!r}")
+
+
+def _unround_kept(low: onnx.ModelProto, original: onnx.ModelProto, nodes: set[str]) -> None:
+    """Keep the nodes named in `nodes` truly FP32. The converter blocks each node alone: its output
+    goes through Cast(fp16) -> Cast(fp32) even when the next node is blocked too (the graph output
+    as well), and its weights are stored in FP16 with a Cast to FP32 before it. Here a Cast(fp32)
+    of a Cast(fp16) of a kept node's output reads that FP32 output directly (an Identity), and a
+    kept node's FP16 weight is the FP32 original again. In place."""
+    g = low.graph
+    producer = {o: n for n in g.node for o in n.output}
+    inits = {i.name: i for i in g.initializer}
+    fp32 = {i.name: i for i in original.graph.initializer}
+
+    def cast_to(n, t):
+        return n.op_type == "Cast" and any(a.name == "to" and a.i == t for a in n.attribute)
+
+    readers: dict[str, list] = {}
+    for n in g.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    for n in list(g.node):
+        if not cast_to(n, TensorProto.FLOAT):
+            continue
+        src = n.input[0]
+        first = producer.get(src)
+        if first is not None and cast_to(first, TensorProto.FLOAT16):
+            origin = producer.get(first.input[0])
+            if origin is not None and origin.name in nodes:  # a kept node's output, rounded and back
+                n.op_type, n.input[0] = "Identity", first.input[0]
+                del n.attribute[:]
+        elif src in inits and inits[src].data_type == TensorProto.FLOAT16 and src in fp32 \
+                and all(r.name in nodes for r in readers.get(n.output[0], [])):
+            # a kept node's weight: the FP32 original under its own name, read through an Identity
+            name = f"{src}__fp32"
+            if name not in inits:
+                t = onnx.TensorProto()
+                t.CopyFrom(fp32[src])
+                t.name = name
+                g.initializer.append(t)
+                inits[name] = t
+            n.op_type, n.input[0] = "Identity", name
+            del n.attribute[:]
+    used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
+    keep = [n for n in g.node if n.op_type != "Cast" or any(o in used for o in n.output)]
+    del g.node[:]
+    g.node.extend(keep)
+    live = {i for n in g.node for i in n.input}
+    kept_inits = [i for i in g.initializer if i.name in live]
+    del g.initializer[:]
+    g.initializer.extend(kept_inits)
 
 
 def emulate(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:

@@ -1,7 +1,11 @@
 """Structured pruning: remove the attention heads that matter least, the same number in every layer.
 
 Importance of a head = how much the sentence embeddings of the calibration
-text move (1 - mean cosine) when that head alone is silenced. A head is
+text move (1 - mean cosine) when that head alone is silenced; for a task model
+(classify, rerank, token-classify), how much its predictions move: the mean
+total-variation distance of the label probabilities (softmax; a one-logit
+reranker's sigmoid), per input or per token, so that the heads its labels need
+are kept rather than the ones its backbone's embeddings need. A head is
 silenced by zeroing its slice of the attention output projection's input, so
 no model code is patched. Pruning slices the Q/K/V projections' output rows
 and the output projection's input columns; BERT's attention reshapes with -1
@@ -30,9 +34,11 @@ class PruneResult:
     heads_per_layer: int
     removed: dict[int, list[int]] = field(default_factory=dict)
     importance: list[list[float]] = field(default_factory=list)
+    measured_on: str = "embeddings"  # or "logits" (task models)
 
     def to_json(self) -> dict:
-        return {"method": "head ablation on calibration text, uniform per layer", "heads_total": self.heads_total,
+        return {"method": "head ablation on calibration text, uniform per layer", "measured_on": self.measured_on,
+                "heads_total": self.heads_total,
                 "heads_removed": self.heads_removed, "heads_per_layer": self.heads_per_layer,
                 "removed": {str(k): v for k, v in self.removed.items()},
                 "importance": [[round(x, 6) for x in row] for row in self.importance]}
@@ -60,16 +66,44 @@ def _embed(model, batches, spec: ModelSpec):
     return torch.cat(out)
 
 
-def head_importance(model, spec: ModelSpec, texts: list[str], progress=None) -> np.ndarray:
-    """[layers, heads] importance: 1 - mean cosine of embeddings with the head silenced."""
+def _probabilities(full, batches, spec: ModelSpec):
+    """A task model's label probabilities: [N, labels] per input, or [T, labels] over real tokens."""
+    import torch
+
+    out = []
+    with torch.inference_mode():
+        for ids, mask, types in batches:
+            logits = full(input_ids=ids, attention_mask=mask, token_type_ids=types).logits.float()
+            if logits.dim() == 3:
+                logits = logits[mask.bool()]
+            out.append(torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, -1))
+    return torch.cat(out)
+
+
+def head_importance(model, spec: ModelSpec, texts: list[str], progress=None, full=None) -> np.ndarray:
+    """[layers, heads] importance: 1 - mean cosine of embeddings with the head silenced; with `full`
+    (the task model around `model`), the mean total-variation distance of its label probabilities."""
     import torch
 
     from surge.optimize.validate import Encoded
 
-    data = Encoded(spec, texts, batch_size=32)
+    pairs = spec.task == "rerank"
+    data = Encoded(spec, _pairs(texts) if pairs else texts, batch_size=32)
     batches = [(torch.from_numpy(b.input_ids), torch.from_numpy(b.attention_mask), torch.from_numpy(b.token_type_ids))
                for b in data.batches]
-    reference = _embed(model, batches, spec)
+    if full is not None:
+        reference = _probabilities(full, batches, spec)
+
+        def moved() -> float:
+            p = _probabilities(full, batches, spec)
+            if p.shape[-1] == 1:
+                return float((p - reference).abs().mean())
+            return float(0.5 * (p - reference).abs().sum(-1).mean())
+    else:
+        reference = _embed(model, batches, spec)
+
+        def moved() -> float:
+            return float(1.0 - (_embed(model, batches, spec) * reference).sum(1).mean())
     layers = _layers(model)
     heads = spec.num_heads
     size = spec.hidden_size // heads
@@ -87,11 +121,15 @@ def head_importance(model, spec: ModelSpec, texts: list[str], progress=None) -> 
 
             handle = dense.register_forward_pre_hook(silence)
             try:
-                emb = _embed(model, batches, spec)
+                scores[li, h] = moved()
             finally:
                 handle.remove()
-            scores[li, h] = float(1.0 - (emb * reference).sum(1).mean())
     return scores
+
+
+def _pairs(texts: list[str]) -> list[tuple[str, str]]:
+    """A reranker's calibration pairs: each text against the next (query, document)."""
+    return [(a, b) for a, b in zip(texts, texts[1:] + texts[:1])]
 
 
 def prune_heads(model, keep: dict[int, list[int]], head_size: int) -> None:
@@ -123,9 +161,10 @@ def prune_and_export(spec: ModelSpec, fraction: float, texts: list[str], out_fil
     from surge.optimize.export import export_model, load_torch_model, task_graph
 
     # A task model is pruned inside its head model, so the pruned graph keeps the head as the source does.
-    full = load_torch_model(spec, head=task_graph(spec))
+    task = task_graph(spec)
+    full = load_torch_model(spec, head=task)
     model = full.base_model
-    scores = head_importance(model, spec, texts[:max_texts], progress)
+    scores = head_importance(model, spec, texts[:max_texts], progress, full=full if task else None)
     heads = spec.num_heads
     drop = min(int(round(fraction * heads)), heads - 1)
     keep, removed = {}, {}
@@ -137,4 +176,5 @@ def prune_and_export(spec: ModelSpec, fraction: float, texts: list[str], out_fil
     if progress:
         progress(f"exporting the pruned model ({heads - drop} heads per layer)")
     export_model(full, spec, out_file)
-    return PruneResult(out_file, heads * len(scores), drop * len(scores), heads - drop, removed, scores.tolist())
+    return PruneResult(out_file, heads * len(scores), drop * len(scores), heads - drop, removed, scores.tolist(),
+                       "logits" if task else "embeddings")

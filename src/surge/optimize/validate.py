@@ -87,6 +87,15 @@ class SetMetrics:
         d.pop("order_worst")
         return d
 
+    @property
+    def objective(self) -> float:
+        """What the optimizer's searches maximize: the tail cosine for embeddings; for a task graph
+        its task metric (label / token agreement, NDCG@10), the logits' tail cosine breaking ties
+        (weighted 1e-4: below one changed label among 10,000)."""
+        tail = self.tail_cosine or 0.0
+        task = next((v for v in (self.argmax, self.tokens, self.ndcg10) if v is not None), None)
+        return tail if task is None or self.top1 is not None else task + 1e-4 * tail
+
 
 @dataclass
 class GateResult:
@@ -181,6 +190,7 @@ class Outputs:
     # then hold the logits too (embeddings: one vector per input / token, see _task_outputs).
     logits: np.ndarray | list[np.ndarray] | None = None
     task: str | None = None  # the task graph's task (models/tasks.py)
+    token_rows: np.ndarray | None = None  # token heads: the input (sentence) index of each flat token row
 
 
 def run_model(sess: ort.InferenceSession, spec: ModelSpec, data: Encoded) -> Outputs:
@@ -208,19 +218,24 @@ def _task_outputs(sess: ort.InferenceSession, names: set, data: Encoded, task: s
     """A task graph's logits. `embeddings` gets a continuous signal for the optimizer's searches
     (int8 smoothing, fallback, block lists rank candidates by mean cosine): the logits of each input,
     each token's logits for token heads, and each query's centred document scores for a reranker."""
-    seq, tokens = [], []
+    seq, tokens, rows = [], [], []
+    start = 0
     for batch in data.batches:
         feeds = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
                  "token_type_ids": batch.token_type_ids}
         (out,) = sess.run(None, {k: v for k, v in feeds.items() if k in names})
         out = out.astype(np.float32)
+        n = len(batch.input_ids)
         if out.ndim == 3:
-            tokens.append(out[batch.attention_mask.astype(bool)])
+            mask = batch.attention_mask.astype(bool)
+            tokens.append(out[mask])
+            rows.append(np.repeat(np.asarray(data.order[start:start + n]), mask.sum(1)))
         else:
             seq.append(out)
+        start += n
     if tokens:
         flat = np.concatenate(tokens)
-        return Outputs(flat, tokens, flat, tokens, task)
+        return Outputs(flat, tokens, flat, tokens, task, token_rows=np.concatenate(rows))
     logits = np.empty((len(data.texts), seq[0].shape[1]), np.float32)
     logits[data.order] = np.concatenate(seq)
     emb = logits
@@ -352,20 +367,41 @@ def _compare_logits(ref: Outputs, cand: Outputs) -> SetMetrics:
     cos = _cosine(ref.embeddings, cand.embeddings)
     diffs = [np.abs(r - c).max() for r, c in zip(ref.hidden, cand.hidden)]
     max_abs = float(np.max(diffs)) if np.all(np.isfinite(diffs)) else float("inf")
-    # The logits' cosine still ranks candidates in the INT8 and block-list searches (worst 1% first).
+    # The logits' cosine is the searches' tie-breaker (SetMetrics.objective); the task metric leads.
     out = SetMetrics(len(cos), float(cos.mean()), float(cos.min()), max_abs, None, None, tail_cosine=tail_mean(cos),
-                     worst=[{"index": int(i), "cosine": round(float(cos[i]), 6)} for i in np.argsort(cos)[:5]],
-                     order_worst=[int(i) for i in np.argsort(cos, kind="stable")])
+                     worst=[{"index": int(i), "cosine": round(float(cos[i]), 6)} for i in np.argsort(cos)[:5]])
     if ref.task == "token-classify":
         agree = [a.argmax(1) == b.argmax(1) for a, b in zip(ref.logits, cand.logits)]
         out.tokens = float(np.concatenate(agree).mean())
+        # worst first = the sentences whose least safe token is least safe (flipped ones lead)
+        margin = label_margin(np.concatenate(ref.logits), np.concatenate(cand.logits))
+        per = np.full(int(ref.token_rows.max()) + 1, np.inf)
+        np.minimum.at(per, ref.token_rows, margin)
+        out.order_worst = [int(i) for i in np.argsort(per, kind="stable")]
     elif ref.task == "rerank":  # one score per (query, document) pair
         r = ref.logits[:, 0].reshape(RERANK_QUERIES, -1)
         c = np.nan_to_num(cand.logits[:, 0].reshape(RERANK_QUERIES, -1), nan=-np.inf)
         out.rank_top1, out.ndcg10 = ranking_agreement(r, c)
+        # the worst queries' pairs first (query-major, as rerank_pairs lays them out): a subset keeps
+        # whole queries, so its pairs still reshape into [queries, documents]
+        docs = r.shape[1]
+        out.order_worst = [int(q) * docs + d for q in np.argsort(cos, kind="stable") for d in range(docs)]
     else:
         out.argmax = float((ref.logits.argmax(1) == cand.logits.argmax(1)).mean())
+        out.order_worst = [int(i) for i in np.argsort(label_margin(ref.logits, cand.logits), kind="stable")]
     return out
+
+
+def label_margin(ref: np.ndarray, cand: np.ndarray) -> np.ndarray:
+    """Per row: the candidate's logit of the reference's label minus its best other logit
+    (negative: the label changed; small: it nearly did)."""
+    ref, cand = np.nan_to_num(ref, nan=-np.inf), np.nan_to_num(cand, nan=-np.inf)
+    label = ref.argmax(1)
+    own = np.take_along_axis(cand, label[:, None], 1)[:, 0]
+    other = cand.copy()
+    other[np.arange(len(cand)), label] = -np.inf
+    with np.errstate(invalid="ignore"):
+        return np.nan_to_num(own - other.max(1), nan=-np.inf)
 
 
 def rerank_pairs(texts: list[str]) -> list[tuple[str, str]]:

@@ -87,8 +87,12 @@ class BatcherConfig:
 
 class DynamicBatcher:
     def __init__(self, run: RunBatch, executor: Executor, cfg: BatcherConfig,
-                 metrics: ServiceMetrics | None = None, name: str = "model"):
+                 metrics: ServiceMetrics | None = None, name: str = "model", split=None):
+        """`split`: (launch, wait, collect) for engines that run a batch in halves
+        (ModelWorker.compute_launch/_wait/_collect): launch and collect run on the event loop,
+        only wait on the executor, so the engine's host work never waits for the GIL."""
         self._run = run
+        self._split = split
         self._executor = executor
         self.cfg = cfg
         self.name = name
@@ -126,11 +130,25 @@ class DynamicBatcher:
         """Rows for `items`, in order. `deadline` is a time.monotonic() value;
         a higher `priority` is served first. `timings` (a dict) gets the time the
         inputs waited (queue_ns, the longest of them) and computed (compute_infer_ns)."""
+        return await self.enqueue(items, deadline, priority, timings)
+
+    def enqueue(self, items: list[Encoded], deadline: float | None = None, priority: int = 0,
+                timings: dict | None = None, timer: bool = True) -> asyncio.Future:
+        """`submit` without the coroutine: the future of the rows (cancel it to withdraw the inputs).
+
+        The engine process (runtime/ipc.py) takes thousands of requests a second this way, with a
+        done-callback instead of a task per request. `timer=False`: no expiry timer per request
+        (expired inputs are still dropped when a batch is formed; the caller enforces its own
+        deadline and cancels), which saves a timer-heap entry per request.
+        """
         if self._closed:
             raise NotReady(f"model {self.name} is shutting down")
         if not items:
             raise ValueError("submit needs at least one item")
-        if self._pending and len(self._pending) + len(items) > self.cfg.max_queue_size:
+        # Inputs a free instance takes at once are not queued: without this, requests arriving in
+        # one event-loop pass (before the scheduler runs) counted the first batch as queue.
+        room = self.cfg.max_queue_size + getattr(self._slots, "_value", 0) * self.max_batch_size
+        if self._pending and len(self._pending) + len(items) > room:
             raise Overloaded(f"the queue of model {self.name} is full ({len(self._pending)} inputs); retry later",
                              retry_after=1.0)
         loop = asyncio.get_running_loop()
@@ -145,12 +163,12 @@ class DynamicBatcher:
             entry = _Entry(ticket, i, it, len(it), next(self._seq), now)
             self._pending.append(entry)
             self._pending_tokens += entry.length
-        if deadline is not None:
+        if deadline is not None and timer:
             ticket.timer = loop.call_at(loop.time() + (deadline - now), self._expire, ticket)
         ticket.future.add_done_callback(lambda f, t=ticket: self._settled(t))
         self._depth_changed()
         self._wake.set()
-        return await ticket.future
+        return ticket.future
 
     def _expire(self, ticket: _Ticket) -> None:
         if not ticket.future.done():
@@ -283,7 +301,15 @@ class DynamicBatcher:
                 m.queue.observe(start - e.arrived)
         try:
             self.computed_inputs += len(batch)
-            rows = await loop.run_in_executor(self._executor, self._run, [e.item for e in batch])
+            if self._split is not None:
+                launch, wait, collect = self._split
+                pending = launch([e.item for e in batch])
+                try:
+                    await loop.run_in_executor(self._executor, wait, pending)
+                finally:
+                    rows = collect(pending)  # also frees the engine's slot if the wait failed
+            else:
+                rows = await loop.run_in_executor(self._executor, self._run, [e.item for e in batch])
             took = time.monotonic() - start
             if m is not None:
                 m.compute.observe(took)

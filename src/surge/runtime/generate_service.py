@@ -31,6 +31,7 @@ from surge.runtime.detok import TextState
 from surge.runtime.generate_text import PromptText
 from surge.runtime.generate_metrics import GenerateMetrics
 from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
+from surge.runtime.scheduler.overlap import StepLoop
 
 log = logging.getLogger("surge.generate")
 
@@ -44,6 +45,9 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached: bool = False
+    # on the last delta: KServe statistics' stages in ns (queue: until admitted; compute_input: the
+    # prefill, until the first token; compute_infer: the decode, first to last token)
+    timings: dict | None = None
 
 
 @dataclass
@@ -55,6 +59,7 @@ class GenerationResult:
     completion_tokens: int
     logprobs: list[dict] | None = None
     cached: bool = False
+    timings: dict | None = None
 
 
 @dataclass(eq=False)
@@ -102,6 +107,9 @@ class GenerateService(PromptText):
             max_num_batched_tokens=max(c.max_num_batched_tokens, c.max_num_seqs), max_model_len=caps.max_model_len,
             prefix_caching=c.prefix_caching), eos_token_ids=engine.cfg.eos_token_ids)
         self.metrics = GenerateMetrics(name, version, metrics_registry)
+        # overlap needs a device that runs behind the host; on the CPU a step is the host's own work
+        on_gpu = getattr(getattr(engine, "device", None), "type", "cpu") == "cuda"
+        self.loop = StepLoop(self.scheduler, engine, overlap=c.overlap_steps and on_gpu)
         self._ids = itertools.count(1)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -111,7 +119,7 @@ class GenerateService(PromptText):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cache: OrderedDict[tuple, list[Delta]] = OrderedDict()
         self.steps = 0
-        self.busy_s = 0.0  # time inside engine.step (the rest of a step is scheduling and hand-off)
+        self.busy_s = 0.0  # time inside the step loop (schedule, launch, read back, resolve)
         # The engine thread gives up the GIL at every device sync and wake-up; with the default 5 ms
         # switch interval it can then wait that long behind the event loop's per-token work, which is a
         # decode step's whole budget. A shorter interval bounds that wait (process-wide, cheap).
@@ -154,7 +162,7 @@ class GenerateService(PromptText):
                 logprobs.extend(d.logprobs)
             last = d
         return GenerationResult("".join(text), ids, last.finish_reason, last.prompt_tokens, last.completion_tokens,
-                                logprobs if params.logprobs is not None else None, last.cached)
+                                logprobs if params.logprobs is not None else None, last.cached, last.timings)
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams, *,
                      deadline: float | None = None, use_cache: bool = True) -> AsyncIterator[Delta]:
@@ -188,7 +196,7 @@ class GenerateService(PromptText):
         state = TextState(self.decode, params.stop)
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.engine.cfg.eos_token_ids))
         recorded: list[Delta] = []
-        start = last = time.monotonic()
+        start = last = first = time.monotonic()
         n_out = 0
         timer = self._loop.call_at(self._loop.time() + max(0.0, deadline - time.monotonic()), handle.expire)
         try:
@@ -206,6 +214,8 @@ class GenerateService(PromptText):
                     # tokens that arrive together reach the client together: one gap, then zeros
                     (self.metrics.ttft if n_out == 0 else self.metrics.itl).observe(
                         now - (start if n_out == 0 else last))
+                    if n_out == 0:
+                        first = now
                     last = now
                     n_out += 1
                     tokens.append(token)
@@ -226,6 +236,11 @@ class GenerateService(PromptText):
                 self.metrics.output.inc(len(tokens))
                 d = Delta("".join(text), tokens, lps if params.logprobs is not None else None, finish,
                           len(prompt_ids), n_out)
+                if finish is not None:
+                    admitted = seq.scheduled_at or start
+                    d.timings = {"queue_ns": int(1e9 * max(0.0, admitted - start)),
+                                 "compute_input_ns": int(1e9 * max(0.0, first - admitted)),
+                                 "compute_infer_ns": int(1e9 * max(0.0, last - first))}
                 if key is not None:
                     recorded.append(d)
                 yield d
@@ -256,7 +271,8 @@ class GenerateService(PromptText):
         s = self.scheduler
         return {"running": len(s.running), "waiting": len(s.waiting), "kv_usage": s.blocks.usage,
                 "free_blocks": s.blocks.num_free, "prefix_hit_tokens": s.blocks.hit_tokens,
-                "prefix_queried_tokens": s.blocks.queried_tokens, "preemptions": s.preemptions, "steps": self.steps}
+                "prefix_queried_tokens": s.blocks.queried_tokens, "preemptions": s.preemptions, "steps": self.steps,
+                "overlapped_steps": self.loop.overlapped}
 
     async def close(self) -> None:
         self.ready = False
@@ -282,39 +298,43 @@ class GenerateService(PromptText):
                 self.engine.forget(msg[1].seq_id)
 
     def _run(self) -> None:
+        loop = self.loop
         while not self._closed:
             self._drain_inbox()
-            if not self.scheduler.has_work:
+            if not loop.busy:
                 self.metrics.engine_state(self.scheduler)
                 self._wake.wait()
                 self._wake.clear()
                 continue
-            scheduled = self.scheduler.schedule()
-            if not scheduled:  # nothing fits now (cannot happen while something runs); wait for a change
+            try:
+                t0 = time.perf_counter()
+                results = loop.step()
+                self.busy_s += time.perf_counter() - t0
+            except Exception as exc:  # the steps' requests fail; the service keeps serving
+                log.exception("generation step failed")
+                err = EngineError(f"generation failed: {type(exc).__name__}: {exc}")
+                for seq in loop.involved():
+                    self.scheduler.abort(seq, "error")
+                    self._deliver_error(seq, err)
+                continue
+            if loop.stalled:
+                # nothing fits now (cannot happen while something runs); wait for a change
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
-            try:
-                t0 = time.perf_counter()
-                outs = self.engine.step(scheduled)
-                self.busy_s += time.perf_counter() - t0
-            except Exception as exc:  # the batch's requests fail; the service keeps serving
-                log.exception("generation step failed")
-                err = EngineError(f"generation failed: {type(exc).__name__}: {exc}")
-                for s in scheduled:
-                    self.scheduler.abort(s.seq, "error")
-                    self._deliver_error(s.seq, err)
-                continue
-            finished = {f.seq.seq_id: f.reason for f in self.scheduler.update(scheduled, {k: o.token for k, o in outs.items()})}
-            self.steps += 1
             events = []
-            for sid, out in outs.items():
-                events.append((sid, (out.token, out, finished.get(sid))))
-                if sid in finished:
-                    self.engine.forget(sid)
+            for r in results:
+                self.steps += 1
+                finished = {f.seq.seq_id: f.reason for f in r.finished}
+                for sid, out in r.outs.items():
+                    events.append((sid, (out.token, out, finished.get(sid))))
+                    if sid in finished:
+                        self.engine.forget(sid)
             if events and self._loop is not None:
                 self._loop.call_soon_threadsafe(self._deliver, events)
             self.metrics.engine_state(self.scheduler)
+        if loop.busy:
+            loop.involved()
         for s in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.abort(s, "abort")
             self._deliver_error(s, NotReady(f"model '{self.name}' was unloaded"))

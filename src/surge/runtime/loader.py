@@ -103,6 +103,11 @@ def build_worker(spec: ModelSpec, artifact: Path | None, cfg: EngineConfig, head
 
         raise ConfigError(f"{artifact}: the ONNX graph returns a task head's logits; "
                           f"{spec.name} is served as task '{spec.task}' and needs the hidden states")
+    else:  # CUDA torch engines pool inside their graphs (rows, not hidden states, come back)
+        for engine in engines.engines:
+            attach = getattr(engine, "attach_pooling", None)
+            if attach is not None:
+                attach(spec.pooling)
     for engine in engines.engines:
         engine.warmup(cfg.warmup_shapes)
     slow_down(engines, engine_delay_s())  # a test-only setting; a no-op unless SURGE_TEST_ENGINE_DELAY_MS is set

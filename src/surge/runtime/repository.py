@@ -10,6 +10,11 @@ leaves whatever is serving untouched, and the index reports why.
 Building a service needs the artifact exporter, which lives on the offline side:
 the CLI passes a `loader` callable in, so runtime/ never imports optimize/.
 
+Where the entries come from is a catalog: `DiskCatalog` reads a repository
+directory (`--model-repository`); `surge serve MODEL` passes a catalog of one
+entry (cli/single_model.py), so both modes load, warm up, swap, drain and free
+models with this one code.
+
 Names come from clients (HTTP paths, gRPC fields), so a name is only ever looked
 up in the repository's own listing, never joined onto a path: `../x`, `/abs`,
 `m/.` or `./m` are simply not in it. Every directory the listing offers (model,
@@ -21,155 +26,37 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import hashlib
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import yaml
-
-from surge.config import ModelFile, load_yaml_file
-from surge.errors import ConfigError, EngineError, InvalidInput, NotFound, SurgeError, relative_paths, shown
+from surge.errors import ConfigError, EngineError, InvalidInput, NotFound, SurgeError, shown
+from surge.runtime.catalog import (CONFIG_PBTXT, MODEL_YAML, PIPELINE_YAML, DiskCatalog, ModelEntry,  # noqa: F401
+                                   VersionEntry, inside, scan_model)
 from surge.runtime.registry import ModelRegistry
 from surge.runtime.served import ServedModel
 
 log = logging.getLogger("surge.repository")
 
-MODEL_YAML = "model.yaml"
-PIPELINE_YAML = "pipeline.yaml"
-CONFIG_PBTXT = "config.pbtxt"
 READY, LOADING, UNAVAILABLE = "READY", "LOADING", "UNAVAILABLE"
-
-
-@dataclass
-class VersionEntry:
-    """One version directory on disk, with its validated model.yaml (or the error)."""
-
-    name: str
-    version: str
-    dir: Path
-    config: ModelFile | None = None
-    error: str | None = None
-    fingerprint: str = ""
-
-    def resolve(self, value: str | None) -> Path | None:
-        """A path from model.yaml, relative to the version directory."""
-        if value is None or value == "bundled":
-            return None
-        path = Path(value).expanduser()
-        return path if path.is_absolute() else (self.dir / path).resolve()
-
-    @property
-    def source_dir(self) -> Path | None:
-        """The model directory; None means the bundled model."""
-        return self.resolve(self.config.source) if self.config else None
-
-    @property
-    def artifact_dir(self) -> Path | None:
-        return self.resolve(self.config.artifact) if self.config and self.config.artifact else None
-
-
-@dataclass
-class ModelEntry:
-    name: str
-    versions: dict[str, VersionEntry] = field(default_factory=dict)
-    error: str | None = None  # a problem with the model as a whole (no versions, bad shared yaml)
-
-    def sorted_versions(self) -> list[str]:
-        return sorted(self.versions, key=int)
-
-    def valid_versions(self) -> list[str]:
-        return [v for v in self.sorted_versions() if self.versions[v].config is not None]
-
-    def desired(self) -> list[str]:
-        valid = self.valid_versions()
-        if not valid:
-            return []
-        policy = self.versions[valid[-1]].config.version_policy
-        return policy.select(valid)
 
 
 Loader = Callable[[VersionEntry], object]  # builds a warmed-up ModelService (blocking)
 
 
-def inside(path: Path, root: Path) -> bool:
-    """Whether `path`, symlinks followed, lies in `root` (a resolved directory)."""
-    try:
-        return Path(path).resolve().is_relative_to(root)
-    except (OSError, ValueError):
-        return False
-
-
-def scan_model(root: Path, name: str) -> ModelEntry:
-    """Read `<root>/<name>/`: shared model.yaml, then each numeric version directory."""
-    root = Path(root).resolve()
-    entry = _scan_model(root, name)
-    entry.error = relative_paths(entry.error, root) if entry.error else entry.error
-    for ventry in entry.versions.values():
-        ventry.error = relative_paths(ventry.error, root) if ventry.error else ventry.error
-    return entry
-
-
-def _scan_model(root: Path, name: str) -> ModelEntry:
-    model_dir = root / name
-    entry = ModelEntry(name)
-    shared: dict = {}
-    shared_file = model_dir / MODEL_YAML
-    if shared_file.is_file():
-        try:
-            load_yaml_file(shared_file, ModelFile)  # validate on its own first: errors name this file
-            shared = yaml.safe_load(shared_file.read_text(encoding="utf-8")) or {}
-        except ConfigError as exc:
-            entry.error = exc.message
-            return entry
-    for sub in sorted(p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()):
-        ventry = VersionEntry(name, str(int(sub.name)), sub)
-        own = sub / MODEL_YAML
-        # Triton's config.pbtxt (in the version directory, or the model's) stands in for a model.yaml.
-        pbtxt = next((p for p in (sub / CONFIG_PBTXT, model_dir / CONFIG_PBTXT) if p.is_file()), None)
-        texts = [shared_file.read_bytes() if shared_file.is_file() else b""]
-        try:
-            if not inside(sub, root):
-                raise ConfigError(f"{sub}: the version directory lies outside the repository")
-            if own.is_file():
-                texts.append(own.read_bytes())
-                ventry.config = load_yaml_file(own, ModelFile, merge_with=shared)
-            elif pbtxt is not None:
-                from surge.models.config_pbtxt import load_model_file
-
-                texts.append(pbtxt.read_bytes())
-                ventry.config = load_model_file(pbtxt, merge_with=shared)
-            elif shared_file.is_file():
-                ventry.config = ModelFile.model_validate(shared)
-            else:
-                raise ConfigError(f"{own}: file missing (each version needs a model.yaml or a config.pbtxt, "
-                                  f"or put one in {model_dir})")
-            # Paths are named as model.yaml writes them: an absolute one outside the root is not echoed.
-            for field_name, path in (("source", ventry.source_dir), ("artifact", ventry.artifact_dir)):
-                if path is not None and not path.is_dir():
-                    raise ConfigError(f"{own}: field '{field_name}': directory "
-                                      f"'{getattr(ventry.config, field_name)}' does not exist", param=field_name)
-            if ventry.artifact_dir is not None and not inside(ventry.artifact_dir, root):
-                # Only `source` (model weights) may live elsewhere; what the server loads
-                # as built for it stays inside the repository.
-                raise ConfigError(f"{own}: field 'artifact': directory '{ventry.config.artifact}' lies outside "
-                                  "the repository", param="artifact")
-        except ConfigError as exc:
-            ventry.config, ventry.error = None, exc.message
-        ventry.fingerprint = hashlib.sha256(b"\0".join(texts)).hexdigest()[:16]
-        entry.versions[ventry.version] = ventry
-    if not entry.versions and entry.error is None:
-        entry.error = f"{model_dir}: no version directories (expected {model_dir}/1/{MODEL_YAML})"
-    return entry
-
-
 class ModelRepository:
-    """Implements server.state.ModelLifecycle (index, load, unload) plus reload and polling."""
+    """Implements server.state.ModelLifecycle (index, load, unload) plus reload and polling.
 
-    def __init__(self, root: Path, registry: ModelRegistry, loader: Loader, *, poll_s: float | None = None,
-                 drain_grace_s: float = 0.2, warmup_text: str = "surge warm-up"):
-        self.root = Path(root).expanduser().resolve()
+    `source`: a repository directory, or a catalog (names, scan, read, pipelines, relative).
+    `reload_on_load`: a load of a loaded, unchanged version rebuilds it (single-model serving:
+    its configuration never changes on disk, so a load is asked for to rebuild)."""
+
+    def __init__(self, source, registry: ModelRegistry, loader: Loader, *, poll_s: float | None = None,
+                 drain_grace_s: float = 0.2, warmup_text: str = "surge warm-up", reload_on_load: bool = False):
+        self.catalog = source if hasattr(source, "scan") else DiskCatalog(source)
+        self.root = getattr(self.catalog, "root", None)
+        self.reload_on_load = reload_on_load
+        self._background: set[asyncio.Task] = set()
         self.registry = registry
         self.loader = loader
         self.poll_s = poll_s
@@ -185,38 +72,33 @@ class ModelRepository:
 
     # -- disk -------------------------------------------------------------------------
     def model_names(self) -> list[str]:
-        """The models: the root's directories (inside it, symlinks followed), pipelines excepted.
+        """The models: the catalog's names (a repository's directories, pipelines excepted).
         The only names that load: every lifecycle call checks its name against this list."""
-        if not self.root.is_dir():
-            raise ConfigError(f"model repository {self.root} does not exist")
-        return sorted(p.name for p in self.root.iterdir()
-                      if p.is_dir() and not p.name.startswith((".", "_")) and not (p / PIPELINE_YAML).is_file()
-                      and inside(p, self.root))
+        return self.catalog.names()
 
     def pipeline_files(self) -> dict[str, Path]:
         """`<root>/<name>/pipeline.yaml` files: the pipelines the server loads after the models."""
-        return {p.parent.name: p for p in sorted(self.root.glob(f"*/{PIPELINE_YAML}"))
-                if not p.parent.name.startswith((".", "_")) and inside(p, self.root)}
+        return self.catalog.pipelines()
 
     def scan(self, name: str) -> ModelEntry:
-        names = self.model_names()
-        if name not in names:  # an exact listed name: never a path built from what the client sent
-            known = ", ".join(names) or "none"
-            raise NotFound(f"model '{shown(name)}' is not in the repository; available: {shown(known, 512)}",
-                           param="model")
-        return scan_model(self.root, name)
+        return self.catalog.scan(name)
 
     def relative(self, message: str) -> str:
-        return relative_paths(message, self.root)
+        return self.catalog.relative(message)
 
     # -- lifecycle --------------------------------------------------------------------
-    async def start(self) -> None:
-        """Load every model as its version policy says; failures are reported, not fatal."""
+    async def start(self, strict: bool = False) -> None:
+        """Load every model as its version policy says; failures are reported, not fatal
+        (`strict`: the first one is raised, once every model was tried)."""
+        errors: list[SurgeError] = []
         for name in self.model_names():
             try:
-                await self._apply(self.scan(name))
+                await self._apply(self.scan(name), explicit=strict)
             except SurgeError as exc:
                 log.error("model %s: %s", name, exc.message)
+                errors.append(exc)
+        if strict and errors:
+            raise errors[0]
         if self.poll_s:
             self._poller = asyncio.create_task(self._poll_loop(), name="surge-repository-poll")
 
@@ -224,7 +106,7 @@ class ModelRepository:
         out: list[dict] = []
         seen: set[tuple[str, str]] = set()
         for name in self.model_names():
-            entry = scan_model(self.root, name)
+            entry = self.catalog.read(name)
             if entry.error and not entry.versions:
                 out.append({"name": name, "version": "", "state": UNAVAILABLE, "reason": entry.error})
             for v in entry.sorted_versions():
@@ -251,7 +133,7 @@ class ModelRepository:
 
     async def load(self, name: str, version: str | None = None) -> None:
         """Load a model as its policy says (or one version); an unchanged loaded version is kept."""
-        await self._load(name, version, force=False)
+        await self._load(name, version, force=self.reload_on_load)
 
     async def reload(self, name: str, version: str | None = None) -> None:
         """Rebuild the loaded versions (or the policy's) from model.yaml, swap them in, drain the old."""
@@ -288,6 +170,8 @@ class ModelRepository:
                 await self._unload_version(key, "unloaded")
 
     async def close(self) -> None:
+        """Stop polling, then drain and free every loaded version (the server is stopping:
+        SIGTERM). Routing stops first; calls in flight finish; the versions drain together."""
         if self._poller:
             self._poller.cancel()
             try:
@@ -295,6 +179,13 @@ class ModelRepository:
             except (asyncio.CancelledError, Exception):
                 pass
             self._poller = None
+        for task in list(self._background):
+            task.cancel()
+        served = list(self._served)
+        for key in served:
+            self._status[key] = (UNAVAILABLE, "the server is stopping")
+        await asyncio.gather(*(self._unload_version(key, "the server stopped") for key in served),
+                             return_exceptions=True)
 
     # -- internals --------------------------------------------------------------------
     def _lock(self, name: str) -> asyncio.Lock:
@@ -369,8 +260,17 @@ class ModelRepository:
         self._failed_fp.pop(key, None)
         self._status[key] = (READY, "")
         log.info("serving %s version %s", ventry.name, ventry.version)
+        self._prefill(service)
         if old is not None:
             await self._retire(old)
+
+    def _prefill(self, service) -> None:
+        """A query log's pinned queries computed in the background (low priority) once serving."""
+        cache = getattr(service, "cache", None)
+        if getattr(cache, "static_hot", None) and hasattr(service, "prefill_pinned"):
+            task = asyncio.create_task(service.prefill_pinned(), name="surge-prefill-pinned")
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     def _set_aliases(self, ventry: VersionEntry) -> None:
         # Checked against every model of the repository, loaded or not, so that
@@ -427,7 +327,7 @@ class ModelRepository:
             if name in self._user_unloaded:
                 continue
             try:
-                entry = scan_model(self.root, name) if name in names else ModelEntry(name)
+                entry = self.catalog.read(name) if name in names else ModelEntry(name)
                 await self._apply(entry)
             except SurgeError as exc:
                 log.error("model %s: %s", name, exc.message)

@@ -63,7 +63,7 @@ class ModelService:
         self.limits = limits or LimitsConfig()
         self.ready = False
         self.loaded_at = time.time()
-        instances = max(1, len(worker.engines.engines))
+        instances = max(1, getattr(worker.engines, "slots", 0) or len(worker.engines.engines))
         # Threads: one per engine instance, one tokenizer (long or bursty inputs only).
         self._engine_pool = (ThreadPoolExecutor(instances, thread_name_prefix=f"surge-{name}-engine")
                              if batcher is None else None)
@@ -85,6 +85,7 @@ class ModelService:
                           padded=worker.layout is Layout.PADDED),
             self.metrics,
             name,
+            split=_split(worker),
         )
         inflight = b.max_inflight or b.max_queue_size + instances * b.max_batch_size
         self.admission = Admission(inflight, name)
@@ -321,6 +322,16 @@ class ModelService:
         if self.redis is not None:
             await self.redis.close()
         self.metrics.close()
+
+
+def _split(worker: ModelWorker):
+    """The worker's launch / wait / collect halves where its engines have them (CUDA torch engines
+    pooling in their graphs); SURGE_SPLIT_LAUNCH=0 runs whole batches on the engine thread instead."""
+    import os
+
+    if not getattr(worker, "can_launch", False) or os.environ.get("SURGE_SPLIT_LAUNCH", "1") == "0":
+        return None
+    return worker.compute_launch, worker.compute_wait, worker.compute_collect
 
 
 def encode_inputs(tokenizer, texts: list[str] | None, token_ids: list[list[int]] | None,

@@ -98,6 +98,27 @@ class InferenceStats:
             if ns is not None:
                 getattr(s, stage[: -len("_ns")]).add(ns)
 
+    def record_generation(self, name: str, version: str, elapsed_ns: int, timings: dict | None, cached: bool,
+                          cache_enabled: bool = False) -> None:
+        """One finished generation (a decoder model): a request is one inference; its stages are the
+        time before admission (queue), the prefill up to the first token (compute_input) and the
+        decode (compute_infer). A generation answered from the cache is a cache hit, not an execution."""
+        stats = self.model(name, version)
+        stats.last_inference_ms = int(time.time() * 1000)
+        stats.inference_count += 1
+        s = stats.inference_stats
+        s.success.add(elapsed_ns)
+        if cached:
+            s.cache_hit.add(elapsed_ns)
+            return
+        stats.execution_count += 1
+        if cache_enabled:
+            s.cache_miss.add(elapsed_ns)
+        for stage in STAGES:
+            ns = (timings or {}).get(stage)
+            if ns is not None:
+                getattr(s, stage[: -len("_ns")]).add(ns)
+
     def record_failure(self, name: str, version: str, elapsed_ns: int) -> None:
         stats = self.model(name, version)
         stats.last_inference_ms = int(time.time() * 1000)

@@ -53,6 +53,7 @@ class TaskResult:
     version: str
     cached: list[bool] = field(default_factory=list)
     encodings: list | None = None  # tokenizers Encodings (token-classify: offsets, special tokens)
+    timings: dict = field(default_factory=dict)  # stage -> ns (runtime/request.py's keys), as EmbedResult's
 
     @property
     def vectors(self) -> list[np.ndarray]:  # what the statistics count (one per input), as EmbedResult's
@@ -152,6 +153,7 @@ class TaskRunner:
                 miss = await shared_lookup(cache, redis, keys, miss, fill)
         need_encodings = h.task == "token-classify"
         encodings = None
+        timings: dict = {}  # the KServe statistics' stages: tokenize, queue, engine (the batcher's), heads
         tok = s.worker.tokenizer
         pool = getattr(s, "_tok_pool", None)
         if miss or need_encodings:
@@ -159,11 +161,12 @@ class TaskRunner:
             t = time.monotonic()
             encs = await loop.run_in_executor(pool, tok.encodings, todo, req.truncate, req.param)
             s.metrics.tokenize.observe(time.monotonic() - t)
+            timings["compute_input_ns"] = int((time.monotonic() - t) * 1e9)
             if need_encodings:
                 encodings = encs
                 encs = [encs[i] for i in miss]
             if miss:
-                out = await s.batcher.submit(tok.to_encoded(encs), deadline, priority)
+                out = await s.batcher.submit(tok.to_encoded(encs), deadline, priority, timings)
                 if len(out) != len(miss):
                     raise SurgeError(f"the engine returned {len(out)} rows for {len(miss)} inputs")
                 fills = []
@@ -177,8 +180,11 @@ class TaskRunner:
                     s._background.add(task)
                     task.add_done_callback(s._background.discard)
         heads = s.worker.heads
+        t = time.monotonic()
         outputs = [heads.split(rows[i], h.name, tokens[i]) for i in range(n)]
-        return TaskResult(h, outputs, sum(tokens), s.name, s.version, cached, encodings)
+        if miss:
+            timings["compute_output_ns"] = int((time.monotonic() - t) * 1e9)
+        return TaskResult(h, outputs, sum(tokens), s.name, s.version, cached, encodings, timings)
 
 
 class HeadView:

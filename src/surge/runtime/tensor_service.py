@@ -68,6 +68,7 @@ class TensorResult:
     version: str
     batch_size: int
     cached: list[bool] = field(default_factory=list)
+    timings: dict = field(default_factory=dict)  # queue_ns, compute_infer_ns (the batcher's), for the statistics
 
     @property
     def vectors(self) -> range:
@@ -247,10 +248,11 @@ class TensorModelService:
                     m.tier("recent")[0].inc()
                 else:
                     m.cache_misses.inc()
+            timings: dict = {}
             if got is None:
                 if deadline is None:
                     deadline = start + self.limits.request_timeout_s
-                got = (await self.batcher.submit([_Item(inputs, rows)], deadline, priority))[0]
+                got = (await self.batcher.submit([_Item(inputs, rows)], deadline, priority, timings))[0]
                 if isinstance(got, BaseException):
                     raise got
                 if key is not None:
@@ -259,7 +261,8 @@ class TensorModelService:
                     size.set(self.cache.bytes)
                     entries.set(len(self.cache.entries))
             wanted = outputs or [t.name for t in self.config.outputs]
-            result = TensorResult({n: got[n] for n in wanted if n in got}, self.name, self.version, rows, [cached])
+            result = TensorResult({n: got[n] for n in wanted if n in got}, self.name, self.version, rows, [cached],
+                                  timings)
             m.latency.observe(time.monotonic() - start)
             return result
 

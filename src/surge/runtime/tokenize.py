@@ -25,13 +25,15 @@ class Tokenizer:
         self.pad_id = pad_id
         # The count of special tokens added around one sequence ([CLS] ... [SEP]).
         self._n_special = self._tok.post_processor.num_special_tokens_to_add(False) if self._tok.post_processor else 0
+        # Ids and type ids only (no character offsets): ~20% faster a call where tokenizers has it (>= 0.21).
+        self._encode_ids = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
 
     def encode(self, texts: list[str], truncate: bool = True) -> list[Encoded]:
         """Tokenize a batch of texts. Too long and truncate=False gives 413."""
         if not truncate:
             self._tok.no_truncation()
             try:
-                encs = self._tok.encode_batch(texts)
+                encs = self._encode_ids(texts)
             finally:
                 self._tok.enable_truncation(max_length=self.max_length)
             for i, enc in enumerate(encs):
@@ -42,7 +44,7 @@ class Tokenizer:
                         param="input",
                     )
         else:
-            encs = self._tok.encode_batch(texts)
+            encs = self._encode_ids(texts)
         return [
             Encoded(np.asarray(e.ids, dtype=np.int64), np.asarray(e.type_ids, dtype=np.int64)) for e in encs
         ]

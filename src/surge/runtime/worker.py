@@ -33,8 +33,13 @@ class EnginePool:
             raise ValueError("at least one engine instance is needed")
         self.engines = engines
         self._free: queue.SimpleQueue[Engine] = queue.SimpleQueue()
+        # An engine that keeps several batches in flight (TorchEngine on CUDA: double-buffered
+        # staging) is handed out that many times; `slots` is how many batches run at once.
+        self.slots = 0
         for e in engines:
-            self._free.put(e)
+            for _ in range(max(1, int(getattr(e, "pipeline_depth", 1) or 1))):
+                self._free.put(e)
+                self.slots += 1
 
     @property
     def capabilities(self):
@@ -44,6 +49,22 @@ class EnginePool:
         engine = self._free.get()
         try:
             return engine.run(batch)
+        finally:
+            self._free.put(engine)
+
+    def launch(self, batch: TokenBatch):
+        """An instance's launch (TorchEngine.launch); the batcher holds a slot, so one is free."""
+        engine = self._free.get()
+        try:
+            return engine, engine.launch(batch)
+        except BaseException:
+            self._free.put(engine)
+            raise
+
+    def collect(self, token) -> np.ndarray:
+        engine, job = token
+        try:
+            return engine.collect(job)
         finally:
             self._free.put(engine)
 
@@ -72,6 +93,12 @@ class ModelWorker:
         # Every engine computes the heads itself (GPU: inside the captured graph): rows come straight back.
         self.engine_heads = heads is not None and isinstance(engines, EnginePool) and all(
             getattr(e, "head_set", None) is heads for e in engines.engines)
+        # Every engine pools inside its graph (TorchEngine.attach_pooling): its rows are the pooled vectors.
+        self.engine_pools = heads is None and bool(engines.engines) and all(
+            getattr(e, "pool_mode", None) == post.pooling for e in engines.engines)
+        # ... and can split a batch into launch (host work, on the batcher's event loop) and collect.
+        self.can_launch = self.engine_pools and isinstance(engines, EnginePool) and all(
+            hasattr(e, "launch") for e in engines.engines)
 
     @property
     def task(self) -> str:
@@ -127,6 +154,10 @@ class ModelWorker:
                 raise EngineError(f"engine returned {rows.shape[0]} rows for a batch of {len(items)}")
             return rows
         hidden = self.engines.run(batch)
+        if self.engine_pools:
+            if hidden.shape[0] != len(items):
+                raise EngineError(f"engine returned {hidden.shape[0]} rows for a batch of {len(items)}")
+            return hidden
         if self.heads is not None:  # every head of the model from this one backbone pass
             rows = self.heads.apply(hidden, batch)
             if rows.shape[0] != len(items):
@@ -137,6 +168,23 @@ class ModelWorker:
             # Never hand anyone a row that belongs to another request.
             raise EngineError(f"engine returned {vectors.shape[0]} rows for a batch of {len(items)}")
         return vectors
+
+    def compute_launch(self, items: list[Encoded]):
+        """compute() in two halves (can_launch): this one returns once the batch is on the GPU."""
+        batch = self.make_batch(items)
+        return len(items), self.engines.launch(batch)
+
+    @staticmethod
+    def compute_wait(pending) -> None:
+        """Blocks (without the GIL) until the launched batch is done: the only part off the loop."""
+        pending[1][1].wait()
+
+    def compute_collect(self, pending) -> np.ndarray:
+        n, token = pending
+        rows = self.engines.collect(token)
+        if rows.shape[0] != n:
+            raise EngineError(f"engine returned {rows.shape[0]} rows for a batch of {n}")
+        return rows
 
     def finish(self, vectors: np.ndarray, options: EmbedOptions) -> np.ndarray:
         """Apply per-request options to pooled vectors."""

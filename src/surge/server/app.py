@@ -12,7 +12,8 @@ from surge import __version__
 from surge.server import errors
 from surge.server.auth import ApiKeyMiddleware
 from surge.server.http.content_type import ContentTypeMiddleware
-from surge.server.http.hotpath import HotPathMiddleware
+from surge.server.http.hotpath import HotPathMiddleware, install_outer
+from surge.server.http.task_hotpath import TaskHotPathMiddleware
 from surge.server.state import AppState
 
 
@@ -59,6 +60,7 @@ def create_app(state: AppState) -> FastAPI:
     for extra in state.extras.get("routers", []):
         app.include_router(extra(state))
     app.add_middleware(HotPathMiddleware, state=state)  # inside auth: added before it
+    app.add_middleware(TaskHotPathMiddleware, state=state)  # plain POST /predict (classify), as the embed hot path
     app.add_middleware(DecompressMiddleware, max_bytes=state.config.limits.max_body_bytes)  # gzip/deflate bodies
     app.add_middleware(ContentTypeMiddleware)  # 415 before any route or the hot path reads a body
     if state.config.api_key:
@@ -67,6 +69,7 @@ def create_app(state: AppState) -> FastAPI:
         # --metrics-public: scrapers that send no key read /metrics.
         open_paths = OPEN_PATHS | ({"/metrics"} if state.config.metrics.public else set())
         app.add_middleware(ApiKeyMiddleware, api_key=state.config.api_key, open_paths=frozenset(open_paths))
+    install_outer(app, state)  # plain embedding requests skip the middleware stack (server/http/hotpath.py)
     return app
 
 

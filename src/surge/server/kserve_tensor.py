@@ -9,13 +9,11 @@ datatypes, shapes) is the service's own (runtime/tensor_service.py).
 
 from __future__ import annotations
 
-import asyncio
 import struct
-import time
 
 import numpy as np
 
-from surge.errors import DeadlineExceeded, InvalidInput
+from surge.errors import InvalidInput
 from surge.models.tensor_config import TRITON_TYPE, instance_group
 from surge.server import kserve_contract as contract
 
@@ -59,20 +57,9 @@ def json_data(array: np.ndarray) -> list:
 
 
 async def run(state, service, inputs: dict[str, np.ndarray], outputs: list[str] | None):
-    """service.infer with the request timeout (504) and the KServe statistics, as AppState.run does for embed."""
-    timeout = state.config.limits.request_timeout_s
-    start = time.perf_counter_ns()
-    try:
-        result = await asyncio.wait_for(service.infer(inputs, outputs), timeout)
-    except asyncio.TimeoutError:
-        state.stats.record_failure(service.name, service.version, time.perf_counter_ns() - start)
-        raise DeadlineExceeded(f"request did not finish within {timeout:g} s") from None
-    except Exception:
-        state.stats.record_failure(service.name, service.version, time.perf_counter_ns() - start)
-        raise
-    state.stats.record_success(service.name, service.version, result, time.perf_counter_ns() - start,
-                               cache_enabled=getattr(service, "cache", None) is not None)
-    return result
+    """service.infer through AppState.call: one deadline (504 past it) and the KServe statistics."""
+    return await state.call(service, lambda deadline: service.infer(inputs, outputs) if deadline is None
+                            else service.infer(inputs, outputs, deadline=deadline))
 
 
 def check_outputs(outputs: list[tuple[str, dict]]) -> list[str] | None:

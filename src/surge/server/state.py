@@ -52,20 +52,29 @@ class AppState:
 
     async def run(self, service, *, texts=None, token_ids=None,
                   options: EmbedOptions | None = None) -> EmbedResult:
-        """The one entry point of every protocol (HTTP fast path, FastAPI routes, gRPC).
+        """The one entry point of every protocol (HTTP fast path, FastAPI routes, gRPC) for
+        embeddings; task and tensor models come in through `call` too."""
+        return await self.call(service, lambda deadline: self._embed(service, texts, token_ids, options, deadline))
 
-        One deadline: a local model gets it and enforces it itself (504 past it);
-        a remote one (Ray ingress) is bounded here. Every call is counted once in
-        `stats` (KServe v2 statistics), with the stage timings the runtime measured."""
+    async def call(self, service, invoke):
+        """Every served-model call (embed, task heads, tensor models): one deadline and one record.
+
+        `invoke(deadline)` starts the call; `deadline` (time.monotonic()) is None for a model that
+        takes none (a remote one, behind the Ray ingress). A local embedding model enforces the
+        deadline itself (504 past it); any other call is also bounded here, at the same instant.
+        Every call is counted once in `stats` (KServe v2 statistics), with the stage timings the
+        runtime measured and its cache hits."""
         timeout = self.config.limits.request_timeout_s
         start = time.perf_counter_ns()
+        deadline = time.monotonic() + timeout
         try:
             if _accepts_deadline(service):
-                result = await self._embed(service, texts, token_ids, options, time.monotonic() + timeout)
+                result = await invoke(deadline)
             else:
                 try:
-                    result = await asyncio.wait_for(self._embed(service, texts, token_ids, options), timeout)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(timeout):
+                        result = await invoke(deadline if _takes_deadline(service) else None)
+                except TimeoutError:
                     raise DeadlineExceeded(f"request did not finish within {timeout:g} s") from None
         except Exception:
             self.stats.record_failure(service.name, service.version, time.perf_counter_ns() - start)
@@ -110,6 +119,23 @@ class AppState:
                                   cache_enabled=bool(getattr(getattr(service, "cache_cfg", None), "enabled", False)))
 
 
+def _inner(service):
+    """The local service behind the repository's ServedModel and a multi-head model's HeadView."""
+    for _ in range(3):
+        inner = getattr(service, "__dict__", {}).get("service")
+        if inner is None:
+            return service
+        service = inner
+    return service
+
+
 def _accepts_deadline(service) -> bool:
-    inner = getattr(service, "service", service)  # ServedModel wraps the repository's services
-    return isinstance(inner, ModelService)
+    """A local embedding model's embed: it enforces the deadline itself."""
+    return isinstance(_inner(service), ModelService) and getattr(service, "task", "embed") == "embed"
+
+
+def _takes_deadline(service) -> bool:
+    """A local model (embedding, task heads, tensor): its batcher drops the call at the deadline."""
+    from surge.runtime.tensor_service import TensorModelService
+
+    return isinstance(_inner(service), (ModelService, TensorModelService))

@@ -10,6 +10,7 @@ buffers, so one graph serves any context length up to max_model_len.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from surge.engines.decoder.attention import AttnMeta
@@ -23,11 +24,15 @@ class DecodeGraphs:
         self.buckets = [b for b in BUCKETS if b < max_num_seqs] + [max_num_seqs]
         dev = engine.device
         n, width = self.buckets[-1], engine.max_blocks_per_seq
-        # ids, positions, slots, context lengths: one [4, n] buffer, one copy per step
-        self.packed = torch.zeros((4, n), dtype=torch.long, device=dev)
+        # ids, positions, slots, context lengths, source rows: one [5, n] buffer, one copy per step.
+        # A row whose source is >= 0 takes its input token from that row of the previous replay's
+        # output (`prev`), on the device: the step was launched before that output was read back.
+        self.packed = torch.zeros((5, n), dtype=torch.long, device=dev)
         self.packed[2] = engine.kv.scratch_block * engine.block_size
         self.packed[3] = 1
-        self.ids, self.pos, self.slots = self.packed[0], self.packed[1], self.packed[2]
+        self.packed[4] = -1
+        self.ids, self.pos, self.slots, self.src = self.packed[0], self.packed[1], self.packed[2], self.packed[4]
+        self.prev = torch.zeros(n, dtype=torch.long, device=dev)
         self.ctx = torch.ones(n, dtype=torch.int32, device=dev)
         self.tables = torch.full((n, width), engine.kv.scratch_block, dtype=torch.int32, device=dev)
         self.qstart = torch.arange(n + 1, dtype=torch.int32, device=dev)
@@ -35,12 +40,14 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (logits, argmax)
         self.pool = None
-        # pinned staging, filled through numpy views (no per-element torch calls)
+        # pinned staging, filled through numpy views (no per-element torch calls); two sets, since
+        # with overlapped steps one set can still be in flight to the device while the next is filled
         pin = dev.type == "cuda"
-        self.h_packed = torch.zeros((4, n), dtype=torch.long, pin_memory=pin)
-        self.h_tables = torch.zeros((n, width), dtype=torch.int32, pin_memory=pin)
-        self.np_packed = self.h_packed.numpy()
-        self.np_tables = self.h_tables.numpy()
+        self.h_packed = [torch.zeros((5, n), dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self.h_tables = [torch.zeros((n, width), dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self.np_packed = [x.numpy() for x in self.h_packed]
+        self.np_tables = [x.numpy() for x in self.h_tables]
+        self._slot = 0
 
     def fits(self, batch: int, width: int) -> bool:
         return batch <= self.buckets[-1] and width <= self.width and bool(self.graphs)
@@ -53,9 +60,13 @@ class DecodeGraphs:
     def _forward(self, b: int):
         m = self.engine.model
         self.ctx[:b].copy_(self.packed[3, :b])  # int32 view for the kernel, inside the graph
-        hidden = m.forward(self.ids[:b], self.pos[:b], self.engine.kv, self._meta(b))
+        src = self.src[:b]
+        ids = torch.where(src >= 0, self.prev.index_select(0, src.clamp(min=0)), self.ids[:b])
+        hidden = m.forward(ids, self.pos[:b], self.engine.kv, self._meta(b))
         logits = m.logits(hidden)
-        return logits, logits.argmax(-1)
+        tokens = logits.argmax(-1)
+        self.prev[:b].copy_(tokens)
+        return logits, tokens
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -74,25 +85,38 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
-    def run(self, ids: list[int], pos: list[int], slots: list[int], tables: list[list[int]]):
-        """One decode step of len(ids) sequences -> (logits [b, vocab] fp32, greedy tokens [b])."""
+    def run(self, ids: list[int], pos: list[int], slots: list[int], tables: list[list[int]],
+            src: list[int] | None = None, prev_tokens=None):
+        """One decode step of len(ids) sequences -> (logits [b, vocab] fp32, greedy tokens [b]).
+        `src[i] >= 0`: row i's input token is row src[i] of the previous replay's tokens (ids[i] is
+        ignored); `prev_tokens`: those tokens when they came from an eager step instead."""
         b = len(ids)
         bucket = next(x for x in self.buckets if x >= b)
         e = self.engine
-        p, t = self.np_packed, self.np_tables
+        k = self._slot
+        self._slot ^= 1
+        p, t = self.np_packed[k], self.np_tables[k]
         p[0, :b] = ids
+        np.maximum(p[0, :b], 0, out=p[0, :b])  # placeholders (taken from `prev` on the device)
+        p[0, b:bucket] = 0  # padded rows: a valid token (stale ids of a larger batch may be placeholders)
+        p[1, b:bucket] = 0
         p[1, :b] = pos
         p[2, :b] = slots
         p[3, :b] = pos
         p[3, :b] += 1
+        p[4, :bucket] = -1
+        if src is not None:
+            p[4, :b] = src
         if bucket > b:  # padded rows: one token of context, written to the scratch block
             p[2, b:bucket] = e.kv.scratch_block * e.block_size
             p[3, b:bucket] = 1
         t[:bucket] = e.kv.scratch_block
         for i, row in enumerate(tables):
             t[i, :len(row)] = row
-        self.packed[:, :bucket].copy_(self.h_packed[:, :bucket], non_blocking=True)
-        self.tables[:bucket].copy_(self.h_tables[:bucket], non_blocking=True)
+        if prev_tokens is not None:
+            self.prev[:prev_tokens.shape[0]].copy_(prev_tokens)
+        self.packed[:, :bucket].copy_(self.h_packed[k][:, :bucket], non_blocking=True)
+        self.tables[:bucket].copy_(self.h_tables[k][:bucket], non_blocking=True)
         self.graphs[bucket].replay()
         logits, tokens = self.outputs[bucket]
         return logits[:b], tokens[:b]

@@ -25,7 +25,19 @@ from surge.runtime.scheduler.scheduler import ScheduledSeq
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
 
-__all__ = ["DecoderEngine", "SampleOut", "EngineCaps"]
+__all__ = ["DecoderEngine", "SampleOut", "EngineCaps", "Launch"]
+
+
+@dataclass
+class Launch:
+    """A decode step launched on the device, its greedy tokens not read back yet."""
+
+    seq_ids: list[int]
+    rows: dict[int, int]  # seq_id -> row of `tokens`
+    tokens: torch.Tensor  # [b] on the device
+    host: torch.Tensor | None = None  # pinned [b] copy, valid once `event` completes
+    event: object = None
+    graph: bool = False
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,9 @@ class DecoderEngine:
         self.sampler = Sampler(self.device)
         self.max_blocks_per_seq = -(-self.max_model_len // block_size)
         self.graphs = None
+        self._pinned: list[torch.Tensor] = []
+        self._events = [torch.cuda.Event() for _ in range(2)] if cuda else []
+        self._slot = 0
         if cuda and cuda_graphs:
             from surge.engines.decoder.graphs import DecodeGraphs
 
@@ -140,6 +155,8 @@ class DecoderEngine:
         return {seq.seq_id: o for seq, o in zip(seqs, outs)}
 
     def _decode_graph(self, scheduled: list[ScheduledSeq]) -> dict[int, SampleOut]:
+        if self.can_launch(scheduled):
+            return self.collect(self.launch(scheduled, None))
         bs = self.block_size
         seqs = [s.seq for s in scheduled]
         pos = [s.start for s in scheduled]
@@ -148,11 +165,78 @@ class DecoderEngine:
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
         if max(len(t) for t in tables) > self.graphs.width:
             raise ValueError("a block table is wider than max_model_len allows")
-        logits, greedy = self.graphs.run(ids, pos, slots, tables)
-        if all(q.params.greedy and not q.params.penalized and q.params.logprobs is None for q in seqs):
-            return {q.seq_id: SampleOut(t) for q, t in zip(seqs, greedy.cpu().tolist())}
+        logits, _ = self.graphs.run(ids, pos, slots, tables)
         outs = self.sampler(logits, seqs)
         return {q.seq_id: o for q, o in zip(seqs, outs)}
+
+    # -- launched decode steps (runtime/scheduler/overlap.py) ------------------------------------------
+    def can_launch(self, scheduled: list[ScheduledSeq]) -> bool:
+        """A step of greedy decodes only, whose tokens can stay on the device until collect()."""
+        return bool(scheduled) and all(s.num_tokens == 1 and s.sample and s.seq.fast for s in scheduled)
+
+    @torch.inference_mode()
+    def launch(self, scheduled: list[ScheduledSeq], prev: Launch | None) -> Launch:
+        """Start a decode step; a sequence in `prev` takes its input token from prev's output on the
+        device (its host token is a placeholder). Returns at once on a GPU (the step runs behind)."""
+        bs = self.block_size
+        seqs = [s.seq for s in scheduled]
+        pos = [s.start for s in scheduled]
+        ids = [q.token_ids[p] for q, p in zip(seqs, pos)]
+        src = None
+        if prev is not None:
+            src = [prev.rows.get(q.seq_id, -1) for q in seqs]
+        for i, t in enumerate(ids):
+            if t < 0 and (src is None or src[i] < 0):
+                raise RuntimeError(f"sequence {seqs[i].seq_id}: input token not sampled yet and not in flight")
+        b = len(seqs)
+        use_graph = self.graphs is not None and self.graphs.fits(b, max(len(q.block_table) for q in seqs)) \
+            and (prev is None or prev.graph or len(prev.seq_ids) <= self.graphs.buckets[-1])
+        if use_graph:
+            tables = [q.block_table for q in seqs]
+            slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
+            prev_tokens = prev.tokens if prev is not None and not prev.graph else None
+            _, tokens = self.graphs.run(ids, pos, slots, tables, src, prev_tokens)
+            if self.device.type != "cuda":  # graphs driven on the host (tests): the next replay reuses the buffer
+                tokens = tokens.clone()
+        else:
+            tokens = self._eager_decode(scheduled, ids, src, prev)
+        out = Launch([q.seq_id for q in seqs], {q.seq_id: i for i, q in enumerate(seqs)}, tokens, graph=use_graph)
+        if self.device.type == "cuda":
+            k = self._slot
+            self._slot ^= 1
+            if len(self._pinned) < 2 or self._pinned[k].shape[0] < b:
+                size = max(b, self.max_num_seqs)
+                self._pinned = [torch.empty(size, dtype=torch.long, pin_memory=True) for _ in range(2)]
+            out.host = self._pinned[k][:b]
+            out.host.copy_(tokens, non_blocking=True)
+            out.event = self._events[k]
+            out.event.record()
+        return out
+
+    def _eager_decode(self, scheduled, ids, src, prev) -> torch.Tensor:
+        _, pos, slots, q_lens, ctx, tables, table_np, qstart = self.prepare(scheduled)
+        dev = self.device
+        meta = AttnMeta(
+            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(table_np).to(dev, non_blocking=True),
+            context_lens=torch.tensor(ctx, dtype=torch.int32).to(dev, non_blocking=True),
+            query_start=torch.from_numpy(qstart).to(dev, non_blocking=True),
+            max_query=1, q_lens=q_lens, ctx_lens=ctx, tables=tables)
+        ids_t = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
+        if src is not None and any(i >= 0 for i in src):
+            src_t = torch.tensor(src, dtype=torch.long).to(dev, non_blocking=True)
+            ids_t = torch.where(src_t >= 0, prev.tokens.index_select(0, src_t.clamp(min=0)), ids_t)
+        hidden = self.model.forward(ids_t, torch.from_numpy(pos).to(dev, non_blocking=True), self.kv, meta)
+        return self.model.logits(hidden).argmax(-1)
+
+    def collect(self, launch: Launch) -> dict[int, SampleOut]:
+        """The launched step's tokens (waits for the device)."""
+        if launch.event is not None:
+            launch.event.synchronize()
+            tokens = launch.host.tolist()
+        else:
+            tokens = launch.tokens.tolist()
+        return {sid: SampleOut(t) for sid, t in zip(launch.seq_ids, tokens)}
 
     def forget(self, seq_id: int) -> None:
         self.sampler.forget(seq_id)

@@ -13,11 +13,12 @@ schedule() -> the engine runs the step -> update(samples): vLLM's three-line loo
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
 from surge.runtime.scheduler.block_manager import BlockManager
-from surge.runtime.scheduler.sequence import Sequence, SeqStatus
+from surge.runtime.scheduler.sequence import PLACEHOLDER, Sequence, SeqStatus
 
 
 @dataclass
@@ -103,6 +104,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.draining:  # its last token is in flight (overlapped steps): nothing more to compute
+                i += 1
+                continue
             n = min(seq.num_tokens - seq.num_computed, budget)
             while not self.blocks.ensure(seq, seq.num_computed + n):
                 victim = self.running.pop()  # the newest
@@ -129,6 +133,8 @@ class Scheduler:
             self.blocks.queried_tokens += seq.num_tokens
             self.blocks.hit_tokens += seq.num_cached_prompt
             seq.status = SeqStatus.RUNNING
+            if not seq.scheduled_at:
+                seq.scheduled_at = time.monotonic()
             self.running.append(seq)
             out.append(ScheduledSeq(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
             budget -= n
@@ -154,11 +160,64 @@ class Scheduler:
                 finished.append(Finished(seq, reason))
         return finished
 
-    def stop_reason(self, seq: Sequence, token: int) -> str | None:
+    # -- overlapped steps: advance() at launch, resolve() when the step's tokens are read back ----------
+    def decode_fits(self) -> bool:
+        """The next step can be scheduled before the running one's tokens are known: every running
+        sequence decodes and keeps its tokens on the device, and each gets the block its next token
+        needs without preempting anyone (a preempted sequence would be recomputed from a
+        placeholder). A waiting sequence admitted by that schedule makes the step a prefill, which
+        the loop runs synchronously after reading the running step back."""
+        bs, need = self.config.block_size, 0
+        for seq in self.running:
+            if seq.draining:
+                continue
+            if not seq.fast or seq.num_tokens - seq.num_computed != 1:
+                return False
+            if seq.num_computed // bs + 1 > len(seq.block_table):
+                need += 1
+        return need <= self.blocks.num_free
+
+    def advance(self, scheduled: list[ScheduledSeq]) -> None:
+        """A step was launched: its sampled tokens are placeholders until resolve()."""
+        limit = self.config.max_model_len
+        for s in scheduled:
+            seq = s.seq
+            seq.num_computed = s.start + s.num_tokens
+            if s.sample:
+                seq.append(PLACEHOLDER)
+                if len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= limit:
+                    seq.draining = True  # its last token: no further step
+
+    def resolve(self, scheduled: list[ScheduledSeq], samples: dict[int, int]) -> list[Finished]:
+        """A launched step's tokens are known: put them in place of the placeholders, commit the
+        full blocks, finish the sequences that stop. A sequence that stopped here may already be in
+        the next launched step: that step's token for it is dropped (its status is FINISHED)."""
+        finished = []
+        for s in scheduled:
+            seq = s.seq
+            if seq.status is not SeqStatus.RUNNING or not s.sample:
+                continue
+            at = s.start + s.num_tokens  # the sampled token's index in token_ids
+            token = samples[seq.seq_id]
+            seq.token_ids[at] = token
+            seq.output_ids[at - seq.num_prompt] = token
+            self.blocks.commit(seq)
+            reason = self.stop_reason(seq, token, at)
+            if reason is not None:
+                del seq.token_ids[at + 1:]
+                del seq.output_ids[at + 1 - seq.num_prompt:]
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                finished.append(Finished(seq, reason))
+        return finished
+
+    def stop_reason(self, seq: Sequence, token: int, at: int | None = None) -> str | None:
+        """Why `seq` stops after `token` (at index `at` of its tokens, by default the last one)."""
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos):
             return "stop"
-        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        at = seq.num_tokens - 1 if at is None else at
+        if at + 1 - seq.num_prompt >= p.max_tokens or at + 1 >= self.config.max_model_len:
             return "length"
         return None
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from surge.runtime.scheduler.params import SamplingParams
 
+PLACEHOLDER = -1  # a token sampled on the device, not read back yet
+
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
@@ -29,10 +31,17 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     preemptions: int = 0
+    scheduled_at: float = 0.0  # time.monotonic() of the first admission (KServe "queue" time ends there)
+    # overlapped steps (runtime/scheduler/overlap.py): the token of a launched step is a placeholder
+    # until its step is read back; a sequence whose last token is launched stops being scheduled
+    draining: bool = False
+    fast: bool = False  # greedy, no penalties, no logprobs: its tokens can stay on the device
 
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
+        p = self.params
+        self.fast = p.greedy and not p.penalized and p.logprobs is None
 
     @property
     def num_tokens(self) -> int:

@@ -44,7 +44,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         return self._deny
 
 
-def build_server(state: AppState) -> tuple[grpc.aio.Server, str]:
+def build_server(state: AppState, reuse_port: bool = False) -> tuple[grpc.aio.Server, str]:
+    """reuse_port: the front ends of --workers share one port (the supervisor holds it, cli/workers.py)."""
     config = state.config
     interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
     server = grpc.aio.server(
@@ -53,7 +54,8 @@ def build_server(state: AppState) -> tuple[grpc.aio.Server, str]:
             # The same bound as an HTTP body: a larger request gets RESOURCE_EXHAUSTED.
             ("grpc.max_receive_message_length", config.limits.max_body_bytes),
             ("grpc.max_send_message_length", MAX_SEND_BYTES),
-            ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
+            # A second server on a taken port must fail, not share it (unless it is meant to).
+            ("grpc.so_reuseport", 1 if reuse_port else 0),
         ],
     )
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(state), server)
@@ -64,11 +66,11 @@ def build_server(state: AppState) -> tuple[grpc.aio.Server, str]:
     return server, address
 
 
-def install_grpc(state: AppState) -> None:
+def install_grpc(state: AppState, reuse_port: bool = False) -> None:
     """Register startup/shutdown hooks that run the gRPC server with the app."""
 
     async def start(state: AppState) -> None:
-        server, address = build_server(state)
+        server, address = build_server(state, reuse_port)
         await server.start()
         state.extras["grpc_server"] = server
         log.info("gRPC (KServe v2) listening on %s", address)

@@ -69,6 +69,46 @@ async def until_disconnect(request: Request, work):
         watcher.cancel()
 
 
+def _cache_enabled(service) -> bool:
+    return bool(getattr(getattr(service, "config", None), "cache_entries", 0))
+
+
+async def counted(state, service, work):
+    """Await a generation (`service.generate(...)`), counted in the KServe statistics."""
+    start = time.perf_counter_ns()
+    try:
+        res = await work
+    except asyncio.CancelledError:  # the client left: neither a success nor the model's failure
+        raise
+    except Exception:
+        state.stats.record_failure(service.name, service.version, time.perf_counter_ns() - start)
+        raise
+    state.stats.record_generation(service.name, service.version, time.perf_counter_ns() - start,
+                                  getattr(res, "timings", None), bool(getattr(res, "cached", False)),
+                                  _cache_enabled(service))
+    return res
+
+
+async def counted_stream(state, service, agen) -> AsyncIterator:
+    """A generation stream (`service.stream(...)`), counted in the KServe statistics when its last
+    delta passes or it fails; a stream the client leaves is not counted."""
+    start = time.perf_counter_ns()
+    try:
+        async for d in agen:
+            if d.finish_reason is not None:
+                state.stats.record_generation(service.name, service.version, time.perf_counter_ns() - start,
+                                              getattr(d, "timings", None), bool(getattr(d, "cached", False)),
+                                              _cache_enabled(service))
+            yield d
+    except (asyncio.CancelledError, GeneratorExit):
+        raise
+    except Exception:
+        state.stats.record_failure(service.name, service.version, time.perf_counter_ns() - start)
+        raise
+    finally:
+        await agen.aclose()
+
+
 def sse(obj) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 

@@ -14,8 +14,8 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from surge.server.http.common import ORJSONResponse, parse
-from surge.server.http.generate_common import (deadline_for, generate_model, make_params, sse, sse_response,
-                                               until_disconnect)
+from surge.server.http.generate_common import (counted, counted_stream, deadline_for, generate_model, make_params, sse,
+                                               sse_response, until_disconnect)
 from surge.server.http.openapi import body
 from surge.server.state import AppState
 
@@ -71,13 +71,14 @@ def router(state: AppState) -> APIRouter:
 
     async def generate(request: Request, name: str, version: str | None = None):
         req, service, ids, params = await _prepare(request, name, version)
-        res = await until_disconnect(request, service.generate(ids, params, deadline=deadline_for(state)))
+        res = await until_disconnect(request, counted(state, service,
+                                                      service.generate(ids, params, deadline=deadline_for(state))))
         return ORJSONResponse(_body(req, service, res.text, res.finish_reason, res.prompt_tokens,
                                     res.completion_tokens))
 
     async def generate_stream(request: Request, name: str, version: str | None = None):
         req, service, ids, params = await _prepare(request, name, version)
-        agen = service.stream(ids, params, deadline=deadline_for(state))
+        agen = counted_stream(state, service, service.stream(ids, params, deadline=deadline_for(state)))
         first = await agen.__anext__()
 
         async def rest():

@@ -7,8 +7,8 @@ POST /models/{name}/unload        stop routing, drain, free (all versions, or on
 POST /models/{name}/reload        rebuild from model.yaml and swap in with zero downtime
 
 The version may also be given as `?version=2`. The work is done by
-`state.lifecycle` (the model repository); without --model-repository the
-server serves one fixed model and these routes only list it.
+`state.lifecycle` (the model repository; `surge serve MODEL` is a repository of
+one entry); a server without one (a --workers front end, the Ray ingress) only lists its models.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ def router(state: AppState) -> APIRouter:
 
     def lifecycle():
         if state.lifecycle is None:
-            raise InvalidInput("this server was started without --model-repository; its model cannot be loaded "
-                               "or unloaded at run time")
+            raise InvalidInput("this server cannot load or unload models at run time (a --workers front end or "
+                               "the Ray ingress serves the models it started with)")
         return state.lifecycle
 
     async def finish(operation) -> None:

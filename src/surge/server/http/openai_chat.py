@@ -19,8 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from surge.errors import InvalidInput, PayloadTooLarge
 from surge.server.http.common import ORJSONResponse, parse
-from surge.server.http.generate_common import (deadline_for, generate_model, make_params, sse, sse_response,
-                                               until_disconnect)
+from surge.server.http.generate_common import (counted, counted_stream, deadline_for, generate_model, make_params, sse,
+                                               sse_response, until_disconnect)
 from surge.server.http.openapi import body
 from surge.server.state import AppState
 
@@ -144,7 +144,8 @@ def router(state: AppState) -> APIRouter:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         deadline = deadline_for(state)
         if not req.stream:
-            res = await until_disconnect(request, service.generate(ids, params, deadline=deadline))
+            res = await until_disconnect(request, counted(state, service,
+                                                          service.generate(ids, params, deadline=deadline)))
             return ORJSONResponse({
                 "id": rid, "object": "chat.completion", "created": created, "model": service.name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": res.text},
@@ -160,7 +161,7 @@ def router(state: AppState) -> APIRouter:
                 c["usage"] = None
             return sse(c)
 
-        agen = service.stream(ids, params, deadline=deadline)
+        agen = counted_stream(state, service, service.stream(ids, params, deadline=deadline))
         first = await agen.__anext__()  # errors before any output keep their HTTP status
 
         async def rest():
@@ -202,7 +203,7 @@ def router(state: AppState) -> APIRouter:
             import asyncio
 
             results = await until_disconnect(request, asyncio.gather(
-                *(service.generate(p, params, deadline=deadline) for p in prompts)))
+                *(counted(state, service, service.generate(p, params, deadline=deadline)) for p in prompts)))
             return ORJSONResponse({
                 "id": rid, "object": "text_completion", "created": created, "model": service.name,
                 "choices": [{"index": i, "text": res.text, "logprobs": _completion_logprobs(res.logprobs),
@@ -218,7 +219,7 @@ def router(state: AppState) -> APIRouter:
                 c["usage"] = None
             return sse(c)
 
-        agen = service.stream(prompts[0], params, deadline=deadline)
+        agen = counted_stream(state, service, service.stream(prompts[0], params, deadline=deadline))
         first = await agen.__anext__()
 
         async def rest():

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import numpy as np
 
 from surge.engines.heads import scores as head_scores
 from surge.engines.heads import sigmoid
-from surge.errors import DeadlineExceeded, InvalidInput, PayloadTooLarge
+from surge.errors import InvalidInput, PayloadTooLarge
 from surge.runtime.entities import EntityDecoder
 from surge.runtime.tasks import TaskRequest, TaskResult, require_task
 
@@ -55,21 +52,10 @@ def check_pairs(pairs: list, field: str, limits) -> list[tuple[str, str]]:
 
 
 async def run_task(state, served, req: TaskRequest, *tasks: str) -> TaskResult:
-    """The runtime call with the request timeout (504) and KServe statistics, as AppState.run for embeddings."""
+    """The runtime call through AppState.call: one deadline (504 past it) and the KServe statistics."""
     require_task(served, *tasks)
-    timeout = state.config.limits.request_timeout_s
-    start = time.perf_counter_ns()
-    try:
-        result = await asyncio.wait_for(served.infer(req), timeout)
-    except asyncio.TimeoutError:
-        state.stats.record_failure(served.name, served.version, time.perf_counter_ns() - start)
-        raise DeadlineExceeded(f"request did not finish within {timeout:g} s") from None
-    except Exception:
-        state.stats.record_failure(served.name, served.version, time.perf_counter_ns() - start)
-        raise
-    state.stats.record_success(served.name, served.version, result, time.perf_counter_ns() - start,
-                               cache_enabled=bool(getattr(getattr(served, "cache_cfg", None), "enabled", False)))
-    return result
+    return await state.call(served, lambda deadline: served.infer(req) if deadline is None
+                            else served.infer(req, deadline=deadline))
 
 
 def label_scores(result: TaskResult, raw: bool = False, top_k: int | None = None,

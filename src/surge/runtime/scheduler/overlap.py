@@ -1,0 +1,112 @@
+"""The iteration loop with the next decode step launched before the last one is read back.
+
+A synchronous loop leaves the device idle while the host reads the sampled
+tokens, updates the sequences, hands the tokens to the streams and schedules
+the next step; at batch 64 of a 0.5B model that host work is as long as the
+device step itself. Here, while every running sequence decodes greedily with
+nothing waiting, step k+1 is scheduled and launched right after step k: its
+input tokens are step k's outputs, gathered on the device (the engine maps each
+sequence to its row of step k), so only positions, slots and block tables come
+from the host, and those are known without the tokens. Then step k is read
+back (one small device-to-host copy) and resolved while step k+1 runs.
+
+The cost: a sequence that stops at step k (EOS, a stop token) has already been
+launched in step k+1; that token is dropped. Sequences whose last token is
+launched (max_tokens, max_model_len) are not scheduled again ("draining").
+Anything else (a prompt to prefill, sampling or penalties that need the host,
+a block that would need a preemption) first reads the running step back and
+then takes the synchronous path, so results never differ from it.
+
+Engine contract (engines/decoder/runner.py): can_launch(scheduled),
+launch(scheduled, prev) -> handle, collect(handle) -> {seq_id: SampleOut},
+step(scheduled) -> {seq_id: SampleOut}.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from surge.runtime.scheduler.scheduler import Finished, ScheduledSeq, Scheduler
+from surge.runtime.scheduler.sequence import SeqStatus
+
+
+@dataclass
+class StepResult:
+    scheduled: list[ScheduledSeq]
+    outs: dict  # seq_id -> SampleOut (only the sequences that sampled and are still live)
+    finished: list[Finished]
+
+
+class StepLoop:
+    def __init__(self, scheduler: Scheduler, engine, overlap: bool = True):
+        self.scheduler = scheduler
+        self.engine = engine
+        self.overlap = overlap
+        self._inflight: tuple[list[ScheduledSeq], object] | None = None
+        self._current: list[ScheduledSeq] = []
+        self.steps = 0
+        self.overlapped = 0  # steps launched while the previous one ran
+        self.stalled = False  # the last step() found work but scheduled none (nothing fits)
+
+    @property
+    def busy(self) -> bool:
+        return self._inflight is not None or self.scheduler.has_work
+
+    def involved(self) -> list:
+        """Sequences of the steps being run (to fail them when the engine raises); clears the state."""
+        seqs = [s.seq for s in self._current]
+        if self._inflight is not None:
+            seqs += [s.seq for s in self._inflight[0]]
+        self._inflight, self._current = None, []
+        return list({id(q): q for q in seqs}.values())
+
+    def _complete(self) -> StepResult:
+        scheduled, handle = self._inflight
+        self._inflight = None
+        outs = self.engine.collect(handle)
+        # a sequence that ended before this read-back (aborted, or stopped at the step before) has
+        # a token here that nobody asked for
+        live = {s.seq.seq_id for s in scheduled if s.sample and s.seq.status is SeqStatus.RUNNING}
+        outs = {k: o for k, o in outs.items() if k in live}
+        finished = self.scheduler.resolve(scheduled, {k: o.token for k, o in outs.items()})
+        return StepResult(scheduled, outs, finished)
+
+    def step(self) -> list[StepResult]:
+        """One iteration: the results that became known (none, one or two steps')."""
+        sched, engine = self.scheduler, self.engine
+        results: list[StepResult] = []
+        self.stalled = False
+        if self._inflight is not None and not sched.decode_fits():
+            results.append(self._complete())
+        if not sched.has_work:
+            if self._inflight is not None:
+                results.append(self._complete())
+            return results
+        scheduled = sched.schedule()
+        self._current = scheduled
+        if self._inflight is not None:
+            if scheduled and engine.can_launch(scheduled):
+                handle = engine.launch(scheduled, self._inflight[1])
+                sched.advance(scheduled)
+                self.overlapped += 1
+                self.steps += 1
+                results.append(self._complete())
+                self._inflight, self._current = (scheduled, handle), []
+                return results
+            results.append(self._complete())
+            scheduled = [s for s in scheduled if s.seq.status is SeqStatus.RUNNING]
+        if not scheduled:
+            self._current = []
+            self.stalled = not results
+            return results
+        self.steps += 1
+        if self.overlap and engine.can_launch(scheduled):
+            handle = engine.launch(scheduled, None)
+            sched.advance(scheduled)
+            self._inflight, self._current = (scheduled, handle), []
+            return results
+        outs = engine.step(scheduled)
+        finished = sched.update(scheduled, {k: o.token for k, o in outs.items()})
+        self._current = []
+        results.append(StepResult(scheduled, outs, finished))
+        return results
