@@ -118,15 +118,23 @@ def _run_load(*args) -> dict:
         return asyncio.run(_load(*args))
 
 
+# One front end (serve_workers with workers=1: the supervisor, one engine process, one front end),
+# so that every request goes to the process measured: with two, the kernel spreads connections
+# unevenly and a busier front end spends less CPU per request (more requests per loop pass).
+LAUNCH = ("import json, sys; from surge.config import ServerConfig; from surge.cli.workers import serve_workers; "
+          "sys.exit(serve_workers(ServerConfig.model_validate(json.loads(sys.argv[1])), int(sys.argv[2])))")
+
+
 def measure(tree: str, model: Path, args, seed: int) -> dict:
     from surge.bench.servers import ServerProc, free_port
 
     port = free_port()
-    env = {"PYTHONPATH": os.pathsep.join([str(Path(tree).resolve()), str(ROOT)]), "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, "-m", "surge.cli.main", "serve", str(model), "--model-name", "m", "--port", str(port),
-            "--grpc-port", "0", "--engine", "torch", "--device", "cpu", "--workers", str(args.workers),
-            "--engine-processes", "1", "--cache-bytes", str(args.cache_bytes), "--log-level", "warning",
-            *args.flags.split()]
+    env = {"PYTHONPATH": os.pathsep.join([str(Path(tree).resolve()), str(ROOT)]), "OMP_NUM_THREADS": "1",
+           **dict(kv.split("=", 1) for kv in args.env)}
+    cfg = {"model_dir": str(model), "model_name": "m", "port": port, "grpc_port": 0, "log_level": "warning",
+           "engine": {"engine": "torch", "device": "cpu"}, "cache": {"max_bytes": args.cache_bytes},
+           "engine_processes": 1}
+    argv = [sys.executable, "-c", LAUNCH, json.dumps(cfg), str(args.workers)]
     with ServerProc("surge", argv, port, env=env, cwd=ROOT) as srv:
         fronts = _fronts(srv.proc.pid)
         assert len(fronts) == args.workers, srv.output()
@@ -146,11 +154,11 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=4000)
     ap.add_argument("--warmup", type=int, default=500)
     ap.add_argument("--clients", type=int, default=64)
-    ap.add_argument("--workers", type=int, default=2, help="front ends (>= 2: 1 is one process)")
+    ap.add_argument("--workers", type=int, default=1, help="front-end processes")
     ap.add_argument("--layers", type=int, default=1, help="layers of the random MiniLM-shaped model")
     ap.add_argument("--path", default="/v1/embeddings", choices=("/v1/embeddings", "/embed"))
     ap.add_argument("--cache-bytes", type=int, default=0)
-    ap.add_argument("--flags", default="", help="extra surge serve flags (both trees)")
+    ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for the server (both trees)")
     ap.add_argument("--models", default=str(Path(os.environ.get("TMPDIR", "/tmp")) / "surge-frontend-cpu"))
     ap.add_argument("--json", default=None, help="write the per-round numbers here")
     args = ap.parse_args()
@@ -166,13 +174,13 @@ def main() -> int:
     print(f"\n{args.path}, {args.requests} requests x {args.rounds} rounds, {args.clients} clients, "
           f"{args.workers} front end(s), cache-bytes {args.cache_bytes}, load average "
           f"{os.getloadavg()[0]:.1f}\n")
-    print("| code | front-end CPU us/request (median) | rounds | req/s (median; machine-dependent) |")
-    print("|---|---:|---|---:|")
+    print("| code | front-end CPU us/request (median) | min | rounds | req/s (median; machine-dependent) |")
+    print("|---|---:|---:|---|---:|")
     med = {}
     for name in trees:
         us = [m["us_per_req"] for m in rows[name]]
         med[name] = statistics.median(us)
-        print(f"| {name} ({trees[name]}) | {med[name]:.1f} | {', '.join(f'{u:.0f}' for u in us)} | "
+        print(f"| {name} ({trees[name]}) | {med[name]:.1f} | {min(us):.1f} | {', '.join(f'{u:.0f}' for u in us)} | "
               f"{statistics.median(m['rps'] for m in rows[name]):.0f} |")
     print(f"\nnew / old: {med['new'] / med['old']:.2f}")
     if args.json:

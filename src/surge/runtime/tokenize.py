@@ -27,9 +27,26 @@ class Tokenizer:
         self._n_special = self._tok.post_processor.num_special_tokens_to_add(False) if self._tok.post_processor else 0
         # Ids and type ids only (no character offsets): ~20% faster a call where tokenizers has it (>= 0.21).
         self._encode_ids = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        # Plain ASCII text through a BERT tokenizer: the same ids in Python, ~5x less CPU
+        # (runtime/wordpiece_fast.py); None where the tokenizer is not configured as BERT's.
+        from surge.runtime.wordpiece_fast import FastWordPiece
+
+        self._fast = FastWordPiece.of(self._tok, max_length)
 
     def encode(self, texts: list[str], truncate: bool = True) -> list[Encoded]:
         """Tokenize a batch of texts. Too long and truncate=False gives 413."""
+        fast = self._fast
+        if fast is not None and truncate:
+            out: list = [fast.encode(t) for t in texts]
+            rest = [i for i, ids in enumerate(out) if ids is None]
+            if rest:  # texts the fast path does not take: tokenizers, in one call
+                for i, enc in zip(rest, self._encode_hf([texts[i] for i in rest], truncate)):
+                    out[i] = enc
+            return [ids if type(ids) is Encoded else Encoded(np.array(ids, dtype=np.int64), np.zeros(len(ids), np.int64))
+                    for ids in out]
+        return self._encode_hf(texts, truncate)
+
+    def _encode_hf(self, texts: list[str], truncate: bool) -> list[Encoded]:
         if not truncate:
             self._tok.no_truncation()
             try:
