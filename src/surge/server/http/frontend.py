@@ -11,7 +11,9 @@ serving_core.md, "Session 2: front-end CPU"):
   error and middleware behaves as before. Anything else (lifespan, telemetry on) takes the app.
 - `CorkedHttpToolsProtocol`: uvicorn writes a response's head and its body with two
   `transport.write` calls, each a `send` syscall; here the writes of one event-loop pass on one
-  connection are joined and sent once, right after the pass (pipelined responses too).
+  connection are joined and sent once, right after the pass (pipelined responses too). It also
+  offers the hot path a disconnect callback (`DisconnectWatch`), so that noticing a client that
+  went away costs no watcher task per request.
 """
 
 from __future__ import annotations
@@ -93,6 +95,44 @@ class _Corked:
         return getattr(self._t, name)
 
 
+class DisconnectWatch:
+    """The `surge.disconnect` ASGI extension: callbacks run once when the connection is lost.
+
+    The hot path (server/http/hotpath.py) registers one per request instead of a task awaiting
+    `receive()` for the disconnect (a task, an Event wait and a cancel per request)."""
+
+    __slots__ = ("lost", "callbacks")
+
+    def __init__(self):
+        self.lost = False
+        self.callbacks: set = set()
+
+    def add(self, callback) -> bool:
+        """Watch; False when the connection is already lost (the callback is not kept)."""
+        if self.lost:
+            return False
+        self.callbacks.add(callback)
+        return True
+
+    def discard(self, callback) -> None:
+        self.callbacks.discard(callback)
+
+    def fire(self) -> None:
+        self.lost = True
+        callbacks, self.callbacks = self.callbacks, set()
+        for cb in callbacks:
+            cb()
+
+
 class CorkedHttpToolsProtocol(HttpToolsProtocol):
     def connection_made(self, transport) -> None:  # type: ignore[override]
+        self.watch = DisconnectWatch()
         super().connection_made(_Corked(transport, asyncio.get_running_loop()))
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.scope.setdefault("extensions", {})["surge.disconnect"] = self.watch
+
+    def connection_lost(self, exc) -> None:
+        super().connection_lost(exc)
+        self.watch.fire()
