@@ -117,3 +117,16 @@ def test_other_configurations_take_tokenizers(spec, monkeypatch):
     assert FastWordPiece.of(tok, 128) is None
     monkeypatch.setenv("SURGE_FAST_WORDPIECE", "0")
     assert Tokenizer(spec.tokenizer_file, max_length=128, vocab_size=spec.vocab_size)._fast is None
+
+
+def test_cache_key_normalizer_matches_the_tokenizers_normalizer(spec):
+    """The cache's ASCII shortcut (runtime/cache.text_normalizer) keys texts as BertNormalizer does."""
+    from surge.runtime.cache import text_normalizer
+
+    hf = HF.from_file(str(spec.tokenizer_file))
+    norm = text_normalizer(hf)
+    rng = random.Random()
+    words = [w for w in hf.get_vocab() if w.isascii() and not w.startswith("[")]
+    texts = load_sentences() + [_random_text(rng, words) for _ in range(1500)] + ["A\tB\r\nC  d", " x ", "\x0bA"]
+    for t in texts:
+        assert norm(t) == " ".join(hf.normalizer.normalize_str(t).split()), repr(t)
