@@ -15,6 +15,9 @@ from surge.errors import InvalidInput, PayloadTooLarge
 from surge.types import Encoded
 
 
+FAST_MAX_CHARS = 4096  # texts per call (in characters) up to which the Python WordPiece runs
+
+
 class Tokenizer:
     def __init__(self, tokenizer_file: Path, max_length: int, vocab_size: int, pad_id: int = 0):
         self._tok = _HFTokenizer.from_file(str(tokenizer_file))
@@ -36,7 +39,9 @@ class Tokenizer:
     def encode(self, texts: list[str], truncate: bool = True) -> list[Encoded]:
         """Tokenize a batch of texts. Too long and truncate=False gives 413."""
         fast = self._fast
-        if fast is not None and truncate:
+        # Large batches stay with tokenizers: it releases the GIL (the tokenize stage's thread runs
+        # them beside the event loop), where Python would hold it. Short ones (the inline path) here.
+        if fast is not None and truncate and sum(map(len, texts)) <= FAST_MAX_CHARS:
             out: list = [fast.encode(t) for t in texts]
             rest = [i for i, ids in enumerate(out) if ids is None]
             if rest:  # texts the fast path does not take: tokenizers, in one call
