@@ -13,7 +13,8 @@ compares them on the bundled sentences and on random text).
 Only a tokenizer whose configuration is exactly the BERT one gets this path (BertNormalizer with
 clean_text, BertPreTokenizer, WordPiece, a `[CLS] $A [SEP]` template with type ids 0, right-side
 truncation), and only for a text that is printable ASCII (tabs and line breaks allowed) and
-contains no added token; everything else (`encode` returns None) goes to `tokenizers`.
+contains no added token; everything else (`encode` returns None) goes to `tokenizers`, and so
+do large batches (runtime/tokenize.FAST_MAX_CHARS: `tokenizers` releases the GIL for them).
 SURGE_FAST_WORDPIECE=0 turns it off.
 """
 

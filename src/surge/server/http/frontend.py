@@ -131,7 +131,9 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self.scope.setdefault("extensions", {})["surge.disconnect"] = self.watch
+        scope = getattr(self, "scope", None)  # uvicorn's request scope (without it: the watcher task)
+        if isinstance(scope, dict):
+            scope.setdefault("extensions", {})["surge.disconnect"] = self.watch
 
     def connection_lost(self, exc) -> None:
         super().connection_lost(exc)
