@@ -252,3 +252,24 @@ def test_service_admission_gives_429_with_retry_after_and_503_when_not_ready(bun
         return ok
 
     assert asyncio.run(main()).vectors.shape == (3, 384)
+
+
+def test_a_waiting_scheduler_counts_its_free_instance_not_as_queue(bundled_worker, pool, encoded):
+    """Requests arriving in one event-loop pass while the scheduler waits for work (holding its
+    instance's slot): the first batch's inputs are not queue, so only what is past the queue plus
+    one batch is refused."""
+    b = _batcher(bundled_worker, pool, max_queue_size=4, max_batch_size=4, instances=1)
+
+    async def main():
+        first = await b.submit(encoded[:1])  # the scheduler runs, then waits holding the slot
+        assert first.shape[0] == 1
+        await asyncio.sleep(0.01)
+        futs = [b.enqueue(encoded[i:i + 4]) for i in (0, 4)]  # one pass: a batch and a full queue
+        with pytest.raises(Overloaded):
+            b.enqueue(encoded[8:12])
+        rows = await asyncio.gather(*futs)
+        await b.close()
+        return rows
+
+    rows = asyncio.run(main())
+    assert [r.shape[0] for r in rows] == [4, 4]

@@ -385,8 +385,15 @@ def front_main(config_json: str, sock: str, fd: str) -> None:
     # asyncio then leaves Nagle on for accepted connections (TCP_NODELAY is set for INET sockets
     # only): every response waited ~40 ms for the client's delayed ACK.
     listener = socket.socket(fileno=int(fd))
+    extra = {}
+    try:  # fewer layers and one send per response (server/http/frontend.py)
+        from surge.server.http.frontend import CorkedHttpToolsProtocol, FrontDoor
+
+        app, extra = FrontDoor(app), {"http": CorkedHttpToolsProtocol}
+    except ImportError:  # no httptools: uvicorn's own choice
+        pass
     server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, access_log=False,
-                                           timeout_graceful_shutdown=10))
+                                           timeout_graceful_shutdown=10, **extra))
     server.run(sockets=[listener])
 
 

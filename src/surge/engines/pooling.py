@@ -47,5 +47,8 @@ def _pool_packed(hidden: np.ndarray, cu: np.ndarray, mode: str) -> np.ndarray:
 
 def l2_normalize(x: np.ndarray) -> np.ndarray:
     # Same epsilon as torch.nn.functional.normalize, which sentence-transformers uses.
-    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    if x.dtype.kind == "f":  # np.linalg.norm's own arithmetic for real rows, without its Python checks
+        norms = np.sqrt(np.add.reduce(x * x, axis=1, keepdims=True))
+    else:
+        norms = np.linalg.norm(x, axis=1, keepdims=True)
     return x / np.maximum(norms, 1e-12)

@@ -102,6 +102,7 @@ class DynamicBatcher:
         self._pending_tokens = 0
         self._seq = itertools.count()
         self._wake = asyncio.Event()
+        self._forming = False  # the scheduler holds a slot and waits for (or forms) a batch
         self._slots = asyncio.Semaphore(max(1, cfg.instances))
         self._running: set[asyncio.Task] = set()
         self._scheduler: asyncio.Task | None = None
@@ -147,7 +148,9 @@ class DynamicBatcher:
             raise ValueError("submit needs at least one item")
         # Inputs a free instance takes at once are not queued: without this, requests arriving in
         # one event-loop pass (before the scheduler runs) counted the first batch as queue.
-        room = self.cfg.max_queue_size + getattr(self._slots, "_value", 0) * self.max_batch_size
+        # The scheduler waiting for work holds a slot too (`_forming`): its instance is free.
+        free = getattr(self._slots, "_value", 0) + self._forming
+        room = self.cfg.max_queue_size + free * self.max_batch_size
         if self._pending and len(self._pending) + len(items) > room:
             raise Overloaded(f"the queue of model {self.name} is full ({len(self._pending)} inputs); retry later",
                              retry_after=1.0)
@@ -210,9 +213,12 @@ class DynamicBatcher:
         while True:
             await self._slots.acquire()
             self._slot_free_at = time.monotonic()
+            self._forming = True
             try:
                 batch, free_at = await self._next_batch()
+                self._forming = False
             except BaseException:
+                self._forming = False
                 self._slots.release()
                 raise
             task = asyncio.get_running_loop().create_task(self._execute(batch, free_at))

@@ -223,6 +223,15 @@ class ServiceMetrics:
         self.cache_misses = f.cache_misses.labels(*lv)
         self.cache_evictions = f.cache_evictions.labels(*lv)
         self.coalesced = f.coalesced.labels(*lv)
+        if multiprocess_dir():
+            # Multiprocess files: a request's own series are written once per loop pass
+            # (runtime/metrics_buffer.py), not ~10 mmap writes per request.
+            from surge.runtime.metrics_buffer import BufferedCounter, BufferedHistogram
+
+            self.requests, self.inputs, self.inflight = (BufferedCounter(c) for c in
+                                                         (self.requests, self.inputs, self.inflight))
+            self.latency, self.tokenize, self.post = (BufferedHistogram(h) for h in
+                                                      (self.latency, self.tokenize, self.post))
         self._tiers: dict[str, tuple] = {}
         with _lock:
             f.live[lv] = f.live.get(lv, 0) + 1

@@ -1,0 +1,140 @@
+"""What a `--workers` front end puts between uvicorn and the app: fewer layers, fewer syscalls.
+
+Measured on a front end under load (benchmarks/frontend_cpu.py, py-spy; docs/benchmarks/
+serving_core.md, "Session 2: front-end CPU"):
+
+- `FrontDoor`: FastAPI's own `__call__` asks OpenTelemetry for its tracer, meter and logger
+  providers on every request (~2.5% of a front end's CPU) before Starlette's `__call__` reaches
+  the middleware stack. With telemetry off (checked once, at the first request) and no root_path,
+  an HTTP request goes straight to the built stack, whose outermost layer is the embedding hot
+  path (server/http/hotpath.OuterHotPath); the stack itself is unchanged, so every route,
+  error and middleware behaves as before. Anything else (lifespan, telemetry on) takes the app.
+- `CorkedHttpToolsProtocol`: uvicorn writes a response's head and its body with two
+  `transport.write` calls, each a `send` syscall; here the writes of one event-loop pass on one
+  connection are joined and sent once, right after the pass (pipelined responses too). It also
+  offers the hot path a disconnect callback (`DisconnectWatch`), so that noticing a client that
+  went away costs no watcher task per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+
+class FrontDoor:
+    def __init__(self, app):
+        self.app = app
+        self._direct: bool | None = None  # decided at the first HTTP request (after startup)
+
+    def _decide(self) -> bool:
+        app = self.app
+        if getattr(app, "root_path", ""):
+            return False
+        telemetry = getattr(app, "_native_telemetry", None)
+        try:
+            return telemetry is None or not telemetry.enabled()
+        except Exception:  # noqa: BLE001 - unknown FastAPI internals: keep its own path
+            return False
+
+    async def __call__(self, scope, receive, send):
+        stack = getattr(self.app, "middleware_stack", None)
+        if stack is not None and scope["type"] == "http":
+            direct = self._direct
+            if direct is None:
+                direct = self._direct = self._decide()
+            if direct:
+                scope["app"] = self.app  # what Starlette's __call__ sets
+                return await stack(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+class _Corked:
+    """A transport whose writes during one loop pass go out as one write after it."""
+
+    __slots__ = ("_t", "_loop", "_buf")
+
+    def __init__(self, transport, loop):
+        self._t = transport
+        self._loop = loop
+        self._buf: list[bytes] = []
+
+    def write(self, data) -> None:
+        if not self._buf:
+            self._loop.call_soon(self._flush)
+        self._buf.append(bytes(data))
+
+    def writelines(self, seq) -> None:
+        for data in seq:
+            self.write(data)
+
+    def _flush(self) -> None:
+        if self._buf:
+            data = b"".join(self._buf) if len(self._buf) > 1 else self._buf[0]
+            self._buf.clear()
+            if not self._t.is_closing():
+                self._t.write(data)
+
+    def close(self) -> None:
+        self._flush()
+        self._t.close()
+
+    def write_eof(self) -> None:
+        self._flush()
+        self._t.write_eof()
+
+    def abort(self) -> None:
+        self._buf.clear()
+        self._t.abort()
+
+    def get_write_buffer_size(self) -> int:
+        return self._t.get_write_buffer_size() + sum(map(len, self._buf))
+
+    def __getattr__(self, name):  # everything else: the real transport
+        return getattr(self._t, name)
+
+
+class DisconnectWatch:
+    """The `surge.disconnect` ASGI extension: callbacks run once when the connection is lost.
+
+    The hot path (server/http/hotpath.py) registers one per request instead of a task awaiting
+    `receive()` for the disconnect (a task, an Event wait and a cancel per request)."""
+
+    __slots__ = ("lost", "callbacks")
+
+    def __init__(self):
+        self.lost = False
+        self.callbacks: set = set()
+
+    def add(self, callback) -> bool:
+        """Watch; False when the connection is already lost (the callback is not kept)."""
+        if self.lost:
+            return False
+        self.callbacks.add(callback)
+        return True
+
+    def discard(self, callback) -> None:
+        self.callbacks.discard(callback)
+
+    def fire(self) -> None:
+        self.lost = True
+        callbacks, self.callbacks = self.callbacks, set()
+        for cb in callbacks:
+            cb()
+
+
+class CorkedHttpToolsProtocol(HttpToolsProtocol):
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        self.watch = DisconnectWatch()
+        super().connection_made(_Corked(transport, asyncio.get_running_loop()))
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        scope = getattr(self, "scope", None)  # uvicorn's request scope (without it: the watcher task)
+        if isinstance(scope, dict):
+            scope.setdefault("extensions", {})["surge.disconnect"] = self.watch
+
+    def connection_lost(self, exc) -> None:
+        super().connection_lost(exc)
+        self.watch.fire()
