@@ -102,17 +102,8 @@ def text_normalizer(hf_tokenizer) -> Callable[[str], str]:
     ws_pre = type(pre).__name__ in ("BertPreTokenizer", "Whitespace", "WhitespaceSplit")
     if bert_norm and ws_pre:
         normalize_str = norm.normalize_str
-        lower = bool(getattr(norm, "lowercase", True))
-        spaces = str.maketrans("\t\n\r", "   ")
 
         def normalize(text: str) -> str:
-            # Printable ASCII (tabs and line breaks allowed): BertNormalizer only lowercases it, in
-            # ~1 us instead of ~20 (a hot-path miss computes its keys twice: cached_result, then
-            # the cache stage). Anything else: the tokenizer's own normalizer.
-            if text.isascii():
-                t = text if text.isprintable() else text.translate(spaces)
-                if t.isprintable():
-                    return " ".join((t.lower() if lower else t).split())
             return " ".join(normalize_str(text).split())
 
         return normalize

@@ -15,9 +15,6 @@ from surge.errors import InvalidInput, PayloadTooLarge
 from surge.types import Encoded
 
 
-FAST_MAX_CHARS = 4096  # texts per call (in characters) up to which the Python WordPiece runs
-
-
 class Tokenizer:
     def __init__(self, tokenizer_file: Path, max_length: int, vocab_size: int, pad_id: int = 0):
         self._tok = _HFTokenizer.from_file(str(tokenizer_file))
@@ -30,28 +27,9 @@ class Tokenizer:
         self._n_special = self._tok.post_processor.num_special_tokens_to_add(False) if self._tok.post_processor else 0
         # Ids and type ids only (no character offsets): ~20% faster a call where tokenizers has it (>= 0.21).
         self._encode_ids = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
-        # Plain ASCII text through a BERT tokenizer: the same ids in Python, ~5x less CPU
-        # (runtime/wordpiece_fast.py); None where the tokenizer is not configured as BERT's.
-        from surge.runtime.wordpiece_fast import FastWordPiece
-
-        self._fast = FastWordPiece.of(self._tok, max_length)
 
     def encode(self, texts: list[str], truncate: bool = True) -> list[Encoded]:
         """Tokenize a batch of texts. Too long and truncate=False gives 413."""
-        fast = self._fast
-        # Large batches stay with tokenizers: it releases the GIL (the tokenize stage's thread runs
-        # them beside the event loop), where Python would hold it. Short ones (the inline path) here.
-        if fast is not None and truncate and sum(map(len, texts)) <= FAST_MAX_CHARS:
-            out: list = [fast.encode(t) for t in texts]
-            rest = [i for i, ids in enumerate(out) if ids is None]
-            if rest:  # texts the fast path does not take: tokenizers, in one call
-                for i, enc in zip(rest, self._encode_hf([texts[i] for i in rest], truncate)):
-                    out[i] = enc
-            return [ids if type(ids) is Encoded else Encoded(np.array(ids, dtype=np.int64), np.zeros(len(ids), np.int64))
-                    for ids in out]
-        return self._encode_hf(texts, truncate)
-
-    def _encode_hf(self, texts: list[str], truncate: bool) -> list[Encoded]:
         if not truncate:
             self._tok.no_truncation()
             try:
