@@ -46,7 +46,7 @@ def distill(
     import shutil
 
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from surge.errors import SurgeError
     from surge.models import bundled_model_dir, load_model_spec

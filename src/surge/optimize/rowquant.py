@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import helper
 from onnx import numpy_helper as nh
 
 _C = "rowq_const_"  # shared constants

@@ -21,7 +21,6 @@ rest pass straight through.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
@@ -46,6 +45,29 @@ _OPENAI_KEYS = frozenset({"input", "model", "encoding_format", "user"})
 def _watched(path: str) -> bool:
     return path in (_EMBED, _OPENAI) or (path.startswith("/v2/models/") and path.endswith("/infer"))
 
+GONE = object()  # read_declared_body: the client left before its body arrived
+
+
+async def read_declared_body(scope, receive, max_bytes: int):
+    """The whole body of a request that declares a Content-Length of at most `max_bytes`; None when it
+    declares none or a larger one (the route reads and limits those), GONE when the client left first."""
+    length = None
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            length = int(value) if value.isdigit() else None
+            break
+    if length is None or length > max_bytes:
+        return None
+    chunks = []
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return GONE
+        chunks.append(msg.get("body", b""))
+        if not msg.get("more_body", False):
+            return b"".join(chunks)
+
+
 
 class HotPathMiddleware:
     def __init__(self, app, state: AppState):
@@ -56,22 +78,11 @@ class HotPathMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or not _watched(scope["path"]):
             return await self.app(scope, receive, send)
-        length = None
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                length = int(value) if value.isdigit() else None
-                break
-        if length is None or length > self.limits.max_body_bytes:
+        body = await read_declared_body(scope, receive, self.limits.max_body_bytes)
+        if body is None:
             return await self.app(scope, receive, send)
-        chunks = []
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return  # gone before the body arrived
-            chunks.append(msg.get("body", b""))
-            if not msg.get("more_body", False):
-                break
-        body = b"".join(chunks)
+        if body is GONE:
+            return
         app = self.app
         if scope["path"] in (_EMBED, _OPENAI):
             plain = self._plain(scope, body)

@@ -24,6 +24,7 @@ from surge.errors import SurgeError
 from surge.runtime.tasks import TaskRequest
 from surge.server.errors import error_response, render
 from surge.server.http.common import PARSED_BODY
+from surge.server.http.hotpath import GONE, read_declared_body
 from surge.server.http.task_io import label_scores, run_task
 
 log = logging.getLogger("surge.server")
@@ -41,22 +42,11 @@ class TaskHotPathMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != _PATH:
             return await self.app(scope, receive, send)
-        length = None
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                length = int(value) if value.isdigit() else None
-                break
-        if length is None or length > self.limits.max_body_bytes:
+        body = await read_declared_body(scope, receive, self.limits.max_body_bytes)
+        if body is None:
             return await self.app(scope, receive, send)
-        chunks = []
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return  # gone before the body arrived
-            chunks.append(msg.get("body", b""))
-            if not msg.get("more_body", False):
-                break
-        body = b"".join(chunks)
+        if body is GONE:
+            return
         plain = self._plain(scope, body)
         if plain is None:
             return await self.app(scope, _replay(body, receive), send)
