@@ -278,6 +278,20 @@ class TorchEngine:
         mask = batch.attention_mask.astype(bool)
         return batch.input_ids[mask], batch.token_type_ids[mask], batch.lengths
 
+    def _inputs(self, batch: TokenBatch):
+        """Checked packed (ids, types, positions, lengths) of a batch: what every run path feeds."""
+        ids, types, lengths = self._packed_arrays(batch)
+        self._check(ids, types, lengths)
+        if self.config.type_vocab == 0:
+            types = np.zeros_like(ids)
+        return ids, types, position_ids(lengths, self.config.position_offset), lengths
+
+    @staticmethod
+    def _oom(lengths: np.ndarray) -> EngineError:
+        # Free the cached blocks the failed batch left, so that the next (smaller) batch can run.
+        torch.cuda.empty_cache()
+        return EngineError(f"GPU out of memory on a batch of {len(lengths)} x {int(lengths.max())} tokens")
+
     def _check(self, ids: np.ndarray, types: np.ndarray, lengths: np.ndarray) -> None:
         if self.weights is None:
             raise EngineError("engine not loaded")
@@ -295,11 +309,7 @@ class TorchEngine:
                               f"{self.capacity} tokens (max_tokens)")
 
     def run(self, batch: TokenBatch) -> np.ndarray:
-        ids, types, lengths = self._packed_arrays(batch)
-        self._check(ids, types, lengths)
-        if self.config.type_vocab == 0:
-            types = np.zeros_like(ids)
-        pos = position_ids(lengths, self.config.position_offset)
+        ids, types, pos, lengths = self._inputs(batch)
         try:
             if self.device.type == "cuda":
                 with self.on_device():
@@ -307,8 +317,7 @@ class TorchEngine:
             else:
                 packed = self._run_reference(ids, types, pos, lengths)
         except torch.cuda.OutOfMemoryError as exc:
-            torch.cuda.empty_cache()
-            raise EngineError(f"GPU out of memory on a batch of {len(lengths)} x {int(lengths.max())} tokens") from exc
+            raise self._oom(lengths) from exc
         if batch.layout is Layout.PACKED or self.pool_mode is not None:  # pooled: one row per sequence
             return packed
         out = np.zeros(batch.input_ids.shape + (packed.shape[1],), dtype=packed.dtype)
@@ -440,17 +449,12 @@ class TorchEngine:
 
     def run_heads(self, batch: TokenBatch) -> np.ndarray:
         """The attached heads' rows for a batch (HeadSet.rows layout), heads computed on the GPU."""
-        ids, types, lengths = self._packed_arrays(batch)
-        self._check(ids, types, lengths)
-        if self.config.type_vocab == 0:
-            types = np.zeros_like(ids)
-        pos = position_ids(lengths, self.config.position_offset)
+        ids, types, pos, lengths = self._inputs(batch)
         try:
             with self.on_device():
                 fixed, tokens = self._run_cuda(ids, types, pos, lengths, heads=True)
         except torch.cuda.OutOfMemoryError as exc:
-            torch.cuda.empty_cache()
-            raise EngineError(f"GPU out of memory on a batch of {len(lengths)} x {int(lengths.max())} tokens") from exc
+            raise self._oom(lengths) from exc
         return self.head_set.rows(fixed, tokens, lengths)
 
     def _capture(self, key, views, gemm: str):
@@ -633,17 +637,12 @@ class TorchEngine:
         on its event loop and only the wait on a thread: no GIL hand-offs for the host work."""
         if self.pool_mode is None or self.device.type != "cuda":
             raise EngineError("launch/collect needs pooling in the graph on CUDA (attach_pooling)")
-        ids, types, lengths = self._packed_arrays(batch)
-        self._check(ids, types, lengths)
-        if self.config.type_vocab == 0:
-            types = np.zeros_like(ids)
-        pos = position_ids(lengths, self.config.position_offset)
+        ids, types, pos, lengths = self._inputs(batch)
         try:
             with self.on_device():
                 return self._launch_cuda(ids, types, pos, lengths)
         except torch.cuda.OutOfMemoryError as exc:
-            torch.cuda.empty_cache()
-            raise EngineError(f"GPU out of memory on a batch of {len(lengths)} x {int(lengths.max())} tokens") from exc
+            raise self._oom(lengths) from exc
 
     def collect(self, job: "Launched") -> np.ndarray:
         return self._collect_cuda(job)
