@@ -171,6 +171,8 @@ def test_killing_a_replica_under_load_loses_no_request(cluster, single, sentence
     results: list[tuple[str, httpx.Response | Exception]] = []
     killed: dict = {}
 
+    give_up = time.monotonic() + 180
+
     async def run():
         done_after_kill = 0
         async with httpx.AsyncClient(base_url=cluster, timeout=60,
@@ -178,7 +180,9 @@ def test_killing_a_replica_under_load_loses_no_request(cluster, single, sentence
             async def worker(w: int):
                 nonlocal done_after_kill
                 i = 0
-                while done_after_kill < after_kill:
+                # Bounded: if no answer ever comes back 200 the kill never happens, and the
+                # loop must end (and the test fail below) rather than spin until the timeout.
+                while done_after_kill < after_kill and time.monotonic() < give_up:
                     # Unique texts: every answer is computed (no cache hits) and checkable.
                     text = f"{pool[(w * 37 + i) % len(pool)]} [{w}-{i}]"
                     i += 1
@@ -197,6 +201,7 @@ def test_killing_a_replica_under_load_loses_no_request(cluster, single, sentence
             await asyncio.gather(*(worker(w) for w in range(n_clients)))
 
     asyncio.run(run())
+    assert killed, f"no replica was killed: {len(results)} requests, first answers {[str(r)[:120] for _, r in results[:3]]}"
     errors = [(t, r if isinstance(r, Exception) else f"{r.status_code} {r.text[:200]}") for t, r in results
               if isinstance(r, Exception) or r.status_code != 200]
     assert not errors, f"{len(errors)} of {len(results)} requests failed, e.g. {errors[:3]}"

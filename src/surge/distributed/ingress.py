@@ -164,5 +164,9 @@ class SurgeIngress:
         from surge.server.app import create_app
 
         app = create_app(self.state)
-        app.add_middleware(ServedByMiddleware)
+        # Outermost, around the hot path too (server/http/hotpath.install_outer wraps the
+        # middleware stack, so add_middleware would put these headers inside it and a plain
+        # /embed, which the hot path answers, would go out without them).
+        build = app.build_middleware_stack
+        app.build_middleware_stack = lambda: ServedByMiddleware(build())
         return app
