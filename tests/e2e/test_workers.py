@@ -87,6 +87,14 @@ def test_concurrent_results_match_reference_and_never_mix(server, sentences, ref
         assert _sample(text, "surge_requests_total") == len(picks)
         assert _sample(text, "surge_inputs_total") == sum(map(len, picks))
         assert _sample(text, "surge_batch_size_count") >= 1
+    # and so are the KServe statistics, whichever front end answers
+    for _ in range(4):
+        stats = httpx.get(server.url + "/v2/models/all-MiniLM-L6-v2/stats", headers={"connection": "close"}).json()
+        (model,) = stats["model_stats"]
+        assert model["inference_stats"]["success"]["count"] == len(picks)
+        assert model["inference_count"] == sum(map(len, picks))
+        assert model["execution_count"] == len(picks)  # the cache is off: every request ran the model
+        assert model["inference_stats"]["compute_infer"]["count"] == len(picks)
 
 
 def test_grpc_is_served_by_every_front_end_on_one_port(server, sentences, reference_embed):
@@ -104,6 +112,14 @@ def test_grpc_is_served_by_every_front_end_on_one_port(server, sentences, refere
     texts = [sentences[i] for i in rng.choice(len(sentences), 12, replace=False)]
     ref = reference_embed(texts)
     before = _sample(httpx.get(server.url + "/metrics").text, "surge_requests_total")
+
+    def grpc_successes() -> int:  # Triton's ModelStatistics over gRPC, from whichever front end answers
+        with grpc.insecure_channel(server.grpc_url) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            reply = stub.ModelStatistics(pb.ModelStatisticsRequest(name="all-MiniLM-L6-v2"), timeout=30)
+        return reply.model_stats[0].inference_stats.success.count
+
+    counted = grpc_successes()
     for i, text in enumerate(texts):
         with grpc.insecure_channel(server.grpc_url) as channel:  # a new connection each time
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
@@ -114,6 +130,7 @@ def test_grpc_is_served_by_every_front_end_on_one_port(server, sentences, refere
         assert cosine_rows(got[None, :], ref[i:i + 1]).min() >= 0.9999
     text = httpx.get(server.url + "/metrics", headers={"connection": "close"}).text
     assert _sample(text, "surge_requests_total") == before + len(texts)
+    assert {grpc_successes() for _ in range(4)} == {counted + len(texts)}
     served = [line for line in text.splitlines() if line.startswith("surge_engine_graph_builds_total{")
               and 'phase="serving"' in line]
     assert served and all(float(line.rsplit(" ", 1)[1]) == 0 for line in served), served

@@ -12,6 +12,9 @@ far fewer real ones, while the GPU engine runs 85,000 sequences/s; the
 per-request work (HTTP, JSON, tokenizing) is what scales with processes, and
 the GPU wants one process batching everybody's inputs.
 
+Metrics and KServe statistics are whole across processes: /metrics reads every process's
+prometheus_client files, a statistics request every front end's mirrored totals (runtime/stats.py).
+
 Cache: each front end keeps its own local tiers (no lock, no hop); behind them the engine
 process keeps a tier all front ends share (runtime/ipc.SharedTier, keyed by token ids, sized
 by --cache-bytes), and Redis stays available as the tier shared between machines.

@@ -3,10 +3,19 @@ extension (Triton's ModelStatistics): counts and cumulative nanoseconds.
 
 Recorded once per request by AppState.run, whatever protocol it came in by.
 All updates happen on the event loop, so no lock is needed.
+
+Under `--workers` every front end counts its own requests, and a statistics
+request reaches whichever front end the kernel picked: so each process also
+mirrors its totals into a file of its own in the metrics directory
+(prometheus_client's memory-mapped value files, the same mechanism as
+/metrics), and `snapshot()` sums every process's file: the answer is whole
+and current whichever front end gives it, and survives a front end restart.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import dataclass, field, fields
 
@@ -67,16 +76,85 @@ class ModelStats:
 STAGES = ("queue_ns", "compute_input_ns", "compute_infer_ns", "compute_output_ns")
 
 
+def _flat(stats: ModelStats) -> list[tuple[str, float]]:
+    out = [("last_inference", stats.last_inference_ms), ("inference_count", stats.inference_count),
+           ("execution_count", stats.execution_count)]
+    for f in fields(stats.inference_stats):
+        d = getattr(stats.inference_stats, f.name)
+        out += [(f"{f.name}.count", d.count), (f"{f.name}.ns", d.ns)]
+    return out
+
+
+class _Mirror:
+    """This process's totals in its own memory-mapped file (float64 values: counts exact; cumulative
+    nanoseconds exact up to 2**53, about 104 days of request time per process)."""
+
+    PREFIX = "kserve_stats_"
+
+    def __init__(self, directory: str, tag: str | None = None):
+        from prometheus_client.mmap_dict import MmapedDict
+
+        # A subdirectory: prometheus_client's collector reads every *.db file at the top level as its own.
+        self.directory = os.path.join(directory, "kserve_stats")
+        os.makedirs(self.directory, exist_ok=True)
+        self.file = MmapedDict(os.path.join(self.directory, f"{self.PREFIX}{tag or os.getpid()}.db"))
+
+    def write(self, stats: ModelStats) -> None:
+        for part, value in _flat(stats):
+            self.file.write_value(json.dumps([stats.name, stats.version, part]), float(value), 0.0)
+
+    def read(self, name: str, version: str) -> dict[str, float]:
+        """Every process's values for one model version: summed, and the latest last_inference."""
+        from prometheus_client.mmap_dict import MmapedDict
+
+        total: dict[str, float] = {}
+        for entry in os.scandir(self.directory):
+            if not (entry.name.startswith(self.PREFIX) and entry.name.endswith(".db")):
+                continue
+            try:
+                values = MmapedDict.read_all_values_from_file(entry.path)
+            except (OSError, ValueError):  # a file being created this instant: its values are not there yet
+                continue
+            for key, value, _ts, _pos in values:
+                m, v, part = json.loads(key)
+                if (m, v) == (name, version):
+                    total[part] = max(total.get(part, 0.0), value) if part == "last_inference" else total.get(part, 0.0) + value
+        return total
+
+
 class InferenceStats:
-    def __init__(self) -> None:
+    def __init__(self, shared_dir: str | None = None, tag: str | None = None) -> None:
+        """shared_dir: the --workers metrics directory (runtime/metrics.multiprocess_dir), or None;
+        tag: this process's file name in it (default: its pid)."""
         self._models: dict[tuple[str, str], ModelStats] = {}
+        self._mirror = _Mirror(shared_dir, tag) if shared_dir else None
 
     def model(self, name: str, version: str) -> ModelStats:
+        """This process's statistics of one model version (what it records into)."""
         key = (name, str(version))
         stats = self._models.get(key)
         if stats is None:
             stats = self._models[key] = ModelStats(name, str(version))
         return stats
+
+    def snapshot(self, name: str, version: str) -> dict:
+        """The KServe / Triton statistics of one model version, whole across front-end processes."""
+        own = self.model(name, version)
+        if self._mirror is None:
+            return own.as_dict()
+        self._mirror.write(own)  # a version nobody has called yet still gets its (zero) row
+        total = self._mirror.read(name, str(version))
+        merged = ModelStats(name, str(version), last_inference_ms=int(total.get("last_inference", 0)),
+                            inference_count=int(total.get("inference_count", 0)),
+                            execution_count=int(total.get("execution_count", 0)))
+        for f in fields(merged.inference_stats):
+            d = getattr(merged.inference_stats, f.name)
+            d.count, d.ns = int(total.get(f"{f.name}.count", 0)), int(total.get(f"{f.name}.ns", 0))
+        return merged.as_dict()
+
+    def _changed(self, stats: ModelStats) -> None:
+        if self._mirror is not None:
+            self._mirror.write(stats)
 
     def record_success(self, name: str, version: str, result, elapsed_ns: int, cache_enabled: bool = False) -> None:
         stats = self.model(name, version)
@@ -88,6 +166,7 @@ class InferenceStats:
         cached = list(getattr(result, "cached", None) or [])
         if cached and all(cached):
             s.cache_hit.add(elapsed_ns)
+            self._changed(stats)
             return
         stats.execution_count += 1
         if cache_enabled:  # as Triton: cache counters only for models with a cache
@@ -97,6 +176,7 @@ class InferenceStats:
             ns = timings.get(stage, getattr(result, stage, None))
             if ns is not None:
                 getattr(s, stage[: -len("_ns")]).add(ns)
+        self._changed(stats)
 
     def record_generation(self, name: str, version: str, elapsed_ns: int, timings: dict | None, cached: bool,
                           cache_enabled: bool = False) -> None:
@@ -110,6 +190,7 @@ class InferenceStats:
         s.success.add(elapsed_ns)
         if cached:
             s.cache_hit.add(elapsed_ns)
+            self._changed(stats)
             return
         stats.execution_count += 1
         if cache_enabled:
@@ -118,8 +199,10 @@ class InferenceStats:
             ns = (timings or {}).get(stage)
             if ns is not None:
                 getattr(s, stage[: -len("_ns")]).add(ns)
+        self._changed(stats)
 
     def record_failure(self, name: str, version: str, elapsed_ns: int) -> None:
         stats = self.model(name, version)
         stats.last_inference_ms = int(time.time() * 1000)
         stats.inference_stats.fail.add(elapsed_ns)
+        self._changed(stats)

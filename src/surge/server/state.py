@@ -9,6 +9,7 @@ from typing import Protocol
 
 from surge.config import ServerConfig
 from surge.errors import DeadlineExceeded, NotReady, SurgeError
+from surge.runtime.metrics import multiprocess_dir
 from surge.runtime.registry import ModelRegistry
 from surge.runtime.service import ModelService
 from surge.runtime.stats import InferenceStats
@@ -44,7 +45,8 @@ class AppState:
     started: bool = False
     lifecycle: ModelLifecycle | None = None
     extras: dict = field(default_factory=dict)
-    stats: InferenceStats = field(default_factory=InferenceStats)
+    # Whole across front ends under --workers (runtime/stats.py): the metrics directory is shared.
+    stats: InferenceStats = field(default_factory=lambda: InferenceStats(multiprocess_dir()))
 
     @property
     def ready(self) -> bool:

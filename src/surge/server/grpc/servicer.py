@@ -208,7 +208,7 @@ class InferenceServicer(TritonExtras, pb_grpc.GRPCInferenceServiceServicer):
         else:
             services = [self.registry.get(request.name, request.version)]
         return pb.ModelStatisticsResponse(
-            model_stats=[_stats_proto(self.state.stats.model(s.name, s.version).as_dict()) for s in services])
+            model_stats=[_stats_proto(self.state.stats.snapshot(s.name, s.version)) for s in services])
 
     @_rpc
     async def RepositoryIndex(self, request, context):

@@ -146,7 +146,7 @@ def router(state: AppState) -> APIRouter:
         else:
             services = [registry.get(name, version)]
         return ORJSONResponse(
-            {"model_stats": [state.stats.model(s.name, s.version).as_dict() for s in services]})
+            {"model_stats": [state.stats.snapshot(s.name, s.version) for s in services]})
 
     r.get("/v2/models/stats")(stats)
     r.get("/v2/models/{name}/stats")(stats)

@@ -1,0 +1,58 @@
+"""KServe statistics whole across front-end processes (runtime/stats.py): each process mirrors its
+totals into its own file in the shared directory and a snapshot sums them all."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from types import SimpleNamespace
+
+import numpy as np
+
+from surge.runtime.stats import InferenceStats
+
+
+def _result(n: int, cached: bool = False, **timings):
+    return SimpleNamespace(vectors=np.zeros((n, 2)), cached=[cached] * n, timings=timings)
+
+
+def _front_end(directory: str, calls: list[tuple[int, int]], failures: int) -> None:
+    stats = InferenceStats(directory)  # a real second process: its own pid, its own file
+    for n, ns in calls:
+        stats.record_success("m", "1", _result(n, compute_infer_ns=ns // 2), ns)
+    for _ in range(failures):
+        stats.record_failure("m", "1", 7)
+
+
+def test_a_snapshot_sums_every_process_and_keeps_the_latest_inference(tmp_path):
+    rng = np.random.default_rng()
+    mine = [(int(rng.integers(1, 5)), int(rng.integers(1_000, 10**9))) for _ in range(int(rng.integers(3, 9)))]
+    theirs = [(int(rng.integers(1, 5)), int(rng.integers(1_000, 10**9))) for _ in range(int(rng.integers(3, 9)))]
+    here = InferenceStats(str(tmp_path))
+    for n, ns in mine:
+        here.record_success("m", "1", _result(n, compute_infer_ns=ns // 2), ns)
+    here.record_success("m", "1", _result(2, cached=True), 11)  # a cache hit: not an execution
+    other = mp.get_context("spawn").Process(target=_front_end, args=(str(tmp_path), theirs, 2))
+    other.start()
+    other.join(60)
+    assert other.exitcode == 0
+
+    snap = here.snapshot("m", "1")
+    calls = mine + theirs
+    assert snap["inference_count"] == sum(n for n, _ in calls) + 2
+    assert snap["execution_count"] == len(calls)
+    s = snap["inference_stats"]
+    assert s["success"] == {"count": len(calls) + 1, "ns": sum(ns for _, ns in calls) + 11}
+    assert s["fail"] == {"count": 2, "ns": 14}
+    assert s["compute_infer"] == {"count": len(calls), "ns": sum(ns // 2 for _, ns in calls)}
+    assert s["cache_hit"]["count"] == 1
+    assert snap["last_inference"] >= here.model("m", "1").last_inference_ms > 0
+    # only this process's own counts in its in-memory record; another version is untouched
+    assert here.model("m", "1").inference_count == sum(n for n, _ in mine) + 2
+    assert here.snapshot("m", "2")["inference_count"] == 0
+
+
+def test_without_a_shared_directory_a_snapshot_is_this_process_alone():
+    stats = InferenceStats()
+    stats.record_success("m", "1", _result(3), 5)
+    assert stats.snapshot("m", "1") == stats.model("m", "1").as_dict()
+    assert stats.snapshot("m", "1")["inference_count"] == 3
