@@ -6,18 +6,21 @@ All updates happen on the event loop, so no lock is needed.
 
 Under `--workers` every front end counts its own requests, and a statistics
 request reaches whichever front end the kernel picked: so each process also
-mirrors its totals into a file of its own in the metrics directory
-(prometheus_client's memory-mapped value files, the same mechanism as
-/metrics), and `snapshot()` sums every process's file: the answer is whole
+mirrors its totals into memory-mapped files of its own in the metrics
+directory (as prometheus_client does for /metrics), and `snapshot()` sums
+every process's files: the answer is whole
 and current whichever front end gives it, and survives a front end restart.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
 from dataclasses import dataclass, field, fields
+
+import numpy as np
 
 
 @dataclass
@@ -76,50 +79,59 @@ class ModelStats:
 STAGES = ("queue_ns", "compute_input_ns", "compute_infer_ns", "compute_output_ns")
 
 
-def _flat(stats: ModelStats) -> list[tuple[str, float]]:
-    out = [("last_inference", stats.last_inference_ms), ("inference_count", stats.inference_count),
-           ("execution_count", stats.execution_count)]
-    for f in fields(stats.inference_stats):
-        d = getattr(stats.inference_stats, f.name)
-        out += [(f"{f.name}.count", d.count), (f"{f.name}.ns", d.ns)]
+PARTS = ("last_inference", "inference_count", "execution_count",
+         *(f"{f.name}.{unit}" for f in fields(InferStats) for unit in ("count", "ns")))
+
+
+_STAGES = tuple(f.name for f in fields(InferStats))
+
+
+def _values(stats: ModelStats) -> list[float]:
+    """The PARTS of one model version's statistics, in order."""
+    out = [stats.last_inference_ms, stats.inference_count, stats.execution_count]
+    s = stats.inference_stats
+    for name in _STAGES:
+        d = getattr(s, name)
+        out += (d.count, d.ns)
     return out
 
 
 class _Mirror:
-    """This process's totals in its own memory-mapped file (float64 values: counts exact; cumulative
-    nanoseconds exact up to 2**53, about 104 days of request time per process)."""
-
-    PREFIX = "kserve_stats_"
+    """This process's totals, one small memory-mapped float64 file per model version (counts exact;
+    cumulative nanoseconds exact up to 2**53, about 104 days of request time per process). The file
+    name carries the process and a hash of the model version, so a reader finds every process's file
+    of one version by name alone. One vector store per answered request (~2 us)."""
 
     def __init__(self, directory: str, tag: str | None = None):
-        from prometheus_client.mmap_dict import MmapedDict
-
-        # A subdirectory: prometheus_client's collector reads every *.db file at the top level as its own.
         self.directory = os.path.join(directory, "kserve_stats")
         os.makedirs(self.directory, exist_ok=True)
-        self.file = MmapedDict(os.path.join(self.directory, f"{self.PREFIX}{tag or os.getpid()}.db"))
+        self.tag = str(tag or os.getpid())
+        self._files: dict[tuple[str, str], np.memmap] = {}
+
+    @staticmethod
+    def _key(name: str, version: str) -> str:
+        return hashlib.sha1(json.dumps([name, version]).encode()).hexdigest()[:20]
 
     def write(self, stats: ModelStats) -> None:
-        for part, value in _flat(stats):
-            self.file.write_value(json.dumps([stats.name, stats.version, part]), float(value), 0.0)
+        values = self._files.get((stats.name, stats.version))
+        if values is None:
+            path = os.path.join(self.directory, f"{self.tag}-{self._key(stats.name, stats.version)}.f64")
+            values = self._files[(stats.name, stats.version)] = np.memmap(path, np.float64, "w+", shape=(len(PARTS),))
+        values[:] = _values(stats)
 
     def read(self, name: str, version: str) -> dict[str, float]:
         """Every process's values for one model version: summed, and the latest last_inference."""
-        from prometheus_client.mmap_dict import MmapedDict
-
-        total: dict[str, float] = {}
+        suffix = f"-{self._key(name, version)}.f64"
+        total = np.zeros(len(PARTS))
+        latest = 0.0
         for entry in os.scandir(self.directory):
-            if not (entry.name.startswith(self.PREFIX) and entry.name.endswith(".db")):
-                continue
-            try:
-                values = MmapedDict.read_all_values_from_file(entry.path)
-            except (OSError, ValueError):  # a file being created this instant: its values are not there yet
-                continue
-            for key, value, _ts, _pos in values:
-                m, v, part = json.loads(key)
-                if (m, v) == (name, version):
-                    total[part] = max(total.get(part, 0.0), value) if part == "last_inference" else total.get(part, 0.0) + value
-        return total
+            if entry.name.endswith(suffix):
+                values = np.fromfile(entry.path, np.float64)
+                if values.shape == total.shape:  # a file being created this instant has no values yet
+                    total += values
+                    latest = max(latest, values[0])
+        total[0] = latest
+        return dict(zip(PARTS, total.tolist()))
 
 
 class InferenceStats:
