@@ -26,14 +26,14 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from surge.config import BatchingConfig, CacheConfig, LimitsConfig
-from surge.errors import DeadlineExceeded, InvalidInput, NotReady, SurgeError
-from surge.runtime.outcome import count_failures
+from surge.errors import DeadlineExceeded, InvalidInput, SurgeError
 from surge.runtime.admission import Admission
 from surge.runtime.batcher import BatcherConfig, DynamicBatcher
 from surge.runtime.cache import ResultCache, text_normalizer
 from surge.runtime.coalesce import InFlight
 from surge.runtime.devices import DevicePool
 from surge.runtime.metrics import ServiceMetrics
+from surge.runtime.outcome import admitted
 from surge.runtime.request import POST, TOKENIZE, Request
 from surge.runtime.tokenize_stage import TokenizeStage
 from surge.runtime.worker import ModelWorker
@@ -151,40 +151,24 @@ class ModelService:
             from surge.runtime.tasks import require_task
 
             require_task(self, "embed")  # 400: model 'x' serves task 'classify', not 'embed'
-        m = self.metrics
         is_text = texts is not None
         inputs = texts if is_text else (token_ids or [])
-        n = len(inputs)
-        m.requests.inc()
-        m.inputs.inc(n)
+        options = options or EmbedOptions()
         start = time.monotonic()
-        admitted = False
-        try:
-            with count_failures(m):
-                if not self.ready:
-                    raise NotReady(f"model {self.name} version {self.version} is not ready")
-                options = options or EmbedOptions()
-                self.check_options(options)
-                self.admission.admit(n)  # stage: admit
-                admitted = True
-                m.inflight.inc(n)
-                if deadline is None:
-                    deadline = start + self.limits.request_timeout_s
-                req = Request(inputs, is_text, options, deadline, priority, start)
-                loop = asyncio.get_running_loop()
-                try:
-                    async with asyncio.timeout_at(loop.time() + (deadline - time.monotonic())):
-                        await self._run(req)
-                except TimeoutError:
-                    raise DeadlineExceeded(f"request did not finish within "
-                                           f"{deadline - start:.3g} s") from None
-                result = req.result(self.name, self.version, self.dimensions)  # stage: respond
-                m.latency.observe(time.monotonic() - start)
-                return result
-        finally:
-            if admitted:
-                m.inflight.dec(n)
-                self.admission.release(n)
+        with admitted(self, len(inputs), check=lambda: self.check_options(options)):  # stage: admit
+            if deadline is None:
+                deadline = start + self.limits.request_timeout_s
+            req = Request(inputs, is_text, options, deadline, priority, start)
+            loop = asyncio.get_running_loop()
+            try:
+                async with asyncio.timeout_at(loop.time() + (deadline - time.monotonic())):
+                    await self._run(req)
+            except TimeoutError:
+                raise DeadlineExceeded(f"request did not finish within "
+                                       f"{deadline - start:.3g} s") from None
+            result = req.result(self.name, self.version, self.dimensions)  # stage: respond
+            self.metrics.latency.observe(time.monotonic() - start)
+            return result
 
     async def _run(self, req: Request) -> None:
         """cache -> coalesce -> tokenize -> batch/engine -> post-process, filling req's slots."""

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from surge.engines.heads import Head
-from surge.errors import InvalidInput, NotReady, PayloadTooLarge, SurgeError, WrongTask
-from surge.runtime.outcome import count_failures
+from surge.errors import InvalidInput, PayloadTooLarge, SurgeError, WrongTask
+from surge.runtime.outcome import admitted
 
 
 @dataclass
@@ -97,26 +97,12 @@ class TaskRunner:
         if n > s.limits.max_inputs_per_request:
             raise PayloadTooLarge(f"'{req.param}' has {n} entries, more than the limit of "
                                   f"{s.limits.max_inputs_per_request}", param=req.param)
-        m = s.metrics
-        m.requests.inc()
-        m.inputs.inc(n)
         start = time.monotonic()
-        admitted = False
-        try:
-            with count_failures(m):
-                if not s.ready:
-                    raise NotReady(f"model {s.name} version {s.version} is not ready")
-                s.admission.admit(n)
-                admitted = True
-                m.inflight.inc(n)
-                deadline = deadline if deadline is not None else start + s.limits.request_timeout_s
-                result = await self._infer(req, items, h, priority, deadline)
-                m.latency.observe(time.monotonic() - start)
-                return result
-        finally:
-            if admitted:
-                m.inflight.dec(n)
-                s.admission.release(n)
+        with admitted(s, n):
+            deadline = deadline if deadline is not None else start + s.limits.request_timeout_s
+            result = await self._infer(req, items, h, priority, deadline)
+            s.metrics.latency.observe(time.monotonic() - start)
+            return result
 
     def _key(self, item, okey):
         cache = self.service.cache
