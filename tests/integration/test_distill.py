@@ -27,7 +27,14 @@ def student(tmp_path_factory):
     root = tmp_path_factory.mktemp("distill")
     teacher = make_tiny_bert(root / "teacher", seed=5, layers=4, hidden=64, heads=4)
     out = root / "student"
+    # The shipped texts without the 20,000 augmented variants: 40 steps over so varied a set are too
+    # few for the loss curve this test reads (the default set is covered below and in the time-budget test).
+    from surge.data import calibration_queries, load_sentences
+
+    texts = root / "texts.txt"
+    texts.write_text("\n".join(calibration_queries() + load_sentences()) + "\n", encoding="utf-8")
     result = CliRunner().invoke(app, ["distill", str(teacher), "-o", str(out), "--layers", "2", "--steps", "40",
+                                      "--texts", str(texts),
                                       "--time-budget", "0",
                                       "--batch-size", "16", "--lr", "1e-3", "--max-sentences", "32", "--force",
                                       "--no-latency", "--threads", "2", "--cache-dir", str(CACHE_DIR)])
@@ -102,3 +109,20 @@ def test_bad_layer_count_is_a_clear_error(tmp_path):
     r = CliRunner().invoke(app, ["distill", "-o", str(tmp_path / "s"), "--layers", "6"])
     assert r.exit_code == 1 and "--layers must be between 1 and 5" in r.output
     assert not (tmp_path / "s").exists()
+
+
+def test_augmented_queries_are_new_distinct_and_never_held_out():
+    from surge.data import calibration_queries, heldout_queries
+    from surge.optimize.distill import augment_queries, default_texts
+
+    queries, held = calibration_queries(), heldout_queries()
+    out = augment_queries(queries, 3000, exclude=held)
+    lowered = [t.lower() for t in out]
+    assert len(out) == 3000 and len(set(lowered)) == 3000
+    assert not set(lowered) & {q.lower() for q in queries + held}
+    vocab = {w for q in queries for w in q.split()}
+    assert all(set(t.split()) <= vocab for t in out)  # the queries' own words, recombined
+    assert out == augment_queries(queries, 3000, exclude=held)  # reproducible
+    assert augment_queries([], 50) == [] and len(augment_queries(["one two"], 50)) < 50  # bounded, not stuck
+    texts = default_texts()
+    assert not {t.lower() for t in texts} & {q.lower() for q in held}

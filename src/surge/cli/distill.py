@@ -31,7 +31,7 @@ def distill(
     time_budget: float = typer.Option(300.0, "--time-budget", help="Seconds of training at most (0: no limit); the learning-rate schedule follows steps or time, whichever is further along."),
     batch_size: int = typer.Option(32, "--batch-size", help="Sentences per training step."),
     lr: float = typer.Option(5e-4, "--lr", help="AdamW learning rate (cosine decay after a short warm-up)."),
-    texts: Optional[Path] = typer.Option(None, "--texts", help="Training text: one per line or JSON lines with 'text' (a query log). Default: the shipped calibration queries + prose sentences."),
+    texts: Optional[Path] = typer.Option(None, "--texts", help="Training text: one per line or JSON lines with 'text' (a query log). Default: the shipped calibration queries + prose sentences + 20,000 variants of the queries."),
     min_cosine: float = typer.Option(0.95, "--min-cosine", help="Gate: mean cosine to the teacher on the held-out queries."),
     min_top1: float = typer.Option(0.90, "--min-top1", help="Gate: retrieval top-1 agreement with the teacher (ties within 0.01 agree)."),
     max_sentences: int = typer.Option(0, "--max-sentences", help="Gate on the first N held-out queries only (0: all 2,715)."),
