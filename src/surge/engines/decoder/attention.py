@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -37,7 +38,54 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
                           scale: float) -> torch.Tensor:
-    """q [T, heads, dim] -> [T, heads, dim]."""
+    """q [T, heads, dim] -> [T, heads, dim]. A decode step (one new token per sequence, several
+    sequences) runs batched over the sequences; anything else sequence by sequence."""
+    if len(meta.q_lens) > 1 and meta.max_query == 1:
+        return _decode_batched(q, k_cache, v_cache, meta, scale)
+    return paged_attention_loop(q, k_cache, v_cache, meta, scale)
+
+
+def decode_gather(meta: AttnMeta, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cache slots [B, longest context] of every sequence's keys, and which of them are real."""
+    width = max(meta.ctx_lens)
+    blocks = -(-width // block_size)
+    tables = torch.zeros(len(meta.tables), blocks, dtype=torch.long)
+    for row, table in enumerate(meta.tables):
+        n = min(blocks, len(table))
+        tables[row, :n] = torch.as_tensor(table[:n], dtype=torch.long)
+    pos = torch.arange(width)
+    slots = tables[:, pos // block_size] * block_size + pos % block_size
+    valid = pos[None, :] < torch.as_tensor(meta.ctx_lens)[:, None]
+    return slots.masked_fill(~valid, 0).to(device), valid.to(device)
+
+
+def _decode_batched(q, k_cache, v_cache, meta: AttnMeta, scale: float) -> torch.Tensor:
+    # The sequence loop costs ~10 small ops per sequence per layer; here one gather of K and one of V
+    # per layer and one SDPA call. The slots and the gather buffers are the same for every layer of
+    # a step: made once and kept on the metadata (fresh 2-5 MB buffers per layer page-faulted:
+    # 19.6 against 7.2 ms a step for 8 GPT-2 streams of ~90 tokens on the 2-core CPU), and
+    # index_select into them, 3x faster than advanced indexing with a 2-D index.
+    bs, kvh, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    scratch = getattr(meta, "_decode_scratch", None)
+    if scratch is None:
+        slots, valid = decode_gather(meta, bs, q.device)
+        n = slots.numel()
+        scratch = (slots.reshape(-1), valid[:, None, None, :], slots.shape,
+                   k_cache.new_empty(n, kvh, d), v_cache.new_empty(n, kvh, d))
+        object.__setattr__(meta, "_decode_scratch", scratch)
+    flat, mask, (b, width), kbuf, vbuf = scratch
+    torch.index_select(k_cache.view(-1, kvh, d), 0, flat, out=kbuf)
+    torch.index_select(v_cache.view(-1, kvh, d), 0, flat, out=vbuf)
+    k = kbuf.view(b, width, kvh, d).transpose(1, 2)  # [B, kv_heads, L, dim], no copy
+    v = vbuf.view(b, width, kvh, d).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=q.shape[1] != kvh)
+    return out[:, :, 0, :]
+
+
+def paged_attention_loop(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
+                         scale: float) -> torch.Tensor:
+    """The sequence-by-sequence path (prefill chunks, mixed steps); also the batched path's reference."""
     bs = k_cache.shape[1]
     kvh, d = k_cache.shape[2], k_cache.shape[3]
     out = torch.empty_like(q)
