@@ -27,6 +27,7 @@ class DecoderModel:
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.attention = attention
         self.fused = False
+        self._wt = self._cpu_layout(weights) if device.type == "cpu" else {}
         if attention == "triton":
             from surge.engines.kernels.paged_attention import paged_attention
 
@@ -45,6 +46,32 @@ class DecoderModel:
             self.fused = attention == "triton" and fused and self.rot_dim == d and d >= 16 and d & (d - 1) == 0
 
     # -- pieces ---------------------------------------------------------------------------------------
+    LINEAR = ("qkv", "o", "fc_in", "fc_out", "up_gate", "down")
+
+    @classmethod
+    def _cpu_layout(cls, w: dict) -> dict:
+        """Linear weights stored [in, out] for the CPU: x @ W then runs as a plain (NN) GEMM, which on
+        the 2-core Xeon with torch's CPU BLAS beat F.linear's [out, in] (NT) by 1.46x at 8 rows (a
+        decode step of 8 streams), 1.07-1.15x at 1-512 rows, and 1.9x for GPT-2's 50,257-row LM
+        head. The dict keeps a transposed view of the same storage (F.linear still works on it);
+        a head tied to the embedding gets its own [in, out] copy (the embedding needs its rows)."""
+        out = {}
+        for name, t in list(w.items()):
+            if name.rsplit(".", 1)[-1] in cls.LINEAR and t.dim() == 2:
+                out[name] = t.t().contiguous()
+                w[name] = out[name].t()
+        if "lm_head" in w:
+            out["lm_head"] = w["lm_head"].t().contiguous()
+            if "embed" not in w or w["lm_head"].data_ptr() != w["embed"].data_ptr():
+                w["lm_head"] = out["lm_head"].t()
+        return out
+
+    def _lin(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+        wt = self._wt.get(name)
+        if wt is None:
+            return F.linear(x, self.w[name], bias)
+        return torch.addmm(bias, x, wt) if bias is not None else x @ wt
+
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.cfg.norm_eps)
@@ -80,14 +107,14 @@ class DecoderModel:
         for i in range(c.num_layers):
             p = f"l{i}."
             h = F.layer_norm(x, (c.hidden_size,), w[p + "attn_norm"], w[p + "attn_norm.bias"], c.norm_eps)
-            qkv = F.linear(h, w[p + "qkv"], w[p + "qkv.bias"]).view(t, 3, nh, hd)
+            qkv = self._lin(h, p + "qkv", w[p + "qkv.bias"]).view(t, 3, nh, hd)
             q, k, v = qkv[:, 0], qkv[:, 1].contiguous(), qkv[:, 2].contiguous()
             a = self._attend(q.contiguous(), k, v, i, kv, meta).reshape(t, c.hidden_size)
-            x = x + F.linear(a, w[p + "o"], w[p + "o.bias"])
+            x = x + self._lin(a, p + "o", w[p + "o.bias"])
             h = F.layer_norm(x, (c.hidden_size,), w[p + "mlp_norm"], w[p + "mlp_norm.bias"], c.norm_eps)
-            h = F.gelu(F.linear(h, w[p + "fc_in"], w[p + "fc_in.bias"]),
+            h = F.gelu(self._lin(h, p + "fc_in", w[p + "fc_in.bias"]),
                        approximate="none" if c.rope.get("activation") == "gelu" else "tanh")
-            x = x + F.linear(h, w[p + "fc_out"], w[p + "fc_out.bias"])
+            x = x + self._lin(h, p + "fc_out", w[p + "fc_out.bias"])
         return F.layer_norm(x, (c.hidden_size,), w["final_norm"], w["final_norm.bias"], c.norm_eps)
 
     def _llama_fused(self, ids, positions, kv, meta):
@@ -121,19 +148,19 @@ class DecoderModel:
         for i in range(c.num_layers):
             p = f"l{i}."
             h = self._rms(x, w[p + "attn_norm"])
-            qkv = F.linear(h, w[p + "qkv"], w.get(p + "qkv.bias"))
+            qkv = self._lin(h, p + "qkv", w.get(p + "qkv.bias"))
             q = self._rope(qkv[:, :qd].view(t, nq, hd), cos, sin)
             k = self._rope(qkv[:, qd:qd + kd].view(t, nkv, hd), cos, sin)
             v = qkv[:, qd + kd:].reshape(t, nkv, hd)
             a = self._attend(q.contiguous(), k.contiguous(), v.contiguous(), i, kv, meta).reshape(t, qd)
-            x = x + F.linear(a, w[p + "o"])
+            x = x + self._lin(a, p + "o")
             h = self._rms(x, w[p + "mlp_norm"])
-            gate, up = F.linear(h, w[p + "up_gate"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w[p + "down"])
+            gate, up = self._lin(h, p + "up_gate").chunk(2, dim=-1)
+            x = x + self._lin(F.silu(gate) * up, p + "down")
         return self._rms(x, w["final_norm"])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.w["lm_head"]).float()
+        return self._lin(hidden, "lm_head").float()
 
 
 class KVCache:
