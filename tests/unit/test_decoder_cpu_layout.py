@@ -28,3 +28,10 @@ def test_layout_keeps_values_and_storage_and_a_tied_head_keeps_the_embedding():
     torch.testing.assert_close(model._lin(x, "l0.qkv", w["l0.qkv.bias"]),
                                F.linear(x, original["l0.qkv"], original["l0.qkv.bias"]))
     torch.testing.assert_close(model._lin(x, "lm_head"), x @ embed.t())
+
+
+def test_laying_out_twice_copies_nothing_more():
+    w = {"l0.fc_in": torch.randn(32, 8), "lm_head": torch.randn(20, 8)}
+    first = DecoderModel._cpu_layout(w)
+    again = DecoderModel._cpu_layout(w)  # e.g. a second engine built on the same weights dict
+    assert all(again[k].data_ptr() == first[k].data_ptr() for k in first)

@@ -58,7 +58,7 @@ class DecoderModel:
         out = {}
         for name, t in list(w.items()):
             if name.rsplit(".", 1)[-1] in cls.LINEAR and t.dim() == 2:
-                out[name] = t.t().contiguous()
+                out[name] = t.t().contiguous()  # no copy when the dict already holds such a view
                 w[name] = out[name].t()
         if "lm_head" in w:
             out["lm_head"] = w["lm_head"].t().contiguous()
