@@ -8,8 +8,8 @@ Under `--workers` every front end counts its own requests, and a statistics
 request reaches whichever front end the kernel picked: so each process also
 mirrors its totals into memory-mapped files of its own in the metrics
 directory (as prometheus_client does for /metrics), and `snapshot()` sums
-every process's files: the answer is whole
-and current whichever front end gives it, and survives a front end restart.
+every process's files: the answer is whole and current whichever front end
+gives it, and survives a front end restart.
 """
 
 from __future__ import annotations
@@ -79,15 +79,12 @@ class ModelStats:
 STAGES = ("queue_ns", "compute_input_ns", "compute_infer_ns", "compute_output_ns")
 
 
-PARTS = ("last_inference", "inference_count", "execution_count",
-         *(f"{f.name}.{unit}" for f in fields(InferStats) for unit in ("count", "ns")))
-
-
 _STAGES = tuple(f.name for f in fields(InferStats))
+_WIDTH = 3 + 2 * len(_STAGES)  # last_inference, inference_count, execution_count, then count and ns per stage
 
 
 def _values(stats: ModelStats) -> list[float]:
-    """The PARTS of one model version's statistics, in order."""
+    """One model version's statistics as a flat vector (the mirror's file layout)."""
     out = [stats.last_inference_ms, stats.inference_count, stats.execution_count]
     s = stats.inference_stats
     for name in _STAGES:
@@ -96,11 +93,21 @@ def _values(stats: ModelStats) -> list[float]:
     return out
 
 
+def _from_values(name: str, version: str, values) -> ModelStats:
+    """_values' inverse."""
+    v = [int(x) for x in values]
+    stats = ModelStats(name, version, last_inference_ms=v[0], inference_count=v[1], execution_count=v[2])
+    for i, stage in enumerate(_STAGES):
+        d = getattr(stats.inference_stats, stage)
+        d.count, d.ns = v[3 + 2 * i], v[4 + 2 * i]
+    return stats
+
+
 class _Mirror:
     """This process's totals, one small memory-mapped float64 file per model version (counts exact;
     cumulative nanoseconds exact up to 2**53, about 104 days of request time per process). The file
     name carries the process and a hash of the model version, so a reader finds every process's file
-    of one version by name alone. One vector store per answered request (~2 us)."""
+    of one version by name alone. One vector store per answered request (+3.7 us, benchmarks/cpu_parts.py)."""
 
     def __init__(self, directory: str, tag: str | None = None):
         self.directory = os.path.join(directory, "kserve_stats")
@@ -116,13 +123,13 @@ class _Mirror:
         values = self._files.get((stats.name, stats.version))
         if values is None:
             path = os.path.join(self.directory, f"{self.tag}-{self._key(stats.name, stats.version)}.f64")
-            values = self._files[(stats.name, stats.version)] = np.memmap(path, np.float64, "w+", shape=(len(PARTS),))
+            values = self._files[(stats.name, stats.version)] = np.memmap(path, np.float64, "w+", shape=(_WIDTH,))
         values[:] = _values(stats)
 
-    def read(self, name: str, version: str) -> dict[str, float]:
+    def read(self, name: str, version: str) -> np.ndarray:
         """Every process's values for one model version: summed, and the latest last_inference."""
         suffix = f"-{self._key(name, version)}.f64"
-        total = np.zeros(len(PARTS))
+        total = np.zeros(_WIDTH)
         latest = 0.0
         for entry in os.scandir(self.directory):
             if entry.name.endswith(suffix):
@@ -131,7 +138,7 @@ class _Mirror:
                     total += values
                     latest = max(latest, values[0])
         total[0] = latest
-        return dict(zip(PARTS, total.tolist()))
+        return total
 
 
 class InferenceStats:
@@ -155,14 +162,7 @@ class InferenceStats:
         if self._mirror is None:
             return own.as_dict()
         self._mirror.write(own)  # a version nobody has called yet still gets its (zero) row
-        total = self._mirror.read(name, str(version))
-        merged = ModelStats(name, str(version), last_inference_ms=int(total.get("last_inference", 0)),
-                            inference_count=int(total.get("inference_count", 0)),
-                            execution_count=int(total.get("execution_count", 0)))
-        for f in fields(merged.inference_stats):
-            d = getattr(merged.inference_stats, f.name)
-            d.count, d.ns = int(total.get(f"{f.name}.count", 0)), int(total.get(f"{f.name}.ns", 0))
-        return merged.as_dict()
+        return _from_values(name, str(version), self._mirror.read(name, str(version))).as_dict()
 
     def _changed(self, stats: ModelStats) -> None:
         if self._mirror is not None:

@@ -51,9 +51,9 @@ class DecoderModel:
     @classmethod
     def _cpu_layout(cls, w: dict) -> dict:
         """Linear weights stored [in, out] for the CPU: x @ W then runs as a plain (NN) GEMM, which on
-        the 2-core Xeon with torch's CPU BLAS beat F.linear's [out, in] (NT) by 1.46x at 8 rows (a
-        decode step of 8 streams), 1.07-1.15x at 1-512 rows, and 1.9x for GPT-2's 50,257-row LM
-        head. The dict keeps a transposed view of the same storage (F.linear still works on it);
+        the 2-core Xeon with torch's CPU BLAS beat F.linear's [out, in] (NT) by 1.43x at 8 rows (a
+        decode step of 8 streams), 1.02-1.14x at 1-512 rows, and 2.06x for GPT-2's 50,257-row LM
+        head (benchmarks/cpu_parts.py). The dict keeps a transposed view of the same storage (F.linear still works on it);
         a head tied to the embedding gets its own [in, out] copy (the embedding needs its rows)."""
         out = {}
         for name, t in list(w.items()):
