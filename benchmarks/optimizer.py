@@ -277,6 +277,8 @@ def main() -> None:
     i21.add_argument("--workdir", default=None)
     i21.add_argument("--serve-only", action="store_true", help="only the serve comparison (reuses --workdir's results)")
     i21.add_argument("--serve-runs", type=int, default=3, help="serve comparison repeats, FP32 and INT8 alternating (median reported)")
+    i21.add_argument("--serve-args", default="", help="extra `surge serve` options for both servers, after --threads "
+                     "(e.g. \"--threads 1 --instances 2\")")
     args = parser.parse_args()
     if args.time_one:
         return _time_one(args.time_one)

@@ -16,6 +16,7 @@ servers (one at a time, each its own process) and their load generator.
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -81,11 +82,11 @@ def invariance(model_bytes: bytes, spec, probes: list[str], neighbours: list[str
 
 
 def serve_and_bench(artifact: Path, name: str, clients: int, duration: float, threads: int, queries: Path,
-                    out: Path) -> dict:
+                    out: Path, extra: tuple[str, ...] = ()) -> dict:
     from surge.bench.servers import ServerProc, free_port, surge_serve_argv
 
     port = free_port()
-    argv = surge_serve_argv(port, "--artifact", str(artifact), "--threads", str(threads), "--cache-bytes", "0")
+    argv = surge_serve_argv(port, "--artifact", str(artifact), "--threads", str(threads), "--cache-bytes", "0", *extra)
     with ServerProc(name, argv, port) as srv:  # __enter__ starts it and waits until ready
         report = out / f"bench-{name}.json"
         cmd = [sys.executable, "-m", "surge.cli.main", "bench", "run", srv.url, "-p", "openai", "-c", str(clients),
@@ -180,12 +181,14 @@ def main(args, console) -> dict:
             run = {"load_average_before": _os.getloadavg()[0]}
             for name in ("fp32", "int8"):
                 console.print(f"run {r + 1}: surge serve --artifact {name}: {args.clients} clients, {args.duration:.0f} s")
-                run[name] = serve_and_bench(arts[name], name, args.clients, args.duration, threads, qfile, work)
+                run[name] = serve_and_bench(arts[name], name, args.clients, args.duration, threads, qfile, work,
+                                            tuple(shlex.split(getattr(args, "serve_args", "") or "")))
             run["int8_over_fp32"] = run["int8"]["throughput_rps"] / run["fp32"]["throughput_rps"]
             run["load_average_after"] = _os.getloadavg()[0]
             runs.append(run)
         mid = sorted(runs, key=lambda x: x["int8_over_fp32"])[len(runs) // 2]
         results["serve"] = {"clients": args.clients, "duration_s": args.duration, "runs": runs,
+                            "serve_args": getattr(args, "serve_args", "") or "",
                             "fp32": mid["fp32"], "int8": mid["int8"], "int8_over_fp32": mid["int8_over_fp32"],
                             "median_of": len(runs), "target": 1.8}
 
