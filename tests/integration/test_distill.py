@@ -28,7 +28,7 @@ def student(tmp_path_factory):
     teacher = make_tiny_bert(root / "teacher", seed=5, layers=4, hidden=64, heads=4)
     out = root / "student"
     # The shipped texts without the 20,000 augmented variants: 40 steps over so varied a set are too
-    # few for the loss curve this test reads (the default set is covered below and in the time-budget test).
+    # few for the loss curve this test reads (the default set is checked below, without training).
     from surge.data import calibration_queries, load_sentences
 
     texts = root / "texts.txt"
