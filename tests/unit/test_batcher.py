@@ -101,6 +101,47 @@ def test_split_batches_launch_and_collect_on_the_loop_and_wait_on_the_executor(b
     assert loop_threads == set(main) and main[0] not in wait_threads and wait_threads
 
 
+def test_polled_wait_ends_on_the_loop_when_ready_and_falls_back_to_the_executor(bundled_worker, pool, encoded,
+                                                                                alone):
+    """With `ready` and poll_s: a batch that becomes ready within poll_s is waited for on the loop
+    (no executor call); one still not ready after poll_s is waited for on the executor. Either way
+    every caller gets exactly its rows."""
+    import threading
+    import time as _time
+
+    def run_with(delay_s, poll_s):
+        waits, done_at = [], {}
+
+        def launch(items):
+            rows = bundled_worker.compute(items)
+            key = id(rows)
+            done_at[key] = _time.monotonic() + delay_s  # a "GPU" that finishes delay_s later
+            return key, rows
+
+        def ready(pending):
+            return _time.monotonic() >= done_at[pending[0]]
+
+        def wait(pending):
+            waits.append(threading.get_ident())
+            _time.sleep(max(0.0, done_at[pending[0]] - _time.monotonic()))
+
+        def collect(pending):
+            assert ready(pending)  # never collected before it is done
+            return pending[1]
+
+        b = DynamicBatcher(bundled_worker.compute, pool, BatcherConfig(max_batch_size=32),
+                           split=(launch, wait, collect, ready), poll_s=poll_s)
+        results = asyncio.run(_clients(b, encoded, 16, 2, seed=9))
+        for idx, rows in results:
+            np.testing.assert_allclose(rows, alone[idx], atol=2e-5, rtol=0)
+        return b, waits
+
+    b, waits = run_with(0.002, 1.0)  # ready well within poll_s: all on the loop
+    assert b.polled_batches == len(b.history) > 0 and not waits
+    b, waits = run_with(0.05, 0.001)  # still running after poll_s: the executor waits
+    assert b.polled_batches == 0 and len(waits) == len(b.history) > 0
+
+
 def test_batching_off_runs_every_input_alone(bundled_worker, pool, encoded, alone):
     b = _batcher(bundled_worker, pool, enabled=False)
     results = asyncio.run(_clients(b, encoded, 16, 2, seed=1))

@@ -659,3 +659,6 @@ class Launched:
 
     def wait(self) -> None:
         self.done.synchronize()
+
+    def ready(self) -> bool:
+        return self.done.query()

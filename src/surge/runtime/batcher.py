@@ -87,12 +87,21 @@ class BatcherConfig:
 
 class DynamicBatcher:
     def __init__(self, run: RunBatch, executor: Executor, cfg: BatcherConfig,
-                 metrics: ServiceMetrics | None = None, name: str = "model", split=None):
-        """`split`: (launch, wait, collect) for engines that run a batch in halves
-        (ModelWorker.compute_launch/_wait/_collect): launch and collect run on the event loop,
-        only wait on the executor, so the engine's host work never waits for the GIL."""
+                 metrics: ServiceMetrics | None = None, name: str = "model", split=None,
+                 poll_s: float = 0.0):
+        """`split`: (launch, wait, collect[, ready]) for engines that run a batch in halves
+        (ModelWorker.compute_launch/_wait/_collect/_ready): launch and collect run on the event
+        loop, only wait on the executor, so the engine's host work never waits for the GIL. With
+        `ready` (a non-blocking "is it done?") and `poll_s` > 0 the loop first checks it between
+        its other callbacks for up to poll_s and uses the executor only for a batch still running
+        then: a small batch's GPU time is about what the hand-off to a thread and the wake-up
+        after it cost (docs/benchmarks/serving_core.md, session 4)."""
         self._run = run
+        if split is not None and len(split) == 3:
+            split = (*split, None)
         self._split = split
+        self.poll_s = float(poll_s)
+        self.polled_batches = 0  # batches whose wait ended on the loop (no thread)
         self._executor = executor
         self.cfg = cfg
         self.name = name
@@ -290,6 +299,16 @@ class DynamicBatcher:
         self._depth_changed()
         return batch
 
+    async def _poll(self, ready, pending) -> bool:
+        """True once `ready(pending)`, checked between the loop's other callbacks (sleep(0)
+        yields to them: IPC reads and other batches go on); False after poll_s."""
+        end = time.monotonic() + self.poll_s
+        while not ready(pending):
+            if time.monotonic() >= end:
+                return False
+            await asyncio.sleep(0)
+        return True
+
     async def _execute(self, batch: list[_Entry], free_at: float) -> None:
         loop = asyncio.get_running_loop()
         start = time.monotonic()
@@ -308,10 +327,13 @@ class DynamicBatcher:
         try:
             self.computed_inputs += len(batch)
             if self._split is not None:
-                launch, wait, collect = self._split
+                launch, wait, collect, ready = self._split
                 pending = launch([e.item for e in batch])
                 try:
-                    await loop.run_in_executor(self._executor, wait, pending)
+                    if ready is not None and self.poll_s > 0 and await self._poll(ready, pending):
+                        self.polled_batches += 1
+                    else:
+                        await loop.run_in_executor(self._executor, wait, pending)
                 finally:
                     rows = collect(pending)  # also frees the engine's slot if the wait failed
             else:

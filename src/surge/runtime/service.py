@@ -85,7 +85,7 @@ class ModelService:
                           padded=worker.layout is Layout.PADDED),
             self.metrics,
             name,
-            split=_split(worker),
+            split=_split(worker), poll_s=_poll_s(),
         )
         inflight = b.max_inflight or b.max_queue_size + instances * b.max_batch_size
         self.admission = Admission(inflight, name)
@@ -315,7 +315,15 @@ def _split(worker: ModelWorker):
 
     if not getattr(worker, "can_launch", False) or os.environ.get("SURGE_SPLIT_LAUNCH", "1") == "0":
         return None
-    return worker.compute_launch, worker.compute_wait, worker.compute_collect
+    return worker.compute_launch, worker.compute_wait, worker.compute_collect, worker.compute_ready
+
+
+def _poll_s() -> float:
+    """How long the batcher checks a launched batch on its loop before waiting on a thread
+    (SURGE_WAIT_POLL_US, microseconds; 0: always the thread)."""
+    import os
+
+    return max(0.0, float(os.environ.get("SURGE_WAIT_POLL_US", "2000"))) / 1e6
 
 
 def encode_inputs(tokenizer, texts: list[str] | None, token_ids: list[list[int]] | None,

@@ -179,6 +179,11 @@ class ModelWorker:
         """Blocks (without the GIL) until the launched batch is done: the only part off the loop."""
         pending[1][1].wait()
 
+    @staticmethod
+    def compute_ready(pending) -> bool:
+        """Whether the launched batch is done, without blocking (a CUDA event query)."""
+        return pending[1][1].ready()
+
     def compute_collect(self, pending) -> np.ndarray:
         n, token = pending
         rows = self.engines.collect(token)
