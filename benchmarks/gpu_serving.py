@@ -2,8 +2,9 @@
 
 One run: random-weight MiniLM-L6 and BERT-base (the bundled tokenizer, seed 0),
 one real sentence per request (OpenAI /v1/embeddings), closed loop at each
-client count, a load generator of several processes (aiohttp, keep-alive) whose
-CPU use is reported, surge's SM utilization read from its /metrics. Servers
+client count, a load generator of several processes (keep-alive connections through
+`surge.bench.rawhttp`, ~15 us of CPU a request; `--client aiohttp` for the older ~150 us
+one) whose CPU use is reported, surge's SM utilization read from its /metrics. Servers
 run one at a time on the same GPU; each is started, swept, stopped.
 
     PYTHONPATH=src python benchmarks/gpu_serving.py --files DIR_WITH_TOKENIZER --out OUT \
@@ -65,12 +66,15 @@ def make_model(kind: str, files: Path, out: Path) -> Path:
 STAGES = ("x-surge-tokenize-ms", "x-surge-queue-ms", "x-surge-inference-ms", "x-surge-postprocess-ms")
 
 def _load_proc(url: str, body_model: str, clients: int, warmup: float, duration: float, seed: int,
-               start_at: float, q) -> None:
+               start_at: float, q, client_kind: str = "raw") -> None:
     import asyncio
     import random
+    from urllib.parse import urlsplit
 
     import aiohttp
     import orjson
+
+    from surge.bench.rawhttp import RawConnection
 
     from surge.data import load_sentences
 
@@ -106,7 +110,42 @@ def _load_proc(url: str, body_model: str, clients: int, warmup: float, duration:
                 else:
                     errors[kind] = errors.get(kind, 0) + 1
 
+    async def raw_client(t_measure, t_end):
+        u = urlsplit(url)
+        conn = RawConnection(u.hostname, u.port, want=STAGES)
+        try:
+            while True:
+                t0 = time.perf_counter()
+                if t0 >= t_end:
+                    return
+                body = orjson.dumps({"input": rng.choice(sentences), "model": body_model})
+                try:
+                    r = await conn.request(u.path, body)
+                    kind = None if r.status == 200 else str(r.status)
+                    if kind is None and t0 >= t_measure:
+                        for h, v in r.headers.items():
+                            stages[h] = stages.get(h, 0.0) + float(v)
+                            stages[h + "#"] = stages.get(h + "#", 0) + 1
+                except Exception as exc:  # noqa: BLE001
+                    kind = type(exc).__name__
+                    conn.close()
+                t1 = time.perf_counter()
+                if t0 >= t_measure:
+                    if kind is None:
+                        lat.append(t1 - t0)
+                    else:
+                        errors[kind] = errors.get(kind, 0) + 1
+        finally:
+            conn.close()
+
     async def main():
+        if client_kind == "raw":
+            delay = start_at - time.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            t_measure = time.perf_counter() + warmup
+            await asyncio.gather(*(raw_client(t_measure, t_measure + duration) for _ in range(clients)))
+            return
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as s:
             delay = start_at - time.time()
@@ -125,7 +164,8 @@ def _load_proc(url: str, body_model: str, clients: int, warmup: float, duration:
     q.put({"lat": lat, "errors": errors, "cpu_s": cpu.user + cpu.system, "stages": stages})
 
 
-def run_level(url: str, model: str, clients: int, procs: int, warmup: float, duration: float, seed: int) -> dict:
+def run_level(url: str, model: str, clients: int, procs: int, warmup: float, duration: float, seed: int,
+              client_kind: str = "raw") -> dict:
     import numpy as np
 
     procs = max(1, min(procs, clients))
@@ -133,7 +173,8 @@ def run_level(url: str, model: str, clients: int, procs: int, warmup: float, dur
     q = ctx.Queue()
     start_at = time.time() + 0.5
     per = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
-    ps = [ctx.Process(target=_load_proc, args=(url, model, n, warmup, duration, seed * 1000 + i, start_at, q))
+    ps = [ctx.Process(target=_load_proc, args=(url, model, n, warmup, duration, seed * 1000 + i, start_at, q,
+                                                       client_kind))
           for i, n in enumerate(per)]
     for p in ps:
         p.start()
@@ -156,7 +197,7 @@ def run_level(url: str, model: str, clients: int, procs: int, warmup: float, dur
             "p50_ms": float(np.percentile(lat, 50)) if lat.size else None,
             "p99_ms": float(np.percentile(lat, 99)) if lat.size else None,
             "errors": errors, "loadgen_cores": cpu / (warmup + duration + 0.5), "loadgen_procs": procs,
-            "stage_ms": stage_ms}
+            "stage_ms": stage_ms, "client": client_kind}
 
 
 def _roles(pid: int) -> dict[str, list]:
@@ -282,6 +323,9 @@ def main() -> int:
     p.add_argument("--duration", type=float, default=5.0)
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--load-procs", type=int, default=8)
+    p.add_argument("--client", default="raw", choices=("raw", "aiohttp"),
+                   help="the load generator's HTTP client: raw (surge.bench.rawhttp, ~15 us of CPU a request) "
+                        "or aiohttp (~150 us: it shares the host's cores with the server under test)")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the script")
     p.add_argument("--models-dir", type=Path, default=None, help="where the random-weight models go (default OUT/models)")
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting servers after this many seconds")
@@ -332,7 +376,8 @@ def main() -> int:
                             _spy(roles, args.duration - 0.5, args.out, f"{name}_{kind}_{c}")))
                         timer.start()
                     t_lvl = time.monotonic()
-                    r = run_level(srv.url + path, "m", c, args.load_procs, args.warmup, args.duration, c)
+                    r = run_level(srv.url + path, "m", c, args.load_procs, args.warmup, args.duration, c,
+                                  args.client)
                     span = time.monotonic() - t_lvl
                     cpu1 = _cpu(roles)
                     r["server_cores"] = {k: round((cpu1[k] - cpu0.get(k, 0.0)) / span, 2) for k in cpu1}

@@ -3,9 +3,13 @@
 A real EngineServer (runtime/ipc.py) over a real DynamicBatcher whose engine is a stand-in that
 sleeps `--engine-ms` per batch and returns rows of zeros: what is measured is the loop (frames,
 enqueueing, batching, answers), not a model. P client processes (real EngineClients) keep C
-requests of 12 tokens each in flight.
+requests of 12 tokens each in flight. `--poll-us N` runs the engine in halves as the CUDA engines
+do (launch returns at once, the batch is "done" engine-ms later) with the batcher checking it on its
+loop for up to N us before a thread waits; `--concurrency 1` then reads the IPC + batcher round trip
+a lone request pays (p50 minus engine-ms).
 
     PYTHONPATH=src python3 benchmarks/ipc_loop.py --procs 1 --concurrency 64 --seconds 4
+    PYTHONPATH=src python3 benchmarks/ipc_loop.py --procs 1 --concurrency 1 --poll-us 2000
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 
-def _engine(sock: str, engine_ms: float) -> None:
+def _engine(sock: str, engine_ms: float, poll_us: float | None) -> None:
     from surge.runtime import ipc
     from surge.runtime.batcher import BatcherConfig, DynamicBatcher
 
@@ -33,8 +37,23 @@ def _engine(sock: str, engine_ms: float) -> None:
         time.sleep(engine_ms / 1000)
         return np.zeros((len(items), 384), np.float32)
 
+    def launch(items):
+        return time.monotonic() + engine_ms / 1000, len(items)
+
+    def wait(pending):
+        time.sleep(max(0.0, pending[0] - time.monotonic()))
+
+    def ready(pending):
+        return time.monotonic() >= pending[0]
+
+    def collect(pending):
+        return np.zeros((pending[1], 384), np.float32)
+
+    split = None if poll_us is None else (launch, wait, collect, ready)
+
     async def main():
-        b = DynamicBatcher(run, ThreadPoolExecutor(1), BatcherConfig(max_batch_size=64))
+        b = DynamicBatcher(run, ThreadPoolExecutor(1), BatcherConfig(max_batch_size=64), split=split,
+                           poll_s=(poll_us or 0) / 1e6)
         await ipc.EngineServer(b, {"bench": True}).serve(sock)
         await asyncio.Event().wait()
 
@@ -58,17 +77,17 @@ def _client(sock: str, concurrency: int, seconds: float, q) -> None:
         c = ipc.EngineClient(sock)
         await c.connect()
         items = [Encoded(np.arange(100, 112, dtype=np.int64), np.zeros(12, np.int64))]
-        done = 0
+        lat = []
         end = time.perf_counter() + seconds
 
         async def one():
-            nonlocal done
             while time.perf_counter() < end:
+                t0 = time.perf_counter()
                 await c.submit(items, time.monotonic() + 10)
-                done += 1
+                lat.append(time.perf_counter() - t0)
 
         await asyncio.gather(*(one() for _ in range(concurrency)))
-        return done
+        return lat
 
     out = []
 
@@ -85,12 +104,13 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument("--engine-ms", type=float, default=0.3)
+    p.add_argument("--poll-us", type=float, default=None, help="split engine, polled on the loop up to N us")
     args = p.parse_args()
     import psutil
 
     sock = os.path.join(tempfile.mkdtemp(), "engine.sock")
     ctx = mp.get_context("spawn")
-    eng = ctx.Process(target=_engine, args=(sock, args.engine_ms), daemon=True)
+    eng = ctx.Process(target=_engine, args=(sock, args.engine_ms, args.poll_us), daemon=True)
     eng.start()
     while not os.path.exists(sock):
         time.sleep(0.05)
@@ -100,15 +120,18 @@ def main() -> None:
     c0 = ep.cpu_times()
     for c in clients:
         c.start()
-    total = sum(q.get() for _ in clients)
+    lat = np.concatenate([np.asarray(q.get()) for _ in clients])
+    total = len(lat)
     c1 = ep.cpu_times()
     for c in clients:
         c.join()
     eng.terminate()
     cpu = (c1.user + c1.system) - (c0.user + c0.system)
-    print(f"| client processes | in flight each | req/s | engine-process CPU per request |")
-    print(f"|---:|---:|---:|---:|")
-    print(f"| {args.procs} | {args.concurrency} | {total / args.seconds:,.0f} | {cpu / max(total, 1) * 1e6:.1f} us |")
+    mode = "whole" if args.poll_us is None else f"split, poll {args.poll_us:g} us"
+    print("| client processes | in flight each | engine | req/s | p50 ms | p99 ms | engine-process CPU per request |")
+    print("|---:|---:|---|---:|---:|---:|---:|")
+    print(f"| {args.procs} | {args.concurrency} | {mode} | {total / args.seconds:,.0f} | {np.median(lat) * 1e3:.3f} | "
+          f"{np.percentile(lat, 99) * 1e3:.3f} | {cpu / max(total, 1) * 1e6:.1f} us |")
 
 
 if __name__ == "__main__":
