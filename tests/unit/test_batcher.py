@@ -103,13 +103,13 @@ def test_split_batches_launch_and_collect_on_the_loop_and_wait_on_the_executor(b
 
 def test_polled_wait_ends_on_the_loop_when_ready_and_falls_back_to_the_executor(bundled_worker, pool, encoded,
                                                                                 alone):
-    """With `ready` and poll_s: a batch that becomes ready within poll_s is waited for on the loop
-    (no executor call); one still not ready after poll_s is waited for on the executor. Either way
-    every caller gets exactly its rows."""
+    """With `ready` and poll_s: a batch alone in flight that becomes ready within poll_s is waited
+    for on the loop (no executor call); one still not ready after poll_s, or launched beside
+    another batch, is waited for on the executor. Either way every caller gets exactly its rows."""
     import threading
     import time as _time
 
-    def run_with(delay_s, poll_s):
+    def run_with(delay_s, poll_s, instances=1, clients=16):
         waits, done_at = [], {}
 
         def launch(items):
@@ -129,9 +129,9 @@ def test_polled_wait_ends_on_the_loop_when_ready_and_falls_back_to_the_executor(
             assert ready(pending)  # never collected before it is done
             return pending[1]
 
-        b = DynamicBatcher(bundled_worker.compute, pool, BatcherConfig(max_batch_size=32),
+        b = DynamicBatcher(bundled_worker.compute, pool, BatcherConfig(max_batch_size=32, instances=instances),
                            split=(launch, wait, collect, ready), poll_s=poll_s)
-        results = asyncio.run(_clients(b, encoded, 16, 2, seed=9))
+        results = asyncio.run(_clients(b, encoded, clients, 2, seed=9))
         for idx, rows in results:
             np.testing.assert_allclose(rows, alone[idx], atol=2e-5, rtol=0)
         return b, waits
@@ -140,6 +140,12 @@ def test_polled_wait_ends_on_the_loop_when_ready_and_falls_back_to_the_executor(
     assert b.polled_batches == len(b.history) > 0 and not waits
     b, waits = run_with(0.05, 0.001)  # still running after poll_s: the executor waits
     assert b.polled_batches == 0 and len(waits) == len(b.history) > 0
+    # Two instances: a batch launched beside another in flight is waited for on the executor
+    # (each batch is polled or waited, never both); one client alone is always polled.
+    b, waits = run_with(0.02, 1.0, instances=2, clients=32)
+    assert waits and b.polled_batches + len(waits) == len(b.history)
+    b, waits = run_with(0.002, 1.0, instances=2, clients=1)
+    assert b.polled_batches == len(b.history) > 0 and not waits
 
 
 def test_batching_off_runs_every_input_alone(bundled_worker, pool, encoded, alone):

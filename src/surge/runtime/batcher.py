@@ -92,9 +92,9 @@ class DynamicBatcher:
         """`split`: (launch, wait, collect[, ready]) for engines that run a batch in halves
         (ModelWorker.compute_launch/_wait/_collect/_ready): launch and collect run on the event
         loop, only wait on the executor, so the engine's host work never waits for the GIL. With
-        `ready` (a non-blocking "is it done?") and `poll_s` > 0 the loop first checks it between
-        its other callbacks for up to poll_s and uses the executor only for a batch still running
-        then: a small batch's GPU time is about what the hand-off to a thread and the wake-up
+        `ready` (a non-blocking "is it done?") and `poll_s` > 0, a batch that is the only one in
+        flight is checked on the loop between its other callbacks for up to poll_s, and the executor
+        waits only for a batch still running then or launched beside another: a small batch's GPU time is about what the hand-off to a thread and the wake-up
         after it cost (docs/benchmarks/serving_core.md, session 4)."""
         self._run = run
         if split is not None and len(split) == 3:
@@ -330,7 +330,11 @@ class DynamicBatcher:
                 launch, wait, collect, ready = self._split
                 pending = launch([e.item for e in batch])
                 try:
-                    if ready is not None and self.poll_s > 0 and await self._poll(ready, pending):
+                    # Polled only while this is the one batch in flight: with two in flight (load)
+                    # the loop has IPC to serve and polling cost the H200 run 3-6% at 256 clients
+                    # (docs/benchmarks/serving_core.md, session 4).
+                    if (ready is not None and self.poll_s > 0 and len(self._running) <= 1
+                            and await self._poll(ready, pending)):
                         self.polled_batches += 1
                     else:
                         await loop.run_in_executor(self._executor, wait, pending)
