@@ -22,7 +22,7 @@ def test_bulk_frames_round_trip_and_split_anywhere(bundled_worker, sentences):
     for rid in rng.choice(1 << 40, 7, replace=False).tolist():
         texts = [sentences[i] for i in rng.choice(len(sentences), int(rng.integers(1, 4)), replace=False)]
         reqs.append((rid, bundled_worker.tokenizer.encode(texts), float(rng.uniform(0, 1e6)) if rid % 2 else None,
-                     int(rng.integers(-3, 3))))
+                     int(rng.integers(-3, 3)), int(rng.integers(0, 1 << 32))))
     dim = 24
     res = [(r[0], rng.standard_normal((len(r[1]), dim)).astype(np.float32), int(rng.integers(0, 1 << 40)),
             int(rng.integers(0, 1 << 40))) for r in reqs]
@@ -35,8 +35,8 @@ def test_bulk_frames_round_trip_and_split_anywhere(bundled_worker, sentences):
     assert [p[0] for p in parts] == [W.SUBMITS, W.CANCEL, W.RESULTS, W.ERROR]
     got = W.decode_submits(parts[0])
     assert len(got) == len(reqs)
-    for (rid, items, dl, pr), (rid2, items2, dl2, pr2) in zip(reqs, got):
-        assert (rid, dl, pr) == (rid2, dl2, pr2) and len(items) == len(items2)
+    for (rid, items, dl, pr, md), (rid2, items2, dl2, pr2, md2) in zip(reqs, got):
+        assert (rid, dl, pr, md) == (rid2, dl2, pr2, md2) and len(items) == len(items2)
         for a, b in zip(items, items2):
             np.testing.assert_array_equal(a.ids, b.ids)
             np.testing.assert_array_equal(a.type_ids, b.type_ids)

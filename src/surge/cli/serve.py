@@ -107,9 +107,7 @@ def serve(config_values, model_dir: Optional[Path] = None, artifact: Optional[Pa
     from surge.cli.workers import resolve_workers, serve_workers
 
     workers = resolve_workers(config)
-    if workers != 1:
-        if config.model_repository is not None:
-            raise typer.BadParameter("--workers serves one model (no --model-repository yet)", param_hint="--workers")
+    if workers != 1:  # a repository too: its engine process runs it (cli/workers_repo.py)
         raise typer.Exit(code=serve_workers(config, workers))
     run_server(config)
 

@@ -97,6 +97,11 @@ def resolve_workers(config: ServerConfig) -> int:
 
 
 def engine_processes(config: ServerConfig, workers: int) -> int:
+    if config.model_repository is not None:  # the repository's state lives in its one engine process
+        if (config.engine_processes or 1) > 1:
+            raise SystemExit("surge: --model-repository under --workers runs one engine process "
+                             "(it runs the repository); leave --engine-processes unset")
+        return 1
     if config.engine_processes is not None:
         return config.engine_processes
     return 2 if workers >= 8 else 1  # H200, MiniLM, 256 clients: 14,205 req/s with 2 against 11,679 with 1
@@ -222,49 +227,90 @@ def _mark_dead(pid: int) -> None:
 # ---------------------------------------------------------------- the engine process
 
 def engine_main(config_json: str, sock: str) -> None:
-    from surge.cli.bootstrap import load_service
-    from surge.models import bundled_model_dir, load_model_spec
     from surge.runtime.ipc import EngineServer, SharedTier
 
     config = ServerConfig.model_validate_json(config_json)
-    spec = load_model_spec(config.model_dir or bundled_model_dir(), name=config.model_name)
     try:  # nothing else in this process wants the GIL: keep two batches in flight per instance
         from surge.engines import torch_gpu
 
         torch_gpu.DEFAULT_PIPELINE_DEPTH = int(os.environ.get("SURGE_PIPELINE_DEPTH", "2"))
     except ImportError:  # no torch: CPU engines only
         pass
-    service = load_service(config, spec)  # engines built and warmed up (every bucket) here
+    repo = slots = service = None
+    if config.model_repository is not None:
+        repo, slots = _engine_repository(config)
+        hello = {"repository": True}
+        metrics = None
+    else:
+        from surge.cli.bootstrap import load_service
+        from surge.models import bundled_model_dir, load_model_spec
+
+        spec = load_model_spec(config.model_dir or bundled_model_dir(), name=config.model_name)
+        service = load_service(config, spec)  # engines built and warmed up (every bucket) here
+        caps = service.worker.engines.capabilities
+        hello = {"max_batch": caps.max_batch, "max_tokens": caps.max_tokens, "layout": caps.layout.value,
+                 "device": caps.device, "dtype": caps.dtype, "hidden": caps.hidden_size,
+                 "fingerprint": service.worker.fingerprint()}
+        metrics = service.metrics
     # The event loop (IPC, batching) and the engine threads take turns on the GIL many times per
     # batch; a thread that wants it waits up to the switch interval (the engines set 0.5 ms). This
     # process runs no long pure-Python stretches, so a shorter interval only shortens the waits.
     sys.setswitchinterval(float(os.environ.get("SURGE_ENGINE_SWITCH_S", "0.00005")))
-    caps = service.worker.engines.capabilities
-    hello = {"max_batch": caps.max_batch, "max_tokens": caps.max_tokens, "layout": caps.layout.value,
-             "device": caps.device, "dtype": caps.dtype, "hidden": caps.hidden_size,
-             "fingerprint": service.worker.fingerprint()}
 
     async def main():
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         loop.add_signal_handler(signal.SIGINT, lambda: None)  # the supervisor decides
+        if repo is not None:
+            await repo.start()  # every model as its policy says, warmed up, before the socket appears
         c = config.cache
-        shared = SharedTier(c.max_bytes, service.metrics) if c.enabled and c.max_bytes > 0 else None
-        server = EngineServer(service.batcher, hello, shared)
+        shared = SharedTier(c.max_bytes, metrics) if c.enabled and c.max_bytes > 0 else None
+        server = EngineServer(service.batcher if service is not None else None, hello, shared, models=slots)
         part = sock + ".part"
         for p in (part, sock):
             if os.path.exists(p):
                 os.unlink(p)
         srv = await server.serve(part)
         os.replace(part, sock)  # appears complete: the supervisor and front ends wait for this path
-        builds = loop.create_task(_export_builds(service))
+        builds = loop.create_task(_export_builds(service)) if service is not None else None
         await stop.wait()
-        builds.cancel()
+        if builds is not None:
+            builds.cancel()
         srv.close()
-        await service.close()
+        if repo is not None:
+            await repo.close()  # every version drained and freed
+        else:
+            await service.close()
 
     _run_loop(main())
+
+
+def _engine_repository(config: ServerConfig):
+    """The engine process's repository (cli/workers_repo.py): every embedding model of the
+    directory, loaded and swapped by ModelRepository as in one process."""
+    from surge.cli.bootstrap import load_repository_version
+    from surge.cli.workers_repo import WORKERS_ONLY_EMBED, ModelSlots, check_embedding
+    from surge.errors import ConfigError
+    from surge.runtime.registry import ModelRegistry
+    from surge.runtime.repository import DiskCatalog, ModelRepository
+
+    def loader(entry):
+        check_embedding(entry)
+        service = load_repository_version(config, entry)
+        task = getattr(service, "task", "embed")
+        if task != "embed" or not hasattr(getattr(service, "batcher", None), "enqueue"):
+            try:
+                asyncio.run(service.close())
+            except Exception:  # noqa: BLE001 - refusing it matters more than freeing it neatly
+                pass
+            raise ConfigError(f"model '{entry.name}': task '{task}' {WORKERS_ONLY_EMBED}", param="task")
+        return service
+
+    registry = ModelRegistry()
+    repo = ModelRepository(DiskCatalog(config.model_repository), registry, loader=loader,
+                           poll_s=config.repository_poll_s)
+    return repo, ModelSlots(registry, repo)
 
 
 async def _export_builds(service, every_s: float = 1.0) -> None:
@@ -323,6 +369,9 @@ def front_state(config: ServerConfig, sock: str):
     from surge.types import Layout
 
     state = AppState(config=config, registry=ModelRegistry())
+    if config.model_repository is not None:
+        _front_repository(state, config, sock)
+        return _front_extras(state, config)
     spec = load_model_spec(config.model_dir or bundled_model_dir(), name=config.model_name)
 
     async def connect(state: AppState) -> None:
@@ -350,6 +399,32 @@ def front_state(config: ServerConfig, sock: str):
               file=sys.stderr, flush=True)
 
     state.extras.setdefault("on_startup", []).append(connect)
+    return _front_extras(state, config)
+
+
+def _front_repository(state, config: ServerConfig, sock: str) -> None:
+    """A front end of a repository: its models follow the engine process's CATALOG."""
+    from surge.cli.workers_repo import FrontModels, RemoteRepository, front_service
+    from surge.runtime.ipc import EngineClient
+
+    holder = {}
+    client = EngineClient(sock, on_state=lambda up: holder["models"].set_ready(up),
+                          on_catalog=lambda cat: holder["models"].sync(cat))
+    holder["models"] = FrontModels(state, client, lambda entry: front_service(config, entry, client))
+    state.lifecycle = RemoteRepository(client)
+
+    async def connect(state) -> None:
+        await client.connect()
+        await asyncio.wait_for(holder["models"].synced.wait(), 120)  # the CATALOG follows HELLO
+        names = ", ".join(f"{s.name}:{s.version}" for s in state.registry.services())
+        print(f"surge: front end {os.getpid()} ready, serving {names or 'nothing'} from {config.model_repository} "
+              f"on http://{config.host}:{config.port}", file=sys.stderr, flush=True)
+
+    state.extras.setdefault("on_startup", []).append(connect)
+
+
+def _front_extras(state, config: ServerConfig):
+    """gRPC and whole-process metrics, for either kind of front end."""
     if config.grpc_port:  # gRPC (KServe v2) from every front end, on one shared port
         from surge.server.grpc.server import install_grpc
 

@@ -115,6 +115,16 @@ class _ClientProtocol(asyncio.Protocol):
                     entry[0].set_exception(W.decode_error(body))
             elif kind == W.HELLO and not self.hello.done():
                 self.hello.set_result(json.loads(body[1:]))
+            elif kind == W.CATALOG:
+                self.client._catalog(W.decode_json(body, with_id=False))
+            elif kind == W.REPLY:
+                rid, obj = W.decode_json(body, with_id=True)
+                fut = self.client._controls.pop(rid, None)
+                if fut is not None and not fut.done():
+                    if "error" in obj:
+                        fut.set_exception(W.error_from_json(obj["error"]))
+                    else:
+                        fut.set_result(obj.get("result"))
 
     def connection_lost(self, exc) -> None:
         self.box.transport = None
@@ -132,9 +142,14 @@ class EngineClient:
     the background (the supervisor restarts the engine); `on_state(True)` then.
     """
 
-    def __init__(self, path: str, on_state=None, reconnect_s: float = 0.2):
+    def __init__(self, path: str, on_state=None, reconnect_s: float = 0.2, on_catalog=None):
+        """`on_catalog(dict)`: called with every CATALOG the engine process sends (a repository's
+        models by slot, --model-repository under --workers); `catalog` keeps the last one."""
         self.path = path
         self.on_state = on_state
+        self.on_catalog = on_catalog
+        self.catalog: dict | None = None
+        self._controls: dict[int, asyncio.Future] = {}
         self.reconnect_s = reconnect_s
         self.hello: dict | None = None
         self._ids = itertools.count(1)
@@ -167,7 +182,8 @@ class EngineClient:
             return
         self._proto = None
         pending, self._pending = self._pending, {}
-        for fut, _ in pending.values():
+        controls, self._controls = self._controls, {}
+        for fut in [f for f, _ in pending.values()] + list(controls.values()):
             if not fut.done():
                 fut.set_exception(E.NotReady("the engine process went away; retry", retry_after=1.0))
         if self._closed:
@@ -183,15 +199,35 @@ class EngineClient:
         except Exception as exc:  # noqa: BLE001
             log.error("engine process did not come back: %s", exc)
 
+    def _catalog(self, catalog: dict) -> None:
+        self.catalog = catalog
+        if self.on_catalog is not None:
+            self.on_catalog(catalog)
+
+    def bound(self, slot: int) -> "BoundClient":
+        """This client's submit for one model of the catalog (its slot)."""
+        return BoundClient(self, slot)
+
+    async def control(self, op: str, **args):
+        """A repository call (index, load, unload, reload) run by the engine process."""
+        proto = self._proto
+        if proto is None:
+            raise E.NotReady("the engine process is not connected; retry", retry_after=1.0)
+        rid = next(self._ids)
+        fut = proto.box.loop.create_future()
+        self._controls[rid] = fut
+        proto.box.add(W.encode_json(W.CONTROL, {"op": op, **args}, rid))
+        return await fut
+
     async def submit(self, items: list[Encoded], deadline: float | None = None, priority: int = 0,
-                     timings: dict | None = None) -> np.ndarray:
+                     timings: dict | None = None, model: int = 0) -> np.ndarray:
         proto = self._proto
         if proto is None:
             raise E.NotReady("the engine process is not connected; retry", retry_after=1.0)
         rid = next(self._ids)
         fut = proto.box.loop.create_future()
         self._pending[rid] = (fut, timings)
-        proto.box.submit((rid, items, deadline, priority))
+        proto.box.submit((rid, items, deadline, priority, model))
         try:
             return await fut
         except asyncio.CancelledError:
@@ -206,6 +242,21 @@ class EngineClient:
         if proto is not None and proto.box.transport is not None:
             proto.box.flush()
             proto.box.transport.close()
+
+
+class BoundClient:
+    """The DynamicBatcher interface for one model (slot) of a shared EngineClient."""
+
+    def __init__(self, client: EngineClient, slot: int):
+        self.client, self.slot = client, slot
+        self.queue_depth = 0
+
+    async def submit(self, items: list[Encoded], deadline: float | None = None, priority: int = 0,
+                     timings: dict | None = None) -> np.ndarray:
+        return await self.client.submit(items, deadline, priority, timings, model=self.slot)
+
+    async def close(self) -> None:
+        pass  # the connection is the front end's, closed when it stops
 
 
 class SharedTier:
@@ -280,23 +331,38 @@ class _ServerProtocol(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         self.box.transport = transport
         self.server.connections += 1
+        self.server.boxes.add(self.box)
         transport.write(W.frame(bytes([W.HELLO]) + json.dumps(self.server.hello).encode()))
+        if self.server.models is not None:
+            transport.write(W.encode_json(W.CATALOG, self.server.models.catalog()))
 
     def data_received(self, data: bytes) -> None:
         for body in self.frames.feed(data):
             kind = body[0]
             if kind == W.SUBMITS:
-                for rid, items, deadline, priority in W.decode_submits(body):
-                    self._start(rid, items, deadline, priority)
+                for rid, items, deadline, priority, model in W.decode_submits(body):
+                    self._start(rid, items, deadline, priority, model)
+            elif kind == W.CONTROL:
+                rid, obj = W.decode_json(body, with_id=True)
+                task = asyncio.get_running_loop().create_task(self._control(rid, obj))
+                self.server.tasks.add(task)
+                task.add_done_callback(self.server.tasks.discard)
             elif kind == W.CANCEL:
                 fut = self.futures.pop(W.decode_cancel(body), None)
                 if fut is not None:
                     fut.cancel()
 
-    def _start(self, rid: int, items: list[Encoded], deadline, priority) -> None:
+    async def _control(self, rid: int, obj: dict) -> None:
+        try:
+            reply = {"result": await self.server.control(obj)}
+        except Exception as exc:  # noqa: BLE001 - the caller's answer, whatever failed
+            reply = {"error": W.error_json(exc)}
+        self.box.add(W.encode_json(W.REPLY, reply, rid))
+
+    def _start(self, rid: int, items: list[Encoded], deadline, priority, model: int = 0) -> None:
         timings: dict = {}
         try:
-            fut = self.server.enqueue(items, deadline, priority, timings)
+            fut = self.server.enqueue(items, deadline, priority, timings, model)
         except Exception as exc:  # noqa: BLE001 - overload, expired: this request's own answer
             self.box.add(W.encode_error(rid, exc))
             return
@@ -323,31 +389,53 @@ class _ServerProtocol(asyncio.Protocol):
             fut.cancel()
         self.futures.clear()
         self.server.connections -= 1
+        self.server.boxes.discard(self.box)
 
 
 class EngineServer:
     """The engine process's side: every connection's requests into one batcher."""
 
-    def __init__(self, batcher, hello: dict, shared: SharedTier | None = None):
+    def __init__(self, batcher, hello: dict, shared: SharedTier | None = None, models=None):
+        """`models`: a repository's served models by slot (cli/workers_repo.ModelSlots: `batcher(slot)`,
+        `catalog()`, `control(obj)`, and `on_change` to set); None: the one `batcher`, slot 0."""
         self.batcher = batcher
         self.hello = hello
         self.shared = shared
+        self.models = models
         self.connections = 0
+        self.boxes: set[_ServerBox] = set()
+        self.tasks: set[asyncio.Task] = set()
+        if models is not None:
+            models.on_change = self.broadcast_catalog
 
-    def enqueue(self, items: list[Encoded], deadline, priority: int, timings: dict):
+    def broadcast_catalog(self) -> None:
+        """Every front end gets the new catalog (called on each change of the repository's registry)."""
+        frame = W.encode_json(W.CATALOG, self.models.catalog())
+        for box in list(self.boxes):
+            box.add(frame)
+
+    async def control(self, obj: dict):
+        if self.models is None:
+            raise E.NotFound("this engine process serves one model: no repository calls")
+        return await self.models.control(obj)
+
+    def enqueue(self, items: list[Encoded], deadline, priority: int, timings: dict, model: int = 0):
         """The rows' future, or the rows themselves when the shared tier holds every input.
 
         No expiry timer per request: the front end enforces the deadline and cancels, and the
         batcher drops expired inputs when it forms a batch."""
         shared = self.shared
+        batcher = self.batcher if self.models is None else self.models.batcher(model)
         if shared is None:
-            return self.batcher.enqueue(items, deadline, priority, timings, timer=False)
-        keys = [shared.key(e) for e in items]
+            return batcher.enqueue(items, deadline, priority, timings, timer=False)
+        # Rows of different models (or builds) never share a key: the slot's build prefixes it.
+        prefix = b"" if self.models is None else self.models.prefix(model)
+        keys = [prefix + shared.key(e) for e in items]
         found = [shared.get(k) for k in keys]
         miss = [i for i, r in enumerate(found) if r is None]
         if not miss:
             return np.stack(found)
-        inner = self.batcher.enqueue([items[i] for i in miss], deadline, priority, timings, timer=False)
+        inner = batcher.enqueue([items[i] for i in miss], deadline, priority, timings, timer=False)
         outer = asyncio.get_running_loop().create_future()
 
         def fill(f: asyncio.Future) -> None:

@@ -9,17 +9,23 @@ engine batch) as one RESULTS frame per front end. A syscall and a frame per requ
 
 Bodies (little-endian):
   SUBMITS  B kind=6, I count, then arrays: u64 ids[count], f64 deadlines[count] (time.monotonic,
-           system-wide on Linux; < 0: none), i32 priorities[count], u32 inputs[count],
+           system-wide on Linux; < 0: none), i32 priorities[count], u32 models[count] (the
+           CATALOG's slot; 0: the one model of single-model mode), u32 inputs[count],
            i32 lengths[sum inputs], i32 token ids[T], i8 type ids[T]
   RESULTS  B kind=7, I count, I dim, then u64 ids[count], u32 rows[count], u64 queue_ns[count],
            u64 infer_ns[count], f32 vectors[sum rows, dim]
   CANCEL   B kind=2, Q id
   ERROR    B kind=4, Q id, d retry_after, H code length, code, message (utf-8)
   HELLO    B kind=5, then JSON (the engine's capabilities), sent by the engine on connect
+  CATALOG  B kind=8, then JSON: the models a repository's engine process serves, by slot (sent on
+           connect and after every change of its registry; --model-repository under --workers)
+  CONTROL  B kind=9, Q id, then JSON {"op", "name", "version"}: a repository call from a front end
+  REPLY    B kind=10, Q id, then JSON {"result"} or {"error": {"code", "message"}}
 """
 
 from __future__ import annotations
 
+import json
 import struct
 
 import numpy as np
@@ -27,7 +33,7 @@ import numpy as np
 from surge import errors as E
 from surge.types import Encoded
 
-CANCEL, ERROR, HELLO, SUBMITS, RESULTS = 2, 4, 5, 6, 7
+CANCEL, ERROR, HELLO, SUBMITS, RESULTS, CATALOG, CONTROL, REPLY = 2, 4, 5, 6, 7, 8, 9, 10
 LEN = struct.Struct("<I")
 _CANCEL = struct.Struct("<BQ")
 _ERROR = struct.Struct("<BQdH")
@@ -39,22 +45,24 @@ def frame(body: bytes) -> bytes:
     return LEN.pack(len(body)) + body
 
 
-def encode_submits(reqs: list[tuple[int, list[Encoded], float | None, int]]) -> bytes:
-    """One frame for many requests: (id, inputs, deadline, priority) each."""
+def encode_submits(reqs: list[tuple]) -> bytes:
+    """One frame for many requests: (id, inputs, deadline, priority[, model slot]) each."""
     k = len(reqs)
     ids = np.fromiter((r[0] for r in reqs), np.uint64, k)
     deadlines = np.fromiter((-1.0 if r[2] is None else r[2] for r in reqs), np.float64, k)
     prios = np.fromiter((r[3] for r in reqs), np.int32, k)
+    models = np.fromiter((r[4] if len(r) > 4 else 0 for r in reqs), np.uint32, k)
     counts = np.fromiter((len(r[1]) for r in reqs), np.uint32, k)
     items = [e for r in reqs for e in r[1]]
     lengths = np.fromiter((len(e.ids) for e in items), np.int32, len(items))
     tok = np.concatenate([e.ids for e in items]).astype(np.int32, copy=False)
     types = np.concatenate([e.type_ids for e in items]).astype(np.int8, copy=False)
     return frame(b"".join((_COUNT.pack(SUBMITS, k), ids.tobytes(), deadlines.tobytes(), prios.tobytes(),
-                           counts.tobytes(), lengths.tobytes(), tok.tobytes(), types.tobytes())))
+                           models.tobytes(), counts.tobytes(), lengths.tobytes(), tok.tobytes(), types.tobytes())))
 
 
-def decode_submits(body: bytes) -> list[tuple[int, list[Encoded], float | None, int]]:
+def decode_submits(body: bytes) -> list[tuple[int, list[Encoded], float | None, int, int]]:
+    """(id, inputs, deadline, priority, model slot) per request."""
     _, k = _COUNT.unpack_from(body)
     off = _COUNT.size
     ids = np.frombuffer(body, np.uint64, k, off).tolist()
@@ -62,6 +70,8 @@ def decode_submits(body: bytes) -> list[tuple[int, list[Encoded], float | None, 
     deadlines = np.frombuffer(body, np.float64, k, off).tolist()
     off += 8 * k
     prios = np.frombuffer(body, np.int32, k, off).tolist()
+    off += 4 * k
+    models = np.frombuffer(body, np.uint32, k, off).tolist()
     off += 4 * k
     counts = np.frombuffer(body, np.uint32, k, off).tolist()
     off += 4 * k
@@ -74,13 +84,13 @@ def decode_submits(body: bytes) -> list[tuple[int, list[Encoded], float | None, 
     types = np.frombuffer(body, np.int8, t, off + 4 * t).astype(np.int64)
     out, at, item = [], 0, 0
     lens = lengths.tolist()
-    for rid, dl, pr, c in zip(ids, deadlines, prios, counts):
+    for rid, dl, pr, md, c in zip(ids, deadlines, prios, models, counts):
         items = []
         for ln in lens[item:item + c]:
             items.append(Encoded(tok[at:at + ln], types[at:at + ln]))
             at += ln
         item += c
-        out.append((rid, items, None if dl < 0 else dl, pr))
+        out.append((rid, items, None if dl < 0 else dl, pr, md))
     return out
 
 
@@ -157,6 +167,36 @@ def decode_error(body: bytes) -> E.SurgeError:
     except TypeError:
         exc = cls(msg)
     return exc
+
+
+_IDJ = struct.Struct("<BQ")
+
+
+def encode_json(kind: int, obj, req_id: int | None = None) -> bytes:
+    """CATALOG (no id), CONTROL and REPLY (an id) frames: a JSON body."""
+    head = bytes([kind]) if req_id is None else _IDJ.pack(kind, req_id)
+    return frame(head + json.dumps(obj).encode())
+
+
+def decode_json(body: bytes, with_id: bool):
+    """(id, obj) for CONTROL / REPLY, obj for CATALOG."""
+    if not with_id:
+        return json.loads(body[1:])
+    return _IDJ.unpack_from(body)[1], json.loads(body[_IDJ.size:])
+
+
+def error_json(exc: BaseException) -> dict:
+    if isinstance(exc, E.SurgeError):
+        return {"code": exc.code, "message": exc.message, "param": getattr(exc, "param", None)}
+    return {"code": "engine_error", "message": f"{type(exc).__name__}: {exc}"}
+
+
+def error_from_json(err: dict) -> E.SurgeError:
+    cls = _error_class(err.get("code", ""))
+    try:
+        return cls(err.get("message", ""), param=err.get("param"))
+    except TypeError:
+        return cls(err.get("message", ""))
 
 
 class Frames:

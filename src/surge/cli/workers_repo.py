@@ -1,0 +1,225 @@
+"""`--model-repository` under `--workers N`: one engine process runs the repository, front ends follow it.
+
+The engine process runs the whole lifecycle as one process would (runtime/repository.ModelRepository:
+loading, warm-up, version policy, polling, zero-downtime swaps, drain). Each served build gets a
+*slot*, the number its token batches carry on the wire; after every change of its registry the engine
+process sends all front ends a CATALOG (slots, names, versions, aliases, what a front end needs to
+tokenize and post-process). A front end keeps one thin ModelService per slot (its tokenizer, its
+cache; its batcher is the engine connection bound to the slot) and routes by name and version as
+one process does. Repository calls (index, load, unload, reload) from any front end's HTTP or gRPC
+API run in the engine process (CONTROL / REPLY frames).
+
+Zero downtime across processes: a front end may still send to a build that the engine process has
+just replaced (its CATALOG is on the way); such a batch goes to the build that serves that version
+now (a reload) or the model's newest version, never to a closed batcher. A retired build drains in
+the engine process as it does in one process.
+
+Embedding models only: under --workers the front ends hand token batches to the engine and pool
+nothing themselves, so task heads, decoders and tensor / python models fail to load with a message
+that says so (the index reports it; everything else keeps serving). One engine process: the
+repository's state lives there (`--engine-processes` above 1 is refused).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import replace
+
+from surge.errors import ConfigError, InvalidInput, NotFound, shown
+
+log = logging.getLogger("surge.workers")
+
+WORKERS_ONLY_EMBED = ("is served with --workers 1 only: under --workers N front ends hand token batches to "
+                      "the engine process, which serves embedding models")
+
+
+def check_embedding(entry) -> None:
+    """Refuse, before building, what the engine process cannot serve to front ends."""
+    cfg = entry.config
+    if cfg is None:
+        return  # the repository reports the invalid model.yaml itself
+    if cfg.kind != "hf":
+        raise ConfigError(f"model '{entry.name}': kind '{cfg.kind}' {WORKERS_ONLY_EMBED}", param="kind")
+    if cfg.heads or (cfg.task not in (None, "embed")):
+        raise ConfigError(f"model '{entry.name}': task '{cfg.task or 'heads'}' {WORKERS_ONLY_EMBED}", param="task")
+
+
+class ModelSlots:
+    """The engine process's served embedding builds by slot, and the repository calls.
+
+    `EngineServer(models=...)` asks `resolve(slot)` for each request's batcher and cache prefix,
+    `catalog()` for what front ends get, `control(obj)` for repository calls, and sets `on_change`."""
+
+    def __init__(self, registry, repo):
+        self.registry, self.repo = registry, repo
+        self._slot_of: dict[int, int] = {}  # id(served) -> slot
+        self._served: dict[int, object] = {}  # slot -> served (ServedModel)
+        self._retired: dict[int, tuple[str, str]] = {}  # slot -> (name, version) of a replaced build
+        self._next = 1
+        self.on_change = None
+        registry.subscribe(self._sync)
+
+    def _sync(self) -> None:
+        seen = set()
+        for s in self.registry.services():
+            inner = getattr(s, "service", s)
+            if getattr(inner, "task", "embed") != "embed" or not hasattr(getattr(inner, "batcher", None), "enqueue"):
+                continue
+            seen.add(id(s))
+            if id(s) not in self._slot_of:
+                self._slot_of[id(s)] = self._next
+                self._served[self._next] = s
+                self._next += 1
+        for key, slot in list(self._slot_of.items()):
+            if key not in seen:
+                del self._slot_of[key]
+                s = self._served.pop(slot)
+                self._retired[slot] = (s.name, s.version)
+        if self.on_change is not None:
+            self.on_change()
+
+    def resolve(self, slot: int):
+        """(batcher, cache prefix) for a request sent to `slot`; a replaced build's requests go to
+        the build serving its version now, else the model's newest version."""
+        s = self._served.get(slot)
+        if s is None or getattr(s.service.batcher, "_closed", False):
+            name, version = self._retired.get(slot) or ((s.name, s.version) if s is not None else (None, None))
+            if name is None:
+                raise NotFound(f"no model is served under slot {slot}")
+            s = None
+            for v in (version, None):
+                try:
+                    cand = self.registry.get(name, v)
+                except NotFound:
+                    continue
+                if id(cand) in self._slot_of:
+                    s = cand
+                    break
+            if s is None:
+                raise NotFound(f"model '{shown(name)}' is not loaded", param="model")
+        return s.service.batcher, b"%d|" % self._slot_of[id(s)]
+
+    def batcher(self, slot: int):
+        return self.resolve(slot)[0]
+
+    def prefix(self, slot: int) -> bytes:
+        return self.resolve(slot)[1]
+
+    def catalog(self) -> dict:
+        models = []
+        for slot, s in sorted(self._served.items()):
+            w = s.service.worker
+            caps = w.engines.capabilities
+            models.append({
+                "slot": slot, "name": s.name, "version": s.version, "spec_dir": str(w.spec.path),
+                "tokenizer_file": str(w.spec.tokenizer_file), "max_length": w.tokenizer.max_length,
+                "vocab_size": w.tokenizer.vocab_size, "pad_id": w.tokenizer.pad_id,
+                "pooling": w.post.pooling, "normalize": w.post.normalize,
+                "caps": [caps.max_batch, caps.max_tokens, caps.layout.value, caps.device, caps.dtype,
+                         caps.hidden_size],
+                "fingerprint": w.fingerprint()})
+        try:
+            names = self.repo.model_names()
+        except ConfigError:
+            names = []
+        return {"models": models, "names": names, "aliases": self.registry.aliases()}
+
+    async def control(self, obj: dict):
+        op, name, version = obj.get("op"), obj.get("name"), obj.get("version")
+        if op == "index":
+            return await self.repo.index()
+        if op in ("load", "unload", "reload"):
+            await getattr(self.repo, op)(name, version)
+            return None
+        raise InvalidInput(f"unknown repository call {shown(str(op))!r}")
+
+
+class RemoteRepository:
+    """A front end's repository API (server.state.ModelLifecycle): the engine process runs the calls."""
+
+    def __init__(self, client):
+        self.client = client
+
+    def model_names(self) -> list[str]:
+        return list((self.client.catalog or {}).get("names", []))
+
+    async def index(self) -> list[dict]:
+        return await self.client.control("index")
+
+    async def load(self, name: str, version: str | None = None) -> None:
+        await self.client.control("load", name=name, version=version)
+
+    async def unload(self, name: str, version: str | None = None) -> None:
+        await self.client.control("unload", name=name, version=version)
+
+    async def reload(self, name: str, version: str | None = None) -> None:
+        await self.client.control("reload", name=name, version=version)
+
+
+class FrontModels:
+    """A front end's services, one per slot of the engine's CATALOG, kept in its registry."""
+
+    def __init__(self, state, client, build):
+        """`build(entry) -> ModelService`: a front-end service for one CATALOG entry."""
+        self.state, self.client, self.build = state, client, build
+        self.services: dict[int, object] = {}
+        self.synced = asyncio.Event()  # set by the first CATALOG: the front end is ready after it
+
+    def sync(self, catalog: dict) -> None:
+        reg = self.state.registry
+        want = {m["slot"]: m for m in catalog.get("models", [])}
+        for slot, m in want.items():  # new builds first: routing moves as each is added
+            if slot not in self.services:
+                try:
+                    svc = self.build(m)
+                except Exception:  # noqa: BLE001 - one model's files; the others keep serving
+                    log.exception("front end: model %s version %s", m.get("name"), m.get("version"))
+                    continue
+                svc.mark_ready()
+                self.services[slot] = svc
+                reg.add(svc)
+        for slot in [s for s in self.services if s not in want]:
+            svc = self.services.pop(slot)
+            try:
+                routed = reg.get(svc.name, svc.version) is svc
+            except NotFound:
+                routed = False
+            if routed:
+                reg.remove(svc.name, svc.version)
+        by_model: dict[str, list[str]] = {}
+        for alias, name in catalog.get("aliases", {}).items():
+            by_model.setdefault(name, []).append(alias)
+        for name in set(by_model) | set(reg.aliases().values()):
+            try:
+                reg.set_aliases(name, by_model.get(name, []))
+            except ConfigError as exc:
+                log.error("front end: %s", exc.message)
+        self.synced.set()
+
+    def set_ready(self, up: bool) -> None:
+        for svc in self.services.values():
+            svc.ready = up
+
+
+def front_service(config, entry: dict, client):
+    """One CATALOG entry as a front-end ModelService: tokenizer and post-processing here, the
+    engine behind the connection bound to its slot."""
+    from surge.cli.workers import RemoteEngines
+    from surge.engines.base import Capabilities
+    from surge.models import load_model_spec
+    from surge.runtime.service import ModelService
+    from surge.runtime.tokenize import Tokenizer
+    from surge.runtime.worker import ModelWorker, PostSpec
+    from surge.types import Layout
+
+    spec = replace(load_model_spec(entry["spec_dir"]), name=entry["name"])
+    b, t, layout, device, dtype, hidden = entry["caps"]
+    caps = Capabilities(b, t, Layout(layout), device, dtype, hidden)
+    tok = Tokenizer(entry["tokenizer_file"], max_length=entry["max_length"], vocab_size=entry["vocab_size"],
+                    pad_id=entry["pad_id"])
+    worker = ModelWorker(spec, tok, RemoteEngines(caps), PostSpec(entry["pooling"], entry["normalize"]))
+    fingerprint = entry["fingerprint"]
+    worker.fingerprint = lambda: fingerprint
+    return ModelService(entry["name"], entry["version"], worker, batching=config.batching, cache=config.cache,
+                        limits=config.limits, batcher=client.bound(entry["slot"]))
