@@ -12,7 +12,8 @@ run one at a time on the same GPU; each is started, swept, stopped.
 
 `--files`: a model directory without weights (config.json, tokenizer, sentence-
 transformers files: the bundled MiniLM's). `--surge NAME=FLAGS` adds a surge
-variant (repeatable), e.g. --surge "surge-w4=--workers 4". Infinity runs when
+variant (repeatable), e.g. --surge "surge-w4=--workers 4"; `surge-repo` serves the model
+from a repository of one entry under --workers (the default front-end count). Infinity runs when
 `import infinity_emb` works with INFINITY_PATH prepended to PYTHONPATH (its wheels,
 and benchmarks/baselines/infinity_shim for transformers 5).
 """
@@ -282,6 +283,16 @@ def servers(args, model_dir: Path, port: int) -> dict:
         env = dict(t.split("=", 1) for t in toks if re.match(r"^[A-Z][A-Z0-9_]*=", t))
         out[name] = (surge + [t for t in toks if not re.match(r"^[A-Z][A-Z0-9_]*=", t)], "/ready",
                      "/v1/embeddings", env)
+    # The same model as a repository of one entry under --workers (cli/workers_repo.py): the front-end
+    # count that `surge serve MODEL` picks by default, given explicitly (repositories default to one).
+    repo = Path(args.out) / "repo" / model_dir.name
+    (repo / "m" / "1").mkdir(parents=True, exist_ok=True)
+    (repo / "m" / "1" / "model.yaml").write_text(
+        f"source: {model_dir}\nengine: {{engine: torch, device: {args.device}, precision: {'fp16' if gpu else 'fp32'}}}\n")
+    fronts = str(min(12, (os.cpu_count() or 1) * 3 // 4) if gpu else 2)
+    out["surge-repo"] = ([py, "-m", "surge.cli.main", "serve", "--model-repository", str(repo), "--workers", fronts,
+                          "--cache-bytes", "0", "--grpc-port", "0", "--port", str(port), "--log-level", "warning"],
+                         "/ready", "/v1/embeddings", {})
     out["baseline"] = ([py, str(HERE / "baselines" / "fastapi_st.py"), "--port", str(port), "--model-dir",
                         str(model_dir), "--device", args.device], "/ready", "/v1/embeddings", {})
     inf_path = os.environ.get("INFINITY_PATH")

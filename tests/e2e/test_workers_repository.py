@@ -90,6 +90,17 @@ def test_every_front_end_serves_each_model_with_its_own_vectors(server, sentence
                 short_rows.setdefault(i, []).append(row)
     for rows in short_rows.values():
         np.testing.assert_allclose(np.stack(rows), np.stack([rows[0]] * len(rows)), atol=1e-5)
+    # Every served model's engine-build counts reach the front ends' /metrics; none after ready.
+    end = time.monotonic() + 10
+    while True:
+        text = httpx.get(server.url + "/metrics", headers={"connection": "close"}, timeout=30).text
+        served = [ln for ln in text.splitlines() if ln.startswith("surge_engine_graph_builds_total{")
+                  and 'phase="serving"' in ln]
+        if {m for m in ("enc", "short") if any(f'model="{m}"' in ln for ln in served)} == {"enc", "short"}:
+            break
+        assert time.monotonic() < end, served
+        time.sleep(0.5)
+    assert all(float(ln.rsplit(" ", 1)[1]) == 0 for ln in served), served
 
 
 def test_a_non_embedding_model_is_refused_with_the_reason_and_the_rest_serves(server):

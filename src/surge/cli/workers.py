@@ -273,10 +273,10 @@ def engine_main(config_json: str, sock: str) -> None:
                 os.unlink(p)
         srv = await server.serve(part)
         os.replace(part, sock)  # appears complete: the supervisor and front ends wait for this path
-        builds = loop.create_task(_export_builds(service)) if service is not None else None
+        builds = loop.create_task(_export_builds(
+            (lambda: [service]) if service is not None else slots.services))
         await stop.wait()
-        if builds is not None:
-            builds.cancel()
+        builds.cancel()
         srv.close()
         if repo is not None:
             await repo.close()  # every version drained and freed
@@ -313,24 +313,37 @@ def _engine_repository(config: ServerConfig):
     return repo, ModelSlots(registry, repo)
 
 
-async def _export_builds(service, every_s: float = 1.0) -> None:
+async def _export_builds(services, every_s: float = 1.0) -> None:
     """The engine-build counts (surge_engine_graph_builds_total, by phase) on every front end's /metrics.
 
     In one process a collector reads them off the engines at scrape time; here the engines are in
     this process and the front ends read prometheus_client's multiprocess files, so the counts are
-    written there (a gauge summed over live engine processes), refreshed every second."""
+    written there (a gauge summed over live engine processes), refreshed every second.
+    `services()`: the services served now (one, or a repository's)."""
     from prometheus_client import CollectorRegistry, Gauge
 
     gauge = Gauge("surge_engine_graph_builds_total", "Engine shape buckets built (CUDA graph captures with "
                   "their kernel compilation), by phase: warmup or serving (after ready).",
                   labelnames=("model", "version", "phase"), multiprocess_mode="livesum",
                   registry=CollectorRegistry())
-    engines = list(service.worker.engines.engines)
+    shown: set[tuple[str, str]] = set()
     while True:
-        built = sum(getattr(e, "builds", 0) for e in engines)
-        after = sum(getattr(e, "builds_after_ready", 0) for e in engines)
-        gauge.labels(service.name, service.version, "warmup").set(built - after)
-        gauge.labels(service.name, service.version, "serving").set(after)
+        now = set()
+        for service in services():
+            engines = list(getattr(getattr(service.worker, "engines", None), "engines", []))
+            built = sum(getattr(e, "builds", 0) for e in engines)
+            after = sum(getattr(e, "builds_after_ready", 0) for e in engines)
+            key = (service.name, service.version)
+            now.add(key)
+            gauge.labels(*key, "warmup").set(built - after)
+            gauge.labels(*key, "serving").set(after)
+        for key in shown - now:  # an unloaded version: its counts go with it
+            for phase in ("warmup", "serving"):
+                try:
+                    gauge.remove(*key, phase)
+                except KeyError:
+                    pass
+        shown = now
         await asyncio.sleep(every_s)
 
 

@@ -100,6 +100,10 @@ class ModelSlots:
                 raise NotFound(f"model '{shown(name)}' is not loaded", param="model")
         return s.service.batcher, b"%d|" % self._slot_of[id(s)]
 
+    def services(self) -> list:
+        """The local services served now (one per slot)."""
+        return [s.service for s in self._served.values()]
+
     def batcher(self, slot: int):
         return self.resolve(slot)[0]
 
