@@ -264,6 +264,9 @@ def engine_main(config_json: str, sock: str) -> None:
         loop.add_signal_handler(signal.SIGINT, lambda: None)  # the supervisor decides
         if repo is not None:
             await repo.start()  # every model as its policy says, warmed up, before the socket appears
+        from surge.runtime.gc_settle import settle
+
+        settle()  # engines built: keep full GC passes from walking them (runtime/gc_settle.py)
         c = config.cache
         shared = SharedTier(c.max_bytes, metrics) if c.enabled and c.max_bytes > 0 else None
         server = EngineServer(service.batcher if service is not None else None, hello, shared, models=slots)

@@ -77,6 +77,9 @@ async def _start(state: AppState) -> None:
     try:
         for hook in state.extras.get("on_startup", []):
             await hook(state)
+        from surge.runtime.gc_settle import settle
+
+        settle()  # models loaded and warmed up: full GC passes would walk all of it (runtime/gc_settle.py)
         state.started = True
         for hook in state.extras.get("on_started", []):  # readiness watchers (gRPC health)
             hook(state)
