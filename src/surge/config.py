@@ -213,11 +213,13 @@ class ServerConfig(_Strict):
         None, ge=0, description="Front-end processes (HTTP, gRPC, cache, tokenizing) in front of the engine "
         "process(es) (cli/workers.py); 1 serves from one process; 0: one per CPU core; None (default): from the "
         "core count where the mode supports it (one embedding model on one CUDA device: three quarters of the "
-        "cores, at most 12), else 1.")
+        "cores, at most 12), else 1. With --model-repository give it explicitly: the engine process runs the "
+        "repository and the front ends follow it (embedding models; docs/repository.md).")
     engine_processes: int | None = Field(
         None, ge=1, description="Under --workers: engine processes sharing the device(s); front end i talks to "
         "engine process i mod N (each batches its front ends' requests; several processes can share one "
-        "GPU, with NVIDIA MPS where it runs). None (default): 2 with 8 or more front ends, else 1.")
+        "GPU, with NVIDIA MPS where it runs). None (default): 2 with 8 or more front ends, else 1; "
+        "always 1 with --model-repository.")
     engine: EngineConfig = Field(default_factory=EngineConfig)
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
