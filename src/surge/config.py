@@ -218,8 +218,8 @@ class ServerConfig(_Strict):
     engine_processes: int | None = Field(
         None, ge=1, description="Under --workers: engine processes sharing the device(s); front end i talks to "
         "engine process i mod N (each batches its front ends' requests; several processes can share one "
-        "GPU, with NVIDIA MPS where it runs). None (default): 2 with 8 or more front ends, else 1; "
-        "always 1 with --model-repository.")
+        "GPU, with NVIDIA MPS where it runs). None (default): 2 with 8 or more front ends, else 1. "
+        "With --model-repository each runs the repository; repository calls reach them all.")
     engine: EngineConfig = Field(default_factory=EngineConfig)
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)

@@ -27,30 +27,32 @@ pytestmark = pytest.mark.timeout(300)
 SHORT = "engine: {threads: 1, warmup_shapes: [[1, 8]], max_seq_len: 8}\n"  # vectors of the first 8 tokens
 
 
-@pytest.fixture(scope="module")
-def repo(tmp_path_factory):
-    root = tmp_path_factory.mktemp("workers_repo")
+def _repo(root):
     add_version(root, "enc", 1)
     add_version(root, "short", 1, SHORT)
     add_version(root, "cls", 1, "task: classify\n" + FAST)
     return root
 
 
-@pytest.fixture(scope="module")
-def server(repo):
-    with ServerProcess("--model-repository", str(repo), "--workers", "2", "--repository-poll-s", "0.5",
-                       "--cache-bytes", "0") as srv:
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-engine-process", "two-engine-processes"])
+def server(tmp_path_factory, request):
+    """Two front ends; one engine process, or two (front end i talks to engine process i, each runs
+    the repository, and repository calls from either front end must reach both)."""
+    repo = _repo(tmp_path_factory.mktemp("workers_repo"))
+    with ServerProcess("--model-repository", str(repo), "--workers", "2", "--engine-processes", str(request.param),
+                       "--repository-poll-s", "0.5", "--cache-bytes", "0") as srv:
+        srv.engine_processes, srv.repo = request.param, repo
         yield srv
 
 
-def _fronts(srv) -> list[psutil.Process]:
+def _children(srv, role: str) -> list[psutil.Process]:
     out = []
     for p in psutil.Process(srv.proc.pid).children(recursive=True):
         try:
             cmd = p.cmdline()
         except psutil.NoSuchProcess:
             continue
-        if "surge.cli.workers" in cmd and cmd[cmd.index("surge.cli.workers") + 1] == "front":
+        if "surge.cli.workers" in cmd and cmd[cmd.index("surge.cli.workers") + 1] == role:
             out.append(p)
     return out
 
@@ -67,7 +69,8 @@ async def _embed_many(url: str, jobs: list[tuple[str, list[str]]]) -> list[httpx
 
 
 def test_every_front_end_serves_each_model_with_its_own_vectors(server, sentences, reference_embed):
-    assert len(_fronts(server)) == 2
+    assert len(_children(server, "front")) == 2
+    assert len(_children(server, "engine")) == server.engine_processes
     texts = [s for s in sentences if len(s.split()) >= 12][:24]
     ref_enc = reference_embed(texts)
     rng = random.Random()
@@ -133,7 +136,7 @@ def test_unload_and_load_through_one_front_end_reach_every_front_end(server):
     assert _all_fronts_answer(server, "short", 200)
 
 
-def test_a_new_version_takes_over_under_load_with_no_failed_request(server, repo, sentences, reference_embed):
+def test_a_new_version_takes_over_under_load_with_no_failed_request(server, sentences, reference_embed):
     texts = [s for s in sentences if len(s.split()) >= 14][:8]
     full = reference_embed(texts)
     log: list[tuple[int, str, np.ndarray, list[int]]] = []
@@ -152,7 +155,7 @@ def test_a_new_version_takes_over_under_load_with_no_failed_request(server, repo
                                      limits=httpx.Limits(max_connections=16)) as http:
             tasks = [asyncio.create_task(client_loop(s, http)) for s in range(12)]
             await asyncio.sleep(1.0)
-            add_version(repo, "enc", 2, SHORT)  # the poller (0.5 s) loads it; v1 retires once it serves
+            add_version(server.repo, "enc", 2, SHORT)  # the poller (0.5 s) loads it; v1 retires once it serves
             end = time.monotonic() + 150
             while time.monotonic() < end:
                 await asyncio.sleep(0.5)

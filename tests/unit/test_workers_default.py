@@ -29,11 +29,11 @@ def test_default_workers_from_the_core_count_where_the_mode_supports_it(monkeypa
     assert W.engine_processes(ServerConfig(**kw, engine_processes=3), want) == 3
 
 
-def test_a_repository_runs_one_engine_process_and_defaults_to_one_process(monkeypatch, tmp_path):
+def test_a_repository_defaults_to_one_process_and_takes_engine_processes_as_one_model_does(monkeypatch, tmp_path):
     monkeypatch.setattr(W.os, "cpu_count", lambda: 16)
     cuda = EngineConfig(engine="torch", device="cuda")
     assert W.resolve_workers(ServerConfig(model_repository=tmp_path, engine=cuda)) == 1
     config = ServerConfig(model_repository=tmp_path, engine=cuda, workers=12)
-    assert W.resolve_workers(config) == 12 and W.engine_processes(config, 12) == 1
-    with pytest.raises(SystemExit, match="one engine process"):
-        W.engine_processes(ServerConfig(model_repository=tmp_path, workers=12, engine_processes=2), 12)
+    assert W.resolve_workers(config) == 12 and W.engine_processes(config, 12) == 2
+    assert W.engine_processes(ServerConfig(model_repository=tmp_path, workers=2), 2) == 1
+    assert W.engine_processes(ServerConfig(model_repository=tmp_path, workers=2, engine_processes=2), 2) == 2

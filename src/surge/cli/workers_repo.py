@@ -16,8 +16,10 @@ the engine process as it does in one process.
 
 Embedding models only: under --workers the front ends hand token batches to the engine and pool
 nothing themselves, so task heads, decoders and tensor / python models fail to load with a message
-that says so (the index reports it; everything else keeps serving). One engine process: the
-repository's state lives there (`--engine-processes` above 1 is refused).
+that says so (the index reports it; everything else keeps serving). With several engine processes
+(`--engine-processes`, default 2 with 8 or more front ends) each runs the repository (each its own
+copy of every model on the device, each polling); a front end sends its requests to its own engine
+process and every repository call to all of them.
 """
 
 from __future__ import annotations
@@ -140,10 +142,16 @@ class ModelSlots:
 
 
 class RemoteRepository:
-    """A front end's repository API (server.state.ModelLifecycle): the engine process runs the calls."""
+    """A front end's repository API (server.state.ModelLifecycle): the engine processes run the calls.
 
-    def __init__(self, client):
+    `client`: this front end's engine process (its index is the answer); `others`: the other engine
+    processes, each running the same repository, which get every load / unload / reload too, so
+    that every front end serves the result whichever engine process it talks to."""
+
+    def __init__(self, client, others=()):
         self.client = client
+        self.others = list(others)
+        self._connected = False
 
     def model_names(self) -> list[str]:
         return list((self.client.catalog or {}).get("names", []))
@@ -151,14 +159,24 @@ class RemoteRepository:
     async def index(self) -> list[dict]:
         return await self.client.control("index")
 
+    async def _everywhere(self, op: str, name: str, version: str | None) -> None:
+        if self.others and not self._connected:
+            await asyncio.gather(*(c.connect(timeout_s=30) for c in self.others))
+            self._connected = True
+        results = await asyncio.gather(*(c.control(op, name=name, version=version)
+                                         for c in [self.client, *self.others]), return_exceptions=True)
+        for r in results:  # this front end's engine's answer first
+            if isinstance(r, BaseException):
+                raise r
+
     async def load(self, name: str, version: str | None = None) -> None:
-        await self.client.control("load", name=name, version=version)
+        await self._everywhere("load", name, version)
 
     async def unload(self, name: str, version: str | None = None) -> None:
-        await self.client.control("unload", name=name, version=version)
+        await self._everywhere("unload", name, version)
 
     async def reload(self, name: str, version: str | None = None) -> None:
-        await self.client.control("reload", name=name, version=version)
+        await self._everywhere("reload", name, version)
 
 
 class FrontModels:
