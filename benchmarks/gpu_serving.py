@@ -85,75 +85,63 @@ def _load_proc(url: str, body_model: str, clients: int, warmup: float, duration:
     errors: dict[str, int] = {}
     stages: dict[str, float] = {}
 
-    async def client(session, t_measure, t_end):
+    async def client(send, t_measure, t_end):
+        """Closed loop: `send(body) -> (status, stage headers)`, one request at a time."""
         while True:
             t0 = time.perf_counter()
             if t0 >= t_end:
                 return
             body = orjson.dumps({"input": rng.choice(sentences), "model": body_model})
             try:
-                async with session.post(url, data=body, headers={"content-type": "application/json"}) as r:
-                    await r.read()
-                    ok = r.status == 200
-                    kind = None if ok else str(r.status)
-                    if ok and t0 >= t_measure:
-                        for h in STAGES:  # surge's own stage timings (ms), where the server sends them
-                            v = r.headers.get(h)
-                            if v is not None:
-                                stages[h] = stages.get(h, 0.0) + float(v)
-                                stages[h + "#"] = stages.get(h + "#", 0) + 1
+                status, headers = await send(body)
+                kind = None if status == 200 else str(status)
             except Exception as exc:  # noqa: BLE001
-                kind = type(exc).__name__
+                kind, headers = type(exc).__name__, {}
             t1 = time.perf_counter()
-            if t0 >= t_measure:
-                if kind is None:
-                    lat.append(t1 - t0)
-                else:
-                    errors[kind] = errors.get(kind, 0) + 1
+            if t0 < t_measure:
+                continue
+            if kind is not None:
+                errors[kind] = errors.get(kind, 0) + 1
+                continue
+            lat.append(t1 - t0)
+            for h, v in headers.items():  # surge's own stage timings (ms), where the server sends them
+                stages[h] = stages.get(h, 0.0) + float(v)
+                stages[h + "#"] = stages.get(h + "#", 0) + 1
 
-    async def raw_client(t_measure, t_end):
-        u = urlsplit(url)
-        conn = RawConnection(u.hostname, u.port, want=STAGES)
-        try:
-            while True:
-                t0 = time.perf_counter()
-                if t0 >= t_end:
-                    return
-                body = orjson.dumps({"input": rng.choice(sentences), "model": body_model})
-                try:
-                    r = await conn.request(u.path, body)
-                    kind = None if r.status == 200 else str(r.status)
-                    if kind is None and t0 >= t_measure:
-                        for h, v in r.headers.items():
-                            stages[h] = stages.get(h, 0.0) + float(v)
-                            stages[h + "#"] = stages.get(h + "#", 0) + 1
-                except Exception as exc:  # noqa: BLE001
-                    kind = type(exc).__name__
-                    conn.close()
-                t1 = time.perf_counter()
-                if t0 >= t_measure:
-                    if kind is None:
-                        lat.append(t1 - t0)
-                    else:
-                        errors[kind] = errors.get(kind, 0) + 1
-        finally:
-            conn.close()
+    def aiohttp_send(session):
+        async def send(body):
+            async with session.post(url, data=body, headers={"content-type": "application/json"}) as r:
+                await r.read()
+                return r.status, {h: r.headers[h] for h in STAGES if h in r.headers}
+        return send
+
+    def raw_send(conn, path):
+        async def send(body):
+            try:
+                r = await conn.request(path, body)
+            except Exception:
+                conn.close()  # the next request opens a new connection
+                raise
+            return r.status, r.headers
+        return send
 
     async def main():
+        delay = start_at - time.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        t_measure = time.perf_counter() + warmup
         if client_kind == "raw":
-            delay = start_at - time.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            t_measure = time.perf_counter() + warmup
-            await asyncio.gather(*(raw_client(t_measure, t_measure + duration) for _ in range(clients)))
+            u = urlsplit(url)
+            conns = [RawConnection(u.hostname, u.port, want=STAGES) for _ in range(clients)]
+            try:
+                await asyncio.gather(*(client(raw_send(c, u.path), t_measure, t_measure + duration) for c in conns))
+            finally:
+                for c in conns:
+                    c.close()
             return
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as s:
-            delay = start_at - time.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            t_measure = time.perf_counter() + warmup
-            await asyncio.gather(*(client(s, t_measure, t_measure + duration) for _ in range(clients)))
+            await asyncio.gather(*(client(aiohttp_send(s), t_measure, t_measure + duration) for _ in range(clients)))
 
     try:
         import uvloop
