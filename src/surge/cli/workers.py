@@ -113,6 +113,9 @@ def serve_workers(config: ServerConfig, workers: int) -> int:
     # Metrics whole across processes: every child writes prometheus_client's multiprocess
     # files here, and any front end's /metrics reads them all (runtime/metrics.WholeRegistry).
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(Path(tmp) / "metrics")
+    # The front ends' shared cache table (runtime/shm_cache.py): in memory where /dev/shm is there.
+    shm_parent = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tmp
+    os.environ["SURGE_SHM_DIR"] = tempfile.mkdtemp(prefix="surge-cache-", dir=shm_parent)
     os.mkdir(os.environ["PROMETHEUS_MULTIPROC_DIR"])
     cfg = config.model_dump_json()
     print(f"surge: starting {n_eng} engine process(es) and {workers} front ends", file=sys.stderr, flush=True)
@@ -192,6 +195,7 @@ def serve_workers(config: ServerConfig, workers: int) -> int:
     import shutil
 
     shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(os.environ["SURGE_SHM_DIR"], ignore_errors=True)
     return 0
 
 

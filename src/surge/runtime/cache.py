@@ -199,6 +199,10 @@ class ResultCache:
     def count_shared_hit(self) -> None:
         self._hit("shared")
 
+    def count_shm_hit(self) -> None:
+        """A hit in the front ends' shared-memory table (runtime/shm_cache.py)."""
+        self._hit("shm")
+
     def _hit(self, tier: str) -> None:
         self.hits[tier] += 1
         if self.metrics is not None:

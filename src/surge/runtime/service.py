@@ -99,6 +99,14 @@ class ModelService:
                 from surge.runtime.cache_redis import RedisTier
 
                 self.redis = RedisTier(c.redis_url, name, version, c.redis_ttl_s, build=worker.fingerprint())
+        # Under --workers: the shared-memory table every front end reads and fills (runtime/shm_cache.py).
+        self.shm = None
+        if self.cache is not None and c.max_bytes > 0 and worker.heads is None:
+            from surge.runtime.shm_cache import ShmTier, shared_table
+
+            table = shared_table(worker.engines.capabilities.hidden_size, c.max_bytes)
+            if table is not None:
+                self.shm = ShmTier(table, name, version, worker.fingerprint())
         self._background: set[asyncio.Task] = set()
         self._inflight = InFlight()  # cache keys being computed now -> their result futures
         # Tasks (issue 17): classify / rerank / token-classify entry points (runtime/tasks.py);
@@ -241,13 +249,26 @@ class ModelService:
         req.keys = keys = ([cache.text_key(t, okey) for t in req.inputs] if req.is_text
                            else [cache.ids_key(ids, okey) for ids in req.inputs])
         miss = []
-        count_miss = self.redis is None
+        count_miss = self.redis is None and self.shm is None
         for i, k in enumerate(keys):
             e = cache.get(k, count_miss)
             if e is None:
                 miss.append(i)
             else:
                 req.fill(i, e.vector, e.tokens, cached=True)
+        if miss and self.shm is not None:  # the table every front end shares (--workers)
+            still = []
+            for i in miss:
+                got = self.shm.get(keys[i])
+                if got is None:
+                    still.append(i)
+                    continue
+                entry = cache.put(keys[i], got[0], got[1])
+                cache.count_shm_hit()
+                req.fill(i, entry.vector, entry.tokens, cached=True)
+            if self.redis is None:
+                cache.count_miss(len(still))
+            miss = still
         if miss and self.redis is not None:
             from surge.runtime.cache_redis import shared_lookup
 
@@ -278,6 +299,8 @@ class ModelService:
             req.fill(i, out[j], len(encs[j]))
             if req.keys is not None:
                 self.cache.put(req.keys[i], out[j], len(encs[j]))
+                if self.shm is not None:
+                    self.shm.put(req.keys[i], out[j], len(encs[j]))
                 fills.append((req.keys[i], out[j], len(encs[j])))
         if fills and self.redis is not None:
             # Filling the shared tier is not on the response's path.
