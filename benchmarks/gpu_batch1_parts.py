@@ -27,6 +27,7 @@ def main() -> None:
     p.add_argument("--model-dir", required=True)
     p.add_argument("--iters", type=int, default=2000)
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", action="store_true", help="also cProfile 2000 launches (top functions by own time)")
     args = p.parse_args()
     import torch
 
@@ -69,6 +70,19 @@ def main() -> None:
         print(f"| {k} | {v} |")
     if args.out:
         Path(args.out).write_text(json.dumps(med))
+    if args.profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        for i in range(2000):
+            batch = w.make_batch([items[i % len(items)]])
+            prof.enable()
+            token = pool.launch(batch)
+            prof.disable()
+            token[1].wait()
+            pool.collect(token)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(22)
 
 
 if __name__ == "__main__":
