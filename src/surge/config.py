@@ -88,7 +88,8 @@ class CacheConfig(_Strict):
     enabled: bool = Field(True, description="Serve repeated inputs from memory (the flags --cache-bytes 0 and "
                           "--cache-pinned 0 together turn it off too).", json_schema_extra={"flag": "cache"})
     max_bytes: int = Field(64 * 1024 * 1024, ge=0, description="Byte bound of the recent tier (0 disables the "
-                           "cache unless a pinned tier is asked for).", json_schema_extra={"flag": "cache-bytes"})
+                           "cache unless a pinned tier is asked for); under --workers also of the table that "
+                           "every front end shares (runtime/shm_cache.py).", json_schema_extra={"flag": "cache-bytes"})
     pinned_top_k: int = Field(0, ge=0, description="Size of the pinned hot tier.",
                               json_schema_extra={"flag": "cache-pinned"})
     query_log: Path | None = Field(None, description="Query-log file (one query per line) that seeds the pinned tier.")
