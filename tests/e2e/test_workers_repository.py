@@ -173,3 +173,37 @@ def test_a_new_version_takes_over_under_load_with_no_failed_request(server, sent
     for _, version, rows, idx in log:  # each answer is wholly its version's computation
         cos = cosine_rows(rows, full[idx])
         assert cos.min() >= 0.9999 if version == "1" else cos.max() < 0.999
+
+
+def test_a_restarted_engine_process_serves_each_model_again_never_another_models(server, sentences,
+                                                                                 reference_embed):
+    """Killed, the engine process is started again with a new numbering of its builds; the front ends
+    follow its new CATALOG and every answer is still its own model's."""
+    texts = [s for s in sentences if len(s.split()) >= 12][:6]
+    ref = reference_embed(texts)
+    engines = _children(server, "engine")
+    for p in engines:
+        p.kill()
+    end = time.monotonic() + 180
+    seen_ok = 0
+    while time.monotonic() < end and seen_ok < 20:
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            for model in ("enc", "short"):
+                t0 = time.monotonic()
+                r = c.post("/embed", json={"inputs": texts, "model": model})
+                assert time.monotonic() - t0 < 30  # failing fast while it is away, never hanging
+                if r.status_code != 200:
+                    assert r.status_code in (503, 404), r.text
+                    continue
+                rows = np.array(r.json()["embeddings"], np.float32)
+                cos = cosine_rows(rows, ref)
+                model_rows = r.json()["model"]
+                assert model_rows == model
+                if model == "enc" and r.json()["version"] == "1":
+                    assert cos.min() >= 0.9999
+                else:  # short (or enc's version 2, max_seq_len 8)
+                    assert cos.max() < 0.999
+                seen_ok += 1
+        time.sleep(0.2)
+    assert seen_ok >= 20
+    assert {p.pid for p in _children(server, "engine")}.isdisjoint({p.pid for p in engines})

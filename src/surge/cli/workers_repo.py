@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from dataclasses import replace
 
 from surge.errors import ConfigError, InvalidInput, NotFound, shown
@@ -58,7 +59,9 @@ class ModelSlots:
         self._slot_of: dict[int, int] = {}  # id(served) -> slot
         self._served: dict[int, object] = {}  # slot -> served (ServedModel)
         self._retired: dict[int, tuple[str, str]] = {}  # slot -> (name, version) of a replaced build
-        self._next = 1
+        # Numbering starts at a random base: after a restart of this process, a front end's batch sent
+        # before the new CATALOG reached it names a slot unknown here (404), never another model's.
+        self._next = (secrets.randbits(15) + 1) << 16
         self.on_change = None
         registry.subscribe(self._sync)
 
