@@ -4,11 +4,17 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import time
 
 import httpx
 import pytest
+
+# Generous timeouts: on a busy 2-core machine a generation can take longer than httpx's default 5 s.
+_get = functools.partial(httpx.get, timeout=120)
+_post = functools.partial(httpx.post, timeout=120)
+_stream = functools.partial(httpx.stream, timeout=120)
 
 torch = pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
@@ -60,7 +66,7 @@ def client(server):
 
 
 def metric(server, name: str, **labels) -> float:
-    text = httpx.get(server.url + "/metrics").text
+    text = _get(server.url + "/metrics").text
     total = 0.0
     for line in text.splitlines():
         if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
@@ -124,7 +130,7 @@ def test_completion_stream_ends_with_done_and_token_prompts_work(server, hf):
     ids = tok("Assignment is defined")["input_ids"]
     body = {"model": "chat-qwen", "prompt": ids, "max_tokens": 10, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+    with _stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
@@ -191,7 +197,7 @@ def test_kserve_statistics_count_generations(server, client):
     from surge.server.grpc import grpc_service_pb2_grpc as pb_grpc
 
     def stats():
-        r = httpx.get(server.url + "/v2/models/chat-qwen/stats")
+        r = _get(server.url + "/v2/models/chat-qwen/stats")
         assert r.status_code == 200, r.text
         (m,) = r.json()["model_stats"]
         return m
@@ -209,12 +215,12 @@ def test_kserve_statistics_count_generations(server, client):
                                          stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) is not None
     body = {"text_input": f"kserve {tag}", "parameters": {"max_tokens": 8, "temperature": 0}}
-    assert httpx.post(server.url + "/v2/models/chat-qwen/generate", json=body).status_code == 200
-    with httpx.stream("POST", server.url + "/v2/models/chat-qwen/generate_stream",
+    assert _post(server.url + "/v2/models/chat-qwen/generate", json=body).status_code == 200
+    with _stream("POST", server.url + "/v2/models/chat-qwen/generate_stream",
                       json={**body, "text_input": f"kserve stream {tag}"}) as r:
         events = [line for line in r.iter_lines() if line.startswith("data: ")]  # read to the end
         assert r.status_code == 200 and '"finish_reason":"length"' in events[-1].replace(" ", "")
-    assert httpx.post(server.url + "/v2/models/chat-qwen/generate", json=body).status_code == 200  # cached
+    assert _post(server.url + "/v2/models/chat-qwen/generate", json=body).status_code == 200  # cached
     too_long = client.with_options(max_retries=0)
     with pytest.raises(openai.BadRequestError):
         too_long.chat.completions.create(model="chat-qwen", messages=[{"role": "user", "content": "word " * 600}],
@@ -247,51 +253,51 @@ def test_kserve_statistics_count_generations(server, client):
 def test_kserve_generate_and_generate_stream(server, client):
     text = client.completions.create(model="chat-qwen", prompt="The target list", max_tokens=12,
                                      temperature=0).choices[0].text
-    r = httpx.post(server.url + "/v2/models/chat-qwen/generate",
+    r = _post(server.url + "/v2/models/chat-qwen/generate",
                    json={"text_input": "The target list", "parameters": {"max_tokens": 12, "temperature": 0}})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["text_output"] == text and body["model_name"] == "chat-qwen" and body["model_version"] == "1"
     import json
 
-    with httpx.stream("POST", server.url + "/v2/models/chat-qwen/versions/1/generate_stream",
+    with _stream("POST", server.url + "/v2/models/chat-qwen/versions/1/generate_stream",
                       json={"text_input": "The target list", "max_tokens": 12, "temperature": 0}) as s:
         events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
     assert "".join(e["text_output"] for e in events) == text
     assert events[-1]["finish_reason"] in ("length", "stop")
-    meta = httpx.get(server.url + "/v2/models/chat-qwen")
+    meta = _get(server.url + "/v2/models/chat-qwen")
     assert meta.status_code == 200 and meta.json()["inputs"][0]["name"] == "text_input"
-    infer = httpx.post(server.url + "/v2/models/chat-qwen/infer",
+    infer = _post(server.url + "/v2/models/chat-qwen/infer",
                        json={"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["hi"]}]})
     assert infer.status_code == 400 and "generate" in infer.json()["error"]
-    bad = httpx.post(server.url + "/v2/models/nope/generate", json={"text_input": "x"})
+    bad = _post(server.url + "/v2/models/nope/generate", json={"text_input": "x"})
     assert bad.status_code == 404 and "error" in bad.json()
 
 
 def test_bad_requests_get_clear_errors(server, client):
     url = server.url
-    r = httpx.post(url + "/v1/embeddings", json={"input": "hello"})
+    r = _post(url + "/v1/embeddings", json={"input": "hello"})
     assert r.status_code == 400 and "serves task 'generate'" in r.json()["error"]["message"]
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="missing", prompt="x", max_tokens=2)
-    r = httpx.post(url + "/v1/chat/completions", json={"messages": CHAT, "temperature": 7})
+    r = _post(url + "/v1/chat/completions", json={"messages": CHAT, "temperature": 7})
     assert r.status_code == 422 and "temperature" in r.json()["error"]["message"]
-    r = httpx.post(url + "/v1/chat/completions", json={"messages": []})
+    r = _post(url + "/v1/chat/completions", json={"messages": []})
     assert r.status_code == 422
-    r = httpx.post(url + "/v1/completions", json={"prompt": "x " * 400, "max_tokens": 2})
+    r = _post(url + "/v1/completions", json={"prompt": "x " * 400, "max_tokens": 2})
     assert r.status_code == 400 and "context" in r.json()["error"]["message"]
-    r = httpx.post(url + "/v1/completions", json={"prompt": [10 ** 6], "max_tokens": 2})
+    r = _post(url + "/v1/completions", json={"prompt": [10 ** 6], "max_tokens": 2})
     assert r.status_code == 400
     models = client.models.list()
     assert [m.id for m in models.data] == ["chat-qwen"]
-    assert "/v1/chat/completions" in httpx.get(url + "/openapi.json").json()["paths"]
+    assert "/v1/chat/completions" in _get(url + "/openapi.json").json()["paths"]
 
 
 def test_client_disconnect_frees_kv_blocks(server):
     aborted = metric(server, "surge_generate_requests_total", finish_reason="abort")
     body = {"model": "chat-qwen", "prompt": "Assignment", "max_tokens": 200, "temperature": 0, "stream": True,
             "ignore_eos": True, "seed": 5}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+    with _stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(3)]
     assert any(line.startswith("data: ") for line in got)
@@ -338,11 +344,11 @@ def test_repository_versions_and_zero_downtime_reload(tmp_path, model_dir):
         stream = client.completions.create(**kw, stream=True)
         first = next(iter(stream))  # a stream in flight on version 1
         shutil.copytree(root / "chat" / "1", root / "chat" / "2")
-        r = httpx.post(srv.url + "/models/chat/reload", timeout=60)
+        r = _post(srv.url + "/models/chat/reload", timeout=60)
         assert r.status_code == 200, r.text
         rest = "".join(c.choices[0].text for c in stream if c.choices)
         assert first.choices[0].text + rest == reference  # finished on the old version, whole
-        after = httpx.post(srv.url + "/v1/completions", json={**{k: v for k, v in kw.items() if k != "extra_body"},
+        after = _post(srv.url + "/v1/completions", json={**{k: v for k, v in kw.items() if k != "extra_body"},
                                                              "ignore_eos": True, "max_tokens": 5})
         assert after.status_code == 200 and after.headers["x-surge-model-version"] == "2"
 
@@ -352,7 +358,7 @@ def test_non_streamed_request_is_aborted_when_the_client_leaves(server):
     body = {"model": "chat-qwen", "prompt": "Names", "max_tokens": 240, "temperature": 0, "ignore_eos": True,
             "seed": 11}
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.05))
+        _post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.05))
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and (
             metric(server, "surge_generate_requests_total", finish_reason="abort") == aborted
