@@ -214,7 +214,8 @@ def test_kserve_statistics_count_generations(server, client):
     streamed = client.completions.create(model="chat-qwen", prompt=f"stream {tag}", max_tokens=8, temperature=0,
                                          stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) is not None
-    body = {"text_input": f"kserve {tag}", "parameters": {"max_tokens": 8, "temperature": 0}}
+    # ignore_eos: a random-weight model may end a prompt with EOS early; the stream must run to "length"
+    body = {"text_input": f"kserve {tag}", "parameters": {"max_tokens": 8, "temperature": 0, "ignore_eos": True}}
     assert _post(server.url + "/v2/models/chat-qwen/generate", json=body).status_code == 200
     with _stream("POST", server.url + "/v2/models/chat-qwen/generate_stream",
                       json={**body, "text_input": f"kserve stream {tag}"}) as r:
