@@ -27,8 +27,6 @@ import asyncio
 import itertools
 import json
 import logging
-import os
-import time
 
 import numpy as np
 
@@ -37,21 +35,6 @@ from surge.runtime import ipc_wire as W
 from surge.types import Encoded
 
 log = logging.getLogger("surge.ipc")
-
-# Spinning instead of sleeping in epoll, for lone requests (SURGE_IPC_SPIN_US, microseconds; 0: off).
-# On the GPU machine's VM a process that sleeps is woken tens of microseconds after its data arrives,
-# and a lone request crosses four such wake-ups (client, front end, engine, front end). A front end
-# with at most SPIN_MAX requests in flight keeps its loop turning until the answer is in, and the
-# engine process keeps turning for this long after it answered, for the next request. Measured in
-# docs/benchmarks/serving_core.md (session 4); off by default.
-SPIN_S = max(0.0, float(os.environ.get("SURGE_IPC_SPIN_US", "0"))) / 1e6
-SPIN_MAX = 2
-
-
-async def _spin(until) -> None:
-    """Yield to the loop (other callbacks run; epoll is polled, never slept in) until `until()`."""
-    while not until():
-        await asyncio.sleep(0)
 
 
 class _Outbox:
@@ -167,7 +150,6 @@ class EngineClient:
         self.on_catalog = on_catalog
         self.catalog: dict | None = None
         self._controls: dict[int, asyncio.Future] = {}
-        self._spinner: asyncio.Future | None = None
         self.reconnect_s = reconnect_s
         self.hello: dict | None = None
         self._ids = itertools.count(1)
@@ -217,9 +199,6 @@ class EngineClient:
         except Exception as exc:  # noqa: BLE001
             log.error("engine process did not come back: %s", exc)
 
-    def _spun(self, _task) -> None:
-        self._spinner = None
-
     def _catalog(self, catalog: dict) -> None:
         self.catalog = catalog
         if self.on_catalog is not None:
@@ -249,11 +228,6 @@ class EngineClient:
         fut = proto.box.loop.create_future()
         self._pending[rid] = (fut, timings)
         proto.box.submit((rid, items, deadline, priority, model))
-        if SPIN_S and len(self._pending) <= SPIN_MAX and self._spinner is None:
-            end = time.monotonic() + SPIN_S
-            self._spinner = asyncio.ensure_future(_spin(
-                lambda: not self._pending or len(self._pending) > SPIN_MAX or time.monotonic() > end))
-            self._spinner.add_done_callback(self._spun)
         try:
             return await fut
         except asyncio.CancelledError:
@@ -329,24 +303,6 @@ class SharedTier:
             self.bytes -= r.nbytes + len(k)
 
 
-class _Linger:
-    """The engine process's one spinner: the loop keeps turning SPIN_S after the last answer."""
-
-    until = 0.0
-    task: asyncio.Future | None = None
-
-    @classmethod
-    def after_answer(cls) -> None:
-        cls.until = time.monotonic() + SPIN_S
-        if cls.task is None:
-            cls.task = asyncio.ensure_future(_spin(lambda: time.monotonic() > cls.until))
-            cls.task.add_done_callback(cls._done)
-
-    @classmethod
-    def _done(cls, _task) -> None:
-        cls.task = None
-
-
 class _ServerBox(_Outbox):
     def __init__(self, loop):
         super().__init__(loop)
@@ -356,10 +312,6 @@ class _ServerBox(_Outbox):
         self.results.append(res)
         self._schedule()
 
-    def flush(self) -> None:
-        super().flush()
-        if SPIN_S:
-            _Linger.after_answer()
 
     def encode(self) -> list[bytes]:
         if not self.results:
