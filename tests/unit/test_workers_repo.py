@@ -102,3 +102,31 @@ def test_the_shared_tier_keeps_models_apart(bundled_worker, sentences):
     np.testing.assert_array_equal(ra2, ra)
     np.testing.assert_array_equal(rb2, rb)
     assert hits == 8  # the second round: every input of both models from the tier
+
+
+def test_retired_slots_are_bounded_and_the_latest_still_resolve(bundled_worker):
+    from concurrent.futures import ThreadPoolExecutor as _Pool
+
+    from surge.runtime.batcher import BatcherConfig, DynamicBatcher
+
+    pool = _Pool(1)
+
+    class _Svc:
+        task, name, version = "embed", "m", "1"
+
+        def __init__(self):
+            self.batcher = DynamicBatcher(bundled_worker.compute, pool, BatcherConfig())
+
+    reg = ModelRegistry()
+    slots = ModelSlots(reg, _Repo())
+    seen = []
+    for _ in range(5000):  # 5,000 reloads of one version
+        s = ServedModel(_Svc())
+        reg.add(s)
+        seen.append(slots._slot_of[id(s)])
+    pool.shutdown()
+    assert len(slots._retired) <= 4096
+    newest = reg.get("m", "1")
+    assert slots.batcher(seen[-2]) is newest.service.batcher  # a batch for the build just replaced
+    with pytest.raises(NotFound):
+        slots.batcher(seen[0])  # long forgotten: a clear 404, not another build

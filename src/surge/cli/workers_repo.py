@@ -51,7 +51,7 @@ def check_embedding(entry) -> None:
 class ModelSlots:
     """The engine process's served embedding builds by slot, and the repository calls.
 
-    `EngineServer(models=...)` asks `resolve(slot)` for each request's batcher and cache prefix,
+    `EngineServer(models=...)` asks `resolve(slot)` for each request's batcher and shared-tier prefix,
     `catalog()` for what front ends get, `control(obj)` for repository calls, and sets `on_change`."""
 
     def __init__(self, registry, repo):
@@ -81,6 +81,8 @@ class ModelSlots:
                 del self._slot_of[key]
                 s = self._served.pop(slot)
                 self._retired[slot] = (s.name, s.version)
+                if len(self._retired) > 4096:  # only batches sent just before a swap name these
+                    del self._retired[next(iter(self._retired))]
         if self.on_change is not None:
             self.on_change()
 
@@ -111,9 +113,6 @@ class ModelSlots:
 
     def batcher(self, slot: int):
         return self.resolve(slot)[0]
-
-    def prefix(self, slot: int) -> bytes:
-        return self.resolve(slot)[1]
 
     def catalog(self) -> dict:
         models = []

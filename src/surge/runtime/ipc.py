@@ -397,7 +397,7 @@ class EngineServer:
     """The engine process's side: every connection's requests into one batcher."""
 
     def __init__(self, batcher, hello: dict, shared: SharedTier | None = None, models=None):
-        """`models`: a repository's served models by slot (cli/workers_repo.ModelSlots: `batcher(slot)`,
+        """`models`: a repository's served models by slot (cli/workers_repo.ModelSlots: `resolve(slot)`,
         `catalog()`, `control(obj)`, and `on_change` to set); None: the one `batcher`, slot 0."""
         self.batcher = batcher
         self.hello = hello
@@ -426,11 +426,10 @@ class EngineServer:
         No expiry timer per request: the front end enforces the deadline and cancels, and the
         batcher drops expired inputs when it forms a batch."""
         shared = self.shared
-        batcher = self.batcher if self.models is None else self.models.batcher(model)
+        batcher, prefix = (self.batcher, b"") if self.models is None else self.models.resolve(model)
         if shared is None:
             return batcher.enqueue(items, deadline, priority, timings, timer=False)
         # Rows of different models (or builds) never share a key: the slot's build prefixes it.
-        prefix = b"" if self.models is None else self.models.prefix(model)
         keys = [prefix + shared.key(e) for e in items]
         found = [shared.get(k) for k in keys]
         miss = [i for i, r in enumerate(found) if r is None]
