@@ -3,8 +3,8 @@
 One run: random-weight MiniLM-L6 and BERT-base (the bundled tokenizer, seed 0),
 one real sentence per request (OpenAI /v1/embeddings), closed loop at each
 client count, a load generator of several processes (keep-alive connections through
-`surge.bench.rawhttp`, ~15 us of CPU a request; `--client aiohttp` for the older ~150 us
-one) whose CPU use is reported, surge's SM utilization read from its /metrics. Servers
+`surge.bench.rawhttp`, ~9x less CPU a request than aiohttp: benchmarks/loadgen_clients.py;
+`--client aiohttp` for the older one) whose CPU use is reported, surge's SM utilization read from its /metrics. Servers
 run one at a time on the same GPU; each is started, swept, stopped.
 
     PYTHONPATH=src python benchmarks/gpu_serving.py --files DIR_WITH_TOKENIZER --out OUT \
@@ -323,8 +323,8 @@ def main() -> int:
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--load-procs", type=int, default=8)
     p.add_argument("--client", default="raw", choices=("raw", "aiohttp"),
-                   help="the load generator's HTTP client: raw (surge.bench.rawhttp, ~15 us of CPU a request) "
-                        "or aiohttp (~150 us: it shares the host's cores with the server under test)")
+                   help="the load generator's HTTP client: raw (surge.bench.rawhttp) or aiohttp (~9x the CPU "
+                        "a request, benchmarks/loadgen_clients.py: it shares the host's cores with the server)")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the script")
     p.add_argument("--models-dir", type=Path, default=None, help="where the random-weight models go (default OUT/models)")
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting servers after this many seconds")

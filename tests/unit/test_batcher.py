@@ -88,7 +88,8 @@ def test_split_batches_launch_and_collect_on_the_loop_and_wait_on_the_executor(b
         loop_threads.add(threading.get_ident())
         return rows
 
-    b = DynamicBatcher(bundled_worker.compute, pool, BatcherConfig(max_batch_size=32), split=(launch, wait, collect))
+    b = DynamicBatcher(bundled_worker.compute, pool, BatcherConfig(max_batch_size=32),
+                       split=(launch, wait, collect, None))
     main = []
 
     async def run():
@@ -110,12 +111,14 @@ def test_polled_wait_ends_on_the_loop_when_ready_and_falls_back_to_the_executor(
     import time as _time
 
     def run_with(delay_s, poll_s, instances=1, clients=16):
+        """delay_s: the "GPU" finishes that long after launch; None: only once a thread waits for
+        it (so a batch that polling let through was never seen done: independent of speed)."""
         waits, done_at = [], {}
 
         def launch(items):
             rows = bundled_worker.compute(items)
             key = id(rows)
-            done_at[key] = _time.monotonic() + delay_s  # a "GPU" that finishes delay_s later
+            done_at[key] = float("inf") if delay_s is None else _time.monotonic() + delay_s
             return key, rows
 
         def ready(pending):
@@ -123,6 +126,8 @@ def test_polled_wait_ends_on_the_loop_when_ready_and_falls_back_to_the_executor(
 
         def wait(pending):
             waits.append(threading.get_ident())
+            if delay_s is None:
+                done_at[pending[0]] = _time.monotonic()
             _time.sleep(max(0.0, done_at[pending[0]] - _time.monotonic()))
 
         def collect(pending):
@@ -138,7 +143,7 @@ def test_polled_wait_ends_on_the_loop_when_ready_and_falls_back_to_the_executor(
 
     b, waits = run_with(0.002, 1.0)  # ready well within poll_s: all on the loop
     assert b.polled_batches == len(b.history) > 0 and not waits
-    b, waits = run_with(0.05, 0.001)  # still running after poll_s: the executor waits
+    b, waits = run_with(None, 0.001)  # still running after poll_s: the executor waits
     assert b.polled_batches == 0 and len(waits) == len(b.history) > 0
     # Two instances: a batch launched beside another in flight is waited for on the executor
     # (each batch is polled or waited, never both); one client alone is always polled.

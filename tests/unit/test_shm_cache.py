@@ -72,7 +72,7 @@ def test_racing_writers_and_readers_get_only_what_was_written(tmp_path):
     reads = sum(n for kind, n, _, _ in out if kind == "r")
     hits = sum(h for kind, _, h, _ in out if kind == "r")
     wrong = sum(w for kind, _, _, w in out if kind == "r")
-    assert writes > 1000 and reads > 1000
+    assert writes > 100 and reads > 100  # seconds of racing, whatever the machine's speed
     assert 0 < hits < reads  # a bounded table under churn: some hits, some misses
     assert wrong == 0
 

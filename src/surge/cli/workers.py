@@ -15,9 +15,9 @@ the GPU wants one process batching everybody's inputs.
 Metrics and KServe statistics are whole across processes: /metrics reads every process's
 prometheus_client files, a statistics request every front end's mirrored totals (runtime/stats.py).
 
-Cache: each front end keeps its own local tiers (no lock, no hop); behind them the engine
-process keeps a tier all front ends share (runtime/ipc.SharedTier, keyed by token ids, sized
-by --cache-bytes), and Redis stays available as the tier shared between machines.
+Cache: each front end keeps its own local tiers (no lock, no hop); behind them a table in
+shared memory that every front end reads and fills (runtime/shm_cache.py, sized by
+--cache-bytes), and Redis stays available as the tier shared between machines.
 
 Lifecycle: the engine process warms up (every bucket) before it listens, and
 front ends report ready only once connected. A front end that crashes is
@@ -229,7 +229,7 @@ def _mark_dead(pid: int) -> None:
 # ---------------------------------------------------------------- the engine process
 
 def engine_main(config_json: str, sock: str) -> None:
-    from surge.runtime.ipc import EngineServer, SharedTier
+    from surge.runtime.ipc import EngineServer
 
     config = ServerConfig.model_validate_json(config_json)
     try:  # nothing else in this process wants the GIL: keep two batches in flight per instance
@@ -242,7 +242,6 @@ def engine_main(config_json: str, sock: str) -> None:
     if config.model_repository is not None:
         repo, slots = _engine_repository(config)
         hello = {"repository": True}
-        metrics = None
     else:
         from surge.cli.bootstrap import load_service
         from surge.models import bundled_model_dir, load_model_spec
@@ -253,7 +252,6 @@ def engine_main(config_json: str, sock: str) -> None:
         hello = {"max_batch": caps.max_batch, "max_tokens": caps.max_tokens, "layout": caps.layout.value,
                  "device": caps.device, "dtype": caps.dtype, "hidden": caps.hidden_size,
                  "fingerprint": service.worker.fingerprint()}
-        metrics = service.metrics
     # The event loop (IPC, batching) and the engine threads take turns on the GIL many times per
     # batch; a thread that wants it waits up to the switch interval (the engines set 0.5 ms). This
     # process runs no long pure-Python stretches, so a shorter interval only shortens the waits.
@@ -269,9 +267,7 @@ def engine_main(config_json: str, sock: str) -> None:
         from surge.runtime.gc_settle import settle
 
         settle()  # engines built: keep full GC passes from walking them (runtime/gc_settle.py)
-        c = config.cache
-        shared = SharedTier(c.max_bytes, metrics) if c.enabled and c.max_bytes > 0 else None
-        server = EngineServer(service.batcher if service is not None else None, hello, shared, models=slots)
+        server = EngineServer(service.batcher if service is not None else None, hello, models=slots)
         part = sock + ".part"
         for p in (part, sock):
             if os.path.exists(p):

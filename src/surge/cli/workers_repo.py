@@ -51,7 +51,7 @@ def check_embedding(entry) -> None:
 class ModelSlots:
     """The engine process's served embedding builds by slot, and the repository calls.
 
-    `EngineServer(models=...)` asks `resolve(slot)` for each request's batcher and shared-tier prefix,
+    `EngineServer(models=...)` asks `batcher(slot)` for each request's batcher,
     `catalog()` for what front ends get, `control(obj)` for repository calls, and sets `on_change`."""
 
     def __init__(self, registry, repo):
@@ -86,9 +86,9 @@ class ModelSlots:
         if self.on_change is not None:
             self.on_change()
 
-    def resolve(self, slot: int):
-        """(batcher, cache prefix) for a request sent to `slot`; a replaced build's requests go to
-        the build serving its version now, else the model's newest version."""
+    def batcher(self, slot: int):
+        """The batcher for a request sent to `slot`; a replaced build's requests go to the build
+        serving its version now, else the model's newest version."""
         s = self._served.get(slot)
         if s is None or getattr(s.service.batcher, "_closed", False):
             name, version = self._retired.get(slot) or ((s.name, s.version) if s is not None else (None, None))
@@ -105,14 +105,11 @@ class ModelSlots:
                     break
             if s is None:
                 raise NotFound(f"model '{shown(name)}' is not loaded", param="model")
-        return s.service.batcher, b"%d|" % self._slot_of[id(s)]
+        return s.service.batcher
 
     def services(self) -> list:
         """The local services served now (one per slot)."""
         return [s.service for s in self._served.values()]
-
-    def batcher(self, slot: int):
-        return self.resolve(slot)[0]
 
     def catalog(self) -> dict:
         models = []

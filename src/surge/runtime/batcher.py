@@ -89,16 +89,15 @@ class DynamicBatcher:
     def __init__(self, run: RunBatch, executor: Executor, cfg: BatcherConfig,
                  metrics: ServiceMetrics | None = None, name: str = "model", split=None,
                  poll_s: float = 0.0):
-        """`split`: (launch, wait, collect[, ready]) for engines that run a batch in halves
+        """`split`: (launch, wait, collect, ready) for engines that run a batch in halves
         (ModelWorker.compute_launch/_wait/_collect/_ready): launch and collect run on the event
         loop, only wait on the executor, so the engine's host work never waits for the GIL. With
-        `ready` (a non-blocking "is it done?") and `poll_s` > 0, a batch that is the only one in
-        flight is checked on the loop between its other callbacks for up to poll_s, and the executor
-        waits only for a batch still running then or launched beside another: a small batch's GPU time is about what the hand-off to a thread and the wake-up
-        after it cost (docs/benchmarks/serving_core.md, session 4)."""
+        `ready` (a non-blocking "is it done?", or None) and `poll_s` > 0, a batch that is the only
+        one in flight is checked on the loop between its other callbacks for up to poll_s; the
+        executor waits only for a batch still running then or launched beside another. A small
+        batch's GPU time is about what the hand-off to a thread and the wake-up after it cost
+        (docs/benchmarks/serving_core.md, session 4)."""
         self._run = run
-        if split is not None and len(split) == 3:
-            split = (*split, None)
         self._split = split
         self.poll_s = float(poll_s)
         self.polled_batches = 0  # batches whose wait ended on the loop (no thread)

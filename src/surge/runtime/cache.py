@@ -20,6 +20,7 @@ Everything here runs on the event loop thread (no locks needed).
 from __future__ import annotations
 
 import collections
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Hashable
@@ -30,6 +31,17 @@ from surge.config import CacheConfig
 from surge.runtime.metrics import ServiceMetrics
 
 Key = tuple  # (options key, normalized text or token-id bytes)
+
+
+def key_hash(key: Key, prefix: bytes = b""):
+    """SHA-256 over prefix, options and input: the key of a tier shared between processes
+    (Redis: its hex digest; the front ends' shared-memory table: its first 16 bytes)."""
+    opts, raw = key
+    h = hashlib.sha256(prefix)
+    h.update(repr(opts).encode())
+    h.update(b"\0")
+    h.update(raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass"))
+    return h
 
 _ENTRY_OVERHEAD = 160  # dict slot, tuple, entry object: roughly, in bytes
 
@@ -196,12 +208,23 @@ class ResultCache:
         if self.metrics is not None:
             self.metrics.cache_misses.inc(n)
 
-    def count_shared_hit(self) -> None:
-        self._hit("shared")
-
-    def count_shm_hit(self) -> None:
-        """A hit in the front ends' shared-memory table (runtime/shm_cache.py)."""
-        self._hit("shm")
+    def fill_from(self, tier: str, keys: list, miss: list[int], found: list, fill,
+                  count_miss: bool = True) -> list[int]:
+        """A further tier's answers for the positions `miss` (`found`: (vector, tokens) or None
+        each): each hit is put in the local tiers, counted under `tier` and handed to
+        `fill(position, vector, tokens)`; the rest are counted as misses unless `count_miss` is
+        False (yet another tier is asked next). Returns the positions still missing."""
+        still = []
+        for i, f in zip(miss, found):
+            if f is None:
+                still.append(i)
+                continue
+            entry = self.put(keys[i], f[0], f[1])
+            self._hit(tier)
+            fill(i, entry.vector, entry.tokens)
+        if count_miss:
+            self.count_miss(len(still))
+        return still
 
     def _hit(self, tier: str) -> None:
         self.hits[tier] += 1

@@ -9,12 +9,13 @@ of slowing every request down.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import struct
 import time
 
 import numpy as np
+
+from surge.runtime.cache import key_hash
 
 log = logging.getLogger("surge.cache")
 
@@ -36,11 +37,7 @@ class RedisTier:
         self.errors = 0
 
     def redis_key(self, key: tuple) -> str:
-        opts, raw = key
-        h = hashlib.sha256(repr(opts).encode())
-        h.update(b"\0")
-        h.update(raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass"))
-        return self.prefix + h.hexdigest()
+        return self.prefix + key_hash(key).hexdigest()
 
     @property
     def available(self) -> bool:
@@ -88,17 +85,6 @@ class RedisTier:
 
 
 async def shared_lookup(cache, redis: "RedisTier", keys: list, miss: list[int], fill) -> list[int]:
-    """Look the local tiers' misses up in the shared tier: each hit is put in the local tiers,
-    counted as a shared hit and handed to `fill(position, vector, tokens)`; the rest are counted
-    as misses. Returns the positions still missing."""
-    found = await redis.get_many([keys[i] for i in miss])
-    still = []
-    for i, f in zip(miss, found):
-        if f is None:
-            still.append(i)
-            continue
-        entry = cache.put(keys[i], f[0], f[1])
-        cache.count_shared_hit()
-        fill(i, entry.vector, entry.tokens)
-    cache.count_miss(len(still))
-    return still
+    """Look the local tiers' misses up in the shared tier (ResultCache.fill_from, tier "shared");
+    the positions still missing."""
+    return cache.fill_from("shared", keys, miss, await redis.get_many([keys[i] for i in miss]), fill)

@@ -259,50 +259,6 @@ class BoundClient:
         pass  # the connection is the front end's, closed when it stops
 
 
-class SharedTier:
-    """The hot-query cache tier every front end shares: pooled rows keyed by token ids, in the
-    engine process (each front end's misses arrive here anyway, so a lookup costs no extra hop).
-
-    Byte-bounded LRU. Keys are the exact token ids and type ids, so any text, option or front end
-    that tokenizes to the same input shares the row; the engine process serves one model build,
-    and a restarted engine starts empty (never stale). Rows are pooled and unnormalized: the
-    front end applies the request's options (dimensions, normalize) after, as for computed rows.
-    """
-
-    def __init__(self, max_bytes: int, metrics=None):
-        import collections
-
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self._rows: collections.OrderedDict[bytes, np.ndarray] = collections.OrderedDict()
-        self.hits = self.misses = 0
-        self._metric = metrics.tier("shared")[0] if metrics is not None else None
-
-    @staticmethod
-    def key(e: Encoded) -> bytes:
-        return e.ids.tobytes() + b"|" + e.type_ids.tobytes()
-
-    def get(self, key: bytes) -> np.ndarray | None:
-        row = self._rows.get(key)
-        if row is None:
-            self.misses += 1
-            return None
-        self._rows.move_to_end(key)
-        self.hits += 1
-        if self._metric is not None:
-            self._metric.inc()
-        return row
-
-    def put(self, key: bytes, row: np.ndarray) -> None:
-        if key in self._rows or row.nbytes + len(key) > self.max_bytes:
-            return
-        self._rows[key] = row
-        self.bytes += row.nbytes + len(key)
-        while self.bytes > self.max_bytes:
-            k, r = self._rows.popitem(last=False)
-            self.bytes -= r.nbytes + len(k)
-
-
 class _ServerBox(_Outbox):
     def __init__(self, loop):
         super().__init__(loop)
@@ -311,7 +267,6 @@ class _ServerBox(_Outbox):
     def result(self, res) -> None:
         self.results.append(res)
         self._schedule()
-
 
     def encode(self) -> list[bytes]:
         if not self.results:
@@ -367,9 +322,6 @@ class _ServerProtocol(asyncio.Protocol):
         except Exception as exc:  # noqa: BLE001 - overload, expired: this request's own answer
             self.box.add(W.encode_error(rid, exc))
             return
-        if isinstance(fut, np.ndarray):  # every input in the shared tier
-            self.box.result((rid, fut, 0, 0))
-            return
         self.futures[rid] = fut
         fut.add_done_callback(lambda f: self._done(rid, timings, f))
 
@@ -396,12 +348,11 @@ class _ServerProtocol(asyncio.Protocol):
 class EngineServer:
     """The engine process's side: every connection's requests into one batcher."""
 
-    def __init__(self, batcher, hello: dict, shared: SharedTier | None = None, models=None):
-        """`models`: a repository's served models by slot (cli/workers_repo.ModelSlots: `resolve(slot)`,
+    def __init__(self, batcher, hello: dict, models=None):
+        """`models`: a repository's served models by slot (cli/workers_repo.ModelSlots: `batcher(slot)`,
         `catalog()`, `control(obj)`, and `on_change` to set); None: the one `batcher`, slot 0."""
         self.batcher = batcher
         self.hello = hello
-        self.shared = shared
         self.models = models
         self.connections = 0
         self.boxes: set[_ServerBox] = set()
@@ -421,45 +372,11 @@ class EngineServer:
         return await self.models.control(obj)
 
     def enqueue(self, items: list[Encoded], deadline, priority: int, timings: dict, model: int = 0):
-        """The rows' future, or the rows themselves when the shared tier holds every input.
-
-        No expiry timer per request: the front end enforces the deadline and cancels, and the
-        batcher drops expired inputs when it forms a batch."""
-        shared = self.shared
-        batcher, prefix = (self.batcher, b"") if self.models is None else self.models.resolve(model)
-        if shared is None:
-            return batcher.enqueue(items, deadline, priority, timings, timer=False)
-        # Rows of different models (or builds) never share a key: the slot's build prefixes it.
-        keys = [prefix + shared.key(e) for e in items]
-        found = [shared.get(k) for k in keys]
-        miss = [i for i, r in enumerate(found) if r is None]
-        if not miss:
-            return np.stack(found)
-        inner = batcher.enqueue([items[i] for i in miss], deadline, priority, timings, timer=False)
-        outer = asyncio.get_running_loop().create_future()
-
-        def fill(f: asyncio.Future) -> None:
-            if outer.done():
-                return
-            if f.cancelled():
-                outer.cancel()
-                return
-            if f.exception() is not None:
-                outer.set_exception(f.exception())
-                return
-            rows = f.result()
-            for j, i in enumerate(miss):
-                found[i] = rows[j]
-                shared.put(keys[i], rows[j].copy())
-            outer.set_result(np.stack(found))
-
-        inner.add_done_callback(fill)
-        outer.add_done_callback(lambda f: inner.cancel() if f.cancelled() else None)
-        return outer
-
-    async def _rows(self, items: list[Encoded], deadline, priority, timings: dict) -> np.ndarray:
-        got = self.enqueue(items, deadline, priority, timings)
-        return got if isinstance(got, np.ndarray) else await got
+        """The rows' future. No expiry timer per request: the front end enforces the deadline and
+        cancels, and the batcher drops expired inputs when it forms a batch. (Repeats are answered
+        before they get here, from the table every front end shares: runtime/shm_cache.py.)"""
+        batcher = self.batcher if self.models is None else self.models.batcher(model)
+        return batcher.enqueue(items, deadline, priority, timings, timer=False)
 
     async def serve(self, path: str) -> asyncio.AbstractServer:
         return await asyncio.get_running_loop().create_unix_server(lambda: _ServerProtocol(self), path)

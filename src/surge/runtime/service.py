@@ -257,18 +257,9 @@ class ModelService:
             else:
                 req.fill(i, e.vector, e.tokens, cached=True)
         if miss and self.shm is not None:  # the table every front end shares (--workers)
-            still = []
-            for i in miss:
-                got = self.shm.get(keys[i])
-                if got is None:
-                    still.append(i)
-                    continue
-                entry = cache.put(keys[i], got[0], got[1])
-                cache.count_shm_hit()
-                req.fill(i, entry.vector, entry.tokens, cached=True)
-            if self.redis is None:
-                cache.count_miss(len(still))
-            miss = still
+            miss = cache.fill_from("shm", keys, miss, [self.shm.get(keys[i]) for i in miss],
+                                   lambda i, vector, tokens: req.fill(i, vector, tokens, cached=True),
+                                   count_miss=self.redis is None)
         if miss and self.redis is not None:
             from surge.runtime.cache_redis import shared_lookup
 

@@ -11,22 +11,23 @@ bucket, the older entry replaced), sized by `--cache-bytes`:
 - a write takes a POSIX record lock on its bucket's bytes (`fcntl.lockf`), makes the sequence odd,
   writes, makes it even: any number of writer processes, one at a time per bucket.
 
-Keys are 16-byte BLAKE2b digests of (model, version, engine build, options, text), so models,
+Keys are the first 16 bytes of SHA-256 over (model, version, engine build, options, text), so models,
 versions and builds never share an entry (`ShmTier.key`). Tested with writer and reader processes
 racing on a small table (tests/unit/test_shm_cache.py) and end to end across two front ends
-(tests/e2e/test_workers.py).
+(tests/e2e/test_workers_shared_cache.py).
 """
 
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import os
 import time
 import zlib
 from pathlib import Path
 
 import numpy as np
+
+from surge.runtime.cache import key_hash
 
 WAYS = 2
 _MAGIC = np.uint64(0x53555247455F5331)  # "SURGE_S1"
@@ -102,11 +103,6 @@ class ShmTable:
         finally:
             fcntl.lockf(self.fd, fcntl.LOCK_UN, WAYS * self.rec.itemsize, off, os.SEEK_SET)
 
-    def close(self) -> None:
-        del self.table
-        self._mm._mmap.close()
-        os.close(self.fd)
-
 
 class ShmTier:
     """One model version's view of a shared table (ResultCache keys in, vectors out)."""
@@ -116,12 +112,7 @@ class ShmTier:
         self.prefix = f"{model}\0{version}\0{build}\0".encode()
 
     def key(self, key: tuple) -> bytes:
-        opts, raw = key
-        h = hashlib.blake2b(self.prefix, digest_size=16)
-        h.update(repr(opts).encode())
-        h.update(b"\0")
-        h.update(raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass"))
-        return h.digest()
+        return key_hash(key, self.prefix).digest()[:16]
 
     def get(self, key: tuple) -> tuple[np.ndarray, int] | None:
         return self.table.get(self.key(key))
