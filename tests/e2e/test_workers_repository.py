@@ -129,6 +129,11 @@ def _all_fronts_answer(srv, model: str, status: int, tries: int = 40) -> bool:
 
 def test_unload_and_load_through_one_front_end_reach_every_front_end(server):
     with httpx.Client(base_url=server.url, timeout=120) as c:
+        # a bad call is answered by the engine process with its own error, status and all
+        bad = c.post("/models/enc/load", json={"version": "x1"})
+        assert bad.status_code == 400 and "version" in bad.text, bad.text
+        missing = c.post("/models/nope/load")
+        assert missing.status_code == 404 and "nope" in missing.text, missing.text
         assert c.post("/models/short/unload").status_code == 200
     assert _all_fronts_answer(server, "short", 404)
     with httpx.Client(base_url=server.url, timeout=120) as c:
