@@ -81,7 +81,9 @@ class AppState:
         except Exception:
             self.stats.record_failure(service.name, service.version, time.perf_counter_ns() - start)
             raise
-        self.record(service, result, time.perf_counter_ns() - start)
+        # Counted right after this task's step, in which the caller writes the response: this
+        # process's next request still sees it counted, and a lone request does not wait for it.
+        asyncio.get_running_loop().call_soon(self.record, service, result, time.perf_counter_ns() - start)
         return result
 
     async def _embed(self, service, texts, token_ids, options, deadline: float | None = None):

@@ -10,8 +10,8 @@ serving_core.md, "Session 2: front-end CPU"):
   path (server/http/hotpath.OuterHotPath); the stack itself is unchanged, so every route,
   error and middleware behaves as before. Anything else (lifespan, telemetry on) takes the app.
 - `CorkedHttpToolsProtocol`: uvicorn writes a response's head and its body with two
-  `transport.write` calls, each a `send` syscall; here the writes of one event-loop pass on one
-  connection are joined and sent once, right after the pass (pipelined responses too). It also
+  `transport.write` calls, each a `send` syscall; here a response's writes are joined and sent
+  once, as soon as the response is complete (other writes of a pass: right after the pass). It also
   offers the hot path a disconnect callback (`DisconnectWatch`), so that noticing a client that
   went away costs no watcher task per request.
 """
@@ -134,6 +134,15 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
         scope = getattr(self, "scope", None)  # uvicorn's request scope (without it: the watcher task)
         if isinstance(scope, dict):
             scope.setdefault("extensions", {})["surge.disconnect"] = self.watch
+
+    def on_response_complete(self) -> None:
+        # A finished response goes out now, not after the loop pass: the pass's bookkeeping (the
+        # buffered metrics, the KServe statistics: runtime/metrics_buffer.py, server/state.py) then
+        # runs while the answer is on its way instead of before it.
+        transport = self.transport
+        if isinstance(transport, _Corked):
+            transport._flush()
+        super().on_response_complete()
 
     def connection_lost(self, exc) -> None:
         super().connection_lost(exc)
