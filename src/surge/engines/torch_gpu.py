@@ -26,7 +26,6 @@ import torch
 
 from surge.engines.base import Capabilities, random_batch
 from surge.engines.buckets import Buckets
-from surge.engines.cuda_current import on_device, on_stream, stream_ids
 from surge.engines.encoder import forward_fused, position_ids
 from surge.engines.encoder_weights import EncoderWeights, load_weights
 from surge.engines.memory import Workspace, plan_workspace
@@ -325,25 +324,11 @@ class TorchEngine:
         out[batch.attention_mask.astype(bool)] = packed
         return out
 
-    @property
-    def stream(self) -> torch.cuda.Stream:
-        return self._stream
-
-    @stream.setter
-    def stream(self, stream: torch.cuda.Stream) -> None:
-        # Resolved once here, not at each launch (engines/cuda_current.py says why).
-        self._stream = stream
-        self._stream_ids = stream_ids(stream)
-        self._device_index = stream.device_index
-
     def on_device(self):
         """This engine's GPU as the calling thread's current device (a no-op on the CPU): cuBLAS
         handles and Triton launches follow the current device, not the tensors', and replicas on
         cuda:1 run from threads whose current device is cuda:0 (cuBLASLt: EXECUTION_FAILED)."""
-        if self.device.type != "cuda":
-            return contextlib.nullcontext()
-        idx = getattr(self, "_device_index", None)  # set with the stream, at load
-        return torch.cuda.device(self.device) if idx is None else on_device(idx)
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def _run_reference(self, ids, types, pos, lengths) -> np.ndarray:
         """The non-CUDA path: encoder_cpu (batched attention, packed oneDNN GEMMs)."""
@@ -599,11 +584,11 @@ class TorchEngine:
                 try:
                     self._heads_mode = heads
                     inputs = self.workspace.view(self.plan.region("inputs"), (n,))
-                    with on_stream(self._stream_ids):
+                    with torch.cuda.stream(self.stream):
                         # inputs first: a new bucket's first (eager) forward and its capture read them
                         inputs.copy_(h_in[:n], non_blocking=True)
                     graph, views, out, mode = self._graph(key)
-                    with on_stream(self._stream_ids):
+                    with torch.cuda.stream(self.stream):
                         if graph is not None:
                             graph.replay()
                         else:
