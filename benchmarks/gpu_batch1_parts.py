@@ -8,6 +8,11 @@ copies and the graph replay enqueued), wait (host blocked on the batch's CUDA ev
 copied out), and "gpu": CUDA events on the instance's stream before and after the launch (the
 batch's GPU work, or the host's enqueueing where that is slower). The
 batcher's "inference" stage is launch + wait + collect plus its loop's scheduling.
+
+`--gap-us N` leaves N microseconds between requests, as a server at one client does (the client
+and the front end run meanwhile): slept (`--gap sleep`, the thread idles and its core may halt or
+run other work) or busy (`--gap spin`, the thread keeps its core). Back to back (0) every phase
+runs with hot caches.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=2000)
     p.add_argument("--out", default=None)
     p.add_argument("--profile", action="store_true", help="also cProfile 2000 launches (top functions by own time)")
+    p.add_argument("--gap-us", type=float, default=0.0, help="time between requests (default 0: back to back)")
+    p.add_argument("--gap", default="sleep", choices=("sleep", "spin"), help="how the gap is spent")
     args = p.parse_args()
     import torch
 
@@ -46,8 +53,15 @@ def main() -> None:
     phases = {k: [] for k in ("make_batch", "launch", "wait", "collect", "total", "gpu")}
     ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     engine = pool.engines[0]
+    gap = args.gap_us / 1e6
     for i in range(args.iters):
         it = [items[i % len(items)]]
+        if gap and args.gap == "sleep":
+            time.sleep(gap)
+        elif gap:
+            end = time.perf_counter() + gap
+            while time.perf_counter() < end:
+                pass
         t0 = time.perf_counter()
         batch = w.make_batch(it)
         t1 = time.perf_counter()

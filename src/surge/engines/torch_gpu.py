@@ -583,28 +583,30 @@ class TorchEngine:
                 ws_lock.acquire()
                 try:
                     self._heads_mode = heads
-                    inputs = self.workspace.view(self.plan.region("inputs"), (n,))
-                    with torch.cuda.stream(self.stream):
-                        # inputs first: a new bucket's first (eager) forward and its capture read them
-                        inputs.copy_(h_in[:n], non_blocking=True)
-                    graph, views, out, mode = self._graph(key)
-                    with torch.cuda.stream(self.stream):
-                        if graph is not None:
+                    inputs = self._inputs_view(n)
+                    ready = self._ready_graph(key)
+                    if ready is not None:
+                        # A captured bucket (every one after warm-up): the whole batch in one stream
+                        # context; each context resolves the device in Python (tens of us on the H200
+                        # host, a lone request's launch: docs/benchmarks/serving_core.md, session 5).
+                        graph, views, out, mode = ready
+                        with torch.cuda.stream(self.stream):
+                            inputs.copy_(h_in[:n], non_blocking=True)
                             graph.replay()
-                        else:
-                            out = self._forward(key, views, mode)
-                        if heads:  # the graph's output is the heads' logits: [bb, fixed] then [tb, widths]
-                            bb = key[0]
-                            n = bb * self._fixed + t * self._tok_width
-                            h_out = h_heads[:n]
-                            h_out.copy_(out[:n], non_blocking=True)
-                        elif pooled:  # the graph's output is the pooled rows: [bb, hidden] float32
-                            h_out = h_pooled[:len(lengths)]
-                            h_out.copy_(out[:len(lengths)], non_blocking=True)
-                        else:
-                            h_out = h_out_all[:t]
-                            h_out.copy_(out[:t].view(h_out.dtype), non_blocking=True)
-                        done.record(self.stream)
+                            h_out = self._copy_out(out, key, t, len(lengths), heads, pooled, h_out_all, h_heads, h_pooled)
+                            done.record(self.stream)
+                    else:
+                        with torch.cuda.stream(self.stream):
+                            # inputs first: a new bucket's first (eager) forward and its capture read them
+                            inputs.copy_(h_in[:n], non_blocking=True)
+                        graph, views, out, mode = self._graph(key)
+                        with torch.cuda.stream(self.stream):
+                            if graph is not None:
+                                graph.replay()
+                            else:
+                                out = self._forward(key, views, mode)
+                            h_out = self._copy_out(out, key, t, len(lengths), heads, pooled, h_out_all, h_heads, h_pooled)
+                            done.record(self.stream)
                     if shared_ws:
                         done.synchronize()
                 finally:
@@ -613,6 +615,41 @@ class TorchEngine:
             self._free_slots.put(slot)
             raise
         return Launched(self, slot, done, h_out, key, t, len(lengths), heads, pooled)
+
+    def _copy_out(self, out, key, t: int, b: int, heads: bool, pooled: bool, h_out_all, h_heads, h_pooled):
+        """Enqueue the batch's result into its pinned slot (on the current stream); the slot's view."""
+        if heads:  # the graph's output is the heads' logits: [bb, fixed] then [tb, widths]
+            n = key[0] * self._fixed + t * self._tok_width
+            h_out = h_heads[:n]
+            h_out.copy_(out[:n], non_blocking=True)
+        elif pooled:  # the graph's output is the pooled rows: [bb, hidden] float32
+            h_out = h_pooled[:b]
+            h_out.copy_(out[:b], non_blocking=True)
+        else:
+            h_out = h_out_all[:t]
+            h_out.copy_(out[:t].view(h_out.dtype), non_blocking=True)
+        return h_out
+
+    def _ready_graph(self, key):
+        """The bucket's captured graph entry when nothing needs building first, else None (`_graph` then)."""
+        if not self.cuda_graphs or self.workspace.generation != self._ws_generation:
+            return None
+        gkey = key + (self._heads_mode,)
+        g = self._graphs.get(gkey)
+        if g is None or g[0] is None:
+            return None
+        self._graphs.move_to_end(gkey)
+        return g
+
+    def _inputs_view(self, n: int) -> torch.Tensor:
+        """The workspace's first `n` input slots, made once per size (a view costs several torch calls)."""
+        gen = self.workspace.generation
+        if getattr(self, "_in_views_gen", None) != gen:
+            self._in_views, self._in_views_gen = {}, gen
+        v = self._in_views.get(n)
+        if v is None:
+            v = self._in_views[n] = self.workspace.view(self.plan.region("inputs"), (n,))
+        return v
 
     def _collect_cuda(self, job: "Launched"):
         try:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import sys
 import time
 import weakref
 from concurrent.futures import Executor
@@ -85,6 +86,17 @@ class BatcherConfig:
     history: int = 10_000
 
 
+def _start_task(coro) -> asyncio.Task:
+    """A task whose first step runs now where Python can (3.12+: eager start), else one loop pass
+    later: a lone batch is launched in the scheduler's own step (a pass is tens of us on the H200
+    host: docs/benchmarks/serving_core.md, session 5). Bound to the running loop (any loop class,
+    uvloop included: the Task is asyncio's own)."""
+    loop = asyncio.get_running_loop()
+    if sys.version_info >= (3, 12):
+        return asyncio.Task(coro, loop=loop, eager_start=True)
+    return loop.create_task(coro)
+
+
 class DynamicBatcher:
     def __init__(self, run: RunBatch, executor: Executor, cfg: BatcherConfig,
                  metrics: ServiceMetrics | None = None, name: str = "model", split=None,
@@ -113,6 +125,7 @@ class DynamicBatcher:
         self._forming = False  # the scheduler holds a slot and waits for (or forms) a batch
         self._slots = asyncio.Semaphore(max(1, cfg.instances))
         self._running: set[asyncio.Task] = set()
+        self._executing = 0  # batches between launch and their rows (what polling checks)
         self._scheduler: asyncio.Task | None = None
         self._slot_free_at = 0.0
         self._closed = False
@@ -229,9 +242,10 @@ class DynamicBatcher:
                 self._forming = False
                 self._slots.release()
                 raise
-            task = asyncio.get_running_loop().create_task(self._execute(batch, free_at))
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
+            task = _start_task(self._execute(batch, free_at))
+            if not task.done():
+                self._running.add(task)
+                task.add_done_callback(self._running.discard)
 
     async def _next_batch(self) -> tuple[list[_Entry], float]:
         """The next batch, formed the moment an instance is free and work is queued.
@@ -308,9 +322,7 @@ class DynamicBatcher:
             await asyncio.sleep(0)
         return True
 
-    async def _execute(self, batch: list[_Entry], free_at: float) -> None:
-        loop = asyncio.get_running_loop()
-        start = time.monotonic()
+    def _record(self, batch: list[_Entry], start: float, free_at: float) -> None:
         lengths = [e.length for e in batch]
         real = sum(lengths)
         cost = max(lengths) * len(batch) if self.cfg.padded else real
@@ -323,16 +335,23 @@ class DynamicBatcher:
             m.padding.observe(1.0 - real / cost if cost else 0.0)
             for e in batch:
                 m.queue.observe(start - e.arrived)
+
+    async def _execute(self, batch: list[_Entry], free_at: float) -> None:
+        loop = asyncio.get_running_loop()
+        start = time.monotonic()
+        self._executing += 1
         try:
             self.computed_inputs += len(batch)
             if self._split is not None:
                 launch, wait, collect, ready = self._split
                 pending = launch([e.item for e in batch])
+                # Counted while the GPU runs the batch, not before it is launched.
+                self._record(batch, start, free_at)
                 try:
                     # Polled only while this is the one batch in flight: with two in flight (load)
                     # the loop has IPC to serve and polling cost the H200 run 3-6% at 256 clients
                     # (docs/benchmarks/serving_core.md, session 4).
-                    if (ready is not None and self.poll_s > 0 and len(self._running) <= 1
+                    if (ready is not None and self.poll_s > 0 and self._executing <= 1
                             and await self._poll(ready, pending)):
                         self.polled_batches += 1
                     else:
@@ -340,8 +359,10 @@ class DynamicBatcher:
                 finally:
                     rows = collect(pending)  # also frees the engine's slot if the wait failed
             else:
+                self._record(batch, start, free_at)
                 rows = await loop.run_in_executor(self._executor, self._run, [e.item for e in batch])
             took = time.monotonic() - start
+            m = self.metrics
             if m is not None:
                 m.compute.observe(took)
             seen = set()
@@ -363,6 +384,7 @@ class DynamicBatcher:
                     e.ticket.future.set_exception(err)
             return
         finally:
+            self._executing -= 1
             self._slots.release()
         for i, e in enumerate(batch):
             t = e.ticket
