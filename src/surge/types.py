@@ -79,6 +79,12 @@ class TokenBatch:
     def pack(cls, items: list[Encoded]) -> "TokenBatch":
         if not items:
             raise ValueError("cannot build an empty batch")
+        if len(items) == 1:  # a lone request (the latency case): its own arrays, nothing to join
+            e = items[0]
+            ids = np.asarray(e.ids, dtype=np.int64)
+            n = len(ids)
+            return cls(ids, np.ones_like(ids), np.asarray(e.type_ids, dtype=np.int64), np.array([n], dtype=np.int64),
+                       Layout.PACKED, np.array([0, n], dtype=np.int32))
         lengths = np.array([len(e) for e in items], dtype=np.int64)
         cu = np.zeros(len(items) + 1, dtype=np.int32)
         np.cumsum(lengths, out=cu[1:])

@@ -41,3 +41,51 @@ def test_bulk_frames_round_trip_and_split_anywhere(bundled_worker, sentences):
     err = W.decode_error(parts[3])
     assert W.error_id(parts[3]) == 7
     assert isinstance(err, Overloaded) and err.retry_after == 2.0 and err.http_status == 429
+
+
+def _layout_submits(reqs) -> bytes:
+    """The SUBMITS body exactly as ipc_wire's docstring lays it out (columns of every request)."""
+    items = [e for r in reqs for e in r[1]]
+    cols = [np.array([r[0] for r in reqs], "<u8"), np.array([-1.0 if r[2] is None else r[2] for r in reqs], "<f8"),
+            np.array([r[3] for r in reqs], "<i4"), np.array([r[4] for r in reqs], "<u4"),
+            np.array([len(r[1]) for r in reqs], "<u4"), np.array([len(e.ids) for e in items], "<i4"),
+            np.concatenate([e.ids for e in items]).astype("<i4"), np.concatenate([e.type_ids for e in items]).astype("i1")]
+    return bytes([W.SUBMITS]) + len(reqs).to_bytes(4, "little") + b"".join(c.tobytes() for c in cols)
+
+
+def _layout_results(res) -> bytes:
+    dim = res[0][1].shape[1]
+    cols = [np.array([r[0] for r in res], "<u8"), np.array([r[1].shape[0] for r in res], "<u4"),
+            np.array([r[2] for r in res], "<u8"), np.array([r[3] for r in res], "<u8"),
+            np.concatenate([r[1] for r in res]).astype("<f4")]
+    return (bytes([W.RESULTS]) + len(res).to_bytes(4, "little") + dim.to_bytes(4, "little")
+            + b"".join(c.tobytes() for c in cols))
+
+
+def test_one_request_frames_have_the_documented_layout_and_round_trip(bundled_worker, sentences):
+    """A lone request (one or several inputs) and a lone answer take the one-struct path; their bytes are
+    the documented columns of count 1, as a bulk frame's are of count k, and they decode back."""
+    rng = np.random.default_rng()
+    for n_reqs in (1, 1, 2, 3):
+        for n_inputs in (1, 3):
+            reqs = []
+            for _ in range(n_reqs):
+                texts = [sentences[i] for i in rng.choice(len(sentences), n_inputs, replace=False)]
+                reqs.append((int(rng.integers(0, 1 << 62)), bundled_worker.tokenizer.encode(texts),
+                             None if rng.random() < 0.5 else float(rng.uniform(0, 1e6)), int(rng.integers(-3, 3)),
+                             int(rng.integers(0, 1 << 32))))
+            body = W.encode_submits(reqs)[4:]
+            assert body == _layout_submits(reqs)
+            for (rid, items, dl, pr, md), (rid2, items2, dl2, pr2, md2) in zip(reqs, W.decode_submits(body)):
+                assert (rid, dl, pr, md) == (rid2, dl2, pr2, md2) and len(items2) == n_inputs
+                for a, b in zip(items, items2):
+                    np.testing.assert_array_equal(a.ids, b.ids)
+                    np.testing.assert_array_equal(a.type_ids, b.type_ids)
+                    assert b.ids.dtype == np.int64 and b.type_ids.dtype == np.int64
+            res = [(r[0], rng.standard_normal((n_inputs, 384)).astype(np.float32), int(rng.integers(0, 1 << 40)),
+                    int(rng.integers(0, 1 << 40))) for r in reqs]
+            body = W.encode_results(res)[4:]
+            assert body == _layout_results(res)
+            for (rid, rows, q, i), (rid2, rows2, q2, i2) in zip(res, W.decode_results(body)):
+                assert (rid, q, i) == (rid2, q2, i2)
+                np.testing.assert_array_equal(rows, rows2)

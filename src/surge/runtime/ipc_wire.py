@@ -39,6 +39,11 @@ _CANCEL = struct.Struct("<BQ")
 _ERROR = struct.Struct("<BQdH")
 _COUNT = struct.Struct("<BI")
 _RCOUNT = struct.Struct("<BII")
+# One request's fixed fields: with count 1 the arrays above are one value each, in this order, so
+# the lone request (the latency case) is packed and read by one struct call instead of ~6 numpy
+# calls a side (same bytes: tests/unit/test_ipc.py).
+_ONE_SUBMIT = struct.Struct("<BIQdiII")  # kind, count=1, id, deadline, priority, model, inputs
+_ONE_RESULT = struct.Struct("<BIIQIQQ")  # kind, count=1, dim, id, rows, queue_ns, infer_ns
 
 
 def frame(body: bytes) -> bytes:
@@ -48,6 +53,19 @@ def frame(body: bytes) -> bytes:
 def encode_submits(reqs: list[tuple]) -> bytes:
     """One frame for many requests: (id, inputs, deadline, priority[, model slot]) each."""
     k = len(reqs)
+    if k == 1:
+        r = reqs[0]
+        items = r[1]
+        head = _ONE_SUBMIT.pack(SUBMITS, 1, r[0], -1.0 if r[2] is None else r[2], r[3], r[4] if len(r) > 4 else 0,
+                                len(items))
+        if len(items) == 1:
+            e = items[0]
+            return frame(b"".join((head, LEN.pack(len(e.ids)), e.ids.astype(np.int32, copy=False).tobytes(),
+                                   e.type_ids.astype(np.int8, copy=False).tobytes())))
+        lengths = np.fromiter((len(e.ids) for e in items), np.int32, len(items))
+        tok = np.concatenate([e.ids for e in items]).astype(np.int32, copy=False)
+        types = np.concatenate([e.type_ids for e in items]).astype(np.int8, copy=False)
+        return frame(b"".join((head, lengths.tobytes(), tok.tobytes(), types.tobytes())))
     ids = np.fromiter((r[0] for r in reqs), np.uint64, k)
     deadlines = np.fromiter((-1.0 if r[2] is None else r[2] for r in reqs), np.float64, k)
     prios = np.fromiter((r[3] for r in reqs), np.int32, k)
@@ -64,6 +82,23 @@ def encode_submits(reqs: list[tuple]) -> bytes:
 def decode_submits(body: bytes) -> list[tuple[int, list[Encoded], float | None, int, int]]:
     """(id, inputs, deadline, priority, model slot) per request."""
     _, k = _COUNT.unpack_from(body)
+    if k == 1:
+        _, _, rid, dl, pr, md, c = _ONE_SUBMIT.unpack_from(body)
+        off = _ONE_SUBMIT.size
+        if c == 1:
+            (t,) = LEN.unpack_from(body, off)
+            lens = [t]
+        else:
+            lens = np.frombuffer(body, np.int32, c, off).tolist()
+            t = sum(lens)
+        off += 4 * c
+        tok = np.frombuffer(body, np.int32, t, off).astype(np.int64)
+        types = np.frombuffer(body, np.int8, t, off + 4 * t).astype(np.int64)
+        items, at = [], 0
+        for ln in lens:
+            items.append(Encoded(tok[at:at + ln], types[at:at + ln]))
+            at += ln
+        return [(rid, items, None if dl < 0 else dl, pr, md)]
     off = _COUNT.size
     ids = np.frombuffer(body, np.uint64, k, off).tolist()
     off += 8 * k
@@ -98,6 +133,10 @@ def encode_results(res: list[tuple[int, np.ndarray, int, int]]) -> bytes:
     """One frame for many requests' rows: (id, rows [n, dim], queue_ns, infer_ns) each."""
     k = len(res)
     dim = res[0][1].shape[1]
+    if k == 1:
+        rid, rows, q, i = res[0]
+        return frame(_ONE_RESULT.pack(RESULTS, 1, dim, rid, rows.shape[0], q, i)
+                     + rows.astype(np.float32, copy=False).tobytes())
     head = _RCOUNT.pack(RESULTS, k, dim)
     ids = np.fromiter((r[0] for r in res), np.uint64, k)
     rows = np.fromiter((r[1].shape[0] for r in res), np.uint32, k)
@@ -109,6 +148,9 @@ def encode_results(res: list[tuple[int, np.ndarray, int, int]]) -> bytes:
 
 def decode_results(body: bytes) -> list[tuple[int, np.ndarray, int, int]]:
     _, k, dim = _RCOUNT.unpack_from(body)
+    if k == 1:
+        _, _, _, rid, n, q, i = _ONE_RESULT.unpack_from(body)
+        return [(rid, np.frombuffer(body, np.float32, n * dim, _ONE_RESULT.size).reshape(n, dim), q, i)]
     off = _RCOUNT.size
     ids = np.frombuffer(body, np.uint64, k, off).tolist()
     rows = np.frombuffer(body, np.uint32, k, off + 8 * k).tolist()
