@@ -89,3 +89,46 @@ def test_one_request_frames_have_the_documented_layout_and_round_trip(bundled_wo
             for (rid, rows, q, i), (rid2, rows2, q2, i2) in zip(res, W.decode_results(body)):
                 assert (rid, q, i) == (rid2, q2, i2)
                 np.testing.assert_array_equal(rows, rows2)
+
+
+def test_a_lone_request_is_sent_at_once_and_requests_in_flight_together_in_one_frame():
+    """The front end's box on a real socket: a lone request's frame is on the wire before the loop
+    turns; while others are queued in the pass, requests wait for the pass's one bulk frame (order kept)."""
+    import asyncio
+    import socket
+
+    from surge.runtime.ipc import _ClientBox
+    from surge.types import Encoded
+
+    def item(k):
+        return [Encoded(np.arange(100 + k, 110 + k, dtype=np.int64), np.zeros(10, np.int64))]
+
+    async def main():
+        a, b = socket.socketpair()
+        b.setblocking(False)
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.create_connection(asyncio.Protocol, sock=a)
+        box = _ClientBox(loop)
+        box.transport = transport
+
+        def read() -> list:
+            try:
+                data = b.recv(1 << 20)
+            except BlockingIOError:
+                return []
+            return [W.decode_submits(body) for body in W.Frames().feed(data)]
+
+        box.submit((1, item(1), None, 0, 0), alone=True)
+        got = read()  # no await: already sent
+        assert len(got) == 1 and got[0][0][0] == 1
+        box.submit((2, item(2), None, 0, 0), alone=False)
+        box.submit((3, item(3), None, 0, 0), alone=True)  # something is queued before it: it waits
+        assert read() == []
+        await asyncio.sleep(0)  # the pass ends: one frame with both, in order
+        got = read()
+        assert len(got) == 1 and [r[0] for r in got[0]] == [2, 3]
+        np.testing.assert_array_equal(got[0][1][1][0].ids, item(3)[0].ids)
+        transport.close()
+        b.close()
+
+    asyncio.run(main())
