@@ -54,7 +54,8 @@ def make(dest: Path) -> None:
             s = s.replace(old, new, 1)
         p.write_text(s)
     patch("runtime/ipc.py", [
-     ("        proto.box.submit((rid, items, deadline, priority, model))", "        _ev('fe_submit'); proto.box.submit((rid, items, deadline, priority, model))"),
+     ("        proto.box.submit((rid, items, deadline, priority, model), alone=", "        _ev('fe_submit'); proto.box.submit((rid, items, deadline, priority, model), alone="),
+     ("        self.transport.write(frame)\n        return True", "        self.transport.write(frame); _ev('written')\n        return True"),
      ("        reqs, self.submits = self.submits, []\n        return [W.encode_submits(reqs)]", "        reqs, self.submits = self.submits, []\n        _ev('fe_flush')\n        return [W.encode_submits(reqs)]"),
      ("            self.transport.write(b\"\".join(out))", "            self.transport.write(b\"\".join(out)); _ev('written')"),
      ("    def data_received(self, data: bytes) -> None:\n        pending = self.client._pending", "    def data_received(self, data: bytes) -> None:\n        _ev('fe_ipc_in')\n        pending = self.client._pending"),
