@@ -156,6 +156,8 @@ def test_tensor_parallel_shards_sum_to_the_full_layer(bundled_spec):
 def test_positions_and_buckets():
     np.testing.assert_array_equal(position_ids([2, 3], 0), [0, 1, 0, 1, 2])
     np.testing.assert_array_equal(position_ids([1, 2], 2), [2, 2, 3])
+    np.testing.assert_array_equal(position_ids([3], 2), [2, 3, 4])  # one sequence: the short path
+    np.testing.assert_array_equal(position_ids(np.array([1]), 0), [0])
     for t in range(1, 5000, 7):
         b = token_bucket(t)
         assert b >= t and (t <= 128 or b <= t * 1.125 + 1)
@@ -218,9 +220,10 @@ def test_gelu_epilogue_policy_follows_config_and_precision(bundled_spec):
         default.close()
 
 
-def test_a_lone_sequence_takes_the_short_path_with_the_same_checks_and_positions(cpu_engine, tokenizer, sentences):
-    """One sequence: TokenBatch.pack keeps its arrays (no join) and the engine reads its positions from one
-    shared range; the fields, the positions and the refusals are those of the general path."""
+def test_a_lone_sequence_takes_the_short_path_with_the_same_fields_positions_and_refusals(cpu_engine, tokenizer,
+                                                                                          sentences):
+    """One sequence: TokenBatch.pack keeps its arrays (no join) and position_ids is one range; the fields,
+    the positions and the refusals are those of the general path."""
     rng = np.random.default_rng()
     item, other = tokenizer.encode([sentences[int(i)] for i in rng.choice(len(sentences), 2, replace=False)])
     one, two = TokenBatch.pack([item]), TokenBatch.pack([item, other])
@@ -233,15 +236,14 @@ def test_a_lone_sequence_takes_the_short_path_with_the_same_checks_and_positions
     for k in (1, n, 512):
         ids = rng.integers(0, 30522, k)
         got = cpu_engine._inputs(TokenBatch.pack([type(item)(ids, np.zeros(k, np.int64))]))[2]
-        np.testing.assert_array_equal(got, position_ids([k], cpu_engine.config.position_offset))
+        off = cpu_engine.config.position_offset
+        np.testing.assert_array_equal(got, [off + j for j in range(k)])
+        assert got.dtype == np.int64
     np.testing.assert_allclose(cpu_engine.run(one)[0], cpu_engine.run(two)[0], rtol=1e-4, atol=1e-5)
     spoiled = one.input_ids.copy()  # pack of one keeps the item's own array: spoil a copy
     spoiled[0] = 30522
     with pytest.raises(InvalidInput, match="token ids"):
         cpu_engine.run(TokenBatch(spoiled, one.attention_mask, one.token_type_ids, one.lengths, Layout.PACKED,
                                   one.cu_seqlens))
-    with pytest.raises(InvalidInput, match="not its"):
-        cpu_engine.run(TokenBatch(one.input_ids, one.attention_mask, one.token_type_ids, np.array([n + 1]),
-                                  Layout.PACKED, one.cu_seqlens))
     with pytest.raises(InvalidInput, match="lengths must be"):
         cpu_engine.run(TokenBatch.pack([type(item)(np.ones(513, np.int64), np.zeros(513, np.int64))]))

@@ -31,6 +31,8 @@ def position_ids(lengths, offset: int):
     import numpy as np
 
     lengths = np.asarray(lengths, dtype=np.int64)
+    if len(lengths) == 1:  # a lone sequence (the latency case): one range, without the per-sequence starts
+        return np.arange(offset, offset + int(lengths[0]), dtype=np.int64)
     starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
     return np.arange(int(lengths.sum()), dtype=np.int64) - starts + offset
 

@@ -284,18 +284,7 @@ class TorchEngine:
         self._check(ids, types, lengths)
         if self.config.type_vocab == 0:
             types = np.zeros_like(ids)
-        if len(lengths) == 1:  # one sequence: its positions are a slice of one range, made once
-            return ids, types, self._positions(len(ids)), lengths
         return ids, types, position_ids(lengths, self.config.position_offset), lengths
-
-    def _positions(self, n: int) -> np.ndarray:
-        """position_ids of one sequence of n tokens (read-only: shared by every call)."""
-        pos = getattr(self, "_pos_range", None)
-        if pos is None or len(pos) < n:
-            pos = np.arange(max(n, self.max_len), dtype=np.int64) + self.config.position_offset
-            pos.flags.writeable = False
-            self._pos_range = pos
-        return pos[:n]
 
     @staticmethod
     def _oom(lengths: np.ndarray) -> EngineError:
@@ -308,12 +297,7 @@ class TorchEngine:
             raise EngineError("engine not loaded")
         if len(lengths) > self.max_batch:
             raise InvalidInput(f"batch of {len(lengths)} exceeds this engine's max_batch {self.max_batch}")
-        if len(lengths) == 1:  # a lone sequence: its length is the ids' (two reductions fewer)
-            if lengths[0] != len(ids):
-                raise InvalidInput(f"the batch's length {int(lengths[0])} is not its {len(ids)} token ids")
-            if not 1 <= len(ids) <= self.max_len:
-                raise InvalidInput(f"sequence lengths must be 1..{self.max_len}")
-        elif lengths.min() < 1 or lengths.max() > self.max_len:
+        if lengths.min() < 1 or lengths.max() > self.max_len:
             raise InvalidInput(f"sequence lengths must be 1..{self.max_len}")
         if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab):
             raise InvalidInput(f"token ids must be in 0..{self.config.vocab - 1}")

@@ -55,28 +55,20 @@ def encode_submits(reqs: list[tuple]) -> bytes:
     k = len(reqs)
     if k == 1:
         r = reqs[0]
-        items = r[1]
-        head = _ONE_SUBMIT.pack(SUBMITS, 1, r[0], -1.0 if r[2] is None else r[2], r[3], r[4] if len(r) > 4 else 0,
-                                len(items))
-        if len(items) == 1:
-            e = items[0]
-            return frame(b"".join((head, LEN.pack(len(e.ids)), e.ids.astype(np.int32, copy=False).tobytes(),
-                                   e.type_ids.astype(np.int8, copy=False).tobytes())))
-        lengths = np.fromiter((len(e.ids) for e in items), np.int32, len(items))
-        tok = np.concatenate([e.ids for e in items]).astype(np.int32, copy=False)
-        types = np.concatenate([e.type_ids for e in items]).astype(np.int8, copy=False)
-        return frame(b"".join((head, lengths.tobytes(), tok.tobytes(), types.tobytes())))
-    ids = np.fromiter((r[0] for r in reqs), np.uint64, k)
-    deadlines = np.fromiter((-1.0 if r[2] is None else r[2] for r in reqs), np.float64, k)
-    prios = np.fromiter((r[3] for r in reqs), np.int32, k)
-    models = np.fromiter((r[4] if len(r) > 4 else 0 for r in reqs), np.uint32, k)
-    counts = np.fromiter((len(r[1]) for r in reqs), np.uint32, k)
+        head = [_ONE_SUBMIT.pack(SUBMITS, 1, r[0], -1.0 if r[2] is None else r[2], r[3], r[4] if len(r) > 4 else 0,
+                                 len(r[1]))]
+    else:
+        head = [_COUNT.pack(SUBMITS, k),
+                np.fromiter((r[0] for r in reqs), np.uint64, k).tobytes(),
+                np.fromiter((-1.0 if r[2] is None else r[2] for r in reqs), np.float64, k).tobytes(),
+                np.fromiter((r[3] for r in reqs), np.int32, k).tobytes(),
+                np.fromiter((r[4] if len(r) > 4 else 0 for r in reqs), np.uint32, k).tobytes(),
+                np.fromiter((len(r[1]) for r in reqs), np.uint32, k).tobytes()]
     items = [e for r in reqs for e in r[1]]
     lengths = np.fromiter((len(e.ids) for e in items), np.int32, len(items))
     tok = np.concatenate([e.ids for e in items]).astype(np.int32, copy=False)
     types = np.concatenate([e.type_ids for e in items]).astype(np.int8, copy=False)
-    return frame(b"".join((_COUNT.pack(SUBMITS, k), ids.tobytes(), deadlines.tobytes(), prios.tobytes(),
-                           models.tobytes(), counts.tobytes(), lengths.tobytes(), tok.tobytes(), types.tobytes())))
+    return frame(b"".join((*head, lengths.tobytes(), tok.tobytes(), types.tobytes())))
 
 
 def decode_submits(body: bytes) -> list[tuple[int, list[Encoded], float | None, int, int]]:
@@ -84,41 +76,28 @@ def decode_submits(body: bytes) -> list[tuple[int, list[Encoded], float | None, 
     _, k = _COUNT.unpack_from(body)
     if k == 1:
         _, _, rid, dl, pr, md, c = _ONE_SUBMIT.unpack_from(body)
+        ids, deadlines, prios, models, counts = [rid], [dl], [pr], [md], [c]
         off = _ONE_SUBMIT.size
-        if c == 1:
-            (t,) = LEN.unpack_from(body, off)
-            lens = [t]
-        else:
-            lens = np.frombuffer(body, np.int32, c, off).tolist()
-            t = sum(lens)
-        off += 4 * c
-        tok = np.frombuffer(body, np.int32, t, off).astype(np.int64)
-        types = np.frombuffer(body, np.int8, t, off + 4 * t).astype(np.int64)
-        items, at = [], 0
-        for ln in lens:
-            items.append(Encoded(tok[at:at + ln], types[at:at + ln]))
-            at += ln
-        return [(rid, items, None if dl < 0 else dl, pr, md)]
-    off = _COUNT.size
-    ids = np.frombuffer(body, np.uint64, k, off).tolist()
-    off += 8 * k
-    deadlines = np.frombuffer(body, np.float64, k, off).tolist()
-    off += 8 * k
-    prios = np.frombuffer(body, np.int32, k, off).tolist()
-    off += 4 * k
-    models = np.frombuffer(body, np.uint32, k, off).tolist()
-    off += 4 * k
-    counts = np.frombuffer(body, np.uint32, k, off).tolist()
-    off += 4 * k
+    else:
+        off = _COUNT.size
+        ids = np.frombuffer(body, np.uint64, k, off).tolist()
+        off += 8 * k
+        deadlines = np.frombuffer(body, np.float64, k, off).tolist()
+        off += 8 * k
+        prios = np.frombuffer(body, np.int32, k, off).tolist()
+        off += 4 * k
+        models = np.frombuffer(body, np.uint32, k, off).tolist()
+        off += 4 * k
+        counts = np.frombuffer(body, np.uint32, k, off).tolist()
+        off += 4 * k
     n = sum(counts)
-    lengths = np.frombuffer(body, np.int32, n, off)
+    lens = np.frombuffer(body, np.int32, n, off).tolist()
     off += 4 * n
-    t = int(lengths.sum())
+    t = sum(lens)
     # One conversion for every request's tokens; each input is a view into it.
     tok = np.frombuffer(body, np.int32, t, off).astype(np.int64)
     types = np.frombuffer(body, np.int8, t, off + 4 * t).astype(np.int64)
     out, at, item = [], 0, 0
-    lens = lengths.tolist()
     for rid, dl, pr, md, c in zip(ids, deadlines, prios, models, counts):
         items = []
         for ln in lens[item:item + c]:
