@@ -221,6 +221,11 @@ class ServerConfig(_Strict):
         "engine process i mod N (each batches its front ends' requests; several processes can share one "
         "GPU, with NVIDIA MPS where it runs). None (default): 2 with 8 or more front ends, else 1. "
         "With --model-repository each runs the repository; repository calls reach them all.")
+    engine_connections: int = Field(
+        1, ge=0, description="Under --workers (one model): HTTP connections each engine process serves "
+        "itself, taken over from the front end that accepted them while the engine process has fewer: a "
+        "lone client's requests then skip the hop between processes (server/http/handoff.py); under load "
+        "every other connection stays with the front ends. 0: front ends serve every connection.")
     engine: EngineConfig = Field(default_factory=EngineConfig)
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)

@@ -24,7 +24,10 @@ def _sample(text: str, name: str, **labels) -> float:
 def test_a_query_answered_by_one_front_end_is_a_hit_in_the_other(sentences, reference_embed):
     texts = sentences[40:64]
     ref = reference_embed(texts)
-    with ServerProcess("--workers", "2", "--engine", "torch", "--device", "cpu", "--max-batch-size", "16") as srv:
+    # --engine-connections 0: every connection stays with a front end (by default one at a time is
+    # handed to the engine process, which would serve all of these sequential ones itself).
+    with ServerProcess("--workers", "2", "--engine", "torch", "--device", "cpu", "--max-batch-size", "16",
+                       "--engine-connections", "0") as srv:
         first = {}
         answers = []
         for rnd in range(7):  # a fresh connection each time: the kernel spreads them over both front ends

@@ -272,12 +272,20 @@ def engine_main(config_json: str, sock: str) -> None:
         for p in (part, sock):
             if os.path.exists(p):
                 os.unlink(p)
+        http = None
+        if service is not None and config.engine_connections > 0:
+            try:  # before the socket appears: front ends hand over from their first connection
+                http = EngineHttp(config, service, sock)
+            except ImportError:  # no httptools: front ends serve every connection (they offer none)
+                http = None
         srv = await server.serve(part)
         os.replace(part, sock)  # appears complete: the supervisor and front ends wait for this path
         builds = loop.create_task(_export_builds(
             (lambda: [service]) if service is not None else slots.services))
         await stop.wait()
         builds.cancel()
+        if http is not None:
+            await http.close()  # its connections drain before the engines close
         srv.close()
         if repo is not None:
             await repo.close()  # every version drained and freed
@@ -285,6 +293,53 @@ def engine_main(config_json: str, sock: str) -> None:
             await service.close()
 
     _run_loop(main())
+
+
+class EngineHttp:
+    """The engine process's own HTTP stack, for the connections front ends hand over
+    (server/http/handoff.py): the same app as a front end's, on this process's service (its
+    batcher directly, no hop), at most --engine-connections connections at a time."""
+
+    def __init__(self, config: ServerConfig, service, sock: str):
+        import uvicorn
+
+        from surge.runtime.registry import ModelRegistry
+        from surge.server.app import create_app
+        from surge.server.http.frontend import FrontDoor, HandedProtocol
+        from surge.server.http.handoff import Intake
+        from surge.server.state import AppState
+
+        state = AppState(config=config, registry=ModelRegistry())
+        service.mark_ready()  # engines built and every bucket warmed up (load_service)
+        state.registry.add(service)
+        _whole_metrics(state, config)
+        # The service's lifecycle is this process's (engine_main closes it): no lifespan here.
+        state.started = True
+        ucfg = uvicorn.Config(FrontDoor(create_app(state)), log_level=config.log_level, access_log=False,
+                              lifespan="off", timeout_graceful_shutdown=10, http=HandedProtocol)
+        ucfg.load()
+        server = self.server = uvicorn.Server(ucfg)
+        server.lifespan = ucfg.lifespan_class(ucfg)
+        server.servers = []
+
+        def protocol(on_lost):
+            p = HandedProtocol(config=ucfg, server_state=server.server_state, app_state=server.lifespan.state)
+            p.on_lost = on_lost
+            return p
+
+        self.intake = Intake(sock, protocol)
+        self.intake.start()
+        self._ticks = asyncio.get_running_loop().create_task(self._tick())
+
+    async def _tick(self) -> None:
+        while True:  # uvicorn's once-a-second work (the Date header)
+            await self.server.on_tick(0)
+            await asyncio.sleep(1.0)
+
+    async def close(self) -> None:
+        self.intake.stop()
+        self._ticks.cancel()
+        await self.server.shutdown()
 
 
 def _engine_repository(config: ServerConfig):
@@ -389,6 +444,16 @@ def front_state(config: ServerConfig, sock: str, others: list[str] = ()):
         _front_repository(state, config, sock, list(others))
         return _front_extras(state, config)
     spec = load_model_spec(config.model_dir or bundled_model_dir(), name=config.model_name)
+    handoff = None
+    if config.engine_connections > 0:  # lone connections to the engine process (server/http/handoff.py)
+        try:
+            from surge.server.http import frontend
+        except ImportError:  # no httptools: uvicorn's own protocol, which hands nothing over
+            frontend = None
+        if frontend is not None:
+            from surge.server.http.handoff import Handoff
+
+            handoff = frontend.HANDOFF = Handoff(sock, config.engine_connections)
 
     async def connect(state: AppState) -> None:
         holder = {}
@@ -397,6 +462,8 @@ def front_state(config: ServerConfig, sock: str, others: list[str] = ()):
             svc = holder.get("service")
             if svc is not None:
                 svc.ready = up  # not ready (503 at once) while the engine process is away
+            if handoff is not None and svc is not None:  # its connections answer 503 at once too
+                handoff.engine_back() if up else handoff.engine_lost()
 
         client = EngineClient(sock, on_state=on_state)
         hello = await client.connect()
@@ -411,6 +478,8 @@ def front_state(config: ServerConfig, sock: str, others: list[str] = ()):
         holder["service"] = service
         state.registry.add(service)
         service.mark_ready()
+        if handoff is not None:  # only now: until this front end serves, it hands nothing over either
+            handoff.engine_back()
         print(f"surge: front end {os.getpid()} ready, serving {service.name} on http://{config.host}:{config.port}",
               file=sys.stderr, flush=True)
 
@@ -445,6 +514,11 @@ def _front_extras(state, config: ServerConfig):
         from surge.server.grpc.server import install_grpc
 
         install_grpc(state, reuse_port=True)
+    return _whole_metrics(state, config)
+
+
+def _whole_metrics(state, config: ServerConfig):
+    """/metrics of every process (front ends, engine processes) from prometheus_client's files."""
     from surge.runtime.metrics import WholeRegistry, default_registry, families, multiprocess_dir
 
     gpu = None

@@ -124,8 +124,19 @@ class DisconnectWatch:
             cb()
 
 
+# A front end's hand-over of new connections to its engine process (server/http/handoff.py),
+# set by cli/workers.py; None: every connection is served here.
+HANDOFF = None
+
+
 class CorkedHttpToolsProtocol(HttpToolsProtocol):
+    _handed = False
+
     def connection_made(self, transport) -> None:  # type: ignore[override]
+        handoff = HANDOFF
+        if handoff is not None and handoff.offer(transport):
+            self._handed = True  # the engine process's connection now: nothing more happens here
+            return
         self.watch = DisconnectWatch()
         super().connection_made(_Corked(transport, asyncio.get_running_loop()))
 
@@ -145,5 +156,23 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
         super().on_response_complete()
 
     def connection_lost(self, exc) -> None:
+        if self._handed:
+            return
         super().connection_lost(exc)
         self.watch.fire()
+
+
+class HandedProtocol(CorkedHttpToolsProtocol):
+    """The engine process's protocol for a connection a front end handed over: `on_lost` (set
+    by its maker) gives the connection's slot back."""
+
+    on_lost = None
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        self.watch = DisconnectWatch()
+        HttpToolsProtocol.connection_made(self, _Corked(transport, asyncio.get_running_loop()))
+
+    def connection_lost(self, exc) -> None:
+        super().connection_lost(exc)
+        if self.on_lost is not None:
+            self.on_lost()

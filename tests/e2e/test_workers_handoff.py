@@ -1,0 +1,160 @@
+"""`surge serve --workers 2`: a lone connection is handed to the engine process, which serves it
+itself (server/http/handoff.py); real processes, real HTTP, the FP32 reference.
+
+Which process serves a connection is read from the kernel (psutil): the engine process holds the
+TCP connection of a handed one (its front end keeps only a duplicate, without reading it)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from tests.conftest import cosine_rows
+from tests.server_process import ServerProcess
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess("--workers", "2", "--engine", "torch", "--device", "cpu", "--cache-bytes", "0",
+                       "--max-batch-size", "16") as srv:
+        yield srv
+
+
+def _roles(srv) -> dict[int, str]:
+    out = {}
+    for p in psutil.Process(srv.proc.pid).children(recursive=True):
+        try:
+            cmd = p.cmdline()
+        except psutil.NoSuchProcess:
+            continue
+        if "surge.cli.workers" in cmd:
+            out[p.pid] = cmd[cmd.index("surge.cli.workers") + 1]
+    return out
+
+
+def _holders(srv, conn: http.client.HTTPConnection) -> set[str]:
+    """The roles of the processes that hold this client connection's server side."""
+    port = conn.sock.getsockname()[1]
+    held = set()
+    for pid, role in _roles(srv).items():
+        try:
+            conns = psutil.Process(pid).net_connections("tcp")
+        except psutil.NoSuchProcess:
+            continue
+        if any(c.raddr and c.raddr.port == port for c in conns):
+            held.add(role)
+    return held
+
+
+def _post(conn: http.client.HTTPConnection, texts: list[str]):
+    conn.request("POST", "/v1/embeddings", body=json.dumps({"input": texts}),
+                 headers={"content-type": "application/json"})
+    r = conn.getresponse()
+    return r.status, r.read(), dict(r.getheaders())
+
+
+def _connect(srv) -> http.client.HTTPConnection:
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    conn.connect()
+    return conn
+
+
+def _until(cond, timeout=30.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _check(status, body, headers, texts, reference_embed):
+    assert status == 200, body
+    got = np.array([d["embedding"] for d in json.loads(body)["data"]], np.float32)
+    assert cosine_rows(got, reference_embed(texts)).min() >= 0.9999
+
+
+def test_one_connection_goes_to_the_engine_process_the_next_stays_with_a_front_end(server, sentences,
+                                                                                     reference_embed):
+    rng = np.random.default_rng()
+    pick = lambda: [sentences[i] for i in rng.choice(len(sentences), int(rng.integers(1, 4)), replace=False)]  # noqa: E731
+    lone = _connect(server)
+    for _ in range(3):
+        texts = pick()
+        _check(*_post(lone, texts), texts, reference_embed)
+    assert "engine" in _holders(server, lone)
+    other = _connect(server)  # the engine process serves one (--engine-connections 1): this one stays
+    texts = pick()
+    _check(*_post(other, texts), texts, reference_embed)
+    assert _holders(server, other) == {"front"}
+    lone.close()  # its slot is free again: the next new connection is the engine process's
+    again = None
+
+    def next_is_handed():
+        nonlocal again
+        if again is not None:
+            again.close()
+        again = _connect(server)
+        t = pick()
+        _check(*_post(again, t), t, reference_embed)
+        return "engine" in _holders(server, again)
+
+    assert _until(next_is_handed)
+    again.close()
+    other.close()
+
+
+def test_a_dead_engine_answers_503_at_once_on_its_handed_connection_then_serves_again(server, sentences,
+                                                                                      reference_embed):
+    conn = None
+
+    def handed():
+        nonlocal conn
+        if conn is not None:
+            conn.close()
+        conn = _connect(server)
+        _post(conn, ["warm"])
+        return "engine" in _holders(server, conn)
+
+    assert _until(handed)
+    (engine_pid,) = [pid for pid, role in _roles(server).items() if role == "engine"]
+    # Frozen, the engine process cannot read the next request: it is in flight when the process dies.
+    os.kill(engine_pid, signal.SIGSTOP)
+    try:
+        conn.request("POST", "/v1/embeddings", body=json.dumps({"input": [sentences[0]]}),
+                     headers={"content-type": "application/json"})
+        time.sleep(0.2)
+    finally:
+        os.kill(engine_pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    r = conn.getresponse()
+    body = r.read()
+    assert r.status == 503, body
+    assert r.getheader("retry-after") == "1"
+    assert json.loads(body)["error"]["code"] == "not_ready"
+    assert time.monotonic() - t0 < 30  # at once, not after a timeout
+    conn.close()
+    assert _until(lambda: any(role == "engine" and pid != engine_pid for pid, role in _roles(server).items()), 120)
+
+    def serves_again():
+        try:
+            c = _connect(server)
+            status, body, _ = _post(c, sentences[1:3])
+            c.close()
+        except OSError:
+            return False
+        return status == 200
+
+    assert _until(serves_again, 180)
+    c = _connect(server)
+    _check(*_post(c, sentences[3:6]), sentences[3:6], reference_embed)
+    c.close()
