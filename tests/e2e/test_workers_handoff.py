@@ -113,6 +113,60 @@ def test_one_connection_goes_to_the_engine_process_the_next_stays_with_a_front_e
     other.close()
 
 
+def test_a_handed_connection_goes_back_to_its_front_end_while_front_ends_keep_the_engine_busy(
+        server, sentences, reference_embed):
+    """Front ends' requests in the engine process's batcher: the handed connection is given back
+    after its next response (nothing of a next request read) and goes on, correct, at the front end."""
+    import threading
+
+    lone = None
+
+    def handed():
+        nonlocal lone
+        if lone is not None:
+            lone.close()
+        lone = _connect(server)
+        _post(lone, ["warm"])
+        return "engine" in _holders(server, lone)
+
+    assert _until(handed)
+    long = [" ".join(sentences[i:i + 12]) for i in range(0, 96, 2)]  # several batches of 16 on 2 cores
+    stop = threading.Event()
+    errors: list = []
+
+    def keep_busy():  # a front end's connection (the engine process serves one only: the lone one)
+        c = _connect(server)
+        while not stop.is_set():
+            c.request("POST", "/embed", body=json.dumps({"inputs": long}), headers={"content-type": "application/json"})
+            r = c.getresponse()
+            r.read()
+            if r.status != 200:
+                errors.append(r.status)
+        c.close()
+
+    busy = threading.Thread(target=keep_busy)
+    busy.start()
+    try:
+        rng = np.random.default_rng()
+
+        def given_back():
+            texts = [sentences[int(i)] for i in rng.choice(len(sentences), 2, replace=False)]
+            _check(*_post(lone, texts), texts, reference_embed)
+            return "engine" not in _holders(server, lone)
+
+        assert _until(given_back, 120)
+    finally:
+        stop.set()
+        busy.join(120)
+    assert errors == []
+    assert _holders(server, lone) == {"front"}
+    for _ in range(3):  # the same client connection goes on, at the front end now
+        texts = [sentences[int(i)] for i in rng.choice(len(sentences), 3, replace=False)]
+        _check(*_post(lone, texts), texts, reference_embed)
+    assert _holders(server, lone) == {"front"}
+    lone.close()
+
+
 def test_a_dead_engine_answers_503_at_once_on_its_handed_connection_then_serves_again(server, sentences,
                                                                                       reference_embed):
     conn = None

@@ -275,7 +275,7 @@ def engine_main(config_json: str, sock: str) -> None:
         http = None
         if service is not None and config.engine_connections > 0:
             try:  # before the socket appears: front ends hand over from their first connection
-                http = EngineHttp(config, service, sock)
+                http = EngineHttp(config, service, sock, server)
             except ImportError:  # no httptools: front ends serve every connection (they offer none)
                 http = None
         srv = await server.serve(part)
@@ -300,7 +300,8 @@ class EngineHttp:
     (server/http/handoff.py): the same app as a front end's, on this process's service (its
     batcher directly, no hop), at most --engine-connections connections at a time."""
 
-    def __init__(self, config: ServerConfig, service, sock: str):
+    def __init__(self, config: ServerConfig, service, sock: str, ipc):
+        """`ipc`: the process's EngineServer (front ends' requests in flight; hand-backs)."""
         import uvicorn
 
         from surge.runtime.registry import ModelRegistry
@@ -322,12 +323,12 @@ class EngineHttp:
         server.lifespan = ucfg.lifespan_class(ucfg)
         server.servers = []
 
-        def protocol(on_lost):
+        def protocol(handed):
             p = HandedProtocol(config=ucfg, server_state=server.server_state, app_state=server.lifespan.state)
-            p.on_lost = on_lost
+            p.handed = handed
             return p
 
-        self.intake = Intake(sock, protocol)
+        self.intake = Intake(sock, protocol, give_back=ipc.return_connection, busy=lambda: ipc.inflight > 0)
         self.intake.start()
         self._ticks = asyncio.get_running_loop().create_task(self._tick())
 
@@ -444,7 +445,7 @@ def front_state(config: ServerConfig, sock: str, others: list[str] = ()):
         _front_repository(state, config, sock, list(others))
         return _front_extras(state, config)
     spec = load_model_spec(config.model_dir or bundled_model_dir(), name=config.model_name)
-    handoff = None
+    handoff, client_hooks = None, {}
     if config.engine_connections > 0:  # lone connections to the engine process (server/http/handoff.py)
         try:
             from surge.server.http import frontend
@@ -454,6 +455,7 @@ def front_state(config: ServerConfig, sock: str, others: list[str] = ()):
             from surge.server.http.handoff import Handoff
 
             handoff = frontend.HANDOFF = Handoff(sock, config.engine_connections)
+            client_hooks = {"on_return": handoff.take_back}
 
     async def connect(state: AppState) -> None:
         holder = {}
@@ -466,6 +468,7 @@ def front_state(config: ServerConfig, sock: str, others: list[str] = ()):
                 handoff.engine_back() if up else handoff.engine_lost()
 
         client = EngineClient(sock, on_state=on_state)
+        client.on_return = client_hooks.get("on_return")
         hello = await client.connect()
         caps = Capabilities(hello["max_batch"], hello["max_tokens"], Layout(hello["layout"]), hello["device"],
                             hello["dtype"], hello["hidden"])

@@ -130,6 +130,9 @@ class _ClientProtocol(asyncio.Protocol):
                 self.hello.set_result(json.loads(body[1:]))
             elif kind == W.CATALOG:
                 self.client._catalog(W.decode_json(body, with_id=False))
+            elif kind == W.RETURN:
+                if self.client.on_return is not None:
+                    self.client.on_return(W.decode_cancel(body))
             elif kind == W.REPLY:
                 rid, obj = W.decode_json(body, with_id=True)
                 fut = self.client._controls.pop(rid, None)
@@ -162,6 +165,7 @@ class EngineClient:
         self.on_state = on_state
         self.on_catalog = on_catalog
         self.catalog: dict | None = None
+        self.on_return = None  # (connection id) -> None: an HTTP connection handed back (server/http/handoff.py)
         self._controls: dict[int, asyncio.Future] = {}
         self.reconnect_s = reconnect_s
         self.hello: dict | None = None
@@ -303,6 +307,9 @@ class _ServerProtocol(asyncio.Protocol):
         self.box.transport = transport
         self.server.connections += 1
         self.server.boxes.add(self.box)
+        self.peer_pid = _peer_pid(transport)
+        if self.peer_pid:
+            self.server.by_pid[self.peer_pid] = self
         transport.write(W.frame(bytes([W.HELLO]) + json.dumps(self.server.hello).encode()))
         if self.server.models is not None:
             transport.write(W.encode_json(W.CATALOG, self.server.models.catalog()))
@@ -338,9 +345,11 @@ class _ServerProtocol(asyncio.Protocol):
             self.box.add(W.encode_error(rid, exc))
             return
         self.futures[rid] = fut
+        self.server.inflight += 1
         fut.add_done_callback(lambda f: self._done(rid, timings, f))
 
     def _done(self, rid: int, timings: dict, fut: asyncio.Future) -> None:
+        self.server.inflight -= 1
         self.futures.pop(rid, None)
         if fut.cancelled():
             return
@@ -359,6 +368,8 @@ class _ServerProtocol(asyncio.Protocol):
         self.futures.clear()
         self.server.connections -= 1
         self.server.boxes.discard(self.box)
+        if self.server.by_pid.get(self.peer_pid) is self:
+            del self.server.by_pid[self.peer_pid]
 
 
 class EngineServer:
@@ -371,7 +382,9 @@ class EngineServer:
         self.hello = hello
         self.models = models
         self.connections = 0
+        self.inflight = 0  # front ends' requests in the batcher now
         self.boxes: set[_ServerBox] = set()
+        self.by_pid: dict[int, _ServerProtocol] = {}  # front ends by process id (SO_PEERCRED)
         self.tasks: set[asyncio.Task] = set()
         if models is not None:
             models.on_change = self.broadcast_catalog
@@ -381,6 +394,16 @@ class EngineServer:
         frame = W.encode_json(W.CATALOG, self.models.catalog())
         for box in list(self.boxes):
             box.add(frame)
+
+    def return_connection(self, pid: int, conn_id: int) -> bool:
+        """Tell front end `pid` to serve its handed-over connection `conn_id` again; False: it is gone."""
+        proto = self.by_pid.get(pid)
+        if proto is None or proto.box.transport is None:
+            return False
+        frame = W.encode_return(conn_id)
+        if not proto.box.write_now(frame):
+            proto.box.add(frame)
+        return True
 
     async def control(self, obj: dict):
         if self.models is None:
@@ -396,3 +419,15 @@ class EngineServer:
 
     async def serve(self, path: str) -> asyncio.AbstractServer:
         return await asyncio.get_running_loop().create_unix_server(lambda: _ServerProtocol(self), path)
+
+
+def _peer_pid(transport) -> int:
+    """The connected front end's process id (a Unix socket's SO_PEERCRED), 0 where unknown."""
+    import socket
+    import struct
+
+    sock = transport.get_extra_info("socket")
+    try:
+        return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+    except (AttributeError, OSError):
+        return 0

@@ -21,6 +21,8 @@ Bodies (little-endian):
            connect and after every change of its registry; --model-repository under --workers)
   CONTROL  B kind=9, Q id, then JSON {"op", "name", "version"}: a repository call from a front end
   REPLY    B kind=10, Q id, then JSON {"result"} or {"error": {"code", "message"}}
+  RETURN   B kind=11, Q connection id: the engine process gives an HTTP connection that this front
+           end handed over back to it (server/http/handoff.py), between two requests
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import numpy as np
 from surge import errors as E
 from surge.types import Encoded
 
-CANCEL, ERROR, HELLO, SUBMITS, RESULTS, CATALOG, CONTROL, REPLY = 2, 4, 5, 6, 7, 8, 9, 10
+CANCEL, ERROR, HELLO, SUBMITS, RESULTS, CATALOG, CONTROL, REPLY, RETURN = 2, 4, 5, 6, 7, 8, 9, 10, 11
 LEN = struct.Struct("<I")
 _CANCEL = struct.Struct("<BQ")
 _ERROR = struct.Struct("<BQdH")
@@ -150,6 +152,10 @@ def encode_cancel(req_id: int) -> bytes:
 
 def decode_cancel(body: bytes) -> int:
     return _CANCEL.unpack_from(body)[1]
+
+
+def encode_return(conn_id: int) -> bytes:
+    return frame(_CANCEL.pack(RETURN, conn_id))
 
 
 def encode_error(req_id: int, exc: BaseException) -> bytes:

@@ -131,10 +131,11 @@ HANDOFF = None
 
 class CorkedHttpToolsProtocol(HttpToolsProtocol):
     _handed = False
+    _offer = True  # False for a connection the engine process handed back: it stays here
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         handoff = HANDOFF
-        if handoff is not None and handoff.offer(transport):
+        if self._offer and handoff is not None and handoff.offer(transport, self._sibling):
             self._handed = True  # the engine process's connection now: nothing more happens here
             return
         self.watch = DisconnectWatch()
@@ -161,18 +162,57 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
         self.watch.fire()
 
+    def _sibling(self) -> "CorkedHttpToolsProtocol":
+        """A protocol like this one for a connection handed back by the engine process."""
+        p = type(self)(config=self.config, server_state=self.server_state, app_state=self.app_state)
+        p._offer = False
+        return p
+
 
 class HandedProtocol(CorkedHttpToolsProtocol):
-    """The engine process's protocol for a connection a front end handed over: `on_lost` (set
-    by its maker) gives the connection's slot back."""
+    """The engine process's protocol for a connection a front end handed over (server/http/handoff.py).
 
-    on_lost = None
+    `handed` (set by its maker, a handoff.Handed) gives the connection's slot back when it closes,
+    and takes it back to its front end when a response completes while the front ends keep the
+    engine busy and nothing of a next request has been read."""
 
-    def connection_made(self, transport) -> None:  # type: ignore[override]
-        self.watch = DisconnectWatch()
-        HttpToolsProtocol.connection_made(self, _Corked(transport, asyncio.get_running_loop()))
+    handed = None
+    _offer = False
+    _rx = 0  # data_received calls
+    _rx_done = 0  # _rx when the last request was complete
+    _in_msg = False  # a request is being parsed
+
+    def data_received(self, data: bytes) -> None:
+        self._rx += 1
+        super().data_received(data)
+
+    def on_message_begin(self) -> None:
+        self._in_msg = True
+        super().on_message_begin()
+
+    def on_message_complete(self) -> None:
+        self._in_msg = False
+        self._rx_done = self._rx
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        handed = self.handed
+        if handed is None or not handed.busy():
+            return
+        t = self.transport
+        # Nothing of a next request read (not parsing, no data since the last complete one, none
+        # queued) and the response fully out of this process: the front end can go on from here.
+        if (self._in_msg or self._rx != self._rx_done or self.pipeline or t.is_closing()
+                or t.get_write_buffer_size()):
+            return
+        t.pause_reading()
+        if handed.hand_back():
+            t.abort()  # this process's descriptor only (Handed.closed does no shutdown now)
+        else:
+            t.resume_reading()
 
     def connection_lost(self, exc) -> None:
         super().connection_lost(exc)
-        if self.on_lost is not None:
-            self.on_lost()
+        if self.handed is not None:
+            self.handed.closed()
