@@ -7,6 +7,10 @@
             connections); HTTP parsing, validation, cache, tokenization and
             post-processing; token batches to the engine (ipc.EngineClient)
 
+A lone client skips the hop: a front end hands a new connection to its engine process while that
+one serves fewer than --engine-connections itself (server/http/handoff.py), which serves it
+with its own copy of the app (`EngineHttp`) and hands it back when front ends keep it busy.
+
 Why: one Python process tops out at ~30,000 trivial responses a second and
 far fewer real ones, while the GPU engine runs 85,000 sequences/s; the
 per-request work (HTTP, JSON, tokenizing) is what scales with processes, and
