@@ -134,6 +134,7 @@ class TorchEngine:
         self.capabilities: Capabilities | None = None
         self._lock = threading.RLock()
         self._graphs: OrderedDict[tuple, tuple] = OrderedDict()
+        self._slices: dict = {}  # _head / _numpy: slices made once (dropped with the graphs)
         self.head_set = None  # engines/heads.HeadSet computed inside the captured graph (attach_heads)
         self._dev_heads: list | None = None
         self._heads_mode = False  # the current _run_cuda call wants the heads' output (set under _lock)
@@ -261,6 +262,7 @@ class TorchEngine:
         """Drop graphs, buffers and this instance's reference to the weights (idempotent)."""
         with self._lock:
             self._graphs.clear()
+            self._slices.clear()
             if self.weights is not None and self.offload is None and getattr(self, "_path", None) is not None:
                 release_weights(self._path, self.device, self.dtype)
             self.weights = None
@@ -347,7 +349,7 @@ class TorchEngine:
     def _stage_inputs(self, ids, types, pos, lengths, key, host: torch.Tensor | None = None) -> int:
         bb, tb, _ = key
         t, b = len(ids), len(lengths)
-        h = (self._h_inputs if host is None else host).numpy()
+        h = self._numpy(self._h_inputs if host is None else host)
         h[:3 * tb + bb + 1] = 0
         h[:t] = ids
         h[tb:tb + t] = types
@@ -397,6 +399,7 @@ class TorchEngine:
             self._h_pooled = torch.empty((self.plan.batch, self.config.hidden), dtype=torch.float32,
                                          pin_memory=True)
             self._slots = None  # rebuilt with a pooled-rows buffer per slot
+            self._slices.clear()
         return True
 
     # ------------------------------------------------------------------ task heads in the graph
@@ -424,6 +427,7 @@ class TorchEngine:
             n = self.plan.batch * self._fixed + self.plan.tokens * self._tok_width
             self._h_heads = torch.empty(n, dtype=torch.float32, pin_memory=True)
             self._slots = None  # rebuilt with a heads buffer per slot
+            self._slices.clear()
         return True
 
     def _heads_forward(self, x: torch.Tensor, inputs: torch.Tensor, key) -> torch.Tensor:
@@ -484,6 +488,7 @@ class TorchEngine:
         """
         if self.workspace.generation != self._ws_generation:  # a shared workspace grew: old views are stale
             self._graphs.clear()
+            self._slices.clear()
             self._ws_generation = self.workspace.generation
         gkey = key + (self._heads_mode,)  # hidden-state and heads graphs are kept apart
         g = self._graphs.get(gkey)
@@ -591,7 +596,7 @@ class TorchEngine:
                         # host, a lone request's launch: docs/benchmarks/serving_core.md, session 5).
                         graph, views, out, mode = ready
                         with torch.cuda.stream(self.stream):
-                            inputs.copy_(h_in[:n], non_blocking=True)
+                            inputs.copy_(self._head(h_in, n), non_blocking=True)
                             graph.replay()
                             h_out = self._copy_out(out, key, t, len(lengths), heads, pooled, h_out_all, h_heads, h_pooled)
                             done.record(self.stream)
@@ -618,17 +623,41 @@ class TorchEngine:
 
     def _copy_out(self, out, key, t: int, b: int, heads: bool, pooled: bool, h_out_all, h_heads, h_pooled):
         """Enqueue the batch's result into its pinned slot (on the current stream); the slot's view."""
+        head = self._head
         if heads:  # the graph's output is the heads' logits: [bb, fixed] then [tb, widths]
             n = key[0] * self._fixed + t * self._tok_width
-            h_out = h_heads[:n]
-            h_out.copy_(out[:n], non_blocking=True)
+            h_out = head(h_heads, n)
+            h_out.copy_(head(out, n), non_blocking=True)
         elif pooled:  # the graph's output is the pooled rows: [bb, hidden] float32
-            h_out = h_pooled[:b]
-            h_out.copy_(out[:b], non_blocking=True)
+            h_out = head(h_pooled, b)
+            h_out.copy_(head(out, b), non_blocking=True)
         else:
-            h_out = h_out_all[:t]
+            h_out = head(h_out_all, t)
             h_out.copy_(out[:t].view(h_out.dtype), non_blocking=True)
         return h_out
+
+    def _head(self, tensor: torch.Tensor, n: int) -> torch.Tensor:
+        """`tensor[:n]`, made once per tensor and size: a slice is several torch calls, and a lone
+        request's launch makes three (pinned inputs, graph output, pinned output). The view keeps
+        its base alive, so a key's id() cannot be reused by another tensor while it is here; the
+        sizes are bounded by the buckets."""
+        memo = self._slices
+        k = (id(tensor), n)
+        v = memo.get(k)
+        if v is None:
+            if len(memo) > 4096:  # a bound, should buckets ever be many more than planned
+                memo.clear()
+            v = memo[k] = tensor[:n]
+        return v
+
+    def _numpy(self, tensor: torch.Tensor):
+        """A pinned host tensor's numpy view, made once (as `_head`)."""
+        memo = self._slices
+        k = (id(tensor), "np")
+        v = memo.get(k)
+        if v is None:
+            v = memo[k] = (tensor, tensor.numpy())
+        return v[1]
 
     def _ready_graph(self, key):
         """The bucket's captured graph entry when nothing needs building first, else None (`_graph` then)."""

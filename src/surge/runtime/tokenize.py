@@ -15,6 +15,12 @@ from surge.errors import InvalidInput, PayloadTooLarge
 from surge.types import Encoded
 
 
+# Up to this many texts a call go through the Python fast path (~5 us a short sentence against ~25
+# for tokenizers' batch call on the 2-core machine, and 40-55 against 100-140 us on cold caches);
+# larger batches go to tokenizers, which releases the GIL and can spread them over threads.
+FAST_MAX_TEXTS = 64
+
+
 class Tokenizer:
     def __init__(self, tokenizer_file: Path, max_length: int, vocab_size: int, pad_id: int = 0):
         self._tok = _HFTokenizer.from_file(str(tokenizer_file))
@@ -27,27 +33,42 @@ class Tokenizer:
         self._n_special = self._tok.post_processor.num_special_tokens_to_add(False) if self._tok.post_processor else 0
         # Ids and type ids only (no character offsets): ~20% faster a call where tokenizers has it (>= 0.21).
         self._encode_ids = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        # Short ASCII texts of a BERT WordPiece tokenizer, in Python with the same ids (runtime/fast_wordpiece.py).
+        from surge.runtime.fast_wordpiece import AsciiWordPiece
+
+        self._fast = AsciiWordPiece.from_tokenizer_json(tokenizer_file)
 
     def encode(self, texts: list[str], truncate: bool = True) -> list[Encoded]:
         """Tokenize a batch of texts. Too long and truncate=False gives 413."""
+        fast = self._fast
+        if fast is not None and len(texts) <= FAST_MAX_TEXTS:
+            limit = self.max_length if truncate else None
+            ids = [fast.encode(t, limit) for t in texts]
+            if None not in ids:
+                if not truncate:
+                    self._check_lengths(map(len, ids))
+                return [Encoded(np.array(x, dtype=np.int64), np.zeros(len(x), dtype=np.int64)) for x in ids]
         if not truncate:
             self._tok.no_truncation()
             try:
                 encs = self._encode_ids(texts)
             finally:
                 self._tok.enable_truncation(max_length=self.max_length)
-            for i, enc in enumerate(encs):
-                if len(enc.ids) > self.max_length:
-                    raise PayloadTooLarge(
-                        f"input {i} has {len(enc.ids)} tokens, more than the model's maximum of {self.max_length} "
-                        "(send truncate=true to cut it)",
-                        param="input",
-                    )
+            self._check_lengths(len(e.ids) for e in encs)
         else:
             encs = self._encode_ids(texts)
         return [
             Encoded(np.asarray(e.ids, dtype=np.int64), np.asarray(e.type_ids, dtype=np.int64)) for e in encs
         ]
+
+    def _check_lengths(self, lengths) -> None:
+        for i, n in enumerate(lengths):
+            if n > self.max_length:
+                raise PayloadTooLarge(
+                    f"input {i} has {n} tokens, more than the model's maximum of {self.max_length} "
+                    "(send truncate=true to cut it)",
+                    param="input",
+                )
 
     def encodings(self, inputs: list, truncate: bool = True, param: str = "input") -> list:
         """The tokenizers `Encoding`s of texts or (text, text_pair) tuples (offsets, special-token
