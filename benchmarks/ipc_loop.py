@@ -28,6 +28,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
+from surge.cli.workers_engine import run_loop  # noqa: E402  (uvloop where installed)
+
 
 def _engine(sock: str, engine_ms: float, poll_us: float | None) -> None:
     from surge.runtime import ipc
@@ -57,16 +59,7 @@ def _engine(sock: str, engine_ms: float, poll_us: float | None) -> None:
         await ipc.EngineServer(b, {"bench": True}).serve(sock)
         await asyncio.Event().wait()
 
-    _run_loop(main())
-
-
-def _run_loop(coro) -> None:
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(coro)
-        return
-    uvloop.run(coro)
+    run_loop(main())
 
 
 def _client(sock: str, concurrency: int, seconds: float, q) -> None:
@@ -94,7 +87,7 @@ def _client(sock: str, concurrency: int, seconds: float, q) -> None:
     async def wrap():
         out.append(await main())
 
-    _run_loop(wrap())
+    run_loop(wrap())
     q.put(out[0])
 
 

@@ -32,3 +32,18 @@ class ServerProcess(ServerProc):
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+
+def children_by_role(srv) -> dict[str, list]:
+    """A `--workers` server's processes by role ("engine", "front"): psutil.Process objects."""
+    import psutil
+
+    out: dict[str, list] = {"engine": [], "front": []}
+    for p in psutil.Process(srv.proc.pid).children(recursive=True):
+        try:
+            cmd = p.cmdline()
+        except psutil.NoSuchProcess:
+            continue
+        if "surge.cli.workers" in cmd:
+            out[cmd[cmd.index("surge.cli.workers") + 1]].append(p)
+    return out

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from tests.conftest import cosine_rows
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, children_by_role
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -27,18 +27,6 @@ def server():
     with ServerProcess("--workers", "2", "--engine", "torch", "--device", "cpu", "--cache-bytes", "0",
                        "--max-batch-size", "16", grpc=True) as srv:
         yield srv
-
-
-def _children(srv) -> dict[str, list[psutil.Process]]:
-    out = {"engine": [], "front": []}
-    for p in psutil.Process(srv.proc.pid).children(recursive=True):
-        try:
-            cmd = p.cmdline()
-        except psutil.NoSuchProcess:
-            continue
-        if "surge.cli.workers" in cmd:
-            out[cmd[cmd.index("surge.cli.workers") + 1]].append(p)
-    return out
 
 
 def _wait_ready(srv, timeout=120.0) -> None:
@@ -67,7 +55,7 @@ async def _many(url, texts, timeout=60.0, native=False):
 
 
 def test_concurrent_results_match_reference_and_never_mix(server, sentences, reference_embed):
-    assert len(_children(server)["front"]) == 2 and len(_children(server)["engine"]) == 1
+    assert len(children_by_role(server)["front"]) == 2 and len(children_by_role(server)["engine"]) == 1
     rng = np.random.default_rng()
     picks = [[sentences[i] for i in rng.choice(len(sentences), int(rng.integers(1, 4)), replace=False)]
              for _ in range(24)]
@@ -105,7 +93,7 @@ def test_grpc_is_served_by_every_front_end_on_one_port(server, sentences, refere
     from surge.server.grpc import grpc_service_pb2 as pb
     from surge.server.grpc import grpc_service_pb2_grpc as pb_grpc
 
-    for front in _children(server)["front"]:
+    for front in children_by_role(server)["front"]:
         ports = {c.laddr.port for c in front.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
         assert server.grpc_port in ports, ports
     rng = np.random.default_rng()
@@ -141,7 +129,7 @@ def _sample(text: str, name: str) -> float:
 
 
 def test_engine_crash_fails_in_flight_with_503_at_once_and_recovers(server, sentences):
-    engine = _children(server)["engine"][0]
+    engine = children_by_role(server)["engine"][0]
     long = [" ".join(sentences[i:i + 12]) for i in range(0, 120, 3)]  # long inputs: the engine is busy a while
 
     async def main():
@@ -158,18 +146,18 @@ def test_engine_crash_fails_in_flight_with_503_at_once_and_recovers(server, sent
     assert 503 in codes
     assert took < 30  # failed at once, not after the request timeout
     _wait_ready(server)
-    new = _children(server)["engine"]
+    new = children_by_role(server)["engine"]
     assert len(new) == 1 and new[0].pid != engine.pid
     (status, body, _), = asyncio.run(_many(server.url, [["after the restart"]]))
     assert status == 200, body
 
 
 def test_crashed_front_end_is_started_again(server):
-    old = _children(server)["front"]
+    old = children_by_role(server)["front"]
     old[0].kill()
     end = time.monotonic() + 60
     while time.monotonic() < end:
-        fronts = _children(server)["front"]
+        fronts = children_by_role(server)["front"]
         if len(fronts) == 2 and old[0].pid not in {p.pid for p in fronts}:
             break
         time.sleep(0.2)
@@ -202,7 +190,7 @@ def test_two_engine_processes_each_restarted_on_its_own(sentences, reference_emb
     keeps its pid) and every request answers 200 after."""
     with ServerProcess("--workers", "2", "--engine-processes", "2", "--engine", "torch", "--device", "cpu",
                        "--cache-bytes", "0", "--max-batch-size", "8") as srv:
-        kids = _children(srv)
+        kids = children_by_role(srv)
         assert len(kids["engine"]) == 2 and len(kids["front"]) == 2
         rng = np.random.default_rng()
         texts = [sentences[i] for i in rng.choice(len(sentences), 16, replace=False)]
@@ -223,7 +211,7 @@ def test_two_engine_processes_each_restarted_on_its_own(sentences, reference_emb
         victim.kill()
         end = time.monotonic() + 120
         while time.monotonic() < end:
-            pids = {p.pid for p in _children(srv)["engine"]}
+            pids = {p.pid for p in children_by_role(srv)["engine"]}
             if len(pids) == 2 and victim.pid not in pids:
                 break
             time.sleep(0.2)

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from tests.conftest import cosine_rows
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, children_by_role
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -30,15 +30,7 @@ def server():
 
 
 def _roles(srv) -> dict[int, str]:
-    out = {}
-    for p in psutil.Process(srv.proc.pid).children(recursive=True):
-        try:
-            cmd = p.cmdline()
-        except psutil.NoSuchProcess:
-            continue
-        if "surge.cli.workers" in cmd:
-            out[p.pid] = cmd[cmd.index("surge.cli.workers") + 1]
-    return out
+    return {p.pid: role for role, procs in children_by_role(srv).items() for p in procs}
 
 
 def _holders(srv, conn: http.client.HTTPConnection) -> set[str]:
@@ -77,6 +69,22 @@ def _until(cond, timeout=30.0):
     return False
 
 
+def _handed_connection(srv) -> http.client.HTTPConnection:
+    """A new connection that the engine process serves (the slot frees as an earlier one closes)."""
+    box = []
+
+    def handed():
+        if box:
+            box.pop().close()
+        conn = _connect(srv)
+        box.append(conn)
+        _post(conn, ["warm"])
+        return "engine" in _holders(srv, conn)
+
+    assert _until(handed)
+    return box[0]
+
+
 def _check(status, body, headers, texts, reference_embed):
     assert status == 200, body
     got = np.array([d["embedding"] for d in json.loads(body)["data"]], np.float32)
@@ -87,7 +95,7 @@ def test_one_connection_goes_to_the_engine_process_the_next_stays_with_a_front_e
                                                                                      reference_embed):
     rng = np.random.default_rng()
     pick = lambda: [sentences[i] for i in rng.choice(len(sentences), int(rng.integers(1, 4)), replace=False)]  # noqa: E731
-    lone = _connect(server)
+    lone = _handed_connection(server)  # the first that finds the slot free (a closing one may hold it)
     for _ in range(3):
         texts = pick()
         _check(*_post(lone, texts), texts, reference_embed)
@@ -119,17 +127,7 @@ def test_a_handed_connection_goes_back_to_its_front_end_while_front_ends_keep_th
     after its next response (nothing of a next request read) and goes on, correct, at the front end."""
     import threading
 
-    lone = None
-
-    def handed():
-        nonlocal lone
-        if lone is not None:
-            lone.close()
-        lone = _connect(server)
-        _post(lone, ["warm"])
-        return "engine" in _holders(server, lone)
-
-    assert _until(handed)
+    lone = _handed_connection(server)
     long = [" ".join(sentences[i:i + 12]) for i in range(0, 32, 2)]  # a batch of 16 long inputs
     stop = threading.Event()
     errors: list = []
@@ -172,17 +170,7 @@ def test_a_handed_connection_goes_back_to_its_front_end_while_front_ends_keep_th
 
 def test_a_dead_engine_answers_503_at_once_on_its_handed_connection_then_serves_again(server, sentences,
                                                                                       reference_embed):
-    conn = None
-
-    def handed():
-        nonlocal conn
-        if conn is not None:
-            conn.close()
-        conn = _connect(server)
-        _post(conn, ["warm"])
-        return "engine" in _holders(server, conn)
-
-    assert _until(handed)
+    conn = _handed_connection(server)
     (engine_pid,) = [pid for pid, role in _roles(server).items() if role == "engine"]
     # Frozen, the engine process cannot read the next request: it is in flight when the process dies.
     os.kill(engine_pid, signal.SIGSTOP)

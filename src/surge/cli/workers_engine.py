@@ -77,7 +77,7 @@ def engine_main(config_json: str, sock: str) -> None:
         else:
             await service.close()
 
-    _run_loop(main())
+    run_loop(main())
 
 
 class EngineHttp:
@@ -189,7 +189,7 @@ async def _export_builds(services, every_s: float = 1.0) -> None:
         await asyncio.sleep(every_s)
 
 
-def _run_loop(coro) -> None:
+def run_loop(coro) -> None:
     """uvloop where installed (as uvicorn does for the front ends): its loop costs about half of asyncio's per callback."""
     try:
         import uvloop
