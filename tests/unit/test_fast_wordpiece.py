@@ -128,3 +128,19 @@ def test_the_served_tokenizer_gives_the_same_arrays_with_and_without_the_fast_pa
         with pytest.raises(Exception) as e:
             t.encode([long], truncate=False)
         assert getattr(e.value, "http_status", None) == 413
+
+
+def test_one_parsed_vocabulary_per_file_version(tmp_path, tokenizer_file):
+    from surge.runtime.fast_wordpiece import for_file
+
+    path = tmp_path / "tokenizer.json"
+    path.write_bytes(open(tokenizer_file, "rb").read())
+    a, b = for_file(path), for_file(path)
+    assert a is not None and a is b  # a model loaded again shares it
+    spec = json.loads(path.read_text())
+    spec["model"]["vocab"]["zzzqqq"] = len(spec["model"]["vocab"])
+    path.write_text(json.dumps(spec))  # a new version of the file: parsed again, its words known
+    c = for_file(path)
+    assert c is not a and c.encode("zzzqqq", 16) == [a.cls, spec["model"]["vocab"]["zzzqqq"], a.sep]
+    assert a.encode("zzzqqq", 16) != c.encode("zzzqqq", 16)
+    assert for_file(tmp_path / "missing.json") is None

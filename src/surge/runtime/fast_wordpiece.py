@@ -25,6 +25,7 @@ The pipeline, for ASCII input:
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -34,6 +35,23 @@ _DROP = {c: None for c in [*range(0, 9), 11, 12, *range(14, 32), 127]}
 _WORDS_LOWER = re.compile(r"[0-9a-z]+|[!-/:-@\[-`{-~]")
 _WORDS_CASED = re.compile(r"[0-9A-Za-z]+|[!-/:-@\[-`{-~]")
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+def for_file(path) -> "AsciiWordPiece | None":
+    """`AsciiWordPiece.from_tokenizer_json`, one per file version: a model loaded again (a
+    repository's reload, a new version with the same tokenizer) shares the parsed vocabulary
+    instead of parsing ~30,000 entries again each time."""
+    p = Path(path)
+    try:
+        st = p.stat()
+    except OSError:
+        return None
+    return _cached(str(p.resolve()), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _cached(path: str, mtime_ns: int, size: int) -> "AsciiWordPiece | None":
+    return AsciiWordPiece.from_tokenizer_json(Path(path))
 
 
 class AsciiWordPiece:

@@ -34,9 +34,9 @@ class Tokenizer:
         # Ids and type ids only (no character offsets): ~20% faster a call where tokenizers has it (>= 0.21).
         self._encode_ids = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         # Short ASCII texts of a BERT WordPiece tokenizer, in Python with the same ids (runtime/fast_wordpiece.py).
-        from surge.runtime.fast_wordpiece import AsciiWordPiece
+        from surge.runtime.fast_wordpiece import for_file
 
-        self._fast = AsciiWordPiece.from_tokenizer_json(tokenizer_file)
+        self._fast = for_file(tokenizer_file)
 
     def encode(self, texts: list[str], truncate: bool = True) -> list[Encoded]:
         """Tokenize a batch of texts. Too long and truncate=False gives 413."""
