@@ -132,3 +132,43 @@ def test_a_lone_request_is_sent_at_once_and_requests_in_flight_together_in_one_f
         b.close()
 
     asyncio.run(main())
+
+
+def test_a_return_frame_reaches_the_front_end_by_its_process_id(tmp_path):
+    """EngineServer.return_connection finds the connected front end by SO_PEERCRED and its
+    EngineClient gets the connection id; an unknown process gets False (nothing sent)."""
+    import asyncio
+    import os
+
+    from surge.runtime.ipc import EngineClient, EngineServer
+
+    async def main():
+        server = EngineServer(batcher=None, hello={"max_batch": 1})
+        path = str(tmp_path / "e.sock")
+        srv = await server.serve(path)
+        client = EngineClient(path)
+        got: list[int] = []
+        client.on_return = got.append
+        await client.connect(timeout_s=10)
+        for _ in range(100):
+            if os.getpid() in server.by_pid:
+                break
+            await asyncio.sleep(0.01)
+        assert list(server.by_pid) == [os.getpid()]  # this process is the client here
+        cid = int(np.random.default_rng().integers(1, 1 << 62))
+        assert server.return_connection(os.getpid(), cid)
+        assert not server.return_connection(os.getpid() + 10_000_000, 1)
+        for _ in range(100):
+            if got:
+                break
+            await asyncio.sleep(0.01)
+        assert got == [cid]
+        await client.close()
+        for _ in range(100):
+            if not server.by_pid:
+                break
+            await asyncio.sleep(0.01)
+        assert server.by_pid == {}  # a front end that went away is forgotten
+        srv.close()
+
+    asyncio.run(main())

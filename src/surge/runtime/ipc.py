@@ -132,7 +132,7 @@ class _ClientProtocol(asyncio.Protocol):
                 self.client._catalog(W.decode_json(body, with_id=False))
             elif kind == W.RETURN:
                 if self.client.on_return is not None:
-                    self.client.on_return(W.decode_cancel(body))
+                    self.client.on_return(W.decode_return(body))
             elif kind == W.REPLY:
                 rid, obj = W.decode_json(body, with_id=True)
                 fut = self.client._controls.pop(rid, None)

@@ -155,7 +155,11 @@ def decode_cancel(body: bytes) -> int:
 
 
 def encode_return(conn_id: int) -> bytes:
-    return frame(_CANCEL.pack(RETURN, conn_id))
+    return frame(_CANCEL.pack(RETURN, conn_id))  # the same layout as CANCEL: kind, Q id
+
+
+def decode_return(body: bytes) -> int:
+    return _CANCEL.unpack_from(body)[1]
 
 
 def encode_error(req_id: int, exc: BaseException) -> bytes:
