@@ -15,6 +15,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
 from surge.data import load_queries, load_sentences
+from surge.errors import PayloadTooLarge
 from surge.runtime.fast_wordpiece import AsciiWordPiece
 from surge.runtime.tokenize import Tokenizer
 
@@ -110,24 +111,34 @@ def test_other_pipelines_are_declined(tmp_path, tokenizer_file):
 
 
 def test_the_served_tokenizer_gives_the_same_arrays_with_and_without_the_fast_path(bundled_spec):
+    """A batch mixing ASCII and other texts: the fast path takes the ASCII ones, tokenizers only
+    the rest (in the same order), and the arrays equal tokenizers' own for all of them."""
     tok = Tokenizer(bundled_spec.tokenizer_file, max_length=bundled_spec.max_length, vocab_size=bundled_spec.vocab_size)
     assert tok._fast is not None
     plain = Tokenizer(bundled_spec.tokenizer_file, max_length=bundled_spec.max_length, vocab_size=bundled_spec.vocab_size)
     plain._fast = None
+    seen: list[str] = []
+    hf = tok._encode_ids
+    tok._encode_ids = lambda texts: (seen.extend(texts), hf(texts))[1]
     rng = np.random.default_rng()
     sents = load_sentences()
-    texts = [sents[i] for i in rng.choice(len(sents), 40, replace=False)] + ["Ünïcode text", ""]
+    ascii_ = [t for t in sents if t.isascii()]
+    others = ["Ünïcode text", "naïve café", "日本語の文"]
+    texts = [ascii_[i] for i in rng.choice(len(ascii_), 30, replace=False)] + others + [""]
+    order = rng.permutation(len(texts))
+    texts = [texts[i] for i in order]
     for truncate in (True, False):
+        seen.clear()
         a, b = tok.encode(texts, truncate), plain.encode(texts, truncate)
-        for x, y in zip(a, b):
+        assert seen == [t for t in texts if t in others]  # only what the fast path declined
+        for x, y in zip(a, b, strict=True):
             np.testing.assert_array_equal(x.ids, y.ids)
             np.testing.assert_array_equal(x.type_ids, y.type_ids)
             assert x.ids.dtype == y.ids.dtype == np.int64
-    long = " ".join(sents[:40])
-    for t in (tok, plain):  # too long with truncate=False: the same 413, whichever path
-        with pytest.raises(Exception) as e:
-            t.encode([long], truncate=False)
-        assert getattr(e.value, "http_status", None) == 413
+    long = " ".join(ascii_[:40])
+    for t in (tok, plain):  # too long with truncate=False: the same 413 naming the input, whichever path
+        with pytest.raises(PayloadTooLarge, match="input 1 has"):
+            t.encode(["short", long, "naïve"], truncate=False)
 
 
 def test_one_parsed_vocabulary_per_file_version(tmp_path, tokenizer_file):

@@ -150,25 +150,26 @@ def test_a_return_frame_reaches_the_front_end_by_its_process_id(tmp_path):
         got: list[int] = []
         client.on_return = got.append
         await client.connect(timeout_s=10)
-        for _ in range(100):
-            if os.getpid() in server.by_pid:
-                break
-            await asyncio.sleep(0.01)
+        await _eventually(lambda: os.getpid() in server.by_pid)
         assert list(server.by_pid) == [os.getpid()]  # this process is the client here
         cid = int(np.random.default_rng().integers(1, 1 << 62))
         assert server.return_connection(os.getpid(), cid)
         assert not server.return_connection(os.getpid() + 10_000_000, 1)
-        for _ in range(100):
-            if got:
-                break
-            await asyncio.sleep(0.01)
+        await _eventually(lambda: got)
         assert got == [cid]
         await client.close()
-        for _ in range(100):
-            if not server.by_pid:
-                break
-            await asyncio.sleep(0.01)
+        await _eventually(lambda: not server.by_pid)
         assert server.by_pid == {}  # a front end that went away is forgotten
         srv.close()
 
     asyncio.run(main())
+
+
+async def _eventually(cond, timeout_s: float = 30.0) -> None:
+    """Until cond() holds; the test's own assert after it says what did not (no speed assumed)."""
+    import asyncio
+    import time
+
+    end = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < end:
+        await asyncio.sleep(0.01)

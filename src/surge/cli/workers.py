@@ -261,7 +261,7 @@ def front_state(config: ServerConfig, sock: str, others: list[str] = ()):
         _front_repository(state, config, sock, list(others))
         return _front_extras(state, config)
     spec = load_model_spec(config.model_dir or bundled_model_dir(), name=config.model_name)
-    handoff, client_hooks = None, {}
+    handoff = None
     if config.engine_connections > 0:  # lone connections to the engine process (server/http/handoff.py)
         try:
             from surge.server.http import frontend
@@ -271,7 +271,6 @@ def front_state(config: ServerConfig, sock: str, others: list[str] = ()):
             from surge.server.http.handoff import Handoff
 
             handoff = frontend.HANDOFF = Handoff(sock, config.engine_connections)
-            client_hooks = {"on_return": handoff.take_back}
 
     async def connect(state: AppState) -> None:
         holder = {}
@@ -284,7 +283,7 @@ def front_state(config: ServerConfig, sock: str, others: list[str] = ()):
                 handoff.engine_back() if up else handoff.engine_lost()
 
         client = EngineClient(sock, on_state=on_state)
-        client.on_return = client_hooks.get("on_return")
+        client.on_return = handoff.take_back if handoff is not None else None
         hello = await client.connect()
         caps = Capabilities(hello["max_batch"], hello["max_tokens"], Layout(hello["layout"]), hello["device"],
                             hello["dtype"], hello["hidden"])

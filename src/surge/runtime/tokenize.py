@@ -15,8 +15,8 @@ from surge.errors import InvalidInput, PayloadTooLarge
 from surge.types import Encoded
 
 
-# Up to this many texts a call go through the Python fast path (~5 us a short sentence against ~25
-# for tokenizers' batch call on the 2-core machine, and 40-55 against 100-140 us on cold caches);
+# Up to this many texts a call go through the Python fast path (one query on the 2-core machine:
+# 14 against 40 us back to back, 41-100 against 90-186 us after sleeps: benchmarks/tokenize_fast.py);
 # larger batches go to tokenizers, which releases the GIL and can spread them over threads.
 FAST_MAX_TEXTS = 64
 
@@ -40,26 +40,30 @@ class Tokenizer:
 
     def encode(self, texts: list[str], truncate: bool = True) -> list[Encoded]:
         """Tokenize a batch of texts. Too long and truncate=False gives 413."""
+        out: list[Encoded | None] = [None] * len(texts)
         fast = self._fast
         if fast is not None and len(texts) <= FAST_MAX_TEXTS:
             limit = self.max_length if truncate else None
-            ids = [fast.encode(t, limit) for t in texts]
-            if None not in ids:
-                if not truncate:
-                    self._check_lengths(map(len, ids))
-                return [Encoded(np.array(x, dtype=np.int64), np.zeros(len(x), dtype=np.int64)) for x in ids]
+            for i, t in enumerate(texts):
+                ids = fast.encode(t, limit)
+                if ids is not None:
+                    out[i] = Encoded(np.array(ids, dtype=np.int64), np.zeros(len(ids), dtype=np.int64))
+        rest = [i for i, e in enumerate(out) if e is None]  # what the fast path declined: tokenizers
+        if rest:
+            sub = [texts[i] for i in rest]
+            if not truncate:
+                self._tok.no_truncation()
+                try:
+                    encs = self._encode_ids(sub)
+                finally:
+                    self._tok.enable_truncation(max_length=self.max_length)
+            else:
+                encs = self._encode_ids(sub)
+            for i, e in zip(rest, encs):
+                out[i] = Encoded(np.asarray(e.ids, dtype=np.int64), np.asarray(e.type_ids, dtype=np.int64))
         if not truncate:
-            self._tok.no_truncation()
-            try:
-                encs = self._encode_ids(texts)
-            finally:
-                self._tok.enable_truncation(max_length=self.max_length)
-            self._check_lengths(len(e.ids) for e in encs)
-        else:
-            encs = self._encode_ids(texts)
-        return [
-            Encoded(np.asarray(e.ids, dtype=np.int64), np.asarray(e.type_ids, dtype=np.int64)) for e in encs
-        ]
+            self._check_lengths(len(e.ids) for e in out)
+        return out
 
     def _check_lengths(self, lengths) -> None:
         for i, n in enumerate(lengths):
