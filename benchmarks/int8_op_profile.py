@@ -27,7 +27,7 @@ def profile(model_dir: str, ids: np.ndarray, mask: np.ndarray, runs: int, thread
     so.enable_profiling = True
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.profile_file_prefix = "/tmp/surge_op_profile"
-    s = ort.InferenceSession(f"{model_dir}/model.onnx", so, providers=["CPUExecutionProvider"])
+    s = ort.InferenceSession(model_dir if model_dir.endswith(".onnx") else f"{model_dir}/model.onnx", so, providers=["CPUExecutionProvider"])
     feeds = {i.name: (ids if "input_ids" in i.name else mask if "mask" in i.name else np.zeros_like(ids))
              for i in s.get_inputs()}
     warm = 5
@@ -52,7 +52,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=40)
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args()
-    tok = Tokenizer.from_file(f"{a.int8}/tokenizer.json")
+    tok = Tokenizer.from_file(f"{a.fp32}/tokenizer.json")
     tok.no_padding()
     tok.enable_truncation(256)
     encs = tok.encode_batch(heldout_queries()[:a.batch])

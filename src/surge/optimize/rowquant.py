@@ -76,10 +76,13 @@ def _weight(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def quantize_rows(model: onnx.ModelProto, exclude: list[str] | tuple[str, ...] = (),
                   weights: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
-                  unsigned_gelu: bool = True) -> tuple[onnx.ModelProto, dict]:
+                  unsigned_gelu: bool = True,
+                  static: dict[str, tuple[float, float]] | None = None) -> tuple[onnx.ModelProto, dict]:
     """The per-row INT8 model and what was done (for the manifest). `exclude`: node names kept in FP32;
     `weights`: node name -> (int8 codes [K, N], scale [N]) already chosen (gptq.py), else rounded here;
-    `unsigned_gelu`: GELU-fed inputs shifted and quantized unsigned (False: symmetric like the others)."""
+    `unsigned_gelu`: GELU-fed inputs shifted and quantized unsigned (False: symmetric like the others);
+    `static`: node name -> (min, max) of its input (activation_ranges): that node's activations on one fixed
+    affine uint8 grid (a single QuantizeLinear, no per-row reductions; batch invariant too, and coarser)."""
     out = onnx.ModelProto.FromString(model.SerializeToString())
     graph = out.graph
     inits = {i.name: i for i in graph.initializer}
@@ -106,7 +109,17 @@ def quantize_rows(model: onnx.ModelProto, exclude: list[str] | tuple[str, ...] =
         graph.initializer.extend([nh.from_array(wq, p + "/wq"), nh.from_array(ws, p + "/ws"),
                                   nh.from_array(np.array([-1, w.shape[0]], np.int64), p + "/rows_k")])
         shift = _gelu_shift(graph, node.input[0], w.shape[0], inits) if node.op_type == "MatMul" and unsigned_gelu else None
-        if shift is not None:
+        if static and node.name in static:
+            scale, zp = static_grid(*static[node.name])
+            graph.initializer.extend([nh.from_array(np.array(scale, np.float32), p + "/scale"),
+                                      nh.from_array(np.array(zp, np.uint8), p + "/zp")])
+            chain = [helper.make_node("QuantizeLinear", [node.input[0], p + "/scale", p + "/zp"], [p + "/q"])]
+            counts["static"] = counts.get("static", 0) + 1
+            if node.op_type == "MatMul":
+                new = chain + [_mmitf(p, node.output[0], zp=p + "/zp")]
+            else:
+                new = chain + _attention_tail(p, node, zp=p + "/zp")
+        elif shift is not None:
             wd = wq.astype(np.float32) * ws  # the weights the int8 product really uses
             graph.initializer.extend([nh.from_array(shift, p + "/shift"),
                                       nh.from_array((shift.astype(np.float64) @ wd).astype(np.float32), p + "/shift_w")])
@@ -117,14 +130,7 @@ def quantize_rows(model: onnx.ModelProto, exclude: list[str] | tuple[str, ...] =
         elif node.op_type == "MatMul":
             new = _row_quantize(p, node.input[0]) + [_mmitf(p, node.output[0])]
         else:
-            new = _row_quantize(p, node.input[0])
-            heads = next(a.i for a in node.attribute if a.name == "num_heads")
-            extra = {a.name: helper.get_attribute_value(a) for a in node.attribute if a.name in ("scale", "mask_filter_value")}
-            new += [_mmitf(p, p + "/qkv"),
-                    helper.make_node("Split", [p + "/qkv"], [p + "/query", p + "/key", p + "/value"], axis=-1, num_outputs=3),
-                    helper.make_node("MultiHeadAttention", [p + "/query", p + "/key", p + "/value", node.input[2],
-                                                            node.input[3] if len(node.input) > 3 else ""],
-                                     [node.output[0]], domain="com.microsoft", num_heads=heads, **extra)]
+            new = _row_quantize(p, node.input[0]) + _attention_tail(p, node)
         for i, n in enumerate(new):
             n.name = f"{p}/{i}"
         nodes += new
@@ -137,13 +143,49 @@ def quantize_rows(model: onnx.ModelProto, exclude: list[str] | tuple[str, ...] =
     if not any(o.domain == "com.microsoft" for o in out.opset_import):
         out.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     _prune_unused(out)
-    info = {"method": "per-row", "weight_type": "int8 (symmetric, per output channel)",
+    info = {"method": "per-row" if not counts.get("static") else
+            "static" if counts["static"] == sum(counts[k] for k in ("MatMul", "Attention")) else "per-row + static", "weight_type": "int8 (symmetric, per output channel)",
             "activation_type": "uint8 (symmetric around 128, one scale per token row, computed from that row)",
             "batch_invariant": True, "per_channel": True,
-            "quantized_ops": {k: v for k, v in counts.items() if v and k != "unsigned"},
+            "quantized_ops": {k: v for k, v in counts.items() if v and k not in ("unsigned", "static")},
+            "static_activation_nodes": counts.get("static", 0),
             "unsigned_gelu_inputs": counts.get("unsigned", 0),
             "kept_fp32": sorted(exclude)}
     return out, info
+
+
+def activation_ranges(model: onnx.ModelProto, batches, threads: int = 0) -> dict[str, tuple[float, float]]:
+    """(min, max) of every quantizable node's input over the real tokens of the batches (padding left out:
+    a static grid is fixed, so padded rows need no room in it): the `static` argument of quantize_rows."""
+    from surge.optimize.smooth import probe_inputs
+
+    nodes = quantizable(model)
+    lo: dict[str, float] = {}
+    hi: dict[str, float] = {}
+    for b, values in probe_inputs(model, sorted({n.input[0] for n in nodes}), batches, threads):
+        real = b.attention_mask.astype(bool)
+        for name, v in values.items():
+            x = v[real]
+            lo[name] = min(lo.get(name, 0.0), float(x.min()))
+            hi[name] = max(hi.get(name, 0.0), float(x.max()))
+    return {n.name: (lo[n.input[0]], hi[n.input[0]]) for n in nodes}
+
+
+def static_grid(lo: float, hi: float) -> tuple[float, int]:
+    """Scale and uint8 zero point of the affine grid that covers [lo, hi] (0 always representable)."""
+    lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
+    scale = max(hi - lo, 1e-8) / 255.0
+    return scale, int(np.clip(np.round(-lo / scale), 0, 255))
+
+
+def _attention_tail(p: str, node: onnx.NodeProto, zp: str = _C + "zp") -> list[onnx.NodeProto]:
+    heads = next(a.i for a in node.attribute if a.name == "num_heads")
+    extra = {a.name: helper.get_attribute_value(a) for a in node.attribute if a.name in ("scale", "mask_filter_value")}
+    return [_mmitf(p, p + "/qkv", zp=zp),
+            helper.make_node("Split", [p + "/qkv"], [p + "/query", p + "/key", p + "/value"], axis=-1, num_outputs=3),
+            helper.make_node("MultiHeadAttention", [p + "/query", p + "/key", p + "/value", node.input[2],
+                                                    node.input[3] if len(node.input) > 3 else ""],
+                             [node.output[0]], domain="com.microsoft", num_heads=heads, **extra)]
 
 
 def _row_quantize(p: str, x: str) -> list[onnx.NodeProto]:

@@ -55,11 +55,10 @@ def weighted_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
             and len(n.input) > 1 and n.input[1] in inits and len(inits[n.input[1]].dims) == 2]
 
 
-def activation_absmax(model: onnx.ModelProto, batches, threads: int = 0) -> dict[str, np.ndarray]:
-    """Per input channel max |x| of every weighted node's input, over all positions of the batches."""
+def probe_inputs(model: onnx.ModelProto, wanted: list[str], batches, threads: int = 0):
+    """Each batch's values of the tensors `wanted` (exposed as extra outputs): yields (batch, {name: array})."""
     from surge.optimize.validate import session
 
-    wanted = sorted({n.input[0] for n in weighted_nodes(model)})
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     present = {o.name for o in probe.graph.output}
@@ -69,13 +68,20 @@ def activation_absmax(model: onnx.ModelProto, batches, threads: int = 0) -> dict
     sess = session(probe.SerializeToString(), threads)
     names = [o.name for o in sess.get_outputs()]
     inputs = {i.name for i in sess.get_inputs()}
-    amax: dict[str, np.ndarray] = {}
     for b in batches:
         feeds = {"input_ids": b.input_ids, "attention_mask": b.attention_mask, "token_type_ids": b.token_type_ids}
-        for name, value in zip(names, sess.run(None, {k: v for k, v in feeds.items() if k in inputs})):
-            if name in wanted:
-                m = np.abs(value.reshape(-1, value.shape[-1])).max(0)
-                amax[name] = np.maximum(amax[name], m) if name in amax else m
+        values = sess.run(None, {k: v for k, v in feeds.items() if k in inputs})
+        yield b, {name: v for name, v in zip(names, values) if name in wanted}
+
+
+def activation_absmax(model: onnx.ModelProto, batches, threads: int = 0) -> dict[str, np.ndarray]:
+    """Per input channel max |x| of every weighted node's input, over all positions of the batches."""
+    wanted = sorted({n.input[0] for n in weighted_nodes(model)})
+    amax: dict[str, np.ndarray] = {}
+    for _, values in probe_inputs(model, wanted, batches, threads):
+        for name, value in values.items():
+            m = np.abs(value.reshape(-1, value.shape[-1])).max(0)
+            amax[name] = np.maximum(amax[name], m) if name in amax else m
     return amax
 
 

@@ -119,3 +119,50 @@ def test_gptq_rounding_beats_nearest_on_unseen_sentences(fused_minilm, bundled_s
                                              bundled_spec, texts))
            for name, wts in (("gptq", weights), ("nearest", None))}
     assert got["gptq"].mean() < got["nearest"].mean()
+
+
+def test_static_grid_covers_the_range_and_keeps_zero_exact():
+    from surge.optimize.rowquant import static_grid
+
+    rng = np.random.default_rng()
+    for lo, hi in zip(-rng.exponential(3, 50), rng.exponential(3, 50)):
+        scale, zp = static_grid(lo, hi)
+        assert 0 <= zp <= 255 and scale > 0
+        grid = (np.arange(256, dtype=np.float64) - zp) * scale
+        assert grid[zp] == 0.0  # zero (padding, ReLU-like zeros) is represented exactly
+        assert grid[0] <= lo + scale / 2 and grid[-1] >= hi - scale / 2  # both ends within half a step
+    assert static_grid(0.5, 2.0)[1] == 0  # a range that excludes 0 is widened to include it
+
+
+def test_static_activations_one_quantize_per_node_batch_invariant_and_close(fused_minilm, bundled_spec):
+    from surge.optimize.rowquant import activation_ranges
+    from surge.optimize.validate import Encoded
+
+    batches = Encoded(bundled_spec, calibration_queries()[:64]).batches
+    ranges = activation_ranges(fused_minilm, batches, threads=2)
+    assert len(ranges) == 24 and all(lo < 0 < hi for lo, hi in ranges.values())
+    # The ranges are the real tokens' values: a probe of one batch's FP32 inputs stays inside them.
+    from surge.optimize.smooth import probe_inputs
+
+    node = next(n for n in fused_minilm.graph.node if n.name == "/model/encoder/layer.2/output/dense/MatMul")
+    (b, values), = probe_inputs(fused_minilm, [node.input[0]], batches[:1], threads=2)
+    real = values[node.input[0]][b.attention_mask.astype(bool)]
+    assert ranges[node.name][0] <= real.min() and real.max() <= ranges[node.name][1]
+
+    model, info = quantize_rows(fused_minilm, static=ranges)
+    ops = [n.op_type for n in model.graph.node]
+    assert info["method"] == "static" and info["static_activation_nodes"] == 24 and info["batch_invariant"]
+    assert ops.count("QuantizeLinear") == 24 and ops.count("MatMulIntegerToFloat") == 24
+    assert not {"ReduceMax", "ReduceMin", "MatMul", "Attention"} & set(ops)
+    probes = heldout_queries()[:8]
+    long = sorted(calibration_queries(), key=len)[-3:]
+    alone, batched, padded = _alone_vs_batched(model, bundled_spec, probes, long)
+    assert cosine_rows(alone, batched).min() >= 0.9999 and cosine_rows(alone, padded).min() >= 0.9999
+    texts = heldout_queries()[100:140]
+    ref = _embed(session(fused_minilm.SerializeToString(), 2), bundled_spec, texts)
+    cos = cosine_rows(ref, _embed(session(model.SerializeToString(), 2), bundled_spec, texts))
+    assert cos.mean() >= 0.98 and cos.max() < 0.999999
+
+    mixed, info = quantize_rows(fused_minilm, static={node.name: ranges[node.name]})
+    assert info["method"] == "per-row + static" and info["static_activation_nodes"] == 1
+    assert [n.op_type for n in mixed.graph.node].count("ReduceMax") == 23
