@@ -30,6 +30,7 @@ def optimize(
     min_top1: Optional[float] = typer.Option(None, "--min-top1", help="Override the budget's retrieval top-1 floor, near-ties (within 0.01) counted as agreeing."),
     min_top1_strict: Optional[float] = typer.Option(None, "--min-top1-strict", help="Override the budget's strict retrieval top-1 floor (int8: 0.98)."),
     max_sentences: int = typer.Option(0, "--max-sentences", help="Use only the first N calibration and N held-out sentences (0: all 904 + 2,715 shipped queries)."),
+    int8_outliers: int = typer.Option(4, "--int8-outliers", min=0, help="Per-row INT8: try computing each MatMul's N largest input channels in FP32 beside the int8 product (kept if better on calibration; 0: never)."),
     int8_method: str = typer.Option("per-row", "--int8-method", help="INT8 activations: per-row (one scale per token, batch invariant) or dynamic (ORT per tensor, batch dependent)."),
     explain: bool = typer.Option(False, "--explain", help="List what each pass changed."),
     force: bool = typer.Option(False, "--force", help="Write the artifact even if it misses its accuracy budget."),
@@ -69,7 +70,7 @@ def optimize(
 
         calibration, heldout = calibration_queries()[:max_sentences], heldout_queries()[:max_sentences]
     options = OptimizeOptions(budget=budget, calibration=calibration, heldout=heldout, target=target, precision=precision, auto_block_list=auto_block_list,
-                              block_list=list(block) if block else None, per_channel=per_channel, smooth_alpha=alpha, int8_fallback=int8_fallback, int8_method=int8_method,
+                              block_list=list(block) if block else None, per_channel=per_channel, smooth_alpha=alpha, int8_fallback=int8_fallback, int8_method=int8_method, int8_outliers=int8_outliers,
                               prune_heads=prune_heads, rules=list(rule or []), force=force,
                               measure_latency=not no_latency, threads=threads, min_speedup=min_speedup)
     try:

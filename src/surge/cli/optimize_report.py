@@ -66,6 +66,12 @@ def render(console, manifest: dict, reports, explain: bool) -> None:
         if rounding:
             console.print(f"int8 weight rounding: {rounding}; GELU inputs on the unsigned grid: "
                           f"{q.get('unsigned_gelu_inputs', 0)}")
+        split = (q.get("outlier_split") or {})
+        if split.get("chosen"):
+            b, a = split["before"], split["after"]
+            console.print(f"int8 outlier split: each node's {split['channels']} largest input channels in FP32 "
+                          f"(calibration mean cos {b['mean_cosine']:.5f} -> {a['mean_cosine']:.5f}, strict top-1 "
+                          f"{b['top1']:.4f} -> {a['top1']:.4f})")
         console.print(f"int8 {q['method']}: batch invariant {q.get('batch_invariant', False)}; "
                       f"smoothing alpha {q.get('smoothing', {}).get('alpha')}; "
                       f"kept in FP32: {', '.join(kept) if kept else 'none'}")

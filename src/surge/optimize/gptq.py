@@ -79,8 +79,11 @@ def gptq_int8(w: np.ndarray, h: np.ndarray, damp: float = 0.01, block: int = 128
     return q, scale.astype(np.float32)
 
 
-def gptq_weights(model: onnx.ModelProto, batches, threads: int = 0, damp: float = 0.01) -> dict:
-    """node name -> (int8 codes, scales) for every node quantize_rows converts, from the calibration batches."""
+def gptq_weights(model: onnx.ModelProto, batches, threads: int = 0, damp: float = 0.01,
+                 outliers: dict[str, np.ndarray] | None = None) -> dict:
+    """node name -> (int8 codes, scales) for every node quantize_rows converts, from the calibration batches.
+    `outliers`: node name -> input channels that quantize_rows takes out of the int8 product (computed in
+    FP32): their weight rows and their inputs' moments are zero here, so no error is pushed onto them."""
     from onnx import numpy_helper as nh
 
     from surge.optimize.rowquant import quantizable
@@ -88,5 +91,16 @@ def gptq_weights(model: onnx.ModelProto, batches, threads: int = 0, damp: float 
     nodes = [n for n in quantizable(model) if n.name]
     inits = {i.name: i for i in model.graph.initializer}
     moments = input_moments(model, batches, {n.input[0] for n in nodes}, threads)
-    return {n.name: gptq_int8(nh.to_array(inits[n.input[1]]), moments[n.input[0]], damp)
-            for n in nodes if n.input[0] in moments}
+    out = {}
+    for n in nodes:
+        if n.input[0] not in moments:
+            continue
+        w, h = nh.to_array(inits[n.input[1]]), moments[n.input[0]]
+        split = outliers.get(n.name) if outliers else None
+        if split is not None and len(split):
+            w, h = w.copy(), h.copy()
+            w[split] = 0.0
+            h[split, :] = 0.0
+            h[:, split] = 0.0
+        out[n.name] = gptq_int8(w, h, damp)
+    return out

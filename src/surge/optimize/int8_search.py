@@ -13,7 +13,13 @@
 2. Weight rounding (per-row method, embedding models): GPTQ error feedback
    (gptq.py) on the chosen smoothing, kept if it measures better on
    calibration than plain nearest rounding.
-3. FP32 fallback: if the calibration set still misses the budget, measure
+3. Outlier split (per-row method, embedding models): each node's few largest
+   input channels (OUTLIER_CHANNELS, by calibration |x|) computed in FP32
+   beside the int8 product of the others, whose per-row scale then no longer
+   follows the outliers; the GPTQ rounding is redone for that split. Kept if
+   better on calibration. It costs a Gather, a K=4 product and an Add per node,
+   far less than keeping whole nodes in FP32.
+4. FP32 fallback: if the calibration set still misses the budget, measure
    every quantized node's sensitivity and keep nodes in FP32 in that order
    until the budget is met. Embedding models: the calibration *mean* cosine
    gained by keeping only that node in FP32 (the mean, not the tail, because
@@ -51,6 +57,11 @@ from surge.optimize.smooth import activation_absmax, smooth, weighted_nodes
 from surge.optimize.validate import Budget, Evaluator, SetMetrics, check
 
 ALPHAS = (0.5, 0.65, 0.8)
+# Input channels per node computed in FP32 by the outlier split (rowquant.py). Measured on the bundled
+# MiniLM, every node split, GPTQ weights (benchmarks/int8_designs.py, docs/benchmarks/optimizer.md session 7):
+# 4 channels took held-out strict top-1 from 0.973 to 0.986 with no FP32 node (8, 16, 32: 0.986, 0.983,
+# 0.984, each slower); the calibration top-1 cleared the search's 0.99 at 4.
+OUTLIER_CHANNELS = 4
 METHODS = ("per-row", "dynamic")
 HARD_SENTENCES = 160  # task graphs: the fallback measures on the calibration sentences the plan gets worst
 
@@ -75,12 +86,12 @@ class Int8Plan:
     info: dict = field(default_factory=dict)
 
 
-def quantizer(method: str, per_channel: bool = True,
-              weights: dict | None = None) -> Callable[[onnx.ModelProto, list[str]], tuple[onnx.ModelProto, dict]]:
+def quantizer(method: str, per_channel: bool = True, weights: dict | None = None,
+              outliers: dict | None = None) -> Callable[[onnx.ModelProto, list[str]], tuple[onnx.ModelProto, dict]]:
     if method == "per-row":
         from surge.optimize.rowquant import quantize_rows
 
-        return lambda model, exclude: quantize_rows(model, exclude=exclude, weights=weights)
+        return lambda model, exclude: quantize_rows(model, exclude=exclude, weights=weights, outliers=outliers)
     if method == "dynamic":
         from surge.optimize.quantize import quantize_int8
 
@@ -107,9 +118,11 @@ def _row(m: SetMetrics, **extra) -> dict:
 def build_int8(proto: onnx.ModelProto, evaluator: Evaluator, budget: Budget, per_channel: bool = True,
                alpha: float | None | str = "auto", search: bool = True, max_fp32_fraction: float = 0.25,
                progress: Callable[[str], None] | None = None, method: str = "per-row",
-               weight_rounding: str = "gptq") -> Int8Plan:
+               weight_rounding: str = "gptq", outlier_channels: int = OUTLIER_CHANNELS) -> Int8Plan:
     """alpha: "auto" (measured grid), None (no smoothing) or a fixed value in (0, 1].
-    weight_rounding: "gptq" (tried, kept if better on calibration) or "nearest" (per-row method only)."""
+    weight_rounding: "gptq" (tried, kept if better on calibration) or "nearest" (per-row method only).
+    outlier_channels: per-row method, embedding models: each node's largest input channels computed in
+    FP32 (tried after the weight rounding, kept if better on calibration; 0: never)."""
     say = progress or (lambda _: None)
     quantize = quantizer(method, per_channel)
     calibration = evaluator.data["calibration"]
@@ -155,6 +168,17 @@ def build_int8(proto: onnx.ModelProto, evaluator: Evaluator, budget: Budget, per
             passed = check(target, {"calibration": metrics}).passed
         else:
             info["weight_rounding"]["chosen"] = "nearest"
+    if method == "per-row" and outlier_channels > 0 and not passed and not task:
+        split = _outlier_split(smoothed, calibration.batches, evaluator.threads, outlier_channels, weight_rounding, say)
+        m3 = measure(split[0](smoothed, [])[0])
+        info["outlier_split"] = {"channels": outlier_channels, "before": _row(metrics), "after": _row(m3)}
+        if (m3.mean_cosine, m3.tail_cosine) > (metrics.mean_cosine, metrics.tail_cosine):
+            quantize, metrics = split[0], m3
+            q, qinfo = quantize(smoothed, [])
+            info["outlier_split"]["chosen"] = True
+            passed = check(target, {"calibration": metrics}).passed
+        else:
+            info["outlier_split"]["chosen"] = False
     steps = [_row(metrics, kept_fp32=[], passed=passed)]
     info["search_budget"] = target.to_json()
     if not passed and search:
@@ -199,6 +223,20 @@ def build_int8(proto: onnx.ModelProto, evaluator: Evaluator, budget: Budget, per
     info["fallback_steps"] = steps
     qinfo.update(info)
     return Int8Plan(q, a, kept, passed, qinfo)
+
+
+def _outlier_split(smoothed: onnx.ModelProto, batches, threads: int, k: int, weight_rounding: str, say):
+    """(the quantizer that computes each node's k largest input channels in FP32, the channels chosen)."""
+    from surge.optimize.rowquant import outlier_channels
+
+    say(f"int8: each node's {k} largest input channels in FP32 (outlier split)")
+    outliers = outlier_channels(smoothed, activation_absmax(smoothed, batches, threads), k)
+    weights = None
+    if weight_rounding == "gptq":
+        from surge.optimize.gptq import gptq_weights
+
+        weights = gptq_weights(smoothed, batches, threads, outliers=outliers)
+    return quantizer("per-row", True, weights, outliers), outliers
 
 
 def _head_first(smoothed, names, quantize, evaluator, measure, target, say):

@@ -45,6 +45,7 @@ class OptimizeOptions:
     smooth_alpha: float | str | None = "auto"  # int8 SmoothQuant strength: "auto" (measured), None (off), or 0 < a <= 1
     int8_fallback: bool = True  # int8: keep the most sensitive nodes in FP32 until the calibration budget is met
     int8_method: str = "per-row"  # "per-row" (batch invariant) or "dynamic" (ORT per-tensor, batch dependent)
+    int8_outliers: int = 4  # = int8_search.OUTLIER_CHANNELS: each node's largest input channels tried in FP32 (0: never)
     prune_heads: float = 0.0  # fraction of attention heads to remove
     rules: list[str] = field(default_factory=list)  # extra rewrite rules by import path
     budget: Budget | None = None  # None = validate.BUDGETS[precision] (LOSSY when pruning)
@@ -69,6 +70,8 @@ class OptimizeOptions:
 
         if self.int8_method not in METHODS:
             raise ConfigError(f"--int8-method must be one of {', '.join(METHODS)}, not {self.int8_method!r}")
+        if self.int8_outliers < 0:
+            raise ConfigError(f"--int8-outliers must be >= 0 (0: off), not {self.int8_outliers}")
         if self.smooth_alpha not in ("auto", None) and not (isinstance(self.smooth_alpha, (int, float))
                                                             and 0.0 < self.smooth_alpha <= 1.0):
             raise ConfigError(f"--smooth-alpha must be 'auto', 'off' or in (0, 1], not {self.smooth_alpha!r}")
@@ -215,7 +218,8 @@ def _apply_precision(proto: onnx.ModelProto, options: OptimizeOptions, evaluator
 
         say(f"quantizing to int8 ({options.int8_method})")
         plan = build_int8(proto, evaluator, budget, per_channel=options.per_channel, alpha=options.smooth_alpha,
-                          search=options.int8_fallback, progress=say, method=options.int8_method)
+                          search=options.int8_fallback, progress=say, method=options.int8_method,
+                          outlier_channels=options.int8_outliers)
         return ({"precision": "int8", "quantization": plan.info, "model": plan.model}, plan.model.SerializeToString(),
                 "onnxruntime-cpu int8")
     decisions: dict = {"precision": p}

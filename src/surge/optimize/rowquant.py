@@ -77,12 +77,15 @@ def _weight(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def quantize_rows(model: onnx.ModelProto, exclude: list[str] | tuple[str, ...] = (),
                   weights: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
                   unsigned_gelu: bool = True,
-                  static: dict[str, tuple[float, float]] | None = None) -> tuple[onnx.ModelProto, dict]:
+                  static: dict[str, tuple[float, float]] | None = None,
+                  outliers: dict[str, np.ndarray] | None = None) -> tuple[onnx.ModelProto, dict]:
     """The per-row INT8 model and what was done (for the manifest). `exclude`: node names kept in FP32;
     `weights`: node name -> (int8 codes [K, N], scale [N]) already chosen (gptq.py), else rounded here;
     `unsigned_gelu`: GELU-fed inputs shifted and quantized unsigned (False: symmetric like the others);
     `static`: node name -> (min, max) of its input (activation_ranges): that node's activations on one fixed
-    affine uint8 grid (a single QuantizeLinear, no per-row reductions; batch invariant too, and coarser)."""
+    affine uint8 grid (a single QuantizeLinear, no per-row reductions; batch invariant too, and coarser);
+    `outliers`: node name -> input channels (outlier_channels) whose part of the product runs in FP32, the
+    int8 product reading the other channels only (pass `weights` rounded for that split, gptq_weights)."""
     out = onnx.ModelProto.FromString(model.SerializeToString())
     graph = out.graph
     inits = {i.name: i for i in graph.initializer}
@@ -105,15 +108,26 @@ def quantize_rows(model: onnx.ModelProto, exclude: list[str] | tuple[str, ...] =
             continue
         p = f"rowq/{node.name}"
         w = nh.to_array(inits[node.input[1]]).astype(np.float32)
+        # before any outlier mask is folded into a smoothing Mul (the shift reads that Mul's factor)
+        shift = _gelu_shift(graph, node.input[0], w.shape[0], inits) if node.op_type == "MatMul" and unsigned_gelu else None
+        split = outliers.get(node.name) if outliers is not None else None
+        pre: list[onnx.NodeProto] = []
+        x_in = node.input[0]
+        if split is not None and len(split):
+            mask = np.ones(w.shape[0], np.float32)
+            mask[split] = 0.0
+            pre, x_in = _split_outliers(graph, inits, p, x_in, w, np.asarray(split, np.int64), mask)
+            w = w * mask[:, None]
+            shift = None if shift is None else shift * mask  # the zeroed channels need no shift
+            counts["outlier_nodes"] = counts.get("outlier_nodes", 0) + 1
         wq, ws = weights[node.name] if weights and node.name in weights else _weight(w)
         graph.initializer.extend([nh.from_array(wq, p + "/wq"), nh.from_array(ws, p + "/ws"),
                                   nh.from_array(np.array([-1, w.shape[0]], np.int64), p + "/rows_k")])
-        shift = _gelu_shift(graph, node.input[0], w.shape[0], inits) if node.op_type == "MatMul" and unsigned_gelu else None
         if static and node.name in static:
             scale, zp = static_grid(*static[node.name])
             graph.initializer.extend([nh.from_array(np.array(scale, np.float32), p + "/scale"),
                                       nh.from_array(np.array(zp, np.uint8), p + "/zp")])
-            chain = [helper.make_node("QuantizeLinear", [node.input[0], p + "/scale", p + "/zp"], [p + "/q"])]
+            chain = [helper.make_node("QuantizeLinear", [x_in, p + "/scale", p + "/zp"], [p + "/q"])]
             counts["static"] = counts.get("static", 0) + 1
             if node.op_type == "MatMul":
                 new = chain + [_mmitf(p, node.output[0], zp=p + "/zp")]
@@ -123,14 +137,16 @@ def quantize_rows(model: onnx.ModelProto, exclude: list[str] | tuple[str, ...] =
             wd = wq.astype(np.float32) * ws  # the weights the int8 product really uses
             graph.initializer.extend([nh.from_array(shift, p + "/shift"),
                                       nh.from_array((shift.astype(np.float64) @ wd).astype(np.float32), p + "/shift_w")])
-            new = _row_quantize_unsigned(p, node.input[0])
+            new = _row_quantize_unsigned(p, x_in)
             new += [_mmitf(p, p + "/shifted_out", zp=_C + "zp0"),
                     helper.make_node("Sub", [p + "/shifted_out", p + "/shift_w"], [node.output[0]])]
             counts["unsigned"] = counts.get("unsigned", 0) + 1
         elif node.op_type == "MatMul":
-            new = _row_quantize(p, node.input[0]) + [_mmitf(p, node.output[0])]
+            new = _row_quantize(p, x_in) + [_mmitf(p, node.output[0])]
         else:
-            new = _row_quantize(p, node.input[0]) + _attention_tail(p, node)
+            new = _row_quantize(p, x_in) + _attention_tail(p, node)
+        if pre:
+            new = pre + _add_outliers(new, p, node.output[0] if node.op_type == "MatMul" else p + "/qkv")
         for i, n in enumerate(new):
             n.name = f"{p}/{i}"
         nodes += new
@@ -143,15 +159,27 @@ def quantize_rows(model: onnx.ModelProto, exclude: list[str] | tuple[str, ...] =
     if not any(o.domain == "com.microsoft" for o in out.opset_import):
         out.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     _prune_unused(out)
-    info = {"method": "per-row" if not counts.get("static") else
-            "static" if counts["static"] == sum(counts[k] for k in ("MatMul", "Attention")) else "per-row + static", "weight_type": "int8 (symmetric, per output channel)",
+    static_nodes = counts.get("static", 0)
+    method = "per-row" if not static_nodes else "static" if static_nodes == counts["MatMul"] + counts["Attention"] \
+        else "per-row + static"
+    info = {"method": method, "weight_type": "int8 (symmetric, per output channel)",
             "activation_type": "uint8 (symmetric around 128, one scale per token row, computed from that row)",
             "batch_invariant": True, "per_channel": True,
-            "quantized_ops": {k: v for k, v in counts.items() if v and k not in ("unsigned", "static")},
-            "static_activation_nodes": counts.get("static", 0),
+            "quantized_ops": {k: counts[k] for k in ("MatMul", "Attention") if counts[k]},
+            "static_activation_nodes": static_nodes,
+            "outlier_channels": {"nodes": counts.get("outlier_nodes", 0),
+                                 "per_node": sorted({len(v) for v in (outliers or {}).values()}),
+                                 "computed_in": "fp32"} if counts.get("outlier_nodes") else None,
             "unsigned_gelu_inputs": counts.get("unsigned", 0),
             "kept_fp32": sorted(exclude)}
     return out, info
+
+
+def outlier_channels(model: onnx.ModelProto, absmax: dict[str, np.ndarray], k: int) -> dict[str, np.ndarray]:
+    """The k input channels of largest calibration |x| of each quantizable node (absmax: activation_absmax of
+    this model), sorted: the `outliers` argument of quantize_rows and gptq_weights."""
+    return {n.name: np.sort(np.argsort(-absmax[n.input[0]], kind="stable")[:k]).astype(np.int64)
+            for n in quantizable(model) if n.input[0] in absmax and k > 0}
 
 
 def activation_ranges(model: onnx.ModelProto, batches, threads: int = 0) -> dict[str, tuple[float, float]]:
@@ -203,6 +231,50 @@ def _row_quantize(p: str, x: str) -> list[onnx.NodeProto]:
         helper.make_node("QuantizeLinear", [p + "/x_rows", p + "/scale_rows", p + "/zp_rows"], [p + "/q_rows"], axis=0),
         helper.make_node("Reshape", [p + "/q_rows", p + "/x_shape"], [p + "/q"]),
     ]
+
+
+def _split_outliers(graph: onnx.GraphProto, inits: dict, p: str, x: str, w: np.ndarray, split: np.ndarray,
+                    mask: np.ndarray) -> tuple[list[onnx.NodeProto], str]:
+    """Nodes computing the `split` input channels' part of x @ W in FP32 (into p/y_out), and the tensor the
+    int8 product then reads (x with those channels zeroed)."""
+    w_out = w[split]
+    smoothing = _own_smoothing(graph, x, w.shape[0], inits)
+    if smoothing is not None:
+        # The mask goes into the smoothing Mul in front (no extra pass over x): the outlier channels
+        # are gathered from that Mul's input, and their weight rows take its factor instead.
+        mul, inv = smoothing
+        inits[mul.input[1]].CopyFrom(nh.from_array(inv * mask, mul.input[1]))
+        w_out = w_out * inv[split, None]
+        pre = [helper.make_node("Gather", [mul.input[0], p + "/outl"], [p + "/x_out"], axis=-1)]
+    else:
+        graph.initializer.append(nh.from_array(mask, p + "/keep"))
+        pre = [helper.make_node("Mul", [x, p + "/keep"], [p + "/x_main"]),
+               helper.make_node("Gather", [x, p + "/outl"], [p + "/x_out"], axis=-1)]
+        x = p + "/x_main"
+    graph.initializer.extend([nh.from_array(split, p + "/outl"), nh.from_array(w_out.astype(np.float32), p + "/w_out")])
+    return pre + [helper.make_node("MatMul", [p + "/x_out", p + "/w_out"], [p + "/y_out"])], x
+
+
+def _add_outliers(new: list[onnx.NodeProto], p: str, final: str) -> list[onnx.NodeProto]:
+    """`new` with the node that wrote `final` writing p/y_main instead, followed by final = y_main + y_out."""
+    for k, n in enumerate(new):
+        if final in n.output:
+            n.output[list(n.output).index(final)] = p + "/y_main"
+            return new[:k + 1] + [helper.make_node("Add", [p + "/y_main", p + "/y_out"], [final])] + new[k + 1:]
+    raise ValueError(f"{final} is not written by the quantized nodes of {p}")
+
+
+def _own_smoothing(graph: onnx.GraphProto, x: str, k: int, inits: dict):
+    """(the Mul, its [K] factor) when x is the output of a Mul by a constant vector, that Mul and its
+    constant each read by nothing else (so changing the constant changes only this product), else None."""
+    producer = next((n for n in graph.node if x in n.output), None)
+    if producer is None or producer.op_type != "Mul" or len(producer.input) != 2 or producer.input[1] not in inits:
+        return None
+    readers = [i for n in graph.node for i in n.input]
+    if readers.count(x) != 1 or readers.count(producer.input[1]) != 1:
+        return None
+    inv = nh.to_array(inits[producer.input[1]]).astype(np.float32)
+    return (producer, inv) if inv.shape == (k,) else None
 
 
 def _gelu_shift(graph: onnx.GraphProto, x: str, k: int, inits: dict) -> np.ndarray | None:

@@ -166,3 +166,59 @@ def test_static_activations_one_quantize_per_node_batch_invariant_and_close(fuse
     mixed, info = quantize_rows(fused_minilm, static={node.name: ranges[node.name]})
     assert info["method"] == "per-row + static" and info["static_activation_nodes"] == 1
     assert [n.op_type for n in mixed.graph.node].count("ReduceMax") == 23
+
+
+def test_outlier_split_is_exact_when_every_channel_is_split(fused_minilm, bundled_spec):
+    """Every input channel taken out of the int8 product leaves only the FP32 part: the model is FP32 again.
+    This checks the split's arithmetic (the mask folded into smoothing Muls, the gathered channels' weight
+    rows scaled by the Mul's factor, the unsigned GELU shift) with nothing of INT8 left to hide an error."""
+    from surge.optimize.rowquant import quantizable
+    from surge.optimize.smooth import activation_absmax, smooth
+    from surge.optimize.validate import Encoded
+
+    batches = Encoded(bundled_spec, calibration_queries()[:32]).batches
+    smoothed, info = smooth(fused_minilm, activation_absmax(fused_minilm, batches, threads=2), 0.65)
+    assert info.to_json()["muls_inserted"] > 0  # the fold into a smoothing Mul is exercised
+    inits = {i.name: i for i in smoothed.graph.initializer}
+    everything = {n.name: np.arange(inits[n.input[1]].dims[0]) for n in quantizable(smoothed)}
+    model, qinfo = quantize_rows(smoothed, outliers=everything)
+    assert qinfo["outlier_channels"]["nodes"] == 24
+    texts = heldout_queries()[500:540]
+    ref = _embed(session(fused_minilm.SerializeToString(), 2), bundled_spec, texts)
+    got = _embed(session(model.SerializeToString(), 2), bundled_spec, texts)
+    assert cosine_rows(ref, got).min() > 0.99999 and np.abs(ref - got).max() < 1e-4
+
+
+def test_outlier_split_structure_invariance_and_accuracy(fused_minilm, bundled_spec):
+    from surge.optimize.gptq import gptq_weights
+    from surge.optimize.rowquant import outlier_channels, quantizable
+    from surge.optimize.smooth import activation_absmax, smooth
+    from surge.optimize.validate import Encoded
+
+    batches = Encoded(bundled_spec, calibration_queries()[:96]).batches
+    smoothed, sinfo = smooth(fused_minilm, activation_absmax(fused_minilm, batches, threads=2), 0.65)
+    absmax = activation_absmax(smoothed, batches, threads=2)
+    outliers = outlier_channels(smoothed, absmax, 4)
+    assert len(outliers) == 24
+    for n in quantizable(smoothed):  # the 4 largest |x| channels of each node, sorted
+        top = np.sort(absmax[n.input[0]])[-4:]
+        assert np.allclose(np.sort(absmax[n.input[0]][outliers[n.name]]), top)
+        assert (np.diff(outliers[n.name]) > 0).all()
+    weights = gptq_weights(smoothed, batches, threads=2, outliers=outliers)
+    for name, (q, _) in weights.items():
+        assert not q[outliers[name]].any()  # no error pushed onto rows the int8 product never reads
+    model, info = quantize_rows(smoothed, weights=weights, outliers=outliers)
+    ops = [n.op_type for n in model.graph.node]
+    base_ops = [n.op_type for n in quantize_rows(smoothed, weights=weights)[0].graph.node]
+    assert ops.count("Gather") - base_ops.count("Gather") == 24
+    # A Mul only where no smoothing Mul could take the mask (attention output projections: folded into V)
+    assert ops.count("Mul") - base_ops.count("Mul") == 24 - sinfo.to_json()["muls_inserted"]
+    probes = heldout_queries()[:8]
+    long = sorted(calibration_queries(), key=len)[-3:]
+    alone, batched, padded = _alone_vs_batched(model, bundled_spec, probes, long)
+    assert cosine_rows(alone, batched).min() >= 0.9999 and cosine_rows(alone, padded).min() >= 0.9999
+    texts = heldout_queries()[600:664]
+    ref = _embed(session(fused_minilm.SerializeToString(), 2), bundled_spec, texts)
+    err = {name: 1 - cosine_rows(ref, _embed(session(m.SerializeToString(), 2), bundled_spec, texts))
+           for name, m in (("split", model), ("plain", quantize_rows(smoothed, weights=gptq_weights(smoothed, batches, 2))[0]))}
+    assert err["split"].mean() < 0.7 * err["plain"].mean() and err["split"].max() < err["plain"].max()
