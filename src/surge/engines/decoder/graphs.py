@@ -63,8 +63,19 @@ class DecodeGraphs:
         src = self.src[:b]
         ids = torch.where(src >= 0, self.prev.index_select(0, src.clamp(min=0)), self.ids[:b])
         hidden = m.forward(ids, self.pos[:b], self.engine.kv, self._meta(b))
-        logits = m.logits(hidden)
-        tokens = logits.argmax(-1)
+        if self.engine.graph_fp32_logits:  # session 2's graph: an FP32 cast of [b, vocab], then the argmax
+            logits = m.logits(hidden)
+        else:
+            # the argmax on the model's own (BF16) logits: the FP32 cast is exact, so the same token
+            # (first index of the maximum either way), without a [b, vocab] FP32 write and re-read
+            # in every step; the sampler upcasts when it needs more than the argmax
+            logits = m.logits(hidden, upcast=False)
+        if self.engine.argmax_kernel == "triton" and logits.is_cuda:
+            from surge.engines.kernels.decoder_fused import argmax_rows
+
+            tokens = argmax_rows(logits)
+        else:
+            tokens = logits.argmax(-1)
         self.prev[:b].copy_(tokens)
         return logits, tokens
 
@@ -87,7 +98,8 @@ class DecodeGraphs:
 
     def run(self, ids: list[int], pos: list[int], slots: list[int], tables: list[list[int]],
             src: list[int] | None = None, prev_tokens=None):
-        """One decode step of len(ids) sequences -> (logits [b, vocab] fp32, greedy tokens [b]).
+        """One decode step of len(ids) sequences -> (logits [b, vocab] in the model's dtype, or FP32 with
+        engine.graph_fp32_logits, greedy tokens [b]).
         `src[i] >= 0`: row i's input token is row src[i] of the previous replay's tokens (ids[i] is
         ignored); `prev_tokens`: those tokens when they came from an eager step instead."""
         b = len(ids)
