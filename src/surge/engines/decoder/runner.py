@@ -235,12 +235,14 @@ class DecoderEngine:
 
     def collect(self, launch: Launch) -> dict[int, SampleOut]:
         """The launched step's tokens (waits for the device)."""
+        return {sid: SampleOut(t) for sid, t in zip(launch.seq_ids, self.collect_tokens(launch))}
+
+    def collect_tokens(self, launch: Launch) -> list[int]:
+        """collect() as plain token ids in launch.seq_ids' order (no object per token)."""
         if launch.event is not None:
             launch.event.synchronize()
-            tokens = launch.host.tolist()
-        else:
-            tokens = launch.tokens.tolist()
-        return {sid: SampleOut(t) for sid, t in zip(launch.seq_ids, tokens)}
+            return launch.host.tolist()
+        return launch.tokens.tolist()
 
     def forget(self, seq_id: int) -> None:
         self.sampler.forget(seq_id)
