@@ -40,9 +40,24 @@ def test_paged_attention_kernel_matches_torch(hq, hkv, d, page):
         meta = _meta(qlens, ctxs, page, nb, dev)
         q = torch.randn(sum(qlens), hq, d, device=dev, dtype=torch.bfloat16)
         ref = paged_attention_torch(q.float(), kc.float(), vc.float(), meta, d ** -0.5)
-        out = paged_attention(q, kc, vc, meta, d ** -0.5)
-        err = (out.float() - ref).abs().max().item()
-        assert err < 2e-2, (qlens, ctxs, err)
+        for block_n in (None, 128, 256):  # keys per iteration of a decode step (engine: 128)
+            out = paged_attention(q, kc, vc, meta, d ** -0.5, block_n=block_n)
+            err = (out.float() - ref).abs().max().item()
+            assert err < 2e-2, (qlens, ctxs, block_n, err)
+
+
+def test_argmax_rows_equals_torch_argmax():
+    """The decode graph's greedy argmax (two passes over the BF16 logits): torch's index, ties
+    (the first maximum) included."""
+    from surge.engines.kernels.decoder_fused import argmax_rows
+
+    torch.manual_seed(0)
+    for b, v in [(64, 151936), (1, 1000), (5, 4096), (3, 4097), (17, 50257)]:
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(b, v, device="cuda").to(dtype)
+            assert torch.equal(argmax_rows(x), x.argmax(-1)), (b, v, dtype)
+            ties = torch.randint(-3, 4, (b, v), device="cuda").to(dtype)  # the maximum many times a row
+            assert torch.equal(argmax_rows(ties), ties.argmax(-1)), (b, v, dtype)
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -11,6 +12,7 @@ from surge.runtime.metrics import default_registry
 
 _TTFT = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 _ITL = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+INF = float("inf")
 _lock = threading.Lock()
 _families: "weakref.WeakKeyDictionary[CollectorRegistry, dict]" = weakref.WeakKeyDictionary()
 
@@ -67,6 +69,25 @@ class GenerateMetrics:
         self.preempt = fam["preempt"].labels(**lab)
         self.cache_hits = fam["cache_hits"].labels(**lab)
         self._seen = (0, 0, 0)
+
+    def observe_itl(self, values: list[float]) -> None:
+        """Many inter-token gaps at once: one increment per bucket touched and one of the sum
+        (the same counts as observe() per value), through the histogram child's value cells where
+        this prometheus_client has them, else observe() per value."""
+        h = self.itl
+        bounds, cells, total = (getattr(h, "_upper_bounds", None), getattr(h, "_buckets", None),
+                                getattr(h, "_sum", None))
+        if bounds is None or cells is None or total is None or len(bounds) != len(cells) or bounds[-1] != INF:
+            for v in values:
+                h.observe(v)
+            return
+        counts: dict[int, int] = {}
+        for v in values:
+            i = bisect_left(bounds, v)  # the first bucket with v <= bound, as observe() picks it
+            counts[i] = counts.get(i, 0) + 1
+        total.inc(sum(values))
+        for i, c in counts.items():
+            cells[i].inc(c)
 
     def finished(self, reason: str) -> None:
         self._requests.labels(**self._lab, finish_reason=reason).inc()

@@ -118,6 +118,12 @@ class GenerateService(PromptText):
         self._handles: dict[int, _Handle] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cache: OrderedDict[tuple, list[Delta]] = OrderedDict()
+        # per-token metrics, gathered on the event loop and observed once per engine step (a
+        # Prometheus observe takes a lock and walks the buckets: per token, it was a large share of the
+        # event loop's work at 64 streams)
+        self._itl_pending: list[float] = []
+        self._out_pending = 0
+        self._flush_scheduled = False
         self.steps = 0
         self.busy_s = 0.0  # time inside the step loop (schedule, launch, read back, resolve)
         # The engine thread gives up the GIL at every device sync and wake-up; with the default 5 ms
@@ -212,8 +218,10 @@ class GenerateService(PromptText):
                         raise ev
                     token, out, finish = ev
                     # tokens that arrive together reach the client together: one gap, then zeros
-                    (self.metrics.ttft if n_out == 0 else self.metrics.itl).observe(
-                        now - (start if n_out == 0 else last))
+                    if n_out == 0:
+                        self.metrics.ttft.observe(now - start)
+                    else:  # observed in bulk once per engine step (_flush_metrics)
+                        self._itl_pending.append(now - last)
                     if n_out == 0:
                         first = now
                     last = now
@@ -233,7 +241,9 @@ class GenerateService(PromptText):
                                     "top": [(self.decode([t]), v, t) for t, v in (out.top or [])]})
                     if finish is not None:
                         break
-                self.metrics.output.inc(len(tokens))
+                self._out_pending += len(tokens)
+                if finish is not None:
+                    self._flush_metrics()
                 d = Delta("".join(text), tokens, lps if params.logprobs is not None else None, finish,
                           len(prompt_ids), n_out)
                 if finish is not None:
@@ -326,10 +336,14 @@ class GenerateService(PromptText):
             for r in results:
                 self.steps += 1
                 finished = {f.seq.seq_id: f.reason for f in r.finished}
-                for sid, out in r.outs.items():
-                    events.append((sid, (out.token, out, finished.get(sid))))
-                    if sid in finished:
-                        self.engine.forget(sid)
+                samples = r.samples or {}
+                if finished:
+                    for sid, token in r.tokens.items():
+                        events.append((sid, (token, samples.get(sid), finished.get(sid))))
+                        if sid in finished:
+                            self.engine.forget(sid)
+                else:  # the common step: nobody finishes
+                    events.extend([(sid, (token, samples.get(sid), None)) for sid, token in r.tokens.items()])
             if events and self._loop is not None:
                 self._loop.call_soon_threadsafe(self._deliver, events)
             self.metrics.engine_state(self.scheduler)
@@ -340,10 +354,23 @@ class GenerateService(PromptText):
             self._deliver_error(s, NotReady(f"model '{self.name}' was unloaded"))
 
     def _deliver(self, events) -> None:
+        handles = self._handles
         for sid, ev in events:
-            h = self._handles.get(sid)
+            h = handles.get(sid)
             if h is not None and not h.done:
                 h.push(ev)
+        if not self._flush_scheduled:  # after the streams woken here have taken their tokens
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush_metrics)
+
+    def _flush_metrics(self) -> None:
+        self._flush_scheduled = False
+        if self._itl_pending:
+            pending, self._itl_pending = self._itl_pending, []
+            self.metrics.observe_itl(pending)
+        if self._out_pending:
+            self.metrics.output.inc(self._out_pending)
+            self._out_pending = 0
 
     def _deliver_error(self, seq: Sequence, err: Exception) -> None:
         if self._loop is not None:

@@ -48,6 +48,10 @@ class DecodeGraphs:
         self.np_packed = [x.numpy() for x in self.h_packed]
         self.np_tables = [x.numpy() for x in self.h_tables]
         self._slot = 0
+        # what the device's table buffer holds: (bucket, the block-table lists, their lengths). A running
+        # sequence's table only grows (append) and is replaced by a new list when freed, and the lists
+        # are kept alive here, so the same lists at the same lengths mean the same rows: no refill, no copy
+        self._tables_held: tuple | None = None
 
     def fits(self, batch: int, width: int) -> bool:
         return batch <= self.buckets[-1] and width <= self.width and bool(self.graphs)
@@ -63,8 +67,19 @@ class DecodeGraphs:
         src = self.src[:b]
         ids = torch.where(src >= 0, self.prev.index_select(0, src.clamp(min=0)), self.ids[:b])
         hidden = m.forward(ids, self.pos[:b], self.engine.kv, self._meta(b))
-        logits = m.logits(hidden)
-        tokens = logits.argmax(-1)
+        if self.engine.graph_fp32_logits:  # session 2's graph: an FP32 cast of [b, vocab], then the argmax
+            logits = m.logits(hidden)
+        else:
+            # the argmax on the model's own (BF16) logits: the FP32 cast is exact, so the same token
+            # (first index of the maximum either way), without a [b, vocab] FP32 write and re-read
+            # in every step; the sampler upcasts when it needs more than the argmax
+            logits = m.logits(hidden, upcast=False)
+        if self.engine.argmax_kernel == "triton" and logits.is_cuda:
+            from surge.engines.kernels.decoder_fused import argmax_rows
+
+            tokens = argmax_rows(logits)
+        else:
+            tokens = logits.argmax(-1)
         self.prev[:b].copy_(tokens)
         return logits, tokens
 
@@ -87,7 +102,8 @@ class DecodeGraphs:
 
     def run(self, ids: list[int], pos: list[int], slots: list[int], tables: list[list[int]],
             src: list[int] | None = None, prev_tokens=None):
-        """One decode step of len(ids) sequences -> (logits [b, vocab] fp32, greedy tokens [b]).
+        """One decode step of len(ids) sequences -> (logits [b, vocab] in the model's dtype, or FP32 with
+        engine.graph_fp32_logits, greedy tokens [b]).
         `src[i] >= 0`: row i's input token is row src[i] of the previous replay's tokens (ids[i] is
         ignored); `prev_tokens`: those tokens when they came from an eager step instead."""
         b = len(ids)
@@ -110,13 +126,20 @@ class DecodeGraphs:
         if bucket > b:  # padded rows: one token of context, written to the scratch block
             p[2, b:bucket] = e.kv.scratch_block * e.block_size
             p[3, b:bucket] = 1
-        t[:bucket] = e.kv.scratch_block
-        for i, row in enumerate(tables):
-            t[i, :len(row)] = row
+        lens = [len(row) for row in tables]
+        held = self._tables_held
+        same = held is not None and held[0] == bucket and held[2] == lens and all(
+            a is b for a, b in zip(held[1], tables))
+        if not same:
+            t[:bucket] = e.kv.scratch_block
+            for i, row in enumerate(tables):
+                t[i, :len(row)] = row
         if prev_tokens is not None:
             self.prev[:prev_tokens.shape[0]].copy_(prev_tokens)
         self.packed[:, :bucket].copy_(self.h_packed[k][:, :bucket], non_blocking=True)
-        self.tables[:bucket].copy_(self.h_tables[k][:bucket], non_blocking=True)
+        if not same:
+            self.tables[:bucket].copy_(self.h_tables[k][:bucket], non_blocking=True)
+            self._tables_held = (bucket, list(tables), lens)
         self.graphs[bucket].replay()
         logits, tokens = self.outputs[bucket]
         return logits[:b], tokens[:b]

@@ -19,13 +19,14 @@ from surge.models.decoder import DecoderConfig, rope_inv_freq
 
 class DecoderModel:
     def __init__(self, cfg: DecoderConfig, weights: dict, device: torch.device, dtype: torch.dtype,
-                 attention: str = "torch", fused: bool = True):
+                 attention: str = "torch", fused: bool = True, decode_block_n: int | None = None):
         self.cfg = cfg
         self.w = weights
         self.device = device
         self.dtype = dtype
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.attention = attention
+        self.decode_block_n = decode_block_n  # keys per iteration of the paged kernel in decode steps
         self.fused = False
         self._wt = self._cpu_layout(weights) if device.type == "cpu" else {}
         if attention == "triton":
@@ -129,10 +130,10 @@ class DecoderModel:
             p = f"l{i}."
             qkv = F.linear(h, w[p + "qkv"], w.get(p + "qkv.bias"))
             q = rope_and_cache(qkv, self.cos, self.sin, positions, meta.slot_mapping, kv.k[i], kv.v[i], nq, nkv, hd)
-            a = self._triton(q, kv.k[i], kv.v[i], meta, self.scale)
+            a = self._triton(q, kv.k[i], kv.v[i], meta, self.scale, block_n=self.decode_block_n)
+            nxt = w[f"l{i + 1}.attn_norm"] if i + 1 < c.num_layers else w["final_norm"]
             h = add_rmsnorm(x, F.linear(a.view(t, nq * hd), w[p + "o"]), w[p + "mlp_norm"], c.norm_eps)
             m = F.linear(silu_mul(F.linear(h, w[p + "up_gate"])), w[p + "down"])
-            nxt = w[f"l{i + 1}.attn_norm"] if i + 1 < c.num_layers else w["final_norm"]
             h = add_rmsnorm(x, m, nxt, c.norm_eps)
         return h
 
@@ -159,8 +160,9 @@ class DecoderModel:
             x = x + self._lin(F.silu(gate) * up, p + "down")
         return self._rms(x, w["final_norm"])
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._lin(hidden, "lm_head").float()
+    def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        out = self._lin(hidden, "lm_head")
+        return out.float() if upcast else out
 
 
 class KVCache:

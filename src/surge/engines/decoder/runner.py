@@ -54,7 +54,8 @@ class DecoderEngine:
     def __init__(self, path: str | Path, *, device: str = "cpu", dtype: str | None = None, block_size: int = 16,
                  num_blocks: int | None = None, kv_cache_tokens: int | None = None, max_num_seqs: int = 64,
                  max_model_len: int | None = None, cuda_graphs: bool = True, attention: str | None = None,
-                 threads: int = 0, fused: bool = True):
+                 threads: int = 0, fused: bool = True, graph_fp32_logits: bool = False,
+                 decode_block_n: int | None = 256, argmax_kernel: str = "triton"):
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         if threads and not cuda:
@@ -70,7 +71,10 @@ class DecoderEngine:
         self.max_num_seqs = max_num_seqs
         weights = load_decoder_weights(path, self.cfg, self.dtype, self.device)
         self.model = DecoderModel(self.cfg, weights, self.device, self.dtype,
-                                  attention=attention or ("triton" if cuda else "torch"), fused=fused)
+                                  attention=attention or ("triton" if cuda else "torch"), fused=fused,
+                                  decode_block_n=decode_block_n)
+        self.graph_fp32_logits = graph_fp32_logits  # session 2's graphs: FP32 logits, then the argmax
+        self.argmax_kernel = argmax_kernel  # the graph's greedy argmax: "torch" or "triton" (argmax_rows)
         self.kv = KVCache(self.cfg, num_blocks, block_size, self.device, self.dtype)
         self.sampler = Sampler(self.device)
         self.max_blocks_per_seq = -(-self.max_model_len // block_size)
@@ -231,12 +235,14 @@ class DecoderEngine:
 
     def collect(self, launch: Launch) -> dict[int, SampleOut]:
         """The launched step's tokens (waits for the device)."""
+        return {sid: SampleOut(t) for sid, t in zip(launch.seq_ids, self.collect_tokens(launch))}
+
+    def collect_tokens(self, launch: Launch) -> list[int]:
+        """collect() as plain token ids in launch.seq_ids' order (no object per token)."""
         if launch.event is not None:
             launch.event.synchronize()
-            tokens = launch.host.tolist()
-        else:
-            tokens = launch.tokens.tolist()
-        return {sid: SampleOut(t) for sid, t in zip(launch.seq_ids, tokens)}
+            return launch.host.tolist()
+        return launch.tokens.tolist()
 
     def forget(self, seq_id: int) -> None:
         self.sampler.forget(seq_id)

@@ -46,6 +46,7 @@ class Sampler:
         want_logprobs = any(p.logprobs is not None for p in params)
         if all(p.greedy and not p.penalized for p in params) and not want_logprobs:
             return [SampleOut(int(t)) for t in logits.argmax(-1).tolist()]
+        logits = logits.float()  # a graph's logits are in the model's dtype (a no-op when already FP32)
         raw = logits
         logits = logits.clone()
         if any(p.penalized for p in params):

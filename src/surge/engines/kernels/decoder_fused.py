@@ -108,3 +108,40 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     n = t * i
     _silu_mul[(triton.cdiv(n, 1024),)](gate_up, out, n, i, BLOCK=1024, num_warps=4)
     return out
+
+
+@triton.jit
+def _argmax_part(x_ptr, val_ptr, idx_ptr, V, stride, CHUNKS, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    v, i = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(val_ptr + row * CHUNKS + c, v)
+    tl.store(idx_ptr + row * CHUNKS + c, c * BLOCK + i)
+
+
+@triton.jit
+def _argmax_final(val_ptr, idx_ptr, out_ptr, CHUNKS, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < CHUNKS
+    v = tl.load(val_ptr + row * CHUNKS + offs, mask=mask, other=float("-inf"))
+    i = tl.load(idx_ptr + row * CHUNKS + offs, mask=mask, other=0)
+    _, at = tl.max(v, 0, return_indices=True, return_indices_tie_break_left=True)
+    best = tl.sum(tl.where(offs == at, i, 0), 0)
+    tl.store(out_ptr + row, best.to(tl.int64))
+
+
+def argmax_rows(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
+    """x [B, V] -> the first index of each row's maximum [B] (int64), as torch.argmax(x, -1) for
+    rows without NaN. Two passes: the row split into `block`-wide chunks over the whole chip, then
+    the chunks' winners per row (torch's reduction of a few long rows keeps few SMs streaming)."""
+    b, v = x.shape
+    chunks = triton.cdiv(v, block)
+    vals = torch.empty((b, chunks), device=x.device, dtype=torch.float32)
+    idx = torch.empty((b, chunks), device=x.device, dtype=torch.int32)
+    out = torch.empty(b, device=x.device, dtype=torch.long)
+    _argmax_part[(b, chunks)](x, vals, idx, v, x.stride(0), chunks, BLOCK=block, num_warps=8)
+    _argmax_final[(b,)](vals, idx, out, chunks, BLOCK=max(16, triton.next_power_of_2(chunks)), num_warps=1)
+    return out

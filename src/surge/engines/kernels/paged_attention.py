@@ -70,9 +70,10 @@ def _paged_attn(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, ctx_ptr, qstart_ptr, qk_
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, block_n: int | None = None) -> torch.Tensor:
     """q [T, q_heads, D]; caches [blocks, page, kv_heads, D] (last dim contiguous); meta: AttnMeta
-    (query_start, context_lens, block_tables on the device; max_query sizes the grid)."""
+    (query_start, context_lens, block_tables on the device; max_query sizes the grid); block_n: keys
+    per iteration of a decode step (default 64)."""
     t, hq, d = q.shape
     _, page, hkv, _ = k_cache.shape
     g = hq // hkv
@@ -82,7 +83,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_m = triton.next_power_of_2(g)
     toks = block_m // g
     block_d = max(16, triton.next_power_of_2(d))
-    block_n = 64 if meta.max_query == 1 else 32
+    block_n = (block_n or 64) if meta.max_query == 1 else 32
     out = torch.empty_like(q) if out is None else out
     grid = (batch, hkv, triton.cdiv(meta.max_query, toks))
     _paged_attn[grid](q, k_cache, v_cache, out, meta.block_tables, meta.context_lens, meta.query_start,

@@ -19,7 +19,8 @@ then takes the synchronous path, so results never differ from it.
 
 Engine contract (engines/decoder/runner.py): can_launch(scheduled),
 launch(scheduled, prev) -> handle, collect(handle) -> {seq_id: SampleOut},
-step(scheduled) -> {seq_id: SampleOut}.
+step(scheduled) -> {seq_id: SampleOut}; optionally handle.seq_ids and
+collect_tokens(handle) -> [token] in that order (no object per token).
 """
 
 from __future__ import annotations
@@ -30,11 +31,26 @@ from surge.runtime.scheduler.scheduler import Finished, ScheduledSeq, Scheduler
 from surge.runtime.scheduler.sequence import SeqStatus
 
 
+class _Token:
+    __slots__ = ("token",)
+
+    def __init__(self, token: int):
+        self.token = token
+
+
 @dataclass
 class StepResult:
     scheduled: list[ScheduledSeq]
-    outs: dict  # seq_id -> SampleOut (only the sequences that sampled and are still live)
+    tokens: dict  # seq_id -> token (only the sequences that sampled and are still live)
     finished: list[Finished]
+    samples: dict | None = None  # seq_id -> SampleOut where the engine sampled on the host (logprobs)
+
+    @property
+    def outs(self) -> dict:
+        """seq_id -> an object with .token (the engine's SampleOut where there is one)."""
+        if self.samples is not None:
+            return self.samples
+        return {k: _Token(t) for k, t in self.tokens.items()}
 
 
 class StepLoop:
@@ -63,13 +79,17 @@ class StepLoop:
     def _complete(self) -> StepResult:
         scheduled, handle = self._inflight
         self._inflight = None
-        outs = self.engine.collect(handle)
+        collect_tokens = getattr(self.engine, "collect_tokens", None)
+        if collect_tokens is not None:
+            got = dict(zip(handle.seq_ids, collect_tokens(handle)))
+        else:
+            got = {k: o.token for k, o in self.engine.collect(handle).items()}
         # a sequence that ended before this read-back (aborted, or stopped at the step before) has
         # a token here that nobody asked for
-        live = {s.seq.seq_id for s in scheduled if s.sample and s.seq.status is SeqStatus.RUNNING}
-        outs = {k: o for k, o in outs.items() if k in live}
-        finished = self.scheduler.resolve(scheduled, {k: o.token for k, o in outs.items()})
-        return StepResult(scheduled, outs, finished)
+        running = SeqStatus.RUNNING
+        tokens = {s.seq.seq_id: got[s.seq.seq_id] for s in scheduled if s.sample and s.seq.status is running}
+        finished = self.scheduler.resolve(scheduled, tokens)
+        return StepResult(scheduled, tokens, finished)
 
     def step(self) -> list[StepResult]:
         """One iteration: the results that became known (none, one or two steps')."""
@@ -106,7 +126,8 @@ class StepLoop:
             self._inflight, self._current = (scheduled, handle), []
             return results
         outs = engine.step(scheduled)
-        finished = sched.update(scheduled, {k: o.token for k, o in outs.items()})
+        tokens = {k: o.token for k, o in outs.items()}
+        finished = sched.update(scheduled, tokens)
         self._current = []
-        results.append(StepResult(scheduled, outs, finished))
+        results.append(StepResult(scheduled, tokens, finished, outs))
         return results

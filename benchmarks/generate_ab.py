@@ -1,0 +1,212 @@
+"""Decode-step variants of surge's generation, interleaved in one process (issue 18, session 7).
+
+One random-weight model of the shape (as benchmarks/generate.py builds it); one DecoderEngine +
+GenerateService per variant, all loaded at once; then rounds of `--streams` streams (the generate.py
+round: all submitted at once, `--prompt` tokens in, `--output` out, EOS ignored) run variant after
+variant, the order rotated every round, so that each variant's rounds are spread over the same minutes.
+Reported per variant: median output tok/s, ITL p50, TTFT p50 and the round's wall time, then one
+round under torch.profiler: kernel time per step by kind (prefill included), and the bucket's CUDA
+graph replayed alone (50 back to back, median of 5; the buffers hold the last step's, ~255 tokens of
+context): the GPU's time for one decode step, launch gaps inside the graph included.
+
+    PYTHONPATH=src python3 benchmarks/generate_ab.py --rounds 9 --variants base,argmax,argmax+attn128
+
+Variants (comma-separated, each a '+'-joined list of options on top of session 2's engine):
+  base       session 2: FP32 logits in the graph, 64 keys per attention iteration, cuBLAS
+  argmax     the greedy argmax on the BF16 logits (no FP32 cast in the graph)
+  attn128 / attn256  128 / 256 keys per paged-attention iteration in decode steps
+  targmax    the argmax by a two-pass Triton kernel (kernels/decoder_fused.argmax_rows)
+  lt         cuBLASLt as torch's preferred BLAS while the variant captures and runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))
+
+
+def engine_kwargs(variant: str) -> tuple[dict, bool]:
+    opts = set(variant.split("+"))
+    kw = dict(graph_fp32_logits="argmax" not in opts, decode_block_n=64, argmax_kernel="torch")
+    for o in opts:
+        if o.startswith("attn"):
+            kw["decode_block_n"] = int(o[4:])
+    if "targmax" in opts:
+        kw["argmax_kernel"] = "triton"
+    return kw, "lt" in opts
+
+
+def blas(lt: bool) -> None:
+    torch.backends.cuda.preferred_blas_library("cublaslt" if lt else "cublas")
+
+
+def kind(name: str) -> str:
+    n = name.lower()
+    for key, label in (("paged_attn", "paged attention"), ("add_rmsnorm", "add_rmsnorm"),
+                       ("rope_cache", "rope+cache"), ("silu_mul", "silu_mul"), ("argmax", "argmax"),
+                       ("memcpy", "memcpy"), ("memset", "memset")):
+        if key in n:
+            return label
+    if "reduce" in n and "gemm" not in n and "splitk" not in n:
+        return "reduce (argmax, ...)"
+    if any(k in n for k in ("gemm", "nvjet", "cutlass", "sm90", "xmma", "splitk", "cublas")):
+        return "GEMM"
+    if "elementwise" in n or "copy" in n or "cast" in n:
+        return "elementwise / copy"
+    return "other: " + name[:60]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="qwen2-0.5b")
+    ap.add_argument("--variants", default="base,argmax")
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--output", type=int, default=128)
+    ap.add_argument("--budget", type=int, default=8192)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--settle", action="store_true", help="gc_settle.settle() after the warm-up (as the server)")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    from benchmarks.generate import SHAPES, _NoText, _surge_round, build
+    from surge.engines.decoder import DecoderEngine
+    from surge.runtime.generate_service import GenerateService, GenerationConfig
+
+    variants = args.variants.split(",")
+    n = args.streams
+    max_len = args.prompt + args.output + 16
+    services = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build(args.shape, Path(tmp) / args.shape, "cuda")
+        vocab = SHAPES[args.shape][1]["vocab_size"]
+        g = torch.Generator().manual_seed(1)
+        prompts = torch.randint(2, vocab, (n, args.prompt), generator=g).tolist()
+        for v in variants:
+            kw, lt = engine_kwargs(v)
+            blas(lt)
+            gen = GenerationConfig(max_num_seqs=n, max_num_batched_tokens=args.budget, max_model_len=max_len,
+                                   cache_entries=0, prefix_caching=False, overlap_steps=True)
+            t = time.perf_counter()
+            try:
+                engine = DecoderEngine(path, device="cuda", dtype="bf16", max_num_seqs=n, max_model_len=max_len,
+                                       kv_cache_tokens=(n + 8) * max_len, **kw)
+                engine.warmup()
+            except Exception as exc:  # a variant that fails is reported and left out
+                import traceback
+
+                traceback.print_exc()
+                print(f"variant {v} failed: {type(exc).__name__}: {exc}", flush=True)
+                continue
+            svc = GenerateService(f"ab-{v}", "1", path, engine, _NoText(), None, gen, request_timeout_s=600)
+            svc.mark_ready()
+            services[v] = (svc, lt)
+            print(f"variant {v}: {kw} lt={lt}, loaded in {time.perf_counter() - t:.1f} s", flush=True)
+        blas(False)
+
+        async def run():
+            for v, (svc, lt) in services.items():
+                blas(lt)
+                await _surge_round(svc, prompts[: min(n, 8)], 4)
+                await _surge_round(svc, prompts, args.output)  # warm: the prefill shapes compile here
+            if args.settle:
+                from surge.runtime.gc_settle import settle
+
+                settle()
+            res = {v: [] for v in services}
+            names = list(services)
+            for r in range(args.rounds):
+                order = names[r % len(names):] + names[:r % len(names)]
+                for v in order:
+                    svc, lt = services[v]
+                    blas(lt)
+                    s0 = svc.steps
+                    out = await _surge_round(svc, prompts, args.output)
+                    out["steps"] = svc.steps - s0
+                    res[v].append(out)
+            profs = {}
+            if args.profile:
+                from torch.profiler import ProfilerActivity, profile
+
+                for v, (svc, lt) in services.items():
+                    blas(lt)
+                    torch.cuda.synchronize()
+                    s0 = svc.steps
+                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                        out = await _surge_round(svc, prompts, args.output)
+                        torch.cuda.synchronize()
+                    steps = svc.steps - s0
+                    by = {}
+                    count = {}
+                    for e in prof.events():
+                        if e.device_type != torch.autograd.DeviceType.CUDA:
+                            continue
+                        k = kind(e.name)
+                        by[k] = by.get(k, 0.0) + e.device_time
+                        count[k] = count.get(k, 0) + 1
+                    total = sum(by.values())
+                    profs[v] = {"steps": steps, "wall_ms": 1e3 * out["wall_s"], "kernel_ms": total / 1e3,
+                                "kernel_per_step_us": total / steps,
+                                "by_kind_us_per_step": {k: round(x / steps, 2) for k, x in
+                                                        sorted(by.items(), key=lambda kv: -kv[1])},
+                                "launches_per_step": {k: round(c / steps, 1) for k, c in count.items()}}
+            replay = {}
+            for v, (svc, lt) in services.items():  # the bucket-64 graph alone: GPU time of one decode step
+                blas(lt)
+                gr = svc.engine.graphs.graphs[max(svc.engine.graphs.graphs)]
+                times = []
+                for _ in range(5):
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    torch.cuda.synchronize()
+                    a.record()
+                    for _ in range(50):
+                        gr.replay()
+                    b.record()
+                    b.synchronize()
+                    times.append(a.elapsed_time(b) / 50 * 1e3)
+                replay[v] = statistics.median(times)
+            for svc, _ in services.values():
+                await svc.close()
+            return res, profs, replay
+
+        res, profs, replay = asyncio.run(run())
+    blas(False)
+    print(f"\n{args.shape}, {n} streams, {args.prompt} + {args.output} tokens, {args.rounds} interleaved rounds")
+    print("| variant | tok/s median | rounds tok/s | ITL p50 ms (median) | TTFT p50 ms | round wall ms | "
+          "graph replay us |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
+    records = []
+    for v, rs in res.items():
+        med = lambda k: statistics.median(r[k] for r in rs)  # noqa: E731
+        rec = {"variant": v, "tok_s_median": med("tok_s"), "rounds_tok_s": [round(r["tok_s"]) for r in rs],
+               "itl_p50_ms": med("itl_p50_ms"), "itl_p99_ms": med("itl_p99_ms"), "ttft_p50_ms": med("ttft_p50_ms"),
+               "wall_ms": 1e3 * med("wall_s"), "steps": [r["steps"] for r in rs], "profile": profs.get(v),
+               "graph_replay_us": replay[v]}
+        records.append(rec)
+        print(f"| {v} | {rec['tok_s_median']:,.0f} | {' / '.join(f'{x:,}' for x in rec['rounds_tok_s'])} | "
+              f"{rec['itl_p50_ms']:.3f} | {rec['ttft_p50_ms']:.1f} | {rec['wall_ms']:.1f} | {replay[v]:.1f} |")
+    if profs:
+        print("\nprofiled round: kernel us per step by kind")
+        for v, p in profs.items():
+            print(f"{v}: {p['kernel_per_step_us']:.1f} us/step, wall {p['wall_ms']:.1f} ms / {p['steps']} steps; "
+                  + json.dumps(p["by_kind_us_per_step"]))
+            print("   launches/step " + json.dumps(p["launches_per_step"]))
+    if args.json:
+        args.json.write_text(json.dumps(records, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
