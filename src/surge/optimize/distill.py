@@ -153,11 +153,13 @@ AUGMENTED = 20_000  # query variants added to the default training text (augment
 
 
 def default_texts() -> list[str]:
-    """The shipped calibration queries and prose sentences, plus AUGMENTED variants of the queries."""
-    from surge.data import calibration_queries, heldout_queries, load_sentences
+    """The shipped calibration queries and prose sentences, AUGMENTED variants of the queries, and the
+    shipped distillation text (`surge.data.distill_texts`: voice-assistant skills' utterances and replies,
+    open-domain chit-chat; built so that no held-out query, or near copy of one, is in it)."""
+    from surge.data import calibration_queries, distill_texts, heldout_queries, load_sentences
 
     queries = calibration_queries()
-    return queries + load_sentences() + augment_queries(queries, AUGMENTED, exclude=heldout_queries())
+    return queries + load_sentences() + augment_queries(queries, AUGMENTED, exclude=heldout_queries()) + distill_texts()
 
 
 def augment_queries(queries: list[str], n: int, seed: int = 5, exclude: list[str] = ()) -> list[str]:
@@ -322,7 +324,8 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
     step, done = 0, False
     while not done:
         if not batches:
-            batches = _length_bucketed(encoded, options.batch_size, rng)
+            batches = _neighbour_batches(encoded, targets.pooled, options.batch_size, rng) \
+                if NEIGHBOURS > 1 else _length_bucketed(encoded, options.batch_size, rng)
         picked = batches.pop()
         ids, mask = batch(picked)
         real = mask.bool()
@@ -367,6 +370,44 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
                           "steps_planned": options.steps, "time_budget_s": options.time_budget,
                           "stopped_by": "steps" if len(losses) >= options.steps else "time budget",
                           "batch_size": options.batch_size, "lr": options.lr, "seed": options.seed})
+
+
+NEIGHBOURS = 4  # texts per batch that are the teacher's nearest neighbours of one another (1: length buckets only)
+
+
+def _neighbour_batches(encoded: list, pooled: list, batch_size: int, rng, k: int | None = None) -> list[list[int]]:
+    """One epoch of batches made of groups of `k` texts the teacher finds closest to one another.
+
+    Retrieval (the gate's top-1) turns on which of several close texts is closest; random batches hold
+    almost no close pairs, so the relation loss would never see one. Within each chunk of 16 batches'
+    worth of random texts, a seed and its k - 1 nearest remaining texts (teacher cosine) form a group;
+    a batch is batch_size / k groups, of similar lengths (little padding)."""
+    import torch
+
+    k = k or NEIGHBOURS
+    order = list(rng.permutation(len(encoded)))
+    chunk = batch_size * 16
+    out = []
+    for c in range(0, len(order), chunk):
+        part = order[c : c + chunk]
+        unit = torch.nn.functional.normalize(torch.stack([pooled[i] for i in part]), dim=-1)
+        sims = unit @ unit.T
+        sims.fill_diagonal_(-2.0)
+        free = torch.ones(len(part), dtype=torch.bool)
+        groups = []
+        for seed in range(len(part)):
+            if not free[seed]:
+                continue
+            free[seed] = False
+            row = sims[seed].masked_fill(~free, -3.0)
+            near = [int(j) for j in row.topk(min(k - 1, int(free.sum()))).indices] if free.any() else []
+            free[near] = False
+            groups.append([part[seed]] + [part[j] for j in near])
+        groups.sort(key=lambda g: max(len(encoded[i]) for i in g))
+        per = max(1, batch_size // k)
+        out += [[i for g in groups[b : b + per] for i in g] for b in range(0, len(groups), per)]
+    rng.shuffle(out)
+    return out
 
 
 def _length_bucketed(encoded: list, batch_size: int, rng) -> list[list[int]]:
