@@ -21,7 +21,9 @@ Loss per batch (real tokens only; padding carries no meaning):
 
 The word-embedding table is frozen (shared with the teacher); the teacher's
 targets (every kept layer's states and the pooled vector) are computed once
-per text; batches are length-bucketed. Training stops at `steps` or at
+per text; batches are length-bucketed (batches of groups of the teacher's
+nearest neighbours, so that the relation loss sees close pairs, were measured
+and not kept: session 7). Training stops at `steps` or at
 `time_budget` seconds, whichever comes first; the learning-rate schedule
 (warm-up, then cosine decay) follows whichever is further along, so a time
 budget still ends on a decayed rate.
@@ -31,9 +33,14 @@ pooled cosine + last-layer MSE, 100 steps) reached mean cosine 0.82; this one
 is in docs/benchmarks/optimizer.md (Issue 21, session 2).
 
 Training text: the shipped calibration queries plus the 400 prose sentences
-(`surge.data`) and 20,000 variants of those queries (augment_queries), or a
-file of one text per line (a query log). The held-out queries are never
-trained on: the gate measures the student on them.
+(`surge.data`), 20,000 variants of those queries (augment_queries) and the
+shipped distillation text (`surge.data.distill_texts()`: 20,804 utterances and
+replies of permissively licensed voice-assistant skills and open-domain chat
+messages, see PROVENANCE.md), or a file of one text per line (a query log).
+The held-out queries are never trained on, nor near copies of them: the gate
+measures the student on them.
+
+Defaults (4 layers, 600 s): measured in docs/benchmarks/optimizer.md, session 7.
 """
 
 from __future__ import annotations
@@ -58,11 +65,11 @@ SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 
 @dataclass
 class DistillOptions:
-    layers: int = 3
-    steps: int = 3000
+    layers: int = 4  # 3 layers stay under the gate's mean cosine (docs/benchmarks/optimizer.md, session 7)
+    steps: int = 20000  # a ceiling: the time budget ends a default run first
     batch_size: int = 32
     lr: float = 5e-4
-    time_budget: float = 300.0  # seconds of training; 0: no limit (steps only)
+    time_budget: float = 600.0  # seconds of training; 0: no limit (steps only)
     layer_choice: str = "measured"  # "measured": the teacher-layer subset whose untrained student is closest; "spaced"
     warmup: float = 0.06  # fraction of steps with a linear learning-rate warm-up
     max_length: int = 128
@@ -324,8 +331,7 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
     step, done = 0, False
     while not done:
         if not batches:
-            batches = _neighbour_batches(encoded, targets.pooled, options.batch_size, rng) \
-                if NEIGHBOURS > 1 else _length_bucketed(encoded, options.batch_size, rng)
+            batches = _length_bucketed(encoded, options.batch_size, rng)
         picked = batches.pop()
         ids, mask = batch(picked)
         real = mask.bool()
@@ -370,44 +376,6 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
                           "steps_planned": options.steps, "time_budget_s": options.time_budget,
                           "stopped_by": "steps" if len(losses) >= options.steps else "time budget",
                           "batch_size": options.batch_size, "lr": options.lr, "seed": options.seed})
-
-
-NEIGHBOURS = 4  # texts per batch that are the teacher's nearest neighbours of one another (1: length buckets only)
-
-
-def _neighbour_batches(encoded: list, pooled: list, batch_size: int, rng, k: int | None = None) -> list[list[int]]:
-    """One epoch of batches made of groups of `k` texts the teacher finds closest to one another.
-
-    Retrieval (the gate's top-1) turns on which of several close texts is closest; random batches hold
-    almost no close pairs, so the relation loss would never see one. Within each chunk of 16 batches'
-    worth of random texts, a seed and its k - 1 nearest remaining texts (teacher cosine) form a group;
-    a batch is batch_size / k groups, of similar lengths (little padding)."""
-    import torch
-
-    k = k or NEIGHBOURS
-    order = list(rng.permutation(len(encoded)))
-    chunk = batch_size * 16
-    out = []
-    for c in range(0, len(order), chunk):
-        part = order[c : c + chunk]
-        unit = torch.nn.functional.normalize(torch.stack([pooled[i] for i in part]), dim=-1)
-        sims = unit @ unit.T
-        sims.fill_diagonal_(-2.0)
-        free = torch.ones(len(part), dtype=torch.bool)
-        groups = []
-        for seed in range(len(part)):
-            if not free[seed]:
-                continue
-            free[seed] = False
-            row = sims[seed].masked_fill(~free, -3.0)
-            near = [int(j) for j in row.topk(min(k - 1, int(free.sum()))).indices] if free.any() else []
-            free[near] = False
-            groups.append([part[seed]] + [part[j] for j in near])
-        groups.sort(key=lambda g: max(len(encoded[i]) for i in g))
-        per = max(1, batch_size // k)
-        out += [[i for g in groups[b : b + per] for i in g] for b in range(0, len(groups), per)]
-    rng.shuffle(out)
-    return out
 
 
 def _length_bucketed(encoded: list, batch_size: int, rng) -> list[list[int]]:
