@@ -16,8 +16,15 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from functools import lru_cache
 from importlib import resources
+
+
+def normalise(text: str) -> str:
+    """How texts are compared for "the same text": lower case, punctuation dropped (apostrophes kept),
+    whitespace collapsed. No training text equals a held-out query under it."""
+    return " ".join(re.sub(r"[^\w' ]+", " ", text.lower()).split())
 
 
 def load_sentences() -> list[str]:

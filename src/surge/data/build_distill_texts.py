@@ -55,6 +55,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+from surge.data import normalise
+
 SEED = 4242
 PER_FILE = 150
 NEAR = 0.75
@@ -85,11 +87,6 @@ FILLERS = {  # generic values for common slot names a skill gives no list for
     "song": ["yesterday", "bohemian rhapsody", "jazz music"],
     "email": ["alice@example.com"],
 }
-
-
-def normalise(text: str) -> str:
-    """The comparison key: lower case, punctuation dropped (apostrophes kept), whitespace collapsed."""
-    return " ".join(re.sub(r"[^\w' ]+", " ", text.lower()).split())
 
 
 def _clean(text: str) -> str:
