@@ -126,3 +126,17 @@ def test_augmented_queries_are_new_distinct_and_never_held_out():
     assert augment_queries([], 50) == [] and len(augment_queries(["one two"], 50)) < 50  # bounded, not stuck
     texts = default_texts()
     assert not {t.lower() for t in texts} & {q.lower() for q in held}
+
+
+def test_default_text_carries_the_shipped_distillation_text_and_the_defaults_fit_a_4_layer_student():
+    from surge.data import distill_texts
+    from surge.data.build_distill_texts import normalise
+    from surge.data import heldout_queries
+    from surge.optimize.distill import DistillOptions, default_texts
+
+    texts, shipped = default_texts(), distill_texts()
+    assert texts[-len(shipped):] == shipped and len(texts) >= 40_000
+    assert not {normalise(t) for t in texts} & {normalise(q) for q in heldout_queries()}
+    options = DistillOptions()
+    assert options.layers == 4 and options.time_budget == 600.0 and options.steps > 10_000  # time ends a default run
+    options.check(6)

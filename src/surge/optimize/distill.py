@@ -21,7 +21,9 @@ Loss per batch (real tokens only; padding carries no meaning):
 
 The word-embedding table is frozen (shared with the teacher); the teacher's
 targets (every kept layer's states and the pooled vector) are computed once
-per text; batches are length-bucketed. Training stops at `steps` or at
+per text; batches are length-bucketed (batches of groups of the teacher's
+nearest neighbours, so that the relation loss sees close pairs, were measured
+and not kept: session 7). Training stops at `steps` or at
 `time_budget` seconds, whichever comes first; the learning-rate schedule
 (warm-up, then cosine decay) follows whichever is further along, so a time
 budget still ends on a decayed rate.
@@ -31,9 +33,14 @@ pooled cosine + last-layer MSE, 100 steps) reached mean cosine 0.82; this one
 is in docs/benchmarks/optimizer.md (Issue 21, session 2).
 
 Training text: the shipped calibration queries plus the 400 prose sentences
-(`surge.data`) and 20,000 variants of those queries (augment_queries), or a
-file of one text per line (a query log). The held-out queries are never
-trained on: the gate measures the student on them.
+(`surge.data`), 20,000 variants of those queries (augment_queries) and the
+shipped distillation text (`surge.data.distill_texts()`: 20,804 utterances and
+replies of permissively licensed voice-assistant skills and open-domain chat
+messages, see PROVENANCE.md), or a file of one text per line (a query log).
+The held-out queries are never trained on, nor near copies of them: the gate
+measures the student on them.
+
+Defaults (4 layers, 600 s): measured in docs/benchmarks/optimizer.md, session 7.
 """
 
 from __future__ import annotations
@@ -58,11 +65,11 @@ SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 
 @dataclass
 class DistillOptions:
-    layers: int = 3
-    steps: int = 3000
+    layers: int = 4  # 3 layers stay under the gate's mean cosine (docs/benchmarks/optimizer.md, session 7)
+    steps: int = 20000  # a ceiling: the time budget ends a default run first
     batch_size: int = 32
     lr: float = 5e-4
-    time_budget: float = 300.0  # seconds of training; 0: no limit (steps only)
+    time_budget: float = 600.0  # seconds of training; 0: no limit (steps only)
     layer_choice: str = "measured"  # "measured": the teacher-layer subset whose untrained student is closest; "spaced"
     warmup: float = 0.06  # fraction of steps with a linear learning-rate warm-up
     max_length: int = 128
@@ -153,16 +160,18 @@ AUGMENTED = 20_000  # query variants added to the default training text (augment
 
 
 def default_texts() -> list[str]:
-    """The shipped calibration queries and prose sentences, plus AUGMENTED variants of the queries."""
-    from surge.data import calibration_queries, heldout_queries, load_sentences
+    """The shipped calibration queries and prose sentences, AUGMENTED variants of the queries, and the
+    shipped distillation text (`surge.data.distill_texts`: voice-assistant skills' utterances and replies,
+    open-domain chit-chat; built so that no held-out query, or near copy of one, is in it)."""
+    from surge.data import calibration_queries, distill_texts, heldout_queries, load_sentences
 
     queries = calibration_queries()
-    return queries + load_sentences() + augment_queries(queries, AUGMENTED, exclude=heldout_queries())
+    return queries + load_sentences() + augment_queries(queries, AUGMENTED, exclude=heldout_queries()) + distill_texts()
 
 
 def augment_queries(queries: list[str], n: int, seed: int = 5, exclude: list[str] = ()) -> list[str]:
     """`n` distinct query-like variants of `queries`, none of them a query itself or in `exclude`
-    (compared case-insensitively): words dropped, words replaced by another query's, two queries
+    (compared after `normalise`: case and punctuation aside): words dropped, words replaced by another query's, two queries
     spliced at their middles, or a short span. The teacher labels them, so they are free training
     text in the queries' own vocabulary and style; a student trained on the 1,304 shipped texts
     alone fits them (mean cosine 0.98) but not held-out queries (0.91). Measured on MiniLM 6 -> 3,
@@ -175,7 +184,10 @@ def augment_queries(queries: list[str], n: int, seed: int = 5, exclude: list[str
     if not split:
         return []
     words = [w for q in split for w in q]
-    seen = {q.lower() for q in queries} | {t.lower() for t in exclude}
+    from surge.data import normalise
+
+    # compared as the shipped distillation text is: case and punctuation aside ("How are you" is "how are you?")
+    seen = {normalise(q) for q in queries} | {normalise(t) for t in exclude}
     out: list[str] = []
     for _ in range(20 * n):  # bounded: a tiny or repetitive query set may have fewer variants
         if len(out) >= n:
@@ -194,8 +206,8 @@ def augment_queries(queries: list[str], n: int, seed: int = 5, exclude: list[str
             i = rng.randint(0, len(a) - k)
             a = a[i : i + k]
         text = " ".join(a)
-        if text.lower() not in seen:
-            seen.add(text.lower())
+        if normalise(text) not in seen:
+            seen.add(normalise(text))
             out.append(text)
     return out
 
