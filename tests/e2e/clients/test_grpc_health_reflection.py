@@ -48,6 +48,23 @@ def test_check_without_api_key(main_server):
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+@pytest.mark.skipif(not hasattr(health_pb2, "HealthListRequest"), reason="this grpcio-health-checking has no List")
+def test_list_names_every_service_with_its_status_and_needs_the_key(main_server):
+    with grpc.insecure_channel(main_server.grpc_url) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        with pytest.raises(grpc.RpcError) as err:  # it names the models: not open like Check
+            stub.List(health_pb2.HealthListRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        got = stub.List(health_pb2.HealthListRequest(), metadata=[("authorization", f"Bearer {API_KEY}")], timeout=10).statuses
+    assert {"", "inference.GRPCInferenceService", MODEL, "text-embedding-3-small"} <= set(got)
+    assert all(got[name].status == SERVING for name in got)
+    # each entry says what Check says for that name
+    with grpc.insecure_channel(main_server.grpc_url) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        for name in got:
+            assert stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=10).status == got[name].status
+
+
 def _watch(stub, service: str):
     statuses: queue.Queue = queue.Queue()
     call = stub.Watch(health_pb2.HealthCheckRequest(service=service), timeout=300)
@@ -104,7 +121,8 @@ def test_reflection_lists_and_describes_the_services(main_server):
         assert method.input_type.full_name == "inference.ModelInferRequest"
         assert method.input_type.fields_by_name["raw_input_contents"].number == 7
         health = pool.FindServiceByName("grpc.health.v1.Health")
-        assert {m.name for m in health.methods} == {"Check", "Watch"}
+        # grpcio-health-checking 1.7x added List to the service; older packages describe Check and Watch
+        assert {m.name for m in health.methods} - {"List"} == {"Check", "Watch"}
 
 
 def test_watch_from_process_start_turns_serving_after_warm_up():

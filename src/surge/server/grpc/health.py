@@ -11,6 +11,10 @@ ServerLive / ServerReady. Service names answered:
 
 Watch follows readiness without polling: the model registry and the end of
 startup notify the servicer, which wakes every watcher to re-read its status.
+
+List (added to grpc.health.v1 in grpcio-health-checking 1.7x; answered where the
+installed package defines it) gives every name above with its status. It names the
+served models, so unlike Check and Watch it needs the API key when one is set.
 """
 
 from __future__ import annotations
@@ -78,6 +82,16 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
         if status == Status.SERVICE_UNKNOWN:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service '{request.service}'")
         return health_pb2.HealthCheckResponse(status=status)
+
+    def names(self) -> list[str]:
+        """Every service name the server answers for now: the server's, and each model's and alias'."""
+        registry = self.state.registry
+        return sorted({*SERVER_NAMES, *self._seen, *registry.names(), *registry.aliases()})
+
+    if hasattr(health_pb2, "HealthListResponse"):
+        async def List(self, request, context):
+            return health_pb2.HealthListResponse(statuses={
+                name: health_pb2.HealthCheckResponse(status=self.status(name)) for name in self.names()})
 
     async def Watch(self, request, context):
         self._loop = asyncio.get_running_loop()
