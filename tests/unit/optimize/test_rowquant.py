@@ -48,6 +48,13 @@ def _alone_vs_batched(model, spec, probes, neighbours):
     return alone, np.stack(batched), np.stack(padded)
 
 
+def _assert_batch_invariant(model, spec):
+    """Held-out probes alone, beside the loudest neighbours (long chat answers) and padded: the same vector."""
+    long = sorted(calibration_queries(), key=len)[-3:]
+    alone, batched, padded = _alone_vs_batched(model, spec, heldout_queries()[:8], long)
+    assert cosine_rows(alone, batched).min() >= 0.9999 and cosine_rows(alone, padded).min() >= 0.9999
+
+
 def test_sentence_alone_equals_sentence_in_any_batch(row_int8, dynamic_int8, bundled_spec):
     model, info = row_int8
     assert info["batch_invariant"] and info["quantized_ops"] == {"MatMul": 18, "Attention": 6}
@@ -154,10 +161,7 @@ def test_static_activations_one_quantize_per_node_batch_invariant_and_close(fuse
     assert info["method"] == "static" and info["static_activation_nodes"] == 24 and info["batch_invariant"]
     assert ops.count("QuantizeLinear") == 24 and ops.count("MatMulIntegerToFloat") == 24
     assert not {"ReduceMax", "ReduceMin", "MatMul", "Attention"} & set(ops)
-    probes = heldout_queries()[:8]
-    long = sorted(calibration_queries(), key=len)[-3:]
-    alone, batched, padded = _alone_vs_batched(model, bundled_spec, probes, long)
-    assert cosine_rows(alone, batched).min() >= 0.9999 and cosine_rows(alone, padded).min() >= 0.9999
+    _assert_batch_invariant(model, bundled_spec)
     texts = heldout_queries()[100:140]
     ref = _embed(session(fused_minilm.SerializeToString(), 2), bundled_spec, texts)
     cos = cosine_rows(ref, _embed(session(model.SerializeToString(), 2), bundled_spec, texts))
@@ -213,10 +217,7 @@ def test_outlier_split_structure_invariance_and_accuracy(fused_minilm, bundled_s
     assert ops.count("Gather") - base_ops.count("Gather") == 24
     # A Mul only where no smoothing Mul could take the mask (attention output projections: folded into V)
     assert ops.count("Mul") - base_ops.count("Mul") == 24 - sinfo.to_json()["muls_inserted"]
-    probes = heldout_queries()[:8]
-    long = sorted(calibration_queries(), key=len)[-3:]
-    alone, batched, padded = _alone_vs_batched(model, bundled_spec, probes, long)
-    assert cosine_rows(alone, batched).min() >= 0.9999 and cosine_rows(alone, padded).min() >= 0.9999
+    _assert_batch_invariant(model, bundled_spec)
     texts = heldout_queries()[600:664]
     ref = _embed(session(fused_minilm.SerializeToString(), 2), bundled_spec, texts)
     err = {name: 1 - cosine_rows(ref, _embed(session(m.SerializeToString(), 2), bundled_spec, texts))
