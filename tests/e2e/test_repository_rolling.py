@@ -113,9 +113,12 @@ def test_rolling_update_under_load(server, repo, sentences, reference_embed):
 
 
 def test_unload_and_load_50_times_does_not_grow_rss(server):
-    """Bound: RSS after the last cycles may exceed RSS after the first cycles by at
-    most 64 MiB, less than one copy of the model's weights (87 MiB), so leaking
-    even one engine in 50 cycles fails the test."""
+    """Bound: the lowest RSS reading of the last 25 cycles may exceed the median of cycles 5-10 by at most
+    64 MiB, less than one copy of the model's weights (87 MiB). An engine leaked in any of the first 25
+    cycles, or one leaked every cycle, stays in every later reading and fails the test. What it lets
+    through is memory held until Python's full collection: measured as a sawtooth, +1.3 MiB a cycle and
+    released every ~20 cycles, which put the last readings 45-72 MiB over the early ones (the last-5
+    readings the test compared before failed CI twice at 71-72 MiB with no engine leaked)."""
     proc = psutil.Process(server.proc.pid)
     rss: list[int] = []
     with httpx.Client(base_url=server.url, timeout=120) as c:
@@ -126,10 +129,8 @@ def test_unload_and_load_50_times_does_not_grow_rss(server):
             assert c.post("/embed", json={"inputs": ["cycle %d" % cycle], "model": "enc"}).status_code == 200
             rss.append(proc.memory_info().rss)
     mib = np.array(rss) / 2**20
-    # Medians of both windows: a leaked engine stays in every later reading (+87 MiB), while one reading
-    # caught mid-load (both copies alive for a moment) is a spike the median ignores. With the last-5 maximum,
-    # one CI run read 71 MiB of growth where six local runs of the same code and of the code before read 23-40.
-    early, late = float(np.median(mib[5:10])), float(np.median(mib[-5:]))
-    print(f"\nRSS over 50 unload/load cycles: first {mib[0]:.0f} MiB, cycles 5-10 median {early:.0f} MiB, "
-          f"last 5 median {late:.0f} MiB, peak {mib.max():.0f} MiB")
-    assert late - early < 64, f"RSS grew from {early:.0f} MiB to {late:.0f} MiB over 50 reloads"
+    early, late = float(np.median(mib[5:10])), float(mib[25:].min())
+    print("\nRSS per cycle (MiB):", " ".join(f"{m:.0f}" for m in mib))
+    print(f"RSS over 50 unload/load cycles: first {mib[0]:.0f} MiB, cycles 5-10 median {early:.0f} MiB, "
+          f"lowest of the last 25 {late:.0f} MiB, peak {mib.max():.0f} MiB")
+    assert late - early < 64, f"RSS grew from {early:.0f} MiB to at least {late:.0f} MiB over the last 25 reloads"
