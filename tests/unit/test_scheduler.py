@@ -241,8 +241,8 @@ def _loop_run(overlap, seed, abort_at=None):
             for s in seqs[:3]:
                 sched.abort(s)
         for r in loop.step():
-            for k, o in r.outs.items():
-                streamed[k].append(o.token)
+            for k, token in r.tokens.items():
+                streamed[k].append(token)
             for f in r.finished:
                 assert f.seq.finish_reason in ("stop", "length")
         sched.blocks.check()

@@ -337,13 +337,9 @@ class GenerateService(PromptText):
                 self.steps += 1
                 finished = {f.seq.seq_id: f.reason for f in r.finished}
                 samples = r.samples or {}
-                if finished:
-                    for sid, token in r.tokens.items():
-                        events.append((sid, (token, samples.get(sid), finished.get(sid))))
-                        if sid in finished:
-                            self.engine.forget(sid)
-                else:  # the common step: nobody finishes
-                    events.extend([(sid, (token, samples.get(sid), None)) for sid, token in r.tokens.items()])
+                events.extend([(sid, (token, samples.get(sid), finished.get(sid))) for sid, token in r.tokens.items()])
+                for sid in finished.keys() & r.tokens.keys():
+                    self.engine.forget(sid)
             if events and self._loop is not None:
                 self._loop.call_soon_threadsafe(self._deliver, events)
             self.metrics.engine_state(self.scheduler)

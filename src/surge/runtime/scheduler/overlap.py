@@ -31,26 +31,12 @@ from surge.runtime.scheduler.scheduler import Finished, ScheduledSeq, Scheduler
 from surge.runtime.scheduler.sequence import SeqStatus
 
 
-class _Token:
-    __slots__ = ("token",)
-
-    def __init__(self, token: int):
-        self.token = token
-
-
 @dataclass
 class StepResult:
     scheduled: list[ScheduledSeq]
     tokens: dict  # seq_id -> token (only the sequences that sampled and are still live)
     finished: list[Finished]
     samples: dict | None = None  # seq_id -> SampleOut where the engine sampled on the host (logprobs)
-
-    @property
-    def outs(self) -> dict:
-        """seq_id -> an object with .token (the engine's SampleOut where there is one)."""
-        if self.samples is not None:
-            return self.samples
-        return {k: _Token(t) for k, t in self.tokens.items()}
 
 
 class StepLoop:
