@@ -170,11 +170,11 @@ def build_int8(proto: onnx.ModelProto, evaluator: Evaluator, budget: Budget, per
             info["weight_rounding"]["chosen"] = "nearest"
     if method == "per-row" and outlier_channels > 0 and not passed and not task:
         split = _outlier_split(smoothed, calibration.batches, evaluator.threads, outlier_channels, weight_rounding, say)
-        m3 = measure(split[0](smoothed, [])[0])
+        q3, qinfo3 = split(smoothed, [])
+        m3 = measure(q3)
         info["outlier_split"] = {"channels": outlier_channels, "before": _row(metrics), "after": _row(m3)}
         if (m3.mean_cosine, m3.tail_cosine) > (metrics.mean_cosine, metrics.tail_cosine):
-            quantize, metrics = split[0], m3
-            q, qinfo = quantize(smoothed, [])
+            quantize, metrics, q, qinfo = split, m3, q3, qinfo3
             info["outlier_split"]["chosen"] = True
             passed = check(target, {"calibration": metrics}).passed
         else:
@@ -226,7 +226,7 @@ def build_int8(proto: onnx.ModelProto, evaluator: Evaluator, budget: Budget, per
 
 
 def _outlier_split(smoothed: onnx.ModelProto, batches, threads: int, k: int, weight_rounding: str, say):
-    """(the quantizer that computes each node's k largest input channels in FP32, the channels chosen)."""
+    """The quantizer that computes each node's k largest input channels in FP32 (GPTQ weights for that split)."""
     from surge.optimize.rowquant import outlier_channels
 
     say(f"int8: each node's {k} largest input channels in FP32 (outlier split)")
@@ -236,7 +236,7 @@ def _outlier_split(smoothed: onnx.ModelProto, batches, threads: int, k: int, wei
         from surge.optimize.gptq import gptq_weights
 
         weights = gptq_weights(smoothed, batches, threads, outliers=outliers)
-    return quantizer("per-row", True, weights, outliers), outliers
+    return quantizer("per-row", True, weights, outliers)
 
 
 def _head_first(smoothed, names, quantize, evaluator, measure, target, say):

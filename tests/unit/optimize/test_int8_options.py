@@ -28,3 +28,25 @@ def test_negative_outlier_channels_is_a_config_error(value, ok):
     else:
         with pytest.raises(ConfigError, match="int8-outliers"):
             options.check()
+
+
+def test_search_tries_the_outlier_split_and_keeps_it_only_if_better(fused_minilm, bundled_spec, bundled_export):
+    """build_int8's step 3 on the bundled model: recorded with its before/after calibration numbers, and the
+    plan it returns is the split one exactly when the split measured better (and then has one Gather a node)."""
+    from surge.data import calibration_queries, heldout_queries
+    from surge.optimize.validate import Budget, Evaluator
+
+    ev = Evaluator(bundled_spec, bundled_export, calibration_queries()[:96], heldout_queries()[:8], threads=2)
+    budget = Budget(mean_cosine=0.99, min_cosine=0.99, top1_strict=0.999)  # out of reach: every step runs
+    plan = build_int8(fused_minilm, ev, budget, alpha=0.65, search=False)
+    split = plan.info["outlier_split"]
+    assert split["channels"] == OUTLIER_CHANNELS and set(split) == {"channels", "before", "after", "chosen"}
+    better = (split["after"]["mean_cosine"], split["after"]["tail_cosine"]) > \
+        (split["before"]["mean_cosine"], split["before"]["tail_cosine"])
+    assert split["chosen"] is better
+    gathers = sum(n.op_type == "Gather" and n.name.startswith("rowq/") for n in plan.model.graph.node)
+    assert gathers == (24 if better else 0)
+    assert (plan.info.get("outlier_channels") or {}).get("nodes", 0) == gathers
+    # and it is off when asked
+    off = build_int8(fused_minilm, ev, budget, alpha=0.65, search=False, outlier_channels=0)
+    assert "outlier_split" not in off.info
