@@ -215,6 +215,9 @@ def test_outlier_split_structure_invariance_and_accuracy(fused_minilm, bundled_s
     ops = [n.op_type for n in model.graph.node]
     base_ops = [n.op_type for n in quantize_rows(smoothed, weights=weights)[0].graph.node]
     assert ops.count("Gather") - base_ops.count("Gather") == 24
+    # the FP32 part is accumulated onto the int8 product by one Gemm a node (no MatMul, no Add of its own)
+    assert ops.count("Gemm") - base_ops.count("Gemm") == 24 and ops.count("MatMul") == base_ops.count("MatMul")
+    assert ops.count("Add") == base_ops.count("Add")
     # A Mul only where no smoothing Mul could take the mask (attention output projections: folded into V)
     assert ops.count("Mul") - base_ops.count("Mul") == 24 - sinfo.to_json()["muls_inserted"]
     _assert_batch_invariant(model, bundled_spec)
