@@ -69,6 +69,21 @@ def build(shape: str, out: Path, device: str) -> Path:
     return out
 
 
+def use_splitk_plans(path: Path) -> dict:
+    """Replace the measured split-K table (engines/kernels/splitk_gemm.PLANS) with the plans a tuning
+    run wrote (benchmarks/gpu_splitk_tune.py --json: {"plans": {"NxK": [BN, BK, splits, warps, stages,
+    swap]}}), so one device call can tune and then measure end to end."""
+    from surge.engines.kernels import splitk_gemm as sk
+
+    plans = json.loads(Path(path).read_text())["plans"]
+    sk.PLANS.clear()
+    for key, p in plans.items():
+        n, k = (int(x) for x in key.split("x"))
+        sk.PLANS[(n, k)] = sk.SplitKPlan(*p)
+    print(f"split-K plans from {path}: {sk.PLANS}", flush=True)
+    return dict(sk.PLANS)
+
+
 class _NoText:
     """Token ids only: the benchmark measures generation, not detokenization."""
 
@@ -122,7 +137,7 @@ def run_surge(path: Path, args, prompts, fused: bool = True, overlap: bool = Tru
     t = time.perf_counter()
     engine = DecoderEngine(path, device=args.device, dtype=args.dtype, max_num_seqs=gen.max_num_seqs,
                            max_model_len=max_len, kv_cache_tokens=(n + 8) * max_len, threads=args.threads,
-                           cuda_graphs=not args.no_graphs, fused=fused)
+                           cuda_graphs=not args.no_graphs, fused=fused, decode_gemm=args.decode_gemm)
     engine.warmup()
     load_s = time.perf_counter() - t
     service = GenerateService("bench", "1", path, engine, _NoText(), None, gen, request_timeout_s=600)
@@ -150,6 +165,8 @@ def run_surge(path: Path, args, prompts, fused: bool = True, overlap: bool = Tru
     best["steps"] = service.steps
     best["engine_busy_s"] = round(service.busy_s, 3)
     best["fused"] = fused
+    best["decode_gemm"] = args.decode_gemm
+    best["splitk_gemms"] = len(getattr(engine.model, "_splitk", {}))
     return best
 
 
@@ -223,6 +240,10 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--no-fused", action="store_true", help="plain torch norms / RoPE / SwiGLU on the GPU")
+    ap.add_argument("--decode-gemm", choices=["auto", "splitk", "cublas"], default="auto",
+                    help="the decode step's layer GEMMs: measured split-K plans where they beat cuBLAS (auto), "
+                         "split-K everywhere, or cuBLAS only")
+    ap.add_argument("--splitk-plans", type=Path, help="the split-K table from a gpu_splitk_tune.py --json run")
     ap.add_argument("--baseline", choices=["hf", "none"], default="hf")
     ap.add_argument("--compile", action="store_true", help="also transformers with torch.compile")
     ap.add_argument("--only-compile", action="store_true", help="transformers with torch.compile only")
@@ -233,6 +254,8 @@ def main(argv=None) -> int:
     args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
     if args.threads and not args.device.startswith("cuda"):
         torch.set_num_threads(args.threads)
+    if args.splitk_plans:
+        use_splitk_plans(args.splitk_plans)
     shapes = args.shape or (["qwen2-0.5b"] if args.device.startswith("cuda") else ["gpt2-small"])
     records = []
     with tempfile.TemporaryDirectory() as tmp:
