@@ -44,12 +44,12 @@ class SplitKPlan:
 # Measured on one H200 (torch 2.11, Triton 3.6) by benchmarks/gpu_splitk_tune.py, M = 64, 24 layers'
 # distinct weights in one CUDA graph, each GEMM timed with the kernel that reads its output
 # (docs/benchmarks/generate.md, session 8). A shape missing here, or one where cuBLAS won, stays on cuBLAS.
-# Session 8, call 1 (GEMM + reader us, cuBLAS -> split-K): qkv 6.43 -> 5.61, o 6.04 -> 4.95, down 10.26 ->
-# 8.54; up_gate stays on cuBLAS (9.58 against 10.21 at best).
+# Session 8, call 2 (GEMM + its reader, us, cuBLAS -> split-K): qkv 6.46 -> 5.70, o 6.04 -> 5.01, down
+# 10.20 -> 8.48 (call 1 within 0.1 us of these); up_gate stays on cuBLAS (9.57 against 10.27 at best).
 PLANS: dict[tuple[int, int], SplitKPlan] = {
-    (1152, 896): SplitKPlan(32, 128, 7, num_warps=8, num_stages=1),
-    (896, 896): SplitKPlan(32, 256, 4, num_warps=8, num_stages=1),
-    (896, 4864): SplitKPlan(32, 128, 8, num_warps=4, num_stages=4),
+    (1152, 896): SplitKPlan(64, 128, 7, num_warps=4, num_stages=2, swap=True),
+    (896, 896): SplitKPlan(32, 256, 4, num_warps=4, num_stages=1),
+    (896, 4864): SplitKPlan(32, 256, 4, num_warps=4, num_stages=3),
 }
 
 
