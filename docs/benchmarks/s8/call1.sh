@@ -1,8 +1,8 @@
 # Session 8, device call 1 (nvidia-h200): tune split-K, its tests, an interleaved A/B, the decoder tests.
+# Each part has its own time limit and log, so one failing loses none of the others.
 # Run by the device tool from a copy of this worktree at <session checkout>/build/s8gemm (git-ignored), with the
 # wheels the image lacks (pydantic 2.13.4, pydantic-core 2.46.4, annotated-types 0.7.0, typing-inspection 0.4.2,
 # typing-extensions 4.16.0; py3.12 manylinux) in build/s8whl; both named in `carry`.
-# Each part has its own time limit and log, so one failing loses none of the others.
 set +e
 export PYTHONUNBUFFERED=1 PYTHONPATH=src
 ( nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv

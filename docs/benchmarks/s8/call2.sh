@@ -1,9 +1,9 @@
 # Session 8, device call 2 (nvidia-h200): tune again (BLOCK_N 16 added, the pair timed for more plans), then end to
+# end before (cuBLAS) / after (split-K, this call's plans) alternated as processes, the tests, the GEMM table and
+# transformers + torch.compile once. Each part has its own time limit and log.
 # Run by the device tool from a copy of this worktree at <session checkout>/build/s8gemm (git-ignored), with the
 # wheels the image lacks (pydantic 2.13.4, pydantic-core 2.46.4, annotated-types 0.7.0, typing-inspection 0.4.2,
 # typing-extensions 4.16.0; py3.12 manylinux) in build/s8whl; both named in `carry`.
-# end before (cuBLAS) / after (split-K, this call's plans) alternated as processes, the tests, the GEMM table and
-# transformers + torch.compile once. Each part has its own time limit and log.
 set +e
 T0=$(date +%s); left() { echo $(( $1 - ($(date +%s) - T0) )); }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ../s8whl/*.whl > $OUT/env.txt 2>&1

@@ -1,9 +1,9 @@
 # Session 8, device call 3 (nvidia-h200): the committed plans. The two engines interleaved in one process
+# (generate_ab.py, 9 rounds, profiled round, the graph replayed alone), two more before/after process pairs,
+# and the split-K and decoder GPU tests on the committed table.
 # Run by the device tool from a copy of this worktree at <session checkout>/build/s8gemm (git-ignored), with the
 # wheels the image lacks (pydantic 2.13.4, pydantic-core 2.46.4, annotated-types 0.7.0, typing-inspection 0.4.2,
 # typing-extensions 4.16.0; py3.12 manylinux) in build/s8whl; both named in `carry`.
-# (generate_ab.py, 9 rounds, profiled round, the graph replayed alone), two more before/after process pairs,
-# and the split-K and decoder GPU tests on the committed table.
 set +e
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ../s8whl/*.whl > $OUT/env.txt 2>&1
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:src
