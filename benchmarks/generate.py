@@ -69,6 +69,21 @@ def build(shape: str, out: Path, device: str) -> Path:
     return out
 
 
+def use_splitk_plans(path: Path) -> dict:
+    """Replace the measured split-K table (engines/kernels/splitk_gemm.PLANS) with the plans a tuning
+    run wrote (benchmarks/gpu_splitk_tune.py --json: {"plans": {"NxK": [BN, BK, splits, warps, stages,
+    swap]}}), so one device call can tune and then measure end to end."""
+    from surge.engines.kernels import splitk_gemm as sk
+
+    plans = json.loads(Path(path).read_text())["plans"]
+    sk.PLANS.clear()
+    for key, p in plans.items():
+        n, k = (int(x) for x in key.split("x"))
+        sk.PLANS[(n, k)] = sk.SplitKPlan(*p)
+    print(f"split-K plans from {path}: {sk.PLANS}", flush=True)
+    return dict(sk.PLANS)
+
+
 class _NoText:
     """Token ids only: the benchmark measures generation, not detokenization."""
 
@@ -122,7 +137,7 @@ def run_surge(path: Path, args, prompts, fused: bool = True, overlap: bool = Tru
     t = time.perf_counter()
     engine = DecoderEngine(path, device=args.device, dtype=args.dtype, max_num_seqs=gen.max_num_seqs,
                            max_model_len=max_len, kv_cache_tokens=(n + 8) * max_len, threads=args.threads,
-                           cuda_graphs=not args.no_graphs, fused=fused)
+                           cuda_graphs=not args.no_graphs, fused=fused, decode_gemm=args.decode_gemm)
     engine.warmup()
     load_s = time.perf_counter() - t
     service = GenerateService("bench", "1", path, engine, _NoText(), None, gen, request_timeout_s=600)
@@ -139,6 +154,7 @@ def run_surge(path: Path, args, prompts, fused: bool = True, overlap: bool = Tru
         return rounds, prof
 
     rounds, prof = asyncio.run(main())
+    replay_us = graph_replay_us(engine)
     best = max(rounds, key=lambda r: r["tok_s"])
     best["rounds_tok_s"] = [round(r["tok_s"], 1) for r in rounds]
     best["median_tok_s"] = statistics.median(r["tok_s"] for r in rounds)
@@ -147,10 +163,33 @@ def run_surge(path: Path, args, prompts, fused: bool = True, overlap: bool = Tru
     if prof:
         best["profile"] = prof
     best["load_s"] = load_s
+    best["graph_replay_us"] = replay_us
     best["steps"] = service.steps
     best["engine_busy_s"] = round(service.busy_s, 3)
     best["fused"] = fused
+    best["decode_gemm"] = args.decode_gemm
+    best["splitk_gemms"] = len(getattr(engine.model, "_splitk", {}))
     return best
+
+
+def graph_replay_us(engine) -> float | None:
+    """The largest bucket's decode graph replayed alone (50 back to back, median of 5): the GPU's time
+    for one decode step, launch gaps inside the graph included (the buffers hold the last step's)."""
+    graphs = engine.graphs.graphs if engine.graphs is not None else {}
+    if not graphs:
+        return None
+    g = graphs[max(graphs)]
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        a.record()
+        for _ in range(50):
+            g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 50 * 1e3)
+    return statistics.median(times)
 
 
 async def _profiled_round(service, prompts, n_out) -> dict:
@@ -223,6 +262,10 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--no-fused", action="store_true", help="plain torch norms / RoPE / SwiGLU on the GPU")
+    ap.add_argument("--decode-gemm", choices=["auto", "splitk", "cublas"], default="auto",
+                    help="the decode step's layer GEMMs: measured split-K plans where they beat cuBLAS (auto), "
+                         "split-K everywhere, or cuBLAS only")
+    ap.add_argument("--splitk-plans", type=Path, help="the split-K table from a gpu_splitk_tune.py --json run")
     ap.add_argument("--baseline", choices=["hf", "none"], default="hf")
     ap.add_argument("--compile", action="store_true", help="also transformers with torch.compile")
     ap.add_argument("--only-compile", action="store_true", help="transformers with torch.compile only")
@@ -233,6 +276,8 @@ def main(argv=None) -> int:
     args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
     if args.threads and not args.device.startswith("cuda"):
         torch.set_num_threads(args.threads)
+    if args.splitk_plans:
+        use_splitk_plans(args.splitk_plans)
     shapes = args.shape or (["qwen2-0.5b"] if args.device.startswith("cuda") else ["gpt2-small"])
     records = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -275,6 +320,10 @@ def main(argv=None) -> int:
                              f"{lo:.2f}-{hi:.2f}x")
                 print(f"| {name} | {r['tok_s']:.0f} / {r['median_tok_s']:.0f} | {r['ttft_p50_ms']:.1f} / "
                       f"{r['ttft_p99_ms']:.1f} | {r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f} | {ratio} |")
+                if r.get("graph_replay_us"):
+                    print(f"  {name}: the largest bucket's decode graph replayed alone "
+                          f"{r['graph_replay_us']:.1f} us a step; rounds tok/s {r['rounds_tok_s']}; "
+                          f"decode_gemm {r.get('decode_gemm')} ({r.get('splitk_gemms')} split-K GEMMs)")
                 records.append({"shape": shape, "engine": name, "device": args.device, "dtype": args.dtype,
                                 "streams": args.streams, "prompt": args.prompt, "output": args.output, **r})
             print(json.dumps(records[-len(rows):]), flush=True)

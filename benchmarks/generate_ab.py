@@ -17,6 +17,10 @@ Variants (comma-separated, each a '+'-joined list of options on top of session 2
   attn128 / attn256  128 / 256 keys per paged-attention iteration in decode steps
   targmax    the argmax by a two-pass Triton kernel (kernels/decoder_fused.argmax_rows)
   lt         cuBLASLt as torch's preferred BLAS while the variant captures and runs
+  sk         the layer GEMMs of decode steps through split-K where the table has a plan (session 8;
+             decode_gemm="auto"; --splitk-plans replaces the table), cuBLAS otherwise
+  skall      split-K for every layer GEMM of decode steps (decode_gemm="splitk")
+The session-7 engine (the defaults before session 8) is argmax+attn256+targmax.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ sys.path.insert(0, str(ROOT))
 
 def engine_kwargs(variant: str) -> tuple[dict, bool]:
     opts = set(variant.split("+"))
-    kw = dict(graph_fp32_logits="argmax" not in opts, decode_block_n=64, argmax_kernel="torch")
+    kw = dict(graph_fp32_logits="argmax" not in opts, decode_block_n=64, argmax_kernel="torch",
+              decode_gemm="splitk" if "skall" in opts else "auto" if "sk" in opts else "cublas")
     for o in opts:
         if o.startswith("attn"):
             kw["decode_block_n"] = int(o[4:])
@@ -54,7 +59,7 @@ def blas(lt: bool) -> None:
 
 def kind(name: str) -> str:
     n = name.lower()
-    for key, label in (("paged_attn", "paged attention"), ("add_rmsnorm", "add_rmsnorm"),
+    for key, label in (("_partials", "split-K GEMM"), ("paged_attn", "paged attention"), ("add_rmsnorm", "add_rmsnorm"),
                        ("rope_cache", "rope+cache"), ("silu_mul", "silu_mul"), ("argmax", "argmax"),
                        ("memcpy", "memcpy"), ("memset", "memset")):
         if key in n:
@@ -79,9 +84,13 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--settle", action="store_true", help="gc_settle.settle() after the warm-up (as the server)")
+    ap.add_argument("--splitk-plans", type=Path, help="the split-K table from a gpu_splitk_tune.py --json run")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    from benchmarks.generate import SHAPES, _NoText, _surge_round, build
+    from benchmarks.generate import SHAPES, _NoText, _surge_round, build, use_splitk_plans
+
+    if args.splitk_plans:
+        use_splitk_plans(args.splitk_plans)
     from surge.engines.decoder import DecoderEngine
     from surge.runtime.generate_service import GenerateService, GenerationConfig
 

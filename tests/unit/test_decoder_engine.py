@@ -251,3 +251,17 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
     assert is_decoder_dir(tmp_path)
     with pytest.raises(ConfigError, match="falcon.*not supported"):
         load_decoder_config(tmp_path)
+
+
+def test_decode_gemm_switch_leaves_the_cpu_path_alone(model_dirs):
+    """decode_gemm (the split-K GEMMs of CUDA decode steps) is validated everywhere, and on the CPU
+    no mode plans a split-K GEMM or imports Triton: the CPU forward stays plain torch."""
+    import sys
+
+    name = next(k for k in model_dirs if k != "gpt2")
+    with pytest.raises(ValueError, match="decode_gemm"):
+        DecoderEngine(model_dirs[name], num_blocks=8, block_size=4, decode_gemm="cutlass")
+    for mode in ("auto", "splitk", "cublas"):
+        engine = DecoderEngine(model_dirs[name], num_blocks=8, block_size=4, decode_gemm=mode)
+        assert engine.model._splitk == {} and engine.model._splitk_max_m == 0
+    assert "surge.engines.kernels.splitk_gemm" not in sys.modules

@@ -19,7 +19,8 @@ from surge.models.decoder import DecoderConfig, rope_inv_freq
 
 class DecoderModel:
     def __init__(self, cfg: DecoderConfig, weights: dict, device: torch.device, dtype: torch.dtype,
-                 attention: str = "torch", fused: bool = True, decode_block_n: int | None = None):
+                 attention: str = "torch", fused: bool = True, decode_block_n: int | None = None,
+                 decode_gemm: str = "auto"):
         self.cfg = cfg
         self.w = weights
         self.device = device
@@ -28,6 +29,8 @@ class DecoderModel:
         self.attention = attention
         self.decode_block_n = decode_block_n  # keys per iteration of the paged kernel in decode steps
         self.fused = False
+        if decode_gemm not in ("auto", "splitk", "cublas"):
+            raise ValueError(f"decode_gemm must be auto, splitk or cublas, not {decode_gemm!r}")
         self._wt = self._cpu_layout(weights) if device.type == "cpu" else {}
         if attention == "triton":
             from surge.engines.kernels.paged_attention import paged_attention
@@ -45,6 +48,36 @@ class DecoderModel:
             d = cfg.head_dim
             # the fused kernels (GPU): full rotary dims, a power-of-two head size
             self.fused = attention == "triton" and fused and self.rot_dim == d and d >= 16 and d & (d - 1) == 0
+        self._splitk = self._splitk_plans(decode_gemm) if self.fused else {}
+        if self._splitk:
+            from surge.engines.kernels.splitk_gemm import MAX_M, partials
+
+            self._splitk_max_m, self._partials = MAX_M, partials
+        else:
+            self._splitk_max_m = 0
+
+    def _splitk_plans(self, mode: str) -> dict:
+        """Weight name -> split-K plan for the layers' GEMMs at <= splitk_gemm.MAX_M rows (decode steps).
+        "auto": the plans measured for the weight's (N, K) (cuBLAS where none is recorded or cuBLAS
+        won); "splitk": every such GEMM (an unmeasured shape gets default_plan: tests, measurements);
+        "cublas": none. BF16 / FP16 only: FP32 weights stay on cuBLAS's FP32 (Triton's dot would be TF32)."""
+        if mode == "cublas" or self.dtype not in (torch.bfloat16, torch.float16):
+            return {}
+        from surge.engines.kernels import splitk_gemm
+
+        plans = {}
+        for i in range(self.cfg.num_layers):
+            for name in ("qkv", "o", "up_gate", "down"):
+                wt = self.w[f"l{i}.{name}"]
+                if wt.stride(1) != 1:  # the kernel reads rows of K contiguous elements
+                    continue
+                n, k = wt.shape
+                plan = splitk_gemm.plan_for(n, k)
+                if plan is None and mode == "splitk":
+                    plan = splitk_gemm.default_plan(n, k)
+                if plan is not None:
+                    plans[f"l{i}.{name}"] = plan
+        return plans
 
     # -- pieces ---------------------------------------------------------------------------------------
     LINEAR = ("qkv", "o", "fc_in", "fc_out", "up_gate", "down")
@@ -118,6 +151,14 @@ class DecoderModel:
             x = x + self._lin(h, p + "fc_out", w[p + "fc_out.bias"])
         return F.layer_norm(x, (c.hidden_size,), w["final_norm"], w["final_norm.bias"], c.norm_eps)
 
+    def _proj(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear, or at decode sizes with a split-K plan its FP32 partial sums [S, T, N], which the
+        fused kernel that reads the product sums in order (the bias is then that kernel's to add)."""
+        plan = self._splitk.get(name) if x.shape[0] <= self._splitk_max_m else None
+        if plan is None:
+            return F.linear(x, self.w[name], bias)
+        return self._partials(x, self.w[name], plan)
+
     def _llama_fused(self, ids, positions, kv, meta):
         from surge.engines.kernels.decoder_fused import add_rmsnorm, rope_and_cache, silu_mul
 
@@ -128,12 +169,14 @@ class DecoderModel:
         h = add_rmsnorm(x, None, w["l0.attn_norm"], c.norm_eps)
         for i in range(c.num_layers):
             p = f"l{i}."
-            qkv = F.linear(h, w[p + "qkv"], w.get(p + "qkv.bias"))
-            q = rope_and_cache(qkv, self.cos, self.sin, positions, meta.slot_mapping, kv.k[i], kv.v[i], nq, nkv, hd)
+            bias = w.get(p + "qkv.bias")
+            qkv = self._proj(h, p + "qkv", bias)
+            q = rope_and_cache(qkv, self.cos, self.sin, positions, meta.slot_mapping, kv.k[i], kv.v[i], nq, nkv, hd,
+                               bias=bias if qkv.dim() == 3 else None)
             a = self._triton(q, kv.k[i], kv.v[i], meta, self.scale, block_n=self.decode_block_n)
             nxt = w[f"l{i + 1}.attn_norm"] if i + 1 < c.num_layers else w["final_norm"]
-            h = add_rmsnorm(x, F.linear(a.view(t, nq * hd), w[p + "o"]), w[p + "mlp_norm"], c.norm_eps)
-            m = F.linear(silu_mul(F.linear(h, w[p + "up_gate"])), w[p + "down"])
+            h = add_rmsnorm(x, self._proj(a.view(t, nq * hd), p + "o"), w[p + "mlp_norm"], c.norm_eps)
+            m = self._proj(silu_mul(self._proj(h, p + "up_gate"), x.dtype), p + "down")
             h = add_rmsnorm(x, m, nxt, c.norm_eps)
         return h
 

@@ -10,6 +10,10 @@ few microseconds, so these three kernels take a layer down to nine launches:
 * `rope_and_cache`: RoPE of q and k straight out of the fused QKV GEMM's output,
   q to its own buffer, k and v into their paged-cache slots;
 * `silu_mul`: SiLU(gate) * up from the fused gate/up GEMM's output.
+
+Each also takes its GEMM's output as split-K partial sums (kernels/splitk_gemm.py: FP32
+[splits, T, N]); it sums them in split order and rounds to the activation dtype (plus the bias, for
+qkv) exactly where the BF16 GEMM output would have been rounded, so the reduction costs no launch.
 """
 
 from __future__ import annotations
@@ -18,15 +22,21 @@ import torch
 import triton
 import triton.language as tl
 
+from surge.engines.kernels.splitk_gemm import sum_splits
+
 
 @triton.jit
-def _add_rmsnorm(x_ptr, delta_ptr, w_ptr, out_ptr, H, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rmsnorm(x_ptr, delta_ptr, w_ptr, out_ptr, H, eps, stride_s, HAS_DELTA: tl.constexpr, SPLITS: tl.constexpr,
+                 BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
     x = tl.load(x_ptr + row * H + offs, mask=mask, other=0.0)
     if HAS_DELTA:
-        d = tl.load(delta_ptr + row * H + offs, mask=mask, other=0.0)
+        if SPLITS > 0:  # split-K partials: the GEMM's BF16 output, rounded here
+            d = sum_splits(delta_ptr + row * H + offs, stride_s, mask, SPLITS).to(x_ptr.dtype.element_ty)
+        else:
+            d = tl.load(delta_ptr + row * H + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(x_ptr + row * H + offs, x, mask=mask)
     xf = x.to(tl.float32)
@@ -37,24 +47,36 @@ def _add_rmsnorm(x_ptr, delta_ptr, w_ptr, out_ptr, H, eps, HAS_DELTA: tl.constex
 
 
 def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, H] (updated in place with delta when given) -> RMSNorm(x) * weight."""
+    """x [T, H] (updated in place with delta when given) -> RMSNorm(x) * weight. delta: [T, H], or
+    split-K partials [S, T, H] (FP32)."""
     t, h = x.shape
     out = torch.empty_like(x)
     block = triton.next_power_of_2(h)
-    _add_rmsnorm[(t,)](x, delta if delta is not None else x, weight, out, h, eps, HAS_DELTA=delta is not None,
-                       BLOCK=block, num_warps=4 if block <= 2048 else 8)
+    splits = delta.shape[0] if delta is not None and delta.dim() == 3 else 0
+    _add_rmsnorm[(t,)](x, delta if delta is not None else x, weight, out, h, eps, t * h, HAS_DELTA=delta is not None,
+                       SPLITS=splits, BLOCK=block, num_warps=4 if block <= 2048 else 8)
     return out
 
 
 @triton.jit
-def _rope_cache(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, stride_t,
-                NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr):
+def _rope_cache(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, stride_t, stride_s,
+                NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, SPLITS: tl.constexpr,
+                HAS_BIAS: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, HALF)
     base = qkv_ptr + t * stride_t + h * D
-    x1 = tl.load(base + offs)
-    x2 = tl.load(base + HALF + offs)
+    if SPLITS > 0:  # split-K partials: sum, bias, one rounding, as the BF16 GEMM's epilogue does
+        x1 = sum_splits(base + offs, stride_s, offs < HALF, SPLITS)
+        x2 = sum_splits(base + HALF + offs, stride_s, offs < HALF, SPLITS)
+        if HAS_BIAS:
+            x1 += tl.load(bias_ptr + h * D + offs).to(tl.float32)
+            x2 += tl.load(bias_ptr + h * D + HALF + offs).to(tl.float32)
+        x1 = x1.to(q_ptr.dtype.element_ty)
+        x2 = x2.to(q_ptr.dtype.element_ty)
+    else:
+        x1 = tl.load(base + offs)
+        x2 = tl.load(base + HALF + offs)
     if h < NQ + NKV:
         pos = tl.load(pos_ptr + t).to(tl.int64)
         c = tl.load(cos_ptr + pos * D + offs).to(tl.float32)
@@ -78,35 +100,46 @@ def _rope_cache(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_pt
 
 def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                    slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, nq: int, nkv: int,
-                   d: int) -> torch.Tensor:
-    """qkv [T, (nq + 2 nkv) d]; cos/sin [max_pos, d]; caches [blocks, page, nkv, d] -> q [T, nq, d]."""
-    t = qkv.shape[0]
-    q = torch.empty((t, nq, d), device=qkv.device, dtype=qkv.dtype)
-    _rope_cache[(t, nq + 2 * nkv)](qkv, cos, sin, positions, slots, q, k_cache, v_cache, qkv.stride(0),
-                                   NQ=nq, NKV=nkv, D=d, HALF=d // 2, num_warps=1)
+                   d: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """qkv [T, (nq + 2 nkv) d]; cos/sin [max_pos, d]; caches [blocks, page, nkv, d] -> q [T, nq, d].
+    qkv may be split-K partials [S, T, (nq + 2 nkv) d] (FP32), with the GEMM's `bias` still to add."""
+    splits = qkv.shape[0] if qkv.dim() == 3 else 0
+    t = qkv.shape[-2]
+    q = torch.empty((t, nq, d), device=qkv.device, dtype=k_cache.dtype)
+    _rope_cache[(t, nq + 2 * nkv)](qkv, bias if bias is not None else qkv, cos, sin, positions, slots, q, k_cache,
+                                   v_cache, qkv.stride(-2), qkv.stride(0) if splits else 0, NQ=nq, NKV=nkv, D=d,
+                                   HALF=d // 2, SPLITS=splits, HAS_BIAS=splits > 0 and bias is not None,
+                                   num_warps=1)
     return q
 
 
 @triton.jit
-def _silu_mul(x_ptr, out_ptr, N, I, BLOCK: tl.constexpr):
+def _silu_mul(x_ptr, out_ptr, N, I, stride_s, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     row = offs // I
     col = offs % I
-    g = tl.load(x_ptr + row * (2 * I) + col, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + row * (2 * I) + I + col, mask=mask, other=0.0)
+    if SPLITS > 0:  # split-K partials: the GEMM's BF16 output, rounded here
+        g = sum_splits(x_ptr + row * (2 * I) + col, stride_s, mask, SPLITS).to(out_ptr.dtype.element_ty)
+        g = g.to(tl.float32)
+        u = sum_splits(x_ptr + row * (2 * I) + I + col, stride_s, mask, SPLITS).to(out_ptr.dtype.element_ty)
+    else:
+        g = tl.load(x_ptr + row * (2 * I) + col, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + row * (2 * I) + I + col, mask=mask, other=0.0)
     act = (g / (1.0 + tl.exp(-g))).to(u.dtype)
     tl.store(out_ptr + offs, act * u, mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] (gate, then up) -> SiLU(gate) * up [T, I]."""
-    t, two_i = gate_up.shape
+def silu_mul(gate_up: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[T, 2I] (gate, then up) -> SiLU(gate) * up [T, I]. gate_up may be split-K partials [S, T, 2I]
+    (FP32); the output is then in `dtype` (the activations')."""
+    splits = gate_up.shape[0] if gate_up.dim() == 3 else 0
+    t, two_i = gate_up.shape[-2:]
     i = two_i // 2
-    out = torch.empty((t, i), device=gate_up.device, dtype=gate_up.dtype)
+    out = torch.empty((t, i), device=gate_up.device, dtype=dtype or gate_up.dtype)
     n = t * i
-    _silu_mul[(triton.cdiv(n, 1024),)](gate_up, out, n, i, BLOCK=1024, num_warps=4)
+    _silu_mul[(triton.cdiv(n, 1024),)](gate_up, out, n, i, t * two_i, SPLITS=splits, BLOCK=1024, num_warps=4)
     return out
 
 

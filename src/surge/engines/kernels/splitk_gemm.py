@@ -1,0 +1,158 @@
+"""Split-K GEMM for the decode step's skinny products: a[M, K] @ w[N, K]^T with M <= 64 (Triton).
+
+At M = 64 cuBLAS covers Qwen2-0.5B's narrow products (o and down: N = 896, qkv: N = 1152) with 7-9
+output tiles, so 7-9 of the H200's 132 SMs stream the weights and the GEMM runs far under memory
+bandwidth. Here K is cut into `splits` ranges as well: tiles x splits programs share the weight
+stream, each writes its FP32 partial sums to a workspace [splits, M, N], and whoever reads the product
+sums the splits in split order: `reduce_partials` here, or the decoder's fused kernels
+(kernels/decoder_fused.py), which read the workspace directly and so cost no extra launch.
+
+Deterministic and batch-invariant by construction: no atomics; the splits are summed in a fixed
+order; a row's partial sums depend on that row alone (every launch tiles M by the same BLOCK_M rows,
+so the same MMA instructions compute it whether it is alone or one of 64); and the plan (tiles, split
+count) is looked up by (N, K) only, never by M or by who is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 64  # rows of every program: one M tile holds a whole decode batch (the weights are read once)
+MAX_M = 64  # the engine uses split-K up to this many rows (measured at M = 64; cuBLAS above)
+
+
+@dataclass(frozen=True)
+class SplitKPlan:
+    block_n: int
+    block_k: int
+    splits: int  # asked for; `num_splits(k)` is what runs once K is cut into whole BLOCK_K steps
+    num_warps: int = 4
+    num_stages: int = 2
+    swap: bool = False  # the product as w @ a^T: N on the MMA's long side, the batch on its short side
+
+    def k_split(self, k: int) -> int:
+        return triton.cdiv(triton.cdiv(k, self.splits), self.block_k) * self.block_k
+
+    def num_splits(self, k: int) -> int:
+        return triton.cdiv(k, self.k_split(k))
+
+
+# Measured on one H200 (torch 2.11, Triton 3.6) by benchmarks/gpu_splitk_tune.py, M = 64, 24 layers'
+# distinct weights in one CUDA graph, each GEMM timed with the kernel that reads its output
+# (docs/benchmarks/generate.md, session 8). A shape missing here, or one where cuBLAS won, stays on cuBLAS.
+# Session 8, call 2 (GEMM + its reader, us, cuBLAS -> split-K): qkv 6.46 -> 5.70, o 6.04 -> 5.01, down
+# 10.20 -> 8.48 (call 1 within 0.1 us of these); up_gate stays on cuBLAS (9.57 against 10.27 at best).
+PLANS: dict[tuple[int, int], SplitKPlan] = {
+    (1152, 896): SplitKPlan(64, 128, 7, num_warps=4, num_stages=2, swap=True),
+    (896, 896): SplitKPlan(32, 256, 4, num_warps=4, num_stages=1),
+    (896, 4864): SplitKPlan(32, 256, 4, num_warps=4, num_stages=3),
+}
+
+
+def plan_for(n: int, k: int) -> SplitKPlan | None:
+    """The measured plan of a [N, K] weight, or None (cuBLAS)."""
+    return PLANS.get((n, k))
+
+
+def default_plan(n: int, k: int) -> SplitKPlan:
+    """A plan for any (N, K), from (N, K) alone (used where no measurement exists and split-K is
+    asked for anyway, e.g. tests on small models): ~2 programs per SM of 132, 64-wide tiles."""
+    block_k = 128 if k >= 512 else 64
+    tiles = triton.cdiv(n, 64)
+    splits = max(1, min(triton.cdiv(k, block_k), round(264 / tiles)))
+    return SplitKPlan(64, block_k, splits, num_stages=3)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _partials(a_ptr, w_ptr, ws_ptr, M, N, K, stride_am, stride_wn,
+              K_SPLIT: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_s * K_SPLIT + tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(0, K_SPLIT // BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = offs_k < K - i * BLOCK_K
+            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if SWAP:
+            acc = tl.dot(w, tl.trans(a), acc)
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    ws = ws_ptr + pid_s.to(tl.int64) * M * N
+    if SWAP:
+        tl.store(ws + offs_m[None, :].to(tl.int64) * N + offs_n[:, None], acc, mask=n_ok[:, None] & m_ok[None, :])
+    else:
+        tl.store(ws + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def sum_splits(ptr, stride_s, mask, SPLITS: tl.constexpr):
+    """The FP32 sum of SPLITS partials at ptr, ptr + stride_s, ... in split order (for fused readers)."""
+    acc = tl.load(ptr, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(ptr + s * stride_s, mask=mask, other=0.0)
+    return acc
+
+
+@triton.jit
+def _reduce(ws_ptr, bias_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = sum_splits(ws_ptr + offs, MN, mask, SPLITS)
+    if HAS_BIAS:  # after the whole sum, as cuBLAS's epilogue adds it
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def partials(a: torch.Tensor, w: torch.Tensor, plan: SplitKPlan, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a [M, K], w [N, K] (BF16 / FP16) -> FP32 partial products [plan.num_splits(K), M, N]."""
+    m, k = a.shape
+    n = w.shape[0]
+    if a.stride(1) != 1:
+        a = a.contiguous()
+    ks = plan.k_split(k)
+    s = triton.cdiv(k, ks)
+    if out is None:
+        out = torch.empty((s, m, n), device=a.device, dtype=torch.float32)
+    grid = (triton.cdiv(n, plan.block_n), s, triton.cdiv(m, BLOCK_M))
+    _partials[grid](a, w, out, m, n, k, a.stride(0), w.stride(0), K_SPLIT=ks, EVEN_K=k % ks == 0, SWAP=plan.swap,
+                    BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.num_warps,
+                    num_stages=plan.num_stages)
+    return out
+
+
+def reduce_partials(ws: torch.Tensor, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16
+                    ) -> torch.Tensor:
+    """[S, M, N] FP32 partials -> [M, N] in `dtype`: the splits summed in order, then the bias, rounded once."""
+    s, m, n = ws.shape
+    out = torch.empty((m, n), device=ws.device, dtype=dtype)
+    block = 1024
+    _reduce[(triton.cdiv(m * n, block),)](ws, bias if bias is not None else ws, out, m * n, n, SPLITS=s,
+                                          HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return out
+
+
+def linear(a: torch.Tensor, w: torch.Tensor, plan: SplitKPlan, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(a, w, bias) through split-K: two launches (the decoder fuses the second away)."""
+    return reduce_partials(partials(a, w, plan), bias, a.dtype)
