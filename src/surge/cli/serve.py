@@ -119,8 +119,14 @@ def run_server(config: ServerConfig) -> None:
     from surge.cli.bootstrap import build_state
 
     state = build_state(config)
-    app = create_app(state)
+    app, http = create_app(state), "auto"
+    try:  # the front ends' fewer layers and one send a response (server/http/frontend.py)
+        from surge.server.http.frontend import CorkedHttpToolsProtocol, FrontDoor
+
+        app, http = FrontDoor(app), CorkedHttpToolsProtocol
+    except ImportError:  # no httptools: uvicorn's own choice
+        pass
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
-                loop="auto", http="auto", timeout_graceful_shutdown=10)
+                loop="auto", http=http, timeout_graceful_shutdown=10)
     if state.extras.get("startup_error"):
         raise typer.Exit(code=1)
