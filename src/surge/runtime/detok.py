@@ -58,7 +58,8 @@ class TextState:
         tail = new[len(w):]
         full = self._done + tail
         if tail and not tail.endswith(_BAD):
-            # whole characters up to here: the next window starts after the last one
+            # whole characters up to here: the next window starts after the last one (not after a
+            # token that added no text: a SentencePiece "▁" shows its space only with the next token)
             self._done = full
             self._window = self.decode(ids[self._read:])
             self._prefix, self._read = self._read, len(ids)
