@@ -47,10 +47,12 @@ class DecodeGraphs:
         self.h_tables = [torch.zeros((n, width), dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self.np_packed = [x.numpy() for x in self.h_packed]
         self.np_tables = [x.numpy() for x in self.h_tables]
+        for t in self.np_tables:
+            t[:] = engine.kv.scratch_block
+        self._staged = [[[] for _ in range(n)] for _ in range(2)]  # per set: the rows it holds (lists)
         self._slot = 0
-        # what the device's table buffer holds: (bucket, the block-table lists, their lengths). A running
-        # sequence's table only grows (append) and is replaced by a new list when freed, and the lists
-        # are kept alive here, so the same lists at the same lengths mean the same rows: no refill, no copy
+        # what the device's table buffer holds: (bucket, copies of the rows). The same rows again (a
+        # decode step between two block boundaries): no refill, no copy
         self._tables_held: tuple | None = None
 
     def fits(self, batch: int, width: int) -> bool:
@@ -100,6 +102,25 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
+    def _stage_tables(self, k: int, tables: list[list[int]], bucket: int) -> None:
+        """Bring staging set k's table rows to `tables` (scratch blocks after each row and in padded
+        rows), writing only the rows that differ from what the set holds: with streams of different
+        lengths some sequence crosses a block boundary nearly every step, and rewriting all 64 rows
+        each time was ~1 us a row of host time."""
+        t, rows, scratch = self.np_tables[k], self._staged[k], self.engine.kv.scratch_block
+        for i, row in enumerate(tables):
+            old = rows[i]
+            if old != row:
+                n = len(row)
+                t[i, :n] = row
+                if len(old) > n:
+                    t[i, n:len(old)] = scratch
+                rows[i] = list(row)
+        for i in range(len(tables), bucket):
+            if rows[i]:
+                t[i, :len(rows[i])] = scratch
+                rows[i] = []
+
     def run(self, ids: list[int], pos: list[int], slots: list[int], tables: list[list[int]],
             src: list[int] | None = None, prev_tokens=None):
         """One decode step of len(ids) sequences -> (logits [b, vocab] in the model's dtype, or FP32 with
@@ -126,20 +147,16 @@ class DecodeGraphs:
         if bucket > b:  # padded rows: one token of context, written to the scratch block
             p[2, b:bucket] = e.kv.scratch_block * e.block_size
             p[3, b:bucket] = 1
-        lens = [len(row) for row in tables]
         held = self._tables_held
-        same = held is not None and held[0] == bucket and held[2] == lens and all(
-            a is b for a, b in zip(held[1], tables))
+        same = held is not None and held[0] == bucket and held[1] == tables  # compared in C, row by row
         if not same:
-            t[:bucket] = e.kv.scratch_block
-            for i, row in enumerate(tables):
-                t[i, :len(row)] = row
+            self._stage_tables(k, tables, bucket)
         if prev_tokens is not None:
             self.prev[:prev_tokens.shape[0]].copy_(prev_tokens)
         self.packed[:, :bucket].copy_(self.h_packed[k][:, :bucket], non_blocking=True)
         if not same:
             self.tables[:bucket].copy_(self.h_tables[k][:bucket], non_blocking=True)
-            self._tables_held = (bucket, list(tables), lens)
+            self._tables_held = (bucket, [list(row) for row in tables])
         self.graphs[bucket].replay()
         logits, tokens = self.outputs[bucket]
         return logits[:b], tokens[:b]
