@@ -68,6 +68,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gc", choices=["none", "settle", "settle-t"], default="none",
                     help="settle: gc_settle.settle() after the warm-up, as the server does; settle-t: also a "
                          "higher generation-0 threshold")
+    ap.add_argument("--stagger", action="store_true",
+                    help="prompt lengths prompt - i %% 16: streams cross KV block boundaries at different steps "
+                         "(as in real traffic) instead of all at once")
     ap.add_argument("--text", action="store_true",
                     help="detokenize with the model's tokenizer (the server's path) instead of token ids only")
     args = ap.parse_args(argv)
@@ -93,6 +96,8 @@ def main(argv=None) -> int:
         service.mark_ready()
         g = torch.Generator().manual_seed(1)
         prompts = torch.randint(2, engine.cfg.vocab_size, (args.streams, args.prompt), generator=g).tolist()
+        if args.stagger:
+            prompts = [p[:len(p) - i % 16] for i, p in enumerate(prompts)]
 
         import psutil
 
