@@ -2,14 +2,15 @@
 
 Byte-level BPE can split a character over tokens, so a token's text is only
 known in context. Decoding all of a stream's tokens for each new one costs
-O(length) a token (28 us at 128 tokens on a small vocabulary: at 64 streams,
-more than a GPU decode step of host time a step), so the text is decoded from
-a short window instead, as TGI and vLLM do: the tokens since the last point
-where the text ended in whole characters, decoded once without and once with
-the new ones; the difference is the new text. Both decodes start at the same
-token, so a decoder that treats a window's first token specially (a
-SentencePiece leading space) does so in both. A window whose longer decode does
-not extend its shorter one falls back to decoding everything.
+O(length) a token (at 64 streams of 128 tokens it was most of the event loop's
+work: benchmarks/generate_host.py --text, docs/benchmarks/generate.md), so the
+text is decoded from a short window instead, as TGI and vLLM do: the tokens
+since the last point where the text ended in whole characters, decoded once
+without and once with the new ones; the difference is the new text. Both
+decodes start at the same token, so a decoder that treats a window's first
+token specially (a SentencePiece leading space) does so in both. A window whose
+longer decode does not extend its shorter one falls back to decoding
+everything.
 
 The part shown holds back a trailing incomplete character and any suffix that
 could still become a stop string. A stop string cuts the text exactly before
