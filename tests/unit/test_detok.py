@@ -91,19 +91,22 @@ def _tokenizers():
     spaces cleaned up around punctuation)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    text = ["naïve café déjà vu, 日本語のテキスト 😀 ok.", "The augmented assignment falls back. Then it stops!",
+    text = ["naïve café déjà vu, 日本語のテキスト 😀 ok.",
+            "The augmented assignment falls back. Then it stops!",
             "Ünïcödé wörds: straße, œuvre, 中文, emoji 🎉🎉 and (brackets), e.g. x = y."] * 20
     out = []
     t = Tokenizer(models.BPE())
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     t.decoder = decoders.ByteLevel()
-    t.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                    special_tokens=["<s>", "</s>"], show_progress=False))
+    t.train_from_iterator(text, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<s>", "</s>"],
+        show_progress=False))
     out.append(t)
     t = Tokenizer(models.BPE(unk_token="<unk>"))
     t.pre_tokenizer = pre_tokenizers.Metaspace()
     t.decoder = decoders.Metaspace()
-    t.train_from_iterator(text, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>"], show_progress=False))
+    t.train_from_iterator(text, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>"],
+                                                    show_progress=False))
     out.append(t)
     t = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     t.pre_tokenizer = pre_tokenizers.BertPreTokenizer()

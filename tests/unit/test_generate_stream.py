@@ -121,3 +121,44 @@ def test_streams_consumed_at_different_paces_get_the_same_text(model_dir):
     text = "".join(d.text for d in stopped)
     assert stopped[-1].finish_reason == "stop" and text == ref[0].text[:ref[0].text.index(ref[0].text[3:7])]
     assert free == 256
+
+
+def test_a_stream_whose_text_fails_fails_alone(model_dir, monkeypatch):
+    """The event loop builds all streams' deltas in one pass: an exception in one stream's text (a
+    tokenizer that raises, say) reaches that stream's consumer, frees its blocks and is counted as
+    an abort; the streams beside it go on unchanged."""
+    import surge.runtime.generate_service as gs
+
+    reg = CollectorRegistry()
+    service = _service(model_dir, reg, cache_entries=0)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [service.encode(t) for t in ("The augmented assignment", "Names are", "Then it stops")]
+    made, plain = [], gs.TextState
+
+    class Failing(plain):
+        def add(self, token, final=False):
+            if len(self.ids) == 4:
+                raise RuntimeError("tokenizer broke")
+            return super().add(token, final)
+
+    def text_state(decode, stop=()):
+        made.append(None)
+        return (Failing if len(made) == 2 else plain)(decode, stop)
+
+    async def main():
+        ref = [await service.generate(p, params) for p in prompts]
+        made.clear()
+        monkeypatch.setattr(gs, "TextState", text_state)
+        got = await asyncio.gather(*(service.generate(p, params) for p in prompts), return_exceptions=True)
+        await asyncio.sleep(0.05)
+        free = service.scheduler.blocks.num_free
+        await service.close()
+        return ref, got, free
+
+    ref, got, free = asyncio.run(main())
+    assert isinstance(got[1], RuntimeError) and "tokenizer broke" in str(got[1])
+    for i in (0, 2):
+        assert got[i].text == ref[i].text and got[i].token_ids == ref[i].token_ids
+    assert free == 256
+    assert _value(reg, "surge_generate_requests_total", finish_reason="abort") == 1
+    assert _value(reg, "surge_generate_requests_total", finish_reason="length") == 5

@@ -344,54 +344,58 @@ class GenerateService(PromptText):
         for tokens, samples, finished in batch:
             for sid, token in tokens.items():
                 h = handles.get(sid)
-                if h is None or h.done:
+                if h is None or h.done or h.error is not None:
                     continue
-                finish = finished.get(sid) if finished else None
-                n = h.n_out
-                if n:
-                    itl.append(now - h.last)
-                else:
-                    metrics.ttft.observe(now - h.start)
-                    h.first = now
-                h.last = now
-                h.n_out = n = n + 1
-                count += 1
-                state = h.state
-                if finish == "stop" and token in h.stops:
-                    text = state.flush()  # the stop token itself is not text
-                else:
-                    text = state.add(token, final=finish is not None)
-                    if state.stopped and finish is None:
-                        finish = "stop"
-                        self._abort(h, "stop")
+                try:
+                    finish = finished.get(sid) if finished else None
+                    n = h.n_out
+                    if n:
+                        itl.append(now - h.last)
+                    else:
+                        metrics.ttft.observe(now - h.start)
+                        h.first = now
+                    h.last = now
+                    h.n_out = n = n + 1
+                    count += 1
+                    state = h.state
+                    if finish == "stop" and token in h.stops:
+                        text = state.flush()  # the stop token itself is not text
+                    else:
+                        text = state.add(token, final=finish is not None)
+                        if state.stopped and finish is None:
+                            finish = "stop"
+                            self._abort(h, "stop")
+                        if finish is not None:
+                            text += state.flush()
+                    lp = None
+                    if h.logprobs:
+                        out = samples.get(sid) if samples else None
+                        if out is not None:
+                            lp = {"token_id": token, "token": self.decode([token]), "logprob": out.logprob,
+                                  "top": [(self.decode([t]), v, t) for t, v in (out.top or [])]}
+                    d = h.delta
+                    if d is None:
+                        lps = ([lp] if lp is not None else []) if h.logprobs else None
+                        h.delta = d = Delta(text, [token], lps, finish, h.prompt_tokens, n)
+                    else:  # the stream has not taken its last delta yet: one delta, as if delivered together
+                        d.text += text
+                        d.token_ids.append(token)
+                        if lp is not None:
+                            d.logprobs.append(lp)
+                        d.finish_reason, d.completion_tokens = finish, n
                     if finish is not None:
-                        text += state.flush()
-                lp = None
-                if h.logprobs:
-                    out = samples.get(sid) if samples else None
-                    if out is not None:
-                        lp = {"token_id": token, "token": self.decode([token]), "logprob": out.logprob,
-                              "top": [(self.decode([t]), v, t) for t, v in (out.top or [])]}
-                d = h.delta
-                if d is None:
-                    h.delta = d = Delta(text, [token], ([lp] if lp is not None else []) if h.logprobs else None,
-                                        finish, h.prompt_tokens, n)
-                else:  # the stream has not taken its last delta yet: one delta, as if delivered together
-                    d.text += text
-                    d.token_ids.append(token)
-                    if lp is not None:
-                        d.logprobs.append(lp)
-                    d.finish_reason, d.completion_tokens = finish, n
-                if finish is not None:
-                    h.done = True
-                    admitted = h.seq.scheduled_at or h.start
-                    d.timings = {"queue_ns": int(1e9 * max(0.0, admitted - h.start)),
-                                 "compute_input_ns": int(1e9 * max(0.0, h.first - admitted)),
-                                 "compute_infer_ns": int(1e9 * max(0.0, h.last - h.first))}
-                    metrics.finished(finish)
-                w = h.waiter
-                if w is not None and not w.done():
-                    w.set_result(None)
+                        h.done = True
+                        admitted = h.seq.scheduled_at or h.start
+                        d.timings = {"queue_ns": int(1e9 * max(0.0, admitted - h.start)),
+                                     "compute_input_ns": int(1e9 * max(0.0, h.first - admitted)),
+                                     "compute_infer_ns": int(1e9 * max(0.0, h.last - h.first))}
+                        metrics.finished(finish)
+                    w = h.waiter
+                    if w is not None and not w.done():
+                        w.set_result(None)
+                except Exception as exc:  # this stream's failure (its text, say), not its neighbours'
+                    log.exception("stream %s failed", sid)
+                    h.fail(exc)
         if itl:
             metrics.observe_itl(itl)
         if count:
