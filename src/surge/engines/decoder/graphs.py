@@ -134,7 +134,7 @@ class DecodeGraphs:
         e = self.engine
         k = self._slot
         self._slot ^= 1
-        p, t = self.np_packed[k], self.np_tables[k]
+        p = self.np_packed[k]
         p[0, :b] = ids
         np.maximum(p[0, :b], 0, out=p[0, :b])  # placeholders (taken from `prev` on the device)
         p[0, b:bucket] = 0  # padded rows: a valid token (stale ids of a larger batch may be placeholders)
