@@ -9,6 +9,8 @@ a step on the GPU, whatever the kernels take: the two threads share the GIL.
     PYTHONPATH=src python3 benchmarks/generate_host.py --streams 64 --prompt 128 --output 128 --rounds 5
 
 Prints the decode steps' host time per step (median over rounds; the prefill step is left out).
+`--text`: the streams are detokenized with the model's byte-level BPE tokenizer, as the server does
+(the default leaves text out, as benchmarks/generate.py does).
 """
 
 from __future__ import annotations
@@ -66,6 +68,11 @@ def main(argv=None) -> int:
     ap.add_argument("--gc", choices=["none", "settle", "settle-t"], default="none",
                     help="settle: gc_settle.settle() after the warm-up, as the server does; settle-t: also a "
                          "higher generation-0 threshold")
+    ap.add_argument("--stagger", action="store_true",
+                    help="prompt lengths prompt - i %% 16: streams cross KV block boundaries at different steps "
+                         "(as in real traffic) instead of all at once")
+    ap.add_argument("--text", action="store_true",
+                    help="detokenize with the model's tokenizer (the server's path) instead of token ids only")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     from benchmarks.generate import _NoText, _surge_round
@@ -78,11 +85,19 @@ def main(argv=None) -> int:
         engine = build_engine(path, args.streams, max_len)
         gen = GenerationConfig(max_num_seqs=args.streams, max_num_batched_tokens=args.streams * args.prompt,
                                max_model_len=max_len, cache_entries=0, prefix_caching=False, overlap_steps=True)
-        service = GenerateService("host", "1", path, engine, _NoText(), None, gen, request_timeout_s=600)
+        if args.text:
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        else:
+            tokenizer = _NoText()
+        service = GenerateService("host", "1", path, engine, tokenizer, None, gen, request_timeout_s=600)
         service.loop.overlap = True  # the GPU's loop (the service turns it off for a CPU engine)
         service.mark_ready()
         g = torch.Generator().manual_seed(1)
         prompts = torch.randint(2, engine.cfg.vocab_size, (args.streams, args.prompt), generator=g).tolist()
+        if args.stagger:
+            prompts = [p[:len(p) - i % 16] for i, p in enumerate(prompts)]
 
         import psutil
 

@@ -76,3 +76,37 @@ def test_graph_buffers_and_device_gathered_inputs(tmp_path, monkeypatch):
     assert overlapped > 10
     got_sync, _ = _run(engine, prompts, lens, overlap=False)  # the graph path without overlap
     assert got_sync == want
+
+
+def test_staged_block_tables_equal_a_full_refill(tmp_path):
+    """Only the rows that changed are rewritten in a staging set; what the set then holds is what
+    filling all rows afresh gives (scratch after each row and in padded rows), through growing rows,
+    rows taken by other (shorter) sequences and buckets that shrink and grow."""
+    import random
+
+    import numpy as np
+
+    from surge.engines.decoder.graphs import DecodeGraphs
+
+    torch.set_num_threads(1)
+    engine = DecoderEngine(build_model("qwen2", tmp_path / "q", seed=2), num_blocks=96, block_size=4, max_num_seqs=8)
+    g = DecodeGraphs(engine, 8)
+    scratch, width = engine.kv.scratch_block, g.width
+    rng = random.Random(0)
+    live = [[rng.randrange(96) for _ in range(rng.randrange(1, width))] for _ in range(8)]
+    for step in range(300):
+        if rng.random() < 0.3:  # a row grows by a block
+            row = rng.choice(live)
+            if len(row) < width:
+                row.append(rng.randrange(96))
+        if rng.random() < 0.1:  # a sequence leaves, another (maybe shorter) arrives
+            live[rng.randrange(len(live))] = [rng.randrange(96) for _ in range(rng.randrange(1, width))]
+        b = rng.choice((1, 3, 5, 8, 8, 8))
+        tables = live[:b]
+        bucket = next(x for x in g.buckets if x >= b)
+        k = step % 2
+        g._stage_tables(k, tables, bucket)
+        want = np.full((bucket, width), scratch, dtype=np.int32)
+        for i, row in enumerate(tables):
+            want[i, :len(row)] = row
+        assert (g.np_tables[k][:bucket] == want).all(), step

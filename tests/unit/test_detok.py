@@ -49,3 +49,113 @@ def test_held_back_prefix_of_a_stop_string_is_not_shown_early():
     shown = "".join(state.add(t) for t in ids)
     assert not shown.endswith("ST") and not state.stopped
     assert shown + state.flush() == "abc ST"
+
+
+class _WholeDecode:
+    """The reference: every token decodes all of the stream's tokens (the behaviour before the
+    windowed decode), the same holdback and stop rules."""
+
+    def __init__(self, decode, stop=()):
+        self.decode, self.stop, self.ids, self.text, self.stopped = decode, stop, [], "", False
+
+    def add(self, token, final=False):
+        self.ids.append(token)
+        full = self.decode(self.ids)
+        cut = None
+        if self.stop:
+            lo = max(0, len(self.text) - max(len(s) for s in self.stop))
+            hits = [i for s in self.stop if (i := full.find(s, lo)) >= 0]
+            cut = min(hits) if hits else None
+        if cut is not None:
+            self.stopped, visible = True, full[:cut]
+        elif final:
+            visible = full
+        else:
+            visible = full.rstrip("\ufffd")
+            hold = 0
+            for s in self.stop:
+                for k in range(min(len(s) - 1, len(visible)), 0, -1):
+                    if visible.endswith(s[:k]):
+                        hold = max(hold, k)
+                        break
+            visible = visible[:len(visible) - hold]
+        if not visible.startswith(self.text):
+            return ""
+        delta, self.text = visible[len(self.text):], visible
+        return delta
+
+
+def _tokenizers():
+    """Byte-level BPE with every byte in its alphabet (characters split over tokens), SentencePiece-
+    style Metaspace (a window's first token drops its leading space) and WordPiece (## pieces,
+    spaces cleaned up around punctuation)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    text = ["naïve café déjà vu, 日本語のテキスト 😀 ok.",
+            "The augmented assignment falls back. Then it stops!",
+            "Ünïcödé wörds: straße, œuvre, 中文, emoji 🎉🎉 and (brackets), e.g. x = y."] * 20
+    out = []
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.train_from_iterator(text, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<s>", "</s>"],
+        show_progress=False))
+    out.append(t)
+    t = Tokenizer(models.BPE(unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Metaspace()
+    t.decoder = decoders.Metaspace()
+    t.train_from_iterator(text, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>"],
+                                                    show_progress=False))
+    out.append(t)
+    t = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    t.decoder = decoders.WordPiece()
+    t.train_from_iterator(text, trainers.WordPieceTrainer(vocab_size=200, special_tokens=["[UNK]", "[SEP]"],
+                                                          show_progress=False))
+    out.append(t)
+    return out
+
+
+def test_windowed_decode_gives_the_whole_decodes_deltas():
+    """Delta for delta (and `stopped`, and the flushed rest) what decoding all tokens for each new
+    one gives, over text and random token soups (split characters, special tokens skipped), with
+    and without stop strings."""
+    rng = random.Random(1)
+    for tok in _tokenizers():
+        dec = lambda x: tok.decode(x, skip_special_tokens=True)  # noqa: E731
+        v = tok.get_vocab_size()
+        streams = [tok.encode(s).ids for s in ("naïve café 😀 and 日本語, e.g. x = y.", "Then it stops! œuvre")]
+        streams += [[rng.randrange(0, v) for _ in range(rng.randrange(1, 60))] for _ in range(150)]
+        for ids in streams:
+            full = dec(ids)
+            stops = [()] + [(full[a:a + n],) for a, n in ((rng.randrange(0, max(1, len(full))), rng.randrange(1, 4)),)
+                             if full[a:a + n]] + [("zz", ". ")]
+            for stop in stops:
+                new, ref = TextState(dec, stop), _WholeDecode(dec, stop)
+                for i, t in enumerate(ids):
+                    final = i == len(ids) - 1
+                    assert new.add(t, final) == ref.add(t, final), (tok.decoder, ids, stop, i)
+                    assert new.stopped == ref.stopped
+                    if new.stopped:
+                        break
+                rest = new.flush()
+                assert new.text == (ref.text if ref.stopped else dec(ids)) or rest == ""
+
+
+def test_a_token_decodes_a_short_window():
+    """The cost of a token does not grow with the stream: every decode while streaming sees a few
+    tokens, not all of them (the flush at the end decodes everything once)."""
+    tok = train_tokenizer()
+    ids = tok.encode("The augmented assignment falls back to the normal methods. " * 20).ids
+    assert len(ids) > 200
+    seen = []
+
+    def dec(x):
+        seen.append(len(x))
+        return tok.decode(x, skip_special_tokens=True)
+
+    state = TextState(dec, ("zzz",))
+    out = "".join(state.add(t) for t in ids)
+    assert max(seen) <= 4, max(seen)
+    assert out + state.flush() == tok.decode(ids)

@@ -212,13 +212,21 @@ class FakeEngine:
         return {s.seq.seq_id: _Out(self._token(s)) for s in scheduled if s.sample}
 
 
-def _loop_run(overlap, seed, abort_at=None):
+class FakeTokenEngine(FakeEngine):
+    """Reads launched steps back as plain token lists (DecoderEngine.collect_tokens): the loop then
+    resolves them with Scheduler.resolve_rows."""
+
+    def collect_tokens(self, handle):
+        return list(handle.values())  # in the launched (scheduled) order
+
+
+def _loop_run(overlap, seed, abort_at=None, engine_cls=FakeEngine):
     from surge.runtime.scheduler.overlap import StepLoop
 
     rng = random.Random(seed)
     cfg = SchedulerConfig(num_blocks=56, block_size=4, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=96)
-    sched = Scheduler(cfg, eos_token_ids=(3,))
-    stops = tuple(range(0, 997, 13))  # ~8% of tokens stop a sequence that does not ignore EOS
+    sched = Scheduler(cfg, eos_token_ids=tuple(range(5, 997, 29)))  # ~3% of tokens end the ones that mind EOS
+    stops = tuple(range(0, 997, 13))  # ~8% of tokens stop a sequence that has them as stop tokens
     seqs = []
     for i in range(14):
         prompt = [rng.randrange(5, 997) for _ in range(rng.randrange(1, 30))]
@@ -229,7 +237,7 @@ def _loop_run(overlap, seed, abort_at=None):
                                 logprobs=0 if host else None)
         seqs.append(Sequence(i, prompt, params))
     arrivals = sorted(rng.choice((0, 0, 15, 30)) + rng.randrange(0, 3) for _ in seqs)  # in bursts
-    engine = FakeEngine()
+    engine = engine_cls()
     loop = StepLoop(sched, engine, overlap=overlap)
     streamed = {s.seq_id: [] for s in seqs}
     step, added = 0, 0
@@ -251,13 +259,14 @@ def _loop_run(overlap, seed, abort_at=None):
     return seqs, streamed, loop, sched
 
 
+@pytest.mark.parametrize("engine_cls", [FakeEngine, FakeTokenEngine])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_overlapped_steps_give_the_synchronous_results(seed):
+def test_overlapped_steps_give_the_synchronous_results(seed, engine_cls):
     """Stops found one step late, sequences joining a chain, host-path sequences breaking it,
     preemption between chains: the tokens, finish reasons and streamed tokens are those of the
     synchronous loop (and of a sequence computed alone)."""
     a, sa, _, sched_a = _loop_run(False, seed)
-    b, sb, loop, sched_b = _loop_run(True, seed)
+    b, sb, loop, sched_b = _loop_run(True, seed, engine_cls=engine_cls)
     assert loop.overlapped >= 20, "the run must overlap steps"
     for x, y in zip(a, b):
         assert y.output_ids == x.output_ids and y.finish_reason == x.finish_reason, y.seq_id
@@ -265,8 +274,9 @@ def test_overlapped_steps_give_the_synchronous_results(seed):
         assert sb[y.seq_id] == y.output_ids  # each token streamed once, in order
         assert x.output_ids == expected(x.prompt_ids, len(x.output_ids))
     assert any(s.finish_reason == "stop" for s in b) and any(s.finish_reason == "length" for s in b)
+    assert any(s.finish_reason == "stop" and not s.params.ignore_eos and s.output_ids[-1] in sched_b.eos for s in b)
     # aborted mid-chain: blocks free at once, nothing else changes
-    c, sc, _, _ = _loop_run(True, seed, abort_at=12)
+    c, sc, _, _ = _loop_run(True, seed, abort_at=12, engine_cls=engine_cls)
     for x, y in zip(a[3:], c[3:]):
         assert y.output_ids == x.output_ids
     for y in c[:3]:

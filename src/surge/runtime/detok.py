@@ -1,23 +1,42 @@
 """Incremental detokenization with stop strings: what text a stream may show so far.
 
-The output's text is decoded from all its tokens each time (byte-level BPE can
-split a character over tokens, so text is only final once decoded whole); the
-part shown holds back a trailing incomplete character and any suffix that could
-still become a stop string. A stop string cuts the text exactly before it.
-Streamed deltas and the non-streamed answer come from this one object, so their
-texts are equal by construction.
+Byte-level BPE can split a character over tokens, so a token's text is only
+known in context. Decoding all of a stream's tokens for each new one costs
+O(length) a token (at 64 streams of 128 tokens it was most of the event loop's
+work: benchmarks/generate_host.py --text, docs/benchmarks/generate.md), so the
+text is decoded from a short window instead, as TGI and vLLM do: the tokens
+since the last point where the text ended in whole characters, decoded once
+without and once with the new ones; the difference is the new text. Both
+decodes start at the same token, so a decoder that treats a window's first
+token specially (a SentencePiece leading space) does so in both. A window whose
+longer decode does not extend its shorter one falls back to decoding
+everything.
+
+The part shown holds back a trailing incomplete character and any suffix that
+could still become a stop string. A stop string cuts the text exactly before
+it. Streamed deltas and the non-streamed answer come from this one object, so
+their texts are equal by construction.
 """
 
 from __future__ import annotations
+
+_BAD = "\ufffd"
 
 
 class TextState:
     def __init__(self, decode, stop: tuple[str, ...] = ()):
         self.decode = decode  # list[int] -> str
         self.stop = stop
+        self._stop_len = max((len(s) for s in stop), default=0)
         self.ids: list[int] = []
         self.text = ""  # shown so far
         self.stopped = False
+        # the text of ids[:_read] is _done; ids[_prefix:_read] decode to _window (the context that
+        # the next tokens are decoded with)
+        self._done = ""
+        self._prefix = 0
+        self._read = 0
+        self._window = ""
 
     def _holdback(self, text: str) -> int:
         hold = 0
@@ -28,14 +47,33 @@ class TextState:
                     break
         return hold
 
+    def _full(self) -> str:
+        """The text of all tokens so far (what decode(ids) gives)."""
+        ids = self.ids
+        new = self.decode(ids[self._prefix:])
+        w = self._window
+        if not new.startswith(w):  # not a decoder that extends its text token by token
+            full = self.decode(ids)
+            self._done, self._prefix, self._read, self._window = "", 0, 0, ""
+            return full
+        tail = new[len(w):]
+        full = self._done + tail
+        if tail and not tail.endswith(_BAD):
+            # whole characters up to here: the next window starts after the last one (not after a
+            # token that added no text: a SentencePiece "▁" shows its space only with the next token)
+            self._done = full
+            self._window = self.decode(ids[self._read:])
+            self._prefix, self._read = self._read, len(ids)
+        return full
+
     def add(self, token: int, final: bool = False) -> str:
         """Add a token; return the new text to show (a stop string sets `stopped`)."""
         self.ids.append(token)
-        full = self.decode(self.ids)
+        full = self._full()
         cut = None
         if self.stop:
             # search only where a new match can start: after the shown text, less a stop string's length
-            lo = max(0, len(self.text) - max(len(s) for s in self.stop))
+            lo = max(0, len(self.text) - self._stop_len)
             hits = [i for s in self.stop if (i := full.find(s, lo)) >= 0]
             if hits:
                 cut = min(hits)
@@ -46,10 +84,11 @@ class TextState:
             visible = full
         else:
             end = len(full)
-            while end > 0 and full[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence
+            while end > 0 and full[end - 1] == _BAD:  # an incomplete UTF-8 sequence
                 end -= 1
             visible = full[:end]
-            visible = visible[:len(visible) - self._holdback(visible)]
+            if self.stop:
+                visible = visible[:len(visible) - self._holdback(visible)]
         if not visible.startswith(self.text):
             # a later token changed earlier text (rare for byte-level BPE): keep what was shown
             return ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import weakref
 from bisect import bisect_left
+from collections import Counter as _Tally
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -69,6 +70,7 @@ class GenerateMetrics:
         self.preempt = fam["preempt"].labels(**lab)
         self.cache_hits = fam["cache_hits"].labels(**lab)
         self._seen = (0, 0, 0)
+        self._gauges: tuple | None = None
 
     def observe_itl(self, values: list[float]) -> None:
         """Many inter-token gaps at once: one increment per bucket touched and one of the sum
@@ -82,9 +84,10 @@ class GenerateMetrics:
                 h.observe(v)
             return
         counts: dict[int, int] = {}
-        for v in values:
+        # one engine step's gaps are mostly the same value (every stream delivered at the same time)
+        for v, c in _Tally(values).items():
             i = bisect_left(bounds, v)  # the first bucket with v <= bound, as observe() picks it
-            counts[i] = counts.get(i, 0) + 1
+            counts[i] = counts.get(i, 0) + c
         total.inc(sum(values))
         for i, c in counts.items():
             cells[i].inc(c)
@@ -93,11 +96,15 @@ class GenerateMetrics:
         self._requests.labels(**self._lab, finish_reason=reason).inc()
 
     def engine_state(self, scheduler) -> None:
-        """After a step (engine thread): gauges and the prefix cache's counters."""
-        self.running.set(len(scheduler.running))
-        self.waiting.set(len(scheduler.waiting))
+        """After a step (engine thread): gauges and the prefix cache's counters, each set only when it
+        changed (a set takes a lock; most steps change none)."""
         b = scheduler.blocks
-        self.kv.set(b.usage)
+        gauges = (len(scheduler.running), len(scheduler.waiting), len(b.free))
+        if gauges != self._gauges:
+            self._gauges = gauges
+            self.running.set(gauges[0])
+            self.waiting.set(gauges[1])
+            self.kv.set(b.usage)
         q, h, p = b.queried_tokens, b.hit_tokens, scheduler.preemptions
         sq, sh, sp = self._seen
         if q > sq:

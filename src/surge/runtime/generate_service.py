@@ -3,8 +3,9 @@
 Requests become Sequences handed to one engine thread that runs the iteration
 loop (schedule -> engine step -> update) while there is work and sleeps on an
 event otherwise. Each step's sampled tokens go back to the event loop in one
-call; each request's own coroutine detokenizes, applies stop strings and
-yields deltas. A request that ends early (client gone, deadline, stop string)
+call, which detokenizes, applies stop strings, counts the metrics and builds
+every stream's delta in one pass; a request's own coroutine is only woken to
+yield its delta. A request that ends early (client gone, deadline, stop string)
 aborts its sequence: the engine thread frees its KV blocks before the next
 step. Greedy and seeded requests are answered from a bounded cache of finished
 generations (keyed by version, prompt ids and parameters), streamed as they
@@ -21,7 +22,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -62,24 +63,40 @@ class GenerationResult:
     timings: dict | None = None
 
 
-@dataclass(eq=False)
 class _Handle:
-    """The event-loop side of one sequence: events the engine thread delivered, and the
-    future its coroutine sleeps on (no task or queue per token)."""
+    """The event-loop side of one sequence: its text and counts, the delta built from the tokens
+    delivered since its coroutine last ran (merged: tokens that arrive together reach the client
+    together), an error to raise, and the future the coroutine sleeps on (no task or queue per
+    token)."""
 
-    seq: Sequence
-    events: list = field(default_factory=list)
-    waiter: asyncio.Future | None = None
-    done: bool = False
+    __slots__ = ("seq", "state", "stops", "logprobs", "prompt_tokens", "start", "first", "last", "n_out",
+                 "delta", "error", "waiter", "done")
 
-    def push(self, ev) -> None:
-        self.events.append(ev)
+    def __init__(self, seq: Sequence, state: TextState, stops: frozenset, start: float):
+        self.seq = seq
+        self.state = state
+        self.stops = stops
+        self.logprobs = seq.params.logprobs is not None
+        self.prompt_tokens = len(seq.prompt_ids)
+        self.start = self.first = self.last = start
+        self.n_out = 0
+        self.delta: Delta | None = None
+        self.error: Exception | None = None
+        self.waiter: asyncio.Future | None = None
+        self.done = False  # finished (its metrics counted) or failed: later tokens are dropped
+
+    def wake(self) -> None:
         w = self.waiter
         if w is not None and not w.done():
             w.set_result(None)
 
+    def fail(self, err: Exception) -> None:
+        if self.error is None:
+            self.error = err
+        self.wake()
+
     def expire(self) -> None:
-        self.push(DeadlineExceeded("generation did not finish within the request deadline"))
+        self.fail(DeadlineExceeded("generation did not finish within the request deadline"))
 
 
 class GenerateService(PromptText):
@@ -118,12 +135,6 @@ class GenerateService(PromptText):
         self._handles: dict[int, _Handle] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cache: OrderedDict[tuple, list[Delta]] = OrderedDict()
-        # per-token metrics, gathered on the event loop and observed once per engine step (a
-        # Prometheus observe takes a lock and walks the buckets: per token, it was a large share of the
-        # event loop's work at 64 streams)
-        self._itl_pending: list[float] = []
-        self._out_pending = 0
-        self._flush_scheduled = False
         self.steps = 0
         self.busy_s = 0.0  # time inside the step loop (schedule, launch, read back, resolve)
         # The engine thread gives up the GIL at every device sync and wake-up; with the default 5 ms
@@ -191,75 +202,38 @@ class GenerateService(PromptText):
         if len(self.scheduler.waiting) + self._pending >= self.config.max_waiting:
             raise Overloaded(f"model '{self.name}': {self.config.max_waiting} requests already wait for KV cache "
                              "space", retry_after=1.0)
-        self._loop = self._loop or asyncio.get_running_loop()
-        seq = Sequence(next(self._ids), list(prompt_ids), params, time.monotonic())
-        handle = _Handle(seq)
+        loop = self._loop = self._loop or asyncio.get_running_loop()
+        start = time.monotonic()
+        seq = Sequence(next(self._ids), list(prompt_ids), params, start)
+        stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
+                                                    else frozenset(self.engine.cfg.eos_token_ids))
+        handle = _Handle(seq, TextState(self.decode, params.stop), stops, start)
         self._handles[seq.seq_id] = handle
         self._pending += 1
         self._inbox.put(("add", seq))
-        self._wake.set()
+        self._notify()
         self.metrics.prompt.inc(len(prompt_ids))
-        state = TextState(self.decode, params.stop)
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.engine.cfg.eos_token_ids))
         recorded: list[Delta] = []
-        start = last = first = time.monotonic()
-        n_out = 0
-        timer = self._loop.call_at(self._loop.time() + max(0.0, deadline - time.monotonic()), handle.expire)
+        timer = loop.call_at(loop.time() + max(0.0, deadline - time.monotonic()), handle.expire)
         try:
             while True:
-                while not handle.events:
-                    handle.waiter = self._loop.create_future()
+                while handle.delta is None and handle.error is None:
+                    handle.waiter = loop.create_future()
                     await handle.waiter
-                events, handle.events = handle.events, []
-                text, tokens, lps, finish = [], [], [], None
-                now = time.monotonic()
-                for ev in events:
-                    if isinstance(ev, Exception):
-                        raise ev
-                    token, out, finish = ev
-                    # tokens that arrive together reach the client together: one gap, then zeros
-                    if n_out == 0:
-                        self.metrics.ttft.observe(now - start)
-                    else:  # observed in bulk once per engine step (_flush_metrics)
-                        self._itl_pending.append(now - last)
-                    if n_out == 0:
-                        first = now
-                    last = now
-                    n_out += 1
-                    tokens.append(token)
-                    if finish == "stop" and token in stops:
-                        text.append(state.flush())  # the stop token itself is not text
-                    else:
-                        text.append(state.add(token, final=finish is not None))
-                    if state.stopped and finish is None:
-                        finish = "stop"
-                        self._abort(handle, "stop")
-                    if finish is not None:
-                        text.append(state.flush())
-                    if params.logprobs is not None and out is not None:
-                        lps.append({"token_id": token, "token": self.decode([token]), "logprob": out.logprob,
-                                    "top": [(self.decode([t]), v, t) for t, v in (out.top or [])]})
-                    if finish is not None:
-                        break
-                self._out_pending += len(tokens)
-                if finish is not None:
-                    self._flush_metrics()
-                d = Delta("".join(text), tokens, lps if params.logprobs is not None else None, finish,
-                          len(prompt_ids), n_out)
-                if finish is not None:
-                    admitted = seq.scheduled_at or start
-                    d.timings = {"queue_ns": int(1e9 * max(0.0, admitted - start)),
-                                 "compute_input_ns": int(1e9 * max(0.0, first - admitted)),
-                                 "compute_infer_ns": int(1e9 * max(0.0, last - first))}
+                d = handle.delta
+                if d is None:
+                    raise handle.error
+                handle.delta = None
                 if key is not None:
                     recorded.append(d)
-                yield d
-                if finish is not None:
-                    handle.done = True
-                    self.metrics.finished(finish)
+                if d.finish_reason is not None:
+                    # counted and cached before the last delta is handed out: a consumer may stop
+                    # iterating (and close this generator) as soon as it sees the finish reason
                     if key is not None:
                         self._remember(key, recorded)
+                    yield d
                     return
+                yield d
         finally:
             timer.cancel()
             if not handle.done:
@@ -275,7 +249,13 @@ class GenerateService(PromptText):
 
     def _abort(self, handle: _Handle, reason: str) -> None:
         self._inbox.put(("abort", handle.seq, reason))
-        self._wake.set()
+        self._notify()
+
+    def _notify(self) -> None:
+        # Event.set takes a lock and notifies: skipped while a wake-up is pending (the engine thread
+        # clears the event before it drains the inbox, so a message put before this check is seen)
+        if not self._wake.is_set():
+            self._wake.set()
 
     def stats(self) -> dict:
         s = self.scheduler
@@ -332,16 +312,17 @@ class GenerateService(PromptText):
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
-            events = []
+            batch = []
             for r in results:
                 self.steps += 1
-                finished = {f.seq.seq_id: f.reason for f in r.finished}
-                samples = r.samples or {}
-                events.extend([(sid, (token, samples.get(sid), finished.get(sid))) for sid, token in r.tokens.items()])
-                for sid in finished.keys() & r.tokens.keys():
-                    self.engine.forget(sid)
-            if events and self._loop is not None:
-                self._loop.call_soon_threadsafe(self._deliver, events)
+                finished = {f.seq.seq_id: f.reason for f in r.finished} if r.finished else None
+                if r.tokens:
+                    batch.append((r.tokens, r.samples, finished))
+                if finished:
+                    for sid in finished.keys() & r.tokens.keys():
+                        self.engine.forget(sid)
+            if batch and self._loop is not None:
+                self._loop.call_soon_threadsafe(self._deliver, batch)
             self.metrics.engine_state(self.scheduler)
         if loop.busy:
             loop.involved()
@@ -349,28 +330,85 @@ class GenerateService(PromptText):
             self.scheduler.abort(s, "abort")
             self._deliver_error(s, NotReady(f"model '{self.name}' was unloaded"))
 
-    def _deliver(self, events) -> None:
+    def _deliver(self, batch) -> None:
+        """One engine iteration's tokens ([(tokens {seq_id: token}, samples {seq_id: SampleOut} or
+        None, finished {seq_id: reason} or None)]) -> every stream's delta, in one pass; the streams
+        with a new delta are woken. Inter-token latency is the gap between the steps that delivered a
+        stream's tokens, observed in bulk once a call (a Prometheus observe per token was a large
+        share of the event loop's work at 64 streams)."""
+        now = time.monotonic()
         handles = self._handles
-        for sid, ev in events:
-            h = handles.get(sid)
-            if h is not None and not h.done:
-                h.push(ev)
-        if not self._flush_scheduled:  # after the streams woken here have taken their tokens
-            self._flush_scheduled = True
-            self._loop.call_soon(self._flush_metrics)
+        itl: list[float] = []
+        count = 0
+        metrics = self.metrics
+        for tokens, samples, finished in batch:
+            for sid, token in tokens.items():
+                h = handles.get(sid)
+                if h is None or h.done or h.error is not None:
+                    continue
+                try:
+                    finish = finished.get(sid) if finished else None
+                    n = h.n_out
+                    if n:
+                        itl.append(now - h.last)
+                    else:
+                        metrics.ttft.observe(now - h.start)
+                        h.first = now
+                    h.last = now
+                    h.n_out = n = n + 1
+                    count += 1
+                    state = h.state
+                    if finish == "stop" and token in h.stops:
+                        text = state.flush()  # the stop token itself is not text
+                    else:
+                        text = state.add(token, final=finish is not None)
+                        if state.stopped and finish is None:
+                            finish = "stop"
+                            self._abort(h, "stop")
+                        if finish is not None:
+                            text += state.flush()
+                    lp = None
+                    if h.logprobs:
+                        out = samples.get(sid) if samples else None
+                        if out is not None:
+                            lp = {"token_id": token, "token": self.decode([token]), "logprob": out.logprob,
+                                  "top": [(self.decode([t]), v, t) for t, v in (out.top or [])]}
+                    d = h.delta
+                    if d is None:
+                        lps = ([lp] if lp is not None else []) if h.logprobs else None
+                        h.delta = d = Delta(text, [token], lps, finish, h.prompt_tokens, n)
+                    else:  # the stream has not taken its last delta yet: one delta, as if delivered together
+                        d.text += text
+                        d.token_ids.append(token)
+                        if lp is not None:
+                            d.logprobs.append(lp)
+                        d.finish_reason, d.completion_tokens = finish, n
+                    if finish is not None:
+                        h.done = True
+                        admitted = h.seq.scheduled_at or h.start
+                        d.timings = {"queue_ns": int(1e9 * max(0.0, admitted - h.start)),
+                                     "compute_input_ns": int(1e9 * max(0.0, h.first - admitted)),
+                                     "compute_infer_ns": int(1e9 * max(0.0, h.last - h.first))}
+                        metrics.finished(finish)
+                    w = h.waiter
+                    if w is not None and not w.done():
+                        w.set_result(None)
+                except Exception as exc:  # this stream's failure (its text, say), not its neighbours'
+                    log.exception("stream %s failed", sid)
+                    h.fail(exc)
+        if itl:
+            metrics.observe_itl(itl)
+        if count:
+            metrics.output.inc(count)
 
-    def _flush_metrics(self) -> None:
-        self._flush_scheduled = False
-        if self._itl_pending:
-            pending, self._itl_pending = self._itl_pending, []
-            self.metrics.observe_itl(pending)
-        if self._out_pending:
-            self.metrics.output.inc(self._out_pending)
-            self._out_pending = 0
+    def _fail(self, seq_id: int, err: Exception) -> None:
+        h = self._handles.get(seq_id)
+        if h is not None and not h.done:
+            h.fail(err)
 
     def _deliver_error(self, seq: Sequence, err: Exception) -> None:
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._deliver, [(seq.seq_id, err)])
+            self._loop.call_soon_threadsafe(self._fail, seq.seq_id, err)
 
 
 def load_generate_service(path: Path, name: str, version: str = "1", *, device: str = "cpu",

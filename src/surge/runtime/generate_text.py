@@ -35,7 +35,7 @@ class PromptText:
         if len(ids) >= self.max_model_len:
             raise InvalidInput(f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} "
                                "tokens, prompt and output", param="prompt")
-        if any(not 0 <= t < self.vocab_size for t in ids):
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise InvalidInput(f"token ids must be in [0, {self.vocab_size})", param="prompt")
 
     def triton_config(self) -> dict:

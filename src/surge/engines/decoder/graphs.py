@@ -47,10 +47,14 @@ class DecodeGraphs:
         self.h_tables = [torch.zeros((n, width), dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self.np_packed = [x.numpy() for x in self.h_packed]
         self.np_tables = [x.numpy() for x in self.h_tables]
+        for t in self.np_tables:
+            t[:] = engine.kv.scratch_block
+        self._staged = [[[] for _ in range(n)] for _ in range(2)]  # per set: the rows it holds (lists)
+        self._views: dict = {}
+        self._out_views: dict = {}
         self._slot = 0
-        # what the device's table buffer holds: (bucket, the block-table lists, their lengths). A running
-        # sequence's table only grows (append) and is replaced by a new list when freed, and the lists
-        # are kept alive here, so the same lists at the same lengths mean the same rows: no refill, no copy
+        # what the device's table buffer holds: (bucket, copies of the rows). The same rows again (a
+        # decode step between two block boundaries): no refill, no copy
         self._tables_held: tuple | None = None
 
     def fits(self, batch: int, width: int) -> bool:
@@ -100,6 +104,25 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
+    def _stage_tables(self, k: int, tables: list[list[int]], bucket: int) -> None:
+        """Bring staging set k's table rows to `tables` (scratch blocks after each row and in padded
+        rows), writing only the rows that differ from what the set holds: with streams of different
+        lengths some sequence crosses a block boundary nearly every step, and rewriting all 64 rows
+        each time was ~1 us a row of host time."""
+        t, rows, scratch = self.np_tables[k], self._staged[k], self.engine.kv.scratch_block
+        for i, row in enumerate(tables):
+            old = rows[i]
+            if old != row:
+                n = len(row)
+                t[i, :n] = row
+                if len(old) > n:
+                    t[i, n:len(old)] = scratch
+                rows[i] = list(row)
+        for i in range(len(tables), bucket):
+            if rows[i]:
+                t[i, :len(rows[i])] = scratch
+                rows[i] = []
+
     def run(self, ids: list[int], pos: list[int], slots: list[int], tables: list[list[int]],
             src: list[int] | None = None, prev_tokens=None):
         """One decode step of len(ids) sequences -> (logits [b, vocab] in the model's dtype, or FP32 with
@@ -111,7 +134,7 @@ class DecodeGraphs:
         e = self.engine
         k = self._slot
         self._slot ^= 1
-        p, t = self.np_packed[k], self.np_tables[k]
+        p = self.np_packed[k]
         p[0, :b] = ids
         np.maximum(p[0, :b], 0, out=p[0, :b])  # placeholders (taken from `prev` on the device)
         p[0, b:bucket] = 0  # padded rows: a valid token (stale ids of a larger batch may be placeholders)
@@ -126,20 +149,23 @@ class DecodeGraphs:
         if bucket > b:  # padded rows: one token of context, written to the scratch block
             p[2, b:bucket] = e.kv.scratch_block * e.block_size
             p[3, b:bucket] = 1
-        lens = [len(row) for row in tables]
         held = self._tables_held
-        same = held is not None and held[0] == bucket and held[2] == lens and all(
-            a is b for a, b in zip(held[1], tables))
+        same = held is not None and held[0] == bucket and held[1] == tables  # compared in C, row by row
         if not same:
-            t[:bucket] = e.kv.scratch_block
-            for i, row in enumerate(tables):
-                t[i, :len(row)] = row
+            self._stage_tables(k, tables, bucket)
         if prev_tokens is not None:
             self.prev[:prev_tokens.shape[0]].copy_(prev_tokens)
-        self.packed[:, :bucket].copy_(self.h_packed[k][:, :bucket], non_blocking=True)
+        views = self._views.get((k, bucket))
+        if views is None:  # slicing a tensor costs more host time than the copy's launch: once per (set, bucket)
+            views = self._views[k, bucket] = (self.packed[:, :bucket], self.h_packed[k][:, :bucket],
+                                              self.tables[:bucket], self.h_tables[k][:bucket])
+        views[0].copy_(views[1], non_blocking=True)
         if not same:
-            self.tables[:bucket].copy_(self.h_tables[k][:bucket], non_blocking=True)
-            self._tables_held = (bucket, list(tables), lens)
+            views[2].copy_(views[3], non_blocking=True)
+            self._tables_held = (bucket, [list(row) for row in tables])
         self.graphs[bucket].replay()
-        logits, tokens = self.outputs[bucket]
-        return logits[:b], tokens[:b]
+        out = self.outputs[bucket]
+        rows = self._out_views.get(b)
+        if rows is None or rows[0] is not out:  # (outputs are replaced where the graphs are replayed eagerly: tests)
+            rows = self._out_views[b] = (out, out[0][:b], out[1][:b])
+        return rows[1], rows[2]

@@ -184,19 +184,25 @@ class DecoderEngine:
         device (its host token is a placeholder). Returns at once on a GPU (the step runs behind)."""
         bs = self.block_size
         seqs = [s.seq for s in scheduled]
+        seq_ids = [q.seq_id for q in seqs]
         pos = [s.start for s in scheduled]
         ids = [q.token_ids[p] for q, p in zip(seqs, pos)]
-        src = None
-        if prev is not None:
-            src = [prev.rows.get(q.seq_id, -1) for q in seqs]
-        for i, t in enumerate(ids):
-            if t < 0 and (src is None or src[i] < 0):
-                raise RuntimeError(f"sequence {seqs[i].seq_id}: input token not sampled yet and not in flight")
         b = len(seqs)
-        use_graph = self.graphs is not None and self.graphs.fits(b, max(len(q.block_table) for q in seqs)) \
+        src = rows = None
+        if prev is not None:
+            if prev.seq_ids == seq_ids:  # the same batch as the step in flight (the steady state)
+                src, rows = list(range(b)), prev.rows
+            else:
+                src = [prev.rows.get(sid, -1) for sid in seq_ids]
+        if rows is None:
+            rows = dict(zip(seq_ids, range(b)))
+            for i, t in enumerate(ids):
+                if t < 0 and (src is None or src[i] < 0):
+                    raise RuntimeError(f"sequence {seq_ids[i]}: input token not sampled yet and not in flight")
+        tables = [q.block_table for q in seqs]
+        use_graph = self.graphs is not None and self.graphs.fits(b, max(map(len, tables))) \
             and (prev is None or prev.graph or len(prev.seq_ids) <= self.graphs.buckets[-1])
         if use_graph:
-            tables = [q.block_table for q in seqs]
             slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
             prev_tokens = prev.tokens if prev is not None and not prev.graph else None
             _, tokens = self.graphs.run(ids, pos, slots, tables, src, prev_tokens)
@@ -204,7 +210,7 @@ class DecoderEngine:
                 tokens = tokens.clone()
         else:
             tokens = self._eager_decode(scheduled, ids, src, prev)
-        out = Launch([q.seq_id for q in seqs], {q.seq_id: i for i, q in enumerate(seqs)}, tokens, graph=use_graph)
+        out = Launch(seq_ids, rows, tokens, graph=use_graph)
         if self.device.type == "cuda":
             k = self._slot
             self._slot ^= 1

@@ -19,8 +19,9 @@ then takes the synchronous path, so results never differ from it.
 
 Engine contract (engines/decoder/runner.py): can_launch(scheduled),
 launch(scheduled, prev) -> handle, collect(handle) -> {seq_id: SampleOut},
-step(scheduled) -> {seq_id: SampleOut}; optionally handle.seq_ids and
-collect_tokens(handle) -> [token] in that order (no object per token).
+step(scheduled) -> {seq_id: SampleOut}; optionally collect_tokens(handle) ->
+[token] in the order of the scheduled list the handle was launched with (no
+object per token).
 """
 
 from __future__ import annotations
@@ -67,11 +68,12 @@ class StepLoop:
         self._inflight = None
         collect_tokens = getattr(self.engine, "collect_tokens", None)
         if collect_tokens is not None:
-            got = dict(zip(handle.seq_ids, collect_tokens(handle)))
-        else:
-            got = {k: o.token for k, o in self.engine.collect(handle).items()}
-        # a sequence that ended before this read-back (aborted, or stopped at the step before) has
-        # a token here that nobody asked for
+            # in the order of the scheduled list the step was launched with; a sequence that ended
+            # before this read-back (aborted, or stopped at the step before) has a token here that
+            # nobody asked for: resolve_rows() skips it
+            tokens, finished = self.scheduler.resolve_rows(scheduled, collect_tokens(handle))
+            return StepResult(scheduled, tokens, finished)
+        got = {k: o.token for k, o in self.engine.collect(handle).items()}
         running = SeqStatus.RUNNING
         tokens = {s.seq.seq_id: got[s.seq.seq_id] for s in scheduled if s.sample and s.seq.status is running}
         finished = self.scheduler.resolve(scheduled, tokens)

@@ -35,7 +35,7 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token each)")
 
 
-@dataclass
+@dataclass(slots=True)  # built for every sequence every step
 class ScheduledSeq:
     seq: Sequence
     start: int  # first token computed this step
@@ -101,23 +101,29 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         out: list[ScheduledSeq] = []
         preempted = False
+        running, blocks, bs = self.running, self.blocks, cfg.block_size
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        while i < len(running) and budget > 0:
+            seq = running[i]
             if seq.draining:  # its last token is in flight (overlapped steps): nothing more to compute
                 i += 1
                 continue
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            while not self.blocks.ensure(seq, seq.num_computed + n):
-                victim = self.running.pop()  # the newest
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            else:
-                out.append(ScheduledSeq(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
-                budget -= n
-                i += 1
+            start, total = seq.num_computed, len(seq.token_ids)
+            n = min(total - start, budget)
+            if -(-(start + n) // bs) > len(seq.block_table):  # a block to take (else ensure() is a no-op)
+                kept = True
+                while not blocks.ensure(seq, start + n):
+                    victim = running.pop()  # the newest
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is seq:
+                        kept = False
+                        break
+                if not kept:
+                    continue
+            out.append(ScheduledSeq(seq, start, n, start + n == total))
+            budget -= n
+            i += 1
         if preempted:
             # the preempted ones were scheduled earlier in the list: drop their entries
             out = [s for s in out if s.seq.status is SeqStatus.RUNNING]
@@ -171,11 +177,11 @@ class Scheduler:
         for seq in self.running:
             if seq.draining:
                 continue
-            if not seq.fast or seq.num_tokens - seq.num_computed != 1:
+            if not seq.fast or len(seq.token_ids) - seq.num_computed != 1:
                 return False
             if seq.num_computed // bs + 1 > len(seq.block_table):
                 need += 1
-        return need <= self.blocks.num_free
+        return need <= len(self.blocks.free)
 
     def advance(self, scheduled: list[ScheduledSeq]) -> None:
         """A step was launched: its sampled tokens are placeholders until resolve()."""
@@ -184,8 +190,9 @@ class Scheduler:
             seq = s.seq
             seq.num_computed = s.start + s.num_tokens
             if s.sample:
-                seq.append(PLACEHOLDER)
-                if len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= limit:
+                seq.token_ids.append(PLACEHOLDER)
+                seq.output_ids.append(PLACEHOLDER)
+                if len(seq.output_ids) >= seq.params.max_tokens or len(seq.token_ids) >= limit:
                     seq.draining = True  # its last token: no further step
 
     def resolve(self, scheduled: list[ScheduledSeq], samples: dict[int, int]) -> list[Finished]:
@@ -210,6 +217,41 @@ class Scheduler:
                 self._finish(seq, reason)
                 finished.append(Finished(seq, reason))
         return finished
+
+    def resolve_rows(self, scheduled: list[ScheduledSeq], tokens: list[int]) -> tuple[dict[int, int], list[Finished]]:
+        """resolve() with a launched step's tokens as read back, one per scheduled sequence in order;
+        -> (the tokens of the sequences that sampled and are still running {seq_id: token}, the
+        finished). One pass: at 64 streams this runs every step."""
+        out: dict[int, int] = {}
+        finished = []
+        running, eos, limit = SeqStatus.RUNNING, self.eos, self.config.max_model_len
+        commit = self.blocks.commit if self.blocks.prefix_caching else None
+        for s, token in zip(scheduled, tokens):
+            seq = s.seq
+            if seq.status is not running or not s.sample:
+                continue
+            out[seq.seq_id] = token
+            at = s.start + s.num_tokens  # the sampled token's index in token_ids
+            seq.token_ids[at] = token
+            n_out = at + 1 - len(seq.prompt_ids)
+            seq.output_ids[n_out - 1] = token
+            if commit is not None:
+                commit(seq)
+            p = seq.params
+            # stop_reason(), inlined (the synchronous path's update() calls it; the overlapped and
+            # synchronous loops are tested to give the same finish reasons)
+            if token in p.stop_token_ids or (not p.ignore_eos and token in eos):
+                reason = "stop"
+            elif n_out >= p.max_tokens or at + 1 >= limit:
+                reason = "length"
+            else:
+                continue
+            del seq.token_ids[at + 1:]
+            del seq.output_ids[n_out:]
+            self.running.remove(seq)
+            self._finish(seq, reason)
+            finished.append(Finished(seq, reason))
+        return out, finished
 
     def stop_reason(self, seq: Sequence, token: int, at: int | None = None) -> str | None:
         """Why `seq` stops after `token` (at index `at` of its tokens, by default the last one)."""

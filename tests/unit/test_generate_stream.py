@@ -1,0 +1,164 @@
+"""GenerateService's streams on the CPU engine: one pass per engine step builds every stream's delta
+(text, stop strings, metrics); what a client sees and what is counted does not depend on how it
+consumes the stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from prometheus_client import CollectorRegistry  # noqa: E402
+
+from surge.runtime.scheduler import SamplingParams  # noqa: E402
+from tests.decoder_models import build_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model("qwen2", tmp_path_factory.mktemp("m") / "q", seed=3)
+
+
+def _service(path, registry, **gen):
+    from tokenizers import Tokenizer
+
+    from surge.engines.decoder import DecoderEngine
+    from surge.runtime.generate_service import GenerateService, GenerationConfig
+
+    torch.set_num_threads(1)
+    engine = DecoderEngine(path, num_blocks=256, block_size=4, max_num_seqs=8, max_model_len=128)
+    config = GenerationConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=128,
+                              **{"cache_entries": 8, **gen})
+    s = GenerateService("m", "1", path, engine, Tokenizer.from_file(str(path / "tokenizer.json")), None, config,
+                        request_timeout_s=30, metrics_registry=registry)
+    s.mark_ready()
+    return s
+
+
+def _value(registry, name, **labels):
+    v = registry.get_sample_value(name, {"model": "m", "version": "1", **labels})
+    return v or 0.0
+
+
+def test_a_client_that_stops_at_the_finish_reason_is_counted_and_cached(model_dir):
+    """The HTTP routes close the stream as soon as they have the delta with the finish reason:
+    the request is counted under its reason (not as an abort), its metrics are complete, and a
+    deterministic one is cached."""
+    reg = CollectorRegistry()
+    service = _service(model_dir, reg)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompt = service.encode("The augmented assignment")
+
+    async def until_finish():
+        agen = service.stream(prompt, params)
+        deltas = []
+        async for d in agen:
+            deltas.append(d)
+            if d.finish_reason is not None:
+                break
+        await agen.aclose()
+        return deltas
+
+    async def main():
+        first = await until_finish()
+        await asyncio.sleep(0.05)  # an abort, if one were sent, would be counted by now
+        second = await until_finish()
+        whole = await service.generate(prompt, params, use_cache=False)
+        await service.close()
+        return first, second, whole
+
+    first, second, whole = asyncio.run(main())
+    ids = [t for d in first for t in d.token_ids]
+    assert len(ids) == 12 and first[-1].finish_reason == "length" and first[-1].completion_tokens == 12
+    assert "".join(d.text for d in first) == service.decode(ids) == whole.text and whole.token_ids == ids
+    assert all(d.cached for d in second) and [d.text for d in second] == [d.text for d in first]
+    assert _value(reg, "surge_generate_requests_total", finish_reason="length") == 2
+    assert _value(reg, "surge_generate_requests_total", finish_reason="abort") == 0
+    assert _value(reg, "surge_generate_output_tokens_total") == 24
+    assert _value(reg, "surge_generate_inter_token_latency_seconds_count") == 22
+    assert _value(reg, "surge_generate_time_to_first_token_seconds_count") == 2
+
+
+def test_streams_consumed_at_different_paces_get_the_same_text(model_dir):
+    """A stream whose consumer lags gets the tokens delivered meanwhile merged into one delta; the
+    concatenation is the same text and tokens; a stop string ends a stream exactly before it and
+    frees its blocks."""
+    reg = CollectorRegistry()
+    service = _service(model_dir, reg, cache_entries=0)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [service.encode(t) for t in ("The augmented assignment", "Names are", "Then it stops")]
+
+    async def consume(p, lag, stop=()):
+        deltas = []
+        prm = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=stop)
+        async for d in service.stream(p, prm):
+            deltas.append(d)
+            for _ in range(lag):
+                await asyncio.sleep(0.002)
+        return deltas
+
+    async def main():
+        ref = [await service.generate(p, params) for p in prompts]
+        runs = await asyncio.gather(*(consume(p, lag) for p in prompts for lag in (0, 3)))
+        cut = ref[0].text[3:7]
+        stopped = await consume(prompts[0], 0, (cut,))
+        await asyncio.sleep(0.05)
+        free = service.scheduler.blocks.num_free
+        await service.close()
+        return ref, runs, stopped, free
+
+    ref, runs, stopped, free = asyncio.run(main())
+    for i, deltas in enumerate(runs):
+        want = ref[i // 2]
+        assert "".join(d.text for d in deltas) == want.text
+        assert [t for d in deltas for t in d.token_ids] == want.token_ids
+        assert deltas[-1].finish_reason == "length" and deltas[-1].completion_tokens == 24
+        assert [d.completion_tokens for d in deltas] == sorted({d.completion_tokens for d in deltas})
+    assert any(len(d.token_ids) > 1 for i in (1, 3, 5) for d in runs[i]), "a lagging consumer gets merged deltas"
+    text = "".join(d.text for d in stopped)
+    assert stopped[-1].finish_reason == "stop" and text == ref[0].text[:ref[0].text.index(ref[0].text[3:7])]
+    assert free == 256
+
+
+def test_a_stream_whose_text_fails_fails_alone(model_dir, monkeypatch):
+    """The event loop builds all streams' deltas in one pass: an exception in one stream's text (a
+    tokenizer that raises, say) reaches that stream's consumer, frees its blocks and is counted as
+    an abort; the streams beside it go on unchanged."""
+    import surge.runtime.generate_service as gs
+
+    reg = CollectorRegistry()
+    service = _service(model_dir, reg, cache_entries=0)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [service.encode(t) for t in ("The augmented assignment", "Names are", "Then it stops")]
+    made, plain = [], gs.TextState
+
+    class Failing(plain):
+        def add(self, token, final=False):
+            if len(self.ids) == 4:
+                raise RuntimeError("tokenizer broke")
+            return super().add(token, final)
+
+    def text_state(decode, stop=()):
+        made.append(None)
+        return (Failing if len(made) == 2 else plain)(decode, stop)
+
+    async def main():
+        ref = [await service.generate(p, params) for p in prompts]
+        made.clear()
+        monkeypatch.setattr(gs, "TextState", text_state)
+        got = await asyncio.gather(*(service.generate(p, params) for p in prompts), return_exceptions=True)
+        await asyncio.sleep(0.05)
+        free = service.scheduler.blocks.num_free
+        await service.close()
+        return ref, got, free
+
+    ref, got, free = asyncio.run(main())
+    assert isinstance(got[1], RuntimeError) and "tokenizer broke" in str(got[1])
+    for i in (0, 2):
+        assert got[i].text == ref[i].text and got[i].token_ids == ref[i].token_ids
+    assert free == 256
+    assert _value(reg, "surge_generate_requests_total", finish_reason="abort") == 1
+    assert _value(reg, "surge_generate_requests_total", finish_reason="length") == 5
