@@ -66,6 +66,7 @@ SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 @dataclass
 class DistillOptions:
     layers: int = 4  # 3 layers stay under the gate's mean cosine (docs/benchmarks/optimizer.md, session 7)
+    ffn_size: int = 0  # FFN neurons per student layer, the most important kept; 0: the teacher's
     steps: int = 20000  # a ceiling: the time budget ends a default run first
     batch_size: int = 32
     lr: float = 5e-4
@@ -77,16 +78,25 @@ class DistillOptions:
     texts: list[str] | None = None  # None: the shipped calibration queries + prose sentences
     threads: int = 0
     temperature: float = 2.0
+    precision: str = "fp32"  # "bf16": the student's forward and backward under CPU bf16 autocast (weights stay FP32)
 
-    def check(self, teacher_layers: int) -> None:
-        if not 1 <= self.layers < teacher_layers:
-            raise ConfigError(f"--layers must be between 1 and {teacher_layers - 1} (the teacher has {teacher_layers})")
+    def check(self, teacher_layers: int, teacher_ffn: int | None = None) -> None:
+        if not 1 <= self.layers <= teacher_layers:
+            raise ConfigError(f"--layers must be between 1 and {teacher_layers} (the teacher has {teacher_layers})")
+        if self.ffn_size < 0 or (teacher_ffn and self.ffn_size > teacher_ffn):
+            bound = f" and at most the teacher's {teacher_ffn}" if teacher_ffn else ""
+            raise ConfigError(f"--ffn-size must be >= 1{bound} (0: the teacher's), not {self.ffn_size}")
+        if self.layers == teacher_layers and (not self.ffn_size or self.ffn_size == teacher_ffn):
+            raise ConfigError(f"the student must be smaller than the teacher: --layers below {teacher_layers} "
+                              f"or --ffn-size below {teacher_ffn or 'the teacher'}'s FFN size")
         if self.steps < 1 or self.batch_size < 1:
             raise ConfigError("--steps and --batch-size must be positive")
         if not 0 < self.lr < 1:
             raise ConfigError("--lr must be in (0, 1)")
         if self.layer_choice not in ("measured", "spaced"):
             raise ConfigError(f"--layer-choice must be 'measured' or 'spaced', not {self.layer_choice!r}")
+        if self.precision not in ("fp32", "bf16"):
+            raise ConfigError(f"--precision must be 'fp32' or 'bf16', not {self.precision!r}")
         if self.time_budget < 0:
             raise ConfigError("--time-budget must be >= 0 seconds (0: no limit)")
 
@@ -140,8 +150,8 @@ def choose_layers(teacher, teacher_layers: int, k: int, encoded: list, batch, po
     subsets = [[*c, teacher_layers - 1] for c in itertools.combinations(range(teacher_layers - 1), k - 1)]
     if how == "spaced" or len(subsets) > MAX_LAYER_SUBSETS or len(subsets) == 1:
         return spaced, {"how": "spaced" if how == "spaced" or len(subsets) == 1 else f"spaced (over {MAX_LAYER_SUBSETS} subsets)"}
-    picked = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))[:: max(1, len(encoded) // CHOICE_TEXTS)]
-    ids, mask = batch(picked[:CHOICE_TEXTS])
+    picked = _choice_texts(encoded)
+    ids, mask = batch(picked)
     scores = {}
     with torch.inference_mode():
         base = getattr(teacher, teacher.base_model_prefix, teacher)
@@ -152,8 +162,13 @@ def choose_layers(teacher, teacher_layers: int, k: int, encoded: list, batch, po
             got = F.normalize(_pool(sb(input_ids=ids, attention_mask=mask).last_hidden_state, mask, pooling), dim=-1)
             scores[str(subset)] = round(float((got * want).sum(-1).mean()), 4)
     best = max(subsets, key=lambda c: scores[str(c)])
-    return best, {"how": "measured (untrained student's mean cosine to the teacher)", "texts": len(picked[:CHOICE_TEXTS]),
+    return best, {"how": "measured (untrained student's mean cosine to the teacher)", "texts": len(picked),
                   "cosine_at_init": scores, "spaced_would_be": spaced}
+
+
+def _choice_texts(encoded: list) -> list[int]:
+    """CHOICE_TEXTS training texts spread over the length range: the layer and neuron choices are measured on them."""
+    return sorted(range(len(encoded)), key=lambda i: len(encoded[i]))[:: max(1, len(encoded) // CHOICE_TEXTS)][:CHOICE_TEXTS]
 
 
 AUGMENTED = 20_000  # query variants added to the default training text (augment_queries)
@@ -258,6 +273,66 @@ def make_student(teacher, kept: list[int]):
     return student
 
 
+def ffn_importance(model, ids, mask) -> list:
+    """Per encoder layer, each FFN neuron's importance on a batch: mean |activation| over the real tokens
+    x the norm of the neuron's output weight column (how far the neuron moves the residual stream)."""
+    import torch
+
+    base = getattr(model, model.base_model_prefix, model)
+    real = mask.bool()
+    scores: list = []
+    handles = []
+
+    def hook(module, args, output, li):
+        scores[li] = output[real].abs().mean(0).float()
+
+    for li, layer in enumerate(base.encoder.layer):
+        scores.append(None)
+        handles.append(layer.intermediate.register_forward_hook(lambda m, a, o, li=li: hook(m, a, o, li)))
+    try:
+        with torch.inference_mode():
+            base(input_ids=ids, attention_mask=mask)
+    finally:
+        for h in handles:
+            h.remove()
+    return [s * layer.output.dense.weight.detach().float().norm(dim=0) for s, layer in zip(scores, base.encoder.layer)]
+
+
+def narrow_ffn(model, keep: list) -> None:
+    """Slice each encoder layer's FFN down to the neurons in keep[layer] (the same count in every layer), in place:
+    the intermediate projection's output rows and bias, the output projection's input columns."""
+    import torch
+
+    base = getattr(model, model.base_model_prefix, model)
+    sizes = {len(k) for k in keep}
+    if len(keep) != len(base.encoder.layer) or len(sizes) != 1:
+        raise ValueError("narrow_ffn needs one list of neurons per layer, all of one size")
+    for layer, idx in zip(base.encoder.layer, keep):
+        idx = torch.as_tensor(sorted(int(i) for i in idx))
+        up, down = layer.intermediate.dense, layer.output.dense
+        new_up = torch.nn.Linear(up.in_features, len(idx), bias=up.bias is not None)
+        new_up.weight.data = up.weight.data[idx].clone()
+        if up.bias is not None:
+            new_up.bias.data = up.bias.data[idx].clone()
+        new_down = torch.nn.Linear(len(idx), down.out_features, bias=down.bias is not None)
+        new_down.weight.data = down.weight.data[:, idx].clone()
+        if down.bias is not None:
+            new_down.bias.data = down.bias.data.clone()
+        layer.intermediate.dense, layer.output.dense = new_up, new_down
+    model.config.intermediate_size = sizes.pop()
+
+
+def choose_ffn(student, size: int, ids, mask) -> tuple[list, dict]:
+    """The `size` most important FFN neurons of each student layer (ffn_importance on the given batch)."""
+    import torch
+
+    scores = ffn_importance(student, ids, mask)
+    keep = [sorted(int(i) for i in torch.topk(s, size).indices) for s in scores]
+    kept_share = [round(float(s[k].sum() / s.sum()), 4) for s, k in zip(scores, keep)]
+    return keep, {"how": "mean |activation| x output column norm on the layer-choice texts", "ffn_size": size,
+                  "importance_kept_share": kept_share}
+
+
 RELATION_WEIGHT = 10.0
 HIDDEN_WEIGHT = 0.1
 
@@ -282,7 +357,8 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
     import torch.nn.functional as F
     from tokenizers import Tokenizer
 
-    options.check(spec.num_layers)
+    teacher_ffn = spec.config.get("intermediate_size")
+    options.check(spec.num_layers, teacher_ffn)
     if options.threads:
         torch.set_num_threads(options.threads)
     torch.manual_seed(options.seed)
@@ -306,8 +382,18 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
             mask[row, : len(encoded[i])] = 1
         return torch.from_numpy(ids), torch.from_numpy(mask)
 
-    kept, choice = choose_layers(teacher, spec.num_layers, options.layers, encoded, batch, pooling, options.layer_choice)
-    student = make_student(teacher, kept).train()
+    if options.layers == spec.num_layers:
+        kept, choice = list(range(spec.num_layers)), {"how": "all (the student is narrower, not shallower)"}
+    else:
+        kept, choice = choose_layers(teacher, spec.num_layers, options.layers, encoded, batch, pooling,
+                                     options.layer_choice)
+    student = make_student(teacher, kept)
+    ffn_choice = None
+    if options.ffn_size and options.ffn_size != teacher_ffn:
+        # measured on the student itself (after the layer choice): its layers see what it feeds them
+        keep, ffn_choice = choose_ffn(student, options.ffn_size, *batch(_choice_texts(encoded)))
+        narrow_ffn(student, keep)
+    student.train()
     # The teacher's outputs are the targets and do not change: computed once per
     # text (in length-sorted batches, no padding waste), not once per step.
     targets = _teacher_targets(teacher, encoded, batch, classifier, kept, pooling)
@@ -338,12 +424,13 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
         picked = batches.pop()
         ids, mask = batch(picked)
         real = mask.bool()
-        s_out = student(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=options.precision == "bf16"):
+            s_out = student(input_ids=ids, attention_mask=mask, output_hidden_states=True)
         hidden_loss = 0.0
         for j in range(len(kept)):  # student layer j was teacher layer kept[j]
             want = torch.cat([targets.hidden[i][j] for i in picked])  # [real tokens, H]
-            hidden_loss = hidden_loss + F.mse_loss(s_out.hidden_states[j + 1][real], want) / targets.scale[j]
-        s_pooled = _pool(s_out.hidden_states[-1], mask, pooling)
+            hidden_loss = hidden_loss + F.mse_loss(s_out.hidden_states[j + 1][real].float(), want) / targets.scale[j]
+        s_pooled = _pool(s_out.hidden_states[-1].float(), mask, pooling)
         t_pooled = torch.stack([targets.pooled[i] for i in picked])
         cos_loss = (1 - F.cosine_similarity(s_pooled, t_pooled, dim=-1)).mean()
         s_unit, t_unit = F.normalize(s_pooled, dim=-1), F.normalize(t_pooled, dim=-1)
@@ -352,7 +439,7 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
         if classifier:
             tau = options.temperature
             t_logits = torch.stack([targets.logits[i] for i in picked])
-            loss = loss + F.kl_div(F.log_softmax(s_out.logits / tau, -1), F.softmax(t_logits / tau, -1),
+            loss = loss + F.kl_div(F.log_softmax(s_out.logits.float() / tau, -1), F.softmax(t_logits / tau, -1),
                                    reduction="batchmean") * tau * tau
         for group in opt.param_groups:
             group["lr"] = rate(step)
@@ -371,6 +458,8 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
     _write_model_dir(student.eval(), spec, Path(out_dir))
     return DistillResult(Path(out_dir), kept, losses, seconds, len(texts),
                          {"teacher": spec.name, "teacher_layers": spec.num_layers, "student_layers": len(kept),
+                          "teacher_ffn_size": teacher_ffn, "student_ffn_size": student.config.intermediate_size,
+                          "ffn_choice": ffn_choice,
                           "task": "classify" if classifier else "embed",
                           "loss": f"1-cos(pooled) + {RELATION_WEIGHT:g} MSE(in-batch cosines) + {HIDDEN_WEIGHT:g} "
                                   "sum_layers MSE(hidden)/E[teacher^2]" + (" + KL(logits, T=2)" if classifier else ""),
@@ -378,7 +467,8 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
                           "layer_choice": choice,
                           "steps_planned": options.steps, "time_budget_s": options.time_budget,
                           "stopped_by": "steps" if len(losses) >= options.steps else "time budget",
-                          "batch_size": options.batch_size, "lr": options.lr, "seed": options.seed})
+                          "batch_size": options.batch_size, "lr": options.lr, "seed": options.seed,
+                          "precision": options.precision})
 
 
 def _length_bucketed(encoded: list, batch_size: int, rng) -> list[list[int]]:
