@@ -7,7 +7,9 @@ Runs given together share the teacher's targets when they keep the same teacher 
 
     taskset -c 1 env OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/distill_width.py \\
         --run 6:768:fp32:600 --out-dir /tmp/dw
-(--run LAYERS:FFN:PRECISION:BUDGET_S, FFN 0 = the teacher's; repeatable)
+(--run LAYERS:FFN:PRECISION:BUDGET_S[:LR], FFN 0 = the teacher's; repeatable)
+
+    ... --gate /tmp/dw/L6_F768_fp32_600 --out-dir /tmp/dw   (the CLI's ONNX gate and latency gate on a student)
 """
 
 from __future__ import annotations
@@ -56,12 +58,28 @@ def main() -> None:
     from surge.models import bundled_model_dir, load_model_spec
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--run", action="append", required=True)
+    ap.add_argument("--run", action="append", default=[])
+    ap.add_argument("--gate", action="append", default=[], type=Path,
+                    help="a trained student directory: the CLI's gate and latency gate on it (ONNX Runtime)")
     ap.add_argument("--out-dir", type=Path, required=True)
     ap.add_argument("--init-only", action="store_true", help="measure the untrained students only")
     args = ap.parse_args()
     torch.set_num_threads(1)
     spec = load_model_spec(bundled_model_dir())
+    if args.gate:
+        from rich.console import Console
+
+        from surge.cli.distill import _gate
+        from surge.config import default_cache_dir
+
+        for student in args.gate:
+            gate, latency = _gate(spec, student, 0.95, 0.90, 0, 1, True, default_cache_dir(), Console(stderr=True))
+            row = {"student": str(student), "gate": gate, "latency": latency}
+            (args.out_dir / f"gate_{student.name}.json").write_text(json.dumps(row, indent=1, default=str))
+            held = gate["sets"]["heldout"]
+            print(student.name, {k: held[k] for k in ("mean_cosine", "min_cosine", "top1", "top1_tie")},
+                  [(r["batch"], r["seq"], round(r["speedup"], 3)) for r in latency["rows"]], flush=True)
+        return
     pooling = str(spec.pooling)
     held = heldout_queries()
     teacher = D._load(spec)
@@ -80,10 +98,13 @@ def main() -> None:
     D._teacher_targets = shared_targets
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for run in args.run:
-        layers, ffn, precision, budget = run.split(":")
+        layers, ffn, precision, budget, *lr = run.split(":")
         options = D.DistillOptions(layers=int(layers), ffn_size=int(ffn), precision=precision,
                                    time_budget=float(budget), threads=1, steps=1 if args.init_only else 20000)
         name = f"L{layers}_F{ffn}_{precision}_{budget}"
+        if lr:
+            options.lr = float(lr[0])
+            name += f"_lr{lr[0]}"
         t0 = time.perf_counter()
         if args.init_only:
             options.lr = 1e-12

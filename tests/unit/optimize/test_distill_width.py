@@ -101,29 +101,50 @@ def test_measured_neurons_beat_random_ones(spec, teacher):
     assert measured > random + 0.03, (measured, random)  # held-out, all 2,715: 0.752 against 0.681
 
 
-def test_a_short_distill_run_brings_the_narrow_student_to_the_teacher(spec, teacher, tmp_path):
+def test_refit_folds_the_dropped_neurons_into_the_kept_ones(spec, teacher):
+    ids, mask = _batch(spec, SENTENCES)  # held out: the refit sees calibration text only
+    want = _pooled(teacher, ids, mask)
+    calib = [_batch(spec, calibration_queries()[i : i + 64]) for i in range(0, 512, 64)]
+    everything = D.make_student(teacher, list(range(spec.num_layers)))
+    D.refit_ffn(everything, [list(range(1536))] * spec.num_layers, calib)  # nothing dropped: the teacher again,
+    assert float((_pooled(everything, ids, mask) * want).sum(-1).min()) > 0.999  # up to the ridge's shrinkage
+    keep = D.choose_ffn(D.make_student(teacher, list(range(spec.num_layers))), 768, *calib[0])[0]
+    plain = D.make_student(teacher, list(range(spec.num_layers)))
+    D.narrow_ffn(plain, keep)
+    refit = D.make_student(teacher, list(range(spec.num_layers)))
+    residual = D.refit_ffn(refit, keep, calib)
+    assert len(residual) == spec.num_layers and all(0 < r < 1 for r in residual)
+    for layer, ours, k in zip(teacher.encoder.layer, refit.base_model.encoder.layer, keep):
+        # only the output projection is refitted: the kept neurons are the teacher's own
+        assert torch.equal(ours.intermediate.dense.weight, layer.intermediate.dense.weight[k])
+        assert ours.output.dense.weight.shape == (384, 768)
+    cos_plain = float((_pooled(plain, ids, mask) * want).sum(-1).mean())
+    cos_refit = float((_pooled(refit, ids, mask) * want).sum(-1).mean())
+    assert cos_refit > cos_plain + 0.05, (cos_plain, cos_refit)  # all 2,715 held-out: 0.752 -> 0.912
+
+
+def test_a_short_distill_run_brings_the_narrow_student_closer_to_the_teacher(spec, teacher, tmp_path):
     from transformers import AutoModel
 
-    ids, mask = _batch(spec, heldout_queries()[:200])
+    ids, mask = _batch(spec, heldout_queries()[:256])
     want = _pooled(teacher, ids, mask)
     texts = calibration_queries()[:640]
-    from tokenizers import Tokenizer
+    cosines = {}
+    for steps in (1, STEPS):  # 1 step at a vanishing rate: the student distill starts from
+        options = D.DistillOptions(layers=6, ffn_size=384, steps=steps, time_budget=0, texts=texts, threads=2,
+                                   lr=5e-4 if steps > 1 else 1e-12)
+        result = D.distill(spec, tmp_path / str(steps), options)
+        assert result.kept_layers == list(range(6)) and result.info["student_ffn_size"] == 384
+        student = AutoModel.from_pretrained(str(tmp_path / str(steps)), local_files_only=True).eval()
+        assert student.config.intermediate_size == 384 and student.config.num_hidden_layers == 6
+        cosines[steps] = float((_pooled(student, ids, mask) * want).sum(-1).mean())
+    assert load_model_spec(tmp_path / str(STEPS)).num_layers == 6
+    # FFN 1536 -> 384: the refitted student starts at 0.841 and 60 steps on 640 texts bring it to 0.849 (measured;
+    # at 768 it starts at 0.912, closer than so short a run on so little text gets it)
+    assert cosines[STEPS] > cosines[1] + 0.003, cosines
 
-    tok = Tokenizer.from_file(str(spec.tokenizer_file))
-    tok.no_padding()
-    tok.enable_truncation(max_length=128)
-    encoded = [e.ids for e in tok.encode_batch(texts)]
-    before = D.make_student(teacher, list(range(spec.num_layers)))  # the student distill starts from
-    D.narrow_ffn(before, D.choose_ffn(before, 768, *_batch(spec, [texts[i] for i in D._choice_texts(encoded)]))[0])
-    result = D.distill(spec, tmp_path / "s", D.DistillOptions(layers=6, ffn_size=768, steps=40, time_budget=0,
-                                                             texts=texts, threads=2))
-    assert result.kept_layers == list(range(6)) and result.info["student_ffn_size"] == 768
-    after = AutoModel.from_pretrained(str(tmp_path / "s"), local_files_only=True).eval()
-    assert after.config.intermediate_size == 768 and after.config.num_hidden_layers == 6
-    assert load_model_spec(tmp_path / "s").num_layers == 6
-    cos_before = float((_pooled(before, ids, mask) * want).sum(-1).mean())
-    cos_after = float((_pooled(after, ids, mask) * want).sum(-1).mean())
-    assert cos_after > cos_before + 0.05, (cos_before, cos_after)
+
+STEPS = 60
 
 
 @pytest.mark.parametrize("args, message", [
