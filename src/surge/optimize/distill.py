@@ -1,9 +1,15 @@
-"""Distillation: a shallower student initialised from the teacher's own layers, trained to match it.
+"""Distillation: a shallower or narrower student initialised from the teacher's own layers, trained to match it.
 
-The student is the teacher's architecture with K of its L layers (evenly
-spaced, the last one always kept: it writes the representation the pooling
-reads), its embeddings, and — for a classifier — its head. It is trained on
-unlabeled text only: the teacher's outputs on that text are the targets.
+The student is the teacher's architecture with K of its L layers (the subset
+measured closest, the last one always kept: it writes the representation the
+pooling reads), its embeddings, and — for a classifier — its head. It may
+also be narrower (`ffn_size`): each kept layer keeps its N most important FFN
+neurons (mean |activation| x the norm of the neuron's output weight column,
+measured on training text), and its FFN output projection is refitted by least
+squares so that the kept neurons reproduce the full FFN's output (`refit_ffn`).
+A narrower student may keep all L layers: each of its layers then has its own
+teacher layer for the hidden-state loss. It is trained on unlabeled text only:
+the teacher's outputs on that text are the targets.
 
 Loss per batch (real tokens only; padding carries no meaning):
 - 1 - cos(student pooled, teacher pooled): what the gate measures;
@@ -40,7 +46,8 @@ messages, see PROVENANCE.md), or a file of one text per line (a query log).
 The held-out queries are never trained on, nor near copies of them: the gate
 measures the student on them.
 
-Defaults (4 layers, 600 s): measured in docs/benchmarks/optimizer.md, session 7.
+Defaults (4 layers, 600 s): measured in docs/benchmarks/optimizer.md, session 7; students by width
+(6 layers, FFN 1536 -> 768 / 1024) and bf16 training: session 8.
 """
 
 from __future__ import annotations
