@@ -10,6 +10,8 @@ Runs given together share the teacher's targets when they keep the same teacher 
 (--run LAYERS:FFN:PRECISION:BUDGET_S[:LR], FFN 0 = the teacher's; repeatable)
 
     ... --gate /tmp/dw/L6_F768_fp32_600 --out-dir /tmp/dw   (the CLI's ONNX gate and latency gate on a student)
+    ... --measure /tmp/dw/L6_F768_fp32_600 --out-dir /tmp/dw (measure a trained student again)
+    ... --init --run 6:768 --run 4:0 --out-dir /tmp/dw        (untrained students: FFN sliced, random, refitted)
 """
 
 from __future__ import annotations
@@ -30,12 +32,15 @@ def embed(model, spec, texts, pooling):
     from surge.optimize.validate import Encoded
 
     out = []
+    data = Encoded(spec, texts, batch_size=64)
     with torch.inference_mode():
-        for b in Encoded(spec, texts, batch_size=64).batches:
+        for b in data.batches:
             ids, mask = torch.from_numpy(b.input_ids), torch.from_numpy(b.attention_mask)
             base = getattr(model, model.base_model_prefix, model)
             out.append(F.normalize(_pool(base(input_ids=ids, attention_mask=mask).last_hidden_state, mask, pooling), dim=-1))
-    return torch.cat(out).numpy()
+    vecs = np.empty((len(texts), out[0].shape[-1]), np.float32)
+    vecs[data.order] = torch.cat(out).numpy()  # input order: retrieval_agreement's folds are contiguous input rows
+    return vecs
 
 
 def measure(teacher_vecs, student_vecs) -> dict:
@@ -62,7 +67,10 @@ def main() -> None:
     ap.add_argument("--gate", action="append", default=[], type=Path,
                     help="a trained student directory: the CLI's gate and latency gate on it (ONNX Runtime)")
     ap.add_argument("--out-dir", type=Path, required=True)
-    ap.add_argument("--init-only", action="store_true", help="measure the untrained students only")
+    ap.add_argument("--init", action="store_true",
+                    help="measure untrained students (as distill builds them) for each --run's LAYERS:FFN")
+    ap.add_argument("--measure", action="append", default=[], type=Path,
+                    help="a trained student directory: measure it again (PyTorch, held-out queries)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     spec = load_model_spec(bundled_model_dir())
@@ -85,6 +93,56 @@ def main() -> None:
     teacher = D._load(spec)
     t_vecs = embed(teacher, spec, held, pooling)
 
+    for student_dir in args.measure:
+        from transformers import AutoModel
+
+        student = AutoModel.from_pretrained(str(student_dir), local_files_only=True).eval()
+        row = json.loads((student_dir.parent / f"{student_dir.name}.json").read_text())
+        row["heldout_sorted_folds"] = row.get("heldout_sorted_folds", row["heldout"])
+        row["heldout"] = measure(t_vecs, embed(student, spec, held, pooling))
+        (student_dir.parent / f"{student_dir.name}.json").write_text(json.dumps(row, indent=1))
+        print(student_dir.name, row["heldout"], flush=True)
+    if args.measure:
+        return
+    if args.init:
+        from tokenizers import Tokenizer
+
+        texts = D.default_texts()
+        tok = Tokenizer.from_file(str(spec.tokenizer_file))
+        tok.no_padding()
+        tok.enable_truncation(max_length=128)
+        encoded = [e.ids for e in tok.encode_batch(texts)]
+
+        def batch(idx):
+            n = max(len(encoded[i]) for i in idx)
+            ids, mask = np.zeros((len(idx), n), np.int64), np.zeros((len(idx), n), np.int64)
+            for r, i in enumerate(idx):
+                ids[r, : len(encoded[i])], mask[r, : len(encoded[i])] = encoded[i], 1
+            return torch.from_numpy(ids), torch.from_numpy(mask)
+
+        fit = sorted(np.random.default_rng(1).choice(len(encoded), D.REFIT_TEXTS, replace=False).tolist(),
+                     key=lambda i: len(encoded[i]))
+        rows = []
+        for run in args.run:
+            layers, ffn = (int(x) for x in run.split(":")[:2])
+            kept = list(range(6)) if layers == 6 else D.choose_layers(teacher, 6, layers, encoded, batch, pooling)[0]
+            for how in (["-"] if not ffn or ffn == 1536 else ["sliced", "random", "refit"]):
+                student = D.make_student(teacher, kept)
+                if how == "sliced":
+                    D.narrow_ffn(student, D.choose_ffn(student, ffn, *batch(D._choice_texts(encoded)))[0])
+                elif how == "random":
+                    rng = np.random.default_rng(0)
+                    D.narrow_ffn(student, [sorted(rng.permutation(1536)[:ffn].tolist()) for _ in kept])
+                elif how == "refit":
+                    keep = D.choose_ffn(student, ffn, *batch(D._choice_texts(encoded)))[0]
+                    D.refit_ffn(student, keep, (batch(fit[b : b + 64]) for b in range(0, len(fit), 64)))
+                row = {"layers": layers, "kept_layers": kept, "ffn_size": ffn or 1536, "ffn": how,
+                       "heldout": measure(t_vecs, embed(student.eval(), spec, held, pooling))}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        (args.out_dir / "init.json").write_text(json.dumps(rows, indent=1))
+        return
+
     cached: dict = {}
     original = D._teacher_targets
 
@@ -100,14 +158,12 @@ def main() -> None:
     for run in args.run:
         layers, ffn, precision, budget, *lr = run.split(":")
         options = D.DistillOptions(layers=int(layers), ffn_size=int(ffn), precision=precision,
-                                   time_budget=float(budget), threads=1, steps=1 if args.init_only else 20000)
+                                   time_budget=float(budget), threads=1)
         name = f"L{layers}_F{ffn}_{precision}_{budget}"
         if lr:
             options.lr = float(lr[0])
             name += f"_lr{lr[0]}"
         t0 = time.perf_counter()
-        if args.init_only:
-            options.lr = 1e-12
         result = D.distill(spec, args.out_dir / name, options)
         from transformers import AutoModel
 
