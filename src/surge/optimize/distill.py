@@ -96,7 +96,7 @@ class DistillOptions:
             raise ConfigError(f"--ffn-size must be >= 1{bound} (0: the teacher's), not {self.ffn_size}")
         if self.layers == teacher_layers and (not self.ffn_size or self.ffn_size == teacher_ffn):
             raise ConfigError(f"the student must be smaller than the teacher: --layers below {teacher_layers} "
-                              f"or --ffn-size below {teacher_ffn or 'the teacher'}'s FFN size")
+                              f"or --ffn-size below the teacher's FFN size{f' ({teacher_ffn})' if teacher_ffn else ''}")
         if self.steps < 1 or self.batch_size < 1:
             raise ConfigError("--steps and --batch-size must be positive")
         if not 0 < self.lr < 1:

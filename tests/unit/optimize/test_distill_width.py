@@ -150,7 +150,7 @@ STEPS = 60
 @pytest.mark.parametrize("args, message", [
     (["--ffn-size", "2000"], "--ffn-size must be >= 1 and at most the teacher's 1536"),
     (["--ffn-size", "-3"], "--ffn-size must be >= 1"),
-    (["--layers", "6"], "the student must be smaller than the teacher"),
+    (["--layers", "6"], "the student must be smaller than the teacher: --layers below 6 or --ffn-size below the teacher's FFN size (1536)"),
     (["--layers", "6", "--ffn-size", "1536"], "the student must be smaller than the teacher"),
     (["--layers", "7", "--ffn-size", "768"], "--layers must be between 1 and 6"),
     (["--precision", "fp16"], "--precision must be 'fp32' or 'bf16'"),
