@@ -33,7 +33,7 @@ def student(tmp_path_factory):
 
     texts = root / "texts.txt"
     texts.write_text("\n".join(calibration_queries() + load_sentences()) + "\n", encoding="utf-8")
-    result = CliRunner().invoke(app, ["distill", str(teacher), "-o", str(out), "--layers", "2", "--steps", "40",
+    result = CliRunner().invoke(app, ["distill", str(teacher), "-o", str(out), "--layers", "2", "--ffn-size", "32", "--steps", "40",
                                       "--texts", str(texts),
                                       "--time-budget", "0",
                                       "--batch-size", "16", "--lr", "1e-3", "--max-sentences", "32", "--force",
@@ -46,6 +46,7 @@ def test_loss_falls_and_the_report_is_written(student):
     _, out = student
     report = json.loads((out / "distill.json").read_text())
     assert report["steps"] == 40 and len(report["losses"]) == 40
+    assert report["student_layers"] == 2 and report["student_ffn_size"] == 32 and report["teacher_ffn_size"] == 128
     # the kept layers: of the subsets that end with the last layer, the one whose untrained student was closest
     choice = report["layer_choice"]
     assert set(choice["cosine_at_init"]) == {"[0, 3]", "[1, 3]", "[2, 3]"}
@@ -70,7 +71,7 @@ def test_student_is_a_model_directory_surge_optimizes_and_serves(student, tmp_pa
     spec = load_model_spec(out)
     assert spec.num_layers == 2 and spec.hidden_size == 64
     model = AutoModel.from_pretrained(str(out), local_files_only=True).eval()
-    assert model.config.num_hidden_layers == 2
+    assert model.config.num_hidden_layers == 2 and model.config.intermediate_size == 32  # shallower and narrower
     art = tmp_path / "art"
     r = CliRunner().invoke(app, ["optimize", str(out), "-o", str(art), "--max-sentences", "16", "--no-latency",
                                  "--threads", "2", "--cache-dir", str(CACHE_DIR)])
@@ -106,8 +107,8 @@ def test_a_time_budget_ends_training_on_a_decayed_rate(tmp_path):
 
 
 def test_bad_layer_count_is_a_clear_error(tmp_path):
-    r = CliRunner().invoke(app, ["distill", "-o", str(tmp_path / "s"), "--layers", "6"])
-    assert r.exit_code == 1 and "--layers must be between 1 and 5" in r.output
+    r = CliRunner().invoke(app, ["distill", "-o", str(tmp_path / "s"), "--layers", "7"])
+    assert r.exit_code == 1 and "--layers must be between 1 and 6" in r.output
     assert not (tmp_path / "s").exists()
 
 

@@ -1,4 +1,4 @@
-"""`surge distill MODEL -o DIR --layers K`: train a shallower student, gate it, write a model directory.
+"""`surge distill MODEL -o DIR --layers K --ffn-size N`: train a shallower or narrower student, gate it, write a model directory.
 
 The student is validated by the optimizer's gate (the held-out queries in
 the serving layout, against the teacher's FP32 export) and by its latency
@@ -26,6 +26,8 @@ def distill(
     model_dir: Optional[Path] = typer.Argument(None, help="Teacher: a Hugging Face model directory (default: the bundled all-MiniLM-L6-v2)."),
     output: Path = typer.Option(..., "-o", "--output", help="Student model directory to write."),
     layers: int = typer.Option(4, "--layers", help="Encoder layers the student keeps (the last always)."),
+    ffn_size: int = typer.Option(0, "--ffn-size", help="FFN neurons per student layer (the teacher's most important, measured on training text; 0: the teacher's size). With --layers equal to the teacher's, a student as deep as its teacher but narrower."),
+    precision: str = typer.Option("fp32", "--precision", help="Training arithmetic: fp32, or bf16 (CPU autocast; the weights and the written student stay FP32)."),
     layer_choice: str = typer.Option("measured", "--layer-choice", help="measured: the subset of teacher layers whose untrained student is closest to the teacher; spaced: evenly spaced."),
     steps: int = typer.Option(20000, "--steps", help="Training steps (at most: --time-budget may stop it first)."),
     time_budget: float = typer.Option(600.0, "--time-budget", help="Seconds of training at most (0: no limit); the learning-rate schedule follows steps or time, whichever is further along."),
@@ -41,7 +43,7 @@ def distill(
     threads: int = typer.Option(0, envvar="SURGE_THREADS", help="Torch / ONNX Runtime threads (0: all cores)."),
     cache_dir: Optional[Path] = typer.Option(None, envvar="SURGE_CACHE_DIR", help="Where FP32 exports are cached."),
 ) -> None:
-    """Distil a model into a shallower student trained to reproduce its outputs."""
+    """Distil a model into a shallower (--layers) or narrower (--ffn-size) student trained to reproduce its outputs."""
     import json
     import shutil
 
@@ -58,10 +60,11 @@ def distill(
     staging = output.with_name(output.name + ".staging")
     try:
         spec = load_model_spec(model_dir or bundled_model_dir())
-        options = DistillOptions(layers=layers, steps=steps, batch_size=batch_size, lr=lr, seed=seed, threads=threads,
+        options = DistillOptions(layers=layers, ffn_size=ffn_size, precision=precision, steps=steps, batch_size=batch_size, lr=lr, seed=seed, threads=threads,
                                  time_budget=time_budget, layer_choice=layer_choice,
                                  texts=read_texts(texts) if texts else None)
-        options.check(spec.num_layers)
+        options.check(spec.num_layers, spec.config.get("intermediate_size"))
+        shape = _shape(spec, options)
         if staging.exists():
             shutil.rmtree(staging)
         with Progress(TextColumn("[bold]distilling[/] {task.description}"), BarColumn(),
@@ -69,7 +72,7 @@ def distill(
                       TimeElapsedColumn(), TimeRemainingColumn(), console=console,
                       transient=not console.is_terminal) as bar:
             # Progress is steps or time, whichever is further along (--time-budget may end it first).
-            task = bar.add_task(f"{spec.name}: {spec.num_layers} -> {layers} layers", total=1000, loss=float("nan"),
+            task = bar.add_task(f"{spec.name}: {shape}", total=1000, loss=float("nan"),
                                 step=0)
             said = [0]
 
@@ -81,11 +84,10 @@ def distill(
 
             result = train(spec, staging, options, on_step)
         report = result.to_json()
-        plot_losses(result.losses, staging / "distill_loss.png",
-                    f"{spec.name}: {spec.num_layers} -> {len(result.kept_layers)} layers")
+        plot_losses(result.losses, staging / "distill_loss.png", f"{spec.name}: {shape}")
         console.print(f"trained {len(result.losses)} steps in {result.seconds:.0f} s on {result.texts} texts; "
                       f"loss {report['loss_first_10pct']:.4f} -> {report['loss_last_10pct']:.4f}; "
-                      f"kept teacher layers {result.kept_layers}")
+                      f"kept teacher layers {result.kept_layers}, FFN size {result.info['student_ffn_size']}")
         report["gate"], report["latency"] = _gate(spec, staging, min_cosine, min_top1, max_sentences, threads,
                                                   not no_latency, cache_dir or default_cache_dir(), console)
         failures = list(report["gate"]["failures"])
@@ -109,6 +111,15 @@ def distill(
         raise typer.Exit(code=2)
     note = " [yellow](forced past a failed gate)[/]" if failures else ""
     console.print(f"[bold green]wrote[/] {target} (loss curve: {target / 'distill_loss.png'}){note}")
+
+
+def _shape(spec, options) -> str:
+    """'6 -> 4 layers', '6 layers, FFN 1536 -> 768', or both."""
+    ffn = spec.config.get("intermediate_size")
+    parts = [] if options.layers == spec.num_layers else [f"{spec.num_layers} -> {options.layers} layers"]
+    if options.ffn_size and options.ffn_size != ffn:
+        parts.append(f"{'' if parts else f'{spec.num_layers} layers, '}FFN {ffn} -> {options.ffn_size}")
+    return ", ".join(parts)
 
 
 def _gate(spec, student_dir: Path, min_cosine: float, min_top1: float, max_sentences: int, threads: int,

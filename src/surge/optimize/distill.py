@@ -1,9 +1,15 @@
-"""Distillation: a shallower student initialised from the teacher's own layers, trained to match it.
+"""Distillation: a shallower or narrower student initialised from the teacher's own layers, trained to match it.
 
-The student is the teacher's architecture with K of its L layers (evenly
-spaced, the last one always kept: it writes the representation the pooling
-reads), its embeddings, and — for a classifier — its head. It is trained on
-unlabeled text only: the teacher's outputs on that text are the targets.
+The student is the teacher's architecture with K of its L layers (the subset
+measured closest, the last one always kept: it writes the representation the
+pooling reads), its embeddings, and — for a classifier — its head. It may
+also be narrower (`ffn_size`): each kept layer keeps its N most important FFN
+neurons (mean |activation| x the norm of the neuron's output weight column,
+measured on training text), and its FFN output projection is refitted by least
+squares so that the kept neurons reproduce the full FFN's output (`refit_ffn`).
+A narrower student may keep all L layers: each of its layers then has its own
+teacher layer for the hidden-state loss. It is trained on unlabeled text only:
+the teacher's outputs on that text are the targets.
 
 Loss per batch (real tokens only; padding carries no meaning):
 - 1 - cos(student pooled, teacher pooled): what the gate measures;
@@ -40,7 +46,8 @@ messages, see PROVENANCE.md), or a file of one text per line (a query log).
 The held-out queries are never trained on, nor near copies of them: the gate
 measures the student on them.
 
-Defaults (4 layers, 600 s): measured in docs/benchmarks/optimizer.md, session 7.
+Defaults (4 layers, 600 s): measured in docs/benchmarks/optimizer.md, session 7; students by width
+(6 layers, FFN 1536 -> 768 / 1024) and bf16 training: session 8.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ import numpy as np
 
 from surge.errors import ConfigError
 from surge.models.hf import ModelSpec
+from surge.optimize.narrow import REFIT_RIDGE, REFIT_TEXTS, choose_ffn, ffn_importance, narrow_ffn, refit_ffn  # noqa: F401
 
 # Files a model directory needs beside its weights to be served as the teacher is.
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "modules.json",
@@ -66,6 +74,7 @@ SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
 @dataclass
 class DistillOptions:
     layers: int = 4  # 3 layers stay under the gate's mean cosine (docs/benchmarks/optimizer.md, session 7)
+    ffn_size: int = 0  # FFN neurons per student layer, the most important kept; 0: the teacher's
     steps: int = 20000  # a ceiling: the time budget ends a default run first
     batch_size: int = 32
     lr: float = 5e-4
@@ -77,16 +86,25 @@ class DistillOptions:
     texts: list[str] | None = None  # None: the shipped calibration queries + prose sentences
     threads: int = 0
     temperature: float = 2.0
+    precision: str = "fp32"  # "bf16": the student's forward and backward under CPU bf16 autocast (weights stay FP32)
 
-    def check(self, teacher_layers: int) -> None:
-        if not 1 <= self.layers < teacher_layers:
-            raise ConfigError(f"--layers must be between 1 and {teacher_layers - 1} (the teacher has {teacher_layers})")
+    def check(self, teacher_layers: int, teacher_ffn: int | None = None) -> None:
+        if not 1 <= self.layers <= teacher_layers:
+            raise ConfigError(f"--layers must be between 1 and {teacher_layers} (the teacher has {teacher_layers})")
+        if self.ffn_size < 0 or (teacher_ffn and self.ffn_size > teacher_ffn):
+            bound = f" and at most the teacher's {teacher_ffn}" if teacher_ffn else ""
+            raise ConfigError(f"--ffn-size must be >= 1{bound} (0: the teacher's), not {self.ffn_size}")
+        if self.layers == teacher_layers and (not self.ffn_size or self.ffn_size == teacher_ffn):
+            raise ConfigError(f"the student must be smaller than the teacher: --layers below {teacher_layers} "
+                              f"or --ffn-size below the teacher's FFN size{f' ({teacher_ffn})' if teacher_ffn else ''}")
         if self.steps < 1 or self.batch_size < 1:
             raise ConfigError("--steps and --batch-size must be positive")
         if not 0 < self.lr < 1:
             raise ConfigError("--lr must be in (0, 1)")
         if self.layer_choice not in ("measured", "spaced"):
             raise ConfigError(f"--layer-choice must be 'measured' or 'spaced', not {self.layer_choice!r}")
+        if self.precision not in ("fp32", "bf16"):
+            raise ConfigError(f"--precision must be 'fp32' or 'bf16', not {self.precision!r}")
         if self.time_budget < 0:
             raise ConfigError("--time-budget must be >= 0 seconds (0: no limit)")
 
@@ -140,8 +158,8 @@ def choose_layers(teacher, teacher_layers: int, k: int, encoded: list, batch, po
     subsets = [[*c, teacher_layers - 1] for c in itertools.combinations(range(teacher_layers - 1), k - 1)]
     if how == "spaced" or len(subsets) > MAX_LAYER_SUBSETS or len(subsets) == 1:
         return spaced, {"how": "spaced" if how == "spaced" or len(subsets) == 1 else f"spaced (over {MAX_LAYER_SUBSETS} subsets)"}
-    picked = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))[:: max(1, len(encoded) // CHOICE_TEXTS)]
-    ids, mask = batch(picked[:CHOICE_TEXTS])
+    picked = _choice_texts(encoded)
+    ids, mask = batch(picked)
     scores = {}
     with torch.inference_mode():
         base = getattr(teacher, teacher.base_model_prefix, teacher)
@@ -152,8 +170,13 @@ def choose_layers(teacher, teacher_layers: int, k: int, encoded: list, batch, po
             got = F.normalize(_pool(sb(input_ids=ids, attention_mask=mask).last_hidden_state, mask, pooling), dim=-1)
             scores[str(subset)] = round(float((got * want).sum(-1).mean()), 4)
     best = max(subsets, key=lambda c: scores[str(c)])
-    return best, {"how": "measured (untrained student's mean cosine to the teacher)", "texts": len(picked[:CHOICE_TEXTS]),
+    return best, {"how": "measured (untrained student's mean cosine to the teacher)", "texts": len(picked),
                   "cosine_at_init": scores, "spaced_would_be": spaced}
+
+
+def _choice_texts(encoded: list) -> list[int]:
+    """CHOICE_TEXTS training texts spread over the length range: the layer and neuron choices are measured on them."""
+    return sorted(range(len(encoded)), key=lambda i: len(encoded[i]))[:: max(1, len(encoded) // CHOICE_TEXTS)][:CHOICE_TEXTS]
 
 
 AUGMENTED = 20_000  # query variants added to the default training text (augment_queries)
@@ -282,7 +305,8 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
     import torch.nn.functional as F
     from tokenizers import Tokenizer
 
-    options.check(spec.num_layers)
+    teacher_ffn = spec.config.get("intermediate_size")
+    options.check(spec.num_layers, teacher_ffn)
     if options.threads:
         torch.set_num_threads(options.threads)
     torch.manual_seed(options.seed)
@@ -306,8 +330,27 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
             mask[row, : len(encoded[i])] = 1
         return torch.from_numpy(ids), torch.from_numpy(mask)
 
-    kept, choice = choose_layers(teacher, spec.num_layers, options.layers, encoded, batch, pooling, options.layer_choice)
-    student = make_student(teacher, kept).train()
+    if options.layers == spec.num_layers:
+        kept, choice = list(range(spec.num_layers)), {"how": "all (the student is narrower, not shallower)"}
+    else:
+        kept, choice = choose_layers(teacher, spec.num_layers, options.layers, encoded, batch, pooling,
+                                     options.layer_choice)
+    student = make_student(teacher, kept)
+    ffn_choice = None
+    if options.ffn_size and options.ffn_size != teacher_ffn:
+        base = getattr(student, student.base_model_prefix, student)
+        if not all(hasattr(getattr(layer, "intermediate", None), "dense") and hasattr(getattr(layer, "output", None), "dense")
+                   for layer in getattr(getattr(base, "encoder", None), "layer", [None])):
+            raise ConfigError(f"--ffn-size supports BERT-style encoders (encoder.layer[i].intermediate.dense); "
+                              f"{type(base).__name__} has none")
+        # measured on the student itself (after the layer choice): its layers see what it feeds them
+        keep, ffn_choice = choose_ffn(student, options.ffn_size, *batch(_choice_texts(encoded)))
+        fit = sorted(np.random.default_rng(options.seed + 1).choice(len(encoded), min(REFIT_TEXTS, len(encoded)),
+                                                                    replace=False).tolist(), key=lambda i: len(encoded[i]))
+        ffn_choice["refit"] = {"texts": len(fit), "ridge": REFIT_RIDGE, "how": "least squares of the kept neurons "
+                               "onto the full FFN output", "relative_residual": refit_ffn(
+                                   student, keep, (batch(fit[b : b + 64]) for b in range(0, len(fit), 64)))}
+    student.train()
     # The teacher's outputs are the targets and do not change: computed once per
     # text (in length-sorted batches, no padding waste), not once per step.
     targets = _teacher_targets(teacher, encoded, batch, classifier, kept, pooling)
@@ -338,12 +381,13 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
         picked = batches.pop()
         ids, mask = batch(picked)
         real = mask.bool()
-        s_out = student(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=options.precision == "bf16"):
+            s_out = student(input_ids=ids, attention_mask=mask, output_hidden_states=True)
         hidden_loss = 0.0
         for j in range(len(kept)):  # student layer j was teacher layer kept[j]
             want = torch.cat([targets.hidden[i][j] for i in picked])  # [real tokens, H]
-            hidden_loss = hidden_loss + F.mse_loss(s_out.hidden_states[j + 1][real], want) / targets.scale[j]
-        s_pooled = _pool(s_out.hidden_states[-1], mask, pooling)
+            hidden_loss = hidden_loss + F.mse_loss(s_out.hidden_states[j + 1][real].float(), want) / targets.scale[j]
+        s_pooled = _pool(s_out.hidden_states[-1].float(), mask, pooling)
         t_pooled = torch.stack([targets.pooled[i] for i in picked])
         cos_loss = (1 - F.cosine_similarity(s_pooled, t_pooled, dim=-1)).mean()
         s_unit, t_unit = F.normalize(s_pooled, dim=-1), F.normalize(t_pooled, dim=-1)
@@ -352,7 +396,7 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
         if classifier:
             tau = options.temperature
             t_logits = torch.stack([targets.logits[i] for i in picked])
-            loss = loss + F.kl_div(F.log_softmax(s_out.logits / tau, -1), F.softmax(t_logits / tau, -1),
+            loss = loss + F.kl_div(F.log_softmax(s_out.logits.float() / tau, -1), F.softmax(t_logits / tau, -1),
                                    reduction="batchmean") * tau * tau
         for group in opt.param_groups:
             group["lr"] = rate(step)
@@ -371,6 +415,8 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
     _write_model_dir(student.eval(), spec, Path(out_dir))
     return DistillResult(Path(out_dir), kept, losses, seconds, len(texts),
                          {"teacher": spec.name, "teacher_layers": spec.num_layers, "student_layers": len(kept),
+                          "teacher_ffn_size": teacher_ffn, "student_ffn_size": student.config.intermediate_size,
+                          "ffn_choice": ffn_choice,
                           "task": "classify" if classifier else "embed",
                           "loss": f"1-cos(pooled) + {RELATION_WEIGHT:g} MSE(in-batch cosines) + {HIDDEN_WEIGHT:g} "
                                   "sum_layers MSE(hidden)/E[teacher^2]" + (" + KL(logits, T=2)" if classifier else ""),
@@ -378,7 +424,8 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
                           "layer_choice": choice,
                           "steps_planned": options.steps, "time_budget_s": options.time_budget,
                           "stopped_by": "steps" if len(losses) >= options.steps else "time budget",
-                          "batch_size": options.batch_size, "lr": options.lr, "seed": options.seed})
+                          "batch_size": options.batch_size, "lr": options.lr, "seed": options.seed,
+                          "precision": options.precision})
 
 
 def _length_bucketed(encoded: list, batch_size: int, rng) -> list[list[int]]:
