@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     ap.add_argument("--splitk-plans", type=Path, help="the split-K table from a gpu_splitk_tune.py --json run")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    from benchmarks.generate import SHAPES, _NoText, _surge_round, build, use_splitk_plans
+    from benchmarks.generate import SHAPES, _NoText, _surge_round, build, graph_replay_us, use_splitk_plans
 
     if args.splitk_plans:
         use_splitk_plans(args.splitk_plans)
@@ -174,18 +174,7 @@ def main(argv=None) -> int:
             replay = {}
             for v, (svc, lt) in services.items():  # the bucket-64 graph alone: GPU time of one decode step
                 blas(lt)
-                gr = svc.engine.graphs.graphs[max(svc.engine.graphs.graphs)]
-                times = []
-                for _ in range(5):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    torch.cuda.synchronize()
-                    a.record()
-                    for _ in range(50):
-                        gr.replay()
-                    b.record()
-                    b.synchronize()
-                    times.append(a.elapsed_time(b) / 50 * 1e3)
-                replay[v] = statistics.median(times)
+                replay[v] = graph_replay_us(svc.engine)
             for svc, _ in services.values():
                 await svc.close()
             return res, profs, replay

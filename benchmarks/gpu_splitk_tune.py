@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -26,6 +25,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_decode_gemms import timed  # noqa: E402  (one CUDA-graph timer for both scripts)
 
 SHAPES = {"qkv": (1152, 896), "o": (896, 896), "up_gate": (9728, 896), "down": (896, 4864)}
 SPLITS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 19, 24, 28, 38)
@@ -77,29 +79,6 @@ def _compile(job):
         except Exception as exc:  # e.g. out of shared memory: dropped by the parent too
             bad.append((p, f"{type(exc).__name__}: {str(exc)[:120]}"))
     return bad
-
-
-def timed(fn, reps=20):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    out = []
-    for _ in range(7):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(out)
 
 
 def main():
