@@ -20,7 +20,6 @@ import asyncio
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
