@@ -390,9 +390,7 @@ class GenerateService(PromptText):
                                      "compute_input_ns": int(1e9 * max(0.0, h.first - admitted)),
                                      "compute_infer_ns": int(1e9 * max(0.0, h.last - h.first))}
                         metrics.finished(finish)
-                    w = h.waiter
-                    if w is not None and not w.done():
-                        w.set_result(None)
+                    h.wake()
                 except Exception as exc:  # this stream's failure (its text, say), not its neighbours'
                     log.exception("stream %s failed", sid)
                     h.fail(exc)

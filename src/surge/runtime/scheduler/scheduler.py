@@ -101,7 +101,7 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         out: list[ScheduledSeq] = []
         preempted = False
-        running, blocks, bs = self.running, self.blocks, cfg.block_size
+        running, blocks = self.running, self.blocks
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
@@ -110,20 +110,16 @@ class Scheduler:
                 continue
             start, total = seq.num_computed, len(seq.token_ids)
             n = min(total - start, budget)
-            if -(-(start + n) // bs) > len(seq.block_table):  # a block to take (else ensure() is a no-op)
-                kept = True
-                while not blocks.ensure(seq, start + n):
-                    victim = running.pop()  # the newest
-                    self._preempt(victim)
-                    preempted = True
-                    if victim is seq:
-                        kept = False
-                        break
-                if not kept:
-                    continue
-            out.append(ScheduledSeq(seq, start, n, start + n == total))
-            budget -= n
-            i += 1
+            while not blocks.ensure(seq, start + n):
+                victim = running.pop()  # the newest
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                out.append(ScheduledSeq(seq, start, n, start + n == total))
+                budget -= n
+                i += 1
         if preempted:
             # the preempted ones were scheduled earlier in the list: drop their entries
             out = [s for s in out if s.seq.status is SeqStatus.RUNNING]
@@ -181,7 +177,7 @@ class Scheduler:
                 return False
             if seq.num_computed // bs + 1 > len(seq.block_table):
                 need += 1
-        return need <= len(self.blocks.free)
+        return need <= self.blocks.num_free
 
     def advance(self, scheduled: list[ScheduledSeq]) -> None:
         """A step was launched: its sampled tokens are placeholders until resolve()."""
@@ -196,16 +192,24 @@ class Scheduler:
                     seq.draining = True  # its last token: no further step
 
     def resolve(self, scheduled: list[ScheduledSeq], samples: dict[int, int]) -> list[Finished]:
-        """A launched step's tokens are known: put them in place of the placeholders, commit the
-        full blocks, finish the sequences that stop. A sequence that stopped here may already be in
-        the next launched step: that step's token for it is dropped (its status is FINISHED)."""
+        """resolve_rows() with the tokens given by sequence id."""
+        return self.resolve_rows(scheduled, [samples.get(s.seq.seq_id) for s in scheduled])[1]
+
+    def resolve_rows(self, scheduled: list[ScheduledSeq], tokens: list[int]) -> tuple[dict[int, int], list[Finished]]:
+        """A launched step's tokens are known (as read back: one per scheduled sequence, in order): put
+        them in place of the placeholders, commit the full blocks, finish the sequences that stop.
+        -> (the tokens of the sequences that sampled and are still running {seq_id: token}, the
+        finished). A sequence that stopped here may already be in the next launched step: that step's
+        token for it is dropped (its status is FINISHED)."""
+        out: dict[int, int] = {}
         finished = []
-        for s in scheduled:
+        running = SeqStatus.RUNNING
+        for s, token in zip(scheduled, tokens):
             seq = s.seq
-            if seq.status is not SeqStatus.RUNNING or not s.sample:
+            if seq.status is not running or not s.sample:
                 continue
+            out[seq.seq_id] = token
             at = s.start + s.num_tokens  # the sampled token's index in token_ids
-            token = samples[seq.seq_id]
             seq.token_ids[at] = token
             seq.output_ids[at - seq.num_prompt] = token
             self.blocks.commit(seq)
@@ -216,41 +220,6 @@ class Scheduler:
                 self.running.remove(seq)
                 self._finish(seq, reason)
                 finished.append(Finished(seq, reason))
-        return finished
-
-    def resolve_rows(self, scheduled: list[ScheduledSeq], tokens: list[int]) -> tuple[dict[int, int], list[Finished]]:
-        """resolve() with a launched step's tokens as read back, one per scheduled sequence in order;
-        -> (the tokens of the sequences that sampled and are still running {seq_id: token}, the
-        finished). One pass: at 64 streams this runs every step."""
-        out: dict[int, int] = {}
-        finished = []
-        running, eos, limit = SeqStatus.RUNNING, self.eos, self.config.max_model_len
-        commit = self.blocks.commit if self.blocks.prefix_caching else None
-        for s, token in zip(scheduled, tokens):
-            seq = s.seq
-            if seq.status is not running or not s.sample:
-                continue
-            out[seq.seq_id] = token
-            at = s.start + s.num_tokens  # the sampled token's index in token_ids
-            seq.token_ids[at] = token
-            n_out = at + 1 - len(seq.prompt_ids)
-            seq.output_ids[n_out - 1] = token
-            if commit is not None:
-                commit(seq)
-            p = seq.params
-            # stop_reason(), inlined (the synchronous path's update() calls it; the overlapped and
-            # synchronous loops are tested to give the same finish reasons)
-            if token in p.stop_token_ids or (not p.ignore_eos and token in eos):
-                reason = "stop"
-            elif n_out >= p.max_tokens or at + 1 >= limit:
-                reason = "length"
-            else:
-                continue
-            del seq.token_ids[at + 1:]
-            del seq.output_ids[n_out:]
-            self.running.remove(seq)
-            self._finish(seq, reason)
-            finished.append(Finished(seq, reason))
         return out, finished
 
     def stop_reason(self, seq: Sequence, token: int, at: int | None = None) -> str | None:
