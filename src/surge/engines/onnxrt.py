@@ -20,6 +20,7 @@ import numpy as np
 import onnxruntime as ort
 
 from surge.engines.base import Capabilities, random_batch
+from surge.engines.int8_weights import prepared
 from surge.errors import EngineError
 from surge.types import Layout, TokenBatch
 
@@ -51,7 +52,7 @@ class OnnxRuntimeEngine:
         # optimizers the artifact was measured without (optimize/skip_split.py), so ORT does not undo it
         disabled = list(manifest.get("ort_disabled_optimizers", []))
         try:
-            self.session = ort.InferenceSession(str(model_file), opts, providers=["CPUExecutionProvider"],
+            self.session = ort.InferenceSession(prepared(model_file), opts, providers=["CPUExecutionProvider"],
                                                 **({"disabled_optimizers": disabled} if disabled else {}))
         except Exception as exc:  # onnxruntime raises its own opaque types
             raise EngineError(f"cannot load {model_file}: {exc}") from exc

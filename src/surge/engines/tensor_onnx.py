@@ -62,7 +62,11 @@ class OnnxTensorEngine:
             opts.intra_op_num_threads = self.threads
         opts.inter_op_num_threads = 1
         try:
-            self.session = ort.InferenceSession(str(path), opts, providers=providers)
+            from surge.engines.int8_weights import prepared
+
+            # a user's INT8 graph too: exact products on CPUs whose u8 x s8 kernel saturates
+            model = prepared(path) if self.device == "cpu" else str(path)
+            self.session = ort.InferenceSession(model, opts, providers=providers)
         except Exception as exc:  # a file that is not an ONNX model, or one ORT cannot run
             raise EngineError(f"cannot load {Path(path).name}: {str(exc).strip().splitlines()[-1][:300]}") from None
         for kind, items in (("input", self.session.get_inputs()), ("output", self.session.get_outputs())):

@@ -120,7 +120,9 @@ def session(model: str | Path | bytes, threads: int = 0, disabled_optimizers: li
         opts.intra_op_num_threads = threads
     if not spinning:
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    src = model if isinstance(model, bytes) else str(model)
+    from surge.engines.int8_weights import prepared
+
+    src = prepared(model)  # the engines' exact INT8 products on this CPU (engines/int8_weights.py)
     extra = {"disabled_optimizers": list(disabled_optimizers)} if disabled_optimizers else {}
     return ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"], **extra)
 
