@@ -58,7 +58,12 @@ def engine_times(models: dict[str, bytes], batches: list[dict], threads: int, ro
         for f in feeds[:3]:
             sess.run(None, f)
         runners[name] = (sess, feeds)
-    times: dict[str, list[float]] = {name: [] for name in models}
+    return interleaved(runners, rounds)
+
+
+def interleaved(runners: dict[str, tuple], rounds: int) -> dict[str, float]:
+    """Median seconds per feed of each (session, feeds) over `rounds` passes, the runners taking turns."""
+    times: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(rounds):
         for name, (sess, feeds) in runners.items():
             t = time.perf_counter()

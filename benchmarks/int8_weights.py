@@ -117,7 +117,7 @@ def seven_bit(model_bytes: bytes) -> bytes:
 
 
 def artifacts(fp32: Path, int8: Path, rounds: int) -> dict:
-    from int8_designs import serving_batches  # this script's folder is on sys.path
+    from int8_designs import interleaved, serving_batches  # this script's folder is on sys.path
 
     from surge.data import calibration_queries, heldout_queries
     from surge.models import load_model_spec
@@ -146,16 +146,9 @@ def artifacts(fp32: Path, int8: Path, rounds: int) -> dict:
         sess.run(None, feeds[0])
         runners[name] = (sess, feeds)
     os.environ.pop("SURGE_INT8_WEIGHTS", None)
-    times: dict[str, list[float]] = {n: [] for n in runners}
-    for _ in range(rounds):
-        for name, (sess, feeds) in runners.items():
-            t = time.perf_counter()
-            for f in feeds:
-                sess.run(None, f)
-            times[name].append((time.perf_counter() - t) / len(feeds))
-    base = float(np.median(times["FP32"]))
-    for name, v in times.items():
-        out["variants"][name].update(ms_per_batch=float(np.median(v) * 1e3), x_fp32=base / float(np.median(v)))
+    times = interleaved(runners, rounds)
+    for name, t in times.items():
+        out["variants"][name].update(ms_per_batch=t * 1e3, x_fp32=times["FP32"] / t)
     return out
 
 
