@@ -103,8 +103,11 @@ def test_shared_weights_and_zero_points_are_widened_once():
     model = _model(nodes, [h.make_tensor_value_info("a", T.UINT8, [3, K])], h.make_tensor_value_info("y", T.INT32, [3, N]),
                    [nh.from_array(w, "w"), nh.from_array(np.array(128, np.uint8), "azp"),
                     nh.from_array(np.array(0, np.int8), "wzp")])
+    # an old-style graph that also lists its weight among the inputs: that input goes with it
+    model.graph.input.append(h.make_tensor_value_info("w", T.INT8, [K, N]))
     assert widen_int8_weights(model) == 2
     assert sorted(i.name for i in model.graph.initializer) == ["azp", "w/u8", "wzp/u8"]
+    assert [i.name for i in model.graph.input] == ["a"]
     np.testing.assert_array_equal(_run(model, {"a": a}), 2 * ((a.astype(np.int64) - 128) @ w.astype(np.int64)))
 
 

@@ -113,8 +113,14 @@ def widen_int8_weights(model) -> int:
     if changed:  # drop the int8 originals nothing reads any more
         used = {i for n in graph.node for i in n.input}
         keep = [i for i in graph.initializer if i.name in used or i.name not in widened]
+        dropped = {i.name for i in graph.initializer} - {i.name for i in keep}
         del graph.initializer[:]
         graph.initializer.extend(keep)
+        # graphs older than IR 4 list initializers among the inputs too: a dropped one must go
+        # there as well, or the session would ask to be fed it
+        inputs = [i for i in graph.input if i.name not in dropped]
+        del graph.input[:]
+        graph.input.extend(inputs)
     return changed
 
 
