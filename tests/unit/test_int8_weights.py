@@ -117,6 +117,16 @@ def test_non_constant_or_signed_activation_products_are_left_alone():
                    [h.make_tensor_value_info("a", T.UINT8, [3, K]), h.make_tensor_value_info("w", T.INT8, [K, N])],
                    h.make_tensor_value_info("y", T.INT32, [3, N]), [])
     assert widen_int8_weights(model) == 0
+    # int8 activations (s8 x s8 does not saturate, and s8 x u8 is not a kernel ORT has)
+    rng = np.random.default_rng()
+    w = rng.integers(-128, 128, (K, N), dtype=np.int8)
+    a = rng.integers(-128, 128, (3, K), dtype=np.int8)
+    for zp in (True, False):
+        signed = _model([h.make_node("MatMulInteger", ["a", "w"] + (["azp"] if zp else []), ["y"])],
+                        [h.make_tensor_value_info("a", T.INT8, [3, K])], h.make_tensor_value_info("y", T.INT32, [3, N]),
+                        [nh.from_array(w, "w")] + ([nh.from_array(np.array(0, np.int8), "azp")] if zp else []))
+        assert widen_int8_weights(signed) == 0
+        np.testing.assert_array_equal(_run(signed, {"a": a}), a.astype(np.int64) @ w.astype(np.int64))
     # an FP32 graph passes through prepared() untouched, even when widening is forced
     fp = _model([h.make_node("MatMul", ["x", "w"], ["y"])], [h.make_tensor_value_info("x", T.FLOAT, [3, K])],
                 h.make_tensor_value_info("y", T.FLOAT, [3, N]),

@@ -28,9 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-# Ops whose input 1 is the weight and where its zero point sits; A is uint8 in each here.
-_WEIGHT_ZP = {("MatMulIntegerToFloat", "com.microsoft"): 5, ("DynamicQuantizeMatMul", "com.microsoft"): 3,
-              ("MatMulInteger", ""): 3}
+# Ops whose input 1 is the weight: where the weight's zero point sits, and A's (None: A is float,
+# quantized to uint8 by the op itself).
+_WEIGHT_ZP = {("MatMulIntegerToFloat", "com.microsoft"): (5, 4), ("DynamicQuantizeMatMul", "com.microsoft"): (3, None),
+              ("MatMulInteger", ""): (3, 2)}
 # CPU flags (Linux /proc/cpuinfo names) with which MLAS's u8 x s8 product does not saturate.
 _EXACT_FLAGS = {"avx512_vnni", "avx_vnni", "amx_int8"}
 
@@ -70,7 +71,8 @@ def widen_int8_weights(model) -> int:
     """Rewrite, in place, every int8 weight initializer of a uint8-activation integer product to
     uint8 (w + 128) with its zero point + 128 (uint8; a missing one becomes 128). Returns how many
     nodes changed. Shared initializers are converted once; a weight that is not a constant
-    initializer (or a zero point that is not) leaves its node as it is."""
+    initializer (or a zero point that is not), or an activation not known to be uint8 (from its
+    zero point, its declared type or its producer), leaves its node as it is."""
     from onnx import TensorProto
     from onnx import numpy_helper as nh
 
@@ -93,11 +95,36 @@ def widen_int8_weights(model) -> int:
         widened[name] = new
         return new
 
+    typed = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.value_info)}
+    producers = {o: n for n in graph.node for o in n.output}
+
+    def a_is_uint8(name: str, zp_at: int | None, node) -> bool:
+        """Only u8 x s8 saturates (and an int8 A with uint8 weights is not a kernel ORT has)."""
+        if zp_at is None:
+            return True
+        if len(node.input) > zp_at and node.input[zp_at]:
+            zp = inits.get(node.input[zp_at])
+            return zp is not None and zp.data_type == TensorProto.UINT8
+        if name in typed:
+            return typed[name] == TensorProto.UINT8
+        prod = producers.get(name)
+        if prod is None:
+            return False
+        if prod.op_type == "DynamicQuantizeLinear":
+            return True
+        if prod.op_type == "Cast":
+            return any(a.name == "to" and a.i == TensorProto.UINT8 for a in prod.attribute)
+        if prod.op_type == "QuantizeLinear" and len(prod.input) > 2:
+            zp = inits.get(prod.input[2])
+            return zp is not None and zp.data_type == TensorProto.UINT8
+        return False
+
     changed = 0
     for node in graph.node:
-        zp_at = _WEIGHT_ZP.get((node.op_type, node.domain or ""))
-        if zp_at is None or len(node.input) < 2:
+        where = _WEIGHT_ZP.get((node.op_type, node.domain or ""))
+        if where is None or len(node.input) < 2 or not a_is_uint8(node.input[0], where[1], node):
             continue
+        zp_at = where[0]
         has_zp = len(node.input) > zp_at and node.input[zp_at]
         zp = inits.get(node.input[zp_at]) if has_zp else None
         if (has_zp and (zp is None or zp.data_type != TensorProto.INT8)) or \
