@@ -70,8 +70,15 @@ def _cases(rng):
     q = np.clip(np.round(x / scale) + zp, 0, 255).astype(np.float64)
     yield "DynamicQuantizeMatMul", dqm, {"x": x}, ((q - zp) @ w64) * float(scale) * sb
 
+    # ONNX Runtime's quantize_dynamic form: the activation's zero point is a tensor, not an initializer
+    dql = _model([h.make_node("DynamicQuantizeLinear", ["x"], ["q", "qs", "qzp"]),
+                  h.make_node("MatMulInteger", ["q", "w", "qzp", "wzp"], ["y"])],
+                 [h.make_tensor_value_info("x", T.FLOAT, [7, 5, K])], h.make_tensor_value_info("y", T.INT32, [7, 5, N]),
+                 [nh.from_array(w, "w"), nh.from_array(np.array(0, np.int8), "wzp")])
+    yield "DynamicQuantizeLinear + MatMulInteger", dql, {"x": x}, (q - zp) @ w64
 
-@pytest.mark.parametrize("index", range(4))
+
+@pytest.mark.parametrize("index", range(5))
 def test_widened_products_are_exact(index):
     name, model, feeds, ref = list(_cases(np.random.default_rng()))[index]
     widened = onnx.ModelProto.FromString(model.SerializeToString())
@@ -83,6 +90,28 @@ def test_widened_products_are_exact(index):
     assert w_new.dtype == np.uint8 and np.array_equal(w_new.astype(np.int16) - 128, w_old)
     got = _run(widened, feeds).astype(np.float64)
     np.testing.assert_allclose(got, ref, rtol=2e-5, atol=1e-5 * np.abs(ref).max(), err_msg=name)
+
+
+def test_widened_qattention_equals_fp32_attention_on_the_same_codes():
+    """QAttention (quantize_dynamic's attention): its QKV projection is a u8 x s8 product too. Reference:
+    ORT's FP32 Attention on the dequantized input and weights (the same numbers, float arithmetic)."""
+    rng = np.random.default_rng()
+    hidden, heads, b, s = 64, 4, 3, 11
+    a = rng.integers(0, 256, (b, s, hidden), dtype=np.uint8)
+    w = rng.integers(-128, 128, (hidden, 3 * hidden), dtype=np.int8)
+    bias = rng.standard_normal(3 * hidden).astype(np.float32)
+    sa, sw = np.float32(0.02), np.float32(0.003)
+    q = _model([h.make_node("QAttention", ["a", "w", "bias", "sa", "sw", "", "azp", "wzp"], ["y"],
+                            domain="com.microsoft", num_heads=heads)],
+               [h.make_tensor_value_info("a", T.UINT8, [b, s, hidden])], h.make_tensor_value_info("y", T.FLOAT, [b, s, hidden]),
+               [nh.from_array(w, "w"), nh.from_array(bias, "bias"), nh.from_array(sa, "sa"), nh.from_array(sw, "sw"),
+                nh.from_array(np.array(128, np.uint8), "azp"), nh.from_array(np.array(0, np.int8), "wzp")])
+    f = _model([h.make_node("Attention", ["x", "w", "bias"], ["y"], domain="com.microsoft", num_heads=heads)],
+               [h.make_tensor_value_info("x", T.FLOAT, [b, s, hidden])], h.make_tensor_value_info("y", T.FLOAT, [b, s, hidden]),
+               [nh.from_array(w.astype(np.float32) * sw, "w"), nh.from_array(bias, "bias")])
+    ref = _run(f, {"x": (a.astype(np.float32) - 128) * sa})
+    assert widen_int8_weights(q) == 1
+    np.testing.assert_allclose(_run(q, {"a": a}), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
 
 def test_int8_weights_saturate_where_the_cpu_says_so():

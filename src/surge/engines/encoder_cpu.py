@@ -190,9 +190,17 @@ def shorten_gil_switch() -> None:
         sys.setswitchinterval(GIL_SWITCH_S)
 
 
-def _has_fused_linear() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise") \
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+def _has_fused_linear(dtype: torch.dtype = torch.float32) -> bool:
+    """oneDNN's packed GEMMs for `dtype` on this build and CPU: fp32 wherever oneDNN is; bf16 only
+    where oneDNN has a bf16 path (AVX512-BW/VL/DQ, AVX-NE-CONVERT or AMX: on an AVX2-only CPU such
+    as AMD Zen 3 the weight reorder raises); fp16 never (it needs AVX512-FP16/AMX-FP16)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    if dtype == torch.bfloat16:
+        probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+        return probe is None or bool(probe())
+    return dtype == torch.float32
 
 
 class CpuEncoder:
@@ -213,8 +221,8 @@ class CpuEncoder:
         self.w = w
         self.bucket = bucket  # pad token counts up to buckets (see run)
         self.config = w.config
-        if fused is None:  # oneDNN's fp16 GEMMs need AVX512-FP16/AMX-FP16: fp16 keeps plain F.linear
-            fused = _has_fused_linear() and w.word.dtype in (torch.float32, torch.bfloat16)
+        if fused is None:  # where oneDNN cannot pack this dtype on this CPU: plain F.linear
+            fused = _has_fused_linear(w.word.dtype)
         self.fused = fused
         heads = {lw.heads for lw in w.layers}
         if len(heads) > 1:

@@ -1,7 +1,7 @@
 """Exact INT8 products on every x86 CPU: int8 weights become uint8 where ONNX Runtime's u8 x s8 kernel saturates.
 
 ONNX Runtime's MLAS runs a uint8-activation x int8-weight product (MatMulInteger,
-MatMulIntegerToFloat, DynamicQuantizeMatMul) with VPDPBUSD on CPUs that have
+MatMulIntegerToFloat, DynamicQuantizeMatMul, QAttention's projection) with VPDPBUSD on CPUs that have
 AVX-VNNI or AVX512-VNNI (and with AMX tiles where present): exact 32-bit sums. On
 x86 CPUs without them (AMD Zen 1-3, Intel before Cascade Lake) it uses VPMADDUBSW,
 which adds each pair of u8*s8 products into a *saturating* int16: 2 * 255 * 127 >
@@ -31,7 +31,7 @@ import numpy as np
 # Ops whose input 1 is the weight: where the weight's zero point sits, and A's (None: A is float,
 # quantized to uint8 by the op itself).
 _WEIGHT_ZP = {("MatMulIntegerToFloat", "com.microsoft"): (5, 4), ("DynamicQuantizeMatMul", "com.microsoft"): (3, None),
-              ("MatMulInteger", ""): (3, 2)}
+              ("MatMulInteger", ""): (3, 2), ("QAttention", "com.microsoft"): (7, 6)}
 # CPU flags (Linux /proc/cpuinfo names) with which MLAS's u8 x s8 product does not saturate.
 _EXACT_FLAGS = {"avx512_vnni", "avx_vnni", "amx_int8"}
 
@@ -98,31 +98,34 @@ def widen_int8_weights(model) -> int:
     typed = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.value_info)}
     producers = {o: n for n in graph.node for o in n.output}
 
-    def a_is_uint8(name: str, zp_at: int | None, node) -> bool:
-        """Only u8 x s8 saturates (and an int8 A with uint8 weights is not a kernel ORT has)."""
-        if zp_at is None:
-            return True
-        if len(node.input) > zp_at and node.input[zp_at]:
-            zp = inits.get(node.input[zp_at])
-            return zp is not None and zp.data_type == TensorProto.UINT8
+    def dtype(name: str) -> int | None:
+        """A tensor's element type from its initializer, its declared type or its producer."""
+        if name in inits:
+            return inits[name].data_type
         if name in typed:
-            return typed[name] == TensorProto.UINT8
+            return typed[name]
         prod = producers.get(name)
         if prod is None:
-            return False
-        if prod.op_type == "DynamicQuantizeLinear":
-            return True
+            return None
+        if prod.op_type == "DynamicQuantizeLinear":  # y and y_zero_point are uint8, y_scale float
+            return TensorProto.FLOAT if name == prod.output[1] else TensorProto.UINT8
         if prod.op_type == "Cast":
-            return any(a.name == "to" and a.i == TensorProto.UINT8 for a in prod.attribute)
-        if prod.op_type == "QuantizeLinear" and len(prod.input) > 2:
-            zp = inits.get(prod.input[2])
-            return zp is not None and zp.data_type == TensorProto.UINT8
-        return False
+            return next((a.i for a in prod.attribute if a.name == "to"), None)
+        if prod.op_type == "QuantizeLinear":
+            return dtype(prod.input[2]) if len(prod.input) > 2 and prod.input[2] else TensorProto.UINT8
+        return None
+
+    def a_is_uint8(node, zp_at: int | None) -> bool:
+        """Only u8 x s8 saturates (and an int8 A with uint8 weights is not a kernel ORT has)."""
+        if zp_at is None:  # A is float; the op quantizes it to uint8
+            return True
+        has_zp = len(node.input) > zp_at and node.input[zp_at]
+        return dtype(node.input[zp_at] if has_zp else node.input[0]) == TensorProto.UINT8
 
     changed = 0
     for node in graph.node:
         where = _WEIGHT_ZP.get((node.op_type, node.domain or ""))
-        if where is None or len(node.input) < 2 or not a_is_uint8(node.input[0], where[1], node):
+        if where is None or len(node.input) < 2 or not a_is_uint8(node, where[1]):
             continue
         zp_at = where[0]
         has_zp = len(node.input) > zp_at and node.input[zp_at]
