@@ -99,7 +99,11 @@ def test_int8_tagger_reaches_the_token_gate_with_measured_fallback(tmp_path, mod
     result = optimize(spec, tmp_path / "slots-int8", opts, CACHE_DIR)
     q = result.manifest["precision_decisions"]["quantization"]
     steps = q["fallback_steps"]
-    assert not steps[0]["passed"] and steps[-1]["passed"], steps  # plain INT8 misses 0.97; the fallback meets it
+    # Plain INT8 misses the search's budget; the fallback keeps nodes in FP32 until the gate (token
+    # agreement >= 0.97 on held-out) passes. The search measures on its hardest calibration sentences
+    # against a stricter budget (0.985), which its last step meets on some CPUs and not others (float
+    # rounding of the FP32 reference, measured on Sapphire Rapids and on AMD Zen 3): not asserted.
+    assert not steps[0]["passed"], steps
     assert result.gate.passed, result.gate.failures
     kept = steps[-1]["kept_fp32"]
     assert 1 <= len(kept) <= q["max_fp32"], kept
