@@ -54,6 +54,8 @@ def test_int8_manifest_records_everything(int8_artifact):
     assert q["method"] == "per-row" and q["batch_invariant"] is True
     assert sum(q["quantized_ops"].values()) + len(q["kept_fp32"]) == 24  # 18 MatMuls + 6 Attentions
     assert {"onnx", "onnxruntime", "onnxscript", "onnx_ir"} <= set(m["tools"])
+    from surge.engines.int8_weights import should_widen  # the product the gate measured on this CPU
+    assert m["validation"]["int8_products"].startswith("u8 x u8" if should_widen() else "u8 x s8")
     assert len(m["source_hash"]) == 64 and m["passes"][0]["name"] == "constant_folding"
     for s in m["validation"]["sets"].values():
         assert s["min_cosine"] >= 0.99 and s["top1_tie"] >= 0.98 and s["n"] == N_INT8

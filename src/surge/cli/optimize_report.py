@@ -35,6 +35,8 @@ def render(console, manifest: dict, reports, explain: bool) -> None:
     validation = manifest.get("validation", {})
     if validation:
         summary.add_row("executed", validation.get("executed", ""))
+        if validation.get("int8_products"):
+            summary.add_row("int8 products", validation["int8_products"])
         verdict = "[green]passed[/]" if validation["passed"] else "[red]FAILED: " + "; ".join(validation["failures"]) + "[/]"
         summary.add_row("accuracy gate", verdict)
     console.print(summary)

@@ -167,6 +167,11 @@ def optimize(spec: ModelSpec, out_dir: Path, options: OptimizeOptions, cache_dir
         gate = evaluator.gate(candidate, budget)
         gate_json = gate.to_json()
         gate_json["executed"] = executed
+        if options.precision == "int8":  # which product the gate measured (engines/int8_weights.py)
+            from surge.engines.int8_weights import should_widen
+
+            gate_json["int8_products"] = ("u8 x u8: int8 weights widened at load (this CPU's u8 x s8 product "
+                                          "saturates)" if should_widen() else "u8 x s8: int8 weights as stored")
         manifest["validation"] = gate_json
         final = proto if not isinstance(decisions.get("model"), onnx.ModelProto) else decisions.pop("model")
         manifest["precision_decisions"].pop("model", None)
