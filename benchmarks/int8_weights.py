@@ -6,7 +6,7 @@ Part 1, kernels (one thread, MiniLM's FFN shape [1024 tokens, 384] x [384, 1536]
 random codes): FP32 MatMul; uint8 x int8 MatMulInteger as surge's artifacts store it; the same with
 the weights widened to uint8 (what the engines run where the first saturates); uint8 x int8 with
 activation codes kept <= 128 (exact everywhere, a 7-bit grid); and ORT's MatMulNBits (8 and 4 bits,
-blockwise, accuracy level 4 = int8 compute). Each: median ms, speed-up over FP32 and the share of
+blockwise, accuracy level 4 = int8 compute); PyTorch's `torch._int_mm`. Each: median ms, speed-up over FP32 and the share of
 outputs that differ from the float64 product of the same codes.
 
 Part 2, with `--fp32` and `--int8` artifacts: held-out accuracy against FP32 and the engine's time
@@ -98,18 +98,40 @@ def kernels(repeats: int = 15) -> list[dict]:
             ts.append(time.perf_counter() - t)
         wrong = None if ref is None else float((out.astype(np.float64) != ref).mean())
         rows.append({"kernel": name, "ms": float(np.median(ts) * 1e3), "wrong_share": wrong})
+    rows.append(_torch_int_mm(repeats))
     base = rows[0]["ms"]
     for r in rows:
         r["x_fp32"] = base / r["ms"]
     return rows
 
 
+def _torch_int_mm(repeats: int) -> dict:
+    """PyTorch's int8 x int8 -> int32 product (oneDNN), one thread, same shapes and codes' range."""
+    import torch
+
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(1)
+    a = torch.from_numpy(rng.integers(-127, 128, (M, K), dtype=np.int8))
+    w = torch.from_numpy(rng.integers(-127, 128, (K, N), dtype=np.int8))
+    ref = a.numpy().astype(np.float64) @ w.numpy().astype(np.float64)
+    out = torch._int_mm(a, w)
+    ts = []
+    for _ in range(max(3, repeats // 5)):  # a reference loop on some CPUs: seconds a call
+        t = time.perf_counter()
+        torch._int_mm(a, w)
+        ts.append(time.perf_counter() - t)
+    return {"kernel": "torch._int_mm s8 x s8", "ms": float(np.median(ts) * 1e3),
+            "wrong_share": float((out.numpy().astype(np.float64) != ref).mean())}
+
+
 def seven_bit(model_bytes: bytes) -> bytes:
     """The per-row artifact with its activation grid cut to codes <= 128 (signed: zero point 64,
     scale absmax / 64; unsigned GELU inputs: scale max / 128): no u8 x s8 pair can saturate."""
+    from surge.optimize.rowquant import _C  # the per-row chain's shared constants
+
     m = onnx.ModelProto.FromString(model_bytes)
-    new = {"rowq_const_inv127": np.array(1 / 64.0, np.float32), "rowq_const_zp": np.array(64, np.uint8),
-           "rowq_const_inv255": np.array(1 / 128.0, np.float32)}
+    new = {_C + "inv127": np.array(1 / 64.0, np.float32), _C + "zp": np.array(64, np.uint8),
+           _C + "inv255": np.array(1 / 128.0, np.float32)}
     for init in m.graph.initializer:
         if init.name in new:
             init.CopyFrom(nh.from_array(new[init.name], init.name))

@@ -190,7 +190,7 @@ def shorten_gil_switch() -> None:
         sys.setswitchinterval(GIL_SWITCH_S)
 
 
-def _has_fused_linear(dtype: torch.dtype = torch.float32) -> bool:
+def _has_fused_linear(dtype: torch.dtype) -> bool:
     """oneDNN's packed GEMMs for `dtype` on this build and CPU: fp32 wherever oneDNN is; bf16 only
     where oneDNN has a bf16 path (AVX512-BW/VL/DQ, AVX-NE-CONVERT or AMX: on an AVX2-only CPU such
     as AMD Zen 3 the weight reorder raises); fp16 never (it needs AVX512-FP16/AMX-FP16)."""

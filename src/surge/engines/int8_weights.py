@@ -12,7 +12,8 @@ bundled model's INT8 artifact at held-out top-1 0.977 instead of 0.985.
 
 The same product with the weights stored as uint8 (w + 128, zero point + 128) takes
 MLAS's u8 x u8 kernel, which widens to int16 before VPMADDWD and is exact everywhere
-(measured 10.2 ms vs 8.2 ms saturating, vs 14.7 ms FP32, one thread, same shapes).
+(slower than the saturating one, faster than FP32: benchmarks/int8_weights.py,
+docs/benchmarks/optimizer.md, issue 21, session 9).
 The rewrite is exact arithmetic (same integers, same scales), so the artifact keeps its
 int8 weights and its gate numbers; the engines apply it when the session is made, on
 the CPUs that need it.

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from surge.engines.int8_weights import prepared
 from surge.errors import ConfigError, EngineError, InvalidInput
 
 # ONNX Runtime's type strings -> KServe v2 datatypes.
@@ -62,8 +63,6 @@ class OnnxTensorEngine:
             opts.intra_op_num_threads = self.threads
         opts.inter_op_num_threads = 1
         try:
-            from surge.engines.int8_weights import prepared
-
             # a user's INT8 graph too: exact products on CPUs whose u8 x s8 kernel saturates
             model = prepared(path) if self.device == "cpu" else str(path)
             self.session = ort.InferenceSession(model, opts, providers=providers)
