@@ -63,12 +63,15 @@ def _cases(rng):
     dqm = _model([h.make_node("DynamicQuantizeMatMul", ["x", "w", "sb", "wzp"], ["y"], domain="com.microsoft")],
                  [h.make_tensor_value_info("x", T.FLOAT, [7, 5, K])], h.make_tensor_value_info("y", T.FLOAT, [7, 5, N]),
                  [nh.from_array(w, "w"), nh.from_array(sb, "sb"), nh.from_array(np.array(0, np.int8), "wzp")])
-    # ORT quantizes x per tensor to uint8 (affine over [min(x, 0), max(x, 0)]): emulate in float64
-    lo, hi = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
-    scale = np.float32((hi - lo) / 255.0)
-    zp = np.clip(np.round(-lo / scale), 0, 255)
-    q = np.clip(np.round(x / scale) + zp, 0, 255).astype(np.float64)
-    yield "DynamicQuantizeMatMul", dqm, {"x": x}, ((q - zp) @ w64) * float(scale) * sb
+    # ORT quantizes x per tensor to uint8 (affine over [min(x, 0), max(x, 0)]); the codes it picks
+    # come from its own DynamicQuantizeLinear (an emulation differs on rounding ties), the product
+    # of those codes in float64 is the reference
+    dq = _model([h.make_node("DynamicQuantizeLinear", ["x"], ["y", "s", "z"])],
+                [h.make_tensor_value_info("x", T.FLOAT, [7, 5, K])], h.make_tensor_value_info("y", T.UINT8, [7, 5, K]), [])
+    dq.graph.output.extend([h.make_tensor_value_info("s", T.FLOAT, []), h.make_tensor_value_info("z", T.UINT8, [])])
+    codes, scale, zp = ort.InferenceSession(dq.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    q, scale, zp = codes.astype(np.float64), float(scale), float(zp)
+    yield "DynamicQuantizeMatMul", dqm, {"x": x}, ((q - zp) @ w64) * scale * sb
 
     # ONNX Runtime's quantize_dynamic form: the activation's zero point is a tensor, not an initializer
     dql = _model([h.make_node("DynamicQuantizeLinear", ["x"], ["q", "qs", "qzp"]),
