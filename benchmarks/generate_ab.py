@@ -20,6 +20,9 @@ Variants (comma-separated, each a '+'-joined list of options on top of session 2
   sk         the layer GEMMs of decode steps through split-K where the table has a plan (session 8;
              decode_gemm="auto"; --splitk-plans replaces the table), cuBLAS otherwise
   skall      split-K for every layer GEMM of decode steps (decode_gemm="splitk")
+  fa         RoPE, the K/V cache write and attention in one kernel in decode steps (session 10;
+             decode_attention="fused"; without it "split", the two kernels of session 8)
+  pdl        programmatic dependent launch of the fused path's Triton kernels (session 10)
 The session-7 engine (the defaults before session 8) is argmax+attn256+targmax.
 """
 
@@ -44,7 +47,8 @@ sys.path.insert(0, str(ROOT))
 def engine_kwargs(variant: str) -> tuple[dict, bool]:
     opts = set(variant.split("+"))
     kw = dict(graph_fp32_logits="argmax" not in opts, decode_block_n=64, argmax_kernel="torch",
-              decode_gemm="splitk" if "skall" in opts else "auto" if "sk" in opts else "cublas")
+              decode_gemm="splitk" if "skall" in opts else "auto" if "sk" in opts else "cublas",
+              decode_attention="fused" if "fa" in opts else "split", pdl="pdl" in opts)
     for o in opts:
         if o.startswith("attn"):
             kw["decode_block_n"] = int(o[4:])
@@ -59,7 +63,7 @@ def blas(lt: bool) -> None:
 
 def kind(name: str) -> str:
     n = name.lower()
-    for key, label in (("_partials", "split-K GEMM"), ("paged_attn", "paged attention"), ("add_rmsnorm", "add_rmsnorm"),
+    for key, label in (("_partials", "split-K GEMM"), ("decode_attn", "rope+cache+attention"), ("paged_attn", "paged attention"), ("add_rmsnorm", "add_rmsnorm"),
                        ("rope_cache", "rope+cache"), ("silu_mul", "silu_mul"), ("argmax", "argmax"),
                        ("memcpy", "memcpy"), ("memset", "memset")):
         if key in n:

@@ -265,3 +265,27 @@ def test_decode_gemm_switch_leaves_the_cpu_path_alone(model_dirs):
         engine = DecoderEngine(model_dirs[name], num_blocks=8, block_size=4, decode_gemm=mode)
         assert engine.model._splitk == {} and engine.model._splitk_max_m == 0
     assert "surge.engines.kernels.splitk_gemm" not in sys.modules
+
+
+def test_decode_attention_and_pdl_switches_leave_the_cpu_path_alone(model_dirs):
+    """decode_attention and pdl (the GPU decode step's one-kernel attention and dependent launches) are
+    validated everywhere; on the CPU they select nothing and import no Triton kernel, and the greedy
+    tokens are the same with every setting."""
+    import sys
+
+    name = next(k for k in model_dirs if k != "gpt2")
+    with pytest.raises(ValueError, match="decode_attention"):
+        DecoderEngine(model_dirs[name], num_blocks=8, block_size=4, decode_attention="flash")
+    outs = []
+    for attn, pdl in (("fused", True), ("split", False)):
+        engine = DecoderEngine(model_dirs[name], num_blocks=64, block_size=4, decode_attention=attn, pdl=pdl)
+        assert engine.model.decode_attention == "split" and engine.model.pdl is False
+        sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                                          max_model_len=256), engine.cfg.eos_token_ids)
+        seqs = [Sequence(i, p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+                for i, p in enumerate([[5, 9, 13, 2, 7], [3, 3, 8]])]
+        drive(engine, sched, seqs, [0, 1])
+        outs.append([s.output_ids for s in seqs])
+    assert outs[0] == outs[1]
+    assert "surge.engines.kernels.decode_attention" not in sys.modules
+    assert "surge.engines.kernels.pdl" not in sys.modules

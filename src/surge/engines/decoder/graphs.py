@@ -81,7 +81,7 @@ class DecodeGraphs:
         if self.engine.argmax_kernel == "triton" and logits.is_cuda:
             from surge.engines.kernels.decoder_fused import argmax_rows
 
-            tokens = argmax_rows(logits)
+            tokens = argmax_rows(logits, pdl=m.pdl)
         else:
             tokens = logits.argmax(-1)
         self.prev[:b].copy_(tokens)

@@ -20,7 +20,7 @@ from surge.models.decoder import DecoderConfig, rope_inv_freq
 class DecoderModel:
     def __init__(self, cfg: DecoderConfig, weights: dict, device: torch.device, dtype: torch.dtype,
                  attention: str = "torch", fused: bool = True, decode_block_n: int | None = None,
-                 decode_gemm: str = "auto"):
+                 decode_gemm: str = "auto", decode_attention: str = "fused", pdl: bool = False):
         self.cfg = cfg
         self.w = weights
         self.device = device
@@ -48,6 +48,14 @@ class DecoderModel:
             d = cfg.head_dim
             # the fused kernels (GPU): full rotary dims, a power-of-two head size
             self.fused = attention == "triton" and fused and self.rot_dim == d and d >= 16 and d & (d - 1) == 0
+        if decode_attention not in ("fused", "split"):
+            raise ValueError(f"decode_attention must be fused or split, not {decode_attention!r}")
+        # decode steps: RoPE, the K/V cache write and attention in one kernel (kernels/decode_attention.py)
+        # rather than rope_and_cache + paged_attention
+        self.decode_attention = decode_attention if self.fused else "split"
+        # programmatic dependent launch of the fused path's Triton kernels (kernels/pdl.py): asked for,
+        # and only where the GPU and Triton have it
+        self.pdl = bool(pdl) and self.fused and self._pdl_supported()
         self._splitk = self._splitk_plans(decode_gemm) if self.fused else {}
         if self._splitk:
             from surge.engines.kernels.splitk_gemm import MAX_M, partials
@@ -55,6 +63,11 @@ class DecoderModel:
             self._splitk_max_m, self._partials = MAX_M, partials
         else:
             self._splitk_max_m = 0
+
+    def _pdl_supported(self) -> bool:
+        from surge.engines.kernels import pdl
+
+        return pdl.supported(self.device.index or 0)
 
     def _splitk_plans(self, mode: str) -> dict:
         """Weight name -> split-K plan for the layers' GEMMs at <= splitk_gemm.MAX_M rows (decode steps).
@@ -157,27 +170,35 @@ class DecoderModel:
         plan = self._splitk.get(name) if x.shape[0] <= self._splitk_max_m else None
         if plan is None:
             return F.linear(x, self.w[name], bias)
-        return self._partials(x, self.w[name], plan)
+        return self._partials(x, self.w[name], plan, pdl=self.pdl)
 
     def _llama_fused(self, ids, positions, kv, meta):
+        from surge.engines.kernels.decode_attention import decode_attention
         from surge.engines.kernels.decoder_fused import add_rmsnorm, rope_and_cache, silu_mul
 
         c, w = self.cfg, self.w
         t = ids.shape[0]
+        pdl = self.pdl
         x = F.embedding(ids, w["embed"])  # the residual stream, updated in place
         hd, nq, nkv = c.head_dim, c.num_heads, c.num_kv_heads
-        h = add_rmsnorm(x, None, w["l0.attn_norm"], c.norm_eps)
+        one_kernel = meta.max_query == 1 and self.decode_attention == "fused"
+        h = add_rmsnorm(x, None, w["l0.attn_norm"], c.norm_eps, pdl=pdl)
         for i in range(c.num_layers):
             p = f"l{i}."
             bias = w.get(p + "qkv.bias")
             qkv = self._proj(h, p + "qkv", bias)
-            q = rope_and_cache(qkv, self.cos, self.sin, positions, meta.slot_mapping, kv.k[i], kv.v[i], nq, nkv, hd,
-                               bias=bias if qkv.dim() == 3 else None)
-            a = self._triton(q, kv.k[i], kv.v[i], meta, self.scale, block_n=self.decode_block_n)
+            gemm_bias = bias if qkv.dim() == 3 else None  # split-K partials: the bias is the reader's to add
+            if one_kernel:
+                a = decode_attention(qkv, self.cos, self.sin, positions, meta.slot_mapping, kv.k[i], kv.v[i], meta,
+                                     self.scale, nq, nkv, hd, bias=gemm_bias, block_n=self.decode_block_n, pdl=pdl)
+            else:
+                q = rope_and_cache(qkv, self.cos, self.sin, positions, meta.slot_mapping, kv.k[i], kv.v[i], nq, nkv,
+                                   hd, bias=gemm_bias)
+                a = self._triton(q, kv.k[i], kv.v[i], meta, self.scale, block_n=self.decode_block_n)
             nxt = w[f"l{i + 1}.attn_norm"] if i + 1 < c.num_layers else w["final_norm"]
-            h = add_rmsnorm(x, self._proj(a.view(t, nq * hd), p + "o"), w[p + "mlp_norm"], c.norm_eps)
-            m = self._proj(silu_mul(self._proj(h, p + "up_gate"), x.dtype), p + "down")
-            h = add_rmsnorm(x, m, nxt, c.norm_eps)
+            h = add_rmsnorm(x, self._proj(a.view(t, nq * hd), p + "o"), w[p + "mlp_norm"], c.norm_eps, pdl=pdl)
+            m = self._proj(silu_mul(self._proj(h, p + "up_gate"), x.dtype, pdl=pdl), p + "down")
+            h = add_rmsnorm(x, m, nxt, c.norm_eps, pdl=pdl)
         return h
 
     def _llama(self, ids, positions, kv, meta):

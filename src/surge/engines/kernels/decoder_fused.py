@@ -22,15 +22,18 @@ import torch
 import triton
 import triton.language as tl
 
+from surge.engines.kernels.pdl import launch_kw, wait_then_release
 from surge.engines.kernels.splitk_gemm import sum_splits
 
 
 @triton.jit
 def _add_rmsnorm(x_ptr, delta_ptr, w_ptr, out_ptr, H, eps, stride_s, HAS_DELTA: tl.constexpr, SPLITS: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)  # a weight: read before the wait
+    wait_then_release(PDL)
     x = tl.load(x_ptr + row * H + offs, mask=mask, other=0.0)
     if HAS_DELTA:
         if SPLITS > 0:  # split-K partials: the GEMM's BF16 output, rounded here
@@ -42,19 +45,19 @@ def _add_rmsnorm(x_ptr, delta_ptr, w_ptr, out_ptr, H, eps, stride_s, HAS_DELTA: 
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, 0) / H
     y = (xf * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     tl.store(out_ptr + row * H + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                pdl: bool = False) -> torch.Tensor:
     """x [T, H] (updated in place with delta when given) -> RMSNorm(x) * weight. delta: [T, H], or
-    split-K partials [S, T, H] (FP32)."""
+    split-K partials [S, T, H] (FP32). pdl: a programmatic dependent launch (kernels/pdl.py)."""
     t, h = x.shape
     out = torch.empty_like(x)
     block = triton.next_power_of_2(h)
     splits = delta.shape[0] if delta is not None and delta.dim() == 3 else 0
     _add_rmsnorm[(t,)](x, delta if delta is not None else x, weight, out, h, eps, t * h, HAS_DELTA=delta is not None,
-                       SPLITS=splits, BLOCK=block, num_warps=4 if block <= 2048 else 8)
+                       SPLITS=splits, BLOCK=block, PDL=pdl, num_warps=4 if block <= 2048 else 8, **launch_kw(pdl))
     return out
 
 
@@ -114,7 +117,8 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
 
 
 @triton.jit
-def _silu_mul(x_ptr, out_ptr, N, I, stride_s, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul(x_ptr, out_ptr, N, I, stride_s, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -131,20 +135,22 @@ def _silu_mul(x_ptr, out_ptr, N, I, stride_s, SPLITS: tl.constexpr, BLOCK: tl.co
     tl.store(out_ptr + offs, act * u, mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, dtype: torch.dtype | None = None, pdl: bool = False) -> torch.Tensor:
     """[T, 2I] (gate, then up) -> SiLU(gate) * up [T, I]. gate_up may be split-K partials [S, T, 2I]
-    (FP32); the output is then in `dtype` (the activations')."""
+    (FP32); the output is then in `dtype` (the activations'). pdl: as add_rmsnorm's."""
     splits = gate_up.shape[0] if gate_up.dim() == 3 else 0
     t, two_i = gate_up.shape[-2:]
     i = two_i // 2
     out = torch.empty((t, i), device=gate_up.device, dtype=dtype or gate_up.dtype)
     n = t * i
-    _silu_mul[(triton.cdiv(n, 1024),)](gate_up, out, n, i, t * two_i, SPLITS=splits, BLOCK=1024, num_warps=4)
+    _silu_mul[(triton.cdiv(n, 1024),)](gate_up, out, n, i, t * two_i, SPLITS=splits, BLOCK=1024, PDL=pdl,
+                                         num_warps=4, **launch_kw(pdl))
     return out
 
 
 @triton.jit
-def _argmax_part(x_ptr, val_ptr, idx_ptr, V, stride, CHUNKS, BLOCK: tl.constexpr):
+def _argmax_part(x_ptr, val_ptr, idx_ptr, V, stride, CHUNKS, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     offs = c * BLOCK + tl.arange(0, BLOCK)
@@ -155,7 +161,8 @@ def _argmax_part(x_ptr, val_ptr, idx_ptr, V, stride, CHUNKS, BLOCK: tl.constexpr
 
 
 @triton.jit
-def _argmax_final(val_ptr, idx_ptr, out_ptr, CHUNKS, BLOCK: tl.constexpr):
+def _argmax_final(val_ptr, idx_ptr, out_ptr, CHUNKS, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < CHUNKS
@@ -166,7 +173,7 @@ def _argmax_final(val_ptr, idx_ptr, out_ptr, CHUNKS, BLOCK: tl.constexpr):
     tl.store(out_ptr + row, best.to(tl.int64))
 
 
-def argmax_rows(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, block: int = 4096, pdl: bool = False) -> torch.Tensor:
     """x [B, V] -> the first index of each row's maximum [B] (int64), as torch.argmax(x, -1) for
     rows without NaN. Two passes: the row split into `block`-wide chunks over the whole chip, then
     the chunks' winners per row (torch's reduction of a few long rows keeps few SMs streaming)."""
@@ -175,6 +182,8 @@ def argmax_rows(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
     vals = torch.empty((b, chunks), device=x.device, dtype=torch.float32)
     idx = torch.empty((b, chunks), device=x.device, dtype=torch.int32)
     out = torch.empty(b, device=x.device, dtype=torch.long)
-    _argmax_part[(b, chunks)](x, vals, idx, v, x.stride(0), chunks, BLOCK=block, num_warps=8)
-    _argmax_final[(b,)](vals, idx, out, chunks, BLOCK=max(16, triton.next_power_of_2(chunks)), num_warps=1)
+    _argmax_part[(b, chunks)](x, vals, idx, v, x.stride(0), chunks, BLOCK=block, PDL=pdl, num_warps=8,
+                              **launch_kw(pdl))
+    _argmax_final[(b,)](vals, idx, out, chunks, BLOCK=max(16, triton.next_power_of_2(chunks)), PDL=pdl,
+                        num_warps=1, **launch_kw(pdl))
     return out

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from surge.engines.kernels.pdl import launch_kw, prefetch_l2, wait_then_release
+
 BLOCK_M = 64  # rows of every program: one M tile holds a whole decode batch (the weights are read once)
 MAX_M = 64  # the engine uses split-K up to this many rows (measured at M = 64; cuBLAS above)
 
@@ -70,7 +72,8 @@ def default_plan(n: int, k: int) -> SplitKPlan:
 @triton.jit(do_not_specialize=["M"])
 def _partials(a_ptr, w_ptr, ws_ptr, M, N, K, stride_am, stride_wn,
               K_SPLIT: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+              LINES: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -85,20 +88,43 @@ def _partials(a_ptr, w_ptr, ws_ptr, M, N, K, stride_am, stride_wn,
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in range(0, K_SPLIT // BLOCK_K):
+    if PDL and K_SPLIT == BLOCK_K:
+        # one K step: the program's whole weight tile is read while the predecessor still runs
         if EVEN_K:
-            a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
         else:
-            k_ok = offs_k < K - i * BLOCK_K
-            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & (offs_k[None, :] < K), other=0.0)
+        wait_then_release(PDL)
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0)
         if SWAP:
             acc = tl.dot(w, tl.trans(a), acc)
         else:
             acc = tl.dot(a, tl.trans(w), acc)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    else:
+        if PDL:  # several K steps: the weight slice's 128-byte lines into L2 before the wait
+            row_bytes = (tl.minimum(K - pid_s * K_SPLIT, K_SPLIT) * 2).to(tl.int64)
+            line = tl.minimum(tl.arange(0, LINES).to(tl.int64) * 128, row_bytes - 1)
+            rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+            base = (w_ptr + pid_s * K_SPLIT).to(tl.pointer_type(tl.int8))
+            prefetch_l2(base + rows[:, None] * stride_wn * 2 + line[None, :])
+        wait_then_release(PDL)
+        for i in range(0, K_SPLIT // BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+            else:
+                k_ok = offs_k < K - i * BLOCK_K
+                a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if SWAP:
+                acc = tl.dot(w, tl.trans(a), acc)
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
     ws = ws_ptr + pid_s.to(tl.int64) * M * N
     if SWAP:
         tl.store(ws + offs_m[None, :].to(tl.int64) * N + offs_n[:, None], acc, mask=n_ok[:, None] & m_ok[None, :])
@@ -125,8 +151,11 @@ def _reduce(ws_ptr, bias_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def partials(a: torch.Tensor, w: torch.Tensor, plan: SplitKPlan, out: torch.Tensor | None = None) -> torch.Tensor:
-    """a [M, K], w [N, K] (BF16 / FP16) -> FP32 partial products [plan.num_splits(K), M, N]."""
+def partials(a: torch.Tensor, w: torch.Tensor, plan: SplitKPlan, out: torch.Tensor | None = None,
+             pdl: bool = False) -> torch.Tensor:
+    """a [M, K], w [N, K] (BF16 / FP16) -> FP32 partial products [plan.num_splits(K), M, N].
+    pdl: launched with programmatic dependent launch, the weights read (one K step) or prefetched
+    into L2 (several) before waiting for the kernel that wrote `a` (kernels/pdl.py)."""
     m, k = a.shape
     n = w.shape[0]
     if a.stride(1) != 1:
@@ -137,8 +166,9 @@ def partials(a: torch.Tensor, w: torch.Tensor, plan: SplitKPlan, out: torch.Tens
         out = torch.empty((s, m, n), device=a.device, dtype=torch.float32)
     grid = (triton.cdiv(n, plan.block_n), s, triton.cdiv(m, BLOCK_M))
     _partials[grid](a, w, out, m, n, k, a.stride(0), w.stride(0), K_SPLIT=ks, EVEN_K=k % ks == 0, SWAP=plan.swap,
-                    BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, num_warps=plan.num_warps,
-                    num_stages=plan.num_stages)
+                    BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, PDL=pdl,
+                    LINES=triton.next_power_of_2(triton.cdiv(ks * w.element_size(), 128)),
+                    num_warps=plan.num_warps, num_stages=plan.num_stages, **launch_kw(pdl))
     return out
 
 
