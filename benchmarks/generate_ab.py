@@ -23,6 +23,8 @@ Variants (comma-separated, each a '+'-joined list of options on top of session 2
   fa         RoPE, the K/V cache write and attention in one kernel in decode steps (session 10;
              decode_attention="fused"; without it "split", the two kernels of session 8)
   pdl        programmatic dependent launch of the fused path's Triton kernels (session 10)
+  gu         SiLU(gate) * up in one Triton kernel at decode sizes (kernels/gate_up.py) with the plan of
+             --gate-up-plan (session 10); without it cuBLAS + silu_mul
 The session-7 engine (the defaults before session 8) is argmax+attn256+targmax.
 """
 
@@ -57,13 +59,25 @@ def engine_kwargs(variant: str) -> tuple[dict, bool]:
     return kw, "lt" in opts
 
 
+def use_gate_up(variant: str, plan: str | None) -> None:
+    """The gate/up plan table the next engine is built with: --gate-up-plan for a "gu" variant, else
+    none (cuBLAS + silu_mul). Engines resolve their plans when constructed."""
+    from surge.engines.kernels import gate_up
+
+    gate_up.PLANS.clear()
+    if "gu" in variant.split("+"):
+        bn, bk, nw, st, sw = plan.split(",")
+        gate_up.PLANS[(4864, 896)] = gate_up.GateUpPlan(int(bn), int(bk), int(nw), int(st), sw.lower() == "true")
+
+
 def blas(lt: bool) -> None:
     torch.backends.cuda.preferred_blas_library("cublaslt" if lt else "cublas")
 
 
 def kind(name: str) -> str:
     n = name.lower()
-    for key, label in (("_partials", "split-K GEMM"), ("decode_attn", "rope+cache+attention"), ("paged_attn", "paged attention"), ("add_rmsnorm", "add_rmsnorm"),
+    for key, label in (("_partials", "split-K GEMM"), ("decode_attn", "rope+cache+attention"),
+                       ("_gate_up", "gate_up+silu"), ("paged_attn", "paged attention"), ("add_rmsnorm", "add_rmsnorm"),
                        ("rope_cache", "rope+cache"), ("silu_mul", "silu_mul"), ("argmax", "argmax"),
                        ("memcpy", "memcpy"), ("memset", "memset")):
         if key in n:
@@ -87,6 +101,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=int, default=8192)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--gate-up-plan", default="32,128,4,3,false",
+                    help="BLOCK_N,BLOCK_K,num_warps,num_stages,swap of the gu variants (Qwen2-0.5B's MLP)")
     ap.add_argument("--settle", action="store_true", help="gc_settle.settle() after the warm-up (as the server)")
     ap.add_argument("--splitk-plans", type=Path, help="the split-K table from a gpu_splitk_tune.py --json run")
     ap.add_argument("--json", type=Path)
@@ -110,6 +126,7 @@ def main(argv=None) -> int:
         for v in variants:
             kw, lt = engine_kwargs(v)
             blas(lt)
+            use_gate_up(v, args.gate_up_plan)
             gen = GenerationConfig(max_num_seqs=n, max_num_batched_tokens=args.budget, max_model_len=max_len,
                                    cache_entries=0, prefix_caching=False, overlap_steps=True)
             t = time.perf_counter()

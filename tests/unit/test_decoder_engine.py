@@ -263,8 +263,9 @@ def test_decode_gemm_switch_leaves_the_cpu_path_alone(model_dirs):
         DecoderEngine(model_dirs[name], num_blocks=8, block_size=4, decode_gemm="cutlass")
     for mode in ("auto", "splitk", "cublas"):
         engine = DecoderEngine(model_dirs[name], num_blocks=8, block_size=4, decode_gemm=mode)
-        assert engine.model._splitk == {} and engine.model._splitk_max_m == 0
+        assert engine.model._splitk == {} and engine.model._splitk_max_m == 0 and engine.model._gate_up == {}
     assert "surge.engines.kernels.splitk_gemm" not in sys.modules
+    assert "surge.engines.kernels.gate_up" not in sys.modules
 
 
 def test_decode_attention_and_pdl_switches_leave_the_cpu_path_alone(model_dirs):

@@ -57,6 +57,7 @@ class DecoderModel:
         # and only where the GPU and Triton have it
         self.pdl = bool(pdl) and self.fused and self._pdl_supported()
         self._splitk = self._splitk_plans(decode_gemm) if self.fused else {}
+        self._gate_up = self._gate_up_plans(decode_gemm) if self.fused else {}
         if self._splitk:
             from surge.engines.kernels.splitk_gemm import MAX_M, partials
 
@@ -91,6 +92,39 @@ class DecoderModel:
                 if plan is not None:
                     plans[f"l{i}.{name}"] = plan
         return plans
+
+    def _gate_up_plans(self, mode: str) -> dict:
+        """Layer -> plan of the one-kernel SiLU(gate) * up (kernels/gate_up.py) at <= its MAX_M rows, as
+        `_splitk_plans` decides for the split-K GEMMs: measured plans ("auto"), every layer ("splitk",
+        default_plan where unmeasured), none ("cublas", and FP32 weights): cuBLAS + silu_mul."""
+        if mode == "cublas" or self.dtype not in (torch.bfloat16, torch.float16):
+            return {}
+        from surge.engines.kernels import gate_up
+
+        plans = {}
+        for i in range(self.cfg.num_layers):
+            wt = self.w[f"l{i}.up_gate"]
+            if wt.stride(1) != 1:
+                continue
+            inter, k = wt.shape[0] // 2, wt.shape[1]
+            plan = gate_up.plan_for(inter, k)
+            if plan is None and mode == "splitk":
+                plan = gate_up.default_plan(inter, k)
+            if plan is not None:
+                plans[f"l{i}.up_gate"] = plan
+        if plans:
+            self._gate_up_silu, self._gate_up_max_m = gate_up.gate_up_silu, gate_up.MAX_M
+        return plans
+
+    def _mlp_in(self, h: torch.Tensor, name: str) -> torch.Tensor:
+        """SiLU(h W_gate^T) * (h W_up^T): one kernel at decode sizes where a plan exists, else the GEMM
+        (cuBLAS, or split-K partials) and silu_mul."""
+        plan = self._gate_up.get(name) if h.shape[0] <= getattr(self, "_gate_up_max_m", 0) else None
+        if plan is not None:
+            return self._gate_up_silu(h, self.w[name], plan, pdl=self.pdl)
+        from surge.engines.kernels.decoder_fused import silu_mul
+
+        return silu_mul(self._proj(h, name), h.dtype, pdl=self.pdl)
 
     # -- pieces ---------------------------------------------------------------------------------------
     LINEAR = ("qkv", "o", "fc_in", "fc_out", "up_gate", "down")
@@ -174,7 +208,7 @@ class DecoderModel:
 
     def _llama_fused(self, ids, positions, kv, meta):
         from surge.engines.kernels.decode_attention import decode_attention
-        from surge.engines.kernels.decoder_fused import add_rmsnorm, rope_and_cache, silu_mul
+        from surge.engines.kernels.decoder_fused import add_rmsnorm, rope_and_cache
 
         c, w = self.cfg, self.w
         t = ids.shape[0]
@@ -197,7 +231,7 @@ class DecoderModel:
                 a = self._triton(q, kv.k[i], kv.v[i], meta, self.scale, block_n=self.decode_block_n)
             nxt = w[f"l{i + 1}.attn_norm"] if i + 1 < c.num_layers else w["final_norm"]
             h = add_rmsnorm(x, self._proj(a.view(t, nq * hd), p + "o"), w[p + "mlp_norm"], c.norm_eps, pdl=pdl)
-            m = self._proj(silu_mul(self._proj(h, p + "up_gate"), x.dtype, pdl=pdl), p + "down")
+            m = self._proj(self._mlp_in(h, p + "up_gate"), p + "down")
             h = add_rmsnorm(x, m, nxt, c.norm_eps, pdl=pdl)
         return h
 

@@ -1,0 +1,134 @@
+"""The SwiGLU MLP's first half in one kernel: SiLU(x @ W_gate^T) * (x @ W_up^T) (Triton).
+
+In the decode step the fused gate/up product (N = 2 x 4864 for Qwen2-0.5B) ran on cuBLAS and a
+second kernel (`decoder_fused.silu_mul`) read its BF16 output back to apply SiLU(gate) * up. Here a
+program computes a BLOCK_N-wide slice of both halves (W's gate rows [n, n + BLOCK_N) and up rows
+[I + n, I + n + BLOCK_N)) and applies the product in its epilogue: one launch instead of two, and,
+being Triton, it takes part in programmatic dependent launch (its weight slice is prefetched into L2
+while the previous kernel runs; kernels/pdl.py), which the cuBLAS kernel could not.
+
+Rounding as the two-kernel path rounds: each product is rounded to the activation dtype (the GEMM's
+BF16 output), then SiLU in FP32 rounded again, times up, as `silu_mul` computes it. The full K is
+summed by one program in a fixed order, and every launch tiles M by the same BLOCK_M rows, so a row's
+result does not depend on the other rows of its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from surge.engines.kernels.pdl import launch_kw, prefetch_l2, wait_then_release
+
+BLOCK_M = 64  # one M tile holds a whole decode batch: the weights are read once
+MAX_M = 64
+
+
+@dataclass(frozen=True)
+class GateUpPlan:
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    swap: bool = False  # W @ x^T: the weight rows on the MMA's long side, the batch on its short side
+
+
+# Measured on one H200 (torch 2.11, Triton 3.6) by benchmarks/gpu_gate_up_tune.py at M = 64, 24 layers'
+# distinct weights in one CUDA graph, each candidate timed in the layer's chain (add_rmsnorm -> this ->
+# the down GEMM) against cuBLAS + silu_mul (docs/benchmarks/generate.md, session 10). A shape missing
+# here stays on cuBLAS + silu_mul.
+PLANS: dict[tuple[int, int], GateUpPlan] = {}
+
+
+def plan_for(i: int, k: int) -> GateUpPlan | None:
+    """The measured plan of an MLP with intermediate size i and hidden size k, or None (cuBLAS)."""
+    return PLANS.get((i, k))
+
+
+def default_plan(i: int, k: int) -> GateUpPlan:
+    """A plan from the shape alone (tests, unmeasured shapes asked for explicitly)."""
+    return GateUpPlan(32 if i >= 2048 else 16, 128 if k >= 128 else 64)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gate_up(a_ptr, w_ptr, out_ptr, M, I, K, stride_am, stride_wn, stride_om, EVEN_K: tl.constexpr,
+             SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             PDL: tl.constexpr, LINES: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < I
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    g_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    u_ptrs = g_ptrs + I.to(tl.int64) * stride_wn
+    if PDL:  # the program's gate and up rows (whole K) into L2 while the previous kernel runs
+        line = tl.minimum(tl.arange(0, LINES).to(tl.int64) * 128, K.to(tl.int64) * 2 - 1)
+        rows = tl.minimum(offs_n, I - 1).to(tl.int64)
+        base = w_ptr.to(tl.pointer_type(tl.int8)) + rows[:, None] * stride_wn * 2 + line[None, :]
+        prefetch_l2(base)
+        prefetch_l2(base + I.to(tl.int64) * stride_wn * 2)
+    wait_then_release(PDL)
+    if SWAP:
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+            g = tl.load(g_ptrs, mask=n_ok[:, None], other=0.0)
+            u = tl.load(u_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = offs_k < K - i * BLOCK_K
+            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if SWAP:
+            acc_g = tl.dot(g, tl.trans(a), acc_g)
+            acc_u = tl.dot(u, tl.trans(a), acc_u)
+        else:
+            acc_g = tl.dot(a, tl.trans(g), acc_g)
+            acc_u = tl.dot(a, tl.trans(u), acc_u)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    dt = out_ptr.dtype.element_ty
+    # silu_mul's arithmetic on the GEMM's rounded outputs
+    gf = acc_g.to(dt).to(tl.float32)
+    up = acc_u.to(dt)
+    y = (gf / (1.0 + tl.exp(-gf))).to(dt) * up
+    if SWAP:
+        tl.store(out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None], y,
+                 mask=n_ok[:, None] & m_ok[None, :])
+    else:
+        tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], y,
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
+def gate_up_silu(x: torch.Tensor, w: torch.Tensor, plan: GateUpPlan, pdl: bool = False) -> torch.Tensor:
+    """x [M, K], w [2I, K] (gate rows, then up rows; BF16 / FP16) -> SiLU(x @ W_gate^T) * (x @ W_up^T)
+    [M, I], as F.linear followed by decoder_fused.silu_mul would give up to the GEMMs' summation order.
+    pdl: a programmatic dependent launch, the weights prefetched into L2 before the wait."""
+    m, k = x.shape
+    two_i = w.shape[0]
+    if two_i % 2 or w.shape[1] != k:
+        raise ValueError(f"w must be [2I, {k}], not {list(w.shape)}")
+    if w.stride(1) != 1:
+        raise ValueError("w's rows must be contiguous")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    i = two_i // 2
+    out = torch.empty((m, i), device=x.device, dtype=x.dtype)
+    grid = (triton.cdiv(i, plan.block_n), triton.cdiv(m, BLOCK_M))
+    _gate_up[grid](x, w, out, m, i, k, x.stride(0), w.stride(0), out.stride(0), EVEN_K=k % plan.block_k == 0,
+                   SWAP=plan.swap, BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, PDL=pdl,
+                   LINES=triton.next_power_of_2(triton.cdiv(k * w.element_size(), 128)),
+                   num_warps=plan.num_warps, num_stages=plan.num_stages, **launch_kw(pdl))
+    return out
