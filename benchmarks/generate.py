@@ -138,7 +138,7 @@ def run_surge(path: Path, args, prompts, fused: bool = True, overlap: bool = Tru
     engine = DecoderEngine(path, device=args.device, dtype=args.dtype, max_num_seqs=gen.max_num_seqs,
                            max_model_len=max_len, kv_cache_tokens=(n + 8) * max_len, threads=args.threads,
                            cuda_graphs=not args.no_graphs, fused=fused, decode_gemm=args.decode_gemm,
-                           decode_attention=args.decode_attention, pdl=args.pdl)
+                           decode_attention=args.decode_attention, pdl=not args.no_pdl)
     engine.warmup()
     load_s = time.perf_counter() - t
     service = GenerateService("bench", "1", path, engine, _NoText(), None, gen, request_timeout_s=600)
@@ -268,7 +268,7 @@ def main(argv=None) -> int:
                          "split-K everywhere, or cuBLAS only")
     ap.add_argument("--decode-attention", choices=["fused", "split"], default="fused",
                     help="decode steps: RoPE + cache write + attention in one kernel, or two (session 8)")
-    ap.add_argument("--pdl", action="store_true", help="programmatic dependent launch of the decode kernels")
+    ap.add_argument("--no-pdl", action="store_true", help="plain launches of the decode kernels (no PDL)")
     ap.add_argument("--splitk-plans", type=Path, help="the split-K table from a gpu_splitk_tune.py --json run")
     ap.add_argument("--baseline", choices=["hf", "none"], default="hf")
     ap.add_argument("--compile", action="store_true", help="also transformers with torch.compile")

@@ -20,7 +20,7 @@ from surge.models.decoder import DecoderConfig, rope_inv_freq
 class DecoderModel:
     def __init__(self, cfg: DecoderConfig, weights: dict, device: torch.device, dtype: torch.dtype,
                  attention: str = "torch", fused: bool = True, decode_block_n: int | None = None,
-                 decode_gemm: str = "auto", decode_attention: str = "fused", pdl: bool = False):
+                 decode_gemm: str = "auto", decode_attention: str = "fused", pdl: bool = True):
         self.cfg = cfg
         self.w = weights
         self.device = device

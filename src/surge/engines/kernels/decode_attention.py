@@ -8,10 +8,8 @@ heads, its key and its value (plus the bias), rotates q and k, writes k and v to
 and then attends over the sequence's cache exactly as `paged_attention` does (same tiles, same
 online softmax, same order), so the output equals the two-kernel path bit for bit (tested).
 
-The first key tile (up to block_n positions) is read before the kernel waits for the QKV GEMM (with
-PDL: while the GEMM still runs), the new token's key and value patched into it from registers; a
-sequence longer than one tile reads the rest after a block barrier, which makes this program's own
-cache writes visible to all of its threads.
+The k and v written here are read back by the same program's attention loop; a block barrier
+between the two makes its own global writes visible to all of its threads.
 """
 
 from __future__ import annotations
@@ -50,19 +48,6 @@ def _rotate(x, xp, c, s, first):
 
 
 @triton.jit
-def _tile(q, k, v, kpos, kmask, qpos, m_i, l_i, acc, qk_scale):
-    """One key tile of paged_attention's online softmax (same operations, same order)."""
-    sc = tl.dot(q, k) * qk_scale
-    sc = tl.where((kpos[None, :] <= qpos) & kmask[None, :], sc, -1.0e30)
-    m_new = tl.maximum(m_i, tl.max(sc, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(sc - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _decode_attn(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, ctx_ptr,
                  qk_scale, stride_t, stride_s, stride_kb, stride_kt, stride_kh, stride_ot, stride_oh, stride_tb,
                  NQ: tl.constexpr, NKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
@@ -73,9 +58,7 @@ def _decode_attn(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, 
     HALF: tl.constexpr = D // 2
     dt = k_ptr.dtype.element_ty
     t = seq.to(tl.int64)  # a decode step: sequence i's one token is row i
-    # Before the wait: what no kernel of this step writes. The step's metadata, and the first key tile's
-    # K and V: the cache's earlier positions were written by earlier steps, and the one slot this step
-    # fills (position ctx - 1) is this program's own write, patched into the tile below.
+    # the step's metadata is written before the step's first kernel: read it before the wait
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     ctx = tl.load(ctx_ptr + seq)
@@ -84,12 +67,6 @@ def _decode_attn(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, 
     partner = tl.where(first, offs_d + HALF, offs_d - HALF)
     c = tl.load(cos_ptr + pos * D + offs_d).to(tl.float32)
     s = tl.load(sin_ptr + pos * D + offs_d).to(tl.float32)
-    kpos = tl.arange(0, BLOCK_N)
-    kmask = kpos < ctx
-    blk = tl.load(tables_ptr + seq * stride_tb + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
-    kbase = blk * stride_kb + (kpos % PAGE) * stride_kt + kvh * stride_kh
-    k0 = tl.load(k_ptr + kbase[None, :] + offs_d[:, None], mask=kmask[None, :], other=0.0)
-    v0 = tl.load(v_ptr + kbase[:, None] + offs_d[None, :], mask=kmask[:, None], other=0.0)
     wait_then_release(PDL)
 
     r = tl.arange(0, BLOCK_M)
@@ -111,24 +88,28 @@ def _decode_attn(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, 
     dst = (slot // PAGE) * stride_kb + (slot % PAGE) * stride_kt + kvh * stride_kh
     tl.store(k_ptr + dst + offs_d, k_new)
     tl.store(v_ptr + dst + offs_d, v_new)
+    tl.debug_barrier()  # this program's k / v writes, visible to all its threads before the loop reads them
 
     # paged_attention's decode loop (n = 1): the one query token sees keys 0 .. ctx - 1
-    qpos = ctx - 1
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    k0 = tl.where(kpos[None, :] == qpos, k_new[:, None], k0)  # the token's own key and value, as written
-    v0 = tl.where(kpos[:, None] == qpos, v_new[None, :], v0)
-    m_i, l_i, acc = _tile(q, k0, v0, kpos, kmask, qpos, m_i, l_i, acc, qk_scale)
-    tl.debug_barrier()  # this program's k / v writes, visible to all its threads before later tiles read them
-    for start in range(BLOCK_N, ctx, BLOCK_N):
+    qpos = ctx - 1
+    for start in range(0, ctx, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         kmask = kpos < ctx
         blk = tl.load(tables_ptr + seq * stride_tb + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
         kbase = blk * stride_kb + (kpos % PAGE) * stride_kt + kvh * stride_kh
         k = tl.load(k_ptr + kbase[None, :] + offs_d[:, None], mask=kmask[None, :], other=0.0)
+        sc = tl.dot(q, k) * qk_scale
+        sc = tl.where((kpos[None, :] <= qpos) & kmask[None, :], sc, -1.0e30)
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + kbase[:, None] + offs_d[None, :], mask=kmask[:, None], other=0.0)
-        m_i, l_i, acc = _tile(q, k, v, kpos, kmask, qpos, m_i, l_i, acc, qk_scale)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
     acc = acc / l_i[:, None]
     tl.store(o_ptr + t * stride_ot + head[:, None] * stride_oh + offs_d[None, :], acc.to(o_ptr.dtype.element_ty),
              mask=rmask[:, None])

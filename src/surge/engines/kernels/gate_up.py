@@ -39,8 +39,11 @@ class GateUpPlan:
 # Measured on one H200 (torch 2.11, Triton 3.6) by benchmarks/gpu_gate_up_tune.py at M = 64, 24 layers'
 # distinct weights in one CUDA graph, each candidate timed in the layer's chain (add_rmsnorm -> this ->
 # the down GEMM) against cuBLAS + silu_mul (docs/benchmarks/generate.md, session 10). A shape missing
-# here stays on cuBLAS + silu_mul.
-PLANS: dict[tuple[int, int], GateUpPlan] = {}
+# here stays on cuBLAS + silu_mul. Session 10, call 2 (us a layer of that chain, PDL on): cuBLAS + silu_mul
+# 17.42 (18.46 without PDL), this plan 16.26; alone (no chain, no PDL) 9.32 against cuBLAS + silu_mul's 9.75.
+PLANS: dict[tuple[int, int], GateUpPlan] = {
+    (4864, 896): GateUpPlan(32, 128, num_warps=4, num_stages=3),
+}
 
 
 def plan_for(i: int, k: int) -> GateUpPlan | None:
