@@ -133,7 +133,8 @@ def run_surge(path: Path, args, prompts, fused: bool = True, overlap: bool = Tru
     n = len(prompts)
     max_len = args.prompt + args.output + 16
     gen = GenerationConfig(max_num_seqs=max(n, 1), max_num_batched_tokens=args.budget, max_model_len=max_len,
-                           cache_entries=0, prefix_caching=False, overlap_steps=overlap)
+                           cache_entries=0, prefix_caching=False, overlap_steps=overlap,
+                           overlap_depth=args.overlap_depth)
     t = time.perf_counter()
     engine = DecoderEngine(path, device=args.device, dtype=args.dtype, max_num_seqs=gen.max_num_seqs,
                            max_model_len=max_len, kv_cache_tokens=(n + 8) * max_len, threads=args.threads,
@@ -268,6 +269,7 @@ def main(argv=None) -> int:
                          "split-K everywhere, or cuBLAS only")
     ap.add_argument("--decode-attention", choices=["fused", "split"], default="fused",
                     help="decode steps: RoPE + cache write + attention in one kernel, or two (session 8)")
+    ap.add_argument("--overlap-depth", type=int, default=2, help="launched decode steps in flight (1-3)")
     ap.add_argument("--no-pdl", action="store_true", help="plain launches of the decode kernels (no PDL)")
     ap.add_argument("--splitk-plans", type=Path, help="the split-K table from a gpu_splitk_tune.py --json run")
     ap.add_argument("--baseline", choices=["hf", "none"], default="hf")

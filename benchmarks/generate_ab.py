@@ -23,6 +23,8 @@ Variants (comma-separated, each a '+'-joined list of options on top of session 2
   fa         RoPE, the K/V cache write and attention in one kernel in decode steps (session 10;
              decode_attention="fused"; without it "split", the two kernels of session 8)
   pdl        programmatic dependent launch of the fused path's Triton kernels (session 10)
+  d1 / d3    1 / 3 launched decode steps in flight before the oldest is read back (default 2; session 9
+             and before: 1)
   gu         SiLU(gate) * up in one Triton kernel at decode sizes (kernels/gate_up.py) with the plan of
              --gate-up-plan (session 10); without it cuBLAS + silu_mul
 The session-7 engine (the defaults before session 8) is argmax+attn256+targmax.
@@ -127,8 +129,9 @@ def main(argv=None) -> int:
             kw, lt = engine_kwargs(v)
             blas(lt)
             use_gate_up(v, args.gate_up_plan)
+            depth = next((int(o[1:]) for o in v.split("+") if o in ("d1", "d2", "d3")), 2)
             gen = GenerationConfig(max_num_seqs=n, max_num_batched_tokens=args.budget, max_model_len=max_len,
-                                   cache_entries=0, prefix_caching=False, overlap_steps=True)
+                                   cache_entries=0, prefix_caching=False, overlap_steps=True, overlap_depth=depth)
             t = time.perf_counter()
             try:
                 engine = DecoderEngine(path, device="cuda", dtype="bf16", max_num_seqs=n, max_model_len=max_len,

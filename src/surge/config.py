@@ -150,6 +150,10 @@ class GenerationConfig(_Strict):
     cuda_graphs: bool = Field(True, description="On a GPU: replay decode steps as CUDA graphs per batch bucket.")
     overlap_steps: bool = Field(True, description="Launch the next greedy decode step before the last one's tokens "
                                 "are read back (its inputs stay on the device), so host work overlaps the GPU.")
+    overlap_depth: int = Field(2, ge=1, le=3, description="Launched decode steps in flight before the oldest is "
+                               "read back (with overlap_steps): 2 keeps one step queued behind the running one, "
+                               "so a slow host iteration does not idle the GPU; a stop is found up to this many "
+                               "steps late (those tokens are dropped).")
     cache_entries: int = Field(1024, ge=0, description="Finished greedy / seeded generations kept (0: off).")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that gives none.")
 

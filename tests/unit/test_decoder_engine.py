@@ -102,11 +102,11 @@ def test_greedy_equals_transformers(name, model_dirs, hf_models):
     assert sched.blocks.num_free == 22
 
 
-@pytest.mark.parametrize("name", ["gpt2", "qwen2"])
-def test_overlapped_steps_equal_transformers(name, model_dirs, hf_models):
-    """The loop that launches a decode step before reading the last one back (its input tokens
-    gathered from the previous step's output) gives transformers' tokens, with joins, preemption,
-    prefix-cache hits and stop tokens found one step late."""
+@pytest.mark.parametrize("name,depth", [("gpt2", 1), ("qwen2", 1), ("qwen2", 2), ("gpt2", 3)])
+def test_overlapped_steps_equal_transformers(name, depth, model_dirs, hf_models):
+    """The loop that launches decode steps before reading the last ones back (their input tokens
+    gathered from the previous step's output; 1 to 3 in flight) gives transformers' tokens, with
+    joins, preemption, prefix-cache hits and stop tokens found `depth` steps late."""
     from surge.runtime.scheduler.overlap import StepLoop
 
     engine = DecoderEngine(model_dirs[name], num_blocks=24, block_size=4)
@@ -120,7 +120,7 @@ def test_overlapped_steps_equal_transformers(name, model_dirs, hf_models):
                                           stop_token_ids=(refs[i][5],) if i % 3 == 0 else ()))
             for i, p in enumerate(prompts)]
     arrivals = [0, 0, 0, 3, 5, 9, 0, 30, 31]
-    loop = StepLoop(sched, engine)
+    loop = StepLoop(sched, engine, depth=depth)
     step, added, order = 0, 0, sorted(range(len(seqs)), key=lambda i: arrivals[i])
     while added < len(seqs) or loop.busy:
         while added < len(seqs) and arrivals[order[added]] <= step:

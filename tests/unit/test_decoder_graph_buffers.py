@@ -1,6 +1,6 @@
 """The CUDA-graph decode path's host logic on the CPU: static buffers, padded buckets, rows whose
-input token is gathered from the previous step's output (overlapped steps), double-buffered
-staging. The graphs are "replayed" by running the captured function eagerly, and attention reads
+input token is gathered from the previous step's output (overlapped steps), ring-buffered
+staging sets. The graphs are "replayed" by running the captured function eagerly, and attention reads
 the lengths and block tables from the buffers as the Triton kernel does; tokens must equal the
 plain eager engine's while the batch shrinks through smaller buckets."""
 
@@ -46,21 +46,23 @@ def _host_graphs(engine, max_num_seqs):
     return from_buffers
 
 
-def _run(engine, prompts, lens, overlap):
+def _run(engine, prompts, lens, overlap, depth=1):
     sched = Scheduler(SchedulerConfig(num_blocks=engine.num_blocks, block_size=engine.block_size, max_num_seqs=6,
                                       max_num_batched_tokens=64, max_model_len=128), ())
     seqs = [Sequence(i, p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
             for i, (p, n) in enumerate(zip(prompts, lens))]
     for s in seqs:
         sched.add(s)
-    loop = StepLoop(sched, engine, overlap=overlap)
+    loop = StepLoop(sched, engine, overlap=overlap, depth=depth)
     while loop.busy:
         loop.step()
         sched.blocks.check()
     return [s.output_ids for s in seqs], loop.overlapped
 
 
-def test_graph_buffers_and_device_gathered_inputs(tmp_path, monkeypatch):
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_graph_buffers_and_device_gathered_inputs(tmp_path, monkeypatch, depth):
+    """With 1 to 3 launched steps in flight (the staging sets used in turn)."""
     torch.set_num_threads(1)
     d = build_model("qwen2", tmp_path / "q", seed=2)
     g = torch.Generator().manual_seed(0)
@@ -71,7 +73,7 @@ def test_graph_buffers_and_device_gathered_inputs(tmp_path, monkeypatch):
     from surge.engines.decoder import model as model_mod
 
     monkeypatch.setattr(model_mod, "paged_attention_torch", _host_graphs(engine, 6))
-    got, overlapped = _run(engine, prompts, lens, overlap=True)
+    got, overlapped = _run(engine, prompts, lens, overlap=True, depth=depth)
     assert got == want
     assert overlapped > 10
     got_sync, _ = _run(engine, prompts, lens, overlap=False)  # the graph path without overlap
@@ -104,7 +106,7 @@ def test_staged_block_tables_equal_a_full_refill(tmp_path):
         b = rng.choice((1, 3, 5, 8, 8, 8))
         tables = live[:b]
         bucket = next(x for x in g.buckets if x >= b)
-        k = step % 2
+        k = step % len(g.np_tables)
         g._stage_tables(k, tables, bucket)
         want = np.full((bucket, width), scratch, dtype=np.int32)
         for i, row in enumerate(tables):

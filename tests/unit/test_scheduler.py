@@ -185,25 +185,35 @@ class _Out:
 
 class FakeEngine:
     """Launched steps as the GPU engine runs them: a sequence's input token may be a placeholder, then
-    it must come from the previous launch's output (what the device gathers)."""
+    it must come from the previous launch's output (what the device gathers); with several launches
+    in flight, older tokens of the sequence may still be placeholders on the host too (the "device"
+    here remembers what it sampled)."""
 
-    def __init__(self):
+    def __init__(self, depth=1):
         self.launched = 0
+        self.depth = depth
+        self.sampled = {}  # (seq_id, index in token_ids) -> token sampled by a launch
 
     def can_launch(self, scheduled):
         return bool(scheduled) and all(s.num_tokens == 1 and s.sample and s.seq.fast for s in scheduled)
 
     def _token(self, s, prev=None):
+        sid = s.seq.seq_id
         toks = s.seq.token_ids[: s.start + s.num_tokens]
-        assert PLACEHOLDER not in toks[:-1], "only the newest input token can still be on the device"
-        if toks[-1] == PLACEHOLDER:
-            assert prev is not None and s.seq.seq_id in prev, "a placeholder input must be in the previous launch"
-            toks = toks[:-1] + [prev[s.seq.seq_id]]
+        holes = [i for i, t in enumerate(toks) if t == PLACEHOLDER]
+        assert all(i >= len(toks) - self.depth for i in holes), "only the newest `depth` tokens can be in flight"
+        if toks and toks[-1] == PLACEHOLDER:
+            assert prev is not None and sid in prev, "a placeholder input must be in the previous launch"
+            assert prev[sid] == self.sampled[sid, len(toks) - 1]
+        toks = [self.sampled[sid, i] if t == PLACEHOLDER else t for i, t in enumerate(toks)]
         return fake_token(toks)
 
     def launch(self, scheduled, prev):
         self.launched += 1
-        return {s.seq.seq_id: self._token(s, prev) for s in scheduled}
+        out = {s.seq.seq_id: self._token(s, prev) for s in scheduled}
+        for s in scheduled:
+            self.sampled[s.seq.seq_id, s.start + s.num_tokens] = out[s.seq.seq_id]
+        return out
 
     def collect(self, handle):
         return {k: _Out(v) for k, v in handle.items()}
@@ -220,7 +230,7 @@ class FakeTokenEngine(FakeEngine):
         return list(handle.values())  # in the launched (scheduled) order
 
 
-def _loop_run(overlap, seed, abort_at=None, engine_cls=FakeEngine):
+def _loop_run(overlap, seed, abort_at=None, engine_cls=FakeEngine, depth=1):
     from surge.runtime.scheduler.overlap import StepLoop
 
     rng = random.Random(seed)
@@ -237,8 +247,8 @@ def _loop_run(overlap, seed, abort_at=None, engine_cls=FakeEngine):
                                 logprobs=0 if host else None)
         seqs.append(Sequence(i, prompt, params))
     arrivals = sorted(rng.choice((0, 0, 15, 30)) + rng.randrange(0, 3) for _ in seqs)  # in bursts
-    engine = engine_cls()
-    loop = StepLoop(sched, engine, overlap=overlap)
+    engine = engine_cls(depth)
+    loop = StepLoop(sched, engine, overlap=overlap, depth=depth)
     streamed = {s.seq_id: [] for s in seqs}
     step, added = 0, 0
     while added < len(seqs) or loop.busy:
@@ -259,14 +269,15 @@ def _loop_run(overlap, seed, abort_at=None, engine_cls=FakeEngine):
     return seqs, streamed, loop, sched
 
 
+@pytest.mark.parametrize("depth", [1, 2, 3])
 @pytest.mark.parametrize("engine_cls", [FakeEngine, FakeTokenEngine])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_overlapped_steps_give_the_synchronous_results(seed, engine_cls):
-    """Stops found one step late, sequences joining a chain, host-path sequences breaking it,
+def test_overlapped_steps_give_the_synchronous_results(seed, engine_cls, depth):
+    """Stops found `depth` steps late, sequences joining a chain, host-path sequences breaking it,
     preemption between chains: the tokens, finish reasons and streamed tokens are those of the
-    synchronous loop (and of a sequence computed alone)."""
+    synchronous loop (and of a sequence computed alone), with 1 to 3 launched steps in flight."""
     a, sa, _, sched_a = _loop_run(False, seed)
-    b, sb, loop, sched_b = _loop_run(True, seed, engine_cls=engine_cls)
+    b, sb, loop, sched_b = _loop_run(True, seed, engine_cls=engine_cls, depth=depth)
     assert loop.overlapped >= 20, "the run must overlap steps"
     for x, y in zip(a, b):
         assert y.output_ids == x.output_ids and y.finish_reason == x.finish_reason, y.seq_id
@@ -276,8 +287,35 @@ def test_overlapped_steps_give_the_synchronous_results(seed, engine_cls):
     assert any(s.finish_reason == "stop" for s in b) and any(s.finish_reason == "length" for s in b)
     assert any(s.finish_reason == "stop" and not s.params.ignore_eos and s.output_ids[-1] in sched_b.eos for s in b)
     # aborted mid-chain: blocks free at once, nothing else changes
-    c, sc, _, _ = _loop_run(True, seed, abort_at=12, engine_cls=engine_cls)
+    c, sc, _, _ = _loop_run(True, seed, abort_at=12, engine_cls=engine_cls, depth=depth)
     for x, y in zip(a[3:], c[3:]):
         assert y.output_ids == x.output_ids
     for y in c[:3]:
         assert sc[y.seq_id] == [t for t in y.output_ids if t != PLACEHOLDER][: len(sc[y.seq_id])]
+
+
+def test_blocks_of_tokens_in_flight_are_not_named():
+    """Depth 2: step k is read back while k+1 and k+2 run, so the newest computed input (k+1's token)
+    is still a placeholder. The block it completes is not hashed into the prefix cache until the token
+    is known; then it is, with the hash a sequence that had the token from the start gets."""
+    cfg = SchedulerConfig(num_blocks=16, block_size=4, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64)
+    sched = Scheduler(cfg)
+    seq = Sequence(1, list(range(11, 20)), greedy(10))  # 9 prompt tokens
+    sched.add(seq)
+    first = sched.schedule()
+    sched.update(first, {1: 20})  # 9 computed, token 20 at index 9
+    steps = []
+    for _ in range(3):  # steps 1, 2, 3 launched (step 3 before step 1 is read back)
+        steps.append(sched.schedule())
+        sched.advance(steps[-1])
+    assert seq.num_computed == 12 and seq.token_ids[10:] == [PLACEHOLDER] * 3
+    sched.resolve_rows(steps[0], [21])  # step 1's token (index 10); index 11 is step 2's, in flight
+    assert len(seq.block_hashes) == 2, "block [8..11] holds a token still on the device"
+    sched.resolve_rows(steps[1], [22])
+    assert len(seq.block_hashes) == 3
+    fresh = BlockManager(16, 4, prefix_caching=True)
+    other = Sequence(2, list(range(11, 23)) + [7], greedy(1))
+    other.num_computed = 12
+    fresh.ensure(other, 12)
+    fresh.commit(other)
+    assert other.block_hashes == seq.block_hashes

@@ -126,7 +126,7 @@ class GenerateService(PromptText):
         self.metrics = GenerateMetrics(name, version, metrics_registry)
         # overlap needs a device that runs behind the host; on the CPU a step is the host's own work
         on_gpu = getattr(getattr(engine, "device", None), "type", "cpu") == "cuda"
-        self.loop = StepLoop(self.scheduler, engine, overlap=c.overlap_steps and on_gpu)
+        self.loop = StepLoop(self.scheduler, engine, overlap=c.overlap_steps and on_gpu, depth=c.overlap_depth)
         self._ids = itertools.count(1)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()

@@ -16,6 +16,9 @@ import torch
 from surge.engines.decoder.attention import AttnMeta
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# Host staging sets, used in turn: a set is refilled RING steps after its last use, so up to RING - 1
+# launched steps may be in flight (runtime/scheduler/overlap.py's depth) before the loop reads one back.
+RING = 4
 
 
 class DecodeGraphs:
@@ -40,16 +43,16 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (logits, argmax)
         self.pool = None
-        # pinned staging, filled through numpy views (no per-element torch calls); two sets, since
-        # with overlapped steps one set can still be in flight to the device while the next is filled
+        # pinned staging, filled through numpy views (no per-element torch calls); RING sets, since
+        # with overlapped steps a set can still be in flight to the device while the next is filled
         pin = dev.type == "cuda"
-        self.h_packed = [torch.zeros((5, n), dtype=torch.long, pin_memory=pin) for _ in range(2)]
-        self.h_tables = [torch.zeros((n, width), dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self.h_packed = [torch.zeros((5, n), dtype=torch.long, pin_memory=pin) for _ in range(RING)]
+        self.h_tables = [torch.zeros((n, width), dtype=torch.int32, pin_memory=pin) for _ in range(RING)]
         self.np_packed = [x.numpy() for x in self.h_packed]
         self.np_tables = [x.numpy() for x in self.h_tables]
         for t in self.np_tables:
             t[:] = engine.kv.scratch_block
-        self._staged = [[[] for _ in range(n)] for _ in range(2)]  # per set: the rows it holds (lists)
+        self._staged = [[[] for _ in range(n)] for _ in range(RING)]  # per set: the rows it holds (lists)
         self._views: dict = {}
         self._out_views: dict = {}
         self._slot = 0
@@ -133,7 +136,7 @@ class DecodeGraphs:
         bucket = next(x for x in self.buckets if x >= b)
         e = self.engine
         k = self._slot
-        self._slot ^= 1
+        self._slot = (k + 1) % RING
         p = self.np_packed[k]
         p[0, :b] = ids
         np.maximum(p[0, :b], 0, out=p[0, :b])  # placeholders (taken from `prev` on the device)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from surge.engines.decoder.attention import AttnMeta
+from surge.engines.decoder.graphs import RING as _RING
 from surge.engines.decoder.model import DecoderModel, KVCache
 from surge.engines.decoder.sampler import SampleOut, Sampler
 from surge.models.decoder import load_decoder_config, load_decoder_weights
@@ -82,7 +83,8 @@ class DecoderEngine:
         self.max_blocks_per_seq = -(-self.max_model_len // block_size)
         self.graphs = None
         self._pinned: list[torch.Tensor] = []
-        self._events = [torch.cuda.Event() for _ in range(2)] if cuda else []
+        # one read-back buffer and event per launched step that may be in flight (graphs.RING)
+        self._events = [torch.cuda.Event() for _ in range(_RING)] if cuda else []
         self._slot = 0
         if cuda and cuda_graphs:
             from surge.engines.decoder.graphs import DecodeGraphs
@@ -215,10 +217,10 @@ class DecoderEngine:
         out = Launch(seq_ids, rows, tokens, graph=use_graph)
         if self.device.type == "cuda":
             k = self._slot
-            self._slot ^= 1
-            if len(self._pinned) < 2 or self._pinned[k].shape[0] < b:
+            self._slot = (k + 1) % _RING
+            if len(self._pinned) < _RING or self._pinned[k].shape[0] < b:
                 size = max(b, self.max_num_seqs)
-                self._pinned = [torch.empty(size, dtype=torch.long, pin_memory=True) for _ in range(2)]
+                self._pinned = [torch.empty(size, dtype=torch.long, pin_memory=True) for _ in range(_RING)]
             out.host = self._pinned[k][:b]
             out.host.copy_(tokens, non_blocking=True)
             out.event = self._events[k]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from surge.runtime.scheduler.sequence import Sequence
+from surge.runtime.scheduler.sequence import PLACEHOLDER, Sequence
 
 _ROOT = 0x5EED
 
@@ -97,7 +97,12 @@ class BlockManager:
         if not self.prefix_caching:
             return
         bs = self.block_size
-        full = min(seq.num_computed, seq.num_tokens) // bs
+        known = min(seq.num_computed, seq.num_tokens)
+        # with several launched steps in flight the newest computed inputs are still placeholders
+        # (engines gather them on the device): only blocks of known tokens are named
+        while known and seq.token_ids[known - 1] == PLACEHOLDER:
+            known -= 1
+        full = known // bs
         parent = seq.block_hashes[-1] if seq.block_hashes else _ROOT
         for i in range(len(seq.block_hashes), full):
             h = chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])

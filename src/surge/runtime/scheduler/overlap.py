@@ -10,8 +10,14 @@ sequence to its row of step k), so only positions, slots and block tables come
 from the host, and those are known without the tokens. Then step k is read
 back (one small device-to-host copy) and resolved while step k+1 runs.
 
+`depth` steps may be in flight before the oldest is read back (1: step k+1 runs while step k is
+read; 2, the default: k+1 and k+2 are queued on the device while the host reads k, so a slow host
+iteration, e.g. the event loop holding the GIL while it hands a step's tokens to 64 streams, does
+not leave the device idle). A launched step's input token is the previous launch's output, gathered
+on the device, so the host needs no token of a step in flight.
+
 The cost: a sequence that stops at step k (EOS, a stop token) has already been
-launched in step k+1; that token is dropped. Sequences whose last token is
+launched in steps k+1 .. k+depth; those tokens are dropped. Sequences whose last token is
 launched (max_tokens, max_model_len) are not scheduled again ("draining").
 Anything else (a prompt to prefill, sampling or penalties that need the host,
 a block that would need a preemption) first reads the running step back and
@@ -26,6 +32,7 @@ object per token).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from surge.runtime.scheduler.scheduler import Finished, ScheduledSeq, Scheduler
@@ -40,12 +47,18 @@ class StepResult:
     samples: dict | None = None  # seq_id -> SampleOut where the engine sampled on the host (logprobs)
 
 
+MAX_DEPTH = 3  # the engine keeps RING = MAX_DEPTH + 1 staging and read-back sets (engines/decoder/graphs.py)
+
+
 class StepLoop:
-    def __init__(self, scheduler: Scheduler, engine, overlap: bool = True):
+    def __init__(self, scheduler: Scheduler, engine, overlap: bool = True, depth: int = 2):
+        if not 1 <= depth <= MAX_DEPTH:
+            raise ValueError(f"depth must be 1 to {MAX_DEPTH}, not {depth}")
         self.scheduler = scheduler
         self.engine = engine
         self.overlap = overlap
-        self._inflight: tuple[list[ScheduledSeq], object] | None = None
+        self.depth = depth
+        self._inflight: deque[tuple[list[ScheduledSeq], object]] = deque()  # oldest first
         self._current: list[ScheduledSeq] = []
         self.steps = 0
         self.overlapped = 0  # steps launched while the previous one ran
@@ -53,19 +66,24 @@ class StepLoop:
 
     @property
     def busy(self) -> bool:
-        return self._inflight is not None or self.scheduler.has_work
+        return bool(self._inflight) or self.scheduler.has_work
 
     def involved(self) -> list:
         """Sequences of the steps being run (to fail them when the engine raises); clears the state."""
         seqs = [s.seq for s in self._current]
-        if self._inflight is not None:
-            seqs += [s.seq for s in self._inflight[0]]
-        self._inflight, self._current = None, []
+        for scheduled, _ in self._inflight:
+            seqs += [s.seq for s in scheduled]
+        self._inflight.clear()
+        self._current = []
         return list({id(q): q for q in seqs}.values())
 
+    def _complete_all(self, results: list[StepResult]) -> None:
+        while self._inflight:
+            results.append(self._complete())
+
     def _complete(self) -> StepResult:
-        scheduled, handle = self._inflight
-        self._inflight = None
+        """Read back the oldest launched step."""
+        scheduled, handle = self._inflight.popleft()
         collect_tokens = getattr(self.engine, "collect_tokens", None)
         if collect_tokens is not None:
             # in the order of the scheduled list the step was launched with; a sequence that ended
@@ -84,24 +102,25 @@ class StepLoop:
         sched, engine = self.scheduler, self.engine
         results: list[StepResult] = []
         self.stalled = False
-        if self._inflight is not None and not sched.decode_fits():
-            results.append(self._complete())
+        if self._inflight and not sched.decode_fits():
+            self._complete_all(results)
         if not sched.has_work:
-            if self._inflight is not None:
-                results.append(self._complete())
+            self._complete_all(results)
             return results
         scheduled = sched.schedule()
         self._current = scheduled
-        if self._inflight is not None:
+        if self._inflight:
             if scheduled and engine.can_launch(scheduled):
-                handle = engine.launch(scheduled, self._inflight[1])
+                handle = engine.launch(scheduled, self._inflight[-1][1])
                 sched.advance(scheduled)
                 self.overlapped += 1
                 self.steps += 1
-                results.append(self._complete())
-                self._inflight, self._current = (scheduled, handle), []
+                self._inflight.append((scheduled, handle))
+                self._current = []
+                while len(self._inflight) > self.depth:
+                    results.append(self._complete())
                 return results
-            results.append(self._complete())
+            self._complete_all(results)
             scheduled = [s for s in scheduled if s.seq.status is SeqStatus.RUNNING]
         if not scheduled:
             self._current = []
@@ -111,7 +130,8 @@ class StepLoop:
         if self.overlap and engine.can_launch(scheduled):
             handle = engine.launch(scheduled, None)
             sched.advance(scheduled)
-            self._inflight, self._current = (scheduled, handle), []
+            self._inflight.append((scheduled, handle))
+            self._current = []
             return results
         outs = engine.step(scheduled)
         tokens = {k: o.token for k, o in outs.items()}
