@@ -25,6 +25,7 @@ Variants (comma-separated, each a '+'-joined list of options on top of session 2
   pdl        programmatic dependent launch of the fused path's Triton kernels (session 10)
   d1 / d3    1 / 3 launched decode steps in flight before the oldest is read back (default 2; session 9
              and before: 1)
+  ta         the one-kernel attention launched with --attn-launch's warps and stages (session 10)
   gu         SiLU(gate) * up in one Triton kernel at decode sizes (kernels/gate_up.py) with the plan of
              --gate-up-plan (session 10); without it cuBLAS + silu_mul
 The session-7 engine (the defaults before session 8) is argmax+attn256+targmax.
@@ -72,6 +73,15 @@ def use_gate_up(variant: str, plan: str | None) -> None:
         gate_up.PLANS[(4864, 896)] = gate_up.GateUpPlan(int(bn), int(bk), int(nw), int(st), sw.lower() == "true")
 
 
+def use_attn_launch(variant: str, launch: str) -> None:
+    """The decode attention's launch shape for the next engine: --attn-launch for a "ta" variant, else
+    session 10's (4 warps, 2 stages). Captured into the engine's graphs when it is built."""
+    from surge.engines.kernels import decode_attention
+
+    warps, stages = (launch.split(",") if "ta" in variant.split("+") else ("4", "2"))
+    decode_attention.LAUNCH.update(num_warps=int(warps), num_stages=int(stages))
+
+
 def blas(lt: bool) -> None:
     torch.backends.cuda.preferred_blas_library("cublaslt" if lt else "cublas")
 
@@ -103,6 +113,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=int, default=8192)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--attn-launch", default="4,2", help="num_warps,num_stages of the ta variants")
     ap.add_argument("--gate-up-plan", default="32,128,4,3,false",
                     help="BLOCK_N,BLOCK_K,num_warps,num_stages,swap of the gu variants (Qwen2-0.5B's MLP)")
     ap.add_argument("--settle", action="store_true", help="gc_settle.settle() after the warm-up (as the server)")
@@ -129,6 +140,7 @@ def main(argv=None) -> int:
             kw, lt = engine_kwargs(v)
             blas(lt)
             use_gate_up(v, args.gate_up_plan)
+            use_attn_launch(v, args.attn_launch)
             depth = next((int(o[1:]) for o in v.split("+") if o in ("d1", "d2", "d3")), 2)
             gen = GenerationConfig(max_num_seqs=n, max_num_batched_tokens=args.budget, max_model_len=max_len,
                                    cache_entries=0, prefix_caching=False, overlap_steps=True, overlap_depth=depth)

@@ -57,6 +57,7 @@ class DecoderModel:
         # and only where the GPU and Triton have it
         self.pdl = bool(pdl) and self.fused and self._pdl_supported()
         self._splitk = self._splitk_plans(decode_gemm) if self.fused else {}
+        self._gate_up_max_m = 0  # rows up to which the one-kernel gate/up runs (set with its plans)
         self._gate_up = self._gate_up_plans(decode_gemm) if self.fused else {}
         if self._splitk:
             from surge.engines.kernels.splitk_gemm import MAX_M, partials
@@ -119,7 +120,7 @@ class DecoderModel:
     def _mlp_in(self, h: torch.Tensor, name: str) -> torch.Tensor:
         """SiLU(h W_gate^T) * (h W_up^T): one kernel at decode sizes where a plan exists, else the GEMM
         (cuBLAS, or split-K partials) and silu_mul."""
-        plan = self._gate_up.get(name) if h.shape[0] <= getattr(self, "_gate_up_max_m", 0) else None
+        plan = self._gate_up.get(name) if h.shape[0] <= self._gate_up_max_m else None
         if plan is not None:
             return self._gate_up_silu(h, self.w[name], plan, pdl=self.pdl)
         from surge.engines.kernels.decoder_fused import silu_mul

@@ -21,6 +21,10 @@ import triton.language as tl
 from surge.engines.kernels.pdl import launch_kw, wait_then_release
 from surge.engines.kernels.splitk_gemm import sum_splits
 
+# Launch shape of the kernel (warps, software-pipelining stages): session 10's form, measured against the
+# alternatives by benchmarks/gpu_decode_attention.py.
+LAUNCH = {"num_warps": 4, "num_stages": 2}
+
 
 @triton.jit
 def _head_rows(qkv_ptr, bias_ptr, base, col, cols_p, mask, stride_s, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr):
@@ -118,13 +122,14 @@ def _decode_attn(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, 
 def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                      slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
                      nq: int, nkv: int, d: int, bias: torch.Tensor | None = None, block_n: int | None = None,
-                     pdl: bool = False) -> torch.Tensor:
+                     pdl: bool = False, num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """A decode step (meta.max_query == 1: token i is sequence i's) -> attention output [T, nq, d].
 
     qkv: the QKV GEMM's output [T, (nq + 2 nkv) d], or its split-K partials [S, T, (nq + 2 nkv) d]
     (FP32) with the GEMM's `bias` still to add; cos / sin [max_pos, d]; caches [blocks, page, nkv, d],
     into which k and v of every token are written at `slots`. Equals `rope_and_cache` followed by
-    `paged_attention(..., block_n=block_n)` (block_n: keys per iteration, default 64)."""
+    `paged_attention(..., block_n=block_n)` (block_n: keys per iteration, default 64). num_warps / num_stages:
+    the launch shape (default LAUNCH's)."""
     if meta.max_query != 1:
         raise ValueError("decode_attention serves decode steps (one new token per sequence)")
     splits = qkv.shape[0] if qkv.dim() == 3 else 0
@@ -143,5 +148,6 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, po
         qkv.stride(-2), qkv.stride(0) if splits else 0, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
         NQ=nq, NKV=nkv, G=g, D=d, PAGE=page, SPLITS=splits, HAS_BIAS=bias is not None, BLOCK_M=block_m,
-        BLOCK_N=block_n or 64, PDL=pdl, num_warps=4, num_stages=2, **launch_kw(pdl))
+        BLOCK_N=block_n or 64, PDL=pdl, num_warps=num_warps or LAUNCH["num_warps"],
+        num_stages=num_stages or LAUNCH["num_stages"], **launch_kw(pdl))
     return out

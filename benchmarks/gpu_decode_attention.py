@@ -1,0 +1,105 @@
+"""Launch shapes of the decode step's one-kernel attention (engines/kernels/decode_attention.py), issue 18.
+
+Qwen2-0.5B's decode step at 64 streams: 14 query / 2 kv heads of 64, the QKV GEMM's output as 7 split-K
+partials plus the bias, contexts drawn from 129-256 tokens (the middle of a 128 + 128 round), 24 layers'
+distinct caches. Every (keys per tile, warps, stages) is checked against the two-kernel path
+(rope_and_cache + paged_attention, bit for bit where the tile is the same) and timed as 24 launches in one
+CUDA graph (median of 7 timings of 20 replays), next to the two-kernel path. Prints a table; --json.
+
+    PYTHONPATH=src python3 benchmarks/gpu_decode_attention.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_decode_gemms import timed  # noqa: E402
+
+B, NQ, NKV, D, PAGE, LAYERS, SPLITS = 64, 14, 2, 64, 16, 24, 7
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    from surge.engines.decoder.attention import AttnMeta
+    from surge.engines.kernels.decode_attention import LAUNCH, decode_attention
+    from surge.engines.kernels.decoder_fused import rope_and_cache
+    from surge.engines.kernels.paged_attention import paged_attention
+
+    g = torch.Generator().manual_seed(0)
+    dev, bf = "cuda", torch.bfloat16
+    ctxs = torch.randint(129, 257, (B,), generator=g).tolist()
+    per = 256 // PAGE
+    nb = B * per + 1
+    perm = torch.randperm(B * per, generator=g)
+    tables = perm.view(B, per).to(dev, torch.int32)
+    slots = torch.tensor([int(tables[i, (c - 1) // PAGE]) * PAGE + (c - 1) % PAGE for i, c in enumerate(ctxs)],
+                         device=dev)
+    meta = AttnMeta(slots, tables, torch.tensor(ctxs, dtype=torch.int32, device=dev),
+                    torch.arange(B + 1, dtype=torch.int32, device=dev), 1, [1] * B, ctxs, tables.tolist())
+    pos = torch.tensor([c - 1 for c in ctxs], device=dev)
+    kc = [torch.randn(nb, PAGE, NKV, D, generator=g).to(dev, bf) for _ in range(LAYERS)]
+    vc = [torch.randn(nb, PAGE, NKV, D, generator=g).to(dev, bf) for _ in range(LAYERS)]
+    width = (NQ + 2 * NKV) * D
+    qkv = (torch.randn(SPLITS, B, width, generator=g) / SPLITS ** 0.5).to(dev)
+    bias = torch.randn(width, generator=g).to(dev, bf)
+    inv = 1e6 ** (-torch.arange(0, D, 2) / D)
+    emb = torch.arange(1024, dtype=torch.float32)[:, None] * inv[None]
+    emb = torch.cat([emb, emb], -1)
+    cos, sin = emb.cos().to(dev, bf), emb.sin().to(dev, bf)
+    scale = D ** -0.5
+
+    def split(block_n):
+        def run():
+            for li in range(LAYERS):
+                q = rope_and_cache(qkv, cos, sin, pos, slots, kc[li], vc[li], NQ, NKV, D, bias=bias)
+                paged_attention(q, kc[li], vc[li], meta, scale, block_n=block_n)
+        return run
+
+    rows = []
+    ref = {}
+    for bn in (64, 128, 256):
+        k0, v0 = kc[0].clone(), vc[0].clone()
+        q = rope_and_cache(qkv, cos, sin, pos, slots, k0, v0, NQ, NKV, D, bias=bias)
+        ref[bn] = paged_attention(q, k0, v0, meta, scale, block_n=bn)
+        rows.append({"path": "rope_and_cache + paged_attention", "block_n": bn, "num_warps": 4, "num_stages": 2,
+                     "us": timed(split(bn)) / LAYERS, "equal": True})
+    for bn in (64, 128, 256):
+        for nw in (2, 4, 8):
+            for st in (1, 2, 3):
+                try:
+                    out = decode_attention(qkv, cos, sin, pos, slots, kc[0].clone(), vc[0].clone(), meta, scale,
+                                           NQ, NKV, D, bias=bias, block_n=bn, num_warps=nw, num_stages=st)
+                    err = (out.float() - ref[bn].float()).abs().max().item()
+                    if not err < 2e-2:
+                        print(f"  WRONG block_n {bn} warps {nw} stages {st}: max err {err}", flush=True)
+                        continue
+                    t = timed(lambda: [decode_attention(qkv, cos, sin, pos, slots, kc[li], vc[li], meta, scale, NQ,
+                                                        NKV, D, bias=bias, block_n=bn, num_warps=nw, num_stages=st)
+                                       for li in range(LAYERS)]) / LAYERS
+                except Exception as exc:
+                    print(f"  failed block_n {bn} warps {nw} stages {st}: {type(exc).__name__}: {str(exc)[:100]}")
+                    continue
+                rows.append({"path": "decode_attention", "block_n": bn, "num_warps": nw, "num_stages": st, "us": t,
+                             "equal": bool(torch.equal(out, ref[bn]))})
+    print(f"\n64 streams, contexts 129-256, us a layer (24 layers in one graph); default launch {LAUNCH}")
+    print("| path | keys a tile | warps | stages | us | bits equal to the two-kernel path |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    for r in sorted(rows, key=lambda r: r["us"]):
+        print(f"| {r['path']} | {r['block_n']} | {r['num_warps']} | {r['num_stages']} | {r['us']:.2f} | {r['equal']} |")
+    if args.json:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
