@@ -75,7 +75,7 @@ def use_gate_up(variant: str, plan: str | None) -> None:
 
 def use_attn_launch(variant: str, launch: str) -> None:
     """The decode attention's launch shape for the next engine: --attn-launch for a "ta" variant, else
-    session 10's (4 warps, 2 stages). Captured into the engine's graphs when it is built."""
+    session 10's first form (4 warps, 2 stages). Captured into the engine's graphs when it is built."""
     from surge.engines.kernels import decode_attention
 
     warps, stages = (launch.split(",") if "ta" in variant.split("+") else ("4", "2"))
