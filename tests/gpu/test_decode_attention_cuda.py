@@ -10,21 +10,13 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.cuda
 
 
-def _decode_meta(ctxs, page, nb, dev, g):
-    from surge.engines.decoder.attention import AttnMeta
+def _decode_meta(ctxs, page, nb, dev):
+    """A decode step's metadata (one new token per sequence, at position ctx - 1) over random blocks."""
+    from tests.gpu.test_decoder_cuda import _meta
 
-    perm = torch.randperm(nb, generator=g).tolist()
-    tables, off = [], 0
-    for c in ctxs:
-        k = -(-c // page)
-        tables.append(perm[off:off + k])
-        off += k
-    width = max(len(t) for t in tables)
-    tab = torch.tensor([t + [nb - 1] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
-    b = len(ctxs)
-    slots = torch.tensor([t[(c - 1) // page] * page + (c - 1) % page for t, c in zip(tables, ctxs)], device=dev)
-    meta = AttnMeta(slots, tab, torch.tensor(ctxs, dtype=torch.int32, device=dev),
-                    torch.arange(b + 1, dtype=torch.int32, device=dev), 1, [1] * b, list(ctxs), tables)
+    meta = _meta([1] * len(ctxs), ctxs, page, nb, dev)
+    meta.slot_mapping = torch.tensor([t[(c - 1) // page] * page + (c - 1) % page for t, c in zip(meta.tables, ctxs)],
+                                     device=dev)
     return meta, torch.tensor([c - 1 for c in ctxs], device=dev)
 
 
@@ -47,7 +39,8 @@ def test_decode_attention_equals_rope_cache_then_paged_attention(hq, hkv, d, spl
     g = torch.Generator().manual_seed(hq * 1000 + splits)
     dev, page, nb, bf = "cuda", 16, 600, torch.bfloat16
     ctxs = [1, 2, 15, 16, 17, 63, 64, 65, 255, 256, 257, 300, 700, 31, 129, 1]
-    meta, pos = _decode_meta(ctxs, page, nb, dev, g)
+    torch.manual_seed(hq * 1000 + splits)
+    meta, pos = _decode_meta(ctxs, page, nb, dev)
     t, width = len(ctxs), (hq + 2 * hkv) * d
     cache0 = torch.randn(nb, page, hkv, d, generator=g).to(dev, bf)
     vcache0 = torch.randn(nb, page, hkv, d, generator=g).to(dev, bf)
@@ -75,8 +68,7 @@ def test_decode_attention_equals_rope_cache_then_paged_attention(hq, hkv, d, spl
 def test_decode_attention_refuses_prefill():
     from surge.engines.kernels.decode_attention import decode_attention
 
-    g = torch.Generator().manual_seed(0)
-    meta, pos = _decode_meta([5, 9], 16, 8, "cuda", g)
+    meta, pos = _decode_meta([5, 9], 16, 8, "cuda")
     meta.max_query = 2
     cache = torch.zeros(8, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="decode steps"):
