@@ -33,6 +33,7 @@ def distill(
     time_budget: float = typer.Option(600.0, "--time-budget", help="Seconds of training at most (0: no limit); the learning-rate schedule follows steps or time, whichever is further along."),
     batch_size: int = typer.Option(32, "--batch-size", help="Sentences per training step."),
     lr: float = typer.Option(5e-4, "--lr", help="AdamW learning rate (cosine decay after a short warm-up)."),
+    bank_weight: float = typer.Option(0.0, "--bank-weight", help="Weight of a ranking loss over a bank of the teacher's vectors of the training texts (0: off): each sentence's softmax over its cosines to 8,192 of them against the teacher's."),
     texts: Optional[Path] = typer.Option(None, "--texts", help="Training text: one per line or JSON lines with 'text' (a query log). Default: the shipped calibration queries + prose sentences + 20,000 variants of the queries + the shipped distillation text (assistant skills' utterances and replies, chit-chat; no held-out query)."),
     min_cosine: float = typer.Option(0.95, "--min-cosine", help="Gate: mean cosine to the teacher on the held-out queries."),
     min_top1: float = typer.Option(0.90, "--min-top1", help="Gate: retrieval top-1 agreement with the teacher (ties within 0.01 agree)."),
@@ -61,6 +62,7 @@ def distill(
     try:
         spec = load_model_spec(model_dir or bundled_model_dir())
         options = DistillOptions(layers=layers, ffn_size=ffn_size, precision=precision, steps=steps, batch_size=batch_size, lr=lr, seed=seed, threads=threads,
+                                 bank_weight=bank_weight,
                                  time_budget=time_budget, layer_choice=layer_choice,
                                  texts=read_texts(texts) if texts else None)
         options.check(spec.num_layers, spec.config.get("intermediate_size"))

@@ -23,7 +23,13 @@ Loss per batch (real tokens only; padding carries no meaning):
   vector alone under-constrains the tokens, and the intermediate targets
   give the early layers a signal of their own;
 - classifiers: additionally the KL divergence of the softened logits
-  (temperature 2, Hinton et al. 2015).
+  (temperature 2, Hinton et al. 2015);
+- optionally (`bank_weight`, off by default) a ranking loss over a bank of the
+  teacher's pooled vectors of the training texts: each batch sentence's
+  softmax over its cosines to BANK_SIZE bank sentences (the sentence itself
+  left out, temperature BANK_TEMPERATURE) against the teacher's, KL divergence.
+  The gate's top-1 asks which of ~1,800 sentences is nearest; the in-batch
+  relation sees 31 others, the bank thousands (session 10).
 
 The word-embedding table is frozen (shared with the teacher); the teacher's
 targets (every kept layer's states and the pooled vector) are computed once
@@ -87,6 +93,7 @@ class DistillOptions:
     threads: int = 0
     temperature: float = 2.0
     precision: str = "fp32"  # "bf16": the student's forward and backward under CPU bf16 autocast (weights stay FP32)
+    bank_weight: float = 0.0  # weight of the ranking loss over a bank of the teacher's vectors (0: off)
 
     def check(self, teacher_layers: int, teacher_ffn: int | None = None) -> None:
         if not 1 <= self.layers <= teacher_layers:
@@ -107,6 +114,8 @@ class DistillOptions:
             raise ConfigError(f"--precision must be 'fp32' or 'bf16', not {self.precision!r}")
         if self.time_budget < 0:
             raise ConfigError("--time-budget must be >= 0 seconds (0: no limit)")
+        if self.bank_weight < 0:
+            raise ConfigError("--bank-weight must be >= 0 (0: no bank loss)")
 
 
 @dataclass
@@ -283,6 +292,8 @@ def make_student(teacher, kept: list[int]):
 
 RELATION_WEIGHT = 10.0
 HIDDEN_WEIGHT = 0.1
+BANK_SIZE = 8192  # bank sentences drawn per step (all of them when there are fewer)
+BANK_TEMPERATURE = 0.05  # sharp: the nearest neighbours, what top-1 turns on, carry the loss
 
 
 def _pool(hidden, mask, pooling: str):
@@ -371,9 +382,11 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
         warmed = min(1.0, max(p, (step + 1) / options.steps) / options.warmup) if options.warmup else 1.0
         return options.lr * warmed * 0.5 * (1 + math.cos(math.pi * min(1.0, p)))
 
+    bank = F.normalize(torch.stack(targets.pooled).float(), dim=-1) if options.bank_weight else None
+    bank_rng = torch.Generator().manual_seed(options.seed)
     batches: list[list[int]] = []
     losses: list[float] = []
-    parts = {"cosine": 0.0, "relation": 0.0, "hidden": 0.0}
+    parts = {"cosine": 0.0, "relation": 0.0, "hidden": 0.0, "bank": 0.0}
     step, done = 0, False
     while not done:
         if not batches:
@@ -393,6 +406,10 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
         s_unit, t_unit = F.normalize(s_pooled, dim=-1), F.normalize(t_pooled, dim=-1)
         rel_loss = F.mse_loss(s_unit @ s_unit.T, t_unit @ t_unit.T)
         loss = cos_loss + RELATION_WEIGHT * rel_loss + HIDDEN_WEIGHT * hidden_loss
+        bank_loss = torch.zeros(())
+        if bank is not None:
+            bank_loss = _bank_loss(s_unit, t_unit, bank, picked, bank_rng)
+            loss = loss + options.bank_weight * bank_loss
         if classifier:
             tau = options.temperature
             t_logits = torch.stack([targets.logits[i] for i in picked])
@@ -405,7 +422,8 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         losses.append(float(loss.detach()))
-        parts.update(cosine=float(cos_loss.detach()), relation=float(rel_loss.detach()), hidden=float(hidden_loss.detach()))
+        parts.update(cosine=float(cos_loss.detach()), relation=float(rel_loss.detach()), hidden=float(hidden_loss.detach()),
+                     bank=float(bank_loss.detach()))
         step += 1
         reached = progress_at(step)
         done = step >= options.steps or reached >= 1.0
@@ -419,13 +437,33 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
                           "ffn_choice": ffn_choice,
                           "task": "classify" if classifier else "embed",
                           "loss": f"1-cos(pooled) + {RELATION_WEIGHT:g} MSE(in-batch cosines) + {HIDDEN_WEIGHT:g} "
-                                  "sum_layers MSE(hidden)/E[teacher^2]" + (" + KL(logits, T=2)" if classifier else ""),
+                                  "sum_layers MSE(hidden)/E[teacher^2]" + (" + KL(logits, T=2)" if classifier else "")
+                                  + (f" + {options.bank_weight:g} KL(bank ranking, T={BANK_TEMPERATURE:g}, "
+                                     f"{BANK_SIZE} of {len(texts)})" if options.bank_weight else ""),
                           "last_loss_parts": {k: round(v, 6) for k, v in parts.items()},
                           "layer_choice": choice,
                           "steps_planned": options.steps, "time_budget_s": options.time_budget,
                           "stopped_by": "steps" if len(losses) >= options.steps else "time budget",
                           "batch_size": options.batch_size, "lr": options.lr, "seed": options.seed,
-                          "precision": options.precision})
+                          "precision": options.precision, "bank_weight": options.bank_weight})
+
+
+def _bank_loss(s_unit, t_unit, bank, picked: list[int], gen):
+    """KL(teacher || student) of each batch sentence's softmax over its cosines to BANK_SIZE bank vectors
+    (the teacher's; the sentence's own entry masked), at BANK_TEMPERATURE; batchmean."""
+    import torch
+    import torch.nn.functional as F
+
+    n = bank.shape[0]
+    cols = torch.randperm(n, generator=gen)[:BANK_SIZE] if n > BANK_SIZE else torch.arange(n)
+    sub = bank[cols]
+    own = torch.as_tensor(picked)[:, None] == cols[None, :]
+    s_logits = (s_unit @ sub.T / BANK_TEMPERATURE).masked_fill(own, float("-inf"))
+    t_logits = (t_unit @ sub.T / BANK_TEMPERATURE).masked_fill(own, float("-inf"))
+    t_prob = F.softmax(t_logits, -1)
+    s_logp = F.log_softmax(s_logits, -1).masked_fill(own, 0.0)
+    t_logp = F.log_softmax(t_logits, -1).masked_fill(own, 0.0)
+    return (t_prob * (t_logp - s_logp)).sum(-1).mean()
 
 
 def _length_bucketed(encoded: list, batch_size: int, rng) -> list[list[int]]:
