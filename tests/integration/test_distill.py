@@ -141,3 +141,23 @@ def test_default_text_carries_the_shipped_distillation_text_and_the_defaults_fit
     options = DistillOptions()
     assert options.layers == 4 and options.time_budget == 600.0 and options.steps > 10_000  # time ends a default run
     options.check(6)
+
+
+def test_bank_weight_trains_with_the_ranking_loss(tmp_path):
+    """--bank-weight through the CLI: the bank term is in the loss (reported), finite, and falls with the rest."""
+    from surge.data import calibration_queries, load_sentences
+
+    teacher = make_tiny_bert(tmp_path / "teacher", seed=6, layers=3, hidden=64, heads=4)
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(calibration_queries() + load_sentences()) + "\n", encoding="utf-8")
+    out = tmp_path / "student"
+    result = CliRunner().invoke(app, ["distill", str(teacher), "-o", str(out), "--layers", "2", "--steps", "30",
+                                      "--texts", str(texts), "--time-budget", "0", "--batch-size", "16", "--lr", "1e-3",
+                                      "--bank-weight", "0.5", "--max-sentences", "16", "--force", "--no-latency",
+                                      "--threads", "2", "--cache-dir", str(CACHE_DIR)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "distill.json").read_text())
+    assert report["bank_weight"] == 0.5 and "KL(bank ranking" in report["loss"]
+    assert set(report["last_loss_parts"]) == {"cosine", "relation", "hidden", "bank"}
+    assert np.isfinite(report["last_loss_parts"]["bank"]) and report["last_loss_parts"]["bank"] > 0
+    assert report["loss_last_10pct"] < report["loss_first_10pct"], report["losses"]

@@ -386,7 +386,7 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
     bank_rng = torch.Generator().manual_seed(options.seed)
     batches: list[list[int]] = []
     losses: list[float] = []
-    parts = {"cosine": 0.0, "relation": 0.0, "hidden": 0.0, "bank": 0.0}
+    parts = {"cosine": 0.0, "relation": 0.0, "hidden": 0.0}  # the loss's terms (+ "bank" when it is on)
     step, done = 0, False
     while not done:
         if not batches:
@@ -422,8 +422,9 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         losses.append(float(loss.detach()))
-        parts.update(cosine=float(cos_loss.detach()), relation=float(rel_loss.detach()), hidden=float(hidden_loss.detach()),
-                     bank=float(bank_loss.detach()))
+        parts.update(cosine=float(cos_loss.detach()), relation=float(rel_loss.detach()), hidden=float(hidden_loss.detach()))
+        if bank is not None:
+            parts["bank"] = float(bank_loss.detach())
         step += 1
         reached = progress_at(step)
         done = step >= options.steps or reached >= 1.0
