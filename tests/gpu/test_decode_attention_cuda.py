@@ -91,7 +91,6 @@ def _chain(x0, w, pdl):
     return x, h, argmax_rows(h, block=256, pdl=pdl)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
 def test_pdl_chain_in_a_cuda_graph_equals_plain_launches():
     """The PDL launches captured in a CUDA graph and replayed on 30 fresh inputs give the plain
     launches' bits every time (a kernel reading its predecessor's output before it is complete, the

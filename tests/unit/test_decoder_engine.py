@@ -253,11 +253,21 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
         load_decoder_config(tmp_path)
 
 
-def test_decode_gemm_switch_leaves_the_cpu_path_alone(model_dirs):
+def _forget_modules(monkeypatch, *names):
+    """Take kernel modules out of sys.modules for this test (restored after it), so that finding them
+    there afterwards means this test's code imported them, whatever ran earlier in the session."""
+    import sys
+
+    for name in names:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+
+
+def test_decode_gemm_switch_leaves_the_cpu_path_alone(model_dirs, monkeypatch):
     """decode_gemm (the split-K GEMMs of CUDA decode steps) is validated everywhere, and on the CPU
     no mode plans a split-K GEMM or imports Triton: the CPU forward stays plain torch."""
     import sys
 
+    _forget_modules(monkeypatch, "surge.engines.kernels.splitk_gemm", "surge.engines.kernels.gate_up")
     name = next(k for k in model_dirs if k != "gpt2")
     with pytest.raises(ValueError, match="decode_gemm"):
         DecoderEngine(model_dirs[name], num_blocks=8, block_size=4, decode_gemm="cutlass")
@@ -268,12 +278,13 @@ def test_decode_gemm_switch_leaves_the_cpu_path_alone(model_dirs):
     assert "surge.engines.kernels.gate_up" not in sys.modules
 
 
-def test_decode_attention_and_pdl_switches_leave_the_cpu_path_alone(model_dirs):
+def test_decode_attention_and_pdl_switches_leave_the_cpu_path_alone(model_dirs, monkeypatch):
     """decode_attention and pdl (the GPU decode step's one-kernel attention and dependent launches) are
     validated everywhere; on the CPU they select nothing and import no Triton kernel, and the greedy
     tokens are the same with every setting."""
     import sys
 
+    _forget_modules(monkeypatch, "surge.engines.kernels.decode_attention", "surge.engines.kernels.pdl")
     name = next(k for k in model_dirs if k != "gpt2")
     with pytest.raises(ValueError, match="decode_attention"):
         DecoderEngine(model_dirs[name], num_blocks=8, block_size=4, decode_attention="flash")

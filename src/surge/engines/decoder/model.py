@@ -59,6 +59,10 @@ class DecoderModel:
         self._splitk = self._splitk_plans(decode_gemm) if self.fused else {}
         self._gate_up_max_m = 0  # rows up to which the one-kernel gate/up runs (set with its plans)
         self._gate_up = self._gate_up_plans(decode_gemm) if self.fused else {}
+        if self.fused:  # resolved once here, not in every layer of every step
+            from surge.engines.kernels.decoder_fused import silu_mul
+
+            self._silu_mul = silu_mul
         if self._splitk:
             from surge.engines.kernels.splitk_gemm import MAX_M, partials
 
@@ -123,9 +127,7 @@ class DecoderModel:
         plan = self._gate_up.get(name) if h.shape[0] <= self._gate_up_max_m else None
         if plan is not None:
             return self._gate_up_silu(h, self.w[name], plan, pdl=self.pdl)
-        from surge.engines.kernels.decoder_fused import silu_mul
-
-        return silu_mul(self._proj(h, name), h.dtype, pdl=self.pdl)
+        return self._silu_mul(self._proj(h, name), h.dtype, pdl=self.pdl)
 
     # -- pieces ---------------------------------------------------------------------------------------
     LINEAR = ("qkv", "o", "fc_in", "fc_out", "up_gate", "down")
