@@ -170,6 +170,7 @@ def main(args, console) -> dict:
         results["student"].pop("losses", None)
 
     # 5. End to end: surge serve --artifact, FP32 vs INT8, closed loop, N clients, no cache.
+    work.mkdir(parents=True, exist_ok=True)  # --serve-only skips the steps that made it
     qfile = work / "heldout.txt"
     qfile.write_text("\n".join(held) + "\n")
     if args.clients:

@@ -1,7 +1,8 @@
 """Several `surge serve --artifact` setups against each other end to end, alternating round by round.
 
 Each entry is NAME=ARTIFACT or NAME=ARTIFACT@SRC (serve that artifact with the surge source tree SRC,
-e.g. a `git worktree` of an older commit, to compare server code on one artifact). Every round serves each
+e.g. a `git worktree` of an older commit, to compare server code on one artifact), optionally followed by
+`::FLAGS`, `surge serve` flags of that entry alone (after --serve-args), e.g. `int8-b8=ART::--max-batch-size 8`. Every round serves each
 entry alone (same flags), drives it with `surge bench run` (64 closed-loop clients on the held-out
 queries, cache off) and stops it; the table has every round and the medians, each against the first entry.
 
@@ -64,8 +65,9 @@ def main() -> None:
     entries = []
     for e in a.entries:
         name, _, rest = e.partition("=")
+        rest, _, flags = rest.partition("::")
         artifact, _, src = rest.partition("@")
-        entries.append((name, artifact, src or str(SRC)))
+        entries.append((name, artifact, src or str(SRC), shlex.split(flags)))
     console = Console()
     work = Path(tempfile.mkdtemp(prefix="surge-alt-"))
     queries = work / "queries.txt"
@@ -73,8 +75,8 @@ def main() -> None:
     rounds: list[dict] = []
     for r in range(a.rounds):
         row = {}
-        for name, artifact, src in entries:
-            row[name] = serve_once(name, artifact, src, shlex.split(a.serve_args), a.clients, a.duration, queries,
+        for name, artifact, src, flags in entries:
+            row[name] = serve_once(name, artifact, src, shlex.split(a.serve_args) + flags, a.clients, a.duration, queries,
                                    work, a.cores)
             console.print(f"round {r + 1} {name}: {row[name]['rps']:.1f} req/s, p50 {row[name]['p50_ms']:.1f} ms, "
                           f"errors {row[name]['errors']}")
@@ -83,7 +85,7 @@ def main() -> None:
     table = Table(title=f"{a.clients} clients, {a.duration:.0f} s a server, `{a.serve_args}`, {a.rounds} rounds")
     for col in ("setup", *[f"round {i + 1} req/s" for i in range(a.rounds)], "median req/s", f"x {first} (median of per-round)"):
         table.add_column(col, justify="right")
-    for name, _, _ in entries:
+    for name, *_ in entries:
         rps = [row[name]["rps"] for row in rounds]
         ratio = statistics.median(row[name]["rps"] / row[first]["rps"] for row in rounds)
         table.add_row(name, *[f"{x:.0f}" for x in rps], f"{statistics.median(rps):.0f}", f"{ratio:.3f}")

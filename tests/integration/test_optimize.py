@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -177,3 +178,23 @@ def test_latency_gate_refuses_an_artifact_not_faster_than_asked(tmp_path, senten
                                                  force=True, **kw), CACHE_DIR)
     m = json.loads((out / "manifest.json").read_text())
     assert forced.written and m["forced"] is True and m["promotion"]["latency"] is False
+    # The serving batch size is measured with the latency (optimize/serving_batch.py) and caps the batcher
+    # of `surge serve --artifact` unless the user sets one.
+    from surge.cli.bootstrap import load_service
+    from surge.config import BatchingConfig, EngineConfig, ServerConfig
+    from surge.optimize.serving_batch import SIZES, choose
+
+    serving = m["serving"]
+    assert set(serving["ms_per_query"]) == {str(s) for s in SIZES}
+    assert serving["max_batch_size"] == choose({int(k): v for k, v in serving["ms_per_query"].items()})
+    m["serving"]["max_batch_size"] = 5  # a value no default gives, so the assertion below can fail
+    (out / "manifest.json").write_text(json.dumps(m))
+    art_spec = load_model_spec(out)
+    for given, expected in ((ServerConfig(cache_dir=CACHE_DIR, engine=EngineConfig(threads=1)), 5),
+                            (ServerConfig(cache_dir=CACHE_DIR, engine=EngineConfig(threads=1),
+                                          batching=BatchingConfig(max_batch_size=7)), 7)):
+        service = load_service(given, art_spec, artifact=out)
+        try:
+            assert service.batcher.max_batch_size == expected
+        finally:
+            asyncio.run(service.close())

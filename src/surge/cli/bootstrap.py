@@ -70,7 +70,7 @@ def load_service(config: ServerConfig, spec: ModelSpec, version: str = "1", engi
     # Before any export: a model surge cannot serve fails the start naming its architecture.
     check_servable(spec.task_info, spec.model_type, spec.path)
     artifact = artifact or resolve_artifact(spec, engine, config.cache_dir, backbone=bool(heads))
-    batching = batching or config.batching
+    batching = _artifact_batch_cap(batching or config.batching, artifact)
     worker = build_worker(spec, artifact, engine, heads=heads, batch_tokens=batching.max_batch_tokens)
     service = ModelService(spec.name, version, worker, batching=batching,
                            cache=cache or config.cache, limits=config.limits)
@@ -80,6 +80,18 @@ def load_service(config: ServerConfig, spec: ModelSpec, version: str = "1", engi
         service.views = [HeadView(service, worker.heads[h.name], h.name) for h in heads if h.name != spec.name]
         service.task = worker.heads[heads[0].name].task
     return service
+
+
+def _artifact_batch_cap(batching, artifact: Path | None):
+    """The batcher settings with the artifact's measured serving batch size (optimize/serving_batch.py) as the
+    cap, when nothing the user set (a flag, a SURGE_* variable, a model.yaml) names one."""
+    from surge.optimize.serving_batch import serving_hint
+
+    hint = serving_hint(artifact)
+    if hint is None or "max_batch_size" in batching.model_fields_set:
+        return batching
+    log.info("batches capped at %d: the artifact's measured serving batch size (--max-batch-size overrides)", hint)
+    return batching.model_copy(update={"max_batch_size": hint})
 
 
 def load_repository_version(config: ServerConfig, entry, *, single: bool = False):

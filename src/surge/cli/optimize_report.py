@@ -95,6 +95,11 @@ def render(console, manifest: dict, reports, explain: bool) -> None:
             console.print(f"latency gate: {verdict} ({gate['rule']})")
     elif latency:
         console.print(f"latency not measured: {latency.get('why')}")
+    serving = manifest.get("serving")
+    if serving:
+        per = ", ".join(f"{k}: {v:.2f}" for k, v in serving["ms_per_query"].items())
+        console.print(f"serving batch size: {serving['max_batch_size']} (ms a query by batch size, {serving['threads']} "
+                      f"thread: {per}); `surge serve --artifact` caps its batches there unless told otherwise")
 
     if explain:
         table = Table(title="passes")

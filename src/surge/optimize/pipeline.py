@@ -193,6 +193,11 @@ def optimize(spec: ModelSpec, out_dir: Path, options: OptimizeOptions, cache_dir
                                                   rounds=options.latency_rounds,
                                                   disabled_optimizers=manifest.get("ort_disabled_optimizers", ()),
                                                   min_speedup=options.min_speedup)
+            from surge.optimize import serving_batch
+
+            say("measuring the serving batch size (ONNX Runtime CPU, one thread)")
+            manifest["serving"] = serving_batch.measure(final.SerializeToString(), spec, heldout,
+                                                        manifest.get("ort_disabled_optimizers", ()))
         else:
             manifest["latency"] = {"measured": False,
                                    "why": "skipped (--no-latency)" if not options.measure_latency else "the artifact does not run on ONNX Runtime CPU (target gpu / bf16)"}
