@@ -2,7 +2,8 @@
 
 Each entry is NAME=ARTIFACT or NAME=ARTIFACT@SRC (serve that artifact with the surge source tree SRC,
 e.g. a `git worktree` of an older commit, to compare server code on one artifact), optionally followed by
-`::FLAGS`, `surge serve` flags of that entry alone (after --serve-args), e.g. `int8-b8=ART::--max-batch-size 8`. Every round serves each
+`::FLAGS`, `surge serve` flags of that entry alone (after --serve-args), e.g. `int8-b8=ART::--max-batch-size 8`;
+leading `KEY=VALUE` words of FLAGS are that server's environment variables instead. Every round serves each
 entry alone (same flags), drives it with `surge bench run` (64 closed-loop clients on the held-out
 queries, cache off) and stops it; the table has every round and the medians, each against the first entry.
 
@@ -29,14 +30,14 @@ sys.path.insert(0, str(SRC))
 
 
 def serve_once(name: str, artifact: str, src: str, serve_args: list[str], clients: int, duration: float,
-               queries: Path, work: Path, cores: str | None) -> dict:
+               queries: Path, work: Path, cores: str | None, env: dict | None = None) -> dict:
     from surge.bench.servers import ServerProc, free_port, surge_serve_argv
 
     port = free_port()
     argv = surge_serve_argv(port, "--artifact", artifact, "--cache-bytes", "0", *serve_args)
     pin = ["taskset", "-c", cores] if cores else []
     # the server runs SRC's code; the load generator always this tree's
-    with ServerProc(name, pin + argv, port, env={"PYTHONPATH": src}) as srv:
+    with ServerProc(name, pin + argv, port, env={"PYTHONPATH": src, **(env or {})}) as srv:
         report = work / f"{name}.json"
         subprocess.run(pin + [sys.executable, "-m", "surge.cli.main", "bench", "run", srv.url, "-p", "openai",
                               "-c", str(clients), "-d", str(duration), "--warmup", "5", "--query-log", str(queries),
@@ -67,7 +68,12 @@ def main() -> None:
         name, _, rest = e.partition("=")
         rest, _, flags = rest.partition("::")
         artifact, _, src = rest.partition("@")
-        entries.append((name, artifact, src or str(SRC), shlex.split(flags)))
+        words = shlex.split(flags)
+        env = {}
+        while words and "=" in words[0] and not words[0].startswith("-"):
+            key, _, value = words.pop(0).partition("=")
+            env[key] = value
+        entries.append((name, artifact, src or str(SRC), words, env))
     console = Console()
     work = Path(tempfile.mkdtemp(prefix="surge-alt-"))
     queries = work / "queries.txt"
@@ -75,9 +81,9 @@ def main() -> None:
     rounds: list[dict] = []
     for r in range(a.rounds):
         row = {}
-        for name, artifact, src, flags in entries:
+        for name, artifact, src, flags, env in entries:
             row[name] = serve_once(name, artifact, src, shlex.split(a.serve_args) + flags, a.clients, a.duration, queries,
-                                   work, a.cores)
+                                   work, a.cores, env)
             console.print(f"round {r + 1} {name}: {row[name]['rps']:.1f} req/s, p50 {row[name]['p50_ms']:.1f} ms, "
                           f"errors {row[name]['errors']}")
         rounds.append(row)
