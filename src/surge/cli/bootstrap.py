@@ -90,7 +90,8 @@ def _artifact_batch_cap(batching, artifact: Path | None):
     hint = serving_hint(artifact)
     if hint is None or "max_batch_size" in batching.model_fields_set:
         return batching
-    log.info("batches capped at %d: the artifact's measured serving batch size (--max-batch-size overrides)", hint)
+    print(f"surge: batches capped at {hint}, the serving batch size measured by `surge optimize` for {artifact} "
+          "(--max-batch-size overrides)", file=sys.stderr, flush=True)
     return batching.model_copy(update={"max_batch_size": hint})
 
 
