@@ -26,6 +26,11 @@ Variants (comma-separated, each a '+'-joined list of options on top of session 2
   d1 / d3    1 / 3 launched decode steps in flight before the oldest is read back (default 2; session 9
              and before: 1)
   ta         the one-kernel attention launched with --attn-launch's warps and stages (session 10)
+  pf         each layer's weights asked into L2 from a side stream a phase ahead (session 12;
+             kernels/l2_prefetch.py: the MLP's at the layer's start, the next layer's attention
+             weights at the MLP's start)
+  pfs        the same, staggered: gate/up at the layer's start; down and the next layer's qkv and o at
+             the MLP's start
   gu         SiLU(gate) * up in one Triton kernel at decode sizes (kernels/gate_up.py) with the plan of
              --gate-up-plan (session 10); without it cuBLAS + silu_mul
 The session-7 engine (the defaults before session 8) is argmax+attn256+targmax.
@@ -53,7 +58,8 @@ def engine_kwargs(variant: str) -> tuple[dict, bool]:
     opts = set(variant.split("+"))
     kw = dict(graph_fp32_logits="argmax" not in opts, decode_block_n=64, argmax_kernel="torch",
               decode_gemm="splitk" if "skall" in opts else "auto" if "sk" in opts else "cublas",
-              decode_attention="fused" if "fa" in opts else "split", pdl="pdl" in opts)
+              decode_attention="fused" if "fa" in opts else "split", pdl="pdl" in opts,
+              l2_prefetch="staggered" if "pfs" in opts else "pf" in opts)
     for o in opts:
         if o.startswith("attn"):
             kw["decode_block_n"] = int(o[4:])

@@ -265,3 +265,48 @@ def test_fused_decode_attention_and_pdl_change_no_bit(qwen_dir):
     for key, val in runs.items():
         assert val[0] == ref[0] and val[1] == ref[1], key
         assert val[2] == ref[2], key
+
+
+def test_l2_prefetch_changes_no_bit(qwen_dir):
+    """Weights asked into L2 from a side stream (kernels/l2_prefetch.py) are only a hint: the engine's
+    tokens and top-5 log-probabilities equal the engine's without it, through CUDA graphs and the
+    overlapped loop, on prompts of different lengths joining one batch."""
+    from surge.engines.decoder import DecoderEngine
+    from surge.engines.kernels import l2_prefetch
+
+    if not l2_prefetch.supported():
+        pytest.skip("the bulk L2 prefetch needs compute capability >= 9")
+    prompts = _prompts(384, 14)
+    runs = {}
+    for pf in (False, True):
+        e = DecoderEngine(qwen_dir, device="cuda", dtype="bf16", num_blocks=512, max_num_seqs=16, max_model_len=512,
+                          l2_prefetch=pf)
+        assert (e.model._pf_stream is not None) == pf
+        e.warmup()
+        tops: dict = {}
+        got = _run(e, prompts, 40, logprobs=5, tops=tops)
+        fast, _ = _run_overlapped(e, prompts, 40)
+        runs[pf] = (got, fast, tops)
+        del e
+    assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("sizes", [(1,), (7, 8193), (3 * 2 ** 20 + 5, 16, 2 ** 21, 999)])
+def test_bulk_prefetch_runs_on_any_size_and_leaves_data(sizes):
+    """bulk_prefetch launches over tensors of any length (below 16 bytes, past a chunk's end, up to four)
+    inside a captured graph and outside, and the tensors keep their values."""
+    from surge.engines.kernels.l2_prefetch import bulk_prefetch
+
+    ts = [torch.randn(n, device="cuda").to(torch.bfloat16) for n in sizes]
+    before = [t.clone() for t in ts]
+    bulk_prefetch(ts)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        bulk_prefetch(ts)
+    g.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(ts, before))
+    with pytest.raises(ValueError):
+        bulk_prefetch(ts * 5)

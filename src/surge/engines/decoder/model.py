@@ -20,7 +20,8 @@ from surge.models.decoder import DecoderConfig, rope_inv_freq
 class DecoderModel:
     def __init__(self, cfg: DecoderConfig, weights: dict, device: torch.device, dtype: torch.dtype,
                  attention: str = "torch", fused: bool = True, decode_block_n: int | None = None,
-                 decode_gemm: str = "auto", decode_attention: str = "fused", pdl: bool = True):
+                 decode_gemm: str = "auto", decode_attention: str = "fused", pdl: bool = True,
+                 l2_prefetch: bool | str = False):
         self.cfg = cfg
         self.w = weights
         self.device = device
@@ -57,6 +58,17 @@ class DecoderModel:
         # and only where the GPU and Triton have it
         self.pdl = bool(pdl) and self.fused and self._pdl_supported()
         self._splitk = self._splitk_plans(decode_gemm) if self.fused else {}
+        # decode steps: each layer's weights asked into L2 from a side stream a phase ahead
+        # (kernels/l2_prefetch.py); asked for, and only where the GPU has the bulk prefetch
+        self._pf_stream = None
+        # True / "mlp": the MLP's two matrices at the layer's start, the next layer's qkv and o at the MLP's;
+        # "staggered": gate/up at the layer's start, then down and the next layer's qkv and o at the MLP's
+        self._pf_plan = "staggered" if l2_prefetch == "staggered" else "mlp"
+        if l2_prefetch and self.fused and device.type == "cuda":
+            from surge.engines.kernels import l2_prefetch as l2
+
+            if l2.supported(device.index or 0):
+                self._pf_stream, self._bulk_prefetch = torch.cuda.Stream(device), l2.bulk_prefetch
         self._gate_up_max_m = 0  # rows up to which the one-kernel gate/up runs (set with its plans)
         self._gate_up = self._gate_up_plans(decode_gemm) if self.fused else {}
         if self.fused:  # resolved once here, not in every layer of every step
@@ -220,8 +232,11 @@ class DecoderModel:
         hd, nq, nkv = c.head_dim, c.num_heads, c.num_kv_heads
         one_kernel = meta.max_query == 1 and self.decode_attention == "fused"
         h = add_rmsnorm(x, None, w["l0.attn_norm"], c.norm_eps, pdl=pdl)
+        ahead = self._pf_stream is not None and meta.max_query == 1
         for i in range(c.num_layers):
             p = f"l{i}."
+            if ahead:  # this layer's MLP while its attention runs
+                self._prefetch((p + "up_gate", p + "down") if self._pf_plan == "mlp" else (p + "up_gate",))
             bias = w.get(p + "qkv.bias")
             qkv = self._proj(h, p + "qkv", bias)
             gemm_bias = bias if qkv.dim() == 3 else None  # split-K partials: the bias is the reader's to add
@@ -234,9 +249,22 @@ class DecoderModel:
                 a = self._triton(q, kv.k[i], kv.v[i], meta, self.scale, block_n=self.decode_block_n)
             nxt = w[f"l{i + 1}.attn_norm"] if i + 1 < c.num_layers else w["final_norm"]
             h = add_rmsnorm(x, self._proj(a.view(t, nq * hd), p + "o"), w[p + "mlp_norm"], c.norm_eps, pdl=pdl)
+            if ahead:  # the next layer's attention weights while this MLP runs
+                nxt_attn = (f"l{i + 1}.qkv", f"l{i + 1}.o") if i + 1 < c.num_layers else ()
+                self._prefetch(nxt_attn if self._pf_plan == "mlp" else (p + "down",) + nxt_attn)
             m = self._proj(self._mlp_in(h, p + "up_gate"), p + "down")
             h = add_rmsnorm(x, m, nxt, c.norm_eps, pdl=pdl)
+        if ahead:  # join the side stream (a captured graph must)
+            torch.cuda.current_stream().wait_stream(self._pf_stream)
         return h
+
+    def _prefetch(self, names: tuple[str, ...]) -> None:
+        """Fork the side stream from the step's stream here and ask L2 for these weights on it."""
+        if not names:
+            return
+        self._pf_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._pf_stream):
+            self._bulk_prefetch([self.w[n] for n in names])
 
     def _llama(self, ids, positions, kv, meta):
         if self.fused:
