@@ -12,6 +12,9 @@ Runs given together share the teacher's targets when they keep the same teacher 
     ... --gate /tmp/dw/L6_F768_fp32_600 --out-dir /tmp/dw   (the CLI's ONNX gate and latency gate on a student)
     ... --measure /tmp/dw/L6_F768_fp32_600 --out-dir /tmp/dw (measure a trained student again)
     ... --init --run 6:768 --run 4:0 --out-dir /tmp/dw        (untrained students: FFN sliced, random, refitted)
+
+Session 12: `--device cuda` trains on a GPU (the measurement stays on the CPU), to see where longer
+training ends: `python benchmarks/distill_width.py --device cuda --model DIR --run 4:0:fp32:480 --out-dir /tmp/dw`
 """
 
 from __future__ import annotations
@@ -71,9 +74,12 @@ def main() -> None:
                     help="measure untrained students (as distill builds them) for each --run's LAYERS:FFN")
     ap.add_argument("--measure", action="append", default=[], type=Path,
                     help="a trained student directory: measure it again (PyTorch, held-out queries)")
+    ap.add_argument("--device", default="cpu", help="where runs train: cpu or cuda (measured on the CPU)")
+    ap.add_argument("--model", type=Path, help="the teacher's directory (default: the bundled model)")
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads (training on the CPU, measuring)")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    spec = load_model_spec(bundled_model_dir())
+    torch.set_num_threads(args.threads)
+    spec = load_model_spec(args.model or bundled_model_dir())
     if args.gate:
         from rich.console import Console
 
@@ -158,8 +164,8 @@ def main() -> None:
     for run in args.run:
         layers, ffn, precision, budget, *lr = run.split(":")
         options = D.DistillOptions(layers=int(layers), ffn_size=int(ffn), precision=precision,
-                                   time_budget=float(budget), threads=1)
-        name = f"L{layers}_F{ffn}_{precision}_{budget}"
+                                   time_budget=float(budget), threads=args.threads, device=args.device)
+        name = f"L{layers}_F{ffn}_{precision}_{budget}" + ("" if args.device == "cpu" else f"_{args.device}")
         if lr:
             options.lr = float(lr[0])
             name += f"_lr{lr[0]}"

@@ -161,3 +161,18 @@ def test_bank_weight_trains_with_the_ranking_loss(tmp_path):
     assert set(report["last_loss_parts"]) == {"cosine", "relation", "hidden", "bank"}
     assert np.isfinite(report["last_loss_parts"]["bank"]) and report["last_loss_parts"]["bank"] > 0
     assert report["loss_last_10pct"] < report["loss_first_10pct"], report["losses"]
+
+
+def test_a_device_that_is_not_there_is_a_clear_error(tmp_path):
+    """--device takes cpu or cuda[:N]; anything else, or cuda on a machine without a GPU, is a clear
+    error before any training."""
+    import torch
+
+    teacher = make_tiny_bert(tmp_path / "teacher", seed=6, layers=2, hidden=32, heads=2)
+    bad = CliRunner().invoke(app, ["distill", str(teacher), "-o", str(tmp_path / "s"), "--layers", "1",
+                                   "--device", "tpu", "--steps", "2"])
+    assert bad.exit_code != 0 and "--device must be cpu or cuda" in bad.output
+    if not torch.cuda.is_available():
+        out = CliRunner().invoke(app, ["distill", str(teacher), "-o", str(tmp_path / "s2"), "--layers", "1",
+                                       "--device", "cuda", "--steps", "2", "--no-latency", "--max-sentences", "8"])
+        assert out.exit_code != 0 and "no CUDA GPU here" in out.output

@@ -42,6 +42,7 @@ def distill(
     force: bool = typer.Option(False, "--force", help="Promote the student even if it misses a gate."),
     seed: int = typer.Option(0, "--seed", help="Seed for initial order and sampling."),
     threads: int = typer.Option(0, envvar="SURGE_THREADS", help="Torch / ONNX Runtime threads (0: all cores)."),
+    device: str = typer.Option("cpu", "--device", help="Where the student trains: cpu, or cuda[:N] on a GPU machine (the gate runs on the CPU either way)."),
     cache_dir: Optional[Path] = typer.Option(None, envvar="SURGE_CACHE_DIR", help="Where FP32 exports are cached."),
 ) -> None:
     """Distil a model into a shallower (--layers) or narrower (--ffn-size) student trained to reproduce its outputs."""
@@ -62,7 +63,7 @@ def distill(
     try:
         spec = load_model_spec(model_dir or bundled_model_dir())
         options = DistillOptions(layers=layers, ffn_size=ffn_size, precision=precision, steps=steps, batch_size=batch_size, lr=lr, seed=seed, threads=threads,
-                                 bank_weight=bank_weight,
+                                 bank_weight=bank_weight, device=device,
                                  time_budget=time_budget, layer_choice=layer_choice,
                                  texts=read_texts(texts) if texts else None)
         options.check(spec.num_layers, spec.config.get("intermediate_size"))

@@ -94,6 +94,7 @@ class DistillOptions:
     temperature: float = 2.0
     precision: str = "fp32"  # "bf16": the student's forward and backward under CPU bf16 autocast (weights stay FP32)
     bank_weight: float = 0.0  # weight of the ranking loss over a bank of the teacher's vectors (0: off)
+    device: str = "cpu"  # where the targets are computed and the student trains ("cuda" on a GPU machine)
 
     def check(self, teacher_layers: int, teacher_ffn: int | None = None) -> None:
         if not 1 <= self.layers <= teacher_layers:
@@ -116,6 +117,13 @@ class DistillOptions:
             raise ConfigError("--time-budget must be >= 0 seconds (0: no limit)")
         if self.bank_weight < 0:
             raise ConfigError("--bank-weight must be >= 0 (0: no bank loss)")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ConfigError(f"--device must be cpu or cuda[:N], not {self.device!r}")
+        if self.device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError(f"--device {self.device}: no CUDA GPU here")
 
 
 @dataclass
@@ -361,6 +369,16 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
         ffn_choice["refit"] = {"texts": len(fit), "ridge": REFIT_RIDGE, "how": "least squares of the kept neurons "
                                "onto the full FFN output", "relative_residual": refit_ffn(
                                    student, keep, (batch(fit[b : b + 64]) for b in range(0, len(fit), 64)))}
+    dev = torch.device(options.device)
+    # the layer choice and the FFN refit above ran on the CPU; targets and training run on `dev`
+    teacher.to(dev)
+    student.to(dev)
+    cpu_batch = batch
+
+    def batch(indices):  # noqa: F811 (the same batch, on the training device)
+        ids, mask = cpu_batch(indices)
+        return ids.to(dev), mask.to(dev)
+
     student.train()
     # The teacher's outputs are the targets and do not change: computed once per
     # text (in length-sorted batches, no padding waste), not once per step.
@@ -394,7 +412,7 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
         picked = batches.pop()
         ids, mask = batch(picked)
         real = mask.bool()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=options.precision == "bf16"):
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=options.precision == "bf16"):
             s_out = student(input_ids=ids, attention_mask=mask, output_hidden_states=True)
         hidden_loss = 0.0
         for j in range(len(kept)):  # student layer j was teacher layer kept[j]
@@ -431,7 +449,7 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
         if on_step:
             on_step(step - 1, losses[-1], 1.0 if done else reached)
     seconds = time.perf_counter() - start
-    _write_model_dir(student.eval(), spec, Path(out_dir))
+    _write_model_dir(student.to("cpu").eval(), spec, Path(out_dir))
     return DistillResult(Path(out_dir), kept, losses, seconds, len(texts),
                          {"teacher": spec.name, "teacher_layers": spec.num_layers, "student_layers": len(kept),
                           "teacher_ffn_size": teacher_ffn, "student_ffn_size": student.config.intermediate_size,
@@ -446,7 +464,8 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
                           "steps_planned": options.steps, "time_budget_s": options.time_budget,
                           "stopped_by": "steps" if len(losses) >= options.steps else "time budget",
                           "batch_size": options.batch_size, "lr": options.lr, "seed": options.seed,
-                          "precision": options.precision, "bank_weight": options.bank_weight})
+                          "precision": options.precision, "bank_weight": options.bank_weight,
+                          "device": str(dev)})
 
 
 def _bank_loss(s_unit, t_unit, bank, picked: list[int], gen):
@@ -457,8 +476,8 @@ def _bank_loss(s_unit, t_unit, bank, picked: list[int], gen):
 
     n = bank.shape[0]
     cols = torch.randperm(n, generator=gen)[:BANK_SIZE] if n > BANK_SIZE else torch.arange(n)
-    sub = bank[cols]
-    own = torch.as_tensor(picked)[:, None] == cols[None, :]
+    sub = bank[cols.to(bank.device)]
+    own = (torch.as_tensor(picked)[:, None] == cols[None, :]).to(bank.device)
     s_logits = (s_unit @ sub.T / BANK_TEMPERATURE).masked_fill(own, float("-inf"))
     t_logits = (t_unit @ sub.T / BANK_TEMPERATURE).masked_fill(own, float("-inf"))
     t_prob = F.softmax(t_logits, -1)
