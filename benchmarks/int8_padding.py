@@ -16,21 +16,17 @@ import time
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 from tokenizers import Tokenizer
 
 from surge.data import heldout_queries
-from surge.engines.int8_weights import prepared
+from surge.optimize import validate
 
 
-def session(art: Path) -> ort.InferenceSession:
+def session(art: Path):
+    """The artifact as the server runs it: one thread, no spinning, its manifest's disabled optimizers."""
     m = json.loads((art / "manifest.json").read_text())
-    o = ort.SessionOptions()
-    o.intra_op_num_threads = o.inter_op_num_threads = 1
-    o.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    dis = m.get("ort_disabled_optimizers", [])
-    return ort.InferenceSession(prepared(art / m.get("model_file", "model.onnx")), o, providers=["CPUExecutionProvider"],
-                                **({"disabled_optimizers": dis} if dis else {}))
+    return validate.session(art / m.get("model_file", "model.onnx"), threads=1,
+                            disabled_optimizers=m.get("ort_disabled_optimizers", []), spinning=False)
 
 
 def main() -> None:
