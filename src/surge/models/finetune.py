@@ -26,7 +26,9 @@ def _features(backbone_dir: Path, examples: list[Example]):
     from transformers import AutoModel, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(backbone_dir))
-    model = AutoModel.from_pretrained(str(backbone_dir), local_files_only=True).eval()
+    # FP32 features whatever the checkpoint stores: transformers 5 loads in the stored dtype, and the heads
+    # train in FP32 (a backbone kept in FP16 failed here: Half features into a Float linear layer)
+    model = AutoModel.from_pretrained(str(backbone_dir), local_files_only=True, dtype=torch.float32).eval()
     enc = tok([list(e.words) for e in examples], is_split_into_words=True, padding=True, truncation=True,
               return_tensors="pt")
     with torch.no_grad():
