@@ -269,26 +269,28 @@ def test_fused_decode_attention_and_pdl_change_no_bit(qwen_dir):
 
 def test_l2_prefetch_changes_no_bit(qwen_dir):
     """Weights asked into L2 from a side stream (kernels/l2_prefetch.py) are only a hint: the engine's
-    tokens and top-5 log-probabilities equal the engine's without it, through CUDA graphs and the
-    overlapped loop, on prompts of different lengths joining one batch."""
+    tokens and top-5 log-probabilities equal the engine's without it (both plans), through CUDA graphs and
+    the overlapped loop, on prompts of different lengths joining one batch. A GPU without the bulk prefetch
+    (compute capability < 9) runs without the side stream and gives the same tokens."""
     from surge.engines.decoder import DecoderEngine
     from surge.engines.kernels import l2_prefetch
 
-    if not l2_prefetch.supported():
-        pytest.skip("the bulk L2 prefetch needs compute capability >= 9")
     prompts = _prompts(384, 14)
     runs = {}
-    for pf in (False, True):
+    for pf in (False, True, "staggered"):
         e = DecoderEngine(qwen_dir, device="cuda", dtype="bf16", num_blocks=512, max_num_seqs=16, max_model_len=512,
                           l2_prefetch=pf)
-        assert (e.model._pf_stream is not None) == pf
+        assert (e.model._pf_stream is not None) == (bool(pf) and l2_prefetch.supported())
         e.warmup()
         tops: dict = {}
         got = _run(e, prompts, 40, logprobs=5, tops=tops)
         fast, _ = _run_overlapped(e, prompts, 40)
         runs[pf] = (got, fast, tops)
         del e
-    assert runs[True] == runs[False]
+    assert runs[True] == runs[False] and runs["staggered"] == runs[False]
+    with pytest.raises(ValueError, match="l2_prefetch must be"):
+        DecoderEngine(qwen_dir, device="cuda", dtype="bf16", num_blocks=64, max_num_seqs=4, max_model_len=512,
+                      cuda_graphs=False, l2_prefetch="early")
 
 
 @pytest.mark.parametrize("sizes", [(1,), (7, 8193), (3 * 2 ** 20 + 5, 16, 2 ** 21, 999)])
@@ -308,5 +310,7 @@ def test_bulk_prefetch_runs_on_any_size_and_leaves_data(sizes):
     g.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(ts, before))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="at most 4"):
         bulk_prefetch(ts * 5)
+    with pytest.raises(ValueError, match="contiguous"):
+        bulk_prefetch([torch.zeros(64, 64, device="cuda").t()])

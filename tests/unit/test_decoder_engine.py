@@ -301,3 +301,19 @@ def test_decode_attention_and_pdl_switches_leave_the_cpu_path_alone(model_dirs, 
     assert outs[0] == outs[1]
     assert "surge.engines.kernels.decode_attention" not in sys.modules
     assert "surge.engines.kernels.pdl" not in sys.modules
+
+
+def test_l2_prefetch_is_checked_and_only_taken_on_a_gpu_that_has_it(model_dirs, hf_models):
+    """l2_prefetch takes False, True, "mlp" or "staggered" (anything else is a clear error); on the CPU
+    the option asks for nothing: no side stream, and greedy tokens still equal transformers'."""
+    with pytest.raises(ValueError, match="l2_prefetch must be"):
+        DecoderEngine(model_dirs["llama"], num_blocks=22, block_size=4, l2_prefetch="early")
+    engine = DecoderEngine(model_dirs["llama"], num_blocks=22, block_size=4, l2_prefetch="staggered")
+    assert engine.model._pf_stream is None
+    sched = Scheduler(SchedulerConfig(num_blocks=22, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                                      max_model_len=256), engine.cfg.eos_token_ids)
+    prompts = prompts_for(engine.cfg.vocab_size, 11)[:3]
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)) for i, p in enumerate(prompts)]
+    drive(engine, sched, seqs, [0, 0, 2])
+    for s, p in zip(seqs, prompts):
+        assert s.output_ids == hf_greedy(hf_models["llama"], p, 6)

@@ -373,16 +373,15 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
     # the layer choice and the FFN refit above ran on the CPU; targets and training run on `dev`
     teacher.to(dev)
     student.to(dev)
-    cpu_batch = batch
 
-    def batch(indices):  # noqa: F811 (the same batch, on the training device)
-        ids, mask = cpu_batch(indices)
+    def on_dev(indices):  # batch(), on the training device
+        ids, mask = batch(indices)
         return ids.to(dev), mask.to(dev)
 
     student.train()
     # The teacher's outputs are the targets and do not change: computed once per
     # text (in length-sorted batches, no padding waste), not once per step.
-    targets = _teacher_targets(teacher, encoded, batch, classifier, kept, pooling)
+    targets = _teacher_targets(teacher, encoded, on_dev, classifier, kept, pooling)
     # The word embeddings stay the teacher's: a third of MiniLM's weights, whose
     # dense gradient and AdamW update cost more than the 3 layers they feed.
     base = getattr(student, student.base_model_prefix, student)
@@ -410,7 +409,7 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
         if not batches:
             batches = _length_bucketed(encoded, options.batch_size, rng)
         picked = batches.pop()
-        ids, mask = batch(picked)
+        ids, mask = on_dev(picked)
         real = mask.bool()
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=options.precision == "bf16"):
             s_out = student(input_ids=ids, attention_mask=mask, output_hidden_states=True)

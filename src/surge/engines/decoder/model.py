@@ -63,6 +63,8 @@ class DecoderModel:
         self._pf_stream = None
         # True / "mlp": the MLP's two matrices at the layer's start, the next layer's qkv and o at the MLP's;
         # "staggered": gate/up at the layer's start, then down and the next layer's qkv and o at the MLP's
+        if l2_prefetch not in (False, True, "mlp", "staggered"):
+            raise ValueError(f"l2_prefetch must be False, True, 'mlp' or 'staggered', not {l2_prefetch!r}")
         self._pf_plan = "staggered" if l2_prefetch == "staggered" else "mlp"
         if l2_prefetch and self.fused and device.type == "cuda":
             from surge.engines.kernels import l2_prefetch as l2
