@@ -39,6 +39,12 @@ async def _empty(request: web.Request) -> web.Response:
     return web.Response(status=204)
 
 
+async def _slow(request: web.Request) -> web.Response:
+    data = await request.json()
+    await asyncio.sleep(data["sleep"])
+    return web.json_response({"answer": data["id"]})
+
+
 async def _bad(request: web.Request) -> web.Response:
     return web.json_response({"error": "no"}, status=422)
 
@@ -52,6 +58,7 @@ def server_port():
     app.router.add_post("/close", _close)
     app.router.add_post("/empty", _empty)
     app.router.add_post("/bad", _bad)
+    app.router.add_post("/slow", _slow)
     runner = web.AppRunner(app)
     loop.run_until_complete(runner.setup())
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -149,3 +156,24 @@ def test_a_close_delimited_or_cut_response_is_an_error_not_a_result():
     finally:
         loop.close()
     assert "Content-Length" in msgs[0] and "closed before the response ended" in msgs[1]
+
+
+def test_a_timed_out_request_closes_its_connection_so_a_late_answer_is_never_read(server_port):
+    loop, port = server_port
+
+    async def main():
+        conn = RawConnection("127.0.0.1", port)
+        await conn.connect()
+        first = conn._proto
+        t0 = loop.time()
+        with pytest.raises(TimeoutError):
+            await conn.request("/slow", b'{"sleep": 0.5, "id": 1}', timeout=0.1)
+        waited = loop.time() - t0
+        closed = first.closed or first.transport.is_closing()
+        # the next request: a new connection, and its own answer (not request 1's, sent 0.4 s later)
+        nxt = await conn.request("/slow", b'{"sleep": 0.6, "id": 2}', timeout=5)
+        return waited, closed, nxt, conn._proto is not first
+
+    waited, closed, nxt, reconnected = loop.run_until_complete(main())
+    assert 0.1 <= waited < 0.45 and closed and reconnected
+    assert nxt.status == 200 and json.loads(nxt.body) == {"answer": 2}

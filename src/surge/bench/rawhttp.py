@@ -12,7 +12,11 @@ Contract (tested in tests/unit/test_rawhttp.py against real servers):
   the lower-cased names given as `want` (others are not parsed);
 - bodies framed by Content-Length or by chunked transfer encoding; a response without either
   (close-delimited) or a closed connection raises `ConnectionError`;
-- a server that answers with `Connection: close` is reconnected on the next request.
+- a server that answers with `Connection: close` is reconnected on the next request;
+- `request(..., timeout=T)` raises `TimeoutError` after T seconds without the whole response, and
+  closes the connection (a late answer must not be read as the next request's);
+- `connect()` opens the connection now (its `OSError` is a failure to connect, not a lost answer);
+- `ssl=` an `ssl.SSLContext`: the same over TLS.
 """
 
 from __future__ import annotations
@@ -93,6 +97,11 @@ class _Proto(asyncio.Protocol):
         self.waiter.set_result(Response(status, headers, body))
 
 
+def _expire(fut: asyncio.Future, timeout: float) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError(f"no whole response within {timeout:g} s"))
+
+
 def _dechunk(buf: bytearray, pos: int) -> tuple[bytes | None, int]:
     parts = []
     while True:
@@ -115,20 +124,31 @@ def _dechunk(buf: bytearray, pos: int) -> tuple[bytes | None, int]:
 class RawConnection:
     """One keep-alive connection to host:port; `request` is not re-entrant (one at a time)."""
 
-    def __init__(self, host: str, port: int, want: tuple[str, ...] = (), extra_headers: dict | None = None):
+    def __init__(self, host: str, port: int, want: tuple[str, ...] = (), extra_headers: dict | None = None,
+                 ssl=None):
         self.host, self.port = host, port
+        self._ssl = ssl  # an ssl.SSLContext for https (the host name is checked against the certificate)
         self._want = tuple(w.lower().encode() for w in want)
         extra = "".join(f"{k}: {v}\r\n" for k, v in (extra_headers or {}).items())
         self._prefix = f"Host: {host}:{port}\r\nContent-Type: application/json\r\n{extra}".encode()
         self._proto: _Proto | None = None
 
+    @property
+    def connected(self) -> bool:
+        return self._proto is not None and not self._proto.closed
+
+    async def connect(self) -> None:
+        if not self.connected:
+            await self._connect()
+
     async def _connect(self) -> _Proto:
         loop = asyncio.get_running_loop()
-        _, proto = await loop.create_connection(lambda: _Proto(self._want), self.host, self.port)
+        _, proto = await loop.create_connection(lambda: _Proto(self._want), self.host, self.port, ssl=self._ssl,
+                                                server_hostname=self.host if self._ssl else None)
         self._proto = proto
         return proto
 
-    async def request(self, path: str, body: bytes, method: str = "POST") -> Response:
+    async def request(self, path: str, body: bytes, method: str = "POST", timeout: float | None = None) -> Response:
         proto = self._proto
         if proto is None or proto.closed:
             proto = await self._connect()
@@ -138,7 +158,17 @@ class RawConnection:
         proto.waiter = fut = loop.create_future()
         proto.transport.write(b"%s %s HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n%s"
                               % (method.encode(), path.encode(), self._prefix, len(body), body))
-        return await fut
+        if timeout is None:
+            return await fut
+        # One timer handle, not a task a request (asyncio.wait_for's cost on Python < 3.12).
+        timer = loop.call_later(timeout, _expire, fut, timeout)
+        try:
+            return await fut
+        except TimeoutError:
+            self.close()
+            raise
+        finally:
+            timer.cancel()
 
     def close(self) -> None:
         if self._proto is not None and self._proto.transport is not None:

@@ -6,17 +6,20 @@ them: `http_429`, `http_500`, `connect` (nothing listening), `disconnect` (the
 server went away mid-request), `timeout`, `bad_response` (wrong row count or
 unparsable body), `grpc_<CODE>`, `engine_<Error>` (in-process).
 
-HTTP uses one aiohttp session with keep-alive connections, pooled up to the
-client count: a request costs the generator ~0.3 ms of CPU, so it is not the
-bottleneck on a 2-core machine (see docs/benchmarks/bench.md).
+HTTP uses keep-alive connections pooled up to the client count, through surge's
+raw client (bench/rawhttp.py; TLS for https://): the generator's own CPU is taken
+from the server under test when both share a machine.
 """
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 import orjson
+
+from surge.bench.rawhttp import RawConnection
 
 
 class RequestFailed(Exception):
@@ -34,7 +37,12 @@ class Target(Protocol):
 
 
 class _HTTPTarget:
-    """Shared aiohttp plumbing; subclasses build the body and check the answer."""
+    """Shared HTTP plumbing; subclasses build the body and check the answer.
+
+    Requests go over surge's raw keep-alive connections (bench/rawhttp.py; TLS for https://),
+    pooled up to the connection count, not aiohttp's client: the generator shares the machine
+    with the server under test, and aiohttp cost ~0.37 ms of CPU a request there against ~0.17
+    (docs/benchmarks/optimizer.md, session 13), CPU the server under test does not get."""
 
     path = "/"
 
@@ -42,20 +50,27 @@ class _HTTPTarget:
         self.base = url.rstrip("/")
         self.model = model
         self.timeout_s = timeout_s
-        self.headers = {"content-type": "application/json"}
-        if api_key:
-            self.headers["authorization"] = f"Bearer {api_key}"
-        self.session = None
+        self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}  # JSON's content type: always
+        self._ssl = None
+        self._raw: tuple[str, int] | None = None  # host, port
+        self._idle: list = []
+        self._slots: asyncio.Semaphore | None = None
         self.name = f"{type(self).__name__}({self.base})"
 
     async def open(self, connections: int) -> None:
-        import aiohttp
+        parts = urlsplit(self.base)
+        if parts.scheme not in ("http", "https"):
+            raise ValueError(f"an HTTP target needs an http:// or https:// URL, not {self.base!r}")
+        tls = parts.scheme == "https"
+        if tls:
+            import ssl
 
-        connector = aiohttp.TCPConnector(limit=max(1, connections), limit_per_host=0, force_close=False,
-                                         enable_cleanup_closed=True, ttl_dns_cache=None)
-        self.session = aiohttp.ClientSession(connector=connector, headers=self.headers,
-                                             timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-                                             skip_auto_headers=("User-Agent",))
+            # The system's CAs (SSL_CERT_FILE / SSL_CERT_DIR honoured), host names checked.
+            self._ssl = ssl.create_default_context()
+        self._raw = (parts.hostname or "127.0.0.1", parts.port or (443 if tls else 80))
+        # Requests beyond the pool wait for a connection: that wait is part of their latency
+        # (open loop, no coordinated omission).
+        self._slots = asyncio.Semaphore(max(1, connections))
 
     def url(self) -> str:
         return self.base + self.path
@@ -66,22 +81,35 @@ class _HTTPTarget:
     def rows(self, answer: Any) -> int:
         raise NotImplementedError
 
-    async def send(self, texts: list[str]) -> None:
-        import aiohttp
+    async def fetch(self, url: str, body: bytes | None = None) -> tuple[int, bytes]:
+        """(status, body) of one request (POST with a body, else GET) on a pooled keep-alive connection;
+        a failure raises RequestFailed named `connect`, `timeout` or `disconnect`."""
+        host, port = self._raw
+        parts = urlsplit(url)
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        async with self._slots:
+            conn = self._idle.pop() if self._idle else None
+            if conn is None or not conn.connected:
+                conn = RawConnection(host, port, extra_headers=self.headers, ssl=self._ssl)
+                try:
+                    await asyncio.wait_for(conn.connect(), self.timeout_s)
+                except asyncio.TimeoutError:
+                    raise RequestFailed("connect", "timed out") from None
+                except OSError as exc:
+                    raise RequestFailed("connect", str(exc)) from None
+            try:
+                resp = await conn.request(path, body or b"", "GET" if body is None else "POST", timeout=self.timeout_s)
+            except TimeoutError:  # the connection was closed with it
+                raise RequestFailed("timeout") from None
+            except OSError as exc:  # reset, refused on reconnect, or closed before the answer ended
+                conn.close()
+                raise RequestFailed("disconnect", type(exc).__name__) from None
+            if conn.connected:
+                self._idle.append(conn)
+            return resp.status, resp.body
 
-        try:
-            async with self.session.post(self.url(), data=self.body(texts)) as resp:
-                payload = await resp.read()
-                status = resp.status
-        except asyncio.TimeoutError:
-            raise RequestFailed("timeout") from None
-        except aiohttp.ClientConnectorError as exc:
-            raise RequestFailed("connect", str(exc)) from None
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError,
-                ConnectionResetError) as exc:
-            raise RequestFailed("disconnect", type(exc).__name__) from None
-        except aiohttp.ClientError as exc:
-            raise RequestFailed("client_error", f"{type(exc).__name__}: {exc}") from None
+    async def send(self, texts: list[str]) -> None:
+        status, payload = await self.fetch(self.url(), self.body(texts))
         if status != 200:
             raise RequestFailed(f"http_{status}", payload[:200].decode("utf-8", "replace"))
         try:
@@ -92,9 +120,9 @@ class _HTTPTarget:
             raise RequestFailed("bad_response", f"{n} rows for {len(texts)} inputs")
 
     async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
-            self.session = None
+        for conn in self._idle:
+            conn.close()
+        self._idle.clear()
 
 
 class NativeHTTP(_HTTPTarget):
@@ -132,10 +160,10 @@ class OpenAIHTTP(_HTTPTarget):
         if not self.model:
             # OpenAI's API requires a model: take the first one the server lists.
             try:
-                async with self.session.get(self._v1() + "/models") as resp:
-                    if resp.status == 200:
-                        data = orjson.loads(await resp.read()).get("data") or []
-                        self.model = data[0]["id"] if data else None
+                status, payload = await self.fetch(self._v1() + "/models")
+                if status == 200:
+                    data = orjson.loads(payload).get("data") or []
+                    self.model = data[0]["id"] if data else None
             except Exception:
                 pass  # an unreachable server shows up as request errors
 
@@ -165,11 +193,11 @@ class KServeHTTP(_HTTPTarget):
     async def _first_model(self) -> str:
         # The repository extension lists models; a server without it needs --model.
         try:
-            async with self.session.post(self.base + "/v2/repository/index", data=b"{}") as resp:
-                if resp.status == 200:
-                    for m in orjson.loads(await resp.read()):
-                        if m.get("state", "READY") == "READY":
-                            return m["name"]
+            status, payload = await self.fetch(self.base + "/v2/repository/index", b"{}")
+            if status == 200:
+                for m in orjson.loads(payload):
+                    if m.get("state", "READY") == "READY":
+                        return m["name"]
         except Exception:
             pass
         raise ValueError("KServe target: pass the model name (--model)")

@@ -202,3 +202,59 @@ def test_replay_follows_the_log_times_and_the_count_bound(tmp_path):
     assert r.count == 150 and r.ok.all()
     np.testing.assert_allclose(np.sort(r.scheduled), times[:150], atol=1e-6)  # the log's schedule, kept
     assert sorted(seen) == sorted(texts[:150])  # the log's queries, in its order (up to arrival races)
+
+
+def test_connections_are_kept_alive_pooled_and_under_the_base_path(workload):
+    # 4 closed-loop clients over 200 requests: 4 connections, each reused; a base URL's path prefixes routes.
+    with TinyServer() as srv:
+        r = run(NativeHTTP(srv.url + "/api/"), workload, LoadSpec(mode="closed", concurrency=4, duration_s=30,
+                                                                 warmup_s=0, max_requests=200))
+        assert r.ok.all() and r.count == 200
+        assert srv.connections == 4
+        assert set(srv.paths) == {"/api/embed"}
+
+
+def test_a_target_needs_an_http_url(workload):
+    with pytest.raises(ValueError, match="http"):
+        asyncio.run(NativeHTTP("ftp://127.0.0.1:21").open(1))
+
+
+def _self_signed(tmp_path):
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "surge test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_file, key_file
+
+
+def test_https_targets_check_the_certificate(workload, tmp_path, monkeypatch):
+    import ssl
+
+    cert, key = _self_signed(tmp_path)
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert, key)
+    spec = LoadSpec(mode="closed", concurrency=2, duration_s=10, warmup_s=0, max_requests=40)
+    with TinyServer(ssl=ctx) as srv:
+        assert srv.url.startswith("https://")
+        untrusted = run(NativeHTTP(srv.url), workload, spec)  # a certificate no CA of the system signed
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+        trusted = run(NativeHTTP(srv.url), workload, spec)
+    assert not untrusted.ok.any() and set(untrusted.errors) == {"connect"}
+    assert trusted.ok.all() and trusted.count == 40

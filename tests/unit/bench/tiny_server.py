@@ -22,8 +22,11 @@ def embed_ok(index: int, path: str, body: bytes):
 
 
 class TinyServer:
-    def __init__(self, behave=embed_ok, service_s: float = 0.0, serial: bool = False):
+    def __init__(self, behave=embed_ok, service_s: float = 0.0, serial: bool = False, ssl=None):
         self.behave = behave
+        self.ssl = ssl  # an ssl.SSLContext: HTTPS
+        self.connections = 0  # TCP connections accepted
+        self.paths: list[str] = []
         self.service_s = service_s
         self.serial = serial
         self.count = 0
@@ -40,16 +43,18 @@ class TinyServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.ssl else 'http'}://127.0.0.1:{self.port}"
 
     def _run(self):
         asyncio.set_event_loop(self._loop)
         self._lock = asyncio.Lock()
-        self._server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", self.port))
+        self._server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", self.port,
+                                                                                  ssl=self.ssl))
         self._ready.set()
         self._loop.run_forever()
 
     async def _handle(self, reader, writer):
+        self.connections += 1
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -60,6 +65,7 @@ class TinyServer:
                         length = int(line.split(b":")[1])
                 body = await reader.readexactly(length) if length else b""
                 index = self.count
+                self.paths.append(line0.split(" ")[1])
                 self.count += 1
                 self.arrivals.append(time.perf_counter())
                 self.inflight += 1
