@@ -196,21 +196,30 @@ def outlier_channels(model: onnx.ModelProto, absmax: dict[str, np.ndarray], k: i
             for n in quantizable(model) if n.input[0] in absmax and k > 0}
 
 
-def activation_ranges(model: onnx.ModelProto, batches, threads: int = 0) -> dict[str, tuple[float, float]]:
+def activation_ranges(model: onnx.ModelProto, batches, threads: int = 0,
+                      outliers: dict[str, np.ndarray] | None = None) -> dict[str, tuple[float, float]]:
     """(min, max) of every quantizable node's input over the real tokens of the batches (padding left out:
-    a static grid is fixed, so padded rows need no room in it): the `static` argument of quantize_rows."""
+    a static grid is fixed, so padded rows need no room in it): the `static` argument of quantize_rows.
+    `outliers` (outlier_channels): those channels of a node leave its int8 product, so its grid covers the
+    other channels only (and 0, what the masked channels read)."""
     from surge.optimize.smooth import probe_inputs
 
     nodes = quantizable(model)
-    lo: dict[str, float] = {}
-    hi: dict[str, float] = {}
+    lo: dict[str, np.ndarray] = {}
+    hi: dict[str, np.ndarray] = {}
     for b, values in probe_inputs(model, sorted({n.input[0] for n in nodes}), batches, threads):
         real = b.attention_mask.astype(bool)
         for name, v in values.items():
-            x = v[real]
-            lo[name] = min(lo.get(name, 0.0), float(x.min()))
-            hi[name] = max(hi.get(name, 0.0), float(x.max()))
-    return {n.name: (lo[n.input[0]], hi[n.input[0]]) for n in nodes}
+            x = v[real]  # [tokens, channels]
+            lo[name] = np.minimum(lo.get(name, 0.0), x.min(0))
+            hi[name] = np.maximum(hi.get(name, 0.0), x.max(0))
+    out = {}
+    for n in nodes:
+        keep = np.ones(lo[n.input[0]].shape[0], bool)
+        if outliers is not None and n.name in outliers:
+            keep[np.asarray(outliers[n.name], np.int64)] = False
+        out[n.name] = (float(lo[n.input[0]][keep].min(initial=0.0)), float(hi[n.input[0]][keep].max(initial=0.0)))
+    return out
 
 
 def static_grid(lo: float, hi: float) -> tuple[float, int]:

@@ -172,6 +172,34 @@ def test_static_activations_one_quantize_per_node_batch_invariant_and_close(fuse
     assert [n.op_type for n in mixed.graph.node].count("ReduceMax") == 23
 
 
+def test_static_ranges_leave_the_split_channels_out(fused_minilm, bundled_spec):
+    """With an outlier split, a node's grid covers only the channels its int8 product reads: its range is
+    the masked input's (computed here with numpy over the probed real tokens), no wider than the full one,
+    and narrower where the split channels held the extremes."""
+    from surge.optimize.rowquant import activation_ranges, outlier_channels, quantizable
+    from surge.optimize.smooth import activation_absmax, probe_inputs
+    from surge.optimize.validate import Encoded
+
+    batches = Encoded(bundled_spec, calibration_queries()[:48]).batches
+    split = outlier_channels(fused_minilm, activation_absmax(fused_minilm, batches, threads=2), 4)
+    full = activation_ranges(fused_minilm, batches, threads=2)
+    masked = activation_ranges(fused_minilm, batches, threads=2, outliers=split)
+    nodes = {n.name: n for n in quantizable(fused_minilm)}
+    seen = {}
+    for b, values in probe_inputs(fused_minilm, sorted({n.input[0] for n in nodes.values()}), batches, threads=2):
+        real = b.attention_mask.astype(bool)
+        for name, v in values.items():
+            seen.setdefault(name, []).append(v[real])
+    narrower = 0
+    for name, node in nodes.items():
+        x = np.concatenate(seen[node.input[0]])
+        x[:, split[name]] = 0.0  # what the int8 product reads
+        assert masked[name] == pytest.approx((min(x.min(), 0.0), max(x.max(), 0.0)), rel=1e-6)
+        assert full[name][0] <= masked[name][0] <= 0.0 <= masked[name][1] <= full[name][1]
+        narrower += (masked[name][1] - masked[name][0]) < 0.9 * (full[name][1] - full[name][0])
+    assert narrower >= 12  # the split channels are the outliers: most nodes' grids get much finer
+
+
 def test_outlier_split_is_exact_when_every_channel_is_split(fused_minilm, bundled_spec):
     """Every input channel taken out of the int8 product leaves only the FP32 part: the model is FP32 again.
     This checks the split's arithmetic (the mask folded into smoothing Muls, the gathered channels' weight
