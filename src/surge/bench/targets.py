@@ -104,6 +104,9 @@ class _HTTPTarget:
             except OSError as exc:  # reset, refused on reconnect, or closed before the answer ended
                 conn.close()
                 raise RequestFailed("disconnect", type(exc).__name__) from None
+            except BaseException:  # cancelled mid-request: its answer may still come, so not on this connection
+                conn.close()
+                raise
             if conn.connected:
                 self._idle.append(conn)
             return resp.status, resp.body

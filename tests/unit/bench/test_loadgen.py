@@ -258,3 +258,25 @@ def test_https_targets_check_the_certificate(workload, tmp_path, monkeypatch):
         trusted = run(NativeHTTP(srv.url), workload, spec)
     assert not untrusted.ok.any() and set(untrusted.errors) == {"connect"}
     assert trusted.ok.all() and trusted.count == 40
+
+
+def test_a_cancelled_request_does_not_leave_its_connection_in_the_pool():
+    # The answer to a cancelled request may still arrive: that connection must not carry the next request.
+    async def main(srv):
+        target = NativeHTTP(srv.url)
+        await target.open(1)
+        first = asyncio.ensure_future(target.send(["cancelled"]))
+        await asyncio.sleep(0.1)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        await asyncio.sleep(0.5)  # the server answers the cancelled request, then finds its connection closed
+        ended = srv.ended
+        await target.send(["next"])  # raises on a wrong answer (row count) or a failure
+        await target.close()
+        return ended
+
+    with TinyServer(service_s=0.3) as srv:
+        ended_before_next = asyncio.run(main(srv))
+        assert ended_before_next == 1  # closed at once, not left open beside the pool
+        assert srv.connections == 2 and srv.count == 2

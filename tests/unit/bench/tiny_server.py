@@ -26,6 +26,7 @@ class TinyServer:
         self.behave = behave
         self.ssl = ssl  # an ssl.SSLContext: HTTPS
         self.connections = 0  # TCP connections accepted
+        self.ended = 0  # connections whose client closed them (or that ended here)
         self.paths: list[str] = []
         self.service_s = service_s
         self.serial = serial
@@ -92,6 +93,7 @@ class TinyServer:
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             pass
         finally:
+            self.ended += 1
             writer.close()
 
     def __enter__(self):
