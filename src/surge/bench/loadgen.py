@@ -97,6 +97,10 @@ class RunResult:
     inputs_per_request: int
     warmup_requests: int
     metrics: dict = field(default_factory=dict)  # server-side deltas (bench/metrics.py)
+    # The generator's own CPU (this process, warm-up included) and the run's wall time: on a machine it
+    # shares with the server under test, what the generator burns the server does not get.
+    generator_cpu_s: float = 0.0
+    generator_wall_s: float = 0.0
 
     @property
     def errors(self) -> dict[str, int]:
@@ -218,6 +222,7 @@ async def run_load(target, queries: Iterator[str], spec: LoadSpec, *, times: np.
     spec.validate()
     rec = Recorder()
     ticker = None
+    cpu0, wall0 = time.process_time(), now()
     try:
         await target.open(connections or spec.concurrency)
         if on_progress is not None:
@@ -242,7 +247,9 @@ async def run_load(target, queries: Iterator[str], spec: LoadSpec, *, times: np.
             ticker.cancel()
             on_progress(rec, now() - t_start)
         await target.close()
-    return _result(rec, spec, getattr(target, "name", type(target).__name__), t_measure)
+    result = _result(rec, spec, getattr(target, "name", type(target).__name__), t_measure)
+    result.generator_cpu_s, result.generator_wall_s = time.process_time() - cpu0, now() - wall0
+    return result
 
 
 def sweep_specs(base: LoadSpec, levels: list[float]) -> list[LoadSpec]:

@@ -50,6 +50,11 @@ def summarize(r: RunResult) -> dict:
                        "max": float(ok_lat.max() * 1000) if n_ok else None},
         # Open loop only: how late the generator itself sent (its own health check).
         "send_lag_ms_p99": float(np.percentile((r.started - r.scheduled) * 1000, 99)) if r.count else None,
+        # The generator's CPU (its whole process: an in-process target's engine too) a request sent, and in
+        # cores over the run: on a shared machine, taken from the server under test.
+        "generator_cpu_ms_per_request": r.generator_cpu_s * 1000 / (r.count + r.warmup_requests)
+        if r.count + r.warmup_requests and r.generator_wall_s else None,
+        "generator_cores": r.generator_cpu_s / r.generator_wall_s if r.generator_wall_s else None,
     }
     out.update(r.metrics)
     return out
@@ -92,7 +97,7 @@ def table(runs: dict[str, list[RunResult]], title: str = "surge bench"):
 
     t = Table(title=title)
     for col in ("target", "load", "req/s", "p50 ms", "p90 ms", "p99 ms", "p99.9 ms", "errors", "cache hit",
-                "batch"):
+                "batch", "gen CPU ms/req"):
         t.add_column(col, justify="left" if col in ("target", "load", "errors") else "right")
     for name, rs in runs.items():
         for r in rs:
@@ -102,7 +107,7 @@ def table(runs: dict[str, list[RunResult]], title: str = "surge bench"):
             hit = s.get("cache_hit_ratio")
             t.add_row(name, s["label"], _fmt(s["throughput_rps"]), _fmt(lat["p50"]), _fmt(lat["p90"]),
                       _fmt(lat["p99"]), _fmt(lat["p99.9"]), errs, "-" if hit is None else f"{hit:.0%}",
-                      _fmt(s.get("batch_size_mean")))
+                      _fmt(s.get("batch_size_mean")), _fmt(s["generator_cpu_ms_per_request"], 3))
     return t
 
 

@@ -280,3 +280,41 @@ def test_a_cancelled_request_does_not_leave_its_connection_in_the_pool():
         ended_before_next = asyncio.run(main(srv))
         assert ended_before_next == 1  # closed at once, not left open beside the pool
         assert srv.connections == 2 and srv.count == 2
+
+
+def test_the_generators_own_cpu_is_reported(workload):
+    """CPU time of the generator's process a request sent, and in cores: a target that burns >= 2 ms of CPU a
+    request reads at least that; the raw HTTP client against a tiny server (in this process: its CPU counts
+    too), far less."""
+    import time
+
+    from surge.bench.report import summarize, table
+
+    class Burner:
+        name = "burner"
+
+        async def open(self, connections):
+            pass
+
+        async def send(self, texts):
+            t = time.thread_time()
+            while time.thread_time() - t < 0.002:
+                pass
+            await asyncio.sleep(0)
+
+        async def close(self):
+            pass
+
+    spec = LoadSpec(mode="closed", concurrency=2, duration_s=30, warmup_s=0.1, max_requests=150)
+    burn = summarize(run(Burner(), workload, spec))
+    assert burn["generator_cpu_ms_per_request"] >= 2.0
+    assert 0.5 < burn["generator_cores"] <= 1.2  # one busy thread (plus the loop's own work)
+    with TinyServer() as srv:
+        r = run(NativeHTTP(srv.url), workload, spec)
+    http = summarize(r)
+    assert 0 < http["generator_cpu_ms_per_request"] < burn["generator_cpu_ms_per_request"]
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    console.print(table({"http": [r]}))
+    assert "gen CPU ms/req" in console.export_text()
