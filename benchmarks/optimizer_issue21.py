@@ -81,8 +81,20 @@ def invariance(model_bytes: bytes, spec, probes: list[str], neighbours: list[str
             "mean_cosine": float(cos.mean()), "max_abs_diff": float(np.abs(np.stack(alone) - np.stack(batched)).max())}
 
 
+def _process_cpu_s(pid: int) -> float:
+    """CPU seconds of a process and its waited-for children (utime + stime + cutime + cstime, /proc)."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
 def serve_and_bench(artifact: Path, name: str, clients: int, duration: float, threads: int, queries: Path,
                     out: Path, extra: tuple[str, ...] = ()) -> dict:
+    """One server, one closed-loop run. Besides req/s (what the target is about, and on a shared VM as noisy as
+    its neighbours), each side's CPU a request: the server's process over the generator's whole run (warm-up
+    included) and the generator's own (`surge bench`'s report): CPU time a request moves far less with a
+    neighbour's load than throughput does."""
     from surge.bench.servers import ServerProc, free_port, surge_serve_argv
 
     port = free_port()
@@ -92,10 +104,23 @@ def serve_and_bench(artifact: Path, name: str, clients: int, duration: float, th
         cmd = [sys.executable, "-m", "surge.cli.main", "bench", "run", srv.url, "-p", "openai", "-c", str(clients),
                "-d", str(duration), "--warmup", "5", "--query-log", str(queries), "--json", str(report),
                "--no-progress", "--name", name]
+        cpu0 = _process_cpu_s(srv.proc.pid)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        server_cpu = _process_cpu_s(srv.proc.pid) - cpu0
     run = json.loads(report.read_text())["runs"][name][0]
+    sent = run["requests"] + run.get("warmup_requests", 0)
     return {"throughput_rps": run["throughput_rps"], "p50_ms": run["latency_ms"]["p50"],
-            "p99_ms": run["latency_ms"]["p99"], "errors": run["error_count"], "requests": run["requests"]}
+            "p99_ms": run["latency_ms"]["p99"], "errors": run["error_count"], "requests": run["requests"],
+            "server_cpu_ms_per_request": server_cpu * 1000 / sent if sent else None,
+            "generator_cpu_ms_per_request": run.get("generator_cpu_ms_per_request")}
+
+
+def _cpu_ratio(run: dict) -> float | None:
+    """FP32's CPU a request over INT8's, server and generator together (None where not measured)."""
+    def total(side):
+        return (side.get("server_cpu_ms_per_request") or 0) + (side.get("generator_cpu_ms_per_request") or 0)
+
+    return total(run["fp32"]) / total(run["int8"]) if total(run["int8"]) and total(run["fp32"]) else None
 
 
 def main(args, console) -> dict:
@@ -185,13 +210,16 @@ def main(args, console) -> dict:
                 run[name] = serve_and_bench(arts[name], name, args.clients, args.duration, threads, qfile, work,
                                             tuple(shlex.split(getattr(args, "serve_args", "") or "")))
             run["int8_over_fp32"] = run["int8"]["throughput_rps"] / run["fp32"]["throughput_rps"]
+            run["cpu_fp32_over_int8"] = _cpu_ratio(run)
             run["load_average_after"] = _os.getloadavg()[0]
             runs.append(run)
         mid = sorted(runs, key=lambda x: x["int8_over_fp32"])[len(runs) // 2]
+        cpu = sorted(x["cpu_fp32_over_int8"] for x in runs if x["cpu_fp32_over_int8"])
         results["serve"] = {"clients": args.clients, "duration_s": args.duration, "runs": runs,
                             "serve_args": getattr(args, "serve_args", "") or "",
                             "fp32": mid["fp32"], "int8": mid["int8"], "int8_over_fp32": mid["int8_over_fp32"],
-                            "median_of": len(runs), "target": 1.8}
+                            "median_of": len(runs), "target": 1.8,
+                            "cpu_fp32_over_int8_median": cpu[len(cpu) // 2] if cpu else None}
 
     _print(console, results)
     (work / "issue21.json").write_text(json.dumps(results, indent=2, default=str))
@@ -245,3 +273,12 @@ def _print(console, r: dict) -> None:
         console.print("per run INT8 / FP32: " + ", ".join(f"{x['int8_over_fp32']:.2f}x (load {x['load_average_before']:.1f})"
                                                           for x in runs))
         console.print(f"INT8 / FP32 throughput, median run of {len(runs)}: {r['serve']['int8_over_fp32']:.2f}x (target >= 1.8x)")
+        for x in runs:
+            f, i = x["fp32"], x["int8"]
+            if f.get("server_cpu_ms_per_request"):
+                console.print(f"  CPU a request, server + generator: FP32 {f['server_cpu_ms_per_request']:.2f} + "
+                              f"{f['generator_cpu_ms_per_request'] or 0:.2f} ms, INT8 {i['server_cpu_ms_per_request']:.2f} + "
+                              f"{i['generator_cpu_ms_per_request'] or 0:.2f} ms: {x['cpu_fp32_over_int8']:.2f}x")
+        if r["serve"].get("cpu_fp32_over_int8_median"):
+            console.print(f"FP32 / INT8 CPU a request (server + generator), median run: "
+                          f"{r['serve']['cpu_fp32_over_int8_median']:.2f}x")
