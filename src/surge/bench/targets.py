@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from typing import Any, Protocol
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import orjson
 
@@ -86,7 +86,9 @@ class _HTTPTarget:
         a failure raises RequestFailed named `connect`, `timeout` or `disconnect`."""
         host, port = self._raw
         parts = urlsplit(url)
-        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        # Percent-encoded as aiohttp did (a model name with a space would break the request line); what
+        # is already encoded stays as it is.
+        path = quote(parts.path or "/", safe="/%:@!$&'()*+,;=~") + (f"?{parts.query}" if parts.query else "")
         async with self._slots:
             conn = self._idle.pop() if self._idle else None
             if conn is None or not conn.connected:

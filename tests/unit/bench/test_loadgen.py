@@ -212,6 +212,14 @@ def test_connections_are_kept_alive_pooled_and_under_the_base_path(workload):
         assert r.ok.all() and r.count == 200
         assert srv.connections == 4
         assert set(srv.paths) == {"/api/embed"}
+    # A model name that a URL must encode is sent encoded (the request line stays valid).
+    def infer(i, path, body):
+        return 200, b'{"outputs": [{"name": "embedding", "shape": [1, 1], "datatype": "FP32", "data": [0.5]}]}'
+
+    with TinyServer(infer) as srv:
+        r = run(KServeHTTP(srv.url, model="my model"), workload,
+                LoadSpec(mode="closed", concurrency=1, duration_s=10, warmup_s=0, max_requests=3))
+        assert r.ok.all() and set(srv.paths) == {"/v2/models/my%20model/infer"}
 
 
 def test_a_target_needs_an_http_url(workload):
