@@ -41,8 +41,8 @@ class _HTTPTarget:
 
     Requests go over surge's raw keep-alive connections (bench/rawhttp.py; TLS for https://),
     pooled up to the connection count, not aiohttp's client: the generator shares the machine
-    with the server under test, and aiohttp cost ~0.37 ms of CPU a request there against ~0.17
-    (docs/benchmarks/optimizer.md, session 13), CPU the server under test does not get."""
+    with the server under test, and aiohttp's client cost 11x its CPU a request (251 against 22 us,
+    benchmarks/loadgen_clients.py; docs/benchmarks/bench.md, session 13), CPU the server does not get."""
 
     path = "/"
 
