@@ -1,0 +1,112 @@
+"""The persistent MLP kernel (engines/kernels/persistent_mlp.py): one synchronized launch against the same code a
+phase at a time (bit for bit: a barrier that let a program run ahead reads stale activations), the barrier
+counter, float64 with the kernels' rounding points, a row's bits alone and in a batch, the residency check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+EPS = 1e-6
+
+
+def _reference(resid, norms, wgu, wd):
+    bf = resid.dtype
+    i = wgu.shape[1] // 2
+    r = resid.clone()
+
+    def norm(x, w):
+        xd = x.double()
+        return (w.double() * (xd * torch.rsqrt((xd * xd).mean(-1, keepdim=True) + EPS)).to(bf).double()).to(bf)
+
+    h = norm(r, norms[0])
+    for li in range(wgu.shape[0]):
+        g = (h.double() @ wgu[li, :i].double().T).to(bf).double()
+        u = (h.double() @ wgu[li, i:].double().T).to(bf).double()
+        act = ((g * torch.sigmoid(g)).to(bf).double() * u).to(bf)
+        r = (r.double() + (act.double() @ wd[li].double().T).to(bf).double()).to(bf)
+        h = norm(r, norms[li])
+    return r, h
+
+
+def _weights(layers, h, i, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    bf = torch.bfloat16
+    wgu = (torch.randn(layers, 2 * i, h, device="cuda", generator=g) * h ** -0.5).to(bf)
+    wd = (torch.randn(layers, h, i, device="cuda", generator=g) * i ** -0.5).to(bf)
+    norms = (1 + torch.rand(layers, h, device="cuda", generator=g)).to(bf)
+    return norms, wgu, wd
+
+
+@pytest.mark.parametrize("m,h,i,layers,plan", [
+    (64, 256, 640, 3, dict(block_g=32, block_k=128, block_d=32, block_kd=128, splits=3)),
+    (17, 320, 704, 2, dict(block_g=64, block_k=64, block_d=64, block_kd=256, splits=2)),  # uneven K, H, I
+])
+def test_synchronized_equals_phase_by_phase_and_reference(m, h, i, layers, plan):
+    from surge.engines.kernels.persistent_mlp import barriers, persistent_mlp
+
+    norms, wgu, wd = _weights(layers, h, i, seed=m)
+    resid = torch.randn(m, h, device="cuda").to(torch.bfloat16)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    counter = torch.zeros(1, device="cuda", dtype=torch.int32)
+    r1, r2 = resid.clone(), resid.clone()
+    h1 = persistent_mlp(r1, norms, wgu, wd, EPS, programs=sms, counter=counter, sync=True, **plan)
+    torch.cuda.synchronize()
+    assert int(counter.item()) == barriers(layers) * sms
+    h2 = persistent_mlp(r2, norms, wgu, wd, EPS, programs=sms, counter=counter, sync=False, **plan)
+    assert torch.equal(h1, h2) and torch.equal(r1, r2)
+    r_ref, h_ref = _reference(resid, norms, wgu, wd)
+    rel = ((h1.double() - h_ref.double()).norm() / h_ref.double().norm()).item()
+    assert rel < 2e-2, rel  # BF16 rounding points shared; only FP32 summation orders differ
+    assert not torch.equal(r1, resid)  # the residual was updated in place
+
+
+def test_a_rows_bits_do_not_depend_on_its_batch():
+    from surge.engines.kernels.persistent_mlp import persistent_mlp
+
+    norms, wgu, wd = _weights(2, 256, 512, seed=3)
+    resid = torch.randn(64, 256, device="cuda").to(torch.bfloat16)
+    counter = torch.zeros(1, device="cuda", dtype=torch.int32)
+    full = persistent_mlp(resid.clone(), norms, wgu, wd, EPS, programs=64, counter=counter, splits=2, block_kd=128)
+    counter.zero_()
+    alone = persistent_mlp(resid[5:6].clone(), norms, wgu, wd, EPS, programs=64, counter=counter, splits=2,
+                           block_kd=128)
+    assert torch.equal(full[5:6], alone)
+
+
+def test_in_a_cuda_graph_with_the_counter_zeroed_inside():
+    from surge.engines.kernels.persistent_mlp import persistent_mlp
+
+    norms, wgu, wd = _weights(2, 256, 512, seed=4)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    counter = torch.zeros(1, device="cuda", dtype=torch.int32)
+    resid = torch.randn(64, 256, device="cuda").to(torch.bfloat16)
+    static = resid.clone()
+    kw = dict(programs=sms, counter=counter, splits=2, block_kd=128)
+    persistent_mlp(static.clone(), norms, wgu, wd, EPS, **kw)  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        counter.zero_()
+        out = persistent_mlp(static, norms, wgu, wd, EPS, **kw)
+    for _ in range(3):
+        fresh = torch.randn(64, 256, device="cuda").to(torch.bfloat16)
+        static.copy_(fresh)
+        g.replay()
+        counter2 = torch.zeros(1, device="cuda", dtype=torch.int32)
+        want = persistent_mlp(fresh.clone(), norms, wgu, wd, EPS, programs=sms, counter=counter2, splits=2,
+                              block_kd=128)
+        assert torch.equal(out, want)
+
+
+def test_more_programs_than_can_be_resident_is_refused():
+    from surge.engines.kernels.persistent_mlp import persistent_mlp
+
+    norms, wgu, wd = _weights(1, 256, 512, seed=5)
+    resid = torch.randn(8, 256, device="cuda").to(torch.bfloat16)
+    counter = torch.zeros(1, device="cuda", dtype=torch.int32)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    with pytest.raises(ValueError, match="resident"):
+        persistent_mlp(resid, norms, wgu, wd, EPS, programs=sms * 64, counter=counter, splits=2, block_kd=128)
