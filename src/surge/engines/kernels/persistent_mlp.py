@@ -38,20 +38,28 @@ import triton.language as tl
 from surge.engines.kernels.pdl import prefetch_l2
 
 BLOCK_M = 64
-SPIN_LIMIT = 1 << 26  # polls of the barrier counter before a program gives up (~seconds; a failed launch, not a hang)
+_BM = tl.constexpr(BLOCK_M)  # the kernels' view: one M tile holds the whole decode batch
+SPIN_LIMIT = tl.constexpr(1 << 26)  # polls of the barrier counter before a program gives up (~seconds; a failed launch, not a hang)
+
+
+@triton.jit
+def _load_acquire(ptr):
+    # every thread polls with acquire semantics at GPU scope: its later loads see what the other programs
+    # wrote before their release (Triton dropped an `atomic_add(ptr, 0, sem="acquire")` whose result was unused)
+    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                                     is_pure=False, pack=1)
 
 
 @triton.jit
 def _grid_sync(bar_ptr, target, SYNC: tl.constexpr):
     if SYNC:
         tl.debug_barrier()  # every thread's stores of this phase precede the arrival
-        tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
-        seen = tl.load(bar_ptr, volatile=True)
+        tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")  # one thread a program (a scalar atomic)
+        seen = _load_acquire(bar_ptr)
         spins = 0
         while (seen < target) & (spins < SPIN_LIMIT):  # bounded: a grid that is not co-resident fails, never hangs
-            seen = tl.load(bar_ptr, volatile=True)
+            seen = _load_acquire(bar_ptr)
             spins += 1
-        tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
         tl.debug_barrier()
 
 
@@ -114,7 +122,7 @@ def _dot(a, b, acc, F32: tl.constexpr):
 @triton.jit
 def _gate_up_tiles(h_ptr, wgu_ptr, act_ptr, M, I, H, pid, nprog, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
                    F32: tl.constexpr):
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, _BM)
     m_ok = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
     for t in range(pid, tl.cdiv(I, BLOCK_G), nprog):
@@ -123,8 +131,8 @@ def _gate_up_tiles(h_ptr, wgu_ptr, act_ptr, M, I, H, pid, nprog, BLOCK_G: tl.con
         a_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * H + offs_k[None, :]
         g_ptrs = wgu_ptr + offs_n[:, None].to(tl.int64) * H + offs_k[None, :]
         u_ptrs = g_ptrs + I.to(tl.int64) * H
-        acc_g = tl.zeros((BLOCK_M, BLOCK_G), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_G), dtype=tl.float32)
+        acc_g = tl.zeros((_BM, BLOCK_G), dtype=tl.float32)
+        acc_u = tl.zeros((_BM, BLOCK_G), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
             k_ok = offs_k < H - k0
             a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0, cache_modifier=".cg")
@@ -144,7 +152,7 @@ def _gate_up_tiles(h_ptr, wgu_ptr, act_ptr, M, I, H, pid, nprog, BLOCK_G: tl.con
 @triton.jit
 def _down_tiles(act_ptr, wd_ptr, part_ptr, M, H, I, pid, nprog, K_SPLIT: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_K: tl.constexpr, F32: tl.constexpr):  # BLOCK_K: the down phase's own K step
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, _BM)
     m_ok = offs_m < M
     n_col = tl.cdiv(H, BLOCK_D)
     for t in range(pid, n_col * tl.cdiv(I, K_SPLIT), nprog):
@@ -155,7 +163,7 @@ def _down_tiles(act_ptr, wd_ptr, part_ptr, M, H, I, pid, nprog, K_SPLIT: tl.cons
         offs_k = s * K_SPLIT + tl.arange(0, BLOCK_K)
         a_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * I + offs_k[None, :]
         w_ptrs = wd_ptr + offs_n[:, None].to(tl.int64) * I + offs_k[None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+        acc = tl.zeros((_BM, BLOCK_D), dtype=tl.float32)
         for k0 in range(0, K_SPLIT, BLOCK_K):
             k_ok = offs_k < I - k0
             a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0, cache_modifier=".cg")
