@@ -180,35 +180,40 @@ def _persistent_mlp(resid_ptr, h_ptr, act_ptr, part_ptr, norm_ptr, wgu_ptr, wd_p
                     first_layer, last_layer, PHASE: tl.constexpr, SYNC: tl.constexpr, SPLITS: tl.constexpr,
                     K_SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_KD: tl.constexpr, BLOCK_H: tl.constexpr, LINES_G: tl.constexpr, LINES_D: tl.constexpr, PREFETCH: tl.constexpr,
-                    F32: tl.constexpr):
-    # PHASE (SYNC=False only): -1 the first norm, 0 gate/up, 1 down, 2 norm with delta
+                    F32: tl.constexpr, WORK: tl.constexpr):
+    # WORK: bit mask of the phases that compute (1 gate/up, 2 down, 4 norm); the others only pass their barriers
+    # (benchmarks: the barriers' own cost). PHASE (SYNC=False only): -1 the first norm, 0 gate/up, 1 down, 2 norm with delta
     pid = tl.program_id(0)  # nprog: the grid's size (an argument: the CPU interpreter's num_programs is an array)
     arrivals = nprog * 0
     if SYNC or PHASE == -1:
         if first_layer == 0:
-            if SYNC and PREFETCH:
+            if SYNC and PREFETCH and WORK & 1:
                 _prefetch_gu(wgu_ptr, I, H, pid, nprog, BLOCK_G, LINES_G)
-            _norm_rows(resid_ptr, part_ptr, norm_ptr, h_ptr, M, H, eps, pid, nprog, False, SPLITS, BLOCK_H)
+            if WORK & 4:
+                _norm_rows(resid_ptr, part_ptr, norm_ptr, h_ptr, M, H, eps, pid, nprog, False, SPLITS, BLOCK_H)
             arrivals += nprog
             _grid_sync(bar_ptr, arrivals, SYNC)
     for layer in range(first_layer, last_layer):
         wgu = wgu_ptr + layer * (2 * H * I.to(tl.int64))
         wd = wd_ptr + layer * (H * I.to(tl.int64))
         if SYNC or PHASE == 0:
-            _gate_up_tiles(h_ptr, wgu, act_ptr, M, I, H, pid, nprog, BLOCK_G, BLOCK_K, F32)
-            if SYNC and PREFETCH:
+            if WORK & 1:
+                _gate_up_tiles(h_ptr, wgu, act_ptr, M, I, H, pid, nprog, BLOCK_G, BLOCK_K, F32)
+            if SYNC and PREFETCH and WORK & 2:
                 _prefetch_down(wd, H, I, pid, nprog, K_SPLIT, BLOCK_D, LINES_D)
             arrivals += nprog
             _grid_sync(bar_ptr, arrivals, SYNC)
         if SYNC or PHASE == 1:
-            _down_tiles(act_ptr, wd, part_ptr, M, H, I, pid, nprog, K_SPLIT, BLOCK_D, BLOCK_KD, F32)
-            if SYNC and PREFETCH and layer + 1 < last_layer:
+            if WORK & 2:
+                _down_tiles(act_ptr, wd, part_ptr, M, H, I, pid, nprog, K_SPLIT, BLOCK_D, BLOCK_KD, F32)
+            if SYNC and PREFETCH and WORK & 1 and layer + 1 < last_layer:
                 _prefetch_gu(wgu + 2 * I * H, I, H, pid, nprog, BLOCK_G, LINES_G)
             arrivals += nprog
             _grid_sync(bar_ptr, arrivals, SYNC)
         if SYNC or PHASE == 2:
-            _norm_rows(resid_ptr, part_ptr, norm_ptr + layer * H, h_ptr, M, H, eps, pid, nprog, True,
-                       SPLITS, BLOCK_H)
+            if WORK & 4:
+                _norm_rows(resid_ptr, part_ptr, norm_ptr + layer * H, h_ptr, M, H, eps, pid, nprog, True,
+                           SPLITS, BLOCK_H)
             if layer + 1 < last_layer:
                 arrivals += nprog
                 _grid_sync(bar_ptr, arrivals, SYNC)
@@ -235,11 +240,12 @@ def resident_programs(kernel, device: torch.device) -> int:
 def persistent_mlp(resid: torch.Tensor, norms: torch.Tensor, wgu: torch.Tensor, wd: torch.Tensor, eps: float,
                    programs: int, counter: torch.Tensor, splits: int = 4, block_g: int = 32, block_d: int = 32,
                    block_k: int = 128, block_kd: int = 256, num_warps: int = 4, num_stages: int = 2,
-                   sync: bool = True, prefetch: bool = True) -> torch.Tensor:
+                   sync: bool = True, prefetch: bool = True, work: int = 7) -> torch.Tensor:
     """resid [M, H] (updated in place), norms [L, H], wgu [L, 2I, H] (gate rows then up rows), wd [L, H, I]
     -> h [M, H]: the MLP chain of L layers (module docstring). counter: int32 [1] on the device, zero before
     a synchronized launch; afterwards it reads barriers(L) * programs (less: the grid was not co-resident
-    and the result is not valid). M <= 64. Raises ValueError when `programs` cannot all be resident."""
+    and the result is not valid). M <= 64. work: the phases that compute (module's WORK; 7 = all, the
+    others leave the output undefined: for timing the barriers). Raises ValueError when `programs` cannot all be resident."""
     m, h = resid.shape
     layers, two_i, k = wgu.shape
     i = two_i // 2
@@ -255,7 +261,7 @@ def persistent_mlp(resid: torch.Tensor, norms: torch.Tensor, wgu: torch.Tensor, 
     kw = dict(SPLITS=s, K_SPLIT=k_split, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_K=block_k, BLOCK_KD=block_kd,
               BLOCK_H=triton.next_power_of_2(h), LINES_G=triton.next_power_of_2(triton.cdiv(h * 2, 128)),
               LINES_D=triton.next_power_of_2(triton.cdiv(k_split * 2, 128)), PREFETCH=prefetch and resid.is_cuda,
-              F32=not resid.is_cuda, num_warps=num_warps, num_stages=num_stages)
+              F32=not resid.is_cuda, WORK=work, num_warps=num_warps, num_stages=num_stages)
     args = (resid, out, act, part, norms, wgu, wd, counter, m, h, i, eps, programs)
     if sync:
         if not resid.is_cuda:
