@@ -142,6 +142,43 @@ def main():
         r = resid0.clone()
         base[str(pdl)] = timed(lambda pdl=pdl: chain(r, pdl)) / layers
     report["chain_us_per_layer"] = base
+    # the second design: data dependencies instead of barriers (engines/kernels/dataflow_mlp.py)
+    from surge.engines.kernels.dataflow_mlp import counters, dataflow_mlp
+
+    flow = []
+    for programs, bkd, splits, stages in ((sms, 256, 4, 3), (2 * sms, 256, 4, 2), (2 * sms, 128, 8, 3),
+                                          (sms, 128, 8, 3), (sms, 256, 4, 2)):
+        v = dict(programs=programs, block_g=32, block_k=128, block_d=32, block_kd=bkd, splits=splits, num_warps=4,
+                 num_stages=stages)
+        n = counters(layers, H, I, splits, 32, bkd)
+        cnt = torch.zeros(n, device=dev, dtype=torch.int32)
+        try:
+            outs = []
+            for _ in range(2):
+                cnt.zero_()
+                r = resid0.clone()
+                outs.append((dataflow_mlp(r, norms, wgu, wd, EPS, counter=cnt, **v), r))
+            torch.cuda.synchronize()
+        except Exception as exc:
+            print(f"  dataflow skipped {v}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+            continue
+        row = dict(v, design="dataflow", rel_err=err(outs[0][0]),
+                   deterministic=bool(torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])))
+        if not (row["deterministic"] and row["rel_err"] < max(2 * chain_err, 1e-3)):
+            print(f"  WRONG {row}", flush=True)
+            flow.append(row)
+            continue
+        r = resid0.clone()
+
+        def run(v=v, r=r, cnt=cnt, prefetch=True):
+            cnt.zero_()
+            dataflow_mlp(r, norms, wgu, wd, EPS, counter=cnt, prefetch=prefetch, **v)
+        row["us_per_layer"] = timed(run) / layers
+        row["us_per_layer_no_prefetch"] = timed(lambda run=run: run(prefetch=False)) / layers
+        print(f"  dataflow {row['us_per_layer']:.2f} us (no prefetch {row['us_per_layer_no_prefetch']:.2f})  {v}",
+              flush=True)
+        flow.append(row)
+    report["dataflow"] = flow
     ranked = sorted((r for r in report["variants"] if r.get("us_per_layer")), key=lambda r: r["us_per_layer"])
     if ranked:
         best = ranked[0]
@@ -168,6 +205,10 @@ def main():
         names = {"0": "barriers only", "1": "gate/up", "2": "down", "4": "norm", "3": "gate/up + down"}
         for w, t in ranked[0]["us_per_layer_by_work"].items():
             print(f"  best, computing only {names[w]}: {t:.2f}")
+    for r in sorted((r for r in flow if r.get("us_per_layer")), key=lambda r: r["us_per_layer"]):
+        print(f"  dataflow {r['us_per_layer']:.2f} (no prefetch {r['us_per_layer_no_prefetch']:.2f})  programs "
+              f"{r['programs']} D{r['block_d']}/K{r['block_kd']} splits {r['splits']} stages {r['num_stages']} "
+              f"(rel err {r['rel_err']:.1e})")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0

@@ -110,3 +110,52 @@ def test_more_programs_than_can_be_resident_is_refused():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     with pytest.raises(ValueError, match="resident"):
         persistent_mlp(resid, norms, wgu, wd, EPS, programs=sms * 64, counter=counter, splits=2, block_kd=128)
+
+
+@pytest.mark.parametrize("m,h,i,layers,plan", [
+    (64, 256, 640, 3, dict(block_g=32, block_k=128, block_d=32, block_kd=128, splits=3)),
+    (17, 320, 704, 2, dict(block_g=64, block_k=64, block_d=64, block_kd=256, splits=2)),  # uneven K, H, I
+])
+def test_dataflow_kernel_against_reference_barrier_kernel_and_itself(m, h, i, layers, plan):
+    import triton
+
+    from surge.engines.kernels.dataflow_mlp import counters, dataflow_mlp
+    from surge.engines.kernels.persistent_mlp import persistent_mlp
+
+    norms, wgu, wd = _weights(layers, h, i, seed=10 + m)
+    resid = torch.randn(m, h, device="cuda").to(torch.bfloat16)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    n = counters(layers, h, i, plan["splits"], plan["block_d"], plan["block_kd"])
+    outs = []
+    for _ in range(2):
+        cnt = torch.zeros(n, device="cuda", dtype=torch.int32)
+        r = resid.clone()
+        outs.append((dataflow_mlp(r, norms, wgu, wd, EPS, programs=sms, counter=cnt, **plan), r, cnt))
+    (h1, r1, cnt), (h2, r2, _) = outs
+    assert torch.equal(h1, h2) and torch.equal(r1, r2)  # deterministic whatever the programs' timing
+    k_split = triton.cdiv(triton.cdiv(i, plan["splits"]), plan["block_kd"]) * plan["block_kd"]
+    splits, ncol = triton.cdiv(i, k_split), triton.cdiv(h, plan["block_d"])
+    per_split = [triton.cdiv(min(k_split, i - s * k_split), plan["block_g"]) for s in range(splits)]
+    want = [ncol] * (layers + 1) + per_split * layers + [splits] * (ncol * layers)
+    assert cnt.tolist() == want
+    r_ref, h_ref = _reference(resid, norms, wgu, wd)
+    rel = ((h1.double() - h_ref.double()).norm() / h_ref.double().norm()).item()
+    assert rel < 2e-2, rel
+    hb = persistent_mlp(resid.clone(), norms, wgu, wd, EPS, programs=sms,
+                        counter=torch.zeros(1, device="cuda", dtype=torch.int32), **plan)
+    # the same rounding points; only the mean square's summation order differs from the barrier kernel
+    assert ((h1.double() - hb.double()).norm() / hb.double().norm()).item() < 1e-2
+
+
+def test_dataflow_rows_do_not_depend_on_the_batch():
+    from surge.engines.kernels.dataflow_mlp import counters, dataflow_mlp
+
+    norms, wgu, wd = _weights(2, 256, 512, seed=21)
+    resid = torch.randn(64, 256, device="cuda").to(torch.bfloat16)
+    plan = dict(splits=2, block_kd=128)
+    n = counters(2, 256, 512, 2, 32, 128)
+    full = dataflow_mlp(resid.clone(), norms, wgu, wd, EPS, programs=64,
+                        counter=torch.zeros(n, device="cuda", dtype=torch.int32), **plan)
+    alone = dataflow_mlp(resid[9:10].clone(), norms, wgu, wd, EPS, programs=64,
+                         counter=torch.zeros(n, device="cuda", dtype=torch.int32), **plan)
+    assert torch.equal(full[9:10], alone)

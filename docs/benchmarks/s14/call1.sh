@@ -1,4 +1,4 @@
-# Session 14, device call 1 (nvidia-h200): the persistent MLP kernel (engines/kernels/persistent_mlp.py),
+# Session 14, device call 1-3 (nvidia-h200): the persistent MLP kernel (engines/kernels/persistent_mlp.py),
 # its GPU tests, then benchmarks/gpu_persistent_mlp.py against the three-kernel chain.
 set +e
 export PYTHONUNBUFFERED=1 PYTHONPATH=src

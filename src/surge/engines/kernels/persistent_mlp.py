@@ -43,9 +43,12 @@ SPIN_LIMIT = tl.constexpr(1 << 26)  # polls of the barrier counter before a prog
 
 
 @triton.jit
-def _load_acquire(ptr):
+def _load_acquire(ptr, INTERP: tl.constexpr):
     # every thread polls with acquire semantics at GPU scope: its later loads see what the other programs
-    # wrote before their release (Triton dropped an `atomic_add(ptr, 0, sem="acquire")` whose result was unused)
+    # wrote before their release (Triton dropped an `atomic_add(ptr, 0, sem="acquire")` whose result was unused).
+    # INTERP: Triton's CPU interpreter, which runs no PTX (and programs one at a time)
+    if INTERP:
+        return tl.load(ptr)
     return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
                                      is_pure=False, pack=1)
 
@@ -55,10 +58,10 @@ def _grid_sync(bar_ptr, target, SYNC: tl.constexpr):
     if SYNC:
         tl.debug_barrier()  # every thread's stores of this phase precede the arrival
         tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")  # one thread a program (a scalar atomic)
-        seen = _load_acquire(bar_ptr)
+        seen = _load_acquire(bar_ptr, False)
         spins = 0
         while (seen < target) & (spins < SPIN_LIMIT):  # bounded: a grid that is not co-resident fails, never hangs
-            seen = _load_acquire(bar_ptr)
+            seen = _load_acquire(bar_ptr, False)
             spins += 1
         tl.debug_barrier()
 
