@@ -32,17 +32,12 @@ import triton
 import triton.language as tl
 
 from surge.engines.kernels.pdl import prefetch_l2
-from surge.engines.kernels.persistent_mlp import _BM, BLOCK_M, SPIN_LIMIT, _dot, _load_acquire, resident_programs
+from surge.engines.kernels.persistent_mlp import _BM, BLOCK_M, _dot, _spin_until, resident_programs
 
 
 @triton.jit
 def _wait_at_least(ptr, target, INTERP: tl.constexpr):
-    seen = _load_acquire(ptr, INTERP)
-    spins = 0
-    while (seen < target) & (spins < SPIN_LIMIT):
-        seen = _load_acquire(ptr, INTERP)
-        spins += 1
-    tl.debug_barrier()
+    _spin_until(ptr, target, INTERP)
 
 
 @triton.jit
