@@ -7,6 +7,10 @@ Checks first, then times: the synchronized launch equals the same code launched 
 within the three-kernel chain's own error of a float64 reference. Timing as gpu_gate_up_tune.py: one CUDA
 graph for all 24 layers (the counter's zeroing inside it), median of 7 timings of 20 replays, us a layer.
 
+Also the second design, waits on data instead of barriers (engines/kernels/dataflow_mlp.py), and where the best
+barrier plan's time goes (the same launch with only some phases computing). Numbers: docs/benchmarks/generate.md,
+session 14.
+
     PYTHONPATH=src python3 benchmarks/gpu_persistent_mlp.py [--json out.json]
 """
 

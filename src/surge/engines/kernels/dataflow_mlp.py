@@ -20,6 +20,9 @@ earliest unfinished item can always run: no deadlock. Waits are bounded (SPIN_LI
 L2 for its item's weights, so the wait overlaps the weight stream. Deterministic, and a row's bits do not depend
 on the other rows (the sums of squares are per row, in column-tile order).
 
+Measured, not adopted (docs/benchmarks/generate.md, session 14): 31.8 us a layer at best, twice the barrier
+kernel's 17.5 and the three-kernel chain's 16.2 in the same call; the engine does not call this module.
+
 Same contract as persistent_mlp.persistent_mlp (resid updated in place, the final h returned), same rounding
 points; the row's mean square is summed per 32 or 64 columns, then over column tiles, instead of in one
 reduction, so the last bits may differ from the three-kernel chain.

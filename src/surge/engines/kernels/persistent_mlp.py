@@ -7,6 +7,12 @@ left is a persistent kernel: one grid of co-resident programs walks the phases o
 grid-wide barrier between phases instead of a kernel boundary, each program prefetching the weights of
 its next phase into L2 before it waits at the barrier, so weight streams stay in flight across phases.
 
+Measured, not adopted (docs/benchmarks/generate.md, session 14; benchmarks/gpu_persistent_mlp.py): the engine
+does not call this module. At Qwen2-0.5B's shapes, M = 64, 24 layers in one CUDA graph, the best plan (264
+programs, two an SM) took 16.63 us a layer without the L2 prefetch (17.50 with it) against the three-kernel
+chain's 16.21 with PDL (17.94 without): a grid barrier costs ~1.2 us (3.47 us a layer for three), about what PDL
+leaves of a kernel boundary, and the phases themselves stream weights at ~2 TB/s, latency-bound like the kernels.
+
 This module measures that design on the part of a layer that is pure GEMM and normalization, the MLP
 chain the decode step runs as three kernels (`add_rmsnorm` -> `gate_up_silu` -> split-K down, whose
 partials the next `add_rmsnorm` sums): for l in layers,
