@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 
 from surge.engines.kernels.pdl import prefetch_l2
-from surge.engines.kernels.persistent_mlp import _BM, BLOCK_M, _dot, _spin_until, resident_programs
+from surge.engines.kernels.persistent_mlp import (_BM, BLOCK_M, _dot, _down_tile, _prefetch_down_tile, _spin_until,
+                                                  resident_programs)
 
 
 @triton.jit
@@ -119,23 +120,10 @@ def _down_item(act_ptr, wd_ptr, part_ptr, resid_ptr, sumsq_ptr, split_ptr, arriv
     m_ok = offs_m < M
     offs_n = c * BLOCK_D + tl.arange(0, BLOCK_D)
     n_ok = offs_n < H
-    offs_k = s * K_SPLIT + tl.arange(0, BLOCK_K)
     if PREFETCH:
-        row_bytes = (tl.minimum(I - s * K_SPLIT, K_SPLIT) * 2).to(tl.int64)
-        line = tl.minimum(tl.arange(0, LINES_D).to(tl.int64) * 128, row_bytes - 1)
-        rows = tl.minimum(offs_n, H - 1).to(tl.int64)
-        prefetch_l2((wd_ptr + s * K_SPLIT).to(tl.pointer_type(tl.int8)) + rows[:, None] * I * 2 + line[None, :])
+        _prefetch_down_tile(wd_ptr, H, I, c, s, K_SPLIT, BLOCK_D, LINES_D)
     _wait_at_least(split_ptr + s, tl.cdiv(tl.minimum(K_SPLIT, I - s * K_SPLIT), BLOCK_G), F32)
-    a_ptrs = act_ptr + offs_m[:, None] * I + offs_k[None, :]
-    w_ptrs = wd_ptr + offs_n[:, None].to(tl.int64) * I + offs_k[None, :]
-    acc = tl.zeros((_BM, BLOCK_D), dtype=tl.float32)
-    for k0 in range(0, K_SPLIT, BLOCK_K):
-        k_ok = offs_k < I - k0
-        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0, cache_modifier=".cg")
-        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = _dot(a, tl.trans(w), acc, F32)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    acc = _down_tile(act_ptr, wd_ptr, M, H, I, c, s, K_SPLIT, BLOCK_D, BLOCK_K, F32, act_ptr, False)
     tile = offs_m[:, None] * H + offs_n[None, :]
     mask = m_ok[:, None] & n_ok[None, :]
     tl.store(part_ptr + s * M * H + tile, acc, mask=mask)

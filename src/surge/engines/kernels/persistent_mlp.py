@@ -125,17 +125,19 @@ def _prefetch_gu(wgu_ptr, I, H, pid, nprog, BLOCK_G: tl.constexpr, LINES_G: tl.c
 
 
 @triton.jit
+def _prefetch_down_tile(wd_ptr, H, I, nt, s, K_SPLIT: tl.constexpr, BLOCK_D: tl.constexpr, LINES_D: tl.constexpr):
+    row_bytes = (tl.minimum(I - s * K_SPLIT, K_SPLIT) * 2).to(tl.int64)
+    line = tl.minimum(tl.arange(0, LINES_D).to(tl.int64) * 128, row_bytes - 1)
+    rows = tl.minimum(nt * BLOCK_D + tl.arange(0, BLOCK_D), H - 1).to(tl.int64)
+    prefetch_l2((wd_ptr + s * K_SPLIT).to(tl.pointer_type(tl.int8)) + rows[:, None] * I * 2 + line[None, :])
+
+
+@triton.jit
 def _prefetch_down(wd_ptr, H, I, pid, nprog, K_SPLIT: tl.constexpr, BLOCK_D: tl.constexpr,
                    LINES_D: tl.constexpr):
     n_col = tl.cdiv(H, BLOCK_D)
     for t in range(pid, n_col * tl.cdiv(I, K_SPLIT), nprog):
-        nt = t % n_col
-        s = t // n_col
-        row_bytes = (tl.minimum(I - s * K_SPLIT, K_SPLIT) * 2).to(tl.int64)
-        line = tl.minimum(tl.arange(0, LINES_D).to(tl.int64) * 128, row_bytes - 1)
-        rows = tl.minimum(nt * BLOCK_D + tl.arange(0, BLOCK_D), H - 1).to(tl.int64)
-        base = (wd_ptr + s * K_SPLIT).to(tl.pointer_type(tl.int8)) + rows[:, None] * I * 2 + line[None, :]
-        prefetch_l2(base)
+        _prefetch_down_tile(wd_ptr, H, I, t % n_col, t // n_col, K_SPLIT, BLOCK_D, LINES_D)
 
 
 @triton.jit
@@ -148,7 +150,8 @@ def _dot(a, b, acc, F32: tl.constexpr):
 
 @triton.jit
 def _gate_up_tiles(h_ptr, wgu_ptr, act_ptr, M, I, H, pid, nprog, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
-                   F32: tl.constexpr):
+                   F32: tl.constexpr, g0, u0, PRE: tl.constexpr):
+    # PRE: g0 / u0 are the first K block of tile `pid`'s gate and up rows, loaded before the barrier
     offs_m = tl.arange(0, _BM)
     m_ok = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
@@ -160,7 +163,17 @@ def _gate_up_tiles(h_ptr, wgu_ptr, act_ptr, M, I, H, pid, nprog, BLOCK_G: tl.con
         u_ptrs = g_ptrs + I.to(tl.int64) * H
         acc_g = tl.zeros((_BM, BLOCK_G), dtype=tl.float32)
         acc_u = tl.zeros((_BM, BLOCK_G), dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
+        k_lo = 0
+        if PRE:
+            if t == pid:
+                a = tl.load(a_ptrs, mask=m_ok[:, None] & (offs_k[None, :] < H), other=0.0, cache_modifier=".cg")
+                acc_g = _dot(a, tl.trans(g0), acc_g, F32)
+                acc_u = _dot(a, tl.trans(u0), acc_u, F32)
+                k_lo = BLOCK_K
+        a_ptrs += k_lo
+        g_ptrs += k_lo
+        u_ptrs += k_lo
+        for k0 in range(k_lo, H, BLOCK_K):
             k_ok = offs_k < H - k0
             a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0, cache_modifier=".cg")
             g = tl.load(g_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
@@ -177,29 +190,71 @@ def _gate_up_tiles(h_ptr, wgu_ptr, act_ptr, M, I, H, pid, nprog, BLOCK_G: tl.con
 
 
 @triton.jit
-def _down_tiles(act_ptr, wd_ptr, part_ptr, M, H, I, pid, nprog, K_SPLIT: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_K: tl.constexpr, F32: tl.constexpr):  # BLOCK_K: the down phase's own K step
+def _first_gu_block(wgu_ptr, I, H, t, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n = t * BLOCK_G + tl.arange(0, BLOCK_G)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask = (offs_n[:, None] < I) & (offs_k[None, :] < H)
+    g_ptrs = wgu_ptr + offs_n[:, None].to(tl.int64) * H + offs_k[None, :]
+    return tl.load(g_ptrs, mask=mask, other=0.0), tl.load(g_ptrs + I.to(tl.int64) * H, mask=mask, other=0.0)
+
+
+@triton.jit
+def _first_down_block(wd_ptr, H, I, t, K_SPLIT: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
+    n_col = tl.cdiv(H, BLOCK_D)
+    offs_n = (t % n_col) * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_k = (t // n_col) * K_SPLIT + tl.arange(0, BLOCK_K)
+    mask = (offs_n[:, None] < H) & (offs_k[None, :] < I)
+    return tl.load(wd_ptr + offs_n[:, None].to(tl.int64) * I + offs_k[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _down_tile(act_ptr, wd_ptr, M, H, I, nt, s, K_SPLIT: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+               F32: tl.constexpr, w0, PRE: tl.constexpr):
+    """FP32 act[:, split s] @ wd[column tile nt, split s]^T: [BLOCK_M, BLOCK_D]. PRE: w0 is its first K block."""
     offs_m = tl.arange(0, _BM)
     m_ok = offs_m < M
+    offs_n = nt * BLOCK_D + tl.arange(0, BLOCK_D)
+    n_ok = offs_n < H
+    offs_k = s * K_SPLIT + tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * I + offs_k[None, :]
+    w_ptrs = wd_ptr + offs_n[:, None].to(tl.int64) * I + offs_k[None, :]
+    acc = tl.zeros((_BM, BLOCK_D), dtype=tl.float32)
+    k_lo = 0
+    if PRE:
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & (offs_k[None, :] < I), other=0.0, cache_modifier=".cg")
+        acc = _dot(a, tl.trans(w0), acc, F32)
+        k_lo = BLOCK_K
+    a_ptrs += k_lo
+    w_ptrs += k_lo
+    for k0 in range(k_lo, K_SPLIT, BLOCK_K):
+        k_ok = offs_k < I - k0
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0, cache_modifier=".cg")
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = _dot(a, tl.trans(w), acc, F32)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _down_tiles(act_ptr, wd_ptr, part_ptr, M, H, I, pid, nprog, K_SPLIT: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_K: tl.constexpr, F32: tl.constexpr, w0, PRE: tl.constexpr):  # BLOCK_K: the down phase's own
+    offs_m = tl.arange(0, _BM)
     n_col = tl.cdiv(H, BLOCK_D)
     for t in range(pid, n_col * tl.cdiv(I, K_SPLIT), nprog):
         nt = t % n_col
         s = t // n_col
+        if PRE:  # the first tile's first K block came before the barrier
+            if t == pid:
+                acc = _down_tile(act_ptr, wd_ptr, M, H, I, nt, s, K_SPLIT, BLOCK_D, BLOCK_K, F32, w0, True)
+            else:
+                acc = _down_tile(act_ptr, wd_ptr, M, H, I, nt, s, K_SPLIT, BLOCK_D, BLOCK_K, F32, w0, False)
+        else:
+            acc = _down_tile(act_ptr, wd_ptr, M, H, I, nt, s, K_SPLIT, BLOCK_D, BLOCK_K, F32, w0, False)
         offs_n = nt * BLOCK_D + tl.arange(0, BLOCK_D)
-        n_ok = offs_n < H
-        offs_k = s * K_SPLIT + tl.arange(0, BLOCK_K)
-        a_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * I + offs_k[None, :]
-        w_ptrs = wd_ptr + offs_n[:, None].to(tl.int64) * I + offs_k[None, :]
-        acc = tl.zeros((_BM, BLOCK_D), dtype=tl.float32)
-        for k0 in range(0, K_SPLIT, BLOCK_K):
-            k_ok = offs_k < I - k0
-            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0, cache_modifier=".cg")
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc = _dot(a, tl.trans(w), acc, F32)
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
         ws = part_ptr + s * M * H  # SPLITS * M * H < 2**31
-        tl.store(ws + offs_m[:, None].to(tl.int64) * H + offs_n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+        tl.store(ws + offs_m[:, None].to(tl.int64) * H + offs_n[None, :], acc,
+                 mask=(offs_m[:, None] < M) & (offs_n[None, :] < H))
 
 
 @triton.jit(do_not_specialize=["M", "nprog", "first_layer", "last_layer"])
@@ -207,17 +262,25 @@ def _persistent_mlp(resid_ptr, h_ptr, act_ptr, part_ptr, norm_ptr, wgu_ptr, wd_p
                     first_layer, last_layer, PHASE: tl.constexpr, SYNC: tl.constexpr, SPLITS: tl.constexpr,
                     K_SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_KD: tl.constexpr, BLOCK_H: tl.constexpr, LINES_G: tl.constexpr, LINES_D: tl.constexpr, PREFETCH: tl.constexpr,
-                    F32: tl.constexpr, WORK: tl.constexpr):
+                    F32: tl.constexpr, WORK: tl.constexpr, PRELOAD: tl.constexpr):
+    # PRELOAD (SYNC only): a program's first weight block of its next phase is read before the barrier ahead of it.
     # WORK: bit mask of the phases that compute (1 gate/up, 2 down, 4 norm); the others only pass their barriers
     # (benchmarks: the barriers' own cost). PHASE (SYNC=False only): -1 the first norm, 0 gate/up, 1 down, 2 norm with delta
     pid = tl.program_id(0)  # nprog: the grid's size (an argument: the CPU interpreter's num_programs is an array)
     arrivals = nprog * 0
+    PRE: tl.constexpr = SYNC and PRELOAD
+    wdt = wgu_ptr.dtype.element_ty
+    g0 = tl.zeros((BLOCK_G, BLOCK_K), dtype=wdt)
+    u0 = tl.zeros((BLOCK_G, BLOCK_K), dtype=wdt)
+    w0 = tl.zeros((BLOCK_D, BLOCK_KD), dtype=wdt)
     if SYNC or PHASE == -1:
         if first_layer == 0:
             if SYNC and PREFETCH and WORK & 1:
                 _prefetch_gu(wgu_ptr, I, H, pid, nprog, BLOCK_G, LINES_G)
             if WORK & 4:
                 _norm_rows(resid_ptr, part_ptr, norm_ptr, h_ptr, M, H, eps, pid, nprog, False, SPLITS, BLOCK_H)
+            if PRE:
+                g0, u0 = _first_gu_block(wgu_ptr, I, H, pid, BLOCK_G, BLOCK_K)
             arrivals += nprog
             _grid_sync(bar_ptr, arrivals, SYNC)
     for layer in range(first_layer, last_layer):
@@ -225,14 +288,16 @@ def _persistent_mlp(resid_ptr, h_ptr, act_ptr, part_ptr, norm_ptr, wgu_ptr, wd_p
         wd = wd_ptr + layer * (H * I.to(tl.int64))
         if SYNC or PHASE == 0:
             if WORK & 1:
-                _gate_up_tiles(h_ptr, wgu, act_ptr, M, I, H, pid, nprog, BLOCK_G, BLOCK_K, F32)
+                _gate_up_tiles(h_ptr, wgu, act_ptr, M, I, H, pid, nprog, BLOCK_G, BLOCK_K, F32, g0, u0, PRE)
             if SYNC and PREFETCH and WORK & 2:
                 _prefetch_down(wd, H, I, pid, nprog, K_SPLIT, BLOCK_D, LINES_D)
+            if PRE:
+                w0 = _first_down_block(wd, H, I, pid, K_SPLIT, BLOCK_D, BLOCK_KD)
             arrivals += nprog
             _grid_sync(bar_ptr, arrivals, SYNC)
         if SYNC or PHASE == 1:
             if WORK & 2:
-                _down_tiles(act_ptr, wd, part_ptr, M, H, I, pid, nprog, K_SPLIT, BLOCK_D, BLOCK_KD, F32)
+                _down_tiles(act_ptr, wd, part_ptr, M, H, I, pid, nprog, K_SPLIT, BLOCK_D, BLOCK_KD, F32, w0, PRE)
             if SYNC and PREFETCH and WORK & 1 and layer + 1 < last_layer:
                 _prefetch_gu(wgu + 2 * I * H, I, H, pid, nprog, BLOCK_G, LINES_G)
             arrivals += nprog
@@ -242,6 +307,8 @@ def _persistent_mlp(resid_ptr, h_ptr, act_ptr, part_ptr, norm_ptr, wgu_ptr, wd_p
                 _norm_rows(resid_ptr, part_ptr, norm_ptr + layer * H, h_ptr, M, H, eps, pid, nprog, True,
                            SPLITS, BLOCK_H)
             if layer + 1 < last_layer:
+                if PRE:
+                    g0, u0 = _first_gu_block(wgu + 2 * I * H, I, H, pid, BLOCK_G, BLOCK_K)
                 arrivals += nprog
                 _grid_sync(bar_ptr, arrivals, SYNC)
 
@@ -267,12 +334,13 @@ def resident_programs(kernel, device: torch.device) -> int:
 def persistent_mlp(resid: torch.Tensor, norms: torch.Tensor, wgu: torch.Tensor, wd: torch.Tensor, eps: float,
                    programs: int, counter: torch.Tensor, splits: int = 4, block_g: int = 32, block_d: int = 32,
                    block_k: int = 128, block_kd: int = 256, num_warps: int = 4, num_stages: int = 2,
-                   sync: bool = True, prefetch: bool = True, work: int = 7) -> torch.Tensor:
+                   sync: bool = True, prefetch: bool = True, work: int = 7, preload: bool = False) -> torch.Tensor:
     """resid [M, H] (updated in place), norms [L, H], wgu [L, 2I, H] (gate rows then up rows), wd [L, H, I]
     -> h [M, H]: the MLP chain of L layers (module docstring). counter: int32 [1] on the device, zero before
     a synchronized launch; afterwards it reads barriers(L) * programs (less: the grid was not co-resident
     and the result is not valid). M <= 64. work: the phases that compute (module's WORK; 7 = all, the
-    others leave the output undefined: for timing the barriers). Raises ValueError when `programs` cannot all be resident."""
+    others leave the output undefined: for timing the barriers). preload: each program reads its next phase's
+    first weight block before the barrier ahead of that phase (a synchronized launch only; same results). Raises ValueError when `programs` cannot all be resident."""
     m, h = resid.shape
     layers, two_i, k = wgu.shape
     i = two_i // 2
@@ -288,7 +356,7 @@ def persistent_mlp(resid: torch.Tensor, norms: torch.Tensor, wgu: torch.Tensor, 
     kw = dict(SPLITS=s, K_SPLIT=k_split, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_K=block_k, BLOCK_KD=block_kd,
               BLOCK_H=triton.next_power_of_2(h), LINES_G=triton.next_power_of_2(triton.cdiv(h * 2, 128)),
               LINES_D=triton.next_power_of_2(triton.cdiv(k_split * 2, 128)), PREFETCH=prefetch and resid.is_cuda,
-              F32=not resid.is_cuda, WORK=work, num_warps=num_warps, num_stages=num_stages)
+              F32=not resid.is_cuda, WORK=work, PRELOAD=preload, num_warps=num_warps, num_stages=num_stages)
     args = (resid, out, act, part, norms, wgu, wd, counter, m, h, i, eps, programs)
     if sync:
         if not resid.is_cuda:
