@@ -36,7 +36,7 @@ import triton.language as tl
 
 from surge.engines.kernels.pdl import prefetch_l2
 from surge.engines.kernels.persistent_mlp import (_BM, BLOCK_M, _dot, _down_tile, _prefetch_down_tile, _spin_until,
-                                                  resident_programs)
+                                                  checked_buffers, launch_resident)
 
 
 @triton.jit
@@ -212,26 +212,16 @@ def dataflow_mlp(resid: torch.Tensor, norms: torch.Tensor, wgu: torch.Tensor, wd
     wd [L, H, I] -> h [M, H]); counter: int32 [counters(...)] zeroed before the launch. On a GPU all programs
     must be resident (ValueError otherwise); on the CPU (Triton's interpreter) use programs=1: one program
     walks the items in order, which is the dependency order."""
-    m, h = resid.shape
-    layers, two_i, k = wgu.shape
-    i = two_i // 2
-    if m > BLOCK_M or k != h or wd.shape != (layers, h, i) or norms.shape != (layers, h):
-        raise ValueError("shapes: resid [M<=64, H], norms [L, H], wgu [L, 2I, H], wd [L, H, I]")
-    if not all(t.is_contiguous() for t in (resid, norms, wgu, wd)):
-        raise ValueError("dataflow_mlp needs contiguous tensors")
-    k_split = triton.cdiv(triton.cdiv(i, splits), block_kd) * block_kd
+    m, h, layers, i, k_split, s, out, act, part = checked_buffers(resid, norms, wgu, wd, splits, block_kd,
+                                                                  "dataflow_mlp")
     if k_split % block_g:
         raise ValueError(f"block_g ({block_g}) must divide the K split ({k_split})")
-    s = triton.cdiv(i, k_split)
     ncol = triton.cdiv(h, block_d)
     need = counters(layers, h, i, splits, block_d, block_kd)
     if counter.numel() < need or counter.dtype != torch.int32:
         raise ValueError(f"counter must be int32 with at least {need} elements")
     if not resid.is_cuda and programs != 1:
         raise ValueError("on the CPU interpreter programs run one after another: use programs=1")
-    out = torch.empty_like(resid)
-    act = torch.empty((m, i), device=resid.device, dtype=resid.dtype)
-    part = torch.empty((s, m, h), device=resid.device, dtype=torch.float32)
     sumsq = torch.zeros((ncol, BLOCK_M), device=resid.device, dtype=torch.float32)
     kw = dict(LAYERS=layers, SPLITS=s, K_SPLIT=k_split, NCOL=ncol, BLOCK_G=block_g, BLOCK_D=block_d,
               BLOCK_K=block_k, BLOCK_KD=block_kd, BLOCK_H=triton.next_power_of_2(h),
@@ -240,9 +230,7 @@ def dataflow_mlp(resid: torch.Tensor, norms: torch.Tensor, wgu: torch.Tensor, wd
               F32=not resid.is_cuda, num_warps=num_warps, num_stages=num_stages)
     args = (resid, out, act, part, sumsq, norms, wgu, wd, counter, m, h, i, eps, programs)
     if resid.is_cuda:
-        compiled = _dataflow_mlp.warmup(*args, grid=(programs,), **kw)
-        limit = resident_programs(compiled, resid.device)
-        if programs > limit:
-            raise ValueError(f"{programs} programs cannot all be resident (at most {limit} with this plan)")
-    _dataflow_mlp[(programs,)](*args, **kw)
+        launch_resident(_dataflow_mlp, args, programs, resid.device, **kw)
+    else:
+        _dataflow_mlp[(programs,)](*args, **kw)
     return out

@@ -331,6 +331,30 @@ def resident_programs(kernel, device: torch.device) -> int:
     return props.multi_processor_count * max(0, min(by_regs, by_smem, by_threads, 32))
 
 
+def checked_buffers(resid, norms, wgu, wd, splits: int, block_kd: int, name: str):
+    """Validate the MLP chain's operands; (M, H, L, I, K split, splits, out h, act, FP32 partials) for a launch."""
+    m, h = resid.shape
+    layers, two_i, k = wgu.shape
+    i = two_i // 2
+    if m > BLOCK_M or k != h or wd.shape != (layers, h, i) or norms.shape != (layers, h):
+        raise ValueError("shapes: resid [M<=64, H], norms [L, H], wgu [L, 2I, H], wd [L, H, I]")
+    if not all(t.is_contiguous() for t in (resid, norms, wgu, wd)):
+        raise ValueError(f"{name} needs contiguous tensors")
+    k_split = triton.cdiv(triton.cdiv(i, splits), block_kd) * block_kd
+    s = triton.cdiv(i, k_split)
+    act = torch.empty((m, i), device=resid.device, dtype=resid.dtype)
+    part = torch.empty((s, m, h), device=resid.device, dtype=torch.float32)
+    return m, h, layers, i, k_split, s, torch.empty_like(resid), act, part
+
+
+def launch_resident(kernel, args: tuple, programs: int, device: torch.device, **kw) -> None:
+    """Compile `kernel` for these arguments, refuse a grid that cannot all be resident, launch it."""
+    limit = resident_programs(kernel.warmup(*args, grid=(programs,), **kw), device)
+    if programs > limit:
+        raise ValueError(f"{programs} programs cannot all be resident (at most {limit} with this plan)")
+    kernel[(programs,)](*args, **kw)
+
+
 def persistent_mlp(resid: torch.Tensor, norms: torch.Tensor, wgu: torch.Tensor, wd: torch.Tensor, eps: float,
                    programs: int, counter: torch.Tensor, splits: int = 4, block_g: int = 32, block_d: int = 32,
                    block_k: int = 128, block_kd: int = 256, num_warps: int = 4, num_stages: int = 2,
@@ -340,19 +364,10 @@ def persistent_mlp(resid: torch.Tensor, norms: torch.Tensor, wgu: torch.Tensor, 
     a synchronized launch; afterwards it reads barriers(L) * programs (less: the grid was not co-resident
     and the result is not valid). M <= 64. work: the phases that compute (module's WORK; 7 = all, the
     others leave the output undefined: for timing the barriers). preload: each program reads its next phase's
-    first weight block before the barrier ahead of that phase (a synchronized launch only; same results). Raises ValueError when `programs` cannot all be resident."""
-    m, h = resid.shape
-    layers, two_i, k = wgu.shape
-    i = two_i // 2
-    if m > BLOCK_M or k != h or wd.shape != (layers, h, i) or norms.shape != (layers, h):
-        raise ValueError("shapes: resid [M<=64, H], norms [L, H], wgu [L, 2I, H], wd [L, H, I]")
-    if not all(t.is_contiguous() for t in (resid, norms, wgu, wd)):
-        raise ValueError("persistent_mlp needs contiguous tensors")
-    k_split = triton.cdiv(triton.cdiv(i, splits), block_kd) * block_kd
-    s = triton.cdiv(i, k_split)
-    out = torch.empty_like(resid)
-    act = torch.empty((m, i), device=resid.device, dtype=resid.dtype)
-    part = torch.empty((s, m, h), device=resid.device, dtype=torch.float32)
+    first weight block before the barrier ahead of that phase (a synchronized launch only; same results).
+    Raises ValueError when `programs` cannot all be resident."""
+    m, h, layers, i, k_split, s, out, act, part = checked_buffers(resid, norms, wgu, wd, splits, block_kd,
+                                                                  "persistent_mlp")
     kw = dict(SPLITS=s, K_SPLIT=k_split, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_K=block_k, BLOCK_KD=block_kd,
               BLOCK_H=triton.next_power_of_2(h), LINES_G=triton.next_power_of_2(triton.cdiv(h * 2, 128)),
               LINES_D=triton.next_power_of_2(triton.cdiv(k_split * 2, 128)), PREFETCH=prefetch and resid.is_cuda,
@@ -361,11 +376,7 @@ def persistent_mlp(resid: torch.Tensor, norms: torch.Tensor, wgu: torch.Tensor, 
     if sync:
         if not resid.is_cuda:
             raise ValueError("a synchronized launch needs a GPU (the CPU interpreter runs programs one by one)")
-        compiled = _persistent_mlp.warmup(*args, 0, layers, PHASE=3, SYNC=True, grid=(programs,), **kw)
-        limit = resident_programs(compiled, resid.device)
-        if programs > limit:
-            raise ValueError(f"{programs} programs cannot all be resident (at most {limit} with this plan)")
-        _persistent_mlp[(programs,)](*args, 0, layers, PHASE=3, SYNC=True, **kw)
+        launch_resident(_persistent_mlp, args + (0, layers), programs, resid.device, PHASE=3, SYNC=True, **kw)
     else:
         _persistent_mlp[(programs,)](*args, 0, 0, PHASE=-1, SYNC=False, **kw)
         for layer in range(layers):
