@@ -36,7 +36,7 @@ import triton.language as tl
 
 from surge.engines.kernels.pdl import prefetch_l2
 from surge.engines.kernels.persistent_mlp import (_BM, BLOCK_M, _dot, _down_tile, _prefetch_down_tile, _spin_until,
-                                                  checked_buffers, launch_resident)
+                                                  _swiglu, checked_buffers, launch_resident)
 
 
 @triton.jit
@@ -106,8 +106,7 @@ def _gate_up_item(resid_ptr, sumsq_ptr, w_norm_ptr, wgu_ptr, act_ptr, done_ptr, 
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    gf = acc_g.to(dt).to(tl.float32)
-    y = ((gf / (1.0 + tl.exp(-gf))).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)).to(dt)
+    y = _swiglu(acc_g, acc_u, dt)
     tl.store(act_ptr + offs_m[:, None] * I + offs_n[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
     _signal(split_ptr + (t * BLOCK_G) // K_SPLIT)
 

@@ -149,6 +149,13 @@ def _dot(a, b, acc, F32: tl.constexpr):
 
 
 @triton.jit
+def _swiglu(acc_g, acc_u, dt: tl.constexpr):
+    # silu_mul's arithmetic on the GEMMs' rounded outputs
+    gf = acc_g.to(dt).to(tl.float32)
+    return ((gf / (1.0 + tl.exp(-gf))).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)).to(dt)
+
+
+@triton.jit
 def _gate_up_tiles(h_ptr, wgu_ptr, act_ptr, M, I, H, pid, nprog, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
                    F32: tl.constexpr, g0, u0, PRE: tl.constexpr):
     # PRE: g0 / u0 are the first K block of tile `pid`'s gate and up rows, loaded before the barrier
@@ -183,9 +190,7 @@ def _gate_up_tiles(h_ptr, wgu_ptr, act_ptr, M, I, H, pid, nprog, BLOCK_G: tl.con
             a_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
-        dt = act_ptr.dtype.element_ty
-        gf = acc_g.to(dt).to(tl.float32)
-        y = ((gf / (1.0 + tl.exp(-gf))).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)).to(dt)
+        y = _swiglu(acc_g, acc_u, act_ptr.dtype.element_ty)
         tl.store(act_ptr + offs_m[:, None].to(tl.int64) * I + offs_n[None, :], y, mask=m_ok[:, None] & n_ok[None, :])
 
 
