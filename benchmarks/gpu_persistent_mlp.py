@@ -117,8 +117,12 @@ def main():
             continue
         r3 = resid0.clone()
         counter.zero_()
-        h_pre = persistent_mlp(r3, norms, wgu, wd, EPS, counter=counter, sync=True, preload=True, **v)
-        torch.cuda.synchronize()
+        try:  # the preloaded blocks take registers: two programs an SM may no longer fit
+            h_pre = persistent_mlp(r3, norms, wgu, wd, EPS, counter=counter, sync=True, preload=True, **v)
+            torch.cuda.synchronize()
+        except ValueError as exc:
+            print(f"  preload not resident at {v['programs']} programs: {exc}", flush=True)
+            h_pre = h_sync
         same = bool(torch.equal(h_sync, h_steps) and torch.equal(r1, r2) and torch.equal(h_pre, h_sync))
         ok_count = arrived == barriers(layers) * v["programs"]
         e = err(h_sync)
@@ -194,8 +198,15 @@ def main():
                                    "num_stages")}
         best["us_per_layer_no_prefetch"] = t_persistent(dict(bv, prefetch=False))
         # each phase's first weight block read before the barrier ahead of it (kept in registers across the wait)
-        best["us_per_layer_preload"] = t_persistent(dict(bv, preload=True))
-        best["us_per_layer_preload_no_prefetch"] = t_persistent(dict(bv, preload=True, prefetch=False))
+        pv = dict(bv)
+        try:
+            persistent_mlp(resid0.clone(), norms, wgu, wd, EPS, counter=counter.zero_(), preload=True, **pv)
+        except ValueError:  # not resident at two programs an SM: one an SM, with its own no-preload time
+            pv["programs"] = sms
+            best["us_per_layer_one_an_sm_no_prefetch"] = t_persistent(dict(pv, prefetch=False))
+        best["preload_programs"] = pv["programs"]
+        best["us_per_layer_preload"] = t_persistent(dict(pv, preload=True))
+        best["us_per_layer_preload_no_prefetch"] = t_persistent(dict(pv, preload=True, prefetch=False))
         # where the persistent layer's time goes: the same launch with only some phases computing (all
         # barriers passed): 0 = the barriers alone
         best["us_per_layer_by_work"] = {str(w): t_persistent(dict(bv, work=w)) for w in (0, 1, 2, 4, 3)}
@@ -213,8 +224,11 @@ def main():
               f"(rel err {r['rel_err']:.1e}, bits = chain: {r['bits_equal_chain']})")
     if ranked:
         print(f"  best without the L2 prefetch: {ranked[0]['us_per_layer_no_prefetch']:.2f}")
-        print(f"  best with preloaded first blocks: {ranked[0]['us_per_layer_preload']:.2f} "
-              f"(without the L2 prefetch {ranked[0]['us_per_layer_preload_no_prefetch']:.2f})")
+        b = ranked[0]
+        print(f"  best plan with preloaded first blocks, {b['preload_programs']} programs: "
+              f"{b['us_per_layer_preload']:.2f} (without the L2 prefetch {b['us_per_layer_preload_no_prefetch']:.2f}"
+              + (f"; no preload, no prefetch at that grid {b['us_per_layer_one_an_sm_no_prefetch']:.2f})"
+                 if "us_per_layer_one_an_sm_no_prefetch" in b else ")"))
         names = {"0": "barriers only", "1": "gate/up", "2": "down", "4": "norm", "3": "gate/up + down"}
         for w, t in ranked[0]["us_per_layer_by_work"].items():
             print(f"  best, computing only {names[w]}: {t:.2f}")
