@@ -11,7 +11,8 @@ Measured, not adopted (docs/benchmarks/generate.md, session 14; benchmarks/gpu_p
 does not call this module. At Qwen2-0.5B's shapes, M = 64, 24 layers in one CUDA graph, the best plan (264
 programs, two an SM) took 16.63 us a layer without the L2 prefetch (17.50 with it) against the three-kernel
 chain's 16.21 with PDL (17.94 without): a grid barrier costs ~1.2 us (3.47 us a layer for three), about what PDL
-leaves of a kernel boundary, and the phases themselves stream weights at ~2 TB/s, latency-bound like the kernels.
+leaves of a kernel boundary, and the phases themselves stream weights at ~2 TB/s, latency-bound like the kernels;
+`preload` (each phase's first weight block read before its barrier) took 28-30 us a layer.
 
 This module measures that design on the part of a layer that is pure GEMM and normalization, the MLP
 chain the decode step runs as three kernels (`add_rmsnorm` -> `gate_up_silu` -> split-K down, whose
