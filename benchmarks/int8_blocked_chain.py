@@ -77,10 +77,9 @@ def _prune(m: onnx.ModelProto) -> None:
             break
         del g.node[:]
         g.node.extend(keep)
-    used = {i for n in g.node for i in n.input}
-    inits = [i for i in g.initializer if i.name in used]
-    del g.initializer[:]
-    g.initializer.extend(inits)
+    from surge.optimize.rowquant import _prune_unused
+
+    _prune_unused(m)  # the initializers the dropped nodes read
 
 
 def main() -> None:
