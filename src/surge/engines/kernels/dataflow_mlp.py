@@ -34,14 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from surge.engines.kernels.pdl import prefetch_l2
-from surge.engines.kernels.persistent_mlp import (_BM, BLOCK_M, _dot, _down_tile, _prefetch_down_tile, _spin_until,
-                                                  _swiglu, checked_buffers, launch_resident)
-
-
-@triton.jit
-def _wait_at_least(ptr, target, INTERP: tl.constexpr):
-    _spin_until(ptr, target, INTERP)
+from surge.engines.kernels.persistent_mlp import (_BM, BLOCK_M, _dot, _down_tile, _prefetch_down_tile, _prefetch_gu_tile,
+                                                  _spin_until, _swiglu, checked_buffers, launch_resident)
 
 
 @triton.jit
@@ -51,7 +45,8 @@ def _signal(ptr):
 
 
 @triton.jit
-def _inv_rms(sumsq_ptr, M, H, eps, NCOL: tl.constexpr):
+def _inv_rms(sumsq_ptr, H, eps, NCOL: tl.constexpr):
+    """1 / RMS of every row from the column tiles' sums of squares (summed in column-tile order)."""
     offs_m = tl.arange(0, _BM)
     sq = tl.zeros((_BM,), dtype=tl.float32)
     for c in tl.static_range(NCOL):
@@ -79,13 +74,9 @@ def _gate_up_item(resid_ptr, sumsq_ptr, w_norm_ptr, wgu_ptr, act_ptr, done_ptr, 
     offs_n = t * BLOCK_G + tl.arange(0, BLOCK_G)
     n_ok = offs_n < I
     if PREFETCH:  # this tile's gate and up rows into L2 while the residual is being finished
-        line = tl.minimum(tl.arange(0, LINES_G).to(tl.int64) * 128, H.to(tl.int64) * 2 - 1)
-        rows = tl.minimum(offs_n, I - 1).to(tl.int64)
-        base = wgu_ptr.to(tl.pointer_type(tl.int8)) + rows[:, None] * H * 2 + line[None, :]
-        prefetch_l2(base)
-        prefetch_l2(base + I.to(tl.int64) * H * 2)
-    _wait_at_least(done_ptr, NCOL, F32)
-    inv = _inv_rms(sumsq_ptr, M, H, eps, NCOL)
+        _prefetch_gu_tile(wgu_ptr, I, H, t, BLOCK_G, LINES_G)
+    _spin_until(done_ptr, NCOL, F32)
+    inv = _inv_rms(sumsq_ptr, H, eps, NCOL)
     dt = act_ptr.dtype.element_ty
     a_ptrs = resid_ptr + offs_m[:, None] * H + offs_k[None, :]
     g_ptrs = wgu_ptr + offs_n[:, None].to(tl.int64) * H + offs_k[None, :]
@@ -121,8 +112,8 @@ def _down_item(act_ptr, wd_ptr, part_ptr, resid_ptr, sumsq_ptr, split_ptr, arriv
     n_ok = offs_n < H
     if PREFETCH:
         _prefetch_down_tile(wd_ptr, H, I, c, s, K_SPLIT, BLOCK_D, LINES_D)
-    _wait_at_least(split_ptr + s, tl.cdiv(tl.minimum(K_SPLIT, I - s * K_SPLIT), BLOCK_G), F32)
-    acc = _down_tile(act_ptr, wd_ptr, M, H, I, c, s, K_SPLIT, BLOCK_D, BLOCK_K, F32, act_ptr, False)
+    _spin_until(split_ptr + s, tl.cdiv(tl.minimum(K_SPLIT, I - s * K_SPLIT), BLOCK_G), F32)
+    acc = _down_tile(act_ptr, wd_ptr, M, H, I, c, s, K_SPLIT, BLOCK_D, BLOCK_K, F32, None, False)  # no preload
     tile = offs_m[:, None] * H + offs_n[None, :]
     mask = m_ok[:, None] & n_ok[None, :]
     tl.store(part_ptr + s * M * H + tile, acc, mask=mask)
@@ -145,12 +136,9 @@ def _down_item(act_ptr, wd_ptr, part_ptr, resid_ptr, sumsq_ptr, split_ptr, arriv
 @triton.jit
 def _out_row(resid_ptr, sumsq_ptr, w_norm_ptr, h_ptr, done_ptr, M, H, eps, r, NCOL: tl.constexpr,
              BLOCK_H: tl.constexpr, INTERP: tl.constexpr):
-    _wait_at_least(done_ptr, NCOL, INTERP)
+    _spin_until(done_ptr, NCOL, INTERP)
     offs_m = tl.arange(0, _BM)
-    sq = tl.zeros((_BM,), dtype=tl.float32)
-    for c in tl.static_range(NCOL):
-        sq += tl.load(sumsq_ptr + c * _BM + offs_m, cache_modifier=".cg")
-    inv = tl.sum(tl.where(offs_m == r, tl.rsqrt(sq / H + eps), 0.0), 0)
+    inv = tl.sum(tl.where(offs_m == r, _inv_rms(sumsq_ptr, H, eps, NCOL), 0.0), 0)  # row r's
     offs = tl.arange(0, BLOCK_H)
     mask = offs < H
     dt = h_ptr.dtype.element_ty

@@ -28,12 +28,12 @@ the residual add). The result is deterministic and a row's bits do not depend on
 
 `persistent_mlp(..., sync=True)` is one launch for all layers; `sync=False` launches one phase at a
 time with the same code (what Triton's CPU interpreter can run: it executes programs one after another,
-so a grid barrier there would wait forever). The grid must be co-resident: `programs` <= the SMs times
-the programs an SM holds (checked against the SM count with one program an SM, the safe bound).
-Barrier: a monotonic counter in global memory (zeroed by the caller before each launch, e.g. inside
-the CUDA graph); each program adds 1 (release, GPU scope, one thread: Triton executes a scalar atomic
-once a program) and spins on a volatile load until all have arrived; cross-program data is read with
-`.cg` loads (L2, not the SM's possibly stale L1).
+so a grid barrier there would wait forever). The grid must be co-resident: a synchronized launch is refused
+when `programs` exceeds what the compiled kernel's registers and shared memory let the SMs hold
+(`resident_programs`). Barrier: a monotonic counter in global memory (zeroed by the caller before each
+launch, e.g. inside the CUDA graph); each program adds 1 (release, GPU scope, one thread: Triton executes a
+scalar atomic once a program), then its thread 0 polls with acquire loads until all have arrived
+(`_spin_until`, bounded); cross-program data is read with `.cg` loads (L2, not the SM's possibly stale L1).
 """
 
 from __future__ import annotations
@@ -47,17 +47,6 @@ from surge.engines.kernels.pdl import prefetch_l2
 BLOCK_M = 64
 _BM = tl.constexpr(BLOCK_M)  # the kernels' view: one M tile holds the whole decode batch
 SPIN_LIMIT = tl.constexpr(1 << 26)  # polls of the barrier counter before a program gives up (~seconds; a failed launch, not a hang)
-
-
-@triton.jit
-def _load_acquire(ptr, INTERP: tl.constexpr):
-    # every thread polls with acquire semantics at GPU scope: its later loads see what the other programs
-    # wrote before their release (Triton dropped an `atomic_add(ptr, 0, sem="acquire")` whose result was unused).
-    # INTERP: Triton's CPU interpreter, which runs no PTX (and programs one at a time)
-    if INTERP:
-        return tl.load(ptr)
-    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
-                                     is_pure=False, pack=1)
 
 
 @triton.jit
@@ -116,13 +105,19 @@ def _norm_rows(resid_ptr, part_ptr, w_ptr, h_ptr, M, H, eps, pid, nprog, HAS_DEL
 
 
 @triton.jit
-def _prefetch_gu(wgu_ptr, I, H, pid, nprog, BLOCK_G: tl.constexpr, LINES_G: tl.constexpr):
+def _prefetch_gu_tile(wgu_ptr, I, H, t, BLOCK_G: tl.constexpr, LINES_G: tl.constexpr):
+    """Ask L2 for gate/up tile t's gate and up rows (whole K)."""
     line = tl.minimum(tl.arange(0, LINES_G).to(tl.int64) * 128, H.to(tl.int64) * 2 - 1)
+    rows = tl.minimum(t * BLOCK_G + tl.arange(0, BLOCK_G), I - 1).to(tl.int64)
+    base = wgu_ptr.to(tl.pointer_type(tl.int8)) + rows[:, None] * H * 2 + line[None, :]
+    prefetch_l2(base)
+    prefetch_l2(base + I.to(tl.int64) * H * 2)
+
+
+@triton.jit
+def _prefetch_gu(wgu_ptr, I, H, pid, nprog, BLOCK_G: tl.constexpr, LINES_G: tl.constexpr):
     for t in range(pid, tl.cdiv(I, BLOCK_G), nprog):
-        rows = tl.minimum(t * BLOCK_G + tl.arange(0, BLOCK_G), I - 1).to(tl.int64)
-        base = wgu_ptr.to(tl.pointer_type(tl.int8)) + rows[:, None] * H * 2 + line[None, :]
-        prefetch_l2(base)
-        prefetch_l2(base + I.to(tl.int64) * H * 2)
+        _prefetch_gu_tile(wgu_ptr, I, H, t, BLOCK_G, LINES_G)
 
 
 @triton.jit
