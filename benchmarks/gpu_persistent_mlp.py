@@ -53,16 +53,31 @@ def reference64(resid, norms, wgu, wd):
     return r, h
 
 
+def three_kernel_chain(norms, wgu, wd):
+    """The decode step's MLP half as the engine runs it, for every layer: chain(resid, pdl) -> h (resid updated)."""
+    from surge.engines.kernels.decoder_fused import add_rmsnorm
+    from surge.engines.kernels.gate_up import GateUpPlan, gate_up_silu
+    from surge.engines.kernels.splitk_gemm import partials, plan_for
+
+    gu_plan = GateUpPlan(32, 128, num_warps=4, num_stages=3)
+    down = plan_for(wd.shape[1], wd.shape[2])
+
+    def chain(resid, pdl):
+        h = add_rmsnorm(resid, None, norms[0], EPS, pdl=pdl)
+        for li in range(wgu.shape[0]):
+            m = gate_up_silu(h, wgu[li], gu_plan, pdl=pdl)
+            h = add_rmsnorm(resid, partials(m, wd[li], down, pdl=pdl), norms[li], EPS, pdl=pdl)
+        return h
+    return chain
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
     ap.add_argument("--layers", type=int, default=LAYERS)
     args = ap.parse_args()
     from surge.engines.kernels import pdl as pdl_mod
-    from surge.engines.kernels.decoder_fused import add_rmsnorm
-    from surge.engines.kernels.gate_up import GateUpPlan, gate_up_silu
     from surge.engines.kernels.persistent_mlp import barriers, persistent_mlp
-    from surge.engines.kernels.splitk_gemm import partials, plan_for
 
     layers = args.layers
     torch.manual_seed(0)
@@ -72,15 +87,7 @@ def main():
     wd = torch.randn(layers, H, I, device=dev, dtype=bf) * 0.02
     norms = 1 + torch.rand(layers, H, device=dev, dtype=bf)
     resid0 = torch.randn(M, H, device=dev, dtype=bf)
-    gu_plan = GateUpPlan(32, 128, num_warps=4, num_stages=3)
-    down = plan_for(H, I)
-
-    def chain(resid, pdl):
-        h = add_rmsnorm(resid, None, norms[0], EPS, pdl=pdl)
-        for li in range(layers):
-            m = gate_up_silu(h, wgu[li], gu_plan, pdl=pdl)
-            h = add_rmsnorm(resid, partials(m, wd[li], down, pdl=pdl), norms[li], EPS, pdl=pdl)
-        return h
+    chain = three_kernel_chain(norms, wgu, wd)
 
     r_ref, h_ref = reference64(resid0, norms, wgu, wd)
     ref_scale = h_ref.double().norm()
