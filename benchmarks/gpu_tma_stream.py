@@ -255,8 +255,8 @@ def main():
 
     out = torch.zeros(2 * sms, BR, 64, device=dev, dtype=torch.float32)
     configs = []
-    for P in (sms, 2 * sms):
-        for D in (2, 4, 6, 8, 12):
+    for P, depths in ((sms, (2, 4, 8, 12)), (2 * sms, (4, 6))):
+        for D in depths:
             for sync, compute, xload in ((0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0), (1, 1, 1)):
                 smem = D * 16384 + (D if xload else 1) * 8192
                 if smem > (220 << 10) // (P // sms):
