@@ -57,11 +57,21 @@ def main():
     bound = max(2 * chain_err, 1e-3)
 
     candidates = [("tma", dict(programs=p)) for p in (sms, 128, 122) if p <= sms]
+    candidates += [("tma_per_layer", dict(programs=sms, pdl=pdl)) for pdl in (True, False)]
     candidates.append(("persistent", dict(programs=2 * sms, block_g=32, block_k=128, block_d=32, block_kd=128,
                                           splits=8, num_warps=4, num_stages=3, prefetch=False)))
+    def per_layer(resid, norms, wgu, wd, eps, counter, programs, pdl):
+        """One launch a layer (PDL: each asks for its weights while the previous one runs), the counter running on."""
+        h, arrivals = torch.empty_like(resid), 0
+        for layer in range(wgu.shape[0]):
+            tm.tma_mlp(resid, norms, wgu, wd, eps, counter, programs=programs, layers=(layer, layer + 1),
+                       arrivals=arrivals, out=h, pdl=pdl)
+            arrivals += tm.barriers(layer + 1, layer) * programs
+        return h
+
     for kind, kw in candidates:
         try:
-            fn = tm.tma_mlp if kind == "tma" else pm.persistent_mlp
+            fn = {"tma": tm.tma_mlp, "tma_per_layer": per_layer, "persistent": pm.persistent_mlp}[kind]
             r = resid0.clone()
             counter.zero_()
             h_out = fn(r, norms, wgu, wd, EPS, counter=counter, **kw)
@@ -70,7 +80,8 @@ def main():
             print(f"  {kind} {kw}: skipped ({type(exc).__name__}: {str(exc)[:200]})", flush=True)
             continue
         e = err(h_out)
-        count_ok = int(counter.item()) == 3 * layers * kw["programs"]
+        expected = (1 + 2 * layers) if kind == "tma_per_layer" else 3 * layers
+        count_ok = int(counter.item()) == expected * kw["programs"]
         resid_err = ((r.double() - r_ref.double()).norm() / r_ref.double().norm()).item()
         row = {"kind": kind, **kw, "rel_err": e, "resid_rel_err": resid_err, "counter_ok": count_ok}
         if not (e < bound and count_ok):

@@ -127,3 +127,24 @@ def test_plans_it_refuses():
     norms2, wgu2, wd2 = _weights(1, 200, 640, seed=8)
     with pytest.raises(ValueError, match="multiples of 64"):
         tma_mlp(torch.randn(8, 200, device="cuda").to(torch.bfloat16), norms2, wgu2, wd2, EPS, counter, programs=40)
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_a_launch_a_layer_equals_one_launch(pdl):
+    from surge.engines.kernels.tma_mlp import barriers, tma_mlp
+
+    norms, wgu, wd = _weights(3, 256, 640, seed=11)
+    resid = torch.randn(33, 256, device="cuda").to(torch.bfloat16)
+    counter = torch.zeros(1, device="cuda", dtype=torch.int32)
+    r1 = resid.clone()
+    h1 = tma_mlp(r1, norms, wgu, wd, EPS, counter, programs=40)
+    counter.zero_()
+    r2, h2 = resid.clone(), torch.empty_like(resid)
+    arrivals = 0
+    for layer in range(3):
+        tma_mlp(r2, norms, wgu, wd, EPS, counter, programs=40, layers=(layer, layer + 1), arrivals=arrivals, out=h2,
+                pdl=pdl)
+        arrivals += barriers(layer + 1, layer) * 40
+    torch.cuda.synchronize()
+    assert int(counter.item()) == arrivals
+    assert torch.equal(h1, h2) and torch.equal(r1, r2)

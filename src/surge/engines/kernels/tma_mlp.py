@@ -176,8 +176,8 @@ def _norm_rows(resid_ptr, part_ptr, w_ptr, h_ptr, M, eps, pid, nprog, HAS_DELTA:
 
 
 @gluon.jit
-def _tma_mlp(resid_ptr, h_ptr, act_ptr, part_ptr, norm_ptr, gu_desc, gx_desc, d_desc, bar_ptr, M, eps, n_layers,
-             H: gl.constexpr, I: gl.constexpr, BN: gl.constexpr, NX: gl.constexpr, BD: gl.constexpr,
+def _tma_mlp(resid_ptr, h_ptr, act_ptr, part_ptr, norm_ptr, gu_desc, gx_desc, d_desc, bar_ptr, M, eps, first_layer,
+             last_layer, base, PDL: gl.constexpr, H: gl.constexpr, I: gl.constexpr, BN: gl.constexpr, NX: gl.constexpr, BD: gl.constexpr,
              KD: gl.constexpr, SPLITS: gl.constexpr, BLOCK_H: gl.constexpr, num_warps: gl.constexpr):
     p = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -206,21 +206,26 @@ def _tma_mlp(resid_ptr, h_ptr, act_ptr, part_ptr, norm_ptr, gu_desc, gx_desc, d_
     d_n0 = (p % NTD) * BD
     d_c0 = split * KD
     d_nc = gl.minimum(KD, KT_D - d_c0)
-    # layer 0's weights, whole slices, before anything waits
-    _issue_gate_up(gu_desc, gx_desc, g_smem, u_smem, gx_smem, ux_smem, g_bars, 0, n0, has_x, I, BN, KG)
+    # the first layer's weights, whole slices, before anything waits (with PDL: while the previous kernel runs)
+    _issue_gate_up(gu_desc, gx_desc, g_smem, u_smem, gx_smem, ux_smem, g_bars, first_layer, n0, has_x, I, BN, KG)
     if has_d:
-        _issue_down(d_desc, d_smem, d_bars, 0, d_n0, d_c0, d_nc, H, KD)
+        _issue_down(d_desc, d_smem, d_bars, first_layer, d_n0, d_c0, d_nc, H, KD)
+    if PDL:  # activations and the counter are the previous kernels' to write until they complete
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
 
-    arrivals = nprog * 0
-    _norm_rows(resid_ptr, part_ptr, norm_ptr, h_ptr, M, eps, p, nprog, False, SPLITS, H, BLOCK_H, num_warps)
-    arrivals += nprog
-    _grid_sync(bar_ptr, arrivals)
-    for layer in range(n_layers):
-        parity = layer & 1
+    arrivals = base
+    if first_layer == 0:
+        _norm_rows(resid_ptr, part_ptr, norm_ptr, h_ptr, M, eps, p, nprog, False, SPLITS, H, BLOCK_H, num_warps)
+        arrivals += nprog
+        _grid_sync(bar_ptr, arrivals)
+    for layer in range(first_layer, last_layer):
+        parity = (layer - first_layer) & 1
         _gate_up(h_ptr, act_ptr, g_smem, u_smem, gx_smem, ux_smem, g_bars, parity, M, n0, has_x, H, I, BN, KG,
                  num_warps)
         gl.thread_barrier()  # every warp's MMAs have read the buffers before they are refilled
-        if layer + 1 < n_layers:
+        if layer + 1 < last_layer:
             _issue_gate_up(gu_desc, gx_desc, g_smem, u_smem, gx_smem, ux_smem, g_bars, layer + 1, n0, has_x, I, BN,
                            KG)
         arrivals += nprog
@@ -228,13 +233,13 @@ def _tma_mlp(resid_ptr, h_ptr, act_ptr, part_ptr, norm_ptr, gu_desc, gx_desc, d_
         if has_d:
             _down(act_ptr, part_ptr, d_smem, d_bars, parity, M, d_n0, d_c0, d_nc, split, H, I, BD, KD, num_warps)
             gl.thread_barrier()
-            if layer + 1 < n_layers:
+            if layer + 1 < last_layer:
                 _issue_down(d_desc, d_smem, d_bars, layer + 1, d_n0, d_c0, d_nc, H, KD)
         arrivals += nprog
         _grid_sync(bar_ptr, arrivals)
         _norm_rows(resid_ptr, part_ptr, norm_ptr + layer * H, h_ptr, M, eps, p, nprog, True, SPLITS, H, BLOCK_H,
                    num_warps)
-        if layer + 1 < n_layers:
+        if layer + 1 < last_layer:
             arrivals += nprog
             _grid_sync(bar_ptr, arrivals)
     for c in gl.static_range(KG):
@@ -243,9 +248,9 @@ def _tma_mlp(resid_ptr, h_ptr, act_ptr, part_ptr, norm_ptr, gu_desc, gx_desc, d_
         mbarrier.invalidate(d_bars.index(c))
 
 
-def barriers(layers: int) -> int:
-    """Grid barriers one launch passes: the counter reads this times the programs afterwards."""
-    return 3 * layers
+def barriers(last: int, first: int = 0) -> int:
+    """Grid barriers a launch of layers [first, last) passes: it adds this times the programs to the counter."""
+    return (1 if first == 0 else 0) + 3 * (last - first) - 1
 
 
 def plan(h: int, i: int, programs: int, block_d: int = 64) -> dict:
@@ -267,20 +272,29 @@ def plan(h: int, i: int, programs: int, block_d: int = 64) -> dict:
 
 
 def tma_mlp(resid: torch.Tensor, norms: torch.Tensor, wgu: torch.Tensor, wd: torch.Tensor, eps: float,
-            counter: torch.Tensor, programs: int | None = None, block_d: int = 64, num_warps: int = 4) -> torch.Tensor:
+            counter: torch.Tensor, programs: int | None = None, block_d: int = 64, num_warps: int = 4,
+            layers: tuple[int, int] | None = None, arrivals: int = 0, out: torch.Tensor | None = None,
+            pdl: bool = False) -> torch.Tensor:
     """resid [M, H] (updated in place), norms [L, H], wgu [L, 2I, H] (gate rows then up rows), wd [L, H, I], BF16 or
-    FP16 on a Hopper GPU -> h [M, H]: the chain of persistent_mlp.persistent_mlp (module docstring). counter: int32
-    [1], zero before the launch; afterwards barriers(L) * programs. programs: at most one an SM (default: every SM).
+    FP16 on a Hopper GPU -> h [M, H]: the chain of persistent_mlp.persistent_mlp (module docstring) in one launch.
+    counter: int32 [1] reading `arrivals` before the launch (zero it for a first launch); the launch adds
+    barriers(last, first) * programs. programs: at most one an SM (default: every SM).
+    layers: (first, last) runs those layers only; a launch with first > 0 continues from the h of the launch
+    before it, passed as `out` (and written there again). pdl: a programmatic dependent launch, which asks for
+    its first layer's weights before it waits for the kernel ahead of it.
     Raises ValueError for shapes it does not take (H, I multiples of 64, M <= 64) or a plan that does not fit."""
     m, h = resid.shape
-    layers, two_i, k = wgu.shape
+    n_layers, two_i, k = wgu.shape
     i = two_i // 2
-    if m > BLOCK_M or k != h or wd.shape != (layers, h, i) or norms.shape != (layers, h):
+    first, last = layers or (0, n_layers)
+    if m > BLOCK_M or k != h or wd.shape != (n_layers, h, i) or norms.shape != (n_layers, h):
         raise ValueError("shapes: resid [M<=64, H], norms [L, H], wgu [L, 2I, H], wd [L, H, I]")
     if h % CHUNK or i % CHUNK:
         raise ValueError(f"H and I must be multiples of {CHUNK}, not {h} and {i}")
     if not all(t.is_contiguous() for t in (resid, norms, wgu, wd)) or resid.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError("tma_mlp needs contiguous BF16 / FP16 tensors")
+    if not 0 <= first < last <= n_layers or (first > 0 and out is None):
+        raise ValueError(f"layers {first}..{last} of {n_layers}; a launch after the first needs the h it continues")
     sms = torch.cuda.get_device_properties(resid.device).multi_processor_count
     programs = programs or sms
     if programs > sms:  # one program an SM: its weight slices fill the SM's shared memory
@@ -289,16 +303,18 @@ def tma_mlp(resid: torch.Tensor, norms: torch.Tensor, wgu: torch.Tensor, wd: tor
     if pl["smem"] > SMEM_LIMIT - 4096:
         raise ValueError(f"the weight slices need {pl['smem']} bytes of shared memory a program; use more programs")
     gdt = gl.bfloat16 if resid.dtype == torch.bfloat16 else gl.float16
-    gu_layout = gl.NVMMASharedLayout.get_default_for([pl["BN"], CHUNK], gdt)
-    gx_layout = gl.NVMMASharedLayout.get_default_for([8, CHUNK], gdt)
-    d_layout = gl.NVMMASharedLayout.get_default_for([block_d, CHUNK], gdt)
-    gu_desc = TensorDescriptor.from_tensor(wgu.view(layers * two_i, h), [pl["BN"], CHUNK], gu_layout)
-    gx_desc = TensorDescriptor.from_tensor(wgu.view(layers * two_i, h), [8, CHUNK], gx_layout)
-    d_desc = TensorDescriptor.from_tensor(wd.view(layers * h, i), [block_d, CHUNK], d_layout)
-    out = torch.empty_like(resid)
+    rows = n_layers * two_i
+    gu_desc = TensorDescriptor.from_tensor(wgu.view(rows, h), [pl["BN"], CHUNK],
+                                           gl.NVMMASharedLayout.get_default_for([pl["BN"], CHUNK], gdt))
+    gx_desc = TensorDescriptor.from_tensor(wgu.view(rows, h), [8, CHUNK],
+                                           gl.NVMMASharedLayout.get_default_for([8, CHUNK], gdt))
+    d_desc = TensorDescriptor.from_tensor(wd.view(n_layers * h, i), [block_d, CHUNK],
+                                          gl.NVMMASharedLayout.get_default_for([block_d, CHUNK], gdt))
+    out = torch.empty_like(resid) if out is None else out
     act = torch.empty((m, i), device=resid.device, dtype=resid.dtype)
     part = torch.empty((pl["SPLITS"], m, h), device=resid.device, dtype=torch.float32)
-    _tma_mlp[(programs,)](resid, out, act, part, norms, gu_desc, gx_desc, d_desc, counter, m, eps, layers, H=h,
-                          I=i, BN=pl["BN"], NX=pl["NX"], BD=block_d, KD=pl["KD"], SPLITS=pl["SPLITS"],
-                          BLOCK_H=max(triton.next_power_of_2(h), 32 * num_warps), num_warps=num_warps)
+    _tma_mlp[(programs,)](resid, out, act, part, norms, gu_desc, gx_desc, d_desc, counter, m, eps, first, last,
+                          arrivals, PDL=pdl, H=h, I=i, BN=pl["BN"], NX=pl["NX"], BD=block_d, KD=pl["KD"],
+                          SPLITS=pl["SPLITS"], BLOCK_H=max(triton.next_power_of_2(h), 32 * num_warps),
+                          num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
     return out
