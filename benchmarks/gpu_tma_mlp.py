@@ -97,6 +97,16 @@ def main():
         report["rows"].append(row)
         print(f"  {kind} {kw}: {row['us_per_layer']:.2f} us a layer ({row['tb_s']:.2f} TB/s of weights), rel err "
               f"{e:.2e}", flush=True)
+    # where the one launch's time goes: the same launch with only some phases computing (the others only wait for
+    # their weights); 0 = weight streaming and barriers alone
+    report["phases_us_per_layer"] = {}
+    r = resid0.clone()
+    for work in (0, 4, 1, 2, 3, 7):
+        def run(work=work):
+            counter.zero_()
+            tm.tma_mlp(r, norms, wgu, wd, EPS, counter, programs=sms, work=work)
+        t = report["phases_us_per_layer"][work] = timed(run) / layers
+        print(f"  tma, phases computing {work} (1 gate/up, 2 down, 4 norm): {t:.2f} us a layer", flush=True)
     base = {}
     for pdl in ([False, True] if pdl_mod.supported() else [False]):
         r = resid0.clone()

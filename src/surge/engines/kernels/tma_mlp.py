@@ -100,6 +100,12 @@ def _swiglu_store(acc_g, acc_u, act_ptr, M, n0, I: gl.constexpr, N: gl.constexpr
 
 
 @gluon.jit
+def _a_chunk(a_ptrs, a_mask, c, NC: gl.constexpr):
+    """Activation columns [64c, 64c + 64) of the batch (chunk c, clamped to the last), read from L2."""
+    return gl.load(a_ptrs + min(c, NC - 1) * 64, mask=a_mask, other=0.0, cache_modifier=".cg")
+
+
+@gluon.jit
 def _gate_up(h_ptr, act_ptr, g_smem, u_smem, gx_smem, ux_smem, bars, parity, M, n0, has_x, H: gl.constexpr,
              I: gl.constexpr, BN: gl.constexpr, KG: gl.constexpr, num_warps: gl.constexpr):
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -116,8 +122,21 @@ def _gate_up(h_ptr, act_ptr, g_smem, u_smem, gx_smem, ux_smem, bars, parity, M, 
     acc_u = gl.zeros([64, BN], gl.float32, acc_layout)
     acc_gx = gl.zeros([64, 8], gl.float32, x_layout)
     acc_ux = gl.zeros([64, 8], gl.float32, x_layout)
+    # The activation chunks are read from L2 four ahead of their MMAs, in four rotating registers sets: one at a
+    # time, each chunk's L2 round trip (~1 us) was the phase's time (session 15, call 1: 46 us a layer).
+    a0 = _a_chunk(a_ptrs, a_mask, 0, KG)
+    a1 = _a_chunk(a_ptrs, a_mask, 1, KG)
+    a2 = _a_chunk(a_ptrs, a_mask, 2, KG)
+    a3 = _a_chunk(a_ptrs, a_mask, 3, KG)
     for c in gl.static_range(KG):
-        a = gl.load(a_ptrs + c * 64, mask=a_mask, other=0.0, cache_modifier=".cg")
+        if c % 4 == 0:
+            a = a0
+        elif c % 4 == 1:
+            a = a1
+        elif c % 4 == 2:
+            a = a2
+        else:
+            a = a3
         mbarrier.wait(bars.index(c), parity)
         acc_g = warpgroup_mma(a, g_smem.index(c).permute((1, 0)), acc_g)
         acc_u = warpgroup_mma(a, u_smem.index(c).permute((1, 0)), acc_u)
@@ -125,6 +144,15 @@ def _gate_up(h_ptr, act_ptr, g_smem, u_smem, gx_smem, ux_smem, bars, parity, M, 
             ax = gl.convert_layout(a, ax_layout)
             acc_gx = warpgroup_mma(ax, gx_smem.index(c).permute((1, 0)), acc_gx)
             acc_ux = warpgroup_mma(ax, ux_smem.index(c).permute((1, 0)), acc_ux)
+        if c + 4 < KG:
+            if c % 4 == 0:
+                a0 = _a_chunk(a_ptrs, a_mask, c + 4, KG)
+            elif c % 4 == 1:
+                a1 = _a_chunk(a_ptrs, a_mask, c + 4, KG)
+            elif c % 4 == 2:
+                a2 = _a_chunk(a_ptrs, a_mask, c + 4, KG)
+            else:
+                a3 = _a_chunk(a_ptrs, a_mask, c + 4, KG)
     _swiglu_store(acc_g, acc_u, act_ptr, M, n0, I, BN, acc_layout)
     if has_x:
         _swiglu_store(acc_gx, acc_ux, act_ptr, M, n0 + BN, I, 8, x_layout)
@@ -141,11 +169,32 @@ def _down(act_ptr, part_ptr, d_smem, bars, parity, M, n0, c0, nc, split, H: gl.c
     a_ptrs = act_ptr + rows[:, None] * I + c0 * 64 + cols[None, :]
     a_mask = rows[:, None] < M
     acc = gl.zeros([64, BD], gl.float32, acc_layout)
+    # as in _gate_up; chunks past this split's nc are masked off (zeros, unused)
+    a0 = _a_chunk(a_ptrs, a_mask & (0 < nc), 0, KD)
+    a1 = _a_chunk(a_ptrs, a_mask & (1 < nc), 1, KD)
+    a2 = _a_chunk(a_ptrs, a_mask & (2 < nc), 2, KD)
+    a3 = _a_chunk(a_ptrs, a_mask & (3 < nc), 3, KD)
     for c in gl.static_range(KD):
+        if c % 4 == 0:
+            a = a0
+        elif c % 4 == 1:
+            a = a1
+        elif c % 4 == 2:
+            a = a2
+        else:
+            a = a3
         if c < nc:
-            a = gl.load(a_ptrs + c * 64, mask=a_mask, other=0.0, cache_modifier=".cg")
             mbarrier.wait(bars.index(c), parity)
             acc = warpgroup_mma(a, d_smem.index(c).permute((1, 0)), acc)
+        if c + 4 < KD:
+            if c % 4 == 0:
+                a0 = _a_chunk(a_ptrs, a_mask & (c + 4 < nc), c + 4, KD)
+            elif c % 4 == 1:
+                a1 = _a_chunk(a_ptrs, a_mask & (c + 4 < nc), c + 4, KD)
+            elif c % 4 == 2:
+                a2 = _a_chunk(a_ptrs, a_mask & (c + 4 < nc), c + 4, KD)
+            else:
+                a3 = _a_chunk(a_ptrs, a_mask & (c + 4 < nc), c + 4, KD)
     orow = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
     ocol = n0 + gl.arange(0, BD, layout=gl.SliceLayout(0, acc_layout))
     ws = part_ptr + split * M * H
@@ -176,8 +225,16 @@ def _norm_rows(resid_ptr, part_ptr, w_ptr, h_ptr, M, eps, pid, nprog, HAS_DELTA:
 
 
 @gluon.jit
+def _wait_chunks(bars, parity, n, K: gl.constexpr):
+    """Wait for chunks 0 .. n - 1 to land without using them (WORK: a phase that only streams its weights)."""
+    for c in gl.static_range(K):
+        if c < n:
+            mbarrier.wait(bars.index(c), parity)
+
+
+@gluon.jit
 def _tma_mlp(resid_ptr, h_ptr, act_ptr, part_ptr, norm_ptr, gu_desc, gx_desc, d_desc, bar_ptr, M, eps, first_layer,
-             last_layer, base, PDL: gl.constexpr, H: gl.constexpr, I: gl.constexpr, BN: gl.constexpr, NX: gl.constexpr, BD: gl.constexpr,
+             last_layer, base, PDL: gl.constexpr, WORK: gl.constexpr, H: gl.constexpr, I: gl.constexpr, BN: gl.constexpr, NX: gl.constexpr, BD: gl.constexpr,
              KD: gl.constexpr, SPLITS: gl.constexpr, BLOCK_H: gl.constexpr, num_warps: gl.constexpr):
     p = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -217,13 +274,17 @@ def _tma_mlp(resid_ptr, h_ptr, act_ptr, part_ptr, norm_ptr, gu_desc, gx_desc, d_
 
     arrivals = base
     if first_layer == 0:
-        _norm_rows(resid_ptr, part_ptr, norm_ptr, h_ptr, M, eps, p, nprog, False, SPLITS, H, BLOCK_H, num_warps)
+        if WORK & 4:
+            _norm_rows(resid_ptr, part_ptr, norm_ptr, h_ptr, M, eps, p, nprog, False, SPLITS, H, BLOCK_H, num_warps)
         arrivals += nprog
         _grid_sync(bar_ptr, arrivals)
     for layer in range(first_layer, last_layer):
         parity = (layer - first_layer) & 1
-        _gate_up(h_ptr, act_ptr, g_smem, u_smem, gx_smem, ux_smem, g_bars, parity, M, n0, has_x, H, I, BN, KG,
-                 num_warps)
+        if WORK & 1:
+            _gate_up(h_ptr, act_ptr, g_smem, u_smem, gx_smem, ux_smem, g_bars, parity, M, n0, has_x, H, I, BN, KG,
+                     num_warps)
+        else:
+            _wait_chunks(g_bars, parity, KG, KG)
         gl.thread_barrier()  # every warp's MMAs have read the buffers before they are refilled
         if layer + 1 < last_layer:
             _issue_gate_up(gu_desc, gx_desc, g_smem, u_smem, gx_smem, ux_smem, g_bars, layer + 1, n0, has_x, I, BN,
@@ -231,14 +292,18 @@ def _tma_mlp(resid_ptr, h_ptr, act_ptr, part_ptr, norm_ptr, gu_desc, gx_desc, d_
         arrivals += nprog
         _grid_sync(bar_ptr, arrivals)
         if has_d:
-            _down(act_ptr, part_ptr, d_smem, d_bars, parity, M, d_n0, d_c0, d_nc, split, H, I, BD, KD, num_warps)
+            if WORK & 2:
+                _down(act_ptr, part_ptr, d_smem, d_bars, parity, M, d_n0, d_c0, d_nc, split, H, I, BD, KD, num_warps)
+            else:
+                _wait_chunks(d_bars, parity, d_nc, KD)
             gl.thread_barrier()
             if layer + 1 < last_layer:
                 _issue_down(d_desc, d_smem, d_bars, layer + 1, d_n0, d_c0, d_nc, H, KD)
         arrivals += nprog
         _grid_sync(bar_ptr, arrivals)
-        _norm_rows(resid_ptr, part_ptr, norm_ptr + layer * H, h_ptr, M, eps, p, nprog, True, SPLITS, H, BLOCK_H,
-                   num_warps)
+        if WORK & 4:
+            _norm_rows(resid_ptr, part_ptr, norm_ptr + layer * H, h_ptr, M, eps, p, nprog, True, SPLITS, H, BLOCK_H,
+                       num_warps)
         if layer + 1 < last_layer:
             arrivals += nprog
             _grid_sync(bar_ptr, arrivals)
@@ -274,14 +339,15 @@ def plan(h: int, i: int, programs: int, block_d: int = 64) -> dict:
 def tma_mlp(resid: torch.Tensor, norms: torch.Tensor, wgu: torch.Tensor, wd: torch.Tensor, eps: float,
             counter: torch.Tensor, programs: int | None = None, block_d: int = 64, num_warps: int = 4,
             layers: tuple[int, int] | None = None, arrivals: int = 0, out: torch.Tensor | None = None,
-            pdl: bool = False) -> torch.Tensor:
+            pdl: bool = False, work: int = 7) -> torch.Tensor:
     """resid [M, H] (updated in place), norms [L, H], wgu [L, 2I, H] (gate rows then up rows), wd [L, H, I], BF16 or
     FP16 on a Hopper GPU -> h [M, H]: the chain of persistent_mlp.persistent_mlp (module docstring) in one launch.
     counter: int32 [1] reading `arrivals` before the launch (zero it for a first launch); the launch adds
     barriers(last, first) * programs. programs: at most one an SM (default: every SM).
     layers: (first, last) runs those layers only; a launch with first > 0 continues from the h of the launch
     before it, passed as `out` (and written there again). pdl: a programmatic dependent launch, which asks for
-    its first layer's weights before it waits for the kernel ahead of it.
+    its first layer's weights before it waits for the kernel ahead of it. work: the phases that compute (1 gate/up,
+    2 down, 4 norm; 7 = all, the others leave h undefined: for timing where the time goes).
     Raises ValueError for shapes it does not take (H, I multiples of 64, M <= 64) or a plan that does not fit."""
     m, h = resid.shape
     n_layers, two_i, k = wgu.shape
@@ -314,7 +380,7 @@ def tma_mlp(resid: torch.Tensor, norms: torch.Tensor, wgu: torch.Tensor, wd: tor
     act = torch.empty((m, i), device=resid.device, dtype=resid.dtype)
     part = torch.empty((pl["SPLITS"], m, h), device=resid.device, dtype=torch.float32)
     _tma_mlp[(programs,)](resid, out, act, part, norms, gu_desc, gx_desc, d_desc, counter, m, eps, first, last,
-                          arrivals, PDL=pdl, H=h, I=i, BN=pl["BN"], NX=pl["NX"], BD=block_d, KD=pl["KD"],
+                          arrivals, PDL=pdl, WORK=work, H=h, I=i, BN=pl["BN"], NX=pl["NX"], BD=block_d, KD=pl["KD"],
                           SPLITS=pl["SPLITS"], BLOCK_H=max(triton.next_power_of_2(h), 32 * num_warps),
                           num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
     return out
