@@ -64,11 +64,12 @@ def _grid_sync(bar_ptr, target):
 def _issue_gate_up(g_desc, x_desc, g_smem, u_smem, gx_smem, ux_smem, bars, layer, n0, has_x, I: gl.constexpr,
                    BN: gl.constexpr, KG: gl.constexpr):
     """Ask for the program's gate and up rows of `layer`: BN rows from n0, and the 8 after them where has_x;
-    whole K, one barrier a chunk for all its boxes."""
+    whole K, one barrier a chunk for all its boxes. (Loops here are not unrolled: unrolled, the kernel's
+    addresses alone took 202 registers a thread and its MMA phases spilled; session 15, call 2.)"""
     row = layer * (2 * I) + n0
     main: gl.constexpr = 2 * g_desc.block_type.nbytes
     extra: gl.constexpr = 2 * x_desc.block_type.nbytes
-    for c in gl.static_range(KG):
+    for c in range(KG):
         bar = bars.index(c)
         mbarrier.expect(bar, main + extra, pred=has_x)  # exactly one of the two arrives
         mbarrier.expect(bar, main, pred=not has_x)
@@ -79,14 +80,13 @@ def _issue_gate_up(g_desc, x_desc, g_smem, u_smem, gx_smem, ux_smem, bars, layer
 
 
 @gluon.jit
-def _issue_down(d_desc, d_smem, bars, layer, n0, c0, nc, H: gl.constexpr, KD: gl.constexpr):
+def _issue_down(d_desc, d_smem, bars, layer, n0, c0, nc, H: gl.constexpr):
     """Ask for rows [n0, n0 + BD) of `layer`'s down weight, chunks c0 .. c0 + nc - 1."""
     row = layer * H + n0
-    for c in gl.static_range(KD):
-        if c < nc:
-            bar = bars.index(c)
-            mbarrier.expect(bar, d_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(d_desc, [row, (c0 + c) * 64], bar, d_smem.index(c))
+    for c in range(nc):
+        bar = bars.index(c)
+        mbarrier.expect(bar, d_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(d_desc, [row, (c0 + c) * 64], bar, d_smem.index(c))
 
 
 @gluon.jit
@@ -100,9 +100,10 @@ def _swiglu_store(acc_g, acc_u, act_ptr, M, n0, I: gl.constexpr, N: gl.constexpr
 
 
 @gluon.jit
-def _a_chunk(a_ptrs, a_mask, c, NC: gl.constexpr):
-    """Activation columns [64c, 64c + 64) of the batch (chunk c, clamped to the last), read from L2."""
-    return gl.load(a_ptrs + min(c, NC - 1) * 64, mask=a_mask, other=0.0, cache_modifier=".cg")
+def _a_chunk(a_ptr, a_offs, a_mask, c, n):
+    """Activation columns [64c, 64c + 64) of the batch, read from L2; zeros (no read) for c >= n. int32 offsets:
+    a tensor of 64-bit pointers takes 64 registers a thread."""
+    return gl.load(a_ptr + (a_offs + c * 64), mask=a_mask & (c < n), other=0.0, cache_modifier=".cg")
 
 
 @gluon.jit
@@ -116,43 +117,27 @@ def _gate_up(h_ptr, act_ptr, g_smem, u_smem, gx_smem, ux_smem, bars, parity, M, 
     ax_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=x_layout, k_width=2)
     rows = gl.arange(0, 64, layout=gl.SliceLayout(1, a_layout))
     cols = gl.arange(0, 64, layout=gl.SliceLayout(0, a_layout))
-    a_ptrs = h_ptr + rows[:, None] * H + cols[None, :]
+    a_offs = rows[:, None] * H + cols[None, :]
     a_mask = rows[:, None] < M
     acc_g = gl.zeros([64, BN], gl.float32, acc_layout)
     acc_u = gl.zeros([64, BN], gl.float32, acc_layout)
     acc_gx = gl.zeros([64, 8], gl.float32, x_layout)
     acc_ux = gl.zeros([64, 8], gl.float32, x_layout)
-    # The activation chunks are read from L2 four ahead of their MMAs, in four rotating registers sets: one at a
-    # time, each chunk's L2 round trip (~1 us) was the phase's time (session 15, call 1: 46 us a layer).
-    a0 = _a_chunk(a_ptrs, a_mask, 0, KG)
-    a1 = _a_chunk(a_ptrs, a_mask, 1, KG)
-    a2 = _a_chunk(a_ptrs, a_mask, 2, KG)
-    a3 = _a_chunk(a_ptrs, a_mask, 3, KG)
-    for c in gl.static_range(KG):
-        if c % 4 == 0:
-            a = a0
-        elif c % 4 == 1:
-            a = a1
-        elif c % 4 == 2:
-            a = a2
-        else:
-            a = a3
+    # activation chunks read from L2 two ahead of their MMAs (one at a time, each chunk's L2 round trip was the
+    # phase's time: session 15, call 1)
+    a_cur = _a_chunk(h_ptr, a_offs, a_mask, 0, KG)
+    a_nxt = _a_chunk(h_ptr, a_offs, a_mask, 1, KG)
+    for c in range(KG):
+        a_new = _a_chunk(h_ptr, a_offs, a_mask, c + 2, KG)
         mbarrier.wait(bars.index(c), parity)
-        acc_g = warpgroup_mma(a, g_smem.index(c).permute((1, 0)), acc_g)
-        acc_u = warpgroup_mma(a, u_smem.index(c).permute((1, 0)), acc_u)
+        acc_g = warpgroup_mma(a_cur, g_smem.index(c).permute((1, 0)), acc_g)
+        acc_u = warpgroup_mma(a_cur, u_smem.index(c).permute((1, 0)), acc_u)
         if has_x:
-            ax = gl.convert_layout(a, ax_layout)
+            ax = gl.convert_layout(a_cur, ax_layout)
             acc_gx = warpgroup_mma(ax, gx_smem.index(c).permute((1, 0)), acc_gx)
             acc_ux = warpgroup_mma(ax, ux_smem.index(c).permute((1, 0)), acc_ux)
-        if c + 4 < KG:
-            if c % 4 == 0:
-                a0 = _a_chunk(a_ptrs, a_mask, c + 4, KG)
-            elif c % 4 == 1:
-                a1 = _a_chunk(a_ptrs, a_mask, c + 4, KG)
-            elif c % 4 == 2:
-                a2 = _a_chunk(a_ptrs, a_mask, c + 4, KG)
-            else:
-                a3 = _a_chunk(a_ptrs, a_mask, c + 4, KG)
+        a_cur = a_nxt
+        a_nxt = a_new
     _swiglu_store(acc_g, acc_u, act_ptr, M, n0, I, BN, acc_layout)
     if has_x:
         _swiglu_store(acc_gx, acc_ux, act_ptr, M, n0 + BN, I, 8, x_layout)
@@ -160,41 +145,24 @@ def _gate_up(h_ptr, act_ptr, g_smem, u_smem, gx_smem, ux_smem, bars, parity, M, 
 
 @gluon.jit
 def _down(act_ptr, part_ptr, d_smem, bars, parity, M, n0, c0, nc, split, H: gl.constexpr, I: gl.constexpr,
-          BD: gl.constexpr, KD: gl.constexpr, num_warps: gl.constexpr):
+          BD: gl.constexpr, num_warps: gl.constexpr):
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BD, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     rows = gl.arange(0, 64, layout=gl.SliceLayout(1, a_layout))
     cols = gl.arange(0, 64, layout=gl.SliceLayout(0, a_layout))
-    a_ptrs = act_ptr + rows[:, None] * I + c0 * 64 + cols[None, :]
+    a_ptr = act_ptr + c0 * 64
+    a_offs = rows[:, None] * I + cols[None, :]
     a_mask = rows[:, None] < M
     acc = gl.zeros([64, BD], gl.float32, acc_layout)
-    # as in _gate_up; chunks past this split's nc are masked off (zeros, unused)
-    a0 = _a_chunk(a_ptrs, a_mask & (0 < nc), 0, KD)
-    a1 = _a_chunk(a_ptrs, a_mask & (1 < nc), 1, KD)
-    a2 = _a_chunk(a_ptrs, a_mask & (2 < nc), 2, KD)
-    a3 = _a_chunk(a_ptrs, a_mask & (3 < nc), 3, KD)
-    for c in gl.static_range(KD):
-        if c % 4 == 0:
-            a = a0
-        elif c % 4 == 1:
-            a = a1
-        elif c % 4 == 2:
-            a = a2
-        else:
-            a = a3
-        if c < nc:
-            mbarrier.wait(bars.index(c), parity)
-            acc = warpgroup_mma(a, d_smem.index(c).permute((1, 0)), acc)
-        if c + 4 < KD:
-            if c % 4 == 0:
-                a0 = _a_chunk(a_ptrs, a_mask & (c + 4 < nc), c + 4, KD)
-            elif c % 4 == 1:
-                a1 = _a_chunk(a_ptrs, a_mask & (c + 4 < nc), c + 4, KD)
-            elif c % 4 == 2:
-                a2 = _a_chunk(a_ptrs, a_mask & (c + 4 < nc), c + 4, KD)
-            else:
-                a3 = _a_chunk(a_ptrs, a_mask & (c + 4 < nc), c + 4, KD)
+    a_cur = _a_chunk(a_ptr, a_offs, a_mask, 0, nc)
+    a_nxt = _a_chunk(a_ptr, a_offs, a_mask, 1, nc)
+    for c in range(nc):
+        a_new = _a_chunk(a_ptr, a_offs, a_mask, c + 2, nc)
+        mbarrier.wait(bars.index(c), parity)
+        acc = warpgroup_mma(a_cur, d_smem.index(c).permute((1, 0)), acc)
+        a_cur = a_nxt
+        a_nxt = a_new
     orow = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
     ocol = n0 + gl.arange(0, BD, layout=gl.SliceLayout(0, acc_layout))
     ws = part_ptr + split * M * H
@@ -225,11 +193,10 @@ def _norm_rows(resid_ptr, part_ptr, w_ptr, h_ptr, M, eps, pid, nprog, HAS_DELTA:
 
 
 @gluon.jit
-def _wait_chunks(bars, parity, n, K: gl.constexpr):
+def _wait_chunks(bars, parity, n):
     """Wait for chunks 0 .. n - 1 to land without using them (WORK: a phase that only streams its weights)."""
-    for c in gl.static_range(K):
-        if c < n:
-            mbarrier.wait(bars.index(c), parity)
+    for c in range(n):
+        mbarrier.wait(bars.index(c), parity)
 
 
 @gluon.jit
@@ -266,7 +233,7 @@ def _tma_mlp(resid_ptr, h_ptr, act_ptr, part_ptr, norm_ptr, gu_desc, gx_desc, d_
     # the first layer's weights, whole slices, before anything waits (with PDL: while the previous kernel runs)
     _issue_gate_up(gu_desc, gx_desc, g_smem, u_smem, gx_smem, ux_smem, g_bars, first_layer, n0, has_x, I, BN, KG)
     if has_d:
-        _issue_down(d_desc, d_smem, d_bars, first_layer, d_n0, d_c0, d_nc, H, KD)
+        _issue_down(d_desc, d_smem, d_bars, first_layer, d_n0, d_c0, d_nc, H)
     if PDL:  # activations and the counter are the previous kernels' to write until they complete
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
@@ -284,7 +251,7 @@ def _tma_mlp(resid_ptr, h_ptr, act_ptr, part_ptr, norm_ptr, gu_desc, gx_desc, d_
             _gate_up(h_ptr, act_ptr, g_smem, u_smem, gx_smem, ux_smem, g_bars, parity, M, n0, has_x, H, I, BN, KG,
                      num_warps)
         else:
-            _wait_chunks(g_bars, parity, KG, KG)
+            _wait_chunks(g_bars, parity, KG)
         gl.thread_barrier()  # every warp's MMAs have read the buffers before they are refilled
         if layer + 1 < last_layer:
             _issue_gate_up(gu_desc, gx_desc, g_smem, u_smem, gx_smem, ux_smem, g_bars, layer + 1, n0, has_x, I, BN,
@@ -293,12 +260,12 @@ def _tma_mlp(resid_ptr, h_ptr, act_ptr, part_ptr, norm_ptr, gu_desc, gx_desc, d_
         _grid_sync(bar_ptr, arrivals)
         if has_d:
             if WORK & 2:
-                _down(act_ptr, part_ptr, d_smem, d_bars, parity, M, d_n0, d_c0, d_nc, split, H, I, BD, KD, num_warps)
+                _down(act_ptr, part_ptr, d_smem, d_bars, parity, M, d_n0, d_c0, d_nc, split, H, I, BD, num_warps)
             else:
-                _wait_chunks(d_bars, parity, d_nc, KD)
+                _wait_chunks(d_bars, parity, d_nc)
             gl.thread_barrier()
             if layer + 1 < last_layer:
-                _issue_down(d_desc, d_smem, d_bars, layer + 1, d_n0, d_c0, d_nc, H, KD)
+                _issue_down(d_desc, d_smem, d_bars, layer + 1, d_n0, d_c0, d_nc, H)
         arrivals += nprog
         _grid_sync(bar_ptr, arrivals)
         if WORK & 4:
