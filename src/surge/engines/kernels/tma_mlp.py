@@ -32,7 +32,8 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                 warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 BLOCK_M = 64  # the MMA's M side holds the whole decode batch
@@ -130,8 +131,10 @@ def _gate_up(h_ptr, act_ptr, g_smem, u_smem, gx_smem, ux_smem, bars, parity, M, 
     for c in range(KG):
         a_new = _a_chunk(h_ptr, a_offs, a_mask, c + 2, KG)
         mbarrier.wait(bars.index(c), parity)
-        acc_g = warpgroup_mma(a_cur, g_smem.index(c).permute((1, 0)), acc_g)
-        acc_u = warpgroup_mma(a_cur, u_smem.index(c).permute((1, 0)), acc_u)
+        # both products in flight together, one wait (call 3: four synchronous MMAs a chunk, ~1.2 us a chunk)
+        acc_g = warpgroup_mma(a_cur, g_smem.index(c).permute((1, 0)), acc_g, is_async=True)
+        acc_u = warpgroup_mma(a_cur, u_smem.index(c).permute((1, 0)), acc_u, is_async=True)
+        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
         if has_x:
             ax = gl.convert_layout(a_cur, ax_layout)
             acc_gx = warpgroup_mma(ax, gx_smem.index(c).permute((1, 0)), acc_gx)
