@@ -53,6 +53,16 @@ def reference64(resid, norms, wgu, wd):
     return r, h
 
 
+def mlp_operands(layers: int, seed: int = 0):
+    """Qwen2-0.5B-shaped MLP weights of `layers` layers (BF16, on the GPU), their norms and a 64-row residual."""
+    torch.manual_seed(seed)
+    dev, bf = "cuda", torch.bfloat16
+    wgu = torch.randn(layers, 2 * I, H, device=dev, dtype=bf) * 0.03
+    wd = torch.randn(layers, H, I, device=dev, dtype=bf) * 0.02
+    norms = 1 + torch.rand(layers, H, device=dev, dtype=bf)
+    return wgu, wd, norms, torch.randn(M, H, device=dev, dtype=bf)
+
+
 def three_kernel_chain(norms, wgu, wd):
     """The decode step's MLP half as the engine runs it, for every layer: chain(resid, pdl) -> h (resid updated)."""
     from surge.engines.kernels.decoder_fused import add_rmsnorm
@@ -80,13 +90,9 @@ def main():
     from surge.engines.kernels.persistent_mlp import barriers, persistent_mlp
 
     layers = args.layers
-    torch.manual_seed(0)
-    dev, bf = "cuda", torch.bfloat16
+    dev = "cuda"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    wgu = torch.randn(layers, 2 * I, H, device=dev, dtype=bf) * 0.03
-    wd = torch.randn(layers, H, I, device=dev, dtype=bf) * 0.02
-    norms = 1 + torch.rand(layers, H, device=dev, dtype=bf)
-    resid0 = torch.randn(M, H, device=dev, dtype=bf)
+    wgu, wd, norms, resid0 = mlp_operands(layers)
     chain = three_kernel_chain(norms, wgu, wd)
 
     r_ref, h_ref = reference64(resid0, norms, wgu, wd)

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_decode_gemms import timed  # noqa: E402
-from gpu_persistent_mlp import EPS, H, I, LAYERS, M, reference64, three_kernel_chain  # noqa: E402
+from gpu_persistent_mlp import EPS, H, I, LAYERS, M, mlp_operands, reference64, three_kernel_chain  # noqa: E402
 
 
 def main():
@@ -35,13 +35,9 @@ def main():
     from surge.engines.kernels import tma_mlp as tm
 
     layers = args.layers
-    torch.manual_seed(0)
-    dev, bf = "cuda", torch.bfloat16
+    dev = "cuda"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    wgu = torch.randn(layers, 2 * I, H, device=dev, dtype=bf) * 0.03
-    wd = torch.randn(layers, H, I, device=dev, dtype=bf) * 0.02
-    norms = 1 + torch.rand(layers, H, device=dev, dtype=bf)
-    resid0 = torch.randn(M, H, device=dev, dtype=bf)
+    wgu, wd, norms, resid0 = mlp_operands(layers)
     weight_bytes = 3 * H * I * 2
     chain = three_kernel_chain(norms, wgu, wd)
     r_ref, h_ref = reference64(resid0, norms, wgu, wd)

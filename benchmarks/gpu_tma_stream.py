@@ -27,6 +27,7 @@ import argparse
 import json
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -35,23 +36,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+from surge.engines.kernels.tma_mlp import _spin_until  # noqa: E402  (the grid barrier's polling thread)
+
 LAYERS, HID, INTER, BATCH = 24, 896, 4864, 64
 BR, BK = 128, 64  # a weight tile: 128 rows x 64 columns, 16 KB (128-byte rows: the 128-byte swizzle)
-SPIN_LIMIT = gl.constexpr(1 << 24)  # polls before a program gives up: a failed launch, not a hang
-
-
-@gluon.jit
-def _spin_until(ptr, target):
-    """Thread 0 polls with acquire loads until the int32 at ptr reaches target (bounded); the CTA barrier
-    after it holds the other threads (session 14: one polling thread a program is the cheaper barrier)."""
-    gl.inline_asm_elementwise(
-        "{\n\t.reg .pred %sp_a, %sp_b, %sp_c;\n\t.reg .b32 %sv, %sn, %st;\n\t"
-        "mov.u32 %st, %tid.x;\n\tsetp.ne.u32 %sp_a, %st, 0;\n\tmov.u32 %sn, 0;\n\t@%sp_a bra SPIN_END${:uid};\n"
-        "SPIN_LOOP${:uid}:\n\tld.acquire.gpu.global.b32 %sv, [$1];\n\tadd.u32 %sn, %sn, 1;\n\t"
-        "setp.lt.s32 %sp_b, %sv, $2;\n\tsetp.lt.u32 %sp_c, %sn, $3;\n\tand.pred %sp_b, %sp_b, %sp_c;\n\t"
-        "@%sp_b bra SPIN_LOOP${:uid};\nSPIN_END${:uid}:\n\tmov.u32 $0, %sn;\n\t}",
-        "=r,l,r,r", [ptr, target, gl.full((), SPIN_LIMIT, gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
-    gl.thread_barrier()
 
 
 @gluon.jit

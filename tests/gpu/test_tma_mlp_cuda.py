@@ -7,38 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.gpu.mlp_chain import EPS
+from tests.gpu.mlp_chain import reference as _reference
+from tests.gpu.mlp_chain import weights as _weights
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                                 reason="needs a Hopper GPU")
-
-EPS = 1e-6
-
-
-def _reference(resid, norms, wgu, wd):
-    bf = resid.dtype
-    i = wgu.shape[1] // 2
-    r = resid.clone()
-
-    def norm(x, w):
-        xd = x.double()
-        return (w.double() * (xd * torch.rsqrt((xd * xd).mean(-1, keepdim=True) + EPS)).to(bf).double()).to(bf)
-
-    h = norm(r, norms[0])
-    for li in range(wgu.shape[0]):
-        g = (h.double() @ wgu[li, :i].double().T).to(bf).double()
-        u = (h.double() @ wgu[li, i:].double().T).to(bf).double()
-        act = ((g * torch.sigmoid(g)).to(bf).double() * u).to(bf)
-        r = (r.double() + (act.double() @ wd[li].double().T).to(bf).double()).to(bf)
-        h = norm(r, norms[li])
-    return r, h
-
-
-def _weights(layers, h, i, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    bf = torch.bfloat16
-    wgu = (torch.randn(layers, 2 * i, h, device="cuda", generator=g) * h ** -0.5).to(bf)
-    wd = (torch.randn(layers, h, i, device="cuda", generator=g) * i ** -0.5).to(bf)
-    norms = (1 + torch.rand(layers, h, device="cuda", generator=g)).to(bf)
-    return norms, wgu, wd
 
 
 def _rel(a, b):
