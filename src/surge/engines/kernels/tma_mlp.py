@@ -45,7 +45,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 BLOCK_M = 64  # the MMA's M side holds the whole decode batch
 CHUNK = 64  # columns of a weight chunk: 128-byte rows (the 128-byte swizzle), one mbarrier each
 SMEM_LIMIT = 227 * 1024  # an H100 / H200 block's shared memory (opt-in)
-SPIN_LIMIT = gl.constexpr(1 << 26)  # polls of the barrier counter before a program gives up: a failed launch, not a hang
+SPIN_LIMIT = gl.constexpr(1 << 26)  # polls of the counter before a program gives up: a failed launch, not a hang
 
 
 @gluon.jit
@@ -210,8 +210,9 @@ def _wait_chunks(bars, parity, n):
 
 @gluon.jit
 def _tma_mlp(resid_ptr, h_ptr, act_ptr, part_ptr, norm_ptr, gu_desc, gx_desc, d_desc, bar_ptr, M, eps, first_layer,
-             last_layer, base, PDL: gl.constexpr, WORK: gl.constexpr, H: gl.constexpr, I: gl.constexpr, BN: gl.constexpr, NX: gl.constexpr, BD: gl.constexpr,
-             KD: gl.constexpr, SPLITS: gl.constexpr, BLOCK_H: gl.constexpr, num_warps: gl.constexpr):
+             last_layer, base, PDL: gl.constexpr, WORK: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
+             BN: gl.constexpr, NX: gl.constexpr, BD: gl.constexpr, KD: gl.constexpr, SPLITS: gl.constexpr,
+             BLOCK_H: gl.constexpr, num_warps: gl.constexpr):
     p = gl.program_id(0)
     nprog = gl.num_programs(0)
     KG: gl.constexpr = H // 64
@@ -333,7 +334,8 @@ def tma_mlp(resid: torch.Tensor, norms: torch.Tensor, wgu: torch.Tensor, wd: tor
         raise ValueError("shapes: resid [M<=64, H], norms [L, H], wgu [L, 2I, H], wd [L, H, I]")
     if h % CHUNK or i % CHUNK:
         raise ValueError(f"H and I must be multiples of {CHUNK}, not {h} and {i}")
-    if not all(t.is_contiguous() for t in (resid, norms, wgu, wd)) or resid.dtype not in (torch.bfloat16, torch.float16):
+    if (not all(t.is_contiguous() for t in (resid, norms, wgu, wd))
+            or resid.dtype not in (torch.bfloat16, torch.float16)):
         raise ValueError("tma_mlp needs contiguous BF16 / FP16 tensors")
     if not 0 <= first < last <= n_layers or (first > 0 and out is None):
         raise ValueError(f"layers {first}..{last} of {n_layers}; a launch after the first needs the h it continues")
