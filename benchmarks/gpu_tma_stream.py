@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -37,7 +36,9 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_decode_gemms import timed  # noqa: E402  (one CUDA graph, median of 7 timings of 20 replays)
 from surge.engines.kernels.tma_mlp import _spin_until  # noqa: E402  (the grid barrier's polling thread)
 
 LAYERS, HID, INTER, BATCH = 24, 896, 4864, 64
@@ -174,29 +175,6 @@ def reference(w_gu, w_d, x, P, n_layers, xload):
     return out
 
 
-def timed_graph(fn, reps=20, rounds=7):
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-    torch.cuda.synchronize()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / reps)
-    return statistics.median(times)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
@@ -223,7 +201,7 @@ def main():
         for i in range(LAYERS):
             torch.nn.functional.linear(h, wg[i])
             torch.nn.functional.linear(act, wd[i])
-    t = timed_graph(cublas) / LAYERS
+    t = timed(cublas) / LAYERS
     res["cublas_two_gemms_us"] = t
     print(f"cuBLAS gate/up + down GEMMs, M = 64: {t:.2f} us a layer ({layer_bytes / t / 1e6:.2f} TB/s)", flush=True)
 
@@ -258,7 +236,7 @@ def main():
             bar.zero_()
             launch(w_gu, w_d, x, out, bar, P, LAYERS, D, bool(sync), bool(compute), bool(xload), descs)
         try:
-            t = timed_graph(run) / LAYERS
+            t = timed(run) / LAYERS
         except Exception as exc:  # noqa: BLE001 - a plan that does not compile or launch is reported, not fatal
             print(f"{P:>4} {D:>3} {sync:>4} {compute:>4} {xload:>5}  failed: {type(exc).__name__}: {str(exc)[:100]}",
                   flush=True)

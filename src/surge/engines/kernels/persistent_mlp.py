@@ -47,6 +47,14 @@ from surge.engines.kernels.pdl import prefetch_l2
 BLOCK_M = 64
 _BM = tl.constexpr(BLOCK_M)  # the kernels' view: one M tile holds the whole decode batch
 SPIN_LIMIT = tl.constexpr(1 << 26)  # polls of the barrier counter before a program gives up (~seconds; a failed launch, not a hang)
+# Thread 0 polls the int32 at $1 with acquire loads until it reaches $2 or $3 polls have passed ($0: the polls).
+# Shared with the Gluon kernel (tma_mlp.py), whose barrier is the same.
+SPIN_PTX = tl.constexpr(
+    "{\n\t.reg .pred %sp_a, %sp_b, %sp_c;\n\t.reg .b32 %sv, %sn, %st;\n\t"
+    "mov.u32 %st, %tid.x;\n\tsetp.ne.u32 %sp_a, %st, 0;\n\tmov.u32 %sn, 0;\n\t@%sp_a bra SPIN_END${:uid};\n"
+    "SPIN_LOOP${:uid}:\n\tld.acquire.gpu.global.b32 %sv, [$1];\n\tadd.u32 %sn, %sn, 1;\n\t"
+    "setp.lt.s32 %sp_b, %sv, $2;\n\tsetp.lt.u32 %sp_c, %sn, $3;\n\tand.pred %sp_b, %sp_b, %sp_c;\n\t"
+    "@%sp_b bra SPIN_LOOP${:uid};\nSPIN_END${:uid}:\n\tmov.u32 $0, %sn;\n\t}")
 
 
 @triton.jit
@@ -62,13 +70,8 @@ def _spin_until(ptr, target, INTERP: tl.constexpr):
             seen = tl.load(ptr)
             spins += 1
     else:
-        tl.inline_asm_elementwise(
-            "{\n\t.reg .pred %sp_a, %sp_b, %sp_c;\n\t.reg .b32 %sv, %sn, %st;\n\t"
-            "mov.u32 %st, %tid.x;\n\tsetp.ne.u32 %sp_a, %st, 0;\n\tmov.u32 %sn, 0;\n\t@%sp_a bra SPIN_END${:uid};\n"
-            "SPIN_LOOP${:uid}:\n\tld.acquire.gpu.global.b32 %sv, [$1];\n\tadd.u32 %sn, %sn, 1;\n\t"
-            "setp.lt.s32 %sp_b, %sv, $2;\n\tsetp.lt.u32 %sp_c, %sn, $3;\n\tand.pred %sp_b, %sp_b, %sp_c;\n\t"
-            "@%sp_b bra SPIN_LOOP${:uid};\nSPIN_END${:uid}:\n\tmov.u32 $0, %sn;\n\t}",
-            "=r,l,r,r", [ptr, target, tl.full((), SPIN_LIMIT, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise(SPIN_PTX, "=r,l,r,r", [ptr, target, tl.full((), SPIN_LIMIT, tl.int32)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
     tl.debug_barrier()
 
 

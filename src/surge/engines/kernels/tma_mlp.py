@@ -42,21 +42,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                  warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from surge.engines.kernels.persistent_mlp import SPIN_LIMIT, SPIN_PTX
+
 BLOCK_M = 64  # the MMA's M side holds the whole decode batch
 CHUNK = 64  # columns of a weight chunk: 128-byte rows (the 128-byte swizzle), one mbarrier each
 SMEM_LIMIT = 227 * 1024  # an H100 / H200 block's shared memory (opt-in)
-SPIN_LIMIT = gl.constexpr(1 << 26)  # polls of the counter before a program gives up: a failed launch, not a hang
 
 
 @gluon.jit
 def _spin_until(ptr, target):
-    gl.inline_asm_elementwise(
-        "{\n\t.reg .pred %sp_a, %sp_b, %sp_c;\n\t.reg .b32 %sv, %sn, %st;\n\t"
-        "mov.u32 %st, %tid.x;\n\tsetp.ne.u32 %sp_a, %st, 0;\n\tmov.u32 %sn, 0;\n\t@%sp_a bra SPIN_END${:uid};\n"
-        "SPIN_LOOP${:uid}:\n\tld.acquire.gpu.global.b32 %sv, [$1];\n\tadd.u32 %sn, %sn, 1;\n\t"
-        "setp.lt.s32 %sp_b, %sv, $2;\n\tsetp.lt.u32 %sp_c, %sn, $3;\n\tand.pred %sp_b, %sp_b, %sp_c;\n\t"
-        "@%sp_b bra SPIN_LOOP${:uid};\nSPIN_END${:uid}:\n\tmov.u32 $0, %sn;\n\t}",
-        "=r,l,r,r", [ptr, target, gl.full((), SPIN_LIMIT, gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise(SPIN_PTX, "=r,l,r,r", [ptr, target, gl.full((), SPIN_LIMIT, gl.int32)], dtype=gl.int32,
+                              is_pure=False, pack=1)
     gl.thread_barrier()
 
 
@@ -130,14 +126,15 @@ def _gate_up(h_ptr, act_ptr, g_smem, u_smem, gx_smem, ux_smem, bars, parity, M, 
     acc_u = gl.zeros([64, BN], gl.float32, acc_layout)
     acc_gx = gl.zeros([64, 8], gl.float32, x_layout)
     acc_ux = gl.zeros([64, 8], gl.float32, x_layout)
-    # activation chunks read from L2 two ahead of their MMAs (one at a time, each chunk's L2 round trip was the
-    # phase's time: session 15, call 1)
+    # Activation chunks asked for two ahead of their MMAs. Measured (session 15, calls 3-4): no faster than one at
+    # a time, ~1.2 us a chunk either way: the rotation below compiles to register copies of the registers this
+    # iteration's own loads fill (SASS), so each iteration still waits an L2 round trip; unrolled, the kernel spills.
     a_cur = _a_chunk(h_ptr, a_offs, a_mask, 0, KG)
     a_nxt = _a_chunk(h_ptr, a_offs, a_mask, 1, KG)
     for c in range(KG):
         a_new = _a_chunk(h_ptr, a_offs, a_mask, c + 2, KG)
         mbarrier.wait(bars.index(c), parity)
-        # both products in flight together, one wait (call 3: four synchronous MMAs a chunk, ~1.2 us a chunk)
+        # gate and up in flight together, one wait (call 4: the same time as two synchronous MMAs)
         acc_g = warpgroup_mma(a_cur, g_smem.index(c).permute((1, 0)), acc_g, is_async=True)
         acc_u = warpgroup_mma(a_cur, u_smem.index(c).permute((1, 0)), acc_u, is_async=True)
         acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
