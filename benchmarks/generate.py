@@ -126,11 +126,12 @@ async def _surge_round(service, prompts, n_out):
             "itl_p50_ms": 1e3 * pct(itl, 50), "itl_p99_ms": 1e3 * pct(itl, 99)}
 
 
-def run_surge(path: Path, args, prompts, fused: bool = True, overlap: bool = True) -> dict:
+def make_service(path: Path, args, n: int, fused: bool = True, overlap: bool = True):
+    """The decoder engine (warmed up) and the service the benchmark drives, for n streams of
+    args.prompt + args.output tokens: (engine, service, load seconds)."""
     from surge.engines.decoder import DecoderEngine
     from surge.runtime.generate_service import GenerateService, GenerationConfig
 
-    n = len(prompts)
     max_len = args.prompt + args.output + 16
     gen = GenerationConfig(max_num_seqs=max(n, 1), max_num_batched_tokens=args.budget, max_model_len=max_len,
                            cache_entries=0, prefix_caching=False, overlap_steps=overlap,
@@ -144,6 +145,12 @@ def run_surge(path: Path, args, prompts, fused: bool = True, overlap: bool = Tru
     load_s = time.perf_counter() - t
     service = GenerateService("bench", "1", path, engine, _NoText(), None, gen, request_timeout_s=600)
     service.mark_ready()
+    return engine, service, load_s
+
+
+def run_surge(path: Path, args, prompts, fused: bool = True, overlap: bool = True) -> dict:
+    n = len(prompts)
+    engine, service, load_s = make_service(path, args, n, fused, overlap)
 
     async def main():
         # warm-up round (Triton compiles the prefill variants), then the measured rounds
