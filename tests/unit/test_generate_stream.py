@@ -5,6 +5,7 @@ consumes the stream."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -162,3 +163,83 @@ def test_a_stream_whose_text_fails_fails_alone(model_dir, monkeypatch):
     assert free == 256
     assert _value(reg, "surge_generate_requests_total", finish_reason="abort") == 1
     assert _value(reg, "surge_generate_requests_total", finish_reason="length") == 5
+
+
+def _record_schedules(service):
+    """What each scheduler call admitted: the number of sequences scheduled for the first time (a
+    prefix-cache hit starts past 0, so the start position does not tell)."""
+    seen, known = [], set()
+    schedule = service.scheduler.schedule
+
+    def wrapped():
+        out = schedule()
+        new = {s.seq.seq_id for s in out} - known
+        known.update(new)
+        seen.append(len(new))
+        return out
+
+    service.scheduler.schedule = wrapped
+    return seen
+
+
+def test_requests_submitted_in_one_event_loop_pass_are_prefilled_in_one_step(model_dir):
+    """A burst (here a gather of 8 streams, as HTTP requests read in one pass) reaches the engine
+    thread at the pass's end, so an idle engine prefills it in one step instead of starting with the
+    first few; each stream's tokens equal the same prompt generated alone."""
+    reg = CollectorRegistry()
+    service = _service(model_dir, reg, cache_entries=0)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(5, 200, (int(n),), generator=g).tolist()
+               for n in torch.randint(8, 30, (8,), generator=g)]
+
+    async def submit(p):
+        # a pass that takes a while (parsing many requests, say), with the GIL free meanwhile: time in
+        # which the engine thread, woken by the first submission, could start without the others
+        time.sleep(0.003)
+        return await service.generate(p, params)
+
+    async def main():
+        alone = [(await service.generate(p, params)).token_ids for p in prompts[:2]]
+        rounds = []
+        for _ in range(3):
+            seen = _record_schedules(service)
+            outs = await asyncio.gather(*(submit(p) for p in prompts))
+            del service.scheduler.schedule
+            rounds.append(([o.token_ids for o in outs], [n for n in seen if n]))
+        await service.close()
+        return alone, rounds
+
+    alone, rounds = asyncio.run(main())
+    for tokens, admitted in rounds:
+        assert admitted == [8], admitted  # all eight prompts started in one step
+        assert tokens[:2] == alone and all(len(t) == 6 for t in tokens)
+
+
+def test_a_stream_closed_before_its_pass_ends_never_reaches_the_engine(model_dir):
+    """Closed in the same event-loop pass that submitted it: no step computes it, and its
+    neighbours' tokens are those they get alone."""
+    reg = CollectorRegistry()
+    service = _service(model_dir, reg, cache_entries=0)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    keep, drop = service.encode("The augmented assignment"), service.encode("An unrelated prompt here")
+
+    async def main():
+        alone = (await service.generate(keep, params)).token_ids
+        seen = _record_schedules(service)
+        gone = service.stream(drop, params)
+        first = asyncio.ensure_future(gone.__anext__())  # submits, then waits for a token
+        await asyncio.sleep(0)  # the generator has run up to its wait; the pass has not ended
+        time.sleep(0.003)  # the GIL free: time for an engine thread that had the prompt to take it
+        first.cancel()
+        kept = asyncio.ensure_future(service.generate(keep, params))
+        await asyncio.gather(first, return_exceptions=True)
+        await gone.aclose()
+        out = await kept
+        await service.close()
+        return alone, out.token_ids, seen
+
+    alone, tokens, seen = asyncio.run(main())
+    assert tokens == alone
+    assert [n for n in seen if n] == [1]  # only the kept prompt was ever admitted
+    assert _value(reg, "surge_generate_requests_total", finish_reason="abort") == 1
