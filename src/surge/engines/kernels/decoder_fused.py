@@ -62,57 +62,64 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tenso
 
 
 @triton.jit
-def _rope_cache(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, stride_t, stride_s,
+def _rope_cache(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, T, stride_t, stride_s,
                 NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, SPLITS: tl.constexpr,
-                HAS_BIAS: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+                HAS_BIAS: tl.constexpr, BT: tl.constexpr):
+    # a program: BT tokens x one head. One token a program (BT = 1) made a prefill of 8,192 tokens
+    # 147k programs of 64 elements each: 90 us a layer where the bytes take ~10 (session 16)
+    t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
     h = tl.program_id(1)
+    tmask = t < T
     offs = tl.arange(0, HALF)
-    base = qkv_ptr + t * stride_t + h * D
+    m2 = tmask[:, None] & (offs[None, :] < HALF)
+    base = qkv_ptr + t[:, None] * stride_t + h * D + offs[None, :]
     if SPLITS > 0:  # split-K partials: sum, bias, one rounding, as the BF16 GEMM's epilogue does
-        x1 = sum_splits(base + offs, stride_s, offs < HALF, SPLITS)
-        x2 = sum_splits(base + HALF + offs, stride_s, offs < HALF, SPLITS)
+        x1 = sum_splits(base, stride_s, m2, SPLITS)
+        x2 = sum_splits(base + HALF, stride_s, m2, SPLITS)
         if HAS_BIAS:
-            x1 += tl.load(bias_ptr + h * D + offs).to(tl.float32)
-            x2 += tl.load(bias_ptr + h * D + HALF + offs).to(tl.float32)
+            x1 += tl.load(bias_ptr + h * D + offs).to(tl.float32)[None, :]
+            x2 += tl.load(bias_ptr + h * D + HALF + offs).to(tl.float32)[None, :]
         x1 = x1.to(q_ptr.dtype.element_ty)
         x2 = x2.to(q_ptr.dtype.element_ty)
     else:
-        x1 = tl.load(base + offs)
-        x2 = tl.load(base + HALF + offs)
+        x1 = tl.load(base, mask=m2, other=0.0)
+        x2 = tl.load(base + HALF, mask=m2, other=0.0)
     if h < NQ + NKV:
-        pos = tl.load(pos_ptr + t).to(tl.int64)
-        c = tl.load(cos_ptr + pos * D + offs).to(tl.float32)
-        s = tl.load(sin_ptr + pos * D + offs).to(tl.float32)
+        pos = tl.load(pos_ptr + t, mask=tmask, other=0).to(tl.int64)
+        c = tl.load(cos_ptr + pos[:, None] * D + offs[None, :], mask=m2, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + pos[:, None] * D + offs[None, :], mask=m2, other=0.0).to(tl.float32)
         a, b = x1.to(tl.float32), x2.to(tl.float32)
         o1 = a * c - b * s
         o2 = b * c + a * s
         if h < NQ:
-            dst = q_ptr + t * (NQ * D) + h * D
+            dst = q_ptr + t[:, None] * (NQ * D) + h * D + offs[None, :]
         else:
-            slot = tl.load(slot_ptr + t).to(tl.int64)
-            dst = k_ptr + slot * (NKV * D) + (h - NQ) * D
-        tl.store(dst + offs, o1.to(q_ptr.dtype.element_ty))
-        tl.store(dst + HALF + offs, o2.to(q_ptr.dtype.element_ty))
+            slot = tl.load(slot_ptr + t, mask=tmask, other=0).to(tl.int64)
+            dst = k_ptr + slot[:, None] * (NKV * D) + (h - NQ) * D + offs[None, :]
+        tl.store(dst, o1.to(q_ptr.dtype.element_ty), mask=m2)
+        tl.store(dst + HALF, o2.to(q_ptr.dtype.element_ty), mask=m2)
     else:
-        slot = tl.load(slot_ptr + t).to(tl.int64)
-        dst = v_ptr + slot * (NKV * D) + (h - NQ - NKV) * D
-        tl.store(dst + offs, x1)
-        tl.store(dst + HALF + offs, x2)
+        slot = tl.load(slot_ptr + t, mask=tmask, other=0).to(tl.int64)
+        dst = v_ptr + slot[:, None] * (NKV * D) + (h - NQ - NKV) * D + offs[None, :]
+        tl.store(dst, x1, mask=m2)
+        tl.store(dst + HALF, x2, mask=m2)
 
 
 def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                    slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, nq: int, nkv: int,
-                   d: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+                   d: int, bias: torch.Tensor | None = None, block_t: int | None = None) -> torch.Tensor:
     """qkv [T, (nq + 2 nkv) d]; cos/sin [max_pos, d]; caches [blocks, page, nkv, d] -> q [T, nq, d].
-    qkv may be split-K partials [S, T, (nq + 2 nkv) d] (FP32), with the GEMM's `bias` still to add."""
+    qkv may be split-K partials [S, T, (nq + 2 nkv) d] (FP32), with the GEMM's `bias` still to add.
+    block_t: tokens a program (a power of two; default 1 below 256 tokens, else 16); the results do
+    not depend on it."""
     splits = qkv.shape[0] if qkv.dim() == 3 else 0
     t = qkv.shape[-2]
     q = torch.empty((t, nq, d), device=qkv.device, dtype=k_cache.dtype)
-    _rope_cache[(t, nq + 2 * nkv)](qkv, bias if bias is not None else qkv, cos, sin, positions, slots, q, k_cache,
-                                   v_cache, qkv.stride(-2), qkv.stride(0) if splits else 0, NQ=nq, NKV=nkv, D=d,
-                                   HALF=d // 2, SPLITS=splits, HAS_BIAS=splits > 0 and bias is not None,
-                                   num_warps=1)
+    bt = block_t or (1 if t < 256 else 16)
+    _rope_cache[(triton.cdiv(t, bt), nq + 2 * nkv)](
+        qkv, bias if bias is not None else qkv, cos, sin, positions, slots, q, k_cache, v_cache, t, qkv.stride(-2),
+        qkv.stride(0) if splits else 0, NQ=nq, NKV=nkv, D=d, HALF=d // 2, SPLITS=splits,
+        HAS_BIAS=splits > 0 and bias is not None, BT=bt, num_warps=1 if bt == 1 else 4)
     return q
 
 
