@@ -2,7 +2,7 @@
 against the engine's threads (ONNX Runtime's and the executor's), FP32 against INT8, alternating.
 
     PYTHONPATH=src python3 benchmarks/artifact_cpu_share.py --fp32 FP32_DIR --int8 INT8_DIR \
-        --texts HELD_OUT.txt [--rounds 2 --clients 64 --seconds 15 --threads 2]
+        --texts HELD_OUT.txt [--rounds 2 --clients 64 --seconds 15 --threads 2 --instances 1]
 
 Each round serves each artifact alone (`--threads N --cache-bytes 0`), warms it for 3 s, then runs
 CLIENTS closed-loop keep-alive clients (`surge.bench.rawhttp`, one held-out text a request, OpenAI
@@ -30,10 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 
-def _serve(art: str, port: int, threads: int) -> subprocess.Popen:
+def _serve(art: str, port: int, threads: int, instances: int = 1) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     cmd = [sys.executable, "-m", "surge.cli.main", "serve", "--artifact", art, "--threads", str(threads),
-           "--cache-bytes", "0", "--port", str(port), "--log-level", "warning"]
+           "--instances", str(instances), "--cache-bytes", "0", "--port", str(port), "--log-level", "warning"]
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(1800):
         try:
@@ -74,7 +74,7 @@ def _threads(pid: int) -> dict[int, float]:
 
 
 def measure(art: str, port: int, args, texts: list[str]) -> dict:
-    p = _serve(art, port, args.threads)
+    p = _serve(art, port, args.threads, args.instances)
     try:
         model = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models"))["data"][0]["id"]
         asyncio.run(_load(port, args.clients, 3.0, model, texts))
@@ -100,6 +100,7 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=15.0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--instances", type=int, default=1, help="engine instances (the issue's layout: --threads 1 --instances 2)")
     ap.add_argument("--port", type=int, default=18640)
     args = ap.parse_args()
     texts = [t.strip() for t in Path(args.texts).read_text().splitlines() if t.strip()]
