@@ -4,7 +4,7 @@ against the engine's threads (ONNX Runtime's and the executor's), FP32 against I
     PYTHONPATH=src python3 benchmarks/artifact_cpu_share.py --fp32 FP32_DIR --int8 INT8_DIR \
         --texts HELD_OUT.txt [--rounds 2 --clients 64 --seconds 15 --threads 2 --instances 1]
 
-Each round serves each artifact alone (`--threads N --cache-bytes 0`), warms it for 3 s, then runs
+Each round serves each artifact alone (`--threads N --instances M --cache-bytes 0`), warms it for 3 s, then runs
 CLIENTS closed-loop keep-alive clients (`surge.bench.rawhttp`, one held-out text a request, OpenAI
 /v1/embeddings) for SECONDS and reads every server thread's CPU time (/proc, psutil) before and after.
 Prints req/s, p50 and the CPU microseconds a request of the loop's thread and of the other threads;

@@ -258,19 +258,16 @@ def run_hf(path: Path, args, prompts, compile_: bool) -> dict:
             "median_tok_s": out / median_total, "compile": compile_}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_engine_args(ap: argparse.ArgumentParser, budget: int = 2048) -> None:
+    """The workload's and the engine's options, shared with generate_timeline.py (make_service reads them)."""
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="bf16 (GPU default) | fp32 (CPU default) | fp16")
-    ap.add_argument("--shape", action="append", choices=sorted(SHAPES))
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--output", type=int, default=128)
-    ap.add_argument("--budget", type=int, default=2048, help="token budget of one step (chunked prefill)")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--budget", type=int, default=budget, help="token budget of one step (chunked prefill)")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--no-graphs", action="store_true")
-    ap.add_argument("--no-fused", action="store_true", help="plain torch norms / RoPE / SwiGLU on the GPU")
     ap.add_argument("--decode-gemm", choices=["auto", "splitk", "cublas"], default="auto",
                     help="the decode step's layer GEMMs: measured split-K plans where they beat cuBLAS (auto), "
                          "split-K everywhere, or cuBLAS only")
@@ -278,6 +275,14 @@ def main(argv=None) -> int:
                     help="decode steps: RoPE + cache write + attention in one kernel, or two (session 8)")
     ap.add_argument("--overlap-depth", type=int, default=2, help="launched decode steps in flight (1-3)")
     ap.add_argument("--no-pdl", action="store_true", help="plain launches of the decode kernels (no PDL)")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(ap)
+    ap.add_argument("--shape", action="append", choices=sorted(SHAPES))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--no-fused", action="store_true", help="plain torch norms / RoPE / SwiGLU on the GPU")
     ap.add_argument("--splitk-plans", type=Path, help="the split-K table from a gpu_splitk_tune.py --json run")
     ap.add_argument("--baseline", choices=["hf", "none"], default="hf")
     ap.add_argument("--compile", action="store_true", help="also transformers with torch.compile")

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import SHAPES, build, graph_replay_us, make_service, pct  # noqa: E402
+from generate import SHAPES, add_engine_args, build, graph_replay_us, make_service, pct  # noqa: E402
 
 
 class Timeline:
@@ -125,21 +125,13 @@ def report(r, events, n_out) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default=None)
+    add_engine_args(ap, budget=8192)
     ap.add_argument("--shape", default=None, choices=sorted(SHAPES))
-    ap.add_argument("--streams", type=int, default=64)
-    ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--output", type=int, default=128)
-    ap.add_argument("--budget", type=int, default=8192)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--overlap-depth", type=int, default=2)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     cuda = args.device.startswith("cuda")
     args.dtype = args.dtype or ("bf16" if cuda else "fp32")
-    # what make_service reads from generate.py's arguments, at their defaults
-    args.threads, args.no_graphs, args.decode_gemm, args.decode_attention, args.no_pdl = 0, False, "auto", "fused", False
     shape = args.shape or ("qwen2-0.5b" if cuda else "gpt2-tiny")
     record = {"shape": shape, "device": args.device, "streams": args.streams, "prompt": args.prompt,
               "output": args.output, "budget": args.budget, "rounds": [], "prefill_only_ms": []}

@@ -228,13 +228,14 @@ def test_a_stream_closed_before_its_pass_ends_never_reaches_the_engine(model_dir
         alone = (await service.generate(keep, params)).token_ids
         seen = _record_schedules(service)
         gone = service.stream(drop, params)
-        first = asyncio.ensure_future(gone.__anext__())  # submits, then waits for a token
-        await asyncio.sleep(0)  # the generator has run up to its wait; the pass has not ended
+        step = gone.__anext__()
+        # driven by hand inside this task's own step, so submitting and closing fall in one pass:
+        # the generator runs up to its wait for a token (the prompt submitted) ...
+        step.send(None)
         time.sleep(0.003)  # the GIL free: time for an engine thread that had the prompt to take it
-        first.cancel()
+        with pytest.raises(asyncio.CancelledError):  # ... and is cancelled there, as a client that left
+            step.throw(asyncio.CancelledError())
         kept = asyncio.ensure_future(service.generate(keep, params))
-        await asyncio.gather(first, return_exceptions=True)
-        await gone.aclose()
         out = await kept
         await service.close()
         return alone, out.token_ids, seen
