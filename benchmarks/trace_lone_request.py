@@ -73,6 +73,15 @@ def make(dest: Path) -> None:
      ("            plain = self._plain(scope, body)\n", "            _ev('fe_body')\n            plain = self._plain(scope, body)\n            _ev('fe_plain')\n"),
      ("            await _send_json(send, *self._payload(native, model, result))\n        return app", "            _ev('fe_result')\n            await _send_json(send, *self._payload(native, model, result))\n            _ev('fe_sent')\n        return app"),
     ], top="import orjson\n")
+    # Plain requests are answered at the protocol (server/http/direct.py) since session 17: the same
+    # events there (the ASGI hot path's above fire for the others).
+    patch("server/http/direct.py", [
+     ("        try:\n            data = orjson.loads(body)\n        except orjson.JSONDecodeError:\n            return proto.hand_back(body)",
+      "        _ev('fe_http'); _ev('fe_body')\n        try:\n            data = orjson.loads(body)\n        except orjson.JSONDecodeError:\n            return proto.hand_back(body)"),
+     ("        native, texts, service, model = plain\n", "        native, texts, service, model = plain\n        _ev('fe_plain')\n"),
+     ("        payload, version, extra = self.hot._payload(native, model, result)\n        _respond(proto, cycle, 200, payload, version, extra)",
+      "        _ev('fe_result')\n        payload, version, extra = self.hot._payload(native, model, result)\n        _respond(proto, cycle, 200, payload, version, extra)\n        _ev('fe_sent')"),
+    ], top="import orjson\n")
     patch("server/state.py", [
      ("        timeout = self.config.limits.request_timeout_s\n        start = time.perf_counter_ns()", "        _ev('fe_call')\n        timeout = self.config.limits.request_timeout_s\n        start = time.perf_counter_ns()"),
     ], top="import asyncio\n")

@@ -16,7 +16,7 @@ import trace_lone_request as T  # noqa: E402
 def test_the_traced_copy_imports_and_writes_its_events(tmp_path):
     T.make(tmp_path / "copy")
     code = ("import surge.runtime.ipc, surge.runtime.batcher, surge.runtime.service, surge.runtime.worker, "
-            "surge.server.state, surge.server.http.hotpath, surge.engines.torch_gpu\n"
+            "surge.server.state, surge.server.http.hotpath, surge.server.http.direct, surge.engines.torch_gpu\n"
             "from surge._trace import ev\n"
             "for i in range(6000): ev('x')\n")
     env = {"PYTHONPATH": str(tmp_path / "copy" / "src"), "SURGE_TRACE_DIR": str(tmp_path / "ev"), "PATH": "/usr/bin:/bin"}
@@ -24,6 +24,7 @@ def test_the_traced_copy_imports_and_writes_its_events(tmp_path):
     files = list((tmp_path / "ev").glob("ev.*"))
     assert len(files) == 1 and len(files[0].read_text().splitlines()) == 6000
     assert "_ev('eng_launch0')" in (tmp_path / "copy" / "src" / "surge" / "runtime" / "batcher.py").read_text()
+    assert "_ev('fe_http')" in (tmp_path / "copy" / "src" / "surge" / "server" / "http" / "direct.py").read_text()
 
 
 def test_the_report_takes_medians_of_consecutive_events_across_processes(tmp_path, capsys):

@@ -27,6 +27,24 @@ class FrontDoor:
     def __init__(self, app):
         self.app = app
         self._direct: bool | None = None  # decided at the first HTTP request (after startup)
+        self._embed = None  # server/http/direct.DirectEmbed, made at the first connection that asks
+
+    def direct(self):
+        """The protocol-level embedding path (server/http/direct.py), or None where the app's
+        layers must see every request: a root path, telemetry on, an API key."""
+        if self._direct is None:
+            self._direct = self._decide()
+        if not self._direct:
+            return None
+        if self._embed is None:
+            state = getattr(getattr(self.app, "state", None), "surge", None)
+            if state is None or state.config.api_key:
+                self._embed = False
+            else:
+                from surge.server.http.direct import DirectEmbed
+
+                self._embed = DirectEmbed(state)
+        return self._embed or None
 
     def _decide(self) -> bool:
         app = self.app
@@ -132,6 +150,8 @@ HANDOFF = None
 class CorkedHttpToolsProtocol(HttpToolsProtocol):
     _handed = False
     _offer = True  # False for a connection the engine process handed back: it stays here
+    _direct = None  # server/http/direct.DirectEmbed: plain embedding requests without the ASGI cycle
+    _hot = None  # (cycle, path, body so far) of a request answered by _direct, until it is read whole
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         handoff = HANDOFF
@@ -140,12 +160,51 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
             return
         self.watch = DisconnectWatch()
         super().connection_made(_Corked(transport, asyncio.get_running_loop()))
+        if self.limit_concurrency is None:  # uvicorn's 503 above a limit counts ASGI tasks: keep its path
+            from surge.server.http.direct import find_direct
+
+            self._direct = find_direct(self.app)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         scope = getattr(self, "scope", None)  # uvicorn's request scope (without it: the watcher task)
         if isinstance(scope, dict):
             scope.setdefault("extensions", {})["surge.disconnect"] = self.watch
+
+    def on_headers_complete(self) -> None:
+        direct = self._direct
+        if direct is not None and (self.cycle is None or self.cycle.response_complete) and not self.pipeline:
+            path = direct.takes(self)
+            if path is not None:
+                from surge.server.http.direct import HotCycle
+
+                keep = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
+                self._hot = (HotCycle(keep), path, bytearray())
+                self.cycle = self._hot[0]  # a next (pipelined) request waits for this one's answer
+                return
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if self._hot is not None:
+            self._hot[2].extend(body)
+            return
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        hot = self._hot
+        if hot is not None:
+            self._hot = None
+            self._direct.answer(self, hot[0], hot[1], bytes(hot[2]))
+            return
+        super().on_message_complete()
+
+    def hand_back(self, body: bytes) -> None:
+        """The request _direct declined after reading its body: uvicorn's ASGI path, as if its
+        headers had just completed and its body arrived (called inside the parser's callback)."""
+        self.cycle = None
+        HttpToolsProtocol.on_headers_complete(self)
+        HttpToolsProtocol.on_body(self, body)
+        HttpToolsProtocol.on_message_complete(self)
 
     def on_response_complete(self) -> None:
         # A finished response goes out now, not after the loop pass: the pass's bookkeeping (the

@@ -130,7 +130,6 @@ class HotPathMiddleware:
 
     def _plain(self, scope, body: bytes):
         """(native?, texts, service, model name asked for) for a plain, valid request, else None (the route's)."""
-        path = scope["path"]
         try:
             data = orjson.loads(body)
         except orjson.JSONDecodeError:
@@ -139,6 +138,10 @@ class HotPathMiddleware:
             return None
         # A miss goes on to the route: hand it the parsed body so it is not decoded twice.
         scope.setdefault("state", {})[PARSED_BODY] = data
+        return self.plain_request(scope["path"], data)
+
+    def plain_request(self, path: str, data: dict):
+        """_plain for a body already decoded to a dict (also server/http/direct.py's test)."""
         native = path == _EMBED
         if native and self.state.config.tei_embed:
             return None  # TEI's bare-array shape: the route answers

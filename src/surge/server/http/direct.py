@@ -1,0 +1,178 @@
+"""Plain embedding requests answered at the HTTP protocol, without the ASGI request cycle.
+
+The hot path (server/http/hotpath.py) already skips FastAPI for a plain POST /embed or
+/v1/embeddings, but under load its request still went through uvicorn's ASGI machinery: a scope
+built from the parsed URL, a RequestResponseCycle with its Event, the proxy-headers and front-door
+layers, the replayed `receive`, and two `send` messages that uvicorn validates and re-encodes. On the
+2-core VM, py-spy put that machinery at ~17% of the event loop's CPU serving the INT8 MiniLM artifact
+(0.1 ms of ~0.7 ms a request; docs/benchmarks/optimizer.md, "Session 17"). Here the protocol
+(server/http/frontend.CorkedHttpToolsProtocol) hands such a request's body to `DirectEmbed.answer`
+as soon as it is complete, which answers it with the hot path's own decisions and bytes.
+
+Contract (tests/unit/test_direct_http.py, against a real server process):
+- taken only where the hot path would surely answer: POST to exactly /embed or /v1/embeddings,
+  Content-Type application/json, no Content-Encoding, no Expect, a Content-Length within the body
+  limit, no API key, no root path and no telemetry (FrontDoor's decision), no request of the same
+  connection still being answered; everything else goes through uvicorn's ASGI path unchanged;
+- a body the hot path would not answer itself (options, token ids, invalid JSON, unknown model)
+  is handed back to the ASGI path as if it had just arrived, so the routes answer it as before;
+- the answer's body and headers are the hot path's (`HotPathMiddleware._payload`, `render` for
+  errors), with uvicorn's default headers (date, server); `Connection: close` and HTTP/1.0 close
+  the connection after the answer, as uvicorn does; pipelined requests are answered in order;
+- a client that disconnects cancels its request (the runtime drops its queued inputs);
+- graceful shutdown waits for answers in flight (their tasks are the server's tasks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import orjson
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE
+
+from surge.errors import SurgeError
+from surge.server.errors import error_response, render
+from surge.server.http.hotpath import _EMBED, _OPENAI, HotPathMiddleware
+from surge.server.http.openai_inputs import check_lengths, suspects
+from surge.types import EmbedOptions
+
+log = logging.getLogger("surge.server")
+
+_PATHS = {_EMBED.encode(): _EMBED, _OPENAI.encode(): _OPENAI}
+
+
+class HotCycle:
+    """What uvicorn's protocol reads of a request cycle, for a request answered here: its
+    pipelining (a next request waits while `response_complete` is False), `shutdown()`
+    (keep_alive) and `connection_lost()` (disconnected, message_event)."""
+
+    __slots__ = ("keep_alive", "response_complete", "disconnected", "message_event")
+
+    def __init__(self, keep_alive: bool):
+        self.keep_alive = keep_alive
+        self.response_complete = False
+        self.disconnected = False
+        self.message_event = self  # connection_lost sets it: nothing waits on it here
+
+    def set(self) -> None:
+        pass
+
+
+class DirectEmbed:
+    def __init__(self, state):
+        self.state = state
+        self.hot = HotPathMiddleware(None, state)
+        self.max_body = state.config.limits.max_body_bytes
+
+    def takes(self, proto) -> str | None:
+        """The path when the protocol's current request (headers complete) is answered here."""
+        path = _PATHS.get(proto.url)
+        if path is None or proto.expect_100_continue or proto.parser.get_method() != b"POST":
+            return None
+        length = ctype = None
+        for name, value in proto.headers:
+            if name == b"content-length":
+                if length is not None or not value.isdigit():
+                    return None
+                length = int(value)
+            elif name == b"content-type":
+                ctype = value
+            elif name in (b"content-encoding", b"transfer-encoding", b"upgrade"):
+                return None
+        if length is None or length > self.max_body or ctype is None:
+            return None
+        if ctype.split(b";", 1)[0].strip().lower() != b"application/json":
+            return None
+        return path
+
+    def answer(self, proto, cycle: HotCycle, path: str, body: bytes) -> None:
+        """Answer the request now (a cache hit), in a task (a miss), or hand it back to the ASGI path."""
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return proto.hand_back(body)
+        plain = self.hot.plain_request(path, data) if type(data) is dict else None
+        if plain is None:
+            return proto.hand_back(body)
+        native, texts, service, model = plain
+        lookup = getattr(service, "cached_result", None)  # remote models (Ray ingress) have no local cache
+        start = time.perf_counter_ns()
+        result = lookup(texts) if lookup is not None else None
+        if result is not None and (native or self.hot.limits.auto_truncate or not suspects(service, result)):
+            self.state.record(service, result, time.perf_counter_ns() - start)  # KServe statistics
+            payload, version, extra = self.hot._payload(native, model, result)
+            return _respond(proto, cycle, 200, payload, version, extra)
+        task = proto.loop.create_task(self._run(proto, cycle, path, native, texts, service, model))
+        proto.tasks.add(task)  # uvicorn's graceful shutdown waits for these
+        task.add_done_callback(proto.tasks.discard)
+
+        def lost() -> None:
+            if not task.done():
+                task.cancel()  # the runtime drops the request's queued inputs
+
+        if not proto.watch.add(lost):
+            task.cancel()
+            return
+        task.add_done_callback(lambda _t: proto.watch.discard(lost))
+
+    async def _run(self, proto, cycle, path, native, texts, service, model) -> None:
+        try:
+            result = await self.state.run(service, texts=texts, options=EmbedOptions())
+            if not native and not self.hot.limits.auto_truncate:
+                await check_lengths(service, texts, result)
+        except SurgeError as exc:
+            return _respond_with(proto, cycle, render(path, exc))
+        except asyncio.CancelledError:
+            raise  # the client has gone: nothing to answer
+        except Exception:  # noqa: BLE001 - the routes' catch-all answers the same way
+            log.exception("unhandled error on %s", path)
+            return _respond_with(proto, cycle, error_response(path, 500, "internal server error",
+                                                              type_="server_error", code="internal_error"))
+        payload, version, extra = self.hot._payload(native, model, result)
+        _respond(proto, cycle, 200, payload, version, extra)
+
+
+def _respond_with(proto, cycle: HotCycle, response) -> None:
+    """A Starlette response (the routes' error bodies) written as the ASGI path would write it."""
+    _write(proto, cycle, response.status_code, response.raw_headers, response.body)
+
+
+def _respond(proto, cycle: HotCycle, status: int, payload: bytes, version: str, extra) -> None:
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+               (b"x-surge-model-version", version.encode()), *extra]
+    _write(proto, cycle, status, headers, payload)
+
+
+def _write(proto, cycle: HotCycle, status: int, headers, body: bytes) -> None:
+    if cycle.disconnected or proto.transport.is_closing():
+        return
+    out = [STATUS_LINE[status]]
+    for name, value in proto.server_state.default_headers:
+        out += (name, b": ", value, b"\r\n")
+    for name, value in headers:
+        out += (name, b": ", value, b"\r\n")
+    if not cycle.keep_alive:
+        out.append(b"connection: close\r\n")
+    out += (b"\r\n", body)
+    proto.transport.write(b"".join(out))
+    # As uvicorn's cycle ends a response: complete, close when not kept alive, then the protocol's
+    # bookkeeping (the write goes out, the next pipelined request starts, keep-alive timer).
+    cycle.response_complete = True
+    if not cycle.keep_alive:
+        proto.transport.close()
+    proto.on_response_complete()
+
+
+def find_direct(app) -> DirectEmbed | None:
+    """The DirectEmbed of the FrontDoor under uvicorn's app wrappers, if it takes requests."""
+    from surge.server.http.frontend import FrontDoor
+
+    for _ in range(6):
+        if isinstance(app, FrontDoor):
+            return app.direct()
+        app = getattr(app, "app", None)
+        if app is None:
+            return None
+    return None

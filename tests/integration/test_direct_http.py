@@ -1,0 +1,280 @@
+"""server/http/direct.py: plain embedding requests answered at the protocol, checked over real TCP
+against a real uvicorn server running the real app with the bundled model (in this process, so that
+a spy can count which path answered; the spied methods still run).
+
+- a plain request takes the direct path, and its answer equals the ASGI path's bytes for the same
+  input and the transformers reference;
+- a body the hot path would not answer (options, invalid JSON, unknown model) is handed back and
+  the routes answer it exactly as they answer it on the ASGI path;
+- requests the direct path must not take (Expect, chunked, other paths, an API key) never reach it
+  and are answered as before;
+- pipelined requests on one connection are answered in order, each with its own input's vector;
+- Connection: close and HTTP/1.0 close the connection after the answer;
+- a client that disconnects while its request waits has its inputs dropped, not computed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from surge.server.http import direct as direct_mod
+from surge.server.http import frontend
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class Spy:
+    def __init__(self, monkeypatch):
+        self.answered = 0
+        self.handed_back = 0
+        answer, hand_back = direct_mod.DirectEmbed.answer, frontend.CorkedHttpToolsProtocol.hand_back
+
+        def counting_answer(this, *a):
+            self.answered += 1
+            return answer(this, *a)
+
+        def counting_hand_back(this, *a):
+            self.handed_back += 1
+            return hand_back(this, *a)
+
+        monkeypatch.setattr(direct_mod.DirectEmbed, "answer", counting_answer)
+        monkeypatch.setattr(frontend.CorkedHttpToolsProtocol, "hand_back", counting_hand_back)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class InProcessServer:
+    """`surge serve`'s own stack (FrontDoor, CorkedHttpToolsProtocol) under uvicorn, in a thread."""
+
+    def __init__(self, **config):
+        import uvicorn
+
+        from surge.cli.bootstrap import build_state
+        from surge.config import ServerConfig
+        from surge.server.app import create_app
+
+        self.port = _free_port()
+        cfg = ServerConfig(port=self.port, grpc_port=None, log_level="warning", **config)
+        self.state = build_state(cfg)
+        app = frontend.FrontDoor(create_app(self.state))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    access_log=False, http=frontend.CorkedHttpToolsProtocol))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        end = time.monotonic() + 180
+        while not (self.server.started and self.state.ready):
+            if time.monotonic() > end or not self.thread.is_alive():
+                raise RuntimeError("the in-process server did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(60)
+
+
+def _request(body, path="/v1/embeddings", headers=b"", version=b"1.1") -> bytes:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return (b"POST " + path.encode() + b" HTTP/" + version + b"\r\nHost: t\r\nContent-Type: application/json\r\n"
+            + headers + b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+
+
+def _read_response(sock: socket.socket, buf: bytearray) -> tuple[int, dict, bytes]:
+    """One response off `sock` (Content-Length framed); what follows it stays in `buf`."""
+    while b"\r\n\r\n" not in buf:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("closed before a response")
+        buf += chunk
+    head, _, _ = bytes(buf).partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    status = int(lines[0].split()[1])
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        headers[name.strip().lower().decode()] = value.strip().decode()
+    start = len(head) + 4
+    end = start + (0 if status < 200 else int(headers["content-length"]))  # 1xx: no body
+    while len(buf) < end:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("closed inside a body")
+        buf += chunk
+    body = bytes(buf[start:end])
+    del buf[:end]
+    return status, headers, body
+
+
+def exchange(port: int, *requests: bytes, together: bool = False) -> list[tuple[int, dict, bytes]]:
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        buf = bytearray()
+        if together:  # pipelined: every request in one write
+            sock.sendall(b"".join(requests))
+            return [_read_response(sock, buf) for _ in requests]
+        out = []
+        for r in requests:
+            sock.sendall(r)
+            out.append(_read_response(sock, buf))
+        return out
+
+
+def _vector(body: bytes) -> np.ndarray:
+    return np.asarray(json.loads(body)["data"][0]["embedding"], dtype=np.float64)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with InProcessServer(cache={"enabled": False}) as srv:
+        yield srv
+
+
+def _unique(sentences, i=0) -> str:
+    return f"{sentences[i % len(sentences)]} {uuid.uuid4().hex[:6]}"
+
+
+def test_a_plain_request_takes_the_direct_path_and_answers_the_asgi_paths_bytes(server, sentences,
+                                                                                  reference_embed, monkeypatch):
+    spy = Spy(monkeypatch)
+    text = _unique(sentences)
+    [(status, headers, body)] = exchange(server.port, _request({"input": text}))
+    assert status == 200 and spy.answered == 1 and spy.handed_back == 0
+    # A query string keeps the request off the direct path (its URL is not exactly the route's):
+    # the ASGI hot path answers the same input.
+    [(status2, headers2, body2)] = exchange(server.port, _request({"input": text}, path="/v1/embeddings?via=asgi"))
+    assert status2 == 200 and spy.answered == 1
+    timing = {h for h in headers | headers2 if h.endswith("-ms") or h == "date"}
+    assert {k: v for k, v in headers.items() if k not in timing} == {k: v for k, v in headers2.items()
+                                                                     if k not in timing}
+    assert json.loads(body)["usage"] == json.loads(body2)["usage"]
+    v, v2 = _vector(body), _vector(body2)
+    assert float(v @ v2 / np.linalg.norm(v) / np.linalg.norm(v2)) > 0.99999
+    ref = np.asarray(reference_embed([text])[0], dtype=np.float64)
+    assert float(v @ ref / np.linalg.norm(v) / np.linalg.norm(ref)) > 0.999
+
+
+@pytest.mark.parametrize("body", [
+    {"input": "a sentence with options", "dimensions": 8},
+    b"{not json",
+    {"input": "x", "model": "no-such-model"},
+    {"input": ""},
+    {"input": ["ok", 3]},
+])
+def test_a_body_the_hot_path_declines_is_answered_by_the_routes_as_on_the_asgi_path(server, body, monkeypatch):
+    spy = Spy(monkeypatch)
+    [(status, headers, got)] = exchange(server.port, _request(body))
+    assert spy.answered == 1 and spy.handed_back == 1
+    [(status2, _, got2)] = exchange(server.port, _request(body, path="/v1/embeddings?via=asgi"))
+    assert spy.answered == 1  # the query string kept it off the direct path
+    assert status == status2
+    if status == 200:  # the options request: computed twice, the same shape and usage
+        a, b = json.loads(got), json.loads(got2)
+        assert len(a["data"][0]["embedding"]) == len(b["data"][0]["embedding"]) == 8
+        assert a["usage"] == b["usage"]
+    else:
+        assert got == got2 and status in (400, 404, 422)
+
+
+@pytest.mark.parametrize("extra", [b"Expect: 100-continue\r\n", b"Content-Encoding: identity\r\n"])
+def test_requests_the_direct_path_must_not_take_never_reach_it(server, sentences, extra, monkeypatch):
+    spy = Spy(monkeypatch)
+    text = _unique(sentences, 3)
+    request = _request({"input": text}, headers=extra)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock.sendall(request)
+        buf = bytearray()
+        status, _, body = _read_response(sock, buf)
+        if status == 100:  # uvicorn's interim answer to Expect
+            status, _, body = _read_response(sock, buf)
+    assert spy.answered == 0
+    assert status in (200, 415)
+    if status == 200:
+        assert len(_vector(body)) == 384
+
+
+def test_pipelined_requests_are_answered_in_order_each_with_its_own_vector(server, sentences, monkeypatch):
+    spy = Spy(monkeypatch)
+    texts = [_unique(sentences, i) for i in range(4)]
+    alone = [_vector(b) for _, _, b in exchange(server.port, *(_request({"input": t}) for t in texts))]
+    reqs = [_request({"input": t}) for t in texts]
+    reqs.insert(2, _request({"input": texts[0], "dimensions": 16}))  # a handed-back one among them
+    answers = exchange(server.port, *reqs, together=True)
+    assert [s for s, _, _ in answers] == [200] * 5
+    got = [_vector(b) for _, _, b in answers]
+    assert len(got[2]) == 16
+    del got[2]
+    for a, g in zip(alone, got):
+        assert float(a @ g / np.linalg.norm(a) / np.linalg.norm(g)) > 0.99999
+    # The four alone and the first pipelined one came through the direct path; the others waited
+    # in uvicorn's pipeline (its ASGI path) behind it.
+    assert spy.answered >= 5
+
+
+@pytest.mark.parametrize("headers,version", [(b"Connection: close\r\n", b"1.1"), (b"", b"1.0")])
+def test_a_connection_not_kept_alive_is_closed_after_its_answer(server, sentences, headers, version, monkeypatch):
+    spy = Spy(monkeypatch)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock.sendall(_request({"input": _unique(sentences, 5)}, headers=headers, version=version))
+        buf = bytearray()
+        status, got_headers, body = _read_response(sock, buf)
+        assert status == 200 and len(_vector(body)) == 384
+        assert got_headers.get("connection") == "close"
+        assert sock.recv(1024) == b""  # closed by the server
+    assert spy.answered == 1
+
+
+def test_an_api_key_keeps_every_request_on_the_asgi_path(sentences, monkeypatch):
+    spy = Spy(monkeypatch)
+    with InProcessServer(api_key="k3y", cache={"enabled": False}) as srv:
+        [(status, _, _)] = exchange(srv.port, _request({"input": "no key"}))
+        [(status2, _, body)] = exchange(srv.port, _request({"input": _unique(sentences)},
+                                                           headers=b"Authorization: Bearer k3y\r\n"))
+    assert status == 401 and status2 == 200 and len(_vector(body)) == 384
+    assert spy.answered == 0
+
+
+def test_a_client_that_disconnects_has_its_inputs_dropped(sentences, monkeypatch):
+    from surge.runtime.slowdown import ENV
+
+    monkeypatch.setenv(ENV, "1500")  # every batch takes 1.5 s more: the second batch is still queued
+    from tests.e2e.test_runtime_serving import metrics
+
+    with InProcessServer(cache={"enabled": False}, batching={"max_batch_size": 1}, engine={"instances": 1}) as srv:
+        spy = Spy(monkeypatch)
+        url = f"http://127.0.0.1:{srv.port}"
+        before = metrics(url)
+        socks = []
+        for i in range(4):  # one batch runs, three inputs wait behind it
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=60)
+            s.sendall(_request({"input": _unique(sentences, i)}))
+            socks.append(s)
+        time.sleep(0.5)
+        for s in socks[1:]:
+            s.close()
+        with socks[0] as s:
+            status, _, _ = _read_response(s, bytearray())
+        assert status == 200
+        end = time.monotonic() + 30
+        key = ("surge_inputs_dropped_total", (("reason", "cancelled"),))
+        while True:
+            after = metrics(url)
+            dropped = after.get(key, 0) - before.get(key, 0)
+            if dropped >= 3 or time.monotonic() > end:
+                break
+            time.sleep(0.2)
+        assert spy.answered == 4
+        assert dropped == 3
+        assert after[("surge_batch_size_sum", ())] - before[("surge_batch_size_sum", ())] == 1
