@@ -56,3 +56,52 @@ def test_without_a_shared_directory_a_snapshot_is_this_process_alone():
     stats.record_success("m", "1", _result(3), 5)
     assert stats.snapshot("m", "1") == stats.model("m", "1").as_dict()
     assert stats.snapshot("m", "1")["inference_count"] == 3
+
+
+def _mirrored(directory) -> np.ndarray | None:
+    files = list((directory / "kserve_stats").glob("*.f64"))
+    return np.fromfile(files[0], np.float64) if files else None
+
+
+def test_on_a_running_loop_the_mirror_is_written_once_at_the_end_of_the_pass(tmp_path):
+    import asyncio
+
+    stats = InferenceStats(str(tmp_path))
+    rng = np.random.default_rng()
+    ns = [int(x) for x in rng.integers(1_000, 10**6, size=int(rng.integers(3, 9)))]
+
+    async def one_pass():
+        for x in ns:
+            stats.record_success("m", "1", _result(2, compute_infer_ns=x), x)
+        before = _mirrored(tmp_path)  # nothing stored yet in this pass
+        await asyncio.sleep(0)  # the pass ends: its flush runs
+        return before, _mirrored(tmp_path)
+
+    before, after = asyncio.run(one_pass())
+    assert before is None or before[1] == 0
+    assert after[1] == 2 * len(ns) and after[2] == len(ns)  # inference_count, execution_count
+    # another reader (a front end's snapshot) sums the file: every request of the pass is there
+    reader = InferenceStats(str(tmp_path), tag="reader")
+    assert reader.snapshot("m", "1")["inference_stats"]["success"] == {"count": len(ns), "ns": sum(ns)}
+
+
+def test_a_flush_left_pending_by_a_closed_loop_is_done_on_the_next_one(tmp_path):
+    import asyncio
+
+    stats = InferenceStats(str(tmp_path))
+
+    async def record(n):
+        stats.record_success("m", "1", _result(n), 5)
+
+    first = asyncio.new_event_loop()
+
+    def record_and_stop():
+        stats.record_success("m", "1", _result(3), 5)
+        first.stop()  # the pass's flush was scheduled from this callback: it never runs
+
+    first.call_soon(record_and_stop)
+    first.run_forever()
+    first.close()
+    assert _mirrored(tmp_path) is None  # pending on the closed loop
+    asyncio.run(record(4))
+    assert _mirrored(tmp_path)[1] == 7
