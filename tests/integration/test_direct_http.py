@@ -278,3 +278,60 @@ def test_a_client_that_disconnects_has_its_inputs_dropped(sentences, monkeypatch
         assert spy.answered == 4
         assert dropped == 3
         assert after[("surge_batch_size_sum", ())] - before[("surge_batch_size_sum", ())] == 1
+
+
+def test_a_body_that_arrives_in_pieces_is_read_whole(server, sentences, monkeypatch):
+    spy = Spy(monkeypatch)
+    text = _unique(sentences, 7)
+    request = _request({"input": text})
+    head, _, body = request.partition(b"\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock.sendall(head + b"\r\n\r\n" + body[:5])
+        time.sleep(0.2)  # the protocol has the headers and part of the body
+        sock.sendall(body[5:])
+        status, _, got = _read_response(sock, bytearray())
+    [(_, _, alone)] = exchange(server.port, _request({"input": text}))
+    assert status == 200 and spy.answered == 2
+    a, b = _vector(got), _vector(alone)
+    assert float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)) > 0.99999
+
+
+@pytest.fixture(scope="module")
+def classifier():
+    from tests.task_models import task_models_dir
+
+    models = task_models_dir()
+    with InProcessServer(model_dir=models / "intent", cache={"enabled": False}) as srv:
+        yield srv, models
+
+
+def test_a_plain_classify_request_takes_the_direct_path_with_the_routes_bytes(classifier, monkeypatch):
+    from transformers import pipeline
+
+    from surge.models.finetune import heldout_commands
+
+    srv, models = classifier
+    spy = Spy(monkeypatch)
+    texts = heldout_commands(3)
+    for body in ({"inputs": texts[0]}, {"inputs": texts}):
+        [(status, _, got)] = exchange(srv.port, _request(body, path="/predict"))
+        [(status2, _, via_asgi)] = exchange(srv.port, _request(body, path="/predict?via=asgi"))
+        assert status == status2 == 200 and got == via_asgi
+    assert spy.answered == 2 and spy.handed_back == 0
+    ref = pipeline("text-classification", model=str(models / "intent"), device="cpu", top_k=None)
+    for text, labels in zip(texts, json.loads(got)):
+        rows = ref(text)
+        rows = rows[0] if rows and isinstance(rows[0], list) else rows  # one text: [[...]] or [...]
+        want = {d["label"]: d["score"] for d in rows}
+        assert [d["label"] for d in labels] == sorted(want, key=want.get, reverse=True)
+        assert max(abs(d["score"] - want[d["label"]]) for d in labels) < 1e-4
+
+
+@pytest.mark.parametrize("body", [{"inputs": ["a", "b"]}, {"inputs": "x", "raw_scores": True}, {"inputs": ""}])
+def test_a_classify_body_the_hot_path_declines_is_answered_by_the_route(classifier, body, monkeypatch):
+    srv, _ = classifier
+    spy = Spy(monkeypatch)
+    [(status, _, got)] = exchange(srv.port, _request(body, path="/predict"))
+    [(status2, _, via_asgi)] = exchange(srv.port, _request(body, path="/predict?via=asgi"))
+    assert spy.answered == 1 and spy.handed_back == 1
+    assert status == status2 and got == via_asgi

@@ -1,4 +1,4 @@
-"""Plain embedding requests answered at the HTTP protocol, without the ASGI request cycle.
+"""Plain embedding and classify requests answered at the HTTP protocol, without the ASGI request cycle.
 
 The hot path (server/http/hotpath.py) already skips FastAPI for a plain POST /embed or
 /v1/embeddings, but under load its request still went through uvicorn's ASGI machinery: a scope
@@ -10,14 +10,15 @@ layers, the replayed `receive`, and two `send` messages that uvicorn validates a
 as soon as it is complete, which answers it with the hot path's own decisions and bytes.
 
 Contract (tests/unit/test_direct_http.py, against a real server process):
-- taken only where the hot path would surely answer: POST to exactly /embed or /v1/embeddings,
+- taken only where the hot paths would surely answer: POST to exactly /embed, /v1/embeddings or
+  /predict (server/http/task_hotpath.py's plain classify requests),
   Content-Type application/json, no Content-Encoding, no Expect, a Content-Length within the body
   limit, no API key, no root path and no telemetry (FrontDoor's decision), no request of the same
   connection still being answered; everything else goes through uvicorn's ASGI path unchanged;
-- a body the hot path would not answer itself (options, token ids, invalid JSON, unknown model)
+- a body the hot paths would not answer themselves (options, token ids, pairs, invalid JSON, unknown model)
   is handed back to the ASGI path as if it had just arrived, so the routes answer it as before;
-- the answer's body and headers are the hot path's (`HotPathMiddleware._payload`, `render` for
-  errors), with uvicorn's default headers (date, server); `Connection: close` and HTTP/1.0 close
+- the answer's body and headers are the hot paths' (`HotPathMiddleware._payload`,
+  `task_hotpath.predict_payload`, `render` for errors), with uvicorn's default headers (date, server); `Connection: close` and HTTP/1.0 close
   the connection after the answer, as uvicorn does; pipelined requests are answered in order;
 - a client that disconnects cancels its request (the runtime drops its queued inputs);
 - graceful shutdown waits for answers in flight (their tasks are the server's tasks).
@@ -36,11 +37,15 @@ from surge.errors import SurgeError
 from surge.server.errors import error_response, render
 from surge.server.http.hotpath import _EMBED, _OPENAI, HotPathMiddleware
 from surge.server.http.openai_inputs import check_lengths, suspects
+from surge.server.http.task_hotpath import TaskHotPathMiddleware, predict_payload
+from surge.server.http.task_io import run_task
+from surge.runtime.tasks import TaskRequest
 from surge.types import EmbedOptions
 
 log = logging.getLogger("surge.server")
 
-_PATHS = {_EMBED.encode(): _EMBED, _OPENAI.encode(): _OPENAI}
+_PREDICT = "/predict"
+_PATHS = {_EMBED.encode(): _EMBED, _OPENAI.encode(): _OPENAI, _PREDICT.encode(): _PREDICT}
 
 
 class HotCycle:
@@ -64,6 +69,7 @@ class DirectEmbed:
     def __init__(self, state):
         self.state = state
         self.hot = HotPathMiddleware(None, state)
+        self.task = TaskHotPathMiddleware(None, state)
         self.max_body = state.config.limits.max_body_bytes
 
     def takes(self, proto) -> str | None:
@@ -93,7 +99,14 @@ class DirectEmbed:
             data = orjson.loads(body)
         except orjson.JSONDecodeError:
             return proto.hand_back(body)
-        plain = self.hot.plain_request(path, data) if type(data) is dict else None
+        if type(data) is not dict:
+            return proto.hand_back(body)
+        if path == _PREDICT:
+            plain = self.task.plain_request(data)
+            if plain is None:
+                return proto.hand_back(body)
+            return self._start(proto, self._predict(proto, cycle, *plain))
+        plain = self.hot.plain_request(path, data)
         if plain is None:
             return proto.hand_back(body)
         native, texts, service, model = plain
@@ -104,7 +117,12 @@ class DirectEmbed:
             self.state.record(service, result, time.perf_counter_ns() - start)  # KServe statistics
             payload, version, extra = self.hot._payload(native, model, result)
             return _respond(proto, cycle, 200, payload, version, extra)
-        task = proto.loop.create_task(self._run(proto, cycle, path, native, texts, service, model))
+        self._start(proto, self._run(proto, cycle, path, native, texts, service, model))
+
+    @staticmethod
+    def _start(proto, coro) -> None:
+        """Run the request's coroutine as a task of the server, cancelled if its client goes away."""
+        task = proto.loop.create_task(coro)
         proto.tasks.add(task)  # uvicorn's graceful shutdown waits for these
         task.add_done_callback(proto.tasks.discard)
 
@@ -132,6 +150,22 @@ class DirectEmbed:
                                                               type_="server_error", code="internal_error"))
         payload, version, extra = self.hot._payload(native, model, result)
         _respond(proto, cycle, 200, payload, version, extra)
+
+    async def _predict(self, proto, cycle, single, texts, served) -> None:
+        """TaskHotPathMiddleware's answer to a plain classify request (TEI's /predict)."""
+        try:
+            result = await run_task(self.state, served, TaskRequest(texts=texts, truncate=False), "classify")
+        except SurgeError as exc:
+            return _respond_with(proto, cycle, render(_PREDICT, exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - the routes' catch-all answers the same way
+            log.exception("unhandled error on %s", _PREDICT)
+            return _respond_with(proto, cycle, error_response(_PREDICT, 500, "internal server error",
+                                                              type_="server_error", code="internal_error"))
+        payload = predict_payload(single, result)
+        _write(proto, cycle, 200, [(b"content-type", b"application/json"),
+                                   (b"content-length", str(len(payload)).encode())], payload)
 
 
 def _respond_with(proto, cycle: HotCycle, response) -> None:

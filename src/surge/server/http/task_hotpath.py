@@ -59,8 +59,7 @@ class TaskHotPathMiddleware:
             log.exception("unhandled error on %s", _PATH)
             return await error_response(_PATH, 500, "internal server error", type_="server_error",
                                         code="internal_error")(scope, receive, send)
-        out = label_scores(result)
-        payload = orjson.dumps(out[0] if single else out)
+        payload = predict_payload(single, result)
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
         await send({"type": "http.response.body", "body": payload})
@@ -74,6 +73,10 @@ class TaskHotPathMiddleware:
         if type(data) is not dict:
             return None
         scope.setdefault("state", {})[PARSED_BODY] = data  # the route does not decode it twice
+        return self.plain_request(data)
+
+    def plain_request(self, data: dict):
+        """_plain for a body already decoded to a dict (also server/http/direct.py's test)."""
         if not data.keys() <= _KEYS:
             return None
         raw, model = data.get("inputs"), data.get("model")
@@ -95,6 +98,12 @@ class TaskHotPathMiddleware:
         if getattr(served, "task", None) != "classify":
             return None  # the route answers (or refuses) other tasks
         return single, texts, served
+
+
+def predict_payload(single: bool, result) -> bytes:
+    """The route's answer to a plain classify request: one input's labels, or a list of them."""
+    out = label_scores(result)
+    return orjson.dumps(out[0] if single else out)
 
 
 def _replay(body: bytes, receive):
