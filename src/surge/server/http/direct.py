@@ -1,25 +1,27 @@
 """Plain embedding and classify requests answered at the HTTP protocol, without the ASGI request cycle.
 
-The hot path (server/http/hotpath.py) already skips FastAPI for a plain POST /embed or
-/v1/embeddings, but under load its request still went through uvicorn's ASGI machinery: a scope
-built from the parsed URL, a RequestResponseCycle with its Event, the proxy-headers and front-door
-layers, the replayed `receive`, and two `send` messages that uvicorn validates and re-encodes. On the
-2-core VM, py-spy put that machinery at ~17% of the event loop's CPU serving the INT8 MiniLM artifact
-(0.1 ms of ~0.7 ms a request; docs/benchmarks/optimizer.md, "Session 17"). Here the protocol
+The hot paths (server/http/hotpath.py, task_hotpath.py) already skip FastAPI for plain requests, but
+under load such a request still went through uvicorn's ASGI machinery: a scope built from the parsed
+URL, a RequestResponseCycle with its Event, the proxy-headers and front-door layers, the replayed
+`receive`, and two `send` messages that uvicorn validates and re-encodes: ~17% of the event loop's
+py-spy samples serving the INT8 MiniLM artifact on the 2-core VM. Here the protocol
 (server/http/frontend.CorkedHttpToolsProtocol) hands such a request's body to `DirectEmbed.answer`
-as soon as it is complete, which answers it with the hot path's own decisions and bytes.
+as soon as it is complete, which answers it with the hot paths' own decisions and bytes. Measured
+(docs/benchmarks/serving_core.md, "Session 17"): the H200 host's front ends spend 14% less CPU a
+request, +6% req/s at 256 clients.
 
-Contract (tests/unit/test_direct_http.py, against a real server process):
+Contract (tests/integration/test_direct_http.py: real TCP, the real app under uvicorn):
 - taken only where the hot paths would surely answer: POST to exactly /embed, /v1/embeddings or
-  /predict (server/http/task_hotpath.py's plain classify requests),
-  Content-Type application/json, no Content-Encoding, no Expect, a Content-Length within the body
-  limit, no API key, no root path and no telemetry (FrontDoor's decision), no request of the same
-  connection still being answered; everything else goes through uvicorn's ASGI path unchanged;
-- a body the hot paths would not answer themselves (options, token ids, pairs, invalid JSON, unknown model)
-  is handed back to the ASGI path as if it had just arrived, so the routes answer it as before;
+  /predict, Content-Type application/json, no Content-Encoding, no Expect, a Content-Length within
+  the body limit, no API key, no root path and no telemetry (FrontDoor's decision), no request of
+  the same connection still being answered; everything else goes through uvicorn's ASGI path;
+- a body the hot paths would not answer themselves (options, token ids, pairs, invalid JSON, an
+  unknown model, another task) is handed back to the ASGI path as if it had just arrived, so the
+  routes answer it as before;
 - the answer's body and headers are the hot paths' (`HotPathMiddleware._payload`,
-  `task_hotpath.predict_payload`, `render` for errors), with uvicorn's default headers (date, server); `Connection: close` and HTTP/1.0 close
-  the connection after the answer, as uvicorn does; pipelined requests are answered in order;
+  `task_hotpath.predict_payload`, `render` for errors) after uvicorn's default headers (date,
+  server); `Connection: close` and HTTP/1.0 close the connection after the answer, as uvicorn does;
+  pipelined requests are answered in order;
 - a client that disconnects cancels its request (the runtime drops its queued inputs);
 - graceful shutdown waits for answers in flight (their tasks are the server's tasks).
 """
