@@ -35,7 +35,7 @@ class Spy:
     def __init__(self, monkeypatch):
         self.answered = 0
         self.handed_back = 0
-        answer, hand_back = direct_mod.DirectEmbed.answer, frontend.CorkedHttpToolsProtocol.hand_back
+        answer, hand_back = direct_mod.DirectRoutes.answer, frontend.CorkedHttpToolsProtocol.hand_back
 
         def counting_answer(this, *a):
             self.answered += 1
@@ -45,7 +45,7 @@ class Spy:
             self.handed_back += 1
             return hand_back(this, *a)
 
-        monkeypatch.setattr(direct_mod.DirectEmbed, "answer", counting_answer)
+        monkeypatch.setattr(direct_mod.DirectRoutes, "answer", counting_answer)
         monkeypatch.setattr(frontend.CorkedHttpToolsProtocol, "hand_back", counting_hand_back)
 
 

@@ -5,7 +5,7 @@ under load such a request still went through uvicorn's ASGI machinery: a scope b
 URL, a RequestResponseCycle with its Event, the proxy-headers and front-door layers, the replayed
 `receive`, and two `send` messages that uvicorn validates and re-encodes: ~17% of the event loop's
 py-spy samples serving the INT8 MiniLM artifact on the 2-core VM. Here the protocol
-(server/http/frontend.CorkedHttpToolsProtocol) hands such a request's body to `DirectEmbed.answer`
+(server/http/frontend.CorkedHttpToolsProtocol) hands such a request's body to `DirectRoutes.answer`
 as soon as it is complete, which answers it with the hot paths' own decisions and bytes. Measured
 (docs/benchmarks/serving_core.md, "Session 17"): the H200 host's front ends spend 14% less CPU a
 request, +6% req/s at 256 clients.
@@ -67,7 +67,7 @@ class HotCycle:
         pass
 
 
-class DirectEmbed:
+class DirectRoutes:
     def __init__(self, state):
         self.state = state
         self.hot = HotPathMiddleware(None, state)
@@ -201,8 +201,8 @@ def _write(proto, cycle: HotCycle, status: int, headers, body: bytes) -> None:
     proto.on_response_complete()
 
 
-def find_direct(app) -> DirectEmbed | None:
-    """The DirectEmbed of the FrontDoor under uvicorn's app wrappers, if it takes requests."""
+def find_direct(app) -> DirectRoutes | None:
+    """The DirectRoutes of the FrontDoor under uvicorn's app wrappers, if it takes requests."""
     from surge.server.http.frontend import FrontDoor
 
     for _ in range(6):

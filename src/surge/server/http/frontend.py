@@ -27,24 +27,24 @@ class FrontDoor:
     def __init__(self, app):
         self.app = app
         self._direct: bool | None = None  # decided at the first HTTP request (after startup)
-        self._embed = None  # server/http/direct.DirectEmbed, made at the first connection that asks
+        self._routes = None  # server/http/direct.DirectRoutes, made at the first connection that asks
 
     def direct(self):
-        """The protocol-level embedding path (server/http/direct.py), or None where the app's
-        layers must see every request: a root path, telemetry on, an API key."""
+        """The plain requests answered at the protocol (server/http/direct.py), or None where the
+        app's layers must see every request: a root path, telemetry on, an API key."""
         if self._direct is None:
             self._direct = self._decide()
         if not self._direct:
             return None
-        if self._embed is None:
+        if self._routes is None:
             state = getattr(getattr(self.app, "state", None), "surge", None)
             if state is None or state.config.api_key:
-                self._embed = False
+                self._routes = False
             else:
-                from surge.server.http.direct import DirectEmbed
+                from surge.server.http.direct import DirectRoutes
 
-                self._embed = DirectEmbed(state)
-        return self._embed or None
+                self._routes = DirectRoutes(state)
+        return self._routes or None
 
     def _decide(self) -> bool:
         app = self.app
@@ -150,7 +150,7 @@ HANDOFF = None
 class CorkedHttpToolsProtocol(HttpToolsProtocol):
     _handed = False
     _offer = True  # False for a connection the engine process handed back: it stays here
-    _direct = None  # server/http/direct.DirectEmbed: plain embedding requests without the ASGI cycle
+    _direct = None  # server/http/direct.DirectRoutes: plain requests answered without the ASGI cycle
     _hot = None  # (cycle, path, body so far) of a request answered by _direct, until it is read whole
 
     def connection_made(self, transport) -> None:  # type: ignore[override]

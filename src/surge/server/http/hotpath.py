@@ -141,7 +141,7 @@ class HotPathMiddleware:
         return self.plain_request(scope["path"], data)
 
     def plain_request(self, path: str, data: dict):
-        """_plain for a body already decoded to a dict (also server/http/direct.py's test)."""
+        """_plain for a body already decoded to a dict (server/http/direct.py decides with it too)."""
         native = path == _EMBED
         if native and self.state.config.tei_embed:
             return None  # TEI's bare-array shape: the route answers

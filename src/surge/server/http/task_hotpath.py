@@ -76,7 +76,7 @@ class TaskHotPathMiddleware:
         return self.plain_request(data)
 
     def plain_request(self, data: dict):
-        """_plain for a body already decoded to a dict (also server/http/direct.py's test)."""
+        """_plain for a body already decoded to a dict (server/http/direct.py decides with it too)."""
         if not data.keys() <= _KEYS:
             return None
         raw, model = data.get("inputs"), data.get("model")
