@@ -261,7 +261,10 @@ def test_a_client_that_disconnects_has_its_inputs_dropped(sentences, monkeypatch
             s = socket.create_connection(("127.0.0.1", srv.port), timeout=60)
             s.sendall(_request({"input": _unique(sentences, i)}))
             socks.append(s)
-        time.sleep(0.5)
+        end = time.monotonic() + 60
+        while metrics(url).get(("surge_inflight_inputs", ()), 0) < 4:  # all four admitted, whatever the speed
+            assert time.monotonic() < end, "the four requests were not admitted"
+            time.sleep(0.05)
         for s in socks[1:]:
             s.close()
         with socks[0] as s:
