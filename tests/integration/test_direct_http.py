@@ -15,7 +15,7 @@ a spy can count which path answered; the spied methods still run).
 
 from __future__ import annotations
 
-import asyncio
+import gc
 import json
 import socket
 import threading
@@ -74,6 +74,9 @@ class InProcessServer:
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):
+        # Earlier tests' garbage (tritonclient's gevent-bound clients) is collected here, on the main
+        # thread: collected by the server's thread, its finalizers raise (PytestUnraisableExceptionWarning).
+        gc.collect()
         self.thread.start()
         end = time.monotonic() + 180
         while not (self.server.started and self.state.ready):
