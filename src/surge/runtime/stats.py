@@ -170,8 +170,8 @@ class InferenceStats:
     def _changed(self, stats: ModelStats) -> None:
         """Mirror `stats` once at the end of this loop pass (at once without a running loop).
 
-        A request's record with a store to the memmap took 17 us on the 2-core VM, 7-8 us without
-        it (session 17); a pass that answers many requests now stores each model version once. Another process's snapshot sees them one pass later, as /metrics does
+        A memmap store a request was the costliest part of a record; a pass that answers many
+        requests now stores each model version once. Another process's snapshot sees them one pass later, as /metrics does
         (runtime/metrics_buffer.py); this process's own snapshot writes first."""
         if self._mirror is None:
             return

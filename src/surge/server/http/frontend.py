@@ -166,6 +166,9 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
             self._direct = find_direct(self.app)
 
     def on_message_begin(self) -> None:
+        # A request answered inside the parser's callback (a direct cache hit) arms the keep-alive
+        # timer; a pipelined request behind it in the same read must not be cut off by it.
+        self._unset_keepalive_if_required()
         super().on_message_begin()
         scope = getattr(self, "scope", None)  # uvicorn's request scope (without it: the watcher task)
         if isinstance(scope, dict):
