@@ -192,6 +192,18 @@ def test_a_body_the_hot_path_declines_is_answered_by_the_routes_as_on_the_asgi_p
         assert got == got2 and status in (400, 404, 422)
 
 
+def test_an_error_raised_while_a_taken_request_computes_is_the_asgi_paths_answer(server, sentences, monkeypatch):
+    # Longer than the model takes (OpenAI does not truncate): the direct path takes it (nothing in the
+    # body says so), the check after the run raises, and the answer must be the route's 400 byte for byte.
+    text = " ".join(_unique(sentences, i) for i in range(40))
+    spy = Spy(monkeypatch)
+    [(status, _, got)] = exchange(server.port, _request({"input": ["fine", text]}))
+    assert spy.answered == 1 and spy.handed_back == 0
+    [(status2, _, got2)] = exchange(server.port, _request({"input": ["fine", text]}, path="/v1/embeddings?via=asgi"))
+    assert status == status2 == 400 and got == got2
+    assert json.loads(got)["error"]["param"] == "input" and "input 1 has" in json.loads(got)["error"]["message"]
+
+
 @pytest.mark.parametrize("extra,want", [(b"Expect: 100-continue\r\n", 200), (b"Content-Encoding: identity\r\n", 200)])
 def test_requests_the_direct_path_must_not_take_never_reach_it(server, sentences, extra, want, monkeypatch):
     spy = Spy(monkeypatch)

@@ -39,6 +39,25 @@ def render(request_path: str, exc: SurgeError) -> ORJSONResponse:
                           param=exc.param, retry_after=exc.retry_after)
 
 
+def unexpected(request_path: str) -> ORJSONResponse:
+    """The routes' catch-all answer (500) to an exception nothing else renders; called while it is being
+    handled, so its traceback is logged."""
+    log.exception("unhandled error on %s", request_path)
+    return error_response(request_path, 500, "internal server error", type_="server_error", code="internal_error")
+
+
+async def settled(request_path: str, work):
+    """Await `work`: `(result, None)`, or `(None, response)` where it raised a SurgeError (rendered as the
+    routes render it) or any other exception (the catch-all's 500). Cancellation is not caught: a gone
+    client's request answers nothing."""
+    try:
+        return await work, None
+    except SurgeError as exc:
+        return None, render(request_path, exc)
+    except Exception:  # noqa: BLE001 - the routes' catch-all answers the same way
+        return None, unexpected(request_path)
+
+
 def _allowed_methods(request: Request) -> str:
     """Every method some route takes on this path. Starlette's own 405 names only the
     first route that matched the path (GET /pipelines/{name} hides its POST twin)."""
@@ -75,6 +94,4 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
-        log.exception("unhandled error on %s", request.url.path)
-        return error_response(request.url.path, 500, "internal server error", type_="server_error",
-                              code="internal_error")
+        return unexpected(request.url.path)

@@ -28,23 +28,15 @@ Contract (tests/integration/test_direct_http.py: real TCP, the real app under uv
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
-from surge.errors import SurgeError
-from surge.server.errors import error_response, render
+from surge.server.errors import settled
 from surge.server.http.hotpath import _EMBED, _OPENAI, HotPathMiddleware
-from surge.server.http.openai_inputs import check_lengths, suspects
+from surge.server.http.openai_inputs import suspects
 from surge.server.http.task_hotpath import TaskHotPathMiddleware, predict_payload
-from surge.server.http.task_io import run_task
-from surge.runtime.tasks import TaskRequest
-from surge.types import EmbedOptions
-
-log = logging.getLogger("surge.server")
 
 _PREDICT = "/predict"
 _PATHS = {_EMBED.encode(): _EMBED, _OPENAI.encode(): _OPENAI, _PREDICT.encode(): _PREDICT}
@@ -138,33 +130,17 @@ class DirectRoutes:
         task.add_done_callback(lambda _t: proto.watch.discard(lost))
 
     async def _run(self, proto, cycle, path, native, texts, service, model) -> None:
-        try:
-            result = await self.state.run(service, texts=texts, options=EmbedOptions())
-            if not native and not self.hot.limits.auto_truncate:
-                await check_lengths(service, texts, result)
-        except SurgeError as exc:
-            return _respond_with(proto, cycle, render(path, exc))
-        except asyncio.CancelledError:
-            raise  # the client has gone: nothing to answer
-        except Exception:  # noqa: BLE001 - the routes' catch-all answers the same way
-            log.exception("unhandled error on %s", path)
-            return _respond_with(proto, cycle, error_response(path, 500, "internal server error",
-                                                              type_="server_error", code="internal_error"))
+        result, error = await settled(path, self.hot.embed(native, texts, service))
+        if error is not None:
+            return _respond_with(proto, cycle, error)
         payload, version, extra = self.hot._payload(native, model, result)
         _respond(proto, cycle, 200, payload, version, extra)
 
     async def _predict(self, proto, cycle, single, texts, served) -> None:
         """TaskHotPathMiddleware's answer to a plain classify request (TEI's /predict)."""
-        try:
-            result = await run_task(self.state, served, TaskRequest(texts=texts, truncate=False), "classify")
-        except SurgeError as exc:
-            return _respond_with(proto, cycle, render(_PREDICT, exc))
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # noqa: BLE001 - the routes' catch-all answers the same way
-            log.exception("unhandled error on %s", _PREDICT)
-            return _respond_with(proto, cycle, error_response(_PREDICT, 500, "internal server error",
-                                                              type_="server_error", code="internal_error"))
+        result, error = await settled(_PREDICT, self.task.classify(served, texts))
+        if error is not None:
+            return _respond_with(proto, cycle, error)
         payload = predict_payload(single, result)
         _write(proto, cycle, 200, [(b"content-type", b"application/json"),
                                    (b"content-length", str(len(payload)).encode())], payload)

@@ -21,20 +21,17 @@ rest pass straight through.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 
 import orjson
 
 from surge.errors import SurgeError
 from surge.runtime.request import timing_headers
-from surge.server.errors import error_response, render
+from surge.server.errors import settled
 from surge.server.http.common import PARSED_BODY
 from surge.server.http.openai_inputs import check_lengths, suspects
 from surge.server.state import AppState
 from surge.types import EmbedOptions
-
-log = logging.getLogger("surge.server")
 
 _EMBED = "/embed"
 _OPENAI = "/v1/embeddings"
@@ -102,18 +99,18 @@ class HotPathMiddleware:
     def _direct(self, native: bool, texts: list[str], service, model: str):
         """An ASGI app answering one plain request that missed the cache, as the route would."""
         async def app(scope, receive, send):
-            try:
-                result = await self.state.run(service, texts=texts, options=EmbedOptions())
-                if not native and not self.limits.auto_truncate:
-                    await check_lengths(service, texts, result)
-            except SurgeError as exc:
-                return await render(scope["path"], exc)(scope, receive, send)
-            except Exception:  # noqa: BLE001 - the routes' catch-all answers the same way
-                log.exception("unhandled error on %s", scope["path"])
-                return await error_response(scope["path"], 500, "internal server error", type_="server_error",
-                                            code="internal_error")(scope, receive, send)
+            result, error = await settled(scope["path"], self.embed(native, texts, service))
+            if error is not None:
+                return await error(scope, receive, send)
             await _send_json(send, *self._payload(native, model, result))
         return app
+
+    async def embed(self, native: bool, texts: list[str], service):
+        """The embeddings of a plain request that missed the cache, checked as the route checks them."""
+        result = await self.state.run(service, texts=texts, options=EmbedOptions())
+        if not native and not self.limits.auto_truncate:
+            await check_lengths(service, texts, result)
+        return result
 
     @staticmethod
     def _payload(native: bool, model: str, result) -> tuple[bytes, str, list]:

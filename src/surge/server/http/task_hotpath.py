@@ -16,18 +16,14 @@ reads is the one already received (and decoded: PARSED_BODY).
 
 from __future__ import annotations
 
-import logging
-
 import orjson
 
 from surge.errors import SurgeError
 from surge.runtime.tasks import TaskRequest
-from surge.server.errors import error_response, render
+from surge.server.errors import settled
 from surge.server.http.common import PARSED_BODY
 from surge.server.http.hotpath import GONE, read_declared_body
 from surge.server.http.task_io import label_scores, run_task
-
-log = logging.getLogger("surge.server")
 
 _PATH = "/predict"
 _KEYS = frozenset({"inputs", "model"})
@@ -51,18 +47,17 @@ class TaskHotPathMiddleware:
         if plain is None:
             return await self.app(scope, _replay(body, receive), send)
         single, texts, served = plain
-        try:
-            result = await run_task(self.state, served, TaskRequest(texts=texts, truncate=False), "classify")  # TEI: no truncation
-        except SurgeError as exc:
-            return await render(_PATH, exc)(scope, receive, send)
-        except Exception:  # noqa: BLE001 - the routes' catch-all answers the same way
-            log.exception("unhandled error on %s", _PATH)
-            return await error_response(_PATH, 500, "internal server error", type_="server_error",
-                                        code="internal_error")(scope, receive, send)
+        result, error = await settled(_PATH, self.classify(served, texts))
+        if error is not None:
+            return await error(scope, receive, send)
         payload = predict_payload(single, result)
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
         await send({"type": "http.response.body", "body": payload})
+
+    def classify(self, served, texts: list[str]):
+        """The scores of a plain classify request (awaitable). TEI's /predict does not truncate."""
+        return run_task(self.state, served, TaskRequest(texts=texts, truncate=False), "classify")
 
     def _plain(self, scope, body: bytes):
         """(single?, texts, served model) for a plain classify request, else None (the route's)."""

@@ -1,0 +1,63 @@
+"""server.errors.settled: the one place the hot paths (ASGI and direct) turn a request's failure into the
+routes' answer. Its docstring's contract, case by case."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+
+import orjson
+import pytest
+
+from surge.errors import DeadlineExceeded, Overloaded
+from surge.server.errors import settled
+
+
+async def _returns(value):
+    await asyncio.sleep(0)
+    return value
+
+
+async def _raises(exc):
+    await asyncio.sleep(0)
+    raise exc
+
+
+def test_a_result_comes_back_untouched():
+    value = [random.random() for _ in range(5)]
+    result, error = asyncio.run(settled("/embed", _returns(value)))
+    assert result is value and error is None
+
+
+@pytest.mark.parametrize("path,exc,status,body", [
+    ("/v1/embeddings", Overloaded("queue full", retry_after=2.4), 429,
+     {"error": {"message": "queue full", "type": "rate_limit_error", "param": None, "code": "overloaded"}}),
+    ("/v2/models/m/infer", DeadlineExceeded("too slow"), 504, {"error": "too slow"}),
+])
+def test_a_surge_error_is_rendered_as_the_routes_render_it(path, exc, status, body):
+    result, error = asyncio.run(settled(path, _raises(exc)))
+    assert result is None
+    assert error.status_code == status and orjson.loads(error.body) == body
+    if exc.retry_after is not None:
+        assert error.headers["retry-after"] == "2"
+
+
+def test_any_other_exception_is_the_catch_alls_500_and_is_logged(caplog):
+    with caplog.at_level(logging.ERROR, logger="surge.server"):
+        result, error = asyncio.run(settled("/predict", _raises(KeyError("boom"))))
+    assert result is None and error.status_code == 500
+    assert orjson.loads(error.body)["error"]["code"] == "internal_error"
+    [record] = [r for r in caplog.records if "unhandled error on /predict" in r.getMessage()]
+    assert record.exc_info and record.exc_info[0] is KeyError  # the traceback is kept
+
+
+def test_cancellation_is_not_caught():
+    async def main():
+        task = asyncio.ensure_future(settled("/embed", asyncio.sleep(10)))
+        await asyncio.sleep(0)
+        task.cancel()
+        return await task
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(main())
