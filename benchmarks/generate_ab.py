@@ -33,6 +33,8 @@ Variants (comma-separated, each a '+'-joined list of options on top of session 2
              the MLP's start
   gu         SiLU(gate) * up in one Triton kernel at decode sizes (kernels/gate_up.py) with the plan of
              --gate-up-plan (session 10); without it cuBLAS + silu_mul
+  tma        the measured TMA plans (session 18: gate/up with gu, the o and down split-K GEMMs with sk),
+             their operands read by TMA; without it the pointer-load plans of sessions 8 and 10
 The session-7 engine (the defaults before session 8) is argmax+attn256+targmax.
 """
 
@@ -68,15 +70,30 @@ def engine_kwargs(variant: str) -> tuple[dict, bool]:
     return kw, "lt" in opts
 
 
+# The modules' own tables (gate/up, split-K: session 18's TMA plans), and the split-K table of the variants
+# without "tma" (the pointer-load plans, or a --splitk-plans table); set by main before any variant.
+TMA_PLANS: tuple[dict, dict] = ({}, {})
+POINTER_SPLITK: dict = {}
+
+
 def use_gate_up(variant: str, plan: str | None) -> None:
-    """The gate/up plan table the next engine is built with: --gate-up-plan for a "gu" variant, else
-    none (cuBLAS + silu_mul). Engines resolve their plans when constructed."""
+    """The gate/up and split-K plan tables the next engine is built with: for a "gu" variant the TMA plan
+    with "tma", else --gate-up-plan; none without "gu" (cuBLAS + silu_mul); the split-K table with TMA
+    plans for a "tma" variant, the pointer-load table otherwise (a --splitk-plans table is replaced).
+    Engines resolve their plans when constructed."""
     from surge.engines.kernels import gate_up
 
+    from surge.engines.kernels import splitk_gemm
+
+    opts = variant.split("+")
     gate_up.PLANS.clear()
-    if "gu" in variant.split("+"):
+    if "gu" in opts and "tma" in opts:
+        gate_up.PLANS[(4864, 896)] = TMA_PLANS[0][(4864, 896)]
+    elif "gu" in opts:
         bn, bk, nw, st, sw = plan.split(",")
         gate_up.PLANS[(4864, 896)] = gate_up.GateUpPlan(int(bn), int(bk), int(nw), int(st), sw.lower() == "true")
+    splitk_gemm.PLANS.clear()
+    splitk_gemm.PLANS.update(TMA_PLANS[1] if "tma" in opts else POINTER_SPLITK)
 
 
 def use_attn_launch(variant: str, launch: str) -> None:
@@ -128,8 +145,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from benchmarks.generate import SHAPES, _NoText, _surge_round, build, graph_replay_us, use_splitk_plans
 
-    if args.splitk_plans:
-        use_splitk_plans(args.splitk_plans)
+    from surge.engines.kernels import gate_up, splitk_gemm
+
+    TMA_PLANS[0].update(gate_up.PLANS)
+    TMA_PLANS[1].update(splitk_gemm.PLANS)
+    POINTER_SPLITK.update(use_splitk_plans(args.splitk_plans) if args.splitk_plans else splitk_gemm.POINTER_PLANS)
     from surge.engines.decoder import DecoderEngine
     from surge.runtime.generate_service import GenerateService, GenerationConfig
 

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from surge.engines.kernels import tma
 from surge.engines.kernels.pdl import launch_kw, prefetch_l2, wait_then_release
 
 BLOCK_M = 64  # one M tile holds a whole decode batch: the weights are read once
@@ -34,6 +35,7 @@ class GateUpPlan:
     num_warps: int = 4
     num_stages: int = 3
     swap: bool = False  # W @ x^T: the weight rows on the MMA's long side, the batch on its short side
+    tma: bool = False  # x and W read by TMA (kernels/tma.py) where the tensors allow it; same bits
 
 
 # Measured on one H200 (torch 2.11, Triton 3.6) by benchmarks/gpu_gate_up_tune.py at M = 64, 24 layers'
@@ -41,8 +43,15 @@ class GateUpPlan:
 # the down GEMM) against cuBLAS + silu_mul (docs/benchmarks/generate.md, session 10). A shape missing
 # here stays on cuBLAS + silu_mul. Session 10, call 2 (us a layer of that chain, PDL on): cuBLAS + silu_mul
 # 17.42 (18.46 without PDL), this plan 16.26; alone (no chain, no PDL) 9.32 against cuBLAS + silu_mul's 9.75.
-PLANS: dict[tuple[int, int], GateUpPlan] = {
+POINTER_PLANS: dict[tuple[int, int], GateUpPlan] = {
     (4864, 896): GateUpPlan(32, 128, num_warps=4, num_stages=3),
+}
+
+# Session 18 (benchmarks/gpu_tma_gemm.py, call 1, alone as above, no PDL): 9.36 -> 7.87 us, the output
+# equal to the pointer plan's bit for bit; the MLP chain with the TMA down GEMM (kernels/splitk_gemm.py):
+# 16.24 -> 15.29 us a layer with PDL, 17.96 -> 15.64 without.
+PLANS: dict[tuple[int, int], GateUpPlan] = {
+    (4864, 896): GateUpPlan(64, 128, num_warps=4, num_stages=4, tma=True),
 }
 
 
@@ -115,10 +124,57 @@ def _gate_up(a_ptr, w_ptr, out_ptr, M, I, K, stride_am, stride_wn, stride_om, EV
                  mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit(do_not_specialize=["M"])
+def _gate_up_tma(a_desc, w_desc, w_ptr, out_ptr, M, I, K, stride_wn, stride_om, SWAP: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                 LINES: tl.constexpr):
+    """_gate_up with x and W read by TMA: tiles past M or K arrive as zeros, as _gate_up's masks load
+    them, so the products (and the epilogue) are the same bit for bit. I must be a multiple of BLOCK_N
+    (a gate tile must not run into the up rows)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    m0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    if PDL:
+        line = tl.minimum(tl.arange(0, LINES).to(tl.int64) * 128, K.to(tl.int64) * 2 - 1)
+        base = w_ptr.to(tl.pointer_type(tl.int8)) + offs_n[:, None].to(tl.int64) * stride_wn * 2 + line[None, :]
+        prefetch_l2(base)
+        prefetch_l2(base + I.to(tl.int64) * stride_wn * 2)
+    wait_then_release(PDL)
+    if SWAP:
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(0, tl.cdiv(K, BLOCK_K)):
+        a = a_desc.load([m0, i * BLOCK_K])
+        g = w_desc.load([n0, i * BLOCK_K])
+        u = w_desc.load([I + n0, i * BLOCK_K])
+        if SWAP:
+            acc_g = tl.dot(g, tl.trans(a), acc_g)
+            acc_u = tl.dot(u, tl.trans(a), acc_u)
+        else:
+            acc_g = tl.dot(a, tl.trans(g), acc_g)
+            acc_u = tl.dot(a, tl.trans(u), acc_u)
+    dt = out_ptr.dtype.element_ty
+    gf = acc_g.to(dt).to(tl.float32)
+    up = acc_u.to(dt)
+    y = (gf / (1.0 + tl.exp(-gf))).to(dt) * up
+    m_ok = offs_m < M
+    if SWAP:
+        tl.store(out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None], y, mask=m_ok[None, :])
+    else:
+        tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], y, mask=m_ok[:, None])
+
+
 def gate_up_silu(x: torch.Tensor, w: torch.Tensor, plan: GateUpPlan, pdl: bool = False) -> torch.Tensor:
     """x [M, K], w [2I, K] (gate rows, then up rows; BF16 / FP16) -> SiLU(x @ W_gate^T) * (x @ W_up^T)
     [M, I], as F.linear followed by decoder_fused.silu_mul would give up to the GEMMs' summation order.
-    pdl: a programmatic dependent launch, the weights prefetched into L2 before the wait."""
+    A plan with `tma` reads x and W through TMA where kernels/tma.usable allows and I is a multiple of its
+    BLOCK_N (else pointer loads: the same bits). pdl: a programmatic dependent launch, the weights prefetched into L2 before the wait."""
     m, k = x.shape
     two_i = w.shape[0]
     if two_i % 2 or w.shape[1] != k:
@@ -130,8 +186,14 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, plan: GateUpPlan, pdl: bool =
     i = two_i // 2
     out = torch.empty((m, i), device=x.device, dtype=x.dtype)
     grid = (triton.cdiv(i, plan.block_n), triton.cdiv(m, BLOCK_M))
+    lines = triton.next_power_of_2(triton.cdiv(k * w.element_size(), 128))
+    if plan.tma and i % plan.block_n == 0 and tma.usable(x, w):
+        _gate_up_tma[grid](tma.descriptor(x, (BLOCK_M, plan.block_k)), tma.descriptor(w, (plan.block_n, plan.block_k)),
+                           w, out, m, i, k, w.stride(0), out.stride(0), SWAP=plan.swap, BLOCK_M=BLOCK_M,
+                           BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, PDL=pdl, LINES=lines,
+                           num_warps=plan.num_warps, num_stages=plan.num_stages, **launch_kw(pdl))
+        return out
     _gate_up[grid](x, w, out, m, i, k, x.stride(0), w.stride(0), out.stride(0), EVEN_K=k % plan.block_k == 0,
                    SWAP=plan.swap, BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, PDL=pdl,
-                   LINES=triton.next_power_of_2(triton.cdiv(k * w.element_size(), 128)),
-                   num_warps=plan.num_warps, num_stages=plan.num_stages, **launch_kw(pdl))
+                   LINES=lines, num_warps=plan.num_warps, num_stages=plan.num_stages, **launch_kw(pdl))
     return out

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from surge.engines.kernels import tma
 from surge.engines.kernels.pdl import launch_kw, prefetch_l2, wait_then_release
 
 BLOCK_M = 64  # rows of every program: one M tile holds a whole decode batch (the weights are read once)
@@ -35,6 +36,7 @@ class SplitKPlan:
     num_warps: int = 4
     num_stages: int = 2
     swap: bool = False  # the product as w @ a^T: N on the MMA's long side, the batch on its short side
+    tma: bool = False  # operands read by TMA (kernels/tma.py) where the tensors allow it; same sums, bit for bit
 
     def k_split(self, k: int) -> int:
         return triton.cdiv(triton.cdiv(k, self.splits), self.block_k) * self.block_k
@@ -48,10 +50,19 @@ class SplitKPlan:
 # (docs/benchmarks/generate.md, session 8). A shape missing here, or one where cuBLAS won, stays on cuBLAS.
 # Session 8, call 2 (GEMM + its reader, us, cuBLAS -> split-K): qkv 6.46 -> 5.70, o 6.04 -> 5.01, down
 # 10.20 -> 8.48 (call 1 within 0.1 us of these); up_gate stays on cuBLAS (9.57 against 10.27 at best).
-PLANS: dict[tuple[int, int], SplitKPlan] = {
+POINTER_PLANS: dict[tuple[int, int], SplitKPlan] = {
     (1152, 896): SplitKPlan(64, 128, 7, num_warps=4, num_stages=2, swap=True),
     (896, 896): SplitKPlan(32, 256, 4, num_warps=4, num_stages=1),
     (896, 4864): SplitKPlan(32, 256, 4, num_warps=4, num_stages=3),
+}
+
+# Session 18 (benchmarks/gpu_tma_gemm.py, call 1, same timing; the partials equal the pointer plans' bit
+# for bit, same split counts): down 6.63 -> 5.54 us, o 3.50 -> 3.28; qkv 3.70 -> 3.62 at best, inside the
+# noise, so qkv keeps its pointer plan.
+PLANS: dict[tuple[int, int], SplitKPlan] = {
+    **POINTER_PLANS,
+    (896, 896): SplitKPlan(32, 128, 4, num_warps=4, num_stages=3, tma=True),
+    (896, 4864): SplitKPlan(32, 256, 4, num_warps=4, num_stages=4, tma=True),
 }
 
 
@@ -132,6 +143,46 @@ def _partials(a_ptr, w_ptr, ws_ptr, M, N, K, stride_am, stride_wn,
         tl.store(ws + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit(do_not_specialize=["M"])
+def _partials_tma(a_desc, w_desc, w_ptr, ws_ptr, M, N, K, stride_wn, K_SPLIT: tl.constexpr, SWAP: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                  LINES: tl.constexpr):
+    """_partials with both operands read by TMA: tiles past M, N or K arrive as zeros, as the pointer
+    kernel's masks load them, so the sums are the same bit for bit."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    m0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    k0 = pid_s * K_SPLIT
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    if PDL:  # the weight slice's lines into L2 before the wait, as _partials asks for them
+        row_bytes = (tl.minimum(K - k0, K_SPLIT) * 2).to(tl.int64)
+        line = tl.minimum(tl.arange(0, LINES).to(tl.int64) * 128, row_bytes - 1)
+        rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+        prefetch_l2((w_ptr + k0).to(tl.pointer_type(tl.int8)) + rows[:, None] * stride_wn * 2 + line[None, :])
+    wait_then_release(PDL)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(0, K_SPLIT // BLOCK_K):
+        a = a_desc.load([m0, k0 + i * BLOCK_K])
+        w = w_desc.load([n0, k0 + i * BLOCK_K])
+        if SWAP:
+            acc = tl.dot(w, tl.trans(a), acc)
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    ws = ws_ptr + pid_s.to(tl.int64) * M * N
+    if SWAP:
+        tl.store(ws + offs_m[None, :].to(tl.int64) * N + offs_n[:, None], acc, mask=n_ok[:, None] & m_ok[None, :])
+    else:
+        tl.store(ws + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
 @triton.jit
 def sum_splits(ptr, stride_s, mask, SPLITS: tl.constexpr):
     """The FP32 sum of SPLITS partials at ptr, ptr + stride_s, ... in split order (for fused readers)."""
@@ -154,7 +205,8 @@ def _reduce(ws_ptr, bias_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl
 def partials(a: torch.Tensor, w: torch.Tensor, plan: SplitKPlan, out: torch.Tensor | None = None,
              pdl: bool = False) -> torch.Tensor:
     """a [M, K], w [N, K] (BF16 / FP16) -> FP32 partial products [plan.num_splits(K), M, N].
-    pdl: launched with programmatic dependent launch, the weights read (one K step) or prefetched
+    A plan with `tma` reads both through TMA where kernels/tma.usable allows (else pointer loads: the
+    same partials bit for bit). pdl: launched with programmatic dependent launch, the weights read (one K step) or prefetched
     into L2 (several) before waiting for the kernel that wrote `a` (kernels/pdl.py)."""
     m, k = a.shape
     n = w.shape[0]
@@ -165,10 +217,16 @@ def partials(a: torch.Tensor, w: torch.Tensor, plan: SplitKPlan, out: torch.Tens
     if out is None:
         out = torch.empty((s, m, n), device=a.device, dtype=torch.float32)
     grid = (triton.cdiv(n, plan.block_n), s, triton.cdiv(m, BLOCK_M))
+    lines = triton.next_power_of_2(triton.cdiv(ks * w.element_size(), 128))
+    if plan.tma and tma.usable(a, w):
+        _partials_tma[grid](tma.descriptor(a, (BLOCK_M, plan.block_k)), tma.descriptor(w, (plan.block_n, plan.block_k)),
+                            w, out, m, n, k, w.stride(0), K_SPLIT=ks, SWAP=plan.swap, BLOCK_M=BLOCK_M,
+                            BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, PDL=pdl, LINES=lines,
+                            num_warps=plan.num_warps, num_stages=plan.num_stages, **launch_kw(pdl))
+        return out
     _partials[grid](a, w, out, m, n, k, a.stride(0), w.stride(0), K_SPLIT=ks, EVEN_K=k % ks == 0, SWAP=plan.swap,
                     BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, PDL=pdl,
-                    LINES=triton.next_power_of_2(triton.cdiv(ks * w.element_size(), 128)),
-                    num_warps=plan.num_warps, num_stages=plan.num_stages, **launch_kw(pdl))
+                    LINES=lines, num_warps=plan.num_warps, num_stages=plan.num_stages, **launch_kw(pdl))
     return out
 
 
