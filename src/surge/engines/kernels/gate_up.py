@@ -65,6 +65,39 @@ def default_plan(i: int, k: int) -> GateUpPlan:
     return GateUpPlan(32 if i >= 2048 else 16, 128 if k >= 128 else 64)
 
 
+@triton.jit
+def _prefetch_gate_up_rows(w_ptr, offs_n, I, K, stride_wn, LINES: tl.constexpr):
+    """The program's gate and up rows (whole K) into L2 while the previous kernel runs (PDL)."""
+    line = tl.minimum(tl.arange(0, LINES).to(tl.int64) * 128, K.to(tl.int64) * 2 - 1)
+    rows = tl.minimum(offs_n, I - 1).to(tl.int64)
+    base = w_ptr.to(tl.pointer_type(tl.int8)) + rows[:, None] * stride_wn * 2 + line[None, :]
+    prefetch_l2(base)
+    prefetch_l2(base + I.to(tl.int64) * stride_wn * 2)
+
+
+@triton.jit
+def mma(a, w, acc, SWAP: tl.constexpr):
+    """acc + a @ w^T, or its transpose (w @ a^T) with SWAP: the weight rows on the MMA's long side."""
+    if SWAP:
+        return tl.dot(w, tl.trans(a), acc)
+    return tl.dot(a, tl.trans(w), acc)
+
+
+@triton.jit
+def _silu_mul_store(acc_g, acc_u, out_ptr, offs_m, offs_n, m_ok, n_ok, stride_om, SWAP: tl.constexpr):
+    """silu_mul's arithmetic on the GEMM's rounded outputs, stored [M, I] (tiles transposed with SWAP)."""
+    dt = out_ptr.dtype.element_ty
+    gf = acc_g.to(dt).to(tl.float32)
+    up = acc_u.to(dt)
+    y = (gf / (1.0 + tl.exp(-gf))).to(dt) * up
+    if SWAP:
+        tl.store(out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None], y,
+                 mask=n_ok[:, None] & m_ok[None, :])
+    else:
+        tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], y,
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gate_up(a_ptr, w_ptr, out_ptr, M, I, K, stride_am, stride_wn, stride_om, EVEN_K: tl.constexpr,
              SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -79,12 +112,8 @@ def _gate_up(a_ptr, w_ptr, out_ptr, M, I, K, stride_am, stride_wn, stride_om, EV
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
     g_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     u_ptrs = g_ptrs + I.to(tl.int64) * stride_wn
-    if PDL:  # the program's gate and up rows (whole K) into L2 while the previous kernel runs
-        line = tl.minimum(tl.arange(0, LINES).to(tl.int64) * 128, K.to(tl.int64) * 2 - 1)
-        rows = tl.minimum(offs_n, I - 1).to(tl.int64)
-        base = w_ptr.to(tl.pointer_type(tl.int8)) + rows[:, None] * stride_wn * 2 + line[None, :]
-        prefetch_l2(base)
-        prefetch_l2(base + I.to(tl.int64) * stride_wn * 2)
+    if PDL:
+        _prefetch_gate_up_rows(w_ptr, offs_n, I, K, stride_wn, LINES)
     wait_then_release(PDL)
     if SWAP:
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -102,26 +131,12 @@ def _gate_up(a_ptr, w_ptr, out_ptr, M, I, K, stride_am, stride_wn, stride_om, EV
             a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             g = tl.load(g_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if SWAP:
-            acc_g = tl.dot(g, tl.trans(a), acc_g)
-            acc_u = tl.dot(u, tl.trans(a), acc_u)
-        else:
-            acc_g = tl.dot(a, tl.trans(g), acc_g)
-            acc_u = tl.dot(a, tl.trans(u), acc_u)
+        acc_g = mma(a, g, acc_g, SWAP)
+        acc_u = mma(a, u, acc_u, SWAP)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    dt = out_ptr.dtype.element_ty
-    # silu_mul's arithmetic on the GEMM's rounded outputs
-    gf = acc_g.to(dt).to(tl.float32)
-    up = acc_u.to(dt)
-    y = (gf / (1.0 + tl.exp(-gf))).to(dt) * up
-    if SWAP:
-        tl.store(out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None], y,
-                 mask=n_ok[:, None] & m_ok[None, :])
-    else:
-        tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], y,
-                 mask=m_ok[:, None] & n_ok[None, :])
+    _silu_mul_store(acc_g, acc_u, out_ptr, offs_m, offs_n, m_ok, n_ok, stride_om, SWAP)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -138,10 +153,7 @@ def _gate_up_tma(a_desc, w_desc, w_ptr, out_ptr, M, I, K, stride_wn, stride_om, 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if PDL:
-        line = tl.minimum(tl.arange(0, LINES).to(tl.int64) * 128, K.to(tl.int64) * 2 - 1)
-        base = w_ptr.to(tl.pointer_type(tl.int8)) + offs_n[:, None].to(tl.int64) * stride_wn * 2 + line[None, :]
-        prefetch_l2(base)
-        prefetch_l2(base + I.to(tl.int64) * stride_wn * 2)
+        _prefetch_gate_up_rows(w_ptr, offs_n, I, K, stride_wn, LINES)
     wait_then_release(PDL)
     if SWAP:
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -151,23 +163,9 @@ def _gate_up_tma(a_desc, w_desc, w_ptr, out_ptr, M, I, K, stride_wn, stride_om, 
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(0, tl.cdiv(K, BLOCK_K)):
         a = a_desc.load([m0, i * BLOCK_K])
-        g = w_desc.load([n0, i * BLOCK_K])
-        u = w_desc.load([I + n0, i * BLOCK_K])
-        if SWAP:
-            acc_g = tl.dot(g, tl.trans(a), acc_g)
-            acc_u = tl.dot(u, tl.trans(a), acc_u)
-        else:
-            acc_g = tl.dot(a, tl.trans(g), acc_g)
-            acc_u = tl.dot(a, tl.trans(u), acc_u)
-    dt = out_ptr.dtype.element_ty
-    gf = acc_g.to(dt).to(tl.float32)
-    up = acc_u.to(dt)
-    y = (gf / (1.0 + tl.exp(-gf))).to(dt) * up
-    m_ok = offs_m < M
-    if SWAP:
-        tl.store(out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None], y, mask=m_ok[None, :])
-    else:
-        tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], y, mask=m_ok[:, None])
+        acc_g = mma(a, w_desc.load([n0, i * BLOCK_K]), acc_g, SWAP)
+        acc_u = mma(a, w_desc.load([I + n0, i * BLOCK_K]), acc_u, SWAP)
+    _silu_mul_store(acc_g, acc_u, out_ptr, offs_m, offs_n, offs_m < M, offs_n < I, stride_om, SWAP)
 
 
 def gate_up_silu(x: torch.Tensor, w: torch.Tensor, plan: GateUpPlan, pdl: bool = False) -> torch.Tensor:

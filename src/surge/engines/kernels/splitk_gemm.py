@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from surge.engines.kernels import tma
+from surge.engines.kernels.gate_up import mma
 from surge.engines.kernels.pdl import launch_kw, prefetch_l2, wait_then_release
 
 BLOCK_M = 64  # rows of every program: one M tile holds a whole decode batch (the weights are read once)
@@ -80,6 +81,27 @@ def default_plan(n: int, k: int) -> SplitKPlan:
     return SplitKPlan(64, block_k, splits, num_stages=3)
 
 
+@triton.jit
+def _prefetch_slice(w_ptr, offs_n, N, K, k0, stride_wn, K_SPLIT: tl.constexpr, LINES: tl.constexpr):
+    """The program's weight slice (its rows, K from k0 on, K_SPLIT long) into L2, 128-byte lines (PDL)."""
+    row_bytes = (tl.minimum(K - k0, K_SPLIT) * 2).to(tl.int64)
+    line = tl.minimum(tl.arange(0, LINES).to(tl.int64) * 128, row_bytes - 1)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    prefetch_l2((w_ptr + k0).to(tl.pointer_type(tl.int8)) + rows[:, None] * stride_wn * 2 + line[None, :])
+
+
+@triton.jit
+def _store_partials(acc, ws_ptr, pid_s, M, N, offs_m, offs_n, SWAP: tl.constexpr):
+    """A program's FP32 partial sums into split pid_s of the [S, M, N] workspace (tiles transposed with SWAP)."""
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    ws = ws_ptr + pid_s.to(tl.int64) * M * N
+    if SWAP:
+        tl.store(ws + offs_m[None, :].to(tl.int64) * N + offs_n[:, None], acc, mask=n_ok[:, None] & m_ok[None, :])
+    else:
+        tl.store(ws + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
 @triton.jit(do_not_specialize=["M"])
 def _partials(a_ptr, w_ptr, ws_ptr, M, N, K, stride_am, stride_wn,
               K_SPLIT: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr,
@@ -110,17 +132,10 @@ def _partials(a_ptr, w_ptr, ws_ptr, M, N, K, stride_am, stride_wn,
             a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
         else:
             a = tl.load(a_ptrs, mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0)
-        if SWAP:
-            acc = tl.dot(w, tl.trans(a), acc)
-        else:
-            acc = tl.dot(a, tl.trans(w), acc)
+        acc = mma(a, w, acc, SWAP)
     else:
         if PDL:  # several K steps: the weight slice's 128-byte lines into L2 before the wait
-            row_bytes = (tl.minimum(K - pid_s * K_SPLIT, K_SPLIT) * 2).to(tl.int64)
-            line = tl.minimum(tl.arange(0, LINES).to(tl.int64) * 128, row_bytes - 1)
-            rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-            base = (w_ptr + pid_s * K_SPLIT).to(tl.pointer_type(tl.int8))
-            prefetch_l2(base + rows[:, None] * stride_wn * 2 + line[None, :])
+            _prefetch_slice(w_ptr, offs_n, N, K, pid_s * K_SPLIT, stride_wn, K_SPLIT, LINES)
         wait_then_release(PDL)
         for i in range(0, K_SPLIT // BLOCK_K):
             if EVEN_K:
@@ -130,17 +145,10 @@ def _partials(a_ptr, w_ptr, ws_ptr, M, N, K, stride_am, stride_wn,
                 k_ok = offs_k < K - i * BLOCK_K
                 a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            if SWAP:
-                acc = tl.dot(w, tl.trans(a), acc)
-            else:
-                acc = tl.dot(a, tl.trans(w), acc)
+            acc = mma(a, w, acc, SWAP)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-    ws = ws_ptr + pid_s.to(tl.int64) * M * N
-    if SWAP:
-        tl.store(ws + offs_m[None, :].to(tl.int64) * N + offs_n[:, None], acc, mask=n_ok[:, None] & m_ok[None, :])
-    else:
-        tl.store(ws + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+    _store_partials(acc, ws_ptr, pid_s, M, N, offs_m, offs_n, SWAP)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -158,10 +166,7 @@ def _partials_tma(a_desc, w_desc, w_ptr, ws_ptr, M, N, K, stride_wn, K_SPLIT: tl
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if PDL:  # the weight slice's lines into L2 before the wait, as _partials asks for them
-        row_bytes = (tl.minimum(K - k0, K_SPLIT) * 2).to(tl.int64)
-        line = tl.minimum(tl.arange(0, LINES).to(tl.int64) * 128, row_bytes - 1)
-        rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-        prefetch_l2((w_ptr + k0).to(tl.pointer_type(tl.int8)) + rows[:, None] * stride_wn * 2 + line[None, :])
+        _prefetch_slice(w_ptr, offs_n, N, K, k0, stride_wn, K_SPLIT, LINES)
     wait_then_release(PDL)
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -170,17 +175,8 @@ def _partials_tma(a_desc, w_desc, w_ptr, ws_ptr, M, N, K, stride_wn, K_SPLIT: tl
     for i in range(0, K_SPLIT // BLOCK_K):
         a = a_desc.load([m0, k0 + i * BLOCK_K])
         w = w_desc.load([n0, k0 + i * BLOCK_K])
-        if SWAP:
-            acc = tl.dot(w, tl.trans(a), acc)
-        else:
-            acc = tl.dot(a, tl.trans(w), acc)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    ws = ws_ptr + pid_s.to(tl.int64) * M * N
-    if SWAP:
-        tl.store(ws + offs_m[None, :].to(tl.int64) * N + offs_n[:, None], acc, mask=n_ok[:, None] & m_ok[None, :])
-    else:
-        tl.store(ws + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+        acc = mma(a, w, acc, SWAP)
+    _store_partials(acc, ws_ptr, pid_s, M, N, offs_m, offs_n, SWAP)
 
 
 @triton.jit
