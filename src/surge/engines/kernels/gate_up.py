@@ -78,9 +78,12 @@ def _prefetch_gate_up_rows(w_ptr, offs_n, I, K, stride_wn, LINES: tl.constexpr):
 @triton.jit
 def mma(a, w, acc, SWAP: tl.constexpr):
     """acc + a @ w^T, or its transpose (w @ a^T) with SWAP: the weight rows on the MMA's long side."""
+    # one return: Triton's frontend does not prune an early return under a constexpr branch
     if SWAP:
-        return tl.dot(w, tl.trans(a), acc)
-    return tl.dot(a, tl.trans(w), acc)
+        out = tl.dot(w, tl.trans(a), acc)
+    else:
+        out = tl.dot(a, tl.trans(w), acc)
+    return out
 
 
 @triton.jit
