@@ -175,8 +175,8 @@ def main():
             rows.append({"plan": p, "us": t, "max_abs_diff_of_sums": diff,
                          "bit_equal": bool(same_shape and torch.equal(out, ref)), "splits_run": out.shape[0]})
         ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
-        print(f"\n{name} [{n} x {k}] partials, us a layer: pointer-load plan {plan} {t_ref:.2f}; TMA best 8 of {len(ok)}:",
-              flush=True)
+        print(f"\n{name} [{n} x {k}] partials, us a layer: pointer-load plan {plan} {t_ref:.2f}; "
+              f"TMA best 8 of {len(ok)}:", flush=True)
         for r in ok[:8]:
             print(f"  {r['us']:.2f}  {r['plan']} ({r['splits_run']} splits)  max|diff| of sums "
                   f"{r['max_abs_diff_of_sums']:.3g}  bit-equal {r['bit_equal']}")

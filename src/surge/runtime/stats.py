@@ -171,8 +171,8 @@ class InferenceStats:
         """Mirror `stats` once at the end of this loop pass (at once without a running loop).
 
         A memmap store a request was the costliest part of a record; a pass that answers many
-        requests now stores each model version once. Another process's snapshot sees them one pass later, as /metrics does
-        (runtime/metrics_buffer.py); this process's own snapshot writes first."""
+        requests now stores each model version once. Another process's snapshot sees them one pass
+        later, as /metrics does (runtime/metrics_buffer.py); this process's own snapshot writes first."""
         if self._mirror is None:
             return
         try:

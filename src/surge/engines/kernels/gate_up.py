@@ -175,7 +175,8 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, plan: GateUpPlan, pdl: bool =
     """x [M, K], w [2I, K] (gate rows, then up rows; BF16 / FP16) -> SiLU(x @ W_gate^T) * (x @ W_up^T)
     [M, I], as F.linear followed by decoder_fused.silu_mul would give up to the GEMMs' summation order.
     A plan with `tma` reads x and W through TMA where kernels/tma.usable allows and I is a multiple of its
-    BLOCK_N (else pointer loads: the same bits). pdl: a programmatic dependent launch, the weights prefetched into L2 before the wait."""
+    BLOCK_N (else pointer loads: the same bits). pdl: a programmatic dependent launch, the weights
+    prefetched into L2 before the wait."""
     m, k = x.shape
     two_i = w.shape[0]
     if two_i % 2 or w.shape[1] != k:

@@ -202,8 +202,8 @@ def partials(a: torch.Tensor, w: torch.Tensor, plan: SplitKPlan, out: torch.Tens
              pdl: bool = False) -> torch.Tensor:
     """a [M, K], w [N, K] (BF16 / FP16) -> FP32 partial products [plan.num_splits(K), M, N].
     A plan with `tma` reads both through TMA where kernels/tma.usable allows (else pointer loads: the
-    same partials bit for bit). pdl: launched with programmatic dependent launch, the weights read (one K step) or prefetched
-    into L2 (several) before waiting for the kernel that wrote `a` (kernels/pdl.py)."""
+    same partials bit for bit). pdl: launched with programmatic dependent launch, the weights read (one
+    K step) or prefetched into L2 (several) before waiting for the kernel that wrote `a` (kernels/pdl.py)."""
     m, k = a.shape
     n = w.shape[0]
     if a.stride(1) != 1:
