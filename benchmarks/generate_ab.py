@@ -76,22 +76,34 @@ TMA_PLANS: tuple[dict, dict] = ({}, {})
 POINTER_SPLITK: dict = {}
 
 
-def use_gate_up(variant: str, plan: str | None) -> None:
-    """The gate/up and split-K plan tables the next engine is built with: for a "gu" variant the TMA plan
-    with "tma", else --gate-up-plan; none without "gu" (cuBLAS + silu_mul); the split-K table with TMA
-    plans for a "tma" variant, the pointer-load table otherwise (a --splitk-plans table is replaced).
-    Engines resolve their plans when constructed."""
+def gate_up_plan(spec: str):
+    """--gate-up-plan: "BLOCK_N,BLOCK_K,num_warps,num_stages,swap[,tma]", or a gpu_gate_up_tune.py --json
+    file (its "best" plan; None where cuBLAS + silu_mul won)."""
+    from surge.engines.kernels.gate_up import GateUpPlan
+
+    if Path(spec).is_file():
+        best = json.loads(Path(spec).read_text())["best"]
+        return GateUpPlan(*best) if best else None
+    bn, bk, nw, st, sw, *tm = spec.split(",")
+    return GateUpPlan(int(bn), int(bk), int(nw), int(st), sw.lower() == "true", bool(tm) and tm[0].lower() == "true")
+
+
+def use_gate_up(variant: str, plan, key: tuple[int, int]) -> None:
+    """The gate/up and split-K plan tables the next engine is built with: for a "gu" variant the module's
+    TMA plan for key = (intermediate, hidden) with "tma" where it has one, else `plan` (--gate-up-plan);
+    none without "gu" (cuBLAS + silu_mul); the split-K table with TMA plans for a "tma" variant, the
+    pointer-load table otherwise (a --splitk-plans table replaces it). Engines resolve their plans when
+    constructed."""
     from surge.engines.kernels import gate_up
 
     from surge.engines.kernels import splitk_gemm
 
     opts = variant.split("+")
     gate_up.PLANS.clear()
-    if "gu" in opts and "tma" in opts:
-        gate_up.PLANS[(4864, 896)] = TMA_PLANS[0][(4864, 896)]
-    elif "gu" in opts:
-        bn, bk, nw, st, sw = plan.split(",")
-        gate_up.PLANS[(4864, 896)] = gate_up.GateUpPlan(int(bn), int(bk), int(nw), int(st), sw.lower() == "true")
+    if "gu" in opts and "tma" in opts and key in TMA_PLANS[0]:
+        gate_up.PLANS[key] = TMA_PLANS[0][key]
+    elif "gu" in opts and plan is not None:
+        gate_up.PLANS[key] = plan
     splitk_gemm.PLANS.clear()
     splitk_gemm.PLANS.update(TMA_PLANS[1] if "tma" in opts else POINTER_SPLITK)
 
@@ -138,7 +150,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--attn-launch", default="4,2", help="num_warps,num_stages of the ta variants")
     ap.add_argument("--gate-up-plan", default="32,128,4,3,false",
-                    help="BLOCK_N,BLOCK_K,num_warps,num_stages,swap of the gu variants (Qwen2-0.5B's MLP)")
+                    help="BLOCK_N,BLOCK_K,num_warps,num_stages,swap[,tma] of the gu variants, or a "
+                         "gpu_gate_up_tune.py --json file")
     ap.add_argument("--settle", action="store_true", help="gc_settle.settle() after the warm-up (as the server)")
     ap.add_argument("--splitk-plans", type=Path, help="the split-K table from a gpu_splitk_tune.py --json run")
     ap.add_argument("--json", type=Path)
@@ -159,13 +172,15 @@ def main(argv=None) -> int:
     services = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = build(args.shape, Path(tmp) / args.shape, "cuda")
-        vocab = SHAPES[args.shape][1]["vocab_size"]
+        cfg = SHAPES[args.shape][1]
+        vocab = cfg["vocab_size"]
+        gu_key, gu_plan = (cfg["intermediate_size"], cfg["hidden_size"]), gate_up_plan(args.gate_up_plan)
         g = torch.Generator().manual_seed(1)
         prompts = torch.randint(2, vocab, (n, args.prompt), generator=g).tolist()
         for v in variants:
             kw, lt = engine_kwargs(v)
             blas(lt)
-            use_gate_up(v, args.gate_up_plan)
+            use_gate_up(v, gu_plan, gu_key)
             use_attn_launch(v, args.attn_launch)
             depth = next((int(o[1:]) for o in v.split("+") if o in ("d1", "d2", "d3")), 2)
             gen = GenerationConfig(max_num_seqs=n, max_num_batched_tokens=args.budget, max_model_len=max_len,

@@ -24,6 +24,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 SHAPES = {"qkv": (1152, 896), "o": (896, 896), "up_gate": (9728, 896), "down": (896, 4864), "lm_head": (151936, 896)}
 
 
+def layer_dims(shape: str) -> dict:
+    """A benchmarks/generate.py model shape's decode-step dimensions: hidden h, intermediate i, query / kv
+    heads nq / nkv of size d, the fused qkv width, layers and vocabulary (the engine's weight shapes:
+    qkv [qkv, h], o [h, h], up_gate [2i, h], down [h, i])."""
+    from generate import SHAPES as MODELS
+
+    cfg = MODELS[shape][1]
+    h, nq, nkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = h // nq
+    return {"h": h, "i": cfg["intermediate_size"], "nq": nq, "nkv": nkv, "d": d, "qkv": (nq + 2 * nkv) * d,
+            "layers": cfg["num_hidden_layers"], "vocab": cfg["vocab_size"]}
+
+
 def timed(fn, reps=20):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

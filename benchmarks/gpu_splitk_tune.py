@@ -1,14 +1,15 @@
 """Tune the split-K GEMM (engines/kernels/splitk_gemm.py) for the decode step's GEMMs against cuBLAS.
 
-Per Qwen2-0.5B layer GEMM at M = 64 (BF16): every candidate plan (BLOCK_N, BLOCK_K, split count,
-num_warps, num_stages, swapped operands) is checked against a float64 product, then timed as 24
-layers' distinct weights in one CUDA graph (L2 holds none of them between uses; median of 7 timings
+Per layer GEMM of a benchmarks/generate.py shape (--shape: Qwen2-0.5B by default, Llama-1B since
+session 20) at M = 64 (BF16): every candidate plan (BLOCK_N, BLOCK_K, split count, num_warps,
+num_stages, swapped operands; with --tma each also with its operands read by TMA) is checked against a
+float64 product, then timed as the model's layers' distinct weights in one CUDA graph (L2 holds none of them between uses; median of 7 timings
 of 20 replays). The best plans are then timed as the decode step runs them: the GEMM followed by the
 fused kernel that reads its output (qkv -> rope_and_cache, o and down -> add_rmsnorm, up_gate ->
 silu_mul), against F.linear followed by the same kernel on BF16; and at M = 1 / 16 / 32. The plan
 of a shape is kept where the pair beats cuBLAS's pair.
 
-    PYTHONPATH=src python3 benchmarks/gpu_splitk_tune.py [--json out.json] [--quick]
+    PYTHONPATH=src python3 benchmarks/gpu_splitk_tune.py [--shape llama-1b] [--tma] [--json out.json] [--quick]
 """
 
 from __future__ import annotations
@@ -27,19 +28,24 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_decode_gemms import timed  # noqa: E402  (one CUDA-graph timer for both scripts)
+from gpu_decode_gemms import layer_dims, timed  # noqa: E402  (one CUDA-graph timer for both scripts)
 
-SHAPES = {"qkv": (1152, 896), "o": (896, 896), "up_gate": (9728, 896), "down": (896, 4864)}
 SPLITS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 19, 24, 28, 38)
-LAYERS = 24
+
+
+def gemm_shapes(dims: dict) -> dict:
+    """The layer's GEMMs as (N, K) of their [N, K] weights."""
+    h, i = dims["h"], dims["i"]
+    return {"qkv": (dims["qkv"], h), "o": (h, h), "up_gate": (2 * i, h), "down": (h, i)}
 
 
 def cdiv(a, b):
     return -(-a // b)
 
 
-def candidates(n, k, quick=False):
-    """(block_n, block_k, splits, num_warps, num_stages, swap) tuples: 48-700 programs, distinct K cuts."""
+def candidates(n, k, quick=False, tma=False):
+    """(block_n, block_k, splits, num_warps, num_stages, swap[, tma]) tuples: 48-700 programs, distinct K
+    cuts; with tma each plan twice, pointer loads and TMA (the 7th field)."""
     out = []
     for swap in (False, True):
         for bn in (16, 32, 64, 128):
@@ -61,6 +67,8 @@ def candidates(n, k, quick=False):
                         out.append((bn, bk, s, 4, st, swap))
     if quick:
         out = out[::4]
+    if tma:
+        out += [(*p, True) for p in out]
     return out
 
 
@@ -86,13 +94,17 @@ def main():
     ap.add_argument("--json", type=Path)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--shape", default="qwen2-0.5b", help="a benchmarks/generate.py shape")
+    ap.add_argument("--tma", action="store_true", help="also every plan with its operands read by TMA")
     args = ap.parse_args()
+    dims = layer_dims(args.shape)
+    SHAPES, LAYERS = gemm_shapes(dims), dims["layers"]
     from surge.engines.kernels import splitk_gemm as sk
     from surge.engines.kernels.decoder_fused import add_rmsnorm, rope_and_cache, silu_mul
 
     dev = "cuda"
     torch.manual_seed(0)
-    cands = {name: candidates(n, k, args.quick) for name, (n, k) in SHAPES.items()}
+    cands = {name: candidates(n, k, args.quick, args.tma) for name, (n, k) in SHAPES.items()}
     print({k: len(v) for k, v in cands.items()}, flush=True)
     t0 = time.perf_counter()
     jobs = []
@@ -111,7 +123,8 @@ def main():
         print(f"parallel compile failed ({type(exc).__name__}: {exc}); compiling serially", flush=True)
     print(f"compiled in {time.perf_counter() - t0:.0f} s", flush=True)
 
-    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
+    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape,
+              "shapes": {}}
     m = 64
     summary = []
     for name, (n, k) in SHAPES.items():
@@ -140,8 +153,8 @@ def main():
               ", ".join(f"{t:.2f} {p}" for t, p in rows[:5]), flush=True)
         # phase 2: warps and stages around the three best
         extra = []
-        for _, (bn, bk, s, nw, st, sw) in rows[:3]:
-            for v in ((bn, bk, s, 8, st, sw), (bn, bk, s, 2, st, sw), (bn, bk, s, nw, st + 1, sw)):
+        for _, (bn, bk, s, nw, st, sw, *tm) in rows[:3]:
+            for v in ((bn, bk, s, 8, st, sw, *tm), (bn, bk, s, 2, st, sw, *tm), (bn, bk, s, nw, st + 1, sw, *tm)):
                 if v not in dict((q, 0) for _, q in rows) and v not in extra:
                     extra.append(v)
         for p in extra:
@@ -161,7 +174,7 @@ def main():
         norm_w = torch.randn(n, device=dev, dtype=torch.bfloat16)
         bias = torch.randn(n, device=dev, dtype=torch.bfloat16) * 0.1
         if name == "qkv":
-            nq, nkv, d = 14, 2, 64
+            nq, nkv, d = dims["nq"], dims["nkv"], dims["d"]
             cache_k = torch.zeros(4096, 16, nkv, d, device=dev, dtype=torch.bfloat16)
             cache_v = torch.zeros_like(cache_k)
             pos_tab = torch.randn(4096, d, device=dev, dtype=torch.bfloat16)
@@ -217,9 +230,9 @@ def main():
         print(f"  pair (GEMM + reader): cuBLAS {pair_cublas:.2f} us; split-K " +
               ", ".join(f"{r['pair_us']:.2f} {r['plan']}" for r in top), flush=True)
 
-    print("\n| GEMM (M = 64) | N x K | MB | floor at 4 TB/s us | cuBLAS us | split-K partials us | split-K + "
-          "reduce kernel us | cuBLAS + reader us | split-K + fused reader us | plan (BN, BK, splits, warps, stages, "
-          "swap) | programs | M = 1 / 16 / 32: cuBLAS vs split-K us |")
+    print(f"\n{args.shape}:\n| GEMM (M = 64) | N x K | MB | floor at 4 TB/s us | cuBLAS us | split-K partials us | "
+          "split-K + reduce kernel us | cuBLAS + reader us | split-K + fused reader us | plan (BN, BK, splits, warps, "
+          "stages, swap[, tma]) | programs | M = 1 / 16 / 32: cuBLAS vs split-K us |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |")
     plans = {}
     for name, n, k, mb, tc, best, pc, by_m in summary:
@@ -231,8 +244,9 @@ def main():
             plans[(n, k)] = best["plan"]
     print("\nPLANS (pair faster than cuBLAS's by > 2% and 0.1 us):")
     for (n, k), p in plans.items():
-        bn, bk, s, nw, st, sw = p
-        print(f"    ({n}, {k}): SplitKPlan({bn}, {bk}, {s}, num_warps={nw}, num_stages={st}, swap={sw}),")
+        bn, bk, s, nw, st, sw, *tm = p
+        print(f"    ({n}, {k}): SplitKPlan({bn}, {bk}, {s}, num_warps={nw}, num_stages={st}, swap={sw}"
+              f"{', tma=True' if tm and tm[0] else ''}),")
     record["plans"] = {f"{n}x{k}": p for (n, k), p in plans.items()}
     if args.json:
         args.json.write_text(json.dumps(record, indent=1))
