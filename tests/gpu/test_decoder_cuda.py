@@ -114,13 +114,31 @@ def trained_dir(tmp_path_factory):
     """A Qwen2-shaped model fitted for a few hundred steps to a corpus with structure (each token's
     successor is fixed with probability 0.85, else random): its greedy choices have the margins of
     a trained model, where random weights tie within BF16's rounding."""
-    from transformers import AutoModelForCausalLM
-
     from tests.decoder_models import build_model
 
     d = build_model("qwen2", tmp_path_factory.mktemp("qwen2_trained"), seed=11, hidden_size=256,
                     intermediate_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                     max_position_embeddings=512)
+    return _fit(d, lr=2e-3)
+
+
+@pytest.fixture(scope="module")
+def llama_1b_layers_dir(tmp_path_factory):
+    """Two layers of Llama-3.2-1B's shape (hidden 2048, FFN 8192, 32 query / 8 KV heads: the GEMMs with
+    measured TMA split-K and gate/up plans since session 20), fitted as trained_dir is."""
+    from tests.decoder_models import build_model
+
+    d = build_model("llama", tmp_path_factory.mktemp("llama_1b_layers"), seed=13, hidden_size=2048,
+                    intermediate_size=8192, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
+                    max_position_embeddings=512, initializer_range=0.02)
+    return _fit(d, lr=1e-3)
+
+
+def _fit(d, lr):
+    """Fit the model at d for 300 steps to a corpus whose tokens mostly follow a fixed successor map, and
+    save it over d."""
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).cuda().train()
     v = model.config.vocab_size
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -132,7 +150,7 @@ def trained_dir(tmp_path_factory):
     rnd = torch.randint(3, v, (n_seq, length), generator=g, device="cuda")
     for t in range(1, length):
         x[:, t] = torch.where(noise[:, t], rnd[:, t], succ[x[:, t - 1]])
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     for step in range(300):
         batch = x[torch.randint(0, n_seq, (32,), generator=g, device="cuda")]
         loss = model(input_ids=batch, labels=batch).loss
@@ -213,6 +231,30 @@ def test_bf16_trained_model_greedy_equals_transformers(trained_dir, decode_gemm,
                                                      decode_attention=decode_attention, pdl=pdl)
     print(f"trained model ({decode_gemm}, {decode_attention}, pdl={pdl}): {equal}/{len(prompts)} prompts equal on 32 greedy BF16 steps; "
           f"near-ties {near}; other {other}; max logit error {err:.4f} of scale {scale:.2f}")
+    assert err < 0.05 * scale
+    assert not other, f"divergences that are not near-ties: {other}"
+    assert equal >= 0.75 * len(prompts), f"only {equal}/{len(prompts)} prompts equal"
+
+
+def test_llama_1b_shapes_take_their_measured_plans(llama_1b_layers_dir):
+    """With decode_gemm "auto" the engine runs Llama-1B's decode GEMMs through the measured plans (TMA
+    split-K for qkv, o and down; the one-kernel SiLU(gate) * up), and its greedy BF16 tokens (PDL where
+    supported) follow transformers as test_bf16_trained_model_greedy_equals_transformers asks."""
+    from surge.engines.decoder import DecoderEngine
+    from surge.engines.kernels import gate_up, splitk_gemm
+
+    e = DecoderEngine(llama_1b_layers_dir, device="cuda", dtype="bf16", num_blocks=64, max_num_seqs=4,
+                      max_model_len=512, cuda_graphs=False)
+    for i in range(e.cfg.num_layers):
+        for name in ("qkv", "o", "down"):
+            plan = e.model._splitk[f"l{i}.{name}"]
+            assert plan == splitk_gemm.plan_for(*e.model.w[f"l{i}.{name}"].shape) and plan.tma, name
+        assert e.model._gate_up[f"l{i}.up_gate"] == gate_up.plan_for(8192, 2048)
+    del e
+    prompts = _prompts(384, 16)
+    equal, near, other, err, scale = _compare_greedy(llama_1b_layers_dir, prompts, pdl=True)
+    print(f"Llama-1B layers: {equal}/{len(prompts)} prompts equal on 32 greedy BF16 steps; near-ties {near}; "
+          f"other {other}; max logit error {err:.4f} of scale {scale:.2f}")
     assert err < 0.05 * scale
     assert not other, f"divergences that are not near-ties: {other}"
     assert equal >= 0.75 * len(prompts), f"only {equal}/{len(prompts)} prompts equal"

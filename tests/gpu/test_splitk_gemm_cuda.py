@@ -10,8 +10,8 @@ torch = pytest.importorskip("torch")
 
 pytestmark = pytest.mark.cuda
 
-# Qwen2-0.5B's layer GEMMs (N, K), and one whose K is no multiple of the tiles (masked last split)
-SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864), (200, 1000)]
+# Qwen2-0.5B's and Llama-1B's layer GEMMs (N, K), and one whose K is no multiple of the tiles (masked last split)
+SHAPES = [(1152, 896), (896, 896), (9728, 896), (896, 4864), (3072, 2048), (2048, 2048), (2048, 8192), (200, 1000)]
 
 
 def _plans(n, k):

@@ -34,7 +34,8 @@ def _splitk_plans(n, k):
     return plans + ([measured] if measured is not None and measured.tma else [])
 
 
-@pytest.mark.parametrize("n,k", [(896, 4864), (896, 896), (1152, 896), (200, 1000)])
+@pytest.mark.parametrize("n,k", [(896, 4864), (896, 896), (1152, 896), (3072, 2048), (2048, 2048), (2048, 8192),
+                                 (200, 1000)])
 def test_tma_partials_equal_pointer_partials_bit_for_bit(n, k):
     from surge.engines.kernels import tma
     from surge.engines.kernels.splitk_gemm import partials
@@ -53,7 +54,7 @@ def test_tma_partials_equal_pointer_partials_bit_for_bit(n, k):
                 assert torch.equal(got, want), (plan, m, pdl, (got - want).abs().max().item())
 
 
-@pytest.mark.parametrize("i,k", [(4864, 896), (512, 200)])
+@pytest.mark.parametrize("i,k", [(4864, 896), (8192, 2048), (512, 200)])
 def test_tma_gate_up_equals_pointer_gate_up_bit_for_bit(i, k):
     from surge.engines.kernels import tma
     from surge.engines.kernels.gate_up import GateUpPlan, gate_up_silu, plan_for

@@ -60,10 +60,17 @@ POINTER_PLANS: dict[tuple[int, int], SplitKPlan] = {
 # Session 18 (benchmarks/gpu_tma_gemm.py, call 1, same timing; the partials equal the pointer plans' bit
 # for bit, same split counts): down 6.63 -> 5.54 us, o 3.50 -> 3.28; qkv 3.70 -> 3.62 at best, inside the
 # noise, so qkv keeps its pointer plan.
+# Session 20, Llama-1B's shapes (benchmarks/gpu_splitk_tune.py --shape llama-1b --tma, 16 layers' weights,
+# GEMM + its reader, us, cuBLAS -> split-K): qkv 10.04 -> 9.44, o 8.11 -> 7.29, down 16.33 -> 14.11 (the
+# partials alone 6.90 -> 6.29, 6.45 -> 5.26, 14.39 -> 11.78); up_gate stays on cuBLAS (21.81 against 22.76).
+# With kernels/gate_up.py's plan the decode graph went 1,334 -> 1,239 us (generate_ab, docs/benchmarks/s20).
 PLANS: dict[tuple[int, int], SplitKPlan] = {
     **POINTER_PLANS,
     (896, 896): SplitKPlan(32, 128, 4, num_warps=4, num_stages=3, tma=True),
     (896, 4864): SplitKPlan(32, 256, 4, num_warps=4, num_stages=4, tma=True),
+    (3072, 2048): SplitKPlan(32, 128, 4, num_warps=4, num_stages=3, tma=True),
+    (2048, 2048): SplitKPlan(32, 128, 4, num_warps=4, num_stages=4, tma=True),
+    (2048, 8192): SplitKPlan(64, 256, 4, num_warps=4, num_stages=3, swap=True, tma=True),
 }
 
 
