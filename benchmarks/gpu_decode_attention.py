@@ -1,12 +1,13 @@
 """Launch shapes of the decode step's one-kernel attention (engines/kernels/decode_attention.py), issue 18.
 
-Qwen2-0.5B's decode step at 64 streams: 14 query / 2 kv heads of 64, the QKV GEMM's output as 7 split-K
-partials plus the bias, contexts drawn from 129-256 tokens (the middle of a 128 + 128 round), 24 layers'
-distinct caches. Every (keys per tile, warps, stages) is checked against the two-kernel path
+A decode step at 64 streams of a benchmarks/generate.py shape (--shape; Qwen2-0.5B by default: 14 query /
+2 kv heads of 64, the QKV GEMM's output as 7 split-K partials plus the bias; llama-1b: 32 / 8 heads, 4
+partials, no bias: the split count of the shape's QKV plan), contexts drawn from 129-256 tokens (the middle
+of a 128 + 128 round), the model's layers' distinct caches. Every (keys per tile, warps, stages) is checked against the two-kernel path
 (rope_and_cache + paged_attention, bit for bit where the tile is the same) and timed as 24 launches in one
 CUDA graph (median of 7 timings of 20 replays), next to the two-kernel path. Prints a table; --json.
 
-    PYTHONPATH=src python3 benchmarks/gpu_decode_attention.py [--json out.json]
+    PYTHONPATH=src python3 benchmarks/gpu_decode_attention.py [--shape llama-1b] [--json out.json]
 """
 
 from __future__ import annotations
@@ -21,15 +22,25 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_decode_gemms import timed  # noqa: E402
+from gpu_decode_gemms import layer_dims, timed  # noqa: E402
 
-B, NQ, NKV, D, PAGE, LAYERS, SPLITS = 64, 14, 2, 64, 16, 24, 7
+B, PAGE = 64, 16
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--shape", default="qwen2-0.5b", help="a benchmarks/generate.py shape")
     args = ap.parse_args()
+    from generate import SHAPES as MODELS
+
+    from surge.engines.kernels.splitk_gemm import plan_for
+
+    dims = layer_dims(args.shape)
+    NQ, NKV, D, LAYERS = dims["nq"], dims["nkv"], dims["d"], dims["layers"]
+    qkv_plan = plan_for(dims["qkv"], dims["h"])
+    SPLITS = qkv_plan.num_splits(dims["h"]) if qkv_plan else 1
+    has_bias = MODELS[args.shape][0] == "qwen2"
     from surge.engines.decoder.attention import AttnMeta
     from surge.engines.kernels.decode_attention import LAUNCH, decode_attention
     from surge.engines.kernels.decoder_fused import rope_and_cache
@@ -51,8 +62,8 @@ def main():
     vc = [torch.randn(nb, PAGE, NKV, D, generator=g).to(dev, bf) for _ in range(LAYERS)]
     width = (NQ + 2 * NKV) * D
     qkv = (torch.randn(SPLITS, B, width, generator=g) / SPLITS ** 0.5).to(dev)
-    bias = torch.randn(width, generator=g).to(dev, bf)
-    inv = 1e6 ** (-torch.arange(0, D, 2) / D)
+    bias = torch.randn(width, generator=g).to(dev, bf) if has_bias else None
+    inv = MODELS[args.shape][1].get("rope_theta", 1e4) ** (-torch.arange(0, D, 2) / D)
     emb = torch.arange(1024, dtype=torch.float32)[:, None] * inv[None]
     emb = torch.cat([emb, emb], -1)
     cos, sin = emb.cos().to(dev, bf), emb.sin().to(dev, bf)
@@ -75,7 +86,7 @@ def main():
                      "us": timed(split(bn)) / LAYERS, "equal": True})
     for bn in (64, 128, 256):
         for nw in (2, 4, 8):
-            for st in (1, 2, 3):
+            for st in (1, 2, 3, 4):
                 try:
                     out = decode_attention(qkv, cos, sin, pos, slots, kc[0].clone(), vc[0].clone(), meta, scale,
                                            NQ, NKV, D, bias=bias, block_n=bn, num_warps=nw, num_stages=st)
@@ -91,13 +102,15 @@ def main():
                     continue
                 rows.append({"path": "decode_attention", "block_n": bn, "num_warps": nw, "num_stages": st, "us": t,
                              "equal": bool(torch.equal(out, ref[bn]))})
-    print(f"\n64 streams, contexts 129-256, us a layer (24 layers in one graph); default launch {LAUNCH}")
+    print(f"\n{args.shape}: {NQ} / {NKV} heads of {D}, {SPLITS} qkv partials, bias {has_bias}; 64 streams, contexts "
+          f"129-256, us a layer ({LAYERS} layers in one graph); default launch {LAUNCH}")
     print("| path | keys a tile | warps | stages | us | bits equal to the two-kernel path |")
     print("| --- | ---: | ---: | ---: | ---: | --- |")
     for r in sorted(rows, key=lambda r: r["us"]):
         print(f"| {r['path']} | {r['block_n']} | {r['num_warps']} | {r['num_stages']} | {r['us']:.2f} | {r['equal']} |")
     if args.json:
-        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "shape": args.shape, "rows": rows},
+                                        indent=1))
     return 0
 
 
