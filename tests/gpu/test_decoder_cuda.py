@@ -236,12 +236,14 @@ def test_bf16_trained_model_greedy_equals_transformers(trained_dir, decode_gemm,
     assert equal >= 0.75 * len(prompts), f"only {equal}/{len(prompts)} prompts equal"
 
 
-def test_llama_1b_shapes_take_their_measured_plans(llama_1b_layers_dir):
+def test_llama_1b_shapes_take_their_measured_plans(llama_1b_layers_dir, tmp_path):
     """With decode_gemm "auto" the engine runs Llama-1B's decode GEMMs through the measured plans (TMA
     split-K for qkv, o and down; the one-kernel SiLU(gate) * up), and its greedy BF16 tokens (PDL where
-    supported) follow transformers as test_bf16_trained_model_greedy_equals_transformers asks."""
+    supported) follow transformers as test_bf16_trained_model_greedy_equals_transformers asks. The decode
+    attention takes the keys a tile measured for the heads (Qwen2-0.5B-like layouts: the default)."""
     from surge.engines.decoder import DecoderEngine
     from surge.engines.kernels import gate_up, splitk_gemm
+    from tests.decoder_models import build_model
 
     e = DecoderEngine(llama_1b_layers_dir, device="cuda", dtype="bf16", num_blocks=64, max_num_seqs=4,
                       max_model_len=512, cuda_graphs=False)
@@ -250,7 +252,16 @@ def test_llama_1b_shapes_take_their_measured_plans(llama_1b_layers_dir):
             plan = e.model._splitk[f"l{i}.{name}"]
             assert plan == splitk_gemm.plan_for(*e.model.w[f"l{i}.{name}"].shape) and plan.tma, name
         assert e.model._gate_up[f"l{i}.up_gate"] == gate_up.plan_for(8192, 2048)
+    assert e.model.decode_block_n == 128  # the decode attention's keys a tile measured for 32 / 8 heads
     del e
+    from surge.engines.kernels.decode_attention import DEFAULT_BLOCK_N
+
+    assert DecoderEngine(llama_1b_layers_dir, device="cuda", dtype="bf16", num_blocks=64, max_num_seqs=4,
+                         max_model_len=512, cuda_graphs=False, decode_block_n=64).model.decode_block_n == 64
+    qwen = build_model("qwen2", tmp_path / "qwen", hidden_size=896, intermediate_size=256, num_attention_heads=14,
+                       num_key_value_heads=2)
+    assert DecoderEngine(qwen, device="cuda", dtype="bf16", num_blocks=64, max_num_seqs=4,
+                         cuda_graphs=False).model.decode_block_n == DEFAULT_BLOCK_N
     prompts = _prompts(384, 16)
     equal, near, other, err, scale = _compare_greedy(llama_1b_layers_dir, prompts, pdl=True)
     print(f"Llama-1B layers: {equal}/{len(prompts)} prompts equal on 32 greedy BF16 steps; near-ties {near}; "

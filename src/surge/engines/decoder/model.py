@@ -28,6 +28,10 @@ class DecoderModel:
         self.dtype = dtype
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.attention = attention
+        if decode_block_n is None and attention == "triton":  # the measured value for the head layout
+            from surge.engines.kernels.decode_attention import block_n_for
+
+            decode_block_n = block_n_for(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.decode_block_n = decode_block_n  # keys per iteration of the paged kernel in decode steps
         self.fused = False
         if decode_gemm not in ("auto", "splitk", "cublas"):

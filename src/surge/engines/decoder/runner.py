@@ -56,7 +56,7 @@ class DecoderEngine:
                  num_blocks: int | None = None, kv_cache_tokens: int | None = None, max_num_seqs: int = 64,
                  max_model_len: int | None = None, cuda_graphs: bool = True, attention: str | None = None,
                  threads: int = 0, fused: bool = True, graph_fp32_logits: bool = False,
-                 decode_block_n: int | None = 256, argmax_kernel: str = "triton", decode_gemm: str = "auto",
+                 decode_block_n: int | None = None, argmax_kernel: str = "triton", decode_gemm: str = "auto",
                  decode_attention: str = "fused", pdl: bool = True, l2_prefetch: bool = False):
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"

@@ -26,6 +26,18 @@ from surge.engines.kernels.splitk_gemm import sum_splits
 # 8 / 3 6.93, 4 / 2 7.25; the bucket-64 decode graph 814.9 -> 802.7 us against 4 / 2.
 LAUNCH = {"num_warps": 4, "num_stages": 3}
 
+# Keys a tile in decode steps by head layout (query heads, kv heads, head size), measured by the same script
+# with --shape: 256 where none is recorded (Qwen2-0.5B's 14 / 2 heads, the engine's default since session 7);
+# Llama-1B's 32 / 8 heads at 128 (session 20, call 3: 12.55 us a layer with LAUNCH's 4 warps / 3 stages
+# against 15.42 at 256 keys; docs/benchmarks/s20/call3/attn_llama.txt).
+BLOCK_N = {(32, 8, 64): 128}
+DEFAULT_BLOCK_N = 256
+
+
+def block_n_for(nq: int, nkv: int, d: int) -> int:
+    """Keys per iteration of decode steps for a head layout: the measured value, else DEFAULT_BLOCK_N."""
+    return BLOCK_N.get((nq, nkv, d), DEFAULT_BLOCK_N)
+
 
 @triton.jit
 def _head_rows(qkv_ptr, bias_ptr, base, col, cols_p, mask, stride_s, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr):
