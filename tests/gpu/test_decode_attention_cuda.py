@@ -65,6 +65,77 @@ def test_decode_attention_equals_rope_cache_then_paged_attention(hq, hkv, d, spl
             assert torch.equal(out, ref), (block_n, pdl, (out.float() - ref.float()).abs().max().item())
 
 
+@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (32, 8, 64), (8, 2, 128)])
+@pytest.mark.parametrize("kv_splits", [2, 3, 8])
+def test_decode_attention_in_key_slices(hq, hkv, d, kv_splits):
+    """Each sequence's keys in slices, merged by the group's last program: both caches bit for bit and the
+    output within the merge's FP32 rounding of rope_and_cache + paged_attention (contexts 1-700, 7 split-K
+    partials plus a bias, with and without PDL); two launches equal bit for bit; a sequence's output the
+    same alone as in the batch; the counters back at zero; the same bits from a CUDA graph replayed on
+    fresh inputs."""
+    from surge.engines.decoder.attention import AttnMeta
+    from surge.engines.kernels.decode_attention import decode_attention, workspace
+    from surge.engines.kernels.decoder_fused import rope_and_cache
+    from surge.engines.kernels.paged_attention import paged_attention
+
+    g = torch.Generator().manual_seed(hq * 100 + kv_splits)
+    dev, page, nb, bf = "cuda", 16, 600, torch.bfloat16
+    ctxs = [1, 2, 15, 16, 17, 63, 64, 65, 255, 256, 257, 300, 700, 31, 129, 1]
+    torch.manual_seed(kv_splits)
+    meta, pos = _decode_meta(ctxs, page, nb, dev)
+    t, width, splits = len(ctxs), (hq + 2 * hkv) * d, 7
+    cache0 = torch.randn(nb, page, hkv, d, generator=g).to(dev, bf)
+    vcache0 = torch.randn(nb, page, hkv, d, generator=g).to(dev, bf)
+    qkv = torch.randn(splits, t, width, generator=g).to(dev) / splits ** 0.5
+    bias = torch.randn(width, generator=g).to(dev, bf)
+    emb = torch.arange(1024, dtype=torch.float32)[:, None] * (10000.0 ** (-torch.arange(0, d, 2) / d))[None]
+    emb = torch.cat([emb, emb], -1)
+    cos, sin = emb.cos().to(dev, bf), emb.sin().to(dev, bf)
+    scale = d ** -0.5
+    work = workspace(t, hq, hkv, d, kv_splits, dev)
+    for block_n in (64, 128):
+        k_ref, v_ref = cache0.clone(), vcache0.clone()
+        q = rope_and_cache(qkv, cos, sin, pos, meta.slot_mapping, k_ref, v_ref, hq, hkv, d, bias=bias)
+        ref = paged_attention(q, k_ref, v_ref, meta, scale, block_n=block_n)
+        kw = dict(bias=bias, block_n=block_n, kv_splits=kv_splits, work=work)
+        for pdl in _pdl_modes():
+            k_c, v_c = cache0.clone(), vcache0.clone()
+            out = decode_attention(qkv, cos, sin, pos, meta.slot_mapping, k_c, v_c, meta, scale, hq, hkv, d, pdl=pdl,
+                                   **kw)
+            assert torch.equal(k_c, k_ref) and torch.equal(v_c, v_ref), (block_n, pdl, "cache")
+            assert not out.isnan().any()
+            diff = (out.float() - ref.float()).abs()
+            assert diff.max() <= 2e-2 and diff.mean() < 1e-3, (block_n, pdl, diff.max().item(), diff.mean().item())
+            assert not work[1].any(), "the counters must be back at zero"
+            again = decode_attention(qkv, cos, sin, pos, meta.slot_mapping, cache0.clone(), vcache0.clone(), meta,
+                                     scale, hq, hkv, d, pdl=pdl, **kw)
+            assert torch.equal(again, out), (block_n, pdl, "two launches differ")
+        for i in (0, 6, 12):  # alone: the sequence's own table, context and partials
+            one = AttnMeta(meta.slot_mapping[i:i + 1], meta.block_tables[i:i + 1], meta.context_lens[i:i + 1],
+                           torch.tensor([0, 1], dtype=torch.int32, device=dev), 1, [1], [ctxs[i]], [meta.tables[i]])
+            alone = decode_attention(qkv[:, i:i + 1], cos, sin, pos[i:i + 1], one.slot_mapping, cache0.clone(),
+                                     vcache0.clone(), one, scale, hq, hkv, d, **kw)
+            assert torch.equal(alone[0], out[i]), (block_n, i, "alone differs from batched")
+    # captured once, replayed on fresh partials copied into the captured input
+    k_g, v_g = cache0.clone(), vcache0.clone()
+    x = qkv.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        decode_attention(x, cos, sin, pos, meta.slot_mapping, k_g, v_g, meta, scale, hq, hkv, d, **kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = decode_attention(x, cos, sin, pos, meta.slot_mapping, k_g, v_g, meta, scale, hq, hkv, d, **kw)
+    for _ in range(3):
+        x.copy_(torch.randn(splits, t, width, generator=g).to(dev) / splits ** 0.5)
+        graph.replay()
+        want = decode_attention(x, cos, sin, pos, meta.slot_mapping, cache0.clone(), vcache0.clone(), meta, scale,
+                                hq, hkv, d, **kw)
+        assert torch.equal(captured, want)
+    assert not work[1].any()
+
+
 def test_decode_attention_refuses_prefill():
     from surge.engines.kernels.decode_attention import decode_attention
 
