@@ -19,6 +19,13 @@ state (running max, sum, unnormalised output) to a workspace; the program that f
 bounds depend on the sequence's context length alone and the merge order is fixed, so the output is
 deterministic and independent of the batch; it equals the one-program result up to FP32 rounding of
 the merge (not bit for bit). The slice holding the new token writes its k and v.
+
+Measured (session 20, benchmarks/gpu_decode_attention.py --kv-splits, 64 streams, contexts 129-256): slower
+there, so off by default: Qwen2-0.5B 6.55 us a layer with one program, 8.54 with 2 slices, 10.03 with 4;
+Llama-1B 12.60, 17.03, 21.89. Each program sums its heads' QKV partials and rotates q again, and the merge
+adds stores, an atomic and loads; at these contexts the kernel is bound by that fixed work, not by how
+many programs stream the keys. Long contexts with few sequences (one program walking thousands of keys)
+are where slices should pay; not measured yet.
 """
 
 from __future__ import annotations
@@ -48,7 +55,8 @@ def block_n_for(nq: int, nkv: int, d: int) -> int:
     return BLOCK_N.get((nq, nkv, d), DEFAULT_BLOCK_N)
 
 
-# Key slices a sequence in decode steps by head layout (see the module's docstring); 1 where none is recorded.
+# Key slices a sequence in decode steps by head layout (see the module's docstring); 1 where none is recorded
+# (at the benchmark's contexts one program a sequence and kv head was fastest for both measured layouts).
 KV_SPLITS: dict[tuple[int, int, int], int] = {}
 
 
