@@ -34,6 +34,8 @@ class DecoderModel:
             decode_block_n = block_n_for(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.decode_block_n = decode_block_n  # keys per iteration of the paged kernel in decode steps
         self.fused = False
+        if decode_kv_splits is not None and (not isinstance(decode_kv_splits, int) or decode_kv_splits < 1):
+            raise ValueError(f"decode_kv_splits must be a whole number >= 1 or None, not {decode_kv_splits!r}")
         if decode_gemm not in ("auto", "splitk", "cublas"):
             raise ValueError(f"decode_gemm must be auto, splitk or cublas, not {decode_gemm!r}")
         self._wt = self._cpu_layout(weights) if device.type == "cpu" else {}
