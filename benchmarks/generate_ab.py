@@ -33,8 +33,6 @@ Variants (comma-separated, each a '+'-joined list of options on top of session 2
              the MLP's start
   gu         SiLU(gate) * up in one Triton kernel at decode sizes (kernels/gate_up.py) with the plan of
              --gate-up-plan (session 10); without it cuBLAS + silu_mul
-  kvN        each sequence's keys in N slices in the one-kernel decode attention (session 20; kv1: one
-             program a sequence and kv head, the engine before)
   tma        the measured TMA plans (session 18: gate/up with gu, the o and down split-K GEMMs with sk),
              their operands read by TMA; without it the pointer-load plans of sessions 8 and 10
 The session-7 engine (the defaults before session 8) is argmax+attn256+targmax.
@@ -67,8 +65,6 @@ def engine_kwargs(variant: str) -> tuple[dict, bool]:
     for o in opts:
         if o.startswith("attn"):
             kw["decode_block_n"] = int(o[4:])
-        if o.startswith("kv") and o[2:].isdigit():
-            kw["decode_kv_splits"] = int(o[2:])
     if "targmax" in opts:
         kw["argmax_kernel"] = "triton"
     return kw, "lt" in opts

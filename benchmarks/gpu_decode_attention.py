@@ -4,11 +4,10 @@ A decode step at 64 streams of a benchmarks/generate.py shape (--shape; Qwen2-0.
 2 kv heads of 64, the QKV GEMM's output as 7 split-K partials plus the bias; llama-1b: 32 / 8 heads, 4
 partials, no bias: the split count of the shape's QKV plan), contexts drawn from 129-256 tokens (the middle
 of a 128 + 128 round), the model's layers' distinct caches. Every (keys per tile, warps, stages) is checked against the two-kernel path
-(rope_and_cache + paged_attention, bit for bit where the tile is the same; within 2e-2 with keys in slices,
---kv-splits, session 20) and timed as one launch a layer in one CUDA graph (median of 7 timings of 20
-replays), next to the two-kernel path. Prints a table; --json.
+(rope_and_cache + paged_attention, bit for bit where the tile is the same) and timed as 24 launches in one
+CUDA graph (median of 7 timings of 20 replays), next to the two-kernel path. Prints a table; --json.
 
-    PYTHONPATH=src python3 benchmarks/gpu_decode_attention.py [--shape llama-1b] [--kv-splits 1,2,4,8] [--json out.json]
+    PYTHONPATH=src python3 benchmarks/gpu_decode_attention.py [--shape llama-1b] [--json out.json]
 """
 
 from __future__ import annotations
@@ -32,9 +31,6 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
     ap.add_argument("--shape", default="qwen2-0.5b", help="a benchmarks/generate.py shape")
-    ap.add_argument("--kv-splits", default="1", help="comma-separated key slices a sequence to try")
-    ap.add_argument("--warps", default="2,4,8")
-    ap.add_argument("--stages", default="1,2,3,4")
     args = ap.parse_args()
     from generate import SHAPES as MODELS
 
@@ -46,7 +42,7 @@ def main():
     SPLITS = qkv_plan.num_splits(dims["h"]) if qkv_plan else 1
     has_bias = MODELS[args.shape][0] == "qwen2"
     from surge.engines.decoder.attention import AttnMeta
-    from surge.engines.kernels.decode_attention import LAUNCH, decode_attention, workspace
+    from surge.engines.kernels.decode_attention import LAUNCH, decode_attention
     from surge.engines.kernels.decoder_fused import rope_and_cache
     from surge.engines.kernels.paged_attention import paged_attention
 
@@ -88,37 +84,30 @@ def main():
         ref[bn] = paged_attention(q, k0, v0, meta, scale, block_n=bn)
         rows.append({"path": "rope_and_cache + paged_attention", "block_n": bn, "num_warps": 4, "num_stages": 2,
                      "us": timed(split(bn)) / LAYERS, "equal": True})
-    for ks in (int(x) for x in args.kv_splits.split(",")):
-        work = workspace(B, NQ, NKV, D, ks, dev) if ks > 1 else None
-        for bn in (64, 128, 256):
-            for nw in (int(x) for x in args.warps.split(",")):
-                for st in (int(x) for x in args.stages.split(",")):
-                    kw = dict(bias=bias, block_n=bn, num_warps=nw, num_stages=st, kv_splits=ks, work=work)
-                    try:
-                        out = decode_attention(qkv, cos, sin, pos, slots, kc[0].clone(), vc[0].clone(), meta, scale,
-                                               NQ, NKV, D, **kw)
-                        err = (out.float() - ref[bn].float()).abs().max().item()
-                        if not err < 2e-2:
-                            print(f"  WRONG block_n {bn} warps {nw} stages {st} kv_splits {ks}: max err {err}",
-                                  flush=True)
-                            continue
-                        t = timed(lambda kw=kw: [decode_attention(qkv, cos, sin, pos, slots, kc[li], vc[li], meta,
-                                                                  scale, NQ, NKV, D, **kw)
-                                                 for li in range(LAYERS)]) / LAYERS
-                    except Exception as exc:
-                        print(f"  failed block_n {bn} warps {nw} stages {st} kv_splits {ks}: {type(exc).__name__}: "
-                              f"{str(exc)[:100]}")
+    for bn in (64, 128, 256):
+        for nw in (2, 4, 8):
+            for st in (1, 2, 3, 4):
+                try:
+                    out = decode_attention(qkv, cos, sin, pos, slots, kc[0].clone(), vc[0].clone(), meta, scale,
+                                           NQ, NKV, D, bias=bias, block_n=bn, num_warps=nw, num_stages=st)
+                    err = (out.float() - ref[bn].float()).abs().max().item()
+                    if not err < 2e-2:
+                        print(f"  WRONG block_n {bn} warps {nw} stages {st}: max err {err}", flush=True)
                         continue
-                    rows.append({"path": "decode_attention", "block_n": bn, "num_warps": nw, "num_stages": st,
-                                 "kv_splits": ks, "us": t, "max_abs_diff": err,
-                                 "equal": bool(torch.equal(out, ref[bn]))})
+                    t = timed(lambda: [decode_attention(qkv, cos, sin, pos, slots, kc[li], vc[li], meta, scale, NQ,
+                                                        NKV, D, bias=bias, block_n=bn, num_warps=nw, num_stages=st)
+                                       for li in range(LAYERS)]) / LAYERS
+                except Exception as exc:
+                    print(f"  failed block_n {bn} warps {nw} stages {st}: {type(exc).__name__}: {str(exc)[:100]}")
+                    continue
+                rows.append({"path": "decode_attention", "block_n": bn, "num_warps": nw, "num_stages": st, "us": t,
+                             "equal": bool(torch.equal(out, ref[bn]))})
     print(f"\n{args.shape}: {NQ} / {NKV} heads of {D}, {SPLITS} qkv partials, bias {has_bias}; 64 streams, contexts "
           f"129-256, us a layer ({LAYERS} layers in one graph); default launch {LAUNCH}")
-    print("| path | key slices | keys a tile | warps | stages | us | bits equal to the two-kernel path |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| path | keys a tile | warps | stages | us | bits equal to the two-kernel path |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
     for r in sorted(rows, key=lambda r: r["us"]):
-        print(f"| {r['path']} | {r.get('kv_splits', 1)} | {r['block_n']} | {r['num_warps']} | {r['num_stages']} | "
-              f"{r['us']:.2f} | {r['equal']} |")
+        print(f"| {r['path']} | {r['block_n']} | {r['num_warps']} | {r['num_stages']} | {r['us']:.2f} | {r['equal']} |")
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "shape": args.shape, "rows": rows},
                                         indent=1))

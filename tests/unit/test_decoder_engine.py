@@ -279,24 +279,19 @@ def test_decode_gemm_switch_leaves_the_cpu_path_alone(model_dirs, monkeypatch):
 
 
 def test_decode_attention_and_pdl_switches_leave_the_cpu_path_alone(model_dirs, monkeypatch):
-    """decode_attention, pdl and decode_kv_splits (the GPU decode step's one-kernel attention, dependent
-    launches, key slices) are validated everywhere; on the CPU they select nothing and import no Triton
-    kernel, and the greedy tokens are the same with every setting."""
+    """decode_attention and pdl (the GPU decode step's one-kernel attention and dependent launches) are
+    validated everywhere; on the CPU they select nothing and import no Triton kernel, and the greedy
+    tokens are the same with every setting."""
     import sys
 
     _forget_modules(monkeypatch, "surge.engines.kernels.decode_attention", "surge.engines.kernels.pdl")
     name = next(k for k in model_dirs if k != "gpt2")
     with pytest.raises(ValueError, match="decode_attention"):
         DecoderEngine(model_dirs[name], num_blocks=8, block_size=4, decode_attention="flash")
-    for bad in (0, -2, 2.5):
-        with pytest.raises(ValueError, match="decode_kv_splits"):
-            DecoderEngine(model_dirs[name], num_blocks=8, block_size=4, decode_kv_splits=bad)
     outs = []
-    for attn, pdl, kv in (("fused", True, 4), ("split", False, None)):
-        engine = DecoderEngine(model_dirs[name], num_blocks=64, block_size=4, decode_attention=attn, pdl=pdl,
-                               decode_kv_splits=kv)
+    for attn, pdl in (("fused", True), ("split", False)):
+        engine = DecoderEngine(model_dirs[name], num_blocks=64, block_size=4, decode_attention=attn, pdl=pdl)
         assert engine.model.decode_attention == "split" and engine.model.pdl is False
-        assert engine.model.decode_kv_splits == 1 and engine.model._attn_work is None
         sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
                                           max_model_len=256), engine.cfg.eos_token_ids)
         seqs = [Sequence(i, p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))

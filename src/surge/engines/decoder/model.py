@@ -21,7 +21,7 @@ class DecoderModel:
     def __init__(self, cfg: DecoderConfig, weights: dict, device: torch.device, dtype: torch.dtype,
                  attention: str = "torch", fused: bool = True, decode_block_n: int | None = None,
                  decode_gemm: str = "auto", decode_attention: str = "fused", pdl: bool = True,
-                 l2_prefetch: bool | str = False, decode_kv_splits: int | None = None, max_num_seqs: int = 64):
+                 l2_prefetch: bool | str = False):
         self.cfg = cfg
         self.w = weights
         self.device = device
@@ -34,8 +34,6 @@ class DecoderModel:
             decode_block_n = block_n_for(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.decode_block_n = decode_block_n  # keys per iteration of the paged kernel in decode steps
         self.fused = False
-        if decode_kv_splits is not None and (not isinstance(decode_kv_splits, int) or decode_kv_splits < 1):
-            raise ValueError(f"decode_kv_splits must be a whole number >= 1 or None, not {decode_kv_splits!r}")
         if decode_gemm not in ("auto", "splitk", "cublas"):
             raise ValueError(f"decode_gemm must be auto, splitk or cublas, not {decode_gemm!r}")
         self._wt = self._cpu_layout(weights) if device.type == "cpu" else {}
@@ -60,17 +58,6 @@ class DecoderModel:
         # decode steps: RoPE, the K/V cache write and attention in one kernel (kernels/decode_attention.py)
         # rather than rope_and_cache + paged_attention
         self.decode_attention = decode_attention if self.fused else "split"
-        # decode steps: each sequence's keys in this many slices, one program each (the one-kernel attention;
-        # None: the value measured for the head layout, else 1), and their merge workspace for up to
-        # max_num_seqs sequences, allocated here, before any CUDA graph is captured
-        self.decode_kv_splits, self._attn_work = 1, None
-        if self.decode_attention == "fused":
-            from surge.engines.kernels import decode_attention as da
-
-            hd = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-            self.decode_kv_splits = decode_kv_splits or da.kv_splits_for(*hd)
-            if self.decode_kv_splits > 1:
-                self._attn_work = da.workspace(max_num_seqs, *hd, self.decode_kv_splits, device)
         # programmatic dependent launch of the fused path's Triton kernels (kernels/pdl.py): asked for,
         # and only where the GPU and Triton have it
         self.pdl = bool(pdl) and self.fused and self._pdl_supported()
@@ -261,8 +248,7 @@ class DecoderModel:
             gemm_bias = bias if qkv.dim() == 3 else None  # split-K partials: the bias is the reader's to add
             if one_kernel:
                 a = decode_attention(qkv, self.cos, self.sin, positions, meta.slot_mapping, kv.k[i], kv.v[i], meta,
-                                     self.scale, nq, nkv, hd, bias=gemm_bias, block_n=self.decode_block_n, pdl=pdl,
-                                     kv_splits=self.decode_kv_splits, work=self._attn_work)
+                                     self.scale, nq, nkv, hd, bias=gemm_bias, block_n=self.decode_block_n, pdl=pdl)
             else:
                 q = rope_and_cache(qkv, self.cos, self.sin, positions, meta.slot_mapping, kv.k[i], kv.v[i], nq, nkv,
                                    hd, bias=gemm_bias)

@@ -57,8 +57,7 @@ class DecoderEngine:
                  max_model_len: int | None = None, cuda_graphs: bool = True, attention: str | None = None,
                  threads: int = 0, fused: bool = True, graph_fp32_logits: bool = False,
                  decode_block_n: int | None = None, argmax_kernel: str = "triton", decode_gemm: str = "auto",
-                 decode_attention: str = "fused", pdl: bool = True, l2_prefetch: bool = False,
-                 decode_kv_splits: int | None = None):
+                 decode_attention: str = "fused", pdl: bool = True, l2_prefetch: bool = False):
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         if threads and not cuda:
@@ -76,8 +75,7 @@ class DecoderEngine:
         self.model = DecoderModel(self.cfg, weights, self.device, self.dtype,
                                   attention=attention or ("triton" if cuda else "torch"), fused=fused,
                                   decode_block_n=decode_block_n, decode_gemm=decode_gemm,
-                                  decode_attention=decode_attention, pdl=pdl, l2_prefetch=l2_prefetch,
-                                  decode_kv_splits=decode_kv_splits, max_num_seqs=max_num_seqs)
+                                  decode_attention=decode_attention, pdl=pdl, l2_prefetch=l2_prefetch)
         self.graph_fp32_logits = graph_fp32_logits  # session 2's graphs: FP32 logits, then the argmax
         self.argmax_kernel = argmax_kernel  # the graph's greedy argmax: "torch" or "triton" (argmax_rows)
         self.kv = KVCache(self.cfg, num_blocks, block_size, self.device, self.dtype)

@@ -10,22 +10,6 @@ online softmax, same order), so the output equals the two-kernel path bit for bi
 
 The k and v written here are read back by the same program's attention loop; a block barrier
 between the two makes its own global writes visible to all of its threads.
-
-With kv_splits > 1 (session 20) a sequence's keys are cut into that many slices, one program each
-(sequence, kv head, slice), because one program a (sequence, kv head) leaves most SMs idle or
-latency-bound at 64 streams (Qwen2-0.5B: 128 programs for 132 SMs). Each writes its slice's online-softmax
-state (running max, sum, unnormalised output) to a workspace; the program that finishes a group last
-(an atomic counter, which it resets for the next launch) merges the slices in slice order. The slice
-bounds depend on the sequence's context length alone and the merge order is fixed, so the output is
-deterministic and independent of the batch; it equals the one-program result up to FP32 rounding of
-the merge (not bit for bit). The slice holding the new token writes its k and v.
-
-Measured (session 20, benchmarks/gpu_decode_attention.py --kv-splits, 64 streams, contexts 129-256): slower
-there, so off by default: Qwen2-0.5B 6.55 us a layer with one program, 8.54 with 2 slices, 10.03 with 4;
-Llama-1B 12.60, 17.03, 21.89. Each program sums its heads' QKV partials and rotates q again, and the merge
-adds stores, an atomic and loads; at these contexts the kernel is bound by that fixed work, not by how
-many programs stream the keys. Long contexts with few sequences (one program walking thousands of keys)
-are where slices should pay; not measured yet.
 """
 
 from __future__ import annotations
@@ -55,31 +39,6 @@ def block_n_for(nq: int, nkv: int, d: int) -> int:
     return BLOCK_N.get((nq, nkv, d), DEFAULT_BLOCK_N)
 
 
-# Key slices a sequence in decode steps by head layout (see the module's docstring); 1 where none is recorded
-# (at the benchmark's contexts one program a sequence and kv head was fastest for both measured layouts).
-KV_SPLITS: dict[tuple[int, int, int], int] = {}
-
-
-def kv_splits_for(nq: int, nkv: int, d: int) -> int:
-    """Key slices a sequence in decode steps for a head layout: the measured value, else 1 (one program)."""
-    return KV_SPLITS.get((nq, nkv, d), 1)
-
-
-def _block_m(g: int) -> int:
-    # paged_attention's decode tiling: 16 rows when a kv group fits (the rows past G are masked)
-    return 16 if g <= 16 else triton.next_power_of_2(g)
-
-
-def workspace(rows: int, nq: int, nkv: int, d: int, kv_splits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The slice states and group counters decode_attention needs with kv_splits > 1 for up to `rows`
-    sequences: allocate once (outside CUDA-graph capture) and pass to every launch; every launch leaves
-    the counters at zero."""
-    groups = rows * nkv
-    m = _block_m(nq // nkv)
-    ws = torch.empty(groups * kv_splits * m * (d + 2), device=device, dtype=torch.float32)
-    return ws, torch.zeros(groups, device=device, dtype=torch.int32)
-
-
 @triton.jit
 def _head_rows(qkv_ptr, bias_ptr, base, col, cols_p, mask, stride_s, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr):
     """The GEMM output at columns `col` and their RoPE partners `cols_p` (the other half of the head):
@@ -107,13 +66,12 @@ def _rotate(x, xp, c, s, first):
 
 @triton.jit
 def _decode_attn(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, ctx_ptr,
-                 ws_ptr, cnt_ptr, qk_scale, stride_t, stride_s, stride_kb, stride_kt, stride_kh, stride_ot, stride_oh,
-                 stride_tb, NQ: tl.constexpr, NKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                 PAGE: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, KV_SPLITS: tl.constexpr, PDL: tl.constexpr):
+                 qk_scale, stride_t, stride_s, stride_kb, stride_kt, stride_kh, stride_ot, stride_oh, stride_tb,
+                 NQ: tl.constexpr, NKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                 SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PDL: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
-    sp = tl.program_id(2)
     HALF: tl.constexpr = D // 2
     dt = k_ptr.dtype.element_ty
     t = seq.to(tl.int64)  # a decode step: sequence i's one token is row i
@@ -145,18 +103,8 @@ def _decode_attn(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, 
     v_new, _ = _head_rows(qkv_ptr, bias_ptr, t * stride_t, vcol, vcol, offs_d < D, stride_s, SPLITS, HAS_BIAS)
     v_new = v_new.to(dt)
     dst = (slot // PAGE) * stride_kb + (slot % PAGE) * stride_kt + kvh * stride_kh
-    if KV_SPLITS == 1:
-        lo = 0
-        hi = ctx
-        tl.store(k_ptr + dst + offs_d, k_new)
-        tl.store(v_ptr + dst + offs_d, v_new)
-    else:  # this program's slice of the keys; the slice holding position ctx - 1 writes the new k and v
-        span = tl.maximum(tl.cdiv(tl.cdiv(ctx, KV_SPLITS), BLOCK_N), 1) * BLOCK_N  # >= 1 tile: padded rows
-        lo = sp * span
-        hi = tl.minimum(ctx, lo + span)
-        writer = (offs_d < D) & (sp == (ctx - 1) // span)
-        tl.store(k_ptr + dst + offs_d, k_new, mask=writer)
-        tl.store(v_ptr + dst + offs_d, v_new, mask=writer)
+    tl.store(k_ptr + dst + offs_d, k_new)
+    tl.store(v_ptr + dst + offs_d, v_new)
     tl.debug_barrier()  # this program's k / v writes, visible to all its threads before the loop reads them
 
     # paged_attention's decode loop (n = 1): the one query token sees keys 0 .. ctx - 1
@@ -164,9 +112,9 @@ def _decode_attn(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, 
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     qpos = ctx - 1
-    for start in range(lo, hi, BLOCK_N):
+    for start in range(0, ctx, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
-        kmask = kpos < hi
+        kmask = kpos < ctx
         blk = tl.load(tables_ptr + seq * stride_tb + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
         kbase = blk * stride_kb + (kpos % PAGE) * stride_kt + kvh * stride_kh
         k = tl.load(k_ptr + kbase[None, :] + offs_d[:, None], mask=kmask[None, :], other=0.0)
@@ -179,57 +127,22 @@ def _decode_attn(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, 
         v = tl.load(v_ptr + kbase[:, None] + offs_d[None, :], mask=kmask[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    o_ptrs = o_ptr + t * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    if KV_SPLITS == 1:
-        acc = acc / l_i[:, None]
-        tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
-    else:
-        _merge_slices(acc, m_i, l_i, ws_ptr, cnt_ptr, o_ptrs, seq * NKV + kvh, sp, r, offs_d, rmask, D, BLOCK_M,
-                      KV_SPLITS)
-
-
-@triton.jit
-def _merge_slices(acc, m_i, l_i, ws_ptr, cnt_ptr, o_ptrs, grp, sp, r, offs_d, rmask, D: tl.constexpr,
-                  BLOCK_M: tl.constexpr, KV_SPLITS: tl.constexpr):
-    """Store this slice's state; the group's last program to arrive merges all slices in slice order."""
-    ROW: tl.constexpr = BLOCK_M * (D + 2)  # a slice's state: [BLOCK_M, D] output, then max and sum
-    own = ws_ptr + (grp * KV_SPLITS + sp).to(tl.int64) * ROW
-    tl.store(own + r[:, None] * D + offs_d[None, :], acc)
-    tl.store(own + BLOCK_M * D + r, m_i)
-    tl.store(own + BLOCK_M * (D + 1) + r, l_i)
-    # every thread's stores before one release at GPU scope (the pattern of a cooperative grid sync)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(cnt_ptr + grp, 1, sem="acq_rel", scope="gpu")
-    if arrived == KV_SPLITS - 1:
-        first = ws_ptr + (grp * KV_SPLITS).to(tl.int64) * ROW
-        m_all = tl.full([BLOCK_M], -1.0e30, tl.float32)
-        for s in tl.static_range(KV_SPLITS):  # .cg: from L2, past this SM's L1 (other SMs wrote them)
-            m_all = tl.maximum(m_all, tl.load(first + s * ROW + BLOCK_M * D + r, cache_modifier=".cg"))
-        num = tl.zeros([BLOCK_M, D], tl.float32)
-        den = tl.zeros([BLOCK_M], tl.float32)
-        for s in tl.static_range(KV_SPLITS):
-            w = tl.exp2(tl.load(first + s * ROW + BLOCK_M * D + r, cache_modifier=".cg") - m_all)
-            den += tl.load(first + s * ROW + BLOCK_M * (D + 1) + r, cache_modifier=".cg") * w
-            num += tl.load(first + s * ROW + r[:, None] * D + offs_d[None, :], cache_modifier=".cg") * w[:, None]
-        out = num / den[:, None]
-        tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=rmask[:, None])
-        tl.atomic_xchg(cnt_ptr + grp, 0)  # ready for the next launch (kernels of a stream run one after another)
+    acc = acc / l_i[:, None]
+    tl.store(o_ptr + t * stride_ot + head[:, None] * stride_oh + offs_d[None, :], acc.to(o_ptr.dtype.element_ty),
+             mask=rmask[:, None])
 
 
 def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                      slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
                      nq: int, nkv: int, d: int, bias: torch.Tensor | None = None, block_n: int | None = None,
-                     pdl: bool = False, num_warps: int | None = None, num_stages: int | None = None,
-                     kv_splits: int = 1, work: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     pdl: bool = False, num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """A decode step (meta.max_query == 1: token i is sequence i's) -> attention output [T, nq, d].
 
     qkv: the QKV GEMM's output [T, (nq + 2 nkv) d], or its split-K partials [S, T, (nq + 2 nkv) d]
     (FP32) with the GEMM's `bias` still to add; cos / sin [max_pos, d]; caches [blocks, page, nkv, d],
     into which k and v of every token are written at `slots`. Equals `rope_and_cache` followed by
     `paged_attention(..., block_n=block_n)` (block_n: keys per iteration, default 64). num_warps / num_stages:
-    the launch shape (default LAUNCH's). kv_splits > 1: each sequence's keys in that many slices merged by
-    the last program (the module's docstring), with `work` from `workspace` (allocated here when None or
-    too small: not inside a CUDA graph's capture)."""
+    the launch shape (default LAUNCH's)."""
     if meta.max_query != 1:
         raise ValueError("decode_attention serves decode steps (one new token per sequence)")
     splits = qkv.shape[0] if qkv.dim() == 3 else 0
@@ -238,21 +151,16 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, po
     _, page, _, _ = k_cache.shape
     if d & (d - 1) or d < 16:
         raise ValueError(f"head_dim must be a power of two >= 16, not {d}")
-    block_m = _block_m(g)
+    # paged_attention's decode tiling: 16 rows when a kv group fits (the rows past G are masked)
+    block_m = 16 if g <= 16 else triton.next_power_of_2(g)
     out = torch.empty((t, nq, d), device=qkv.device, dtype=k_cache.dtype)
     batch = meta.block_tables.shape[0]
-    if kv_splits < 1:
-        raise ValueError(f"kv_splits must be >= 1, not {kv_splits}")
-    if kv_splits > 1 and (work is None or work[1].numel() < batch * nkv
-                          or work[0].numel() < batch * nkv * kv_splits * block_m * (d + 2)):
-        work = workspace(batch, nq, nkv, d, kv_splits, qkv.device)
-    ws, counters = work if kv_splits > 1 else (out, out)
-    _decode_attn[(batch, nkv, kv_splits)](
+    _decode_attn[(batch, nkv)](
         qkv, bias if bias is not None else qkv, cos, sin, positions, slots, k_cache, v_cache, out,
-        meta.block_tables, meta.context_lens, ws, counters, scale * 1.4426950408889634,
+        meta.block_tables, meta.context_lens, scale * 1.4426950408889634,
         qkv.stride(-2), qkv.stride(0) if splits else 0, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
         NQ=nq, NKV=nkv, G=g, D=d, PAGE=page, SPLITS=splits, HAS_BIAS=bias is not None, BLOCK_M=block_m,
-        BLOCK_N=block_n or 64, KV_SPLITS=kv_splits, PDL=pdl, num_warps=num_warps or LAUNCH["num_warps"],
+        BLOCK_N=block_n or 64, PDL=pdl, num_warps=num_warps or LAUNCH["num_warps"],
         num_stages=num_stages or LAUNCH["num_stages"], **launch_kw(pdl))
     return out
