@@ -5,9 +5,12 @@ A decode step at 64 streams of a benchmarks/generate.py shape (--shape; Qwen2-0.
 partials, no bias: the split count of the shape's QKV plan), contexts drawn from 129-256 tokens (the middle
 of a 128 + 128 round), the model's layers' distinct caches. Every (keys per tile, warps, stages) is checked against the two-kernel path
 (rope_and_cache + paged_attention, bit for bit where the tile is the same) and timed as 24 launches in one
-CUDA graph (median of 7 timings of 20 replays), next to the two-kernel path. Prints a table; --json.
+CUDA graph (median of 7 timings of 20 replays), next to the two-kernel path, in both of the kernel's forms
+(EARLY_KV: session 21's first key tile before the wait and the step's key from registers; session 10's write,
+barrier, read); --pdl: each form's 4 best launches again with every kernel launched with PDL. Prints a
+table; --json.
 
-    PYTHONPATH=src python3 benchmarks/gpu_decode_attention.py [--shape llama-1b] [--json out.json]
+    PYTHONPATH=src python3 benchmarks/gpu_decode_attention.py [--shape llama-1b] [--pdl] [--json out.json]
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
     ap.add_argument("--shape", default="qwen2-0.5b", help="a benchmarks/generate.py shape")
+    ap.add_argument("--pdl", action="store_true", help="also each form's 4 best launches with PDL")
     args = ap.parse_args()
     from generate import SHAPES as MODELS
 
@@ -84,30 +88,48 @@ def main():
         ref[bn] = paged_attention(q, k0, v0, meta, scale, block_n=bn)
         rows.append({"path": "rope_and_cache + paged_attention", "block_n": bn, "num_warps": 4, "num_stages": 2,
                      "us": timed(split(bn)) / LAYERS, "equal": True})
-    for bn in (64, 128, 256):
-        for nw in (2, 4, 8):
-            for st in (1, 2, 3, 4):
-                try:
-                    out = decode_attention(qkv, cos, sin, pos, slots, kc[0].clone(), vc[0].clone(), meta, scale,
-                                           NQ, NKV, D, bias=bias, block_n=bn, num_warps=nw, num_stages=st)
-                    err = (out.float() - ref[bn].float()).abs().max().item()
-                    if not err < 2e-2:
-                        print(f"  WRONG block_n {bn} warps {nw} stages {st}: max err {err}", flush=True)
+    from surge.engines.kernels import decode_attention as da
+
+    def fused(bn, nw, st, early, pdl, li=0, kc=kc, vc=vc):
+        da.EARLY_KV = early
+        return decode_attention(qkv, cos, sin, pos, slots, kc[li], vc[li], meta, scale, NQ, NKV, D, bias=bias,
+                                block_n=bn, num_warps=nw, num_stages=st, pdl=pdl)
+
+    for early in (False, True):
+        for bn in (64, 128, 256):
+            for nw in (2, 4, 8):
+                for st in (1, 2, 3, 4):
+                    try:
+                        out = fused(bn, nw, st, early, False, kc=[kc[0].clone()], vc=[vc[0].clone()])
+                        err = (out.float() - ref[bn].float()).abs().max().item()
+                        if not err < 2e-2:
+                            print(f"  WRONG early {early} block_n {bn} warps {nw} stages {st}: max err {err}", flush=True)
+                            continue
+                        t = timed(lambda: [fused(bn, nw, st, early, False, li) for li in range(LAYERS)]) / LAYERS
+                    except Exception as exc:
+                        print(f"  failed early {early} block_n {bn} warps {nw} stages {st}: {type(exc).__name__}: "
+                              f"{str(exc)[:100]}")
                         continue
-                    t = timed(lambda: [decode_attention(qkv, cos, sin, pos, slots, kc[li], vc[li], meta, scale, NQ,
-                                                        NKV, D, bias=bias, block_n=bn, num_warps=nw, num_stages=st)
-                                       for li in range(LAYERS)]) / LAYERS
-                except Exception as exc:
-                    print(f"  failed block_n {bn} warps {nw} stages {st}: {type(exc).__name__}: {str(exc)[:100]}")
-                    continue
-                rows.append({"path": "decode_attention", "block_n": bn, "num_warps": nw, "num_stages": st, "us": t,
-                             "equal": bool(torch.equal(out, ref[bn]))})
+                    rows.append({"path": "decode_attention", "early_kv": early, "pdl": False, "block_n": bn,
+                                 "num_warps": nw, "num_stages": st, "us": t, "equal": bool(torch.equal(out, ref[bn]))})
+    if args.pdl:  # the 4 best launches of each form again, every kernel launched with PDL (each one's pre-wait
+        # part overlapping the previous layer's attention: not the engine's predecessor, the QKV GEMM)
+        for early in (False, True):
+            best = sorted((r for r in rows if r.get("early_kv") is early), key=lambda r: r["us"])[:4]
+            for r in best:
+                bn, nw, st = r["block_n"], r["num_warps"], r["num_stages"]
+                out = fused(bn, nw, st, early, True, kc=[kc[0].clone()], vc=[vc[0].clone()])
+                t = timed(lambda: [fused(bn, nw, st, early, True, li) for li in range(LAYERS)]) / LAYERS
+                rows.append({"path": "decode_attention", "early_kv": early, "pdl": True, "block_n": bn,
+                             "num_warps": nw, "num_stages": st, "us": t, "equal": bool(torch.equal(out, ref[bn]))})
+    da.EARLY_KV = True
     print(f"\n{args.shape}: {NQ} / {NKV} heads of {D}, {SPLITS} qkv partials, bias {has_bias}; 64 streams, contexts "
           f"129-256, us a layer ({LAYERS} layers in one graph); default launch {LAUNCH}")
-    print("| path | keys a tile | warps | stages | us | bits equal to the two-kernel path |")
-    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    print("| path | early kv | pdl | keys a tile | warps | stages | us | bits equal to the two-kernel path |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | --- |")
     for r in sorted(rows, key=lambda r: r["us"]):
-        print(f"| {r['path']} | {r['block_n']} | {r['num_warps']} | {r['num_stages']} | {r['us']:.2f} | {r['equal']} |")
+        print(f"| {r['path']} | {r.get('early_kv', '')} | {r.get('pdl', False)} | {r['block_n']} | {r['num_warps']} | "
+              f"{r['num_stages']} | {r['us']:.2f} | {r['equal']} |")
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "shape": args.shape, "rows": rows},
                                         indent=1))

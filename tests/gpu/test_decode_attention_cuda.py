@@ -28,11 +28,16 @@ def _pdl_modes():
 
 @pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (32, 8, 64), (12, 12, 64), (8, 2, 128)])
 @pytest.mark.parametrize("splits", [0, 7])
-def test_decode_attention_equals_rope_cache_then_paged_attention(hq, hkv, d, splits):
+@pytest.mark.parametrize("early_kv", [True, False])
+def test_decode_attention_equals_rope_cache_then_paged_attention(hq, hkv, d, splits, early_kv, monkeypatch):
     """Bit for bit: the attention output and both caches against rope_and_cache followed by
     paged_attention, on random Q/K/V (the GEMM's BF16 output, or 7 FP32 split-K partials plus a bias),
-    contexts from 1 to 700 tokens (several 64- and 256-key iterations), with and without PDL."""
+    contexts from 1 to 700 tokens (several 64-, 128- and 256-key iterations), with and without PDL, in
+    both of the kernel's forms (EARLY_KV: the first tile before the wait, the step's key from registers)."""
+    from surge.engines.kernels import decode_attention as da
     from surge.engines.kernels.decode_attention import decode_attention
+
+    monkeypatch.setattr(da, "EARLY_KV", early_kv)
     from surge.engines.kernels.decoder_fused import rope_and_cache
     from surge.engines.kernels.paged_attention import paged_attention
 
@@ -53,7 +58,7 @@ def test_decode_attention_equals_rope_cache_then_paged_attention(hq, hkv, d, spl
     emb = torch.cat([pos_table, pos_table], -1)
     cos, sin = emb.cos().to(dev, bf), emb.sin().to(dev, bf)
     scale = d ** -0.5
-    for block_n in (64, 256):
+    for block_n in (64, 128, 256):
         k_ref, v_ref = cache0.clone(), vcache0.clone()
         q = rope_and_cache(qkv, cos, sin, pos, meta.slot_mapping, k_ref, v_ref, hq, hkv, d, bias=bias)
         ref = paged_attention(q, k_ref, v_ref, meta, scale, block_n=block_n)

@@ -8,8 +8,11 @@ heads, its key and its value (plus the bias), rotates q and k, writes k and v to
 and then attends over the sequence's cache exactly as `paged_attention` does (same tiles, same
 online softmax, same order), so the output equals the two-kernel path bit for bit (tested).
 
-The k and v written here are read back by the same program's attention loop; a block barrier
-between the two makes its own global writes visible to all of its threads.
+The kernel is bound by each program's serial chain of memory round trips, not by bandwidth (64
+streams' keys are a few MB a layer). So (EARLY_KV, session 21) the first tile of the cache's keys and
+values is loaded before the PDL wait, while the QKV GEMM still runs, and the step's own key and value
+join the tiles from registers instead of being written and read back through a block barrier: the
+only round trip left after the wait is the QKV partials'.
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ LAUNCH = {"num_warps": 4, "num_stages": 3}
 # against 15.42 at 256 keys; docs/benchmarks/s20/call3/attn_llama.txt).
 BLOCK_N = {(32, 8, 64): 128}
 DEFAULT_BLOCK_N = 256
+
+# The first key tile loaded before the wait and the step's own key from registers (the module docstring);
+# False: session 10's order (write the key, block barrier, read every tile after the wait). Read at launch, so
+# an engine's CUDA graphs keep the form they were captured with (benchmarks/generate_ab.py's "ekv" variants).
+EARLY_KV = True
 
 
 def block_n_for(nq: int, nkv: int, d: int) -> int:
@@ -65,11 +73,45 @@ def _rotate(x, xp, c, s, first):
 
 
 @triton.jit
+def _kv_tile(k_ptr, v_ptr, tables_ptr, seq, kvh, start, n_cached, offs_d, stride_kb, stride_kt, stride_kh, stride_tb,
+             PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys start .. start + BLOCK_N - 1 of the sequence's cache: (their positions, K [D, BLOCK_N], V [BLOCK_N, D]),
+    zeros at positions >= n_cached."""
+    kpos = start + tl.arange(0, BLOCK_N)
+    kmask = kpos < n_cached
+    blk = tl.load(tables_ptr + seq * stride_tb + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
+    kbase = blk * stride_kb + (kpos % PAGE) * stride_kt + kvh * stride_kh
+    k = tl.load(k_ptr + kbase[None, :] + offs_d[:, None], mask=kmask[None, :], other=0.0)
+    v = tl.load(v_ptr + kbase[:, None] + offs_d[None, :], mask=kmask[:, None], other=0.0)
+    return kpos, k, v
+
+
+@triton.jit
+def _attend(q, k, v, kpos, ctx, qk_scale, m_i, l_i, acc):
+    """One tile of paged_attention's online softmax (n = 1: the query sees keys 0 .. ctx - 1)."""
+    sc = tl.dot(q, k) * qk_scale
+    sc = tl.where(kpos[None, :] < ctx, sc, -1.0e30)
+    m_new = tl.maximum(m_i, tl.max(sc, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(sc - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _with_new(kpos, k, v, k_new, v_new, ctx):
+    """The tile with the step's own key and value (position ctx - 1, still in registers) in their column / row."""
+    new = kpos == ctx - 1
+    return tl.where(new[None, :], k_new[:, None], k), tl.where(new[:, None], v_new[None, :], v)
+
+
+@triton.jit
 def _decode_attn(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, ctx_ptr,
                  qk_scale, stride_t, stride_s, stride_kb, stride_kt, stride_kh, stride_ot, stride_oh, stride_tb,
                  NQ: tl.constexpr, NKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                  SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PDL: tl.constexpr):
+                 PDL: tl.constexpr, EARLY_KV: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     HALF: tl.constexpr = D // 2
@@ -84,6 +126,11 @@ def _decode_attn(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, 
     partner = tl.where(first, offs_d + HALF, offs_d - HALF)
     c = tl.load(cos_ptr + pos * D + offs_d).to(tl.float32)
     s = tl.load(sin_ptr + pos * D + offs_d).to(tl.float32)
+    if EARLY_KV:
+        # the cache's keys were written by earlier steps (pdl.py's contract: nothing this step writes), so the
+        # first tile's loads go out before the wait, in the QKV GEMM's shadow
+        kpos0, k0, v0 = _kv_tile(k_ptr, v_ptr, tables_ptr, seq, kvh, 0, ctx - 1, offs_d, stride_kb, stride_kt,
+                                 stride_kh, stride_tb, PAGE, BLOCK_N)
     wait_then_release(PDL)
 
     r = tl.arange(0, BLOCK_M)
@@ -105,28 +152,24 @@ def _decode_attn(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, 
     dst = (slot // PAGE) * stride_kb + (slot % PAGE) * stride_kt + kvh * stride_kh
     tl.store(k_ptr + dst + offs_d, k_new)
     tl.store(v_ptr + dst + offs_d, v_new)
-    tl.debug_barrier()  # this program's k / v writes, visible to all its threads before the loop reads them
-
-    # paged_attention's decode loop (n = 1): the one query token sees keys 0 .. ctx - 1
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    qpos = ctx - 1
-    for start in range(0, ctx, BLOCK_N):
-        kpos = start + tl.arange(0, BLOCK_N)
-        kmask = kpos < ctx
-        blk = tl.load(tables_ptr + seq * stride_tb + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
-        kbase = blk * stride_kb + (kpos % PAGE) * stride_kt + kvh * stride_kh
-        k = tl.load(k_ptr + kbase[None, :] + offs_d[:, None], mask=kmask[None, :], other=0.0)
-        sc = tl.dot(q, k) * qk_scale
-        sc = tl.where((kpos[None, :] <= qpos) & kmask[None, :], sc, -1.0e30)
-        m_new = tl.maximum(m_i, tl.max(sc, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(sc - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + kbase[:, None] + offs_d[None, :], mask=kmask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    if EARLY_KV:
+        # the step's own key and value join from registers: nothing reads back the write above
+        k0, v0 = _with_new(kpos0, k0, v0, k_new, v_new, ctx)
+        m_i, l_i, acc = _attend(q, k0, v0, kpos0, ctx, qk_scale, m_i, l_i, acc)
+        for start in range(BLOCK_N, ctx, BLOCK_N):
+            kpos, k, v = _kv_tile(k_ptr, v_ptr, tables_ptr, seq, kvh, start, ctx - 1, offs_d, stride_kb, stride_kt,
+                                  stride_kh, stride_tb, PAGE, BLOCK_N)
+            k, v = _with_new(kpos, k, v, k_new, v_new, ctx)
+            m_i, l_i, acc = _attend(q, k, v, kpos, ctx, qk_scale, m_i, l_i, acc)
+    else:
+        tl.debug_barrier()  # this program's k / v writes, visible to all its threads before the loop reads them
+        for start in range(0, ctx, BLOCK_N):
+            kpos, k, v = _kv_tile(k_ptr, v_ptr, tables_ptr, seq, kvh, start, ctx, offs_d, stride_kb, stride_kt,
+                                  stride_kh, stride_tb, PAGE, BLOCK_N)
+            m_i, l_i, acc = _attend(q, k, v, kpos, ctx, qk_scale, m_i, l_i, acc)
     acc = acc / l_i[:, None]
     tl.store(o_ptr + t * stride_ot + head[:, None] * stride_oh + offs_d[None, :], acc.to(o_ptr.dtype.element_ty),
              mask=rmask[:, None])
@@ -161,6 +204,6 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, po
         qkv.stride(-2), qkv.stride(0) if splits else 0, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
         NQ=nq, NKV=nkv, G=g, D=d, PAGE=page, SPLITS=splits, HAS_BIAS=bias is not None, BLOCK_M=block_m,
-        BLOCK_N=block_n or 64, PDL=pdl, num_warps=num_warps or LAUNCH["num_warps"],
+        BLOCK_N=block_n or 64, PDL=pdl, EARLY_KV=EARLY_KV, num_warps=num_warps or LAUNCH["num_warps"],
         num_stages=num_stages or LAUNCH["num_stages"], **launch_kw(pdl))
     return out
