@@ -6,9 +6,8 @@ partials, no bias: the split count of the shape's QKV plan), contexts drawn from
 of a 128 + 128 round), the model's layers' distinct caches. Every (keys per tile, warps, stages) is checked against the two-kernel path
 (rope_and_cache + paged_attention, bit for bit where the tile is the same) and timed as 24 launches in one
 CUDA graph (median of 7 timings of 20 replays), next to the two-kernel path, in both of the kernel's forms
-(EARLY_KV: session 21's first key tile before the wait and the step's key from registers; session 10's write,
-barrier, read); --pdl: each form's 4 best launches again with every kernel launched with PDL. Prints a
-table; --json.
+(decode_attention.KV_FORMS, session 21), with each compiled variant's registers and spills; --pdl: each form's
+2 best launches again with every kernel launched with PDL. Prints a table; --json.
 
     PYTHONPATH=src python3 benchmarks/gpu_decode_attention.py [--shape llama-1b] [--pdl] [--json out.json]
 """
@@ -28,6 +27,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_decode_gemms import layer_dims, timed  # noqa: E402
 
 B, PAGE = 64, 16
+
+
+def compiled_registers(jit_fn) -> dict:
+    """(kv form, BLOCK_N, warps, stages, PDL) -> registers a thread and spills of each compiled variant of the
+    kernel (Triton's JIT cache; empty where its internals differ)."""
+    from surge.engines.kernels.decode_attention import KV_FORMS
+
+    names = {v: k for k, v in KV_FORMS.items()}
+    out = {}
+    try:
+        for caches in jit_fn.device_caches.values():
+            for kernel in caches[0].values():
+                c = {jit_fn.arg_names[k[0]]: v for k, v in kernel.src.constants.items() if len(k) == 1}
+                key = (names.get(c.get("KV_FORM")), c["BLOCK_N"], kernel.metadata.num_warps, kernel.metadata.num_stages,
+                       bool(c.get("PDL")))
+                out[key] = {"n_regs": kernel.n_regs, "n_spills": kernel.n_spills}
+    except Exception as exc:  # a Triton whose cache is laid out otherwise: the table without the columns
+        print(f"  no register counts: {type(exc).__name__}: {exc}")
+    return out
 
 
 def main():
@@ -90,46 +108,49 @@ def main():
                      "us": timed(split(bn)) / LAYERS, "equal": True})
     from surge.engines.kernels import decode_attention as da
 
-    def fused(bn, nw, st, early, pdl, li=0, kc=kc, vc=vc):
-        da.EARLY_KV = early
+    def fused(bn, nw, st, form, pdl, li=0, kc=kc, vc=vc):
+        da.KV_FORM = form
         return decode_attention(qkv, cos, sin, pos, slots, kc[li], vc[li], meta, scale, NQ, NKV, D, bias=bias,
                                 block_n=bn, num_warps=nw, num_stages=st, pdl=pdl)
 
-    for early in (False, True):
+    for form in da.KV_FORMS:
         for bn in (64, 128, 256):
             for nw in (2, 4, 8):
-                for st in (1, 2, 3, 4):
+                for st in (1, 3):
                     try:
-                        out = fused(bn, nw, st, early, False, kc=[kc[0].clone()], vc=[vc[0].clone()])
+                        out = fused(bn, nw, st, form, False, kc=[kc[0].clone()], vc=[vc[0].clone()])
                         err = (out.float() - ref[bn].float()).abs().max().item()
                         if not err < 2e-2:
-                            print(f"  WRONG early {early} block_n {bn} warps {nw} stages {st}: max err {err}", flush=True)
+                            print(f"  WRONG {form} block_n {bn} warps {nw} stages {st}: max err {err}", flush=True)
                             continue
-                        t = timed(lambda: [fused(bn, nw, st, early, False, li) for li in range(LAYERS)]) / LAYERS
+                        t = timed(lambda: [fused(bn, nw, st, form, False, li) for li in range(LAYERS)]) / LAYERS
                     except Exception as exc:
-                        print(f"  failed early {early} block_n {bn} warps {nw} stages {st}: {type(exc).__name__}: "
+                        print(f"  failed {form} block_n {bn} warps {nw} stages {st}: {type(exc).__name__}: "
                               f"{str(exc)[:100]}")
                         continue
-                    rows.append({"path": "decode_attention", "early_kv": early, "pdl": False, "block_n": bn,
+                    rows.append({"path": "decode_attention", "kv_form": form, "pdl": False, "block_n": bn,
                                  "num_warps": nw, "num_stages": st, "us": t, "equal": bool(torch.equal(out, ref[bn]))})
-    if args.pdl:  # the 4 best launches of each form again, every kernel launched with PDL (each one's pre-wait
+    if args.pdl:  # the 2 best launches of each form again, every kernel launched with PDL (each one's pre-wait
         # part overlapping the previous layer's attention: not the engine's predecessor, the QKV GEMM)
-        for early in (False, True):
-            best = sorted((r for r in rows if r.get("early_kv") is early), key=lambda r: r["us"])[:4]
-            for r in best:
+        for form in da.KV_FORMS:
+            for r in sorted((r for r in rows if r.get("kv_form") == form), key=lambda r: r["us"])[:2]:
                 bn, nw, st = r["block_n"], r["num_warps"], r["num_stages"]
-                out = fused(bn, nw, st, early, True, kc=[kc[0].clone()], vc=[vc[0].clone()])
-                t = timed(lambda: [fused(bn, nw, st, early, True, li) for li in range(LAYERS)]) / LAYERS
-                rows.append({"path": "decode_attention", "early_kv": early, "pdl": True, "block_n": bn,
+                out = fused(bn, nw, st, form, True, kc=[kc[0].clone()], vc=[vc[0].clone()])
+                t = timed(lambda: [fused(bn, nw, st, form, True, li) for li in range(LAYERS)]) / LAYERS
+                rows.append({"path": "decode_attention", "kv_form": form, "pdl": True, "block_n": bn,
                              "num_warps": nw, "num_stages": st, "us": t, "equal": bool(torch.equal(out, ref[bn]))})
-    da.EARLY_KV = True
+    da.KV_FORM = "barrier"
+    regs = compiled_registers(da._decode_attn)
+    for r in rows:
+        r.update(regs.get((r.get("kv_form"), r["block_n"], r["num_warps"], r["num_stages"], r.get("pdl")), {}))
     print(f"\n{args.shape}: {NQ} / {NKV} heads of {D}, {SPLITS} qkv partials, bias {has_bias}; 64 streams, contexts "
           f"129-256, us a layer ({LAYERS} layers in one graph); default launch {LAUNCH}")
-    print("| path | early kv | pdl | keys a tile | warps | stages | us | bits equal to the two-kernel path |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: | --- |")
+    print("| path | kv form | pdl | keys a tile | warps | stages | us | registers | spills | bits equal to the "
+          "two-kernel path |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for r in sorted(rows, key=lambda r: r["us"]):
-        print(f"| {r['path']} | {r.get('early_kv', '')} | {r.get('pdl', False)} | {r['block_n']} | {r['num_warps']} | "
-              f"{r['num_stages']} | {r['us']:.2f} | {r['equal']} |")
+        print(f"| {r['path']} | {r.get('kv_form', '')} | {r.get('pdl', False)} | {r['block_n']} | {r['num_warps']} | "
+              f"{r['num_stages']} | {r['us']:.2f} | {r.get('n_regs', '')} | {r.get('n_spills', '')} | {r['equal']} |")
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "shape": args.shape, "rows": rows},
                                         indent=1))

@@ -9,10 +9,13 @@ and then attends over the sequence's cache exactly as `paged_attention` does (sa
 online softmax, same order), so the output equals the two-kernel path bit for bit (tested).
 
 The kernel is bound by each program's serial chain of memory round trips, not by bandwidth (64
-streams' keys are a few MB a layer). So (EARLY_KV, session 21) the first tile of the cache's keys and
-values is loaded before the PDL wait, while the QKV GEMM still runs, and the step's own key and value
-join the tiles from registers instead of being written and read back through a block barrier: the
-only round trip left after the wait is the QKV partials'.
+streams' keys are a few MB a layer). KV_FORM (session 21) picks how the cache's keys meet the step's
+own: "barrier" writes k and v to their slot, a block barrier makes the writes visible to all of the
+program's threads, and the loop reads every tile after the PDL wait; "registers" loads the first tile
+before the wait (the cache's keys are written by earlier steps, so it may) and joins the step's own
+key and value from registers, with no barrier or read-back; "l2" and "l2_registers" instead only ask
+the first tile's lines into L2 before the wait (no registers held across it), then as "barrier" /
+"registers".
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from surge.engines.kernels.pdl import launch_kw, wait_then_release
+from surge.engines.kernels.pdl import launch_kw, prefetch_l2, wait_then_release
 from surge.engines.kernels.splitk_gemm import sum_splits
 
 # Launch shape of the kernel (warps, software-pipelining stages), measured by benchmarks/gpu_decode_attention.py
@@ -36,10 +39,11 @@ LAUNCH = {"num_warps": 4, "num_stages": 3}
 BLOCK_N = {(32, 8, 64): 128}
 DEFAULT_BLOCK_N = 256
 
-# The first key tile loaded before the wait and the step's own key from registers (the module docstring);
-# False: session 10's order (write the key, block barrier, read every tile after the wait). Read at launch, so
-# an engine's CUDA graphs keep the form they were captured with (benchmarks/generate_ab.py's "ekv" variants).
-EARLY_KV = True
+# How the step's key meets the cache's (the module docstring). Read at launch, so an engine's CUDA graphs keep
+# the form they were captured with (benchmarks/generate_ab.py's kv variants). Session 21, call 1: "registers"
+# slower than "barrier" (Qwen2-0.5B 7.54 against 6.52 us a layer; engine graph 876 against 818 us).
+KV_FORMS = {"barrier": 0, "registers": 1, "l2": 2, "l2_registers": 3}
+KV_FORM = "barrier"
 
 
 def block_n_for(nq: int, nkv: int, d: int) -> int:
@@ -87,6 +91,24 @@ def _kv_tile(k_ptr, v_ptr, tables_ptr, seq, kvh, start, n_cached, offs_d, stride
 
 
 @triton.jit
+def _prefetch_tile(k_ptr, v_ptr, tables_ptr, seq, kvh, n_cached, stride_kb, stride_kt, stride_kh, stride_tb,
+                   D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, LINE: tl.constexpr):
+    """The 128-byte lines (LINE elements each) of the first BLOCK_N cached keys and values (positions < n_cached)
+    asked into L2."""
+    # positions past n_cached ask for the last cached key's lines again (position 0's block always exists)
+    kpos = tl.minimum(tl.arange(0, BLOCK_N), tl.maximum(n_cached - 1, 0))
+    blk = tl.load(tables_ptr + seq * stride_tb + kpos // PAGE).to(tl.int64)
+    kbase = blk * stride_kb + (kpos % PAGE) * stride_kt + kvh * stride_kh
+    if D <= LINE:
+        prefetch_l2(k_ptr + kbase)
+        prefetch_l2(v_ptr + kbase)
+    else:
+        line = tl.arange(0, D // LINE) * LINE
+        prefetch_l2(k_ptr + kbase[:, None] + line[None, :])
+        prefetch_l2(v_ptr + kbase[:, None] + line[None, :])
+
+
+@triton.jit
 def _attend(q, k, v, kpos, ctx, qk_scale, m_i, l_i, acc):
     """One tile of paged_attention's online softmax (n = 1: the query sees keys 0 .. ctx - 1)."""
     sc = tl.dot(q, k) * qk_scale
@@ -111,7 +133,7 @@ def _decode_attn(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, 
                  qk_scale, stride_t, stride_s, stride_kb, stride_kt, stride_kh, stride_ot, stride_oh, stride_tb,
                  NQ: tl.constexpr, NKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                  SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PDL: tl.constexpr, EARLY_KV: tl.constexpr):
+                 PDL: tl.constexpr, KV_FORM: tl.constexpr, LINE: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     HALF: tl.constexpr = D // 2
@@ -126,11 +148,15 @@ def _decode_attn(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, 
     partner = tl.where(first, offs_d + HALF, offs_d - HALF)
     c = tl.load(cos_ptr + pos * D + offs_d).to(tl.float32)
     s = tl.load(sin_ptr + pos * D + offs_d).to(tl.float32)
-    if EARLY_KV:
-        # the cache's keys were written by earlier steps (pdl.py's contract: nothing this step writes), so the
-        # first tile's loads go out before the wait, in the QKV GEMM's shadow
+    FROM_REGS: tl.constexpr = KV_FORM == 1 or KV_FORM == 3
+    # the cache's keys were written by earlier steps (pdl.py's contract: nothing this step writes), so the
+    # first tile may be loaded or asked into L2 before the wait, in the QKV GEMM's shadow
+    if KV_FORM == 1:
         kpos0, k0, v0 = _kv_tile(k_ptr, v_ptr, tables_ptr, seq, kvh, 0, ctx - 1, offs_d, stride_kb, stride_kt,
                                  stride_kh, stride_tb, PAGE, BLOCK_N)
+    if KV_FORM >= 2:
+        _prefetch_tile(k_ptr, v_ptr, tables_ptr, seq, kvh, ctx - 1, stride_kb, stride_kt, stride_kh, stride_tb, D,
+                       PAGE, BLOCK_N, LINE)
     wait_then_release(PDL)
 
     r = tl.arange(0, BLOCK_M)
@@ -155,21 +181,20 @@ def _decode_attn(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    if EARLY_KV:
+    first_key = 0
+    if KV_FORM == 1:
         # the step's own key and value join from registers: nothing reads back the write above
         k0, v0 = _with_new(kpos0, k0, v0, k_new, v_new, ctx)
         m_i, l_i, acc = _attend(q, k0, v0, kpos0, ctx, qk_scale, m_i, l_i, acc)
-        for start in range(BLOCK_N, ctx, BLOCK_N):
-            kpos, k, v = _kv_tile(k_ptr, v_ptr, tables_ptr, seq, kvh, start, ctx - 1, offs_d, stride_kb, stride_kt,
-                                  stride_kh, stride_tb, PAGE, BLOCK_N)
-            k, v = _with_new(kpos, k, v, k_new, v_new, ctx)
-            m_i, l_i, acc = _attend(q, k, v, kpos, ctx, qk_scale, m_i, l_i, acc)
-    else:
+        first_key = BLOCK_N
+    if not FROM_REGS:
         tl.debug_barrier()  # this program's k / v writes, visible to all its threads before the loop reads them
-        for start in range(0, ctx, BLOCK_N):
-            kpos, k, v = _kv_tile(k_ptr, v_ptr, tables_ptr, seq, kvh, start, ctx, offs_d, stride_kb, stride_kt,
-                                  stride_kh, stride_tb, PAGE, BLOCK_N)
-            m_i, l_i, acc = _attend(q, k, v, kpos, ctx, qk_scale, m_i, l_i, acc)
+    for start in range(first_key, ctx, BLOCK_N):
+        kpos, k, v = _kv_tile(k_ptr, v_ptr, tables_ptr, seq, kvh, start, ctx - 1 if FROM_REGS else ctx, offs_d,
+                              stride_kb, stride_kt, stride_kh, stride_tb, PAGE, BLOCK_N)
+        if FROM_REGS:
+            k, v = _with_new(kpos, k, v, k_new, v_new, ctx)
+        m_i, l_i, acc = _attend(q, k, v, kpos, ctx, qk_scale, m_i, l_i, acc)
     acc = acc / l_i[:, None]
     tl.store(o_ptr + t * stride_ot + head[:, None] * stride_oh + offs_d[None, :], acc.to(o_ptr.dtype.element_ty),
              mask=rmask[:, None])
@@ -204,6 +229,6 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, po
         qkv.stride(-2), qkv.stride(0) if splits else 0, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
         NQ=nq, NKV=nkv, G=g, D=d, PAGE=page, SPLITS=splits, HAS_BIAS=bias is not None, BLOCK_M=block_m,
-        BLOCK_N=block_n or 64, PDL=pdl, EARLY_KV=EARLY_KV, num_warps=num_warps or LAUNCH["num_warps"],
+        BLOCK_N=block_n or 64, PDL=pdl, KV_FORM=KV_FORMS[KV_FORM], LINE=128 // k_cache.element_size(), num_warps=num_warps or LAUNCH["num_warps"],
         num_stages=num_stages or LAUNCH["num_stages"], **launch_kw(pdl))
     return out
