@@ -26,8 +26,8 @@ Variants (comma-separated, each a '+'-joined list of options on top of session 2
   d1 / d3    1 / 3 launched decode steps in flight before the oldest is read back (default 2; session 9
              and before: 1)
   ta         the one-kernel attention launched with --attn-launch's warps and stages (session 10)
-  kv=FORM    how the one-kernel attention's step key meets the cache's (session 21, decode_attention.KV_FORMS:
-             barrier (the default), registers, l2, l2_registers)
+  l2kv       the one-kernel attention's first key tile asked into L2 before the PDL wait (session 21,
+             decode_attention.PREFETCH_FIRST_TILE)
   pf         each layer's weights asked into L2 from a side stream a phase ahead (session 12;
              kernels/l2_prefetch.py: the MLP's at the layer's start, the next layer's attention
              weights at the MLP's start)
@@ -112,14 +112,13 @@ def use_gate_up(variant: str, plan, key: tuple[int, int]) -> None:
 
 def use_attn_launch(variant: str, launch: str) -> None:
     """The decode attention's launch shape for the next engine: --attn-launch for a "ta" variant, else
-    session 10's first form (4 warps, 2 stages); its KV_FORM: a "kv=FORM" option's, else "barrier". Captured
-    into the engine's graphs when it is built."""
+    session 10's first form (4 warps, 2 stages); the first key tile asked into L2 before the PDL wait for an
+    "l2kv" variant. Captured into the engine's graphs when it is built."""
     from surge.engines.kernels import decode_attention
 
     warps, stages = (launch.split(",") if "ta" in variant.split("+") else ("4", "2"))
     decode_attention.LAUNCH.update(num_warps=int(warps), num_stages=int(stages))
-    forms = [o[3:] for o in variant.split("+") if o.startswith("kv=")]
-    decode_attention.KV_FORM = forms[0] if forms else "barrier"
+    decode_attention.PREFETCH_FIRST_TILE = "l2kv" in variant.split("+")
 
 
 def blas(lt: bool) -> None:

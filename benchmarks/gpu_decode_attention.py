@@ -6,7 +6,8 @@ partials, no bias: the split count of the shape's QKV plan), contexts drawn from
 of a 128 + 128 round), the model's layers' distinct caches. Every (keys per tile, warps, stages) is checked against the two-kernel path
 (rope_and_cache + paged_attention, bit for bit where the tile is the same) and timed as 24 launches in one
 CUDA graph (median of 7 timings of 20 replays), next to the two-kernel path, in both of the kernel's forms
-(decode_attention.KV_FORMS, session 21), with each compiled variant's registers and spills; --pdl: each form's
+(with and without session 21's PREFETCH_FIRST_TILE: "l2" / "barrier"), with each compiled variant's registers and
+spills; --pdl: each form's
 2 best launches again with every kernel launched with PDL. Prints a table; --json.
 
     PYTHONPATH=src python3 benchmarks/gpu_decode_attention.py [--shape llama-1b] [--pdl] [--json out.json]
@@ -27,20 +28,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_decode_gemms import layer_dims, timed  # noqa: E402
 
 B, PAGE = 64, 16
+# the kernel's forms: the first key tile's lines asked into L2 before the PDL wait or not (PREFETCH_FIRST_TILE)
+FORMS = ("barrier", "l2")
 
 
 def compiled_registers(jit_fn) -> dict:
     """(kv form, BLOCK_N, warps, stages, PDL) -> registers a thread and spills of each compiled variant of the
     kernel (Triton's JIT cache; empty where its internals differ)."""
-    from surge.engines.kernels.decode_attention import KV_FORMS
-
-    names = {v: k for k, v in KV_FORMS.items()}
     out = {}
     try:
         for caches in jit_fn.device_caches.values():
             for kernel in caches[0].values():
                 c = {jit_fn.arg_names[k[0]]: v for k, v in kernel.src.constants.items() if len(k) == 1}
-                key = (names.get(c.get("KV_FORM")), c["BLOCK_N"], kernel.metadata.num_warps, kernel.metadata.num_stages,
+                key = (FORMS[bool(c.get("PREFETCH"))], c["BLOCK_N"], kernel.metadata.num_warps, kernel.metadata.num_stages,
                        bool(c.get("PDL")))
                 out[key] = {"n_regs": kernel.n_regs, "n_spills": kernel.n_spills}
     except Exception as exc:  # a Triton whose cache is laid out otherwise: the table without the columns
@@ -109,11 +109,11 @@ def main():
     from surge.engines.kernels import decode_attention as da
 
     def fused(bn, nw, st, form, pdl, li=0, kc=kc, vc=vc):
-        da.KV_FORM = form
+        da.PREFETCH_FIRST_TILE = form == "l2"
         return decode_attention(qkv, cos, sin, pos, slots, kc[li], vc[li], meta, scale, NQ, NKV, D, bias=bias,
                                 block_n=bn, num_warps=nw, num_stages=st, pdl=pdl)
 
-    for form in da.KV_FORMS:
+    for form in FORMS:
         for bn in (64, 128, 256):
             for nw in (2, 4, 8):
                 for st in (1, 3):
@@ -132,14 +132,14 @@ def main():
                                  "num_warps": nw, "num_stages": st, "us": t, "equal": bool(torch.equal(out, ref[bn]))})
     if args.pdl:  # the 2 best launches of each form again, every kernel launched with PDL (each one's pre-wait
         # part overlapping the previous layer's attention: not the engine's predecessor, the QKV GEMM)
-        for form in da.KV_FORMS:
+        for form in FORMS:
             for r in sorted((r for r in rows if r.get("kv_form") == form), key=lambda r: r["us"])[:2]:
                 bn, nw, st = r["block_n"], r["num_warps"], r["num_stages"]
                 out = fused(bn, nw, st, form, True, kc=[kc[0].clone()], vc=[vc[0].clone()])
                 t = timed(lambda: [fused(bn, nw, st, form, True, li) for li in range(LAYERS)]) / LAYERS
                 rows.append({"path": "decode_attention", "kv_form": form, "pdl": True, "block_n": bn,
                              "num_warps": nw, "num_stages": st, "us": t, "equal": bool(torch.equal(out, ref[bn]))})
-    da.KV_FORM = "barrier"
+    da.PREFETCH_FIRST_TILE = True
     regs = compiled_registers(da._decode_attn)
     for r in rows:
         r.update(regs.get((r.get("kv_form"), r["block_n"], r["num_warps"], r["num_stages"], r.get("pdl")), {}))

@@ -27,17 +27,16 @@ def _pdl_modes():
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (32, 8, 64), (12, 12, 64), (8, 2, 128)])
-@pytest.mark.parametrize("splits", [0, 7])
-@pytest.mark.parametrize("kv_form", ["barrier", "registers", "l2", "l2_registers"])
-def test_decode_attention_equals_rope_cache_then_paged_attention(hq, hkv, d, splits, kv_form, monkeypatch):
+@pytest.mark.parametrize("splits,prefetch", [(0, True), (7, True), (7, False)])
+def test_decode_attention_equals_rope_cache_then_paged_attention(hq, hkv, d, splits, prefetch, monkeypatch):
     """Bit for bit: the attention output and both caches against rope_and_cache followed by
     paged_attention, on random Q/K/V (the GEMM's BF16 output, or 7 FP32 split-K partials plus a bias),
-    contexts from 1 to 700 tokens (several 64-, 128- and 256-key iterations), with and without PDL, in
-    each of the kernel's KV_FORMS."""
+    contexts from 1 to 700 tokens (several 64-, 128- and 256-key iterations), with and without PDL, with
+    and without the first key tile asked into L2 before the wait."""
     from surge.engines.kernels import decode_attention as da
     from surge.engines.kernels.decode_attention import decode_attention
 
-    monkeypatch.setattr(da, "KV_FORM", kv_form)
+    monkeypatch.setattr(da, "PREFETCH_FIRST_TILE", prefetch)
     from surge.engines.kernels.decoder_fused import rope_and_cache
     from surge.engines.kernels.paged_attention import paged_attention
 

@@ -8,14 +8,15 @@ heads, its key and its value (plus the bias), rotates q and k, writes k and v to
 and then attends over the sequence's cache exactly as `paged_attention` does (same tiles, same
 online softmax, same order), so the output equals the two-kernel path bit for bit (tested).
 
+The k and v written here are read back by the same program's attention loop; a block barrier
+between the two makes its own global writes visible to all of its threads.
+
 The kernel is bound by each program's serial chain of memory round trips, not by bandwidth (64
-streams' keys are a few MB a layer). KV_FORM (session 21) picks how the cache's keys meet the step's
-own: "barrier" writes k and v to their slot, a block barrier makes the writes visible to all of the
-program's threads, and the loop reads every tile after the PDL wait; "registers" loads the first tile
-before the wait (the cache's keys are written by earlier steps, so it may) and joins the step's own
-key and value from registers, with no barrier or read-back; "l2" and "l2_registers" instead only ask
-the first tile's lines into L2 before the wait (no registers held across it), then as "barrier" /
-"registers".
+streams' keys are a few MB a layer). So (session 21) the first key tile's lines are asked into L2
+before the PDL wait, while the QKV GEMM still runs: the cache's keys were written by earlier steps.
+Measured and left out (session 21, docs/benchmarks/generate.md): loading that tile into registers
+before the wait and joining the step's own key from registers (no barrier, no read-back) held up to
+~250 registers a thread and was slower at both benchmark shapes, with or without the L2 prefetch.
 """
 
 from __future__ import annotations
@@ -39,11 +40,11 @@ LAUNCH = {"num_warps": 4, "num_stages": 3}
 BLOCK_N = {(32, 8, 64): 128}
 DEFAULT_BLOCK_N = 256
 
-# How the step's key meets the cache's (the module docstring). Read at launch, so an engine's CUDA graphs keep
-# the form they were captured with (benchmarks/generate_ab.py's kv variants). Session 21, call 1: "registers"
-# slower than "barrier" (Qwen2-0.5B 7.54 against 6.52 us a layer; engine graph 876 against 818 us).
-KV_FORMS = {"barrier": 0, "registers": 1, "l2": 2, "l2_registers": 3}
-KV_FORM = "barrier"
+# The first key tile's lines asked into L2 before the PDL wait (the module docstring). Read at launch, so an
+# engine's CUDA graphs keep the form they were captured with (benchmarks/generate_ab.py's "l2kv" variants).
+# Session 21, call 2 (engine A/B, 7 rounds interleaved): Qwen2-0.5B decode graph 812.1 -> 796.1 us, 68,662 ->
+# 70,333 tok/s; Llama-1B 1,200.2 -> 1,192.6 us, 45,011 -> 45,114 tok/s.
+PREFETCH_FIRST_TILE = True
 
 
 def block_n_for(nq: int, nkv: int, d: int) -> int:
@@ -122,18 +123,11 @@ def _attend(q, k, v, kpos, ctx, qk_scale, m_i, l_i, acc):
 
 
 @triton.jit
-def _with_new(kpos, k, v, k_new, v_new, ctx):
-    """The tile with the step's own key and value (position ctx - 1, still in registers) in their column / row."""
-    new = kpos == ctx - 1
-    return tl.where(new[None, :], k_new[:, None], k), tl.where(new[:, None], v_new[None, :], v)
-
-
-@triton.jit
 def _decode_attn(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, ctx_ptr,
                  qk_scale, stride_t, stride_s, stride_kb, stride_kt, stride_kh, stride_ot, stride_oh, stride_tb,
                  NQ: tl.constexpr, NKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                  SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PDL: tl.constexpr, KV_FORM: tl.constexpr, LINE: tl.constexpr):
+                 PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     HALF: tl.constexpr = D // 2
@@ -148,13 +142,9 @@ def _decode_attn(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, 
     partner = tl.where(first, offs_d + HALF, offs_d - HALF)
     c = tl.load(cos_ptr + pos * D + offs_d).to(tl.float32)
     s = tl.load(sin_ptr + pos * D + offs_d).to(tl.float32)
-    FROM_REGS: tl.constexpr = KV_FORM == 1 or KV_FORM == 3
-    # the cache's keys were written by earlier steps (pdl.py's contract: nothing this step writes), so the
-    # first tile may be loaded or asked into L2 before the wait, in the QKV GEMM's shadow
-    if KV_FORM == 1:
-        kpos0, k0, v0 = _kv_tile(k_ptr, v_ptr, tables_ptr, seq, kvh, 0, ctx - 1, offs_d, stride_kb, stride_kt,
-                                 stride_kh, stride_tb, PAGE, BLOCK_N)
-    if KV_FORM >= 2:
+    if PREFETCH:
+        # the cache's keys were written by earlier steps (pdl.py's contract: nothing this step writes), so the
+        # first tile's lines are asked into L2 before the wait, in the QKV GEMM's shadow
         _prefetch_tile(k_ptr, v_ptr, tables_ptr, seq, kvh, ctx - 1, stride_kb, stride_kt, stride_kh, stride_tb, D,
                        PAGE, BLOCK_N, LINE)
     wait_then_release(PDL)
@@ -181,19 +171,11 @@ def _decode_attn(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    first_key = 0
-    if KV_FORM == 1:
-        # the step's own key and value join from registers: nothing reads back the write above
-        k0, v0 = _with_new(kpos0, k0, v0, k_new, v_new, ctx)
-        m_i, l_i, acc = _attend(q, k0, v0, kpos0, ctx, qk_scale, m_i, l_i, acc)
-        first_key = BLOCK_N
-    if not FROM_REGS:
-        tl.debug_barrier()  # this program's k / v writes, visible to all its threads before the loop reads them
-    for start in range(first_key, ctx, BLOCK_N):
-        kpos, k, v = _kv_tile(k_ptr, v_ptr, tables_ptr, seq, kvh, start, ctx - 1 if FROM_REGS else ctx, offs_d,
-                              stride_kb, stride_kt, stride_kh, stride_tb, PAGE, BLOCK_N)
-        if FROM_REGS:
-            k, v = _with_new(kpos, k, v, k_new, v_new, ctx)
+    tl.debug_barrier()  # this program's k / v writes, visible to all its threads before the loop reads them
+    # paged_attention's decode loop (n = 1): the one query token sees keys 0 .. ctx - 1
+    for start in range(0, ctx, BLOCK_N):
+        kpos, k, v = _kv_tile(k_ptr, v_ptr, tables_ptr, seq, kvh, start, ctx, offs_d, stride_kb, stride_kt, stride_kh,
+                              stride_tb, PAGE, BLOCK_N)
         m_i, l_i, acc = _attend(q, k, v, kpos, ctx, qk_scale, m_i, l_i, acc)
     acc = acc / l_i[:, None]
     tl.store(o_ptr + t * stride_ot + head[:, None] * stride_oh + offs_d[None, :], acc.to(o_ptr.dtype.element_ty),
@@ -229,6 +211,6 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, po
         qkv.stride(-2), qkv.stride(0) if splits else 0, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
         NQ=nq, NKV=nkv, G=g, D=d, PAGE=page, SPLITS=splits, HAS_BIAS=bias is not None, BLOCK_M=block_m,
-        BLOCK_N=block_n or 64, PDL=pdl, KV_FORM=KV_FORMS[KV_FORM], LINE=128 // k_cache.element_size(), num_warps=num_warps or LAUNCH["num_warps"],
+        BLOCK_N=block_n or 64, PDL=pdl, PREFETCH=PREFETCH_FIRST_TILE, LINE=128 // k_cache.element_size(), num_warps=num_warps or LAUNCH["num_warps"],
         num_stages=num_stages or LAUNCH["num_stages"], **launch_kw(pdl))
     return out
