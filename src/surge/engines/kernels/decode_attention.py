@@ -211,6 +211,6 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, po
         qkv.stride(-2), qkv.stride(0) if splits else 0, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
         NQ=nq, NKV=nkv, G=g, D=d, PAGE=page, SPLITS=splits, HAS_BIAS=bias is not None, BLOCK_M=block_m,
-        BLOCK_N=block_n or 64, PDL=pdl, PREFETCH=PREFETCH_FIRST_TILE, LINE=128 // k_cache.element_size(), num_warps=num_warps or LAUNCH["num_warps"],
-        num_stages=num_stages or LAUNCH["num_stages"], **launch_kw(pdl))
+        BLOCK_N=block_n or 64, PDL=pdl, PREFETCH=PREFETCH_FIRST_TILE, LINE=128 // k_cache.element_size(),
+        num_warps=num_warps or LAUNCH["num_warps"], num_stages=num_stages or LAUNCH["num_stages"], **launch_kw(pdl))
     return out
