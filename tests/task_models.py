@@ -54,8 +54,10 @@ def task_models_dir() -> Path:
     for i, (name, (task, labels, multi)) in enumerate(RANDOM.items()):
         random_head_model(backbone, tmp / name, task, labels, seed=100 + i, multi_label=multi)
     (tmp / "DONE").write_text(json.dumps(report))
-    if final.exists():
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
+    try:
         tmp.rename(final)
+    except OSError:  # another test process (pytest-xdist worker) built it first
+        if not (final / "DONE").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return final

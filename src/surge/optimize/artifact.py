@@ -61,4 +61,9 @@ class staging_dir:
                 shutil.rmtree(self.tmp, ignore_errors=True)
                 return
             shutil.rmtree(self.final, ignore_errors=True)
-        os.replace(self.tmp, self.final)
+        try:
+            os.replace(self.tmp, self.final)
+        except OSError:  # another process renamed its copy into place since the check (not empty: ENOTEMPTY)
+            if not is_complete(self.final):
+                raise
+            shutil.rmtree(self.tmp, ignore_errors=True)
