@@ -178,6 +178,8 @@ def test_kserve_task_contracts_http_and_grpc(server, models):
         for i, w in enumerate(want_tok):
             assert lengths[i] == len(w)
             np.testing.assert_allclose(logits[i, :lengths[i]], w, atol=1e-3)
+    h.close()  # tritonclient's __del__ closes a forgotten client on whatever thread collects it, and warns
+    g.close()
 
 
 BAD = [

@@ -73,6 +73,8 @@ def test_aliases_answer_on_openai_native_and_kserve(oa, main_server, reference_e
     got = gc.infer("text-embedding-3-small", [ginp], headers=meta).as_numpy("embedding")
     assert cosine_rows(got, ref).min() >= 0.99999
     assert gc.get_model_metadata("surge-alias", headers=meta).name == MODEL
+    hc.close()
+    gc.close()
 
 
 def _batch_sizes(url: str) -> tuple[float, float]:
