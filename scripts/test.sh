@@ -14,11 +14,11 @@ if ! command -v redis-server >/dev/null 2>&1; then
   fi
 fi
 "$PY" -m pip install -q -e ".[test]"
-# Two worker processes (pytest-xdist), each taking whole files so that a module's fixtures are built once:
-# on CI's 2 cores the serial run left ~40% of the CPU idle while tests waited on servers and subprocesses.
-# SURGE_TEST_WORKERS=0 runs everything in one process.
+# Two worker processes (pytest-xdist), each taking whole files so that a module's fixtures are built once
+# (tests/conftest.py groups them; the CPU-heaviest files share one group): on CI's 2 cores the serial run left
+# ~40% of the CPU idle while tests waited on servers and subprocesses. SURGE_TEST_WORKERS=0: one process.
 # OpenMP threads (torch's CPU ops) sleep at a barrier instead of spinning: with two workers on two cores a
 # spinning thread takes the core its partner needs (a distillation test: 59 s alone, 125 s beside one busy
 # core, 90 s with PASSIVE; 63 s with PASSIVE alone).
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
-exec "$PY" -m pytest -q -n "${SURGE_TEST_WORKERS:-2}" --dist loadfile "$@"
+exec "$PY" -m pytest -q -n "${SURGE_TEST_WORKERS:-2}" --dist loadgroup "$@"

@@ -14,7 +14,21 @@ CACHE_DIR = Path(os.environ.get("SURGE_TEST_CACHE_DIR", ROOT / ".pytest_cache" /
 os.environ.setdefault("SURGE_CACHE_DIR", str(CACHE_DIR))
 
 
+# Files whose tests keep both cores busy for tens of seconds (INT8 search, distillation, the CPU encoder): in
+# scripts/test.sh's two pytest-xdist workers they run in one worker, one at a time, so that two of them never
+# share the two cores (each would run at under half speed, its threads waiting for the other's); every other
+# file is its own unit, as with --dist loadfile.
+CPU_HEAVY = {"tests/integration/test_task_fallback.py", "tests/integration/test_int8_heldout.py",
+             "tests/integration/test_optimize.py", "tests/integration/test_optimize_tasks.py",
+             "tests/unit/optimize/test_distill_width.py", "tests/unit/optimize/test_rowquant.py",
+             "tests/unit/optimize/test_int8_options.py", "tests/unit/test_encoder_cpu.py"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group("cpu-heavy" if path in CPU_HEAVY else path))
     try:
         import torch
 
