@@ -19,6 +19,7 @@ What the gate measures follows the model's task (models/tasks.py):
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -110,9 +111,13 @@ class GateResult:
 
 
 def session(model: str | Path | bytes, threads: int = 0, disabled_optimizers: list[str] | tuple = (),
-            spinning: bool = True) -> ort.InferenceSession:
+            spinning: bool | None = None) -> ort.InferenceSession:
     """An ONNX Runtime CPU session; `disabled_optimizers` as an artifact's manifest lists them,
-    `spinning=False` as the serving engine runs (engines/onnxrt.py)."""
+    `spinning=False` as the serving engine runs (engines/onnxrt.py). `spinning=None` reads SURGE_ORT_SPINNING
+    (default on, ONNX Runtime's own default; "0" parks the threads between operators: for a machine whose cores
+    another process needs meanwhile, such as a serving process or a second test worker)."""
+    if spinning is None:
+        spinning = os.environ.get("SURGE_ORT_SPINNING", "1") != "0"
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.log_severity_level = 3

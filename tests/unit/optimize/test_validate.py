@@ -102,3 +102,31 @@ def test_classifier_argmax_agreement(tmp_path, sentences):
     metrics = ev.metrics(source)
     assert all(m.argmax == 1.0 and m.top1 is None for m in metrics.values())
     assert check(BUDGETS["fp32"], metrics).passed
+
+
+def test_session_spinning_follows_the_argument_then_the_environment(monkeypatch):
+    """The gate's sessions: `spinning` given wins; unset, SURGE_ORT_SPINNING="0" parks the threads."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from surge.optimize.validate import session
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    onnx.checker.check_model(model)
+
+    def spins(**kw) -> str:
+        opts = session(model, 1, **kw).get_session_options()
+        try:
+            return opts.get_session_config_entry("session.intra_op.allow_spinning")
+        except Exception:  # never set: ONNX Runtime's default, spinning
+            return "1"
+
+    monkeypatch.delenv("SURGE_ORT_SPINNING", raising=False)
+    assert spins() == "1" and spins(spinning=False) == "0"
+    monkeypatch.setenv("SURGE_ORT_SPINNING", "0")
+    assert spins() == "0" and spins(spinning=True) == "1"
+    x = np.random.default_rng(0).standard_normal(2).astype(np.float32)
+    np.testing.assert_array_equal(session(model, 1).run(None, {"x": x})[0], np.maximum(x, 0))
