@@ -14,13 +14,14 @@ if ! command -v redis-server >/dev/null 2>&1; then
   fi
 fi
 "$PY" -m pip install -q -e ".[test]"
-# Two worker processes (pytest-xdist), each taking whole files so that a module's fixtures are built once, the
-# slowest files first (tests/conftest.py orders them; xdist's own reordering by test count is off): on CI's 2
-# cores the serial run left ~40% of the CPU idle while tests waited on servers and subprocesses.
+# Two worker processes (pytest-xdist), each taking whole files so that a module's fixtures are built once: on
+# CI's 2 cores the serial run left ~40% of the CPU idle while tests waited on servers and subprocesses. (Tried
+# and slower on clean clones here: the CPU-heaviest files in one worker's group, 22:16 against 16:49-19:32; the
+# slowest files first, 26:07: two of them at once, each with two threads, ran 25-50% slower.)
 # SURGE_TEST_WORKERS=0: one process.
 # Threads that spin while waiting take the core the other worker needs: OpenMP's (torch's CPU ops) sleep at a
 # barrier instead (a distillation test: 59 s alone, 125 s beside one busy core, 90 s with PASSIVE; 63 s with
 # PASSIVE alone), and so do ONNX Runtime's in the optimizer's sessions (the serving engine's never spin).
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 export SURGE_ORT_SPINNING="${SURGE_ORT_SPINNING:-0}"
-exec "$PY" -m pytest -q -n "${SURGE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
+exec "$PY" -m pytest -q -n "${SURGE_TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -14,22 +14,7 @@ CACHE_DIR = Path(os.environ.get("SURGE_TEST_CACHE_DIR", ROOT / ".pytest_cache" /
 os.environ.setdefault("SURGE_CACHE_DIR", str(CACHE_DIR))
 
 
-# The slowest files, seconds measured on CI's 2 cores (a clean clone's run in two workers, 2026-12-04: each
-# file's tests summed from pytest's junit report). scripts/test.sh's pytest-xdist workers take whole files in collection order; these go first,
-# longest first, so that no long file starts last and runs alone at the end (xdist's own order, by the number of
-# tests in a file, put them there: a few long tests each).
-SLOW_FILES = {"tests/integration/test_int8_heldout.py": 204, "tests/integration/test_task_fallback.py": 198,
-              "tests/unit/optimize/test_distill_width.py": 161, "tests/e2e/test_ray_serve.py": 149,
-              "tests/unit/optimize/test_rowquant.py": 141, "tests/e2e/test_openapi_fuzz.py": 122,
-              "tests/integration/test_optimize_tasks.py": 101, "tests/e2e/test_workers_repository.py": 93,
-              "tests/unit/test_encoder_cpu.py": 92, "tests/integration/test_optimize.py": 90,
-              "tests/integration/test_task_heads.py": 82, "tests/e2e/test_runtime_serving.py": 68,
-              "tests/e2e/test_ray_generate.py": 57, "tests/e2e/test_bench.py": 57}
-
-
 def pytest_collection_modifyitems(config, items):
-    # stable: within a file, and among the other files, pytest's own order
-    items.sort(key=lambda item: -SLOW_FILES.get(item.nodeid.split("::")[0], 0))
     try:
         import torch
 
