@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from tests.conftest import cosine_rows
-from tests.server_process import ServerProcess, children_by_role
+from tests.server_process import ServerProcess, children_by_role, fresh_client
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -199,9 +199,8 @@ def test_two_engine_processes_each_restarted_on_its_own(sentences, reference_emb
         def ask():
             out = []
             for t in texts:  # a new connection each time: the kernel spreads them over the front ends
-                r = httpx.post(srv.url + "/v1/embeddings", json={"input": t}, headers={"connection": "close"},
-                               timeout=60)
-                out.append(r)
+                with fresh_client(srv.url, timeout=60) as c:
+                    out.append(c.post("/v1/embeddings", json={"input": t}))
             return out
 
         for r, want in zip(ask(), ref):

@@ -24,8 +24,10 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def server():
+    # Deadlines far above any wait here: the claims are about whose connection is whose, and on a loaded
+    # 2-core machine three clients of 16 long inputs queue for tens of seconds (504s at the default 30 s).
     with ServerProcess("--workers", "2", "--engine", "torch", "--device", "cpu", "--cache-bytes", "0",
-                       "--max-batch-size", "16") as srv:
+                       "--max-batch-size", "16", "--request-timeout-s", "150") as srv:
         yield srv
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from tests.conftest import cosine_rows
 from tests.e2e.repo_helpers import FAST, add_version
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, fresh_client
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -121,7 +121,7 @@ def test_a_non_embedding_model_is_refused_with_the_reason_and_the_rest_serves(se
 def _all_fronts_answer(srv, model: str, status: int, tries: int = 40) -> bool:
     """`tries` requests on fresh connections (the kernel spreads them over both front ends)."""
     for _ in range(tries):
-        with httpx.Client(base_url=srv.url, timeout=30) as c:
+        with fresh_client(srv.url, timeout=30) as c:
             if c.post("/embed", json={"inputs": ["hello there"], "model": model}).status_code != status:
                 return False
     return True
@@ -192,7 +192,7 @@ def test_a_restarted_engine_process_serves_each_model_again_never_another_models
     end = time.monotonic() + 180
     seen_ok = 0
     while time.monotonic() < end and seen_ok < 20:
-        with httpx.Client(base_url=server.url, timeout=60) as c:
+        with fresh_client(server.url, timeout=60) as c:
             for model in ("enc", "short"):
                 t0 = time.monotonic()
                 r = c.post("/embed", json={"inputs": texts, "model": model})

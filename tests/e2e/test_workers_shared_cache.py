@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import cosine_rows
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, fresh_client
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,7 +32,7 @@ def test_a_query_answered_by_one_front_end_is_a_hit_in_the_other(sentences, refe
         answers = []
         for rnd in range(7):  # a fresh connection each time: the kernel spreads them over both front ends
             for i, t in enumerate(texts):
-                with httpx.Client(base_url=srv.url, timeout=60) as c:
+                with fresh_client(srv.url, timeout=60) as c:
                     r = c.post("/embed", json={"inputs": [t]})
                 assert r.status_code == 200, r.text
                 vec = np.array(r.json()["embeddings"][0], np.float32)
