@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 __all__ = ["ROOT", "ServerProcess", "free_port", "fresh_client"]
 
-# Made once: an httpx client made without one loads the CA bundle, ~65-85 ms of CPU on CI's 2 cores, which
+# Made once: an httpx client made without one loads the CA bundle, 52-85 ms of CPU on CI's 2 cores (benchmarks/startup_cpu.py), which
 # tests that open a fresh connection per request (to reach every front end) paid hundreds of times.
 _TLS = ssl.create_default_context()
 

@@ -48,8 +48,8 @@ class ServerProc:
         import httpx
 
         deadline = time.monotonic() + self.ready_timeout_s
-        # One client for every probe: each new httpx client loads the CA bundle (~65-85 ms of CPU on a 2-core
-        # VM), which a probe every 0.3 s took from the server starting beside it.
+        # One client for every probe: each new httpx client loads the CA bundle (52-85 ms of CPU on a 2-core VM,
+        # benchmarks/startup_cpu.py), which a probe every 0.3 s took from the server starting beside it.
         with httpx.Client(timeout=2) as client:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:

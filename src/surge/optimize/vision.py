@@ -180,13 +180,9 @@ def quantize_int8(model: onnx.ModelProto, samples: dict[str, np.ndarray], work_d
 # ---- the gate ----------------------------------------------------------------------
 def run(model: onnx.ModelProto | str | Path, inputs: dict[str, np.ndarray], threads: int = 0,
         batch: int = 64) -> np.ndarray:
-    import onnxruntime as ort
+    from surge.optimize.validate import session
 
-    opts = ort.SessionOptions()
-    if threads:
-        opts.intra_op_num_threads = threads
-    data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
-    sess = ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
+    sess = session(model.SerializeToString() if isinstance(model, onnx.ModelProto) else model, threads)
     n = len(next(iter(inputs.values())))
     return np.concatenate([sess.run(None, {k: v[i:i + batch] for k, v in inputs.items()})[0]
                            for i in range(0, n, batch)])
