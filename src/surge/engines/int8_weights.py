@@ -142,11 +142,11 @@ def widen_int8_weights(model) -> int:
         node.input[zp_at] = zp_new
         changed += 1
     if changed:  # drop the int8 originals nothing reads any more
+        from surge.engines.onnx_proto import drop_initializers
+
         used = {i for n in graph.node for i in n.input}
-        keep = [i for i in graph.initializer if i.name in used or i.name not in widened]
-        dropped = {i.name for i in graph.initializer} - {i.name for i in keep}
-        del graph.initializer[:]
-        graph.initializer.extend(keep)
+        dropped = {name for name in widened if name not in used}
+        drop_initializers(graph, lambda init: init.name in dropped)
         # graphs older than IR 4 list initializers among the inputs too: a dropped one must go
         # there as well, or the session would ask to be fed it
         inputs = [i for i in graph.input if i.name not in dropped]

@@ -51,6 +51,22 @@ def input_moments(model: onnx.ModelProto, batches, inputs: set[str], threads: in
     return {k: sums[k] / max(count[k], 1) for k in sums}
 
 
+def feedback_factor(h: np.ndarray) -> np.ndarray:
+    """The upper triangular U with U^T U = H^-1 (the Cholesky factor of the inverse, transposed), for a
+    symmetric positive definite H, without forming H^-1.
+
+    H's rows and columns reversed have a lower Cholesky factor L; reversed back it is an upper V with
+    H = V V^T, so H^-1 = V^-T V^-1 and U = V^-1, one triangular inverse. A general inverse (LU) and a
+    second factorization took 2.5x as long at K = 1536 (benchmarks/int8_search_cpu.py)."""
+    from scipy.linalg import lapack
+
+    v = np.linalg.cholesky(h[::-1, ::-1])[::-1, ::-1]
+    u, info = lapack.dtrtri(np.asfortranarray(v), lower=0)
+    if info != 0:
+        raise np.linalg.LinAlgError(f"triangular inverse failed (LAPACK info {info})")
+    return np.triu(u)
+
+
 def gptq_int8(w: np.ndarray, h: np.ndarray, damp: float = 0.01, block: int = 128) -> tuple[np.ndarray, np.ndarray]:
     """int8 codes [K, N] and per-column scales [N] of W [K, N] (y = x @ W), given H = E[x x^T] [K, K].
 
@@ -64,7 +80,7 @@ def gptq_int8(w: np.ndarray, h: np.ndarray, damp: float = 0.01, block: int = 128
     h[dead, dead] = 1.0
     w[dead, :] = 0.0
     h += damp * float(np.mean(np.diag(h))) * np.eye(k)  # dampening keeps the inverse well conditioned
-    u = np.linalg.cholesky(np.linalg.inv(h)).T  # upper triangular: row i's feedback onto rows > i
+    u = feedback_factor(h)  # upper triangular: row i's feedback onto rows > i
     q = np.empty(w.shape, np.int8)
     for b0 in range(0, k, block):
         b1 = min(b0 + block, k)

@@ -56,6 +56,8 @@ import onnx
 from onnx import helper
 from onnx import numpy_helper as nh
 
+from surge.engines.onnx_proto import copy_model, drop_initializers
+
 _C = "rowq_const_"  # shared constants
 GELU_MIN = 0.17  # -min over x of x * Phi(x) is 0.16997: a lower bound of every (Bias/Fast)Gelu output
 GELU_OPS = {"Gelu", "BiasGelu", "FastGelu"}
@@ -100,10 +102,16 @@ def quantize_rows(model: onnx.ModelProto, exclude: list[str] | tuple[str, ...] =
     affine uint8 grid (a single QuantizeLinear, no per-row reductions; batch invariant too, and coarser);
     `outliers`: node name -> input channels (outlier_channels) whose part of the product runs in FP32, the
     int8 product reading the other channels only (pass `weights` rounded for that split, gptq_weights)."""
-    out = onnx.ModelProto.FromString(model.SerializeToString())
+    targets = {n.name for n in quantizable(model) if n.name and n.name not in exclude}
+    source = {i.name: i for i in model.graph.initializer}
+    # The FP32 weights of the nodes converted here are read from `model` and never copied: a whole copy
+    # of the graph cost ~2/3 of this function (the fallback search converts the model once a step).
+    converted = {n.input[1] for n in model.graph.node if n.name in targets and len(n.input) > 1}
+    kept_reads = {i for n in model.graph.node if n.name not in targets for i in n.input} | \
+        {o.name for o in model.graph.output}
+    out = copy_model(model, skip_initializers=converted - kept_reads)
     graph = out.graph
     inits = {i.name: i for i in graph.initializer}
-    targets = {n.name for n in quantizable(out) if n.name and n.name not in exclude}
     graph.initializer.extend([
         nh.from_array(np.array([-1], np.int64), _C + "last_axis"),
         nh.from_array(np.array(1e-8, np.float32), _C + "eps"),
@@ -121,7 +129,7 @@ def quantize_rows(model: onnx.ModelProto, exclude: list[str] | tuple[str, ...] =
             nodes.append(node)
             continue
         p = f"rowq/{node.name}"
-        w = nh.to_array(inits[node.input[1]]).astype(np.float32)
+        w = nh.to_array(source[node.input[1]]).astype(np.float32)
         # before any outlier mask is folded into a smoothing Mul (the shift reads that Mul's factor)
         shift = _gelu_shift(graph, node.input[0], w.shape[0], inits) if node.op_type == "MatMul" and unsigned_gelu else None
         split = outliers.get(node.name) if outliers is not None else None
@@ -353,6 +361,5 @@ def _mmitf(p: str, out: str, zp: str = _C + "zp") -> onnx.NodeProto:
 
 def _prune_unused(model: onnx.ModelProto) -> None:
     used = {i for n in model.graph.node for i in n.input} | {o.name for o in model.graph.output}
-    keep = [i for i in model.graph.initializer if i.name in used]
-    del model.graph.initializer[:]
-    model.graph.initializer.extend(keep)
+    drop_initializers(model.graph, lambda init: init.name not in used)
+
