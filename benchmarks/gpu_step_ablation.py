@@ -97,18 +97,9 @@ def capture_and_time(graphs, bucket: int, repeats: int) -> float:
         with torch.cuda.graph(g, stream=stream):
             graphs._forward(bucket)
     torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(50):
-            g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 50 * 1e3)
-    del g
-    return statistics.median(times)
+    from benchmarks.generate import replay_us
+
+    return replay_us(g, repeats)
 
 
 def main(argv=None) -> int:
