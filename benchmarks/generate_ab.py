@@ -119,7 +119,6 @@ def use_attn_launch(variant: str, launch: str) -> None:
     warps, stages = (launch.split(",") if "ta" in variant.split("+") else ("4", "2"))
     decode_attention.LAUNCH.update(num_warps=int(warps), num_stages=int(stages))
     decode_attention.PREFETCH_FIRST_TILE = "l2kv" in variant.split("+")
-    decode_attention.EARLY_FIRST_TILE = "early" in variant.split("+")
 
 
 def blas(lt: bool) -> None:

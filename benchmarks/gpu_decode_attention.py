@@ -28,18 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_decode_gemms import layer_dims, timed  # noqa: E402
 
 B, PAGE = 64, 16
-# the kernel's forms: the first key tile's lines asked into L2 before the PDL wait or not (PREFETCH_FIRST_TILE),
-# and that tile loaded right after the wait beside the QKV partials or after the cache write (EARLY_FIRST_TILE)
-FORMS = ("barrier", "l2", "early", "l2_early")
-
-
-def form_flags(form: str) -> tuple[bool, bool]:
-    """(PREFETCH_FIRST_TILE, EARLY_FIRST_TILE) of a form."""
-    return form in ("l2", "l2_early"), form.endswith("early")
-
-
-def form_of(prefetch: bool, early: bool) -> str:
-    return next(f for f in FORMS if form_flags(f) == (bool(prefetch), bool(early)))
+# the kernel's forms: the first key tile's lines asked into L2 before the PDL wait or not (PREFETCH_FIRST_TILE)
+FORMS = ("barrier", "l2")
 
 
 def compiled_registers(jit_fn) -> dict:
@@ -50,7 +40,7 @@ def compiled_registers(jit_fn) -> dict:
         for caches in jit_fn.device_caches.values():
             for kernel in caches[0].values():
                 c = {jit_fn.arg_names[k[0]]: v for k, v in kernel.src.constants.items() if len(k) == 1}
-                key = (form_of(c.get("PREFETCH"), c.get("EARLY")), c["BLOCK_N"], kernel.metadata.num_warps, kernel.metadata.num_stages,
+                key = (FORMS[bool(c.get("PREFETCH"))], c["BLOCK_N"], kernel.metadata.num_warps, kernel.metadata.num_stages,
                        bool(c.get("PDL")))
                 out[key] = {"n_regs": kernel.n_regs, "n_spills": kernel.n_spills}
     except Exception as exc:  # a Triton whose cache is laid out otherwise: the table without the columns
@@ -119,7 +109,7 @@ def main():
     from surge.engines.kernels import decode_attention as da
 
     def fused(bn, nw, st, form, pdl, li=0, kc=kc, vc=vc):
-        da.PREFETCH_FIRST_TILE, da.EARLY_FIRST_TILE = form_flags(form)
+        da.PREFETCH_FIRST_TILE = form == "l2"
         return decode_attention(qkv, cos, sin, pos, slots, kc[li], vc[li], meta, scale, NQ, NKV, D, bias=bias,
                                 block_n=bn, num_warps=nw, num_stages=st, pdl=pdl)
 
@@ -149,7 +139,7 @@ def main():
                 t = timed(lambda: [fused(bn, nw, st, form, True, li) for li in range(LAYERS)]) / LAYERS
                 rows.append({"path": "decode_attention", "kv_form": form, "pdl": True, "block_n": bn,
                              "num_warps": nw, "num_stages": st, "us": t, "equal": bool(torch.equal(out, ref[bn]))})
-    da.PREFETCH_FIRST_TILE, da.EARLY_FIRST_TILE = True, False
+    da.PREFETCH_FIRST_TILE = True
     regs = compiled_registers(da._decode_attn)
     for r in rows:
         r.update(regs.get((r.get("kv_form"), r["block_n"], r["num_warps"], r["num_stages"], r.get("pdl")), {}))

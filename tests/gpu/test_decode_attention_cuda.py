@@ -29,13 +29,12 @@ def _pdl_modes():
 # Each case is a compile of the kernel per (keys a tile, PDL); the engine's form (7 partials, the first tile
 # asked into L2) runs every tile size with and without PDL, the others at the layout's own tile size only, so
 # that the whole GPU suite stays inside one device call (session 21, call 3: 72 compiles timed it out).
-_FORMS = [(7, True, False, (64, 128, 256), (False, True)), (0, True, False, None, (False, True)),
-          (7, False, False, None, (True,)), (7, True, True, None, (False, True)), (0, False, True, (64,), (True,))]
+_FORMS = [(7, True, (64, 128, 256), (False, True)), (0, True, None, (False, True)), (7, False, None, (True,))]
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (32, 8, 64), (12, 12, 64), (8, 2, 128)])
-@pytest.mark.parametrize("splits,prefetch,early,block_ns,pdls", _FORMS)
-def test_decode_attention_equals_rope_cache_then_paged_attention(hq, hkv, d, splits, prefetch, early, block_ns, pdls,
+@pytest.mark.parametrize("splits,prefetch,block_ns,pdls", _FORMS)
+def test_decode_attention_equals_rope_cache_then_paged_attention(hq, hkv, d, splits, prefetch, block_ns, pdls,
                                                                   monkeypatch):
     """Bit for bit: the attention output and both caches against rope_and_cache followed by
     paged_attention, on random Q/K/V (the GEMM's BF16 output, or 7 FP32 split-K partials plus a bias),
@@ -45,7 +44,6 @@ def test_decode_attention_equals_rope_cache_then_paged_attention(hq, hkv, d, spl
     from surge.engines.kernels.decode_attention import decode_attention
 
     monkeypatch.setattr(da, "PREFETCH_FIRST_TILE", prefetch)
-    monkeypatch.setattr(da, "EARLY_FIRST_TILE", early)
     from surge.engines.kernels.decoder_fused import rope_and_cache
     from surge.engines.kernels.paged_attention import paged_attention
 

@@ -46,11 +46,6 @@ DEFAULT_BLOCK_N = 256
 # 70,333 tok/s; Llama-1B 1,200.2 -> 1,192.6 us, 45,011 -> 45,114 tok/s.
 PREFETCH_FIRST_TILE = True
 
-# Session 24: the first key tile's table entries read before the PDL wait and its keys and values loaded right
-# after it, in flight together with the QKV partials (not after the partials' sum, the cache write and a block
-# barrier), the step's own key and value joined from registers. Read at launch, like PREFETCH_FIRST_TILE.
-EARLY_FIRST_TILE = False
-
 
 def block_n_for(nq: int, nkv: int, d: int) -> int:
     """Keys per iteration of decode steps for a head layout: the measured value, else DEFAULT_BLOCK_N."""
@@ -132,7 +127,7 @@ def _decode_attn(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, 
                  qk_scale, stride_t, stride_s, stride_kb, stride_kt, stride_kh, stride_ot, stride_oh, stride_tb,
                  NQ: tl.constexpr, NKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                  SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, EARLY: tl.constexpr = False):
+                 PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     HALF: tl.constexpr = D // 2
@@ -152,17 +147,7 @@ def _decode_attn(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, 
         # first tile's lines are asked into L2 before the wait, in the QKV GEMM's shadow
         _prefetch_tile(k_ptr, v_ptr, tables_ptr, seq, kvh, ctx - 1, stride_kb, stride_kt, stride_kh, stride_tb, D,
                        PAGE, BLOCK_N, LINE)
-    if EARLY:
-        # the tile's addresses from the block table (step metadata, written before the step: before the wait)
-        kpos0 = tl.arange(0, BLOCK_N)
-        blk0 = tl.load(tables_ptr + seq * stride_tb + kpos0 // PAGE, mask=kpos0 < ctx, other=0).to(tl.int64)
-        kbase0 = blk0 * stride_kb + (kpos0 % PAGE) * stride_kt + kvh * stride_kh
     wait_then_release(PDL)
-    if EARLY:
-        # the cached keys and values (positions < ctx - 1), asked for before the partials: both in flight at once
-        cached = kpos0 < ctx - 1
-        k0 = tl.load(k_ptr + kbase0[None, :] + offs_d[:, None], mask=cached[None, :], other=0.0)
-        v0 = tl.load(v_ptr + kbase0[:, None] + offs_d[None, :], mask=cached[:, None], other=0.0)
 
     r = tl.arange(0, BLOCK_M)
     head = kvh * G + r
@@ -186,16 +171,9 @@ def _decode_attn(qkv_ptr, bias_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_ptr, 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    if EARLY:
-        # the step's own key and value from registers: the tile equals what _kv_tile reads after the barrier
-        own = kpos0 == ctx - 1
-        k0 = tl.where(own[None, :], k_new[:, None], k0)
-        v0 = tl.where(own[:, None], v_new[None, :], v0)
-        m_i, l_i, acc = _attend(q, k0, v0, kpos0, ctx, qk_scale, m_i, l_i, acc)
-    START: tl.constexpr = BLOCK_N if EARLY else 0
     tl.debug_barrier()  # this program's k / v writes, visible to all its threads before the loop reads them
     # paged_attention's decode loop (n = 1): the one query token sees keys 0 .. ctx - 1
-    for start in range(START, ctx, BLOCK_N):
+    for start in range(0, ctx, BLOCK_N):
         kpos, k, v = _kv_tile(k_ptr, v_ptr, tables_ptr, seq, kvh, start, ctx, offs_d, stride_kb, stride_kt, stride_kh,
                               stride_tb, PAGE, BLOCK_N)
         m_i, l_i, acc = _attend(q, k, v, kpos, ctx, qk_scale, m_i, l_i, acc)
@@ -234,6 +212,5 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, po
         out.stride(0), out.stride(1), meta.block_tables.stride(0),
         NQ=nq, NKV=nkv, G=g, D=d, PAGE=page, SPLITS=splits, HAS_BIAS=bias is not None, BLOCK_M=block_m,
         BLOCK_N=block_n or 64, PDL=pdl, PREFETCH=PREFETCH_FIRST_TILE, LINE=128 // k_cache.element_size(),
-        EARLY=EARLY_FIRST_TILE,
         num_warps=num_warps or LAUNCH["num_warps"], num_stages=num_stages or LAUNCH["num_stages"], **launch_kw(pdl))
     return out
