@@ -10,6 +10,7 @@ wrong, the timing is the point) and times its replays (50 back to back, median o
 unchanged step captured the same way first and last (the drift between them is the noise floor).
 
     PYTHONPATH=src python3 benchmarks/gpu_step_ablation.py --shape qwen2-0.5b --json OUT.json
+    python3 benchmarks/gpu_step_ablation.py --plot STEP.png A.json [B.json ...]   # bars from saved records
 
 Ablations (each alone): norms (both add_rmsnorm a layer and the first), attention (the one-kernel decode
 attention), qkv / o / down (the layer GEMMs' split-K partials), gate_up (SiLU(gate) * up), lm_head (the
@@ -102,7 +103,35 @@ def capture_and_time(graphs, bucket: int, repeats: int) -> float:
     return replay_us(g, repeats)
 
 
+def plot(records: list[dict], out: Path) -> None:
+    """One bar chart: us a step saved when each kind is left out, a bar group per record (shape)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = [a for a in ABLATIONS if "+" not in a]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(records)
+    for i, rec in enumerate(records):
+        rows = {r["ablation"]: r["step_us"] for r in rec["rows"]}
+        base = (rows["none (first)"] + rows["none (last)"]) / 2
+        ax.bar([k + i * width for k in range(len(kinds))], [base - rows[k] for k in kinds], width,
+               label=f"{rec['shape']} ({base:.0f} us a step)")
+    ax.set_xticks([k + width * (len(records) - 1) / 2 for k in range(len(kinds))], kinds)
+    ax.set_ylabel("us a decode step saved when left out")
+    ax.set_title("The decode step's kernels by kind, inside the PDL chain (bucket 64, H200)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--plot"]:
+        plot([json.loads(Path(f).read_text()) for f in argv[2:]], Path(argv[1]))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen2-0.5b")
     ap.add_argument("--streams", type=int, default=64)

@@ -93,8 +93,8 @@ def main(argv=None) -> int:
         old = np.linalg.cholesky(np.linalg.inv(h)).T
         new = feedback_factor(h)
         err = float(np.abs(old - new).max() / np.abs(old).max())
-        rows.append((f"GPTQ factor, K = {k}", _median_ms(lambda: np.linalg.cholesky(np.linalg.inv(h)).T, args.rounds),
-                     _median_ms(lambda: feedback_factor(h), args.rounds), f"max rel. diff {err:.1e}"))
+        rows.append((f"GPTQ factor, K = {k}", _median_ms(lambda h=h: np.linalg.cholesky(np.linalg.inv(h)).T, args.rounds),
+                     _median_ms(lambda h=h: feedback_factor(h), args.rounds), f"max rel. diff {err:.1e}"))
 
     # 2. quantize_rows (GPTQ weights, as the search converts the model at each fallback step)
     weights = gptq_weights(smoothed, batches, threads=2)
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     rows.append(("prepared (widened weights)", old_ms, new_ms, f"bytes equal: {old_bytes == new_bytes}"))
 
     print(f"bundled MiniLM, {args.calibration} calibration sentences, median of {args.rounds} (ms)")
-    print(f"| part | old | new | old / new | check |\n| --- | ---: | ---: | ---: | --- |")
+    print("| part | old | new | old / new | check |\n| --- | ---: | ---: | ---: | --- |")
     for name, old, new, note in rows:
         print(f"| {name} | {old:.1f} | {new:.1f} | {old / new:.2f}x | {note} |")
     return 0

@@ -8,7 +8,7 @@ candidate's time outside ONNX Runtime (benchmarks/int8_search_cpu.py).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import onnx
 
