@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from surge.data import calibration_queries, heldout_queries
-from surge.optimize.gptq import gptq_weights
+from surge.optimize.gptq import gptq_weights, node_moments
 from surge.optimize.int8_search import OUTLIER_CHANNELS
 from surge.optimize.rowquant import outlier_channels, quantize_rows
 from surge.optimize.smooth import activation_absmax, smooth
@@ -50,8 +50,9 @@ def plan(bundled_export, bundled_spec):
     calibration = Encoded(bundled_spec, calibration_queries()[:CALIBRATION])
     smoothed, _ = smooth(fused, activation_absmax(fused, calibration.batches, threads=2), ALPHA)
     outliers = outlier_channels(smoothed, activation_absmax(smoothed, calibration.batches, threads=2), OUTLIER_CHANNELS)
-    return (smoothed, outliers, gptq_weights(smoothed, calibration.batches, threads=2, outliers=outliers),
-            gptq_weights(smoothed, calibration.batches, threads=2))
+    moments = node_moments(smoothed, calibration.batches, threads=2)  # both roundings read the same moments
+    return (smoothed, outliers, gptq_weights(smoothed, calibration.batches, threads=2, outliers=outliers, moments=moments),
+            gptq_weights(smoothed, calibration.batches, threads=2, moments=moments))
 
 
 def test_default_plan_on_heldout_queries_strict_top1_and_every_sentence(plan, bundled_spec, bundled_export):

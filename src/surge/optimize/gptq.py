@@ -95,18 +95,28 @@ def gptq_int8(w: np.ndarray, h: np.ndarray, damp: float = 0.01, block: int = 128
     return q, scale.astype(np.float32)
 
 
+def node_moments(model: onnx.ModelProto, batches, threads: int = 0) -> dict[str, np.ndarray]:
+    """input_moments of every input that quantize_rows converts a node on (what gptq_weights reads)."""
+    from surge.optimize.rowquant import quantizable
+
+    return input_moments(model, batches, {n.input[0] for n in quantizable(model) if n.name}, threads)
+
+
 def gptq_weights(model: onnx.ModelProto, batches, threads: int = 0, damp: float = 0.01,
-                 outliers: dict[str, np.ndarray] | None = None) -> dict:
+                 outliers: dict[str, np.ndarray] | None = None, moments: dict[str, np.ndarray] | None = None) -> dict:
     """node name -> (int8 codes, scales) for every node quantize_rows converts, from the calibration batches.
     `outliers`: node name -> input channels that quantize_rows takes out of the int8 product (computed in
-    FP32): their weight rows and their inputs' moments are zero here, so no error is pushed onto them."""
+    FP32): their weight rows and their inputs' moments are zero here, so no error is pushed onto them.
+    `moments`: node_moments(model, batches) when the caller has them already (a pass over the batches
+    saved; they are not modified), else measured here."""
     from onnx import numpy_helper as nh
 
     from surge.optimize.rowquant import quantizable
 
     nodes = [n for n in quantizable(model) if n.name]
     inits = {i.name: i for i in model.graph.initializer}
-    moments = input_moments(model, batches, {n.input[0] for n in nodes}, threads)
+    if moments is None:
+        moments = node_moments(model, batches, threads)
     out = {}
     for n in nodes:
         if n.input[0] not in moments:

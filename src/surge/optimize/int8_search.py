@@ -152,13 +152,15 @@ def build_int8(proto: onnx.ModelProto, evaluator: Evaluator, budget: Budget, per
     kept: list[str] = []
     task = evaluator.reference["calibration"].logits is not None  # a task graph (logits out)
     passed = check(target, {"calibration": metrics}).passed
+    moments = None  # the smoothed graph's GPTQ input moments, once measured
     # Task graphs keep nearest rounding for now: their search and tests were built and measured on it
     # (GPTQ measured on embeddings only; on the slot tagger it made plain INT8 meet the token gate alone).
     if method == "per-row" and weight_rounding == "gptq" and not passed and not task:
-        from surge.optimize.gptq import gptq_weights
+        from surge.optimize.gptq import gptq_weights, node_moments
 
         say("int8: GPTQ weight rounding (error feedback over the calibration inputs)")
-        weights = gptq_weights(smoothed, calibration.batches, evaluator.threads)
+        moments = node_moments(smoothed, calibration.batches, evaluator.threads)  # the outlier split's GPTQ too
+        weights = gptq_weights(smoothed, calibration.batches, evaluator.threads, moments=moments)
         q2, qinfo2 = quantizer(method, per_channel, weights)(smoothed, [])
         m2 = measure(q2)
         info["weight_rounding"] = {"nearest": _row(metrics), "gptq": _row(m2)}
@@ -169,7 +171,8 @@ def build_int8(proto: onnx.ModelProto, evaluator: Evaluator, budget: Budget, per
         else:
             info["weight_rounding"]["chosen"] = "nearest"
     if method == "per-row" and outlier_channels > 0 and not passed and not task:
-        split = _outlier_split(smoothed, calibration.batches, evaluator.threads, outlier_channels, weight_rounding, say)
+        split = _outlier_split(smoothed, calibration.batches, evaluator.threads, outlier_channels, weight_rounding, say,
+                               moments)
         q3, qinfo3 = split(smoothed, [])
         m3 = measure(q3)
         info["outlier_split"] = {"channels": outlier_channels, "before": _row(metrics), "after": _row(m3)}
@@ -225,8 +228,10 @@ def build_int8(proto: onnx.ModelProto, evaluator: Evaluator, budget: Budget, per
     return Int8Plan(q, a, kept, passed, qinfo)
 
 
-def _outlier_split(smoothed: onnx.ModelProto, batches, threads: int, k: int, weight_rounding: str, say):
-    """The quantizer that computes each node's k largest input channels in FP32 (GPTQ weights for that split)."""
+def _outlier_split(smoothed: onnx.ModelProto, batches, threads: int, k: int, weight_rounding: str, say,
+                   moments: dict | None = None):
+    """The quantizer that computes each node's k largest input channels in FP32 (GPTQ weights for that split;
+    `moments`: the graph's node_moments over these batches when already measured)."""
     from surge.optimize.rowquant import outlier_channels
 
     say(f"int8: each node's {k} largest input channels in FP32 (outlier split)")
@@ -235,7 +240,7 @@ def _outlier_split(smoothed: onnx.ModelProto, batches, threads: int, k: int, wei
     if weight_rounding == "gptq":
         from surge.optimize.gptq import gptq_weights
 
-        weights = gptq_weights(smoothed, batches, threads, outliers=outliers)
+        weights = gptq_weights(smoothed, batches, threads, outliers=outliers, moments=moments)
     return quantizer("per-row", True, weights, outliers)
 
 

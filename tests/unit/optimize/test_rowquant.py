@@ -105,7 +105,7 @@ def test_gelu_inputs_use_the_unsigned_grid_and_are_closer_to_fp32(fused_minilm, 
 
 
 def test_gptq_rounding_beats_nearest_on_unseen_sentences(fused_minilm, bundled_spec):
-    from surge.optimize.gptq import gptq_int8, gptq_weights
+    from surge.optimize.gptq import gptq_int8, gptq_weights, node_moments
     from surge.optimize.validate import Encoded
 
     rng = np.random.default_rng(0)
@@ -118,8 +118,19 @@ def test_gptq_rounding_beats_nearest_on_unseen_sentences(fused_minilm, bundled_s
     x_new = rng.standard_normal((500, 48)) @ mix  # fresh inputs from the same distribution
     assert np.square(x_new @ (q * scale) - x_new @ w).mean() < np.square(x_new @ nearest - x_new @ w).mean()
     # on the model: calibration sentences in, held-out sentences measured
-    weights = gptq_weights(fused_minilm, Encoded(bundled_spec, calibration_queries()[:96]).batches, threads=2)
+    batches = Encoded(bundled_spec, calibration_queries()[:96]).batches
+    weights = gptq_weights(fused_minilm, batches, threads=2)
     assert len(weights) == 24
+    # moments measured once and handed in (the search's plain and outlier-split GPTQ share them): the same
+    # codes, and the handed-in moments are left as they were
+    moments = node_moments(fused_minilm, batches, threads=2)
+    kept = {k: v.copy() for k, v in moments.items()}
+    split = {n: np.array([0, 5]) for n in weights}
+    given = gptq_weights(fused_minilm, batches, threads=2, moments=moments, outliers=split)
+    assert all(np.array_equal(moments[k], kept[k]) for k in kept)
+    assert given.keys() == weights.keys()
+    assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+               for a, b in zip(given.values(), gptq_weights(fused_minilm, batches, threads=2, outliers=split).values()))
     texts = heldout_queries()[400:464]
     ref = _embed(session(fused_minilm.SerializeToString(), 2), bundled_spec, texts)
     got = {name: 1 - cosine_rows(ref, _embed(session(quantize_rows(fused_minilm, weights=wts)[0].SerializeToString(), 2),
