@@ -22,7 +22,15 @@ from surge.optimize.gptq import gptq_weights, node_moments
 from surge.optimize.int8_search import OUTLIER_CHANNELS
 from surge.optimize.rowquant import outlier_channels, quantize_rows
 from surge.optimize.smooth import activation_absmax, smooth
-from surge.optimize.validate import BUDGETS, Encoded, Evaluator, check, compare, run_model, session
+from surge.optimize.validate import (
+    BUDGETS,
+    Encoded,
+    Evaluator,
+    check,
+    compare,
+    run_model,
+    session,
+)
 
 ALPHA = 0.65
 # Session 2's plan: these six nodes kept in FP32 (the fallback the outlier split replaced).
