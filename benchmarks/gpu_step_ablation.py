@@ -10,7 +10,7 @@ wrong, the timing is the point) and times its replays (50 back to back, median o
 unchanged step captured the same way first and last (the drift between them is the noise floor).
 
     PYTHONPATH=src python3 benchmarks/gpu_step_ablation.py --shape qwen2-0.5b --json OUT.json
-    python3 benchmarks/gpu_step_ablation.py --plot STEP.png A.json [B.json ...]   # bars from saved records
+    python3 benchmarks/gpu_step_ablation.py --plot STEP.png A.json [B.json ...]   # bars from saved records, no GPU
 
 Ablations (each alone): norms (both add_rmsnorm a layer and the first), attention (the one-kernel decode
 attention), qkv / o / down (the layer GEMMs' split-K partials), gate_up (SiLU(gate) * up), lm_head (the
@@ -127,11 +127,6 @@ def plot(records: list[dict], out: Path) -> None:
 
 
 def main(argv=None) -> int:
-    if argv is None:
-        argv = sys.argv[1:]
-    if argv[:1] == ["--plot"]:
-        plot([json.loads(Path(f).read_text()) for f in argv[2:]], Path(argv[1]))
-        return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen2-0.5b")
     ap.add_argument("--streams", type=int, default=64)
@@ -140,7 +135,14 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--ablations", default=",".join(ABLATIONS))
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--plot", type=Path, help="a bar chart (PNG) of the records given, or of this run's")
+    ap.add_argument("records", nargs="*", type=Path, help="saved --json records to plot (no GPU run)")
     args = ap.parse_args(argv)
+    if args.records:
+        if not args.plot:
+            ap.error("records are given to plot: add --plot PNG")
+        plot([json.loads(f.read_text()) for f in args.records], args.plot)
+        return 0
     from benchmarks.generate import _surge_round, build, make_service
 
     run_args = argparse.Namespace(prompt=args.prompt, output=args.output, budget=args.streams * args.prompt,
@@ -174,9 +176,12 @@ def main(argv=None) -> int:
     print("| left out | step us | saved us a step | saved us a layer |\n| --- | ---: | ---: | ---: |")
     for name, us in rows:
         print(f"| {name} | {us:.1f} | {base - us:.1f} | {(base - us) / layers:.2f} |")
+    record = {"shape": args.shape, "bucket": bucket, "layers": layers,
+              "rows": [{"ablation": n, "step_us": u} for n, u in rows]}
     if args.json:
-        args.json.write_text(json.dumps({"shape": args.shape, "bucket": bucket, "layers": layers,
-                                         "rows": [{"ablation": n, "step_us": u} for n, u in rows]}, indent=1))
+        args.json.write_text(json.dumps(record, indent=1))
+    if args.plot:
+        plot([record], args.plot)
     return 0
 
 

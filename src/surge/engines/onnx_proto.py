@@ -2,8 +2,9 @@
 
 A ModelProto of a BERT-sized encoder is ~90 MB of initializers: `FromString(SerializeToString())`
 copies all of it, and so does clearing a repeated field and extending it with the kept entries. The
-INT8 search builds and measures dozens of candidate graphs, and these copies were a third of a
-candidate's time outside ONNX Runtime (benchmarks/int8_search_cpu.py).
+INT8 search builds and measures dozens of candidate graphs: in a profile of one search these copies
+were about a third of its time outside ONNX Runtime (docs/benchmarks.md, "The INT8 search's work outside
+ONNX Runtime"; benchmarks/int8_search_cpu.py times them against the old forms).
 """
 
 from __future__ import annotations

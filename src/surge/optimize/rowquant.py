@@ -362,4 +362,3 @@ def _mmitf(p: str, out: str, zp: str = _C + "zp") -> onnx.NodeProto:
 def _prune_unused(model: onnx.ModelProto) -> None:
     used = {i for n in model.graph.node for i in n.input} | {o.name for o in model.graph.output}
     drop_initializers(model.graph, lambda init: init.name not in used)
-

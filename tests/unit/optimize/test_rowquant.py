@@ -131,6 +131,9 @@ def test_gptq_rounding_beats_nearest_on_unseen_sentences(fused_minilm, bundled_s
     assert given.keys() == weights.keys()
     assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
                for a, b in zip(given.values(), gptq_weights(fused_minilm, batches, threads=2, outliers=split).values()))
+    # ... and they are what is read: other moments (no correlation between inputs) give other codes
+    plain = gptq_weights(fused_minilm, batches, threads=2, moments={k: np.eye(len(v)) for k, v in moments.items()})
+    assert any(not np.array_equal(plain[n][0], weights[n][0]) for n in weights)
     texts = heldout_queries()[400:464]
     ref = _embed(session(fused_minilm.SerializeToString(), 2), bundled_spec, texts)
     got = {name: 1 - cosine_rows(ref, _embed(session(quantize_rows(fused_minilm, weights=wts)[0].SerializeToString(), 2),
