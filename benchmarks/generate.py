@@ -103,27 +103,32 @@ async def _surge_round(service, prompts, n_out):
     from surge.runtime.scheduler import SamplingParams
 
     params = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
-    ttft, itl, counts = [], [], []
+    ttft, itl, tpot, counts = [], [], [], []
 
     async def one(p):
         start = time.perf_counter()
-        last, n = None, 0
+        first = last = None
+        n = 0
         async for d in service.stream(p, params, deadline=time.monotonic() + 600):
             now = time.perf_counter()
             if last is None:
                 ttft.append(now - start)
+                first = now
             else:
                 itl.append(now - last)
             last = now
             n += len(d.token_ids)
         counts.append(n)
+        if n > 1:  # time per output token after the first: what transformers' row reports as ITL
+            tpot.append((last - first) / (n - 1))
 
     t0 = time.perf_counter()
     await asyncio.gather(*(one(p) for p in prompts))
     wall = time.perf_counter() - t0
     return {"output_tokens": sum(counts), "wall_s": wall, "tok_s": sum(counts) / wall,
             "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
-            "itl_p50_ms": 1e3 * pct(itl, 50), "itl_p99_ms": 1e3 * pct(itl, 99)}
+            "itl_p50_ms": 1e3 * pct(itl, 50), "itl_p99_ms": 1e3 * pct(itl, 99),
+            "tpot_p50_ms": 1e3 * pct(tpot, 50) if tpot else float("nan")}
 
 
 def make_service(path: Path, args, n: int, fused: bool = True, overlap: bool = True):
@@ -135,12 +140,13 @@ def make_service(path: Path, args, n: int, fused: bool = True, overlap: bool = T
     max_len = args.prompt + args.output + 16
     gen = GenerationConfig(max_num_seqs=max(n, 1), max_num_batched_tokens=args.budget, max_model_len=max_len,
                            cache_entries=0, prefix_caching=False, overlap_steps=overlap,
-                           overlap_depth=args.overlap_depth)
+                           overlap_depth=args.overlap_depth, decode_steps=args.decode_steps)
     t = time.perf_counter()
     engine = DecoderEngine(path, device=args.device, dtype=args.dtype, max_num_seqs=gen.max_num_seqs,
                            max_model_len=max_len, kv_cache_tokens=(n + 8) * max_len, threads=args.threads,
                            cuda_graphs=not args.no_graphs, fused=fused, decode_gemm=args.decode_gemm,
-                           decode_attention=args.decode_attention, pdl=not args.no_pdl)
+                           decode_attention=args.decode_attention, pdl=not args.no_pdl,
+                           decode_steps=args.decode_steps)
     engine.warmup()
     load_s = time.perf_counter() - t
     service = GenerateService("bench", "1", path, engine, _NoText(), None, gen, request_timeout_s=600)
@@ -280,6 +286,8 @@ def add_engine_args(ap: argparse.ArgumentParser, budget: int = 2048) -> None:
                     help="decode steps: RoPE + cache write + attention in one kernel, or two (session 8)")
     ap.add_argument("--overlap-depth", type=int, default=2, help="launched decode steps in flight (1-3)")
     ap.add_argument("--no-pdl", action="store_true", help="plain launches of the decode kernels (no PDL)")
+    ap.add_argument("--decode-steps", type=int, default=1,
+                    help="greedy decode steps a launch (GenerationConfig.decode_steps; multi-step launches)")
 
 
 def main(argv=None) -> int:
@@ -343,6 +351,9 @@ def main(argv=None) -> int:
                              f"{lo:.2f}-{hi:.2f}x")
                 print(f"| {name} | {r['tok_s']:.0f} / {r['median_tok_s']:.0f} | {r['ttft_p50_ms']:.1f} / "
                       f"{r['ttft_p99_ms']:.1f} | {r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f} | {ratio} |")
+                if r.get("tpot_p50_ms") is not None and name.startswith("surge"):
+                    print(f"  {name}: time per output token after the first, p50 of the streams "
+                          f"{r['tpot_p50_ms']:.3f} ms (ITL above: the gap between deliveries)")
                 if r.get("graph_replay_us"):
                     print(f"  {name}: the largest bucket's decode graph replayed alone "
                           f"{r['graph_replay_us']:.1f} us a step; rounds tok/s {r['rounds_tok_s']}; "

@@ -37,6 +37,12 @@ Variants (comma-separated, each a '+'-joined list of options on top of session 2
              --gate-up-plan (session 10); without it cuBLAS + silu_mul
   tma        the measured TMA plans (session 18: gate/up with gu, the o and down split-K GEMMs with sk),
              their operands read by TMA; without it the pointer-load plans of sessions 8 and 10
+  msN        multi-step launches: N greedy decode steps a launch, each step's inputs made on the device
+             (session 25; GenerationConfig.decode_steps); without it one step a launch
+
+`--busy-threads N`: after the measured rounds, as many again with N Python threads computing in the
+process (each holding the GIL as a busy server's request handling would), reported as rows of their
+own: what a host that cannot keep up with the device step costs each variant.
 The session-7 engine (the defaults before session 8) is argmax+attn256+targmax.
 """
 
@@ -125,6 +131,24 @@ def blas(lt: bool) -> None:
     torch.backends.cuda.preferred_blas_library("cublaslt" if lt else "cublas")
 
 
+def busy_threads(n: int):
+    """n daemon threads running pure-Python arithmetic until the returned event is set: each holds the
+    GIL for the interpreter's switch interval at a time, as request handling in a busy server does."""
+    import threading
+
+    stop = threading.Event()
+
+    def spin():
+        x = 0
+        while not stop.is_set():
+            for i in range(2000):
+                x = (x * 31 + i) % 1000003
+
+    for _ in range(n):
+        threading.Thread(target=spin, daemon=True).start()
+    return stop
+
+
 def kind(name: str) -> str:
     n = name.lower()
     for key, label in (("_partials", "split-K GEMM"), ("decode_attn", "rope+cache+attention"),
@@ -153,6 +177,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--attn-launch", default="4,2", help="num_warps,num_stages of the ta variants")
+    ap.add_argument("--busy-threads", type=int, default=0,
+                    help="also rounds with this many Python threads computing (a busy host)")
     ap.add_argument("--gate-up-plan", default="32,128,4,3,false",
                     help="BLOCK_N,BLOCK_K,num_warps,num_stages,swap[,tma] of the gu variants, or a "
                          "gpu_gate_up_tune.py --json file")
@@ -187,12 +213,14 @@ def main(argv=None) -> int:
             use_gate_up(v, gu_plan, gu_key)
             use_attn_launch(v, args.attn_launch)
             depth = next((int(o[1:]) for o in v.split("+") if o in ("d1", "d2", "d3")), 2)
+            steps = next((int(o[2:]) for o in v.split("+") if o.startswith("ms") and o[2:].isdigit()), 1)
             gen = GenerationConfig(max_num_seqs=n, max_num_batched_tokens=args.budget, max_model_len=max_len,
-                                   cache_entries=0, prefix_caching=False, overlap_steps=True, overlap_depth=depth)
+                                   cache_entries=0, prefix_caching=False, overlap_steps=True, overlap_depth=depth,
+                                   decode_steps=steps)
             t = time.perf_counter()
             try:
                 engine = DecoderEngine(path, device="cuda", dtype="bf16", max_num_seqs=n, max_model_len=max_len,
-                                       kv_cache_tokens=(n + 8) * max_len, **kw)
+                                       kv_cache_tokens=(n + 8) * max_len, decode_steps=steps, **kw)
                 engine.warmup()
             except Exception as exc:  # a variant that fails is reported and left out
                 import traceback
@@ -217,15 +245,18 @@ def main(argv=None) -> int:
                 settle()
             res = {v: [] for v in services}
             names = list(services)
-            for r in range(args.rounds):
-                order = names[r % len(names):] + names[:r % len(names)]
-                for v in order:
-                    svc, lt = services[v]
-                    blas(lt)
-                    s0 = svc.steps
-                    out = await _surge_round(svc, prompts, args.output)
-                    out["steps"] = svc.steps - s0
-                    res[v].append(out)
+            for load in ((0, args.busy_threads) if args.busy_threads else (0,)):
+                busy = busy_threads(load)
+                for r in range(args.rounds):
+                    order = names[r % len(names):] + names[:r % len(names)]
+                    for v in order:
+                        svc, lt = services[v]
+                        blas(lt)
+                        s0 = svc.steps
+                        out = await _surge_round(svc, prompts, args.output)
+                        out["steps"] = svc.steps - s0
+                        res.setdefault(f"{v} (busy host: {load} threads)" if load else v, []).append(out)
+                busy.set()
             profs = {}
             if args.profile:
                 from torch.profiler import ProfilerActivity, profile
@@ -263,19 +294,21 @@ def main(argv=None) -> int:
         res, profs, replay = asyncio.run(run())
     blas(False)
     print(f"\n{args.shape}, {n} streams, {args.prompt} + {args.output} tokens, {args.rounds} interleaved rounds")
-    print("| variant | tok/s median | rounds tok/s | ITL p50 ms (median) | TTFT p50 ms | round wall ms | "
-          "graph replay us |")
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
+    print("| variant | tok/s median | rounds tok/s | ITL p50 ms (median) | a token after the first, p50 ms | "
+          "TTFT p50 ms | round wall ms | graph replay us |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     records = []
     for v, rs in res.items():
         med = lambda k: statistics.median(r[k] for r in rs)  # noqa: E731
         rec = {"variant": v, "tok_s_median": med("tok_s"), "rounds_tok_s": [round(r["tok_s"]) for r in rs],
                "itl_p50_ms": med("itl_p50_ms"), "itl_p99_ms": med("itl_p99_ms"), "ttft_p50_ms": med("ttft_p50_ms"),
+               "tpot_p50_ms": med("tpot_p50_ms"),
                "wall_ms": 1e3 * med("wall_s"), "steps": [r["steps"] for r in rs], "profile": profs.get(v),
-               "graph_replay_us": replay[v]}
+               "graph_replay_us": replay[v.split(" (busy")[0]]}
         records.append(rec)
         print(f"| {v} | {rec['tok_s_median']:,.0f} | {' / '.join(f'{x:,}' for x in rec['rounds_tok_s'])} | "
-              f"{rec['itl_p50_ms']:.3f} | {rec['ttft_p50_ms']:.1f} | {rec['wall_ms']:.1f} | {replay[v]:.1f} |")
+              f"{rec['itl_p50_ms']:.3f} | {rec['tpot_p50_ms']:.3f} | {rec['ttft_p50_ms']:.1f} | {rec['wall_ms']:.1f} | "
+              f"{rec['graph_replay_us']:.1f} |")
     if profs:
         print("\nprofiled round: kernel us per step by kind")
         for v, p in profs.items():

@@ -92,8 +92,9 @@ def _prompts(vocab, n=12):
     return [torch.randint(3, vocab, (int(l),), generator=g).tolist() for l in torch.randint(4, 120, (n,), generator=g)]
 
 
-def _run_overlapped(engine, prompts, n, max_num_seqs=16):
-    """The service's loop (overlapped CUDA-graph decode steps); returns outputs and overlapped steps."""
+def _run_overlapped(engine, prompts, n, max_num_seqs=16, steps=1, loops=None):
+    """The service's loop (overlapped CUDA-graph decode steps, `steps` a launch); returns outputs and
+    overlapped steps (the loop appended to `loops`)."""
     from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
     from surge.runtime.scheduler.overlap import StepLoop
 
@@ -103,9 +104,11 @@ def _run_overlapped(engine, prompts, n, max_num_seqs=16):
             for i, p in enumerate(prompts)]
     for s in seqs:
         sched.add(s)
-    loop = StepLoop(sched, engine)
+    loop = StepLoop(sched, engine, steps=steps)
     while loop.busy:
         loop.step()
+    if loops is not None:
+        loops.append(loop)
     return [s.output_ids for s in seqs], loop.overlapped
 
 
@@ -295,6 +298,43 @@ def test_cuda_graph_decode_equals_eager(qwen_dir):
     assert _run(a, prompts, 24) == want
     got, overlapped = _run_overlapped(a, prompts, 24)
     assert got == want and overlapped > 10
+
+
+def test_next_decode_inputs_kernel_equals_torch():
+    """The multi-step graphs' input kernel writes what its torch reference writes, rows past n untouched."""
+    from surge.engines.decoder.graphs import next_decode_inputs_torch
+    from surge.engines.kernels.decode_inputs import next_decode_inputs
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n, cols, width, bs in [(1, 1, 8, 16), (5, 64, 8, 16), (64, 64, 20, 16), (200, 256, 33, 4)]:
+        packed = torch.randint(0, 10_000, (5, cols + 3), device="cuda", generator=g)
+        packed[1] = torch.randint(0, width * bs - 1, (cols + 3,), device="cuda", generator=g)
+        tables = torch.randint(0, 5000, (cols + 3, width), device="cuda", dtype=torch.int32, generator=g)
+        want, got = packed.clone(), packed.clone()
+        next_decode_inputs_torch(want, tables, n, bs)
+        next_decode_inputs(got, tables, n, bs)
+        assert torch.equal(got, want), (n, cols, width, bs)
+        assert torch.equal(got[:, n:], packed[:, n:])
+
+
+@pytest.mark.parametrize("steps", [4, 5])
+def test_multi_step_launches_equal_eager(qwen_dir, steps):
+    """Launches of several decode steps (each graph replay making the next one's inputs on the device)
+    give the eager engine's greedy tokens, prompts of different lengths and max_tokens that are not
+    multiples of the launch."""
+    from surge.engines.decoder import DecoderEngine
+
+    prompts = _prompts(384, 10)
+    a = DecoderEngine(qwen_dir, device="cuda", dtype="fp32", num_blocks=512, max_num_seqs=16, max_model_len=512,
+                      decode_steps=steps)
+    a.warmup()
+    b = DecoderEngine(qwen_dir, device="cuda", dtype="fp32", num_blocks=512, max_num_seqs=16, max_model_len=512,
+                      cuda_graphs=False)
+    want = _run(b, prompts, 23)
+    loops = []
+    got, overlapped = _run_overlapped(a, prompts, 23, steps=steps, loops=loops)
+    assert got == want
+    assert loops[0].steps >= 3 * (overlapped + 1), "launches must run several decode steps"
 
 
 def test_fused_decode_attention_and_pdl_change_no_bit(qwen_dir):

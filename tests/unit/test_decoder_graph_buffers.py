@@ -27,11 +27,11 @@ class _Replay:
         self.graphs.outputs[self.b] = self.graphs._forward(self.b)
 
 
-def _host_graphs(engine, max_num_seqs):
+def _host_graphs(engine, max_num_seqs, steps=1):
     from surge.engines.decoder import model as model_mod
     from surge.engines.decoder.graphs import DecodeGraphs
 
-    g = DecodeGraphs(engine, max_num_seqs)
+    g = DecodeGraphs(engine, max_num_seqs, steps=steps)
     g.graphs = {b: _Replay(g, b) for b in g.buckets}
     g.outputs = {}
     engine.graphs = g
@@ -78,6 +78,54 @@ def test_graph_buffers_and_device_gathered_inputs(tmp_path, monkeypatch, depth):
     assert overlapped > 10
     got_sync, _ = _run(engine, prompts, lens, overlap=False)  # the graph path without overlap
     assert got_sync == want
+
+
+@pytest.mark.parametrize("kind,depth,steps", [("qwen2", 2, 3), ("gpt2", 1, 4), ("qwen2", 3, 5)])
+def test_multi_step_launches_equal_transformers(tmp_path, monkeypatch, kind, depth, steps):
+    """Launches of several decode steps through the graph path (each replay writes the next one's
+    positions, slots, context lengths and source rows into the buffers; blocks reserved for the whole
+    launch) give transformers' greedy tokens, with sequences joining at different steps, stop tokens
+    found inside a launch, and max_tokens that are not multiples of the launch."""
+    from transformers import AutoModelForCausalLM
+
+    from surge.engines.decoder import model as model_mod
+
+    torch.set_num_threads(1)
+    d = build_model(kind, tmp_path / kind, seed=2)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 300, (int(n),), generator=g).tolist() for n in (3, 17, 9, 30, 5, 12)]
+    lens = [11, 19, 7, 14, 23, 9]
+    refs = [hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                        pad_token_id=0)[0, len(p):].tolist() for p, n in zip(prompts, lens)]
+    engine = DecoderEngine(d, num_blocks=96, block_size=4, max_num_seqs=6)
+    monkeypatch.setattr(model_mod, "paged_attention_torch", _host_graphs(engine, 6, steps=steps))
+    sched = Scheduler(SchedulerConfig(num_blocks=96, block_size=4, max_num_seqs=6, max_num_batched_tokens=64,
+                                      max_model_len=128), ())
+    # sequences 1 and 4 stop at the token they would produce 6th / 10th: found inside a launch
+    stop_at = {1: 5, 4: 9}
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                                          stop_token_ids=(refs[i][stop_at[i]],) if i in stop_at else ()))
+            for i, (p, n) in enumerate(zip(prompts, lens))]
+    arrivals = [0, 0, 2, 2, 7, 13]
+    loop = StepLoop(sched, engine, overlap=True, depth=depth, steps=steps)
+    streamed = {s.seq_id: [] for s in seqs}
+    step, added = 0, 0
+    while added < len(seqs) or loop.busy:
+        while added < len(seqs) and arrivals[added] <= step:
+            sched.add(seqs[added])
+            added += 1
+        for r in loop.step():
+            for sid, token in r.tokens.items():
+                streamed[sid].append(token)
+        sched.blocks.check()
+        step += 1
+    for s, ref in zip(seqs, refs):
+        want = ref[: ref.index(ref[stop_at[s.seq_id]]) + 1] if s.seq_id in stop_at else ref
+        assert s.output_ids == want, f"prompt {s.seq_id}"
+        assert streamed[s.seq_id] == want
+    assert loop.steps > loop.overlapped + 10, "launches must run several steps"
+    assert sched.blocks.num_free == 96
 
 
 def test_staged_block_tables_equal_a_full_refill(tmp_path):

@@ -187,36 +187,57 @@ class FakeEngine:
     """Launched steps as the GPU engine runs them: a sequence's input token may be a placeholder, then
     it must come from the previous launch's output (what the device gathers); with several launches
     in flight, older tokens of the sequence may still be placeholders on the host too (the "device"
-    here remembers what it sampled)."""
+    here remembers what it sampled). With `steps` > 1 a launch runs up to that many decode steps,
+    each fed by the one before, and checks that the blocks of every position it computes are there."""
 
-    def __init__(self, depth=1):
+    def __init__(self, depth=1, steps=1, block_size=4):
         self.launched = 0
         self.depth = depth
+        self.steps = steps
+        self.block_size = block_size
+        self.multi = 0  # launches of more than one step
         self.sampled = {}  # (seq_id, index in token_ids) -> token sampled by a launch
 
     def can_launch(self, scheduled):
         return bool(scheduled) and all(s.num_tokens == 1 and s.sample and s.seq.fast for s in scheduled)
 
+    def launch_steps(self, scheduled):
+        return self.steps
+
     def _token(self, s, prev=None):
         sid = s.seq.seq_id
         toks = s.seq.token_ids[: s.start + s.num_tokens]
         holes = [i for i, t in enumerate(toks) if t == PLACEHOLDER]
-        assert all(i >= len(toks) - self.depth for i in holes), "only the newest `depth` tokens can be in flight"
+        assert all(i >= len(toks) - self.depth * self.steps for i in holes), "only launched tokens are in flight"
         if toks and toks[-1] == PLACEHOLDER:
             assert prev is not None and sid in prev, "a placeholder input must be in the previous launch"
-            assert prev[sid] == self.sampled[sid, len(toks) - 1]
+            assert prev[sid][-1] == self.sampled[sid, len(toks) - 1]
         toks = [self.sampled[sid, i] if t == PLACEHOLDER else t for i, t in enumerate(toks)]
         return fake_token(toks)
 
-    def launch(self, scheduled, prev):
+    def launch(self, scheduled, prev, steps=1):
+        assert steps <= self.steps
         self.launched += 1
-        out = {s.seq.seq_id: self._token(s, prev) for s in scheduled}
+        self.multi += steps > 1
+        out = {}
         for s in scheduled:
-            self.sampled[s.seq.seq_id, s.start + s.num_tokens] = out[s.seq.seq_id]
+            sid = s.seq.seq_id
+            assert len(s.seq.block_table) * self.block_size >= s.start + steps, "a launched position has no block"
+            toks = [self.sampled[sid, i] if t == PLACEHOLDER else t
+                    for i, t in enumerate(s.seq.token_ids[: s.start + s.num_tokens])]
+            first = self._token(s, prev)
+            got = [first]
+            for _ in range(steps - 1):  # the device's next step: its input is the token just sampled
+                toks.append(got[-1])
+                got.append(fake_token(toks))
+            for j, t in enumerate(got):
+                self.sampled[sid, s.start + s.num_tokens + j] = t
+            out[sid] = got
         return out
 
     def collect(self, handle):
-        return {k: _Out(v) for k, v in handle.items()}
+        assert all(len(v) == 1 for v in handle.values()), "collect() reads one-step launches"
+        return {k: _Out(v[0]) for k, v in handle.items()}
 
     def step(self, scheduled):
         return {s.seq.seq_id: _Out(self._token(s)) for s in scheduled if s.sample}
@@ -227,10 +248,11 @@ class FakeTokenEngine(FakeEngine):
     resolves them with Scheduler.resolve_rows."""
 
     def collect_tokens(self, handle):
-        return list(handle.values())  # in the launched (scheduled) order
+        rows = list(handle.values())  # in the launched (scheduled) order
+        return [r[j] for j in range(len(rows[0])) for r in rows]  # step-major
 
 
-def _loop_run(overlap, seed, abort_at=None, engine_cls=FakeEngine, depth=1):
+def _loop_run(overlap, seed, abort_at=None, engine_cls=FakeEngine, depth=1, steps=1):
     from surge.runtime.scheduler.overlap import StepLoop
 
     rng = random.Random(seed)
@@ -247,8 +269,8 @@ def _loop_run(overlap, seed, abort_at=None, engine_cls=FakeEngine, depth=1):
                                 logprobs=0 if host else None)
         seqs.append(Sequence(i, prompt, params))
     arrivals = sorted(rng.choice((0, 0, 15, 30)) + rng.randrange(0, 3) for _ in seqs)  # in bursts
-    engine = engine_cls(depth)
-    loop = StepLoop(sched, engine, overlap=overlap, depth=depth)
+    engine = engine_cls(depth, steps)
+    loop = StepLoop(sched, engine, overlap=overlap, depth=depth, steps=steps)
     streamed = {s.seq_id: [] for s in seqs}
     step, added = 0, 0
     while added < len(seqs) or loop.busy:
@@ -292,6 +314,51 @@ def test_overlapped_steps_give_the_synchronous_results(seed, engine_cls, depth):
         assert y.output_ids == x.output_ids
     for y in c[:3]:
         assert sc[y.seq_id] == [t for t in y.output_ids if t != PLACEHOLDER][: len(sc[y.seq_id])]
+
+
+@pytest.mark.parametrize("depth,steps", [(1, 2), (2, 4), (3, 3), (2, 8)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_multi_step_launches_give_the_synchronous_results(seed, depth, steps):
+    """Launches of several decode steps (each step fed by the one before on the "device"): stops found
+    inside a launch drop the launch's rest, launches never pass max_tokens, blocks are there for every
+    position launched, and the tokens, finish reasons and streamed tokens are the synchronous loop's."""
+    a, sa, _, _ = _loop_run(False, seed)
+    b, sb, loop, sched_b = _loop_run(True, seed, engine_cls=FakeTokenEngine, depth=depth, steps=steps)
+    assert loop.engine.multi >= 5, "the run must launch several steps at once"
+    assert loop.steps > loop.engine.launched, "more decode steps than launches"
+    for x, y in zip(a, b):
+        assert y.output_ids == x.output_ids and y.finish_reason == x.finish_reason, y.seq_id
+        assert len(y.output_ids) <= y.params.max_tokens
+        assert PLACEHOLDER not in y.token_ids
+        assert sb[y.seq_id] == y.output_ids  # each token streamed once, in order
+    assert any(s.finish_reason == "stop" for s in b) and any(s.finish_reason == "length" for s in b)
+    c, sc, _, _ = _loop_run(True, seed, abort_at=12, engine_cls=FakeTokenEngine, depth=depth, steps=steps)
+    for x, y in zip(a[3:], c[3:]):
+        assert y.output_ids == x.output_ids
+    for y in c[:3]:
+        assert sc[y.seq_id] == [t for t in y.output_ids if t != PLACEHOLDER][: len(sc[y.seq_id])]
+
+
+def test_launch_steps_stop_at_max_tokens_and_max_model_len():
+    """A launch runs no step past any of its sequences' max_tokens or max_model_len, and at least one."""
+    cfg = SchedulerConfig(num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=20)
+    sched = Scheduler(cfg)
+    a = Sequence(1, list(range(10, 15)), greedy(9))  # 5 prompt tokens: max_tokens binds
+    b = Sequence(2, list(range(10, 22)), greedy(50))  # 12 prompt tokens: max_model_len (20) binds
+    for q in (a, b):
+        sched.add(q)
+    sched.update(sched.schedule(), {1: 30, 2: 31})  # one token each
+    scheduled = sched.schedule()
+    assert sched.launch_steps(scheduled[:1], 16) == 8  # a: 8 more tokens allowed
+    assert sched.launch_steps(scheduled[1:], 16) == 7  # b: 13 tokens, 7 more fit under 20
+    assert sched.launch_steps(scheduled, 16) == 7 and sched.launch_steps(scheduled, 3) == 3
+    assert sched.decode_fits(7)
+    sched.reserve(scheduled, 7)
+    assert all(len(s.seq.block_table) * 4 >= s.start + 7 for s in scheduled)
+    sched.advance(scheduled, 7)
+    assert b.draining and not a.draining and b.num_computed == 19 and b.token_ids[-7:] == [PLACEHOLDER] * 7
+    a.output_ids[-7:] = a.token_ids[-7:] = [40] * 7  # (as resolve_rows would)
+    assert sched.launch_steps(sched.schedule(), 16) == 1  # a has one token left
 
 
 def test_blocks_of_tokens_in_flight_are_not_named():

@@ -126,7 +126,8 @@ class GenerateService(PromptText):
         self.metrics = GenerateMetrics(name, version, metrics_registry)
         # overlap needs a device that runs behind the host; on the CPU a step is the host's own work
         on_gpu = getattr(getattr(engine, "device", None), "type", "cpu") == "cuda"
-        self.loop = StepLoop(self.scheduler, engine, overlap=c.overlap_steps and on_gpu, depth=c.overlap_depth)
+        self.loop = StepLoop(self.scheduler, engine, overlap=c.overlap_steps and on_gpu, depth=c.overlap_depth,
+                             steps=c.decode_steps)
         self._ids = itertools.count(1)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -450,7 +451,8 @@ def load_generate_service(path: Path, name: str, version: str = "1", *, device: 
     dtype = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "auto": None, None: None}.get(precision, precision)
     engine = DecoderEngine(path, device=device, dtype=dtype, block_size=config.block_size,
                            kv_cache_tokens=config.kv_cache_tokens, max_num_seqs=config.max_num_seqs,
-                           max_model_len=config.max_model_len, cuda_graphs=config.cuda_graphs, threads=threads)
+                           max_model_len=config.max_model_len, cuda_graphs=config.cuda_graphs, threads=threads,
+                           decode_steps=config.decode_steps)
     engine.warmup()
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     return GenerateService(name, version, path, engine, tokenizer, ChatTemplate.from_dir(path), config,

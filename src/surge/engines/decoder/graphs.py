@@ -6,6 +6,11 @@ a captured graph removes the launch overhead of several hundred small kernels
 padded rows write their K/V into the cache's scratch block and are not sampled.
 The attention kernel reads the context lengths and block tables from the
 buffers, so one graph serves any context length up to max_model_len.
+
+With `steps` > 1 (multi-step launches, runtime/scheduler/overlap.py) each graph
+ends by writing the next step's inputs into its own buffers
+(`next_decode_inputs`), so `run(..., steps=k)` stages once and replays k times
+with no host work in between but a read-back copy of each step's tokens.
 """
 
 from __future__ import annotations
@@ -21,9 +26,25 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 RING = 4
 
 
+def next_decode_inputs_torch(packed: torch.Tensor, tables: torch.Tensor, n: int, block_size: int) -> None:
+    """The next decode step's inputs from this one's, in place on packed[:, :n] (int64 [5, >= n]: ids,
+    positions, slots, context lengths, source rows; tables int32 [>= n, width]): positions + 1, the
+    slot of the new position in the row's block table, context lengths = positions + 1, source rows =
+    the rows themselves (each row's input is its own output). kernels/decode_inputs.py does the same
+    in one kernel on CUDA; this is its reference and the CPU's path."""
+    pos = packed[1, :n] + 1
+    col = torch.clamp(pos // block_size, max=tables.shape[1] - 1)
+    block = tables[:n].gather(1, col[:, None]).squeeze(1).to(torch.long)
+    packed[1, :n] = pos
+    packed[2, :n] = block * block_size + pos % block_size
+    packed[3, :n] = pos + 1
+    packed[4, :n] = torch.arange(n, device=packed.device)
+
+
 class DecodeGraphs:
-    def __init__(self, engine, max_num_seqs: int):
+    def __init__(self, engine, max_num_seqs: int, steps: int = 1):
         self.engine = engine
+        self.steps = steps  # decode steps a run() may replay back to back (> 1: the graphs advance their inputs)
         self.buckets = [b for b in BUCKETS if b < max_num_seqs] + [max_num_seqs]
         dev = engine.device
         n, width = self.buckets[-1], engine.max_blocks_per_seq
@@ -88,6 +109,12 @@ class DecodeGraphs:
         else:
             tokens = logits.argmax(-1)
         self.prev[:b].copy_(tokens)
+        if self.steps > 1:
+            if self.packed.is_cuda:
+                from surge.engines.kernels.decode_inputs import next_decode_inputs
+            else:
+                next_decode_inputs = next_decode_inputs_torch
+            next_decode_inputs(self.packed, self.tables, b, self.engine.block_size)
         return logits, tokens
 
     @torch.inference_mode()
@@ -127,11 +154,17 @@ class DecodeGraphs:
                 rows[i] = []
 
     def run(self, ids: list[int], pos: list[int], slots: list[int], tables: list[list[int]],
-            src: list[int] | None = None, prev_tokens=None):
+            src: list[int] | None = None, prev_tokens=None, steps: int = 1, each=None):
         """One decode step of len(ids) sequences -> (logits [b, vocab] in the model's dtype, or FP32 with
         engine.graph_fp32_logits, greedy tokens [b]).
         `src[i] >= 0`: row i's input token is row src[i] of the previous replay's tokens (ids[i] is
-        ignored); `prev_tokens`: those tokens when they came from an eager step instead."""
+        ignored); `prev_tokens`: those tokens when they came from an eager step instead.
+        `steps` > 1 (graphs captured with steps >= that): that many decode steps, replayed back to back,
+        each from the one before (the tables must hold the blocks of every position); `each(j, tokens)`
+        is called after step j's replay is queued, to copy its tokens out before the next overwrites
+        them; the last step's logits and tokens are returned."""
+        if steps > self.steps:
+            raise ValueError(f"{steps} steps a run, but the graphs were captured for {self.steps}")
         b = len(ids)
         bucket = next(x for x in self.buckets if x >= b)
         e = self.engine
@@ -166,9 +199,13 @@ class DecodeGraphs:
         if not same:
             views[2].copy_(views[3], non_blocking=True)
             self._tables_held = (bucket, [list(row) for row in tables])
-        self.graphs[bucket].replay()
-        out = self.outputs[bucket]
-        rows = self._out_views.get(b)
-        if rows is None or rows[0] is not out:  # (outputs are replaced where the graphs are replayed eagerly: tests)
-            rows = self._out_views[b] = (out, out[0][:b], out[1][:b])
+        graph = self.graphs[bucket]
+        for j in range(steps):
+            graph.replay()
+            out = self.outputs[bucket]
+            rows = self._out_views.get(b)
+            if rows is None or rows[0] is not out:  # (outputs are replaced where the graphs are replayed eagerly: tests)
+                rows = self._out_views[b] = (out, out[0][:b], out[1][:b])
+            if each is not None:
+                each(j, rows[2])
         return rows[1], rows[2]

@@ -36,9 +36,10 @@ class Launch:
     seq_ids: list[int]
     rows: dict[int, int]  # seq_id -> row of `tokens`
     tokens: torch.Tensor  # [b] on the device
-    host: torch.Tensor | None = None  # pinned [b] copy, valid once `event` completes
+    host: torch.Tensor | None = None  # pinned [steps * b] copy, valid once `event` completes
     event: object = None
     graph: bool = False
+    steps: int = 1  # decode steps run by the launch; `host` holds their tokens step-major
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,8 @@ class DecoderEngine:
                  max_model_len: int | None = None, cuda_graphs: bool = True, attention: str | None = None,
                  threads: int = 0, fused: bool = True, graph_fp32_logits: bool = False,
                  decode_block_n: int | None = None, argmax_kernel: str = "triton", decode_gemm: str = "auto",
-                 decode_attention: str = "fused", pdl: bool = True, l2_prefetch: bool = False):
+                 decode_attention: str = "fused", pdl: bool = True, l2_prefetch: bool = False,
+                 decode_steps: int = 1):
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         if threads and not cuda:
@@ -89,7 +91,7 @@ class DecoderEngine:
         if cuda and cuda_graphs:
             from surge.engines.decoder.graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self, max_num_seqs)
+            self.graphs = DecodeGraphs(self, max_num_seqs, steps=decode_steps)
 
     def _default_kv_tokens(self, cuda: bool, block_size: int) -> int:
         """256k tokens on a GPU, 32k on the CPU, within 40% of free GPU memory / 1 GiB of host memory."""
@@ -182,10 +184,20 @@ class DecoderEngine:
         """A step of greedy decodes only, whose tokens can stay on the device until collect()."""
         return bool(scheduled) and all(s.num_tokens == 1 and s.sample and s.seq.fast for s in scheduled)
 
+    def launch_steps(self, scheduled: list[ScheduledSeq]) -> int:
+        """The most decode steps one launch of `scheduled` can run: the graphs' (multi-step launches
+        replay a captured graph), 1 where the step would run eagerly."""
+        g = self.graphs
+        if g is None or g.steps == 1 or not g.fits(len(scheduled), max(len(s.seq.block_table) for s in scheduled)):
+            return 1
+        return g.steps
+
     @torch.inference_mode()
-    def launch(self, scheduled: list[ScheduledSeq], prev: Launch | None) -> Launch:
-        """Start a decode step; a sequence in `prev` takes its input token from prev's output on the
-        device (its host token is a placeholder). Returns at once on a GPU (the step runs behind)."""
+    def launch(self, scheduled: list[ScheduledSeq], prev: Launch | None, steps: int = 1) -> Launch:
+        """Start a decode step (or `steps` of them, at most launch_steps(scheduled); the blocks of every
+        position must be in the tables); a sequence in `prev` takes its input token from prev's
+        output on the device (its host token is a placeholder). Returns at once on a GPU (the step
+        runs behind)."""
         bs = self.block_size
         seqs = [s.seq for s in scheduled]
         seq_ids = [q.seq_id for q in seqs]
@@ -206,23 +218,37 @@ class DecoderEngine:
         tables = [q.block_table for q in seqs]
         use_graph = self.graphs is not None and self.graphs.fits(b, max(map(len, tables))) \
             and (prev is None or prev.graph or len(prev.seq_ids) <= self.graphs.buckets[-1])
+        if steps > 1 and not use_graph:
+            raise ValueError("a launch of several decode steps needs the step's CUDA graph")
+        cuda = self.device.type == "cuda"
+        host = None
+        if cuda:
+            k = self._slot
+            self._slot = (k + 1) % _RING
+            if len(self._pinned) < _RING or self._pinned[k].shape[0] < steps * b:
+                size = max(steps * b, self.graphs.steps * self.max_num_seqs if self.graphs else self.max_num_seqs)
+                self._pinned = [torch.empty(size, dtype=torch.long, pin_memory=True) for _ in range(_RING)]
+            host = self._pinned[k][:steps * b]
         if use_graph:
             slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
             prev_tokens = prev.tokens if prev is not None and not prev.graph else None
-            _, tokens = self.graphs.run(ids, pos, slots, tables, src, prev_tokens)
-            if self.device.type != "cuda":  # graphs driven on the host (tests): the next replay reuses the buffer
-                tokens = tokens.clone()
+            if cuda:
+                def each(j, t):  # a step's tokens out before the next replay overwrites them
+                    host[j * b:(j + 1) * b].copy_(t, non_blocking=True)
+            else:  # graphs driven on the host (tests): the next replay reuses the buffer
+                kept = []
+
+                def each(j, t):
+                    kept.append(t.clone())
+            _, tokens = self.graphs.run(ids, pos, slots, tables, src, prev_tokens, steps=steps, each=each)
+            if not cuda:
+                tokens, host = kept[-1], torch.cat(kept)
         else:
             tokens = self._eager_decode(scheduled, ids, src, prev)
-        out = Launch(seq_ids, rows, tokens, graph=use_graph)
-        if self.device.type == "cuda":
-            k = self._slot
-            self._slot = (k + 1) % _RING
-            if len(self._pinned) < _RING or self._pinned[k].shape[0] < b:
-                size = max(b, self.max_num_seqs)
-                self._pinned = [torch.empty(size, dtype=torch.long, pin_memory=True) for _ in range(_RING)]
-            out.host = self._pinned[k][:b]
-            out.host.copy_(tokens, non_blocking=True)
+            if cuda:
+                host.copy_(tokens, non_blocking=True)
+        out = Launch(seq_ids, rows, tokens, host, graph=use_graph, steps=steps)
+        if cuda:
             out.event = self._events[k]
             out.event.record()
         return out
@@ -244,7 +270,9 @@ class DecoderEngine:
         return self.model.logits(hidden).argmax(-1)
 
     def collect(self, launch: Launch) -> dict[int, SampleOut]:
-        """The launched step's tokens (waits for the device)."""
+        """The launched step's tokens (waits for the device); a one-step launch's."""
+        if launch.steps != 1:
+            raise ValueError("collect() reads a one-step launch; collect_tokens() reads every step's")
         return {sid: SampleOut(t) for sid, t in zip(launch.seq_ids, self.collect_tokens(launch))}
 
     def collect_tokens(self, launch: Launch) -> list[int]:
@@ -252,7 +280,7 @@ class DecoderEngine:
         if launch.event is not None:
             launch.event.synchronize()
             return launch.host.tolist()
-        return launch.tokens.tolist()
+        return (launch.host if launch.host is not None else launch.tokens).tolist()
 
     def forget(self, seq_id: int) -> None:
         self.sampler.forget(seq_id)

@@ -16,6 +16,14 @@ iteration, e.g. the event loop holding the GIL while it hands a step's tokens to
 not leave the device idle). A launched step's input token is the previous launch's output, gathered
 on the device, so the host needs no token of a step in flight.
 
+`steps` > 1 (multi-step launches, as vLLM's multi-step scheduling): one launch runs up to that many
+decode steps back to back on the device, each step's inputs (token, position, cache slot) made on the
+device from the one before, so the host schedules, stages, reads back and hands tokens to the streams
+once a launch instead of once a token; a host slower than the device step (a busy machine, the GIL
+shared with the event loop) then paces launches, not tokens. The blocks of all of a launch's tokens are
+taken at launch (no preemption inside one), and a launch never passes a sequence's max_tokens; tokens
+reach the streams a launch at a time (a burst of up to `steps`).
+
 The cost: a sequence that stops at step k (EOS, a stop token) has already been
 launched in steps k+1 .. k+depth; those tokens are dropped. Sequences whose last token is
 launched (max_tokens, max_model_len) are not scheduled again ("draining").
@@ -27,7 +35,9 @@ Engine contract (engines/decoder/runner.py): can_launch(scheduled),
 launch(scheduled, prev) -> handle, collect(handle) -> {seq_id: SampleOut},
 step(scheduled) -> {seq_id: SampleOut}; optionally collect_tokens(handle) ->
 [token] in the order of the scheduled list the handle was launched with (no
-object per token).
+object per token). Multi-step launches also need launch_steps(scheduled) -> the
+most decode steps one launch of them can run, launch(scheduled, prev, steps), and
+collect_tokens(handle) -> steps x len(scheduled) tokens, step-major.
 """
 
 from __future__ import annotations
@@ -51,14 +61,20 @@ MAX_DEPTH = 3  # the engine keeps RING = MAX_DEPTH + 1 staging and read-back set
 
 
 class StepLoop:
-    def __init__(self, scheduler: Scheduler, engine, overlap: bool = True, depth: int = 2):
+    def __init__(self, scheduler: Scheduler, engine, overlap: bool = True, depth: int = 2, steps: int = 1):
         if not 1 <= depth <= MAX_DEPTH:
             raise ValueError(f"depth must be 1 to {MAX_DEPTH}, not {depth}")
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, not {steps}")
         self.scheduler = scheduler
         self.engine = engine
         self.overlap = overlap
         self.depth = depth
-        self._inflight: deque[tuple[list[ScheduledSeq], object]] = deque()  # oldest first
+        # decode steps a launch may run; an engine that cannot run several runs one
+        multi = hasattr(engine, "launch_steps") and hasattr(engine, "collect_tokens")
+        self.max_steps = steps if multi else 1
+        # oldest first: (scheduled, handle, decode steps the handle runs)
+        self._inflight: deque[tuple[list[ScheduledSeq], object, int]] = deque()
         self._current: list[ScheduledSeq] = []
         self.steps = 0
         self.overlapped = 0  # steps launched while the previous one ran
@@ -71,7 +87,7 @@ class StepLoop:
     def involved(self) -> list:
         """Sequences of the steps being run (to fail them when the engine raises); clears the state."""
         seqs = [s.seq for s in self._current]
-        for scheduled, _ in self._inflight:
+        for scheduled, _, _ in self._inflight:
             seqs += [s.seq for s in scheduled]
         self._inflight.clear()
         self._current = []
@@ -79,23 +95,41 @@ class StepLoop:
 
     def _complete_all(self, results: list[StepResult]) -> None:
         while self._inflight:
-            results.append(self._complete())
+            self._complete(results)
 
-    def _complete(self) -> StepResult:
-        """Read back the oldest launched step."""
-        scheduled, handle = self._inflight.popleft()
+    def _complete(self, results: list[StepResult]) -> None:
+        """Read back the oldest launched step (a result for each of its decode steps)."""
+        scheduled, handle, steps = self._inflight.popleft()
         collect_tokens = getattr(self.engine, "collect_tokens", None)
         if collect_tokens is not None:
             # in the order of the scheduled list the step was launched with; a sequence that ended
             # before this read-back (aborted, or stopped at the step before) has a token here that
             # nobody asked for: resolve_rows() skips it
-            tokens, finished = self.scheduler.resolve_rows(scheduled, collect_tokens(handle))
-            return StepResult(scheduled, tokens, finished)
+            got = collect_tokens(handle)
+            b = len(scheduled)
+            for j in range(steps):
+                tokens, finished = self.scheduler.resolve_rows(scheduled, got[j * b:(j + 1) * b], j)
+                results.append(StepResult(scheduled, tokens, finished))
+            return
         got = {k: o.token for k, o in self.engine.collect(handle).items()}
         running = SeqStatus.RUNNING
         tokens = {s.seq.seq_id: got[s.seq.seq_id] for s in scheduled if s.sample and s.seq.status is running}
         finished = self.scheduler.resolve(scheduled, tokens)
-        return StepResult(scheduled, tokens, finished)
+        results.append(StepResult(scheduled, tokens, finished))
+
+    def _launch(self, scheduled: list[ScheduledSeq], prev) -> None:
+        """Launch `scheduled` (after `prev`'s handle, or none), as many decode steps as allowed."""
+        sched, engine, steps = self.scheduler, self.engine, 1
+        if self.max_steps > 1:
+            steps = sched.launch_steps(scheduled, min(self.max_steps, engine.launch_steps(scheduled)))
+            if steps > 1 and sched.decode_fits(steps):
+                sched.reserve(scheduled, steps)
+            else:
+                steps = 1
+        handle = engine.launch(scheduled, prev, steps) if steps > 1 else engine.launch(scheduled, prev)
+        sched.advance(scheduled, steps)
+        self._inflight.append((scheduled, handle, steps))
+        self.steps += steps
 
     def step(self) -> list[StepResult]:
         """One iteration: the results that became known (none, one or two steps')."""
@@ -111,14 +145,11 @@ class StepLoop:
         self._current = scheduled
         if self._inflight:
             if scheduled and engine.can_launch(scheduled):
-                handle = engine.launch(scheduled, self._inflight[-1][1])
-                sched.advance(scheduled)
+                self._launch(scheduled, self._inflight[-1][1])
                 self.overlapped += 1
-                self.steps += 1
-                self._inflight.append((scheduled, handle))
                 self._current = []
                 while len(self._inflight) > self.depth:
-                    results.append(self._complete())
+                    self._complete(results)
                 return results
             self._complete_all(results)
             scheduled = [s for s in scheduled if s.seq.status is SeqStatus.RUNNING]
@@ -126,13 +157,11 @@ class StepLoop:
             self._current = []
             self.stalled = not results
             return results
-        self.steps += 1
         if self.overlap and engine.can_launch(scheduled):
-            handle = engine.launch(scheduled, None)
-            sched.advance(scheduled)
-            self._inflight.append((scheduled, handle))
+            self._launch(scheduled, None)
             self._current = []
             return results
+        self.steps += 1
         outs = engine.step(scheduled)
         tokens = {k: o.token for k, o in outs.items()}
         finished = sched.update(scheduled, tokens)

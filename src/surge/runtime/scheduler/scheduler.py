@@ -163,31 +163,51 @@ class Scheduler:
         return finished
 
     # -- overlapped steps: advance() at launch, resolve() when the step's tokens are read back ----------
-    def decode_fits(self) -> bool:
+    def decode_fits(self, steps: int = 1) -> bool:
         """The next step can be scheduled before the running one's tokens are known: every running
-        sequence decodes and keeps its tokens on the device, and each gets the block its next token
-        needs without preempting anyone (a preempted sequence would be recomputed from a
-        placeholder). A waiting sequence admitted by that schedule makes the step a prefill, which
+        sequence decodes and keeps its tokens on the device, and each gets the blocks its next
+        `steps` tokens need without preempting anyone (a preempted sequence would be recomputed from
+        a placeholder). A waiting sequence admitted by that schedule makes the step a prefill, which
         the loop runs synchronously after reading the running step back."""
-        bs, need = self.config.block_size, 0
+        bs, need, ahead = self.config.block_size, 0, steps - 1
         for seq in self.running:
             if seq.draining:
                 continue
             if not seq.fast or len(seq.token_ids) - seq.num_computed != 1:
                 return False
-            if seq.num_computed // bs + 1 > len(seq.block_table):
-                need += 1
+            over = (seq.num_computed + ahead) // bs + 1 - len(seq.block_table)
+            if over > 0:
+                need += over
         return need <= self.blocks.num_free
 
-    def advance(self, scheduled: list[ScheduledSeq]) -> None:
-        """A step was launched: its sampled tokens are placeholders until resolve()."""
+    def launch_steps(self, scheduled: list[ScheduledSeq], most: int) -> int:
+        """How many decode steps one launch of `scheduled` may run (at most `most`): none of its
+        sequences may pass its max_tokens or max_model_len inside the launch, so a launch never
+        computes a token nobody may get (stops found on the way still drop the launch's rest)."""
+        limit = self.config.max_model_len
+        k = most
+        for s in scheduled:
+            seq = s.seq
+            k = min(k, seq.params.max_tokens - len(seq.output_ids), limit - len(seq.token_ids))
+        return max(1, k)
+
+    def reserve(self, scheduled: list[ScheduledSeq], steps: int) -> None:
+        """The blocks of `steps` decode tokens a sequence (schedule() took those of the first);
+        decode_fits(steps) said they are free."""
+        for s in scheduled:
+            if not self.blocks.ensure(s.seq, s.start + steps):
+                raise RuntimeError(f"sequence {s.seq.seq_id}: no block for a launched step")
+
+    def advance(self, scheduled: list[ScheduledSeq], steps: int = 1) -> None:
+        """A step (or `steps` decode steps in one launch) was launched: its sampled tokens are
+        placeholders until resolve()."""
         limit = self.config.max_model_len
         for s in scheduled:
             seq = s.seq
-            seq.num_computed = s.start + s.num_tokens
+            seq.num_computed = s.start + s.num_tokens + steps - 1
             if s.sample:
-                seq.token_ids.append(PLACEHOLDER)
-                seq.output_ids.append(PLACEHOLDER)
+                seq.token_ids.extend([PLACEHOLDER] * steps)
+                seq.output_ids.extend([PLACEHOLDER] * steps)
                 if len(seq.output_ids) >= seq.params.max_tokens or len(seq.token_ids) >= limit:
                     seq.draining = True  # its last token: no further step
 
@@ -195,11 +215,13 @@ class Scheduler:
         """resolve_rows() with the tokens given by sequence id."""
         return self.resolve_rows(scheduled, [samples.get(s.seq.seq_id) for s in scheduled])[1]
 
-    def resolve_rows(self, scheduled: list[ScheduledSeq], tokens: list[int]) -> tuple[dict[int, int], list[Finished]]:
+    def resolve_rows(self, scheduled: list[ScheduledSeq], tokens: list[int],
+                     step: int = 0) -> tuple[dict[int, int], list[Finished]]:
         """A launched step's tokens are known (as read back: one per scheduled sequence, in order): put
         them in place of the placeholders, commit the full blocks, finish the sequences that stop.
+        `step`: which of a multi-step launch's decode steps they are (0 first; resolved in order).
         -> (the tokens of the sequences that sampled and are still running {seq_id: token}, the
-        finished). A sequence that stopped here may already be in the next launched step: that step's
+        finished). A sequence that stopped here may already be in a later launched step: that step's
         token for it is dropped (its status is FINISHED)."""
         out: dict[int, int] = {}
         finished = []
@@ -209,7 +231,7 @@ class Scheduler:
             if seq.status is not running or not s.sample:
                 continue
             out[seq.seq_id] = token
-            at = s.start + s.num_tokens  # the sampled token's index in token_ids
+            at = s.start + s.num_tokens + step  # the sampled token's index in token_ids
             seq.token_ids[at] = token
             seq.output_ids[at - seq.num_prompt] = token
             self.blocks.commit(seq)
