@@ -170,15 +170,18 @@ def run_surge(path: Path, args, prompts, fused: bool = True, overlap: bool = Tru
 
     rounds, prof = asyncio.run(main())
     replay_us = graph_replay_us(engine)
+    restored_us = graph_replay_us(engine, restore=True)
     best = max(rounds, key=lambda r: r["tok_s"])
     best["rounds_tok_s"] = [round(r["tok_s"], 1) for r in rounds]
     best["median_tok_s"] = statistics.median(r["tok_s"] for r in rounds)
     best["overlap"] = overlap
+    best["decode_steps"] = args.decode_steps
     best["overlapped_steps"] = service.loop.overlapped
     if prof:
         best["profile"] = prof
     best["load_s"] = load_s
     best["graph_replay_us"] = replay_us
+    best["graph_replay_restored_us"] = restored_us
     best["steps"] = service.steps
     best["engine_busy_s"] = round(service.busy_s, 3)
     best["fused"] = fused
@@ -187,24 +190,35 @@ def run_surge(path: Path, args, prompts, fused: bool = True, overlap: bool = Tru
     return best
 
 
-def graph_replay_us(engine) -> float | None:
+def graph_replay_us(engine, restore: bool = False) -> float | None:
     """The largest bucket's decode graph replayed alone (50 back to back, median of 5): the GPU's time
-    for one decode step, launch gaps inside the graph included (the buffers hold the last step's)."""
+    for one decode step, launch gaps inside the graph included (the buffers hold the last step's).
+    Graphs captured for multi-step launches move their inputs on a position each replay (the context
+    then grows by 250 positions over the timing); `restore` copies the staged inputs back before each
+    replay (one small device copy, in the time), so that every replay is the same step."""
     graphs = engine.graphs.graphs if engine.graphs is not None else {}
     if not graphs:
         return None
-    return replay_us(graphs[max(graphs)])
+    if not restore:
+        return replay_us(graphs[max(graphs)])
+    packed = engine.graphs.packed
+    saved = packed.clone()
+    us = replay_us(graphs[max(graphs)], before=lambda: packed.copy_(saved))
+    packed.copy_(saved)
+    return us
 
 
-def replay_us(g, repeats: int = 5) -> float:
-    """A captured CUDA graph replayed 50 times back to back: the median over `repeats` of the mean
-    replay, in us."""
+def replay_us(g, repeats: int = 5, before=None) -> float:
+    """A captured CUDA graph replayed 50 times back to back (`before()` queued ahead of each replay): the
+    median over `repeats` of the mean replay, in us."""
     times = []
     for _ in range(repeats):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         a.record()
         for _ in range(50):
+            if before is not None:
+                before()
             g.replay()
         b.record()
         b.synchronize()
@@ -286,8 +300,8 @@ def add_engine_args(ap: argparse.ArgumentParser, budget: int = 2048) -> None:
                     help="decode steps: RoPE + cache write + attention in one kernel, or two (session 8)")
     ap.add_argument("--overlap-depth", type=int, default=2, help="launched decode steps in flight (1-3)")
     ap.add_argument("--no-pdl", action="store_true", help="plain launches of the decode kernels (no PDL)")
-    ap.add_argument("--decode-steps", type=int, default=1,
-                    help="greedy decode steps a launch (GenerationConfig.decode_steps; multi-step launches)")
+    ap.add_argument("--decode-steps", type=int, default=None,
+                    help="greedy decode steps a launch (GenerationConfig.decode_steps, whose default it takes)")
 
 
 def main(argv=None) -> int:
@@ -304,6 +318,10 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="one more surge round under torch.profiler")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    if args.decode_steps is None:
+        from surge.config import GenerationConfig
+
+        args.decode_steps = GenerationConfig().decode_steps
     args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
     if args.threads and not args.device.startswith("cuda"):
         torch.set_num_threads(args.threads)
@@ -356,7 +374,8 @@ def main(argv=None) -> int:
                           f"{r['tpot_p50_ms']:.3f} ms (ITL above: the gap between deliveries)")
                 if r.get("graph_replay_us"):
                     print(f"  {name}: the largest bucket's decode graph replayed alone "
-                          f"{r['graph_replay_us']:.1f} us a step; rounds tok/s {r['rounds_tok_s']}; "
+                          f"{r['graph_replay_us']:.1f} us a step ({r['graph_replay_restored_us']:.1f} with its "
+                          f"inputs restored each replay); rounds tok/s {r['rounds_tok_s']}; "
                           f"decode_gemm {r.get('decode_gemm')} ({r.get('splitk_gemms')} split-K GEMMs)")
                 records.append({"shape": shape, "engine": name, "device": args.device, "dtype": args.dtype,
                                 "streams": args.streams, "prompt": args.prompt, "output": args.output, **r})

@@ -154,10 +154,11 @@ class GenerationConfig(_Strict):
                                "read back (with overlap_steps): 2 keeps one step queued behind the running one, "
                                "so a slow host iteration does not idle the GPU; a stop is found up to this many "
                                "steps late (those tokens are dropped).")
-    decode_steps: int = Field(1, ge=1, le=16, description="On a GPU, with overlap_steps: greedy decode steps one "
+    decode_steps: int = Field(4, ge=1, le=16, description="On a GPU, with overlap_steps: greedy decode steps one "
                               "launch runs back to back, each step's inputs made on the device (multi-step "
                               "launches): the host's per-launch work is shared by that many tokens, which then "
-                              "reach a stream together; the CUDA graphs are captured for it.")
+                              "reach a stream together (a delivery every few ms), and a request arriving "
+                              "meanwhile waits for the launches in flight; 1: a launch a token.")
     cache_entries: int = Field(1024, ge=0, description="Finished greedy / seeded generations kept (0: off).")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that gives none.")
 

@@ -337,6 +337,53 @@ def test_multi_step_launches_equal_eager(qwen_dir, steps):
     assert loops[0].steps >= 3 * (overlapped + 1), "launches must run several decode steps"
 
 
+def test_service_streams_multi_step_launches(qwen_dir):
+    """The generation service on the GPU with 4 decode steps a launch: each stream's deltas add up to the
+    eager engine's greedy tokens, cut at stop tokens found inside a launch; the non-streamed answer is
+    the same; the loop ran multi-step launches."""
+    import asyncio
+    import time
+
+    from surge.engines.decoder import DecoderEngine
+    from surge.runtime.generate_service import GenerationConfig, load_generate_service
+    from surge.runtime.scheduler import SamplingParams
+
+    prompts = _prompts(384, 12)
+    eager = DecoderEngine(qwen_dir, device="cuda", dtype="fp32", num_blocks=512, max_num_seqs=16, max_model_len=512,
+                          cuda_graphs=False)
+    want = _run(eager, prompts, 21)
+    del eager
+    svc = load_generate_service(qwen_dir, "q", device="cuda", precision="fp32",
+                                config=GenerationConfig(decode_steps=4, max_num_seqs=16, max_model_len=512,
+                                                        cache_entries=0, prefix_caching=False))
+    svc.mark_ready()
+    assert svc.engine.graphs.steps == 4 and svc.loop.max_steps == 4
+
+    def params(i):
+        return SamplingParams(max_tokens=21, temperature=0.0, ignore_eos=True,
+                              stop_token_ids=(want[i][9],) if i % 3 == 0 else ())
+
+    async def main():
+        async def one(i, p):
+            toks = []
+            async for d in svc.stream(p, params(i), deadline=time.monotonic() + 120):
+                toks += d.token_ids
+            return toks
+
+        streamed = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        whole = await asyncio.gather(*(svc.generate(p, params(i), deadline=time.monotonic() + 120)
+                                       for i, p in enumerate(prompts)))
+        await svc.close()
+        return streamed, whole
+
+    streamed, whole = asyncio.run(main())
+    for i, w in enumerate(want):
+        exp = w[: w.index(w[9]) + 1] if i % 3 == 0 else w
+        assert streamed[i] == exp, f"prompt {i}"
+        assert whole[i].token_ids == exp and whole[i].finish_reason == ("stop" if i % 3 == 0 else "length")
+    assert svc.loop.steps >= 2 * svc.loop.overlapped, "launches must run several decode steps"
+
+
 def test_fused_decode_attention_and_pdl_change_no_bit(qwen_dir):
     """The engine's decode steps with RoPE + attention in one kernel, and with PDL launches, give the
     session-8 engine's (two kernels, plain launches) tokens and top-5 log-probabilities exactly, through
