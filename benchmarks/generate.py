@@ -138,6 +138,8 @@ def make_service(path: Path, args, n: int, fused: bool = True, overlap: bool = T
     from surge.runtime.generate_service import GenerateService, GenerationConfig
 
     max_len = args.prompt + args.output + 16
+    if getattr(args, "decode_steps", None) is None:
+        args.decode_steps = GenerationConfig().decode_steps
     gen = GenerationConfig(max_num_seqs=max(n, 1), max_num_batched_tokens=args.budget, max_model_len=max_len,
                            cache_entries=0, prefix_caching=False, overlap_steps=overlap,
                            overlap_depth=args.overlap_depth, decode_steps=args.decode_steps)
@@ -169,8 +171,8 @@ def run_surge(path: Path, args, prompts, fused: bool = True, overlap: bool = Tru
         return rounds, prof
 
     rounds, prof = asyncio.run(main())
-    replay_us = graph_replay_us(engine)
     restored_us = graph_replay_us(engine, restore=True)
+    replay_us = graph_replay_us(engine)
     best = max(rounds, key=lambda r: r["tok_s"])
     best["rounds_tok_s"] = [round(r["tok_s"], 1) for r in rounds]
     best["median_tok_s"] = statistics.median(r["tok_s"] for r in rounds)
@@ -190,15 +192,18 @@ def run_surge(path: Path, args, prompts, fused: bool = True, overlap: bool = Tru
     return best
 
 
-def graph_replay_us(engine, restore: bool = False) -> float | None:
+def graph_replay_us(engine, restore: bool | None = None) -> float | None:
     """The largest bucket's decode graph replayed alone (50 back to back, median of 5): the GPU's time
     for one decode step, launch gaps inside the graph included (the buffers hold the last step's).
-    Graphs captured for multi-step launches move their inputs on a position each replay (the context
-    then grows by 250 positions over the timing); `restore` copies the staged inputs back before each
-    replay (one small device copy, in the time), so that every replay is the same step."""
+    `restore` copies the staged inputs back before each replay (one small device copy, in the time), so
+    that every replay is the same step; graphs captured for multi-step launches are always timed so:
+    they move their inputs on a position each replay, and 250 replays would run past the block tables
+    and the RoPE tables (session 25's call 2 read out of bounds that way)."""
     graphs = engine.graphs.graphs if engine.graphs is not None else {}
     if not graphs:
         return None
+    if restore is None:
+        restore = engine.graphs.steps > 1
     if not restore:
         return replay_us(graphs[max(graphs)])
     packed = engine.graphs.packed
@@ -318,10 +323,6 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="one more surge round under torch.profiler")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    if args.decode_steps is None:
-        from surge.config import GenerationConfig
-
-        args.decode_steps = GenerationConfig().decode_steps
     args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
     if args.threads and not args.device.startswith("cuda"):
         torch.set_num_threads(args.threads)

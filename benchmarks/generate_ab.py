@@ -286,8 +286,8 @@ def main(argv=None) -> int:
             replay, restored = {}, {}
             for v, (svc, lt) in services.items():  # the bucket-64 graph alone: GPU time of one decode step
                 blas(lt)
-                replay[v] = graph_replay_us(svc.engine)
                 restored[v] = graph_replay_us(svc.engine, restore=True)
+                replay[v] = graph_replay_us(svc.engine)  # (restored too where the graph moves its inputs on)
             for svc, _ in services.values():
                 await svc.close()
             return res, profs, replay, restored

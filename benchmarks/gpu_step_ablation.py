@@ -147,7 +147,8 @@ def main(argv=None) -> int:
 
     run_args = argparse.Namespace(prompt=args.prompt, output=args.output, budget=args.streams * args.prompt,
                                   overlap_depth=2, device="cuda", dtype="bf16", threads=0, no_graphs=False,
-                                  decode_gemm="auto", decode_attention="fused", no_pdl=False)
+                                  decode_gemm="auto", decode_attention="fused", no_pdl=False,
+                                  decode_steps=1)  # the step as one launch runs it: its inputs staged by the host
     with tempfile.TemporaryDirectory() as tmp:
         path = build(args.shape, Path(tmp) / "m", "cpu")
         engine, service, _ = make_service(path, run_args, args.streams)

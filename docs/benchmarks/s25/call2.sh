@@ -2,7 +2,8 @@
 # Session 25, device call 2: the service on the GPU with multi-step launches (new test) and the multi-step GPU
 # tests again; the engine's defaults with 1 and 4 decode steps a launch interleaved, the graph also timed with its
 # inputs restored before each replay (the multi-step graph moves them on); then the benchmark with the new
-# default (decode_steps 4) and transformers + torch.compile in the same run.
+# default (decode_steps 4) and transformers + torch.compile in the same run. (Its generate.py run stopped at an
+# illegal memory access: the growing-context replay timing of the multi-step graph, fixed for call 3.)
 set +e
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site build/whl/*.whl > $OUT/pip.txt 2>&1
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:src
