@@ -37,8 +37,6 @@ Variants (comma-separated, each a '+'-joined list of options on top of session 2
              --gate-up-plan (session 10); without it cuBLAS + silu_mul
   tma        the measured TMA plans (session 18: gate/up with gu, the o and down split-K GEMMs with sk),
              their operands read by TMA; without it the pointer-load plans of sessions 8 and 10
-  gusk       the gate/up (with gu) as stream-K (kernels/gate_up_streamk.py: the (tile, K step) units dealt
-             evenly over the SMs, session 25), --streamk-programs programs (0: one an SM)
   msN        multi-step launches: N greedy decode steps a launch, each step's inputs made on the device
              (session 25; GenerationConfig.decode_steps); without it one step a launch
 
@@ -118,15 +116,6 @@ def use_gate_up(variant: str, plan, key: tuple[int, int]) -> None:
     splitk_gemm.PLANS.update(TMA_PLANS[1] if "tma" in opts else POINTER_SPLITK)
 
 
-def use_streamk(variant: str, key: tuple[int, int], programs: int) -> None:
-    """The stream-K gate/up table the next engine is built with: a plan for the shape with "gusk", none without."""
-    from surge.engines.kernels import gate_up_streamk
-
-    gate_up_streamk.PLANS.pop(key, None)
-    if "gusk" in variant.split("+"):
-        gate_up_streamk.PLANS[key] = gate_up_streamk.StreamKPlan(programs=programs)
-
-
 def use_attn_launch(variant: str, launch: str) -> None:
     """The decode attention's launch shape for the next engine: --attn-launch for a "ta" variant, else
     session 10's first form (4 warps, 2 stages); the first key tile asked into L2 before the PDL wait for an
@@ -188,7 +177,6 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--attn-launch", default="4,2", help="num_warps,num_stages of the ta variants")
-    ap.add_argument("--streamk-programs", type=int, default=0, help="programs of the gusk variants (0: one an SM)")
     ap.add_argument("--busy-threads", type=int, default=0,
                     help="also rounds with this many Python threads computing (a busy host)")
     ap.add_argument("--gate-up-plan", default="32,128,4,3,false",
@@ -224,7 +212,6 @@ def main(argv=None) -> int:
             blas(lt)
             use_gate_up(v, gu_plan, gu_key)
             use_attn_launch(v, args.attn_launch)
-            use_streamk(v, gu_key, args.streamk_programs)
             depth = next((int(o[1:]) for o in v.split("+") if o in ("d1", "d2", "d3")), 2)
             steps = next((int(o[2:]) for o in v.split("+") if o.startswith("ms") and o[2:].isdigit()), 1)
             gen = GenerationConfig(max_num_seqs=n, max_num_batched_tokens=args.budget, max_model_len=max_len,

@@ -76,7 +76,6 @@ class DecoderModel:
             if l2.supported(device.index or 0):
                 self._pf_stream, self._bulk_prefetch = torch.cuda.Stream(device), l2.bulk_prefetch
         self._gate_up_max_m = 0  # rows up to which the one-kernel gate/up runs (set with its plans)
-        self._gate_up_sk: dict = {}  # layers whose gate/up runs stream-K (set with the plans)
         self._gate_up = self._gate_up_plans(decode_gemm) if self.fused else {}
         if self.fused:  # resolved once here, not in every layer of every step
             from surge.engines.kernels.decoder_fused import silu_mul
@@ -138,35 +137,13 @@ class DecoderModel:
                 plans[f"l{i}.up_gate"] = plan
         if plans:
             self._gate_up_silu, self._gate_up_max_m = gate_up.gate_up_silu, gate_up.MAX_M
-            self._gate_up_sk = self._streamk_plans(plans)
         return plans
-
-    def _streamk_plans(self, layers: dict) -> dict:
-        """Layer -> (plan, workspace, counters) of the stream-K gate/up (kernels/gate_up_streamk.py) where a
-        plan is measured for the shape and TMA reads the weight; those layers run it instead of the
-        one-tile-a-program kernel (same rounding points, K summed in pieces)."""
-        if self.device.type != "cuda":
-            return {}
-        from surge.engines.kernels import gate_up_streamk, tma
-
-        out = {}
-        for name in layers:
-            wt = self.w[name]
-            plan = gate_up_streamk.plan_for(wt.shape[0] // 2, wt.shape[1])
-            if plan is not None and (wt.shape[0] // 2) % plan.block_n == 0 and tma.usable(wt):
-                out[name] = (plan, *gate_up_streamk.workspace(wt, plan))
-        if out:
-            self._gate_up_silu_sk = gate_up_streamk.gate_up_silu_streamk
-        return out
 
     def _mlp_in(self, h: torch.Tensor, name: str) -> torch.Tensor:
         """SiLU(h W_gate^T) * (h W_up^T): one kernel at decode sizes where a plan exists, else the GEMM
         (cuBLAS, or split-K partials) and silu_mul."""
         plan = self._gate_up.get(name) if h.shape[0] <= self._gate_up_max_m else None
         if plan is not None:
-            sk = self._gate_up_sk.get(name)
-            if sk is not None and h.stride(1) == 1 and h.data_ptr() % 16 == 0 and (h.stride(0) * h.element_size()) % 16 == 0:
-                return self._gate_up_silu_sk(h, self.w[name], sk[0], sk[1], sk[2], pdl=self.pdl)
             return self._gate_up_silu(h, self.w[name], plan, pdl=self.pdl)
         return self._silu_mul(self._proj(h, name), h.dtype, pdl=self.pdl)
 
