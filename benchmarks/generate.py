@@ -148,7 +148,7 @@ def make_service(path: Path, args, n: int, fused: bool = True, overlap: bool = T
                            max_model_len=max_len, kv_cache_tokens=(n + 8) * max_len, threads=args.threads,
                            cuda_graphs=not args.no_graphs, fused=fused, decode_gemm=args.decode_gemm,
                            decode_attention=args.decode_attention, pdl=not args.no_pdl,
-                           decode_steps=args.decode_steps)
+                           decode_steps=args.decode_steps, decode_launch_ms=gen.decode_launch_ms)
     engine.warmup()
     load_s = time.perf_counter() - t
     service = GenerateService("bench", "1", path, engine, _NoText(), None, gen, request_timeout_s=600)
@@ -178,6 +178,10 @@ def run_surge(path: Path, args, prompts, fused: bool = True, overlap: bool = Tru
     best["median_tok_s"] = statistics.median(r["tok_s"] for r in rounds)
     best["overlap"] = overlap
     best["decode_steps"] = args.decode_steps
+    if engine.graphs is not None and engine.graphs.step_us:  # what a launch of the n streams may run
+        best["step_us"] = engine.graphs.step_us
+        step = engine.graphs.step_us[next(b for b in engine.graphs.buckets if b >= n)]
+        best["launch_steps"] = max(1, min(args.decode_steps, int(service.config.decode_launch_ms * 1e3 // step)))
     best["overlapped_steps"] = service.loop.overlapped
     if prof:
         best["profile"] = prof
@@ -370,6 +374,9 @@ def main(argv=None) -> int:
                              f"{lo:.2f}-{hi:.2f}x")
                 print(f"| {name} | {r['tok_s']:.0f} / {r['median_tok_s']:.0f} | {r['ttft_p50_ms']:.1f} / "
                       f"{r['ttft_p99_ms']:.1f} | {r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f} | {ratio} |")
+                if r.get("launch_steps") is not None:
+                    print(f"  {name}: {r['launch_steps']} decode steps a launch (decode_steps {r['decode_steps']}, "
+                          f"capped by decode_launch_ms at the bucket's measured step)")
                 if r.get("tpot_p50_ms") is not None and name.startswith("surge"):
                     print(f"  {name}: time per output token after the first, p50 of the streams "
                           f"{r['tpot_p50_ms']:.3f} ms (ITL above: the gap between deliveries)")

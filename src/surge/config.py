@@ -159,6 +159,9 @@ class GenerationConfig(_Strict):
                               "launches): the host's per-launch work is shared by that many tokens, which then "
                               "reach a stream together (a delivery every few ms), and a request arriving "
                               "meanwhile waits for the launches in flight; 1: a launch a token.")
+    decode_launch_ms: float = Field(4.0, gt=0, description="With decode_steps > 1: the longest a launch may take "
+                                    "at the step time its batch measured when the graphs were captured (fewer "
+                                    "steps for larger models), so a stream's tokens come at least this often.")
     cache_entries: int = Field(1024, ge=0, description="Finished greedy / seeded generations kept (0: off).")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that gives none.")
 

@@ -335,6 +335,20 @@ def test_multi_step_launches_equal_eager(qwen_dir, steps):
     got, overlapped = _run_overlapped(a, prompts, 23, steps=steps, loops=loops)
     assert got == want
     assert loops[0].steps >= 3 * (overlapped + 1), "launches must run several decode steps"
+    # each bucket timed its step after capture; decode_launch_ms caps a launch by those times
+    from surge.runtime.scheduler import SamplingParams, Sequence
+    from surge.runtime.scheduler.scheduler import ScheduledSeq
+
+    assert set(a.graphs.step_us) == set(a.graphs.buckets) and all(t > 0 for t in a.graphs.step_us.values())
+    seq = Sequence(0, [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0))
+    seq.block_table = [0]
+    one = [ScheduledSeq(seq, 2, 1, True)]
+    a.decode_launch_ms = None
+    assert a.launch_steps(one) == steps
+    a.decode_launch_ms = 2.5 * a.graphs.step_us[1] / 1e3
+    assert a.launch_steps(one) == 2
+    a.decode_launch_ms = 1e-6
+    assert a.launch_steps(one) == 1
 
 
 def test_service_streams_multi_step_launches(qwen_dir):

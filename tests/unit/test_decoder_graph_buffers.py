@@ -80,12 +80,14 @@ def test_graph_buffers_and_device_gathered_inputs(tmp_path, monkeypatch, depth):
     assert got_sync == want
 
 
-@pytest.mark.parametrize("kind,depth,steps", [("qwen2", 2, 3), ("gpt2", 1, 4), ("qwen2", 3, 5)])
-def test_multi_step_launches_equal_transformers(tmp_path, monkeypatch, kind, depth, steps):
+@pytest.mark.parametrize("kind,depth,steps,cap", [("qwen2", 2, 3, None), ("gpt2", 1, 4, None), ("qwen2", 3, 5, None),
+                                                  ("qwen2", 2, 5, 2)])
+def test_multi_step_launches_equal_transformers(tmp_path, monkeypatch, kind, depth, steps, cap):
     """Launches of several decode steps through the graph path (each replay writes the next one's
     positions, slots, context lengths and source rows into the buffers; blocks reserved for the whole
     launch) give transformers' greedy tokens, with sequences joining at different steps, stop tokens
-    found inside a launch, and max_tokens that are not multiples of the launch."""
+    found inside a launch, and max_tokens that are not multiples of the launch. `cap`: decode_launch_ms
+    and the buckets' step times allow that many steps a launch, and no launch runs more."""
     from transformers import AutoModelForCausalLM
 
     from surge.engines.decoder import model as model_mod
@@ -100,6 +102,12 @@ def test_multi_step_launches_equal_transformers(tmp_path, monkeypatch, kind, dep
                         pad_token_id=0)[0, len(p):].tolist() for p, n in zip(prompts, lens)]
     engine = DecoderEngine(d, num_blocks=96, block_size=4, max_num_seqs=6)
     monkeypatch.setattr(model_mod, "paged_attention_torch", _host_graphs(engine, 6, steps=steps))
+    launched = []
+    if cap is not None:  # as if the buckets had measured 1.5 ms a step: 3.2 ms a launch allows 2
+        engine.decode_launch_ms = 1.5 * cap + 0.2
+        engine.graphs.step_us = {b: 1500.0 for b in engine.graphs.buckets}
+        launch = engine.launch
+        monkeypatch.setattr(engine, "launch", lambda s, prev, n=1: launched.append(n) or launch(s, prev, n))
     sched = Scheduler(SchedulerConfig(num_blocks=96, block_size=4, max_num_seqs=6, max_num_batched_tokens=64,
                                       max_model_len=128), ())
     # sequences 1 and 4 stop at the token they would produce 6th / 10th: found inside a launch
@@ -126,6 +134,8 @@ def test_multi_step_launches_equal_transformers(tmp_path, monkeypatch, kind, dep
         assert streamed[s.seq_id] == want
     assert loop.steps > loop.overlapped + 10, "launches must run several steps"
     assert sched.blocks.num_free == 96
+    if cap is not None:
+        assert max(launched) == cap and launched.count(cap) > 5
 
 
 def test_staged_block_tables_equal_a_full_refill(tmp_path):

@@ -452,7 +452,7 @@ def load_generate_service(path: Path, name: str, version: str = "1", *, device: 
     engine = DecoderEngine(path, device=device, dtype=dtype, block_size=config.block_size,
                            kv_cache_tokens=config.kv_cache_tokens, max_num_seqs=config.max_num_seqs,
                            max_model_len=config.max_model_len, cuda_graphs=config.cuda_graphs, threads=threads,
-                           decode_steps=config.decode_steps)
+                           decode_steps=config.decode_steps, decode_launch_ms=config.decode_launch_ms)
     engine.warmup()
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     return GenerateService(name, version, path, engine, tokenizer, ChatTemplate.from_dir(path), config,

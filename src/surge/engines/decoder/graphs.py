@@ -21,6 +21,7 @@ import torch
 from surge.engines.decoder.attention import AttnMeta
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+TIMED_CONTEXT = 256  # positions of context at which multi-step graphs time their step (a chat turn's)
 # Host staging sets, used in turn: a set is refilled RING steps after its last use, so up to RING - 1
 # launched steps may be in flight (runtime/scheduler/overlap.py's depth) before the loop reads one back.
 RING = 4
@@ -45,6 +46,8 @@ class DecodeGraphs:
     def __init__(self, engine, max_num_seqs: int, steps: int = 1):
         self.engine = engine
         self.steps = steps  # decode steps a run() may replay back to back (> 1: the graphs advance their inputs)
+        # bucket -> us of one replay at TIMED_CONTEXT positions, measured after capture (multi-step graphs)
+        self.step_us: dict[int, float] = {}
         self.buckets = [b for b in BUCKETS if b < max_num_seqs] + [max_num_seqs]
         dev = engine.device
         n, width = self.buckets[-1], engine.max_blocks_per_seq
@@ -132,6 +135,31 @@ class DecodeGraphs:
                     self.pool = g.pool()
                 self.graphs[b] = g
         torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        if self.steps > 1:
+            self._time_steps()
+
+    def _time_steps(self) -> None:
+        """Each bucket's step time with TIMED_CONTEXT positions of context (its rows reading the scratch
+        block), the median of 3 replays after one: what a launch of several steps costs a step, for the
+        engine's cap on a launch's duration. The buffers are put back afterwards."""
+        e = self.engine
+        saved = self.packed.clone()
+        ctx = min(TIMED_CONTEXT, e.max_model_len) - 1
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for b, g in self.graphs.items():
+            times = []
+            for _ in range(4):
+                self.packed.copy_(saved)
+                self.packed[1, :b] = ctx
+                self.packed[3, :b] = ctx + 1
+                start.record()
+                g.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1e3)
+            self.step_us[b] = sorted(times[1:])[1]
+        self.packed.copy_(saved)
         torch.cuda.synchronize()
 
     def _stage_tables(self, k: int, tables: list[list[int]], bucket: int) -> None:

@@ -59,7 +59,7 @@ class DecoderEngine:
                  threads: int = 0, fused: bool = True, graph_fp32_logits: bool = False,
                  decode_block_n: int | None = None, argmax_kernel: str = "triton", decode_gemm: str = "auto",
                  decode_attention: str = "fused", pdl: bool = True, l2_prefetch: bool = False,
-                 decode_steps: int = 1):
+                 decode_steps: int = 1, decode_launch_ms: float | None = None):
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         if threads and not cuda:
@@ -84,6 +84,8 @@ class DecoderEngine:
         self.sampler = Sampler(self.device)
         self.max_blocks_per_seq = -(-self.max_model_len // block_size)
         self.graphs = None
+        # the longest a multi-step launch may take, at the step times its graphs measured (None: no cap)
+        self.decode_launch_ms = decode_launch_ms
         self._pinned: list[torch.Tensor] = []
         # one read-back buffer and event per launched step that may be in flight (graphs.RING)
         self._events = [torch.cuda.Event() for _ in range(_RING)] if cuda else []
@@ -186,10 +188,15 @@ class DecoderEngine:
 
     def launch_steps(self, scheduled: list[ScheduledSeq]) -> int:
         """The most decode steps one launch of `scheduled` can run: the graphs' (multi-step launches
-        replay a captured graph), 1 where the step would run eagerly."""
+        replay a captured graph), fewer where decode_launch_ms would be passed at the step time the
+        batch's bucket measured (DecodeGraphs.step_us), 1 where the step would run eagerly."""
         g = self.graphs
-        if g is None or g.steps == 1 or not g.fits(len(scheduled), max(len(s.seq.block_table) for s in scheduled)):
+        b = len(scheduled)
+        if g is None or g.steps == 1 or not g.fits(b, max(len(s.seq.block_table) for s in scheduled)):
             return 1
+        us = g.step_us.get(next(x for x in g.buckets if x >= b)) if self.decode_launch_ms else None
+        if us:  # tokens reach a stream a launch at a time: a launch no longer than decode_launch_ms
+            return max(1, min(g.steps, int(self.decode_launch_ms * 1e3 // us)))
         return g.steps
 
     @torch.inference_mode()
