@@ -306,7 +306,8 @@ def main(argv=None) -> int:
                "itl_p50_ms": med("itl_p50_ms"), "itl_p99_ms": med("itl_p99_ms"), "ttft_p50_ms": med("ttft_p50_ms"),
                "tpot_p50_ms": med("tpot_p50_ms"),
                "wall_ms": 1e3 * med("wall_s"), "steps": [r["steps"] for r in rs], "profile": profs.get(v),
-               "graph_replay_us": replay[v.split(" (busy")[0]], "graph_replay_restored_us": restored[v.split(" (busy")[0]]}
+               "graph_replay_us": replay[v.split(" (busy")[0]],
+               "graph_replay_restored_us": restored[v.split(" (busy")[0]]}
         records.append(rec)
         print(f"| {v} | {rec['tok_s_median']:,.0f} | {' / '.join(f'{x:,}' for x in rec['rounds_tok_s'])} | "
               f"{rec['itl_p50_ms']:.3f} | {rec['tpot_p50_ms']:.3f} | {rec['ttft_p50_ms']:.1f} | {rec['wall_ms']:.1f} | "

@@ -17,6 +17,7 @@ from surge.engines.decoder import DecoderEngine  # noqa: E402
 from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence  # noqa: E402
 from surge.runtime.scheduler.overlap import StepLoop  # noqa: E402
 from tests.decoder_models import build_model  # noqa: E402
+from tests.loop_driver import drive  # noqa: E402
 
 
 class _Replay:
@@ -117,17 +118,7 @@ def test_multi_step_launches_equal_transformers(tmp_path, monkeypatch, kind, dep
             for i, (p, n) in enumerate(zip(prompts, lens))]
     arrivals = [0, 0, 2, 2, 7, 13]
     loop = StepLoop(sched, engine, overlap=True, depth=depth, steps=steps)
-    streamed = {s.seq_id: [] for s in seqs}
-    step, added = 0, 0
-    while added < len(seqs) or loop.busy:
-        while added < len(seqs) and arrivals[added] <= step:
-            sched.add(seqs[added])
-            added += 1
-        for r in loop.step():
-            for sid, token in r.tokens.items():
-                streamed[sid].append(token)
-        sched.blocks.check()
-        step += 1
+    streamed = drive(loop, sched, seqs, arrivals)
     for s, ref in zip(seqs, refs):
         want = ref[: ref.index(ref[stop_at[s.seq_id]]) + 1] if s.seq_id in stop_at else ref
         assert s.output_ids == want, f"prompt {s.seq_id}"

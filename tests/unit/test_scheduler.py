@@ -13,6 +13,7 @@ import pytest
 
 from surge.runtime.scheduler import BlockManager, SamplingParams, Scheduler, SchedulerConfig, Sequence, SeqStatus
 from surge.runtime.scheduler.sequence import PLACEHOLDER
+from tests.loop_driver import drive
 
 
 def fake_token(tokens: list[int]) -> int:
@@ -271,22 +272,13 @@ def _loop_run(overlap, seed, abort_at=None, engine_cls=FakeEngine, depth=1, step
     arrivals = sorted(rng.choice((0, 0, 15, 30)) + rng.randrange(0, 3) for _ in seqs)  # in bursts
     engine = engine_cls(depth, steps)
     loop = StepLoop(sched, engine, overlap=overlap, depth=depth, steps=steps)
-    streamed = {s.seq_id: [] for s in seqs}
-    step, added = 0, 0
-    while added < len(seqs) or loop.busy:
-        while added < len(seqs) and arrivals[added] <= step:
-            sched.add(seqs[added])
-            added += 1
-        if abort_at is not None and step == abort_at:
+
+    def abort(step):
+        if step == abort_at:
             for s in seqs[:3]:
                 sched.abort(s)
-        for r in loop.step():
-            for k, token in r.tokens.items():
-                streamed[k].append(token)
-            for f in r.finished:
-                assert f.seq.finish_reason in ("stop", "length")
-        sched.blocks.check()
-        step += 1
+
+    streamed = drive(loop, sched, seqs, arrivals, abort)
     assert sched.blocks.num_free == cfg.num_blocks
     return seqs, streamed, loop, sched
 

@@ -232,7 +232,7 @@ class DecodeGraphs:
             graph.replay()
             out = self.outputs[bucket]
             rows = self._out_views.get(b)
-            if rows is None or rows[0] is not out:  # (outputs are replaced where the graphs are replayed eagerly: tests)
+            if rows is None or rows[0] is not out:  # (outputs are replaced where graphs are replayed eagerly: tests)
                 rows = self._out_views[b] = (out, out[0][:b], out[1][:b])
             if each is not None:
                 each(j, rows[2])
