@@ -138,17 +138,16 @@ def make_service(path: Path, args, n: int, fused: bool = True, overlap: bool = T
     from surge.runtime.generate_service import GenerateService, GenerationConfig
 
     max_len = args.prompt + args.output + 16
-    if getattr(args, "decode_steps", None) is None:
-        args.decode_steps = GenerationConfig().decode_steps
+    steps = getattr(args, "decode_steps", None) or GenerationConfig().decode_steps
     gen = GenerationConfig(max_num_seqs=max(n, 1), max_num_batched_tokens=args.budget, max_model_len=max_len,
                            cache_entries=0, prefix_caching=False, overlap_steps=overlap,
-                           overlap_depth=args.overlap_depth, decode_steps=args.decode_steps)
+                           overlap_depth=args.overlap_depth, decode_steps=steps)
     t = time.perf_counter()
     engine = DecoderEngine(path, device=args.device, dtype=args.dtype, max_num_seqs=gen.max_num_seqs,
                            max_model_len=max_len, kv_cache_tokens=(n + 8) * max_len, threads=args.threads,
                            cuda_graphs=not args.no_graphs, fused=fused, decode_gemm=args.decode_gemm,
                            decode_attention=args.decode_attention, pdl=not args.no_pdl,
-                           decode_steps=args.decode_steps, decode_launch_ms=gen.decode_launch_ms)
+                           decode_steps=steps, decode_launch_ms=gen.decode_launch_ms)
     engine.warmup()
     load_s = time.perf_counter() - t
     service = GenerateService("bench", "1", path, engine, _NoText(), None, gen, request_timeout_s=600)
@@ -177,11 +176,10 @@ def run_surge(path: Path, args, prompts, fused: bool = True, overlap: bool = Tru
     best["rounds_tok_s"] = [round(r["tok_s"], 1) for r in rounds]
     best["median_tok_s"] = statistics.median(r["tok_s"] for r in rounds)
     best["overlap"] = overlap
-    best["decode_steps"] = args.decode_steps
-    if engine.graphs is not None and engine.graphs.step_us:  # what a launch of the n streams may run
+    best["decode_steps"] = service.config.decode_steps
+    if engine.graphs is not None and engine.graphs.step_us:  # what a launch of the n streams runs
         best["step_us"] = engine.graphs.step_us
-        step = engine.graphs.step_us[next(b for b in engine.graphs.buckets if b >= n)]
-        best["launch_steps"] = max(1, min(args.decode_steps, int(service.config.decode_launch_ms * 1e3 // step)))
+        best["launch_steps"] = engine.steps_for(n)
     best["overlapped_steps"] = service.loop.overlapped
     if prof:
         best["profile"] = prof

@@ -191,10 +191,18 @@ class DecoderEngine:
         replay a captured graph), fewer where decode_launch_ms would be passed at the step time the
         batch's bucket measured (DecodeGraphs.step_us), 1 where the step would run eagerly."""
         g = self.graphs
-        b = len(scheduled)
-        if g is None or g.steps == 1 or not g.fits(b, max(len(s.seq.block_table) for s in scheduled)):
+        if g is None or not g.fits(len(scheduled), max(len(s.seq.block_table) for s in scheduled)):
             return 1
-        us = g.step_us.get(next(x for x in g.buckets if x >= b)) if self.decode_launch_ms else None
+        return self.steps_for(len(scheduled))
+
+    def steps_for(self, batch: int) -> int:
+        """Decode steps a graph launch of `batch` sequences runs: the graphs' steps, fewer where
+        decode_launch_ms would be passed at the step time the batch's bucket measured; 1 without
+        multi-step graphs or past the largest bucket."""
+        g = self.graphs
+        if g is None or g.steps == 1 or batch > g.buckets[-1]:
+            return 1
+        us = g.step_us.get(next(x for x in g.buckets if x >= batch)) if self.decode_launch_ms else None
         if us:  # tokens reach a stream a launch at a time: a launch no longer than decode_launch_ms
             return max(1, min(g.steps, int(self.decode_launch_ms * 1e3 // us)))
         return g.steps
