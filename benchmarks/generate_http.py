@@ -1,0 +1,295 @@
+"""Generation through a real `surge serve` process against the same service in-process.
+
+    PYTHONPATH=src python3 benchmarks/generate_http.py --device cuda --shape qwen2-0.5b --rounds 5
+    PYTHONPATH=src python3 benchmarks/generate_http.py --device cpu --shape gpt2-tiny --streams 8 --output 16
+
+benchmarks/generate.py measures the decoder service in-process (GenerateService.stream, token ids
+out). What a user gets goes further: HTTP parsing, detokenization, one SSE chunk per delivery. Here
+the same random-weight model (generate.py's shapes) gets a word-level tokenizer covering its whole
+vocabulary, so every generated token decodes to text as a real one would, and:
+
+* **http**: `surge serve MODEL` in its own process; `--clients` load-generator processes share
+  `--streams` concurrent streaming `/v1/completions` requests (token-id prompts, greedy, EOS ignored,
+  usage in the last chunk). All streams of a round start together; tok/s = completion tokens (from
+  usage) over the round's wall time; TTFT and the gap between chunks per stream.
+* **in-process**: `load_generate_service` (what the server builds) with the same settings, driven
+  through `GenerateService.stream` in this process, detokenizing.
+
+Every round of both prints; the table has medians and the ratio http / in-process. --server-arg
+passes extra flags to the server (e.g. `--server-arg=--generation=engine_process=false`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def word_tokenizer(out: Path, vocab: int, eos_id: int) -> None:
+    """tokenizer.json: word level, token i <-> "w{i}", the eos id named as one (decode skips it)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {f"w{i}": i for i in range(vocab)}
+    eos = f"w{eos_id}"
+    tok = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": "w0", "pad_token": "w0"}))
+
+
+def pct(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))] if values else float("nan")
+
+
+def summarize(per_stream: list[dict], wall: float) -> dict:
+    tokens = sum(s["tokens"] for s in per_stream)
+    ttft = [s["ttft"] for s in per_stream]
+    gaps = [g for s in per_stream for g in s["gaps"]]
+    return {"tok_s": tokens / wall, "output_tokens": tokens, "wall_s": wall,
+            "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
+            "gap_p50_ms": 1e3 * pct(gaps, 50), "gap_p99_ms": 1e3 * pct(gaps, 99)}
+
+
+# -- the load generator (its own processes) -------------------------------------------------------------
+async def _client_round(url: str, model: str, prompts: list[list[int]], n_out: int, start_at: float) -> list[dict]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        async def one(p):
+            body = {"model": model, "prompt": p, "max_tokens": n_out, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            t0 = time.time()
+            first = last = None
+            gaps, tokens = [], 0
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    now = time.time()
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+                    if not chunk.get("choices"):
+                        continue
+                    if first is None:
+                        first = now
+                    else:
+                        gaps.append(now - last)
+                    last = now
+            return {"ttft": first - t0, "gaps": gaps, "tokens": tokens, "start": t0, "end": last}
+
+        # a connection each, opened before the clock starts
+        await asyncio.gather(*(client.get("/health") for _ in prompts))
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def _client_main(url, model, prompts, n_out, rounds, conn):
+    for _ in range(rounds):
+        start_at = conn.recv()
+        conn.send(asyncio.run(_client_round(url, model, prompts, n_out, start_at)))
+    conn.close()
+
+
+def server_ttft(url: str) -> tuple[float, float]:
+    """(sum, count) of the server's time-to-first-token histogram."""
+    import httpx
+
+    total = count = 0.0
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("surge_generate_time_to_first_token_seconds_sum"):
+            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("surge_generate_time_to_first_token_seconds_count"):
+            count += float(line.rsplit(" ", 1)[1])
+    return total, count
+
+
+def http_rounds(url: str, model: str, prompts, n_out: int, rounds: int, clients: int) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    shares = [prompts[i::clients] for i in range(clients)]
+    pipes, procs = [], []
+    for share in shares:
+        a, b = ctx.Pipe()
+        p = ctx.Process(target=_client_main, args=(url, model, share, n_out, rounds, b), daemon=True)
+        p.start()
+        pipes.append(a)
+        procs.append(p)
+    out = []
+    for _ in range(rounds):
+        before = server_ttft(url)
+        start_at = time.time() + 1.5  # the clients' imports and connections are done by then
+        for a in pipes:
+            a.send(start_at)
+        streams = [s for a in pipes for s in a.recv()]
+        wall = max(s["end"] for s in streams) - start_at
+        after = server_ttft(url)
+        r = summarize(streams, wall)
+        # the server's own TTFT (from the stream's submission to its first token): the rest of the
+        # client's is HTTP and the event loop
+        r["server_ttft_mean_ms"] = 1e3 * (after[0] - before[0]) / max(1.0, after[1] - before[1])
+        r["send_spread_ms"] = 1e3 * (max(s["start"] for s in streams) - min(s["start"] for s in streams))
+        out.append(r)
+    for p in procs:
+        p.join(10)
+    return out
+
+
+# -- in-process -----------------------------------------------------------------------------------------
+async def _inproc_round(service, prompts, n_out):
+    from surge.runtime.scheduler import SamplingParams
+
+    params = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
+
+    async def one(p):
+        t0 = time.perf_counter()
+        first = last = None
+        gaps, tokens, text = [], 0, []
+        async for d in service.stream(p, params, deadline=time.monotonic() + 600):
+            now = time.perf_counter()
+            text.append(d.text)  # detokenized, as the server's chunks carry it
+            if first is None:
+                first = now
+            else:
+                gaps.append(now - last)
+            last = now
+            tokens = d.completion_tokens
+        return {"ttft": first - t0, "gaps": gaps, "tokens": tokens, "end": last}
+
+    t0 = time.perf_counter()
+    streams = await asyncio.gather(*(one(p) for p in prompts))
+    return summarize(streams, max(s["end"] for s in streams) - t0)
+
+
+def inproc_rounds(path: Path, args, prompts) -> list[dict]:
+    from surge.runtime.generate_service import load_generate_service
+
+    service = load_generate_service(path, "bench", device=args.device, precision=args.dtype,
+                                    config=generation_config(args), request_timeout_s=600)
+    service.mark_ready()
+
+    async def main():
+        await _inproc_round(service, prompts[:8], 4)
+        rounds = []
+        for i in range(args.rounds):
+            rounds.append(await _inproc_round(service, prompts, args.output))
+            print(f"  in-process round {i + 1}: {fmt(rounds[-1])}", flush=True)
+        await service.close()
+        return rounds
+
+    return asyncio.run(main())
+
+
+def generation_config(args):
+    from surge.config import GenerationConfig
+
+    return GenerationConfig(**generation_fields(args))
+
+
+def generation_fields(args) -> dict:
+    max_len = args.prompt + args.output + 16
+    return dict(max_num_seqs=args.streams, max_num_batched_tokens=args.budget, max_model_len=max_len,
+                kv_cache_tokens=(args.streams + 8) * max_len, cache_entries=0, prefix_caching=False)
+
+
+def fmt(r: dict) -> str:
+    more = (f"; server's TTFT mean {r['server_ttft_mean_ms']:.1f} ms, sends spread over {r['send_spread_ms']:.1f} ms"
+            if "server_ttft_mean_ms" in r else "")
+    return (f"{r['tok_s']:,.0f} tok/s, TTFT p50 {r['ttft_p50_ms']:.1f} ms, gap p50/p99 {r['gap_p50_ms']:.2f} / "
+            f"{r['gap_p99_ms']:.2f} ms{more}")
+
+
+def main(argv=None) -> int:
+    import generate as G
+    import torch
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--shape", default=None, choices=sorted(G.SHAPES))
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--output", type=int, default=128)
+    ap.add_argument("--budget", type=int, default=8192)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--clients", type=int, default=8, help="load-generator processes")
+    ap.add_argument("--server-arg", action="append", default=[], help="extra `surge serve` flag (repeatable)")
+    ap.add_argument("--skip-inproc", action="store_true")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
+    shape = args.shape or ("qwen2-0.5b" if args.device.startswith("cuda") else "gpt2-tiny")
+    from surge.bench.servers import ServerProc, free_port
+
+    record = {"shape": shape, "device": args.device, "streams": args.streams, "prompt": args.prompt,
+              "output": args.output, "server_args": args.server_arg}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = G.build(shape, Path(tmp) / shape, "cpu")
+        vocab = G.SHAPES[shape][1].get("vocab_size", 1000)
+        word_tokenizer(path, vocab, eos_id=1)
+        g = torch.Generator().manual_seed(1)
+        prompts = torch.randint(2, vocab, (args.streams, args.prompt), generator=g).tolist()
+        fields = generation_fields(args)
+        port = free_port()
+        gen = ",".join(f"{k}={v}" for k, v in fields.items())
+        argv = [sys.executable, "-m", "surge.cli.main", "serve", str(path), "--port", str(port), "--grpc-port",
+                "0", "--device", args.device, "--precision", args.dtype, "--model-name", "bench",
+                "--generation", gen, *args.server_arg]
+        print("server:", " ".join(argv[2:]), flush=True)
+        pythonpath = os.pathsep.join(x for x in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if x)
+        srv = ServerProc("surge-serve", argv, port, ready_timeout_s=600, cwd=ROOT, env={"PYTHONPATH": pythonpath})
+        t = time.perf_counter()
+        srv.start()
+        print(f"server ready in {time.perf_counter() - t:.1f} s", flush=True)
+        try:
+            http_rounds(srv.url, "bench", prompts[:8], 4, 1, 1)  # warm-up
+            http = http_rounds(srv.url, "bench", prompts, args.output, args.rounds, args.clients)
+        finally:
+            srv.stop()
+        for i, r in enumerate(http):
+            print(f"  http round {i + 1}: {fmt(r)}", flush=True)
+        record["http"] = http
+        if not args.skip_inproc:
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+            record["inproc"] = inproc_rounds(path, args, prompts)
+    print(f"\n{shape} ({args.device}, {args.dtype}): {args.streams} streams, {args.prompt}-token prompts, "
+          f"{args.output} output tokens, medians of {args.rounds} rounds")
+    print("| path | output tok/s | TTFT p50 / p99 ms | gap between chunks p50 / p99 ms |")
+    print("| --- | ---: | --- | --- |")
+    med = {}
+    for name in ("http", "inproc"):
+        if name not in record:
+            continue
+        rs = record[name]
+        m = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        med[name] = m
+        print(f"| {name} | {m['tok_s']:,.0f} | {m['ttft_p50_ms']:.1f} / {m['ttft_p99_ms']:.1f} | "
+              f"{m['gap_p50_ms']:.2f} / {m['gap_p99_ms']:.2f} |")
+    if len(med) == 2:
+        record["ratio"] = med["http"]["tok_s"] / med["inproc"]["tok_s"]
+        print(f"http / in-process: {record['ratio']:.2f}")
+    print(json.dumps(record), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(record, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
