@@ -162,6 +162,10 @@ class GenerationConfig(_Strict):
     decode_launch_ms: float = Field(4.0, gt=0, description="With decode_steps > 1: the longest a launch may take "
                                     "at the step time its batch measured when the graphs were captured (fewer "
                                     "steps for larger models), so a stream's tokens come at least this often.")
+    engine_process: bool | None = Field(None, description="Run the engine loop (scheduler, engine, sampler) in a "
+                                        "process of its own, so that it and the server's event loop (HTTP, "
+                                        "detokenization, streams) never wait for each other's GIL; default: on "
+                                        "for a CUDA device, off on the CPU.")
     cache_entries: int = Field(1024, ge=0, description="Finished greedy / seeded generations kept (0: off).")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that gives none.")
 

@@ -95,17 +95,17 @@ class GenerateMetrics:
     def finished(self, reason: str) -> None:
         self._requests.labels(**self._lab, finish_reason=reason).inc()
 
-    def engine_state(self, scheduler) -> None:
-        """After a step (engine thread): gauges and the prefix cache's counters, each set only when it
-        changed (a set takes a lock; most steps change none)."""
-        b = scheduler.blocks
-        gauges = (len(scheduler.running), len(scheduler.waiting), len(b.free))
+    def engine_state(self, state) -> None:
+        """After an iteration of the engine loop (runtime/generate_core.EngineState): gauges and the
+        prefix cache's counters, each set only when it changed (a set takes a lock; most iterations
+        change none)."""
+        gauges = (state.running, state.waiting, state.free_blocks)
         if gauges != self._gauges:
             self._gauges = gauges
-            self.running.set(gauges[0])
-            self.waiting.set(gauges[1])
-            self.kv.set(b.usage)
-        q, h, p = b.queried_tokens, b.hit_tokens, scheduler.preemptions
+            self.running.set(state.running)
+            self.waiting.set(state.waiting)
+            self.kv.set(state.kv_usage)
+        q, h, p = state.prefix_queried_tokens, state.prefix_hit_tokens, state.preemptions
         sq, sh, sp = self._seen
         if q > sq:
             self.prefix_queried.inc(q - sq)

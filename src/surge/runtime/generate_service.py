@@ -1,15 +1,14 @@
 """The async face of one served decoder model: generate and stream.
 
-Requests become Sequences handed to one engine thread that runs the iteration
-loop (schedule -> engine step -> update) while there is work and sleeps on an
-event otherwise. Each step's sampled tokens go back to the event loop in one
-call, which detokenizes, applies stop strings, counts the metrics and builds
-every stream's delta in one pass; a request's own coroutine is only woken to
-yield its delta. A request that ends early (client gone, deadline, stop string)
-aborts its sequence: the engine thread frees its KV blocks before the next
-step. Greedy and seeded requests are answered from a bounded cache of finished
-generations (keyed by version, prompt ids and parameters), streamed as they
-were first streamed.
+Requests become Sequences handed to the engine loop (runtime/generate_core.EngineLoop: schedule ->
+engine step -> update), which runs on a thread of this process or, with
+GenerationConfig.engine_process (the default on a GPU), in a process of its own
+(runtime/generate_process.py). Each iteration's sampled tokens come back to the event loop in one
+call, which detokenizes, applies stop strings, counts the metrics and builds every stream's delta in
+one pass; a request's own coroutine is only woken to yield its delta. A request that ends early
+(client gone, deadline, stop string) aborts its sequence: the engine loop frees its KV blocks before
+its next step. Greedy and seeded requests are answered from a bounded cache of finished generations
+(keyed by version, prompt ids and parameters), streamed as they were first streamed.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import queue
 import sys
 import threading
 import time
@@ -29,10 +27,11 @@ from typing import AsyncIterator
 from surge.config import GenerationConfig  # noqa: F401  (re-exported: callers build it from here)
 from surge.errors import DeadlineExceeded, EngineError, InvalidInput, NotReady, Overloaded
 from surge.runtime.detok import TextState
-from surge.runtime.generate_text import PromptText
+from surge.runtime.generate_core import ENGINE, INVALID, EngineLoop, EngineState, ThreadChannel
 from surge.runtime.generate_metrics import GenerateMetrics
-from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
-from surge.runtime.scheduler.overlap import StepLoop
+from surge.runtime.generate_process import EngineProcess
+from surge.runtime.generate_text import PromptText
+from surge.runtime.scheduler import SamplingParams, Sequence
 
 log = logging.getLogger("surge.generate")
 
@@ -115,37 +114,45 @@ class GenerateService(PromptText):
         self.request_timeout_s = request_timeout_s
         self.ready = False
         self.loaded_at = time.time()
-        c = self.config
         caps = engine.capabilities
         self.max_model_len = caps.max_model_len
         self.vocab_size = engine.cfg.vocab_size
-        self.scheduler = Scheduler(SchedulerConfig(
-            num_blocks=caps.num_blocks, block_size=caps.block_size, max_num_seqs=c.max_num_seqs,
-            max_num_batched_tokens=max(c.max_num_batched_tokens, c.max_num_seqs), max_model_len=caps.max_model_len,
-            prefix_caching=c.prefix_caching), eos_token_ids=engine.cfg.eos_token_ids)
         self.metrics = GenerateMetrics(name, version, metrics_registry)
-        # overlap needs a device that runs behind the host; on the CPU a step is the host's own work
-        on_gpu = getattr(getattr(engine, "device", None), "type", "cpu") == "cuda"
-        self.loop = StepLoop(self.scheduler, engine, overlap=c.overlap_steps and on_gpu, depth=c.overlap_depth,
-                             steps=c.decode_steps)
         self._ids = itertools.count(1)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
         self._closed = False
-        self._pending = 0  # submitted, not yet taken by the engine thread
+        self._sent = 0  # sequences sent to the engine loop (its state's `received` counts those it took)
+        self._state = EngineState()
         self._arrivals: list[Sequence] = []  # submitted during this event-loop pass (event loop only)
         self._handles: dict[int, _Handle] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cache: OrderedDict[tuple, list[Delta]] = OrderedDict()
-        self.steps = 0
-        self.busy_s = 0.0  # time inside the step loop (schedule, launch, read back, resolve)
+        self.remote = isinstance(engine, EngineProcess)
+        if self.remote:
+            # the engine loop runs in the child; its scheduler and step loop are not in this process
+            self.core = self.scheduler = self.loop = None
+            self._channel = None
+            engine.start_reader(self._on_message, self._on_exit)
+            return
+        self.core = EngineLoop(engine, self.config, name)
+        self.scheduler, self.loop = self.core.scheduler, self.core.loop  # what tests and benchmarks inspect
+        self._channel = ThreadChannel()
         # The engine thread gives up the GIL at every device sync and wake-up; with the default 5 ms
         # switch interval it can then wait that long behind the event loop's per-token work, which is a
         # decode step's whole budget. A shorter interval bounds that wait (process-wide, cheap).
         if sys.getswitchinterval() > 0.0005:
             sys.setswitchinterval(0.0005)
-        self._thread = threading.Thread(target=self._run, name=f"surge-{name}-generate", daemon=True)
+        self._thread = threading.Thread(target=self.core.run, args=(self._channel, _ThreadOutbox(self)),
+                                        name=f"surge-{name}-generate", daemon=True)
         self._thread.start()
+
+    @property
+    def steps(self) -> int:
+        return self._state.steps
+
+    @property
+    def busy_s(self) -> float:
+        """Time the engine loop spent inside its steps (schedule, launch, read back, resolve)."""
+        return self._state.busy_s
 
     # -- what the protocol layers use --------------------------------------------------------------------
     @property
@@ -201,7 +208,7 @@ class GenerateService(PromptText):
                 yield Delta(d.text, d.token_ids, d.logprobs, d.finish_reason, d.prompt_tokens, d.completion_tokens,
                             cached=True)
             return
-        if len(self.scheduler.waiting) + self._pending >= self.config.max_waiting:
+        if self._queued() >= self.config.max_waiting:
             raise Overloaded(f"model '{self.name}': {self.config.max_waiting} requests already wait for KV cache "
                              "space", retry_after=1.0)
         loop = self._loop = self._loop or asyncio.get_running_loop()
@@ -211,7 +218,6 @@ class GenerateService(PromptText):
                                                     else frozenset(self.engine.cfg.eos_token_ids))
         handle = _Handle(seq, TextState(self.decode, params.stop), stops, start)
         self._handles[seq.seq_id] = handle
-        self._pending += 1
         self._arrive(seq)
         self.metrics.prompt.inc(len(prompt_ids))
         recorded: list[Delta] = []
@@ -243,6 +249,11 @@ class GenerateService(PromptText):
                 self.metrics.finished("abort")
             self._handles.pop(seq.seq_id, None)
 
+    def _queued(self) -> int:
+        """Sequences waiting for KV space as of the engine loop's last report, plus those sent or
+        submitted since that it has not taken in yet."""
+        return self._state.waiting + self._sent - self._state.received + len(self._arrivals)
+
     def _remember(self, key, deltas: list[Delta]) -> None:
         self._cache[key] = deltas
         while len(self._cache) > self.config.cache_entries:
@@ -262,107 +273,95 @@ class GenerateService(PromptText):
     def _admit_arrivals(self) -> None:
         seqs, self._arrivals = self._arrivals, []
         if seqs:
-            self._inbox.put(("add", seqs))
-            self._notify()
+            self._sent += len(seqs)
+            self._send(("add", seqs))
 
     def _abort(self, handle: _Handle, reason: str) -> None:
         seq = handle.seq
         for i, s in enumerate(self._arrivals):
             if s is seq:  # gone before its pass ended: it never reaches the engine
                 del self._arrivals[i]
-                self._pending -= 1
                 return
-        self._inbox.put(("abort", seq, reason))
-        self._notify()
+        self._send(("abort", seq.seq_id, reason))
 
-    def _notify(self) -> None:
-        # Event.set takes a lock and notifies: skipped while a wake-up is pending (the engine thread
-        # clears the event before it drains the inbox, so a message put before this check is seen)
-        if not self._wake.is_set():
-            self._wake.set()
+    def _send(self, msg) -> None:
+        if self.remote:
+            self.engine.send(msg)
+        else:
+            self._channel.put(msg)
 
     def stats(self) -> dict:
-        s = self.scheduler
-        return {"running": len(s.running), "waiting": len(s.waiting), "kv_usage": s.blocks.usage,
-                "free_blocks": s.blocks.num_free, "prefix_hit_tokens": s.blocks.hit_tokens,
-                "prefix_queried_tokens": s.blocks.queried_tokens, "preemptions": s.preemptions, "steps": self.steps,
-                "overlapped_steps": self.loop.overlapped}
+        st = self._state
+        return {"running": st.running, "waiting": st.waiting, "kv_usage": st.kv_usage,
+                "free_blocks": st.free_blocks, "prefix_hit_tokens": st.prefix_hit_tokens,
+                "prefix_queried_tokens": st.prefix_queried_tokens, "preemptions": st.preemptions,
+                "steps": st.steps, "overlapped_steps": st.overlapped_steps,
+                "engine_process": self.engine.pid if self.remote else None}
 
     async def close(self) -> None:
         self.ready = False
         self._closed = True
-        self._wake.set()
-        await asyncio.to_thread(self._thread.join, 10.0)
+        if self.remote:
+            await asyncio.to_thread(self.engine.close)
+        else:
+            self._channel.put(("close",))
+            await asyncio.to_thread(self._thread.join, 10.0)
 
-    # -- the engine thread -------------------------------------------------------------------------------
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                msg = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if msg[0] == "add":
-                for seq in msg[1]:
-                    self._pending -= 1
-                    try:
-                        self.scheduler.add(seq)
-                    except ValueError as exc:
-                        self._deliver_error(seq, InvalidInput(str(exc), param="prompt"))
-            else:
-                self.scheduler.abort(msg[1], msg[2])
-                self.engine.forget(msg[1].seq_id)
+    # -- what the engine loop reports (its thread, or this process's reader of the engine process) -------
+    def _set_state(self, state: EngineState) -> None:
+        self._state = state
+        self.metrics.engine_state(state)
 
-    def _run(self) -> None:
-        loop = self.loop
-        while not self._closed:
-            self._drain_inbox()
-            if not loop.busy:
-                self.metrics.engine_state(self.scheduler)
-                self._wake.wait()
-                self._wake.clear()
-                continue
-            try:
-                t0 = time.perf_counter()
-                results = loop.step()
-                self.busy_s += time.perf_counter() - t0
-            except Exception as exc:  # the steps' requests fail; the service keeps serving
-                log.exception("generation step failed")
-                err = EngineError(f"generation failed: {type(exc).__name__}: {exc}")
-                for seq in loop.involved():
-                    self.scheduler.abort(seq, "error")
-                    self._deliver_error(seq, err)
-                continue
-            if loop.stalled:
-                # nothing fits now (cannot happen while something runs); wait for a change
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
-            batch = []
-            for r in results:
-                self.steps += 1
-                finished = {f.seq.seq_id: f.reason for f in r.finished} if r.finished else None
-                if r.tokens:
-                    batch.append((r.tokens, r.samples, finished))
-                if finished:
-                    for sid in finished.keys() & r.tokens.keys():
-                        self.engine.forget(sid)
-            if batch and self._loop is not None:
-                self._loop.call_soon_threadsafe(self._deliver, batch)
-            self.metrics.engine_state(self.scheduler)
-        if loop.busy:
-            loop.involved()
-        for s in list(self.scheduler.running) + list(self.scheduler.waiting):
-            self.scheduler.abort(s, "abort")
-            self._deliver_error(s, NotReady(f"model '{self.name}' was unloaded"))
+    def _on_message(self, msg) -> None:
+        """A message of the engine process (the reader thread)."""
+        kind = msg[0]
+        if kind == "tokens":
+            self._set_state(msg[3])
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._deliver, msg[1], msg[2])
+        elif kind == "error":
+            self._report_error(msg[1], msg[2], msg[3])
+        elif kind == "state":
+            self._set_state(msg[1])
 
-    def _deliver(self, batch) -> None:
+    def _on_exit(self) -> None:
+        """The engine process's pipe ended: closed by us, or the process died; then every stream in
+        flight fails now rather than at its deadline, and the model takes no more requests."""
+        if self._closed:
+            return
+        self._closed = True
+        self.ready = False
+        code = self.engine.exit_code(wait=2.0)
+        log.error("model '%s': its engine process exited (code %s)", self.name, code)
+        if self._loop is not None:
+            err = EngineError(f"model '{self.name}': its engine process exited (code {code})")
+            self._loop.call_soon_threadsafe(self._fail_all, err)
+
+    def _fail_all(self, err: Exception) -> None:
+        for h in list(self._handles.values()):
+            if not h.done:
+                h.fail(err)
+
+    def _report_error(self, seq_id: int, kind: str, message: str) -> None:
+        err = InvalidInput(message, param="prompt") if kind == INVALID else \
+            EngineError(message) if kind == ENGINE else NotReady(message)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fail, seq_id, err)
+
+    def _deliver(self, batch, admitted=None) -> None:
         """One engine iteration's tokens ([(tokens {seq_id: token}, samples {seq_id: SampleOut} or
         None, finished {seq_id: reason} or None)]) -> every stream's delta, in one pass; the streams
-        with a new delta are woken. Inter-token latency is the gap between the steps that delivered a
+        with a new delta are woken. `admitted`: {seq_id: scheduled_at} of sequences first scheduled
+        since the last call (the engine process's copies carry it; a thread's are these objects). Inter-token latency is the gap between the steps that delivered a
         stream's tokens, observed in bulk once a call (a Prometheus observe per token was a large
         share of the event loop's work at 64 streams)."""
         now = time.monotonic()
         handles = self._handles
+        if admitted:
+            for sid, t in admitted.items():
+                h = handles.get(sid)
+                if h is not None:
+                    h.seq.scheduled_at = t
         itl: list[float] = []
         count = 0
         metrics = self.metrics
@@ -429,9 +428,24 @@ class GenerateService(PromptText):
         if h is not None and not h.done:
             h.fail(err)
 
-    def _deliver_error(self, seq: Sequence, err: Exception) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._fail, seq.seq_id, err)
+
+class _ThreadOutbox:
+    """The engine thread's reports: state set here, tokens and errors handed to the event loop."""
+
+    def __init__(self, service: GenerateService):
+        self.service = service
+
+    def tokens(self, batch, admitted, state) -> None:
+        svc = self.service
+        svc._set_state(state)
+        if svc._loop is not None:
+            svc._loop.call_soon_threadsafe(svc._deliver, batch, admitted)
+
+    def error(self, seq_id: int, kind: str, message: str) -> None:
+        self.service._report_error(seq_id, kind, message)
+
+    def state(self, state) -> None:
+        self.service._set_state(state)
 
 
 def load_generate_service(path: Path, name: str, version: str = "1", *, device: str = "cpu",
@@ -440,7 +454,6 @@ def load_generate_service(path: Path, name: str, version: str = "1", *, device: 
     """A decoder directory -> a warmed-up GenerateService (the caller marks it ready)."""
     from tokenizers import Tokenizer
 
-    from surge.engines.decoder import DecoderEngine
     from surge.errors import ConfigError
     from surge.models.chat_template import ChatTemplate
 
@@ -449,11 +462,18 @@ def load_generate_service(path: Path, name: str, version: str = "1", *, device: 
     if not (path / "tokenizer.json").is_file():
         raise ConfigError(f"{path}: tokenizer.json missing (a fast tokenizer file is required)")
     dtype = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "auto": None, None: None}.get(precision, precision)
-    engine = DecoderEngine(path, device=device, dtype=dtype, block_size=config.block_size,
-                           kv_cache_tokens=config.kv_cache_tokens, max_num_seqs=config.max_num_seqs,
-                           max_model_len=config.max_model_len, cuda_graphs=config.cuda_graphs, threads=threads,
-                           decode_steps=config.decode_steps, decode_launch_ms=config.decode_launch_ms)
-    engine.warmup()
+    kwargs = dict(device=device, dtype=dtype, block_size=config.block_size, kv_cache_tokens=config.kv_cache_tokens,
+                  max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+                  cuda_graphs=config.cuda_graphs, decode_steps=config.decode_steps,
+                  decode_launch_ms=config.decode_launch_ms)
+    remote = config.engine_process if config.engine_process is not None else device.startswith("cuda")
+    if remote:
+        engine = EngineProcess(path, kwargs, config, name, threads=threads)
+    else:
+        from surge.engines.decoder import DecoderEngine
+
+        engine = DecoderEngine(path, threads=threads, **kwargs)
+        engine.warmup()
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     return GenerateService(name, version, path, engine, tokenizer, ChatTemplate.from_dir(path), config,
                            request_timeout_s=request_timeout_s)

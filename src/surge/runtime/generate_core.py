@@ -1,0 +1,178 @@
+"""The engine side of a served decoder: the iteration loop (schedule -> engine step -> update).
+
+`EngineLoop` owns the scheduler, the step loop and the engine. It takes messages (sequences to add,
+sequence ids to abort, close) from a channel and reports through an outbox: each iteration's tokens,
+a request's failure, the engine's state for the metrics. The same loop runs on a thread of the
+server process (`ThreadChannel`; GenerateService's default on the CPU) or alone in a process of its
+own (runtime/generate_process.py; the default on a GPU), where it never waits for the GIL of the
+event loop that parses requests and writes the streams.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from surge.runtime.scheduler import Scheduler, SchedulerConfig, Sequence
+from surge.runtime.scheduler.overlap import StepLoop
+
+log = logging.getLogger("surge.generate")
+
+# the kinds of a failed request, rebuilt as surge errors on the service's side (runtime/generate_service.py)
+INVALID, ENGINE, UNLOADED = "invalid", "engine", "unloaded"
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """What the metrics and `stats()` read, after an iteration."""
+
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    kv_usage: float = 0.0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
+    steps: int = 0
+    overlapped_steps: int = 0
+    busy_s: float = 0.0
+    received: int = 0  # sequences taken in from "add" messages (added or refused)
+
+
+class ThreadChannel:
+    """Messages from the event loop to an engine thread: a queue and an event to sleep on."""
+
+    def __init__(self):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+
+    def put(self, msg) -> None:
+        self._q.put(msg)
+        # Event.set takes a lock and notifies: skipped while a wake-up is pending (the engine thread
+        # clears the event before it drains the queue, so a message put before this check is seen)
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def drain(self) -> list:
+        self._wake.clear()
+        out = []
+        while True:
+            try:
+                out.append(self._q.get_nowait())
+            except queue.Empty:
+                return out
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._wake.wait(timeout)
+
+
+class EngineLoop:
+    """Messages: ("add", [Sequence]), ("abort", seq_id, reason), ("close",). Outbox: `tokens(batch,
+    admitted, state)`, `error(seq_id, kind, message)`, `state(state)`; see GenerateService._deliver for
+    the batch's shape; `admitted` maps the sequences first scheduled since the last report to their
+    scheduled_at (time.monotonic(), one clock for every process of the machine)."""
+
+    def __init__(self, engine, config, name: str = "model"):
+        self.engine = engine
+        self.name = name
+        caps = engine.capabilities
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_blocks=caps.num_blocks, block_size=caps.block_size, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
+            max_model_len=caps.max_model_len, prefix_caching=config.prefix_caching),
+            eos_token_ids=engine.cfg.eos_token_ids)
+        # overlap needs a device that runs behind the host; on the CPU a step is the host's own work
+        on_gpu = getattr(getattr(engine, "device", None), "type", "cpu") == "cuda"
+        self.loop = StepLoop(self.scheduler, engine, overlap=config.overlap_steps and on_gpu,
+                             depth=config.overlap_depth, steps=config.decode_steps)
+        self.seqs: dict[int, Sequence] = {}  # added and not finished
+        self._fresh: list[Sequence] = []  # added, their admission not reported yet
+        self.steps = 0
+        self.received = 0
+        self.busy_s = 0.0  # time inside the step loop (schedule, launch, read back, resolve)
+        self.closed = False
+
+    def state(self) -> EngineState:
+        s, b = self.scheduler, self.scheduler.blocks
+        return EngineState(len(s.running), len(s.waiting), b.num_free, b.usage, b.queried_tokens, b.hit_tokens,
+                           s.preemptions, self.steps, self.loop.overlapped, self.busy_s, self.received)
+
+    def handle(self, msg, out) -> None:
+        kind = msg[0]
+        if kind == "add":
+            for seq in msg[1]:
+                self.received += 1
+                try:
+                    self.scheduler.add(seq)
+                except ValueError as exc:
+                    out.error(seq.seq_id, INVALID, str(exc))
+                    continue
+                self.seqs[seq.seq_id] = seq
+                self._fresh.append(seq)
+        elif kind == "abort":
+            seq = self.seqs.pop(msg[1], None)
+            if seq is not None:
+                self.scheduler.abort(seq, msg[2])
+                self.engine.forget(seq.seq_id)
+        elif kind == "close":
+            self.closed = True
+
+    def _admitted(self) -> dict[int, float]:
+        if not self._fresh:
+            return {}
+        done = {s.seq_id: s.scheduled_at for s in self._fresh if s.scheduled_at}
+        if done:
+            self._fresh = [s for s in self._fresh if not s.scheduled_at]
+        return done
+
+    def run(self, channel, out) -> None:
+        loop = self.loop
+        while not self.closed:
+            for msg in channel.drain():
+                self.handle(msg, out)
+            if self.closed:
+                break
+            if not loop.busy:
+                out.state(self.state())
+                channel.wait()
+                continue
+            try:
+                t0 = time.perf_counter()
+                results = loop.step()
+                self.busy_s += time.perf_counter() - t0
+            except Exception as exc:  # the steps' requests fail; the service keeps serving
+                log.exception("generation step failed")
+                msg = f"generation failed: {type(exc).__name__}: {exc}"
+                for seq in loop.involved():
+                    self.scheduler.abort(seq, "error")
+                    self.seqs.pop(seq.seq_id, None)
+                    out.error(seq.seq_id, ENGINE, msg)
+                continue
+            if loop.stalled:
+                # nothing fits now (cannot happen while something runs); wait for a change
+                channel.wait(0.05)
+                continue
+            batch = []
+            for r in results:
+                self.steps += 1
+                finished = {f.seq.seq_id: f.reason for f in r.finished} if r.finished else None
+                if r.tokens:
+                    batch.append((r.tokens, r.samples, finished))
+                if finished:
+                    for sid in finished:
+                        self.seqs.pop(sid, None)
+                    for sid in finished.keys() & r.tokens.keys():
+                        self.engine.forget(sid)
+            if batch:
+                out.tokens(batch, self._admitted(), self.state())
+            else:
+                out.state(self.state())
+        if loop.busy:
+            loop.involved()
+        for s in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.scheduler.abort(s, "abort")
+            out.error(s.seq_id, UNLOADED, f"model '{self.name}' was unloaded")
+        self.seqs.clear()

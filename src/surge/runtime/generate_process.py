@@ -1,0 +1,235 @@
+"""A decoder's engine loop in a process of its own (GenerationConfig.engine_process).
+
+Why: in one process the event loop (HTTP parsing, detokenization, SSE writes) and the engine thread
+take turns at one GIL. The engine thread gives it up at every device sync and then waits up to the
+switch interval behind the event loop's work, which is a decode step's whole budget: through a real
+server, 64 streams on an H200 got 42k tok/s and a 72 ms time to first token against 64k and 19 ms
+for the same service driven in-process (benchmarks/generate_http.py, session 26), and a busy thread
+beside the engine took it from 67k to 10-14k (benchmarks/generate_ab.py --busy-threads). Here the
+child process builds the engine and runs runtime/generate_core.EngineLoop alone; the server process
+keeps everything about text and streams.
+
+Wire: one multiprocessing connection over a Unix socket (pickled tuples). To the child: ("add", [Sequence]),
+("abort", seq_id, reason), ("close",). From it: ("ready", DecoderConfig, EngineCaps) or ("failed",
+message) once, then ("tokens", batch, admitted, EngineState), ("error", seq_id, kind, message),
+("state", EngineState). One message per engine iteration and one per event-loop pass: pickling 64
+streams' tokens is tens of microseconds against a ~3 ms launch. A dead child is an EOF here:
+every stream in flight fails at once (EngineError) and the service stops taking requests; a dead
+parent is an EOF on the child's side, which then exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger("surge.generate")
+
+
+class _PipeChannel:
+    def __init__(self, conn):
+        self.conn = conn
+
+    def drain(self) -> list:
+        out = []
+        try:
+            while self.conn.poll(0):
+                out.append(self.conn.recv())
+        except (EOFError, OSError):  # the server process is gone: stop
+            out.append(("close",))
+        return out
+
+    def wait(self, timeout: float | None = None) -> None:
+        try:
+            self.conn.poll(timeout)
+        except (EOFError, OSError):
+            pass
+
+
+class _PipeOutbox:
+    def __init__(self, conn):
+        self.conn = conn
+
+    def tokens(self, batch, admitted, state) -> None:
+        self.conn.send(("tokens", batch, admitted, state))
+
+    def error(self, seq_id: int, kind: str, message: str) -> None:
+        self.conn.send(("error", seq_id, kind, message))
+
+    def state(self, state) -> None:
+        self.conn.send(("state", state))
+
+
+def _child_main(address: str) -> int:
+    """The engine process: connect back, take the load's arguments, build the engine, run the loop."""
+    from multiprocessing.connection import Client
+
+    conn = Client(address, authkey=bytes.fromhex(os.environ.pop(_AUTHKEY_ENV)))
+    try:
+        path, engine_kwargs, config, name, threads = conn.recv()
+        import torch
+
+        from surge.engines.decoder import DecoderEngine
+        from surge.runtime.generate_core import EngineLoop
+
+        if threads:
+            torch.set_num_threads(threads)
+        engine = DecoderEngine(path, threads=threads, **engine_kwargs)
+        engine.warmup()
+        core = EngineLoop(engine, config, name)
+    except BaseException as exc:  # reported to the server, which raises it as the load's error
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return 1
+    conn.send(("ready", engine.cfg, engine.capabilities))
+    try:
+        core.run(_PipeChannel(conn), _PipeOutbox(conn))
+    except (BrokenPipeError, EOFError, OSError):  # the server process is gone
+        pass
+    return 0
+
+
+_AUTHKEY_ENV = "SURGE_ENGINE_AUTHKEY"
+
+
+class EngineProcess:
+    """The server side's handle on the child: what GenerateService reads of an engine (`cfg`,
+    `capabilities`, `device`), the connection to it and the thread that reads its messages.
+
+    The child is `python -m surge.runtime.generate_process ADDRESS`, which connects back to a Unix
+    socket of this process (authenticated): unlike multiprocessing's spawn it never re-imports the
+    caller's main module, so a script without a `__main__` guard can load a model too."""
+
+    def __init__(self, path: str | Path, engine_kwargs: dict, config, name: str = "model", threads: int = 0,
+                 start_timeout_s: float = 1800.0):
+        from multiprocessing.connection import Listener
+
+        authkey = secrets.token_bytes(32)
+        self._dir = tempfile.mkdtemp(prefix="surge-engine-")
+        address = os.path.join(self._dir, "sock")
+        listener = Listener(address, family="AF_UNIX", authkey=authkey)
+        env = {**os.environ, _AUTHKEY_ENV: authkey.hex()}
+        self.process = subprocess.Popen([sys.executable, "-m", "surge.runtime.generate_process", address], env=env)
+        self._send_lock = threading.Lock()
+        self._reader: threading.Thread | None = None
+        self.conn = None
+        try:
+            self.conn = self._accept(listener, start_timeout_s)
+            self.conn.send((str(path), engine_kwargs, config, name, threads))
+            msg = self._first_message(start_timeout_s)
+        except BaseException:
+            self._stop()
+            raise
+        finally:
+            listener.close()
+        if msg[0] != "ready":
+            from surge.errors import ConfigError
+
+            self._stop()
+            raise ConfigError(f"{path}: loading the decoder in its engine process failed: {msg[1]}")
+        _, self.cfg, self.capabilities = msg
+        self.device = _Device(self.capabilities.device)
+
+    def _accept(self, listener, timeout: float):
+        # accept() blocks with no timeout: wait for the socket to be readable while watching the child
+        sock = listener._listener._socket
+        deadline = time.monotonic() + timeout
+        while not select.select([sock], [], [], 0.2)[0]:
+            self._check_alive(deadline, timeout)
+        return listener.accept()
+
+    def _first_message(self, timeout: float):
+        deadline = time.monotonic() + timeout
+        while not self.conn.poll(0.2):
+            self._check_alive(deadline, timeout)
+        try:
+            return self.conn.recv()
+        except EOFError:
+            return ("failed", f"the engine process exited with code {self.process.wait(5)}")
+
+    def _check_alive(self, deadline: float, timeout: float) -> None:
+        from surge.errors import ConfigError
+
+        if self.process.poll() is not None:
+            raise ConfigError(f"the engine process exited with code {self.process.returncode} while loading")
+        if time.monotonic() > deadline:
+            raise ConfigError(f"the engine process did not load within {timeout:.0f} s")
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def exit_code(self, wait: float = 0.0) -> int | None:
+        """The child's exit status (a signal as its negative), None while it runs after `wait` s."""
+        try:
+            return self.process.wait(wait)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def start_reader(self, on_message, on_exit) -> None:
+        """Deliver each message of the child to `on_message` on a thread of its own; `on_exit()` once
+        the connection ends (the child closed or died)."""
+
+        def read():
+            while True:
+                try:
+                    msg = self.conn.recv()
+                except (EOFError, OSError):
+                    break
+                try:
+                    on_message(msg)
+                except Exception:  # one message's handling must not stop the stream of the others
+                    log.exception("handling an engine process message failed")
+            on_exit()
+
+        self._reader = threading.Thread(target=read, name="surge-engine-reader", daemon=True)
+        self._reader.start()
+
+    def send(self, msg) -> bool:
+        """False: the child is gone."""
+        with self._send_lock:
+            try:
+                self.conn.send(msg)
+                return True
+            except (BrokenPipeError, EOFError, OSError):
+                return False
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.send(("close",))
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        self._stop()
+        if self._reader is not None:
+            self._reader.join(timeout)
+
+    def _stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+        if self.conn is not None:
+            self.conn.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class _Device:
+    """engine.device as GenerateService reads it (its `type`)."""
+
+    def __init__(self, name: str):
+        self.type = name.split(":")[0]
+
+    def __str__(self) -> str:
+        return self.type
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv[1]))

@@ -1,0 +1,219 @@
+"""A decoder's engine loop in its own process (GenerationConfig.engine_process) on the CPU: the same
+tokens as transformers and as the loop on a thread, aborts that free the child's KV blocks, a child
+that dies or fails to load, a queue limit counted across the process boundary, a clean close."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from prometheus_client import CollectorRegistry  # noqa: E402
+
+from surge.errors import ConfigError, EngineError, NotReady, Overloaded  # noqa: E402
+from surge.runtime.scheduler import SamplingParams  # noqa: E402
+from tests.decoder_models import build_model  # noqa: E402
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model("qwen2", tmp_path_factory.mktemp("m") / "q", seed=7)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _load(path, registry=None, **gen):
+    from surge.runtime.generate_service import GenerationConfig, load_generate_service
+
+    config = GenerationConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 160,
+                                 "kv_cache_tokens": 1024, "block_size": 4, "cache_entries": 0,
+                                 "engine_process": True, **gen})
+    s = load_generate_service(path, "m", config=config, threads=1, request_timeout_s=60)
+    if registry is not None:  # the service's metrics on a registry of the test's own
+        from surge.runtime.generate_metrics import GenerateMetrics
+
+        s.metrics = GenerateMetrics("m", "1", registry)
+    s.mark_ready()
+    return s
+
+
+def _hf_greedy(hf, ids, n):
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def _prompts(service, count):
+    texts = ["Define assignment.", "The augmented assignment statement", "Python", "a b c d e f g h i j k l m n",
+             "What is a variable?", "Loops repeat"]
+    return [service.encode(texts[i % len(texts)] * (1 + i % 3)) for i in range(count)]
+
+
+def test_streams_equal_transformers_and_the_thread_loop(model_dir, hf):
+    """Prompts of different lengths, joining a running batch at different times, through the child:
+    every stream's tokens are transformers' greedy ones, and equal the same service's on a thread."""
+    service = _load(model_dir)
+    assert service.remote and service.engine.exit_code() is None and service.engine.pid != os.getpid()
+    prompts = _prompts(service, 6)
+
+    async def run(svc):
+        async def one(i, p):
+            await asyncio.sleep(0.02 * i)  # later ones join a batch that is decoding
+            ids = []
+            async for d in svc.stream(p, SamplingParams(max_tokens=10 + i, **GREEDY)):
+                ids.extend(d.token_ids)
+            return ids
+
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    async def both():
+        remote = await run(service)
+        stats = service.stats()
+        await service.close()
+        local = _load(model_dir, engine_process=False)
+        assert not local.remote
+        here = await run(local)
+        await local.close()
+        return remote, here, stats
+
+    remote, here, stats = asyncio.run(both())
+    for i, (p, ids) in enumerate(zip(prompts, remote)):
+        assert ids == _hf_greedy(hf, p, 10 + i), i
+    assert remote == here
+    assert stats["engine_process"] == service.engine.pid and stats["running"] == 0 and stats["steps"] > 0
+    assert service.engine.exit_code(wait=10) == 0  # closed, not killed
+
+
+def test_an_aborted_stream_frees_its_blocks_in_the_child_and_leaves_its_neighbour_alone(model_dir, hf):
+    reg = CollectorRegistry()
+    service = _load(model_dir, reg)
+    free_at_start = None
+    a, b = _prompts(service, 2)
+
+    async def main():
+        nonlocal free_at_start
+        await service.generate(a, SamplingParams(max_tokens=2, **GREEDY))  # a state report
+        free_at_start = service.stats()["free_blocks"]
+        gone = service.stream(a, SamplingParams(max_tokens=120, **GREEDY))
+        stay = asyncio.ensure_future(service.generate(b, SamplingParams(max_tokens=40, **GREEDY)))
+        got = 0
+        async for d in gone:
+            got += len(d.token_ids)
+            if got >= 3:
+                break
+        await gone.aclose()  # the client left: an abort to the child
+        kept = await stay
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (service.stats()["free_blocks"] != free_at_start
+                                               or service.stats()["running"]):
+            await asyncio.sleep(0.02)
+        stats = service.stats()
+        await service.close()
+        return kept, stats
+
+    kept, stats = asyncio.run(main())
+    assert kept.token_ids == _hf_greedy(hf, b, 40)
+    assert stats["running"] == 0 and stats["free_blocks"] == free_at_start and stats["kv_usage"] == 0.0
+    # the child stopped the aborted sequence: its 120 tokens would take over 120 iterations
+    assert stats["steps"] < 100, stats
+    labels = {"model": "m", "version": "1"}
+    assert reg.get_sample_value("surge_generate_requests_total", {**labels, "finish_reason": "abort"}) == 1
+    assert reg.get_sample_value("surge_generate_kv_cache_usage_ratio", labels) == 0.0
+    assert reg.get_sample_value("surge_generate_output_tokens_total", labels) >= 42
+
+
+def test_a_dead_engine_process_fails_the_streams_at_once(model_dir):
+    """SIGKILL on the child mid-stream: the stream raises EngineError now (not at its 60 s deadline),
+    the model stops taking requests."""
+    service = _load(model_dir)
+    p = _prompts(service, 1)[0]
+
+    async def main():
+        agen = service.stream(p, SamplingParams(max_tokens=150, **GREEDY))
+        await agen.__anext__()
+        os.kill(service.engine.pid, signal.SIGKILL)
+        t = time.monotonic()
+        with pytest.raises(EngineError, match="engine process exited"):
+            async for _ in agen:
+                pass
+        waited = time.monotonic() - t
+        with pytest.raises(NotReady):
+            await service.generate(p, SamplingParams(max_tokens=2, **GREEDY))
+        await service.close()
+        return waited
+
+    assert asyncio.run(main()) < 30
+    assert service.engine.exit_code() == -signal.SIGKILL and not service.ready
+
+
+def test_close_fails_the_streams_in_flight_and_ends_the_child(model_dir):
+    service = _load(model_dir)
+    p = _prompts(service, 1)[0]
+
+    async def main():
+        agen = service.stream(p, SamplingParams(max_tokens=150, **GREEDY))
+        await agen.__anext__()
+        closing = asyncio.ensure_future(service.close())
+        with pytest.raises(NotReady, match="unloaded"):
+            async for _ in agen:
+                pass
+        await closing
+
+    asyncio.run(main())
+    assert service.engine.exit_code(wait=10) == 0
+
+
+def test_the_queue_limit_counts_what_the_child_has_not_taken_in(model_dir):
+    """max_waiting counts the sequences of this event-loop pass and those sent that the child has not
+    taken in yet (here: a child stopped by SIGSTOP, so none is); they run once it goes on."""
+    service = _load(model_dir, max_waiting=2)
+    p = _prompts(service, 1)[0]
+    params = SamplingParams(max_tokens=4, **GREEDY)
+
+    async def main():
+        await service.generate(p, params)
+        os.kill(service.engine.pid, signal.SIGSTOP)
+        try:
+            first = asyncio.ensure_future(service.generate(p, params))
+            await asyncio.sleep(0.05)  # its pass ended: sent, not taken in
+            second = asyncio.ensure_future(service.generate(p, params))
+            await asyncio.sleep(0.05)
+            with pytest.raises(Overloaded):
+                await service.generate(p, params)
+            same_pass = await asyncio.gather(*(service.generate(p, params) for _ in range(2)),
+                                             return_exceptions=True)
+        finally:
+            os.kill(service.engine.pid, signal.SIGCONT)
+        done = await asyncio.gather(first, second)
+        await service.close()
+        return same_pass, done
+
+    same_pass, done = asyncio.run(main())
+    assert all(isinstance(o, Overloaded) for o in same_pass)
+    assert [o.completion_tokens for o in done] == [4, 4]
+    # admitted after the child went on: the queue time (KServe statistics) is the child's admission,
+    # reported across the process boundary
+    assert done[0].timings["queue_ns"] >= 80e6 and done[0].timings["compute_input_ns"] > 0
+
+
+def test_a_load_that_fails_in_the_child_is_the_loads_error(tmp_path, model_dir):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ConfigError, match="engine process failed"):
+        _load(broken)
