@@ -8,15 +8,18 @@ out). What a user gets goes further: HTTP parsing, detokenization, one SSE chunk
 the same random-weight model (generate.py's shapes) gets a word-level tokenizer covering its whole
 vocabulary, so every generated token decodes to text as a real one would, and:
 
-* **http**: `surge serve MODEL` in its own process; `--clients` load-generator processes share
-  `--streams` concurrent streaming `/v1/completions` requests (token-id prompts, greedy, EOS ignored,
-  usage in the last chunk). All streams of a round start together; tok/s = completion tokens (from
-  usage) over the round's wall time; TTFT and the gap between chunks per stream.
-* **in-process**: `load_generate_service` (what the server builds) with the same settings, driven
-  through `GenerateService.stream` in this process, detokenizing.
+* **http thread / http process**: `surge serve MODEL` with its engine loop on a thread of the server
+  (`--generation engine_process=false`) or in a process of its own (`engine_process=true`, the GPU's
+  default); `--clients` load-generator processes share `--streams` concurrent streaming
+  `/v1/completions` requests (token-id prompts, greedy, EOS ignored, usage in the last chunk). All
+  streams of a round start together; tok/s = completion tokens (from usage) over the round's wall
+  time; TTFT and the gap between chunks per stream; the server's own TTFT from its /metrics.
+* **in-process thread**: `load_generate_service` (what the server builds) with the same settings and
+  the loop on a thread, driven through `GenerateService.stream` in this process, detokenizing: what
+  benchmarks/generate.py measures, plus detokenization.
 
-Every round of both prints; the table has medians and the ratio http / in-process. --server-arg
-passes extra flags to the server (e.g. `--server-arg=--generation=engine_process=false`).
+Every round prints; the table has medians and the ratio to in-process. `--engine thread|process`
+picks the server variants (default both); --server-arg passes extra flags to the server.
 """
 
 from __future__ import annotations
@@ -181,7 +184,7 @@ def inproc_rounds(path: Path, args, prompts) -> list[dict]:
     from surge.runtime.generate_service import load_generate_service
 
     service = load_generate_service(path, "bench", device=args.device, precision=args.dtype,
-                                    config=generation_config(args), request_timeout_s=600)
+                                    config=inproc_config(args), request_timeout_s=600)
     service.mark_ready()
 
     async def main():
@@ -196,16 +199,17 @@ def inproc_rounds(path: Path, args, prompts) -> list[dict]:
     return asyncio.run(main())
 
 
-def generation_config(args):
-    from surge.config import GenerationConfig
-
-    return GenerationConfig(**generation_fields(args))
-
-
 def generation_fields(args) -> dict:
     max_len = args.prompt + args.output + 16
     return dict(max_num_seqs=args.streams, max_num_batched_tokens=args.budget, max_model_len=max_len,
                 kv_cache_tokens=(args.streams + 8) * max_len, cache_entries=0, prefix_caching=False)
+
+
+def inproc_config(args):
+    """The in-process reference: the engine loop on a thread, as benchmarks/generate.py drives it."""
+    from surge.config import GenerationConfig
+
+    return GenerationConfig(**generation_fields(args), engine_process=False)
 
 
 def fmt(r: dict) -> str:
@@ -213,6 +217,33 @@ def fmt(r: dict) -> str:
             if "server_ttft_mean_ms" in r else "")
     return (f"{r['tok_s']:,.0f} tok/s, TTFT p50 {r['ttft_p50_ms']:.1f} ms, gap p50/p99 {r['gap_p50_ms']:.2f} / "
             f"{r['gap_p99_ms']:.2f} ms{more}")
+
+
+def serve_rounds(path: Path, args, prompts, fields: dict, engine_process: bool) -> list[dict]:
+    """`surge serve` on the model with the engine loop on a thread or in its own process: a warm-up
+    round, then the measured ones."""
+    from surge.bench.servers import ServerProc, free_port
+
+    port = free_port()
+    gen = ",".join(f"{k}={v}" for k, v in {**fields, "engine_process": engine_process}.items())
+    argv = [sys.executable, "-m", "surge.cli.main", "serve", str(path), "--port", str(port), "--grpc-port",
+            "0", "--device", args.device, "--precision", args.dtype, "--model-name", "bench",
+            "--generation", gen, *args.server_arg]
+    print("server:", " ".join(argv[2:]), flush=True)
+    pythonpath = os.pathsep.join(x for x in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if x)
+    srv = ServerProc("surge-serve", argv, port, ready_timeout_s=600, cwd=ROOT, env={"PYTHONPATH": pythonpath})
+    t = time.perf_counter()
+    srv.start()
+    print(f"server ready in {time.perf_counter() - t:.1f} s", flush=True)
+    try:
+        http_rounds(srv.url, "bench", prompts[:8], 4, 1, 1)  # warm-up
+        rounds = http_rounds(srv.url, "bench", prompts, args.output, args.rounds, args.clients)
+    finally:
+        srv.stop()
+    mode = "process" if engine_process else "thread"
+    for i, r in enumerate(rounds):
+        print(f"  http ({mode}) round {i + 1}: {fmt(r)}", flush=True)
+    return rounds
 
 
 def main(argv=None) -> int:
@@ -230,13 +261,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--clients", type=int, default=8, help="load-generator processes")
     ap.add_argument("--server-arg", action="append", default=[], help="extra `surge serve` flag (repeatable)")
+    ap.add_argument("--engine", action="append", choices=["thread", "process"],
+                    help="where the server runs the engine loop (repeatable; default both)")
     ap.add_argument("--skip-inproc", action="store_true")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
+    args.engine = args.engine or ["thread", "process"]
     shape = args.shape or ("qwen2-0.5b" if args.device.startswith("cuda") else "gpt2-tiny")
-    from surge.bench.servers import ServerProc, free_port
-
     record = {"shape": shape, "device": args.device, "streams": args.streams, "prompt": args.prompt,
               "output": args.output, "server_args": args.server_arg}
     with tempfile.TemporaryDirectory() as tmp:
@@ -246,45 +278,31 @@ def main(argv=None) -> int:
         g = torch.Generator().manual_seed(1)
         prompts = torch.randint(2, vocab, (args.streams, args.prompt), generator=g).tolist()
         fields = generation_fields(args)
-        port = free_port()
-        gen = ",".join(f"{k}={v}" for k, v in fields.items())
-        argv = [sys.executable, "-m", "surge.cli.main", "serve", str(path), "--port", str(port), "--grpc-port",
-                "0", "--device", args.device, "--precision", args.dtype, "--model-name", "bench",
-                "--generation", gen, *args.server_arg]
-        print("server:", " ".join(argv[2:]), flush=True)
-        pythonpath = os.pathsep.join(x for x in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if x)
-        srv = ServerProc("surge-serve", argv, port, ready_timeout_s=600, cwd=ROOT, env={"PYTHONPATH": pythonpath})
-        t = time.perf_counter()
-        srv.start()
-        print(f"server ready in {time.perf_counter() - t:.1f} s", flush=True)
-        try:
-            http_rounds(srv.url, "bench", prompts[:8], 4, 1, 1)  # warm-up
-            http = http_rounds(srv.url, "bench", prompts, args.output, args.rounds, args.clients)
-        finally:
-            srv.stop()
-        for i, r in enumerate(http):
-            print(f"  http round {i + 1}: {fmt(r)}", flush=True)
-        record["http"] = http
+        for mode in args.engine:
+            record[f"http {mode}"] = serve_rounds(path, args, prompts, fields, mode == "process")
         if not args.skip_inproc:
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
-            record["inproc"] = inproc_rounds(path, args, prompts)
+            record["in-process thread"] = inproc_rounds(path, args, prompts)
     print(f"\n{shape} ({args.device}, {args.dtype}): {args.streams} streams, {args.prompt}-token prompts, "
-          f"{args.output} output tokens, medians of {args.rounds} rounds")
-    print("| path | output tok/s | TTFT p50 / p99 ms | gap between chunks p50 / p99 ms |")
-    print("| --- | ---: | --- | --- |")
+          f"{args.output} output tokens, medians of {args.rounds} rounds; the engine loop on a thread of the "
+          "server or in a process of its own (GenerationConfig.engine_process)")
+    print("| path | output tok/s | TTFT p50 / p99 ms | server's TTFT mean ms | gap between chunks p50 / p99 ms "
+          "| vs in-process |")
+    print("| --- | ---: | --- | ---: | --- | ---: |")
     med = {}
-    for name in ("http", "inproc"):
+    for name in ("http thread", "http process", "in-process thread"):
         if name not in record:
             continue
         rs = record[name]
-        m = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-        med[name] = m
-        print(f"| {name} | {m['tok_s']:,.0f} | {m['ttft_p50_ms']:.1f} / {m['ttft_p99_ms']:.1f} | "
-              f"{m['gap_p50_ms']:.2f} / {m['gap_p99_ms']:.2f} |")
-    if len(med) == 2:
-        record["ratio"] = med["http"]["tok_s"] / med["inproc"]["tok_s"]
-        print(f"http / in-process: {record['ratio']:.2f}")
+        med[name] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+    base = med.get("in-process thread")
+    for name, m in med.items():
+        ratio = f"{m['tok_s'] / base['tok_s']:.2f}" if base else "-"
+        server = f"{m['server_ttft_mean_ms']:.1f}" if "server_ttft_mean_ms" in m else "-"
+        print(f"| {name} | {m['tok_s']:,.0f} | {m['ttft_p50_ms']:.1f} / {m['ttft_p99_ms']:.1f} | {server} | "
+              f"{m['gap_p50_ms']:.2f} / {m['gap_p99_ms']:.2f} | {ratio} |")
+    record["medians"] = med
     print(json.dumps(record), flush=True)
     if args.json:
         args.json.write_text(json.dumps(record, indent=1))

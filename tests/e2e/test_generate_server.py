@@ -367,3 +367,32 @@ def test_non_streamed_request_is_aborted_when_the_client_leaves(server):
         time.sleep(0.05)
     assert metric(server, "surge_generate_requests_total", finish_reason="abort") == aborted + 1
     assert metric(server, "surge_generate_running_sequences") == 0
+
+
+def test_the_engine_loop_in_its_own_process(model_dir, hf):
+    """`--generation engine_process=true` (the default on a GPU): the server's answers are transformers',
+    a stream's concatenation is the answer, the engine runs in one child process, and killing the
+    server alone (no signal to its group) leaves no engine process behind."""
+    import os
+    import signal
+
+    import psutil
+
+    model, tok = hf
+    with ServerProcess(str(model_dir), "--threads", "1", "--generation", "engine_process=true,cache_entries=0") as srv:
+        children = [p for p in psutil.Process(srv.proc.pid).children(recursive=True)
+                    if "surge.runtime.generate_process" in " ".join(p.cmdline())]
+        assert len(children) == 1
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        ids = tok.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        expected, n = hf_text(hf, ids, 24)
+        r = client.chat.completions.create(model="chat-qwen", messages=CHAT, max_tokens=24, temperature=0)
+        assert r.choices[0].message.content == expected and r.usage.completion_tokens == n
+        chunks = list(client.chat.completions.create(model="chat-qwen", messages=CHAT, max_tokens=24, temperature=0,
+                                                     stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+        assert metric(srv, "surge_generate_output_tokens_total") >= 2 * n
+        os.kill(srv.proc.pid, signal.SIGKILL)
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive

@@ -351,10 +351,12 @@ def test_multi_step_launches_equal_eager(qwen_dir, steps):
     assert a.launch_steps(one) == 1
 
 
-def test_service_streams_multi_step_launches(qwen_dir):
-    """The generation service on the GPU with 4 decode steps a launch: each stream's deltas add up to the
-    eager engine's greedy tokens, cut at stop tokens found inside a launch; the non-streamed answer is
-    the same; the loop ran multi-step launches."""
+@pytest.mark.parametrize("engine_process", [False, True])
+def test_service_streams_multi_step_launches(qwen_dir, engine_process):
+    """The generation service on the GPU with 4 decode steps a launch, its engine loop on a thread or in
+    a process of its own (the GPU's default): each stream's deltas add up to the eager engine's greedy
+    tokens, cut at stop tokens found inside a launch; the non-streamed answer is the same; the loop ran
+    multi-step launches."""
     import asyncio
     import time
 
@@ -369,9 +371,12 @@ def test_service_streams_multi_step_launches(qwen_dir):
     del eager
     svc = load_generate_service(qwen_dir, "q", device="cuda", precision="fp32",
                                 config=GenerationConfig(decode_steps=4, max_num_seqs=16, max_model_len=512,
-                                                        cache_entries=0, prefix_caching=False))
+                                                        cache_entries=0, prefix_caching=False,
+                                                        engine_process=engine_process))
     svc.mark_ready()
-    assert svc.engine.graphs.steps == 4 and svc.loop.max_steps == 4
+    assert svc.remote == engine_process
+    if not engine_process:
+        assert svc.engine.graphs.steps == 4 and svc.loop.max_steps == 4
 
     def params(i):
         return SamplingParams(max_tokens=21, temperature=0.0, ignore_eos=True,
@@ -387,15 +392,16 @@ def test_service_streams_multi_step_launches(qwen_dir):
         streamed = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         whole = await asyncio.gather(*(svc.generate(p, params(i), deadline=time.monotonic() + 120)
                                        for i, p in enumerate(prompts)))
+        stats = svc.stats()
         await svc.close()
-        return streamed, whole
+        return streamed, whole, stats
 
-    streamed, whole = asyncio.run(main())
+    streamed, whole, stats = asyncio.run(main())
     for i, w in enumerate(want):
         exp = w[: w.index(w[9]) + 1] if i % 3 == 0 else w
         assert streamed[i] == exp, f"prompt {i}"
         assert whole[i].token_ids == exp and whole[i].finish_reason == ("stop" if i % 3 == 0 else "length")
-    assert svc.loop.steps >= 2 * svc.loop.overlapped, "launches must run several decode steps"
+    assert stats["steps"] >= 2 * stats["overlapped_steps"] > 0, "launches must run several decode steps"
 
 
 def test_fused_decode_attention_and_pdl_change_no_bit(qwen_dir):

@@ -116,7 +116,10 @@ class EngineProcess:
         self._dir = tempfile.mkdtemp(prefix="surge-engine-")
         address = os.path.join(self._dir, "sock")
         listener = Listener(address, family="AF_UNIX", authkey=authkey)
-        env = {**os.environ, _AUTHKEY_ENV: authkey.hex()}
+        # this process's import path (a Ray worker's runtime_env, a test's checkout), as multiprocessing's
+        # spawn would hand it over
+        paths = [p for p in sys.path if p] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env = {**os.environ, _AUTHKEY_ENV: authkey.hex(), "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
         self.process = subprocess.Popen([sys.executable, "-m", "surge.runtime.generate_process", address], env=env)
         self._send_lock = threading.Lock()
         self._reader: threading.Thread | None = None
