@@ -396,3 +396,29 @@ def test_the_engine_loop_in_its_own_process(model_dir, hf):
         os.kill(srv.proc.pid, signal.SIGKILL)
         _, alive = psutil.wait_procs(children, timeout=30)
         assert not alive
+
+
+def test_a_dead_engine_process_makes_the_server_not_ready(model_dir):
+    """SIGKILL on the engine process: a stream in flight ends at once, /ready answers 503 (an orchestrator
+    then restarts the server) and new requests get 503."""
+    import os
+    import signal
+
+    import psutil
+
+    with ServerProcess(str(model_dir), "--threads", "1", "--generation", "engine_process=true") as srv:
+        child = next(p for p in psutil.Process(srv.proc.pid).children(recursive=True)
+                     if "surge.runtime.generate_process" in " ".join(p.cmdline()))
+        assert _get(srv.url + "/ready").status_code == 200
+        body = {"model": "chat-qwen", "prompt": "Assignment", "max_tokens": 200, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        t = time.monotonic()
+        with _stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            os.kill(child.pid, signal.SIGKILL)
+            rest = list(lines)  # the stream ends with an error event, long before the request timeout
+        assert time.monotonic() - t < 10 and any("engine process exited" in line for line in rest), rest[-3:]
+        assert _get(srv.url + "/ready").status_code == 503
+        r = _post(srv.url + "/v1/completions", json={"model": "chat-qwen", "prompt": "Assignment", "max_tokens": 4})
+        assert r.status_code == 503, r.text
