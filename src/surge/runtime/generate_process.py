@@ -20,11 +20,14 @@ parent is an EOF on the child's side, which then exits.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import pickle
 import secrets
 import select
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -35,6 +38,16 @@ from pathlib import Path
 log = logging.getLogger("surge.generate")
 
 
+def _dumps(msg) -> bytes:
+    # plain pickle: Connection.send's ForkingPickler builds a pickler with its reducer table each call,
+    # a visible share of the event loop's work a request (py-spy, session 26)
+    return pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)
+
+
+_loads = pickle.loads
+_HEADER = struct.Struct("!i")
+
+
 class _PipeChannel:
     def __init__(self, conn):
         self.conn = conn
@@ -43,7 +56,7 @@ class _PipeChannel:
         out = []
         try:
             while self.conn.poll(0):
-                out.append(self.conn.recv())
+                out.append(_loads(self.conn.recv_bytes()))
         except (EOFError, OSError):  # the server process is gone: stop
             out.append(("close",))
         return out
@@ -60,13 +73,13 @@ class _PipeOutbox:
         self.conn = conn
 
     def tokens(self, batch, admitted, state) -> None:
-        self.conn.send(("tokens", batch, admitted, state))
+        self.conn.send_bytes(_dumps(("tokens", batch, admitted, state)))
 
     def error(self, seq_id: int, kind: str, message: str) -> None:
-        self.conn.send(("error", seq_id, kind, message))
+        self.conn.send_bytes(_dumps(("error", seq_id, kind, message)))
 
     def state(self, state) -> None:
-        self.conn.send(("state", state))
+        self.conn.send_bytes(_dumps(("state", state)))
 
 
 def _child_main(address: str) -> int:
@@ -122,21 +135,21 @@ class EngineProcess:
         env = {**os.environ, _AUTHKEY_ENV: authkey.hex(), "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
         self.process = subprocess.Popen([sys.executable, "-m", "surge.runtime.generate_process", address], env=env)
         self._send_lock = threading.Lock()
-        self._reader: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.conn = None
         try:
             self.conn = self._accept(listener, start_timeout_s)
             self.conn.send((str(path), engine_kwargs, config, name, threads))
             msg = self._first_message(start_timeout_s)
         except BaseException:
-            self._stop()
+            self.stop()
             raise
         finally:
             listener.close()
         if msg[0] != "ready":
             from surge.errors import ConfigError
 
-            self._stop()
+            self.stop()
             raise ConfigError(f"{path}: loading the decoder in its engine process failed: {msg[1]}")
         _, self.cfg, self.capabilities = msg
         self.device = _Device(self.capabilities.device)
@@ -177,49 +190,86 @@ class EngineProcess:
         except subprocess.TimeoutExpired:
             return None
 
-    def start_reader(self, on_message, on_exit) -> None:
-        """Deliver each message of the child to `on_message` on a thread of its own; `on_exit()` once
-        the connection ends (the child closed or died)."""
+    def attach(self, loop: asyncio.AbstractEventLoop, on_message, on_exit) -> None:
+        """Read the child's messages on `loop`, in its thread: each complete one to `on_message`,
+        `on_exit()` once the connection ends (closed or the child died). No reader thread: a thread
+        that woke for each message would take the GIL from the event loop at its every syscall."""
+        fd = self.conn.fileno()
+        buf = bytearray()
 
-        def read():
-            while True:
-                try:
-                    msg = self.conn.recv()
-                except (EOFError, OSError):
+        def readable():
+            try:
+                data = os.read(fd, 1 << 20)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                loop.remove_reader(fd)
+                self._loop = None
+                on_exit()
+                return
+            buf.extend(data)
+            pos, end = 0, len(buf)
+            # multiprocessing.connection's framing (send_bytes): a 4-byte big-endian length, then the bytes
+            while end - pos >= 4:
+                (n,) = _HEADER.unpack_from(buf, pos)
+                if n < 0:
+                    raise RuntimeError("an engine process message over 2 GiB")
+                if end - pos - 4 < n:
                     break
+                msg = _loads(buf[pos + 4:pos + 4 + n])
+                pos += 4 + n
                 try:
                     on_message(msg)
-                except Exception:  # one message's handling must not stop the stream of the others
+                except Exception:  # one message's handling must not stop the others'
                     log.exception("handling an engine process message failed")
-            on_exit()
+            del buf[:pos]
 
-        self._reader = threading.Thread(target=read, name="surge-engine-reader", daemon=True)
-        self._reader.start()
+        self._loop = loop
+        loop.add_reader(fd, readable)
 
     def send(self, msg) -> bool:
         """False: the child is gone."""
+        data = _dumps(msg)
         with self._send_lock:
             try:
-                self.conn.send(msg)
+                self.conn.send_bytes(data)
                 return True
             except (BrokenPipeError, EOFError, OSError):
                 return False
 
-    def close(self, timeout: float = 10.0) -> None:
-        self.send(("close",))
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        self._stop()
-        if self._reader is not None:
-            self._reader.join(timeout)
+    def wait(self, timeout: float) -> int | None:
+        """The child's exit status once it exits within `timeout` s (None: it still runs)."""
+        return self.exit_code(wait=timeout)
 
-    def _stop(self) -> None:
+    def stop(self) -> None:
+        """Kill the child if it still runs; stop reading its connection and close it (in the attached
+        loop's thread)."""
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait(10)
-        if self.conn is not None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            self._close_conn()
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self._detach_and_close()
+        else:
+            loop.call_soon_threadsafe(self._detach_and_close)
+
+    def _detach_and_close(self) -> None:
+        if self._loop is not None and self.conn is not None and not self.conn.closed:
+            self._loop.remove_reader(self.conn.fileno())
+        self._loop = None
+        self._close_conn()
+
+    def _close_conn(self) -> None:
+        if self.conn is not None and not self.conn.closed:
             self.conn.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 

@@ -131,7 +131,6 @@ class GenerateService(PromptText):
             # the engine loop runs in the child; its scheduler and step loop are not in this process
             self.core = self.scheduler = self.loop = None
             self._channel = None
-            engine.start_reader(self._on_message, self._on_exit)
             return
         self.core = EngineLoop(engine, self.config, name)
         self.scheduler, self.loop = self.core.scheduler, self.core.loop  # what tests and benchmarks inspect
@@ -211,7 +210,11 @@ class GenerateService(PromptText):
         if self._queued() >= self.config.max_waiting:
             raise Overloaded(f"model '{self.name}': {self.config.max_waiting} requests already wait for KV cache "
                              "space", retry_after=1.0)
-        loop = self._loop = self._loop or asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+            if self.remote:  # the child's messages are read on this loop from now on
+                self.engine.attach(loop, self._on_message, self._on_exit)
         start = time.monotonic()
         seq = Sequence(next(self._ids), list(prompt_ids), params, start)
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
@@ -286,7 +289,8 @@ class GenerateService(PromptText):
 
     def _send(self, msg) -> None:
         if self.remote:
-            self.engine.send(msg)
+            if not self.engine.send(msg) and self._loop is not None:
+                self._loop.call_soon(self._on_exit)  # the child is gone: fail now, not at the deadline
         else:
             self._channel.put(msg)
 
@@ -302,7 +306,11 @@ class GenerateService(PromptText):
         self.ready = False
         self._closed = True
         if self.remote:
-            await asyncio.to_thread(self.engine.close)
+            self.engine.send(("close",))
+            # meanwhile this loop reads the child's last messages (its streams' "unloaded" errors)
+            await asyncio.to_thread(self.engine.wait, 10.0)
+            await asyncio.sleep(0)
+            self.engine.stop()
         else:
             self._channel.put(("close",))
             await asyncio.to_thread(self._thread.join, 10.0)
@@ -313,40 +321,29 @@ class GenerateService(PromptText):
         self.metrics.engine_state(state)
 
     def _on_message(self, msg) -> None:
-        """A message of the engine process (the reader thread)."""
+        """A message of the engine process (read on the event loop)."""
         kind = msg[0]
         if kind == "tokens":
             self._set_state(msg[3])
-            if self._loop is not None:
-                self._loop.call_soon_threadsafe(self._deliver, msg[1], msg[2])
+            self._deliver(msg[1], msg[2])
         elif kind == "error":
-            self._report_error(msg[1], msg[2], msg[3])
+            self._fail(msg[1], _error(msg[2], msg[3]))
         elif kind == "state":
             self._set_state(msg[1])
 
     def _on_exit(self) -> None:
-        """The engine process's pipe ended: closed by us, or the process died; then every stream in
-        flight fails now rather than at its deadline, and the model takes no more requests."""
+        """The engine process's connection ended: closed by us, or the process died; then every stream
+        in flight fails now rather than at its deadline, and the model takes no more requests."""
         if self._closed:
             return
         self._closed = True
         self.ready = False
         code = self.engine.exit_code(wait=2.0)
         log.error("model '%s': its engine process exited (code %s)", self.name, code)
-        if self._loop is not None:
-            err = EngineError(f"model '{self.name}': its engine process exited (code {code})")
-            self._loop.call_soon_threadsafe(self._fail_all, err)
-
-    def _fail_all(self, err: Exception) -> None:
+        err = EngineError(f"model '{self.name}': its engine process exited (code {code})")
         for h in list(self._handles.values()):
             if not h.done:
                 h.fail(err)
-
-    def _report_error(self, seq_id: int, kind: str, message: str) -> None:
-        err = InvalidInput(message, param="prompt") if kind == INVALID else \
-            EngineError(message) if kind == ENGINE else NotReady(message)
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._fail, seq_id, err)
 
     def _deliver(self, batch, admitted=None) -> None:
         """One engine iteration's tokens ([(tokens {seq_id: token}, samples {seq_id: SampleOut} or
@@ -429,6 +426,11 @@ class GenerateService(PromptText):
             h.fail(err)
 
 
+def _error(kind: str, message: str) -> Exception:
+    return InvalidInput(message, param="prompt") if kind == INVALID else \
+        EngineError(message) if kind == ENGINE else NotReady(message)
+
+
 class _ThreadOutbox:
     """The engine thread's reports: state set here, tokens and errors handed to the event loop."""
 
@@ -442,7 +444,9 @@ class _ThreadOutbox:
             svc._loop.call_soon_threadsafe(svc._deliver, batch, admitted)
 
     def error(self, seq_id: int, kind: str, message: str) -> None:
-        self.service._report_error(seq_id, kind, message)
+        svc = self.service
+        if svc._loop is not None:
+            svc._loop.call_soon_threadsafe(svc._fail, seq_id, _error(kind, message))
 
     def state(self, state) -> None:
         self.service._set_state(state)
