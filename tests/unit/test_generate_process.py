@@ -217,3 +217,37 @@ def test_a_load_that_fails_in_the_child_is_the_loads_error(tmp_path, model_dir):
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ConfigError, match="engine process failed"):
         _load(broken)
+
+
+def test_the_event_loop_reader_reassembles_messages_split_and_merged():
+    """The child's messages read on the event loop (EngineProcess.attach): frames split over many reads
+    (3 MiB, the reader takes at most 1 MiB a read) and many in one read arrive whole, in order, then the
+    end of the connection calls on_exit once."""
+    import multiprocessing as mp
+    import pickle
+
+    from surge.runtime.generate_process import EngineProcess
+
+    ours, theirs = mp.Pipe()
+    proc = EngineProcess.__new__(EngineProcess)  # the reader alone, on a socket pair: no child needed
+    proc.conn, proc._loop, proc._dir = ours, None, "/nonexistent"
+    rng = torch.Generator().manual_seed(5)
+    msgs = [("tokens", torch.randint(0, 1 << 30, (n,), generator=rng).tolist()) for n in (3, 700_000, 1, 7)]
+    msgs += [("state", i) for i in range(200)]
+    got, ended = [], []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        proc.attach(loop, got.append, lambda: (ended.append(1), done.set_result(None)))
+
+        def write():
+            for m in msgs:
+                theirs.send_bytes(pickle.dumps(m, pickle.HIGHEST_PROTOCOL))
+            theirs.close()
+
+        await asyncio.gather(asyncio.to_thread(write), done)
+
+    asyncio.run(main())
+    assert got == msgs and ended == [1]
+    assert len(pickle.dumps(msgs[1])) > 3 << 20
