@@ -398,17 +398,22 @@ def test_the_engine_loop_in_its_own_process(model_dir, hf):
         assert not alive
 
 
-def test_a_dead_engine_process_makes_the_server_not_ready(model_dir):
-    """SIGKILL on the engine process: a stream in flight ends at once, /ready answers 503 (an orchestrator
-    then restarts the server) and new requests get 503."""
+def test_a_dead_engine_process_is_started_again(model_dir, hf):
+    """SIGKILL on the engine process: a stream in flight ends at once with an error event, /ready answers
+    503 and new requests 503 while a new engine process loads; then the server answers again
+    (transformers' text) with one restart counted."""
     import os
     import signal
 
     import psutil
 
-    with ServerProcess(str(model_dir), "--threads", "1", "--generation", "engine_process=true") as srv:
-        child = next(p for p in psutil.Process(srv.proc.pid).children(recursive=True)
-                     if "surge.runtime.generate_process" in " ".join(p.cmdline()))
+    def engine_children(srv):
+        return [p for p in psutil.Process(srv.proc.pid).children(recursive=True)
+                if "surge.runtime.generate_process" in " ".join(p.cmdline())]
+
+    model, tok = hf
+    with ServerProcess(str(model_dir), "--threads", "1", "--generation", "engine_process=true,cache_entries=0") as srv:
+        (child,) = engine_children(srv)
         assert _get(srv.url + "/ready").status_code == 200
         body = {"model": "chat-qwen", "prompt": "Assignment", "max_tokens": 200, "temperature": 0, "stream": True,
                 "ignore_eos": True}
@@ -422,3 +427,13 @@ def test_a_dead_engine_process_makes_the_server_not_ready(model_dir):
         assert _get(srv.url + "/ready").status_code == 503
         r = _post(srv.url + "/v1/completions", json={"model": "chat-qwen", "prompt": "Assignment", "max_tokens": 4})
         assert r.status_code == 503, r.text
+        deadline = time.monotonic() + 90
+        while _get(srv.url + "/ready").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ids = tok("Assignment is defined")["input_ids"]
+        expected, _ = hf_text(hf, ids, 16)
+        r = _post(srv.url + "/v1/completions", json={"model": "chat-qwen", "prompt": "Assignment is defined",
+                                                     "max_tokens": 16, "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
+        assert [p.pid for p in engine_children(srv)] != [child.pid]
+        assert metric(srv, "surge_generate_engine_restarts_total") == 1

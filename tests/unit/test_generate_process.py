@@ -1,6 +1,7 @@
 """A decoder's engine loop in its own process (GenerationConfig.engine_process) on the CPU: the same
 tokens as transformers and as the loop on a thread, aborts that free the child's KV blocks, a child
-that dies or fails to load, a queue limit counted across the process boundary, a clean close."""
+that dies (started again, within limits) or fails to load, a queue limit counted across the process
+boundary, a clean close, the reader of the child's messages."""
 
 from __future__ import annotations
 
@@ -135,16 +136,19 @@ def test_an_aborted_stream_frees_its_blocks_in_the_child_and_leaves_its_neighbou
     assert reg.get_sample_value("surge_generate_output_tokens_total", labels) >= 42
 
 
-def test_a_dead_engine_process_fails_the_streams_at_once(model_dir):
-    """SIGKILL on the child mid-stream: the stream raises EngineError now (not at its 60 s deadline),
-    the model stops taking requests."""
-    service = _load(model_dir)
+def test_a_dead_engine_process_fails_its_streams_at_once_and_is_started_again(model_dir, hf):
+    """SIGKILL on the child mid-stream: the stream raises EngineError now (not at its 60 s deadline), the
+    model answers NotReady while a new child loads, then serves again (transformers' tokens, the
+    restart counted)."""
+    reg = CollectorRegistry()
+    service = _load(model_dir, reg)
     p = _prompts(service, 1)[0]
+    first_pid = service.engine.pid
 
     async def main():
         agen = service.stream(p, SamplingParams(max_tokens=150, **GREEDY))
         await agen.__anext__()
-        os.kill(service.engine.pid, signal.SIGKILL)
+        os.kill(first_pid, signal.SIGKILL)
         t = time.monotonic()
         with pytest.raises(EngineError, match="engine process exited"):
             async for _ in agen:
@@ -152,11 +156,51 @@ def test_a_dead_engine_process_fails_the_streams_at_once(model_dir):
         waited = time.monotonic() - t
         with pytest.raises(NotReady):
             await service.generate(p, SamplingParams(max_tokens=2, **GREEDY))
+        deadline = time.monotonic() + 60
+        while not service.ready and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        again = await service.generate(p, SamplingParams(max_tokens=12, **GREEDY))
         await service.close()
-        return waited
+        return waited, again
 
-    assert asyncio.run(main()) < 30
-    assert service.engine.exit_code() == -signal.SIGKILL and not service.ready
+    waited, again = asyncio.run(main())
+    assert waited < 30
+    assert service.engine.pid != first_pid and again.token_ids == _hf_greedy(hf, p, 12)
+    assert reg.get_sample_value("surge_generate_engine_restarts_total", {"model": "m", "version": "1"}) == 1
+
+
+def test_a_child_that_keeps_dying_leaves_the_model_not_ready(model_dir, monkeypatch):
+    """At most RESTART_LIMIT restarts in RESTART_WINDOW_S: the next death leaves the model down."""
+    from surge.runtime import generate_service as gs
+
+    monkeypatch.setattr(gs, "RESTART_LIMIT", 1)
+    monkeypatch.setattr(gs, "RESTART_DELAYS_S", (0.05, 0.05))
+    service = _load(model_dir)
+    p = _prompts(service, 1)[0]
+
+    async def until_ready(want: bool):
+        deadline = time.monotonic() + 60
+        while service.ready != want and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return service.ready
+
+    async def main():
+        await service.generate(p, SamplingParams(max_tokens=2, **GREEDY))  # attaches the reader
+        os.kill(service.engine.pid, signal.SIGKILL)
+        assert not await until_ready(False)
+        assert await until_ready(True)  # the one restart allowed
+        os.kill(service.engine.pid, signal.SIGKILL)
+        assert not await until_ready(False)
+        while service._restarting:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+        down = not service.ready
+        with pytest.raises(NotReady):
+            await service.generate(p, SamplingParams(max_tokens=2, **GREEDY))
+        await service.close()
+        return down
+
+    assert asyncio.run(main())
 
 
 def test_close_fails_the_streams_in_flight_and_ends_the_child(model_dir):

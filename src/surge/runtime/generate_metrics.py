@@ -45,6 +45,8 @@ def _make(registry: CollectorRegistry) -> dict:
                            registry=registry),
         "cache_hits": Counter("surge_generate_cache_hits", "Requests answered from the generation cache.", labels,
                               registry=registry),
+        "restarts": Counter("surge_generate_engine_restarts", "Engine processes started again after one exited.",
+                            labels, registry=registry),
     }
 
 
@@ -69,6 +71,7 @@ class GenerateMetrics:
         self.prefix_hit = fam["prefix_hit"].labels(**lab)
         self.preempt = fam["preempt"].labels(**lab)
         self.cache_hits = fam["cache_hits"].labels(**lab)
+        self.restarts = fam["restarts"].labels(**lab)
         self._seen = (0, 0, 0)
         self._gauges: tuple | None = None
 

@@ -125,6 +125,7 @@ class EngineProcess:
                  start_timeout_s: float = 1800.0):
         from multiprocessing.connection import Listener
 
+        self._args = (path, engine_kwargs, config, name, threads, start_timeout_s)
         authkey = secrets.token_bytes(32)
         self._dir = tempfile.mkdtemp(prefix="surge-engine-")
         address = os.path.join(self._dir, "sock")
@@ -178,6 +179,10 @@ class EngineProcess:
             raise ConfigError(f"the engine process exited with code {self.process.returncode} while loading")
         if time.monotonic() > deadline:
             raise ConfigError(f"the engine process did not load within {timeout:.0f} s")
+
+    def respawn(self) -> "EngineProcess":
+        """A new child loaded as this one was (blocks while it loads)."""
+        return EngineProcess(*self._args)
 
     @property
     def pid(self) -> int:

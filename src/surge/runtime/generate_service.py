@@ -98,6 +98,13 @@ class _Handle:
         self.fail(DeadlineExceeded("generation did not finish within the request deadline"))
 
 
+# An engine process that exits is started again after these delays, at most RESTART_LIMIT times within
+# RESTART_WINDOW_S (GenerateService._on_exit).
+RESTART_DELAYS_S = (0.5, 2.0, 8.0)
+RESTART_LIMIT = 3
+RESTART_WINDOW_S = 600.0
+
+
 class GenerateService(PromptText):
     task = "generate"
     kind = "hf"
@@ -120,6 +127,8 @@ class GenerateService(PromptText):
         self.metrics = GenerateMetrics(name, version, metrics_registry)
         self._ids = itertools.count(1)
         self._closed = False
+        self._restarting = False  # a new engine process is being started (remote)
+        self._restarts: list[float] = []  # when the engine process was started again (monotonic)
         self._sent = 0  # sequences sent to the engine loop (its state's `received` counts those it took)
         self._state = EngineState()
         self._arrivals: list[Sequence] = []  # submitted during this event-loop pass (event loop only)
@@ -289,7 +298,7 @@ class GenerateService(PromptText):
 
     def _send(self, msg) -> None:
         if self.remote:
-            if not self.engine.send(msg) and self._loop is not None:
+            if not self.engine.send(msg) and self._loop is not None and not self._restarting:
                 self._loop.call_soon(self._on_exit)  # the child is gone: fail now, not at the deadline
         else:
             self._channel.put(msg)
@@ -332,11 +341,12 @@ class GenerateService(PromptText):
             self._set_state(msg[1])
 
     def _on_exit(self) -> None:
-        """The engine process's connection ended: closed by us, or the process died; then every stream
-        in flight fails now rather than at its deadline, and the model takes no more requests."""
-        if self._closed:
+        """The engine process's connection ended: closed by us, or the process died. Then every stream
+        in flight fails now rather than at its deadline, the model answers 503 (not ready) and a new
+        child is started (RESTART_DELAYS_S apart at most RESTART_LIMIT times in RESTART_WINDOW_S: a child
+        that cannot stay up leaves the model not ready)."""
+        if self._closed or self._restarting:
             return
-        self._closed = True
         self.ready = False
         code = self.engine.exit_code(wait=2.0)
         log.error("model '%s': its engine process exited (code %s)", self.name, code)
@@ -344,6 +354,37 @@ class GenerateService(PromptText):
         for h in list(self._handles.values()):
             if not h.done:
                 h.fail(err)
+        self._restarting = True
+        self._restart_task = asyncio.ensure_future(self._restart())
+
+    async def _restart(self) -> None:
+        old = self.engine
+        try:
+            now = time.monotonic()
+            self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S]
+            for delay in RESTART_DELAYS_S:
+                if self._closed or len(self._restarts) >= RESTART_LIMIT:
+                    break
+                await asyncio.sleep(delay)
+                try:
+                    engine = await asyncio.to_thread(old.respawn)
+                except Exception as exc:  # the load failed: the next delay, or give up
+                    log.error("model '%s': starting its engine process again failed: %s", self.name, exc)
+                    continue
+                if self._closed:  # unloaded meanwhile
+                    await asyncio.to_thread(engine.close)
+                    return
+                old.stop()
+                self.engine, self._state, self._sent = engine, EngineState(), 0
+                engine.attach(self._loop, self._on_message, self._on_exit)
+                self._restarts.append(time.monotonic())
+                self.metrics.restarts.inc()
+                self.ready = True
+                log.warning("model '%s': its engine process runs again (pid %s)", self.name, engine.pid)
+                return
+            log.error("model '%s': its engine process stays down; the model is not ready", self.name)
+        finally:
+            self._restarting = False
 
     def _deliver(self, batch, admitted=None) -> None:
         """One engine iteration's tokens ([(tokens {seq_id: token}, samples {seq_id: SampleOut} or
