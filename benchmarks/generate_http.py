@@ -18,7 +18,8 @@ vocabulary, so every generated token decodes to text as a real one would, and:
   the loop on a thread, driven through `GenerateService.stream` in this process, detokenizing: what
   benchmarks/generate.py measures, plus detokenization.
 
-Every round prints; the table has medians and the ratio to in-process. `--engine thread|process`
+Every round prints; the table has medians and the ratio to in-process; --plot draws the CDFs of TTFT
+and of the gaps between a stream's chunks for every path. `--engine thread|process`
 picks the server variants (default both); --server-arg passes extra flags to the server.
 """
 
@@ -64,7 +65,9 @@ def summarize(per_stream: list[dict], wall: float) -> dict:
     gaps = [g for s in per_stream for g in s["gaps"]]
     return {"tok_s": tokens / wall, "output_tokens": tokens, "wall_s": wall,
             "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
-            "gap_p50_ms": 1e3 * pct(gaps, 50), "gap_p99_ms": 1e3 * pct(gaps, 99)}
+            "gap_p50_ms": 1e3 * pct(gaps, 50), "gap_p99_ms": 1e3 * pct(gaps, 99),
+            # the samples, for --plot
+            "ttft_ms": [round(1e3 * t, 3) for t in ttft], "gaps_ms": [round(1e3 * g, 3) for g in gaps]}
 
 
 # -- the load generator (its own processes) -------------------------------------------------------------
@@ -265,6 +268,7 @@ def main(argv=None) -> int:
                     help="where the server runs the engine loop (repeatable; default both)")
     ap.add_argument("--skip-inproc", action="store_true")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--plot", type=Path, help="PNG: CDFs of TTFT and of the gap between chunks, every path")
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
     args.engine = args.engine or ["thread", "process"]
@@ -295,7 +299,7 @@ def main(argv=None) -> int:
         if name not in record:
             continue
         rs = record[name]
-        med[name] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        med[name] = {k: statistics.median(r[k] for r in rs) for k in rs[0] if not isinstance(rs[0][k], list)}
     base = med.get("in-process thread")
     for name, m in med.items():
         ratio = f"{m['tok_s'] / base['tok_s']:.2f}" if base else "-"
@@ -303,6 +307,15 @@ def main(argv=None) -> int:
         print(f"| {name} | {m['tok_s']:,.0f} | {m['ttft_p50_ms']:.1f} / {m['ttft_p99_ms']:.1f} | {server} | "
               f"{m['gap_p50_ms']:.2f} / {m['gap_p99_ms']:.2f} | {ratio} |")
     record["medians"] = med
+    if args.plot:
+        from surge.bench.plots import sample_cdfs
+
+        series = {name: record[name] for name in med}
+        sample_cdfs({"time to first token": {n: [t for r in rs for t in r["ttft_ms"]] for n, rs in series.items()},
+                     "gap between a stream's chunks": {n: [g for r in rs for g in r["gaps_ms"]]
+                                                       for n, rs in series.items()}},
+                    args.plot, f"{shape}, {args.streams} streams, {args.rounds} rounds")
+        print(f"plot: {args.plot}")
     print(json.dumps(record), flush=True)
     if args.json:
         args.json.write_text(json.dumps(record, indent=1))

@@ -119,6 +119,29 @@ def cache_hit_vs_size(sizes: list[int], ratios: list[float], path: str | Path, m
     return _save(fig, path)
 
 
+def sample_cdfs(panels: dict[str, dict[str, list[float]]], path: str | Path, title: str = "") -> Path:
+    """One panel per entry of `panels` (its title -> {series name: samples in ms}), each series the CDF
+    of its samples on a log axis, medians and p99 marked by grey lines; empty series are left out."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
+    for ax, (panel, series) in zip(axes[0], panels.items()):
+        for i, (name, values) in enumerate(series.items()):
+            v = np.sort(np.asarray(values, dtype=float))
+            if v.size == 0:
+                continue
+            ax.plot(v, np.arange(1, v.size + 1) / v.size, color=f"C{i}", label=name)
+        ax.set_xscale("log")
+        ax.set_xlabel("ms (log scale)")
+        ax.set_ylabel("fraction")
+        ax.set_title(panel)
+        for q in (0.5, 0.99):
+            ax.axhline(q, color="grey", lw=0.5, ls=":")
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    return _save(fig, path)
+
+
 def _save(fig, path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -92,3 +92,26 @@ def test_plots_are_valid_pngs(tmp_path):
             im.verify()
         with Image.open(p) as im:
             assert im.size[0] > 300 and im.size[1] > 200
+
+
+def test_sample_cdfs_one_panel_each_with_a_cdf_per_nonempty_series(tmp_path, monkeypatch):
+    from PIL import Image
+
+    from surge.bench import plots
+
+    rng = np.random.default_rng(3)
+    a, b = rng.lognormal(2, 0.5, 300), rng.lognormal(3, 0.2, 50)
+    figs = []
+    save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, path: (figs.append(fig), save(fig, path))[1])
+    out = plots.sample_cdfs({"ttft": {"x": list(a), "y": list(b), "none": []}, "gaps": {"x": list(b)}},
+                            tmp_path / "cdf.png", "t")
+    with Image.open(out) as im:
+        im.verify()
+    (fig,) = figs
+    ttft, gaps = fig.axes[:2]
+    assert ttft.get_title() == "ttft" and gaps.get_title() == "gaps"
+    curves = [ln for ln in ttft.get_lines() if ln.get_label() in ("x", "y", "none")]
+    assert [ln.get_label() for ln in curves] == ["x", "y"]  # the empty series left out
+    x, y = curves[0].get_data()
+    assert np.array_equal(x, np.sort(a)) and np.allclose(y, np.arange(1, 301) / 300)
