@@ -13,9 +13,10 @@ Wire: one multiprocessing connection over a Unix socket (pickled tuples). To the
 ("abort", seq_id, reason), ("close",). From it: ("ready", DecoderConfig, EngineCaps) or ("failed",
 message) once, then ("tokens", batch, admitted, EngineState), ("error", seq_id, kind, message),
 ("state", EngineState). One message per engine iteration and one per event-loop pass: pickling 64
-streams' tokens is tens of microseconds against a ~3 ms launch. A dead child is an EOF here:
-every stream in flight fails at once (EngineError) and the service stops taking requests; a dead
-parent is an EOF on the child's side, which then exits.
+streams' tokens is tens of microseconds against a ~3 ms launch. The server reads the child's
+messages on its event loop (`attach`). A dead child is an EOF there: every stream in flight fails at
+once (EngineError) and GenerateService starts a new child (answering 503 meanwhile); a dead parent is
+an EOF on the child's side, which then exits.
 """
 
 from __future__ import annotations

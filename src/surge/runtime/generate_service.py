@@ -348,7 +348,7 @@ class GenerateService(PromptText):
         if self._closed or self._restarting:
             return
         self.ready = False
-        code = self.engine.exit_code(wait=2.0)
+        code = self.engine.exit_code(wait=0.2)  # on the event loop: a bounded wait for the status
         log.error("model '%s': its engine process exited (code %s)", self.name, code)
         err = EngineError(f"model '{self.name}': its engine process exited (code {code})")
         for h in list(self._handles.values()):
