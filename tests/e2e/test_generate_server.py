@@ -332,13 +332,26 @@ def test_full_queue_gets_429_and_deadline_504(slow_model_dir):
         assert next(r for r in responses if r.status_code == 504).json()["error"]["code"] == "timeout"
 
 
-def test_repository_versions_and_zero_downtime_reload(tmp_path, model_dir):
+@pytest.mark.parametrize("engine_process", [False, True])
+def test_repository_versions_and_zero_downtime_reload(tmp_path, model_dir, engine_process):
+    """A stream in flight finishes on version 1 while version 2 loads and takes the traffic; with the engine
+    loop in its own process (model.yaml's generation section), version 1's engine process ends after it."""
     import shutil
+
+    import psutil
 
     root = tmp_path / "repo"
     (root / "chat" / "1").mkdir(parents=True)
-    (root / "chat" / "1" / "model.yaml").write_text(f"source: {model_dir}\nengine:\n  threads: 1\n")
+    (root / "chat" / "1" / "model.yaml").write_text(f"source: {model_dir}\nengine:\n  threads: 1\n"
+                                                    f"generation:\n  engine_process: {str(engine_process).lower()}\n")
+
+    def engines(srv):
+        return [p.pid for p in psutil.Process(srv.proc.pid).children(recursive=True)
+                if "surge.runtime.generate_process" in " ".join(p.cmdline())]
+
     with ServerProcess("--model-repository", str(root)) as srv:
+        before = engines(srv)
+        assert len(before) == int(engine_process)
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         kw = dict(model="chat", prompt="The target", max_tokens=150, temperature=0, extra_body={"ignore_eos": True})
         reference = client.completions.create(**kw).choices[0].text
@@ -352,6 +365,11 @@ def test_repository_versions_and_zero_downtime_reload(tmp_path, model_dir):
         after = _post(srv.url + "/v1/completions", json={**{k: v for k, v in kw.items() if k != "extra_body"},
                                                              "ignore_eos": True, "max_tokens": 5})
         assert after.status_code == 200 and after.headers["x-surge-model-version"] == "2"
+        deadline = time.monotonic() + 30
+        while engine_process and len(engines(srv)) != 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        now = engines(srv)
+        assert len(now) == int(engine_process) and not set(now) & set(before)
 
 
 def test_non_streamed_request_is_aborted_when_the_client_leaves(server):

@@ -49,7 +49,7 @@ _loads = pickle.loads
 _HEADER = struct.Struct("!i")
 
 
-class _PipeChannel:
+class _ConnChannel:
     def __init__(self, conn):
         self.conn = conn
 
@@ -69,7 +69,7 @@ class _PipeChannel:
             pass
 
 
-class _PipeOutbox:
+class _ConnOutbox:
     def __init__(self, conn):
         self.conn = conn
 
@@ -105,7 +105,7 @@ def _child_main(address: str) -> int:
         return 1
     conn.send(("ready", engine.cfg, engine.capabilities))
     try:
-        core.run(_PipeChannel(conn), _PipeOutbox(conn))
+        core.run(_ConnChannel(conn), _ConnOutbox(conn))
     except (BrokenPipeError, EOFError, OSError):  # the server process is gone
         pass
     return 0
