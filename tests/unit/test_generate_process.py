@@ -295,3 +295,33 @@ def test_the_event_loop_reader_reassembles_messages_split_and_merged():
     asyncio.run(main())
     assert got == msgs and ended == [1]
     assert len(pickle.dumps(msgs[1])) > 3 << 20
+
+
+def test_close_while_a_new_child_starts_leaves_no_engine_process(model_dir, monkeypatch):
+    """Unloading a model whose engine process is being started again: close waits for the start and
+    ends the new child too."""
+    import psutil
+
+    from surge.runtime import generate_service as gs
+
+    monkeypatch.setattr(gs, "RESTART_DELAYS_S", (0.0,))
+    service = _load(model_dir)
+    p = _prompts(service, 1)[0]
+
+    def engines():
+        return [c for c in psutil.Process().children(recursive=True)
+                if c.is_running() and c.status() != psutil.STATUS_ZOMBIE
+                and "surge.runtime.generate_process" in " ".join(c.cmdline())]
+
+    async def main():
+        await service.generate(p, SamplingParams(max_tokens=2, **GREEDY))
+        os.kill(service.engine.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not service._restarting and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert service._restarting
+        await asyncio.sleep(0.3)  # the new child is loading
+        await service.close()
+        return engines()  # at once: nothing else of this loop may run first
+
+    assert asyncio.run(main()) == [] and not service.ready

@@ -245,6 +245,12 @@ class EngineProcess:
             except (BrokenPipeError, EOFError, OSError):
                 return False
 
+    def close(self, timeout: float = 10.0) -> None:
+        """Ask the child to finish (its streams end as unloaded), wait for it, then stop."""
+        self.send(("close",))
+        self.wait(timeout)
+        self.stop()
+
     def wait(self, timeout: float) -> int | None:
         """The child's exit status once it exits within `timeout` s (None: it still runs)."""
         return self.exit_code(wait=timeout)

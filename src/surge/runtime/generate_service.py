@@ -128,6 +128,7 @@ class GenerateService(PromptText):
         self._ids = itertools.count(1)
         self._closed = False
         self._restarting = False  # a new engine process is being started (remote)
+        self._restart_task: asyncio.Task | None = None
         self._restarts: list[float] = []  # when the engine process was started again (monotonic)
         self._sent = 0  # sequences sent to the engine loop (its state's `received` counts those it took)
         self._state = EngineState()
@@ -320,6 +321,8 @@ class GenerateService(PromptText):
             await asyncio.to_thread(self.engine.wait, 10.0)
             await asyncio.sleep(0)
             self.engine.stop()
+            if self._restart_task is not None:  # a child being started: closed as soon as it is up
+                await asyncio.wait({self._restart_task}, timeout=60)
         else:
             self._channel.put(("close",))
             await asyncio.to_thread(self._thread.join, 10.0)
