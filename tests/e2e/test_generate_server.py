@@ -435,13 +435,12 @@ def test_a_dead_engine_process_is_started_again(model_dir, hf):
         assert _get(srv.url + "/ready").status_code == 200
         body = {"model": "chat-qwen", "prompt": "Assignment", "max_tokens": 200, "temperature": 0, "stream": True,
                 "ignore_eos": True}
-        t = time.monotonic()
         with _stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
             os.kill(child.pid, signal.SIGKILL)
-            rest = list(lines)  # the stream ends with an error event, long before the request timeout
-        assert time.monotonic() - t < 10 and any("engine process exited" in line for line in rest), rest[-3:]
+            rest = list(lines)  # ends with the exit's error event, not the request timeout's: no clock needed
+        assert any("engine process exited" in line for line in rest), rest[-3:]
         assert _get(srv.url + "/ready").status_code == 503
         r = _post(srv.url + "/v1/completions", json={"model": "chat-qwen", "prompt": "Assignment", "max_tokens": 4})
         assert r.status_code == 503, r.text

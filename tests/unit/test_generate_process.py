@@ -108,8 +108,8 @@ def test_an_aborted_stream_frees_its_blocks_in_the_child_and_leaves_its_neighbou
         nonlocal free_at_start
         await service.generate(a, SamplingParams(max_tokens=2, **GREEDY))  # a state report
         free_at_start = service.stats()["free_blocks"]
-        gone = service.stream(a, SamplingParams(max_tokens=120, **GREEDY))
-        stay = asyncio.ensure_future(service.generate(b, SamplingParams(max_tokens=40, **GREEDY)))
+        gone = service.stream(a, SamplingParams(max_tokens=150, **GREEDY))
+        stay = asyncio.ensure_future(service.generate(b, SamplingParams(max_tokens=24, **GREEDY)))
         got = 0
         async for d in gone:
             got += len(d.token_ids)
@@ -126,14 +126,15 @@ def test_an_aborted_stream_frees_its_blocks_in_the_child_and_leaves_its_neighbou
         return kept, stats
 
     kept, stats = asyncio.run(main())
-    assert kept.token_ids == _hf_greedy(hf, b, 40)
+    assert kept.token_ids == _hf_greedy(hf, b, 24)
     assert stats["running"] == 0 and stats["free_blocks"] == free_at_start and stats["kv_usage"] == 0.0
-    # the child stopped the aborted sequence: its 120 tokens would take over 120 iterations
+    # the child stopped the aborted sequence: its 150 tokens would take over 150 iterations, the
+    # neighbour's 24 about 25 (the margin is for a server slow to send the abort)
     assert stats["steps"] < 100, stats
     labels = {"model": "m", "version": "1"}
     assert reg.get_sample_value("surge_generate_requests_total", {**labels, "finish_reason": "abort"}) == 1
     assert reg.get_sample_value("surge_generate_kv_cache_usage_ratio", labels) == 0.0
-    assert reg.get_sample_value("surge_generate_output_tokens_total", labels) >= 42
+    assert reg.get_sample_value("surge_generate_output_tokens_total", labels) >= 2 + 3 + 24
 
 
 def test_a_dead_engine_process_fails_its_streams_at_once_and_is_started_again(model_dir, hf):
@@ -149,11 +150,10 @@ def test_a_dead_engine_process_fails_its_streams_at_once_and_is_started_again(mo
         agen = service.stream(p, SamplingParams(max_tokens=150, **GREEDY))
         await agen.__anext__()
         os.kill(first_pid, signal.SIGKILL)
-        t = time.monotonic()
+        # the exit's own error, not the 60 s deadline's (DeadlineExceeded): no clock needed
         with pytest.raises(EngineError, match="engine process exited"):
             async for _ in agen:
                 pass
-        waited = time.monotonic() - t
         with pytest.raises(NotReady):
             await service.generate(p, SamplingParams(max_tokens=2, **GREEDY))
         deadline = time.monotonic() + 60
@@ -161,10 +161,9 @@ def test_a_dead_engine_process_fails_its_streams_at_once_and_is_started_again(mo
             await asyncio.sleep(0.05)
         again = await service.generate(p, SamplingParams(max_tokens=12, **GREEDY))
         await service.close()
-        return waited, again
+        return again
 
-    waited, again = asyncio.run(main())
-    assert waited < 30
+    again = asyncio.run(main())
     assert service.engine.pid != first_pid and again.token_ids == _hf_greedy(hf, p, 12)
     assert reg.get_sample_value("surge_generate_engine_restarts_total", {"model": "m", "version": "1"}) == 1
 
@@ -325,3 +324,43 @@ def test_close_while_a_new_child_starts_leaves_no_engine_process(model_dir, monk
         return engines()  # at once: nothing else of this loop may run first
 
     assert asyncio.run(main()) == [] and not service.ready
+
+
+def test_the_engine_loop_reports_each_admission_once_and_forgets_what_was_aborted_waiting(model_dir):
+    """EngineLoop (the same on a thread and in the child): a sequence's first scheduling is reported
+    once; one aborted while it waited for a slot is never reported and not kept."""
+    import threading
+
+    from surge.engines.decoder import DecoderEngine
+    from surge.runtime.generate_core import EngineLoop, ThreadChannel
+    from surge.runtime.generate_service import GenerationConfig
+    from surge.runtime.scheduler import Sequence
+
+    engine = DecoderEngine(model_dir, num_blocks=64, block_size=4, max_num_seqs=1, max_model_len=64)
+    core = EngineLoop(engine, GenerationConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64))
+    reports, finished, errors = [], threading.Event(), []
+
+    class Out:
+        def tokens(self, batch, admitted, state):
+            reports.append(dict(admitted))
+            if any(f and 1 in f for _, _, f in batch):
+                finished.set()
+
+        def error(self, seq_id, kind, message):
+            errors.append((seq_id, kind))
+
+        def state(self, state):
+            pass
+
+    channel = ThreadChannel()
+    runner = threading.Thread(target=core.run, args=(channel, Out()))
+    a, b = (Sequence(i, [5, 6, 7, 8], SamplingParams(max_tokens=12, **GREEDY)) for i in (1, 2))
+    channel.put(("add", [a, b]))  # one slot: b waits for a
+    channel.put(("abort", 2, "abort"))
+    runner.start()
+    assert finished.wait(60)
+    channel.put(("close",))
+    runner.join(30)
+    admitted = [sid for r in reports for sid in r]
+    assert admitted == [1] and core._fresh == [] and core.seqs == {} and errors == []
+    assert core.state().received == 2 and core.scheduler.blocks.usage == 0.0

@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from surge.runtime.scheduler import Scheduler, SchedulerConfig, Sequence
+from surge.runtime.scheduler import Scheduler, SchedulerConfig, Sequence, SeqStatus
 from surge.runtime.scheduler.overlap import StepLoop
 
 log = logging.getLogger("surge.generate")
@@ -124,8 +124,8 @@ class EngineLoop:
         if not self._fresh:
             return {}
         done = {s.seq_id: s.scheduled_at for s in self._fresh if s.scheduled_at}
-        if done:
-            self._fresh = [s for s in self._fresh if not s.scheduled_at]
+        # admitted ones are reported once; one aborted before it was scheduled never will be
+        self._fresh = [s for s in self._fresh if not s.scheduled_at and s.status is not SeqStatus.FINISHED]
         return done
 
     def run(self, channel, out) -> None:

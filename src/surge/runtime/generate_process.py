@@ -32,7 +32,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -116,7 +115,7 @@ _AUTHKEY_ENV = "SURGE_ENGINE_AUTHKEY"
 
 class EngineProcess:
     """The server side's handle on the child: what GenerateService reads of an engine (`cfg`,
-    `capabilities`, `device`), the connection to it and the thread that reads its messages.
+    `capabilities`) and the connection to it, read on the service's event loop (`attach`).
 
     The child is `python -m surge.runtime.generate_process ADDRESS`, which connects back to a Unix
     socket of this process (authenticated): unlike multiprocessing's spawn it never re-imports the
@@ -136,7 +135,6 @@ class EngineProcess:
         paths = [p for p in sys.path if p] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         env = {**os.environ, _AUTHKEY_ENV: authkey.hex(), "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
         self.process = subprocess.Popen([sys.executable, "-m", "surge.runtime.generate_process", address], env=env)
-        self._send_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.conn = None
         try:
@@ -154,7 +152,6 @@ class EngineProcess:
             self.stop()
             raise ConfigError(f"{path}: loading the decoder in its engine process failed: {msg[1]}")
         _, self.cfg, self.capabilities = msg
-        self.device = _Device(self.capabilities.device)
 
     def _accept(self, listener, timeout: float):
         # accept() blocks with no timeout: wait for the socket to be readable while watching the child
@@ -236,24 +233,18 @@ class EngineProcess:
         loop.add_reader(fd, readable)
 
     def send(self, msg) -> bool:
-        """False: the child is gone."""
-        data = _dumps(msg)
-        with self._send_lock:
-            try:
-                self.conn.send_bytes(data)
-                return True
-            except (BrokenPipeError, EOFError, OSError):
-                return False
+        """False: the child is gone. (Only the event loop's thread sends.)"""
+        try:
+            self.conn.send_bytes(_dumps(msg))
+            return True
+        except (BrokenPipeError, EOFError, OSError):
+            return False
 
     def close(self, timeout: float = 10.0) -> None:
         """Ask the child to finish (its streams end as unloaded), wait for it, then stop."""
         self.send(("close",))
-        self.wait(timeout)
+        self.exit_code(wait=timeout)
         self.stop()
-
-    def wait(self, timeout: float) -> int | None:
-        """The child's exit status once it exits within `timeout` s (None: it still runs)."""
-        return self.exit_code(wait=timeout)
 
     def stop(self) -> None:
         """Kill the child if it still runs; stop reading its connection and close it (in the attached
@@ -284,16 +275,6 @@ class EngineProcess:
         if self.conn is not None and not self.conn.closed:
             self.conn.close()
         shutil.rmtree(self._dir, ignore_errors=True)
-
-
-class _Device:
-    """engine.device as GenerateService reads it (its `type`)."""
-
-    def __init__(self, name: str):
-        self.type = name.split(":")[0]
-
-    def __str__(self) -> str:
-        return self.type
 
 
 if __name__ == "__main__":

@@ -318,9 +318,10 @@ class GenerateService(PromptText):
         if self.remote:
             self.engine.send(("close",))
             # meanwhile this loop reads the child's last messages (its streams' "unloaded" errors)
-            await asyncio.to_thread(self.engine.wait, 10.0)
-            await asyncio.sleep(0)
+            await asyncio.to_thread(self.engine.exit_code, 10.0)
             self.engine.stop()
+            # what the child could not report (it died, or its last message was not read before the stop)
+            self._fail_streams(NotReady(f"model '{self.name}' was unloaded"))
             if self._restart_task is not None:  # a child being started: closed as soon as it is up
                 await asyncio.wait({self._restart_task}, timeout=60)
         else:
@@ -353,10 +354,7 @@ class GenerateService(PromptText):
         self.ready = False
         code = self.engine.exit_code(wait=0.2)  # on the event loop: a bounded wait for the status
         log.error("model '%s': its engine process exited (code %s)", self.name, code)
-        err = EngineError(f"model '{self.name}': its engine process exited (code {code})")
-        for h in list(self._handles.values()):
-            if not h.done:
-                h.fail(err)
+        self._fail_streams(EngineError(f"model '{self.name}': its engine process exited (code {code})"))
         self._restarting = True
         self._restart_task = asyncio.ensure_future(self._restart())
 
@@ -393,9 +391,10 @@ class GenerateService(PromptText):
         """One engine iteration's tokens ([(tokens {seq_id: token}, samples {seq_id: SampleOut} or
         None, finished {seq_id: reason} or None)]) -> every stream's delta, in one pass; the streams
         with a new delta are woken. `admitted`: {seq_id: scheduled_at} of sequences first scheduled
-        since the last call (the engine process's copies carry it; a thread's are these objects). Inter-token latency is the gap between the steps that delivered a
-        stream's tokens, observed in bulk once a call (a Prometheus observe per token was a large
-        share of the event loop's work at 64 streams)."""
+        since the last call (the engine process's copies carry it; a thread's are these objects).
+        Inter-token latency is the gap between the steps that delivered a stream's tokens, observed in
+        bulk once a call (a Prometheus observe per token was a large share of the event loop's work at
+        64 streams)."""
         now = time.monotonic()
         handles = self._handles
         if admitted:
@@ -450,9 +449,9 @@ class GenerateService(PromptText):
                         d.finish_reason, d.completion_tokens = finish, n
                     if finish is not None:
                         h.done = True
-                        admitted = h.seq.scheduled_at or h.start
-                        d.timings = {"queue_ns": int(1e9 * max(0.0, admitted - h.start)),
-                                     "compute_input_ns": int(1e9 * max(0.0, h.first - admitted)),
+                        queued_until = h.seq.scheduled_at or h.start
+                        d.timings = {"queue_ns": int(1e9 * max(0.0, queued_until - h.start)),
+                                     "compute_input_ns": int(1e9 * max(0.0, h.first - queued_until)),
                                      "compute_infer_ns": int(1e9 * max(0.0, h.last - h.first))}
                         metrics.finished(finish)
                     h.wake()
@@ -468,6 +467,11 @@ class GenerateService(PromptText):
         h = self._handles.get(seq_id)
         if h is not None and not h.done:
             h.fail(err)
+
+    def _fail_streams(self, err: Exception) -> None:
+        for h in list(self._handles.values()):
+            if not h.done:
+                h.fail(err)
 
 
 def _error(kind: str, message: str) -> Exception:
