@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import AsyncIterator
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
 
 import orjson
-from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from surge.errors import InvalidInput, SurgeError
@@ -46,13 +46,14 @@ def deadline_for(state) -> float:
     return time.monotonic() + state.config.limits.request_timeout_s
 
 
-async def until_disconnect(request: Request, work):
-    """Await `work`, cancelled at once if the client disconnects (its KV blocks are then freed)."""
+async def until_disconnect(receive, work):
+    """Await `work`, cancelled at once if the client disconnects (its KV blocks are then freed);
+    `receive` is the request's ASGI receive (`request.receive`)."""
     task = asyncio.ensure_future(work)
 
     async def gone():
         while True:
-            msg = await request.receive()
+            msg = await receive()
             if msg["type"] == "http.disconnect":
                 return
 
@@ -67,6 +68,8 @@ async def until_disconnect(request: Request, work):
         raise asyncio.CancelledError("client disconnected")
     finally:
         watcher.cancel()
+        if not task.done():  # this request was cancelled (the hot path noticed the client leave first)
+            task.cancel()
 
 
 def _cache_enabled(service) -> bool:
@@ -113,19 +116,39 @@ def sse(obj) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-async def sse_response(first, rest: AsyncIterator[bytes], render_error, done: bool = True) -> StreamingResponse:
-    """`first` is the first event (computed before answering, so that 429 / 400 / 504 keep their status)."""
+SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
+               (b"content-type", b"text/event-stream; charset=utf-8")]
 
-    async def body():
-        yield first
+
+@dataclass
+class EventStream:
+    """A streamed answer: its events after the first (computed before answering, so that 429 / 400 /
+    504 keep their status); an error after the headers becomes the event `render_error(exc)`, and
+    `done` ends the stream with `data: [DONE]`."""
+
+    rest: AsyncIterator[bytes]
+    render_error: Callable
+    done: bool = True
+
+    async def events(self) -> AsyncIterator[bytes]:
         try:
-            async for chunk in rest:
+            async for chunk in self.rest:
                 yield chunk
         except SurgeError as exc:  # after the headers: an error event ends the stream
-            yield sse(render_error(exc))
-        if done:
+            yield sse(self.render_error(exc))
+        if self.done:
             yield b"data: [DONE]\n\n"
 
-    return StreamingResponse(body(), media_type="text/event-stream",
+
+def sse_response(stream: EventStream) -> StreamingResponse:
+    return StreamingResponse(stream.events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+
+async def send_sse(send, stream: EventStream) -> None:
+    """`stream` straight to the ASGI server's `send`, as `sse_response` would send it (the generation
+    hot path, server/http/generate_hotpath.py)."""
+    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+    async for chunk in stream.events():
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})

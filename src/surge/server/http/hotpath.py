@@ -93,7 +93,7 @@ class HotPathMiddleware:
                     self.state.record(service, result, time.perf_counter_ns() - start)  # KServe statistics
                     return await _send_json(send, *self._payload(native, model, result))
                 app = self._direct(native, texts, service, model)
-        await self._run_watched(scope, body, receive, send, app)
+        await run_watched(scope, body, receive, send, app)
 
     # ---- 1. plain requests ----------------------------------------------------------
     def _direct(self, native: bool, texts: list[str], service, model: str):
@@ -163,111 +163,120 @@ class HotPathMiddleware:
             return None  # the route renders the unknown-model error
         return native, texts, service, model or service.name
 
-    # ---- 2. gone clients ---------------------------------------------------------
-    async def _run_watched(self, scope, body: bytes, receive, send, app) -> None:
-        """Run `app` in this task, cancelled if the client goes away meanwhile: noticed by the
-        server's `surge.disconnect` extension where it has one (server/http/frontend.py, the
-        `--workers` front ends), else by a watcher task awaiting `receive()`.
 
-        (The first version ran the handler in a task of its own and waited on it and the watcher
-        with asyncio.wait: two tasks and a wait per request, ~10% of a front end's CPU under load.)"""
-        gone: asyncio.Event | None = None  # made when the app waits for the disconnect
-        is_gone = False
-        given = False
-        finished = False
-        running = True
-        cancelled_here = False
-        task = asyncio.current_task()
+async def run_watched(scope, body: bytes, receive, send, app) -> None:
+    """Run `app` in this task, cancelled if the client goes away meanwhile: noticed by the
+    server's `surge.disconnect` extension where it has one (server/http/frontend.py, the
+    `--workers` front ends), else by a watcher task awaiting `receive()`.
 
-        async def replay():
-            nonlocal given, gone
-            if not given:
-                given = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            if not is_gone:
-                gone = gone or asyncio.Event()
-                await gone.wait()
-            return {"type": "http.disconnect"}
+    (The first version ran the handler in a task of its own and waited on it and the watcher
+    with asyncio.wait: two tasks and a wait per request, ~10% of a front end's CPU under load.)"""
+    gone: asyncio.Event | None = None  # made when the app waits for the disconnect
+    is_gone = False
+    given = False
+    finished = False
+    running = True
+    cancelled_here = False
+    task = asyncio.current_task()
 
-        def mark_gone() -> None:
-            nonlocal is_gone, cancelled_here
-            is_gone = True
-            if gone is not None:
-                gone.set()
-            cancelled_here = True
-            task.cancel()
+    async def replay():
+        nonlocal given, gone
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        if not is_gone:
+            gone = gone or asyncio.Event()
+            await gone.wait()
+        return {"type": "http.disconnect"}
 
-        watch = scope.get("extensions", {}).get("surge.disconnect")  # server/http/frontend.DisconnectWatch
-        if watch is not None:
-            def lost() -> None:
-                if running:
-                    mark_gone()
+    def mark_gone() -> None:
+        nonlocal is_gone, cancelled_here
+        is_gone = True
+        if gone is not None:
+            gone.set()
+        cancelled_here = True
+        task.cancel()
 
-            if not watch.add(lost):
-                return  # gone before the handler started
-            try:
-                await app(scope, replay, send)
-            except asyncio.CancelledError:
-                if not cancelled_here:
-                    raise
-                task.uncancel()
-            finally:
-                running = False
-                watch.discard(lost)
-            return
+    watch = scope.get("extensions", {}).get("surge.disconnect")  # server/http/frontend.DisconnectWatch
+    if watch is not None:
+        def lost() -> None:
+            if running:
+                mark_gone()
 
-        async def tracked_send(msg):
-            nonlocal finished
-            if msg["type"] == "http.response.body" and not msg.get("more_body", False):
-                finished = True
-            await send(msg)
-
-        def watched(w: asyncio.Future) -> None:
-            if not running or w.cancelled() or w.exception() is not None:
-                return
-            if w.result()["type"] == "http.disconnect" and not finished:
-                mark_gone()  # the client has gone: stop the work (queued inputs are dropped)
-
-        watcher = asyncio.ensure_future(receive())
-        watcher.add_done_callback(watched)
+        if not watch.add(lost):
+            return  # gone before the handler started
         try:
-            await app(scope, replay, tracked_send)
+            await app(scope, replay, send)
         except asyncio.CancelledError:
             if not cancelled_here:
                 raise
             task.uncancel()
         finally:
             running = False
-            if not watcher.done():
-                watcher.cancel()
+            watch.discard(lost)
+        return
+
+    async def tracked_send(msg):
+        nonlocal finished
+        if msg["type"] == "http.response.body" and not msg.get("more_body", False):
+            finished = True
+        await send(msg)
+
+    def watched(w: asyncio.Future) -> None:
+        if not running or w.cancelled() or w.exception() is not None:
+            return
+        if w.result()["type"] == "http.disconnect" and not finished:
+            mark_gone()  # the client has gone: stop the work (queued inputs are dropped)
+
+    watcher = asyncio.ensure_future(receive())
+    watcher.add_done_callback(watched)
+    try:
+        await app(scope, replay, tracked_send)
+    except asyncio.CancelledError:
+        if not cancelled_here:
+            raise
+        task.uncancel()
+    finally:
+        running = False
+        if not watcher.done():
+            watcher.cancel()
 
 
 class OuterHotPath:
-    """The hot path in front of the whole middleware stack, for the requests it surely takes.
+    """The hot paths in front of the whole middleware stack, for the requests they surely take.
 
     FastAPI wraps every request in its error, telemetry, body-limit and exception layers, then
     ours (content type, decompression); under load on the H200 that stack cost more per plain
     embedding request than tokenizing it. A POST /embed or /v1/embeddings that needs none of those
     layers (Content-Type application/json, no Content-Encoding, no API key configured) goes
-    straight to the hot path here; everything else, and anything the hot path does not answer
-    itself, goes through the full stack (whose own HotPathMiddleware then sees the same body).
+    straight to the hot path here, and so does a POST /v1/completions or /v1/chat/completions
+    (server/http/generate_hotpath.py); everything else, and anything the embedding hot path does not
+    answer itself, goes through the full stack (whose own HotPathMiddleware then sees the same body).
     """
 
     def __init__(self, stack, state: AppState):
+        from surge.server.http.generate_hotpath import GenerateHotPath
+        from surge.server.http.openai_chat import ANSWERS
+
         self.stack = stack
-        self.hot = HotPathMiddleware(stack, state)
+        hot = HotPathMiddleware(stack, state)
+        generate = GenerateHotPath(stack, state)
+        self.paths = {_EMBED: hot, _OPENAI: hot, **{path: generate for path in ANSWERS}}
         self.open = not state.config.api_key
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and self.open and scope["method"] == "POST" and scope["path"] in (_EMBED, _OPENAI):
-            ctype = coding = None
-            for name, value in scope["headers"]:
-                if name == b"content-type":
-                    ctype = value
-                elif name == b"content-encoding":
-                    coding = value
-            if coding is None and ctype is not None and ctype.split(b";", 1)[0].strip().lower() == b"application/json":
-                return await self.hot(scope, receive, send)
+        if scope["type"] == "http" and self.open and scope["method"] == "POST":
+            hot = self.paths.get(scope["path"])
+            if hot is not None:
+                ctype = coding = None
+                for name, value in scope["headers"]:
+                    if name == b"content-type":
+                        ctype = value
+                    elif name == b"content-encoding":
+                        coding = value
+                if (coding is None and ctype is not None
+                        and ctype.split(b";", 1)[0].strip().lower() == b"application/json"):
+                    return await hot(scope, receive, send)
         return await self.stack(scope, receive, send)
 
 

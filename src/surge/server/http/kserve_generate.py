@@ -14,8 +14,8 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from surge.server.http.common import ORJSONResponse, parse
-from surge.server.http.generate_common import (counted, counted_stream, deadline_for, generate_model, make_params, sse,
-                                               sse_response, until_disconnect)
+from surge.server.http.generate_common import (EventStream, counted, counted_stream, deadline_for, generate_model,
+                                               make_params, sse, sse_response, until_disconnect)
 from surge.server.http.openapi import body
 from surge.server.state import AppState
 
@@ -71,7 +71,7 @@ def router(state: AppState) -> APIRouter:
 
     async def generate(request: Request, name: str, version: str | None = None):
         req, service, ids, params = await _prepare(request, name, version)
-        res = await until_disconnect(request, counted(state, service,
+        res = await until_disconnect(request.receive, counted(state, service,
                                                       service.generate(ids, params, deadline=deadline_for(state))))
         return ORJSONResponse(_body(req, service, res.text, res.finish_reason, res.prompt_tokens,
                                     res.completion_tokens))
@@ -93,7 +93,7 @@ def router(state: AppState) -> APIRouter:
             finally:
                 await agen.aclose()
 
-        return await sse_response(b"", rest(), lambda exc: {"error": exc.message}, done=False)
+        return sse_response(EventStream(rest(), lambda exc: {"error": exc.message}, done=False))
 
     extra = body(GenerateRequest)
     events = {200: {"description": "One server-sent event per delta",

@@ -10,8 +10,10 @@ Beyond OpenAI's fields, vLLM's `top_k`, `min_p`, `repetition_penalty`,
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Literal, Union
 
 from fastapi import APIRouter, Request
@@ -19,8 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from surge.errors import InvalidInput, PayloadTooLarge
 from surge.server.http.common import ORJSONResponse, parse
-from surge.server.http.generate_common import (counted, counted_stream, deadline_for, generate_model, make_params, sse,
-                                               sse_response, until_disconnect)
+from surge.server.http.generate_common import (EventStream, counted, counted_stream, deadline_for, generate_model,
+                                               make_params, sse, sse_response, until_disconnect)
 from surge.server.http.openapi import body
 from surge.server.state import AppState
 
@@ -125,119 +127,145 @@ def _error_body(exc) -> dict:
     return {"error": {"message": exc.message, "type": exc.openai_type, "param": exc.param, "code": exc.code}}
 
 
+@dataclass
+class JsonAnswer:
+    body: dict
+    headers: dict
+
+
+async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> JsonAnswer | EventStream:
+    """The answer to a validated chat request (`receive`: the request's ASGI receive, to notice a client
+    that leaves while a non-streamed answer is computed). The route and the hot path
+    (server/http/generate_hotpath.py) both answer with it."""
+    service = generate_model(state, req.model)
+    prompt = service.render_chat(_messages(req), add_generation_prompt=True)
+    ids = service.encode(prompt, special=False)
+    params = make_params(service, max_tokens=req.max_completion_tokens or req.max_tokens,
+                         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                         seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                         repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos,
+                         logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    deadline = deadline_for(state)
+    if not req.stream:
+        res = await until_disconnect(receive, counted(state, service, service.generate(ids, params, deadline=deadline)))
+        return JsonAnswer({
+            "id": rid, "object": "chat.completion", "created": created, "model": service.name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": res.text},
+                         "logprobs": _chat_logprobs(res.logprobs), "finish_reason": res.finish_reason}],
+            "usage": _usage(res.prompt_tokens, res.completion_tokens),
+        }, {"x-surge-model-version": service.version})
+    usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def chunk(delta: dict, finish=None, logprobs=None) -> bytes:
+        c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": service.name,
+             "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        if usage:
+            c["usage"] = None
+        return sse(c)
+
+    agen = counted_stream(state, service, service.stream(ids, params, deadline=deadline))
+    first = await agen.__anext__()  # errors before any output keep their HTTP status
+
+    async def rest():
+        d = first
+        yield chunk({"role": "assistant", "content": ""})
+        while True:
+            if d.text or d.logprobs:
+                yield chunk({"content": d.text}, logprobs=_chat_logprobs(d.logprobs))
+            if d.finish_reason is not None:
+                yield chunk({}, finish=d.finish_reason)
+                if usage:
+                    yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                               "model": service.name, "choices": [],
+                               "usage": _usage(d.prompt_tokens, d.completion_tokens)})
+                return
+            d = await agen.__anext__()
+
+    return EventStream(_closing(rest(), agen), _error_body)
+
+
+async def completion_answer(state: AppState, req: CompletionRequest, receive) -> JsonAnswer | EventStream:
+    """The answer to a validated completions request; as `chat_answer`."""
+    limits = state.config.limits
+    service = generate_model(state, req.model)
+    if req.suffix:
+        raise InvalidInput("'suffix' is not supported", param="suffix")
+    if req.echo:
+        raise InvalidInput("'echo' is not supported", param="echo")
+    prompts = _prompts(req.prompt, service, limits.max_inputs_per_request)
+    if req.stream and len(prompts) > 1:
+        raise InvalidInput("streaming takes a single prompt", param="prompt")
+    params = make_params(service, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                         top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop,
+                         stop_token_ids=req.stop_token_ids, presence_penalty=req.presence_penalty,
+                         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                         ignore_eos=req.ignore_eos, logprobs=req.logprobs)
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    deadline = deadline_for(state)
+    if not req.stream:
+        results = await until_disconnect(receive, asyncio.gather(
+            *(counted(state, service, service.generate(p, params, deadline=deadline)) for p in prompts)))
+        return JsonAnswer({
+            "id": rid, "object": "text_completion", "created": created, "model": service.name,
+            "choices": [{"index": i, "text": res.text, "logprobs": _completion_logprobs(res.logprobs),
+                         "finish_reason": res.finish_reason} for i, res in enumerate(results)],
+            "usage": _usage(sum(r.prompt_tokens for r in results), sum(r.completion_tokens for r in results)),
+        }, {"x-surge-model-version": service.version})
+    usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def chunk(text: str, finish=None, logprobs=None) -> bytes:
+        c = {"id": rid, "object": "text_completion", "created": created, "model": service.name,
+             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+        if usage:
+            c["usage"] = None
+        return sse(c)
+
+    agen = counted_stream(state, service, service.stream(prompts[0], params, deadline=deadline))
+    first = await agen.__anext__()
+
+    async def rest():
+        d, offset = first, 0
+        while True:
+            if d.text or d.finish_reason is not None or d.logprobs:
+                yield chunk(d.text, d.finish_reason, _completion_logprobs(d.logprobs, offset))
+                offset += len(d.text)
+            if d.finish_reason is not None:
+                if usage:
+                    yield sse({"id": rid, "object": "text_completion", "created": created,
+                               "model": service.name, "choices": [],
+                               "usage": _usage(d.prompt_tokens, d.completion_tokens)})
+                return
+            d = await agen.__anext__()
+
+    return EventStream(_closing(rest(), agen), _error_body)
+
+
+# path -> (request model, answer, route name): what the routes take, and the hot path in front of them
+ANSWERS = {"/v1/chat/completions": (ChatCompletionRequest, chat_answer, "chat"),
+           "/v1/completions": (CompletionRequest, completion_answer, "completions")}
+
+
+def respond(answer: JsonAnswer | EventStream):
+    if isinstance(answer, EventStream):
+        return sse_response(answer)
+    return ORJSONResponse(answer.body, headers=answer.headers)
+
+
 def router(state: AppState) -> APIRouter:
     r = APIRouter()
     limits = state.config.limits
 
-    @r.post("/v1/chat/completions", openapi_extra=body(ChatCompletionRequest), responses=ANSWER_OR_STREAM)
-    async def chat(request: Request):
-        req = await parse(request, ChatCompletionRequest, limits.max_body_bytes)
-        service = generate_model(state, req.model)
-        prompt = service.render_chat(_messages(req), add_generation_prompt=True)
-        ids = service.encode(prompt, special=False)
-        params = make_params(service, max_tokens=req.max_completion_tokens or req.max_tokens,
-                             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                             seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
-                             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                             repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos,
-                             logprobs=(req.top_logprobs or 0) if req.logprobs else None)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        deadline = deadline_for(state)
-        if not req.stream:
-            res = await until_disconnect(request, counted(state, service,
-                                                          service.generate(ids, params, deadline=deadline)))
-            return ORJSONResponse({
-                "id": rid, "object": "chat.completion", "created": created, "model": service.name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": res.text},
-                             "logprobs": _chat_logprobs(res.logprobs), "finish_reason": res.finish_reason}],
-                "usage": _usage(res.prompt_tokens, res.completion_tokens),
-            }, headers={"x-surge-model-version": service.version})
-        usage = bool(req.stream_options and req.stream_options.include_usage)
+    for path, (model, answer, name) in ANSWERS.items():
+        def route(model=model, answer=answer):
+            async def handler(request: Request):
+                req = await parse(request, model, limits.max_body_bytes)
+                return respond(await answer(state, req, request.receive))
+            return handler
 
-        def chunk(delta: dict, finish=None, logprobs=None) -> bytes:
-            c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": service.name,
-                 "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
-            if usage:
-                c["usage"] = None
-            return sse(c)
-
-        agen = counted_stream(state, service, service.stream(ids, params, deadline=deadline))
-        first = await agen.__anext__()  # errors before any output keep their HTTP status
-
-        async def rest():
-            d = first
-            yield chunk({"role": "assistant", "content": ""})
-            while True:
-                if d.text or d.logprobs:
-                    yield chunk({"content": d.text}, logprobs=_chat_logprobs(d.logprobs))
-                if d.finish_reason is not None:
-                    yield chunk({}, finish=d.finish_reason)
-                    if usage:
-                        yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                   "model": service.name, "choices": [],
-                                   "usage": _usage(d.prompt_tokens, d.completion_tokens)})
-                    return
-                d = await agen.__anext__()
-
-        return await sse_response(b"", _closing(rest(), agen), _error_body)
-
-    @r.post("/v1/completions", openapi_extra=body(CompletionRequest), responses=ANSWER_OR_STREAM)
-    async def completions(request: Request):
-        req = await parse(request, CompletionRequest, limits.max_body_bytes)
-        service = generate_model(state, req.model)
-        if req.suffix:
-            raise InvalidInput("'suffix' is not supported", param="suffix")
-        if req.echo:
-            raise InvalidInput("'echo' is not supported", param="echo")
-        prompts = _prompts(req.prompt, service, limits.max_inputs_per_request)
-        if req.stream and len(prompts) > 1:
-            raise InvalidInput("streaming takes a single prompt", param="prompt")
-        params = make_params(service, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                             top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop,
-                             stop_token_ids=req.stop_token_ids, presence_penalty=req.presence_penalty,
-                             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                             ignore_eos=req.ignore_eos, logprobs=req.logprobs)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        deadline = deadline_for(state)
-        if not req.stream:
-            import asyncio
-
-            results = await until_disconnect(request, asyncio.gather(
-                *(counted(state, service, service.generate(p, params, deadline=deadline)) for p in prompts)))
-            return ORJSONResponse({
-                "id": rid, "object": "text_completion", "created": created, "model": service.name,
-                "choices": [{"index": i, "text": res.text, "logprobs": _completion_logprobs(res.logprobs),
-                             "finish_reason": res.finish_reason} for i, res in enumerate(results)],
-                "usage": _usage(sum(r.prompt_tokens for r in results), sum(r.completion_tokens for r in results)),
-            }, headers={"x-surge-model-version": service.version})
-        usage = bool(req.stream_options and req.stream_options.include_usage)
-
-        def chunk(text: str, finish=None, logprobs=None) -> bytes:
-            c = {"id": rid, "object": "text_completion", "created": created, "model": service.name,
-                 "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
-            if usage:
-                c["usage"] = None
-            return sse(c)
-
-        agen = counted_stream(state, service, service.stream(prompts[0], params, deadline=deadline))
-        first = await agen.__anext__()
-
-        async def rest():
-            d, offset = first, 0
-            while True:
-                if d.text or d.finish_reason is not None or d.logprobs:
-                    yield chunk(d.text, d.finish_reason, _completion_logprobs(d.logprobs, offset))
-                    offset += len(d.text)
-                if d.finish_reason is not None:
-                    if usage:
-                        yield sse({"id": rid, "object": "text_completion", "created": created,
-                                   "model": service.name, "choices": [],
-                                   "usage": _usage(d.prompt_tokens, d.completion_tokens)})
-                    return
-                d = await agen.__anext__()
-
-        return await sse_response(b"", _closing(rest(), agen), _error_body)
-
+        r.add_api_route(path, route(), methods=["POST"], name=name, openapi_extra=body(model),
+                        responses=ANSWER_OR_STREAM)
     return r
 
 

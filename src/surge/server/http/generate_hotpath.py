@@ -1,0 +1,61 @@
+"""OpenAI generation requests answered without the framework: POST /v1/completions and
+/v1/chat/completions, streamed or not.
+
+A streamed completion of one token cost the server's event loop ~1.1 ms of CPU on the 2-core VM,
+and each further chunk ~46 us (benchmarks/generate_route_cpu.py); py-spy put FastAPI's routing,
+dependency solving and middleware layers, and StreamingResponse's task group and per-chunk `send`
+wrappers, at a third of it. At 64 streams a delivery is 64 chunks every ~3 ms, and a burst of
+arrivals is paid one request after another before their first tokens. Here OuterHotPath
+(server/http/hotpath.py) hands such a request, when it needs none of the stack's layers (JSON, no
+Content-Encoding, no API key, a Content-Length within the body limit), to the routes' own answer
+functions (server/http/openai_chat.ANSWERS), and the answer goes straight to the ASGI server's
+`send`.
+
+Contract (tests/integration/test_generate_hotpath.py): the same validation, errors (status, body,
+Retry-After), JSON answers and event streams as the routes, byte for byte apart from the ids and
+timestamps a request makes; a request without a declared length, or one that declares more than the
+limit, goes to the routes; a client that leaves cancels its request (its KV blocks are freed).
+"""
+
+from __future__ import annotations
+
+import orjson
+
+from surge.server.errors import settled
+from surge.server.http.common import decode_json, validate
+from surge.server.http.generate_common import EventStream, send_sse
+from surge.server.http.hotpath import GONE, read_declared_body, run_watched
+from surge.server.http.openai_chat import ANSWERS
+
+
+class GenerateHotPath:
+    def __init__(self, stack, state):
+        self.stack = stack
+        self.state = state
+        self.max_body = state.config.limits.max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        path = scope["path"]
+        body = await read_declared_body(scope, receive, self.max_body)
+        if body is None:  # chunked, or over the limit: the route reads and limits it
+            return await self.stack(scope, receive, send)
+        if body is GONE:
+            return
+        model, answer, _ = ANSWERS[path]
+
+        async def work(receive):
+            return await answer(self.state, validate(model, decode_json(body)), receive)
+
+        async def app(scope, receive, send):
+            result, error = await settled(path, work(receive))
+            if error is not None:
+                return await error(scope, receive, send)
+            if isinstance(result, EventStream):
+                return await send_sse(send, result)
+            payload = orjson.dumps(result.body)
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                *((k.encode(), v.encode()) for k, v in result.headers.items()),
+                (b"content-length", str(len(payload)).encode()), (b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": payload})
+
+        await run_watched(scope, body, receive, send, app)
