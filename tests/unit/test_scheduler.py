@@ -253,7 +253,7 @@ class FakeTokenEngine(FakeEngine):
         return [r[j] for j in range(len(rows[0])) for r in rows]  # step-major
 
 
-def _loop_run(overlap, seed, abort_at=None, engine_cls=FakeEngine, depth=1, steps=1):
+def _loop_run(overlap, seed, abort_at=None, engine_cls=FakeEngine, depth=1, steps=1, early=False):
     from surge.runtime.scheduler.overlap import StepLoop
 
     rng = random.Random(seed)
@@ -278,7 +278,7 @@ def _loop_run(overlap, seed, abort_at=None, engine_cls=FakeEngine, depth=1, step
             for s in seqs[:3]:
                 sched.abort(s)
 
-    streamed = drive(loop, sched, seqs, arrivals, abort)
+    streamed = drive(loop, sched, seqs, arrivals, abort, early=early)
     assert sched.blocks.num_free == cfg.num_blocks
     return seqs, streamed, loop, sched
 
@@ -329,6 +329,72 @@ def test_multi_step_launches_give_the_synchronous_results(seed, depth, steps):
         assert y.output_ids == x.output_ids
     for y in c[:3]:
         assert sc[y.seq_id] == [t for t in y.output_ids if t != PLACEHOLDER][: len(sc[y.seq_id])]
+
+
+def test_arrivals_while_launches_drain_join_the_prefill_step(monkeypatch):
+    """Sequences that arrive while the loop drains its launches in flight (before a prefill step) are
+    admitted into that step where its token budget and max_num_seqs leave room (some seeds' bursts
+    fill it), and the tokens, finish reasons and streamed tokens stay the synchronous loop's, with
+    aborts too."""
+    from surge.runtime.scheduler.overlap import StepLoop
+
+    joined = []  # sequences added during a step (by its refresh) and admitted in that same step
+    add, step = Scheduler.add, StepLoop.step
+    during: list | None = None
+
+    def recording_add(self, seq):
+        if during is not None:
+            during.append(seq)
+        return add(self, seq)
+
+    def flagged_step(self, *a):
+        nonlocal during
+        during = []
+        try:
+            return step(self, *a)
+        finally:
+            joined.extend(q.seq_id for q in during if q.scheduled_at)
+            during = None
+
+    monkeypatch.setattr(Scheduler, "add", recording_add)
+    monkeypatch.setattr(StepLoop, "step", flagged_step)
+    for seed in range(6):
+        a, _, _, _ = _loop_run(False, seed)
+        late, _, loop_late, _ = _loop_run(True, seed, engine_cls=FakeTokenEngine, depth=2, steps=4)
+        b, sb, loop, _ = _loop_run(True, seed, engine_cls=FakeTokenEngine, depth=2, steps=4, early=True)
+        for x, y, z in zip(a, b, late):
+            assert y.output_ids == x.output_ids == z.output_ids and y.finish_reason == x.finish_reason, y.seq_id
+            assert sb[y.seq_id] == y.output_ids
+        c, sc, _, _ = _loop_run(True, seed, abort_at=12, engine_cls=FakeTokenEngine, depth=2, steps=4, early=True)
+        for x, y in zip(a[3:], c[3:]):
+            assert y.output_ids == x.output_ids
+        for y in c[:3]:
+            assert sc[y.seq_id] == [t for t in y.output_ids if t != PLACEHOLDER][: len(sc[y.seq_id])]
+    assert len(joined) >= 3, "arrivals during a drain must have joined the step after it"
+
+
+def test_admit_adds_what_fits_the_step_and_nothing_after_a_preemption():
+    cfg = SchedulerConfig(num_blocks=8, block_size=4, max_num_seqs=3, max_num_batched_tokens=10, max_model_len=32)
+    sched = Scheduler(cfg)
+    p = SamplingParams(max_tokens=4, temperature=0.0)
+    sched.add(Sequence(0, list(range(10, 16)), p))
+    first = sched.schedule()
+    assert [(s.seq.seq_id, s.num_tokens) for s in first] == [(0, 6)]
+    sched.add(Sequence(1, list(range(20, 27)), p))  # 7 tokens: 4 fit the budget left (chunked)
+    sched.add(Sequence(2, [30, 31], p))
+    both = sched.admit(first)
+    assert [(s.seq.seq_id, s.start, s.num_tokens) for s in both] == [(0, 0, 6), (1, 0, 4)]
+    assert [s.seq_id for s in sched.running] == [0, 1] and [s.seq_id for s in sched.waiting] == [2]
+    # a schedule() that preempts admits nothing more
+    cfg = SchedulerConfig(num_blocks=3, block_size=4, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=32)
+    sched = Scheduler(cfg)
+    x, y = Sequence(0, list(range(10, 18)), p), Sequence(1, list(range(20, 24)), p)
+    sched.add(x)
+    sched.add(y)
+    sched.update(sched.schedule(), {0: 1, 1: 2})  # 2 + 1 blocks: all of them
+    out = sched.schedule()  # x's 9th token needs a third block: y is preempted
+    assert sched.preemptions == 1 and [s.seq.seq_id for s in out] == [0]
+    assert sched.admit(out) == out and list(sched.waiting) == [y]
 
 
 def test_launch_steps_stop_at_max_tokens_and_max_model_len():

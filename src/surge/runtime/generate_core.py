@@ -130,6 +130,11 @@ class EngineLoop:
 
     def run(self, channel, out) -> None:
         loop = self.loop
+
+        def refresh() -> None:
+            for msg in channel.drain():
+                self.handle(msg, out)
+
         while not self.closed:
             for msg in channel.drain():
                 self.handle(msg, out)
@@ -141,7 +146,7 @@ class EngineLoop:
                 continue
             try:
                 t0 = time.perf_counter()
-                results = loop.step()
+                results = loop.step(refresh)
                 self.busy_s += time.perf_counter() - t0
             except Exception as exc:  # the steps' requests fail; the service keeps serving
                 log.exception("generation step failed")

@@ -131,13 +131,17 @@ class StepLoop:
         self._inflight.append((scheduled, handle, steps))
         self.steps += steps
 
-    def step(self) -> list[StepResult]:
-        """One iteration: the results that became known (none, one or two steps')."""
+    def step(self, refresh=None) -> list[StepResult]:
+        """One iteration: the results that became known (none, one or two steps'). `refresh()` is
+        called after the loop has waited for its launches in flight, to add (or abort) what arrived
+        meanwhile: new sequences then join the step that follows instead of one more of their own."""
         sched, engine = self.scheduler, self.engine
         results: list[StepResult] = []
         self.stalled = False
         if self._inflight and not sched.decode_fits():
             self._complete_all(results)
+            if refresh is not None:
+                refresh()
         if not sched.has_work:
             self._complete_all(results)
             return results
@@ -152,7 +156,9 @@ class StepLoop:
                     self._complete(results)
                 return results
             self._complete_all(results)
-            scheduled = [s for s in scheduled if s.seq.status is SeqStatus.RUNNING]
+            if refresh is not None:  # arrivals while draining (up to depth x steps decode steps) join
+                refresh()
+            scheduled = sched.admit([s for s in scheduled if s.seq.status is SeqStatus.RUNNING])
         if not scheduled:
             self._current = []
             self.stalled = not results

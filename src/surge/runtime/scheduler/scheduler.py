@@ -57,6 +57,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        self._preempted = False  # the last schedule() preempted
 
     @property
     def has_work(self) -> bool:
@@ -120,10 +121,26 @@ class Scheduler:
                 out.append(ScheduledSeq(seq, start, n, start + n == total))
                 budget -= n
                 i += 1
+        self._preempted = preempted
         if preempted:
             # the preempted ones were scheduled earlier in the list: drop their entries
             out = [s for s in out if s.seq.status is SeqStatus.RUNNING]
             return out
+        return out + self._admit(budget)
+
+    def admit(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """`scheduled` (this step's, from schedule(), less what ended since) and the waiting sequences
+        that now fit in the step's token budget: those added, or given room, after it was made (the
+        overlapped loop drains its launches in flight before a prefill step, and what arrived
+        meanwhile joins that step instead of waiting for a step of its own). Nothing is admitted
+        after a preemption in schedule(): the preempted would come straight back."""
+        if self._preempted:
+            return scheduled
+        budget = self.config.max_num_batched_tokens - sum(s.num_tokens for s in scheduled)
+        return scheduled + self._admit(budget)
+
+    def _admit(self, budget: int) -> list[ScheduledSeq]:
+        cfg, out = self.config, []
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
             self.blocks.allocate_prefix(seq)
