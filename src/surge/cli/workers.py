@@ -100,10 +100,26 @@ def resolve_workers(config: ServerConfig) -> int:
     return min(12, cores * 3 // 4)
 
 
+def serves_decoder(config: ServerConfig) -> bool:
+    """A single decoder model (task generate): its engine process runs the shared engine loop
+    (runtime/generate_hub.py)."""
+    if config.model_repository is not None:
+        return False
+    from surge.models import bundled_model_dir
+    from surge.models.decoder import is_decoder_dir
+
+    return is_decoder_dir(config.model_dir or bundled_model_dir())
+
+
 def engine_processes(config: ServerConfig, workers: int) -> int:
     """Engine processes under --workers: as given, else 2 with 8 or more front ends. With a
     repository each one runs it (the same directory, its own copy of every model on the device);
-    repository calls from any front end reach them all (cli/workers_repo.RemoteRepository)."""
+    repository calls from any front end reach them all (cli/workers_repo.RemoteRepository).
+    A decoder has one: its KV cache and its running batch are one engine's."""
+    if serves_decoder(config):
+        if (config.engine_processes or 1) != 1:
+            raise SystemExit("surge: a decoder model runs in one engine process (--engine-processes 1)")
+        return 1
     if config.engine_processes is not None:
         return config.engine_processes
     return 2 if workers >= 8 else 1  # H200, MiniLM, 256 clients: 14,205 req/s with 2 against 11,679 with 1
@@ -121,6 +137,11 @@ def serve_workers(config: ServerConfig, workers: int) -> int:
     shm_parent = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tmp
     os.environ["SURGE_SHM_DIR"] = tempfile.mkdtemp(prefix="surge-cache-", dir=shm_parent)
     os.mkdir(os.environ["PROMETHEUS_MULTIPROC_DIR"])
+    import secrets
+
+    from surge.runtime.generate_hub import AUTHKEY_ENV
+
+    os.environ[AUTHKEY_ENV] = secrets.token_hex(32)  # the children's key to a decoder's engine hub
     cfg = config.model_dump_json()
     print(f"surge: starting {n_eng} engine process(es) and {workers} front ends", file=sys.stderr, flush=True)
     grpc_hold = _hold_grpc_port(config) if config.grpc_port else None  # every front end serves gRPC too
@@ -159,7 +180,7 @@ def serve_workers(config: ServerConfig, workers: int) -> int:
                     log.error("engine process %d exited (%s); starting it again", j, eng.returncode)
                     print(f"surge: engine process {j} exited ({eng.returncode}); restarting", file=sys.stderr,
                           flush=True)
-                    engines[j] = _child("engine", cfg, socks[j])
+                    engines[j] = _child("engine", cfg, socks[j], "restarted")
                     restarts += 1
                     break
             else:
@@ -261,6 +282,9 @@ def front_state(config: ServerConfig, sock: str, others: list[str] = ()):
         _front_repository(state, config, sock, list(others))
         return _front_extras(state, config)
     spec = load_model_spec(config.model_dir or bundled_model_dir(), name=config.model_name)
+    if spec.task == "generate":
+        _front_decoder(state, config, spec, sock)
+        return _front_extras(state, config)
     handoff = None
     if config.engine_connections > 0:  # lone connections to the engine process (server/http/handoff.py)
         try:
@@ -303,6 +327,25 @@ def front_state(config: ServerConfig, sock: str, others: list[str] = ()):
 
     state.extras.setdefault("on_startup", []).append(connect)
     return _front_extras(state, config)
+
+
+def _front_decoder(state, config: ServerConfig, spec, sock: str) -> None:
+    """A front end of a decoder: its GenerateService streams through the engine process's shared loop
+    (runtime/generate_hub.py). No connection is handed over: that process runs no HTTP."""
+    async def connect(state) -> None:
+        from surge.runtime.generate_hub import HubClient
+        from surge.runtime.generate_service import service_over
+        from surge.runtime.loader import generate_settings
+
+        client = await asyncio.to_thread(HubClient, sock)
+        _, _, gen = generate_settings(spec, config.engine, config.generation)
+        service = service_over(client, spec.path, spec.name, "1", gen, config.limits.request_timeout_s)
+        state.registry.add(service)
+        service.mark_ready()
+        print(f"surge: front end {os.getpid()} ready, serving {service.name} on http://{config.host}:{config.port}",
+              file=sys.stderr, flush=True)
+
+    state.extras.setdefault("on_startup", []).append(connect)
 
 
 def _front_repository(state, config: ServerConfig, sock: str, others: list[str]) -> None:

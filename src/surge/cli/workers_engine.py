@@ -13,10 +13,20 @@ import sys
 from surge.cli.workers import whole_metrics
 from surge.config import ServerConfig
 
-def engine_main(config_json: str, sock: str) -> None:
+def engine_main(config_json: str, sock: str, *flags: str) -> None:
+    """`flags`: "restarted" when the supervisor starts it again."""
     from surge.runtime.ipc import EngineServer
 
     config = ServerConfig.model_validate_json(config_json)
+    if config.model_repository is None:
+        from surge.models import bundled_model_dir, load_model_spec
+
+        spec = load_model_spec(config.model_dir or bundled_model_dir(), name=config.model_name)
+        if spec.task == "generate":  # the decoder's engine loop, shared by the front ends
+            from surge.runtime.generate_hub import engine_main as hub_main
+
+            hub_main(config, spec, sock, restarted="restarted" in flags)
+            return
     try:  # nothing else in this process wants the GIL: keep two batches in flight per instance
         from surge.engines import torch_gpu
 

@@ -113,6 +113,44 @@ def _child_main(address: str) -> int:
 _AUTHKEY_ENV = "SURGE_ENGINE_AUTHKEY"
 
 
+def read_on_loop(conn, loop: asyncio.AbstractEventLoop, on_message, on_exit) -> None:
+    """Read `conn`'s messages on `loop`, in its thread: each complete one to `on_message`, `on_exit()`
+    once the connection ends (closed, or the other process died). No reader thread: a thread that woke
+    for each message would take the GIL from the event loop at its every syscall."""
+    fd = conn.fileno()
+    buf = bytearray()
+
+    def readable():
+        try:
+            data = os.read(fd, 1 << 20)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            loop.remove_reader(fd)
+            on_exit()
+            return
+        buf.extend(data)
+        pos, end = 0, len(buf)
+        # multiprocessing.connection's framing (send_bytes): a 4-byte big-endian length, then the bytes
+        while end - pos >= 4:
+            (n,) = _HEADER.unpack_from(buf, pos)
+            if n < 0:
+                raise RuntimeError("an engine process message over 2 GiB")
+            if end - pos - 4 < n:
+                break
+            msg = _loads(buf[pos + 4:pos + 4 + n])
+            pos += 4 + n
+            try:
+                on_message(msg)
+            except Exception:  # one message's handling must not stop the others'
+                log.exception("handling an engine process message failed")
+        del buf[:pos]
+
+    loop.add_reader(fd, readable)
+
+
 class EngineProcess:
     """The server side's handle on the child: what GenerateService reads of an engine (`cfg`,
     `capabilities`) and the connection to it, read on the service's event loop (`attach`).
@@ -120,6 +158,8 @@ class EngineProcess:
     The child is `python -m surge.runtime.generate_process ADDRESS`, which connects back to a Unix
     socket of this process (authenticated): unlike multiprocessing's spawn it never re-imports the
     caller's main module, so a script without a `__main__` guard can load a model too."""
+
+    remote = True  # GenerateService: the engine loop runs elsewhere
 
     def __init__(self, path: str | Path, engine_kwargs: dict, config, name: str = "model", threads: int = 0,
                  start_timeout_s: float = 1800.0):
@@ -194,43 +234,14 @@ class EngineProcess:
             return None
 
     def attach(self, loop: asyncio.AbstractEventLoop, on_message, on_exit) -> None:
-        """Read the child's messages on `loop`, in its thread: each complete one to `on_message`,
-        `on_exit()` once the connection ends (closed or the child died). No reader thread: a thread
-        that woke for each message would take the GIL from the event loop at its every syscall."""
-        fd = self.conn.fileno()
-        buf = bytearray()
-
-        def readable():
-            try:
-                data = os.read(fd, 1 << 20)
-            except BlockingIOError:
-                return
-            except OSError:
-                data = b""
-            if not data:
-                loop.remove_reader(fd)
-                self._loop = None
-                on_exit()
-                return
-            buf.extend(data)
-            pos, end = 0, len(buf)
-            # multiprocessing.connection's framing (send_bytes): a 4-byte big-endian length, then the bytes
-            while end - pos >= 4:
-                (n,) = _HEADER.unpack_from(buf, pos)
-                if n < 0:
-                    raise RuntimeError("an engine process message over 2 GiB")
-                if end - pos - 4 < n:
-                    break
-                msg = _loads(buf[pos + 4:pos + 4 + n])
-                pos += 4 + n
-                try:
-                    on_message(msg)
-                except Exception:  # one message's handling must not stop the others'
-                    log.exception("handling an engine process message failed")
-            del buf[:pos]
-
+        """Read the child's messages on `loop` (`read_on_loop`)."""
         self._loop = loop
-        loop.add_reader(fd, readable)
+
+        def exited():
+            self._loop = None
+            on_exit()
+
+        read_on_loop(self.conn, loop, on_message, exited)
 
     def send(self, msg) -> bool:
         """False: the child is gone. (Only the event loop's thread sends.)"""

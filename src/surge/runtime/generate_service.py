@@ -136,7 +136,11 @@ class GenerateService(PromptText):
         self._handles: dict[int, _Handle] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cache: OrderedDict[tuple, list[Delta]] = OrderedDict()
-        self.remote = isinstance(engine, EngineProcess)
+        # the engine loop runs elsewhere (runtime/generate_process.EngineProcess, generate_hub.HubClient)
+        self.remote = bool(getattr(engine, "remote", False))
+        # engine-wide gauges and counters (KV use, prefix cache, preemptions) are this process's to
+        # export, unless the engine's own process exports them (several front ends share it)
+        self._engine_metrics = getattr(engine, "engine_metrics", True)
         if self.remote:
             # the engine loop runs in the child; its scheduler and step loop are not in this process
             self.core = self.scheduler = self.loop = None
@@ -331,7 +335,8 @@ class GenerateService(PromptText):
     # -- what the engine loop reports (its thread, or this process's reader of the engine process) -------
     def _set_state(self, state: EngineState) -> None:
         self._state = state
-        self.metrics.engine_state(state)
+        if self._engine_metrics:
+            self.metrics.engine_state(state)
 
     def _on_message(self, msg) -> None:
         """A message of the engine process (read on the event loop)."""
@@ -353,8 +358,9 @@ class GenerateService(PromptText):
             return
         self.ready = False
         code = self.engine.exit_code(wait=0.2)  # on the event loop: a bounded wait for the status
-        log.error("model '%s': its engine process exited (code %s)", self.name, code)
-        self._fail_streams(EngineError(f"model '{self.name}': its engine process exited (code {code})"))
+        how = f" (code {code})" if code is not None else ""  # a shared engine process's code is its supervisor's
+        log.error("model '%s': its engine process exited%s", self.name, how)
+        self._fail_streams(EngineError(f"model '{self.name}': its engine process exited{how}"))
         self._restarting = True
         self._restart_task = asyncio.ensure_future(self._restart())
 
@@ -379,7 +385,8 @@ class GenerateService(PromptText):
                 self.engine, self._state, self._sent = engine, EngineState(), 0
                 engine.attach(self._loop, self._on_message, self._on_exit)
                 self._restarts.append(time.monotonic())
-                self.metrics.restarts.inc()
+                if self._engine_metrics:
+                    self.metrics.restarts.inc()
                 self.ready = True
                 log.warning("model '%s': its engine process runs again (pid %s)", self.name, engine.pid)
                 return
@@ -500,24 +507,39 @@ class _ThreadOutbox:
         self.service._set_state(state)
 
 
+def decoder_engine_kwargs(config: GenerationConfig, device: str, precision: str | None) -> dict:
+    """DecoderEngine's keyword arguments (less the path and threads) for these settings."""
+    dtype = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "auto": None, None: None}.get(precision, precision)
+    return dict(device=device, dtype=dtype, block_size=config.block_size, kv_cache_tokens=config.kv_cache_tokens,
+                max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+                cuda_graphs=config.cuda_graphs, decode_steps=config.decode_steps,
+                decode_launch_ms=config.decode_launch_ms)
+
+
+def service_over(engine, path: Path, name: str, version: str, config: GenerationConfig,
+                 request_timeout_s: float = 30.0) -> GenerateService:
+    """A GenerateService on `engine` (a DecoderEngine, an EngineProcess or a HubClient) with the
+    directory's tokenizer and chat template."""
+    from tokenizers import Tokenizer
+
+    from surge.models.chat_template import ChatTemplate
+
+    tokenizer = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+    return GenerateService(name, version, path, engine, tokenizer, ChatTemplate.from_dir(path), config,
+                           request_timeout_s=request_timeout_s)
+
+
 def load_generate_service(path: Path, name: str, version: str = "1", *, device: str = "cpu",
                           precision: str | None = None, threads: int = 0, config: GenerationConfig | None = None,
                           request_timeout_s: float = 30.0) -> GenerateService:
     """A decoder directory -> a warmed-up GenerateService (the caller marks it ready)."""
-    from tokenizers import Tokenizer
-
     from surge.errors import ConfigError
-    from surge.models.chat_template import ChatTemplate
 
     config = (config or GenerationConfig()).resolved()
     path = Path(path)
     if not (path / "tokenizer.json").is_file():
         raise ConfigError(f"{path}: tokenizer.json missing (a fast tokenizer file is required)")
-    dtype = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "auto": None, None: None}.get(precision, precision)
-    kwargs = dict(device=device, dtype=dtype, block_size=config.block_size, kv_cache_tokens=config.kv_cache_tokens,
-                  max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-                  cuda_graphs=config.cuda_graphs, decode_steps=config.decode_steps,
-                  decode_launch_ms=config.decode_launch_ms)
+    kwargs = decoder_engine_kwargs(config, device, precision)
     remote = config.engine_process if config.engine_process is not None else device.startswith("cuda")
     if remote:
         engine = EngineProcess(path, kwargs, config, name, threads=threads)
@@ -526,6 +548,4 @@ def load_generate_service(path: Path, name: str, version: str = "1", *, device: 
 
         engine = DecoderEngine(path, threads=threads, **kwargs)
         engine.warmup()
-    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-    return GenerateService(name, version, path, engine, tokenizer, ChatTemplate.from_dir(path), config,
-                           request_timeout_s=request_timeout_s)
+    return service_over(engine, path, name, version, config, request_timeout_s)

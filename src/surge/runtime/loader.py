@@ -114,12 +114,10 @@ def build_worker(spec: ModelSpec, artifact: Path | None, cfg: EngineConfig, head
     return ModelWorker(spec, tokenizer, engines, PostSpec(spec.pooling, spec.normalize), head_set)
 
 
-def build_generate_service(spec: ModelSpec, version: str, cfg: EngineConfig, limits, generation=None):
-    """A decoder directory -> a warmed-up GenerateService (paged KV cache, iteration scheduler).
-    On the CPU it computes in fp32 or bf16; on a GPU in bf16 unless fp16/fp32 is asked for.
-    `generation` (config.GenerationConfig): the server's settings merged with the model.yaml's."""
+def generate_settings(spec: ModelSpec, cfg: EngineConfig, generation=None):
+    """(device, precision, resolved GenerationConfig) of a decoder: on the CPU it computes in fp32 or
+    bf16; on a GPU in bf16 unless fp16/fp32 is asked for."""
     from surge.config import GenerationConfig
-    from surge.runtime.generate_service import load_generate_service
 
     device = f"cuda:{cfg.devices[0]}" if cfg.devices else cfg.device
     precision = cfg.precision
@@ -129,6 +127,14 @@ def build_generate_service(spec: ModelSpec, version: str, cfg: EngineConfig, lim
         raise ConfigError(f"{spec.path}: precision int8 is not supported for decoder models")
     if device.startswith("cuda") and precision == "fp32":
         precision = "bf16"  # the default precision means "the device's default" for decoders
-    gen = (generation or GenerationConfig()).resolved(cfg)
+    return device, precision, (generation or GenerationConfig()).resolved(cfg)
+
+
+def build_generate_service(spec: ModelSpec, version: str, cfg: EngineConfig, limits, generation=None):
+    """A decoder directory -> a warmed-up GenerateService (paged KV cache, iteration scheduler).
+    `generation` (config.GenerationConfig): the server's settings merged with the model.yaml's."""
+    from surge.runtime.generate_service import load_generate_service
+
+    device, precision, gen = generate_settings(spec, cfg, generation)
     return load_generate_service(spec.path, spec.name, version, device=device, precision=precision,
                                  threads=cfg.threads, config=gen, request_timeout_s=limits.request_timeout_s)

@@ -1,0 +1,349 @@
+"""A decoder's engine loop shared by the front ends of `surge serve --workers N`.
+
+One process serving HTTP spends ~0.6-1.1 ms of CPU to take in a streamed generation request and
+~36-46 us a chunk (benchmarks/generate_route_cpu.py, 2-core VM): a burst of 64 arrivals is parsed one
+after another before their first tokens, and every delivery of 64 streams is 64 chunks. As vLLM runs
+API-server processes in front of one engine core, here the engine process of `--workers`
+(cli/workers.py) runs the decoder's EngineLoop (runtime/generate_core.py) alone and every front end
+connects to it; each front end keeps its own streams' text, stops, cache and metrics, exactly as
+GenerateService does with an engine process of its own (runtime/generate_process.py).
+
+Engine side, `Hub`: the loop's channel and outbox over every front end's connection (one Unix
+socket, authenticated with a key the supervisor hands its children). Sequence ids are the front
+ends' own: the hub gives each sequence an id of the engine's and translates both ways, so each front
+end gets only its own sequences' tokens, errors and admissions, in one message an iteration, with
+the engine's state (its own count of sequences taken in, for its queue limit). A front end that
+leaves (closed, or its process died) has its sequences aborted: their KV blocks come back before the
+next step. SIGTERM ends the loop; every front end's streams then fail as unloaded. Engine-wide
+metrics (KV use, running / waiting, prefix cache, preemptions, restarts) are this process's (the
+front ends would count them once each).
+
+Front-end side, `HubClient`: what GenerateService reads of a remote engine (the same surface as
+EngineProcess). When the engine process dies the supervisor starts it again; `respawn()` waits for it
+and connects anew.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge, wait
+
+from surge.runtime.generate_process import _dumps, _loads, read_on_loop
+
+log = logging.getLogger("surge.generate")
+
+AUTHKEY_ENV = "SURGE_WORKERS_AUTHKEY"  # hex, set by the supervisor for its children (cli/workers.py)
+
+
+def authkey() -> bytes:
+    key = os.environ.get(AUTHKEY_ENV)
+    if not key:
+        raise RuntimeError(f"{AUTHKEY_ENV} is not set: the engine hub runs under `surge serve --workers`")
+    return bytes.fromhex(key)
+
+
+class _Front:
+    __slots__ = ("conn", "ids", "received")
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self.ids: dict[int, int] = {}  # its sequence id -> the engine's
+        self.received = 0  # its sequences taken in (its queue limit counts the rest)
+
+
+class Hub:
+    """EngineLoop's channel (drain / wait) and outbox (tokens / error / state) over every front end."""
+
+    def __init__(self, listener: socket.socket, key: bytes, hello: tuple, stop_fd: int, metrics=None):
+        self.listener = listener
+        self.key = key
+        self.hello = hello  # ("ready", cfg, capabilities, pid): each front end's first message
+        self.stop_fd = stop_fd
+        self.metrics = metrics  # GenerateMetrics of this process (engine-wide gauges and counters)
+        self.fronts: dict[Connection, _Front] = {}
+        self.owner: dict[int, tuple[_Front, int]] = {}  # the engine's id -> (front end, its id)
+        self._ids = itertools.count(1)
+
+    # -- channel ---------------------------------------------------------------------------------------
+    def _watched(self) -> list:
+        return [self.listener, self.stop_fd, *self.fronts]
+
+    def wait(self, timeout: float | None = None) -> None:
+        wait(self._watched(), timeout)
+
+    def drain(self) -> list:
+        out: list = []
+        for r in wait(self._watched(), 0):
+            if r is self.listener:
+                self._accept()
+            elif r == self.stop_fd:
+                os.read(self.stop_fd, 64)
+                out.append(("close",))
+            else:
+                self._read(self.fronts[r], out)
+        return out
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self.listener.accept()
+        except BlockingIOError:
+            return
+        # blocking, as Connection's reads and writes expect; the handshake is a front end's own Client(),
+        # which answers at once
+        sock.setblocking(True)
+        conn = Connection(sock.detach())
+        try:
+            deliver_challenge(conn, self.key)
+            answer_challenge(conn, self.key)
+            conn.send_bytes(_dumps(self.hello))
+        except Exception as exc:  # noqa: BLE001 - a failed handshake costs that connection only
+            log.warning("engine hub: a connection failed its handshake: %s", exc)
+            conn.close()
+            return
+        self.fronts[conn] = _Front(conn)
+
+    def _read(self, front: _Front, out: list) -> None:
+        conn = front.conn
+        try:
+            while conn.poll(0):
+                msg = _loads(conn.recv_bytes())
+                kind = msg[0]
+                if kind == "add":
+                    for seq in msg[1]:
+                        gid = next(self._ids)
+                        front.ids[seq.seq_id] = gid
+                        self.owner[gid] = (front, seq.seq_id)
+                        seq.seq_id = gid
+                    front.received += len(msg[1])
+                    out.append(msg)
+                elif kind == "abort":
+                    gid = front.ids.pop(msg[1], None)
+                    if gid is not None:
+                        self.owner.pop(gid, None)
+                        out.append(("abort", gid, msg[2]))
+                elif kind == "close":  # the front end unloads the model: it leaves
+                    raise EOFError
+        except (EOFError, OSError):
+            self._leave(front, out)
+
+    def _leave(self, front: _Front, out: list) -> None:
+        for gid in front.ids.values():
+            self.owner.pop(gid, None)
+            out.append(("abort", gid, "abort"))
+        front.ids.clear()
+        self.fronts.pop(front.conn, None)
+        front.conn.close()
+
+    # -- outbox ----------------------------------------------------------------------------------------
+    def _send(self, front: _Front, msg) -> None:
+        try:
+            front.conn.send_bytes(_dumps(msg))
+        except OSError:  # gone: its EOF is read (and its sequences aborted) at the next drain
+            pass
+
+    def _state(self, state, front: _Front):
+        return dataclasses.replace(state, received=front.received)
+
+    def tokens(self, batch, admitted, state) -> None:
+        if self.metrics is not None:
+            self.metrics.engine_state(state)
+        owner = self.owner
+        adm: dict[_Front, dict] = {}
+        for gid, t in admitted.items():
+            o = owner.get(gid)
+            if o is not None:
+                adm.setdefault(o[0], {})[o[1]] = t
+        parts: dict[_Front, list] = {}
+        for tokens, samples, finished in batch:
+            per: dict[_Front, tuple] = {}
+            for gid, token in tokens.items():
+                o = owner.get(gid)
+                if o is None:
+                    continue
+                front, sid = o
+                e = per.get(front)
+                if e is None:
+                    e = per[front] = ({}, {} if samples else None, {} if finished else None)
+                e[0][sid] = token
+                if samples and gid in samples:
+                    e[1][sid] = samples[gid]
+                if finished and gid in finished:
+                    e[2][sid] = finished[gid]
+            for front, (t, s, f) in per.items():
+                parts.setdefault(front, []).append((t, s or None, f or None))
+            if finished:
+                for gid in finished:
+                    o = owner.pop(gid, None)
+                    if o is not None:
+                        o[0].ids.pop(o[1], None)
+        for front in list(self.fronts.values()):
+            mine, a = parts.get(front), adm.get(front)
+            if mine or a:
+                self._send(front, ("tokens", mine or [], a or {}, self._state(state, front)))
+            else:
+                self._send(front, ("state", self._state(state, front)))
+
+    def error(self, seq_id: int, kind: str, message: str) -> None:
+        o = self.owner.pop(seq_id, None)
+        if o is not None:
+            o[0].ids.pop(o[1], None)
+            self._send(o[0], ("error", o[1], kind, message))
+
+    def state(self, state) -> None:
+        if self.metrics is not None:
+            self.metrics.engine_state(state)
+        for front in list(self.fronts.values()):
+            self._send(front, ("state", self._state(state, front)))
+
+    def close(self) -> None:
+        for conn in list(self.fronts):
+            conn.close()
+        self.fronts.clear()
+        self.listener.close()
+
+
+def engine_main(config, spec, sock: str, restarted: bool = False) -> None:
+    """The engine process of `--workers` for a decoder: build and warm the engine, listen on `sock`
+    (it appears once the engine is warm: the supervisor and the front ends wait for the path), run
+    the loop until SIGTERM."""
+    from surge.engines.decoder import DecoderEngine
+    from surge.runtime.generate_core import EngineLoop
+    from surge.runtime.generate_metrics import GenerateMetrics
+    from surge.runtime.generate_service import decoder_engine_kwargs
+    from surge.runtime.loader import generate_settings
+
+    device, precision, gen = generate_settings(spec, config.engine, config.generation)
+    if config.engine.threads:
+        import torch
+
+        torch.set_num_threads(config.engine.threads)
+    engine = DecoderEngine(spec.path, threads=config.engine.threads, **decoder_engine_kwargs(gen, device, precision))
+    engine.warmup()
+    core = EngineLoop(engine, gen, spec.name)
+    metrics = GenerateMetrics(spec.name, "1")
+    if restarted:
+        metrics.restarts.inc()
+    stop_r, stop_w = os.pipe()
+    os.set_blocking(stop_w, False)
+    signal.signal(signal.SIGTERM, lambda *_: os.write(stop_w, b"x"))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides
+    part = sock + ".part"
+    for p in (part, sock):
+        if os.path.exists(p):
+            os.unlink(p)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(part)
+    listener.listen(64)
+    listener.setblocking(False)
+    os.replace(part, sock)  # appears complete
+    hub = Hub(listener, authkey(), ("ready", engine.cfg, engine.capabilities, os.getpid()), stop_r, metrics)
+    log.info("engine hub for %s listening on %s", spec.name, sock)
+    try:
+        core.run(hub, hub)
+    finally:
+        hub.close()
+        if os.path.exists(sock):
+            os.unlink(sock)
+
+
+class HubClient:
+    """A front end's handle on the shared engine loop: what GenerateService reads of an engine
+    (`cfg`, `capabilities`) and the connection, read on the service's event loop (`attach`)."""
+
+    remote = True
+    engine_metrics = False  # the engine process exports the engine-wide metrics
+
+    def __init__(self, address: str, timeout_s: float = 1800.0):
+        self.address = address
+        self.timeout_s = timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._gone = threading.Event()
+        self.conn = self._connect(timeout_s)
+        try:
+            kind, self.cfg, self.capabilities, self.pid = self.conn.recv()
+        except Exception:
+            self.conn.close()
+            raise
+        if kind != "ready":
+            self.conn.close()
+            raise RuntimeError(f"the engine process answered {kind!r}")
+
+    def _connect(self, timeout_s: float):
+        from surge.errors import ConfigError
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return Client(self.address, family="AF_UNIX", authkey=authkey())
+            except (FileNotFoundError, ConnectionRefusedError, EOFError, ConnectionResetError):
+                # not up yet (being started again: its old socket refuses until the new one replaces it)
+                if time.monotonic() > deadline:
+                    raise ConfigError(f"the engine process at {self.address} did not answer within "
+                                      f"{timeout_s:.0f} s") from None
+                time.sleep(0.1)
+
+    def respawn(self) -> "HubClient":
+        """A connection to the engine process once it serves again (the supervisor starts it again;
+        blocks until then)."""
+        return HubClient(self.address, self.timeout_s)
+
+    def attach(self, loop: asyncio.AbstractEventLoop, on_message, on_exit) -> None:
+        self._loop = loop
+
+        def ended():
+            self._loop = None
+            self._gone.set()
+            on_exit()
+
+        read_on_loop(self.conn, loop, on_message, ended)
+
+    def send(self, msg) -> bool:
+        """False: the engine process is gone. (Only the event loop's thread sends.)"""
+        try:
+            self.conn.send_bytes(_dumps(msg))
+            return True
+        except (BrokenPipeError, EOFError, OSError):
+            return False
+
+    def exit_code(self, wait: float = 0.0) -> None:
+        """Waits up to `wait` s for the connection to end; the shared process's exit code is its
+        supervisor's to know (None)."""
+        self._gone.wait(wait)
+        return None
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Leave the engine process (its loop aborts this front end's sequences)."""
+        self.send(("close",))
+        self.stop()
+
+    def stop(self) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            self._close_conn()
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self._detach_and_close()
+        else:
+            loop.call_soon_threadsafe(self._detach_and_close)
+
+    def _detach_and_close(self) -> None:
+        if self._loop is not None and not self.conn.closed:
+            self._loop.remove_reader(self.conn.fileno())
+        self._loop = None
+        self._close_conn()
+
+    def _close_conn(self) -> None:
+        if not self.conn.closed:
+            self.conn.close()
