@@ -1,0 +1,193 @@
+"""A decoder's engine loop shared by several front ends (runtime/generate_hub.py), on the CPU: a real
+engine process (`python -m surge.cli.workers engine ...`, as the supervisor of `--workers` starts it)
+and two GenerateServices in this process, each with its own HubClient, as two front ends would be.
+
+- both front ends' streams equal transformers' greedy tokens, though both number their sequences
+  from 1 (the hub's own ids keep them apart);
+- a front end that leaves mid-stream has its sequences aborted (the engine's running count and free
+  KV blocks come back), its neighbour's streams unchanged;
+- SIGTERM on the engine process fails every stream in flight at once as unloaded; each front end
+  connects to the engine process started again and serves transformers' tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from surge.errors import NotReady  # noqa: E402
+from surge.runtime.scheduler import SamplingParams  # noqa: E402
+from tests.decoder_models import build_model  # noqa: E402
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model("qwen2", tmp_path_factory.mktemp("hub") / "q", seed=9)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def hub(model_dir, tmp_path, monkeypatch):
+    """(start(), socket path, config): the engine process of a decoder under --workers."""
+    from surge.config import ServerConfig
+    from surge.runtime.generate_hub import AUTHKEY_ENV
+
+    monkeypatch.setenv(AUTHKEY_ENV, secrets.token_hex(32))
+    config = ServerConfig(model_dir=str(model_dir), model_name="m", engine={"threads": 1},
+                          generation={"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 160,
+                                      "kv_cache_tokens": 1024, "block_size": 4, "cache_entries": 0})
+    sock = str(tmp_path / "engine.sock")
+    procs = []
+
+    def start():
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+        p = subprocess.Popen([sys.executable, "-m", "surge.cli.workers", "engine", config.model_dump_json(), sock],
+                             env=env)
+        procs.append(p)
+        return p
+
+    yield start, sock, config
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
+def _front(sock, config):
+    from surge.runtime.generate_hub import HubClient
+    from surge.runtime.generate_service import service_over
+    from surge.runtime.loader import generate_settings
+    from surge.models import load_model_spec
+
+    spec = load_model_spec(config.model_dir, name="m")
+    _, _, gen = generate_settings(spec, config.engine, config.generation)
+    s = service_over(HubClient(sock, timeout_s=120), spec.path, "m", "1", gen, 60)
+    s.mark_ready()
+    return s
+
+
+def _hf_greedy(hf, ids, n):
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+TEXTS = ["Define assignment.", "The augmented assignment statement", "Python", "a b c d e f g h i j k l m n",
+         "What is a variable?", "Loops repeat"]
+
+
+async def _tokens(svc, prompt, n):
+    ids = []
+    async for d in svc.stream(prompt, SamplingParams(max_tokens=n, **GREEDY)):
+        ids.extend(d.token_ids)
+    return ids
+
+
+def test_two_front_ends_share_the_engine_without_mixing(hub, hf):
+    start, sock, config = hub
+    start()
+    a, b = _front(sock, config), _front(sock, config)
+    assert a.remote and not a._engine_metrics and a.engine.pid == b.engine.pid != os.getpid()
+    prompts = [a.encode(t) for t in TEXTS]
+
+    async def main():
+        # both front ends number their sequences 1, 2, ...: the same ids reach the engine from both
+        runs = [_tokens(a, p, 8 + i) for i, p in enumerate(prompts)] + \
+               [_tokens(b, p, 14 - i) for i, p in enumerate(reversed(prompts))]
+        out = await asyncio.gather(*runs)
+        await a.close()
+        await b.close()
+        return out
+
+    out = asyncio.run(main())
+    expect = [_hf_greedy(hf, p, 8 + i) for i, p in enumerate(prompts)] + \
+             [_hf_greedy(hf, p, 14 - i) for i, p in enumerate(reversed(prompts))]
+    assert out == expect
+
+
+def test_a_front_end_that_leaves_frees_its_sequences(hub, hf):
+    start, sock, config = hub
+    start()
+    a, b = _front(sock, config), _front(sock, config)
+    prompts = [a.encode(t) for t in TEXTS[:3]]
+
+    async def main():
+        long = [asyncio.ensure_future(_tokens(a, p, 150)) for p in prompts]
+        mine = asyncio.ensure_future(_tokens(b, prompts[0], 40))
+        end = time.monotonic() + 60
+        while b.stats()["running"] < 4 and time.monotonic() < end:  # all four decoding
+            await asyncio.sleep(0.01)
+        full = b.stats()
+        assert full["running"] == 4
+        await a.close()  # a front end unloading (or its process gone): the engine aborts its three
+        for t in long:
+            with pytest.raises(NotReady):
+                await t
+        got = await mine
+        while b.stats()["running"] and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+        # an idle report after b's stream: nothing runs, every block is free again
+        await asyncio.sleep(0.2)
+        after = b.stats()
+        await b.close()
+        return full, got, after
+
+    full, got, after = asyncio.run(main())
+    assert got == _hf_greedy(hf, prompts[0], 40)  # its neighbour's stream is unchanged
+    assert after["running"] == 0 and after["waiting"] == 0
+    assert after["free_blocks"] > full["free_blocks"] and after["kv_usage"] == 0
+    # the leaver's three would have taken 150 decode steps; b's took 40
+    assert after["steps"] < 100, after
+
+
+def test_engine_sigterm_fails_streams_and_front_ends_reconnect(hub, hf):
+    start, sock, config = hub
+    first = start()
+    a, b = _front(sock, config), _front(sock, config)
+    prompt = a.encode(TEXTS[1])
+
+    async def main():
+        runs = [asyncio.ensure_future(_tokens(s, prompt, 150)) for s in (a, b)]
+        end = time.monotonic() + 60
+        while a.stats()["running"] < 2 and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+        first.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        for r in runs:
+            with pytest.raises(NotReady, match="unloaded"):
+                await r
+        failed_in = time.monotonic() - t0
+        assert first.wait(30) == 0
+        assert not a.ready and not b.ready
+        second = start()  # the supervisor's part: the engine process again
+        while not (a.ready and b.ready) and time.monotonic() < end + 60:
+            await asyncio.sleep(0.05)
+        assert a.ready and b.ready and a.engine.pid == b.engine.pid == second.pid
+        out = await asyncio.gather(_tokens(a, prompt, 12), _tokens(b, prompt, 12))
+        await a.close()
+        await b.close()
+        return failed_in, out
+
+    failed_in, out = asyncio.run(main())
+    assert failed_in < 20  # at once, not at the 60 s deadline
+    assert out == [_hf_greedy(hf, prompt, 12)] * 2
