@@ -16,6 +16,7 @@ import asyncio
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -125,7 +126,10 @@ def test_two_front_ends_share_the_engine_without_mixing(hub, hf):
     assert out == expect
 
 
-def test_a_front_end_that_leaves_frees_its_sequences(hub, hf):
+@pytest.mark.parametrize("how", ["close", "drop"])
+def test_a_front_end_that_leaves_frees_its_sequences(hub, hf, how):
+    """close: the front end unloads the model; drop: its connection ends with nothing said (its
+    process died)."""
     start, sock, config = hub
     start()
     a, b = _front(sock, config), _front(sock, config)
@@ -139,10 +143,17 @@ def test_a_front_end_that_leaves_frees_its_sequences(hub, hf):
             await asyncio.sleep(0.01)
         full = b.stats()
         assert full["running"] == 4
-        await a.close()  # a front end unloading (or its process gone): the engine aborts its three
-        for t in long:
-            with pytest.raises(NotReady):
-                await t
+        if how == "close":
+            await a.close()  # a front end unloading: the engine aborts its three
+            for t in long:
+                with pytest.raises(NotReady):
+                    await t
+        else:
+            a._closed = True  # no restart: this "process" is gone
+            with socket.socket(fileno=os.dup(a.engine.conn.fileno())) as cut:
+                cut.shutdown(socket.SHUT_RDWR)  # the connection ends, nothing said
+            for t in long:
+                t.cancel()
         got = await mine
         while b.stats()["running"] and time.monotonic() < end:
             await asyncio.sleep(0.01)
@@ -177,7 +188,9 @@ def test_engine_sigterm_fails_streams_and_front_ends_reconnect(hub, hf):
             with pytest.raises(NotReady, match="unloaded"):
                 await r
         failed_in = time.monotonic() - t0
-        assert first.wait(30) == 0
+        assert await asyncio.to_thread(first.wait, 30) == 0
+        while (a.ready or b.ready) and time.monotonic() < end:  # the connections' end is read after the errors
+            await asyncio.sleep(0.01)
         assert not a.ready and not b.ready
         second = start()  # the supervisor's part: the engine process again
         while not (a.ready and b.ready) and time.monotonic() < end + 60:

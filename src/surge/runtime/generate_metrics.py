@@ -30,12 +30,14 @@ def _make(registry: CollectorRegistry) -> dict:
         "prompt": Counter("surge_generate_prompt_tokens", "Prompt tokens received.", labels, registry=registry),
         "requests": Counter("surge_generate_requests", "Generation requests by finish reason.",
                             (*labels, "finish_reason"), registry=registry),
+        # engine-wide: under --workers set by the engine process alone (runtime/generate_hub.py), the
+        # front ends' copies stay 0; one series, the live processes' largest
         "running": Gauge("surge_generate_running_sequences", "Sequences in the running batch.", labels,
-                         registry=registry),
+                         registry=registry, multiprocess_mode="livemax"),
         "waiting": Gauge("surge_generate_waiting_sequences", "Sequences waiting for KV blocks.", labels,
-                         registry=registry),
+                         registry=registry, multiprocess_mode="livemax"),
         "kv": Gauge("surge_generate_kv_cache_usage_ratio", "Share of KV cache blocks in use.", labels,
-                    registry=registry),
+                    registry=registry, multiprocess_mode="livemax"),
         "prefix_queried": Counter("surge_generate_prefix_cache_queried_tokens",
                                   "Prompt tokens looked up in the prefix cache.", labels, registry=registry),
         "prefix_hit": Counter("surge_generate_prefix_cache_hit_tokens",

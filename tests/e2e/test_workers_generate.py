@@ -1,0 +1,153 @@
+"""`surge serve DECODER --workers 2`: real processes (supervisor, two front ends, one engine process
+running the decoder's shared engine loop), called with the real openai client.
+
+- concurrent chats and completions, streamed and not, spread over both front ends: transformers'
+  greedy text each;
+- /metrics whole: output tokens summed over the front ends, the engine-wide gauges one series;
+- a killed engine process ends the streams in flight at once with an error event, the model answers
+  503 until the supervisor's new engine process serves (transformers' text again), one restart counted;
+- SIGTERM lets a stream in flight finish, then everything exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+
+torch = pytest.importorskip("torch")
+openai = pytest.importorskip("openai")
+
+from tests.decoder_models import build_model  # noqa: E402
+from tests.e2e.test_generate_server import hf_text, metric  # noqa: E402
+from tests.server_process import ServerProcess, children_by_role  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPTS = ["The augmented assignment statement", "Define assignment.", "Loops repeat", "What is a variable?",
+           "a b c d e f g", "Python"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model("qwen2", tmp_path_factory.mktemp("wgen") / "chat-qwen", seed=4, hidden_size=128)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), \
+        AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with ServerProcess(str(model_dir), "--workers", "2", "--threads", "1", "--generation", "cache_entries=0") as srv:
+        yield srv
+
+
+def _wait_ready(srv, timeout=120.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            if httpx.get(srv.url + "/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("not ready again")
+
+
+def test_concurrent_answers_equal_transformers(server, hf):
+    roles = children_by_role(server)
+    assert len(roles["front"]) == 2 and len(roles["engine"]) == 1
+    _, tok = hf
+
+    async def main():
+        # a client per request: new connections, which the kernel spreads over both front ends
+        async def chat(i):
+            async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as c:
+                messages = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+                parts = []
+                async for ch in await c.chat.completions.create(model="chat-qwen", messages=messages,
+                                                                max_tokens=10 + i, temperature=0, stream=True):
+                    parts.extend(x.delta.content or "" for x in ch.choices)
+                return "".join(parts)
+
+        async def completion(i):
+            async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as c:
+                r = await c.completions.create(model="chat-qwen", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=6 + i,
+                                               temperature=0)
+                return r.choices[0].text, r.usage.completion_tokens
+
+        return await asyncio.gather(*(chat(i) for i in range(8))), await asyncio.gather(
+            *(completion(i) for i in range(8)))
+
+    before = metric(server, "surge_generate_output_tokens_total")
+    chats, completions = asyncio.run(main())
+    n_out = 0
+    for i, text in enumerate(chats):
+        messages = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+        ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        expected, n = hf_text(hf, ids, 10 + i)
+        assert text == expected, i
+        n_out += n
+    for i, (text, n) in enumerate(completions):
+        expected, m = hf_text(hf, tok(PROMPTS[i % len(PROMPTS)])["input_ids"], 6 + i)
+        assert text == expected and n == m, i
+        n_out += n
+    # /metrics whole across the front ends; the engine's gauges one series (the engine process's)
+    assert metric(server, "surge_generate_output_tokens_total") - before == n_out
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    running = [line for line in text.splitlines() if line.startswith("surge_generate_running_sequences{")]
+    assert len(running) == 1 and running[0].endswith(" 0.0"), running
+    assert sum(1 for line in text.splitlines() if line.startswith("surge_generate_kv_cache_usage_ratio{")) == 1
+
+
+def test_engine_crash_ends_streams_at_once_and_recovers(server, hf):
+    _, tok = hf
+    engine = children_by_role(server)["engine"][0]
+    restarts = metric(server, "surge_generate_engine_restarts_total")
+    body = {"model": "chat-qwen", "prompt": "Names", "max_tokens": 240, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))  # streaming
+        engine.kill()
+        t0 = time.monotonic()
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert time.monotonic() - t0 < 30  # at once, not at the request's deadline
+    assert any('"error"' in line for line in rest), rest[-3:]
+    r = httpx.post(server.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 4}, timeout=60)
+    assert r.status_code in (200, 503)  # 503 until the new engine process serves
+    _wait_ready(server)
+    new = children_by_role(server)["engine"]
+    assert len(new) == 1 and new[0].pid != engine.pid
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": "chat-qwen", "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == hf_text(hf, tok(PROMPTS[0])["input_ids"], 12)[0]
+    assert metric(server, "surge_generate_engine_restarts_total") == restarts + 1
+
+
+def test_sigterm_lets_a_stream_finish_then_exits(server):
+    procs = children_by_role(server)["front"] + children_by_role(server)["engine"]
+    body = {"model": "chat-qwen", "prompt": "Names", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))
+        server.proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]" and not any('"error"' in line for line in rest)
+    assert server.proc.wait(timeout=60) == 0
+    _, alive = psutil.wait_procs(procs, timeout=30)
+    assert not alive
