@@ -20,7 +20,9 @@ vocabulary, so every generated token decodes to text as a real one would, and:
 
 Every round prints; the table has medians and the ratio to in-process; --plot draws the CDFs of TTFT
 and of the gaps between a stream's chunks for every path. `--engine thread|process`
-picks the server variants (default both); --server-arg passes extra flags to the server.
+picks the server variants (default both); `--workers N` adds `surge serve --workers N` (N front
+ends sharing the engine process's loop, runtime/generate_hub.py); --server-arg passes extra flags
+to the server.
 """
 
 from __future__ import annotations
@@ -222,16 +224,18 @@ def fmt(r: dict) -> str:
             f"{r['gap_p99_ms']:.2f} ms{more}")
 
 
-def serve_rounds(path: Path, args, prompts, fields: dict, engine_process: bool) -> list[dict]:
-    """`surge serve` on the model with the engine loop on a thread or in its own process: a warm-up
-    round, then the measured ones."""
+def serve_rounds(path: Path, args, prompts, fields: dict, mode: str) -> list[dict]:
+    """`surge serve` on the model with the engine loop on a thread or in its own process (`mode` thread /
+    process), or behind N front ends (`workers N`: the engine process runs it): a warm-up round, then
+    the measured ones."""
     from surge.bench.servers import ServerProc, free_port
 
     port = free_port()
-    gen = ",".join(f"{k}={v}" for k, v in {**fields, "engine_process": engine_process}.items())
+    gen = ",".join(f"{k}={v}" for k, v in {**fields, "engine_process": mode == "process"}.items())
+    workers = ["--workers", mode.split()[1]] if mode.startswith("workers") else []
     argv = [sys.executable, "-m", "surge.cli.main", "serve", str(path), "--port", str(port), "--grpc-port",
             "0", "--device", args.device, "--precision", args.dtype, "--model-name", "bench",
-            "--generation", gen, *args.server_arg]
+            "--generation", gen, *workers, *args.server_arg]
     print("server:", " ".join(argv[2:]), flush=True)
     pythonpath = os.pathsep.join(x for x in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if x)
     srv = ServerProc("surge-serve", argv, port, ready_timeout_s=600, cwd=ROOT, env={"PYTHONPATH": pythonpath})
@@ -243,7 +247,6 @@ def serve_rounds(path: Path, args, prompts, fields: dict, engine_process: bool) 
         rounds = http_rounds(srv.url, "bench", prompts, args.output, args.rounds, args.clients)
     finally:
         srv.stop()
-    mode = "process" if engine_process else "thread"
     for i, r in enumerate(rounds):
         print(f"  http ({mode}) round {i + 1}: {fmt(r)}", flush=True)
     return rounds
@@ -266,6 +269,8 @@ def main(argv=None) -> int:
     ap.add_argument("--server-arg", action="append", default=[], help="extra `surge serve` flag (repeatable)")
     ap.add_argument("--engine", action="append", choices=["thread", "process"],
                     help="where the server runs the engine loop (repeatable; default both)")
+    ap.add_argument("--workers", action="append", type=int, default=[],
+                    help="also `surge serve --workers N` (repeatable): N front ends sharing the engine process's loop")
     ap.add_argument("--skip-inproc", action="store_true")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path, help="PNG: CDFs of TTFT and of the gap between chunks, every path")
@@ -282,20 +287,20 @@ def main(argv=None) -> int:
         g = torch.Generator().manual_seed(1)
         prompts = torch.randint(2, vocab, (args.streams, args.prompt), generator=g).tolist()
         fields = generation_fields(args)
-        for mode in args.engine:
-            record[f"http {mode}"] = serve_rounds(path, args, prompts, fields, mode == "process")
+        for mode in args.engine + [f"workers {n}" for n in args.workers]:
+            record[f"http {mode}"] = serve_rounds(path, args, prompts, fields, mode)
         if not args.skip_inproc:
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
             record["in-process thread"] = inproc_rounds(path, args, prompts)
     print(f"\n{shape} ({args.device}, {args.dtype}): {args.streams} streams, {args.prompt}-token prompts, "
           f"{args.output} output tokens, medians of {args.rounds} rounds; the engine loop on a thread of the "
-          "server or in a process of its own (GenerationConfig.engine_process)")
+          "server or in a process of its own (GenerationConfig.engine_process), or behind N front ends (--workers)")
     print("| path | output tok/s | TTFT p50 / p99 ms | server's TTFT mean ms | gap between chunks p50 / p99 ms "
           "| vs in-process |")
     print("| --- | ---: | --- | ---: | --- | ---: |")
     med = {}
-    for name in ("http thread", "http process", "in-process thread"):
+    for name in [k for k in record if k.startswith("http ")] + ["in-process thread"]:
         if name not in record:
             continue
         rs = record[name]
