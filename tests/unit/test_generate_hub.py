@@ -204,3 +204,42 @@ def test_engine_sigterm_fails_streams_and_front_ends_reconnect(hub, hf):
     failed_in, out = asyncio.run(main())
     assert failed_in < 20  # at once, not at the 60 s deadline
     assert out == [_hf_greedy(hf, prompt, 12)] * 2
+
+
+def test_front_ends_reconnect_whatever_the_restart_limit_and_unload_while_it_is_away(hub, hf, monkeypatch):
+    """The supervisor restarts a shared engine process as often as it dies, and each front end reconnects every
+    time (GenerateService's own limit is for an engine process of its own); a front end that unloads while the
+    engine process is away stops waiting for it at once."""
+    from surge.runtime import generate_service
+
+    monkeypatch.setattr(generate_service, "RESTART_LIMIT", 1)
+    start, sock, config = hub
+    proc = start()
+    a = _front(sock, config)
+    prompt = a.encode(TEXTS[2])
+
+    async def main():
+        nonlocal proc
+        end = time.monotonic() + 120
+        for _ in range(2):  # twice: past the limit of 1
+            assert await _tokens(a, prompt, 6) == _hf_greedy(hf, prompt, 6)
+            proc.kill()
+            await asyncio.to_thread(proc.wait, 30)
+            while a.ready and time.monotonic() < end:
+                await asyncio.sleep(0.01)
+            proc = start()
+            while not a.ready and time.monotonic() < end:
+                await asyncio.sleep(0.05)
+            assert a.ready and a.engine.pid == proc.pid
+        assert await _tokens(a, prompt, 6) == _hf_greedy(hf, prompt, 6)
+        proc.kill()  # and this time nobody starts it again: the front end unloads meanwhile
+        await asyncio.to_thread(proc.wait, 30)
+        while a.ready and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.7)  # its first reconnect attempt is under way
+        t0 = time.monotonic()
+        await a.close()
+        return time.monotonic() - t0, a._restart_task.done()
+
+    took, done = asyncio.run(main())
+    assert done and took < 20  # not the 60 s close() allows a restart, nor the 120 s connect timeout

@@ -260,13 +260,16 @@ class HubClient:
 
     remote = True
     engine_metrics = False  # the engine process exports the engine-wide metrics
+    restart_limit = None  # the supervisor restarts the engine process; this side reconnects each time
 
-    def __init__(self, address: str, timeout_s: float = 1800.0):
+    def __init__(self, address: str, timeout_s: float = 1800.0, cancelled=None):
+        """`cancelled()`: stop waiting for the engine process (the model is being unloaded)."""
         self.address = address
         self.timeout_s = timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._gone = threading.Event()
-        self.conn = self._connect(timeout_s)
+        self._stopped = False
+        self.conn = self._connect(timeout_s, cancelled or (lambda: False))
         try:
             kind, self.cfg, self.capabilities, self.pid = self.conn.recv()
         except Exception:
@@ -276,8 +279,8 @@ class HubClient:
             self.conn.close()
             raise RuntimeError(f"the engine process answered {kind!r}")
 
-    def _connect(self, timeout_s: float):
-        from surge.errors import ConfigError
+    def _connect(self, timeout_s: float, cancelled):
+        from surge.errors import ConfigError, NotReady
 
         deadline = time.monotonic() + timeout_s
         while True:
@@ -285,6 +288,8 @@ class HubClient:
                 return Client(self.address, family="AF_UNIX", authkey=authkey())
             except (FileNotFoundError, ConnectionRefusedError, EOFError, ConnectionResetError):
                 # not up yet (being started again: its old socket refuses until the new one replaces it)
+                if cancelled():
+                    raise NotReady("the model was unloaded while its engine process restarted") from None
                 if time.monotonic() > deadline:
                     raise ConfigError(f"the engine process at {self.address} did not answer within "
                                       f"{timeout_s:.0f} s") from None
@@ -292,8 +297,8 @@ class HubClient:
 
     def respawn(self) -> "HubClient":
         """A connection to the engine process once it serves again (the supervisor starts it again;
-        blocks until then)."""
-        return HubClient(self.address, self.timeout_s)
+        blocks until then, or until this client is stopped: the model unloads)."""
+        return HubClient(self.address, self.timeout_s, cancelled=lambda: self._stopped)
 
     def attach(self, loop: asyncio.AbstractEventLoop, on_message, on_exit) -> None:
         self._loop = loop
@@ -325,6 +330,7 @@ class HubClient:
         self.stop()
 
     def stop(self) -> None:
+        self._stopped = True  # a respawn() waiting for the engine process gives up
         loop = self._loop
         if loop is None or loop.is_closed():
             self._close_conn()

@@ -370,7 +370,9 @@ class GenerateService(PromptText):
             now = time.monotonic()
             self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S]
             for delay in RESTART_DELAYS_S:
-                if self._closed or len(self._restarts) >= RESTART_LIMIT:
+                # a shared engine process (--workers) is its supervisor's to restart: no limit here
+                limit = getattr(old, "restart_limit", RESTART_LIMIT)
+                if self._closed or (limit is not None and len(self._restarts) >= limit):
                     break
                 await asyncio.sleep(delay)
                 try:
