@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ssl
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -59,3 +60,16 @@ def children_by_role(srv) -> dict[str, list]:
         if "surge.cli.workers" in cmd:
             out[cmd[cmd.index("surge.cli.workers") + 1]].append(p)
     return out
+
+
+def wait_ready(srv, timeout=120.0) -> None:
+    """Until the server's /ready answers 200 (TimeoutError after `timeout` s)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            if httpx.get(srv.url + "/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("not ready again")

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from tests.conftest import cosine_rows
-from tests.server_process import ServerProcess, children_by_role, fresh_client
+from tests.server_process import ServerProcess, children_by_role, fresh_client, wait_ready
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -27,18 +27,6 @@ def server():
     with ServerProcess("--workers", "2", "--engine", "torch", "--device", "cpu", "--cache-bytes", "0",
                        "--max-batch-size", "16", grpc=True) as srv:
         yield srv
-
-
-def _wait_ready(srv, timeout=120.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            if httpx.get(srv.url + "/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError("not ready again")
 
 
 async def _many(url, texts, timeout=60.0, native=False):
@@ -145,7 +133,7 @@ def test_engine_crash_fails_in_flight_with_503_at_once_and_recovers(server, sent
     assert set(codes) <= {200, 503}, codes
     assert 503 in codes
     assert took < 30  # failed at once, not after the request timeout
-    _wait_ready(server)
+    wait_ready(server)
     new = children_by_role(server)["engine"]
     assert len(new) == 1 and new[0].pid != engine.pid
     (status, body, _), = asyncio.run(_many(server.url, [["after the restart"]]))
@@ -163,7 +151,7 @@ def test_crashed_front_end_is_started_again(server):
         time.sleep(0.2)
     else:
         pytest.fail("the front end was not restarted")
-    _wait_ready(server)
+    wait_ready(server)
     out = asyncio.run(_many(server.url, [["front end %d" % i] for i in range(8)]))
     assert all(s == 200 for s, _, _ in out)
 
@@ -217,7 +205,7 @@ def test_two_engine_processes_each_restarted_on_its_own(sentences, reference_emb
         else:
             pytest.fail("the engine process was not restarted")
         assert other.pid in pids  # the other engine process was left alone
-        _wait_ready(srv)
+        wait_ready(srv)
         deadline = time.monotonic() + 60
         while True:  # the restarted engine's front end reconnects on its own, shortly after it listens
             codes = [r.status_code for r in ask()]

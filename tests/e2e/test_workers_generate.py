@@ -24,7 +24,7 @@ openai = pytest.importorskip("openai")
 
 from tests.decoder_models import build_model  # noqa: E402
 from tests.e2e.test_generate_server import hf_text, metric  # noqa: E402
-from tests.server_process import ServerProcess, children_by_role  # noqa: E402
+from tests.server_process import ServerProcess, children_by_role, wait_ready  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -50,18 +50,6 @@ def hf(model_dir):
 def server(model_dir):
     with ServerProcess(str(model_dir), "--workers", "2", "--threads", "1", "--generation", "cache_entries=0") as srv:
         yield srv
-
-
-def _wait_ready(srv, timeout=120.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            if httpx.get(srv.url + "/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError("not ready again")
 
 
 def test_concurrent_answers_equal_transformers(server, hf):
@@ -128,7 +116,7 @@ def test_engine_crash_ends_streams_at_once_and_recovers(server, hf):
     assert any('"error"' in line for line in rest), rest[-3:]
     r = httpx.post(server.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 4}, timeout=60)
     assert r.status_code in (200, 503)  # 503 until the new engine process serves
-    _wait_ready(server)
+    wait_ready(server)
     new = children_by_role(server)["engine"]
     assert len(new) == 1 and new[0].pid != engine.pid
     r = httpx.post(server.url + "/v1/completions", timeout=60, json={

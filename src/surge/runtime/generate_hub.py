@@ -25,7 +25,6 @@ and connects anew.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 import logging
@@ -36,7 +35,7 @@ import threading
 import time
 from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge, wait
 
-from surge.runtime.generate_process import _dumps, _loads, read_on_loop
+from surge.runtime.generate_process import LoopConnection, _dumps, _loads
 
 log = logging.getLogger("surge.generate")
 
@@ -254,7 +253,7 @@ def engine_main(config, spec, sock: str, restarted: bool = False) -> None:
             os.unlink(sock)
 
 
-class HubClient:
+class HubClient(LoopConnection):
     """A front end's handle on the shared engine loop: what GenerateService reads of an engine
     (`cfg`, `capabilities`) and the connection, read on the service's event loop (`attach`)."""
 
@@ -266,7 +265,6 @@ class HubClient:
         """`cancelled()`: stop waiting for the engine process (the model is being unloaded)."""
         self.address = address
         self.timeout_s = timeout_s
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._gone = threading.Event()
         self._stopped = False
         self.conn = self._connect(timeout_s, cancelled or (lambda: False))
@@ -300,23 +298,8 @@ class HubClient:
         blocks until then, or until this client is stopped: the model unloads)."""
         return HubClient(self.address, self.timeout_s, cancelled=lambda: self._stopped)
 
-    def attach(self, loop: asyncio.AbstractEventLoop, on_message, on_exit) -> None:
-        self._loop = loop
-
-        def ended():
-            self._loop = None
-            self._gone.set()
-            on_exit()
-
-        read_on_loop(self.conn, loop, on_message, ended)
-
-    def send(self, msg) -> bool:
-        """False: the engine process is gone. (Only the event loop's thread sends.)"""
-        try:
-            self.conn.send_bytes(_dumps(msg))
-            return True
-        except (BrokenPipeError, EOFError, OSError):
-            return False
+    def _ended(self) -> None:
+        self._gone.set()
 
     def exit_code(self, wait: float = 0.0) -> None:
         """Waits up to `wait` s for the connection to end; the shared process's exit code is its
@@ -331,25 +314,4 @@ class HubClient:
 
     def stop(self) -> None:
         self._stopped = True  # a respawn() waiting for the engine process gives up
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            self._close_conn()
-            return
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
-            self._detach_and_close()
-        else:
-            loop.call_soon_threadsafe(self._detach_and_close)
-
-    def _detach_and_close(self) -> None:
-        if self._loop is not None and not self.conn.closed:
-            self._loop.remove_reader(self.conn.fileno())
-        self._loop = None
-        self._close_conn()
-
-    def _close_conn(self) -> None:
-        if not self.conn.closed:
-            self.conn.close()
+        self.release()

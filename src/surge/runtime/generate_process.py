@@ -151,7 +151,61 @@ def read_on_loop(conn, loop: asyncio.AbstractEventLoop, on_message, on_exit) -> 
     loop.add_reader(fd, readable)
 
 
-class EngineProcess:
+class LoopConnection:
+    """A connection to an engine loop elsewhere, read on an event loop (`attach`) and written from it
+    (`send`); `release()` stops reading it and closes it, in the attached loop's thread."""
+
+    conn = None
+    _loop: asyncio.AbstractEventLoop | None = None
+
+    def attach(self, loop: asyncio.AbstractEventLoop, on_message, on_exit) -> None:
+        """Read the other side's messages on `loop` (`read_on_loop`)."""
+        self._loop = loop
+
+        def ended():
+            self._loop = None
+            self._ended()
+            on_exit()
+
+        read_on_loop(self.conn, loop, on_message, ended)
+
+    def _ended(self) -> None:
+        """The connection ended (read on the loop, before on_exit)."""
+
+    def send(self, msg) -> bool:
+        """False: the other side is gone. (Only the event loop's thread sends.)"""
+        try:
+            self.conn.send_bytes(_dumps(msg))
+            return True
+        except (BrokenPipeError, EOFError, OSError):
+            return False
+
+    def release(self) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            self._close_conn()
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self._detach_and_close()
+        else:
+            loop.call_soon_threadsafe(self._detach_and_close)
+
+    def _detach_and_close(self) -> None:
+        if self._loop is not None and self.conn is not None and not self.conn.closed:
+            self._loop.remove_reader(self.conn.fileno())
+        self._loop = None
+        self._close_conn()
+
+    def _close_conn(self) -> None:
+        if self.conn is not None and not self.conn.closed:
+            self.conn.close()
+
+
+class EngineProcess(LoopConnection):
     """The server side's handle on the child: what GenerateService reads of an engine (`cfg`,
     `capabilities`) and the connection to it, read on the service's event loop (`attach`).
 
@@ -233,24 +287,6 @@ class EngineProcess:
         except subprocess.TimeoutExpired:
             return None
 
-    def attach(self, loop: asyncio.AbstractEventLoop, on_message, on_exit) -> None:
-        """Read the child's messages on `loop` (`read_on_loop`)."""
-        self._loop = loop
-
-        def exited():
-            self._loop = None
-            on_exit()
-
-        read_on_loop(self.conn, loop, on_message, exited)
-
-    def send(self, msg) -> bool:
-        """False: the child is gone. (Only the event loop's thread sends.)"""
-        try:
-            self.conn.send_bytes(_dumps(msg))
-            return True
-        except (BrokenPipeError, EOFError, OSError):
-            return False
-
     def close(self, timeout: float = 10.0) -> None:
         """Ask the child to finish (its streams end as unloaded), wait for it, then stop."""
         self.send(("close",))
@@ -263,28 +299,10 @@ class EngineProcess:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait(10)
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            self._close_conn()
-            return
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
-            self._detach_and_close()
-        else:
-            loop.call_soon_threadsafe(self._detach_and_close)
-
-    def _detach_and_close(self) -> None:
-        if self._loop is not None and self.conn is not None and not self.conn.closed:
-            self._loop.remove_reader(self.conn.fileno())
-        self._loop = None
-        self._close_conn()
+        self.release()
 
     def _close_conn(self) -> None:
-        if self.conn is not None and not self.conn.closed:
-            self.conn.close()
+        super()._close_conn()
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
