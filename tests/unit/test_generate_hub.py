@@ -243,3 +243,66 @@ def test_front_ends_reconnect_whatever_the_restart_limit_and_unload_while_it_is_
 
     took, done = asyncio.run(main())
     assert done and took < 20  # not the 60 s close() allows a restart, nor the 120 s connect timeout
+
+
+def test_a_front_end_that_stops_reading_never_blocks_the_engine_loop(tmp_path, monkeypatch):
+    """The hub alone (no engine): a front end that stops reading its socket (a stopped process) does
+    not block the hub's sends, which the engine loop makes between its steps; what its socket does not
+    take is kept for it, and once it is MAX_BACKLOG behind it counts as gone: its sequences are
+    aborted at the next drain. A front end that reads gets every message meanwhile."""
+    import threading
+    from multiprocessing.connection import Client
+
+    from surge.runtime import generate_hub as gh
+    from surge.runtime.generate_core import EngineState
+    from surge.runtime.generate_process import _dumps, _loads
+    from surge.runtime.scheduler import Sequence
+
+    monkeypatch.setenv(gh.AUTHKEY_ENV, secrets.token_hex(32))
+    monkeypatch.setattr(gh, "MAX_BACKLOG", 1 << 20)
+    path = str(tmp_path / "hub.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(8)
+    listener.setblocking(False)
+    stop_r, _ = os.pipe()
+    hub = gh.Hub(listener, gh.authkey(), ("ready", None, None, os.getpid()), stop_r)
+
+    def connect():
+        box = []
+        t = threading.Thread(target=lambda: box.append(Client(path, family="AF_UNIX", authkey=gh.authkey())))
+        t.start()
+        while t.is_alive():
+            hub.drain()  # accepts, and runs the handshake with the client's thread
+        t.join()
+        conn = box[0]
+        assert conn.recv()[0] == "ready"
+        return conn
+
+    stalled, reader = connect(), connect()
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    for conn in (stalled, reader):  # both number their 500 sequences 1..500
+        conn.send_bytes(_dumps(("add", [Sequence(i, [3, 4, 5], params) for i in range(1, 501)])))
+    added = []
+    while len(added) < 1000:
+        added += [s.seq_id for m in hub.drain() if m[0] == "add" for s in m[1]]
+    assert len(set(added)) == 1000  # the hub's own ids
+    got = []
+    batch = [({gid: 7 for gid in added}, None, None)]  # every sequence samples a token each iteration
+    sends = 0
+    stalled_front, _ = hub.fronts.values()  # in the order they connected
+    while not stalled_front.dead:
+        hub.tokens(batch, {}, EngineState(running=1000))  # returns at once whatever the stalled one does
+        sends += 1
+        assert sends < 10_000
+        while reader.poll(0):  # the other front end reads as it goes
+            got.append(_loads(reader.recv_bytes()))
+    aborted = [m[1] for m in hub.drain() if m[0] == "abort"]
+    assert len(aborted) == 500 and stalled_front.fd not in hub.fronts and set(aborted) < set(added)
+    hub.tokens(batch, {}, EngineState(running=500))
+    while len(got) < sends + 1 and reader.poll(5):
+        got.append(_loads(reader.recv_bytes()))
+    tokens = [m for m in got if m[0] == "tokens"]
+    assert len(tokens) == sends + 1  # the reading front end missed nothing, in its own ids
+    assert all(sorted(m[1][0][0]) == list(range(1, 501)) for m in tokens)
+    hub.close()

@@ -340,6 +340,7 @@ def _front_decoder(state, config: ServerConfig, spec, sock: str) -> None:
         client = await asyncio.to_thread(HubClient, sock)
         _, _, gen = generate_settings(spec, config.engine, config.generation)
         service = service_over(client, spec.path, spec.name, "1", gen, config.limits.request_timeout_s)
+        service.bind_loop(asyncio.get_running_loop())  # read the engine's reports from now on
         state.registry.add(service)
         service.mark_ready()
         print(f"surge: front end {os.getpid()} ready, serving {service.name} on http://{config.host}:{config.port}",

@@ -29,11 +29,13 @@ import dataclasses
 import itertools
 import logging
 import os
+import select
 import signal
 import socket
+import struct
 import threading
 import time
-from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge, wait
+from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 
 from surge.runtime.generate_process import LoopConnection, _dumps, _loads
 
@@ -49,17 +51,30 @@ def authkey() -> bytes:
     return bytes.fromhex(key)
 
 
+_HEADER = struct.Struct("!i")  # multiprocessing.connection's framing, which the front ends read and write
+MAX_BACKLOG = 64 << 20  # bytes waiting for one front end before it counts as gone
+
+
 class _Front:
-    __slots__ = ("conn", "ids", "received")
+    __slots__ = ("conn", "fd", "ids", "received", "seen", "rbuf", "wbuf", "dead")
 
     def __init__(self, conn: Connection):
         self.conn = conn
+        self.fd = conn.fileno()
         self.ids: dict[int, int] = {}  # its sequence id -> the engine's
         self.received = 0  # its sequences taken in (its queue limit counts the rest)
+        self.seen: tuple | None = None  # (running, waiting, received) of the last state it was sent
+        self.rbuf = bytearray()
+        self.wbuf = bytearray()  # what its socket did not take yet
+        self.dead = False  # gone (or too far behind): left at the next drain
 
 
 class Hub:
-    """EngineLoop's channel (drain / wait) and outbox (tokens / error / state) over every front end."""
+    """EngineLoop's channel (drain / wait) and outbox (tokens / error / state) over every front end.
+
+    Its sockets never block the loop: what a front end's socket does not take is kept for it and
+    written when it drains, and one that falls MAX_BACKLOG behind (a stopped process) counts as gone;
+    its sequences are aborted and the others' streams go on."""
 
     def __init__(self, listener: socket.socket, key: bytes, hello: tuple, stop_fd: int, metrics=None):
         self.listener = listener
@@ -67,27 +82,35 @@ class Hub:
         self.hello = hello  # ("ready", cfg, capabilities, pid): each front end's first message
         self.stop_fd = stop_fd
         self.metrics = metrics  # GenerateMetrics of this process (engine-wide gauges and counters)
-        self.fronts: dict[Connection, _Front] = {}
+        self.fronts: dict[int, _Front] = {}  # by fd
         self.owner: dict[int, tuple[_Front, int]] = {}  # the engine's id -> (front end, its id)
         self._ids = itertools.count(1)
+        self._poll = select.poll()
+        self._poll.register(listener.fileno(), select.POLLIN)
+        self._poll.register(stop_fd, select.POLLIN)
 
     # -- channel ---------------------------------------------------------------------------------------
-    def _watched(self) -> list:
-        return [self.listener, self.stop_fd, *self.fronts]
-
     def wait(self, timeout: float | None = None) -> None:
-        wait(self._watched(), timeout)
+        self._poll.poll(None if timeout is None else max(0, int(timeout * 1000)))
 
     def drain(self) -> list:
         out: list = []
-        for r in wait(self._watched(), 0):
-            if r is self.listener:
+        for fd, ev in self._poll.poll(0):
+            if fd == self.listener.fileno():
                 self._accept()
-            elif r == self.stop_fd:
+            elif fd == self.stop_fd:
                 os.read(self.stop_fd, 64)
                 out.append(("close",))
             else:
-                self._read(self.fronts[r], out)
+                front = self.fronts.get(fd)
+                if front is None:
+                    continue
+                if ev & select.POLLOUT:
+                    self._flush(front)
+                if ev & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                    self._read(front, out)
+        for front in [f for f in self.fronts.values() if f.dead]:
+            self._leave(front, out)
         return out
 
     def _accept(self) -> None:
@@ -95,8 +118,7 @@ class Hub:
             sock, _ = self.listener.accept()
         except BlockingIOError:
             return
-        # blocking, as Connection's reads and writes expect; the handshake is a front end's own Client(),
-        # which answers at once
+        # the handshake blocking (a front end's own Client(), which answers at once), then non-blocking
         sock.setblocking(True)
         conn = Connection(sock.detach())
         try:
@@ -107,49 +129,107 @@ class Hub:
             log.warning("engine hub: a connection failed its handshake: %s", exc)
             conn.close()
             return
-        self.fronts[conn] = _Front(conn)
+        front = _Front(conn)
+        os.set_blocking(front.fd, False)
+        self.fronts[front.fd] = front
+        self._poll.register(front.fd, select.POLLIN)
 
     def _read(self, front: _Front, out: list) -> None:
-        conn = front.conn
-        try:
-            while conn.poll(0):
-                msg = _loads(conn.recv_bytes())
-                kind = msg[0]
-                if kind == "add":
-                    for seq in msg[1]:
-                        gid = next(self._ids)
-                        front.ids[seq.seq_id] = gid
-                        self.owner[gid] = (front, seq.seq_id)
-                        seq.seq_id = gid
-                    front.received += len(msg[1])
-                    out.append(msg)
-                elif kind == "abort":
-                    gid = front.ids.pop(msg[1], None)
-                    if gid is not None:
-                        self.owner.pop(gid, None)
-                        out.append(("abort", gid, msg[2]))
-                elif kind == "close":  # the front end unloads the model: it leaves
-                    raise EOFError
-        except (EOFError, OSError):
-            self._leave(front, out)
+        while True:
+            try:
+                data = os.read(front.fd, 1 << 20)
+            except BlockingIOError:
+                break
+            except OSError:
+                data = b""
+            if not data:
+                front.dead = True
+                break
+            front.rbuf += data
+        buf, pos = front.rbuf, 0
+        while len(buf) - pos >= 4:
+            (n,) = _HEADER.unpack_from(buf, pos)
+            if n < 0 or len(buf) - pos - 4 < n:
+                break
+            self._handle(front, _loads(buf[pos + 4:pos + 4 + n]), out)
+            pos += 4 + n
+        del buf[:pos]
+
+    def _handle(self, front: _Front, msg, out: list) -> None:
+        kind = msg[0]
+        if kind == "add":
+            for seq in msg[1]:
+                gid = next(self._ids)
+                front.ids[seq.seq_id] = gid
+                self.owner[gid] = (front, seq.seq_id)
+                seq.seq_id = gid
+            front.received += len(msg[1])
+            out.append(msg)
+        elif kind == "abort":
+            gid = front.ids.pop(msg[1], None)
+            if gid is not None:
+                self.owner.pop(gid, None)
+                out.append(("abort", gid, msg[2]))
+        elif kind == "close":  # the front end unloads the model: it leaves
+            front.dead = True
 
     def _leave(self, front: _Front, out: list) -> None:
         for gid in front.ids.values():
             self.owner.pop(gid, None)
             out.append(("abort", gid, "abort"))
         front.ids.clear()
-        self.fronts.pop(front.conn, None)
+        if self.fronts.pop(front.fd, None) is not None:
+            self._poll.unregister(front.fd)
         front.conn.close()
 
     # -- outbox ----------------------------------------------------------------------------------------
     def _send(self, front: _Front, msg) -> None:
+        if front.dead:
+            return
+        payload = _dumps(msg)
+        data = _HEADER.pack(len(payload)) + payload
+        if front.wbuf:
+            front.wbuf += data
+        else:
+            try:
+                n = os.write(front.fd, data)
+            except BlockingIOError:
+                n = 0
+            except OSError:  # gone: its sequences are aborted at the next drain
+                front.dead = True
+                return
+            if n < len(data):
+                front.wbuf += data[n:]
+                self._poll.modify(front.fd, select.POLLIN | select.POLLOUT)
+        if len(front.wbuf) > MAX_BACKLOG:
+            log.error("engine hub: a front end is %d bytes behind; dropping it", len(front.wbuf))
+            front.dead = True
+
+    def _flush(self, front: _Front) -> None:
         try:
-            front.conn.send_bytes(_dumps(msg))
-        except OSError:  # gone: its EOF is read (and its sequences aborted) at the next drain
-            pass
+            n = os.write(front.fd, front.wbuf)
+        except BlockingIOError:
+            return
+        except OSError:
+            front.dead = True
+            return
+        del front.wbuf[:n]
+        if not front.wbuf:
+            self._poll.modify(front.fd, select.POLLIN)
 
     def _state(self, state, front: _Front):
+        front.seen = (state.running, state.waiting, front.received)
         return dataclasses.replace(state, received=front.received)
+
+    def _states(self, state, skip=()) -> None:
+        """The state to every front end but `skip`: to one with nothing running here only when what it
+        reads of it (the counts its queue limit and stats use) changed; every front end's event loop
+        would otherwise wake for each iteration of the others' streams."""
+        for front in list(self.fronts.values()):
+            if front in skip:
+                continue
+            if front.ids or front.seen != (state.running, state.waiting, front.received):
+                self._send(front, ("state", self._state(state, front)))
 
     def tokens(self, batch, admitted, state) -> None:
         if self.metrics is not None:
@@ -183,12 +263,13 @@ class Hub:
                     o = owner.pop(gid, None)
                     if o is not None:
                         o[0].ids.pop(o[1], None)
+        told = set()
         for front in list(self.fronts.values()):
             mine, a = parts.get(front), adm.get(front)
             if mine or a:
                 self._send(front, ("tokens", mine or [], a or {}, self._state(state, front)))
-            else:
-                self._send(front, ("state", self._state(state, front)))
+                told.add(front)
+        self._states(state, told)
 
     def error(self, seq_id: int, kind: str, message: str) -> None:
         o = self.owner.pop(seq_id, None)
@@ -199,12 +280,18 @@ class Hub:
     def state(self, state) -> None:
         if self.metrics is not None:
             self.metrics.engine_state(state)
-        for front in list(self.fronts.values()):
-            self._send(front, ("state", self._state(state, front)))
+        self._states(state)
 
     def close(self) -> None:
-        for conn in list(self.fronts):
-            conn.close()
+        for front in self.fronts.values():
+            if front.wbuf:  # the last messages (every stream's "unloaded"), if it takes them soon
+                try:
+                    with socket.socket(fileno=os.dup(front.fd)) as sock:
+                        sock.settimeout(2.0)
+                        sock.sendall(front.wbuf)
+                except OSError:
+                    pass
+            front.conn.close()
         self.fronts.clear()
         self.listener.close()
 

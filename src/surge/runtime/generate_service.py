@@ -226,9 +226,7 @@ class GenerateService(PromptText):
                              "space", retry_after=1.0)
         loop = self._loop
         if loop is None:
-            loop = self._loop = asyncio.get_running_loop()
-            if self.remote:  # the child's messages are read on this loop from now on
-                self.engine.attach(loop, self._on_message, self._on_exit)
+            loop = self.bind_loop(asyncio.get_running_loop())
         start = time.monotonic()
         seq = Sequence(next(self._ids), list(prompt_ids), params, start)
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
@@ -265,6 +263,16 @@ class GenerateService(PromptText):
                 self._abort(handle, "abort")
                 self.metrics.finished("abort")
             self._handles.pop(seq.seq_id, None)
+
+    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> asyncio.AbstractEventLoop:
+        """The event loop that streams through this service (its first stream's, or given here first);
+        a remote engine's messages are read on it from now on. A front end under --workers binds it at
+        start: the shared engine loop reports its state to every front end, streaming or not."""
+        if self._loop is None:
+            self._loop = loop
+            if self.remote:
+                self.engine.attach(loop, self._on_message, self._on_exit)
+        return self._loop
 
     def _queued(self) -> int:
         """Sequences waiting for KV space as of the engine loop's last report, plus those sent or
