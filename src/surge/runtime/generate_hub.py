@@ -296,46 +296,64 @@ class Hub:
         self.listener.close()
 
 
-def engine_main(config, spec, sock: str, restarted: bool = False) -> None:
-    """The engine process of `--workers` for a decoder: build and warm the engine, listen on `sock`
-    (it appears once the engine is warm: the supervisor and the front ends wait for the path), run
-    the loop until SIGTERM."""
+@dataclasses.dataclass
+class HubLoop:
+    """A decoder's engine loop behind its hub, built and listening: `core.run(hub, hub)` serves it;
+    a byte on `stop_w` ends it."""
+
+    core: object  # generate_core.EngineLoop
+    hub: Hub
+    stop_w: int
+    path: str
+    generation: object  # the resolved GenerationConfig
+
+
+def start_hub(spec, name: str, version: str, engine_cfg, generation, path: str, restarted: bool = False) -> HubLoop:
+    """Build and warm a decoder's engine (`spec`: its ModelSpec; `engine_cfg`, `generation`: the
+    settings) and listen on `path`, which appears (renamed into place) once the engine is warm."""
     from surge.engines.decoder import DecoderEngine
     from surge.runtime.generate_core import EngineLoop
     from surge.runtime.generate_metrics import GenerateMetrics
     from surge.runtime.generate_service import decoder_engine_kwargs
     from surge.runtime.loader import generate_settings
 
-    device, precision, gen = generate_settings(spec, config.engine, config.generation)
-    if config.engine.threads:
-        import torch
-
-        torch.set_num_threads(config.engine.threads)
-    engine = DecoderEngine(spec.path, threads=config.engine.threads, **decoder_engine_kwargs(gen, device, precision))
+    device, precision, gen = generate_settings(spec, engine_cfg, generation)
+    engine = DecoderEngine(spec.path, threads=engine_cfg.threads, **decoder_engine_kwargs(gen, device, precision))
     engine.warmup()
-    core = EngineLoop(engine, gen, spec.name)
-    metrics = GenerateMetrics(spec.name, "1")
+    core = EngineLoop(engine, gen, name)
+    metrics = GenerateMetrics(name, version)
     if restarted:
         metrics.restarts.inc()
     stop_r, stop_w = os.pipe()
     os.set_blocking(stop_w, False)
-    signal.signal(signal.SIGTERM, lambda *_: os.write(stop_w, b"x"))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides
-    part = sock + ".part"
-    for p in (part, sock):
+    part = path + ".part"
+    for p in (part, path):
         if os.path.exists(p):
             os.unlink(p)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(part)
     listener.listen(64)
     listener.setblocking(False)
-    os.replace(part, sock)  # appears complete
+    os.replace(part, path)  # appears complete
     hub = Hub(listener, authkey(), ("ready", engine.cfg, engine.capabilities, os.getpid()), stop_r, metrics)
-    log.info("engine hub for %s listening on %s", spec.name, sock)
+    log.info("engine hub for %s version %s listening on %s", name, version, path)
+    return HubLoop(core, hub, stop_w, path, gen)
+
+
+def engine_main(config, spec, sock: str, restarted: bool = False) -> None:
+    """The engine process of `--workers` for one decoder: build and warm the engine, listen on `sock`
+    (the supervisor and the front ends wait for the path), run the loop until SIGTERM."""
+    if config.engine.threads:
+        import torch
+
+        torch.set_num_threads(config.engine.threads)
+    h = start_hub(spec, spec.name, "1", config.engine, config.generation, sock, restarted)
+    signal.signal(signal.SIGTERM, lambda *_: os.write(h.stop_w, b"x"))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides
     try:
-        core.run(hub, hub)
+        h.core.run(h.hub, h.hub)
     finally:
-        hub.close()
+        h.hub.close()
         if os.path.exists(sock):
             os.unlink(sock)
 
