@@ -139,3 +139,54 @@ def test_sigterm_lets_a_stream_finish_then_exits(server):
     assert server.proc.wait(timeout=60) == 0
     _, alive = psutil.wait_procs(procs, timeout=30)
     assert not alive
+
+
+def test_repository_decoder_zero_downtime_reload_across_processes(tmp_path, model_dir, hf):
+    """`--model-repository` under `--workers 2` with a decoder and an embedding model: both served by both
+    front ends; a reload while a stream runs on version 1 finishes that stream whole on version 1, version 2
+    answers from then on, and version 1's build in the engine process goes once the front ends left it."""
+    import glob
+    import os
+    import shutil
+
+    from tests.e2e.repo_helpers import add_version
+
+    _, tok = hf
+    root = tmp_path / "repo"
+    (root / "chat" / "1").mkdir(parents=True)
+    (root / "chat" / "1" / "model.yaml").write_text(f"source: {model_dir}\nengine:\n  threads: 1\n"
+                                                    "generation:\n  cache_entries: 0\n")
+    add_version(root, "enc", 1)
+    with ServerProcess("--model-repository", str(root), "--workers", "2") as srv:
+        sock_dir = os.path.dirname(children_by_role(srv)["engine"][0].cmdline()[-1])
+        assert len(glob.glob(os.path.join(sock_dir, "gen-*.sock"))) == 1
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        kw = dict(model="chat", prompt=PROMPTS[0], max_tokens=150, temperature=0, extra_body={"ignore_eos": True})
+        reference = client.completions.create(**kw).choices[0].text
+        model, _ = hf
+        ids = tok(PROMPTS[0])["input_ids"]
+        out = model.generate(torch.tensor([ids]), max_new_tokens=150, min_new_tokens=150, do_sample=False,
+                             pad_token_id=0)[0, len(ids):]
+        assert reference == tok.decode(out, skip_special_tokens=True)
+        r = httpx.post(srv.url + "/v1/embeddings", json={"model": "enc", "input": "an embedding"}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 384
+        stream = client.completions.create(**kw, stream=True)
+        first = next(iter(stream))  # a stream in flight on version 1
+        shutil.copytree(root / "chat" / "1", root / "chat" / "2")
+        r = httpx.post(srv.url + "/models/chat/reload", timeout=120)
+        assert r.status_code == 200, r.text
+        rest = "".join(c.choices[0].text for c in stream if c.choices)
+        assert first.choices[0].text + rest == reference  # finished on version 1, whole
+        for _ in range(4):  # new connections: both front ends answer from version 2
+            after = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+                "model": "chat", "prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+            assert after.status_code == 200 and after.headers["x-surge-model-version"] == "2", after.text
+        deadline = time.monotonic() + 60
+        while len(glob.glob(os.path.join(sock_dir, "gen-*.sock"))) != 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(glob.glob(os.path.join(sock_dir, "gen-*.sock"))) == 1  # version 1's build is gone
+        r = httpx.post(srv.url + "/models/chat/unload", timeout=60)
+        assert r.status_code == 200, r.text
+        gone = httpx.post(srv.url + "/v1/completions", timeout=60, json={"model": "chat", "prompt": "x",
+                                                                          "max_tokens": 2})
+        assert gone.status_code == 404, gone.text

@@ -306,3 +306,43 @@ def test_a_front_end_that_stops_reading_never_blocks_the_engine_loop(tmp_path, m
     assert len(tokens) == sends + 1  # the reading front end missed nothing, in its own ids
     assert all(sorted(m[1][0][0]) == list(range(1, 501)) for m in tokens)
     hub.close()
+
+
+def test_a_repository_build_closes_only_after_its_front_ends_leave(model_dir, hf, tmp_path, monkeypatch):
+    """cli/workers_generate.py, in this process: a decoder version's build (engine loop on its own thread,
+    behind its own socket) asked to close while a front end streams through it keeps serving until that
+    front end has retired it (its stream whole), then ends and removes its socket."""
+    from types import SimpleNamespace
+
+    from surge.cli.workers_generate import HubBuild, front_generator, retire
+    from surge.config import EngineConfig, GenerationConfig
+    from surge.models import load_model_spec
+    from surge.runtime.generate_hub import AUTHKEY_ENV
+
+    monkeypatch.setenv(AUTHKEY_ENV, secrets.token_hex(32))
+    gen = GenerationConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=160, kv_cache_tokens=1024,
+                           block_size=4, cache_entries=0)
+    build = HubBuild(load_model_spec(model_dir, name="m"), "1", EngineConfig(threads=1), gen, str(tmp_path), 60.0)
+    build.mark_ready()
+    entry = build.catalog_entry()
+    config = SimpleNamespace(limits=SimpleNamespace(request_timeout_s=60.0))
+
+    async def main():
+        svc = front_generator(config, entry)
+        svc.mark_ready()
+        prompt = svc.encode(TEXTS[0])
+        run = asyncio.ensure_future(_tokens(svc, prompt, 120))
+        end = time.monotonic() + 60
+        while svc.stats()["running"] == 0 and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+        closing = asyncio.ensure_future(build.close())
+        got = await run
+        await asyncio.sleep(0.2)
+        waited = not closing.done()  # the front end is still connected
+        await retire(svc)
+        await asyncio.wait_for(closing, 30)
+        return prompt, got, waited
+
+    prompt, got, waited = asyncio.run(main())
+    assert got == _hf_greedy(hf, prompt, 120)  # not cut by the close
+    assert waited and not os.path.exists(entry["hub"])

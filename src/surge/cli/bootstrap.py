@@ -122,6 +122,21 @@ def load_repository_version(config: ServerConfig, entry, *, single: bool = False
                         batching=batching, cache=cache, heads=heads, generation=generation)
 
 
+def decoder_settings(config: ServerConfig, entry):
+    """(ModelSpec under the entry's name, engine settings, generation settings) of a repository entry
+    that is a decoder model, else None (what load_repository_version would build it with)."""
+    from dataclasses import replace
+
+    cfg = entry.config
+    if cfg is None or cfg.kind != "hf":
+        return None
+    source = load_model_spec(entry.source_dir or bundled_model_dir(), task=cfg.task)
+    if not is_decoder_dir(source.path):
+        return None
+    engine, _, _, generation = _sections(config, cfg, False)
+    return replace(source, name=entry.name), engine, config.generation.merged(generation)
+
+
 def _sections(config: ServerConfig, cfg, single: bool):
     """Engine, batching, cache and generation settings of one model, merged field by field.
 

@@ -357,7 +357,10 @@ def _front_repository(state, config: ServerConfig, sock: str, others: list[str])
     holder = {}
     client = EngineClient(sock, on_state=lambda up: holder["models"].set_ready(up),
                           on_catalog=lambda cat: holder["models"].sync(cat))
-    holder["models"] = FrontModels(state, client, lambda entry: front_service(config, entry, client))
+    from surge.cli.workers_generate import front_generator
+
+    holder["models"] = FrontModels(state, client, lambda entry: front_service(config, entry, client),
+                                   lambda entry: front_generator(config, entry))
     state.lifecycle = RemoteRepository(client, [EngineClient(p) for p in others])
 
     async def connect(state) -> None:

@@ -35,7 +35,7 @@ def engine_main(config_json: str, sock: str, *flags: str) -> None:
         pass
     repo = slots = service = None
     if config.model_repository is not None:
-        repo, slots = _engine_repository(config)
+        repo, slots = _engine_repository(config, os.path.dirname(sock))
         hello = {"repository": True}
     else:
         from surge.cli.bootstrap import load_service
@@ -138,10 +138,12 @@ class EngineHttp:
         await self.server.shutdown()
 
 
-def _engine_repository(config: ServerConfig):
-    """The engine process's repository (cli/workers_repo.py): every embedding model of the
-    directory, loaded and swapped by ModelRepository as in one process."""
-    from surge.cli.bootstrap import load_repository_version
+def _engine_repository(config: ServerConfig, sock_dir: str):
+    """The engine process's repository (cli/workers_repo.py): every embedding and decoder model of
+    the directory, loaded and swapped by ModelRepository as in one process (a decoder's build listens
+    on a socket of its own in `sock_dir`, cli/workers_generate.py)."""
+    from surge.cli.bootstrap import decoder_settings, load_repository_version
+    from surge.cli.workers_generate import HubBuild
     from surge.cli.workers_repo import WORKERS_ONLY_EMBED, ModelSlots, check_embedding
     from surge.errors import ConfigError
     from surge.runtime.registry import ModelRegistry
@@ -149,6 +151,10 @@ def _engine_repository(config: ServerConfig):
 
     def loader(entry):
         check_embedding(entry)
+        decoder = decoder_settings(config, entry)
+        if decoder is not None:
+            spec, engine, generation = decoder
+            return HubBuild(spec, entry.version, engine, generation, sock_dir, config.limits.request_timeout_s)
         service = load_repository_version(config, entry)
         task = getattr(service, "task", "embed")
         if task != "embed" or not hasattr(getattr(service, "batcher", None), "enqueue"):

@@ -14,9 +14,10 @@ just replaced (its CATALOG is on the way); such a batch goes to the build that s
 now (a reload) or the model's newest version, never to a closed batcher. A retired build drains in
 the engine process as it does in one process.
 
-Embedding models only: under --workers the front ends hand token batches to the engine and pool
-nothing themselves, so task heads, decoders and tensor / python models fail to load with a message
-that says so (the index reports it; everything else keeps serving). With several engine processes
+Embedding models, and decoders: a decoder version's engine loop runs in the engine process behind
+a socket of its own, which its CATALOG entry names and every front end streams through
+(cli/workers_generate.py). Task heads and tensor / python models fail to load with a message that
+says so (the index reports it; everything else keeps serving). With several engine processes
 (`--engine-processes`, default 2 with 8 or more front ends) each runs the repository (each its own
 copy of every model on the device, each polling); a front end sends its requests to its own engine
 process and every repository call to all of them.
@@ -34,7 +35,7 @@ from surge.errors import ConfigError, InvalidInput, NotFound, shown
 log = logging.getLogger("surge.workers")
 
 WORKERS_ONLY_EMBED = ("is served with --workers 1 only: under --workers N front ends hand token batches to "
-                      "the engine process, which serves embedding models")
+                      "the engine process, which serves embedding and decoder models")
 
 
 def check_embedding(entry) -> None:
@@ -44,7 +45,7 @@ def check_embedding(entry) -> None:
         return  # the repository reports the invalid model.yaml itself
     if cfg.kind != "hf":
         raise ConfigError(f"model '{entry.name}': kind '{cfg.kind}' {WORKERS_ONLY_EMBED}", param="kind")
-    if cfg.heads or (cfg.task not in (None, "embed")):
+    if cfg.heads or (cfg.task not in (None, "embed", "generate")):
         raise ConfigError(f"model '{entry.name}': task '{cfg.task or 'heads'}' {WORKERS_ONLY_EMBED}", param="task")
 
 
@@ -59,6 +60,7 @@ class ModelSlots:
         self._slot_of: dict[int, int] = {}  # id(served) -> slot
         self._served: dict[int, object] = {}  # slot -> served (ServedModel)
         self._retired: dict[int, tuple[str, str]] = {}  # slot -> (name, version) of a replaced build
+        self._generators: list = []  # decoder builds (cli/workers_generate.HubBuild) served now
         # Numbering starts at a random base: after a restart of this process, a front end's batch sent
         # before the new CATALOG reached it names a slot unknown here (404), never another model's.
         self._next = (secrets.randbits(15) + 1) << 16
@@ -67,8 +69,12 @@ class ModelSlots:
 
     def _sync(self) -> None:
         seen = set()
+        generators = []
         for s in self.registry.services():
             inner = getattr(s, "service", s)
+            if hasattr(inner, "catalog_entry"):  # a decoder: front ends connect to its own socket
+                generators.append(inner)
+                continue
             if getattr(inner, "task", "embed") != "embed" or not hasattr(getattr(inner, "batcher", None), "enqueue"):
                 continue
             seen.add(id(s))
@@ -83,6 +89,7 @@ class ModelSlots:
                 self._retired[slot] = (s.name, s.version)
                 if len(self._retired) > 4096:  # only batches sent just before a swap name these
                     del self._retired[next(iter(self._retired))]
+        self._generators = generators
         if self.on_change is not None:
             self.on_change()
 
@@ -128,7 +135,8 @@ class ModelSlots:
             names = self.repo.model_names()
         except ConfigError:
             names = []
-        return {"models": models, "names": names, "aliases": self.registry.aliases()}
+        return {"models": models, "generators": [g.catalog_entry() for g in self._generators], "names": names,
+                "aliases": self.registry.aliases()}
 
     async def control(self, obj: dict):
         op, name, version = obj.get("op"), obj.get("name"), obj.get("version")
@@ -181,10 +189,13 @@ class RemoteRepository:
 class FrontModels:
     """A front end's services, one per slot of the engine's CATALOG, kept in its registry."""
 
-    def __init__(self, state, client, build):
-        """`build(entry) -> ModelService`: a front-end service for one CATALOG entry."""
-        self.state, self.client, self.build = state, client, build
+    def __init__(self, state, client, build, build_generator=None):
+        """`build(entry) -> ModelService`: a front-end service for one CATALOG entry;
+        `build_generator(entry) -> GenerateService` one for a decoder's (cli/workers_generate.py)."""
+        self.state, self.client, self.build, self.build_generator = state, client, build, build_generator
         self.services: dict[int, object] = {}
+        self.generators: dict[str, object] = {}  # by the build's socket
+        self._retiring: set[asyncio.Task] = set()
         self.synced = asyncio.Event()  # set by the first CATALOG: the front end is ready after it
 
     def sync(self, catalog: dict) -> None:
@@ -200,14 +211,27 @@ class FrontModels:
                 svc.mark_ready()
                 self.services[slot] = svc
                 reg.add(svc)
+        gens = {g["hub"]: g for g in catalog.get("generators", [])} if self.build_generator else {}
+        for hub, g in gens.items():
+            if hub not in self.generators:
+                try:
+                    svc = self.build_generator(g)
+                except Exception:  # noqa: BLE001 - one model's build; the others keep serving
+                    log.exception("front end: model %s version %s", g.get("name"), g.get("version"))
+                    continue
+                svc.mark_ready()
+                self.generators[hub] = svc
+                reg.add(svc)
         for slot in [s for s in self.services if s not in want]:
-            svc = self.services.pop(slot)
-            try:
-                routed = reg.get(svc.name, svc.version) is svc
-            except NotFound:
-                routed = False
-            if routed:
-                reg.remove(svc.name, svc.version)
+            self._unroute(self.services.pop(slot))
+        for hub in [h for h in self.generators if h not in gens]:
+            from surge.cli.workers_generate import retire
+
+            svc = self.generators.pop(hub)
+            self._unroute(svc)
+            task = asyncio.ensure_future(retire(svc))  # its streams finish on it first
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
         by_model: dict[str, list[str]] = {}
         for alias, name in catalog.get("aliases", {}).items():
             by_model.setdefault(name, []).append(alias)
@@ -217,6 +241,15 @@ class FrontModels:
             except ConfigError as exc:
                 log.error("front end: %s", exc.message)
         self.synced.set()
+
+    def _unroute(self, svc) -> None:
+        reg = self.state.registry
+        try:
+            routed = reg.get(svc.name, svc.version) is svc
+        except NotFound:
+            routed = False
+        if routed:
+            reg.remove(svc.name, svc.version)
 
     def set_ready(self, up: bool) -> None:
         for svc in self.services.values():

@@ -163,6 +163,11 @@ class GenerateService(PromptText):
         return self._state.steps
 
     @property
+    def inflight(self) -> int:
+        """Streams and generations under way."""
+        return len(self._handles)
+
+    @property
     def busy_s(self) -> float:
         """Time the engine loop spent inside its steps (schedule, launch, read back, resolve)."""
         return self._state.busy_s
