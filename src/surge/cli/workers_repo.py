@@ -201,27 +201,9 @@ class FrontModels:
     def sync(self, catalog: dict) -> None:
         reg = self.state.registry
         want = {m["slot"]: m for m in catalog.get("models", [])}
-        for slot, m in want.items():  # new builds first: routing moves as each is added
-            if slot not in self.services:
-                try:
-                    svc = self.build(m)
-                except Exception:  # noqa: BLE001 - one model's files; the others keep serving
-                    log.exception("front end: model %s version %s", m.get("name"), m.get("version"))
-                    continue
-                svc.mark_ready()
-                self.services[slot] = svc
-                reg.add(svc)
+        self._add(self.services, want, self.build)  # new builds first: routing moves as each is added
         gens = {g["hub"]: g for g in catalog.get("generators", [])} if self.build_generator else {}
-        for hub, g in gens.items():
-            if hub not in self.generators:
-                try:
-                    svc = self.build_generator(g)
-                except Exception:  # noqa: BLE001 - one model's build; the others keep serving
-                    log.exception("front end: model %s version %s", g.get("name"), g.get("version"))
-                    continue
-                svc.mark_ready()
-                self.generators[hub] = svc
-                reg.add(svc)
+        self._add(self.generators, gens, self.build_generator)
         for slot in [s for s in self.services if s not in want]:
             self._unroute(self.services.pop(slot))
         for hub in [h for h in self.generators if h not in gens]:
@@ -241,6 +223,20 @@ class FrontModels:
             except ConfigError as exc:
                 log.error("front end: %s", exc.message)
         self.synced.set()
+
+    def _add(self, held: dict, wanted: dict, build) -> None:
+        """Build and route each entry of `wanted` that `held` has not."""
+        for key, entry in wanted.items():
+            if key in held:
+                continue
+            try:
+                svc = build(entry)
+            except Exception:  # noqa: BLE001 - one model's files or build; the others keep serving
+                log.exception("front end: model %s version %s", entry.get("name"), entry.get("version"))
+                continue
+            svc.mark_ready()
+            held[key] = svc
+            self.state.registry.add(svc)
 
     def _unroute(self, svc) -> None:
         reg = self.state.registry
