@@ -8,8 +8,9 @@ API-server processes in front of one engine core, here the engine process of `--
 connects to it; each front end keeps its own streams' text, stops, cache and metrics, exactly as
 GenerateService does with an engine process of its own (runtime/generate_process.py).
 
-Engine side, `Hub`: the loop's channel and outbox over every front end's connection (one Unix
-socket, authenticated with a key the supervisor hands its children). Sequence ids are the front
+Engine side, `Hub`: the loop's channel and outbox over every front end's connection (a Unix socket
+per engine loop, authenticated with a key the supervisor hands its children; a repository's decoder
+versions each have theirs, cli/workers_generate.py). Sequence ids are the front
 ends' own: the hub gives each sequence an id of the engine's and translates both ways, so each front
 end gets only its own sequences' tokens, errors and admissions, in one message an iteration, with
 the engine's state (its own count of sequences taken in, for its queue limit). A front end that
