@@ -2,8 +2,8 @@
 stack, checked over real TCP against a real uvicorn server running the real app with a tiny random
 decoder (in this process, so that a spy can tell which path answered; the spied functions still run).
 
-- streamed and non-streamed completions and chats take the hot path, and their answers equal the
-  routes' bytes (a chunked request body goes to the routes) apart from the ids and timestamps, and
+- streamed and non-streamed completions and chats, and KServe generate / generate_stream, take the
+  hot path, and their answers equal the routes' bytes (a chunked request body goes to the routes) apart from the ids and timestamps, and
   transformers' greedy tokens;
 - errors (invalid JSON, schema, unknown model, a prompt that does not fit, a body over the limit)
   get the routes' status and body;
@@ -21,7 +21,7 @@ import time
 import httpx
 import pytest
 
-from surge.server.http import generate_hotpath, openai_chat
+from surge.server.http import generate_common, generate_hotpath
 from tests.decoder_models import build_model
 from tests.integration.test_direct_http import InProcessServer
 
@@ -32,7 +32,7 @@ class Spy:
     def __init__(self, monkeypatch):
         self.hot = 0
         self.routes = 0
-        settled, respond = generate_hotpath.settled, openai_chat.respond
+        settled, respond = generate_hotpath.settled, generate_common.respond
 
         def counting_settled(*a):  # the hot path answers through it, and only then
             self.hot += 1
@@ -43,7 +43,7 @@ class Spy:
             return respond(answer)
 
         monkeypatch.setattr(generate_hotpath, "settled", counting_settled)
-        monkeypatch.setattr(openai_chat, "respond", counting_respond)
+        monkeypatch.setattr(generate_common, "respond", counting_respond)
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +89,10 @@ CASES = [
                               "max_tokens": 10, "temperature": 0, "ignore_eos": True, "stream": True}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Define it."}], "max_tokens": 5,
                               "seed": 3, "temperature": 0.8}),
+    ("/v2/models/m/generate", {"text_input": "The assignment", "parameters": {"max_tokens": 7, "temperature": 0},
+                               "id": "r1"}),
+    ("/v2/models/m/versions/1/generate_stream", {"text_input": "Loops", "max_tokens": 9, "temperature": 0,
+                                                 "ignore_eos": True}),
 ]
 
 
@@ -106,10 +110,10 @@ def test_answers_equal_the_routes_and_transformers(server, model_dir):
         assert hot[0] == routed[0] == 200
         assert hot[1] == routed[1]
         assert normalized(hot[2]) == normalized(routed[2])
-        if body.get("stream"):
+        if body.get("stream") or path.endswith("_stream"):
             assert hot[1]["content-type"] == "text/event-stream; charset=utf-8"
             assert hot[1]["transfer-encoding"] == "chunked"
-            assert hot[2].endswith(b"data: [DONE]\n\n")
+            assert hot[2].endswith(b"data: [DONE]\n\n") == bool(body.get("stream"))  # KServe's has none
     # the streamed greedy completion is transformers' greedy continuation
     events = [json.loads(line[6:]) for line in post(server, *CASES[0])[2].decode().split("\n\n")
               if line.startswith("data: {")]
@@ -129,6 +133,9 @@ ERRORS = [
     ("/v1/chat/completions", {"model": "m", "messages": []}, 422),
     ("/v1/completions", {"model": "m", "prompt": "word " * 400, "stream": True}, 400),
     ("/v1/completions", {"model": "m", "prompt": "x", "echo": True}, 400),
+    ("/v2/models/nope/generate", {"text_input": "x"}, 404),
+    ("/v2/models/m/versions/7/generate_stream", {"text_input": "x"}, 404),
+    ("/v2/models/m/generate", {"text_input": ""}, 422),
 ]
 
 
@@ -141,7 +148,8 @@ def test_errors_equal_the_routes(server):
         spy.hot = 0
         assert hot[0] == routed[0] == status, (body, hot, routed)
         assert hot[1] == routed[1] and hot[2] == routed[2]
-        assert json.loads(hot[2])["error"]["message"]
+        err = json.loads(hot[2])["error"]
+        assert err["message"] if isinstance(err, dict) else err  # OpenAI's object, KServe's string
 
 
 def test_a_body_over_the_limit_goes_to_the_route(model_dir, monkeypatch):

@@ -140,6 +140,21 @@ class EventStream:
             yield b"data: [DONE]\n\n"
 
 
+@dataclass
+class JsonAnswer:
+    body: dict
+    headers: dict
+
+
+def respond(answer: "JsonAnswer | EventStream"):
+    """A route's response for an answer (the hot path sends the same itself)."""
+    if isinstance(answer, EventStream):
+        return sse_response(answer)
+    from surge.server.http.common import ORJSONResponse
+
+    return ORJSONResponse(answer.body, headers=answer.headers)
+
+
 def sse_response(stream: EventStream) -> StreamingResponse:
     return StreamingResponse(stream.events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,5 +1,6 @@
-"""OpenAI generation requests answered without the framework: POST /v1/completions and
-/v1/chat/completions, streamed or not.
+"""Generation requests answered without the framework: POST /v1/completions and /v1/chat/completions,
+streamed or not, and the KServe generate extension (/v2/models/{m}[/versions/{v}]/generate and
+generate_stream).
 
 A streamed completion of one token cost the server's event loop ~1.1 ms of CPU on the 2-core VM,
 and each further chunk ~46 us (benchmarks/generate_route_cpu.py); py-spy put FastAPI's routing,
@@ -8,8 +9,8 @@ wrappers, at a third of it. At 64 streams a delivery is 64 chunks every ~3 ms, a
 arrivals is paid one request after another before their first tokens. Here OuterHotPath
 (server/http/hotpath.py) hands such a request, when it needs none of the stack's layers (JSON, no
 Content-Encoding, no API key, a Content-Length within the body limit), to the routes' own answer
-functions (server/http/openai_chat.ANSWERS), and the answer goes straight to the ASGI server's
-`send`.
+functions (server/http/openai_chat.ANSWERS, kserve_generate.ANSWERS), and the answer goes straight to
+the ASGI server's `send`.
 
 Contract (tests/integration/test_generate_hotpath.py): the same validation, errors (status, body,
 Retry-After), JSON answers and event streams as the routes, byte for byte apart from the ids and
@@ -25,6 +26,7 @@ from surge.server.errors import settled
 from surge.server.http.common import decode_json, validate
 from surge.server.http.generate_common import EventStream, send_sse
 from surge.server.http.hotpath import GONE, read_declared_body, run_watched
+from surge.server.http import kserve_generate
 from surge.server.http.openai_chat import ANSWERS
 
 
@@ -34,6 +36,20 @@ class GenerateHotPath:
         self.state = state
         self.max_body = state.config.limits.max_body_bytes
 
+    @staticmethod
+    def takes(path: str) -> bool:
+        return path in ANSWERS or kserve_generate.target(path) is not None
+
+    @staticmethod
+    def _answer_for(path: str):
+        """(request model, answer(state, req, receive)) of a path this hot path takes."""
+        if path in ANSWERS:
+            model, answer, _ = ANSWERS[path]
+            return model, answer
+        name, version, kind = kserve_generate.target(path)
+        fn = kserve_generate.ANSWERS[kind]
+        return kserve_generate.GenerateRequest, lambda state, req, receive: fn(state, req, name, version, receive)
+
     async def __call__(self, scope, receive, send):
         path = scope["path"]
         body = await read_declared_body(scope, receive, self.max_body)
@@ -41,7 +57,7 @@ class GenerateHotPath:
             return await self.stack(scope, receive, send)
         if body is GONE:
             return
-        model, answer, _ = ANSWERS[path]
+        model, answer = self._answer_for(path)
 
         async def work(receive):
             return await answer(self.state, validate(model, decode_json(body)), receive)

@@ -249,9 +249,10 @@ class OuterHotPath:
     ours (content type, decompression); under load on the H200 that stack cost more per plain
     embedding request than tokenizing it. A POST /embed or /v1/embeddings that needs none of those
     layers (Content-Type application/json, no Content-Encoding, no API key configured) goes
-    straight to the hot path here, and so does a POST /v1/completions or /v1/chat/completions
-    (server/http/generate_hotpath.py); everything else, and anything the embedding hot path does not
-    answer itself, goes through the full stack (whose own HotPathMiddleware then sees the same body).
+    straight to the hot path here, and so does a POST /v1/completions, /v1/chat/completions or KServe
+    generate / generate_stream (server/http/generate_hotpath.py); everything else, and anything the
+    embedding hot path does not answer itself, goes through the full stack (whose own
+    HotPathMiddleware then sees the same body).
     """
 
     def __init__(self, stack, state: AppState):
@@ -260,13 +261,16 @@ class OuterHotPath:
 
         self.stack = stack
         hot = HotPathMiddleware(stack, state)
-        generate = GenerateHotPath(stack, state)
-        self.paths = {_EMBED: hot, _OPENAI: hot, **{path: generate for path in ANSWERS}}
+        self.generate = GenerateHotPath(stack, state)
+        self.paths = {_EMBED: hot, _OPENAI: hot, **{path: self.generate for path in ANSWERS}}
         self.open = not state.config.api_key
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and self.open and scope["method"] == "POST":
-            hot = self.paths.get(scope["path"])
+            path = scope["path"]
+            hot = self.paths.get(path)
+            if hot is None and path.startswith("/v2/models/") and self.generate.takes(path):
+                hot = self.generate  # KServe's generate extension
             if hot is not None:
                 ctype = coding = None
                 for name, value in scope["headers"]:

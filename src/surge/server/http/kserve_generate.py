@@ -13,9 +13,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from surge.server.http.common import ORJSONResponse, parse
-from surge.server.http.generate_common import (EventStream, counted, counted_stream, deadline_for, generate_model,
-                                               make_params, sse, sse_response, until_disconnect)
+from surge.server.http.common import parse
+from surge.server.http import generate_common
+from surge.server.http.generate_common import (EventStream, JsonAnswer, counted, counted_stream, deadline_for,
+                                               generate_model, make_params, sse, until_disconnect)
 from surge.server.http.openapi import body
 from surge.server.state import AppState
 
@@ -43,63 +44,90 @@ class GenerateRequest(GenerateParameters):
     parameters: GenerateParameters | None = None
 
 
+def _body(req, service, text, finish, prompt, completion) -> dict:
+    body = {"model_name": service.name, "model_version": service.version, "text_output": text,
+            "finish_reason": finish, "prompt_tokens": prompt, "completion_tokens": completion}
+    if req.id is not None:
+        body["id"] = req.id
+    return body
+
+
+def _prepare(state, req: GenerateRequest, name: str, version: str | None):
+    service = generate_model(state, name, version)
+    top = req.model_dump(exclude={"text_input", "id", "parameters"}, exclude_unset=True)
+    nested = req.parameters.model_dump(exclude_unset=True) if req.parameters else {}
+    p = {**top, **nested}
+    params = make_params(service, max_tokens=p.get("max_tokens"), temperature=p.get("temperature"),
+                         top_p=p.get("top_p"), top_k=p.get("top_k"), min_p=p.get("min_p"), seed=p.get("seed"),
+                         stop=p.get("stop"), stop_token_ids=p.get("stop_token_ids"),
+                         presence_penalty=p.get("presence_penalty"), frequency_penalty=p.get("frequency_penalty"),
+                         repetition_penalty=p.get("repetition_penalty"), ignore_eos=p.get("ignore_eos"))
+    ids = service.encode(req.text_input)
+    service.check_prompt(ids)
+    return service, ids, params
+
+
+async def generate_answer(state: AppState, req: GenerateRequest, name: str, version: str | None,
+                          receive) -> JsonAnswer:
+    """The answer to a validated generate request (the route and server/http/generate_hotpath.py)."""
+    service, ids, params = _prepare(state, req, name, version)
+    res = await until_disconnect(receive, counted(state, service,
+                                                  service.generate(ids, params, deadline=deadline_for(state))))
+    return JsonAnswer(_body(req, service, res.text, res.finish_reason, res.prompt_tokens, res.completion_tokens), {})
+
+
+async def generate_stream_answer(state: AppState, req: GenerateRequest, name: str, version: str | None,
+                                 receive) -> EventStream:
+    """The event stream of a validated generate_stream request; as `generate_answer`."""
+    service, ids, params = _prepare(state, req, name, version)
+    agen = counted_stream(state, service, service.stream(ids, params, deadline=deadline_for(state)))
+    first = await agen.__anext__()
+
+    async def rest():
+        d = first
+        try:
+            while True:
+                if d.text or d.finish_reason is not None:
+                    yield sse(_body(req, service, d.text, d.finish_reason, d.prompt_tokens, d.completion_tokens))
+                if d.finish_reason is not None:
+                    return
+                d = await agen.__anext__()
+        finally:
+            await agen.aclose()
+
+    return EventStream(rest(), lambda exc: {"error": exc.message}, done=False)
+
+
+ANSWERS = {"generate": generate_answer, "generate_stream": generate_stream_answer}
+
+
+def target(path: str) -> tuple[str, str | None, str] | None:
+    """(model, version or None, "generate" | "generate_stream") of a generate extension path, else None."""
+    parts = path.split("/")
+    if len(parts) == 5 and parts[:3] == ["", "v2", "models"] and parts[4] in ANSWERS and parts[3]:
+        return parts[3], None, parts[4]
+    if (len(parts) == 7 and parts[:3] == ["", "v2", "models"] and parts[4] == "versions" and parts[6] in ANSWERS
+            and parts[3] and parts[5]):
+        return parts[3], parts[5], parts[6]
+    return None
+
+
 def router(state: AppState) -> APIRouter:
     r = APIRouter()
     limits = state.config.limits
 
-    async def _prepare(request: Request, name: str, version: str | None):
-        req = await parse(request, GenerateRequest, limits.max_body_bytes)
-        service = generate_model(state, name, version)
-        top = req.model_dump(exclude={"text_input", "id", "parameters"}, exclude_unset=True)
-        nested = req.parameters.model_dump(exclude_unset=True) if req.parameters else {}
-        p = {**top, **nested}
-        params = make_params(service, max_tokens=p.get("max_tokens"), temperature=p.get("temperature"),
-                             top_p=p.get("top_p"), top_k=p.get("top_k"), min_p=p.get("min_p"), seed=p.get("seed"),
-                             stop=p.get("stop"), stop_token_ids=p.get("stop_token_ids"),
-                             presence_penalty=p.get("presence_penalty"), frequency_penalty=p.get("frequency_penalty"),
-                             repetition_penalty=p.get("repetition_penalty"), ignore_eos=p.get("ignore_eos"))
-        ids = service.encode(req.text_input)
-        service.check_prompt(ids)
-        return req, service, ids, params
+    def route(answer):
+        async def handler(request: Request, name: str, version: str | None = None):
+            req = await parse(request, GenerateRequest, limits.max_body_bytes)
+            return generate_common.respond(await answer(state, req, name, version, request.receive))
+        return handler
 
-    def _body(req, service, text, finish, prompt, completion) -> dict:
-        body = {"model_name": service.name, "model_version": service.version, "text_output": text,
-                "finish_reason": finish, "prompt_tokens": prompt, "completion_tokens": completion}
-        if req.id is not None:
-            body["id"] = req.id
-        return body
-
-    async def generate(request: Request, name: str, version: str | None = None):
-        req, service, ids, params = await _prepare(request, name, version)
-        res = await until_disconnect(request.receive, counted(state, service,
-                                                      service.generate(ids, params, deadline=deadline_for(state))))
-        return ORJSONResponse(_body(req, service, res.text, res.finish_reason, res.prompt_tokens,
-                                    res.completion_tokens))
-
-    async def generate_stream(request: Request, name: str, version: str | None = None):
-        req, service, ids, params = await _prepare(request, name, version)
-        agen = counted_stream(state, service, service.stream(ids, params, deadline=deadline_for(state)))
-        first = await agen.__anext__()
-
-        async def rest():
-            d = first
-            try:
-                while True:
-                    if d.text or d.finish_reason is not None:
-                        yield sse(_body(req, service, d.text, d.finish_reason, d.prompt_tokens, d.completion_tokens))
-                    if d.finish_reason is not None:
-                        return
-                    d = await agen.__anext__()
-            finally:
-                await agen.aclose()
-
-        return sse_response(EventStream(rest(), lambda exc: {"error": exc.message}, done=False))
-
+    generate, generate_stream = route(generate_answer), route(generate_stream_answer)
     extra = body(GenerateRequest)
     events = {200: {"description": "One server-sent event per delta",
                     "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
     for base in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
-        r.add_api_route(base + "/generate", generate, methods=["POST"], openapi_extra=extra)
-        r.add_api_route(base + "/generate_stream", generate_stream, methods=["POST"], openapi_extra=extra,
-                        responses=events)
+        r.add_api_route(base + "/generate", generate, methods=["POST"], name="generate", openapi_extra=extra)
+        r.add_api_route(base + "/generate_stream", generate_stream, methods=["POST"], name="generate_stream",
+                        openapi_extra=extra, responses=events)
     return r

@@ -13,16 +13,16 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Literal, Union
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from surge.errors import InvalidInput, PayloadTooLarge
-from surge.server.http.common import ORJSONResponse, parse
-from surge.server.http.generate_common import (EventStream, counted, counted_stream, deadline_for, generate_model,
-                                               make_params, sse, sse_response, until_disconnect)
+from surge.server.http.common import parse
+from surge.server.http import generate_common
+from surge.server.http.generate_common import (EventStream, JsonAnswer, counted, counted_stream, deadline_for,
+                                               generate_model, make_params, sse, until_disconnect)
 from surge.server.http.openapi import body
 from surge.server.state import AppState
 
@@ -125,12 +125,6 @@ def _usage(prompt: int, completion: int) -> dict:
 
 def _error_body(exc) -> dict:
     return {"error": {"message": exc.message, "type": exc.openai_type, "param": exc.param, "code": exc.code}}
-
-
-@dataclass
-class JsonAnswer:
-    body: dict
-    headers: dict
 
 
 async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> JsonAnswer | EventStream:
@@ -247,12 +241,6 @@ ANSWERS = {"/v1/chat/completions": (ChatCompletionRequest, chat_answer, "chat"),
            "/v1/completions": (CompletionRequest, completion_answer, "completions")}
 
 
-def respond(answer: JsonAnswer | EventStream):
-    if isinstance(answer, EventStream):
-        return sse_response(answer)
-    return ORJSONResponse(answer.body, headers=answer.headers)
-
-
 def router(state: AppState) -> APIRouter:
     r = APIRouter()
     limits = state.config.limits
@@ -261,7 +249,7 @@ def router(state: AppState) -> APIRouter:
         def route(model=model, answer=answer):
             async def handler(request: Request):
                 req = await parse(request, model, limits.max_body_bytes)
-                return respond(await answer(state, req, request.receive))
+                return generate_common.respond(await answer(state, req, request.receive))
             return handler
 
         r.add_api_route(path, route(), methods=["POST"], name=name, openapi_extra=body(model),
