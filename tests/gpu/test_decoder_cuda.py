@@ -404,6 +404,68 @@ def test_service_streams_multi_step_launches(qwen_dir, engine_process):
     assert stats["steps"] >= 2 * stats["overlapped_steps"] > 0, "launches must run several decode steps"
 
 
+def test_the_shared_engine_loop_streams_as_the_service_does(qwen_dir, tmp_path, monkeypatch):
+    """`--workers`' shared engine loop on the GPU, in this process: a decoder build behind its own socket
+    (cli/workers_generate.HubBuild: BF16, CUDA graphs, 4 decode steps a launch) and two front ends' services
+    streaming through it (runtime/generate_hub.HubClient) give each prompt the tokens of the service with its
+    loop on a thread, same settings, though both front ends number their sequences from 1."""
+    import asyncio
+    import secrets
+    import time
+    from types import SimpleNamespace
+
+    from surge.cli.workers_generate import HubBuild, front_generator, retire
+    from surge.config import EngineConfig
+    from surge.models import load_model_spec
+    from surge.runtime.generate_hub import AUTHKEY_ENV
+    from surge.runtime.generate_service import GenerationConfig, load_generate_service
+    from surge.runtime.scheduler import SamplingParams
+
+    monkeypatch.setenv(AUTHKEY_ENV, secrets.token_hex(32))
+    prompts = _prompts(384, 12)
+    gen = GenerationConfig(decode_steps=4, max_num_seqs=16, max_model_len=512, cache_entries=0, prefix_caching=False,
+                           engine_process=False)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    async def streams(services):
+        async def one(i, p):
+            toks = []
+            async for d in services[i % len(services)].stream(p, params, deadline=time.monotonic() + 120):
+                toks += d.token_ids
+            return toks
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    thread = load_generate_service(qwen_dir, "q", device="cuda", precision="bf16", config=gen)
+    thread.mark_ready()
+
+    async def on_thread():
+        out = await streams([thread])
+        await thread.close()
+        return out
+
+    want = asyncio.run(on_thread())
+    thread = None  # its engine's memory back before the build's
+    torch.cuda.empty_cache()
+    build = HubBuild(load_model_spec(qwen_dir, name="q"), "1", EngineConfig(device="cuda"), gen, str(tmp_path), 120.0)
+    build.mark_ready()
+    config = SimpleNamespace(limits=SimpleNamespace(request_timeout_s=120.0))
+
+    async def shared():
+        fronts = [front_generator(config, build.catalog_entry()) for _ in range(2)]
+        for f in fronts:
+            f.mark_ready()
+        out = await streams(fronts)
+        stats = fronts[0].stats()
+        for f in fronts:
+            await retire(f)
+        await build.close()
+        return out, stats
+
+    got, stats = asyncio.run(shared())
+    assert got == want
+    assert stats["steps"] >= 2 * stats["overlapped_steps"] > 0, "launches must run several decode steps"
+
+
 def test_fused_decode_attention_and_pdl_change_no_bit(qwen_dir):
     """The engine's decode steps with RoPE + attention in one kernel, and with PDL launches, give the
     session-8 engine's (two kernels, plain launches) tokens and top-5 log-probabilities exactly, through
