@@ -144,7 +144,8 @@ def test_sigterm_lets_a_stream_finish_then_exits(server):
 def test_repository_decoder_zero_downtime_reload_across_processes(tmp_path, model_dir, hf):
     """`--model-repository` under `--workers 2` with a decoder and an embedding model: both served by both
     front ends; a reload while a stream runs on version 1 finishes that stream whole on version 1, version 2
-    answers from then on, and version 1's build in the engine process goes once the front ends left it."""
+    answers from then on, and version 1's build goes once the front ends left it; a killed engine process takes
+    its decoder build's process with it and the restarted one serves the model again."""
     import glob
     import os
     import shutil
@@ -185,6 +186,26 @@ def test_repository_decoder_zero_downtime_reload_across_processes(tmp_path, mode
         while len(glob.glob(os.path.join(sock_dir, "gen-*.sock"))) != 1 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert len(glob.glob(os.path.join(sock_dir, "gen-*.sock"))) == 1  # version 1's build is gone
+        # the engine process killed: its decoder build's process sees it gone and exits; the supervisor's new
+        # engine process builds the repository again and both front ends serve it
+        engine = children_by_role(srv)["engine"][0]
+        builds = [p for p in engine.children() if "surge.cli.workers_generate" in " ".join(p.cmdline())]
+        assert len(builds) == 1
+        engine.kill()
+        _, alive = psutil.wait_procs(builds, timeout=30)
+        assert not alive
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                again = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+                    "model": "chat", "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0})
+                if again.status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        assert again.status_code == 200 and again.json()["choices"][0]["text"] == reference[:len(
+            again.json()["choices"][0]["text"])], again.text
         r = httpx.post(srv.url + "/models/chat/unload", timeout=60)
         assert r.status_code == 200, r.text
         gone = httpx.post(srv.url + "/v1/completions", timeout=60, json={"model": "chat", "prompt": "x",

@@ -346,3 +346,45 @@ def test_a_repository_build_closes_only_after_its_front_ends_leave(model_dir, hf
     prompt, got, waited = asyncio.run(main())
     assert got == _hf_greedy(hf, prompt, 120)  # not cut by the close
     assert waited and not os.path.exists(entry["hub"])
+
+
+def test_a_repository_build_whose_process_dies_is_started_again(model_dir, hf, tmp_path, monkeypatch):
+    """A decoder build's engine process killed: started again on the same socket, and its front end,
+    having failed the stream in flight at once, reconnects and serves transformers' tokens."""
+    from types import SimpleNamespace
+
+    from surge.cli.workers_generate import HubBuild, front_generator, retire
+    from surge.config import EngineConfig, GenerationConfig
+    from surge.errors import EngineError
+    from surge.models import load_model_spec
+    from surge.runtime.generate_hub import AUTHKEY_ENV
+
+    monkeypatch.setenv(AUTHKEY_ENV, secrets.token_hex(32))
+    gen = GenerationConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=160, kv_cache_tokens=1024,
+                           block_size=4, cache_entries=0)
+    build = HubBuild(load_model_spec(model_dir, name="m"), "1", EngineConfig(threads=1), gen, str(tmp_path), 60.0)
+    first = build.pid
+    config = SimpleNamespace(limits=SimpleNamespace(request_timeout_s=60.0))
+
+    async def main():
+        svc = front_generator(config, build.catalog_entry())
+        svc.mark_ready()
+        prompt = svc.encode(TEXTS[3])
+        run = asyncio.ensure_future(_tokens(svc, prompt, 150))
+        end = time.monotonic() + 60
+        while svc.stats()["running"] == 0 and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+        os.kill(first, signal.SIGKILL)
+        with pytest.raises(EngineError):
+            await run
+        while not svc.ready and time.monotonic() < end + 60:
+            await asyncio.sleep(0.05)
+        assert svc.ready and svc.engine.pid == build.pid != first
+        got = await _tokens(svc, prompt, 12)
+        await retire(svc)
+        await build.close()
+        return prompt, got
+
+    prompt, got = asyncio.run(main())
+    assert got == _hf_greedy(hf, prompt, 12)
+    assert not os.path.exists(build.path)

@@ -1,15 +1,15 @@
 """Decoder models of a repository under `--workers N`.
 
 The engine process (cli/workers_engine.py) builds each loaded version of a decoder as a `HubBuild`:
-its engine and engine loop on a thread of their own, behind a hub on a socket of their own
+its engine and engine loop in a process of their own, behind a hub on a socket of their own
 (runtime/generate_hub.py); the version's CATALOG entry (cli/workers_repo.ModelSlots) names that
 socket, and every front end serves it with a GenerateService over a HubClient, as with one decoder
 under --workers.
 
 Zero downtime across processes, as for embedding models: a reload's new build listens and is in the
 CATALOG before the old one leaves it. A front end takes the old build out of its routing when the
-CATALOG changes, lets its streams finish, then closes its connection (`retire`); the engine process
-closes the old build once no front end is connected to it any more (bounded by the request timeout),
+CATALOG changes, lets its streams finish, then closes its connection (`retire`); the old build's
+process ends once no front end is connected to it any more (a drain, bounded by the request timeout),
 so no stream in flight is cut and a front end that saw the new CATALOG late still had the old build
 to send to.
 """
@@ -27,52 +27,149 @@ from pathlib import Path
 log = logging.getLogger("surge.workers")
 
 
+# a build's engine process that dies is started again after these delays (the last one repeats)
+RESTART_DELAYS_S = (0.5, 2.0, 8.0)
+
+
 class HubBuild:
-    """One decoder version in the engine process: what ModelRepository reads of a service (name,
-    version, task, mark_ready, warmup_request, close) and the CATALOG's entry (`catalog_entry`)."""
+    """One decoder version of the engine process: what ModelRepository reads of a service (name,
+    version, task, mark_ready, warmup_request, close) and its CATALOG entry (`catalog_entry`).
+
+    The version's engine loop runs in a process of its own (`python -m surge.cli.workers_generate`),
+    as a decoder's loop does under --workers with one model and on a GPU without --workers: the engine
+    process's event loop, which batches every embedding front end's requests, never holds it up at the
+    GIL. A build process that dies is started again on the same socket (its front ends reconnect);
+    one whose engine process dies sees its parent gone and exits."""
 
     task = "generate"
 
-    def __init__(self, spec, version: str, engine_cfg, generation, sock_dir: str, request_timeout_s: float):
-        from surge.runtime.generate_hub import start_hub
+    def __init__(self, spec, version: str, engine_cfg, generation, sock_dir: str, request_timeout_s: float,
+                 start_timeout_s: float = 1800.0):
+        import json
+
+        from surge.runtime.loader import generate_settings
 
         self.name, self.version, self.spec_dir = spec.name, version, str(spec.path)
         self.request_timeout_s = request_timeout_s
         self.ready = False
-        path = os.path.join(sock_dir, f"gen-{secrets.token_hex(6)}.sock")
-        self._h = start_hub(spec, spec.name, version, engine_cfg, generation, path)
-        self._thread = threading.Thread(target=self._h.core.run, args=(self._h.hub, self._h.hub), daemon=True,
-                                        name=f"surge-{spec.name}-{version}-generate")
-        self._thread.start()
+        self.path = os.path.join(sock_dir, f"gen-{secrets.token_hex(6)}.sock")
+        _, _, self.generation = generate_settings(spec, engine_cfg, generation)  # what front ends build with
+        self._args = {"spec_dir": self.spec_dir, "name": self.name, "version": version, "path": self.path,
+                      "engine": engine_cfg.model_dump(mode="json"), "generation": generation.model_dump(mode="json"),
+                      "drain_s": request_timeout_s + 5.0}
+        self._json = json
+        self._closing = False
+        self._proc = self._start(False)
+        deadline = time.monotonic() + start_timeout_s
+        while not os.path.exists(self.path):
+            if self._proc.poll() is not None:
+                from surge.errors import ConfigError
+
+                raise ConfigError(f"{self.spec_dir}: the decoder's engine process exited with code "
+                                  f"{self._proc.returncode} while loading")
+            if time.monotonic() > deadline:
+                self._proc.kill()
+                raise TimeoutError(f"{self.spec_dir}: the decoder's engine process did not start in time")
+            time.sleep(0.05)
+        self._watch = threading.Thread(target=self._keep_up, daemon=True, name=f"surge-{self.name}-{version}-watch")
+        self._watch.start()
+
+    def _start(self, restarted: bool):
+        import subprocess
+        import sys
+
+        from surge.runtime.generate_process import child_env
+
+        args = self._json.dumps({**self._args, "restarted": restarted})
+        return subprocess.Popen([sys.executable, "-m", "surge.cli.workers_generate", args], env=child_env())
+
+    def _keep_up(self) -> None:
+        attempt = 0
+        while True:
+            code = self._proc.wait()
+            if self._closing:
+                return
+            delay = RESTART_DELAYS_S[min(attempt, len(RESTART_DELAYS_S) - 1)]
+            log.error("model %s version %s: its engine process exited (%s); starting it again in %.1f s",
+                      self.name, self.version, code, delay)
+            time.sleep(delay)
+            if self._closing:
+                return
+            attempt += 1
+            self._proc = self._start(True)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
 
     def mark_ready(self) -> None:
         self.ready = True
 
     async def warmup_request(self) -> None:
-        """Nothing more: the engine warmed every bucket when it was built (start_hub); requests reach
+        """Nothing more: the engine warmed every bucket before it listened (start_hub); requests reach
         it from the front ends."""
 
     def catalog_entry(self) -> dict:
-        return {"name": self.name, "version": self.version, "spec_dir": self.spec_dir, "hub": self._h.path,
-                "generation": self._h.generation.model_dump(mode="json")}
-
-    def connected(self) -> int:
-        return len(self._h.hub.fronts)
+        return {"name": self.name, "version": self.version, "spec_dir": self.spec_dir, "hub": self.path,
+                "generation": self.generation.model_dump(mode="json")}
 
     async def close(self) -> None:
-        """Once no front end is connected (they leave after their streams on it end), or after the
-        request timeout: end the loop (what still runs fails as unloaded) and free the engine."""
-        deadline = time.monotonic() + self.request_timeout_s + 5.0
-        while self.connected() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        """Drain: the build's process ends once no front end is connected (they leave after their
+        streams on it end), or after the request timeout (what still runs then fails as unloaded)."""
+        import signal
+
+        self._closing = True
         self.ready = False
-        os.write(self._h.stop_w, b"x")
-        await asyncio.to_thread(self._thread.join, 30.0)
-        self._h.hub.close()
-        os.close(self._h.stop_w)
-        if os.path.exists(self._h.path):
-            os.unlink(self._h.path)
-        self._h = None  # the engine's memory goes with the last reference
+        proc = self._proc
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGUSR1)
+            try:
+                await asyncio.to_thread(proc.wait, self._args["drain_s"] + 30.0)
+            except Exception:  # noqa: BLE001 - it did not end: it goes now
+                proc.kill()
+                await asyncio.to_thread(proc.wait, 10.0)
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+def _child_main(args_json: str) -> int:
+    """A decoder version's engine process: build, listen, run the loop; SIGUSR1 drains, SIGTERM stops,
+    and a parent that is gone stops it too."""
+    import json
+    import signal
+    from dataclasses import replace
+
+    from surge.config import EngineConfig, GenerationConfig
+    from surge.models import load_model_spec
+    from surge.runtime.generate_hub import DRAIN, STOP, start_hub
+
+    a = json.loads(args_json)
+    engine_cfg = EngineConfig.model_validate(a["engine"])
+    if engine_cfg.threads:
+        import torch
+
+        torch.set_num_threads(engine_cfg.threads)
+    spec = replace(load_model_spec(a["spec_dir"]), name=a["name"])
+    parent = os.getppid()
+    h = start_hub(spec, a["name"], a["version"], engine_cfg, GenerationConfig.model_validate(a["generation"]),
+                  a["path"], a.get("restarted", False), a["drain_s"])
+    signal.signal(signal.SIGTERM, lambda *_: os.write(h.stop_w, STOP))
+    signal.signal(signal.SIGUSR1, lambda *_: os.write(h.stop_w, DRAIN))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides
+
+    def orphaned() -> None:  # the engine process died (SIGKILL): nobody would close this one
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.write(h.stop_w, STOP)
+
+    threading.Thread(target=orphaned, daemon=True).start()
+    try:
+        h.core.run(h.hub, h.hub)
+    finally:
+        h.hub.close()
+        if os.path.exists(a["path"]):
+            os.unlink(a["path"])
+    return 0
 
 
 def front_generator(config, entry: dict):
@@ -100,3 +197,9 @@ async def retire(service) -> None:
         await service.close()
     except Exception:  # noqa: BLE001 - the build is gone already; nothing to leave
         log.exception("front end: closing %s version %s", service.name, service.version)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_child_main(sys.argv[1]))

@@ -53,6 +53,7 @@ def authkey() -> bytes:
 
 
 _HEADER = struct.Struct("!i")  # multiprocessing.connection's framing, which the front ends read and write
+STOP, DRAIN = b"x", b"d"  # bytes on a hub's stop pipe (Hub.drain)
 MAX_BACKLOG = 64 << 20  # bytes waiting for one front end before it counts as gone
 
 
@@ -77,8 +78,11 @@ class Hub:
     written when it drains, and one that falls MAX_BACKLOG behind (a stopped process) counts as gone;
     its sequences are aborted and the others' streams go on."""
 
-    def __init__(self, listener: socket.socket, key: bytes, hello: tuple, stop_fd: int, metrics=None):
+    def __init__(self, listener: socket.socket, key: bytes, hello: tuple, stop_fd: int, metrics=None,
+                 drain_s: float = 65.0):
+        """`drain_s`: a drain's longest wait for the front ends to leave."""
         self.listener = listener
+        self.drain_s = drain_s
         self.key = key
         self.hello = hello  # ("ready", cfg, capabilities, pid): each front end's first message
         self.stop_fd = stop_fd
@@ -89,19 +93,29 @@ class Hub:
         self._poll = select.poll()
         self._poll.register(listener.fileno(), select.POLLIN)
         self._poll.register(stop_fd, select.POLLIN)
+        self._drain_until: float | None = None  # a drain asked: close once no front end is connected
 
     # -- channel ---------------------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> None:
+        if self._drain_until is not None:  # wake for the drain's deadline even when idle
+            left = max(0.0, self._drain_until - time.monotonic())
+            timeout = left if timeout is None else min(timeout, left)
         self._poll.poll(None if timeout is None else max(0, int(timeout * 1000)))
 
     def drain(self) -> list:
+        """The messages that arrived. On the stop pipe a STOP byte ends the loop now (every stream still
+        running fails as unloaded) and a DRAIN byte once every front end has left (they leave a build
+        taken out of their CATALOG after its streams), at most `drain_s` later."""
         out: list = []
         for fd, ev in self._poll.poll(0):
             if fd == self.listener.fileno():
                 self._accept()
             elif fd == self.stop_fd:
-                os.read(self.stop_fd, 64)
-                out.append(("close",))
+                got = os.read(self.stop_fd, 64)
+                if STOP in got:
+                    out.append(("close",))
+                elif DRAIN in got and self._drain_until is None:
+                    self._drain_until = time.monotonic() + self.drain_s
             else:
                 front = self.fronts.get(fd)
                 if front is None:
@@ -112,6 +126,8 @@ class Hub:
                     self._read(front, out)
         for front in [f for f in self.fronts.values() if f.dead]:
             self._leave(front, out)
+        if self._drain_until is not None and (not self.fronts or time.monotonic() > self._drain_until):
+            out.append(("close",))
         return out
 
     def _accept(self) -> None:
@@ -309,7 +325,8 @@ class HubLoop:
     generation: object  # the resolved GenerationConfig
 
 
-def start_hub(spec, name: str, version: str, engine_cfg, generation, path: str, restarted: bool = False) -> HubLoop:
+def start_hub(spec, name: str, version: str, engine_cfg, generation, path: str, restarted: bool = False,
+              drain_s: float = 65.0) -> HubLoop:
     """Build and warm a decoder's engine (`spec`: its ModelSpec; `engine_cfg`, `generation`: the
     settings) and listen on `path`, which appears (renamed into place) once the engine is warm."""
     from surge.engines.decoder import DecoderEngine
@@ -336,7 +353,7 @@ def start_hub(spec, name: str, version: str, engine_cfg, generation, path: str, 
     listener.listen(64)
     listener.setblocking(False)
     os.replace(part, path)  # appears complete
-    hub = Hub(listener, authkey(), ("ready", engine.cfg, engine.capabilities, os.getpid()), stop_r, metrics)
+    hub = Hub(listener, authkey(), ("ready", engine.cfg, engine.capabilities, os.getpid()), stop_r, metrics, drain_s)
     log.info("engine hub for %s version %s listening on %s", name, version, path)
     return HubLoop(core, hub, stop_w, path, gen)
 
@@ -349,7 +366,7 @@ def engine_main(config, spec, sock: str, restarted: bool = False) -> None:
 
         torch.set_num_threads(config.engine.threads)
     h = start_hub(spec, spec.name, "1", config.engine, config.generation, sock, restarted)
-    signal.signal(signal.SIGTERM, lambda *_: os.write(h.stop_w, b"x"))
+    signal.signal(signal.SIGTERM, lambda *_: os.write(h.stop_w, STOP))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides
     try:
         h.core.run(h.hub, h.hub)

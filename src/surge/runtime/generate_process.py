@@ -113,6 +113,13 @@ def _child_main(address: str) -> int:
 _AUTHKEY_ENV = "SURGE_ENGINE_AUTHKEY"
 
 
+def child_env() -> dict:
+    """This process's environment with its import path (a Ray worker's runtime_env, a test's checkout)
+    as PYTHONPATH, as multiprocessing's spawn would hand it to a child."""
+    paths = [p for p in sys.path if p] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+
+
 def read_on_loop(conn, loop: asyncio.AbstractEventLoop, on_message, on_exit) -> None:
     """Read `conn`'s messages on `loop`, in its thread: each complete one to `on_message`, `on_exit()`
     once the connection ends (closed, or the other process died). No reader thread: a thread that woke
@@ -224,10 +231,7 @@ class EngineProcess(LoopConnection):
         self._dir = tempfile.mkdtemp(prefix="surge-engine-")
         address = os.path.join(self._dir, "sock")
         listener = Listener(address, family="AF_UNIX", authkey=authkey)
-        # this process's import path (a Ray worker's runtime_env, a test's checkout), as multiprocessing's
-        # spawn would hand it over
-        paths = [p for p in sys.path if p] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        env = {**os.environ, _AUTHKEY_ENV: authkey.hex(), "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+        env = {**child_env(), _AUTHKEY_ENV: authkey.hex()}
         self.process = subprocess.Popen([sys.executable, "-m", "surge.runtime.generate_process", address], env=env)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.conn = None
