@@ -388,3 +388,47 @@ def test_a_repository_build_whose_process_dies_is_started_again(model_dir, hf, t
     prompt, got = asyncio.run(main())
     assert got == _hf_greedy(hf, prompt, 12)
     assert not os.path.exists(build.path)
+
+
+def test_a_connection_that_stalls_in_the_handshake_does_not_hold_the_hub(tmp_path, monkeypatch):
+    """A connection that sends nothing (a front end stopped while it connects) is dropped after HANDSHAKE_S;
+    a wrong key is refused; a real front end connects after both."""
+    from multiprocessing.connection import AuthenticationError, Client
+
+    from surge.runtime import generate_hub as gh
+
+    monkeypatch.setenv(gh.AUTHKEY_ENV, secrets.token_hex(32))
+    monkeypatch.setattr(gh, "HANDSHAKE_S", 0.3)
+    path = str(tmp_path / "hub.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(8)
+    listener.setblocking(False)
+    stop_r, _ = os.pipe()
+    hub = gh.Hub(listener, gh.authkey(), ("ready", None, None, os.getpid()), stop_r)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+        silent.connect(path)
+        t0 = time.monotonic()
+        assert hub.drain() == []  # accepts it, waits HANDSHAKE_S for its answer, drops it
+        assert time.monotonic() - t0 < 5 and not hub.fronts
+    import threading
+
+    box = []
+
+    def connect(key):
+        try:
+            box.append(Client(path, family="AF_UNIX", authkey=key))
+        except (AuthenticationError, EOFError, OSError) as exc:
+            box.append(exc)
+
+    for key, ok in ((secrets.token_bytes(32), False), (gh.authkey(), True)):
+        box.clear()
+        t = threading.Thread(target=connect, args=(key,))
+        t.start()
+        while t.is_alive():
+            hub.drain()
+        t.join()
+        assert isinstance(box[0], Exception) != ok, box
+    assert len(hub.fronts) == 1 and box[0].recv()[0] == "ready"
+    box[0].close()
+    hub.close()

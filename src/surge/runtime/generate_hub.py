@@ -36,7 +36,7 @@ import socket
 import struct
 import threading
 import time
-from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
+from multiprocessing.connection import Client, answer_challenge, deliver_challenge
 
 from surge.runtime.generate_process import LoopConnection, _dumps, _loads
 
@@ -57,10 +57,39 @@ STOP, DRAIN = b"x", b"d"  # bytes on a hub's stop pipe (Hub.drain)
 MAX_BACKLOG = 64 << 20  # bytes waiting for one front end before it counts as gone
 
 
+HANDSHAKE_S = 5.0
+
+
+class _Handshake:
+    """multiprocessing.connection's send_bytes / recv_bytes over a socket with a timeout: what its
+    authentication handshake (deliver_challenge / answer_challenge) calls."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+
+    def send_bytes(self, data) -> None:
+        self.sock.sendall(_HEADER.pack(len(data)) + bytes(data))
+
+    def recv_bytes(self, maxlength: int | None = None) -> bytes:
+        (n,) = _HEADER.unpack(self._exact(4))
+        if n < 0 or (maxlength is not None and n > maxlength):
+            raise OSError(f"a handshake message of {n} bytes")
+        return self._exact(n)
+
+    def _exact(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                raise EOFError("the connection ended in the handshake")
+            buf += chunk
+        return bytes(buf)
+
+
 class _Front:
     __slots__ = ("conn", "fd", "ids", "received", "seen", "rbuf", "wbuf", "dead")
 
-    def __init__(self, conn: Connection):
+    def __init__(self, conn: socket.socket):
         self.conn = conn
         self.fd = conn.fileno()
         self.ids: dict[int, int] = {}  # its sequence id -> the engine's
@@ -135,19 +164,20 @@ class Hub:
             sock, _ = self.listener.accept()
         except BlockingIOError:
             return
-        # the handshake blocking (a front end's own Client(), which answers at once), then non-blocking
-        sock.setblocking(True)
-        conn = Connection(sock.detach())
+        # the handshake within HANDSHAKE_S (a front end's own Client() answers at once; one that stalls in
+        # it must not hold the engine loop), then non-blocking
+        sock.settimeout(HANDSHAKE_S)
         try:
-            deliver_challenge(conn, self.key)
-            answer_challenge(conn, self.key)
-            conn.send_bytes(_dumps(self.hello))
+            hs = _Handshake(sock)
+            deliver_challenge(hs, self.key)
+            answer_challenge(hs, self.key)
+            hs.send_bytes(_dumps(self.hello))
         except Exception as exc:  # noqa: BLE001 - a failed handshake costs that connection only
             log.warning("engine hub: a connection failed its handshake: %s", exc)
-            conn.close()
+            sock.close()
             return
-        front = _Front(conn)
-        os.set_blocking(front.fd, False)
+        sock.setblocking(False)
+        front = _Front(sock)
         self.fronts[front.fd] = front
         self._poll.register(front.fd, select.POLLIN)
 
