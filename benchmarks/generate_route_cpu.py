@@ -11,8 +11,9 @@ alone) is read around each batch of requests from one client process:
   whole cycle with a single chunk;
 * a chunk: the same number of streams of `--tokens` tokens each; (CPU - requests' CPU) / extra chunks.
 
-Medians over `--rounds`; the table also gives chat completions. Run it before and after a change of
-the routes in the same session (the machine's speed moves between sessions).
+Medians over `--rounds`; the table also gives chat completions. `--baseline CHECKOUT` (a git worktree
+of the commit to compare with) measures that checkout's server too, rounds alternating with this
+one's, and gives the ratio: the machine's speed moves within a session as well as between them.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def measure(proc, url, n, body, path, concurrency):
 
 
 def main(argv=None) -> int:
+    import contextlib
+
     import psutil
 
     from surge.bench.servers import ServerProc, free_port
@@ -79,44 +82,60 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--engine", choices=["process", "thread"], default="process",
                     help="the engine loop in its own process (the main thread does only HTTP work) or on a thread")
+    ap.add_argument("--baseline", type=Path,
+                    help="another checkout (e.g. a git worktree of an older commit): its server is measured too, "
+                         "rounds alternating with this checkout's, and the table gives the ratio")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    rows = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    roots = {"this": ROOT, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
+    kinds = {
+        "completions": ("/v1/completions", {"model": "m", "prompt": "The augmented assignment statement",
+                                            "temperature": 0, "ignore_eos": True, "stream": True}),
+        "chat": ("/v1/chat/completions", {"model": "m", "temperature": 0, "ignore_eos": True, "stream": True,
+                                          "messages": [{"role": "user", "content": "Define assignment."}]}),
+    }
+    rows: dict = {}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         model = build_model("qwen2", Path(tmp) / "m", seed=4)
-        port = free_port()
-        argv = [sys.executable, "-m", "surge.cli.main", "serve", str(model), "--port", str(port), "--grpc-port", "0",
-                "--threads", "1", "--model-name", "m", "--generation",
-                f"engine_process={args.engine == 'process'},cache_entries=0,prefix_caching=false,max_num_seqs=32"]
-        with ServerProc("surge-serve", argv, port, cwd=ROOT, env={"PYTHONPATH": str(ROOT / "src")}) as srv:
-            proc = psutil.Process(srv.proc.pid)
-            kinds = {
-                "completions": ("/v1/completions", {"model": "m", "prompt": "The augmented assignment statement",
-                                                    "temperature": 0, "ignore_eos": True, "stream": True}),
-                "chat": ("/v1/chat/completions", {"model": "m", "temperature": 0, "ignore_eos": True, "stream": True,
-                                                  "messages": [{"role": "user", "content": "Define assignment."}]}),
-            }
-            for name, (path, body) in kinds.items():
+        servers = {}
+        for variant, root in roots.items():
+            port = free_port()
+            argv = [sys.executable, "-m", "surge.cli.main", "serve", str(model), "--port", str(port), "--grpc-port",
+                    "0", "--threads", "1", "--model-name", "m", "--generation",
+                    f"engine_process={args.engine == 'process'},cache_entries=0,prefix_caching=false,max_num_seqs=32"]
+            srv = stack.enter_context(ServerProc(f"surge-serve ({variant})", argv, port, cwd=root,
+                                                 env={"PYTHONPATH": str(root / "src")}))
+            servers[variant] = (srv, psutil.Process(srv.proc.pid))
+        for name, (path, body) in kinds.items():
+            per = {v: ([], []) for v in servers}
+            for srv, proc in servers.values():
                 measure(proc, srv.url, 8, {**body, "max_tokens": 4}, path, args.concurrency)  # warm-up
-                per_req, per_chunk = [], []
-                for _ in range(args.rounds):
+            for _ in range(args.rounds):
+                for variant, (srv, proc) in servers.items():  # alternating: the machine's drift hits both
                     cpu1, ch1 = measure(proc, srv.url, args.requests, {**body, "max_tokens": 1}, path,
                                         args.concurrency)
                     cpun, chn = measure(proc, srv.url, args.requests, {**body, "max_tokens": args.tokens}, path,
                                         args.concurrency)
-                    per_req.append(cpu1 / args.requests)
-                    per_chunk.append((cpun - cpu1) / max(1, chn - ch1))
-                rows[name] = {"request_ms": 1e3 * statistics.median(per_req),
-                              "chunk_us": 1e6 * statistics.median(per_chunk),
-                              "rounds_request_ms": [round(1e3 * x, 3) for x in per_req],
-                              "rounds_chunk_us": [round(1e6 * x, 1) for x in per_chunk]}
-                print(f"{name}: {rows[name]}", flush=True)
+                    per[variant][0].append(cpu1 / args.requests)
+                    per[variant][1].append((cpun - cpu1) / max(1, chn - ch1))
+            for variant, (per_req, per_chunk) in per.items():
+                rows[f"{name} ({variant})"] = {
+                    "request_ms": 1e3 * statistics.median(per_req), "chunk_us": 1e6 * statistics.median(per_chunk),
+                    "rounds_request_ms": [round(1e3 * x, 3) for x in per_req],
+                    "rounds_chunk_us": [round(1e6 * x, 1) for x in per_chunk]}
+                print(f"{name} ({variant}): {rows[f'{name} ({variant})']}", flush=True)
     print(f"\nthe server's main thread (engine loop: {args.engine}), medians of {args.rounds} rounds, "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+          + (f"; baseline: {args.baseline}" if args.baseline else ""))
     print("| route | CPU a streamed request (1 token) ms | CPU a further chunk us |")
     print("| --- | ---: | ---: |")
     for name, r in rows.items():
         print(f"| {name} | {r['request_ms']:.3f} | {r['chunk_us']:.1f} |")
+    if args.baseline:
+        for name in kinds:
+            new, old = rows[f"{name} (this)"], rows[f"{name} (baseline)"]
+            print(f"| {name}: this / baseline | {new['request_ms'] / old['request_ms']:.2f}x | "
+                  f"{new['chunk_us'] / old['chunk_us']:.2f}x |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

@@ -17,9 +17,12 @@ to send to.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import secrets
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -45,8 +48,6 @@ class HubBuild:
 
     def __init__(self, spec, version: str, engine_cfg, generation, sock_dir: str, request_timeout_s: float,
                  start_timeout_s: float = 1800.0):
-        import json
-
         from surge.runtime.loader import generate_settings
 
         self.name, self.version, self.spec_dir = spec.name, version, str(spec.path)
@@ -57,7 +58,6 @@ class HubBuild:
         self._args = {"spec_dir": self.spec_dir, "name": self.name, "version": version, "path": self.path,
                       "engine": engine_cfg.model_dump(mode="json"), "generation": generation.model_dump(mode="json"),
                       "drain_s": request_timeout_s + 5.0}
-        self._json = json
         self._closing = False
         self._proc = self._start(False)
         deadline = time.monotonic() + start_timeout_s
@@ -75,12 +75,9 @@ class HubBuild:
         self._watch.start()
 
     def _start(self, restarted: bool):
-        import subprocess
-        import sys
-
         from surge.runtime.generate_process import child_env
 
-        args = self._json.dumps({**self._args, "restarted": restarted})
+        args = json.dumps({**self._args, "restarted": restarted})
         return subprocess.Popen([sys.executable, "-m", "surge.cli.workers_generate", args], env=child_env())
 
     def _keep_up(self) -> None:
@@ -125,7 +122,7 @@ class HubBuild:
             proc.send_signal(signal.SIGUSR1)
             try:
                 await asyncio.to_thread(proc.wait, self._args["drain_s"] + 30.0)
-            except Exception:  # noqa: BLE001 - it did not end: it goes now
+            except subprocess.TimeoutExpired:  # it did not end: it goes now
                 proc.kill()
                 await asyncio.to_thread(proc.wait, 10.0)
         if os.path.exists(self.path):
@@ -135,7 +132,6 @@ class HubBuild:
 def _child_main(args_json: str) -> int:
     """A decoder version's engine process: build, listen, run the loop; SIGUSR1 drains, SIGTERM stops,
     and a parent that is gone stops it too."""
-    import json
     import signal
     from dataclasses import replace
 
@@ -200,6 +196,4 @@ async def retire(service) -> None:
 
 
 if __name__ == "__main__":
-    import sys
-
     sys.exit(_child_main(sys.argv[1]))

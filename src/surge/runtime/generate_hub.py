@@ -355,6 +355,20 @@ class HubLoop:
     generation: object  # the resolved GenerationConfig
 
 
+def listen(path: str) -> socket.socket:
+    """A non-blocking listening Unix socket at `path`, which appears (renamed into place) complete."""
+    part = path + ".part"
+    for p in (part, path):
+        if os.path.exists(p):
+            os.unlink(p)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(part)
+    listener.listen(64)
+    listener.setblocking(False)
+    os.replace(part, path)
+    return listener
+
+
 def start_hub(spec, name: str, version: str, engine_cfg, generation, path: str, restarted: bool = False,
               drain_s: float = 65.0) -> HubLoop:
     """Build and warm a decoder's engine (`spec`: its ModelSpec; `engine_cfg`, `generation`: the
@@ -374,16 +388,8 @@ def start_hub(spec, name: str, version: str, engine_cfg, generation, path: str, 
         metrics.restarts.inc()
     stop_r, stop_w = os.pipe()
     os.set_blocking(stop_w, False)
-    part = path + ".part"
-    for p in (part, path):
-        if os.path.exists(p):
-            os.unlink(p)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(part)
-    listener.listen(64)
-    listener.setblocking(False)
-    os.replace(part, path)  # appears complete
-    hub = Hub(listener, authkey(), ("ready", engine.cfg, engine.capabilities, os.getpid()), stop_r, metrics, drain_s)
+    hub = Hub(listen(path), authkey(), ("ready", engine.cfg, engine.capabilities, os.getpid()), stop_r, metrics,
+              drain_s)
     log.info("engine hub for %s version %s listening on %s", name, version, path)
     return HubLoop(core, hub, stop_w, path, gen)
 

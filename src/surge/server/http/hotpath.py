@@ -37,6 +37,7 @@ _EMBED = "/embed"
 _OPENAI = "/v1/embeddings"
 _NATIVE_KEYS = frozenset({"inputs", "model", "version"})
 _OPENAI_KEYS = frozenset({"input", "model", "encoding_format", "user"})
+_GENERATE_ENDS = ("/generate", "/generate_stream")  # KServe's generate extension (a cheap test first)
 
 
 def _watched(path: str) -> bool:
@@ -269,7 +270,7 @@ class OuterHotPath:
         if scope["type"] == "http" and self.open and scope["method"] == "POST":
             path = scope["path"]
             hot = self.paths.get(path)
-            if hot is None and path.startswith("/v2/models/") and self.generate.takes(path):
+            if hot is None and path.endswith(_GENERATE_ENDS) and self.generate.takes(path):
                 hot = self.generate  # KServe's generate extension
             if hot is not None:
                 ctype = coding = None
