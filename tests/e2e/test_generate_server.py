@@ -141,6 +141,119 @@ def test_completion_stream_ends_with_done_and_token_prompts_work(server, hf):
     assert chunks[-1]["usage"]["prompt_tokens"] == len(ids)
 
 
+def _by_index(chunks, field):
+    out, finish = {}, {}
+    for c in chunks:
+        for ch in c.choices:
+            out[ch.index] = out.get(ch.index, "") + (field(ch) or "")
+            if ch.finish_reason:
+                assert ch.index not in finish, "two finishing chunks for one choice"
+                finish[ch.index] = ch.finish_reason
+    return out, finish
+
+
+def test_n_choices_greedy_seeded_and_streamed(client, hf):
+    model, tok = hf
+    ids = tok.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    expected, n_tok = hf_text(hf, ids, 11)
+    r = client.chat.completions.create(model="chat-qwen", messages=CHAT, max_tokens=11, temperature=0, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.message.content for c in r.choices] == [expected] * 3
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 3 * n_tok  # the prompt once
+
+    # seeded: choice j samples as a single request with seed + j (longer ones here: other cache keys,
+    # so each is sampled again, and must start the same way)
+    kw = dict(model="chat-qwen", prompt="Assign", temperature=1.0, extra_body={"ignore_eos": True})
+    many = [c.text for c in client.completions.create(**kw, max_tokens=12, seed=10, n=3).choices]
+    singles = [client.completions.create(**kw, max_tokens=13, seed=10 + j).choices[0].text for j in range(3)]
+    assert all(s.startswith(m) for s, m in zip(singles, many)), (many, singles)
+    assert len(set(many)) == 3  # sampled choices differ
+    chunks = list(client.completions.create(**kw, max_tokens=14, seed=10, n=3, stream=True,
+                                            stream_options={"include_usage": True}))
+    texts, finish = _by_index(chunks, lambda ch: ch.text)
+    assert sorted(texts) == [0, 1, 2] and finish == {0: "length", 1: "length", 2: "length"}
+    assert all(texts[j].startswith(singles[j]) for j in range(3)), (texts, singles)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3 * 14
+    assert chunks[-1].usage.prompt_tokens == len(tok("Assign")["input_ids"])
+
+    # chat streamed: a role chunk for each choice, each choice's text whole
+    chunks = list(client.chat.completions.create(model="chat-qwen", messages=CHAT, max_tokens=11, temperature=0,
+                                                 n=2, stream=True))
+    texts, finish = _by_index(chunks, lambda ch: ch.delta.content)
+    assert texts == {0: expected, 1: expected} and set(finish) == {0, 1}
+    roles = [ch.index for c in chunks for ch in c.choices if ch.delta.role == "assistant"]
+    assert roles == [0, 1]
+
+
+def test_several_prompts_with_n_and_echo_streamed(server, hf):
+    model, tok = hf
+    prompts = ["Names refer to", "The assignment statement"]
+    want = [hf_text(hf, tok(p)["input_ids"], 9)[0] for p in prompts]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    whole = client.completions.create(model="chat-qwen", prompt=prompts, n=2, max_tokens=9, temperature=0,
+                                      echo=True)
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    assert [c.text for c in whole.choices] == [p + w for p in prompts for w in (want[0] if p == prompts[0]
+                                                                                 else want[1],) * 2]
+    chunks = list(client.completions.create(model="chat-qwen", prompt=prompts, n=2, max_tokens=9, temperature=0,
+                                            echo=True, stream=True, stream_options={"include_usage": True}))
+    texts, finish = _by_index(chunks, lambda ch: ch.text)
+    assert [texts[k] for k in range(4)] == [c.text for c in whole.choices]
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens == sum(len(tok(p)["input_ids"])
+                                                                               for p in prompts)
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    ids = tok(prompts[1])["input_ids"]  # token prompts echo their decoded text
+    r = client.completions.create(model="chat-qwen", prompt=ids, max_tokens=4, temperature=0, echo=True)
+    assert r.choices[0].text.startswith(tok.decode(ids, skip_special_tokens=True))
+
+
+def test_logit_bias_equals_transformers_sequence_bias(client, hf):
+    model, tok = hf
+    ids = tok("The assignment of")["input_ids"]
+    plain = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=0)[0, len(ids):]
+    # bias against the tokens the unbiased answer takes at steps 1 and 3 (a change a ban would not show)
+    bias = {int(plain[1]): -3.0, int(plain[3]): -2.5, int(plain[0]): 1.5}
+    ref = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=0,
+                         sequence_bias={(t,): b for t, b in bias.items()})[0, len(ids):]
+    assert ref.tolist() != plain.tolist()
+    r = client.completions.create(model="chat-qwen", prompt=ids, max_tokens=12, temperature=0,
+                                  logit_bias={str(t): b for t, b in bias.items()}, logprobs=0)
+    assert r.choices[0].text == tok.decode(ref, skip_special_tokens=True)
+    # a ban (-100) of a token the answer takes, with a repetition penalty applied after the bias
+    banned = {(int(plain[2]),): -100.0}
+    ref = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=0,
+                         sequence_bias=banned, repetition_penalty=1.3)[0, len(ids):]
+    assert int(plain[2]) not in ref.tolist()
+    r = client.completions.create(model="chat-qwen", prompt=ids, max_tokens=12, temperature=0,
+                                  logit_bias={str(int(plain[2])): -100}, extra_body={"repetition_penalty": 1.3})
+    assert r.choices[0].text == tok.decode(ref, skip_special_tokens=True)
+
+
+def test_fields_surge_cannot_honour_are_refused_and_tools_render(server, hf):
+    msg = [{"role": "user", "content": "x"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    for body, param in [({"messages": msg, "response_format": {"type": "json_schema"}}, "response_format"),
+                        ({"messages": msg, "tools": [tool]}, "tool_choice"),
+                        ({"messages": msg, "tools": [tool], "tool_choice": "required"}, "tool_choice"),
+                        ({"messages": msg, "tool_choice": {"type": "function"}}, "tool_choice"),
+                        ({"messages": msg, "logit_bias": {"x": 1}}, "logit_bias"),
+                        ({"messages": msg, "logit_bias": {"5": 101}}, "logit_bias")]:
+        r = _post(server.url + "/v1/chat/completions", json={"model": "chat-qwen", "max_tokens": 2, **body})
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == param
+    # tool_choice "none": the tools rendered into the prompt by the template, as transformers renders them
+    ids = hf[1].apply_chat_template(CHAT, tools=[tool], tokenize=True, add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    r = _post(server.url + "/v1/chat/completions", json={"model": "chat-qwen", "messages": CHAT, "max_tokens": 8,
+                                                          "temperature": 0, "tools": [tool], "tool_choice": "none",
+                                                          "response_format": {"type": "text"}})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids)
+    assert r.json()["choices"][0]["message"]["content"] == hf_text(hf, ids, 8)[0]
+    r = _post(server.url + "/v1/completions", json={"model": "chat-qwen", "prompt": "x", "n": 129})
+    assert r.status_code == 422
+
+
 def test_stop_strings_cut_exactly(client):
     full = client.completions.create(model="chat-qwen", prompt="The target", max_tokens=40, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text

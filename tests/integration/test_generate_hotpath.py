@@ -132,7 +132,11 @@ ERRORS = [
     ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404),
     ("/v1/chat/completions", {"model": "m", "messages": []}, 422),
     ("/v1/completions", {"model": "m", "prompt": "word " * 400, "stream": True}, 400),
-    ("/v1/completions", {"model": "m", "prompt": "x", "echo": True}, 400),
+    ("/v1/completions", {"model": "m", "prompt": "x", "echo": True, "logprobs": 1}, 400),
+    ("/v1/completions", {"model": "m", "prompt": "x", "logit_bias": {"99999": 1}}, 400),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 3,
+                              "response_format": {"type": "json_object"}}, 400),
+    ("/v1/completions", {"model": "m", "prompt": ["a"] * 20, "n": 128, "stream": True}, 413),
     ("/v2/models/nope/generate", {"text_input": "x"}, 404),
     ("/v2/models/m/versions/7/generate_stream", {"text_input": "x"}, 404),
     ("/v2/models/m/generate", {"text_input": ""}, 422),
@@ -179,24 +183,24 @@ def _aborted(srv) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-@pytest.mark.parametrize("stream", [True, False])
-def test_a_client_that_leaves_frees_its_sequence(model_dir, monkeypatch, stream):
+@pytest.mark.parametrize("stream,n", [(True, 1), (False, 1), (True, 3), (False, 3)])
+def test_a_client_that_leaves_frees_its_sequence(model_dir, monkeypatch, stream, n):
     spy = Spy(monkeypatch)
     with InProcessServer(model_dir=str(model_dir), model_name="m", engine={"threads": 1}) as srv:
         svc = srv.state.registry.get("m")
         before, free = _aborted(srv), svc.stats()["free_blocks"]
         data = json.dumps({"model": "m", "prompt": "Names", "max_tokens": 240, "temperature": 0,
-                           "ignore_eos": True, "stream": stream}).encode()
+                           "ignore_eos": True, "stream": stream, "n": n}).encode()
         with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
                          b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
             end = time.monotonic() + 30
-            while svc.stats()["running"] == 0 and time.monotonic() < end:
+            while svc.stats()["running"] < n and time.monotonic() < end:
                 time.sleep(0.005)
-            assert svc.stats()["running"] == 1
+            assert svc.stats()["running"] == n
         end = time.monotonic() + 30
-        while (_aborted(srv) == before or svc.stats()["running"]) and time.monotonic() < end:
+        while (_aborted(srv) < before + n or svc.stats()["running"]) and time.monotonic() < end:
             time.sleep(0.02)
-        assert _aborted(srv) == before + 1
+        assert _aborted(srv) == before + n
         assert svc.stats()["running"] == 0 and svc.stats()["free_blocks"] == free
         assert spy.hot == 1 and spy.routes == 0

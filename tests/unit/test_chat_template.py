@@ -59,6 +59,24 @@ def test_rendering_equals_transformers(name, gen, tokenizer_dirs):
         assert hf(expected, add_special_tokens=False)["input_ids"] == list(ids)
 
 
+TOOL_LIST = [{"type": "function", "function": {"name": "get_weather", "description": "Weather <now> \"here\" é",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "city": {"type": "string"}}, "required": ["city"]}}},
+             {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_tools_render_as_transformers_renders_them(tokenizer_dirs):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tokenizer_dirs["chatml"])
+    ours = ChatTemplate.from_dir(tokenizer_dirs["chatml"])
+    for conv in CONVERSATIONS:
+        expected = hf.apply_chat_template(conv, tools=TOOL_LIST, tokenize=False, add_generation_prompt=True)
+        assert "get_weather" in expected
+        assert ours.render(conv, tools=TOOL_LIST) == expected
+        assert ours.render(conv) == hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+
+
 def test_llama2_template_rejects_bad_roles(tokenizer_dirs):
     ours = ChatTemplate.from_dir(tokenizer_dirs["llama2"])
     with pytest.raises(InvalidInput, match="alternate"):

@@ -1,4 +1,4 @@
-"""Sampling on the device: penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
+"""Sampling on the device: logit bias, penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
 
 Rows are sequences of one step. Greedy rows take the argmax of the (penalized)
 logits. Sampled rows draw with the exponential-race trick (argmax of p / E,
@@ -92,6 +92,11 @@ class Sampler:
         dev = logits.device
         for i, seq in enumerate(seqs):
             p = seq.params
+            if p.logit_bias:
+                # first, as vLLM does: the penalties below then see the biased logits
+                ids, bias = zip(*p.logit_bias)
+                logits[i].index_add_(0, torch.tensor(ids, device=dev),
+                                     torch.tensor(bias, device=dev, dtype=logits.dtype))
             if p.repetition_penalty != 1.0:
                 # transformers' RepetitionPenaltyLogitsProcessor, over prompt and output
                 ids = torch.tensor(sorted(set(seq.token_ids)), device=dev)

@@ -22,6 +22,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top log-probabilities per output token (0: only the chosen one's)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's rule
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -46,6 +47,8 @@ class SamplingParams:
             raise InvalidInput("stop strings must not be empty", param="stop")
         if len(self.stop) > 16:
             raise InvalidInput("at most 16 stop strings are allowed", param="stop")
+        if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
+            raise InvalidInput("logit_bias values must be between -100 and 100", param="logit_bias")
 
     @property
     def greedy(self) -> bool:
@@ -58,7 +61,10 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """The logits are changed before sampling (penalties or a logit bias): a greedy row cannot
+        take the graph's argmax."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))
 
     def key(self) -> tuple:
         d = asdict(self)

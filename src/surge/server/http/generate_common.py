@@ -32,14 +32,31 @@ def stop_list(stop) -> tuple[str, ...]:
 
 def make_params(service, *, max_tokens, temperature, top_p, top_k=None, min_p=None, seed=None, stop=None,
                 stop_token_ids=None, presence_penalty=None, frequency_penalty=None, repetition_penalty=None,
-                ignore_eos=None, logprobs=None) -> SamplingParams:
+                ignore_eos=None, logprobs=None, logit_bias=None) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else service.config.default_max_tokens,
         temperature=1.0 if temperature is None else float(temperature),
         top_p=1.0 if top_p is None else float(top_p), top_k=top_k or 0, min_p=min_p or 0.0, seed=seed,
         stop=stop_list(stop), stop_token_ids=tuple(stop_token_ids or ()),
         presence_penalty=presence_penalty or 0.0, frequency_penalty=frequency_penalty or 0.0,
-        repetition_penalty=repetition_penalty or 1.0, ignore_eos=bool(ignore_eos), logprobs=logprobs)
+        repetition_penalty=repetition_penalty or 1.0, ignore_eos=bool(ignore_eos), logprobs=logprobs,
+        logit_bias=bias_list(logit_bias, service.vocab_size))
+
+
+def bias_list(bias: dict | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias ({"token id": bias}) as sorted (id, bias) pairs; ids checked against the vocabulary."""
+    if not bias:
+        return ()
+    out = []
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidInput(f"logit_bias keys are token ids; got {key!r}", param="logit_bias") from None
+        if not 0 <= token < vocab_size:
+            raise InvalidInput(f"logit_bias token {token} is not in [0, {vocab_size})", param="logit_bias")
+        out.append((token, float(value)))
+    return tuple(sorted(out))
 
 
 def deadline_for(state) -> float:

@@ -5,7 +5,9 @@ apply_chat_template does) and tokenized without special tokens, since the
 template writes them. Streams are server-sent events ending in `data: [DONE]`;
 with `stream_options.include_usage` the last chunk before it carries the usage.
 Beyond OpenAI's fields, vLLM's `top_k`, `min_p`, `repetition_penalty`,
-`ignore_eos` and `stop_token_ids` are accepted.
+`ignore_eos` and `stop_token_ids` are accepted. OpenAI fields surge cannot honour
+(guided `response_format`, tool calls, `suffix`, `echo` with log-probabilities) are
+refused with 400, never ignored; unknown fields are ignored, as vLLM does.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from surge.errors import InvalidInput, PayloadTooLarge
 from surge.server.http.common import parse
 from surge.server.http import generate_common
+from surge.server.http.generate_choices import check_count, choice_params, first_deltas, merged
 from surge.server.http.generate_common import (EventStream, JsonAnswer, counted, counted_stream, deadline_for,
                                                generate_model, make_params, sse, until_disconnect)
 from surge.server.http.openapi import body
@@ -37,7 +40,8 @@ class _Sampling(BaseModel):
     model: StrictStr | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1, le=1, description="Only 1 is supported.")
+    n: int = Field(1, ge=1, le=128, description="Choices a prompt (each a sequence of its own; a seeded "
+                   "request's choice j samples with seed + j).")
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Union[StrictStr, list[StrictStr], None] = None
@@ -45,6 +49,8 @@ class _Sampling(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     user: StrictStr | None = None
+    logit_bias: dict[StrictStr, float] | None = Field(
+        None, description="Token id (a string) -> a bias in [-100, 100] added to its logit before sampling.")
     # extensions (vLLM's names)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
@@ -72,6 +78,10 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: dict | None = Field(None, description="Only {'type': 'text'}: surge has no guided decoding.")
+    tools: list[dict] | None = Field(None, description="Rendered into the prompt by the chat template (with "
+                                     "tool_choice 'none'; surge does not parse tool calls).")
+    tool_choice: Union[StrictStr, dict, None] = None
 
 
 TokenIds = list[StrictInt]
@@ -132,108 +142,143 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
     that leaves while a non-streamed answer is computed). The route and the hot path
     (server/http/generate_hotpath.py) both answer with it."""
     service = generate_model(state, req.model)
-    prompt = service.render_chat(_messages(req), add_generation_prompt=True)
+    check_count(1, req.n, state.config.limits.max_inputs_per_request)
+    _check_unsupported(req)
+    tools = req.tools if req.tools else None
+    prompt = service.render_chat(_messages(req), add_generation_prompt=True, tools=tools)
     ids = service.encode(prompt, special=False)
     params = make_params(service, max_tokens=req.max_completion_tokens or req.max_tokens,
                          temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                          seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
                          presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                          repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos,
-                         logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+                         logprobs=(req.top_logprobs or 0) if req.logprobs else None, logit_bias=req.logit_bias)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     deadline = deadline_for(state)
+    choices = choice_params(params, req.n)
     if not req.stream:
-        res = await until_disconnect(receive, counted(state, service, service.generate(ids, params, deadline=deadline)))
+        results = await until_disconnect(receive, _gather(
+            [counted(state, service, service.generate(ids, p, deadline=deadline)) for p in choices]))
         return JsonAnswer({
             "id": rid, "object": "chat.completion", "created": created, "model": service.name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": res.text},
-                         "logprobs": _chat_logprobs(res.logprobs), "finish_reason": res.finish_reason}],
-            "usage": _usage(res.prompt_tokens, res.completion_tokens),
+            "choices": [{"index": j, "message": {"role": "assistant", "content": res.text},
+                         "logprobs": _chat_logprobs(res.logprobs), "finish_reason": res.finish_reason}
+                        for j, res in enumerate(results)],
+            "usage": _usage(results[0].prompt_tokens, sum(r.completion_tokens for r in results)),
         }, {"x-surge-model-version": service.version})
     usage = bool(req.stream_options and req.stream_options.include_usage)
 
-    def chunk(delta: dict, finish=None, logprobs=None) -> bytes:
+    def chunk(index: int, delta: dict, finish=None, logprobs=None) -> bytes:
         c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": service.name,
-             "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
         if usage:
             c["usage"] = None
         return sse(c)
 
-    agen = counted_stream(state, service, service.stream(ids, params, deadline=deadline))
-    first = await agen.__anext__()  # errors before any output keep their HTTP status
+    agens = [counted_stream(state, service, service.stream(ids, p, deadline=deadline)) for p in choices]
+    firsts = await first_deltas(agens)  # errors before any output keep their HTTP status
+    deltas = merged(agens, firsts)
 
     async def rest():
-        d = first
-        yield chunk({"role": "assistant", "content": ""})
-        while True:
+        for j in range(len(agens)):
+            yield chunk(j, {"role": "assistant", "content": ""})
+        prompt_tokens = completion_tokens = 0
+        async for j, d in deltas:
             if d.text or d.logprobs:
-                yield chunk({"content": d.text}, logprobs=_chat_logprobs(d.logprobs))
+                yield chunk(j, {"content": d.text}, logprobs=_chat_logprobs(d.logprobs))
             if d.finish_reason is not None:
-                yield chunk({}, finish=d.finish_reason)
-                if usage:
-                    yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                               "model": service.name, "choices": [],
-                               "usage": _usage(d.prompt_tokens, d.completion_tokens)})
-                return
-            d = await agen.__anext__()
+                yield chunk(j, {}, finish=d.finish_reason)
+                prompt_tokens, completion_tokens = d.prompt_tokens, completion_tokens + d.completion_tokens
+        if usage:
+            yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                       "model": service.name, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
 
-    return EventStream(_closing(rest(), agen), _error_body)
+    return EventStream(_closing(rest(), deltas, agens), _error_body)
 
 
 async def completion_answer(state: AppState, req: CompletionRequest, receive) -> JsonAnswer | EventStream:
-    """The answer to a validated completions request; as `chat_answer`."""
+    """The answer to a validated completions request; as `chat_answer`. Choice i * n + j is prompt i's
+    choice j."""
     limits = state.config.limits
     service = generate_model(state, req.model)
     if req.suffix:
         raise InvalidInput("'suffix' is not supported", param="suffix")
-    if req.echo:
-        raise InvalidInput("'echo' is not supported", param="echo")
-    prompts = _prompts(req.prompt, service, limits.max_inputs_per_request)
-    if req.stream and len(prompts) > 1:
-        raise InvalidInput("streaming takes a single prompt", param="prompt")
+    if req.echo and req.logprobs is not None:
+        raise InvalidInput("'echo' with 'logprobs' (the prompt's log-probabilities) is not supported",
+                           param="echo")
+    prompts = _prompts(req.prompt, service, limits.max_inputs_per_request, req.echo)
+    check_count(len(prompts), req.n, limits.max_inputs_per_request)
     params = make_params(service, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                          top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop,
                          stop_token_ids=req.stop_token_ids, presence_penalty=req.presence_penalty,
                          frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                         ignore_eos=req.ignore_eos, logprobs=req.logprobs)
+                         ignore_eos=req.ignore_eos, logprobs=req.logprobs, logit_bias=req.logit_bias)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     deadline = deadline_for(state)
+    jobs = [(ids, p) for ids, _ in prompts for p in choice_params(params, req.n)]
+    echoed = [text for _, text in prompts for _ in range(req.n)]
     if not req.stream:
-        results = await until_disconnect(receive, asyncio.gather(
-            *(counted(state, service, service.generate(p, params, deadline=deadline)) for p in prompts)))
+        results = await until_disconnect(receive, _gather(
+            [counted(state, service, service.generate(ids, p, deadline=deadline)) for ids, p in jobs]))
         return JsonAnswer({
             "id": rid, "object": "text_completion", "created": created, "model": service.name,
-            "choices": [{"index": i, "text": res.text, "logprobs": _completion_logprobs(res.logprobs),
-                         "finish_reason": res.finish_reason} for i, res in enumerate(results)],
-            "usage": _usage(sum(r.prompt_tokens for r in results), sum(r.completion_tokens for r in results)),
+            "choices": [{"index": k, "text": echoed[k] + res.text, "logprobs": _completion_logprobs(res.logprobs),
+                         "finish_reason": res.finish_reason} for k, res in enumerate(results)],
+            # a prompt counts once however many choices it has (as OpenAI counts it)
+            "usage": _usage(sum(r.prompt_tokens for r in results[::req.n]),
+                            sum(r.completion_tokens for r in results)),
         }, {"x-surge-model-version": service.version})
     usage = bool(req.stream_options and req.stream_options.include_usage)
 
-    def chunk(text: str, finish=None, logprobs=None) -> bytes:
+    def chunk(index: int, text: str, finish=None, logprobs=None) -> bytes:
         c = {"id": rid, "object": "text_completion", "created": created, "model": service.name,
-             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
         if usage:
             c["usage"] = None
         return sse(c)
 
-    agen = counted_stream(state, service, service.stream(prompts[0], params, deadline=deadline))
-    first = await agen.__anext__()
+    agens = [counted_stream(state, service, service.stream(ids, p, deadline=deadline)) for ids, p in jobs]
+    firsts = await first_deltas(agens)
+    deltas = merged(agens, firsts)
 
     async def rest():
-        d, offset = first, 0
-        while True:
+        offsets = [0] * len(agens)
+        for k, text in enumerate(echoed):
+            if text:
+                yield chunk(k, text)
+        prompt_tokens = completion_tokens = 0
+        async for k, d in deltas:
             if d.text or d.finish_reason is not None or d.logprobs:
-                yield chunk(d.text, d.finish_reason, _completion_logprobs(d.logprobs, offset))
-                offset += len(d.text)
+                yield chunk(k, d.text, d.finish_reason, _completion_logprobs(d.logprobs, offsets[k]))
+                offsets[k] += len(d.text)
             if d.finish_reason is not None:
-                if usage:
-                    yield sse({"id": rid, "object": "text_completion", "created": created,
-                               "model": service.name, "choices": [],
-                               "usage": _usage(d.prompt_tokens, d.completion_tokens)})
-                return
-            d = await agen.__anext__()
+                prompt_tokens += d.prompt_tokens if k % req.n == 0 else 0
+                completion_tokens += d.completion_tokens
+        if usage:
+            yield sse({"id": rid, "object": "text_completion", "created": created, "model": service.name,
+                       "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
 
-    return EventStream(_closing(rest(), agen), _error_body)
+    return EventStream(_closing(rest(), deltas, agens), _error_body)
+
+
+def _check_unsupported(req: ChatCompletionRequest) -> None:
+    """Fields whose meaning surge cannot honour are refused, never ignored."""
+    fmt = (req.response_format or {}).get("type", "text")
+    if fmt != "text":
+        raise InvalidInput(f"response_format '{fmt}' is not supported (surge has no guided decoding)",
+                           param="response_format")
+    if req.tools and req.tool_choice not in ("none",):
+        raise InvalidInput("tool calls are not supported (surge has no tool-call parser); with tool_choice "
+                           "'none' the tools are rendered into the prompt by the chat template",
+                           param="tool_choice")
+    if req.tool_choice not in (None, "none", "auto") and not req.tools:
+        raise InvalidInput("tool_choice needs tools", param="tool_choice")
+
+
+async def _gather(works: list) -> list:
+    if len(works) == 1:
+        return [await works[0]]
+    return list(await asyncio.gather(*works))
 
 
 # path -> (request model, answer, route name): what the routes take, and the hot path in front of them
@@ -257,16 +302,20 @@ def router(state: AppState) -> APIRouter:
     return r
 
 
-async def _closing(gen, inner):
-    """Iterate `gen`; whatever ends it (client gone, error), close the service's stream at once."""
+async def _closing(gen, deltas, agens):
+    """Iterate `gen`; whatever ends it (client gone, error), close the service's streams at once (also
+    when `deltas`, their merge, never started)."""
     try:
         async for x in gen:
             yield x
     finally:
-        await inner.aclose()
+        await deltas.aclose()
+        for a in agens:
+            await a.aclose()
 
 
-def _prompts(raw, service, max_inputs: int) -> list[list[int]]:
+def _prompts(raw, service, max_inputs: int, echo: bool) -> list[tuple[list[int], str]]:
+    """(token ids, the prompt's text when echoed, else "") of each prompt."""
     if isinstance(raw, str):
         items = [raw]
     elif raw and all(isinstance(x, int) for x in raw):
@@ -281,5 +330,6 @@ def _prompts(raw, service, max_inputs: int) -> list[list[int]]:
     for p in items:
         ids = service.encode(p) if isinstance(p, str) else list(p)
         service.check_prompt(ids)
-        out.append(ids)
+        text = (p if isinstance(p, str) else service.decode(ids)) if echo else ""
+        out.append((ids, text))
     return out
