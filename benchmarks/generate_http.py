@@ -129,6 +129,16 @@ def server_ttft(url: str) -> tuple[float, float]:
     return total, count
 
 
+def server_stages(url: str, model: str) -> dict:
+    """{stage: (ns, count)} of the model's KServe statistics: queue (submitted -> first scheduled by the
+    engine), compute_input (-> first token back at the server), compute_infer (the decode)."""
+    import httpx
+
+    (m,) = httpx.get(f"{url}/v2/models/{model}/stats", timeout=30).json()["model_stats"]
+    s = m["inference_stats"]
+    return {k: (s[k]["ns"], s[k]["count"]) for k in ("queue", "compute_input", "compute_infer")}
+
+
 def http_rounds(url: str, model: str, prompts, n_out: int, rounds: int, clients: int) -> list[dict]:
     ctx = mp.get_context("spawn")
     shares = [prompts[i::clients] for i in range(clients)]
@@ -141,14 +151,19 @@ def http_rounds(url: str, model: str, prompts, n_out: int, rounds: int, clients:
         procs.append(p)
     out = []
     for _ in range(rounds):
-        before = server_ttft(url)
+        before, stages0 = server_ttft(url), server_stages(url, model)
         start_at = time.time() + 1.5  # the clients' imports and connections are done by then
         for a in pipes:
             a.send(start_at)
         streams = [s for a in pipes for s in a.recv()]
         wall = max(s["end"] for s in streams) - start_at
-        after = server_ttft(url)
+        after, stages1 = server_ttft(url), server_stages(url, model)
         r = summarize(streams, wall)
+        # the server's TTFT split: waiting for the engine to schedule it, then the prefill and the token's
+        # way back (of the front end that answered /stats: under --workers one front end's share)
+        for k in ("queue", "compute_input"):
+            ns, n = (stages1[k][0] - stages0[k][0]), (stages1[k][1] - stages0[k][1])
+            r[f"server_{k}_mean_ms"] = ns / 1e6 / max(1, n)
         # the server's own TTFT (from the stream's submission to its first token): the rest of the
         # client's is HTTP and the event loop
         r["server_ttft_mean_ms"] = 1e3 * (after[0] - before[0]) / max(1.0, after[1] - before[1])
@@ -218,7 +233,8 @@ def inproc_config(args):
 
 
 def fmt(r: dict) -> str:
-    more = (f"; server's TTFT mean {r['server_ttft_mean_ms']:.1f} ms, sends spread over {r['send_spread_ms']:.1f} ms"
+    more = (f"; server's TTFT mean {r['server_ttft_mean_ms']:.1f} ms (queue {r['server_queue_mean_ms']:.1f} + "
+            f"prefill and back {r['server_compute_input_mean_ms']:.1f}), sends spread over {r['send_spread_ms']:.1f} ms"
             if "server_ttft_mean_ms" in r else "")
     return (f"{r['tok_s']:,.0f} tok/s, TTFT p50 {r['ttft_p50_ms']:.1f} ms, gap p50/p99 {r['gap_p50_ms']:.2f} / "
             f"{r['gap_p99_ms']:.2f} ms{more}")
@@ -296,8 +312,8 @@ def main(argv=None) -> int:
     print(f"\n{shape} ({args.device}, {args.dtype}): {args.streams} streams, {args.prompt}-token prompts, "
           f"{args.output} output tokens, medians of {args.rounds} rounds; the engine loop on a thread of the "
           "server or in a process of its own (GenerationConfig.engine_process), or behind N front ends (--workers)")
-    print("| path | output tok/s | TTFT p50 / p99 ms | server's TTFT mean ms | gap between chunks p50 / p99 ms "
-          "| vs in-process |")
+    print("| path | output tok/s | TTFT p50 / p99 ms | server's TTFT mean ms (queue + prefill and back) | gap "
+          "between chunks p50 / p99 ms | vs in-process |")
     print("| --- | ---: | --- | ---: | --- | ---: |")
     med = {}
     for name in [k for k in record if k.startswith("http ")] + ["in-process thread"]:
@@ -308,7 +324,8 @@ def main(argv=None) -> int:
     base = med.get("in-process thread")
     for name, m in med.items():
         ratio = f"{m['tok_s'] / base['tok_s']:.2f}" if base else "-"
-        server = f"{m['server_ttft_mean_ms']:.1f}" if "server_ttft_mean_ms" in m else "-"
+        server = (f"{m['server_ttft_mean_ms']:.1f} ({m['server_queue_mean_ms']:.1f} + "
+                  f"{m['server_compute_input_mean_ms']:.1f})" if "server_ttft_mean_ms" in m else "-")
         print(f"| {name} | {m['tok_s']:,.0f} | {m['ttft_p50_ms']:.1f} / {m['ttft_p99_ms']:.1f} | {server} | "
               f"{m['gap_p50_ms']:.2f} / {m['gap_p99_ms']:.2f} | {ratio} |")
     record["medians"] = med
