@@ -167,6 +167,9 @@ class GenerationConfig(_Strict):
                                         "detokenization, streams) never wait for each other's GIL; default: on "
                                         "for a CUDA device, off on the CPU.")
     cache_entries: int = Field(1024, ge=0, description="Finished greedy / seeded generations kept (0: off).")
+    tool_call_parser: Literal["none", "hermes"] = Field(
+        "none", description="How a chat answer's tool calls are read (chat requests with `tools` and tool_choice "
+        "'auto'): 'hermes', <tool_call>{json}</tool_call> blocks (Qwen2.5, Hermes); 'none': such requests get 400.")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that gives none.")
 
     def resolved(self, engine: "EngineConfig | None" = None) -> "GenerationConfig":

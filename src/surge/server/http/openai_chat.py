@@ -7,7 +7,8 @@ with `stream_options.include_usage` the last chunk before it carries the usage.
 Beyond OpenAI's fields, vLLM's `top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos` and `stop_token_ids` are accepted. OpenAI fields surge cannot honour
 (guided `response_format`, tool calls, `suffix`, `echo` with log-probabilities) are
-refused with 400, never ignored; unknown fields are ignored, as vLLM does.
+refused with 400, never ignored; unknown fields are ignored, as vLLM does. Tool calls
+are read from the answer with the model's `tool_call_parser` (server/http/tool_calls.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from surge.errors import InvalidInput, PayloadTooLarge
 from surge.server.http.common import parse
 from surge.server.http import generate_common
 from surge.server.http.generate_choices import check_count, choice_params, first_deltas, merged
+from surge.server.http.tool_calls import ToolCallStream
+from surge.server.http.tool_calls import parse as parse_tool_calls
 from surge.server.http.generate_common import (EventStream, JsonAnswer, counted, counted_stream, deadline_for,
                                                generate_model, make_params, sse, until_disconnect)
 from surge.server.http.openapi import body
@@ -79,8 +82,9 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: dict | None = Field(None, description="Only {'type': 'text'}: surge has no guided decoding.")
-    tools: list[dict] | None = Field(None, description="Rendered into the prompt by the chat template (with "
-                                     "tool_choice 'none'; surge does not parse tool calls).")
+    tools: list[dict] | None = Field(None, description="Rendered into the prompt by the chat template; with "
+                                     "tool_choice 'auto' the answer's calls are parsed (the model's "
+                                     "tool_call_parser setting; without one: 400).")
     tool_choice: Union[StrictStr, dict, None] = None
 
 
@@ -143,7 +147,7 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
     (server/http/generate_hotpath.py) both answer with it."""
     service = generate_model(state, req.model)
     check_count(1, req.n, state.config.limits.max_inputs_per_request)
-    _check_unsupported(req)
+    parse_calls = _tool_calls_wanted(req, service)
     tools = req.tools if req.tools else None
     prompt = service.render_chat(_messages(req), add_generation_prompt=True, tools=tools)
     ids = service.encode(prompt, special=False)
@@ -161,9 +165,7 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
             [counted(state, service, service.generate(ids, p, deadline=deadline)) for p in choices]))
         return JsonAnswer({
             "id": rid, "object": "chat.completion", "created": created, "model": service.name,
-            "choices": [{"index": j, "message": {"role": "assistant", "content": res.text},
-                         "logprobs": _chat_logprobs(res.logprobs), "finish_reason": res.finish_reason}
-                        for j, res in enumerate(results)],
+            "choices": [_chat_choice(j, res, parse_calls) for j, res in enumerate(results)],
             "usage": _usage(results[0].prompt_tokens, sum(r.completion_tokens for r in results)),
         }, {"x-surge-model-version": service.version})
     usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -179,15 +181,30 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
     firsts = await first_deltas(agens)  # errors before any output keep their HTTP status
     deltas = merged(agens, firsts)
 
+    calls = [ToolCallStream() for _ in agens] if parse_calls else None
+
     async def rest():
         for j in range(len(agens)):
             yield chunk(j, {"role": "assistant", "content": ""})
         prompt_tokens = completion_tokens = 0
         async for j, d in deltas:
-            if d.text or d.logprobs:
-                yield chunk(j, {"content": d.text}, logprobs=_chat_logprobs(d.logprobs))
-            if d.finish_reason is not None:
-                yield chunk(j, {}, finish=d.finish_reason)
+            finish = d.finish_reason
+            if calls is None:
+                if d.text or d.logprobs:
+                    yield chunk(j, {"content": d.text}, logprobs=_chat_logprobs(d.logprobs))
+            else:
+                pieces = calls[j].feed(d.text) + ([(calls[j].finish(), None)] if finish is not None else [])
+                pieces = [p for p in pieces if p[0] or p[1]] or ([("", None)] if d.logprobs else [])
+                for k, (text, call) in enumerate(pieces):  # the delta's log-probabilities go with its first piece
+                    lp = _chat_logprobs(d.logprobs) if k == 0 else None
+                    if call is None:
+                        yield chunk(j, {"content": text}, logprobs=lp)
+                    else:
+                        yield chunk(j, {"tool_calls": [{"index": _index_of(calls[j], call), **call}]}, logprobs=lp)
+                if finish is not None and calls[j].emitted:
+                    finish = "tool_calls"
+            if finish is not None:
+                yield chunk(j, {}, finish=finish)
                 prompt_tokens, completion_tokens = d.prompt_tokens, completion_tokens + d.completion_tokens
         if usage:
             yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -261,18 +278,41 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
     return EventStream(_closing(rest(), deltas, agens), _error_body)
 
 
-def _check_unsupported(req: ChatCompletionRequest) -> None:
-    """Fields whose meaning surge cannot honour are refused, never ignored."""
+def _tool_calls_wanted(req: ChatCompletionRequest, service) -> bool:
+    """Whether the answer's tool calls are parsed; fields whose meaning surge cannot honour are refused,
+    never ignored."""
     fmt = (req.response_format or {}).get("type", "text")
     if fmt != "text":
         raise InvalidInput(f"response_format '{fmt}' is not supported (surge has no guided decoding)",
                            param="response_format")
-    if req.tools and req.tool_choice not in ("none",):
-        raise InvalidInput("tool calls are not supported (surge has no tool-call parser); with tool_choice "
-                           "'none' the tools are rendered into the prompt by the chat template",
-                           param="tool_choice")
     if req.tool_choice not in (None, "none", "auto") and not req.tools:
         raise InvalidInput("tool_choice needs tools", param="tool_choice")
+    if not req.tools or req.tool_choice == "none":
+        return False
+    if req.tool_choice not in (None, "auto"):
+        raise InvalidInput("only tool_choice 'auto' or 'none' is supported (a required or named tool needs guided "
+                           "decoding)", param="tool_choice")
+    parser = getattr(service.config, "tool_call_parser", "none")
+    if parser == "none":
+        raise InvalidInput(f"model '{service.name}' has no tool-call parser (generation setting tool_call_parser, "
+                           "e.g. hermes); with tool_choice 'none' the tools are rendered into the prompt by the "
+                           "chat template", param="tool_choice")
+    return True
+
+
+def _chat_choice(index: int, res, parse_calls: bool) -> dict:
+    message = {"role": "assistant", "content": res.text}
+    finish = res.finish_reason
+    if parse_calls:
+        content, calls = parse_tool_calls(res.text)
+        if calls:
+            message = {"role": "assistant", "content": content, "tool_calls": calls}
+            finish = "tool_calls"
+    return {"index": index, "message": message, "logprobs": _chat_logprobs(res.logprobs), "finish_reason": finish}
+
+
+def _index_of(stream: ToolCallStream, call: dict) -> int:
+    return next(i for i, c in stream.emitted if c is call)
 
 
 async def _gather(works: list) -> list:

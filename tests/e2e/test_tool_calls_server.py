@@ -1,0 +1,97 @@
+"""Tool calls end to end: a tiny Qwen2-shaped model trained here to answer a weather question with a
+Hermes tool call, served by a real `surge serve --generation tool_call_parser=hermes`, called with the
+real openai client (whole and streamed). The model's text is transformers' greedy text; the calls are
+what that text says."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+openai = pytest.importorskip("openai")
+
+from tests.decoder_models import save_tokenizer, train_tokenizer  # noqa: E402
+from tests.server_process import ServerProcess  # noqa: E402
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                        "required": ["city"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+ANSWER = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """Trained (seconds on the CPU) until its greedy answer to ASK with the tool is ANSWER."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    out = tmp_path_factory.mktemp("toolmodel") / "tool-qwen"
+    out.mkdir()
+    tok = train_tokenizer()
+    tok.add_tokens(["<tool_call>", "</tool_call>", "{", "}", "_", "\n", "?"])  # characters the corpus lacks
+    save_tokenizer(tok, out)
+    eos, bos = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=256, tie_word_embeddings=True,
+                                         bos_token_id=bos, eos_token_id=eos, pad_token_id=bos))
+    hf = AutoTokenizer.from_pretrained(out)
+    prompt = hf.apply_chat_template(ASK, tools=[TOOL], tokenize=False, add_generation_prompt=True)
+    p_ids = hf(prompt, add_special_tokens=False)["input_ids"]
+    a_ids = hf(ANSWER, add_special_tokens=False)["input_ids"] + [eos]
+    assert hf.decode(a_ids, skip_special_tokens=True) == ANSWER
+    ids = torch.tensor([p_ids + a_ids])
+    labels = ids.clone()
+    labels[0, : len(p_ids)] = -100
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(400):
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if loss.item() < 1e-3:
+            break
+    model.eval()
+    got = model.generate(torch.tensor([p_ids]), max_new_tokens=len(a_ids) + 4, do_sample=False)[0, len(p_ids):]
+    assert hf.decode(got, skip_special_tokens=True) == ANSWER, "the model did not learn its answer"
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def client(model_dir):
+    with ServerProcess(str(model_dir), "--threads", "1", "--generation", "tool_call_parser=hermes") as srv:
+        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_a_tool_call_whole_and_streamed(client):
+    r = client.chat.completions.create(model="tool-qwen", messages=ASK, tools=[TOOL], temperature=0, max_tokens=60)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Checking."
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+
+    chunks = list(client.chat.completions.create(model="tool-qwen", messages=ASK, tools=[TOOL], temperature=0,
+                                                 max_tokens=60, stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert content == "Checking." and finishes == ["tool_calls"]
+    assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == \
+        [(0, "get_weather", {"city": "Paris"})]
+
+
+def test_tool_choice_none_leaves_the_text_and_auto_without_tools_is_plain(client):
+    r = client.chat.completions.create(model="tool-qwen", messages=ASK, tools=[TOOL], tool_choice="none",
+                                       temperature=0, max_tokens=60)
+    assert r.choices[0].message.content == ANSWER and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.chat.completions.create(model="tool-qwen", messages=ASK, tools=[TOOL], tool_choice="required",
+                                       max_tokens=4)
