@@ -49,7 +49,9 @@ def test_streamed_in_random_pieces_equals_whole(text, content, calls):
         streamed_text = "".join(t for t, _ in out if t)
         # whole answers with only calls have no content; a stream passes their whitespace on
         assert streamed_text == content if content is not None else not streamed_text.strip()
-        assert _plain([c for _, c in out if c]) == calls
+        emitted = [c for _, c in out if c]
+        assert [i for i, _ in emitted] == list(range(len(calls)))
+        assert _plain([c for _, c in emitted]) == calls
         # nothing that could start a call is let out early
         for t, _ in out:
             assert not t or "<tool_call>" not in t or not calls

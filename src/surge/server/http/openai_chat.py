@@ -200,7 +200,8 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
                     if call is None:
                         yield chunk(j, {"content": text}, logprobs=lp)
                     else:
-                        yield chunk(j, {"tool_calls": [{"index": _index_of(calls[j], call), **call}]}, logprobs=lp)
+                        index, call = call
+                        yield chunk(j, {"tool_calls": [{"index": index, **call}]}, logprobs=lp)
                 if finish is not None and calls[j].emitted:
                     finish = "tool_calls"
             if finish is not None:
@@ -310,9 +311,6 @@ def _chat_choice(index: int, res, parse_calls: bool) -> dict:
             finish = "tool_calls"
     return {"index": index, "message": message, "logprobs": _chat_logprobs(res.logprobs), "finish_reason": finish}
 
-
-def _index_of(stream: ToolCallStream, call: dict) -> int:
-    return next(i for i, c in stream.emitted if c is call)
 
 
 async def _gather(works: list) -> list:

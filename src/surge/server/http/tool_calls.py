@@ -37,7 +37,7 @@ def parse(text: str) -> tuple[str | None, list[dict]]:
     """(content, tool calls) of a whole answer; content None when only calls were written."""
     stream = ToolCallStream()
     content = "".join(piece for piece, _ in stream.feed(text) if piece) + stream.finish()
-    calls = [c for _, c in stream.emitted]
+    calls = stream.emitted
     if calls and not content.strip():
         return None, calls
     return content, calls
@@ -52,16 +52,17 @@ def _held_prefix(text: str) -> int:
 
 
 class ToolCallStream:
-    """Feed text as it is generated; `feed` returns [(content piece, None) | (None, call)] in order."""
+    """Feed text as it is generated; `feed` returns [(content piece, None) | (None, (index, call))] in
+    order, `index` counting the answer's calls from 0 (a streamed tool_calls delta's index)."""
 
     def __init__(self):
         self._buf = ""
         self._inside = False
-        self.emitted: list[tuple[int, dict]] = []  # (index, call)
+        self.emitted: list[dict] = []
 
-    def feed(self, text: str) -> list[tuple[str | None, dict | None]]:
+    def feed(self, text: str) -> list[tuple[str | None, tuple[int, dict] | None]]:
         self._buf += text
-        out: list[tuple[str | None, dict | None]] = []
+        out: list = []
         while True:
             if self._inside:
                 end = self._buf.find(CLOSE)
@@ -73,8 +74,8 @@ class ToolCallStream:
                 if call is None:  # not a call: the block stays text, as written
                     out.append((OPEN + body + CLOSE, None))
                 else:
-                    self.emitted.append((len(self.emitted), call))
-                    out.append((None, call))
+                    out.append((None, (len(self.emitted), call)))
+                    self.emitted.append(call)
                 continue
             start = self._buf.find(OPEN)
             if start >= 0:
