@@ -407,6 +407,24 @@ def test_bad_requests_get_clear_errors(server, client):
     assert "/v1/chat/completions" in _get(url + "/openapi.json").json()["paths"]
 
 
+def test_tei_tokenize_decode_and_info_of_a_decoder(server, hf):
+    model, tok = hf
+    text = "Assignment statements rebind names"
+    r = _post(server.url + "/tokenize", json={"inputs": [text, "x"], "add_special_tokens": False})
+    assert r.status_code == 200, r.text
+    first = r.json()[0]
+    assert [t["id"] for t in first] == tok(text, add_special_tokens=False)["input_ids"]
+    assert "".join(text[t["start"]:t["stop"]] for t in first) == text
+    ids = tok(text)["input_ids"]
+    r = _post(server.url + "/decode", json={"ids": [ids, ids[:2]]})
+    assert r.json() == [tok.decode(ids, skip_special_tokens=True), tok.decode(ids[:2], skip_special_tokens=True)]
+    assert _post(server.url + "/decode", json={"ids": [10 ** 6]}).status_code == 400
+    info = _get(server.url + "/info").json()
+    assert info["task"] == "generate" and info["model_id"] == "chat-qwen"
+    assert info["max_input_length"] == model.config.max_position_embeddings
+    assert info["model_type"]["generate"]["chat_template"] is True
+
+
 def test_client_disconnect_frees_kv_blocks(server):
     aborted = metric(server, "surge_generate_requests_total", finish_reason="abort")
     body = {"model": "chat-qwen", "prompt": "Assignment", "max_tokens": 200, "temperature": 0, "stream": True,

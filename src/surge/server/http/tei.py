@@ -91,6 +91,31 @@ class DecodeRequest(BaseModel):
     model: StrictStr | None = None
 
 
+def _tokenizer(served):
+    """(tokenizers.Tokenizer, vocabulary size) of a served model: an encoder's worker's, a decoder's own."""
+    worker = getattr(served, "worker", None)
+    tok = getattr(getattr(worker, "tokenizer", None), "backend", None) if worker is not None \
+        else getattr(served, "tokenizer", None)
+    if tok is None:
+        raise InvalidInput(f"model '{served.name}' has no tokenizer", param="model")
+    return tok, (worker.tokenizer.vocab_size if worker is not None else tok.get_vocab_size())
+
+
+def _generate_info(served, limits) -> dict:
+    """TEI's /info of a decoder model (TEI itself serves none): its limits and the generation settings."""
+    cfg = served.config
+    meta = served.kserve_metadata([])
+    caps = getattr(getattr(served, "engine", None), "capabilities", None)  # a Ray replica's stand-in has none
+    return {"model_id": served.name, "model_sha": None, "model_dtype": getattr(caps, "dtype", None),
+            "task": "generate",
+            "model_type": {"generate": {"chat_template": served.chat_template is not None,
+                                        "tool_call_parser": cfg.tool_call_parser}},
+            "architecture": None, "platform": meta["platform"],
+            "max_concurrent_requests": cfg.max_waiting, "max_input_length": served.max_model_len,
+            "max_batch_tokens": cfg.max_num_batched_tokens, "max_client_batch_size": limits.max_inputs_per_request,
+            "tokenization_workers": 1, "version": __version__, "sha": None, "docker_label": None}
+
+
 def _direction(value: str | None) -> None:
     if value not in (None, "right", "Right"):
         raise InvalidInput("truncation_direction: only 'right' is supported", param="truncation_direction")
@@ -212,7 +237,7 @@ def router(state: AppState) -> APIRouter:
         req = await parse(request, TokenizeRequest, limits.max_body_bytes)
         served = registry.get(req.model)
         texts = check_texts([req.inputs] if isinstance(req.inputs, str) else req.inputs, "inputs", limits)
-        tok = served.worker.tokenizer.backend
+        tok, _ = _tokenizer(served)
         encs = tok.encode_batch(texts, add_special_tokens=req.add_special_tokens)
         out = []
         for text, e in zip(texts, encs):
@@ -228,18 +253,19 @@ def router(state: AppState) -> APIRouter:
         seqs = [req.ids] if req.ids and isinstance(req.ids[0], int) else req.ids
         if not seqs or any(not s for s in seqs):
             raise InvalidInput("'ids' must be a non-empty list of token ids (or of such lists)", param="ids")
-        tok = served.worker.tokenizer
-        vocab = tok.vocab_size
+        tok, vocab = _tokenizer(served)
         for i, s in enumerate(seqs):
             if min(s) < 0 or max(s) >= vocab:
                 raise InvalidInput(f"ids[{i}] has a token id outside [0, {vocab})", param="ids")
-        return ORJSONResponse(tok.backend.decode_batch(seqs, skip_special_tokens=req.skip_special_tokens))
+        return ORJSONResponse(tok.decode_batch(seqs, skip_special_tokens=req.skip_special_tokens))
 
     @r.get("/info")
     async def info(model: str | None = None):
         served = registry.get(model)
-        spec = served.spec
         task = getattr(served, "task", "embed")
+        if task == "generate":
+            return ORJSONResponse(_generate_info(served, limits))
+        spec = served.spec
         if task == "embed":
             model_type = {"embedding": {"pooling": spec.pooling}}
         else:
