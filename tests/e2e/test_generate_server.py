@@ -425,6 +425,80 @@ def test_tei_tokenize_decode_and_info_of_a_decoder(server, hf):
     assert info["model_type"]["generate"]["chat_template"] is True
 
 
+def _triton_inputs(mod, prompt: str, sampling: dict, **flags):
+    import json
+
+    import numpy as np
+
+    t = mod.InferInput("text_input", [1], "BYTES")
+    t.set_data_from_numpy(np.array([prompt.encode()], dtype=object))
+    sp = mod.InferInput("sampling_parameters", [1], "BYTES")
+    sp.set_data_from_numpy(np.array([json.dumps(sampling).encode()], dtype=object))
+    out = [t, sp]
+    for name, value in flags.items():
+        f = mod.InferInput(name, [1], "BOOL")
+        f.set_data_from_numpy(np.array([value]))
+        out.append(f)
+    return out
+
+
+def test_kserve_infer_as_tritons_vllm_backend_takes_it(server, hf):
+    """tritonclient (HTTP and gRPC, unary and a decoupled stream) against a decoder model with the
+    vLLM backend's tensors: text_input, sampling_parameters, stream, exclude_input_in_output, return_*."""
+    import queue
+
+    import tritonclient.grpc as tg
+    import tritonclient.http as th
+
+    model, tok = hf
+    prompt = "The augmented assignment"
+    want, n = hf_text(hf, tok(prompt)["input_ids"], 10)
+    sampling = {"max_tokens": 10, "temperature": 0}
+    http = th.InferenceServerClient(server.url.removeprefix("http://"))
+    r = http.infer("chat-qwen", _triton_inputs(th, prompt, sampling, return_finish_reason=True,
+                                               return_num_input_tokens=True, return_num_output_tokens=True))
+    assert r.as_numpy("text_output")[0].decode() == prompt + want  # the prompt first, as the vLLM backend
+    assert r.as_numpy("finish_reason")[0].decode() == ("length" if n == 10 else "stop")
+    assert int(r.as_numpy("num_input_tokens")[0]) == len(tok(prompt)["input_ids"])
+    assert int(r.as_numpy("num_output_tokens")[0]) == n
+    r = http.infer("chat-qwen", _triton_inputs(th, prompt, sampling, exclude_input_in_output=True),
+                   outputs=[th.InferRequestedOutput("text_output", binary_data=False)])
+    assert r.as_numpy("text_output")[0] in (want, want.encode())  # JSON data: tritonclient may keep the str
+    with pytest.raises(Exception, match="ModelStreamInfer"):
+        http.infer("chat-qwen", _triton_inputs(th, prompt, sampling, stream=True))
+
+    grpc_client = tg.InferenceServerClient(server.grpc_url)
+    r = grpc_client.infer("chat-qwen", _triton_inputs(tg, prompt, sampling, exclude_input_in_output=True))
+    assert r.as_numpy("text_output")[0].decode() == want
+    got: queue.Queue = queue.Queue()
+    grpc_client.start_stream(callback=lambda result, error: got.put((result, error)))
+    try:
+        grpc_client.async_stream_infer("chat-qwen", _triton_inputs(tg, prompt, sampling, stream=True),
+                                       request_id="s1")
+        pieces, finals = [], []
+        while not finals or not finals[-1]:
+            result, error = got.get(timeout=60)
+            assert error is None, error
+            assert result.get_response().id == "s1"
+            pieces.append(result.as_numpy("text_output")[0].decode())
+            finals.append(result.get_response().parameters["triton_final_response"].bool_param)
+        grpc_client.async_stream_infer("chat-qwen", _triton_inputs(tg, prompt, sampling, nope=True),
+                                       request_id="bad")
+        _, error = got.get(timeout=60)
+        assert error is not None and "text_input" in str(error)
+    finally:
+        grpc_client.stop_stream()
+    assert "".join(pieces) == want and finals == [False] * (len(finals) - 1) + [True] and len(pieces) > 1
+
+    body = {"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": [prompt]},
+                       {"name": "sampling_parameters", "shape": [1], "datatype": "BYTES", "data": ["[1]"]}]}
+    r = _post(server.url + "/v2/models/chat-qwen/infer", json=body)
+    assert r.status_code == 400 and "sampling_parameters" in r.json()["error"]
+    body = {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": [prompt]}]}
+    r = _post(server.url + "/v2/models/chat-qwen/infer", json=body)
+    assert r.status_code == 400 and "text_input" in r.json()["error"]
+
+
 def test_client_disconnect_frees_kv_blocks(server):
     aborted = metric(server, "surge_generate_requests_total", finish_reason="abort")
     body = {"model": "chat-qwen", "prompt": "Assignment", "max_tokens": 200, "temperature": 0, "stream": True,

@@ -4,7 +4,8 @@ streaming), LogSettings, TraceSetting and the shared-memory RPCs.
 ModelStreamInfer: each request on the stream runs as soon as it arrives (up to
 STREAM_INFLIGHT at once per stream, then reading waits), through the same path
 as ModelInfer; each response carries its request's id, in completion order, as
-Triton's decoupled streams do. An error belongs to its request: it comes back
+Triton's decoupled streams do. A generate model's request with `stream` true gets
+a response a delta (server/kserve_generate_infer.py). An error belongs to its request: it comes back
 as that response's error_message (naming the request id, since tritonclient's
 stream callback gets only the message) and the stream goes on.
 """
@@ -56,7 +57,8 @@ def _trace_response(values: dict) -> pb.TraceSettingResponse:
 
 
 class TritonExtras:
-    """Mixed into InferenceServicer: needs `self._infer(request)` and `self.registry`."""
+    """Mixed into InferenceServicer: needs `self._infer_stream(request)` (the responses to one request:
+    one, or a streamed generation's) and `self.registry`."""
 
     async def ModelStreamInfer(self, request_iterator, context):
         out: asyncio.Queue = asyncio.Queue()
@@ -65,15 +67,15 @@ class TritonExtras:
 
         async def one(request):
             try:
-                response = pb.ModelStreamInferResponse(infer_response=await self._infer(request))
+                async for response in self._infer_stream(request):
+                    out.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
             except SurgeError as exc:
-                response = _stream_error(request, exc.message)
+                out.put_nowait(_stream_error(request, exc.message))
             except Exception:  # noqa: BLE001 - logged, answered like ModelInfer's catch-all
                 log.exception("unhandled error in gRPC ModelStreamInfer")
-                response = _stream_error(request, "internal server error")
+                out.put_nowait(_stream_error(request, "internal server error"))
             finally:
                 slots.release()
-            out.put_nowait(response)
 
         async def read():
             try:

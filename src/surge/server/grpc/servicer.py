@@ -15,6 +15,7 @@ import grpc
 
 from surge.errors import InvalidInput, NotFound, SurgeError, shown
 from surge.server import kserve_contract as contract
+from surge.server import kserve_generate_infer as gen
 from surge.server import kserve_tensor
 from surge.server.grpc import grpc_service_pb2 as pb
 from surge.server.grpc import grpc_service_pb2_grpc as pb_grpc
@@ -160,6 +161,9 @@ class InferenceServicer(TritonExtras, pb_grpc.GRPCInferenceServiceServicer):
         outputs = [(o.name, parameters(o.parameters)) for o in request.outputs]
         if kserve_tensor.is_tensor_model(service):
             return await self._tensor_infer(service, request, outputs)
+        if getattr(service, "task", "embed") == "generate":  # server/kserve_generate_infer.py's contract
+            p = self._generate_prepare(request)
+            return self._generate_response(request, p, await gen.answer(self.state, p), outputs)
         if getattr(service, "task", "embed") in ("classify", "rerank", "token-classify"):  # task models: server/kserve_tasks.py's contract
             from surge.server import kserve_tasks
 
@@ -183,6 +187,35 @@ class InferenceServicer(TritonExtras, pb_grpc.GRPCInferenceServiceServicer):
         response.outputs.add(name=contract.EMBEDDING, datatype=decoded.output_datatype, shape=list(array.shape))
         response.raw_output_contents.append(array.tobytes())
         return response
+
+    def _generate_prepare(self, request):
+        return gen.prepare(self.state, request.model_name, request.model_version or None, decode_inputs(request),
+                           parameters(request.parameters))
+
+    @staticmethod
+    def _generate_response(request, p, arrays, outputs) -> pb.ModelInferResponse:
+        wanted = {n for n, _ in outputs}
+        response = pb.ModelInferResponse(model_name=p.service.name, model_version=p.service.version, id=request.id)
+        for name, dtype, array in arrays:
+            if not wanted or name in wanted:
+                response.outputs.add(name=name, datatype=dtype, shape=list(array.shape))
+                response.raw_output_contents.append(kserve_tensor.raw_bytes(array))
+        return response
+
+    async def _infer_stream(self, request):
+        """ModelStreamInfer's responses to one request: one, or a streamed generation's deltas (each with
+        `triton_final_response`, true on the last, as Triton's decoupled models answer)."""
+        service = self.registry.get(request.model_name, request.model_version or None)
+        if getattr(service, "task", "embed") == "generate":
+            p = self._generate_prepare(request)
+            if p.flags.get("stream"):
+                outputs = [(o.name, parameters(o.parameters)) for o in request.outputs]
+                async for arrays, final in gen.stream(self.state, p):
+                    response = self._generate_response(request, p, arrays, outputs)
+                    _set_param(response.parameters, "triton_final_response", final)
+                    yield response
+                return
+        yield await self._infer(request)
 
     async def _tensor_infer(self, service, request, outputs):
         inputs = kserve_tensor.to_arrays(decode_inputs(request))

@@ -21,6 +21,7 @@ from surge.errors import InvalidInput, NotFound, shown
 from surge.server import kserve_contract as contract
 from surge.server import kserve_tensor
 from surge.server.http.common import ORJSONResponse, decode_json, read_body
+from surge.server.http.generate_common import until_disconnect
 from surge.server.http.openapi import BINARY, JSON, body
 from surge.server.state import AppState
 from surge.runtime.request import response_headers
@@ -185,6 +186,8 @@ def router(state: AppState) -> APIRouter:
             return await tensor_infer(service, req, binary, outputs)
         if getattr(service, "task", "embed") in ("classify", "rerank", "token-classify"):  # task models: server/kserve_tasks.py's contract
             return await _task_infer(service, req, binary, outputs)
+        if getattr(service, "task", "embed") == "generate":  # server/kserve_generate_infer.py's contract
+            return await generate_infer(request, name, version, req, binary, outputs)
         decoded = contract.decode_request(decode_inputs(req.inputs, binary), req.parameters, outputs,
                                           limits.max_inputs_per_request, limits.max_input_chars)
         result = await state.run(service, texts=decoded.texts, token_ids=decoded.token_ids,
@@ -244,13 +247,27 @@ def router(state: AppState) -> APIRouter:
     async def tensor_infer(service, req: _InferRequest, binary: bytes, outputs: list[tuple[str, dict]]):
         inputs = kserve_tensor.to_arrays(decode_inputs(req.inputs, binary))
         result = await kserve_tensor.run(state, service, inputs, kserve_tensor.check_outputs(outputs))
+        return _tensors(result.model, result.version, req, list(result.outputs.items()), outputs)
+
+    async def generate_infer(request: Request, name: str, version: str | None, req: _InferRequest, binary: bytes,
+                             outputs: list[tuple[str, dict]]):
+        from surge.server import kserve_generate_infer as gen
+
+        p = gen.prepare(state, name, version, decode_inputs(req.inputs, binary), req.parameters)
+        arrays = await until_disconnect(request.receive, gen.answer(state, p))
+        wanted = {n for n, _ in outputs}
+        return _tensors(p.service.name, p.service.version, req,
+                        [(n, a) for n, _, a in arrays if not wanted or n in wanted], outputs)
+
+    def _tensors(model: str, version: str, req: _InferRequest, arrays: list, outputs: list[tuple[str, dict]]):
+        """The response of named output arrays, each in JSON or binary as the request asks."""
         binary_default = bool(req.parameters.get("binary_data_output", False))
         wants = {n: bool(p.get("binary_data", binary_default)) for n, p in outputs}
-        body = {"model_name": result.model, "model_version": result.version, "outputs": []}
+        body = {"model_name": model, "model_version": version, "outputs": []}
         if req.id is not None:
             body["id"] = req.id
         raws = []
-        for out_name, array in result.outputs.items():
+        for out_name, array in arrays:
             out = {"name": out_name, "datatype": kserve_tensor.datatype_of(array), "shape": list(array.shape)}
             if wants.get(out_name, binary_default):
                 raw = kserve_tensor.raw_bytes(array)
@@ -259,7 +276,7 @@ def router(state: AppState) -> APIRouter:
             else:
                 out["data"] = kserve_tensor.json_data(array)
             body["outputs"].append(out)
-        headers = {"x-surge-model-version": result.version}
+        headers = {"x-surge-model-version": version}
         if not raws:
             return ORJSONResponse(body, headers=headers)
         head = orjson.dumps(body)

@@ -1,0 +1,116 @@
+"""KServe v2 inference on a decoder model, as Triton's vLLM backend takes it (what tritonclient users of
+Triton + vLLM send):
+
+  in   text_input               BYTES [1]  the prompt
+       stream                   BOOL  [1]  optional: one response a delta (gRPC ModelStreamInfer only)
+       sampling_parameters      BYTES [1]  optional: a JSON object (max_tokens, temperature, top_p, ...)
+       exclude_input_in_output  BOOL  [1]  optional: a non-streamed text_output without the prompt
+                                           (default false: prompt + completion, as the vLLM backend)
+       return_finish_reason / return_num_input_tokens / return_num_output_tokens  BOOL [1]  optional
+  out  text_output              BYTES [1]  (and finish_reason BYTES, num_input_tokens / num_output_tokens
+                                           UINT32, when asked)
+
+The request's `parameters` may carry the sampling parameters too (as the generate extension's body). A
+streamed response's last one has the parameter `triton_final_response` true. Both protocol layers call
+`prepare` and encode what `answer` / `stream` give.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from surge.errors import InvalidInput
+from surge.server.http.generate_common import counted, counted_stream, deadline_for, generate_model, make_params
+from surge.server.kserve_contract import InputTensor
+
+TEXT_INPUT, TEXT_OUTPUT = "text_input", "text_output"
+FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
+         "return_num_output_tokens")
+KNOWN = {TEXT_INPUT, "sampling_parameters", *FLAGS}
+SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+            "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "logit_bias")
+
+
+@dataclass
+class Prepared:
+    service: object
+    prompt: str
+    ids: list[int]
+    params: object
+    flags: dict
+
+
+def _one(t: InputTensor, datatype: str):
+    if t.datatype != datatype:
+        raise InvalidInput(f"input '{t.name}' must have datatype {datatype}, got {t.datatype}", param=t.name)
+    if len(t.values) != 1:
+        raise InvalidInput(f"input '{t.name}' must hold one element (shape [1] or [1,1]), got shape "
+                           f"{list(t.shape)}", param=t.name)
+    return t.values[0]
+
+
+def prepare(state, name: str, version: str | None, inputs: list[InputTensor], parameters: dict) -> Prepared:
+    service = generate_model(state, name, version)
+    by_name = {t.name: t for t in inputs}
+    unknown = sorted(set(by_name) - KNOWN)
+    if unknown or TEXT_INPUT not in by_name:
+        raise InvalidInput(f"a generate model takes '{TEXT_INPUT}' (BYTES [1]) and optionally "
+                           f"'sampling_parameters' and {', '.join(repr(f) for f in FLAGS)}"
+                           + (f"; got {unknown[0]!r}" if unknown else ""), param=TEXT_INPUT)
+    try:
+        prompt = _one(by_name[TEXT_INPUT], "BYTES").decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidInput(f"input '{TEXT_INPUT}' holds invalid UTF-8", param=TEXT_INPUT) from None
+    flags = {f: bool(_one(by_name[f], "BOOL")) for f in FLAGS if f in by_name}
+    sampling = {k: v for k, v in parameters.items() if k in SAMPLING}
+    if "sampling_parameters" in by_name:
+        raw = _one(by_name["sampling_parameters"], "BYTES")
+        try:
+            given = json.loads(raw)
+        except ValueError:
+            raise InvalidInput("sampling_parameters must be a JSON object", param="sampling_parameters") from None
+        if not isinstance(given, dict):
+            raise InvalidInput("sampling_parameters must be a JSON object", param="sampling_parameters")
+        sampling.update(given)
+    try:
+        params = make_params(service, **{k: sampling.get(k) for k in SAMPLING})
+    except (TypeError, ValueError, AttributeError) as exc:  # a value of the wrong type
+        raise InvalidInput(f"sampling_parameters: {exc}", param="sampling_parameters") from None
+    ids = service.encode(prompt)
+    service.check_prompt(ids)
+    return Prepared(service, prompt, ids, params, flags)
+
+
+def outputs(p: Prepared, text: str, finish: str | None, prompt_tokens: int, completion_tokens: int) -> list:
+    """[(name, datatype, numpy array)] of one response."""
+    out = [(TEXT_OUTPUT, "BYTES", np.array([text.encode()], dtype=object))]
+    if p.flags.get("return_finish_reason"):
+        out.append(("finish_reason", "BYTES", np.array([(finish or "").encode()], dtype=object)))
+    if p.flags.get("return_num_input_tokens"):
+        out.append(("num_input_tokens", "UINT32", np.array([prompt_tokens], dtype=np.uint32)))
+    if p.flags.get("return_num_output_tokens"):
+        out.append(("num_output_tokens", "UINT32", np.array([completion_tokens], dtype=np.uint32)))
+    return out
+
+
+async def answer(state, p: Prepared) -> list:
+    """A non-streamed answer's outputs."""
+    if p.flags.get("stream"):
+        raise InvalidInput("'stream' needs gRPC ModelStreamInfer (or POST .../generate_stream)", param="stream")
+    res = await counted(state, p.service, p.service.generate(p.ids, p.params, deadline=deadline_for(state)))
+    text = res.text if p.flags.get("exclude_input_in_output") else p.prompt + res.text
+    return outputs(p, text, res.finish_reason, res.prompt_tokens, res.completion_tokens)
+
+
+async def stream(state, p: Prepared):
+    """(outputs, final) a delta; the caller closes it when its client leaves."""
+    agen = counted_stream(state, p.service, p.service.stream(p.ids, p.params, deadline=deadline_for(state)))
+    try:
+        async for d in agen:
+            final = d.finish_reason is not None
+            yield outputs(p, d.text, d.finish_reason, d.prompt_tokens, d.completion_tokens), final
+    finally:
+        await agen.aclose()
