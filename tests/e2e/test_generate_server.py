@@ -208,6 +208,32 @@ def test_several_prompts_with_n_and_echo_streamed(server, hf):
     assert r.choices[0].text.startswith(tok.decode(ids, skip_special_tokens=True))
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, hf):
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs 1, max_tokens 1): the prompt's tokens
+    with transformers' FP32 log-probabilities, the first without one; streamed the same."""
+    model, tok = hf
+    context, continuation = "Assignment statements are used to", " bind names to values"
+    ids = tok(context + continuation)["input_ids"]
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), dim=-1)
+    want = lp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+    kw = dict(model="chat-qwen", prompt=context + continuation, max_tokens=1, temperature=0, echo=True, logprobs=1)
+    r = client.completions.create(**kw)
+    lps = r.choices[0].logprobs
+    assert r.choices[0].text.startswith(context + continuation)
+    assert lps.token_logprobs[0] is None and lps.top_logprobs[0] is None
+    assert lps.token_logprobs[1:len(ids)] == pytest.approx(want, abs=1e-4)
+    assert len(lps.tokens) == len(ids) + 1 == len(lps.text_offset)  # the prompt, then the one generated token
+    assert lps.text_offset[len(ids)] == len(context + continuation)
+    greedy = [max(d, key=d.get) for d in lps.top_logprobs[1:len(ids)]]
+    assert greedy == [tok.decode([int(t)]) for t in lp[:-1].argmax(-1)]
+    chunks = list(client.completions.create(**kw, stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert streamed[0].token_logprobs[0] is None
+    assert streamed[0].token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+
+
 def test_logit_bias_equals_transformers_sequence_bias(client, hf):
     model, tok = hf
     ids = tok("The assignment of")["input_ids"]

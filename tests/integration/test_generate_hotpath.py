@@ -132,7 +132,7 @@ ERRORS = [
     ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404),
     ("/v1/chat/completions", {"model": "m", "messages": []}, 422),
     ("/v1/completions", {"model": "m", "prompt": "word " * 400, "stream": True}, 400),
-    ("/v1/completions", {"model": "m", "prompt": "x", "echo": True, "logprobs": 1}, 400),
+    ("/v1/completions", {"model": "m", "prompt": "x", "suffix": "y"}, 400),
     ("/v1/completions", {"model": "m", "prompt": "x", "logit_bias": {"99999": 1}}, 400),
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 3,
                               "response_format": {"type": "json_object"}}, 400),

@@ -317,3 +317,50 @@ def test_l2_prefetch_is_checked_and_only_taken_on_a_gpu_that_has_it(model_dirs, 
     drive(engine, sched, seqs, [0, 0, 2])
     for s, p in zip(seqs, prompts):
         assert s.output_ids == hf_greedy(hf_models["llama"], p, 6)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "qwen2"])
+def test_prompt_logprobs_equal_transformers(name, model_dirs, hf_models):
+    """OpenAI's echo with logprobs: the log-probabilities of every prompt token from the second on, and the
+    top ones, as transformers' FP32 forward gives them, also when the prompt is prefilled in chunks (a
+    16-token budget), its prefix is in the prefix cache (it must then be computed anyway) and the sequence
+    is preempted and recomputed (each position handed out once)."""
+    engine = DecoderEngine(model_dirs[name], num_blocks=22, block_size=4)
+    sched = Scheduler(SchedulerConfig(num_blocks=22, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                                      max_model_len=256), engine.cfg.eos_token_ids)
+    prompts = prompts_for(engine.cfg.vocab_size, 11)
+    scored = {1, 3, 4, 5, 7, 8}  # 23 and 41 tokens (chunked), 2 tokens, 17 (preempted), two with the shared prefix
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                          prompt_logprobs=3 if i in scored else None))
+            for i, p in enumerate(prompts)]
+    got: dict[int, list] = {}
+    step, order = 0, [0, 0, 0, 3, 5, 9, 0, 30, 31]
+    pending = sorted(range(len(seqs)), key=lambda i: order[i])
+    while pending or sched.has_work:
+        while pending and order[pending[0]] <= step:
+            sched.add(seqs[pending.pop(0)])
+        if sched.has_work:
+            scheduled = sched.schedule()
+            outs = engine.step(scheduled)
+            for sid, o in outs.items():
+                if o.prompt is not None:
+                    assert sid not in got, "a prompt's log-probabilities are handed out once"
+                    got[sid] = o.prompt
+            sched.update(scheduled, {k: v.token for k, v in outs.items()})
+        step += 1
+    hf = hf_models[name]
+    for i in sorted(scored):
+        p = prompts[i]
+        with torch.no_grad():
+            lp = torch.log_softmax(hf(torch.tensor([p])).logits[0, :-1].double(), dim=-1)
+        want = lp.gather(1, torch.tensor(p[1:])[:, None])[:, 0].tolist()
+        entries = got.get(i, [])
+        assert [t for t, _, _ in entries] == p[1:], f"prompt {i}: every token from the second, in order"
+        assert [v for _, v, _ in entries] == pytest.approx(want, abs=1e-4)
+        top_v, top_i = lp.topk(3, dim=-1)
+        for (_, _, top), ti, tv in zip(entries, top_i.tolist(), top_v.tolist()):
+            assert [t for t, _ in top][0] == ti[0] and [v for _, v in top] == pytest.approx(tv, abs=1e-4)
+        assert seqs[i].output_ids == hf_greedy(hf, p, 12)
+    assert all(i not in got for i in range(len(seqs)) if i not in scored)
+    assert sched.preemptions > 0 and sched.blocks.hit_tokens > 0
+    assert any(seqs[i].preemptions for i in scored), [s.preemptions for s in seqs]

@@ -48,6 +48,8 @@ class Delta:
     # on the last delta: KServe statistics' stages in ns (queue: until admitted; compute_input: the
     # prefill, until the first token; compute_infer: the decode, first to last token)
     timings: dict | None = None
+    # params.prompt_logprobs, on the first delta: the prompt's tokens from the second on, as `logprobs`
+    prompt_logprobs: list[dict] | None = None
 
 
 @dataclass
@@ -60,6 +62,7 @@ class GenerationResult:
     logprobs: list[dict] | None = None
     cached: bool = False
     timings: dict | None = None
+    prompt_logprobs: list[dict] | None = None
 
 
 class _Handle:
@@ -198,15 +201,18 @@ class GenerateService(PromptText):
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, *,
                        deadline: float | None = None, use_cache: bool = True) -> GenerationResult:
-        text, ids, logprobs, last = [], [], [], None
+        text, ids, logprobs, last, prompt_lps = [], [], [], None, None
         async for d in self.stream(prompt_ids, params, deadline=deadline, use_cache=use_cache):
+            if prompt_lps is None:
+                prompt_lps = d.prompt_logprobs
             text.append(d.text)
             ids.extend(d.token_ids)
             if d.logprobs:
                 logprobs.extend(d.logprobs)
             last = d
         return GenerationResult("".join(text), ids, last.finish_reason, last.prompt_tokens, last.completion_tokens,
-                                logprobs if params.logprobs is not None else None, last.cached, last.timings)
+                                logprobs if params.logprobs is not None else None, last.cached, last.timings,
+                                prompt_lps)
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams, *,
                      deadline: float | None = None, use_cache: bool = True) -> AsyncIterator[Delta]:
@@ -224,7 +230,7 @@ class GenerateService(PromptText):
             self.metrics.cache_hits.inc()
             for d in self._cache[key]:
                 yield Delta(d.text, d.token_ids, d.logprobs, d.finish_reason, d.prompt_tokens, d.completion_tokens,
-                            cached=True)
+                            cached=True, prompt_logprobs=d.prompt_logprobs)
             return
         if self._queued() >= self.config.max_waiting:
             raise Overloaded(f"model '{self.name}': {self.config.max_waiting} requests already wait for KV cache "
@@ -454,11 +460,9 @@ class GenerateService(PromptText):
                         if finish is not None:
                             text += state.flush()
                     lp = None
-                    if h.logprobs:
-                        out = samples.get(sid) if samples else None
-                        if out is not None:
-                            lp = {"token_id": token, "token": self.decode([token]), "logprob": out.logprob,
-                                  "top": [(self.decode([t]), v, t) for t, v in (out.top or [])]}
+                    out = samples.get(sid) if samples else None
+                    if h.logprobs and out is not None:
+                        lp = self._logprob(token, out.logprob, out.top)
                     d = h.delta
                     if d is None:
                         lps = ([lp] if lp is not None else []) if h.logprobs else None
@@ -469,6 +473,8 @@ class GenerateService(PromptText):
                         if lp is not None:
                             d.logprobs.append(lp)
                         d.finish_reason, d.completion_tokens = finish, n
+                    if out is not None and out.prompt is not None:
+                        d.prompt_logprobs = [self._logprob(t, v, top) for t, v, top in out.prompt]
                     if finish is not None:
                         h.done = True
                         queued_until = h.seq.scheduled_at or h.start
@@ -484,6 +490,10 @@ class GenerateService(PromptText):
             metrics.observe_itl(itl)
         if count:
             metrics.output.inc(count)
+
+    def _logprob(self, token: int, logprob: float, top) -> dict:
+        return {"token_id": token, "token": self.decode([token]), "logprob": logprob,
+                "top": [(self.decode([t]), v, t) for t, v in (top or [])]}
 
     def _fail(self, seq_id: int, err: Exception) -> None:
         h = self._handles.get(seq_id)

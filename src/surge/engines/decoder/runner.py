@@ -158,13 +158,44 @@ class DecoderEngine:
             max_query=max(q_lens), q_lens=q_lens, ctx_lens=ctx, tables=tables)
         hidden = self.model.forward(torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
                                     torch.from_numpy(pos).to(dev, non_blocking=True), self.kv, meta)
+        if any(s.seq.owes_prompt_logprobs for s in scheduled):
+            self._score_prompts(scheduled, hidden, qstart)
         if not sample_rows:
             return {}
         last = torch.as_tensor(qstart[1:][sample_rows] - 1, dtype=torch.long).to(dev, non_blocking=True)
         logits = self.model.logits(hidden.index_select(0, last))
         seqs = [scheduled[i].seq for i in sample_rows]
-        outs = self.sampler(logits, seqs)
+        return self._outs(seqs, self.sampler(logits, seqs))
+
+    @staticmethod
+    def _outs(seqs, outs) -> dict[int, SampleOut]:
+        """{seq_id: SampleOut}; a sequence's scored prompt goes out with its first sampled token."""
+        for seq, o in zip(seqs, outs):
+            if seq.prompt_lps is not None:
+                o.prompt, seq.prompt_lps = seq.prompt_lps, None
         return {seq.seq_id: o for seq, o in zip(seqs, outs)}
+
+    def _score_prompts(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor, qstart) -> None:
+        """The model's log-probabilities of the prompt tokens this step computed the positions before
+        (OpenAI's `echo` with `logprobs`): position p scores token p + 1, from the raw logits as the
+        sampled tokens' are. A position is scored once, also when a preempted sequence recomputes it."""
+        for i, s in enumerate(scheduled):
+            seq = s.seq
+            if not seq.owes_prompt_logprobs:
+                continue
+            lo, hi = max(s.start, seq.prompt_scored), min(s.start + s.num_tokens, seq.num_prompt - 1)
+            if lo >= hi:
+                continue
+            rows = torch.arange(qstart[i] + lo - s.start, qstart[i] + hi - s.start, device=hidden.device)
+            lp = torch.log_softmax(self.model.logits(hidden.index_select(0, rows)).float(), dim=-1)
+            nxt = torch.tensor(seq.token_ids[lo + 1:hi + 1], device=hidden.device)
+            chosen = lp.gather(1, nxt[:, None])[:, 0].tolist()
+            k = seq.params.prompt_logprobs
+            top_v, top_i = (lp.topk(k, dim=-1) if k else (None, None))
+            tops = [list(zip(ti, tv)) for ti, tv in zip(top_i.tolist(), top_v.tolist())] if k else [[]] * len(chosen)
+            seq.prompt_lps = (seq.prompt_lps or []) + [(t, v, top) for t, v, top in
+                                                       zip(seq.token_ids[lo + 1:hi + 1], chosen, tops)]
+            seq.prompt_scored = hi
 
     def _decode_graph(self, scheduled: list[ScheduledSeq]) -> dict[int, SampleOut]:
         if self.can_launch(scheduled):
@@ -178,8 +209,7 @@ class DecoderEngine:
         if max(len(t) for t in tables) > self.graphs.width:
             raise ValueError("a block table is wider than max_model_len allows")
         logits, _ = self.graphs.run(ids, pos, slots, tables)
-        outs = self.sampler(logits, seqs)
-        return {q.seq_id: o for q, o in zip(seqs, outs)}
+        return self._outs(seqs, self.sampler(logits, seqs))
 
     # -- launched decode steps (runtime/scheduler/overlap.py) ------------------------------------------
     def can_launch(self, scheduled: list[ScheduledSeq]) -> bool:

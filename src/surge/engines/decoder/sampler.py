@@ -22,6 +22,9 @@ class SampleOut:
     token: int
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None  # (token, logprob), best first
+    # with the first sampled token of a sequence that asked for them: its prompt's (token, logprob,
+    # top) from the second token on (the runner's prefill scores them)
+    prompt: list | None = None
 
 
 class Sampler:

@@ -53,7 +53,7 @@ class BlockManager:
         At least one token is left to compute: its logits give the next token."""
         bs = self.block_size
         seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
-        if not self.prefix_caching:
+        if not self.prefix_caching or seq.owes_prompt_logprobs:
             return
         parent = _ROOT
         usable = (seq.num_tokens - 1) // bs

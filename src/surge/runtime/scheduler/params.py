@@ -23,6 +23,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top log-probabilities per output token (0: only the chosen one's)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's rule
+    prompt_logprobs: int | None = None  # log-probabilities of the prompt's tokens (and this many top ones)
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -43,6 +44,8 @@ class SamplingParams:
                 raise InvalidInput(f"{name} must be between -2 and 2", param=name)
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidInput("top_logprobs / logprobs must be between 0 and 20", param="logprobs")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise InvalidInput("prompt log-probabilities: at most 20 top ones", param="logprobs")
         if any(not s for s in self.stop):
             raise InvalidInput("stop strings must not be empty", param="stop")
         if len(self.stop) > 16:

@@ -36,12 +36,16 @@ class Sequence:
     # until its step is read back; a sequence whose last token is launched stops being scheduled
     draining: bool = False
     fast: bool = False  # greedy, no penalties, no logprobs: its tokens can stay on the device
+    # params.prompt_logprobs: the prompt positions scored so far (position p scores token p + 1) and
+    # their (token, logprob, top) not yet handed out (with the first sampled token's SampleOut)
+    prompt_scored: int = 0
+    prompt_lps: list | None = None
 
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
         p = self.params
-        self.fast = p.greedy and not p.penalized and p.logprobs is None
+        self.fast = p.greedy and not p.penalized and p.logprobs is None and p.prompt_logprobs is None
 
     @property
     def num_tokens(self) -> int:
@@ -50,6 +54,11 @@ class Sequence:
     @property
     def num_prompt(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def owes_prompt_logprobs(self) -> bool:
+        """Prompt positions are still to be scored (its prefix must be computed, not taken from the cache)."""
+        return self.params.prompt_logprobs is not None and self.prompt_scored < self.num_prompt - 1
 
     def append(self, token: int) -> None:
         self.token_ids.append(token)

@@ -130,7 +130,15 @@ def _completion_logprobs(items, offset0: int = 0) -> dict | None:
         offsets.append(pos)
         pos += len(it["token"])
     return {"tokens": [it["token"] for it in items], "token_logprobs": [it["logprob"] for it in items],
-            "top_logprobs": [{t: v for t, v, _ in it["top"]} for it in items], "text_offset": offsets}
+            "top_logprobs": [None if it["top"] is None else {t: v for t, v, _ in it["top"]} for it in items],
+            "text_offset": offsets}
+
+
+def _joined(echo: dict | None, out: dict | None) -> dict | None:
+    """An echoed prompt's logprobs followed by the completion's (whose offsets already count the prompt)."""
+    if echo is None or out is None:
+        return echo or out
+    return {k: echo[k] + out[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
 def _usage(prompt: int, completion: int) -> dict:
@@ -221,26 +229,34 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
     service = generate_model(state, req.model)
     if req.suffix:
         raise InvalidInput("'suffix' is not supported", param="suffix")
-    if req.echo and req.logprobs is not None:
-        raise InvalidInput("'echo' with 'logprobs' (the prompt's log-probabilities) is not supported",
-                           param="echo")
     prompts = _prompts(req.prompt, service, limits.max_inputs_per_request, req.echo)
     check_count(len(prompts), req.n, limits.max_inputs_per_request)
     params = make_params(service, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                          top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop,
                          stop_token_ids=req.stop_token_ids, presence_penalty=req.presence_penalty,
                          frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                         ignore_eos=req.ignore_eos, logprobs=req.logprobs, logit_bias=req.logit_bias)
+                         ignore_eos=req.ignore_eos, logprobs=req.logprobs, logit_bias=req.logit_bias,
+                         prompt_logprobs=req.logprobs if req.echo else None)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     deadline = deadline_for(state)
     jobs = [(ids, p) for ids, _ in prompts for p in choice_params(params, req.n)]
     echoed = [text for _, text in prompts for _ in range(req.n)]
+
+    def echo_logprobs(k: int, scored) -> dict | None:
+        """Choice k's prompt as `logprobs` (the first token has none, as OpenAI's echo)."""
+        if not (req.echo and req.logprobs is not None):
+            return None
+        ids = jobs[k][0]
+        first = {"token": service.decode([ids[0]]), "logprob": None, "top": None}
+        return _completion_logprobs([first, *(scored or [])])
     if not req.stream:
         results = await until_disconnect(receive, _gather(
             [counted(state, service, service.generate(ids, p, deadline=deadline)) for ids, p in jobs]))
         return JsonAnswer({
             "id": rid, "object": "text_completion", "created": created, "model": service.name,
-            "choices": [{"index": k, "text": echoed[k] + res.text, "logprobs": _completion_logprobs(res.logprobs),
+            "choices": [{"index": k, "text": echoed[k] + res.text,
+                         "logprobs": _joined(echo_logprobs(k, res.prompt_logprobs),
+                                             _completion_logprobs(res.logprobs, len(echoed[k]))),
                          "finish_reason": res.finish_reason} for k, res in enumerate(results)],
             # a prompt counts once however many choices it has (as OpenAI counts it)
             "usage": _usage(sum(r.prompt_tokens for r in results[::req.n]),
@@ -260,10 +276,10 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
     deltas = merged(agens, firsts)
 
     async def rest():
-        offsets = [0] * len(agens)
+        offsets = [len(text) for text in echoed]
         for k, text in enumerate(echoed):
             if text:
-                yield chunk(k, text)
+                yield chunk(k, text, logprobs=echo_logprobs(k, firsts[k].prompt_logprobs))
         prompt_tokens = completion_tokens = 0
         async for k, d in deltas:
             if d.text or d.finish_reason is not None or d.logprobs:
