@@ -539,3 +539,37 @@ def test_bulk_prefetch_runs_on_any_size_and_leaves_data(sizes):
         bulk_prefetch(ts * 5)
     with pytest.raises(ValueError, match="contiguous"):
         bulk_prefetch([torch.zeros(64, 64, device="cuda").t()])
+
+
+@pytest.mark.parametrize("dtype,tol", [("fp32", 2e-3), ("bf16", 0.15)])
+def test_prompt_logprobs_follow_transformers(qwen_dir, dtype, tol):
+    """OpenAI's echo with logprobs on the GPU (the varlen prefill, a 64-token budget so prompts are chunked,
+    CUDA graphs captured for the decode): every prompt token from the second scored once, within tolerance
+    of transformers' FP32 forward (BF16: the model's own rounding)."""
+    from transformers import AutoModelForCausalLM
+
+    from surge.engines.decoder import DecoderEngine
+    from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
+
+    prompts = _prompts(384, 6)
+    engine = DecoderEngine(qwen_dir, device="cuda", dtype=dtype, num_blocks=512, max_num_seqs=16, max_model_len=512)
+    engine.warmup()
+    sched = Scheduler(SchedulerConfig(num_blocks=engine.num_blocks, block_size=engine.block_size, max_num_seqs=16,
+                                      max_num_batched_tokens=64, max_model_len=512), ())
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=2))
+            for i, p in enumerate(prompts)]
+    for s in seqs:
+        sched.add(s)
+    got = {}
+    while sched.has_work:
+        scheduled = sched.schedule()
+        outs = engine.step(scheduled)
+        got.update({k: v.prompt for k, v in outs.items() if v.prompt is not None})
+        sched.update(scheduled, {k: v.token for k, v in outs.items()})
+    hf = AutoModelForCausalLM.from_pretrained(qwen_dir, dtype=torch.float32).cuda().eval()
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            lp = torch.log_softmax(hf(torch.tensor([p], device="cuda")).logits[0, :-1].double(), dim=-1)
+        want = lp.gather(1, torch.tensor(p[1:], device="cuda")[:, None])[:, 0].tolist()
+        assert [t for t, _, _ in got[i]] == p[1:] and all(len(top) == 2 for _, _, top in got[i])
+        assert [v for _, v, _ in got[i]] == pytest.approx(want, abs=tol)

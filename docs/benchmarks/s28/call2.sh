@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 28, call 2: the shared-engine GPU test (FP32 now on both sides), and generation through `surge serve`
+# Session 28, call 2: the shared-engine GPU test (FP32 now on both sides), prompt log-probabilities on CUDA, and generation through `surge serve`
 # (engine process, and 4 front ends) with the server's TTFT split into the engine's queue and the prefill (KServe
 # statistics), and py-spy profiles of each server (all its processes) over its measured rounds.
 # Carry build/whl and build/pyspy (py-spy 0.4.3's manylinux wheel).
@@ -8,7 +8,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:src
 PYSPY=/tmp/site/bin/py-spy
 ( nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv; nproc; date -u ) > $OUT/env.txt 2>&1
-t=$(date +%s); timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu/test_decoder_cuda.py -k "shared_engine" > $OUT/tests.txt 2>&1; echo "tests rc=$? $(( $(date +%s) - t )) s" >> $OUT/env.txt
+t=$(date +%s); timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu/test_decoder_cuda.py -k "shared_engine or prompt_logprobs" > $OUT/tests.txt 2>&1; echo "tests rc=$? $(( $(date +%s) - t )) s" >> $OUT/env.txt
 t=$(date +%s)
 timeout 400 python3 benchmarks/generate_http.py --device cuda --shape qwen2-0.5b --rounds 5 --engine process --workers 4 --json $OUT/http.json > $OUT/http.txt 2>&1 &
 bench=$!
