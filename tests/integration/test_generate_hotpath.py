@@ -133,6 +133,7 @@ ERRORS = [
     ("/v1/chat/completions", {"model": "m", "messages": []}, 422),
     ("/v1/completions", {"model": "m", "prompt": "word " * 400, "stream": True}, 400),
     ("/v1/completions", {"model": "m", "prompt": "x", "suffix": "y"}, 400),
+    ("/v1/completions", {"model": "m", "prompt": "x", "n": 2, "best_of": 3}, 400),
     ("/v1/completions", {"model": "m", "prompt": "x", "logit_bias": {"99999": 1}}, 400),
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 3,
                               "response_format": {"type": "json_object"}}, 400),

@@ -97,6 +97,7 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     suffix: StrictStr | None = None
+    best_of: int | None = Field(None, ge=1, description="Only equal to n (no server-side ranking of choices).")
 
 
 ANSWER_OR_STREAM = {200: {"description": "The answer (JSON), or with `stream` server-sent events ending in "
@@ -229,6 +230,8 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
     service = generate_model(state, req.model)
     if req.suffix:
         raise InvalidInput("'suffix' is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise InvalidInput("'best_of' other than n is not supported (surge does not rank choices)", param="best_of")
     prompts = _prompts(req.prompt, service, limits.max_inputs_per_request, req.echo)
     check_count(len(prompts), req.n, limits.max_inputs_per_request)
     params = make_params(service, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
