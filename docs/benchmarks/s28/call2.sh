@@ -21,4 +21,6 @@ for n in 1 2; do
   echo "py-spy $n rc=$?" >> $OUT/env.txt
 done
 wait $bench; echo "http rc=$? $(( $(date +%s) - t )) s" >> $OUT/env.txt
-cat $OUT/env.txt; grep -E "round|^\|" $OUT/http.txt; tail -3 $OUT/tests.txt; tail -2 $OUT/pyspy_1.txt
+# the engine process with one decode step a launch: does the multi-step launches' drain make a burst's TTFT?
+t=$(date +%s); timeout 150 python3 benchmarks/generate_http.py --device cuda --shape qwen2-0.5b --rounds 4 --engine process --skip-inproc --server-arg=--generation --server-arg=decode_steps=1 --json $OUT/http_ds1.json > $OUT/http_ds1.txt 2>&1; echo "http ds1 rc=$? $(( $(date +%s) - t )) s" >> $OUT/env.txt
+cat $OUT/env.txt; grep -E "round|^\|" $OUT/http.txt; grep -E "^\| http" $OUT/http_ds1.txt; tail -3 $OUT/tests.txt; tail -2 $OUT/pyspy_1.txt
