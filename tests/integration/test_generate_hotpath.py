@@ -205,3 +205,23 @@ def test_a_client_that_leaves_frees_its_sequence(model_dir, monkeypatch, stream,
         assert _aborted(srv) == before + n
         assert svc.stats()["running"] == 0 and svc.stats()["free_blocks"] == free
         assert spy.hot == 1 and spy.routes == 0
+
+
+def test_a_choice_refused_for_a_full_queue_stops_its_siblings(model_dir, monkeypatch):
+    """n = 6 with room for 2 in the queue: 429 with Retry-After, and no choice of the refused request goes
+    on decoding its 240 tokens for nobody (the engine ran a step or two, its blocks all back)."""
+    Spy(monkeypatch)
+    with InProcessServer(model_dir=str(model_dir), model_name="m", engine={"threads": 1},
+                         generation={"max_waiting": 2}) as srv:
+        svc = srv.state.registry.get("m")
+        free = svc.stats()["free_blocks"]
+        body = {"model": "m", "prompt": "Names", "max_tokens": 240, "temperature": 0.7, "ignore_eos": True, "n": 6}
+        with httpx.Client(base_url=f"http://127.0.0.1:{srv.port}", timeout=60) as c:
+            r = c.post("/v1/completions", json=body)
+        assert r.status_code == 429 and "retry-after" in r.headers
+        end = time.monotonic() + 5
+        while (svc.stats()["running"] or svc.stats()["waiting"]) and time.monotonic() < end:
+            time.sleep(0.01)
+        stats = svc.stats()
+        assert stats["running"] == 0 and stats["waiting"] == 0 and stats["free_blocks"] == free
+        assert stats.get("steps", 0) < 100, "the choices already sent must not decode on"

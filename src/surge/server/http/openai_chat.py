@@ -333,9 +333,18 @@ def _chat_choice(index: int, res, parse_calls: bool) -> dict:
 
 
 async def _gather(works: list) -> list:
+    """Every choice's result; the first failure (a 429 for the tenth choice, say) cancels the others, whose
+    sequences would otherwise run on for nobody (asyncio.gather leaves them running)."""
     if len(works) == 1:
         return [await works[0]]
-    return list(await asyncio.gather(*works))
+    tasks = [asyncio.ensure_future(w) for w in works]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 # path -> (request model, answer, route name): what the routes take, and the hot path in front of them
