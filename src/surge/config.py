@@ -166,11 +166,6 @@ class GenerationConfig(_Strict):
                                         "process of its own, so that it and the server's event loop (HTTP, "
                                         "detokenization, streams) never wait for each other's GIL; default: on "
                                         "for a CUDA device, off on the CPU.")
-    burst_wait_ms: float = Field(0.0, ge=0, le=1000, description="An idle engine woken by a request holds its "
-                                 "first step while more requests keep coming (each within burst_quiet_ms of the "
-                                 "last), at most this long, so a burst is prefilled in one step; 0: off.")
-    burst_quiet_ms: float = Field(1.0, gt=0, le=1000, description="With burst_wait_ms: the gap between arrivals "
-                                  "that ends a burst.")
     cache_entries: int = Field(1024, ge=0, description="Finished greedy / seeded generations kept (0: off).")
     tool_call_parser: Literal["none", "hermes"] = Field(
         "none", description="How a chat answer's tool calls are read (chat requests with `tools` and tool_choice "

@@ -5,7 +5,6 @@ consumes the stream."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
@@ -215,50 +214,6 @@ def test_requests_submitted_in_one_event_loop_pass_are_prefilled_in_one_step(mod
     for tokens, admitted in rounds:
         assert admitted == [8], admitted  # all eight prompts started in one step
         assert tokens[:2] == alone and all(len(t) == 6 for t in tokens)
-
-
-def test_a_burst_spread_over_passes_is_prefilled_in_one_step_with_burst_wait(model_dir):
-    """GenerationConfig.burst_wait_ms: requests submitted in separate event-loop passes a few ms apart (HTTP
-    requests parsed one after another) reach an idle engine that holds its first step while they keep
-    coming, so all are prefilled in one step; each stream's tokens equal the prompt's alone. The gaps
-    here are far inside the quiet gap, so the machine's speed does not decide the grouping."""
-    reg = CollectorRegistry()
-    service = _service(model_dir, reg, cache_entries=0, burst_wait_ms=1000, burst_quiet_ms=500)
-    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-    g = torch.Generator().manual_seed(12)
-    prompts = [torch.randint(5, 200, (int(n),), generator=g).tolist()
-               for n in torch.randint(8, 30, (6,), generator=g)]
-
-    idle = threading.Event()  # the engine thread asleep in its idle wait (so the burst finds it idle)
-    wait = service._channel.wait
-
-    def watched_wait(timeout=None):
-        if timeout is None:
-            idle.set()
-        try:
-            wait(timeout)
-        finally:
-            idle.clear()
-
-    service._channel.wait = watched_wait
-
-    async def main():
-        alone = [(await service.generate(p, params)).token_ids for p in prompts[:2]]
-        while not idle.is_set():
-            await asyncio.sleep(0.01)
-        seen = _record_schedules(service)
-        jobs = []
-        for p in prompts:
-            jobs.append(asyncio.ensure_future(service.generate(p, params)))
-            await asyncio.sleep(0.005)  # each submission in a pass of its own
-        outs = await asyncio.gather(*jobs)
-        del service.scheduler.schedule
-        await service.close()
-        return alone, [o.token_ids for o in outs], [n for n in seen if n]
-
-    alone, tokens, admitted = asyncio.run(main())
-    assert admitted == [6], admitted
-    assert tokens[:2] == alone and all(len(t) == 5 for t in tokens)
 
 
 def test_a_stream_closed_before_its_pass_ends_never_reaches_the_engine(model_dir):

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 28, call 4: a burst held at an idle engine (GenerationConfig.burst_wait_ms 4, burst_quiet_ms 1) against
+# Session 28, call 4 (03:56 UTC): a burst held at an idle engine (GenerationConfig.burst_wait_ms 4, burst_quiet_ms 1,
+# commit dcab7d6; removed after this call: no gain) against
 # the default through `surge serve` (engine process), Qwen2-0.5B shape, 64 streams. Carry build/whl.
 set +e
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site build/whl/*.whl > $OUT/pip.txt 2>&1

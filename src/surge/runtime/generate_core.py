@@ -94,8 +94,6 @@ class EngineLoop:
         self.received = 0
         self.busy_s = 0.0  # time inside the step loop (schedule, launch, read back, resolve)
         self.closed = False
-        self.burst_s = getattr(config, "burst_wait_ms", 0.0) / 1e3
-        self.quiet_s = getattr(config, "burst_quiet_ms", 1.0) / 1e3
 
     def state(self) -> EngineState:
         s, b = self.scheduler, self.scheduler.blocks
@@ -130,25 +128,6 @@ class EngineLoop:
         self._fresh = [s for s in self._fresh if not s.scheduled_at and s.status is not SeqStatus.FINISHED]
         return done
 
-    def _gather_burst(self, channel, out) -> None:
-        """Woken while idle: requests that keep arriving, each within `quiet_s` of the last, join the
-        first one for at most `burst_s`, so a burst that reaches the engine over a few ms (HTTP requests
-        parsed one after another) is prefilled in one step instead of in several, each also decoding
-        the ones before (GenerationConfig.burst_wait_ms)."""
-        end = time.monotonic() + self.burst_s
-        for msg in channel.drain():
-            self.handle(msg, out)
-        while not self.closed and self.loop.busy:
-            left = end - time.monotonic()
-            if left <= 0:
-                return
-            before = self.received
-            channel.wait(min(self.quiet_s, left))
-            for msg in channel.drain():
-                self.handle(msg, out)
-            if self.received == before:
-                return
-
     def run(self, channel, out) -> None:
         loop = self.loop
 
@@ -164,8 +143,6 @@ class EngineLoop:
             if not loop.busy:
                 out.state(self.state())
                 channel.wait()
-                if self.burst_s:
-                    self._gather_burst(channel, out)
                 continue
             try:
                 t0 = time.perf_counter()
