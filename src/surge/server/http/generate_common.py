@@ -141,20 +141,30 @@ SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
 class EventStream:
     """A streamed answer: its events after the first (computed before answering, so that 429 / 400 /
     504 keep their status); an error after the headers becomes the event `render_error(exc)`, and
-    `done` ends the stream with `data: [DONE]`."""
+    `done` ends the stream with `data: [DONE]`. `close()`, awaited whatever ends the events (client
+    gone, error, end), closes the service's streams at once (here rather than in one more generator
+    around `rest`, a layer every chunk would pass)."""
 
     rest: AsyncIterator[bytes]
     render_error: Callable
     done: bool = True
+    close: Callable | None = None
 
     async def events(self) -> AsyncIterator[bytes]:
         try:
-            async for chunk in self.rest:
-                yield chunk
-        except SurgeError as exc:  # after the headers: an error event ends the stream
-            yield sse(self.render_error(exc))
-        if self.done:
-            yield b"data: [DONE]\n\n"
+            try:
+                async for chunk in self.rest:
+                    yield chunk
+            except SurgeError as exc:  # after the headers: an error event ends the stream
+                yield sse(self.render_error(exc))
+            if self.done:
+                yield b"data: [DONE]\n\n"
+        finally:
+            aclose = getattr(self.rest, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            if self.close is not None:
+                await self.close()
 
 
 @dataclass

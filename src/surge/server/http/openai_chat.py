@@ -220,7 +220,7 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
             yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                        "model": service.name, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
 
-    return EventStream(_closing(rest(), deltas, agens), _error_body)
+    return EventStream(rest(), _error_body, close=_closer(deltas, agens))
 
 
 async def completion_answer(state: AppState, req: CompletionRequest, receive) -> JsonAnswer | EventStream:
@@ -295,7 +295,7 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
             yield sse({"id": rid, "object": "text_completion", "created": created, "model": service.name,
                        "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
 
-    return EventStream(_closing(rest(), deltas, agens), _error_body)
+    return EventStream(rest(), _error_body, close=_closer(deltas, agens))
 
 
 def _tool_calls_wanted(req: ChatCompletionRequest, service) -> bool:
@@ -368,16 +368,13 @@ def router(state: AppState) -> APIRouter:
     return r
 
 
-async def _closing(gen, deltas, agens):
-    """Iterate `gen`; whatever ends it (client gone, error), close the service's streams at once (also
-    when `deltas`, their merge, never started)."""
-    try:
-        async for x in gen:
-            yield x
-    finally:
+def _closer(deltas, agens):
+    """EventStream.close: the merge and every service stream (also when the merge never started)."""
+    async def close():
         await deltas.aclose()
         for a in agens:
             await a.aclose()
+    return close
 
 
 def _prompts(raw, service, max_inputs: int, echo: bool) -> list[tuple[list[int], str]]:
