@@ -194,8 +194,7 @@ def test_several_prompts_with_n_and_echo_streamed(server, hf):
     whole = client.completions.create(model="chat-qwen", prompt=prompts, n=2, max_tokens=9, temperature=0,
                                       echo=True)
     assert [c.index for c in whole.choices] == [0, 1, 2, 3]
-    assert [c.text for c in whole.choices] == [p + w for p in prompts for w in (want[0] if p == prompts[0]
-                                                                                 else want[1],) * 2]
+    assert [c.text for c in whole.choices] == [p + w for p, w in zip(prompts, want) for _ in range(2)]
     chunks = list(client.completions.create(model="chat-qwen", prompt=prompts, n=2, max_tokens=9, temperature=0,
                                             echo=True, stream=True, stream_options={"include_usage": True}))
     texts, finish = _by_index(chunks, lambda ch: ch.text)
@@ -492,10 +491,21 @@ def test_kserve_infer_as_tritons_vllm_backend_takes_it(server, hf):
     assert r.as_numpy("text_output")[0] in (want, want.encode())  # JSON data: tritonclient may keep the str
     with pytest.raises(Exception, match="ModelStreamInfer"):
         http.infer("chat-qwen", _triton_inputs(th, prompt, sampling, stream=True))
+    r = http.infer("chat-qwen", _triton_inputs(th, prompt, sampling, return_num_output_tokens=True),
+                   outputs=[th.InferRequestedOutput("num_output_tokens")])  # only the output named
+    assert [o["name"] for o in r.get_response()["outputs"]] == ["num_output_tokens"]
+    with pytest.raises(Exception, match="return_finish_reason"):
+        http.infer("chat-qwen", _triton_inputs(th, prompt, sampling),
+                   outputs=[th.InferRequestedOutput("finish_reason")])
 
     grpc_client = tg.InferenceServerClient(server.grpc_url)
-    r = grpc_client.infer("chat-qwen", _triton_inputs(tg, prompt, sampling, exclude_input_in_output=True))
+    r = grpc_client.infer("chat-qwen", _triton_inputs(tg, prompt, sampling, exclude_input_in_output=True,
+                                                      return_num_input_tokens=True),
+                          outputs=[tg.InferRequestedOutput("text_output")])
     assert r.as_numpy("text_output")[0].decode() == want
+    assert [o.name for o in r.get_response().outputs] == ["text_output"]
+    with pytest.raises(Exception, match="'nope' is not produced"):
+        grpc_client.infer("chat-qwen", _triton_inputs(tg, prompt, sampling), outputs=[tg.InferRequestedOutput("nope")])
     got: queue.Queue = queue.Queue()
     grpc_client.start_stream(callback=lambda result, error: got.put((result, error)))
     try:

@@ -207,7 +207,7 @@ def test_a_client_that_leaves_frees_its_sequence(model_dir, monkeypatch, stream,
         assert spy.hot == 1 and spy.routes == 0
 
 
-def test_a_choice_refused_for_a_full_queue_stops_its_siblings(model_dir, monkeypatch):
+def test_a_request_refused_for_a_full_queue_leaves_nothing_running(model_dir, monkeypatch):
     """n = 6 with room for 2 in the queue: 429 with Retry-After, and no choice of the refused request goes
     on decoding its 240 tokens for nobody (the engine ran a step or two, its blocks all back)."""
     Spy(monkeypatch)
@@ -219,7 +219,7 @@ def test_a_choice_refused_for_a_full_queue_stops_its_siblings(model_dir, monkeyp
         with httpx.Client(base_url=f"http://127.0.0.1:{srv.port}", timeout=60) as c:
             r = c.post("/v1/completions", json=body)
         assert r.status_code == 429 and "retry-after" in r.headers
-        end = time.monotonic() + 5
+        end = time.monotonic() + 60  # generous: a busy machine reports late; the step count decides
         while (svc.stats()["running"] or svc.stats()["waiting"]) and time.monotonic() < end:
             time.sleep(0.01)
         stats = svc.stats()

@@ -29,6 +29,9 @@ from surge.server.kserve_contract import InputTensor
 TEXT_INPUT, TEXT_OUTPUT = "text_input", "text_output"
 FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
          "return_num_output_tokens")
+# the outputs besides text_output, and the flag that asks for each
+OPTIONAL_OUTPUTS = {"finish_reason": "return_finish_reason", "num_input_tokens": "return_num_input_tokens",
+                    "num_output_tokens": "return_num_output_tokens"}
 KNOWN = {TEXT_INPUT, "sampling_parameters", *FLAGS}
 SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
             "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "logit_bias")
@@ -41,6 +44,7 @@ class Prepared:
     ids: list[int]
     params: object
     flags: dict
+    wanted: set  # the outputs the request names (empty: all it asked for)
 
 
 def _one(t: InputTensor, datatype: str):
@@ -52,7 +56,9 @@ def _one(t: InputTensor, datatype: str):
     return t.values[0]
 
 
-def prepare(state, name: str, version: str | None, inputs: list[InputTensor], parameters: dict) -> Prepared:
+def prepare(state, name: str, version: str | None, inputs: list[InputTensor], parameters: dict,
+            requested: list[str] = ()) -> Prepared:
+    """`requested`: the names of the request's `outputs` (none: every output it asked for)."""
     service = generate_model(state, name, version)
     by_name = {t.name: t for t in inputs}
     unknown = sorted(set(by_name) - KNOWN)
@@ -79,13 +85,18 @@ def prepare(state, name: str, version: str | None, inputs: list[InputTensor], pa
         params = make_params(service, **{k: sampling.get(k) for k in SAMPLING})
     except (TypeError, ValueError, AttributeError) as exc:  # a value of the wrong type
         raise InvalidInput(f"sampling_parameters: {exc}", param="sampling_parameters") from None
+    for out in requested:
+        if out != TEXT_OUTPUT and not flags.get(OPTIONAL_OUTPUTS.get(out, "")):
+            hint = (f"set the input '{OPTIONAL_OUTPUTS[out]}' to true" if out in OPTIONAL_OUTPUTS
+                    else f"a generate model's outputs are {TEXT_OUTPUT!r}, " + ", ".join(map(repr, OPTIONAL_OUTPUTS)))
+            raise InvalidInput(f"output '{out}' is not produced: {hint}", param=out)
     ids = service.encode(prompt)
     service.check_prompt(ids)
-    return Prepared(service, prompt, ids, params, flags)
+    return Prepared(service, prompt, ids, params, flags, set(requested))
 
 
 def outputs(p: Prepared, text: str, finish: str | None, prompt_tokens: int, completion_tokens: int) -> list:
-    """[(name, datatype, numpy array)] of one response."""
+    """[(name, datatype, numpy array)] of one response: the outputs asked for, those the request names."""
     out = [(TEXT_OUTPUT, "BYTES", np.array([text.encode()], dtype=object))]
     if p.flags.get("return_finish_reason"):
         out.append(("finish_reason", "BYTES", np.array([(finish or "").encode()], dtype=object)))
@@ -93,7 +104,7 @@ def outputs(p: Prepared, text: str, finish: str | None, prompt_tokens: int, comp
         out.append(("num_input_tokens", "UINT32", np.array([prompt_tokens], dtype=np.uint32)))
     if p.flags.get("return_num_output_tokens"):
         out.append(("num_output_tokens", "UINT32", np.array([completion_tokens], dtype=np.uint32)))
-    return out
+    return [o for o in out if not p.wanted or o[0] in p.wanted]
 
 
 async def answer(state, p: Prepared) -> list:

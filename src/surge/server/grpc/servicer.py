@@ -163,7 +163,7 @@ class InferenceServicer(TritonExtras, pb_grpc.GRPCInferenceServiceServicer):
             return await self._tensor_infer(service, request, outputs)
         if getattr(service, "task", "embed") == "generate":  # server/kserve_generate_infer.py's contract
             p = self._generate_prepare(request)
-            return self._generate_response(request, p, await gen.answer(self.state, p), outputs)
+            return self._generate_response(request, p, await gen.answer(self.state, p))
         if getattr(service, "task", "embed") in ("classify", "rerank", "token-classify"):  # task models: server/kserve_tasks.py's contract
             from surge.server import kserve_tasks
 
@@ -190,16 +190,14 @@ class InferenceServicer(TritonExtras, pb_grpc.GRPCInferenceServiceServicer):
 
     def _generate_prepare(self, request):
         return gen.prepare(self.state, request.model_name, request.model_version or None, decode_inputs(request),
-                           parameters(request.parameters))
+                           parameters(request.parameters), [o.name for o in request.outputs])
 
     @staticmethod
-    def _generate_response(request, p, arrays, outputs) -> pb.ModelInferResponse:
-        wanted = {n for n, _ in outputs}
+    def _generate_response(request, p, arrays) -> pb.ModelInferResponse:
         response = pb.ModelInferResponse(model_name=p.service.name, model_version=p.service.version, id=request.id)
         for name, dtype, array in arrays:
-            if not wanted or name in wanted:
-                response.outputs.add(name=name, datatype=dtype, shape=list(array.shape))
-                response.raw_output_contents.append(kserve_tensor.raw_bytes(array))
+            response.outputs.add(name=name, datatype=dtype, shape=list(array.shape))
+            response.raw_output_contents.append(kserve_tensor.raw_bytes(array))
         return response
 
     async def _infer_stream(self, request):
@@ -209,9 +207,8 @@ class InferenceServicer(TritonExtras, pb_grpc.GRPCInferenceServiceServicer):
         if getattr(service, "task", "embed") == "generate":
             p = self._generate_prepare(request)
             if p.flags.get("stream"):
-                outputs = [(o.name, parameters(o.parameters)) for o in request.outputs]
                 async for arrays, final in gen.stream(self.state, p):
-                    response = self._generate_response(request, p, arrays, outputs)
+                    response = self._generate_response(request, p, arrays)
                     _set_param(response.parameters, "triton_final_response", final)
                     yield response
                 return

@@ -253,11 +253,10 @@ def router(state: AppState) -> APIRouter:
                              outputs: list[tuple[str, dict]]):
         from surge.server import kserve_generate_infer as gen
 
-        p = gen.prepare(state, name, version, decode_inputs(req.inputs, binary), req.parameters)
+        p = gen.prepare(state, name, version, decode_inputs(req.inputs, binary), req.parameters,
+                        [n for n, _ in outputs])
         arrays = await until_disconnect(request.receive, gen.answer(state, p))
-        wanted = {n for n, _ in outputs}
-        return _tensors(p.service.name, p.service.version, req,
-                        [(n, a) for n, _, a in arrays if not wanted or n in wanted], outputs)
+        return _tensors(p.service.name, p.service.version, req, [(n, a) for n, _, a in arrays], outputs)
 
     def _tensors(model: str, version: str, req: _InferRequest, arrays: list, outputs: list[tuple[str, dict]]):
         """The response of named output arrays, each in JSON or binary as the request asks."""

@@ -6,8 +6,8 @@ template writes them. Streams are server-sent events ending in `data: [DONE]`;
 with `stream_options.include_usage` the last chunk before it carries the usage.
 Beyond OpenAI's fields, vLLM's `top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos` and `stop_token_ids` are accepted. OpenAI fields surge cannot honour
-(guided `response_format`, tool calls, `suffix`, `echo` with log-probabilities) are
-refused with 400, never ignored; unknown fields are ignored, as vLLM does. Tool calls
+(guided `response_format`, tool calls without a parser or a forced tool, `suffix`,
+`best_of` other than `n`) are refused with 400, never ignored; unknown fields are ignored, as vLLM does. Tool calls
 are read from the answer with the model's `tool_call_parser` (server/http/tool_calls.py).
 """
 
