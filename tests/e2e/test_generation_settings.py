@@ -80,3 +80,53 @@ def test_unknown_or_invalid_generation_settings_are_clear_errors(tmp_path, model
         listing = httpx.get(srv.url + "/models").json()
         text = str(listing)
         assert "generation.max_num_seqs" in text and "greater than or equal to 1" in text, text
+
+
+def test_max_tokens_past_the_context_is_refused_and_the_default_stops_at_its_end(model_dir):
+    """A request's own max_tokens past the context is a 400 naming max_tokens (OpenAI and vLLM refuse it);
+    the server's default is cut at the context's end instead."""
+    import openai
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+
+    def messages(words):
+        return [{"role": "user", "content": " ".join(["assignment target"] * words)}]
+
+    def length(words):
+        return len(tok.apply_chat_template(messages(words), add_generation_prompt=True, tokenize=True, return_dict=False))
+
+    # the longest chat prompt that leaves the context less room than the default's 7 tokens
+    words = max(w for w in range(1, 40) if length(w) <= 77)
+    n_prompt = length(words)
+    assert 74 <= n_prompt <= 77, n_prompt
+    room = 80 - n_prompt
+    with ServerProcess(str(model_dir), "--threads", "1", "--generation", "default_max_tokens=7,max_model_len=80",
+                       env={"SURGE_GENERATION_CACHE_ENTRIES": "0"}) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        common = {"model": "tiny-gpt2", "temperature": 0, "extra_body": {"ignore_eos": True}}
+        r = client.chat.completions.create(messages=messages(words), **common)  # the default: cut at the end
+        assert r.usage.prompt_tokens == n_prompt and r.usage.completion_tokens == room
+        assert r.choices[0].finish_reason == "length"
+        r = client.chat.completions.create(messages=messages(words), max_tokens=room, **common)  # exactly fits
+        assert r.usage.completion_tokens == room
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(messages=messages(words), max_tokens=room + 1, **common)
+        assert err.value.body["param"] == "max_tokens" and "context is 80 tokens" in err.value.body["message"]
+        ids = list(range(5, 75))  # 70 token ids: completions' max_tokens checked per prompt
+        assert client.completions.create(prompt=ids, max_tokens=10, **common).usage.completion_tokens == 10
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(prompt=[ids[:10], ids], max_tokens=11, **common)
+        assert err.value.body["param"] == "max_tokens"
+        with pytest.raises(openai.BadRequestError):  # OpenAI's completions default is 16 tokens
+            client.completions.create(prompt=ids, **common)
+        text = tok.decode(ids)
+        n_text = len(tok(text)["input_ids"])
+        for path, body in (("/v2/models/tiny-gpt2/generate", {"text_input": text, "max_tokens": 81 - n_text}),
+                           ("/v2/models/tiny-gpt2/generate", {"text_input": text,
+                                                               "parameters": {"max_tokens": 81 - n_text}})):
+            r = httpx.post(srv.url + path, json=body, timeout=60)
+            assert r.status_code == 400 and "max_tokens" in r.text, r.text
+        r = httpx.post(srv.url + "/v2/models/tiny-gpt2/generate", timeout=60,
+                       json={"text_input": text, "parameters": {"ignore_eos": True, "temperature": 0}})
+        assert r.status_code == 200, r.text  # no max_tokens: the default, cut at the context's end

@@ -29,7 +29,10 @@ class PromptText:
             raise InvalidInput(f"model '{self.name}' has no chat template; use /v1/completions", param="messages")
         return self.chat_template.render(messages, **kwargs)
 
-    def check_prompt(self, ids: list[int]) -> None:
+    def check_prompt(self, ids: list[int], max_tokens: int | None = None) -> None:
+        """`max_tokens`: what the request asked for itself (None: the server's default, which a long
+        prompt cuts at the context's end); asked past the context it is refused, as OpenAI and vLLM
+        refuse it, rather than answered shorter than asked with finish_reason "length"."""
         if not ids:
             raise InvalidInput("the prompt is empty", param="prompt")
         if len(ids) >= self.max_model_len:
@@ -37,6 +40,10 @@ class PromptText:
                                "tokens, prompt and output", param="prompt")
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise InvalidInput(f"token ids must be in [0, {self.vocab_size})", param="prompt")
+        if max_tokens is not None and len(ids) + max_tokens > self.max_model_len:
+            raise InvalidInput(f"this model's context is {self.max_model_len} tokens; the request asked for "
+                               f"{len(ids) + max_tokens} ({len(ids)} of prompt, {max_tokens} of output): lower "
+                               "max_tokens or shorten the prompt", param="max_tokens")
 
     def triton_config(self) -> dict:
         """Triton's ModelConfig (JSON form) of a generate model: the generate extension's tensors

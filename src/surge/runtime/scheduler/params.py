@@ -24,6 +24,9 @@ class SamplingParams:
     logprobs: int | None = None  # number of top log-probabilities per output token (0: only the chosen one's)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's rule
     prompt_logprobs: int | None = None  # log-probabilities of the prompt's tokens (and this many top ones)
+    # max_tokens is the request's own, not a server default: past the context it is refused
+    # (GenerateService.stream) where a default is cut at the context's end; the same generation either way
+    own_max_tokens: bool = field(default=False, compare=False)
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -72,6 +75,7 @@ class SamplingParams:
     def key(self) -> tuple:
         d = asdict(self)
         d.pop("extra")
+        d.pop("own_max_tokens")
         if self.greedy:  # these do not change a greedy answer
             for k in ("temperature", "top_k", "top_p", "min_p", "seed"):
                 d.pop(k)

@@ -40,7 +40,8 @@ def make_params(service, *, max_tokens, temperature, top_p, top_k=None, min_p=No
         stop=stop_list(stop), stop_token_ids=tuple(stop_token_ids or ()),
         presence_penalty=presence_penalty or 0.0, frequency_penalty=frequency_penalty or 0.0,
         repetition_penalty=repetition_penalty or 1.0, ignore_eos=bool(ignore_eos), logprobs=logprobs,
-        logit_bias=bias_list(logit_bias, service.vocab_size), prompt_logprobs=prompt_logprobs)
+        logit_bias=bias_list(logit_bias, service.vocab_size), prompt_logprobs=prompt_logprobs,
+        own_max_tokens=max_tokens is not None)
 
 
 def bias_list(bias: dict | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
