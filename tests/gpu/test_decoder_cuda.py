@@ -409,7 +409,7 @@ def test_the_shared_engine_loop_streams_as_the_service_does(trained_dir, tmp_pat
     (cli/workers_generate.HubBuild: CUDA graphs, 4 decode steps a launch) and two front ends' services
     streaming through it (runtime/generate_hub.HubClient) give each prompt the tokens of the service with its
     loop on a thread, same settings, though both front ends number their sequences from 1. BF16 (a decoder
-    runs in BF16 on a GPU whatever --precision says, loader.generate_settings) on the trained model: the
+    runs in BF16 on a GPU unless a precision is set, loader.generate_settings) on the trained model: the
     front ends' requests reach the engine in another order, so batches are made up differently and a
     near-tie may part a prompt late (the suite's BF16 rule: the bulk equal); a token routed to the wrong
     sequence would part every prompt at once."""

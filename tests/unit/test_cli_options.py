@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from typer.testing import CliRunner
@@ -149,3 +150,44 @@ def test_model_yaml_against_the_flags_in_each_mode():
     # nothing set anywhere: the field defaults
     engine, batching, _, _ = _sections(_config([]), ModelFile(), single=True)
     assert engine == ServerConfig().engine and batching == ServerConfig().batching
+
+
+def test_a_child_process_tells_what_was_set_as_its_parent_does():
+    """`--workers`' engine and front-end processes rebuild the ServerConfig from `child_config`: the
+    same values, and the fields the user set are still the only ones set, so the model.yaml's fields
+    and a decoder's GPU precision come out as they do in the parent."""
+    from surge.cli.bootstrap import _sections
+    from surge.cli.workers import child_config
+    from surge.config import ModelFile
+    from surge.runtime.loader import generate_settings
+
+    own = ModelFile.model_validate({"engine": {"instances": 2, "max_batch_size": 16, "threads": 3},
+                                    "batching": {"max_batch_size": 16, "max_queue_size": 100}})
+    for args in (["--max-batch-size", "8", "--threads", "1"], ["--device", "cuda"],
+                 ["--device", "cuda", "--precision", "fp32"], []):
+        server = _config(args)
+        child = ServerConfig.model_validate_json(child_config(server))
+        assert child == server
+        for single in (True, False):
+            assert _sections(child, own, single) == _sections(server, own, single)
+        spec = SimpleNamespace(path=Path("m"))  # a decoder's ModelSpec: only its path is read
+        assert generate_settings(spec, child.engine)[:2] == generate_settings(spec, server.engine)[:2]
+    engine, _, _, _ = _sections(_config([]), own, single=True)  # nothing set: the model.yaml's threads
+    assert engine.threads == 3
+
+
+def test_a_decoder_on_a_gpu_runs_bf16_unless_a_precision_is_set():
+    from surge.config import EngineConfig, merge_set
+    from surge.runtime.loader import generate_settings
+
+    spec = SimpleNamespace(path=Path("m"))  # a decoder's ModelSpec: only its path is read
+    assert generate_settings(spec, EngineConfig(device="cuda"))[:2] == ("cuda", "bf16")
+    assert generate_settings(spec, EngineConfig(device="cuda", precision="fp32"))[:2] == ("cuda", "fp32")
+    assert generate_settings(spec, EngineConfig(device="cuda:1", precision="fp16"))[:2] == ("cuda:1", "fp16")
+    assert generate_settings(spec, EngineConfig(engine="torch", devices=[1]))[:2] == ("cuda:1", "bf16")
+    assert generate_settings(spec, EngineConfig())[:2] == ("cpu", "fp32")
+    # a model.yaml's fp32 merged under the server's settings (which set the device only) stays set
+    merged = merge_set(_config(["--device", "cuda"]).engine, EngineConfig(precision="fp32"))
+    assert generate_settings(spec, merged)[1] == "fp32"
+    with pytest.raises(Exception, match="int8"):
+        generate_settings(spec, EngineConfig(precision="int8"))

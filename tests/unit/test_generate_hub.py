@@ -51,6 +51,7 @@ def hf(model_dir):
 @pytest.fixture
 def hub(model_dir, tmp_path, monkeypatch):
     """(start(), socket path, config): the engine process of a decoder under --workers."""
+    from surge.cli.workers import child_config
     from surge.config import ServerConfig
     from surge.runtime.generate_hub import AUTHKEY_ENV
 
@@ -63,7 +64,7 @@ def hub(model_dir, tmp_path, monkeypatch):
 
     def start():
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
-        p = subprocess.Popen([sys.executable, "-m", "surge.cli.workers", "engine", config.model_dump_json(), sock],
+        p = subprocess.Popen([sys.executable, "-m", "surge.cli.workers", "engine", child_config(config), sock],
                              env=env)
         procs.append(p)
         return p

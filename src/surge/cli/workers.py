@@ -56,6 +56,13 @@ class _Stop(Exception):
     pass
 
 
+def child_config(config: ServerConfig) -> str:
+    """The settings a child process rebuilds its ServerConfig from: only the fields that were set, so
+    the child still tells what the user set from a field's default (model.yaml precedence, a decoder's
+    GPU precision, an artifact's measured batch size all read `model_fields_set`)."""
+    return config.model_dump_json(exclude_unset=True)
+
+
 def _child(role: str, config_json: str, sock: str, *extra: str, pass_fds=()) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "surge.cli.workers", role, config_json, sock, *extra],
                             pass_fds=pass_fds)
@@ -142,7 +149,7 @@ def serve_workers(config: ServerConfig, workers: int) -> int:
     from surge.runtime.generate_hub import AUTHKEY_ENV
 
     os.environ[AUTHKEY_ENV] = secrets.token_hex(32)  # the children's key to a decoder's engine hub
-    cfg = config.model_dump_json()
+    cfg = child_config(config)
     print(f"surge: starting {n_eng} engine process(es) and {workers} front ends", file=sys.stderr, flush=True)
     grpc_hold = _hold_grpc_port(config) if config.grpc_port else None  # every front end serves gRPC too
     engines = [_child("engine", cfg, sk) for sk in socks]  # they warm up side by side

@@ -56,7 +56,8 @@ class HubBuild:
         self.path = os.path.join(sock_dir, f"gen-{secrets.token_hex(6)}.sock")
         _, _, self.generation = generate_settings(spec, engine_cfg, generation)  # what front ends build with
         self._args = {"spec_dir": self.spec_dir, "name": self.name, "version": version, "path": self.path,
-                      "engine": engine_cfg.model_dump(mode="json"), "generation": generation.model_dump(mode="json"),
+                      "engine": engine_cfg.model_dump(mode="json", exclude_unset=True),  # what was set stays set
+                      "generation": generation.model_dump(mode="json"),
                       "drain_s": request_timeout_s + 5.0}
         self._closing = False
         self._proc = self._start(False)

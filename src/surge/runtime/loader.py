@@ -116,7 +116,8 @@ def build_worker(spec: ModelSpec, artifact: Path | None, cfg: EngineConfig, head
 
 def generate_settings(spec: ModelSpec, cfg: EngineConfig, generation=None):
     """(device, precision, resolved GenerationConfig) of a decoder: on the CPU it computes in fp32 or
-    bf16; on a GPU in bf16 unless fp16/fp32 is asked for."""
+    bf16; on a GPU in bf16 unless a precision is set (`cfg.model_fields_set`: a flag, a SURGE_*
+    variable or a model.yaml), so `--precision fp32` runs FP32 there as asked."""
     from surge.config import GenerationConfig
 
     device = f"cuda:{cfg.devices[0]}" if cfg.devices else cfg.device
@@ -125,8 +126,8 @@ def generate_settings(spec: ModelSpec, cfg: EngineConfig, generation=None):
         from surge.errors import ConfigError
 
         raise ConfigError(f"{spec.path}: precision int8 is not supported for decoder models")
-    if device.startswith("cuda") and precision == "fp32":
-        precision = "bf16"  # the default precision means "the device's default" for decoders
+    if device.startswith("cuda") and "precision" not in cfg.model_fields_set:
+        precision = "bf16"  # the field's default means "the device's default" for decoders
     return device, precision, (generation or GenerationConfig()).resolved(cfg)
 
 
