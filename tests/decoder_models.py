@@ -34,18 +34,19 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 @lru_cache(maxsize=4)
-def _trained(vocab_size: int) -> str:
-    return _train(vocab_size).to_str()
+def _trained(vocab_size: int, all_bytes: bool) -> str:
+    return _train(vocab_size, all_bytes).to_str()
 
 
-def train_tokenizer(vocab_size: int = 384):
-    """Trained once per process (a second each)."""
+def train_tokenizer(vocab_size: int = 384, all_bytes: bool = False):
+    """Trained once per process (a second each). `all_bytes`: every byte is a token (any text can be
+    written, e.g. the braces of JSON), at the price of stray bytes in a random model's output."""
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_str(_trained(vocab_size))
+    return Tokenizer.from_str(_trained(vocab_size, all_bytes))
 
 
-def _train(vocab_size: int):
+def _train(vocab_size: int, all_bytes: bool = False):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from surge.data import load_sentences
@@ -55,7 +56,9 @@ def _train(vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     # Only the characters of the text as the alphabet: a random model's output then decodes to
     # readable text (no stray bytes of split characters).
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False)
+    alphabet = pre_tokenizers.ByteLevel.alphabet() if all_bytes else []
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=alphabet)
     tok.train_from_iterator(load_sentences(), trainer)
     return tok
 
@@ -69,14 +72,15 @@ def save_tokenizer(tok, out: Path, template: str = CHATML) -> None:
     }))
 
 
-def build_model(kind: str, out: Path, *, seed: int = 0, vocab: int = 384, template: str = CHATML, **overrides) -> Path:
+def build_model(kind: str, out: Path, *, seed: int = 0, vocab: int = 384, template: str = CHATML,
+                all_bytes: bool = False, **overrides) -> Path:
     """kind: gpt2 | llama | qwen2. Weights: seeded random, larger than the default init so that greedy
-    choices are not near-ties (FP32 rounding then never flips a token)."""
+    choices are not near-ties (FP32 rounding then never flips a token). `all_bytes`: train_tokenizer's."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(vocab)
+    tok = train_tokenizer(vocab, all_bytes)
     eos = tok.token_to_id("<|im_end|>")
     bos = tok.token_to_id("<|endoftext|>")
     common = dict(vocab_size=tok.get_vocab_size(), bos_token_id=bos, eos_token_id=eos, pad_token_id=bos)

@@ -221,6 +221,7 @@ class GenerateService(PromptText):
         if not self.ready or self._closed:
             raise NotReady(f"model '{self.name}' is not ready")
         self.check_prompt(prompt_ids, params.max_tokens if params.own_max_tokens else None)
+        self.check_guide(params.guide)  # the routes check it first, naming the field it came in
         deadline = deadline or time.monotonic() + self.request_timeout_s
         key = (self.version, tuple(prompt_ids), params.key()) if use_cache and params.deterministic \
             and self.config.cache_entries \

@@ -45,6 +45,18 @@ class PromptText:
                                f"{len(ids) + max_tokens} ({len(ids)} of prompt, {max_tokens} of output): lower "
                                "max_tokens or shorten the prompt", param="max_tokens")
 
+    def check_guide(self, guide: tuple[str, str] | None, param: str = "response_format") -> None:
+        """A structured-output guide (runtime/guided.py) that does not compile for this model's tokenizer is
+        InvalidInput naming `param`; checked before the engine sees it."""
+        if guide is None:
+            return
+        guides = self.__dict__.get("_guides")
+        if guides is None:
+            from surge.runtime.guided import Guides
+
+            guides = self.__dict__["_guides"] = Guides(self.tokenizer.to_str(), self.vocab_size)
+        guides.check(guide, param)
+
     def triton_config(self) -> dict:
         """Triton's ModelConfig (JSON form) of a generate model: the generate extension's tensors
         (only the fields surge's gRPC ModelConfig has, so HTTP and gRPC answer alike)."""

@@ -9,6 +9,7 @@ order live in runtime/ (the generation service drives this from one thread).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,13 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat
            "fp16": torch.float16, "float16": torch.float16}
 
 __all__ = ["DecoderEngine", "SampleOut", "EngineCaps", "Launch"]
+
+
+def _guides(path: Path, cfg):
+    """The model's tokenizer for guided decoding (built at the first guided request, ~ms to 1 s)."""
+    from surge.runtime.guided import Guides
+
+    return Guides((path / "tokenizer.json").read_text(), cfg.vocab_size, cfg.eos_token_ids)
 
 
 @dataclass
@@ -81,7 +89,7 @@ class DecoderEngine:
         self.graph_fp32_logits = graph_fp32_logits  # session 2's graphs: FP32 logits, then the argmax
         self.argmax_kernel = argmax_kernel  # the graph's greedy argmax: "torch" or "triton" (argmax_rows)
         self.kv = KVCache(self.cfg, num_blocks, block_size, self.device, self.dtype)
-        self.sampler = Sampler(self.device)
+        self.sampler = Sampler(self.device, guides=functools.partial(_guides, Path(path), self.cfg))
         self.max_blocks_per_seq = -(-self.max_model_len // block_size)
         self.graphs = None
         # the longest a multi-step launch may take, at the step times its graphs measured (None: no cap)

@@ -1,11 +1,14 @@
-"""Sampling on the device: logit bias, penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
+"""Sampling on the device: logit bias, penalties, guides, temperature, top-k / top-p / min-p, seeded draws,
+logprobs.
 
 Rows are sequences of one step. Greedy rows take the argmax of the (penalized)
 logits. Sampled rows draw with the exponential-race trick (argmax of p / E,
 E ~ Exp(1)), which needs one uniform vector per row: a row with a seed draws it
 from its own generator, so its tokens do not depend on the batch it ran in.
 Log-probabilities are those of the model (log-softmax of the raw logits), as
-OpenAI reports them.
+OpenAI reports them. A guided row (structured output, runtime/guided.py) keeps only
+the tokens its matcher allows, after the bias and the penalties, and its matcher
+takes the chosen token.
 """
 
 from __future__ import annotations
@@ -28,14 +31,33 @@ class SampleOut:
 
 
 class Sampler:
-    def __init__(self, device: torch.device):
+    """`guides`: a callable that builds the model's runtime.guided.Guides, called at the first guided
+    sequence (None: a guided sequence is an error)."""
+
+    def __init__(self, device: torch.device, guides=None):
         self.device = device
         self._generators: dict[int, torch.Generator] = {}
         self._shared = torch.Generator(device=device)
         self._shared.seed()
+        self._guides_factory = guides
+        self._guides = None
+        self._matchers: dict[int, object] = {}
 
     def forget(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
+        self._matchers.pop(seq_id, None)
+
+    def _matcher(self, seq: Sequence):
+        """The sequence's matcher, made at its first sampled token (a preempted sequence keeps its own:
+        recomputing its prompt and output samples nothing)."""
+        m = self._matchers.get(seq.seq_id)
+        if m is None:
+            if self._guides is None:
+                if self._guides_factory is None:
+                    raise ValueError("this engine has no tokenizer for guided decoding")
+                self._guides = self._guides_factory()
+            m = self._matchers[seq.seq_id] = self._guides.matcher(seq.params.guide)
+        return m
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         g = self._generators.get(seq.seq_id)
@@ -75,7 +97,11 @@ class Sampler:
                 noise[rows] = torch.rand((len(unseeded), probs.shape[1]), generator=self._shared, device=probs.device)
             race = probs / (-torch.log(noise.clamp_min(1e-20)))
             tokens[idx] = race.argmax(-1)
-        out = [SampleOut(int(t)) for t in tokens.tolist()]
+        chosen_tokens = tokens.tolist()
+        for i, p in enumerate(params):
+            if p.guide is not None:
+                self._matcher(seqs[i]).consume(chosen_tokens[i])
+        out = [SampleOut(int(t)) for t in chosen_tokens]
         if want_logprobs:
             lp = torch.log_softmax(raw, dim=-1)
             chosen = lp.gather(1, tokens[:, None])[:, 0].tolist()
@@ -110,6 +136,13 @@ class Sampler:
                 out = torch.tensor(seq.output_ids, device=dev)
                 counts = torch.zeros(logits.shape[1], device=dev).index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
                 logits[i] -= counts * p.frequency_penalty + (counts > 0).float() * p.presence_penalty
+        guided = [i for i, seq in enumerate(seqs) if seq.params.guide is not None]
+        if guided:  # last: a guide's mask is a constraint, not a preference
+            from surge.runtime.guided import allowed
+
+            rows = torch.tensor(guided, device=dev)
+            ok = allowed([self._matcher(seqs[i]).mask() for i in guided], logits.shape[1], dev)
+            logits[rows] = logits[rows].masked_fill(~ok, float("-inf"))
 
     @staticmethod
     def _probs(logits: torch.Tensor, params) -> torch.Tensor:

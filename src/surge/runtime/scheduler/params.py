@@ -24,6 +24,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top log-probabilities per output token (0: only the chosen one's)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's rule
     prompt_logprobs: int | None = None  # log-probabilities of the prompt's tokens (and this many top ones)
+    guide: tuple[str, str] | None = None  # structured output: (kind, text), runtime/guided.py
     # max_tokens is the request's own, not a server default: past the context it is refused
     # (GenerateService.stream) where a default is cut at the context's end; the same generation either way
     own_max_tokens: bool = field(default=False, compare=False)
@@ -67,10 +68,10 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """The logits are changed before sampling (penalties or a logit bias): a greedy row cannot
-        take the graph's argmax."""
+        """The logits are changed before sampling (penalties, a logit bias or a guide's mask): a greedy
+        row cannot take the graph's argmax."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or bool(self.logit_bias))
+                or bool(self.logit_bias) or self.guide is not None)
 
     def key(self) -> tuple:
         d = asdict(self)

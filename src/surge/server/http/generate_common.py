@@ -32,7 +32,7 @@ def stop_list(stop) -> tuple[str, ...]:
 
 def make_params(service, *, max_tokens, temperature, top_p, top_k=None, min_p=None, seed=None, stop=None,
                 stop_token_ids=None, presence_penalty=None, frequency_penalty=None, repetition_penalty=None,
-                ignore_eos=None, logprobs=None, logit_bias=None, prompt_logprobs=None) -> SamplingParams:
+                ignore_eos=None, logprobs=None, logit_bias=None, prompt_logprobs=None, guide=None) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else service.config.default_max_tokens,
         temperature=1.0 if temperature is None else float(temperature),
@@ -41,7 +41,7 @@ def make_params(service, *, max_tokens, temperature, top_p, top_k=None, min_p=No
         presence_penalty=presence_penalty or 0.0, frequency_penalty=frequency_penalty or 0.0,
         repetition_penalty=repetition_penalty or 1.0, ignore_eos=bool(ignore_eos), logprobs=logprobs,
         logit_bias=bias_list(logit_bias, service.vocab_size), prompt_logprobs=prompt_logprobs,
-        own_max_tokens=max_tokens is not None)
+        own_max_tokens=max_tokens is not None, guide=guide)
 
 
 def bias_list(bias: dict | None, vocab_size: int) -> tuple[tuple[int, float], ...]:

@@ -5,10 +5,13 @@ apply_chat_template does) and tokenized without special tokens, since the
 template writes them. Streams are server-sent events ending in `data: [DONE]`;
 with `stream_options.include_usage` the last chunk before it carries the usage.
 Beyond OpenAI's fields, vLLM's `top_k`, `min_p`, `repetition_penalty`,
-`ignore_eos` and `stop_token_ids` are accepted. OpenAI fields surge cannot honour
-(guided `response_format`, tool calls without a parser or a forced tool, `suffix`,
-`best_of` other than `n`) are refused with 400, never ignored; unknown fields are ignored, as vLLM does. Tool calls
-are read from the answer with the model's `tool_call_parser` (server/http/tool_calls.py).
+`ignore_eos` and `stop_token_ids` are accepted. Structured outputs (`response_format`
+json_object / json_schema, vLLM's `guided_*` fields and `structured_outputs`, a required or
+named `tool_choice`) constrain the answer token by token (server/http/guided_fields.py).
+OpenAI fields surge cannot honour (tool calls without a parser, `suffix`, `best_of` other
+than `n`) are refused with 400, never ignored; unknown fields are ignored, as vLLM does.
+Tool calls are read from the answer with the model's `tool_call_parser`
+(server/http/tool_calls.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from surge.errors import InvalidInput, PayloadTooLarge
 from surge.server.http.common import parse
 from surge.server.http import generate_common
 from surge.server.http.generate_choices import check_count, choice_params, first_deltas, merged
+from surge.server.http.guided_fields import request_guide, tool_choice_guide
 from surge.server.http.tool_calls import ToolCallStream
 from surge.server.http.tool_calls import parse as parse_tool_calls
 from surge.server.http.generate_common import (EventStream, JsonAnswer, counted, counted_stream, deadline_for,
@@ -60,6 +64,15 @@ class _Sampling(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
     stop_token_ids: list[StrictInt] | None = None
+    # structured outputs (server/http/guided_fields.py): OpenAI's, and vLLM's names
+    response_format: dict | None = Field(None, description="{'type': 'text' | 'json_object' | 'json_schema', "
+                                         "'json_schema': {'schema': ...}}: the answer follows the JSON schema.")
+    guided_json: Union[dict, StrictStr, None] = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    structured_outputs: dict | None = Field(None, description="vLLM's: one of json, regex, choice, grammar "
+                                            "(Lark or GBNF), json_object.")
 
 
 class TextPart(BaseModel):
@@ -81,10 +94,10 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: dict | None = Field(None, description="Only {'type': 'text'}: surge has no guided decoding.")
     tools: list[dict] | None = Field(None, description="Rendered into the prompt by the chat template; with "
                                      "tool_choice 'auto' the answer's calls are parsed (the model's "
-                                     "tool_call_parser setting; without one: 400).")
+                                     "tool_call_parser setting; without one: 400), with 'required' or a named "
+                                     "function the answer is held to calls of them.")
     tool_choice: Union[StrictStr, dict, None] = None
 
 
@@ -156,7 +169,8 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
     (server/http/generate_hotpath.py) both answer with it."""
     service = generate_model(state, req.model)
     check_count(1, req.n, state.config.limits.max_inputs_per_request)
-    parse_calls = _tool_calls_wanted(req, service)
+    parse_calls, tool_guide = _tool_calls_wanted(req, service)
+    guide = request_guide(req, service, tool_guide)
     tools = req.tools if req.tools else None
     prompt = service.render_chat(_messages(req), add_generation_prompt=True, tools=tools)
     ids = service.encode(prompt, special=False)
@@ -165,7 +179,8 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
                          seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
                          presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                          repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos,
-                         logprobs=(req.top_logprobs or 0) if req.logprobs else None, logit_bias=req.logit_bias)
+                         logprobs=(req.top_logprobs or 0) if req.logprobs else None, logit_bias=req.logit_bias,
+                         guide=guide)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     deadline = deadline_for(state)
     choices = choice_params(params, req.n)
@@ -239,7 +254,7 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
                          stop_token_ids=req.stop_token_ids, presence_penalty=req.presence_penalty,
                          frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
                          ignore_eos=req.ignore_eos, logprobs=req.logprobs, logit_bias=req.logit_bias,
-                         prompt_logprobs=req.logprobs if req.echo else None)
+                         prompt_logprobs=req.logprobs if req.echo else None, guide=request_guide(req, service))
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     deadline = deadline_for(state)
     jobs = [(ids, p) for ids, _ in prompts for p in choice_params(params, req.n)]
@@ -298,26 +313,25 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
     return EventStream(rest(), _error_body, close=_closer(deltas, agens))
 
 
-def _tool_calls_wanted(req: ChatCompletionRequest, service) -> bool:
-    """Whether the answer's tool calls are parsed; fields whose meaning surge cannot honour are refused,
-    never ignored."""
-    fmt = (req.response_format or {}).get("type", "text")
-    if fmt != "text":
-        raise InvalidInput(f"response_format '{fmt}' is not supported (surge has no guided decoding)",
-                           param="response_format")
-    if req.tool_choice not in (None, "none", "auto") and not req.tools:
+def _tool_calls_wanted(req: ChatCompletionRequest, service) -> tuple[bool, tuple[str, str] | None]:
+    """(whether the answer's tool calls are parsed, the guide a required or named tool choice asks for);
+    what surge cannot honour is refused, never ignored."""
+    choice = req.tool_choice
+    if choice not in (None, "none", "auto") and not req.tools:
         raise InvalidInput("tool_choice needs tools", param="tool_choice")
-    if not req.tools or req.tool_choice == "none":
-        return False
-    if req.tool_choice not in (None, "auto"):
-        raise InvalidInput("only tool_choice 'auto' or 'none' is supported (a required or named tool needs guided "
-                           "decoding)", param="tool_choice")
+    if not req.tools or choice == "none":
+        return False, None
+    if isinstance(choice, str) and choice not in ("auto", "required"):
+        raise InvalidInput(f"tool_choice '{choice}' is not one of none, auto, required or a named function",
+                           param="tool_choice")
     parser = getattr(service.config, "tool_call_parser", "none")
     if parser == "none":
         raise InvalidInput(f"model '{service.name}' has no tool-call parser (generation setting tool_call_parser, "
                            "e.g. hermes); with tool_choice 'none' the tools are rendered into the prompt by the "
                            "chat template", param="tool_choice")
-    return True
+    if choice in (None, "auto"):
+        return True, None
+    return True, tool_choice_guide(req.tools, choice)
 
 
 def _chat_choice(index: int, res, parse_calls: bool) -> dict:

@@ -1,0 +1,145 @@
+"""Structured outputs ("guided decoding"): a request's JSON schema, regular expression, list of choices
+or grammar becomes a mask of the tokens allowed at each step, so the answer always matches it.
+
+llguidance (the grammar engine vLLM, SGLang and llama.cpp use) compiles the constraint and keeps one
+matcher per sequence; the sampler (engines/decoder/sampler.py) asks it for the step's mask, sets the
+other logits to -inf before greedy or sampled selection, and hands it the chosen token. A guided
+sequence needs the host every step, so it takes the engine's synchronous path (as penalties do).
+
+A guide travels in `SamplingParams.guide` as (kind, text): hashable, so the generation cache keys on
+it. Kinds: "json" (a JSON schema as JSON text), "regex", "choice" (a JSON list of strings), "grammar"
+(Lark or GBNF, llguidance's syntax).
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+
+import numpy as np
+
+from surge.errors import InvalidInput
+
+KINDS = ("json", "regex", "choice", "grammar")
+ANY_OBJECT = json.dumps({"type": "object"})
+
+
+def guide_for(kind: str, value, param: str) -> tuple[str, str]:
+    """(kind, text) of a request's constraint; `value` as the request gave it (a schema may be an object,
+    choices a list). Shape errors are InvalidInput naming `param`; whether the constraint compiles is
+    `check`'s."""
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise InvalidInput("the JSON schema is not valid JSON", param=param) from None
+        if not isinstance(value, (dict, bool)):
+            raise InvalidInput("a JSON schema must be an object", param=param)
+        return kind, json.dumps(value)  # in its own order: properties are written in the order given
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise InvalidInput("choices must be a non-empty list of non-empty strings", param=param)
+        return kind, json.dumps(value)
+    if kind in ("regex", "grammar"):
+        if not isinstance(value, str) or not value:
+            raise InvalidInput(f"the {kind} must be a non-empty string", param=param)
+        return kind, value
+    raise InvalidInput(f"unknown constraint '{kind}' (one of {', '.join(KINDS)})", param=param)
+
+
+def grammar(guide: tuple[str, str]) -> str:
+    """llguidance's grammar of a guide (not yet checked)."""
+    import llguidance
+
+    kind, text = guide
+    if kind == "json":
+        # compact JSON (no whitespace between items): with whitespace left free a weak model can fill
+        # max_tokens with newlines; a schema's own "x-guidance" options still override it
+        return llguidance.LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_flexible": False})
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(text)
+    if kind == "choice":
+        return llguidance.grammar_from("choice", text)
+    return llguidance.grammar_from("grammar", text)
+
+
+class Guides:
+    """One model's tokenizer as llguidance sees it, and its compiled guides (`tokenizer_json`: the
+    tokenizer.json text; `vocab_size`: the logits' width; `eos_ids`: the tokens that end a sequence,
+    the only ones a finished grammar allows)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids=None):
+        import llguidance
+
+        # None: only to check guides (a front end); matchers need the model's end-of-sequence tokens
+        self.eos = [int(t) for t in eos_ids] if eos_ids else []
+        self.vocab_size = vocab_size
+        eos = None if not self.eos else self.eos if len(self.eos) > 1 else self.eos[0]
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
+        self._compiled = lru_cache(maxsize=256)(self._compile)
+
+    def _compile(self, guide: tuple[str, str]) -> tuple[str | None, str | None]:
+        """(grammar, None) or (None, why it is not valid)."""
+        import llguidance
+
+        try:
+            g = grammar(guide)
+        except (ValueError, TypeError) as exc:
+            return None, str(exc)
+        message = llguidance.LLMatcher.validate_grammar(g, self.tokenizer)
+        if message and not message.startswith("WARNING"):
+            return None, message.strip()
+        return g, None
+
+    def check(self, guide: tuple[str, str], param: str) -> None:
+        """InvalidInput (400, naming `param`) when the guide does not compile for this model."""
+        _, error = self._compiled(guide)
+        if error is not None:
+            raise InvalidInput(f"the {guide[0]} constraint is not valid: {error}", param=param)
+
+    def matcher(self, guide: tuple[str, str]) -> "Matcher":
+        import llguidance
+
+        if not self.eos:
+            raise ValueError("matchers need the model's end-of-sequence tokens")
+        g, error = self._compiled(guide)
+        if error is not None:
+            raise InvalidInput(f"the {guide[0]} constraint is not valid: {error}", param=guide[0])
+        return Matcher(llguidance.LLMatcher(self.tokenizer, g, log_level=0), self.vocab_size, self.eos)
+
+
+class Matcher:
+    """One sequence's place in its guide."""
+
+    def __init__(self, matcher, vocab_size: int, eos: list[int]):
+        self._m = matcher
+        self.words = (vocab_size + 31) // 32
+        self._eos_only = np.zeros(self.words, dtype=np.uint32)
+        for t in eos:
+            self._eos_only[t // 32] |= np.uint32(1 << (t % 32))
+        self._eos_only = self._eos_only.view(np.int32)
+
+    def mask(self) -> np.ndarray:
+        """The next token's allowed set: int32 words, bit i of word w allows token 32 w + i. A matcher in
+        an error state (the sampler only picks allowed tokens, so only a grammar too costly for the
+        parser's limits gets there) allows the end-of-sequence tokens only: the answer ends."""
+        if self._m.is_error():
+            return self._eos_only
+        return np.frombuffer(self._m.compute_bitmask(), dtype=np.int32)[: self.words]
+
+    def consume(self, token: int) -> bool:
+        return self._m.consume_token(int(token))
+
+    @property
+    def error(self) -> str | None:
+        return self._m.get_error() if self._m.is_error() else None
+
+
+def allowed(masks, vocab_size: int, device):
+    """Bool [rows, vocab_size] of stacked `Matcher.mask` words, on `device`."""
+    import torch
+
+    words = torch.from_numpy(np.ascontiguousarray(np.stack(masks))).to(device)
+    bits = (words[:, :, None] >> torch.arange(32, device=device, dtype=torch.int32)) & 1
+    return bits.reshape(len(masks), -1)[:, :vocab_size].bool()

@@ -1,0 +1,91 @@
+"""A generation request's structured-output fields -> one guide (runtime/guided.py).
+
+OpenAI's `response_format` ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema":
+...}}), vLLM's `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` and its newer
+`structured_outputs` object ({"json" | "regex" | "choice" | "grammar": ..., or "json_object": true}); and a
+chat request's `tool_choice` "required" or a named function, which with the hermes tool-call parser
+becomes a grammar of `<tool_call>` blocks whose bodies follow the tools' parameter schemas. At most one
+constraint a request; each is checked against the model's tokenizer here, so a bad schema is a 400 that
+names the field it came in.
+"""
+
+from __future__ import annotations
+
+import json
+
+from surge.errors import InvalidInput
+from surge.runtime.guided import ANY_OBJECT, guide_for
+
+VLLM_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+               "guided_grammar": "grammar"}
+
+
+def request_guide(req, service, tool_guide: tuple[str, str] | None = None) -> tuple[str, str] | None:
+    """The request's guide (None: unconstrained), checked against the model; `tool_guide`: the guide a
+    forced tool choice asks for (tool_choice_guide)."""
+    found: list[tuple[str, tuple[str, str]]] = []
+    fmt = getattr(req, "response_format", None)
+    if fmt:
+        kind = fmt.get("type", "text")
+        if kind == "json_object":
+            found.append(("response_format", ("json", ANY_OBJECT)))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise InvalidInput("response_format 'json_schema' needs json_schema.schema", param="response_format")
+            found.append(("response_format", guide_for("json", spec["schema"], "response_format")))
+        elif kind != "text":
+            raise InvalidInput(f"response_format type '{kind}' is not one of text, json_object, json_schema",
+                               param="response_format")
+    for field, kind in VLLM_FIELDS.items():
+        value = getattr(req, field, None)
+        if value is not None:
+            found.append((field, guide_for(kind, value, field)))
+    so = getattr(req, "structured_outputs", None)
+    if so:
+        if not isinstance(so, dict):
+            raise InvalidInput("structured_outputs must be an object", param="structured_outputs")
+        for key, value in so.items():
+            if key == "json_object":
+                if value:
+                    found.append(("structured_outputs", ("json", ANY_OBJECT)))
+            elif key in ("json", "regex", "choice", "grammar"):
+                if value is not None:
+                    found.append(("structured_outputs", guide_for(key, value, "structured_outputs")))
+            elif value is not None:
+                raise InvalidInput(f"structured_outputs.{key} is not supported (json, regex, choice, grammar, "
+                                   "json_object)", param="structured_outputs")
+    if tool_guide is not None:
+        found.append(("tool_choice", tool_guide))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise InvalidInput("one structured-output constraint a request; got " + ", ".join(f for f, _ in found),
+                           param=found[1][0])
+    param, guide = found[0]
+    service.check_guide(guide, param)
+    return guide
+
+
+def tool_choice_guide(tools: list[dict], choice) -> tuple[str, str]:
+    """A grammar for tool_choice "required" (one or more calls of any of `tools`) or a named function
+    (one call of it), in the hermes format the tool-call parser reads (server/http/tool_calls.py)."""
+    by_name = {}
+    for t in tools:
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise InvalidInput("each tool needs function.name", param="tools")
+        by_name[fn["name"]] = fn.get("parameters") or {"type": "object"}
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        if name not in by_name:
+            raise InvalidInput(f"tool_choice names '{name}', which is not among the tools", param="tool_choice")
+        names, many = [name], False
+    else:
+        names, many = list(by_name), True
+    calls = [{"type": "object", "properties": {"name": {"const": n}, "arguments": by_name[n]},
+              "required": ["name", "arguments"], "additionalProperties": False} for n in names]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    body = "%json " + json.dumps({**schema, "x-guidance": {"whitespace_flexible": False}})
+    repeat = ' ("\\n" call)*' if many else ""
+    return "grammar", f'start: call{repeat}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: {body}\n'

@@ -1,0 +1,220 @@
+"""Structured outputs on the CPU engine (runtime/guided.py, the sampler's guided rows): greedy answers equal
+transformers' `generate` held to the same constraint by llguidance's own helpers, token for token, in a
+running batch with unguided neighbours, a small token budget and preemption; answers that finish match
+their constraint (jsonschema, re.fullmatch, the choices); seeded draws are reproducible whatever the
+batch; bad constraints are clear errors naming the field they came in."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("llguidance")
+
+from surge.engines.decoder import DecoderEngine  # noqa: E402
+from surge.errors import InvalidInput  # noqa: E402
+from surge.runtime.guided import ANY_OBJECT, Guides, guide_for  # noqa: E402
+from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence  # noqa: E402
+from tests.decoder_models import build_model  # noqa: E402
+from tests.guided_reference import hf_guided  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
+                                           "size": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["color", "ok", "size"], "additionalProperties": False}
+GUIDES = {
+    "json": guide_for("json", SCHEMA, "response_format"),
+    "regex": guide_for("regex", r"[0-9]{3}-[a-z]{2,5}", "guided_regex"),
+    "choice": guide_for("choice", ["yes", "no", "maybe later"], "guided_choice"),
+    "grammar": guide_for("grammar", 'start: "(" item (" " item){0,3} ")"\nitem: /[a-c]{1,4}/', "guided_grammar"),
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.set_num_threads(1)
+    return build_model("qwen2", tmp_path_factory.mktemp("guided") / "g", seed=3, vocab=512, all_bytes=True)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+
+def run(engine, seqs, arrivals, num_blocks):
+    sched = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                                      max_model_len=256), engine.cfg.eos_token_ids)
+    step, added = 0, 0
+    while added < len(seqs) or sched.has_work:
+        while added < len(seqs) and arrivals[added] <= step:
+            sched.add(seqs[added])
+            added += 1
+        if sched.has_work:
+            scheduled = sched.schedule()
+            outs = engine.step(scheduled)
+            for f in sched.update(scheduled, {k: v.token for k, v in outs.items()}):
+                engine.forget(f.seq.seq_id)  # as the engine loop does: a finished sequence's matcher goes
+        step += 1
+    return sched
+
+
+def matches(kind: str, text: str) -> bool:
+    if kind == "json":
+        import jsonschema
+
+        jsonschema.validate(json.loads(text), SCHEMA)
+        return True
+    if kind == "regex":
+        return re.fullmatch(r"[0-9]{3}-[a-z]{2,5}", text) is not None
+    if kind == "choice":
+        return text in ("yes", "no", "maybe later")
+    return re.fullmatch(r"\([a-c]{1,4}( [a-c]{1,4}){0,3}\)", text) is not None
+
+
+def test_guided_greedy_equals_transformers_held_to_the_same_constraint(model_dir, hf, tok):
+    engine = DecoderEngine(model_dir, num_blocks=40, block_size=4)
+    texts = ["Give me JSON: ", "The code is", "Answer:", "A list", "Plain text follows and then more"]
+    prompts = [tok.encode(t).ids for t in texts]
+    kinds = list(GUIDES) + [None]
+    jobs = [(k, p) for k in kinds for p in prompts[:2]] + [(None, prompts[4]), ("json", prompts[2])]
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=48, temperature=0.0, guide=GUIDES.get(k)))
+            for i, (k, p) in enumerate(jobs)]
+    sched = run(engine, seqs, [0, 0, 0, 1, 2, 3, 5, 8, 9, 9, 20, 21, 22], num_blocks=40)
+    assert sched.preemptions > 0, "the KV cache is sized to force preemption"
+    finished = 0
+    for (kind, prompt), seq in zip(jobs, seqs):
+        if kind is None:
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False, pad_token_id=0,
+                               eos_token_id=engine.cfg.eos_token_ids[0])[0, len(prompt):].tolist()
+        else:
+            want = hf_guided(hf, model_dir, prompt, GUIDES[kind], 48)
+        assert seq.output_ids == want, (kind, tok.decode(seq.output_ids), tok.decode(want))
+        if kind is not None and seq.finish_reason == "stop":
+            finished += 1
+            assert matches(kind, tok.decode(seq.output_ids)), (kind, tok.decode(seq.output_ids))
+    assert finished >= 6, "most guided answers end inside 48 tokens"
+
+
+def test_seeded_guided_sampling_is_valid_and_independent_of_the_batch(model_dir, tok):
+    engine = DecoderEngine(model_dir, num_blocks=200, block_size=4)
+    prompt = tok.encode("Pick one:").ids
+
+    def answers(batch_with_others: bool):
+        seqs = [Sequence(i, prompt, SamplingParams(max_tokens=40, temperature=1.0, seed=100 + i,
+                                                   guide=GUIDES["choice" if i % 2 else "regex"]))
+                for i in range(6)]
+        others = [Sequence(100 + i, tok.encode("noise " * (i + 1)).ids, SamplingParams(max_tokens=30, temperature=0.9))
+                  for i in range(3)] if batch_with_others else []
+        run(engine, others + seqs, [0] * (len(seqs) + len(others)), num_blocks=200)
+        return [(s.params.guide[0], tok.decode(s.output_ids), s.finish_reason) for s in seqs]
+
+    alone, mixed = answers(False), answers(True)
+    assert alone == mixed
+    for kind, text, finish in alone:
+        assert finish == "stop" and matches(kind, text), (kind, text)
+    assert len({t for k, t, _ in alone if k == "choice"}) >= 2 or len({t for k, t, _ in alone if k == "regex"}) >= 2
+
+
+def test_guided_rows_keep_their_constraint_over_a_logit_bias(model_dir, tok):
+    """The mask comes after the bias and the penalties: a bias toward a token the guide forbids loses."""
+    engine = DecoderEngine(model_dir, num_blocks=60, block_size=4)
+    x = tok.token_to_id("Z")  # a byte the regex never allows
+    assert x is not None
+    params = SamplingParams(max_tokens=20, temperature=0.0, guide=GUIDES["regex"], logit_bias=((x, 100.0),),
+                            repetition_penalty=1.3)
+    seq = Sequence(1, tok.encode("The code is").ids, params)
+    run(engine, [seq], [0], num_blocks=60)
+    assert x not in seq.output_ids and seq.finish_reason == "stop"
+    assert matches("regex", tok.decode(seq.output_ids))
+    free = Sequence(2, tok.encode("The code is").ids, SamplingParams(max_tokens=3, temperature=0.0,
+                                                                       logit_bias=((x, 100.0),)))
+    run(engine, [free], [0], num_blocks=60)
+    assert free.output_ids == [x, x, x]  # the bias alone does win
+
+
+def test_a_finished_guide_allows_only_the_end_of_sequence(model_dir, tok):
+    guides = Guides((model_dir / "tokenizer.json").read_text(), 512, [2])
+    m = guides.matcher(GUIDES["choice"])
+
+    def allowed():
+        words = m.mask()
+        return [t for t in range(512) if (int(words[t // 32]) >> (t % 32)) & 1]
+
+    assert 2 not in allowed() and len(allowed()) >= 2
+    for t in tok.encode("yes").ids:
+        assert m.consume(t)
+    assert allowed() == [2]
+    assert not m.consume(tok.token_to_id("x"))  # a token the guide forbids: an error state
+    assert m.error and allowed() == [2]
+
+
+def test_bad_constraints_are_clear_errors():
+    for kind, value, why in (("json", "{not json", "not valid JSON"), ("json", [1], "must be an object"),
+                             ("choice", [], "non-empty list"), ("choice", ["a", 3], "non-empty list"),
+                             ("regex", "", "non-empty string"), ("tree", "x", "unknown constraint")):
+        with pytest.raises(InvalidInput, match=why) as err:
+            guide_for(kind, value, "guided_x")
+        assert err.value.param == "guided_x"
+    from tokenizers import Tokenizer
+
+    from tests.decoder_models import train_tokenizer
+
+    tok: Tokenizer = train_tokenizer(512, True)
+    guides = Guides(tok.to_str(), 512)  # a front end's: no end-of-sequence token, checks only
+    guides.check(("json", ANY_OBJECT), "response_format")
+    for guide, why in ((("regex", "a(b"), "unclosed group"), (("json", '{"type": "objectx"}'), "objectx"),
+                       (("grammar", "start: missing_rule"), "missing_rule")):
+        with pytest.raises(InvalidInput, match=why) as err:
+            guides.check(guide, "structured_outputs")
+        assert err.value.param == "structured_outputs"
+    with pytest.raises(ValueError, match="end-of-sequence"):
+        guides.matcher(("json", ANY_OBJECT))
+
+
+def test_request_fields_become_one_guide():
+    from types import SimpleNamespace
+
+    from surge.server.http.guided_fields import request_guide, tool_choice_guide
+
+    checked = []
+    service = SimpleNamespace(check_guide=lambda g, p: checked.append((g, p)))
+
+    def req(**kw):
+        fields = dict(response_format=None, guided_json=None, guided_regex=None, guided_choice=None,
+                      guided_grammar=None, structured_outputs=None)
+        return SimpleNamespace(**{**fields, **kw})
+
+    assert request_guide(req(), service) is None
+    assert request_guide(req(response_format={"type": "text"}), service) is None
+    assert request_guide(req(response_format={"type": "json_object"}), service) == ("json", ANY_OBJECT)
+    assert request_guide(req(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}),
+                         service) == ("json", json.dumps(SCHEMA))
+    assert request_guide(req(guided_choice=["a", "b"]), service) == ("choice", '["a", "b"]')
+    assert request_guide(req(structured_outputs={"regex": "[a-z]+"}), service) == ("regex", "[a-z]+")
+    assert request_guide(req(structured_outputs={"json_object": True}), service) == ("json", ANY_OBJECT)
+    assert checked[-1] == (("json", ANY_OBJECT), "structured_outputs")
+    for bad, param in ((req(response_format={"type": "json_schema"}), "response_format"),
+                       (req(response_format={"type": "xml"}), "response_format"),
+                       (req(guided_regex="a", guided_choice=["b"]), "guided_choice"),
+                       (req(structured_outputs={"yaml": "x"}), "structured_outputs")):
+        with pytest.raises(InvalidInput) as err:
+            request_guide(bad, service)
+        assert err.value.param == param
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    with pytest.raises(InvalidInput) as err:
+        tool_choice_guide(tools, {"type": "function", "function": {"name": "sub"}})
+    assert err.value.param == "tool_choice"
+    with pytest.raises(InvalidInput) as err:
+        request_guide(req(guided_json=SCHEMA), service, tool_choice_guide(tools, "required"))
+    assert err.value.param == "tool_choice"
