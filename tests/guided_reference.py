@@ -13,7 +13,6 @@ def hf_guided(model, model_dir: Path, prompt: list[int], guide: tuple[str, str],
     max_new tokens."""
     import llguidance
     import llguidance.numpy as lln
-    import numpy as np
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
 

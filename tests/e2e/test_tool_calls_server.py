@@ -92,6 +92,32 @@ def test_tool_choice_none_leaves_the_text_and_auto_without_tools_is_plain(client
                                        temperature=0, max_tokens=60)
     assert r.choices[0].message.content == ANSWER and not r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "stop"
-    with pytest.raises(openai.BadRequestError, match="tool_choice"):
-        client.chat.completions.create(model="tool-qwen", messages=ASK, tools=[TOOL], tool_choice="required",
-                                       max_tokens=4)
+
+
+
+def test_tool_choice_required_holds_the_answer_to_calls(client, model_dir):
+    """The trained answer starts with text; a required tool choice leaves none (guided decoding): the call
+    is transformers' greedy answer held to the same grammar, whose `<tool_call>` tags are the added tokens
+    the model writes (a grammar that spelled them as text would match nothing this model writes)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from surge.runtime.guided import Guides
+    from surge.server.http.guided_fields import tool_choice_guide
+    from surge.server.http.tool_calls import parse
+    from tests.guided_reference import hf_guided
+
+    r = client.chat.completions.create(model="tool-qwen", messages=ASK, tools=[TOOL], tool_choice="required",
+                                       temperature=0, max_tokens=60)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+    hf, tok = AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
+    literal = Guides((model_dir / "tokenizer.json").read_text(), hf.config.vocab_size).literal
+    assert literal("<tool_call>").startswith("<[")  # an added token llguidance counts as special
+    ids = tok.apply_chat_template(ASK, tools=[TOOL], add_generation_prompt=True, tokenize=True, return_dict=False)
+    want = tok.decode(hf_guided(hf, model_dir, ids, tool_choice_guide([TOOL], "required", literal), 60),
+                      skip_special_tokens=True)
+    content, calls = parse(want)
+    assert content is None and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
+        [(call.function.name, call.function.arguments)]

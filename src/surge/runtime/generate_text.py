@@ -48,14 +48,20 @@ class PromptText:
     def check_guide(self, guide: tuple[str, str] | None, param: str = "response_format") -> None:
         """A structured-output guide (runtime/guided.py) that does not compile for this model's tokenizer is
         InvalidInput naming `param`; checked before the engine sees it."""
-        if guide is None:
-            return
-        guides = self.__dict__.get("_guides")
-        if guides is None:
+        if guide is not None:
+            self._guides().check(guide, param)
+
+    def guide_literal(self, text: str) -> str:
+        """`text` as a Lark literal of this model's grammars (runtime.guided.Guides.literal)."""
+        return self._guides().literal(text)
+
+    def _guides(self):
+        guides = self.__dict__.get("_guide_checker")
+        if guides is None:  # built at the first guided request (the tokenizer's trie: ms to a second)
             from surge.runtime.guided import Guides
 
-            guides = self.__dict__["_guides"] = Guides(self.tokenizer.to_str(), self.vocab_size)
-        guides.check(guide, param)
+            guides = self.__dict__["_guide_checker"] = Guides(self.tokenizer.to_str(), self.vocab_size)
+        return guides
 
     def triton_config(self) -> dict:
         """Triton's ModelConfig (JSON form) of a generate model: the generate extension's tensors

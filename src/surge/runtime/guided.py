@@ -22,6 +22,11 @@ from surge.errors import InvalidInput
 
 KINDS = ("json", "regex", "choice", "grammar")
 ANY_OBJECT = json.dumps({"type": "object"})
+# JSON written as json.dumps writes it (", " and ": ", no other whitespace), the form models mostly saw:
+# with whitespace left free a weak model can fill max_tokens with newlines, and compact separators
+# push a model that learned spaced JSON (hermes tool calls) off its text. A schema's own "x-guidance"
+# options override these.
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def guide_for(kind: str, value, param: str) -> tuple[str, str]:
@@ -54,9 +59,7 @@ def grammar(guide: tuple[str, str]) -> str:
 
     kind, text = guide
     if kind == "json":
-        # compact JSON (no whitespace between items): with whitespace left free a weak model can fill
-        # max_tokens with newlines; a schema's own "x-guidance" options still override it
-        return llguidance.LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_flexible": False})
+        return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_STYLE)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(text)
     if kind == "choice":
@@ -91,6 +94,14 @@ class Guides:
         if message and not message.startswith("WARNING"):
             return None, message.strip()
         return g, None
+
+    def literal(self, text: str) -> str:
+        """`text` as a Lark literal that matches how the model writes it: a token llguidance counts as
+        special (an added `<tool_call>`, say) only matches as that token (`<[id]>`), other text as a string."""
+        ids = self.tokenizer.tokenize_str(text)
+        if len(ids) == 1 and self.tokenizer.is_special_token(ids[0]):
+            return f"<[{ids[0]}]>"
+        return json.dumps(text)
 
     def check(self, guide: tuple[str, str], param: str) -> None:
         """InvalidInput (400, naming `param`) when the guide does not compile for this model."""

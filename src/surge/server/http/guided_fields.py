@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 
 from surge.errors import InvalidInput
-from surge.runtime.guided import ANY_OBJECT, guide_for
+from surge.runtime.guided import ANY_OBJECT, JSON_STYLE, guide_for
 
 VLLM_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                "guided_grammar": "grammar"}
@@ -67,9 +67,10 @@ def request_guide(req, service, tool_guide: tuple[str, str] | None = None) -> tu
     return guide
 
 
-def tool_choice_guide(tools: list[dict], choice) -> tuple[str, str]:
+def tool_choice_guide(tools: list[dict], choice, literal=json.dumps) -> tuple[str, str]:
     """A grammar for tool_choice "required" (one or more calls of any of `tools`) or a named function
-    (one call of it), in the hermes format the tool-call parser reads (server/http/tool_calls.py)."""
+    (one call of it), in the hermes format the tool-call parser reads (server/http/tool_calls.py);
+    `literal`: the tags as the model writes them (the service's guide_literal: one special token or text)."""
     by_name = {}
     for t in tools:
         fn = t.get("function") if isinstance(t, dict) else None
@@ -86,6 +87,7 @@ def tool_choice_guide(tools: list[dict], choice) -> tuple[str, str]:
     calls = [{"type": "object", "properties": {"name": {"const": n}, "arguments": by_name[n]},
               "required": ["name", "arguments"], "additionalProperties": False} for n in names]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    body = "%json " + json.dumps({**schema, "x-guidance": {"whitespace_flexible": False}})
+    body = "%json " + json.dumps({**schema, "x-guidance": JSON_STYLE})
     repeat = ' ("\\n" call)*' if many else ""
-    return "grammar", f'start: call{repeat}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: {body}\n'
+    call = f'{literal("<tool_call>")} "\\n" body "\\n" {literal("</tool_call>")}'
+    return "grammar", f"start: call{repeat}\ncall: {call}\nbody: {body}\n"

@@ -331,7 +331,7 @@ def _tool_calls_wanted(req: ChatCompletionRequest, service) -> tuple[bool, tuple
                            "chat template", param="tool_choice")
     if choice in (None, "auto"):
         return True, None
-    return True, tool_choice_guide(req.tools, choice)
+    return True, tool_choice_guide(req.tools, choice, service.guide_literal)
 
 
 def _chat_choice(index: int, res, parse_calls: bool) -> dict:

@@ -1,0 +1,142 @@
+"""Structured outputs end to end: a real `surge serve` process with a decoder whose tokenizer can write any
+byte, called with the real `openai` client; every guided answer equals transformers' `generate` held to the
+same constraint by llguidance (tests/guided_reference.py), and the answers that finish parse."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+torch = pytest.importorskip("torch")
+openai = pytest.importorskip("openai")
+pytest.importorskip("llguidance")
+
+from surge.runtime.guided import guide_for  # noqa: E402
+from surge.server.http.guided_fields import tool_choice_guide  # noqa: E402
+from tests.decoder_models import build_model  # noqa: E402
+from tests.guided_reference import hf_guided  # noqa: E402
+from tests.server_process import ServerProcess  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}, "rain": {"type": "boolean"},
+                                           "temp": {"type": "integer", "minimum": -30, "maximum": 45}},
+          "required": ["city", "rain", "temp"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
+             "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+             "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "add", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                              "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+             "required": ["a", "b"], "additionalProperties": False}}}]
+CHAT = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model("qwen2", tmp_path_factory.mktemp("guided") / "guided-qwen", seed=3, vocab=512, all_bytes=True,
+                       max_position_embeddings=1024)  # the tools rendered into a prompt: ~420 tokens
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), \
+        AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with ServerProcess(str(model_dir), "--threads", "1", "--generation", "tool_call_parser=hermes") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def reference(hf, model_dir, guide, n, messages=None, prompt=None, tools=None) -> str:
+    model, tok = hf
+    ids = (tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+           if messages is not None else tok(prompt)["input_ids"])
+    return tok.decode(hf_guided(model, model_dir, ids, guide, n), skip_special_tokens=True)
+
+
+def test_json_schema_answers_follow_the_schema_streamed_or_not(client, hf, model_dir):
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}}
+    r = client.chat.completions.create(model="guided-qwen", messages=CHAT, response_format=fmt, temperature=0,
+                                       max_tokens=60)
+    text = r.choices[0].message.content
+    assert text == reference(hf, model_dir, guide_for("json", SCHEMA, "x"), 60, messages=CHAT)
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(text), SCHEMA)
+    stream = client.chat.completions.create(model="guided-qwen", messages=CHAT, response_format=fmt,
+                                            temperature=0, max_tokens=60, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+    # json_object: any JSON object (what a model this small writes may be cut at max_tokens)
+    r = client.chat.completions.create(model="guided-qwen", messages=CHAT, response_format={"type": "json_object"},
+                                       temperature=0, max_tokens=40)
+    assert r.choices[0].message.content == reference(hf, model_dir, ("json", '{"type": "object"}'), 40,
+                                                     messages=CHAT)
+    assert r.choices[0].message.content.startswith("{")
+
+
+def test_vllm_guided_fields_on_completions(client, hf, model_dir):
+    prompt = "The answer is"
+    r = client.completions.create(model="guided-qwen", prompt=prompt, temperature=0, max_tokens=30,
+                                  extra_body={"guided_choice": ["yes", "no", "not sure"]})
+    assert r.choices[0].text == reference(hf, model_dir, guide_for("choice", ["yes", "no", "not sure"], "x"), 30,
+                                          prompt=prompt)
+    assert r.choices[0].text in ("yes", "no", "not sure") and r.choices[0].finish_reason == "stop"
+    regex = r"[A-Z]{2}-[0-9]{3,4}"
+    r = client.completions.create(model="guided-qwen", prompt=prompt, temperature=0, max_tokens=30,
+                                  extra_body={"structured_outputs": {"regex": regex}})
+    assert r.choices[0].text == reference(hf, model_dir, ("regex", regex), 30, prompt=prompt)
+    assert re.fullmatch(regex, r.choices[0].text)
+    # seeded draws with n: every choice held to the grammar
+    r = client.completions.create(model="guided-qwen", prompt=prompt, temperature=1.0, seed=7, n=4, max_tokens=30,
+                                  extra_body={"guided_grammar": 'start: "(" /[a-c]{1,3}/ ("," /[a-c]{1,3}/){0,2} ")"'})
+    assert len(r.choices) == 4
+    for c in r.choices:
+        assert re.fullmatch(r"\([a-c]{1,3}(,[a-c]{1,3}){0,2}\)", c.text), c.text
+
+
+def test_required_and_named_tool_choice_answer_with_calls(client, hf, model_dir):
+    r = client.chat.completions.create(model="guided-qwen", messages=CHAT, tools=TOOLS, tool_choice="required",
+                                       temperature=0, max_tokens=80)
+    msg = r.choices[0].message
+    want = reference(hf, model_dir, tool_choice_guide(TOOLS, "required"), 80, messages=CHAT, tools=TOOLS)
+    calls = re.findall(r"<tool_call>\n(.*?)\n</tool_call>", want)
+    assert r.choices[0].finish_reason == "tool_calls" and msg.tool_calls and len(msg.tool_calls) == len(calls)
+    for call, body in zip(msg.tool_calls, calls):
+        obj = json.loads(body)
+        assert call.function.name == obj["name"] in ("get_weather", "add")
+        assert json.loads(call.function.arguments) == obj["arguments"]
+    named = {"type": "function", "function": {"name": "add"}}
+    r = client.chat.completions.create(model="guided-qwen", messages=CHAT, tools=TOOLS, tool_choice=named,
+                                       temperature=0, max_tokens=80)
+    (call,) = r.choices[0].message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "add" and set(args) == {"a", "b"} and all(0 <= v <= 9 for v in args.values())
+    stream = client.chat.completions.create(model="guided-qwen", messages=CHAT, tools=TOOLS, tool_choice=named,
+                                            temperature=0, max_tokens=80, stream=True)
+    streamed = [tc for c in stream if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in streamed] == [("add", args)]
+
+
+def test_bad_constraints_are_400_naming_their_field(client):
+    cases = [({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+              "response_format"),
+             ({"extra_body": {"guided_regex": "a(b"}}, "guided_regex"),
+             ({"extra_body": {"guided_choice": ["a"], "guided_regex": "b"}}, "guided_choice"),  # the second found
+             ({"response_format": {"type": "xml"}}, "response_format"),
+             ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "sub"}}}, "tool_choice")]
+    for kw, param in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="guided-qwen", messages=CHAT, max_tokens=5, **kw)
+        assert err.value.body["param"] == param, (kw, err.value.body)
