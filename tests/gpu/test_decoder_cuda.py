@@ -576,3 +576,107 @@ def test_prompt_logprobs_follow_transformers(qwen_dir, dtype, tol):
         want = lp.gather(1, torch.tensor(p[1:], device="cuda")[:, None])[:, 0].tolist()
         assert [t for t, _, _ in got[i]] == p[1:] and all(len(top) == 2 for _, _, top in got[i])
         assert [v for _, v, _ in got[i]] == pytest.approx(want, abs=tol)
+
+
+def test_guided_rows_on_the_gpu_equal_the_eager_engine(tmp_path_factory):
+    """Structured outputs on CUDA: guided rows (a JSON schema, a regex, choices, a grammar; greedy) and
+    unguided neighbours in the service's loop (CUDA graphs, 4 decode steps a launch while no guided row
+    runs) give the eager engine's tokens (FP32), and the guided answers that finish match their
+    constraint: the mask reaches the device's logits and the matcher takes the tokens the graphs chose."""
+    import json
+    import re
+
+    from tokenizers import Tokenizer
+
+    from surge.engines.decoder import DecoderEngine
+    from surge.runtime.guided import guide_for
+    from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
+    from surge.runtime.scheduler.overlap import StepLoop
+    from tests.decoder_models import build_model
+
+    d = build_model("qwen2", tmp_path_factory.mktemp("guided_gpu"), seed=3, vocab=512, all_bytes=True,
+                    hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                    num_key_value_heads=2, max_position_embeddings=512)
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "blue"]}, "ok": {"type": "boolean"}},
+              "required": ["color", "ok"], "additionalProperties": False}
+    guides = [guide_for("json", schema, "x"), guide_for("regex", r"[0-9]{2}-[a-z]{2,4}", "x"),
+              guide_for("choice", ["alpha", "beta", "gamma"], "x"),
+              guide_for("grammar", 'start: "[" /[a-c]{1,3}/ ("," /[a-c]{1,3}/){0,2} "]"', "x")]
+    checks = [lambda t: set(json.loads(t)) == {"color", "ok"}, lambda t: re.fullmatch(r"[0-9]{2}-[a-z]{2,4}", t),
+              lambda t: t in ("alpha", "beta", "gamma"), lambda t: re.fullmatch(r"\[[a-c]{1,3}(,[a-c]{1,3}){0,2}\]", t)]
+    texts = ["Give me JSON please", "The code", "Pick a name", "A list of letters"]
+
+    def run(engine, overlapped: bool):
+        sched = Scheduler(SchedulerConfig(num_blocks=engine.num_blocks, block_size=engine.block_size, max_num_seqs=16,
+                                          max_num_batched_tokens=512, max_model_len=512), engine.cfg.eos_token_ids)
+        seqs = [Sequence(i, tok.encode(texts[i % 4] + " " * (i // 4)).ids,
+                         SamplingParams(max_tokens=40, temperature=0.0, guide=guides[i % 4] if i < 8 else None,
+                                        ignore_eos=i >= 8)) for i in range(14)]
+        for s in seqs[8:]:  # the unguided rows decode on their own first (graph launches), then the guided join
+            sched.add(s)
+        loop = StepLoop(sched, engine, steps=4) if overlapped else None
+        for _ in range(6):
+            loop.step() if overlapped else sched.update(sch := sched.schedule(),
+                                                        {k: v.token for k, v in engine.step(sch).items()})
+        for s in seqs[:8]:
+            sched.add(s)
+        while sched.has_work:
+            if overlapped:
+                loop.step()
+            else:
+                sch = sched.schedule()
+                sched.update(sch, {k: v.token for k, v in engine.step(sch).items()})
+        return seqs, loop
+
+    a = DecoderEngine(d, device="cuda", dtype="fp32", num_blocks=512, max_num_seqs=16, max_model_len=512,
+                      decode_steps=4)
+    a.warmup()
+    b = DecoderEngine(d, device="cuda", dtype="fp32", num_blocks=512, max_num_seqs=16, max_model_len=512,
+                      cuda_graphs=False)
+    got, loop = run(a, True)
+    want, _ = run(b, False)
+    assert [s.output_ids for s in got] == [s.output_ids for s in want]
+    assert loop.overlapped > 0, "the unguided rows alone must have taken graph launches"
+    done = 0
+    for i, s in enumerate(got[:8]):
+        if s.finish_reason == "stop":
+            done += 1
+            text = tok.decode(s.output_ids)
+            assert checks[i % 4](text), (i, text)
+    assert done >= 5
+
+
+def test_a_decoder_runs_the_precision_that_is_set(qwen_dir):
+    """`--precision fp32` (set) builds an FP32 decoder on the GPU, the field's default a BF16 one (the
+    loader's rule, as the server builds a model), and the FP32 one's greedy tokens are the FP32 eager
+    engine's."""
+    import asyncio
+
+    from surge.config import EngineConfig, GenerationConfig, LimitsConfig
+    from surge.engines.decoder import DecoderEngine
+    from surge.models import load_model_spec
+    from surge.runtime.loader import build_generate_service
+    from surge.runtime.scheduler import SamplingParams
+
+    spec = load_model_spec(qwen_dir, name="q")
+    prompts = _prompts(384, 4)
+
+    async def answers(service):
+        service.mark_ready()
+        try:
+            return [(await service.generate(p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+                     ).token_ids for p in prompts]
+        finally:
+            await service.close()
+
+    for cfg, dtype in ((EngineConfig(engine="torch", device="cuda", precision="fp32"), torch.float32),
+                       (EngineConfig(engine="torch", device="cuda"), torch.bfloat16)):
+        # the engine on a thread of this process (a GPU's default is its own process) to read its dtype
+        service = build_generate_service(spec, "1", cfg, LimitsConfig(), GenerationConfig(engine_process=False))
+        assert service.engine.dtype == dtype
+        got = asyncio.run(answers(service))
+        if dtype == torch.float32:
+            eager = DecoderEngine(qwen_dir, device="cuda", dtype="fp32", num_blocks=512, max_num_seqs=16,
+                                  max_model_len=512, cuda_graphs=False)
+            assert got == _run(eager, prompts, 12)
