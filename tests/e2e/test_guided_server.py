@@ -140,3 +140,31 @@ def test_bad_constraints_are_400_naming_their_field(client):
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model="guided-qwen", messages=CHAT, max_tokens=5, **kw)
         assert err.value.body["param"] == param, (kw, err.value.body)
+
+
+def test_kserve_generate_and_tritonclient_infer_take_the_same_fields(server, hf, model_dir):
+    import httpx
+    import numpy as np
+    import tritonclient.http as thttp
+
+    prompt = "The answer is"
+    choices = ["yes", "no", "not sure"]
+    want = reference(hf, model_dir, guide_for("choice", choices, "x"), 30, prompt=prompt)
+    r = httpx.post(server.url + "/v2/models/guided-qwen/generate", timeout=60, json={
+        "text_input": prompt, "parameters": {"temperature": 0, "max_tokens": 30, "guided_choice": choices}})
+    assert r.status_code == 200 and r.json()["text_output"] == want, r.text
+    r = httpx.post(server.url + "/v2/models/guided-qwen/generate", timeout=60,
+                   json={"text_input": prompt, "guided_regex": "a(b"})
+    assert r.status_code == 400 and "guided_regex" in r.text
+    regex = r"[A-Z]{2}-[0-9]{3,4}"
+    client = thttp.InferenceServerClient(server.url.removeprefix("http://"))
+    text = thttp.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([prompt.encode()], dtype=object))
+    sampling = thttp.InferInput("sampling_parameters", [1], "BYTES")
+    sampling.set_data_from_numpy(np.array([json.dumps({"temperature": 0, "max_tokens": 30,
+                                                       "structured_outputs": {"regex": regex}}).encode()],
+                                          dtype=object))
+    flag = thttp.InferInput("exclude_input_in_output", [1], "BOOL")
+    flag.set_data_from_numpy(np.array([True]))
+    out = client.infer("guided-qwen", [text, sampling, flag]).as_numpy("text_output")[0].decode()
+    assert out == reference(hf, model_dir, ("regex", regex), 30, prompt=prompt) and re.fullmatch(regex, out)

@@ -106,8 +106,8 @@ class Guides:
     def check(self, guide: tuple[str, str], param: str) -> None:
         """InvalidInput (400, naming `param`) when the guide does not compile for this model."""
         _, error = self._compiled(guide)
-        if error is not None:
-            raise InvalidInput(f"the {guide[0]} constraint is not valid: {error}", param=param)
+        if error is not None:  # the field in the message too: KServe's errors have no param
+            raise InvalidInput(f"{param}: the {guide[0]} constraint is not valid: {error}", param=param)
 
     def matcher(self, guide: tuple[str, str]) -> "Matcher":
         import llguidance

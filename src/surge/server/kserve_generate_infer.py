@@ -3,7 +3,9 @@ Triton + vLLM send):
 
   in   text_input               BYTES [1]  the prompt
        stream                   BOOL  [1]  optional: one response a delta (gRPC ModelStreamInfer only)
-       sampling_parameters      BYTES [1]  optional: a JSON object (max_tokens, temperature, top_p, ...)
+       sampling_parameters      BYTES [1]  optional: a JSON object (max_tokens, temperature, top_p, ...,
+                                           and the structured-output fields: guided_json, guided_regex,
+                                           guided_choice, guided_grammar, structured_outputs)
        exclude_input_in_output  BOOL  [1]  optional: a non-streamed text_output without the prompt
                                            (default false: prompt + completion, as the vLLM backend)
        return_finish_reason / return_num_input_tokens / return_num_output_tokens  BOOL [1]  optional
@@ -24,6 +26,8 @@ import numpy as np
 
 from surge.errors import InvalidInput
 from surge.server.http.generate_common import counted, counted_stream, deadline_for, generate_model, make_params
+from surge.server.http.guided_fields import FIELDS as GUIDE_FIELDS
+from surge.server.http.guided_fields import guide_from_dict
 from surge.server.kserve_contract import InputTensor
 
 TEXT_INPUT, TEXT_OUTPUT = "text_input", "text_output"
@@ -71,7 +75,7 @@ def prepare(state, name: str, version: str | None, inputs: list[InputTensor], pa
     except UnicodeDecodeError:
         raise InvalidInput(f"input '{TEXT_INPUT}' holds invalid UTF-8", param=TEXT_INPUT) from None
     flags = {f: bool(_one(by_name[f], "BOOL")) for f in FLAGS if f in by_name}
-    sampling = {k: v for k, v in parameters.items() if k in SAMPLING}
+    sampling = {k: v for k, v in parameters.items() if k in SAMPLING or k in GUIDE_FIELDS}
     if "sampling_parameters" in by_name:
         raw = _one(by_name["sampling_parameters"], "BYTES")
         try:
@@ -81,8 +85,9 @@ def prepare(state, name: str, version: str | None, inputs: list[InputTensor], pa
         if not isinstance(given, dict):
             raise InvalidInput("sampling_parameters must be a JSON object", param="sampling_parameters")
         sampling.update(given)
+    guide = guide_from_dict(sampling, service)
     try:
-        params = make_params(service, **{k: sampling.get(k) for k in SAMPLING})
+        params = make_params(service, **{k: sampling.get(k) for k in SAMPLING}, guide=guide)
     except (TypeError, ValueError, AttributeError) as exc:  # a value of the wrong type
         raise InvalidInput(f"sampling_parameters: {exc}", param="sampling_parameters") from None
     for out in requested:

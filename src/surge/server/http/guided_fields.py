@@ -18,6 +18,14 @@ from surge.runtime.guided import ANY_OBJECT, JSON_STYLE, guide_for
 
 VLLM_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                "guided_grammar": "grammar"}
+FIELDS = ("response_format", *VLLM_FIELDS, "structured_outputs")
+
+
+def guide_from_dict(fields: dict, service) -> tuple[str, str] | None:
+    """request_guide over a dict of parameters (KServe's generate parameters, Triton's sampling_parameters)."""
+    from types import SimpleNamespace
+
+    return request_guide(SimpleNamespace(**{f: fields.get(f) for f in FIELDS}), service)
 
 
 def request_guide(req, service, tool_guide: tuple[str, str] | None = None) -> tuple[str, str] | None:
@@ -25,6 +33,8 @@ def request_guide(req, service, tool_guide: tuple[str, str] | None = None) -> tu
     forced tool choice asks for (tool_choice_guide)."""
     found: list[tuple[str, tuple[str, str]]] = []
     fmt = getattr(req, "response_format", None)
+    if fmt is not None and not isinstance(fmt, dict):
+        raise InvalidInput("response_format must be an object", param="response_format")
     if fmt:
         kind = fmt.get("type", "text")
         if kind == "json_object":

@@ -2,7 +2,9 @@
 generate_stream.
 
 Body: {"text_input": "...", "parameters": {"max_tokens": 32, "temperature": 0, ...}}; the
-parameters may also be given at the top level (Triton maps every JSON key to an input).
+parameters may also be given at the top level (Triton maps every JSON key to an input), and include
+the structured-output fields of the OpenAI routes (guided_json, guided_regex, guided_choice,
+guided_grammar, structured_outputs, response_format).
 Answer: {"model_name", "model_version", "text_output", "finish_reason", "prompt_tokens",
 "completion_tokens"}; generate_stream sends one such event per delta (server-sent events,
 `text_output` holding the delta), the last one with finish_reason. Errors: {"error": msg}.
@@ -17,6 +19,7 @@ from surge.server.http.common import parse
 from surge.server.http import generate_common
 from surge.server.http.generate_common import (EventStream, JsonAnswer, counted, counted_stream, deadline_for,
                                                generate_model, make_params, sse, until_disconnect)
+from surge.server.http.guided_fields import guide_from_dict
 from surge.server.http.openapi import body
 from surge.server.state import AppState
 
@@ -36,6 +39,13 @@ class GenerateParameters(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
+    # structured outputs, the OpenAI routes' names (server/http/guided_fields.py)
+    response_format: dict | None = None
+    guided_json: dict | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    structured_outputs: dict | None = None
 
 
 class GenerateRequest(GenerateParameters):
@@ -61,7 +71,8 @@ def _prepare(state, req: GenerateRequest, name: str, version: str | None):
                          top_p=p.get("top_p"), top_k=p.get("top_k"), min_p=p.get("min_p"), seed=p.get("seed"),
                          stop=p.get("stop"), stop_token_ids=p.get("stop_token_ids"),
                          presence_penalty=p.get("presence_penalty"), frequency_penalty=p.get("frequency_penalty"),
-                         repetition_penalty=p.get("repetition_penalty"), ignore_eos=p.get("ignore_eos"))
+                         repetition_penalty=p.get("repetition_penalty"), ignore_eos=p.get("ignore_eos"),
+                         guide=guide_from_dict(p, service))
     ids = service.encode(req.text_input)
     service.check_prompt(ids)
     return service, ids, params
