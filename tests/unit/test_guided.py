@@ -218,3 +218,18 @@ def test_request_fields_become_one_guide():
     with pytest.raises(InvalidInput) as err:
         request_guide(req(guided_json=SCHEMA), service, tool_choice_guide(tools, "required"))
     assert err.value.param == "tool_choice"
+
+
+def test_masks_side_by_side_equal_each_matchers_own(model_dir, tok):
+    guides = Guides((model_dir / "tokenizer.json").read_text(), 512, [2])
+    matchers = [guides.matcher(g) for g in GUIDES.values()] + [guides.matcher(GUIDES["choice"])]
+    for t in tok.encode("no").ids:  # one finished, one broken, the rest at their start or partway
+        assert matchers[2].consume(t)
+    assert not matchers[4].consume(tok.token_to_id("Z"))
+    for t in tok.encode("12").ids:
+        assert matchers[1].consume(t)
+    together = guides.masks(matchers)
+    assert together.shape == (5, 16)
+    for row, m in zip(together, matchers):
+        assert (row == m.mask()).all()
+    assert len({row.tobytes() for row in together}) >= 4  # not one mask copied to every row

@@ -81,6 +81,7 @@ class Guides:
         eos = None if not self.eos else self.eos if len(self.eos) > 1 else self.eos[0]
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
         self._compiled = lru_cache(maxsize=256)(self._compile)
+        self._executor = None
 
     def _compile(self, guide: tuple[str, str]) -> tuple[str | None, str | None]:
         """(grammar, None) or (None, why it is not valid)."""
@@ -120,6 +121,29 @@ class Guides:
         return Matcher(llguidance.LLMatcher(self.tokenizer, g, log_level=0), self.vocab_size, self.eos)
 
 
+    def masks(self, matchers: list["Matcher"]) -> np.ndarray:
+        """The next tokens' masks of several sequences ([rows, words] int32, Matcher.mask's layout),
+        computed side by side on llguidance's threads (the GIL released)."""
+        import llguidance
+        from llguidance.numpy import fill_next_token_bitmask_par
+
+        words = (self.vocab_size + 31) // 32
+        out = np.empty((len(matchers), words), dtype=np.int32)
+        live = []
+        for i, m in enumerate(matchers):
+            if m._m.is_error():
+                out[i] = m._eos_only
+            else:
+                live.append((m._m, i))
+        if len(live) == 1:
+            out[live[0][1]] = matchers[live[0][1]].mask()
+        elif live:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            fill_next_token_bitmask_par(self._executor, live, out)
+        return out
+
+
 class Matcher:
     """One sequence's place in its guide."""
 
@@ -147,10 +171,10 @@ class Matcher:
         return self._m.get_error() if self._m.is_error() else None
 
 
-def allowed(masks, vocab_size: int, device):
-    """Bool [rows, vocab_size] of stacked `Matcher.mask` words, on `device`."""
+def allowed(masks: np.ndarray, vocab_size: int, device):
+    """Bool [rows, vocab_size] of `Guides.masks` words, on `device`."""
     import torch
 
-    words = torch.from_numpy(np.ascontiguousarray(np.stack(masks))).to(device)
+    words = torch.from_numpy(np.ascontiguousarray(masks)).to(device)
     bits = (words[:, :, None] >> torch.arange(32, device=device, dtype=torch.int32)) & 1
     return bits.reshape(len(masks), -1)[:, :vocab_size].bool()

@@ -141,7 +141,8 @@ class Sampler:
             from surge.runtime.guided import allowed
 
             rows = torch.tensor(guided, device=dev)
-            ok = allowed([self._matcher(seqs[i]).mask() for i in guided], logits.shape[1], dev)
+            matchers = [self._matcher(seqs[i]) for i in guided]  # (the first one builds self._guides)
+            ok = allowed(self._guides.masks(matchers), logits.shape[1], dev)
             logits[rows] = logits[rows].masked_fill(~ok, float("-inf"))
 
     @staticmethod
