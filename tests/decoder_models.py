@@ -110,3 +110,14 @@ def build_model(kind: str, out: Path, *, seed: int = 0, vocab: int = 384, templa
     model.save_pretrained(out, safe_serialization=True)
     save_tokenizer(tok, out, template)
     return out
+
+
+def load_hf(model_dir: Path):
+    """(transformers FP32 model, its tokenizer) of a built model, on one thread: the end-to-end tests'
+    reference beside a server that has the other core."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), \
+        AutoTokenizer.from_pretrained(model_dir)

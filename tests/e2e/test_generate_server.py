@@ -19,7 +19,7 @@ _stream = functools.partial(httpx.stream, timeout=120)
 torch = pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 
-from tests.decoder_models import build_model  # noqa: E402
+from tests.decoder_models import build_model, load_hf  # noqa: E402
 from tests.server_process import ServerProcess  # noqa: E402
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Define assignment."}]
@@ -47,11 +47,7 @@ def server(model_dir):
 
 @pytest.fixture(scope="module")
 def hf(model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.set_num_threads(1)
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), \
-        AutoTokenizer.from_pretrained(model_dir)
+    return load_hf(model_dir)
 
 
 def hf_text(hf, ids, n):

@@ -15,7 +15,7 @@ pytest.importorskip("llguidance")
 
 from surge.runtime.guided import guide_for  # noqa: E402
 from surge.server.http.guided_fields import tool_choice_guide  # noqa: E402
-from tests.decoder_models import build_model  # noqa: E402
+from tests.decoder_models import build_model, load_hf  # noqa: E402
 from tests.guided_reference import hf_guided  # noqa: E402
 from tests.server_process import ServerProcess  # noqa: E402
 
@@ -40,11 +40,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf(model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.set_num_threads(1)
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), \
-        AutoTokenizer.from_pretrained(model_dir)
+    return load_hf(model_dir)
 
 
 @pytest.fixture(scope="module")

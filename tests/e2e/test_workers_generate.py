@@ -22,7 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 
-from tests.decoder_models import build_model  # noqa: E402
+from tests.decoder_models import build_model, load_hf  # noqa: E402
 from tests.e2e.test_generate_server import hf_text, metric  # noqa: E402
 from tests.server_process import ServerProcess, children_by_role, wait_ready  # noqa: E402
 
@@ -39,11 +39,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf(model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.set_num_threads(1)
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), \
-        AutoTokenizer.from_pretrained(model_dir)
+    return load_hf(model_dir)
 
 
 @pytest.fixture(scope="module")
