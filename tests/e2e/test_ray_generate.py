@@ -43,6 +43,10 @@ def _answers(base_url: str) -> dict:
     for i, p in enumerate(PROMPTS):
         out[p] = client.completions.create(model="tiny-gpt2", prompt=p, max_tokens=10 + 2 * i,
                                            temperature=0).choices[0].text
+    # structured outputs: the ingress checks the guide, a replica's sampler holds the answer to it
+    for field, value in (("guided_choice", ["assignment", "target", "names"]), ("guided_regex", "[a-e]{3,6}")):
+        out[field] = client.completions.create(model="tiny-gpt2", prompt="Names", max_tokens=12, temperature=0,
+                                               extra_body={field: value}).choices[0].text
     return out
 
 
@@ -111,6 +115,7 @@ def cluster(model_dir, started_local):
 
 def test_ray_replicas_answer_as_a_single_process_does(cluster, local):
     assert _answers(cluster) == local
+    assert local["guided_choice"] in ("assignment", "target", "names")
     client = openai.OpenAI(base_url=cluster + "/v1", api_key="unused", max_retries=0)
     # A stream through the ingress: its concatenation is the non-streamed answer, usage last.
     chunks = list(client.chat.completions.create(model="tiny-gpt2", messages=CHAT, max_tokens=24, temperature=0,
@@ -168,6 +173,8 @@ def test_both_replicas_serve_and_protocol_errors_cross_the_ingress(cluster, loca
         assert r.status_code == 400 and "serves task 'generate'" in r.json()["error"]["message"], r.text
         r = http.post("/v1/completions", json={"prompt": "Names", "max_tokens": 4, "top_p": 0})
         assert r.status_code in (400, 422), r.text
+        r = http.post("/v1/completions", json={"prompt": "Names", "max_tokens": 4, "guided_regex": "a(b"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex", r.text
         assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny-gpt2"]
 
 
