@@ -78,7 +78,12 @@ def test_streams_equal_transformers_and_the_thread_loop(model_dir, hf):
                 ids.extend(d.token_ids)
             return ids
 
-        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        async def guided():  # a structured output: the guide crosses the process with its sequence
+            guide = ("choice", '["assignment", "Python", "loops repeat"]')
+            r = await svc.generate(prompts[0], SamplingParams(max_tokens=12, temperature=0.0, guide=guide))
+            return r.text
+
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)), guided())
 
     async def both():
         remote = await run(service)
@@ -91,6 +96,7 @@ def test_streams_equal_transformers_and_the_thread_loop(model_dir, hf):
         return remote, here, stats
 
     remote, here, stats = asyncio.run(both())
+    assert remote[-1] in ("assignment", "Python", "loops repeat")
     for i, (p, ids) in enumerate(zip(prompts, remote)):
         assert ids == _hf_greedy(hf, p, 10 + i), i
     assert remote == here
