@@ -233,3 +233,32 @@ def test_masks_side_by_side_equal_each_matchers_own(model_dir, tok):
     for row, m in zip(together, matchers):
         assert (row == m.mask()).all()
     assert len({row.tobytes() for row in together}) >= 4  # not one mask copied to every row
+
+
+def test_matchers_are_built_beside_the_step_loop(model_dir, tok, monkeypatch):
+    """A guided prompt's matcher is started on the sampler's worker thread at its prefill and waited for at
+    its first sampled token, so a burst of new guided requests does not stall the engine thread; the
+    answers are those of matchers built in place."""
+    import threading
+
+    built = []
+    inner = Guides.matcher
+
+    def recording(self, guide):
+        built.append(threading.current_thread().name)
+        return inner(self, guide)
+
+    monkeypatch.setattr(Guides, "matcher", recording)
+    engine = DecoderEngine(model_dir, num_blocks=200, block_size=4)
+    prompts = [tok.encode(t).ids for t in ("Give me JSON: ", "The code is", "Pick one of these, please:")]
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=24, temperature=0.0, guide=g))
+            for i, (p, g) in enumerate(zip(prompts, GUIDES.values()))]
+    run(engine, seqs, [0, 0, 2], num_blocks=200)
+    assert len(built) == 3 and all(name.startswith("surge-guides") for name in built), built
+    in_place = DecoderEngine(model_dir, num_blocks=200, block_size=4)
+    in_place.sampler.prepare = lambda seqs: None  # matchers then built at the first sampled token
+    again = [Sequence(i, p, SamplingParams(max_tokens=24, temperature=0.0, guide=g))
+             for i, (p, g) in enumerate(zip(prompts, GUIDES.values()))]
+    run(in_place, again, [0, 0, 2], num_blocks=200)
+    assert built[3:] == ["MainThread"] * 3
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in again]

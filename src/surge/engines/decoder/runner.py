@@ -156,6 +156,8 @@ class DecoderEngine:
                 and all(s.num_tokens == 1 and s.sample for s in scheduled):
             return self._decode_graph(scheduled)
         ids, pos, slots, q_lens, ctx, tables, table_np, qstart = self.prepare(scheduled)
+        if any(s.seq.params.guide is not None and s.start < s.seq.num_prompt for s in scheduled):
+            self.sampler.prepare([s.seq for s in scheduled])  # guided prompts: matchers built meanwhile
         sample_rows = [i for i, s in enumerate(scheduled) if s.sample]
         dev = self.device
         meta = AttnMeta(

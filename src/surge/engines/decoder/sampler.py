@@ -13,6 +13,7 @@ takes the chosen token.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -41,22 +42,40 @@ class Sampler:
         self._shared.seed()
         self._guides_factory = guides
         self._guides = None
-        self._matchers: dict[int, object] = {}
+        self._matchers: dict[int, object] = {}  # seq_id -> Matcher, or the Future building it
+        self._pool = None
 
     def forget(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
         self._matchers.pop(seq_id, None)
 
+    def _guides_ready(self):
+        if self._guides is None:
+            if self._guides_factory is None:
+                raise ValueError("this engine has no tokenizer for guided decoding")
+            self._guides = self._guides_factory()
+        return self._guides
+
+    def prepare(self, seqs: list[Sequence]) -> None:
+        """Start building the matchers of guided sequences seen for the first time (their prefill steps),
+        on a worker thread (llguidance releases the GIL), so that a burst of new guided requests does
+        not stall the engine's step loop for every stream (a few ms each for a large schema)."""
+        for seq in seqs:
+            if seq.params.guide is not None and seq.seq_id not in self._matchers:
+                if self._pool is None:
+                    from concurrent.futures import ThreadPoolExecutor
+
+                    self._pool = ThreadPoolExecutor(2, thread_name_prefix="surge-guides")
+                self._matchers[seq.seq_id] = self._pool.submit(self._guides_ready().matcher, seq.params.guide)
+
     def _matcher(self, seq: Sequence):
-        """The sequence's matcher, made at its first sampled token (a preempted sequence keeps its own:
-        recomputing its prompt and output samples nothing)."""
+        """The sequence's matcher (waited for if prepare() started it; built here if not). A preempted
+        sequence keeps its own: recomputing its prompt and output samples nothing."""
         m = self._matchers.get(seq.seq_id)
         if m is None:
-            if self._guides is None:
-                if self._guides_factory is None:
-                    raise ValueError("this engine has no tokenizer for guided decoding")
-                self._guides = self._guides_factory()
-            m = self._matchers[seq.seq_id] = self._guides.matcher(seq.params.guide)
+            m = self._matchers[seq.seq_id] = self._guides_ready().matcher(seq.params.guide)
+        elif isinstance(m, Future):
+            m = self._matchers[seq.seq_id] = m.result()
         return m
 
     def _generator(self, seq: Sequence) -> torch.Generator:
@@ -141,7 +160,7 @@ class Sampler:
             from surge.runtime.guided import allowed
 
             rows = torch.tensor(guided, device=dev)
-            matchers = [self._matcher(seqs[i]) for i in guided]  # (the first one builds self._guides)
+            matchers = [self._matcher(seqs[i]) for i in guided]
             ok = allowed(self._guides.masks(matchers), logits.shape[1], dev)
             logits[rows] = logits[rows].masked_fill(~ok, float("-inf"))
 
