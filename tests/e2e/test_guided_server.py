@@ -113,6 +113,9 @@ def test_required_and_named_tool_choice_answer_with_calls(client, hf, model_dir)
         obj = json.loads(body)
         assert call.function.name == obj["name"] in ("get_weather", "add")
         assert json.loads(call.function.arguments) == obj["arguments"]
+    r = client.chat.completions.create(model="guided-qwen", messages=CHAT, tools=TOOLS, tool_choice="required",
+                                       parallel_tool_calls=False, temperature=0, max_tokens=120)
+    assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1
     named = {"type": "function", "function": {"name": "add"}}
     r = client.chat.completions.create(model="guided-qwen", messages=CHAT, tools=TOOLS, tool_choice=named,
                                        temperature=0, max_tokens=80)

@@ -212,6 +212,15 @@ def test_request_fields_become_one_guide():
             request_guide(bad, service)
         assert err.value.param == param
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    from tests.decoder_models import train_tokenizer
+
+    guides = Guides(train_tokenizer(512, True).to_str(), 512, [2])
+    call = '<tool_call>\n{"name": "add", "arguments": {}}\n</tool_call>'
+    ids = guides.tokenizer.tokenize_str("\n".join([call] * 3))
+    for parallel in (True, False):  # how much of three calls in a row the grammar takes
+        m = guides.matcher(tool_choice_guide(tools, "required", parallel=parallel))
+        taken = guides.tokenizer.decode_str(ids[:m._m.validate_tokens(ids)])
+        assert taken == ("\n".join([call] * 3) if parallel else call), (parallel, taken)
     with pytest.raises(InvalidInput) as err:
         tool_choice_guide(tools, {"type": "function", "function": {"name": "sub"}})
     assert err.value.param == "tool_choice"

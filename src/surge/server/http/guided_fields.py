@@ -77,10 +77,11 @@ def request_guide(req, service, tool_guide: tuple[str, str] | None = None) -> tu
     return guide
 
 
-def tool_choice_guide(tools: list[dict], choice, literal=json.dumps) -> tuple[str, str]:
-    """A grammar for tool_choice "required" (one or more calls of any of `tools`) or a named function
-    (one call of it), in the hermes format the tool-call parser reads (server/http/tool_calls.py);
-    `literal`: the tags as the model writes them (the service's guide_literal: one special token or text)."""
+def tool_choice_guide(tools: list[dict], choice, literal=json.dumps, parallel: bool = True) -> tuple[str, str]:
+    """A grammar for tool_choice "required" (one or more calls of any of `tools`; one with `parallel`
+    false, OpenAI's parallel_tool_calls) or a named function (one call of it), in the hermes format the
+    tool-call parser reads (server/http/tool_calls.py); `literal`: the tags as the model writes them
+    (the service's guide_literal: one special token or text)."""
     by_name = {}
     for t in tools:
         fn = t.get("function") if isinstance(t, dict) else None
@@ -93,7 +94,7 @@ def tool_choice_guide(tools: list[dict], choice, literal=json.dumps) -> tuple[st
             raise InvalidInput(f"tool_choice names '{name}', which is not among the tools", param="tool_choice")
         names, many = [name], False
     else:
-        names, many = list(by_name), True
+        names, many = list(by_name), parallel
     calls = [{"type": "object", "properties": {"name": {"const": n}, "arguments": by_name[n]},
               "required": ["name", "arguments"], "additionalProperties": False} for n in names]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}

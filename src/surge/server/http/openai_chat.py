@@ -99,6 +99,7 @@ class ChatCompletionRequest(_Sampling):
                                      "tool_call_parser setting; without one: 400), with 'required' or a named "
                                      "function the answer is held to calls of them.")
     tool_choice: Union[StrictStr, dict, None] = None
+    parallel_tool_calls: bool | None = Field(None, description="false: tool_choice 'required' makes one call.")
 
 
 TokenIds = list[StrictInt]
@@ -331,7 +332,7 @@ def _tool_calls_wanted(req: ChatCompletionRequest, service) -> tuple[bool, tuple
                            "chat template", param="tool_choice")
     if choice in (None, "auto"):
         return True, None
-    return True, tool_choice_guide(req.tools, choice, service.guide_literal)
+    return True, tool_choice_guide(req.tools, choice, service.guide_literal, req.parallel_tool_calls is not False)
 
 
 def _chat_choice(index: int, res, parse_calls: bool) -> dict:
