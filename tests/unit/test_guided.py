@@ -180,6 +180,11 @@ def test_bad_constraints_are_clear_errors():
         assert err.value.param == "structured_outputs"
     with pytest.raises(ValueError, match="end-of-sequence"):
         guides.matcher(("json", ANY_OBJECT))
+    # in the engine a guide that does not compile never raises: its matcher ends the answer
+    broken = Guides(tok.to_str(), 512, [2]).matcher(("regex", "a(b"))
+    assert "unclosed group" in broken.error and not broken.consume(5)
+    words = broken.mask()
+    assert [t for t in range(512) if (int(words[t // 32]) >> (t % 32)) & 1] == [2]
 
 
 def test_request_fields_become_one_guide():

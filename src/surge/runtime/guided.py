@@ -111,15 +111,16 @@ class Guides:
             raise InvalidInput(f"{param}: the {guide[0]} constraint is not valid: {error}", param=param)
 
     def matcher(self, guide: tuple[str, str]) -> "Matcher":
+        """A fresh matcher of the guide. Never raises for the guide itself (it runs in the engine's step
+        loop, where an exception would fail every stream): one that does not compile, which the front
+        end's check keeps from getting here, gives a matcher that allows only the end of the sequence."""
         import llguidance
 
         if not self.eos:
             raise ValueError("matchers need the model's end-of-sequence tokens")
         g, error = self._compiled(guide)
-        if error is not None:
-            raise InvalidInput(f"the {guide[0]} constraint is not valid: {error}", param=guide[0])
-        return Matcher(llguidance.LLMatcher(self.tokenizer, g, log_level=0), self.vocab_size, self.eos)
-
+        m = None if error is not None else llguidance.LLMatcher(self.tokenizer, g, log_level=0)
+        return Matcher(m, self.vocab_size, self.eos, error)
 
     def masks(self, matchers: list["Matcher"]) -> np.ndarray:
         """The next tokens' masks of several sequences ([rows, words] int32, Matcher.mask's layout),
@@ -131,8 +132,8 @@ class Guides:
         out = np.empty((len(matchers), words), dtype=np.int32)
         live = []
         for i, m in enumerate(matchers):
-            if m._m.is_error():
-                out[i] = m._eos_only
+            if m.error is not None:
+                out[i] = m.mask()
             else:
                 live.append((m._m, i))
         if len(live) == 1:
@@ -145,10 +146,11 @@ class Guides:
 
 
 class Matcher:
-    """One sequence's place in its guide."""
+    """One sequence's place in its guide (`matcher` None: the guide did not compile, `error` says why)."""
 
-    def __init__(self, matcher, vocab_size: int, eos: list[int]):
+    def __init__(self, matcher, vocab_size: int, eos: list[int], error: str | None = None):
         self._m = matcher
+        self._error = error
         self.words = (vocab_size + 31) // 32
         self._eos_only = np.zeros(self.words, dtype=np.uint32)
         for t in eos:
@@ -159,15 +161,17 @@ class Matcher:
         """The next token's allowed set: int32 words, bit i of word w allows token 32 w + i. A matcher in
         an error state (the sampler only picks allowed tokens, so only a grammar too costly for the
         parser's limits gets there) allows the end-of-sequence tokens only: the answer ends."""
-        if self._m.is_error():
+        if self.error is not None:
             return self._eos_only
         return np.frombuffer(self._m.compute_bitmask(), dtype=np.int32)[: self.words]
 
     def consume(self, token: int) -> bool:
-        return self._m.consume_token(int(token))
+        return self._m is not None and self._m.consume_token(int(token))
 
     @property
     def error(self) -> str | None:
+        if self._m is None:
+            return self._error
         return self._m.get_error() if self._m.is_error() else None
 
 
