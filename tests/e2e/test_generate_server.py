@@ -288,6 +288,12 @@ def test_stop_strings_cut_exactly(client):
     streamed = client.completions.create(model="chat-qwen", prompt="The target", max_tokens=40, temperature=0,
                                          stop=stop, stream=True, extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].text for c in streamed if c.choices) == full[: full.index(stop)]
+    # vLLM's min_tokens: a stop string inside the first 40 tokens' text does not end the answer
+    whole = client.completions.create(model="chat-qwen", prompt="The target", max_tokens=40, temperature=0,
+                                      stop=[stop], extra_body={"ignore_eos": True, "min_tokens": 40})
+    assert whole.choices[0].text == full and whole.usage.completion_tokens == 40
+    r = _post(client.base_url.join("completions").__str__(), json={"prompt": "x", "max_tokens": 3, "min_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
 
 
 def test_seeded_sampling_is_reproducible_and_logprobs(client):

@@ -364,3 +364,36 @@ def test_prompt_logprobs_equal_transformers(name, model_dirs, hf_models):
     assert all(i not in got for i in range(len(seqs)) if i not in scored)
     assert sched.preemptions > 0 and sched.blocks.hit_tokens > 0
     assert any(seqs[i].preemptions for i in scored), [s.preemptions for s in seqs]
+
+
+def test_min_tokens_keeps_stops_away_as_transformers_min_new_tokens(model_dirs, hf_models):
+    """vLLM's min_tokens: the stop tokens (EOS unless ignored, stop_token_ids) cannot be sampled before
+    that many tokens; greedy tokens equal transformers' generate with min_new_tokens and those tokens as
+    its eos_token_id. Without min_tokens the same request stops at the early token."""
+    d, hf = model_dirs["qwen2"], hf_models["qwen2"]
+    engine = DecoderEngine(d, num_blocks=128, block_size=4)
+    prompt = prompts_for(384, 5)[1]
+    plain = hf_greedy(hf, prompt, 12)
+    stop = plain[2]  # a token greedy decoding writes third
+    seq_id = iter(range(100))
+
+    def run(**kw):
+        sched = Scheduler(SchedulerConfig(num_blocks=128, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                                          max_model_len=256), engine.cfg.eos_token_ids)
+        seq = Sequence(next(seq_id), prompt, SamplingParams(max_tokens=12, temperature=0.0, **kw))
+        drive(engine, sched, [seq], [0])
+        return seq.output_ids, seq.finish_reason
+
+    out, reason = run(stop_token_ids=(stop,), ignore_eos=True)
+    assert out == plain[:plain.index(stop) + 1] and reason == "stop"
+    out, reason = run(stop_token_ids=(stop,), ignore_eos=True, min_tokens=7)
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=7, do_sample=False,
+                       eos_token_id=[stop], pad_token_id=0)[0, len(prompt):].tolist()
+    assert out == want and stop not in out[:7] and len(out) >= 7
+    # EOS itself (not ignored) is kept away as well: transformers with the model's EOS and the stop token
+    out, _ = run(stop_token_ids=(stop,), min_tokens=9)
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=9, do_sample=False,
+                       eos_token_id=[stop, *engine.cfg.eos_token_ids], pad_token_id=0)[0, len(prompt):].tolist()
+    assert out == want and len(out) >= 9
+    with pytest.raises(Exception, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)

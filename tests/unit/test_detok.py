@@ -8,8 +8,8 @@ from surge.runtime.detok import TextState
 from tests.decoder_models import train_tokenizer
 
 
-def _stream(tok, ids, stop=()):
-    state = TextState(lambda x: tok.decode(x, skip_special_tokens=True), stop)
+def _stream(tok, ids, stop=(), min_tokens=0):
+    state = TextState(lambda x: tok.decode(x, skip_special_tokens=True), stop, min_tokens)
     parts = []
     for i, t in enumerate(ids):
         parts.append(state.add(t, final=i == len(ids) - 1))
@@ -159,3 +159,23 @@ def test_a_token_decodes_a_short_window():
     out = "".join(state.add(t) for t in ids)
     assert max(seen) <= 4, max(seen)
     assert out + state.flush() == tok.decode(ids)
+
+
+def test_no_stop_string_ends_the_text_before_min_tokens():
+    """vLLM's min_tokens: a stop string inside the first min_tokens tokens' text does not stop it; the
+    first one whose text ends after them cuts exactly, and the streamed text is the whole text's prefix."""
+    tok = train_tokenizer()
+    text = "The target is an assignment. The target is a name. The target is done."
+    ids = tok.encode(text).ids
+    full = tok.decode(ids)
+    first = full.index("target")
+    second = full.index("target", first + 1)
+    n_first = next(n for n in range(1, len(ids)) if len(tok.decode(ids[:n])) >= first + len("target"))
+    out, state = _stream(tok, ids, ("target",), min_tokens=n_first + 3)
+    assert out == full[:second] and state.stopped
+    out, _ = _stream(tok, ids, ("target",), min_tokens=0)
+    assert out == full[:first]
+    # reached at the last token: only a match that can end in its text counts (the last "target" is
+    # further back than a stop string's length)
+    out, state = _stream(tok, ids, ("target",), min_tokens=len(ids))
+    assert out == full and not state.stopped

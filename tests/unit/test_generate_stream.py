@@ -142,9 +142,9 @@ def test_a_stream_whose_text_fails_fails_alone(model_dir, monkeypatch):
                 raise RuntimeError("tokenizer broke")
             return super().add(token, final)
 
-    def text_state(decode, stop=()):
+    def text_state(decode, stop=(), min_tokens=0):
         made.append(None)
-        return (Failing if len(made) == 2 else plain)(decode, stop)
+        return (Failing if len(made) == 2 else plain)(decode, stop, min_tokens)
 
     async def main():
         ref = [await service.generate(p, params) for p in prompts]

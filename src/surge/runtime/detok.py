@@ -24,9 +24,10 @@ _BAD = "\ufffd"
 
 
 class TextState:
-    def __init__(self, decode, stop: tuple[str, ...] = ()):
+    def __init__(self, decode, stop: tuple[str, ...] = (), min_tokens: int = 0):
         self.decode = decode  # list[int] -> str
         self.stop = stop
+        self.min_tokens = min_tokens  # no stop string ends the text before this many tokens (vLLM's rule)
         self._stop_len = max((len(s) for s in stop), default=0)
         self.ids: list[int] = []
         self.text = ""  # shown so far
@@ -71,7 +72,7 @@ class TextState:
         self.ids.append(token)
         full = self._full()
         cut = None
-        if self.stop:
+        if self.stop and len(self.ids) >= self.min_tokens:
             # search only where a new match can start: after the shown text, less a stop string's length
             lo = max(0, len(self.text) - self._stop_len)
             hits = [i for s in self.stop if (i := full.find(s, lo)) >= 0]

@@ -37,7 +37,7 @@ FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_nu
 OPTIONAL_OUTPUTS = {"finish_reason": "return_finish_reason", "num_input_tokens": "return_num_input_tokens",
                     "num_output_tokens": "return_num_output_tokens"}
 KNOWN = {TEXT_INPUT, "sampling_parameters", *FLAGS}
-SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+SAMPLING = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
             "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "logit_bias")
 
 

@@ -89,7 +89,8 @@ class DecoderEngine:
         self.graph_fp32_logits = graph_fp32_logits  # session 2's graphs: FP32 logits, then the argmax
         self.argmax_kernel = argmax_kernel  # the graph's greedy argmax: "torch" or "triton" (argmax_rows)
         self.kv = KVCache(self.cfg, num_blocks, block_size, self.device, self.dtype)
-        self.sampler = Sampler(self.device, guides=functools.partial(_guides, Path(path), self.cfg))
+        self.sampler = Sampler(self.device, guides=functools.partial(_guides, Path(path), self.cfg),
+                               eos_ids=self.cfg.eos_token_ids)
         self.max_blocks_per_seq = -(-self.max_model_len // block_size)
         self.graphs = None
         # the longest a multi-step launch may take, at the step times its graphs measured (None: no cap)

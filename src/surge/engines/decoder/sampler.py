@@ -33,10 +33,11 @@ class SampleOut:
 
 class Sampler:
     """`guides`: a callable that builds the model's runtime.guided.Guides, called at the first guided
-    sequence (None: a guided sequence is an error)."""
+    sequence (None: a guided sequence is an error); `eos_ids`: the model's end-of-sequence tokens."""
 
-    def __init__(self, device: torch.device, guides=None):
+    def __init__(self, device: torch.device, guides=None, eos_ids=()):
         self.device = device
+        self.eos = tuple(eos_ids)  # kept from rows under their min_tokens (unless ignore_eos)
         self._generators: dict[int, torch.Generator] = {}
         self._shared = torch.Generator(device=device)
         self._shared.seed()
@@ -155,6 +156,9 @@ class Sampler:
                 out = torch.tensor(seq.output_ids, device=dev)
                 counts = torch.zeros(logits.shape[1], device=dev).index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
                 logits[i] -= counts * p.frequency_penalty + (counts > 0).float() * p.presence_penalty
+            if p.min_stops and len(seq.output_ids) < p.min_tokens:  # vLLM's min_tokens
+                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos))
+                logits[i, torch.tensor(sorted(stops), device=dev)] = float("-inf")
         guided = [i for i, seq in enumerate(seqs) if seq.params.guide is not None]
         if guided:  # last: a guide's mask is a constraint, not a preference
             from surge.runtime.guided import allowed

@@ -10,6 +10,7 @@ from surge.errors import InvalidInput
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
+    min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string ends the answer before this many tokens
     temperature: float = 1.0  # 0: greedy
     top_k: int = 0  # 0 or -1: off
     top_p: float = 1.0
@@ -33,6 +34,12 @@ class SamplingParams:
     def __post_init__(self):
         if self.max_tokens < 1:
             raise InvalidInput("max_tokens must be at least 1", param="max_tokens")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidInput(f"min_tokens must be between 0 and max_tokens ({self.max_tokens})",
+                               param="min_tokens")
+        if self.min_tokens and self.guide is not None:
+            raise InvalidInput("min_tokens cannot be combined with a structured output (a finished grammar "
+                               "allows only the end of the answer)", param="min_tokens")
         if not 0.0 <= self.temperature <= 100.0:
             raise InvalidInput("temperature must be between 0 and 100", param="temperature")
         if not 0.0 < self.top_p <= 1.0:
@@ -58,6 +65,11 @@ class SamplingParams:
             raise InvalidInput("logit_bias values must be between -100 and 100", param="logit_bias")
 
     @property
+    def min_stops(self) -> bool:
+        """min_tokens keeps some tokens from being sampled early (EOS unless ignored, stop token ids)."""
+        return self.min_tokens > 0 and (not self.ignore_eos or bool(self.stop_token_ids))
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
@@ -68,10 +80,10 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """The logits are changed before sampling (penalties, a logit bias or a guide's mask): a greedy
-        row cannot take the graph's argmax."""
+        """The logits are changed before sampling (penalties, a logit bias, a guide's mask, min_tokens): a
+        greedy row cannot take the graph's argmax."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or bool(self.logit_bias) or self.guide is not None)
+                or bool(self.logit_bias) or self.guide is not None or self.min_stops)
 
     def key(self) -> tuple:
         d = asdict(self)

@@ -30,11 +30,12 @@ def stop_list(stop) -> tuple[str, ...]:
     return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
-def make_params(service, *, max_tokens, temperature, top_p, top_k=None, min_p=None, seed=None, stop=None,
+def make_params(service, *, max_tokens, temperature, top_p, top_k=None, min_p=None, seed=None, stop=None, min_tokens=None,
                 stop_token_ids=None, presence_penalty=None, frequency_penalty=None, repetition_penalty=None,
                 ignore_eos=None, logprobs=None, logit_bias=None, prompt_logprobs=None, guide=None) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else service.config.default_max_tokens,
+        min_tokens=min_tokens or 0,
         temperature=1.0 if temperature is None else float(temperature),
         top_p=1.0 if top_p is None else float(top_p), top_k=top_k or 0, min_p=min_p or 0.0, seed=seed,
         stop=stop_list(stop), stop_token_ids=tuple(stop_token_ids or ()),

@@ -28,6 +28,7 @@ class GenerateParameters(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     max_tokens: int | None = Field(None, ge=1)
+    min_tokens: int | None = Field(None, ge=0)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
@@ -67,7 +68,8 @@ def _prepare(state, req: GenerateRequest, name: str, version: str | None):
     top = req.model_dump(exclude={"text_input", "id", "parameters"}, exclude_unset=True)
     nested = req.parameters.model_dump(exclude_unset=True) if req.parameters else {}
     p = {**top, **nested}
-    params = make_params(service, max_tokens=p.get("max_tokens"), temperature=p.get("temperature"),
+    params = make_params(service, max_tokens=p.get("max_tokens"), min_tokens=p.get("min_tokens"),
+                         temperature=p.get("temperature"),
                          top_p=p.get("top_p"), top_k=p.get("top_k"), min_p=p.get("min_p"), seed=p.get("seed"),
                          stop=p.get("stop"), stop_token_ids=p.get("stop_token_ids"),
                          presence_penalty=p.get("presence_penalty"), frequency_penalty=p.get("frequency_penalty"),

@@ -5,7 +5,7 @@ apply_chat_template does) and tokenized without special tokens, since the
 template writes them. Streams are server-sent events ending in `data: [DONE]`;
 with `stream_options.include_usage` the last chunk before it carries the usage.
 Beyond OpenAI's fields, vLLM's `top_k`, `min_p`, `repetition_penalty`,
-`ignore_eos` and `stop_token_ids` are accepted. Structured outputs (`response_format`
+`ignore_eos`, `stop_token_ids` and `min_tokens` are accepted. Structured outputs (`response_format`
 json_object / json_schema, vLLM's `guided_*` fields and `structured_outputs`, a required or
 named `tool_choice`) constrain the answer token by token (server/http/guided_fields.py).
 OpenAI fields surge cannot honour (tool calls without a parser, `suffix`, `best_of` other
@@ -64,6 +64,8 @@ class _Sampling(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
     stop_token_ids: list[StrictInt] | None = None
+    min_tokens: int | None = Field(None, ge=0, description="No EOS, stop token or stop string ends the answer "
+                                   "before this many tokens.")
     # structured outputs (server/http/guided_fields.py): OpenAI's, and vLLM's names
     response_format: dict | None = Field(None, description="{'type': 'text' | 'json_object' | 'json_schema', "
                                          "'json_schema': {'schema': ...}}: the answer follows the JSON schema.")
@@ -181,7 +183,7 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
                          presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                          repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos,
                          logprobs=(req.top_logprobs or 0) if req.logprobs else None, logit_bias=req.logit_bias,
-                         guide=guide)
+                         guide=guide, min_tokens=req.min_tokens)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     deadline = deadline_for(state)
     choices = choice_params(params, req.n)
@@ -255,7 +257,8 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
                          stop_token_ids=req.stop_token_ids, presence_penalty=req.presence_penalty,
                          frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
                          ignore_eos=req.ignore_eos, logprobs=req.logprobs, logit_bias=req.logit_bias,
-                         prompt_logprobs=req.logprobs if req.echo else None, guide=request_guide(req, service))
+                         prompt_logprobs=req.logprobs if req.echo else None, guide=request_guide(req, service),
+                         min_tokens=req.min_tokens)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     deadline = deadline_for(state)
     jobs = [(ids, p) for ids, _ in prompts for p in choice_params(params, req.n)]
