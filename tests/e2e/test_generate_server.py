@@ -82,6 +82,23 @@ def test_chat_equals_transformers_with_the_chat_template(client, hf):
     assert r.choices[0].finish_reason == ("length" if n == 24 else "stop")
 
 
+def test_continue_final_message_continues_the_assistants_text(client, hf):
+    """vLLM's continue_final_message: the prompt ends inside the last (assistant) message, as transformers'
+    apply_chat_template(continue_final_message=True) renders it, and the answer continues it."""
+    prefill = [*CHAT, {"role": "assistant", "content": "Assignment is"}]
+    ids = hf[1].apply_chat_template(prefill, tokenize=True, add_generation_prompt=False,
+                                    continue_final_message=True, return_dict=False)
+    expected, n = hf_text(hf, ids, 16)
+    r = client.chat.completions.create(model="chat-qwen", messages=prefill, max_tokens=16, temperature=0,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                                                   "chat_template_kwargs": {"unused_variable": 1}})
+    assert r.choices[0].message.content == expected and r.usage.prompt_tokens == len(ids)
+    with pytest.raises(openai.BadRequestError) as err:  # both at once: transformers refuses it too
+        client.chat.completions.create(model="chat-qwen", messages=prefill, max_tokens=4,
+                                       extra_body={"continue_final_message": True})
+    assert err.value.body["param"] == "continue_final_message"
+
+
 def test_stream_concatenation_equals_the_answer_and_usage_comes_last(client):
     whole = client.chat.completions.create(messages=CHAT, model="chat-qwen", max_tokens=30, temperature=0, seed=1,
                                            frequency_penalty=0.5)

@@ -81,3 +81,38 @@ def test_llama2_template_rejects_bad_roles(tokenizer_dirs):
     ours = ChatTemplate.from_dir(tokenizer_dirs["llama2"])
     with pytest.raises(InvalidInput, match="alternate"):
         ours.render([{"role": "assistant", "content": "x"}])
+
+
+THINKING = (  # a Qwen3-style switch, one of vLLM's chat_template_kwargs
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{%- endif %}{%- endif %}"
+)
+
+
+def test_continue_final_message_and_template_variables_render_as_transformers(tokenizer_dirs, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = train_tokenizer()
+    save_tokenizer(tok, tmp_path, THINKING)
+    dirs = {**tokenizer_dirs, "thinking": tmp_path}
+    prefill = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "  The color is "}]
+    for name in ("chatml", "tools", "thinking"):
+        hf = AutoTokenizer.from_pretrained(dirs[name])
+        ours = ChatTemplate.from_dir(dirs[name])
+        want = hf.apply_chat_template(prefill, tokenize=False, add_generation_prompt=False,
+                                      continue_final_message=True)
+        assert ours.render(prefill, add_generation_prompt=False, continue_final_message=True) == want
+        assert ours.render(prefill, add_generation_prompt=False) != want  # it is cut, not the whole turn
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    ours = ChatTemplate.from_dir(tmp_path)
+    conv = CONVERSATIONS[0]
+    for kwargs in ({}, {"enable_thinking": False}, {"enable_thinking": True}):
+        assert ours.render(conv, variables=kwargs) == hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=True,
+                                                                     **kwargs)
+    assert "<think>" in ours.render(conv, variables={"enable_thinking": False})
+    for bad, param in (({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
+                       ({"variables": {"messages": []}}, "chat_template_kwargs")):
+        with pytest.raises(InvalidInput) as err:
+            ours.render(prefill, **bad)
+        assert err.value.param == param

@@ -65,6 +65,9 @@ def _compile(template: str):
     return env.from_string(template)
 
 
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker of where the last message's text ends
+
+
 class ChatTemplate:
     def __init__(self, template: str, special_tokens: dict[str, str]):
         self.template = template
@@ -92,13 +95,37 @@ class ChatTemplate:
             raise ConfigError(f"{path}: invalid chat template ({exc})") from exc
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True, tools=None, documents=None,
-               **kwargs) -> str:
+               continue_final_message: bool = False, variables: dict | None = None) -> str:
+        """As transformers' apply_chat_template(tokenize=False): `continue_final_message` ends the text
+        inside the last message (a prefill the model continues, no end-of-turn after it); `variables` are
+        the template's own (vLLM's chat_template_kwargs, e.g. Qwen3's enable_thinking)."""
+        kwargs = dict(variables or {})
         import jinja2
 
+        if continue_final_message and add_generation_prompt:
+            raise InvalidInput("continue_final_message and add_generation_prompt cannot both be set",
+                               param="continue_final_message")
+        taken = sorted(set(kwargs) & {"messages", "tools", "documents", "add_generation_prompt"})
+        if taken:
+            raise InvalidInput(f"chat_template_kwargs cannot set {', '.join(taken)}", param="chat_template_kwargs")
         chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        if continue_final_message:  # transformers' way: a tag after the content, the text cut before it
+            if not isinstance(chat[-1].get("content"), str):
+                raise InvalidInput("continue_final_message: the last message has no text to continue",
+                                   param="continue_final_message")
+            chat[-1] = {**chat[-1], "content": chat[-1]["content"] + _CONTINUE_TAG}
         try:
-            return _compile(self.template).render(messages=chat, tools=tools, documents=documents,
+            text = _compile(self.template).render(messages=chat, tools=tools, documents=documents,
                                                   add_generation_prompt=add_generation_prompt,
                                                   **{**self.special_tokens, **kwargs})
         except jinja2.exceptions.TemplateError as exc:
             raise InvalidInput(f"chat template: {exc}", param="messages") from None
+        if not continue_final_message:
+            return text
+        if _CONTINUE_TAG.strip() not in text:
+            raise InvalidInput("continue_final_message: the chat template does not write the last message",
+                               param="continue_final_message")
+        at = text.rindex(_CONTINUE_TAG.strip())
+        # a template that trims the content's trailing whitespace trimmed the tag's space too
+        return text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
+

@@ -5,7 +5,9 @@ apply_chat_template does) and tokenized without special tokens, since the
 template writes them. Streams are server-sent events ending in `data: [DONE]`;
 with `stream_options.include_usage` the last chunk before it carries the usage.
 Beyond OpenAI's fields, vLLM's `top_k`, `min_p`, `repetition_penalty`,
-`ignore_eos`, `stop_token_ids` and `min_tokens` are accepted. Structured outputs (`response_format`
+`ignore_eos`, `stop_token_ids` and `min_tokens` are accepted, and on chats its
+template controls `add_generation_prompt`, `continue_final_message` and
+`chat_template_kwargs`. Structured outputs (`response_format`
 json_object / json_schema, vLLM's `guided_*` fields and `structured_outputs`, a required or
 named `tool_choice`) constrain the answer token by token (server/http/guided_fields.py).
 OpenAI fields surge cannot honour (tool calls without a parser, `suffix`, `best_of` other
@@ -102,6 +104,12 @@ class ChatCompletionRequest(_Sampling):
                                      "function the answer is held to calls of them.")
     tool_choice: Union[StrictStr, dict, None] = None
     parallel_tool_calls: bool | None = Field(None, description="false: tool_choice 'required' makes one call.")
+    # vLLM's chat template controls
+    add_generation_prompt: bool = True
+    continue_final_message: bool = Field(False, description="The answer continues the last (assistant) "
+                                         "message's text, no end of turn after it.")
+    chat_template_kwargs: dict | None = Field(None, description="The template's own variables (e.g. "
+                                              "enable_thinking).")
 
 
 TokenIds = list[StrictInt]
@@ -175,7 +183,9 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
     parse_calls, tool_guide = _tool_calls_wanted(req, service)
     guide = request_guide(req, service, tool_guide)
     tools = req.tools if req.tools else None
-    prompt = service.render_chat(_messages(req), add_generation_prompt=True, tools=tools)
+    prompt = service.render_chat(_messages(req), add_generation_prompt=req.add_generation_prompt, tools=tools,
+                                 continue_final_message=req.continue_final_message,
+                                 variables=req.chat_template_kwargs)
     ids = service.encode(prompt, special=False)
     params = make_params(service, max_tokens=req.max_completion_tokens or req.max_tokens,
                          temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
