@@ -714,3 +714,32 @@ def test_a_dead_engine_process_is_started_again(model_dir, hf):
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
         assert [p.pid for p in engine_children(srv)] != [child.pid]
         assert metric(srv, "surge_generate_engine_restarts_total") == 1
+
+
+def test_vllm_sampling_extras(client, hf):
+    """allowed_token_ids, skip_special_tokens, include_stop_str_in_output, truncate_prompt_tokens (vLLM's
+    names; silently ignored before)."""
+    tok = hf[1]
+    start = tok.convert_tokens_to_ids("<|im_start|>")
+    common = {"model": "chat-qwen", "prompt": "The target", "max_tokens": 3, "temperature": 0}
+    r = client.completions.create(**common, extra_body={"allowed_token_ids": [start], "ignore_eos": True,
+                                                        "skip_special_tokens": False})
+    assert r.choices[0].text == "<|im_start|>" * 3
+    r = client.completions.create(**common, extra_body={"allowed_token_ids": [start], "ignore_eos": True})
+    assert r.choices[0].text == "" and r.usage.completion_tokens == 3
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(**common, extra_body={"allowed_token_ids": [10 ** 6]})
+    assert err.value.body["param"] == "allowed_token_ids"
+    full = client.completions.create(model="chat-qwen", prompt="The target", max_tokens=30, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    word = next(w for w in full.split() if len(w) > 2)
+    kept = client.completions.create(model="chat-qwen", prompt="The target", max_tokens=30, temperature=0,
+                                     stop=[word], extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == full[:full.index(word) + len(word)]
+    ids = [int(t) for t in torch.randint(5, 300, (40,), generator=torch.Generator().manual_seed(2))]
+    cut = client.completions.create(model="chat-qwen", prompt=ids, max_tokens=8, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 12, "ignore_eos": True})
+    assert cut.usage.prompt_tokens == 12
+    assert cut.choices[0].text == client.completions.create(model="chat-qwen", prompt=ids[-12:], max_tokens=8,
+                                                            temperature=0, extra_body={"ignore_eos": True}
+                                                            ).choices[0].text

@@ -179,3 +179,12 @@ def test_no_stop_string_ends_the_text_before_min_tokens():
     # further back than a stop string's length)
     out, state = _stream(tok, ids, ("target",), min_tokens=len(ids))
     assert out == full and not state.stopped
+
+
+def test_include_stop_str_in_output_keeps_the_match():
+    tok = train_tokenizer()
+    ids = tok.encode("The target is an assignment. The target is a name.").ids
+    full = tok.decode(ids)
+    state = TextState(lambda x: tok.decode(x, skip_special_tokens=True), ("assignment",), keep_stop=True)
+    text = "".join(state.add(t) for t in ids[:-1]) + state.add(ids[-1], final=True) + state.flush()
+    assert state.stopped and text == full[:full.index("assignment") + len("assignment")]

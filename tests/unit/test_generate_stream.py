@@ -142,9 +142,9 @@ def test_a_stream_whose_text_fails_fails_alone(model_dir, monkeypatch):
                 raise RuntimeError("tokenizer broke")
             return super().add(token, final)
 
-    def text_state(decode, stop=(), min_tokens=0):
+    def text_state(*args):
         made.append(None)
-        return (Failing if len(made) == 2 else plain)(decode, stop, min_tokens)
+        return (Failing if len(made) == 2 else plain)(*args)
 
     async def main():
         ref = [await service.generate(p, params) for p in prompts]

@@ -24,10 +24,11 @@ _BAD = "\ufffd"
 
 
 class TextState:
-    def __init__(self, decode, stop: tuple[str, ...] = (), min_tokens: int = 0):
+    def __init__(self, decode, stop: tuple[str, ...] = (), min_tokens: int = 0, keep_stop: bool = False):
         self.decode = decode  # list[int] -> str
         self.stop = stop
         self.min_tokens = min_tokens  # no stop string ends the text before this many tokens (vLLM's rule)
+        self.keep_stop = keep_stop  # the matched stop string stays in the text (include_stop_str_in_output)
         self._stop_len = max((len(s) for s in stop), default=0)
         self.ids: list[int] = []
         self.text = ""  # shown so far
@@ -75,9 +76,10 @@ class TextState:
         if self.stop and len(self.ids) >= self.min_tokens:
             # search only where a new match can start: after the shown text, less a stop string's length
             lo = max(0, len(self.text) - self._stop_len)
-            hits = [i for s in self.stop if (i := full.find(s, lo)) >= 0]
+            hits = [(i, len(s)) for s in self.stop if (i := full.find(s, lo)) >= 0]
             if hits:
-                cut = min(hits)
+                at, n = min(hits)
+                cut = at + n if self.keep_stop else at
         if cut is not None:
             self.stopped = True
             visible = full[:cut]

@@ -243,7 +243,8 @@ class GenerateService(PromptText):
         seq = Sequence(next(self._ids), list(prompt_ids), params, start)
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                     else frozenset(self.engine.cfg.eos_token_ids))
-        handle = _Handle(seq, TextState(self.decode, params.stop, params.min_tokens), stops, start)
+        handle = _Handle(seq, TextState(self.decode if params.skip_special_tokens else self.decode_all, params.stop,
+                                           params.min_tokens, params.include_stop_str_in_output), stops, start)
         self._handles[seq.seq_id] = handle
         self._arrive(seq)
         self.metrics.prompt.inc(len(prompt_ids))

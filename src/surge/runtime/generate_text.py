@@ -24,6 +24,10 @@ class PromptText:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def decode_all(self, ids: list[int]) -> str:
+        """The text with the special tokens written out (a request's skip_special_tokens false)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
     def render_chat(self, messages: list[dict], **kwargs) -> str:
         if self.chat_template is None:
             raise InvalidInput(f"model '{self.name}' has no chat template; use /v1/completions", param="messages")

@@ -159,6 +159,10 @@ class Sampler:
             if p.min_stops and len(seq.output_ids) < p.min_tokens:  # vLLM's min_tokens
                 stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos))
                 logits[i, torch.tensor(sorted(stops), device=dev)] = float("-inf")
+            if p.allowed_token_ids:  # vLLM's allowed_token_ids: the others never drawn
+                keep = torch.full((logits.shape[1],), float("-inf"), device=dev, dtype=logits.dtype)
+                keep[torch.tensor(p.allowed_token_ids, device=dev)] = 0.0
+                logits[i] += keep
         guided = [i for i, seq in enumerate(seqs) if seq.params.guide is not None]
         if guided:  # last: a guide's mask is a constraint, not a preference
             from surge.runtime.guided import allowed

@@ -32,7 +32,8 @@ def stop_list(stop) -> tuple[str, ...]:
 
 def make_params(service, *, max_tokens, temperature, top_p, top_k=None, min_p=None, seed=None, stop=None, min_tokens=None,
                 stop_token_ids=None, presence_penalty=None, frequency_penalty=None, repetition_penalty=None,
-                ignore_eos=None, logprobs=None, logit_bias=None, prompt_logprobs=None, guide=None) -> SamplingParams:
+                ignore_eos=None, logprobs=None, logit_bias=None, prompt_logprobs=None, guide=None,
+                allowed_token_ids=None, include_stop_str_in_output=None, skip_special_tokens=None) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else service.config.default_max_tokens,
         min_tokens=min_tokens or 0,
@@ -42,7 +43,19 @@ def make_params(service, *, max_tokens, temperature, top_p, top_k=None, min_p=No
         presence_penalty=presence_penalty or 0.0, frequency_penalty=frequency_penalty or 0.0,
         repetition_penalty=repetition_penalty or 1.0, ignore_eos=bool(ignore_eos), logprobs=logprobs,
         logit_bias=bias_list(logit_bias, service.vocab_size), prompt_logprobs=prompt_logprobs,
-        own_max_tokens=max_tokens is not None, guide=guide)
+        own_max_tokens=max_tokens is not None, guide=guide,
+        allowed_token_ids=token_ids(allowed_token_ids, service.vocab_size, "allowed_token_ids"),
+        include_stop_str_in_output=bool(include_stop_str_in_output),
+        skip_special_tokens=skip_special_tokens is not False)
+
+
+def token_ids(ids, vocab_size: int, param: str) -> tuple[int, ...]:
+    """A request's list of token ids, checked against the vocabulary."""
+    if not ids:
+        return ()
+    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in ids):
+        raise InvalidInput(f"{param} must be token ids in [0, {vocab_size})", param=param)
+    return tuple(sorted(set(ids)))
 
 
 def bias_list(bias: dict | None, vocab_size: int) -> tuple[tuple[int, float], ...]:

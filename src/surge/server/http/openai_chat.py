@@ -5,7 +5,9 @@ apply_chat_template does) and tokenized without special tokens, since the
 template writes them. Streams are server-sent events ending in `data: [DONE]`;
 with `stream_options.include_usage` the last chunk before it carries the usage.
 Beyond OpenAI's fields, vLLM's `top_k`, `min_p`, `repetition_penalty`,
-`ignore_eos`, `stop_token_ids` and `min_tokens` are accepted, and on chats its
+`ignore_eos`, `stop_token_ids`, `min_tokens`, `allowed_token_ids`,
+`include_stop_str_in_output`, `skip_special_tokens` and `truncate_prompt_tokens` are
+accepted, and on chats its
 template controls `add_generation_prompt`, `continue_final_message` and
 `chat_template_kwargs`. Structured outputs (`response_format`
 json_object / json_schema, vLLM's `guided_*` fields and `structured_outputs`, a required or
@@ -68,6 +70,10 @@ class _Sampling(BaseModel):
     stop_token_ids: list[StrictInt] | None = None
     min_tokens: int | None = Field(None, ge=0, description="No EOS, stop token or stop string ends the answer "
                                    "before this many tokens.")
+    allowed_token_ids: list[StrictInt] | None = Field(None, description="Only these tokens may be sampled.")
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=1, description="Keep only the prompt's last N tokens.")
     # structured outputs (server/http/guided_fields.py): OpenAI's, and vLLM's names
     response_format: dict | None = Field(None, description="{'type': 'text' | 'json_object' | 'json_schema', "
                                          "'json_schema': {'schema': ...}}: the answer follows the JSON schema.")
@@ -186,14 +192,14 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
     prompt = service.render_chat(_messages(req), add_generation_prompt=req.add_generation_prompt, tools=tools,
                                  continue_final_message=req.continue_final_message,
                                  variables=req.chat_template_kwargs)
-    ids = service.encode(prompt, special=False)
+    ids = _truncated(service.encode(prompt, special=False), req.truncate_prompt_tokens)
     params = make_params(service, max_tokens=req.max_completion_tokens or req.max_tokens,
                          temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                          seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
                          presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                          repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos,
                          logprobs=(req.top_logprobs or 0) if req.logprobs else None, logit_bias=req.logit_bias,
-                         guide=guide, min_tokens=req.min_tokens)
+                         guide=guide, min_tokens=req.min_tokens, **_vllm_extras(req))
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     deadline = deadline_for(state)
     choices = choice_params(params, req.n)
@@ -260,7 +266,7 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
         raise InvalidInput("'suffix' is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidInput("'best_of' other than n is not supported (surge does not rank choices)", param="best_of")
-    prompts = _prompts(req.prompt, service, limits.max_inputs_per_request, req.echo)
+    prompts = _prompts(req.prompt, service, limits.max_inputs_per_request, req.echo, req.truncate_prompt_tokens)
     check_count(len(prompts), req.n, limits.max_inputs_per_request)
     params = make_params(service, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                          top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop,
@@ -268,7 +274,7 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
                          frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
                          ignore_eos=req.ignore_eos, logprobs=req.logprobs, logit_bias=req.logit_bias,
                          prompt_logprobs=req.logprobs if req.echo else None, guide=request_guide(req, service),
-                         min_tokens=req.min_tokens)
+                         min_tokens=req.min_tokens, **_vllm_extras(req))
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     deadline = deadline_for(state)
     jobs = [(ids, p) for ids, _ in prompts for p in choice_params(params, req.n)]
@@ -325,6 +331,16 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
                        "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
 
     return EventStream(rest(), _error_body, close=_closer(deltas, agens))
+
+
+def _vllm_extras(req) -> dict:
+    return {"allowed_token_ids": req.allowed_token_ids, "include_stop_str_in_output": req.include_stop_str_in_output,
+            "skip_special_tokens": req.skip_special_tokens}
+
+
+def _truncated(ids: list[int], keep: int | None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens."""
+    return ids[-keep:] if keep and keep < len(ids) else ids
 
 
 def _tool_calls_wanted(req: ChatCompletionRequest, service) -> tuple[bool, tuple[str, str] | None]:
@@ -405,8 +421,8 @@ def _closer(deltas, agens):
     return close
 
 
-def _prompts(raw, service, max_inputs: int, echo: bool) -> list[tuple[list[int], str]]:
-    """(token ids, the prompt's text when echoed, else "") of each prompt."""
+def _prompts(raw, service, max_inputs: int, echo: bool, truncate: int | None = None) -> list[tuple[list[int], str]]:
+    """(token ids, the prompt's text when echoed, else "") of each prompt (its last `truncate` tokens)."""
     if isinstance(raw, str):
         items = [raw]
     elif raw and all(isinstance(x, int) for x in raw):
@@ -419,8 +435,9 @@ def _prompts(raw, service, max_inputs: int, echo: bool) -> list[tuple[list[int],
         raise PayloadTooLarge(f"'prompt' has {len(items)} items; at most {max_inputs} are allowed", param="prompt")
     out = []
     for p in items:
-        ids = service.encode(p) if isinstance(p, str) else list(p)
+        whole = service.encode(p) if isinstance(p, str) else list(p)
+        ids = _truncated(whole, truncate)
         service.check_prompt(ids)
-        text = (p if isinstance(p, str) else service.decode(ids)) if echo else ""
+        text = (p if isinstance(p, str) and ids is whole else service.decode(ids)) if echo else ""
         out.append((ids, text))
     return out
