@@ -89,8 +89,8 @@ class Guides:
 
         try:
             g = grammar(guide)
-        except (ValueError, TypeError) as exc:
-            return None, str(exc)
+        except Exception as exc:  # noqa: BLE001 - the request's text is all it builds from (GBNF conversion too)
+            return None, str(exc) or type(exc).__name__
         message = llguidance.LLMatcher.validate_grammar(g, self.tokenizer)
         if message and not message.startswith("WARNING"):
             return None, message.strip()
