@@ -743,3 +743,18 @@ def test_vllm_sampling_extras(client, hf):
     assert cut.choices[0].text == client.completions.create(model="chat-qwen", prompt=ids[-12:], max_tokens=8,
                                                             temperature=0, extra_body={"ignore_eos": True}
                                                             ).choices[0].text
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.chat.completions.create(model="chat-qwen", messages=CHAT, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options=opts, extra_body={"ignore_eos": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage is not None and c.usage.prompt_tokens == chunks[0].usage.prompt_tokens for c in chunks)
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 12
+    streamed = list(client.completions.create(model="chat-qwen", prompt=["The", "A target"], n=2, max_tokens=6,
+                                              temperature=0.8, seed=3, stream=True, stream_options=opts,
+                                              extra_body={"ignore_eos": True}))
+    finals = [c for c in streamed if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 4 and all(c.usage.completion_tokens == 6 for c in finals)
+    assert streamed[-1].usage.completion_tokens == 24  # the last chunk: the whole request's

@@ -43,6 +43,8 @@ from surge.server.state import AppState
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM's: with include_usage, every chunk carries "
+                                         "the usage so far (its choice's tokens).")
 
 
 class _Sampling(BaseModel):
@@ -213,11 +215,14 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
         }, {"x-surge-model-version": service.version})
     usage = bool(req.stream_options and req.stream_options.include_usage)
 
+    running = usage and req.stream_options.continuous_usage_stats
+    made = [0] * req.n  # each choice's tokens so far
+
     def chunk(index: int, delta: dict, finish=None, logprobs=None) -> bytes:
         c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": service.name,
              "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
         if usage:
-            c["usage"] = None
+            c["usage"] = _usage(len(ids), made[index]) if running else None
         return sse(c)
 
     agens = [counted_stream(state, service, service.stream(ids, p, deadline=deadline)) for p in choices]
@@ -232,6 +237,7 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
         prompt_tokens = completion_tokens = 0
         async for j, d in deltas:
             finish = d.finish_reason
+            made[j] = d.completion_tokens
             if calls is None:
                 if d.text or d.logprobs:
                     yield chunk(j, {"content": d.text}, logprobs=_chat_logprobs(d.logprobs))
@@ -302,11 +308,14 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
         }, {"x-surge-model-version": service.version})
     usage = bool(req.stream_options and req.stream_options.include_usage)
 
+    running = usage and req.stream_options.continuous_usage_stats
+    made = [0] * len(jobs)  # each choice's tokens so far
+
     def chunk(index: int, text: str, finish=None, logprobs=None) -> bytes:
         c = {"id": rid, "object": "text_completion", "created": created, "model": service.name,
              "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
         if usage:
-            c["usage"] = None
+            c["usage"] = _usage(len(jobs[index][0]), made[index]) if running else None
         return sse(c)
 
     agens = [counted_stream(state, service, service.stream(ids, p, deadline=deadline)) for ids, p in jobs]
@@ -320,6 +329,7 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
                 yield chunk(k, text, logprobs=echo_logprobs(k, firsts[k].prompt_logprobs))
         prompt_tokens = completion_tokens = 0
         async for k, d in deltas:
+            made[k] = d.completion_tokens
             if d.text or d.finish_reason is not None or d.logprobs:
                 yield chunk(k, d.text, d.finish_reason, _completion_logprobs(d.logprobs, offsets[k]))
                 offsets[k] += len(d.text)
