@@ -549,6 +549,13 @@ def test_kserve_infer_as_tritons_vllm_backend_takes_it(server, hf):
                        {"name": "sampling_parameters", "shape": [1], "datatype": "BYTES", "data": ["[1]"]}]}
     r = _post(server.url + "/v2/models/chat-qwen/infer", json=body)
     assert r.status_code == 400 and "sampling_parameters" in r.json()["error"]
+    body["inputs"][1]["data"] = ['{"max_tokens": 4, "best_of": 2}']  # a vLLM field surge does not honour
+    r = _post(server.url + "/v2/models/chat-qwen/infer", json=body)
+    assert r.status_code == 400 and "'best_of' is not supported" in r.json()["error"]
+    body["inputs"][1]["data"] = ['{"max_tokens": 3, "min_tokens": 3, "ignore_eos": true, "allowed_token_ids": [7]}']
+    r = _post(server.url + "/v2/models/chat-qwen/infer", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["outputs"][0]["data"][0] == prompt + hf[1].decode([7, 7, 7])
     body = {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": [prompt]}]}
     r = _post(server.url + "/v2/models/chat-qwen/infer", json=body)
     assert r.status_code == 400 and "text_input" in r.json()["error"]

@@ -38,7 +38,8 @@ OPTIONAL_OUTPUTS = {"finish_reason": "return_finish_reason", "num_input_tokens":
                     "num_output_tokens": "return_num_output_tokens"}
 KNOWN = {TEXT_INPUT, "sampling_parameters", *FLAGS}
 SAMPLING = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-            "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "logit_bias")
+            "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "logit_bias",
+            "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens")
 
 
 @dataclass
@@ -84,6 +85,10 @@ def prepare(state, name: str, version: str | None, inputs: list[InputTensor], pa
             raise InvalidInput("sampling_parameters must be a JSON object", param="sampling_parameters") from None
         if not isinstance(given, dict):
             raise InvalidInput("sampling_parameters must be a JSON object", param="sampling_parameters")
+        unknown = sorted(set(given) - set(SAMPLING) - set(GUIDE_FIELDS))
+        if unknown:  # Triton's vLLM backend fails on a field vLLM lacks; surge on one it does not honour
+            raise InvalidInput(f"sampling_parameters: {unknown[0]!r} is not supported (known: "
+                               f"{', '.join(SAMPLING + GUIDE_FIELDS)})", param="sampling_parameters")
         sampling.update(given)
     guide = guide_from_dict(sampling, service)
     try:
