@@ -158,7 +158,8 @@ class Sampler:
                 logits[i] -= counts * p.frequency_penalty + (counts > 0).float() * p.presence_penalty
             if p.min_stops and len(seq.output_ids) < p.min_tokens:  # vLLM's min_tokens
                 stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos))
-                logits[i, torch.tensor(sorted(stops), device=dev)] = float("-inf")
+                if stops:  # (a model may have no EOS token)
+                    logits[i, torch.tensor(sorted(stops), device=dev, dtype=torch.long)] = float("-inf")
             if p.allowed_token_ids:  # vLLM's allowed_token_ids: the others never drawn
                 keep = torch.full((logits.shape[1],), float("-inf"), device=dev, dtype=logits.dtype)
                 keep[torch.tensor(p.allowed_token_ids, device=dev)] = 0.0
