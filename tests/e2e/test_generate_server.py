@@ -740,6 +740,9 @@ def test_vllm_sampling_extras(client, hf):
     full = client.completions.create(model="chat-qwen", prompt="The target", max_tokens=30, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
     word = next(w for w in full.split() if len(w) > 2)
+    banned = client.completions.create(model="chat-qwen", prompt="The target", max_tokens=30, temperature=0,
+                                       extra_body={"ignore_eos": True, "bad_words": [word]})
+    assert banned.choices[0].text != full  # the word's tokens (engine test: tests/unit/test_decoder_engine.py)
     kept = client.completions.create(model="chat-qwen", prompt="The target", max_tokens=30, temperature=0,
                                      stop=[word], extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
     assert kept.choices[0].text == full[:full.index(word) + len(word)]

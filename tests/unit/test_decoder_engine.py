@@ -397,3 +397,41 @@ def test_min_tokens_keeps_stops_away_as_transformers_min_new_tokens(model_dirs, 
     assert out == want and len(out) >= 9
     with pytest.raises(Exception, match="min_tokens"):
         SamplingParams(max_tokens=4, min_tokens=5)
+
+
+def test_bad_words_follow_vllms_definition(model_dirs, hf_models):
+    """vLLM's bad_words as token sequences: a one-token word is never drawn; a longer one's last token is
+    not drawn where the output ends with the rest of it. Checked against a greedy loop over transformers'
+    logits applying that rule, with words that meet the answer (so both rules change it)."""
+    d, hf = model_dirs["llama"], hf_models["llama"]
+    engine = DecoderEngine(d, num_blocks=128, block_size=4)
+    prompt = prompts_for(384, 6)[2]
+
+    def reference(bad):
+        toks, out = list(prompt), []
+        for _ in range(12):
+            with torch.no_grad():
+                logits = hf(torch.tensor([toks])).logits[0, -1].double()
+            for w in bad:
+                if len(w) == 1 or (len(out) >= len(w) - 1 and tuple(out[len(out) - len(w) + 1:]) == w[:-1]):
+                    logits[w[-1]] = float("-inf")
+            toks.append(int(logits.argmax()))
+            out.append(toks[-1])
+        return out
+
+    def ours(bad, seq_id):
+        sched = Scheduler(SchedulerConfig(num_blocks=128, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                                          max_model_len=256), ())
+        seq = Sequence(seq_id, prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                      bad_words_ids=bad))
+        drive(engine, sched, [seq], [0])
+        return seq.output_ids
+
+    plain = reference(())
+    one = ((plain[0],),)
+    first = reference(one)
+    assert first != plain and ours(one, 1) == first
+    both = one + ((first[2], first[3]),)  # its last token is banned only after first[2]
+    second = reference(both)
+    assert second[:3] == first[:3] and second[3] != first[3]
+    assert ours(both, 2) == second

@@ -39,7 +39,7 @@ OPTIONAL_OUTPUTS = {"finish_reason": "return_finish_reason", "num_input_tokens":
 KNOWN = {TEXT_INPUT, "sampling_parameters", *FLAGS}
 SAMPLING = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
             "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "logit_bias",
-            "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens")
+            "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens", "bad_words")
 
 
 @dataclass

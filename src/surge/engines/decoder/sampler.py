@@ -160,6 +160,12 @@ class Sampler:
                 stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos))
                 if stops:  # (a model may have no EOS token)
                     logits[i, torch.tensor(sorted(stops), device=dev, dtype=torch.long)] = float("-inf")
+            if p.bad_words_ids:  # vLLM's bad_words: the token that would complete one, where it would
+                out_ids = seq.output_ids
+                banned = {w[-1] for w in p.bad_words_ids if len(w) == 1 or (
+                    len(out_ids) >= len(w) - 1 and tuple(out_ids[len(out_ids) - len(w) + 1:]) == w[:-1])}
+                if banned:
+                    logits[i, torch.tensor(sorted(banned), device=dev, dtype=torch.long)] = float("-inf")
             if p.allowed_token_ids:  # vLLM's allowed_token_ids: the others never drawn
                 keep = torch.full((logits.shape[1],), float("-inf"), device=dev, dtype=logits.dtype)
                 keep[torch.tensor(p.allowed_token_ids, device=dev)] = 0.0

@@ -29,6 +29,9 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = ()  # vLLM's: only these may be sampled (empty: any)
     include_stop_str_in_output: bool = False  # vLLM's: a matched stop string stays in the text
     skip_special_tokens: bool = True  # the text leaves special tokens out
+    # vLLM's bad_words as token sequences: a sequence's last token is never drawn where the output
+    # already ends with the rest of it (a one-token word: never)
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
     # max_tokens is the request's own, not a server default: past the context it is refused
     # (GenerateService.stream) where a default is cut at the context's end; the same generation either way
     own_max_tokens: bool = field(default=False, compare=False)
@@ -84,9 +87,10 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         """The logits are changed before sampling (penalties, a logit bias, a guide's mask, min_tokens,
-        allowed tokens): a greedy row cannot take the graph's argmax."""
+        allowed tokens, bad words): a greedy row cannot take the graph's argmax."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or bool(self.logit_bias) or self.guide is not None or self.min_stops or bool(self.allowed_token_ids))
+                or bool(self.logit_bias) or self.guide is not None or self.min_stops or bool(self.allowed_token_ids)
+                or bool(self.bad_words_ids))
 
     def key(self) -> tuple:
         d = asdict(self)

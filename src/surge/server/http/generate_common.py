@@ -33,7 +33,8 @@ def stop_list(stop) -> tuple[str, ...]:
 def make_params(service, *, max_tokens, temperature, top_p, top_k=None, min_p=None, seed=None, stop=None, min_tokens=None,
                 stop_token_ids=None, presence_penalty=None, frequency_penalty=None, repetition_penalty=None,
                 ignore_eos=None, logprobs=None, logit_bias=None, prompt_logprobs=None, guide=None,
-                allowed_token_ids=None, include_stop_str_in_output=None, skip_special_tokens=None) -> SamplingParams:
+                allowed_token_ids=None, include_stop_str_in_output=None, skip_special_tokens=None,
+                bad_words=None) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else service.config.default_max_tokens,
         min_tokens=min_tokens or 0,
@@ -46,7 +47,18 @@ def make_params(service, *, max_tokens, temperature, top_p, top_k=None, min_p=No
         own_max_tokens=max_tokens is not None, guide=guide,
         allowed_token_ids=token_ids(allowed_token_ids, service.vocab_size, "allowed_token_ids"),
         include_stop_str_in_output=bool(include_stop_str_in_output),
-        skip_special_tokens=skip_special_tokens is not False)
+        skip_special_tokens=skip_special_tokens is not False, bad_words_ids=bad_words_ids(service, bad_words))
+
+
+def bad_words_ids(service, words) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad_words as the token sequences that write them, with and without a leading space (a word
+    inside a sentence is usually written with its space)."""
+    if not words:
+        return ()
+    if isinstance(words, str) or not all(isinstance(w, str) and w for w in words):
+        raise InvalidInput("bad_words must be a list of non-empty strings", param="bad_words")
+    out = {tuple(service.encode(v, special=False)) for w in words for v in (w, " " + w.lstrip())}
+    return tuple(sorted(ids for ids in out if ids))
 
 
 def token_ids(ids, vocab_size: int, param: str) -> tuple[int, ...]:

@@ -5,7 +5,7 @@ apply_chat_template does) and tokenized without special tokens, since the
 template writes them. Streams are server-sent events ending in `data: [DONE]`;
 with `stream_options.include_usage` the last chunk before it carries the usage.
 Beyond OpenAI's fields, vLLM's `top_k`, `min_p`, `repetition_penalty`,
-`ignore_eos`, `stop_token_ids`, `min_tokens`, `allowed_token_ids`,
+`ignore_eos`, `stop_token_ids`, `min_tokens`, `allowed_token_ids`, `bad_words`,
 `include_stop_str_in_output`, `skip_special_tokens` and `truncate_prompt_tokens` are
 accepted, and on chats its
 template controls `add_generation_prompt`, `continue_final_message` and
@@ -76,6 +76,8 @@ class _Sampling(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=1, description="Keep only the prompt's last N tokens.")
+    bad_words: list[StrictStr] | None = Field(None, description="Words the answer never writes (as vLLM: the "
+                                              "token that would complete one is not drawn).")
     # structured outputs (server/http/guided_fields.py): OpenAI's, and vLLM's names
     response_format: dict | None = Field(None, description="{'type': 'text' | 'json_object' | 'json_schema', "
                                          "'json_schema': {'schema': ...}}: the answer follows the JSON schema.")
@@ -345,7 +347,7 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
 
 def _vllm_extras(req) -> dict:
     return {"allowed_token_ids": req.allowed_token_ids, "include_stop_str_in_output": req.include_stop_str_in_output,
-            "skip_special_tokens": req.skip_special_tokens}
+            "skip_special_tokens": req.skip_special_tokens, "bad_words": req.bad_words}
 
 
 def _truncated(ids: list[int], keep: int | None) -> list[int]:
