@@ -430,6 +430,13 @@ def test_kserve_generate_and_generate_stream(server, client):
     assert infer.status_code == 400 and "generate" in infer.json()["error"]
     bad = _post(server.url + "/v2/models/nope/generate", json={"text_input": "x"})
     assert bad.status_code == 404 and "error" in bad.json()
+    # vLLM's sampling extras in the generate extension's parameters too
+    r = _post(server.url + "/v2/models/chat-qwen/generate", json={"text_input": "The target list", "parameters": {
+        "max_tokens": 2, "min_tokens": 2, "ignore_eos": True, "temperature": 0, "allowed_token_ids": [7]}})
+    assert r.status_code == 200 and r.json()["completion_tokens"] == 2, r.text
+    assert r.json()["text_output"] == client.completions.create(
+        model="chat-qwen", prompt="The target list", max_tokens=2, temperature=0,
+        extra_body={"allowed_token_ids": [7], "ignore_eos": True}).choices[0].text
 
 
 def test_bad_requests_get_clear_errors(server, client):

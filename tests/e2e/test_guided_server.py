@@ -165,5 +165,8 @@ def test_kserve_generate_and_tritonclient_infer_take_the_same_fields(server, hf,
                                           dtype=object))
     flag = thttp.InferInput("exclude_input_in_output", [1], "BOOL")
     flag.set_data_from_numpy(np.array([True]))
-    out = client.infer("guided-qwen", [text, sampling, flag]).as_numpy("text_output")[0].decode()
+    try:
+        out = client.infer("guided-qwen", [text, sampling, flag]).as_numpy("text_output")[0].decode()
+    finally:
+        client.close()
     assert out == reference(hf, model_dir, ("regex", regex), 30, prompt=prompt) and re.fullmatch(regex, out)

@@ -4,7 +4,8 @@ generate_stream.
 Body: {"text_input": "...", "parameters": {"max_tokens": 32, "temperature": 0, ...}}; the
 parameters may also be given at the top level (Triton maps every JSON key to an input), and include
 the structured-output fields of the OpenAI routes (guided_json, guided_regex, guided_choice,
-guided_grammar, structured_outputs, response_format).
+guided_grammar, structured_outputs, response_format) and their vLLM sampling extras (min_tokens,
+allowed_token_ids, bad_words, include_stop_str_in_output, skip_special_tokens).
 Answer: {"model_name", "model_version", "text_output", "finish_reason", "prompt_tokens",
 "completion_tokens"}; generate_stream sends one such event per delta (server-sent events,
 `text_output` holding the delta), the last one with finish_reason. Errors: {"error": msg}.
@@ -40,6 +41,11 @@ class GenerateParameters(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
+    # vLLM's sampling extras, as on the OpenAI routes
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[StrictStr] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
     # structured outputs, the OpenAI routes' names (server/http/guided_fields.py)
     response_format: dict | None = None
     guided_json: dict | StrictStr | None = None
@@ -74,7 +80,9 @@ def _prepare(state, req: GenerateRequest, name: str, version: str | None):
                          stop=p.get("stop"), stop_token_ids=p.get("stop_token_ids"),
                          presence_penalty=p.get("presence_penalty"), frequency_penalty=p.get("frequency_penalty"),
                          repetition_penalty=p.get("repetition_penalty"), ignore_eos=p.get("ignore_eos"),
-                         guide=guide_from_dict(p, service))
+                         guide=guide_from_dict(p, service), allowed_token_ids=p.get("allowed_token_ids"),
+                         bad_words=p.get("bad_words"), include_stop_str_in_output=p.get("include_stop_str_in_output"),
+                         skip_special_tokens=p.get("skip_special_tokens"))
     ids = service.encode(req.text_input)
     service.check_prompt(ids)
     return service, ids, params
