@@ -7,6 +7,8 @@ and the same errors without a round trip to the engine.
 
 from __future__ import annotations
 
+from functools import cached_property
+
 from surge.errors import InvalidInput
 
 
@@ -53,19 +55,18 @@ class PromptText:
         """A structured-output guide (runtime/guided.py) that does not compile for this model's tokenizer is
         InvalidInput naming `param`; checked before the engine sees it."""
         if guide is not None:
-            self._guides().check(guide, param)
+            self._guides.check(guide, param)
 
     def guide_literal(self, text: str) -> str:
         """`text` as a Lark literal of this model's grammars (runtime.guided.Guides.literal)."""
-        return self._guides().literal(text)
+        return self._guides.literal(text)
 
+    @cached_property
     def _guides(self):
-        guides = self.__dict__.get("_guide_checker")
-        if guides is None:  # built at the first guided request (the tokenizer's trie: ms to a second)
-            from surge.runtime.guided import Guides
+        """Built at the first guided request (the tokenizer's trie: ms to a second)."""
+        from surge.runtime.guided import Guides
 
-            guides = self.__dict__["_guide_checker"] = Guides(self.tokenizer.to_str(), self.vocab_size)
-        return guides
+        return Guides(self.tokenizer.to_str(), self.vocab_size)
 
     def triton_config(self) -> dict:
         """Triton's ModelConfig (JSON form) of a generate model: the generate extension's tensors

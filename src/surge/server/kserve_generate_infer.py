@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from surge.errors import InvalidInput
-from surge.server.http.generate_common import counted, counted_stream, deadline_for, generate_model, make_params
+from surge.server.http.generate_common import (SAMPLING_FIELDS, counted, counted_stream, deadline_for,
+                                               generate_model, make_params)
 from surge.server.http.guided_fields import FIELDS as GUIDE_FIELDS
 from surge.server.http.guided_fields import guide_from_dict
 from surge.server.kserve_contract import InputTensor
@@ -37,9 +38,6 @@ FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_nu
 OPTIONAL_OUTPUTS = {"finish_reason": "return_finish_reason", "num_input_tokens": "return_num_input_tokens",
                     "num_output_tokens": "return_num_output_tokens"}
 KNOWN = {TEXT_INPUT, "sampling_parameters", *FLAGS}
-SAMPLING = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-            "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "logit_bias",
-            "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens", "bad_words")
 
 
 @dataclass
@@ -76,7 +74,7 @@ def prepare(state, name: str, version: str | None, inputs: list[InputTensor], pa
     except UnicodeDecodeError:
         raise InvalidInput(f"input '{TEXT_INPUT}' holds invalid UTF-8", param=TEXT_INPUT) from None
     flags = {f: bool(_one(by_name[f], "BOOL")) for f in FLAGS if f in by_name}
-    sampling = {k: v for k, v in parameters.items() if k in SAMPLING or k in GUIDE_FIELDS}
+    sampling = {k: v for k, v in parameters.items() if k in SAMPLING_FIELDS or k in GUIDE_FIELDS}
     if "sampling_parameters" in by_name:
         raw = _one(by_name["sampling_parameters"], "BYTES")
         try:
@@ -85,14 +83,14 @@ def prepare(state, name: str, version: str | None, inputs: list[InputTensor], pa
             raise InvalidInput("sampling_parameters must be a JSON object", param="sampling_parameters") from None
         if not isinstance(given, dict):
             raise InvalidInput("sampling_parameters must be a JSON object", param="sampling_parameters")
-        unknown = sorted(set(given) - set(SAMPLING) - set(GUIDE_FIELDS))
+        unknown = sorted(set(given) - set(SAMPLING_FIELDS) - set(GUIDE_FIELDS))
         if unknown:  # Triton's vLLM backend fails on a field vLLM lacks; surge on one it does not honour
             raise InvalidInput(f"sampling_parameters: {unknown[0]!r} is not supported (known: "
-                               f"{', '.join(SAMPLING + GUIDE_FIELDS)})", param="sampling_parameters")
+                               f"{', '.join(SAMPLING_FIELDS + GUIDE_FIELDS)})", param="sampling_parameters")
         sampling.update(given)
     guide = guide_from_dict(sampling, service)
     try:
-        params = make_params(service, **{k: sampling.get(k) for k in SAMPLING}, guide=guide)
+        params = make_params(service, **{k: sampling.get(k) for k in SAMPLING_FIELDS}, guide=guide)
     except (TypeError, ValueError, AttributeError) as exc:  # a value of the wrong type
         raise InvalidInput(f"sampling_parameters: {exc}", param="sampling_parameters") from None
     for out in requested:

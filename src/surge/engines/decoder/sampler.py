@@ -156,16 +156,15 @@ class Sampler:
                 out = torch.tensor(seq.output_ids, device=dev)
                 counts = torch.zeros(logits.shape[1], device=dev).index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
                 logits[i] -= counts * p.frequency_penalty + (counts > 0).float() * p.presence_penalty
-            if p.min_stops and len(seq.output_ids) < p.min_tokens:  # vLLM's min_tokens
-                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos))
-                if stops:  # (a model may have no EOS token)
-                    logits[i, torch.tensor(sorted(stops), device=dev, dtype=torch.long)] = float("-inf")
-            if p.bad_words_ids:  # vLLM's bad_words: the token that would complete one, where it would
-                out_ids = seq.output_ids
-                banned = {w[-1] for w in p.bad_words_ids if len(w) == 1 or (
-                    len(out_ids) >= len(w) - 1 and tuple(out_ids[len(out_ids) - len(w) + 1:]) == w[:-1])}
-                if banned:
-                    logits[i, torch.tensor(sorted(banned), device=dev, dtype=torch.long)] = float("-inf")
+            banned = set()
+            out_ids = seq.output_ids
+            if p.min_stops and len(out_ids) < p.min_tokens:  # vLLM's min_tokens: no stop token yet
+                banned |= set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos))
+            # vLLM's bad_words: the token that would complete one, where it would
+            banned |= {w[-1] for w in p.bad_words_ids if len(w) == 1 or (
+                len(out_ids) >= len(w) - 1 and tuple(out_ids[len(out_ids) - len(w) + 1:]) == w[:-1])}
+            if banned:
+                logits[i, torch.tensor(sorted(banned), device=dev, dtype=torch.long)] = float("-inf")
             if p.allowed_token_ids:  # vLLM's allowed_token_ids: the others never drawn
                 keep = torch.full((logits.shape[1],), float("-inf"), device=dev, dtype=logits.dtype)
                 keep[torch.tensor(p.allowed_token_ids, device=dev)] = 0.0

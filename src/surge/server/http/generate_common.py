@@ -30,6 +30,14 @@ def stop_list(stop) -> tuple[str, ...]:
     return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
+# The sampling fields make_params takes by the request's names (KServe generate's parameters, Triton's
+# sampling_parameters); the OpenAI routes pass their own attributes.
+SAMPLING_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                   "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
+                   "logit_bias", "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+                   "bad_words")
+
+
 def make_params(service, *, max_tokens, temperature, top_p, top_k=None, min_p=None, seed=None, stop=None, min_tokens=None,
                 stop_token_ids=None, presence_penalty=None, frequency_penalty=None, repetition_penalty=None,
                 ignore_eos=None, logprobs=None, logit_bias=None, prompt_logprobs=None, guide=None,

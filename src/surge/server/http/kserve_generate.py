@@ -18,8 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from surge.server.http.common import parse
 from surge.server.http import generate_common
-from surge.server.http.generate_common import (EventStream, JsonAnswer, counted, counted_stream, deadline_for,
-                                               generate_model, make_params, sse, until_disconnect)
+from surge.server.http.generate_common import (SAMPLING_FIELDS, EventStream, JsonAnswer, counted, counted_stream,
+                                               deadline_for, generate_model, make_params, sse, until_disconnect)
 from surge.server.http.guided_fields import guide_from_dict
 from surge.server.http.openapi import body
 from surge.server.state import AppState
@@ -74,15 +74,7 @@ def _prepare(state, req: GenerateRequest, name: str, version: str | None):
     top = req.model_dump(exclude={"text_input", "id", "parameters"}, exclude_unset=True)
     nested = req.parameters.model_dump(exclude_unset=True) if req.parameters else {}
     p = {**top, **nested}
-    params = make_params(service, max_tokens=p.get("max_tokens"), min_tokens=p.get("min_tokens"),
-                         temperature=p.get("temperature"),
-                         top_p=p.get("top_p"), top_k=p.get("top_k"), min_p=p.get("min_p"), seed=p.get("seed"),
-                         stop=p.get("stop"), stop_token_ids=p.get("stop_token_ids"),
-                         presence_penalty=p.get("presence_penalty"), frequency_penalty=p.get("frequency_penalty"),
-                         repetition_penalty=p.get("repetition_penalty"), ignore_eos=p.get("ignore_eos"),
-                         guide=guide_from_dict(p, service), allowed_token_ids=p.get("allowed_token_ids"),
-                         bad_words=p.get("bad_words"), include_stop_str_in_output=p.get("include_stop_str_in_output"),
-                         skip_special_tokens=p.get("skip_special_tokens"))
+    params = make_params(service, **{k: p.get(k) for k in SAMPLING_FIELDS}, guide=guide_from_dict(p, service))
     ids = service.encode(req.text_input)
     service.check_prompt(ids)
     return service, ids, params

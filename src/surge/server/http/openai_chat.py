@@ -203,7 +203,7 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
                          presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                          repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos,
                          logprobs=(req.top_logprobs or 0) if req.logprobs else None, logit_bias=req.logit_bias,
-                         guide=guide, min_tokens=req.min_tokens, **_vllm_extras(req))
+                         guide=guide, **_vllm_extras(req))
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     deadline = deadline_for(state)
     choices = choice_params(params, req.n)
@@ -282,7 +282,7 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
                          frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
                          ignore_eos=req.ignore_eos, logprobs=req.logprobs, logit_bias=req.logit_bias,
                          prompt_logprobs=req.logprobs if req.echo else None, guide=request_guide(req, service),
-                         min_tokens=req.min_tokens, **_vllm_extras(req))
+                         **_vllm_extras(req))
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     deadline = deadline_for(state)
     jobs = [(ids, p) for ids, _ in prompts for p in choice_params(params, req.n)]
@@ -346,7 +346,7 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
 
 
 def _vllm_extras(req) -> dict:
-    return {"allowed_token_ids": req.allowed_token_ids, "include_stop_str_in_output": req.include_stop_str_in_output,
+    return {"min_tokens": req.min_tokens, "allowed_token_ids": req.allowed_token_ids, "include_stop_str_in_output": req.include_stop_str_in_output,
             "skip_special_tokens": req.skip_special_tokens, "bad_words": req.bad_words}
 
 
