@@ -130,6 +130,21 @@ class MetricsConfig(_Strict):
                              "API key (as Triton's and TEI's metrics ports); None: only on the HTTP port.")
 
 
+class ResponsesConfig(_Strict):
+    """The Responses API's stored answers (POST /v1/responses with `store`, read back, continued with
+    `previous_response_id`, cancelled in the background): runtime/response_store.py."""
+
+    flag_prefix: ClassVar[str] = "responses-"
+
+    store_entries: int = Field(10_000, ge=0, description="Responses kept (the least recently used leave first); "
+                               "0: none is kept, and `previous_response_id` finds nothing.")
+    store_ttl_s: float = Field(24 * 3600, gt=0, description="A stored response is forgotten this long after its "
+                               "last write.")
+    store_dir: Path | None = Field(None, description="Keep them as files in this directory (shared by servers "
+                                   "that mount it); default: in memory, or under --workers in the front ends' "
+                                   "shared-memory directory.")
+
+
 class GenerationConfig(_Strict):
     """Decoder models (task generate): KV cache, scheduler and defaults of one model.
 
@@ -251,6 +266,7 @@ class ServerConfig(_Strict):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Decoder models' settings.")
+    responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
 
     @field_validator("grpc_port", "repository_poll_s", "api_key", mode="before")
     @classmethod

@@ -77,7 +77,9 @@ def post(srv, path: str, body, *, route: bool = False, stream: bool = False):
 
 
 def normalized(body: bytes) -> bytes:
-    return re.sub(rb'"created":\d+', b'"created":0', re.sub(rb'"id":"(chat)?cmpl-[0-9a-f]+"', b'"id":"x"', body))
+    body = re.sub(rb'"(created|created_at|completed_at)":\d+', rb'"\1":0', body)
+    body = re.sub(rb'"(id|item_id)":"(resp|msg|fc)_[0-9a-f]+"', rb'"\1":"x"', body)
+    return re.sub(rb'"id":"(chat)?cmpl-[0-9a-f]+"', b'"id":"x"', body)
 
 
 CASES = [
@@ -89,6 +91,11 @@ CASES = [
                               "max_tokens": 10, "temperature": 0, "ignore_eos": True, "stream": True}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Define it."}], "max_tokens": 5,
                               "seed": 3, "temperature": 0.8}),
+    ("/v1/responses", {"model": "m", "input": "Define it.", "max_output_tokens": 10, "temperature": 0,
+                       "ignore_eos": True, "stream": True}),
+    ("/v1/responses", {"input": [{"role": "user", "content": "Define it."}], "instructions": "Be brief.",
+                       "max_output_tokens": 5, "temperature": 0, "top_logprobs": 2,
+                       "include": ["message.output_text.logprobs"]}),
     ("/v2/models/m/generate", {"text_input": "The assignment", "parameters": {"max_tokens": 7, "temperature": 0},
                                "id": "r1"}),
     ("/v2/models/m/versions/1/generate_stream", {"text_input": "Loops", "max_tokens": 9, "temperature": 0,
@@ -113,7 +120,8 @@ def test_answers_equal_the_routes_and_transformers(server, model_dir):
         if body.get("stream") or path.endswith("_stream"):
             assert hot[1]["content-type"] == "text/event-stream; charset=utf-8"
             assert hot[1]["transfer-encoding"] == "chunked"
-            assert hot[2].endswith(b"data: [DONE]\n\n") == bool(body.get("stream"))  # KServe's has none
+            # KServe's and the Responses API's have none
+            assert hot[2].endswith(b"data: [DONE]\n\n") == (bool(body.get("stream")) and "responses" not in path)
     # the streamed greedy completion is transformers' greedy continuation
     events = [json.loads(line[6:]) for line in post(server, *CASES[0])[2].decode().split("\n\n")
               if line.startswith("data: {")]
@@ -139,6 +147,11 @@ ERRORS = [
                               "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400),
     ("/v1/completions", {"model": "m", "prompt": "x", "guided_regex": "a(b"}, 400),
     ("/v1/completions", {"model": "m", "prompt": ["a"] * 20, "n": 128, "stream": True}, 413),
+    ("/v1/responses", {"model": "m", "input": "x", "conversation": "conv_1"}, 400),
+    ("/v1/responses", {"model": "m", "input": "x", "previous_response_id": "resp_0"}, 404),
+    ("/v1/responses", {"model": "m", "input": []}, 400),
+    ("/v1/responses", {"model": "m", "input": "x", "tools": [{"type": "web_search"}]}, 400),
+    ("/v1/responses", {"model": "m", "input": "x", "max_output_tokens": 300}, 400),
     ("/v2/models/nope/generate", {"text_input": "x"}, 404),
     ("/v2/models/m/versions/7/generate_stream", {"text_input": "x"}, 404),
     ("/v2/models/m/generate", {"text_input": ""}, 422),

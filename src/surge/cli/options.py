@@ -1,6 +1,6 @@
 """`surge serve`'s options, derived from the config fields (config.py): a default is written once.
 
-Every field of ServerConfig and of its sections (engine, batching, cache, limits, metrics) is a
+Every field of ServerConfig and of its sections (engine, batching, cache, limits, metrics, responses) is a
 flag and a `SURGE_*` variable: the flag is the field's name in kebab case (a section's
 `flag_prefix` in front; a field's `json_schema_extra={"flag": ...}` renames it, or with
 None leaves it out: it is then set another way, said in `OMITTED`), the variable is `SURGE_`
@@ -27,17 +27,18 @@ import typer
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from surge.config import (BatchingConfig, CacheConfig, EngineConfig, LimitsConfig, MetricsConfig, ServerConfig)
+from surge.config import (BatchingConfig, CacheConfig, EngineConfig, LimitsConfig, MetricsConfig, ResponsesConfig,
+                          ServerConfig)
 
 # The sections a flag can set: (attribute of ServerConfig or "" for its own fields, class).
 SECTIONS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("", ServerConfig), ("engine", EngineConfig), ("batching", BatchingConfig), ("cache", CacheConfig),
-    ("limits", LimitsConfig), ("metrics", MetricsConfig))
+    ("limits", LimitsConfig), ("metrics", MetricsConfig), ("responses", ResponsesConfig))
 
 # Fields that are no flag of their own, and why (the test of every field reads this).
 OMITTED = {
     "engine": "a section (its fields are flags)", "batching": "a section", "cache": "a section",
-    "limits": "a section", "metrics": "a section",
+    "limits": "a section", "metrics": "a section", "responses": "a section",
     "generation": "a section: --generation FIELD=VALUE and SURGE_GENERATION_<FIELD> (GenerationConfig.from_sources)",
     "model_dir": "the MODEL_DIR argument (SURGE_MODEL_DIR)",
 }

@@ -20,7 +20,7 @@ from surge.server.state import AppState
 def create_app(state: AppState) -> FastAPI:
     from surge.server import health
     from surge.server.http import (kserve, kserve_generate, metrics, models, native, openai, openai_chat, openapi,
-                                   pipelines, rerank, tei, triton_extras)
+                                   pipelines, rerank, responses_api, tei, triton_extras)
     from surge.server.http.compression import DecompressMiddleware
 
     @contextlib.asynccontextmanager
@@ -50,6 +50,7 @@ def create_app(state: AppState) -> FastAPI:
     app.include_router(native.router(state))
     app.include_router(kserve.router(state))
     app.include_router(openai_chat.router(state))  # generation (decoder models)
+    app.include_router(responses_api.router(state))  # OpenAI's Responses API (decoder models)
     app.include_router(kserve_generate.router(state))
     app.include_router(models.router(state))
     app.include_router(pipelines.router(state))

@@ -33,7 +33,7 @@ from surge.server.http.common import parse
 from surge.server.http import generate_common
 from surge.server.http.generate_choices import check_count, choice_params, first_deltas, merged
 from surge.server.http.guided_fields import request_guide, tool_choice_guide
-from surge.server.http.tool_calls import ToolCallStream
+from surge.server.http.tool_calls import ToolCallStream, arguments_for_template
 from surge.server.http.tool_calls import parse as parse_tool_calls
 from surge.server.http.generate_common import (EventStream, JsonAnswer, counted, counted_stream, deadline_for,
                                                generate_model, make_params, sse, until_disconnect)
@@ -146,7 +146,7 @@ def _messages(req: ChatCompletionRequest) -> list[dict]:
         if isinstance(m.content, list):  # text parts joined, as most templates expect a string
             d["content"] = "".join(p.text for p in m.content)
         out.append(d)
-    return out
+    return arguments_for_template(out)
 
 
 def _chat_logprobs(items) -> dict | None:
@@ -190,7 +190,7 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
     (server/http/generate_hotpath.py) both answer with it."""
     service = generate_model(state, req.model)
     check_count(1, req.n, state.config.limits.max_inputs_per_request)
-    parse_calls, tool_guide = _tool_calls_wanted(req, service)
+    parse_calls, tool_guide = tool_calls_wanted(req, service)
     guide = request_guide(req, service, tool_guide)
     tools = req.tools if req.tools else None
     prompt = service.render_chat(_messages(req), add_generation_prompt=req.add_generation_prompt, tools=tools,
@@ -355,7 +355,7 @@ def _truncated(ids: list[int], keep: int | None) -> list[int]:
     return ids[-keep:] if keep and keep < len(ids) else ids
 
 
-def _tool_calls_wanted(req: ChatCompletionRequest, service) -> tuple[bool, tuple[str, str] | None]:
+def tool_calls_wanted(req: ChatCompletionRequest, service) -> tuple[bool, tuple[str, str] | None]:
     """(whether the answer's tool calls are parsed, the guide a required or named tool choice asks for);
     what surge cannot honour is refused, never ignored."""
     choice = req.tool_choice

@@ -1,0 +1,148 @@
+"""Where the Responses API keeps its answers (server/http/responses_api.py): a stored response can be
+read back (GET /v1/responses/{id}), listed by its input items, deleted, cancelled while it runs in the
+background, and continued (`previous_response_id`: its conversation is the context of the next one).
+
+Two kinds, one contract (`get`, `put`, `delete`; a record is a JSON-able dict):
+
+- `MemoryStore`: one process's, least recently used first out past `entries`;
+- `DirStore`: one JSON file a response in a directory, for the `--workers` front ends, which are
+  processes of their own: the response front end A stored is there for the request that front end B
+  takes next. A write goes to a temporary file renamed over the record (readers see the old record or
+  the new one, never half of one); an unreadable file is a miss, never an error of the request.
+
+Both drop records older than `ttl_s`. Ids are random (responses_api.new_id), so writers never race on
+one record except a background response and its cancel, which the record's `cancel_requested` settles
+(`request_cancel`: the running side reads it as its tokens arrive).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import orjson
+
+_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+def valid_id(rid: str) -> bool:
+    """An id a store can hold: what new_id makes (also the file name of DirStore, so never a path)."""
+    return bool(_ID.match(rid))
+
+
+class MemoryStore:
+    def __init__(self, entries: int, ttl_s: float):
+        self.entries = entries
+        self.ttl_s = ttl_s
+        self._items: OrderedDict[str, tuple[float, dict]] = OrderedDict()
+
+    def get(self, rid: str) -> dict | None:
+        item = self._items.get(rid)
+        if item is None:
+            return None
+        if time.time() - item[0] > self.ttl_s:
+            del self._items[rid]
+            return None
+        self._items.move_to_end(rid)
+        return item[1]
+
+    def put(self, rid: str, record: dict) -> None:
+        if self.entries <= 0:
+            return
+        self._items[rid] = (time.time(), record)
+        self._items.move_to_end(rid)
+        while len(self._items) > self.entries:
+            self._items.popitem(last=False)
+
+    def delete(self, rid: str) -> bool:
+        return self._items.pop(rid, None) is not None
+
+    def request_cancel(self, rid: str) -> dict | None:
+        record = self.get(rid)
+        if record is not None:
+            record["cancel_requested"] = True
+        return record
+
+
+class DirStore:
+    PRUNE_EVERY = 64  # writes between two scans of the directory for records past the bounds
+
+    def __init__(self, root: str | Path, entries: int, ttl_s: float):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.entries = entries
+        self.ttl_s = ttl_s
+        self._writes = 0
+
+    def _path(self, rid: str) -> Path:
+        if not valid_id(rid):
+            raise ValueError(f"not a response id: {rid!r}")
+        return self.root / f"{rid}.json"
+
+    def get(self, rid: str) -> dict | None:
+        try:
+            path = self._path(rid)
+            if time.time() - path.stat().st_mtime > self.ttl_s:
+                path.unlink(missing_ok=True)
+                return None
+            return orjson.loads(path.read_bytes())
+        except (OSError, ValueError):
+            return None
+
+    def put(self, rid: str, record: dict) -> None:
+        if self.entries <= 0:
+            return
+        path = self._path(rid)
+        tmp = path.with_name(f".{rid}.{os.getpid()}.tmp")
+        tmp.write_bytes(orjson.dumps(record))
+        os.replace(tmp, path)
+        self._writes += 1
+        if self._writes % self.PRUNE_EVERY == 0:
+            self.prune()
+
+    def delete(self, rid: str) -> bool:
+        try:
+            self._path(rid).unlink()
+            return True
+        except (OSError, ValueError):
+            return False
+
+    def request_cancel(self, rid: str) -> dict | None:
+        record = self.get(rid)
+        if record is not None:
+            record["cancel_requested"] = True
+            self.put(rid, record)
+        return record
+
+    def prune(self) -> None:
+        """Records past ttl_s, then the oldest past `entries`, removed."""
+        now = time.time()
+        files = []
+        for entry in os.scandir(self.root):
+            if not entry.name.endswith(".json"):
+                continue
+            try:
+                mtime = entry.stat().st_mtime
+            except OSError:
+                continue
+            if now - mtime > self.ttl_s:
+                Path(entry.path).unlink(missing_ok=True)
+            else:
+                files.append((mtime, entry.path))
+        files.sort()
+        for _, path in files[:max(0, len(files) - self.entries)]:
+            Path(path).unlink(missing_ok=True)
+
+
+def store_for(config) -> MemoryStore | DirStore:
+    """The store of a server (`config`: ResponsesConfig): its `store_dir` if set, else under `--workers`
+    (SURGE_SHM_DIR, set by the supervisor for its front ends) a directory there, else memory."""
+    root = config.store_dir
+    if root is None and os.environ.get("SURGE_SHM_DIR"):
+        root = Path(os.environ["SURGE_SHM_DIR"]) / "responses"
+    if root is not None:
+        return DirStore(root, config.store_entries, config.store_ttl_s)
+    return MemoryStore(config.store_entries, config.store_ttl_s)

@@ -1,0 +1,475 @@
+"""OpenAI's Responses API on decoder models: POST /v1/responses (whole, streamed, or in the background),
+GET /v1/responses/{id}, DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel and
+GET /v1/responses/{id}/input_items.
+
+A request is a chat underneath: `instructions` become the system message, the input items (and with
+`previous_response_id` the stored conversation before them: its inputs and outputs, not its
+instructions) the messages, rendered by the model's chat template; function tools, `tool_choice` and
+`text.format` (JSON schema / object) go through the chat route's machinery (tool-call parser, guided
+decoding). `max_output_tokens`, `temperature`, `top_p`, `top_logprobs` with `include:
+["message.output_text.logprobs"]`, `truncation: "auto"` (the oldest turns dropped until the prompt and
+the answer fit) and `store` (default true) are honoured; `seed`, `top_k`, `min_p`,
+`repetition_penalty` and `ignore_eos` are accepted as vLLM accepts them. A stream is the API's typed events
+(`response.created` ... `response.output_text.delta` ... `response.completed` or
+`response.incomplete`), each with its `sequence_number`, and no `[DONE]`. A background response is
+answered at once (`queued`) and read back until it is done; `cancel` stops it, also from another
+`--workers` front end (the store carries the request, runtime/response_store.py). What surge cannot
+do (conversations, prompt templates, built-in tools, images, background streaming, reasoning effort on
+a model that does not reason) is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from types import SimpleNamespace
+from typing import Literal, Union
+
+import orjson
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, StrictStr
+
+from surge.errors import InvalidInput, NotFound, SurgeError
+from surge.runtime.response_store import store_for, valid_id
+from surge.server.http import generate_common
+from surge.server.http.common import ORJSONResponse, parse
+from surge.server.http.generate_common import (EventStream, JsonAnswer, counted, counted_stream, deadline_for,
+                                               generate_model, make_params, until_disconnect)
+from surge.server.http.guided_fields import request_guide
+from surge.server.http.openai_chat import tool_calls_wanted
+from surge.server.http.openapi import body
+from surge.server.http.responses_items import (call_item, choice_for_chat, logprob_list, message_item, new_id,
+                                               normalize_input, text_format, to_messages, tools_for_chat)
+from surge.server.http.tool_calls import ToolCallStream, arguments_for_template
+from surge.server.state import AppState
+
+LOGPROBS = "message.output_text.logprobs"
+INCLUDES = (LOGPROBS, "reasoning.encrypted_content")
+CANCEL_POLL_S = 0.25  # a background response reads its record for a cancel at most this often
+
+
+class ResponseNotFound(NotFound):
+    code = "not_found"
+
+
+class ResponseRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    input: Union[StrictStr, list[dict]]
+    instructions: StrictStr | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    include: list[StrictStr] | None = None
+    stream: bool = False
+    store: bool = True
+    background: bool = False
+    previous_response_id: StrictStr | None = None
+    tools: list[dict] | None = None
+    tool_choice: Union[StrictStr, dict, None] = None
+    parallel_tool_calls: bool | None = None
+    text: dict | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    metadata: dict[StrictStr, StrictStr] | None = Field(None, max_length=16)
+    user: StrictStr | None = None
+    reasoning: dict | None = None
+    service_tier: StrictStr | None = None
+    # what surge cannot honour: refused when set
+    conversation: Union[StrictStr, dict, None] = None
+    prompt: dict | None = None
+    # vLLM's extras
+    seed: int | None = None
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool = False
+
+
+def _store(state: AppState):
+    store = state.extras.get("responses_store")
+    if store is None:
+        store = state.extras["responses_store"] = store_for(state.config.responses)
+    return store
+
+
+def _running(state: AppState) -> dict:
+    """This process's background responses: id -> task."""
+    return state.extras.setdefault("responses_running", {})
+
+
+def _refuse_unsupported(req: ResponseRequest) -> None:
+    for field in ("conversation", "prompt"):
+        if getattr(req, field) is not None:
+            raise InvalidInput(f"'{field}' is not supported (use previous_response_id to continue a "
+                               "conversation)", param=field)
+    if req.reasoning and any(v is not None for v in req.reasoning.values()):
+        raise InvalidInput("'reasoning' options are not supported by this model", param="reasoning")
+    unknown = sorted(set(req.include or ()) - set(INCLUDES))
+    if unknown:
+        raise InvalidInput(f"include {', '.join(unknown)} is not supported ({', '.join(INCLUDES)})",
+                           param="include")
+    if req.background and not req.store:
+        raise InvalidInput("background responses must be stored (store: true)", param="background")
+    if req.background and req.stream:
+        raise InvalidInput("background responses are not streamed; create it, then read it back",
+                           param="stream")
+
+
+class _Prepared(SimpleNamespace):
+    """A request made ready for the engine: service, ids, params, parse_calls, input_items, context
+    (the conversation before this input), base (the response object without its outcome)."""
+
+
+def _prepare(state: AppState, req: ResponseRequest) -> _Prepared:
+    _refuse_unsupported(req)
+    service = generate_model(state, req.model)
+    context: list[dict] = []
+    if req.previous_response_id is not None:
+        prev = _store(state).get(req.previous_response_id) if valid_id(req.previous_response_id) else None
+        if prev is None:
+            raise ResponseNotFound(f"previous response '{req.previous_response_id}' not found",
+                                   param="previous_response_id")
+        context = prev["conversation"]
+    items = normalize_input(req.input)
+    tools = tools_for_chat(req.tools)
+    chat = SimpleNamespace(tools=tools, tool_choice=choice_for_chat(req.tool_choice),
+                           parallel_tool_calls=req.parallel_tool_calls)
+    parse_calls, tool_guide = tool_calls_wanted(chat, service)
+    guide = request_guide(SimpleNamespace(response_format=text_format(req.text)), service, tool_guide)
+    head = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
+    turns = to_messages(context + items)
+    while True:
+        prompt = service.render_chat(arguments_for_template(head + turns), tools=tools)
+        ids = service.encode(prompt, special=False)
+        if req.truncation != "auto" or _fits(service, ids, req.max_output_tokens) or len(turns) <= 1:
+            break
+        turns = _drop_oldest_turn(turns)
+    want_lps = LOGPROBS in (req.include or ()) or req.top_logprobs is not None
+    params = make_params(service, max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
+                         top_k=req.top_k, min_p=req.min_p, seed=req.seed,
+                         repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos,
+                         logprobs=(req.top_logprobs or 0) if want_lps else None, guide=guide)
+    service.check_prompt(ids, params.max_tokens if params.own_max_tokens else None)
+    rid = new_id("resp")
+    base = {
+        "id": rid, "object": "response", "created_at": int(time.time()), "status": "in_progress",
+        "background": req.background, "error": None, "incomplete_details": None,
+        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": service.name,
+        "output": [], "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
+        "service_tier": "default", "store": req.store,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
+        "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "top_logprobs": req.top_logprobs,
+        "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": req.truncation or "disabled",
+        "usage": None, "user": req.user, "metadata": req.metadata or {},
+    }
+    return _Prepared(service=service, ids=ids, params=params, parse_calls=parse_calls, input_items=items,
+                     context=context, base=base, want_lps=want_lps)
+
+
+def _fits(service, ids: list[int], max_tokens: int | None) -> bool:
+    return len(ids) + (max_tokens or 1) <= service.max_model_len
+
+
+def _drop_oldest_turn(turns: list[dict]) -> list[dict]:
+    """The conversation without its oldest turn (up to the next user message: a tool answer never
+    loses the call it answers)."""
+    for k in range(1, len(turns)):
+        if turns[k]["role"] == "user":
+            return turns[k:]
+    return turns[-1:]
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion}
+
+
+def _outcome(finish: str | None) -> tuple[str, dict | None]:
+    if finish == "length":
+        return "incomplete", {"reason": "max_output_tokens"}
+    return "completed", None
+
+
+def _finished(p: _Prepared, output: list[dict], finish, prompt_tokens: int, completion_tokens: int) -> dict:
+    status, incomplete = _outcome(finish)
+    return {**p.base, "status": status, "incomplete_details": incomplete, "output": output,
+            "usage": _usage(prompt_tokens, completion_tokens), "completed_at": int(time.time())}
+
+
+def _keep(state: AppState, p: _Prepared, response: dict) -> None:
+    if p.base["store"]:
+        done = response["status"] in ("completed", "incomplete")
+        _store(state).put(response["id"], {"response": response, "input_items": p.input_items,
+                                           "conversation": p.context + p.input_items
+                                           + (response["output"] if done else [])})
+
+
+async def response_answer(state: AppState, req: ResponseRequest, receive) -> JsonAnswer | EventStream:
+    """The answer to a validated create request (route and hot path, as chat_answer)."""
+    p = _prepare(state, req)
+    service, deadline = p.service, deadline_for(state)
+    headers = {"x-surge-model-version": service.version}
+    if req.background:
+        return JsonAnswer(_start_background(state, p), headers)
+    if not req.stream:
+        res = await until_disconnect(receive, counted(state, service, service.generate(p.ids, p.params,
+                                                                                       deadline=deadline)))
+        events = _Events(p)  # the items a stream of it would have, made the same way
+        events.delta(res.text, res.logprobs)
+        events.finish(res.finish_reason, res.prompt_tokens, res.completion_tokens)
+        _keep(state, p, events.response)
+        return JsonAnswer(events.response, headers)
+    agen = counted_stream(state, service, service.stream(p.ids, p.params, deadline=deadline))
+    first = await agen.__anext__()  # an error before any output keeps its HTTP status
+    events = _Events(p)
+
+    async def rest():
+        for chunk in events.start():
+            yield chunk
+        d = first
+        try:
+            while True:
+                for chunk in events.delta(d.text, d.logprobs):
+                    yield chunk
+                if d.finish_reason is not None:
+                    break
+                d = await agen.__anext__()
+        except SurgeError as exc:
+            for chunk in events.failed(exc):
+                yield chunk
+            return
+        for chunk in events.finish(d.finish_reason, d.prompt_tokens, d.completion_tokens):
+            yield chunk
+        _keep(state, p, events.response)
+
+    return EventStream(rest(), lambda exc: {}, done=False, close=agen.aclose)
+
+
+class _Events:
+    """The typed events of one streamed response, numbered; `response` is the final object."""
+
+    def __init__(self, p: _Prepared):
+        self.p = p
+        self.seq = 0
+        self.output: list[dict] = []
+        self.calls = ToolCallStream() if p.parse_calls else None
+        self.msg: dict | None = None  # the message item being written
+        self.held = ""  # blank text after a call or at the start, written only if text follows
+        self.text: list[str] = []
+        self.lps: list[dict] = []
+        self.response: dict | None = None
+
+    def _event(self, kind: str, **fields) -> bytes:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+    def start(self) -> list[bytes]:
+        return [self._event("response.created", response=self.p.base),
+                self._event("response.in_progress", response=self.p.base)]
+
+    def _open(self) -> list[bytes]:
+        self.msg = message_item("", [] if self.p.want_lps else None, "in_progress")
+        added = {**self.msg, "content": []}
+        where = {"item_id": self.msg["id"], "output_index": len(self.output)}
+        return [self._event("response.output_item.added", output_index=len(self.output), item=added),
+                self._event("response.content_part.added", **where, content_index=0,
+                            part=self.msg["content"][0])]
+
+    def _text(self, piece: str, logprobs) -> list[bytes]:
+        out = [] if self.msg is not None else self._open()
+        lps = logprob_list(logprobs) if self.p.want_lps else None
+        self.text.append(piece)
+        if lps:
+            self.lps.extend(lps)
+        fields = {"item_id": self.msg["id"], "output_index": len(self.output), "content_index": 0, "delta": piece}
+        return out + [self._event("response.output_text.delta", **fields, logprobs=lps or [])]
+
+    def _close(self, status: str) -> list[bytes]:
+        if self.msg is None:
+            return []
+        item = message_item("".join(self.text), self.lps if self.p.want_lps else None, status, self.msg["id"])
+        part = item["content"][0]
+        where = {"item_id": item["id"], "output_index": len(self.output), "content_index": 0}
+        out = [self._event("response.output_text.done", **where, text=part["text"], logprobs=self.lps),
+               self._event("response.content_part.done", **where, part=part),
+               self._event("response.output_item.done", output_index=len(self.output), item=item)]
+        self.output.append(item)
+        self.msg, self.text, self.lps = None, [], []
+        return out
+
+    def _call(self, call: dict) -> list[bytes]:
+        out = self._close("completed")
+        item = call_item(call)
+        index = len(self.output)
+        where = {"item_id": item["id"], "output_index": index}
+        out += [self._event("response.output_item.added", output_index=index,
+                            item={**item, "arguments": "", "status": "in_progress"}),
+                self._event("response.function_call_arguments.delta", **where, delta=item["arguments"]),
+                self._event("response.function_call_arguments.done", **where, name=item["name"],
+                            arguments=item["arguments"]),
+                self._event("response.output_item.done", output_index=index, item=item)]
+        self.output.append(item)
+        return out
+
+    def delta(self, text: str, logprobs) -> list[bytes]:
+        if self.calls is None:
+            return self._text(text, logprobs) if text or logprobs else []
+        out: list[bytes] = []
+        pieces = self.calls.feed(text)
+        if logprobs and not any(t for t, _ in pieces):  # a token's scores go out with text, or alone
+            pieces.insert(0, ("", None))
+        for k, (piece, call) in enumerate(pieces):
+            if call is not None:
+                self.held = ""  # blank text between calls is no message
+                out += self._call(call[1])
+            elif self.msg is None and not (self.held + piece).strip() and not (k == 0 and logprobs):
+                self.held += piece  # blank so far: a message only if text follows
+            elif piece or (k == 0 and logprobs):
+                piece, self.held = self.held + piece, ""
+                out += self._text(piece, logprobs if k == 0 else None)
+        return out
+
+    def finish(self, finish, prompt_tokens: int, completion_tokens: int) -> list[bytes]:
+        status, _ = _outcome(finish)
+        out = []
+        if self.calls is not None:
+            tail, self.held = self.held + self.calls.finish(), ""
+            if tail and (self.msg is not None or tail.strip() or not self.output):
+                out += self._text(tail, None)
+        if self.msg is None and not self.output:
+            out += self._open()  # an empty answer is still a message
+        out += self._close(status)
+        self.response = _finished(self.p, self.output, finish, prompt_tokens, completion_tokens)
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        return out + [self._event(kind, response=self.response)]
+
+    def failed(self, exc: SurgeError) -> list[bytes]:
+        error = {"code": exc.code, "message": exc.message}
+        self.response = {**self.p.base, "status": "failed", "error": error, "output": self.output}
+        return [self._event("error", code=exc.code, message=exc.message, param=exc.param),
+                self._event("response.failed", response=self.response)]
+
+
+def _start_background(state: AppState, p: _Prepared) -> dict:
+    queued = {**p.base, "status": "queued"}
+    _keep(state, p, queued)
+    task = asyncio.ensure_future(_run_background(state, p))
+    running = _running(state)
+    running[p.base["id"]] = task
+    task.add_done_callback(lambda _: running.pop(p.base["id"], None))
+    return queued
+
+
+async def _run_background(state: AppState, p: _Prepared) -> None:
+    """Runs a background response to its end, its record updated when it starts and ends; a cancel
+    (in this process: the task is cancelled; from another: the record says so) ends it as `cancelled`."""
+    store, rid, service = _store(state), p.base["id"], p.service
+    _keep(state, p, {**p.base, "status": "in_progress"})
+    events, d = _Events(p), None
+    checked = time.monotonic()
+    stream = counted_stream(state, service, service.stream(p.ids, p.params, deadline=deadline_for(state)))
+    try:
+        async for d in stream:
+            events.delta(d.text, d.logprobs)
+            if time.monotonic() - checked > CANCEL_POLL_S:
+                checked = time.monotonic()
+                if (store.get(rid) or {}).get("cancel_requested"):
+                    raise asyncio.CancelledError
+    except asyncio.CancelledError:
+        _keep(state, p, {**p.base, "status": "cancelled", "output": events.output})
+        return
+    except SurgeError as exc:
+        _keep(state, p, {**p.base, "status": "failed", "error": {"code": exc.code, "message": exc.message}})
+        return
+    except Exception as exc:  # the record must not stay in_progress forever
+        _keep(state, p, {**p.base, "status": "failed", "error": {"code": "internal_error", "message": str(exc)}})
+        raise
+    finally:
+        await stream.aclose()
+    events.finish(d.finish_reason, d.prompt_tokens, d.completion_tokens)
+    response = events.response
+    if (store.get(rid) or {}).get("cancel_requested"):
+        response = {**p.base, "status": "cancelled", "output": events.output}
+    _keep(state, p, response)
+
+
+def _record(state: AppState, rid: str) -> dict:
+    record = _store(state).get(rid) if valid_id(rid) else None
+    if record is None:
+        raise ResponseNotFound(f"response '{rid}' not found", param="response_id")
+    return record
+
+
+async def _cancel(state: AppState, rid: str) -> dict:
+    record = _record(state, rid)
+    response = record["response"]
+    if not response.get("background"):
+        raise InvalidInput("only background responses can be cancelled", param="response_id")
+    if response["status"] not in ("queued", "in_progress"):
+        return response  # already over: as it ended
+    task = _running(state).get(rid)
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+    else:  # another front end runs it: it reads the request as its tokens arrive
+        _store(state).request_cancel(rid)
+    return {**response, "status": "cancelled"}
+
+
+def router(state: AppState) -> APIRouter:
+    r = APIRouter()
+    limits = state.config.limits
+
+    @r.post("/v1/responses", name="responses", openapi_extra=body(ResponseRequest),
+            responses={200: {"description": "The response object, or with `stream` its typed events "
+                             "(text/event-stream)"}})
+    async def create(request: Request):
+        req = await parse(request, ResponseRequest, limits.max_body_bytes)
+        return generate_common.respond(await response_answer(state, req, request.receive))
+
+    @r.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str, stream: bool = False):
+        if stream:
+            raise InvalidInput("streaming a stored response again is not supported", param="stream")
+        return ORJSONResponse(_record(state, response_id)["response"])
+
+    @r.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str):
+        record = _record(state, response_id)
+        if record["response"].get("background") and record["response"]["status"] in ("queued", "in_progress"):
+            await _cancel(state, response_id)
+        _store(state).delete(response_id)
+        return ORJSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    @r.post("/v1/responses/{response_id}/cancel")
+    async def cancel(response_id: str):
+        return ORJSONResponse(await _cancel(state, response_id))
+
+    @r.get("/v1/responses/{response_id}/input_items")
+    async def input_items(response_id: str, limit: int = 20, order: Literal["asc", "desc"] = "desc",
+                          after: str | None = None):
+        if not 1 <= limit <= 100:
+            raise InvalidInput("limit must be in [1, 100]", param="limit")
+        items = list(_record(state, response_id)["input_items"])
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            ids = [it["id"] for it in items]
+            if after not in ids:
+                raise InvalidInput(f"item '{after}' is not an input item of this response", param="after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return ORJSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                               "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+
+    return r
+
+
+ANSWERS = {"/v1/responses": (ResponseRequest, response_answer, "responses")}
