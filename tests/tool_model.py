@@ -28,7 +28,7 @@ def train_tool_model(out: Path) -> Path:
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=256, tie_word_embeddings=True,
+                                         max_position_embeddings=512, tie_word_embeddings=True,
                                          bos_token_id=bos, eos_token_id=eos, pad_token_id=bos))
     hf = AutoTokenizer.from_pretrained(out)
     prompt = hf.apply_chat_template(ASK, tools=[TOOL], tokenize=False, add_generation_prompt=True)
