@@ -162,3 +162,37 @@ def test_a_structured_output_starts_after_the_end_of_thinking_token():
         guides.check(g, "structured_outputs")
         assert run(g, "hmm</think>" + answer) == "accepting"
         assert run(g, "hmm</think>z") == "refused"
+
+
+@pytest.mark.parametrize("think_tokens", [True, False])
+def test_a_model_without_a_think_token_refuses_a_structured_output_with_the_parser(think_tokens):
+    """The front end's PromptText (the real tokenizer side of a served model): the wrapped guide where
+    `</think>` is a token, else 400 naming the request's field."""
+    pytest.importorskip("llguidance")
+    from types import SimpleNamespace
+
+    from surge.errors import InvalidInput
+    from surge.runtime.generate_text import PromptText
+    from surge.runtime.guided import after_reasoning
+    from surge.server.http.reasoning import guide_after_thinking
+    from tests.decoder_models import train_tokenizer
+
+    tok = train_tokenizer()
+    if think_tokens:
+        tok.add_tokens(["<think>", "</think>"])
+
+    class Text(PromptText):
+        name, tokenizer, vocab_size = "m", tok, tok.get_vocab_size()
+
+    req = SimpleNamespace(response_format=None, guided_json=None, guided_regex=None, guided_choice=["a", "b"],
+                          guided_grammar=None, structured_outputs=None)
+    guide = ("choice", json.dumps(["a", "b"]))
+    if think_tokens:
+        assert guide_after_thinking(guide, Text(), req, False) == after_reasoning(guide, tok.token_to_id("</think>"))
+    else:
+        with pytest.raises(InvalidInput, match="no </think> token") as e:
+            guide_after_thinking(guide, Text(), req, False)
+        assert e.value.param == "guided_choice"
+        with pytest.raises(InvalidInput) as e:
+            guide_after_thinking(guide, Text(), req, True)
+        assert e.value.param == "tool_choice"
