@@ -379,7 +379,8 @@ def _tool_calls_wanted(req: ChatCompletionRequest, service) -> tuple[bool, tuple
     return True, tool_choice_guide(req.tools, choice, service.guide_literal, req.parallel_tool_calls is not False)
 
 
-def _chat_choice(index: int, res, parse_calls: bool, reasoning: str = "none", include_reasoning: bool = True) -> dict:
+def _chat_choice(index: int, res, parse_calls: bool, reasoning: str = "none",
+                 include_reasoning: bool = True) -> dict:
     msg, called = message(res.text, reasoning, parse_calls, include_reasoning)
     finish = "tool_calls" if called else res.finish_reason
     return {"index": index, "message": msg, "logprobs": _chat_logprobs(res.logprobs), "finish_reason": finish}
