@@ -185,6 +185,13 @@ class GenerationConfig(_Strict):
     tool_call_parser: Literal["none", "hermes"] = Field(
         "none", description="How a chat answer's tool calls are read (chat requests with `tools` and tool_choice "
         "'auto'): 'hermes', <tool_call>{json}</tool_call> blocks (Qwen2.5, Hermes); 'none': such requests get 400.")
+    reasoning_parser: Literal["none", "deepseek_r1", "qwen3"] = Field(
+        "none", description="How a chat answer's thinking is separated from its answer (vLLM's --reasoning-parser; "
+        "the message's `reasoning` field, `content` only the answer; server/http/reasoning.py): 'deepseek_r1' "
+        "(DeepSeek-R1 and its Qwen2 / Llama distills, QwQ): a leading <think> is dropped, the text before "
+        "</think> is reasoning, the rest content, an answer without </think> all reasoning; 'qwen3': the same, "
+        "except that a request with chat_template_kwargs enable_thinking false is all content; 'none': the "
+        "thinking stays in content.")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that gives none.")
 
     def resolved(self, engine: "EngineConfig | None" = None) -> "GenerationConfig":

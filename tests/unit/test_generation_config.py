@@ -42,3 +42,14 @@ def test_running_sequences_and_context_default_to_the_engine_settings():
     own = GenerationConfig(max_num_seqs=4, max_model_len=64).resolved(engine)
     assert (own.max_num_seqs, own.max_model_len) == (4, 64)
     assert GenerationConfig().resolved().max_num_seqs == EngineConfig().max_batch_size
+
+
+def test_the_reasoning_parser_from_every_source():
+    assert GenerationConfig().reasoning_parser == "none"
+    assert GenerationConfig.from_sources(["reasoning_parser=deepseek_r1"], env={}).reasoning_parser == "deepseek_r1"
+    assert GenerationConfig.from_sources([], env={"SURGE_GENERATION_REASONING_PARSER": "qwen3"}).reasoning_parser \
+        == "qwen3"
+    section = ModelFile.model_validate({"generation": {"reasoning_parser": "qwen3"}}).generation
+    assert GenerationConfig(reasoning_parser="deepseek_r1").merged(section).reasoning_parser == "qwen3"
+    with pytest.raises(ValidationError, match="reasoning_parser"):
+        GenerationConfig.from_sources(["reasoning_parser=granite"], env={})

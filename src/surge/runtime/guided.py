@@ -8,7 +8,8 @@ sequence needs the host every step, so it takes the engine's synchronous path (a
 
 A guide travels in `SamplingParams.guide` as (kind, text): hashable, so the generation cache keys on
 it. Kinds: "json" (a JSON schema as JSON text), "regex", "choice" (a JSON list of strings), "grammar"
-(Lark or GBNF, llguidance's syntax).
+(Lark or GBNF, llguidance's syntax); and "reasoned" (`after_reasoning`: one of those, from the end of a
+reasoning model's thinking on).
 """
 
 from __future__ import annotations
@@ -53,11 +54,36 @@ def guide_for(kind: str, value, param: str) -> tuple[str, str]:
     raise InvalidInput(f"unknown constraint '{kind}' (one of {', '.join(KINDS)})", param=param)
 
 
+def after_reasoning(guide: tuple[str, str], end_token: int) -> tuple[str, str]:
+    """`guide` held only after the model writes its end-of-thinking token (`end_token`, e.g. `</think>`),
+    as vLLM applies a structured output with a reasoning parser once the reasoning ends: every token but that
+    one is free until it comes (the thinking, which may also end the answer, as in vLLM), then the guide's
+    grammar follows from the next token on. Kind "reasoned", text [end_token, kind, text]."""
+    return "reasoned", json.dumps([int(end_token), guide[0], guide[1]])
+
+
+def _reasoned(text: str) -> str:
+    """The grammar of an `after_reasoning` guide: llguidance's top-level grammar whose first grammar is the
+    thinking (tokens up to the end token) and then a reference to the guide's own grammar."""
+    end, kind, inner_text = json.loads(text)
+    inner = grammar((kind, inner_text))
+    try:
+        top = json.loads(inner)
+    except ValueError:
+        top = None
+    grammars = list(top["grammars"]) if isinstance(top, dict) and "grammars" in top else [{"lark_grammar": inner}]
+    grammars[0] = {**grammars[0], "name": "surge_answer"}
+    think = {"name": "surge_reasoning", "lark_grammar": f"start: <[^{end}]>* <[{end}]> @surge_answer\n"}
+    return json.dumps({"grammars": [think, *grammars]})
+
+
 def grammar(guide: tuple[str, str]) -> str:
     """llguidance's grammar of a guide (not yet checked)."""
     import llguidance
 
     kind, text = guide
+    if kind == "reasoned":
+        return _reasoned(text)
     if kind == "json":
         return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_STYLE)
     if kind == "regex":

@@ -15,7 +15,10 @@ named `tool_choice`) constrain the answer token by token (server/http/guided_fie
 OpenAI fields surge cannot honour (tool calls without a parser, `suffix`, `best_of` other
 than `n`) are refused with 400, never ignored; unknown fields are ignored, as vLLM does.
 Tool calls are read from the answer with the model's `tool_call_parser`
-(server/http/tool_calls.py).
+(server/http/tool_calls.py). With the model's `reasoning_parser` (vLLM's --reasoning-parser: deepseek_r1,
+qwen3) a reasoning model's thinking goes in the message's (or delta's) `reasoning` field and `content` keeps
+the answer, whose tool calls are then read; a structured output then holds only the answer, after the
+thinking (server/http/reasoning.py).
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ from surge.server.http.common import parse
 from surge.server.http import generate_common
 from surge.server.http.generate_choices import check_count, choice_params, first_deltas, merged
 from surge.server.http.guided_fields import request_guide, tool_choice_guide
-from surge.server.http.tool_calls import ToolCallStream, arguments_for_template
-from surge.server.http.tool_calls import parse as parse_tool_calls
+from surge.server.http.reasoning import ChatDeltas, guide_after_thinking, message, request_parser
+from surge.server.http.tool_calls import arguments_for_template
 from surge.server.http.generate_common import (EventStream, JsonAnswer, counted, counted_stream, deadline_for,
                                                generate_model, make_params, sse, until_disconnect)
 from surge.server.http.openapi import body
@@ -120,6 +123,8 @@ class ChatCompletionRequest(_Sampling):
                                          "message's text, no end of turn after it.")
     chat_template_kwargs: dict | None = Field(None, description="The template's own variables (e.g. "
                                               "enable_thinking).")
+    include_reasoning: bool = Field(True, description="vLLM's: false leaves the thinking that the model's "
+                                    "reasoning_parser separates out of the answer.")
 
 
 TokenIds = list[StrictInt]
@@ -192,6 +197,9 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
     check_count(1, req.n, state.config.limits.max_inputs_per_request)
     parse_calls, tool_guide = tool_calls_wanted(req, service)
     guide = request_guide(req, service, tool_guide)
+    reasoning = request_parser(getattr(service.config, "reasoning_parser", "none"), req.chat_template_kwargs)
+    if guide is not None and reasoning != "none":
+        guide = guide_after_thinking(guide, service, req, tool_guide is not None)
     tools = req.tools if req.tools else None
     prompt = service.render_chat(_messages(req), add_generation_prompt=req.add_generation_prompt, tools=tools,
                                  continue_final_message=req.continue_final_message,
@@ -212,7 +220,8 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
             [counted(state, service, service.generate(ids, p, deadline=deadline)) for p in choices]))
         return JsonAnswer({
             "id": rid, "object": "chat.completion", "created": created, "model": service.name,
-            "choices": [_chat_choice(j, res, parse_calls) for j, res in enumerate(results)],
+            "choices": [_chat_choice(j, res, parse_calls, reasoning, req.include_reasoning)
+                        for j, res in enumerate(results)],
             "usage": _usage(results[0].prompt_tokens, sum(r.completion_tokens for r in results)),
         }, {"x-surge-model-version": service.version})
     usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -231,7 +240,8 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
     firsts = await first_deltas(agens)  # errors before any output keep their HTTP status
     deltas = merged(agens, firsts)
 
-    calls = [ToolCallStream() for _ in agens] if parse_calls else None
+    parsed = [ChatDeltas(reasoning, parse_calls, req.include_reasoning) for _ in agens] \
+        if parse_calls or reasoning != "none" else None
 
     async def rest():
         for j in range(len(agens)):
@@ -240,20 +250,14 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
         async for j, d in deltas:
             finish = d.finish_reason
             made[j] = d.completion_tokens
-            if calls is None:
+            if parsed is None:
                 if d.text or d.logprobs:
                     yield chunk(j, {"content": d.text}, logprobs=_chat_logprobs(d.logprobs))
-            else:
-                pieces = calls[j].feed(d.text) + ([(calls[j].finish(), None)] if finish is not None else [])
-                pieces = [p for p in pieces if p[0] or p[1]] or ([("", None)] if d.logprobs else [])
-                for k, (text, call) in enumerate(pieces):  # the delta's log-probabilities go with its first piece
-                    lp = _chat_logprobs(d.logprobs) if k == 0 else None
-                    if call is None:
-                        yield chunk(j, {"content": text}, logprobs=lp)
-                    else:
-                        index, call = call
-                        yield chunk(j, {"tool_calls": [{"index": index, **call}]}, logprobs=lp)
-                if finish is not None and calls[j].emitted:
+            else:  # reasoning, content and tool calls (server/http/reasoning.py)
+                pieces = parsed[j].feed(d.text, finish is not None) or ([{"content": ""}] if d.logprobs else [])
+                for k, piece in enumerate(pieces):  # the delta's log-probabilities go with its first piece
+                    yield chunk(j, piece, logprobs=_chat_logprobs(d.logprobs) if k == 0 else None)
+                if finish is not None and parsed[j].called:
                     finish = "tool_calls"
             if finish is not None:
                 yield chunk(j, {}, finish=finish)
@@ -376,15 +380,11 @@ def tool_calls_wanted(req: ChatCompletionRequest, service) -> tuple[bool, tuple[
     return True, tool_choice_guide(req.tools, choice, service.guide_literal, req.parallel_tool_calls is not False)
 
 
-def _chat_choice(index: int, res, parse_calls: bool) -> dict:
-    message = {"role": "assistant", "content": res.text}
-    finish = res.finish_reason
-    if parse_calls:
-        content, calls = parse_tool_calls(res.text)
-        if calls:
-            message = {"role": "assistant", "content": content, "tool_calls": calls}
-            finish = "tool_calls"
-    return {"index": index, "message": message, "logprobs": _chat_logprobs(res.logprobs), "finish_reason": finish}
+def _chat_choice(index: int, res, parse_calls: bool, reasoning: str = "none",
+                 include_reasoning: bool = True) -> dict:
+    msg, called = message(res.text, reasoning, parse_calls, include_reasoning)
+    finish = "tool_calls" if called else res.finish_reason
+    return {"index": index, "message": msg, "logprobs": _chat_logprobs(res.logprobs), "finish_reason": finish}
 
 
 
