@@ -55,13 +55,14 @@ def request_parser(parser: str, template_variables: dict | None) -> str:
     return parser
 
 
-def guide_after_thinking(guide: tuple[str, str], service, req, from_tool_choice: bool) -> tuple[str, str]:
+def guide_after_thinking(guide: tuple[str, str], service, req, from_tool_choice: bool,
+                         param: str | None = None) -> tuple[str, str]:
     """A request's structured output (or forced tool choice) held from the end of the thinking on, as vLLM
     applies it with a reasoning parser (runtime.guided.after_reasoning): the thinking is free and the
     guide starts after the model's `</think>` token. A model whose tokenizer has no such token (the tag
     only as text) gets 400 for the combination, as vLLM will not start such a parser."""
-    param = "tool_choice" if from_tool_choice else \
-        next((f for f in FIELDS[1:] if getattr(req, f, None) is not None), "response_format")
+    param = param or ("tool_choice" if from_tool_choice else
+                      next((f for f in FIELDS[1:] if getattr(req, f, None) is not None), "response_format"))
     literal = service.guide_literal(CLOSE)
     if not (literal.startswith("<[") and literal.endswith("]>")):
         raise InvalidInput(f"model '{service.name}' has no {CLOSE} token, so a structured output cannot start "
@@ -105,6 +106,11 @@ class ReasoningStream:
             raise ValueError(f"unknown reasoning parser {parser!r} (one of {', '.join(PARSERS)})")
         self._state = CONTENT if parser == "none" else "start"  # start -> reasoning -> content
         self._buf = ""
+
+    @property
+    def answering(self) -> bool:
+        """Past the thinking: what comes now is content."""
+        return self._state == CONTENT
 
     def feed(self, text: str) -> list[tuple[str, str]]:
         if self._state == CONTENT:

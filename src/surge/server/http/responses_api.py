@@ -26,7 +26,6 @@ import time
 from types import SimpleNamespace
 from typing import Literal, Union
 
-import orjson
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
@@ -39,9 +38,11 @@ from surge.server.http.generate_common import (EventStream, JsonAnswer, counted,
 from surge.server.http.guided_fields import request_guide
 from surge.server.http.openai_chat import tool_calls_wanted
 from surge.server.http.openapi import body
-from surge.server.http.responses_items import (call_item, choice_for_chat, logprob_list, message_item, new_id,
-                                               normalize_input, text_format, to_messages, tools_for_chat)
-from surge.server.http.tool_calls import ToolCallStream, arguments_for_template
+from surge.server.http.reasoning import guide_after_thinking, request_parser
+from surge.server.http.responses_events import ResponseEvents
+from surge.server.http.responses_items import (choice_for_chat, new_id, normalize_input, text_format, to_messages,
+                                               tools_for_chat)
+from surge.server.http.tool_calls import arguments_for_template
 from surge.server.state import AppState
 
 LOGPROBS = "message.output_text.logprobs"
@@ -120,7 +121,8 @@ def _refuse_unsupported(req: ResponseRequest) -> None:
 
 class _Prepared(SimpleNamespace):
     """A request made ready for the engine: service, ids, params, parse_calls, input_items, context
-    (the conversation before this input), base (the response object without its outcome)."""
+    (the conversation before this input), base (the response object without its outcome), want_lps,
+    reasoning (the parser of the model's thinking), count (text -> its tokens)."""
 
 
 def _prepare(state: AppState, req: ResponseRequest) -> _Prepared:
@@ -139,6 +141,10 @@ def _prepare(state: AppState, req: ResponseRequest) -> _Prepared:
                            parallel_tool_calls=req.parallel_tool_calls)
     parse_calls, tool_guide = tool_calls_wanted(chat, service)
     guide = request_guide(SimpleNamespace(response_format=text_format(req.text)), service, tool_guide)
+    reasoning = request_parser(getattr(service.config, "reasoning_parser", "none"), None)
+    if guide is not None and reasoning != "none":
+        guide = guide_after_thinking(guide, service, None, tool_guide is not None,
+                                     "tool_choice" if tool_guide is not None else "text")
     head = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     turns = to_messages(context + items)
     while True:
@@ -168,7 +174,8 @@ def _prepare(state: AppState, req: ResponseRequest) -> _Prepared:
         "usage": None, "user": req.user, "metadata": req.metadata or {},
     }
     return _Prepared(service=service, ids=ids, params=params, parse_calls=parse_calls, input_items=items,
-                     context=context, base=base, want_lps=want_lps)
+                     context=context, base=base, want_lps=want_lps, reasoning=reasoning,
+                     count=lambda text: service.encode(text, special=False))
 
 
 def _fits(service, ids: list[int], max_tokens: int | None) -> bool:
@@ -182,23 +189,6 @@ def _drop_oldest_turn(turns: list[dict]) -> list[dict]:
         if turns[k]["role"] == "user":
             return turns[k:]
     return turns[-1:]
-
-
-def _usage(prompt: int, completion: int) -> dict:
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": completion,
-            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion}
-
-
-def _outcome(finish: str | None) -> tuple[str, dict | None]:
-    if finish == "length":
-        return "incomplete", {"reason": "max_output_tokens"}
-    return "completed", None
-
-
-def _finished(p: _Prepared, output: list[dict], finish, prompt_tokens: int, completion_tokens: int) -> dict:
-    status, incomplete = _outcome(finish)
-    return {**p.base, "status": status, "incomplete_details": incomplete, "output": output,
-            "usage": _usage(prompt_tokens, completion_tokens), "completed_at": int(time.time())}
 
 
 def _keep(state: AppState, p: _Prepared, response: dict) -> None:
@@ -219,14 +209,14 @@ async def response_answer(state: AppState, req: ResponseRequest, receive) -> Jso
     if not req.stream:
         res = await until_disconnect(receive, counted(state, service, service.generate(p.ids, p.params,
                                                                                        deadline=deadline)))
-        events = _Events(p)  # the items a stream of it would have, made the same way
+        events = ResponseEvents(p)  # the items a stream of it would have, made the same way
         events.delta(res.text, res.logprobs)
         events.finish(res.finish_reason, res.prompt_tokens, res.completion_tokens)
         _keep(state, p, events.response)
         return JsonAnswer(events.response, headers)
     agen = counted_stream(state, service, service.stream(p.ids, p.params, deadline=deadline))
     first = await agen.__anext__()  # an error before any output keeps its HTTP status
-    events = _Events(p)
+    events = ResponseEvents(p)
 
     async def rest():
         for chunk in events.start():
@@ -240,7 +230,7 @@ async def response_answer(state: AppState, req: ResponseRequest, receive) -> Jso
                     break
                 d = await agen.__anext__()
         except SurgeError as exc:
-            for chunk in events.failed(exc):
+            for chunk in events.failed(exc.code, exc.message, exc.param):
                 yield chunk
             return
         for chunk in events.finish(d.finish_reason, d.prompt_tokens, d.completion_tokens):
@@ -248,112 +238,6 @@ async def response_answer(state: AppState, req: ResponseRequest, receive) -> Jso
         _keep(state, p, events.response)
 
     return EventStream(rest(), lambda exc: {}, done=False, close=agen.aclose)
-
-
-class _Events:
-    """The typed events of one streamed response, numbered; `response` is the final object."""
-
-    def __init__(self, p: _Prepared):
-        self.p = p
-        self.seq = 0
-        self.output: list[dict] = []
-        self.calls = ToolCallStream() if p.parse_calls else None
-        self.msg: dict | None = None  # the message item being written
-        self.held = ""  # blank text after a call or at the start, written only if text follows
-        self.text: list[str] = []
-        self.lps: list[dict] = []
-        self.response: dict | None = None
-
-    def _event(self, kind: str, **fields) -> bytes:
-        data = {"type": kind, "sequence_number": self.seq, **fields}
-        self.seq += 1
-        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
-
-    def start(self) -> list[bytes]:
-        return [self._event("response.created", response=self.p.base),
-                self._event("response.in_progress", response=self.p.base)]
-
-    def _open(self) -> list[bytes]:
-        self.msg = message_item("", [] if self.p.want_lps else None, "in_progress")
-        added = {**self.msg, "content": []}
-        where = {"item_id": self.msg["id"], "output_index": len(self.output)}
-        return [self._event("response.output_item.added", output_index=len(self.output), item=added),
-                self._event("response.content_part.added", **where, content_index=0,
-                            part=self.msg["content"][0])]
-
-    def _text(self, piece: str, logprobs) -> list[bytes]:
-        out = [] if self.msg is not None else self._open()
-        lps = logprob_list(logprobs) if self.p.want_lps else None
-        self.text.append(piece)
-        if lps:
-            self.lps.extend(lps)
-        fields = {"item_id": self.msg["id"], "output_index": len(self.output), "content_index": 0, "delta": piece}
-        return out + [self._event("response.output_text.delta", **fields, logprobs=lps or [])]
-
-    def _close(self, status: str) -> list[bytes]:
-        if self.msg is None:
-            return []
-        item = message_item("".join(self.text), self.lps if self.p.want_lps else None, status, self.msg["id"])
-        part = item["content"][0]
-        where = {"item_id": item["id"], "output_index": len(self.output), "content_index": 0}
-        out = [self._event("response.output_text.done", **where, text=part["text"], logprobs=self.lps),
-               self._event("response.content_part.done", **where, part=part),
-               self._event("response.output_item.done", output_index=len(self.output), item=item)]
-        self.output.append(item)
-        self.msg, self.text, self.lps = None, [], []
-        return out
-
-    def _call(self, call: dict) -> list[bytes]:
-        out = self._close("completed")
-        item = call_item(call)
-        index = len(self.output)
-        where = {"item_id": item["id"], "output_index": index}
-        out += [self._event("response.output_item.added", output_index=index,
-                            item={**item, "arguments": "", "status": "in_progress"}),
-                self._event("response.function_call_arguments.delta", **where, delta=item["arguments"]),
-                self._event("response.function_call_arguments.done", **where, name=item["name"],
-                            arguments=item["arguments"]),
-                self._event("response.output_item.done", output_index=index, item=item)]
-        self.output.append(item)
-        return out
-
-    def delta(self, text: str, logprobs) -> list[bytes]:
-        if self.calls is None:
-            return self._text(text, logprobs) if text or logprobs else []
-        out: list[bytes] = []
-        pieces = self.calls.feed(text)
-        if logprobs and not any(t for t, _ in pieces):  # a token's scores go out with text, or alone
-            pieces.insert(0, ("", None))
-        for k, (piece, call) in enumerate(pieces):
-            if call is not None:
-                self.held = ""  # blank text between calls is no message
-                out += self._call(call[1])
-            elif self.msg is None and not (self.held + piece).strip() and not (k == 0 and logprobs):
-                self.held += piece  # blank so far: a message only if text follows
-            elif piece or (k == 0 and logprobs):
-                piece, self.held = self.held + piece, ""
-                out += self._text(piece, logprobs if k == 0 else None)
-        return out
-
-    def finish(self, finish, prompt_tokens: int, completion_tokens: int) -> list[bytes]:
-        status, _ = _outcome(finish)
-        out = []
-        if self.calls is not None:
-            tail, self.held = self.held + self.calls.finish(), ""
-            if tail and (self.msg is not None or tail.strip() or not self.output):
-                out += self._text(tail, None)
-        if self.msg is None and not self.output:
-            out += self._open()  # an empty answer is still a message
-        out += self._close(status)
-        self.response = _finished(self.p, self.output, finish, prompt_tokens, completion_tokens)
-        kind = "response.completed" if status == "completed" else "response.incomplete"
-        return out + [self._event(kind, response=self.response)]
-
-    def failed(self, exc: SurgeError) -> list[bytes]:
-        error = {"code": exc.code, "message": exc.message}
-        self.response = {**self.p.base, "status": "failed", "error": error, "output": self.output}
-        return [self._event("error", code=exc.code, message=exc.message, param=exc.param),
-                self._event("response.failed", response=self.response)]
 
 
 def _start_background(state: AppState, p: _Prepared) -> dict:
@@ -371,7 +255,7 @@ async def _run_background(state: AppState, p: _Prepared) -> None:
     (in this process: the task is cancelled; from another: the record says so) ends it as `cancelled`."""
     store, rid, service = _store(state), p.base["id"], p.service
     _keep(state, p, {**p.base, "status": "in_progress"})
-    events, d = _Events(p), None
+    events, d = ResponseEvents(p), None
     checked = time.monotonic()
     stream = counted_stream(state, service, service.stream(p.ids, p.params, deadline=deadline_for(state)))
     try:
