@@ -14,12 +14,10 @@ import pytest
 torch = pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 
-from tests.decoder_models import save_tokenizer, train_tokenizer  # noqa: E402
 from tests.server_process import ServerProcess  # noqa: E402
-
-ASK = [{"role": "user", "content": "What is the capital of France?"}]
-THINKING = "\nThe user asks for the capital of France. It is Paris.\n"
-ANSWER = f"<think>{THINKING}</think>\n\nParis."
+from tests.trained_models import THINK_ANSWER as ANSWER  # noqa: E402
+from tests.trained_models import THINK_ASK as ASK  # noqa: E402
+from tests.trained_models import THINKING, train_thinking_model  # noqa: E402
 
 
 def _prompt_ids(hf) -> list[int]:
@@ -29,41 +27,7 @@ def _prompt_ids(hf) -> list[int]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """Trained (seconds on the CPU) until its greedy answer to ASK is ANSWER."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    out = tmp_path_factory.mktemp("reasonmodel") / "think-qwen"
-    out.mkdir()
-    tok = train_tokenizer()
-    tok.add_tokens(["<think>", "</think>", "\n", "?"])  # the tags as one token each, as R1's tokenizer has them
-    save_tokenizer(tok, out)
-    eos, bos = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=256, tie_word_embeddings=True,
-                                         bos_token_id=bos, eos_token_id=eos, pad_token_id=bos))
-    hf = AutoTokenizer.from_pretrained(out)
-    p_ids = _prompt_ids(hf)
-    a_ids = hf(ANSWER, add_special_tokens=False)["input_ids"] + [eos]
-    assert hf.decode(a_ids, skip_special_tokens=True) == ANSWER
-    ids = torch.tensor([p_ids + a_ids])
-    labels = ids.clone()
-    labels[0, : len(p_ids)] = -100
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model.train()
-    for _ in range(400):
-        loss = model(input_ids=ids, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if loss.item() < 1e-3:
-            break
-    model.eval()
-    got = model.generate(torch.tensor([p_ids]), max_new_tokens=len(a_ids) + 4, do_sample=False)[0, len(p_ids):]
-    assert hf.decode(got, skip_special_tokens=True) == ANSWER, "the model did not learn its answer"
-    model.save_pretrained(out, safe_serialization=True)
-    return out
+    return train_thinking_model(tmp_path_factory.mktemp("reasonmodel") / "think-qwen")
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from surge.server.http.tool_calls import parse as parse_calls  # noqa: E402
 from tests.decoder_models import QWEN_TOOLS, build_model, load_hf  # noqa: E402
 from tests.guided_reference import hf_guided  # noqa: E402
 from tests.server_process import ServerProcess  # noqa: E402
-from tests.tool_model import ASK, TOOL, train_tool_model  # noqa: E402
+from tests.trained_models import ASK, TOOL, train_tool_model  # noqa: E402
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 USER = {"role": "user", "content": "Define assignment."}
@@ -321,3 +321,42 @@ def test_a_tool_call_and_its_output_continue_the_conversation(tool_model):
     assert got_text == (content or "")
     assert [(o.name, o.arguments) for o in r2.output if o.type == "function_call"] == \
         [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+def test_a_reasoning_models_thinking_is_a_reasoning_item(tmp_path_factory):
+    """With the model's reasoning parser the thinking is a `reasoning` item (reasoning_text), the answer a
+    message after it, whole and streamed; the thinking's tokens are counted as reasoning tokens, and a
+    continued conversation renders the answer without the thinking (as chat templates drop it)."""
+    from surge.server.http.reasoning import split
+    from tests.trained_models import THINK_ANSWER, THINK_ASK, THINKING, train_thinking_model
+
+    model_dir = train_thinking_model(tmp_path_factory.mktemp("respthink") / "think-qwen")
+    hf = load_hf(model_dir)
+    assert greedy(hf, THINK_ASK, 60)[0] == THINK_ANSWER
+    reasoning, content = split(THINK_ANSWER, "deepseek_r1")
+    assert reasoning == THINKING
+    with ServerProcess(str(model_dir), "--threads", "1", "--generation", "reasoning_parser=deepseek_r1") as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        r = client.responses.create(model="think-qwen", input=THINK_ASK[0]["content"], temperature=0,
+                                    max_output_tokens=60)
+        think, msg = r.output
+        assert think.type == "reasoning" and [c.text for c in think.content] == [THINKING]
+        assert msg.type == "message" and r.output_text == content and r.status == "completed"
+        assert r.usage.output_tokens_details.reasoning_tokens == len(hf[1](THINKING, add_special_tokens=False)
+                                                                     ["input_ids"])
+        with client.responses.stream(model="think-qwen", input=THINK_ASK[0]["content"], temperature=0,
+                                     max_output_tokens=60) as stream:
+            events = list(stream)
+            final = stream.get_final_response()
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == THINKING
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == content
+        assert [o.type for o in final.output] == ["reasoning", "message"] and final.output_text == content
+
+        follow = {"role": "user", "content": "And of Italy?"}
+        r2 = client.responses.create(model="think-qwen", input=[follow], previous_response_id=r.id, temperature=0,
+                                     max_output_tokens=30)
+    text, _, ids = greedy(hf, [*THINK_ASK, {"role": "assistant", "content": content}, follow], 30)
+    assert r2.usage.input_tokens == len(ids)
+    want_reasoning, want_content = split(text, "deepseek_r1")
+    assert [c.text for o in r2.output if o.type == "reasoning" for c in o.content] == [want_reasoning]
+    assert r2.output_text == (want_content or "")

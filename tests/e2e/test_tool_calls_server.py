@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 
-from tests.tool_model import ANSWER, ASK, TOOL, train_tool_model  # noqa: E402
+from tests.trained_models import ANSWER, ASK, TOOL, train_tool_model  # noqa: E402
 from tests.server_process import ServerProcess  # noqa: E402
 
 

@@ -6,7 +6,10 @@ running the decoder's shared engine loop), called with the real openai client.
 - /metrics whole: output tokens summed over the front ends, the engine-wide gauges one series;
 - a killed engine process ends the streams in flight at once with an error event, the model answers
   503 until the supervisor's new engine process serves (transformers' text again), one restart counted;
-- SIGTERM lets a stream in flight finish, then everything exits.
+- SIGTERM lets a stream in flight finish, then everything exits;
+- the Responses API's stored answers are every process's: a conversation continued over fresh
+  connections (any front end, or the engine process serving a handed-over one) reads the response
+  another process stored, and a background response is cancelled from wherever the cancel lands.
 """
 
 from __future__ import annotations
@@ -93,6 +96,35 @@ def test_concurrent_answers_equal_transformers(server, hf):
     running = [line for line in text.splitlines() if line.startswith("surge_generate_running_sequences{")]
     assert len(running) == 1 and running[0].endswith(" 0.0"), running
     assert sum(1 for line in text.splitlines() if line.startswith("surge_generate_kv_cache_usage_ratio{")) == 1
+
+
+def test_stored_responses_are_shared_by_every_process(server, hf):
+    import glob
+
+    model, tok = hf
+
+    def fresh():  # a new client, a new connection: the kernel picks the process
+        return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+    turns, prev = [], None
+    for k, ask in enumerate(PROMPTS[:4]):
+        r = fresh().responses.create(model="chat-qwen", input=ask, previous_response_id=prev, max_output_tokens=6,
+                                     temperature=0)
+        turns += [{"role": "user", "content": ask}]
+        ids = tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert r.output_text == hf_text(hf, list(ids), 6)[0], k
+        turns += [{"role": "assistant", "content": r.output_text}]
+        assert glob.glob(f"/dev/shm/surge-cache-*/responses/{r.id}.json") or \
+            glob.glob(f"/tmp/surge-cache-*/responses/{r.id}.json")  # the shared store, not a process's own
+        prev = r.id
+        assert all(fresh().responses.retrieve(r.id).output_text == r.output_text for _ in range(3))
+    long = fresh().responses.create(model="chat-qwen", input="x", max_output_tokens=200, temperature=0,
+                                    background=True, extra_body={"ignore_eos": True})
+    assert fresh().responses.cancel(long.id).status == "cancelled"
+    deadline = time.monotonic() + 30
+    while fresh().responses.retrieve(long.id).status != "cancelled" and time.monotonic() < deadline:
+        time.sleep(0.1)  # a cancel from another process lands when the runner's next tokens arrive
+    assert fresh().responses.retrieve(long.id).status == "cancelled"
 
 
 def test_engine_crash_ends_streams_at_once_and_recovers(server, hf):

@@ -11,8 +11,8 @@ Two kinds, one contract (`get`, `put`, `delete`; a record is a JSON-able dict):
   the new one, never half of one); an unreadable file is a miss, never an error of the request.
 
 Both drop records older than `ttl_s`. Ids are random (responses_api.new_id), so writers never race on
-one record except a background response and its cancel, which the record's `cancel_requested` settles
-(`request_cancel`: the running side reads it as its tokens arrive).
+one record except a background response and its cancel (the record's `cancel_requested`, which the
+running side reads as its tokens arrive).
 """
 
 from __future__ import annotations
@@ -60,12 +60,6 @@ class MemoryStore:
     def delete(self, rid: str) -> bool:
         return self._items.pop(rid, None) is not None
 
-    def request_cancel(self, rid: str) -> dict | None:
-        record = self.get(rid)
-        if record is not None:
-            record["cancel_requested"] = True
-        return record
-
 
 class DirStore:
     PRUNE_EVERY = 64  # writes between two scans of the directory for records past the bounds
@@ -109,13 +103,6 @@ class DirStore:
             return True
         except (OSError, ValueError):
             return False
-
-    def request_cancel(self, rid: str) -> dict | None:
-        record = self.get(rid)
-        if record is not None:
-            record["cancel_requested"] = True
-            self.put(rid, record)
-        return record
 
     def prune(self) -> None:
         """Records past ttl_s, then the oldest past `entries`, removed."""

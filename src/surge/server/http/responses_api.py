@@ -250,10 +250,22 @@ def _start_background(state: AppState, p: _Prepared) -> dict:
     return queued
 
 
+def _stopped(store, rid: str) -> str | None:
+    """Whether another process stopped a background response: "cancelled" (its record asks), "deleted"
+    (its record is gone), or None."""
+    record = store.get(rid)
+    if record is None:
+        return "deleted"
+    return "cancelled" if record.get("cancel_requested") else None
+
+
 async def _run_background(state: AppState, p: _Prepared) -> None:
-    """Runs a background response to its end, its record updated when it starts and ends; a cancel
-    (in this process: the task is cancelled; from another: the record says so) ends it as `cancelled`."""
+    """Runs a background response to its end, its record updated when it starts and ends. A cancel (in
+    this process: the task is cancelled; from another: the record asks, read as tokens arrive) ends it
+    as `cancelled`; a response deleted meanwhile stops and is not written again."""
     store, rid, service = _store(state), p.base["id"], p.service
+    if _stopped(store, rid):  # cancelled (or deleted) while queued
+        return
     _keep(state, p, {**p.base, "status": "in_progress"})
     events, d = ResponseEvents(p), None
     checked = time.monotonic()
@@ -263,10 +275,11 @@ async def _run_background(state: AppState, p: _Prepared) -> None:
             events.delta(d.text, d.logprobs)
             if time.monotonic() - checked > CANCEL_POLL_S:
                 checked = time.monotonic()
-                if (store.get(rid) or {}).get("cancel_requested"):
+                if _stopped(store, rid):
                     raise asyncio.CancelledError
     except asyncio.CancelledError:
-        _keep(state, p, {**p.base, "status": "cancelled", "output": events.output})
+        if _stopped(store, rid) != "deleted":
+            _keep(state, p, {**p.base, "status": "cancelled", "output": events.output})
         return
     except SurgeError as exc:
         _keep(state, p, {**p.base, "status": "failed", "error": {"code": exc.code, "message": exc.message}})
@@ -277,10 +290,10 @@ async def _run_background(state: AppState, p: _Prepared) -> None:
     finally:
         await stream.aclose()
     events.finish(d.finish_reason, d.prompt_tokens, d.completion_tokens)
-    response = events.response
-    if (store.get(rid) or {}).get("cancel_requested"):
-        response = {**p.base, "status": "cancelled", "output": events.output}
-    _keep(state, p, response)
+    stopped = _stopped(store, rid)
+    if stopped != "deleted":
+        _keep(state, p, events.response if stopped is None else
+              {**p.base, "status": "cancelled", "output": events.output})
 
 
 def _record(state: AppState, rid: str) -> dict:
@@ -302,9 +315,13 @@ async def _cancel(state: AppState, rid: str) -> dict:
         task.cancel()
         with contextlib.suppress(BaseException):
             await task
-    else:  # another front end runs it: it reads the request as its tokens arrive
-        _store(state).request_cancel(rid)
-    return {**response, "status": "cancelled"}
+        record = _store(state).get(rid) or record
+    cancelled = {**record, "cancel_requested": True, "response": {**record["response"], "status": "cancelled"}}
+    if task is not None or record["response"]["status"] != "cancelled":
+        # here: marks a task cancelled before it ran; elsewhere: the runner reads the request as its
+        # tokens arrive and then writes what it made
+        _store(state).put(rid, cancelled)
+    return cancelled["response"]
 
 
 def router(state: AppState) -> APIRouter:

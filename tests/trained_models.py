@@ -1,12 +1,16 @@
-"""A tiny Qwen2-shaped model trained here (seconds on the CPU) to answer a weather question with a Hermes
-tool call; its chat template is Qwen2.5's way with tools (tests/decoder_models.QWEN_TOOLS), so later turns
-render the call and the tool's answer."""
+"""Tiny Qwen2-shaped models trained here (seconds on the CPU) to give one answer to one question, greedily:
+
+- `train_tool_model`: a weather question answered with text and a Hermes tool call, under Qwen2.5's way with
+  tools (tests/decoder_models.QWEN_TOOLS), so later turns render the call and the tool's answer;
+- `train_thinking_model`: a question answered `<think>...</think>` then the answer, as DeepSeek-R1's
+  distills do (the tags one token each, as R1's tokenizer has them).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tests.decoder_models import QWEN_TOOLS, save_tokenizer, train_tokenizer
+from tests.decoder_models import CHATML, QWEN_TOOLS, save_tokenizer, train_tokenizer
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -14,16 +18,21 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "description": "
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 ANSWER = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
+THINK_ASK = [{"role": "user", "content": "What is the capital of France?"}]
+THINKING = "\nThe user asks for the capital of France. It is Paris.\n"
+THINK_ANSWER = f"<think>{THINKING}</think>\n\nParis."
 
-def train_tool_model(out: Path) -> Path:
-    """Trained until its greedy answer to ASK with the tool is ANSWER."""
+
+def train_to_answer(out: Path, added: list[str], template: str, ask: list[dict], answer: str,
+                    tools: list | None = None) -> Path:
+    """A model (and tokenizer, with `added` tokens) trained until its greedy answer to `ask` is `answer`."""
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     out.mkdir(parents=True)
     tok = train_tokenizer()
-    tok.add_tokens(["<tool_call>", "</tool_call>", "{", "}", "_", "\n", "?"])  # characters the corpus lacks
-    save_tokenizer(tok, out, QWEN_TOOLS)
+    tok.add_tokens(added)
+    save_tokenizer(tok, out, template)
     eos, bos = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
@@ -31,10 +40,10 @@ def train_tool_model(out: Path) -> Path:
                                          max_position_embeddings=512, tie_word_embeddings=True,
                                          bos_token_id=bos, eos_token_id=eos, pad_token_id=bos))
     hf = AutoTokenizer.from_pretrained(out)
-    prompt = hf.apply_chat_template(ASK, tools=[TOOL], tokenize=False, add_generation_prompt=True)
+    prompt = hf.apply_chat_template(ask, tools=tools, tokenize=False, add_generation_prompt=True)
     p_ids = hf(prompt, add_special_tokens=False)["input_ids"]
-    a_ids = hf(ANSWER, add_special_tokens=False)["input_ids"] + [eos]
-    assert hf.decode(a_ids, skip_special_tokens=True) == ANSWER
+    a_ids = hf(answer, add_special_tokens=False)["input_ids"] + [eos]
+    assert hf.decode(a_ids, skip_special_tokens=True) == answer
     ids = torch.tensor([p_ids + a_ids])
     labels = ids.clone()
     labels[0, : len(p_ids)] = -100
@@ -49,6 +58,16 @@ def train_tool_model(out: Path) -> Path:
             break
     model.eval()
     got = model.generate(torch.tensor([p_ids]), max_new_tokens=len(a_ids) + 4, do_sample=False)[0, len(p_ids):]
-    assert hf.decode(got, skip_special_tokens=True) == ANSWER, "the model did not learn its answer"
+    assert hf.decode(got, skip_special_tokens=True) == answer, "the model did not learn its answer"
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+def train_tool_model(out: Path) -> Path:
+    # characters the corpus lacks, and the tags as one token each
+    return train_to_answer(out, ["<tool_call>", "</tool_call>", "{", "}", "_", "\n", "?"], QWEN_TOOLS, ASK, ANSWER,
+                           [TOOL])
+
+
+def train_thinking_model(out: Path) -> Path:
+    return train_to_answer(out, ["<think>", "</think>", "\n", "?"], CHATML, THINK_ASK, THINK_ANSWER)
