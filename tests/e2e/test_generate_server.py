@@ -292,7 +292,7 @@ def test_fields_surge_cannot_honour_are_refused_and_tools_render(server, hf):
     assert r.status_code == 422
 
 
-def test_stop_strings_cut_exactly(client):
+def test_stop_strings_cut_exactly(client, hf):
     full = client.completions.create(model="chat-qwen", prompt="The target", max_tokens=40, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
     words = re.findall(r"\S{2,}", full[6:])
@@ -302,9 +302,22 @@ def test_stop_strings_cut_exactly(client):
                                     stop=[stop, "\x00never"], extra_body={"ignore_eos": True})
     assert cut.choices[0].text == full[: full.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
-    streamed = client.completions.create(model="chat-qwen", prompt="The target", max_tokens=40, temperature=0,
-                                         stop=stop, stream=True, extra_body={"ignore_eos": True})
+    assert cut.choices[0].stop_reason == stop  # vLLM's field: which stop ended it
+    streamed = list(client.completions.create(model="chat-qwen", prompt="The target", max_tokens=40, temperature=0,
+                                              stop=stop, stream=True, extra_body={"ignore_eos": True}))
     assert "".join(c.choices[0].text for c in streamed if c.choices) == full[: full.index(stop)]
+    assert [c.choices[0].stop_reason for c in streamed if c.choices and c.choices[0].finish_reason] == [stop]
+    # a stop token: its id (transformers' third greedy token); the length: none
+    model, tok = hf
+    prompt = tok("The target")["input_ids"]
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False, pad_token_id=0)[0, len(prompt):]
+    by_token = client.completions.create(model="chat-qwen", prompt="The target", max_tokens=40, temperature=0,
+                                         extra_body={"ignore_eos": True, "stop_token_ids": [int(out[2])]})
+    assert by_token.choices[0].finish_reason == "stop" and by_token.choices[0].stop_reason == int(out[2])
+    assert by_token.choices[0].text == tok.decode(out[:2], skip_special_tokens=True)
+    first = client.completions.create(model="chat-qwen", prompt="The target", max_tokens=1, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert first.choices[0].finish_reason == "length" and first.choices[0].stop_reason is None
     # vLLM's min_tokens: a stop string inside the first 40 tokens' text does not end the answer
     whole = client.completions.create(model="chat-qwen", prompt="The target", max_tokens=40, temperature=0,
                                       stop=[stop], extra_body={"ignore_eos": True, "min_tokens": 40})

@@ -33,6 +33,7 @@ class TextState:
         self.ids: list[int] = []
         self.text = ""  # shown so far
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
         # the text of ids[:_read] is _done; ids[_prefix:_read] decode to _window (the context that
         # the next tokens are decoded with)
         self._done = ""
@@ -76,9 +77,9 @@ class TextState:
         if self.stop and len(self.ids) >= self.min_tokens:
             # search only where a new match can start: after the shown text, less a stop string's length
             lo = max(0, len(self.text) - self._stop_len)
-            hits = [(i, len(s)) for s in self.stop if (i := full.find(s, lo)) >= 0]
+            hits = [(i, len(s), s) for s in self.stop if (i := full.find(s, lo)) >= 0]
             if hits:
-                at, n = min(hits)
+                at, n, self.matched = min(hits)
                 cut = at + n if self.keep_stop else at
         if cut is not None:
             self.stopped = True

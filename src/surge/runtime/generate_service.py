@@ -50,6 +50,9 @@ class Delta:
     timings: dict | None = None
     # params.prompt_logprobs, on the first delta: the prompt's tokens from the second on, as `logprobs`
     prompt_logprobs: list[dict] | None = None
+    # on the last delta, vLLM's stop_reason: the stop string or stop token id that ended the answer (None
+    # for EOS, the length, or no stop yet)
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -63,6 +66,7 @@ class GenerationResult:
     cached: bool = False
     timings: dict | None = None
     prompt_logprobs: list[dict] | None = None
+    stop_reason: str | int | None = None
 
 
 class _Handle:
@@ -212,7 +216,7 @@ class GenerateService(PromptText):
             last = d
         return GenerationResult("".join(text), ids, last.finish_reason, last.prompt_tokens, last.completion_tokens,
                                 logprobs if params.logprobs is not None else None, last.cached, last.timings,
-                                prompt_lps)
+                                prompt_lps, last.stop_reason)
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams, *,
                      deadline: float | None = None, use_cache: bool = True) -> AsyncIterator[Delta]:
@@ -231,7 +235,7 @@ class GenerateService(PromptText):
             self.metrics.cache_hits.inc()
             for d in self._cache[key]:
                 yield Delta(d.text, d.token_ids, d.logprobs, d.finish_reason, d.prompt_tokens, d.completion_tokens,
-                            cached=True, prompt_logprobs=d.prompt_logprobs)
+                            cached=True, prompt_logprobs=d.prompt_logprobs, stop_reason=d.stop_reason)
             return
         if self._queued() >= self.config.max_waiting:
             raise Overloaded(f"model '{self.name}': {self.config.max_waiting} requests already wait for KV cache "
@@ -477,6 +481,9 @@ class GenerateService(PromptText):
                         d.finish_reason, d.completion_tokens = finish, n
                     if out is not None and out.prompt is not None:
                         d.prompt_logprobs = [self._logprob(t, v, top) for t, v, top in out.prompt]
+                    if finish == "stop":
+                        d.stop_reason = state.matched if state.stopped else \
+                            (token if token not in self.engine.cfg.eos_token_ids else None)
                     if finish is not None:
                         h.done = True
                         queued_until = h.seq.scheduled_at or h.start

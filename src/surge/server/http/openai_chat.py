@@ -229,9 +229,12 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
     running = usage and req.stream_options.continuous_usage_stats
     made = [0] * req.n  # each choice's tokens so far
 
-    def chunk(index: int, delta: dict, finish=None, logprobs=None) -> bytes:
+    def chunk(index: int, delta: dict, finish=None, logprobs=None, stop_reason=None) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        if finish is not None:
+            choice["stop_reason"] = stop_reason
         c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": service.name,
-             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+             "choices": [choice]}
         if usage:
             c["usage"] = _usage(len(ids), made[index]) if running else None
         return sse(c)
@@ -260,7 +263,7 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
                 if finish is not None and parsed[j].called:
                     finish = "tool_calls"
             if finish is not None:
-                yield chunk(j, {}, finish=finish)
+                yield chunk(j, {}, finish=finish, stop_reason=d.stop_reason)
                 prompt_tokens, completion_tokens = d.prompt_tokens, completion_tokens + d.completion_tokens
         if usage:
             yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -307,7 +310,8 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
             "choices": [{"index": k, "text": echoed[k] + res.text,
                          "logprobs": _joined(echo_logprobs(k, res.prompt_logprobs),
                                              _completion_logprobs(res.logprobs, len(echoed[k]))),
-                         "finish_reason": res.finish_reason} for k, res in enumerate(results)],
+                         "finish_reason": res.finish_reason, "stop_reason": res.stop_reason}
+                        for k, res in enumerate(results)],
             # a prompt counts once however many choices it has (as OpenAI counts it)
             "usage": _usage(sum(r.prompt_tokens for r in results[::req.n]),
                             sum(r.completion_tokens for r in results)),
@@ -317,9 +321,12 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
     running = usage and req.stream_options.continuous_usage_stats
     made = [0] * len(jobs)  # each choice's tokens so far
 
-    def chunk(index: int, text: str, finish=None, logprobs=None) -> bytes:
+    def chunk(index: int, text: str, finish=None, logprobs=None, stop_reason=None) -> bytes:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        if finish is not None:
+            choice["stop_reason"] = stop_reason
         c = {"id": rid, "object": "text_completion", "created": created, "model": service.name,
-             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+             "choices": [choice]}
         if usage:
             c["usage"] = _usage(len(jobs[index][0]), made[index]) if running else None
         return sse(c)
@@ -337,7 +344,7 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
         async for k, d in deltas:
             made[k] = d.completion_tokens
             if d.text or d.finish_reason is not None or d.logprobs:
-                yield chunk(k, d.text, d.finish_reason, _completion_logprobs(d.logprobs, offsets[k]))
+                yield chunk(k, d.text, d.finish_reason, _completion_logprobs(d.logprobs, offsets[k]), d.stop_reason)
                 offsets[k] += len(d.text)
             if d.finish_reason is not None:
                 prompt_tokens += d.prompt_tokens if k % req.n == 0 else 0
@@ -384,7 +391,8 @@ def _chat_choice(index: int, res, parse_calls: bool, reasoning: str = "none",
                  include_reasoning: bool = True) -> dict:
     msg, called = message(res.text, reasoning, parse_calls, include_reasoning)
     finish = "tool_calls" if called else res.finish_reason
-    return {"index": index, "message": msg, "logprobs": _chat_logprobs(res.logprobs), "finish_reason": finish}
+    return {"index": index, "message": msg, "logprobs": _chat_logprobs(res.logprobs), "finish_reason": finish,
+            "stop_reason": res.stop_reason}
 
 
 
