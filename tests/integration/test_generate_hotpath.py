@@ -78,7 +78,7 @@ def post(srv, path: str, body, *, route: bool = False, stream: bool = False):
 
 def normalized(body: bytes) -> bytes:
     body = re.sub(rb'"(created|created_at|completed_at)":\d+', rb'"\1":0', body)
-    body = re.sub(rb'"(id|item_id)":"(resp|msg|fc)_[0-9a-f]+"', rb'"\1":"x"', body)
+    body = re.sub(rb'"(id|item_id)":"(resp|msg|fc|toolu)_[0-9a-f]+"', rb'"\1":"x"', body)
     return re.sub(rb'"id":"(chat)?cmpl-[0-9a-f]+"', b'"id":"x"', body)
 
 
@@ -96,6 +96,10 @@ CASES = [
     ("/v1/responses", {"input": [{"role": "user", "content": "Define it."}], "instructions": "Be brief.",
                        "max_output_tokens": 5, "temperature": 0, "top_logprobs": 2,
                        "include": ["message.output_text.logprobs"]}),
+    ("/v1/messages", {"model": "m", "messages": [{"role": "user", "content": "Define it."}], "max_tokens": 8,
+                      "temperature": 0, "stream": True}),
+    ("/v1/messages", {"system": "Be brief.", "messages": [{"role": "user", "content": "Define it."}],
+                      "max_tokens": 6, "temperature": 0, "stop_sequences": ["\x00"]}),
     ("/v2/models/m/generate", {"text_input": "The assignment", "parameters": {"max_tokens": 7, "temperature": 0},
                                "id": "r1"}),
     ("/v2/models/m/versions/1/generate_stream", {"text_input": "Loops", "max_tokens": 9, "temperature": 0,
@@ -120,8 +124,8 @@ def test_answers_equal_the_routes_and_transformers(server, model_dir):
         if body.get("stream") or path.endswith("_stream"):
             assert hot[1]["content-type"] == "text/event-stream; charset=utf-8"
             assert hot[1]["transfer-encoding"] == "chunked"
-            # KServe's and the Responses API's have none
-            assert hot[2].endswith(b"data: [DONE]\n\n") == (bool(body.get("stream")) and "responses" not in path)
+            # KServe's, the Responses API's and Anthropic's have none
+            assert hot[2].endswith(b"data: [DONE]\n\n") == (bool(body.get("stream")) and path.endswith("completions"))
     # the streamed greedy completion is transformers' greedy continuation
     events = [json.loads(line[6:]) for line in post(server, *CASES[0])[2].decode().split("\n\n")
               if line.startswith("data: {")]
@@ -152,6 +156,10 @@ ERRORS = [
     ("/v1/responses", {"model": "m", "input": []}, 400),
     ("/v1/responses", {"model": "m", "input": "x", "tools": [{"type": "web_search"}]}, 400),
     ("/v1/responses", {"model": "m", "input": "x", "max_output_tokens": 300}, 400),
+    ("/v1/messages", {"model": "m", "messages": [{"role": "user", "content": "x"}]}, 422),
+    ("/v1/messages", {"model": "nope", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}, 404),
+    ("/v1/messages", {"model": "m", "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400),
     ("/v2/models/nope/generate", {"text_input": "x"}, 404),
     ("/v2/models/m/versions/7/generate_stream", {"text_input": "x"}, 404),
     ("/v2/models/m/generate", {"text_input": ""}, 422),
@@ -168,7 +176,7 @@ def test_errors_equal_the_routes(server):
         assert hot[0] == routed[0] == status, (body, hot, routed)
         assert hot[1] == routed[1] and hot[2] == routed[2]
         err = json.loads(hot[2])["error"]
-        assert err["message"] if isinstance(err, dict) else err  # OpenAI's object, KServe's string
+        assert err["message"] if isinstance(err, dict) else err  # OpenAI's and Anthropic's object, KServe's string
 
 
 def test_a_body_over_the_limit_goes_to_the_route(model_dir, monkeypatch):

@@ -19,8 +19,8 @@ from surge.server.state import AppState
 
 def create_app(state: AppState) -> FastAPI:
     from surge.server import health
-    from surge.server.http import (kserve, kserve_generate, metrics, models, native, openai, openai_chat, openapi,
-                                   pipelines, rerank, responses_api, tei, triton_extras)
+    from surge.server.http import (anthropic_messages, kserve, kserve_generate, metrics, models, native, openai,
+                                   openai_chat, openapi, pipelines, rerank, responses_api, tei, triton_extras)
     from surge.server.http.compression import DecompressMiddleware
 
     @contextlib.asynccontextmanager
@@ -51,6 +51,7 @@ def create_app(state: AppState) -> FastAPI:
     app.include_router(kserve.router(state))
     app.include_router(openai_chat.router(state))  # generation (decoder models)
     app.include_router(responses_api.router(state))  # OpenAI's Responses API (decoder models)
+    app.include_router(anthropic_messages.router(state))  # Anthropic's Messages API (decoder models)
     app.include_router(kserve_generate.router(state))
     app.include_router(models.router(state))
     app.include_router(pipelines.router(state))

@@ -1,8 +1,9 @@
 """Rendering SurgeError (and the framework's own errors) as HTTP responses.
 
 One mapping: the status comes from the exception class. The body shape follows
-the protocol of the route: KServe v2 routes get {"error": msg}, the rest get
-OpenAI's {"error": {message, type, param, code}}.
+the protocol of the route: KServe v2 routes get {"error": msg}, Anthropic's
+(/v1/messages) {"type": "error", "error": {type, message}}, the rest OpenAI's
+{"error": {message, type, param, code}}.
 """
 
 from __future__ import annotations
@@ -18,6 +19,15 @@ from surge.server.http.common import ORJSONResponse
 
 log = logging.getLogger("surge.server")
 MAX_MESSAGE_CHARS = 1024
+ANTHROPIC_PATHS = ("/v1/messages",)
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error",
+                   429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}
+
+
+def anthropic_type(status: int) -> str:
+    """Anthropic's error type of an HTTP status."""
+    return ANTHROPIC_TYPES.get(status, "api_error")
 
 
 def error_response(request_path: str, status: int, message: str, *, type_: str, code: str,
@@ -26,6 +36,8 @@ def error_response(request_path: str, status: int, message: str, *, type_: str, 
     message = shown(message, MAX_MESSAGE_CHARS)  # whatever a message repeats, its size is bounded
     if request_path.startswith("/v2"):
         body = {"error": message}
+    elif request_path.startswith(ANTHROPIC_PATHS):
+        body = {"type": "error", "error": {"type": anthropic_type(status), "message": message}}
     else:
         body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     headers = dict(headers or {})

@@ -1,5 +1,5 @@
-"""Generation requests answered without the framework: POST /v1/completions, /v1/chat/completions and
-/v1/responses, streamed or not, and the KServe generate extension
+"""Generation requests answered without the framework: POST /v1/completions, /v1/chat/completions,
+/v1/responses and /v1/messages, streamed or not, and the KServe generate extension
 (/v2/models/{m}[/versions/{v}]/generate and generate_stream).
 
 A streamed completion of one token cost the server's event loop ~1.1 ms of CPU on the 2-core VM,
@@ -9,8 +9,8 @@ wrappers, at a third of it. At 64 streams a delivery is 64 chunks every ~3 ms, a
 arrivals is paid one request after another before their first tokens. Here OuterHotPath
 (server/http/hotpath.py) hands such a request, when it needs none of the stack's layers (JSON, no
 Content-Encoding, no API key, a Content-Length within the body limit), to the routes' own answer
-functions (server/http/openai_chat.ANSWERS, responses_api.ANSWERS, kserve_generate.ANSWERS), and the
-answer goes straight to the ASGI server's `send`.
+functions (server/http/openai_chat.ANSWERS, responses_api.ANSWERS, anthropic_messages.ANSWERS,
+kserve_generate.ANSWERS), and the answer goes straight to the ASGI server's `send`.
 
 Contract (tests/integration/test_generate_hotpath.py): the same validation, errors (status, body,
 Retry-After), JSON answers and event streams as the routes, byte for byte apart from the ids and
@@ -27,10 +27,10 @@ from surge.server.http.common import decode_json, validate
 from surge.server.http.generate_common import EventStream, send_sse
 from surge.server.http.hotpath import GONE, read_declared_body, run_watched
 from surge.server.http import kserve_generate
-from surge.server.http import openai_chat, responses_api
+from surge.server.http import anthropic_messages, openai_chat, responses_api
 
-# path -> (request model, answer, route name) of the OpenAI routes this hot path takes
-ANSWERS = {**openai_chat.ANSWERS, **responses_api.ANSWERS}
+# path -> (request model, answer, route name) of the OpenAI and Anthropic routes this hot path takes
+ANSWERS = {**openai_chat.ANSWERS, **responses_api.ANSWERS, **anthropic_messages.ANSWERS}
 
 
 class GenerateHotPath:

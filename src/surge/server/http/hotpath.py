@@ -250,9 +250,9 @@ class OuterHotPath:
     ours (content type, decompression); under load on the H200 that stack cost more per plain
     embedding request than tokenizing it. A POST /embed or /v1/embeddings that needs none of those
     layers (Content-Type application/json, no Content-Encoding, no API key configured) goes
-    straight to the hot path here, and so does a POST /v1/completions, /v1/chat/completions, /v1/responses or KServe
-    generate / generate_stream (server/http/generate_hotpath.py); everything else, and anything the
-    embedding hot path does not answer itself, goes through the full stack (whose own
+    straight to the hot path here, and so does a POST /v1/completions, /v1/chat/completions, /v1/responses,
+    /v1/messages or KServe generate / generate_stream (server/http/generate_hotpath.py); everything else,
+    and anything the embedding hot path does not answer itself, goes through the full stack (whose own
     HotPathMiddleware then sees the same body).
     """
 
