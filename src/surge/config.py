@@ -143,6 +143,8 @@ class ResponsesConfig(_Strict):
     store_dir: Path | None = Field(None, description="Keep them as files in this directory (shared by servers "
                                    "that mount it); default: in memory, or under --workers in the front ends' "
                                    "shared-memory directory.")
+    store_redis_url: str | None = Field(None, description="Keep them on this Redis server (shared by servers on "
+                                        "several hosts, e.g. redis://127.0.0.1:6379/0); before store_dir.")
 
 
 class GenerationConfig(_Strict):

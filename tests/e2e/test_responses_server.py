@@ -22,6 +22,7 @@ from surge.server.http.guided_fields import tool_choice_guide  # noqa: E402
 from surge.server.http.tool_calls import parse as parse_calls  # noqa: E402
 from tests.decoder_models import QWEN_TOOLS, build_model, load_hf  # noqa: E402
 from tests.guided_reference import hf_guided  # noqa: E402
+from tests.redis_server import redis_server  # noqa: E402, F401  (fixture)
 from tests.server_process import ServerProcess  # noqa: E402
 from tests.trained_models import ASK, TOOL, train_tool_model  # noqa: E402
 
@@ -360,3 +361,30 @@ def test_a_reasoning_models_thinking_is_a_reasoning_item(tmp_path_factory):
     want_reasoning, want_content = split(text, "deepseek_r1")
     assert [c.text for o in r2.output if o.type == "reasoning" for c in o.content] == [want_reasoning]
     assert r2.output_text == (want_content or "")
+
+
+def test_two_servers_sharing_a_redis_continue_each_others_responses(model_dir, hf, redis_server):
+    """Servers on several hosts (Ray Serve's ingress replicas, or servers behind one balancer) keep their
+    responses on one Redis: a conversation goes on from either, and a background response one server runs
+    is cancelled through the other."""
+    args = ("--threads", "1", "--responses-store-redis-url", redis_server)
+    with ServerProcess(str(model_dir), *args) as a, ServerProcess(str(model_dir), *args) as b:
+        ca, cb = (openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=120) for s in (a, b))
+        first = ca.responses.create(model="resp-qwen", input=USER["content"], max_output_tokens=10, temperature=0)
+        follow = {"role": "user", "content": "And a variable?"}
+        second = cb.responses.create(model="resp-qwen", input=[follow], previous_response_id=first.id,
+                                     max_output_tokens=10, temperature=0)
+        assert second.output_text == greedy(hf, [USER, {"role": "assistant", "content": first.output_text}, follow],
+                                            10)[0]
+        assert ca.responses.retrieve(second.id).output_text == second.output_text
+        long = ca.responses.create(model="resp-qwen", input="x", max_output_tokens=900, temperature=0,
+                                   background=True, extra_body={"ignore_eos": True})
+        assert cb.responses.cancel(long.id).status == "cancelled"
+        deadline = time.monotonic() + 60
+        while (got := ca.responses.retrieve(long.id)).usage is None and not got.output and \
+                time.monotonic() < deadline:
+            time.sleep(0.1)  # the runner on `a` reads the cancel as its tokens arrive, then writes what it made
+        assert got.status == "cancelled" and got.output and len(got.output[0].content[0].text) > 0
+        cb.responses.delete(first.id)
+        with pytest.raises(openai.NotFoundError):
+            ca.responses.retrieve(first.id)

@@ -2,15 +2,17 @@
 read back (GET /v1/responses/{id}), listed by its input items, deleted, cancelled while it runs in the
 background, and continued (`previous_response_id`: its conversation is the context of the next one).
 
-Two kinds, one contract (`get`, `put`, `delete`; a record is a JSON-able dict):
+Three kinds, one contract (coroutines `get`, `put`, `delete`; a record is a JSON-able dict):
 
 - `MemoryStore`: one process's, least recently used first out past `entries`;
 - `DirStore`: one JSON file a response in a directory, for the `--workers` front ends, which are
   processes of their own: the response front end A stored is there for the request that front end B
   takes next. A write goes to a temporary file renamed over the record (readers see the old record or
-  the new one, never half of one); an unreadable file is a miss, never an error of the request.
+  the new one, never half of one); an unreadable file is a miss, never an error of the request;
+- `RedisStore`: a key a response on a Redis server, for servers on several hosts (Ray Serve's ingress
+  replicas, or servers behind one load balancer); Redis' own eviction bounds the count.
 
-Both drop records older than `ttl_s`. Ids are random (responses_api.new_id), so writers never race on
+All drop records older than `ttl_s`. Ids are random (responses_api.new_id), so writers never race on
 one record except a background response and its cancel (the record's `cancel_requested`, which the
 running side reads as its tokens arrive).
 """
@@ -39,7 +41,7 @@ class MemoryStore:
         self.ttl_s = ttl_s
         self._items: OrderedDict[str, tuple[float, dict]] = OrderedDict()
 
-    def get(self, rid: str) -> dict | None:
+    async def get(self, rid: str) -> dict | None:
         item = self._items.get(rid)
         if item is None:
             return None
@@ -49,7 +51,9 @@ class MemoryStore:
         self._items.move_to_end(rid)
         return item[1]
 
-    def put(self, rid: str, record: dict) -> None:
+    async def put(self, rid: str, record: dict) -> None:
+        if not valid_id(rid):
+            raise ValueError(f"not a response id: {rid!r}")
         if self.entries <= 0:
             return
         self._items[rid] = (time.time(), record)
@@ -57,7 +61,7 @@ class MemoryStore:
         while len(self._items) > self.entries:
             self._items.popitem(last=False)
 
-    def delete(self, rid: str) -> bool:
+    async def delete(self, rid: str) -> bool:
         return self._items.pop(rid, None) is not None
 
 
@@ -76,7 +80,7 @@ class DirStore:
             raise ValueError(f"not a response id: {rid!r}")
         return self.root / f"{rid}.json"
 
-    def get(self, rid: str) -> dict | None:
+    async def get(self, rid: str) -> dict | None:
         try:
             path = self._path(rid)
             if time.time() - path.stat().st_mtime > self.ttl_s:
@@ -86,7 +90,7 @@ class DirStore:
         except (OSError, ValueError):
             return None
 
-    def put(self, rid: str, record: dict) -> None:
+    async def put(self, rid: str, record: dict) -> None:
         if self.entries <= 0:
             return
         path = self._path(rid)
@@ -97,7 +101,7 @@ class DirStore:
         if self._writes % self.PRUNE_EVERY == 0:
             self.prune()
 
-    def delete(self, rid: str) -> bool:
+    async def delete(self, rid: str) -> bool:
         try:
             self._path(rid).unlink()
             return True
@@ -124,9 +128,41 @@ class DirStore:
             Path(path).unlink(missing_ok=True)
 
 
-def store_for(config) -> MemoryStore | DirStore:
-    """The store of a server (`config`: ResponsesConfig): its `store_dir` if set, else under `--workers`
-    (SURGE_SHM_DIR, set by the supervisor for its front ends) a directory there, else memory."""
+class RedisStore:
+    PREFIX = "surge:responses:"
+
+    def __init__(self, url: str, entries: int, ttl_s: float):
+        import redis.asyncio as redis
+
+        self.client = redis.Redis.from_url(url)
+        self.entries = entries
+        self.ttl_s = ttl_s
+
+    async def get(self, rid: str) -> dict | None:
+        if not valid_id(rid):
+            return None
+        raw = await self.client.get(self.PREFIX + rid)
+        try:
+            return None if raw is None else orjson.loads(raw)
+        except ValueError:
+            return None
+
+    async def put(self, rid: str, record: dict) -> None:
+        if not valid_id(rid):
+            raise ValueError(f"not a response id: {rid!r}")
+        if self.entries > 0:
+            await self.client.set(self.PREFIX + rid, orjson.dumps(record), ex=max(1, int(self.ttl_s)))
+
+    async def delete(self, rid: str) -> bool:
+        return valid_id(rid) and bool(await self.client.delete(self.PREFIX + rid))
+
+
+def store_for(config) -> MemoryStore | DirStore | RedisStore:
+    """The store of a server (`config`: ResponsesConfig): Redis at its `store_redis_url`, else its
+    `store_dir`, else under `--workers` (SURGE_SHM_DIR, set by the supervisor for its front ends) a
+    directory there, else memory."""
+    if config.store_redis_url:
+        return RedisStore(config.store_redis_url, config.store_entries, config.store_ttl_s)
     root = config.store_dir
     if root is None and os.environ.get("SURGE_SHM_DIR"):
         root = Path(os.environ["SURGE_SHM_DIR"]) / "responses"

@@ -125,12 +125,12 @@ class _Prepared(SimpleNamespace):
     reasoning (the parser of the model's thinking), count (text -> its tokens)."""
 
 
-def _prepare(state: AppState, req: ResponseRequest) -> _Prepared:
+async def _prepare(state: AppState, req: ResponseRequest) -> _Prepared:
     _refuse_unsupported(req)
     service = generate_model(state, req.model)
     context: list[dict] = []
     if req.previous_response_id is not None:
-        prev = _store(state).get(req.previous_response_id) if valid_id(req.previous_response_id) else None
+        prev = await _store(state).get(req.previous_response_id) if valid_id(req.previous_response_id) else None
         if prev is None:
             raise ResponseNotFound(f"previous response '{req.previous_response_id}' not found",
                                    param="previous_response_id")
@@ -191,28 +191,28 @@ def _drop_oldest_turn(turns: list[dict]) -> list[dict]:
     return turns[-1:]
 
 
-def _keep(state: AppState, p: _Prepared, response: dict) -> None:
+async def _keep(state: AppState, p: _Prepared, response: dict) -> None:
     if p.base["store"]:
         done = response["status"] in ("completed", "incomplete")
-        _store(state).put(response["id"], {"response": response, "input_items": p.input_items,
+        await _store(state).put(response["id"], {"response": response, "input_items": p.input_items,
                                            "conversation": p.context + p.input_items
                                            + (response["output"] if done else [])})
 
 
 async def response_answer(state: AppState, req: ResponseRequest, receive) -> JsonAnswer | EventStream:
     """The answer to a validated create request (route and hot path, as chat_answer)."""
-    p = _prepare(state, req)
+    p = await _prepare(state, req)
     service, deadline = p.service, deadline_for(state)
     headers = {"x-surge-model-version": service.version}
     if req.background:
-        return JsonAnswer(_start_background(state, p), headers)
+        return JsonAnswer(await _start_background(state, p), headers)
     if not req.stream:
         res = await until_disconnect(receive, counted(state, service, service.generate(p.ids, p.params,
                                                                                        deadline=deadline)))
         events = ResponseEvents(p)  # the items a stream of it would have, made the same way
         events.delta(res.text, res.logprobs)
         events.finish(res.finish_reason, res.prompt_tokens, res.completion_tokens)
-        _keep(state, p, events.response)
+        await _keep(state, p, events.response)
         return JsonAnswer(events.response, headers)
     agen = counted_stream(state, service, service.stream(p.ids, p.params, deadline=deadline))
     first = await agen.__anext__()  # an error before any output keeps its HTTP status
@@ -235,14 +235,14 @@ async def response_answer(state: AppState, req: ResponseRequest, receive) -> Jso
             return
         for chunk in events.finish(d.finish_reason, d.prompt_tokens, d.completion_tokens):
             yield chunk
-        _keep(state, p, events.response)
+        await _keep(state, p, events.response)
 
     return EventStream(rest(), lambda exc: {}, done=False, close=agen.aclose)
 
 
-def _start_background(state: AppState, p: _Prepared) -> dict:
+async def _start_background(state: AppState, p: _Prepared) -> dict:
     queued = {**p.base, "status": "queued"}
-    _keep(state, p, queued)
+    await _keep(state, p, queued)
     task = asyncio.ensure_future(_run_background(state, p))
     running = _running(state)
     running[p.base["id"]] = task
@@ -250,10 +250,10 @@ def _start_background(state: AppState, p: _Prepared) -> dict:
     return queued
 
 
-def _stopped(store, rid: str) -> str | None:
+async def _stopped(store, rid: str) -> str | None:
     """Whether another process stopped a background response: "cancelled" (its record asks), "deleted"
     (its record is gone), or None."""
-    record = store.get(rid)
+    record = await store.get(rid)
     if record is None:
         return "deleted"
     return "cancelled" if record.get("cancel_requested") else None
@@ -264,9 +264,9 @@ async def _run_background(state: AppState, p: _Prepared) -> None:
     this process: the task is cancelled; from another: the record asks, read as tokens arrive) ends it
     as `cancelled`; a response deleted meanwhile stops and is not written again."""
     store, rid, service = _store(state), p.base["id"], p.service
-    if _stopped(store, rid):  # cancelled (or deleted) while queued
+    if await _stopped(store, rid):  # cancelled (or deleted) while queued
         return
-    _keep(state, p, {**p.base, "status": "in_progress"})
+    await _keep(state, p, {**p.base, "status": "in_progress"})
     events, d = ResponseEvents(p), None
     checked = time.monotonic()
     stream = counted_stream(state, service, service.stream(p.ids, p.params, deadline=deadline_for(state)))
@@ -275,36 +275,37 @@ async def _run_background(state: AppState, p: _Prepared) -> None:
             events.delta(d.text, d.logprobs)
             if time.monotonic() - checked > CANCEL_POLL_S:
                 checked = time.monotonic()
-                if _stopped(store, rid):
+                if await _stopped(store, rid):
                     raise asyncio.CancelledError
     except asyncio.CancelledError:
-        if _stopped(store, rid) != "deleted":
-            _keep(state, p, {**p.base, "status": "cancelled", "output": events.output})
+        if await _stopped(store, rid) != "deleted":
+            await _keep(state, p, {**p.base, "status": "cancelled", "output": events.cut()})
         return
     except SurgeError as exc:
-        _keep(state, p, {**p.base, "status": "failed", "error": {"code": exc.code, "message": exc.message}})
+        await _keep(state, p, {**p.base, "status": "failed", "error": {"code": exc.code, "message": exc.message}})
         return
     except Exception as exc:  # the record must not stay in_progress forever
-        _keep(state, p, {**p.base, "status": "failed", "error": {"code": "internal_error", "message": str(exc)}})
+        error = {"code": "internal_error", "message": str(exc)}
+        await _keep(state, p, {**p.base, "status": "failed", "error": error})
         raise
     finally:
         await stream.aclose()
     events.finish(d.finish_reason, d.prompt_tokens, d.completion_tokens)
-    stopped = _stopped(store, rid)
+    stopped = await _stopped(store, rid)
     if stopped != "deleted":
-        _keep(state, p, events.response if stopped is None else
-              {**p.base, "status": "cancelled", "output": events.output})
+        finished = events.response if stopped is None else {**p.base, "status": "cancelled", "output": events.output}
+        await _keep(state, p, finished)
 
 
-def _record(state: AppState, rid: str) -> dict:
-    record = _store(state).get(rid) if valid_id(rid) else None
+async def _record(state: AppState, rid: str) -> dict:
+    record = await _store(state).get(rid) if valid_id(rid) else None
     if record is None:
         raise ResponseNotFound(f"response '{rid}' not found", param="response_id")
     return record
 
 
 async def _cancel(state: AppState, rid: str) -> dict:
-    record = _record(state, rid)
+    record = await _record(state, rid)
     response = record["response"]
     if not response.get("background"):
         raise InvalidInput("only background responses can be cancelled", param="response_id")
@@ -315,12 +316,12 @@ async def _cancel(state: AppState, rid: str) -> dict:
         task.cancel()
         with contextlib.suppress(BaseException):
             await task
-        record = _store(state).get(rid) or record
+        record = await _store(state).get(rid) or record
     cancelled = {**record, "cancel_requested": True, "response": {**record["response"], "status": "cancelled"}}
     if task is not None or record["response"]["status"] != "cancelled":
         # here: marks a task cancelled before it ran; elsewhere: the runner reads the request as its
         # tokens arrive and then writes what it made
-        _store(state).put(rid, cancelled)
+        await _store(state).put(rid, cancelled)
     return cancelled["response"]
 
 
@@ -339,14 +340,14 @@ def router(state: AppState) -> APIRouter:
     async def retrieve(response_id: str, stream: bool = False):
         if stream:
             raise InvalidInput("streaming a stored response again is not supported", param="stream")
-        return ORJSONResponse(_record(state, response_id)["response"])
+        return ORJSONResponse((await _record(state, response_id))["response"])
 
     @r.delete("/v1/responses/{response_id}")
     async def delete(response_id: str):
-        record = _record(state, response_id)
+        record = await _record(state, response_id)
         if record["response"].get("background") and record["response"]["status"] in ("queued", "in_progress"):
             await _cancel(state, response_id)
-        _store(state).delete(response_id)
+        await _store(state).delete(response_id)
         return ORJSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     @r.post("/v1/responses/{response_id}/cancel")
@@ -358,7 +359,7 @@ def router(state: AppState) -> APIRouter:
                           after: str | None = None):
         if not 1 <= limit <= 100:
             raise InvalidInput("limit must be in [1, 100]", param="limit")
-        items = list(_record(state, response_id)["input_items"])
+        items = list((await _record(state, response_id))["input_items"])
         if order == "desc":
             items.reverse()
         if after is not None:

@@ -140,6 +140,12 @@ class ResponseEvents:
         kind = "response.completed" if self.status == "completed" else "response.incomplete"
         return out + [self._event(kind, response=self.response)]
 
+    def cut(self) -> list[dict]:
+        """The output so far of an answer stopped before its end (cancelled), its open item incomplete."""
+        self.status = "incomplete"
+        self._render(self.blocks.finish())
+        return self.output
+
     def failed(self, code: str, message: str, param: str | None) -> list[bytes]:
         self.response = {**self.p.base, "status": "failed", "error": {"code": code, "message": message},
                          "output": self.output}
