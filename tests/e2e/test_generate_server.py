@@ -694,9 +694,12 @@ def test_the_engine_loop_in_its_own_process(model_dir, hf):
         expected, n = hf_text(hf, ids, 24)
         r = client.chat.completions.create(model="chat-qwen", messages=CHAT, max_tokens=24, temperature=0)
         assert r.choices[0].message.content == expected and r.usage.completion_tokens == n
+        assert r.usage.prompt_tokens_details.cached_tokens == 0
         chunks = list(client.chat.completions.create(model="chat-qwen", messages=CHAT, max_tokens=24, temperature=0,
-                                                     stream=True))
+                                                     stream=True, stream_options={"include_usage": True}))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+        # the prefix cache's count crosses from the engine process: the prompt's whole blocks but the last token's
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (len(ids) - 1) // 16 * 16 > 0
         assert metric(srv, "surge_generate_output_tokens_total") >= 2 * n
         os.kill(srv.proc.pid, signal.SIGKILL)
         _, alive = psutil.wait_procs(children, timeout=30)
@@ -788,3 +791,29 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
     finals = [c for c in streamed if c.choices and c.choices[0].finish_reason]
     assert len(finals) == 4 and all(c.usage.completion_tokens == 6 for c in finals)
     assert streamed[-1].usage.completion_tokens == 24  # the last chunk: the whole request's
+
+
+def test_usage_counts_the_prompt_tokens_found_in_the_prefix_cache(client, hf):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens: 0 for a prompt never seen, then its whole
+    16-token blocks but the last token's (the prefix cache's rule), whole and streamed, chat and
+    completions. Sampled without a seed, so the generation cache never answers them."""
+    import uuid
+
+    _, tok = hf
+    words = " ".join(uuid.uuid4().hex[:6] for _ in range(12))  # a prompt no earlier test sent
+    messages = [{"role": "user", "content": "Define " + words}]
+    ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    whole_blocks = (len(ids) - 1) // 16 * 16
+    assert whole_blocks >= 16
+    first = client.chat.completions.create(model="chat-qwen", messages=messages, max_tokens=4, temperature=0.9)
+    assert first.usage.prompt_tokens == len(ids) and first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.chat.completions.create(model="chat-qwen", messages=messages, max_tokens=4, temperature=0.9)
+    assert again.usage.prompt_tokens_details.cached_tokens == whole_blocks
+    chunks = list(client.chat.completions.create(model="chat-qwen", messages=messages, max_tokens=4, temperature=0.9,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == whole_blocks
+    prompt = "Assign " + " ".join(uuid.uuid4().hex[:6] for _ in range(12))
+    once = client.completions.create(model="chat-qwen", prompt=prompt, max_tokens=2, temperature=0.9)
+    assert once.usage.prompt_tokens_details.cached_tokens == 0
+    twice = client.completions.create(model="chat-qwen", prompt=[prompt], max_tokens=2, temperature=0.9)
+    assert twice.usage.prompt_tokens_details.cached_tokens == (once.usage.prompt_tokens - 1) // 16 * 16 >= 16

@@ -111,6 +111,8 @@ def test_a_response_equals_transformers_whole_streamed_and_async(client, server,
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
     final = events[-1].response
     assert final.output_text == text and final.usage.output_tokens == len(out) and final.status == r.status
+    # the same greedy request again: answered from the generation cache, no prompt token computed
+    assert final.usage.input_tokens_details.cached_tokens == len(ids)
     assert len({e.response.id for e in events if hasattr(e, "response")}) == 1
 
     asks = ["Define assignment.", "What is a loop?", "Name a list."]

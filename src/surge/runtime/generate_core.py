@@ -72,8 +72,9 @@ class ThreadChannel:
 class EngineLoop:
     """Messages: ("add", [Sequence]), ("abort", seq_id, reason), ("close",). Outbox: `tokens(batch,
     admitted, state)`, `error(seq_id, kind, message)`, `state(state)`; see GenerateService._deliver for
-    the batch's shape; `admitted` maps the sequences first scheduled since the last report to their
-    scheduled_at (time.monotonic(), one clock for every process of the machine)."""
+    the batch's shape; `admitted` maps the sequences first scheduled since the last report to
+    (scheduled_at (time.monotonic(), one clock for every process of the machine), the prompt tokens
+    found in the prefix cache then)."""
 
     def __init__(self, engine, config, name: str = "model"):
         self.engine = engine
@@ -120,10 +121,10 @@ class EngineLoop:
         elif kind == "close":
             self.closed = True
 
-    def _admitted(self) -> dict[int, float]:
+    def _admitted(self) -> dict[int, tuple[float, int]]:
         if not self._fresh:
             return {}
-        done = {s.seq_id: s.scheduled_at for s in self._fresh if s.scheduled_at}
+        done = {s.seq_id: (s.scheduled_at, s.num_cached_prompt) for s in self._fresh if s.scheduled_at}
         # admitted ones are reported once; one aborted before it was scheduled never will be
         self._fresh = [s for s in self._fresh if not s.scheduled_at and s.status is not SeqStatus.FINISHED]
         return done

@@ -53,6 +53,9 @@ class Delta:
     # on the last delta, vLLM's stop_reason: the stop string or stop token id that ended the answer (None
     # for EOS, the length, or no stop yet)
     stop_reason: str | int | None = None
+    # on the last delta: the prompt's tokens found in the prefix cache (all of them for an answer from the
+    # generation cache), OpenAI's usage.prompt_tokens_details.cached_tokens
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -67,6 +70,7 @@ class GenerationResult:
     timings: dict | None = None
     prompt_logprobs: list[dict] | None = None
     stop_reason: str | int | None = None
+    cached_tokens: int = 0
 
 
 class _Handle:
@@ -216,7 +220,7 @@ class GenerateService(PromptText):
             last = d
         return GenerationResult("".join(text), ids, last.finish_reason, last.prompt_tokens, last.completion_tokens,
                                 logprobs if params.logprobs is not None else None, last.cached, last.timings,
-                                prompt_lps, last.stop_reason)
+                                prompt_lps, last.stop_reason, last.cached_tokens)
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams, *,
                      deadline: float | None = None, use_cache: bool = True) -> AsyncIterator[Delta]:
@@ -235,7 +239,8 @@ class GenerateService(PromptText):
             self.metrics.cache_hits.inc()
             for d in self._cache[key]:
                 yield Delta(d.text, d.token_ids, d.logprobs, d.finish_reason, d.prompt_tokens, d.completion_tokens,
-                            cached=True, prompt_logprobs=d.prompt_logprobs, stop_reason=d.stop_reason)
+                            cached=True, prompt_logprobs=d.prompt_logprobs, stop_reason=d.stop_reason,
+                            cached_tokens=d.prompt_tokens if d.finish_reason is not None else 0)
             return
         if self._queued() >= self.config.max_waiting:
             raise Overloaded(f"model '{self.name}': {self.config.max_waiting} requests already wait for KV cache "
@@ -424,18 +429,19 @@ class GenerateService(PromptText):
     def _deliver(self, batch, admitted=None) -> None:
         """One engine iteration's tokens ([(tokens {seq_id: token}, samples {seq_id: SampleOut} or
         None, finished {seq_id: reason} or None)]) -> every stream's delta, in one pass; the streams
-        with a new delta are woken. `admitted`: {seq_id: scheduled_at} of sequences first scheduled
-        since the last call (the engine process's copies carry it; a thread's are these objects).
+        with a new delta are woken. `admitted`: {seq_id: (scheduled_at, prompt tokens found in the prefix
+        cache)} of sequences first scheduled since the last call (the engine process's copies carry them; a
+        thread's are these objects).
         Inter-token latency is the gap between the steps that delivered a stream's tokens, observed in
         bulk once a call (a Prometheus observe per token was a large share of the event loop's work at
         64 streams)."""
         now = time.monotonic()
         handles = self._handles
         if admitted:
-            for sid, t in admitted.items():
+            for sid, (t, cached) in admitted.items():
                 h = handles.get(sid)
                 if h is not None:
-                    h.seq.scheduled_at = t
+                    h.seq.scheduled_at, h.seq.num_cached_prompt = t, cached
         itl: list[float] = []
         count = 0
         metrics = self.metrics
@@ -481,6 +487,8 @@ class GenerateService(PromptText):
                         d.finish_reason, d.completion_tokens = finish, n
                     if out is not None and out.prompt is not None:
                         d.prompt_logprobs = [self._logprob(t, v, top) for t, v, top in out.prompt]
+                    if finish is not None:
+                        d.cached_tokens = h.seq.num_cached_prompt
                     if finish == "stop":
                         d.stop_reason = state.matched if state.stopped else \
                             (token if token not in self.engine.cfg.eos_token_ids else None)

@@ -98,13 +98,17 @@ class MessageEvents:
     def delta(self, text: str) -> list[bytes]:
         return self._render(self.blocks.feed(text))
 
-    def finish(self, finish, stop_reason, output_tokens: int) -> list[bytes]:
+    def finish(self, finish, stop_reason, output_tokens: int, cached: int = 0) -> list[bytes]:
+        """`cached`: the prompt's tokens found in the prefix cache; as Anthropic counts them, they are
+        `cache_read_input_tokens` and not `input_tokens`."""
         out = self._render(self.blocks.finish())
         reason, sequence = stop(finish, stop_reason, self.called)
+        usage = {"input_tokens": self.base["usage"]["input_tokens"] - cached, "output_tokens": output_tokens,
+                 "cache_read_input_tokens": cached}
         self.message = {**self.base, "content": self.content, "stop_reason": reason, "stop_sequence": sequence,
-                        "usage": {**self.base["usage"], "output_tokens": output_tokens}}
+                        "usage": {**self.base["usage"], **usage}}
         return out + [self._event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
-                                  usage={"output_tokens": output_tokens}),
+                                  usage=usage),
                       self._event("message_stop")]
 
     def failed(self, kind: str, message: str) -> list[bytes]:

@@ -220,7 +220,7 @@ async def message_answer(state: AppState, req: MessagesRequest, receive) -> Json
         res = await until_disconnect(receive, counted(state, service, service.generate(ids, params,
                                                                                        deadline=deadline)))
         events.delta(res.text)
-        events.finish(res.finish_reason, res.stop_reason, res.completion_tokens)
+        events.finish(res.finish_reason, res.stop_reason, res.completion_tokens, res.cached_tokens)
         return JsonAnswer(events.message, headers)
     agen = counted_stream(state, service, service.stream(ids, params, deadline=deadline))
     first = await agen.__anext__()  # an error before any output keeps its HTTP status
@@ -240,7 +240,7 @@ async def message_answer(state: AppState, req: MessagesRequest, receive) -> Json
             for chunk in events.failed(anthropic_type(exc.http_status), exc.message):
                 yield chunk
             return
-        for chunk in events.finish(d.finish_reason, d.stop_reason, d.completion_tokens):
+        for chunk in events.finish(d.finish_reason, d.stop_reason, d.completion_tokens, d.cached_tokens):
             yield chunk
 
     return EventStream(rest(), lambda exc: {}, done=False, close=agen.aclose)

@@ -181,8 +181,12 @@ def _joined(echo: dict | None, out: dict | None) -> dict | None:
     return {k: echo[k] + out[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
-def _usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def _usage(prompt: int, completion: int, cached: int | None = None) -> dict:
+    """OpenAI's usage; `cached`: the prompt's tokens found in the prefix cache (prompt_tokens_details)."""
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if cached is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
 
 
 def _error_body(exc) -> dict:
@@ -222,7 +226,8 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
             "id": rid, "object": "chat.completion", "created": created, "model": service.name,
             "choices": [_chat_choice(j, res, parse_calls, reasoning, req.include_reasoning)
                         for j, res in enumerate(results)],
-            "usage": _usage(results[0].prompt_tokens, sum(r.completion_tokens for r in results)),
+            "usage": _usage(results[0].prompt_tokens, sum(r.completion_tokens for r in results),
+                            results[0].cached_tokens),
         }, {"x-surge-model-version": service.version})
     usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -249,7 +254,7 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
     async def rest():
         for j in range(len(agens)):
             yield chunk(j, {"role": "assistant", "content": ""})
-        prompt_tokens = completion_tokens = 0
+        prompt_tokens = completion_tokens = cached = 0
         async for j, d in deltas:
             finish = d.finish_reason
             made[j] = d.completion_tokens
@@ -265,9 +270,10 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
             if finish is not None:
                 yield chunk(j, {}, finish=finish, stop_reason=d.stop_reason)
                 prompt_tokens, completion_tokens = d.prompt_tokens, completion_tokens + d.completion_tokens
+                cached = d.cached_tokens if j == 0 else cached
         if usage:
-            yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                       "model": service.name, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+            yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": service.name,
+                       "choices": [], "usage": _usage(prompt_tokens, completion_tokens, cached)})
 
     return EventStream(rest(), _error_body, close=_closer(deltas, agens))
 
@@ -314,7 +320,7 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
                         for k, res in enumerate(results)],
             # a prompt counts once however many choices it has (as OpenAI counts it)
             "usage": _usage(sum(r.prompt_tokens for r in results[::req.n]),
-                            sum(r.completion_tokens for r in results)),
+                            sum(r.completion_tokens for r in results), sum(r.cached_tokens for r in results[::req.n])),
         }, {"x-surge-model-version": service.version})
     usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -340,7 +346,7 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
         for k, text in enumerate(echoed):
             if text:
                 yield chunk(k, text, logprobs=echo_logprobs(k, firsts[k].prompt_logprobs))
-        prompt_tokens = completion_tokens = 0
+        prompt_tokens = completion_tokens = cached = 0
         async for k, d in deltas:
             made[k] = d.completion_tokens
             if d.text or d.finish_reason is not None or d.logprobs:
@@ -348,10 +354,11 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
                 offsets[k] += len(d.text)
             if d.finish_reason is not None:
                 prompt_tokens += d.prompt_tokens if k % req.n == 0 else 0
+                cached += d.cached_tokens if k % req.n == 0 else 0
                 completion_tokens += d.completion_tokens
         if usage:
             yield sse({"id": rid, "object": "text_completion", "created": created, "model": service.name,
-                       "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+                       "choices": [], "usage": _usage(prompt_tokens, completion_tokens, cached)})
 
     return EventStream(rest(), _error_body, close=_closer(deltas, agens))
 

@@ -211,7 +211,7 @@ async def response_answer(state: AppState, req: ResponseRequest, receive) -> Jso
                                                                                        deadline=deadline)))
         events = ResponseEvents(p)  # the items a stream of it would have, made the same way
         events.delta(res.text, res.logprobs)
-        events.finish(res.finish_reason, res.prompt_tokens, res.completion_tokens)
+        events.finish(res.finish_reason, res.prompt_tokens, res.completion_tokens, res.cached_tokens)
         await _keep(state, p, events.response)
         return JsonAnswer(events.response, headers)
     agen = counted_stream(state, service, service.stream(p.ids, p.params, deadline=deadline))
@@ -233,7 +233,7 @@ async def response_answer(state: AppState, req: ResponseRequest, receive) -> Jso
             for chunk in events.failed(exc.code, exc.message, exc.param):
                 yield chunk
             return
-        for chunk in events.finish(d.finish_reason, d.prompt_tokens, d.completion_tokens):
+        for chunk in events.finish(d.finish_reason, d.prompt_tokens, d.completion_tokens, d.cached_tokens):
             yield chunk
         await _keep(state, p, events.response)
 
@@ -290,7 +290,7 @@ async def _run_background(state: AppState, p: _Prepared) -> None:
         raise
     finally:
         await stream.aclose()
-    events.finish(d.finish_reason, d.prompt_tokens, d.completion_tokens)
+    events.finish(d.finish_reason, d.prompt_tokens, d.completion_tokens, d.cached_tokens)
     stopped = await _stopped(store, rid)
     if stopped != "deleted":
         finished = events.response if stopped is None else {**p.base, "status": "cancelled", "output": events.output}

@@ -19,8 +19,8 @@ from surge.server.http.reasoning import REASONING
 from surge.server.http.responses_items import call_item, logprob_list, message_item, new_id
 
 
-def usage(prompt: int, completion: int, reasoning: int = 0) -> dict:
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": completion,
+def usage(prompt: int, completion: int, reasoning: int = 0, cached: int = 0) -> dict:
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": completion,
             "output_tokens_details": {"reasoning_tokens": reasoning}, "total_tokens": prompt + completion}
 
 
@@ -31,11 +31,12 @@ def outcome(finish: str | None) -> tuple[str, dict | None]:
     return "completed", None
 
 
-def finished(p, output: list[dict], finish, prompt_tokens: int, completion_tokens: int, reasoning: int = 0) -> dict:
+def finished(p, output: list[dict], finish, prompt_tokens: int, completion_tokens: int, reasoning: int = 0,
+             cached: int = 0) -> dict:
     """The final response object of prepared request `p` (responses_api._Prepared)."""
     status, incomplete = outcome(finish)
     return {**p.base, "status": status, "incomplete_details": incomplete, "output": output,
-            "usage": usage(prompt_tokens, completion_tokens, reasoning), "completed_at": int(time.time())}
+            "usage": usage(prompt_tokens, completion_tokens, reasoning, cached), "completed_at": int(time.time())}
 
 
 class ResponseEvents:
@@ -131,12 +132,12 @@ class ResponseEvents:
     def delta(self, text: str, logprobs) -> list[bytes]:
         return self._render(self.blocks.feed(text, logprobs))
 
-    def finish(self, finish, prompt_tokens: int, completion_tokens: int) -> list[bytes]:
+    def finish(self, finish, prompt_tokens: int, completion_tokens: int, cached: int = 0) -> list[bytes]:
         self.status, _ = outcome(finish)
         out = self._render(self.blocks.finish())
         thought = self.blocks.thought
         reasoning = len(self.p.count(thought)) if thought else 0
-        self.response = finished(self.p, self.output, finish, prompt_tokens, completion_tokens, reasoning)
+        self.response = finished(self.p, self.output, finish, prompt_tokens, completion_tokens, reasoning, cached)
         kind = "response.completed" if self.status == "completed" else "response.incomplete"
         return out + [self._event(kind, response=self.response)]
 
