@@ -47,6 +47,16 @@ def _answers(base_url: str) -> dict:
     for field, value in (("guided_choice", ["assignment", "target", "names"]), ("guided_regex", "[a-e]{3,6}")):
         out[field] = client.completions.create(model="tiny-gpt2", prompt="Names", max_tokens=12, temperature=0,
                                                extra_body={field: value}).choices[0].text
+    # the Responses API (a conversation continued from the ingress' store) and Anthropic's Messages API
+    first = client.responses.create(model="tiny-gpt2", input=CHAT[-1]["content"], max_output_tokens=8, temperature=0)
+    then = client.responses.create(model="tiny-gpt2", input="And then?", previous_response_id=first.id,
+                                   max_output_tokens=8, temperature=0)
+    out["responses"] = (first.output_text, then.output_text, then.usage.input_tokens)
+    import httpx
+
+    msg = httpx.post(base_url + "/v1/messages", timeout=120, json={
+        "model": "tiny-gpt2", "max_tokens": 8, "temperature": 0, "messages": [CHAT[-1]]}).json()
+    out["messages"] = (msg["content"][0]["text"], msg["stop_reason"], msg["usage"]["output_tokens"])
     return out
 
 
