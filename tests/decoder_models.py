@@ -99,10 +99,11 @@ def save_tokenizer(tok, out: Path, template: str = CHATML) -> None:
 
 def build_model(kind: str, out: Path, *, seed: int = 0, vocab: int = 384, template: str = CHATML,
                 all_bytes: bool = False, **overrides) -> Path:
-    """kind: gpt2 | llama | qwen2. Weights: seeded random, larger than the default init so that greedy
+    """kind: gpt2 | llama | qwen2 | qwen3 | mistral. Weights: seeded random, larger than the default init so that greedy
     choices are not near-ties (FP32 rounding then never flips a token). `all_bytes`: train_tokenizer's."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(vocab, all_bytes)
@@ -123,6 +124,17 @@ def build_model(kind: str, out: Path, *, seed: int = 0, vocab: int = 384, templa
                                     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
                                     initializer_range=0.08, tie_word_embeddings=True), **common, **overrides})
         cls = Qwen2ForCausalLM
+    elif kind == "qwen3":  # a head size of its own (not hidden / heads), q/k norms, no biases
+        cfg = Qwen3Config(**{**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                    max_position_embeddings=256, initializer_range=0.08, tie_word_embeddings=True),
+                             **common, **overrides})
+        cls = Qwen3ForCausalLM
+    elif kind == "mistral":
+        cfg = MistralConfig(**{**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      initializer_range=0.08, sliding_window=None), **common, **overrides})
+        cls = MistralForCausalLM
     else:
         raise ValueError(kind)
     torch.manual_seed(seed)
@@ -132,6 +144,11 @@ def build_model(kind: str, out: Path, *, seed: int = 0, vocab: int = 384, templa
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.1)
+    if kind == "qwen3":  # the q/k norms start at ones: make them count
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.normal_(1, 0.3)
+                layer.self_attn.k_norm.weight.normal_(1, 0.3)
     model.save_pretrained(out, safe_serialization=True)
     save_tokenizer(tok, out, template)
     return out

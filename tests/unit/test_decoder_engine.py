@@ -1,7 +1,8 @@
 """The decoder engine on the CPU (FP32) against transformers, token for token.
 
-Seeded random GPT-2-, Llama- (plain and with llama3 / linear / yarn RoPE scaling) and
-Qwen2-shaped models (GQA, q/k/v biases, tied embeddings) are built with transformers and saved;
+Seeded random GPT-2-, Llama- (plain and with llama3 / linear / yarn RoPE scaling), Qwen2-shaped
+(GQA, q/k/v biases, tied embeddings) and Qwen3-shaped models (per-head q/k norms, a head size of
+its own) are built with transformers and saved;
 surge loads the directories. Sequences join and leave a running batch (more prompts than
 max_num_seqs, later arrivals), long prompts are split by a small token budget, a shared prefix
 hits the prefix cache, and the KV cache is small enough that sequences are preempted.
@@ -27,6 +28,7 @@ KINDS = {
     "llama-yarn-rope": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                                      "original_max_position_embeddings": 64}}),
     "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
 }
 
 
@@ -136,7 +138,7 @@ def test_overlapped_steps_equal_transformers(name, depth, model_dirs, hf_models)
     assert sched.blocks.num_free == 24
 
 
-@pytest.mark.parametrize("name", ["gpt2", "qwen2"])
+@pytest.mark.parametrize("name", ["gpt2", "qwen2", "qwen3"])
 def test_logits_and_logprobs_match(name, model_dirs, hf_models):
     engine = DecoderEngine(model_dirs[name], num_blocks=64, block_size=8)
     sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=8, max_num_seqs=4, max_num_batched_tokens=64,
@@ -435,3 +437,25 @@ def test_bad_words_follow_vllms_definition(model_dirs, hf_models):
     second = reference(both)
     assert second[:3] == first[:3] and second[3] != first[3]
     assert ours(both, 2) == second
+
+
+def test_a_mistral_sliding_window_caps_the_context(tmp_path, caplog):
+    """Mistral's sliding-window attention is not implemented: the context is capped at the window (with a
+    warning), within which attention is exact, so answers are transformers' (whose window is the same)."""
+    from surge.engines.decoder.runner import DecoderEngine as Engine
+    from transformers import AutoModelForCausalLM
+
+    d = build_model("mistral", tmp_path / "m", seed=9, sliding_window=32)
+    with caplog.at_level("WARNING", logger="surge.generate"):
+        engine = Engine(d, num_blocks=16, block_size=4, max_model_len=128)
+    assert engine.max_model_len == 32 and "sliding-window" in caplog.text
+    assert Engine(build_model("mistral", tmp_path / "full", seed=9), num_blocks=16, block_size=4).max_model_len == 256
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    sched = Scheduler(SchedulerConfig(num_blocks=16, block_size=4, max_num_seqs=2, max_num_batched_tokens=16,
+                                      max_model_len=engine.max_model_len), engine.cfg.eos_token_ids)
+    prompts = prompts_for(engine.cfg.vocab_size, 3)[:2]
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=32 - len(p) - 1, temperature=0.0, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    drive(engine, sched, seqs, [0, 0])
+    for s, p in zip(seqs, prompts):
+        assert s.output_ids == hf_greedy(hf, p, 32 - len(p) - 1)

@@ -1,4 +1,4 @@
-"""Decoder-only (causal LM) Hugging Face directories: GPT-2 and the Llama / Qwen2 family.
+"""Decoder-only (causal LM) Hugging Face directories: GPT-2 and the Llama / Qwen2 / Qwen3 / Mistral family.
 
 `load_decoder_config` reads config.json into one normalized DecoderConfig (the
 two families differ in norms, MLP, positions and attention layout; the engine
@@ -18,7 +18,7 @@ from pathlib import Path
 from surge.errors import ConfigError
 
 # model_type -> engine family
-SUPPORTED = {"gpt2": "gpt2", "llama": "llama", "qwen2": "llama", "mistral": "llama"}
+SUPPORTED = {"gpt2": "gpt2", "llama": "llama", "qwen2": "llama", "qwen3": "llama", "mistral": "llama"}
 _CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 
@@ -58,10 +58,18 @@ class DecoderConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     rope: dict = field(default_factory=dict)  # rope_type, rope_theta and the scaling fields
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's query and key, before RoPE
+    sliding_window: int | None = None  # Mistral's: a token attends to the last this many
 
     @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def context_limit(self) -> int:
+        """The longest prompt + output the engine serves exactly: the positions, and a sliding window
+        (which the engine does not implement) bounds it, since within it every token attends to all before."""
+        return min(self.max_positions, self.sliding_window or self.max_positions)
 
 
 def _rope_params(cfg: dict) -> dict:
@@ -107,6 +115,8 @@ def load_decoder_config(path: str | Path) -> DecoderConfig:
         raise ConfigError(f"{path}: hidden_act {cfg.get('hidden_act')!r} is not supported (silu)")
     if cfg.get("use_sliding_window"):
         raise ConfigError(f"{path}: sliding-window attention is not supported")
+    # Qwen2 / Qwen3 write a sliding_window they do not use (use_sliding_window false); Mistral's is used
+    window = cfg.get("sliding_window") if model_type == "mistral" else None
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
     return DecoderConfig(
@@ -115,10 +125,11 @@ def load_decoder_config(path: str | Path) -> DecoderConfig:
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or hidden // heads), intermediate_size=int(cfg["intermediate_size"]),
         max_positions=int(cfg.get("max_position_embeddings", 2048)), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        # Qwen2 has biases on q/k/v and none elsewhere; Llama has `attention_bias`.
+        # Qwen2 has biases on q/k/v and none elsewhere; Llama and Qwen3 have `attention_bias`.
         qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), eos_token_ids=eos_ids,
-        bos_token_id=cfg.get("bos_token_id"), rope=_rope_params(cfg))
+        bos_token_id=cfg.get("bos_token_id"), rope=_rope_params(cfg), qk_norm=model_type == "qwen3",
+        sliding_window=int(window) if window else None)
 
 
 def rope_inv_freq(cfg: DecoderConfig):
@@ -187,8 +198,8 @@ def _open_safetensors(path: Path):
 
 def load_decoder_weights(path: str | Path, cfg: DecoderConfig, dtype, device="cpu") -> dict:
     """Weights under the engine's names: embed, pos_embed, lm_head, final_norm(.bias), and per layer
-    `l{i}.` + attn_norm, qkv(.bias), o(.bias), mlp_norm, up_gate | fc_in, down | fc_out (Linear layout
-    [out, in]); q/k/v and gate/up are concatenated so one GEMM computes them."""
+    `l{i}.` + attn_norm, qkv(.bias), o(.bias), q_norm / k_norm (Qwen3), mlp_norm, up_gate | fc_in,
+    down | fc_out (Linear layout [out, in]); q/k/v and gate/up are concatenated so one GEMM computes them."""
     import torch
     from safetensors import safe_open
 
@@ -230,6 +241,9 @@ def load_decoder_weights(path: str | Path, cfg: DecoderConfig, dtype, device="cp
             if cfg.qkv_bias:
                 out[f"l{i}.qkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
             out[f"l{i}.o"] = take(p + "self_attn.o_proj.weight")
+            if cfg.qk_norm:
+                out[f"l{i}.q_norm"], out[f"l{i}.k_norm"] = take(p + "self_attn.q_norm.weight"), \
+                    take(p + "self_attn.k_norm.weight")
             out[f"l{i}.up_gate"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
             out[f"l{i}.down"] = take(p + "mlp.down_proj.weight")
         lm_head = raw.get("lm_head.weight")

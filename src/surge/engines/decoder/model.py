@@ -51,8 +51,10 @@ class DecoderModel:
             self.sin = (emb.sin() * att_scale).to(device=device, dtype=dtype)
             self.rot_dim = emb.shape[-1]
             d = cfg.head_dim
-            # the fused kernels (GPU): full rotary dims, a power-of-two head size
-            self.fused = attention == "triton" and fused and self.rot_dim == d and d >= 16 and d & (d - 1) == 0
+            # the fused kernels (GPU): full rotary dims, a power-of-two head size, no per-head q/k norm (Qwen3's
+            # runs the unfused layer: its GEMMs, RoPE and paged attention as separate kernels)
+            self.fused = attention == "triton" and fused and self.rot_dim == d and d >= 16 and d & (d - 1) == 0 \
+                and not cfg.qk_norm
         if decode_attention not in ("fused", "split"):
             raise ValueError(f"decode_attention must be fused or split, not {decode_attention!r}")
         # decode steps: RoPE, the K/V cache write and attention in one kernel (kernels/decode_attention.py)
@@ -285,8 +287,10 @@ class DecoderModel:
             p = f"l{i}."
             h = self._rms(x, w[p + "attn_norm"])
             qkv = self._lin(h, p + "qkv", w.get(p + "qkv.bias"))
-            q = self._rope(qkv[:, :qd].view(t, nq, hd), cos, sin)
-            k = self._rope(qkv[:, qd:qd + kd].view(t, nkv, hd), cos, sin)
+            q, k = qkv[:, :qd].view(t, nq, hd), qkv[:, qd:qd + kd].view(t, nkv, hd)
+            if c.qk_norm:  # Qwen3: each head's query and key normalized, then rotated
+                q, k = self._rms(q, w[p + "q_norm"]), self._rms(k, w[p + "k_norm"])
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             v = qkv[:, qd + kd:].reshape(t, nkv, hd)
             a = self._attend(q.contiguous(), k.contiguous(), v.contiguous(), i, kv, meta).reshape(t, qd)
             x = x + self._lin(a, p + "o")

@@ -10,6 +10,7 @@ order live in runtime/ (the generation service drives this from one thread).
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,8 @@ from surge.engines.decoder.model import DecoderModel, KVCache
 from surge.engines.decoder.sampler import SampleOut, Sampler
 from surge.models.decoder import load_decoder_config, load_decoder_weights
 from surge.runtime.scheduler.scheduler import ScheduledSeq
+
+log = logging.getLogger("surge.generate")
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
@@ -74,7 +77,11 @@ class DecoderEngine:
             torch.set_num_threads(threads)
         self.dtype = _DTYPES[dtype or ("bf16" if cuda else "fp32")]
         self.cfg = load_decoder_config(path)
-        self.max_model_len = min(max_model_len or self.cfg.max_positions, self.cfg.max_positions)
+        limit = self.cfg.context_limit
+        if self.cfg.sliding_window and (max_model_len or self.cfg.max_positions) > limit:
+            log.warning("%s: sliding-window attention (a %d-token window) is not implemented; contexts are capped "
+                        "at the window, within which the model's attention is exact", path, limit)
+        self.max_model_len = min(max_model_len or limit, limit)
         self.block_size = block_size
         if num_blocks is None:
             tokens = kv_cache_tokens or self._default_kv_tokens(cuda, block_size)
