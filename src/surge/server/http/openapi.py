@@ -6,7 +6,7 @@ body models. A route declares its body with `openapi_extra=body(Model)`; the
 document then names the model's JSON schema (hoisted into
 components/schemas), and every operation lists the error responses the server
 gives, in the body shape of its protocol (KServe's {"error": "..."} under /v2,
-OpenAI's {"error": {...}} elsewhere). Client generators and fuzzers
+Anthropic's {"type": "error", "error": {...}} under /v1/messages, OpenAI's {"error": {...}} elsewhere). Client generators and fuzzers
 (schemathesis, tests/e2e/test_openapi_fuzz.py) read it.
 """
 
@@ -15,6 +15,8 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
+
+from surge.server.errors import ANTHROPIC_PATHS
 
 JSON = "application/json"
 BINARY = "application/octet-stream"
@@ -48,6 +50,14 @@ _OPENAI_ERROR = {
     }},
 }
 _KSERVE_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
+_ANTHROPIC_ERROR = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {"type": {"const": "error"}, "error": {
+        "type": "object", "required": ["type", "message"],
+        "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+    }},
+}
 _EMPTY = {"type": "object", "maxProperties": 0, "description": "no fields"}
 
 
@@ -75,10 +85,13 @@ def install(app: FastAPI) -> None:
             schemas.update(schema.pop("$defs", {}))
             schemas[name] = schema
         schemas["OpenAIError"], schemas["KServeError"] = _OPENAI_ERROR, _KSERVE_ERROR
+        schemas["AnthropicError"] = _ANTHROPIC_ERROR
         for name in ("HTTPValidationError", "ValidationError"):  # FastAPI's; errors here look like the rest
             schemas.pop(name, None)
         for path, operations in doc.get("paths", {}).items():
-            ref = {"$ref": "#/components/schemas/" + ("KServeError" if path.startswith("/v2") else "OpenAIError")}
+            shape = "KServeError" if path.startswith("/v2") else \
+                "AnthropicError" if path.startswith(ANTHROPIC_PATHS) else "OpenAIError"
+            ref = {"$ref": "#/components/schemas/" + shape}
             for op in operations.values():
                 responses = op.setdefault("responses", {})
                 for code, description in ERRORS.items():

@@ -350,7 +350,7 @@ def router(state: AppState) -> APIRouter:
         await _store(state).delete(response_id)
         return ORJSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
-    @r.post("/v1/responses/{response_id}/cancel")
+    @r.post("/v1/responses/{response_id}/cancel", openapi_extra=body(required=False))
     async def cancel(response_id: str):
         return ORJSONResponse(await _cancel(state, response_id))
 
