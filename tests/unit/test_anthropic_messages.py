@@ -70,8 +70,9 @@ def test_stop_reasons_and_blocks():
     base = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m",
             "usage": {"input_tokens": 3, "output_tokens": 0}}
     ev = MessageEvents(base, "deepseek_r1", True)
-    ev.delta('<think>a</think>Hi<tool_call>\n{"name": "w", "arguments": {"c": 1}}\n</tool_call>')
-    ev.finish("stop", None, 9)
+    ev.delta(SimpleNamespace(text='<think>a</think>Hi<tool_call>\n{"name": "w", "arguments": {"c": 1}}\n</tool_call>'))
+    ev.finish(SimpleNamespace(finish_reason="stop", stop_reason=None, completion_tokens=9, cached_tokens=2))
     assert [(b["type"], b.get("thinking") or b.get("text") or b.get("input")) for b in ev.message["content"]] == \
         [("thinking", "a"), ("text", "Hi"), ("tool_use", {"c": 1})]
     assert ev.message["stop_reason"] == "tool_use" and ev.message["usage"]["output_tokens"] == 9
+    assert ev.message["usage"]["input_tokens"] == 1 and ev.message["usage"]["cache_read_input_tokens"] == 2

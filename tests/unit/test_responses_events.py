@@ -37,8 +37,8 @@ def run(p, pieces, logprobs=None):
     ev = ResponseEvents(p)
     raw = ev.start()
     for k, piece in enumerate(pieces):
-        raw += ev.delta(piece, None if logprobs is None else logprobs[k])
-    raw += ev.finish("stop", 5, 9)
+        raw += ev.delta(SimpleNamespace(text=piece, logprobs=None if logprobs is None else logprobs[k]))
+    raw += ev.finish(SimpleNamespace(finish_reason="stop", prompt_tokens=5, completion_tokens=9, cached_tokens=0))
     events = []
     for chunk in raw:
         head, data = chunk.decode().rstrip("\n").split("\n", 1)

@@ -17,6 +17,7 @@ import json
 
 import orjson
 
+from surge.server.errors import anthropic_type
 from surge.server.http.answer_blocks import AnswerBlocks
 from surge.server.http.reasoning import REASONING
 
@@ -95,15 +96,17 @@ class MessageEvents:
                         self._event("content_block_stop", index=index + 1)]
         return out
 
-    def delta(self, text: str) -> list[bytes]:
-        return self._render(self.blocks.feed(text))
+    def delta(self, d) -> list[bytes]:
+        """`d`: a Delta of the stream (or a whole GenerationResult)."""
+        return self._render(self.blocks.feed(d.text))
 
-    def finish(self, finish, stop_reason, output_tokens: int, cached: int = 0) -> list[bytes]:
-        """`cached`: the prompt's tokens found in the prefix cache; as Anthropic counts them, they are
-        `cache_read_input_tokens` and not `input_tokens`."""
+    def finish(self, d) -> list[bytes]:
+        """`d`: the last Delta (or the GenerationResult). The prompt's tokens found in the prefix cache are
+        `cache_read_input_tokens` and, as Anthropic counts them, not `input_tokens`."""
         out = self._render(self.blocks.finish())
-        reason, sequence = stop(finish, stop_reason, self.called)
-        usage = {"input_tokens": self.base["usage"]["input_tokens"] - cached, "output_tokens": output_tokens,
+        reason, sequence = stop(d.finish_reason, d.stop_reason, self.called)
+        cached = d.cached_tokens
+        usage = {"input_tokens": self.base["usage"]["input_tokens"] - cached, "output_tokens": d.completion_tokens,
                  "cache_read_input_tokens": cached}
         self.message = {**self.base, "content": self.content, "stop_reason": reason, "stop_sequence": sequence,
                         "usage": {**self.base["usage"], **usage}}
@@ -111,5 +114,6 @@ class MessageEvents:
                                   usage=usage),
                       self._event("message_stop")]
 
-    def failed(self, kind: str, message: str) -> list[bytes]:
-        return [self._event("error", error={"type": kind, "message": message})]
+    def failed(self, exc) -> list[bytes]:
+        """`exc`: the SurgeError that ended the stream, as Anthropic's error event."""
+        return [self._event("error", error={"type": anthropic_type(exc.http_status), "message": exc.message})]

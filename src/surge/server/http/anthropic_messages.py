@@ -23,18 +23,17 @@ from typing import Literal, Union
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
-from surge.errors import InvalidInput, SurgeError
+from surge.errors import InvalidInput
 from surge.server.http import generate_common
 from surge.server.http.anthropic_events import MessageEvents
-from surge.server.errors import anthropic_type
 from surge.server.http.common import ORJSONResponse, parse
-from surge.server.http.generate_common import (EventStream, JsonAnswer, counted, counted_stream, deadline_for,
-                                               generate_model, make_params, until_disconnect)
+from surge.server.http.generate_common import (EventStream, JsonAnswer, counted, deadline_for, generate_model,
+                                               item_stream, make_params, until_disconnect)
 from surge.server.http.guided_fields import request_guide
 from surge.server.http.openai_chat import tool_calls_wanted
 from surge.server.http.openapi import body
 from surge.server.http.reasoning import guide_after_thinking, request_parser
-from surge.server.http.responses_items import new_id
+from surge.server.http.responses_items import chat_tool, new_id
 from surge.server.http.tool_calls import arguments_for_template
 from surge.server.state import AppState
 
@@ -135,11 +134,7 @@ def tools_for_chat(tools: list | None) -> list[dict] | None:
             kind = tool.get("type") if isinstance(tool, dict) else None
             raise InvalidInput(f"tools[{k}]: only custom tools with a name are supported (got type {kind!r})",
                                param="tools")
-        fn = {"name": tool["name"]}  # in chat's order (name, description, parameters): templates write it as is
-        if tool.get("description") is not None:
-            fn["description"] = tool["description"]
-        fn["parameters"] = tool.get("input_schema") or {"type": "object"}
-        out.append({"type": "function", "function": fn})
+        out.append(chat_tool(tool["name"], tool.get("description"), tool.get("input_schema") or {"type": "object"}))
     return out
 
 
@@ -219,31 +214,10 @@ async def message_answer(state: AppState, req: MessagesRequest, receive) -> Json
     if not req.stream:
         res = await until_disconnect(receive, counted(state, service, service.generate(ids, params,
                                                                                        deadline=deadline)))
-        events.delta(res.text)
-        events.finish(res.finish_reason, res.stop_reason, res.completion_tokens, res.cached_tokens)
+        events.delta(res)
+        events.finish(res)
         return JsonAnswer(events.message, headers)
-    agen = counted_stream(state, service, service.stream(ids, params, deadline=deadline))
-    first = await agen.__anext__()  # an error before any output keeps its HTTP status
-
-    async def rest():
-        for chunk in events.start():
-            yield chunk
-        d = first
-        try:
-            while True:
-                for chunk in events.delta(d.text):
-                    yield chunk
-                if d.finish_reason is not None:
-                    break
-                d = await agen.__anext__()
-        except SurgeError as exc:
-            for chunk in events.failed(anthropic_type(exc.http_status), exc.message):
-                yield chunk
-            return
-        for chunk in events.finish(d.finish_reason, d.stop_reason, d.completion_tokens, d.cached_tokens):
-            yield chunk
-
-    return EventStream(rest(), lambda exc: {}, done=False, close=agen.aclose)
+    return await item_stream(state, service, ids, params, deadline, events)
 
 
 def router(state: AppState) -> APIRouter:

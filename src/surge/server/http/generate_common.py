@@ -202,6 +202,37 @@ class EventStream:
                 await self.close()
 
 
+async def item_stream(state, service, ids, params, deadline, events, after=None) -> EventStream:
+    """A streamed answer of the item-based APIs (the Responses API, Anthropic's Messages): `events` renders
+    it as the API's events (`start()`, `delta(d)`, `finish(d)`, `failed(exc)`, each a list of bytes); an
+    error before any output keeps its HTTP status, one after it is the API's error event; `after` (a
+    coroutine function) runs once the answer is whole. No `[DONE]`."""
+    agen = counted_stream(state, service, service.stream(ids, params, deadline=deadline))
+    first = await agen.__anext__()
+
+    async def rest():
+        for chunk in events.start():
+            yield chunk
+        d = first
+        try:
+            while True:
+                for chunk in events.delta(d):
+                    yield chunk
+                if d.finish_reason is not None:
+                    break
+                d = await agen.__anext__()
+        except SurgeError as exc:
+            for chunk in events.failed(exc):
+                yield chunk
+            return
+        for chunk in events.finish(d):
+            yield chunk
+        if after is not None:
+            await after()
+
+    return EventStream(rest(), lambda exc: {}, done=False, close=agen.aclose)
+
+
 @dataclass
 class JsonAnswer:
     body: dict

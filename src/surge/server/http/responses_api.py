@@ -34,7 +34,7 @@ from surge.runtime.response_store import store_for, valid_id
 from surge.server.http import generate_common
 from surge.server.http.common import ORJSONResponse, parse
 from surge.server.http.generate_common import (EventStream, JsonAnswer, counted, counted_stream, deadline_for,
-                                               generate_model, make_params, until_disconnect)
+                                               generate_model, item_stream, make_params, until_disconnect)
 from surge.server.http.guided_fields import request_guide
 from surge.server.http.openai_chat import tool_calls_wanted
 from surge.server.http.openapi import body
@@ -210,34 +210,13 @@ async def response_answer(state: AppState, req: ResponseRequest, receive) -> Jso
         res = await until_disconnect(receive, counted(state, service, service.generate(p.ids, p.params,
                                                                                        deadline=deadline)))
         events = ResponseEvents(p)  # the items a stream of it would have, made the same way
-        events.delta(res.text, res.logprobs)
-        events.finish(res.finish_reason, res.prompt_tokens, res.completion_tokens, res.cached_tokens)
+        events.delta(res)
+        events.finish(res)
         await _keep(state, p, events.response)
         return JsonAnswer(events.response, headers)
-    agen = counted_stream(state, service, service.stream(p.ids, p.params, deadline=deadline))
-    first = await agen.__anext__()  # an error before any output keeps its HTTP status
     events = ResponseEvents(p)
-
-    async def rest():
-        for chunk in events.start():
-            yield chunk
-        d = first
-        try:
-            while True:
-                for chunk in events.delta(d.text, d.logprobs):
-                    yield chunk
-                if d.finish_reason is not None:
-                    break
-                d = await agen.__anext__()
-        except SurgeError as exc:
-            for chunk in events.failed(exc.code, exc.message, exc.param):
-                yield chunk
-            return
-        for chunk in events.finish(d.finish_reason, d.prompt_tokens, d.completion_tokens, d.cached_tokens):
-            yield chunk
-        await _keep(state, p, events.response)
-
-    return EventStream(rest(), lambda exc: {}, done=False, close=agen.aclose)
+    return await item_stream(state, service, p.ids, p.params, deadline, events,
+                             after=lambda: _keep(state, p, events.response))
 
 
 async def _start_background(state: AppState, p: _Prepared) -> dict:
@@ -272,7 +251,7 @@ async def _run_background(state: AppState, p: _Prepared) -> None:
     stream = counted_stream(state, service, service.stream(p.ids, p.params, deadline=deadline_for(state)))
     try:
         async for d in stream:
-            events.delta(d.text, d.logprobs)
+            events.delta(d)
             if time.monotonic() - checked > CANCEL_POLL_S:
                 checked = time.monotonic()
                 if await _stopped(store, rid):
@@ -290,7 +269,7 @@ async def _run_background(state: AppState, p: _Prepared) -> None:
         raise
     finally:
         await stream.aclose()
-    events.finish(d.finish_reason, d.prompt_tokens, d.completion_tokens, d.cached_tokens)
+    events.finish(d)
     stopped = await _stopped(store, rid)
     if stopped != "deleted":
         finished = events.response if stopped is None else {**p.base, "status": "cancelled", "output": events.output}

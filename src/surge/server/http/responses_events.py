@@ -129,15 +129,18 @@ class ResponseEvents:
     # an item closed while the answer goes on is complete; the last one has the answer's status
     status = "completed"
 
-    def delta(self, text: str, logprobs) -> list[bytes]:
-        return self._render(self.blocks.feed(text, logprobs))
+    def delta(self, d) -> list[bytes]:
+        """`d`: a Delta of the stream (or a whole GenerationResult): its text and log-probabilities."""
+        return self._render(self.blocks.feed(d.text, d.logprobs))
 
-    def finish(self, finish, prompt_tokens: int, completion_tokens: int, cached: int = 0) -> list[bytes]:
-        self.status, _ = outcome(finish)
+    def finish(self, d) -> list[bytes]:
+        """`d`: the last Delta (or the GenerationResult): its finish reason and token counts."""
+        self.status, _ = outcome(d.finish_reason)
         out = self._render(self.blocks.finish())
         thought = self.blocks.thought
         reasoning = len(self.p.count(thought)) if thought else 0
-        self.response = finished(self.p, self.output, finish, prompt_tokens, completion_tokens, reasoning, cached)
+        self.response = finished(self.p, self.output, d.finish_reason, d.prompt_tokens, d.completion_tokens,
+                                 reasoning, d.cached_tokens)
         kind = "response.completed" if self.status == "completed" else "response.incomplete"
         return out + [self._event(kind, response=self.response)]
 
@@ -147,8 +150,9 @@ class ResponseEvents:
         self._render(self.blocks.finish())
         return self.output
 
-    def failed(self, code: str, message: str, param: str | None) -> list[bytes]:
-        self.response = {**self.p.base, "status": "failed", "error": {"code": code, "message": message},
+    def failed(self, exc) -> list[bytes]:
+        """`exc`: the SurgeError that ended the stream."""
+        self.response = {**self.p.base, "status": "failed", "error": {"code": exc.code, "message": exc.message},
                          "output": self.output}
-        return [self._event("error", code=code, message=message, param=param),
+        return [self._event("error", code=exc.code, message=exc.message, param=exc.param),
                 self._event("response.failed", response=self.response)]

@@ -106,6 +106,16 @@ def to_messages(items: list[dict]) -> list[dict]:
     return messages
 
 
+def chat_tool(name: str, description: str | None, parameters: dict | None) -> dict:
+    """A function tool as chat clients send it, keys in their order (name, description, parameters), which
+    templates write as they are."""
+    fn = {"name": name}
+    if description is not None:
+        fn["description"] = description
+    fn["parameters"] = parameters or {"type": "object", "properties": {}}
+    return {"type": "function", "function": fn}
+
+
 def tools_for_chat(tools: list | None) -> list[dict] | None:
     """Responses' flat function tools as chat's (what templates and the tool-call grammar read)."""
     if not tools:
@@ -118,11 +128,7 @@ def tools_for_chat(tools: list | None) -> list[dict] | None:
                                param="tools")
         if not isinstance(tool.get("name"), str):
             raise InvalidInput(f"tools[{k}]: a function tool needs a string name", param="tools")
-        fn = {"name": tool["name"]}
-        if tool.get("description") is not None:
-            fn["description"] = tool["description"]
-        fn["parameters"] = tool.get("parameters") or {"type": "object", "properties": {}}
-        out.append({"type": "function", "function": fn})
+        out.append(chat_tool(tool["name"], tool.get("description"), tool.get("parameters")))
     return out
 
 
