@@ -11,7 +11,8 @@ alone) is read around each batch of requests from one client process:
   whole cycle with a single chunk;
 * a chunk: the same number of streams of `--tokens` tokens each; (CPU - requests' CPU) / extra chunks.
 
-Medians over `--rounds`; the table also gives chat completions. `--baseline CHECKOUT` (a git worktree
+Medians over `--rounds`; the table also gives chat completions, the Responses API and Anthropic's Messages
+API (their streams' typed events: a few more at the start and the end, one a token). `--baseline CHECKOUT` (a git worktree
 of the commit to compare with) measures that checkout's server too, rounds alternating with this
 one's, and gives the ratio: the machine's speed moves within a session as well as between them.
 """
@@ -88,11 +89,16 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     roots = {"this": ROOT, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
-    kinds = {
+    ask = [{"role": "user", "content": "Define assignment."}]
+    kinds = {  # name: (path, body, the field of the output's length)
         "completions": ("/v1/completions", {"model": "m", "prompt": "The augmented assignment statement",
-                                            "temperature": 0, "ignore_eos": True, "stream": True}),
+                                            "temperature": 0, "ignore_eos": True, "stream": True}, "max_tokens"),
         "chat": ("/v1/chat/completions", {"model": "m", "temperature": 0, "ignore_eos": True, "stream": True,
-                                          "messages": [{"role": "user", "content": "Define assignment."}]}),
+                                          "messages": ask}, "max_tokens"),
+        "responses": ("/v1/responses", {"model": "m", "temperature": 0, "ignore_eos": True, "stream": True,
+                                        "input": ask, "store": False}, "max_output_tokens"),
+        "messages": ("/v1/messages", {"model": "m", "temperature": 0, "ignore_eos": True, "stream": True,
+                                      "messages": ask}, "max_tokens"),
     }
     rows: dict = {}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
@@ -106,15 +112,14 @@ def main(argv=None) -> int:
             srv = stack.enter_context(ServerProc(f"surge-serve ({variant})", argv, port, cwd=root,
                                                  env={"PYTHONPATH": str(root / "src")}))
             servers[variant] = (srv, psutil.Process(srv.proc.pid))
-        for name, (path, body) in kinds.items():
+        for name, (path, body, length) in kinds.items():
             per = {v: ([], []) for v in servers}
             for srv, proc in servers.values():
-                measure(proc, srv.url, 8, {**body, "max_tokens": 4}, path, args.concurrency)  # warm-up
+                measure(proc, srv.url, 8, {**body, length: 4}, path, args.concurrency)  # warm-up
             for _ in range(args.rounds):
                 for variant, (srv, proc) in servers.items():  # alternating: the machine's drift hits both
-                    cpu1, ch1 = measure(proc, srv.url, args.requests, {**body, "max_tokens": 1}, path,
-                                        args.concurrency)
-                    cpun, chn = measure(proc, srv.url, args.requests, {**body, "max_tokens": args.tokens}, path,
+                    cpu1, ch1 = measure(proc, srv.url, args.requests, {**body, length: 1}, path, args.concurrency)
+                    cpun, chn = measure(proc, srv.url, args.requests, {**body, length: args.tokens}, path,
                                         args.concurrency)
                     per[variant][0].append(cpu1 / args.requests)
                     per[variant][1].append((cpun - cpu1) / max(1, chn - ch1))
@@ -133,6 +138,8 @@ def main(argv=None) -> int:
         print(f"| {name} | {r['request_ms']:.3f} | {r['chunk_us']:.1f} |")
     if args.baseline:
         for name in kinds:
+            if f"{name} (baseline)" not in rows:
+                continue
             new, old = rows[f"{name} (this)"], rows[f"{name} (baseline)"]
             print(f"| {name}: this / baseline | {new['request_ms'] / old['request_ms']:.2f}x | "
                   f"{new['chunk_us'] / old['chunk_us']:.2f}x |")

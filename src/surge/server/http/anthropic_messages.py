@@ -8,7 +8,7 @@ the user's own text, as Anthropic orders them), rendered by the model's chat tem
 (`input_schema`), `tool_choice` (auto / any / tool / none, `disable_parallel_tool_use`) and
 `output_config.format` (a JSON schema) go through the chat route's machinery (hermes tool-call parser,
 guided decoding); `max_tokens` (required), `temperature`, `top_p`, `top_k` and `stop_sequences` are
-honoured. With the model's reasoning parser the thinking is a `thinking` block; `thinking: {"type":
+honoured, and vLLM's `seed` and `ignore_eos`. With the model's reasoning parser the thinking is a `thinking` block; `thinking: {"type":
 "disabled"}` turns a Qwen3 template's thinking off (its `enable_thinking`), and `budget_tokens` is not
 enforced (the answer's `max_tokens` bounds both). Errors are Anthropic's `{"type": "error", "error":
 {"type", "message"}}` (server/errors.py). What surge cannot do (images, documents, server tools,
@@ -62,6 +62,9 @@ class MessagesRequest(BaseModel):
     metadata: dict | None = None
     service_tier: StrictStr | None = None
     container: Union[StrictStr, dict, None] = None
+    # vLLM's extras, as the other routes take them
+    seed: int | None = None
+    ignore_eos: bool = False
 
 
 class CountTokensRequest(BaseModel):
@@ -204,7 +207,8 @@ async def message_answer(state: AppState, req: MessagesRequest, receive) -> Json
                                                                 parallel_tool_calls=parallel), service)
     reasoning = request_parser(getattr(service.config, "reasoning_parser", "none"), variables)
     params = make_params(service, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                         top_k=req.top_k, stop=req.stop_sequences, guide=_guide(req, service, tool_guide, reasoning))
+                         top_k=req.top_k, stop=req.stop_sequences, seed=req.seed, ignore_eos=req.ignore_eos,
+                         guide=_guide(req, service, tool_guide, reasoning))
     base = {"id": new_id("msg"), "type": "message", "role": "assistant", "model": service.name,
             "usage": {"input_tokens": len(ids), "output_tokens": 0, "cache_creation_input_tokens": 0,
                       "cache_read_input_tokens": 0}}
