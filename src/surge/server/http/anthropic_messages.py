@@ -8,9 +8,9 @@ the user's own text, as Anthropic orders them), rendered by the model's chat tem
 (`input_schema`), `tool_choice` (auto / any / tool / none, `disable_parallel_tool_use`) and
 `output_config.format` (a JSON schema) go through the chat route's machinery (hermes tool-call parser,
 guided decoding); `max_tokens` (required), `temperature`, `top_p`, `top_k` and `stop_sequences` are
-honoured, and vLLM's `seed` and `ignore_eos`. With the model's reasoning parser the thinking is a `thinking` block; `thinking: {"type":
-"disabled"}` turns a Qwen3 template's thinking off (its `enable_thinking`), and `budget_tokens` is not
-enforced (the answer's `max_tokens` bounds both). Errors are Anthropic's `{"type": "error", "error":
+honoured, and vLLM's `seed` and `ignore_eos`. With the model's reasoning parser the thinking is a
+`thinking` block; `thinking: {"type": "disabled"}` turns a Qwen3 template's thinking off (its
+`enable_thinking`), and `budget_tokens` is not enforced (the answer's `max_tokens` bounds both). Errors are Anthropic's `{"type": "error", "error":
 {"type", "message"}}` (server/errors.py). What surge cannot do (images, documents, server tools,
 `output_config.effort`, containers) is a 400 naming it, never dropped.
 """
