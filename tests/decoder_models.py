@@ -99,11 +99,12 @@ def save_tokenizer(tok, out: Path, template: str = CHATML) -> None:
 
 def build_model(kind: str, out: Path, *, seed: int = 0, vocab: int = 384, template: str = CHATML,
                 all_bytes: bool = False, **overrides) -> Path:
-    """kind: gpt2 | llama | qwen2 | qwen3 | mistral. Weights: seeded random, larger than the default init so that greedy
+    """kind: gpt2 | llama | qwen2 | qwen3 | mistral | granite. Weights: seeded random, larger than the default init so that greedy
     choices are not near-ties (FP32 rounding then never flips a token). `all_bytes`: train_tokenizer's."""
     import torch
-    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (GPT2Config, GPT2LMHeadModel, GraniteConfig, GraniteForCausalLM, LlamaConfig,
+                              LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
 
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(vocab, all_bytes)
@@ -130,6 +131,13 @@ def build_model(kind: str, out: Path, *, seed: int = 0, vocab: int = 384, templa
                                     max_position_embeddings=256, initializer_range=0.08, tie_word_embeddings=True),
                              **common, **overrides})
         cls = Qwen3ForCausalLM
+    elif kind == "granite":  # Llama with multipliers, and biases on attention and MLP
+        cfg = GraniteConfig(**{**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      initializer_range=0.08, tie_word_embeddings=True, embedding_multiplier=6.0,
+                                      residual_multiplier=0.4, attention_multiplier=0.09, logits_scaling=3.0,
+                                      attention_bias=True, mlp_bias=True), **common, **overrides})
+        cls = GraniteForCausalLM
     elif kind == "mistral":
         cfg = MistralConfig(**{**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -144,6 +152,11 @@ def build_model(kind: str, out: Path, *, seed: int = 0, vocab: int = 384, templa
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.1)
+    if kind == "granite":  # biases start at zero: make them count
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(".bias"):
+                    param.normal_(0, 0.1)
     if kind == "qwen3":  # the q/k norms start at ones: make them count
         with torch.no_grad():
             for layer in model.model.layers:

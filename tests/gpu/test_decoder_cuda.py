@@ -682,19 +682,21 @@ def test_a_decoder_runs_the_precision_that_is_set(qwen_dir):
             assert got == _run(eager, prompts, 12)
 
 
-def test_qwen3_runs_the_unfused_layer_on_the_gpu(tmp_path_factory):
-    """Qwen3 (per-head q/k norms, which the fused kernels lack) on CUDA: the unfused layer (its GEMMs, RoPE
-    and Triton paged attention as separate kernels) in FP32 scores every prompt token within tolerance of
-    transformers' FP32 forward, and the service's loop (CUDA graphs, multi-step launches) gives the eager
-    steps' tokens."""
+@pytest.mark.parametrize("kind", ["qwen3", "granite"])
+def test_the_unfused_layer_on_the_gpu(tmp_path_factory, kind):
+    """Qwen3 (per-head q/k norms) and Granite (o and MLP biases), which the fused kernels lack, on CUDA: the
+    unfused layer (its GEMMs, RoPE and Triton paged attention as separate kernels) in FP32 gives
+    transformers' greedy tokens but where transformers' own top two are within TF32's rounding, and the
+    service's loop (CUDA graphs, multi-step launches) gives the eager steps' tokens."""
     from transformers import AutoModelForCausalLM
 
     from surge.engines.decoder import DecoderEngine
     from tests.decoder_models import build_model
 
-    d = build_model("qwen3", tmp_path_factory.mktemp("qwen3_gpu"), seed=5, hidden_size=256, intermediate_size=512,
-                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                    max_position_embeddings=512)
+    extra = {"head_dim": 64} if kind == "qwen3" else {}
+    d = build_model(kind, tmp_path_factory.mktemp(kind + "_gpu"), seed=5, hidden_size=256, intermediate_size=512,
+                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                    **extra)
     engine = DecoderEngine(d, device="cuda", dtype="fp32", num_blocks=512, max_num_seqs=16, max_model_len=512)
     assert not engine.model.fused
     engine.warmup()

@@ -1,8 +1,9 @@
 """The decoder engine on the CPU (FP32) against transformers, token for token.
 
 Seeded random GPT-2-, Llama- (plain and with llama3 / linear / yarn RoPE scaling), Qwen2-shaped
-(GQA, q/k/v biases, tied embeddings) and Qwen3-shaped models (per-head q/k norms, a head size of
-its own) are built with transformers and saved;
+(GQA, q/k/v biases, tied embeddings), Qwen3-shaped (per-head q/k norms, a head size of its own)
+and Granite-shaped models (multipliers folded into the weights, o and MLP biases) are built with
+transformers and saved;
 surge loads the directories. Sequences join and leave a running batch (more prompts than
 max_num_seqs, later arrivals), long prompts are split by a small token budget, a shared prefix
 hits the prefix cache, and the KV cache is small enough that sequences are preempted.
@@ -29,6 +30,7 @@ KINDS = {
                                                      "original_max_position_embeddings": 64}}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
+    "granite": ("granite", {}),
 }
 
 
@@ -138,7 +140,7 @@ def test_overlapped_steps_equal_transformers(name, depth, model_dirs, hf_models)
     assert sched.blocks.num_free == 24
 
 
-@pytest.mark.parametrize("name", ["gpt2", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["gpt2", "qwen2", "qwen3", "granite"])
 def test_logits_and_logprobs_match(name, model_dirs, hf_models):
     engine = DecoderEngine(model_dirs[name], num_blocks=64, block_size=8)
     sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=8, max_num_seqs=4, max_num_batched_tokens=64,

@@ -18,7 +18,8 @@ from pathlib import Path
 from surge.errors import ConfigError
 
 # model_type -> engine family
-SUPPORTED = {"gpt2": "gpt2", "llama": "llama", "qwen2": "llama", "qwen3": "llama", "mistral": "llama"}
+SUPPORTED = {"gpt2": "gpt2", "llama": "llama", "qwen2": "llama", "qwen3": "llama", "mistral": "llama",
+             "granite": "llama"}
 _CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 
@@ -60,6 +61,14 @@ class DecoderConfig:
     rope: dict = field(default_factory=dict)  # rope_type, rope_theta and the scaling fields
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head's query and key, before RoPE
     sliding_window: int | None = None  # Mistral's: a token attends to the last this many
+    o_bias: bool = False  # Llama's attention_bias also biases o_proj
+    mlp_bias: bool = False  # gate, up and down biased (Llama's / Granite's mlp_bias)
+    # Granite's multipliers, folded into the weights at load (load_decoder_weights) but the attention's
+    # scale, which replaces 1/sqrt(head_dim)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    attention_scale: float | None = None
 
     @property
     def q_per_kv(self) -> int:
@@ -129,7 +138,16 @@ def load_decoder_config(path: str | Path) -> DecoderConfig:
         qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), eos_token_ids=eos_ids,
         bos_token_id=cfg.get("bos_token_id"), rope=_rope_params(cfg), qk_norm=model_type == "qwen3",
-        sliding_window=int(window) if window else None)
+        sliding_window=int(window) if window else None,
+        o_bias=model_type != "qwen2" and bool(cfg.get("attention_bias", False)), mlp_bias=bool(cfg.get("mlp_bias")),
+        **(_granite(cfg) if model_type == "granite" else {}))
+
+
+def _granite(cfg: dict) -> dict:
+    return {"embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
+            "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
+            "logits_scaling": float(cfg.get("logits_scaling", 1.0)),
+            "attention_scale": float(cfg.get("attention_multiplier", 1.0))}
 
 
 def rope_inv_freq(cfg: DecoderConfig):
@@ -196,6 +214,20 @@ def _open_safetensors(path: Path):
     return files
 
 
+def _fold_multipliers(out: dict, cfg: DecoderConfig, lm_head) -> bool:
+    """Granite's multipliers as weights (in FP32, before the cast): the embedding's into the embedding, the
+    residual branches' into o and down (and their biases), 1 / logits_scaling into an LM head of its own
+    (a tied one is copied). Returns False: the LM head is no longer the embedding."""
+    out["lm_head"] = lm_head.float() / cfg.logits_scaling
+    out["embed"] = out["embed"].float() * cfg.embedding_multiplier
+    for i in range(cfg.num_layers):
+        for name in ("o", "o.bias", "down", "down.bias"):
+            key = f"l{i}.{name}"
+            if key in out:
+                out[key] = out[key].float() * cfg.residual_multiplier
+    return False
+
+
 def load_decoder_weights(path: str | Path, cfg: DecoderConfig, dtype, device="cpu") -> dict:
     """Weights under the engine's names: embed, pos_embed, lm_head, final_norm(.bias), and per layer
     `l{i}.` + attn_norm, qkv(.bias), o(.bias), q_norm / k_norm (Qwen3), mlp_norm, up_gate | fc_in,
@@ -241,6 +273,11 @@ def load_decoder_weights(path: str | Path, cfg: DecoderConfig, dtype, device="cp
             if cfg.qkv_bias:
                 out[f"l{i}.qkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
             out[f"l{i}.o"] = take(p + "self_attn.o_proj.weight")
+            if cfg.o_bias:
+                out[f"l{i}.o.bias"] = take(p + "self_attn.o_proj.bias")
+            if cfg.mlp_bias:
+                out[f"l{i}.up_gate.bias"] = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")])
+                out[f"l{i}.down.bias"] = take(p + "mlp.down_proj.bias")
             if cfg.qk_norm:
                 out[f"l{i}.q_norm"], out[f"l{i}.k_norm"] = take(p + "self_attn.q_norm.weight"), \
                     take(p + "self_attn.k_norm.weight")
@@ -250,6 +287,8 @@ def load_decoder_weights(path: str | Path, cfg: DecoderConfig, dtype, device="cp
     tied = lm_head is None or cfg.tie_embeddings
     if not tied:
         out["lm_head"] = lm_head
+    if (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling) != (1.0, 1.0, 1.0):
+        tied = _fold_multipliers(out, cfg, lm_head if not tied else out["embed"])
     out = {k: v.to(device=device, dtype=dtype).contiguous() for k, v in out.items()}
     if tied:
         out["lm_head"] = out["embed"]  # one copy in memory

@@ -26,7 +26,7 @@ class DecoderModel:
         self.w = weights
         self.device = device
         self.dtype = dtype
-        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.scale = cfg.attention_scale or 1.0 / math.sqrt(cfg.head_dim)
         self.attention = attention
         if decode_block_n is None and attention == "triton":  # the measured value for the head layout
             from surge.engines.kernels.decode_attention import block_n_for
@@ -52,9 +52,9 @@ class DecoderModel:
             self.rot_dim = emb.shape[-1]
             d = cfg.head_dim
             # the fused kernels (GPU): full rotary dims, a power-of-two head size, no per-head q/k norm (Qwen3's
-            # runs the unfused layer: its GEMMs, RoPE and paged attention as separate kernels)
+            # runs the unfused layer: its GEMMs, RoPE and paged attention as separate kernels), no o or MLP biases
             self.fused = attention == "triton" and fused and self.rot_dim == d and d >= 16 and d & (d - 1) == 0 \
-                and not cfg.qk_norm
+                and not (cfg.qk_norm or cfg.o_bias or cfg.mlp_bias)
         if decode_attention not in ("fused", "split"):
             raise ValueError(f"decode_attention must be fused or split, not {decode_attention!r}")
         # decode steps: RoPE, the K/V cache write and attention in one kernel (kernels/decode_attention.py)
@@ -293,10 +293,10 @@ class DecoderModel:
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             v = qkv[:, qd + kd:].reshape(t, nkv, hd)
             a = self._attend(q.contiguous(), k.contiguous(), v.contiguous(), i, kv, meta).reshape(t, qd)
-            x = x + self._lin(a, p + "o")
+            x = x + self._lin(a, p + "o", w.get(p + "o.bias"))
             h = self._rms(x, w[p + "mlp_norm"])
-            gate, up = self._lin(h, p + "up_gate").chunk(2, dim=-1)
-            x = x + self._lin(F.silu(gate) * up, p + "down")
+            gate, up = self._lin(h, p + "up_gate", w.get(p + "up_gate.bias")).chunk(2, dim=-1)
+            x = x + self._lin(F.silu(gate) * up, p + "down", w.get(p + "down.bias"))
         return self._rms(x, w["final_norm"])
 
     def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
