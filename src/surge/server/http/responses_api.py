@@ -192,11 +192,13 @@ def _drop_oldest_turn(turns: list[dict]) -> list[dict]:
 
 
 async def _keep(state: AppState, p: _Prepared, response: dict) -> None:
+    """Store (with `store`) the response, its input items and the conversation a continuation starts from
+    (its outputs once it is done)."""
     if p.base["store"]:
         done = response["status"] in ("completed", "incomplete")
+        conversation = p.context + p.input_items + (response["output"] if done else [])
         await _store(state).put(response["id"], {"response": response, "input_items": p.input_items,
-                                           "conversation": p.context + p.input_items
-                                           + (response["output"] if done else [])})
+                                                 "conversation": conversation})
 
 
 async def response_answer(state: AppState, req: ResponseRequest, receive) -> JsonAnswer | EventStream:
