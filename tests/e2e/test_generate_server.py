@@ -276,7 +276,12 @@ def test_fields_surge_cannot_honour_are_refused_and_tools_render(server, hf):
                         ({"messages": msg, "tools": [tool], "tool_choice": "required"}, "tool_choice"),
                         ({"messages": msg, "tool_choice": {"type": "function"}}, "tool_choice"),
                         ({"messages": msg, "logit_bias": {"x": 1}}, "logit_bias"),
-                        ({"messages": msg, "logit_bias": {"5": 101}}, "logit_bias")]:
+                        ({"messages": msg, "logit_bias": {"5": 101}}, "logit_bias"),
+                        ({"messages": msg, "modalities": ["text", "audio"]}, "modalities"),
+                        ({"messages": msg, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+                        ({"messages": msg, "web_search_options": {}}, "web_search_options"),
+                        ({"messages": msg, "functions": [tool["function"]]}, "functions"),
+                        ({"messages": msg, "function_call": "auto"}, "function_call")]:
         r = _post(server.url + "/v1/chat/completions", json={"model": "chat-qwen", "max_tokens": 2, **body})
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["param"] == param

@@ -13,7 +13,8 @@ template controls `add_generation_prompt`, `continue_final_message` and
 json_object / json_schema, vLLM's `guided_*` fields and `structured_outputs`, a required or
 named `tool_choice`) constrain the answer token by token (server/http/guided_fields.py).
 OpenAI fields surge cannot honour (tool calls without a parser, `suffix`, `best_of` other
-than `n`) are refused with 400, never ignored; unknown fields are ignored, as vLLM does.
+than `n`, audio and other modalities, web search, the deprecated `functions`) are refused with 400,
+never ignored; unknown fields are ignored, as vLLM does.
 Tool calls are read from the answer with the model's `tool_call_parser`
 (server/http/tool_calls.py). With the model's `reasoning_parser` (vLLM's --reasoning-parser: deepseek_r1,
 qwen3) a reasoning model's thinking goes in the message's (or delta's) `reasoning` field and `content` keeps
@@ -123,6 +124,12 @@ class ChatCompletionRequest(_Sampling):
                                          "message's text, no end of turn after it.")
     chat_template_kwargs: dict | None = Field(None, description="The template's own variables (e.g. "
                                               "enable_thinking).")
+    # OpenAI fields a text model cannot honour: refused when set (chat_answer), never dropped
+    modalities: list[StrictStr] | None = None
+    audio: dict | None = None
+    web_search_options: dict | None = None
+    functions: list | None = None
+    function_call: Union[StrictStr, dict, None] = None
     include_reasoning: bool = Field(True, description="vLLM's: false leaves the thinking that the model's "
                                     "reasoning_parser separates out of the answer.")
 
@@ -198,6 +205,7 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
     that leaves while a non-streamed answer is computed). The route and the hot path
     (server/http/generate_hotpath.py) both answer with it."""
     service = generate_model(state, req.model)
+    _refuse_chat_fields(req)
     check_count(1, req.n, state.config.limits.max_inputs_per_request)
     parse_calls, tool_guide = tool_calls_wanted(req, service)
     guide = request_guide(req, service, tool_guide)
@@ -361,6 +369,20 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
                        "choices": [], "usage": _usage(prompt_tokens, completion_tokens, cached)})
 
     return EventStream(rest(), _error_body, close=_closer(deltas, agens))
+
+
+def _refuse_chat_fields(req: ChatCompletionRequest) -> None:
+    """What a text model cannot honour is a 400 naming it (the request models ignore unknown fields)."""
+    if req.modalities and set(req.modalities) != {"text"}:
+        raise InvalidInput("only the text modality is served", param="modalities")
+    if req.audio is not None:
+        raise InvalidInput("audio output is not supported", param="audio")
+    if req.web_search_options is not None:
+        raise InvalidInput("web search is not supported", param="web_search_options")
+    for field in ("functions", "function_call"):
+        if getattr(req, field) is not None:
+            raise InvalidInput(f"'{field}' (deprecated by OpenAI) is not supported; send tools and tool_choice",
+                               param=field)
 
 
 def _vllm_extras(req) -> dict:
