@@ -12,7 +12,7 @@ honoured, and vLLM's `seed` and `ignore_eos`. With the model's reasoning parser 
 `thinking` block; `thinking: {"type": "disabled"}` turns a Qwen3 template's thinking off (its
 `enable_thinking`), and `budget_tokens` is not enforced (the answer's `max_tokens` bounds both). Errors are Anthropic's `{"type": "error", "error":
 {"type", "message"}}` (server/errors.py). What surge cannot do (images, documents, server tools,
-`output_config.effort`, containers) is a 400 naming it, never dropped.
+`output_config.effort`, containers, MCP servers) is a 400 naming it, never dropped.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class MessagesRequest(BaseModel):
     metadata: dict | None = None
     service_tier: StrictStr | None = None
     container: Union[StrictStr, dict, None] = None
+    mcp_servers: list | None = None
     # vLLM's extras, as the other routes take them
     seed: int | None = None
     ignore_eos: bool = False
@@ -179,6 +180,8 @@ def _refuse_unsupported(req: MessagesRequest) -> None:
         raise InvalidInput("output_config.effort is not supported", param="output_config")
     if req.container is not None:
         raise InvalidInput("containers (server tools) are not supported", param="container")
+    if req.mcp_servers:
+        raise InvalidInput("MCP servers are not supported (the client runs its tools)", param="mcp_servers")
 
 
 def _guide(req: MessagesRequest, service, tool_guide, reasoning: str):
