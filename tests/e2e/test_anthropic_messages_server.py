@@ -145,7 +145,7 @@ def test_what_surge_cannot_do_is_refused_in_anthropics_shape(client, server):
         {"tool_choice": {"type": "any"}},
         {"output_config": {"effort": "high"}},
         {"thinking": {"type": "sometimes"}},
-        {"mcp_servers": [{"type": "url", "url": "https://x", "name": "x"}]},
+        {"extra_body": {"mcp_servers": [{"type": "url", "url": "https://x", "name": "x"}]}},  # a beta field
     ]
     for extra in cases:
         body = {"model": "claude-local", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}], **extra}
