@@ -805,8 +805,9 @@ def test_usage_counts_the_prompt_tokens_found_in_the_prefix_cache(client, hf):
     import uuid
 
     _, tok = hf
-    words = " ".join(uuid.uuid4().hex[:6] for _ in range(12))  # a prompt no earlier test sent
-    messages = [{"role": "user", "content": "Define " + words}]
+    # a prompt no other test sent, from its first block on (the default system prompt is everyone's)
+    words = " ".join(uuid.uuid4().hex[:6] for _ in range(12))
+    messages = [{"role": "system", "content": words}, {"role": "user", "content": "Define it."}]
     ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
     whole_blocks = (len(ids) - 1) // 16 * 16
     assert whole_blocks >= 16
@@ -817,7 +818,7 @@ def test_usage_counts_the_prompt_tokens_found_in_the_prefix_cache(client, hf):
     chunks = list(client.chat.completions.create(model="chat-qwen", messages=messages, max_tokens=4, temperature=0.9,
                                                  stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == whole_blocks
-    prompt = "Assign " + " ".join(uuid.uuid4().hex[:6] for _ in range(12))
+    prompt = " ".join(uuid.uuid4().hex[:6] for _ in range(12))
     once = client.completions.create(model="chat-qwen", prompt=prompt, max_tokens=2, temperature=0.9)
     assert once.usage.prompt_tokens_details.cached_tokens == 0
     twice = client.completions.create(model="chat-qwen", prompt=[prompt], max_tokens=2, temperature=0.9)
