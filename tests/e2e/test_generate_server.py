@@ -281,7 +281,8 @@ def test_fields_surge_cannot_honour_are_refused_and_tools_render(server, hf):
                         ({"messages": msg, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
                         ({"messages": msg, "web_search_options": {}}, "web_search_options"),
                         ({"messages": msg, "functions": [tool["function"]]}, "functions"),
-                        ({"messages": msg, "function_call": "auto"}, "function_call")]:
+                        ({"messages": msg, "function_call": "auto"}, "function_call"),
+                        ({"messages": msg, "reasoning_effort": "high"}, "reasoning_effort")]:  # no parser
         r = _post(server.url + "/v1/chat/completions", json={"model": "chat-qwen", "max_tokens": 2, **body})
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["param"] == param

@@ -355,6 +355,11 @@ def test_a_reasoning_models_thinking_is_a_reasoning_item(tmp_path_factory):
         assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == content
         assert [o.type for o in final.output] == ["reasoning", "message"] and final.output_text == content
 
+        # a reasoning effort reaches the template (this one does not read it: the same answer) and is echoed
+        high = client.responses.create(model="think-qwen", input=THINK_ASK[0]["content"], temperature=0,
+                                       max_output_tokens=60, reasoning={"effort": "high"})
+        assert high.reasoning.effort == "high" and [o.type for o in high.output] == ["reasoning", "message"]
+        assert high.output_text == content
         follow = {"role": "user", "content": "And of Italy?"}
         r2 = client.responses.create(model="think-qwen", input=[follow], previous_response_id=r.id, temperature=0,
                                      max_output_tokens=30)

@@ -196,3 +196,21 @@ def test_a_model_without_a_think_token_refuses_a_structured_output_with_the_pars
         with pytest.raises(InvalidInput) as e:
             guide_after_thinking(guide, Text(), req, True)
         assert e.value.param == "tool_choice"
+
+
+def test_a_reasoning_effort_reaches_the_template_and_turns_qwen3s_thinking_off():
+    from surge.errors import InvalidInput
+    from surge.server.http.reasoning import effort_variables, request_parser
+
+    assert effort_variables("deepseek_r1", None, {"x": 1}, "p") == {"x": 1}
+    assert effort_variables("deepseek_r1", "high", None, "p") == {"reasoning_effort": "high"}
+    off = effort_variables("qwen3", "none", None, "p")
+    assert off == {"reasoning_effort": "none", "enable_thinking": False} and request_parser("qwen3", off) == "none"
+    on = effort_variables("qwen3", "low", None, "p")
+    assert "enable_thinking" not in on and request_parser("qwen3", on) == "qwen3"
+    # what the request set itself wins
+    assert effort_variables("qwen3", "minimal", {"enable_thinking": True}, "p")["enable_thinking"] is True
+    for parser, effort in (("none", "high"), ("qwen3", "extreme")):
+        with pytest.raises(InvalidInput) as info:
+            effort_variables(parser, effort, None, "reasoning_effort")
+        assert info.value.param == "reasoning_effort"

@@ -37,7 +37,8 @@ from surge.server.http.common import parse
 from surge.server.http import generate_common
 from surge.server.http.generate_choices import check_count, choice_params, first_deltas, merged
 from surge.server.http.guided_fields import request_guide, tool_choice_guide
-from surge.server.http.reasoning import ChatDeltas, guide_after_thinking, message, request_parser
+from surge.server.http.reasoning import (ChatDeltas, effort_variables, guide_after_thinking, message,
+                                         request_parser)
 from surge.server.http.tool_calls import arguments_for_template
 from surge.server.http.generate_common import (EventStream, JsonAnswer, counted, counted_stream, deadline_for,
                                                generate_model, make_params, sse, until_disconnect)
@@ -132,6 +133,9 @@ class ChatCompletionRequest(_Sampling):
     function_call: Union[StrictStr, dict, None] = None
     include_reasoning: bool = Field(True, description="vLLM's: false leaves the thinking that the model's "
                                     "reasoning_parser separates out of the answer.")
+    reasoning_effort: StrictStr | None = Field(None, description="For a model with a reasoning_parser: the "
+                                               "template's reasoning_effort; none / minimal turn Qwen3's thinking "
+                                               "off.")
 
 
 TokenIds = list[StrictInt]
@@ -209,13 +213,15 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
     check_count(1, req.n, state.config.limits.max_inputs_per_request)
     parse_calls, tool_guide = tool_calls_wanted(req, service)
     guide = request_guide(req, service, tool_guide)
-    reasoning = request_parser(getattr(service.config, "reasoning_parser", "none"), req.chat_template_kwargs)
+    parser = getattr(service.config, "reasoning_parser", "none")
+    variables = effort_variables(parser, req.reasoning_effort, req.chat_template_kwargs, "reasoning_effort")
+    reasoning = request_parser(parser, variables)
     if guide is not None and reasoning != "none":
         guide = guide_after_thinking(guide, service, req, tool_guide is not None)
     tools = req.tools if req.tools else None
     prompt = service.render_chat(_messages(req), add_generation_prompt=req.add_generation_prompt, tools=tools,
                                  continue_final_message=req.continue_final_message,
-                                 variables=req.chat_template_kwargs)
+                                 variables=variables)
     ids = _truncated(service.encode(prompt, special=False), req.truncate_prompt_tokens)
     params = make_params(service, max_tokens=req.max_completion_tokens or req.max_tokens,
                          temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,

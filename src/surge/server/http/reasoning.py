@@ -47,6 +47,28 @@ PARSERS = ("none", "deepseek_r1", "qwen3")
 REASONING, CONTENT = "reasoning", "content"
 
 
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def effort_variables(parser: str, effort: str | None, variables: dict | None, param: str) -> dict | None:
+    """The template variables of a request's reasoning effort (OpenAI's chat `reasoning_effort`, the Responses
+    API's `reasoning.effort`): the template gets it as `reasoning_effort` (as vLLM passes it; templates that
+    read it, e.g. gpt-oss's, use it), and "none" / "minimal" turn a Qwen3 template's thinking off
+    (`enable_thinking` false) unless the request set that itself. A model without a reasoning parser has no
+    effort to set: 400 naming `param`."""
+    if effort is None:
+        return variables
+    if effort not in EFFORTS:
+        raise InvalidInput(f"reasoning effort must be one of {', '.join(EFFORTS)}", param=param)
+    if parser == "none":
+        raise InvalidInput("this model does not reason (no reasoning_parser): a reasoning effort has nothing to "
+                           "set", param=param)
+    out = {"reasoning_effort": effort, **(variables or {})}
+    if parser == "qwen3" and effort in ("none", "minimal"):
+        out.setdefault("enable_thinking", False)
+    return out
+
+
 def request_parser(parser: str, template_variables: dict | None) -> str:
     """The parser a chat request's answer is read with: the model's, or "none" where the request turned
     Qwen3's thinking off (`chat_template_kwargs` enable_thinking false)."""

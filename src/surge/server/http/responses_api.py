@@ -14,8 +14,9 @@ the answer fit) and `store` (default true) are honoured; `seed`, `top_k`, `min_p
 `response.incomplete`), each with its `sequence_number`, and no `[DONE]`. A background response is
 answered at once (`queued`) and read back until it is done; `cancel` stops it, also from another
 `--workers` front end (the store carries the request, runtime/response_store.py). What surge cannot
-do (conversations, prompt templates, built-in tools, images, background streaming, reasoning effort on
-a model that does not reason) is a 400 naming the field.
+do (conversations, prompt templates, built-in tools, images, background streaming, reasoning summaries,
+a reasoning effort on a model that does not reason) is a 400 naming the field; `reasoning.effort` goes to the
+template as `reasoning_effort` ("none" / "minimal" turn a Qwen3 template's thinking off).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from surge.server.http.generate_common import (EventStream, JsonAnswer, counted,
 from surge.server.http.guided_fields import request_guide
 from surge.server.http.openai_chat import tool_calls_wanted
 from surge.server.http.openapi import body
-from surge.server.http.reasoning import guide_after_thinking, request_parser
+from surge.server.http.reasoning import effort_variables, guide_after_thinking, request_parser
 from surge.server.http.responses_events import ResponseEvents
 from surge.server.http.responses_items import (choice_for_chat, new_id, normalize_input, text_format, to_messages,
                                                tools_for_chat)
@@ -106,8 +107,8 @@ def _refuse_unsupported(req: ResponseRequest) -> None:
         if getattr(req, field) is not None:
             raise InvalidInput(f"'{field}' is not supported (use previous_response_id to continue a "
                                "conversation)", param=field)
-    if req.reasoning and any(v is not None for v in req.reasoning.values()):
-        raise InvalidInput("'reasoning' options are not supported by this model", param="reasoning")
+    if req.reasoning and any(v is not None for k, v in req.reasoning.items() if k != "effort"):
+        raise InvalidInput("of 'reasoning', only effort is supported (no summaries)", param="reasoning")
     unknown = sorted(set(req.include or ()) - set(INCLUDES))
     if unknown:
         raise InvalidInput(f"include {', '.join(unknown)} is not supported ({', '.join(INCLUDES)})",
@@ -141,14 +142,16 @@ async def _prepare(state: AppState, req: ResponseRequest) -> _Prepared:
                            parallel_tool_calls=req.parallel_tool_calls)
     parse_calls, tool_guide = tool_calls_wanted(chat, service)
     guide = request_guide(SimpleNamespace(response_format=text_format(req.text)), service, tool_guide)
-    reasoning = request_parser(getattr(service.config, "reasoning_parser", "none"), None)
+    parser = getattr(service.config, "reasoning_parser", "none")
+    variables = effort_variables(parser, (req.reasoning or {}).get("effort"), None, "reasoning")
+    reasoning = request_parser(parser, variables)
     if guide is not None and reasoning != "none":
         guide = guide_after_thinking(guide, service, None, tool_guide is not None,
                                      "tool_choice" if tool_guide is not None else "text")
     head = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     turns = to_messages(context + items)
     while True:
-        prompt = service.render_chat(arguments_for_template(head + turns), tools=tools)
+        prompt = service.render_chat(arguments_for_template(head + turns), tools=tools, variables=variables)
         ids = service.encode(prompt, special=False)
         if req.truncation != "auto" or _fits(service, ids, req.max_output_tokens) or len(turns) <= 1:
             break
@@ -165,7 +168,8 @@ async def _prepare(state: AppState, req: ResponseRequest) -> _Prepared:
         "background": req.background, "error": None, "incomplete_details": None,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": service.name,
         "output": [], "parallel_tool_calls": req.parallel_tool_calls is not False,
-        "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
+        "previous_response_id": req.previous_response_id,
+        "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
         "service_tier": "default", "store": req.store,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
