@@ -283,10 +283,10 @@ class Hub:
             self.metrics.engine_state(state)
         owner = self.owner
         adm: dict[_Front, dict] = {}
-        for gid, t in admitted.items():
+        for gid, at in admitted.items():
             o = owner.get(gid)
             if o is not None:
-                adm.setdefault(o[0], {})[o[1]] = t
+                adm.setdefault(o[0], {})[o[1]] = at  # (scheduled_at, cached prompt tokens)
         parts: dict[_Front, list] = {}
         for tokens, samples, finished in batch:
             per: dict[_Front, tuple] = {}
