@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.redis_server import redis_server  # noqa: F401  (a real redis-server for any test that asks)
+
 ROOT = Path(__file__).resolve().parent.parent
 # Exports are reused between test runs (and by server processes the tests start).
 CACHE_DIR = Path(os.environ.get("SURGE_TEST_CACHE_DIR", ROOT / ".pytest_cache" / "surge"))

@@ -362,6 +362,37 @@ def test_generation_cache_answers_repeats(server, client):
     assert metric(server, "surge_generate_cache_hits_total") == before + 2
 
 
+def test_the_generation_cache_is_shared_on_redis(model_dir, hf, redis_server):
+    """Two servers with one `--redis-url`: a greedy answer (and a seeded one) computed by one is answered
+    from the shared tier by the other, whole and streamed, with every prompt token counted cached, and
+    equals transformers'; a sampled answer without a seed is never cached."""
+    args = ("--threads", "1", "--redis-url", redis_server)
+    with ServerProcess(str(model_dir), *args) as a, ServerProcess(str(model_dir), *args) as b:
+        ca, cb = (openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=120) for s in (a, b))
+        kw = dict(model="chat-qwen", messages=CHAT, max_tokens=16, temperature=0)
+        first = ca.chat.completions.create(**kw)
+        assert first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens  # computed
+        before = metric(b, "surge_generate_cache_hits_total")
+        other = cb.chat.completions.create(**kw)
+        assert other.choices[0].message.content == first.choices[0].message.content
+        assert other.usage.prompt_tokens_details.cached_tokens == other.usage.prompt_tokens  # from the tier
+        chunks = list(cb.chat.completions.create(**kw, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+            first.choices[0].message.content
+        assert metric(b, "surge_generate_cache_hits_total") == before + 2
+        model, tok = hf
+        ids = tok.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=True, return_dict=False)
+        assert first.choices[0].message.content == hf_text(hf, list(ids), 16)[0]
+        seeded = dict(model="chat-qwen", prompt="Names are", max_tokens=8, temperature=0.9, seed=7, logprobs=2)
+        sa = ca.completions.create(**seeded)
+        sb = cb.completions.create(**seeded)
+        assert sb.choices[0].text == sa.choices[0].text and sb.choices[0].logprobs == sa.choices[0].logprobs
+        assert sb.usage.prompt_tokens_details.cached_tokens == sb.usage.prompt_tokens
+        free = dict(model="chat-qwen", prompt="Names are", max_tokens=8, temperature=0.9)
+        ca.completions.create(**free)
+        assert cb.completions.create(**free).usage.prompt_tokens_details.cached_tokens < sb.usage.prompt_tokens
+
+
 def test_kserve_statistics_count_generations(server, client):
     """GET /v2/models/{m}/stats and gRPC ModelStatistics of a decoder model: each generation is one
     inference (HTTP OpenAI / KServe, streamed or not), a cache hit is no execution, a failure counts

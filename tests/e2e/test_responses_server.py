@@ -22,7 +22,6 @@ from surge.server.http.guided_fields import tool_choice_guide  # noqa: E402
 from surge.server.http.tool_calls import parse as parse_calls  # noqa: E402
 from tests.decoder_models import QWEN_TOOLS, build_model, load_hf  # noqa: E402
 from tests.guided_reference import hf_guided  # noqa: E402
-from tests.redis_server import redis_server  # noqa: E402, F401  (fixture)
 from tests.server_process import ServerProcess  # noqa: E402
 from tests.trained_models import ASK, TOOL, train_tool_model  # noqa: E402
 

@@ -25,7 +25,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from surge.types import EmbedOptions
 from tests.http_load import closed_loop, encode_post
-from tests.redis_server import redis_server  # noqa: F401  (fixture)
 from tests.server_process import ServerProcess
 
 STRAINED_DELAY_S = 3.0  # added to every engine batch of the strained server

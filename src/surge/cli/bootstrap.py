@@ -66,7 +66,11 @@ def load_service(config: ServerConfig, spec: ModelSpec, version: str = "1", engi
     if is_decoder_dir(spec.path):  # a causal LM: task "generate", served by its own service
         from surge.runtime.loader import build_generate_service
 
-        return build_generate_service(spec, version, engine, config.limits, config.generation.merged(generation))
+        from surge.runtime.generate_service import attach_shared_cache
+
+        service = build_generate_service(spec, version, engine, config.limits, config.generation.merged(generation))
+        attach_shared_cache(service, cache or config.cache)
+        return service
     # Before any export: a model surge cannot serve fails the start naming its architecture.
     check_servable(spec.task_info, spec.model_type, spec.path)
     artifact = artifact or resolve_artifact(spec, engine, config.cache_dir, backbone=bool(heads))

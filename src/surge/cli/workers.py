@@ -341,12 +341,13 @@ def _front_decoder(state, config: ServerConfig, spec, sock: str) -> None:
     (runtime/generate_hub.py). No connection is handed over: that process runs no HTTP."""
     async def connect(state) -> None:
         from surge.runtime.generate_hub import HubClient
-        from surge.runtime.generate_service import service_over
+        from surge.runtime.generate_service import attach_shared_cache, service_over
         from surge.runtime.loader import generate_settings
 
         client = await asyncio.to_thread(HubClient, sock)
         _, _, gen = generate_settings(spec, config.engine, config.generation)
         service = service_over(client, spec.path, spec.name, "1", gen, config.limits.request_timeout_s)
+        attach_shared_cache(service, config.cache)
         service.bind_loop(asyncio.get_running_loop())  # read the engine's reports from now on
         state.registry.add(service)
         service.mark_ready()

@@ -174,12 +174,13 @@ def front_generator(config, entry: dict):
     the front end's event loop, which reads the hub's reports from now on)."""
     from surge.config import GenerationConfig
     from surge.runtime.generate_hub import HubClient
-    from surge.runtime.generate_service import service_over
+    from surge.runtime.generate_service import attach_shared_cache, service_over
 
     client = HubClient(entry["hub"], timeout_s=30.0)
     gen = GenerationConfig.model_validate(entry["generation"])
     service = service_over(client, Path(entry["spec_dir"]), entry["name"], entry["version"], gen,
                            config.limits.request_timeout_s)
+    attach_shared_cache(service, config.cache)
     service.bind_loop(asyncio.get_running_loop())
     return service
 

@@ -28,9 +28,13 @@ def build_generate(spec: ReplicaSpec):
     from surge.models import load_model_spec
     from surge.runtime.loader import build_generate_service
 
+    from surge.runtime.generate_service import attach_shared_cache
+
     model_spec = load_model_spec(spec.model_dir, name=spec.name)
-    return build_generate_service(model_spec, spec.version, spec.engine, spec.limits,
-                                  spec.generation or GenerationConfig())
+    service = build_generate_service(model_spec, spec.version, spec.engine, spec.limits,
+                                     spec.generation or GenerationConfig())
+    attach_shared_cache(service, spec.cache)
+    return service
 
 
 class GenerateReplica:

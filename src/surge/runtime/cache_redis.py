@@ -77,6 +77,24 @@ class RedisTier:
         except Exception as exc:
             self._failed(exc)
 
+    async def get_bytes(self, key: tuple) -> bytes | None:
+        """One value as stored by put_bytes (a miss on any error, as get_many)."""
+        if not self.available:
+            return None
+        try:
+            return await self.client.get(self.redis_key(key))
+        except Exception as exc:
+            self._failed(exc)
+            return None
+
+    async def put_bytes(self, key: tuple, value: bytes) -> None:
+        if not self.available:
+            return
+        try:
+            await self.client.set(self.redis_key(key), value, ex=self.ttl_s)
+        except Exception as exc:
+            self._failed(exc)
+
     async def close(self) -> None:
         try:
             await self.client.aclose()

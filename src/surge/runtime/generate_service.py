@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
 
+import orjson
+
 from surge.config import GenerationConfig  # noqa: F401  (re-exported: callers build it from here)
 from surge.errors import DeadlineExceeded, EngineError, InvalidInput, NotReady, Overloaded
 from surge.runtime.detok import TextState
@@ -147,6 +149,10 @@ class GenerateService(PromptText):
         self._handles: dict[int, _Handle] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cache: OrderedDict[tuple, list[Delta]] = OrderedDict()
+        # the generation cache's shared tier (runtime/cache_redis.RedisTier; attach_shared_cache): replicas
+        # and --workers front ends of one version answer each other's repeats
+        self.shared = None
+        self._puts: set[asyncio.Task] = set()
         # the engine loop runs elsewhere (runtime/generate_process.EngineProcess, generate_hub.HubClient)
         self.remote = bool(getattr(engine, "remote", False))
         # engine-wide gauges and counters (KV use, prefix cache, preemptions) are this process's to
@@ -234,6 +240,10 @@ class GenerateService(PromptText):
         key = (self.version, tuple(prompt_ids), params.key()) if use_cache and params.deterministic \
             and self.config.cache_entries \
             else None
+        if key is not None and key not in self._cache and self.shared is not None:
+            found = await self.shared.get_bytes(_shared_key(key))
+            if found is not None:
+                self._remember(key, _unpack(found), share=False)
         if key is not None and key in self._cache:
             self._cache.move_to_end(key)
             self.metrics.cache_hits.inc()
@@ -301,10 +311,14 @@ class GenerateService(PromptText):
         submitted since that it has not taken in yet."""
         return self._state.waiting + self._sent - self._state.received + len(self._arrivals)
 
-    def _remember(self, key, deltas: list[Delta]) -> None:
+    def _remember(self, key, deltas: list[Delta], share: bool = True) -> None:
         self._cache[key] = deltas
         while len(self._cache) > self.config.cache_entries:
             self._cache.popitem(last=False)
+        if share and self.shared is not None:
+            task = asyncio.ensure_future(self.shared.put_bytes(_shared_key(key), _pack(deltas)))
+            self._puts.add(task)  # held until done (the loop keeps only weak references)
+            task.add_done_callback(self._puts.discard)
 
     def _arrive(self, seq: Sequence) -> None:
         # The requests submitted in one pass of the event loop (a client's gather, one read of many
@@ -521,6 +535,41 @@ class GenerateService(PromptText):
         for h in list(self._handles.values()):
             if not h.done:
                 h.fail(err)
+
+
+_DELTA_FIELDS = ("text", "token_ids", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens",
+                 "prompt_logprobs", "stop_reason", "cached_tokens")
+
+
+def _shared_key(key: tuple) -> tuple:
+    """A generation-cache key (version, prompt ids, sampling key) as the shared tier's (options, input)."""
+    version, ids, params = key
+    return (version, params), ",".join(map(str, ids))
+
+
+def _pack(deltas: list[Delta]) -> bytes:
+    return orjson.dumps([{f: getattr(d, f) for f in _DELTA_FIELDS} for d in deltas])
+
+
+def _unpack(raw: bytes) -> list[Delta]:
+    """Deltas as _pack wrote them (the top log-probabilities' tuples come back as lists, which the routes
+    unpack alike)."""
+    return [Delta(**d) for d in orjson.loads(raw)]
+
+
+def attach_shared_cache(service, cache_config) -> None:
+    """Give a generation service the shared tier of the server's cache settings (`--redis-url`): on Redis,
+    keyed by model, version and the engine's device and precision (answers of another precision never
+    mix), for `--redis-ttl-s`. Nothing without a URL, with the cache off, or with the generation cache off."""
+    if not (cache_config is not None and cache_config.enabled and cache_config.redis_url
+            and service.config.cache_entries):
+        return
+    from surge.runtime.cache_redis import RedisTier
+
+    caps = service.engine.capabilities
+    build = f"generate:{getattr(caps, 'device', '')}:{getattr(caps, 'dtype', '')}"
+    service.shared = RedisTier(cache_config.redis_url, service.name, service.version, cache_config.redis_ttl_s,
+                               build=build)
 
 
 def _error(kind: str, message: str) -> Exception:
