@@ -369,8 +369,10 @@ async def _streaming_front(build, text: str, n: int):
     from types import SimpleNamespace
 
     from surge.cli.workers_generate import front_generator
+    from surge.config import CacheConfig
 
-    svc = front_generator(SimpleNamespace(limits=SimpleNamespace(request_timeout_s=60.0)), build.catalog_entry())
+    config = SimpleNamespace(limits=SimpleNamespace(request_timeout_s=60.0), cache=CacheConfig())
+    svc = front_generator(config, build.catalog_entry())
     svc.mark_ready()
     prompt = svc.encode(text)
     run = asyncio.ensure_future(_tokens(svc, prompt, n))
