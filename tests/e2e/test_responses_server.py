@@ -158,6 +158,17 @@ def test_previous_response_id_continues_and_the_store_reads_back(client, hf):
         client.responses.retrieve(unstored.id)
 
 
+def test_instructions_and_developer_messages_are_one_system_message(client, hf):
+    """Codex CLI's shape: instructions and a developer message in the input; rendered as one leading system
+    message (the template knows no developer role), as transformers renders that chat."""
+    dev = {"role": "developer", "content": "Answer in one line."}
+    r = client.responses.create(model="resp-qwen", instructions="You are terse.", input=[dev, USER],
+                                max_output_tokens=12, temperature=0)
+    want = [{"role": "system", "content": "You are terse.\n\nAnswer in one line."}, USER]
+    text, _, ids = greedy(hf, want, 12)
+    assert r.usage.input_tokens == len(ids) and r.output_text == text
+
+
 def test_truncation_auto_drops_the_oldest_turns(client, hf):
     """A conversation longer than the context: refused as it is, answered with its oldest turns left out
     under truncation 'auto' (equal to transformers' answer to what is left)."""

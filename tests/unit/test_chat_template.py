@@ -116,3 +116,20 @@ def test_continue_final_message_and_template_variables_render_as_transformers(to
         with pytest.raises(InvalidInput) as err:
             ours.render(prefill, **bad)
         assert err.value.param == param
+
+
+def test_a_developer_message_is_a_system_one_unless_the_template_knows_the_role():
+    """OpenAI's `developer` role (Codex CLI and the Responses API send it): a template that never names it
+    renders it as transformers renders the same message with role system; one that does gets it as is."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from tests.decoder_models import QWEN_TOOLS
+
+    chat = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    want, _ = render_jinja_template([[{**chat[0], "role": "system"}, chat[1]]], chat_template=QWEN_TOOLS,
+                                    add_generation_prompt=True)
+    plain = ChatTemplate(QWEN_TOOLS, {})
+    assert not plain.knows_developer and plain.render(chat) == want[0]
+    knowing = ChatTemplate("{% for m in messages %}{% if m.role == 'developer' %}D:{% endif %}{{ m.content }}|"
+                           "{% endfor %}", {})
+    assert knowing.knows_developer and knowing.render(chat) == "D:Be brief.|Hi|"

@@ -179,3 +179,14 @@ def test_what_a_text_model_cannot_take_is_a_400():
         {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}}
     with pytest.raises(InvalidInput):
         text_format({"format": {"type": "json_schema", "name": "w"}})
+
+
+def test_system_and_developer_messages_join_into_one_leading_system_message():
+    from surge.server.http.responses_items import system_first
+
+    turns = [{"role": "system", "content": "Instructions."}, {"role": "user", "content": "Hi"},
+             {"role": "developer", "content": "Be brief."}, {"role": "assistant", "content": "Ok."},
+             {"role": "system", "content": ""}]
+    assert system_first(turns) == [{"role": "system", "content": "Instructions.\n\nBe brief."},
+                                   {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Ok."}]
+    assert system_first([{"role": "user", "content": "Hi"}]) == [{"role": "user", "content": "Hi"}]

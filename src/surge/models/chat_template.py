@@ -73,6 +73,9 @@ class ChatTemplate:
         self.template = template
         self.special_tokens = special_tokens
         _compile(template)  # a syntax error is a startup error
+        # a template that never names the developer role gets developer messages as system ones (as vLLM
+        # does: most raise on a role they do not know, or drop it)
+        self.knows_developer = "developer" in template
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ChatTemplate | None":
@@ -109,6 +112,8 @@ class ChatTemplate:
         if taken:
             raise InvalidInput(f"chat_template_kwargs cannot set {', '.join(taken)}", param="chat_template_kwargs")
         chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        if not self.knows_developer:  # OpenAI's newer name of the system role (Codex CLI sends it)
+            chat = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in chat]
         if continue_final_message:  # transformers' way: a tag after the content, the text cut before it
             if not isinstance(chat[-1].get("content"), str):
                 raise InvalidInput("continue_final_message: the last message has no text to continue",

@@ -2,7 +2,8 @@
 GET /v1/responses/{id}, DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel and
 GET /v1/responses/{id}/input_items.
 
-A request is a chat underneath: `instructions` become the system message, the input items (and with
+A request is a chat underneath: `instructions` and the input's system / developer messages become one
+leading system message (as vLLM renders it: most templates want one, first), the input items (and with
 `previous_response_id` the stored conversation before them: its inputs and outputs, not its
 instructions) the messages, rendered by the model's chat template; function tools, `tool_choice` and
 `text.format` (JSON schema / object) go through the chat route's machinery (tool-call parser, guided
@@ -41,8 +42,8 @@ from surge.server.http.openai_chat import tool_calls_wanted
 from surge.server.http.openapi import body
 from surge.server.http.reasoning import effort_variables, guide_after_thinking, request_parser
 from surge.server.http.responses_events import ResponseEvents
-from surge.server.http.responses_items import (choice_for_chat, new_id, normalize_input, text_format, to_messages,
-                                               tools_for_chat)
+from surge.server.http.responses_items import (choice_for_chat, new_id, normalize_input, system_first, text_format,
+                                               to_messages, tools_for_chat)
 from surge.server.http.tool_calls import arguments_for_template
 from surge.server.state import AppState
 
@@ -151,7 +152,8 @@ async def _prepare(state: AppState, req: ResponseRequest) -> _Prepared:
     head = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     turns = to_messages(context + items)
     while True:
-        prompt = service.render_chat(arguments_for_template(head + turns), tools=tools, variables=variables)
+        prompt = service.render_chat(arguments_for_template(system_first(head + turns)), tools=tools,
+                                     variables=variables)
         ids = service.encode(prompt, special=False)
         if req.truncation != "auto" or _fits(service, ids, req.max_output_tokens) or len(turns) <= 1:
             break

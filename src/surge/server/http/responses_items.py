@@ -116,6 +116,15 @@ def chat_tool(name: str, description: str | None, parameters: dict | None) -> di
     return {"type": "function", "function": fn}
 
 
+def system_first(messages: list[dict]) -> list[dict]:
+    """The system and developer messages (instructions, then those of the input, in order) joined into one
+    leading system message, as vLLM renders a Responses conversation: most templates want one system message,
+    first, and raise on another."""
+    system = [m["content"] for m in messages if m["role"] in ("system", "developer") and m.get("content")]
+    rest = [m for m in messages if m["role"] not in ("system", "developer")]
+    return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + rest
+
+
 def tools_for_chat(tools: list | None) -> list[dict] | None:
     """Responses' flat function tools as chat's (what templates and the tool-call grammar read)."""
     if not tools:
