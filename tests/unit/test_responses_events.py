@@ -14,7 +14,6 @@ from surge.errors import InvalidInput
 from surge.server.http.responses_events import ResponseEvents
 from surge.server.http.responses_items import (choice_for_chat, normalize_input, text_format, to_messages,
                                                tools_for_chat)
-from surge.server.http.tool_calls import arguments_for_template
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TEXTS = [
@@ -152,7 +151,7 @@ def test_input_items_become_chat_messages_as_transformers_renders_them():
             {"role": "tool", "content": "Sunny"}, {"role": "tool", "content": "Rain"}]
     from surge.models.chat_template import ChatTemplate
 
-    ours = ChatTemplate(QWEN_TOOLS, {}).render(arguments_for_template(messages), tools=tools)
+    ours = ChatTemplate(QWEN_TOOLS, {}).render(messages, tools=tools)  # arguments as objects there
     theirs, _ = render_jinja_template([want], chat_template=QWEN_TOOLS, tools=tools, add_generation_prompt=True)
     assert ours == theirs[0]
     assert '"arguments": {"city": "Rome"}' in ours  # an object, not a quoted string

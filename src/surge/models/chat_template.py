@@ -68,6 +68,27 @@ def _compile(template: str):
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker of where the last message's text ends
 
 
+def _arguments_as_objects(message: dict) -> dict:
+    """An assistant turn's tool calls with their JSON `arguments` as objects, which chat templates expect
+    (Qwen2.5's writes `arguments | tojson`: the string OpenAI clients send would come out quoted), as vLLM
+    passes them; what is not a JSON object stays."""
+    calls = message.get("tool_calls")
+    if message.get("role") != "assistant" or not isinstance(calls, list):
+        return message
+    fixed = []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                args = json.loads(fn["arguments"])
+            except ValueError:
+                args = None
+            if isinstance(args, dict):
+                c = {**c, "function": {**fn, "arguments": args}}
+        fixed.append(c)
+    return {**message, "tool_calls": fixed}
+
+
 class ChatTemplate:
     def __init__(self, template: str, special_tokens: dict[str, str]):
         self.template = template
@@ -114,6 +135,7 @@ class ChatTemplate:
         chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
         if not self.knows_developer:  # OpenAI's newer name of the system role (Codex CLI sends it)
             chat = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in chat]
+        chat = [_arguments_as_objects(m) for m in chat]
         if continue_final_message:  # transformers' way: a tag after the content, the text cut before it
             if not isinstance(chat[-1].get("content"), str):
                 raise InvalidInput("continue_final_message: the last message has no text to continue",

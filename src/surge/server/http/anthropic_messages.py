@@ -34,7 +34,6 @@ from surge.server.http.openai_chat import tool_calls_wanted
 from surge.server.http.openapi import body
 from surge.server.http.reasoning import guide_after_thinking, request_parser
 from surge.server.http.responses_items import chat_tool, new_id
-from surge.server.http.tool_calls import arguments_for_template
 from surge.server.state import AppState
 
 
@@ -170,7 +169,7 @@ def _prompt(service, req) -> tuple[list[int], list | None, object, bool | None, 
     tools = tools_for_chat(req.tools)
     choice, parallel = choice_for_chat(req.tool_choice)
     variables = _variables(req)
-    text = service.render_chat(arguments_for_template(to_messages(req)), tools=tools, variables=variables)
+    text = service.render_chat(to_messages(req), tools=tools, variables=variables)
     return service.encode(text, special=False), tools, choice, parallel, variables
 
 

@@ -39,7 +39,7 @@ from surge.server.http.generate_choices import check_count, choice_params, first
 from surge.server.http.guided_fields import request_guide, tool_choice_guide
 from surge.server.http.reasoning import (ChatDeltas, effort_variables, guide_after_thinking, message,
                                          request_parser)
-from surge.server.http.tool_calls import arguments_for_template
+from surge.server.http.responses_items import logprob_list
 from surge.server.http.generate_common import (EventStream, JsonAnswer, counted, counted_stream, deadline_for,
                                                generate_model, make_params, sse, until_disconnect)
 from surge.server.http.openapi import body
@@ -162,15 +162,11 @@ def _messages(req: ChatCompletionRequest) -> list[dict]:
         if isinstance(m.content, list):  # text parts joined, as most templates expect a string
             d["content"] = "".join(p.text for p in m.content)
         out.append(d)
-    return arguments_for_template(out)
+    return out
 
 
 def _chat_logprobs(items) -> dict | None:
-    if items is None:
-        return None
-    return {"content": [{"token": it["token"], "logprob": it["logprob"], "bytes": list(it["token"].encode()),
-                         "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
-                                          for t, v, _ in it["top"]]} for it in items]}
+    return None if items is None else {"content": logprob_list(items)}
 
 
 def _completion_logprobs(items, offset0: int = 0) -> dict | None:

@@ -44,7 +44,6 @@ from surge.server.http.reasoning import effort_variables, guide_after_thinking, 
 from surge.server.http.responses_events import ResponseEvents
 from surge.server.http.responses_items import (choice_for_chat, new_id, normalize_input, system_first, text_format,
                                                to_messages, tools_for_chat)
-from surge.server.http.tool_calls import arguments_for_template
 from surge.server.state import AppState
 
 LOGPROBS = "message.output_text.logprobs"
@@ -152,8 +151,7 @@ async def _prepare(state: AppState, req: ResponseRequest) -> _Prepared:
     head = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     turns = to_messages(context + items)
     while True:
-        prompt = service.render_chat(arguments_for_template(system_first(head + turns)), tools=tools,
-                                     variables=variables)
+        prompt = service.render_chat(system_first(head + turns), tools=tools, variables=variables)
         ids = service.encode(prompt, special=False)
         if req.truncation != "auto" or _fits(service, ids, req.max_output_tokens) or len(turns) <= 1:
             break

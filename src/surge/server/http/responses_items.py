@@ -171,7 +171,8 @@ def text_format(text: dict | None) -> dict | None:
 
 
 def logprob_list(items) -> list[dict]:
-    """The engine's per-token log-probabilities as output_text's `logprobs`."""
+    """The engine's per-token log-probabilities as OpenAI writes them (chat's `logprobs.content`, the
+    Responses API's output_text `logprobs`)."""
     return [{"token": it["token"], "logprob": it["logprob"], "bytes": list(it["token"].encode()),
              "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v, _ in it["top"] or ()]}
             for it in items or ()]

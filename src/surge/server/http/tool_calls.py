@@ -95,26 +95,3 @@ class ToolCallStream:
         rest = (OPEN if self._inside else "") + self._buf
         self._buf, self._inside = "", False
         return rest
-
-
-def arguments_for_template(messages: list[dict]) -> list[dict]:
-    """Assistant tool calls with their JSON `arguments` as objects, which chat templates expect (Qwen2.5's
-    writes `arguments | tojson`: a string would come out quoted); what is not a JSON object stays."""
-    out = []
-    for m in messages:
-        calls = m.get("tool_calls")
-        if m.get("role") == "assistant" and isinstance(calls, list):
-            fixed = []
-            for c in calls:
-                fn = c.get("function") if isinstance(c, dict) else None
-                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-                    try:
-                        args = json.loads(fn["arguments"])
-                    except ValueError:
-                        args = None
-                    if isinstance(args, dict):
-                        c = {**c, "function": {**fn, "arguments": args}}
-                fixed.append(c)
-            m = {**m, "tool_calls": fixed}
-        out.append(m)
-    return out
