@@ -176,3 +176,38 @@ def load_hf(model_dir: Path):
     torch.set_num_threads(1)
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), \
         AutoTokenizer.from_pretrained(model_dir)
+
+
+def build_lora(base_dir: Path, out: Path, *, seed: int = 0, r: int = 8, alpha: float = 16.0,
+               targets: list[str] | None = None, scale: float = 3.0, **extra) -> Path:
+    """A PEFT LoRA adapter of a built model, saved as peft saves it. Both matrices random (PEFT starts B
+    at zero) and B scaled up so that the adapter changes greedy answers. `extra`: more LoraConfig fields
+    (use_rslora, alpha_pattern, rank_pattern, ...)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    if targets is None:
+        targets = ["c_attn", "c_proj", "c_fc"] if base.config.model_type == "gpt2" else \
+            ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    torch.manual_seed(seed)
+    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, lora_dropout=0.0,
+                     fan_in_fan_out=base.config.model_type == "gpt2", **extra)
+    model = get_peft_model(base, cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(scale)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def load_peft(base_dir: Path, adapter_dir: Path):
+    """transformers FP32 + peft: the reference of an adapter's answers."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    return PeftModel.from_pretrained(base, adapter_dir).eval()

@@ -129,6 +129,45 @@ def test_multi_step_launches_equal_transformers(tmp_path, monkeypatch, kind, dep
         assert max(launched) == cap and launched.count(cap) > 5
 
 
+@pytest.mark.parametrize("steps", [1, 3])
+def test_lora_rows_through_the_graph_path(tmp_path, monkeypatch, steps):
+    """Rows of two adapters and of the base model share each decode graph (the LoRA slots staged with the
+    other inputs, kept across a launch's steps): every sequence gets peft's greedy tokens."""
+    pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from surge.engines.decoder import model as model_mod
+    from tests.decoder_models import build_lora, load_peft
+
+    torch.set_num_threads(1)
+    d = build_model("qwen2", tmp_path / "q", seed=4)
+    adapters = [build_lora(d, tmp_path / "a1", seed=1, r=4), build_lora(d, tmp_path / "a2", seed=2, r=2,
+                                                                        targets=["v_proj", "up_proj"], scale=8)]
+    refs_models = [AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()] + \
+        [load_peft(d, a) for a in adapters]
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 300, (int(n),), generator=g).tolist() for n in (3, 17, 9, 30, 5, 12)]
+    lens = [11, 19, 7, 14, 23, 9]
+    slots = [0, 1, 2, 1, 2, 0]
+    refs = [refs_models[k].generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                                    pad_token_id=0)[0, len(p):].tolist() for p, n, k in zip(prompts, lens, slots)]
+    engine = DecoderEngine(d, num_blocks=96, block_size=4, max_num_seqs=6, max_loras=2, max_lora_rank=4)
+    for k, a in enumerate(adapters, 1):
+        engine.load_adapter(k, a)
+    monkeypatch.setattr(model_mod, "paged_attention_torch", _host_graphs(engine, 6, steps=steps))
+    sched = Scheduler(SchedulerConfig(num_blocks=96, block_size=4, max_num_seqs=6, max_num_batched_tokens=64,
+                                      max_model_len=128), ())
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+            for i, (p, n) in enumerate(zip(prompts, lens))]
+    for s, k in zip(seqs, slots):
+        s.adapter, s.adapter_uid = k, k
+    loop = StepLoop(sched, engine, overlap=True, depth=2, steps=steps)
+    drive(loop, sched, seqs, [0, 0, 2, 2, 7, 13])
+    for s, ref in zip(seqs, refs):
+        assert s.output_ids == ref, f"prompt {s.seq_id} (slot {s.adapter})"
+    assert loop.overlapped > 5, "the decode steps must take the graph path"
+
+
 def test_staged_block_tables_equal_a_full_refill(tmp_path):
     """Only the rows that changed are rewritten in a staging set; what the set then holds is what
     filling all rows afresh gives (scratch after each row and in padded rows), through growing rows,

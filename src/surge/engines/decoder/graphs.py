@@ -51,10 +51,10 @@ class DecodeGraphs:
         self.buckets = [b for b in BUCKETS if b < max_num_seqs] + [max_num_seqs]
         dev = engine.device
         n, width = self.buckets[-1], engine.max_blocks_per_seq
-        # ids, positions, slots, context lengths, source rows: one [5, n] buffer, one copy per step.
-        # A row whose source is >= 0 takes its input token from that row of the previous replay's
+        # ids, positions, slots, context lengths, source rows, LoRA slots: one [6, n] buffer, one copy per
+        # step. A row whose source is >= 0 takes its input token from that row of the previous replay's
         # output (`prev`), on the device: the step was launched before that output was read back.
-        self.packed = torch.zeros((5, n), dtype=torch.long, device=dev)
+        self.packed = torch.zeros((6, n), dtype=torch.long, device=dev)
         self.packed[2] = engine.kv.scratch_block * engine.block_size
         self.packed[3] = 1
         self.packed[4] = -1
@@ -70,7 +70,7 @@ class DecodeGraphs:
         # pinned staging, filled through numpy views (no per-element torch calls); RING sets, since
         # with overlapped steps a set can still be in flight to the device while the next is filled
         pin = dev.type == "cuda"
-        self.h_packed = [torch.zeros((5, n), dtype=torch.long, pin_memory=pin) for _ in range(RING)]
+        self.h_packed = [torch.zeros((6, n), dtype=torch.long, pin_memory=pin) for _ in range(RING)]
         self.h_tables = [torch.zeros((n, width), dtype=torch.int32, pin_memory=pin) for _ in range(RING)]
         self.np_packed = [x.numpy() for x in self.h_packed]
         self.np_tables = [x.numpy() for x in self.h_tables]
@@ -97,7 +97,9 @@ class DecodeGraphs:
         self.ctx[:b].copy_(self.packed[3, :b])  # int32 view for the kernel, inside the graph
         src = self.src[:b]
         ids = torch.where(src >= 0, self.prev.index_select(0, src.clamp(min=0)), self.ids[:b])
-        hidden = m.forward(ids, self.pos[:b], self.engine.kv, self._meta(b))
+        # with LoRA slots every graph computes the adapters' deltas (rows of slot 0 add exact zeros)
+        hidden = m.forward(ids, self.pos[:b], self.engine.kv, self._meta(b),
+                           self.packed[5, :b] if m.lora is not None else None)
         if self.engine.graph_fp32_logits:  # session 2's graph: an FP32 cast of [b, vocab], then the argmax
             logits = m.logits(hidden)
         else:
@@ -182,7 +184,8 @@ class DecodeGraphs:
                 rows[i] = []
 
     def run(self, ids: list[int], pos: list[int], slots: list[int], tables: list[list[int]],
-            src: list[int] | None = None, prev_tokens=None, steps: int = 1, each=None):
+            src: list[int] | None = None, prev_tokens=None, steps: int = 1, each=None,
+            adapters: list[int] | None = None):
         """One decode step of len(ids) sequences -> (logits [b, vocab] in the model's dtype, or FP32 with
         engine.graph_fp32_logits, greedy tokens [b]).
         `src[i] >= 0`: row i's input token is row src[i] of the previous replay's tokens (ids[i] is
@@ -190,7 +193,7 @@ class DecodeGraphs:
         `steps` > 1 (graphs captured with steps >= that): that many decode steps, replayed back to back,
         each from the one before (the tables must hold the blocks of every position); `each(j, tokens)`
         is called after step j's replay is queued, to copy its tokens out before the next overwrites
-        them; the last step's logits and tokens are returned."""
+        them; `adapters`: each row's LoRA slot (None: all 0); the last step's logits and tokens are returned."""
         if steps > self.steps:
             raise ValueError(f"{steps} steps a run, but the graphs were captured for {self.steps}")
         b = len(ids)
@@ -210,6 +213,9 @@ class DecodeGraphs:
         p[4, :bucket] = -1
         if src is not None:
             p[4, :b] = src
+        p[5, :bucket] = 0
+        if adapters is not None:
+            p[5, :b] = adapters
         if bucket > b:  # padded rows: one token of context, written to the scratch block
             p[2, b:bucket] = e.kv.scratch_block * e.block_size
             p[3, b:bucket] = 1

@@ -21,8 +21,10 @@ class DecoderModel:
     def __init__(self, cfg: DecoderConfig, weights: dict, device: torch.device, dtype: torch.dtype,
                  attention: str = "torch", fused: bool = True, decode_block_n: int | None = None,
                  decode_gemm: str = "auto", decode_attention: str = "fused", pdl: bool = True,
-                 l2_prefetch: bool | str = False):
+                 l2_prefetch: bool | str = False, lora=None):
         self.cfg = cfg
+        # LoRA adapters (engines/decoder/lora.LoraBank): the unfused layer adds their deltas to its GEMMs
+        self.lora = lora
         self.w = weights
         self.device = device
         self.dtype = dtype
@@ -53,8 +55,9 @@ class DecoderModel:
             d = cfg.head_dim
             # the fused kernels (GPU): full rotary dims, a power-of-two head size, no per-head q/k norm (Qwen3's
             # runs the unfused layer: its GEMMs, RoPE and paged attention as separate kernels), no o or MLP biases
+            # LoRA adapters too: their deltas join the unfused layer's GEMM outputs
             self.fused = attention == "triton" and fused and self.rot_dim == d and d >= 16 and d & (d - 1) == 0 \
-                and not (cfg.qk_norm or cfg.o_bias or cfg.mlp_bias)
+                and not (cfg.qk_norm or cfg.o_bias or cfg.mlp_bias) and lora is None
         if decode_attention not in ("fused", "split"):
             raise ValueError(f"decode_attention must be fused or split, not {decode_attention!r}")
         # decode steps: RoPE, the K/V cache write and attention in one kernel (kernels/decode_attention.py)
@@ -197,13 +200,23 @@ class DecoderModel:
         return paged_attention_torch(q, k_cache, v_cache, meta, self.scale)
 
     # -- forward ----------------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv, meta: AttnMeta) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv, meta: AttnMeta,
+                adapters: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm. `adapters` [T]: each token's LoRA slot (0: none);
+        None: no token has one (the adapters' GEMMs are skipped)."""
+        masks = self.lora.masks(adapters) if self.lora is not None and adapters is not None else None
         if self.cfg.arch == "gpt2":
-            return self._gpt2(input_ids, positions, kv, meta)
-        return self._llama(input_ids, positions, kv, meta)
+            return self._gpt2(input_ids, positions, kv, meta, masks)
+        return self._llama(input_ids, positions, kv, meta, masks)
 
-    def _gpt2(self, ids, positions, kv, meta):
+    def _lin_lora(self, x: torch.Tensor, layer: int, module: str, masks, bias: torch.Tensor | None = None):
+        """The layer's linear module, plus its LoRA deltas where the step's rows have adapters."""
+        out = self._lin(x, f"l{layer}.{module}", bias)
+        if masks is None:
+            return out
+        return out + self.lora.delta(x, layer, module, masks)
+
+    def _gpt2(self, ids, positions, kv, meta, masks=None):
         c, w = self.cfg, self.w
         t = ids.shape[0]
         x = F.embedding(ids, w["embed"]) + F.embedding(positions, w["pos_embed"])
@@ -211,14 +224,14 @@ class DecoderModel:
         for i in range(c.num_layers):
             p = f"l{i}."
             h = F.layer_norm(x, (c.hidden_size,), w[p + "attn_norm"], w[p + "attn_norm.bias"], c.norm_eps)
-            qkv = self._lin(h, p + "qkv", w[p + "qkv.bias"]).view(t, 3, nh, hd)
+            qkv = self._lin_lora(h, i, "qkv", masks, w[p + "qkv.bias"]).view(t, 3, nh, hd)
             q, k, v = qkv[:, 0], qkv[:, 1].contiguous(), qkv[:, 2].contiguous()
             a = self._attend(q.contiguous(), k, v, i, kv, meta).reshape(t, c.hidden_size)
-            x = x + self._lin(a, p + "o", w[p + "o.bias"])
+            x = x + self._lin_lora(a, i, "o", masks, w[p + "o.bias"])
             h = F.layer_norm(x, (c.hidden_size,), w[p + "mlp_norm"], w[p + "mlp_norm.bias"], c.norm_eps)
-            h = F.gelu(self._lin(h, p + "fc_in", w[p + "fc_in.bias"]),
+            h = F.gelu(self._lin_lora(h, i, "fc_in", masks, w[p + "fc_in.bias"]),
                        approximate="none" if c.rope.get("activation") == "gelu" else "tanh")
-            x = x + self._lin(h, p + "fc_out", w[p + "fc_out.bias"])
+            x = x + self._lin_lora(h, i, "fc_out", masks, w[p + "fc_out.bias"])
         return F.layer_norm(x, (c.hidden_size,), w["final_norm"], w["final_norm.bias"], c.norm_eps)
 
     def _proj(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -274,7 +287,7 @@ class DecoderModel:
         with torch.cuda.stream(self._pf_stream):
             self._bulk_prefetch([self.w[n] for n in names])
 
-    def _llama(self, ids, positions, kv, meta):
+    def _llama(self, ids, positions, kv, meta, masks=None):
         if self.fused:
             return self._llama_fused(ids, positions, kv, meta)
         c, w = self.cfg, self.w
@@ -286,17 +299,17 @@ class DecoderModel:
         for i in range(c.num_layers):
             p = f"l{i}."
             h = self._rms(x, w[p + "attn_norm"])
-            qkv = self._lin(h, p + "qkv", w.get(p + "qkv.bias"))
+            qkv = self._lin_lora(h, i, "qkv", masks, w.get(p + "qkv.bias"))
             q, k = qkv[:, :qd].view(t, nq, hd), qkv[:, qd:qd + kd].view(t, nkv, hd)
             if c.qk_norm:  # Qwen3: each head's query and key normalized, then rotated
                 q, k = self._rms(q, w[p + "q_norm"]), self._rms(k, w[p + "k_norm"])
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             v = qkv[:, qd + kd:].reshape(t, nkv, hd)
             a = self._attend(q.contiguous(), k.contiguous(), v.contiguous(), i, kv, meta).reshape(t, qd)
-            x = x + self._lin(a, p + "o", w.get(p + "o.bias"))
+            x = x + self._lin_lora(a, i, "o", masks, w.get(p + "o.bias"))
             h = self._rms(x, w[p + "mlp_norm"])
-            gate, up = self._lin(h, p + "up_gate", w.get(p + "up_gate.bias")).chunk(2, dim=-1)
-            x = x + self._lin(F.silu(gate) * up, p + "down", w.get(p + "down.bias"))
+            gate, up = self._lin_lora(h, i, "up_gate", masks, w.get(p + "up_gate.bias")).chunk(2, dim=-1)
+            x = x + self._lin_lora(F.silu(gate) * up, i, "down", masks, w.get(p + "down.bias"))
         return self._rms(x, w["final_norm"])
 
     def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:

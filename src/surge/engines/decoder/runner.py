@@ -70,7 +70,8 @@ class DecoderEngine:
                  threads: int = 0, fused: bool = True, graph_fp32_logits: bool = False,
                  decode_block_n: int | None = None, argmax_kernel: str = "triton", decode_gemm: str = "auto",
                  decode_attention: str = "fused", pdl: bool = True, l2_prefetch: bool = False,
-                 decode_steps: int = 1, decode_launch_ms: float | None = None):
+                 decode_steps: int = 1, decode_launch_ms: float | None = None, max_loras: int = 0,
+                 max_lora_rank: int = 16):
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         if threads and not cuda:
@@ -89,10 +90,17 @@ class DecoderEngine:
         self.num_blocks = num_blocks
         self.max_num_seqs = max_num_seqs
         weights = load_decoder_weights(path, self.cfg, self.dtype, self.device)
+        # LoRA adapters: `max_loras` slots, filled by load_adapter (engines/decoder/lora.py)
+        self.lora = None
+        if max_loras:
+            from surge.engines.decoder.lora import LoraBank
+
+            self.lora = LoraBank(self.cfg, max_loras, max_lora_rank, self.device, self.dtype)
         self.model = DecoderModel(self.cfg, weights, self.device, self.dtype,
                                   attention=attention or ("triton" if cuda else "torch"), fused=fused,
                                   decode_block_n=decode_block_n, decode_gemm=decode_gemm,
-                                  decode_attention=decode_attention, pdl=pdl, l2_prefetch=l2_prefetch)
+                                  decode_attention=decode_attention, pdl=pdl, l2_prefetch=l2_prefetch,
+                                  lora=self.lora)
         self.graph_fp32_logits = graph_fp32_logits  # session 2's graphs: FP32 logits, then the argmax
         self.argmax_kernel = argmax_kernel  # the graph's greedy argmax: "torch" or "triton" (argmax_rows)
         self.kv = KVCache(self.cfg, num_blocks, block_size, self.device, self.dtype)
@@ -131,6 +139,27 @@ class DecoderEngine:
     def warmup(self) -> None:
         if self.graphs is not None:
             self.graphs.capture()
+
+    # -- LoRA adapters ---------------------------------------------------------------------------------
+    def load_adapter(self, slot: int, path: str | Path, name: str | None = None) -> None:
+        """Read a PEFT LoRA directory into `slot` (1..max_loras); sequences with `adapter == slot` use it.
+        Between steps only (the engine loop's thread): the slot's weights are overwritten in place."""
+        if self.lora is None:
+            raise ValueError("this engine was built without LoRA slots (max_loras=0)")
+        from surge.models.lora import read_adapter
+
+        self.lora.load(slot, read_adapter(path, self.cfg, name))
+
+    def unload_adapter(self, slot: int) -> None:
+        if self.lora is not None:
+            self.lora.clear(slot)
+
+    def _adapters(self, scheduled: list[ScheduledSeq]) -> torch.Tensor | None:
+        """Each packed token's LoRA slot, or None when no sequence of the step has an adapter."""
+        if self.lora is None or not any(s.seq.adapter for s in scheduled):
+            return None
+        slots = np.repeat([s.seq.adapter for s in scheduled], [s.num_tokens for s in scheduled])
+        return torch.as_tensor(np.asarray(slots, dtype=np.int64)).to(self.device, non_blocking=True)
 
     # -- one step ----------------------------------------------------------------------------------------
     def prepare(self, scheduled: list[ScheduledSeq]):
@@ -175,7 +204,8 @@ class DecoderEngine:
             query_start=torch.from_numpy(qstart).to(dev, non_blocking=True),
             max_query=max(q_lens), q_lens=q_lens, ctx_lens=ctx, tables=tables)
         hidden = self.model.forward(torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
-                                    torch.from_numpy(pos).to(dev, non_blocking=True), self.kv, meta)
+                                    torch.from_numpy(pos).to(dev, non_blocking=True), self.kv, meta,
+                                    self._adapters(scheduled))
         if any(s.seq.owes_prompt_logprobs for s in scheduled):
             self._score_prompts(scheduled, hidden, qstart)
         if not sample_rows:
@@ -226,7 +256,7 @@ class DecoderEngine:
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
         if max(len(t) for t in tables) > self.graphs.width:
             raise ValueError("a block table is wider than max_model_len allows")
-        logits, _ = self.graphs.run(ids, pos, slots, tables)
+        logits, _ = self.graphs.run(ids, pos, slots, tables, adapters=[q.adapter for q in seqs])
         return self._outs(seqs, self.sampler(logits, seqs))
 
     # -- launched decode steps (runtime/scheduler/overlap.py) ------------------------------------------
@@ -303,7 +333,8 @@ class DecoderEngine:
 
                 def each(j, t):
                     kept.append(t.clone())
-            _, tokens = self.graphs.run(ids, pos, slots, tables, src, prev_tokens, steps=steps, each=each)
+            _, tokens = self.graphs.run(ids, pos, slots, tables, src, prev_tokens, steps=steps, each=each,
+                                        adapters=[q.adapter for q in seqs])
             if not cuda:
                 tokens, host = kept[-1], torch.cat(kept)
         else:
@@ -329,7 +360,8 @@ class DecoderEngine:
         if src is not None and any(i >= 0 for i in src):
             src_t = torch.tensor(src, dtype=torch.long).to(dev, non_blocking=True)
             ids_t = torch.where(src_t >= 0, prev.tokens.index_select(0, src_t.clamp(min=0)), ids_t)
-        hidden = self.model.forward(ids_t, torch.from_numpy(pos).to(dev, non_blocking=True), self.kv, meta)
+        hidden = self.model.forward(ids_t, torch.from_numpy(pos).to(dev, non_blocking=True), self.kv, meta,
+                                    self._adapters(scheduled))
         return self.model.logits(hidden).argmax(-1)
 
     def collect(self, launch: Launch) -> dict[int, SampleOut]:

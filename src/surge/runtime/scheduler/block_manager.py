@@ -22,6 +22,11 @@ def chain_hash(parent: int, tokens) -> int:
     return hash((parent, tuple(tokens)))
 
 
+def root_hash(seq: Sequence) -> int:
+    """The chain's start: a LoRA adapter's K/V of the same tokens differ from the base model's."""
+    return _ROOT if not seq.adapter_uid else chain_hash(_ROOT, ("lora", seq.adapter_uid))
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
         if num_blocks < 1 or block_size < 1:
@@ -55,7 +60,7 @@ class BlockManager:
         seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
         if not self.prefix_caching or seq.owes_prompt_logprobs:
             return
-        parent = _ROOT
+        parent = root_hash(seq)
         usable = (seq.num_tokens - 1) // bs
         for i in range(usable):
             h = chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
@@ -103,7 +108,7 @@ class BlockManager:
         while known and seq.token_ids[known - 1] == PLACEHOLDER:
             known -= 1
         full = known // bs
-        parent = seq.block_hashes[-1] if seq.block_hashes else _ROOT
+        parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq)
         for i in range(len(seq.block_hashes), full):
             h = chain_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
             block = seq.block_table[i]

@@ -40,6 +40,10 @@ class Sequence:
     # their (token, logprob, top) not yet handed out (with the first sampled token's SampleOut)
     prompt_scored: int = 0
     prompt_lps: list | None = None
+    # LoRA: the engine slot of the sequence's adapter (0: the base model) and the adapter's load id,
+    # which keeps its KV blocks apart from other adapters' in the prefix cache (0: the base model's)
+    adapter: int = 0
+    adapter_uid: int = 0
 
     def __post_init__(self):
         if not self.token_ids:

@@ -1,0 +1,75 @@
+"""LoRA adapters on the device: a fixed number of slots, any mix of them in one batch.
+
+Every adaptable module of every layer gets one stacked A [slots * W, in] and one stacked B
+[out, slots * W] (W = max rank x the module's parts), slot s holding its adapter in columns
+[(s - 1) W, s W) and zeros elsewhere (a rank below the maximum is zero-padded: exact). A step's
+rows name their slot (0: the base model). The delta of a module is then two plain GEMMs over all
+slots, the first one's columns of other slots zeroed per row:
+
+    delta = ((x A^T) * mask) B^T,   mask[t, c] = (slot of row t == slot of column c)
+
+which is each row's own adapter's term exactly (the other slots contribute exact zeros), needs no
+gather or data-dependent loop (CUDA graphs capture it as is), and costs slots x rank columns:
+vLLM's default of one slot of rank 16 is 16 columns of extra GEMM per module. Loading an adapter
+writes its slot in place, so captured graphs stay valid.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from surge.errors import ConfigError
+from surge.models.decoder import DecoderConfig
+from surge.models.lora import LoraAdapter, in_features, modules_of, part_rows
+
+
+class LoraBank:
+    def __init__(self, cfg: DecoderConfig, slots: int, max_rank: int, device, dtype):
+        if slots < 1 or max_rank < 1:
+            raise ValueError("a LoRA bank needs at least one slot of rank >= 1")
+        self.slots, self.max_rank = slots, max_rank
+        self.width: dict[str, int] = {m: max_rank * len(parts) for m, parts in modules_of(cfg).items()}
+        self.a: dict[tuple[int, str], torch.Tensor] = {}
+        self.b: dict[tuple[int, str], torch.Tensor] = {}
+        for layer in range(cfg.num_layers):
+            for module, w in self.width.items():
+                self.a[layer, module] = torch.zeros(slots * w, in_features(cfg, module), device=device, dtype=dtype)
+                self.b[layer, module] = torch.zeros(sum(part_rows(cfg, module)), slots * w, device=device,
+                                                    dtype=dtype)
+        # the slot (1-based) each column of a width's stacked rank belongs to
+        self._col_slot = {w: torch.arange(slots * w, device=device) // w + 1 for w in set(self.width.values())}
+        self.dtype = dtype
+
+    def load(self, slot: int, adapter: LoraAdapter) -> None:
+        """Write `adapter` into `slot` (1..slots), replacing what the slot held."""
+        if not 1 <= slot <= self.slots:
+            raise ValueError(f"LoRA slot {slot} out of 1..{self.slots}")
+        if adapter.rank > self.max_rank:
+            raise ConfigError(f"LoRA adapter '{adapter.name}' has rank {adapter.rank}, above max_lora_rank "
+                              f"{self.max_rank} (raise it with --generation max_lora_rank=N)")
+        self.clear(slot)
+        for (layer, module), (a, b) in adapter.weights.items():
+            w, r = self.width[module], a.shape[0]
+            lo = (slot - 1) * w
+            self.a[layer, module][lo:lo + r].copy_(a)
+            self.b[layer, module][:, lo:lo + r].copy_(b)
+
+    def clear(self, slot: int) -> None:
+        for (_, module), a in self.a.items():
+            w = self.width[module]
+            lo = (slot - 1) * w
+            a[lo:lo + w].zero_()
+        for (_, module), b in self.b.items():
+            w = self.width[module]
+            lo = (slot - 1) * w
+            b[:, lo:lo + w].zero_()
+
+    def masks(self, adapters: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Per width: [T, slots * width] ones where a row's slot owns the column (adapters: [T] slot ids)."""
+        rows = adapters.view(-1, 1)
+        return {w: (rows == cols).to(self.dtype) for w, cols in self._col_slot.items()}
+
+    def delta(self, x: torch.Tensor, layer: int, module: str, masks: dict[int, torch.Tensor]) -> torch.Tensor:
+        """What the rows' adapters add to module's output for input x [T, in]."""
+        xa = torch.nn.functional.linear(x, self.a[layer, module]) * masks[self.width[module]]
+        return torch.nn.functional.linear(xa, self.b[layer, module])
