@@ -147,6 +147,29 @@ class ResponsesConfig(_Strict):
                                         "several hosts, e.g. redis://127.0.0.1:6379/0); before store_dir.")
 
 
+def parse_lora_modules(items) -> dict[str, str]:
+    """NAME=PATH strings, or vLLM's JSON form {"name": ..., "path": ...}, -> {name: path}."""
+    import json
+
+    out: dict[str, str] = {}
+    for item in items:
+        item = item.strip()
+        if item.startswith("{"):
+            obj = json.loads(item)
+            name, path = obj.get("name"), obj.get("path")
+        else:
+            name, sep, path = item.partition("=")
+            if not sep:
+                raise ValueError(f"a LoRA module is NAME=PATH, got {item!r}")
+        name, path = (name or "").strip(), (path or "").strip()
+        if not name or not path:
+            raise ValueError(f"a LoRA module needs a name and a path, got {item!r}")
+        if name in out:
+            raise ValueError(f"LoRA module name {name!r} given twice")
+        out[name] = path
+    return out
+
+
 class GenerationConfig(_Strict):
     """Decoder models (task generate): KV cache, scheduler and defaults of one model.
 
@@ -195,12 +218,34 @@ class GenerationConfig(_Strict):
         "except that a request with chat_template_kwargs enable_thinking false is all content; 'none': the "
         "thinking stays in content.")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that gives none.")
+    lora_modules: dict[str, str] = Field(default_factory=dict, description="LoRA adapters (PEFT directories) "
+                                         "served with the model, each under its own model name: NAME=PATH pairs "
+                                         "(--lora-modules, vLLM's flag; separated by ';' in SURGE_GENERATION_"
+                                         "LORA_MODULES).")
+    max_loras: int | None = Field(None, ge=0, le=64, description="LoRA adapter slots on the engine (any mix of "
+                                  "adapters runs in one batch); default: as many as lora_modules; 0: no LoRA. With "
+                                  "slots the model runs its unfused layer on a GPU.")
+    max_lora_rank: int = Field(16, ge=1, le=512, description="The largest LoRA rank a slot holds (vLLM's default).")
+    allow_runtime_lora: bool = Field(False, description="Adapters may be loaded and unloaded while serving (POST "
+                                     "/v1/load_lora_adapter and /v1/unload_lora_adapter, vLLM's routes; "
+                                     "VLLM_ALLOW_RUNTIME_LORA_UPDATING): any reachable directory can be read.")
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _lora_pairs(cls, value):
+        if isinstance(value, str):  # NAME=PATH[;NAME=PATH...] (an environment variable)
+            value = [p for p in value.split(";") if p.strip()]
+        if isinstance(value, (list, tuple)):
+            return parse_lora_modules(value)
+        return value
 
     def resolved(self, engine: "EngineConfig | None" = None) -> "GenerationConfig":
         """Concrete values: the fields left to the engine's settings take them."""
         engine = engine or EngineConfig()
+        loras = self.max_loras if self.max_loras is not None else len(self.lora_modules)
         return self.model_copy(update={"max_num_seqs": self.max_num_seqs or engine.max_batch_size,
-                                       "max_model_len": self.max_model_len or engine.max_seq_len})
+                                       "max_model_len": self.max_model_len or engine.max_seq_len,
+                                       "max_loras": loras})
 
     def merged(self, over: "GenerationConfig | None") -> "GenerationConfig":
         """These settings with the fields `over` sets (a model.yaml's section) replaced."""

@@ -506,6 +506,13 @@ def test_bad_requests_get_clear_errors(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == ["chat-qwen"]
     assert "/v1/chat/completions" in _get(url + "/openapi.json").json()["paths"]
+    # LoRA: no slots, and loading while serving is off unless allowed (vLLM's routes)
+    r = _post(url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/tmp"})
+    assert r.status_code == 400 and "LoRA slots: none" in r.json()["error"]["message"]
+    r = _post(url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/tmp", "model": "chat-qwen"})
+    assert r.status_code == 501 and "allow_runtime_lora" in r.json()["error"]["message"]
+    r = _post(url + "/v1/unload_lora_adapter", json={"lora_name": "chat-qwen"})
+    assert r.status_code == 404
 
 
 def test_tei_tokenize_decode_and_info_of_a_decoder(server, hf):

@@ -32,6 +32,9 @@ EXTRA = [
            "(comma-separated and/or repeated; fields: " + ", ".join(GenerationConfig.model_fields) + "); also "
            "SURGE_GENERATION_<FIELD>; a repository model.yaml's generation section overrides them."),
            kind=Optional[List[str]]),
+    _param("lora_modules", typer.Option(None, "--lora-modules", help="LoRA adapters of the decoder model, each "
+           "served under its own model name: NAME=PATH of a PEFT directory, or vLLM's JSON {\"name\": ..., "
+           "\"path\": ...} (repeated for more; the generation setting lora_modules)."), kind=Optional[List[str]]),
     _param("ray", typer.Option(False, "--ray", envvar="SURGE_RAY", help="Scale out on Ray Serve: each model is a "
            "deployment whose replicas each run a surge engine, batcher and cache (needs the `ray` extra)."), kind=bool),
     _param("ray_address", typer.Option(None, envvar="SURGE_RAY_ADDRESS", help="Ray cluster to deploy on (e.g. auto, "
@@ -55,7 +58,7 @@ EXTRA = [
 
 @with_config_options(EXTRA)
 def serve(config_values, model_dir: Optional[Path] = None, artifact: Optional[Path] = None, generation=None,
-          ray: bool = False, ray_address=None, ray_replicas=None, ray_min_replicas=None, ray_max_replicas=None,
+          lora_modules=None, ray: bool = False, ray_address=None, ray_replicas=None, ray_min_replicas=None, ray_max_replicas=None,
           ray_target_ongoing=None, ray_num_cpus=None, ray_num_gpus=None, ray_max_ongoing=None) -> None:
     """Serve models over HTTP (OpenAI-compatible, native, KServe v2) and gRPC."""
     values, given = config_values
@@ -82,6 +85,15 @@ def serve(config_values, model_dir: Optional[Path] = None, artifact: Optional[Pa
         generation_config = GenerationConfig.from_sources(generation)
     except ValueError as exc:  # pydantic's ValidationError included
         raise typer.BadParameter(str(exc).replace("GenerationConfig", "generation settings"), param_hint="--generation")
+    if lora_modules:
+        from surge.config import parse_lora_modules
+
+        try:
+            pairs = {**generation_config.lora_modules, **parse_lora_modules(lora_modules)}
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--lora-modules")
+        generation_config = GenerationConfig.model_validate(
+            {**generation_config.model_dump(exclude_unset=True), "lora_modules": pairs})
     if generation_config.model_fields_set:
         more["generation"] = generation_config
     config = build_config(values, given, **more)

@@ -70,7 +70,8 @@ class ThreadChannel:
 
 
 class EngineLoop:
-    """Messages: ("add", [Sequence]), ("abort", seq_id, reason), ("close",). Outbox: `tokens(batch,
+    """Messages: ("add", [Sequence]), ("abort", seq_id, reason), ("adapter", slot, path, name) (a LoRA
+    adapter into a slot, before the sequences that use it), ("close",). Outbox: `tokens(batch,
     admitted, state)`, `error(seq_id, kind, message)`, `state(state)`; see GenerateService._deliver for
     the batch's shape; `admitted` maps the sequences first scheduled since the last report to
     (scheduled_at (time.monotonic(), one clock for every process of the machine), the prompt tokens
@@ -95,6 +96,9 @@ class EngineLoop:
         self.received = 0
         self.busy_s = 0.0  # time inside the step loop (schedule, launch, read back, resolve)
         self.closed = False
+        # LoRA slots whose last load failed here (the service checked the adapter, then its files changed):
+        # their sequences are refused rather than run on what the slot held before
+        self.bad_slots: dict[int, str] = {}
 
     def state(self) -> EngineState:
         s, b = self.scheduler, self.scheduler.blocks
@@ -106,6 +110,9 @@ class EngineLoop:
         if kind == "add":
             for seq in msg[1]:
                 self.received += 1
+                if seq.adapter in self.bad_slots:
+                    out.error(seq.seq_id, INVALID, self.bad_slots[seq.adapter])
+                    continue
                 try:
                     self.scheduler.add(seq)
                 except ValueError as exc:
@@ -118,6 +125,14 @@ class EngineLoop:
             if seq is not None:
                 self.scheduler.abort(seq, msg[2])
                 self.engine.forget(seq.seq_id)
+        elif kind == "adapter":
+            _, slot, path, adapter_name = msg
+            try:
+                self.engine.load_adapter(slot, path, adapter_name)
+                self.bad_slots.pop(slot, None)
+            except Exception as exc:
+                log.exception("LoRA adapter '%s' could not be loaded into slot %d", adapter_name, slot)
+                self.bad_slots[slot] = f"LoRA adapter '{adapter_name}' could not be loaded: {exc}"
         elif kind == "close":
             self.closed = True
 

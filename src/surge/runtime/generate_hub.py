@@ -217,6 +217,8 @@ class Hub:
             if gid is not None:
                 self.owner.pop(gid, None)
                 out.append(("abort", gid, msg[2]))
+        elif kind == "adapter":  # every front end loads the configured adapters into the same slots
+            out.append(msg)
         elif kind == "close":  # the front end unloads the model: it leaves
             front.dead = True
 
@@ -417,6 +419,7 @@ class HubClient(LoopConnection):
     (`cfg`, `capabilities`) and the connection, read on the service's event loop (`attach`)."""
 
     remote = True
+    shared = True  # other front ends use this engine too (no LoRA adapters loaded at run time)
     engine_metrics = False  # the engine process exports the engine-wide metrics
     restart_limit = None  # the supervisor restarts the engine process; this side reconnects each time
 

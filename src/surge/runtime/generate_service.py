@@ -27,7 +27,7 @@ from typing import AsyncIterator
 import orjson
 
 from surge.config import GenerationConfig  # noqa: F401  (re-exported: callers build it from here)
-from surge.errors import DeadlineExceeded, EngineError, InvalidInput, NotReady, Overloaded
+from surge.errors import ConfigError, DeadlineExceeded, EngineError, InvalidInput, NotFound, NotReady, Overloaded
 from surge.runtime.detok import TextState
 from surge.runtime.generate_core import ENGINE, INVALID, EngineLoop, EngineState, ThreadChannel
 from surge.runtime.generate_metrics import GenerateMetrics
@@ -158,10 +158,14 @@ class GenerateService(PromptText):
         # engine-wide gauges and counters (KV use, prefix cache, preemptions) are this process's to
         # export, unless the engine's own process exports them (several front ends share it)
         self._engine_metrics = getattr(engine, "engine_metrics", True)
+        # LoRA adapters by name (runtime/lora_adapters.py), and their views, which the registry serves
+        self.adapters: dict = {}
+        self.views: list = []
         if self.remote:
             # the engine loop runs in the child; its scheduler and step loop are not in this process
             self.core = self.scheduler = self.loop = None
             self._channel = None
+            self._start_adapters()
             return
         self.core = EngineLoop(engine, self.config, name)
         self.scheduler, self.loop = self.core.scheduler, self.core.loop  # what tests and benchmarks inspect
@@ -174,6 +178,78 @@ class GenerateService(PromptText):
         self._thread = threading.Thread(target=self.core.run, args=(self._channel, _ThreadOutbox(self)),
                                         name=f"surge-{name}-generate", daemon=True)
         self._thread.start()
+        self._start_adapters()
+
+    # -- LoRA adapters -----------------------------------------------------------------------------------
+    def _start_adapters(self) -> None:
+        """The configured adapters, in slots 1.. in their order (every front end of a shared engine gives
+        each the same slot)."""
+        wanted = self.config.lora_modules
+        if len(wanted) > (self.config.max_loras or 0):
+            raise ConfigError(f"model '{self.name}': {len(wanted)} LoRA modules but max_loras "
+                              f"{self.config.max_loras}")
+        for adapter_name, adapter_path in wanted.items():
+            where = Path(adapter_path).expanduser()
+            if not where.is_absolute() and (self.path / where).is_dir():  # a model.yaml's, beside the model
+                where = self.path / where
+            self.add_adapter(adapter_name, where)
+
+    @property
+    def runtime_adapters(self) -> bool:
+        """Adapters may be added and removed while serving: allowed by the settings, and the engine is this
+        service's alone (the front ends of a shared engine would give one slot two adapters)."""
+        return self.config.allow_runtime_lora and not getattr(self.engine, "shared", False)
+
+    def check_adapter(self, name: str, path) -> tuple:
+        """Read and check a PEFT LoRA directory for this model (file work: a thread may run it) ->
+        (resolved path, digest). ConfigError: unreadable, refused or too wide an adapter."""
+        from surge.models.lora import read_adapter
+        from surge.runtime.lora_adapters import digest_of
+
+        path = Path(path).expanduser().resolve()
+        read = read_adapter(path, self.engine.cfg, name)
+        if read.rank > self.config.max_lora_rank:
+            raise ConfigError(f"LoRA adapter '{name}' has rank {read.rank}, above max_lora_rank "
+                              f"{self.config.max_lora_rank} (--generation max_lora_rank=N)")
+        return path, digest_of(path)
+
+    def add_adapter(self, name: str, path, checked: tuple | None = None) -> "AdapterView":
+        """Serve a PEFT LoRA directory as model `name` in a free slot -> its view (the caller registers a view
+        added while serving). `checked`: check_adapter's result, if it ran already. ConfigError: see
+        check_adapter; InvalidInput: the name is taken, every slot is, or the model has none."""
+        from surge.runtime.lora_adapters import Adapter, AdapterView
+
+        slots = self.config.max_loras or 0
+        if not slots:
+            raise InvalidInput(f"model '{self.name}' was started without LoRA slots (--generation max_loras=N)",
+                               param="lora_name")
+        if name == self.name or name in self.adapters:
+            raise InvalidInput(f"the name '{name}' is taken (a loaded adapter or the base model)", param="lora_name")
+        path, digest = checked or self.check_adapter(name, path)
+        # a slot no adapter holds and no request in flight still reads (an unloaded adapter's last ones)
+        busy = {a.slot for a in self.adapters.values()} | {h.seq.adapter for h in self._handles.values()}
+        slot = next((k for k in range(1, slots + 1) if k not in busy), None)
+        if slot is None:
+            raise InvalidInput(f"all {slots} LoRA slots of model '{self.name}' are in use; unload an adapter or "
+                               "start with a larger max_loras", param="lora_name")
+        adapter = Adapter(name, path, slot, digest)
+        # the engine loop takes messages in order: this load precedes every sequence that uses the slot
+        self._send(("adapter", slot, str(path), name))
+        self.adapters[name] = adapter
+        view = AdapterView(self, adapter)
+        self.views.append(view)
+        log.info("model '%s': LoRA adapter '%s' (%s) in slot %d", self.name, name, path, slot)
+        return view
+
+    def remove_adapter(self, name: str):
+        """Stop serving adapter `name` (NotFound if it is not loaded) -> its view, to unregister. Requests
+        in flight finish with it; its slot is reused once they have."""
+        adapter = self.adapters.pop(name, None)
+        if adapter is None:
+            raise NotFound(f"LoRA adapter '{name}' of model '{self.name}' is not loaded", param="lora_name")
+        view = next(v for v in self.views if v.adapter is adapter)
+        self.views.remove(view)
+        return view
 
     @property
     def steps(self) -> int:
@@ -214,9 +290,10 @@ class GenerateService(PromptText):
         raise InvalidInput(f"model '{self.name}' serves task 'generate', not 'embed'", param="model")
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, *,
-                       deadline: float | None = None, use_cache: bool = True) -> GenerationResult:
+                       deadline: float | None = None, use_cache: bool = True,
+                       adapter: str | None = None) -> GenerationResult:
         text, ids, logprobs, last, prompt_lps = [], [], [], None, None
-        async for d in self.stream(prompt_ids, params, deadline=deadline, use_cache=use_cache):
+        async for d in self.stream(prompt_ids, params, deadline=deadline, use_cache=use_cache, adapter=adapter):
             if prompt_lps is None:
                 prompt_lps = d.prompt_logprobs
             text.append(d.text)
@@ -229,15 +306,24 @@ class GenerateService(PromptText):
                                 prompt_lps, last.stop_reason, last.cached_tokens)
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams, *,
-                     deadline: float | None = None, use_cache: bool = True) -> AsyncIterator[Delta]:
+                     deadline: float | None = None, use_cache: bool = True,
+                     adapter: str | None = None) -> AsyncIterator[Delta]:
         """Deltas of text and tokens; the last one has finish_reason and the token counts.
-        `use_cache=False`: computed even when cached (a health probe must reach the engine)."""
+        `use_cache=False`: computed even when cached (a health probe must reach the engine);
+        `adapter`: the name of a loaded LoRA adapter to generate with (NotFound otherwise)."""
         if not self.ready or self._closed:
             raise NotReady(f"model '{self.name}' is not ready")
+        lora = None
+        if adapter is not None:
+            lora = self.adapters.get(adapter)
+            if lora is None:
+                raise NotFound(f"LoRA adapter '{adapter}' of model '{self.name}' is not loaded", param="model")
         self.check_prompt(prompt_ids, params.max_tokens if params.own_max_tokens else None)
         self.check_guide(params.guide)  # the routes check it first, naming the field it came in
         deadline = deadline or time.monotonic() + self.request_timeout_s
-        key = (self.version, tuple(prompt_ids), params.key()) if use_cache and params.deterministic \
+        # an adapter's answers are its own: its digest joins the version in the cache's key
+        version = self.version if lora is None else f"{self.version}+lora:{lora.digest}"
+        key = (version, tuple(prompt_ids), params.key()) if use_cache and params.deterministic \
             and self.config.cache_entries \
             else None
         if key is not None and key not in self._cache and self.shared is not None:
@@ -260,6 +346,8 @@ class GenerateService(PromptText):
             loop = self.bind_loop(asyncio.get_running_loop())
         start = time.monotonic()
         seq = Sequence(next(self._ids), list(prompt_ids), params, start)
+        if lora is not None:
+            seq.adapter, seq.adapter_uid = lora.slot, lora.uid
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                     else frozenset(self.engine.cfg.eos_token_ids))
         handle = _Handle(seq, TextState(self.decode if params.skip_special_tokens else self.decode_all, params.stop,
@@ -430,6 +518,8 @@ class GenerateService(PromptText):
                 old.stop()
                 self.engine, self._state, self._sent = engine, EngineState(), 0
                 engine.attach(self._loop, self._on_message, self._on_exit)
+                for a in self.adapters.values():  # the new engine's slots start empty
+                    self._send(("adapter", a.slot, str(a.path), a.name))
                 self._restarts.append(time.monotonic())
                 if self._engine_metrics:
                     self.metrics.restarts.inc()
@@ -604,7 +694,8 @@ def decoder_engine_kwargs(config: GenerationConfig, device: str, precision: str 
     return dict(device=device, dtype=dtype, block_size=config.block_size, kv_cache_tokens=config.kv_cache_tokens,
                 max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                 cuda_graphs=config.cuda_graphs, decode_steps=config.decode_steps,
-                decode_launch_ms=config.decode_launch_ms)
+                decode_launch_ms=config.decode_launch_ms, max_loras=config.max_loras or 0,
+                max_lora_rank=config.max_lora_rank)
 
 
 def service_over(engine, path: Path, name: str, version: str, config: GenerationConfig,

@@ -19,8 +19,9 @@ from surge.server.state import AppState
 
 def create_app(state: AppState) -> FastAPI:
     from surge.server import health
-    from surge.server.http import (anthropic_messages, kserve, kserve_generate, metrics, models, native, openai,
-                                   openai_chat, openapi, pipelines, rerank, responses_api, tei, triton_extras)
+    from surge.server.http import (anthropic_messages, kserve, kserve_generate, lora_routes, metrics, models, native,
+                                   openai, openai_chat, openapi, pipelines, rerank, responses_api, tei,
+                                   triton_extras)
     from surge.server.http.compression import DecompressMiddleware
 
     @contextlib.asynccontextmanager
@@ -54,6 +55,7 @@ def create_app(state: AppState) -> FastAPI:
     app.include_router(anthropic_messages.router(state))  # Anthropic's Messages API (decoder models)
     app.include_router(kserve_generate.router(state))
     app.include_router(models.router(state))
+    app.include_router(lora_routes.router(state))  # vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter
     app.include_router(pipelines.router(state))
     app.include_router(metrics.router(state))
     app.include_router(triton_extras.router(state))

@@ -98,6 +98,10 @@ def router(state: AppState) -> APIRouter:
 
     def model_object(name: str) -> dict:
         service = state.registry.get(name)
+        adapter = getattr(service, "adapter", None)
+        if adapter is not None:  # a LoRA adapter: vLLM's root (its directory) and parent (the base model)
+            return {"id": name, "object": "model", "created": int(service.loaded_at), "owned_by": "surge",
+                    "root": str(adapter.path), "parent": service.parent}
         return {"id": name, "object": "model", "created": int(service.loaded_at), "owned_by": "surge",
                 "root": service.name}
 
