@@ -68,13 +68,20 @@ def qwen_dir(tmp_path_factory):
                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
 
 
-def _run(engine, prompts, n, max_num_seqs=16, logprobs=None, tops=None):
+def _with_adapters(seqs, adapters):
+    """Give sequence i LoRA slot adapters[i] (its uid the slot: one adapter a slot in these tests)."""
+    for s, slot in zip(seqs, adapters or ()):
+        s.adapter, s.adapter_uid = slot, slot
+    return seqs
+
+
+def _run(engine, prompts, n, max_num_seqs=16, logprobs=None, tops=None, adapters=None):
     from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
 
     sched = Scheduler(SchedulerConfig(num_blocks=engine.num_blocks, block_size=engine.block_size,
                                       max_num_seqs=max_num_seqs, max_num_batched_tokens=512, max_model_len=512), ())
-    seqs = [Sequence(i, p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=logprobs))
-            for i, p in enumerate(prompts)]
+    seqs = _with_adapters([Sequence(i, p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                                                         logprobs=logprobs)) for i, p in enumerate(prompts)], adapters)
     for s in seqs:
         sched.add(s)
     while sched.has_work:
@@ -92,7 +99,7 @@ def _prompts(vocab, n=12):
     return [torch.randint(3, vocab, (int(l),), generator=g).tolist() for l in torch.randint(4, 120, (n,), generator=g)]
 
 
-def _run_overlapped(engine, prompts, n, max_num_seqs=16, steps=1, loops=None):
+def _run_overlapped(engine, prompts, n, max_num_seqs=16, steps=1, loops=None, adapters=None):
     """The service's loop (overlapped CUDA-graph decode steps, `steps` a launch); returns outputs and
     overlapped steps (the loop appended to `loops`)."""
     from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
@@ -100,8 +107,8 @@ def _run_overlapped(engine, prompts, n, max_num_seqs=16, steps=1, loops=None):
 
     sched = Scheduler(SchedulerConfig(num_blocks=engine.num_blocks, block_size=engine.block_size,
                                       max_num_seqs=max_num_seqs, max_num_batched_tokens=512, max_model_len=512), ())
-    seqs = [Sequence(i, p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-            for i, p in enumerate(prompts)]
+    seqs = _with_adapters([Sequence(i, p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+                           for i, p in enumerate(prompts)], adapters)
     for s in seqs:
         sched.add(s)
     loop = StepLoop(sched, engine, steps=steps)
@@ -713,3 +720,46 @@ def test_the_unfused_layer_on_the_gpu(tmp_path_factory, kind):
         margin = logits.topk(2).values
         # a greedy token differs only where transformers' own top two are within TF32's rounding
         assert agree or bool(((margin[:, 0] - margin[:, 1]) < 0.05).any()), p
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_lora_adapters_on_the_gpu(tmp_path_factory, dtype):
+    """Two peft adapters and the base model mixed in every batch on CUDA (the unfused layer, CUDA graphs,
+    multi-step launches): the service's loop gives the eager steps' tokens; in FP32 each row follows
+    transformers + peft with its adapter but where peft's own top two are within TF32's rounding."""
+    pytest.importorskip("peft")
+    from surge.engines.decoder import DecoderEngine
+    from tests.decoder_models import build_lora, build_model, load_peft
+
+    root = tmp_path_factory.mktemp("lora_gpu_" + dtype)
+    d = build_model("qwen2", root / "base", seed=6, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    adapters = [build_lora(d, root / "a1", seed=1, r=16, scale=1.0),
+                build_lora(d, root / "a2", seed=2, r=8, targets=["q_proj", "v_proj", "down_proj"], scale=2.0)]
+    engine = DecoderEngine(d, device="cuda", dtype=dtype, num_blocks=512, max_num_seqs=16, max_model_len=512,
+                           max_loras=2, max_lora_rank=16, decode_steps=4)
+    for k, a in enumerate(adapters, 1):
+        engine.load_adapter(k, a)
+    assert not engine.model.fused
+    engine.warmup()
+    prompts = _prompts(384, 9)
+    slots = [i % 3 for i in range(len(prompts))]
+    eager = _run(engine, prompts, 12, adapters=slots)
+    graphed, overlapped = _run_overlapped(engine, prompts, 12, steps=4, adapters=slots)
+    assert graphed == eager and overlapped > 0
+    if dtype != "fp32":
+        return
+    refs = [_hf_cuda(d)] + [load_peft(d, a).cuda() for a in adapters]
+    for p, out, slot in zip(prompts, eager, slots):
+        ids = torch.tensor([p + out], device="cuda")
+        with torch.no_grad():
+            logits = refs[slot](ids).logits[0, len(p) - 1:-1]
+        margin = logits.topk(2).values
+        agree = logits.argmax(-1).tolist() == out
+        assert agree or bool(((margin[:, 0] - margin[:, 1]) < 0.05).any()), (slot, p)
+
+
+def _hf_cuda(d):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).cuda().eval()
