@@ -35,6 +35,15 @@ def model_dir(tmp_path_factory):
     return build_model("gpt2", tmp_path_factory.mktemp("raygen") / "tiny-gpt2", seed=3, n_positions=1024)
 
 
+@pytest.fixture(scope="module")
+def adapter_dir(model_dir):
+    """A LoRA adapter every replica (and the single process) serves as model 'tune'."""
+    pytest.importorskip("peft")
+    from tests.decoder_models import build_lora
+
+    return build_lora(model_dir, model_dir.parent / "tune", seed=4, r=4)
+
+
 def _answers(base_url: str) -> dict:
     """Greedy chat and completions answers (the streamed ones concatenated) of one server."""
     client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
@@ -57,20 +66,26 @@ def _answers(base_url: str) -> dict:
     msg = httpx.post(base_url + "/v1/messages", timeout=120, json={
         "model": "tiny-gpt2", "max_tokens": 8, "temperature": 0, "messages": [CHAT[-1]]}).json()
     out["messages"] = (msg["content"][0]["text"], msg["stop_reason"], msg["usage"]["output_tokens"])
+    # a LoRA adapter, by its name: every replica loaded it; streamed through the ingress too
+    out["lora"] = client.completions.create(model="tune", prompt=PROMPTS[1], max_tokens=12, temperature=0).choices[0].text
+    out["lora_stream"] = "".join(c.choices[0].text for c in client.completions.create(
+        model="tune", prompt=PROMPTS[1], max_tokens=12, temperature=0, stream=True) if c.choices)
+    out["models"] = sorted((m.id, getattr(m, "parent", None)) for m in client.models.list().data)
     return out
 
 
 class _LocalAnswers(threading.Thread):
     """The answers of a single `surge serve` process, computed while Ray starts (their start-ups overlap)."""
 
-    def __init__(self, model_dir):
+    def __init__(self, model_dir, adapter_dir):
         super().__init__(daemon=True)
-        self.model_dir, self.answers, self.error = model_dir, None, None
+        self.model_dir, self.adapter_dir, self.answers, self.error = model_dir, adapter_dir, None, None
         self.start()
 
     def run(self):
         try:
-            with ServerProcess(str(self.model_dir), "--threads", "1") as srv:
+            with ServerProcess(str(self.model_dir), "--threads", "1", "--lora-modules",
+                               f"tune={self.adapter_dir}") as srv:
                 self.answers = _answers(srv.url)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
             self.error = exc
@@ -83,8 +98,8 @@ class _LocalAnswers(threading.Thread):
 
 
 @pytest.fixture(scope="module")
-def started_local(model_dir):
-    return _LocalAnswers(model_dir)
+def started_local(model_dir, adapter_dir):
+    return _LocalAnswers(model_dir, adapter_dir)
 
 
 @pytest.fixture(scope="module")
@@ -93,15 +108,16 @@ def local(cluster, started_local):
 
 
 @pytest.fixture(scope="module")
-def cluster(model_dir, started_local):
+def cluster(model_dir, adapter_dir, started_local):
     import ray
     from ray import serve
 
-    from surge.config import EngineConfig, ServerConfig
+    from surge.config import EngineConfig, GenerationConfig, ServerConfig
     from surge.distributed.config import RayDeploymentConfig
     from surge.distributed.ray_serve import deploy, plan_single
 
-    config = ServerConfig(port=free_port(), grpc_port=None, model_dir=model_dir, engine=EngineConfig(threads=1))
+    config = ServerConfig(port=free_port(), grpc_port=None, model_dir=model_dir, engine=EngineConfig(threads=1),
+                          generation=GenerationConfig(lora_modules={"tune": str(adapter_dir)}))
     ray_cfg = RayDeploymentConfig(num_replicas=2, num_cpus=0.5, health_check_period_s=2, health_check_timeout_s=20)
 
     def no_export(*_):
@@ -126,6 +142,8 @@ def cluster(model_dir, started_local):
 def test_ray_replicas_answer_as_a_single_process_does(cluster, local):
     assert _answers(cluster) == local
     assert local["guided_choice"] in ("assignment", "target", "names")
+    assert local["lora"] == local["lora_stream"] and local["lora"] != local[PROMPTS[1]]
+    assert ("tune", "tiny-gpt2") in local["models"]
     client = openai.OpenAI(base_url=cluster + "/v1", api_key="unused", max_retries=0)
     # A stream through the ingress: its concatenation is the non-streamed answer, usage last.
     chunks = list(client.chat.completions.create(model="tiny-gpt2", messages=CHAT, max_tokens=24, temperature=0,

@@ -61,16 +61,21 @@ class GenerateReplica:
         return {"name": s.name, "version": s.version, "task": s.task, "loaded_at": s.loaded_at,
                 "replica": self.identity, "max_model_len": s.max_model_len, "vocab_size": s.vocab_size,
                 "tokenizer": s.tokenizer.to_str(), "chat_template": s.chat_template,
-                "config": s.config.model_dump(), "metadata": s.kserve_metadata([])}
+                "config": s.config.model_dump(), "metadata": s.kserve_metadata([]),
+                "adapters": [{"name": a.name, "path": str(a.path), "slot": a.slot, "digest": a.digest}
+                             for a in s.adapters.values()]}
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, timeout_s: float | None = None):
-        """The service's answer and who computed it (the ingress reports it)."""
-        result = await self.service.generate(prompt_ids, params, deadline=self._deadline(timeout_s))
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, timeout_s: float | None = None,
+                       adapter: str | None = None):
+        """The service's answer and who computed it (the ingress reports it); `adapter`: a LoRA adapter's name."""
+        result = await self.service.generate(prompt_ids, params, deadline=self._deadline(timeout_s), adapter=adapter)
         return result, self.identity
 
-    async def stream(self, prompt_ids: list[int], params: SamplingParams, timeout_s: float | None = None):
+    async def stream(self, prompt_ids: list[int], params: SamplingParams, timeout_s: float | None = None,
+                     adapter: str | None = None):
         """(delta, replica) items; closing the stream (client gone) aborts the sequence."""
-        async for delta in self.service.stream(prompt_ids, params, deadline=self._deadline(timeout_s)):
+        async for delta in self.service.stream(prompt_ids, params, deadline=self._deadline(timeout_s),
+                                               adapter=adapter):
             yield delta, self.identity
 
     async def check_health(self) -> None:

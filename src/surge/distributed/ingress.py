@@ -158,6 +158,8 @@ class SurgeIngress:
     async def _connect(self, state: AppState) -> None:
         for remote in self.remotes:
             await remote.connect()
+            for view in getattr(remote, "views", ()):  # a decoder's LoRA adapters, by their names
+                state.registry.add(view)
             log.info("ingress: routing %s v%s", remote.name, remote.version)
 
     def __serve_build_asgi_app__(self):

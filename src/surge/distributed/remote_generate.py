@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 from typing import AsyncIterator
 
 from ray.exceptions import RayTaskError
@@ -47,6 +48,10 @@ class RemoteGenerateModel(PromptText):
         self.vocab_size = 0
         self.config = None
         self._metadata: dict = {}
+        # the replicas' LoRA adapters (each replica loads the configured ones), served under their names
+        self.adapters: dict = {}
+        self.views: list = []
+        self.runtime_adapters = False  # a load would reach one replica of several
 
     async def connect(self) -> None:
         """Learn the model's tokenizer, template and settings from a replica (waits until one is up)."""
@@ -62,6 +67,11 @@ class RemoteGenerateModel(PromptText):
         self.config = GenerationConfig.model_validate(info["config"])
         self._metadata = info["metadata"]
         self.loaded_at = info["loaded_at"]
+        from surge.runtime.lora_adapters import Adapter, AdapterView
+
+        self.adapters = {a["name"]: Adapter(a["name"], Path(a["path"]), a["slot"], a["digest"])
+                         for a in info.get("adapters", ())}
+        self.views = [AdapterView(self, a) for a in self.adapters.values()]
         self.ready = True
 
     def mark_ready(self) -> None:
@@ -73,9 +83,10 @@ class RemoteGenerateModel(PromptText):
     async def embed(self, *args, **kwargs):
         raise InvalidInput(f"model '{self.name}' serves task 'generate', not 'embed'", param="model")
 
-    async def generate(self, prompt_ids: list[int], params, *, deadline: float | None = None):
+    async def generate(self, prompt_ids: list[int], params, *, deadline: float | None = None,
+                       adapter: str | None = None):
         for attempt in range(self.retries + 1):
-            response = self.handle.generate.remote(list(prompt_ids), params, _time_left(deadline))
+            response = self.handle.generate.remote(list(prompt_ids), params, _time_left(deadline), adapter)
             try:
                 result, replica = await response
             except asyncio.CancelledError:  # the client left: stop the replica's work too
@@ -89,9 +100,11 @@ class RemoteGenerateModel(PromptText):
             return result
         raise AssertionError("unreachable")
 
-    async def stream(self, prompt_ids: list[int], params, *, deadline: float | None = None) -> AsyncIterator:
+    async def stream(self, prompt_ids: list[int], params, *, deadline: float | None = None,
+                     adapter: str | None = None) -> AsyncIterator:
         for attempt in range(self.retries + 1):
-            gen = self.handle.options(stream=True).stream.remote(list(prompt_ids), params, _time_left(deadline))
+            gen = self.handle.options(stream=True).stream.remote(list(prompt_ids), params, _time_left(deadline),
+                                                                 adapter)
             started = finished = False
             try:
                 async for delta, replica in gen:

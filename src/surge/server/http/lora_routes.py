@@ -54,8 +54,8 @@ def _base_for(state: AppState, name: str | None):
 
 def _allowed(service) -> None:
     if not service.runtime_adapters:
-        why = "its engine is shared by --workers front ends" if service.config.allow_runtime_lora \
-            else "start the server with --generation allow_runtime_lora=true"
+        why = "its engine is not this server's alone (--workers front ends, Ray Serve replicas)" \
+            if service.config.allow_runtime_lora else "start the server with --generation allow_runtime_lora=true"
         raise Unsupported(f"model '{service.name}' does not load LoRA adapters at run time: {why}")
 
 
