@@ -46,12 +46,33 @@ def hf(model_dir):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
-    with ServerProcess(str(model_dir), "--workers", "2", "--threads", "1", "--generation", "cache_entries=0") as srv:
+def tune(model_dir, hf):
+    """A LoRA adapter the server serves as model 'tune' (every front end loads it into the shared engine's
+    same slot) and transformers + peft with it: (directory, (model, tokenizer))."""
+    pytest.importorskip("peft")
+    from tests.decoder_models import build_lora, load_peft
+
+    d = build_lora(model_dir, model_dir.parent / "tune", seed=5, r=4)
+    return d, (load_peft(model_dir, d), hf[1])
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tune):
+    with ServerProcess(str(model_dir), "--workers", "2", "--threads", "1", "--generation", "cache_entries=0",
+                       "--lora-modules", f"tune={tune[0]}") as srv:
         yield srv
 
 
-def test_concurrent_answers_equal_transformers(server, hf):
+def _tuned(server, i: int) -> str:
+    """A fresh connection's greedy completion of PROMPTS[i] by adapter 'tune' (connections spread over
+    the front ends)."""
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": "tune", "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_concurrent_answers_equal_transformers(server, hf, tune):
     roles = children_by_role(server)
     assert len(roles["front"]) == 2 and len(roles["engine"]) == 1
     _, tok = hf
@@ -96,6 +117,10 @@ def test_concurrent_answers_equal_transformers(server, hf):
     running = [line for line in text.splitlines() if line.startswith("surge_generate_running_sequences{")]
     assert len(running) == 1 and running[0].endswith(" 0.0"), running
     assert sum(1 for line in text.splitlines() if line.startswith("surge_generate_kv_cache_usage_ratio{")) == 1
+    # the adapter from either front end: peft's answer, not the base model's
+    for i in range(4):
+        ids = tok(PROMPTS[i % len(PROMPTS)])["input_ids"]
+        assert _tuned(server, i) == hf_text(tune[1], ids, 8)[0] != hf_text(hf, ids, 8)[0], i
 
 
 def test_stored_responses_are_shared_by_every_process(server, hf):
@@ -127,7 +152,7 @@ def test_stored_responses_are_shared_by_every_process(server, hf):
     assert fresh().responses.retrieve(long.id).status == "cancelled"
 
 
-def test_engine_crash_ends_streams_at_once_and_recovers(server, hf):
+def test_engine_crash_ends_streams_at_once_and_recovers(server, hf, tune):
     _, tok = hf
     engine = children_by_role(server)["engine"][0]
     restarts = metric(server, "surge_generate_engine_restarts_total")
@@ -152,6 +177,9 @@ def test_engine_crash_ends_streams_at_once_and_recovers(server, hf):
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == hf_text(hf, tok(PROMPTS[0])["input_ids"], 12)[0]
     assert metric(server, "surge_generate_engine_restarts_total") == restarts + 1
+    # the new engine process's LoRA slots were filled again by the front ends
+    for i in range(2):
+        assert _tuned(server, i) == hf_text(tune[1], tok(PROMPTS[i])["input_ids"], 8)[0], i
 
 
 def test_sigterm_lets_a_stream_finish_then_exits(server):
