@@ -67,7 +67,7 @@ def test_models_list_the_adapter_with_its_parent(client, dirs):
     assert getattr(models["base-qwen"], "parent", None) is None
 
 
-def test_adapter_answers_equal_peft_whole_streamed_and_batched(client, refs):
+def test_adapter_answers_equal_peft_whole_streamed_and_batched(server, client, refs):
     import asyncio
 
     # base first, then the adapter: a generation cache or prefix cache that mixed them would answer wrongly
@@ -86,6 +86,10 @@ def test_adapter_answers_equal_peft_whole_streamed_and_batched(client, refs):
         return [r.choices[0].message.content for r in await asyncio.gather(*jobs)]
 
     assert asyncio.run(together()) == [refs["wide"], refs["base"]] * 4
+    metrics = fresh_client(server.url).get("/metrics").text
+    line = next(x for x in metrics.splitlines() if x.startswith("surge_generate_lora_requests_total{")
+                and 'adapter="wide"' in x)
+    assert 'model="base-qwen"' in line and float(line.rsplit(" ", 1)[1]) == 6.0  # 2 whole + 4 batched
 
 
 def test_completions_with_an_adapter(client, dirs, refs):

@@ -49,6 +49,8 @@ def _make(registry: CollectorRegistry) -> dict:
                               registry=registry),
         "restarts": Counter("surge_generate_engine_restarts", "Engine processes started again after one exited.",
                             labels, registry=registry),
+        "lora": Counter("surge_generate_lora_requests", "Generation requests by LoRA adapter (the model label: "
+                        "the base model).", (*labels, "adapter"), registry=registry),
     }
 
 
@@ -65,6 +67,7 @@ class GenerateMetrics:
         self.output = fam["output"].labels(**lab)
         self.prompt = fam["prompt"].labels(**lab)
         self._requests = fam["requests"]
+        self._lora = fam["lora"]
         self._lab = lab
         self.running = fam["running"].labels(**lab)
         self.waiting = fam["waiting"].labels(**lab)
@@ -99,6 +102,9 @@ class GenerateMetrics:
 
     def finished(self, reason: str) -> None:
         self._requests.labels(**self._lab, finish_reason=reason).inc()
+
+    def lora_request(self, adapter: str) -> None:
+        self._lora.labels(**self._lab, adapter=adapter).inc()
 
     def engine_state(self, state) -> None:
         """After an iteration of the engine loop (runtime/generate_core.EngineState): gauges and the

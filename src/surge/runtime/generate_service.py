@@ -183,7 +183,18 @@ class GenerateService(PromptText):
     # -- LoRA adapters -----------------------------------------------------------------------------------
     def _start_adapters(self) -> None:
         """The configured adapters, in slots 1.. in their order (every front end of a shared engine gives
-        each the same slot)."""
+        each the same slot). On an error the engine loop is stopped (the service is never returned)."""
+        try:
+            self._load_configured()
+        except BaseException:
+            if self.remote:
+                self.engine.send(("close",))
+                self.engine.stop()
+            else:
+                self._channel.put(("close",))
+            raise
+
+    def _load_configured(self) -> None:
         wanted = self.config.lora_modules
         if len(wanted) > (self.config.max_loras or 0):
             raise ConfigError(f"model '{self.name}': {len(wanted)} LoRA modules but max_loras "
@@ -318,6 +329,7 @@ class GenerateService(PromptText):
             lora = self.adapters.get(adapter)
             if lora is None:
                 raise NotFound(f"LoRA adapter '{adapter}' of model '{self.name}' is not loaded", param="model")
+            self.metrics.lora_request(adapter)
         self.check_prompt(prompt_ids, params.max_tokens if params.own_max_tokens else None)
         self.check_guide(params.guide)  # the routes check it first, naming the field it came in
         deadline = deadline or time.monotonic() + self.request_timeout_s
