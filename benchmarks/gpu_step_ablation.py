@@ -71,7 +71,7 @@ def ablated(model, kinds: set[str], cache: dict):
         patched.append("_proj")
     if "gate_up" in kinds:
         real_mlp = model._mlp_in
-        model._mlp_in = lambda h, name: remember((name, h.shape), real_mlp, h, name)
+        model._mlp_in = lambda h, layer, masks=None: remember((layer, h.shape), real_mlp, h, layer, masks)
         patched.append("_mlp_in")
     if "lm_head" in kinds:
         real_logits = model.logits

@@ -722,11 +722,13 @@ def test_the_unfused_layer_on_the_gpu(tmp_path_factory, kind):
         assert agree or bool(((margin[:, 0] - margin[:, 1]) < 0.05).any()), p
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_lora_adapters_on_the_gpu(tmp_path_factory, dtype):
-    """Two peft adapters and the base model mixed in every batch on CUDA (the unfused layer, CUDA graphs,
-    multi-step launches): the service's loop gives the eager steps' tokens; in FP32 each row follows
-    transformers + peft with its adapter but where peft's own top two are within TF32's rounding."""
+@pytest.mark.parametrize("dtype,fused", [("fp32", False), ("bf16", False), ("bf16", True)])
+def test_lora_adapters_on_the_gpu(tmp_path_factory, dtype, fused):
+    """Two peft adapters and the base model mixed in every batch on CUDA (CUDA graphs, multi-step launches),
+    on the unfused layer and the fused one (the deltas joining the split-K partials, gate/up off its
+    one-kernel path): the service's loop gives the eager steps' tokens; in FP32 each row follows
+    transformers + peft with its adapter but where peft's own top two are within TF32's rounding; in BF16
+    every row's first 8 tokens are peft's FP32 greedy tokens (the suite's BF16 rule)."""
     pytest.importorskip("peft")
     from surge.engines.decoder import DecoderEngine
     from tests.decoder_models import build_lora, build_model, load_peft
@@ -737,19 +739,27 @@ def test_lora_adapters_on_the_gpu(tmp_path_factory, dtype):
     adapters = [build_lora(d, root / "a1", seed=1, r=16, scale=1.0),
                 build_lora(d, root / "a2", seed=2, r=8, targets=["q_proj", "v_proj", "down_proj"], scale=2.0)]
     engine = DecoderEngine(d, device="cuda", dtype=dtype, num_blocks=512, max_num_seqs=16, max_model_len=512,
-                           max_loras=2, max_lora_rank=16, decode_steps=4)
+                           max_loras=2, max_lora_rank=16, decode_steps=4, fused=fused,
+                           decode_gemm="splitk" if fused else "auto")
     for k, a in enumerate(adapters, 1):
         engine.load_adapter(k, a)
-    assert not engine.model.fused
+    assert engine.model.fused == fused
     engine.warmup()
     prompts = _prompts(384, 9)
     slots = [i % 3 for i in range(len(prompts))]
     eager = _run(engine, prompts, 12, adapters=slots)
     graphed, overlapped = _run_overlapped(engine, prompts, 12, steps=4, adapters=slots)
     assert graphed == eager and overlapped > 0
-    if dtype != "fp32":
-        return
     refs = [_hf_cuda(d)] + [load_peft(d, a).cuda() for a in adapters]
+    if dtype != "fp32":
+        firsts = []
+        for p, out, slot in zip(prompts, eager, slots):
+            with torch.no_grad():
+                want = refs[slot].generate(torch.tensor([p], device="cuda"), max_new_tokens=8, do_sample=False,
+                                           eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+            firsts.append(out[:8] == want)
+        assert sum(firsts) >= len(prompts) - 1, firsts
+        return
     for p, out, slot in zip(prompts, eager, slots):
         ids = torch.tensor([p + out], device="cuda")
         with torch.no_grad():

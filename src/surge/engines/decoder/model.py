@@ -55,9 +55,8 @@ class DecoderModel:
             d = cfg.head_dim
             # the fused kernels (GPU): full rotary dims, a power-of-two head size, no per-head q/k norm (Qwen3's
             # runs the unfused layer: its GEMMs, RoPE and paged attention as separate kernels), no o or MLP biases
-            # LoRA adapters too: their deltas join the unfused layer's GEMM outputs
             self.fused = attention == "triton" and fused and self.rot_dim == d and d >= 16 and d & (d - 1) == 0 \
-                and not (cfg.qk_norm or cfg.o_bias or cfg.mlp_bias) and lora is None
+                and not (cfg.qk_norm or cfg.o_bias or cfg.mlp_bias)
         if decode_attention not in ("fused", "split"):
             raise ValueError(f"decode_attention must be fused or split, not {decode_attention!r}")
         # decode steps: RoPE, the K/V cache write and attention in one kernel (kernels/decode_attention.py)
@@ -144,13 +143,27 @@ class DecoderModel:
             self._gate_up_silu, self._gate_up_max_m = gate_up.gate_up_silu, gate_up.MAX_M
         return plans
 
-    def _mlp_in(self, h: torch.Tensor, name: str) -> torch.Tensor:
-        """SiLU(h W_gate^T) * (h W_up^T): one kernel at decode sizes where a plan exists, else the GEMM
-        (cuBLAS, or split-K partials) and silu_mul."""
-        plan = self._gate_up.get(name) if h.shape[0] <= self._gate_up_max_m else None
+    def _mlp_in(self, h: torch.Tensor, layer: int, masks=None) -> torch.Tensor:
+        """SiLU(h W_gate^T) * (h W_up^T): one kernel at decode sizes where a plan exists (and no LoRA
+        adapter has to join the product before the SiLU), else the GEMM (cuBLAS, or split-K partials),
+        the adapters' deltas, and silu_mul."""
+        name = f"l{layer}.up_gate"
+        plan = self._gate_up.get(name) if h.shape[0] <= self._gate_up_max_m and masks is None else None
         if plan is not None:
             return self._gate_up_silu(h, self.w[name], plan, pdl=self.pdl)
-        return self._silu_mul(self._proj(h, name), h.dtype, pdl=self.pdl)
+        return self._silu_mul(self._proj_lora(h, layer, "up_gate", masks), h.dtype, pdl=self.pdl)
+
+    def _proj_lora(self, x: torch.Tensor, layer: int, module: str, masks, bias: torch.Tensor | None = None):
+        """`_proj` plus the rows' LoRA deltas: added to the first split-K partial (FP32; the kernel that
+        reads the partials sums them, bias included) or to the plain product."""
+        out = self._proj(x, f"l{layer}.{module}", bias)
+        if masks is None:
+            return out
+        delta = self.lora.delta(x, layer, module, masks)
+        if out.dim() == 3:
+            out[0].add_(delta)
+            return out
+        return out + delta
 
     # -- pieces ---------------------------------------------------------------------------------------
     LINEAR = ("qkv", "o", "fc_in", "fc_out", "up_gate", "down")
@@ -242,7 +255,7 @@ class DecoderModel:
             return F.linear(x, self.w[name], bias)
         return self._partials(x, self.w[name], plan, pdl=self.pdl)
 
-    def _llama_fused(self, ids, positions, kv, meta):
+    def _llama_fused(self, ids, positions, kv, meta, masks=None):
         from surge.engines.kernels.decode_attention import decode_attention
         from surge.engines.kernels.decoder_fused import add_rmsnorm, rope_and_cache
 
@@ -259,7 +272,7 @@ class DecoderModel:
             if ahead:  # this layer's MLP while its attention runs
                 self._prefetch((p + "up_gate", p + "down") if self._pf_plan == "mlp" else (p + "up_gate",))
             bias = w.get(p + "qkv.bias")
-            qkv = self._proj(h, p + "qkv", bias)
+            qkv = self._proj_lora(h, i, "qkv", masks, bias)
             gemm_bias = bias if qkv.dim() == 3 else None  # split-K partials: the bias is the reader's to add
             if one_kernel:
                 a = decode_attention(qkv, self.cos, self.sin, positions, meta.slot_mapping, kv.k[i], kv.v[i], meta,
@@ -269,11 +282,12 @@ class DecoderModel:
                                    hd, bias=gemm_bias)
                 a = self._triton(q, kv.k[i], kv.v[i], meta, self.scale, block_n=self.decode_block_n)
             nxt = w[f"l{i + 1}.attn_norm"] if i + 1 < c.num_layers else w["final_norm"]
-            h = add_rmsnorm(x, self._proj(a.view(t, nq * hd), p + "o"), w[p + "mlp_norm"], c.norm_eps, pdl=pdl)
+            h = add_rmsnorm(x, self._proj_lora(a.view(t, nq * hd), i, "o", masks), w[p + "mlp_norm"], c.norm_eps,
+                            pdl=pdl)
             if ahead:  # the next layer's attention weights while this MLP runs
                 nxt_attn = (f"l{i + 1}.qkv", f"l{i + 1}.o") if i + 1 < c.num_layers else ()
                 self._prefetch(nxt_attn if self._pf_plan == "mlp" else (p + "down",) + nxt_attn)
-            m = self._proj(self._mlp_in(h, p + "up_gate"), p + "down")
+            m = self._proj_lora(self._mlp_in(h, i, masks), i, "down", masks)
             h = add_rmsnorm(x, m, nxt, c.norm_eps, pdl=pdl)
         if ahead:  # join the side stream (a captured graph must)
             torch.cuda.current_stream().wait_stream(self._pf_stream)
@@ -289,7 +303,7 @@ class DecoderModel:
 
     def _llama(self, ids, positions, kv, meta, masks=None):
         if self.fused:
-            return self._llama_fused(ids, positions, kv, meta)
+            return self._llama_fused(ids, positions, kv, meta, masks)
         c, w = self.cfg, self.w
         t = ids.shape[0]
         x = F.embedding(ids, w["embed"])
