@@ -98,6 +98,11 @@ def test_completions_with_an_adapter(client, dirs, refs):
     r = client.completions.create(model="wide", prompt=prompt, temperature=0, max_tokens=N,
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].text == refs["wide"] and r.model == "wide"
+    # KServe's generate extension by the adapter's name
+    kserve = fresh_client(str(client.base_url).removesuffix("/").removesuffix("/v1"), timeout=60).post(
+        "/v2/models/wide/generate", json={"text_input": prompt, "parameters": {
+            "temperature": 0, "max_tokens": N, "ignore_eos": True}})
+    assert kserve.status_code == 200 and kserve.json()["text_output"] == refs["wide"], kserve.text
 
 
 def test_load_and_unload_while_serving(server, client, dirs, refs):

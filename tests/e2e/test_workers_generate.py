@@ -58,8 +58,8 @@ def tune(model_dir, hf):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tune):
-    with ServerProcess(str(model_dir), "--workers", "2", "--threads", "1", "--generation", "cache_entries=0",
-                       "--lora-modules", f"tune={tune[0]}") as srv:
+    with ServerProcess(str(model_dir), "--workers", "2", "--threads", "1", "--generation",
+                       "cache_entries=0,allow_runtime_lora=true", "--lora-modules", f"tune={tune[0]}") as srv:
         yield srv
 
 
@@ -117,6 +117,9 @@ def test_concurrent_answers_equal_transformers(server, hf, tune):
     running = [line for line in text.splitlines() if line.startswith("surge_generate_running_sequences{")]
     assert len(running) == 1 and running[0].endswith(" 0.0"), running
     assert sum(1 for line in text.splitlines() if line.startswith("surge_generate_kv_cache_usage_ratio{")) == 1
+    # loading while serving would give the shared engine's slot two adapters: refused
+    r = httpx.post(server.url + "/v1/load_lora_adapter", timeout=30, json={"lora_name": "x", "lora_path": str(tune[0])})
+    assert r.status_code == 501 and "not this server's alone" in r.json()["error"]["message"], r.text
     # the adapter from either front end: peft's answer, not the base model's
     for i in range(4):
         ids = tok(PROMPTS[i % len(PROMPTS)])["input_ids"]
