@@ -226,6 +226,8 @@ class GenerationConfig(_Strict):
                                   "adapters runs in one batch); default: as many as lora_modules; 0: no LoRA. With "
                                   "slots the model runs its unfused layer on a GPU.")
     max_lora_rank: int = Field(16, ge=1, le=512, description="The largest LoRA rank a slot holds (vLLM's default).")
+    max_cpu_loras: int | None = Field(None, ge=1, description="LoRA adapters kept loaded (in host memory), swapped "
+                                      "into the max_loras slots as their requests run; default: max_loras.")
     allow_runtime_lora: bool = Field(False, description="Adapters may be loaded and unloaded while serving (POST "
                                      "/v1/load_lora_adapter and /v1/unload_lora_adapter, vLLM's routes; "
                                      "VLLM_ALLOW_RUNTIME_LORA_UPDATING): any reachable directory can be read.")
@@ -245,7 +247,7 @@ class GenerationConfig(_Strict):
         loras = self.max_loras if self.max_loras is not None else len(self.lora_modules)
         return self.model_copy(update={"max_num_seqs": self.max_num_seqs or engine.max_batch_size,
                                        "max_model_len": self.max_model_len or engine.max_seq_len,
-                                       "max_loras": loras})
+                                       "max_loras": loras, "max_cpu_loras": max(self.max_cpu_loras or 0, loras)})
 
     def merged(self, over: "GenerationConfig | None") -> "GenerationConfig":
         """These settings with the fields `over` sets (a model.yaml's section) replaced."""

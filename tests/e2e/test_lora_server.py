@@ -1,6 +1,6 @@
 """LoRA adapters end to end: a real `surge serve BASE --lora-modules wide=DIR` (its engine loop in a
-process of its own, so adapters and their sequences cross the process boundary), called with the
-real openai client. Every answer equals transformers + peft's greedy answer with that adapter (or none),
+process of its own, so adapters and their sequences cross the process boundary; one engine slot, so
+adapters are swapped through it), called with the real openai client. Every answer equals transformers + peft's greedy answer with that adapter (or none),
 whole and streamed, whichever requests share a batch; the generation and prefix caches keep
 adapters apart; vLLM's routes load and unload a second adapter while serving."""
 
@@ -47,7 +47,7 @@ def refs(dirs):
 @pytest.fixture(scope="module")
 def server(dirs):
     with ServerProcess(str(dirs["base"]), "--threads", "1", "--lora-modules", f"wide={dirs['wide']}",
-                       "--generation", "max_loras=2,allow_runtime_lora=true,engine_process=true") as srv:
+                       "--generation", "max_loras=1,max_cpu_loras=2,allow_runtime_lora=true,engine_process=true") as srv:
         yield srv
 
 
@@ -114,7 +114,18 @@ def test_load_and_unload_while_serving(server, client, dirs, refs):
     again = http.post("/v1/load_lora_adapter", json={"lora_name": "narrow", "lora_path": str(dirs["narrow"])})
     assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
     full = http.post("/v1/load_lora_adapter", json={"lora_name": "third", "lora_path": str(dirs["third"])})
-    assert full.status_code == 400 and "all 2 LoRA slots" in full.json()["error"]["message"]
+    assert full.status_code == 400 and "max_cpu_loras" in full.json()["error"]["message"]
+
+    async def mixed():  # two adapters on the engine's one slot, and the base model, at once
+        aclient = openai.AsyncOpenAI(base_url=str(client.base_url), api_key="unused", max_retries=0)
+        jobs = [aclient.chat.completions.create(model=m, messages=ASK, temperature=0, max_tokens=N, seed=i,
+                                                extra_body={"ignore_eos": True})
+                for i, m in enumerate(["narrow", "wide", "base-qwen"] * 3)]
+        return [r.choices[0].message.content for r in await asyncio.gather(*jobs)]
+
+    import asyncio
+
+    assert asyncio.run(mixed()) == [refs["narrow"], refs["wide"], refs["base"]] * 3
     missing = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(dirs["base"] / "nope")})
     assert missing.status_code == 400 and "adapter_config.json" in missing.json()["error"]["message"]
 
@@ -122,7 +133,7 @@ def test_load_and_unload_while_serving(server, client, dirs, refs):
     with pytest.raises(openai.NotFoundError):
         _chat(client, "narrow")
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "narrow"}).status_code == 404
-    # its slot is free again: the third adapter takes it, and the first one still answers as before
+    # room again: the third adapter loads, and the first one still answers as before
     assert http.post("/v1/load_lora_adapter", json={"lora_name": "third", "lora_path": str(dirs["third"])}) \
         .status_code == 200
     assert _chat(client, "wide").choices[0].message.content == refs["wide"]

@@ -63,13 +63,34 @@ def test_configured_adapters_and_their_names(dirs):
         assert (await view.generate(PROMPT, GREEDY)).token_ids == _peft(dirs, "other")
         with pytest.raises(InvalidInput, match="taken"):
             svc.add_adapter("other", dirs["other"])
-        with pytest.raises(InvalidInput, match="all 2 LoRA slots"):
+        with pytest.raises(InvalidInput, match="2 LoRA adapters loaded, its max_cpu_loras"):
             svc.add_adapter("third", dirs["other"])
         assert svc.remove_adapter("other") is view and not view.ready
         with pytest.raises(NotFound):
             await view.generate(PROMPT, GREEDY)
-        assert svc.add_adapter("third", dirs["other"]).adapter.slot == 2  # the freed slot
+        third = svc.add_adapter("third", dirs["other"])
+        assert (await third.generate(PROMPT, GREEDY)).token_ids == _peft(dirs, "other")
         assert await _ids(svc) == base
+        await svc.close()
+
+    asyncio.run(main())
+
+
+def test_more_adapters_than_slots_are_swapped_in(dirs):
+    """Three adapters on one slot, their requests and the base model's all at once (sampled with seeds, so
+    not from the generation cache): each answer is its adapter's, as the loop swaps them through the slot."""
+    svc = _service(dirs, lora_modules={"a": str(dirs["inside"]), "b": str(dirs["other"])}, max_loras=1,
+                   max_cpu_loras=3, max_lora_rank=8)
+    svc.add_adapter("c", dirs["inside"])  # the same files under another name: one registration
+
+    async def main():
+        names = [None, "a", "b", "c"] * 3
+        params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, seed=i) for i in range(len(names))]
+        got = await asyncio.gather(*(_ids(svc, n, p) for n, p in zip(names, params)))
+        base = await _ids(svc)
+        want = {None: base, "a": _peft(dirs, "inside"), "b": _peft(dirs, "other"), "c": _peft(dirs, "inside")}
+        assert got == [want[n] for n in names]
+        assert svc.core.adapters.loads >= 2 and svc.core.adapters.slots == 1
         await svc.close()
 
     asyncio.run(main())
@@ -100,7 +121,7 @@ def test_the_generation_cache_is_keyed_by_the_adapters_content(dirs, tmp_path):
 
 
 def test_settings_are_checked(dirs):
-    with pytest.raises(ConfigError, match="2 LoRA modules but max_loras 1"):
+    with pytest.raises(ConfigError, match="2 LoRA modules but max_cpu_loras 1"):
         _service(dirs, lora_modules={"a": str(dirs["inside"]), "b": str(dirs["other"])}, max_loras=1)
     with pytest.raises(ConfigError, match="rank 8, above max_lora_rank 4"):
         _service(dirs, lora_modules={"b": str(dirs["other"])}, max_lora_rank=4)

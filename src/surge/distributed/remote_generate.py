@@ -69,8 +69,7 @@ class RemoteGenerateModel(PromptText):
         self.loaded_at = info["loaded_at"]
         from surge.runtime.lora_adapters import Adapter, AdapterView
 
-        self.adapters = {a["name"]: Adapter(a["name"], Path(a["path"]), a["slot"], a["digest"])
-                         for a in info.get("adapters", ())}
+        self.adapters = {a["name"]: Adapter(a["name"], Path(a["path"]), a["digest"]) for a in info.get("adapters", ())}
         self.views = [AdapterView(self, a) for a in self.adapters.values()]
         self.ready = True
 

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 from surge.runtime.scheduler import Scheduler, SchedulerConfig, Sequence, SeqStatus
+from surge.runtime.scheduler.adapters import AdapterSlots
 from surge.runtime.scheduler.overlap import StepLoop
 
 log = logging.getLogger("surge.generate")
@@ -70,8 +71,8 @@ class ThreadChannel:
 
 
 class EngineLoop:
-    """Messages: ("add", [Sequence]), ("abort", seq_id, reason), ("adapter", slot, path, name) (a LoRA
-    adapter into a slot, before the sequences that use it), ("close",). Outbox: `tokens(batch,
+    """Messages: ("add", [Sequence]), ("abort", seq_id, reason), ("adapter", uid, path, name) (a LoRA
+    adapter registered, before the sequences that use it), ("unadapter", uid), ("close",). Outbox: `tokens(batch,
     admitted, state)`, `error(seq_id, kind, message)`, `state(state)`; see GenerateService._deliver for
     the batch's shape; `admitted` maps the sequences first scheduled since the last report to
     (scheduled_at (time.monotonic(), one clock for every process of the machine), the prompt tokens
@@ -81,11 +82,14 @@ class EngineLoop:
         self.engine = engine
         self.name = name
         caps = engine.capabilities
+        # LoRA: registered adapters are swapped into the engine's slots as their sequences are admitted
+        bank = getattr(engine, "lora", None)
+        self.adapters = AdapterSlots(bank.slots, engine.load_adapter) if bank is not None else None
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=caps.num_blocks, block_size=caps.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
             max_model_len=caps.max_model_len, prefix_caching=config.prefix_caching),
-            eos_token_ids=engine.cfg.eos_token_ids)
+            eos_token_ids=engine.cfg.eos_token_ids, adapters=self.adapters)
         # overlap needs a device that runs behind the host; on the CPU a step is the host's own work
         on_gpu = getattr(getattr(engine, "device", None), "type", "cpu") == "cuda"
         self.loop = StepLoop(self.scheduler, engine, overlap=config.overlap_steps and on_gpu,
@@ -96,9 +100,9 @@ class EngineLoop:
         self.received = 0
         self.busy_s = 0.0  # time inside the step loop (schedule, launch, read back, resolve)
         self.closed = False
-        # LoRA slots whose last load failed here (the service checked the adapter, then its files changed):
-        # their sequences are refused rather than run on what the slot held before
-        self.bad_slots: dict[int, str] = {}
+        # LoRA adapters whose registration failed here (the service checked them, then their files
+        # changed): their sequences are refused
+        self.bad_adapters: dict[int, str] = {}
 
     def state(self) -> EngineState:
         s, b = self.scheduler, self.scheduler.blocks
@@ -110,8 +114,9 @@ class EngineLoop:
         if kind == "add":
             for seq in msg[1]:
                 self.received += 1
-                if seq.adapter in self.bad_slots:
-                    out.error(seq.seq_id, INVALID, self.bad_slots[seq.adapter])
+                if seq.adapter_uid and (self.adapters is None or seq.adapter_uid not in self.adapters.known):
+                    out.error(seq.seq_id, INVALID, self.bad_adapters.get(
+                        seq.adapter_uid, "the LoRA adapter is not registered with the engine"))
                     continue
                 try:
                     self.scheduler.add(seq)
@@ -126,13 +131,18 @@ class EngineLoop:
                 self.scheduler.abort(seq, msg[2])
                 self.engine.forget(seq.seq_id)
         elif kind == "adapter":
-            _, slot, path, adapter_name = msg
+            _, uid, path, adapter_name = msg
             try:
-                self.engine.load_adapter(slot, path, adapter_name)
-                self.bad_slots.pop(slot, None)
+                if self.adapters is None:
+                    raise ValueError("the engine has no LoRA slots")
+                self.adapters.register(uid, self.engine.read_adapter(path, adapter_name))
+                self.bad_adapters.pop(uid, None)
             except Exception as exc:
-                log.exception("LoRA adapter '%s' could not be loaded into slot %d", adapter_name, slot)
-                self.bad_slots[slot] = f"LoRA adapter '{adapter_name}' could not be loaded: {exc}"
+                log.exception("LoRA adapter '%s' could not be read", adapter_name)
+                self.bad_adapters[uid] = f"LoRA adapter '{adapter_name}' could not be loaded: {exc}"
+        elif kind == "unadapter":
+            if self.adapters is not None:
+                self.adapters.forget(msg[1])
         elif kind == "close":
             self.closed = True
 

@@ -196,9 +196,9 @@ class GenerateService(PromptText):
 
     def _load_configured(self) -> None:
         wanted = self.config.lora_modules
-        if len(wanted) > (self.config.max_loras or 0):
-            raise ConfigError(f"model '{self.name}': {len(wanted)} LoRA modules but max_loras "
-                              f"{self.config.max_loras}")
+        if len(wanted) > self.config.max_cpu_loras:
+            raise ConfigError(f"model '{self.name}': {len(wanted)} LoRA modules but max_cpu_loras "
+                              f"{self.config.max_cpu_loras}")
         for adapter_name, adapter_path in wanted.items():
             where = Path(adapter_path).expanduser()
             if not where.is_absolute() and (self.path / where).is_dir():  # a model.yaml's, beside the model
@@ -208,7 +208,7 @@ class GenerateService(PromptText):
     @property
     def runtime_adapters(self) -> bool:
         """Adapters may be added and removed while serving: allowed by the settings, and the engine is this
-        service's alone (the front ends of a shared engine would give one slot two adapters)."""
+        service's alone (the other front ends of a shared engine would not know the new name)."""
         return self.config.allow_runtime_lora and not getattr(self.engine, "shared", False)
 
     def check_adapter(self, name: str, path) -> tuple:
@@ -225,39 +225,39 @@ class GenerateService(PromptText):
         return path, digest_of(path)
 
     def add_adapter(self, name: str, path, checked: tuple | None = None) -> "AdapterView":
-        """Serve a PEFT LoRA directory as model `name` in a free slot -> its view (the caller registers a view
-        added while serving). `checked`: check_adapter's result, if it ran already. ConfigError: see
-        check_adapter; InvalidInput: the name is taken, every slot is, or the model has none."""
+        """Serve a PEFT LoRA directory as model `name` -> its view (the caller registers a view added while
+        serving). The engine loop keeps it in host memory and swaps it into one of its `max_loras` slots
+        while its requests run. `checked`: check_adapter's result, if it ran already. ConfigError: see
+        check_adapter; InvalidInput: the name is taken, max_cpu_loras adapters are loaded, or the model has
+        no LoRA slots."""
         from surge.runtime.lora_adapters import Adapter, AdapterView
 
-        slots = self.config.max_loras or 0
-        if not slots:
+        if not self.config.max_loras:
             raise InvalidInput(f"model '{self.name}' was started without LoRA slots (--generation max_loras=N)",
                                param="lora_name")
         if name == self.name or name in self.adapters:
             raise InvalidInput(f"the name '{name}' is taken (a loaded adapter or the base model)", param="lora_name")
+        if len(self.adapters) >= self.config.max_cpu_loras:
+            raise InvalidInput(f"model '{self.name}' has {len(self.adapters)} LoRA adapters loaded, its "
+                               f"max_cpu_loras; unload one or start with a larger max_cpu_loras", param="lora_name")
         path, digest = checked or self.check_adapter(name, path)
-        # a slot no adapter holds and no request in flight still reads (an unloaded adapter's last ones)
-        busy = {a.slot for a in self.adapters.values()} | {h.seq.adapter for h in self._handles.values()}
-        slot = next((k for k in range(1, slots + 1) if k not in busy), None)
-        if slot is None:
-            raise InvalidInput(f"all {slots} LoRA slots of model '{self.name}' are in use; unload an adapter or "
-                               "start with a larger max_loras", param="lora_name")
-        adapter = Adapter(name, path, slot, digest)
-        # the engine loop takes messages in order: this load precedes every sequence that uses the slot
-        self._send(("adapter", slot, str(path), name))
+        adapter = Adapter(name, path, digest)
+        # the engine loop takes messages in order: the adapter is registered before its first sequence
+        self._send(("adapter", adapter.uid, str(path), name))
         self.adapters[name] = adapter
         view = AdapterView(self, adapter)
         self.views.append(view)
-        log.info("model '%s': LoRA adapter '%s' (%s) in slot %d", self.name, name, path, slot)
+        log.info("model '%s': LoRA adapter '%s' (%s)", self.name, name, path)
         return view
 
     def remove_adapter(self, name: str):
         """Stop serving adapter `name` (NotFound if it is not loaded) -> its view, to unregister. Requests
-        in flight finish with it; its slot is reused once they have."""
+        in flight finish with it."""
         adapter = self.adapters.pop(name, None)
         if adapter is None:
             raise NotFound(f"LoRA adapter '{name}' of model '{self.name}' is not loaded", param="lora_name")
+        if all(a.uid != adapter.uid for a in self.adapters.values()):  # the same files under another name stay
+            self._send(("unadapter", adapter.uid))
         view = next(v for v in self.views if v.adapter is adapter)
         self.views.remove(view)
         return view
@@ -359,7 +359,7 @@ class GenerateService(PromptText):
         start = time.monotonic()
         seq = Sequence(next(self._ids), list(prompt_ids), params, start)
         if lora is not None:
-            seq.adapter, seq.adapter_uid = lora.slot, lora.uid
+            seq.adapter_uid = lora.uid  # the engine loop gives it a slot at admission
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                     else frozenset(self.engine.cfg.eos_token_ids))
         handle = _Handle(seq, TextState(self.decode if params.skip_special_tokens else self.decode_all, params.stop,
@@ -530,8 +530,8 @@ class GenerateService(PromptText):
                 old.stop()
                 self.engine, self._state, self._sent = engine, EngineState(), 0
                 engine.attach(self._loop, self._on_message, self._on_exit)
-                for a in self.adapters.values():  # the new engine's slots start empty
-                    self._send(("adapter", a.slot, str(a.path), a.name))
+                for a in self.adapters.values():  # the new engine knows no adapters
+                    self._send(("adapter", a.uid, str(a.path), a.name))
                 self._restarts.append(time.monotonic())
                 if self._engine_metrics:
                     self.metrics.restarts.inc()

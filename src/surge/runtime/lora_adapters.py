@@ -2,8 +2,8 @@
 
 An adapter is served under its own model name (vLLM's way: `"model": "NAME"` in a request) by an
 `AdapterView` of the base model's GenerateService, registered beside it; every route that takes a
-generate model takes the view unchanged, and the view's requests run on the base model's engine
-with the adapter's slot. An adapter's identity is a digest of its files: it keys the generation
+generate model takes the view unchanged, and the view's requests run on the base model's engine,
+whose loop gives the adapter an engine slot when they are admitted (runtime/scheduler/adapters.py). An adapter's identity is a digest of its files: it keys the generation
 cache (also the shared Redis tier, across processes) and, as an integer, the prefix cache's hash
 chain, so neither serves one adapter's work to another or to an adapter reloaded with new weights.
 """
@@ -21,7 +21,6 @@ from surge.errors import ConfigError
 class Adapter:
     name: str
     path: Path
-    slot: int  # the engine's LoRA slot, 1..max_loras
     digest: str  # sha256 of adapter_config.json and adapter_model.safetensors
 
     @property
@@ -30,7 +29,7 @@ class Adapter:
         return int(self.digest[:15], 16) or 1
 
     def describe(self) -> dict:
-        return {"name": self.name, "path": str(self.path), "slot": self.slot, "digest": self.digest[:16]}
+        return {"name": self.name, "path": str(self.path), "digest": self.digest}
 
 
 def digest_of(path: Path) -> str:

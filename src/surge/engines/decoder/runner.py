@@ -141,14 +141,21 @@ class DecoderEngine:
             self.graphs.capture()
 
     # -- LoRA adapters ---------------------------------------------------------------------------------
-    def load_adapter(self, slot: int, path: str | Path, name: str | None = None) -> None:
-        """Read a PEFT LoRA directory into `slot` (1..max_loras); sequences with `adapter == slot` use it.
-        Between steps only (the engine loop's thread): the slot's weights are overwritten in place."""
-        if self.lora is None:
-            raise ValueError("this engine was built without LoRA slots (max_loras=0)")
+    def read_adapter(self, path: str | Path, name: str | None = None):
+        """A PEFT LoRA directory checked against this model, in host memory (models/lora.LoraAdapter)."""
         from surge.models.lora import read_adapter
 
-        self.lora.load(slot, read_adapter(path, self.cfg, name))
+        return read_adapter(path, self.cfg, name)
+
+    def load_adapter(self, slot: int, adapter) -> None:
+        """Write a LoRA adapter (read_adapter's, or a PEFT directory) into `slot` (1..max_loras); sequences
+        with `adapter == slot` use it. On the engine loop's thread, between steps: the slot's weights are
+        overwritten in place, behind the device work already queued (which may still read them)."""
+        if self.lora is None:
+            raise ValueError("this engine was built without LoRA slots (max_loras=0)")
+        if not hasattr(adapter, "weights"):
+            adapter = self.read_adapter(adapter)
+        self.lora.load(slot, adapter)
 
     def unload_adapter(self, slot: int) -> None:
         if self.lora is not None:

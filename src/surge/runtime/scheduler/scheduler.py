@@ -50,8 +50,11 @@ class Finished:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, eos_token_ids=()):
+    def __init__(self, config: SchedulerConfig, eos_token_ids=(), adapters=None):
+        """`adapters` (runtime/scheduler/adapters.AdapterSlots): LoRA slots given at admission, when the
+        engine has them."""
         self.config = config
+        self.adapters = adapters
         self.blocks = BlockManager(config.num_blocks, config.block_size, config.prefix_caching)
         self.eos = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
@@ -87,11 +90,15 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.blocks.release(seq)
+        if self.adapters is not None and seq.status is SeqStatus.RUNNING:
+            self.adapters.release(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.release(seq)
+        if self.adapters is not None:
+            self.adapters.release(seq)
         seq.status = SeqStatus.WAITING
         seq.preemptions += 1
         self.preemptions += 1
@@ -141,14 +148,19 @@ class Scheduler:
 
     def _admit(self, budget: int) -> list[ScheduledSeq]:
         cfg, out = self.config, []
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            seq = self.waiting[0]
+        i = 0  # waiting sequences whose LoRA adapter cannot have a slot now are passed over
+        while i < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[i]
             self.blocks.allocate_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self.blocks.ensure(seq, seq.num_computed + n):
                 self.blocks.release(seq)
                 break
-            self.waiting.popleft()
+            if self.adapters is not None and not self.adapters.acquire(seq):
+                self.blocks.release(seq)
+                i += 1
+                continue
+            del self.waiting[i]
             self.blocks.queried_tokens += seq.num_tokens
             self.blocks.hit_tokens += seq.num_cached_prompt
             seq.status = SeqStatus.RUNNING

@@ -1,0 +1,99 @@
+"""LoRA adapters swapped through an engine's slots at admission (runtime/scheduler/adapters.py), with the
+scheduler: which sequences are admitted, which slot each reads, what is written into a slot and when."""
+
+from __future__ import annotations
+
+from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence, SeqStatus
+from surge.runtime.scheduler.adapters import AdapterSlots
+
+
+def _setup(slots=2, num_blocks=64, max_num_seqs=8):
+    loads = []
+    pool = AdapterSlots(slots, lambda slot, adapter: loads.append((slot, adapter)))
+    for uid in (11, 22, 33):
+        pool.register(uid, f"weights-{uid}")
+    sched = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=4, max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=256, max_model_len=64), adapters=pool)
+    return pool, sched, loads
+
+
+def _seq(i, uid, n=6, max_tokens=3):
+    s = Sequence(i, list(range(3, 3 + n)), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    s.adapter_uid = uid
+    return s
+
+
+def _step(sched):
+    scheduled = sched.schedule()
+    sched.update(scheduled, {s.seq.seq_id: 7 for s in scheduled if s.sample})
+    return scheduled
+
+
+def test_a_third_adapter_waits_for_a_slot_and_others_pass_it():
+    pool, sched, loads = _setup()
+    seqs = [_seq(0, 11), _seq(1, 22), _seq(2, 33), _seq(3, 0), _seq(4, 11, max_tokens=8)]
+    for s in seqs:
+        sched.add(s)
+    first = {s.seq.seq_id for s in _step(sched)}
+    assert first == {0, 1, 3, 4}  # 33 has no slot: passed over, the base model's and 11's behind it go
+    assert seqs[2].status is SeqStatus.WAITING and seqs[2].adapter == 0
+    assert sorted(loads) == [(1, "weights-11"), (2, "weights-22")]
+    assert seqs[0].adapter == seqs[4].adapter and seqs[3].adapter == 0 and pool.users[seqs[0].adapter] == 2
+    while seqs[1].status is not SeqStatus.FINISHED:  # 22's only sequence ends: its slot is free to reuse
+        _step(sched)
+    assert pool.users[2] == 0 and pool.held[2] == 22  # free to reuse, still holding 22
+    _step(sched)
+    assert seqs[2].status is not SeqStatus.WAITING and seqs[2].adapter == 2  # 22's slot, not 11's (in use)
+    assert loads[-1] == (2, "weights-33") and pool.loads == 3 and 22 not in pool.slot_of
+    while sched.has_work:
+        _step(sched)
+    assert pool.users == [0, 0, 0] and all(s.adapter == 0 for s in seqs)
+
+
+def test_a_held_adapter_is_not_loaded_again_and_lru_picks_the_victim():
+    pool, sched, loads = _setup()
+    for i, uid in enumerate((11, 22)):
+        sched.add(_seq(i, uid, max_tokens=1))
+    while sched.has_work:
+        _step(sched)
+    sched.add(_seq(2, 11, max_tokens=1))  # 11 still in its slot: no load; now 22 is the least recent
+    _step(sched)
+    assert len(loads) == 2
+    sched.add(_seq(3, 33, max_tokens=1))
+    _step(sched)
+    assert loads[-1] == (pool.slot_of[33], "weights-33") and 22 not in pool.slot_of and 11 in pool.slot_of
+
+
+def test_preemption_and_abort_release_the_slot():
+    pool, sched, loads = _setup(slots=1, num_blocks=5, max_num_seqs=4)
+    a, b = _seq(0, 11, n=7, max_tokens=20), _seq(1, 11, n=7, max_tokens=20)
+    sched.add(a)
+    sched.add(b)
+    _step(sched)
+    assert pool.users[1] == 2
+    while sched.preemptions == 0:
+        _step(sched)
+    preempted = b if b.status is SeqStatus.WAITING else a
+    assert preempted.adapter == 0 and pool.users[1] == 1
+    sched.abort(a if preempted is b else b)
+    assert pool.users[1] == 0
+    sched.abort(preempted)  # waiting: nothing held
+    assert pool.users[1] == 0 and not sched.has_work
+
+
+def test_registered_again_or_forgotten():
+    pool, sched, loads = _setup(slots=1)
+    sched.add(_seq(0, 11, max_tokens=1))
+    _step(sched)
+    pool.register(11, "weights-11-v2")  # new weights: the unused slot's copy is stale
+    sched.add(_seq(1, 11, max_tokens=1))
+    _step(sched)
+    assert loads[-1] == (1, "weights-11-v2")
+    running = _seq(2, 11, max_tokens=5)
+    sched.add(running)
+    _step(sched)
+    pool.forget(11)  # unloaded while a sequence runs: the slot stays until it ends
+    assert pool.slot_of == {11: 1}
+    while sched.has_work:
+        _step(sched)
+    assert pool.slot_of == {} and pool.held == [None, None]
