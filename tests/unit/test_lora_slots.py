@@ -92,8 +92,14 @@ def test_registered_again_or_forgotten():
     running = _seq(2, 11, max_tokens=5)
     sched.add(running)
     _step(sched)
-    pool.forget(11)  # unloaded while a sequence runs: the slot stays until it ends
-    assert pool.slot_of == {11: 1}
+    waiting = _seq(3, 11, max_tokens=2)
+    sched.add(waiting)
+    sched.forget_adapter(11)  # unloaded while a sequence runs and one waits: kept until both end
+    assert pool.slot_of == {11: 1} and 11 in pool.known
     while sched.has_work:
         _step(sched)
-    assert pool.slot_of == {} and pool.held == [None, None]
+    assert waiting.output_ids == [7, 7] and running.status is SeqStatus.FINISHED
+    assert pool.slot_of == {} and pool.held == [None, None] and 11 not in pool.known
+    sched.add(_seq(4, 22, max_tokens=1))
+    sched.forget_adapter(33)  # nothing of it waits or runs: dropped at once
+    assert 33 not in pool.known

@@ -141,8 +141,7 @@ class EngineLoop:
                 log.exception("LoRA adapter '%s' could not be read", adapter_name)
                 self.bad_adapters[uid] = f"LoRA adapter '{adapter_name}' could not be loaded: {exc}"
         elif kind == "unadapter":
-            if self.adapters is not None:
-                self.adapters.forget(msg[1])
+            self.scheduler.forget_adapter(msg[1])
         elif kind == "close":
             self.closed = True
 

@@ -257,6 +257,8 @@ class GenerateService(PromptText):
         if adapter is None:
             raise NotFound(f"LoRA adapter '{name}' of model '{self.name}' is not loaded", param="lora_name")
         if all(a.uid != adapter.uid for a in self.adapters.values()):  # the same files under another name stay
+            # this pass's submissions first: the engine loop must see their sequences before it forgets
+            self._admit_arrivals()
             self._send(("unadapter", adapter.uid))
         view = next(v for v in self.views if v.adapter is adapter)
         self.views.remove(view)

@@ -22,6 +22,8 @@ class AdapterSlots:
         self.slots = slots
         self._load = load
         self.known: dict[int, object] = {}  # uid -> the adapter as registered (host memory)
+        # unregistered while sequences of theirs still wait or run: kept until the last one ends
+        self.retired: set[int] = set()
         self.slot_of: dict[int, int] = {}  # uid -> the slot holding it
         self.held: list[int | None] = [None] * (slots + 1)  # slot -> uid
         self.users = [0] * (slots + 1)  # slot -> admitted sequences reading it
@@ -32,13 +34,25 @@ class AdapterSlots:
         """Keep `adapter` for sequences of `uid`; a uid registered again (another front end, a restart) is
         replaced, and a slot holding its old copy is written again at its next use."""
         self.known[uid] = adapter
+        self.retired.discard(uid)
         slot = self.slot_of.get(uid)
         if slot is not None and self.users[slot] == 0:
             self._evict(slot)
 
-    def forget(self, uid: int) -> None:
-        """No new sequence will ask for `uid`; its slot is reused once its last sequence ends."""
+    def forget(self, uid: int, in_use: bool = False) -> None:
+        """No new sequence will ask for `uid`. `in_use`: sequences of it still wait or run; it is dropped at
+        the last one's end (`drop`), its slot then reusable."""
+        if in_use:
+            self.retired.add(uid)
+        else:
+            self.drop(uid)
+
+    def drop(self, uid: int) -> None:
+        self.retired.discard(uid)
         self.known.pop(uid, None)
+        slot = self.slot_of.get(uid)
+        if slot is not None and self.users[slot] == 0:
+            self._evict(slot)
 
     def acquire(self, seq: Sequence) -> bool:
         """Give `seq` its adapter's slot (`seq.adapter`), writing the adapter into one if needed; False when
@@ -70,9 +84,6 @@ class AdapterSlots:
         if slot:
             self.users[slot] -= 1
             seq.adapter = 0
-            uid = self.held[slot]
-            if self.users[slot] == 0 and uid is not None and uid not in self.known:  # unregistered meanwhile
-                self._evict(slot)
 
     def _evict(self, slot: int) -> None:
         uid = self.held[slot]

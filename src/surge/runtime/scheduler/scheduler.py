@@ -90,10 +90,22 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.blocks.release(seq)
-        if self.adapters is not None and seq.status is SeqStatus.RUNNING:
-            self.adapters.release(seq)
+        if self.adapters is not None:
+            if seq.status is SeqStatus.RUNNING:
+                self.adapters.release(seq)
+            uid = seq.adapter_uid
+            if uid in self.adapters.retired and not self._uses_adapter(uid, seq):
+                self.adapters.drop(uid)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+
+    def _uses_adapter(self, uid: int, but: Sequence | None = None) -> bool:
+        return any(s.adapter_uid == uid and s is not but for s in (*self.waiting, *self.running))
+
+    def forget_adapter(self, uid: int) -> None:
+        """A LoRA adapter unregistered: dropped now, or when its last waiting or running sequence ends."""
+        if self.adapters is not None:
+            self.adapters.forget(uid, in_use=self._uses_adapter(uid))
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.release(seq)
