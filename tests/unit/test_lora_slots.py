@@ -103,3 +103,49 @@ def test_registered_again_or_forgotten():
     sched.add(_seq(4, 22, max_tokens=1))
     sched.forget_adapter(33)  # nothing of it waits or runs: dropped at once
     assert 33 not in pool.known
+
+
+def test_the_engine_loop_reads_adapters_off_its_thread_and_fails_what_waits_on_a_bad_one(tmp_path):
+    """("adapter", uid, path, name): the loop registers it as pending at once (its sequences wait, others
+    run), reads it on a thread and takes the result between steps; a directory that cannot be read fails
+    the sequences waiting for it, with the reason."""
+    import time
+
+    import pytest
+
+    pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    from surge.config import GenerationConfig
+    from surge.engines.decoder import DecoderEngine
+    from surge.runtime.generate_core import EngineLoop
+    from surge.runtime.scheduler.adapters import PENDING
+    from tests.decoder_models import build_lora, build_model
+
+    base = build_model("qwen2", tmp_path / "m", seed=1)
+    good = build_lora(base, tmp_path / "good", r=4)
+    engine = DecoderEngine(base, num_blocks=32, block_size=4, max_loras=1, max_lora_rank=4)
+    core = EngineLoop(engine, GenerationConfig(max_num_seqs=4, max_loras=1).resolved())
+
+    class Out:
+        errors: list = []
+
+        def error(self, seq_id, kind, message):
+            self.errors.append((seq_id, kind, message))
+
+    out = Out()
+    core.handle(("adapter", 5, str(good), "good"), out)
+    core.handle(("adapter", 6, str(tmp_path / "gone"), "gone"), out)
+    assert core.adapters.known[5] is PENDING and core.adapters.known[6] is PENDING
+    waiting = [_seq(0, 5), _seq(1, 6), _seq(2, 0)]
+    core.handle(("add", waiting), out)
+    # until the loop takes the reads in, only the base model's sequence can be admitted
+    assert [s.seq.seq_id for s in core.scheduler.schedule()] == [2]
+    deadline = time.monotonic() + 30
+    while PENDING in core.adapters.known.values() and time.monotonic() < deadline:
+        time.sleep(0.05)
+        core._take_read(out)
+    assert hasattr(core.adapters.known[5], "weights") and 6 not in core.adapters.known
+    assert [(e[0], e[1]) for e in out.errors] == [(1, "invalid")] and "could not be loaded" in out.errors[0][2]
+    assert waiting[1].status is SeqStatus.FINISHED and waiting[0].status is SeqStatus.WAITING
+    core.handle(("add", [_seq(3, 6)]), out)  # a later one of the bad adapter: refused at once
+    assert out.errors[-1][0] == 3

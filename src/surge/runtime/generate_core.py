@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from surge.runtime.scheduler import Scheduler, SchedulerConfig, Sequence, SeqStatus
-from surge.runtime.scheduler.adapters import AdapterSlots
+from surge.runtime.scheduler.adapters import PENDING, AdapterSlots
 from surge.runtime.scheduler.overlap import StepLoop
 
 log = logging.getLogger("surge.generate")
@@ -103,6 +103,9 @@ class EngineLoop:
         # LoRA adapters whose registration failed here (the service checked them, then their files
         # changed): their sequences are refused
         self.bad_adapters: dict[int, str] = {}
+        # adapters are read on a thread of their own (~0.1 s for a large one: the steps go on meanwhile);
+        # (uid, name, adapter or the exception) come back here, taken in between steps
+        self._read: queue.SimpleQueue = queue.SimpleQueue()
 
     def state(self) -> EngineState:
         s, b = self.scheduler, self.scheduler.blocks
@@ -132,18 +135,47 @@ class EngineLoop:
                 self.engine.forget(seq.seq_id)
         elif kind == "adapter":
             _, uid, path, adapter_name = msg
-            try:
-                if self.adapters is None:
-                    raise ValueError("the engine has no LoRA slots")
-                self.adapters.register(uid, self.engine.read_adapter(path, adapter_name))
-                self.bad_adapters.pop(uid, None)
-            except Exception as exc:
-                log.exception("LoRA adapter '%s' could not be read", adapter_name)
-                self.bad_adapters[uid] = f"LoRA adapter '{adapter_name}' could not be loaded: {exc}"
+            if self.adapters is None:
+                self.bad_adapters[uid] = f"LoRA adapter '{adapter_name}': the engine has no LoRA slots"
+                return
+            if uid in self.adapters.known:  # the same files (uid: their digest), registered or being read
+                self.adapters.retired.discard(uid)  # (another front end's, or loaded again after an unload)
+                return
+            self.adapters.register(uid, PENDING)
+            self.bad_adapters.pop(uid, None)
+            threading.Thread(target=self._read_adapter, args=(uid, path, adapter_name), daemon=True,
+                             name=f"surge-{self.name}-lora").start()
         elif kind == "unadapter":
             self.scheduler.forget_adapter(msg[1])
         elif kind == "close":
             self.closed = True
+
+    def _read_adapter(self, uid: int, path: str, adapter_name: str) -> None:
+        try:
+            self._read.put((uid, adapter_name, self.engine.read_adapter(path, adapter_name)))
+        except Exception as exc:  # reported by the loop, which fails the adapter's sequences
+            self._read.put((uid, adapter_name, exc))
+
+    def _take_read(self, out) -> None:
+        """Adapters read since the last look: registered, or their waiting sequences failed."""
+        while True:
+            try:
+                uid, adapter_name, got = self._read.get_nowait()
+            except queue.Empty:
+                return
+            if self.adapters.known.get(uid) is not PENDING:  # unloaded, or registered again, meanwhile
+                continue
+            if not isinstance(got, Exception):
+                self.adapters.register(uid, got)
+                continue
+            log.error("LoRA adapter '%s' could not be read: %s", adapter_name, got)
+            message = f"LoRA adapter '{adapter_name}' could not be loaded: {got}"
+            self.bad_adapters[uid] = message
+            self.adapters.drop(uid)
+            for seq in [s for s in self.scheduler.waiting if s.adapter_uid == uid]:
+                self.scheduler.abort(seq, "error")
+                self.seqs.pop(seq.seq_id, None)
+                out.error(seq.seq_id, INVALID, message)
 
     def _admitted(self) -> dict[int, tuple[float, int]]:
         if not self._fresh:
@@ -163,6 +195,8 @@ class EngineLoop:
         while not self.closed:
             for msg in channel.drain():
                 self.handle(msg, out)
+            if self.adapters is not None:
+                self._take_read(out)
             if self.closed:
                 break
             if not loop.busy:

@@ -16,6 +16,9 @@ from typing import Callable
 from surge.runtime.scheduler.sequence import Sequence
 
 
+PENDING = object()  # registered, its files still being read: its sequences wait
+
+
 class AdapterSlots:
     def __init__(self, slots: int, load: Callable[[int, object], None]):
         """`load(slot, adapter)` writes a registered adapter's weights into an engine slot (1..slots)."""
@@ -31,8 +34,9 @@ class AdapterSlots:
         self.loads = 0  # adapters written into slots (the first time or again after an eviction)
 
     def register(self, uid: int, adapter) -> None:
-        """Keep `adapter` for sequences of `uid`; a uid registered again (another front end, a restart) is
-        replaced, and a slot holding its old copy is written again at its next use."""
+        """Keep `adapter` for sequences of `uid` (PENDING: not read yet, they wait); a uid registered again
+        (another front end, a restart) is replaced, and a slot holding its old copy is written again at its
+        next use."""
         self.known[uid] = adapter
         self.retired.discard(uid)
         slot = self.slot_of.get(uid)
@@ -64,6 +68,8 @@ class AdapterSlots:
         slot = self.slot_of.get(uid)
         if slot is None:
             adapter = self.known[uid]
+            if adapter is PENDING:
+                return False
             # a free slot, else the least recently used one no admitted sequence reads
             slot = next((s for s in self._recent if self.held[s] is None), None) or \
                 next((s for s in self._recent if self.users[s] == 0), None)
