@@ -226,7 +226,7 @@ class GenerationConfig(_Strict):
                                   "adapters runs in one batch); default: as many as lora_modules; 0: no LoRA. With "
                                   "slots the model runs its unfused layer on a GPU.")
     max_lora_rank: int = Field(16, ge=1, le=512, description="The largest LoRA rank a slot holds (vLLM's default).")
-    max_cpu_loras: int | None = Field(None, ge=1, description="LoRA adapters kept loaded (in host memory), swapped "
+    max_cpu_loras: int | None = Field(None, ge=0, description="LoRA adapters kept loaded (in host memory), swapped "
                                       "into the max_loras slots as their requests run; default: max_loras.")
     allow_runtime_lora: bool = Field(False, description="Adapters may be loaded and unloaded while serving (POST "
                                      "/v1/load_lora_adapter and /v1/unload_lora_adapter, vLLM's routes; "

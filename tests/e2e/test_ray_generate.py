@@ -203,7 +203,7 @@ def test_both_replicas_serve_and_protocol_errors_cross_the_ingress(cluster, loca
         assert r.status_code in (400, 422), r.text
         r = http.post("/v1/completions", json={"prompt": "Names", "max_tokens": 4, "guided_regex": "a(b"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex", r.text
-        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny-gpt2"]
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny-gpt2", "tune"]
 
 
 def _metric(base_url: str, name: str, **labels) -> float:
