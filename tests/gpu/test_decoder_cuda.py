@@ -727,8 +727,9 @@ def test_lora_adapters_on_the_gpu(tmp_path_factory, dtype, fused):
     """Two peft adapters and the base model mixed in every batch on CUDA (CUDA graphs, multi-step launches),
     on the unfused layer and the fused one (the deltas joining the split-K partials, gate/up off its
     one-kernel path): the service's loop gives the eager steps' tokens; in FP32 each row follows
-    transformers + peft with its adapter but where peft's own top two are within TF32's rounding; in BF16
-    every row's first 8 tokens are peft's FP32 greedy tokens (the suite's BF16 rule)."""
+    transformers + peft with its adapter (each chosen token within TF32's rounding of peft's best), in BF16
+    within BF16's; the same tokens under another adapter's weights are far off. With slots, base-model batches
+    replay graphs without the adapters' GEMMs, batches with adapter rows the LoRA set."""
     pytest.importorskip("peft")
     from surge.engines.decoder import DecoderEngine
     from tests.decoder_models import build_lora, build_model, load_peft
@@ -750,23 +751,24 @@ def test_lora_adapters_on_the_gpu(tmp_path_factory, dtype, fused):
     eager = _run(engine, prompts, 12, adapters=slots)
     graphed, overlapped = _run_overlapped(engine, prompts, 12, steps=4, adapters=slots)
     assert graphed == eager and overlapped > 0
+    # base rows alone: the graphs without the adapters' GEMMs
+    assert _run_overlapped(engine, prompts[:4], 12, steps=4)[0] == _run(engine, prompts[:4], 12)
     refs = [_hf_cuda(d)] + [load_peft(d, a).cuda() for a in adapters]
-    if dtype != "fp32":
-        firsts = []
-        for p, out, slot in zip(prompts, eager, slots):
-            with torch.no_grad():
-                want = refs[slot].generate(torch.tensor([p], device="cuda"), max_new_tokens=8, do_sample=False,
-                                           eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-            firsts.append(out[:8] == want)
-        assert sum(firsts) >= len(prompts) - 1, firsts
-        return
+    # every token the engine chose is within `tol` of peft's FP32 best logit on the same prefix (FP32: TF32's
+    # rounding; BF16: its rounding over the layers); under another adapter's weights the gaps are far larger
+    tol = 0.05 if dtype == "fp32" else 0.75
+    wrong = 0
     for p, out, slot in zip(prompts, eager, slots):
         ids = torch.tensor([p + out], device="cuda")
-        with torch.no_grad():
-            logits = refs[slot](ids).logits[0, len(p) - 1:-1]
-        margin = logits.topk(2).values
-        agree = logits.argmax(-1).tolist() == out
-        assert agree or bool(((margin[:, 0] - margin[:, 1]) < 0.05).any()), (slot, p)
+        chosen = torch.tensor(out, device="cuda")[:, None]
+        gaps = []
+        for model in (refs[slot], refs[(slot + 1) % 3]):
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(p) - 1:-1].float()
+            gaps.append(float((logits.max(-1).values - logits.gather(1, chosen)[:, 0]).max()))
+        assert gaps[0] <= tol, (slot, p, gaps)
+        wrong += gaps[1] > tol
+    assert wrong >= len(prompts) - 2, "the rows must tell the adapters apart"
 
 
 def _hf_cuda(d):

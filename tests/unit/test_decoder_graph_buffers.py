@@ -21,11 +21,12 @@ from tests.loop_driver import drive  # noqa: E402
 
 
 class _Replay:
-    def __init__(self, graphs, b):
-        self.graphs, self.b = graphs, b
+    def __init__(self, graphs, b, lora=False):
+        self.graphs, self.b, self.lora = graphs, b, lora
 
     def replay(self):
-        self.graphs.outputs[self.b] = self.graphs._forward(self.b)
+        outputs = self.graphs.outputs_lora if self.lora else self.graphs.outputs
+        outputs[self.b] = self.graphs._forward(self.b, self.lora)
 
 
 def _host_graphs(engine, max_num_seqs, steps=1):
@@ -35,6 +36,8 @@ def _host_graphs(engine, max_num_seqs, steps=1):
     g = DecodeGraphs(engine, max_num_seqs, steps=steps)
     g.graphs = {b: _Replay(g, b) for b in g.buckets}
     g.outputs = {}
+    if engine.model.lora is not None:
+        g.graphs_lora = {b: _Replay(g, b, lora=True) for b in g.buckets}
     engine.graphs = g
     plain = model_mod.paged_attention_torch
 

@@ -66,6 +66,10 @@ class DecodeGraphs:
         self.width = width
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> (logits, argmax)
+        # with LoRA slots, a second set computing the adapters' deltas, replayed only when some row has one:
+        # a step of base-model rows then costs what it costs without slots
+        self.graphs_lora: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs_lora: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.pool = None
         # pinned staging, filled through numpy views (no per-element torch calls); RING sets, since
         # with overlapped steps a set can still be in flight to the device while the next is filled
@@ -92,14 +96,13 @@ class DecodeGraphs:
                         query_start=self.qstart[:b + 1], max_query=1, q_lens=[1] * b, ctx_lens=[1] * b,
                         tables=[[0]] * b)
 
-    def _forward(self, b: int):
+    def _forward(self, b: int, lora: bool = False):
         m = self.engine.model
         self.ctx[:b].copy_(self.packed[3, :b])  # int32 view for the kernel, inside the graph
         src = self.src[:b]
         ids = torch.where(src >= 0, self.prev.index_select(0, src.clamp(min=0)), self.ids[:b])
-        # with LoRA slots every graph computes the adapters' deltas (rows of slot 0 add exact zeros)
-        hidden = m.forward(ids, self.pos[:b], self.engine.kv, self._meta(b),
-                           self.packed[5, :b] if m.lora is not None else None)
+        # the LoRA set computes every row's delta (rows of slot 0 add exact zeros)
+        hidden = m.forward(ids, self.pos[:b], self.engine.kv, self._meta(b), self.packed[5, :b] if lora else None)
         if self.engine.graph_fp32_logits:  # session 2's graph: an FP32 cast of [b, vocab], then the argmax
             logits = m.logits(hidden)
         else:
@@ -126,16 +129,20 @@ class DecodeGraphs:
     def capture(self) -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        sets = [(False, self.graphs, self.outputs)]
+        if self.engine.model.lora is not None:
+            sets.append((True, self.graphs_lora, self.outputs_lora))
         with torch.cuda.stream(stream):
-            for b in reversed(self.buckets):  # largest first: the pool then fits the smaller ones
-                for _ in range(2):  # warm up (Triton compiles, cuBLAS picks algorithms)
-                    self._forward(b)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool, stream=stream):
-                    self.outputs[b] = self._forward(b)
-                if self.pool is None:
-                    self.pool = g.pool()
-                self.graphs[b] = g
+            for lora, graphs, outputs in sets:
+                for b in reversed(self.buckets):  # largest first: the pool then fits the smaller ones
+                    for _ in range(2):  # warm up (Triton compiles, cuBLAS picks algorithms)
+                        self._forward(b, lora)
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=self.pool, stream=stream):
+                        outputs[b] = self._forward(b, lora)
+                    if self.pool is None:
+                        self.pool = g.pool()
+                    graphs[b] = g
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         if self.steps > 1:
@@ -233,10 +240,11 @@ class DecodeGraphs:
         if not same:
             views[2].copy_(views[3], non_blocking=True)
             self._tables_held = (bucket, [list(row) for row in tables])
-        graph = self.graphs[bucket]
+        lora = adapters is not None and any(adapters)
+        graph = (self.graphs_lora if lora else self.graphs)[bucket]
         for j in range(steps):
             graph.replay()
-            out = self.outputs[bucket]
+            out = (self.outputs_lora if lora else self.outputs)[bucket]
             rows = self._out_views.get(b)
             if rows is None or rows[0] is not out:  # (outputs are replaced where graphs are replayed eagerly: tests)
                 rows = self._out_views[b] = (out, out[0][:b], out[1][:b])
