@@ -20,16 +20,9 @@ from surge.errors import ConfigError  # noqa: E402
 from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence  # noqa: E402
 from tests.decoder_models import build_lora, build_model, load_peft  # noqa: E402
 from tests.loop_driver import drive as drive_loop  # noqa: E402
+from tests.unit.test_decoder_engine import one_thread  # noqa: E402,F401  (autouse: tiny models run on one thread)
 
 KINDS = ("gpt2", "qwen2", "granite")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _adapters(kind, base, root, seed):
@@ -42,7 +35,7 @@ def _adapters(kind, base, root, seed):
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory, one_thread):
+def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     out = {}
     for i, kind in enumerate(KINDS):
