@@ -98,6 +98,10 @@ def test_completions_with_an_adapter(client, dirs, refs):
     r = client.completions.create(model="wide", prompt=prompt, temperature=0, max_tokens=N,
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].text == refs["wide"] and r.model == "wide"
+    # the Responses API by the adapter's name (the same conversation: one user turn)
+    resp = client.responses.create(model="wide", input=ASK[0]["content"], max_output_tokens=N, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    assert resp.output_text == refs["wide"] and resp.model == "wide"
     # KServe's generate extension by the adapter's name
     kserve = fresh_client(str(client.base_url).removesuffix("/").removesuffix("/v1"), timeout=60).post(
         "/v2/models/wide/generate", json={"text_input": prompt, "parameters": {
