@@ -107,6 +107,8 @@ def test_completions_with_an_adapter(client, dirs, refs):
         "/v2/models/wide/generate", json={"text_input": prompt, "parameters": {
             "temperature": 0, "max_tokens": N, "ignore_eos": True}})
     assert kserve.status_code == 200 and kserve.json()["text_output"] == refs["wide"], kserve.text
+    meta = fresh_client(str(client.base_url).removesuffix("/").removesuffix("/v1"), timeout=60).get("/v2/models/wide")
+    assert meta.status_code == 200 and meta.json()["name"] == "wide", meta.text
 
 
 def test_load_and_unload_while_serving(server, client, dirs, refs):

@@ -66,6 +66,9 @@ class AdapterView:
     def ready(self) -> bool:
         return self.base.ready and self.base.adapters.get(self.name) is self.adapter
 
+    def kserve_metadata(self, versions: list[str]) -> dict:
+        return {**self.base.kserve_metadata(versions), "name": self.name}
+
     async def close(self) -> None:
         """Nothing of its own to close: the base model's service closes the engine."""
 
