@@ -39,6 +39,19 @@ class ServerProcess(ServerProc):
                 "--grpc-port", str(self.grpc_port), *args]
         super().__init__("surge-serve", argv, port, ready_timeout_s=ready_timeout, env=env, cwd=ROOT)
 
+    def wait_ready(self, status=None) -> "ServerProcess":
+        """Ready, and under --workers N every front end ready (each prints so once its models are in): the
+        probe's one connection reaches one front end, and another may still be loading."""
+        super().wait_ready(status)
+        argv = self.argv if hasattr(self, "argv") else []
+        if "--workers" in argv:
+            n = argv[argv.index("--workers") + 1]
+            want = int(n) if n.isdigit() else 0
+            deadline = time.monotonic() + self.ready_timeout_s
+            while self.output(tail=1 << 20).count("ready, serving") < want and time.monotonic() < deadline:
+                time.sleep(0.1)
+        return self
+
     @property
     def grpc_url(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"

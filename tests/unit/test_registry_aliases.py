@@ -54,3 +54,22 @@ def test_alias_clashes_are_config_errors_and_a_model_name_wins():
         reg.get("nope")
     reg.add(Served("x"))  # a model named like an alias: the model wins
     assert reg.get("x").name == "x" and "x" not in reg.aliases()
+
+
+def test_while_the_server_loads_a_missing_model_is_503_not_404():
+    """A --workers front end accepts connections while it still loads its models: a request then must get
+    a retryable 503, not a 404 that says the model does not exist."""
+    from surge.errors import NotReady
+
+    reg = ModelRegistry()
+    reg.loading = True
+    for name in (None, "mini"):
+        with pytest.raises(NotReady, match="not loaded yet") as err:
+            reg.get(name)
+        assert err.value.http_status == 503 and err.value.retry_after == 1
+    reg.loading = False
+    with pytest.raises(NotFound, match="no model is loaded"):
+        reg.get()
+    reg.add(Served("mini"))
+    with pytest.raises(NotFound, match="'other' not found"):
+        reg.get("other")

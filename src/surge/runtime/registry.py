@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from surge.errors import ConfigError, NotFound, shown
+from surge.errors import ConfigError, NotFound, NotReady, shown
 from surge.runtime.service import ModelService
 
 log = logging.getLogger("surge")
@@ -17,6 +17,9 @@ class ModelRegistry:
         self._aliases: dict[str, str] = {}  # alias -> model name (kept while the model is unloaded)
         self._listeners: list[Callable[[], None]] = []
         self.default = default
+        # the server is still loading its models (set by the app around startup): a model not found yet
+        # may be on its way, so the answer is 503 (retry), not 404
+        self.loading = False
 
     def add(self, service: ModelService) -> None:
         if self._aliases.get(service.name, service.name) != service.name:
@@ -90,6 +93,9 @@ class ModelRegistry:
         name = self.resolve(asked)
         versions = self._models.get(name or "")
         if not versions:
+            if self.loading:
+                raise NotReady(f"model '{shown(asked or 'default')}' is not loaded yet: the server is starting",
+                               retry_after=1)
             if name is None:
                 raise NotFound("no model is loaded", param="model")
             if name != asked:

@@ -28,6 +28,7 @@ def create_app(state: AppState) -> FastAPI:
     async def lifespan(app: FastAPI):
         # Loading runs in the background so that liveness answers at once and
         # readiness turns on only after every model has warmed up.
+        state.registry.loading = True
         task = asyncio.create_task(_start(state))
         try:
             yield
@@ -81,6 +82,7 @@ async def _start(state: AppState) -> None:
     try:
         for hook in state.extras.get("on_startup", []):
             await hook(state)
+        state.registry.loading = False
         from surge.runtime.gc_settle import settle
 
         settle()  # models loaded and warmed up: full GC passes would walk all of it (runtime/gc_settle.py)
@@ -88,6 +90,7 @@ async def _start(state: AppState) -> None:
         for hook in state.extras.get("on_started", []):  # readiness watchers (gRPC health)
             hook(state)
     except Exception as exc:  # the process stays up, unready, and says why
+        state.registry.loading = False
         state.extras["startup_error"] = f"{type(exc).__name__}: {exc}"
         logging.getLogger("surge.server").exception("startup failed")
         if state.extras.get("exit_on_startup_failure", True):
