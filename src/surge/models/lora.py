@@ -23,7 +23,8 @@ from pathlib import Path
 from surge.errors import ConfigError
 from surge.models.decoder import DecoderConfig
 
-# engine module -> its parts in output order, each (checkpoint module name, rows of the fused output)
+# engine module -> the checkpoint modules it fuses, in output-row order (a dotted name where the last part
+# alone is ambiguous: GPT-2's attn.c_proj and mlp.c_proj)
 _LLAMA = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
     "o": ("o_proj",),
@@ -31,7 +32,7 @@ _LLAMA = {
     "down": ("down_proj",),
 }
 _GPT2 = {"qkv": ("c_attn",), "o": ("attn.c_proj",), "fc_in": ("c_fc",), "fc_out": ("mlp.c_proj",)}
-# the part's place in the checkpoint's module path (q_proj sits under self_attn, c_fc under mlp)
+# a PEFT weight's name: the layer, the module's path within it, A or B
 _KEY = re.compile(r"^base_model\.model\.(?:model\.|transformer\.)?(?:layers|h)\.(\d+)\.(.+)\.lora_([AB])\.weight$")
 
 
