@@ -85,10 +85,10 @@ def test_registered_again_or_forgotten():
     pool, sched, loads = _setup(slots=1)
     sched.add(_seq(0, 11, max_tokens=1))
     _step(sched)
-    pool.register(11, "weights-11-v2")  # new weights: the unused slot's copy is stale
+    pool.register(11, "weights-11")  # another front end's registration: the same files, the slot kept
     sched.add(_seq(1, 11, max_tokens=1))
     _step(sched)
-    assert loads[-1] == (1, "weights-11-v2")
+    assert loads == [(1, "weights-11")] and pool.slot_of == {11: 1}
     running = _seq(2, 11, max_tokens=5)
     sched.add(running)
     _step(sched)

@@ -64,10 +64,8 @@ class LoraAdapter:
     scaling folded into B; `rank` is the widest part's (what the engine's slots must hold)."""
 
     name: str
-    path: Path
     rank: int
     weights: dict[tuple[int, str], tuple[object, object]] = field(repr=False)
-    base: str | None = None  # base_model_name_or_path, as the adapter names it
 
 
 def _alpha_for(module_path: str, config: dict) -> tuple[float, int | None]:
@@ -86,8 +84,10 @@ def _alpha_for(module_path: str, config: dict) -> tuple[float, int | None]:
     return alpha, rank
 
 
-def read_adapter(path: str | Path, cfg: DecoderConfig, name: str | None = None) -> LoraAdapter:
-    """A PEFT LoRA directory, checked against the base model's config, in the engine's layout."""
+def read_adapter(path: str | Path, cfg: DecoderConfig, name: str | None = None,
+                 max_rank: int | None = None) -> LoraAdapter:
+    """A PEFT LoRA directory, checked against the base model's config (and a part's rank against
+    `max_rank`, the engine slots'), in the engine's layout."""
     import torch
     from safetensors.torch import load_file
 
@@ -166,4 +166,7 @@ def read_adapter(path: str | Path, cfg: DecoderConfig, name: str | None = None) 
                 col += a.shape[0]
             weights[(layer, module)] = (torch.cat([a for _, a in a_blocks]), b_full)
             widest = max(widest, max(a.shape[0] for _, a in a_blocks))
-    return LoraAdapter(name, path, widest, weights, config.get("base_model_name_or_path"))
+    if max_rank is not None and widest > max_rank:
+        raise ConfigError(f"LoRA adapter '{name}' has rank {widest}, above max_lora_rank {max_rank} "
+                          "(--generation max_lora_rank=N)")
+    return LoraAdapter(name, widest, weights)

@@ -218,10 +218,7 @@ class GenerateService(PromptText):
         from surge.runtime.lora_adapters import digest_of
 
         path = Path(path).expanduser().resolve()
-        read = read_adapter(path, self.engine.cfg, name)
-        if read.rank > self.config.max_lora_rank:
-            raise ConfigError(f"LoRA adapter '{name}' has rank {read.rank}, above max_lora_rank "
-                              f"{self.config.max_lora_rank} (--generation max_lora_rank=N)")
+        read_adapter(path, self.engine.cfg, name, max_rank=self.config.max_lora_rank)
         return path, digest_of(path)
 
     def add_adapter(self, name: str, path, checked: tuple | None = None) -> "AdapterView":

@@ -1,11 +1,12 @@
-"""A decoder's LoRA adapters as the server sees them: names, engine slots, identities, model views.
+"""A decoder's LoRA adapters as the server sees them: names, identities, model views.
 
 An adapter is served under its own model name (vLLM's way: `"model": "NAME"` in a request) by an
 `AdapterView` of the base model's GenerateService, registered beside it; every route that takes a
 generate model takes the view unchanged, and the view's requests run on the base model's engine,
-whose loop gives the adapter an engine slot when they are admitted (runtime/scheduler/adapters.py). An adapter's identity is a digest of its files: it keys the generation
-cache (also the shared Redis tier, across processes) and, as an integer, the prefix cache's hash
-chain, so neither serves one adapter's work to another or to an adapter reloaded with new weights.
+whose loop gives the adapter an engine slot when they are admitted (runtime/scheduler/adapters.py).
+An adapter's identity is a digest of its files: it keys the generation cache (also the shared Redis
+tier, across processes) and, as an integer, the prefix cache's hash chain, so neither serves one
+adapter's work to another or to an adapter reloaded with new weights.
 """
 
 from __future__ import annotations

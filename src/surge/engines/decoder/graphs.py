@@ -220,8 +220,8 @@ class DecodeGraphs:
         p[4, :bucket] = -1
         if src is not None:
             p[4, :b] = src
-        p[5, :bucket] = 0
-        if adapters is not None:
+        if adapters is not None:  # (an engine without LoRA slots leaves the row at 0)
+            p[5, b:bucket] = 0
             p[5, :b] = adapters
         if bucket > b:  # padded rows: one token of context, written to the scratch block
             p[2, b:bucket] = e.kv.scratch_block * e.block_size

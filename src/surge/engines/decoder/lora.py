@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from surge.errors import ConfigError
 from surge.models.decoder import DecoderConfig
 from surge.models.lora import LoraAdapter, in_features, modules_of, part_rows
 
@@ -42,11 +41,9 @@ class LoraBank:
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Write `adapter` into `slot` (1..slots), replacing what the slot held."""
-        if not 1 <= slot <= self.slots:
-            raise ValueError(f"LoRA slot {slot} out of 1..{self.slots}")
-        if adapter.rank > self.max_rank:
-            raise ConfigError(f"LoRA adapter '{adapter.name}' has rank {adapter.rank}, above max_lora_rank "
-                              f"{self.max_rank} (raise it with --generation max_lora_rank=N)")
+        if not 1 <= slot <= self.slots or adapter.rank > self.max_rank:
+            raise ValueError(f"LoRA adapter '{adapter.name}' (rank {adapter.rank}) does not fit slot {slot} of "
+                             f"1..{self.slots} (rank {self.max_rank}): read_adapter checks the rank")
         self.clear(slot)
         for (layer, module), (a, b) in adapter.weights.items():
             w, r = self.width[module], a.shape[0]

@@ -23,7 +23,7 @@ class DecoderModel:
                  decode_gemm: str = "auto", decode_attention: str = "fused", pdl: bool = True,
                  l2_prefetch: bool | str = False, lora=None):
         self.cfg = cfg
-        # LoRA adapters (engines/decoder/lora.LoraBank): the unfused layer adds their deltas to its GEMMs
+        # LoRA adapters (engines/decoder/lora.LoraBank): their deltas join the layers' GEMM outputs
         self.lora = lora
         self.w = weights
         self.device = device
@@ -156,11 +156,13 @@ class DecoderModel:
     def _proj_lora(self, x: torch.Tensor, layer: int, module: str, masks, bias: torch.Tensor | None = None):
         """`_proj` plus the rows' LoRA deltas: added to the first split-K partial (FP32; the kernel that
         reads the partials sums them, bias included) or to the plain product."""
-        out = self._proj(x, f"l{layer}.{module}", bias)
+        return self._add_lora(self._proj(x, f"l{layer}.{module}", bias), x, layer, module, masks)
+
+    def _add_lora(self, out: torch.Tensor, x: torch.Tensor, layer: int, module: str, masks) -> torch.Tensor:
         if masks is None:
             return out
         delta = self.lora.delta(x, layer, module, masks)
-        if out.dim() == 3:
+        if out.dim() == 3:  # split-K partials
             out[0].add_(delta)
             return out
         return out + delta
@@ -224,10 +226,7 @@ class DecoderModel:
 
     def _lin_lora(self, x: torch.Tensor, layer: int, module: str, masks, bias: torch.Tensor | None = None):
         """The layer's linear module, plus its LoRA deltas where the step's rows have adapters."""
-        out = self._lin(x, f"l{layer}.{module}", bias)
-        if masks is None:
-            return out
-        return out + self.lora.delta(x, layer, module, masks)
+        return self._add_lora(self._lin(x, f"l{layer}.{module}", bias), x, layer, module, masks)
 
     def _gpt2(self, ids, positions, kv, meta, masks=None):
         c, w = self.cfg, self.w

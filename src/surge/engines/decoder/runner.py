@@ -142,24 +142,25 @@ class DecoderEngine:
 
     # -- LoRA adapters ---------------------------------------------------------------------------------
     def read_adapter(self, path: str | Path, name: str | None = None):
-        """A PEFT LoRA directory checked against this model, in host memory (models/lora.LoraAdapter)."""
+        """A PEFT LoRA directory checked against this model and its slots' rank, in host memory
+        (models/lora.LoraAdapter)."""
+        if self.lora is None:
+            raise ValueError("this engine was built without LoRA slots (max_loras=0)")
         from surge.models.lora import read_adapter
 
-        return read_adapter(path, self.cfg, name)
+        return read_adapter(path, self.cfg, name, max_rank=self.lora.max_rank)
 
     def load_adapter(self, slot: int, adapter) -> None:
         """Write a LoRA adapter (read_adapter's, or a PEFT directory) into `slot` (1..max_loras); sequences
         with `adapter == slot` use it. On the engine loop's thread, between steps: the slot's weights are
         overwritten in place, behind the device work already queued (which may still read them)."""
-        if self.lora is None:
-            raise ValueError("this engine was built without LoRA slots (max_loras=0)")
         if not hasattr(adapter, "weights"):
             adapter = self.read_adapter(adapter)
         self.lora.load(slot, adapter)
 
-    def unload_adapter(self, slot: int) -> None:
-        if self.lora is not None:
-            self.lora.clear(slot)
+    def _row_slots(self, seqs) -> list[int] | None:
+        """The rows' LoRA slots for a graph launch (None without slots: nothing to stage)."""
+        return [q.adapter for q in seqs] if self.lora is not None else None
 
     def _adapters(self, scheduled: list[ScheduledSeq]) -> torch.Tensor | None:
         """Each packed token's LoRA slot, or None when no sequence of the step has an adapter."""
@@ -263,7 +264,7 @@ class DecoderEngine:
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
         if max(len(t) for t in tables) > self.graphs.width:
             raise ValueError("a block table is wider than max_model_len allows")
-        logits, _ = self.graphs.run(ids, pos, slots, tables, adapters=[q.adapter for q in seqs])
+        logits, _ = self.graphs.run(ids, pos, slots, tables, adapters=self._row_slots(seqs))
         return self._outs(seqs, self.sampler(logits, seqs))
 
     # -- launched decode steps (runtime/scheduler/overlap.py) ------------------------------------------
@@ -341,7 +342,7 @@ class DecoderEngine:
                 def each(j, t):
                     kept.append(t.clone())
             _, tokens = self.graphs.run(ids, pos, slots, tables, src, prev_tokens, steps=steps, each=each,
-                                        adapters=[q.adapter for q in seqs])
+                                        adapters=self._row_slots(seqs))
             if not cuda:
                 tokens, host = kept[-1], torch.cat(kept)
         else:

@@ -34,14 +34,10 @@ class AdapterSlots:
         self.loads = 0  # adapters written into slots (the first time or again after an eviction)
 
     def register(self, uid: int, adapter) -> None:
-        """Keep `adapter` for sequences of `uid` (PENDING: not read yet, they wait); a uid registered again
-        (another front end, a restart) is replaced, and a slot holding its old copy is written again at its
-        next use."""
+        """Keep `adapter` for sequences of `uid` (PENDING: not read yet, they wait). A uid is a digest of
+        the adapter's files: registered again, it is the same weights."""
         self.known[uid] = adapter
         self.retired.discard(uid)
-        slot = self.slot_of.get(uid)
-        if slot is not None and self.users[slot] == 0:
-            self._evict(slot)
 
     def forget(self, uid: int, in_use: bool = False) -> None:
         """No new sequence will ask for `uid`. `in_use`: sequences of it still wait or run; it is dropped at

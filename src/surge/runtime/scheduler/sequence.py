@@ -40,8 +40,9 @@ class Sequence:
     # their (token, logprob, top) not yet handed out (with the first sampled token's SampleOut)
     prompt_scored: int = 0
     prompt_lps: list | None = None
-    # LoRA: the engine slot of the sequence's adapter (0: the base model) and the adapter's load id,
-    # which keeps its KV blocks apart from other adapters' in the prefix cache (0: the base model's)
+    # LoRA: the engine slot of the sequence's adapter, given at admission (0: the base model), and the
+    # adapter's id (a digest of its files), which keeps its KV blocks apart from other adapters' in the
+    # prefix cache (0: the base model's)
     adapter: int = 0
     adapter_uid: int = 0
 
