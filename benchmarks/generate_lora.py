@@ -11,7 +11,9 @@ GenerateService.stream (the routes' API) with EOS ignored:
 * base: an engine without LoRA slots (on a GPU its fused decode kernels);
 * slots, base rows: the same model with `--loras` slots loaded, every request on the base model;
 * slots, adapter rows: the same engine, the requests dealt round robin over the adapters (every step
-  mixes them).
+  mixes them);
+* on a GPU also: adapter rows through the torch form of the deltas (five kernels a module) instead of
+  the one-kernel delta (kernels/lora_delta.py), the engine built with `lora_kernel=False`.
 
 Reported: output tokens/s (median of rounds), time per output token p50, and each row against the first.
 """
@@ -66,7 +68,7 @@ def write_adapter(base: Path, out: Path, rank: int, seed: int) -> Path:
     return out
 
 
-def make(path: Path, args, n: int, loras: int):
+def make(path: Path, args, n: int, loras: int, lora_kernel: bool | None = None):
     from surge.engines.decoder import DecoderEngine
     from surge.runtime.generate_service import GenerateService, GenerationConfig
 
@@ -75,7 +77,8 @@ def make(path: Path, args, n: int, loras: int):
                            prefix_caching=False, max_loras=loras, max_lora_rank=args.rank)
     engine = DecoderEngine(path, device=args.device, dtype=args.dtype, max_num_seqs=n, max_model_len=max_len,
                            kv_cache_tokens=(n + 8) * max_len, threads=args.threads, decode_steps=gen.decode_steps,
-                           decode_launch_ms=gen.decode_launch_ms, max_loras=loras, max_lora_rank=args.rank)
+                           decode_launch_ms=gen.decode_launch_ms, max_loras=loras, max_lora_rank=args.rank,
+                           lora_kernel=lora_kernel)
     engine.warmup()
     service = GenerateService("bench", "1", path, engine, _NoText(), None, gen, request_timeout_s=600)
     service.mark_ready()
@@ -128,13 +131,20 @@ def main(argv=None) -> int:
         names = [f"lora{i}" for i in range(args.loras)]
         plain = make(base, args, args.streams, 0)
         slots = make(base, args, args.streams, args.loras)
+        services = [plain, slots]
+        if slots.engine.lora.kernel:
+            services.append(make(base, args, args.streams, args.loras, lora_kernel=False))
         for i, name in enumerate(names):
-            slots.add_adapter(name, write_adapter(base, Path(tmp) / name, args.rank, seed=i))
+            path = write_adapter(base, Path(tmp) / name, args.rank, seed=i)
+            for service in services[1:]:
+                service.add_adapter(name, path)
         g = torch.Generator().manual_seed(0)
         vocab = plain.vocab_size
         prompts = [torch.randint(2, vocab, (args.prompt,), generator=g).tolist() for _ in range(args.streams)]
         rows = {"base (no slots)": (plain, None), "slots, base rows": (slots, None),
                 "slots, adapter rows": (slots, names)}
+        if len(services) > 2:
+            rows["slots, adapter rows, torch form"] = (services[2], names)
 
         async def run():
             for service, adapters in rows.values():  # warm-up (compiles, first allocations)
@@ -144,7 +154,7 @@ def main(argv=None) -> int:
                 for k, (service, adapters) in rows.items():
                     got[k].append(await one_round(service, prompts, args.output, adapters))
                     print(f"  {k}: {got[k][-1]['tok_s']:.0f} tok/s", flush=True)
-            for service in (plain, slots):
+            for service in services:
                 await service.close()
             return got
 
@@ -152,7 +162,7 @@ def main(argv=None) -> int:
     first = None
     print(f"\n{args.shape} on {args.device}, {args.streams} streams, {args.prompt} + {args.output} tokens, "
           f"{args.loras} adapters of rank {args.rank}, medians of {args.rounds} rounds")
-    print(f"| row | output tok/s | vs base | time per token p50 ms |\n| --- | ---: | ---: | ---: |")
+    print("| row | output tok/s | vs base | time per token p50 ms |\n| --- | ---: | ---: | ---: |")
     out = {"args": vars(args) | {"json": str(args.json)}, "rows": {}}
     for k, rounds in got.items():
         tok_s = statistics.median(r["tok_s"] for r in rounds)

@@ -12,6 +12,10 @@ which is each row's own adapter's term exactly (the other slots contribute exact
 gather or data-dependent loop (CUDA graphs capture it as is), and costs slots x rank columns:
 vLLM's default of one slot of rank 16 is 16 columns of extra GEMM per module. Loading an adapter
 writes its slot in place, so captured graphs stay valid.
+
+On a GPU in BF16 / FP16 a module's delta is one Triton kernel (kernels/lora_delta.py: the mask built
+from the rows' slots in the kernel, chunks of slots no row uses skipped, the sum added to the
+product in place); elsewhere (the CPU, FP32) the torch form above, its masks built once a step.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from surge.models.lora import LoraAdapter, in_features, modules_of, part_rows
 
 
 class LoraBank:
-    def __init__(self, cfg: DecoderConfig, slots: int, max_rank: int, device, dtype):
+    def __init__(self, cfg: DecoderConfig, slots: int, max_rank: int, device, dtype, kernel: bool | None = None):
+        """kernel: the one-kernel delta (kernels/lora_delta.py); None: wherever it can run (CUDA, BF16 / FP16,
+        Triton); False: the torch form everywhere (measurements)."""
         if slots < 1 or max_rank < 1:
             raise ValueError("a LoRA bank needs at least one slot of rank >= 1")
         self.slots, self.max_rank = slots, max_rank
@@ -38,6 +44,14 @@ class LoraBank:
         # the slot (1-based) each column of a width's stacked rank belongs to
         self._col_slot = {w: torch.arange(slots * w, device=device) // w + 1 for w in set(self.width.values())}
         self.dtype = dtype
+        usable = torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+        if usable and kernel is not False:
+            from surge.engines import kernels
+
+            usable = kernels.available()
+        if kernel and not usable:
+            raise ValueError("the LoRA kernel needs CUDA, Triton and BF16 / FP16 weights")
+        self.kernel = usable and kernel is not False
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Write `adapter` into `slot` (1..slots), replacing what the slot held."""
@@ -61,12 +75,33 @@ class LoraBank:
             lo = (slot - 1) * w
             b[:, lo:lo + w].zero_()
 
-    def masks(self, adapters: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Per width: [T, slots * width] ones where a row's slot owns the column (adapters: [T] slot ids)."""
-        rows = adapters.view(-1, 1)
-        return {w: (rows == cols).to(self.dtype) for w, cols in self._col_slot.items()}
+    def step(self, adapters: torch.Tensor, pdl: bool = False) -> "LoraStep":
+        """One forward's rows: adapters [T] each row's slot (0: the base model)."""
+        return LoraStep(self, adapters, pdl)
 
-    def delta(self, x: torch.Tensor, layer: int, module: str, masks: dict[int, torch.Tensor]) -> torch.Tensor:
-        """What the rows' adapters add to module's output for input x [T, in]."""
-        xa = torch.nn.functional.linear(x, self.a[layer, module]) * masks[self.width[module]]
-        return torch.nn.functional.linear(xa, self.b[layer, module])
+
+class LoraStep:
+    """The rows' slots of one forward; adds their deltas to the modules' products."""
+
+    def __init__(self, bank: LoraBank, adapters: torch.Tensor, pdl: bool):
+        self.bank, self.adapters, self.pdl = bank, adapters, pdl
+        self._masks: dict[int, torch.Tensor] | None = None
+
+    def masks(self) -> dict[int, torch.Tensor]:
+        """Per width: [T, slots * width] ones where a row's slot owns the column (the torch form's)."""
+        if self._masks is None:
+            rows = self.adapters.view(-1, 1)
+            self._masks = {w: (rows == cols).to(self.bank.dtype) for w, cols in self.bank._col_slot.items()}
+        return self._masks
+
+    def add_(self, out: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> torch.Tensor:
+        """out [T, out_features] (the module's product for input x [T, in], or its first FP32 split-K
+        partial) plus each row's adapter's delta, in place; returns out."""
+        bank = self.bank
+        a, b = bank.a[layer, module], bank.b[layer, module]
+        if bank.kernel:
+            from surge.engines.kernels.lora_delta import lora_add_
+
+            return lora_add_(out, x, a, b, self.adapters, bank.width[module], pdl=self.pdl)
+        xa = torch.nn.functional.linear(x, a) * self.masks()[bank.width[module]]
+        return out.add_(torch.nn.functional.linear(xa, b))

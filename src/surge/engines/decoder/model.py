@@ -158,14 +158,12 @@ class DecoderModel:
         reads the partials sums them, bias included) or to the plain product."""
         return self._add_lora(self._proj(x, f"l{layer}.{module}", bias), x, layer, module, masks)
 
-    def _add_lora(self, out: torch.Tensor, x: torch.Tensor, layer: int, module: str, masks) -> torch.Tensor:
-        if masks is None:
+    def _add_lora(self, out: torch.Tensor, x: torch.Tensor, layer: int, module: str, lora) -> torch.Tensor:
+        """out (a fresh product: changed in place) plus the rows' deltas; split-K partials take them in the first."""
+        if lora is None:
             return out
-        delta = self.lora.delta(x, layer, module, masks)
-        if out.dim() == 3:  # split-K partials
-            out[0].add_(delta)
-            return out
-        return out + delta
+        lora.add_(out[0] if out.dim() == 3 else out, x, layer, module)
+        return out
 
     # -- pieces ---------------------------------------------------------------------------------------
     LINEAR = ("qkv", "o", "fc_in", "fc_out", "up_gate", "down")
@@ -219,7 +217,7 @@ class DecoderModel:
                 adapters: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm. `adapters` [T]: each token's LoRA slot (0: none);
         None: no token has one (the adapters' GEMMs are skipped)."""
-        masks = self.lora.masks(adapters) if self.lora is not None and adapters is not None else None
+        masks = self.lora.step(adapters, pdl=self.pdl) if self.lora is not None and adapters is not None else None
         if self.cfg.arch == "gpt2":
             return self._gpt2(input_ids, positions, kv, meta, masks)
         return self._llama(input_ids, positions, kv, meta, masks)
