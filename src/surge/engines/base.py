@@ -47,7 +47,7 @@ def random_batch(batch: int, seq: int, vocab: int, layout: Layout = Layout.PADDE
     rng = np.random.default_rng(seed)
     items = []
     for _ in range(batch):
-        ids = rng.integers(1000, vocab, size=seq, dtype=np.int64)
+        ids = rng.integers(min(1000, vocab // 2), vocab, size=seq, dtype=np.int64)
         ids[0], ids[-1] = 101 if vocab > 102 else 1, 102 if vocab > 102 else 2
         items.append(Encoded(ids, np.zeros_like(ids)))
     return TokenBatch.pack(items) if layout is Layout.PACKED else TokenBatch.pad(items)

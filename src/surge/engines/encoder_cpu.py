@@ -48,7 +48,8 @@ class AttentionPlan:
     of the packed tensor (no gather/scatter by index).
     """
 
-    def __init__(self, lengths: np.ndarray, bin_tokens: int = BIN_TOKENS):
+    def __init__(self, lengths: np.ndarray, bin_tokens: int = BIN_TOKENS, causal: bool = False):
+        """causal: a query also never sees its own sequence's later keys (a decoder's attention)."""
         lengths = np.asarray(lengths, dtype=np.int64)
         self.tokens = int(lengths.sum())
         self.single = len(lengths) == 1
@@ -71,7 +72,10 @@ class AttentionPlan:
         for i, b in enumerate(bins):
             seg[i, :sum(b)] = np.repeat(np.arange(len(b)), b)
         # [blocks, 1, P, P]: True = attend
-        self.mask = torch.from_numpy(seg[:, None, :, None] == seg[:, None, None, :])
+        mask = seg[:, None, :, None] == seg[:, None, None, :]
+        if causal:  # block positions keep their sequences' order, so the block's lower triangle is causal
+            mask &= np.tri(p, dtype=bool)
+        self.mask = torch.from_numpy(mask)
 
 
 # ---------------------------------------------------------------- the layers (TorchScript source)

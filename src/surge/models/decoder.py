@@ -32,13 +32,36 @@ def is_decoder_config(config: dict) -> bool:
 
 
 def is_decoder_dir(path: str | Path) -> bool:
+    """A causal LM served for generation: a decoder's config, and not a sentence-transformers embedding
+    directory built on one (Qwen3-Embedding, gte-Qwen2: engines/decoder/embedder.py serves those)."""
     file = Path(path) / "config.json"
     if not file.is_file():
         return False
     try:
-        return is_decoder_config(json.loads(file.read_text()))
+        return is_decoder_config(json.loads(file.read_text())) and not has_st_pooling(path)
     except (OSError, ValueError):
         return False
+
+
+def is_decoder_embedding_dir(path: str | Path) -> bool:
+    """A decoder checkpoint with a sentence-transformers pooling module: an embedding model."""
+    file = Path(path) / "config.json"
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return False
+    return config.get("model_type") in SUPPORTED and has_st_pooling(path)
+
+
+def has_st_pooling(path: str | Path) -> bool:
+    """modules.json lists a sentence-transformers Pooling module (the directory pools into embeddings)."""
+    try:
+        modules = json.loads((Path(path) / "modules.json").read_text())
+    except (OSError, ValueError):
+        return False
+    from surge.models.hf import st_module_class
+
+    return isinstance(modules, list) and any(st_module_class(m) == "Pooling" for m in modules)
 
 
 @dataclass(frozen=True)

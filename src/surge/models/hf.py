@@ -67,6 +67,22 @@ def _read_json(path: Path) -> dict:
         raise ConfigError(f"{path}: cannot read JSON ({exc})") from exc
 
 
+def st_module_class(module: dict) -> str:
+    """The class name of a modules.json entry ("Pooling", "Normalize", "Transformer", ...)."""
+    return str(module.get("type", "")).rsplit(".", 1)[-1] if isinstance(module, dict) else ""
+
+
+_ST_MODES = {"mean": "mean", "cls": "cls", "max": "max", "lasttoken": "last"}
+
+
+def _st_pooling_mode(path: Path, mode) -> Pooling:
+    modes = [mode] if isinstance(mode, str) else list(mode or [])
+    if len(modes) != 1 or modes[0] not in _ST_MODES:
+        raise ConfigError(f"{path}: sentence-transformers pooling_mode {mode!r} is not supported "
+                          f"(one of {', '.join(_ST_MODES)})")
+    return _ST_MODES[modes[0]]
+
+
 def _pooling_from_st(path: Path) -> tuple[Pooling | None, bool]:
     """Pooling mode and normalization from sentence-transformers' modules.json."""
     modules_file = path / "modules.json"
@@ -75,12 +91,16 @@ def _pooling_from_st(path: Path) -> tuple[Pooling | None, bool]:
     pooling: Pooling | None = None
     normalize = False
     for module in _read_json(modules_file):
-        kind = module.get("type", "")
-        if kind.endswith("models.Normalize"):
+        # sentence-transformers 2-4 write `sentence_transformers.models.Pooling`, later versions the class
+        # under their new module paths (`...sentence_transformer.modules.pooling.Pooling`): the class name decides
+        kind = st_module_class(module)
+        if kind == "Normalize":
             normalize = True
-        elif kind.endswith("models.Pooling"):
+        elif kind == "Pooling":
             cfg = _read_json(path / module.get("path", "") / "config.json")
-            if cfg.get("pooling_mode_cls_token"):
+            if "pooling_mode" in cfg:  # sentence-transformers 5+: one mode name (or a list of them)
+                pooling = _st_pooling_mode(path, cfg["pooling_mode"])
+            elif cfg.get("pooling_mode_cls_token"):
                 pooling = "cls"
             elif cfg.get("pooling_mode_max_tokens"):
                 pooling = "max"

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from surge.errors import ConfigError
+from surge.models.decoder import SUPPORTED as DECODER_TYPES
+from surge.models.decoder import has_st_pooling
 
 EMBED, CLASSIFY, RERANK, TOKEN_CLASSIFY, GENERATE = "embed", "classify", "rerank", "token-classify", "generate"
 ENCODER_TASKS = (EMBED, CLASSIFY, RERANK, TOKEN_CLASSIFY)
@@ -25,7 +27,8 @@ TASKS = ENCODER_TASKS + (GENERATE,)
 SUPPORTED_ARCHITECTURES = (
     "BertModel, RobertaModel, XLMRobertaModel, DistilBertModel (and *ForMaskedLM, sentence-transformers "
     "directories): embed; *ForSequenceClassification: classify (rerank with one label or a cross-encoder "
-    "config); *ForTokenClassification: token-classify; *ForCausalLM / *LMHeadModel: generate"
+    "config); *ForTokenClassification: token-classify; *ForCausalLM / *LMHeadModel: generate, or embed with "
+    "a sentence-transformers pooling config (Qwen3-Embedding, gte-Qwen2)"
 )
 # Backbones the engines (ONNX export, torch encoder) run.
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "camembert")
@@ -80,10 +83,14 @@ def detect_task(path: Path, config: dict, override: str | None = None) -> TaskIn
         return TaskInfo(CLASSIFY, arch, labels, multi)
     if arch.endswith("ForTokenClassification"):
         return TaskInfo(TOKEN_CLASSIFY, arch, labels)
+    if config.get("model_type") in DECODER_TYPES and has_st_pooling(path):
+        # a decoder trained for embeddings (Qwen3-Embedding, gte-Qwen2: `*ForCausalLM` in config.json)
+        return TaskInfo(EMBED, arch or "(none)", source="modules.json")
     if arch.endswith(_DECODER_SUFFIXES) or config.get("is_decoder") and not arch.endswith("Model"):
         return TaskInfo(GENERATE, arch)
     if not arch or arch.endswith(("Model", "ForMaskedLM")) or (path / "modules.json").is_file():
-        if arch.endswith("Model") and arch[:-5].lower() in ("gpt2", "gptneo", "llama", "mistral", "qwen2", "opt"):
+        if arch.endswith("Model") and arch[:-5].lower() in ("gpt2", "gptneo", "llama", "mistral", "qwen2", "qwen3",
+                                                              "granite", "opt"):
             return TaskInfo(GENERATE, arch)  # a bare decoder backbone
         return TaskInfo(EMBED, arch or "(none)", source="modules.json" if (path / "modules.json").is_file()
                         else "config.json")
@@ -112,6 +119,12 @@ def check_servable(task: TaskInfo, model_type: str, path: Path) -> None:
         raise ConfigError(f"{path}: architecture {task.architecture} is a text generator (task generate) that "
                           f"surge's decoder engine does not run (models/decoder.py lists those it does); "
                           f"supported: {SUPPORTED_ARCHITECTURES}", param="task")
+    if task.task == EMBED and model_type in DECODER_TYPES:
+        if not has_st_pooling(path):
+            raise ConfigError(f"{path}: task embed on a decoder ({task.architecture}) needs a sentence-transformers "
+                              "pooling config (modules.json and its Pooling module's config.json, as "
+                              "Qwen3-Embedding ships); without one it is served as a text generator", param="task")
+        return
     if model_type not in ENCODER_TYPES:
         raise ConfigError(f"{path}: model_type {model_type!r} ({task.architecture}) is not an encoder surge "
                           f"serves; supported model types: {', '.join(ENCODER_TYPES)}")

@@ -14,6 +14,16 @@ from surge.runtime.worker import EnginePool, ModelWorker, PostSpec
 
 def make_engine(cfg: EngineConfig, spec: ModelSpec, artifact: Path | None, device: str | None = None,
                 max_tokens: int | None = None) -> Engine:
+    from surge.models.decoder import is_decoder_embedding_dir
+
+    if is_decoder_embedding_dir(spec.path):  # either engine setting: a decoder's layers in torch
+        from surge.engines.decoder.embedder import DecoderEmbedder
+
+        dev, precision = decoder_device(spec, cfg, device)
+        engine = DecoderEmbedder(device=dev, precision=precision, max_batch=cfg.max_batch_size, max_tokens=max_tokens,
+                                 threads=cfg.threads)
+        engine.load(spec.path)
+        return engine
     if cfg.engine == "onnxrt":
         from surge.engines.onnxrt import OnnxRuntimeEngine
 
@@ -115,12 +125,18 @@ def build_worker(spec: ModelSpec, artifact: Path | None, cfg: EngineConfig, head
 
 
 def generate_settings(spec: ModelSpec, cfg: EngineConfig, generation=None):
-    """(device, precision, resolved GenerationConfig) of a decoder: on the CPU it computes in fp32 or
-    bf16; on a GPU in bf16 unless a precision is set (`cfg.model_fields_set`: a flag, a SURGE_*
-    variable or a model.yaml), so `--precision fp32` runs FP32 there as asked."""
+    """(device, precision, resolved GenerationConfig) of a decoder (decoder_device's device and precision)."""
     from surge.config import GenerationConfig
 
-    device = f"cuda:{cfg.devices[0]}" if cfg.devices else cfg.device
+    device, precision = decoder_device(spec, cfg)
+    return device, precision, (generation or GenerationConfig()).resolved(cfg)
+
+
+def decoder_device(spec: ModelSpec, cfg: EngineConfig, device: str | None = None) -> tuple[str, str]:
+    """(device, precision) of a decoder's engine (generation or embeddings): on the CPU fp32 or bf16; on a
+    GPU bf16 unless a precision is set (`cfg.model_fields_set`: a flag, a SURGE_* variable or a
+    model.yaml), so `--precision fp32` runs FP32 there as asked."""
+    device = device or (f"cuda:{cfg.devices[0]}" if cfg.devices else cfg.device)
     precision = cfg.precision
     if precision == "int8":
         from surge.errors import ConfigError
@@ -128,7 +144,7 @@ def generate_settings(spec: ModelSpec, cfg: EngineConfig, generation=None):
         raise ConfigError(f"{spec.path}: precision int8 is not supported for decoder models")
     if device.startswith("cuda") and "precision" not in cfg.model_fields_set:
         precision = "bf16"  # the field's default means "the device's default" for decoders
-    return device, precision, (generation or GenerationConfig()).resolved(cfg)
+    return device, precision
 
 
 def build_generate_service(spec: ModelSpec, version: str, cfg: EngineConfig, limits, generation=None):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -111,3 +112,39 @@ def paged_attention_loop(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         out[start:start + n] = o.transpose(0, 1)
         start += n
     return out
+
+
+class DenseMeta:
+    """A forward without a KV cache (a decoder serving embeddings): packed sequences [T], each attending
+    to its own earlier tokens only. Sequences share SDPA blocks as the encoder's CPU path packs them
+    (encoder_cpu.AttentionPlan, with a causal mask): one attention call a layer for the batch."""
+
+    def __init__(self, lens: list[int], device):
+        from surge.engines.encoder_cpu import AttentionPlan
+
+        self.lens = list(lens)
+        self.plan = AttentionPlan(np.asarray(self.lens), causal=True)
+        self.index = self.mask = None
+        if not self.plan.single:  # each packed token's row in the blocks [blocks * P]
+            offsets = np.concatenate([np.arange(n) for n in self.plan.fill])
+            rows = np.repeat(np.arange(len(self.plan.fill)) * self.plan.block, self.plan.fill) + offsets
+            self.index = torch.as_tensor(rows, device=device)
+            self.mask = self.plan.mask.to(device)
+
+
+def causal_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: DenseMeta, scale: float) -> torch.Tensor:
+    """q [T, heads, dim], k and v [T, kv_heads, dim] of the packed sequences -> [T, heads, dim]."""
+    gqa = q.shape[1] != k.shape[1]
+    if meta.plan.single:
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                             is_causal=True, scale=scale, enable_gqa=gqa)
+        return out[0].transpose(0, 1)
+    n, p = len(meta.plan.fill), meta.plan.block
+
+    def blocks(x):  # [T, h, d] -> [blocks, h, P, d]; padding rows are zeros the mask keeps to themselves
+        out = x.new_zeros(n * p, x.shape[1], x.shape[2]).index_copy_(0, meta.index, x)
+        return out.view(n, p, x.shape[1], x.shape[2]).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(blocks(q), blocks(k), blocks(v), attn_mask=meta.mask, scale=scale,
+                                         enable_gqa=gqa)
+    return out.transpose(1, 2).reshape(n * p, q.shape[1], q.shape[2]).index_select(0, meta.index)

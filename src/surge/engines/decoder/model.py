@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from surge.engines.decoder.attention import AttnMeta, paged_attention_torch, write_kv
+from surge.engines.decoder.attention import AttnMeta, causal_dense, paged_attention_torch, write_kv
 from surge.models.decoder import DecoderConfig, rope_inv_freq
 
 
@@ -206,6 +206,8 @@ class DecoderModel:
         return out if r == x.shape[-1] else torch.cat([out, x[..., r:]], dim=-1)
 
     def _attend(self, q, k, v, layer: int, kv, meta: AttnMeta) -> torch.Tensor:
+        if kv is None:  # no cache (embeddings): meta is a DenseMeta
+            return causal_dense(q, k, v, meta, self.scale)
         k_cache, v_cache = kv.k[layer], kv.v[layer]
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         if self.attention == "triton":
@@ -216,7 +218,8 @@ class DecoderModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv, meta: AttnMeta,
                 adapters: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm. `adapters` [T]: each token's LoRA slot (0: none);
-        None: no token has one (the adapters' GEMMs are skipped)."""
+        None: no token has one (the adapters' GEMMs are skipped). kv None: no cache, `meta` an
+        attention.DenseMeta (whole sequences, each attending to itself: embeddings)."""
         masks = self.lora.step(adapters, pdl=self.pdl) if self.lora is not None and adapters is not None else None
         if self.cfg.arch == "gpt2":
             return self._gpt2(input_ids, positions, kv, meta, masks)

@@ -1,20 +1,25 @@
-"""A module's LoRA deltas added to its product in one kernel: out += ((x A^T) * mask) B^T (Triton).
+"""A module's LoRA deltas added to its product in two kernels: out += ((x A^T) * mask) B^T (Triton).
 
 The torch form of engines/decoder/lora.py runs a module's deltas as five kernels (x A^T, the mask,
-its product, (.) B^T, the add), ~480 small launches a decode step for Qwen2-0.5B's 24 layers x 4
-modules: adapter rows cost 2.2x the step on an H200 (docs/benchmarks/generate.md, session 31). Here
-one program owns a BLOCK_N-wide slice of the output for up to BLOCK_M rows: it computes the rows'
-x A^T over the stacked slots (every program recomputes it: a few MMAs from L2-resident A, cheaper
-than a second launch), zeroes each row's columns of other slots, multiplies by its slice of B and
-adds the result to `out` in place.
+its product, (.) B^T, the add): ~480 launches a decode step for Qwen2-0.5B's 24 layers x 4 modules,
+and its x A^T is a GEMM of 64 x (slots x rank) outputs over K = 896-4864 that cuBLAS gives one or
+two CTAs. Adapter rows cost 2.2x the step on an H200 (docs/benchmarks/generate.md, session 31).
+One kernel a module, each program recomputing x A^T for its slice of the output, measured slower
+still (session 32: its programs each walk all of K alone). Here, as punica / vLLM's LoRA kernels do:
+
+* shrink: (rank chunk, K split) programs each write the FP32 partial x A^T of their K range to a
+  workspace [splits, M, R] (no atomics);
+* expand: a program owns a BLOCK_N-wide slice of the output: it sums the partials in split order,
+  rounds, zeroes each row's columns of other slots (the mask built from the rows' slots in the
+  kernel), multiplies by its slice of B and adds the result to `out` in place.
 
 A chunk of the stacked rank that no row of the tile reads (a slot no row of this step uses) is
-skipped: its contribution is exact zeros, so skipping changes no bit, and a step whose rows use one
-adapter of four pays for one. Rounding as the torch form rounds: x A^T rounded to the activation
-dtype, the masked product summed in FP32 and rounded to it, then added to `out` in FP32 (a BF16
-`out` rounded once more; a split-K partial in FP32 takes it exactly). A row's delta depends on that
-row alone (other rows' columns are zeros; the tile's MMAs compute each row independently), so it
-does not depend on who shares the batch.
+skipped by both: its contribution is exact zeros, so skipping changes no bit, and a step whose rows
+use one adapter of four pays for one. Rounding as the torch form rounds: x A^T rounded to the
+activation dtype, the masked product summed in FP32 and rounded to it, then added to `out` in FP32
+(a BF16 `out` rounded once more; a split-K partial in FP32 takes it exactly). A row's delta depends
+on that row alone (other rows' columns are zeros, the splits are fixed by K alone and summed in
+order, the tiles' MMAs compute each row independently), so it does not depend on who shares the batch.
 """
 
 from __future__ import annotations
@@ -30,44 +35,74 @@ BLOCK_N = 64
 BLOCK_K = 128
 
 
+K_SPLIT = 256  # K a shrink program sums: Qwen2-0.5B's K = 896 in 4 splits, 4864 in 19
+
+
+@triton.jit
+def _chunk_hit(slot, offs_r, R, W):
+    """[BLOCK_M, BLOCK_R]: the row's slot owns the column; and whether any row owns any column here."""
+    hit = (slot[:, None] == (offs_r // W + 1)[None, :]) & (offs_r < R)[None, :]
+    return hit, tl.max(tl.max(hit.to(tl.int32), axis=1), axis=0) > 0
+
+
 @triton.jit(do_not_specialize=["M"])
-def _lora_add(x_ptr, a_ptr, b_ptr, slot_ptr, out_ptr, M, N, K, R, W, stride_xm, stride_am, stride_bn, stride_om,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-              PDL: tl.constexpr):
+def _lora_shrink(x_ptr, a_ptr, slot_ptr, ws_ptr, M, K, R, W, stride_xm, stride_am, BLOCK_M: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, K_SPLIT: tl.constexpr, PDL: tl.constexpr):
+    pid_r = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    m_ok = offs_m < M
+    r_ok = offs_r < R
+    # the slots are the step's metadata, written before the step's first kernel: read before the wait
+    slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=0).to(tl.int32)
+    wait_then_release(PDL)
+    t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    _, any_hit = _chunk_hit(slot, offs_r, R, W)
+    if any_hit:
+        for k0 in range(pid_s * K_SPLIT, tl.minimum(K, (pid_s + 1) * K_SPLIT), BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            xk = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                         mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            ak = tl.load(a_ptr + offs_r[:, None].to(tl.int64) * stride_am + offs_k[None, :],
+                         mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            t = tl.dot(xk, tl.trans(ak), t)
+    ws = ws_ptr + (pid_s * M + offs_m[:, None]).to(tl.int64) * R + offs_r[None, :]
+    tl.store(ws, t, mask=m_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _lora_expand(ws_ptr, b_ptr, slot_ptr, out_ptr, M, N, R, W, SPLITS, stride_bn, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    # the slots are the step's metadata, written before the step's first kernel: read before the wait
     slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=0).to(tl.int32)
     wait_then_release(PDL)
-    dt = x_ptr.dtype.element_ty
+    DT = b_ptr.dtype.element_ty  # the activations' dtype (B is stored in it)
     if tl.max(slot, axis=0) > 0:  # no adapter row in this tile: `out` stays as it is
         d = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for r0 in range(0, R, BLOCK_R):
             offs_r = r0 + tl.arange(0, BLOCK_R)
             r_ok = offs_r < R
-            hit = (slot[:, None] == (offs_r // W + 1)[None, :]) & r_ok[None, :]
-            if tl.max(tl.max(hit.to(tl.int32), axis=1), axis=0) > 0:
+            hit, any_hit = _chunk_hit(slot, offs_r, R, W)
+            if any_hit:
                 t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                for k0 in range(0, K, BLOCK_K):
-                    offs_k = k0 + tl.arange(0, BLOCK_K)
-                    k_ok = offs_k < K
-                    xk = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-                                 mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                    ak = tl.load(a_ptr + offs_r[:, None].to(tl.int64) * stride_am + offs_k[None, :],
-                                 mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-                    t = tl.dot(xk, tl.trans(ak), t)
-                t = tl.where(hit, t.to(dt), tl.zeros_like(t).to(dt))
+                for s in range(0, SPLITS):  # in split order: the sum's bits fixed by K alone
+                    t += tl.load(ws_ptr + (s * M + offs_m[:, None]).to(tl.int64) * R + offs_r[None, :],
+                                 mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+                t = tl.where(hit, t.to(DT), tl.zeros_like(t).to(DT))
                 bk = tl.load(b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + offs_r[None, :],
                              mask=n_ok[:, None] & r_ok[None, :], other=0.0)
                 d = tl.dot(t, tl.trans(bk), d)
         o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         o_ok = m_ok[:, None] & n_ok[None, :]
         o = tl.load(o_ptrs, mask=o_ok, other=0.0)
-        y = o.to(tl.float32) + d.to(dt).to(tl.float32)
+        y = o.to(tl.float32) + d.to(DT).to(tl.float32)
         tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=o_ok)
 
 
@@ -86,8 +121,13 @@ def lora_add_(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
     if out.stride(1) != 1 or a.stride(1) != 1 or b.stride(1) != 1:
         raise ValueError("out, a and b must have contiguous rows")
     block_r = min(64, max(16, triton.next_power_of_2(r)))
-    grid = (triton.cdiv(out.shape[1], BLOCK_N), triton.cdiv(m, BLOCK_M))
-    _lora_add[grid](x, a, b, slots, out, m, out.shape[1], k, r, width, x.stride(0), a.stride(0), b.stride(0),
-                    out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_R=block_r, PDL=pdl,
-                    num_warps=4, **launch_kw(pdl))
+    splits = triton.cdiv(k, K_SPLIT)
+    ws = torch.empty((splits, m, r), device=x.device, dtype=torch.float32)
+    m_tiles = triton.cdiv(m, BLOCK_M)
+    _lora_shrink[(triton.cdiv(r, block_r), splits, m_tiles)](
+        x, a, slots, ws, m, k, r, width, x.stride(0), a.stride(0), BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
+        BLOCK_R=block_r, K_SPLIT=K_SPLIT, PDL=pdl, num_warps=4, **launch_kw(pdl))
+    _lora_expand[(triton.cdiv(out.shape[1], BLOCK_N), m_tiles)](
+        ws, b, slots, out, m, out.shape[1], r, width, splits, b.stride(0), out.stride(0), BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, BLOCK_R=block_r, PDL=pdl, num_warps=4, **launch_kw(pdl))
     return out

@@ -1,0 +1,79 @@
+"""A decoder served as an embedding model (Qwen3-Embedding, gte-Qwen2, e5-mistral): the Engine contract.
+
+Those checkpoints are causal LMs (config.json names `Qwen3ForCausalLM`, often with no LM head in the
+weights) whose sentence-transformers files pool the last token's hidden state and normalize it.
+This engine runs the decoder engine's own layers (engines/decoder/model.py: the same weights, RoPE,
+q/k norms, multipliers) over a packed batch of whole sequences, with no KV cache: each sequence
+attends causally to itself (attention.causal_dense), and the hidden states after the final norm go
+to the shared pooling code like an encoder's.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from surge.engines.base import Capabilities, random_batch
+from surge.errors import ConfigError
+from surge.types import Layout, TokenBatch
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class DecoderEmbedder:
+    def __init__(self, device: str = "cpu", precision: str = "fp32", max_batch: int = 64,
+                 max_tokens: int | None = None, threads: int = 0):
+        if precision not in _DTYPES:
+            raise ConfigError(f"precision {precision} is not supported for decoder embedding models "
+                              f"({', '.join(_DTYPES)})", param="precision")
+        self.device = torch.device(device)
+        self.dtype = _DTYPES[precision]
+        if self.device.type == "cpu" and self.dtype is torch.float16:
+            raise ConfigError("precision fp16 needs a GPU; on the CPU use fp32 or bf16", param="precision")
+        if threads and self.device.type == "cpu":
+            torch.set_num_threads(threads)
+        self.max_batch = max_batch
+        self.max_tokens = max_tokens
+        self.model = None
+        self.capabilities: Capabilities | None = None
+        self._lock = threading.Lock()  # one forward at a time: the model keeps no per-call state, torch may
+
+    def load(self, artifact: Path) -> None:
+        from surge.engines.decoder.model import DecoderModel
+        from surge.models.decoder import load_decoder_config, load_decoder_weights
+
+        cfg = load_decoder_config(artifact)
+        weights = load_decoder_weights(artifact, cfg, self.dtype, self.device)
+        weights.pop("lm_head", None)  # embeddings never read the vocabulary's logits
+        # the unfused layer: its attention is the dense causal one here (the fused path writes a cache)
+        self.model = DecoderModel(cfg, weights, self.device, self.dtype, attention="torch", fused=False)
+        self.vocab_size = cfg.vocab_size
+        self.capabilities = Capabilities(max_batch=self.max_batch, max_tokens=min(cfg.context_limit, 1 << 20),
+                                         layout=Layout.PACKED, device=str(self.device),
+                                         dtype={v: k for k, v in _DTYPES.items()}[self.dtype],
+                                         hidden_size=cfg.hidden_size)
+
+    def warmup(self, shapes: list[tuple[int, int]]) -> None:
+        for batch, seq in shapes:
+            self.run(random_batch(batch, seq, self.vocab_size, Layout.PACKED))
+
+    def run(self, batch: TokenBatch) -> np.ndarray:
+        """A packed batch's hidden states after the final norm, [T, H] float32."""
+        from surge.engines.decoder.attention import DenseMeta
+
+        if batch.layout is not Layout.PACKED:
+            raise ValueError("the decoder embedder runs packed batches (its capabilities' layout)")
+        lens = batch.lengths.tolist()
+        ids = batch.input_ids
+        positions = np.concatenate([np.arange(n) for n in lens])
+        with self._lock, torch.inference_mode():
+            meta = DenseMeta(lens, self.device)
+            hidden = self.model.forward(torch.as_tensor(ids, device=self.device),
+                                        torch.as_tensor(positions, device=self.device), None, meta)
+            return hidden.float().cpu().numpy()
+
+    def close(self) -> None:
+        self.model = None
