@@ -211,3 +211,39 @@ def load_peft(base_dir: Path, adapter_dir: Path):
 
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
     return PeftModel.from_pretrained(base, adapter_dir).eval()
+
+
+def build_embedding_model(kind: str, out: Path, *, seed: int = 0, pooling: str = "lasttoken",
+                          max_seq_length: int = 48, **overrides) -> Path:
+    """A decoder embedding model as Qwen3-Embedding / gte-Qwen2 / e5-mistral ship on the hub: a causal-LM
+    checkpoint (config.json names `*ForCausalLM`, the weights keep their `model.` prefix and LM head) with
+    sentence-transformers 2-4's files beside it (modules.json, 1_Pooling, 2_Normalize), and a tokenizer that
+    appends <|endoftext|> to every text (Qwen3-Embedding's post-processor), without a chat template."""
+    from tokenizers.processors import TemplateProcessing
+
+    d = build_model(kind, out, seed=seed, **overrides)
+    tok = json.loads((d / "tokenizer_config.json").read_text())
+    tok.pop("chat_template", None)  # sentence-transformers 5+ would wrap texts in it
+    (d / "tokenizer_config.json").write_text(json.dumps(tok))
+    from tokenizers import Tokenizer
+
+    t = Tokenizer.from_file(str(d / "tokenizer.json"))
+    eos = t.token_to_id("<|endoftext|>")
+    t.post_processor = TemplateProcessing(single="$A <|endoftext|>", pair="$A $B <|endoftext|>",
+                                          special_tokens=[("<|endoftext|>", eos)])
+    t.save(str(d / "tokenizer.json"))
+    hidden = json.loads((d / "config.json").read_text())["hidden_size"]
+    (d / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (d / "1_Pooling").mkdir()
+    (d / "2_Normalize").mkdir()
+    modes = {m: m == pooling for m in ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens",
+                                      "weightedmean_tokens", "lasttoken")}
+    (d / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": hidden, **{f"pooling_mode_{m}": v for m, v in modes.items()},
+        "include_prompt": True}))
+    (d / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length,
+                                                             "do_lower_case": False}))
+    return d

@@ -1,0 +1,71 @@
+"""A decoder embedding model (Qwen3-Embedding's layout: a causal-LM checkpoint with sentence-transformers'
+last-token pooling files) behind a real `surge serve DIR`, called with the openai client and
+huggingface_hub's InferenceClient (text-embeddings-inference's routes): sentence-transformers' vectors
+come back; the model is listed as an embedding model and is not offered for chat."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.server_process import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tests.decoder_models import build_embedding_model
+
+    return build_embedding_model("qwen3", tmp_path_factory.mktemp("demb") / "qwen3-embedding", seed=4,
+                                 num_hidden_layers=3)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with ServerProcess(str(model_dir), "--threads", "1", "--tei-embed", "--auto-truncate") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    torch.set_num_threads(1)
+    model = SentenceTransformer(str(model_dir), device="cpu")
+    return lambda texts: model.encode(texts, convert_to_numpy=True)
+
+
+def test_openai_client_embeddings(server, reference, sentences):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    texts = sentences[:12] + ["What's the weather like in Zürich?"]
+    got = client.embeddings.create(model="qwen3-embedding", input=texts)
+    vecs = np.array([d.embedding for d in got.data], dtype=np.float32)
+    ref = reference(texts)
+    assert vecs.shape == ref.shape == (13, 64)
+    np.testing.assert_allclose(vecs, ref, atol=3e-5)
+    assert got.usage.prompt_tokens > 13
+    short = client.embeddings.create(model="qwen3-embedding", input=texts[:2], dimensions=16)
+    assert len(short.data[0].embedding) == 16
+    ids = [m.id for m in client.models.list().data]
+    assert "qwen3-embedding" in ids
+
+
+def test_tei_routes_and_inference_client(server, reference, sentences):
+    from huggingface_hub import InferenceClient
+
+    texts = sentences[20:24]
+    r = httpx.post(server.url + "/embed", json={"inputs": texts}, timeout=60)
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose(np.array(r.json(), dtype=np.float32), reference(texts), atol=3e-5)
+    vec = InferenceClient(model=server.url).feature_extraction(texts[0])
+    np.testing.assert_allclose(np.asarray(vec, dtype=np.float32).reshape(-1), reference(texts[:1])[0], atol=3e-5)
+
+
+def test_not_a_chat_model(server):
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                   json={"model": "qwen3-embedding", "messages": [{"role": "user", "content": "hi"}]})
+    assert 400 <= r.status_code < 500, r.text
+    assert "qwen3-embedding" in r.text

@@ -1,0 +1,40 @@
+"""A decoder embedding model (Qwen3-Embedding's layout) on a CUDA GPU through the server's worker: FP32
+equals sentence-transformers' FP32 vectors on the CPU, BF16 within its rounding; each row alone equals
+its row in the packed batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.mark.parametrize("precision,atol,min_cos", [("fp32", 2e-4, 0.99999), ("bf16", None, 0.99)])
+def test_decoder_embeddings_on_the_gpu(tmp_path, sentences, precision, atol, min_cos):
+    from sentence_transformers import SentenceTransformer
+
+    from surge.config import EngineConfig
+    from surge.engines.pooling import l2_normalize
+    from surge.models import load_model_spec
+    from surge.runtime.loader import build_worker
+    from surge.types import EmbedOptions
+    from tests.decoder_models import build_embedding_model
+
+    d = build_embedding_model("qwen3", tmp_path / "m", seed=9, hidden_size=256, intermediate_size=512,
+                              num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    worker = build_worker(load_model_spec(d), None, EngineConfig(engine="torch", device="cuda", precision=precision))
+    assert worker.engines.capabilities.device.startswith("cuda")
+    texts = sentences[:40:2] + ["Hi"]
+    items = worker.tokenizer.encode(texts)
+    got = worker.finish(worker.compute(items), EmbedOptions())
+    ref = SentenceTransformer(str(d), device="cpu").encode(texts, convert_to_numpy=True)
+    cos = (got * ref).sum(1)
+    assert cos.min() >= min_cos, cos
+    if atol is not None:
+        np.testing.assert_allclose(got, ref, atol=atol)
+    for i in (0, 5, len(items) - 1):
+        alone = l2_normalize(worker.compute([items[i]]))[0]
+        assert float(alone @ got[i]) >= (0.99999 if precision == "fp32" else 0.999)

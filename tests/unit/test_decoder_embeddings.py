@@ -1,0 +1,147 @@
+"""Decoders served as embedding models (Qwen3-Embedding, gte-Qwen2, e5-mistral): detected from their
+sentence-transformers files, run by engines/decoder/embedder.py, pooled and normalized as
+sentence-transformers does; sentence-transformers 5+'s files read; the dense causal attention against
+float64."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from surge.config import EngineConfig  # noqa: E402
+from surge.errors import ConfigError  # noqa: E402
+from surge.models import bundled_model_dir, load_model_spec  # noqa: E402
+from surge.models.decoder import is_decoder_dir  # noqa: E402
+from surge.models.tasks import check_servable  # noqa: E402
+from tests.decoder_models import build_embedding_model, build_model  # noqa: E402
+
+SHAPES = {"qwen3": {}, "qwen2": {}, "mistral": {}}
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def embedder(request, tmp_path_factory):
+    kind = request.param
+    d = build_embedding_model(kind, tmp_path_factory.mktemp("emb_" + kind) / "m", seed=11,
+                              num_hidden_layers=3, **SHAPES[kind])
+    return kind, d
+
+
+def _worker(d, **engine):
+    from surge.runtime.loader import build_worker
+
+    return build_worker(load_model_spec(d), None, EngineConfig(threads=1, **engine))
+
+
+def _texts(sentences, n=24):
+    # real sentences of every length, the longer ones cut at the model's 48 tokens, one of a single word
+    picked = sorted(sentences, key=len)[::max(1, len(sentences) // n)][:n - 1]
+    return picked + ["Hi"]
+
+
+def test_decoder_embeddings_equal_sentence_transformers(embedder, sentences):
+    """Every row of a packed batch (sequences sharing attention blocks, some cut at max_seq_length) equals
+    sentence-transformers' FP32 embedding of the same text; each row alone gives its batch's row."""
+    from sentence_transformers import SentenceTransformer
+
+    from surge.engines.pooling import l2_normalize
+
+    kind, d = embedder
+    spec = load_model_spec(d)
+    assert (spec.task, spec.pooling, spec.normalize) == ("embed", "last", True)
+    assert spec.task_info.architecture.endswith("ForCausalLM") and not is_decoder_dir(d)
+    worker = _worker(d)
+    texts = _texts(sentences)
+    items = worker.tokenizer.encode(texts)
+    assert max(len(e) for e in items) == 48 and min(len(e) for e in items) <= 3
+    assert all(e.ids[-1] == items[0].ids[-1] for e in items)  # the appended <|endoftext|> is what is pooled
+    torch.manual_seed(0)
+    ref = SentenceTransformer(str(d), device="cpu").encode(texts, convert_to_numpy=True, batch_size=7)
+    got = worker.finish(worker.compute(items), _options())
+    assert got.shape == ref.shape
+    np.testing.assert_allclose(got, ref, atol=2e-5)
+    assert np.abs(got - ref).max() < 0.1 * np.abs(ref).max()  # and not near zero everywhere
+    for i in (0, 7, len(items) - 1):
+        alone = l2_normalize(worker.compute([items[i]]))
+        np.testing.assert_allclose(alone[0], got[i], atol=1e-6)
+
+
+def _options():
+    from surge.types import EmbedOptions
+
+    return EmbedOptions()
+
+
+def test_bf16_on_the_cpu_follows_fp32(embedder, sentences):
+    kind, d = embedder
+    texts = _texts(sentences, 8)
+    fp32, bf16 = _worker(d), _worker(d, precision="bf16")
+    a = fp32.finish(fp32.compute(fp32.tokenizer.encode(texts)), _options())
+    b = bf16.finish(bf16.compute(bf16.tokenizer.encode(texts)), _options())
+    cos = (a * b).sum(1)
+    assert cos.min() > 0.99, cos
+
+
+def test_causal_dense_attention_against_float64():
+    """Packed sequences of 1-130 tokens (several per 64-token block, one longer than a block), grouped-query
+    heads: each query sees its own sequence's keys up to itself, nothing else."""
+    from surge.engines.decoder.attention import DenseMeta, causal_dense
+
+    g = torch.Generator().manual_seed(5)
+    for lens in ([3, 70, 1, 64, 17, 130, 9], [40], [5, 5, 5]):
+        t = sum(lens)
+        q, k, v = (torch.randn(t, h, 16, generator=g) for h in (8, 2, 2))
+        got = causal_dense(q, k, v, DenseMeta(lens, "cpu"), 0.25)
+        ref = torch.empty(t, 8, 16, dtype=torch.float64)
+        s = 0
+        for n in lens:
+            qs, ks, vs = q[s:s + n].double(), k[s:s + n].double(), v[s:s + n].double()
+            ks, vs = ks.repeat_interleave(4, dim=1), vs.repeat_interleave(4, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", qs, ks) * 0.25
+            scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+            ref[s:s + n] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs)
+            s += n
+        torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_sentence_transformers_5_files(tmp_path):
+    """Directories written by sentence-transformers 5+ (its modules under new paths, `pooling_mode` one
+    name): pooling and normalization read, for a decoder and for an encoder; several modes at once refused."""
+    from sentence_transformers import SentenceTransformer, models
+
+    d = build_model("qwen3", tmp_path / "lm", seed=2)
+    st = SentenceTransformer(modules=[models.Transformer(str(d)), models.Pooling(64, pooling_mode="lasttoken"),
+                                      models.Normalize()])
+    st.save(str(tmp_path / "st"))
+    kinds = [m["type"] for m in json.loads((tmp_path / "st" / "modules.json").read_text())]
+    assert not any(k.endswith("models.Pooling") for k in kinds)  # the new paths are what is read here
+    spec = load_model_spec(tmp_path / "st")
+    assert (spec.task, spec.pooling, spec.normalize) == ("embed", "last", True)
+
+    enc = tmp_path / "enc"
+    shutil.copytree(bundled_model_dir(), enc)
+    (enc / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.sentence_transformer.modules.pooling.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.base.modules.normalize.Normalize"}]))
+    (enc / "1_Pooling" / "config.json").write_text(json.dumps({"embedding_dimension": 384, "pooling_mode": "cls"}))
+    spec = load_model_spec(enc)
+    assert (spec.pooling, spec.normalize) == ("cls", True)
+    (enc / "1_Pooling" / "config.json").write_text(json.dumps({"embedding_dimension": 384,
+                                                              "pooling_mode": ["mean", "max"]}))
+    with pytest.raises(ConfigError, match="pooling_mode"):
+        load_model_spec(enc)
+
+
+def test_a_decoder_without_pooling_files_is_a_generator(tmp_path):
+    """A causal LM is served for generation; asking it for embeddings names what is missing."""
+    d = build_model("qwen2", tmp_path / "lm", seed=1)
+    assert is_decoder_dir(d) and load_model_spec(d).task == "generate"
+    spec = load_model_spec(d, task="embed")
+    with pytest.raises(ConfigError, match="pooling config"):
+        check_servable(spec.task_info, spec.model_type, spec.path)
