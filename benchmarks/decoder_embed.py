@@ -6,7 +6,8 @@ transformers (what sentence-transformers runs), both pooling the last token and 
 
 Random weights of the shape; batches of `--batch` short queries (token ids, `--min-len`..`--max-len`
 tokens: the assistant's traffic), the same batches for both, interleaved rounds. surge runs the batch
-packed (engines/decoder/embedder.py); transformers the padded batch with its SDPA attention (right
+packed (engines/decoder/embedder.py; on a GPU from the CUDA graph of its bucket, and eagerly as a second
+row); transformers the padded batch with its SDPA attention (right
 padding, the last real token pooled), in the same dtype. Reported: queries/s (median of rounds), the
 ratio, and the largest difference between the two engines' unit vectors.
 """
@@ -103,11 +104,17 @@ def main(argv=None) -> int:
         path = build(args.shape, Path(tmp) / "m")
         engine = DecoderEmbedder(device=args.device, precision=precision, threads=args.threads)
         engine.load(path)
+        eager = None
+        if engine.cuda_graphs:
+            eager = DecoderEmbedder(device=args.device, precision=precision, cuda_graphs=False)
+            eager.load(path)
         hf = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(args.device).eval()
     data = batches(args, SHAPES[args.shape]["vocab_size"])
     queries = args.batch * args.batches
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     runs = {"surge": lambda: run_surge(engine, data), "transformers": lambda: run_hf(hf, data, args.device)}
+    if eager is not None:
+        runs["surge, eager (no graphs)"] = lambda: run_surge(eager, data)
     outs = {k: f() for k, f in runs.items()}  # warm-up, and the vectors compared below
     got = {k: [] for k in runs}
     for _ in range(args.rounds):

@@ -145,3 +145,27 @@ def test_a_decoder_without_pooling_files_is_a_generator(tmp_path):
     spec = load_model_spec(d, task="embed")
     with pytest.raises(ConfigError, match="pooling config"):
         check_servable(spec.task_info, spec.model_type, spec.path)
+
+
+def test_right_padded_rows_equal_the_packed_batch(embedder):
+    """The GPU's graph form (rows right-padded to a bucket, causal attention only): every real token's
+    hidden state equals the packed batch's, whatever the padding after it."""
+    from surge.engines.decoder.attention import PaddedMeta
+    from surge.engines.decoder.embedder import DecoderEmbedder
+    from surge.types import Encoded, TokenBatch
+
+    _, d = embedder
+    engine = DecoderEmbedder(threads=1)
+    engine.load(d)
+    rng = np.random.default_rng(3)
+    rows = [rng.integers(2, engine.vocab_size, n) for n in (5, 16, 1, 11)]
+    packed = engine.run(TokenBatch.pack([Encoded(r, np.zeros_like(r)) for r in rows]))
+    width = 16
+    ids = np.full((4, width), 7, dtype=np.int64)  # padding of a real token id: it must not matter
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = r
+    with torch.inference_mode():
+        hidden = engine.model.forward(torch.as_tensor(ids.reshape(-1)), torch.arange(width).repeat(4), None,
+                                      PaddedMeta(4, width)).numpy()
+    real = np.concatenate([i * width + np.arange(len(r)) for i, r in enumerate(rows)])
+    np.testing.assert_allclose(hidden[real], packed, atol=1e-5)

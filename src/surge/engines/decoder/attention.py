@@ -132,9 +132,24 @@ class DenseMeta:
             self.mask = self.plan.mask.to(device)
 
 
-def causal_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: DenseMeta, scale: float) -> torch.Tensor:
-    """q [T, heads, dim], k and v [T, kv_heads, dim] of the packed sequences -> [T, heads, dim]."""
+class PaddedMeta:
+    """A forward without a KV cache over `rows` right-padded sequences of `width` tokens ([rows * width]
+    tokens): causal attention alone keeps every real token off the padding (it comes after them), so
+    the shapes are all the batch needs and a CUDA graph captures it once (engines/decoder/embedder.py)."""
+
+    def __init__(self, rows: int, width: int):
+        self.rows, self.width = rows, width
+
+
+def causal_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float) -> torch.Tensor:
+    """q [T, heads, dim], k and v [T, kv_heads, dim] of the packed (DenseMeta) or padded (PaddedMeta)
+    sequences -> [T, heads, dim]."""
     gqa = q.shape[1] != k.shape[1]
+    if isinstance(meta, PaddedMeta):
+        b, w = meta.rows, meta.width
+        out = F.scaled_dot_product_attention(*(x.view(b, w, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q, k, v)),
+                                             is_causal=True, scale=scale, enable_gqa=gqa)
+        return out.transpose(1, 2).reshape(q.shape)
     if meta.plan.single:
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                              is_causal=True, scale=scale, enable_gqa=gqa)
