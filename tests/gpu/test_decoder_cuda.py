@@ -460,7 +460,9 @@ def test_the_shared_engine_loop_streams_as_the_service_does(trained_dir, tmp_pat
     build = HubBuild(load_model_spec(trained_dir, name="q"), "1", EngineConfig(device="cuda"), gen, str(tmp_path),
                      120.0)
     build.mark_ready()
-    config = SimpleNamespace(limits=SimpleNamespace(request_timeout_s=120.0))
+    from surge.config import CacheConfig
+
+    config = SimpleNamespace(limits=SimpleNamespace(request_timeout_s=120.0), cache=CacheConfig())
 
     async def shared():
         fronts = [front_generator(config, build.catalog_entry()) for _ in range(2)]

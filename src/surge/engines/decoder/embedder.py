@@ -51,7 +51,8 @@ class DecoderEmbedder:
         self.max_tokens = max_tokens
         self.model = None
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
-        self._graphs: dict[tuple[int, int], tuple] = {}  # (rows, width) -> (ids buffer, hidden, graph)
+        # (rows, width) -> (ids buffer, hidden, graph, positions): every input the graph reads stays referenced here
+        self._graphs: dict[tuple[int, int], tuple] = {}
         self._pool = None  # one memory pool for every bucket's graph (replays never overlap: the lock)
         self.capabilities: Capabilities | None = None
         self._lock = threading.Lock()  # one forward at a time: the model keeps no per-call state, torch may
@@ -101,7 +102,7 @@ class DecoderEmbedder:
             padded[i, :n] = ids[starts[i]:starts[i] + n]
         real = np.concatenate([i * width + np.arange(n) for i, n in enumerate(lens)])
         with self._lock, torch.inference_mode():
-            buf, hidden, graph = self._graphs.get((rows, width)) or self._capture(rows, width)
+            buf, hidden, graph, _ = self._graphs.get((rows, width)) or self._capture(rows, width)
             buf.copy_(torch.from_numpy(padded.reshape(-1)))
             graph.replay()
             # gathered and copied out before the lock is released: the next replay may reuse this memory
@@ -123,7 +124,7 @@ class DecoderEmbedder:
         with torch.cuda.graph(graph, pool=self._pool):
             hidden = self.model.forward(buf, positions, None, meta)
         self._pool = graph.pool()
-        self._graphs[rows, width] = (buf, hidden, graph)
+        self._graphs[rows, width] = (buf, hidden, graph, positions)
         return self._graphs[rows, width]
 
     def close(self) -> None:
