@@ -213,12 +213,18 @@ def load_peft(base_dir: Path, adapter_dir: Path):
     return PeftModel.from_pretrained(base, adapter_dir).eval()
 
 
+QWEN3_EMBEDDING_PROMPTS = {"query": "Instruct: Given a web search query, retrieve relevant passages that answer the "
+                                    "query\nQuery:", "document": ""}
+
+
 def build_embedding_model(kind: str, out: Path, *, seed: int = 0, pooling: str = "lasttoken",
-                          max_seq_length: int = 48, **overrides) -> Path:
+                          max_seq_length: int = 48, prompts: dict | None = None, default_prompt_name: str | None = None,
+                          **overrides) -> Path:
     """A decoder embedding model as Qwen3-Embedding / gte-Qwen2 / e5-mistral ship on the hub: a causal-LM
     checkpoint (config.json names `*ForCausalLM`, the weights keep their `model.` prefix and LM head) with
     sentence-transformers 2-4's files beside it (modules.json, 1_Pooling, 2_Normalize), and a tokenizer that
-    appends <|endoftext|> to every text (Qwen3-Embedding's post-processor), without a chat template."""
+    appends <|endoftext|> to every text (Qwen3-Embedding's post-processor), without a chat template; `prompts`:
+    its config_sentence_transformers.json's named prompts."""
     from tokenizers.processors import TemplateProcessing
 
     d = build_model(kind, out, seed=seed, **overrides)
@@ -246,4 +252,7 @@ def build_embedding_model(kind: str, out: Path, *, seed: int = 0, pooling: str =
         "include_prompt": True}))
     (d / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length,
                                                              "do_lower_case": False}))
+    if prompts is not None:  # Qwen3-Embedding's config_sentence_transformers.json carries its instruction
+        (d / "config_sentence_transformers.json").write_text(json.dumps({
+            "prompts": prompts, "default_prompt_name": default_prompt_name, "similarity_fn_name": "cosine"}))
     return d

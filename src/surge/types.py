@@ -100,6 +100,9 @@ class EmbedOptions:
     normalize: bool | None = None  # None: as the model's config says
     truncate: bool = True
     dimensions: int | None = None  # Matryoshka-style truncation of the output
+    # one of the model's sentence-transformers prompts, put before every text (None: its default, if any);
+    # the prompted texts key the cache, so the name is not in key()
+    prompt_name: str | None = None
 
     def key(self) -> tuple:
         return (self.normalize, self.truncate, self.dimensions)

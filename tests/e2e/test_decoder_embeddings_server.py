@@ -14,10 +14,10 @@ from tests.server_process import ServerProcess
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from tests.decoder_models import build_embedding_model
+    from tests.decoder_models import QWEN3_EMBEDDING_PROMPTS, build_embedding_model
 
     return build_embedding_model("qwen3", tmp_path_factory.mktemp("demb") / "qwen3-embedding", seed=4,
-                                 num_hidden_layers=3)
+                                 num_hidden_layers=3, prompts=QWEN3_EMBEDDING_PROMPTS)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def reference(model_dir):
 
     torch.set_num_threads(1)
     model = SentenceTransformer(str(model_dir), device="cpu")
-    return lambda texts: model.encode(texts, convert_to_numpy=True)
+    return lambda texts, **kw: model.encode(texts, convert_to_numpy=True, **kw)
 
 
 def test_openai_client_embeddings(server, reference, sentences):
@@ -62,6 +62,27 @@ def test_tei_routes_and_inference_client(server, reference, sentences):
     np.testing.assert_allclose(np.array(r.json(), dtype=np.float32), reference(texts), atol=3e-5)
     vec = InferenceClient(model=server.url).feature_extraction(texts[0])
     np.testing.assert_allclose(np.asarray(vec, dtype=np.float32).reshape(-1), reference(texts[:1])[0], atol=3e-5)
+
+
+def test_prompt_name(server, reference, sentences):
+    """TEI's prompt_name: the model's sentence-transformers prompt before each text, as encode(prompt_name=...)
+    puts it; an empty prompt changes nothing; an unknown name is a 400 naming the model's prompts."""
+    from huggingface_hub import InferenceClient
+
+    texts = ["how do I reset my router", sentences[3]]
+    query = reference(texts, prompt_name="query")
+    assert np.abs(query - reference(texts)).max() > 0.05  # the instruction changes the vectors
+    r = httpx.post(server.url + "/embed", json={"inputs": texts, "prompt_name": "query"}, timeout=60)
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose(np.array(r.json(), dtype=np.float32), query, atol=3e-5)
+    r = httpx.post(server.url + "/embed", json={"inputs": texts, "prompt_name": "document"}, timeout=60)
+    np.testing.assert_allclose(np.array(r.json(), dtype=np.float32), reference(texts), atol=3e-5)
+    vec = InferenceClient(model=server.url).feature_extraction(texts[0], prompt_name="query", truncate=True)
+    np.testing.assert_allclose(np.asarray(vec, dtype=np.float32).reshape(-1), query[0], atol=3e-5)
+    r = httpx.post(server.url + "/embed", json={"inputs": texts, "prompt_name": "passage"}, timeout=60)
+    assert r.status_code == 400 and "'passage'" in r.text and "query, document" in r.text, r.text
+    r = httpx.post(server.url + "/embed", json={"inputs": [[5, 6, 7]], "prompt_name": "query"}, timeout=60)
+    assert r.status_code == 400 and "token ids" in r.text
 
 
 def test_not_a_chat_model(server):

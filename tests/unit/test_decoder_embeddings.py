@@ -169,3 +169,37 @@ def test_right_padded_rows_equal_the_packed_batch(embedder):
                                       PaddedMeta(4, width)).numpy()
     real = np.concatenate([i * width + np.arange(len(r)) for i, r in enumerate(rows)])
     np.testing.assert_allclose(hidden[real], packed, atol=1e-5)
+
+
+def test_default_prompt_and_named_prompts(tmp_path, sentences):
+    """config_sentence_transformers.json's default_prompt_name goes before every text, as sentence-transformers'
+    encode puts it; a named prompt replaces it; the cache keeps prompted and plain answers apart."""
+    import asyncio
+
+    from sentence_transformers import SentenceTransformer
+
+    from surge.runtime.service import ModelService
+    from surge.types import EmbedOptions
+    from tests.decoder_models import QWEN3_EMBEDDING_PROMPTS, build_embedding_model
+
+    d = build_embedding_model("qwen3", tmp_path / "m", seed=8, max_seq_length=96, prompts=QWEN3_EMBEDDING_PROMPTS,
+                              default_prompt_name="query")
+    spec = load_model_spec(d)
+    assert spec.default_prompt_name == "query" and spec.prompts == QWEN3_EMBEDDING_PROMPTS
+    st = SentenceTransformer(str(d), device="cpu")
+    texts = sentences[:3]
+    service = ModelService(spec.name, "1", _worker(d))
+    service.mark_ready()
+
+    async def run():
+        a = await service.embed(texts)
+        b = await service.embed(texts, options=EmbedOptions(prompt_name="document"))
+        c = await service.embed(texts)  # from the cache, the default prompt's entries
+        return a, b, c
+
+    by_default, document, again = asyncio.run(run())
+    np.testing.assert_allclose(by_default.vectors, st.encode(texts), atol=2e-5)  # encode applies the default
+    np.testing.assert_allclose(document.vectors, st.encode(texts, prompt_name="document"), atol=2e-5)
+    assert np.abs(by_default.vectors - document.vectors).max() > 0.05
+    assert all(again.cached) and np.array_equal(again.vectors, by_default.vectors)
+    assert service.cached_result(texts).vectors.tolist() == by_default.vectors.tolist()

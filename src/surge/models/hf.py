@@ -40,6 +40,12 @@ class ModelSpec:
     # embed | classify | rerank | token-classify | generate (models/tasks.py decides it)
     task: str = "embed"
     task_info: "TaskInfo | None" = field(default=None, repr=False, hash=False, compare=False)
+    # sentence-transformers' named prompts (config_sentence_transformers.json), put before a text by name
+    # (TEI's `prompt_name`); the default one before every text, as sentence-transformers' encode does
+    prompts: dict = field(default_factory=dict, repr=False, hash=False, compare=False)
+    default_prompt_name: str | None = None
+    # the Pooling module's include_prompt: False pools without the prompt's tokens (not implemented)
+    pool_prompt: bool = True
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -83,13 +89,15 @@ def _st_pooling_mode(path: Path, mode) -> Pooling:
     return _ST_MODES[modes[0]]
 
 
-def _pooling_from_st(path: Path) -> tuple[Pooling | None, bool]:
-    """Pooling mode and normalization from sentence-transformers' modules.json."""
+def _pooling_from_st(path: Path) -> tuple[Pooling | None, bool, bool]:
+    """Pooling mode, normalization and the Pooling module's include_prompt from sentence-transformers'
+    modules.json."""
     modules_file = path / "modules.json"
     if not modules_file.is_file():
-        return None, False
+        return None, False, True
     pooling: Pooling | None = None
     normalize = False
+    include_prompt = True
     for module in _read_json(modules_file):
         # sentence-transformers 2-4 write `sentence_transformers.models.Pooling`, later versions the class
         # under their new module paths (`...sentence_transformer.modules.pooling.Pooling`): the class name decides
@@ -98,6 +106,7 @@ def _pooling_from_st(path: Path) -> tuple[Pooling | None, bool]:
             normalize = True
         elif kind == "Pooling":
             cfg = _read_json(path / module.get("path", "") / "config.json")
+            include_prompt = bool(cfg.get("include_prompt", True))
             if "pooling_mode" in cfg:  # sentence-transformers 5+: one mode name (or a list of them)
                 pooling = _st_pooling_mode(path, cfg["pooling_mode"])
             elif cfg.get("pooling_mode_cls_token"):
@@ -110,7 +119,22 @@ def _pooling_from_st(path: Path) -> tuple[Pooling | None, bool]:
                 if cfg.get("pooling_mode_mean_sqrt_len_tokens") and not cfg.get("pooling_mode_mean_tokens"):
                     raise ConfigError(f"{path}: pooling_mode_mean_sqrt_len_tokens is not supported")
                 pooling = "mean"
-    return pooling, normalize
+    return pooling, normalize, include_prompt
+
+
+def _st_prompts(path: Path) -> tuple[dict, str | None]:
+    """(prompts, default_prompt_name) of config_sentence_transformers.json."""
+    file = path / "config_sentence_transformers.json"
+    if not file.is_file():
+        return {}, None
+    cfg = _read_json(file)
+    prompts = cfg.get("prompts") or {}
+    if not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values()):
+        raise ConfigError(f"{file}: prompts must map names to strings")
+    default = cfg.get("default_prompt_name")
+    if default is not None and default not in prompts:
+        raise ConfigError(f"{file}: default_prompt_name {default!r} is not one of its prompts ({', '.join(prompts)})")
+    return dict(prompts), default
 
 
 def _max_length(path: Path, config: dict) -> int:
@@ -144,7 +168,8 @@ def load_model_spec(path: str | Path, name: str | None = None, task: str | None 
         raise ConfigError(f"{path}: tokenizer.json missing (a fast tokenizer file is required)")
     config = _read_json(cfg_file)
     info = detect_task(path, config, task)
-    pooling, normalize = _pooling_from_st(path)
+    pooling, normalize, pool_prompt = _pooling_from_st(path)
+    prompts, default_prompt = _st_prompts(path)
     model_type = config.get("model_type", "bert")
     if pooling is None:
         pooling = "mean"
@@ -164,6 +189,9 @@ def load_model_spec(path: str | Path, name: str | None = None, task: str | None 
         config=config,
         task=info.task,
         task_info=info,
+        prompts=prompts,
+        default_prompt_name=default_prompt,
+        pool_prompt=pool_prompt,
     )
 
 

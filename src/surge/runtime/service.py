@@ -160,8 +160,10 @@ class ModelService:
 
             require_task(self, "embed")  # 400: model 'x' serves task 'classify', not 'embed'
         is_text = texts is not None
-        inputs = texts if is_text else (token_ids or [])
         options = options or EmbedOptions()
+        inputs = self.prompted(texts, options.prompt_name) if is_text else (token_ids or [])
+        if not is_text and options.prompt_name is not None:
+            raise InvalidInput("prompt_name applies to texts, not token ids", param="prompt_name")
         start = time.monotonic()
         with admitted(self, len(inputs), check=lambda: self.check_options(options)):  # stage: admit
             if deadline is None:
@@ -217,6 +219,25 @@ class ModelService:
             await self.embed(texts=todo[i:i + batch], priority=-1)
         return len(todo)
 
+    def prompted(self, texts: list[str], prompt_name: str | None = None) -> list[str]:
+        """The texts with the model's sentence-transformers prompt `prompt_name` before each (None: its
+        default_prompt_name's, if it names one), as sentence-transformers' encode(prompt_name=...) puts it."""
+        spec = self.worker.spec
+        name = spec.default_prompt_name if prompt_name is None else prompt_name
+        if name is None:
+            return texts
+        if name not in spec.prompts:
+            have = ", ".join(spec.prompts) or "none"
+            raise InvalidInput(f"prompt_name {name!r} is not one of model {self.name}'s prompts ({have})",
+                               param="prompt_name")
+        prompt = spec.prompts[name]
+        if not prompt:
+            return texts
+        if not spec.pool_prompt and spec.pooling != "last":
+            raise InvalidInput(f"model {self.name} pools without its prompt's tokens (include_prompt: false), which "
+                               "surge does not implement: send the text without prompt_name", param="prompt_name")
+        return [prompt + t for t in texts]
+
     def cached_result(self, texts: list[str], options: EmbedOptions | None = None) -> EmbedResult | None:
         """The answer when every input is in the local cache tiers, else None.
 
@@ -229,6 +250,10 @@ class ModelService:
             return None
         options = options or EmbedOptions()
         okey = options.key()
+        try:
+            texts = self.prompted(texts, options.prompt_name)
+        except InvalidInput:
+            return None  # the full path reports it
         keys = [cache.text_key(t, okey) for t in texts]
         if not all(cache.contains(k) for k in keys):
             return None
@@ -303,8 +328,9 @@ class ModelService:
         return encode_inputs(self.worker.tokenizer, texts, token_ids, truncate)
 
     async def count_tokens(self, texts: list[str]) -> list[int]:
-        """Each text's token count before truncation (in the tokenizer's thread: it owns the tokenizer)."""
-        return await self.tokenize.exclusive(self.worker.tokenizer.count_untruncated, texts)
+        """Each text's token count before truncation, the model's default prompt included (in the tokenizer's
+        thread: it owns the tokenizer)."""
+        return await self.tokenize.exclusive(self.worker.tokenizer.count_untruncated, self.prompted(texts))
 
     async def close(self) -> None:
         """Stop taking requests, drain in-flight work, then free the engines."""

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from surge.server.http.common import ORJSONResponse, parse
 from surge.server.http.openapi import body
+from surge.server.http.tei import check_direction
 from surge.server.http.openai import TokenIds, split_input
 from surge.server.state import AppState
 from surge.types import EmbedOptions
@@ -24,6 +25,9 @@ class EmbedRequest(BaseModel):
     normalize: StrictBool | None = None
     truncate: StrictBool = True
     dimensions: StrictInt | None = Field(None, ge=1)
+    # text-embeddings-inference's: a sentence-transformers prompt by name; truncation from the right only
+    prompt_name: StrictStr | None = None
+    truncation_direction: StrictStr | None = None
 
 
 def router(state: AppState) -> APIRouter:
@@ -35,7 +39,9 @@ def router(state: AppState) -> APIRouter:
         req = await parse(request, EmbedRequest, limits.max_body_bytes)
         texts, ids = split_input(req.inputs, limits.max_inputs_per_request, limits.max_input_chars)
         service = state.registry.get(req.model, req.version)
-        options = EmbedOptions(normalize=req.normalize, truncate=req.truncate, dimensions=req.dimensions)
+        check_direction(req.truncation_direction)
+        options = EmbedOptions(normalize=req.normalize, truncate=req.truncate, dimensions=req.dimensions,
+                               prompt_name=req.prompt_name)
         result = await state.run(service, texts=texts, token_ids=ids, options=options)
         if state.config.tei_embed:  # text-embeddings-inference's shape: the bare array of vectors
             return ORJSONResponse(result.vectors, headers={"x-surge-model-version": result.version})

@@ -117,7 +117,7 @@ def _generate_info(served, limits) -> dict:
             "tokenization_workers": 1, "version": __version__, "sha": None, "docker_label": None}
 
 
-def _direction(value: str | None) -> None:
+def check_direction(value: str | None) -> None:
     if value not in (None, "right", "Right"):
         raise InvalidInput("truncation_direction: only 'right' is supported", param="truncation_direction")
 
@@ -134,7 +134,7 @@ def router(state: AppState) -> APIRouter:
         params = dict(req.parameters or {})
         task = getattr(served, "task", "embed")
         inputs = req.inputs
-        _direction(req.truncation_direction)
+        check_direction(req.truncation_direction)
         truncate = bool(req.truncate) if req.truncate is not None else bool(params.get("truncate", False))
         if isinstance(inputs, dict) and "source_sentence" in inputs:
             return ORJSONResponse(await _similarity(served, inputs, truncate))
@@ -142,7 +142,7 @@ def router(state: AppState) -> APIRouter:
             texts = check_texts([inputs] if isinstance(inputs, str) else _strings(inputs), "inputs", limits)
             result = await state.run(served, texts=texts, options=EmbedOptions(
                 normalize=req.normalize if req.normalize is not None else True, truncate=truncate,
-                dimensions=req.dimensions))
+                dimensions=req.dimensions, prompt_name=req.prompt_name))
             return ORJSONResponse(result.vectors, headers={"x-surge-model-version": result.version})
         if task == "token-classify":
             single = isinstance(inputs, str)
@@ -199,7 +199,7 @@ def router(state: AppState) -> APIRouter:
     @r.post("/predict", openapi_extra=body_schema(PredictRequest))
     async def predict(request: Request):
         req = await parse(request, PredictRequest, limits.max_body_bytes)
-        _direction(req.truncation_direction)
+        check_direction(req.truncation_direction)
         served = registry.get(req.model)
         raw = req.inputs
         # TEI's reading: a string, or a pair [a, b], is one input; anything else a batch of them.
@@ -221,7 +221,7 @@ def router(state: AppState) -> APIRouter:
     @r.post("/rerank", openapi_extra=body_schema(RerankRequest))
     async def rerank(request: Request):
         req = await parse(request, RerankRequest, limits.max_body_bytes)
-        _direction(req.truncation_direction)
+        check_direction(req.truncation_direction)
         served = registry.get(req.model)
         if not req.query.strip():
             raise InvalidInput("'query' must be a non-empty string", param="query")
