@@ -90,3 +90,14 @@ def test_not_a_chat_model(server):
                    json={"model": "qwen3-embedding", "messages": [{"role": "user", "content": "hi"}]})
     assert 400 <= r.status_code < 500, r.text
     assert "qwen3-embedding" in r.text
+
+
+def test_under_workers(model_dir, reference, sentences):
+    """`--workers 2`: the front ends tokenize and prompt, the engine process runs the decoder embedder."""
+    texts = sentences[30:34]
+    with ServerProcess(str(model_dir), "--threads", "1", "--workers", "2", "--auto-truncate") as srv:
+        for _ in range(2):  # the probe reaches either front end
+            r = httpx.post(srv.url + "/embed", json={"inputs": texts, "prompt_name": "query"}, timeout=60)
+            assert r.status_code == 200, r.text
+            np.testing.assert_allclose(np.array(r.json()["embeddings"], dtype=np.float32),
+                                       reference(texts, prompt_name="query"), atol=3e-5)
