@@ -203,3 +203,16 @@ def test_default_prompt_and_named_prompts(tmp_path, sentences):
     assert np.abs(by_default.vectors - document.vectors).max() > 0.05
     assert all(again.cached) and np.array_equal(again.vectors, by_default.vectors)
     assert service.cached_result(texts).vectors.tolist() == by_default.vectors.tolist()
+
+
+def test_optimize_refuses_decoders(embedder, tmp_path):
+    """`surge optimize` on a decoder embedding model (or any decoder): a one-line error, not an export's traceback."""
+    from typer.testing import CliRunner
+
+    from surge.cli.main import app
+
+    _, d = embedder
+    result = CliRunner().invoke(app, ["optimize", str(d), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1, result.output
+    assert "is a decoder" in result.output and "surge serve" in result.output
+    assert not (tmp_path / "out").exists()

@@ -78,6 +78,7 @@ def optimize(
 
         options.serving_shapes = parse_shapes(shapes)
         spec = load_model_spec(model_dir or bundled_model_dir())
+        _check_encoder(spec)
         with console.status("[bold]optimizing[/]") as status:
             def progress(step: str) -> None:
                 status.update(f"[bold]{spec.name}[/]: {step}")
@@ -104,3 +105,15 @@ def _report(console, manifest: dict, reports, explain: bool) -> None:
     from surge.cli.optimize_report import render
 
     render(console, manifest, reports, explain)
+
+
+def _check_encoder(spec) -> None:
+    """The optimizer exports encoders to ONNX; a decoder (a generator, or an embedding model built on one)
+    is served from its weights as it is."""
+    from surge.errors import ConfigError
+    from surge.models.decoder import SUPPORTED
+
+    if spec.model_type in SUPPORTED:
+        raise ConfigError(f"{spec.path.name} is a decoder ({spec.task_info.architecture}, task {spec.task}): "
+                          "surge optimize exports encoder models to ONNX; serve this one as it is with "
+                          "`surge serve DIR` (its engine loads the weights directly)")
