@@ -256,3 +256,30 @@ def build_embedding_model(kind: str, out: Path, *, seed: int = 0, pooling: str =
         (d / "config_sentence_transformers.json").write_text(json.dumps({
             "prompts": prompts, "default_prompt_name": default_prompt_name, "similarity_fn_name": "cosine"}))
     return d
+
+
+def build_decoder_classifier(kind: str, out: Path, labels: list[str], *, seed: int = 0, **overrides) -> Path:
+    """A decoder `*ForSequenceClassification` checkpoint (one label: a reranker, as Qwen3-Reranker's seq-cls
+    form) with a random score head, and build_embedding_model's tokenizer (<|endoftext|> appended to every text
+    and also the padding token: transformers pools the token before it, the last one that is not padding)."""
+    import torch
+    from transformers import (AutoConfig, LlamaForSequenceClassification, Qwen2ForSequenceClassification,
+                              Qwen3ForSequenceClassification)
+
+    tmp = out.parent / (out.name + "-base")
+    build_embedding_model(kind, tmp, seed=seed, **overrides)
+    cfg = AutoConfig.from_pretrained(tmp)
+    cfg.num_labels = len(labels)
+    cfg.id2label = dict(enumerate(labels))
+    cfg.label2id = {v: k for k, v in cfg.id2label.items()}
+    cls = {"qwen3": Qwen3ForSequenceClassification, "qwen2": Qwen2ForSequenceClassification,
+           "llama": LlamaForSequenceClassification}[kind]
+    cfg.architectures = [cls.__name__]
+    torch.manual_seed(seed + 1)
+    model = cls.from_pretrained(tmp, config=cfg, dtype=torch.float32)
+    with torch.no_grad():
+        model.score.weight.normal_(0, 0.5)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_bytes((tmp / name).read_bytes())
+    return out

@@ -216,3 +216,56 @@ def test_optimize_refuses_decoders(embedder, tmp_path):
     assert result.exit_code == 1, result.output
     assert "is a decoder" in result.output and "surge serve" in result.output
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind,labels", [("qwen3", ["negative", "neutral", "positive"]), ("llama", ["a", "b"]),
+                                         ("qwen2", ["score"])])
+def test_decoder_sequence_classifiers_equal_transformers(kind, labels, tmp_path, sentences):
+    """`*ForSequenceClassification` decoders (classifiers; one label: a reranker, as Qwen3-Reranker's seq-cls
+    form) served by the decoder embedder and the score head: every row of a packed batch = transformers' FP32
+    logits, pooled where transformers pools (the last token that is not padding: here the tokenizer's appended
+    <|endoftext|> is the padding token, so the token before it)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.decoder_models import build_decoder_classifier
+
+    d = build_decoder_classifier(kind, tmp_path / "m", labels, seed=5)
+    spec = load_model_spec(d)
+    assert spec.task == ("rerank" if len(labels) == 1 else "classify") and spec.labels == tuple(labels)
+    assert not is_decoder_dir(d)
+    worker = _worker(d)
+    texts = _texts(sentences, 10)
+    tok = worker.tokenizer
+    items = tok.encode(texts)
+    if len(labels) == 1:  # a reranker reads (query, document) pairs
+        items = tok.to_encoded(tok.encodings([(a, b) for a, b in zip(texts[5:], texts[:5])]))
+    rows = worker.compute(items)
+    model = AutoModelForSequenceClassification.from_pretrained(d, dtype=torch.float32).eval()
+    pad = model.config.pad_token_id
+    assert all(e.ids[-1] == pad for e in items)  # the pooled token is not the last one
+    for e, row in zip(items, rows):
+        with torch.no_grad():
+            ref = model(torch.tensor([e.ids])).logits[0].numpy()
+        np.testing.assert_allclose(row[:len(labels)], ref, atol=5e-5)
+
+
+def test_last_real_token_positions():
+    """Packed and padded batches: the last position whose id is not padding, the first when all are."""
+    from surge.engines.heads import last_real
+    from surge.types import Encoded, TokenBatch
+
+    seqs = [np.array([5, 6, 0]), np.array([7]), np.array([0, 0]), np.array([3, 0, 4])]
+    items = [Encoded(s, np.zeros_like(s)) for s in seqs]
+    assert last_real(TokenBatch.pack(items), 0).tolist() == [1, 3, 4, 8]
+    assert last_real(TokenBatch.pack(items), None).tolist() == [2, 3, 5, 8]
+    assert last_real(TokenBatch.pad(items, pad_id=0), 0).tolist() == [1, 3, 6, 11]
+
+
+def test_token_classification_on_a_decoder_is_refused(tmp_path):
+    d = build_model("qwen2", tmp_path / "lm", seed=1)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(architectures=["Qwen2ForTokenClassification"], id2label={"0": "O", "1": "B-X"})
+    (d / "config.json").write_text(json.dumps(cfg))
+    spec = load_model_spec(d)
+    with pytest.raises(ConfigError, match="token classification on a decoder"):
+        check_servable(spec.task_info, spec.model_type, spec.path)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from surge.config import EngineConfig, ServerConfig, default_cache_dir
 from surge.models import bundled_model_dir, load_model_spec
-from surge.models.decoder import is_decoder_dir, is_decoder_embedding_dir
+from surge.models.decoder import is_decoder_dir, is_decoder_encoder_dir
 from surge.models.hf import ModelSpec
 from surge.runtime.registry import ModelRegistry
 from surge.server.state import AppState
@@ -24,7 +24,7 @@ def resolve_artifact(spec: ModelSpec, engine: EngineConfig, cache_dir: Path | No
                      ) -> Path | None:
     """The artifact an engine loads; exported once (with progress) and cached. A task model's graph
     keeps its head (logits out) unless `backbone`: several heads (model.yaml `heads:`) share it."""
-    if engine.engine != "onnxrt" or is_decoder_embedding_dir(spec.path):
+    if engine.engine != "onnxrt" or is_decoder_encoder_dir(spec.path):
         return None  # the torch engine and the decoder embedder load the weights directly
     if is_artifact_dir(spec.path):
         return spec.path  # an artifact written by `surge optimize`: served as it is
@@ -118,7 +118,7 @@ def load_repository_version(config: ServerConfig, entry, *, single: bool = False
     # Exported under the model directory's own name, so every entry (and every
     # version) of one model shares one cached artifact; served under the entry's.
     source = load_model_spec(entry.source_dir or bundled_model_dir(), task=cfg.task)
-    artifact = None if is_decoder_dir(source.path) or is_decoder_embedding_dir(source.path) else \
+    artifact = None if is_decoder_dir(source.path) or is_decoder_encoder_dir(source.path) else \
         entry.artifact_dir or _cached_artifact(source, engine, config.cache_dir, backbone=bool(cfg.heads))
     heads = [h.model_copy(update={"source": str(entry.resolve(h.source))}) if h.source else h
              for h in cfg.heads] if cfg.heads else None

@@ -8,6 +8,8 @@ heads (dropout is the identity at inference):
   bert        pooler: tanh(W_p h[CLS] + b_p), then classifier
   roberta     classifier.dense -> tanh -> classifier.out_proj on <s>
   distilbert  pre_classifier -> ReLU -> classifier on [CLS]
+  decoders    score (no bias) on the last token that is not padding (Llama / Qwen2 / Qwen3 / Mistral /
+              Granite `*ForSequenceClassification`: transformers pools its logits there)
   token       classifier on every token (any backbone)
 
 Heads are small (a few hundred KiB) next to the backbone, so several of them
@@ -83,6 +85,9 @@ class Head:
     bias: np.ndarray | None = field(default=None, repr=False)
     pooling: str = "cls"  # embed heads: the model's pooling mode
     width: int = 0  # outputs per sequence (sequence, pooled) or per token (token)
+    # sequence heads: "first" token (encoders' [CLS]) or "last" token whose id is not `pad_id` (decoders)
+    source: str = "first"
+    pad_id: int | None = None
 
     @property
     def kind(self) -> str:
@@ -101,6 +106,29 @@ class Head:
     def tokens(self, hidden: np.ndarray) -> np.ndarray:
         """[T, H] -> [T, labels]."""
         return hidden @ self.weight.T + self.bias
+
+
+def _decoder_types():
+    from surge.models.decoder import SUPPORTED
+
+    return SUPPORTED
+
+
+def last_real(batch: TokenBatch, pad_id: int | None) -> np.ndarray:
+    """Each sequence's last position whose token is not `pad_id` (its first when all are), as an index
+    into the packed [T] / flattened padded [B * L] tokens: where transformers' decoder classifiers pool."""
+    if batch.layout is Layout.PACKED:
+        starts, ends = batch.cu_seqlens[:-1].astype(np.int64), batch.cu_seqlens[1:].astype(np.int64)
+        ids = batch.input_ids
+    else:
+        starts = np.arange(batch.size, dtype=np.int64) * batch.input_ids.shape[1]
+        ends = starts + batch.lengths
+        ids = batch.input_ids.reshape(-1)
+    if pad_id is None:
+        return ends - 1
+    pos = np.where(ids != pad_id, np.arange(len(ids)), -1)
+    last = np.array([pos[s:e].max(initial=-1) for s, e in zip(starts, ends)], dtype=np.int64)
+    return np.where(last < 0, starts, last)
 
 
 def _act_name(model_type: str) -> str:
@@ -154,8 +182,9 @@ class _Tensors:
 
 
 def load_head(path: Path, name: str, task: str, model_type: str, labels: tuple[str, ...],
-              multi_label: bool = False, pooling: str = "mean", hidden: int = 0) -> Head:
-    """The head of `task` stored in the model directory `path` (a transformers checkpoint)."""
+              multi_label: bool = False, pooling: str = "mean", hidden: int = 0, pad_id: int | None = None) -> Head:
+    """The head of `task` stored in the model directory `path` (a transformers checkpoint). `pad_id`: a
+    decoder's padding token (config.json's pad_token_id), skipped when its head picks the last token."""
     if task == "embed":
         return Head(name, task, pooling=pooling, width=hidden)
     t = _Tensors(path)
@@ -170,6 +199,10 @@ def load_head(path: Path, name: str, task: str, model_type: str, labels: tuple[s
     head = Head(name, task, labels, multi_label)
     if task == "token-classify":
         head.weight, head.bias = t.get(need("classifier.weight")), t.get(need("classifier.bias"))
+    elif model_type in _decoder_types():
+        head.weight = t.get(need("score.weight"))
+        head.bias = np.zeros(head.weight.shape[0], np.float32)  # transformers' decoder heads have none
+        head.source, head.pad_id = "last", pad_id
     elif model_type == "distilbert":
         head.pre = [(t.get(need("pre_classifier.weight")), t.get(need("pre_classifier.bias")), "relu")]
         head.weight, head.bias = t.get(need("classifier.weight")), t.get(need("classifier.bias"))
@@ -223,7 +256,10 @@ class HeadSet:
             cls = hidden[:, 0, :]
         parts = []
         for h in self.heads:
-            if h.kind == SEQUENCE:
+            if h.kind == SEQUENCE and h.source == "last":
+                flat = hidden if packed else hidden.reshape(-1, hidden.shape[-1])
+                parts.append(h.classify(flat[last_real(batch, h.pad_id)]))
+            elif h.kind == SEQUENCE:
                 parts.append(h.classify(cls))
             elif h.kind == POOLED:
                 parts.append(pool(hidden, batch, h.pooling))

@@ -43,14 +43,18 @@ def is_decoder_dir(path: str | Path) -> bool:
         return False
 
 
-def is_decoder_embedding_dir(path: str | Path) -> bool:
-    """A decoder checkpoint with a sentence-transformers pooling module: an embedding model."""
+def is_decoder_encoder_dir(path: str | Path) -> bool:
+    """A decoder's layers used as an encoder (engines/decoder/embedder.py): a checkpoint with a
+    sentence-transformers pooling module (an embedding model: Qwen3-Embedding) or a sequence-classification
+    head (`*ForSequenceClassification`: a classifier, or a reranker such as Qwen3-Reranker's seq-cls form)."""
     file = Path(path) / "config.json"
     try:
         config = json.loads(file.read_text())
     except (OSError, ValueError):
         return False
-    return config.get("model_type") in SUPPORTED and has_st_pooling(path)
+    archs = config.get("architectures") or []
+    return config.get("model_type") in SUPPORTED and (
+        has_st_pooling(path) or any(a.endswith("ForSequenceClassification") for a in archs))
 
 
 def has_st_pooling(path: str | Path) -> bool:

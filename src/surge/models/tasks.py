@@ -119,6 +119,12 @@ def check_servable(task: TaskInfo, model_type: str, path: Path) -> None:
         raise ConfigError(f"{path}: architecture {task.architecture} is a text generator (task generate) that "
                           f"surge's decoder engine does not run (models/decoder.py lists those it does); "
                           f"supported: {SUPPORTED_ARCHITECTURES}", param="task")
+    if task.task in (CLASSIFY, RERANK) and model_type in DECODER_TYPES:
+        return  # *ForSequenceClassification: the score head on the last real token (engines/heads.py)
+    if task.task == TOKEN_CLASSIFY and model_type in DECODER_TYPES:
+        raise ConfigError(f"{path}: token classification on a decoder ({task.architecture}) is not supported; "
+                          "decoders serve generate, embed (with a sentence-transformers pooling config), classify "
+                          "and rerank (*ForSequenceClassification)", param="task")
     if task.task == EMBED and model_type in DECODER_TYPES:
         if not has_st_pooling(path):
             raise ConfigError(f"{path}: task embed on a decoder ({task.architecture}) needs a sentence-transformers "

@@ -14,9 +14,9 @@ from surge.runtime.worker import EnginePool, ModelWorker, PostSpec
 
 def make_engine(cfg: EngineConfig, spec: ModelSpec, artifact: Path | None, device: str | None = None,
                 max_tokens: int | None = None) -> Engine:
-    from surge.models.decoder import is_decoder_embedding_dir
+    from surge.models.decoder import is_decoder_encoder_dir
 
-    if is_decoder_embedding_dir(spec.path):  # either engine setting: a decoder's layers in torch
+    if is_decoder_encoder_dir(spec.path):  # either engine setting: a decoder's layers in torch
         from surge.engines.decoder.embedder import DecoderEmbedder
 
         dev, precision = decoder_device(spec, cfg, device)
@@ -77,7 +77,8 @@ def build_heads(spec: ModelSpec, extra=None):
         if spec.task == "embed":
             return None
         return HeadSet([load_head(spec.path, spec.name, spec.task, spec.model_type, spec.labels,
-                                  spec.task_info.multi_label, spec.pooling, spec.hidden_size)])
+                                  spec.task_info.multi_label, spec.pooling, spec.hidden_size,
+                                  pad_id=spec.config.get("pad_token_id"))])
     from surge.models.hf import load_model_spec
     from surge.models.multihead import check_same_backbone
 
