@@ -101,3 +101,36 @@ def test_under_workers(model_dir, reference, sentences):
             assert r.status_code == 200, r.text
             np.testing.assert_allclose(np.array(r.json()["embeddings"], dtype=np.float32),
                                        reference(texts, prompt_name="query"), atol=3e-5)
+
+
+def test_decoder_classifier_and_reranker(tmp_path_factory, sentences):
+    """`*ForSequenceClassification` decoders behind a real repository server: huggingface_hub's
+    text_classification = transformers' pipeline, TEI's /rerank = sentence-transformers' CrossEncoder."""
+    import transformers
+    from huggingface_hub import InferenceClient
+    from sentence_transformers import CrossEncoder
+
+    from tests.decoder_models import build_decoder_classifier
+    from tests.e2e.repo_helpers import add_version
+
+    root = tmp_path_factory.mktemp("dcls")
+    cls = build_decoder_classifier("qwen3", root / "src" / "cls", ["negative", "neutral", "positive"], seed=6)
+    rr = build_decoder_classifier("qwen2", root / "src" / "rr", ["score"], seed=7)
+    repo = root / "repo"
+    for name, d in (("cls", cls), ("rr", rr)):
+        add_version(repo, name, 1, f"source: {d}\nengine: {{threads: 1, warmup_shapes: [[1, 8]]}}\n")
+    texts = sentences[40:44]
+    transformers.logging.set_verbosity_error()
+    pipe = transformers.pipeline("text-classification", model=str(cls), device="cpu", top_k=None)
+    query, docs = "what does the import statement do", sentences[:6]
+    want = np.asarray(CrossEncoder(str(rr), device="cpu").predict([(query, d) for d in docs]))
+    with ServerProcess("--model-repository", str(repo), "--threads", "1") as srv:
+        client = InferenceClient(model=srv.url + "/models/cls")
+        for text, ref in zip(texts, pipe(texts)):
+            got = {x.label: x.score for x in client.text_classification(text, top_k=3)}
+            assert got == pytest.approx({x["label"]: x["score"] for x in ref}, abs=1e-4)
+        r = httpx.post(srv.url + "/rerank", json={"model": "rr", "query": query, "texts": docs}, timeout=60)
+        assert r.status_code == 200, r.text
+        order = list(np.argsort(-want))
+        assert [x["index"] for x in r.json()] == order
+        assert [x["score"] for x in r.json()] == pytest.approx(want[order].tolist(), abs=1e-4)
