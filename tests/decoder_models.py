@@ -220,7 +220,7 @@ QWEN3_EMBEDDING_PROMPTS = {"query": "Instruct: Given a web search query, retriev
 def build_embedding_model(kind: str, out: Path, *, seed: int = 0, pooling: str = "lasttoken",
                           max_seq_length: int = 48, prompts: dict | None = None, default_prompt_name: str | None = None,
                           **overrides) -> Path:
-    """A decoder embedding model as Qwen3-Embedding / gte-Qwen2 / e5-mistral ship on the hub: a causal-LM
+    """A decoder embedding model as Qwen3-Embedding / e5-mistral ship on the hub: a causal-LM
     checkpoint (config.json names `*ForCausalLM`, the weights keep their `model.` prefix and LM head) with
     sentence-transformers 2-4's files beside it (modules.json, 1_Pooling, 2_Normalize), and a tokenizer that
     appends <|endoftext|> to every text (Qwen3-Embedding's post-processor), without a chat template; `prompts`:

@@ -1,4 +1,4 @@
-"""Decoders served as embedding models (Qwen3-Embedding, gte-Qwen2, e5-mistral): detected from their
+"""Decoders served as embedding models (Qwen3-Embedding, e5-mistral): detected from their
 sentence-transformers files, run by engines/decoder/embedder.py, pooled and normalized as
 sentence-transformers does; sentence-transformers 5+'s files read; the dense causal attention against
 float64."""
@@ -269,3 +269,16 @@ def test_token_classification_on_a_decoder_is_refused(tmp_path):
     spec = load_model_spec(d)
     with pytest.raises(ConfigError, match="token classification on a decoder"):
         check_servable(spec.task_info, spec.model_type, spec.path)
+
+
+@pytest.mark.parametrize("extra", [{"auto_map": {"AutoModel": "modeling_qwen.Qwen2Model"}}, {"is_causal": False}])
+def test_custom_or_bidirectional_layers_are_refused(tmp_path, extra):
+    """A checkpoint trained with layers other than transformers' causal ones (gte-Qwen2's custom bidirectional
+    code) fails the start with the reason, rather than serving wrong vectors."""
+    from surge.engines.decoder.embedder import DecoderEmbedder
+
+    d = build_embedding_model("qwen2", tmp_path / "m", seed=1)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, **extra}))
+    with pytest.raises(ConfigError, match="auto_map|is_causal"):
+        DecoderEmbedder().load(d)

@@ -33,7 +33,7 @@ def is_decoder_config(config: dict) -> bool:
 
 def is_decoder_dir(path: str | Path) -> bool:
     """A causal LM served for generation: a decoder's config, and not a sentence-transformers embedding
-    directory built on one (Qwen3-Embedding, gte-Qwen2: engines/decoder/embedder.py serves those)."""
+    directory built on one (Qwen3-Embedding, e5-mistral: engines/decoder/embedder.py serves those)."""
     file = Path(path) / "config.json"
     if not file.is_file():
         return False

@@ -28,7 +28,7 @@ SUPPORTED_ARCHITECTURES = (
     "BertModel, RobertaModel, XLMRobertaModel, DistilBertModel (and *ForMaskedLM, sentence-transformers "
     "directories): embed; *ForSequenceClassification: classify (rerank with one label or a cross-encoder "
     "config); *ForTokenClassification: token-classify; *ForCausalLM / *LMHeadModel: generate, or embed with "
-    "a sentence-transformers pooling config (Qwen3-Embedding, gte-Qwen2)"
+    "a sentence-transformers pooling config (Qwen3-Embedding, e5-mistral)"
 )
 # Backbones the engines (ONNX export, torch encoder) run.
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "camembert")
@@ -84,7 +84,7 @@ def detect_task(path: Path, config: dict, override: str | None = None) -> TaskIn
     if arch.endswith("ForTokenClassification"):
         return TaskInfo(TOKEN_CLASSIFY, arch, labels)
     if config.get("model_type") in DECODER_TYPES and has_st_pooling(path):
-        # a decoder trained for embeddings (Qwen3-Embedding, gte-Qwen2: `*ForCausalLM` in config.json)
+        # a decoder trained for embeddings (Qwen3-Embedding, e5-mistral: `*ForCausalLM` in config.json)
         return TaskInfo(EMBED, arch or "(none)", source="modules.json")
     if arch.endswith(_DECODER_SUFFIXES) or config.get("is_decoder") and not arch.endswith("Model"):
         return TaskInfo(GENERATE, arch)

@@ -1,4 +1,4 @@
-"""A decoder served as an embedding model (Qwen3-Embedding, gte-Qwen2, e5-mistral): the Engine contract.
+"""A decoder served as an embedding model (Qwen3-Embedding, e5-mistral): the Engine contract.
 
 Those checkpoints are causal LMs (config.json names `Qwen3ForCausalLM`, often with no LM head in the
 weights) whose sentence-transformers files pool the last token's hidden state and normalize it.
@@ -35,6 +35,19 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
+def check_standard(path: Path) -> None:
+    """Refuse a checkpoint whose layers are not transformers' own: custom modeling code (`auto_map`, e.g.
+    gte-Qwen2's bidirectional attention) or `is_causal: false`; served as the standard causal architecture,
+    its vectors would be silently wrong."""
+    import json
+
+    config = json.loads((path / "config.json").read_text())
+    if config.get("auto_map") or config.get("is_causal") is False:
+        what = "custom modeling code (auto_map)" if config.get("auto_map") else "is_causal: false"
+        raise ConfigError(f"{path.name}: config.json names {what}; surge runs transformers' own causal "
+                          f"{config.get('model_type')} layers, which this checkpoint was not trained with")
+
+
 class DecoderEmbedder:
     def __init__(self, device: str = "cpu", precision: str = "fp32", max_batch: int = 64,
                  max_tokens: int | None = None, threads: int = 0, cuda_graphs: bool = True):
@@ -61,6 +74,7 @@ class DecoderEmbedder:
         from surge.engines.decoder.model import DecoderModel
         from surge.models.decoder import load_decoder_config, load_decoder_weights
 
+        check_standard(Path(artifact))
         cfg = load_decoder_config(artifact)
         weights = load_decoder_weights(artifact, cfg, self.dtype, self.device)
         weights.pop("lm_head", None)  # embeddings never read the vocabulary's logits
