@@ -6,10 +6,12 @@ transformers (what sentence-transformers runs), both pooling the last token and 
 
 Random weights of the shape; batches of `--batch` short queries (token ids, `--min-len`..`--max-len`
 tokens: the assistant's traffic), the same batches for both, interleaved rounds. surge runs the batch
-packed (engines/decoder/embedder.py; on a GPU from the CUDA graph of its bucket, and eagerly as a second
-row); transformers the padded batch with its SDPA attention (right
-padding, the last real token pooled), in the same dtype. Reported: queries/s (median of rounds), the
-ratio, and the largest difference between the two engines' unit vectors.
+packed (engines/decoder/embedder.py: on a GPU from the CUDA graph of its bucket, on the CPU as one
+TorchScript call; the eager forward as a second row); transformers the padded batch with its SDPA attention (right
+padding, the last real token pooled), in the same dtype. `--busy-threads N` adds surge's rows with N
+Python threads spinning beside it (a server's busy event loop: an eager forward re-takes the GIL at every
+op). Reported: queries/s (median of rounds), the ratio, and the largest difference between the two engines'
+unit vectors.
 """
 
 from __future__ import annotations
@@ -79,6 +81,28 @@ def run_hf(model, data, device):
     return out
 
 
+def busy(fn, threads: int):
+    """fn() while `threads` Python threads spin (each holds the GIL whenever the interpreter lets it)."""
+    import threading
+
+    stop = threading.Event()
+
+    def spin():
+        n = 0
+        while not stop.is_set():
+            n += 1
+
+    pool = [threading.Thread(target=spin) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    try:
+        return fn()
+    finally:
+        stop.set()
+        for t in pool:
+            t.join()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3-tiny", choices=sorted(SHAPES))
@@ -90,6 +114,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-len", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--busy-threads", type=int, default=0,
+                    help="also time surge with this many Python threads computing beside it (a busy event loop)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if args.threads:
@@ -104,17 +130,21 @@ def main(argv=None) -> int:
         path = build(args.shape, Path(tmp) / "m")
         engine = DecoderEmbedder(device=args.device, precision=precision, threads=args.threads)
         engine.load(path)
-        eager = None
-        if engine.cuda_graphs:
-            eager = DecoderEmbedder(device=args.device, precision=precision, cuda_graphs=False)
-            eager.load(path)
+        # the same engine without its CUDA graphs (GPU) / without its TorchScript forward (CPU)
+        eager = DecoderEmbedder(device=args.device, precision=precision, threads=args.threads, cuda_graphs=False,
+                                cpu_script=False)
+        eager.load(path)
         hf = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(args.device).eval()
     data = batches(args, SHAPES[args.shape]["vocab_size"])
     queries = args.batch * args.batches
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     runs = {"surge": lambda: run_surge(engine, data), "transformers": lambda: run_hf(hf, data, args.device)}
-    if eager is not None:
-        runs["surge, eager (no graphs)"] = lambda: run_surge(eager, data)
+    runs["surge, eager"] = lambda: run_surge(eager, data)
+    if args.busy_threads:
+        runs[f"surge beside {args.busy_threads} busy Python thread(s)"] = lambda: busy(lambda: run_surge(engine, data),
+                                                                                   args.busy_threads)
+        runs[f"surge, eager, beside {args.busy_threads} busy Python thread(s)"] = lambda: busy(
+            lambda: run_surge(eager, data), args.busy_threads)
     outs = {k: f() for k, f in runs.items()}  # warm-up, and the vectors compared below
     got = {k: [] for k in runs}
     for _ in range(args.rounds):
@@ -125,6 +155,7 @@ def main(argv=None) -> int:
             sync()
             got[k].append(queries / (time.perf_counter() - t0))
     diff = max(float(np.abs(a - b).max()) for a, b in zip(outs["surge"], outs["transformers"]))
+    outs.clear()
     print(f"\n{args.shape} on {args.device} ({precision}), batches of {args.batch} queries of {args.min_len}-"
           f"{args.max_len} tokens, medians of {args.rounds} rounds; max |surge - transformers| {diff:.2e}")
     print("| engine | queries/s | rounds | vs transformers |\n| --- | ---: | --- | ---: |")

@@ -282,3 +282,26 @@ def test_custom_or_bidirectional_layers_are_refused(tmp_path, extra):
     (d / "config.json").write_text(json.dumps({**cfg, **extra}))
     with pytest.raises(ConfigError, match="auto_map|is_causal"):
         DecoderEmbedder().load(d)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama", "mistral", "granite"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_torchscript_forward_equals_the_eager_layers(kind, precision, tmp_path):
+    """The CPU's one-call TorchScript forward (embed_cpu.py) against the eager layers (model.py) on every layer kind
+    (q/k norms, q/k/v biases, Granite's folded multipliers and biases): packed batches of several sequences and a
+    lone one."""
+    from surge.engines.decoder.embedder import DecoderEmbedder
+    from surge.types import Encoded, TokenBatch
+
+    d = build_embedding_model(kind, tmp_path / "m", seed=3)
+    scripted, eager = DecoderEmbedder(precision=precision), DecoderEmbedder(precision=precision, cpu_script=False)
+    scripted.load(d)
+    eager.load(d)
+    assert scripted._script is not None and eager._script is None
+    rng = np.random.default_rng(1)
+    for lens in ((7, 30, 1, 64, 12), (9,)):
+        rows = [rng.integers(2, scripted.vocab_size, n) for n in lens]
+        batch = TokenBatch.pack([Encoded(r, np.zeros_like(r)) for r in rows])
+        a, b = scripted.run(batch), eager.run(batch)
+        tol = 1e-5 if precision == "fp32" else 2e-2
+        np.testing.assert_allclose(a, b, atol=tol * max(1.0, float(np.abs(b).max())))

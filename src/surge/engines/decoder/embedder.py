@@ -50,7 +50,9 @@ def check_standard(path: Path) -> None:
 
 class DecoderEmbedder:
     def __init__(self, device: str = "cpu", precision: str = "fp32", max_batch: int = 64,
-                 max_tokens: int | None = None, threads: int = 0, cuda_graphs: bool = True):
+                 max_tokens: int | None = None, threads: int = 0, cuda_graphs: bool = True, cpu_script: bool = True):
+        """cpu_script: on the CPU, the layers as one TorchScript call without the GIL (embed_cpu.py; Llama-family
+        layers), else the eager forward."""
         if precision not in _DTYPES:
             raise ConfigError(f"precision {precision} is not supported for decoder embedding models "
                               f"({', '.join(_DTYPES)})", param="precision")
@@ -58,12 +60,21 @@ class DecoderEmbedder:
         self.dtype = _DTYPES[precision]
         if self.device.type == "cpu" and self.dtype is torch.float16:
             raise ConfigError("precision fp16 needs a GPU; on the CPU use fp32 or bf16", param="precision")
-        if threads and self.device.type == "cpu":
-            torch.set_num_threads(threads)
+        if self.device.type == "cpu":
+            if threads:
+                torch.set_num_threads(threads)
+            # every op of the eager forward re-takes the GIL: beside a busy event loop each take waits up to
+            # the switch interval (a 32-query batch of a small model: 37 ms alone, 3.3 s beside a spinning
+            # thread at the default 5 ms, 0.15 s at 0.5 ms; benchmarks/decoder_embed.py --busy-threads)
+            from surge.engines.encoder_cpu import shorten_gil_switch
+
+            shorten_gil_switch()
         self.max_batch = max_batch
         self.max_tokens = max_tokens
         self.model = None
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.cpu_script = cpu_script and self.device.type == "cpu"
+        self._script = self._layers = None
         # (rows, width) -> (ids buffer, hidden, graph, positions): every input the graph reads stays referenced here
         self._graphs: dict[tuple[int, int], tuple] = {}
         self._pool = None  # one memory pool for every bucket's graph (replays never overlap: the lock)
@@ -81,6 +92,10 @@ class DecoderEmbedder:
         # the unfused layer: its attention is the dense causal one here (the fused path writes a cache)
         self.model = DecoderModel(cfg, weights, self.device, self.dtype, attention="torch", fused=False)
         self.vocab_size = cfg.vocab_size
+        if self.cpu_script and cfg.arch == "llama":
+            from surge.engines.decoder import embed_cpu
+
+            self._script, self._layers = embed_cpu.scripted(), embed_cpu.layer_tensors(self.model)
         self.capabilities = Capabilities(max_batch=self.max_batch, max_tokens=min(cfg.context_limit, 1 << 20),
                                          layout=Layout.PACKED, device=str(self.device),
                                          dtype={v: k for k, v in _DTYPES.items()}[self.dtype],
@@ -103,11 +118,25 @@ class DecoderEmbedder:
             if rows and width and rows * width <= GRAPH_TOKENS:
                 return self._run_graph(ids, lens, rows, width)
         positions = np.concatenate([np.arange(n) for n in lens])
+        if self._script is not None:
+            return self._run_script(ids, positions, lens)
         with self._lock, torch.inference_mode():
             meta = DenseMeta(lens, self.device)
             hidden = self.model.forward(torch.as_tensor(ids, device=self.device),
                                         torch.as_tensor(positions, device=self.device), None, meta)
             return hidden.float().cpu().numpy()
+
+    def _run_script(self, ids: np.ndarray, positions: np.ndarray, lens: list[int]) -> np.ndarray:
+        from surge.engines.encoder_cpu import AttentionPlan
+
+        m, c = self.model, self.model.cfg
+        plan = AttentionPlan(np.asarray(lens), causal=True)
+        fill, block, mask = ([], 0, None) if plan.single else (plan.fill, plan.block, plan.mask)
+        with self._lock, torch.inference_mode():
+            hidden = self._script(torch.as_tensor(ids), torch.as_tensor(positions), m.w["embed"], m.cos, m.sin,
+                                  self._layers, m.w["final_norm"], c.norm_eps, c.num_heads, c.num_kv_heads,
+                                  c.head_dim, m.scale, fill, block, mask)
+            return hidden.float().numpy()
 
     def _run_graph(self, ids: np.ndarray, lens: list[int], rows: int, width: int) -> np.ndarray:
         padded = np.zeros((rows, width), dtype=np.int64)

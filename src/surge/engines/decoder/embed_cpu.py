@@ -1,0 +1,146 @@
+"""The decoder embedder's CPU forward as one TorchScript call (Llama / Qwen2 / Qwen3 / Mistral / Granite layers).
+
+engines/decoder/model.py's eager forward is ~20 torch calls a layer, and each call re-takes the GIL: beside
+a server's busy event loop every take waits up to the interpreter's switch interval (a 32-query batch of
+a small model: 37 ms alone, 147 ms beside one spinning Python thread even at a 0.5 ms interval;
+benchmarks/decoder_embed.py --busy-threads). Compiled with torch.jit.script the whole layer stack runs in
+C++ without the GIL, as the encoder's CPU path does (engines/encoder_cpu.py). The arithmetic is the eager
+layer's, op for op (tests: the two agree within FP32 rounding on every layer kind): RMSNorm in FP32 cast
+back, the fused q/k/v and gate/up GEMMs on [in, out] weights, Qwen3's per-head norms, RoPE as transformers
+rotates, causal attention over the encoder's packed blocks (one SDPA call a layer), SwiGLU. Granite's
+multipliers are already in the weights (models/decoder._fold_multipliers); absent biases and norms are
+empty tensors.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def _linear(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if b.numel() > 0:
+        return torch.addmm(b, x, wt)
+    return x @ wt
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    r = cos.size(-1)
+    half = r // 2
+    xr = x.narrow(-1, 0, r)
+    rotated = torch.cat([-xr.narrow(-1, half, r - half), xr.narrow(-1, 0, half)], dim=-1)
+    out = xr * cos + rotated * sin
+    if r == x.size(-1):
+        return out
+    return torch.cat([out, x.narrow(-1, r, x.size(-1) - r)], dim=-1)
+
+
+def _blocks(x: torch.Tensor, fill: List[int], block: int) -> torch.Tensor:
+    """Packed [T, h, d] -> [blocks, h, P, d]; padding rows zero (the mask keeps them to themselves)."""
+    nb = len(fill)
+    if nb * block == x.size(0):
+        out = x
+    else:
+        out = x.new_zeros(nb * block, x.size(1), x.size(2))
+        s = 0
+        d = 0
+        for i in range(nb):
+            out.narrow(0, d, fill[i]).copy_(x.narrow(0, s, fill[i]))
+            s += fill[i]
+            d += block
+    return out.view(nb, block, x.size(1), x.size(2)).transpose(1, 2)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, fill: List[int], block: int,
+               mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """q [T, heads, d], k / v [T, kv_heads, d] of packed sequences -> [T, heads, d], each causal on itself."""
+    gqa = q.size(1) != k.size(1)
+    if len(fill) == 0:  # one sequence
+        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                             v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale,
+                                             enable_gqa=gqa)
+        return out[0].transpose(0, 1)
+    out = F.scaled_dot_product_attention(_blocks(q, fill, block), _blocks(k, fill, block), _blocks(v, fill, block),
+                                         attn_mask=mask, scale=scale, enable_gqa=gqa)
+    out = out.transpose(1, 2).reshape(len(fill) * block, q.size(1), q.size(2))
+    if len(fill) * block == q.size(0):
+        return out
+    parts: List[torch.Tensor] = []
+    for i in range(len(fill)):
+        parts.append(out.narrow(0, i * block, fill[i]))
+    return torch.cat(parts)
+
+
+def encode(ids: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           layers: List[List[torch.Tensor]], final_norm: torch.Tensor, eps: float, heads: int, kv_heads: int,
+           head_dim: int, scale: float, fill: List[int], block: int, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Packed token ids [T] -> hidden states after the final norm [T, hidden]. A layer's tensors: attn_norm,
+    qkv [in, out], qkv bias, q_norm, k_norm, o [in, out], o bias, mlp_norm, up_gate [in, out], up_gate bias,
+    down [in, out], down bias (absent ones empty)."""
+    t = ids.size(0)
+    x = embed.index_select(0, ids)  # not F.embedding / embed[ids]: no op here may re-take the GIL
+    c = cos.index_select(0, positions).unsqueeze(1)
+    s = sin.index_select(0, positions).unsqueeze(1)
+    qd = heads * head_dim
+    kd = kv_heads * head_dim
+    for w in layers:
+        h = _rms(x, w[0], eps)
+        qkv = _linear(h, w[1], w[2])
+        q = qkv.narrow(1, 0, qd).reshape(t, heads, head_dim)
+        k = qkv.narrow(1, qd, kd).reshape(t, kv_heads, head_dim)
+        v = qkv.narrow(1, qd + kd, kd).reshape(t, kv_heads, head_dim)
+        if w[3].numel() > 0:  # Qwen3: each head's query and key normalized, then rotated
+            q = _rms(q, w[3], eps)
+            k = _rms(k, w[4], eps)
+        q = _rope(q, c, s)
+        k = _rope(k, c, s)
+        a = _attention(q.contiguous(), k.contiguous(), v.contiguous(), scale, fill, block, mask).reshape(t, qd)
+        x = x + _linear(a, w[5], w[6])
+        h = _rms(x, w[7], eps)
+        gu = _linear(h, w[8], w[9])
+        inter = gu.size(1) // 2
+        x = x + _linear(F.silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter), w[10], w[11])
+    return _rms(x, final_norm, eps)
+
+
+_SCRIPTED = None
+_LOCK = threading.Lock()
+
+
+def scripted():
+    """encode, compiled by TorchScript once per process."""
+    global _SCRIPTED
+    with _LOCK:
+        if _SCRIPTED is None:
+            with warnings.catch_warnings():  # torch.jit is deprecated in favour of torch.compile (a toolchain,
+                warnings.simplefilter("ignore")  # minutes a shape): as engines/encoder_cpu.py
+                _SCRIPTED = torch.jit.script(encode)
+        return _SCRIPTED
+
+
+def layer_tensors(model) -> List[List[torch.Tensor]]:
+    """A DecoderModel's (CPU, llama family) layers in encode's order; its [in, out] weights are views of the
+    same storage as its own."""
+    w, wt = model.w, model._wt
+    empty = torch.empty(0, dtype=model.dtype)
+
+    def get(name):
+        return w.get(name, empty)
+
+    out = []
+    for i in range(model.cfg.num_layers):
+        p = f"l{i}."
+        out.append([w[p + "attn_norm"], wt[p + "qkv"], get(p + "qkv.bias"), get(p + "q_norm"), get(p + "k_norm"),
+                    wt[p + "o"], get(p + "o.bias"), w[p + "mlp_norm"], wt[p + "up_gate"], get(p + "up_gate.bias"),
+                    wt[p + "down"], get(p + "down.bias")])
+    return out
