@@ -90,3 +90,46 @@ def test_lora_add_rows_independent_of_their_batch():
     buf.copy_(out)
     graph.replay()
     assert torch.equal(buf, lora_add_(out.clone(), x, a, b, rows, width))
+
+
+def test_the_shrink_beside_the_module_gemm(tmp_path):
+    """LoraStep.begin runs x A^T on a side stream while the module's own GEMM runs; finish_ then adds the rest:
+    the same bits as both kernels on one stream, eagerly (a long GEMM between them, so a missing wait would
+    read unfinished partials) and replayed from a CUDA graph, every module of a layer."""
+    from surge.engines.decoder.lora import LoraBank
+    from surge.engines.kernels.lora_delta import lora_add_
+    from surge.models.decoder import load_decoder_config
+    from tests.decoder_models import build_model
+
+    cfg = load_decoder_config(build_model("qwen2", tmp_path / "m", seed=1, hidden_size=256, intermediate_size=512))
+    bank = LoraBank(cfg, 3, 16, "cuda", torch.bfloat16)
+    assert bank.kernel
+    g = torch.Generator().manual_seed(3)
+    for t in list(bank.a.values()) + list(bank.b.values()):
+        t.copy_(torch.randn(t.shape, generator=g) * 0.1)
+    slots = torch.tensor([0, 1, 2, 3] * 16, device="cuda")
+    big = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    step = bank.step(slots)
+    for module, width in bank.width.items():
+        a, b = bank.a[0, module], bank.b[0, module]
+        x = torch.randn(64, a.shape[1], generator=g).to("cuda", torch.bfloat16)
+        base = torch.randn(64, b.shape[0], generator=g).to("cuda", torch.bfloat16)
+        want = lora_add_(base.clone(), x, a, b, slots, width)
+
+        def run(out):
+            pending = step.begin(x, 0, module)
+            for _ in range(4):  # the "module GEMM": long enough that the side stream's kernel finishes later
+                torch.mm(big, big)
+            return pending.finish_(out)
+
+        assert torch.equal(run(base.clone()), want), module
+        buf = base.clone()
+        run(buf)  # warm
+        graph = torch.cuda.CUDAGraph()
+        buf.copy_(base)
+        with torch.cuda.graph(graph):
+            run(buf)
+        buf.copy_(base)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(buf, want), module

@@ -52,6 +52,12 @@ class LoraBank:
         if kernel and not usable:
             raise ValueError("the LoRA kernel needs CUDA, Triton and BF16 / FP16 weights")
         self.kernel = usable and kernel is not False
+        self._side: dict = {}  # device -> the stream the kernels' first halves run on
+
+    def side_stream(self, device) -> torch.cuda.Stream:
+        if device not in self._side:
+            self._side[device] = torch.cuda.Stream(device)
+        return self._side[device]
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Write `adapter` into `slot` (1..slots), replacing what the slot held."""
@@ -94,14 +100,42 @@ class LoraStep:
             self._masks = {w: (rows == cols).to(self.bank.dtype) for w, cols in self.bank._col_slot.items()}
         return self._masks
 
-    def add_(self, out: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> torch.Tensor:
-        """out [T, out_features] (the module's product for input x [T, in], or its first FP32 split-K
-        partial) plus each row's adapter's delta, in place; returns out."""
+    def begin(self, x: torch.Tensor, layer: int, module: str) -> "PendingDelta":
+        """Start a module's delta before its product is computed: with the kernels, x A^T runs on a side
+        stream beside the module's own GEMM (off the step's critical path); finish_ adds the rest."""
         bank = self.bank
-        a, b = bank.a[layer, module], bank.b[layer, module]
-        if bank.kernel:
-            from surge.engines.kernels.lora_delta import lora_add_
+        a = bank.a[layer, module]
+        if not bank.kernel:
+            return PendingDelta(self, layer, module, x=x)
+        from surge.engines.kernels.lora_delta import lora_shrink
 
-            return lora_add_(out, x, a, b, self.adapters, bank.width[module], pdl=self.pdl)
-        xa = torch.nn.functional.linear(x, a) * self.masks()[bank.width[module]]
-        return out.add_(torch.nn.functional.linear(xa, b))
+        main = torch.cuda.current_stream(x.device)
+        side = bank.side_stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            # no PDL here: its dependency is the event, not a kernel of its own stream
+            ws = lora_shrink(x, a, self.adapters, bank.width[module])
+        return PendingDelta(self, layer, module, ws=ws, side=side)
+
+
+class PendingDelta:
+    """A module's delta between LoraStep.begin and the module's product."""
+
+    def __init__(self, step: LoraStep, layer: int, module: str, x=None, ws=None, side=None):
+        self.step, self.layer, self.module, self.x, self.ws, self.side = step, layer, module, x, ws, side
+
+    def finish_(self, out: torch.Tensor) -> torch.Tensor:
+        """out [T, out_features] (the module's product, or its first FP32 split-K partial) plus each row's
+        adapter's delta, in place; returns out."""
+        step, bank = self.step, self.step.bank
+        b = bank.b[self.layer, self.module]
+        if self.ws is None:  # the torch form
+            xa = torch.nn.functional.linear(self.x, bank.a[self.layer, self.module]) * step.masks()[
+                bank.width[self.module]]
+            return out.add_(torch.nn.functional.linear(xa, b))
+        from surge.engines.kernels.lora_delta import lora_expand_
+
+        torch.cuda.current_stream(out.device).wait_stream(self.side)
+        # ws was allocated on the side stream and may be reused by its next allocation once freed: that is the
+        # next module's shrink, which begin() orders after everything queued here (side.wait_stream(main))
+        return lora_expand_(out, self.ws, b, step.adapters, bank.width[self.module], pdl=step.pdl)

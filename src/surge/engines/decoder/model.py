@@ -156,13 +156,16 @@ class DecoderModel:
     def _proj_lora(self, x: torch.Tensor, layer: int, module: str, masks, bias: torch.Tensor | None = None):
         """`_proj` plus the rows' LoRA deltas: added to the first split-K partial (FP32; the kernel that
         reads the partials sums them, bias included) or to the plain product."""
-        return self._add_lora(self._proj(x, f"l{layer}.{module}", bias), x, layer, module, masks)
+        pending = masks.begin(x, layer, module) if masks is not None else None
+        return self._add_lora(self._proj(x, f"l{layer}.{module}", bias), pending)
 
-    def _add_lora(self, out: torch.Tensor, x: torch.Tensor, layer: int, module: str, lora) -> torch.Tensor:
-        """out (a fresh product: changed in place) plus the rows' deltas; split-K partials take them in the first."""
-        if lora is None:
+    @staticmethod
+    def _add_lora(out: torch.Tensor, pending) -> torch.Tensor:
+        """out (a fresh product: changed in place) plus the rows' deltas begun before it (lora.LoraStep.begin);
+        split-K partials take them in the first."""
+        if pending is None:
             return out
-        lora.add_(out[0] if out.dim() == 3 else out, x, layer, module)
+        pending.finish_(out[0] if out.dim() == 3 else out)
         return out
 
     # -- pieces ---------------------------------------------------------------------------------------
@@ -227,7 +230,8 @@ class DecoderModel:
 
     def _lin_lora(self, x: torch.Tensor, layer: int, module: str, masks, bias: torch.Tensor | None = None):
         """The layer's linear module, plus its LoRA deltas where the step's rows have adapters."""
-        return self._add_lora(self._lin(x, f"l{layer}.{module}", bias), x, layer, module, masks)
+        pending = masks.begin(x, layer, module) if masks is not None else None
+        return self._add_lora(self._lin(x, f"l{layer}.{module}", bias), pending)
 
     def _gpt2(self, ids, positions, kv, meta, masks=None):
         c, w = self.cfg, self.w

@@ -111,23 +111,44 @@ def lora_add_(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
     """out [M, N] (the module's product: BF16 / FP16, or an FP32 split-K partial) += each row's own
     adapter's delta, in place; returns out. x [M, K] the module's input; a [S * width, K] and b [N, S * width]
     the stacked slots (slot s in columns [(s - 1) width, s width)); slots [M] each row's slot, 0 for none."""
+    if out.shape != (x.shape[0], b.shape[0]) or b.shape[1] != a.shape[0]:
+        raise ValueError(f"shapes do not fit: out {list(out.shape)}, x {list(x.shape)}, a {list(a.shape)}, "
+                         f"b {list(b.shape)}")
+    return lora_expand_(out, lora_shrink(x, a, slots, width, pdl), b, slots, width, pdl)
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, width: int, pdl: bool = False) -> torch.Tensor:
+    """The first kernel: x A^T's FP32 partial sums over K splits, [splits, M, R] (lora_expand_ sums them)."""
     m, k = x.shape
     r = a.shape[0]
-    if out.shape != (m, b.shape[0]) or a.shape[1] != k or b.shape[1] != r or slots.shape != (m,):
-        raise ValueError(f"shapes do not fit: out {list(out.shape)}, x {list(x.shape)}, a {list(a.shape)}, "
-                         f"b {list(b.shape)}, slots {list(slots.shape)}")
+    if a.shape[1] != k or slots.shape != (m,):
+        raise ValueError(f"shapes do not fit: x {list(x.shape)}, a {list(a.shape)}, slots {list(slots.shape)}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    if out.stride(1) != 1 or a.stride(1) != 1 or b.stride(1) != 1:
-        raise ValueError("out, a and b must have contiguous rows")
-    block_r = min(64, max(16, triton.next_power_of_2(r)))
+    if a.stride(1) != 1:
+        raise ValueError("a must have contiguous rows")
+    block_r = _block_r(r)
     splits = triton.cdiv(k, K_SPLIT)
     ws = torch.empty((splits, m, r), device=x.device, dtype=torch.float32)
-    m_tiles = triton.cdiv(m, BLOCK_M)
-    _lora_shrink[(triton.cdiv(r, block_r), splits, m_tiles)](
+    _lora_shrink[(triton.cdiv(r, block_r), splits, triton.cdiv(m, BLOCK_M))](
         x, a, slots, ws, m, k, r, width, x.stride(0), a.stride(0), BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
         BLOCK_R=block_r, K_SPLIT=K_SPLIT, PDL=pdl, num_warps=4, **launch_kw(pdl))
-    _lora_expand[(triton.cdiv(out.shape[1], BLOCK_N), m_tiles)](
+    return ws
+
+
+def lora_expand_(out: torch.Tensor, ws: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, width: int,
+                 pdl: bool = False) -> torch.Tensor:
+    """The second kernel: out += mask(sum of ws' splits) B^T, in place; returns out."""
+    splits, m, r = ws.shape
+    if out.shape != (m, b.shape[0]) or b.shape[1] != r or slots.shape != (m,):
+        raise ValueError(f"shapes do not fit: out {list(out.shape)}, partials {list(ws.shape)}, b {list(b.shape)}")
+    if out.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError("out and b must have contiguous rows")
+    _lora_expand[(triton.cdiv(out.shape[1], BLOCK_N), triton.cdiv(m, BLOCK_M))](
         ws, b, slots, out, m, out.shape[1], r, width, splits, b.stride(0), out.stride(0), BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, BLOCK_R=block_r, PDL=pdl, num_warps=4, **launch_kw(pdl))
+        BLOCK_N=BLOCK_N, BLOCK_R=_block_r(r), PDL=pdl, num_warps=4, **launch_kw(pdl))
     return out
+
+
+def _block_r(r: int) -> int:
+    return min(64, max(16, triton.next_power_of_2(r)))
