@@ -86,7 +86,7 @@ def make(dest: Path) -> None:
      ("        timeout = self.config.limits.request_timeout_s\n        start = time.perf_counter_ns()", "        _ev('fe_call')\n        timeout = self.config.limits.request_timeout_s\n        start = time.perf_counter_ns()"),
     ], top="import asyncio\n")
     patch("runtime/service.py", [
-     ("        is_text = texts is not None\n        inputs = texts if is_text else (token_ids or [])", "        _ev('fe_embed')\n        is_text = texts is not None\n        inputs = texts if is_text else (token_ids or [])"),
+     ("        is_text = texts is not None\n        options = options or EmbedOptions()", "        _ev('fe_embed')\n        is_text = texts is not None\n        options = options or EmbedOptions()"),
      ("        sub = [req.inputs[i] for i in miss]\n", "        sub = [req.inputs[i] for i in miss]\n        _ev('fe_tok0')\n"),
      ("        pooled = await self.batcher.submit(encs, req.deadline, req.priority, req.timings)", "        _ev('fe_tokenized')\n        pooled = await self.batcher.submit(encs, req.deadline, req.priority, req.timings)\n        _ev('fe_pooled')"),
     ], top="import asyncio\n")
