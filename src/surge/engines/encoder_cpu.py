@@ -161,19 +161,23 @@ def encode(ids: torch.Tensor, types: torch.Tensor, pos: torch.Tensor, emb: List[
     return x.float()
 
 
-_SCRIPTED = None
+_SCRIPTED: dict = {}
 _SCRIPT_LOCK = threading.Lock()
+
+
+def script_once(fn):
+    """fn compiled by TorchScript, once per process (the decoder embedder's CPU forward uses it too)."""
+    with _SCRIPT_LOCK:
+        if fn not in _SCRIPTED:
+            with warnings.catch_warnings():  # torch.jit is deprecated in favour of torch.compile, which
+                warnings.simplefilter("ignore")  # would need a C++ toolchain and minutes of compiling per shape
+                _SCRIPTED[fn] = torch.jit.script(fn)
+        return _SCRIPTED[fn]
 
 
 def scripted_encode():
     """encode compiled by TorchScript (once per process)."""
-    global _SCRIPTED
-    with _SCRIPT_LOCK:
-        if _SCRIPTED is None:
-            with warnings.catch_warnings():  # torch.jit is deprecated in favour of torch.compile, which
-                warnings.simplefilter("ignore")  # would need a C++ toolchain and minutes of compiling per shape
-                _SCRIPTED = torch.jit.script(encode)
-        return _SCRIPTED
+    return script_once(encode)
 
 
 GIL_SWITCH_S = 0.0001

@@ -14,8 +14,6 @@ empty tensors.
 
 from __future__ import annotations
 
-import threading
-import warnings
 from typing import List, Optional
 
 import torch
@@ -113,19 +111,11 @@ def encode(ids: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor, cos:
     return _rms(x, final_norm, eps)
 
 
-_SCRIPTED = None
-_LOCK = threading.Lock()
-
-
 def scripted():
     """encode, compiled by TorchScript once per process."""
-    global _SCRIPTED
-    with _LOCK:
-        if _SCRIPTED is None:
-            with warnings.catch_warnings():  # torch.jit is deprecated in favour of torch.compile (a toolchain,
-                warnings.simplefilter("ignore")  # minutes a shape): as engines/encoder_cpu.py
-                _SCRIPTED = torch.jit.script(encode)
-        return _SCRIPTED
+    from surge.engines.encoder_cpu import script_once
+
+    return script_once(encode)
 
 
 def layer_tensors(model) -> List[List[torch.Tensor]]:
