@@ -63,9 +63,9 @@ class DecoderEmbedder:
         if self.device.type == "cpu":
             if threads:
                 torch.set_num_threads(threads)
-            # every op of the eager forward re-takes the GIL: beside a busy event loop each take waits up to
-            # the switch interval (a 32-query batch of a small model: 37 ms alone, 3.3 s beside a spinning
-            # thread at the default 5 ms, 0.15 s at 0.5 ms; benchmarks/decoder_embed.py --busy-threads)
+            # beside a busy event loop every GIL take waits up to the switch interval: the TorchScript forward
+            # takes it a few times a batch, the eager one at every op (a 32-query batch of a small model: 72 ms
+            # alone, 3.1 s beside a spinning thread at Python's 5 ms; docs/benchmarks/decoder_embed.md)
             from surge.engines.encoder_cpu import shorten_gil_switch
 
             shorten_gil_switch()
@@ -79,7 +79,7 @@ class DecoderEmbedder:
         self._graphs: dict[tuple[int, int], tuple] = {}
         self._pool = None  # one memory pool for every bucket's graph (replays never overlap: the lock)
         self.capabilities: Capabilities | None = None
-        self._lock = threading.Lock()  # one forward at a time: the model keeps no per-call state, torch may
+        self._lock = threading.Lock()  # one forward at a time: the graphs' buffers and pool are shared
 
     def load(self, artifact: Path) -> None:
         from surge.engines.decoder.model import DecoderModel
@@ -144,7 +144,7 @@ class DecoderEmbedder:
         for i, n in enumerate(lens):
             padded[i, :n] = ids[starts[i]:starts[i] + n]
         real = np.concatenate([i * width + np.arange(n) for i, n in enumerate(lens)])
-        with self._lock, torch.inference_mode():
+        with self._lock, torch.inference_mode(), torch.cuda.device(self.device):  # captures on this engine's GPU
             buf, hidden, graph, _ = self._graphs.get((rows, width)) or self._capture(rows, width)
             buf.copy_(torch.from_numpy(padded.reshape(-1)))
             graph.replay()
