@@ -83,6 +83,15 @@ def test_prompt_name(server, reference, sentences):
     assert r.status_code == 400 and "'passage'" in r.text and "query, document" in r.text, r.text
     r = httpx.post(server.url + "/embed", json={"inputs": [[5, 6, 7]], "prompt_name": "query"}, timeout=60)
     assert r.status_code == 400 and "token ids" in r.text
+    # TEI's /tokenize with the prompt: the tokens /embed computes for it
+    plain, prompted = (httpx.post(server.url + "/tokenize", json={"inputs": texts[0], **kw}, timeout=60).json()[0]
+                       for kw in ({}, {"prompt_name": "query"}))
+    from tests.decoder_models import QWEN3_EMBEDDING_PROMPTS
+
+    full = QWEN3_EMBEDDING_PROMPTS["query"] + texts[0]
+    joined = "".join(t["text"] for t in prompted if not t["special"])  # cut at the model's 48 tokens, as /embed cuts
+    assert len(prompted) > len(plain) and joined.startswith("Instruct:") and full.startswith(joined)
+    assert "".join(t["text"] for t in plain if not t["special"]) == texts[0]
 
 
 def test_not_a_chat_model(server):

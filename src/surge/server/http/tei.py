@@ -11,7 +11,8 @@ POST /  (and POST /models/{name})  dispatches on the model's task, as TEI and th
                                                        -> entities (a list per input for a list)
 POST /predict   TEI: {"inputs": str | [str, str] (a pair) | [str | [str, str]], "raw_scores", "truncate"}
 POST /rerank    TEI: {"query", "texts", "raw_scores", "return_text", "truncate"} -> [{"index", "score", "text"?}]
-POST /tokenize  TEI: {"inputs", "add_special_tokens"} -> [[{"id", "text", "special", "start", "stop"}]]
+POST /tokenize  TEI: {"inputs", "add_special_tokens", "prompt_name"} -> [[{"id", "text", "special", "start", "stop"}]]
+                (with a prompt, as /embed would tokenize: the offsets index the prompted text)
 POST /decode    TEI: {"ids", "skip_special_tokens"} -> [str]
 GET  /info      TEI: model id, type (embedding / classifier / reranker), limits, version
 
@@ -82,6 +83,7 @@ class TokenizeRequest(BaseModel):
     inputs: Union[StrictStr, list[StrictStr]]
     add_special_tokens: StrictBool = True
     model: StrictStr | None = None
+    prompt_name: StrictStr | None = None  # the text tokenized as /embed would embed it, prompt first
 
 
 class DecodeRequest(BaseModel):
@@ -238,6 +240,11 @@ def router(state: AppState) -> APIRouter:
         req = await parse(request, TokenizeRequest, limits.max_body_bytes)
         served = registry.get(req.model)
         texts = check_texts([req.inputs] if isinstance(req.inputs, str) else req.inputs, "inputs", limits)
+        prompted = getattr(served, "prompted", None)  # an embedding model's sentence-transformers prompts
+        if prompted is not None:
+            texts = prompted(texts, req.prompt_name)
+        elif req.prompt_name is not None:
+            raise InvalidInput(f"model {served.name} has no sentence-transformers prompts", param="prompt_name")
         tok, _ = _tokenizer(served)
         encs = tok.encode_batch(texts, add_special_tokens=req.add_special_tokens)
         out = []
