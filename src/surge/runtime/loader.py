@@ -20,8 +20,7 @@ def make_engine(cfg: EngineConfig, spec: ModelSpec, artifact: Path | None, devic
         from surge.engines.decoder.embedder import DecoderEmbedder
 
         dev, precision = decoder_device(spec, cfg, device)
-        engine = DecoderEmbedder(device=dev, precision=precision, max_batch=cfg.max_batch_size, max_tokens=max_tokens,
-                                 threads=cfg.threads)
+        engine = DecoderEmbedder(device=dev, precision=precision, max_batch=cfg.max_batch_size, threads=cfg.threads)
         engine.load(spec.path)
         return engine
     if cfg.engine == "onnxrt":

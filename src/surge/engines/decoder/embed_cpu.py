@@ -1,15 +1,15 @@
 """The decoder embedder's CPU forward as one TorchScript call (Llama / Qwen2 / Qwen3 / Mistral / Granite layers).
 
 engines/decoder/model.py's eager forward is ~20 torch calls a layer, and each call re-takes the GIL: beside
-a server's busy event loop every take waits up to the interpreter's switch interval (a 32-query batch of
-a small model: 37 ms alone, 147 ms beside one spinning Python thread even at a 0.5 ms interval;
-benchmarks/decoder_embed.py --busy-threads). Compiled with torch.jit.script the whole layer stack runs in
-C++ without the GIL, as the encoder's CPU path does (engines/encoder_cpu.py). The arithmetic is the eager
-layer's, op for op (tests: the two agree within FP32 rounding on every layer kind): RMSNorm in FP32 cast
-back, the fused q/k/v and gate/up GEMMs on [in, out] weights, Qwen3's per-head norms, RoPE as transformers
-rotates, causal attention over the encoder's packed blocks (one SDPA call a layer), SwiGLU. Granite's
-multipliers are already in the weights (models/decoder._fold_multipliers); absent biases and norms are
-empty tensors.
+a server's busy event loop every take waits up to the interpreter's switch interval. Compiled with
+torch.jit.script the whole layer stack runs in C++ without the GIL, as the encoder's CPU path does
+(engines/encoder_cpu.py): beside one spinning Python thread it keeps 0.95x of its speed, the eager forward
+0.52x (`benchmarks/decoder_embed.py --device cpu --threads 1 --busy-threads 1`, docs/benchmarks/decoder_embed.md).
+The arithmetic is the eager layer's, op for op (its norm and RoPE are the same functions; tests: the two
+agree within FP32 rounding on every layer kind): the fused q/k/v and gate/up GEMMs on [in, out] weights,
+Qwen3's per-head norms, causal attention over the encoder's packed blocks (one SDPA call a layer), SwiGLU.
+Granite's multipliers are already in the weights (models/decoder._fold_multipliers); absent biases and norms
+are empty tensors.
 """
 
 from __future__ import annotations
@@ -19,28 +19,13 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return w * h.to(x.dtype)
+from surge.engines.decoder.model import rms_norm, rope
 
 
 def _linear(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if b.numel() > 0:
         return torch.addmm(b, x, wt)
     return x @ wt
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    r = cos.size(-1)
-    half = r // 2
-    xr = x.narrow(-1, 0, r)
-    rotated = torch.cat([-xr.narrow(-1, half, r - half), xr.narrow(-1, 0, half)], dim=-1)
-    out = xr * cos + rotated * sin
-    if r == x.size(-1):
-        return out
-    return torch.cat([out, x.narrow(-1, r, x.size(-1) - r)], dim=-1)
 
 
 def _blocks(x: torch.Tensor, fill: List[int], block: int) -> torch.Tensor:
@@ -92,23 +77,23 @@ def encode(ids: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor, cos:
     qd = heads * head_dim
     kd = kv_heads * head_dim
     for w in layers:
-        h = _rms(x, w[0], eps)
+        h = rms_norm(x, w[0], eps)
         qkv = _linear(h, w[1], w[2])
         q = qkv.narrow(1, 0, qd).reshape(t, heads, head_dim)
         k = qkv.narrow(1, qd, kd).reshape(t, kv_heads, head_dim)
         v = qkv.narrow(1, qd + kd, kd).reshape(t, kv_heads, head_dim)
         if w[3].numel() > 0:  # Qwen3: each head's query and key normalized, then rotated
-            q = _rms(q, w[3], eps)
-            k = _rms(k, w[4], eps)
-        q = _rope(q, c, s)
-        k = _rope(k, c, s)
+            q = rms_norm(q, w[3], eps)
+            k = rms_norm(k, w[4], eps)
+        q = rope(q, c, s)
+        k = rope(k, c, s)
         a = _attention(q.contiguous(), k.contiguous(), v.contiguous(), scale, fill, block, mask).reshape(t, qd)
         x = x + _linear(a, w[5], w[6])
-        h = _rms(x, w[7], eps)
+        h = rms_norm(x, w[7], eps)
         gu = _linear(h, w[8], w[9])
         inter = gu.size(1) // 2
         x = x + _linear(F.silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter), w[10], w[11])
-    return _rms(x, final_norm, eps)
+    return rms_norm(x, final_norm, eps)
 
 
 def scripted():

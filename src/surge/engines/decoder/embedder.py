@@ -49,8 +49,8 @@ def check_standard(path: Path) -> None:
 
 
 class DecoderEmbedder:
-    def __init__(self, device: str = "cpu", precision: str = "fp32", max_batch: int = 64,
-                 max_tokens: int | None = None, threads: int = 0, cuda_graphs: bool = True, cpu_script: bool = True):
+    def __init__(self, device: str = "cpu", precision: str = "fp32", max_batch: int = 64, threads: int = 0,
+                 cuda_graphs: bool = True, cpu_script: bool = True):
         """cpu_script: on the CPU, the layers as one TorchScript call without the GIL (embed_cpu.py; Llama-family
         layers), else the eager forward."""
         if precision not in _DTYPES:
@@ -63,14 +63,12 @@ class DecoderEmbedder:
         if self.device.type == "cpu":
             if threads:
                 torch.set_num_threads(threads)
-            # beside a busy event loop every GIL take waits up to the switch interval: the TorchScript forward
-            # takes it a few times a batch, the eager one at every op (a 32-query batch of a small model: 72 ms
-            # alone, 3.1 s beside a spinning thread at Python's 5 ms; docs/benchmarks/decoder_embed.md)
+            # beside a busy event loop every GIL take waits up to the switch interval (Python's default: 5 ms):
+            # the TorchScript forward takes it a few times a batch, the eager one at every op
             from surge.engines.encoder_cpu import shorten_gil_switch
 
             shorten_gil_switch()
         self.max_batch = max_batch
-        self.max_tokens = max_tokens
         self.model = None
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.cpu_script = cpu_script and self.device.type == "cpu"

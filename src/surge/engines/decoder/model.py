@@ -17,6 +17,27 @@ from surge.engines.decoder.attention import AttnMeta, causal_dense, paged_attent
 from surge.models.decoder import DecoderConfig, rope_inv_freq
 
 
+# The layer's pieces as free functions in TorchScript's subset: the decoder embedder's CPU forward
+# (embed_cpu.py) compiles the same ones.
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as transformers computes it: in FP32, cast back, then the weight."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., head_dim] rotated as transformers' rotate_half does, over cos / sin's first dims (partial rotary)."""
+    r = cos.size(-1)
+    half = r // 2
+    xr = x.narrow(-1, 0, r)  # narrow, not x[..., :r]: no op of the compiled forward may re-take the GIL
+    rotated = torch.cat([-xr.narrow(-1, half, r - half), xr.narrow(-1, 0, half)], dim=-1)
+    out = xr * cos + rotated * sin
+    if r == x.size(-1):
+        return out
+    return torch.cat([out, x.narrow(-1, r, x.size(-1) - r)], dim=-1)
+
+
 class DecoderModel:
     def __init__(self, cfg: DecoderConfig, weights: dict, device: torch.device, dtype: torch.dtype,
                  attention: str = "torch", fused: bool = True, decode_block_n: int | None = None,
@@ -196,17 +217,11 @@ class DecoderModel:
         return torch.addmm(bias, x, wt) if bias is not None else x @ wt
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.cfg.norm_eps)
-        return w * h.to(x.dtype)
+        return rms_norm(x, w, self.cfg.norm_eps)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        r = self.rot_dim
-        xr = x[..., :r]
-        half = r // 2
-        rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
-        out = xr * cos + rotated * sin
-        return out if r == x.shape[-1] else torch.cat([out, x[..., r:]], dim=-1)
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return rope(x, cos, sin)
 
     def _attend(self, q, k, v, layer: int, kv, meta: AttnMeta) -> torch.Tensor:
         if kv is None:  # no cache (embeddings): meta is a DenseMeta
