@@ -202,6 +202,16 @@ class GenerationConfig(_Strict):
     decode_launch_ms: float = Field(4.0, gt=0, description="With decode_steps > 1: the longest a launch may take "
                                     "at the step time its batch measured when the graphs were captured (fewer "
                                     "steps for larger models), so a stream's tokens come at least this often.")
+    speculative_tokens: int = Field(0, ge=0, le=16, description="Speculative decoding by n-gram lookup (vLLM's "
+                                    "'ngram' method): a greedy decode step also checks up to this many draft "
+                                    "tokens, copied from where the sequence's last tokens occurred before in its "
+                                    "prompt or output, and keeps those the model agrees with (the answer is plain "
+                                    "greedy decoding's). Pays where answers repeat their context (quotes, code, "
+                                    "JSON, lists); each draft is one more row of the step. 0: off.")
+    prompt_lookup_min: int = Field(2, ge=1, le=16, description="With speculative_tokens: the shortest n-gram "
+                                   "looked up.")
+    prompt_lookup_max: int = Field(4, ge=1, le=16, description="With speculative_tokens: the longest n-gram looked "
+                                   "up (longer matches are tried first).")
     engine_process: bool | None = Field(None, description="Run the engine loop (scheduler, engine, sampler) in a "
                                         "process of its own, so that it and the server's event loop (HTTP, "
                                         "detokenization, streams) never wait for each other's GIL; default: on "
@@ -240,6 +250,13 @@ class GenerationConfig(_Strict):
         if isinstance(value, (list, tuple)):
             return parse_lora_modules(value)
         return value
+
+    @model_validator(mode="after")
+    def _lookup_sizes(self):
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        return self
 
     def resolved(self, engine: "EngineConfig | None" = None) -> "GenerationConfig":
         """Concrete values: the fields left to the engine's settings take them."""

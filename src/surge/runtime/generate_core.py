@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from surge.runtime.scheduler import Scheduler, SchedulerConfig, Sequence, SeqStatus
 from surge.runtime.scheduler.adapters import PENDING, AdapterSlots
+from surge.runtime.scheduler.ngram import NgramProposer
 from surge.runtime.scheduler.overlap import StepLoop
 
 log = logging.getLogger("surge.generate")
@@ -41,6 +42,9 @@ class EngineState:
     overlapped_steps: int = 0
     busy_s: float = 0.0
     received: int = 0  # sequences taken in from "add" messages (added or refused)
+    spec_steps: int = 0  # speculative steps (drafts checked)
+    draft_tokens: int = 0  # draft tokens checked
+    accepted_tokens: int = 0  # of those, kept
 
 
 class ThreadChannel:
@@ -92,8 +96,11 @@ class EngineLoop:
             eos_token_ids=engine.cfg.eos_token_ids, adapters=self.adapters)
         # overlap needs a device that runs behind the host; on the CPU a step is the host's own work
         on_gpu = getattr(getattr(engine, "device", None), "type", "cpu") == "cuda"
+        speculator = None
+        if getattr(config, "speculative_tokens", 0) and hasattr(engine, "verify"):
+            speculator = NgramProposer(config.speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
         self.loop = StepLoop(self.scheduler, engine, overlap=config.overlap_steps and on_gpu,
-                             depth=config.overlap_depth, steps=config.decode_steps)
+                             depth=config.overlap_depth, steps=config.decode_steps, speculator=speculator)
         self.seqs: dict[int, Sequence] = {}  # added and not finished
         self._fresh: list[Sequence] = []  # added, their admission not reported yet
         self.steps = 0
@@ -110,7 +117,8 @@ class EngineLoop:
     def state(self) -> EngineState:
         s, b = self.scheduler, self.scheduler.blocks
         return EngineState(len(s.running), len(s.waiting), b.num_free, b.usage, b.queried_tokens, b.hit_tokens,
-                           s.preemptions, self.steps, self.loop.overlapped, self.busy_s, self.received)
+                           s.preemptions, self.steps, self.loop.overlapped, self.busy_s, self.received,
+                           self.loop.spec_steps, self.loop.drafted, self.loop.accepted)
 
     def handle(self, msg, out) -> None:
         kind = msg[0]

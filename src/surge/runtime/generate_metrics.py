@@ -45,6 +45,10 @@ def _make(registry: CollectorRegistry) -> dict:
                               registry=registry),
         "preempt": Counter("surge_generate_preemptions", "Sequences preempted for KV blocks.", labels,
                            registry=registry),
+        "drafted": Counter("surge_generate_spec_draft_tokens", "Draft tokens checked by speculative decoding.",
+                           labels, registry=registry),
+        "accepted": Counter("surge_generate_spec_accepted_tokens", "Draft tokens the model agreed with (acceptance "
+                            "rate: accepted / draft).", labels, registry=registry),
         "cache_hits": Counter("surge_generate_cache_hits", "Requests answered from the generation cache.", labels,
                               registry=registry),
         "restarts": Counter("surge_generate_engine_restarts", "Engine processes started again after one exited.",
@@ -76,8 +80,10 @@ class GenerateMetrics:
         self.prefix_hit = fam["prefix_hit"].labels(**lab)
         self.preempt = fam["preempt"].labels(**lab)
         self.cache_hits = fam["cache_hits"].labels(**lab)
+        self.drafted = fam["drafted"].labels(**lab)
+        self.accepted = fam["accepted"].labels(**lab)
         self.restarts = fam["restarts"].labels(**lab)
-        self._seen = (0, 0, 0)
+        self._seen = (0, 0, 0, 0, 0)
         self._gauges: tuple | None = None
 
     def observe_itl(self, values: list[float]) -> None:
@@ -116,12 +122,10 @@ class GenerateMetrics:
             self.running.set(state.running)
             self.waiting.set(state.waiting)
             self.kv.set(state.kv_usage)
-        q, h, p = state.prefix_queried_tokens, state.prefix_hit_tokens, state.preemptions
-        sq, sh, sp = self._seen
-        if q > sq:
-            self.prefix_queried.inc(q - sq)
-        if h > sh:
-            self.prefix_hit.inc(h - sh)
-        if p > sp:
-            self.preempt.inc(p - sp)
-        self._seen = (q, h, p)
+        seen = (state.prefix_queried_tokens, state.prefix_hit_tokens, state.preemptions,
+                getattr(state, "draft_tokens", 0), getattr(state, "accepted_tokens", 0))
+        for counter, now, before in zip((self.prefix_queried, self.prefix_hit, self.preempt, self.drafted,
+                                         self.accepted), seen, self._seen):
+            if now > before:
+                counter.inc(now - before)
+        self._seen = seen

@@ -457,6 +457,8 @@ class GenerateService(PromptText):
                 "free_blocks": st.free_blocks, "prefix_hit_tokens": st.prefix_hit_tokens,
                 "prefix_queried_tokens": st.prefix_queried_tokens, "preemptions": st.preemptions,
                 "steps": st.steps, "overlapped_steps": st.overlapped_steps,
+                "speculative_steps": st.spec_steps, "draft_tokens": st.draft_tokens,
+                "accepted_tokens": st.accepted_tokens,
                 "engine_process": self.engine.pid if self.remote else None}
 
     async def close(self) -> None:
@@ -706,7 +708,7 @@ def decoder_engine_kwargs(config: GenerationConfig, device: str, precision: str 
                 max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                 cuda_graphs=config.cuda_graphs, decode_steps=config.decode_steps,
                 decode_launch_ms=config.decode_launch_ms, max_loras=config.max_loras or 0,
-                max_lora_rank=config.max_lora_rank)
+                max_lora_rank=config.max_lora_rank, speculative_tokens=config.speculative_tokens)
 
 
 def service_over(engine, path: Path, name: str, version: str, config: GenerationConfig,

@@ -27,6 +27,9 @@ class AttnMeta:
     q_lens: list[int]
     ctx_lens: list[int]
     tables: list[list[int]]
+    # rows of one sequence at consecutive positions (a speculative step's drafts, one row each): every
+    # row's K/V must be in the cache before any row attends, so the step's kernels write them first
+    rows_share_kv: bool = False
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -43,8 +43,13 @@ def next_decode_inputs_torch(packed: torch.Tensor, tables: torch.Tensor, n: int,
 
 
 class DecodeGraphs:
-    def __init__(self, engine, max_num_seqs: int, steps: int = 1):
+    def __init__(self, engine, max_num_seqs: int, steps: int = 1, rows_share_kv: bool = False):
+        """`rows_share_kv`: the graphs of speculative steps, whose rows are a sequence's input and its
+        drafts (up to max_num_seqs rows in all): the attention's metadata says so (AttnMeta)."""
+        if rows_share_kv and steps != 1:
+            raise ValueError("a speculative step is one step: its next inputs are what it accepts")
         self.engine = engine
+        self.rows_share_kv = rows_share_kv
         self.steps = steps  # decode steps a run() may replay back to back (> 1: the graphs advance their inputs)
         # bucket -> us of one replay at TIMED_CONTEXT positions, measured after capture (multi-step graphs)
         self.step_us: dict[int, float] = {}
@@ -94,7 +99,7 @@ class DecodeGraphs:
     def _meta(self, b: int) -> AttnMeta:
         return AttnMeta(slot_mapping=self.slots[:b], block_tables=self.tables[:b], context_lens=self.ctx[:b],
                         query_start=self.qstart[:b + 1], max_query=1, q_lens=[1] * b, ctx_lens=[1] * b,
-                        tables=[[0]] * b)
+                        tables=[[0]] * b, rows_share_kv=self.rows_share_kv)
 
     def _forward(self, b: int, lora: bool = False):
         m = self.engine.model

@@ -283,7 +283,7 @@ class DecoderModel:
         pdl = self.pdl
         x = F.embedding(ids, w["embed"])  # the residual stream, updated in place
         hd, nq, nkv = c.head_dim, c.num_heads, c.num_kv_heads
-        one_kernel = meta.max_query == 1 and self.decode_attention == "fused"
+        one_kernel = meta.max_query == 1 and self.decode_attention == "fused" and not meta.rows_share_kv
         h = add_rmsnorm(x, None, w["l0.attn_norm"], c.norm_eps, pdl=pdl)
         ahead = self._pf_stream is not None and meta.max_query == 1
         for i in range(c.num_layers):

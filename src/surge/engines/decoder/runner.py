@@ -71,7 +71,7 @@ class DecoderEngine:
                  decode_block_n: int | None = None, argmax_kernel: str = "triton", decode_gemm: str = "auto",
                  decode_attention: str = "fused", pdl: bool = True, l2_prefetch: bool = False,
                  decode_steps: int = 1, decode_launch_ms: float | None = None, max_loras: int = 0,
-                 max_lora_rank: int = 16, lora_kernel: bool | None = None):
+                 max_lora_rank: int = 16, lora_kernel: bool | None = None, speculative_tokens: int = 0):
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         if threads and not cuda:
@@ -118,6 +118,13 @@ class DecoderEngine:
             from surge.engines.decoder.graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self, max_num_seqs, steps=decode_steps)
+        # speculative steps (verify()): a sequence's input and up to `speculative_tokens` drafts, a row each
+        self.speculative_tokens = speculative_tokens
+        self.spec_graphs = None
+        if cuda and cuda_graphs and speculative_tokens:
+            from surge.engines.decoder.graphs import DecodeGraphs
+
+            self.spec_graphs = DecodeGraphs(self, max_num_seqs * (speculative_tokens + 1), rows_share_kv=True)
 
     def _default_kv_tokens(self, cuda: bool, block_size: int) -> int:
         """256k tokens on a GPU, 32k on the CPU, within 40% of free GPU memory / 1 GiB of host memory."""
@@ -139,6 +146,8 @@ class DecoderEngine:
     def warmup(self) -> None:
         if self.graphs is not None:
             self.graphs.capture()
+        if self.spec_graphs is not None:
+            self.spec_graphs.capture()
 
     # -- LoRA adapters ---------------------------------------------------------------------------------
     def read_adapter(self, path: str | Path, name: str | None = None):
@@ -370,6 +379,67 @@ class DecoderEngine:
             ids_t = torch.where(src_t >= 0, prev.tokens.index_select(0, src_t.clamp(min=0)), ids_t)
         hidden = self.model.forward(ids_t, torch.from_numpy(pos).to(dev, non_blocking=True), self.kv, meta,
                                     self._adapters(scheduled))
+        return self.model.logits(hidden).argmax(-1)
+
+    # -- speculative steps (runtime/scheduler/ngram.py) ------------------------------------------------
+    @torch.inference_mode()
+    def verify(self, scheduled: list[ScheduledSeq], drafts: list[list[int]]) -> list[list[int]]:
+        """One decode step of greedy sequences that also checks draft tokens: scheduled[i] (a decode: one
+        input token at s.start) followed by drafts[i] (the tables must hold the blocks of every draft's
+        position). -> for each sequence the model's greedy token after its input and after each of its
+        drafts (len(drafts[i]) + 1 tokens), each computed as if the drafts before it were the
+        sequence's tokens; the K/V of every row is in the cache (the scheduler keeps those it accepts).
+        Each draft is a row of the step at its own position, attending to its sequence's cache up to
+        itself: on a GPU a replay of the CUDA graph of the rows' bucket (engine.spec_graphs)."""
+        bs = self.block_size
+        ids, pos, slots, tables, adapters, counts = [], [], [], [], [], []
+        for s, d in zip(scheduled, drafts):
+            seq, p0 = s.seq, s.start
+            t = seq.block_table
+            n = len(d) + 1
+            ids.append(seq.token_ids[p0])
+            ids.extend(d)
+            for p in range(p0, p0 + n):
+                pos.append(p)
+                slots.append(t[p // bs] * bs + p % bs)
+            tables.extend([t] * n)
+            adapters.extend([seq.adapter] * n)
+            counts.append(n)
+        if any(t < 0 for t in ids):
+            raise RuntimeError("a speculative step's input token is not known yet (a launched step in flight)")
+        lora = adapters if self.lora is not None else None
+        g = self.spec_graphs
+        if g is not None and g.fits(len(ids), max(map(len, tables))):
+            _, tokens = g.run(ids, pos, slots, tables, adapters=lora)
+        else:
+            tokens = self._eager_rows(ids, pos, slots, tables, lora)
+        flat = tokens.tolist()
+        out, i = [], 0
+        for n in counts:
+            out.append(flat[i:i + n])
+            i += n
+        return out
+
+    def _eager_rows(self, ids, pos, slots, tables, adapters) -> torch.Tensor:
+        """Greedy tokens of decode rows that may share a sequence (verify() without a graph)."""
+        dev = self.device
+        width = max(len(t) for t in tables)
+        table_np = np.full((len(tables), width), self.kv.scratch_block, dtype=np.int32)
+        for i, t in enumerate(tables):
+            table_np[i, :len(t)] = t
+        ctx = [p + 1 for p in pos]
+        meta = AttnMeta(
+            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(table_np).to(dev, non_blocking=True),
+            context_lens=torch.tensor(ctx, dtype=torch.int32).to(dev, non_blocking=True),
+            query_start=torch.arange(len(ids) + 1, dtype=torch.int32).to(dev, non_blocking=True),
+            max_query=1, q_lens=[1] * len(ids), ctx_lens=ctx, tables=tables, rows_share_kv=True)
+        lora = None
+        if adapters is not None and any(adapters):
+            lora = torch.tensor(adapters, dtype=torch.long).to(dev, non_blocking=True)
+        hidden = self.model.forward(torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
+                                    torch.tensor(pos, dtype=torch.long).to(dev, non_blocking=True), self.kv, meta,
+                                    lora)
         return self.model.logits(hidden).argmax(-1)
 
     def collect(self, launch: Launch) -> dict[int, SampleOut]:

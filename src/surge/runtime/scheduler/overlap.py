@@ -61,7 +61,10 @@ MAX_DEPTH = 3  # the engine keeps RING = MAX_DEPTH + 1 staging and read-back set
 
 
 class StepLoop:
-    def __init__(self, scheduler: Scheduler, engine, overlap: bool = True, depth: int = 2, steps: int = 1):
+    def __init__(self, scheduler: Scheduler, engine, overlap: bool = True, depth: int = 2, steps: int = 1,
+                 speculator=None):
+        """`speculator` (runtime/scheduler/ngram.NgramProposer, needs engine.verify): greedy decode steps
+        check draft tokens and keep those the model agrees with (speculative decoding)."""
         if not 1 <= depth <= MAX_DEPTH:
             raise ValueError(f"depth must be 1 to {MAX_DEPTH}, not {depth}")
         if steps < 1:
@@ -79,6 +82,10 @@ class StepLoop:
         self.steps = 0
         self.overlapped = 0  # steps launched while the previous one ran
         self.stalled = False  # the last step() found work but scheduled none (nothing fits)
+        self.speculator = speculator
+        self.drafted = 0  # draft tokens checked by speculative steps
+        self.accepted = 0  # of those, kept
+        self.spec_steps = 0
 
     @property
     def busy(self) -> bool:
@@ -131,6 +138,25 @@ class StepLoop:
         self._inflight.append((scheduled, handle, steps))
         self.steps += steps
 
+    def _speculate(self, scheduled: list[ScheduledSeq], results: list[StepResult]) -> bool:
+        """A speculative step if any sequence has drafts (False: none has, nothing was done)."""
+        sched, spec = self.scheduler, self.speculator
+        if len(spec) > 2 * len(sched.running) + 64:  # the indexes of sequences that ended
+            spec.keep([q.seq_id for q in sched.running])
+        drafts = [spec.propose(s.seq.seq_id, s.seq.token_ids, sched.draft_limit(s.seq, spec.k)) for s in scheduled]
+        if not any(drafts):
+            return False
+        drafts = sched.make_room(scheduled, drafts)
+        greedy = self.engine.verify(scheduled, drafts)
+        self.steps += 1
+        self.spec_steps += 1
+        self.drafted += sum(map(len, drafts))
+        for j, (tokens, finished) in enumerate(sched.accept(scheduled, drafts, greedy)):
+            if j:
+                self.accepted += len(tokens)
+            results.append(StepResult(scheduled, tokens, finished))
+        return True
+
     def step(self, refresh=None) -> list[StepResult]:
         """One iteration: the results that became known (none, one or two steps'). `refresh()` is
         called after the loop has waited for its launches in flight, to add (or abort) what arrived
@@ -147,6 +173,16 @@ class StepLoop:
             return results
         scheduled = sched.schedule()
         self._current = scheduled
+        if self.speculator is not None and scheduled and engine.can_launch(scheduled):
+            if self._inflight:  # drafts are looked up in the sequences' tokens: read what is in flight
+                self._complete_all(results)
+                if refresh is not None:
+                    refresh()
+                scheduled = sched.admit([s for s in scheduled if s.seq.status is SeqStatus.RUNNING])
+                self._current = scheduled
+            if scheduled and engine.can_launch(scheduled) and self._speculate(scheduled, results):
+                self._current = []
+                return results
         if self._inflight:
             if scheduled and engine.can_launch(scheduled):
                 self._launch(scheduled, self._inflight[-1][1])

@@ -1,0 +1,275 @@
+"""Speculative decoding by n-gram lookup: drafts from the sequence itself, checked in one step.
+
+The answer must be plain greedy decoding's, token for token (transformers' `generate` as the
+reference), whatever the drafts: sequences join and leave, share a prefix, are preempted, stop on
+a stop token inside a run of accepted drafts, end at max_tokens; the step loop with launched
+steps in flight; the CUDA-graph path's host logic (draft rows in padded buckets) on the CPU.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
+from surge.runtime.scheduler.ngram import NgramIndex, NgramProposer
+from surge.runtime.scheduler.scheduler import ScheduledSeq
+
+
+def scan_propose(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """The definition, by a scan: the longest suffix (n_max down to n_min) that occurred earlier, its
+    latest earlier occurrence, what followed it, running on periodically past the end."""
+    end = len(tokens)
+    for n in range(min(n_max, end - 1), n_min - 1, -1):
+        suffix = tokens[end - n:]
+        for e in range(end - 1, n - 1, -1):  # an occurrence ending at e < end, latest first
+            if tokens[e - n:e] == suffix:
+                ext = list(tokens)
+                while len(ext) < e + k:
+                    ext.append(ext[len(ext) - (end - e)])
+                return ext[e:e + k]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ngram_index_equals_a_scan(seed):
+    """The incremental index proposes what a scan of the whole sequence finds, as the sequence grows
+    by 1 to 4 tokens a step (a small vocabulary: matches of every length, overlapping runs)."""
+    rng = random.Random(seed)
+    n_min, n_max = rng.choice([(1, 3), (2, 4), (2, 2), (3, 5)])
+    tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 12))]
+    index = NgramIndex(n_min, n_max)
+    found = 0
+    for _ in range(60):
+        k = rng.randrange(0, 6)
+        got = index.propose(tokens, k)
+        assert got == scan_propose(tokens, k, n_min, n_max), (tokens, k)
+        found += bool(got)
+        tokens += [rng.randrange(4) if rng.random() < 0.6 else tokens[-1] for _ in range(rng.randrange(1, 5))]
+    assert found > 10
+
+
+def test_a_repeating_pattern_runs_on_into_the_draft():
+    index = NgramIndex(2, 4)
+    assert index.propose([7, 1, 2, 3, 1, 2, 3, 1, 2], 5) == [3, 1, 2, 3, 1]
+    assert NgramIndex(2, 4).propose([5, 5, 5], 4) == [5, 5, 5, 5]
+    assert NgramIndex(2, 4).propose([1, 2, 3, 4], 3) == []  # nothing repeats
+    proposer = NgramProposer(3, 2, 4)
+    assert proposer.propose(1, [9, 8, 9, 8, 9], limit=2) == [8, 9]  # limit (max_tokens) under k
+    assert proposer.propose(1, [9, 8, 9, 8, 9, 8], limit=0) == []
+    with pytest.raises(ValueError):
+        NgramProposer(0)
+    with pytest.raises(ValueError):
+        NgramProposer(3, 3, 2)
+
+
+def _decoding(sched: Scheduler, prompt: list[int], seq_id: int, **params) -> ScheduledSeq:
+    """A sequence admitted and prefilled (its first token sampled): scheduled for a decode step."""
+    seq = Sequence(seq_id, prompt, SamplingParams(temperature=0.0, **params))
+    sched.add(seq)
+    (s,) = [x for x in sched.schedule() if x.seq is seq]
+    sched.update([s], {seq_id: 50})
+    (s,) = [x for x in sched.schedule() if x.seq is seq]
+    return s
+
+
+def test_accept_keeps_the_agreeing_drafts_and_the_models_next_token():
+    sched = Scheduler(SchedulerConfig(num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                                      max_model_len=64), eos_token_ids=(99,))
+    a = _decoding(sched, [1, 2, 3], 0, max_tokens=20)
+    b = _decoding(sched, [4, 5], 1, max_tokens=20, stop_token_ids=(61,))
+    c = _decoding(sched, [6], 2, max_tokens=3)  # one token out, two more allowed
+    d = _decoding(sched, [7, 7], 3, max_tokens=20)
+    assert sched.draft_limit(c.seq, 5) == 1  # a step accepting d drafts adds d + 1 tokens
+    scheduled = [a, b, c, d]
+    drafts = [[60, 61, 62], [60, 61, 62], [70], [80, 81]]
+    drafts = sched.make_room(scheduled, drafts)
+    greedy = [[60, 61, 5, 9],  # two kept, then the model's 5
+              [60, 61, 62, 63],  # all kept... but 61 is a stop token: ends there
+              [70, 71],  # kept, then 71: max_tokens reached
+              [1, 2, 3]]  # the first draft is wrong: the model's 1 only
+    per_index = sched.accept(scheduled, drafts, greedy)
+    assert [s.seq.output_ids for s in scheduled] == [[50, 60, 61, 5], [50, 60, 61], [50, 70, 71], [50, 1]]
+    assert [sorted(t.items()) for t, _ in per_index] == [
+        [(0, 60), (1, 60), (2, 70), (3, 1)], [(0, 61), (1, 61), (2, 71)], [(0, 5)]]
+    assert {f.seq.seq_id: f.reason for _, fin in per_index for f in fin} == {1: "stop", 2: "length"}
+    # the K/V of every accepted input is computed; the newest token is the next step's input
+    assert a.seq.num_computed == a.seq.num_tokens - 1 == 6
+    assert d.seq.num_computed == d.seq.num_tokens - 1
+    sched.blocks.check()
+
+
+def test_drafts_never_take_blocks_another_sequence_needs():
+    """With no free block, drafts are cut to the sequence's own blocks; nothing is preempted."""
+    sched = Scheduler(SchedulerConfig(num_blocks=2, block_size=4, max_num_seqs=2, max_num_batched_tokens=64,
+                                      max_model_len=64))
+    s = _decoding(sched, [1, 2], 0, max_tokens=20)  # 3 tokens (input at position 2): one block, position 3 free
+    other = _decoding(sched, [3], 1, max_tokens=20)  # takes the last block
+    assert sched.blocks.num_free == 0
+    # s keeps the draft its block holds (position 3), not those a new block would
+    assert sched.make_room([s, other], [[5, 6, 7], [8]]) == [[5], [8]]
+    assert sched.preemptions == 0 and other.seq.status.value == "running"
+
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from surge.engines.decoder import DecoderEngine  # noqa: E402
+from surge.runtime.scheduler.overlap import StepLoop  # noqa: E402
+from tests.decoder_models import build_model  # noqa: E402
+
+KINDS = ("gpt2", "qwen2", "llama")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("spec")
+    dirs = {k: build_model(k, root / k, seed=10 + i) for i, k in enumerate(KINDS)}
+    hf = {k: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for k, d in dirs.items()}
+    yield dirs, hf
+    torch.set_num_threads(before)
+
+
+def hf_greedy(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def repetitive_prompts(vocab: int, seed: int) -> list[list[int]]:
+    """Prompts that repeat their own pieces (the lookup finds matches in the prompt too), one without
+    repeats, and three with a shared 13-token prefix (prefix-cache hits)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in (5, 17, 9, 30, 2, 12):
+        base = torch.randint(3, vocab, (n,), generator=g).tolist()
+        out.append(base + base[: n // 2] + base)
+    shared = torch.randint(3, vocab, (13,), generator=g).tolist()
+    out += [shared + [5, 6], shared + [7], shared + [8, 9, 10]]
+    return out
+
+
+def run_loop(engine, prompts, params, arrivals, *, overlap=False, depth=2, k=3, num_blocks=40, max_num_seqs=4):
+    sched = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=4, max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=24, max_model_len=256), engine.cfg.eos_token_ids)
+    seqs = [Sequence(i, p, prm) for i, (p, prm) in enumerate(zip(prompts, params))]
+    loop = StepLoop(sched, engine, overlap=overlap, depth=depth, speculator=NgramProposer(k, 1, 3) if k else None)
+    step, added, order = 0, 0, sorted(range(len(seqs)), key=lambda i: arrivals[i])
+    streamed = {s.seq_id: [] for s in seqs}
+    while added < len(seqs) or loop.busy:
+        while added < len(seqs) and arrivals[order[added]] <= step:
+            sched.add(seqs[order[added]])
+            added += 1
+        for r in loop.step():
+            for sid, t in r.tokens.items():
+                streamed[sid].append(t)
+        sched.blocks.check()
+        step += 1
+    assert sched.blocks.num_free == num_blocks
+    return seqs, streamed, loop, sched
+
+
+@pytest.mark.parametrize("kind,overlap", [("gpt2", False), ("qwen2", False), ("llama", False), ("qwen2", True)])
+def test_speculative_greedy_equals_transformers(kind, overlap, models):
+    """Joins (later arrivals, more prompts than max_num_seqs), a shared prefix, a KV cache small enough
+    to preempt, stop tokens inside runs of accepted drafts, different max_tokens; with `overlap`, the
+    loop launches steps ahead where no sequence has drafts and reads them back before it looks drafts up."""
+    dirs, hf = models
+    engine = DecoderEngine(dirs[kind], num_blocks=32, block_size=4)
+    prompts = repetitive_prompts(engine.cfg.vocab_size, 7)
+    n_new = [24, 30, 11, 26, 19, 28, 22, 17, 25]
+    refs = [hf_greedy(hf[kind], p, n) for p, n in zip(prompts, n_new)]
+    # every third sequence stops at its 9th token (inside a run of repeats: drafts accepted past it)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                             stop_token_ids=(refs[i][8],) if i % 3 == 0 else ())
+              for i, n in enumerate(n_new)]
+    arrivals = [0, 0, 0, 2, 5, 9, 0, 30, 31]
+    launches = []
+    launch = engine.launch
+    engine.launch = lambda *a, **kw: launches.append(1) or launch(*a, **kw)
+    seqs, streamed, loop, sched = run_loop(engine, prompts, params, arrivals, overlap=overlap, num_blocks=32)
+    for s, ref in zip(seqs, refs):
+        want = ref[: ref.index(ref[8]) + 1] if s.seq_id % 3 == 0 else ref
+        assert s.output_ids == want, f"prompt {s.seq_id}"
+        assert streamed[s.seq_id] == want  # each token handed out once, in order
+        assert s.finish_reason == ("stop" if s.seq_id % 3 == 0 else "length")
+    assert loop.spec_steps > 5 and 0 < loop.accepted < loop.drafted, (loop.accepted, loop.drafted)
+    assert sched.preemptions > 0 and sched.blocks.hit_tokens > 0
+    assert bool(launches) == overlap  # steps without drafts launched (and read back before the next lookup)
+
+
+def test_speculation_computes_fewer_steps_on_repeats(models):
+    """The point of it: on text the model repeats, one step yields several tokens."""
+    dirs, hf = models
+    engine = DecoderEngine(dirs["qwen2"], num_blocks=40, block_size=4)
+    prompts = repetitive_prompts(engine.cfg.vocab_size, 3)[:4]
+    params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True) for _ in prompts]
+    plain = run_loop(engine, prompts, params, [0] * 4, k=0)
+    spec = run_loop(DecoderEngine(dirs["qwen2"], num_blocks=40, block_size=4), prompts, params, [0] * 4, k=4)
+    assert [s.output_ids for s in spec[0]] == [s.output_ids for s in plain[0]]
+    tokens_per_step = 4 * 30 / spec[2].steps
+    assert spec[2].steps < plain[2].steps and spec[2].accepted > 0, (spec[2].steps, plain[2].steps, tokens_per_step)
+
+
+def test_sampling_and_logprob_requests_are_not_speculated(models):
+    """Rows that sample on the host (temperature, logprobs) decode as before, alone or beside greedy
+    rows; a seeded sampled sequence gives the same tokens with speculation on as off."""
+    dirs, _ = models
+    prompts = repetitive_prompts(384, 5)[:3]
+    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.8, seed=11, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.0, logprobs=2, ignore_eos=True)]
+    outs = []
+    for k in (0, 3):
+        engine = DecoderEngine(dirs["llama"], num_blocks=40, block_size=4)
+        seqs, _, loop, _ = run_loop(engine, prompts, params, [0, 0, 0], k=k)
+        outs.append([s.output_ids for s in seqs])
+    assert outs[0] == outs[1]
+
+
+def test_graph_path_with_draft_rows(models, monkeypatch):
+    """The CUDA-graph path's host logic on the CPU (tests/unit/test_decoder_graph_buffers.py's harness):
+    a sequence's input and drafts staged as rows of one bucket, padded rows, block tables repeated per
+    row, each row's context ending at itself; the tokens are transformers'."""
+    from surge.engines.decoder import model as model_mod
+    from tests.unit.test_decoder_graph_buffers import _host_graphs
+
+    dirs, hf = models
+    engine = DecoderEngine(dirs["qwen2"], num_blocks=48, block_size=4, max_num_seqs=4, speculative_tokens=3)
+    attention = _host_graphs(engine, 4)  # the decode graphs (launches without drafts)
+    from surge.engines.decoder.graphs import DecodeGraphs
+    from tests.unit.test_decoder_graph_buffers import _Replay
+
+    spec = DecodeGraphs(engine, 4 * 4, rows_share_kv=True)
+    spec.graphs = {b: _Replay(spec, b) for b in spec.buckets}
+    spec.outputs = {}
+    engine.spec_graphs = spec
+    seen = []
+
+    def recording(q, k_cache, v_cache, meta, scale):
+        seen.append(meta.rows_share_kv)
+        return attention(q, k_cache, v_cache, meta, scale)
+
+    monkeypatch.setattr(model_mod, "paged_attention_torch", recording)
+    prompts = repetitive_prompts(engine.cfg.vocab_size, 9)[:6]
+    n_new = [20, 14, 25, 9, 18, 22]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in n_new]
+    seqs, _, loop, _ = run_loop(engine, prompts, params, [0, 0, 1, 3, 4, 8], overlap=True, num_blocks=48)
+    for s, p, n in zip(seqs, prompts, n_new):
+        assert s.output_ids == hf_greedy(hf["qwen2"], p, n), f"prompt {s.seq_id}"
+    assert loop.spec_steps > 3 and loop.accepted > 0
+    assert True in seen, "the draft rows' attention was told that rows share a sequence's cache"
+
+
+def test_the_setting_is_checked():
+    from surge.config import GenerationConfig
+
+    assert GenerationConfig(speculative_tokens=4).speculative_tokens == 4
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        GenerationConfig(speculative_tokens=4, prompt_lookup_min=5, prompt_lookup_max=3)
+    with pytest.raises(ValueError):
+        GenerationConfig(speculative_tokens=-1)
