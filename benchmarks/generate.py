@@ -131,7 +131,7 @@ async def _surge_round(service, prompts, n_out):
             "tpot_p50_ms": 1e3 * pct(tpot, 50) if tpot else float("nan")}
 
 
-def make_service(path: Path, args, n: int, fused: bool = True, overlap: bool = True):
+def make_service(path: Path, args, n: int, fused: bool = True, overlap: bool = True, speculative: int = 0):
     """The decoder engine (warmed up) and the service the benchmark drives, for n streams of
     args.prompt + args.output tokens: (engine, service, load seconds)."""
     from surge.engines.decoder import DecoderEngine
@@ -141,13 +141,14 @@ def make_service(path: Path, args, n: int, fused: bool = True, overlap: bool = T
     steps = getattr(args, "decode_steps", None) or GenerationConfig().decode_steps
     gen = GenerationConfig(max_num_seqs=max(n, 1), max_num_batched_tokens=args.budget, max_model_len=max_len,
                            cache_entries=0, prefix_caching=False, overlap_steps=overlap,
-                           overlap_depth=args.overlap_depth, decode_steps=steps)
+                           overlap_depth=args.overlap_depth, decode_steps=steps, speculative_tokens=speculative)
     t = time.perf_counter()
     engine = DecoderEngine(path, device=args.device, dtype=args.dtype, max_num_seqs=gen.max_num_seqs,
                            max_model_len=max_len, kv_cache_tokens=(n + 8) * max_len, threads=args.threads,
                            cuda_graphs=not args.no_graphs, fused=fused, decode_gemm=args.decode_gemm,
                            decode_attention=args.decode_attention, pdl=not args.no_pdl,
-                           decode_steps=steps, decode_launch_ms=gen.decode_launch_ms)
+                           decode_steps=steps, decode_launch_ms=gen.decode_launch_ms,
+                           speculative_tokens=speculative)
     engine.warmup()
     load_s = time.perf_counter() - t
     service = GenerateService("bench", "1", path, engine, _NoText(), None, gen, request_timeout_s=600)
@@ -155,9 +156,9 @@ def make_service(path: Path, args, n: int, fused: bool = True, overlap: bool = T
     return engine, service, load_s
 
 
-def run_surge(path: Path, args, prompts, fused: bool = True, overlap: bool = True) -> dict:
+def run_surge(path: Path, args, prompts, fused: bool = True, overlap: bool = True, speculative: int = 0) -> dict:
     n = len(prompts)
-    engine, service, load_s = make_service(path, args, n, fused, overlap)
+    engine, service, load_s = make_service(path, args, n, fused, overlap, speculative)
 
     async def main():
         # warm-up round (Triton compiles the prefill variants), then the measured rounds
@@ -181,6 +182,15 @@ def run_surge(path: Path, args, prompts, fused: bool = True, overlap: bool = Tru
         best["step_us"] = engine.graphs.step_us
         best["launch_steps"] = engine.steps_for(n)
     best["overlapped_steps"] = service.loop.overlapped
+    if speculative:  # n-gram speculation: how often the drafts were right, what a step of draft rows costs
+        loop = service.loop
+        best.update(speculative_tokens=speculative, spec_steps=loop.spec_steps, draft_tokens=loop.drafted,
+                    accepted_tokens=loop.accepted, acceptance=loop.accepted / max(1, loop.drafted))
+        sg = engine.spec_graphs.graphs if engine.spec_graphs is not None else {}
+        if sg:
+            rows = next(b for b in sorted(sg) if b >= n * (speculative + 1)) if max(sg) >= n * (speculative + 1) \
+                else max(sg)
+            best["spec_graph_replay_us"] = {rows: replay_us(sg[rows])}
     if prof:
         best["profile"] = prof
     best["load_s"] = load_s
@@ -322,6 +332,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", action="store_true", help="also transformers with torch.compile")
     ap.add_argument("--only-compile", action="store_true", help="transformers with torch.compile only")
     ap.add_argument("--sync", action="store_true", help="also surge with synchronous steps (overlap off)")
+    ap.add_argument("--speculative-tokens", type=int, default=0,
+                    help="also surge with n-gram speculative decoding checking up to this many drafts a step")
     ap.add_argument("--profile", action="store_true", help="one more surge round under torch.profiler")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -347,6 +359,10 @@ def main(argv=None) -> int:
                     rows = [("surge (unfused)", run_surge(path, args, prompts, fused=False))]
                 if args.sync:
                     rows.append(("surge, synchronous steps", run_surge(path, args, prompts, not args.no_fused, False)))
+                if args.speculative_tokens:
+                    rows.append((f"surge, n-gram speculation (k={args.speculative_tokens})",
+                                 run_surge(path, args, prompts, not args.no_fused,
+                                           speculative=args.speculative_tokens)))
             if args.baseline == "hf" and not args.only_compile:
                 rows.append(("transformers static", run_hf(path, args, prompts, False)))
             if args.baseline == "hf" and (args.compile or args.only_compile):
@@ -378,6 +394,10 @@ def main(argv=None) -> int:
                 if r.get("tpot_p50_ms") is not None and name.startswith("surge"):
                     print(f"  {name}: time per output token after the first, p50 of the streams "
                           f"{r['tpot_p50_ms']:.3f} ms (ITL above: the gap between deliveries)")
+                if r.get("speculative_tokens"):
+                    print(f"  {name}: {r['spec_steps']} speculative steps, {r['draft_tokens']} drafts checked, "
+                          f"{r['accepted_tokens']} accepted ({100 * r['acceptance']:.0f}%); a step of draft rows "
+                          f"replayed alone {r.get('spec_graph_replay_us')} us (rows: us)")
                 if r.get("graph_replay_us"):
                     print(f"  {name}: the largest bucket's decode graph replayed alone "
                           f"{r['graph_replay_us']:.1f} us a step ({r['graph_replay_restored_us']:.1f} with its "

@@ -777,3 +777,49 @@ def _hf_cuda(d):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).cuda().eval()
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_speculative_steps_follow_plain_decoding(trained_dir, graphs):
+    """n-gram speculation on the GPU (BF16, the loop the service runs: multi-step launches where no
+    sequence has drafts): a sequence's input and drafts are rows of one step, replayed from the CUDA
+    graph of the rows' bucket (or eagerly), each row attending to its sequence's cache up to itself
+    (the fused one-kernel decode attention is off for such rows: they read each other's fresh K/V).
+    The greedy tokens are those of the eager engine without drafts for the bulk of prompts, as the
+    BF16 test above asks of transformers (batches of other sizes may flip BF16 near-ties), and most
+    drafts are accepted (the prompts quote the answer)."""
+    from surge.engines.decoder import DecoderEngine
+    from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
+    from surge.runtime.scheduler.ngram import NgramProposer
+    from surge.runtime.scheduler.overlap import StepLoop
+
+    plain = DecoderEngine(trained_dir, device="cuda", dtype="bf16", num_blocks=512, max_num_seqs=16,
+                          max_model_len=512, cuda_graphs=False)
+    # a prompt that quotes what the model will say (as a RAG answer quotes its context): p, then
+    # p's greedy continuation, then p again
+    first = _prompts(384, 24)
+    prompts = [p + c + p for p, c in zip(first, _run(plain, first, 40))]
+    want = _run(plain, prompts, 40)
+    engine = DecoderEngine(trained_dir, device="cuda", dtype="bf16", num_blocks=512, max_num_seqs=16,
+                           max_model_len=512, cuda_graphs=graphs, speculative_tokens=3, decode_steps=4)
+    engine.warmup()
+    assert bool(engine.spec_graphs and engine.spec_graphs.graphs) == graphs
+    if graphs:
+        assert engine.spec_graphs.buckets[-1] == 16 * 4
+    sched = Scheduler(SchedulerConfig(num_blocks=engine.num_blocks, block_size=engine.block_size, max_num_seqs=16,
+                                      max_num_batched_tokens=512, max_model_len=512), ())
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    for s in seqs:
+        sched.add(s)
+    loop = StepLoop(sched, engine, steps=4, speculator=NgramProposer(3, 2, 4))
+    while loop.busy:
+        loop.step()
+    got = [s.output_ids for s in seqs]
+    equal = sum(a == b for a, b in zip(got, want))
+    print(f"speculation (graphs={graphs}): {equal}/{len(prompts)} prompts equal to plain decoding on 40 BF16 "
+          f"steps; {loop.spec_steps} speculative steps of {loop.steps}, {loop.accepted}/{loop.drafted} drafts "
+          f"accepted")
+    assert all(len(g) == 40 for g in got)
+    assert loop.spec_steps > 10 and loop.accepted > 0.5 * loop.drafted
+    assert equal >= 0.75 * len(prompts), f"only {equal}/{len(prompts)} prompts equal"

@@ -1,0 +1,50 @@
+"""Speculative decoding (n-gram lookup) end to end: a real `surge serve` process started with
+`--generation speculative_tokens=4` and its engine loop in a process of its own, called with the
+openai client; the answers are transformers' greedy ones, streamed and not, and the acceptance
+counters are on /metrics."""
+
+from __future__ import annotations
+
+import functools
+
+import httpx
+import pytest
+
+torch = pytest.importorskip("torch")
+openai = pytest.importorskip("openai")
+
+from tests.decoder_models import build_model, load_hf  # noqa: E402
+from tests.server_process import ServerProcess  # noqa: E402
+
+_get = functools.partial(httpx.get, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model("qwen2", tmp_path_factory.mktemp("spec") / "spec-qwen", seed=6)
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_speculative_answers_are_greedy_ones(model_dir):
+    model, tok = load_hf(model_dir)
+    conversations = [[{"role": "user", "content": "Repeat after me: the cat sat on the mat, the cat sat on the mat."}],
+                     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Define assignment."}]]
+    with ServerProcess(str(model_dir), "--threads", "1", "--generation",
+                       "speculative_tokens=4,cache_entries=0,engine_process=true") as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
+        for messages in conversations:
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            out = model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False, pad_token_id=0)
+            want = tok.decode(out[0, len(ids):], skip_special_tokens=True)
+            r = client.chat.completions.create(model="spec-qwen", messages=messages, max_tokens=40, temperature=0)
+            assert r.choices[0].message.content == want
+            chunks = client.chat.completions.create(model="spec-qwen", messages=messages, max_tokens=40,
+                                                    temperature=0, stream=True)
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+        metrics = _get(srv.url + "/metrics").text
+        drafted = _metric(metrics, "surge_generate_spec_draft_tokens_total")
+        accepted = _metric(metrics, "surge_generate_spec_accepted_tokens_total")
+        assert drafted > 0 and 0 < accepted <= drafted, (drafted, accepted)
