@@ -8,7 +8,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:src:.
 for run in "1 3" "1 5" "4 3" "16 3"; do
   set -- $run
   t=$(date +%s); timeout 150 python3 benchmarks/generate.py --device cuda --shape qwen2-0.5b --budget 8192 --rounds 3 \
-    --streams $1 --baseline none --speculative-tokens $2 --json $OUT/generate_s$1_k$2.json > $OUT/generate_s$1_k$2.txt 2>&1
+    --streams $1 --baseline none --speculative-tokens $2 > $OUT/generate_s$1_k$2.txt 2>&1
   echo "streams $1 k $2 rc=$? $(( $(date +%s) - t )) s" >> $OUT/env.txt
   grep "^| surge\|speculative steps\|time per output" $OUT/generate_s$1_k$2.txt >> $OUT/summary.txt
 done
