@@ -141,7 +141,9 @@ def make_service(path: Path, args, n: int, fused: bool = True, overlap: bool = T
     steps = getattr(args, "decode_steps", None) or GenerationConfig().decode_steps
     gen = GenerationConfig(max_num_seqs=max(n, 1), max_num_batched_tokens=args.budget, max_model_len=max_len,
                            cache_entries=0, prefix_caching=False, overlap_steps=overlap,
-                           overlap_depth=args.overlap_depth, decode_steps=steps, speculative_tokens=speculative)
+                           overlap_depth=args.overlap_depth, decode_steps=steps, speculative_tokens=speculative,
+                           **({"speculative_max_batch": args.speculative_max_batch}
+                              if getattr(args, "speculative_max_batch", None) else {}))
     t = time.perf_counter()
     engine = DecoderEngine(path, device=args.device, dtype=args.dtype, max_num_seqs=gen.max_num_seqs,
                            max_model_len=max_len, kv_cache_tokens=(n + 8) * max_len, threads=args.threads,
@@ -334,6 +336,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sync", action="store_true", help="also surge with synchronous steps (overlap off)")
     ap.add_argument("--speculative-tokens", type=int, default=0,
                     help="also surge with n-gram speculative decoding checking up to this many drafts a step")
+    ap.add_argument("--speculative-max-batch", type=int, default=None,
+                    help="speculate only in steps of at most this many sequences (default: the setting's default)")
     ap.add_argument("--profile", action="store_true", help="one more surge round under torch.profiler")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)

@@ -208,6 +208,12 @@ class GenerationConfig(_Strict):
                                     "prompt or output, and keeps those the model agrees with (the answer is plain "
                                     "greedy decoding's). Pays where answers repeat their context (quotes, code, "
                                     "JSON, lists); each draft is one more row of the step. 0: off.")
+    speculative_max_batch: int = Field(2, ge=1, description="With speculative_tokens: speculate only in steps of "
+                                       "at most this many sequences (vLLM's disable_by_batch_size). A decode step "
+                                       "costs about the same at 1 or 64 sequences, so drafts are nearly free for a "
+                                       "few streams; a step with drafts is read back before the next (no launches "
+                                       "ahead), which larger batches lose to (docs/benchmarks/generate.md, "
+                                       "session 33).")
     prompt_lookup_min: int = Field(2, ge=1, le=16, description="With speculative_tokens: the shortest n-gram "
                                    "looked up.")
     prompt_lookup_max: int = Field(4, ge=1, le=16, description="With speculative_tokens: the longest n-gram looked "

@@ -215,6 +215,31 @@ def test_speculation_computes_fewer_steps_on_repeats(models):
     assert spec[2].steps < plain[2].steps and spec[2].accepted > 0, (spec[2].steps, plain[2].steps, tokens_per_step)
 
 
+def test_speculation_only_in_small_batches_when_capped(models):
+    """max_batch (speculative_max_batch): steps of more sequences decode as before, launched ahead; drafts
+    are checked once few enough sequences run; the tokens are transformers' throughout."""
+    dirs, hf = models
+    engine = DecoderEngine(dirs["gpt2"], num_blocks=64, block_size=4)
+    sizes = []
+    verify = engine.verify
+    engine.verify = lambda scheduled, drafts: sizes.append(len(scheduled)) or verify(scheduled, drafts)
+    prompts = repetitive_prompts(engine.cfg.vocab_size, 4)[:4]
+    n_new = [8, 12, 30, 34]  # two leave early: the last two run on alone
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in n_new]
+    sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=256,
+                                      max_model_len=256), engine.cfg.eos_token_ids)
+    seqs = [Sequence(i, p, prm) for i, (p, prm) in enumerate(zip(prompts, params))]
+    for s in seqs:
+        sched.add(s)
+    loop = StepLoop(sched, engine, overlap=True, speculator=NgramProposer(3, 1, 3, max_batch=2))
+    while loop.busy:
+        loop.step()
+    for s, p, n in zip(seqs, prompts, n_new):
+        assert s.output_ids == hf_greedy(hf["gpt2"], p, n), f"prompt {s.seq_id}"
+    assert sizes and max(sizes) <= 2 and loop.accepted > 0
+    assert loop.overlapped > 0  # while 4 ran, steps were launched ahead as without speculation
+
+
 def test_sampling_and_logprob_requests_are_not_speculated(models):
     """Rows that sample on the host (temperature, logprobs) decode as before, alone or beside greedy
     rows; a seeded sampled sequence gives the same tokens with speculation on as off."""
@@ -269,6 +294,7 @@ def test_the_setting_is_checked():
     from surge.config import GenerationConfig
 
     assert GenerationConfig(speculative_tokens=4).speculative_tokens == 4
+    assert GenerationConfig.from_sources(["speculative_tokens=3,speculative_max_batch=8"]).speculative_max_batch == 8
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         GenerationConfig(speculative_tokens=4, prompt_lookup_min=5, prompt_lookup_max=3)
     with pytest.raises(ValueError):

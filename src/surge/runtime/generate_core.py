@@ -98,7 +98,8 @@ class EngineLoop:
         on_gpu = getattr(getattr(engine, "device", None), "type", "cpu") == "cuda"
         speculator = None
         if getattr(config, "speculative_tokens", 0) and hasattr(engine, "verify"):
-            speculator = NgramProposer(config.speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+            speculator = NgramProposer(config.speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
+                                       config.speculative_max_batch)
         self.loop = StepLoop(self.scheduler, engine, overlap=config.overlap_steps and on_gpu,
                              depth=config.overlap_depth, steps=config.decode_steps, speculator=speculator)
         self.seqs: dict[int, Sequence] = {}  # added and not finished

@@ -57,12 +57,14 @@ class NgramIndex:
 class NgramProposer:
     """Drafts for the sequences of a step, `k` at most each, from their own tokens (NgramIndex)."""
 
-    def __init__(self, k: int, n_min: int = 2, n_max: int = 4):
+    def __init__(self, k: int, n_min: int = 2, n_max: int = 4, max_batch: int | None = None):
+        """`max_batch`: speculate only in steps of at most this many sequences (None: any)."""
         if k < 1:
             raise ValueError(f"speculative tokens must be >= 1, not {k}")
         if not 1 <= n_min <= n_max:
             raise ValueError(f"ngram sizes must satisfy 1 <= min <= max, not {n_min}, {n_max}")
         self.k, self.n_min, self.n_max = k, n_min, n_max
+        self.max_batch = max_batch if max_batch is not None else 1 << 30
         self._index: dict[int, NgramIndex] = {}
 
     def propose(self, seq_id: int, tokens: list[int], limit: int) -> list[int]:

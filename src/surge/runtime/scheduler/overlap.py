@@ -173,14 +173,16 @@ class StepLoop:
             return results
         scheduled = sched.schedule()
         self._current = scheduled
-        if self.speculator is not None and scheduled and engine.can_launch(scheduled):
+        spec = self.speculator
+        if spec is not None and 0 < len(scheduled) <= spec.max_batch and engine.can_launch(scheduled):
             if self._inflight:  # drafts are looked up in the sequences' tokens: read what is in flight
                 self._complete_all(results)
                 if refresh is not None:
                     refresh()
                 scheduled = sched.admit([s for s in scheduled if s.seq.status is SeqStatus.RUNNING])
                 self._current = scheduled
-            if scheduled and engine.can_launch(scheduled) and self._speculate(scheduled, results):
+            if 0 < len(scheduled) <= spec.max_batch and engine.can_launch(scheduled) \
+                    and self._speculate(scheduled, results):
                 self._current = []
                 return results
         if self._inflight:
