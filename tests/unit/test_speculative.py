@@ -299,3 +299,34 @@ def test_the_setting_is_checked():
         GenerationConfig(speculative_tokens=4, prompt_lookup_min=5, prompt_lookup_max=3)
     with pytest.raises(ValueError):
         GenerationConfig(speculative_tokens=-1)
+
+
+def test_lora_rows_keep_their_adapter_in_draft_rows(tmp_path):
+    """A sequence's drafts are rows of its LoRA slot: base-model and adapter sequences speculated in one
+    step give peft's greedy answers."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.decoder_models import build_lora, load_peft
+
+    base = build_model("qwen2", tmp_path / "base", seed=31)
+    adapter = build_lora(base, tmp_path / "lora", seed=32, r=8, alpha=16)
+    engine = DecoderEngine(base, num_blocks=64, block_size=4, max_loras=1, max_lora_rank=8)
+    engine.load_adapter(1, adapter)
+    refs = {0: AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval(), 1: load_peft(base, adapter)}
+    prompts = repetitive_prompts(engine.cfg.vocab_size, 8)[:3]
+    sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=6, max_num_batched_tokens=256,
+                                      max_model_len=256), engine.cfg.eos_token_ids)
+    seqs, want = [], []
+    for slot in (0, 1):
+        for p in prompts:
+            seq = Sequence(len(seqs), p, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+            seq.adapter, seq.adapter_uid = slot, 7 * slot
+            seqs.append(seq)
+            want.append(hf_greedy(refs[slot], p, 20))
+            sched.add(seq)
+    loop = StepLoop(sched, engine, overlap=False, speculator=NgramProposer(3, 1, 3))
+    while loop.busy:
+        loop.step()
+    assert [s.output_ids for s in seqs] == want
+    assert want[:3] != want[3:], "the adapter must change the answers"
+    assert loop.accepted > 0
