@@ -24,6 +24,12 @@ shared with the event loop) then paces launches, not tokens. The blocks of all o
 taken at launch (no preemption inside one), and a launch never passes a sequence's max_tokens; tokens
 reach the streams a launch at a time (a burst of up to `steps`).
 
+With a `speculator` (speculative decoding, runtime/scheduler/ngram.py) a step of at most its
+`max_batch` greedy decodes looks draft tokens up in the sequences' own tokens, so whatever is in flight is
+read back first; if any sequence has drafts the step checks them (engine.verify) and is resolved at
+once, a result for each new-token index; otherwise it is launched as above. Larger steps are not
+speculated and keep launching ahead.
+
 The cost: a sequence that stops at step k (EOS, a stop token) has already been
 launched in steps k+1 .. k+depth; those tokens are dropped. Sequences whose last token is
 launched (max_tokens, max_model_len) are not scheduled again ("draining").
