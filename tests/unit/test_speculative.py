@@ -240,20 +240,82 @@ def test_speculation_only_in_small_batches_when_capped(models):
     assert loop.overlapped > 0  # while 4 ran, steps were launched ahead as without speculation
 
 
-def test_sampling_and_logprob_requests_are_not_speculated(models):
-    """Rows that sample on the host (temperature, logprobs) decode as before, alone or beside greedy
-    rows; a seeded sampled sequence gives the same tokens with speculation on as off."""
+def test_logprob_and_penalized_requests_are_not_speculated(models):
+    """Rows that score logprobs or change the logits (penalties) sample on the host a token a step, as
+    without speculation, beside greedy rows that are speculated."""
     dirs, _ = models
     prompts = repetitive_prompts(384, 5)[:3]
     params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
-              SamplingParams(max_tokens=16, temperature=0.8, seed=11, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.8, seed=11, repetition_penalty=1.3, ignore_eos=True),
               SamplingParams(max_tokens=16, temperature=0.0, logprobs=2, ignore_eos=True)]
     outs = []
     for k in (0, 3):
         engine = DecoderEngine(dirs["llama"], num_blocks=40, block_size=4)
-        seqs, _, loop, _ = run_loop(engine, prompts, params, [0, 0, 0], k=k)
+        seqs, _, loop, _ = run_loop(engine, prompts, params, [0, 0, 0], k=k, max_num_seqs=1)
         outs.append([s.output_ids for s in seqs])
     assert outs[0] == outs[1]
+    assert loop.accepted > 0  # the greedy one, alone in its steps, was speculated
+
+
+def _draws(probs_logits: torch.Tensor, drafts: list[int], n: int, **params) -> list[list[int]]:
+    """n speculative draws (Sampler.speculative) of one sequence's rows, in one call."""
+    from surge.engines.decoder.sampler import Sampler
+
+    sampler = Sampler(torch.device("cpu"))
+    sampler._shared.manual_seed(1234)
+    seq = Sequence(0, [1], SamplingParams(ignore_eos=True, **params))
+    rows = probs_logits.shape[0]
+    logits = probs_logits.repeat(n, 1)
+    return sampler.speculative(logits, [(i * rows, seq, drafts) for i in range(n)])
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=4),
+                                    dict(temperature=1.3, top_p=0.8)])
+def test_rejection_sampling_draws_what_plain_sampling_draws(params):
+    """Against the exact distributions (float64, the sampler's own filters applied): the first new token
+    is distributed as p_0 whatever the draft; after a kept draft the next is distributed as p_1; after two
+    kept, the drawn token as p_2. 30,000 draws, total variation within 0.02 (drafts kept whatever their
+    row drew miss by ~0.7)."""
+    from surge.engines.decoder.sampler import Sampler
+
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(3, 8, generator=g) * 1.5
+    drafts = [int(logits[0].argsort()[-2]), int(logits[1].argmax())]  # a likely token, the likeliest
+    sp = SamplingParams(ignore_eos=True, **params)
+    exact = Sampler._probs(logits.double(), [sp] * 3)
+    draws = _draws(logits, drafts, 30_000, **params)
+
+    def tv(samples, p):
+        counts = torch.bincount(torch.tensor(samples), minlength=p.shape[0]).double()
+        return 0.5 * (counts / counts.sum() - p).abs().sum().item(), len(samples)
+
+    first = [d[0] for d in draws]
+    second = [d[1] for d in draws if d[0] == drafts[0]]
+    third = [d[2] for d in draws if d[:2] == drafts]
+    for samples, p in ((first, exact[0]), (second, exact[1]), (third, exact[2])):
+        dist, n = tv(samples, p)
+        assert n > 1500 and dist < 0.02, (params, dist, n)
+    assert all(len(d) <= 3 for d in draws) and {len(d) for d in draws} == {1, 2, 3}
+    # a refused draft is never the token drawn in its place
+    assert all(d[-1] != drafts[len(d) - 1] for d in draws if len(d) <= 2)
+
+
+def test_seeded_sampling_with_speculation_is_plain_samplings_whatever_the_batch(models):
+    """A seeded sampled sequence is speculated (each draft row draws as plain sampling would there) and
+    gives plain sampling's tokens (no speculation), alone and beside other sequences."""
+    dirs, _ = models
+    prompts = repetitive_prompts(384, 6)[:4]
+    seeded = SamplingParams(max_tokens=24, temperature=0.3, top_p=0.95, seed=5, ignore_eos=True)
+    others = [SamplingParams(max_tokens=n, temperature=t, ignore_eos=True) for n, t in ((9, 0.0), (30, 1.0), (14, 0.0))]
+    runs = []
+    for batch, k in (([prompts[0]], 0), ([prompts[0]], 3), (prompts, 3), (prompts, 0)):
+        engine = DecoderEngine(dirs["qwen2"], num_blocks=64, block_size=4)
+        seqs, streamed, loop, _ = run_loop(engine, batch, [seeded, *others][:len(batch)], [0, 0, 1, 2][:len(batch)],
+                                           num_blocks=64, k=k)
+        runs.append(seqs[0].output_ids)
+        assert streamed[0] == seqs[0].output_ids and len(seqs[0].output_ids) == 24
+        assert (loop.accepted > 0) == bool(k)
+    assert runs[0] == runs[1] == runs[2] == runs[3]
 
 
 def test_graph_path_with_draft_rows(models, monkeypatch):

@@ -384,13 +384,15 @@ class DecoderEngine:
     # -- speculative steps (runtime/scheduler/ngram.py) ------------------------------------------------
     @torch.inference_mode()
     def verify(self, scheduled: list[ScheduledSeq], drafts: list[list[int]]) -> list[list[int]]:
-        """One decode step of greedy sequences that also checks draft tokens: scheduled[i] (a decode: one
-        input token at s.start) followed by drafts[i] (the tables must hold the blocks of every draft's
-        position). -> for each sequence the model's greedy token after its input and after each of its
-        drafts (len(drafts[i]) + 1 tokens), each computed as if the drafts before it were the
-        sequence's tokens; the K/V of every row is in the cache (the scheduler keeps those it accepts).
-        Each draft is a row of the step at its own position, attending to its sequence's cache up to
-        itself: on a GPU a replay of the CUDA graph of the rows' bucket (engine.spec_graphs)."""
+        """One decode step that also checks draft tokens: scheduled[i] (a decode: one input token at
+        s.start, a sequence without penalties, guides or logprobs) followed by drafts[i] (the tables must
+        hold the blocks of every draft's position). -> for each sequence: greedy, the model's greedy token
+        after its input and after each of its drafts (len(drafts[i]) + 1 tokens), each computed as if the
+        drafts before it were the sequence's tokens; sampled, the drafts it keeps and one drawn token
+        (Sampler.speculative); either way Scheduler.accept reads the new tokens off it. The K/V of every
+        row is in the cache (the scheduler keeps those it accepts). Each draft is a row of the step at its
+        own position, attending to its sequence's cache up to itself: on a GPU a replay of the CUDA graph
+        of the rows' bucket (engine.spec_graphs)."""
         bs = self.block_size
         ids, pos, slots, tables, adapters, counts = [], [], [], [], [], []
         for s, d in zip(scheduled, drafts):
@@ -410,18 +412,23 @@ class DecoderEngine:
         lora = adapters if self.lora is not None else None
         g = self.spec_graphs
         if g is not None and g.fits(len(ids), max(map(len, tables))):
-            _, tokens = g.run(ids, pos, slots, tables, adapters=lora)
+            logits, tokens = g.run(ids, pos, slots, tables, adapters=lora)
         else:
-            tokens = self._eager_rows(ids, pos, slots, tables, lora)
+            logits, tokens = self._eager_rows(ids, pos, slots, tables, lora)
         flat = tokens.tolist()
-        out, i = [], 0
-        for n in counts:
+        out, i, items = [], 0, []
+        for s, d, n in zip(scheduled, drafts, counts):
             out.append(flat[i:i + n])
+            if not s.seq.params.greedy:
+                items.append((i, s.seq, d))
             i += n
+        if items:
+            drawn = iter(self.sampler.speculative(logits, items))
+            out = [next(drawn) if not s.seq.params.greedy else o for s, o in zip(scheduled, out)]
         return out
 
-    def _eager_rows(self, ids, pos, slots, tables, adapters) -> torch.Tensor:
-        """Greedy tokens of decode rows that may share a sequence (verify() without a graph)."""
+    def _eager_rows(self, ids, pos, slots, tables, adapters) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, greedy tokens) of decode rows that may share a sequence (verify() without a graph)."""
         dev = self.device
         width = max(len(t) for t in tables)
         table_np = np.full((len(tables), width), self.kv.scratch_block, dtype=np.int32)
@@ -440,7 +447,8 @@ class DecoderEngine:
         hidden = self.model.forward(torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
                                     torch.tensor(pos, dtype=torch.long).to(dev, non_blocking=True), self.kv, meta,
                                     lora)
-        return self.model.logits(hidden).argmax(-1)
+        logits = self.model.logits(hidden)
+        return logits, logits.argmax(-1)
 
     def collect(self, launch: Launch) -> dict[int, SampleOut]:
         """The launched step's tokens (waits for the device); a one-step launch's."""

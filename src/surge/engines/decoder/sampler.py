@@ -137,6 +137,43 @@ class Sampler:
                     out[i].top = list(zip(top_i[i][: p.logprobs], top_v[i][: p.logprobs]))
         return out
 
+    def speculative(self, logits: torch.Tensor, items: list[tuple[int, Sequence, list[int]]]) -> list[list[int]]:
+        """Sampled sequences of a speculative step (n-gram drafts: single tokens, no draft distribution):
+        `logits` [rows, vocab] of the step; items (first row, sequence, drafts), the sequence's rows
+        first_row .. first_row + len(drafts). Each row draws its token as plain sampling would at that
+        position (the same filters, the same exponential race, the next uniforms of the sequence's
+        generator); a draft is kept when its row drew it, and the first row that drew another token ends
+        the step with that token. A draft is then kept with probability p(draft), as rejection sampling
+        against a point-mass draft keeps it, and the tokens are the very ones plain sampling gives: a
+        seeded sequence's answer does not depend on speculation or on the batch. A seeded generator is
+        put back to where the tokens kept leave it. -> per item its new tokens."""
+        if not items:
+            return []
+        dev = logits.device
+        rows = [r for r0, _, d in items for r in range(r0, r0 + len(d) + 1)]
+        params = [seq.params for _, seq, d in items for _ in range(len(d) + 1)]
+        probs = self._probs(logits.index_select(0, torch.tensor(rows, device=dev)).float(), params)
+        vocab = probs.shape[1]
+        out, i = [], 0
+        for _, seq, d in items:
+            n = len(d)
+            seeded = seq.params.seed is not None
+            g = self._generator(seq) if seeded else self._shared
+            states, noise = [], torch.empty((n + 1, vocab), device=dev)
+            for j in range(n + 1):  # one uniform vector a position, in order, as a step of plain sampling draws
+                if seeded:
+                    states.append(g.get_state())
+                noise[j] = torch.rand(vocab, generator=g, device=dev)
+            drawn = (probs[i:i + n + 1] / -torch.log(noise.clamp_min(1e-20))).argmax(-1).tolist()
+            i += n + 1
+            k = 0
+            while k < n and drawn[k] == d[k]:
+                k += 1
+            if seeded and k < n:  # the draws of rows past the one that ended the step are given back
+                g.set_state(states[k + 1])
+            out.append(drawn[:k + 1])
+        return out
+
     def _penalize(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         dev = logits.device
         for i, seq in enumerate(seqs):

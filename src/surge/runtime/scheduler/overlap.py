@@ -25,7 +25,7 @@ taken at launch (no preemption inside one), and a launch never passes a sequence
 reach the streams a launch at a time (a burst of up to `steps`).
 
 With a `speculator` (speculative decoding, runtime/scheduler/ngram.py) a step of at most its
-`max_batch` greedy decodes looks draft tokens up in the sequences' own tokens, so whatever is in flight is
+`max_batch` decodes (greedy or sampled, without penalties, guides or logprobs) looks draft tokens up in the sequences' own tokens, so whatever is in flight is
 read back first; if any sequence has drafts the step checks them (engine.verify) and is resolved at
 once, a result for each new-token index; otherwise it is launched as above. Larger steps are not
 speculated and keep launching ahead.
@@ -144,6 +144,12 @@ class StepLoop:
         self._inflight.append((scheduled, handle, steps))
         self.steps += steps
 
+    @staticmethod
+    def _speculable(scheduled: list[ScheduledSeq]) -> bool:
+        """A step of decodes whose drafts can be checked: greedy or sampled, without penalties, guides or
+        logprobs (those sample on the host, a token a step)."""
+        return all(s.num_tokens == 1 and s.sample and s.seq.speculable for s in scheduled)
+
     def _speculate(self, scheduled: list[ScheduledSeq], results: list[StepResult]) -> bool:
         """A speculative step if any sequence has drafts (False: none has, nothing was done)."""
         sched, spec = self.scheduler, self.speculator
@@ -180,14 +186,14 @@ class StepLoop:
         scheduled = sched.schedule()
         self._current = scheduled
         spec = self.speculator
-        if spec is not None and 0 < len(scheduled) <= spec.max_batch and engine.can_launch(scheduled):
+        if spec is not None and 0 < len(scheduled) <= spec.max_batch and self._speculable(scheduled):
             if self._inflight:  # drafts are looked up in the sequences' tokens: read what is in flight
                 self._complete_all(results)
                 if refresh is not None:
                     refresh()
                 scheduled = sched.admit([s for s in scheduled if s.seq.status is SeqStatus.RUNNING])
                 self._current = scheduled
-            if 0 < len(scheduled) <= spec.max_batch and engine.can_launch(scheduled) \
+            if 0 < len(scheduled) <= spec.max_batch and self._speculable(scheduled) \
                     and self._speculate(scheduled, results):
                 self._current = []
                 return results

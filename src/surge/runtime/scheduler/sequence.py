@@ -36,6 +36,7 @@ class Sequence:
     # until its step is read back; a sequence whose last token is launched stops being scheduled
     draining: bool = False
     fast: bool = False  # greedy, no penalties, no logprobs: its tokens can stay on the device
+    speculable: bool = False  # no penalties, guide or logprobs: drafts can be checked (greedy or sampled)
     # params.prompt_logprobs: the prompt positions scored so far (position p scores token p + 1) and
     # their (token, logprob, top) not yet handed out (with the first sampled token's SampleOut)
     prompt_scored: int = 0
@@ -50,7 +51,8 @@ class Sequence:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
         p = self.params
-        self.fast = p.greedy and not p.penalized and p.logprobs is None and p.prompt_logprobs is None
+        self.speculable = not p.penalized and p.logprobs is None and p.prompt_logprobs is None
+        self.fast = p.greedy and self.speculable
 
     @property
     def num_tokens(self) -> int:
