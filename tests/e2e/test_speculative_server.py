@@ -1,7 +1,7 @@
 """Speculative decoding (n-gram lookup) end to end: a real `surge serve` process started with
 `--generation speculative_tokens=4` and its engine loop in a process of its own, called with the
 openai client; the answers are transformers' greedy ones, streamed and not, and the acceptance
-counters are on /metrics."""
+counters are on /metrics; seeded sampled answers are those of a server without speculation."""
 
 from __future__ import annotations
 
@@ -28,6 +28,12 @@ def _metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
+def _seeded(url: str, messages) -> list[str]:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+    return [client.chat.completions.create(model="spec-qwen", messages=messages, max_tokens=40, temperature=0.4,
+                                           seed=seed).choices[0].message.content for seed in (1, 2, 3)]
+
+
 def test_speculative_answers_are_greedy_ones(model_dir):
     model, tok = load_hf(model_dir)
     conversations = [[{"role": "user", "content": "Repeat after me: the cat sat on the mat, the cat sat on the mat."}],
@@ -48,3 +54,9 @@ def test_speculative_answers_are_greedy_ones(model_dir):
         drafted = _metric(metrics, "surge_generate_spec_draft_tokens_total")
         accepted = _metric(metrics, "surge_generate_spec_accepted_tokens_total")
         assert drafted > 0 and 0 < accepted <= drafted, (drafted, accepted)
+        seeded = _seeded(srv.url, conversations[0])  # sampled requests are speculated too
+        assert _metric(_get(srv.url + "/metrics").text, "surge_generate_spec_draft_tokens_total") > drafted
+        assert len(set(seeded)) > 1  # the seeds matter
+    # a seeded sampled answer is plain sampling's: the same from a server without speculation
+    with ServerProcess(str(model_dir), "--threads", "1", "--generation", "cache_entries=0") as plain:
+        assert _seeded(plain.url, conversations[0]) == seeded

@@ -271,7 +271,7 @@ def _draws(probs_logits: torch.Tensor, drafts: list[int], n: int, **params) -> l
 
 @pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=4),
                                     dict(temperature=1.3, top_p=0.8)])
-def test_rejection_sampling_draws_what_plain_sampling_draws(params):
+def test_speculative_draws_are_distributed_as_plain_sampling(params):
     """Against the exact distributions (float64, the sampler's own filters applied): the first new token
     is distributed as p_0 whatever the draft; after a kept draft the next is distributed as p_1; after two
     kept, the drawn token as p_2. 30,000 draws, total variation within 0.02 (drafts kept whatever their
