@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Session 33 call 6: speculative decoding's GPU tests after sampled rows joined it (greedy and seeded sampled rows,
+# CUDA graphs of draft rows, CUDA generators put back). Carry build/whl.
+set +e
+nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv > $OUT/env.txt; date >> $OUT/env.txt
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site build/whl/*.whl > $OUT/pip.txt 2>&1
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:src:.
+t=$(date +%s); timeout 300 python3 -m pytest -q tests/gpu/test_decoder_cuda.py -k speculative -p no:cacheprovider -rfE -s \
+  > $OUT/gpu_tests.txt 2>&1
+echo "gpu tests rc=$? $(( $(date +%s) - t )) s" >> $OUT/env.txt
+cat $OUT/env.txt; tail -3 $OUT/gpu_tests.txt; grep -n "^E \|FAILED\|speculation" $OUT/gpu_tests.txt | head -20
