@@ -203,11 +203,14 @@ class GenerationConfig(_Strict):
                                     "at the step time its batch measured when the graphs were captured (fewer "
                                     "steps for larger models), so a stream's tokens come at least this often.")
     speculative_tokens: int = Field(0, ge=0, le=16, description="Speculative decoding by n-gram lookup (vLLM's "
-                                    "'ngram' method): a greedy decode step also checks up to this many draft "
-                                    "tokens, copied from where the sequence's last tokens occurred before in its "
-                                    "prompt or output, and keeps those the model agrees with (the answer is plain "
-                                    "greedy decoding's). Pays where answers repeat their context (quotes, code, "
-                                    "JSON, lists); each draft is one more row of the step. 0: off.")
+                                    "'ngram' method): a decode step also checks up to this many draft tokens, "
+                                    "copied from where the sequence's last tokens occurred before in its prompt "
+                                    "or output, and keeps those the model agrees with (greedy: the model's "
+                                    "argmax; sampled: the token the row draws, as plain sampling draws it), so "
+                                    "the answer is the one plain decoding gives. Requests with penalties, "
+                                    "guides or logprobs are not speculated. Pays where answers repeat their "
+                                    "context (quotes, code, JSON, lists); each draft is one more row of the "
+                                    "step. 0: off.")
     speculative_max_batch: int = Field(2, ge=1, description="With speculative_tokens: speculate only in steps of "
                                        "at most this many sequences (vLLM's disable_by_batch_size). A decode step "
                                        "costs about the same at 1 or 64 sequences, so drafts are nearly free for a "
