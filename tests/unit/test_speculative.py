@@ -392,3 +392,49 @@ def test_lora_rows_keep_their_adapter_in_draft_rows(tmp_path):
     assert [s.output_ids for s in seqs] == want
     assert want[:3] != want[3:], "the adapter must change the answers"
     assert loop.accepted > 0
+
+
+def test_the_service_cuts_stop_strings_and_frees_an_abandoned_stream(tmp_path):
+    """Through GenerateService (the routes' API) with speculation on: several tokens reach a stream per step,
+    yet a stop string cuts the text where it starts, as without speculation; a stream closed after two
+    deltas frees its KV blocks; the metrics count every token."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from tests.unit.test_generate_stream import _service, _value
+
+    path = build_model("qwen2", tmp_path / "m", seed=3)
+    plain, reg = _service(path, CollectorRegistry()), CollectorRegistry()
+    spec = _service(path, reg, speculative_tokens=3, speculative_max_batch=8, cache_entries=0)
+    prompt = spec.encode("The augmented assignment, the augmented assignment, the augmented")
+
+    async def main():
+        full = await plain.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                                    use_cache=False)
+        stop = full.text[len(full.text) // 2:len(full.text) // 2 + 4]
+        cut = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=(stop,))
+        want = await plain.generate(prompt, cut, use_cache=False)
+        got = await spec.generate(prompt, cut, use_cache=False)
+        whole = await spec.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                                    use_cache=False)
+        agen = spec.stream(prompt, SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
+        seen = [await agen.__anext__(), await agen.__anext__()]
+        await agen.aclose()
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if spec.stats()["running"] == 0:
+                break
+        stats = spec.stats()
+        await plain.close()
+        await spec.close()
+        return full, stop, want, got, whole, seen, stats
+
+    full, stop, want, got, whole, seen, stats = asyncio.run(main())
+    assert whole.text == full.text and whole.token_ids == full.token_ids
+    assert got.text == want.text == full.text[:full.text.index(stop)] and got.finish_reason == "stop"
+    assert all(d.token_ids for d in seen)
+    assert stats["running"] == 0 and stats["accepted_tokens"] > 0
+    assert stats["free_blocks"] == spec.engine.num_blocks
+    assert _value(reg, "surge_generate_requests_total", finish_reason="abort") == 1
+    assert _value(reg, "surge_generate_spec_accepted_tokens_total") == stats["accepted_tokens"]
