@@ -303,36 +303,41 @@ class Scheduler:
         return out
 
     def accept(self, scheduled: list[ScheduledSeq], drafts: list[list[int]],
-               greedy: list[list[int]]) -> list[tuple[dict[int, int], list[Finished]]]:
-        """A verification step's outcome: `greedy[i][j]` is the model's token after scheduled[i]'s input
-        and its first j drafts. A sequence keeps its drafts up to the first the model disagrees with,
-        then the model's token there (all drafts kept: the token after the last one): 1 to d + 1 new
-        tokens, the ones plain greedy decoding gives. -> per new-token index j, as update() returns
-        for a step: ({seq_id: its j-th new token}, the sequences finished at it). A stop (a stop token,
-        EOS, max_tokens) ends the sequence there; its later tokens are dropped."""
+               model: list[list[int]]) -> list[tuple[dict[int, int], list[Finished]]]:
+        """A verification step's outcome: `model[i][j]` is the model's token (its argmax, or the row's
+        draw for a sampled sequence) after scheduled[i]'s input and its first j drafts. A sequence keeps
+        its drafts up to the first the model disagrees with, then the model's token there (all drafts
+        kept: the token after the last one): 1 to d + 1 new tokens, the ones plain decoding gives.
+        -> per new-token index j, as update() returns for a step: ({seq_id: its j-th new token}, the
+        sequences finished at it). A stop (a stop token, EOS, max_tokens) ends the sequence there; its
+        later tokens are dropped."""
         out: list[tuple[dict[int, int], list[Finished]]] = []
         running = SeqStatus.RUNNING
-        for s, d, g in zip(scheduled, drafts, greedy):
+        for s, d, g in zip(scheduled, drafts, model):
             seq = s.seq
             if seq.status is not running:
                 continue  # aborted while the step ran
             n = 0
             while n < len(d) and g[n] == d[n]:
                 n += 1
-            base = s.start + s.num_tokens  # the K/V of the positions before the j-th new token are computed
+            while len(out) <= n:
+                out.append(({}, []))
+            reason = None
             for j, token in enumerate(g[:n + 1]):
-                while len(out) <= j:
-                    out.append(({}, []))
-                seq.num_computed = base + j
                 seq.append(token)
-                self.blocks.commit(seq)
                 out[j][0][seq.seq_id] = token
                 reason = self.stop_reason(seq, token)
                 if reason is not None:
-                    self.running.remove(seq)
-                    self._finish(seq, reason)
-                    out[j][1].append(Finished(seq, reason))
                     break
+            # the K/V of every position before the newest token are computed (its input and kept drafts)
+            seq.num_computed = seq.num_tokens - 1
+            self.blocks.commit(seq)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                out[j][1].append(Finished(seq, reason))
+        while out and not out[-1][0]:
+            out.pop()
         return out
 
     def stop_reason(self, seq: Sequence, token: int, at: int | None = None) -> str | None:
