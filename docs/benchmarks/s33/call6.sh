@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 33 call 6: speculative decoding's GPU tests after sampled rows joined it (greedy and seeded sampled rows,
+# Session 33 call 6 (and call 8, the final code): speculative decoding's GPU tests after sampled rows joined it (greedy and seeded sampled rows,
 # CUDA graphs of draft rows, CUDA generators put back). Carry build/whl.
 set +e
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv > $OUT/env.txt; date >> $OUT/env.txt
