@@ -211,6 +211,11 @@ class GenerationConfig(_Strict):
                                     "guides or logprobs are not speculated. Pays where answers repeat their "
                                     "context (quotes, code, JSON, lists); each draft is one more row of the "
                                     "step. 0: off.")
+    speculative_model: str | None = Field(None, description="With speculative_tokens: a small decoder model "
+                                          "directory of the same tokenizer (e.g. Qwen2.5-0.5B-Instruct for a "
+                                          "Qwen2.5-7B) whose greedy tokens are the drafts, instead of n-gram "
+                                          "lookup (vLLM's draft-model speculation); it runs beside the model "
+                                          "on the same device, its KV cache in blocks numbered as the model's.")
     speculative_max_batch: int = Field(2, ge=1, description="With speculative_tokens: speculate only in steps of "
                                        "at most this many sequences (vLLM's disable_by_batch_size). A decode step "
                                        "costs about the same at 1 or 64 sequences, so drafts are nearly free for a "
@@ -262,6 +267,8 @@ class GenerationConfig(_Strict):
 
     @model_validator(mode="after")
     def _lookup_sizes(self):
+        if self.speculative_model and not self.speculative_tokens:
+            raise ValueError("speculative_model needs speculative_tokens >= 1 (the drafts a step)")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
                              f"({self.prompt_lookup_max})")

@@ -438,3 +438,84 @@ def test_the_service_cuts_stop_strings_and_frees_an_abandoned_stream(tmp_path):
     assert stats["free_blocks"] == spec.engine.num_blocks
     assert _value(reg, "surge_generate_requests_total", finish_reason="abort") == 1
     assert _value(reg, "surge_generate_spec_accepted_tokens_total") == stats["accepted_tokens"]
+
+
+@pytest.mark.parametrize("draft_kind", ["same", "llama"])
+def test_a_draft_model_proposes_and_the_answer_stays_the_targets(tmp_path, models, draft_kind):
+    """Draft-model speculation: the draft (the target's own weights: its guesses all right; or a smaller
+    Llama of the same tokenizer: mostly wrong) decodes k tokens a step in blocks numbered as the target's,
+    catching up on what it has not computed (the prompt, plain steps, refused drafts, a preemption);
+    the answers are transformers' greedy ones, with joins, a shared prefix and a KV cache small enough
+    to preempt."""
+    import shutil
+
+    dirs, hf = models
+    target = dirs["qwen2"]
+    if draft_kind == "same":
+        draft = tmp_path / "draft"
+        shutil.copytree(target, draft)
+    else:
+        draft = build_model("llama", tmp_path / "draft", seed=40, hidden_size=32, intermediate_size=64,
+                            num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1)
+    engine = DecoderEngine(target, num_blocks=32, block_size=4, speculative_tokens=3, speculative_model=draft)
+    assert engine.draft is not None and engine.draft.num_blocks == engine.num_blocks
+    from surge.runtime.scheduler.draft_model import DraftModelProposer
+
+    prompts = repetitive_prompts(engine.cfg.vocab_size, 7)
+    n_new = [24, 30, 11, 26, 19, 28, 22, 17, 25]
+    refs = [hf_greedy(hf["qwen2"], p, n) for p, n in zip(prompts, n_new)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in n_new]
+    sched = Scheduler(SchedulerConfig(num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=24,
+                                      max_model_len=256), engine.cfg.eos_token_ids)
+    seqs = [Sequence(i, p, prm) for i, (p, prm) in enumerate(zip(prompts, params))]
+    proposer = DraftModelProposer(engine.draft, 3)
+    loop = StepLoop(sched, engine, overlap=True, speculator=proposer)
+    # the draft's first layer K of a position depends on its token and position alone: what the proposer
+    # counts as computed must hold the sequence's own tokens there (not a refused draft's, not a freed block's)
+    ref = DecoderEngine(draft, num_blocks=32, block_size=4)
+    checked = 0
+
+    def check_draft_cache():
+        nonlocal checked
+        for seq in sched.running:
+            done, preempted = proposer._done.get(seq.seq_id, (0, seq.preemptions))
+            if preempted != seq.preemptions or done == 0:
+                continue
+            ref.step([ScheduledSeq(seq, 0, done, False)])
+            slots = [seq.block_table[p // 4] * 4 + p % 4 for p in range(done)]
+            got, want = (e.kv.k[0].reshape(-1, *e.kv.k[0].shape[2:])[slots] for e in (engine.draft, ref))
+            assert torch.allclose(got, want, atol=1e-5), (seq.seq_id, done)
+            checked += 1
+
+    arrivals = [0, 0, 0, 2, 5, 9, 0, 30, 31]
+    step, added, order = 0, 0, sorted(range(len(seqs)), key=lambda i: arrivals[i])
+    while added < len(seqs) or loop.busy:
+        while added < len(seqs) and arrivals[order[added]] <= step:
+            sched.add(seqs[order[added]])
+            added += 1
+        loop.step()
+        sched.blocks.check()
+        check_draft_cache()
+        step += 1
+    assert checked > 20
+    for s, ref in zip(seqs, refs):
+        assert s.output_ids == ref, f"prompt {s.seq_id}"
+    assert loop.spec_steps > 5 and sched.preemptions > 0
+    if draft_kind == "same":
+        assert loop.accepted > 0.9 * loop.drafted, (loop.accepted, loop.drafted)
+    else:
+        assert loop.drafted > 0 and loop.accepted < 0.9 * loop.drafted
+
+
+def test_a_draft_model_that_cannot_stand_in_is_refused(tmp_path, models):
+    from surge.config import GenerationConfig
+    from surge.errors import ConfigError
+
+    dirs, _ = models
+    with pytest.raises(ConfigError, match="speculative_tokens"):
+        DecoderEngine(dirs["qwen2"], num_blocks=8, block_size=4, speculative_model=dirs["llama"])
+    wide = build_model("qwen2", tmp_path / "wide", seed=1, vocab=512)  # another tokenizer, a larger vocabulary
+    with pytest.raises(ConfigError, match="vocabulary|tokenizer"):
+        DecoderEngine(dirs["qwen2"], num_blocks=8, block_size=4, speculative_tokens=2, speculative_model=wide)
+    with pytest.raises(ValueError, match="speculative_tokens"):
+        GenerationConfig(speculative_model=str(dirs["llama"]))

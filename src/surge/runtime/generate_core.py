@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from surge.runtime.scheduler import Scheduler, SchedulerConfig, Sequence, SeqStatus
 from surge.runtime.scheduler.adapters import PENDING, AdapterSlots
+from surge.runtime.scheduler.draft_model import DraftModelProposer
 from surge.runtime.scheduler.ngram import NgramProposer
 from surge.runtime.scheduler.overlap import StepLoop
 
@@ -98,8 +99,11 @@ class EngineLoop:
         on_gpu = getattr(getattr(engine, "device", None), "type", "cpu") == "cuda"
         speculator = None
         if getattr(config, "speculative_tokens", 0) and hasattr(engine, "verify"):
-            speculator = NgramProposer(config.speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
-                                       config.speculative_max_batch)
+            if getattr(engine, "draft", None) is not None:
+                speculator = DraftModelProposer(engine.draft, config.speculative_tokens, config.speculative_max_batch)
+            else:
+                speculator = NgramProposer(config.speculative_tokens, config.prompt_lookup_min,
+                                           config.prompt_lookup_max, config.speculative_max_batch)
         self.loop = StepLoop(self.scheduler, engine, overlap=config.overlap_steps and on_gpu,
                              depth=config.overlap_depth, steps=config.decode_steps, speculator=speculator)
         self.seqs: dict[int, Sequence] = {}  # added and not finished

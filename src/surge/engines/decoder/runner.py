@@ -71,7 +71,8 @@ class DecoderEngine:
                  decode_block_n: int | None = None, argmax_kernel: str = "triton", decode_gemm: str = "auto",
                  decode_attention: str = "fused", pdl: bool = True, l2_prefetch: bool = False,
                  decode_steps: int = 1, decode_launch_ms: float | None = None, max_loras: int = 0,
-                 max_lora_rank: int = 16, lora_kernel: bool | None = None, speculative_tokens: int = 0):
+                 max_lora_rank: int = 16, lora_kernel: bool | None = None, speculative_tokens: int = 0,
+                 speculative_model: str | Path | None = None):
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         if threads and not cuda:
@@ -125,6 +126,33 @@ class DecoderEngine:
             from surge.engines.decoder.graphs import DecodeGraphs
 
             self.spec_graphs = DecodeGraphs(self, max_num_seqs * (speculative_tokens + 1), rows_share_kv=True)
+        # a draft model (runtime/scheduler/draft_model.py): its KV cache in blocks numbered as this one's
+        self.draft = None
+        if speculative_model is not None:
+            self.draft = self._draft_engine(Path(speculative_model), Path(path), dtype, cuda_graphs)
+
+    def _draft_engine(self, draft: Path, path: Path, dtype: str | None, cuda_graphs: bool) -> "DecoderEngine":
+        """The draft model's engine: same device, precision, block size and number of blocks; its multi-step
+        graphs run the k draft steps of a speculative step in one launch. A draft that cannot stand in for
+        this model's tokens is refused."""
+        from surge.errors import ConfigError
+
+        if not self.speculative_tokens:
+            raise ConfigError("a speculative model needs speculative_tokens >= 1")
+        cfg = load_decoder_config(draft)
+        if cfg.vocab_size > self.cfg.vocab_size:
+            raise ConfigError(f"speculative model {draft}: its vocabulary ({cfg.vocab_size}) is larger than the "
+                              f"model's ({self.cfg.vocab_size})")
+        mine, theirs = path / "tokenizer.json", draft / "tokenizer.json"
+        if mine.is_file() and theirs.is_file() and mine.read_bytes() != theirs.read_bytes():
+            raise ConfigError(f"speculative model {draft}: its tokenizer.json differs from the model's")
+        if cfg.context_limit < self.max_model_len:
+            raise ConfigError(f"speculative model {draft}: its context ({cfg.context_limit} tokens) is shorter "
+                              f"than max_model_len ({self.max_model_len})")
+        return DecoderEngine(draft, device=str(self.device), dtype=dtype, block_size=self.block_size,
+                             num_blocks=self.num_blocks, max_num_seqs=self.max_num_seqs,
+                             max_model_len=self.max_model_len, cuda_graphs=cuda_graphs,
+                             decode_steps=self.speculative_tokens)
 
     def _default_kv_tokens(self, cuda: bool, block_size: int) -> int:
         """256k tokens on a GPU, 32k on the CPU, within 40% of free GPU memory / 1 GiB of host memory."""
@@ -148,6 +176,8 @@ class DecoderEngine:
             self.graphs.capture()
         if self.spec_graphs is not None:
             self.spec_graphs.capture()
+        if self.draft is not None:
+            self.draft.warmup()
 
     # -- LoRA adapters ---------------------------------------------------------------------------------
     def read_adapter(self, path: str | Path, name: str | None = None):
@@ -425,6 +455,33 @@ class DecoderEngine:
         if items:
             drawn = iter(self.sampler.speculative(logits, items))
             out = [next(drawn) if not s.seq.params.greedy else o for s, o in zip(scheduled, out)]
+        return out
+
+    @torch.inference_mode()
+    def draft_tokens(self, scheduled: list[ScheduledSeq], counts: list[int]) -> list[list[int]]:
+        """As a draft model: counts[i] greedy tokens after scheduled[i]'s input (a decode at s.start; the
+        tables hold the blocks of every position), each from the one before; the K/V of the input and of
+        every token but the last are written. One multi-step graph launch where the graphs hold it (every
+        row the same count), else a step at a time, eagerly."""
+        steps, b = max(counts), len(scheduled)
+        g = self.graphs
+        if g is not None and g.steps >= steps and min(counts) == steps \
+                and g.fits(b, max(len(s.seq.block_table) for s in scheduled)):
+            rows = [ScheduledSeq(s.seq, s.start, 1, True) for s in scheduled]
+            got = self.collect_tokens(self.launch(rows, None, steps) if steps > 1 else self.launch(rows, None))
+            return [[got[j * b + i] for j in range(steps)] for i in range(b)]
+        bs = self.block_size
+        out: list[list[int]] = [[] for _ in scheduled]
+        prev = [s.seq.token_ids[s.start] for s in scheduled]
+        for j in range(steps):
+            live = [i for i, c in enumerate(counts) if c > j]
+            pos = [scheduled[i].start + j for i in live]
+            tables = [scheduled[i].seq.block_table for i in live]
+            slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
+            _, tokens = self._eager_rows([prev[i] for i in live], pos, slots, tables, None)
+            for i, t in zip(live, tokens.tolist()):
+                out[i].append(t)
+                prev[i] = t
         return out
 
     def _eager_rows(self, ids, pos, slots, tables, adapters) -> tuple[torch.Tensor, torch.Tensor]:

@@ -77,6 +77,16 @@ class NgramProposer:
     def __len__(self) -> int:
         return len(self._index)
 
+    def drafts(self, scheduled, sched) -> list[list[int]]:
+        """The drafts of a step's decodes (StepLoop's speculator contract), cut to the KV blocks free."""
+        if len(self._index) > 2 * len(sched.running) + 64:  # the indexes of sequences that ended
+            self.keep([q.seq_id for q in sched.running])
+        drafts = [self.propose(s.seq.seq_id, s.seq.token_ids, sched.draft_limit(s.seq, self.k)) for s in scheduled]
+        return sched.make_room(scheduled, drafts) if any(drafts) else drafts
+
+    def kept(self, scheduled, drafts) -> None:
+        """After the step: nothing to do (the index grows from the tokens at the next lookup)."""
+
     def forget(self, seq_id: int) -> None:
         self._index.pop(seq_id, None)
 

@@ -69,8 +69,10 @@ MAX_DEPTH = 3  # the engine keeps RING = MAX_DEPTH + 1 staging and read-back set
 class StepLoop:
     def __init__(self, scheduler: Scheduler, engine, overlap: bool = True, depth: int = 2, steps: int = 1,
                  speculator=None):
-        """`speculator` (runtime/scheduler/ngram.NgramProposer, needs engine.verify): greedy decode steps
-        check draft tokens and keep those the model agrees with (speculative decoding)."""
+        """`speculator` (runtime/scheduler/ngram.NgramProposer or draft_model.DraftModelProposer, needs
+        engine.verify; `k`, `max_batch`, `drafts(scheduled, scheduler)` -> drafts with their KV blocks taken,
+        `kept(scheduled, drafts)` after the step): decode steps check draft tokens and keep those the model
+        agrees with (speculative decoding)."""
         if not 1 <= depth <= MAX_DEPTH:
             raise ValueError(f"depth must be 1 to {MAX_DEPTH}, not {depth}")
         if steps < 1:
@@ -153,12 +155,9 @@ class StepLoop:
     def _speculate(self, scheduled: list[ScheduledSeq], results: list[StepResult]) -> bool:
         """A speculative step if any sequence has drafts (False: none has, nothing was done)."""
         sched, spec = self.scheduler, self.speculator
-        if len(spec) > 2 * len(sched.running) + 64:  # the indexes of sequences that ended
-            spec.keep([q.seq_id for q in sched.running])
-        drafts = [spec.propose(s.seq.seq_id, s.seq.token_ids, sched.draft_limit(s.seq, spec.k)) for s in scheduled]
+        drafts = spec.drafts(scheduled, sched)
         if not any(drafts):
             return False
-        drafts = sched.make_room(scheduled, drafts)
         greedy = self.engine.verify(scheduled, drafts)
         self.steps += 1
         self.spec_steps += 1
@@ -167,6 +166,7 @@ class StepLoop:
             if j:
                 self.accepted += len(tokens)
             results.append(StepResult(scheduled, tokens, finished))
+        spec.kept(scheduled, drafts)
         return True
 
     def step(self, refresh=None) -> list[StepResult]:
