@@ -897,5 +897,5 @@ def test_a_draft_model_on_the_gpu(trained_dir, tmp_path):
     equal = sum(a == b for a, b in zip(got, want))
     print(f"draft model: {equal}/{len(prompts)} prompts equal to plain decoding on 30 BF16 steps; "
           f"{loop.spec_steps} speculative steps, {loop.accepted}/{loop.drafted} drafts accepted")
-    assert loop.spec_steps >= 8 and loop.accepted > 0.8 * loop.drafted
+    assert loop.spec_steps >= 5 and loop.accepted > 0.8 * loop.drafted
     assert equal >= 0.75 * len(prompts), f"only {equal}/{len(prompts)} prompts equal"
