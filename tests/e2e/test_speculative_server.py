@@ -60,3 +60,24 @@ def test_speculative_answers_are_greedy_ones(model_dir):
     # a seeded sampled answer is plain sampling's: the same from a server without speculation
     with ServerProcess(str(model_dir), "--threads", "1", "--generation", "cache_entries=0") as plain:
         assert _seeded(plain.url, conversations[0]) == seeded
+
+
+def test_a_draft_model_through_the_server(model_dir, tmp_path):
+    """`--generation speculative_tokens=3,speculative_model=DIR`: a smaller Llama of the same tokenizer drafts;
+    the answers are transformers' greedy ones (plain and streamed), and its drafts are counted."""
+    draft = build_model("llama", tmp_path / "draft", seed=41, hidden_size=32, intermediate_size=64,
+                        num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1)
+    model, tok = load_hf(model_dir)
+    messages = [{"role": "user", "content": "Repeat after me: the cat sat on the mat, the cat sat on the mat."}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    want = tok.decode(model.generate(torch.tensor([ids]), max_new_tokens=30, do_sample=False,
+                                     pad_token_id=0)[0, len(ids):], skip_special_tokens=True)
+    with ServerProcess(str(model_dir), "--threads", "1", "--generation",
+                       f"speculative_tokens=3,speculative_model={draft},cache_entries=0") as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
+        r = client.chat.completions.create(model="spec-qwen", messages=messages, max_tokens=30, temperature=0)
+        assert r.choices[0].message.content == want
+        chunks = client.chat.completions.create(model="spec-qwen", messages=messages, max_tokens=30, temperature=0,
+                                                stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+        assert _metric(_get(srv.url + "/metrics").text, "surge_generate_spec_draft_tokens_total") > 0
