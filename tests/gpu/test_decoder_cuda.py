@@ -119,6 +119,27 @@ def _run_overlapped(engine, prompts, n, max_num_seqs=16, steps=1, loops=None, ad
     return [s.output_ids for s in seqs], loop.overlapped
 
 
+def _run_speculating(engine, prompts, n, speculator, **params):
+    """The service's loop (4-step launches where no sequence has drafts) with `speculator` (speculative
+    decoding) over `n` tokens of each prompt, greedy unless `params` say otherwise (a seed each: 100 + i);
+    returns the outputs and the loop."""
+    from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
+    from surge.runtime.scheduler.overlap import StepLoop
+
+    sched = Scheduler(SchedulerConfig(num_blocks=engine.num_blocks, block_size=engine.block_size, max_num_seqs=16,
+                                      max_num_batched_tokens=512, max_model_len=512), ())
+    params = params or {"temperature": 0.0}
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=n, ignore_eos=True, **params,
+                                          **({"seed": 100 + i} if params.get("temperature") else {})))
+            for i, p in enumerate(prompts)]
+    for s in seqs:
+        sched.add(s)
+    loop = StepLoop(sched, engine, steps=4, speculator=speculator)
+    while loop.busy:
+        loop.step()
+    return [s.output_ids for s in seqs], loop
+
+
 @pytest.fixture(scope="module")
 def trained_dir(tmp_path_factory):
     """A Qwen2-shaped model fitted for a few hundred steps to a corpus with structure (each token's
@@ -789,9 +810,7 @@ def test_speculative_steps_follow_plain_decoding(trained_dir, graphs):
     BF16 test above asks of transformers (batches of other sizes may flip BF16 near-ties), and most
     drafts are accepted (the prompts quote the answer)."""
     from surge.engines.decoder import DecoderEngine
-    from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
     from surge.runtime.scheduler.ngram import NgramProposer
-    from surge.runtime.scheduler.overlap import StepLoop
 
     plain = DecoderEngine(trained_dir, device="cuda", dtype="bf16", num_blocks=512, max_num_seqs=16,
                           max_model_len=512, cuda_graphs=False)
@@ -806,16 +825,7 @@ def test_speculative_steps_follow_plain_decoding(trained_dir, graphs):
     assert bool(engine.spec_graphs and engine.spec_graphs.graphs) == graphs
     if graphs:
         assert engine.spec_graphs.buckets[-1] == 16 * 4
-    sched = Scheduler(SchedulerConfig(num_blocks=engine.num_blocks, block_size=engine.block_size, max_num_seqs=16,
-                                      max_num_batched_tokens=512, max_model_len=512), ())
-    seqs = [Sequence(i, p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
-            for i, p in enumerate(prompts)]
-    for s in seqs:
-        sched.add(s)
-    loop = StepLoop(sched, engine, steps=4, speculator=NgramProposer(3, 2, 4))
-    while loop.busy:
-        loop.step()
-    got = [s.output_ids for s in seqs]
+    got, loop = _run_speculating(engine, prompts, 40, NgramProposer(3, 2, 4))
     equal = sum(a == b for a, b in zip(got, want))
     print(f"speculation (graphs={graphs}): {equal}/{len(prompts)} prompts equal to plain decoding on 40 BF16 "
           f"steps; {loop.spec_steps} speculative steps of {loop.steps}, {loop.accepted}/{loop.drafted} drafts "
@@ -831,31 +841,16 @@ def test_speculative_sampled_rows_draw_as_plain_sampling(trained_dir):
     position, so the answers are those of the engine without drafts, for the bulk of prompts (BF16
     logits of other batch shapes may move a draw at a near-tie), and drafts are accepted."""
     from surge.engines.decoder import DecoderEngine
-    from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
     from surge.runtime.scheduler.ngram import NgramProposer
-    from surge.runtime.scheduler.overlap import StepLoop
 
     kw = dict(device="cuda", dtype="bf16", num_blocks=512, max_num_seqs=16, max_model_len=512)
     plain = DecoderEngine(trained_dir, cuda_graphs=False, **kw)
     first = _prompts(384, 16)
     prompts = [p + c + p for p, c in zip(first, _run(plain, first, 30))]
-
-    def run(engine, k):
-        sched = Scheduler(SchedulerConfig(num_blocks=engine.num_blocks, block_size=engine.block_size,
-                                          max_num_seqs=16, max_num_batched_tokens=512, max_model_len=512), ())
-        seqs = [Sequence(i, p, SamplingParams(max_tokens=30, temperature=0.7, seed=100 + i, ignore_eos=True))
-                for i, p in enumerate(prompts)]
-        for s in seqs:
-            sched.add(s)
-        loop = StepLoop(sched, engine, steps=4, speculator=NgramProposer(k, 2, 4) if k else None)
-        while loop.busy:
-            loop.step()
-        return [s.output_ids for s in seqs], loop
-
-    want, _ = run(plain, 0)
+    want, _ = _run_speculating(plain, prompts, 30, None, temperature=0.7)
     engine = DecoderEngine(trained_dir, speculative_tokens=3, **kw)
     engine.warmup()
-    got, loop = run(engine, 3)
+    got, loop = _run_speculating(engine, prompts, 30, NgramProposer(3, 2, 4), temperature=0.7)
     equal = sum(a == b for a, b in zip(got, want))
     print(f"sampled speculation: {equal}/{len(prompts)} prompts equal to plain sampling on 30 BF16 steps; "
           f"{loop.spec_steps} speculative steps, {loop.accepted}/{loop.drafted} drafts accepted")
@@ -871,9 +866,7 @@ def test_a_draft_model_on_the_gpu(trained_dir, tmp_path):
     import shutil
 
     from surge.engines.decoder import DecoderEngine
-    from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
     from surge.runtime.scheduler.draft_model import DraftModelProposer
-    from surge.runtime.scheduler.overlap import StepLoop
 
     draft = tmp_path / "draft"
     shutil.copytree(trained_dir, draft)
@@ -884,16 +877,7 @@ def test_a_draft_model_on_the_gpu(trained_dir, tmp_path):
     engine = DecoderEngine(trained_dir, speculative_tokens=3, speculative_model=draft, **kw)
     engine.warmup()
     assert engine.draft.graphs.steps == 3 and engine.draft.graphs.graphs
-    sched = Scheduler(SchedulerConfig(num_blocks=engine.num_blocks, block_size=engine.block_size, max_num_seqs=16,
-                                      max_num_batched_tokens=512, max_model_len=512), ())
-    seqs = [Sequence(i, p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
-            for i, p in enumerate(prompts)]
-    for s in seqs:
-        sched.add(s)
-    loop = StepLoop(sched, engine, steps=4, speculator=DraftModelProposer(engine.draft, 3))
-    while loop.busy:
-        loop.step()
-    got = [s.output_ids for s in seqs]
+    got, loop = _run_speculating(engine, prompts, 30, DraftModelProposer(engine.draft, 3))
     equal = sum(a == b for a, b in zip(got, want))
     print(f"draft model: {equal}/{len(prompts)} prompts equal to plain decoding on 30 BF16 steps; "
           f"{loop.spec_steps} speculative steps, {loop.accepted}/{loop.drafted} drafts accepted")

@@ -118,6 +118,7 @@ pytest.importorskip("transformers")
 from surge.engines.decoder import DecoderEngine  # noqa: E402
 from surge.runtime.scheduler.overlap import StepLoop  # noqa: E402
 from tests.decoder_models import build_model  # noqa: E402
+from tests.loop_driver import drive  # noqa: E402
 
 KINDS = ("gpt2", "qwen2", "llama")
 
@@ -153,22 +154,18 @@ def repetitive_prompts(vocab: int, seed: int) -> list[list[int]]:
     return out
 
 
+def drive_arrivals(loop, sched, seqs, arrivals, before_step=None) -> dict[int, list[int]]:
+    """tests/loop_driver.drive with seqs[i] arriving at step arrivals[i] in any order."""
+    order = sorted(range(len(seqs)), key=lambda i: arrivals[i])
+    return drive(loop, sched, [seqs[i] for i in order], [arrivals[i] for i in order], before_step)
+
+
 def run_loop(engine, prompts, params, arrivals, *, overlap=False, depth=2, k=3, num_blocks=40, max_num_seqs=4):
     sched = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=4, max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=24, max_model_len=256), engine.cfg.eos_token_ids)
     seqs = [Sequence(i, p, prm) for i, (p, prm) in enumerate(zip(prompts, params))]
     loop = StepLoop(sched, engine, overlap=overlap, depth=depth, speculator=NgramProposer(k, 1, 3) if k else None)
-    step, added, order = 0, 0, sorted(range(len(seqs)), key=lambda i: arrivals[i])
-    streamed = {s.seq_id: [] for s in seqs}
-    while added < len(seqs) or loop.busy:
-        while added < len(seqs) and arrivals[order[added]] <= step:
-            sched.add(seqs[order[added]])
-            added += 1
-        for r in loop.step():
-            for sid, t in r.tokens.items():
-                streamed[sid].append(t)
-        sched.blocks.check()
-        step += 1
+    streamed = drive_arrivals(loop, sched, seqs, arrivals)
     assert sched.blocks.num_free == num_blocks
     return seqs, streamed, loop, sched
 
@@ -487,16 +484,7 @@ def test_a_draft_model_proposes_and_the_answer_stays_the_targets(tmp_path, model
             assert torch.allclose(got, want, atol=1e-5), (seq.seq_id, done)
             checked += 1
 
-    arrivals = [0, 0, 0, 2, 5, 9, 0, 30, 31]
-    step, added, order = 0, 0, sorted(range(len(seqs)), key=lambda i: arrivals[i])
-    while added < len(seqs) or loop.busy:
-        while added < len(seqs) and arrivals[order[added]] <= step:
-            sched.add(seqs[order[added]])
-            added += 1
-        loop.step()
-        sched.blocks.check()
-        check_draft_cache()
-        step += 1
+    drive_arrivals(loop, sched, seqs, [0, 0, 0, 2, 5, 9, 0, 30, 31], before_step=lambda step: check_draft_cache())
     assert checked > 20
     for s, ref in zip(seqs, refs):
         assert s.output_ids == ref, f"prompt {s.seq_id}"
