@@ -507,3 +507,32 @@ def test_a_draft_model_that_cannot_stand_in_is_refused(tmp_path, models):
         DecoderEngine(dirs["qwen2"], num_blocks=8, block_size=4, speculative_tokens=2, speculative_model=wide)
     with pytest.raises(ValueError, match="speculative_tokens"):
         GenerationConfig(speculative_model=str(dirs["llama"]))
+
+
+def test_a_repositorys_draft_model_is_found_beside_its_model_yaml(tmp_path, models):
+    """model.yaml's generation.speculative_model is a path relative to its version directory (as `source`):
+    the decoder is loaded with it resolved there; a draft directory that does not exist is the version's
+    error, naming the field; the server's own setting is left as given."""
+    import shutil
+
+    from surge.cli.bootstrap import decoder_settings
+    from surge.config import GenerationConfig, ServerConfig
+    from surge.runtime.repository import scan_model
+
+    dirs, _ = models
+    version = tmp_path / "repo" / "chat" / "1"
+    shutil.copytree(dirs["llama"], version / "draft")
+    (version / "model.yaml").write_text(f"source: {dirs['qwen2']}\n"
+                                        "generation: {speculative_tokens: 2, speculative_model: draft}\n")
+    entry = scan_model(tmp_path / "repo", "chat").versions["1"]
+    assert entry.error is None
+    _, _, gen = decoder_settings(ServerConfig(), entry)
+    assert gen.speculative_model == str((version / "draft").resolve()) and gen.speculative_tokens == 2
+    server = ServerConfig(generation=GenerationConfig(speculative_tokens=3, speculative_model="/elsewhere/draft"))
+    (version / "model.yaml").write_text(f"source: {dirs['qwen2']}\n")
+    _, _, gen = decoder_settings(server, scan_model(tmp_path / "repo", "chat").versions["1"])
+    assert gen.speculative_model == "/elsewhere/draft"
+    (version / "model.yaml").write_text(f"source: {dirs['qwen2']}\n"
+                                        "generation: {speculative_tokens: 2, speculative_model: nodraft}\n")
+    error = scan_model(tmp_path / "repo", "chat").versions["1"].error
+    assert "generation.speculative_model" in error and "nodraft" in error, error

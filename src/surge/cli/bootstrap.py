@@ -108,6 +108,7 @@ def load_repository_version(config: ServerConfig, entry, *, single: bool = False
 
     cfg = entry.config
     engine, batching, cache, generation = _sections(config, cfg, single)
+    generation = _own_draft(generation, entry)
     if cfg.kind != "hf":  # onnx, torch, python: a tensor model from its version directory
         from surge.runtime.tensor_loader import build_tensor_service, model_path
 
@@ -138,7 +139,16 @@ def decoder_settings(config: ServerConfig, entry):
     if not is_decoder_dir(source.path):
         return None
     engine, _, _, generation = _sections(config, cfg, False)
-    return replace(source, name=entry.name), engine, config.generation.merged(generation)
+    return replace(source, name=entry.name), engine, config.generation.merged(_own_draft(generation, entry))
+
+
+def _own_draft(generation, entry):
+    """A model.yaml's draft model (generation.speculative_model) is relative to its version directory, as
+    `source` is; the server's own setting (flags, variables) stays as given."""
+    draft = entry.speculative_model_dir
+    if generation is None or draft is None or generation.speculative_model != entry.config.generation.speculative_model:
+        return generation
+    return generation.model_copy(update={"speculative_model": str(draft)})
 
 
 def _sections(config: ServerConfig, cfg, single: bool):

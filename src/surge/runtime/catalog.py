@@ -50,6 +50,12 @@ class VersionEntry:
     def artifact_dir(self) -> Path | None:
         return self.resolve(self.config.artifact) if self.config and self.config.artifact else None
 
+    @property
+    def speculative_model_dir(self) -> Path | None:
+        """The generation section's draft model (speculative_model), as `source` is resolved."""
+        gen = self.config.generation if self.config else None
+        return self.resolve(gen.speculative_model) if gen is not None and gen.speculative_model else None
+
 
 @dataclass
 class ModelEntry:
@@ -128,6 +134,11 @@ def _scan_model(root: Path, name: str) -> ModelEntry:
                 if path is not None and not path.is_dir():
                     raise ConfigError(f"{own}: field '{field_name}': directory "
                                       f"'{getattr(ventry.config, field_name)}' does not exist", param=field_name)
+            draft = ventry.speculative_model_dir
+            if draft is not None and not draft.is_dir():
+                raise ConfigError(f"{own}: field 'generation.speculative_model': directory "
+                                  f"'{ventry.config.generation.speculative_model}' does not exist",
+                                  param="generation.speculative_model")
             if ventry.artifact_dir is not None and not inside(ventry.artifact_dir, root):
                 # Only `source` (model weights) may live elsewhere; what the server loads
                 # as built for it stays inside the repository.
