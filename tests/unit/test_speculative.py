@@ -346,7 +346,7 @@ def test_graph_path_with_draft_rows(models, monkeypatch):
     for s, p, n in zip(seqs, prompts, n_new):
         assert s.output_ids == hf_greedy(hf["qwen2"], p, n), f"prompt {s.seq_id}"
     assert loop.spec_steps > 3 and loop.accepted > 0
-    assert True in seen, "the draft rows' attention was told that rows share a sequence's cache"
+    assert any(seen), "the draft rows' attention was told that rows share a sequence's cache"
 
 
 def test_the_setting_is_checked():

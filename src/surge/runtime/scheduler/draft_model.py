@@ -32,9 +32,6 @@ class DraftModelProposer:
         # seq_id -> (positions whose draft K/V are computed, the sequence's preemptions then)
         self._done: dict[int, tuple[int, int]] = {}
 
-    def __len__(self) -> int:
-        return len(self._done)
-
     def drafts(self, scheduled: list[ScheduledSeq], sched) -> list[list[int]]:
         """Up to k greedy tokens of the draft model after each decode's input (fewer where max_tokens, the
         context or the free KV blocks allow fewer), their blocks taken."""

@@ -74,9 +74,6 @@ class NgramProposer:
             index = self._index[seq_id] = NgramIndex(self.n_min, self.n_max)
         return index.propose(tokens, min(self.k, limit))
 
-    def __len__(self) -> int:
-        return len(self._index)
-
     def drafts(self, scheduled, sched) -> list[list[int]]:
         """The drafts of a step's decodes (StepLoop's speculator contract), cut to the KV blocks free."""
         if len(self._index) > 2 * len(sched.running) + 64:  # the indexes of sequences that ended
@@ -86,9 +83,6 @@ class NgramProposer:
 
     def kept(self, scheduled, drafts) -> None:
         """After the step: nothing to do (the index grows from the tokens at the next lookup)."""
-
-    def forget(self, seq_id: int) -> None:
-        self._index.pop(seq_id, None)
 
     def keep(self, seq_ids) -> None:
         """Drop the indexes of sequences not in `seq_ids` (finished or aborted)."""
