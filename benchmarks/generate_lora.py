@@ -12,8 +12,10 @@ GenerateService.stream (the routes' API) with EOS ignored:
 * slots, base rows: the same model with `--loras` slots loaded, every request on the base model;
 * slots, adapter rows: the same engine, the requests dealt round robin over the adapters (every step
   mixes them);
-* on a GPU also: adapter rows through the torch form of the deltas (five kernels a module) instead of
-  the one-kernel delta (kernels/lora_delta.py), the engine built with `lora_kernel=False`.
+* on a GPU also: adapter rows with the deltas in two kernels of their own a module (a shrink on a side
+  stream, an expand: `lora_join=False`, session 32's form) instead of joined inside the decode GEMMs'
+  kernels (kernels/lora_delta.tile_deltas), and through the torch form of the deltas (five kernels a
+  module), the engine built with `lora_kernel=False`.
 
 Reported: output tokens/s (median of rounds), time per output token p50, and each row against the first.
 """
@@ -68,7 +70,7 @@ def write_adapter(base: Path, out: Path, rank: int, seed: int) -> Path:
     return out
 
 
-def make(path: Path, args, n: int, loras: int, lora_kernel: bool | None = None):
+def make(path: Path, args, n: int, loras: int, lora_kernel: bool | None = None, lora_join: bool = True):
     from surge.engines.decoder import DecoderEngine
     from surge.runtime.generate_service import GenerateService, GenerationConfig
 
@@ -78,7 +80,7 @@ def make(path: Path, args, n: int, loras: int, lora_kernel: bool | None = None):
     engine = DecoderEngine(path, device=args.device, dtype=args.dtype, max_num_seqs=n, max_model_len=max_len,
                            kv_cache_tokens=(n + 8) * max_len, threads=args.threads, decode_steps=gen.decode_steps,
                            decode_launch_ms=gen.decode_launch_ms, max_loras=loras, max_lora_rank=args.rank,
-                           lora_kernel=lora_kernel)
+                           lora_kernel=lora_kernel, lora_join=lora_join)
     engine.warmup()
     service = GenerateService("bench", "1", path, engine, _NoText(), None, gen, request_timeout_s=600)
     service.mark_ready()
@@ -133,6 +135,7 @@ def main(argv=None) -> int:
         slots = make(base, args, args.streams, args.loras)
         services = [plain, slots]
         if slots.engine.lora.kernel:
+            services.append(make(base, args, args.streams, args.loras, lora_join=False))
             services.append(make(base, args, args.streams, args.loras, lora_kernel=False))
         for i, name in enumerate(names):
             path = write_adapter(base, Path(tmp) / name, args.rank, seed=i)
@@ -144,7 +147,8 @@ def main(argv=None) -> int:
         rows = {"base (no slots)": (plain, None), "slots, base rows": (slots, None),
                 "slots, adapter rows": (slots, names)}
         if len(services) > 2:
-            rows["slots, adapter rows, torch form"] = (services[2], names)
+            rows["slots, adapter rows, two delta kernels"] = (services[2], names)
+            rows["slots, adapter rows, torch form"] = (services[3], names)
 
         async def run():
             for service, adapters in rows.values():  # warm-up (compiles, first allocations)

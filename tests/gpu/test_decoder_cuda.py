@@ -748,8 +748,8 @@ def test_the_unfused_layer_on_the_gpu(tmp_path_factory, kind):
 @pytest.mark.parametrize("dtype,fused", [("fp32", False), ("bf16", False), ("bf16", True)])
 def test_lora_adapters_on_the_gpu(tmp_path_factory, dtype, fused):
     """Two peft adapters and the base model mixed in every batch on CUDA (CUDA graphs, multi-step launches),
-    on the unfused layer and the fused one (the deltas joining the split-K partials, gate/up off its
-    one-kernel path): the service's loop gives the eager steps' tokens; in FP32 each row follows
+    on the unfused layer and the fused one (at decode sizes the deltas joined inside the split-K GEMMs and
+    the one-kernel gate/up; prefill chunks on the two delta kernels): the service's loop gives the eager steps' tokens; in FP32 each row follows
     transformers + peft with its adapter (each chosen token within TF32's rounding of peft's best), in BF16
     within BF16's; the same tokens under another adapter's weights are far off. With slots, base-model batches
     replay graphs without the adapters' GEMMs, batches with adapter rows the LoRA set."""
@@ -768,10 +768,18 @@ def test_lora_adapters_on_the_gpu(tmp_path_factory, dtype, fused):
     for k, a in enumerate(adapters, 1):
         engine.load_adapter(k, a)
     assert engine.model.fused == fused
+    joined = []  # the GEMM kernels that took LoRA operands
+    for attr in ("_partials", "_gate_up_silu") if fused else ():
+        def spy(*args, _real=getattr(engine.model, attr), _name=attr, **kw):
+            if kw.get("lora") is not None:
+                joined.append(_name)
+            return _real(*args, **kw)
+        setattr(engine.model, attr, spy)
     engine.warmup()
     prompts = _prompts(384, 9)
     slots = [i % 3 for i in range(len(prompts))]
     eager = _run(engine, prompts, 12, adapters=slots)
+    assert set(joined) == ({"_partials", "_gate_up_silu"} if fused else set())
     graphed, overlapped = _run_overlapped(engine, prompts, 12, steps=4, adapters=slots)
     assert graphed == eager and overlapped > 0
     # base rows alone: the graphs without the adapters' GEMMs

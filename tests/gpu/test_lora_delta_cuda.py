@@ -133,3 +133,100 @@ def test_the_shrink_beside_the_module_gemm(tmp_path):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(buf, want), module
+
+
+def _gemm_cases():
+    from surge.engines.kernels.gate_up import GateUpPlan
+    from surge.engines.kernels.splitk_gemm import PLANS, SplitKPlan
+
+    # (kind, plan, M, K, N of the weight, slots, width): the engine's measured Qwen2-0.5B / Llama-1B plans (TMA and
+    # pointer, swapped and not), one K step and several, ranks past one 64-wide chunk, a short batch
+    return [("splitk", PLANS[1152, 896], 64, 896, 1152, 2, 48), ("splitk", PLANS[896, 896], 64, 896, 896, 4, 16),
+            ("splitk", PLANS[896, 4864], 37, 4864, 896, 3, 32), ("splitk", PLANS[2048, 8192], 64, 8192, 2048, 2, 16),
+            ("splitk", SplitKPlan(64, 128, 3, swap=True), 5, 512, 200, 8, 24),
+            ("gate_up", GateUpPlan(64, 128, num_stages=4, tma=True), 64, 896, 2 * 4864, 2, 32),
+            ("gate_up", GateUpPlan(32, 128, num_stages=3), 19, 896, 2 * 4864, 4, 32),
+            ("gate_up", GateUpPlan(32, 64, swap=True), 64, 256, 2 * 512, 3, 40)]
+
+
+def _gemm(kind, plan, x, w, lora=None, pdl=False):
+    from surge.engines.kernels.gate_up import gate_up_silu
+    from surge.engines.kernels.splitk_gemm import partials
+
+    if kind == "splitk":
+        return partials(x, w, plan, pdl=pdl, lora=lora)
+    return gate_up_silu(x, w, plan, pdl=pdl, lora=lora)
+
+
+def _silu_mul64(y):
+    g, u = y.chunk(2, dim=-1)
+    return g / (1 + torch.exp(-g)) * u
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_gemm_kernels_join_the_deltas(case):
+    """The split-K GEMM and the one-kernel gate/up with the LoRA operands (each split adding its K range's share,
+    gate/up's halves before the SiLU): against float64 as close as the two-kernel delta on top of the same GEMM
+    is; base rows' bits those of the GEMM without LoRA; a row's bits alone = in its mixed batch = in a batch
+    where only its slot is used (the other chunks skipped); PDL and a CUDA graph replay (slots read at replay)
+    give the same bits."""
+    from surge.engines.kernels import pdl
+    from surge.engines.kernels.lora_delta import LoraOperands, lora_add_
+    from surge.engines.kernels.splitk_gemm import reduce_partials
+
+    kind, plan, m, k, n, slots, width = _gemm_cases()[case]
+    x, a, b, rows, _ = _inputs(m, k, n, slots, width, seed=100 + case)
+    g = torch.Generator().manual_seed(case)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to("cuda", torch.bfloat16)
+    ops = LoraOperands(a, b, rows, width)
+    got = _gemm(kind, plan, x, w, ops)
+    plain = _gemm(kind, plan, x, w)
+    full = x.double() @ w.double().T + ((x.double() @ a.double().T) * _mask(rows, slots, width, torch.float64)
+                                        ) @ b.double().T
+    if kind == "splitk":
+        ref, value = full, got.sum(0).double()
+        two_kernel = lora_add_(reduce_partials(plain, dtype=torch.float32), x, a, b, rows, width).double()
+    else:
+        ref, value = _silu_mul64(full), got.double()
+        from surge.engines.kernels.decoder_fused import silu_mul
+
+        product = lora_add_(torch.nn.functional.linear(x, w), x, a, b, rows, width)
+        two_kernel = silu_mul(product).double()
+    err, err_two = (value - ref).abs().max().item(), (two_kernel - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    assert torch.isfinite(value).all()
+    assert err <= 2 * err_two + 1e-3 * scale, (err, err_two, scale)
+    base = rows == 0
+    rows_of = (lambda t, r: t[:, r]) if kind == "splitk" else (lambda t, r: t[r])
+    assert base.any() and torch.equal(rows_of(got, base), rows_of(plain, base))
+    assert not torch.equal(rows_of(got, ~base), rows_of(plain, ~base))
+    for i in (m - 1, int(torch.nonzero(~base)[0])):
+        alone = _gemm(kind, plan, x[i:i + 1], w, LoraOperands(a, b, rows[i:i + 1], width))
+        assert torch.equal(rows_of(alone, 0), rows_of(got, i)), i
+    one = torch.where(rows == slots, rows, torch.zeros_like(rows))
+    only = _gemm(kind, plan, x, w, LoraOperands(a, b, one, width))
+    assert torch.equal(rows_of(only, rows == slots), rows_of(got, rows == slots))
+    if pdl.supported():
+        assert torch.equal(_gemm(kind, plan, x, w, ops, pdl=True), got)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _gemm(kind, plan, x, w, ops, pdl=pdl.supported())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, got)
+    rows.copy_(torch.flip(rows, [0]))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, _gemm(kind, plan, x, w, LoraOperands(a, b, rows, width)))
+
+
+def test_gemm_kernels_refuse_lora_operands_that_do_not_fit():
+    from surge.engines.kernels.lora_delta import LoraOperands
+    from surge.engines.kernels.splitk_gemm import PLANS
+
+    x, a, b, rows, _ = _inputs(8, 896, 896, 2, 16, seed=3)
+    w = torch.randn(896, 896, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="do not fit"):
+        _gemm("splitk", PLANS[896, 896], x, w, LoraOperands(a, b[:100], rows, 16))
+    with pytest.raises(ValueError, match="do not fit"):
+        _gemm("splitk", PLANS[896, 896], x, w, LoraOperands(a, b, rows[:4], 16))

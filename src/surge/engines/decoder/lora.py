@@ -13,9 +13,11 @@ gather or data-dependent loop (CUDA graphs capture it as is), and costs slots x 
 vLLM's default of one slot of rank 16 is 16 columns of extra GEMM per module. Loading an adapter
 writes its slot in place, so captured graphs stay valid.
 
-On a GPU in BF16 / FP16 a module's delta is one Triton kernel (kernels/lora_delta.py: the mask built
-from the rows' slots in the kernel, chunks of slots no row uses skipped, the sum added to the
-product in place); elsewhere (the CPU, FP32) the torch form above, its masks built once a step.
+On a GPU in BF16 / FP16, at decode sizes, the deltas are joined inside the module's own GEMM kernel
+(split-K or the one-kernel gate/up: kernels/lora_delta.tile_deltas, the mask built from the rows'
+slots in the kernel, chunks of slots no row uses skipped); other GPU products take them from two
+Triton kernels (a shrink on a side stream beside the GEMM, an expand added to its product in
+place); elsewhere (the CPU, FP32) the torch form above, its masks built once a step.
 """
 
 from __future__ import annotations
@@ -27,9 +29,12 @@ from surge.models.lora import LoraAdapter, in_features, modules_of, part_rows
 
 
 class LoraBank:
-    def __init__(self, cfg: DecoderConfig, slots: int, max_rank: int, device, dtype, kernel: bool | None = None):
-        """kernel: the one-kernel delta (kernels/lora_delta.py); None: wherever it can run (CUDA, BF16 / FP16,
-        Triton); False: the torch form everywhere (measurements)."""
+    def __init__(self, cfg: DecoderConfig, slots: int, max_rank: int, device, dtype, kernel: bool | None = None,
+                 join: bool = True):
+        """kernel: the delta kernels (kernels/lora_delta.py); None: wherever they can run (CUDA, BF16 / FP16,
+        Triton); False: the torch form everywhere (measurements). join: with the kernels, the deltas joined
+        inside the decode GEMMs' own kernels where those take them; False: always the two delta kernels
+        (measurements)."""
         if slots < 1 or max_rank < 1:
             raise ValueError("a LoRA bank needs at least one slot of rank >= 1")
         self.slots, self.max_rank = slots, max_rank
@@ -52,6 +57,7 @@ class LoraBank:
         if kernel and not usable:
             raise ValueError("the LoRA kernel needs CUDA, Triton and BF16 / FP16 weights")
         self.kernel = usable and kernel is not False
+        self.join = join
         self._side: dict = {}  # device -> the stream the kernels' first halves run on
 
     def side_stream(self, device) -> torch.cuda.Stream:
@@ -99,6 +105,16 @@ class LoraStep:
             rows = self.adapters.view(-1, 1)
             self._masks = {w: (rows == cols).to(self.bank.dtype) for w, cols in self.bank._col_slot.items()}
         return self._masks
+
+    def operands(self, layer: int, module: str):
+        """The module's slots and the rows' slots for a GEMM kernel that joins the deltas itself
+        (kernels/lora_delta.LoraOperands), or None where the bank runs the torch form (or is told not to join)."""
+        if not (self.bank.kernel and self.bank.join):
+            return None
+        from surge.engines.kernels.lora_delta import LoraOperands
+
+        bank = self.bank
+        return LoraOperands(bank.a[layer, module], bank.b[layer, module], self.adapters, bank.width[module])
 
     def begin(self, x: torch.Tensor, layer: int, module: str) -> "PendingDelta":
         """Start a module's delta before its product is computed: with the kernels, x A^T runs on a side

@@ -165,20 +165,27 @@ class DecoderModel:
         return plans
 
     def _mlp_in(self, h: torch.Tensor, layer: int, masks=None) -> torch.Tensor:
-        """SiLU(h W_gate^T) * (h W_up^T): one kernel at decode sizes where a plan exists (and no LoRA
-        adapter has to join the product before the SiLU), else the GEMM (cuBLAS, or split-K partials),
+        """SiLU(h W_gate^T) * (h W_up^T): one kernel at decode sizes where a plan exists (the rows' LoRA
+        deltas joined inside it where the bank runs kernels), else the GEMM (cuBLAS, or split-K partials),
         the adapters' deltas, and silu_mul."""
         name = f"l{layer}.up_gate"
-        plan = self._gate_up.get(name) if h.shape[0] <= self._gate_up_max_m and masks is None else None
-        if plan is not None:
-            return self._gate_up_silu(h, self.w[name], plan, pdl=self.pdl)
+        plan = self._gate_up.get(name) if h.shape[0] <= self._gate_up_max_m else None
+        lora = masks.operands(layer, "up_gate") if masks is not None and plan is not None else None
+        if plan is not None and (masks is None or lora is not None):
+            return self._gate_up_silu(h, self.w[name], plan, pdl=self.pdl, lora=lora)
         return self._silu_mul(self._proj_lora(h, layer, "up_gate", masks), h.dtype, pdl=self.pdl)
 
     def _proj_lora(self, x: torch.Tensor, layer: int, module: str, masks, bias: torch.Tensor | None = None):
-        """`_proj` plus the rows' LoRA deltas: added to the first split-K partial (FP32; the kernel that
-        reads the partials sums them, bias included) or to the plain product."""
+        """`_proj` plus the rows' LoRA deltas: at decode sizes joined inside the split-K GEMM (each split
+        adds its K range's share: kernels/lora_delta.tile_deltas; no launch of their own), else added to
+        the plain product (a side-stream shrink and an expand kernel, or the torch form)."""
+        name = f"l{layer}.{module}"
+        plan = self._splitk_plan(x, name) if masks is not None else None
+        lora = masks.operands(layer, module) if plan is not None else None
+        if lora is not None:
+            return self._partials(x, self.w[name], plan, pdl=self.pdl, lora=lora)
         pending = masks.begin(x, layer, module) if masks is not None else None
-        return self._add_lora(self._proj(x, f"l{layer}.{module}", bias), pending)
+        return self._add_lora(self._proj(x, name, bias), pending)
 
     @staticmethod
     def _add_lora(out: torch.Tensor, pending) -> torch.Tensor:
@@ -269,10 +276,13 @@ class DecoderModel:
     def _proj(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         """F.linear, or at decode sizes with a split-K plan its FP32 partial sums [S, T, N], which the
         fused kernel that reads the product sums in order (the bias is then that kernel's to add)."""
-        plan = self._splitk.get(name) if x.shape[0] <= self._splitk_max_m else None
+        plan = self._splitk_plan(x, name)
         if plan is None:
             return F.linear(x, self.w[name], bias)
         return self._partials(x, self.w[name], plan, pdl=self.pdl)
+
+    def _splitk_plan(self, x: torch.Tensor, name: str):
+        return self._splitk.get(name) if x.shape[0] <= self._splitk_max_m else None
 
     def _llama_fused(self, ids, positions, kv, meta, masks=None):
         from surge.engines.kernels.decode_attention import decode_attention

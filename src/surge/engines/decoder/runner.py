@@ -71,7 +71,8 @@ class DecoderEngine:
                  decode_block_n: int | None = None, argmax_kernel: str = "triton", decode_gemm: str = "auto",
                  decode_attention: str = "fused", pdl: bool = True, l2_prefetch: bool = False,
                  decode_steps: int = 1, decode_launch_ms: float | None = None, max_loras: int = 0,
-                 max_lora_rank: int = 16, lora_kernel: bool | None = None, speculative_tokens: int = 0,
+                 max_lora_rank: int = 16, lora_kernel: bool | None = None, lora_join: bool = True,
+                 speculative_tokens: int = 0,
                  speculative_model: str | Path | None = None):
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
@@ -96,7 +97,8 @@ class DecoderEngine:
         if max_loras:
             from surge.engines.decoder.lora import LoraBank
 
-            self.lora = LoraBank(self.cfg, max_loras, max_lora_rank, self.device, self.dtype, kernel=lora_kernel)
+            self.lora = LoraBank(self.cfg, max_loras, max_lora_rank, self.device, self.dtype, kernel=lora_kernel,
+                                 join=lora_join)
         self.model = DecoderModel(self.cfg, weights, self.device, self.dtype,
                                   attention=attention or ("triton" if cuda else "torch"), fused=fused,
                                   decode_block_n=decode_block_n, decode_gemm=decode_gemm,

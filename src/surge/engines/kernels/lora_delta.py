@@ -24,6 +24,8 @@ order, the tiles' MMAs compute each row independently), so it does not depend on
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -33,6 +35,31 @@ from surge.engines.kernels.pdl import launch_kw, wait_then_release
 BLOCK_M = 64
 BLOCK_N = 64
 BLOCK_K = 128
+
+
+class LoraOperands(NamedTuple):
+    """A module's stacked slots and the rows' slots, for a GEMM kernel that joins the deltas (tile_deltas)."""
+    a: torch.Tensor  # [S * width, K]
+    b: torch.Tensor  # [N, S * width]
+    slots: torch.Tensor  # [M] each row's slot, 0 for none
+    width: int
+
+
+def lora_args(lora: LoraOperands | None, x: torch.Tensor, n: int, dummy: torch.Tensor) -> dict:
+    """The LoRA arguments of a GEMM kernel that takes them (la, lb, slots, R, W, their strides; LORA,
+    BLOCK_R), checked against the GEMM's x [M, K] and N; without lora, placeholders the kernel never reads."""
+    if lora is None:
+        return {"args": (dummy, dummy, dummy, 0, 1, 0, 0), "constexprs": {"LORA": False, "BLOCK_R": 16}}
+    a, b, slots, width = lora
+    m, k = x.shape
+    if a.shape[1] != k or b.shape != (n, a.shape[0]) or slots.shape != (m,) or a.shape[0] % width:
+        raise ValueError(f"LoRA operands do not fit the GEMM: x {list(x.shape)}, N {n}, a {list(a.shape)}, "
+                         f"b {list(b.shape)}, slots {list(slots.shape)}, width {width}")
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError("a and b must have contiguous rows")
+    r = a.shape[0]
+    return {"args": (a, b, slots, r, width, a.stride(0), b.stride(0)),
+            "constexprs": {"LORA": True, "BLOCK_R": _block_r(r)}}
 
 
 K_SPLIT = 256  # K a shrink program sums: Qwen2-0.5B's K = 896 in 4 splits, 4864 in 19
@@ -104,6 +131,75 @@ def _lora_expand(ws_ptr, b_ptr, slot_ptr, out_ptr, M, N, R, W, SPLITS, stride_bn
         o = tl.load(o_ptrs, mask=o_ok, other=0.0)
         y = o.to(tl.float32) + d.to(DT).to(tl.float32)
         tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=o_ok)
+
+
+@triton.jit
+def row_slots(slot_ptr, offs_m, m_ok, LORA: tl.constexpr):
+    """The rows' LoRA slots (0: none; all 0 without LORA)."""
+    if LORA:
+        slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=0).to(tl.int32)
+    else:
+        slot = tl.zeros_like(offs_m)
+    return slot
+
+
+@triton.jit
+def _dot_t(p, q, acc, SWAP: tl.constexpr):
+    """acc + p @ q^T, or its transpose (q @ p^T) with SWAP (the GEMM tiles' two layouts)."""
+    if SWAP:
+        out = tl.dot(q, tl.trans(p), acc)
+    else:
+        out = tl.dot(p, tl.trans(q), acc)
+    return out
+
+
+@triton.jit
+def tile_deltas(acc1, acc2, x_ptr, stride_xm, la_ptr, stride_la, lb_ptr, stride_lb, slot, offs_m, m_ok, offs_n1,
+                offs_n2, n_ok, k_lo, k_hi, R, W, TWO: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+    """A GEMM tile's FP32 sums over K [k_lo, k_hi) plus its rows' LoRA deltas over the same K range, inside
+    the GEMM's own kernel (kernels/splitk_gemm.py, kernels/gate_up.py): no launch, no side stream.
+
+    The delta is linear in K, so a split-K program adds the share of its K range and the splits' sum is the
+    whole delta: t = x[:, k] A[:, k]^T for the chunks of the stacked rank some row of the tile owns (the
+    others are exact zeros: skipped), zeroed where a row's slot does not own the column, rounded to the
+    activations' dtype, times B's rows of the tile (offs_n1; with TWO also offs_n2 into acc2: gate/up's
+    two halves share one x A^T). Tiles are [BLOCK_M, BLOCK_N], or transposed with SWAP. A row without a
+    slot keeps its sums' bits; a row's delta depends on that row alone."""
+    DT = lb_ptr.dtype.element_ty
+    if tl.max(slot, 0) > 0:
+        d1 = tl.zeros_like(acc1)
+        d2 = tl.zeros_like(acc2)
+        for r0 in range(0, R, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            r_ok = offs_r < R
+            hit, any_hit = _chunk_hit(slot, offs_r, R, W)
+            if any_hit:
+                t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                for k0 in range(k_lo, k_hi, BLOCK_K):
+                    offs_k = k0 + tl.arange(0, BLOCK_K)
+                    k_ok = offs_k < k_hi
+                    xk = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                                 mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                    ak = tl.load(la_ptr + offs_r[:, None].to(tl.int64) * stride_la + offs_k[None, :],
+                                 mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+                    t = tl.dot(xk, tl.trans(ak), t)
+                t = tl.where(hit, t.to(DT), tl.zeros_like(t).to(DT))
+                b1 = tl.load(lb_ptr + offs_n1[:, None].to(tl.int64) * stride_lb + offs_r[None, :],
+                             mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+                d1 = _dot_t(t, b1, d1, SWAP)
+                if TWO:
+                    b2 = tl.load(lb_ptr + offs_n2[:, None].to(tl.int64) * stride_lb + offs_r[None, :],
+                                 mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+                    d2 = _dot_t(t, b2, d2, SWAP)
+        has = slot > 0
+        if SWAP:
+            acc1 = tl.where(has[None, :], acc1 + d1, acc1)
+            acc2 = tl.where(has[None, :], acc2 + d2, acc2)
+        else:
+            acc1 = tl.where(has[:, None], acc1 + d1, acc1)
+            acc2 = tl.where(has[:, None], acc2 + d2, acc2)
+    return acc1, acc2
 
 
 def lora_add_(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
