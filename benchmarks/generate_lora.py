@@ -14,7 +14,7 @@ GenerateService.stream (the routes' API) with EOS ignored:
   mixes them);
 * on a GPU also: adapter rows with the deltas in two kernels of their own a module (a shrink on a side
   stream, an expand: `lora_join=False`, session 32's form) instead of joined inside the decode GEMMs'
-  kernels (kernels/lora_delta.tile_deltas), and through the torch form of the deltas (five kernels a
+  kernels (kernels/lora_delta.join_deltas), and through the torch form of the deltas (five kernels a
   module), the engine built with `lora_kernel=False`.
 
 Reported: output tokens/s (median of rounds), time per output token p50, and each row against the first.

@@ -140,10 +140,11 @@ def _gemm_cases():
     from surge.engines.kernels.splitk_gemm import PLANS, SplitKPlan
 
     # (kind, plan, M, K, N of the weight, slots, width): the engine's measured Qwen2-0.5B / Llama-1B plans (TMA and
-    # pointer, swapped and not), one K step and several, ranks past one 64-wide chunk, a short batch
+    # pointer, swapped and not; pipelines shortened for A's tiles), one K step and several, up to JOIN_MAX_R = 128
+    # stacked columns (120: not a power of two), a short batch
     return [("splitk", PLANS[1152, 896], 64, 896, 1152, 2, 48), ("splitk", PLANS[896, 896], 64, 896, 896, 4, 16),
             ("splitk", PLANS[896, 4864], 37, 4864, 896, 3, 32), ("splitk", PLANS[2048, 8192], 64, 8192, 2048, 2, 16),
-            ("splitk", SplitKPlan(64, 128, 3, swap=True), 5, 512, 200, 8, 24),
+            ("splitk", SplitKPlan(64, 128, 3, swap=True), 5, 512, 200, 5, 24),
             ("gate_up", GateUpPlan(64, 128, num_stages=4, tma=True), 64, 896, 2 * 4864, 2, 32),
             ("gate_up", GateUpPlan(32, 128, num_stages=3), 19, 896, 2 * 4864, 4, 32),
             ("gate_up", GateUpPlan(32, 64, swap=True), 64, 256, 2 * 512, 3, 40)]
@@ -168,8 +169,7 @@ def test_gemm_kernels_join_the_deltas(case):
     """The split-K GEMM and the one-kernel gate/up with the LoRA operands (each split adding its K range's share,
     gate/up's halves before the SiLU): against float64 as close as the two-kernel delta on top of the same GEMM
     is; base rows' bits those of the GEMM without LoRA; a row's bits alone = in its mixed batch = in a batch
-    where only its slot is used (the other chunks skipped); PDL and a CUDA graph replay (slots read at replay)
-    give the same bits."""
+    where only its slot is used; PDL and a CUDA graph replay (slots read at replay) give the same bits."""
     from surge.engines.kernels import pdl
     from surge.engines.kernels.lora_delta import LoraOperands, lora_add_
     from surge.engines.kernels.splitk_gemm import reduce_partials
@@ -230,3 +230,23 @@ def test_gemm_kernels_refuse_lora_operands_that_do_not_fit():
         _gemm("splitk", PLANS[896, 896], x, w, LoraOperands(a, b[:100], rows, 16))
     with pytest.raises(ValueError, match="do not fit"):
         _gemm("splitk", PLANS[896, 896], x, w, LoraOperands(a, b, rows[:4], 16))
+    x, a, b, rows, _ = _inputs(8, 896, 896, 9, 16, seed=4)  # 144 stacked columns
+    with pytest.raises(ValueError, match="at most 128"):
+        _gemm("splitk", PLANS[896, 896], x, w, LoraOperands(a, b, rows, 16))
+
+
+def test_a_bank_past_the_join_limit_takes_the_two_kernels(tmp_path):
+    """LoraStep.operands: the joined form where a module's stacked rank fits JOIN_MAX_R, None (the two delta
+    kernels) past it, and None when the bank is told not to join."""
+    from surge.engines.decoder.lora import LoraBank
+    from surge.models.decoder import load_decoder_config
+    from tests.decoder_models import build_model
+
+    cfg = load_decoder_config(build_model("qwen2", tmp_path / "m", seed=1, hidden_size=256, intermediate_size=512))
+    slots = torch.zeros(4, dtype=torch.long, device="cuda")
+    two = LoraBank(cfg, 2, 16, "cuda", torch.bfloat16).step(slots)  # qkv 2 x 48 = 96 columns, the rest 32-64
+    assert all(two.operands(0, m) is not None for m in two.bank.width)
+    three = LoraBank(cfg, 3, 16, "cuda", torch.bfloat16).step(slots)  # qkv 144 columns, up_gate 96, o / down 48
+    assert three.operands(0, "qkv") is None and three.operands(0, "o") is not None
+    apart = LoraBank(cfg, 2, 16, "cuda", torch.bfloat16, join=False).step(slots)
+    assert all(apart.operands(0, m) is None for m in apart.bank.width)

@@ -14,10 +14,11 @@ vLLM's default of one slot of rank 16 is 16 columns of extra GEMM per module. Lo
 writes its slot in place, so captured graphs stay valid.
 
 On a GPU in BF16 / FP16, at decode sizes, the deltas are joined inside the module's own GEMM kernel
-(split-K or the one-kernel gate/up: kernels/lora_delta.tile_deltas, the mask built from the rows'
-slots in the kernel, chunks of slots no row uses skipped); other GPU products take them from two
-Triton kernels (a shrink on a side stream beside the GEMM, an expand added to its product in
-place); elsewhere (the CPU, FP32) the torch form above, its masks built once a step.
+(split-K or the one-kernel gate/up: x A^T summed in the GEMM's own K loop, the mask built from the
+rows' slots in the kernel; kernels/lora_delta.join_deltas) where the module's stacked rank is at most
+lora_delta.JOIN_MAX_R columns; other GPU products take them from two Triton kernels (a shrink on a
+side stream beside the GEMM, an expand added to its product in place, chunks of slots no row uses
+skipped); elsewhere (the CPU, FP32) the torch form above, its masks built once a step.
 """
 
 from __future__ import annotations
@@ -108,13 +109,17 @@ class LoraStep:
 
     def operands(self, layer: int, module: str):
         """The module's slots and the rows' slots for a GEMM kernel that joins the deltas itself
-        (kernels/lora_delta.LoraOperands), or None where the bank runs the torch form (or is told not to join)."""
-        if not (self.bank.kernel and self.bank.join):
-            return None
-        from surge.engines.kernels.lora_delta import LoraOperands
-
+        (kernels/lora_delta.LoraOperands), or None where the bank runs the torch form, is told not to
+        join, or stacks more than lora_delta.JOIN_MAX_R columns for the module."""
         bank = self.bank
-        return LoraOperands(bank.a[layer, module], bank.b[layer, module], self.adapters, bank.width[module])
+        if not (bank.kernel and bank.join):
+            return None
+        from surge.engines.kernels.lora_delta import JOIN_MAX_R, LoraOperands
+
+        a = bank.a[layer, module]
+        if a.shape[0] > JOIN_MAX_R:  # more slots x rank than a GEMM's registers hold: the two delta kernels
+            return None
+        return LoraOperands(a, bank.b[layer, module], self.adapters, bank.width[module])
 
     def begin(self, x: torch.Tensor, layer: int, module: str) -> "PendingDelta":
         """Start a module's delta before its product is computed: with the kernels, x A^T runs on a side

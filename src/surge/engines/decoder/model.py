@@ -177,7 +177,7 @@ class DecoderModel:
 
     def _proj_lora(self, x: torch.Tensor, layer: int, module: str, masks, bias: torch.Tensor | None = None):
         """`_proj` plus the rows' LoRA deltas: at decode sizes joined inside the split-K GEMM (each split
-        adds its K range's share: kernels/lora_delta.tile_deltas; no launch of their own), else added to
+        adds its K range's share: kernels/lora_delta.join_deltas; no launch of their own), else added to
         the plain product (a side-stream shrink and an expand kernel, or the torch form)."""
         name = f"l{layer}.{module}"
         plan = self._splitk_plan(x, name) if masks is not None else None

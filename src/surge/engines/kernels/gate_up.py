@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from surge.engines.kernels import tma
-from surge.engines.kernels.lora_delta import LoraOperands, lora_args, row_slots as _row_slots, tile_deltas
+from surge.engines.kernels.lora_delta import (LoraOperands, join_deltas, join_stages, lora_a, lora_args, lora_b,
+                                              row_slots)
 from surge.engines.kernels.pdl import launch_kw, prefetch_l2, wait_then_release
 
 BLOCK_M = 64  # one M tile holds a whole decode batch: the weights are read once
@@ -122,7 +123,14 @@ def _gate_up(a_ptr, w_ptr, out_ptr, M, I, K, stride_am, stride_wn, stride_om, la
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
     g_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     u_ptrs = g_ptrs + I.to(tl.int64) * stride_wn
-    slot = _row_slots(slot_ptr, offs_m, m_ok, LORA)  # step metadata: read before the wait
+    # LoRA (kernels/lora_delta.py): the rows' slots (step metadata) and B's gate and up rows before the wait
+    slot = row_slots(slot_ptr, offs_m, m_ok, LORA)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < R
+    if LORA:
+        bg = lora_b(lb_ptr, stride_lb, offs_n, n_ok, offs_r, r_ok)
+        bu = lora_b(lb_ptr, stride_lb, I + offs_n, n_ok, offs_r, r_ok)
+    t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     if PDL:
         _prefetch_gate_up_rows(w_ptr, offs_n, I, K, stride_wn, LINES)
     wait_then_release(PDL)
@@ -133,29 +141,30 @@ def _gate_up(a_ptr, w_ptr, out_ptr, M, I, K, stride_am, stride_wn, stride_om, la
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - i * BLOCK_K
         if EVEN_K:
             a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
             g = tl.load(g_ptrs, mask=n_ok[:, None], other=0.0)
             u = tl.load(u_ptrs, mask=n_ok[:, None], other=0.0)
         else:
-            k_ok = offs_k < K - i * BLOCK_K
             a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             g = tl.load(g_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc_g = mma(a, g, acc_g, SWAP)
         acc_u = mma(a, u, acc_u, SWAP)
+        if LORA:
+            t = tl.dot(a, tl.trans(lora_a(la_ptr, stride_la, offs_r, r_ok, offs_k + i * BLOCK_K, k_ok)), t)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
     if LORA:  # the deltas join each half's FP32 sum, rounded with it
-        acc_g, acc_u = tile_deltas(acc_g, acc_u, a_ptr, stride_am, la_ptr, stride_la, lb_ptr, stride_lb, slot, offs_m,
-                                   m_ok, offs_n, I + offs_n, n_ok, 0, K, R, W, True, SWAP, BLOCK_M, BLOCK_K, BLOCK_R)
+        acc_g, acc_u = join_deltas(acc_g, acc_u, t, bg, bu, slot, offs_r, R, W, True, SWAP)
     _silu_mul_store(acc_g, acc_u, out_ptr, offs_m, offs_n, m_ok, n_ok, stride_om, SWAP)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gate_up_tma(a_desc, w_desc, w_ptr, out_ptr, M, I, K, stride_wn, stride_om, a_ptr, stride_am, la_ptr, lb_ptr,
-                 slot_ptr, R, W, stride_la, stride_lb, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
+def _gate_up_tma(a_desc, w_desc, w_ptr, out_ptr, M, I, K, stride_wn, stride_om, la_ptr, lb_ptr, slot_ptr, R, W,
+                 stride_la, stride_lb, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr,
                  LORA: tl.constexpr, BLOCK_R: tl.constexpr):
     """_gate_up with x and W read by TMA: tiles past M or K arrive as zeros, as _gate_up's masks load
@@ -167,7 +176,13 @@ def _gate_up_tma(a_desc, w_desc, w_ptr, out_ptr, M, I, K, stride_wn, stride_om, 
     n0 = pid_n * BLOCK_N
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    slot = _row_slots(slot_ptr, offs_m, offs_m < M, LORA)
+    slot = row_slots(slot_ptr, offs_m, offs_m < M, LORA)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < R
+    if LORA:
+        bg = lora_b(lb_ptr, stride_lb, offs_n, offs_n < I, offs_r, r_ok)
+        bu = lora_b(lb_ptr, stride_lb, I + offs_n, offs_n < I, offs_r, r_ok)
+    t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     if PDL:
         _prefetch_gate_up_rows(w_ptr, offs_n, I, K, stride_wn, LINES)
     wait_then_release(PDL)
@@ -181,10 +196,11 @@ def _gate_up_tma(a_desc, w_desc, w_ptr, out_ptr, M, I, K, stride_wn, stride_om, 
         a = a_desc.load([m0, i * BLOCK_K])
         acc_g = mma(a, w_desc.load([n0, i * BLOCK_K]), acc_g, SWAP)
         acc_u = mma(a, w_desc.load([I + n0, i * BLOCK_K]), acc_u, SWAP)
+        if LORA:
+            offs_k = i * BLOCK_K + tl.arange(0, BLOCK_K)
+            t = tl.dot(a, tl.trans(lora_a(la_ptr, stride_la, offs_r, r_ok, offs_k, offs_k < K)), t)
     if LORA:
-        acc_g, acc_u = tile_deltas(acc_g, acc_u, a_ptr, stride_am, la_ptr, stride_la, lb_ptr, stride_lb, slot, offs_m,
-                                   offs_m < M, offs_n, I + offs_n, offs_n < I, 0, K, R, W, True, SWAP, BLOCK_M,
-                                   BLOCK_K, BLOCK_R)
+        acc_g, acc_u = join_deltas(acc_g, acc_u, t, bg, bu, slot, offs_r, R, W, True, SWAP)
     _silu_mul_store(acc_g, acc_u, out_ptr, offs_m, offs_n, offs_m < M, offs_n < I, stride_om, SWAP)
 
 
@@ -195,7 +211,8 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, plan: GateUpPlan, pdl: bool =
     A plan with `tma` reads x and W through TMA where kernels/tma.usable allows and I is a multiple of its
     BLOCK_N (else pointer loads: the same bits). pdl: a programmatic dependent launch, the weights
     prefetched into L2 before the wait. lora: the rows' LoRA deltas of the fused gate/up module (b [2I, R]),
-    joined to each half's FP32 sum before the SiLU (lora_delta.tile_deltas), in the same kernel."""
+    joined to each half's FP32 sum before the SiLU in the same kernel (kernels/lora_delta.py; the plan's
+    pipeline depth may drop: lora_delta.join_stages)."""
     m, k = x.shape
     two_i = w.shape[0]
     if two_i % 2 or w.shape[1] != k:
@@ -206,18 +223,19 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, plan: GateUpPlan, pdl: bool =
         x = x.contiguous()
     i = two_i // 2
     lkw = lora_args(lora, x, two_i, w)
+    stages = join_stages(plan.num_stages, plan.block_k, BLOCK_M + 2 * plan.block_n, lora)
     out = torch.empty((m, i), device=x.device, dtype=x.dtype)
     grid = (triton.cdiv(i, plan.block_n), triton.cdiv(m, BLOCK_M))
     lines = triton.next_power_of_2(triton.cdiv(k * w.element_size(), 128))
     if plan.tma and i % plan.block_n == 0 and tma.usable(x, w):
         _gate_up_tma[grid](tma.descriptor(x, (BLOCK_M, plan.block_k)), tma.descriptor(w, (plan.block_n, plan.block_k)),
-                           w, out, m, i, k, w.stride(0), out.stride(0), x, x.stride(0), *lkw["args"], SWAP=plan.swap,
+                           w, out, m, i, k, w.stride(0), out.stride(0), *lkw["args"], SWAP=plan.swap,
                            BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, PDL=pdl, LINES=lines,
-                           **lkw["constexprs"], num_warps=plan.num_warps, num_stages=plan.num_stages,
+                           **lkw["constexprs"], num_warps=plan.num_warps, num_stages=stages,
                            **launch_kw(pdl))
         return out
     _gate_up[grid](x, w, out, m, i, k, x.stride(0), w.stride(0), out.stride(0), *lkw["args"],
                    EVEN_K=k % plan.block_k == 0, SWAP=plan.swap, BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n,
                    BLOCK_K=plan.block_k, PDL=pdl, LINES=lines, **lkw["constexprs"], num_warps=plan.num_warps,
-                   num_stages=plan.num_stages, **launch_kw(pdl))
+                   num_stages=stages, **launch_kw(pdl))
     return out

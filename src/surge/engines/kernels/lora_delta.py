@@ -38,7 +38,7 @@ BLOCK_K = 128
 
 
 class LoraOperands(NamedTuple):
-    """A module's stacked slots and the rows' slots, for a GEMM kernel that joins the deltas (tile_deltas)."""
+    """A module's stacked slots and the rows' slots, for a GEMM kernel that joins the deltas (join_deltas)."""
     a: torch.Tensor  # [S * width, K]
     b: torch.Tensor  # [N, S * width]
     slots: torch.Tensor  # [M] each row's slot, 0 for none
@@ -58,8 +58,26 @@ def lora_args(lora: LoraOperands | None, x: torch.Tensor, n: int, dummy: torch.T
     if a.stride(1) != 1 or b.stride(1) != 1:
         raise ValueError("a and b must have contiguous rows")
     r = a.shape[0]
+    if r > JOIN_MAX_R:
+        raise ValueError(f"{r} stacked LoRA columns: a GEMM joins at most {JOIN_MAX_R} (the two delta kernels "
+                         "take more)")
     return {"args": (a, b, slots, r, width, a.stride(0), b.stride(0)),
-            "constexprs": {"LORA": True, "BLOCK_R": _block_r(r)}}
+            "constexprs": {"LORA": True, "BLOCK_R": join_block_r(r)}}
+
+
+def join_block_r(r: int) -> int:
+    return max(16, triton.next_power_of_2(r))
+
+
+def join_stages(stages: int, block_k: int, tile_rows: int, lora: LoraOperands | None, budget: int = 200 * 1024) -> int:
+    """A plan's pipeline depth, less where A's tiles (join_block_r rows a K step) would overflow shared memory:
+    tile_rows is what a stage holds already (x's rows plus the weight rows), 16-bit elements."""
+    if lora is None:
+        return stages
+    per_stage = (tile_rows + join_block_r(lora.a.shape[0])) * block_k * 2
+    while stages > 1 and stages * per_stage > budget:
+        stages -= 1
+    return stages
 
 
 K_SPLIT = 256  # K a shrink program sums: Qwen2-0.5B's K = 896 in 4 splits, 4864 in 19
@@ -143,6 +161,31 @@ def row_slots(slot_ptr, offs_m, m_ok, LORA: tl.constexpr):
     return slot
 
 
+# A GEMM kernel that joins the deltas (kernels/splitk_gemm.py, kernels/gate_up.py) walks its K range as it
+# always does and, in the same loop, sums t = x[:, k] A[:, k]^T from the x tile it already holds and A's
+# tile of the step (lora_a); after the loop join_deltas masks t to each row's own slot, rounds it and adds
+# t B^T to the sums. The delta is linear in K, so a split-K program adds the share of its K range and the
+# splits' sum is the whole delta. Nothing walks K a second time and the stacked A and B are weights (read
+# before the PDL wait where the kernel reads its own weights there): the join costs the kernel one more
+# MMA a K step and one after the loop, no launch, no side stream. All of the stacked rank is computed (no
+# chunk skipping): JOIN_MAX_R bounds it; a bank with more columns takes the two kernels above.
+JOIN_MAX_R = 128
+
+
+@triton.jit
+def lora_a(la_ptr, stride_la, offs_r, r_ok, offs_k, k_ok):
+    """A's [BLOCK_R, BLOCK_K] tile of the K step at offs_k (zeros past R or K)."""
+    return tl.load(la_ptr + offs_r[:, None].to(tl.int64) * stride_la + offs_k[None, :],
+                   mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+
+
+@triton.jit
+def lora_b(lb_ptr, stride_lb, offs_n, n_ok, offs_r, r_ok):
+    """B's rows of the tile, [BLOCK_N, BLOCK_R]."""
+    return tl.load(lb_ptr + offs_n[:, None].to(tl.int64) * stride_lb + offs_r[None, :],
+                   mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+
+
 @triton.jit
 def _dot_t(p, q, acc, SWAP: tl.constexpr):
     """acc + p @ q^T, or its transpose (q @ p^T) with SWAP (the GEMM tiles' two layouts)."""
@@ -154,51 +197,21 @@ def _dot_t(p, q, acc, SWAP: tl.constexpr):
 
 
 @triton.jit
-def tile_deltas(acc1, acc2, x_ptr, stride_xm, la_ptr, stride_la, lb_ptr, stride_lb, slot, offs_m, m_ok, offs_n1,
-                offs_n2, n_ok, k_lo, k_hi, R, W, TWO: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
-    """A GEMM tile's FP32 sums over K [k_lo, k_hi) plus its rows' LoRA deltas over the same K range, inside
-    the GEMM's own kernel (kernels/splitk_gemm.py, kernels/gate_up.py): no launch, no side stream.
-
-    The delta is linear in K, so a split-K program adds the share of its K range and the splits' sum is the
-    whole delta: t = x[:, k] A[:, k]^T for the chunks of the stacked rank some row of the tile owns (the
-    others are exact zeros: skipped), zeroed where a row's slot does not own the column, rounded to the
-    activations' dtype, times B's rows of the tile (offs_n1; with TWO also offs_n2 into acc2: gate/up's
-    two halves share one x A^T). Tiles are [BLOCK_M, BLOCK_N], or transposed with SWAP. A row without a
-    slot keeps its sums' bits; a row's delta depends on that row alone."""
-    DT = lb_ptr.dtype.element_ty
-    if tl.max(slot, 0) > 0:
-        d1 = tl.zeros_like(acc1)
-        d2 = tl.zeros_like(acc2)
-        for r0 in range(0, R, BLOCK_R):
-            offs_r = r0 + tl.arange(0, BLOCK_R)
-            r_ok = offs_r < R
-            hit, any_hit = _chunk_hit(slot, offs_r, R, W)
-            if any_hit:
-                t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                for k0 in range(k_lo, k_hi, BLOCK_K):
-                    offs_k = k0 + tl.arange(0, BLOCK_K)
-                    k_ok = offs_k < k_hi
-                    xk = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-                                 mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                    ak = tl.load(la_ptr + offs_r[:, None].to(tl.int64) * stride_la + offs_k[None, :],
-                                 mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-                    t = tl.dot(xk, tl.trans(ak), t)
-                t = tl.where(hit, t.to(DT), tl.zeros_like(t).to(DT))
-                b1 = tl.load(lb_ptr + offs_n1[:, None].to(tl.int64) * stride_lb + offs_r[None, :],
-                             mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-                d1 = _dot_t(t, b1, d1, SWAP)
-                if TWO:
-                    b2 = tl.load(lb_ptr + offs_n2[:, None].to(tl.int64) * stride_lb + offs_r[None, :],
-                                 mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-                    d2 = _dot_t(t, b2, d2, SWAP)
-        has = slot > 0
-        if SWAP:
-            acc1 = tl.where(has[None, :], acc1 + d1, acc1)
-            acc2 = tl.where(has[None, :], acc2 + d2, acc2)
-        else:
-            acc1 = tl.where(has[:, None], acc1 + d1, acc1)
-            acc2 = tl.where(has[:, None], acc2 + d2, acc2)
+def join_deltas(acc1, acc2, t, b1, b2, slot, offs_r, R, W, TWO: tl.constexpr, SWAP: tl.constexpr):
+    """The tile's sums plus its rows' deltas: t ([BLOCK_M, BLOCK_R], the FP32 x A^T of the kernel's K range)
+    zeroed where a row's slot does not own the column, rounded to the activations' dtype, times B's rows
+    b1 (and b2 into acc2 with TWO: gate/up's halves share one x A^T). Tiles [BLOCK_M, BLOCK_N], transposed
+    with SWAP. A row without a slot keeps its sums' bits; a row's delta depends on that row alone."""
+    hit = (slot[:, None] == (offs_r // W + 1)[None, :]) & (offs_r < R)[None, :]
+    tm = tl.where(hit, t.to(b1.dtype), tl.zeros_like(t).to(b1.dtype))
+    has = slot > 0
+    if SWAP:
+        has2 = has[None, :]
+    else:
+        has2 = has[:, None]
+    acc1 = tl.where(has2, _dot_t(tm, b1, acc1, SWAP), acc1)
+    if TWO:
+        acc2 = tl.where(has2, _dot_t(tm, b2, acc2, SWAP), acc2)
     return acc1, acc2
 
 

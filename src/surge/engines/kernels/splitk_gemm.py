@@ -23,7 +23,8 @@ import triton.language as tl
 
 from surge.engines.kernels import tma
 from surge.engines.kernels.gate_up import mma
-from surge.engines.kernels.lora_delta import LoraOperands, lora_args, row_slots as _row_slots, tile_deltas
+from surge.engines.kernels.lora_delta import (LoraOperands, join_deltas, join_stages, lora_a, lora_args, lora_b,
+                                              row_slots)
 from surge.engines.kernels.pdl import launch_kw, prefetch_l2, wait_then_release
 
 BLOCK_M = 64  # rows of every program: one M tile holds a whole decode batch (the weights are read once)
@@ -110,18 +111,6 @@ def _store_partials(acc, ws_ptr, pid_s, M, N, offs_m, offs_n, SWAP: tl.constexpr
         tl.store(ws + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
-def _lora_share(acc, a_ptr, stride_am, la_ptr, lb_ptr, stride_la, stride_lb, slot, offs_m, m_ok, offs_n, n_ok, pid_s,
-                K, R, W, K_SPLIT: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                BLOCK_R: tl.constexpr):
-    """This split's share of the rows' LoRA deltas (its K range), into its partial sums."""
-    k_lo = pid_s * K_SPLIT
-    acc, _ = tile_deltas(acc, acc, a_ptr, stride_am, la_ptr, stride_la, lb_ptr, stride_lb, slot, offs_m, m_ok, offs_n,
-                         offs_n, n_ok, k_lo, tl.minimum(K, k_lo + K_SPLIT), R, W, False, SWAP, BLOCK_M, BLOCK_K,
-                         BLOCK_R)
-    return acc
-
-
 @triton.jit(do_not_specialize=["M"])
 def _partials(a_ptr, w_ptr, ws_ptr, M, N, K, stride_am, stride_wn, la_ptr, lb_ptr, slot_ptr, R, W, stride_la,
               stride_lb, K_SPLIT: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr,
@@ -135,7 +124,13 @@ def _partials(a_ptr, w_ptr, ws_ptr, M, N, K, stride_am, stride_wn, la_ptr, lb_pt
     offs_k = pid_s * K_SPLIT + tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    slot = _row_slots(slot_ptr, offs_m, m_ok, LORA)  # step metadata: read before the wait
+    # LoRA (kernels/lora_delta.py): the rows' slots (step metadata) and B's rows (weights) before the wait
+    slot = row_slots(slot_ptr, offs_m, m_ok, LORA)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < R
+    if LORA:
+        b = lora_b(lb_ptr, stride_lb, offs_n, n_ok, offs_r, r_ok)
+    t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     if SWAP:
@@ -144,44 +139,50 @@ def _partials(a_ptr, w_ptr, ws_ptr, M, N, K, stride_am, stride_wn, la_ptr, lb_pt
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PDL and K_SPLIT == BLOCK_K:
         # one K step: the program's whole weight tile is read while the predecessor still runs
+        k_ok = offs_k < K
         if EVEN_K:
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
         else:
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & (offs_k[None, :] < K), other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if LORA:
+            la = lora_a(la_ptr, stride_la, offs_r, r_ok, offs_k, k_ok)
         wait_then_release(PDL)
         if EVEN_K:
             a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
         else:
-            a = tl.load(a_ptrs, mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0)
+            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         acc = mma(a, w, acc, SWAP)
+        if LORA:
+            t = tl.dot(a, tl.trans(la), t)
     else:
         if PDL:  # several K steps: the weight slice's 128-byte lines into L2 before the wait
             _prefetch_slice(w_ptr, offs_n, N, K, pid_s * K_SPLIT, stride_wn, K_SPLIT, LINES)
         wait_then_release(PDL)
         for i in range(0, K_SPLIT // BLOCK_K):
+            k_ok = offs_k < K - i * BLOCK_K
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
                 w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
             else:
-                k_ok = offs_k < K - i * BLOCK_K
                 a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc = mma(a, w, acc, SWAP)
+            if LORA:
+                t = tl.dot(a, tl.trans(lora_a(la_ptr, stride_la, offs_r, r_ok, offs_k + i * BLOCK_K, k_ok)), t)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-    if LORA:
-        acc = _lora_share(acc, a_ptr, stride_am, la_ptr, lb_ptr, stride_la, stride_lb, slot, offs_m, m_ok, offs_n,
-                          n_ok, pid_s, K, R, W, K_SPLIT, SWAP, BLOCK_M, BLOCK_K, BLOCK_R)
+    if LORA:  # this split's share of the rows' deltas (its K range), into its partial sums
+        acc, _ = join_deltas(acc, acc, t, b, b, slot, offs_r, R, W, False, SWAP)
     _store_partials(acc, ws_ptr, pid_s, M, N, offs_m, offs_n, SWAP)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _partials_tma(a_desc, w_desc, w_ptr, ws_ptr, M, N, K, stride_wn, a_ptr, stride_am, la_ptr, lb_ptr, slot_ptr, R,
-                  W, stride_la, stride_lb, K_SPLIT: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
+def _partials_tma(a_desc, w_desc, w_ptr, ws_ptr, M, N, K, stride_wn, la_ptr, lb_ptr, slot_ptr, R, W, stride_la,
+                  stride_lb, K_SPLIT: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr,
                   LORA: tl.constexpr, BLOCK_R: tl.constexpr):
     """_partials with both operands read by TMA: tiles past M, N or K arrive as zeros, as the pointer
-    kernel's masks load them, so the sums are the same bit for bit."""
+    kernel's masks load them, so the sums are the same bit for bit (A's LoRA tiles by pointer, masked)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -190,7 +191,12 @@ def _partials_tma(a_desc, w_desc, w_ptr, ws_ptr, M, N, K, stride_wn, a_ptr, stri
     k0 = pid_s * K_SPLIT
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    slot = _row_slots(slot_ptr, offs_m, offs_m < M, LORA)
+    slot = row_slots(slot_ptr, offs_m, offs_m < M, LORA)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < R
+    if LORA:
+        b = lora_b(lb_ptr, stride_lb, offs_n, offs_n < N, offs_r, r_ok)
+    t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     if PDL:  # the weight slice's lines into L2 before the wait, as _partials asks for them
         _prefetch_slice(w_ptr, offs_n, N, K, k0, stride_wn, K_SPLIT, LINES)
     wait_then_release(PDL)
@@ -202,9 +208,11 @@ def _partials_tma(a_desc, w_desc, w_ptr, ws_ptr, M, N, K, stride_wn, a_ptr, stri
         a = a_desc.load([m0, k0 + i * BLOCK_K])
         w = w_desc.load([n0, k0 + i * BLOCK_K])
         acc = mma(a, w, acc, SWAP)
+        if LORA:
+            offs_k = k0 + i * BLOCK_K + tl.arange(0, BLOCK_K)
+            t = tl.dot(a, tl.trans(lora_a(la_ptr, stride_la, offs_r, r_ok, offs_k, offs_k < K)), t)
     if LORA:
-        acc = _lora_share(acc, a_ptr, stride_am, la_ptr, lb_ptr, stride_la, stride_lb, slot, offs_m, offs_m < M,
-                          offs_n, offs_n < N, pid_s, K, R, W, K_SPLIT, SWAP, BLOCK_M, BLOCK_K, BLOCK_R)
+        acc, _ = join_deltas(acc, acc, t, b, b, slot, offs_r, R, W, False, SWAP)
     _store_partials(acc, ws_ptr, pid_s, M, N, offs_m, offs_n, SWAP)
 
 
@@ -234,12 +242,15 @@ def partials(a: torch.Tensor, w: torch.Tensor, plan: SplitKPlan, out: torch.Tens
     same partials bit for bit). pdl: launched with programmatic dependent launch, the weights read (one
     K step) or prefetched into L2 (several) before waiting for the kernel that wrote `a` (kernels/pdl.py).
     lora: the rows' LoRA deltas joined in the same kernel, each split adding the share of its K range
-    (lora_delta.tile_deltas); the partials then sum to the product plus each row's own adapter's delta."""
+    (kernels/lora_delta.py: x A^T summed in the same K loop, joined after it); the partials then sum to the
+    product plus each row's own adapter's delta. A plan's pipeline depth may drop where A's tiles need the
+    shared memory (lora_delta.join_stages)."""
     m, k = a.shape
     n = w.shape[0]
     if a.stride(1) != 1:
         a = a.contiguous()
     lkw = lora_args(lora, a, n, w)
+    stages = join_stages(plan.num_stages, plan.block_k, BLOCK_M + plan.block_n, lora)
     ks = plan.k_split(k)
     s = triton.cdiv(k, ks)
     if out is None:
@@ -248,14 +259,14 @@ def partials(a: torch.Tensor, w: torch.Tensor, plan: SplitKPlan, out: torch.Tens
     lines = triton.next_power_of_2(triton.cdiv(ks * w.element_size(), 128))
     if plan.tma and tma.usable(a, w):
         _partials_tma[grid](tma.descriptor(a, (BLOCK_M, plan.block_k)), tma.descriptor(w, (plan.block_n, plan.block_k)),
-                            w, out, m, n, k, w.stride(0), a, a.stride(0), *lkw["args"], K_SPLIT=ks, SWAP=plan.swap,
+                            w, out, m, n, k, w.stride(0), *lkw["args"], K_SPLIT=ks, SWAP=plan.swap,
                             BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, PDL=pdl, LINES=lines,
-                            **lkw["constexprs"], num_warps=plan.num_warps, num_stages=plan.num_stages,
+                            **lkw["constexprs"], num_warps=plan.num_warps, num_stages=stages,
                             **launch_kw(pdl))
         return out
     _partials[grid](a, w, out, m, n, k, a.stride(0), w.stride(0), *lkw["args"], K_SPLIT=ks, EVEN_K=k % ks == 0,
                     SWAP=plan.swap, BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, PDL=pdl,
-                    LINES=lines, **lkw["constexprs"], num_warps=plan.num_warps, num_stages=plan.num_stages,
+                    LINES=lines, **lkw["constexprs"], num_warps=plan.num_warps, num_stages=stages,
                     **launch_kw(pdl))
     return out
 
