@@ -187,6 +187,10 @@ class GenerationConfig(_Strict):
                                       "else the model's max_position_embeddings.")
     max_waiting: int = Field(256, ge=1, description="Queued sequences above which new requests get 429.")
     prefix_caching: bool = Field(True, description="Reuse the KV blocks of a seen prompt prefix (by block hash).")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="fcfs: requests wait and are preempted in arrival order; priority (vLLM's): by each "
+        "request's `priority` (lower first, then arrival), the lowest running one preempted first; a request "
+        "may give a priority other than 0 only under this policy.")
     cuda_graphs: bool = Field(True, description="On a GPU: replay decode steps as CUDA graphs per batch bucket.")
     overlap_steps: bool = Field(True, description="Launch the next greedy decode step before the last one's tokens "
                                 "are read back (its inputs stay on the device), so host work overlaps the GPU.")

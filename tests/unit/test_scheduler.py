@@ -444,3 +444,75 @@ def test_blocks_of_tokens_in_flight_are_not_named():
     fresh.ensure(other, 12)
     fresh.commit(other)
     assert other.block_hashes == seq.block_hashes
+
+
+def _prio(n, priority):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, priority=priority)
+
+
+def test_priority_policy_orders_the_waiting_and_keeps_outputs():
+    """Under the priority policy sequences are admitted by (priority, arrival), whatever order they came in;
+    preempted ones go back to their place; every output is still the sequence's own. Under fcfs the same
+    priorities change nothing: arrival order."""
+    rng = random.Random(5)
+    prios = [3, 0, 2, 0, -1, 3, 1, 2]
+    prompts = [[rng.randrange(1000) for _ in range(rng.randint(3, 12))] for _ in prios]
+    for policy in ("priority", "fcfs"):
+        cfg = SchedulerConfig(num_blocks=14, block_size=4, max_num_seqs=2, max_num_batched_tokens=32,
+                              max_model_len=512, policy=policy)
+        sched = Scheduler(cfg)
+        seqs = [Sequence(i, p, _prio(10, pr), arrival=float(i)) for i, (p, pr) in enumerate(zip(prompts, prios))]
+        for s in seqs:
+            sched.add(s)
+        admitted = []
+
+        def check(sched, scheduled):
+            for s in scheduled:
+                if s.seq.seq_id not in admitted:
+                    admitted.append(s.seq.seq_id)
+
+        run(sched, seqs, check=check)
+        want = sorted(range(len(prios)), key=lambda i: (prios[i], i)) if policy == "priority" else list(range(8))
+        assert admitted == want, policy
+        for s in seqs:
+            assert s.output_ids == expected(s.prompt_ids, 10)
+        assert sched.blocks.num_free == cfg.num_blocks
+
+
+def test_priority_policy_preempts_the_lowest_priority_first():
+    """Blocks run out while four sequences decode: the priority policy takes them from the running sequence
+    of the lowest priority (the highest value; the newest among equals), fcfs from the newest; a preempted
+    sequence waits at its priority's place (ahead of later arrivals of its priority) and its output is kept."""
+    for policy in ("priority", "fcfs"):
+        cfg = SchedulerConfig(num_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                              max_model_len=512, policy=policy)
+        sched = Scheduler(cfg)
+        prios = [5, 1, 0, 1]  # the oldest has the lowest priority
+        seqs = [Sequence(i, [i + 1] * 8, _prio(12, pr), arrival=float(i)) for i, pr in enumerate(prios)]
+        for s in seqs:
+            sched.add(s)
+        victims = []
+
+        def check(sched, scheduled):
+            for s in sched.waiting:
+                if s.preemptions and s.seq_id not in victims:
+                    victims.append(s.seq_id)
+
+        run(sched, seqs, check=check)
+        assert victims, "4 x (8 + 12) tokens do not fit 12 blocks of 4"
+        assert victims[0] == (0 if policy == "priority" else 3), (policy, victims)
+        for s in seqs:
+            assert s.output_ids == expected(s.prompt_ids, 12)
+
+
+def test_a_preempted_sequence_waits_at_its_priority():
+    cfg = SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=4, policy="priority")
+    sched = Scheduler(cfg)
+    a, b, c = (Sequence(i, [1, 2, 3], _prio(4, pr), arrival=float(i)) for i, pr in enumerate([1, 1, 0]))
+    for s in (b, c):
+        sched.add(s)
+    sched._preempt(a)  # an older sequence of priority 1 comes back: after c (priority 0), before b
+    assert [s.seq_id for s in sched.waiting] == [2, 0, 1]
+    with pytest.raises(ValueError, match="scheduling policy"):
+        SchedulerConfig(policy="lifo")
+    assert _prio(4, 7).key() == _prio(4, 0).key(), "a priority does not change the answer (the cache's key)"

@@ -93,7 +93,8 @@ class EngineLoop:
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=caps.num_blocks, block_size=caps.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
-            max_model_len=caps.max_model_len, prefix_caching=config.prefix_caching),
+            max_model_len=caps.max_model_len, prefix_caching=config.prefix_caching,
+            policy=getattr(config, "scheduling_policy", "fcfs")),
             eos_token_ids=engine.cfg.eos_token_ids, adapters=self.adapters)
         # overlap needs a device that runs behind the host; on the CPU a step is the host's own work
         on_gpu = getattr(getattr(engine, "device", None), "type", "cpu") == "cuda"

@@ -35,6 +35,8 @@ class SamplingParams:
     # max_tokens is the request's own, not a server default: past the context it is refused
     # (GenerateService.stream) where a default is cut at the context's end; the same generation either way
     own_max_tokens: bool = field(default=False, compare=False)
+    # vLLM's request priority (lower first) under the scheduler's priority policy; not part of the answer
+    priority: int = field(default=0, compare=False)
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -96,6 +98,7 @@ class SamplingParams:
         d = asdict(self)
         d.pop("extra")
         d.pop("own_max_tokens")
+        d.pop("priority")
         if self.greedy:  # these do not change a greedy answer
             for k in ("temperature", "top_k", "top_p", "min_p", "seed"):
                 d.pop(k)

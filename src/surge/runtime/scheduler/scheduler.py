@@ -8,6 +8,11 @@ running one (its blocks are freed; it is recomputed later, mostly from the
 prefix cache). Waiting sequences are admitted, oldest first, while the budget,
 the sequence limit and the free blocks allow.
 
+With policy "priority" (vLLM's `--scheduling-policy priority`) each sequence has its request's
+priority (SamplingParams.priority; lower first, 0 by default): sequences wait in (priority,
+arrival) order and a sequence that cannot get a block preempts the running one of the lowest
+priority (the newest among equals) instead; as in vLLM, a waiting sequence never preempts.
+
 schedule() -> the engine runs the step -> update(samples): vLLM's three-line loop.
 """
 
@@ -29,10 +34,21 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # the per-step token budget
     max_model_len: int = 2048  # prompt + output
     prefix_caching: bool = True
+    policy: str = "fcfs"  # or "priority": waiting order and preemption by the requests' priorities
 
     def __post_init__(self):
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token each)")
+        if self.policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {POLICIES}, not {self.policy!r}")
+
+
+POLICIES = ("fcfs", "priority")
+
+
+def _rank(seq: Sequence) -> tuple:
+    """A sequence's place under the priority policy: lower priority values first, then arrival."""
+    return seq.params.priority, seq.arrival, seq.seq_id
 
 
 @dataclass(slots=True)  # built for every sequence every step
@@ -73,7 +89,28 @@ class Scheduler:
         if self.config.block_size * self.config.num_blocks < seq.num_tokens + 1:
             raise ValueError("prompt does not fit in the KV cache")
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        self._enqueue(seq, front=False)
+
+    def _enqueue(self, seq: Sequence, front: bool) -> None:
+        """Into the waiting queue: at its back (a new arrival) or front (a preempted sequence) under
+        fcfs; at its (priority, arrival) place under the priority policy."""
+        if self.config.policy == "priority":
+            rank = _rank(seq)
+            i = len(self.waiting)
+            while i > 0 and _rank(self.waiting[i - 1]) > rank:
+                i -= 1
+            self.waiting.insert(i, seq)
+        elif front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _victim(self) -> Sequence:
+        """Who gives up its blocks when a running sequence needs one: the newest (fcfs), or the lowest
+        priority, the newest among equals (priority)."""
+        if self.config.policy == "priority":
+            return max(self.running, key=_rank)
+        return self.running[-1]
 
     def abort(self, seq: Sequence, reason: str = "abort") -> None:
         """Drop a sequence wherever it is; its blocks are free at once."""
@@ -114,7 +151,7 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         seq.preemptions += 1
         self.preemptions += 1
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
 
     def schedule(self) -> list[ScheduledSeq]:
         cfg = self.config
@@ -131,7 +168,11 @@ class Scheduler:
             start, total = seq.num_computed, len(seq.token_ids)
             n = min(total - start, budget)
             while not blocks.ensure(seq, start + n):
-                victim = running.pop()  # the newest
+                victim = self._victim()
+                at = running.index(victim)
+                del running[at]
+                if at < i:  # scheduled earlier in this step (priority policy): its entry is dropped below
+                    i -= 1
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:

@@ -35,14 +35,14 @@ def stop_list(stop) -> tuple[str, ...]:
 SAMPLING_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                    "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
                    "logit_bias", "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens",
-                   "bad_words")
+                   "bad_words", "priority")
 
 
 def make_params(service, *, max_tokens, temperature, top_p, top_k=None, min_p=None, seed=None, stop=None, min_tokens=None,
                 stop_token_ids=None, presence_penalty=None, frequency_penalty=None, repetition_penalty=None,
                 ignore_eos=None, logprobs=None, logit_bias=None, prompt_logprobs=None, guide=None,
                 allowed_token_ids=None, include_stop_str_in_output=None, skip_special_tokens=None,
-                bad_words=None) -> SamplingParams:
+                bad_words=None, priority=None) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else service.config.default_max_tokens,
         min_tokens=min_tokens or 0,
@@ -55,7 +55,20 @@ def make_params(service, *, max_tokens, temperature, top_p, top_k=None, min_p=No
         own_max_tokens=max_tokens is not None, guide=guide,
         allowed_token_ids=token_ids(allowed_token_ids, service.vocab_size, "allowed_token_ids"),
         include_stop_str_in_output=bool(include_stop_str_in_output),
-        skip_special_tokens=skip_special_tokens is not False, bad_words_ids=bad_words_ids(service, bad_words))
+        skip_special_tokens=skip_special_tokens is not False, bad_words_ids=bad_words_ids(service, bad_words),
+        priority=request_priority(service, priority))
+
+
+def request_priority(service, priority) -> int:
+    """vLLM's request `priority` (lower first): only where the model schedules by it."""
+    if not priority:
+        return 0
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidInput("priority must be an integer", param="priority")
+    if service.config.scheduling_policy != "priority":
+        raise InvalidInput(f"priority {priority} given, but model '{service.name}' schedules first come, first "
+                           "served (its generation setting scheduling_policy is 'fcfs')", param="priority")
+    return priority
 
 
 def bad_words_ids(service, words) -> tuple[tuple[int, ...], ...]:

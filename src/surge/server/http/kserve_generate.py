@@ -46,6 +46,7 @@ class GenerateParameters(BaseModel):
     bad_words: list[StrictStr] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    priority: StrictInt | None = None  # vLLM's, under the model's priority scheduling policy
     # structured outputs, the OpenAI routes' names (server/http/guided_fields.py)
     response_format: dict | None = None
     guided_json: dict | StrictStr | None = None

@@ -83,6 +83,8 @@ class _Sampling(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=1, description="Keep only the prompt's last N tokens.")
     bad_words: list[StrictStr] | None = Field(None, description="Words the answer never writes (as vLLM: the "
                                               "token that would complete one is not drawn).")
+    priority: StrictInt = Field(0, description="vLLM's: lower runs first where the model's scheduling_policy is "
+                                "'priority' (elsewhere only 0 is accepted).")
     # structured outputs (server/http/guided_fields.py): OpenAI's, and vLLM's names
     response_format: dict | None = Field(None, description="{'type': 'text' | 'json_object' | 'json_schema', "
                                          "'json_schema': {'schema': ...}}: the answer follows the JSON schema.")
@@ -389,7 +391,7 @@ def _refuse_chat_fields(req: ChatCompletionRequest) -> None:
 
 def _vllm_extras(req) -> dict:
     return {"min_tokens": req.min_tokens, "allowed_token_ids": req.allowed_token_ids, "include_stop_str_in_output": req.include_stop_str_in_output,
-            "skip_special_tokens": req.skip_special_tokens, "bad_words": req.bad_words}
+            "skip_special_tokens": req.skip_special_tokens, "bad_words": req.bad_words, "priority": req.priority}
 
 
 def _truncated(ids: list[int], keep: int | None) -> list[int]:
