@@ -487,9 +487,13 @@ def test_priority_policy_preempts_the_lowest_priority_first():
         cfg = SchedulerConfig(num_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
                               max_model_len=512, policy=policy)
         sched = Scheduler(cfg)
-        prios = [5, 1, 0, 1]  # the oldest has the lowest priority
+        prios = [5, 1, 0, 1]  # the oldest has the lowest priority and is admitted before the others arrive
         seqs = [Sequence(i, [i + 1] * 8, _prio(12, pr), arrival=float(i)) for i, pr in enumerate(prios)]
-        for s in seqs:
+        for s in seqs[:2]:
+            sched.add(s)
+        first = sched.schedule()
+        sched.update(first, {s.seq.seq_id: fake_token(s.seq.token_ids) for s in first if s.sample})
+        for s in seqs[2:]:
             sched.add(s)
         victims = []
 
