@@ -5,7 +5,8 @@ Body: {"text_input": "...", "parameters": {"max_tokens": 32, "temperature": 0, .
 parameters may also be given at the top level (Triton maps every JSON key to an input), and include
 the structured-output fields of the OpenAI routes (guided_json, guided_regex, guided_choice,
 guided_grammar, structured_outputs, response_format) and their vLLM sampling extras (min_tokens,
-allowed_token_ids, bad_words, include_stop_str_in_output, skip_special_tokens).
+allowed_token_ids, bad_words, include_stop_str_in_output, skip_special_tokens) and `priority` (under the
+model's priority scheduling policy).
 Answer: {"model_name", "model_version", "text_output", "finish_reason", "prompt_tokens",
 "completion_tokens"}; generate_stream sends one such event per delta (server-sent events,
 `text_output` holding the delta), the last one with finish_reason. Errors: {"error": msg}.
