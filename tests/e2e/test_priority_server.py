@@ -78,7 +78,9 @@ def test_queued_requests_run_by_priority(model_dir):
     with ServerProcess(str(model_dir), "--threads", "1", "--generation",
                        "scheduling_policy=priority,max_num_seqs=1,cache_entries=0,engine_process=true") as srv:
         order, texts = asyncio.run(scenario(srv.url))
-        # KServe's generate takes the priority too
+        # the Responses API and KServe's generate take the priority too
+        sync = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
+        assert sync.responses.create(model=NAME, input="hi", max_output_tokens=2, extra_body={"priority": 2}).output_text
         r = httpx.post(srv.url + f"/v2/models/{NAME}/generate", timeout=60,
                        json={"text_input": "hi", "parameters": {"max_tokens": 2, "priority": 3}})
         assert r.status_code == 200, r.text
@@ -94,6 +96,8 @@ def test_a_priority_needs_the_priority_policy(model_dir):
             client.chat.completions.create(model=NAME, messages=messages, max_tokens=2, extra_body={"priority": 1})
         with pytest.raises(openai.BadRequestError, match="scheduling_policy"):
             client.completions.create(model=NAME, prompt="hi", max_tokens=2, extra_body={"priority": -2})
+        with pytest.raises(openai.BadRequestError, match="scheduling_policy"):
+            client.responses.create(model=NAME, input="hi", max_output_tokens=2, extra_body={"priority": 4})
         r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=2, extra_body={"priority": 0})
         assert r.choices[0].finish_reason == "length"
         r = httpx.post(srv.url + f"/v2/models/{NAME}/generate", timeout=60,

@@ -29,7 +29,7 @@ from types import SimpleNamespace
 from typing import Literal, Union
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from surge.errors import InvalidInput, NotFound, SurgeError
 from surge.runtime.response_store import store_for, valid_id
@@ -88,6 +88,7 @@ class ResponseRequest(BaseModel):
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
+    priority: StrictInt = Field(0, description="vLLM's: lower runs first under the model's priority policy.")
 
 
 def _store(state: AppState):
@@ -160,7 +161,7 @@ async def _prepare(state: AppState, req: ResponseRequest) -> _Prepared:
     params = make_params(service, max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
                          top_k=req.top_k, min_p=req.min_p, seed=req.seed,
                          repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos,
-                         logprobs=(req.top_logprobs or 0) if want_lps else None, guide=guide)
+                         logprobs=(req.top_logprobs or 0) if want_lps else None, guide=guide, priority=req.priority)
     service.check_prompt(ids, params.max_tokens if params.own_max_tokens else None)
     rid = new_id("resp")
     base = {
