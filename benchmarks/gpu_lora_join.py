@@ -9,7 +9,8 @@ layer, PDL on as in the engine, replayed back to back (median of 5 x 50 replays,
 
 * base: the engine's decode kernel for the module (the split-K partials, or the one-kernel gate/up);
 * joined: the same kernel with the LoRA operands (kernels/lora_delta.py: x A^T in its K loop), where the
-  module's stacked rank fits lora_delta.JOIN_MAX_R;
+  module's stacked rank fits lora_delta.JOIN_MAX_R; with `--a-loads both` also the TMA kernels reading A's
+  tiles by pointer loads (lora_delta.A_BY_TMA off) instead of by TMA;
 * two kernels: the base kernel, then lora_shrink and lora_expand_ on one stream (the engine begins the shrink
   on a side stream; for gate/up the engine's form: cuBLAS, the delta, silu_mul).
 
@@ -43,7 +44,8 @@ def module_shapes(kw: dict, rank: int) -> dict[str, tuple[int, int, int]]:
     return {"qkv": (qkv, h, 3 * rank), "o": (h, h, rank), "up_gate": (2 * i, h, 2 * rank), "down": (h, i, rank)}
 
 
-def variants(module: str, n: int, k: int, layers: int, slots: int, width: int, g: torch.Generator) -> dict:
+def variants(module: str, n: int, k: int, layers: int, slots: int, width: int, g: torch.Generator,
+             both: bool = False) -> dict:
     """variant -> a function of the layer that runs it (None where it does not apply)."""
     import torch.nn.functional as F
 
@@ -87,7 +89,17 @@ def variants(module: str, n: int, k: int, layers: int, slots: int, width: int, g
             return out
     if plan is None:
         raise SystemExit(f"{module}: no measured decode plan for ({n}, {k})")
-    return {"base": base, "joined": joined if joinable else None, "two kernels": two}
+    from surge.engines.kernels import lora_delta
+
+    def joined_by_pointer(i):
+        lora_delta.A_BY_TMA = False
+        try:
+            return joined(i)
+        finally:
+            lora_delta.A_BY_TMA = True
+
+    return {"base": base, "joined": joined if joinable else None,
+            "joined, A by pointer": joined_by_pointer if joinable and both else None, "two kernels": two}
 
 
 def time_variant(fn, layers: int) -> float:
@@ -108,6 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="qwen2-0.5b", choices=["qwen2-0.5b", "llama-1b"])
     ap.add_argument("--slots", type=int, action="append")
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--a-loads", choices=["tma", "both"], default="tma")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     kw = SHAPES[args.shape][1]
@@ -117,11 +130,11 @@ def main(argv=None) -> int:
         g = torch.Generator().manual_seed(slots)
         print(f"\n{args.shape}, M = {M} rows over {slots} slots of rank {args.rank}, {layers} layers a graph, "
               f"us a call (PDL on), {out['gpu']}")
-        print("| module | stacked columns | base | joined | +joined | two kernels | +two kernels |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print("| module | stacked columns | base | joined | +joined | A by pointer | two kernels | +two kernels |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         totals = {"base": 0.0, "joined": 0.0, "two kernels": 0.0}
         for module, (n, k, width) in module_shapes(kw, args.rank).items():
-            fns = variants(module, n, k, layers, slots, width, g)
+            fns = variants(module, n, k, layers, slots, width, g, both=args.a_loads == "both")
             us = {name: (time_variant(fn, layers) if fn is not None else None) for name, fn in fns.items()}
             joined = us["joined"] if us["joined"] is not None else us["two kernels"]  # the engine's choice
             totals["base"] += us["base"] * layers
@@ -129,11 +142,13 @@ def main(argv=None) -> int:
             totals["two kernels"] += us["two kernels"] * layers
             j = "-" if us["joined"] is None else f"{us['joined']:.2f}"
             dj = "-" if us["joined"] is None else f"{us['joined'] - us['base']:+.2f}"
-            print(f"| {module} | {slots * width} | {us['base']:.2f} | {j} | {dj} | {us['two kernels']:.2f} | "
+            ptr = us["joined, A by pointer"]
+            print(f"| {module} | {slots * width} | {us['base']:.2f} | {j} | {dj} | "
+                  f"{'-' if ptr is None else f'{ptr:.2f}'} | {us['two kernels']:.2f} | "
                   f"{us['two kernels'] - us['base']:+.2f} |")
             out["rows"].append({"slots": slots, "module": module, "columns": slots * width, **us})
         print(f"| a step ({layers} layers) | | {totals['base']:.0f} | {totals['joined']:.0f} (engine's choice) | "
-              f"{totals['joined'] - totals['base']:+.0f} | {totals['two kernels']:.0f} | "
+              f"{totals['joined'] - totals['base']:+.0f} | | {totals['two kernels']:.0f} | "
               f"{totals['two kernels'] - totals['base']:+.0f} |")
         out[f"totals_{slots}"] = totals
     if args.json:

@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from surge.engines.kernels import tma
-from surge.engines.kernels.lora_delta import (LoraOperands, join_deltas, join_stages, lora_a, lora_args, lora_b,
-                                              row_slots)
+from surge.engines.kernels.lora_delta import (LoraOperands, a_descriptor, join_deltas, join_stages, lora_a, lora_args,
+                                              lora_b, row_slots)
 from surge.engines.kernels.pdl import launch_kw, prefetch_l2, wait_then_release
 
 BLOCK_M = 64  # one M tile holds a whole decode batch: the weights are read once
@@ -163,10 +163,10 @@ def _gate_up(a_ptr, w_ptr, out_ptr, M, I, K, stride_am, stride_wn, stride_om, la
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gate_up_tma(a_desc, w_desc, w_ptr, out_ptr, M, I, K, stride_wn, stride_om, la_ptr, lb_ptr, slot_ptr, R, W,
-                 stride_la, stride_lb, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
+def _gate_up_tma(a_desc, w_desc, w_ptr, out_ptr, M, I, K, stride_wn, stride_om, la_desc, la_ptr, lb_ptr, slot_ptr, R,
+                 W, stride_la, stride_lb, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr,
-                 LORA: tl.constexpr, BLOCK_R: tl.constexpr):
+                 LORA: tl.constexpr, BLOCK_R: tl.constexpr, LA_TMA: tl.constexpr):
     """_gate_up with x and W read by TMA: tiles past M or K arrive as zeros, as _gate_up's masks load
     them, so the products (and the epilogue) are the same bit for bit. I must be a multiple of BLOCK_N
     (a gate tile must not run into the up rows)."""
@@ -197,8 +197,12 @@ def _gate_up_tma(a_desc, w_desc, w_ptr, out_ptr, M, I, K, stride_wn, stride_om, 
         acc_g = mma(a, w_desc.load([n0, i * BLOCK_K]), acc_g, SWAP)
         acc_u = mma(a, w_desc.load([I + n0, i * BLOCK_K]), acc_u, SWAP)
         if LORA:
-            offs_k = i * BLOCK_K + tl.arange(0, BLOCK_K)
-            t = tl.dot(a, tl.trans(lora_a(la_ptr, stride_la, offs_r, r_ok, offs_k, offs_k < K)), t)
+            if LA_TMA:
+                la = la_desc.load([0, i * BLOCK_K])
+            else:
+                offs_k = i * BLOCK_K + tl.arange(0, BLOCK_K)
+                la = lora_a(la_ptr, stride_la, offs_r, r_ok, offs_k, offs_k < K)
+            t = tl.dot(a, tl.trans(la), t)
     if LORA:
         acc_g, acc_u = join_deltas(acc_g, acc_u, t, bg, bu, slot, offs_r, R, W, True, SWAP)
     _silu_mul_store(acc_g, acc_u, out_ptr, offs_m, offs_n, offs_m < M, offs_n < I, stride_om, SWAP)
@@ -228,10 +232,12 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, plan: GateUpPlan, pdl: bool =
     grid = (triton.cdiv(i, plan.block_n), triton.cdiv(m, BLOCK_M))
     lines = triton.next_power_of_2(triton.cdiv(k * w.element_size(), 128))
     if plan.tma and i % plan.block_n == 0 and tma.usable(x, w):
-        _gate_up_tma[grid](tma.descriptor(x, (BLOCK_M, plan.block_k)), tma.descriptor(w, (plan.block_n, plan.block_k)),
-                           w, out, m, i, k, w.stride(0), out.stride(0), *lkw["args"], SWAP=plan.swap,
+        w_desc = tma.descriptor(w, (plan.block_n, plan.block_k))
+        la_desc, la_tma = a_descriptor(lora, plan.block_k, w_desc)
+        _gate_up_tma[grid](tma.descriptor(x, (BLOCK_M, plan.block_k)), w_desc, w, out, m, i, k, w.stride(0),
+                           out.stride(0), la_desc, *lkw["args"], SWAP=plan.swap,
                            BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, PDL=pdl, LINES=lines,
-                           **lkw["constexprs"], num_warps=plan.num_warps, num_stages=stages,
+                           **lkw["constexprs"], LA_TMA=la_tma, num_warps=plan.num_warps, num_stages=stages,
                            **launch_kw(pdl))
         return out
     _gate_up[grid](x, w, out, m, i, k, x.stride(0), w.stride(0), out.stride(0), *lkw["args"],

@@ -170,6 +170,19 @@ def row_slots(slot_ptr, offs_m, m_ok, LORA: tl.constexpr):
 # MMA a K step and one after the loop, no launch, no side stream. All of the stacked rank is computed (no
 # chunk skipping): JOIN_MAX_R bounds it; a bank with more columns takes the two kernels above.
 JOIN_MAX_R = 128
+# The GEMM kernels that read their operands by TMA read A's tiles by TMA too (one more descriptor; False:
+# pointer loads, as the pointer kernels do: benchmarks/gpu_lora_join.py --a-loads pointer compares them)
+A_BY_TMA = True
+
+
+def a_descriptor(lora: LoraOperands | None, block_k: int, placeholder):
+    """The TMA descriptor of A's [join_block_r, block_k] tiles for a TMA GEMM kernel, or `placeholder` (a
+    descriptor of the kernel's own that it never reads for A) where A goes by pointer loads or there is none."""
+    from surge.engines.kernels import tma
+
+    if lora is None or not A_BY_TMA or not tma.usable(lora.a):
+        return placeholder, False
+    return tma.descriptor(lora.a, (join_block_r(lora.a.shape[0]), block_k)), True
 
 
 @triton.jit

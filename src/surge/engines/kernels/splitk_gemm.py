@@ -23,8 +23,8 @@ import triton.language as tl
 
 from surge.engines.kernels import tma
 from surge.engines.kernels.gate_up import mma
-from surge.engines.kernels.lora_delta import (LoraOperands, join_deltas, join_stages, lora_a, lora_args, lora_b,
-                                              row_slots)
+from surge.engines.kernels.lora_delta import (LoraOperands, a_descriptor, join_deltas, join_stages, lora_a, lora_args,
+                                              lora_b, row_slots)
 from surge.engines.kernels.pdl import launch_kw, prefetch_l2, wait_then_release
 
 BLOCK_M = 64  # rows of every program: one M tile holds a whole decode batch (the weights are read once)
@@ -177,12 +177,13 @@ def _partials(a_ptr, w_ptr, ws_ptr, M, N, K, stride_am, stride_wn, la_ptr, lb_pt
 
 
 @triton.jit(do_not_specialize=["M"])
-def _partials_tma(a_desc, w_desc, w_ptr, ws_ptr, M, N, K, stride_wn, la_ptr, lb_ptr, slot_ptr, R, W, stride_la,
-                  stride_lb, K_SPLIT: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
+def _partials_tma(a_desc, w_desc, w_ptr, ws_ptr, M, N, K, stride_wn, la_desc, la_ptr, lb_ptr, slot_ptr, R, W,
+                  stride_la, stride_lb, K_SPLIT: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr,
-                  LORA: tl.constexpr, BLOCK_R: tl.constexpr):
+                  LORA: tl.constexpr, BLOCK_R: tl.constexpr, LA_TMA: tl.constexpr):
     """_partials with both operands read by TMA: tiles past M, N or K arrive as zeros, as the pointer
-    kernel's masks load them, so the sums are the same bit for bit (A's LoRA tiles by pointer, masked)."""
+    kernel's masks load them, so the sums are the same bit for bit (A's LoRA tiles too with LA_TMA, else
+    by pointer, masked)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -209,8 +210,12 @@ def _partials_tma(a_desc, w_desc, w_ptr, ws_ptr, M, N, K, stride_wn, la_ptr, lb_
         w = w_desc.load([n0, k0 + i * BLOCK_K])
         acc = mma(a, w, acc, SWAP)
         if LORA:
-            offs_k = k0 + i * BLOCK_K + tl.arange(0, BLOCK_K)
-            t = tl.dot(a, tl.trans(lora_a(la_ptr, stride_la, offs_r, r_ok, offs_k, offs_k < K)), t)
+            if LA_TMA:
+                la = la_desc.load([0, k0 + i * BLOCK_K])
+            else:
+                offs_k = k0 + i * BLOCK_K + tl.arange(0, BLOCK_K)
+                la = lora_a(la_ptr, stride_la, offs_r, r_ok, offs_k, offs_k < K)
+            t = tl.dot(a, tl.trans(la), t)
     if LORA:
         acc, _ = join_deltas(acc, acc, t, b, b, slot, offs_r, R, W, False, SWAP)
     _store_partials(acc, ws_ptr, pid_s, M, N, offs_m, offs_n, SWAP)
@@ -258,10 +263,12 @@ def partials(a: torch.Tensor, w: torch.Tensor, plan: SplitKPlan, out: torch.Tens
     grid = (triton.cdiv(n, plan.block_n), s, triton.cdiv(m, BLOCK_M))
     lines = triton.next_power_of_2(triton.cdiv(ks * w.element_size(), 128))
     if plan.tma and tma.usable(a, w):
-        _partials_tma[grid](tma.descriptor(a, (BLOCK_M, plan.block_k)), tma.descriptor(w, (plan.block_n, plan.block_k)),
-                            w, out, m, n, k, w.stride(0), *lkw["args"], K_SPLIT=ks, SWAP=plan.swap,
+        w_desc = tma.descriptor(w, (plan.block_n, plan.block_k))
+        la_desc, la_tma = a_descriptor(lora, plan.block_k, w_desc)
+        _partials_tma[grid](tma.descriptor(a, (BLOCK_M, plan.block_k)), w_desc, w, out, m, n, k, w.stride(0), la_desc,
+                            *lkw["args"], K_SPLIT=ks, SWAP=plan.swap,
                             BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, PDL=pdl, LINES=lines,
-                            **lkw["constexprs"], num_warps=plan.num_warps, num_stages=stages,
+                            **lkw["constexprs"], LA_TMA=la_tma, num_warps=plan.num_warps, num_stages=stages,
                             **launch_kw(pdl))
         return out
     _partials[grid](a, w, out, m, n, k, a.stride(0), w.stride(0), *lkw["args"], K_SPLIT=ks, EVEN_K=k % ks == 0,
