@@ -25,6 +25,7 @@ from surge.engines.kernels import tma
 from surge.engines.kernels.lora_delta import (LoraOperands, a_descriptor, join_deltas, join_stages, lora_a, lora_args,
                                               lora_b, row_slots)
 from surge.engines.kernels.pdl import launch_kw, prefetch_l2, wait_then_release
+from surge.engines.kernels.tile_mma import mma
 
 BLOCK_M = 64  # one M tile holds a whole decode batch: the weights are read once
 MAX_M = 64
@@ -80,17 +81,6 @@ def _prefetch_gate_up_rows(w_ptr, offs_n, I, K, stride_wn, LINES: tl.constexpr):
     base = w_ptr.to(tl.pointer_type(tl.int8)) + rows[:, None] * stride_wn * 2 + line[None, :]
     prefetch_l2(base)
     prefetch_l2(base + I.to(tl.int64) * stride_wn * 2)
-
-
-@triton.jit
-def mma(a, w, acc, SWAP: tl.constexpr):
-    """acc + a @ w^T, or its transpose (w @ a^T) with SWAP: the weight rows on the MMA's long side."""
-    # one return: Triton's frontend does not prune an early return under a constexpr branch
-    if SWAP:
-        out = tl.dot(w, tl.trans(a), acc)
-    else:
-        out = tl.dot(a, tl.trans(w), acc)
-    return out
 
 
 @triton.jit

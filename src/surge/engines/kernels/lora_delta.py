@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from surge.engines.kernels.pdl import launch_kw, wait_then_release
+from surge.engines.kernels.tile_mma import mma
 
 BLOCK_M = 64
 BLOCK_N = 64
@@ -200,16 +201,6 @@ def lora_b(lb_ptr, stride_lb, offs_n, n_ok, offs_r, r_ok):
 
 
 @triton.jit
-def _dot_t(p, q, acc, SWAP: tl.constexpr):
-    """acc + p @ q^T, or its transpose (q @ p^T) with SWAP (the GEMM tiles' two layouts)."""
-    if SWAP:
-        out = tl.dot(q, tl.trans(p), acc)
-    else:
-        out = tl.dot(p, tl.trans(q), acc)
-    return out
-
-
-@triton.jit
 def join_deltas(acc1, acc2, t, b1, b2, slot, offs_r, R, W, TWO: tl.constexpr, SWAP: tl.constexpr):
     """The tile's sums plus its rows' deltas: t ([BLOCK_M, BLOCK_R], the FP32 x A^T of the kernel's K range)
     zeroed where a row's slot does not own the column, rounded to the activations' dtype, times B's rows
@@ -222,9 +213,9 @@ def join_deltas(acc1, acc2, t, b1, b2, slot, offs_r, R, W, TWO: tl.constexpr, SW
         has2 = has[None, :]
     else:
         has2 = has[:, None]
-    acc1 = tl.where(has2, _dot_t(tm, b1, acc1, SWAP), acc1)
+    acc1 = tl.where(has2, mma(tm, b1, acc1, SWAP), acc1)
     if TWO:
-        acc2 = tl.where(has2, _dot_t(tm, b2, acc2, SWAP), acc2)
+        acc2 = tl.where(has2, mma(tm, b2, acc2, SWAP), acc2)
     return acc1, acc2
 
 

@@ -22,10 +22,10 @@ import triton
 import triton.language as tl
 
 from surge.engines.kernels import tma
-from surge.engines.kernels.gate_up import mma
 from surge.engines.kernels.lora_delta import (LoraOperands, a_descriptor, join_deltas, join_stages, lora_a, lora_args,
                                               lora_b, row_slots)
 from surge.engines.kernels.pdl import launch_kw, prefetch_l2, wait_then_release
+from surge.engines.kernels.tile_mma import mma
 
 BLOCK_M = 64  # rows of every program: one M tile holds a whole decode batch (the weights are read once)
 MAX_M = 64  # the engine uses split-K up to this many rows (measured at M = 64; cuBLAS above)
