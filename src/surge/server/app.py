@@ -20,7 +20,7 @@ from surge.server.state import AppState
 def create_app(state: AppState) -> FastAPI:
     from surge.server import health
     from surge.server.http import (anthropic_messages, kserve, kserve_generate, lora_routes, metrics, models, native,
-                                   openai, openai_chat, openapi, pipelines, rerank, responses_api, tei,
+                                   openai, openai_chat, openapi, pipelines, rerank, responses_api, tei, vllm_tokenize,
                                    triton_extras)
     from surge.server.http.compression import DecompressMiddleware
 
@@ -61,6 +61,7 @@ def create_app(state: AppState) -> FastAPI:
     app.include_router(metrics.router(state))
     app.include_router(triton_extras.router(state))
     app.include_router(tei.router(state))  # TEI / HF Inference shapes (POST /, /predict, /rerank, ...)
+    app.include_router(vllm_tokenize.router(state))  # vLLM's /detokenize (its /tokenize: tei's route dispatches)
     app.include_router(rerank.router(state))  # POST /v1/rerank (Cohere / Jina)
     for extra in state.extras.get("routers", []):
         app.include_router(extra(state))

@@ -79,8 +79,13 @@ def validate(model: type[M], data) -> M:
 
 
 async def parse(request: Request, model: type[M], limit: int) -> M:
+    return validate(model, await json_body(request, limit))
+
+
+async def json_body(request: Request, limit: int):
+    """The request's decoded JSON body (for a route whose body shape picks the model to validate with)."""
     # orjson only decodes valid UTF-8 JSON, so a body the hot path parsed needs no second look.
     parsed = request.scope.get("state", {}).get(PARSED_BODY)
     if parsed is not None:
-        return validate(model, parsed)
-    return validate(model, decode_json(await read_body(request, limit)))
+        return parsed
+    return decode_json(await read_body(request, limit))

@@ -12,7 +12,8 @@ POST /  (and POST /models/{name})  dispatches on the model's task, as TEI and th
 POST /predict   TEI: {"inputs": str | [str, str] (a pair) | [str | [str, str]], "raw_scores", "truncate"}
 POST /rerank    TEI: {"query", "texts", "raw_scores", "return_text", "truncate"} -> [{"index", "score", "text"?}]
 POST /tokenize  TEI: {"inputs", "add_special_tokens", "prompt_name"} -> [[{"id", "text", "special", "start", "stop"}]]
-                (with a prompt, as /embed would tokenize: the offsets index the prompted text)
+                (with a prompt, as /embed would tokenize: the offsets index the prompted text); a body
+                with "prompt" or "messages" is vLLM's /tokenize (server/http/vllm_tokenize.py)
 POST /decode    TEI: {"ids", "skip_special_tokens"} -> [str]
 GET  /info      TEI: model id, type (embedding / classifier / reranker), limits, version
 
@@ -35,7 +36,8 @@ from surge.engines.pooling import l2_normalize
 from surge.errors import InvalidInput
 from surge.runtime.entities import check_strategy
 from surge.runtime.tasks import TaskRequest
-from surge.server.http.common import ORJSONResponse, parse
+from surge.server.http import vllm_tokenize
+from surge.server.http.common import ORJSONResponse, json_body, parse, validate
 from surge.server.http.task_io import (body_schema, check_pairs, check_texts, entities, label_scores,
                                        rerank_scores, run_task)
 from surge.server.state import AppState
@@ -237,7 +239,10 @@ def router(state: AppState) -> APIRouter:
 
     @r.post("/tokenize", openapi_extra=body_schema(TokenizeRequest))
     async def tokenize(request: Request):
-        req = await parse(request, TokenizeRequest, limits.max_body_bytes)
+        body = await json_body(request, limits.max_body_bytes)
+        if vllm_tokenize.is_vllm_body(body):  # vLLM's /tokenize shares the path
+            return vllm_tokenize.tokenize(state, body)
+        req = validate(TokenizeRequest, body)
         served = registry.get(req.model)
         texts = check_texts([req.inputs] if isinstance(req.inputs, str) else req.inputs, "inputs", limits)
         prompted = getattr(served, "prompted", None)  # an embedding model's sentence-transformers prompts
