@@ -384,7 +384,8 @@ def test_service_streams_multi_step_launches(qwen_dir, engine_process):
     """The generation service on the GPU with 4 decode steps a launch, its engine loop on a thread or in
     a process of its own (the GPU's default): each stream's deltas add up to the eager engine's greedy
     tokens, cut at stop tokens found inside a launch; the non-streamed answer is the same; the loop ran
-    multi-step launches."""
+    multi-step launches. At most one prompt may part from the eager tokens, and only at an FP32 near-tie
+    of transformers' own logits."""
     import asyncio
     import time
 
@@ -425,10 +426,23 @@ def test_service_streams_multi_step_launches(qwen_dir, engine_process):
         return streamed, whole, stats
 
     streamed, whole, stats = asyncio.run(main())
+    hf, apart = None, []
     for i, w in enumerate(want):
         exp = w[: w.index(w[9]) + 1] if i % 3 == 0 else w
-        assert streamed[i] == exp, f"prompt {i}"
-        assert whole[i].token_ids == exp and whole[i].finish_reason == ("stop" if i % 3 == 0 else "length")
+        if streamed[i] != exp or whole[i].token_ids != exp:
+            # FP32 GEMMs of other batch shapes (the engine process batches its arrivals as they come) sum in
+            # another order: a token may flip where transformers' own top two are a rounding apart, and only
+            # there (session 34's call 5 met one at prompt 4's 11th token, once in ~10 runs)
+            got = streamed[i] if streamed[i] != exp else whole[i].token_ids
+            k = next(j for j in range(min(len(got), len(exp)) + 1) if j == len(got) or got[j] != exp[j])
+            hf = hf or _hf_cuda(qwen_dir)
+            with torch.no_grad():
+                top = hf(torch.tensor([prompts[i] + exp[:k]], device="cuda")).logits[0, -1].topk(2).values
+            assert float(top[0] - top[1]) < 1e-3, (f"prompt {i}", k, top.tolist())
+            apart.append(i)
+            continue
+        assert whole[i].finish_reason == ("stop" if i % 3 == 0 else "length")
+    assert len(apart) <= 1, apart
     assert stats["steps"] >= 2 * stats["overlapped_steps"] > 0, "launches must run several decode steps"
 
 
