@@ -70,22 +70,29 @@ def _decode_batched(q, k_cache, v_cache, meta: AttnMeta, scale: float) -> torch.
     # 19.6 against 7.2 ms a step for 8 GPT-2 streams of ~90 tokens on the 2-core CPU), and
     # index_select into them, 3x faster than advanced indexing with a 2-D index. Against the loop:
     # 16.8 -> 8.3 ms a step for 12 layers (benchmarks/cpu_parts.py).
+    # On the CPU a BF16 / FP16 cache is attended in FP32: torch's CPU SDPA took 0.67-1.1 ms a layer in BF16
+    # against 0.17 in FP32 for 8 GPT-2 streams of ~110 positions (2-core VM, session 34), and the exact
+    # upcast of the gathered K/V costs ~0.07 ms; the output is rounded back to the activations' dtype.
+    upcast = k_cache.device.type == "cpu" and k_cache.dtype in (torch.bfloat16, torch.float16)
     bs, kvh, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     scratch = getattr(meta, "_decode_scratch", None)
     if scratch is None:
         slots, valid = decode_gather(meta, bs, q.device)
         n = slots.numel()
         scratch = (slots.reshape(-1), valid[:, None, None, :], slots.shape,
-                   k_cache.new_empty(n, kvh, d), v_cache.new_empty(n, kvh, d))
+                   k_cache.new_empty(n, kvh, d), v_cache.new_empty(n, kvh, d),
+                   (torch.empty(n, kvh, d), torch.empty(n, kvh, d)) if upcast else None)
         object.__setattr__(meta, "_decode_scratch", scratch)
-    flat, mask, (b, width), kbuf, vbuf = scratch
+    flat, mask, (b, width), kbuf, vbuf, wide = scratch
     torch.index_select(k_cache.view(-1, kvh, d), 0, flat, out=kbuf)
     torch.index_select(v_cache.view(-1, kvh, d), 0, flat, out=vbuf)
+    if wide is not None:
+        kbuf, vbuf = wide[0].copy_(kbuf), wide[1].copy_(vbuf)
     k = kbuf.view(b, width, kvh, d).transpose(1, 2)  # [B, kv_heads, L, dim], no copy
     v = vbuf.view(b, width, kvh, d).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=scale,
+    out = F.scaled_dot_product_attention(q[:, :, None, :].to(k.dtype), k, v, attn_mask=mask, scale=scale,
                                          enable_gqa=q.shape[1] != kvh)
-    return out[:, :, 0, :]
+    return out[:, :, 0, :].to(q.dtype)
 
 
 def paged_attention_loop(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
