@@ -9,6 +9,9 @@
    the batched step (now), 8 sequences of 80-100 cached tokens, 12 layers with their own caches.
 3. KServe statistics (runtime/stats.py): one record without the --workers mirror (before) and
    with it (now).
+4. The batched decode attention on a BF16 cache (engines/decoder/attention.py, session 34): torch's
+   SDPA in BF16 on the gathered K/V (before) against the gathered K/V upcast to FP32 and attended there
+   (now), the same 8 sequences x 12 layers, 110-130 cached tokens.
 
 Medians of interleaved rounds; prints a table (ratio = before / now).
 """
@@ -77,6 +80,45 @@ def attention_case():
             lambda: step(paged_attention_loop), lambda: step(paged_attention_torch))
 
 
+def bf16_attention_case():
+    from surge.engines.decoder.attention import AttnMeta, decode_gather, paged_attention_torch
+
+    rng = np.random.default_rng(1)
+    seqs, heads, dim, block, blocks, layers = 8, 12, 64, 16, 512, 12
+    ctx = [int(c) for c in rng.integers(110, 130, seqs)]
+    free = list(rng.permutation(blocks))
+    tables = [[int(free.pop()) for _ in range(-(-c // block))] for c in ctx]
+
+    def meta():
+        return AttnMeta(slot_mapping=torch.zeros(seqs, dtype=torch.long), block_tables=torch.zeros(1),
+                        context_lens=torch.tensor(ctx), query_start=torch.arange(seqs + 1), max_query=1,
+                        q_lens=[1] * seqs, ctx_lens=ctx, tables=tables)
+
+    bf = torch.bfloat16
+    caches = [(torch.randn(blocks, block, heads, dim).to(bf), torch.randn(blocks, block, heads, dim).to(bf))
+              for _ in range(layers)]
+    q = torch.randn(seqs, heads, dim).to(bf)
+
+    def before():  # session 33's batched step: the gather, then SDPA in the cache's dtype
+        slots, valid = decode_gather(meta(), block, q.device)
+        flat, mask, (b, width) = slots.reshape(-1), valid[:, None, None, :], slots.shape
+        kbuf, vbuf = torch.empty(flat.numel(), heads, dim, dtype=bf), torch.empty(flat.numel(), heads, dim, dtype=bf)
+        out = []
+        for k, v in caches:
+            torch.index_select(k.view(-1, heads, dim), 0, flat, out=kbuf)
+            torch.index_select(v.view(-1, heads, dim), 0, flat, out=vbuf)
+            out.append(F.scaled_dot_product_attention(q[:, :, None, :], kbuf.view(b, width, heads, dim).transpose(1, 2),
+                                                      vbuf.view(b, width, heads, dim).transpose(1, 2),
+                                                      attn_mask=mask, scale=dim ** -0.5))
+        return out
+
+    def now():
+        m = meta()
+        return [paged_attention_torch(q, k, v, m, dim ** -0.5) for k, v in caches]
+
+    return "decode attention on a BF16 cache, 8 seqs x ~120 tokens x 12 layers", before, now
+
+
 def stats_case():
     from surge.runtime.stats import InferenceStats
 
@@ -93,7 +135,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    cases = linear_cases() + [attention_case(), stats_case()]
+    cases = linear_cases() + [attention_case(), stats_case(), bf16_attention_case()]
     times = {name: ([], []) for name, _, _ in cases}
     for _ in range(args.rounds):
         for name, before, now in cases:
