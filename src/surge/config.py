@@ -232,8 +232,8 @@ class GenerationConfig(_Strict):
                                    "up (longer matches are tried first).")
     engine_process: bool | None = Field(None, description="Run the engine loop (scheduler, engine, sampler) in a "
                                         "process of its own, so that it and the server's event loop (HTTP, "
-                                        "detokenization, streams) never wait for each other's GIL; default: on "
-                                        "for a CUDA device, off on the CPU.")
+                                        "detokenization, streams) never wait for each other's GIL, and on the CPU "
+                                        "the engine's OpenMP threads are their process's only ones; default: on.")
     cache_entries: int = Field(1024, ge=0, description="Finished greedy / seeded generations kept (0: off).")
     tool_call_parser: Literal["none", "hermes"] = Field(
         "none", description="How a chat answer's tool calls are read (chat requests with `tools` and tool_choice "

@@ -370,3 +370,18 @@ def test_the_engine_loop_reports_each_admission_once_and_forgets_what_was_aborte
     admitted = [sid for r in reports for sid in r]
     assert admitted == [1] and core._fresh == [] and core.seqs == {} and errors == []
     assert core.state().received == 2 and core.scheduler.blocks.usage == 0.0
+
+
+def test_the_engine_loop_runs_in_a_process_of_its_own_by_default(model_dir):
+    """GenerationConfig.engine_process unset: a process of its own on the CPU too (the engine's OpenMP team is then
+    its process's only one: on a thread beside the main thread's, libgomp stops spinning between regions)."""
+    from surge.runtime.generate_service import GenerationConfig, load_generate_service
+
+    config = GenerationConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=160, kv_cache_tokens=512,
+                              block_size=4, cache_entries=0)
+    assert config.engine_process is None
+    service = load_generate_service(model_dir, "m", config=config, threads=1, request_timeout_s=60)
+    try:
+        assert service.remote and service.engine.pid != os.getpid()
+    finally:
+        asyncio.run(service.close())

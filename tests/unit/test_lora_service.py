@@ -79,8 +79,9 @@ def test_configured_adapters_and_their_names(dirs):
 def test_more_adapters_than_slots_are_swapped_in(dirs):
     """Three adapters on one slot, their requests and the base model's all at once (sampled with seeds, so
     not from the generation cache): each answer is its adapter's, as the loop swaps them through the slot."""
+    # the loop on a thread of this process: the test reads its slots' load count
     svc = _service(dirs, lora_modules={"a": str(dirs["inside"]), "b": str(dirs["other"])}, max_loras=1,
-                   max_cpu_loras=3, max_lora_rank=8)
+                   max_cpu_loras=3, max_lora_rank=8, engine_process=False)
     svc.add_adapter("c", dirs["inside"])  # the same files under another name: one registration
 
     async def main():
