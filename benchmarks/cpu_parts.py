@@ -55,22 +55,34 @@ def linear_cases():
     return out
 
 
-def attention_case():
-    from surge.engines.decoder.attention import AttnMeta, paged_attention_loop, paged_attention_torch
+SEQS, HEADS, DIM, BLOCK, BLOCKS, LAYERS = 8, 12, 64, 16, 512, 12  # GPT-2 small's decode attention, 8 streams
 
-    rng = np.random.default_rng(0)
-    seqs, heads, dim, block, blocks, layers = 8, 12, 64, 16, 512, 12
-    ctx = [int(c) for c in rng.integers(80, 100, seqs)]
-    free = list(rng.permutation(blocks))
-    tables = [[int(free.pop()) for _ in range(-(-c // block))] for c in ctx]
+
+def decode_step(seed: int, lo: int, hi: int, dtype=torch.float32):
+    """A decode step's attention inputs: (a fresh metadata each call, the layers' caches, q), SEQS sequences of
+    lo-hi cached positions in random blocks."""
+    from surge.engines.decoder.attention import AttnMeta
+
+    rng = np.random.default_rng(seed)
+    ctx = [int(c) for c in rng.integers(lo, hi, SEQS)]
+    free = list(rng.permutation(BLOCKS))
+    tables = [[int(free.pop()) for _ in range(-(-c // BLOCK))] for c in ctx]
 
     def meta():  # a fresh step: the batched path builds its gather once per step
-        return AttnMeta(slot_mapping=torch.zeros(seqs, dtype=torch.long), block_tables=torch.zeros(1),
-                        context_lens=torch.tensor(ctx), query_start=torch.arange(seqs + 1), max_query=1,
-                        q_lens=[1] * seqs, ctx_lens=ctx, tables=tables)
+        return AttnMeta(slot_mapping=torch.zeros(SEQS, dtype=torch.long), block_tables=torch.zeros(1),
+                        context_lens=torch.tensor(ctx), query_start=torch.arange(SEQS + 1), max_query=1,
+                        q_lens=[1] * SEQS, ctx_lens=ctx, tables=tables)
 
-    caches = [(torch.randn(blocks, block, heads, dim), torch.randn(blocks, block, heads, dim)) for _ in range(layers)]
-    q = torch.randn(seqs, heads, dim)
+    caches = [(torch.randn(BLOCKS, BLOCK, HEADS, DIM).to(dtype), torch.randn(BLOCKS, BLOCK, HEADS, DIM).to(dtype))
+              for _ in range(LAYERS)]
+    return meta, caches, torch.randn(SEQS, HEADS, DIM).to(dtype)
+
+
+def attention_case():
+    from surge.engines.decoder.attention import paged_attention_loop, paged_attention_torch
+
+    meta, caches, q = decode_step(0, 80, 100)
+    dim = DIM
 
     def step(fn):
         m = meta()
@@ -81,23 +93,11 @@ def attention_case():
 
 
 def bf16_attention_case():
-    from surge.engines.decoder.attention import AttnMeta, decode_gather, paged_attention_torch
-
-    rng = np.random.default_rng(1)
-    seqs, heads, dim, block, blocks, layers = 8, 12, 64, 16, 512, 12
-    ctx = [int(c) for c in rng.integers(110, 130, seqs)]
-    free = list(rng.permutation(blocks))
-    tables = [[int(free.pop()) for _ in range(-(-c // block))] for c in ctx]
-
-    def meta():
-        return AttnMeta(slot_mapping=torch.zeros(seqs, dtype=torch.long), block_tables=torch.zeros(1),
-                        context_lens=torch.tensor(ctx), query_start=torch.arange(seqs + 1), max_query=1,
-                        q_lens=[1] * seqs, ctx_lens=ctx, tables=tables)
+    from surge.engines.decoder.attention import decode_gather, paged_attention_torch
 
     bf = torch.bfloat16
-    caches = [(torch.randn(blocks, block, heads, dim).to(bf), torch.randn(blocks, block, heads, dim).to(bf))
-              for _ in range(layers)]
-    q = torch.randn(seqs, heads, dim).to(bf)
+    meta, caches, q = decode_step(1, 110, 130, bf)
+    heads, dim, block = HEADS, DIM, BLOCK
 
     def before():  # session 33's batched step: the gather, then SDPA in the cache's dtype
         slots, valid = decode_gather(meta(), block, q.device)

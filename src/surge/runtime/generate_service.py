@@ -738,8 +738,9 @@ def load_generate_service(path: Path, name: str, version: str = "1", *, device: 
     kwargs = decoder_engine_kwargs(config, device, precision)
     # default on: on a GPU the loop and the event loop never wait for each other's GIL; on the CPU the engine's
     # OpenMP team is the process's only one (a team on a thread beside the main thread's counts more OpenMP
-    # threads than cores, and libgomp then stops spinning between parallel regions: 8 GPT-2 small streams in
-    # BF16 on 2 cores took 360 against 280 ms to a first token and 32 against 24 ms a token, session 34)
+    # threads than cores, and libgomp then stops spinning between parallel regions: a GPT-2 small step in BF16
+    # on 2 cores 1.25x slower on a thread, benchmarks/cpu_engine_thread.py; through `surge serve` 151 against
+    # 177 tok/s, benchmarks/generate_http.py, docs/benchmarks/generate.md session 34)
     remote = config.engine_process if config.engine_process is not None else True
     if remote:
         engine = EngineProcess(path, kwargs, config, name, threads=threads)

@@ -70,9 +70,10 @@ def _decode_batched(q, k_cache, v_cache, meta: AttnMeta, scale: float) -> torch.
     # 19.6 against 7.2 ms a step for 8 GPT-2 streams of ~90 tokens on the 2-core CPU), and
     # index_select into them, 3x faster than advanced indexing with a 2-D index. Against the loop:
     # 16.8 -> 8.3 ms a step for 12 layers (benchmarks/cpu_parts.py).
-    # On the CPU a BF16 / FP16 cache is attended in FP32: torch's CPU SDPA took 0.67-1.1 ms a layer in BF16
-    # against 0.17 in FP32 for 8 GPT-2 streams of ~110 positions (2-core VM, session 34), and the exact
-    # upcast of the gathered K/V costs ~0.07 ms; the output is rounded back to the activations' dtype.
+    # On the CPU a BF16 / FP16 cache is attended in FP32: torch's CPU SDPA is several times slower in BF16
+    # at these shapes, and the exact upcast of the gathered K/V costs less than it saves (12 layers of 8
+    # GPT-2 streams of ~120 positions, 2 cores: 13.8 -> 7.4 ms, benchmarks/cpu_parts.py, session 34); the
+    # output is rounded back to the activations' dtype.
     upcast = k_cache.device.type == "cpu" and k_cache.dtype in (torch.bfloat16, torch.float16)
     bs, kvh, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     scratch = getattr(meta, "_decode_scratch", None)
