@@ -75,14 +75,20 @@ def children_by_role(srv) -> dict[str, list]:
     return out
 
 
-def wait_ready(srv, timeout=120.0) -> None:
-    """Until the server's /ready answers 200 (TimeoutError after `timeout` s)."""
+def wait_ready(srv, timeout=120.0, streak=10) -> None:
+    """Until the server's /ready answers 200 on `streak` fresh connections in a row (TimeoutError after
+    `timeout` s): under --workers each connection lands on any front end, and after an engine restart each
+    front end is ready once it has reconnected, one possibly after another (a single 200 let a CI run's next
+    request reach the other one, still 503)."""
     end = time.monotonic() + timeout
+    run = 0
     while time.monotonic() < end:
         try:
-            if httpx.get(srv.url + "/ready", timeout=2).status_code == 200:
-                return
+            ok = httpx.get(srv.url + "/ready", timeout=2).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+            ok = False
+        run = run + 1 if ok else 0
+        if run >= streak:
+            return
+        time.sleep(0.05 if ok else 0.2)
     raise TimeoutError("not ready again")
