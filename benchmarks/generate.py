@@ -131,7 +131,8 @@ async def _surge_round(service, prompts, n_out):
             "tpot_p50_ms": 1e3 * pct(tpot, 50) if tpot else float("nan")}
 
 
-def make_service(path: Path, args, n: int, fused: bool = True, overlap: bool = True, speculative: int = 0):
+def make_service(path: Path, args, n: int, fused: bool = True, overlap: bool = True, speculative: int = 0,
+                 quantization: str = "none"):
     """The decoder engine (warmed up) and the service the benchmark drives, for n streams of
     args.prompt + args.output tokens: (engine, service, load seconds)."""
     from surge.engines.decoder import DecoderEngine
@@ -150,7 +151,7 @@ def make_service(path: Path, args, n: int, fused: bool = True, overlap: bool = T
                            cuda_graphs=not args.no_graphs, fused=fused, decode_gemm=args.decode_gemm,
                            decode_attention=args.decode_attention, pdl=not args.no_pdl,
                            decode_steps=steps, decode_launch_ms=gen.decode_launch_ms,
-                           speculative_tokens=speculative)
+                           speculative_tokens=speculative, quantization=quantization)
     engine.warmup()
     load_s = time.perf_counter() - t
     service = GenerateService("bench", "1", path, engine, _NoText(), None, gen, request_timeout_s=600)
@@ -158,9 +159,10 @@ def make_service(path: Path, args, n: int, fused: bool = True, overlap: bool = T
     return engine, service, load_s
 
 
-def run_surge(path: Path, args, prompts, fused: bool = True, overlap: bool = True, speculative: int = 0) -> dict:
+def run_surge(path: Path, args, prompts, fused: bool = True, overlap: bool = True, speculative: int = 0,
+              quantization: str = "none") -> dict:
     n = len(prompts)
-    engine, service, load_s = make_service(path, args, n, fused, overlap, speculative)
+    engine, service, load_s = make_service(path, args, n, fused, overlap, speculative, quantization)
 
     async def main():
         # warm-up round (Triton compiles the prefill variants), then the measured rounds
@@ -339,6 +341,7 @@ def main(argv=None) -> int:
     ap.add_argument("--speculative-max-batch", type=int, default=None,
                     help="speculate only in steps of at most this many sequences (default: the setting's default)")
     ap.add_argument("--profile", action="store_true", help="one more surge round under torch.profiler")
+    ap.add_argument("--fp8", action="store_true", help="also surge with FP8 weights (--generation quantization=fp8)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
@@ -367,6 +370,9 @@ def main(argv=None) -> int:
                     rows.append((f"surge, n-gram speculation (k={args.speculative_tokens})",
                                  run_surge(path, args, prompts, not args.no_fused,
                                            speculative=args.speculative_tokens)))
+                if args.fp8:
+                    rows.append(("surge, fp8 weights", run_surge(path, args, prompts, not args.no_fused,
+                                                                 quantization="fp8")))
             if args.baseline == "hf" and not args.only_compile:
                 rows.append(("transformers static", run_hf(path, args, prompts, False)))
             if args.baseline == "hf" and (args.compile or args.only_compile):
@@ -395,6 +401,9 @@ def main(argv=None) -> int:
                 if r.get("launch_steps") is not None:
                     print(f"  {name}: {r['launch_steps']} decode steps a launch (decode_steps {r['decode_steps']}, "
                           f"capped by decode_launch_ms at the bucket's measured step)")
+                if name != rows[0][0] and name.startswith("surge"):
+                    first = rows[0][1]["median_tok_s"]
+                    print(f"  {name} against {rows[0][0]} (same run): median {r['median_tok_s'] / first:.2f}x")
                 if r.get("tpot_p50_ms") is not None and name.startswith("surge"):
                     print(f"  {name}: time per output token after the first, p50 of the streams "
                           f"{r['tpot_p50_ms']:.3f} ms (ITL above: the gap between deliveries)")

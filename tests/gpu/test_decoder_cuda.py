@@ -193,9 +193,10 @@ def _fit(d, lr):
     return d
 
 
-def _compare_greedy(model_dir, prompts, steps=32, same_paths=True, decode_gemm="auto", **engine_kw):
+def _compare_greedy(model_dir, prompts, steps=32, same_paths=True, decode_gemm="auto", ref_dir=None, **engine_kw):
     """surge BF16 (CUDA graphs, overlapped steps) against transformers BF16 generate, and the BF16
-    logits of a prefill against transformers FP32. Returns (equal, near_ties, other, logit_err, scale)."""
+    logits of a prefill against transformers FP32 (of ref_dir's weights where given: e.g. the FP8 round
+    trip of model_dir's). Returns (equal, near_ties, other, logit_err, scale)."""
     from transformers import AutoModelForCausalLM
 
     from surge.engines.decoder import DecoderEngine
@@ -210,8 +211,9 @@ def _compare_greedy(model_dir, prompts, steps=32, same_paths=True, decode_gemm="
     if decode_gemm == "splitk":  # every layer GEMM of a decode step (unmeasured shapes: default_plan)
         assert len(engine.model._splitk) == 4 * engine.cfg.num_layers
     engine.warmup()
-    hf32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
-    hf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    ref_dir = ref_dir or model_dir
+    hf32 = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).cuda().eval()
+    hf16 = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.bfloat16).cuda().eval()
     # logits of whole prompts (prefill through the Triton kernel) against FP32
     err, scale = 0.0, 0.0
     for p in prompts[:4]:

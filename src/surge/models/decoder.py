@@ -255,10 +255,16 @@ def _fold_multipliers(out: dict, cfg: DecoderConfig, lm_head) -> bool:
     return False
 
 
-def load_decoder_weights(path: str | Path, cfg: DecoderConfig, dtype, device="cpu") -> dict:
+# the layers' linear modules under the engine's names (the ones FP8 quantizes: models/fp8.py)
+LINEAR_MODULES = ("qkv", "o", "fc_in", "fc_out", "up_gate", "down")
+
+
+def load_decoder_weights(path: str | Path, cfg: DecoderConfig, dtype, device="cpu", fp8: bool = False) -> dict:
     """Weights under the engine's names: embed, pos_embed, lm_head, final_norm(.bias), and per layer
     `l{i}.` + attn_norm, qkv(.bias), o(.bias), q_norm / k_norm (Qwen3), mlp_norm, up_gate | fc_in,
-    down | fc_out (Linear layout [out, in]); q/k/v and gate/up are concatenated so one GEMM computes them."""
+    down | fc_out (Linear layout [out, in]); q/k/v and gate/up are concatenated so one GEMM computes them.
+    fp8: the layers' linear weights (LINEAR_MODULES) in `dtype` on `device`, then quantized there to FP8
+    with per-row scales under name + ".scale" (models/fp8.py), one weight at a time."""
     import torch
     from safetensors import safe_open
 
@@ -316,7 +322,26 @@ def load_decoder_weights(path: str | Path, cfg: DecoderConfig, dtype, device="cp
         out["lm_head"] = lm_head
     if (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling) != (1.0, 1.0, 1.0):
         tied = _fold_multipliers(out, cfg, lm_head if not tied else out["embed"])
-    out = {k: v.to(device=device, dtype=dtype).contiguous() for k, v in out.items()}
+    out = {k: v.to(device=device, dtype=dtype).contiguous() for k, v in out.items()} if not fp8 else _moved_fp8(
+        out, device, dtype)
     if tied:
         out["lm_head"] = out["embed"]  # one copy in memory
+    return out
+
+
+def is_layer_linear(name: str) -> bool:
+    """Whether a weights-dict name is a layer's linear weight ("l3.qkv"; not its bias or scale)."""
+    layer, _, module = name.partition(".")
+    return layer[:1] == "l" and layer[1:].isdigit() and module in LINEAR_MODULES
+
+
+def _moved_fp8(raw: dict, device, dtype) -> dict:
+    """raw's tensors on the device in `dtype`, the layers' linear weights then FP8 (quantized as each arrives)."""
+    from surge.models.fp8 import quantize_linears
+
+    out = {}
+    for name in list(raw):
+        out[name] = raw.pop(name).to(device=device, dtype=dtype).contiguous()
+        if is_layer_linear(name):
+            quantize_linears(out, (name,))
     return out

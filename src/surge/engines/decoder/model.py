@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from surge.engines.decoder.attention import AttnMeta, causal_dense, paged_attention_torch, write_kv
-from surge.models.decoder import DecoderConfig, rope_inv_freq
+from surge.models.decoder import LINEAR_MODULES, DecoderConfig, rope_inv_freq
+from surge.models.fp8 import SCALE_SUFFIX, dequantize
 
 
 # The layer's pieces as free functions in TorchScript's subset: the decoder embedder's CPU forward
@@ -47,6 +48,10 @@ class DecoderModel:
         # LoRA adapters (engines/decoder/lora.LoraBank): their deltas join the layers' GEMM outputs
         self.lora = lora
         self.w = weights
+        # FP8 linear weights (models/fp8.py, load_decoder_weights(fp8=True)): name -> its [N] FP32 scales
+        self._scales = {n.removesuffix(SCALE_SUFFIX): t for n, t in weights.items() if n.endswith(SCALE_SUFFIX)}
+        if self._scales and device.type != "cuda":
+            raise ValueError("FP8 weights run on a CUDA GPU only")
         self.device = device
         self.dtype = dtype
         self.scale = cfg.attention_scale or 1.0 / math.sqrt(cfg.head_dim)
@@ -112,6 +117,14 @@ class DecoderModel:
             self._splitk_max_m, self._partials = MAX_M, partials
         else:
             self._splitk_max_m = 0
+        # FP8 weights outside the fused layer's plans (GPT-2, Qwen3, the LoRA torch form): the split-K
+        # kernel with reduce at decode sizes
+        self._fp8_plans = {}
+        if self._scales:
+            from surge.engines.kernels import splitk_gemm
+
+            self._fp8_plans = {n: splitk_gemm.fp8_plan_for(*self.w[n].shape) for n in self._scales}
+            self._fp8_max_m, self._fp8_linear_kernel = splitk_gemm.MAX_M, splitk_gemm.linear
 
     def _pdl_supported(self) -> bool:
         from surge.engines.kernels import pdl
@@ -122,7 +135,8 @@ class DecoderModel:
         """Weight name -> split-K plan for the layers' GEMMs at <= splitk_gemm.MAX_M rows (decode steps).
         "auto": the plans measured for the weight's (N, K) (cuBLAS where none is recorded or cuBLAS
         won); "splitk": every such GEMM (an unmeasured shape gets default_plan: tests, measurements);
-        "cublas": none. BF16 / FP16 only: FP32 weights stay on cuBLAS's FP32 (Triton's dot would be TF32)."""
+        "cublas": none. BF16 / FP16 only: FP32 weights stay on cuBLAS's FP32 (Triton's dot would be TF32).
+        An FP8 weight has a plan but under "cublas" (cuBLAS has no BF16 x FP8 product)."""
         if mode == "cublas" or self.dtype not in (torch.bfloat16, torch.float16):
             return {}
         from surge.engines.kernels import splitk_gemm
@@ -134,6 +148,9 @@ class DecoderModel:
                 if wt.stride(1) != 1:  # the kernel reads rows of K contiguous elements
                     continue
                 n, k = wt.shape
+                if f"l{i}.{name}" in self._scales:
+                    plans[f"l{i}.{name}"] = splitk_gemm.fp8_plan_for(n, k)
+                    continue
                 plan = splitk_gemm.plan_for(n, k)
                 if plan is None and mode == "splitk":
                     plan = splitk_gemm.default_plan(n, k)
@@ -155,6 +172,9 @@ class DecoderModel:
             if wt.stride(1) != 1:
                 continue
             inter, k = wt.shape[0] // 2, wt.shape[1]
+            if f"l{i}.up_gate" in self._scales:
+                plans[f"l{i}.up_gate"] = gate_up.fp8_plan_for(inter, k)
+                continue
             plan = gate_up.plan_for(inter, k)
             if plan is None and mode == "splitk":
                 plan = gate_up.default_plan(inter, k)
@@ -172,7 +192,7 @@ class DecoderModel:
         plan = self._gate_up.get(name) if h.shape[0] <= self._gate_up_max_m else None
         lora = masks.operands(layer, "up_gate") if masks is not None and plan is not None else None
         if plan is not None and (masks is None or lora is not None):
-            return self._gate_up_silu(h, self.w[name], plan, pdl=self.pdl, lora=lora)
+            return self._gate_up_silu(h, self.w[name], plan, pdl=self.pdl, lora=lora, scale=self._scales.get(name))
         return self._silu_mul(self._proj_lora(h, layer, "up_gate", masks), h.dtype, pdl=self.pdl)
 
     def _proj_lora(self, x: torch.Tensor, layer: int, module: str, masks, bias: torch.Tensor | None = None):
@@ -183,7 +203,7 @@ class DecoderModel:
         plan = self._splitk_plan(x, name) if masks is not None else None
         lora = masks.operands(layer, module) if plan is not None else None
         if lora is not None:
-            return self._partials(x, self.w[name], plan, pdl=self.pdl, lora=lora)
+            return self._partials(x, self.w[name], plan, pdl=self.pdl, lora=lora, scale=self._scales.get(name))
         pending = masks.begin(x, layer, module) if masks is not None else None
         return self._add_lora(self._proj(x, name, bias), pending)
 
@@ -197,7 +217,7 @@ class DecoderModel:
         return out
 
     # -- pieces ---------------------------------------------------------------------------------------
-    LINEAR = ("qkv", "o", "fc_in", "fc_out", "up_gate", "down")
+    LINEAR = LINEAR_MODULES
 
     @classmethod
     def _cpu_layout(cls, w: dict) -> dict:
@@ -218,10 +238,21 @@ class DecoderModel:
         return out
 
     def _lin(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if name in self._scales:
+            return self._fp8_linear(x, name, bias)
         wt = self._wt.get(name)
         if wt is None:
             return F.linear(x, self.w[name], bias)
         return torch.addmm(bias, x, wt) if bias is not None else x @ wt
+
+    def _fp8_linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None) -> torch.Tensor:
+        """A linear module with FP8 weights: at decode sizes the split-K kernel on the FP8 tiles (the scales
+        on its sums; the weights read once, at one byte each), above them cuBLAS on the weight dequantized
+        for the call (a prefill chunk's product is bound by its arithmetic more than by the weight's bytes)."""
+        w, scale = self.w[name], self._scales[name]
+        if x.shape[0] <= self._fp8_max_m:
+            return self._fp8_linear_kernel(x, w, self._fp8_plans[name], bias, scale=scale)
+        return F.linear(x, dequantize(w, scale, x.dtype), bias)
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, w, self.cfg.norm_eps)
@@ -278,8 +309,8 @@ class DecoderModel:
         fused kernel that reads the product sums in order (the bias is then that kernel's to add)."""
         plan = self._splitk_plan(x, name)
         if plan is None:
-            return F.linear(x, self.w[name], bias)
-        return self._partials(x, self.w[name], plan, pdl=self.pdl)
+            return self._lin(x, name, bias)
+        return self._partials(x, self.w[name], plan, pdl=self.pdl, scale=self._scales.get(name))
 
     def _splitk_plan(self, x: torch.Tensor, name: str):
         return self._splitk.get(name) if x.shape[0] <= self._splitk_max_m else None

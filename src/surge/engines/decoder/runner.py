@@ -61,6 +61,7 @@ class EngineCaps:
     block_size: int
     max_num_seqs: int
     max_model_len: int
+    quantization: str = "none"  # "fp8": the layers' linear weights in FP8 (models/fp8.py)
 
 
 class DecoderEngine:
@@ -73,7 +74,7 @@ class DecoderEngine:
                  decode_steps: int = 1, decode_launch_ms: float | None = None, max_loras: int = 0,
                  max_lora_rank: int = 16, lora_kernel: bool | None = None, lora_join: bool = True,
                  speculative_tokens: int = 0,
-                 speculative_model: str | Path | None = None):
+                 speculative_model: str | Path | None = None, quantization: str = "none"):
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         if threads and not cuda:
@@ -91,7 +92,8 @@ class DecoderEngine:
             num_blocks = max(1, math.ceil(tokens / block_size))
         self.num_blocks = num_blocks
         self.max_num_seqs = max_num_seqs
-        weights = load_decoder_weights(path, self.cfg, self.dtype, self.device)
+        self.quantization = self._check_quantization(quantization)
+        weights = load_decoder_weights(path, self.cfg, self.dtype, self.device, fp8=quantization == "fp8")
         # LoRA adapters: `max_loras` slots, filled by load_adapter (engines/decoder/lora.py)
         self.lora = None
         if max_loras:
@@ -133,6 +135,21 @@ class DecoderEngine:
         if speculative_model is not None:
             self.draft = self._draft_engine(Path(speculative_model), Path(path), dtype, cuda_graphs)
 
+    def _check_quantization(self, quantization: str) -> str:
+        """The quantization asked for, or a ConfigError saying why this device or dtype cannot run it."""
+        from surge.errors import ConfigError
+        from surge.models.fp8 import supported
+
+        if quantization not in ("none", "fp8"):
+            raise ConfigError(f"quantization must be none or fp8, not {quantization!r}")
+        if quantization == "fp8":
+            if not supported(self.device):
+                raise ConfigError(f"quantization=fp8 needs a CUDA GPU of compute capability 8.9 or newer (Ada, "
+                                  f"Hopper), not {self.device}: its kernels convert FP8 weight tiles in hardware")
+            if self.dtype not in (torch.bfloat16, torch.float16):
+                raise ConfigError(f"quantization=fp8 runs BF16 or FP16 activations, not {self.dtype}")
+        return quantization
+
     def _draft_engine(self, draft: Path, path: Path, dtype: str | None, cuda_graphs: bool) -> "DecoderEngine":
         """The draft model's engine: same device, precision, block size and number of blocks; its multi-step
         graphs run the k draft steps of a speculative step in one launch. A draft that cannot stand in for
@@ -171,7 +188,7 @@ class DecoderEngine:
     @property
     def capabilities(self) -> EngineCaps:
         return EngineCaps(str(self.device), str(self.dtype).removeprefix("torch."), self.num_blocks, self.block_size,
-                          self.max_num_seqs, self.max_model_len)
+                          self.max_num_seqs, self.max_model_len, self.quantization)
 
     def warmup(self) -> None:
         if self.graphs is not None:

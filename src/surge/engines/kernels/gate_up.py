@@ -25,6 +25,7 @@ from surge.engines.kernels import tma
 from surge.engines.kernels.lora_delta import (LoraOperands, a_descriptor, join_deltas, join_stages, lora_a, lora_args,
                                               lora_b, row_slots)
 from surge.engines.kernels.pdl import launch_kw, prefetch_l2, wait_then_release
+from surge.engines.kernels.splitk_gemm import check_scale, scale_columns
 from surge.engines.kernels.tile_mma import mma
 
 BLOCK_M = 64  # one M tile holds a whole decode batch: the weights are read once
@@ -73,14 +74,32 @@ def default_plan(i: int, k: int) -> GateUpPlan:
     return GateUpPlan(32 if i >= 2048 else 16, 128 if k >= 128 else 64)
 
 
+# FP8 weights (models/fp8.py): every shape runs here (cuBLAS has no BF16 x FP8 product); a shape missing
+# from this table takes its BF16 plan, else default_plan.
+FP8_PLANS: dict[tuple[int, int], GateUpPlan] = {}
+
+
+def fp8_plan_for(i: int, k: int) -> GateUpPlan:
+    """The plan of an MLP with FP8 weights: measured for FP8, else the BF16 one, else default_plan."""
+    return FP8_PLANS.get((i, k)) or PLANS.get((i, k)) or default_plan(i, k)
+
+
 @triton.jit
 def _prefetch_gate_up_rows(w_ptr, offs_n, I, K, stride_wn, LINES: tl.constexpr):
     """The program's gate and up rows (whole K) into L2 while the previous kernel runs (PDL)."""
-    line = tl.minimum(tl.arange(0, LINES).to(tl.int64) * 128, K.to(tl.int64) * 2 - 1)
+    size = w_ptr.dtype.element_ty.primitive_bitwidth // 8  # bytes a weight: 2, or 1 for FP8
+    line = tl.minimum(tl.arange(0, LINES).to(tl.int64) * 128, K.to(tl.int64) * size - 1)
     rows = tl.minimum(offs_n, I - 1).to(tl.int64)
-    base = w_ptr.to(tl.pointer_type(tl.int8)) + rows[:, None] * stride_wn * 2 + line[None, :]
+    base = w_ptr.to(tl.pointer_type(tl.int8)) + rows[:, None] * stride_wn * size + line[None, :]
     prefetch_l2(base)
-    prefetch_l2(base + I.to(tl.int64) * stride_wn * 2)
+    prefetch_l2(base + I.to(tl.int64) * stride_wn * size)
+
+
+@triton.jit
+def _scaled_halves(acc_g, acc_u, scale_ptr, offs_n, n_ok, I, SWAP: tl.constexpr):
+    """An FP8 weight's scales (gate rows, then up rows I further) applied to the two halves' FP32 sums."""
+    return (scale_columns(acc_g, scale_ptr, offs_n, n_ok, SWAP),
+            scale_columns(acc_u, scale_ptr + I, offs_n, n_ok, SWAP))
 
 
 @triton.jit
@@ -99,8 +118,8 @@ def _silu_mul_store(acc_g, acc_u, out_ptr, offs_m, offs_n, m_ok, n_ok, stride_om
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gate_up(a_ptr, w_ptr, out_ptr, M, I, K, stride_am, stride_wn, stride_om, la_ptr, lb_ptr, slot_ptr, R, W,
-             stride_la, stride_lb, EVEN_K: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
+def _gate_up(a_ptr, w_ptr, out_ptr, M, I, K, stride_am, stride_wn, stride_om, scale_ptr, la_ptr, lb_ptr, slot_ptr, R,
+             W, stride_la, stride_lb, W_SCALE: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr,
              LORA: tl.constexpr, BLOCK_R: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -147,14 +166,16 @@ def _gate_up(a_ptr, w_ptr, out_ptr, M, I, K, stride_am, stride_wn, stride_om, la
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    if W_SCALE:  # FP8 weights: each half's sums scaled before the deltas join them
+        acc_g, acc_u = _scaled_halves(acc_g, acc_u, scale_ptr, offs_n, n_ok, I, SWAP)
     if LORA:  # the deltas join each half's FP32 sum, rounded with it
         acc_g, acc_u = join_deltas(acc_g, acc_u, t, bg, bu, slot, offs_r, R, W, True, SWAP)
     _silu_mul_store(acc_g, acc_u, out_ptr, offs_m, offs_n, m_ok, n_ok, stride_om, SWAP)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gate_up_tma(a_desc, w_desc, w_ptr, out_ptr, M, I, K, stride_wn, stride_om, la_desc, la_ptr, lb_ptr, slot_ptr, R,
-                 W, stride_la, stride_lb, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
+def _gate_up_tma(a_desc, w_desc, w_ptr, out_ptr, M, I, K, stride_wn, stride_om, scale_ptr, la_desc, la_ptr, lb_ptr,
+                 slot_ptr, R, W, stride_la, stride_lb, W_SCALE: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr,
                  LORA: tl.constexpr, BLOCK_R: tl.constexpr, LA_TMA: tl.constexpr):
     """_gate_up with x and W read by TMA: tiles past M or K arrive as zeros, as _gate_up's masks load
@@ -193,20 +214,23 @@ def _gate_up_tma(a_desc, w_desc, w_ptr, out_ptr, M, I, K, stride_wn, stride_om, 
                 offs_k = i * BLOCK_K + tl.arange(0, BLOCK_K)
                 la = lora_a(la_ptr, stride_la, offs_r, r_ok, offs_k, offs_k < K)
             t = tl.dot(a, tl.trans(la), t)
+    if W_SCALE:
+        acc_g, acc_u = _scaled_halves(acc_g, acc_u, scale_ptr, offs_n, offs_n < I, I, SWAP)
     if LORA:
         acc_g, acc_u = join_deltas(acc_g, acc_u, t, bg, bu, slot, offs_r, R, W, True, SWAP)
     _silu_mul_store(acc_g, acc_u, out_ptr, offs_m, offs_n, offs_m < M, offs_n < I, stride_om, SWAP)
 
 
 def gate_up_silu(x: torch.Tensor, w: torch.Tensor, plan: GateUpPlan, pdl: bool = False,
-                 lora: LoraOperands | None = None) -> torch.Tensor:
+                 lora: LoraOperands | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K], w [2I, K] (gate rows, then up rows; BF16 / FP16) -> SiLU(x @ W_gate^T) * (x @ W_up^T)
     [M, I], as F.linear followed by decoder_fused.silu_mul would give up to the GEMMs' summation order.
     A plan with `tma` reads x and W through TMA where kernels/tma.usable allows and I is a multiple of its
     BLOCK_N (else pointer loads: the same bits). pdl: a programmatic dependent launch, the weights
     prefetched into L2 before the wait. lora: the rows' LoRA deltas of the fused gate/up module (b [2I, R]),
     joined to each half's FP32 sum before the SiLU in the same kernel (kernels/lora_delta.py; the plan's
-    pipeline depth may drop: lora_delta.join_stages)."""
+    pipeline depth may drop: lora_delta.join_stages). scale [2I] FP32: w is an FP8 weight (models/fp8.py),
+    each half's sums scaled by its rows' scales before the deltas and the SiLU."""
     m, k = x.shape
     two_i = w.shape[0]
     if two_i % 2 or w.shape[1] != k:
@@ -216,6 +240,7 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, plan: GateUpPlan, pdl: bool =
     if x.stride(1) != 1:
         x = x.contiguous()
     i = two_i // 2
+    w_scale = check_scale(w, scale)
     lkw = lora_args(lora, x, two_i, w)
     stages = join_stages(plan.num_stages, plan.block_k, BLOCK_M + 2 * plan.block_n, lora)
     out = torch.empty((m, i), device=x.device, dtype=x.dtype)
@@ -225,13 +250,13 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, plan: GateUpPlan, pdl: bool =
         w_desc = tma.descriptor(w, (plan.block_n, plan.block_k))
         la_desc, la_tma = a_descriptor(lora, plan.block_k, w_desc)
         _gate_up_tma[grid](tma.descriptor(x, (BLOCK_M, plan.block_k)), w_desc, w, out, m, i, k, w.stride(0),
-                           out.stride(0), la_desc, *lkw["args"], SWAP=plan.swap,
+                           out.stride(0), w_scale, la_desc, *lkw["args"], W_SCALE=scale is not None, SWAP=plan.swap,
                            BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, PDL=pdl, LINES=lines,
                            **lkw["constexprs"], LA_TMA=la_tma, num_warps=plan.num_warps, num_stages=stages,
                            **launch_kw(pdl))
         return out
-    _gate_up[grid](x, w, out, m, i, k, x.stride(0), w.stride(0), out.stride(0), *lkw["args"],
-                   EVEN_K=k % plan.block_k == 0, SWAP=plan.swap, BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n,
+    _gate_up[grid](x, w, out, m, i, k, x.stride(0), w.stride(0), out.stride(0), w_scale, *lkw["args"],
+                   W_SCALE=scale is not None, EVEN_K=k % plan.block_k == 0, SWAP=plan.swap, BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n,
                    BLOCK_K=plan.block_k, PDL=pdl, LINES=lines, **lkw["constexprs"], num_warps=plan.num_warps,
                    num_stages=stages, **launch_kw(pdl))
     return out

@@ -76,9 +76,19 @@ PLANS: dict[tuple[int, int], SplitKPlan] = {
 }
 
 
+# FP8 weights (models/fp8.py): cuBLAS has no product of BF16 activations with FP8 weights, so every shape
+# runs here; a shape missing from this table takes its BF16 plan, else default_plan.
+FP8_PLANS: dict[tuple[int, int], SplitKPlan] = {}
+
+
 def plan_for(n: int, k: int) -> SplitKPlan | None:
     """The measured plan of a [N, K] weight, or None (cuBLAS)."""
     return PLANS.get((n, k))
+
+
+def fp8_plan_for(n: int, k: int) -> SplitKPlan:
+    """The plan of a [N, K] FP8 weight: measured for FP8, else the BF16 one, else default_plan."""
+    return FP8_PLANS.get((n, k)) or PLANS.get((n, k)) or default_plan(n, k)
 
 
 def default_plan(n: int, k: int) -> SplitKPlan:
@@ -93,10 +103,23 @@ def default_plan(n: int, k: int) -> SplitKPlan:
 @triton.jit
 def _prefetch_slice(w_ptr, offs_n, N, K, k0, stride_wn, K_SPLIT: tl.constexpr, LINES: tl.constexpr):
     """The program's weight slice (its rows, K from k0 on, K_SPLIT long) into L2, 128-byte lines (PDL)."""
-    row_bytes = (tl.minimum(K - k0, K_SPLIT) * 2).to(tl.int64)
+    size = w_ptr.dtype.element_ty.primitive_bitwidth // 8  # bytes a weight: 2, or 1 for FP8
+    row_bytes = (tl.minimum(K - k0, K_SPLIT) * size).to(tl.int64)
     line = tl.minimum(tl.arange(0, LINES).to(tl.int64) * 128, row_bytes - 1)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    prefetch_l2((w_ptr + k0).to(tl.pointer_type(tl.int8)) + rows[:, None] * stride_wn * 2 + line[None, :])
+    prefetch_l2((w_ptr + k0).to(tl.pointer_type(tl.int8)) + rows[:, None] * stride_wn * size + line[None, :])
+
+
+@triton.jit
+def scale_columns(acc, scale_ptr, offs_n, n_ok, SWAP: tl.constexpr):
+    """An FP8 weight's per-row scales (models/fp8.py) applied to the tile's FP32 sums: N runs down a
+    swapped tile, across a plain one."""
+    sc = tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
+    if SWAP:
+        out = acc * sc[:, None]
+    else:
+        out = acc * sc[None, :]
+    return out
 
 
 @triton.jit
@@ -112,8 +135,8 @@ def _store_partials(acc, ws_ptr, pid_s, M, N, offs_m, offs_n, SWAP: tl.constexpr
 
 
 @triton.jit(do_not_specialize=["M"])
-def _partials(a_ptr, w_ptr, ws_ptr, M, N, K, stride_am, stride_wn, la_ptr, lb_ptr, slot_ptr, R, W, stride_la,
-              stride_lb, K_SPLIT: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr,
+def _partials(a_ptr, w_ptr, ws_ptr, M, N, K, stride_am, stride_wn, scale_ptr, la_ptr, lb_ptr, slot_ptr, R, W,
+              stride_la, stride_lb, W_SCALE: tl.constexpr, K_SPLIT: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
               LINES: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -171,14 +194,16 @@ def _partials(a_ptr, w_ptr, ws_ptr, M, N, K, stride_am, stride_wn, la_ptr, lb_pt
                 t = tl.dot(a, tl.trans(lora_a(la_ptr, stride_la, offs_r, r_ok, offs_k + i * BLOCK_K, k_ok)), t)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+    if W_SCALE:  # FP8 weights: the sums scaled before anything joins them
+        acc = scale_columns(acc, scale_ptr, offs_n, n_ok, SWAP)
     if LORA:  # this split's share of the rows' deltas (its K range), into its partial sums
         acc, _ = join_deltas(acc, acc, t, b, b, slot, offs_r, R, W, False, SWAP)
     _store_partials(acc, ws_ptr, pid_s, M, N, offs_m, offs_n, SWAP)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _partials_tma(a_desc, w_desc, w_ptr, ws_ptr, M, N, K, stride_wn, la_desc, la_ptr, lb_ptr, slot_ptr, R, W,
-                  stride_la, stride_lb, K_SPLIT: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
+def _partials_tma(a_desc, w_desc, w_ptr, ws_ptr, M, N, K, stride_wn, scale_ptr, la_desc, la_ptr, lb_ptr, slot_ptr,
+                  R, W, stride_la, stride_lb, W_SCALE: tl.constexpr, K_SPLIT: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr,
                   LORA: tl.constexpr, BLOCK_R: tl.constexpr, LA_TMA: tl.constexpr):
     """_partials with both operands read by TMA: tiles past M, N or K arrive as zeros, as the pointer
@@ -216,6 +241,8 @@ def _partials_tma(a_desc, w_desc, w_ptr, ws_ptr, M, N, K, stride_wn, la_desc, la
                 offs_k = k0 + i * BLOCK_K + tl.arange(0, BLOCK_K)
                 la = lora_a(la_ptr, stride_la, offs_r, r_ok, offs_k, offs_k < K)
             t = tl.dot(a, tl.trans(la), t)
+    if W_SCALE:
+        acc = scale_columns(acc, scale_ptr, offs_n, offs_n < N, SWAP)
     if LORA:
         acc, _ = join_deltas(acc, acc, t, b, b, slot, offs_r, R, W, False, SWAP)
     _store_partials(acc, ws_ptr, pid_s, M, N, offs_m, offs_n, SWAP)
@@ -241,7 +268,7 @@ def _reduce(ws_ptr, bias_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl
 
 
 def partials(a: torch.Tensor, w: torch.Tensor, plan: SplitKPlan, out: torch.Tensor | None = None,
-             pdl: bool = False, lora: LoraOperands | None = None) -> torch.Tensor:
+             pdl: bool = False, lora: LoraOperands | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """a [M, K], w [N, K] (BF16 / FP16) -> FP32 partial products [plan.num_splits(K), M, N].
     A plan with `tma` reads both through TMA where kernels/tma.usable allows (else pointer loads: the
     same partials bit for bit). pdl: launched with programmatic dependent launch, the weights read (one
@@ -249,11 +276,14 @@ def partials(a: torch.Tensor, w: torch.Tensor, plan: SplitKPlan, out: torch.Tens
     lora: the rows' LoRA deltas joined in the same kernel, each split adding the share of its K range
     (kernels/lora_delta.py: x A^T summed in the same K loop, joined after it); the partials then sum to the
     product plus each row's own adapter's delta. A plan's pipeline depth may drop where A's tiles need the
-    shared memory (lora_delta.join_stages)."""
+    shared memory (lora_delta.join_stages). scale [N] FP32: w is an FP8 weight (models/fp8.py) whose row n
+    stands for w[n] * scale[n]: its tiles are converted to a's dtype (exactly) for the products, and each
+    split's sums are scaled before the LoRA deltas join them."""
     m, k = a.shape
     n = w.shape[0]
     if a.stride(1) != 1:
         a = a.contiguous()
+    w_scale = check_scale(w, scale)
     lkw = lora_args(lora, a, n, w)
     stages = join_stages(plan.num_stages, plan.block_k, BLOCK_M + plan.block_n, lora)
     ks = plan.k_split(k)
@@ -265,17 +295,31 @@ def partials(a: torch.Tensor, w: torch.Tensor, plan: SplitKPlan, out: torch.Tens
     if plan.tma and tma.usable(a, w):
         w_desc = tma.descriptor(w, (plan.block_n, plan.block_k))
         la_desc, la_tma = a_descriptor(lora, plan.block_k, w_desc)
-        _partials_tma[grid](tma.descriptor(a, (BLOCK_M, plan.block_k)), w_desc, w, out, m, n, k, w.stride(0), la_desc,
-                            *lkw["args"], K_SPLIT=ks, SWAP=plan.swap,
+        _partials_tma[grid](tma.descriptor(a, (BLOCK_M, plan.block_k)), w_desc, w, out, m, n, k, w.stride(0),
+                            w_scale, la_desc, *lkw["args"], W_SCALE=scale is not None, K_SPLIT=ks, SWAP=plan.swap,
                             BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, PDL=pdl, LINES=lines,
                             **lkw["constexprs"], LA_TMA=la_tma, num_warps=plan.num_warps, num_stages=stages,
                             **launch_kw(pdl))
         return out
-    _partials[grid](a, w, out, m, n, k, a.stride(0), w.stride(0), *lkw["args"], K_SPLIT=ks, EVEN_K=k % ks == 0,
+    _partials[grid](a, w, out, m, n, k, a.stride(0), w.stride(0), w_scale, *lkw["args"], W_SCALE=scale is not None,
+                    K_SPLIT=ks, EVEN_K=k % ks == 0,
                     SWAP=plan.swap, BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, PDL=pdl,
                     LINES=lines, **lkw["constexprs"], num_warps=plan.num_warps, num_stages=stages,
                     **launch_kw(pdl))
     return out
+
+
+def check_scale(w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """The scale argument of a kernel that takes an FP8 weight (a placeholder without one), checked."""
+    fp8 = w.dtype == torch.float8_e4m3fn
+    if scale is None:
+        if fp8:
+            raise ValueError("an FP8 weight needs its per-row scales")
+        return w
+    if not fp8 or scale.dtype != torch.float32 or scale.shape != (w.shape[0],) or not scale.is_contiguous():
+        raise ValueError(f"scale must be [{w.shape[0]}] FP32 for a float8_e4m3fn weight, not {list(scale.shape)} "
+                         f"{scale.dtype} for {w.dtype}")
+    return scale
 
 
 def reduce_partials(ws: torch.Tensor, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16
@@ -289,6 +333,8 @@ def reduce_partials(ws: torch.Tensor, bias: torch.Tensor | None = None, dtype: t
     return out
 
 
-def linear(a: torch.Tensor, w: torch.Tensor, plan: SplitKPlan, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(a, w, bias) through split-K: two launches (the decoder fuses the second away)."""
-    return reduce_partials(partials(a, w, plan), bias, a.dtype)
+def linear(a: torch.Tensor, w: torch.Tensor, plan: SplitKPlan, bias: torch.Tensor | None = None,
+           scale: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(a, w, bias) through split-K: two launches (the decoder fuses the second away). With an FP8
+    w and its scales: F.linear(a, w * scale[:, None], bias) with the scales applied to the FP32 sums."""
+    return reduce_partials(partials(a, w, plan, scale=scale), bias, a.dtype)
