@@ -213,6 +213,93 @@ def load_peft(base_dir: Path, adapter_dir: Path):
     return PeftModel.from_pretrained(base, adapter_dir).eval()
 
 
+def build_fp8_checkpoint(model_dir: Path, out: Path, scheme: str = "FP8_DYNAMIC") -> Path:
+    """An FP8 checkpoint of a built model as its writers make it, for the loader's tests.
+
+    scheme "FP8_DYNAMIC" (weights by channel, dynamic per-token activations) or "FP8" (weights by tensor, a static
+    activation scale): compressed-tensors' own presets, applied, each weight's scale computed by its
+    calculate_qparams from the weight's range (what llm-compressor's observers hand it), compressed by its
+    ModelCompressor and saved with its config, as llm-compressor's oneshot saves. "block": the "fp8" method in
+    128 x 128 blocks, each weight quantized by transformers' own FP8 conversion (Fp8Quantize) and the config
+    transformers' FineGrainedFP8Config writes."""
+    import json
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    if scheme == "block":
+        from transformers import FineGrainedFP8Config
+        from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+        qc = FineGrainedFP8Config(weight_block_size=(128, 128))
+        op = Fp8Quantize(type("Quantizer", (), {"quantization_config": qc})())
+        state = {}
+        for name, t in model.state_dict().items():
+            if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                continue  # the embedding's, saved once (as save_pretrained does)
+            linear = name.startswith("model.layers.") and name.endswith("_proj.weight")
+            state.update(op.convert({name: t}) if linear else {name: t})
+        model.config.quantization_config = qc.to_dict()
+        model.config.save_pretrained(out)
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        from compressed_tensors.compressors import ModelCompressor
+        from compressed_tensors.quantization import (QuantizationConfig, QuantizationStatus, apply_quantization_config,
+                                                     preset_name_to_scheme)
+        from compressed_tensors.quantization.utils import calculate_qparams
+
+        cfg = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(scheme, ["Linear"])}, ignore=["lm_head"])
+        apply_quantization_config(model, cfg)
+        for module in model.modules():
+            if getattr(module, "quantization_scheme", None) is None or not hasattr(module, "weight_scale"):
+                continue
+            w = module.weight.detach()
+            dims = dict(dim=1, keepdim=True) if module.quantization_scheme.weights.strategy == "channel" else {}
+            scale, zp = calculate_qparams(w.amin(**dims), w.amax(**dims), module.quantization_scheme.weights)
+            module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+            if hasattr(module, "input_scale"):  # a static activation scale (unused by surge's W8A16 kernels)
+                module.input_scale.data.fill_(0.05)
+            module.quantization_status = QuantizationStatus.CALIBRATION
+        compressor = ModelCompressor.from_pretrained_model(model, quantization_format="float-quantized")
+        compressor.compress_model(model)
+        model.save_pretrained(out)
+        compressor.update_config(out)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (model_dir / f).exists():
+            shutil.copy(model_dir / f, out / f)
+    json.loads((out / "config.json").read_text())["quantization_config"]  # written, or KeyError
+    return out
+
+
+def load_fp8_reference(fp8_dir: Path):
+    """transformers FP32 on an FP8 checkpoint's weights, dequantized by the format's own library
+    (compressed-tensors decompressing; transformers' FP8 dequantization on the CPU), activations in full
+    precision: what surge's W8A16 engine computes."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    method = json.loads((fp8_dir / "config.json").read_text())["quantization_config"]["quant_method"]
+    if method == "compressed-tensors":
+        from compressed_tensors.quantization import disable_quantization
+        from transformers.utils.quantization_config import CompressedTensorsConfig
+
+        model = AutoModelForCausalLM.from_pretrained(fp8_dir, dtype=torch.float32,
+                                                     quantization_config=CompressedTensorsConfig(run_compressed=False))
+        model.apply(disable_quantization)  # the dense weights only: no fake-quantized activations
+    else:
+        from transformers import FineGrainedFP8Config
+
+        model = AutoModelForCausalLM.from_pretrained(fp8_dir, dtype=torch.float32,
+                                                     quantization_config=FineGrainedFP8Config(dequantize=True))
+    return model.eval()
+
+
 QWEN3_EMBEDDING_PROMPTS = {"query": "Instruct: Given a web search query, retrieve relevant passages that answer the "
                                     "query\nQuery:", "document": ""}
 

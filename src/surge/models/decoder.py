@@ -243,14 +243,16 @@ def _open_safetensors(path: Path):
 
 def _fold_multipliers(out: dict, cfg: DecoderConfig, lm_head) -> bool:
     """Granite's multipliers as weights (in FP32, before the cast): the embedding's into the embedding, the
-    residual branches' into o and down (and their biases), 1 / logits_scaling into an LM head of its own
-    (a tied one is copied). Returns False: the LM head is no longer the embedding."""
+    residual branches' into o and down (and their biases; an FP8 weight's into its row scales), 1 / logits_scaling
+    into an LM head of its own (a tied one is copied). Returns False: the LM head is no longer the embedding."""
     out["lm_head"] = lm_head.float() / cfg.logits_scaling
     out["embed"] = out["embed"].float() * cfg.embedding_multiplier
     for i in range(cfg.num_layers):
         for name in ("o", "o.bias", "down", "down.bias"):
             key = f"l{i}.{name}"
-            if key in out:
+            if key + ".scale" in out:
+                out[key + ".scale"] = out[key + ".scale"] * cfg.residual_multiplier
+            elif key in out:
                 out[key] = out[key].float() * cfg.residual_multiplier
     return False
 
@@ -259,14 +261,20 @@ def _fold_multipliers(out: dict, cfg: DecoderConfig, lm_head) -> bool:
 LINEAR_MODULES = ("qkv", "o", "fc_in", "fc_out", "up_gate", "down")
 
 
-def load_decoder_weights(path: str | Path, cfg: DecoderConfig, dtype, device="cpu", fp8: bool = False) -> dict:
+def load_decoder_weights(path: str | Path, cfg: DecoderConfig, dtype, device="cpu", fp8: bool = False,
+                         keep_fp8: bool = False) -> dict:
     """Weights under the engine's names: embed, pos_embed, lm_head, final_norm(.bias), and per layer
     `l{i}.` + attn_norm, qkv(.bias), o(.bias), q_norm / k_norm (Qwen3), mlp_norm, up_gate | fc_in,
     down | fc_out (Linear layout [out, in]); q/k/v and gate/up are concatenated so one GEMM computes them.
     fp8: the layers' linear weights (LINEAR_MODULES) in `dtype` on `device`, then quantized there to FP8
-    with per-row scales under name + ".scale" (models/fp8.py), one weight at a time."""
+    with per-row scales under name + ".scale" (models/fp8.py), one weight at a time. An FP8 checkpoint
+    (models/fp8_checkpoint.py): with keep_fp8 its layers' linear weights stay FP8 where its scales are per row
+    or per tensor (their scales stacked as the weights are), else every FP8 weight is dequantized to `dtype`."""
     import torch
     from safetensors import safe_open
+
+    from surge.models import fp8_checkpoint
+    from surge.models.fp8 import SCALE_SUFFIX
 
     path = Path(path)
     raw: dict[str, torch.Tensor] = {}
@@ -274,11 +282,28 @@ def load_decoder_weights(path: str | Path, cfg: DecoderConfig, dtype, device="cp
         with safe_open(str(file), framework="pt") as fh:
             for key in fh.keys():
                 raw[key.removeprefix("model.").removeprefix("transformer.")] = fh.get_tensor(key)
+    fmt = fp8_checkpoint.read_format(json.loads((path / "config.json").read_text()), str(path))
+    if fmt is not None:
+        fp8_checkpoint.resolve(raw, fmt, lambda n: keep_fp8 and n.startswith("layers.") and n.endswith("_proj.weight"),
+                               dtype)
 
     def take(name: str):
         if name not in raw:
             raise ConfigError(f"{path}: weight {name!r} missing from the checkpoint")
         return raw[name]
+
+    def stacked(name: str, parts: list[str]) -> None:
+        """out[name]: the checkpoint's weights `parts` stacked by rows (q/k/v, gate/up); kept FP8 weights with
+        their row scales stacked alike (a mix of FP8 and full-precision parts: all in full precision)."""
+        ws = [take(p) for p in parts]
+        scales = [raw.get(p + SCALE_SUFFIX) for p in parts]
+        if all(sc is not None for sc in scales):
+            out[name + SCALE_SUFFIX] = torch.cat(scales) if len(scales) > 1 else scales[0]
+        elif any(sc is not None for sc in scales):
+            from surge.models.fp8 import dequantize
+
+            ws = [dequantize(w, sc, dtype) if sc is not None else w for w, sc in zip(ws, scales)]
+        out[name] = torch.cat(ws) if len(ws) > 1 else ws[0]
 
     out: dict[str, torch.Tensor] = {}
     if cfg.arch == "gpt2":
@@ -302,10 +327,10 @@ def load_decoder_weights(path: str | Path, cfg: DecoderConfig, dtype, device="cp
             p = f"layers.{i}."
             out[f"l{i}.attn_norm"] = take(p + "input_layernorm.weight")
             out[f"l{i}.mlp_norm"] = take(p + "post_attention_layernorm.weight")
-            out[f"l{i}.qkv"] = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            stacked(f"l{i}.qkv", [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
             if cfg.qkv_bias:
                 out[f"l{i}.qkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-            out[f"l{i}.o"] = take(p + "self_attn.o_proj.weight")
+            stacked(f"l{i}.o", [p + "self_attn.o_proj.weight"])
             if cfg.o_bias:
                 out[f"l{i}.o.bias"] = take(p + "self_attn.o_proj.bias")
             if cfg.mlp_bias:
@@ -314,16 +339,15 @@ def load_decoder_weights(path: str | Path, cfg: DecoderConfig, dtype, device="cp
             if cfg.qk_norm:
                 out[f"l{i}.q_norm"], out[f"l{i}.k_norm"] = take(p + "self_attn.q_norm.weight"), \
                     take(p + "self_attn.k_norm.weight")
-            out[f"l{i}.up_gate"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            out[f"l{i}.down"] = take(p + "mlp.down_proj.weight")
+            stacked(f"l{i}.up_gate", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+            stacked(f"l{i}.down", [p + "mlp.down_proj.weight"])
         lm_head = raw.get("lm_head.weight")
     tied = lm_head is None or cfg.tie_embeddings
     if not tied:
         out["lm_head"] = lm_head
     if (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling) != (1.0, 1.0, 1.0):
         tied = _fold_multipliers(out, cfg, lm_head if not tied else out["embed"])
-    out = {k: v.to(device=device, dtype=dtype).contiguous() for k, v in out.items()} if not fp8 else _moved_fp8(
-        out, device, dtype)
+    out = _moved(out, device, dtype, fp8)
     if tied:
         out["lm_head"] = out["embed"]  # one copy in memory
     return out
@@ -335,13 +359,18 @@ def is_layer_linear(name: str) -> bool:
     return layer[:1] == "l" and layer[1:].isdigit() and module in LINEAR_MODULES
 
 
-def _moved_fp8(raw: dict, device, dtype) -> dict:
-    """raw's tensors on the device in `dtype`, the layers' linear weights then FP8 (quantized as each arrives)."""
-    from surge.models.fp8 import quantize_linears
+def _moved(raw: dict, device, dtype, quantize: bool) -> dict:
+    """raw's tensors on the device in `dtype`, one at a time; FP8 weights and their FP32 scales keep their
+    dtypes; with `quantize` the layers' full-precision linear weights are then quantized to FP8 there."""
+    from surge.models.fp8 import FP8, SCALE_SUFFIX, quantize_linears
 
     out = {}
     for name in list(raw):
-        out[name] = raw.pop(name).to(device=device, dtype=dtype).contiguous()
-        if is_layer_linear(name):
+        t = raw.pop(name)
+        if t.dtype == FP8 or name.endswith(SCALE_SUFFIX):
+            out[name] = t.to(device=device).contiguous()
+            continue
+        out[name] = t.to(device=device, dtype=dtype).contiguous()
+        if quantize and is_layer_linear(name):
             quantize_linears(out, (name,))
     return out

@@ -126,6 +126,11 @@ class DecoderModel:
             self._fp8_plans = {n: splitk_gemm.fp8_plan_for(*self.w[n].shape) for n in self._scales}
             self._fp8_max_m, self._fp8_linear_kernel = splitk_gemm.MAX_M, splitk_gemm.linear
 
+    @property
+    def fp8(self) -> bool:
+        """Whether the layers' linear weights are FP8 (models/fp8.py)."""
+        return bool(self._scales)
+
     def _pdl_supported(self) -> bool:
         from surge.engines.kernels import pdl
 

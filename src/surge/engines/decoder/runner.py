@@ -92,8 +92,12 @@ class DecoderEngine:
             num_blocks = max(1, math.ceil(tokens / block_size))
         self.num_blocks = num_blocks
         self.max_num_seqs = max_num_seqs
-        self.quantization = self._check_quantization(quantization)
-        weights = load_decoder_weights(path, self.cfg, self.dtype, self.device, fp8=quantization == "fp8")
+        self._check_quantization(quantization)
+        from surge.models.fp8 import supported
+
+        # an FP8 checkpoint's weights stay FP8 where the kernels run them (models/fp8_checkpoint.py), else dequantized
+        weights = load_decoder_weights(path, self.cfg, self.dtype, self.device, fp8=quantization == "fp8",
+                                       keep_fp8=supported(self.device) and self.dtype in (torch.bfloat16, torch.float16))
         # LoRA adapters: `max_loras` slots, filled by load_adapter (engines/decoder/lora.py)
         self.lora = None
         if max_loras:
@@ -106,6 +110,7 @@ class DecoderEngine:
                                   decode_block_n=decode_block_n, decode_gemm=decode_gemm,
                                   decode_attention=decode_attention, pdl=pdl, l2_prefetch=l2_prefetch,
                                   lora=self.lora)
+        self.quantization = "fp8" if self.model.fp8 else "none"  # what runs (an FP8 checkpoint's too)
         self.graph_fp32_logits = graph_fp32_logits  # session 2's graphs: FP32 logits, then the argmax
         self.argmax_kernel = argmax_kernel  # the graph's greedy argmax: "torch" or "triton" (argmax_rows)
         self.kv = KVCache(self.cfg, num_blocks, block_size, self.device, self.dtype)
@@ -135,8 +140,8 @@ class DecoderEngine:
         if speculative_model is not None:
             self.draft = self._draft_engine(Path(speculative_model), Path(path), dtype, cuda_graphs)
 
-    def _check_quantization(self, quantization: str) -> str:
-        """The quantization asked for, or a ConfigError saying why this device or dtype cannot run it."""
+    def _check_quantization(self, quantization: str) -> None:
+        """A ConfigError saying why this device or dtype cannot run the quantization asked for."""
         from surge.errors import ConfigError
         from surge.models.fp8 import supported
 
@@ -148,7 +153,6 @@ class DecoderEngine:
                                   f"Hopper), not {self.device}: its kernels convert FP8 weight tiles in hardware")
             if self.dtype not in (torch.bfloat16, torch.float16):
                 raise ConfigError(f"quantization=fp8 runs BF16 or FP16 activations, not {self.dtype}")
-        return quantization
 
     def _draft_engine(self, draft: Path, path: Path, dtype: str | None, cuda_graphs: bool) -> "DecoderEngine":
         """The draft model's engine: same device, precision, block size and number of blocks; its multi-step
