@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 35 call 1: FP8 weights' first run. The engine with quantization=fp8 against BF16 in the same run (the
+# Session 35 (not run: no device machine was lent this session; the next session's first call): FP8 weights' first run. The engine with quantization=fp8 against BF16 in the same run (the
 # plans FP8 inherits from BF16, untuned), then the FP8 GPU tests and the split-K / gate-up / LoRA kernel tests
 # (the kernels changed: the scale argument, the byte size of the L2 prefetch). Carry build/whl.
 set +e
