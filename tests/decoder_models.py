@@ -290,7 +290,7 @@ def load_fp8_reference(fp8_dir: Path):
         from transformers.utils.quantization_config import CompressedTensorsConfig
 
         model = AutoModelForCausalLM.from_pretrained(fp8_dir, dtype=torch.float32,
-                                                     quantization_config=CompressedTensorsConfig(run_compressed=False))
+                                                     quantization_config=CompressedTensorsConfig(dequantize=True))
         model.apply(disable_quantization)  # the dense weights only: no fake-quantized activations
     else:
         from transformers import FineGrainedFP8Config

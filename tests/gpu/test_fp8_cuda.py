@@ -276,3 +276,38 @@ def _dequantized_gpt2(d, out):
                 conv.weight.copy_(dequantize(*quantize(w), torch.float32).t())
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+def test_an_fp8_checkpoint_runs_its_own_weights_on_the_gpu(trained_fp8, tmp_path):
+    """A compressed-tensors FP8_DYNAMIC checkpoint (written by its library) on an FP8 GPU: the layers' weights are
+    the checkpoint's FP8 bytes (no dequantization, no second rounding), the engine reports fp8 with no setting
+    asked, and greedy tokens follow transformers on the weights compressed-tensors dequantizes, as above."""
+    from transformers import AutoModelForCausalLM
+
+    from surge.engines.decoder import DecoderEngine
+    from surge.models.fp8 import FP8
+    from tests.decoder_models import build_fp8_checkpoint, load_fp8_reference
+    from tests.gpu.test_decoder_cuda import _compare_greedy, _prompts
+
+    d, _ = trained_fp8
+    ckpt = build_fp8_checkpoint(d, tmp_path / "ct", "FP8_DYNAMIC")
+    e = DecoderEngine(ckpt, device="cuda", dtype="bf16", num_blocks=64, max_num_seqs=4, max_model_len=512,
+                      cuda_graphs=False)
+    assert e.capabilities.quantization == "fp8" and e.model.fp8
+    from safetensors import safe_open
+
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as fh:
+        down = fh.get_tensor("model.layers.1.mlp.down_proj.weight")
+    assert e.model.w["l1.down"].dtype == FP8
+    assert torch.equal(e.model.w["l1.down"].cpu().view(torch.uint8), down.view(torch.uint8))
+    del e
+    dense = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)  # the full-precision model's config
+    missing, unexpected = dense.load_state_dict(load_fp8_reference(ckpt).state_dict(), strict=False)
+    assert not missing and not unexpected
+    dense.save_pretrained(tmp_path / "dense", safe_serialization=True)
+    prompts = _prompts(384, 16)
+    equal, near, other, err, scale = _compare_greedy(ckpt, prompts, ref_dir=tmp_path / "dense", pdl=True)
+    print(f"FP8 checkpoint: {equal}/{len(prompts)} equal; near-ties {near}; other {other}; err {err:.4f} of {scale:.2f}")
+    assert err < 0.05 * scale
+    assert not other, f"divergences that are not near-ties: {other}"
+    assert equal >= 0.75 * len(prompts)
