@@ -213,11 +213,12 @@ def load_peft(base_dir: Path, adapter_dir: Path):
     return PeftModel.from_pretrained(base, adapter_dir).eval()
 
 
-def build_fp8_checkpoint(model_dir: Path, out: Path, scheme: str = "FP8_DYNAMIC") -> Path:
-    """An FP8 checkpoint of a built model as its writers make it, for the loader's tests.
+def build_quantized_checkpoint(model_dir: Path, out: Path, scheme: str = "FP8_DYNAMIC") -> Path:
+    """A quantized checkpoint of a built model as its writers make it, for the loader's tests.
 
-    scheme "FP8_DYNAMIC" (weights by channel, dynamic per-token activations) or "FP8" (weights by tensor, a static
-    activation scale): compressed-tensors' own presets, applied, each weight's scale computed by its
+    scheme "FP8_DYNAMIC" (weights by channel, dynamic per-token activations), "FP8" (weights by tensor, a static
+    activation scale), "W4A16" (4-bit integers in groups of 128, packed), "W8A8" (8-bit integers by channel):
+    compressed-tensors' own presets, applied, each weight's scale computed by its
     calculate_qparams from the weight's range (what llm-compressor's observers hand it), compressed by its
     ModelCompressor and saved with its config, as llm-compressor's oneshot saves. "block": the "fp8" method in
     128 x 128 blocks, each weight quantized by transformers' own FP8 conversion (Fp8Quantize) and the config
@@ -258,13 +259,22 @@ def build_fp8_checkpoint(model_dir: Path, out: Path, scheme: str = "FP8_DYNAMIC"
             if getattr(module, "quantization_scheme", None) is None or not hasattr(module, "weight_scale"):
                 continue
             w = module.weight.detach()
-            dims = dict(dim=1, keepdim=True) if module.quantization_scheme.weights.strategy == "channel" else {}
-            scale, zp = calculate_qparams(w.amin(**dims), w.amax(**dims), module.quantization_scheme.weights)
+            args = module.quantization_scheme.weights
+            if args.strategy == "group":  # [N, K / group] ranges
+                w = w.reshape(w.shape[0], -1, args.group_size)
+                lo, hi = w.amin(-1), w.amax(-1)
+            elif args.strategy == "channel":
+                lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+            else:
+                lo, hi = w.amin(), w.amax()
+            scale, zp = calculate_qparams(lo, hi, args)
             module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+            if hasattr(module, "weight_zero_point"):
+                module.weight_zero_point.data.copy_(zp.reshape(module.weight_zero_point.shape))
             if hasattr(module, "input_scale"):  # a static activation scale (unused by surge's W8A16 kernels)
                 module.input_scale.data.fill_(0.05)
             module.quantization_status = QuantizationStatus.CALIBRATION
-        compressor = ModelCompressor.from_pretrained_model(model, quantization_format="float-quantized")
+        compressor = ModelCompressor.from_pretrained_model(model)  # the format compressed-tensors infers
         compressor.compress_model(model)
         model.save_pretrained(out)
         compressor.update_config(out)
@@ -275,7 +285,7 @@ def build_fp8_checkpoint(model_dir: Path, out: Path, scheme: str = "FP8_DYNAMIC"
     return out
 
 
-def load_fp8_reference(fp8_dir: Path):
+def load_quantized_reference(fp8_dir: Path):
     """transformers FP32 on an FP8 checkpoint's weights, dequantized by the format's own library
     (compressed-tensors decompressing; transformers' FP8 dequantization on the CPU), activations in full
     precision: what surge's W8A16 engine computes."""

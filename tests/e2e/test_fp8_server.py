@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 pytest.importorskip("compressed_tensors")
 
-from tests.decoder_models import build_fp8_checkpoint, build_model, load_fp8_reference  # noqa: E402
+from tests.decoder_models import build_quantized_checkpoint, build_model, load_quantized_reference  # noqa: E402
 from tests.server_process import ROOT, ServerProcess, free_port  # noqa: E402
 
 NAME = "fp8-qwen"
@@ -24,14 +24,14 @@ NAME = "fp8-qwen"
 def fp8_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8srv")
     base = build_model("qwen2", root / "base", seed=9, hidden_size=128, intermediate_size=256)
-    return build_fp8_checkpoint(base, root / NAME, "FP8_DYNAMIC")
+    return build_quantized_checkpoint(base, root / NAME, "FP8_DYNAMIC")
 
 
 def test_an_fp8_checkpoint_is_served_as_transformers_answers(fp8_dir):
     from transformers import AutoTokenizer
 
     torch.set_num_threads(1)
-    model, tok = load_fp8_reference(fp8_dir), AutoTokenizer.from_pretrained(fp8_dir)
+    model, tok = load_quantized_reference(fp8_dir), AutoTokenizer.from_pretrained(fp8_dir)
     question = "Define assignment."
     ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True,
                                   return_dict=False)

@@ -286,11 +286,11 @@ def test_an_fp8_checkpoint_runs_its_own_weights_on_the_gpu(trained_fp8, tmp_path
 
     from surge.engines.decoder import DecoderEngine
     from surge.models.fp8 import FP8
-    from tests.decoder_models import build_fp8_checkpoint, load_fp8_reference
+    from tests.decoder_models import build_quantized_checkpoint, load_quantized_reference
     from tests.gpu.test_decoder_cuda import _compare_greedy, _prompts
 
     d, _ = trained_fp8
-    ckpt = build_fp8_checkpoint(d, tmp_path / "ct", "FP8_DYNAMIC")
+    ckpt = build_quantized_checkpoint(d, tmp_path / "ct", "FP8_DYNAMIC")
     e = DecoderEngine(ckpt, device="cuda", dtype="bf16", num_blocks=64, max_num_seqs=4, max_model_len=512,
                       cuda_graphs=False)
     assert e.capabilities.quantization == "fp8" and e.model.fp8
@@ -302,7 +302,7 @@ def test_an_fp8_checkpoint_runs_its_own_weights_on_the_gpu(trained_fp8, tmp_path
     assert torch.equal(e.model.w["l1.down"].cpu().view(torch.uint8), down.view(torch.uint8))
     del e
     dense = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)  # the full-precision model's config
-    missing, unexpected = dense.load_state_dict(load_fp8_reference(ckpt).state_dict(), strict=False)
+    missing, unexpected = dense.load_state_dict(load_quantized_reference(ckpt).state_dict(), strict=False)
     assert not missing and not unexpected
     dense.save_pretrained(tmp_path / "dense", safe_serialization=True)
     prompts = _prompts(384, 16)

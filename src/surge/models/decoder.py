@@ -268,12 +268,13 @@ def load_decoder_weights(path: str | Path, cfg: DecoderConfig, dtype, device="cp
     down | fc_out (Linear layout [out, in]); q/k/v and gate/up are concatenated so one GEMM computes them.
     fp8: the layers' linear weights (LINEAR_MODULES) in `dtype` on `device`, then quantized there to FP8
     with per-row scales under name + ".scale" (models/fp8.py), one weight at a time. An FP8 checkpoint
-    (models/fp8_checkpoint.py): with keep_fp8 its layers' linear weights stay FP8 where its scales are per row
-    or per tensor (their scales stacked as the weights are), else every FP8 weight is dequantized to `dtype`."""
+    (models/quantized_checkpoint.py): with keep_fp8 its layers' linear weights stay FP8 where its scales are per row
+    or per tensor (their scales stacked as the weights are), else every FP8 weight is dequantized to `dtype`;
+    other quantized checkpoints are dequantized at load."""
     import torch
     from safetensors import safe_open
 
-    from surge.models import fp8_checkpoint
+    from surge.models import quantized_checkpoint
     from surge.models.fp8 import SCALE_SUFFIX
 
     path = Path(path)
@@ -281,11 +282,12 @@ def load_decoder_weights(path: str | Path, cfg: DecoderConfig, dtype, device="cp
     for file in _open_safetensors(path):
         with safe_open(str(file), framework="pt") as fh:
             for key in fh.keys():
-                raw[key.removeprefix("model.").removeprefix("transformer.")] = fh.get_tensor(key)
-    fmt = fp8_checkpoint.read_format(json.loads((path / "config.json").read_text()), str(path))
-    if fmt is not None:
-        fp8_checkpoint.resolve(raw, fmt, lambda n: keep_fp8 and n.startswith("layers.") and n.endswith("_proj.weight"),
-                               dtype)
+                raw[key] = fh.get_tensor(key)
+    quant = quantized_checkpoint.read_format(json.loads((path / "config.json").read_text()), str(path))
+    if quant is not None:  # under the checkpoint's own names (a compressed-tensors group may target them)
+        quantized_checkpoint.resolve(raw, quant, lambda n: keep_fp8 and ".layers." in f".{n}" and n.endswith(
+            "_proj.weight"), dtype, str(path))
+    raw = {key.removeprefix("model.").removeprefix("transformer."): t for key, t in raw.items()}
 
     def take(name: str):
         if name not in raw:

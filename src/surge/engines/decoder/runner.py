@@ -95,7 +95,7 @@ class DecoderEngine:
         self._check_quantization(quantization)
         from surge.models.fp8 import supported
 
-        # an FP8 checkpoint's weights stay FP8 where the kernels run them (models/fp8_checkpoint.py), else dequantized
+        # an FP8 checkpoint's weights stay FP8 where the kernels run them (models/quantized_checkpoint.py), else dequantized
         weights = load_decoder_weights(path, self.cfg, self.dtype, self.device, fp8=quantization == "fp8",
                                        keep_fp8=supported(self.device) and self.dtype in (torch.bfloat16, torch.float16))
         # LoRA adapters: `max_loras` slots, filled by load_adapter (engines/decoder/lora.py)

@@ -1,7 +1,8 @@
-"""FP8 checkpoints written by their ecosystems' own tools (compressed-tensors' FP8 / FP8_DYNAMIC schemes; the "fp8"
-method in 128 x 128 blocks by transformers' FP8 conversion) served by the CPU engine (dequantized at load): greedy
-tokens equal transformers' on the same checkpoint (dequantized by the format's own library) token for token; the
-FP8 form kept for the GPU's kernels bit for bit the checkpoint's; other quantizations refused by name."""
+"""Quantized checkpoints written by their ecosystems' own tools (compressed-tensors' FP8 / FP8_DYNAMIC, W4A16 and
+W8A8 schemes; the "fp8" method in 128 x 128 blocks by transformers' FP8 conversion) served by the CPU engine
+(dequantized at load, compressed-tensors' integer schemes by its own decompressors): greedy tokens equal
+transformers' on the same checkpoint (dequantized by the format's own library) token for token; the FP8 form kept
+for the GPU's kernels bit for bit the checkpoint's; other quantizations refused by name."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ pytest.importorskip("compressed_tensors")
 from surge.engines.decoder import DecoderEngine  # noqa: E402
 from surge.errors import ConfigError  # noqa: E402
 from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence  # noqa: E402
-from tests.decoder_models import build_fp8_checkpoint, build_model, load_fp8_reference  # noqa: E402
+from tests.decoder_models import build_quantized_checkpoint, build_model, load_quantized_reference  # noqa: E402
 from tests.unit.test_decoder_engine import drive, hf_greedy, prompts_for  # noqa: E402
 
-SCHEMES = ["FP8_DYNAMIC", "FP8", "block"]
+SCHEMES = ["FP8_DYNAMIC", "FP8", "block", "W4A16", "W8A8"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -34,25 +35,25 @@ def one_thread():
 def checkpoints(tmp_path_factory):
     """A Qwen2-shaped (GQA, q/k/v biases, tied embeddings) and a Llama-shaped model, hidden 256 and FFN 512 (the
     block format's 128 x 128 tiles divide them), each written in every scheme."""
-    root = tmp_path_factory.mktemp("fp8_checkpoints")
+    root = tmp_path_factory.mktemp("quantized_checkpoints")
     out = {}
     for kind in ("qwen2", "llama"):
         base = build_model(kind, root / kind, seed=21, hidden_size=256, intermediate_size=512, num_attention_heads=8,
                            num_key_value_heads=2)
         for scheme in SCHEMES:
-            out[kind, scheme] = build_fp8_checkpoint(base, root / f"{kind}-{scheme}", scheme)
+            out[kind, scheme] = build_quantized_checkpoint(base, root / f"{kind}-{scheme}", scheme)
     return out
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_an_fp8_checkpoint_serves_as_transformers_runs_it(checkpoints, kind, scheme):
+def test_an_quantized_checkpoint_serves_as_transformers_runs_it(checkpoints, kind, scheme):
     """Sequences joining and leaving a running batch, a prefix-cache hit, preemption: every greedy token equals
     transformers' on the checkpoint it dequantizes itself; the prefill's logits within FP32 rounding of its."""
     from surge.engines.decoder.attention import AttnMeta
 
     d = checkpoints[kind, scheme]
-    ref = load_fp8_reference(d)
+    ref = load_quantized_reference(d)
     engine = DecoderEngine(d, num_blocks=22, block_size=4)
     assert engine.capabilities.quantization == "none"  # the CPU serves the dequantized weights
     assert all(t.dtype == torch.float32 for t in engine.model.w.values())
@@ -82,14 +83,14 @@ def test_the_wrong_dequantization_would_be_caught(checkpoints):
     multiplied in FP32 move the logits by far more than the tolerance above."""
     from safetensors import safe_open
 
-    from surge.models.fp8_checkpoint import Fp8Format, dequantize
+    from surge.models.quantized_checkpoint import CheckpointQuant, dequantize
 
     d = checkpoints["qwen2", "FP8_DYNAMIC"]
     with safe_open(str(d / "model.safetensors"), "pt") as fh:
         q, s = fh.get_tensor("model.layers.0.mlp.up_proj.weight"), fh.get_tensor("model.layers.0.mlp.up_proj.weight_scale")
     assert s.dtype == torch.bfloat16 and s.shape == (512, 1)
-    ours = dequantize(q, s, Fp8Format("compressed-tensors"), torch.float32)
-    lib = load_fp8_reference(d).model.layers[0].mlp.up_proj.weight
+    ours = dequantize(q, s, CheckpointQuant("compressed-tensors"), torch.float32)
+    lib = load_quantized_reference(d).model.layers[0].mlp.up_proj.weight
     assert torch.equal(ours, lib)
     assert not torch.equal(q.float() * s.float(), lib)
 
@@ -141,7 +142,7 @@ def test_block_scales_are_dequantized_even_where_fp8_runs(checkpoints):
 def test_other_quantizations_are_refused_by_name(checkpoints, tmp_path):
     import shutil
 
-    from surge.models.fp8_checkpoint import read_format
+    from surge.models.quantized_checkpoint import read_format
 
     def with_config(name, qc):
         d = tmp_path / name
@@ -154,13 +155,23 @@ def test_other_quantizations_are_refused_by_name(checkpoints, tmp_path):
     gptq = with_config("gptq", {"quant_method": "gptq", "bits": 4, "group_size": 128})
     with pytest.raises(ConfigError, match="quantization method 'gptq' is not supported; surge reads compressed-tensors"):
         DecoderEngine(gptq)
-    w4 = json.loads((checkpoints["qwen2", "FP8_DYNAMIC"] / "config.json").read_text())["quantization_config"]
-    w4["config_groups"]["group_0"]["weights"].update(num_bits=4, type="int", strategy="group", group_size=128)
-    w4["format"] = w4["config_groups"]["group_0"]["format"] = "pack-quantized"
-    with pytest.raises(ConfigError, match="group 'group_0' \\(pack-quantized, weights 4-bit int by group\\)"):
-        DecoderEngine(with_config("w4a16", w4))
     with pytest.raises(ConfigError, match="sparsity"):
         read_format({"quantization_config": {"quant_method": "compressed-tensors",
                                              "sparsity_config": {"format": "sparse-24-bitmask"}}})
     assert read_format({}) is None
     assert read_format({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 64]}}).block == (128, 64)
+
+
+def test_compressed_tensors_is_needed_only_for_the_schemes_it_decompresses(checkpoints, monkeypatch, caplog):
+    """FP8 by channel is read by surge alone; W4A16 is decompressed by compressed-tensors (said in the log), and
+    without the package the error says what to install."""
+    import sys
+
+    DecoderEngine(checkpoints["llama", "W4A16"])
+    assert "decompressed at load: served in full precision" in caplog.text
+    for mod in [m for m in sys.modules if m == "compressed_tensors" or m.startswith("compressed_tensors.")]:
+        monkeypatch.delitem(sys.modules, mod)
+    monkeypatch.setitem(sys.modules, "compressed_tensors", None)  # import fails
+    DecoderEngine(checkpoints["llama", "FP8_DYNAMIC"])
+    with pytest.raises(ConfigError, match="pip install compressed-tensors"):
+        DecoderEngine(checkpoints["llama", "W4A16"])
