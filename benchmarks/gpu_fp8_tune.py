@@ -90,6 +90,30 @@ def _compile(job):
     return bad
 
 
+SWEEP = (128, 192, 256, 512)
+
+
+def _rows_sweep(kind, n, k, plan, wb, w8, layers) -> dict:
+    """us a layer at each M of SWEEP: (the FP8 kernel with `plan`, dequantize + F.linear, BF16 F.linear)."""
+    import torch.nn.functional as F
+
+    from surge.engines.kernels.decoder_fused import silu_mul
+    from surge.models.fp8 import dequantize
+
+    out = {}
+    for m in SWEEP:
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+
+        def tail(y):  # gate/up's SiLU product on the unfused paths, as the engine runs them
+            return silu_mul(y, torch.bfloat16) if kind == "gate_up" else y
+
+        kernel = timed(lambda: [_run(kind, x, q, s, plan) for q, s in w8]) / layers
+        deq = timed(lambda: [tail(F.linear(x, dequantize(q, s, torch.bfloat16))) for q, s in w8]) / layers
+        bf16 = timed(lambda: [tail(F.linear(x, w)) for w in wb]) / layers
+        out[m] = (kernel, deq, bf16)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen2-0.5b", help="a benchmarks/generate.py shape")
@@ -121,7 +145,7 @@ def main():
     print(f"compiled in {time.perf_counter() - t0:.0f} s ({len(bad)} plans dropped)", flush=True)
 
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape, "gemms": {}}
-    table = []
+    table, by_m = [], {}
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, (kind, n, k) in gemms.items():
         wb = [(torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16) for _ in range(layers)]
@@ -168,6 +192,8 @@ def main():
         table.append((name, n, k, bf16_us, default_us, best_us, best))
         record["gemms"][name] = {"n": n, "k": k, "bf16_us": bf16_us, "bf16_plan": str(bplan),
                                  "fp8_current_us": default_us, "fp8": [(t, p) for t, p in rows[:40]]}
+        by_m[name] = _rows_sweep(kind, n, k, best, wb, w8, layers)
+        record["gemms"][name]["by_m"] = by_m[name]
     print(f"\n{args.shape}, M = {M}, {layers} layers' distinct weights a graph (us a layer):")
     print("| GEMM | N x K | BF16 MB | BF16 (engine plan) | FP8, current plan | FP8, best | best / BF16 | best FP8 plan |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
@@ -176,6 +202,13 @@ def main():
     total_b = sum(r[3] for r in table)
     total_f = sum(r[5] for r in table)
     print(f"| all four | | | {total_b:.2f} | | {total_f:.2f} | {total_f / total_b:.2f}x | |")
+    print(f"\nAbove {M} rows (prefill chunks, speculative steps): the FP8 kernel with the best plan (M tiles of 64 "
+          "rows, the weight re-read from L2) against the weight dequantized for the call + cuBLAS, and BF16 cuBLAS "
+          "(us a layer; the engine's FP8_MAX_M is the largest M where the kernel wins):")
+    print("| GEMM | " + " | ".join(f"M = {m}: kernel / dequant+cuBLAS / BF16" for m in SWEEP) + " |")
+    print("| --- |" + " --- |" * len(SWEEP))
+    for name, row in by_m.items():
+        print(f"| {name} | " + " | ".join(f"{a:.1f} / {b:.1f} / {c:.1f}" for a, b, c in row.values()) + " |")
     print("\nFP8_PLANS:")
     for name, n, k, *_, p in table:
         if gemms[name][0] == "splitk":
