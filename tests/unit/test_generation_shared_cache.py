@@ -44,3 +44,7 @@ def test_only_a_server_with_a_redis_url_and_both_caches_on_gets_the_tier():
     s = service()
     attach_shared_cache(s, CacheConfig(redis_url="redis://127.0.0.1:1/0", redis_ttl_s=60))
     assert s.shared.prefix == "surge:m:3:generate:cpu:fp32:" and s.shared.ttl_s == 60
+    caps = SimpleNamespace(device="cuda:0", dtype="bfloat16", quantization="fp8")  # FP8 weights answer apart
+    s = service()
+    attach_shared_cache(s, CacheConfig(redis_url="redis://127.0.0.1:1/0"))
+    assert s.shared.prefix == "surge:m:3:generate:cuda:0:bfloat16:fp8:"

@@ -662,8 +662,9 @@ def _unpack(raw: bytes) -> list[Delta]:
 
 def attach_shared_cache(service, cache_config) -> None:
     """Give a generation service the shared tier of the server's cache settings (`--redis-url`): on Redis,
-    keyed by model, version and the engine's device and precision (answers of another precision never
-    mix), for `--redis-ttl-s`. Nothing without a URL, with the cache off, or with the generation cache off."""
+    keyed by model, version and the engine's device, precision and weight quantization (answers of another
+    precision or of FP8 weights never mix), for `--redis-ttl-s`. Nothing without a URL, with the cache off, or
+    with the generation cache off."""
     if not (cache_config is not None and cache_config.enabled and cache_config.redis_url
             and service.config.cache_entries):
         return
@@ -671,6 +672,9 @@ def attach_shared_cache(service, cache_config) -> None:
 
     caps = service.engine.capabilities
     build = f"generate:{getattr(caps, 'device', '')}:{getattr(caps, 'dtype', '')}"
+    quant = getattr(caps, "quantization", "none")
+    if quant != "none":  # (unquantized engines keep the keys they had)
+        build += f":{quant}"
     service.shared = RedisTier(cache_config.redis_url, service.name, service.version, cache_config.redis_ttl_s,
                                build=build)
 
