@@ -132,9 +132,10 @@ async def _surge_round(service, prompts, n_out):
 
 
 def make_service(path: Path, args, n: int, fused: bool = True, overlap: bool = True, speculative: int = 0,
-                 quantization: str = "none"):
+                 quantization: str = "none", process: bool = False):
     """The decoder engine (warmed up) and the service the benchmark drives, for n streams of
-    args.prompt + args.output tokens: (engine, service, load seconds)."""
+    args.prompt + args.output tokens: (engine, service, load seconds). process: the engine loop in a process
+    of its own (runtime/generate_process.EngineProcess, what `surge serve` runs by default), the service here."""
     from surge.engines.decoder import DecoderEngine
     from surge.runtime.generate_service import GenerateService, GenerationConfig
 
@@ -146,13 +147,18 @@ def make_service(path: Path, args, n: int, fused: bool = True, overlap: bool = T
                            **({"speculative_max_batch": args.speculative_max_batch}
                               if getattr(args, "speculative_max_batch", None) else {}))
     t = time.perf_counter()
-    engine = DecoderEngine(path, device=args.device, dtype=args.dtype, max_num_seqs=gen.max_num_seqs,
-                           max_model_len=max_len, kv_cache_tokens=(n + 8) * max_len, threads=args.threads,
-                           cuda_graphs=not args.no_graphs, fused=fused, decode_gemm=args.decode_gemm,
-                           decode_attention=args.decode_attention, pdl=not args.no_pdl,
-                           decode_steps=steps, decode_launch_ms=gen.decode_launch_ms,
-                           speculative_tokens=speculative, quantization=quantization)
-    engine.warmup()
+    kw = dict(device=args.device, dtype=args.dtype, max_num_seqs=gen.max_num_seqs, max_model_len=max_len,
+              kv_cache_tokens=(n + 8) * max_len, cuda_graphs=not args.no_graphs, fused=fused,
+              decode_gemm=args.decode_gemm, decode_attention=args.decode_attention, pdl=not args.no_pdl,
+              decode_steps=steps, decode_launch_ms=gen.decode_launch_ms, speculative_tokens=speculative,
+              quantization=quantization)
+    if process:
+        from surge.runtime.generate_process import EngineProcess
+
+        engine = EngineProcess(path, kw, gen.resolved(), "bench", threads=args.threads)
+    else:
+        engine = DecoderEngine(path, threads=args.threads, **kw)
+        engine.warmup()
     load_s = time.perf_counter() - t
     service = GenerateService("bench", "1", path, engine, _NoText(), None, gen, request_timeout_s=600)
     service.mark_ready()
@@ -160,9 +166,11 @@ def make_service(path: Path, args, n: int, fused: bool = True, overlap: bool = T
 
 
 def run_surge(path: Path, args, prompts, fused: bool = True, overlap: bool = True, speculative: int = 0,
-              quantization: str = "none") -> dict:
+              quantization: str = "none", process: bool = False) -> dict:
     n = len(prompts)
-    engine, service, load_s = make_service(path, args, n, fused, overlap, speculative, quantization)
+    engine, service, load_s = make_service(path, args, n, fused, overlap, speculative, quantization, process)
+    if process:
+        return _run_remote(service, args, prompts, load_s)
 
     async def main():
         # warm-up round (Triton compiles the prefill variants), then the measured rounds
@@ -205,6 +213,25 @@ def run_surge(path: Path, args, prompts, fused: bool = True, overlap: bool = Tru
     best["fused"] = fused
     best["decode_gemm"] = args.decode_gemm
     best["splitk_gemms"] = len(getattr(engine.model, "_splitk", {}))
+    return best
+
+
+def _run_remote(service, args, prompts, load_s) -> dict:
+    """run_surge's rounds on a service whose engine loop runs in its own process (no graph timings here)."""
+    n = len(prompts)
+
+    async def main():
+        await _surge_round(service, prompts[: min(n, 8)], 4)
+        rounds = [await _surge_round(service, prompts, args.output) for _ in range(args.rounds)]
+        steps, busy = service.steps, service.busy_s
+        await service.close()
+        return rounds, steps, busy
+
+    rounds, steps, busy = asyncio.run(main())
+    best = max(rounds, key=lambda r: r["tok_s"])
+    best.update(rounds_tok_s=[round(r["tok_s"], 1) for r in rounds],
+                median_tok_s=statistics.median(r["tok_s"] for r in rounds), load_s=load_s, steps=steps,
+                engine_busy_s=round(busy, 3), engine="process")
     return best
 
 
@@ -342,6 +369,9 @@ def main(argv=None) -> int:
                     help="speculate only in steps of at most this many sequences (default: the setting's default)")
     ap.add_argument("--profile", action="store_true", help="one more surge round under torch.profiler")
     ap.add_argument("--fp8", action="store_true", help="also surge with FP8 weights (--generation quantization=fp8)")
+    ap.add_argument("--engine", choices=["thread", "process", "both"], default="thread",
+                    help="surge's engine loop on a thread of this process (the rows so far), in a process of its own "
+                         "(what `surge serve` runs by default), or both rows in one run")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
@@ -359,11 +389,15 @@ def main(argv=None) -> int:
             prompts = torch.randint(2, vocab, (args.streams, args.prompt), generator=g).tolist()
             rows = []
             if not args.only_compile:
-                try:
-                    rows = [("surge", run_surge(path, args, prompts, fused=not args.no_fused))]
-                except Exception as exc:  # the fused kernels failed here: say so, measure without them
-                    print(f"surge with fused kernels failed: {type(exc).__name__}: {exc}", flush=True)
-                    rows = [("surge (unfused)", run_surge(path, args, prompts, fused=False))]
+                if args.engine != "process":
+                    try:
+                        rows = [("surge", run_surge(path, args, prompts, fused=not args.no_fused))]
+                    except Exception as exc:  # the fused kernels failed here: say so, measure without them
+                        print(f"surge with fused kernels failed: {type(exc).__name__}: {exc}", flush=True)
+                        rows = [("surge (unfused)", run_surge(path, args, prompts, fused=False))]
+                if args.engine != "thread":
+                    rows.append(("surge, engine process", run_surge(path, args, prompts, not args.no_fused,
+                                                                    process=True)))
                 if args.sync:
                     rows.append(("surge, synchronous steps", run_surge(path, args, prompts, not args.no_fused, False)))
                 if args.speculative_tokens:
