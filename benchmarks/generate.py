@@ -368,7 +368,8 @@ def main(argv=None) -> int:
     ap.add_argument("--speculative-max-batch", type=int, default=None,
                     help="speculate only in steps of at most this many sequences (default: the setting's default)")
     ap.add_argument("--profile", action="store_true", help="one more surge round under torch.profiler")
-    ap.add_argument("--fp8", action="store_true", help="also surge with FP8 weights (--generation quantization=fp8)")
+    ap.add_argument("--quantization", action="append", choices=["fp8", "int8"], default=[],
+                    help="also surge with 8-bit weights (--generation quantization=fp8 / int8); repeatable")
     ap.add_argument("--engine", choices=["thread", "process", "both"], default="thread",
                     help="surge's engine loop on a thread of this process (the rows so far), in a process of its own "
                          "(what `surge serve` runs by default), or both rows in one run")
@@ -404,9 +405,9 @@ def main(argv=None) -> int:
                     rows.append((f"surge, n-gram speculation (k={args.speculative_tokens})",
                                  run_surge(path, args, prompts, not args.no_fused,
                                            speculative=args.speculative_tokens)))
-                if args.fp8:
-                    rows.append(("surge, fp8 weights", run_surge(path, args, prompts, not args.no_fused,
-                                                                 quantization="fp8")))
+                for quant in args.quantization:
+                    rows.append((f"surge, {quant} weights", run_surge(path, args, prompts, not args.no_fused,
+                                                                      quantization=quant)))
             if args.baseline == "hf" and not args.only_compile:
                 rows.append(("transformers static", run_hf(path, args, prompts, False)))
             if args.baseline == "hf" and (args.compile or args.only_compile):

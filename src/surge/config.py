@@ -191,11 +191,13 @@ class GenerationConfig(_Strict):
         "fcfs", description="fcfs: requests wait and are preempted in arrival order; priority (vLLM's): by each "
         "request's `priority` (lower first, then arrival), the lowest running one preempted first; a request "
         "may give a priority other than 0 only under this policy.")
-    quantization: Literal["none", "fp8"] = Field(
+    quantization: Literal["none", "fp8", "int8"] = Field(
         "none", description="fp8 (vLLM's --quantization fp8): the layers' linear weights quantized at load to FP8 "
-        "E4M3 with a scale per output channel, on a GPU of compute capability 8.9+ (Ada, Hopper): half the "
-        "weights' memory and the bytes a decode step reads; activations, the KV cache, the embedding and the LM "
-        "head stay in the model's dtype. Answers differ from the unquantized model's by the weights' rounding.")
+        "E4M3 with a scale per output channel, on a GPU of compute capability 8.9+ (Ada, Hopper); int8: to "
+        "symmetric INT8 with a scale per output channel (compressed-tensors' W8A16 form), on any GPU of 8.0+ "
+        "(Ampere on). Half the weights' memory and the bytes a decode step reads; activations, the KV cache, the "
+        "embedding and the LM head stay in the model's dtype. Answers differ from the unquantized model's by the "
+        "weights' rounding. A quantized checkpoint's 8-bit weights run as they are whatever this says.")
     cuda_graphs: bool = Field(True, description="On a GPU: replay decode steps as CUDA graphs per batch bucket.")
     overlap_steps: bool = Field(True, description="Launch the next greedy decode step before the last one's tokens "
                                 "are read back (its inputs stay on the device), so host work overlaps the GPU.")

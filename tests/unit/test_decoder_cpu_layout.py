@@ -23,7 +23,7 @@ def test_layout_keeps_values_and_storage_and_a_tied_head_keeps_the_embedding():
     assert w["l0.qkv.bias"] is original["l0.qkv.bias"] and w["l0.attn_norm"] is original["l0.attn_norm"]
 
     model = DecoderModel.__new__(DecoderModel)
-    model.w, model._wt = w, wt
+    model.w, model._wt, model._scales = w, wt, {}  # no 8-bit weights
     x = torch.randn(5, 16, generator=g, dtype=torch.float64)
     torch.testing.assert_close(model._lin(x, "l0.qkv", w["l0.qkv.bias"]),
                                F.linear(x, original["l0.qkv"], original["l0.qkv.bias"]))

@@ -18,17 +18,10 @@ from surge.engines.decoder import DecoderEngine  # noqa: E402
 from surge.errors import ConfigError  # noqa: E402
 from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence  # noqa: E402
 from tests.decoder_models import build_quantized_checkpoint, build_model, load_quantized_reference  # noqa: E402
-from tests.unit.test_decoder_engine import drive, hf_greedy, prompts_for  # noqa: E402
+# one_thread: the engine tests' module fixture (autouse), one intra-op thread for these tiny models
+from tests.unit.test_decoder_engine import drive, hf_greedy, one_thread, prompts_for  # noqa: E402, F401
 
 SCHEMES = ["FP8_DYNAMIC", "FP8", "block", "W4A16", "W8A8"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -95,19 +88,21 @@ def test_the_wrong_dequantization_would_be_caught(checkpoints):
     assert not torch.equal(q.float() * s.float(), lib)
 
 
-@pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "FP8"])
+@pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "FP8", "W8A8"])
 def test_the_gpu_form_keeps_the_checkpoints_bits(checkpoints, scheme):
-    """With keep_fp8 (an FP8-capable GPU) the layers' linear weights stay FP8, stacked as the engine's fused
-    modules (q/k/v, gate/up), bit for bit the checkpoint's, each row's scale the checkpoint's (a per-tensor one
-    repeated); the rest as the dequantizing loader gives it."""
+    """With keep (a GPU whose kernels run FP8 and INT8) the layers' 8-bit linear weights stay as they are, stacked
+    as the engine's fused modules (q/k/v, gate/up), bit for bit the checkpoint's, each row's scale the
+    checkpoint's (a per-tensor one repeated); the rest as the dequantizing loader gives it; where the kernels run
+    FP8 only, INT8 weights are dequantized."""
     from safetensors import safe_open
 
     from surge.models.decoder import is_layer_linear, load_decoder_config, load_decoder_weights
-    from surge.models.fp8 import FP8, SCALE_SUFFIX
+    from surge.models.weight_quant import FP8, SCALE_SUFFIX
 
     d = checkpoints["qwen2", scheme]
     cfg = load_decoder_config(d)
-    kept = load_decoder_weights(d, cfg, torch.bfloat16, keep_fp8=True)
+    eight = torch.int8 if scheme == "W8A8" else FP8
+    kept = load_decoder_weights(d, cfg, torch.bfloat16, keep=(FP8, torch.int8))
     plain = load_decoder_weights(d, cfg, torch.bfloat16)
     with safe_open(str(d / "model.safetensors"), "pt") as fh:
         raw = {k: fh.get_tensor(k) for k in fh.keys()}
@@ -117,7 +112,7 @@ def test_the_gpu_form_keeps_the_checkpoints_bits(checkpoints, scheme):
                             ("down", ["mlp.down_proj"])):
             mods = [f"model.layers.{i}.{m}" for m in parts]
             q = kept[f"l{i}.{name}"]
-            assert q.dtype == FP8
+            assert q.dtype == eight
             assert torch.equal(q.view(torch.uint8), torch.cat([raw[m + ".weight"] for m in mods]).view(torch.uint8))
             rows = torch.cat([raw[m + ".weight_scale"].float().reshape(-1).expand(raw[m + ".weight"].shape[0])
                               for m in mods])
@@ -126,6 +121,8 @@ def test_the_gpu_form_keeps_the_checkpoints_bits(checkpoints, scheme):
     for n, t in plain.items():
         if not is_layer_linear(n):
             assert torch.equal(kept[n], t), n
+    other = (torch.int8,) if eight == FP8 else (FP8,)
+    assert not any(n.endswith(SCALE_SUFFIX) for n in load_decoder_weights(d, cfg, torch.bfloat16, keep=other))
 
 
 def test_block_scales_are_dequantized_even_where_fp8_runs(checkpoints):
@@ -134,7 +131,7 @@ def test_block_scales_are_dequantized_even_where_fp8_runs(checkpoints):
 
     d = checkpoints["llama", "block"]
     cfg = load_decoder_config(d)
-    kept = load_decoder_weights(d, cfg, torch.bfloat16, keep_fp8=True)
+    kept = load_decoder_weights(d, cfg, torch.bfloat16, keep=(torch.float8_e4m3fn, torch.int8))
     assert all(t.dtype == torch.bfloat16 for t in kept.values())
     assert not any(n.endswith(".scale") for n in kept)
 

@@ -257,25 +257,25 @@ def _fold_multipliers(out: dict, cfg: DecoderConfig, lm_head) -> bool:
     return False
 
 
-# the layers' linear modules under the engine's names (the ones FP8 quantizes: models/fp8.py)
+# the layers' linear modules under the engine's names (the ones 8-bit quantization takes: models/weight_quant.py)
 LINEAR_MODULES = ("qkv", "o", "fc_in", "fc_out", "up_gate", "down")
 
 
-def load_decoder_weights(path: str | Path, cfg: DecoderConfig, dtype, device="cpu", fp8: bool = False,
-                         keep_fp8: bool = False) -> dict:
+def load_decoder_weights(path: str | Path, cfg: DecoderConfig, dtype, device="cpu", quantize: str | None = None,
+                         keep: tuple = ()) -> dict:
     """Weights under the engine's names: embed, pos_embed, lm_head, final_norm(.bias), and per layer
     `l{i}.` + attn_norm, qkv(.bias), o(.bias), q_norm / k_norm (Qwen3), mlp_norm, up_gate | fc_in,
     down | fc_out (Linear layout [out, in]); q/k/v and gate/up are concatenated so one GEMM computes them.
-    fp8: the layers' linear weights (LINEAR_MODULES) in `dtype` on `device`, then quantized there to FP8
-    with per-row scales under name + ".scale" (models/fp8.py), one weight at a time. An FP8 checkpoint
-    (models/quantized_checkpoint.py): with keep_fp8 its layers' linear weights stay FP8 where its scales are per row
-    or per tensor (their scales stacked as the weights are), else every FP8 weight is dequantized to `dtype`;
-    other quantized checkpoints are dequantized at load."""
+    quantize ("fp8" / "int8"): the layers' linear weights (LINEAR_MODULES) in `dtype` on `device`, then quantized
+    there to 8 bits with per-row scales under name + ".scale" (models/weight_quant.py), one weight at a time. A
+    quantized checkpoint (models/quantized_checkpoint.py): its layers' 8-bit linear weights of a dtype in `keep`
+    (those the device's kernels run) stay as they are where their scales are per row or per tensor (the scales
+    stacked as the weights are); every other quantized weight is dequantized to `dtype` at load."""
     import torch
     from safetensors import safe_open
 
     from surge.models import quantized_checkpoint
-    from surge.models.fp8 import SCALE_SUFFIX
+    from surge.models.weight_quant import SCALE_SUFFIX
 
     path = Path(path)
     raw: dict[str, torch.Tensor] = {}
@@ -285,7 +285,7 @@ def load_decoder_weights(path: str | Path, cfg: DecoderConfig, dtype, device="cp
                 raw[key] = fh.get_tensor(key)
     quant = quantized_checkpoint.read_format(json.loads((path / "config.json").read_text()), str(path))
     if quant is not None:  # under the checkpoint's own names (a compressed-tensors group may target them)
-        quantized_checkpoint.resolve(raw, quant, lambda n: keep_fp8 and ".layers." in f".{n}" and n.endswith(
+        quantized_checkpoint.resolve(raw, quant, lambda n, dt: dt in keep and ".layers." in f".{n}" and n.endswith(
             "_proj.weight"), dtype, str(path))
     raw = {key.removeprefix("model.").removeprefix("transformer."): t for key, t in raw.items()}
 
@@ -302,7 +302,7 @@ def load_decoder_weights(path: str | Path, cfg: DecoderConfig, dtype, device="cp
         if all(sc is not None for sc in scales):
             out[name + SCALE_SUFFIX] = torch.cat(scales) if len(scales) > 1 else scales[0]
         elif any(sc is not None for sc in scales):
-            from surge.models.fp8 import dequantize
+            from surge.models.weight_quant import dequantize
 
             ws = [dequantize(w, sc, dtype) if sc is not None else w for w, sc in zip(ws, scales)]
         out[name] = torch.cat(ws) if len(ws) > 1 else ws[0]
@@ -349,7 +349,7 @@ def load_decoder_weights(path: str | Path, cfg: DecoderConfig, dtype, device="cp
         out["lm_head"] = lm_head
     if (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling) != (1.0, 1.0, 1.0):
         tied = _fold_multipliers(out, cfg, lm_head if not tied else out["embed"])
-    out = _moved(out, device, dtype, fp8)
+    out = _moved(out, device, dtype, quantize)
     if tied:
         out["lm_head"] = out["embed"]  # one copy in memory
     return out
@@ -361,18 +361,18 @@ def is_layer_linear(name: str) -> bool:
     return layer[:1] == "l" and layer[1:].isdigit() and module in LINEAR_MODULES
 
 
-def _moved(raw: dict, device, dtype, quantize: bool) -> dict:
-    """raw's tensors on the device in `dtype`, one at a time; FP8 weights and their FP32 scales keep their
-    dtypes; with `quantize` the layers' full-precision linear weights are then quantized to FP8 there."""
-    from surge.models.fp8 import FP8, SCALE_SUFFIX, quantize_linears
+def _moved(raw: dict, device, dtype, quantize: str | None) -> dict:
+    """raw's tensors on the device in `dtype`, one at a time; 8-bit weights and their FP32 scales keep their
+    dtypes; with `quantize` ("fp8" / "int8") the layers' full-precision linear weights are then quantized there."""
+    from surge.models.weight_quant import SCALE_SUFFIX, WEIGHT_DTYPES, quantize_linears
 
     out = {}
     for name in list(raw):
         t = raw.pop(name)
-        if t.dtype == FP8 or name.endswith(SCALE_SUFFIX):
+        if t.dtype in WEIGHT_DTYPES or name.endswith(SCALE_SUFFIX):
             out[name] = t.to(device=device).contiguous()
             continue
         out[name] = t.to(device=device, dtype=dtype).contiguous()
         if quantize and is_layer_linear(name):
-            quantize_linears(out, (name,))
+            quantize_linears(out, (name,), quantize)
     return out

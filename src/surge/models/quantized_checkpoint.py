@@ -1,22 +1,23 @@
-"""Quantized checkpoints as others write them: FP8 kept for the GPU's kernels, the rest dequantized at load.
+"""Quantized checkpoints as others write them: 8-bit weights kept for the GPU's kernels, the rest dequantized.
 
-Two formats carry a decoder's FP8 linear weights (float8_e4m3fn) with their scales beside them:
+Two formats carry a decoder's 8-bit linear weights (float8_e4m3fn, or int8) with their scales beside them:
 
-* compressed-tensors (`quant_method: compressed-tensors`, `format: float-quantized`): llm-compressor's FP8 and
-  FP8_DYNAMIC schemes (RedHatAI's "-FP8-dynamic" models): `<module>.weight_scale`, one a row ([N, 1], strategy
-  "channel") or one a tensor ("tensor");
+* compressed-tensors (`quant_method: compressed-tensors`): llm-compressor's FP8 and FP8_DYNAMIC schemes
+  (`float-quantized`; RedHatAI's "-FP8-dynamic" models) and its symmetric INT8 ones, W8A16 and W8A8
+  (`int-quantized`; "-quantized.w8a8"): `<module>.weight_scale`, one a row ([N, 1], strategy "channel") or one a
+  tensor ("tensor");
 * the "fp8" method (`quant_method: fp8`): one `weight_scale` a tensor (AutoFP8, vLLM), or with `weight_block_size`
   one `weight_scale_inv` a block of the weight (DeepSeek-V3's and Qwen3's "-FP8" models; transformers'
   FineGrainedFP8).
 
-Where the engine runs FP8 weights (models/fp8.py: a scale per output row, a GPU of compute capability 8.9+), a
-checkpoint whose scales are per row or per tensor keeps its weights as they are, each row's scale an FP32 number;
-everywhere else (the CPU, block scales) the weights are dequantized at load as the format's own library does it
-(compressed-tensors multiplies in the scale's dtype; transformers' FP8 dequantization in FP32) and served in the
-model's dtype. Every other compressed-tensors scheme (W4A16 / W8A16 packed integers from llm-compressor's GPTQ and
-AWQ, W8A8 integers, NVFP4, FP8 in blocks) is decompressed module by module by compressed-tensors itself (an
-optional dependency: `pip install compressed-tensors`) and served in the model's dtype: the memory of the
-full-precision model, the checkpoint's rounding.
+Where the engine runs 8-bit weights of the kind (models/weight_quant.py: a scale per output row; FP8 on a GPU of
+compute capability 8.9+, INT8 on 8.0+), a checkpoint whose scales are per row or per tensor keeps its weights as
+they are, each row's scale an FP32 number; everywhere else (the CPU, block scales) the weights are dequantized at
+load as the format's own library does it (compressed-tensors multiplies in the scale's dtype; transformers' FP8
+dequantization in FP32) and served in the model's dtype. Every other compressed-tensors scheme (W4A16 packed
+integers from llm-compressor's GPTQ and AWQ, asymmetric integers, NVFP4, FP8 in blocks) is decompressed module by
+module by compressed-tensors itself (an optional dependency: `pip install compressed-tensors`) and served in the
+model's dtype: the memory of the full-precision model, the checkpoint's rounding.
 
 Activation scales (a static `input_scale`, a dynamic per-token scheme) and KV-cache scales are not used: the
 engine multiplies its BF16 activations by the weights, as vLLM runs FP8 checkpoints on GPUs without FP8
@@ -33,13 +34,13 @@ from typing import Callable
 import torch
 
 from surge.errors import ConfigError
-from surge.models.fp8 import FP8, SCALE_SUFFIX
+from surge.models.weight_quant import SCALE_SUFFIX, WEIGHT_DTYPES
 
 log = logging.getLogger("surge.models")
 
-SUPPORTED = ("compressed-tensors checkpoints (FP8 weights by channel or tensor run as FP8 on a GPU; other schemes "
-             "decompressed at load), the 'fp8' method (a scale per tensor, or weight_block_size blocks), or "
-             "full-precision weights that surge quantizes itself (--generation quantization=fp8)")
+SUPPORTED = ("compressed-tensors checkpoints (8-bit FP8 / INT8 weights by channel or tensor run as they are on a "
+             "GPU; other schemes decompressed at load), the 'fp8' method (a scale per tensor, or weight_block_size "
+             "blocks), or full-precision weights that surge quantizes itself (--generation quantization=fp8|int8)")
 # scales the engine does not use (activations, the KV cache), dropped at load
 _UNUSED = (".input_scale", ".output_scale", ".input_zero_point", ".output_zero_point", ".weight_zero_point",
            ".k_scale", ".v_scale", ".kv_scale", ".q_scale", ".prob_scale", ".input_global_scale")
@@ -53,7 +54,7 @@ class CheckpointQuant:
 
     @property
     def per_row(self) -> bool:
-        """Whether each FP8 weight's scales come down to one a row (the engine's FP8 kernels take them as they are)."""
+        """Whether each 8-bit weight's scales come down to one a row (the engine's kernels take them as they are)."""
         return self.block is None and self.config is None
 
     @property
@@ -75,7 +76,7 @@ def read_format(config: dict, where: str = "model") -> CheckpointQuant | None:
         groups = qc.get("config_groups") or {}
         if not groups:
             raise ConfigError(f"{where}: a compressed-tensors quantization_config without config_groups")
-        if all(_fp8_by_row(g, qc) for g in groups.values()):
+        if all(_by_row(g, qc) for g in groups.values()):
             return CheckpointQuant(method)
         return CheckpointQuant(method, config=qc)
     if method == "fp8":
@@ -88,11 +89,13 @@ def read_format(config: dict, where: str = "model") -> CheckpointQuant | None:
     raise ConfigError(f"{where}: quantization method {method!r} is not supported; surge reads {SUPPORTED}")
 
 
-def _fp8_by_row(group: dict, qc: dict) -> bool:
-    """A compressed-tensors group of 8-bit float weights with one scale a row or a tensor (the FP8 kernels' form)."""
+def _by_row(group: dict, qc: dict) -> bool:
+    """A compressed-tensors group of symmetric 8-bit weights (float, or int) with one scale a row or a tensor, stored
+    as 8-bit tensors (the kernels' form)."""
     w = group.get("weights") or {}
-    return ((group.get("format") or qc.get("format")) in ("float-quantized", "naive-quantized")
-            and w.get("num_bits") == 8 and w.get("type") == "float" and w.get("strategy") in ("channel", "tensor")
+    stored = {"float": ("float-quantized", "naive-quantized"), "int": ("int-quantized", "naive-quantized")}
+    return ((group.get("format") or qc.get("format")) in stored.get(w.get("type"), ())
+            and w.get("num_bits") == 8 and w.get("strategy") in ("channel", "tensor")
             and w.get("symmetric", True) and not w.get("dynamic"))
 
 
@@ -107,7 +110,7 @@ def row_scales(scale: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, fmt: CheckpointQuant, dtype: torch.dtype) -> torch.Tensor:
-    """An FP8 weight [N, K] as its format's library dequantizes it, in `dtype`."""
+    """An 8-bit weight [N, K] as its format's library dequantizes it, in `dtype`."""
     if fmt.method == "compressed-tensors":  # compressed_tensors' _dequantize: q in the scale's dtype, times it
         s = scale if scale.numel() == 1 else scale.reshape(-1, 1)
         return (q.to(scale.dtype) * s).to(dtype)
@@ -122,31 +125,31 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, fmt: CheckpointQuant, dtype
     return (q.float() * grid).to(dtype)
 
 
-def resolve(raw: dict, fmt: CheckpointQuant, keep: Callable[[str], bool], dtype: torch.dtype,
+def resolve(raw: dict, fmt: CheckpointQuant, keep: Callable[[str, torch.dtype], bool], dtype: torch.dtype,
             where: str = "model") -> dict:
     """The checkpoint's tensors (name -> tensor, changed in place and returned) with each quantized weight either
-    kept as FP8, its scales under `<m>.weight` + SCALE_SUFFIX as one FP32 number a row (an FP8 weight with scales
-    per row, where `keep(name)`), or dequantized to `dtype` (compressed-tensors' other schemes by its own
-    decompressors); their scale tensors and the activation / KV-cache scales dropped."""
+    kept in its 8 bits, its scales under `<m>.weight` + SCALE_SUFFIX as one FP32 number a row (a weight with scales
+    per row, where `keep(name, its dtype)`), or dequantized to `dtype` (compressed-tensors' other schemes by its
+    own decompressors); their scale tensors and the activation / KV-cache scales dropped."""
     if fmt.config is not None:
         _decompress(raw, fmt.config, where)
-    for name in [n for n, t in raw.items() if n.endswith(".weight") and t.dtype == FP8]:
+    for name in [n for n, t in raw.items() if n.endswith(".weight") and t.dtype in WEIGHT_DTYPES]:
         base = name.removesuffix("weight")
         scale = raw.pop(base + fmt.scale_name, None)
         if scale is None:
-            raise ConfigError(f"{where}: FP8 weight {name!r} has no {fmt.scale_name} beside it")
+            raise ConfigError(f"{where}: 8-bit weight {name!r} has no {fmt.scale_name} beside it")
         q = raw[name]
         if q.dim() != 2:
-            raise ConfigError(f"{where}: FP8 weight {name!r} is {q.dim()}-D: only [out, in] linear weights are read")
-        if fmt.per_row and keep(name):
+            raise ConfigError(f"{where}: 8-bit weight {name!r} is {q.dim()}-D: only [out, in] linear weights are read")
+        if fmt.per_row and keep(name, q.dtype):
             raw[name + SCALE_SUFFIX] = row_scales(scale, q.shape[0])
         else:
             raw[name] = dequantize(q, scale, fmt, dtype)
     for name in [n for n in raw if n.endswith(_UNUSED)]:
         del raw[name]
-    stray = [n for n, t in raw.items() if t.dtype == FP8 and n + SCALE_SUFFIX not in raw]
+    stray = [n for n, t in raw.items() if t.dtype in WEIGHT_DTYPES and n + SCALE_SUFFIX not in raw]
     if stray:
-        raise ConfigError(f"{where}: FP8 tensors without weight scales: {stray[:4]}")
+        raise ConfigError(f"{where}: 8-bit tensors without weight scales: {stray[:4]}")
     return raw
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from surge.engines.decoder.attention import AttnMeta, causal_dense, paged_attention_torch, write_kv
 from surge.models.decoder import LINEAR_MODULES, DecoderConfig, rope_inv_freq
-from surge.models.fp8 import SCALE_SUFFIX, dequantize
+from surge.models.weight_quant import SCALE_SUFFIX, dequantize, kind_of
 
 
 # The layer's pieces as free functions in TorchScript's subset: the decoder embedder's CPU forward
@@ -48,10 +48,11 @@ class DecoderModel:
         # LoRA adapters (engines/decoder/lora.LoraBank): their deltas join the layers' GEMM outputs
         self.lora = lora
         self.w = weights
-        # FP8 linear weights (models/fp8.py, load_decoder_weights(fp8=True)): name -> its [N] FP32 scales
+        # 8-bit linear weights (models/weight_quant.py; load_decoder_weights(quantize=...), a quantized checkpoint's
+        # kept): name -> its [N] FP32 scales
         self._scales = {n.removesuffix(SCALE_SUFFIX): t for n, t in weights.items() if n.endswith(SCALE_SUFFIX)}
         if self._scales and device.type != "cuda":
-            raise ValueError("FP8 weights run on a CUDA GPU only")
+            raise ValueError("8-bit (FP8 / INT8) weights run on a CUDA GPU only")
         self.device = device
         self.dtype = dtype
         self.scale = cfg.attention_scale or 1.0 / math.sqrt(cfg.head_dim)
@@ -117,19 +118,20 @@ class DecoderModel:
             self._splitk_max_m, self._partials = MAX_M, partials
         else:
             self._splitk_max_m = 0
-        # FP8 weights outside the fused layer's plans (GPT-2, Qwen3, the LoRA torch form): the split-K
+        # 8-bit weights outside the fused layer's plans (GPT-2, Qwen3, the LoRA torch form): the split-K
         # kernel with reduce at decode sizes
-        self._fp8_plans = {}
+        self._q8_plans = {}
         if self._scales:
             from surge.engines.kernels import splitk_gemm
 
-            self._fp8_plans = {n: splitk_gemm.fp8_plan_for(*self.w[n].shape) for n in self._scales}
-            self._fp8_max_m, self._fp8_linear_kernel = splitk_gemm.MAX_M, splitk_gemm.linear
+            self._q8_plans = {n: splitk_gemm.q8_plan_for(*self.w[n].shape) for n in self._scales}
+            self._q8_max_m, self._q8_linear_kernel = splitk_gemm.MAX_M, splitk_gemm.linear
 
     @property
-    def fp8(self) -> bool:
-        """Whether the layers' linear weights are FP8 (models/fp8.py)."""
-        return bool(self._scales)
+    def quantization(self) -> str:
+        """"fp8" / "int8" where the layers' linear weights are 8-bit (models/weight_quant.py), else "none"."""
+        kinds = {kind_of(self.w[n].dtype) for n in self._scales}
+        return "+".join(sorted(kinds)) if kinds else "none"
 
     def _pdl_supported(self) -> bool:
         from surge.engines.kernels import pdl
@@ -141,7 +143,7 @@ class DecoderModel:
         "auto": the plans measured for the weight's (N, K) (cuBLAS where none is recorded or cuBLAS
         won); "splitk": every such GEMM (an unmeasured shape gets default_plan: tests, measurements);
         "cublas": none. BF16 / FP16 only: FP32 weights stay on cuBLAS's FP32 (Triton's dot would be TF32).
-        An FP8 weight has a plan but under "cublas" (cuBLAS has no BF16 x FP8 product)."""
+        An 8-bit weight has a plan but under "cublas" (cuBLAS has no BF16 x FP8 / INT8 product)."""
         if mode == "cublas" or self.dtype not in (torch.bfloat16, torch.float16):
             return {}
         from surge.engines.kernels import splitk_gemm
@@ -154,7 +156,7 @@ class DecoderModel:
                     continue
                 n, k = wt.shape
                 if f"l{i}.{name}" in self._scales:
-                    plans[f"l{i}.{name}"] = splitk_gemm.fp8_plan_for(n, k)
+                    plans[f"l{i}.{name}"] = splitk_gemm.q8_plan_for(n, k)
                     continue
                 plan = splitk_gemm.plan_for(n, k)
                 if plan is None and mode == "splitk":
@@ -178,7 +180,7 @@ class DecoderModel:
                 continue
             inter, k = wt.shape[0] // 2, wt.shape[1]
             if f"l{i}.up_gate" in self._scales:
-                plans[f"l{i}.up_gate"] = gate_up.fp8_plan_for(inter, k)
+                plans[f"l{i}.up_gate"] = gate_up.q8_plan_for(inter, k)
                 continue
             plan = gate_up.plan_for(inter, k)
             if plan is None and mode == "splitk":
@@ -244,19 +246,19 @@ class DecoderModel:
 
     def _lin(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         if name in self._scales:
-            return self._fp8_linear(x, name, bias)
+            return self._q8_linear(x, name, bias)
         wt = self._wt.get(name)
         if wt is None:
             return F.linear(x, self.w[name], bias)
         return torch.addmm(bias, x, wt) if bias is not None else x @ wt
 
-    def _fp8_linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None) -> torch.Tensor:
-        """A linear module with FP8 weights: at decode sizes the split-K kernel on the FP8 tiles (the scales
+    def _q8_linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None) -> torch.Tensor:
+        """A linear module with 8-bit weights: at decode sizes the split-K kernel on the 8-bit tiles (the scales
         on its sums; the weights read once, at one byte each), above them cuBLAS on the weight dequantized
         for the call (a prefill chunk's product is bound by its arithmetic more than by the weight's bytes)."""
         w, scale = self.w[name], self._scales[name]
-        if x.shape[0] <= self._fp8_max_m:
-            return self._fp8_linear_kernel(x, w, self._fp8_plans[name], bias, scale=scale)
+        if x.shape[0] <= self._q8_max_m:
+            return self._q8_linear_kernel(x, w, self._q8_plans[name], bias, scale=scale)
         return F.linear(x, dequantize(w, scale, x.dtype), bias)
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -61,7 +61,7 @@ class EngineCaps:
     block_size: int
     max_num_seqs: int
     max_model_len: int
-    quantization: str = "none"  # "fp8": the layers' linear weights in FP8 (models/fp8.py)
+    quantization: str = "none"  # "fp8" / "int8": the layers' linear weights in 8 bits (models/weight_quant.py)
 
 
 class DecoderEngine:
@@ -93,11 +93,14 @@ class DecoderEngine:
         self.num_blocks = num_blocks
         self.max_num_seqs = max_num_seqs
         self._check_quantization(quantization)
-        from surge.models.fp8 import supported
+        from surge.models.weight_quant import KINDS, supported
 
-        # an FP8 checkpoint's weights stay FP8 where the kernels run them (models/quantized_checkpoint.py), else dequantized
-        weights = load_decoder_weights(path, self.cfg, self.dtype, self.device, fp8=quantization == "fp8",
-                                       keep_fp8=supported(self.device) and self.dtype in (torch.bfloat16, torch.float16))
+        # a quantized checkpoint's 8-bit weights stay as they are where the kernels run them
+        # (models/quantized_checkpoint.py), else they are dequantized at load
+        keep = tuple(d for k, d in KINDS.items() if supported(self.device, k)) \
+            if self.dtype in (torch.bfloat16, torch.float16) else ()
+        weights = load_decoder_weights(path, self.cfg, self.dtype, self.device,
+                                       quantize=None if quantization == "none" else quantization, keep=keep)
         # LoRA adapters: `max_loras` slots, filled by load_adapter (engines/decoder/lora.py)
         self.lora = None
         if max_loras:
@@ -110,7 +113,7 @@ class DecoderEngine:
                                   decode_block_n=decode_block_n, decode_gemm=decode_gemm,
                                   decode_attention=decode_attention, pdl=pdl, l2_prefetch=l2_prefetch,
                                   lora=self.lora)
-        self.quantization = "fp8" if self.model.fp8 else "none"  # what runs (an FP8 checkpoint's too)
+        self.quantization = self.model.quantization  # what runs (a quantized checkpoint's too)
         self.graph_fp32_logits = graph_fp32_logits  # session 2's graphs: FP32 logits, then the argmax
         self.argmax_kernel = argmax_kernel  # the graph's greedy argmax: "torch" or "triton" (argmax_rows)
         self.kv = KVCache(self.cfg, num_blocks, block_size, self.device, self.dtype)
@@ -143,16 +146,18 @@ class DecoderEngine:
     def _check_quantization(self, quantization: str) -> None:
         """A ConfigError saying why this device or dtype cannot run the quantization asked for."""
         from surge.errors import ConfigError
-        from surge.models.fp8 import supported
+        from surge.models.weight_quant import supported
 
-        if quantization not in ("none", "fp8"):
-            raise ConfigError(f"quantization must be none or fp8, not {quantization!r}")
-        if quantization == "fp8":
-            if not supported(self.device):
-                raise ConfigError(f"quantization=fp8 needs a CUDA GPU of compute capability 8.9 or newer (Ada, "
-                                  f"Hopper), not {self.device}: its kernels convert FP8 weight tiles in hardware")
-            if self.dtype not in (torch.bfloat16, torch.float16):
-                raise ConfigError(f"quantization=fp8 runs BF16 or FP16 activations, not {self.dtype}")
+        if quantization not in ("none", "fp8", "int8"):
+            raise ConfigError(f"quantization must be none, fp8 or int8, not {quantization!r}")
+        if quantization == "fp8" and not supported(self.device, "fp8"):
+            raise ConfigError(f"quantization=fp8 needs a CUDA GPU of compute capability 8.9 or newer (Ada, "
+                              f"Hopper), not {self.device}: its kernels convert FP8 weight tiles in hardware")
+        if quantization == "int8" and not supported(self.device, "int8"):
+            raise ConfigError(f"quantization=int8 needs a CUDA GPU of compute capability 8.0 or newer, not "
+                              f"{self.device}: its kernels multiply the weights in BF16 / FP16 there")
+        if quantization != "none" and self.dtype not in (torch.bfloat16, torch.float16):
+            raise ConfigError(f"quantization={quantization} runs BF16 or FP16 activations, not {self.dtype}")
 
     def _draft_engine(self, draft: Path, path: Path, dtype: str | None, cuda_graphs: bool) -> "DecoderEngine":
         """The draft model's engine: same device, precision, block size and number of blocks; its multi-step

@@ -74,14 +74,14 @@ def default_plan(i: int, k: int) -> GateUpPlan:
     return GateUpPlan(32 if i >= 2048 else 16, 128 if k >= 128 else 64)
 
 
-# FP8 weights (models/fp8.py): every shape runs here (cuBLAS has no BF16 x FP8 product); a shape missing
-# from this table takes its BF16 plan, else default_plan.
-FP8_PLANS: dict[tuple[int, int], GateUpPlan] = {}
+# 8-bit weights (FP8 / INT8, models/weight_quant.py): every shape runs here (cuBLAS has no BF16 x 8-bit product); a
+# shape missing from this table takes its BF16 plan, else default_plan.
+Q8_PLANS: dict[tuple[int, int], GateUpPlan] = {}
 
 
-def fp8_plan_for(i: int, k: int) -> GateUpPlan:
-    """The plan of an MLP with FP8 weights: measured for FP8, else the BF16 one, else default_plan."""
-    return FP8_PLANS.get((i, k)) or PLANS.get((i, k)) or default_plan(i, k)
+def q8_plan_for(i: int, k: int) -> GateUpPlan:
+    """The plan of an MLP with 8-bit weights: measured for 8-bit weights, else the BF16 one, else default_plan."""
+    return Q8_PLANS.get((i, k)) or PLANS.get((i, k)) or default_plan(i, k)
 
 
 @triton.jit
@@ -229,7 +229,7 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, plan: GateUpPlan, pdl: bool =
     BLOCK_N (else pointer loads: the same bits). pdl: a programmatic dependent launch, the weights
     prefetched into L2 before the wait. lora: the rows' LoRA deltas of the fused gate/up module (b [2I, R]),
     joined to each half's FP32 sum before the SiLU in the same kernel (kernels/lora_delta.py; the plan's
-    pipeline depth may drop: lora_delta.join_stages). scale [2I] FP32: w is an FP8 weight (models/fp8.py),
+    pipeline depth may drop: lora_delta.join_stages). scale [2I] FP32: w is an 8-bit weight (models/weight_quant.py),
     each half's sums scaled by its rows' scales before the deltas and the SiLU."""
     m, k = x.shape
     two_i = w.shape[0]

@@ -76,9 +76,15 @@ PLANS: dict[tuple[int, int], SplitKPlan] = {
 }
 
 
-# FP8 weights (models/fp8.py): cuBLAS has no product of BF16 activations with FP8 weights, so every shape
-# runs here; a shape missing from this table takes its BF16 plan, else default_plan.
-FP8_PLANS: dict[tuple[int, int], SplitKPlan] = {}
+# 8-bit weights (FP8 / INT8, models/weight_quant.py): cuBLAS has no product of BF16 activations with them, so every
+# shape runs here; a shape missing from this table takes its BF16 plan, else default_plan (to be measured by
+# benchmarks/gpu_q8_tune.py).
+# Qwen2-0.5B's qkv: its BF16 pointer plan compiled for INT8 weights spills (255 registers, 40 bytes of stack,
+# benchmarks/q8_compile_check.py --weights int8, docs/benchmarks/s35); the same tiles by TMA do not (118), and in
+# BF16 the two were within noise (session 18: 3.70 against 3.62 us). Not yet timed on 8-bit weights.
+Q8_PLANS: dict[tuple[int, int], SplitKPlan] = {
+    (1152, 896): SplitKPlan(64, 128, 7, num_warps=4, num_stages=2, swap=True, tma=True),
+}
 
 
 def plan_for(n: int, k: int) -> SplitKPlan | None:
@@ -86,9 +92,9 @@ def plan_for(n: int, k: int) -> SplitKPlan | None:
     return PLANS.get((n, k))
 
 
-def fp8_plan_for(n: int, k: int) -> SplitKPlan:
-    """The plan of a [N, K] FP8 weight: measured for FP8, else the BF16 one, else default_plan."""
-    return FP8_PLANS.get((n, k)) or PLANS.get((n, k)) or default_plan(n, k)
+def q8_plan_for(n: int, k: int) -> SplitKPlan:
+    """The plan of a [N, K] 8-bit weight: measured for 8-bit weights, else the BF16 one, else default_plan."""
+    return Q8_PLANS.get((n, k)) or PLANS.get((n, k)) or default_plan(n, k)
 
 
 def default_plan(n: int, k: int) -> SplitKPlan:
@@ -112,7 +118,7 @@ def _prefetch_slice(w_ptr, offs_n, N, K, k0, stride_wn, K_SPLIT: tl.constexpr, L
 
 @triton.jit
 def scale_columns(acc, scale_ptr, offs_n, n_ok, SWAP: tl.constexpr):
-    """An FP8 weight's per-row scales (models/fp8.py) applied to the tile's FP32 sums: N runs down a
+    """An 8-bit weight's per-row scales (models/weight_quant.py) applied to the tile's FP32 sums: N runs down a
     swapped tile, across a plain one."""
     sc = tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
     if SWAP:
@@ -276,9 +282,9 @@ def partials(a: torch.Tensor, w: torch.Tensor, plan: SplitKPlan, out: torch.Tens
     lora: the rows' LoRA deltas joined in the same kernel, each split adding the share of its K range
     (kernels/lora_delta.py: x A^T summed in the same K loop, joined after it); the partials then sum to the
     product plus each row's own adapter's delta. A plan's pipeline depth may drop where A's tiles need the
-    shared memory (lora_delta.join_stages). scale [N] FP32: w is an FP8 weight (models/fp8.py) whose row n
-    stands for w[n] * scale[n]: its tiles are converted to a's dtype (exactly) for the products, and each
-    split's sums are scaled before the LoRA deltas join them."""
+    shared memory (lora_delta.join_stages). scale [N] FP32: w is an 8-bit weight (FP8 E4M3 or INT8,
+    models/weight_quant.py) whose row n stands for w[n] * scale[n]: its tiles are converted to a's dtype (exactly)
+    for the products, and each split's sums are scaled before the LoRA deltas join them."""
     m, k = a.shape
     n = w.shape[0]
     if a.stride(1) != 1:
@@ -310,15 +316,15 @@ def partials(a: torch.Tensor, w: torch.Tensor, plan: SplitKPlan, out: torch.Tens
 
 
 def check_scale(w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """The scale argument of a kernel that takes an FP8 weight (a placeholder without one), checked."""
-    fp8 = w.dtype == torch.float8_e4m3fn
+    """The scale argument of a kernel that takes an 8-bit weight (a placeholder without one), checked."""
+    eight = w.dtype in (torch.float8_e4m3fn, torch.int8)
     if scale is None:
-        if fp8:
-            raise ValueError("an FP8 weight needs its per-row scales")
+        if eight:
+            raise ValueError(f"an 8-bit ({w.dtype}) weight needs its per-row scales")
         return w
-    if not fp8 or scale.dtype != torch.float32 or scale.shape != (w.shape[0],) or not scale.is_contiguous():
-        raise ValueError(f"scale must be [{w.shape[0]}] FP32 for a float8_e4m3fn weight, not {list(scale.shape)} "
-                         f"{scale.dtype} for {w.dtype}")
+    if not eight or scale.dtype != torch.float32 or scale.shape != (w.shape[0],) or not scale.is_contiguous():
+        raise ValueError(f"scale must be [{w.shape[0]}] FP32 for a float8_e4m3fn or int8 weight, not "
+                         f"{list(scale.shape)} {scale.dtype} for {w.dtype}")
     return scale
 
 
@@ -335,6 +341,6 @@ def reduce_partials(ws: torch.Tensor, bias: torch.Tensor | None = None, dtype: t
 
 def linear(a: torch.Tensor, w: torch.Tensor, plan: SplitKPlan, bias: torch.Tensor | None = None,
            scale: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(a, w, bias) through split-K: two launches (the decoder fuses the second away). With an FP8
+    """F.linear(a, w, bias) through split-K: two launches (the decoder fuses the second away). With an 8-bit
     w and its scales: F.linear(a, w * scale[:, None], bias) with the scales applied to the FP32 sums."""
     return reduce_partials(partials(a, w, plan, scale=scale), bias, a.dtype)

@@ -12,8 +12,9 @@ import triton.language as tl
 
 @triton.jit
 def mma(a, w, acc, SWAP: tl.constexpr):
-    """acc + a @ w^T, or its transpose (w @ a^T) with SWAP: the weight rows on the MMA's long side. An FP8
-    w (models/fp8.py) is converted to a's dtype first: exact, E4M3's values are all BF16 / FP16 values."""
+    """acc + a @ w^T, or its transpose (w @ a^T) with SWAP: the weight rows on the MMA's long side. An 8-bit
+    w (models/weight_quant.py) is converted to a's dtype first: exact, E4M3's values and -127..127 are all BF16 /
+    FP16 values."""
     # one return: Triton's frontend does not prune an early return under a constexpr branch
     w = w.to(a.dtype)
     if SWAP:

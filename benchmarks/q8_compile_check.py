@@ -1,9 +1,9 @@
-"""Compile the decode GEMM kernels on FP8 weights for a Hopper GPU (sm_90) without one: Triton's compiler and the
+"""Compile the decode GEMM kernels on 8-bit weights (FP8 / INT8) for a Hopper GPU (sm_90) without one: Triton's compiler and the
 ptxas its wheel ships, the engine's plans of a benchmarks/generate.py shape (pointer and TMA, PDL on). Prints each
 variant's registers, spills and shared memory against the SM's 227 KiB, and fails on a compile error: a check a
-session without a device machine can run before the kernels meet a GPU (tests/gpu/test_fp8_cuda.py).
+session without a device machine can run before the kernels meet a GPU (tests/gpu/test_weight_quant_cuda.py).
 
-    PYTHONPATH=src python3 benchmarks/fp8_compile_check.py [--shape qwen2-0.5b] [--arch 90]
+    PYTHONPATH=src python3 benchmarks/q8_compile_check.py [--weights fp8|int8|bf16] [--shape qwen2-0.5b] [--arch 90]
 """
 
 from __future__ import annotations
@@ -67,10 +67,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen2-0.5b")
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--weights", choices=["fp8", "bf16"], default="fp8",
+    ap.add_argument("--weights", choices=["fp8", "int8", "bf16"], default="fp8",
                     help="bf16: the same kernels and plans on BF16 weights (what quantization=none compiles)")
     args = ap.parse_args()
-    wt = "fp8e4nv" if args.weights == "fp8" else "bf16"
+    wt = {"fp8": "fp8e4nv", "int8": "i8", "bf16": "bf16"}[args.weights]
     from gpu_decode_gemms import layer_dims
 
     from surge.engines.kernels import gate_up as gu
@@ -82,10 +82,10 @@ def main() -> int:
             "stride_lb": "i32", "LORA": False, "BLOCK_R": 16}
     rows, failed = [], 0
     for name, (n, k) in {"qkv": (dims["qkv"], h), "o": (h, h), "down": (h, i)}.items():
-        plan = sk.fp8_plan_for(n, k)
+        plan = sk.q8_plan_for(n, k) if args.weights != "bf16" else sk.plan_for(n, k) or sk.default_plan(n, k)
         ks = plan.k_split(k)
         common = {"ws_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_wn": "i32", "scale_ptr": "*fp32",
-                  "W_SCALE": args.weights == "fp8", "K_SPLIT": ks, "SWAP": plan.swap, "BLOCK_M": sk.BLOCK_M, "BLOCK_N": plan.block_n,
+                  "W_SCALE": args.weights != "bf16", "K_SPLIT": ks, "SWAP": plan.swap, "BLOCK_M": sk.BLOCK_M, "BLOCK_N": plan.block_n,
                   "BLOCK_K": plan.block_k, "PDL": True, "LINES": 1 << max(0, (ks - 1).bit_length() - 7), **lora}
         variants = [("pointer", sk._partials, {**common, "a_ptr": "*bf16", "w_ptr": f"*{wt}", "stride_am": "i32",
                                                "EVEN_K": k % ks == 0})]
@@ -95,9 +95,9 @@ def main() -> int:
             "la_desc": f"tensordesc<{wt}[{plan.block_n}, {plan.block_k}]>", "LA_TMA": False}))
         for form, kernel, values in variants:
             rows.append((f"{name} {n}x{k} {form}", plan, kernel, values, plan.num_warps, plan.num_stages))
-    plan = gu.fp8_plan_for(i, h)
+    plan = gu.q8_plan_for(i, h) if args.weights != "bf16" else gu.plan_for(i, h) or gu.default_plan(i, h)
     common = {"out_ptr": "*bf16", "M": "i32", "I": "i32", "K": "i32", "stride_wn": "i32", "stride_om": "i32",
-              "scale_ptr": "*fp32", "W_SCALE": args.weights == "fp8", "SWAP": plan.swap, "BLOCK_M": gu.BLOCK_M, "BLOCK_N": plan.block_n,
+              "scale_ptr": "*fp32", "W_SCALE": args.weights != "bf16", "SWAP": plan.swap, "BLOCK_M": gu.BLOCK_M, "BLOCK_N": plan.block_n,
               "BLOCK_K": plan.block_k, "PDL": True, "LINES": 1 << max(0, (h - 1).bit_length() - 7), **lora}
     rows.append((f"gate_up {2 * i}x{h} pointer", plan, gu._gate_up,
                  {**common, "a_ptr": "*bf16", "w_ptr": f"*{wt}", "stride_am": "i32", "EVEN_K": h % plan.block_k == 0},
@@ -107,18 +107,20 @@ def main() -> int:
                   "w_desc": f"tensordesc<{wt}[{plan.block_n}, {plan.block_k}]>", "w_ptr": f"*{wt}",
                   "la_desc": f"tensordesc<{wt}[{plan.block_n}, {plan.block_k}]>", "LA_TMA": False},
                  plan.num_warps, plan.num_stages))
-    print(f"| kernel ({args.shape}, {args.weights} weights, sm_{args.arch}) | plan | registers | stack bytes | shared KiB | fits |")
-    print("| --- | --- | ---: | ---: | ---: | --- |")
+    print(f"| kernel ({args.shape}, {args.weights} weights, sm_{args.arch}) | plan | the engine's form | registers | "
+          "stack bytes | shared KiB | fits |")
+    print("| --- | --- | --- | ---: | ---: | ---: | --- |")
     for label, plan, kernel, values, warps, stages in rows:
         try:
             c = _compile(kernel, values, args.arch, warps, stages)
         except Exception as exc:  # a compile error: the point of the check
             failed += 1
-            print(f"| {label} | {plan} | COMPILE ERROR: {type(exc).__name__}: {str(exc)[:300]} | | | no |")
+            print(f"| {label} | {plan} | | COMPILE ERROR: {type(exc).__name__}: {str(exc)[:300]} | | | no |")
             continue
         md = c.metadata
         regs, spills = _resources(c.asm["cubin"])
-        print(f"| {label} | {plan} | {regs} | {spills} | {md.shared / 1024:.1f} | "
+        runs = "yes" if label.endswith("tma") == plan.tma else ""
+        print(f"| {label} | {plan} | {runs} | {regs} | {spills} | {md.shared / 1024:.1f} | "
               f"{'yes' if md.shared <= SMEM_LIMIT else 'NO'} |")
         failed += md.shared > SMEM_LIMIT
     return 1 if failed else 0

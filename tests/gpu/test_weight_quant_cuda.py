@@ -1,7 +1,7 @@
-"""FP8 weights (models/fp8.py, --generation quantization=fp8) on a CUDA GPU: the decode step's split-K and gate/up
-kernels on FP8 tiles against float64 products of the dequantized weights (TMA and pointer, swapped and not, PDL,
-a row's bits alone = in its batch, LoRA deltas joined after the scales); the engine against transformers running
-the dequantized weights; the weights' memory halved."""
+"""8-bit weights (models/weight_quant.py, --generation quantization=fp8 | int8) on a CUDA GPU: the decode step's split-K
+and gate/up kernels on FP8 and INT8 tiles against float64 products of the dequantized weights (TMA and pointer,
+swapped and not, PDL, a row's bits alone = in its batch, LoRA deltas joined after the scales); the engine against
+transformers running the dequantized weights; the weights' memory halved; quantized checkpoints' own bytes."""
 
 from __future__ import annotations
 
@@ -15,22 +15,25 @@ pytestmark = pytest.mark.cuda
 SHAPES = [(1152, 896), (896, 896), (896, 4864), (3072, 2048), (2048, 2048), (2048, 8192), (200, 1000)]
 
 
-@pytest.fixture(autouse=True)
-def _fp8_gpu():
-    from surge.models.fp8 import supported
-
-    if not supported(torch.device("cuda")):
-        pytest.skip("FP8 tiles need compute capability 8.9+")
+KINDS = ["fp8", "int8"]
 
 
-def _fp8(n, k, seed):
+def _need(kind):
+    from surge.models.weight_quant import supported
+
+    if not supported(torch.device("cuda"), kind):
+        pytest.skip(f"{kind} weights need compute capability {'8.9' if kind == 'fp8' else '8.0'}+")
+
+
+def _q8(n, k, seed, kind="fp8"):
     """A random [n, k] weight whose rows span a 40x range of magnitudes (the per-row scales matter), as the
     engine quantizes it (from BF16): (q, scale, the dequantized weight in float64)."""
-    from surge.models.fp8 import quantize
+    from surge.models.weight_quant import quantize
 
+    _need(kind)
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) / k ** 0.5 * (torch.rand(n, 1, generator=g) * 4 + 0.1)
-    q, s = quantize(w.to("cuda", torch.bfloat16))
+    q, s = quantize(w.to("cuda", torch.bfloat16), kind)
     return q, s, q.double() * s.double()[:, None]
 
 
@@ -39,15 +42,16 @@ def _x(m, k, seed):
 
 
 def _splitk_plans(n, k):
-    from surge.engines.kernels.splitk_gemm import SplitKPlan, default_plan, fp8_plan_for
+    from surge.engines.kernels.splitk_gemm import SplitKPlan, default_plan, q8_plan_for
 
-    return [fp8_plan_for(n, k), default_plan(n, k), SplitKPlan(64, 128, 7, num_stages=1),
+    return [q8_plan_for(n, k), default_plan(n, k), SplitKPlan(64, 128, 7, num_stages=1),
             SplitKPlan(32, 64, 5, num_stages=3, swap=True), SplitKPlan(64, 256, 2, num_stages=3, tma=True),
             SplitKPlan(32, 128, 4, num_stages=4, swap=True, tma=True)]
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_splitk_on_fp8_weights_equals_float64(n, k):
+def test_splitk_on_8bit_weights_equals_float64(n, k, kind):
     """Every split written (the workspace poisoned with NaN), the FP32 sums within 1e-5 of the float64 product
     with the dequantized weight (the FP8 tiles convert exactly; the scales multiply FP32 sums), the linear's
     one BF16 rounding (bias after the sum) within half an ulp; a row's bits alone = in a batch of 64; PDL the
@@ -55,7 +59,7 @@ def test_splitk_on_fp8_weights_equals_float64(n, k):
     from surge.engines.kernels import pdl
     from surge.engines.kernels.splitk_gemm import linear, partials
 
-    q, s, wd = _fp8(n, k, n + k)
+    q, s, wd = _q8(n, k, n + k, kind)
     bias = _x(1, n, 7)[0]
     for plan in _splitk_plans(n, k):
         for m in (1, 7, 33, 64):
@@ -87,19 +91,20 @@ def _gate_up_ref(x, wd):
     return (g * torch.sigmoid(g)).to(x.dtype).double() * u
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("i,k", [(4864, 896), (8192, 2048), (200, 200)])
-def test_gate_up_on_fp8_weights_against_float64(i, k):
+def test_gate_up_on_8bit_weights_against_float64(i, k, kind):
     """Each half's sums scaled by its own rows' scales (gate rows, then up rows I further) before the SiLU: as close
     to float64 as cuBLAS + silu_mul on the dequantized BF16 weight; a row's bits alone = in its batch; PDL the same."""
     import torch.nn.functional as F
 
     from surge.engines.kernels import pdl
     from surge.engines.kernels.decoder_fused import silu_mul
-    from surge.engines.kernels.gate_up import GateUpPlan, default_plan, fp8_plan_for, gate_up_silu
-    from surge.models.fp8 import dequantize
+    from surge.engines.kernels.gate_up import GateUpPlan, default_plan, q8_plan_for, gate_up_silu
+    from surge.models.weight_quant import dequantize
 
-    q, s, wd = _fp8(2 * i, k, i)
-    plans = [fp8_plan_for(i, k), default_plan(i, k), GateUpPlan(16, 64, 4, 2, True), GateUpPlan(32, 256, 4, 4, True),
+    q, s, wd = _q8(2 * i, k, i, kind)
+    plans = [q8_plan_for(i, k), default_plan(i, k), GateUpPlan(16, 64, 4, 2, True), GateUpPlan(32, 256, 4, 4, True),
              GateUpPlan(64, 128, 4, 4, False, True), GateUpPlan(32, 128, 4, 3, True, True)]
     for m in (1, 7, 64):
         x = _x(m, k, m + 1)
@@ -124,7 +129,7 @@ def test_fp8_kernels_refuse_a_weight_without_its_scales():
     from surge.engines.kernels.gate_up import gate_up_silu
     from surge.engines.kernels.splitk_gemm import default_plan, partials
 
-    q, s, _ = _fp8(64, 128, 1)
+    q, s, _ = _q8(64, 128, 1, "int8")
     x = _x(4, 128, 1)
     with pytest.raises(ValueError, match="needs its per-row scales"):
         partials(x, q, default_plan(64, 128))
@@ -138,20 +143,21 @@ def test_fp8_kernels_refuse_a_weight_without_its_scales():
         gate_up_silu(x, q, gu_plan(32, 128))
 
 
+@pytest.mark.parametrize("quant", KINDS)
 @pytest.mark.parametrize("kind", ["splitk", "gate_up"])
-def test_lora_deltas_join_the_scaled_sums(kind):
+def test_lora_deltas_join_the_scaled_sums(kind, quant):
     """LoRA adapters on an FP8 base (the join after the scales): against float64 (dequantized base + each row's
     own delta) within twice the two-kernel form's error; base rows' bits those of the FP8 GEMM alone."""
     from surge.engines.kernels.decoder_fused import silu_mul
     from surge.engines.kernels.gate_up import GateUpPlan, gate_up_silu
     from surge.engines.kernels.lora_delta import LoraOperands, lora_add_
     from surge.engines.kernels.splitk_gemm import PLANS, partials, reduce_partials
-    from surge.models.fp8 import dequantize
+    from surge.models.weight_quant import dequantize
     from tests.gpu.test_lora_delta_cuda import _inputs, _mask
 
     m, k, slots, width = 64, 896, 2, 32
     n = 1152 if kind == "splitk" else 2 * 4864
-    q, s, wd = _fp8(n, k, 21)
+    q, s, wd = _q8(n, k, 21, quant)
     x, a, b, rows, _ = _inputs(m, k, n, slots, width, seed=22)
     ops = LoraOperands(a, b, rows, width)
     full = x.double() @ wd.T + ((x.double() @ a.double().T) * _mask(rows, slots, width, torch.float64)) @ b.double().T
@@ -179,7 +185,7 @@ def test_lora_deltas_join_the_scaled_sums(kind):
 
 
 @pytest.fixture(scope="module")
-def trained_fp8(tmp_path_factory):
+def trained_q8(tmp_path_factory):
     """A Qwen2-shaped model fitted as test_decoder_cuda's trained_dir is (real margins), and beside it the same
     model with each layer's linear weights replaced by their FP8 round trip (quantized from BF16, as the engine
     quantizes): transformers runs that one as the reference."""
@@ -190,13 +196,13 @@ def trained_fp8(tmp_path_factory):
                     intermediate_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                     max_position_embeddings=512)
     d = _fit(d, lr=2e-3)
-    return d, _dequantized_copy(d, tmp_path_factory.mktemp("qwen2_fp8_ref"))
+    return d, {kind: _dequantized_copy(d, tmp_path_factory.mktemp(f"qwen2_{kind}_ref"), kind) for kind in KINDS}
 
 
-def _dequantized_copy(d, out):
+def _dequantized_copy(d, out, kind="fp8"):
     from transformers import AutoModelForCausalLM
 
-    from surge.models.fp8 import dequantize, quantize
+    from surge.models.weight_quant import dequantize, quantize
 
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
     with torch.no_grad():
@@ -204,41 +210,43 @@ def _dequantized_copy(d, out):
             for lin in (*(getattr(layer.self_attn, f"{p}_proj") for p in "qkvo"), layer.mlp.gate_proj,
                         layer.mlp.up_proj, layer.mlp.down_proj):
                 # per-row scales: quantizing q, k, v (gate, up) apart = quantizing their concatenation
-                lin.weight.copy_(dequantize(*quantize(lin.weight.to(torch.bfloat16)), torch.float32))
+                lin.weight.copy_(dequantize(*quantize(lin.weight.to(torch.bfloat16), kind), torch.float32))
     model.save_pretrained(out, safe_serialization=True)
     return out
 
 
-def test_fp8_engine_follows_transformers_on_the_dequantized_weights(trained_fp8):
-    """The issue's GPU test with quantization=fp8 (CUDA graphs, overlapped and multi-step launches, PDL): every
-    decode GEMM of every layer on its FP8 plan, the layers' weights at one byte each; logits within tolerance of
-    transformers FP32 on the dequantized weights, greedy tokens equal to its BF16 generate on all 32 steps for the
-    bulk (>= 75%) of prompts, any parting at a near-tie."""
+@pytest.mark.parametrize("kind", KINDS)
+def test_8bit_engine_follows_transformers_on_the_dequantized_weights(trained_q8, kind):
+    """The issue's GPU test with quantization=fp8 / int8 (CUDA graphs, overlapped and multi-step launches, PDL):
+    every decode GEMM of every layer on its 8-bit plan, the layers' weights at one byte each; logits within
+    tolerance of transformers FP32 on the dequantized weights, greedy tokens equal to its BF16 generate on all 32
+    steps for the bulk (>= 75%) of prompts, any parting at a near-tie."""
     from surge.engines.decoder import DecoderEngine
     from surge.engines.kernels import gate_up, splitk_gemm
     from surge.models.decoder import is_layer_linear
-    from surge.models.fp8 import FP8
+    from surge.models.weight_quant import KINDS as DTYPES
     from tests.gpu.test_decoder_cuda import _compare_greedy, _prompts
 
-    d, ref = trained_fp8
+    _need(kind)
+    d, refs = trained_q8
     e = DecoderEngine(d, device="cuda", dtype="bf16", num_blocks=64, max_num_seqs=4, max_model_len=512,
-                      cuda_graphs=False, quantization="fp8")
+                      cuda_graphs=False, quantization=kind)
     plain = DecoderEngine(d, device="cuda", dtype="bf16", num_blocks=64, max_num_seqs=4, max_model_len=512,
                           cuda_graphs=False)
     linear = [n for n in e.model.w if is_layer_linear(n)]
-    assert linear and all(e.model.w[n].dtype == FP8 for n in linear)
+    assert linear and all(e.model.w[n].dtype == DTYPES[kind] for n in linear)
     fp8_bytes = sum(e.model.w[n].nbytes for n in linear)
     assert fp8_bytes * 2 == sum(plain.model.w[n].nbytes for n in linear)
-    assert e.capabilities.quantization == "fp8"
+    assert e.capabilities.quantization == kind
     for i in range(e.cfg.num_layers):
         for name in ("qkv", "o", "down"):
             w = e.model.w[f"l{i}.{name}"]
-            assert e.model._splitk[f"l{i}.{name}"] == splitk_gemm.fp8_plan_for(*w.shape), name
-        assert e.model._gate_up[f"l{i}.up_gate"] == gate_up.fp8_plan_for(512, 256)
+            assert e.model._splitk[f"l{i}.{name}"] == splitk_gemm.q8_plan_for(*w.shape), name
+        assert e.model._gate_up[f"l{i}.up_gate"] == gate_up.q8_plan_for(512, 256)
     del e, plain
     prompts = _prompts(384, 24)
-    equal, near, other, err, scale = _compare_greedy(d, prompts, ref_dir=ref, pdl=True, quantization="fp8")
-    print(f"fp8: {equal}/{len(prompts)} prompts equal on 32 greedy steps; near-ties {near}; other {other}; "
+    equal, near, other, err, scale = _compare_greedy(d, prompts, ref_dir=refs[kind], pdl=True, quantization=kind)
+    print(f"{kind}: {equal}/{len(prompts)} prompts equal on 32 greedy steps; near-ties {near}; other {other}; "
           f"max logit error {err:.4f} of scale {scale:.2f}")
     assert err < 0.05 * scale
     assert not other, f"divergences that are not near-ties: {other}"
@@ -247,6 +255,7 @@ def test_fp8_engine_follows_transformers_on_the_dequantized_weights(trained_fp8)
 
 @pytest.mark.parametrize("kind", ["gpt2", "qwen3"])
 def test_fp8_on_the_unfused_layer(tmp_path, kind):
+    _need("fp8")
     """GPT-2 and Qwen3 run the unfused layer on the GPU: their FP8 linears go through the split-K kernel and its
     reduce at decode sizes, cuBLAS on the dequantized weight above; greedy tokens follow transformers BF16 on the
     dequantized weights as the BF16 engine follows transformers BF16 (the same near-tie rule)."""
@@ -266,7 +275,7 @@ def _dequantized_gpt2(d, out):
     """GPT-2's Conv1D weights are [in, out]: the engine's rows are their columns."""
     from transformers import AutoModelForCausalLM
 
-    from surge.models.fp8 import dequantize, quantize
+    from surge.models.weight_quant import dequantize, quantize
 
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
     with torch.no_grad():
@@ -278,27 +287,30 @@ def _dequantized_gpt2(d, out):
     return out
 
 
-def test_an_fp8_checkpoint_runs_its_own_weights_on_the_gpu(trained_fp8, tmp_path):
-    """A compressed-tensors FP8_DYNAMIC checkpoint (written by its library) on an FP8 GPU: the layers' weights are
-    the checkpoint's FP8 bytes (no dequantization, no second rounding), the engine reports fp8 with no setting
-    asked, and greedy tokens follow transformers on the weights compressed-tensors dequantizes, as above."""
+@pytest.mark.parametrize("scheme,kind", [("FP8_DYNAMIC", "fp8"), ("W8A8", "int8")])
+def test_a_quantized_checkpoint_runs_its_own_weights_on_the_gpu(trained_q8, tmp_path, scheme, kind):
+    """A compressed-tensors FP8_DYNAMIC / W8A8 checkpoint (written by its library) on a GPU that runs its kind: the
+    layers' weights are the checkpoint's 8-bit bytes (no dequantization, no second rounding), the engine reports
+    the kind with no setting asked, and greedy tokens follow transformers on the weights compressed-tensors
+    dequantizes, as above."""
     from transformers import AutoModelForCausalLM
 
     from surge.engines.decoder import DecoderEngine
-    from surge.models.fp8 import FP8
+    from surge.models.weight_quant import KINDS as DTYPES
     from tests.decoder_models import build_quantized_checkpoint, load_quantized_reference
     from tests.gpu.test_decoder_cuda import _compare_greedy, _prompts
 
-    d, _ = trained_fp8
-    ckpt = build_quantized_checkpoint(d, tmp_path / "ct", "FP8_DYNAMIC")
+    _need(kind)
+    d, _ = trained_q8
+    ckpt = build_quantized_checkpoint(d, tmp_path / "ct", scheme)
     e = DecoderEngine(ckpt, device="cuda", dtype="bf16", num_blocks=64, max_num_seqs=4, max_model_len=512,
                       cuda_graphs=False)
-    assert e.capabilities.quantization == "fp8" and e.model.fp8
+    assert e.capabilities.quantization == kind == e.model.quantization
     from safetensors import safe_open
 
     with safe_open(str(ckpt / "model.safetensors"), "pt") as fh:
         down = fh.get_tensor("model.layers.1.mlp.down_proj.weight")
-    assert e.model.w["l1.down"].dtype == FP8
+    assert e.model.w["l1.down"].dtype == DTYPES[kind]
     assert torch.equal(e.model.w["l1.down"].cpu().view(torch.uint8), down.view(torch.uint8))
     del e
     dense = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)  # the full-precision model's config
@@ -307,7 +319,7 @@ def test_an_fp8_checkpoint_runs_its_own_weights_on_the_gpu(trained_fp8, tmp_path
     dense.save_pretrained(tmp_path / "dense", safe_serialization=True)
     prompts = _prompts(384, 16)
     equal, near, other, err, scale = _compare_greedy(ckpt, prompts, ref_dir=tmp_path / "dense", pdl=True)
-    print(f"FP8 checkpoint: {equal}/{len(prompts)} equal; near-ties {near}; other {other}; err {err:.4f} of {scale:.2f}")
+    print(f"{scheme} checkpoint: {equal}/{len(prompts)} equal; near-ties {near}; other {other}; err {err:.4f} of {scale:.2f}")
     assert err < 0.05 * scale
     assert not other, f"divergences that are not near-ties: {other}"
     assert equal >= 0.75 * len(prompts)
