@@ -172,3 +172,21 @@ def test_compressed_tensors_is_needed_only_for_the_schemes_it_decompresses(check
     DecoderEngine(checkpoints["llama", "FP8_DYNAMIC"])
     with pytest.raises(ConfigError, match="pip install compressed-tensors"):
         DecoderEngine(checkpoints["llama", "W4A16"])
+
+
+def test_granites_residual_multiplier_folds_into_kept_scales(tmp_path):
+    """Granite folds its residual multiplier into o and down at load; a kept 8-bit o / down takes it in its row
+    scales instead (its bytes stay the checkpoint's), so it stands for what the dequantizing loader gives."""
+    from surge.models.decoder import load_decoder_config, load_decoder_weights
+    from surge.models.weight_quant import FP8, SCALE_SUFFIX, dequantize
+
+    base = build_model("granite", tmp_path / "granite", seed=4, hidden_size=128, intermediate_size=256)
+    d = build_quantized_checkpoint(base, tmp_path / "granite-fp8", "FP8_DYNAMIC")
+    cfg = load_decoder_config(d)
+    assert cfg.residual_multiplier != 1.0
+    kept = load_decoder_weights(d, cfg, torch.float32, keep=(FP8,))
+    plain = load_decoder_weights(d, cfg, torch.float32)
+    for name in ("l0.o", "l1.down"):
+        assert kept[name].dtype == FP8
+        back = dequantize(kept[name], kept[name + SCALE_SUFFIX], torch.float32)
+        torch.testing.assert_close(back, plain[name], rtol=2 ** -7, atol=0)  # the checkpoint's BF16 product apart
