@@ -243,7 +243,7 @@ def _open_safetensors(path: Path):
 
 def _fold_multipliers(out: dict, cfg: DecoderConfig, lm_head) -> bool:
     """Granite's multipliers as weights (in FP32, before the cast): the embedding's into the embedding, the
-    residual branches' into o and down (and their biases; an FP8 weight's into its row scales), 1 / logits_scaling
+    residual branches' into o and down (and their biases; an 8-bit weight's into its row scales), 1 / logits_scaling
     into an LM head of its own (a tied one is copied). Returns False: the LM head is no longer the embedding."""
     out["lm_head"] = lm_head.float() / cfg.logits_scaling
     out["embed"] = out["embed"].float() * cfg.embedding_multiplier
@@ -295,8 +295,8 @@ def load_decoder_weights(path: str | Path, cfg: DecoderConfig, dtype, device="cp
         return raw[name]
 
     def stacked(name: str, parts: list[str]) -> None:
-        """out[name]: the checkpoint's weights `parts` stacked by rows (q/k/v, gate/up); kept FP8 weights with
-        their row scales stacked alike (a mix of FP8 and full-precision parts: all in full precision)."""
+        """out[name]: the checkpoint's weights `parts` stacked by rows (q/k/v, gate/up); kept 8-bit weights with
+        their row scales stacked alike (a mix of 8-bit and full-precision parts: all in full precision)."""
         ws = [take(p) for p in parts]
         scales = [raw.get(p + SCALE_SUFFIX) for p in parts]
         if all(sc is not None for sc in scales):
