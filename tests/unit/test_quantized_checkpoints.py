@@ -40,7 +40,7 @@ def checkpoints(tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_an_quantized_checkpoint_serves_as_transformers_runs_it(checkpoints, kind, scheme):
+def test_a_quantized_checkpoint_serves_as_transformers_runs_it(checkpoints, kind, scheme):
     """Sequences joining and leaving a running batch, a prefix-cache hit, preemption: every greedy token equals
     transformers' on the checkpoint it dequantizes itself; the prefill's logits within FP32 rounding of its."""
     from surge.engines.decoder.attention import AttnMeta
