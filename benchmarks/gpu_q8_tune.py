@@ -99,6 +99,7 @@ def _rows_sweep(kind, n, k, plan, wb, w8, layers) -> dict:
     import torch.nn.functional as F
 
     from surge.engines.kernels.decoder_fused import silu_mul
+    from surge.engines.kernels.splitk_gemm import reduce_partials
     from surge.models.weight_quant import dequantize
 
     out = {}
@@ -108,7 +109,11 @@ def _rows_sweep(kind, n, k, plan, wb, w8, layers) -> dict:
         def tail(y):  # gate/up's SiLU product on the unfused paths, as the engine runs them
             return silu_mul(y, torch.bfloat16) if kind == "gate_up" else y
 
-        kernel = timed(lambda: [_run(kind, x, q, s, plan) for q, s in w8]) / layers
+        def product(q, s):  # the kernel's output as a product: split-K's partials summed (its reduce kernel)
+            out = _run(kind, x, q, s, plan)
+            return reduce_partials(out) if kind == "splitk" else out
+
+        kernel = timed(lambda: [product(q, s) for q, s in w8]) / layers
         deq = timed(lambda: [tail(F.linear(x, dequantize(q, s, torch.bfloat16))) for q, s in w8]) / layers
         bf16 = timed(lambda: [tail(F.linear(x, w)) for w in wb]) / layers
         out[m] = (kernel, deq, bf16)
@@ -206,7 +211,8 @@ def main():
     total_f = sum(r[5] for r in table)
     print(f"| all four | | | {total_b:.2f} | | {total_f:.2f} | {total_f / total_b:.2f}x | |")
     print(f"\nAbove {M} rows (prefill chunks, speculative steps): the 8-bit kernel with the best plan (M tiles of 64 "
-          "rows, the weight re-read from L2) against the weight dequantized for the call + cuBLAS, and BF16 cuBLAS "
+          "rows, the weight re-read from L2; split-K with its reduce) against the weight dequantized for the call + "
+          "cuBLAS, and BF16 cuBLAS "
           "(us a layer; the engine runs the kernel up to splitk_gemm.MAX_M rows):")
     print("| GEMM | " + " | ".join(f"M = {m}: kernel / dequant+cuBLAS / BF16" for m in SWEEP) + " |")
     print("| --- |" + " --- |" * len(SWEEP))
