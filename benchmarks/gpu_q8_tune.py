@@ -203,7 +203,8 @@ def main():
         by_m[name] = _rows_sweep(kind, n, k, best, wb, w8, layers)
         record["gemms"][name]["by_m"] = by_m[name]
     print(f"\n{args.shape}, M = {M}, {layers} layers' distinct weights a graph (us a layer):")
-    print("| GEMM | N x K | BF16 MB | BF16 (engine plan) | 8-bit, current plan | 8-bit, best | best / BF16 | best 8-bit plan |")
+    print("| GEMM | N x K | BF16 MB | BF16 (engine plan) | 8-bit, current plan | 8-bit, best | best / BF16 | "
+          "best 8-bit plan |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for name, n, k, b, d, t, p in table:
         print(f"| {name} | {n} x {k} | {n * k * 2 / 1e6:.1f} | {b:.2f} | {d:.2f} | {t:.2f} | {t / b:.2f}x | {p} |")

@@ -1,7 +1,9 @@
-"""Compile the decode GEMM kernels on 8-bit weights (FP8 / INT8) for a Hopper GPU (sm_90) without one: Triton's compiler and the
-ptxas its wheel ships, the engine's plans of a benchmarks/generate.py shape (pointer and TMA, PDL on). Prints each
-variant's registers, spills and shared memory against the SM's 227 KiB, and fails on a compile error: a check a
-session without a device machine can run before the kernels meet a GPU (tests/gpu/test_weight_quant_cuda.py).
+"""Compile the decode GEMM kernels on 8-bit weights (FP8 / INT8) for a Hopper GPU (sm_90) without one.
+
+Triton's compiler and the ptxas its wheel ships, the engine's plans of a benchmarks/generate.py shape (pointer and
+TMA, PDL on). Prints each variant's registers, spills and shared memory against the SM's 227 KiB, and fails on a
+compile error: a check a session without a device machine can run before the kernels meet a GPU
+(tests/gpu/test_weight_quant_cuda.py).
 
     PYTHONPATH=src python3 benchmarks/q8_compile_check.py [--weights fp8|int8|bf16] [--shape qwen2-0.5b] [--arch 90]
 """
@@ -85,7 +87,8 @@ def main() -> int:
         plan = sk.q8_plan_for(n, k) if args.weights != "bf16" else sk.plan_for(n, k) or sk.default_plan(n, k)
         ks = plan.k_split(k)
         common = {"ws_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_wn": "i32", "scale_ptr": "*fp32",
-                  "W_SCALE": args.weights != "bf16", "K_SPLIT": ks, "SWAP": plan.swap, "BLOCK_M": sk.BLOCK_M, "BLOCK_N": plan.block_n,
+                  "W_SCALE": args.weights != "bf16", "K_SPLIT": ks, "SWAP": plan.swap, "BLOCK_M": sk.BLOCK_M,
+                  "BLOCK_N": plan.block_n,
                   "BLOCK_K": plan.block_k, "PDL": True, "LINES": 1 << max(0, (ks - 1).bit_length() - 7), **lora}
         variants = [("pointer", sk._partials, {**common, "a_ptr": "*bf16", "w_ptr": f"*{wt}", "stride_am": "i32",
                                                "EVEN_K": k % ks == 0})]
@@ -97,7 +100,8 @@ def main() -> int:
             rows.append((f"{name} {n}x{k} {form}", plan, kernel, values, plan.num_warps, plan.num_stages))
     plan = gu.q8_plan_for(i, h) if args.weights != "bf16" else gu.plan_for(i, h) or gu.default_plan(i, h)
     common = {"out_ptr": "*bf16", "M": "i32", "I": "i32", "K": "i32", "stride_wn": "i32", "stride_om": "i32",
-              "scale_ptr": "*fp32", "W_SCALE": args.weights != "bf16", "SWAP": plan.swap, "BLOCK_M": gu.BLOCK_M, "BLOCK_N": plan.block_n,
+              "scale_ptr": "*fp32", "W_SCALE": args.weights != "bf16", "SWAP": plan.swap, "BLOCK_M": gu.BLOCK_M,
+              "BLOCK_N": plan.block_n,
               "BLOCK_K": plan.block_k, "PDL": True, "LINES": 1 << max(0, (h - 1).bit_length() - 7), **lora}
     rows.append((f"gate_up {2 * i}x{h} pointer", plan, gu._gate_up,
                  {**common, "a_ptr": "*bf16", "w_ptr": f"*{wt}", "stride_am": "i32", "EVEN_K": h % plan.block_k == 0},

@@ -246,7 +246,8 @@ def build_quantized_checkpoint(model_dir: Path, out: Path, scheme: str = "FP8_DY
         model.config.save_pretrained(out)
         from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+        save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
+                  metadata={"format": "pt"})
     else:
         from compressed_tensors.compressors import ModelCompressor
         from compressed_tensors.quantization import (QuantizationConfig, QuantizationStatus, apply_quantization_config,

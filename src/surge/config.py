@@ -197,7 +197,8 @@ class GenerationConfig(_Strict):
         "symmetric INT8 with a scale per output channel (compressed-tensors' W8A16 form), on any GPU of 8.0+ "
         "(Ampere on). Half the weights' memory and the bytes a decode step reads; activations, the KV cache, the "
         "embedding and the LM head stay in the model's dtype. Answers differ from the unquantized model's by the "
-        "weights' rounding. A quantized checkpoint's 8-bit weights run as they are whatever this says.")
+        "weights' rounding. A quantized checkpoint's 8-bit weights run as they are on a GPU that runs their kind, "
+        "whatever this says.")
     cuda_graphs: bool = Field(True, description="On a GPU: replay decode steps as CUDA graphs per batch bucket.")
     overlap_steps: bool = Field(True, description="Launch the next greedy decode step before the last one's tokens "
                                 "are read back (its inputs stay on the device), so host work overlaps the GPU.")

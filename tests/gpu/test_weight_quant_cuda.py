@@ -125,7 +125,7 @@ def test_gate_up_on_8bit_weights_against_float64(i, k, kind):
             assert torch.equal(gate_up_silu(x, q, plan, pdl=True, scale=s), full), plan
 
 
-def test_fp8_kernels_refuse_a_weight_without_its_scales():
+def test_8bit_kernels_refuse_a_weight_without_its_scales():
     from surge.engines.kernels.gate_up import gate_up_silu
     from surge.engines.kernels.splitk_gemm import default_plan, partials
 
@@ -146,8 +146,8 @@ def test_fp8_kernels_refuse_a_weight_without_its_scales():
 @pytest.mark.parametrize("quant", KINDS)
 @pytest.mark.parametrize("kind", ["splitk", "gate_up"])
 def test_lora_deltas_join_the_scaled_sums(kind, quant):
-    """LoRA adapters on an FP8 base (the join after the scales): against float64 (dequantized base + each row's
-    own delta) within twice the two-kernel form's error; base rows' bits those of the FP8 GEMM alone."""
+    """LoRA adapters on an 8-bit base (the join after the scales): against float64 (dequantized base + each row's
+    own delta) within twice the two-kernel form's error; base rows' bits those of the 8-bit GEMM alone."""
     from surge.engines.kernels.decoder_fused import silu_mul
     from surge.engines.kernels.gate_up import GateUpPlan, gate_up_silu
     from surge.engines.kernels.lora_delta import LoraOperands, lora_add_
@@ -187,12 +187,12 @@ def test_lora_deltas_join_the_scaled_sums(kind, quant):
 @pytest.fixture(scope="module")
 def trained_q8(tmp_path_factory):
     """A Qwen2-shaped model fitted as test_decoder_cuda's trained_dir is (real margins), and beside it the same
-    model with each layer's linear weights replaced by their FP8 round trip (quantized from BF16, as the engine
-    quantizes): transformers runs that one as the reference."""
+    model with each layer's linear weights replaced by their FP8 and INT8 round trips (quantized from BF16, as the
+    engine quantizes): transformers runs those as the references."""
     from tests.decoder_models import build_model
     from tests.gpu.test_decoder_cuda import _fit
 
-    d = build_model("qwen2", tmp_path_factory.mktemp("qwen2_fp8"), seed=11, hidden_size=256,
+    d = build_model("qwen2", tmp_path_factory.mktemp("qwen2_q8"), seed=11, hidden_size=256,
                     intermediate_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                     max_position_embeddings=512)
     d = _fit(d, lr=2e-3)

@@ -663,7 +663,7 @@ def _unpack(raw: bytes) -> list[Delta]:
 def attach_shared_cache(service, cache_config) -> None:
     """Give a generation service the shared tier of the server's cache settings (`--redis-url`): on Redis,
     keyed by model, version and the engine's device, precision and weight quantization (answers of another
-    precision or of FP8 weights never mix), for `--redis-ttl-s`. Nothing without a URL, with the cache off, or
+    precision or of 8-bit weights never mix), for `--redis-ttl-s`. Nothing without a URL, with the cache off, or
     with the generation cache off."""
     if not (cache_config is not None and cache_config.enabled and cache_config.redis_url
             and service.config.cache_entries):

@@ -93,7 +93,7 @@ class DecoderEngine:
         self.num_blocks = num_blocks
         self.max_num_seqs = max_num_seqs
         self._check_quantization(quantization)
-        from surge.models.weight_quant import KINDS, supported
+        from surge.models.weight_quant import KINDS, SCALE_SUFFIX, supported
 
         # a quantized checkpoint's 8-bit weights stay as they are where the kernels run them
         # (models/quantized_checkpoint.py), else they are dequantized at load
@@ -115,14 +115,8 @@ class DecoderEngine:
                                   lora=self.lora)
         self.quantization = self.model.quantization  # what runs (a quantized checkpoint's too)
         if self.quantization != "none":
-            import json
-
-            from surge.models.quantized_checkpoint import read_format
-
-            own = read_format(json.loads((Path(path) / "config.json").read_text())) is not None
-            log.info("%s: the layers' linear weights run as %s (%s), %.0f MB", path, self.quantization,
-                     "the checkpoint's own" if own else "quantized at load",
-                     sum(t.nbytes for n, t in weights.items() if n + ".scale" in weights) / 1e6)
+            log.info("%s: the layers' linear weights run as %s, %.0f MB", path, self.quantization,
+                     sum(t.nbytes for n, t in weights.items() if n + SCALE_SUFFIX in weights) / 1e6)
         self.graph_fp32_logits = graph_fp32_logits  # session 2's graphs: FP32 logits, then the argmax
         self.argmax_kernel = argmax_kernel  # the graph's greedy argmax: "torch" or "triton" (argmax_rows)
         self.kv = KVCache(self.cfg, num_blocks, block_size, self.device, self.dtype)

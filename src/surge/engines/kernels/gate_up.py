@@ -87,7 +87,7 @@ def q8_plan_for(i: int, k: int) -> GateUpPlan:
 @triton.jit
 def _prefetch_gate_up_rows(w_ptr, offs_n, I, K, stride_wn, LINES: tl.constexpr):
     """The program's gate and up rows (whole K) into L2 while the previous kernel runs (PDL)."""
-    size = w_ptr.dtype.element_ty.primitive_bitwidth // 8  # bytes a weight: 2, or 1 for FP8
+    size = w_ptr.dtype.element_ty.primitive_bitwidth // 8  # bytes a weight: 2, or 1 for 8-bit weights
     line = tl.minimum(tl.arange(0, LINES).to(tl.int64) * 128, K.to(tl.int64) * size - 1)
     rows = tl.minimum(offs_n, I - 1).to(tl.int64)
     base = w_ptr.to(tl.pointer_type(tl.int8)) + rows[:, None] * stride_wn * size + line[None, :]
@@ -97,7 +97,7 @@ def _prefetch_gate_up_rows(w_ptr, offs_n, I, K, stride_wn, LINES: tl.constexpr):
 
 @triton.jit
 def _scaled_halves(acc_g, acc_u, scale_ptr, offs_n, n_ok, I, SWAP: tl.constexpr):
-    """An FP8 weight's scales (gate rows, then up rows I further) applied to the two halves' FP32 sums."""
+    """An 8-bit weight's scales (gate rows, then up rows I further) applied to the two halves' FP32 sums."""
     return (scale_columns(acc_g, scale_ptr, offs_n, n_ok, SWAP),
             scale_columns(acc_u, scale_ptr + I, offs_n, n_ok, SWAP))
 
@@ -119,8 +119,8 @@ def _silu_mul_store(acc_g, acc_u, out_ptr, offs_m, offs_n, m_ok, n_ok, stride_om
 
 @triton.jit(do_not_specialize=["M"])
 def _gate_up(a_ptr, w_ptr, out_ptr, M, I, K, stride_am, stride_wn, stride_om, scale_ptr, la_ptr, lb_ptr, slot_ptr, R,
-             W, stride_la, stride_lb, W_SCALE: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr,
+             W, stride_la, stride_lb, W_SCALE: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr,
              LORA: tl.constexpr, BLOCK_R: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -166,7 +166,7 @@ def _gate_up(a_ptr, w_ptr, out_ptr, M, I, K, stride_am, stride_wn, stride_om, sc
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    if W_SCALE:  # FP8 weights: each half's sums scaled before the deltas join them
+    if W_SCALE:  # 8-bit weights: each half's sums scaled before the deltas join them
         acc_g, acc_u = _scaled_halves(acc_g, acc_u, scale_ptr, offs_n, n_ok, I, SWAP)
     if LORA:  # the deltas join each half's FP32 sum, rounded with it
         acc_g, acc_u = join_deltas(acc_g, acc_u, t, bg, bu, slot, offs_r, R, W, True, SWAP)
@@ -256,7 +256,7 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, plan: GateUpPlan, pdl: bool =
                            **launch_kw(pdl))
         return out
     _gate_up[grid](x, w, out, m, i, k, x.stride(0), w.stride(0), out.stride(0), w_scale, *lkw["args"],
-                   W_SCALE=scale is not None, EVEN_K=k % plan.block_k == 0, SWAP=plan.swap, BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n,
-                   BLOCK_K=plan.block_k, PDL=pdl, LINES=lines, **lkw["constexprs"], num_warps=plan.num_warps,
+                   W_SCALE=scale is not None, EVEN_K=k % plan.block_k == 0, SWAP=plan.swap, BLOCK_M=BLOCK_M,
+                   BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, PDL=pdl, LINES=lines, **lkw["constexprs"], num_warps=plan.num_warps,
                    num_stages=stages, **launch_kw(pdl))
     return out

@@ -109,7 +109,7 @@ def default_plan(n: int, k: int) -> SplitKPlan:
 @triton.jit
 def _prefetch_slice(w_ptr, offs_n, N, K, k0, stride_wn, K_SPLIT: tl.constexpr, LINES: tl.constexpr):
     """The program's weight slice (its rows, K from k0 on, K_SPLIT long) into L2, 128-byte lines (PDL)."""
-    size = w_ptr.dtype.element_ty.primitive_bitwidth // 8  # bytes a weight: 2, or 1 for FP8
+    size = w_ptr.dtype.element_ty.primitive_bitwidth // 8  # bytes a weight: 2, or 1 for 8-bit weights
     row_bytes = (tl.minimum(K - k0, K_SPLIT) * size).to(tl.int64)
     line = tl.minimum(tl.arange(0, LINES).to(tl.int64) * 128, row_bytes - 1)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
@@ -142,8 +142,8 @@ def _store_partials(acc, ws_ptr, pid_s, M, N, offs_m, offs_n, SWAP: tl.constexpr
 
 @triton.jit(do_not_specialize=["M"])
 def _partials(a_ptr, w_ptr, ws_ptr, M, N, K, stride_am, stride_wn, scale_ptr, la_ptr, lb_ptr, slot_ptr, R, W,
-              stride_la, stride_lb, W_SCALE: tl.constexpr, K_SPLIT: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+              stride_la, stride_lb, W_SCALE: tl.constexpr, K_SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+              SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
               LINES: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -200,7 +200,7 @@ def _partials(a_ptr, w_ptr, ws_ptr, M, N, K, stride_am, stride_wn, scale_ptr, la
                 t = tl.dot(a, tl.trans(lora_a(la_ptr, stride_la, offs_r, r_ok, offs_k + i * BLOCK_K, k_ok)), t)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-    if W_SCALE:  # FP8 weights: the sums scaled before anything joins them
+    if W_SCALE:  # 8-bit weights: the sums scaled before anything joins them
         acc = scale_columns(acc, scale_ptr, offs_n, n_ok, SWAP)
     if LORA:  # this split's share of the rows' deltas (its K range), into its partial sums
         acc, _ = join_deltas(acc, acc, t, b, b, slot, offs_r, R, W, False, SWAP)
@@ -209,8 +209,8 @@ def _partials(a_ptr, w_ptr, ws_ptr, M, N, K, stride_am, stride_wn, scale_ptr, la
 
 @triton.jit(do_not_specialize=["M"])
 def _partials_tma(a_desc, w_desc, w_ptr, ws_ptr, M, N, K, stride_wn, scale_ptr, la_desc, la_ptr, lb_ptr, slot_ptr,
-                  R, W, stride_la, stride_lb, W_SCALE: tl.constexpr, K_SPLIT: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr,
+                  R, W, stride_la, stride_lb, W_SCALE: tl.constexpr, K_SPLIT: tl.constexpr, SWAP: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr,
                   LORA: tl.constexpr, BLOCK_R: tl.constexpr, LA_TMA: tl.constexpr):
     """_partials with both operands read by TMA: tiles past M, N or K arrive as zeros, as the pointer
     kernel's masks load them, so the sums are the same bit for bit (A's LoRA tiles too with LA_TMA, else
