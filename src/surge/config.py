@@ -243,9 +243,13 @@ class GenerationConfig(_Strict):
                                         "detokenization, streams) never wait for each other's GIL, and on the CPU "
                                         "the engine's OpenMP threads are their process's only ones; default: on.")
     cache_entries: int = Field(1024, ge=0, description="Finished greedy / seeded generations kept (0: off).")
-    tool_call_parser: Literal["none", "hermes"] = Field(
-        "none", description="How a chat answer's tool calls are read (chat requests with `tools` and tool_choice "
-        "'auto'): 'hermes', <tool_call>{json}</tool_call> blocks (Qwen2.5, Hermes); 'none': such requests get 400.")
+    tool_call_parser: Literal["none", "hermes", "llama3_json", "mistral"] = Field(
+        "none", description="How a chat answer's tool calls are read, and written by a required or named "
+        "tool_choice (vLLM's --tool-call-parser; server/http/tool_parsers/): 'hermes', <tool_call>{json}</tool_call> "
+        "blocks (Qwen2.5, Hermes); 'llama3_json', an answer of {\"name\": ..., \"parameters\": {...}} objects "
+        "joined by '; ', optionally after <|python_tag|> (Llama 3.1 / 3.2 / 3.3); 'mistral', [TOOL_CALLS] then a "
+        "JSON array of {\"name\", \"arguments\"} or name{json} (Mistral, Mixtral; the text then keeps special "
+        "tokens); 'none': requests with tools and tool_choice other than 'none' get 400.")
     reasoning_parser: Literal["none", "deepseek_r1", "qwen3"] = Field(
         "none", description="How a chat answer's thinking is separated from its answer (vLLM's --reasoning-parser; "
         "the message's `reasoning` field, `content` only the answer; server/http/reasoning.py): 'deepseek_r1' "

@@ -3,7 +3,7 @@
 
 The text is read in order by the model's reasoning parser (server/http/reasoning.py: the thinking is a
 "reasoning" block), then by its tool-call parser (server/http/tool_calls.py: a text run is a "text"
-block, each hermes call a "call"). Blocks never nest or interleave: a block is opened, filled by
+block, each call a "call"). Blocks never nest or interleave: a block is opened, filled by
 pieces and closed before the next one opens. Blank text next to calls is no block (a newline between
 two calls, say); an answer of blank text only is a text block of it, and an empty answer one empty
 text block. Log-probabilities go with the text they wrote (the thinking's are dropped: neither API has
@@ -17,15 +17,16 @@ tool_calls.parse writes it (chat's {"id", "type", "function": {"name", "argument
 from __future__ import annotations
 
 from surge.server.http.reasoning import REASONING, ReasoningStream
-from surge.server.http.tool_calls import ToolCallStream
+from surge.server.http.tool_calls import stream
 
 TEXT = "text"
 
 
 class AnswerBlocks:
-    def __init__(self, reasoning: str = "none", parse_calls: bool = False):
+    def __init__(self, reasoning: str = "none", parse_calls: str | None = None):
+        """`parse_calls`: the tool-call parser's name (None: calls are not read)."""
         self.thinking = ReasoningStream(reasoning) if reasoning != "none" else None
-        self.calls = ToolCallStream() if parse_calls else None
+        self.calls = stream(parse_calls)
         self.open: str | None = None  # the kind of the open block
         self.blocks = 0  # blocks and calls so far
         self.answered = False  # a text block or call so far

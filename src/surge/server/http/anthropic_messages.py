@@ -31,6 +31,7 @@ from surge.server.http.generate_common import (EventStream, JsonAnswer, counted,
                                                item_stream, make_params, until_disconnect)
 from surge.server.http.guided_fields import request_guide
 from surge.server.http.openai_chat import tool_calls_wanted
+from surge.server.http.tool_calls import keep_special_tokens
 from surge.server.http.openapi import body
 from surge.server.http.reasoning import guide_after_thinking, request_parser
 from surge.server.http.responses_items import chat_tool, new_id
@@ -210,7 +211,8 @@ async def message_answer(state: AppState, req: MessagesRequest, receive) -> Json
     reasoning = request_parser(getattr(service.config, "reasoning_parser", "none"), variables)
     params = make_params(service, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                          top_k=req.top_k, stop=req.stop_sequences, seed=req.seed, ignore_eos=req.ignore_eos,
-                         guide=_guide(req, service, tool_guide, reasoning))
+                         guide=_guide(req, service, tool_guide, reasoning),
+                         skip_special_tokens=not keep_special_tokens(parse_calls))
     base = {"id": new_id("msg"), "type": "message", "role": "assistant", "model": service.name,
             "usage": {"input_tokens": len(ids), "output_tokens": 0, "cache_creation_input_tokens": 0,
                       "cache_read_input_tokens": 0}}

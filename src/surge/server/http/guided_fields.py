@@ -3,8 +3,9 @@
 OpenAI's `response_format` ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema":
 ...}}), vLLM's `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` and its newer
 `structured_outputs` object ({"json" | "regex" | "choice" | "grammar": ..., or "json_object": true}); and a
-chat request's `tool_choice` "required" or a named function, which with the hermes tool-call parser
-becomes a grammar of `<tool_call>` blocks whose bodies follow the tools' parameter schemas. At most one
+chat request's `tool_choice` "required" or a named function, which becomes a grammar of calls in the
+model's tool-call parser's format (server/http/tool_parsers/: hermes `<tool_call>` blocks, llama3_json
+objects, a mistral `[TOOL_CALLS]` array) whose arguments follow the tools' parameter schemas. At most one
 constraint a request; each is checked against the model's tokenizer here, so a bad schema is a 400 that
 names the field it came in.
 """
@@ -15,6 +16,7 @@ import json
 
 from surge.errors import InvalidInput
 from surge.runtime.guided import ANY_OBJECT, JSON_STYLE, guide_for
+from surge.server.http import tool_parsers
 
 VLLM_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                "guided_grammar": "grammar"}
@@ -77,11 +79,13 @@ def request_guide(req, service, tool_guide: tuple[str, str] | None = None) -> tu
     return guide
 
 
-def tool_choice_guide(tools: list[dict], choice, literal=json.dumps, parallel: bool = True) -> tuple[str, str]:
+def tool_choice_guide(tools: list[dict], choice, literal=json.dumps, parallel: bool = True,
+                      parser: str = "hermes") -> tuple[str, str]:
     """A grammar for tool_choice "required" (one or more calls of any of `tools`; one with `parallel`
-    false, OpenAI's parallel_tool_calls) or a named function (one call of it), in the hermes format the
-    tool-call parser reads (server/http/tool_calls.py); `literal`: the tags as the model writes them
-    (the service's guide_literal: one special token or text)."""
+    false, OpenAI's parallel_tool_calls) or a named function (one call of it), in the format the
+    tool-call parser `parser` reads (server/http/tool_parsers/); `literal`: the tags as the model writes
+    them (the service's guide_literal: one special token or text)."""
+    spec = tool_parsers.get(parser)
     by_name = {}
     for t in tools:
         fn = t.get("function") if isinstance(t, dict) else None
@@ -95,10 +99,9 @@ def tool_choice_guide(tools: list[dict], choice, literal=json.dumps, parallel: b
         names, many = [name], False
     else:
         names, many = list(by_name), parallel
-    calls = [{"type": "object", "properties": {"name": {"const": n}, "arguments": by_name[n]},
-              "required": ["name", "arguments"], "additionalProperties": False} for n in names]
+    key = spec.args_key
+    calls = [{"type": "object", "properties": {"name": {"const": n}, key: by_name[n]},
+              "required": ["name", key], "additionalProperties": False} for n in names]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     body = "%json " + json.dumps({**schema, "x-guidance": JSON_STYLE})
-    repeat = ' ("\\n" call)*' if many else ""
-    call = f'{literal("<tool_call>")} "\\n" body "\\n" {literal("</tool_call>")}'
-    return "grammar", f"start: call{repeat}\ncall: {call}\nbody: {body}\n"
+    return "grammar", spec.grammar(many, literal) + f"body: {body}\n"

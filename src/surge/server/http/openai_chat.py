@@ -37,6 +37,7 @@ from surge.server.http.common import parse
 from surge.server.http import generate_common
 from surge.server.http.generate_choices import check_count, choice_params, first_deltas, merged
 from surge.server.http.guided_fields import request_guide, tool_choice_guide
+from surge.server.http.tool_calls import PARSERS, keep_special_tokens
 from surge.server.http.reasoning import (ChatDeltas, effort_variables, guide_after_thinking, message,
                                          request_parser)
 from surge.server.http.responses_items import logprob_list
@@ -227,7 +228,7 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
                          presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                          repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos,
                          logprobs=(req.top_logprobs or 0) if req.logprobs else None, logit_bias=req.logit_bias,
-                         guide=guide, **_vllm_extras(req))
+                         guide=guide, **_vllm_extras(req, keep_special_tokens(parse_calls)))
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     deadline = deadline_for(state)
     choices = choice_params(params, req.n)
@@ -389,9 +390,12 @@ def _refuse_chat_fields(req: ChatCompletionRequest) -> None:
                                param=field)
 
 
-def _vllm_extras(req) -> dict:
-    return {"min_tokens": req.min_tokens, "allowed_token_ids": req.allowed_token_ids, "include_stop_str_in_output": req.include_stop_str_in_output,
-            "skip_special_tokens": req.skip_special_tokens, "bad_words": req.bad_words, "priority": req.priority}
+def _vllm_extras(req, keep_special: bool = False) -> dict:
+    """`keep_special`: the tool-call parser reads a special token (mistral's [TOOL_CALLS]), so the text keeps
+    them, as vLLM's parser sets skip_special_tokens false."""
+    return {"min_tokens": req.min_tokens, "allowed_token_ids": req.allowed_token_ids,
+            "include_stop_str_in_output": req.include_stop_str_in_output,
+            "skip_special_tokens": req.skip_special_tokens and not keep_special, "bad_words": req.bad_words, "priority": req.priority}
 
 
 def _truncated(ids: list[int], keep: int | None) -> list[int]:
@@ -399,28 +403,30 @@ def _truncated(ids: list[int], keep: int | None) -> list[int]:
     return ids[-keep:] if keep and keep < len(ids) else ids
 
 
-def tool_calls_wanted(req: ChatCompletionRequest, service) -> tuple[bool, tuple[str, str] | None]:
-    """(whether the answer's tool calls are parsed, the guide a required or named tool choice asks for);
-    what surge cannot honour is refused, never ignored."""
+def tool_calls_wanted(req: ChatCompletionRequest, service) -> tuple[str | None, tuple[str, str] | None]:
+    """(the tool-call parser the answer's calls are read with, None when they are not read; the guide a
+    required or named tool choice asks for, in that parser's format); what surge cannot honour is refused,
+    never ignored."""
     choice = req.tool_choice
     if choice not in (None, "none", "auto") and not req.tools:
         raise InvalidInput("tool_choice needs tools", param="tool_choice")
     if not req.tools or choice == "none":
-        return False, None
+        return None, None
     if isinstance(choice, str) and choice not in ("auto", "required"):
         raise InvalidInput(f"tool_choice '{choice}' is not one of none, auto, required or a named function",
                            param="tool_choice")
     parser = getattr(service.config, "tool_call_parser", "none")
     if parser == "none":
         raise InvalidInput(f"model '{service.name}' has no tool-call parser (generation setting tool_call_parser, "
-                           "e.g. hermes); with tool_choice 'none' the tools are rendered into the prompt by the "
+                           "one of " + ", ".join(PARSERS[1:]) + "); with tool_choice 'none' the tools are rendered into the prompt by the "
                            "chat template", param="tool_choice")
     if choice in (None, "auto"):
-        return True, None
-    return True, tool_choice_guide(req.tools, choice, service.guide_literal, req.parallel_tool_calls is not False)
+        return parser, None
+    return parser, tool_choice_guide(req.tools, choice, service.guide_literal, req.parallel_tool_calls is not False,
+                                     parser)
 
 
-def _chat_choice(index: int, res, parse_calls: bool, reasoning: str = "none",
+def _chat_choice(index: int, res, parse_calls: str | None, reasoning: str = "none",
                  include_reasoning: bool = True) -> dict:
     msg, called = message(res.text, reasoning, parse_calls, include_reasoning)
     finish = "tool_calls" if called else res.finish_reason

@@ -30,7 +30,7 @@ split at a `</think>` the model wrote anyway). vLLM's qwen3 rule that a `<tool_c
 `<function=` ends the thinking (Qwen3.5's XML tool calls, which surge does not parse) is left out.
 
 `ReasoningStream` does the same over a stream: text goes out as it comes, except a tail that may be the
-start of a tag, held until it is known not to be one (as `tool_calls.ToolCallStream` holds `<tool_call>`);
+start of a tag, held until it is known not to be one (as the hermes tool-call stream holds `<tool_call>`);
 its pieces, joined field by field, are `split` of the whole answer however the text was cut.
 """
 
@@ -39,7 +39,7 @@ from __future__ import annotations
 from surge.errors import InvalidInput
 from surge.runtime.guided import after_reasoning
 from surge.server.http.guided_fields import FIELDS
-from surge.server.http.tool_calls import ToolCallStream
+from surge.server.http.tool_calls import stream as call_stream
 from surge.server.http.tool_calls import parse as parse_tool_calls
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -166,15 +166,15 @@ class ReasoningStream:
         return [(REASONING, rest)] if rest and self._state != CONTENT else []
 
 
-def message(text: str, parser: str, parse_calls: bool, include_reasoning: bool = True) -> tuple[dict, bool]:
+def message(text: str, parser: str, parse_calls: str | None, include_reasoning: bool = True) -> tuple[dict, bool]:
     """(the assistant message of a whole answer, whether it has tool calls): its reasoning (with a parser),
-    then its content, whose tool calls are read when `parse_calls`."""
+    then its content, whose tool calls are read with the tool-call parser `parse_calls` (None: not read)."""
     reasoning, content = split(text, parser)
     msg: dict = {"role": "assistant", "content": content}
     if parser != "none" and include_reasoning:
         msg[REASONING] = reasoning
-    if parse_calls and content is not None:
-        content, calls = parse_tool_calls(content)
+    if parse_calls not in (None, False, "none") and content is not None:
+        content, calls = parse_tool_calls(content, parse_calls)
         if calls:
             msg.update(content=content, tool_calls=calls)
             return msg, True
@@ -184,11 +184,11 @@ def message(text: str, parser: str, parse_calls: bool, include_reasoning: bool =
 class ChatDeltas:
     """One streamed chat choice's text as delta fields: {"reasoning": piece} while it thinks (with a
     parser), then {"content": piece}, or {"tool_calls": [...]} for a call read from the content (with
-    `parse_calls`). `called`: whether a call went out (finish_reason tool_calls)."""
+    the tool-call parser `parse_calls`). `called`: whether a call went out (finish_reason tool_calls)."""
 
-    def __init__(self, parser: str, parse_calls: bool, include_reasoning: bool = True):
+    def __init__(self, parser: str, parse_calls: str | None, include_reasoning: bool = True):
         self._reasoning = ReasoningStream(parser)
-        self._calls = ToolCallStream() if parse_calls else None
+        self._calls = call_stream(parse_calls)
         self._include = include_reasoning
 
     @property

@@ -39,6 +39,7 @@ from surge.server.http.generate_common import (EventStream, JsonAnswer, counted,
                                                generate_model, item_stream, make_params, until_disconnect)
 from surge.server.http.guided_fields import request_guide
 from surge.server.http.openai_chat import tool_calls_wanted
+from surge.server.http.tool_calls import keep_special_tokens
 from surge.server.http.openapi import body
 from surge.server.http.reasoning import effort_variables, guide_after_thinking, request_parser
 from surge.server.http.responses_events import ResponseEvents
@@ -161,7 +162,8 @@ async def _prepare(state: AppState, req: ResponseRequest) -> _Prepared:
     params = make_params(service, max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
                          top_k=req.top_k, min_p=req.min_p, seed=req.seed,
                          repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos,
-                         logprobs=(req.top_logprobs or 0) if want_lps else None, guide=guide, priority=req.priority)
+                         logprobs=(req.top_logprobs or 0) if want_lps else None, guide=guide, priority=req.priority,
+                         skip_special_tokens=not keep_special_tokens(parse_calls))
     service.check_prompt(ids, params.max_tokens if params.own_max_tokens else None)
     rid = new_id("resp")
     base = {
