@@ -46,6 +46,49 @@ QWEN_TOOLS = (
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+# Llama 3.1's way with JSON tool calls (its template's tools prompt and call rendering, with ChatML's turn markers):
+# the tools as JSON in the system turn, an assistant turn's calls as {"name": ..., "parameters": ...} objects
+# (`arguments | tojson`; joined by "; " where there are several, which the real template refuses and vLLM's
+# llama3_json parser reads), the tools' answers as "ipython" turns.
+LLAMA3_TOOLS = (
+    "{%- if tools %}{{- '<|im_start|>system\\nEnvironment: ipython\\n\\nGiven the following functions, please "
+    "respond with a JSON for a function call with its proper arguments that best answers the given prompt.\\n\\n"
+    "Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its value}. "
+    "Do not use variables.\\n\\n' }}{%- for tool in tools %}{{- tool | tojson }}{{- '\\n\\n' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- for tool_call in message.tool_calls %}{%- if tool_call.function is defined %}"
+    "{%- set tool_call = tool_call.function %}{%- endif %}{%- if not loop.first %}{{- '; ' }}{%- endif %}"
+    "{{- '{\"name\": \"' + tool_call.name + '\", ' }}{{- '\"parameters\": ' }}{{- tool_call.arguments | tojson }}"
+    "{{- '}' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}{{- '<|im_start|>ipython\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Mistral 7B Instruct v0.3's template (the tools before the last user turn, an assistant turn's calls as
+# `[TOOL_CALLS] [` + each `function | tojson` with its 9-character id + `]`, tool answers as [TOOL_RESULTS]).
+MISTRAL_TOOLS = (
+    "{{- bos_token }}{%- set ns = namespace(last_user=-1) %}"
+    "{%- for message in messages %}{%- if message.role == 'user' %}{%- set ns.last_user = loop.index0 %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' %}"
+    "{%- if tools and loop.index0 == ns.last_user %}{{- '[AVAILABLE_TOOLS] [' }}{%- for tool in tools %}"
+    "{{- tool | tojson }}{%- if not loop.last %}{{- ', ' }}{%- endif %}{%- endfor %}{{- '][/AVAILABLE_TOOLS]' }}"
+    "{%- endif %}{{- '[INST] ' + message.content + '[/INST]' }}"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}{{- '[TOOL_CALLS] [' }}"
+    "{%- for tool_call in message.tool_calls %}{%- set out = tool_call.function | tojson %}{{- out[:-1] }}"
+    "{%- if tool_call.id is not defined or tool_call.id | length != 9 %}"
+    "{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif %}"
+    "{{- ', \"id\": \"' + tool_call.id + '\"}' }}{%- if not loop.last %}{{- ', ' }}{%- else %}"
+    "{{- ']' + eos_token }}{%- endif %}{%- endfor %}"
+    "{%- elif message.role == 'assistant' %}{{- ' ' + message.content | trim + eos_token }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '[TOOL_RESULTS] {\"content\": ' + message.content | string + ', \"call_id\": \"' + message.tool_call_id "
+    "+ '\"}[/TOOL_RESULTS]' }}{%- endif %}{%- endfor %}"
+)
 # A Llama-2-style one: bos_token, raise_exception, loop variables.
 LLAMA2 = (
     "{{ bos_token }}{% for message in messages %}"

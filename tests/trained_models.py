@@ -1,7 +1,10 @@
 """Tiny Qwen2-shaped models trained here (seconds on the CPU) to give one answer to one question, greedily:
 
-- `train_tool_model`: a weather question answered with text and a Hermes tool call, under Qwen2.5's way with
-  tools (tests/decoder_models.QWEN_TOOLS), so later turns render the call and the tool's answer;
+- `train_tool_model`: a weather question answered with a tool call in one of the tool-call parsers' formats
+  (TOOL_FORMATS): a Hermes call after text under Qwen2.5's way with tools (tests/decoder_models.QWEN_TOOLS,
+  so later turns render the call and the tool's answer), a Llama 3.1 JSON call after `<|python_tag|>` (a special
+  token, so not in the answer's text) under LLAMA3_TOOLS, or text and a Mistral `[TOOL_CALLS]` array (a special
+  token too, as are Mistral's [INST] and the like) under MISTRAL_TOOLS;
 - `train_thinking_model`: a question answered `<think>...</think>` then the answer, as DeepSeek-R1's
   distills do (the tags one token each, as R1's tokenizer has them).
 """
@@ -10,13 +13,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.decoder_models import CHATML, QWEN_TOOLS, save_tokenizer, train_tokenizer
+from tests.decoder_models import CHATML, LLAMA3_TOOLS, MISTRAL_TOOLS, QWEN_TOOLS, save_tokenizer, train_tokenizer
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                         "required": ["city"]}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 ANSWER = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+# parser -> (chat template, answer as the model writes it, added tokens, added special tokens); the corpus lacks
+# some characters ({, }, _, ...): they are added as tokens of their own, and so are the tags
+TOOL_FORMATS = {
+    "hermes": (QWEN_TOOLS, ANSWER, ["<tool_call>", "</tool_call>", "{", "}", "_", "\n", "?"], []),
+    "llama3_json": (LLAMA3_TOOLS, '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
+                    ["{", "}", "_", "\n", "?"], ["<|python_tag|>"]),
+    "mistral": (MISTRAL_TOOLS, 'Checking.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+                ["{", "}", "[", "]", "_", "\n", "?"],
+                ["[TOOL_CALLS]", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+                 "[/TOOL_RESULTS]"]),
+}
 
 THINK_ASK = [{"role": "user", "content": "What is the capital of France?"}]
 THINKING = "\nThe user asks for the capital of France. It is Paris.\n"
@@ -24,14 +38,16 @@ THINK_ANSWER = f"<think>{THINKING}</think>\n\nParis."
 
 
 def train_to_answer(out: Path, added: list[str], template: str, ask: list[dict], answer: str,
-                    tools: list | None = None) -> Path:
-    """A model (and tokenizer, with `added` tokens) trained until its greedy answer to `ask` is `answer`."""
+                    tools: list | None = None, special: list[str] = ()) -> Path:
+    """A model (and tokenizer, with `added` tokens and `special` ones) trained until its greedy answer to `ask`
+    is `answer`, token for token (the special tokens written out in `answer`)."""
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     out.mkdir(parents=True)
     tok = train_tokenizer()
     tok.add_tokens(added)
+    tok.add_special_tokens(list(special))
     save_tokenizer(tok, out, template)
     eos, bos = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
     torch.manual_seed(0)
@@ -43,7 +59,7 @@ def train_to_answer(out: Path, added: list[str], template: str, ask: list[dict],
     prompt = hf.apply_chat_template(ask, tools=tools, tokenize=False, add_generation_prompt=True)
     p_ids = hf(prompt, add_special_tokens=False)["input_ids"]
     a_ids = hf(answer, add_special_tokens=False)["input_ids"] + [eos]
-    assert hf.decode(a_ids, skip_special_tokens=True) == answer
+    assert hf.decode(a_ids[:-1]) == answer
     ids = torch.tensor([p_ids + a_ids])
     labels = ids.clone()
     labels[0, : len(p_ids)] = -100
@@ -58,15 +74,14 @@ def train_to_answer(out: Path, added: list[str], template: str, ask: list[dict],
             break
     model.eval()
     got = model.generate(torch.tensor([p_ids]), max_new_tokens=len(a_ids) + 4, do_sample=False)[0, len(p_ids):]
-    assert hf.decode(got, skip_special_tokens=True) == answer, "the model did not learn its answer"
+    assert got.tolist() == a_ids, "the model did not learn its answer"
     model.save_pretrained(out, safe_serialization=True)
     return out
 
 
-def train_tool_model(out: Path) -> Path:
-    # characters the corpus lacks, and the tags as one token each
-    return train_to_answer(out, ["<tool_call>", "</tool_call>", "{", "}", "_", "\n", "?"], QWEN_TOOLS, ASK, ANSWER,
-                           [TOOL])
+def train_tool_model(out: Path, parser: str = "hermes") -> Path:
+    template, answer, added, special = TOOL_FORMATS[parser]
+    return train_to_answer(out, added, template, ASK, answer, [TOOL], special)
 
 
 def train_thinking_model(out: Path) -> Path:
