@@ -123,3 +123,31 @@ def test_tool_choice_required_holds_the_answer_to_calls(served):
             finish = [r.choices[0].finish_reason]
         assert finish == ["tool_calls"]
         assert got == [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+def test_the_responses_and_anthropic_apis_read_the_same_calls(served):
+    """The item-based APIs read the answer with the same parser (and, for mistral, keep the special tokens
+    it needs): a message / text block of the content, then a function_call / tool_use of the call."""
+    parser, _, client, hf, tok = served
+    content, calls = parse(_text(tok, _greedy(hf, tok), keep_special_tokens(parser)), parser)
+    want = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+    assert want == [("get_weather", {"city": "Paris"})]
+    flat = {"type": "function", **TOOL["function"]}
+    r = client.responses.create(model=f"tool-{parser}", input=ASK[0]["content"], tools=[flat], temperature=0,
+                                max_output_tokens=60)
+    assert "".join(o.content[0].text for o in r.output if o.type == "message") == (content or "")
+    assert [(o.name, json.loads(o.arguments)) for o in r.output if o.type == "function_call"] == want
+    with client.responses.stream(model=f"tool-{parser}", input=ASK[0]["content"], tools=[flat], temperature=0,
+                                 max_output_tokens=60) as stream:
+        final = stream.get_final_response()
+    assert [(o.name, json.loads(o.arguments)) for o in final.output if o.type == "function_call"] == want
+
+    anthropic = pytest.importorskip("anthropic")
+    tool = {"name": TOOL["function"]["name"], "description": TOOL["function"]["description"],
+            "input_schema": TOOL["function"]["parameters"]}  # rendered as the chat tool is
+    a = anthropic.Anthropic(base_url=str(client.base_url).removesuffix("/v1/"), api_key="x", max_retries=0)
+    m = a.messages.create(model=f"tool-{parser}", messages=ASK, tools=[tool], max_tokens=60,
+                          extra_body={"temperature": 0})
+    assert m.stop_reason == "tool_use"
+    assert "".join(b.text for b in m.content if b.type == "text") == (content or "")
+    assert [(b.name, b.input) for b in m.content if b.type == "tool_use"] == want

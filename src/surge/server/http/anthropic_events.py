@@ -1,7 +1,7 @@
 """One Anthropic message's content blocks and its stream (server/http/anthropic_messages.py).
 
 The answer's blocks (server/http/answer_blocks.py) are the content blocks: the thinking a `thinking`
-block (no signature: surge signs nothing), a text run a `text` block, each hermes call a `tool_use` block
+block (no signature: surge signs nothing), a text run a `text` block, each tool call a `tool_use` block
 whose `input` is the call's arguments as an object. A stream is Anthropic's events, each with its
 `event:` line: `message_start`, then per block `content_block_start`, its deltas (`thinking_delta`,
 `text_delta`, `input_json_delta`) and `content_block_stop`, then `message_delta` (stop reason, output

@@ -6,7 +6,7 @@ A request is a chat underneath: `system` becomes the system message, the message
 an assistant's `tool_use` blocks its tool calls and a user's `tool_result` blocks `tool` messages (before
 the user's own text, as Anthropic orders them), rendered by the model's chat template. Custom `tools`
 (`input_schema`), `tool_choice` (auto / any / tool / none, `disable_parallel_tool_use`) and
-`output_config.format` (a JSON schema) go through the chat route's machinery (hermes tool-call parser,
+`output_config.format` (a JSON schema) go through the chat route's machinery (the model's tool-call parser,
 guided decoding); `max_tokens` (required), `temperature`, `top_p`, `top_k` and `stop_sequences` are
 honoured, and vLLM's `seed` and `ignore_eos`. With the model's reasoning parser the thinking is a
 `thinking` block; `thinking: {"type": "disabled"}` turns a Qwen3 template's thinking off (its

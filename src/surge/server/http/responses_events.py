@@ -2,7 +2,7 @@
 
 The answer's blocks (server/http/answer_blocks.py) are its items: the thinking a `reasoning` item of
 `reasoning_text`, a text run a `message` item of `output_text` (with the `logprobs` of the tokens that
-wrote it), each hermes call a `function_call` item. Every item is announced
+wrote it), each tool call a `function_call` item. Every item is announced
 (`response.output_item.added`), filled by deltas and closed (`response.output_item.done`), and every
 event is numbered (`sequence_number`). A whole answer is built by the same class (fed its text at once,
 the events thrown away), so a stream's final response and the non-streamed one have the same items.

@@ -5,7 +5,7 @@ A request's `input` (a string, or a list of items: messages, `function_call`s th
 the chat messages a chat template takes: consecutive function calls after an assistant message join it
 as its `tool_calls` (one assistant turn, as the model wrote it), an output is a `tool` message. An answer
 becomes output items: a `message` with one `output_text` part (its log-probabilities when asked), then a
-`function_call` item for each tool call the hermes parser read (server/http/tool_calls.py).
+`function_call` item for each tool call the model's tool-call parser read (server/http/tool_calls.py).
 
 Responses' tools are flat (`{"type": "function", "name", "parameters"}`) where chat's nest them under
 `function`; `tools_for_chat` and `choice_for_chat` translate. What a text-only model cannot take
