@@ -171,8 +171,9 @@ def test_streams_let_content_out_early_and_calls_out_when_complete():
 
 
 def test_registry_config_and_special_tokens():
-    from pydantic import ValidationError
     from typing import get_args
+
+    from pydantic import ValidationError
 
     from surge.config import GenerationConfig
 

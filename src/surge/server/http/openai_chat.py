@@ -395,7 +395,8 @@ def _vllm_extras(req, keep_special: bool = False) -> dict:
     them, as vLLM's parser sets skip_special_tokens false."""
     return {"min_tokens": req.min_tokens, "allowed_token_ids": req.allowed_token_ids,
             "include_stop_str_in_output": req.include_stop_str_in_output,
-            "skip_special_tokens": req.skip_special_tokens and not keep_special, "bad_words": req.bad_words, "priority": req.priority}
+            "skip_special_tokens": req.skip_special_tokens and not keep_special, "bad_words": req.bad_words,
+            "priority": req.priority}
 
 
 def _truncated(ids: list[int], keep: int | None) -> list[int]:
@@ -417,9 +418,9 @@ def tool_calls_wanted(req: ChatCompletionRequest, service) -> tuple[str | None, 
                            param="tool_choice")
     parser = getattr(service.config, "tool_call_parser", "none")
     if parser == "none":
-        raise InvalidInput(f"model '{service.name}' has no tool-call parser (generation setting tool_call_parser, "
-                           "one of " + ", ".join(PARSERS[1:]) + "); with tool_choice 'none' the tools are rendered into the prompt by the "
-                           "chat template", param="tool_choice")
+        raise InvalidInput(f"model '{service.name}' has no tool-call parser (generation setting tool_call_parser: "
+                           f"{', '.join(PARSERS[1:])}); with tool_choice 'none' the tools are rendered into the "
+                           "prompt by the chat template", param="tool_choice")
     if choice in (None, "auto"):
         return parser, None
     return parser, tool_choice_guide(req.tools, choice, service.guide_literal, req.parallel_tool_calls is not False,

@@ -14,8 +14,8 @@ that is one call's JSON; `literal` writes a tag as the model's token or as text)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from surge.server.http.tool_parsers import hermes, llama3_json, mistral
 from surge.server.http.tool_parsers.common import CallStream

@@ -23,8 +23,15 @@ from __future__ import annotations
 
 import re
 
-from surge.server.http.tool_parsers.common import (CallStream, JsonEnd, alnum9_id, held_prefix, loads, name_and_args,
-                                                   skip_space)
+from surge.server.http.tool_parsers.common import (
+    CallStream,
+    JsonEnd,
+    alnum9_id,
+    held_prefix,
+    loads,
+    name_and_args,
+    skip_space,
+)
 
 TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
 ARGS_KEY = "arguments"
