@@ -191,16 +191,12 @@ def test_registry_config_and_special_tokens():
 
 # --- rendering reference: a model's own chat template writes calls that its parser reads back ---
 
-def _tokenizer(template: str):
-    import tempfile
-    from pathlib import Path
-
+def _tokenizer(template: str, out):
     pytest.importorskip("transformers")
     from transformers import AutoTokenizer
 
     from tests.decoder_models import save_tokenizer, train_tokenizer
 
-    out = Path(tempfile.mkdtemp())
     save_tokenizer(train_tokenizer(), out, template)
     return AutoTokenizer.from_pretrained(out)
 
@@ -209,11 +205,11 @@ TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "ob
 
 
 @pytest.mark.parametrize("parser", PARSERS)
-def test_a_template_rendered_call_turn_is_read_back(parser):
+def test_a_template_rendered_call_turn_is_read_back(parser, tmp_path):
     from tests.decoder_models import LLAMA3_TOOLS, MISTRAL_TOOLS, QWEN_TOOLS
 
     template = {"hermes": QWEN_TOOLS, "llama3_json": LLAMA3_TOOLS, "mistral": MISTRAL_TOOLS}[parser]
-    tok = _tokenizer(template)
+    tok = _tokenizer(template, tmp_path)
     user = [{"role": "user", "content": "Do things."}]
     prefix = tok.apply_chat_template(user, tools=TOOLS, tokenize=False, add_generation_prompt=True)
     for k in (1, 2, 4):

@@ -17,13 +17,7 @@ the start, as vLLM's stream does, so that a streamed answer always equals the wh
 
 from __future__ import annotations
 
-from surge.server.http.tool_parsers.common import (
-    CallStream,
-    JsonEnd,
-    loads,
-    name_and_args,
-    skip_space,
-)
+from surge.server.http.tool_parsers.common import CallStream, JsonEnd, loads, name_and_args, skip_space
 
 TAG = "<|python_tag|>"
 ARGS_KEY = "parameters"  # what Llama 3.1's template writes, and the tool_choice grammar

@@ -23,15 +23,8 @@ from __future__ import annotations
 
 import re
 
-from surge.server.http.tool_parsers.common import (
-    CallStream,
-    JsonEnd,
-    alnum9_id,
-    held_prefix,
-    loads,
-    name_and_args,
-    skip_space,
-)
+from surge.server.http.tool_parsers.common import (CallStream, JsonEnd, alnum9_id, held_prefix, loads, name_and_args,
+                                                   skip_space)
 
 TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
 ARGS_KEY = "arguments"
@@ -67,7 +60,7 @@ class MistralStream(CallStream):
                 out.append((rest[:cut], None))
                 self._buf = rest[cut:]
 
-    def _object(self, out: list, keys) -> tuple[str, dict] | None | bool:
+    def _object(self, keys) -> tuple[str, dict] | None | bool:
         """Scan the open object at `_at`; False while it is open, else its call (None: not one)."""
         end = self._scan.scan(self._buf[self._at:])
         if end is None:
@@ -109,7 +102,7 @@ class MistralStream(CallStream):
             self._buf, self._tagged, self._at, self._state = buf[i:], True, len(TAG), AFTER_TAG
             return True
         if state in (ITEM_OBJECT, ARGS_OBJECT):
-            call = self._object(out, KEYS if state == ITEM_OBJECT else None)
+            call = self._object(KEYS if state == ITEM_OBJECT else None)
             if call is False:
                 return False
             if call is None or call[1] is None:
