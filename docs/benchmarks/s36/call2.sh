@@ -6,7 +6,7 @@ set +e
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv > $OUT/env.txt; date >> $OUT/env.txt
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site build/whl/*.whl > $OUT/pip.txt 2>&1
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:src:.
-t=$(date +%s); timeout 200 python3 benchmarks/generate.py --device cuda --shape qwen2-0.5b --budget 8192 --rounds 3 --compile \
+t=$(date +%s); timeout 200 python3 benchmarks/generate.py --device cuda --shape qwen2-0.5b --budget 8192 --rounds 5 --compile \
   --quantization fp8 --quantization int8 --json $OUT/generate.json > $OUT/generate.txt 2>&1
 echo "generate rc=$? $(( $(date +%s) - t )) s" >> $OUT/env.txt
 t=$(date +%s); timeout 280 python3 benchmarks/gpu_q8_tune.py --quick --json $OUT/fp8_tune_qwen.json > $OUT/fp8_tune_qwen.txt 2>&1
