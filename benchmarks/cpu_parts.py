@@ -2,7 +2,7 @@
 
     PYTHONPATH=src:. python3 benchmarks/cpu_parts.py [--threads 2] [--rounds 7]
 
-1. Decoder linear layers (engines/decoder/model.py, _cpu_layout): F.linear with the weight
+1. Decoder linear layers (engines/decoder/cpu_layout.py): F.linear with the weight
    [out, in] (before) against torch.addmm / x @ W with the weight [in, out] (now), GPT-2 small's
    FFN-in shape at 1-512 rows and its 50,257-row LM head at 8 rows.
 2. Decode-step paged attention (engines/decoder/attention.py): the sequence loop (before) against

@@ -132,7 +132,7 @@ async def _surge_round(service, prompts, n_out):
 
 
 def make_service(path: Path, args, n: int, fused: bool = True, overlap: bool = True, speculative: int = 0,
-                 quantization: str = "none", process: bool = False):
+                 quantization: str = "none", process: bool = False, layout: str = "auto"):
     """The decoder engine (warmed up) and the service the benchmark drives, for n streams of
     args.prompt + args.output tokens: (engine, service, load seconds). process: the engine loop in a process
     of its own (runtime/generate_process.EngineProcess, what `surge serve` runs by default), the service here."""
@@ -151,7 +151,7 @@ def make_service(path: Path, args, n: int, fused: bool = True, overlap: bool = T
               kv_cache_tokens=(n + 8) * max_len, cuda_graphs=not args.no_graphs, fused=fused,
               decode_gemm=args.decode_gemm, decode_attention=args.decode_attention, pdl=not args.no_pdl,
               decode_steps=steps, decode_launch_ms=gen.decode_launch_ms, speculative_tokens=speculative,
-              quantization=quantization)
+              quantization=quantization, cpu_weight_layout=layout)
     if process:
         from surge.runtime.generate_process import EngineProcess
 
@@ -166,9 +166,10 @@ def make_service(path: Path, args, n: int, fused: bool = True, overlap: bool = T
 
 
 def run_surge(path: Path, args, prompts, fused: bool = True, overlap: bool = True, speculative: int = 0,
-              quantization: str = "none", process: bool = False) -> dict:
+              quantization: str = "none", process: bool = False, layout: str = "auto") -> dict:
     n = len(prompts)
-    engine, service, load_s = make_service(path, args, n, fused, overlap, speculative, quantization, process)
+    engine, service, load_s = make_service(path, args, n, fused, overlap, speculative, quantization, process,
+                                           layout)
     if process:
         return _run_remote(service, args, prompts, load_s)
 
@@ -206,6 +207,8 @@ def run_surge(path: Path, args, prompts, fused: bool = True, overlap: bool = Tru
     if prof:
         best["profile"] = prof
     best["load_s"] = load_s
+    if getattr(getattr(engine, "model", None), "cpu_layout", None):  # what cpu_weight_layout kept
+        best["cpu_layout"] = engine.model.cpu_layout
     best["graph_replay_us"] = decode_us
     best["graph_replay_restored_us"] = restored_us
     best["steps"] = service.steps
@@ -370,6 +373,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="one more surge round under torch.profiler")
     ap.add_argument("--quantization", action="append", choices=["fp8", "int8"], default=[],
                     help="also surge with 8-bit weights (--generation quantization=fp8 / int8); repeatable")
+    ap.add_argument("--cpu-weight-layout", action="append", choices=["in_out", "out_in"], default=[],
+                    help="also surge with the CPU's linear weights pinned to this layout (the first row measures "
+                         "both at load: cpu_weight_layout=auto); repeatable")
     ap.add_argument("--engine", choices=["thread", "process", "both"], default="thread",
                     help="surge's engine loop on a thread of this process (the rows so far), in a process of its own "
                          "(what `surge serve` runs by default), or both rows in one run")
@@ -405,6 +411,9 @@ def main(argv=None) -> int:
                     rows.append((f"surge, n-gram speculation (k={args.speculative_tokens})",
                                  run_surge(path, args, prompts, not args.no_fused,
                                            speculative=args.speculative_tokens)))
+                for layout in args.cpu_weight_layout:
+                    rows.append((f"surge, weights {layout}", run_surge(path, args, prompts, not args.no_fused,
+                                                                       layout=layout)))
                 for quant in args.quantization:
                     rows.append((f"surge, {quant} weights", run_surge(path, args, prompts, not args.no_fused,
                                                                       quantization=quant)))
@@ -433,6 +442,8 @@ def main(argv=None) -> int:
                              f"{lo:.2f}-{hi:.2f}x")
                 print(f"| {name} | {r['tok_s']:.0f} / {r['median_tok_s']:.0f} | {r['ttft_p50_ms']:.1f} / "
                       f"{r['ttft_p99_ms']:.1f} | {r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f} | {ratio} |")
+                if r.get("cpu_layout"):
+                    print(f"  {name}: linear weights {r['cpu_layout']['layers']}, LM head {r['cpu_layout']['lm_head']}")
                 if r.get("launch_steps") is not None:
                     print(f"  {name}: {r['launch_steps']} decode steps a launch (decode_steps {r['decode_steps']}, "
                           f"capped by decode_launch_ms at the bucket's measured step)")

@@ -90,7 +90,25 @@ def prompts_for(vocab, seed):
 
 @pytest.mark.parametrize("name", list(KINDS))
 def test_greedy_equals_transformers(name, model_dirs, hf_models):
-    engine = DecoderEngine(model_dirs[name], num_blocks=22, block_size=4)
+    _check_greedy(DecoderEngine(model_dirs[name], num_blocks=22, block_size=4), hf_models[name])
+
+
+@pytest.mark.parametrize("name", ["gpt2", "qwen2"])
+@pytest.mark.parametrize("layout", ["in_out", "out_in", "auto"])
+def test_each_cpu_weight_layout_equals_transformers(name, layout, model_dirs, hf_models):
+    """cpu_weight_layout pinned either way, or measured: the same tokens as transformers (GPT-2's Conv1D runs
+    [in, out] weights, Qwen2's nn.Linear [out, in])."""
+    engine = DecoderEngine(model_dirs[name], num_blocks=22, block_size=4, cpu_weight_layout=layout)
+    chosen = engine.model.cpu_layout
+    assert set(chosen.values()) <= {"in_out", "out_in"} and set(chosen) == {"layers", "lm_head"}
+    if layout != "auto":
+        assert chosen == {"layers": layout, "lm_head": layout}
+    assert ("l0.qkv" in engine.model._wt) == (chosen["layers"] == "in_out")
+    assert ("lm_head" in engine.model._wt) == (chosen["lm_head"] == "in_out")
+    _check_greedy(engine, hf_models[name])
+
+
+def _check_greedy(engine, hf_model):
     sched = Scheduler(SchedulerConfig(num_blocks=22, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
                                       max_model_len=256), engine.cfg.eos_token_ids)
     prompts = prompts_for(engine.cfg.vocab_size, 7)
@@ -100,7 +118,7 @@ def test_greedy_equals_transformers(name, model_dirs, hf_models):
     arrivals = [0, 0, 0, 3, 5, 9, 0, 30, 31]
     drive(engine, sched, seqs, arrivals)
     for s, p in zip(seqs, prompts):
-        assert s.output_ids == hf_greedy(hf_models[name], p, n_new), f"prompt {s.seq_id} of {len(p)} tokens"
+        assert s.output_ids == hf_greedy(hf_model, p, n_new), f"prompt {s.seq_id} of {len(p)} tokens"
     assert sched.preemptions > 0, "the KV cache is sized to force preemption"
     assert sched.blocks.hit_tokens >= 24, "the shared prefix must hit the prefix cache"
     assert sched.blocks.num_free == 22

@@ -713,7 +713,8 @@ def decoder_engine_kwargs(config: GenerationConfig, device: str, precision: str 
                 cuda_graphs=config.cuda_graphs, decode_steps=config.decode_steps,
                 decode_launch_ms=config.decode_launch_ms, max_loras=config.max_loras or 0,
                 max_lora_rank=config.max_lora_rank, speculative_tokens=config.speculative_tokens,
-                speculative_model=config.speculative_model, quantization=config.quantization)
+                speculative_model=config.speculative_model, quantization=config.quantization,
+                cpu_weight_layout=config.cpu_weight_layout)
 
 
 def service_over(engine, path: Path, name: str, version: str, config: GenerationConfig,

@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from surge.engines.decoder import cpu_layout
 from surge.engines.decoder.attention import AttnMeta, causal_dense, paged_attention_torch, write_kv
 from surge.models.decoder import LINEAR_MODULES, DecoderConfig, rope_inv_freq
 from surge.models.weight_quant import SCALE_SUFFIX, dequantize, kind_of
@@ -43,7 +44,8 @@ class DecoderModel:
     def __init__(self, cfg: DecoderConfig, weights: dict, device: torch.device, dtype: torch.dtype,
                  attention: str = "torch", fused: bool = True, decode_block_n: int | None = None,
                  decode_gemm: str = "auto", decode_attention: str = "fused", pdl: bool = True,
-                 l2_prefetch: bool | str = False, lora=None):
+                 l2_prefetch: bool | str = False, lora=None, cpu_weight_layout: str = "in_out",
+                 decode_rows: int = 8):
         self.cfg = cfg
         # LoRA adapters (engines/decoder/lora.LoraBank): their deltas join the layers' GEMM outputs
         self.lora = lora
@@ -65,7 +67,9 @@ class DecoderModel:
         self.fused = False
         if decode_gemm not in ("auto", "splitk", "cublas"):
             raise ValueError(f"decode_gemm must be auto, splitk or cublas, not {decode_gemm!r}")
-        self._wt = self._cpu_layout(weights) if device.type == "cpu" else {}
+        # the CPU's linear weights [in, out] or [out, in]; "auto" measures both here (cpu_layout.py)
+        self.cpu_layout = {}
+        self._wt = self._lay_out_cpu(weights, cpu_weight_layout, decode_rows) if device.type == "cpu" else {}
         if attention == "triton":
             from surge.engines.kernels.paged_attention import paged_attention
 
@@ -226,23 +230,13 @@ class DecoderModel:
     # -- pieces ---------------------------------------------------------------------------------------
     LINEAR = LINEAR_MODULES
 
-    @classmethod
-    def _cpu_layout(cls, w: dict) -> dict:
-        """Linear weights stored [in, out] for the CPU: x @ W then runs as a plain (NN) GEMM, which on
-        the 2-core Xeon with torch's CPU BLAS beat F.linear's [out, in] (NT) by 1.43x at 8 rows (a
-        decode step of 8 streams), 1.02-1.14x at 1-512 rows, and 2.06x for GPT-2's 50,257-row LM
-        head (benchmarks/cpu_parts.py). The dict keeps a transposed view of the same storage (F.linear still works on it);
-        a head tied to the embedding gets its own [in, out] copy (the embedding needs its rows)."""
-        out = {}
-        for name, t in list(w.items()):
-            if name.rsplit(".", 1)[-1] in cls.LINEAR and t.dim() == 2:
-                out[name] = t.t().contiguous()  # no copy when the dict already holds such a view
-                w[name] = out[name].t()
-        if "lm_head" in w:
-            out["lm_head"] = w["lm_head"].t().contiguous()
-            if "embed" not in w or w["lm_head"].data_ptr() != w["embed"].data_ptr():
-                w["lm_head"] = out["lm_head"].t()
-        return out
+    def _lay_out_cpu(self, w: dict, layout: str, rows: int) -> dict:
+        if layout not in cpu_layout.LAYOUTS:
+            raise ValueError(f"cpu_weight_layout must be one of {', '.join(cpu_layout.LAYOUTS)}, not {layout!r}")
+        chosen = cpu_layout.choose(w, self.LINEAR, rows) if layout == "auto" else \
+            {"layers": layout, "lm_head": layout}
+        self.cpu_layout = chosen
+        return cpu_layout.lay_out(w, self.LINEAR, **chosen)
 
     def _lin(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         if name in self._scales:

@@ -74,7 +74,8 @@ class DecoderEngine:
                  decode_steps: int = 1, decode_launch_ms: float | None = None, max_loras: int = 0,
                  max_lora_rank: int = 16, lora_kernel: bool | None = None, lora_join: bool = True,
                  speculative_tokens: int = 0,
-                 speculative_model: str | Path | None = None, quantization: str = "none"):
+                 speculative_model: str | Path | None = None, quantization: str = "none",
+                 cpu_weight_layout: str = "auto"):
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         if threads and not cuda:
@@ -112,7 +113,10 @@ class DecoderEngine:
                                   attention=attention or ("triton" if cuda else "torch"), fused=fused,
                                   decode_block_n=decode_block_n, decode_gemm=decode_gemm,
                                   decode_attention=decode_attention, pdl=pdl, l2_prefetch=l2_prefetch,
-                                  lora=self.lora)
+                                  lora=self.lora, cpu_weight_layout=cpu_weight_layout, decode_rows=max_num_seqs)
+        if self.model.cpu_layout:
+            log.info("%s: linear weights kept %s, the LM head %s (cpu_weight_layout=%s)", path,
+                     self.model.cpu_layout["layers"], self.model.cpu_layout["lm_head"], cpu_weight_layout)
         self.quantization = self.model.quantization  # what runs (a quantized checkpoint's too)
         if self.quantization != "none":
             log.info("%s: the layers' linear weights run as %s, %.0f MB", path, self.quantization,
