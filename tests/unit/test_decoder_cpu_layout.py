@@ -99,11 +99,18 @@ def test_choose_keeps_the_layout_its_timer_says_is_faster(monkeypatch, linear_co
     w = {f"l{i}.{m}": torch.randn(24, 8, generator=g) for i in range(6) for m in ("qkv", "down")}
     w["lm_head"] = torch.randn(40, 8, generator=g)
     w["l0.qkv.bias"] = torch.randn(24, generator=g)
-    chosen = cpu_layout.choose(w, LINEAR, rows=100, repeats=3, timer=lambda: clock[0])
+    chosen = cpu_layout.choose(w, LINEAR, rows=100, repeats=3, timer=lambda: clock[0], min_bytes=0)
     assert chosen == {"layers": want, "lm_head": want}
     # the first SAMPLE_LAYERS layers' two weights and the head, each layout once untimed + 3 times, rows capped
     assert {r for _, _, r in calls} == {cpu_layout.MAX_ROWS}
     assert sum(1 for k, s, _ in calls if k == "out_in" and s == (24, 8)) == 2 * cpu_layout.SAMPLE_LAYERS * 4
     assert sum(1 for k, s, _ in calls if k == "in_out" and s == (8, 24)) == 2 * cpu_layout.SAMPLE_LAYERS * 4
     assert sum(1 for k, s, _ in calls if s in ((40, 8), (8, 40))) == 2 * 4
-    assert cpu_layout.choose({"embed": w["lm_head"]}, LINEAR, rows=4) == {"layers": "in_out", "lm_head": "in_out"}
+    assert cpu_layout.choose({"embed": w["lm_head"]}, LINEAR, rows=4, min_bytes=0) == \
+        {"layers": "in_out", "lm_head": "in_out"}
+    # weights the caches hold are not timed (their timings would pick at random): in_out, no call made
+    calls.clear()
+    small = sum(t.nbytes for n, t in w.items() if n.startswith(("l0.", "l1.", "l2.", "l3.")) and t.dim() == 2)
+    assert cpu_layout.choose(w, LINEAR, rows=4, timer=lambda: clock[0], min_bytes=small + 1) == \
+        {"layers": "in_out", "lm_head": "in_out"}
+    assert not calls

@@ -1,10 +1,11 @@
 """The layout the CPU keeps a decoder's linear weights in: [in, out], which `x @ W` runs as a plain (NN)
 GEMM, or [out, in], which `F.linear` runs as an NT GEMM. Each layout is faster on some machine: on session
 34's 2-core Xeon [in, out] ran an 8-row decode step's linears 1.43x faster and GPT-2's LM head 2.06x
-(benchmarks/cpu_parts.py); on session 36's 2-core AMD EPYC [out, in] made the whole decode step 1.06x (BF16)
-to 1.12x (FP32) faster. So by default the engine measures both on its own weights where it loads
-(`choose`), at the rows of its decode steps, and keeps the faster; the layers and the LM head are chosen
-apart (their shapes differ). Either layout gives the same products up to floating-point rounding.
+(benchmarks/cpu_parts.py); on session 36's 2-core AMD EPYC keeping the layers [out, in] made the engine's
+GPT-2 small decode 1.07x faster in FP32 and BF16 (docs/benchmarks/generate.md, session 36). So by default
+the engine measures both on its own weights where it loads (`choose`), at the rows of its decode steps, and
+keeps the faster; the layers and the LM head are chosen apart (their shapes differ); weights small enough
+for the caches are not timed. Either layout gives the same products up to floating-point rounding.
 """
 
 from __future__ import annotations
@@ -18,22 +19,28 @@ import torch.nn.functional as F
 LAYOUTS = ("auto", "in_out", "out_in")
 MAX_ROWS = 32  # above this a step is a prefill chunk's, where the two layouts are within ~10% of each other
 SAMPLE_LAYERS = 4  # layers timed: more weights than the caches hold, as in a real step
+# Below this many bytes a group's weights sit in the caches and both layouts take microseconds: timings would
+# pick at random, and engines of one model could differ in rounding. Such groups keep in_out, as before.
+MIN_BYTES = 8 << 20
 
 
 def _is_linear(name: str, t: torch.Tensor, linear: tuple[str, ...]) -> bool:
     return name.rsplit(".", 1)[-1] in linear and t.dim() == 2
 
 
-def choose(w: dict, linear: tuple[str, ...], rows: int, repeats: int = 3, timer=time.perf_counter) -> dict:
+def choose(w: dict, linear: tuple[str, ...], rows: int, repeats: int = 3, timer=time.perf_counter,
+           min_bytes: int = MIN_BYTES) -> dict:
     """{"layers": layout, "lm_head": layout}: for each group, "in_out" or "out_in", whichever took less time
     (median of `repeats` interleaved timings, each after one untimed call) to multiply `rows` random rows
     (at most MAX_ROWS) by the group's weights: the first SAMPLE_LAYERS layers' linear weights together, or
-    the LM head. A group with no weights gets "in_out". `timer`: seconds, as time.perf_counter."""
+    the LM head. A group with no weights, or fewer than `min_bytes` bytes of them, gets "in_out" untimed.
+    `timer`: seconds, as time.perf_counter."""
     rows = max(1, min(rows, MAX_ROWS))
     layers = [(n, t) for n, t in w.items() if _is_linear(n, t, linear)
               and n.startswith(tuple(f"l{i}." for i in range(SAMPLE_LAYERS)))]
     groups = {"layers": layers, "lm_head": [("lm_head", w["lm_head"])] if "lm_head" in w else []}
-    return {g: _faster(ts, rows, repeats, timer) if ts else "in_out" for g, ts in groups.items()}
+    return {g: _faster(ts, rows, repeats, timer) if sum(t.nbytes for _, t in ts) >= max(min_bytes, 1) else "in_out"
+            for g, ts in groups.items()}
 
 
 def _faster(named: list, rows: int, repeats: int, timer) -> str:
