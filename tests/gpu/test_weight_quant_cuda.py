@@ -287,6 +287,10 @@ def _dequantized_gpt2(d, out):
     return out
 
 
+QUANT_PARAMS = {"weight_scale", "weight_zero_point", "weight_g_idx", "input_scale", "input_zero_point",
+                "weight_global_scale", "input_global_scale", "output_scale"}
+
+
 @pytest.mark.parametrize("scheme,kind", [("FP8_DYNAMIC", "fp8"), ("W8A8", "int8")])
 def test_a_quantized_checkpoint_runs_its_own_weights_on_the_gpu(trained_q8, tmp_path, scheme, kind):
     """A compressed-tensors FP8_DYNAMIC / W8A8 checkpoint (written by its library) on a GPU that runs its kind: the
@@ -315,7 +319,8 @@ def test_a_quantized_checkpoint_runs_its_own_weights_on_the_gpu(trained_q8, tmp_
     del e
     dense = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)  # the full-precision model's config
     missing, unexpected = dense.load_state_dict(load_quantized_reference(ckpt).state_dict(), strict=False)
-    assert not missing and not unexpected
+    # some transformers versions keep the dequantized modules' quantization parameters (weight_scale, ...)
+    assert not missing and all(k.rsplit(".", 1)[-1] in QUANT_PARAMS for k in unexpected), unexpected[:4]
     dense.save_pretrained(tmp_path / "dense", safe_serialization=True)
     prompts = _prompts(384, 16)
     equal, near, other, err, scale = _compare_greedy(ckpt, prompts, ref_dir=tmp_path / "dense", pdl=True)

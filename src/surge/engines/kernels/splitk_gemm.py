@@ -83,7 +83,11 @@ PLANS: dict[tuple[int, int], SplitKPlan] = {
 # benchmarks/q8_compile_check.py --weights int8, docs/benchmarks/s35); the same tiles by TMA do not (118), and in
 # BF16 the two were within noise (session 18: 3.70 against 3.62 us). Not yet timed on 8-bit weights.
 Q8_PLANS: dict[tuple[int, int], SplitKPlan] = {
-    (1152, 896): SplitKPlan(64, 128, 7, num_warps=4, num_stages=2, swap=True, tma=True),
+    # Qwen2-0.5B, measured on FP8 weights (H100, session 36: benchmarks/gpu_q8_tune.py --quick; INT8 runs them
+    # unmeasured): us a layer at M = 64, BF16's plan on BF16 weights / BF16's plan on FP8 / this plan on FP8
+    (1152, 896): SplitKPlan(64, 128, 7, num_warps=4, num_stages=2, swap=True, tma=True),  # 4.02 / 4.31 / 4.31
+    (896, 896): SplitKPlan(64, 128, 7, num_warps=4, num_stages=1, swap=False, tma=False),  # 3.44 / 4.07 / 3.87
+    (896, 4864): SplitKPlan(32, 128, 14, num_warps=4, num_stages=3, swap=False, tma=True),  # 6.08 / 8.03 / 6.35
 }
 
 
