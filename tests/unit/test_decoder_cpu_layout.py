@@ -108,6 +108,11 @@ def test_choose_keeps_the_layout_its_timer_says_is_faster(monkeypatch, linear_co
     assert sum(1 for k, s, _ in calls if s in ((40, 8), (8, 40))) == 2 * 4
     assert cpu_layout.choose({"embed": w["lm_head"]}, LINEAR, rows=4, min_bytes=0) == \
         {"layers": "in_out", "lm_head": "in_out"}
+    # a big model's layers: sampling stops at the layer that brings the sample to SAMPLE_BYTES (here the second)
+    calls.clear()
+    monkeypatch.setattr(cpu_layout, "SAMPLE_BYTES", w["l0.qkv"].nbytes + w["l0.down"].nbytes + 1)
+    cpu_layout.choose(w, LINEAR, rows=4, timer=lambda: clock[0], min_bytes=0)
+    assert sum(1 for k, s, _ in calls if k == "out_in" and s == (24, 8)) == 2 * 2 * 4
     # weights the caches hold are not timed (their timings would pick at random): in_out, no call made
     calls.clear()
     small = sum(t.nbytes for n, t in w.items() if n.startswith(("l0.", "l1.", "l2.", "l3.")) and t.dim() == 2)

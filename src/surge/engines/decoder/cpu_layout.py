@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 LAYOUTS = ("auto", "in_out", "out_in")
 MAX_ROWS = 32  # above this a step is a prefill chunk's, where the two layouts are within ~10% of each other
-SAMPLE_LAYERS = 4  # layers timed: more weights than the caches hold, as in a real step
+SAMPLE_LAYERS = 4  # layers timed at most: more weights than the caches hold, as in a real step ...
+SAMPLE_BYTES = 64 << 20  # ... and no more layers once this much is sampled (the timing copies what it samples)
 # Below this many bytes a group's weights sit in the caches and both layouts take microseconds: timings would
 # pick at random, and engines of one model could differ in rounding. Such groups keep in_out, as before.
 MIN_BYTES = 8 << 20
@@ -34,10 +35,14 @@ def choose(w: dict, linear: tuple[str, ...], rows: int, repeats: int = 3, timer=
     (median of `repeats` interleaved timings, each after one untimed call) to multiply `rows` random rows
     (at most MAX_ROWS) by the group's weights: the first SAMPLE_LAYERS layers' linear weights together, or
     the LM head. A group with no weights, or fewer than `min_bytes` bytes of them, gets "in_out" untimed.
+    The layers' group stops at the first layer that brings it to SAMPLE_BYTES (a big model: one layer).
     `timer`: seconds, as time.perf_counter."""
     rows = max(1, min(rows, MAX_ROWS))
-    layers = [(n, t) for n, t in w.items() if _is_linear(n, t, linear)
-              and n.startswith(tuple(f"l{i}." for i in range(SAMPLE_LAYERS)))]
+    layers = []
+    for i in range(SAMPLE_LAYERS):
+        if sum(t.nbytes for _, t in layers) >= SAMPLE_BYTES:
+            break
+        layers += [(n, t) for n, t in w.items() if _is_linear(n, t, linear) and n.startswith(f"l{i}.")]
     groups = {"layers": layers, "lm_head": [("lm_head", w["lm_head"])] if "lm_head" in w else []}
     return {g: _faster(ts, rows, repeats, timer) if sum(t.nbytes for _, t in ts) >= max(min_bytes, 1) else "in_out"
             for g, ts in groups.items()}
