@@ -69,7 +69,7 @@ def test_stop_reasons_and_blocks():
     assert stop("stop", None, True) == ("tool_use", None)
     base = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m",
             "usage": {"input_tokens": 3, "output_tokens": 0}}
-    ev = MessageEvents(base, "deepseek_r1", True)
+    ev = MessageEvents(base, "deepseek_r1", "hermes")
     ev.delta(SimpleNamespace(text='<think>a</think>Hi<tool_call>\n{"name": "w", "arguments": {"c": 1}}\n</tool_call>'))
     ev.finish(SimpleNamespace(finish_reason="stop", stop_reason=None, completion_tokens=9, cached_tokens=2))
     assert [(b["type"], b.get("thinking") or b.get("text") or b.get("input")) for b in ev.message["content"]] == \

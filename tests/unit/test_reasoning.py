@@ -95,21 +95,21 @@ def test_a_tail_that_may_start_a_tag_is_held_until_known():
 
 def test_the_message_reads_tool_calls_from_the_content_only():
     text = "<think>I need the weather. <tool_call>{not json}</tool_call></think>Checking." + CALL
-    msg, called = message(text, "deepseek_r1", parse_calls=True)
+    msg, called = message(text, "deepseek_r1", parse_calls="hermes")
     assert called and msg["reasoning"] == "I need the weather. <tool_call>{not json}</tool_call>"
     assert msg["content"] == "Checking."
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == \
         [("get_weather", {"city": "Paris"})]
     # a call inside the thinking is not a call
-    msg, called = message("<think>" + CALL, "deepseek_r1", parse_calls=True)
+    msg, called = message("<think>" + CALL, "deepseek_r1", parse_calls="hermes")
     assert not called and msg == {"role": "assistant", "content": None, "reasoning": CALL}
-    msg, called = message(text, "none", parse_calls=False)
+    msg, called = message(text, "none", parse_calls=None)
     assert msg == {"role": "assistant", "content": text} and not called
-    msg, _ = message("<think>a</think>b", "qwen3", parse_calls=False, include_reasoning=False)
+    msg, _ = message("<think>a</think>b", "qwen3", parse_calls=None, include_reasoning=False)
     assert msg == {"role": "assistant", "content": "b"}
 
 
-@pytest.mark.parametrize("parse_calls", [False, True])
+@pytest.mark.parametrize("parse_calls", [None, "hermes"])
 def test_streamed_deltas_equal_the_whole_message(parse_calls):
     text = "<think>Weather wanted.</think>Checking." + CALL + " done"
     want, called = message(text, "deepseek_r1", parse_calls)
@@ -125,7 +125,7 @@ def test_streamed_deltas_equal_the_whole_message(parse_calls):
         calls = [tc for d in out for tc in d.get("tool_calls", [])]
         assert [tc["function"]["arguments"] for tc in calls] == \
             [c["function"]["arguments"] for c in want.get("tool_calls", [])]
-        assert deltas.called == called == parse_calls
+        assert deltas.called == called == (parse_calls is not None)
 
 
 def test_a_structured_output_starts_after_the_end_of_thinking_token():

@@ -27,7 +27,7 @@ TEXTS = [
 ]
 
 
-def prepared(reasoning="deepseek_r1", parse_calls=True, want_lps=False):
+def prepared(reasoning="deepseek_r1", parse_calls="hermes", want_lps=False):
     return SimpleNamespace(base={"id": "resp_1", "object": "response", "status": "in_progress"}, want_lps=want_lps,
                            parse_calls=parse_calls, reasoning=reasoning, count=lambda text: text.split())
 
@@ -58,7 +58,7 @@ def cuts(text: str, rng: random.Random) -> list[str]:
 
 
 @pytest.mark.parametrize("reasoning", ["none", "deepseek_r1"])
-@pytest.mark.parametrize("parse_calls", [False, True])
+@pytest.mark.parametrize("parse_calls", [None, "hermes"])
 def test_items_equal_however_the_text_is_cut_and_events_are_in_order(reasoning, parse_calls):
     rng = random.Random(7)
     for text in TEXTS:
@@ -115,7 +115,7 @@ def test_the_items_say_what_the_parsers_say():
 
 def test_logprobs_go_with_the_message_text():
     lp = [[{"token": "a", "logprob": -0.5, "top": [("a", -0.5, 1)]}], [{"token": "b", "logprob": -1.0, "top": []}]]
-    response, events = run(prepared(reasoning="none", parse_calls=False, want_lps=True), ["a", "b"], lp)
+    response, events = run(prepared(reasoning="none", parse_calls=None, want_lps=True), ["a", "b"], lp)
     part = response["output"][0]["content"][0]
     assert [x["token"] for x in part["logprobs"]] == ["a", "b"]
     assert part["logprobs"][0]["top_logprobs"] == [{"token": "a", "logprob": -0.5, "bytes": [97]}]

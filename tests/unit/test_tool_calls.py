@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from surge.server.http.tool_calls import ToolCallStream, parse
+from surge.server.http.tool_calls import parse
+from surge.server.http.tool_parsers.hermes import HermesStream as ToolCallStream
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}\n</tool_call>'
 CASES = [

@@ -185,8 +185,10 @@ def test_registry_config_and_special_tokens():
         GenerationConfig(tool_call_parser="pythonic")
     with pytest.raises(ValueError):
         parse("x", "pythonic")
-    assert stream("none") is None and stream(None) is None
-    assert [keep_special_tokens(p) for p in (None, "none", *PARSERS)] == [False, False, False, False, True]
+    assert stream(None) is None  # calls not read; "none" is the setting's, which the routes turn into None
+    with pytest.raises(ValueError):
+        stream("none")
+    assert [keep_special_tokens(p) for p in (None, *PARSERS)] == [False, False, False, True]
 
 
 # --- rendering reference: a model's own chat template writes calls that its parser reads back ---

@@ -173,7 +173,7 @@ def message(text: str, parser: str, parse_calls: str | None, include_reasoning: 
     msg: dict = {"role": "assistant", "content": content}
     if parser != "none" and include_reasoning:
         msg[REASONING] = reasoning
-    if parse_calls not in (None, False, "none") and content is not None:
+    if parse_calls is not None and content is not None:
         content, calls = parse_tool_calls(content, parse_calls)
         if calls:
             msg.update(content=content, tool_calls=calls)

@@ -13,24 +13,21 @@ from __future__ import annotations
 
 from surge.server.http.tool_parsers import PARSERS, get
 from surge.server.http.tool_parsers.common import CallStream
-from surge.server.http.tool_parsers.hermes import HermesStream as ToolCallStream
 
-__all__ = ["PARSERS", "CallStream", "ToolCallStream", "keep_special_tokens", "parse", "stream"]
-
-
-def stream(parser="hermes") -> CallStream | None:
-    """A fresh stream of the parser's calls; None for "none", None or False (calls are not read)."""
-    if parser in (None, False, "none"):
-        return None
-    return get(parser).stream()
+__all__ = ["PARSERS", "CallStream", "keep_special_tokens", "parse", "stream"]
 
 
-def keep_special_tokens(parser) -> bool:
+def stream(parser: str | None) -> CallStream | None:
+    """A fresh stream of the parser's calls; None for None (calls are not read)."""
+    return None if parser is None else get(parser).stream()
+
+
+def keep_special_tokens(parser: str | None) -> bool:
     """Whether the answer's text must keep special tokens for the parser to see its tag (mistral)."""
-    return parser not in (None, False, "none") and get(parser).keep_special_tokens
+    return parser is not None and get(parser).keep_special_tokens
 
 
-def parse(text: str, parser="hermes") -> tuple[str | None, list[dict]]:
+def parse(text: str, parser: str = "hermes") -> tuple[str | None, list[dict]]:
     """(content, tool calls) of a whole answer; content None when only calls were written."""
     s = get(parser).stream()
     content = "".join(piece for piece, _ in s.feed(text) if piece) + s.finish()

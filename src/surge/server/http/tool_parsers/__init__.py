@@ -40,10 +40,8 @@ REGISTRY = {
 PARSERS = ("none", *REGISTRY)
 
 
-def get(name) -> ToolParser:
-    """The parser of that name (True: hermes, the one parser there was before they were named)."""
-    if name is True:
-        name = "hermes"
+def get(name: str) -> ToolParser:
+    """The parser of that name."""
     try:
         return REGISTRY[name]
     except KeyError:
