@@ -193,7 +193,8 @@ def _fit(d, lr):
     return d
 
 
-def _compare_greedy(model_dir, prompts, steps=32, same_paths=True, decode_gemm="auto", ref_dir=None, **engine_kw):
+def _compare_greedy(model_dir, prompts, steps=32, same_paths=True, decode_gemm="auto", ref_dir=None, max_num_seqs=16,
+                    num_blocks=512, **engine_kw):
     """surge BF16 (CUDA graphs, overlapped steps) against transformers BF16 generate, and the BF16
     logits of a prefill against transformers FP32 (of ref_dir's weights where given: e.g. the FP8 round
     trip of model_dir's). Returns (equal, near_ties, other, logit_err, scale)."""
@@ -202,8 +203,8 @@ def _compare_greedy(model_dir, prompts, steps=32, same_paths=True, decode_gemm="
     from surge.engines.decoder import DecoderEngine
     from surge.engines.decoder.attention import AttnMeta
 
-    engine = DecoderEngine(model_dir, device="cuda", dtype="bf16", num_blocks=512, max_num_seqs=16, max_model_len=512,
-                           decode_gemm=decode_gemm, **engine_kw)
+    engine = DecoderEngine(model_dir, device="cuda", dtype="bf16", num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                           max_model_len=512, decode_gemm=decode_gemm, **engine_kw)
     if engine_kw.get("pdl"):
         from surge.engines.kernels import pdl
 
@@ -229,10 +230,10 @@ def _compare_greedy(model_dir, prompts, steps=32, same_paths=True, decode_gemm="
         err = max(err, (ours - ref).abs().max().item())
         scale = max(scale, ref.abs().max().item())
     # greedy: the overlapped graph loop, and the host sampler with the top-2 logprobs (the margins)
-    fast, overlapped = _run_overlapped(engine, prompts, steps)
+    fast, overlapped = _run_overlapped(engine, prompts, steps, max_num_seqs=max_num_seqs)
     assert overlapped > 0
     tops: dict = {}
-    got = _run(engine, prompts, steps, logprobs=2, tops=tops)
+    got = _run(engine, prompts, steps, max_num_seqs=max_num_seqs, logprobs=2, tops=tops)
     if same_paths:  # (random weights: batches formed at other steps may flip BF16 near-ties)
         assert fast == got, "the overlapped CUDA-graph loop and the host sampler disagree"
     equal, near, other = 0, [], []

@@ -143,6 +143,76 @@ def test_8bit_kernels_refuse_a_weight_without_its_scales():
         gate_up_silu(x, q, gu_plan(32, 128))
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n,k", [(1152, 896), (9728, 896), (896, 4864), (200, 1000)])
+def test_8bit_linear_above_the_decode_rows(n, k, kind):
+    """The engine's 8-bit product at 65 to Q8_MAX_M rows (the split-K kernel's M tiles of 64, each reading the
+    weight) and above (cuBLAS on the weight dequantized by kernels/dequant.py): within one BF16 rounding of the
+    float64 product; up to Q8_MAX_M a row's bits alone = in its batch (M tiles of fixed size, no M in the plan)."""
+    import torch.nn.functional as F
+
+    from surge.engines.kernels.dequant import dequantize
+    from surge.engines.kernels.splitk_gemm import Q8_MAX_M, linear, partials, q8_plan_for
+
+    q, s, wd = _q8(n, k, n + k + 1, kind)
+    plan = q8_plan_for(n, k)
+    for m in (65, 100, Q8_MAX_M, Q8_MAX_M + 1, 300):
+        a = _x(m, k, m)
+        ref = a.double() @ wd.T
+        out = linear(a, q, plan, scale=s) if m <= Q8_MAX_M else F.linear(a, dequantize(q, s, torch.bfloat16))
+        tol = ref.abs() * 2.0 ** -7 + 2e-3 * ref.abs().max()
+        assert ((out.double() - ref).abs() <= tol).all(), (m, ((out.double() - ref).abs() / ref.abs().max()).max())
+    a = _x(Q8_MAX_M, k, 5)
+    full = partials(a, q, plan, scale=s)
+    for i in (0, 64, Q8_MAX_M - 1):
+        assert torch.equal(partials(a[i:i + 1], q, plan, scale=s)[:, 0], full[:, i]), i
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_dequant_kernel_equals_torch_bit_for_bit(kind, dtype):
+    """kernels/dequant.dequantize = models/weight_quant.dequantize bit for bit (one FP32 product rounded once to
+    nearest even) on shapes that do not fill its tiles, a weight whose rows are strided, into `out`; a bad shape
+    or `out` is a ValueError."""
+    from surge.engines.kernels.dequant import dequantize
+    from surge.models.weight_quant import dequantize as reference
+
+    dt = getattr(torch, dtype)
+    for n, k in ((1152, 896), (37, 300), (5, 1000), (4864, 896)):
+        q, s, _ = _q8(n, k, n * 7 + k, kind)
+        want = reference(q, s, dt)
+        assert torch.equal(dequantize(q, s, dt).view(torch.int16), want.view(torch.int16)), (n, k)
+        wide = torch.zeros(n, k + 40, dtype=q.dtype, device="cuda")
+        wide[:, 3:3 + k] = q
+        out = torch.full((n, k), float("nan"), dtype=dt, device="cuda")
+        assert dequantize(wide[:, 3:3 + k], s, dt, out=out) is out
+        assert torch.equal(out.view(torch.int16), want.view(torch.int16)), (n, k)
+    with pytest.raises(ValueError, match="scale"):
+        dequantize(q, s[:-1], dt)
+    with pytest.raises(ValueError, match="out must be"):
+        dequantize(q, s, dt, out=torch.empty(n, k + 1, dtype=dt, device="cuda"))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_8bit_decode_steps_of_more_than_64_streams(trained_q8, kind):
+    """96 streams: decode steps of 96 rows run the 8-bit kernel's M tiles (CUDA graphs of those buckets), prefill
+    chunks of up to 512 tokens the kernel or cuBLAS on the dequantized weights; logits within tolerance of
+    transformers FP32 on the dequantized weights, greedy tokens equal to its BF16 generate on all 16 steps for the
+    bulk of 96 prompts, any parting at a near-tie."""
+    from tests.gpu.test_decoder_cuda import _compare_greedy, _prompts
+
+    _need(kind)
+    d, refs = trained_q8
+    prompts = _prompts(384, 96)
+    equal, near, other, err, scale = _compare_greedy(d, prompts, steps=16, ref_dir=refs[kind], same_paths=False,
+                                                     max_num_seqs=96, num_blocks=1024, quantization=kind)
+    print(f"{kind}, 96 streams: {equal}/{len(prompts)} equal on 16 steps; near-ties {near}; other {other}; "
+          f"max logit error {err:.4f} of scale {scale:.2f}")
+    assert err < 0.05 * scale
+    assert not other, f"divergences that are not near-ties: {other}"
+    assert equal >= 0.75 * len(prompts), f"only {equal}/{len(prompts)} prompts equal"
+
+
 @pytest.mark.parametrize("quant", KINDS)
 @pytest.mark.parametrize("kind", ["splitk", "gate_up"])
 def test_lora_deltas_join_the_scaled_sums(kind, quant):

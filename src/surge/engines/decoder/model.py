@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from surge.engines.decoder import cpu_layout
 from surge.engines.decoder.attention import AttnMeta, causal_dense, paged_attention_torch, write_kv
 from surge.models.decoder import LINEAR_MODULES, DecoderConfig, rope_inv_freq
-from surge.models.weight_quant import SCALE_SUFFIX, dequantize, kind_of
+from surge.models.weight_quant import SCALE_SUFFIX, kind_of
 
 
 # The layer's pieces as free functions in TorchScript's subset: the decoder embedder's CPU forward
@@ -129,7 +129,10 @@ class DecoderModel:
             from surge.engines.kernels import splitk_gemm
 
             self._q8_plans = {n: splitk_gemm.q8_plan_for(*self.w[n].shape) for n in self._scales}
-            self._q8_max_m, self._q8_linear_kernel = splitk_gemm.MAX_M, splitk_gemm.linear
+            from surge.engines.kernels.dequant import dequantize as dequantize_kernel
+
+            self._q8_max_m, self._q8_linear_kernel = splitk_gemm.Q8_MAX_M, splitk_gemm.linear
+            self._q8_dequantize = dequantize_kernel
 
     @property
     def quantization(self) -> str:
@@ -247,13 +250,14 @@ class DecoderModel:
         return torch.addmm(bias, x, wt) if bias is not None else x @ wt
 
     def _q8_linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None) -> torch.Tensor:
-        """A linear module with 8-bit weights: at decode sizes the split-K kernel on the 8-bit tiles (the scales
-        on its sums; the weights read once, at one byte each), above them cuBLAS on the weight dequantized
-        for the call (a prefill chunk's product is bound by its arithmetic more than by the weight's bytes)."""
+        """A linear module with 8-bit weights: up to splitk_gemm.Q8_MAX_M rows the split-K kernel on the 8-bit
+        tiles (the scales on its sums; the weights read at one byte each), above them cuBLAS on the weight
+        dequantized for the call by one kernel (a prefill chunk's product is bound by its arithmetic more than by
+        the weight's bytes)."""
         w, scale = self.w[name], self._scales[name]
         if x.shape[0] <= self._q8_max_m:
             return self._q8_linear_kernel(x, w, self._q8_plans[name], bias, scale=scale)
-        return F.linear(x, dequantize(w, scale, x.dtype), bias)
+        return F.linear(x, self._q8_dequantize(w, scale, x.dtype), bias)
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, w, self.cfg.norm_eps)

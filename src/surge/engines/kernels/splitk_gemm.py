@@ -29,6 +29,10 @@ from surge.engines.kernels.tile_mma import mma
 
 BLOCK_M = 64  # rows of every program: one M tile holds a whole decode batch (the weights are read once)
 MAX_M = 64  # the engine uses split-K up to this many rows (measured at M = 64; cuBLAS above)
+# 8-bit weights: the kernel (M tiles of 64 rows, each re-reading the weight from L2) up to this many rows, above
+# it cuBLAS on the weight dequantized for the call (kernels/dequant.py). Qwen2-0.5B's four GEMMs, H100, session
+# 37 (benchmarks/gpu_q8_rows.py): PENDING
+Q8_MAX_M = 128
 
 
 @dataclass(frozen=True)
