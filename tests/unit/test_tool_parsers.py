@@ -26,19 +26,25 @@ CALLS = [
 ]
 
 
+CALL_IDS = ["a1B2c3D4e", "Zz9Yy8Xx7", "000000000", "q"]  # as a v13 Mistral model names its calls (and one short)
+
+
 def dumps(obj) -> str:
     return json.dumps(obj, ensure_ascii=False)
 
 
 def write(parser: str, calls, before: str = "", form: str = "") -> str:
-    """`calls` written as the parser's models write them (`form`: mistral "v11" / "args" for name{json} /
-    name[ARGS]{json}; llama3_json "tag" for a leading <|python_tag|> and "arguments" for that key)."""
+    """`calls` written as the parser's models write them (`form`: mistral "v11" / "args" / "call_id" for name{json}
+    / name[ARGS]{json} / name[CALL_ID]id[ARGS]{json} (ids CALL_IDS); llama3_json "tag" for a leading <|python_tag|>
+    and "arguments" for that key)."""
     if parser == "hermes":
         return before + "\n".join(f'<tool_call>\n{dumps({"name": n, "arguments": a})}\n</tool_call>' for n, a in calls)
     if parser == "llama3_json":
         key = "arguments" if form == "arguments" else "parameters"
         body = "; ".join(dumps({"name": n, key: a}) for n, a in calls)
         return before + ("<|python_tag|>" if form == "tag" else "") + body
+    if form == "call_id":
+        return before + "".join(f"[TOOL_CALLS]{n}[CALL_ID]{i}[ARGS]{dumps(a)}" for (n, a), i in zip(calls, CALL_IDS))
     if form in ("v11", "args"):
         sep = "[ARGS]" if form == "args" else ""
         return before + "".join(f"[TOOL_CALLS]{n}{sep}{dumps(a)}" for n, a in calls)
@@ -67,13 +73,15 @@ def assert_stream_equals_whole(parser: str, text: str, rng: random.Random) -> No
         assert got_text == content if content is not None else not got_text.strip(), (pieces, got_text)
         assert [i for i, _ in got] == list(range(len(calls)))
         assert plain([c for _, c in got]) == plain(calls), pieces
+        if "[CALL_ID]" in text:  # ids the model wrote are the same however the text came
+            assert [c["id"] for _, c in got] == [c["id"] for c in calls], pieces
 
 
 # (parser, text, want content, want calls): texts written from CALLS, and texts that are no calls
 def cases():
     out = []
     for p in PARSERS:
-        forms = {"hermes": [""], "llama3_json": ["", "tag", "arguments"], "mistral": ["", "v11", "args"]}[p]
+        forms = {"hermes": [""], "llama3_json": ["", "tag", "arguments"], "mistral": ["", "v11", "args", "call_id"]}[p]
         for form in forms:
             for k in (1, 2, 4):
                 out.append((p, write(p, CALLS[:k], form=form), None, CALLS[:k]))
@@ -103,7 +111,10 @@ NOT_CALLS = {
                     "<|python_tag|>brave_search.call(query=\"x\")", "<|python_ta", "plain text", "", "   ", "{"],
     "mistral": ["no tag [TOOL_CALL", "[TOOL_CALLS]", "[TOOL_CALLS] not json", "[TOOL_CALLS] [1, 2]",
                 '[TOOL_CALLS] [{"name": "f"}]', '[TOOL_CALLS] [{"name": "f", "arguments": {}', "[TOOL_CALLS]f(x)",
-                '[TOOL_CALLS] {"name": "f", "arguments": {}}', "[TOOL_CALLS]name[ARGS]", ""],
+                '[TOOL_CALLS] {"name": "f", "arguments": {}}', "[TOOL_CALLS]name[ARGS]", "[TOOL_CALLS]f[CALL_ID]",
+                "[TOOL_CALLS]f[CALL_ID]abc", "[TOOL_CALLS]f[CALL_ID]abc{}", "[TOOL_CALLS]f[CALL_ID][ARGS]{}",
+                "[TOOL_CALLS]f[CALL_ID]a-b[ARGS]{}", "[TOOL_CALLS]f[CALL_ID]abc[ARGS]", "[TOOL_CALLS]f[CALL_ID]ab[AR",
+                ""],
 }
 
 
@@ -115,7 +126,9 @@ def test_calls_written_are_read_back_whole_and_streamed(parser, text, content, c
     for c, (name, args) in zip(got, calls):  # arguments: a JSON string of the object written
         assert c["type"] == "function" and isinstance(c["function"]["arguments"], str)
         assert json.loads(c["function"]["arguments"]) == args
-        assert re.fullmatch(ID_FORMATS[parser], c["id"])
+        assert re.fullmatch(ID_FORMATS[parser], c["id"]) or "[CALL_ID]" in text
+    if "[CALL_ID]" in text:  # the model's own ids, in order
+        assert [c["id"] for c in got] == CALL_IDS[:len(got)]
     assert len({c["id"] for c in got}) == len(got)
     assert_stream_equals_whole(parser, text, random.Random(len(text)))
 

@@ -21,8 +21,8 @@ def alnum9_id() -> str:
     return "".join(secrets.choice(_ALNUM) for _ in range(9))
 
 
-def make_call(name: str, args, new_id) -> dict:
-    return {"id": new_id(), "type": "function",
+def make_call(name: str, args, new_id, call_id: str | None = None) -> dict:
+    return {"id": call_id or new_id(), "type": "function",
             "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
 
 
@@ -102,8 +102,9 @@ class CallStream:
     def __init__(self):
         self.emitted: list[dict] = []
 
-    def _emit(self, name: str, args) -> tuple[None, tuple[int, dict]]:
-        call = make_call(name, args, self.new_id)
+    def _emit(self, name: str, args, call_id: str | None = None) -> tuple[None, tuple[int, dict]]:
+        """The next call, under the id the model wrote where it wrote one, else a new one."""
+        call = make_call(name, args, self.new_id, call_id)
         self.emitted.append(call)
         return None, (len(self.emitted) - 1, call)
 

@@ -4,16 +4,18 @@ tokens in its text, as vLLM's parser asks of a chat template's tokenizer). Two f
 
     [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": ..., "arguments": ...}]
     [TOOL_CALLS]get_weather{"city": "Paris"}[TOOL_CALLS]get_time{}     (tokenizer v11+; also name[ARGS]{...})
+    [TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris"}  (tokenizer v13: the model names the call)
 
 The first is what the v0.3 chat templates render (with an "id" in each object, which is ignored) and
 what a forced tool choice's grammar writes. Text before the first `[TOOL_CALLS]` is content. Call ids are 9
-letters and digits, as mistral-common requires of the ids that later turns send back.
+letters and digits, as mistral-common requires of the ids that later turns send back; a call written with
+`[CALL_ID]` keeps the id the model wrote (the id the template will render back with the tool's result).
 
 What is not a call stays content, from the tag on where nothing after it was read (a `[TOOL_CALLS]` followed by
 neither form, an element that is no call); where calls were read, the rest of the text after the last one.
 Where vLLM turns an answer with a broken array into its text without the tag, or drops text around the calls,
-surge keeps the text as written so that a streamed answer always equals the whole one. A `[CALL_ID]` between
-the name and the arguments, and several `name{...}` after one tag, are not read (content).
+surge keeps the text as written so that a streamed answer always equals the whole one. Several `name{...}`
+after one tag are not read (content): each v11+ call has its own tag.
 
 Streaming: content goes out as it comes, except a tail that may begin `[TOOL_CALLS]`; each call goes out
 whole once its object closes.
@@ -26,10 +28,11 @@ import re
 from surge.server.http.tool_parsers.common import (CallStream, JsonEnd, alnum9_id, held_prefix, loads, name_and_args,
                                                    skip_space)
 
-TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
+TAG, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 ARGS_KEY = "arguments"
 KEYS = ("arguments",)
 NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+ID = re.compile(r"[A-Za-z0-9]+")
 CONTENT, AFTER_TAG, ITEM, ITEM_OBJECT, AFTER_ITEM, NAMED, ARGS_OBJECT = (
     "content", "after_tag", "item", "item_object", "after_item", "named", "args_object")
 
@@ -44,6 +47,7 @@ class MistralStream(CallStream):
         self._tagged = False
         self._at = 0  # where reading goes on in _buf
         self._name = ""
+        self._call_id = None  # a [CALL_ID]'s id, for the call whose arguments follow
         self._scan = JsonEnd()
 
     def _fail(self, out: list) -> None:
@@ -72,7 +76,8 @@ class MistralStream(CallStream):
         return name_and_args(obj, keys) if keys else (self._name, obj if isinstance(obj, dict) else None)
 
     def _called(self, out: list, call) -> None:
-        out.append(self._emit(*call))
+        out.append(self._emit(*call, self._call_id))
+        self._call_id = None
         self._buf, self._at, self._tagged = self._buf[self._at:], 0, False
 
     def _open_object(self, at: int, state: str) -> None:
@@ -123,7 +128,7 @@ class MistralStream(CallStream):
             if m is None:
                 self._fail(out)
                 return True
-            self._at, self._state, self._name = at, NAMED, ""
+            self._at, self._state, self._name, self._call_id = at, NAMED, "", None
             return True
         if state == ITEM:  # an array's element
             if ch != "{":
@@ -150,9 +155,19 @@ class MistralStream(CallStream):
             self._fail(out)
             return True
         rest = buf[at:]
-        if ARGS.startswith(rest):  # a part of [ARGS], or nothing yet
+        if ARGS.startswith(rest) or CALL_ID.startswith(rest):  # a part of a tag, or nothing yet
             self._at = at
             return False
+        if rest.startswith(CALL_ID):  # [CALL_ID]<id>[ARGS]: read whole before anything is taken
+            m = ID.match(buf, at + len(CALL_ID))
+            after = m.end() if m else at + len(CALL_ID)
+            if after == len(buf) or ARGS.startswith(buf[after:]) and not buf[after:].startswith(ARGS):
+                self._at = at  # the id or the [ARGS] after it may go on
+                return False
+            if m is None or not buf.startswith(ARGS, after):
+                self._fail(out)
+                return True
+            self._call_id, at, rest = m.group(), after, buf[after:]
         if rest.startswith(ARGS):
             at += len(ARGS)
             if at == len(buf):
