@@ -29,10 +29,11 @@ from surge.engines.kernels.tile_mma import mma
 
 BLOCK_M = 64  # rows of every program: one M tile holds a whole decode batch (the weights are read once)
 MAX_M = 64  # the engine uses split-K up to this many rows (measured at M = 64; cuBLAS above)
-# 8-bit weights: the kernel (M tiles of 64 rows, each re-reading the weight from L2) up to this many rows, above
-# it cuBLAS on the weight dequantized for the call (kernels/dequant.py). Qwen2-0.5B's four GEMMs, H100, session
-# 37 (benchmarks/gpu_q8_rows.py): PENDING
-Q8_MAX_M = 128
+# 8-bit weights: the kernel up to this many rows, above it cuBLAS on the weight dequantized for the call
+# (kernels/dequant.py). Qwen2-0.5B's four GEMMs on FP8, H100, session 37 (benchmarks/gpu_q8_rows.py, us a layer,
+# kernel / dequant + cuBLAS): M = 64 38.6 / 40.5, 96 52.2 / 42.1, 128 53.0 / 43.6, 256 81.7 / 49.2, 512 149.1 / 60.4
+# (the kernel's M tiles each read the whole weight); INT8 the same within 2 us.
+Q8_MAX_M = 64
 
 
 @dataclass(frozen=True)
