@@ -146,9 +146,10 @@ def test_8bit_kernels_refuse_a_weight_without_its_scales():
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("n,k", [(1152, 896), (9728, 896), (896, 4864), (200, 1000)])
 def test_8bit_linear_above_the_decode_rows(n, k, kind):
-    """The engine's 8-bit product at 65 to Q8_MAX_M rows (the split-K kernel's M tiles of 64, each reading the
-    weight) and above (cuBLAS on the weight dequantized by kernels/dequant.py): within one BF16 rounding of the
-    float64 product; up to Q8_MAX_M a row's bits alone = in its batch (M tiles of fixed size, no M in the plan)."""
+    """Both 8-bit products at and above the decode step's rows: the split-K kernel (M tiles of 64, each reading the
+    weight; the engine's path up to Q8_MAX_M) and cuBLAS on the weight dequantized by kernels/dequant.py (above it),
+    each within one BF16 rounding of the float64 product at 63 to 300 rows; the kernel's bits for a row alone = in a
+    batch of several M tiles (no M in the plan)."""
     import torch.nn.functional as F
 
     from surge.engines.kernels.dequant import dequantize
@@ -156,15 +157,16 @@ def test_8bit_linear_above_the_decode_rows(n, k, kind):
 
     q, s, wd = _q8(n, k, n + k + 1, kind)
     plan = q8_plan_for(n, k)
-    for m in (65, 100, Q8_MAX_M, Q8_MAX_M + 1, 300):
+    for m in sorted({Q8_MAX_M - 1, Q8_MAX_M, Q8_MAX_M + 1, 100, 128, 300}):
         a = _x(m, k, m)
         ref = a.double() @ wd.T
-        out = linear(a, q, plan, scale=s) if m <= Q8_MAX_M else F.linear(a, dequantize(q, s, torch.bfloat16))
         tol = ref.abs() * 2.0 ** -7 + 2e-3 * ref.abs().max()
-        assert ((out.double() - ref).abs() <= tol).all(), (m, ((out.double() - ref).abs() / ref.abs().max()).max())
-    a = _x(Q8_MAX_M, k, 5)
+        for path, out in (("kernel", linear(a, q, plan, scale=s)),
+                          ("dequant", F.linear(a, dequantize(q, s, torch.bfloat16)))):
+            assert ((out.double() - ref).abs() <= tol).all(), (m, path)
+    a = _x(200, k, 5)
     full = partials(a, q, plan, scale=s)
-    for i in (0, 64, Q8_MAX_M - 1):
+    for i in (0, 64, 130, 199):
         assert torch.equal(partials(a[i:i + 1], q, plan, scale=s)[:, 0], full[:, i]), i
 
 
