@@ -371,8 +371,9 @@ def main(argv=None) -> int:
     ap.add_argument("--speculative-max-batch", type=int, default=None,
                     help="speculate only in steps of at most this many sequences (default: the setting's default)")
     ap.add_argument("--profile", action="store_true", help="one more surge round under torch.profiler")
-    ap.add_argument("--quantization", action="append", choices=["fp8", "int8"], default=[],
-                    help="also surge with 8-bit weights (--generation quantization=fp8 / int8); repeatable")
+    ap.add_argument("--quantization", action="append", choices=["fp8", "int8", "w8a8"], default=[],
+                    help="also surge with 8-bit weights (--generation quantization=fp8 / int8 on a GPU, w8a8: INT8 "
+                         "products on the CPU); repeatable")
     ap.add_argument("--cpu-weight-layout", action="append", choices=["in_out", "out_in"], default=[],
                     help="also surge with the CPU's linear weights pinned to this layout (the first row measures "
                          "both at load: cpu_weight_layout=auto); repeatable")

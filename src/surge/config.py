@@ -191,14 +191,16 @@ class GenerationConfig(_Strict):
         "fcfs", description="fcfs: requests wait and are preempted in arrival order; priority (vLLM's): by each "
         "request's `priority` (lower first, then arrival), the lowest running one preempted first; a request "
         "may give a priority other than 0 only under this policy.")
-    quantization: Literal["none", "fp8", "int8"] = Field(
+    quantization: Literal["none", "fp8", "int8", "w8a8"] = Field(
         "none", description="fp8 (vLLM's --quantization fp8): the layers' linear weights quantized at load to FP8 "
         "E4M3 with a scale per output channel, on a GPU of compute capability 8.9+ (Ada, Hopper); int8: to "
         "symmetric INT8 with a scale per output channel (compressed-tensors' W8A16 form), on any GPU of 8.0+ "
         "(Ampere on). Half the weights' memory and the bytes a decode step reads; activations, the KV cache, the "
         "embedding and the LM head stay in the model's dtype. Answers differ from the unquantized model's by the "
         "weights' rounding. A quantized checkpoint's 8-bit weights run as they are on a GPU that runs their kind, "
-        "whatever this says.")
+        "whatever this says. w8a8 (compressed-tensors' W8A8 scheme), on the CPU: every linear weight and the LM "
+        "head as symmetric INT8 a row, each input row quantized to INT8 as it comes, the products in integers "
+        "(oneDNN's VNNI / AMX kernels): a quarter of FP32's weight bytes; answers are a W8A8 model's.")
     cuda_graphs: bool = Field(True, description="On a GPU: replay decode steps as CUDA graphs per batch bucket.")
     overlap_steps: bool = Field(True, description="Launch the next greedy decode step before the last one's tokens "
                                 "are read back (its inputs stay on the device), so host work overlaps the GPU.")

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from surge.engines.decoder import cpu_layout
 from surge.engines.decoder.attention import AttnMeta, causal_dense, paged_attention_torch, write_kv
-from surge.models.decoder import LINEAR_MODULES, DecoderConfig, rope_inv_freq
+from surge.models.decoder import LINEAR_MODULES, DecoderConfig, is_layer_linear, rope_inv_freq
 from surge.models.weight_quant import SCALE_SUFFIX, kind_of
 
 
@@ -45,7 +45,7 @@ class DecoderModel:
                  attention: str = "torch", fused: bool = True, decode_block_n: int | None = None,
                  decode_gemm: str = "auto", decode_attention: str = "fused", pdl: bool = True,
                  l2_prefetch: bool | str = False, lora=None, cpu_weight_layout: str = "in_out",
-                 decode_rows: int = 8):
+                 decode_rows: int = 8, cpu_w8a8: bool = False):
         self.cfg = cfg
         # LoRA adapters (engines/decoder/lora.LoraBank): their deltas join the layers' GEMM outputs
         self.lora = lora
@@ -69,7 +69,18 @@ class DecoderModel:
             raise ValueError(f"decode_gemm must be auto, splitk or cublas, not {decode_gemm!r}")
         # the CPU's linear weights [in, out] or [out, in]; "auto" measures both here (cpu_layout.py)
         self.cpu_layout = {}
-        self._wt = self._lay_out_cpu(weights, cpu_weight_layout, decode_rows) if device.type == "cpu" else {}
+        # W8A8 on the CPU (cpu_w8a8.py): every linear weight and the LM head as INT8, products in integers
+        self._w8a8 = {}
+        if cpu_w8a8:
+            if device.type != "cpu":
+                raise ValueError("W8A8 (integer products) runs on the CPU only")
+            from surge.engines.decoder import cpu_w8a8 as w8a8
+
+            self._w8a8 = w8a8.quantize_weights(weights, [n for n in weights if is_layer_linear(n)] + ["lm_head"])
+            self._w8a8_linear = w8a8.linear
+            self.cpu_layout = {"layers": "w8a8", "lm_head": "w8a8"}
+        self._wt = self._lay_out_cpu(weights, cpu_weight_layout, decode_rows) \
+            if device.type == "cpu" and not cpu_w8a8 else {}
         if attention == "triton":
             from surge.engines.kernels.paged_attention import paged_attention
 
@@ -136,7 +147,10 @@ class DecoderModel:
 
     @property
     def quantization(self) -> str:
-        """"fp8" / "int8" where the layers' linear weights are 8-bit (models/weight_quant.py), else "none"."""
+        """"fp8" / "int8" where the layers' linear weights are 8-bit (models/weight_quant.py), "w8a8" where the
+        CPU multiplies in integers (cpu_w8a8.py), else "none"."""
+        if self._w8a8:
+            return "w8a8"
         kinds = {kind_of(self.w[n].dtype) for n in self._scales}
         return "+".join(sorted(kinds)) if kinds else "none"
 
@@ -242,6 +256,9 @@ class DecoderModel:
         return cpu_layout.lay_out(w, self.LINEAR, **chosen)
 
     def _lin(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+        q = self._w8a8.get(name)
+        if q is not None:
+            return self._w8a8_linear(x, q, bias)
         if name in self._scales:
             return self._q8_linear(x, name, bias)
         wt = self._wt.get(name)

@@ -61,7 +61,8 @@ class EngineCaps:
     block_size: int
     max_num_seqs: int
     max_model_len: int
-    quantization: str = "none"  # "fp8" / "int8": the layers' linear weights in 8 bits (models/weight_quant.py)
+    # "fp8" / "int8": the layers' linear weights in 8 bits (models/weight_quant.py); "w8a8": the CPU's INT8 products
+    quantization: str = "none"
 
 
 class DecoderEngine:
@@ -101,7 +102,8 @@ class DecoderEngine:
         keep = tuple(d for k, d in KINDS.items() if supported(self.device, k)) \
             if self.dtype in (torch.bfloat16, torch.float16) else ()
         weights = load_decoder_weights(path, self.cfg, self.dtype, self.device,
-                                       quantize=None if quantization == "none" else quantization, keep=keep)
+                                       quantize=None if quantization in ("none", "w8a8") else quantization,
+                                       keep=keep)
         # LoRA adapters: `max_loras` slots, filled by load_adapter (engines/decoder/lora.py)
         self.lora = None
         if max_loras:
@@ -113,7 +115,8 @@ class DecoderEngine:
                                   attention=attention or ("triton" if cuda else "torch"), fused=fused,
                                   decode_block_n=decode_block_n, decode_gemm=decode_gemm,
                                   decode_attention=decode_attention, pdl=pdl, l2_prefetch=l2_prefetch,
-                                  lora=self.lora, cpu_weight_layout=cpu_weight_layout, decode_rows=max_num_seqs)
+                                  lora=self.lora, cpu_weight_layout=cpu_weight_layout, decode_rows=max_num_seqs,
+                                  cpu_w8a8=quantization == "w8a8")
         if self.model.cpu_layout:
             log.info("%s: linear weights kept %s, the LM head %s (cpu_weight_layout=%s)", path,
                      self.model.cpu_layout["layers"], self.model.cpu_layout["lm_head"], cpu_weight_layout)
@@ -155,8 +158,15 @@ class DecoderEngine:
         from surge.errors import ConfigError
         from surge.models.weight_quant import supported
 
-        if quantization not in ("none", "fp8", "int8"):
-            raise ConfigError(f"quantization must be none, fp8 or int8, not {quantization!r}")
+        if quantization not in ("none", "fp8", "int8", "w8a8"):
+            raise ConfigError(f"quantization must be none, fp8, int8 or w8a8, not {quantization!r}")
+        if quantization == "w8a8":  # engines/decoder/cpu_w8a8.py: integer products on the CPU
+            if self.device.type != "cpu":
+                raise ConfigError(f"quantization=w8a8 runs on the CPU (INT8 products by oneDNN), not {self.device}; "
+                                  "on a GPU use fp8 or int8 (8-bit weights, BF16 products)")
+            if self.dtype not in (torch.float32, torch.bfloat16):
+                raise ConfigError(f"quantization=w8a8 runs FP32 or BF16 activations, not {self.dtype}")
+            return
         if quantization == "fp8" and not supported(self.device, "fp8"):
             raise ConfigError(f"quantization=fp8 needs a CUDA GPU of compute capability 8.9 or newer (Ada, "
                               f"Hopper), not {self.device}: its kernels convert FP8 weight tiles in hardware")

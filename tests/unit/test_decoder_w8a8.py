@@ -1,0 +1,173 @@
+"""W8A8 on the CPU (engines/decoder/cpu_w8a8.py, `--generation quantization=w8a8`): the product against a float64
+reference of the same rounding, a row's bits independent of its batch, and the engine's greedy tokens against
+transformers whose linear layers and LM head compute the W8A8 product in float64."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from surge.engines.decoder import DecoderEngine, cpu_w8a8  # noqa: E402
+from surge.models.weight_quant import quantize  # noqa: E402
+from tests.unit.test_decoder_engine import KINDS, one_thread  # noqa: E402,F401
+
+
+def _ref_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row symmetric INT8 codes and scales of x as cpu_w8a8.quantize_rows documents them, in numpy: computed in
+    FP32 (a float64 division would round some quotients near .5 the other way, and one code's step moves a
+    product by a visible ~0.5%), as float64 arrays."""
+    x32 = x.astype(np.float32)
+    amax = np.abs(x32).max(axis=1, keepdims=True)
+    s = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
+    return np.clip(np.round(x32 / s), -127, 127).astype(np.float64), s.astype(np.float64)
+
+
+def _w8a8_float64(x: np.ndarray, w: torch.Tensor, b: np.ndarray | None) -> np.ndarray:
+    """The W8A8 product in float64: weight rows quantized by models/weight_quant.quantize (from w's dtype), input
+    rows by _ref_rows, the integer sum exact in float64."""
+    q, sw = quantize(w, "int8")
+    xq, sx = _ref_rows(x)
+    y = (xq @ q.double().numpy().T) * sx * sw.double().numpy()[None, :]
+    return y + b if b is not None else y
+
+
+def _x(m, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    # rows of very different magnitudes, and one of zeros: the per-row scales matter
+    x = torch.randn(m, k, generator=g) * torch.logspace(-2, 2, m)[:, None]
+    x[m // 2] = 0
+    return x
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 64, 96), (7, 768, 2304), (33, 200, 50), (64, 3072, 768)])
+def test_the_product_is_the_integer_product_of_the_rounded_rows(m, k, n):
+    g = torch.Generator().manual_seed(m + k + n)
+    w = torch.randn(n, k, generator=g) / k ** 0.5 * (torch.rand(n, 1, generator=g) * 4 + 0.1)
+    b = torch.randn(n, generator=g)
+    x = _x(m, k, n)
+    (weight,) = cpu_w8a8.quantize_weights({"w": w}, ["w"]).values()
+    xq, sx = cpu_w8a8.quantize_rows(x)
+    ref_q, ref_s = _ref_rows(x.double().numpy())
+    assert np.array_equal(xq.numpy(), ref_q) and np.array_equal(sx.double().numpy(), ref_s)
+    assert xq[m // 2].abs().sum() == 0 and xq.abs().amax(1)[torch.arange(m) != m // 2].eq(127).all()
+    y = cpu_w8a8.linear(x, weight, b)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    want = _w8a8_float64(x.double().numpy(), w, b.double().numpy())
+    # the codes being the same, the FP32 result is the float64 one rounded a few times
+    err = np.abs(y.double().numpy() - want)
+    assert (err <= 1e-5 * np.abs(want) + 1e-6 * np.abs(want).max()).all()
+    # and the W8A8 rounding itself stays within its budget of the float64 product of the unrounded operands
+    full = x.double().numpy() @ w.double().numpy().T + b.double().numpy()
+    bound = (np.abs(x.double().numpy()) @ np.abs(w.double().numpy()).T) * (1 / 127)
+    assert (np.abs(y.double().numpy() - full) <= bound + 1e-6).all()
+    bf = cpu_w8a8.linear(x.bfloat16(), cpu_w8a8.quantize_weights({"w": w.bfloat16()}, ["w"])["w"], b.bfloat16())
+    assert bf.dtype == torch.bfloat16 and bf.shape == (m, n)
+
+
+def test_a_rows_bits_do_not_depend_on_its_batch():
+    w = torch.randn(300, 256, generator=torch.Generator().manual_seed(3)) * 0.05
+    weight = cpu_w8a8.quantize_weights({"w": w}, ["w"])["w"]
+    x = _x(37, 256, 4)
+    x[5] *= 1e4  # a huge neighbour: a per-batch activation scale would crush every other row
+    full = cpu_w8a8.linear(x, weight)
+    for i in (0, 5, 18, 36):
+        assert torch.equal(cpu_w8a8.linear(x[i:i + 1], weight)[0], full[i]), i
+    assert torch.equal(cpu_w8a8.linear(x.reshape(37, 1, 256), weight).reshape(37, 300), full)
+
+
+def _patched_hf(model_dir, name):
+    """transformers FP32 with every layer linear (nn.Linear, GPT-2's Conv1D) and the LM head computing the W8A8
+    product in float64 from its FP32 weights."""
+    from transformers import AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def w8a8(module, w_nk):
+        bias = None if module.bias is None else module.bias.detach().double().numpy()
+
+        def forward(x):
+            flat = x.detach().double().reshape(-1, x.shape[-1]).numpy()
+            y = _w8a8_float64(flat, w_nk, bias)
+            return torch.from_numpy(y).float().reshape(*x.shape[:-1], y.shape[-1])
+        return forward
+
+    for mod in model.modules():
+        if isinstance(mod, Conv1D):
+            mod.forward = w8a8(mod, mod.weight.detach().t().contiguous())
+        elif isinstance(mod, torch.nn.Linear):
+            mod.forward = w8a8(mod, mod.weight.detach())
+    return model
+
+
+def _check_w8a8_greedy(engine, hf_model):
+    """test_decoder_engine._check_greedy's run (joins, preemption, prefix hits), compared prompt by prompt: most
+    prompts equal transformers' W8A8 tokens on all steps, and one that parts does so where transformers' own top
+    two logits are within 1% of the logits' scale. W8A8 is not continuous: an input a last-bit FP32 rounding
+    apart (the engine's and transformers' norms round differently) can move one activation code, and one code
+    moves a logit by ~0.5%; the codes themselves are checked exactly above."""
+    from tests.unit.test_decoder_engine import drive, prompts_for
+    from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
+
+    sched = Scheduler(SchedulerConfig(num_blocks=22, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                                      max_model_len=256), engine.cfg.eos_token_ids)
+    prompts = prompts_for(engine.cfg.vocab_size, 7)
+    n_new = 18
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    drive(engine, sched, seqs, [0, 0, 0, 3, 5, 9, 0, 30, 31])
+    equal, parted = 0, []
+    for s, p in zip(seqs, prompts):
+        out = hf_model.generate(torch.tensor([p]), max_new_tokens=n_new, do_sample=False, eos_token_id=None,
+                                pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+        want = out.sequences[0, len(p):].tolist()
+        if s.output_ids == want:
+            equal += 1
+            continue
+        j = next(i for i, (a, b) in enumerate(zip(s.output_ids, want)) if a != b)
+        top = out.scores[j][0].topk(2).values
+        parted.append((s.seq_id, j, (top[0] - top[1]).item(), out.scores[j][0].abs().max().item()))
+    assert all(gap < 0.01 * scale for _, _, gap, scale in parted), parted
+    assert equal >= len(prompts) - 2, parted
+    assert sched.preemptions > 0 and sched.blocks.hit_tokens >= 24 and sched.blocks.num_free == 22
+    return parted
+
+
+@pytest.mark.parametrize("name", ["gpt2", "qwen2", "llama", "granite"])
+def test_w8a8_engine_greedy_equals_transformers_on_the_same_rounding(name, tmp_path):
+    """Sequences joining and leaving the batch, a preempted one, prefix-cache hits: the W8A8 engine's greedy tokens
+    are transformers' on the W8A8 products (its weights INT8, a quarter of FP32's bytes), but at near-ties."""
+    from tests.decoder_models import build_model
+
+    kind, extra = KINDS[name]
+    d = build_model(kind, tmp_path / name, seed=31, **extra)
+    engine = DecoderEngine(d, num_blocks=22, block_size=4, quantization="w8a8")
+    assert engine.quantization == "w8a8" == engine.capabilities.quantization
+    assert engine.model.cpu_layout == {"layers": "w8a8", "lm_head": "w8a8"} and not engine.model._wt
+    q = engine.model._w8a8
+    assert "lm_head" in q and all(t.dtype == torch.int8 for t, _ in q.values())
+    assert not any(n in engine.model.w for n in q if n != "lm_head")  # the full-precision copies are gone
+    print(name, "parted at near-ties:", _check_w8a8_greedy(engine, _patched_hf(d, name)))
+
+
+def test_w8a8_refuses_what_it_cannot_run(tmp_path):
+    from surge.config import GenerationConfig
+    from surge.errors import ConfigError
+    from tests.decoder_models import build_model
+
+    d = build_model("qwen2", tmp_path / "q", seed=1)
+    with pytest.raises(ConfigError, match="FP32 or BF16"):
+        DecoderEngine(d, num_blocks=8, block_size=4, quantization="w8a8", dtype="fp16")
+    with pytest.raises(ConfigError, match="none, fp8, int8 or w8a8"):
+        DecoderEngine(d, num_blocks=8, block_size=4, quantization="int4")
+    with pytest.raises(ValueError, match="CPU only"):
+        from surge.engines.decoder.model import DecoderModel
+
+        DecoderModel(DecoderEngine(d, num_blocks=8, block_size=4).cfg, {}, torch.device("meta"), torch.float32,
+                     cpu_w8a8=True)
+    assert GenerationConfig(quantization="w8a8").quantization == "w8a8"
+    bf16 = DecoderEngine(d, num_blocks=8, block_size=4, quantization="w8a8", dtype="bf16")
+    assert bf16.quantization == "w8a8" and bf16.model.dtype == torch.bfloat16
