@@ -3,7 +3,7 @@ stopped inside the engine's own thread (a profiler started on the main thread se
 generate.py's workload (GPT-2 small, 8 streams, 64 + 32 tokens, 2 threads); three rounds, the profiler over
 --steps steps from --first on (one of them may be a prefill); prints each step's time and the ops' table.
 
-    PYTHONPATH=src python3 benchmarks/cpu_step_profile.py [--dtype bf16] [--first 45] [--steps 20]
+    PYTHONPATH=src python3 benchmarks/cpu_step_profile.py [--dtype bf16] [--quantization w8a8] [--first 45] [--steps 20]
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ def main() -> int:
     generate.add_engine_args(ap)
     ap.add_argument("--first", type=int, default=45, help="the first profiled step (the third round's)")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--quantization", choices=["none", "w8a8"], default="none",
+                    help="w8a8: the CPU's INT8 products (--generation quantization=w8a8)")
     args = ap.parse_args(["--device", "cpu", "--streams", "8", "--prompt", "64", "--output", "32", "--threads", "2",
                           *sys.argv[1:]])
     args.dtype = args.dtype or "fp32"
@@ -35,7 +37,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = generate.build("gpt2-small", Path(tmp) / "m", "cpu")
         prompts = torch.randint(2, 50257, (args.streams, args.prompt), generator=torch.Generator().manual_seed(1))
-        engine, service, _ = generate.make_service(path, args, args.streams)
+        engine, service, _ = generate.make_service(path, args, args.streams, quantization=args.quantization)
         state = {"n": 0, "prof": None, "times": []}
         step = engine.step
 

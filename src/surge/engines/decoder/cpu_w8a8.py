@@ -38,12 +38,13 @@ def quantize_weights(weights: dict, names) -> dict:
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] float -> (xq [M, K] int8, sx [M, 1] FP32), xq * sx ~ x: each row's largest |x| at 127, rounded to
-    nearest (ties to even), computed in FP32. A row of zeros gets scale 1."""
-    xf = x.float()
-    amax = xf.abs().amax(dim=1, keepdim=True)
-    sx = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
-    return (xf / sx).round_().clamp_(-QMAX, QMAX).to(torch.int8), sx
+    """x [M, K] float -> (xq [M, K] int8, sx [M, 1] FP32), xq * sx ~ x: each row's largest |x| at 127, x / sx
+    computed in FP32 and rounded to nearest (ties to even). A row of zeros gets scale 1."""
+    # few passes over x: the step runs ~50 of these on a handful of rows, where each op's fixed cost is the time
+    amax = x.abs().amax(dim=1, keepdim=True).float()  # exact in x's dtype: a maximum rounds nothing
+    sx = torch.where(amax > 0, amax / QMAX, 1.0)
+    # x / sx promotes to FP32; |x / sx| <= 127 * (1 + 2^-23), so the rounded codes fit without a clamp
+    return torch.round(x / sx).to(torch.int8), sx
 
 
 def linear(x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor | None = None
@@ -53,7 +54,7 @@ def linear(x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor], bias: tor
     wq_t, sw = weight
     lead = x.shape[:-1]
     xq, sx = quantize_rows(x.reshape(-1, x.shape[-1]))
-    y = torch._int_mm(xq, wq_t).float().mul_(sx).mul_(sw)
+    y = torch.mul(torch._int_mm(xq, wq_t), sx).mul_(sw)  # int32 x FP32 -> FP32 in one pass
     if bias is not None:
-        y.add_(bias.float())
+        y.add_(bias)
     return y.to(x.dtype).reshape(*lead, wq_t.shape[1])
