@@ -63,8 +63,38 @@ def test_the_product_is_the_integer_product_of_the_rounded_rows(m, k, n):
     full = x.double().numpy() @ w.double().numpy().T + b.double().numpy()
     bound = (np.abs(x.double().numpy()) @ np.abs(w.double().numpy()).T) * (1 / 127)
     assert (np.abs(y.double().numpy() - full) <= bound + 1e-6).all()
+    # torch._int_mm's path (where oneDNN's quantized linear is missing): the same up to the scales' FP32 rounding
+    assert weight.packed is not None
+    plain = cpu_w8a8.linear(x, cpu_w8a8.W8A8Weight(weight.wq_t, weight.sw), b)
+    assert torch.allclose(plain, y, rtol=1e-6, atol=1e-6 * y.abs().max().item())
     bf = cpu_w8a8.linear(x.bfloat16(), cpu_w8a8.quantize_weights({"w": w.bfloat16()}, ["w"])["w"], b.bfloat16())
     assert bf.dtype == torch.bfloat16 and bf.shape == (m, n)
+
+
+def test_a_cpu_whose_products_saturate_is_refused(monkeypatch):
+    """An x86 CPU without VNNI / AMX sums u8 x s8 pairs into a saturating int16: the worst case is checked at load
+    (here a stand-in for such a kernel, clipping as vpmaddubsw does) and refused with a clear error."""
+    from surge.errors import ConfigError
+
+    op, prepack = cpu_w8a8._onednn()
+
+    def saturating(xu, xs, xz, packed, sw, zps, *rest):
+        w = packed_codes[id(packed)]
+        pairs = xu.long()[:, None, :] * w[None, :, :]  # u8 x s8, then the zero point's share taken off
+        pairs = (pairs[..., 0::2] + pairs[..., 1::2]).clamp(-32768, 32767)
+        acc = pairs.sum(-1) - xz * w.sum(1)[None, :]
+        return (acc.double() * sw.double()).float()
+
+    packed_codes = {}
+
+    def pack(q, shape):
+        p = prepack(q, shape)
+        packed_codes[id(p)] = q.long()
+        return p
+
+    monkeypatch.setattr(cpu_w8a8, "_onednn", lambda: (saturating, pack))
+    with pytest.raises(ConfigError, match="not exact"):
+        cpu_w8a8.quantize_weights({"w": torch.randn(8, 64)}, ["w"])
 
 
 def test_a_rows_bits_do_not_depend_on_its_batch():
@@ -148,7 +178,7 @@ def test_w8a8_engine_greedy_equals_transformers_on_the_same_rounding(name, tmp_p
     assert engine.quantization == "w8a8" == engine.capabilities.quantization
     assert engine.model.cpu_layout == {"layers": "w8a8", "lm_head": "w8a8"} and not engine.model._wt
     q = engine.model._w8a8
-    assert "lm_head" in q and all(t.dtype == torch.int8 for t, _ in q.values())
+    assert "lm_head" in q and all(w.wq_t.dtype == torch.int8 and w.packed is not None for w in q.values())
     assert not any(n in engine.model.w for n in q if n != "lm_head")  # the full-precision copies are gone
     print(name, "parted at near-ties:", _check_w8a8_greedy(engine, _patched_hf(d, name)))
 

@@ -76,7 +76,8 @@ class DecoderModel:
                 raise ValueError("W8A8 (integer products) runs on the CPU only")
             from surge.engines.decoder import cpu_w8a8 as w8a8
 
-            self._w8a8 = w8a8.quantize_weights(weights, [n for n in weights if is_layer_linear(n)] + ["lm_head"])
+            self._w8a8 = w8a8.quantize_weights(weights, [n for n in weights if is_layer_linear(n)] + ["lm_head"],
+                                               rows=decode_rows)
             self._w8a8_linear = w8a8.linear
             self.cpu_layout = {"layers": "w8a8", "lm_head": "w8a8"}
         self._wt = self._lay_out_cpu(weights, cpu_weight_layout, decode_rows) \
