@@ -862,3 +862,34 @@ def test_usage_counts_the_prompt_tokens_found_in_the_prefix_cache(client, hf):
     assert once.usage.prompt_tokens_details.cached_tokens == 0
     twice = client.completions.create(model="chat-qwen", prompt=[prompt], max_tokens=2, temperature=0.9)
     assert twice.usage.prompt_tokens_details.cached_tokens == (once.usage.prompt_tokens - 1) // 16 * 16 >= 16
+
+
+def test_w8a8_is_served_and_answers_as_transformers_on_the_same_products(model_dir, hf):
+    """`--generation quantization=w8a8` (the CPU's INT8 products) through `surge serve`: the openai client's greedy
+    chat answer, whole and streamed, is transformers' with every linear and the LM head computing the same W8A8
+    product (tests/unit/test_decoder_w8a8.py's reference), and so are its tokens' log-probabilities, which the
+    full-precision model's miss by far more (this prompt's text is the same for both)."""
+    from tests.unit.test_decoder_w8a8 import _patched_hf
+
+    def chosen_logprobs(model, ids, n):
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                             output_scores=True, return_dict_in_generate=True)
+        return [torch.log_softmax(sc[0].double(), -1).max().item() for sc in out.scores]
+
+    _, tok = hf
+    ref = (_patched_hf(model_dir, "qwen2"), tok)
+    ids = tok.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    expected, n = hf_text(ref, ids, 24)
+    want_lp, plain_lp = chosen_logprobs(ref[0], ids, n), chosen_logprobs(hf[0], ids, n)
+    assert max(abs(a - b) for a, b in zip(want_lp, plain_lp)) > 1e-2
+    with ServerProcess(str(model_dir), "--threads", "1", "--generation", "quantization=w8a8,cache_entries=0") as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        r = client.chat.completions.create(model="chat-qwen", messages=CHAT, max_tokens=24, temperature=0,
+                                           logprobs=True)
+        assert r.choices[0].message.content == expected and r.usage.completion_tokens == n
+        got_lp = [t.logprob for t in r.choices[0].logprobs.content]
+        assert max(abs(a - b) for a, b in zip(got_lp, want_lp)) < 2e-3, (got_lp, want_lp)
+        chunks = list(client.chat.completions.create(model="chat-qwen", messages=CHAT, max_tokens=24, temperature=0,
+                                                     stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
