@@ -2,9 +2,9 @@
 
 Above the row counts where the 8-bit split-K kernel pays (splitk_gemm.Q8_MAX_M: prefill chunks, decode steps of
 many streams) the engine multiplies by the weight dequantized for the call with cuBLAS. torch's form of the same
-arithmetic (models/weight_quant.dequantize) writes and reads an FP32 copy of the weight on the way (four kernels,
-~15 bytes moved an element) where this kernel moves 3: one byte read, two written (benchmarks/gpu_q8_rows.py
-times both).
+arithmetic (models/weight_quant.dequantize) writes and reads FP32 copies of the weight on the way (three kernels,
+~19 bytes moved an element) where this kernel moves 3: one byte read, two written (benchmarks/gpu_q8_rows.py
+times both: 4-7x faster on an H100).
 
 Same bits as models/weight_quant.dequantize: the code converted to FP32 exactly, one FP32 product with the row's
 scale, rounded once (to nearest even) to the output dtype.
