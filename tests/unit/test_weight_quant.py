@@ -118,11 +118,11 @@ def test_fp8_is_refused_where_it_cannot_run(tmp_path):
     from tests.decoder_models import build_model
 
     d = build_model("qwen2", tmp_path / "q", seed=6)
-    with pytest.raises(ConfigError, match="quantization=fp8 needs a CUDA GPU of compute capability 8.9"):
+    with pytest.raises(ConfigError, match="quantization=fp8 needs a CUDA GPU of compute capability 8.9.*w8a8"):
         DecoderEngine(d, device="cpu", quantization="fp8")
-    with pytest.raises(ConfigError, match="quantization=int8 needs a CUDA GPU of compute capability 8.0"):
+    with pytest.raises(ConfigError, match="quantization=int8 needs a CUDA GPU of compute capability 8.0.*w8a8"):
         DecoderEngine(d, device="cpu", quantization="int8")
-    with pytest.raises(ConfigError, match="none, fp8 or int8"):
+    with pytest.raises(ConfigError, match="none, fp8, int8 or w8a8"):
         DecoderEngine(d, device="cpu", quantization="int4")
     cfg = load_decoder_config(d)
     with pytest.raises(ValueError, match="CUDA GPU only"):

@@ -167,12 +167,14 @@ class DecoderEngine:
             if self.dtype not in (torch.float32, torch.bfloat16):
                 raise ConfigError(f"quantization=w8a8 runs FP32 or BF16 activations, not {self.dtype}")
             return
+        on_cpu = "; on the CPU, quantization=w8a8 multiplies INT8 weights and activations" \
+            if self.device.type == "cpu" else ""
         if quantization == "fp8" and not supported(self.device, "fp8"):
             raise ConfigError(f"quantization=fp8 needs a CUDA GPU of compute capability 8.9 or newer (Ada, "
-                              f"Hopper), not {self.device}: its kernels convert FP8 weight tiles in hardware")
+                              f"Hopper), not {self.device}: its kernels convert FP8 weight tiles in hardware{on_cpu}")
         if quantization == "int8" and not supported(self.device, "int8"):
             raise ConfigError(f"quantization=int8 needs a CUDA GPU of compute capability 8.0 or newer, not "
-                              f"{self.device}: its kernels multiply the weights in BF16 / FP16 there")
+                              f"{self.device}: its kernels multiply the weights in BF16 / FP16 there{on_cpu}")
         if quantization != "none" and self.dtype not in (torch.bfloat16, torch.float16):
             raise ConfigError(f"quantization={quantization} runs BF16 or FP16 activations, not {self.dtype}")
 
