@@ -109,15 +109,21 @@ def test_each_cpu_weight_layout_equals_transformers(name, layout, model_dirs, hf
     _check_greedy(engine, hf_models[name])
 
 
-def _check_greedy(engine, hf_model):
+def run_greedy_workload(engine, n_new=18):
+    """Nine greedy sequences through a 22-block cache (joins, later arrivals, preemption, prefix-cache hits):
+    (scheduler, sequences, prompts) after the run."""
     sched = Scheduler(SchedulerConfig(num_blocks=22, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
                                       max_model_len=256), engine.cfg.eos_token_ids)
     prompts = prompts_for(engine.cfg.vocab_size, 7)
-    n_new = 18
     seqs = [Sequence(i, p, SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True))
             for i, p in enumerate(prompts)]
-    arrivals = [0, 0, 0, 3, 5, 9, 0, 30, 31]
-    drive(engine, sched, seqs, arrivals)
+    drive(engine, sched, seqs, [0, 0, 0, 3, 5, 9, 0, 30, 31])
+    return sched, seqs, prompts
+
+
+def _check_greedy(engine, hf_model):
+    n_new = 18
+    sched, seqs, prompts = run_greedy_workload(engine, n_new)
     for s, p in zip(seqs, prompts):
         assert s.output_ids == hf_greedy(hf_model, p, n_new), f"prompt {s.seq_id} of {len(p)} tokens"
     assert sched.preemptions > 0, "the KV cache is sized to force preemption"

@@ -139,16 +139,10 @@ def _check_w8a8_greedy(engine, hf_model):
     two logits are within 1% of the logits' scale. W8A8 is not continuous: an input a last-bit FP32 rounding
     apart (the engine's and transformers' norms round differently) can move one activation code, and one code
     moves a logit by ~0.5%; the codes themselves are checked exactly above."""
-    from tests.unit.test_decoder_engine import drive, prompts_for
-    from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
+    from tests.unit.test_decoder_engine import run_greedy_workload
 
-    sched = Scheduler(SchedulerConfig(num_blocks=22, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
-                                      max_model_len=256), engine.cfg.eos_token_ids)
-    prompts = prompts_for(engine.cfg.vocab_size, 7)
     n_new = 18
-    seqs = [Sequence(i, p, SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True))
-            for i, p in enumerate(prompts)]
-    drive(engine, sched, seqs, [0, 0, 0, 3, 5, 9, 0, 30, 31])
+    sched, seqs, prompts = run_greedy_workload(engine, n_new)
     equal, parted = 0, []
     for s, p in zip(seqs, prompts):
         out = hf_model.generate(torch.tensor([p]), max_new_tokens=n_new, do_sample=False, eos_token_id=None,
