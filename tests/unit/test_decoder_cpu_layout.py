@@ -22,7 +22,7 @@ def _weights(g):
 
 def _model(w, wt):
     model = DecoderModel.__new__(DecoderModel)
-    model.w, model._wt, model._scales = w, wt, {}  # no 8-bit weights
+    model.w, model._wt, model._scales, model._w8a8 = w, wt, {}, {}  # no 8-bit weights, no W8A8
     return model
 
 
