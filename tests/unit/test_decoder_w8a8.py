@@ -195,3 +195,21 @@ def test_w8a8_refuses_what_it_cannot_run(tmp_path):
     assert GenerationConfig(quantization="w8a8").quantization == "w8a8"
     bf16 = DecoderEngine(d, num_blocks=8, block_size=4, quantization="w8a8", dtype="bf16")
     assert bf16.quantization == "w8a8" and bf16.model.dtype == torch.bfloat16
+
+
+def test_without_onednns_op_the_products_run_on_int_mm(monkeypatch):
+    """Where oneDNN's quantized linear is missing (or refuses the probe's arguments), weights are not packed and
+    torch._int_mm computes the same products."""
+    w = torch.randn(40, 96, generator=torch.Generator().manual_seed(8))
+    x = _x(5, 96, 9)
+    packed = cpu_w8a8.quantize_weights({"w": w}, ["w"])["w"]
+    want = cpu_w8a8.linear(x, packed)
+    cpu_w8a8._onednn.cache_clear()
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    try:
+        plain = cpu_w8a8.quantize_weights({"w": w}, ["w"])["w"]
+        assert plain.packed is None and packed.packed is not None
+        y = cpu_w8a8.linear(x, plain)
+        assert torch.allclose(y, want, rtol=1e-6, atol=1e-6 * y.abs().max().item())
+    finally:
+        cpu_w8a8._onednn.cache_clear()

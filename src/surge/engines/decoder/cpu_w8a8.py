@@ -46,11 +46,24 @@ class W8A8Weight:
 
 @functools.cache
 def _onednn():
-    """oneDNN's (quantized linear, weight prepack) ops, or (None, None) where this torch lacks them."""
+    """oneDNN's (quantized linear, weight prepack) ops, or (None, None) where this torch lacks them or they do not
+    take the arguments used here (they are the ops torch's compiler calls, not a stable API: probed once on a
+    small product, which must come out exact, else torch._int_mm serves)."""
     if not torch.backends.mkldnn.is_available():
         return None, None
     op, prepack = (getattr(torch.ops.onednn, n, None) for n in ("qlinear_pointwise", "qlinear_prepack"))
-    return (op, prepack) if op is not None and prepack is not None else (None, None)
+    if op is None or prepack is None:
+        return None, None
+    try:
+        q = torch.arange(-60, 60, dtype=torch.int8).reshape(3, 40)
+        x = torch.arange(80, dtype=torch.int16).reshape(2, 40).sub(40)
+        y = op((x + _ZP).to(torch.uint8), 1.0, _ZP, prepack(q, [2, 40]), torch.ones(3),
+               torch.zeros(3, dtype=torch.int64), None, 1.0, 0, torch.float32, "none", [], "")
+        if torch.equal(y.double(), (x.double() @ q.double().T)):
+            return op, prepack
+    except (RuntimeError, TypeError, ValueError):
+        pass
+    return None, None
 
 
 def quantize_weights(weights: dict, names, rows: int = 8) -> dict:
