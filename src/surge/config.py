@@ -248,8 +248,9 @@ class GenerationConfig(_Strict):
         "auto", description="On the CPU, the layout the linear weights are kept in: in_out ([in, out], x @ W) or "
         "out_in ([out, in], F.linear); each is faster on some processors. auto (default): both timed at load on "
         "the model's own weights at the rows of a decode step, the layers and the LM head apart, the faster kept "
-        "(engines/decoder/cpu_layout.py; the choice is logged; weights under 8 MiB a group stay in_out). Answers are equal up to floating-point rounding; "
-        "pin one for results that never depend on the machine's timings. Not used on the GPU.")
+        "(engines/decoder/cpu_layout.py; the choice is logged; weights under 8 MiB a group stay in_out). Answers "
+        "are equal up to floating-point rounding; pin one for results that never depend on the machine's timings. "
+        "Not used on the GPU.")
     cache_entries: int = Field(1024, ge=0, description="Finished greedy / seeded generations kept (0: off).")
     tool_call_parser: Literal["none", "hermes", "llama3_json", "mistral"] = Field(
         "none", description="How a chat answer's tool calls are read, and written by a required or named "

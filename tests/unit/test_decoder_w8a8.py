@@ -67,8 +67,12 @@ def test_the_product_is_the_integer_product_of_the_rounded_rows(m, k, n):
     assert weight.packed is not None
     plain = cpu_w8a8.linear(x, cpu_w8a8.W8A8Weight(weight.wq_t, weight.sw), b)
     assert torch.allclose(plain, y, rtol=1e-6, atol=1e-6 * y.abs().max().item())
-    bf = cpu_w8a8.linear(x.bfloat16(), cpu_w8a8.quantize_weights({"w": w.bfloat16()}, ["w"])["w"], b.bfloat16())
+    # BF16 activations and weights: the same product of their codes, rounded once to BF16 at the end
+    xb, wb, bb = x.bfloat16(), w.bfloat16(), b.bfloat16()
+    bf = cpu_w8a8.linear(xb, cpu_w8a8.quantize_weights({"w": wb}, ["w"])["w"], bb)
+    want = _w8a8_float64(xb.double().numpy(), wb, bb.double().numpy())
     assert bf.dtype == torch.bfloat16 and bf.shape == (m, n)
+    assert (np.abs(bf.double().numpy() - want) <= 2.0 ** -8 * np.abs(want) + 1e-6 * np.abs(want).max()).all()
 
 
 def test_a_cpu_whose_products_saturate_is_refused(monkeypatch):
@@ -189,9 +193,9 @@ def test_w8a8_refuses_what_it_cannot_run(tmp_path):
         DecoderEngine(d, num_blocks=8, block_size=4, quantization="int4")
     with pytest.raises(ValueError, match="CPU only"):
         from surge.engines.decoder.model import DecoderModel
+        from surge.models.decoder import load_decoder_config
 
-        DecoderModel(DecoderEngine(d, num_blocks=8, block_size=4).cfg, {}, torch.device("meta"), torch.float32,
-                     cpu_w8a8=True)
+        DecoderModel(load_decoder_config(d), {}, torch.device("meta"), torch.float32, cpu_w8a8=True)
     assert GenerationConfig(quantization="w8a8").quantization == "w8a8"
     bf16 = DecoderEngine(d, num_blocks=8, block_size=4, quantization="w8a8", dtype="bf16")
     assert bf16.quantization == "w8a8" and bf16.model.dtype == torch.bfloat16

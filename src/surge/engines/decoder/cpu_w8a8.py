@@ -5,7 +5,7 @@ A CPU decode step is ~80% linear layers and the LM head, and their weights are r
 (models/weight_quant.quantize: half BF16's bytes, a quarter of FP32's), and each product quantizes its input one
 row at a time (symmetric INT8, the row's largest |x| at 127: "dynamic per token") and multiplies with integers
 (oneDNN's quantized linear on weights packed once at load: VNNI / AMX kernels; torch._int_mm where that op is
-missing, which repacks the weight every call and measured ~2x slower on the LM head), so
+missing: it repacks the weight every call, 1.7x slower on GPT-2's LM head, benchmarks/cpu_linear_forms.py), so
 
     y[m, n] = (sum_k xq[m, k] * wq[n, k]) * sx[m] * sw[n] + bias[n]
 
@@ -72,15 +72,17 @@ def quantize_weights(weights: dict, names, rows: int = 8) -> dict:
     tied LM head keeps the embedding, another name for the same storage). A ConfigError where this CPU's integer
     products are not exact (x86 without VNNI or AMX may saturate int16 pair sums: checked here, on the worst
     case, not guessed from flags)."""
-    prepack = _onednn()[1]
-    out = {}
-    for name in names:
-        w = weights.pop(name)
-        q, s = quantize(w, "int8")
-        packed = prepack(q, [rows, q.shape[1]]) if prepack is not None else None
-        out[name] = W8A8Weight(q.t(), s.float(), packed, torch.zeros(q.shape[0], dtype=torch.int64))
+    out = {name: _weight(weights.pop(name), rows) for name in names}
     _check_exact()
     return out
+
+
+def _weight(w: torch.Tensor, rows: int) -> W8A8Weight:
+    q, s = quantize(w, "int8")
+    prepack = _onednn()[1]
+    if prepack is None:
+        return W8A8Weight(q.t(), s.float())
+    return W8A8Weight(q.t(), s.float(), prepack(q, [rows, q.shape[1]]), torch.zeros(q.shape[0], dtype=torch.int64))
 
 
 def _check_exact() -> None:
@@ -91,11 +93,8 @@ def _check_exact() -> None:
     w = torch.full((3, k), 1.0)
     w[1, 1::2] = -1.0
     w[2] = -1.0
-    q, sw = quantize(w, "int8")
-    prepack = _onednn()[1]
-    ww = W8A8Weight(q.t(), sw, prepack(q, [2, k]) if prepack is not None else None, torch.zeros(3, dtype=torch.int64))
-    got = linear(x, ww)
-    want = (x.double() @ (q.double() * sw.double()[:, None]).T)
+    got = linear(x, _weight(w, 2))
+    want = x.double() @ w.double().T  # the codes are the values here (scale 1 / 127 a row, exact in float64)
     if not torch.allclose(got.double(), want, rtol=1e-6, atol=1e-3):
         raise ConfigError("quantization=w8a8: this CPU's INT8 products are not exact (its kernels saturate: an x86 "
                           "CPU without AVX-VNNI, AVX512-VNNI or AMX); use dtype=bf16 or fp32 without it")
