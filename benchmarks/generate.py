@@ -48,6 +48,10 @@ SHAPES = {
                                rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                                rope_theta=500000.0)),
+    # Llama-3-8B: 32 layers, 4096 hidden, 32 q / 8 kv heads, 14336 FFN, 128256 vocab (untied)
+    "llama-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                               max_position_embeddings=4096, tie_word_embeddings=False, rope_theta=500000.0)),
     # GPT-2 small (124M)
     "gpt2-small": ("gpt2", dict(n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=50257)),
     "gpt2-tiny": ("gpt2", dict(n_embd=128, n_layer=2, n_head=4, n_positions=512, vocab_size=1000)),
@@ -64,8 +68,12 @@ def build(shape: str, out: Path, device: str) -> Path:
     torch.manual_seed(0)
     with torch.device(device):
         model = model_cls(cfg)
+    if sum(p.numel() for p in model.parameters()) > 2e9:  # an 8B model: BF16 on disk (half the bytes to write)
+        model = model.to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
     del model
+    if str(device).startswith("cuda"):
+        torch.cuda.empty_cache()
     return out
 
 
@@ -151,7 +159,8 @@ def make_service(path: Path, args, n: int, fused: bool = True, overlap: bool = T
               kv_cache_tokens=(n + 8) * max_len, cuda_graphs=not args.no_graphs, fused=fused,
               decode_gemm=args.decode_gemm, decode_attention=args.decode_attention, pdl=not args.no_pdl,
               decode_steps=steps, decode_launch_ms=gen.decode_launch_ms, speculative_tokens=speculative,
-              quantization=quantization, cpu_weight_layout=layout)
+              quantization=quantization.removesuffix("-weight-only"), cpu_weight_layout=layout,
+              fp8_activations=not quantization.endswith("-weight-only"))
     if process:
         from surge.runtime.generate_process import EngineProcess
 
@@ -371,9 +380,9 @@ def main(argv=None) -> int:
     ap.add_argument("--speculative-max-batch", type=int, default=None,
                     help="speculate only in steps of at most this many sequences (default: the setting's default)")
     ap.add_argument("--profile", action="store_true", help="one more surge round under torch.profiler")
-    ap.add_argument("--quantization", action="append", choices=["fp8", "int8", "w8a8"], default=[],
-                    help="also surge with 8-bit weights (--generation quantization=fp8 / int8 on a GPU, w8a8: INT8 "
-                         "products on the CPU); repeatable")
+    ap.add_argument("--quantization", action="append", choices=["fp8", "fp8-weight-only", "int8", "w8a8"], default=[],
+                    help="also surge with 8-bit weights (--generation quantization=fp8 / int8 on a GPU; "
+                         "fp8-weight-only: fp8 with fp8_activations=false; w8a8: INT8 products on the CPU); repeatable")
     ap.add_argument("--cpu-weight-layout", action="append", choices=["in_out", "out_in"], default=[],
                     help="also surge with the CPU's linear weights pinned to this layout (the first row measures "
                          "both at load: cpu_weight_layout=auto); repeatable")

@@ -201,6 +201,12 @@ class GenerationConfig(_Strict):
         "whatever this says. w8a8 (compressed-tensors' W8A8 scheme), on the CPU: every linear weight and the LM "
         "head as symmetric INT8 a row, each input row quantized to INT8 as it comes, the products in integers "
         "(oneDNN's VNNI / AMX kernels): a quarter of FP32's weight bytes; answers are a W8A8 model's.")
+    fp8_activations: bool = Field(
+        True, description="With FP8 weights (quantization=fp8, or an FP8 checkpoint) on a GPU with FP8 tensor cores "
+        "(Hopper on): the products whose input is a norm's output (q/k/v, gate/up) quantize that input's rows to FP8 "
+        "E4M3 too, one scale a row, and run on the FP8 tensor cores (vLLM's FP8 W8A8 form; faster than converting "
+        "the weights to BF16 from ~1B parameters up, benchmarks/gpu_fp8_forms.py); the o and down products keep "
+        "BF16 inputs. false: every FP8 product keeps BF16 inputs (weight-only, closer to the unquantized model).")
     cuda_graphs: bool = Field(True, description="On a GPU: replay decode steps as CUDA graphs per batch bucket.")
     overlap_steps: bool = Field(True, description="Launch the next greedy decode step before the last one's tokens "
                                 "are read back (its inputs stay on the device), so host work overlaps the GPU.")

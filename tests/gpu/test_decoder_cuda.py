@@ -194,10 +194,11 @@ def _fit(d, lr):
 
 
 def _compare_greedy(model_dir, prompts, steps=32, same_paths=True, decode_gemm="auto", ref_dir=None, max_num_seqs=16,
-                    num_blocks=512, **engine_kw):
+                    num_blocks=512, ref_patch=None, **engine_kw):
     """surge BF16 (CUDA graphs, overlapped steps) against transformers BF16 generate, and the BF16
     logits of a prefill against transformers FP32 (of ref_dir's weights where given: e.g. the FP8 round
-    trip of model_dir's). Returns (equal, near_ties, other, logit_err, scale)."""
+    trip of model_dir's; ref_patch(model) changes both transformers models first, e.g. hooks that round a
+    module's inputs as the engine does). Returns (equal, near_ties, other, logit_err, scale)."""
     from transformers import AutoModelForCausalLM
 
     from surge.engines.decoder import DecoderEngine
@@ -215,6 +216,9 @@ def _compare_greedy(model_dir, prompts, steps=32, same_paths=True, decode_gemm="
     ref_dir = ref_dir or model_dir
     hf32 = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).cuda().eval()
     hf16 = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.bfloat16).cuda().eval()
+    if ref_patch is not None:
+        ref_patch(hf32)
+        ref_patch(hf16)
     # logits of whole prompts (prefill through the Triton kernel) against FP32
     err, scale = 0.0, 0.0
     for p in prompts[:4]:

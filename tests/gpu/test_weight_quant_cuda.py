@@ -25,6 +25,33 @@ def _need(kind):
         pytest.skip(f"{kind} weights need compute capability {'8.9' if kind == 'fp8' else '8.0'}+")
 
 
+def _need_fp8_rows():
+    from surge.engines.kernels import fp8_rows
+
+    if not fp8_rows.supported():
+        pytest.skip("FP8 products with row-wise scales need a Hopper-class GPU and torch._scaled_mm")
+
+
+# the modules whose inputs the engine rounds to FP8 rows with fp8_activations (transformers' names)
+FP8_INPUT_NAMES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_attn", "c_fc")
+
+
+def fp8_input_rows(model):
+    """transformers' model with the inputs of the norm-fed products rounded as the engine's FP8 rows are
+    (models/weight_quant.quantize_rows, then q * scale in the model's dtype)."""
+    from surge.models.weight_quant import quantize_rows
+
+    def hook(module, args):
+        x = args[0]
+        q, s = quantize_rows(x.reshape(-1, x.shape[-1]))
+        return ((q.float() * s).to(x.dtype).reshape(x.shape),) + tuple(args[1:])
+
+    hooked = [m.register_forward_pre_hook(hook) for name, m in model.named_modules()
+              if name.rsplit(".", 1)[-1] in FP8_INPUT_NAMES]
+    assert hooked, "no module of the reference takes FP8 rows"
+    return model
+
+
 def _q8(n, k, seed, kind="fp8"):
     """A random [n, k] weight whose rows span a 40x range of magnitudes (the per-row scales matter), as the
     engine quantizes it (from BF16): (q, scale, the dequantized weight in float64)."""
@@ -196,20 +223,24 @@ def test_dequant_kernel_equals_torch_bit_for_bit(kind, dtype):
         dequantize(q, s, dt, out=torch.empty(n, k + 1, dtype=dt, device="cuda"))
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_8bit_decode_steps_of_more_than_64_streams(trained_q8, kind):
+@pytest.mark.parametrize("kind,act", [("fp8", False), ("int8", False), ("fp8", True)])
+def test_8bit_decode_steps_of_more_than_64_streams(trained_q8, kind, act):
     """96 streams: decode steps of 96 rows run the 8-bit kernel's M tiles (CUDA graphs of those buckets), prefill
-    chunks of up to 512 tokens the kernel or cuBLAS on the dequantized weights; logits within tolerance of
-    transformers FP32 on the dequantized weights, greedy tokens equal to its BF16 generate on all 16 steps for the
-    bulk of 96 prompts, any parting at a near-tie."""
+    chunks of up to 512 tokens the kernel or cuBLAS on the dequantized weights (act: the qkv and gate/up products
+    on FP8 rows, cuBLASLt's FP8 GEMM at every size); logits within tolerance of transformers FP32 on the
+    dequantized weights (act: with those products' inputs rounded to FP8 rows), greedy tokens equal to its BF16
+    generate on all 16 steps for the bulk of 96 prompts, any parting at a near-tie."""
     from tests.gpu.test_decoder_cuda import _compare_greedy, _prompts
 
     _need(kind)
+    if act:
+        _need_fp8_rows()
     d, refs = trained_q8
     prompts = _prompts(384, 96)
     equal, near, other, err, scale = _compare_greedy(d, prompts, steps=16, ref_dir=refs[kind], same_paths=False,
-                                                     max_num_seqs=96, num_blocks=1024, quantization=kind)
-    print(f"{kind}, 96 streams: {equal}/{len(prompts)} equal on 16 steps; near-ties {near}; other {other}; "
+                                                     max_num_seqs=96, num_blocks=1024, quantization=kind,
+                                                     fp8_activations=act, ref_patch=fp8_input_rows if act else None)
+    print(f"{kind} (act {act}), 96 streams: {equal}/{len(prompts)} equal on 16 steps; near-ties {near}; other {other}; "
           f"max logit error {err:.4f} of scale {scale:.2f}")
     assert err < 0.05 * scale
     assert not other, f"divergences that are not near-ties: {other}"
@@ -303,7 +334,7 @@ def test_8bit_engine_follows_transformers_on_the_dequantized_weights(trained_q8,
     _need(kind)
     d, refs = trained_q8
     e = DecoderEngine(d, device="cuda", dtype="bf16", num_blocks=64, max_num_seqs=4, max_model_len=512,
-                      cuda_graphs=False, quantization=kind)
+                      cuda_graphs=False, quantization=kind, fp8_activations=False)
     plain = DecoderEngine(d, device="cuda", dtype="bf16", num_blocks=64, max_num_seqs=4, max_model_len=512,
                           cuda_graphs=False)
     linear = [n for n in e.model.w if is_layer_linear(n)]
@@ -318,7 +349,8 @@ def test_8bit_engine_follows_transformers_on_the_dequantized_weights(trained_q8,
         assert e.model._gate_up[f"l{i}.up_gate"] == gate_up.q8_plan_for(512, 256)
     del e, plain
     prompts = _prompts(384, 24)
-    equal, near, other, err, scale = _compare_greedy(d, prompts, ref_dir=refs[kind], pdl=True, quantization=kind)
+    equal, near, other, err, scale = _compare_greedy(d, prompts, ref_dir=refs[kind], pdl=True, quantization=kind,
+                                                     fp8_activations=False)
     print(f"{kind}: {equal}/{len(prompts)} prompts equal on 32 greedy steps; near-ties {near}; other {other}; "
           f"max logit error {err:.4f} of scale {scale:.2f}")
     assert err < 0.05 * scale
@@ -326,20 +358,59 @@ def test_8bit_engine_follows_transformers_on_the_dequantized_weights(trained_q8,
     assert equal >= 0.75 * len(prompts), f"only {equal}/{len(prompts)} prompts equal"
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "qwen3"])
-def test_fp8_on_the_unfused_layer(tmp_path, kind):
+def test_fp8_w8a8_engine_follows_transformers_on_fp8_rows(trained_q8):
+    """quantization=fp8 on a Hopper-class GPU (fp8_activations, the default): the qkv and gate/up products take
+    the norm kernels' FP8 rows into cuBLASLt's FP8 GEMM, o and down keep their 8-bit split-K plans; the engine
+    says fp8-w8a8; logits within tolerance of transformers FP32 on the dequantized weights with those products'
+    inputs rounded to FP8 rows, greedy tokens equal to its BF16 generate on all 32 steps for the bulk of prompts
+    (CUDA graphs, overlapped and multi-step launches, PDL), any parting at a near-tie; without the rounding hooks
+    the reference is further away (the rows' rounding is what the engine runs)."""
+    from surge.engines.decoder import DecoderEngine
+    from tests.gpu.test_decoder_cuda import _compare_greedy, _prompts
+
     _need("fp8")
+    _need_fp8_rows()
+    d, refs = trained_q8
+    e = DecoderEngine(d, device="cuda", dtype="bf16", num_blocks=64, max_num_seqs=4, max_model_len=512,
+                      cuda_graphs=False, quantization="fp8")
+    layers = e.cfg.num_layers
+    assert e.capabilities.quantization == "fp8-w8a8" == e.model.quantization
+    assert e.model._fp8_act == {f"l{i}.{m}" for i in range(layers) for m in ("qkv", "up_gate")}
+    assert set(e.model._splitk) == {f"l{i}.{m}" for i in range(layers) for m in ("o", "down")}
+    assert not e.model._gate_up
+    del e
+    prompts = _prompts(384, 24)
+    equal, near, other, err, scale = _compare_greedy(d, prompts, ref_dir=refs["fp8"], pdl=True, quantization="fp8",
+                                                     ref_patch=fp8_input_rows)
+    _, _, _, err_plain, _ = _compare_greedy(d, prompts[:4], steps=2, ref_dir=refs["fp8"], quantization="fp8")
+    print(f"fp8-w8a8: {equal}/{len(prompts)} prompts equal on 32 greedy steps; near-ties {near}; other {other}; "
+          f"max logit error {err:.4f} of scale {scale:.2f} (against the weight-only reference {err_plain:.4f})")
+    assert err < 0.05 * scale and err < err_plain
+    assert not other, f"divergences that are not near-ties: {other}"
+    assert equal >= 0.75 * len(prompts), f"only {equal}/{len(prompts)} prompts equal"
+
+
+@pytest.mark.parametrize("act", [False, True])
+@pytest.mark.parametrize("kind", ["gpt2", "qwen3"])
+def test_fp8_on_the_unfused_layer(tmp_path, kind, act):
     """GPT-2 and Qwen3 run the unfused layer on the GPU: their FP8 linears go through the split-K kernel and its
-    reduce at decode sizes, cuBLAS on the dequantized weight above; greedy tokens follow transformers BF16 on the
-    dequantized weights as the BF16 engine follows transformers BF16 (the same near-tie rule)."""
+    reduce at decode sizes, cuBLAS on the dequantized weight above (act: the norm-fed products, GPT-2's c_attn and
+    c_fc, Qwen3's q/k/v and gate/up, on FP8 rows quantized by their own kernel); greedy tokens follow transformers
+    BF16 on the dequantized weights (act: those products' inputs rounded to FP8 rows) as the BF16 engine follows
+    transformers BF16 (the same near-tie rule)."""
     from tests.decoder_models import build_model
     from tests.gpu.test_decoder_cuda import _compare_greedy, _prompts
 
+    _need("fp8")
+    if act:
+        _need_fp8_rows()
     d = build_model(kind, tmp_path / kind, seed=4)
     ref = _dequantized_gpt2(d, tmp_path / "ref") if kind == "gpt2" else _dequantized_copy(d, tmp_path / "ref")
     prompts = _prompts(384, 8)
-    equal, near, other, err, scale = _compare_greedy(d, prompts, same_paths=False, ref_dir=ref, quantization="fp8")
-    print(f"{kind} fp8: {equal}/{len(prompts)} equal; near-ties {near}; other {other}; err {err:.4f} of {scale:.2f}")
+    equal, near, other, err, scale = _compare_greedy(d, prompts, same_paths=False, ref_dir=ref, quantization="fp8",
+                                                     fp8_activations=act, ref_patch=fp8_input_rows if act else None)
+    print(f"{kind} fp8 (act {act}): {equal}/{len(prompts)} equal; near-ties {near}; other {other}; "
+          f"err {err:.4f} of {scale:.2f}")
     assert err < 0.05 * scale
     assert not other, f"divergences that are not near-ties: {other}"
 
@@ -381,7 +452,7 @@ def test_a_quantized_checkpoint_runs_its_own_weights_on_the_gpu(trained_q8, tmp_
     d, _ = trained_q8
     ckpt = build_quantized_checkpoint(d, tmp_path / "ct", scheme)
     e = DecoderEngine(ckpt, device="cuda", dtype="bf16", num_blocks=64, max_num_seqs=4, max_model_len=512,
-                      cuda_graphs=False)
+                      cuda_graphs=False, fp8_activations=False)
     assert e.capabilities.quantization == kind == e.model.quantization
     from safetensors import safe_open
 
@@ -396,7 +467,8 @@ def test_a_quantized_checkpoint_runs_its_own_weights_on_the_gpu(trained_q8, tmp_
     assert not missing and all(k.rsplit(".", 1)[-1] in QUANT_PARAMS for k in unexpected), unexpected[:4]
     dense.save_pretrained(tmp_path / "dense", safe_serialization=True)
     prompts = _prompts(384, 16)
-    equal, near, other, err, scale = _compare_greedy(ckpt, prompts, ref_dir=tmp_path / "dense", pdl=True)
+    equal, near, other, err, scale = _compare_greedy(ckpt, prompts, ref_dir=tmp_path / "dense", pdl=True,
+                                                     fp8_activations=False)
     print(f"{scheme} checkpoint: {equal}/{len(prompts)} equal; near-ties {near}; other {other}; err {err:.4f} of {scale:.2f}")
     assert err < 0.05 * scale
     assert not other, f"divergences that are not near-ties: {other}"

@@ -51,6 +51,33 @@ def test_each_element_is_the_nearest_code_of_its_row_scaled(seed, kind):
     assert torch.equal((scaled - q.double()).abs(), best)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_activation_rows_are_the_nearest_codes_of_each_row_scaled(dtype):
+    """quantize_rows (FP8 activation rows for a W8A8 product; the GPU kernels equal it bit for bit): each row's
+    scale its largest magnitude / 448 (at least 1e-12 / 448: a row of zeros keeps codes 0), its largest element
+    the code 448, every other element the nearest E4M3 code (ties to even) of x * (448 / amax) computed in FP32
+    with IEEE divisions; a row's codes do not depend on the other rows."""
+    from surge.models.weight_quant import quantize_rows
+
+    x = _weights(5).to(dtype)
+    q, scale = quantize_rows(x)
+    assert q.dtype == FP8 and q.shape == x.shape and scale.dtype == torch.float32 and scale.shape == (37, 1)
+    xf = x.float()
+    amax = xf.abs().amax(1, keepdim=True)
+    live = amax[:, 0] > 0
+    assert torch.equal(scale[live], amax[live] / FP8_MAX)
+    assert scale[9, 0] == torch.tensor(1e-12, dtype=torch.float32) / FP8_MAX and not q[9].double().any()
+    assert (q.double().abs().amax(1)[live] == FP8_MAX).all()
+    inv = torch.tensor(FP8_MAX, dtype=torch.float32) / amax.clamp_min(1e-12)  # one IEEE division a row
+    scaled = (xf * inv).double().clamp(-FP8_MAX, FP8_MAX)
+    dist = (scaled[..., None] - _codes("fp8")).abs()
+    assert torch.equal((scaled - q.double()).abs(), dist.amin(-1))
+    ties = (dist == dist.amin(-1, keepdim=True)).sum(-1) > 1  # equidistant: the even code (mantissa bit 0 clear)
+    assert (q.view(torch.uint8)[ties] & 1 == 0).all()
+    q3, s3 = quantize_rows(x[3:4])
+    assert torch.equal(q3.view(torch.uint8), q[3:4].view(torch.uint8)) and torch.equal(s3, scale[3:4])
+
+
 def test_dequantized_weights_are_within_the_formats_rounding_of_the_originals():
     """E4M3: half a step of a 3-bit mantissa (1/16 relative) for normal values, half the subnormal step (2^-10 of
     the scale) below them. INT8: half a step of the row's uniform grid (half its scale) anywhere."""

@@ -48,6 +48,16 @@ def quantize(w: torch.Tensor, kind: str = "fp8") -> tuple[torch.Tensor, torch.Te
     return q, scale
 
 
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activation rows x [M, K] -> (q [M, K] float8_e4m3fn, scale [M, 1] float32), q * scale ~ x: each row's
+    largest |x| (at least 1e-12) maps to 448, x * (448 / amax) rounded to the nearest code (ties to even), scale
+    amax / 448; both divisions IEEE, in FP32 (the form of engines/kernels/fp8_rows.py's kernels)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
+    inv = torch.full_like(amax, FP8_MAX) / amax  # tensor / tensor: torch's scalar / tensor is a reciprocal times
+    return (xf * inv).clamp_(-FP8_MAX, FP8_MAX).to(FP8), amax / FP8_MAX
+
+
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """q * scale[:, None], computed in FP32 and rounded once to `dtype`."""
     return (q.float() * scale[:, None]).to(dtype)

@@ -714,7 +714,7 @@ def decoder_engine_kwargs(config: GenerationConfig, device: str, precision: str 
                 decode_launch_ms=config.decode_launch_ms, max_loras=config.max_loras or 0,
                 max_lora_rank=config.max_lora_rank, speculative_tokens=config.speculative_tokens,
                 speculative_model=config.speculative_model, quantization=config.quantization,
-                cpu_weight_layout=config.cpu_weight_layout)
+                cpu_weight_layout=config.cpu_weight_layout, fp8_activations=config.fp8_activations)
 
 
 def service_over(engine, path: Path, name: str, version: str, config: GenerationConfig,

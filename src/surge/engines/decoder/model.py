@@ -16,7 +16,10 @@ import torch.nn.functional as F
 from surge.engines.decoder import cpu_layout
 from surge.engines.decoder.attention import AttnMeta, causal_dense, paged_attention_torch, write_kv
 from surge.models.decoder import LINEAR_MODULES, DecoderConfig, is_layer_linear, rope_inv_freq
-from surge.models.weight_quant import SCALE_SUFFIX, kind_of
+from surge.models.weight_quant import FP8, SCALE_SUFFIX, kind_of
+
+# the linear modules whose input is a norm's output: with FP8 weights they can take FP8 input rows (W8A8)
+FP8_INPUT_MODULES = ("qkv", "up_gate", "fc_in")
 
 
 # The layer's pieces as free functions in TorchScript's subset: the decoder embedder's CPU forward
@@ -45,7 +48,7 @@ class DecoderModel:
                  attention: str = "torch", fused: bool = True, decode_block_n: int | None = None,
                  decode_gemm: str = "auto", decode_attention: str = "fused", pdl: bool = True,
                  l2_prefetch: bool | str = False, lora=None, cpu_weight_layout: str = "in_out",
-                 decode_rows: int = 8, cpu_w8a8: bool = False):
+                 decode_rows: int = 8, cpu_w8a8: bool = False, fp8_activations: bool = False):
         self.cfg = cfg
         # LoRA adapters (engines/decoder/lora.LoraBank): their deltas join the layers' GEMM outputs
         self.lora = lora
@@ -57,6 +60,19 @@ class DecoderModel:
             raise ValueError("8-bit (FP8 / INT8) weights run on a CUDA GPU only")
         self.device = device
         self.dtype = dtype
+        # FP8 weights whose input is a norm's output (qkv, gate/up; GPT-2's fc_in): with fp8_activations, where the
+        # GPU has FP8 tensor cores, that input's rows are quantized to FP8 too (the norm kernel writes them) and the
+        # product is cuBLASLt's FP8 GEMM (kernels/fp8_rows.py: W8A8, faster than converting the weight's tiles).
+        # The o and down products keep BF16 inputs: their inputs come from kernels that hold parts of a row, and
+        # at 64 rows the weight-only kernels match or beat cuBLASLt's there (benchmarks/gpu_fp8_forms.py).
+        self._fp8_act: set[str] = set()
+        if fp8_activations and self._scales and device.type == "cuda":
+            from surge.engines.kernels import fp8_rows
+
+            if fp8_rows.supported(device.index or 0):
+                self._fp8_rows = fp8_rows
+                self._fp8_act = {n for n in self._scales if n.partition(".")[2] in FP8_INPUT_MODULES
+                                 and self.w[n].dtype == FP8 and fp8_rows.fits(*self.w[n].shape)}
         self.scale = cfg.attention_scale or 1.0 / math.sqrt(cfg.head_dim)
         self.attention = attention
         if decode_block_n is None and attention == "triton":  # the measured value for the head layout
@@ -148,11 +164,14 @@ class DecoderModel:
 
     @property
     def quantization(self) -> str:
-        """"fp8" / "int8" where the layers' linear weights are 8-bit (models/weight_quant.py), "w8a8" where the
-        CPU multiplies in integers (cpu_w8a8.py), else "none"."""
+        """"fp8" / "int8" where the layers' linear weights are 8-bit (models/weight_quant.py), "fp8-w8a8" where
+        FP8 weights also take FP8 inputs (the norm-fed products: kernels/fp8_rows.py), "w8a8" where the CPU
+        multiplies in integers (cpu_w8a8.py), else "none"."""
         if self._w8a8:
             return "w8a8"
         kinds = {kind_of(self.w[n].dtype) for n in self._scales}
+        if self._fp8_act:
+            kinds = (kinds - {"fp8"}) | {"fp8-w8a8"}
         return "+".join(sorted(kinds)) if kinds else "none"
 
     def _pdl_supported(self) -> bool:
@@ -177,6 +196,8 @@ class DecoderModel:
                 if wt.stride(1) != 1:  # the kernel reads rows of K contiguous elements
                     continue
                 n, k = wt.shape
+                if f"l{i}.{name}" in self._fp8_act:  # cuBLASLt's FP8 GEMM at every size
+                    continue
                 if f"l{i}.{name}" in self._scales:
                     plans[f"l{i}.{name}"] = splitk_gemm.q8_plan_for(n, k)
                     continue
@@ -201,6 +222,8 @@ class DecoderModel:
             if wt.stride(1) != 1:
                 continue
             inter, k = wt.shape[0] // 2, wt.shape[1]
+            if f"l{i}.up_gate" in self._fp8_act:
+                continue
             if f"l{i}.up_gate" in self._scales:
                 plans[f"l{i}.up_gate"] = gate_up.q8_plan_for(inter, k)
                 continue
@@ -213,18 +236,19 @@ class DecoderModel:
             self._gate_up_silu, self._gate_up_max_m = gate_up.gate_up_silu, gate_up.MAX_M
         return plans
 
-    def _mlp_in(self, h: torch.Tensor, layer: int, masks=None) -> torch.Tensor:
+    def _mlp_in(self, h: torch.Tensor, layer: int, masks=None, h8=None) -> torch.Tensor:
         """SiLU(h W_gate^T) * (h W_up^T): one kernel at decode sizes where a plan exists (the rows' LoRA
-        deltas joined inside it where the bank runs kernels), else the GEMM (cuBLAS, or split-K partials),
-        the adapters' deltas, and silu_mul."""
+        deltas joined inside it where the bank runs kernels), else the GEMM (cuBLAS, or split-K partials, or
+        the FP8 GEMM on h8, h's FP8 rows), the adapters' deltas, and silu_mul."""
         name = f"l{layer}.up_gate"
         plan = self._gate_up.get(name) if h.shape[0] <= self._gate_up_max_m else None
         lora = masks.operands(layer, "up_gate") if masks is not None and plan is not None else None
         if plan is not None and (masks is None or lora is not None):
             return self._gate_up_silu(h, self.w[name], plan, pdl=self.pdl, lora=lora, scale=self._scales.get(name))
-        return self._silu_mul(self._proj_lora(h, layer, "up_gate", masks), h.dtype, pdl=self.pdl)
+        return self._silu_mul(self._proj_lora(h, layer, "up_gate", masks, x8=h8), h.dtype, pdl=self.pdl)
 
-    def _proj_lora(self, x: torch.Tensor, layer: int, module: str, masks, bias: torch.Tensor | None = None):
+    def _proj_lora(self, x: torch.Tensor, layer: int, module: str, masks, bias: torch.Tensor | None = None,
+                   x8=None):
         """`_proj` plus the rows' LoRA deltas: at decode sizes joined inside the split-K GEMM (each split
         adds its K range's share: kernels/lora_delta.join_deltas; no launch of their own), else added to
         the plain product (a side-stream shrink and an expand kernel, or the torch form)."""
@@ -234,7 +258,7 @@ class DecoderModel:
         if lora is not None:
             return self._partials(x, self.w[name], plan, pdl=self.pdl, lora=lora, scale=self._scales.get(name))
         pending = masks.begin(x, layer, module) if masks is not None else None
-        return self._add_lora(self._proj(x, name, bias), pending)
+        return self._add_lora(self._proj(x, name, bias, x8), pending)
 
     @staticmethod
     def _add_lora(out: torch.Tensor, pending) -> torch.Tensor:
@@ -256,7 +280,11 @@ class DecoderModel:
         self.cpu_layout = chosen
         return cpu_layout.lay_out(w, self.LINEAR, **chosen)
 
-    def _lin(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def _lin(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None, x8=None) -> torch.Tensor:
+        """x @ W^T (+ bias) by the weight's form; x8: x's FP8 rows (q, scale) where a kernel made them already."""
+        if name in self._fp8_act:
+            xq, xs = x8 if x8 is not None else self._fp8_rows.quantize_rows(x)
+            return self._fp8_rows.scaled_linear(xq, xs, self.w[name], self._scales[name], bias, x.dtype)
         q = self._w8a8.get(name)
         if q is not None:
             return self._w8a8_linear(x, q, bias)
@@ -327,12 +355,12 @@ class DecoderModel:
             x = x + self._lin_lora(h, i, "fc_out", masks, w[p + "fc_out.bias"])
         return F.layer_norm(x, (c.hidden_size,), w["final_norm"], w["final_norm.bias"], c.norm_eps)
 
-    def _proj(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def _proj(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None, x8=None) -> torch.Tensor:
         """F.linear, or at decode sizes with a split-K plan its FP32 partial sums [S, T, N], which the
         fused kernel that reads the product sums in order (the bias is then that kernel's to add)."""
         plan = self._splitk_plan(x, name)
         if plan is None:
-            return self._lin(x, name, bias)
+            return self._lin(x, name, bias, x8)
         return self._partials(x, self.w[name], plan, pdl=self.pdl, scale=self._scales.get(name))
 
     def _splitk_plan(self, x: torch.Tensor, name: str):
@@ -348,14 +376,20 @@ class DecoderModel:
         x = F.embedding(ids, w["embed"])  # the residual stream, updated in place
         hd, nq, nkv = c.head_dim, c.num_heads, c.num_kv_heads
         one_kernel = meta.max_query == 1 and self.decode_attention == "fused" and not meta.rows_share_kv
-        h = add_rmsnorm(x, None, w["l0.attn_norm"], c.norm_eps, pdl=pdl)
+
+        def norm(delta, weight, feeds: str):  # h, and h's FP8 rows where `feeds` multiplies them
+            if feeds not in self._fp8_act:
+                return add_rmsnorm(x, delta, weight, c.norm_eps, pdl=pdl), None
+            return add_rmsnorm(x, delta, weight, c.norm_eps, pdl=pdl, fp8_out=True)
+
+        h, h8 = norm(None, w["l0.attn_norm"], "l0.qkv")
         ahead = self._pf_stream is not None and meta.max_query == 1
         for i in range(c.num_layers):
             p = f"l{i}."
             if ahead:  # this layer's MLP while its attention runs
                 self._prefetch((p + "up_gate", p + "down") if self._pf_plan == "mlp" else (p + "up_gate",))
             bias = w.get(p + "qkv.bias")
-            qkv = self._proj_lora(h, i, "qkv", masks, bias)
+            qkv = self._proj_lora(h, i, "qkv", masks, bias, x8=h8)
             gemm_bias = bias if qkv.dim() == 3 else None  # split-K partials: the bias is the reader's to add
             if one_kernel:
                 a = decode_attention(qkv, self.cos, self.sin, positions, meta.slot_mapping, kv.k[i], kv.v[i], meta,
@@ -365,13 +399,12 @@ class DecoderModel:
                                    hd, bias=gemm_bias)
                 a = self._triton(q, kv.k[i], kv.v[i], meta, self.scale, block_n=self.decode_block_n)
             nxt = w[f"l{i + 1}.attn_norm"] if i + 1 < c.num_layers else w["final_norm"]
-            h = add_rmsnorm(x, self._proj_lora(a.view(t, nq * hd), i, "o", masks), w[p + "mlp_norm"], c.norm_eps,
-                            pdl=pdl)
+            h, h8 = norm(self._proj_lora(a.view(t, nq * hd), i, "o", masks), w[p + "mlp_norm"], p + "up_gate")
             if ahead:  # the next layer's attention weights while this MLP runs
                 nxt_attn = (f"l{i + 1}.qkv", f"l{i + 1}.o") if i + 1 < c.num_layers else ()
                 self._prefetch(nxt_attn if self._pf_plan == "mlp" else (p + "down",) + nxt_attn)
-            m = self._proj_lora(self._mlp_in(h, i, masks), i, "down", masks)
-            h = add_rmsnorm(x, m, nxt, c.norm_eps, pdl=pdl)
+            m = self._proj_lora(self._mlp_in(h, i, masks, h8), i, "down", masks)
+            h, h8 = norm(m, nxt, f"l{i + 1}.qkv")
         if ahead:  # join the side stream (a captured graph must)
             torch.cuda.current_stream().wait_stream(self._pf_stream)
         return h

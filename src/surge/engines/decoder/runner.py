@@ -76,7 +76,7 @@ class DecoderEngine:
                  max_lora_rank: int = 16, lora_kernel: bool | None = None, lora_join: bool = True,
                  speculative_tokens: int = 0,
                  speculative_model: str | Path | None = None, quantization: str = "none",
-                 cpu_weight_layout: str = "auto"):
+                 cpu_weight_layout: str = "auto", fp8_activations: bool = True):
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         if threads and not cuda:
@@ -116,7 +116,7 @@ class DecoderEngine:
                                   decode_block_n=decode_block_n, decode_gemm=decode_gemm,
                                   decode_attention=decode_attention, pdl=pdl, l2_prefetch=l2_prefetch,
                                   lora=self.lora, cpu_weight_layout=cpu_weight_layout, decode_rows=max_num_seqs,
-                                  cpu_w8a8=quantization == "w8a8")
+                                  cpu_w8a8=quantization == "w8a8", fp8_activations=fp8_activations)
         if self.model.cpu_layout:
             log.info("%s: linear weights kept %s, the LM head %s (cpu_weight_layout=%s)", path,
                      self.model.cpu_layout["layers"], self.model.cpu_layout["lm_head"], cpu_weight_layout)

@@ -22,13 +22,15 @@ import torch
 import triton
 import triton.language as tl
 
+from surge.engines.kernels.fp8_rows import fp8_row_codes
 from surge.engines.kernels.pdl import launch_kw, wait_then_release
 from surge.engines.kernels.splitk_gemm import sum_splits
+from surge.models.weight_quant import FP8
 
 
 @triton.jit
-def _add_rmsnorm(x_ptr, delta_ptr, w_ptr, out_ptr, H, eps, stride_s, HAS_DELTA: tl.constexpr, SPLITS: tl.constexpr,
-                 BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _add_rmsnorm(x_ptr, delta_ptr, w_ptr, out_ptr, q_ptr, s_ptr, H, eps, stride_s, HAS_DELTA: tl.constexpr,
+                 SPLITS: tl.constexpr, FP8_OUT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -45,20 +47,28 @@ def _add_rmsnorm(x_ptr, delta_ptr, w_ptr, out_ptr, H, eps, stride_s, HAS_DELTA: 
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, 0) / H
     y = (xf * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * H + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+    o = (w * y).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * H + offs, o, mask=mask)
+    if FP8_OUT:  # the row's FP8 codes for a W8A8 product (fp8_rows.py), from the rounded output
+        fp8_row_codes(o.to(tl.float32), mask, q_ptr + row * H + offs, s_ptr + row)
 
 
 def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                pdl: bool = False) -> torch.Tensor:
+                pdl: bool = False, fp8_out: bool = False):
     """x [T, H] (updated in place with delta when given) -> RMSNorm(x) * weight. delta: [T, H], or
-    split-K partials [S, T, H] (FP32). pdl: a programmatic dependent launch (kernels/pdl.py)."""
+    split-K partials [S, T, H] (FP32). pdl: a programmatic dependent launch (kernels/pdl.py). fp8_out: also
+    the output's rows quantized to FP8 for a W8A8 product: (out, (q [T, H] E4M3, scale [T, 1] FP32)), the
+    codes and scales of fp8_rows.quantize_rows(out)."""
     t, h = x.shape
     out = torch.empty_like(x)
+    q, s = (torch.empty((t, h), device=x.device, dtype=FP8), torch.empty((t, 1), device=x.device,
+                                                                         dtype=torch.float32)) if fp8_out else (x, x)
     block = triton.next_power_of_2(h)
     splits = delta.shape[0] if delta is not None and delta.dim() == 3 else 0
-    _add_rmsnorm[(t,)](x, delta if delta is not None else x, weight, out, h, eps, t * h, HAS_DELTA=delta is not None,
-                       SPLITS=splits, BLOCK=block, PDL=pdl, num_warps=4 if block <= 2048 else 8, **launch_kw(pdl))
-    return out
+    _add_rmsnorm[(t,)](x, delta if delta is not None else x, weight, out, q, s, h, eps, t * h,
+                       HAS_DELTA=delta is not None, SPLITS=splits, FP8_OUT=fp8_out, BLOCK=block, PDL=pdl,
+                       num_warps=4 if block <= 2048 else 8, **launch_kw(pdl))
+    return (out, (q, s)) if fp8_out else out
 
 
 @triton.jit
