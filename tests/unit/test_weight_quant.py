@@ -65,7 +65,7 @@ def test_activation_rows_are_the_nearest_codes_of_each_row_scaled(dtype):
     xf = x.float()
     amax = xf.abs().amax(1, keepdim=True)
     live = amax[:, 0] > 0
-    assert torch.equal(scale[live], amax[live] / FP8_MAX)
+    assert torch.equal(scale[live], amax[live] / torch.tensor(FP8_MAX))
     assert scale[9, 0] == torch.tensor(1e-12, dtype=torch.float32) / FP8_MAX and not q[9].double().any()
     assert (q.double().abs().amax(1)[live] == FP8_MAX).all()
     inv = torch.tensor(FP8_MAX, dtype=torch.float32) / amax.clamp_min(1e-12)  # one IEEE division a row

@@ -54,8 +54,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax / 448; both divisions IEEE, in FP32 (the form of engines/kernels/fp8_rows.py's kernels)."""
     xf = x.float()
     amax = xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
-    inv = torch.full_like(amax, FP8_MAX) / amax  # tensor / tensor: torch's scalar / tensor is a reciprocal times
-    return (xf * inv).clamp_(-FP8_MAX, FP8_MAX).to(FP8), amax / FP8_MAX
+    top = torch.full_like(amax, FP8_MAX)  # tensor / tensor divides; torch's tensor-scalar forms multiply by reciprocals
+    return (xf * (top / amax)).clamp_(-FP8_MAX, FP8_MAX).to(FP8), amax / top
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

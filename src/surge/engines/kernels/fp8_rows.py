@@ -63,6 +63,8 @@ def scaled_linear(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torc
     """(xq * xs) @ (wq * ws[:, None])^T (+ bias) in out_dtype: xq [M, K] and wq [N, K] E4M3, xs [M, 1] and ws [N]
     FP32 scales. The FP32 sums are scaled and rounded once (cuBLASLt's FP8 GEMM); a bias is added to that rounded
     product (a second rounding)."""
+    if xq.data_ptr() % 16 or xs.data_ptr() % 16:  # cuBLASLt takes 16-byte-aligned operands (a sliced batch's rows)
+        xq, xs = xq.clone(), xs.clone()
     out = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=out_dtype)
     return out.add_(bias) if bias is not None else out
 
