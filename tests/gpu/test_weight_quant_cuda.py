@@ -370,8 +370,8 @@ def test_fp8_w8a8_engine_follows_transformers_on_fp8_rows(trained_q8):
     the norm kernels' FP8 rows into cuBLASLt's FP8 GEMM, o and down keep their 8-bit split-K plans; the engine
     says fp8-w8a8; logits within tolerance of transformers FP32 on the dequantized weights with those products'
     inputs rounded to FP8 rows, greedy tokens equal to its BF16 generate on all 32 steps for the bulk of prompts
-    (CUDA graphs, overlapped and multi-step launches, PDL), any parting at a near-tie; without the rounding hooks
-    the reference is further away (the rows' rounding is what the engine runs)."""
+    (CUDA graphs, overlapped and multi-step launches, PDL), any parting at a near-tie; against the weight-only
+    reference it is more than twice as far off as the weight-only engine (the rows are rounded)."""
     from surge.engines.decoder import DecoderEngine
     from tests.gpu.test_decoder_cuda import _compare_greedy, _prompts
 
@@ -389,11 +389,15 @@ def test_fp8_w8a8_engine_follows_transformers_on_fp8_rows(trained_q8):
     prompts = _prompts(384, 24)
     equal, near, other, err, scale = _compare_greedy(d, prompts, ref_dir=refs["fp8"], pdl=True, quantization="fp8",
                                                      ref_patch=fp8_input_rows)
-    _, _, _, err_plain, _ = _compare_greedy(d, prompts[:4], steps=8, ref_dir=refs["fp8"], quantization="fp8",
-                                            same_paths=False)
+    # the rows are rounded: against the weight-only reference this engine is further off than the weight-only engine
+    _, _, _, err_w8a8, _ = _compare_greedy(d, prompts[:4], steps=8, ref_dir=refs["fp8"], quantization="fp8",
+                                           same_paths=False)
+    _, _, _, err_w8, _ = _compare_greedy(d, prompts[:4], steps=8, ref_dir=refs["fp8"], quantization="fp8",
+                                         same_paths=False, fp8_activations=False)
     print(f"fp8-w8a8: {equal}/{len(prompts)} prompts equal on 32 greedy steps; near-ties {near}; other {other}; "
-          f"max logit error {err:.4f} of scale {scale:.2f} (against the weight-only reference {err_plain:.4f})")
-    assert err < W8A8_LOGIT_TOL * scale and err < err_plain
+          f"max logit error {err:.4f} of scale {scale:.2f}; against the weight-only reference {err_w8a8:.4f}, the "
+          f"weight-only engine {err_w8:.4f}")
+    assert err < W8A8_LOGIT_TOL * scale and err_w8a8 > 2 * err_w8
     assert not other, f"divergences that are not near-ties: {other}"
     assert equal >= 0.75 * len(prompts), f"only {equal}/{len(prompts)} prompts equal"
 
