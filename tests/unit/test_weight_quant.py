@@ -162,3 +162,20 @@ def test_fp8_is_refused_where_it_cannot_run(tmp_path):
         gen = GenerationConfig.from_sources([f"quantization={quant}"], env={})
         assert gen.quantization == quant
         assert decoder_engine_kwargs(gen.resolved(), "cuda", "bf16")["quantization"] == quant
+
+
+def test_fp8_activations_is_a_setting_the_engine_gets(tmp_path):
+    """GenerationConfig.fp8_activations (default on) reaches DecoderEngine's keyword arguments as set; where there
+    are no FP8 weights (a CPU, an unquantized model) it changes nothing: no product takes FP8 rows."""
+    from surge.config import GenerationConfig
+    from surge.engines.decoder import DecoderEngine
+    from surge.runtime.generate_service import decoder_engine_kwargs
+    from tests.decoder_models import build_model
+
+    assert GenerationConfig().fp8_activations is True
+    for value in (True, False):
+        kw = decoder_engine_kwargs(GenerationConfig(fp8_activations=value, quantization="fp8"), "cuda", "bf16")
+        assert kw["fp8_activations"] is value and kw["quantization"] == "fp8"
+    d = build_model("qwen2", tmp_path / "m", seed=6)
+    e = DecoderEngine(d, device="cpu", fp8_activations=True)
+    assert not e.model._fp8_act and e.quantization == "none"
