@@ -21,7 +21,8 @@ is printed (what FP8 activations cost in accuracy). Shapes: benchmarks/generate.
 4096 / 14336 / 32 q / 8 kv heads, --layers8b layers of distinct weights: more than the L2 holds).
 
     PYTHONPATH=src python3 benchmarks/gpu_fp8_forms.py [--shape qwen2-0.5b --shape llama-1b --shape llama-8b]
-        [--rows 16 64 128 256] [--json out.json]
+        [--rows 16 64 128 256] [--json out.json] [--plot out.png]
+    python3 benchmarks/gpu_fp8_forms.py --plot out.png --from out.json   # the plot of a saved record, no GPU
 """
 
 from __future__ import annotations
@@ -33,55 +34,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_decode_gemms import layer_dims, timed  # noqa: E402
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
 PATHS = ("BF16 cuBLAS", "BF16 engine", "FP8 weight-only", "W8A8 scaled_mm", "W8A8 + quant")
-FP8_MAX_C = tl.constexpr(FP8_MAX)
 LLAMA_8B = {"h": 4096, "i": 14336, "nq": 32, "nkv": 8, "d": 128, "qkv": 6144, "layers": 32, "vocab": 128256}
-
-
-@triton.jit
-def _quant_rows(x_ptr, q_ptr, s_ptr, K, stride_x, BLOCK: tl.constexpr):
-    r = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    ok = offs < K
-    x = tl.load(x_ptr + r * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12)
-    inv = tl.math.div_rn(FP8_MAX_C, amax)  # IEEE division: the codes torch's reference computes
-    q = tl.clamp(x * inv, -FP8_MAX_C, FP8_MAX_C)
-    tl.store(q_ptr + r * K + offs, q.to(tl.float8e4nv), mask=ok)
-    tl.store(s_ptr + r, tl.math.div_rn(amax, FP8_MAX_C))
-
-
-
-def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] BF16 -> (q [M, K] E4M3, s [M, 1] FP32): each row's largest |x| maps to 448, x * (448 / amax)
-    rounded to the nearest code; q * s ~ x."""
-    m, k = x.shape
-    q = torch.empty((m, k), device=x.device, dtype=FP8)
-    s = torch.empty((m, 1), device=x.device, dtype=torch.float32)
-    _quant_rows[(m,)](x, q, s, k, x.stride(0), BLOCK=triton.next_power_of_2(k), num_warps=8)
-    return q, s
-
-
-def quant_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    xf = x.float()
-    amax = xf.abs().amax(1, keepdim=True).clamp_min(1e-12)
-    q = (xf * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q, amax / FP8_MAX
-
-
-def scaled_mm(q: torch.Tensor, s: torch.Tensor, wq: torch.Tensor, ws_row: torch.Tensor) -> torch.Tensor:
-    # b must be column-major [K, N]: the transpose of the row-major [N, K] weight is
-    return torch._scaled_mm(q, wq.t(), scale_a=s, scale_b=ws_row, out_dtype=torch.bfloat16)
 
 
 def dims_of(shape: str) -> dict:
@@ -92,18 +52,55 @@ def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a.double() - ref).norm() / ref.norm()).item()
 
 
+def plot(record: dict, out: Path) -> None:
+    """Each shape's four layer GEMMs: every 8-bit form's speed against the faster BF16 form, by rows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = record["shapes"]
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4.6 * len(shapes), 3.8), sharey=True, squeeze=False)
+    for ax, (shape, rec) in zip(axes[0], shapes.items()):
+        sums = {int(m): v for m, v in rec["sums"].items()}
+        rows = sorted(sums)
+        for p, style in zip(PATHS[2:], ("s--", "o-", "^:")):
+            ratio = [min(v for q, v in sums[m].items() if q.startswith("BF16") and v) / sums[m][p] for m in rows]
+            ax.plot(rows, ratio, style, label=p)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(rows, [str(m) for m in rows])
+        ax.set_title(f"{shape} ({rec['layers']} layers' GEMMs)")
+        ax.set_xlabel("rows (sequences in a decode step)")
+    axes[0][0].set_ylabel("speed against the faster BF16 form (x)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"8-bit products against BF16 per layer, {record['device']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", action="append", choices=["qwen2-0.5b", "llama-1b", "llama-8b"])
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64, 128, 256])
     ap.add_argument("--layers8b", type=int, default=4)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--plot", type=Path, help="a PNG of each form's speed against BF16 by rows")
+    ap.add_argument("--from", dest="src", type=Path, help="plot this saved --json record instead of measuring")
     args = ap.parse_args()
+    if args.src:
+        if not args.plot:
+            ap.error("--from needs --plot")
+        plot(json.loads(args.src.read_text()), args.plot)
+        return
     from surge.engines.kernels import gate_up as gu
     from surge.engines.kernels import splitk_gemm as sk
     from surge.engines.kernels.decoder_fused import silu_mul
     from surge.engines.kernels.dequant import dequantize as dequant_kernel
+    from surge.engines.kernels.fp8_rows import quantize_rows as quant_rows
+    from surge.engines.kernels.fp8_rows import scaled_linear
     from surge.models.weight_quant import quantize
+    from surge.models.weight_quant import quantize_rows as quant_rows_ref
 
     same = []
     for trial in range(3):  # the quantization kernel's codes and scales against the torch reference's
@@ -124,7 +121,6 @@ def main():
         for name, (n, k, nl) in gemms.items():
             wb = [(torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16) for _ in range(nl)]
             w8 = [quantize(w, "fp8") for w in wb]
-            w8r = [(q, s.view(1, -1).contiguous()) for q, s in w8]
             gate = name == "up_gate"
             tail = (lambda y: silu_mul(y, torch.bfloat16)) if gate else (lambda y: y)
             if gate:
@@ -141,12 +137,12 @@ def main():
                 xq = quant_rows(x)
                 small = m <= sk.Q8_MAX_M
                 paths = {
-                    "BF16 cuBLAS": lambda w, q, s, sr: tail(F.linear(x, w)),
-                    "BF16 engine": (lambda w, q, s, sr: engine_bf16(x, w)) if small and name != "lm_head" else None,
-                    "FP8 weight-only": (lambda w, q, s, sr: engine_q8(x, q, s)) if small and name != "lm_head" else
-                    (lambda w, q, s, sr: tail(F.linear(x, dequant_kernel(q, s, torch.bfloat16)))),
-                    "W8A8 scaled_mm": lambda w, q, s, sr: tail(scaled_mm(xq[0], xq[1], q, sr)),
-                    "W8A8 + quant": lambda w, q, s, sr: tail(scaled_mm(*quant_rows(x), q, sr)),
+                    "BF16 cuBLAS": lambda w, q, s: tail(F.linear(x, w)),
+                    "BF16 engine": (lambda w, q, s: engine_bf16(x, w)) if small and name != "lm_head" else None,
+                    "FP8 weight-only": (lambda w, q, s: engine_q8(x, q, s)) if small and name != "lm_head" else
+                    (lambda w, q, s: tail(F.linear(x, dequant_kernel(q, s, torch.bfloat16)))),
+                    "W8A8 scaled_mm": lambda w, q, s: tail(scaled_linear(xq[0], xq[1], q, s)),
+                    "W8A8 + quant": lambda w, q, s: tail(scaled_linear(*quant_rows(x), q, s)),
                 }
                 q0, s0 = w8[0]
                 wdq = q0.double() * s0.double()[:, None]
@@ -160,7 +156,7 @@ def main():
                     if fn is None or p == "BF16 cuBLAS":
                         continue
                     try:
-                        out = fn(wb[0], q0, s0, w8r[0][1])
+                        out = fn(wb[0], q0, s0)
                     except Exception as exc:  # a form this torch / GPU lacks: recorded, not fatal
                         print(f"{shape} {name} M={m} {p}: {type(exc).__name__}: {exc}", flush=True)
                         paths[p] = None
@@ -170,8 +166,8 @@ def main():
                     if errs[p] > 1e-2:
                         raise SystemExit(f"{shape} {name} M={m} {p}: relative error {errs[p]:.2e} against float64")
                 if paths["W8A8 scaled_mm"] is not None:  # what FP8 activations cost against the BF16 model
-                    errs["W8A8 vs BF16 product"] = rel(paths["W8A8 scaled_mm"](wb[0], q0, s0, w8r[0][1]), refs["bf16"])
-                t = {p: (timed(lambda: [fn(w, q, s, sr) for w, (q, s), (_, sr) in zip(wb, w8, w8r)]) / nl
+                    errs["W8A8 vs BF16 product"] = rel(paths["W8A8 scaled_mm"](wb[0], q0, s0), refs["bf16"])
+                t = {p: (timed(lambda: [fn(w, q, s) for w, (q, s) in zip(wb, w8)]) / nl
                          if fn is not None else None) for p, fn in paths.items()}
                 by_m[m] = {"us": t, "rel_err": errs}
                 print(f"{shape} {name} M={m}: " + ", ".join(f"{p} {v:.2f}" for p, v in t.items() if v is not None)
@@ -203,6 +199,8 @@ def main():
         rec["sums"] = sums
     if args.json:
         args.json.write_text(json.dumps(record, indent=1))
+    if args.plot:
+        plot(record, args.plot)
 
 
 if __name__ == "__main__":
