@@ -28,9 +28,13 @@ def _ref_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _w8a8_float64(x: np.ndarray, w: torch.Tensor, b: np.ndarray | None) -> np.ndarray:
     """The W8A8 product in float64: weight rows quantized by models/weight_quant.quantize (from w's dtype), input
     rows by _ref_rows, the integer sum exact in float64."""
-    q, sw = quantize(w, "int8")
+    return _w8a8_codes_float64(x, *quantize(w, "int8"), b)
+
+
+def _w8a8_codes_float64(x: np.ndarray, q: torch.Tensor, sw: torch.Tensor, b: np.ndarray | None) -> np.ndarray:
+    """The W8A8 product in float64 on given weight codes q [N, K] and row scales sw [N]."""
     xq, sx = _ref_rows(x)
-    y = (xq @ q.double().numpy().T) * sx * sw.double().numpy()[None, :]
+    y = (xq @ q.double().numpy().T) * sx * sw.double().reshape(-1).numpy()[None, :]
     return y + b if b is not None else y
 
 
@@ -112,28 +116,31 @@ def test_a_rows_bits_do_not_depend_on_its_batch():
     assert torch.equal(cpu_w8a8.linear(x.reshape(37, 1, 256), weight).reshape(37, 300), full)
 
 
-def _patched_hf(model_dir, name):
-    """transformers FP32 with every layer linear (nn.Linear, GPT-2's Conv1D) and the LM head computing the W8A8
-    product in float64 from its FP32 weights."""
+def _patched_hf(model_dir, name, model=None, codes=None):
+    """transformers FP32 (`model`, else loaded from model_dir) with every layer linear (nn.Linear, GPT-2's Conv1D)
+    and the LM head computing the W8A8 product in float64 from its FP32 weights, or from `codes` (module name ->
+    (q [N, K] INT8, row scales)) where given."""
     from transformers import AutoModelForCausalLM
     from transformers.pytorch_utils import Conv1D
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = model if model is not None else AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    codes = codes or {}
 
-    def w8a8(module, w_nk):
+    def w8a8(module, w_nk, given):
         bias = None if module.bias is None else module.bias.detach().double().numpy()
 
         def forward(x):
             flat = x.detach().double().reshape(-1, x.shape[-1]).numpy()
-            y = _w8a8_float64(flat, w_nk, bias)
+            y = _w8a8_float64(flat, w_nk, bias) if given is None else _w8a8_codes_float64(flat, *given, bias)
             return torch.from_numpy(y).float().reshape(*x.shape[:-1], y.shape[-1])
         return forward
 
-    for mod in model.modules():
+    for mod_name, mod in model.named_modules():
         if isinstance(mod, Conv1D):
-            mod.forward = w8a8(mod, mod.weight.detach().t().contiguous())
+            mod.forward = w8a8(mod, mod.weight.detach().t().contiguous(), codes.get(mod_name))
         elif isinstance(mod, torch.nn.Linear):
-            mod.forward = w8a8(mod, mod.weight.detach())
+            mod.forward = w8a8(mod, mod.weight.detach(), codes.get(mod_name))
     return model
 
 
@@ -179,6 +186,42 @@ def test_w8a8_engine_greedy_equals_transformers_on_the_same_rounding(name, tmp_p
     assert "lm_head" in q and all(w.wq_t.dtype == torch.int8 and w.packed is not None for w in q.values())
     assert not any(n in engine.model.w for n in q if n != "lm_head")  # the full-precision copies are gone
     print(name, "parted at near-ties:", _check_w8a8_greedy(engine, _patched_hf(d, name)))
+
+
+def test_a_w8a8_checkpoint_runs_its_own_codes(tmp_path):
+    """A compressed-tensors W8A8 checkpoint (INT8 weights by channel, written by its library) with quantization=w8a8:
+    the layers' INT8 codes and scales are the checkpoint's bit for bit (compressed-tensors' scale, amax / 127.5 with
+    codes down to -128, is not the one re-quantizing its dequantized weights gives), and greedy tokens follow
+    transformers on the checkpoint whose every layer linear computes the W8A8 product in float64 on those codes (the
+    LM head on its own per-row quantization, as the engine), with joins, preemption and prefix hits."""
+    pytest.importorskip("compressed_tensors")
+    from safetensors import safe_open
+
+    from tests.decoder_models import build_model, build_quantized_checkpoint, load_quantized_reference
+
+    base = build_model("qwen2", tmp_path / "m", seed=23, hidden_size=256, intermediate_size=512,
+                       num_attention_heads=8, num_key_value_heads=2)
+    ckpt = build_quantized_checkpoint(base, tmp_path / "ct", "W8A8")
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as fh:
+        raw = {k: fh.get_tensor(k) for k in fh.keys()}
+    engine = DecoderEngine(ckpt, num_blocks=22, block_size=4, quantization="w8a8")
+    assert engine.quantization == "w8a8" and not engine.model._scales
+    codes, requantized_differs = {}, False
+    for i in range(engine.cfg.num_layers):
+        for name, parts in (("qkv", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+                            ("o", ["self_attn.o_proj"]), ("up_gate", ["mlp.gate_proj", "mlp.up_proj"]),
+                            ("down", ["mlp.down_proj"])):
+            mods = [f"model.layers.{i}.{m}" for m in parts]
+            for m in mods:
+                codes[m] = (raw[m + ".weight"], raw[m + ".weight_scale"].float().reshape(-1))
+            w = engine.model._w8a8[f"l{i}.{name}"]
+            q = torch.cat([raw[m + ".weight"] for m in mods])
+            assert torch.equal(w.wq_t.t(), q) and torch.equal(w.sw, torch.cat([codes[m][1] for m in mods]))
+            dq = q.float() * w.sw[:, None]
+            requantized_differs |= not torch.equal(quantize(dq, "int8")[0], q)
+    assert requantized_differs  # else this test could not tell the codes kept from codes re-made
+    print("parted at near-ties:", _check_w8a8_greedy(engine, _patched_hf(None, "qwen2", load_quantized_reference(ckpt),
+                                                                           codes)))
 
 
 def test_w8a8_refuses_what_it_cannot_run(tmp_path):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from surge.errors import ConfigError
-from surge.models.weight_quant import quantize
+from surge.models.weight_quant import SCALE_SUFFIX, quantize
 
 QMAX = 127.0
 _ZP = 128  # oneDNN's quantized linear reads uint8 inputs: the codes shifted by 128, its zero point 128
@@ -69,16 +69,20 @@ def _onednn():
 def quantize_weights(weights: dict, names, rows: int = 8) -> dict:
     """name -> W8A8Weight for each of `names`, quantized from its [N, K] weight in the dict's dtype (packed for
     oneDNN's kernels at `rows` rows, the decode step's); the full-precision tensors are dropped from `weights` (a
-    tied LM head keeps the embedding, another name for the same storage). A ConfigError where this CPU's integer
-    products are not exact (x86 without VNNI or AMX may saturate int16 pair sums: checked here, on the worst
-    case, not guessed from flags)."""
-    out = {name: _weight(weights.pop(name), rows) for name in names}
+    tied LM head keeps the embedding, another name for the same storage). A weight that is INT8 already with its
+    row scales under name + ".scale" (a W8A8 checkpoint's, models/quantized_checkpoint.py) keeps its codes and
+    scales as they are: no second rounding. A ConfigError where this CPU's integer products are not exact (x86
+    without VNNI or AMX may saturate int16 pair sums: checked here, on the worst case, not guessed from flags)."""
+    out = {name: _weight(weights.pop(name), rows, weights.pop(name + SCALE_SUFFIX, None)) for name in names}
     _check_exact()
     return out
 
 
-def _weight(w: torch.Tensor, rows: int) -> W8A8Weight:
-    q, s = quantize(w, "int8")
+def _weight(w: torch.Tensor, rows: int, scale: torch.Tensor | None = None) -> W8A8Weight:
+    if w.dtype == torch.int8 and scale is not None:  # a checkpoint's codes (-128 too: VNNI sums it exactly)
+        q, s = w.contiguous(), scale
+    else:
+        q, s = quantize(w, "int8")
     prepack = _onednn()[1]
     if prepack is None:
         return W8A8Weight(q.t(), s.float())

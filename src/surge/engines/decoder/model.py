@@ -58,7 +58,7 @@ class DecoderModel:
         # 8-bit linear weights (models/weight_quant.py; load_decoder_weights(quantize=...), a quantized checkpoint's
         # kept): name -> its [N] FP32 scales
         self._scales = {n.removesuffix(SCALE_SUFFIX): t for n, t in weights.items() if n.endswith(SCALE_SUFFIX)}
-        if self._scales and device.type != "cuda":
+        if self._scales and device.type != "cuda" and not cpu_w8a8:
             raise ValueError("8-bit (FP8 / INT8) weights run on a CUDA GPU only")
         self.device = device
         self.dtype = dtype
@@ -96,6 +96,7 @@ class DecoderModel:
 
             self._w8a8 = w8a8.quantize_weights(weights, [n for n in weights if is_layer_linear(n)] + ["lm_head"],
                                                rows=decode_rows)
+            self._scales = {}  # a W8A8 checkpoint's INT8 weights and scales: now the W8A8 table's
             self._w8a8_linear = w8a8.linear
             self.cpu_layout = {"layers": "w8a8", "lm_head": "w8a8"}
         self._wt = self._lay_out_cpu(weights, cpu_weight_layout, decode_rows) \

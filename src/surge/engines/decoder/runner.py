@@ -101,6 +101,8 @@ class DecoderEngine:
         # (models/quantized_checkpoint.py), else they are dequantized at load
         keep = tuple(d for k, d in KINDS.items() if supported(self.device, k)) \
             if self.dtype in (torch.bfloat16, torch.float16) else ()
+        if quantization == "w8a8":  # a W8A8 checkpoint's INT8 codes are the CPU products' own form
+            keep = (torch.int8,)
         weights = load_decoder_weights(path, self.cfg, self.dtype, self.device,
                                        quantize=None if quantization in ("none", "w8a8") else quantization,
                                        keep=keep)
