@@ -6,11 +6,13 @@ measured that ran slower than BF16 (benchmarks/gpu_fp8_forms.py, session 38, H20
 halved bytes save. With the activation rows in E4M3 too, both operands feed the FP8 tensor cores and cuBLASLt's
 FP8 GEMM (`torch._scaled_mm`, one FP32 scale a row of each operand applied to the FP32 sums) reads the weight at
 one byte an element with nothing converted: at Llama-3-8B's shape 1.20x BF16 at 64 rows, 1.31x at 128; at
-Llama-1B's the gate/up product 1.19x.
+Llama-1B's the gate/up product 1.19x. In the engine (H100, 64 streams): 1.21x BF16's tokens/s at the 8B shape, 1.11x
+at 1B, 0.84x at 0.5B (docs/benchmarks/generate.md, session 38).
 
 Each row of x is scaled so its largest |x| maps to E4M3's 448 and rounded to the nearest code (ties to even); the
-row's scale is amax / 448. A row's codes depend on that row alone, so a sequence's answer never depends on its
-batch. models/weight_quant.quantize_rows is the same arithmetic in torch (the kernels here equal it bit for bit).
+row's scale is amax / 448. A row's codes depend on that row alone; the product's last bits can still depend on the
+row count, by which cuBLASLt picks its kernel (the GPU tests bound a row alone against itself in a batch).
+models/weight_quant.quantize_rows is the same arithmetic in torch (the kernels here equal it bit for bit).
 """
 
 from __future__ import annotations
