@@ -116,8 +116,26 @@ def test_scaled_linear_within_its_roundings_of_float64(n, k, m):
     assert ((alone - ref[i]).abs() <= bound[i]).all()
 
 
-def test_fits_and_the_probe():
+def test_fits_and_the_probe(monkeypatch):
+    """fits: both dimensions multiples of 16. The probe says no where torch._scaled_mm raises (a torch or GPU
+    without row-wise FP8 scales) or answers wrong, and yes again with the real one."""
     from surge.engines.kernels import fp8_rows
 
     assert fp8_rows.fits(1152, 896) and not fp8_rows.fits(200, 1000) and not fp8_rows.fits(1000, 896)
+    real = torch._scaled_mm
+
+    def raises(*args, **kw):
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+
+    def wrong(*args, **kw):
+        return real(*args, **kw) * 2
+
+    try:
+        for fake in (raises, wrong):
+            fp8_rows.supported.cache_clear()
+            monkeypatch.setattr(torch, "_scaled_mm", fake)
+            assert not fp8_rows.supported(), fake.__name__
+    finally:
+        monkeypatch.setattr(torch, "_scaled_mm", real)
+        fp8_rows.supported.cache_clear()
     assert fp8_rows.supported()

@@ -61,7 +61,8 @@ class EngineCaps:
     block_size: int
     max_num_seqs: int
     max_model_len: int
-    # "fp8" / "int8": the layers' linear weights in 8 bits (models/weight_quant.py); "w8a8": the CPU's INT8 products
+    # "fp8" / "int8": the layers' linear weights in 8 bits (models/weight_quant.py); "fp8-w8a8": FP8 weights whose
+    # norm-fed products take FP8 rows too (kernels/fp8_rows.py); "w8a8": the CPU's INT8 products
     quantization: str = "none"
 
 
