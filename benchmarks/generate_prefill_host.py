@@ -64,6 +64,27 @@ def kernel_table(prof, top: int) -> list[tuple[str, int, float]]:
     return rows[:top]
 
 
+def enqueue_ms(engine, scheduled) -> float:
+    """The host's time to issue one prefill forward (the model's launches for the step's inputs, no logits, no
+    read-back), median of 5, the device idle before each: the step's wall if the device took no time."""
+    from surge.engines.decoder.attention import AttnMeta
+
+    ids, pos, slots, q_lens, ctx, tables, table_np, qstart = engine.prepare(scheduled)
+    dev, times = engine.device, []
+    for _ in range(5):
+        sync()
+        t = time.perf_counter()
+        with torch.inference_mode():
+            meta = AttnMeta(slot_mapping=torch.from_numpy(slots).to(dev), block_tables=torch.from_numpy(table_np).to(dev),
+                            context_lens=torch.tensor(ctx, dtype=torch.int32).to(dev),
+                            query_start=torch.from_numpy(qstart).to(dev), max_query=max(q_lens), q_lens=q_lens,
+                            ctx_lens=ctx, tables=tables)
+            engine.model.forward(torch.tensor(ids).to(dev), torch.from_numpy(pos).to(dev), engine.kv, meta, None)
+        times.append(1e3 * (time.perf_counter() - t))
+        sync()
+    return statistics.median(times)
+
+
 def measure(engine, prompts, quant: str, args, cuda: bool) -> dict:
     """One prefill step of the prompts on this engine: wall (median of 7), kernels, cProfile, top kernels."""
     n = len(prompts)
@@ -90,6 +111,17 @@ def measure(engine, prompts, quant: str, args, cuda: bool) -> dict:
         rec["kernels"] = len(evs)
         if args.kernels:
             rec["top_kernels"] = [[k[:120], c, round(t, 4)] for k, c, t in kernel_table(prof, args.kernels)]
+    if args.host_ops:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            engine.step(scheduled)
+            sync()
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.host_ops)
+        rec["host_ops"] = table
+        rec["enqueue_ms"] = enqueue_ms(engine, scheduled)
+        print(f"[{quant}] enqueue {rec['enqueue_ms']:.2f} ms (median of 5: the forward's launches issued, no sync)")
+        print(table)
     pr = cProfile.Profile()
     pr.enable()
     engine.step(scheduled)
@@ -116,6 +148,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quantization", action="append", choices=["none", "fp8", "fp8-weight-only", "int8"],
                     help="weight forms to measure, one engine each (default: none, BF16)")
     ap.add_argument("--kernels", type=int, default=0, help="print the N kernels with the most device time a step")
+    ap.add_argument("--host-ops", type=int, default=0,
+                    help="print the N ops with the most host time a step (torch.profiler's self CPU time) and the "
+                         "step's enqueue time (its launches issued, before the read-back waits for the device)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     from surge.engines.decoder import DecoderEngine
