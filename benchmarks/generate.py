@@ -149,6 +149,8 @@ def make_service(path: Path, args, n: int, fused: bool = True, overlap: bool = T
 
     max_len = args.prompt + args.output + 16
     steps = getattr(args, "decode_steps", None) or GenerationConfig().decode_steps
+    rows = getattr(args, "graph_prefill_tokens", None)
+    rows = GenerationConfig().graph_prefill_tokens if rows is None else rows
     gen = GenerationConfig(max_num_seqs=max(n, 1), max_num_batched_tokens=args.budget, max_model_len=max_len,
                            cache_entries=0, prefix_caching=False, overlap_steps=overlap,
                            overlap_depth=args.overlap_depth, decode_steps=steps, speculative_tokens=speculative,
@@ -159,6 +161,7 @@ def make_service(path: Path, args, n: int, fused: bool = True, overlap: bool = T
               kv_cache_tokens=(n + 8) * max_len, cuda_graphs=not args.no_graphs, fused=fused,
               decode_gemm=args.decode_gemm, decode_attention=args.decode_attention, pdl=not args.no_pdl,
               decode_steps=steps, decode_launch_ms=gen.decode_launch_ms, speculative_tokens=speculative,
+              graph_prefill_tokens=rows,
               quantization=quantization.removesuffix("-weight-only"), cpu_weight_layout=layout,
               fp8_activations=not quantization.endswith("-weight-only"))
     if process:
@@ -208,7 +211,7 @@ def run_surge(path: Path, args, prompts, fused: bool = True, overlap: bool = Tru
         loop = service.loop
         best.update(speculative_tokens=speculative, spec_steps=loop.spec_steps, draft_tokens=loop.drafted,
                     accepted_tokens=loop.accepted, acceptance=loop.accepted / max(1, loop.drafted))
-        sg = engine.spec_graphs.graphs if engine.spec_graphs is not None else {}
+        sg = engine.row_graphs.graphs if engine.row_graphs is not None else {}
         if sg:
             rows = next(b for b in sorted(sg) if b >= n * (speculative + 1)) if max(sg) >= n * (speculative + 1) \
                 else max(sg)
@@ -362,6 +365,9 @@ def add_engine_args(ap: argparse.ArgumentParser, budget: int = 2048) -> None:
     ap.add_argument("--no-pdl", action="store_true", help="plain launches of the decode kernels (no PDL)")
     ap.add_argument("--decode-steps", type=int, default=None,
                     help="greedy decode steps a launch (GenerationConfig.decode_steps, whose default it takes)")
+    ap.add_argument("--graph-prefill-tokens", type=int, default=None,
+                    help="steps of at most this many tokens replay CUDA graphs (GenerationConfig."
+                         "graph_prefill_tokens, whose default it takes; 0: eager)")
 
 
 def main(argv=None) -> int:

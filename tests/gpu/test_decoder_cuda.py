@@ -851,9 +851,9 @@ def test_speculative_steps_follow_plain_decoding(trained_dir, graphs):
     engine = DecoderEngine(trained_dir, device="cuda", dtype="bf16", num_blocks=512, max_num_seqs=16,
                            max_model_len=512, cuda_graphs=graphs, speculative_tokens=3, decode_steps=4)
     engine.warmup()
-    assert bool(engine.spec_graphs and engine.spec_graphs.graphs) == graphs
-    if graphs:
-        assert engine.spec_graphs.buckets[-1] == 16 * 4
+    assert bool(engine.row_graphs and engine.row_graphs.graphs) == graphs
+    if graphs:  # the speculative rows (16 x 4) or graph_prefill_tokens' default, whichever is more
+        assert engine.row_graphs.buckets[-1] == max(16 * 4, engine.graph_prefill_tokens) == 256
     got, loop = _run_speculating(engine, prompts, 40, NgramProposer(3, 2, 4))
     equal = sum(a == b for a, b in zip(got, want))
     print(f"speculation (graphs={graphs}): {equal}/{len(prompts)} prompts equal to plain decoding on 40 BF16 "

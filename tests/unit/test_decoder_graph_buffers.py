@@ -171,6 +171,81 @@ def test_lora_rows_through_the_graph_path(tmp_path, monkeypatch, steps):
     assert loop.overlapped > 5, "the decode steps must take the graph path"
 
 
+def _host_row_graphs(engine, rows):
+    """engine.row_graphs as the harness's eager replays, used for steps of up to `rows` tokens."""
+    from surge.engines.decoder.graphs import DecodeGraphs
+
+    g = DecodeGraphs(engine, rows, rows_share_kv=True)
+    g.graphs = {b: _Replay(g, b) for b in g.buckets}
+    g.outputs = {}
+    engine.row_graphs, engine.graph_prefill_tokens = g, rows
+    return g
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "gpt2", "llama"])
+def test_short_steps_prefill_through_the_row_graphs(tmp_path, monkeypatch, kind):
+    """graph_prefill_tokens: a step of at most that many tokens in all (prompt chunks and the decodes beside
+    them) replays the row graphs, a token a row at its own position attending to its sequence's cache up to
+    itself; longer steps and steps that score prompt log-probabilities run eagerly. With prompts joining
+    running sequences, a prompt cut into chunks by the token budget, a shared prefix (prefix-cache hits: the
+    chunk starts past position 0) and a sampled sequence beside greedy ones, every sequence gets
+    transformers' greedy tokens (the sampled one the eager engine's, seeded) and the prompt log-probabilities
+    equal the eager engine's."""
+    from transformers import AutoModelForCausalLM
+
+    from surge.engines.decoder import model as model_mod
+
+    torch.set_num_threads(1)
+    d = build_model(kind, tmp_path / kind, seed=7)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, 300, (13,), generator=g).tolist()
+    prompts = [torch.randint(3, 300, (int(n),), generator=g).tolist() for n in (3, 17, 9, 45, 5)]
+    prompts += [shared + [5, 6], shared + [7, 8, 9]]
+    lens = [9, 14, 6, 8, 12, 7, 10]
+    arrivals = [0, 0, 3, 5, 6, 9, 14]
+    refs = [hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                        pad_token_id=0)[0, len(p):].tolist() for p, n in zip(prompts, lens)]
+    sampled = SamplingParams(max_tokens=10, temperature=0.8, seed=11, ignore_eos=True, prompt_logprobs=2)
+
+    def run(engine):
+        scored, step = {}, engine.step
+
+        def keep_scores(sc):  # the prompt's log-probabilities leave with the sequence's first token
+            out = step(sc)
+            scored.update({sid: o.prompt for sid, o in out.items() if getattr(o, "prompt", None)})
+            return out
+
+        engine.step = keep_scores
+        sched = Scheduler(SchedulerConfig(num_blocks=96, block_size=4, max_num_seqs=6, max_num_batched_tokens=32,
+                                          max_model_len=128), ())
+        seqs = [Sequence(i, p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+                for i, (p, n) in enumerate(zip(prompts, lens))]
+        seqs.append(Sequence(len(seqs), prompts[1][:11], sampled))
+        streamed = drive(StepLoop(sched, engine, overlap=True, depth=2), sched, seqs, arrivals + [16])
+        assert sched.blocks.num_free == 96
+        return seqs, streamed, scored[len(prompts)]
+
+    eager, _, eager_scores = run(DecoderEngine(d, num_blocks=96, block_size=4, max_num_seqs=6))
+    engine = DecoderEngine(d, num_blocks=96, block_size=4, max_num_seqs=6)
+    monkeypatch.setattr(model_mod, "paged_attention_torch", _host_graphs(engine, 6))
+    rows = _host_row_graphs(engine, 24)
+    replayed, eager_steps = [], []
+    run_rows, prepare = rows.run, engine.prepare
+    monkeypatch.setattr(rows, "run", lambda ids, *a, **k: replayed.append(len(ids)) or run_rows(ids, *a, **k))
+    monkeypatch.setattr(engine, "prepare", lambda sc: eager_steps.append(sum(s.num_tokens for s in sc))
+                        or prepare(sc))
+    seqs, streamed, scores = run(engine)
+    for s, ref in zip(seqs, refs):
+        assert s.output_ids == ref == streamed[s.seq_id], f"prompt {s.seq_id}"
+    assert seqs[-1].output_ids == eager[-1].output_ids and len(seqs[-1].output_ids) == 10
+    assert len(scores) == 10 and [t for t, _, _ in scores] == [t for t, _, _ in eager_scores]
+    torch.testing.assert_close([v for _, v, _ in scores], [v for _, v, _ in eager_scores])
+    assert max(replayed) > 6 and sum(n > 1 for n in replayed) >= 4, f"prefill steps through the rows: {replayed}"
+    assert max(replayed) <= 24 and min(eager_steps) >= 11 and any(n > 24 for n in eager_steps), \
+        f"steps over 24 tokens, and the one scoring prompt log-probabilities, run eagerly: {eager_steps}"
+
+
 def test_staged_block_tables_equal_a_full_refill(tmp_path):
     """Only the rows that changed are rewritten in a staging set; what the set then holds is what
     filling all rows afresh gives (scratch after each row and in padded rows), through growing rows,

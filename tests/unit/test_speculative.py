@@ -331,7 +331,7 @@ def test_graph_path_with_draft_rows(models, monkeypatch):
     spec = DecodeGraphs(engine, 4 * 4, rows_share_kv=True)
     spec.graphs = {b: _Replay(spec, b) for b in spec.buckets}
     spec.outputs = {}
-    engine.spec_graphs = spec
+    engine.row_graphs = spec
     seen = []
 
     def recording(q, k_cache, v_cache, meta, scale):

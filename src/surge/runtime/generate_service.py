@@ -710,7 +710,8 @@ def decoder_engine_kwargs(config: GenerationConfig, device: str, precision: str 
     dtype = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "auto": None, None: None}.get(precision, precision)
     return dict(device=device, dtype=dtype, block_size=config.block_size, kv_cache_tokens=config.kv_cache_tokens,
                 max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-                cuda_graphs=config.cuda_graphs, decode_steps=config.decode_steps,
+                cuda_graphs=config.cuda_graphs, graph_prefill_tokens=config.graph_prefill_tokens,
+                decode_steps=config.decode_steps,
                 decode_launch_ms=config.decode_launch_ms, max_loras=config.max_loras or 0,
                 max_lora_rank=config.max_lora_rank, speculative_tokens=config.speculative_tokens,
                 speculative_model=config.speculative_model, quantization=config.quantization,

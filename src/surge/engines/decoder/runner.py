@@ -75,7 +75,7 @@ class DecoderEngine:
                  decode_attention: str = "fused", pdl: bool = True, l2_prefetch: bool = False,
                  decode_steps: int = 1, decode_launch_ms: float | None = None, max_loras: int = 0,
                  max_lora_rank: int = 16, lora_kernel: bool | None = None, lora_join: bool = True,
-                 speculative_tokens: int = 0,
+                 speculative_tokens: int = 0, graph_prefill_tokens: int = 256,
                  speculative_model: str | Path | None = None, quantization: str = "none",
                  cpu_weight_layout: str = "auto", fp8_activations: bool = True):
         self.device = torch.device(device)
@@ -144,13 +144,17 @@ class DecoderEngine:
             from surge.engines.decoder.graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self, max_num_seqs, steps=decode_steps)
-        # speculative steps (verify()): a sequence's input and up to `speculative_tokens` drafts, a row each
+        # steps whose rows may share a sequence, a token a row at its own position: a short prompt's chunk
+        # beside other sequences' decodes (step()), a sequence's input and drafts (verify()). On a GPU, CUDA
+        # graphs of up to max(graph_prefill_tokens, the speculative steps' rows) rows
         self.speculative_tokens = speculative_tokens
-        self.spec_graphs = None
-        if cuda and cuda_graphs and speculative_tokens:
+        self.graph_prefill_tokens = graph_prefill_tokens if cuda and cuda_graphs else 0
+        rows = max(self.graph_prefill_tokens, max_num_seqs * (speculative_tokens + 1) if speculative_tokens else 0)
+        self.row_graphs = None
+        if cuda and cuda_graphs and rows:
             from surge.engines.decoder.graphs import DecodeGraphs
 
-            self.spec_graphs = DecodeGraphs(self, max_num_seqs * (speculative_tokens + 1), rows_share_kv=True)
+            self.row_graphs = DecodeGraphs(self, rows, rows_share_kv=True)
         # a draft model (runtime/scheduler/draft_model.py): its KV cache in blocks numbered as this one's
         self.draft = None
         if speculative_model is not None:
@@ -224,8 +228,8 @@ class DecoderEngine:
     def warmup(self) -> None:
         if self.graphs is not None:
             self.graphs.capture()
-        if self.spec_graphs is not None:
-            self.spec_graphs.capture()
+        if self.row_graphs is not None:
+            self.row_graphs.capture()
         if self.draft is not None:
             self.draft.warmup()
 
@@ -289,6 +293,8 @@ class DecoderEngine:
         if self.graphs is not None and self.graphs.graphs and len(scheduled) <= self.graphs.buckets[-1] \
                 and all(s.num_tokens == 1 and s.sample for s in scheduled):
             return self._decode_graph(scheduled)
+        if self._graph_rows(scheduled):
+            return self._prefill_graph(scheduled)
         ids, pos, slots, q_lens, ctx, tables, table_np, qstart = self.prepare(scheduled)
         if any(s.seq.params.guide is not None and s.start < s.seq.num_prompt for s in scheduled):
             self.sampler.prepare([s.seq for s in scheduled])  # guided prompts: matchers built meanwhile
@@ -319,6 +325,51 @@ class DecoderEngine:
             if seq.prompt_lps is not None:
                 o.prompt, seq.prompt_lps = seq.prompt_lps, None
         return {seq.seq_id: o for seq, o in zip(seqs, outs)}
+
+    def _graph_rows(self, scheduled: list[ScheduledSeq]) -> bool:
+        """Whether this step runs as rows of a CUDA graph (row_graphs): at most graph_prefill_tokens tokens in
+        all, their tables within the graphs', no prompt log-probabilities to score (those read every
+        position's hidden state, which a graph does not keep)."""
+        g = self.row_graphs
+        if g is None or not g.graphs:
+            return False
+        n = sum(s.num_tokens for s in scheduled)
+        return n <= self.graph_prefill_tokens and g.fits(n, max(len(s.seq.block_table) for s in scheduled)) \
+            and not any(s.seq.owes_prompt_logprobs for s in scheduled)
+
+    def _rows(self, runs):
+        """ids, positions, cache slots, block tables and LoRA slots (None without slots) of rows given as
+        (sequence, first position, tokens) runs: a row a token at its own position, in its sequence's table."""
+        bs = self.block_size
+        ids, pos, slots, tables, adapters = [], [], [], [], []
+        for seq, p0, tokens in runs:
+            t, n = seq.block_table, len(tokens)
+            ids.extend(tokens)
+            for p in range(p0, p0 + n):
+                pos.append(p)
+                slots.append(t[p // bs] * bs + p % bs)
+            tables.extend([t] * n)
+            adapters.extend([seq.adapter] * n)
+        if any(t < 0 for t in ids):
+            raise RuntimeError("a row's input token is not known yet (a launched step in flight)")
+        return ids, pos, slots, tables, adapters if self.lora is not None else None
+
+    def _prefill_graph(self, scheduled: list[ScheduledSeq]) -> dict[int, SampleOut]:
+        """step() as one replay of the row graphs: every token of the step a row (prompt chunks and decodes
+        alike), each attending to its sequence's cache up to itself; the sampled sequences' last rows go to
+        the sampler."""
+        if any(s.seq.params.guide is not None and s.start < s.seq.num_prompt for s in scheduled):
+            self.sampler.prepare([s.seq for s in scheduled])
+        ids, pos, slots, tables, adapters = self._rows(
+            [(s.seq, s.start, s.seq.token_ids[s.start:s.start + s.num_tokens]) for s in scheduled])
+        logits, _ = self.row_graphs.run(ids, pos, slots, tables, adapters=adapters)
+        ends = np.cumsum([s.num_tokens for s in scheduled]) - 1
+        sampled = [i for i, s in enumerate(scheduled) if s.sample]
+        if not sampled:
+            return {}
+        last = torch.as_tensor(ends[sampled], dtype=torch.long).to(self.device, non_blocking=True)
+        seqs = [scheduled[i].seq for i in sampled]
+        return self._outs(seqs, self.sampler(logits.index_select(0, last), seqs))
 
     def _score_prompts(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor, qstart) -> None:
         """The model's log-probabilities of the prompt tokens this step computed the positions before
@@ -472,25 +523,11 @@ class DecoderEngine:
         (Sampler.speculative); either way Scheduler.accept reads the new tokens off it. The K/V of every
         row is in the cache (the scheduler keeps those it accepts). Each draft is a row of the step at its
         own position, attending to its sequence's cache up to itself: on a GPU a replay of the CUDA graph
-        of the rows' bucket (engine.spec_graphs)."""
-        bs = self.block_size
-        ids, pos, slots, tables, adapters, counts = [], [], [], [], [], []
-        for s, d in zip(scheduled, drafts):
-            seq, p0 = s.seq, s.start
-            t = seq.block_table
-            n = len(d) + 1
-            ids.append(seq.token_ids[p0])
-            ids.extend(d)
-            for p in range(p0, p0 + n):
-                pos.append(p)
-                slots.append(t[p // bs] * bs + p % bs)
-            tables.extend([t] * n)
-            adapters.extend([seq.adapter] * n)
-            counts.append(n)
-        if any(t < 0 for t in ids):
-            raise RuntimeError("a speculative step's input token is not known yet (a launched step in flight)")
-        lora = adapters if self.lora is not None else None
-        g = self.spec_graphs
+        of the rows' bucket (engine.row_graphs)."""
+        ids, pos, slots, tables, lora = self._rows(
+            [(s.seq, s.start, [s.seq.token_ids[s.start]] + d) for s, d in zip(scheduled, drafts)])
+        counts = [len(d) + 1 for d in drafts]
+        g = self.row_graphs
         if g is not None and g.fits(len(ids), max(map(len, tables))):
             logits, tokens = g.run(ids, pos, slots, tables, adapters=lora)
         else:
