@@ -75,7 +75,8 @@ def enqueue_ms(engine, scheduled) -> float:
         sync()
         t = time.perf_counter()
         with torch.inference_mode():
-            meta = AttnMeta(slot_mapping=torch.from_numpy(slots).to(dev), block_tables=torch.from_numpy(table_np).to(dev),
+            meta = AttnMeta(slot_mapping=torch.from_numpy(slots).to(dev),
+                            block_tables=torch.from_numpy(table_np).to(dev),
                             context_lens=torch.tensor(ctx, dtype=torch.int32).to(dev),
                             query_start=torch.from_numpy(qstart).to(dev), max_query=max(q_lens), q_lens=q_lens,
                             ctx_lens=ctx, tables=tables)

@@ -274,6 +274,71 @@ def test_bf16_trained_model_greedy_equals_transformers(trained_dir, decode_gemm,
     assert equal >= 0.75 * len(prompts), f"only {equal}/{len(prompts)} prompts equal"
 
 
+def test_short_prompts_prefill_through_the_row_graphs(trained_dir):
+    """graph_prefill_tokens (default 256): prompts joining a running batch, in steps of at most 256 tokens, replay
+    the row graphs (every token a row attending to its sequence's cache up to itself), a 300-token step runs
+    eagerly; the BF16 greedy tokens equal transformers' BF16 generate on 32 steps for the bulk (>= 75%) of
+    prompts, and each prompt's first-token top-2 log-probabilities are the eager engine's within BF16
+    rounding (the row path's attention and GEMMs are the decode step's, not the prefill's)."""
+    from surge.engines.decoder import DecoderEngine
+    from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
+    from surge.runtime.scheduler.overlap import StepLoop
+    from tests.loop_driver import drive
+
+    kw = dict(device="cuda", dtype="bf16", num_blocks=512, max_num_seqs=16, max_model_len=512)
+    engine, eager = DecoderEngine(trained_dir, **kw), DecoderEngine(trained_dir, graph_prefill_tokens=0, **kw)
+    engine.warmup()
+    eager.warmup()
+    assert engine.row_graphs.buckets[-1] == 256 and set(engine.row_graphs.graphs) == set(engine.row_graphs.buckets)
+    assert eager.row_graphs is None
+    prompts = _prompts(384, 16)
+    g = torch.Generator().manual_seed(9)
+    prompts.append(torch.randint(3, 384, (300,), generator=g).tolist())  # a step of more than 256 tokens
+    replayed, run_rows = [], engine.row_graphs.run
+    engine.row_graphs.run = lambda ids, *a, **k: replayed.append(len(ids)) or run_rows(ids, *a, **k)
+
+    def joined(e, logprobs=None):
+        sched = Scheduler(SchedulerConfig(num_blocks=512, block_size=e.block_size, max_num_seqs=16,
+                                          max_num_batched_tokens=512, max_model_len=512), ())
+        seqs = [Sequence(i, p, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=logprobs))
+                for i, p in enumerate(prompts)]
+        firsts, step = {}, e.step
+
+        def keep_first(sc):
+            out = step(sc)
+            for sid, o in out.items():
+                firsts.setdefault(sid, [v for _, v in o.top or []])
+            return out
+
+        e.step = keep_first
+        drive(StepLoop(sched, e, steps=4), sched, seqs, [3 * i for i in range(len(prompts))])
+        del e.step
+        assert sched.blocks.num_free == 512
+        return [s.output_ids for s in seqs], firsts
+
+    got, _ = joined(engine)
+    assert len(replayed) >= len(prompts) - 1 and max(replayed) <= 256, replayed
+    hf16 = _hf_bf16(trained_dir)
+    equal = 0
+    for p, out in zip(prompts, got):
+        ref = hf16.generate(torch.tensor([p], device="cuda"), max_new_tokens=32, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(p):].tolist()
+        equal += ref == out
+    print(f"row-graph prefill: {equal}/{len(prompts)} prompts equal to transformers on 32 BF16 steps; "
+          f"{len(replayed)} row-graph steps of {sorted(set(replayed))} rows")
+    assert equal >= 0.75 * len(prompts), f"only {equal}/{len(prompts)} prompts equal"
+    _, rows_first = joined(engine, logprobs=2)
+    _, eager_first = joined(eager, logprobs=2)
+    for sid in range(len(prompts)):
+        torch.testing.assert_close(rows_first[sid], eager_first[sid], atol=0.15, rtol=0)  # logits' BF16 ulps
+
+
+def _hf_bf16(d):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda().eval()
+
+
 def test_llama_1b_shapes_take_their_measured_plans(llama_1b_layers_dir, tmp_path):
     """With decode_gemm "auto" the engine runs Llama-1B's decode GEMMs through the measured plans (TMA
     split-K for qkv, o and down; the one-kernel SiLU(gate) * up), and its greedy BF16 tokens (PDL where
