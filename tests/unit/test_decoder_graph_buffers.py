@@ -249,7 +249,8 @@ def test_short_steps_prefill_through_the_row_graphs(tmp_path, monkeypatch, kind)
 def test_staged_block_tables_equal_a_full_refill(tmp_path):
     """Only the rows that changed are rewritten in a staging set; what the set then holds is what
     filling all rows afresh gives (scratch after each row and in padded rows), through growing rows,
-    rows taken by other (shorter) sequences and buckets that shrink and grow."""
+    rows taken by other (shorter) sequences, runs of rows sharing one sequence's table and buckets that
+    shrink and grow."""
     import random
 
     import numpy as np
@@ -271,6 +272,8 @@ def test_staged_block_tables_equal_a_full_refill(tmp_path):
             live[rng.randrange(len(live))] = [rng.randrange(96) for _ in range(rng.randrange(1, width))]
         b = rng.choice((1, 3, 5, 8, 8, 8))
         tables = live[:b]
+        if rng.random() < 0.5:  # rows of one sequence in runs (a prompt's tokens, drafts): one list object a run
+            tables = [row for row in live for _ in range(rng.randrange(1, 4))][:b]
         bucket = next(x for x in g.buckets if x >= b)
         k = step % len(g.np_tables)
         g._stage_tables(k, tables, bucket)

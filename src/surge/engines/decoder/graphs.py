@@ -182,14 +182,23 @@ class DecodeGraphs:
         lengths some sequence crosses a block boundary nearly every step, and rewriting all 64 rows
         each time was ~1 us a row of host time."""
         t, rows, scratch = self.np_tables[k], self._staged[k], self.engine.kv.scratch_block
+        prev = None
         for i, row in enumerate(tables):
             old = rows[i]
-            if old != row:
+            if row is prev:  # rows of one sequence (a prompt's tokens, drafts): its table converted once
+                if old is not rows[i - 1]:
+                    n = len(row)
+                    t[i, :n] = t[i - 1, :n]
+                    if len(old) > n:
+                        t[i, n:len(old)] = scratch
+                    rows[i] = rows[i - 1]
+            elif old != row:
                 n = len(row)
                 t[i, :n] = row
                 if len(old) > n:
                     t[i, n:len(old)] = scratch
                 rows[i] = list(row)
+            prev = row
         for i in range(len(tables), bucket):
             if rows[i]:
                 t[i, :len(rows[i])] = scratch
