@@ -281,3 +281,20 @@ def test_staged_block_tables_equal_a_full_refill(tmp_path):
         for i, row in enumerate(tables):
             want[i, :len(row)] = row
         assert (g.np_tables[k][:bucket] == want).all(), step
+
+
+def test_the_graph_prefill_setting_reaches_the_engine(tmp_path):
+    """`--generation graph_prefill_tokens=N` is the engine's row-graph limit; 0 or a CPU engine: no row graphs."""
+    from surge.config import GenerationConfig
+    from surge.runtime.generate_service import decoder_engine_kwargs
+
+    assert GenerationConfig().graph_prefill_tokens == 256
+    gen = GenerationConfig.from_sources(["graph_prefill_tokens=64,max_num_seqs=8"])
+    assert decoder_engine_kwargs(gen, "cuda", "bf16")["graph_prefill_tokens"] == 64
+    assert decoder_engine_kwargs(GenerationConfig(graph_prefill_tokens=0), "cuda", "bf16")["graph_prefill_tokens"] == 0
+    with pytest.raises(ValueError):
+        GenerationConfig(graph_prefill_tokens=-1)
+    kw = decoder_engine_kwargs(gen, "cpu", "fp32")
+    engine = DecoderEngine(build_model("qwen2", tmp_path / "q", seed=2), num_blocks=32,
+                           **{k: v for k, v in kw.items() if k not in ("kv_cache_tokens", "max_model_len")})
+    assert engine.graph_prefill_tokens == 0 and engine.row_graphs is None  # CUDA graphs run on a GPU only
