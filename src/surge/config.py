@@ -208,13 +208,13 @@ class GenerationConfig(_Strict):
         "the weights to BF16 from ~1B parameters up, benchmarks/gpu_fp8_forms.py); the o and down products keep "
         "BF16 inputs. false: every FP8 product keeps BF16 inputs (weight-only, closer to the unquantized model).")
     cuda_graphs: bool = Field(True, description="On a GPU: replay decode steps as CUDA graphs per batch bucket.")
-    graph_prefill_tokens: int = Field(256, ge=0, le=4096, description="On a GPU with cuda_graphs: a step of prompt "
-                                      "chunks (and the decodes beside them) of at most this many tokens in all "
-                                      "replays a CUDA graph, a token a row attending to its sequence's cache up to "
-                                      "itself, instead of launching its several hundred kernels one by one (the "
-                                      "host's launches were most of a short prompt's time to first token, and "
-                                      "stalled every decoding stream while a request joined). 0: such steps run "
-                                      "eagerly.")
+    graph_prefill_tokens: int = Field(512, ge=0, le=8192, description="On a GPU with cuda_graphs: a step of "
+                                      "prompt chunks (and the decodes beside them) of at most this many tokens in "
+                                      "all replays CUDA graphs of rows, a token a row attending to its sequence's "
+                                      "cache up to itself, in replays of up to 256 rows, instead of launching its "
+                                      "several hundred kernels one by one (the host's launches were most of a "
+                                      "short prompt's time to first token, and stalled every decoding stream "
+                                      "while a request joined). 0: such steps run eagerly.")
     overlap_steps: bool = Field(True, description="Launch the next greedy decode step before the last one's tokens "
                                 "are read back (its inputs stay on the device), so host work overlaps the GPU.")
     overlap_depth: int = Field(2, ge=1, le=3, description="Launched decode steps in flight before the oldest is "

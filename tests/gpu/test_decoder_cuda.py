@@ -275,27 +275,36 @@ def test_bf16_trained_model_greedy_equals_transformers(trained_dir, decode_gemm,
 
 
 def test_short_prompts_prefill_through_the_row_graphs(trained_dir):
-    """graph_prefill_tokens (default 256): prompts joining a running batch, in steps of at most 256 tokens, replay
-    the row graphs (every token a row attending to its sequence's cache up to itself), a 300-token step runs
-    eagerly; the BF16 greedy tokens equal transformers' BF16 generate on 32 steps for the bulk (>= 75%) of
-    prompts, and each prompt's first-token top-2 log-probabilities are the eager engine's within BF16
-    rounding (the row path's attention and GEMMs are the decode step's, not the prefill's)."""
+    """graph_prefill_tokens (here 400): prompts joining a running batch, in steps of at most 400 tokens, replay the
+    row graphs (every token a row attending to its sequence's cache up to itself; a 300-token prompt's step in two
+    replays, 256 rows and the rest, the second reading the first's keys from the cache); a 450-token step runs
+    eagerly. The BF16 greedy tokens equal transformers' BF16 generate on 32 steps for the bulk (>= 75%) of
+    prompts, and each prompt's first-token top-2 log-probabilities are the eager engine's within BF16 rounding
+    (the row path's attention and GEMMs are the decode step's, not the prefill's)."""
     from surge.engines.decoder import DecoderEngine
     from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
     from surge.runtime.scheduler.overlap import StepLoop
     from tests.loop_driver import drive
 
     kw = dict(device="cuda", dtype="bf16", num_blocks=512, max_num_seqs=16, max_model_len=512)
-    engine, eager = DecoderEngine(trained_dir, **kw), DecoderEngine(trained_dir, graph_prefill_tokens=0, **kw)
+    engine = DecoderEngine(trained_dir, graph_prefill_tokens=400, **kw)
+    eager = DecoderEngine(trained_dir, graph_prefill_tokens=0, **kw)
     engine.warmup()
     eager.warmup()
     assert engine.row_graphs.buckets[-1] == 256 and set(engine.row_graphs.graphs) == set(engine.row_graphs.buckets)
     assert eager.row_graphs is None
     prompts = _prompts(384, 16)
     g = torch.Generator().manual_seed(9)
-    prompts.append(torch.randint(3, 384, (300,), generator=g).tolist())  # a step of more than 256 tokens
-    replayed, run_rows = [], engine.row_graphs.run
-    engine.row_graphs.run = lambda ids, *a, **k: replayed.append(len(ids)) or run_rows(ids, *a, **k)
+    prompts += [torch.randint(3, 384, (n,), generator=g).tolist() for n in (300, 450)]  # two replays; eager
+    replayed, per_step, run_rows, prefill = [], [], engine.row_graphs.run, engine._prefill_graph
+
+    def counted(ids, *a, **k):
+        replayed.append(len(ids))
+        per_step[-1] += 1
+        return run_rows(ids, *a, **k)
+
+    engine.row_graphs.run = counted
+    engine._prefill_graph = lambda sc: per_step.append(0) or prefill(sc)
 
     def joined(e, logprobs=None):
         sched = Scheduler(SchedulerConfig(num_blocks=512, block_size=e.block_size, max_num_seqs=16,
@@ -317,7 +326,7 @@ def test_short_prompts_prefill_through_the_row_graphs(trained_dir):
         return [s.output_ids for s in seqs], firsts
 
     got, _ = joined(engine)
-    assert len(replayed) >= len(prompts) - 1 and max(replayed) <= 256, replayed
+    assert len(per_step) >= len(prompts) - 1 and max(replayed) == 256 and max(per_step) == 2, (per_step, replayed)
     hf16 = _hf_bf16(trained_dir)
     equal = 0
     for p, out in zip(prompts, got):
@@ -325,7 +334,7 @@ def test_short_prompts_prefill_through_the_row_graphs(trained_dir):
                             pad_token_id=0)[0, len(p):].tolist()
         equal += ref == out
     print(f"row-graph prefill: {equal}/{len(prompts)} prompts equal to transformers on 32 BF16 steps; "
-          f"{len(replayed)} row-graph steps of {sorted(set(replayed))} rows")
+          f"{len(per_step)} row-graph steps, replays of {sorted(set(replayed))} rows")
     assert equal >= 0.75 * len(prompts), f"only {equal}/{len(prompts)} prompts equal"
     _, rows_first = joined(engine, logprobs=2)
     _, eager_first = joined(eager, logprobs=2)
@@ -917,8 +926,10 @@ def test_speculative_steps_follow_plain_decoding(trained_dir, graphs):
                            max_model_len=512, cuda_graphs=graphs, speculative_tokens=3, decode_steps=4)
     engine.warmup()
     assert bool(engine.row_graphs and engine.row_graphs.graphs) == graphs
-    if graphs:  # the speculative rows (16 x 4) or graph_prefill_tokens' default, whichever is more
-        assert engine.row_graphs.buckets[-1] == max(16 * 4, engine.graph_prefill_tokens) == 256
+    if graphs:  # the speculative rows (16 x 4) or the prompt steps' replays (ROW_GRAPH_ROWS), whichever is more
+        from surge.engines.decoder.runner import ROW_GRAPH_ROWS
+
+        assert engine.row_graphs.buckets[-1] == max(16 * 4, min(engine.graph_prefill_tokens, ROW_GRAPH_ROWS)) == 256
     got, loop = _run_speculating(engine, prompts, 40, NgramProposer(3, 2, 4))
     equal = sum(a == b for a, b in zip(got, want))
     print(f"speculation (graphs={graphs}): {equal}/{len(prompts)} prompts equal to plain decoding on 40 BF16 "

@@ -171,14 +171,15 @@ def test_lora_rows_through_the_graph_path(tmp_path, monkeypatch, steps):
     assert loop.overlapped > 5, "the decode steps must take the graph path"
 
 
-def _host_row_graphs(engine, rows):
-    """engine.row_graphs as the harness's eager replays, used for steps of up to `rows` tokens."""
+def _host_row_graphs(engine, rows, limit=None):
+    """engine.row_graphs as the harness's eager replays (buckets up to `rows`), used for steps of up to `limit`
+    tokens (default `rows`; more rows than the graphs hold: several replays)."""
     from surge.engines.decoder.graphs import DecodeGraphs
 
     g = DecodeGraphs(engine, rows, rows_share_kv=True)
     g.graphs = {b: _Replay(g, b) for b in g.buckets}
     g.outputs = {}
-    engine.row_graphs, engine.graph_prefill_tokens = g, rows
+    engine.row_graphs, engine.graph_prefill_tokens = g, limit or rows
     return g
 
 
@@ -186,7 +187,9 @@ def _host_row_graphs(engine, rows):
 def test_short_steps_prefill_through_the_row_graphs(tmp_path, monkeypatch, kind):
     """graph_prefill_tokens: a step of at most that many tokens in all (prompt chunks and the decodes beside
     them) replays the row graphs, a token a row at its own position attending to its sequence's cache up to
-    itself; longer steps and steps that score prompt log-probabilities run eagerly. With prompts joining
+    itself, in several replays where it has more rows than the graphs hold (a later replay's rows read the
+    earlier ones' keys from the cache); longer steps and steps that score prompt log-probabilities run
+    eagerly. With prompts joining
     running sequences, a prompt cut into chunks by the token budget, a shared prefix (prefix-cache hits: the
     chunk starts past position 0) and a sampled sequence beside greedy ones, every sequence gets
     transformers' greedy tokens (the sampled one the eager engine's, seeded) and the prompt log-probabilities
@@ -229,10 +232,17 @@ def test_short_steps_prefill_through_the_row_graphs(tmp_path, monkeypatch, kind)
     eager, _, eager_scores = run(DecoderEngine(d, num_blocks=96, block_size=4, max_num_seqs=6))
     engine = DecoderEngine(d, num_blocks=96, block_size=4, max_num_seqs=6)
     monkeypatch.setattr(model_mod, "paged_attention_torch", _host_graphs(engine, 6))
-    rows = _host_row_graphs(engine, 24)
-    replayed, eager_steps = [], []
-    run_rows, prepare = rows.run, engine.prepare
-    monkeypatch.setattr(rows, "run", lambda ids, *a, **k: replayed.append(len(ids)) or run_rows(ids, *a, **k))
+    rows = _host_row_graphs(engine, 12, limit=24)
+    replayed, per_step, eager_steps = [], [], []
+    run_rows, prepare, prefill = rows.run, engine.prepare, engine._prefill_graph
+
+    def counted(ids, *a, **k):
+        replayed.append(len(ids))
+        per_step[-1] += 1
+        return run_rows(ids, *a, **k)
+
+    monkeypatch.setattr(rows, "run", counted)
+    monkeypatch.setattr(engine, "_prefill_graph", lambda sc: per_step.append(0) or prefill(sc))
     monkeypatch.setattr(engine, "prepare", lambda sc: eager_steps.append(sum(s.num_tokens for s in sc))
                         or prepare(sc))
     seqs, streamed, scores = run(engine)
@@ -241,8 +251,9 @@ def test_short_steps_prefill_through_the_row_graphs(tmp_path, monkeypatch, kind)
     assert seqs[-1].output_ids == eager[-1].output_ids and len(seqs[-1].output_ids) == 10
     assert len(scores) == 10 and [t for t, _, _ in scores] == [t for t, _, _ in eager_scores]
     torch.testing.assert_close([v for _, v, _ in scores], [v for _, v, _ in eager_scores])
-    assert max(replayed) > 6 and sum(n > 1 for n in replayed) >= 4, f"prefill steps through the rows: {replayed}"
-    assert max(replayed) <= 24 and min(eager_steps) >= 11 and any(n > 24 for n in eager_steps), \
+    assert max(replayed) == 12 and sum(n > 1 for n in replayed) >= 4 and max(per_step) == 2, \
+        f"prefill steps through the rows, some in two replays: {per_step}, {replayed}"
+    assert min(eager_steps) >= 11 and any(n > 24 for n in eager_steps), \
         f"steps over 24 tokens, and the one scoring prompt log-probabilities, run eagerly: {eager_steps}"
 
 
@@ -288,7 +299,7 @@ def test_the_graph_prefill_setting_reaches_the_engine(tmp_path):
     from surge.config import GenerationConfig
     from surge.runtime.generate_service import decoder_engine_kwargs
 
-    assert GenerationConfig().graph_prefill_tokens == 256
+    assert GenerationConfig().graph_prefill_tokens == 512
     gen = GenerationConfig.from_sources(["graph_prefill_tokens=64,max_num_seqs=8"])
     assert decoder_engine_kwargs(gen, "cuda", "bf16")["graph_prefill_tokens"] == 64
     assert decoder_engine_kwargs(GenerationConfig(graph_prefill_tokens=0), "cuda", "bf16")["graph_prefill_tokens"] == 0

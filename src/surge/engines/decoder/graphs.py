@@ -89,6 +89,10 @@ class DecodeGraphs:
         self._views: dict = {}
         self._out_views: dict = {}
         self._slot = 0
+        # each set's copy to the device, recorded: a set is refilled only once its last copy has run (steps
+        # that read nothing back, e.g. a long prompt's middle chunks as row-graph steps, may queue more
+        # than RING runs ahead of the device)
+        self._copied = [torch.cuda.Event() for _ in range(RING)] if pin else None
         # what the device's table buffer holds: (bucket, copies of the rows). The same rows again (a
         # decode step between two block boundaries): no refill, no copy
         self._tables_held: tuple | None = None
@@ -222,6 +226,8 @@ class DecodeGraphs:
         e = self.engine
         k = self._slot
         self._slot = (k + 1) % RING
+        if self._copied is not None:
+            self._copied[k].synchronize()  # (an event never recorded returns at once)
         p = self.np_packed[k]
         p[0, :b] = ids
         np.maximum(p[0, :b], 0, out=p[0, :b])  # placeholders (taken from `prev` on the device)
@@ -254,6 +260,8 @@ class DecodeGraphs:
         if not same:
             views[2].copy_(views[3], non_blocking=True)
             self._tables_held = (bucket, [list(row) for row in tables])
+        if self._copied is not None:
+            self._copied[k].record()
         lora = adapters is not None and any(adapters)
         graph = (self.graphs_lora if lora else self.graphs)[bucket]
         for j in range(steps):

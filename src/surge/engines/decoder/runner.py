@@ -26,6 +26,9 @@ from surge.models.decoder import load_decoder_config, load_decoder_weights
 from surge.runtime.scheduler.scheduler import ScheduledSeq
 
 log = logging.getLogger("surge.generate")
+# the row graphs' largest bucket (rows of a prompt step a replay): 256 rows keep a row's attention, which is the
+# decode kernel over its own context, within a decode step's work at the shapes measured (session 39)
+ROW_GRAPH_ROWS = 256
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
@@ -75,7 +78,7 @@ class DecoderEngine:
                  decode_attention: str = "fused", pdl: bool = True, l2_prefetch: bool = False,
                  decode_steps: int = 1, decode_launch_ms: float | None = None, max_loras: int = 0,
                  max_lora_rank: int = 16, lora_kernel: bool | None = None, lora_join: bool = True,
-                 speculative_tokens: int = 0, graph_prefill_tokens: int = 256,
+                 speculative_tokens: int = 0, graph_prefill_tokens: int = 512,
                  speculative_model: str | Path | None = None, quantization: str = "none",
                  cpu_weight_layout: str = "auto", fp8_activations: bool = True):
         self.device = torch.device(device)
@@ -149,7 +152,9 @@ class DecoderEngine:
         # graphs of up to max(graph_prefill_tokens, the speculative steps' rows) rows
         self.speculative_tokens = speculative_tokens
         self.graph_prefill_tokens = graph_prefill_tokens if cuda and cuda_graphs else 0
-        rows = max(self.graph_prefill_tokens, max_num_seqs * (speculative_tokens + 1) if speculative_tokens else 0)
+        # a prompt step of more rows than the graphs hold replays them in chunks (graph memory stays bounded)
+        rows = max(min(self.graph_prefill_tokens, ROW_GRAPH_ROWS),
+                   max_num_seqs * (speculative_tokens + 1) if speculative_tokens else 0)
         self.row_graphs = None
         if cuda and cuda_graphs and rows:
             from surge.engines.decoder.graphs import DecodeGraphs
@@ -327,14 +332,15 @@ class DecoderEngine:
         return {seq.seq_id: o for seq, o in zip(seqs, outs)}
 
     def _graph_rows(self, scheduled: list[ScheduledSeq]) -> bool:
-        """Whether this step runs as rows of a CUDA graph (row_graphs): at most graph_prefill_tokens tokens in
+        """Whether this step runs as rows of the CUDA graphs (row_graphs): at most graph_prefill_tokens tokens in
         all, their tables within the graphs', no prompt log-probabilities to score (those read every
         position's hidden state, which a graph does not keep)."""
         g = self.row_graphs
         if g is None or not g.graphs:
             return False
         n = sum(s.num_tokens for s in scheduled)
-        return n <= self.graph_prefill_tokens and g.fits(n, max(len(s.seq.block_table) for s in scheduled)) \
+        return n <= self.graph_prefill_tokens and g.fits(min(n, g.buckets[-1]),
+                                                         max(len(s.seq.block_table) for s in scheduled)) \
             and not any(s.seq.owes_prompt_logprobs for s in scheduled)
 
     def _rows(self, runs):
@@ -355,21 +361,29 @@ class DecoderEngine:
         return ids, pos, slots, tables, adapters if self.lora is not None else None
 
     def _prefill_graph(self, scheduled: list[ScheduledSeq]) -> dict[int, SampleOut]:
-        """step() as one replay of the row graphs: every token of the step a row (prompt chunks and decodes
-        alike), each attending to its sequence's cache up to itself; the sampled sequences' last rows go to
-        the sampler."""
+        """step() as replays of the row graphs: every token of the step a row (prompt chunks and decodes
+        alike), each attending to its sequence's cache up to itself; more rows than the largest bucket run as
+        several replays in order (a row then reads the keys of earlier replays' rows from the cache). The
+        sampled sequences' last rows go to the sampler."""
         if any(s.seq.params.guide is not None and s.start < s.seq.num_prompt for s in scheduled):
             self.sampler.prepare([s.seq for s in scheduled])
         ids, pos, slots, tables, adapters = self._rows(
             [(s.seq, s.start, s.seq.token_ids[s.start:s.start + s.num_tokens]) for s in scheduled])
-        logits, _ = self.row_graphs.run(ids, pos, slots, tables, adapters=adapters)
-        ends = np.cumsum([s.num_tokens for s in scheduled]) - 1
+        g, n = self.row_graphs, len(ids)
         sampled = [i for i, s in enumerate(scheduled) if s.sample]
+        last = np.cumsum([s.num_tokens for s in scheduled])[sampled] - 1 if sampled else np.zeros(0, np.int64)
+        parts, per = [], g.buckets[-1]
+        for lo in range(0, n, per):
+            hi = min(n, lo + per)
+            logits, _ = g.run(ids[lo:hi], pos[lo:hi], slots[lo:hi], tables[lo:hi],
+                              adapters=adapters[lo:hi] if adapters is not None else None)
+            rows = last[(last >= lo) & (last < hi)] - lo
+            if len(rows):  # read before the next replay overwrites the graph's output (stream order)
+                parts.append(logits.index_select(0, torch.as_tensor(rows).to(self.device, non_blocking=True)))
         if not sampled:
             return {}
-        last = torch.as_tensor(ends[sampled], dtype=torch.long).to(self.device, non_blocking=True)
         seqs = [scheduled[i].seq for i in sampled]
-        return self._outs(seqs, self.sampler(logits.index_select(0, last), seqs))
+        return self._outs(seqs, self.sampler(parts[0] if len(parts) == 1 else torch.cat(parts), seqs))
 
     def _score_prompts(self, scheduled: list[ScheduledSeq], hidden: torch.Tensor, qstart) -> None:
         """The model's log-probabilities of the prompt tokens this step computed the positions before
