@@ -309,3 +309,27 @@ def test_the_graph_prefill_setting_reaches_the_engine(tmp_path):
     engine = DecoderEngine(build_model("qwen2", tmp_path / "q", seed=2), num_blocks=32,
                            **{k: v for k, v in kw.items() if k not in ("kv_cache_tokens", "max_model_len")})
     assert engine.graph_prefill_tokens == 0 and engine.row_graphs is None  # CUDA graphs run on a GPU only
+
+
+def test_row_graph_steps_are_bounded_by_their_tokens_and_keys(tmp_path):
+    """A step takes the row graphs when its tokens are at most graph_prefill_tokens (T) and its prompt rows attend
+    to at most T (T + 1) / 2 keys in all (a T-token prompt's from its start): a short chunk after a long cached
+    context runs eagerly, decode rows count as tokens only; prompt log-probabilities to score: eager."""
+    from surge.runtime.scheduler.scheduler import ScheduledSeq
+
+    engine = DecoderEngine(build_model("qwen2", tmp_path / "q", seed=2), num_blocks=64, block_size=4, max_num_seqs=6)
+    _host_row_graphs(engine, 12, limit=24)  # keys: at most 24 * 25 / 2 = 300
+
+    def chunk(start, n, seq_len=None, **params):
+        seq = Sequence(0, list(range(3, 3 + (seq_len or start + n))), SamplingParams(max_tokens=4, **params))
+        seq.block_table = list(range(-(-(seq_len or start + n) // 4)))
+        return ScheduledSeq(seq, start, n, True)
+
+    takes = engine._graph_rows
+    assert takes([chunk(0, 24)])  # 300 keys, 24 tokens: two replays of the 12-row graphs
+    assert not takes([chunk(0, 25)])  # 25 tokens
+    assert takes([chunk(0, 10), chunk(0, 12)])  # 55 + 78 keys
+    assert takes([chunk(20, 8)])  # 8 x 20 + 36 = 196 keys after a cached prefix
+    assert not takes([chunk(40, 8)])  # 356 keys: the same chunk after a longer context
+    assert takes([chunk(90, 1) for _ in range(6)] + [chunk(0, 16)])  # decode rows: tokens, not keys
+    assert not takes([chunk(0, 8, prompt_logprobs=1)])

@@ -333,14 +333,19 @@ class DecoderEngine:
 
     def _graph_rows(self, scheduled: list[ScheduledSeq]) -> bool:
         """Whether this step runs as rows of the CUDA graphs (row_graphs): at most graph_prefill_tokens tokens in
-        all, their tables within the graphs', no prompt log-probabilities to score (those read every
-        position's hidden state, which a graph does not keep)."""
-        g = self.row_graphs
+        all, whose prompt rows attend to no more keys in all than a prompt of graph_prefill_tokens tokens does
+        from its start (a row's attention is the decode kernel over its whole context, so a short chunk after a
+        long cached context reads that context once a row: eager then), their tables within the graphs', no
+        prompt log-probabilities to score (those read every position's hidden state, which a graph does not
+        keep)."""
+        g, limit = self.row_graphs, self.graph_prefill_tokens
         if g is None or not g.graphs:
             return False
         n = sum(s.num_tokens for s in scheduled)
-        return n <= self.graph_prefill_tokens and g.fits(min(n, g.buckets[-1]),
-                                                         max(len(s.seq.block_table) for s in scheduled)) \
+        keys = sum(s.num_tokens * s.start + s.num_tokens * (s.num_tokens + 1) // 2 for s in scheduled
+                   if s.num_tokens > 1)
+        return n <= limit and keys <= limit * (limit + 1) // 2 \
+            and g.fits(min(n, g.buckets[-1]), max(len(s.seq.block_table) for s in scheduled)) \
             and not any(s.seq.owes_prompt_logprobs for s in scheduled)
 
     def _rows(self, runs):
