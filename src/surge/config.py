@@ -210,8 +210,11 @@ class GenerationConfig(_Strict):
     cuda_graphs: bool = Field(True, description="On a GPU: replay decode steps as CUDA graphs per batch bucket.")
     graph_prefill_tokens: int = Field(512, ge=0, le=8192, description="On a GPU with cuda_graphs: a step of "
                                       "prompt chunks (and the decodes beside them) of at most this many tokens in "
-                                      "all replays CUDA graphs of rows, a token a row attending to its sequence's "
-                                      "cache up to itself, in replays of up to 256 rows, instead of launching its "
+                                      "all (whose prompt rows attend to no more keys than a prompt of that many "
+                                      "tokens does from its start: a short chunk after a long cached context runs "
+                                      "eagerly) replays CUDA graphs of rows, a token a row attending to its "
+                                      "sequence's cache up to itself, in replays of up to 256 rows, instead of "
+                                      "launching its "
                                       "several hundred kernels one by one (the host's launches were most of a "
                                       "short prompt's time to first token, and stalled every decoding stream "
                                       "while a request joined). 0: such steps run eagerly.")
