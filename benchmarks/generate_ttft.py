@@ -10,7 +10,10 @@ An eager step launches each of its several hundred kernels from Python; on the G
 prompt's first token waited for the host, and every decoding stream stalled for as long while a request joined.
 
 * alone: one request at a time (GenerateService.stream, as the HTTP routes call it), prompts of --lengths tokens
-  (random ids), 2 output tokens, --repeats each: TTFT from submission to the first token, median and p99;
+  (random ids), 2 output tokens, --repeats each: TTFT from submission to the first token, median and p99; with
+  --prefix P each prompt follows the same P-token system prompt, computed once and then taken from the prefix
+  cache (a chat turn after a long shared context: the row graphs take such a step only while its rows attend to
+  no more keys than a graph_prefill_tokens-token prompt does);
 * joining: --background streams decode (128-token prompts, long answers); once all of them stream, a request of
   --join-prompt tokens arrives every --interval ms (--joins of them, 16 output tokens each): their TTFT, and the
   background streams' gaps between deliveries while the requests join (ITL p50 / p99 / max).
@@ -49,11 +52,12 @@ async def _first_token_ms(service, prompt, n_out: int) -> float:
     return 1e3 * (first - start)
 
 
-async def alone(service, vocab: int, lengths: list[int], repeats: int) -> dict:
+async def alone(service, vocab: int, lengths: list[int], repeats: int, prefix: int = 0) -> dict:
     g = torch.Generator().manual_seed(7)
+    shared = torch.randint(2, vocab, (prefix,), generator=g).tolist()
     out = {}
     for n in lengths:
-        prompts = torch.randint(2, vocab, (repeats + 2, n), generator=g).tolist()
+        prompts = [shared + p for p in torch.randint(2, vocab, (repeats + 2, n), generator=g).tolist()]
         for p in prompts[:2]:  # warm: a first call of a shape compiles or picks algorithms
             await _first_token_ms(service, p, 2)
         ttft = [await _first_token_ms(service, p, 2) for p in prompts[2:]]
@@ -108,7 +112,7 @@ def measure(path: Path, args, rows: int, vocab: int) -> dict:
     engine, service, load_s = make_service(path, args, args.background + args.joins)
 
     async def both():
-        rec = {"alone": await alone(service, vocab, args.lengths, args.repeats)}
+        rec = {"alone": await alone(service, vocab, args.lengths, args.repeats, args.prefix)}
         rec["joining"] = await joining(service, vocab, args)
         await service.close()
         return rec
@@ -123,14 +127,15 @@ def measure(path: Path, args, rows: int, vocab: int) -> dict:
     return rec
 
 
-def table(records: list[dict]) -> str:
+def table(records: list[dict], prefix: int = 0) -> str:
     by = {r["graph_prefill_tokens"]: r for r in records}
     graph, eager = by.get(max(by)), by.get(0)
+    after = f" after a cached {prefix}-token prefix" if prefix else ""
     lines = ["| | eager steps (0): TTFT p50 / p99 ms | graph rows: TTFT p50 / p99 ms | eager / graph, p50 |",
              "| --- | ---: | ---: | ---: |"]
     for n in graph["alone"]:
         a, b = eager["alone"][n], graph["alone"][n]
-        lines.append(f"| alone, {n}-token prompt | {a['ttft_p50_ms']:.2f} / {a['ttft_p99_ms']:.2f} | "
+        lines.append(f"| alone, {n}-token prompt{after} | {a['ttft_p50_ms']:.2f} / {a['ttft_p99_ms']:.2f} | "
                      f"{b['ttft_p50_ms']:.2f} / {b['ttft_p99_ms']:.2f} | {a['ttft_p50_ms'] / b['ttft_p50_ms']:.2f}x |")
     a, b = eager["joining"], graph["joining"]
     lines.append(f"| joining: the new requests' TTFT | {a['ttft_p50_ms']:.2f} / {a['ttft_p99_ms']:.2f} | "
@@ -174,6 +179,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default=None, choices=sorted(SHAPES))
     ap.add_argument("--lengths", type=int, nargs="+", default=[8, 32, 128, 256, 512])
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--prefix", type=int, default=0, help="a shared system prompt of this many tokens before each "
+                    "prompt measured alone (prefix caching on)")
     ap.add_argument("--background", type=int, default=48)
     ap.add_argument("--joins", type=int, default=24)
     ap.add_argument("--join-prompt", type=int, default=32)
@@ -187,16 +194,18 @@ def main(argv=None) -> int:
         record = json.loads(args.src.read_text())
     else:
         shape = args.shape or ("qwen2-0.5b" if args.device.startswith("cuda") else "gpt2-tiny")
-        args.prompt, args.output = max(args.lengths + [128, args.join_prompt]), 1024
+        args.prompt, args.output = args.prefix + max(args.lengths + [128, args.join_prompt]), 1024
+        args.prefix_caching = args.prefix > 0
         device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
         with tempfile.TemporaryDirectory() as tmp:
             path = build(shape, Path(tmp) / shape, args.device)
             vocab = SHAPES[shape][1].get("vocab_size", 1000)
             records = [measure(path, args, rows, vocab) for rows in args.rows]
-        record = {"shape": shape, "device": device, "background": args.background, "records": records,
+        record = {"shape": shape, "device": device, "background": args.background, "prefix": args.prefix,
+                  "records": records,
                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
         print(json.dumps({k: v for k, v in record.items() if k != "records"}))
-        print(table(records))
+        print(table(records, args.prefix))
         if args.json:
             args.json.write_text(json.dumps(record, indent=1))
     if args.plot:
