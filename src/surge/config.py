@@ -208,7 +208,7 @@ class GenerationConfig(_Strict):
         "the weights to BF16 from ~1B parameters up, benchmarks/gpu_fp8_forms.py); the o and down products keep "
         "BF16 inputs. false: every FP8 product keeps BF16 inputs (weight-only, closer to the unquantized model).")
     cuda_graphs: bool = Field(True, description="On a GPU: replay decode steps as CUDA graphs per batch bucket.")
-    graph_prefill_tokens: int = Field(512, ge=0, le=8192, description="On a GPU with cuda_graphs: a step of "
+    graph_prefill_tokens: int = Field(512, ge=0, le=2048, description="On a GPU with cuda_graphs: a step of "
                                       "prompt chunks (and the decodes beside them) of at most this many tokens in "
                                       "all (whose prompt rows attend to no more keys than a prompt of that many "
                                       "tokens does from its start: a short chunk after a long cached context runs "
