@@ -53,36 +53,30 @@ def sync():
         torch.cuda.synchronize()
 
 
-def kernel_table(prof, top: int) -> list[tuple[str, int, float]]:
-    """(kernel name, launches, device ms) of the top kernels of a profiled step, most time first."""
+def kernel_table(prof) -> list[tuple[str, int, float]]:
+    """(kernel name, launches, device ms) of every kernel of a profiled step, most time first."""
     by = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             n, t = by.get(e.name, (0, 0.0))
             by[e.name] = (n + 1, t + (getattr(e, "device_time", 0) or e.cuda_time) / 1e3)
-    rows = sorted(((k, n, t) for k, (n, t) in by.items()), key=lambda r: -r[2])
-    return rows[:top]
+    return sorted(((k, n, t) for k, (n, t) in by.items()), key=lambda r: -r[2])
 
 
 def enqueue_ms(engine, scheduled) -> float:
-    """The host's time to issue one prefill forward (the model's launches for the step's inputs, no logits, no
-    read-back), median of 5, the device idle before each: the step's wall if the device took no time."""
-    from surge.engines.decoder.attention import AttnMeta
-
-    ids, pos, slots, q_lens, ctx, tables, table_np, qstart = engine.prepare(scheduled)
-    dev, times = engine.device, []
-    for _ in range(5):
-        sync()
-        t = time.perf_counter()
-        with torch.inference_mode():
-            meta = AttnMeta(slot_mapping=torch.from_numpy(slots).to(dev),
-                            block_tables=torch.from_numpy(table_np).to(dev),
-                            context_lens=torch.tensor(ctx, dtype=torch.int32).to(dev),
-                            query_start=torch.from_numpy(qstart).to(dev), max_query=max(q_lens), q_lens=q_lens,
-                            ctx_lens=ctx, tables=tables)
-            engine.model.forward(torch.tensor(ids).to(dev), torch.from_numpy(pos).to(dev), engine.kv, meta, None)
-        times.append(1e3 * (time.perf_counter() - t))
-        sync()
+    """The host's time to issue one step (engine.step with its sampler, where the step waits for the device, left
+    out), median of 5, the device idle before each: the step's wall if the device took no time."""
+    sampler, times = engine.sampler, []
+    engine.sampler = lambda logits, seqs: []
+    try:
+        for _ in range(5):
+            sync()
+            t = time.perf_counter()
+            engine.step(scheduled)
+            times.append(1e3 * (time.perf_counter() - t))
+            sync()
+    finally:
+        engine.sampler = sampler
     return statistics.median(times)
 
 
@@ -107,11 +101,11 @@ def measure(engine, prompts, quant: str, args, cuda: bool) -> dict:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             engine.step(scheduled)
             sync()
-        evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        rec["kernel_ms"] = sum(getattr(e, "device_time", 0) or e.cuda_time for e in evs) / 1e3
-        rec["kernels"] = len(evs)
+        kernels = kernel_table(prof)
+        rec["kernel_ms"] = sum(t for _, _, t in kernels)
+        rec["kernels"] = sum(c for _, c, _ in kernels)
         if args.kernels:
-            rec["top_kernels"] = [[k[:120], c, round(t, 4)] for k, c, t in kernel_table(prof, args.kernels)]
+            rec["top_kernels"] = [[k[:120], c, round(t, 4)] for k, c, t in kernels[:args.kernels]]
     if args.host_ops:
         from torch.profiler import ProfilerActivity, profile
 
@@ -121,7 +115,7 @@ def measure(engine, prompts, quant: str, args, cuda: bool) -> dict:
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.host_ops)
         rec["host_ops"] = table
         rec["enqueue_ms"] = enqueue_ms(engine, scheduled)
-        print(f"[{quant}] enqueue {rec['enqueue_ms']:.2f} ms (median of 5: the forward's launches issued, no sync)")
+        print(f"[{quant}] enqueue {rec['enqueue_ms']:.2f} ms (median of 5: the step's launches issued, no sync)")
         print(table)
     pr = cProfile.Profile()
     pr.enable()

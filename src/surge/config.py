@@ -214,10 +214,9 @@ class GenerationConfig(_Strict):
                                       "tokens does from its start: a short chunk after a long cached context runs "
                                       "eagerly) replays CUDA graphs of rows, a token a row attending to its "
                                       "sequence's cache up to itself, in replays of up to 256 rows, instead of "
-                                      "launching its "
-                                      "several hundred kernels one by one (the host's launches were most of a "
-                                      "short prompt's time to first token, and stalled every decoding stream "
-                                      "while a request joined). 0: such steps run eagerly.")
+                                      "launching its several hundred kernels one by one (the host's launches were "
+                                      "most of a short prompt's time to first token, and stalled every decoding "
+                                      "stream while a request joined). 0: such steps run eagerly.")
     overlap_steps: bool = Field(True, description="Launch the next greedy decode step before the last one's tokens "
                                 "are read back (its inputs stay on the device), so host work overlaps the GPU.")
     overlap_depth: int = Field(2, ge=1, le=3, description="Launched decode steps in flight before the oldest is "

@@ -298,11 +298,11 @@ class DecoderEngine:
         if self.graphs is not None and self.graphs.graphs and len(scheduled) <= self.graphs.buckets[-1] \
                 and all(s.num_tokens == 1 and s.sample for s in scheduled):
             return self._decode_graph(scheduled)
+        if any(s.seq.params.guide is not None and s.start < s.seq.num_prompt for s in scheduled):
+            self.sampler.prepare([s.seq for s in scheduled])  # guided prompts: matchers built meanwhile
         if self._graph_rows(scheduled):
             return self._prefill_graph(scheduled)
         ids, pos, slots, q_lens, ctx, tables, table_np, qstart = self.prepare(scheduled)
-        if any(s.seq.params.guide is not None and s.start < s.seq.num_prompt for s in scheduled):
-            self.sampler.prepare([s.seq for s in scheduled])  # guided prompts: matchers built meanwhile
         sample_rows = [i for i, s in enumerate(scheduled) if s.sample]
         dev = self.device
         meta = AttnMeta(
@@ -370,8 +370,6 @@ class DecoderEngine:
         alike), each attending to its sequence's cache up to itself; more rows than the largest bucket run as
         several replays in order (a row then reads the keys of earlier replays' rows from the cache). The
         sampled sequences' last rows go to the sampler."""
-        if any(s.seq.params.guide is not None and s.start < s.seq.num_prompt for s in scheduled):
-            self.sampler.prepare([s.seq for s in scheduled])
         ids, pos, slots, tables, adapters = self._rows(
             [(s.seq, s.start, s.seq.token_ids[s.start:s.start + s.num_tokens]) for s in scheduled])
         g, n = self.row_graphs, len(ids)
