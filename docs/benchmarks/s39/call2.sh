@@ -8,6 +8,6 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:src:.
 t=$(date +%s); timeout 200 python3 benchmarks/generate_prefill_host.py --device cuda --shape qwen2-0.5b --prompts 64 \
   --quantization none --quantization fp8 --quantization fp8-weight-only --host-ops 18 > $OUT/prefill_host.txt 2>&1
 echo "prefill rc=$? $(( $(date +%s) - t )) s" >> $OUT/env.txt
-t=$(date +%s); timeout 150 python3 docs/benchmarks/s39/int8_probe.py > $OUT/int8_probe.txt 2>&1
+t=$(date +%s); timeout 150 python3 benchmarks/gpu_int8_probe.py > $OUT/int8_probe.txt 2>&1
 echo "probe rc=$? $(( $(date +%s) - t )) s" >> $OUT/env.txt
 cat $OUT/env.txt; grep -E "enqueue|wall" $OUT/prefill_host.txt; cat $OUT/int8_probe.txt | tail -30
