@@ -153,7 +153,7 @@ def make_service(path: Path, args, n: int, fused: bool = True, overlap: bool = T
     rows = GenerationConfig().graph_prefill_tokens if rows is None else rows
     gen = GenerationConfig(max_num_seqs=max(n, 1), max_num_batched_tokens=args.budget, max_model_len=max_len,
                            cache_entries=0, prefix_caching=bool(getattr(args, "prefix_caching", False)),
-                           overlap_steps=overlap,
+                           overlap_steps=overlap, prefill_beside=getattr(args, "prefill_beside", True),
                            overlap_depth=args.overlap_depth, decode_steps=steps, speculative_tokens=speculative,
                            **({"speculative_max_batch": args.speculative_max_batch}
                               if getattr(args, "speculative_max_batch", None) else {}))

@@ -1,5 +1,6 @@
-"""Time to first token of short prompts, alone and joining running streams: prompt steps replayed as CUDA graphs
-(`graph_prefill_tokens`, default 256) against the same steps launched eagerly (0), in one run (issue 18).
+"""Time to first token of short prompts, alone and joining running streams, under several engine settings in one
+run (issue 18): prompt steps replayed as CUDA graphs (`graph_prefill_tokens`, --rows) or launched eagerly (0), and
+joining prompts prefilled beside the decode launches in flight (`prefill_beside`, --beside 1) or after them (0).
 
     PYTHONPATH=src python3 benchmarks/generate_ttft.py --device cuda --shape qwen2-0.5b [--json out.json]
         [--plot out.png]
@@ -17,6 +18,9 @@ prompt's first token waited for the host, and every decoding stream stalled for 
 * joining: --background streams decode (128-token prompts, long answers); once all of them stream, a request of
   --join-prompt tokens arrives every --interval ms (--joins of them, 16 output tokens each): their TTFT, and the
   background streams' gaps between deliveries while the requests join (ITL p50 / p99 / max).
+
+Settings: every --rows value with every --beside value (beside needs row graphs: with rows 0 only beside 0); the
+table's last column is the first setting's p50 over the last's.
 """
 
 from __future__ import annotations
@@ -107,8 +111,8 @@ async def joining(service, vocab: int, args) -> dict:
             "bg_gaps": len(gaps), "bg_finished_early": done}
 
 
-def measure(path: Path, args, rows: int, vocab: int) -> dict:
-    args.graph_prefill_tokens = rows
+def measure(path: Path, args, rows: int, beside: bool, vocab: int) -> dict:
+    args.graph_prefill_tokens, args.prefill_beside = rows, beside
     engine, service, load_s = make_service(path, args, args.background + args.joins)
 
     async def both():
@@ -118,7 +122,7 @@ def measure(path: Path, args, rows: int, vocab: int) -> dict:
         return rec
 
     rec = asyncio.run(both())
-    rec.update(graph_prefill_tokens=rows, load_s=load_s,
+    rec.update(graph_prefill_tokens=rows, prefill_beside=beside, load_s=load_s,
                row_buckets=list(engine.row_graphs.buckets) if engine.row_graphs is not None else [])
     engine = service = None  # noqa: F841 (the GPU memory back before the next engine)
     gc.collect()
@@ -127,23 +131,31 @@ def measure(path: Path, args, rows: int, vocab: int) -> dict:
     return rec
 
 
+def _label(r: dict) -> str:
+    if not r["graph_prefill_tokens"]:
+        return "eager steps"
+    return f"graph rows ({r['graph_prefill_tokens']})" + (", beside" if r.get("prefill_beside") else "")
+
+
 def table(records: list[dict], prefix: int = 0) -> str:
-    by = {r["graph_prefill_tokens"]: r for r in records}
-    graph, eager = by.get(max(by)), by.get(0)
+    """A column a setting (TTFT p50 / p99 ms; the streams' ITL), the last the first setting's over the last's."""
     after = f" after a cached {prefix}-token prefix" if prefix else ""
-    lines = ["| | eager steps (0): TTFT p50 / p99 ms | graph rows: TTFT p50 / p99 ms | eager / graph, p50 |",
-             "| --- | ---: | ---: | ---: |"]
-    for n in graph["alone"]:
-        a, b = eager["alone"][n], graph["alone"][n]
-        lines.append(f"| alone, {n}-token prompt{after} | {a['ttft_p50_ms']:.2f} / {a['ttft_p99_ms']:.2f} | "
-                     f"{b['ttft_p50_ms']:.2f} / {b['ttft_p99_ms']:.2f} | {a['ttft_p50_ms'] / b['ttft_p50_ms']:.2f}x |")
-    a, b = eager["joining"], graph["joining"]
-    lines.append(f"| joining: the new requests' TTFT | {a['ttft_p50_ms']:.2f} / {a['ttft_p99_ms']:.2f} | "
-                 f"{b['ttft_p50_ms']:.2f} / {b['ttft_p99_ms']:.2f} | {a['ttft_p50_ms'] / b['ttft_p50_ms']:.2f}x |")
-    lines.append(f"| joining: the running streams' ITL p50 / p99 (max) | {a['bg_itl_p50_ms']:.2f} / "
-                 f"{a['bg_itl_p99_ms']:.2f} ({a['bg_itl_max_ms']:.1f}) | {b['bg_itl_p50_ms']:.2f} / "
-                 f"{b['bg_itl_p99_ms']:.2f} ({b['bg_itl_max_ms']:.1f}) | "
-                 f"{a['bg_itl_p99_ms'] / b['bg_itl_p99_ms']:.2f}x (p99) |")
+    first, last = records[0], records[-1]
+    lines = ["| | " + " | ".join(f"{_label(r)}: p50 / p99 ms" for r in records) +
+             f" | {_label(last)} / {_label(first)}, p50 |", "| --- |" + " ---: |" * (len(records) + 1)]
+
+    def row(name, get, ratio):
+        cells = " | ".join(get(r) for r in records)
+        lines.append(f"| {name} | {cells} | {ratio:.2f}x |")
+
+    for n in first["alone"]:
+        row(f"alone, {n}-token prompt{after}", lambda r: f"{r['alone'][n]['ttft_p50_ms']:.2f} / "
+            f"{r['alone'][n]['ttft_p99_ms']:.2f}", last["alone"][n]["ttft_p50_ms"] / first["alone"][n]["ttft_p50_ms"])
+    row("joining: the new requests' TTFT", lambda r: f"{r['joining']['ttft_p50_ms']:.2f} / "
+        f"{r['joining']['ttft_p99_ms']:.2f}", last["joining"]["ttft_p50_ms"] / first["joining"]["ttft_p50_ms"])
+    row("joining: the running streams' ITL (max)", lambda r: f"{r['joining']['bg_itl_p50_ms']:.2f} / "
+        f"{r['joining']['bg_itl_p99_ms']:.2f} ({r['joining']['bg_itl_max_ms']:.1f})",
+        last["joining"]["bg_itl_p99_ms"] / first["joining"]["bg_itl_p99_ms"])
     return "\n".join(lines)
 
 
@@ -156,7 +168,7 @@ def plot(record: dict, out: Path) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
     for r in record["records"]:
-        label = f"graph rows ({r['graph_prefill_tokens']})" if r["graph_prefill_tokens"] else "eager steps"
+        label = _label(r)
         lengths = [int(n) for n in r["alone"]]
         ax1.plot(lengths, [v["ttft_p50_ms"] for v in r["alone"].values()], "o-", label=label)
         ttft = sorted(r["joining"]["ttft_ms"])
@@ -185,7 +197,9 @@ def main(argv=None) -> int:
     ap.add_argument("--joins", type=int, default=24)
     ap.add_argument("--join-prompt", type=int, default=32)
     ap.add_argument("--interval", type=float, default=25.0, help="ms between joining requests")
-    ap.add_argument("--rows", type=int, nargs="+", default=[256, 0], help="graph_prefill_tokens settings to compare")
+    ap.add_argument("--rows", type=int, nargs="+", default=[512, 0], help="graph_prefill_tokens settings to compare")
+    ap.add_argument("--beside", type=int, nargs="+", default=[1, 0], choices=[0, 1],
+                    help="prefill_beside settings to compare (with each --rows value but 0)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path)
     ap.add_argument("--from", dest="src", type=Path, help="plot this saved --json record instead of measuring")
@@ -200,7 +214,8 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             path = build(shape, Path(tmp) / shape, args.device)
             vocab = SHAPES[shape][1].get("vocab_size", 1000)
-            records = [measure(path, args, rows, vocab) for rows in args.rows]
+            settings = [(rows, bool(b)) for rows in args.rows for b in (args.beside if rows else [0])]
+            records = [measure(path, args, rows, beside, vocab) for rows, beside in dict.fromkeys(settings)]
         record = {"shape": shape, "device": device, "background": args.background, "prefix": args.prefix,
                   "records": records,
                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

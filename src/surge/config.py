@@ -217,6 +217,13 @@ class GenerationConfig(_Strict):
                                       "launching its several hundred kernels one by one (the host's launches were "
                                       "most of a short prompt's time to first token, and stalled every decoding "
                                       "stream while a request joined). 0: such steps run eagerly.")
+    prefill_beside: bool = Field(True, description="On a GPU with graph_prefill_tokens and overlap_steps: a prompt "
+                                 "arriving while decode launches are in flight (up to overlap_depth x decode_steps "
+                                 "steps queued on the GPU) is prefilled and sampled at once, its row graphs replayed "
+                                 "on a second CUDA stream beside those launches, instead of waiting for them; the "
+                                 "running streams' decodes go on, and the new sequence joins the next launch. "
+                                 "Steps that do not take the row graphs, and prompts whose KV blocks the launches in "
+                                 "flight may still write (just freed), wait as before.")
     overlap_steps: bool = Field(True, description="Launch the next greedy decode step before the last one's tokens "
                                 "are read back (its inputs stay on the device), so host work overlaps the GPU.")
     overlap_depth: int = Field(2, ge=1, le=3, description="Launched decode steps in flight before the oldest is "

@@ -520,3 +520,33 @@ def test_a_preempted_sequence_waits_at_its_priority():
     with pytest.raises(ValueError, match="scheduling policy"):
         SchedulerConfig(policy="lifo")
     assert _prio(4, 7).key() == _prio(4, 0).key(), "a priority does not change the answer (the cache's key)"
+
+
+def test_blocks_touched_while_launches_are_in_flight_are_not_settled():
+    """BlockManager.settled(blocks, since): false for a block freed, or named from a launched step's tokens
+    (its last K/V still to be written by the launch behind), after the clock read `since`; naming from a
+    synchronous step's tokens (their K/V written) leaves a block settled."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = Sequence(0, [5, 6, 7, 8, 9], SamplingParams(max_tokens=4))
+    bm.allocate_prefix(a)
+    assert bm.ensure(a, 5) and len(a.block_table) == 2
+    a.num_computed = 5
+    since = bm.clock
+    bm.commit(a)  # a synchronous step computed the first block: named, settled
+    assert a.block_hashes and bm.settled(a.block_table, since)
+    b = Sequence(1, [1, 2, 3], SamplingParams(max_tokens=4))
+    bm.allocate_prefix(b)
+    assert bm.ensure(b, 8)
+    b.token_ids += [4, 5, 6, 7, 8]
+    b.num_computed = 8
+    since = bm.clock
+    bm.commit(b, launched=True)  # named from a launched step's tokens
+    first, second = b.block_table
+    assert not bm.settled([first], since) and not bm.settled([second], since)
+    assert bm.settled(a.block_table, since)
+    since = bm.clock
+    assert bm.settled(b.block_table, since)
+    bm.release(a)
+    freed = [blk for blk in bm.free if bm.touched[blk] > since]
+    assert len(freed) == 2 and not bm.settled(freed[:1], since) and bm.settled(b.block_table, since)
+    assert bm.settled(freed, bm.clock)

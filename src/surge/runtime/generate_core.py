@@ -106,7 +106,8 @@ class EngineLoop:
                 speculator = NgramProposer(config.speculative_tokens, config.prompt_lookup_min,
                                            config.prompt_lookup_max, config.speculative_max_batch)
         self.loop = StepLoop(self.scheduler, engine, overlap=config.overlap_steps and on_gpu,
-                             depth=config.overlap_depth, steps=config.decode_steps, speculator=speculator)
+                             depth=config.overlap_depth, steps=config.decode_steps, speculator=speculator,
+                             beside=getattr(config, "prefill_beside", False))
         self.seqs: dict[int, Sequence] = {}  # added and not finished
         self._fresh: list[Sequence] = []  # added, their admission not reported yet
         self.steps = 0

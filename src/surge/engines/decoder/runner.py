@@ -160,6 +160,9 @@ class DecoderEngine:
             from surge.engines.decoder.graphs import DecodeGraphs
 
             self.row_graphs = DecodeGraphs(self, rows, rows_share_kv=True)
+        # prompts prefilled while decode launches are in flight (runtime/scheduler/overlap.py's `beside`): the
+        # row graphs replayed on a stream of their own, so a joining request does not queue behind the launches
+        self.beside_stream = torch.cuda.Stream() if self.row_graphs is not None else None
         # a draft model (runtime/scheduler/draft_model.py): its KV cache in blocks numbered as this one's
         self.draft = None
         if speculative_model is not None:
@@ -423,6 +426,25 @@ class DecoderEngine:
             raise ValueError("a block table is wider than max_model_len allows")
         logits, _ = self.graphs.run(ids, pos, slots, tables, adapters=self._row_slots(seqs))
         return self._outs(seqs, self.sampler(logits, seqs))
+
+    def can_prefill_beside(self, scheduled: list[ScheduledSeq]) -> bool:
+        """Whether prefill_beside() can run these prompt chunks: each ends its prompt (samples), the step takes
+        the row graphs (_graph_rows), and no row needs a LoRA slot (an adapter is copied into its slot on the
+        launches' stream, behind them)."""
+        return self.row_graphs is not None and all(s.sample for s in scheduled) \
+            and not (self.lora is not None and any(s.seq.adapter for s in scheduled)) and self._graph_rows(scheduled)
+
+    @torch.inference_mode()
+    def prefill_beside(self, scheduled: list[ScheduledSeq]) -> dict[int, SampleOut]:
+        """step() of prompt chunks that can_prefill_beside(), while decode launches are in flight: the row graphs
+        replayed on beside_stream, which does not wait for the launches (the scheduler gave these sequences blocks
+        no launch in flight writes: BlockManager.settled); returns once their tokens are sampled."""
+        if any(s.seq.params.guide is not None for s in scheduled):
+            self.sampler.prepare([s.seq for s in scheduled])
+        if self.beside_stream is None or self.device.type != "cuda":
+            return self._prefill_graph(scheduled)
+        with torch.cuda.stream(self.beside_stream):
+            return self._prefill_graph(scheduled)
 
     # -- launched decode steps (runtime/scheduler/overlap.py) ------------------------------------------
     def can_launch(self, scheduled: list[ScheduledSeq]) -> bool:

@@ -7,6 +7,12 @@ the same prefix (the assistant's system prompt) share the blocks: the second
 one starts with those tokens already computed. Freed blocks keep their hash
 and contents until they are reused, least recently freed first, so a prefix
 stays cached while memory allows.
+
+While launched steps are in flight (runtime/scheduler/overlap.py) a block may still be written by the
+device after the host has freed it (a sequence found stopped, or aborted, is in the launches behind)
+or named it (its last position's K/V comes from the next launch). Both bump `clock` and stamp the
+block, so a step run beside those launches can check that none of its blocks was touched since the
+oldest of them was made (`settled`).
 """
 
 from __future__ import annotations
@@ -40,6 +46,18 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0  # of those, found
+        self.clock = 0  # bumped when a block is freed, or named from a launched step's tokens
+        self.touched = [0] * num_blocks  # the clock at a block's last such change
+
+    def _touch(self, block: int) -> None:
+        self.clock += 1
+        self.touched[block] = self.clock
+
+    def settled(self, blocks, since: int) -> bool:
+        """None of `blocks` was freed or named from launched tokens after the clock read `since`: launches
+        made at or after that reading cannot be writing them."""
+        touched = self.touched
+        return all(touched[b] <= since for b in blocks)
 
     @property
     def num_free(self) -> int:
@@ -97,8 +115,9 @@ class BlockManager:
             seq.block_table.append(block)
         return True
 
-    def commit(self, seq: Sequence) -> None:
-        """Name the blocks that became full (computed) so later sequences can share them."""
+    def commit(self, seq: Sequence, launched: bool = False) -> None:
+        """Name the blocks that became full (computed) so later sequences can share them. `launched`: the
+        tokens come from a launched step, whose last K/V may still be being written (stamped)."""
         if not self.prefix_caching:
             return
         bs = self.block_size
@@ -115,6 +134,8 @@ class BlockManager:
             if h not in self.cached:
                 self.cached[h] = block
                 self.hash_of[block] = h
+            if launched:
+                self._touch(block)
             seq.block_hashes.append(h)
             parent = h
 
@@ -125,6 +146,7 @@ class BlockManager:
             self.ref[block] -= 1
             if self.ref[block] == 0:
                 self.free[block] = None
+                self._touch(block)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed = 0

@@ -37,13 +37,24 @@ Anything else (a prompt to prefill, sampling or penalties that need the host,
 a block that would need a preemption) first reads the running step back and
 then takes the synchronous path, so results never differ from it.
 
+`beside` (the engine's prefill_beside): prompts that arrive while decode launches are in flight, and
+that the engine can prefill beside them (on a GPU: the row graphs replayed on a second CUDA stream),
+are prefilled and sampled at once, without waiting for those launches (up to depth x steps decode
+steps: most of a joining request's time to first token otherwise); the running sequences' decodes
+are launched as before, and the new sequences join the launch after. A prompt step runs beside only
+when none of its blocks was freed or named from launched tokens since the oldest launch in flight
+was made (BlockManager.settled: the device may still be writing those), and each of its sequences
+ends its prompt in it; otherwise the synchronous path above.
+
 Engine contract (engines/decoder/runner.py): can_launch(scheduled),
 launch(scheduled, prev) -> handle, collect(handle) -> {seq_id: SampleOut},
 step(scheduled) -> {seq_id: SampleOut}; optionally collect_tokens(handle) ->
 [token] in the order of the scheduled list the handle was launched with (no
 object per token). Multi-step launches also need launch_steps(scheduled) -> the
 most decode steps one launch of them can run, launch(scheduled, prev, steps), and
-collect_tokens(handle) -> steps x len(scheduled) tokens, step-major.
+collect_tokens(handle) -> steps x len(scheduled) tokens, step-major. `beside` also needs
+can_prefill_beside(scheduled) and prefill_beside(scheduled) -> {seq_id: SampleOut} (which must not wait
+for the launches in flight).
 """
 
 from __future__ import annotations
@@ -68,7 +79,7 @@ MAX_DEPTH = 3  # the engine keeps RING = MAX_DEPTH + 1 staging and read-back set
 
 class StepLoop:
     def __init__(self, scheduler: Scheduler, engine, overlap: bool = True, depth: int = 2, steps: int = 1,
-                 speculator=None):
+                 speculator=None, beside: bool = False):
         """`speculator` (runtime/scheduler/ngram.NgramProposer or draft_model.DraftModelProposer, needs
         engine.verify; `k`, `max_batch`, `drafts(scheduled, scheduler)` -> drafts with their KV blocks taken,
         `kept(scheduled, drafts)` after the step): decode steps check draft tokens and keep those the model
@@ -84,8 +95,8 @@ class StepLoop:
         # decode steps a launch may run; an engine that cannot run several runs one
         multi = hasattr(engine, "launch_steps") and hasattr(engine, "collect_tokens")
         self.max_steps = steps if multi else 1
-        # oldest first: (scheduled, handle, decode steps the handle runs)
-        self._inflight: deque[tuple[list[ScheduledSeq], object, int]] = deque()
+        # oldest first: (scheduled, handle, decode steps the handle runs, the blocks' clock at launch)
+        self._inflight: deque[tuple[list[ScheduledSeq], object, int, int]] = deque()
         self._current: list[ScheduledSeq] = []
         self.steps = 0
         self.overlapped = 0  # steps launched while the previous one ran
@@ -94,6 +105,8 @@ class StepLoop:
         self.drafted = 0  # draft tokens checked by speculative steps
         self.accepted = 0  # of those, kept
         self.spec_steps = 0
+        self.beside = beside and hasattr(engine, "prefill_beside")
+        self.beside_steps = 0  # prompt steps run beside the launches in flight
 
     @property
     def busy(self) -> bool:
@@ -102,7 +115,7 @@ class StepLoop:
     def involved(self) -> list:
         """Sequences of the steps being run (to fail them when the engine raises); clears the state."""
         seqs = [s.seq for s in self._current]
-        for scheduled, _, _ in self._inflight:
+        for scheduled, *_ in self._inflight:
             seqs += [s.seq for s in scheduled]
         self._inflight.clear()
         self._current = []
@@ -114,7 +127,7 @@ class StepLoop:
 
     def _complete(self, results: list[StepResult]) -> None:
         """Read back the oldest launched step (a result for each of its decode steps)."""
-        scheduled, handle, steps = self._inflight.popleft()
+        scheduled, handle, steps, _ = self._inflight.popleft()
         collect_tokens = getattr(self.engine, "collect_tokens", None)
         if collect_tokens is not None:
             # in the order of the scheduled list the step was launched with; a sequence that ended
@@ -143,7 +156,7 @@ class StepLoop:
                 steps = 1
         handle = engine.launch(scheduled, prev, steps) if steps > 1 else engine.launch(scheduled, prev)
         sched.advance(scheduled, steps)
-        self._inflight.append((scheduled, handle, steps))
+        self._inflight.append((scheduled, handle, steps, sched.blocks.clock))
         self.steps += steps
 
     @staticmethod
@@ -167,6 +180,32 @@ class StepLoop:
                 self.accepted += len(tokens)
             results.append(StepResult(scheduled, tokens, finished))
         spec.kept(scheduled, drafts)
+        return True
+
+    def _prefill_beside(self, scheduled: list[ScheduledSeq], results: list[StepResult]) -> bool:
+        """Prefill this step's new prompts beside the launches in flight, then launch the running sequences'
+        decodes as usual (False: the step does not qualify, nothing was done)."""
+        sched, engine = self.scheduler, self.engine
+        flying = {id(s.seq) for sch, *_ in self._inflight for s in sch}
+        prompts = [s for s in scheduled if id(s.seq) not in flying]
+        decodes = [s for s in scheduled if id(s.seq) in flying]
+        if not prompts or not all(s.sample for s in prompts) or (decodes and not engine.can_launch(decodes)) \
+                or not engine.can_prefill_beside(prompts):
+            return False
+        since = self._inflight[0][3]
+        if not sched.blocks.settled((b for s in prompts for b in s.seq.block_table), since):
+            return False
+        outs = engine.prefill_beside(prompts)
+        self.steps += 1
+        self.beside_steps += 1
+        tokens = {k: o.token for k, o in outs.items()}
+        results.append(StepResult(prompts, tokens, sched.update(prompts, tokens), outs))
+        if decodes:  # the new sequences join the next launch (their input token from the host)
+            self._launch(decodes, self._inflight[-1][1])
+            self.overlapped += 1
+        self._current = []
+        while len(self._inflight) > self.depth:
+            self._complete(results)
         return True
 
     def step(self, refresh=None) -> list[StepResult]:
@@ -204,6 +243,8 @@ class StepLoop:
                 self._current = []
                 while len(self._inflight) > self.depth:
                     self._complete(results)
+                return results
+            if scheduled and self.beside and self._prefill_beside(scheduled, results):
                 return results
             self._complete_all(results)
             if refresh is not None:  # arrivals while draining (up to depth x steps decode steps) join

@@ -316,7 +316,7 @@ class Scheduler:
             at = s.start + s.num_tokens + step  # the sampled token's index in token_ids
             seq.token_ids[at] = token
             seq.output_ids[at - seq.num_prompt] = token
-            self.blocks.commit(seq)
+            self.blocks.commit(seq, launched=True)
             reason = self.stop_reason(seq, token, at)
             if reason is not None:
                 del seq.token_ids[at + 1:]

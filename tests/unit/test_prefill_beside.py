@@ -1,0 +1,210 @@
+"""Prompts prefilled beside the decode launches in flight (runtime/scheduler/overlap.py's `beside`,
+DecoderEngine.prefill_beside), on the CPU: the graphs are the harness's eager replays
+(tests/unit/test_decoder_graph_buffers.py), and `Behind` makes the "device" run behind the host as a GPU
+does: a launch's work runs only when it is read back, while a step beside it runs at once. So a block the
+host freed (a sequence found stopped) but a launch behind still writes is a real hazard here, as on a GPU."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from surge.engines.decoder import DecoderEngine  # noqa: E402
+from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence  # noqa: E402
+from surge.runtime.scheduler.overlap import StepLoop  # noqa: E402
+from surge.runtime.scheduler.scheduler import ScheduledSeq  # noqa: E402
+from tests.decoder_models import build_model  # noqa: E402
+from tests.loop_driver import drive  # noqa: E402
+from tests.unit.test_decoder_graph_buffers import _host_graphs, _host_row_graphs  # noqa: E402
+
+
+class _Pending:
+    def __init__(self, scheduled, prev, steps):
+        self.scheduled, self.prev, self.steps, self.real = scheduled, prev, steps, None
+
+
+class Behind:
+    """The engine with its launches run when they are read back (in launch order), on the sequences as they
+    were at launch (their tokens, positions and block tables then): what a GPU does with queued work."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.queue: list[_Pending] = []
+        self.ran_behind = 0  # launches that ran after a step beside them had run
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def launch(self, scheduled, prev, steps=1):
+        snap = []
+        for s in scheduled:
+            q = copy.copy(s.seq)
+            q.token_ids, q.block_table = list(q.token_ids), list(q.block_table)
+            snap.append(ScheduledSeq(q, s.start, s.num_tokens, s.sample))
+        self.queue.append(_Pending(snap, prev, steps))
+        return self.queue[-1]
+
+    def _run(self, upto: _Pending) -> None:
+        while upto.real is None:
+            p = self.queue.pop(0)
+            prev = p.prev.real if p.prev is not None else None
+            p.real = self.engine.launch(p.scheduled, prev, p.steps) if p.steps > 1 else \
+                self.engine.launch(p.scheduled, prev)
+
+    def collect_tokens(self, handle):
+        self._run(handle)
+        return self.engine.collect_tokens(handle.real)
+
+    def collect(self, handle):
+        self._run(handle)
+        return self.engine.collect(handle.real)
+
+    def prefill_beside(self, scheduled):
+        self.ran_behind += len(self.queue)
+        return self.engine.prefill_beside(scheduled)
+
+    def step(self, scheduled):
+        assert not self.queue, "a synchronous step runs after the launches in flight"
+        return self.engine.step(scheduled)
+
+
+def _engine(d, num_blocks=96, steps=3):
+    """A CPU engine whose decode graphs (multi-step) and row graphs are the harness's replays; returns
+    (engine, the harness's attention to patch in)."""
+    engine = DecoderEngine(d, num_blocks=num_blocks, block_size=4, max_num_seqs=6)
+    attention = _host_graphs(engine, 6, steps=steps)
+    _host_row_graphs(engine, 12, limit=24)
+    return engine, attention
+
+
+def _greedy(hf, prompt, n):
+    return hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                       pad_token_id=0)[0, len(prompt):].tolist()
+
+
+def _scheduler(num_blocks=96):
+    return Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=4, max_num_seqs=6, max_num_batched_tokens=64,
+                                     max_model_len=128), ())
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "gpt2", "llama"])
+def test_prompts_joining_launches_are_prefilled_beside_them(tmp_path, monkeypatch, kind):
+    """Prompts arriving while multi-step launches are in flight are prefilled and sampled at once, beside those
+    launches (which run later, as on a GPU), and join the next launch: every sequence gets transformers' greedy
+    tokens, a stop found inside a launch included; a prompt longer than the row graphs take waits for the
+    launches and runs synchronously."""
+    from transformers import AutoModelForCausalLM
+
+    from surge.engines.decoder import model as model_mod
+
+    torch.set_num_threads(1)
+    d = build_model(kind, tmp_path / kind, seed=2)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(1)
+    lengths = (9, 14, 6, 11, 5, 30, 7, 10)  # the 30-token prompt is over the row graphs' 24 tokens
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in lengths]
+    lens = [30, 26, 12, 9, 14, 11, 16, 8]
+    refs = [_greedy(hf, p, n) for p, n in zip(prompts, lens)]
+    stop_at = {1: 13}
+    engine, attention = _engine(d)
+    monkeypatch.setattr(model_mod, "paged_attention_torch", attention)
+    dev = Behind(engine)
+    beside = []
+    monkeypatch.setattr(engine, "prefill_beside", lambda sc: beside.append([s.seq.seq_id for s in sc])
+                        or DecoderEngine.prefill_beside(engine, sc))
+    sched = _scheduler()
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                                          stop_token_ids=(refs[i][stop_at[i]],) if i in stop_at else ()))
+            for i, (p, n) in enumerate(zip(prompts, lens))]
+    loop = StepLoop(sched, dev, overlap=True, depth=2, steps=3, beside=True)
+    streamed = drive(loop, sched, seqs, [0, 0, 0, 3, 4, 6, 9, 11])
+    for s, ref in zip(seqs, refs):
+        want = ref[:ref.index(ref[stop_at[s.seq_id]]) + 1] if s.seq_id in stop_at else ref
+        assert s.output_ids == want == streamed[s.seq_id], f"prompt {s.seq_id}"
+    joined = {sid for b in beside for sid in b}
+    assert {3, 4, 6, 7} <= joined and 5 not in joined, beside
+    assert loop.beside_steps == len(beside) and dev.ran_behind >= len(beside), "launches were behind each"
+    assert sched.blocks.num_free == 96
+
+
+def test_blocks_launches_in_flight_may_write_are_not_prefilled_beside(tmp_path, monkeypatch):
+    """A sequence found stopped is still in the launches behind, which write its next positions into its blocks
+    after the host freed them. A prompt given those blocks (here by a free list that hands out the newest first)
+    must wait for the launches: its tokens' log-probabilities then equal transformers'. With the check turned
+    off the prompt runs beside, the launches overwrite part of its cache, and the log-probabilities are off:
+    the harness shows the hazard the check prevents."""
+    from collections import OrderedDict
+
+    from transformers import AutoModelForCausalLM
+
+    from surge.engines.decoder import model as model_mod
+    from surge.runtime.scheduler.sequence import SeqStatus
+
+    class NewestFirst(OrderedDict):
+        def popitem(self, last=False):
+            return super().popitem(last=True)
+
+    torch.set_num_threads(1)
+    d = build_model("qwen2", tmp_path / "q", seed=2)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(1)
+    runner, joiner = (torch.randint(3, 300, (n,), generator=g).tolist() for n in (9, 20))
+    for _ in range(50):  # a stopper whose greedy answer has a token first seen at index 6-11 (its stop)
+        stopper = torch.randint(3, 300, (7,), generator=g).tolist()
+        answer = _greedy(hf, stopper, 20)
+        stop = next((i for i in range(6, 12) if answer[i] not in answer[:i]), None)
+        if stop is not None:
+            break
+    full = prompt_and_answer = joiner + _greedy(hf, joiner, 10)
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(torch.tensor([full])).logits[0].double(), -1)
+    want = [lp[len(joiner) - 1 + i, t].item() for i, t in enumerate(prompt_and_answer[len(joiner):])]
+
+    def run(check: bool):
+        engine, attention = _engine(d, num_blocks=64)
+        monkeypatch.setattr(model_mod, "paged_attention_torch", attention)
+        dev = Behind(engine)
+        sched = _scheduler(64)
+        sched.blocks.free = NewestFirst(sched.blocks.free)
+        if not check:
+            monkeypatch.setattr(sched.blocks, "settled", lambda blocks, since: True)
+        seqs = [Sequence(0, runner, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)),
+                Sequence(1, stopper, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                                                    stop_token_ids=(answer[stop],))),
+                Sequence(2, joiner, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0))]
+        loop = StepLoop(sched, dev, overlap=True, depth=2, steps=3, beside=True)
+        sched.add(seqs[0])
+        sched.add(seqs[1])
+        lps, behind_stopper = [], None
+        while loop.busy or behind_stopper is None:
+            for r in loop.step():
+                if r.samples and 2 in r.samples:
+                    lps.append(r.samples[2].logprob)
+            if behind_stopper is None and seqs[1].status is SeqStatus.FINISHED:
+                behind_stopper = sum(any(s.seq.seq_id == 1 for s in p.scheduled) for p in dev.queue)
+                sched.add(seqs[2])  # arrives while the stopper's later launches are in flight
+        assert seqs[1].output_ids == answer[:stop + 1] and behind_stopper > 0
+        assert seqs[2].output_ids == prompt_and_answer[len(joiner):]
+        return lps, loop.beside_steps
+
+    lps, beside = run(check=True)
+    assert beside == 0 and len(lps) == 10
+    assert max(abs(a - b) for a, b in zip(lps, want)) < 1e-4
+    lps, beside = run(check=False)
+    assert beside == 1 and max(abs(a - b) for a, b in zip(lps, want)) > 1e-3, "the harness must show the hazard"
+
+
+def test_the_setting_reaches_the_step_loop(tmp_path):
+    """GenerationConfig.prefill_beside (default on) is the engine loop's `beside`."""
+    from surge.runtime.generate_core import EngineLoop
+    from surge.runtime.generate_service import GenerationConfig
+
+    engine = DecoderEngine(build_model("gpt2", tmp_path / "g", seed=1), num_blocks=16, block_size=4, max_num_seqs=2)
+    assert GenerationConfig().prefill_beside
+    assert EngineLoop(engine, GenerationConfig(max_num_seqs=2)).loop.beside
+    assert not EngineLoop(engine, GenerationConfig(max_num_seqs=2, prefill_beside=False)).loop.beside
+    assert engine.beside_stream is None and not engine.can_prefill_beside([])  # no row graphs on the CPU
