@@ -208,3 +208,54 @@ def test_the_setting_reaches_the_step_loop(tmp_path):
     assert EngineLoop(engine, GenerationConfig(max_num_seqs=2)).loop.beside
     assert not EngineLoop(engine, GenerationConfig(max_num_seqs=2, prefill_beside=False)).loop.beside
     assert engine.beside_stream is None and not engine.can_prefill_beside([])  # no row graphs on the CPU
+
+
+def test_an_arrival_cuts_the_wait_for_the_device_short(tmp_path, monkeypatch):
+    """With `wait` (the engine loop's inbox), a prompt that arrives while the loop waits for its oldest launch is
+    prefilled beside at the next iteration, that launch and the ones behind it still unread (three in flight:
+    depth + 1), instead of after it; every sequence still gets transformers' greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from surge.engines.decoder import model as model_mod
+
+    torch.set_num_threads(1)
+    d = build_model("qwen2", tmp_path / "q", seed=3)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (9, 12, 15)]
+    lens = [24, 20, 9]
+    refs = [_greedy(hf, p, n) for p, n in zip(prompts, lens)]
+    engine, attention = _engine(d)
+    monkeypatch.setattr(model_mod, "paged_attention_torch", attention)
+    dev = Behind(engine)
+    sched = _scheduler()
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+            for i, (p, n) in enumerate(zip(prompts, lens))]
+    loop = StepLoop(sched, dev, overlap=True, depth=2, steps=3, beside=True)
+    arrived, queued = [], []
+    # the device "finishes" a launch whenever asked, except once the runners have made 9 steps: then the
+    # joiner arrives during the wait
+    dev.ready = lambda handle: bool(arrived) or loop.steps < 9
+
+    def wait(timeout):
+        assert timeout > 0 and not arrived
+        arrived.append(loop.steps)
+        sched.add(seqs[2])
+        return True
+
+    beside = engine.prefill_beside
+    monkeypatch.setattr(engine, "prefill_beside", lambda sc: queued.append(len(dev.queue)) or beside(sc))
+    sched.add(seqs[0])
+    sched.add(seqs[1])
+    streamed = {s.seq_id: [] for s in seqs}
+    first_at = None
+    while loop.busy:
+        for r in loop.step(None, wait):
+            for sid, t in r.tokens.items():
+                streamed[sid].append(t)
+                if sid == 2 and first_at is None:
+                    first_at = len(dev.queue)
+    assert arrived and queued == [3] and first_at == 2, (arrived, queued, first_at)
+    for s, ref in zip(seqs, refs):
+        assert s.output_ids == ref == streamed[s.seq_id], f"prompt {s.seq_id}"
+    assert sched.blocks.num_free == 96

@@ -71,8 +71,9 @@ class ThreadChannel:
             except queue.Empty:
                 return out
 
-    def wait(self, timeout: float | None = None) -> None:
-        self._wake.wait(timeout)
+    def wait(self, timeout: float | None = None) -> bool:
+        """Sleep until a message is put or `timeout` passes; True if one was."""
+        return self._wake.wait(timeout)
 
 
 class EngineLoop:
@@ -220,7 +221,7 @@ class EngineLoop:
                 continue
             try:
                 t0 = time.perf_counter()
-                results = loop.step(refresh)
+                results = loop.step(refresh, channel.wait)
                 self.busy_s += time.perf_counter() - t0
             except Exception as exc:  # the steps' requests fail; the service keeps serving
                 log.exception("generation step failed")

@@ -61,11 +61,12 @@ class _ConnChannel:
             out.append(("close",))
         return out
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until a message comes or `timeout` passes; True if one came (or the server process is gone)."""
         try:
-            self.conn.poll(timeout)
+            return self.conn.poll(timeout)
         except (EOFError, OSError):
-            pass
+            return True
 
 
 class _ConnOutbox:

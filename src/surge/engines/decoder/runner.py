@@ -639,6 +639,10 @@ class DecoderEngine:
             raise ValueError("collect() reads a one-step launch; collect_tokens() reads every step's")
         return {sid: SampleOut(t) for sid, t in zip(launch.seq_ids, self.collect_tokens(launch))}
 
+    def ready(self, launch: Launch) -> bool:
+        """Whether collect_tokens(launch) would return without waiting for the device."""
+        return launch.event is None or launch.event.query()
+
     def collect_tokens(self, launch: Launch) -> list[int]:
         """collect() as plain token ids in launch.seq_ids' order (no object per token)."""
         if launch.event is not None:

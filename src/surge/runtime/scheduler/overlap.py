@@ -75,6 +75,7 @@ class StepResult:
 
 
 MAX_DEPTH = 3  # the engine keeps RING = MAX_DEPTH + 1 staging and read-back sets (engines/decoder/graphs.py)
+POLL_S = 2e-4  # how often a wait for the device that an arrival can cut short looks at the device
 
 
 class StepLoop:
@@ -182,7 +183,7 @@ class StepLoop:
         spec.kept(scheduled, drafts)
         return True
 
-    def _prefill_beside(self, scheduled: list[ScheduledSeq], results: list[StepResult]) -> bool:
+    def _prefill_beside(self, scheduled: list[ScheduledSeq], results: list[StepResult], wait=None) -> bool:
         """Prefill this step's new prompts beside the launches in flight, then launch the running sequences'
         decodes as usual (False: the step does not qualify, nothing was done)."""
         sched, engine = self.scheduler, self.engine
@@ -201,17 +202,39 @@ class StepLoop:
         tokens = {k: o.token for k, o in outs.items()}
         results.append(StepResult(prompts, tokens, sched.update(prompts, tokens), outs))
         if decodes:  # the new sequences join the next launch (their input token from the host)
-            self._launch(decodes, self._inflight[-1][1])
-            self.overlapped += 1
+            self._launch_more(decodes, results)
         self._current = []
-        while len(self._inflight) > self.depth:
-            self._complete(results)
+        self._settle(results, wait)
         return True
 
-    def step(self, refresh=None) -> list[StepResult]:
+    def _launch_more(self, scheduled: list[ScheduledSeq], results: list[StepResult]) -> None:
+        """Launch behind the launches in flight: at most depth + 1 of them (one more than depth while a wait for
+        the oldest was cut short by an arrival)."""
+        if len(self._inflight) > self.depth:
+            self._complete(results)
+        self._launch(scheduled, self._inflight[-1][1])
+        self.overlapped += 1
+
+    def _settle(self, results: list[StepResult], wait) -> None:
+        """Read back the oldest launches until at most depth are in flight; with `wait(timeout) -> bool` (True:
+        something arrived for the loop) and an engine that says when a launch is done (ready(handle)), a wait
+        for the device ends early when something arrives, so a new prompt is seen (and prefilled beside the
+        launches) at once instead of after the oldest launch."""
+        ready = getattr(self.engine, "ready", None) if self.beside else None
+        while len(self._inflight) > self.depth:
+            if wait is not None and ready is not None:
+                handle = self._inflight[0][1]
+                while not ready(handle):
+                    if wait(POLL_S):
+                        return
+            self._complete(results)
+
+    def step(self, refresh=None, wait=None) -> list[StepResult]:
         """One iteration: the results that became known (none, one or two steps'). `refresh()` is
         called after the loop has waited for its launches in flight, to add (or abort) what arrived
-        meanwhile: new sequences then join the step that follows instead of one more of their own."""
+        meanwhile: new sequences then join the step that follows instead of one more of their own.
+        `wait(timeout) -> bool` (with `beside`): waits up to timeout seconds for something to arrive
+        (True if it did); the iteration then returns without waiting for the device (_settle)."""
         sched, engine = self.scheduler, self.engine
         results: list[StepResult] = []
         self.stalled = False
@@ -238,13 +261,11 @@ class StepLoop:
                 return results
         if self._inflight:
             if scheduled and engine.can_launch(scheduled):
-                self._launch(scheduled, self._inflight[-1][1])
-                self.overlapped += 1
+                self._launch_more(scheduled, results)
                 self._current = []
-                while len(self._inflight) > self.depth:
-                    self._complete(results)
+                self._settle(results, wait)
                 return results
-            if scheduled and self.beside and self._prefill_beside(scheduled, results):
+            if scheduled and self.beside and self._prefill_beside(scheduled, results, wait):
                 return results
             self._complete_all(results)
             if refresh is not None:  # arrivals while draining (up to depth x steps decode steps) join
