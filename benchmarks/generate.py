@@ -164,7 +164,8 @@ def make_service(path: Path, args, n: int, fused: bool = True, overlap: bool = T
               decode_steps=steps, decode_launch_ms=gen.decode_launch_ms, speculative_tokens=speculative,
               graph_prefill_tokens=rows,
               quantization=quantization.removesuffix("-weight-only"), cpu_weight_layout=layout,
-              fp8_activations=not quantization.endswith("-weight-only"))
+              fp8_activations=not quantization.endswith("-weight-only"),
+              **({"beside_priority": args.beside_priority} if getattr(args, "beside_priority", None) is not None else {}))
     if process:
         from surge.runtime.generate_process import EngineProcess
 

@@ -111,19 +111,34 @@ async def joining(service, vocab: int, args) -> dict:
             "bg_gaps": len(gaps), "bg_finished_early": done}
 
 
-def measure(path: Path, args, rows: int, beside: bool, vocab: int) -> dict:
-    args.graph_prefill_tokens, args.prefill_beside = rows, beside
-    engine, service, load_s = make_service(path, args, args.background + args.joins)
+def measure(path: Path, args, rows: int, beside: bool, priority: int | None, vocab: int) -> dict:
+    args.graph_prefill_tokens, args.prefill_beside, args.beside_priority = rows, beside, priority
+    engine, service, load_s = make_service(path, args, args.background + args.joins, process=args.engine == "process")
+    beside_ms: list[float] = []
+    if beside and getattr(engine, "beside_stream", None) is not None:  # the prompt steps' own time beside the launches
+        plain = engine.prefill_beside
+
+        def timed(scheduled):
+            t = time.perf_counter()
+            out = plain(scheduled)
+            beside_ms.append(1e3 * (time.perf_counter() - t))
+            return out
+
+        engine.prefill_beside = timed
 
     async def both():
         rec = {"alone": await alone(service, vocab, args.lengths, args.repeats, args.prefix)}
+        del beside_ms[:]
         rec["joining"] = await joining(service, vocab, args)
+        rec["joining"].update(beside_steps=len(beside_ms), beside_p50_ms=pct(beside_ms, 50),
+                              beside_p99_ms=pct(beside_ms, 99))
         await service.close()
         return rec
 
     rec = asyncio.run(both())
-    rec.update(graph_prefill_tokens=rows, prefill_beside=beside, load_s=load_s,
-               row_buckets=list(engine.row_graphs.buckets) if engine.row_graphs is not None else [])
+    rec.update(graph_prefill_tokens=rows, prefill_beside=beside, beside_priority=priority, load_s=load_s,
+               engine=args.engine, row_buckets=list(engine.row_graphs.buckets)
+               if getattr(engine, "row_graphs", None) is not None else [])
     engine = service = None  # noqa: F841 (the GPU memory back before the next engine)
     gc.collect()
     if torch.cuda.is_available():
@@ -134,7 +149,8 @@ def measure(path: Path, args, rows: int, beside: bool, vocab: int) -> dict:
 def _label(r: dict) -> str:
     if not r["graph_prefill_tokens"]:
         return "eager steps"
-    return f"graph rows ({r['graph_prefill_tokens']})" + (", beside" if r.get("prefill_beside") else "")
+    beside = f", beside (priority {r['beside_priority']})" if r.get("beside_priority") is not None else ", beside"
+    return f"graph rows ({r['graph_prefill_tokens']})" + (beside if r.get("prefill_beside") else "")
 
 
 def table(records: list[dict], prefix: int = 0) -> str:
@@ -156,6 +172,12 @@ def table(records: list[dict], prefix: int = 0) -> str:
     row("joining: the running streams' ITL (max)", lambda r: f"{r['joining']['bg_itl_p50_ms']:.2f} / "
         f"{r['joining']['bg_itl_p99_ms']:.2f} ({r['joining']['bg_itl_max_ms']:.1f})",
         last["joining"]["bg_itl_p99_ms"] / first["joining"]["bg_itl_p99_ms"])
+    for r in records:
+        j = r["joining"]
+        if j.get("beside_steps"):
+            lines.append(f"\n{_label(r)}: {j['beside_steps']} prompt steps beside the launches while requests "
+                         f"joined, {j['beside_p50_ms']:.2f} / {j['beside_p99_ms']:.2f} ms each (p50 / p99, "
+                         f"host wall time of the step)")
     return "\n".join(lines)
 
 
@@ -200,6 +222,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[512, 0], help="graph_prefill_tokens settings to compare")
     ap.add_argument("--beside", type=int, nargs="+", default=[1, 0], choices=[0, 1],
                     help="prefill_beside settings to compare (with each --rows value but 0)")
+    ap.add_argument("--beside-priority", type=int, nargs="+", default=None,
+                    help="the beside stream's priorities to compare (lower: higher; default: the engine's)")
+    ap.add_argument("--engine", choices=["thread", "process"], default="thread", help="the engine loop in a thread "
+                    "of this process, or in a process of its own as `surge serve` runs it on a GPU")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path)
     ap.add_argument("--from", dest="src", type=Path, help="plot this saved --json record instead of measuring")
@@ -214,8 +240,9 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             path = build(shape, Path(tmp) / shape, args.device)
             vocab = SHAPES[shape][1].get("vocab_size", 1000)
-            settings = [(rows, bool(b)) for rows in args.rows for b in (args.beside if rows else [0])]
-            records = [measure(path, args, rows, beside, vocab) for rows, beside in dict.fromkeys(settings)]
+            settings = [(rows, bool(b), pr if b else None) for rows in args.rows for b in (args.beside if rows else [0])
+                        for pr in (args.beside_priority or [None])]
+            records = [measure(path, args, *setting, vocab) for setting in dict.fromkeys(settings)]
         record = {"shape": shape, "device": device, "background": args.background, "prefix": args.prefix,
                   "records": records,
                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

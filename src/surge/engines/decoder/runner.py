@@ -80,7 +80,7 @@ class DecoderEngine:
                  max_lora_rank: int = 16, lora_kernel: bool | None = None, lora_join: bool = True,
                  speculative_tokens: int = 0, graph_prefill_tokens: int = 512,
                  speculative_model: str | Path | None = None, quantization: str = "none",
-                 cpu_weight_layout: str = "auto", fp8_activations: bool = True):
+                 cpu_weight_layout: str = "auto", fp8_activations: bool = True, beside_priority: int = -1):
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         if threads and not cuda:
@@ -161,8 +161,10 @@ class DecoderEngine:
 
             self.row_graphs = DecodeGraphs(self, rows, rows_share_kv=True)
         # prompts prefilled while decode launches are in flight (runtime/scheduler/overlap.py's `beside`): the
-        # row graphs replayed on a stream of their own, so a joining request does not queue behind the launches
-        self.beside_stream = torch.cuda.Stream() if self.row_graphs is not None else None
+        # row graphs replayed on a stream of their own, so a joining request does not queue behind the launches;
+        # of a higher priority (lower number) by default, so that its blocks go first wherever the launches'
+        # kernels leave an SM free (the prompt's one step against a few ms of decode steps)
+        self.beside_stream = torch.cuda.Stream(priority=beside_priority) if self.row_graphs is not None else None
         # a draft model (runtime/scheduler/draft_model.py): its KV cache in blocks numbered as this one's
         self.draft = None
         if speculative_model is not None:
