@@ -213,7 +213,8 @@ def test_the_setting_reaches_the_step_loop(tmp_path):
 def test_an_arrival_cuts_the_wait_for_the_device_short(tmp_path, monkeypatch):
     """With `wait` (the engine loop's inbox), a prompt that arrives while the loop waits for its oldest launch is
     prefilled beside at the next iteration, that launch and the ones behind it still unread (three in flight:
-    depth + 1), instead of after it; every sequence still gets transformers' greedy tokens."""
+    depth + 1), and its first token is returned before any of them is read back; every sequence still gets
+    transformers' greedy tokens."""
     from transformers import AutoModelForCausalLM
 
     from surge.engines.decoder import model as model_mod
@@ -255,7 +256,7 @@ def test_an_arrival_cuts_the_wait_for_the_device_short(tmp_path, monkeypatch):
                 streamed[sid].append(t)
                 if sid == 2 and first_at is None:
                     first_at = len(dev.queue)
-    assert arrived and queued == [3] and first_at == 2, (arrived, queued, first_at)
+    assert arrived and queued == [3] and first_at == 3, (arrived, queued, first_at)
     for s, ref in zip(seqs, refs):
         assert s.output_ids == ref == streamed[s.seq_id], f"prompt {s.seq_id}"
     assert sched.blocks.num_free == 96

@@ -183,9 +183,9 @@ class StepLoop:
         spec.kept(scheduled, drafts)
         return True
 
-    def _prefill_beside(self, scheduled: list[ScheduledSeq], results: list[StepResult], wait=None) -> bool:
-        """Prefill this step's new prompts beside the launches in flight, then launch the running sequences'
-        decodes as usual (False: the step does not qualify, nothing was done)."""
+    def _prefill_beside(self, scheduled: list[ScheduledSeq], results: list[StepResult]) -> bool:
+        """Prefill this step's new prompts beside the launches in flight and return their first tokens at once
+        (False: the step does not qualify, nothing was done)."""
         sched, engine = self.scheduler, self.engine
         flying = {id(s.seq) for sch, *_ in self._inflight for s in sch}
         prompts = [s for s in scheduled if id(s.seq) not in flying]
@@ -201,10 +201,13 @@ class StepLoop:
         self.beside_steps += 1
         tokens = {k: o.token for k, o in outs.items()}
         results.append(StepResult(prompts, tokens, sched.update(prompts, tokens), outs))
-        if decodes:  # the new sequences join the next launch (their input token from the host)
-            self._launch_more(decodes, results)
+        # the first tokens go out now: no wait for the device here. The running sequences' decodes are launched
+        # if that needs no read-back first (else the next iteration launches them, the new sequences with them,
+        # their input token from the host)
+        if decodes and len(self._inflight) <= self.depth:
+            self._launch(decodes, self._inflight[-1][1])
+            self.overlapped += 1
         self._current = []
-        self._settle(results, wait)
         return True
 
     def _launch_more(self, scheduled: list[ScheduledSeq], results: list[StepResult]) -> None:
@@ -265,7 +268,7 @@ class StepLoop:
                 self._current = []
                 self._settle(results, wait)
                 return results
-            if scheduled and self.beside and self._prefill_beside(scheduled, results, wait):
+            if scheduled and self.beside and self._prefill_beside(scheduled, results):
                 return results
             self._complete_all(results)
             if refresh is not None:  # arrivals while draining (up to depth x steps decode steps) join
