@@ -18,6 +18,10 @@ vocabulary, so every generated token decodes to text as a real one would, and:
   the loop on a thread, driven through `GenerateService.stream` in this process, detokenizing: what
   benchmarks/generate.py measures, plus detokenization.
 
+`--background N --background-output M` (joining): before the measured rounds, N more streams of M tokens start
+(one more client process) and decode throughout, so each round's requests join a running batch; the rounds then
+follow each other at once, and the TTFT of every round's requests is also given pooled (p50 / p99 / max).
+
 Every round prints; the table has medians and the ratio to in-process; --plot draws the CDFs of TTFT
 and of the gaps between a stream's chunks for every path. `--engine thread|process`
 picks the server variants (default both); `--workers N` adds `surge serve --workers N` (N front
@@ -139,7 +143,9 @@ def server_stages(url: str, model: str) -> dict:
     return {k: (s[k]["ns"], s[k]["count"]) for k in ("queue", "compute_input", "compute_infer")}
 
 
-def http_rounds(url: str, model: str, prompts, n_out: int, rounds: int, clients: int) -> list[dict]:
+def http_rounds(url: str, model: str, prompts, n_out: int, rounds: int, clients: int,
+                warm_clients: bool = False) -> list[dict]:
+    """`warm_clients`: rounds after the first start at once (the clients' imports and connections are done)."""
     ctx = mp.get_context("spawn")
     shares = [prompts[i::clients] for i in range(clients)]
     pipes, procs = [], []
@@ -150,9 +156,10 @@ def http_rounds(url: str, model: str, prompts, n_out: int, rounds: int, clients:
         pipes.append(a)
         procs.append(p)
     out = []
-    for _ in range(rounds):
+    for i in range(rounds):
         before, stages0 = server_ttft(url), server_stages(url, model)
-        start_at = time.time() + 1.5  # the clients' imports and connections are done by then
+        # the clients' imports and connections are done by then
+        start_at = time.time() + (0.05 if warm_clients and i else 1.5)
         for a in pipes:
             a.send(start_at)
         streams = [s for a in pipes for s in a.recv()]
@@ -220,9 +227,10 @@ def inproc_rounds(path: Path, args, prompts) -> list[dict]:
 
 
 def generation_fields(args) -> dict:
-    max_len = args.prompt + args.output + 16
-    return dict(max_num_seqs=args.streams, max_num_batched_tokens=args.budget, max_model_len=max_len,
-                kv_cache_tokens=(args.streams + 8) * max_len, cache_entries=0, prefix_caching=False)
+    max_len = args.prompt + max(args.output, args.background_output if args.background else 0) + 16
+    n = args.streams + args.background
+    return dict(max_num_seqs=n, max_num_batched_tokens=args.budget, max_model_len=max_len,
+                kv_cache_tokens=(n + 8) * max_len, cache_entries=0, prefix_caching=False)
 
 
 def inproc_config(args):
@@ -260,7 +268,24 @@ def serve_rounds(path: Path, args, prompts, fields: dict, mode: str) -> list[dic
     print(f"server ready in {time.perf_counter() - t:.1f} s", flush=True)
     try:
         http_rounds(srv.url, "bench", prompts[:8], 4, 1, 1)  # warm-up
-        rounds = http_rounds(srv.url, "bench", prompts, args.output, args.rounds, args.clients)
+        background = None
+        if args.background:  # streams decoding throughout, which the rounds' requests join
+            ctx = mp.get_context("spawn")
+            a, b = ctx.Pipe()
+            bg = [[(7 * i + j) % 1000 + 2 for j in range(args.prompt)] for i in range(args.background)]
+            background = ctx.Process(target=_client_main, args=(srv.url, "bench", bg, args.background_output, 1, b),
+                                     daemon=True)
+            background.start()
+            a.send(time.time() + 1.5)
+            time.sleep(2.5)  # started and decoding
+        rounds = http_rounds(srv.url, "bench", prompts, args.output, args.rounds, args.clients,
+                             warm_clients=bool(args.background))
+        if background is not None:
+            still = background.is_alive() and not a.poll()
+            print(f"  background: {args.background} streams of {args.background_output} tokens, "
+                  f"{'still decoding' if still else 'FINISHED BEFORE'} the rounds' end", flush=True)
+            a.recv()
+            background.join(10)
     finally:
         srv.stop()
     for i, r in enumerate(rounds):
@@ -287,12 +312,16 @@ def main(argv=None) -> int:
                     help="where the server runs the engine loop (repeatable; default both)")
     ap.add_argument("--workers", action="append", type=int, default=[],
                     help="also `surge serve --workers N` (repeatable): N front ends sharing the engine process's loop")
+    ap.add_argument("--background", type=int, default=0, help="streams decoding throughout that the rounds' "
+                    "requests join (over HTTP servers only: implies --skip-inproc)")
+    ap.add_argument("--background-output", type=int, default=6000, help="tokens each background stream asks for")
     ap.add_argument("--skip-inproc", action="store_true")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path, help="PNG: CDFs of TTFT and of the gap between chunks, every path")
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
     args.engine = args.engine or ["thread", "process"]
+    args.skip_inproc = args.skip_inproc or bool(args.background)
     shape = args.shape or ("qwen2-0.5b" if args.device.startswith("cuda") else "gpt2-tiny")
     record = {"shape": shape, "device": args.device, "streams": args.streams, "prompt": args.prompt,
               "output": args.output, "server_args": args.server_arg}
@@ -329,6 +358,15 @@ def main(argv=None) -> int:
         print(f"| {name} | {m['tok_s']:,.0f} | {m['ttft_p50_ms']:.1f} / {m['ttft_p99_ms']:.1f} | {server} | "
               f"{m['gap_p50_ms']:.2f} / {m['gap_p99_ms']:.2f} | {ratio} |")
     record["medians"] = med
+    if args.background:
+        print(f"\njoining {args.background} decoding streams: every round's requests pooled")
+        print("| path | requests | TTFT p50 / p99 / max ms | gap between chunks p50 / p99 ms |")
+        print("| --- | ---: | --- | --- |")
+        for name in med:
+            ttft = [t for r in record[name] for t in r["ttft_ms"]]
+            gaps = [g for r in record[name] for g in r["gaps_ms"]]
+            print(f"| {name} | {len(ttft)} | {pct(ttft, 50):.2f} / {pct(ttft, 99):.2f} / {max(ttft):.2f} | "
+                  f"{pct(gaps, 50):.2f} / {pct(gaps, 99):.2f} |")
     if args.plot:
         from surge.bench.plots import sample_cdfs
 
