@@ -19,8 +19,9 @@ vocabulary, so every generated token decodes to text as a real one would, and:
   benchmarks/generate.py measures, plus detokenization.
 
 `--background N --background-output M` (joining): before the measured rounds, N more streams of M tokens start
-(one more client process) and decode throughout, so each round's requests join a running batch; the rounds then
-follow each other at once, and the TTFT of every round's requests is also given pooled (p50 / p99 / max).
+(one more client process), each asked again as soon as it ends, so N streams decode throughout and each round's
+requests join a running batch; the rounds then follow each other at once, and the TTFT of every round's requests is
+also given pooled (p50 / p99 / max).
 
 Every round prints; the table has medians and the ratio to in-process; --plot draws the CDFs of TTFT
 and of the gaps between a stream's chunks for every path. `--engine thread|process`
@@ -118,6 +119,41 @@ def _client_main(url, model, prompts, n_out, rounds, conn):
         start_at = conn.recv()
         conn.send(asyncio.run(_client_round(url, model, prompts, n_out, start_at)))
     conn.close()
+
+
+def _background_main(url, model, prompts, n_out, conn):
+    """Every prompt a stream of n_out tokens, asked again as soon as it ends, until conn says stop; then
+    the streams' count is sent back."""
+    import httpx
+
+    async def main():
+        done, stop = [0], asyncio.Event()
+
+        async def one(client, p):
+            body = {"model": model, "prompt": p, "max_tokens": n_out, "temperature": 0, "ignore_eos": True,
+                    "stream": True}
+            while not stop.is_set():
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    if r.status_code != 200:
+                        raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+                    async for _ in r.aiter_lines():
+                        pass
+                done[0] += 1
+
+        async def watch():
+            while not conn.poll():
+                await asyncio.sleep(0.05)
+            stop.set()
+
+        limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+            await asyncio.gather(watch(), *(one(client, p) for p in prompts))
+        return done[0]
+
+    try:
+        conn.send(asyncio.run(main()))
+    except Exception as exc:  # noqa: BLE001 (told to the parent, which stops)
+        conn.send(f"{type(exc).__name__}: {exc}")
 
 
 def server_ttft(url: str) -> tuple[float, float]:
@@ -269,22 +305,23 @@ def serve_rounds(path: Path, args, prompts, fields: dict, mode: str) -> list[dic
     try:
         http_rounds(srv.url, "bench", prompts[:8], 4, 1, 1)  # warm-up
         background = None
-        if args.background:  # streams decoding throughout, which the rounds' requests join
+        if args.background:  # streams decoding throughout (each asked again when it ends), which the rounds join
             ctx = mp.get_context("spawn")
             a, b = ctx.Pipe()
             bg = [[(7 * i + j) % 1000 + 2 for j in range(args.prompt)] for i in range(args.background)]
-            background = ctx.Process(target=_client_main, args=(srv.url, "bench", bg, args.background_output, 1, b),
+            background = ctx.Process(target=_background_main, args=(srv.url, "bench", bg, args.background_output, b),
                                      daemon=True)
             background.start()
-            a.send(time.time() + 1.5)
-            time.sleep(2.5)  # started and decoding
+            time.sleep(4.0)  # imported, connected, decoding
+            if a.poll():
+                raise RuntimeError(f"the background streams stopped: {a.recv()}")
         rounds = http_rounds(srv.url, "bench", prompts, args.output, args.rounds, args.clients,
                              warm_clients=bool(args.background))
         if background is not None:
-            still = background.is_alive() and not a.poll()
-            print(f"  background: {args.background} streams of {args.background_output} tokens, "
-                  f"{'still decoding' if still else 'FINISHED BEFORE'} the rounds' end", flush=True)
-            a.recv()
+            a.send("stop")
+            got = a.recv() if a.poll(120) else "no answer"
+            print(f"  background: {args.background} streams of {args.background_output} tokens asked again as they "
+                  f"ended: {got} streams", flush=True)
             background.join(10)
     finally:
         srv.stop()
@@ -314,7 +351,7 @@ def main(argv=None) -> int:
                     help="also `surge serve --workers N` (repeatable): N front ends sharing the engine process's loop")
     ap.add_argument("--background", type=int, default=0, help="streams decoding throughout that the rounds' "
                     "requests join (over HTTP servers only: implies --skip-inproc)")
-    ap.add_argument("--background-output", type=int, default=6000, help="tokens each background stream asks for")
+    ap.add_argument("--background-output", type=int, default=2000, help="tokens each background stream asks for")
     ap.add_argument("--skip-inproc", action="store_true")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path, help="PNG: CDFs of TTFT and of the gap between chunks, every path")
