@@ -330,6 +330,23 @@ def serve_rounds(path: Path, args, prompts, fields: dict, mode: str) -> list[dic
     return rounds
 
 
+def plot_records(paths: list[Path], out: Path) -> int:
+    """TTFT and chunk-gap CDFs of saved records (e.g. one run a server setting), a series a record's path."""
+    from surge.bench.plots import sample_cdfs
+
+    ttft, gaps = {}, {}
+    for path in paths:
+        record = json.loads(path.read_text())
+        for name in record.get("medians", {}):
+            label = f"{name} {' '.join(record.get('server_args', []))}".strip()
+            ttft[label] = [t for r in record[name] for t in r["ttft_ms"]]
+            gaps[label] = [g for r in record[name] for g in r["gaps_ms"]]
+    sample_cdfs({"time to first token": ttft, "gap between a stream's chunks": gaps}, out,
+                f"{record['shape']}, {record['streams']} streams a round")
+    print(f"plot: {out}")
+    return 0
+
+
 def main(argv=None) -> int:
     import generate as G
     import torch
@@ -355,7 +372,11 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-inproc", action="store_true")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path, help="PNG: CDFs of TTFT and of the gap between chunks, every path")
+    ap.add_argument("--plot-from", type=Path, nargs="+", help="with --plot: the CDFs of saved --json records (each "
+                    "path of each record a series, named by its --server-arg), no server run")
     args = ap.parse_args(argv)
+    if args.plot_from:
+        return plot_records(args.plot_from, args.plot)
     args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
     args.engine = args.engine or ["thread", "process"]
     args.skip_inproc = args.skip_inproc or bool(args.background)
