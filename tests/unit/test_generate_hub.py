@@ -451,3 +451,24 @@ def test_a_connection_that_stalls_in_the_handshake_does_not_hold_the_hub(bare_hu
     conn = _connect(hub, path, gh.authkey())
     assert len(hub.fronts) == 1 and conn.recv()[0] == "ready"
     conn.close()
+
+
+def test_the_hubs_wait_says_whether_something_came(bare_hub):
+    """Hub.wait(timeout) (the engine loop's wait, which an arrival cuts short while launches are in flight): False
+    after the timeout with nothing to read, True at once when a front end has sent something."""
+    import time
+
+    from surge.runtime import generate_hub as gh
+    from surge.runtime.generate_process import _dumps
+    from surge.runtime.scheduler import Sequence
+
+    hub, path = bare_hub
+    conn = _connect(hub, path, gh.authkey())
+    assert conn.recv()[0] == "ready"
+    hub.drain()
+    t = time.perf_counter()
+    assert hub.wait(0.0002) is False and time.perf_counter() - t >= 0.0009  # poll's unit: rounded up to 1 ms
+    conn.send_bytes(_dumps(("add", [Sequence(1, [3, 4, 5], SamplingParams(max_tokens=2, **GREEDY))])))
+    t = time.perf_counter()
+    assert hub.wait(5.0) is True and time.perf_counter() - t < 4.0
+    assert [m[0] for m in hub.drain()] == ["add"]

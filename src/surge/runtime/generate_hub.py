@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import os
 import select
 import signal
@@ -125,11 +126,13 @@ class Hub:
         self._drain_until: float | None = None  # a drain asked: close once no front end is connected
 
     # -- channel ---------------------------------------------------------------------------------------
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None) -> bool:
+        """Sleep until a front end (or the listener, or the stop pipe) has something, or `timeout` passes (rounded
+        up to a millisecond, poll's unit); True if something came."""
         if self._drain_until is not None:  # wake for the drain's deadline even when idle
             left = max(0.0, self._drain_until - time.monotonic())
             timeout = left if timeout is None else min(timeout, left)
-        self._poll.poll(None if timeout is None else max(0, int(timeout * 1000)))
+        return bool(self._poll.poll(None if timeout is None else max(0, math.ceil(timeout * 1000))))
 
     def drain(self) -> list:
         """The messages that arrived. On the stop pipe a STOP byte ends the loop now (every stream still
