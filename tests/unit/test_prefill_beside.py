@@ -260,3 +260,58 @@ def test_an_arrival_cuts_the_wait_for_the_device_short(tmp_path, monkeypatch):
     for s, ref in zip(seqs, refs):
         assert s.output_ids == ref == streamed[s.seq_id], f"prompt {s.seq_id}"
     assert sched.blocks.num_free == 96
+
+
+def test_prefix_hits_and_sampling_options_beside_the_launches(tmp_path, monkeypatch):
+    """Joiners beside the launches: one whose prompt starts with a running sequence's (its prefix blocks, named
+    from a synchronous step, are shared and settled: it goes beside with cached tokens), two in a row sharing a new
+    prefix (the second takes the blocks the first's step beside named, settled too, and all its prompt but the last
+    token, a one-token chunk that looks like a decode and still goes beside), and one asking for
+    log-probabilities (sampled on the host: it goes beside, then the loop reads the launches back for its next
+    steps). Tokens equal transformers' greedy ones and the log-probabilities its float64 ones."""
+    from transformers import AutoModelForCausalLM
+
+    from surge.engines.decoder import model as model_mod
+
+    torch.set_num_threads(1)
+    d = build_model("llama", tmp_path / "l", seed=5)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(6)
+    shared = torch.randint(3, 300, (12,), generator=g).tolist()
+    burst = torch.randint(3, 300, (8,), generator=g).tolist()  # a new system prompt, two requests in a row
+    prompts = [shared + [7, 8], torch.randint(3, 300, (10,), generator=g).tolist(), shared + [9, 10, 11],
+               burst + [4, 5], burst + [6], torch.randint(3, 300, (8,), generator=g).tolist()]
+    lens = [30, 28, 10, 6, 5, 9]
+    refs = [_greedy(hf, p, n) for p, n in zip(prompts, lens)]
+    engine, attention = _engine(d)
+    monkeypatch.setattr(model_mod, "paged_attention_torch", attention)
+    dev = Behind(engine)
+    beside = []
+    monkeypatch.setattr(engine, "prefill_beside", lambda sc: beside.append([s.seq.seq_id for s in sc])
+                        or DecoderEngine.prefill_beside(engine, sc))
+    sched = _scheduler()
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0 if i == 5 else None))
+            for i, (p, n) in enumerate(zip(prompts, lens))]
+    loop = StepLoop(sched, dev, overlap=True, depth=2, steps=3, beside=True)
+    arrivals = [0, 0, 4, 7, 8, 12]
+    lps, step, added = [], 0, 0
+    while added < len(seqs) or loop.busy:
+        while added < len(seqs) and arrivals[added] <= step:
+            sched.add(seqs[added])
+            added += 1
+        for r in loop.step():
+            if r.samples and 5 in r.samples:
+                lps.append(r.samples[5].logprob)
+        sched.blocks.check()
+        step += 1
+    for s, ref in zip(seqs, refs):
+        assert s.output_ids == ref, f"prompt {s.seq_id}"
+    assert all(any(sid in b for b in beside) for sid in (2, 3, 4, 5)), beside
+    assert seqs[2].num_cached_prompt == 12, "the shared prefix's blocks were taken from the cache"
+    # the second of the burst shares the blocks the first's step beside named: their K/V were written by then
+    assert seqs[4].num_cached_prompt == 8
+    full = prompts[5] + refs[5]
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(torch.tensor([full])).logits[0].double(), -1)
+    want = [lp[len(prompts[5]) - 1 + i, t].item() for i, t in enumerate(refs[5])]
+    assert len(lps) == len(want) and max(abs(a - b) for a, b in zip(lps, want)) < 1e-4

@@ -263,12 +263,15 @@ class StepLoop:
                 self._current = []
                 return results
         if self._inflight:
+            # a step with a sequence's first token to sample (a prompt's chunk; a prompt cached but for its last
+            # token, which looks like a decode) goes beside the launches if it can, not behind them
+            if scheduled and self.beside and any(not s.seq.output_ids for s in scheduled) \
+                    and self._prefill_beside(scheduled, results):
+                return results
             if scheduled and engine.can_launch(scheduled):
                 self._launch_more(scheduled, results)
                 self._current = []
                 self._settle(results, wait)
-                return results
-            if scheduled and self.beside and self._prefill_beside(scheduled, results):
                 return results
             self._complete_all(results)
             if refresh is not None:  # arrivals while draining (up to depth x steps decode steps) join
