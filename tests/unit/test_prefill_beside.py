@@ -81,6 +81,18 @@ def _engine(d, num_blocks=96, steps=3):
     return engine, attention
 
 
+def _watched(d, monkeypatch):
+    """(the harness engine behind `Behind`, the list of each beside step's sequence ids)."""
+    from surge.engines.decoder import model as model_mod
+
+    engine, attention = _engine(d)
+    monkeypatch.setattr(model_mod, "paged_attention_torch", attention)
+    beside = []
+    monkeypatch.setattr(engine, "prefill_beside", lambda sc: beside.append([s.seq.seq_id for s in sc])
+                        or DecoderEngine.prefill_beside(engine, sc))
+    return Behind(engine), beside
+
+
 def _greedy(hf, prompt, n):
     return hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
                        pad_token_id=0)[0, len(prompt):].tolist()
@@ -99,8 +111,6 @@ def test_prompts_joining_launches_are_prefilled_beside_them(tmp_path, monkeypatc
     launches and runs synchronously."""
     from transformers import AutoModelForCausalLM
 
-    from surge.engines.decoder import model as model_mod
-
     torch.set_num_threads(1)
     d = build_model(kind, tmp_path / kind, seed=2)
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
@@ -110,12 +120,7 @@ def test_prompts_joining_launches_are_prefilled_beside_them(tmp_path, monkeypatc
     lens = [30, 26, 12, 9, 14, 11, 16, 8]
     refs = [_greedy(hf, p, n) for p, n in zip(prompts, lens)]
     stop_at = {1: 13}
-    engine, attention = _engine(d)
-    monkeypatch.setattr(model_mod, "paged_attention_torch", attention)
-    dev = Behind(engine)
-    beside = []
-    monkeypatch.setattr(engine, "prefill_beside", lambda sc: beside.append([s.seq.seq_id for s in sc])
-                        or DecoderEngine.prefill_beside(engine, sc))
+    dev, beside = _watched(d, monkeypatch)
     sched = _scheduler()
     seqs = [Sequence(i, p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
                                           stop_token_ids=(refs[i][stop_at[i]],) if i in stop_at else ()))
@@ -271,8 +276,6 @@ def test_prefix_hits_and_sampling_options_beside_the_launches(tmp_path, monkeypa
     steps). Tokens equal transformers' greedy ones and the log-probabilities its float64 ones."""
     from transformers import AutoModelForCausalLM
 
-    from surge.engines.decoder import model as model_mod
-
     torch.set_num_threads(1)
     d = build_model("llama", tmp_path / "l", seed=5)
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
@@ -283,14 +286,10 @@ def test_prefix_hits_and_sampling_options_beside_the_launches(tmp_path, monkeypa
                burst + [4, 5], burst + [6], torch.randint(3, 300, (8,), generator=g).tolist()]
     lens = [30, 28, 10, 6, 5, 9]
     refs = [_greedy(hf, p, n) for p, n in zip(prompts, lens)]
-    engine, attention = _engine(d)
-    monkeypatch.setattr(model_mod, "paged_attention_torch", attention)
-    dev = Behind(engine)
-    beside = []
-    monkeypatch.setattr(engine, "prefill_beside", lambda sc: beside.append([s.seq.seq_id for s in sc])
-                        or DecoderEngine.prefill_beside(engine, sc))
+    dev, beside = _watched(d, monkeypatch)
     sched = _scheduler()
-    seqs = [Sequence(i, p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0 if i == 5 else None))
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                                          logprobs=0 if i == 5 else None))
             for i, (p, n) in enumerate(zip(prompts, lens))]
     loop = StepLoop(sched, dev, overlap=True, depth=2, steps=3, beside=True)
     arrivals = [0, 0, 4, 7, 8, 12]
