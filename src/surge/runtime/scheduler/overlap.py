@@ -41,7 +41,9 @@ then takes the synchronous path, so results never differ from it.
 that the engine can prefill beside them (on a GPU: the row graphs replayed on a second CUDA stream),
 are prefilled and sampled at once, without waiting for those launches (up to depth x steps decode
 steps: most of a joining request's time to first token otherwise); the running sequences' decodes
-are launched as before, and the new sequences join the launch after. A prompt step runs beside only
+are launched as before, and the new sequences join the launch after. Any step that samples some
+sequence's first token tries this first (a prompt cached but for its last token is a one-token
+chunk, which would otherwise be launched behind them as a decode). A prompt step runs beside only
 when none of its blocks was freed or named from launched tokens since the oldest launch in flight
 was made (BlockManager.settled: the device may still be writing those), and each of its sequences
 ends its prompt in it; otherwise the synchronous path above.
