@@ -20,7 +20,7 @@ prompt's first token waited for the host, and every decoding stream stalled for 
   background streams' gaps between deliveries while the requests join (ITL p50 / p99 / max).
 
 Settings: every --rows value with every --beside value (beside needs row graphs: with rows 0 only beside 0); the
-table's last column is the first setting's p50 over the last's.
+table's last column is the last setting's p50 over the first's (with the defaults: eager steps over beside).
 """
 
 from __future__ import annotations
