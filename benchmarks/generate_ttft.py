@@ -154,7 +154,7 @@ def _label(r: dict) -> str:
 
 
 def table(records: list[dict], prefix: int = 0) -> str:
-    """A column a setting (TTFT p50 / p99 ms; the streams' ITL), the last the first setting's over the last's."""
+    """A column a setting (TTFT p50 / p99 ms; the streams' ITL), the last column the last setting's over the first's."""
     after = f" after a cached {prefix}-token prefix" if prefix else ""
     first, last = records[0], records[-1]
     lines = ["| | " + " | ".join(f"{_label(r)}: p50 / p99 ms" for r in records) +
