@@ -303,8 +303,7 @@ class DecoderEngine:
         if self.graphs is not None and self.graphs.graphs and len(scheduled) <= self.graphs.buckets[-1] \
                 and all(s.num_tokens == 1 and s.sample for s in scheduled):
             return self._decode_graph(scheduled)
-        if any(s.seq.params.guide is not None and s.start < s.seq.num_prompt for s in scheduled):
-            self.sampler.prepare([s.seq for s in scheduled])  # guided prompts: matchers built meanwhile
+        self._prepare_guides(scheduled)
         if self._graph_rows(scheduled):
             return self._prefill_graph(scheduled)
         ids, pos, slots, q_lens, ctx, tables, table_np, qstart = self.prepare(scheduled)
@@ -327,6 +326,11 @@ class DecoderEngine:
         logits = self.model.logits(hidden.index_select(0, last))
         seqs = [scheduled[i].seq for i in sample_rows]
         return self._outs(seqs, self.sampler(logits, seqs))
+
+    def _prepare_guides(self, scheduled: list[ScheduledSeq]) -> None:
+        """Guided prompts: their matchers built while the step runs (before either prefill path)."""
+        if any(s.seq.params.guide is not None and s.start < s.seq.num_prompt for s in scheduled):
+            self.sampler.prepare([s.seq for s in scheduled])
 
     @staticmethod
     def _outs(seqs, outs) -> dict[int, SampleOut]:
@@ -433,17 +437,16 @@ class DecoderEngine:
         """Whether prefill_beside() can run these prompt chunks: each ends its prompt (samples), the step takes
         the row graphs (_graph_rows), and no row needs a LoRA slot (an adapter is copied into its slot on the
         launches' stream, behind them)."""
-        return self.row_graphs is not None and all(s.sample for s in scheduled) \
-            and not (self.lora is not None and any(s.seq.adapter for s in scheduled)) and self._graph_rows(scheduled)
+        lora = self.lora is not None and any(s.seq.adapter for s in scheduled)
+        return all(s.sample for s in scheduled) and not lora and self._graph_rows(scheduled)
 
     @torch.inference_mode()
     def prefill_beside(self, scheduled: list[ScheduledSeq]) -> dict[int, SampleOut]:
         """step() of prompt chunks that can_prefill_beside(), while decode launches are in flight: the row graphs
         replayed on beside_stream, which does not wait for the launches (the scheduler gave these sequences blocks
         no launch in flight writes: BlockManager.settled); returns once their tokens are sampled."""
-        if any(s.seq.params.guide is not None for s in scheduled):
-            self.sampler.prepare([s.seq for s in scheduled])
-        if self.beside_stream is None or self.device.type != "cuda":
+        self._prepare_guides(scheduled)
+        if self.beside_stream is None:  # (the CPU tests' harness graphs)
             return self._prefill_graph(scheduled)
         with torch.cuda.stream(self.beside_stream):
             return self._prefill_graph(scheduled)

@@ -192,8 +192,7 @@ class StepLoop:
         flying = {id(s.seq) for sch, *_ in self._inflight for s in sch}
         prompts = [s for s in scheduled if id(s.seq) not in flying]
         decodes = [s for s in scheduled if id(s.seq) in flying]
-        if not prompts or not all(s.sample for s in prompts) or (decodes and not engine.can_launch(decodes)) \
-                or not engine.can_prefill_beside(prompts):
+        if not prompts or (decodes and not engine.can_launch(decodes)) or not engine.can_prefill_beside(prompts):
             return False
         since = self._inflight[0][3]
         if not sched.blocks.settled((b for s in prompts for b in s.seq.block_table), since):
@@ -207,8 +206,7 @@ class StepLoop:
         # if that needs no read-back first (else the next iteration launches them, the new sequences with them,
         # their input token from the host)
         if decodes and len(self._inflight) <= self.depth:
-            self._launch(decodes, self._inflight[-1][1])
-            self.overlapped += 1
+            self._launch_more(decodes, results)
         self._current = []
         return True
 
