@@ -70,11 +70,15 @@ def summarize(per_stream: list[dict], wall: float) -> dict:
     tokens = sum(s["tokens"] for s in per_stream)
     ttft = [s["ttft"] for s in per_stream]
     gaps = [g for s in per_stream for g in s["gaps"]]
+    # a request's second chunk and its whole answer (from its submission)
+    second = [s["ttft"] + s["gaps"][0] for s in per_stream if s["gaps"]]
+    answer = [s["end"] - s["start"] for s in per_stream]
     return {"tok_s": tokens / wall, "output_tokens": tokens, "wall_s": wall,
             "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
             "gap_p50_ms": 1e3 * pct(gaps, 50), "gap_p99_ms": 1e3 * pct(gaps, 99),
             # the samples, for --plot
-            "ttft_ms": [round(1e3 * t, 3) for t in ttft], "gaps_ms": [round(1e3 * g, 3) for g in gaps]}
+            "ttft_ms": [round(1e3 * t, 3) for t in ttft], "gaps_ms": [round(1e3 * g, 3) for g in gaps],
+            "second_ms": [round(1e3 * t, 3) for t in second], "answer_ms": [round(1e3 * t, 3) for t in answer]}
 
 
 # -- the load generator (its own processes) -------------------------------------------------------------
@@ -156,17 +160,20 @@ def _background_main(url, model, prompts, n_out, conn):
         conn.send(f"{type(exc).__name__}: {exc}")
 
 
-def server_ttft(url: str) -> tuple[float, float]:
-    """(sum, count) of the server's time-to-first-token histogram."""
+def server_ttft(url: str) -> tuple[float, float, float, float]:
+    """(sum, count) of the server's time-to-first-token histogram, its output tokens so far (every stream's,
+    the background's too) and when they were read (time.perf_counter())."""
     import httpx
 
-    total = count = 0.0
+    total = count = tokens = 0.0
     for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
         if line.startswith("surge_generate_time_to_first_token_seconds_sum"):
             total += float(line.rsplit(" ", 1)[1])
         elif line.startswith("surge_generate_time_to_first_token_seconds_count"):
             count += float(line.rsplit(" ", 1)[1])
-    return total, count
+        elif line.startswith("surge_generate_output_tokens_total"):
+            tokens += float(line.rsplit(" ", 1)[1])
+    return total, count, tokens, time.perf_counter()
 
 
 def server_stages(url: str, model: str) -> dict:
@@ -210,6 +217,8 @@ def http_rounds(url: str, model: str, prompts, n_out: int, rounds: int, clients:
         # the server's own TTFT (from the stream's submission to its first token): the rest of the
         # client's is HTTP and the event loop
         r["server_ttft_mean_ms"] = 1e3 * (after[0] - before[0]) / max(1.0, after[1] - before[1])
+        # what the whole server delivered meanwhile (with --background: mostly the running streams)
+        r["server_tok_s"] = (after[2] - before[2]) / max(1e-9, after[3] - before[3])
         r["send_spread_ms"] = 1e3 * (max(s["start"] for s in streams) - min(s["start"] for s in streams))
         out.append(r)
     for p in procs:
@@ -236,7 +245,7 @@ async def _inproc_round(service, prompts, n_out):
                 gaps.append(now - last)
             last = now
             tokens = d.completion_tokens
-        return {"ttft": first - t0, "gaps": gaps, "tokens": tokens, "end": last}
+        return {"ttft": first - t0, "gaps": gaps, "tokens": tokens, "start": t0, "end": last}
 
     t0 = time.perf_counter()
     streams = await asyncio.gather(*(one(p) for p in prompts))
@@ -330,19 +339,29 @@ def serve_rounds(path: Path, args, prompts, fields: dict, mode: str) -> list[dic
     return rounds
 
 
+def _panels(series: dict) -> dict:
+    """{panel: {series: samples}}: TTFT, the gaps between chunks and (in records that have it) the whole answer,
+    every round's samples pooled; `series` maps a label to its rounds."""
+    def pooled(key):
+        return {n: [v for r in rs for v in r.get(key, [])] for n, rs in series.items()}
+
+    panels = {"time to first token": pooled("ttft_ms"), "gap between a stream's chunks": pooled("gaps_ms")}
+    answer = pooled("answer_ms")
+    if any(answer.values()):
+        panels["a request's whole answer"] = answer
+    return panels
+
+
 def plot_records(paths: list[Path], out: Path) -> int:
     """TTFT and chunk-gap CDFs of saved records (e.g. one run a server setting), a series a record's path."""
     from surge.bench.plots import sample_cdfs
 
-    ttft, gaps = {}, {}
+    series = {}
     for path in paths:
         record = json.loads(path.read_text())
         for name in record.get("medians", {}):
-            label = f"{name} {' '.join(record.get('server_args', []))}".strip()
-            ttft[label] = [t for r in record[name] for t in r["ttft_ms"]]
-            gaps[label] = [g for r in record[name] for g in r["gaps_ms"]]
-    sample_cdfs({"time to first token": ttft, "gap between a stream's chunks": gaps}, out,
-                f"{record['shape']}, {record['streams']} streams a round")
+            series[f"{name} {' '.join(record.get('server_args', []))}".strip()] = record[name]
+    sample_cdfs(_panels(series), out, f"{record['shape']}, {record['streams']} streams a round")
     print(f"plot: {out}")
     return 0
 
@@ -418,21 +437,24 @@ def main(argv=None) -> int:
     record["medians"] = med
     if args.background:
         print(f"\njoining {args.background} decoding streams: every round's requests pooled")
-        print("| path | requests | TTFT p50 / p99 / max ms | gap between chunks p50 / p99 ms |")
-        print("| --- | ---: | --- | --- |")
+        print("| path | requests | TTFT p50 / p99 / max ms | second chunk p50 / p99 ms | whole answer p50 / p99 ms | "
+              "gap between chunks p50 / p99 ms | server's output tok/s (median of rounds) |")
+        print("| --- | ---: | --- | --- | --- | --- | ---: |")
         for name in med:
-            ttft = [t for r in record[name] for t in r["ttft_ms"]]
-            gaps = [g for r in record[name] for g in r["gaps_ms"]]
+            rs = [r for r in record[name] if "second_ms" in r]
+            ttft = [t for r in rs for t in r["ttft_ms"]]
+            gaps = [g for r in rs for g in r["gaps_ms"]]
+            second = [t for r in rs for t in r["second_ms"]]
+            answer = [t for r in rs for t in r["answer_ms"]]
+            rate = statistics.median(r["server_tok_s"] for r in rs) if rs and "server_tok_s" in rs[0] else float("nan")
             print(f"| {name} | {len(ttft)} | {pct(ttft, 50):.2f} / {pct(ttft, 99):.2f} / {max(ttft):.2f} | "
-                  f"{pct(gaps, 50):.2f} / {pct(gaps, 99):.2f} |")
+                  f"{pct(second, 50):.2f} / {pct(second, 99):.2f} | {pct(answer, 50):.2f} / {pct(answer, 99):.2f} | "
+                  f"{pct(gaps, 50):.2f} / {pct(gaps, 99):.2f} | {rate:,.0f} |")
     if args.plot:
         from surge.bench.plots import sample_cdfs
 
-        series = {name: record[name] for name in med}
-        sample_cdfs({"time to first token": {n: [t for r in rs for t in r["ttft_ms"]] for n, rs in series.items()},
-                     "gap between a stream's chunks": {n: [g for r in rs for g in r["gaps_ms"]]
-                                                       for n, rs in series.items()}},
-                    args.plot, f"{shape}, {args.streams} streams, {args.rounds} rounds")
+        sample_cdfs(_panels({name: record[name] for name in med}), args.plot,
+                    f"{shape}, {args.streams} streams, {args.rounds} rounds")
         print(f"plot: {args.plot}")
     print(json.dumps(record), flush=True)
     if args.json:
