@@ -1,6 +1,7 @@
 """Time to first token of short prompts, alone and joining running streams, under several engine settings in one
 run (issue 18): prompt steps replayed as CUDA graphs (`graph_prefill_tokens`, --rows) or launched eagerly (0), and
-joining prompts prefilled beside the decode launches in flight (`prefill_beside`, --beside 1) or after them (0).
+joining prompts prefilled beside the decode launches in flight (`prefill_beside`, --beside 1) or after them (0),
+and (with --beside-tokens N ...) also decoding their first N tokens beside them (`decode_beside_tokens`).
 
     PYTHONPATH=src python3 benchmarks/generate_ttft.py --device cuda --shape qwen2-0.5b [--json out.json]
         [--plot out.png]
@@ -16,8 +17,8 @@ prompt's first token waited for the host, and every decoding stream stalled for 
   cache (a chat turn after a long shared context: the row graphs take such a step only while its rows attend to
   no more keys than a graph_prefill_tokens-token prompt does);
 * joining: --background streams decode (128-token prompts, long answers); once all of them stream, a request of
-  --join-prompt tokens arrives every --interval ms (--joins of them, 16 output tokens each): their TTFT, and the
-  background streams' gaps between deliveries while the requests join (ITL p50 / p99 / max).
+  --join-prompt tokens arrives every --interval ms (--joins of them, 16 output tokens each): their TTFT and whole
+  answer, and the background streams' gaps between deliveries while the requests join (ITL p50 / p99 / max).
 
 Settings: every --rows value with every --beside value (beside needs row graphs: with rows 0 only beside 0); the
 table's last column is the last setting's p50 over the first's (with the defaults: eager steps over beside).
@@ -47,13 +48,18 @@ def _params(n: int):
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-async def _first_token_ms(service, prompt, n_out: int) -> float:
-    """Milliseconds from submission to the first token of one request (read to its end)."""
+async def _answer_ms(service, prompt, n_out: int) -> tuple[float, float]:
+    """Milliseconds from submission to the first token of one request, and to its last."""
     start, first = time.perf_counter(), None
     async for _ in service.stream(prompt, _params(n_out), deadline=time.monotonic() + 120):
         if first is None:
             first = time.perf_counter()
-    return 1e3 * (first - start)
+    return 1e3 * (first - start), 1e3 * (time.perf_counter() - start)
+
+
+async def _first_token_ms(service, prompt, n_out: int) -> float:
+    """Milliseconds from submission to the first token of one request (read to its end)."""
+    return (await _answer_ms(service, prompt, n_out))[0]
 
 
 async def alone(service, vocab: int, lengths: list[int], repeats: int, prefix: int = 0) -> dict:
@@ -95,48 +101,65 @@ async def joining(service, vocab: int, args) -> dict:
 
     async def join(i, p):
         await asyncio.sleep(i * args.interval / 1e3)
-        return await _first_token_ms(service, p, 16)
+        return await _answer_ms(service, p, 16)
 
     tasks = [asyncio.create_task(background(p)) for p in bg_prompts]
     await asyncio.wait_for(started.wait(), 120)
     window[0] = time.perf_counter()
-    ttft = await asyncio.gather(*(join(i, p) for i, p in enumerate(join_prompts)))
+    ttft, answer = zip(*await asyncio.gather(*(join(i, p) for i, p in enumerate(join_prompts))))
     window[1] = time.perf_counter()
     done = all(t.done() for t in tasks)
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    return {"ttft_p50_ms": statistics.median(ttft), "ttft_p99_ms": pct(ttft, 99), "ttft_ms": ttft,
+    return {"ttft_p50_ms": statistics.median(ttft), "ttft_p99_ms": pct(ttft, 99), "ttft_ms": list(ttft),
+            "answer_p50_ms": statistics.median(answer), "answer_p99_ms": pct(answer, 99), "answer_ms": list(answer),
             "bg_itl_p50_ms": pct(gaps, 50), "bg_itl_p99_ms": pct(gaps, 99), "bg_itl_max_ms": max(gaps, default=0.0),
             "bg_gaps": len(gaps), "bg_finished_early": done}
 
 
-def measure(path: Path, args, rows: int, beside: bool, priority: int | None, vocab: int) -> dict:
+def measure(path: Path, args, rows: int, beside: bool, priority: int | None, tokens: int, vocab: int) -> dict:
     args.graph_prefill_tokens, args.prefill_beside, args.beside_priority = rows, beside, priority
+    args.decode_beside_tokens = tokens
     engine, service, load_s = make_service(path, args, args.background + args.joins, process=args.engine == "process")
     beside_ms: list[float] = []
-    if beside and getattr(engine, "beside_stream", None) is not None:  # the prompt steps' own time beside the launches
-        plain = engine.prefill_beside
+    decode_ms: list[float] = []  # the steps beside of decodes only (decode_beside_tokens)
+    decode_gpu_ms: list[float] = []  # their span on the beside stream (from its first copy to the token's read-back)
+    if beside and getattr(engine, "beside_stream", None) is not None:  # the steps' own time beside the launches
+        plain, stream = engine.prefill_beside, engine.beside_stream
 
         def timed(scheduled):
+            decode = all(s.seq.output_ids for s in scheduled)
+            if decode:
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record(stream)
             t = time.perf_counter()
             out = plain(scheduled)
-            beside_ms.append(1e3 * (time.perf_counter() - t))
+            took = 1e3 * (time.perf_counter() - t)
+            (decode_ms if decode else beside_ms).append(took)
+            if decode:
+                e1.record(stream)
+                e1.synchronize()
+                decode_gpu_ms.append(e0.elapsed_time(e1))
             return out
 
         engine.prefill_beside = timed
 
     async def both():
         rec = {"alone": await alone(service, vocab, args.lengths, args.repeats, args.prefix)}
-        del beside_ms[:]
+        del beside_ms[:], decode_ms[:], decode_gpu_ms[:]
         rec["joining"] = await joining(service, vocab, args)
         rec["joining"].update(beside_steps=len(beside_ms), beside_p50_ms=pct(beside_ms, 50),
-                              beside_p99_ms=pct(beside_ms, 99))
+                              beside_p99_ms=pct(beside_ms, 99), beside_decodes=len(decode_ms),
+                              beside_decode_p50_ms=pct(decode_ms, 50), beside_decode_p99_ms=pct(decode_ms, 99),
+                              beside_decode_gpu_p50_ms=pct(decode_gpu_ms, 50),
+                              beside_decode_gpu_p99_ms=pct(decode_gpu_ms, 99))
         await service.close()
         return rec
 
     rec = asyncio.run(both())
-    rec.update(graph_prefill_tokens=rows, prefill_beside=beside, beside_priority=priority, load_s=load_s,
+    rec.update(graph_prefill_tokens=rows, prefill_beside=beside, beside_priority=priority, decode_beside_tokens=tokens,
+               load_s=load_s,
                engine=args.engine, row_buckets=list(engine.row_graphs.buckets)
                if getattr(engine, "row_graphs", None) is not None else [])
     engine = service = None  # noqa: F841 (the GPU memory back before the next engine)
@@ -150,6 +173,8 @@ def _label(r: dict) -> str:
     if not r["graph_prefill_tokens"]:
         return "eager steps"
     beside = f", beside (priority {r['beside_priority']})" if r.get("beside_priority") is not None else ", beside"
+    if r.get("decode_beside_tokens"):
+        beside += f", {r['decode_beside_tokens']} tokens decoded beside"
     return f"graph rows ({r['graph_prefill_tokens']})" + (beside if r.get("prefill_beside") else "")
 
 
@@ -169,6 +194,9 @@ def table(records: list[dict], prefix: int = 0) -> str:
             f"{r['alone'][n]['ttft_p99_ms']:.2f}", last["alone"][n]["ttft_p50_ms"] / first["alone"][n]["ttft_p50_ms"])
     row("joining: the new requests' TTFT", lambda r: f"{r['joining']['ttft_p50_ms']:.2f} / "
         f"{r['joining']['ttft_p99_ms']:.2f}", last["joining"]["ttft_p50_ms"] / first["joining"]["ttft_p50_ms"])
+    if all("answer_p50_ms" in r["joining"] for r in records):
+        row("joining: the new requests' whole answer (16 tokens)", lambda r: f"{r['joining']['answer_p50_ms']:.2f} / "
+            f"{r['joining']['answer_p99_ms']:.2f}", last["joining"]["answer_p50_ms"] / first["joining"]["answer_p50_ms"])
     row("joining: the running streams' ITL (max)", lambda r: f"{r['joining']['bg_itl_p50_ms']:.2f} / "
         f"{r['joining']['bg_itl_p99_ms']:.2f} ({r['joining']['bg_itl_max_ms']:.1f})",
         last["joining"]["bg_itl_p99_ms"] / first["joining"]["bg_itl_p99_ms"])
@@ -178,6 +206,10 @@ def table(records: list[dict], prefix: int = 0) -> str:
             lines.append(f"\n{_label(r)}: {j['beside_steps']} prompt steps beside the launches while requests "
                          f"joined, {j['beside_p50_ms']:.2f} / {j['beside_p99_ms']:.2f} ms each (p50 / p99, "
                          f"host wall time of the step)")
+        if j.get("beside_decodes"):
+            lines.append(f"{_label(r)}: {j['beside_decodes']} decode steps beside the launches, "
+                         f"{j['beside_decode_p50_ms']:.2f} / {j['beside_decode_p99_ms']:.2f} ms each (p50 / p99; "
+                         f"on the beside stream {j['beside_decode_gpu_p50_ms']:.2f} / {j['beside_decode_gpu_p99_ms']:.2f})")
     return "\n".join(lines)
 
 
@@ -222,6 +254,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[512, 0], help="graph_prefill_tokens settings to compare")
     ap.add_argument("--beside", type=int, nargs="+", default=[1, 0], choices=[0, 1],
                     help="prefill_beside settings to compare (with each --rows value but 0)")
+    ap.add_argument("--beside-tokens", type=int, nargs="+", default=[0],
+                    help="decode_beside_tokens settings to compare (with each --beside 1 setting)")
     ap.add_argument("--beside-priority", type=int, nargs="+", default=None,
                     help="the beside stream's priorities to compare (lower: higher; default: the engine's)")
     ap.add_argument("--engine", choices=["thread", "process"], default="thread", help="the engine loop in a thread "
@@ -240,8 +274,9 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             path = build(shape, Path(tmp) / shape, args.device)
             vocab = SHAPES[shape][1].get("vocab_size", 1000)
-            settings = [(rows, bool(b), pr if b else None) for rows in args.rows for b in (args.beside if rows else [0])
-                        for pr in (args.beside_priority or [None])]
+            settings = [(rows, bool(b), pr if b else None, bt if b else 0) for rows in args.rows
+                        for b in (args.beside if rows else [0]) for pr in (args.beside_priority or [None])
+                        for bt in args.beside_tokens]
             records = [measure(path, args, *setting, vocab) for setting in dict.fromkeys(settings)]
         record = {"shape": shape, "device": device, "background": args.background, "prefix": args.prefix,
                   "records": records,
