@@ -154,7 +154,6 @@ def make_service(path: Path, args, n: int, fused: bool = True, overlap: bool = T
     gen = GenerationConfig(max_num_seqs=max(n, 1), max_num_batched_tokens=args.budget, max_model_len=max_len,
                            cache_entries=0, prefix_caching=bool(getattr(args, "prefix_caching", False)),
                            overlap_steps=overlap, prefill_beside=getattr(args, "prefill_beside", True),
-                           decode_beside_tokens=getattr(args, "decode_beside_tokens", 0),
                            overlap_depth=args.overlap_depth, decode_steps=steps, speculative_tokens=speculative,
                            **({"speculative_max_batch": args.speculative_max_batch}
                               if getattr(args, "speculative_max_batch", None) else {}))

@@ -1,7 +1,6 @@
 """Time to first token of short prompts, alone and joining running streams, under several engine settings in one
 run (issue 18): prompt steps replayed as CUDA graphs (`graph_prefill_tokens`, --rows) or launched eagerly (0), and
-joining prompts prefilled beside the decode launches in flight (`prefill_beside`, --beside 1) or after them (0),
-and (with --beside-tokens N ...) also decoding their first N tokens beside them (`decode_beside_tokens`).
+joining prompts prefilled beside the decode launches in flight (`prefill_beside`, --beside 1) or after them (0).
 
     PYTHONPATH=src python3 benchmarks/generate_ttft.py --device cuda --shape qwen2-0.5b [--json out.json]
         [--plot out.png]
@@ -118,48 +117,32 @@ async def joining(service, vocab: int, args) -> dict:
             "bg_gaps": len(gaps), "bg_finished_early": done}
 
 
-def measure(path: Path, args, rows: int, beside: bool, priority: int | None, tokens: int, vocab: int) -> dict:
+def measure(path: Path, args, rows: int, beside: bool, priority: int | None, vocab: int) -> dict:
     args.graph_prefill_tokens, args.prefill_beside, args.beside_priority = rows, beside, priority
-    args.decode_beside_tokens = tokens
     engine, service, load_s = make_service(path, args, args.background + args.joins, process=args.engine == "process")
     beside_ms: list[float] = []
-    decode_ms: list[float] = []  # the steps beside of decodes only (decode_beside_tokens)
-    decode_gpu_ms: list[float] = []  # their span on the beside stream (from its first copy to the token's read-back)
-    if beside and getattr(engine, "beside_stream", None) is not None:  # the steps' own time beside the launches
-        plain, stream = engine.prefill_beside, engine.beside_stream
+    if beside and getattr(engine, "beside_stream", None) is not None:  # the prompt steps' own time beside the launches
+        plain = engine.prefill_beside
 
         def timed(scheduled):
-            decode = all(s.seq.output_ids for s in scheduled)
-            if decode:
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record(stream)
             t = time.perf_counter()
             out = plain(scheduled)
-            took = 1e3 * (time.perf_counter() - t)
-            (decode_ms if decode else beside_ms).append(took)
-            if decode:
-                e1.record(stream)
-                e1.synchronize()
-                decode_gpu_ms.append(e0.elapsed_time(e1))
+            beside_ms.append(1e3 * (time.perf_counter() - t))
             return out
 
         engine.prefill_beside = timed
 
     async def both():
         rec = {"alone": await alone(service, vocab, args.lengths, args.repeats, args.prefix)}
-        del beside_ms[:], decode_ms[:], decode_gpu_ms[:]
+        del beside_ms[:]
         rec["joining"] = await joining(service, vocab, args)
         rec["joining"].update(beside_steps=len(beside_ms), beside_p50_ms=pct(beside_ms, 50),
-                              beside_p99_ms=pct(beside_ms, 99), beside_decodes=len(decode_ms),
-                              beside_decode_p50_ms=pct(decode_ms, 50), beside_decode_p99_ms=pct(decode_ms, 99),
-                              beside_decode_gpu_p50_ms=pct(decode_gpu_ms, 50),
-                              beside_decode_gpu_p99_ms=pct(decode_gpu_ms, 99))
+                              beside_p99_ms=pct(beside_ms, 99))
         await service.close()
         return rec
 
     rec = asyncio.run(both())
-    rec.update(graph_prefill_tokens=rows, prefill_beside=beside, beside_priority=priority, decode_beside_tokens=tokens,
-               load_s=load_s,
+    rec.update(graph_prefill_tokens=rows, prefill_beside=beside, beside_priority=priority, load_s=load_s,
                engine=args.engine, row_buckets=list(engine.row_graphs.buckets)
                if getattr(engine, "row_graphs", None) is not None else [])
     engine = service = None  # noqa: F841 (the GPU memory back before the next engine)
@@ -173,8 +156,6 @@ def _label(r: dict) -> str:
     if not r["graph_prefill_tokens"]:
         return "eager steps"
     beside = f", beside (priority {r['beside_priority']})" if r.get("beside_priority") is not None else ", beside"
-    if r.get("decode_beside_tokens"):
-        beside += f", {r['decode_beside_tokens']} tokens decoded beside"
     return f"graph rows ({r['graph_prefill_tokens']})" + (beside if r.get("prefill_beside") else "")
 
 
@@ -206,10 +187,6 @@ def table(records: list[dict], prefix: int = 0) -> str:
             lines.append(f"\n{_label(r)}: {j['beside_steps']} prompt steps beside the launches while requests "
                          f"joined, {j['beside_p50_ms']:.2f} / {j['beside_p99_ms']:.2f} ms each (p50 / p99, "
                          f"host wall time of the step)")
-        if j.get("beside_decodes"):
-            lines.append(f"{_label(r)}: {j['beside_decodes']} decode steps beside the launches, "
-                         f"{j['beside_decode_p50_ms']:.2f} / {j['beside_decode_p99_ms']:.2f} ms each (p50 / p99; "
-                         f"on the beside stream {j['beside_decode_gpu_p50_ms']:.2f} / {j['beside_decode_gpu_p99_ms']:.2f})")
     return "\n".join(lines)
 
 
@@ -254,8 +231,6 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[512, 0], help="graph_prefill_tokens settings to compare")
     ap.add_argument("--beside", type=int, nargs="+", default=[1, 0], choices=[0, 1],
                     help="prefill_beside settings to compare (with each --rows value but 0)")
-    ap.add_argument("--beside-tokens", type=int, nargs="+", default=[0],
-                    help="decode_beside_tokens settings to compare (with each --beside 1 setting)")
     ap.add_argument("--beside-priority", type=int, nargs="+", default=None,
                     help="the beside stream's priorities to compare (lower: higher; default: the engine's)")
     ap.add_argument("--engine", choices=["thread", "process"], default="thread", help="the engine loop in a thread "
@@ -274,9 +249,8 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             path = build(shape, Path(tmp) / shape, args.device)
             vocab = SHAPES[shape][1].get("vocab_size", 1000)
-            settings = [(rows, bool(b), pr if b else None, bt if b else 0) for rows in args.rows
-                        for b in (args.beside if rows else [0]) for pr in (args.beside_priority or [None])
-                        for bt in args.beside_tokens]
+            settings = [(rows, bool(b), pr if b else None) for rows in args.rows for b in (args.beside if rows else [0])
+                        for pr in (args.beside_priority or [None])]
             records = [measure(path, args, *setting, vocab) for setting in dict.fromkeys(settings)]
         record = {"shape": shape, "device": device, "background": args.background, "prefix": args.prefix,
                   "records": records,

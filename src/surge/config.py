@@ -224,12 +224,6 @@ class GenerationConfig(_Strict):
                                  "running streams' decodes go on, and the new sequence joins the next launch. "
                                  "Steps that do not take the row graphs, and prompts whose KV blocks the launches in "
                                  "flight may still write (just freed), wait as before.")
-    decode_beside_tokens: int = Field(0, ge=0, le=256, description="With prefill_beside: a sequence prefilled "
-                                      "beside the decode launches in flight also decodes beside them, a token a "
-                                      "step, up to this many tokens before it joins them (joining puts its next "
-                                      "token behind every launch queued on the GPU: ~10-15 ms at a busy server); "
-                                      "a short answer then comes whole while the launches run. 0: it joins the "
-                                      "next launch.")
     overlap_steps: bool = Field(True, description="Launch the next greedy decode step before the last one's tokens "
                                 "are read back (its inputs stay on the device), so host work overlaps the GPU.")
     overlap_depth: int = Field(2, ge=1, le=3, description="Launched decode steps in flight before the oldest is "

@@ -67,16 +67,6 @@ class Behind:
         self.ran_behind += len(self.queue)
         return self.engine.prefill_beside(scheduled)
 
-    every = 2
-
-    def ready(self, handle):
-        """Whether the device is done with a launch: every `every`-th time it is asked, it has just run it (and
-        the ones before), so the loop meets launches both done and not."""
-        self.polls = getattr(self, "polls", 0) + 1
-        if self.polls % self.every == 0:
-            self._run(handle)
-        return handle.real is not None
-
     def step(self, scheduled):
         assert not self.queue, "a synchronous step runs after the launches in flight"
         return self.engine.step(scheduled)
@@ -213,159 +203,8 @@ def test_blocks_launches_in_flight_may_write_are_not_prefilled_beside(tmp_path, 
     assert beside == 1 and max(abs(a - b) for a, b in zip(lps, want)) > 1e-3, "the harness must show the hazard"
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama"])
-def test_joiners_decode_beside_the_launches_then_join_them(tmp_path, monkeypatch, kind):
-    """With beside_tokens N, a sequence prefilled beside the launches also decodes beside them, a token a step, for
-    N tokens, then joins the launches: a 4-token answer comes whole from steps beside (never launched), a longer
-    one from N + 1 steps beside and then launches, one stops inside its steps beside; the running sequences'
-    launches go on meanwhile (launched and read back between the joiner's steps). Every sequence gets
-    transformers' greedy tokens, handed out once each."""
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(1)
-    d = build_model(kind, tmp_path / kind, seed=7)
-    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(8)
-    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (9, 12, 7, 10)]
-    lens = [40, 36, 4, 14, 10]
-    for _ in range(50):  # a joiner whose greedy answer has a token first seen at index 2-4: a stop in its steps beside
-        stopper = torch.randint(3, 300, (8,), generator=g).tolist()
-        answer = _greedy(hf, stopper, 10)
-        stop = next((i for i in range(2, 5) if answer[i] not in answer[:i]), None)
-        if stop is not None:
-            break
-    prompts.append(stopper)
-    refs = [_greedy(hf, p, n) for p, n in zip(prompts, lens)]
-    stop_at = {4: stop}
-    dev, beside = _watched(d, monkeypatch)
-    log = []  # ("launch" | "beside", the step's sequence ids), in order
-    launch = dev.launch
-    dev.launch = lambda sc, prev, steps=1: log.append(("launch", {s.seq.seq_id for s in sc})) or \
-        launch(sc, prev, steps)
-    plain = dev.engine.prefill_beside
-    dev.engine.prefill_beside = lambda sc: log.append(("beside", {s.seq.seq_id for s in sc})) or plain(sc)
-    sched = _scheduler()
-    seqs = [Sequence(i, p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
-                                          stop_token_ids=(refs[i][stop_at[i]],) if i in stop_at else ()))
-            for i, (p, n) in enumerate(zip(prompts, lens))]
-    n = 5
-    loop = StepLoop(sched, dev, overlap=True, depth=2, steps=3, beside=True, beside_tokens=n)
-    streamed = drive(loop, sched, seqs, [0, 0, 3, 5, 8])
-    for s, ref in zip(seqs, refs):
-        want = ref[:stop_at[s.seq_id] + 1] if s.seq_id in stop_at else ref
-        assert s.output_ids == want == streamed[s.seq_id], f"prompt {s.seq_id}"
-
-    def where(sid):
-        return [i for i, (kind_, ids) in enumerate(log) if sid in ids and kind_ == "beside"], \
-            [i for i, (kind_, ids) in enumerate(log) if sid in ids and kind_ == "launch"]
-
-    short, long_, stopper = where(2), where(3), where(4)
-    assert len(short[0]) == 4 and not short[1], "a 4-token answer: a prefill and 3 decodes beside, never launched"
-    assert len(stopper[0]) == stop_at[4] + 1 and not stopper[1]
-    assert len(long_[0]) == n + 1 and long_[1] and min(long_[1]) > max(long_[0]), "N + 1 steps beside, then joined"
-    between = [k for k, ids in log[long_[0][0]:long_[0][-1]] if k == "launch"]
-    assert between, "the running sequences were launched while the joiner decoded beside"
-    assert loop.beside_decodes == 3 + n + stop_at[4]
-    assert sched.blocks.num_free == 96
-
-
-def test_a_joiners_new_block_the_launches_may_write_ends_its_steps_beside(tmp_path, monkeypatch):
-    """A joiner decoding beside the launches takes a new block every block_size tokens; when that block is one a
-    stopped sequence freed while launches behind still write it (a free list that hands out the newest first),
-    the joiner's steps beside end there (it joins the launches, behind those writes): the logits of every step
-    it ran beside equal transformers' float64 ones, for every arrival time tried. With the check off, some
-    arrival has the launches overwrite its cache (the harness shows the hazard): the check is what keeps it."""
-    from collections import OrderedDict
-
-    from transformers import AutoModelForCausalLM
-
-    from surge.engines.decoder import model as model_mod
-
-    class NewestFirst(OrderedDict):
-        def popitem(self, last=False):
-            return super().popitem(last=True)
-
-    torch.set_num_threads(1)
-    d = build_model("qwen2", tmp_path / "q", seed=2)
-    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(1)
-    runner, joiner = (torch.randint(3, 300, (n,), generator=g).tolist() for n in (9, 6))
-    for _ in range(50):  # a stopper whose greedy answer has a token first seen at index 6-11 (its stop)
-        stopper = torch.randint(3, 300, (7,), generator=g).tolist()
-        answer = _greedy(hf, stopper, 20)
-        stop = next((i for i in range(6, 12) if answer[i] not in answer[:i]), None)
-        if stop is not None:
-            break
-    full = joiner + _greedy(hf, joiner, 16)
-    with torch.no_grad():
-        want = torch.log_softmax(hf(torch.tensor([full])).logits[0].double(), -1)
-
-    def run(check: bool, arrival: int, every: int) -> tuple[float, int]:
-        engine, attention = _engine(d, num_blocks=64)
-        monkeypatch.setattr(model_mod, "paged_attention_torch", attention)
-        errs = []  # the joiner's steps beside: their log-softmax against transformers' at the same position
-        sampler = engine.sampler
-
-        def watched(logits, seqs):
-            for row, q in zip(logits, seqs):
-                if q.seq_id == 2:
-                    at = q.num_tokens - 1
-                    errs.append((torch.log_softmax(row.double(), -1) - want[at]).abs().max().item())
-            return sampler(logits, seqs)
-
-        engine.sampler = watched
-        dev = Behind(engine)
-        dev.every = every
-        sched = _scheduler(64)
-        sched.blocks.free = NewestFirst(sched.blocks.free)
-        if not check:
-            monkeypatch.setattr(sched.blocks, "settled", lambda blocks, since: True)
-        seqs = [Sequence(0, runner, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)),
-                Sequence(1, stopper, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
-                                                    stop_token_ids=(answer[stop],))),
-                Sequence(2, joiner, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))]
-        loop = StepLoop(sched, dev, overlap=True, depth=2, steps=3, beside=True, beside_tokens=16)
-        sched.add(seqs[0])
-        sched.add(seqs[1])
-        steps = 0
-        while loop.busy or steps <= arrival:
-            if steps == arrival:
-                sched.add(seqs[2])
-            loop.step()
-            steps += 1
-        assert seqs[1].output_ids == answer[:stop + 1]
-        return max(errs, default=0.0), loop.beside_decodes
-
-    # the device done with a launch every sixth time the loop asks: launches lag behind the joiner's steps
-    checked = [run(True, a, 6) for a in range(1, 9)]
-    assert all(err < 1e-4 for err, _ in checked), checked
-    assert any(n for _, n in checked) and any(not n for _, n in checked), "the joiner's steps beside, some cut short"
-    off = [run(False, a, 6) for a in range(1, 9)]
-    assert any(err > 1e-3 for err, _ in off), ("the harness must show the hazard", off)
-
-
-def test_beside_tokens_need_an_engine_that_says_when_a_launch_is_done():
-    """Without ready(handle) the loop could not read launches back between a joiner's steps beside them: the
-    setting is then off (joiners join the next launch); a negative count is refused."""
-    class NoReady:
-        def prefill_beside(self, scheduled):
-            raise AssertionError
-
-    class Ready(NoReady):
-        def ready(self, handle):
-            return True
-
-    sched = _scheduler()
-    assert StepLoop(sched, NoReady(), beside=True, beside_tokens=8).beside_tokens == 0
-    assert StepLoop(sched, Ready(), beside=True, beside_tokens=8).beside_tokens == 8
-    assert StepLoop(sched, Ready(), beside=False, beside_tokens=8).beside_tokens == 0
-    with pytest.raises(ValueError, match="beside_tokens"):
-        StepLoop(sched, Ready(), beside=True, beside_tokens=-1)
-
-
 def test_the_setting_reaches_the_step_loop(tmp_path):
-    """GenerationConfig.prefill_beside (default on) is the engine loop's `beside`, decode_beside_tokens its
-    `beside_tokens`."""
+    """GenerationConfig.prefill_beside (default on) is the engine loop's `beside`."""
     from surge.runtime.generate_core import EngineLoop
     from surge.runtime.generate_service import GenerationConfig
 
@@ -373,7 +212,6 @@ def test_the_setting_reaches_the_step_loop(tmp_path):
     assert GenerationConfig().prefill_beside
     assert EngineLoop(engine, GenerationConfig(max_num_seqs=2)).loop.beside
     assert not EngineLoop(engine, GenerationConfig(max_num_seqs=2, prefill_beside=False)).loop.beside
-    assert EngineLoop(engine, GenerationConfig(max_num_seqs=2, decode_beside_tokens=6)).loop.beside_tokens == 6
     assert engine.beside_stream is None and not engine.can_prefill_beside([])  # no row graphs on the CPU
 
 
@@ -426,6 +264,49 @@ def test_an_arrival_cuts_the_wait_for_the_device_short(tmp_path, monkeypatch):
     assert arrived and queued == [3] and first_at == 3, (arrived, queued, first_at)
     for s, ref in zip(seqs, refs):
         assert s.output_ids == ref == streamed[s.seq_id], f"prompt {s.seq_id}"
+    assert sched.blocks.num_free == 96
+
+
+def test_a_sequence_stopped_in_the_launch_read_back_is_not_launched_again(tmp_path, monkeypatch):
+    """A wait for the device cut short by a message that adds no sequence (an abort of another request, say)
+    leaves depth + 1 launches in flight; the next iteration reads the oldest back before launching behind it. A
+    sequence found stopped there was scheduled on tokens that are now gone: it is left out of that launch (it
+    used to be launched from a position past its cut tokens). Every sequence gets transformers' greedy tokens,
+    the stopper's cut at its stop, and every block is free at the end."""
+    from transformers import AutoModelForCausalLM
+
+    from surge.engines.decoder import model as model_mod
+
+    torch.set_num_threads(1)
+    d = build_model("qwen2", tmp_path / "q", seed=3)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(5)
+    runner = torch.randint(3, 300, (9,), generator=g).tolist()
+    for _ in range(50):  # a stopper whose greedy answer has a token first seen at index 4-11 (its stop)
+        stopper = torch.randint(3, 300, (7,), generator=g).tolist()
+        answer = _greedy(hf, stopper, 20)
+        stop = next((i for i in range(4, 12) if answer[i] not in answer[:i]), None)
+        if stop is not None:
+            break
+    engine, attention = _engine(d)
+    monkeypatch.setattr(model_mod, "paged_attention_torch", attention)
+    dev = Behind(engine)
+    dev.ready = lambda handle: False  # the loop never sees a launch done before it reads it back
+    sched = _scheduler()
+    seqs = [Sequence(0, runner, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)),
+            Sequence(1, stopper, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                                                stop_token_ids=(answer[stop],)))]
+    loop = StepLoop(sched, dev, overlap=True, depth=2, steps=3, beside=True)
+    flying = []  # launches in flight after each iteration
+    for q in seqs:
+        sched.add(q)
+    while loop.busy:
+        loop.step(None, lambda timeout: True)  # a message every time: the wait always ends at once
+        flying.append(len(loop._inflight))
+        sched.blocks.check()
+    assert max(flying) == 3, "depth + 1 launches in flight: the next launch read the oldest back first"
+    assert seqs[0].output_ids == _greedy(hf, runner, 24)
+    assert seqs[1].output_ids == answer[:stop + 1]
     assert sched.blocks.num_free == 96
 
 

@@ -108,8 +108,7 @@ class EngineLoop:
                                            config.prompt_lookup_max, config.speculative_max_batch)
         self.loop = StepLoop(self.scheduler, engine, overlap=config.overlap_steps and on_gpu,
                              depth=config.overlap_depth, steps=config.decode_steps, speculator=speculator,
-                             beside=getattr(config, "prefill_beside", False),
-                             beside_tokens=getattr(config, "decode_beside_tokens", 0))
+                             beside=getattr(config, "prefill_beside", False))
         self.seqs: dict[int, Sequence] = {}  # added and not finished
         self._fresh: list[Sequence] = []  # added, their admission not reported yet
         self.steps = 0

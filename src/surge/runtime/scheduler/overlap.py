@@ -48,13 +48,6 @@ when none of its blocks was freed or named from launched tokens since the oldest
 was made (BlockManager.settled: the device may still be writing those), and each of its sequences
 ends its prompt in it; otherwise the synchronous path above.
 
-`beside_tokens` > 0 (with `beside` and an engine that says when a launch is done, ready(handle)): a sequence
-prefilled beside the launches also decodes beside them, a step an iteration, up to that many tokens, before it
-joins the launches. Joining puts its next token behind everything queued on the device (up to depth + 1
-launches of `steps` decode steps), so a short answer would otherwise get its first token at once and its
-second only after those launches. Meanwhile the running sequences' launches are read back when the device
-says they are done and launched again as usual; once nothing is in flight a joiner joins at once.
-
 Engine contract (engines/decoder/runner.py): can_launch(scheduled),
 launch(scheduled, prev) -> handle, collect(handle) -> {seq_id: SampleOut},
 step(scheduled) -> {seq_id: SampleOut}; optionally collect_tokens(handle) ->
@@ -89,7 +82,7 @@ POLL_S = 2e-4  # how often a wait for the device that an arrival can cut short l
 
 class StepLoop:
     def __init__(self, scheduler: Scheduler, engine, overlap: bool = True, depth: int = 2, steps: int = 1,
-                 speculator=None, beside: bool = False, beside_tokens: int = 0):
+                 speculator=None, beside: bool = False):
         """`speculator` (runtime/scheduler/ngram.NgramProposer or draft_model.DraftModelProposer, needs
         engine.verify; `k`, `max_batch`, `drafts(scheduled, scheduler)` -> drafts with their KV blocks taken,
         `kept(scheduled, drafts)` after the step): decode steps check draft tokens and keep those the model
@@ -116,12 +109,7 @@ class StepLoop:
         self.accepted = 0  # of those, kept
         self.spec_steps = 0
         self.beside = beside and hasattr(engine, "prefill_beside")
-        self.beside_steps = 0  # steps run beside the launches in flight
-        if beside_tokens < 0:
-            raise ValueError(f"beside_tokens must be >= 0, not {beside_tokens}")
-        # without ready() the loop could not tell when to read the launches back between beside steps
-        self.beside_tokens = beside_tokens if self.beside and hasattr(engine, "ready") else 0
-        self.beside_decodes = 0  # tokens sampled by decode steps beside the launches in flight
+        self.beside_steps = 0  # prompt steps run beside the launches in flight
 
     @property
     def busy(self) -> bool:
@@ -171,9 +159,6 @@ class StepLoop:
                 steps = 1
         handle = engine.launch(scheduled, prev, steps) if steps > 1 else engine.launch(scheduled, prev)
         sched.advance(scheduled, steps)
-        if self.beside_tokens:  # joined: its later steps are launched
-            for s in scheduled:
-                s.seq.beside_left = 0
         self._inflight.append((scheduled, handle, steps, sched.blocks.clock))
         self.steps += steps
 
@@ -200,49 +185,28 @@ class StepLoop:
         spec.kept(scheduled, drafts)
         return True
 
-    @staticmethod
-    def _goes_beside(s: ScheduledSeq) -> bool:
-        """Whether s's step is one to run beside the launches in flight (if it is in none of them): it samples
-        its sequence's first token, or its sequence may still decode beside them."""
-        return not s.seq.output_ids or s.seq.beside_left > 0
-
     def _prefill_beside(self, scheduled: list[ScheduledSeq], results: list[StepResult]) -> bool:
-        """Run this step's new prompts (and the decodes of sequences prefilled beside, up to beside_tokens)
-        beside the launches in flight and return their tokens at once (False: the step does not qualify,
-        nothing was done). The other sequences' decodes are launched behind the launches when that needs no
-        wait for the device."""
+        """Prefill this step's new prompts beside the launches in flight and return their first tokens at once
+        (False: the step does not qualify, nothing was done)."""
         sched, engine = self.scheduler, self.engine
         flying = {id(s.seq) for sch, *_ in self._inflight for s in sch}
-        beside, decodes = [], []
-        for s in scheduled:
-            (beside if id(s.seq) not in flying and self._goes_beside(s) else decodes).append(s)
-        if not beside or (decodes and not engine.can_launch(decodes)) or not engine.can_prefill_beside(beside):
+        prompts = [s for s in scheduled if id(s.seq) not in flying]
+        decodes = [s for s in scheduled if id(s.seq) in flying]
+        if not prompts or (decodes and not engine.can_launch(decodes)) or not engine.can_prefill_beside(prompts):
             return False
         since = self._inflight[0][3]
-        if not sched.blocks.settled((b for s in beside for b in s.seq.block_table), since):
+        if not sched.blocks.settled((b for s in prompts for b in s.seq.block_table), since):
             return False
-        first = [not s.seq.output_ids for s in beside]
-        outs = engine.prefill_beside(beside)
+        outs = engine.prefill_beside(prompts)
         self.steps += 1
         self.beside_steps += 1
         tokens = {k: o.token for k, o in outs.items()}
-        results.append(StepResult(beside, tokens, sched.update(beside, tokens), outs))
-        for s, f in zip(beside, first):
-            if f:
-                s.seq.beside_left = self.beside_tokens
-            else:
-                s.seq.beside_left -= 1
-                self.beside_decodes += 1
-        # the tokens go out now: no wait for the device here. The running sequences' decodes are launched if
-        # that needs no wait (else a later iteration launches them, the new sequences with them once their
-        # beside steps are spent, their input token from the host); with none to launch, the launches the
-        # device is done with are read back (their sequences' last tokens)
-        ready = getattr(engine, "ready", None) if self.beside_tokens else None
-        if decodes and (len(self._inflight) <= self.depth or (ready is not None and ready(self._inflight[0][1]))):
+        results.append(StepResult(prompts, tokens, sched.update(prompts, tokens), outs))
+        # the first tokens go out now: no wait for the device here. The running sequences' decodes are launched
+        # if that needs no read-back first (else the next iteration launches them, the new sequences with them,
+        # their input token from the host)
+        if decodes and len(self._inflight) <= self.depth:
             self._launch_more(decodes, results)
-        elif not decodes and ready is not None:
-            while self._inflight and ready(self._inflight[0][1]):
-                self._complete(results)
         self._current = []
         return True
 
@@ -305,7 +269,7 @@ class StepLoop:
         if self._inflight:
             # a step with a sequence's first token to sample (a prompt's chunk; a prompt cached but for its last
             # token, which looks like a decode) goes beside the launches if it can, not behind them
-            if scheduled and self.beside and any(self._goes_beside(s) for s in scheduled) \
+            if scheduled and self.beside and any(not s.seq.output_ids for s in scheduled) \
                     and self._prefill_beside(scheduled, results):
                 return results
             if scheduled and engine.can_launch(scheduled):

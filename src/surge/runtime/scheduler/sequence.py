@@ -36,8 +36,6 @@ class Sequence:
     # until its step is read back; a sequence whose last token is launched stops being scheduled
     draining: bool = False
     fast: bool = False  # greedy, no penalties, no logprobs: its tokens can stay on the device
-    # prefilled beside launches in flight: decode steps it may still run beside them before it joins them
-    beside_left: int = 0
     speculable: bool = False  # no penalties, guide or logprobs: drafts can be checked (greedy or sampled)
     # params.prompt_logprobs: the prompt positions scored so far (position p scores token p + 1) and
     # their (token, logprob, top) not yet handed out (with the first sampled token's SampleOut)
