@@ -356,12 +356,14 @@ def plot_records(paths: list[Path], out: Path) -> int:
     """TTFT and chunk-gap CDFs of saved records (e.g. one run a server setting), a series a record's path."""
     from surge.bench.plots import sample_cdfs
 
+    records = [json.loads(path.read_text()) for path in paths]
+    lengths = {r.get("output") for r in records}
     series = {}
-    for path in paths:
-        record = json.loads(path.read_text())
+    for record in records:
+        tokens = f", {record['output']} tokens" if len(lengths) > 1 else ""  # records of several answer lengths
         for name in record.get("medians", {}):
-            series[f"{name} {' '.join(record.get('server_args', []))}".strip()] = record[name]
-    sample_cdfs(_panels(series), out, f"{record['shape']}, {record['streams']} streams a round")
+            series[f"{name} {' '.join(record.get('server_args', []))}".strip() + tokens] = record[name]
+    sample_cdfs(_panels(series), out, f"{records[-1]['shape']}, {records[-1]['streams']} streams a round")
     print(f"plot: {out}")
     return 0
 
