@@ -176,8 +176,9 @@ def table(records: list[dict], prefix: int = 0) -> str:
     row("joining: the new requests' TTFT", lambda r: f"{r['joining']['ttft_p50_ms']:.2f} / "
         f"{r['joining']['ttft_p99_ms']:.2f}", last["joining"]["ttft_p50_ms"] / first["joining"]["ttft_p50_ms"])
     if all("answer_p50_ms" in r["joining"] for r in records):
-        row("joining: the new requests' whole answer (16 tokens)", lambda r: f"{r['joining']['answer_p50_ms']:.2f} / "
-            f"{r['joining']['answer_p99_ms']:.2f}", last["joining"]["answer_p50_ms"] / first["joining"]["answer_p50_ms"])
+        row("joining: the new requests' whole answer (16 tokens)",
+            lambda r: f"{r['joining']['answer_p50_ms']:.2f} / {r['joining']['answer_p99_ms']:.2f}",
+            last["joining"]["answer_p50_ms"] / first["joining"]["answer_p50_ms"])
     row("joining: the running streams' ITL (max)", lambda r: f"{r['joining']['bg_itl_p50_ms']:.2f} / "
         f"{r['joining']['bg_itl_p99_ms']:.2f} ({r['joining']['bg_itl_max_ms']:.1f})",
         last["joining"]["bg_itl_p99_ms"] / first["joining"]["bg_itl_p99_ms"])

@@ -98,6 +98,18 @@ def _greedy(hf, prompt, n):
                        pad_token_id=0)[0, len(prompt):].tolist()
 
 
+def _stopper(hf, g, earliest: int):
+    """(prompt, its 20-token greedy answer, the index of the answer's stop): a 7-token prompt whose answer has a
+    token first seen at an index in [earliest, 12), which as a stop token ends it there."""
+    for _ in range(50):
+        stopper = torch.randint(3, 300, (7,), generator=g).tolist()
+        answer = _greedy(hf, stopper, 20)
+        stop = next((i for i in range(earliest, 12) if answer[i] not in answer[:i]), None)
+        if stop is not None:
+            return stopper, answer, stop
+    raise AssertionError("no prompt with a stop in range")
+
+
 def _scheduler(num_blocks=96):
     return Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=4, max_num_seqs=6, max_num_batched_tokens=64,
                                      max_model_len=128), ())
@@ -158,12 +170,7 @@ def test_blocks_launches_in_flight_may_write_are_not_prefilled_beside(tmp_path, 
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(1)
     runner, joiner = (torch.randint(3, 300, (n,), generator=g).tolist() for n in (9, 20))
-    for _ in range(50):  # a stopper whose greedy answer has a token first seen at index 6-11 (its stop)
-        stopper = torch.randint(3, 300, (7,), generator=g).tolist()
-        answer = _greedy(hf, stopper, 20)
-        stop = next((i for i in range(6, 12) if answer[i] not in answer[:i]), None)
-        if stop is not None:
-            break
+    stopper, answer, stop = _stopper(hf, g, 6)
     full = prompt_and_answer = joiner + _greedy(hf, joiner, 10)
     with torch.no_grad():
         lp = torch.log_softmax(hf(torch.tensor([full])).logits[0].double(), -1)
@@ -282,12 +289,7 @@ def test_a_sequence_stopped_in_the_launch_read_back_is_not_launched_again(tmp_pa
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(5)
     runner = torch.randint(3, 300, (9,), generator=g).tolist()
-    for _ in range(50):  # a stopper whose greedy answer has a token first seen at index 4-11 (its stop)
-        stopper = torch.randint(3, 300, (7,), generator=g).tolist()
-        answer = _greedy(hf, stopper, 20)
-        stop = next((i for i in range(4, 12) if answer[i] not in answer[:i]), None)
-        if stop is not None:
-            break
+    stopper, answer, stop = _stopper(hf, g, 4)
     engine, attention = _engine(d)
     monkeypatch.setattr(model_mod, "paged_attention_torch", attention)
     dev = Behind(engine)
