@@ -372,6 +372,60 @@ def test_the_engine_loop_reports_each_admission_once_and_forgets_what_was_aborte
     assert core.state().received == 2 and core.scheduler.blocks.usage == 0.0
 
 
+def test_a_step_that_raises_fails_its_requests_and_forgets_them(model_dir):
+    """EngineLoop: an exception in a step fails that step's requests (an error each, nothing kept: the sequence,
+    its blocks, its seeded generator in the sampler) and the loop goes on serving the next request."""
+    import threading
+
+    from surge.engines.decoder import DecoderEngine
+    from surge.runtime.generate_core import ENGINE, EngineLoop, ThreadChannel
+    from surge.runtime.generate_service import GenerationConfig
+    from surge.runtime.scheduler import Sequence
+
+    engine = DecoderEngine(model_dir, num_blocks=64, block_size=4, max_num_seqs=2, max_model_len=64)
+    core = EngineLoop(engine, GenerationConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64))
+    step, calls = engine.step, []
+
+    def flaky(scheduled):
+        calls.append(len(calls))
+        if len(calls) == 3:
+            raise RuntimeError("a device error")
+        return step(scheduled)
+
+    engine.step = flaky
+    ended, errors, done = [], [], threading.Event()
+
+    class Out:
+        def tokens(self, batch, admitted, state):
+            for _, _, f in batch:
+                ended.extend(f or ())
+            if 3 in ended:
+                done.set()
+
+        def error(self, seq_id, kind, message):
+            errors.append((seq_id, kind))
+
+        def state(self, state):
+            pass
+
+    channel = ThreadChannel()
+    runner = threading.Thread(target=core.run, args=(channel, Out()))
+    seeded = [Sequence(i, [5, 6, 7, 8], SamplingParams(max_tokens=12, temperature=0.8, seed=i)) for i in (1, 2)]
+    channel.put(("add", seeded))
+    runner.start()
+    for _ in range(600):
+        if len(errors) == 2:
+            break
+        threading.Event().wait(0.05)
+    assert sorted(errors) == [(1, ENGINE), (2, ENGINE)]
+    assert engine.sampler._generators == {}, "the failed requests' generators were kept"
+    channel.put(("add", [Sequence(3, [5, 6, 7], SamplingParams(max_tokens=4, **GREEDY))]))
+    assert done.wait(60), "the loop goes on serving"
+    channel.put(("close",))
+    runner.join(30)
+    assert core.seqs == {} and core.scheduler.blocks.usage == 0.0
+
+
 def test_the_engine_loop_runs_in_a_process_of_its_own_by_default(model_dir):
     """GenerationConfig.engine_process unset: a process of its own on the CPU too (the engine's OpenMP team is then
     its process's only one: on a thread beside the main thread's, libgomp stops spinning between regions)."""

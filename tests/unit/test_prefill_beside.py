@@ -359,3 +359,72 @@ def test_prefix_hits_and_sampling_options_beside_the_launches(tmp_path, monkeypa
         lp = torch.log_softmax(hf(torch.tensor([full])).logits[0].double(), -1)
     want = [lp[len(prompts[5]) - 1 + i, t].item() for i, t in enumerate(refs[5])]
     assert len(lps) == len(want) and max(abs(a - b) for a, b in zip(lps, want)) < 1e-4
+
+
+def test_launches_dropped_after_an_engine_error_still_run_before_a_step_beside(tmp_path, monkeypatch):
+    """An engine error in a step (here the step beside the launches, e.g. a guided prompt whose grammar fails)
+    fails the step's requests (loop.involved()) and drops the launches in flight from the loop's books, but the
+    device still runs them (a GPU's queued work), writing the failed sequences' next positions into blocks the
+    host has freed. A prompt given those blocks must not run beside the next launch (made after the blocks were
+    freed, so their clock says settled) until the dropped launches are known done: its tokens then equal
+    transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    from surge.engines.decoder import model as model_mod
+    from surge.runtime.scheduler.sequence import SeqStatus
+
+    class InOrder(Behind):
+        def step(self, scheduled):  # a synchronous step runs after the queued launches (stream order)
+            if self.queue:
+                self._run(self.queue[-1])
+            return self.engine.step(scheduled)
+
+    torch.set_num_threads(1)
+    d = build_model("qwen2", tmp_path / "q", seed=2)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(7)
+    a_prompt, b_prompt, p2_prompt = (torch.randint(3, 300, (n,), generator=g).tolist() for n in (8, 7, 12))
+    p1_prompt = a_prompt + [5]  # a's prompt blocks cached: a one-token chunk, launched (not prefilled)
+    engine, attention = _engine(d)
+    monkeypatch.setattr(model_mod, "paged_attention_torch", attention)
+    dev = InOrder(engine)
+    sched = _scheduler()
+    loop = StepLoop(sched, dev, overlap=True, depth=2, steps=3, beside=True)
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    a, b = Sequence(0, a_prompt, SamplingParams(max_tokens=30, **greedy)), \
+        Sequence(1, b_prompt, SamplingParams(max_tokens=30, **greedy))
+    bad = Sequence(2, [7, 8, 9], SamplingParams(max_tokens=4, **greedy))
+    p1 = Sequence(3, p1_prompt, SamplingParams(max_tokens=8, **greedy))
+    p2 = Sequence(4, p2_prompt, SamplingParams(max_tokens=8, **greedy))
+    sched.add(a)
+    sched.add(b)
+    while len(loop._inflight) < 2:
+        loop.step()
+    beside = engine.prefill_beside
+
+    def failing(sc):
+        if any(s.seq is bad for s in sc):
+            raise RuntimeError("the guide could not be built")
+        return beside(sc)
+
+    monkeypatch.setattr(engine, "prefill_beside", failing)
+    sched.add(bad)
+    with pytest.raises(RuntimeError):
+        loop.step()
+    for q in loop.involved():  # EngineLoop.run: the step's requests fail
+        sched.abort(q, "error")
+    assert a.status is b.status is SeqStatus.FINISHED and not loop.busy
+    stale = [(s.seq.block_table[p // 4], p % 4) for pend in dev.queue for s in pend.scheduled
+             for p in range(s.start, s.start + pend.steps)]
+    assert stale, "launches dropped from the loop's books are still queued on the device"
+    sched.add(p1)
+    loop.step()
+    assert p1.num_cached_prompt == 8 and len(loop._inflight) == 1, "p1's one-token chunk was launched"
+    for blk in dict.fromkeys(blk for blk, _ in stale):  # a free list that hands out those blocks first
+        sched.blocks.free.move_to_end(blk, last=False)
+    sched.add(p2)
+    while loop.busy:
+        loop.step()
+    assert p1.output_ids == _greedy(hf, p1_prompt, 8)
+    assert p2.output_ids == _greedy(hf, p2_prompt, 8)
+    assert sched.blocks.num_free == 96

@@ -229,6 +229,7 @@ class EngineLoop:
                 for seq in loop.involved():
                     self.scheduler.abort(seq, "error")
                     self.seqs.pop(seq.seq_id, None)
+                    self.engine.forget(seq.seq_id)  # its generator, its guide's matcher
                     out.error(seq.seq_id, ENGINE, msg)
                 continue
             if loop.stalled:

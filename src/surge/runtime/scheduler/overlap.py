@@ -101,6 +101,10 @@ class StepLoop:
         # oldest first: (scheduled, handle, decode steps the handle runs, the blocks' clock at launch)
         self._inflight: deque[tuple[list[ScheduledSeq], object, int, int]] = deque()
         self._current: list[ScheduledSeq] = []
+        self._results: list[StepResult] = []  # the results of the step being run, so far
+        # the clock of the oldest launch that involved() dropped from _inflight: the device may still run it
+        # (and write blocks freed since) until a later launch is read back
+        self._dropped: int | None = None
         self.steps = 0
         self.overlapped = 0  # steps launched while the previous one ran
         self.stalled = False  # the last step() found work but scheduled none (nothing fits)
@@ -120,8 +124,15 @@ class StepLoop:
         seqs = [s.seq for s in self._current]
         for scheduled, *_ in self._inflight:
             seqs += [s.seq for s in scheduled]
+        # launches read back (or a step run) before the engine raised: their tokens and ends were never handed out
+        for r in self._results:
+            seqs += [s.seq for s in r.scheduled]
+        if self._inflight:
+            oldest = self._inflight[0][3]
+            self._dropped = oldest if self._dropped is None else min(self._dropped, oldest)
         self._inflight.clear()
         self._current = []
+        self._results = []
         return list({id(q): q for q in seqs}.values())
 
     def _complete_all(self, results: list[StepResult]) -> None:
@@ -130,19 +141,25 @@ class StepLoop:
 
     def _complete(self, results: list[StepResult]) -> None:
         """Read back the oldest launched step (a result for each of its decode steps)."""
-        scheduled, handle, steps, _ = self._inflight.popleft()
+        # taken off the launches in flight once read: a read-back that raises (a device error) leaves its
+        # sequences to involved()
+        scheduled, handle, steps, _ = self._inflight[0]
         collect_tokens = getattr(self.engine, "collect_tokens", None)
         if collect_tokens is not None:
             # in the order of the scheduled list the step was launched with; a sequence that ended
             # before this read-back (aborted, or stopped at the step before) has a token here that
             # nobody asked for: resolve_rows() skips it
             got = collect_tokens(handle)
+            self._inflight.popleft()
+            self._dropped = None  # (the launches before this one have run too)
             b = len(scheduled)
             for j in range(steps):
                 tokens, finished = self.scheduler.resolve_rows(scheduled, got[j * b:(j + 1) * b], j)
                 results.append(StepResult(scheduled, tokens, finished))
             return
         got = {k: o.token for k, o in self.engine.collect(handle).items()}
+        self._inflight.popleft()
+        self._dropped = None
         running = SeqStatus.RUNNING
         tokens = {s.seq.seq_id: got[s.seq.seq_id] for s in scheduled if s.sample and s.seq.status is running}
         finished = self.scheduler.resolve(scheduled, tokens)
@@ -194,7 +211,7 @@ class StepLoop:
         decodes = [s for s in scheduled if id(s.seq) in flying]
         if not prompts or (decodes and not engine.can_launch(decodes)) or not engine.can_prefill_beside(prompts):
             return False
-        since = self._inflight[0][3]
+        since = self._inflight[0][3] if self._dropped is None else min(self._dropped, self._inflight[0][3])
         if not sched.blocks.settled((b for s in prompts for b in s.seq.block_table), since):
             return False
         outs = engine.prefill_beside(prompts)
@@ -244,6 +261,7 @@ class StepLoop:
         (True if it did); the iteration then returns without waiting for the device (_settle)."""
         sched, engine = self.scheduler, self.engine
         results: list[StepResult] = []
+        self._results = results
         self.stalled = False
         if self._inflight and not sched.decode_fits():
             self._complete_all(results)
