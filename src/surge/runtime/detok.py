@@ -40,6 +40,9 @@ class TextState:
         self._prefix = 0
         self._read = 0
         self._window = ""
+        # the length of the text (less a trailing incomplete character) that stop strings were looked
+        # for in: a new match needs some text after it (vLLM's rule: one written before min_tokens never counts)
+        self._searched = 0
 
     def _holdback(self, text: str) -> int:
         hold = 0
@@ -72,15 +75,19 @@ class TextState:
     def add(self, token: int, final: bool = False) -> str:
         """Add a token; return the new text to show (a stop string sets `stopped`)."""
         self.ids.append(token)
+        if self.stopped:  # the text ended at its stop string
+            return ""
         full = self._full()
         cut = None
         if self.stop and len(self.ids) >= self.min_tokens:
-            # search only where a new match can start: after the shown text, less a stop string's length
-            lo = max(0, len(self.text) - self._stop_len)
+            # search only where a match with new text can start: the text searched before, less a stop
+            # string's length (vLLM's window)
+            lo = max(0, min(self._searched, len(full)) - self._stop_len + 1)
             hits = [(i, len(s), s) for s in self.stop if (i := full.find(s, lo)) >= 0]
             if hits:
                 at, n, self.matched = min(hits)
                 cut = at + n if self.keep_stop else at
+        self._searched = len(full.rstrip(_BAD))
         if cut is not None:
             self.stopped = True
             visible = full[:cut]

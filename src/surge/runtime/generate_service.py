@@ -349,6 +349,8 @@ class GenerateService(PromptText):
                             cached=True, prompt_logprobs=d.prompt_logprobs, stop_reason=d.stop_reason,
                             cached_tokens=d.prompt_tokens if d.finish_reason is not None else 0)
             return
+        if not self.ready or self._closed:  # unloaded, or its engine process died, during the lookup above
+            raise NotReady(f"model '{self.name}' is not ready")
         if self._queued() >= self.config.max_waiting:
             raise Overloaded(f"model '{self.name}': {self.config.max_waiting} requests already wait for KV cache "
                              "space", retry_after=1.0)
@@ -367,7 +369,7 @@ class GenerateService(PromptText):
         self._arrive(seq)
         self.metrics.prompt.inc(len(prompt_ids))
         recorded: list[Delta] = []
-        timer = loop.call_at(loop.time() + max(0.0, deadline - time.monotonic()), handle.expire)
+        timer = loop.call_at(loop.time() + max(0.0, deadline - time.monotonic()), self._expire, handle)
         try:
             while True:
                 while handle.delta is None and handle.error is None:
@@ -474,8 +476,11 @@ class GenerateService(PromptText):
             if self._restart_task is not None:  # a child being started: closed as soon as it is up
                 await asyncio.wait({self._restart_task}, timeout=60)
         else:
+            self._admit_arrivals()  # this pass's submissions before the close: they end as unloaded
             self._channel.put(("close",))
             await asyncio.to_thread(self._thread.join, 10.0)
+            # what the engine thread did not take in before it stopped
+            self._fail_streams(NotReady(f"model '{self.name}' was unloaded"))
 
     # -- what the engine loop reports (its thread, or this process's reader of the engine process) -------
     def _set_state(self, state: EngineState) -> None:
@@ -583,9 +588,12 @@ class GenerateService(PromptText):
                         text = state.flush()  # the stop token itself is not text
                     else:
                         text = state.add(token, final=finish is not None)
-                        if state.stopped and finish is None:
+                        if state.stopped:
+                            # a stop string ended the text: "stop", also where the engine ended the
+                            # sequence with this very token (at max_tokens: its "length")
+                            if finish is None:
+                                self._abort(h, "stop")
                             finish = "stop"
-                            self._abort(h, "stop")
                         if finish is not None:
                             text += state.flush()
                     lp = None
@@ -628,6 +636,14 @@ class GenerateService(PromptText):
     def _logprob(self, token: int, logprob: float, top) -> dict:
         return {"token_id": token, "token": self.decode([token]), "logprob": logprob,
                 "top": [(self.decode([t]), v, t) for t, v in (top or [])]}
+
+    def _expire(self, handle: _Handle) -> None:
+        """The request's deadline passed: its stream fails, and its sequence stops now, not when its
+        consumer next waits (one held up writing to a client that does not read may not for long)."""
+        if handle.done or handle.error is not None:
+            return
+        handle.expire()
+        self._abort(handle, "abort")  # (the stream's end sends it again: a no-op in the engine loop)
 
     def _fail(self, seq_id: int, err: Exception) -> None:
         h = self._handles.get(seq_id)
