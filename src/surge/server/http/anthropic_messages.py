@@ -82,6 +82,8 @@ class CountTokensRequest(BaseModel):
 def _text(blocks, where: str) -> str:
     if isinstance(blocks, str):
         return blocks
+    if not isinstance(blocks, list):
+        raise InvalidInput(f"{where}: content must be a string or a list of text blocks", param="messages")
     out = []
     for block in blocks or ():
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):

@@ -67,9 +67,10 @@ def validate(model: type[M], data) -> M:
         errors = exc.errors()
         first = errors[0]
         field = shown(first["loc"][0]) if first.get("loc") else "body"
-        if field in UNION_HINTS and any(len(e.get("loc", ())) > 1 for e in errors):
+        hints = getattr(model, "union_hints", UNION_HINTS)  # a model whose `input` is not the embeddings' names its own
+        if field in hints and any(len(e.get("loc", ())) > 1 for e in errors):
             # A union's errors list every alternative; one plain sentence helps more.
-            raise Unprocessable(f"invalid field '{field}': {UNION_HINTS[field]}", param=field) from None
+            raise Unprocessable(f"invalid field '{field}': {hints[field]}", param=field) from None
         if first.get("type") == "missing":
             raise Unprocessable(f"missing required field '{field}'", param=field) from None
         if first.get("type") == "extra_forbidden":

@@ -93,7 +93,8 @@ def tool_choice_guide(tools: list[dict], choice, literal=json.dumps, parallel: b
             raise InvalidInput("each tool needs function.name", param="tools")
         by_name[fn["name"]] = fn.get("parameters") or {"type": "object"}
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name")
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
         if name not in by_name:
             raise InvalidInput(f"tool_choice names '{name}', which is not among the tools", param="tool_choice")
         names, many = [name], False

@@ -158,9 +158,10 @@ ANSWER_OR_STREAM = {200: {"description": "The answer (JSON), or with `stream` se
                                                              "text/event-stream": {"schema": {"type": "string"}}}}}
 
 
-def _messages(req: ChatCompletionRequest) -> list[dict]:
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Validated chat messages as the template takes them (the chat route's and vLLM's /tokenize's)."""
     out = []
-    for m in req.messages:
+    for m in messages:
         d = m.model_dump(exclude_none=True)
         if isinstance(m.content, list):  # text parts joined, as most templates expect a string
             d["content"] = "".join(p.text for p in m.content)
@@ -218,8 +219,8 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
     if guide is not None and reasoning != "none":
         guide = guide_after_thinking(guide, service, req, tool_guide is not None)
     tools = req.tools if req.tools else None
-    prompt = service.render_chat(_messages(req), add_generation_prompt=req.add_generation_prompt, tools=tools,
-                                 continue_final_message=req.continue_final_message,
+    prompt = service.render_chat(chat_messages(req.messages), add_generation_prompt=req.add_generation_prompt,
+                                 tools=tools, continue_final_message=req.continue_final_message,
                                  variables=variables)
     ids = _truncated(service.encode(prompt, special=False), req.truncate_prompt_tokens)
     params = make_params(service, max_tokens=req.max_completion_tokens or req.max_tokens,
@@ -384,6 +385,8 @@ def _refuse_chat_fields(req: ChatCompletionRequest) -> None:
         raise InvalidInput("audio output is not supported", param="audio")
     if req.web_search_options is not None:
         raise InvalidInput("web search is not supported", param="web_search_options")
+    if req.top_logprobs and not req.logprobs:  # as OpenAI and vLLM: never an answer without what was asked
+        raise InvalidInput("top_logprobs needs logprobs set to true", param="top_logprobs")
     for field in ("functions", "function_call"):
         if getattr(req, field) is not None:
             raise InvalidInput(f"'{field}' (deprecated by OpenAI) is not supported; send tools and tool_choice",

@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import time
 from types import SimpleNamespace
-from typing import Literal, Union
+from typing import ClassVar, Literal, Union
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
@@ -58,6 +58,9 @@ class ResponseNotFound(NotFound):
 
 class ResponseRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    # what a bad `input` is told (server/http/common.validate): not the embeddings' strings and token ids
+    union_hints: ClassVar[dict] = {"input": "expected a string or a list of input items (objects: messages, "
+                                            "function_call, function_call_output)"}
 
     model: StrictStr | None = None
     input: Union[StrictStr, list[dict]]

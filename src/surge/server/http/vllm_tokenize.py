@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from surge.errors import InvalidInput
 from surge.server.http.common import ORJSONResponse, parse, validate
-from surge.server.http.openai_chat import ChatMessage
+from surge.server.http.openai_chat import ChatMessage, chat_messages
 from surge.server.http.task_io import body_schema
 
 
@@ -77,7 +77,7 @@ def tokenize(state, body: dict) -> ORJSONResponse:
         if req.continue_final_message and req.add_generation_prompt:
             raise InvalidInput("continue_final_message and add_generation_prompt cannot both be true",
                                param="continue_final_message")
-        text = served.render_chat([m.model_dump(exclude_none=True) for m in req.messages],
+        text = served.render_chat(chat_messages(req.messages),
                                   add_generation_prompt=req.add_generation_prompt, tools=req.tools,
                                   continue_final_message=req.continue_final_message,
                                   variables=req.chat_template_kwargs)
