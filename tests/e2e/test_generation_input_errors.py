@@ -1,6 +1,7 @@
 """Generation routes' bad inputs and cross-route agreement: a real `surge serve` process of a tiny decoder with a
-tool-call parser, called by the openai client or httpx (each test failed before its fix, session 41). Bad inputs get a 4xx naming the field, never a 500; vLLM's
-/tokenize of chat messages counts the tokens the chat route prompts with."""
+tool-call parser, called by the openai client or httpx (each test failed before its fix, session 41). Bad inputs
+get a 4xx naming the field, never a 500; vLLM's /tokenize of chat messages counts the tokens the chat route prompts
+with."""
 
 from __future__ import annotations
 
