@@ -332,6 +332,30 @@ def test_close_while_a_new_child_starts_leaves_no_engine_process(model_dir, monk
     assert asyncio.run(main()) == [] and not service.ready
 
 
+class _Recorder:
+    """EngineLoop's `out`: what it reports (each report's admissions, the finished sequence ids, the errors);
+    `finished` is set once sequence `until` has finished."""
+
+    def __init__(self, until: int):
+        import threading
+
+        self.until, self.reports, self.ended, self.errors = until, [], [], []
+        self.finished = threading.Event()
+
+    def tokens(self, batch, admitted, state):
+        self.reports.append(dict(admitted))
+        for _, _, f in batch:
+            self.ended.extend(f or ())
+        if self.until in self.ended:
+            self.finished.set()
+
+    def error(self, seq_id, kind, message):
+        self.errors.append((seq_id, kind))
+
+    def state(self, state):
+        pass
+
+
 def test_the_engine_loop_reports_each_admission_once_and_forgets_what_was_aborted_waiting(model_dir):
     """EngineLoop (the same on a thread and in the child): a sequence's first scheduling is reported
     once; one aborted while it waited for a slot is never reported and not kept."""
@@ -344,31 +368,18 @@ def test_the_engine_loop_reports_each_admission_once_and_forgets_what_was_aborte
 
     engine = DecoderEngine(model_dir, num_blocks=64, block_size=4, max_num_seqs=1, max_model_len=64)
     core = EngineLoop(engine, GenerationConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64))
-    reports, finished, errors = [], threading.Event(), []
-
-    class Out:
-        def tokens(self, batch, admitted, state):
-            reports.append(dict(admitted))
-            if any(f and 1 in f for _, _, f in batch):
-                finished.set()
-
-        def error(self, seq_id, kind, message):
-            errors.append((seq_id, kind))
-
-        def state(self, state):
-            pass
-
+    out = _Recorder(until=1)
     channel = ThreadChannel()
-    runner = threading.Thread(target=core.run, args=(channel, Out()))
+    runner = threading.Thread(target=core.run, args=(channel, out))
     a, b = (Sequence(i, [5, 6, 7, 8], SamplingParams(max_tokens=12, **GREEDY)) for i in (1, 2))
     channel.put(("add", [a, b]))  # one slot: b waits for a
     channel.put(("abort", 2, "abort"))
     runner.start()
-    assert finished.wait(60)
+    assert out.finished.wait(60)
     channel.put(("close",))
     runner.join(30)
-    admitted = [sid for r in reports for sid in r]
-    assert admitted == [1] and core._fresh == [] and core.seqs == {} and errors == []
+    admitted = [sid for r in out.reports for sid in r]
+    assert admitted == [1] and core._fresh == [] and core.seqs == {} and out.errors == []
     assert core.state().received == 2 and core.scheduler.blocks.usage == 0.0
 
 
@@ -393,23 +404,10 @@ def test_a_step_that_raises_fails_its_requests_and_forgets_them(model_dir):
         return step(scheduled)
 
     engine.step = flaky
-    ended, errors, done = [], [], threading.Event()
-
-    class Out:
-        def tokens(self, batch, admitted, state):
-            for _, _, f in batch:
-                ended.extend(f or ())
-            if 3 in ended:
-                done.set()
-
-        def error(self, seq_id, kind, message):
-            errors.append((seq_id, kind))
-
-        def state(self, state):
-            pass
-
+    out = _Recorder(until=3)
+    errors = out.errors
     channel = ThreadChannel()
-    runner = threading.Thread(target=core.run, args=(channel, Out()))
+    runner = threading.Thread(target=core.run, args=(channel, out))
     seeded = [Sequence(i, [5, 6, 7, 8], SamplingParams(max_tokens=12, temperature=0.8, seed=i)) for i in (1, 2)]
     channel.put(("add", seeded))
     runner.start()
@@ -420,7 +418,7 @@ def test_a_step_that_raises_fails_its_requests_and_forgets_them(model_dir):
     assert sorted(errors) == [(1, ENGINE), (2, ENGINE)]
     assert engine.sampler._generators == {}, "the failed requests' generators were kept"
     channel.put(("add", [Sequence(3, [5, 6, 7], SamplingParams(max_tokens=4, **GREEDY))]))
-    assert done.wait(60), "the loop goes on serving"
+    assert out.finished.wait(60), "the loop goes on serving"
     channel.put(("close",))
     runner.join(30)
     assert core.seqs == {} and core.scheduler.blocks.usage == 0.0
