@@ -48,3 +48,26 @@ def test_only_a_server_with_a_redis_url_and_both_caches_on_gets_the_tier():
     s = service()
     attach_shared_cache(s, CacheConfig(redis_url="redis://127.0.0.1:1/0"))
     assert s.shared.prefix == "surge:m:3:generate:cuda:0:bfloat16:fp8:"
+
+
+def test_the_tier_keys_change_with_the_weights_even_in_their_middle(tmp_path):
+    """A version reloaded with other weights (a fine-tune that changed only middle layers: the file's size,
+    first and last bytes the same) reads none of the old weights' answers: its shared-tier prefix differs."""
+    from surge.runtime.generate_service import weights_fingerprint
+
+    caps = SimpleNamespace(device="cpu", dtype="fp32")
+    blob = bytearray(range(256)) * 8192  # 2 MiB
+    prefixes = []
+    for i, byte in enumerate((0, 1)):
+        d = tmp_path / f"v{i}"
+        d.mkdir()
+        blob[len(blob) // 2] = byte
+        (d / "model.safetensors").write_bytes(bytes(blob))
+        (d / "tokenizer.json").write_text("{}")
+        s = SimpleNamespace(config=GenerationConfig(cache_entries=16), engine=SimpleNamespace(capabilities=caps),
+                            name="m", version="1", shared=None, path=d)
+        attach_shared_cache(s, CacheConfig(redis_url="redis://127.0.0.1:1/0"))
+        assert s.shared.prefix == f"surge:m:1:generate:cpu:fp32:{weights_fingerprint(d)}:"
+        prefixes.append(s.shared.prefix)
+    assert prefixes[0] != prefixes[1]
+    assert weights_fingerprint(tmp_path / "v0") == weights_fingerprint(tmp_path / "v0")  # the same in every process

@@ -691,8 +691,43 @@ def attach_shared_cache(service, cache_config) -> None:
     quant = getattr(caps, "quantization", "none")
     if quant != "none":  # (unquantized engines keep the keys they had)
         build += f":{quant}"
+    weights = weights_fingerprint(getattr(service, "path", None))
+    if weights:  # a version reloaded with other weights (or tokenizer) never reads the old weights' answers
+        build += f":{weights}"
     service.shared = RedisTier(cache_config.redis_url, service.name, service.version, cache_config.redis_ttl_s,
                                build=build)
+
+
+_SAMPLES = 16  # chunks read per file past its first: the weights' fingerprint reads ~1 MiB a file
+
+
+def weights_fingerprint(path) -> str:
+    """What makes a decoder directory's answers what they are, the same in every process (replicas share
+    the tier): the sizes of its weight, tokenizer and config files and chunks of each spread over the file
+    (the first, the last and evenly between), so that a fine-tune of the middle layers changes it too. Cheap:
+    sampled, not hashed whole. "" without a directory."""
+    import hashlib
+
+    if path is None or not Path(path).is_dir():
+        return ""
+    path = Path(path)
+    names = sorted({p.name for pattern in ("*.safetensors", "*.bin", "*.pt", "*.gguf") for p in path.glob(pattern)}
+                   | {n for n in ("tokenizer.json", "config.json", "generation_config.json", "tokenizer_config.json")
+                      if (path / n).is_file()})
+    digest = hashlib.sha256()
+    chunk = 1 << 16
+    for name in names:
+        f = path / name
+        try:
+            size = f.stat().st_size
+            digest.update(f"{name}:{size}\0".encode())
+            with f.open("rb") as fh:
+                for i in range(_SAMPLES + 1):
+                    fh.seek(max(0, size - chunk) * i // _SAMPLES)
+                    digest.update(fh.read(chunk))
+        except OSError:
+            continue
+    return digest.hexdigest()[:16]
 
 
 def _error(kind: str, message: str) -> Exception:

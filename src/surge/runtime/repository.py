@@ -253,8 +253,12 @@ class ModelRepository:
             if isinstance(exc, ConfigError):
                 raise ConfigError(f"{reason}{keep}", param=exc.param) from None
             raise EngineError(f"model '{ventry.name}' version {ventry.version} failed to load: {reason}{keep}") from None
+        if old is not None:
+            await _carry_adapters(old, service)
         # The switch: one dict assignment, no await in between lookups and routing.
         self.registry.add(served)
+        if old is not None:
+            self._drop_stale_views(old, served)
         self._served[key] = served
         self._loaded_fp[key] = ventry.fingerprint
         self._failed_fp.pop(key, None)
@@ -263,6 +267,15 @@ class ModelRepository:
         self._prefill(service)
         if old is not None:
             await self._retire(old)
+
+    def _drop_stale_views(self, old: ServedModel, new: ServedModel) -> None:
+        """The replaced build's views (a decoder's LoRA adapters, a multi-head model's heads) that the new
+        build does not register again leave routing with it: left there, they would route to the retired
+        build (closed: its name answers "not ready", the server's /ready fails, its memory is held)."""
+        kept = {v.name for v in getattr(new, "views", None) or ()}
+        for view in list(getattr(old, "views", None) or ()):
+            if view.name not in kept and _is_routed(self.registry, view.name, view):
+                self.registry.remove(view.name, view.version)
 
     def _prefill(self, service) -> None:
         """A query log's pinned queries computed in the background (low priority) once serving."""
@@ -333,6 +346,24 @@ class ModelRepository:
                 log.error("model %s: %s", name, exc.message)
             except Exception:  # keep polling whatever happens to one model
                 log.exception("polling model %s", name)
+
+
+async def _carry_adapters(old, service) -> None:
+    """LoRA adapters loaded at run time into the build being replaced (POST /v1/load_lora_adapter) are loaded
+    into the new build too, where it takes adapters at run time (its model.yaml's own adapters it has
+    already): a reload keeps serving them. One that no longer loads is left out, and logged."""
+    adapters = getattr(getattr(old, "service", old), "adapters", None)
+    if not adapters or not getattr(service, "runtime_adapters", False):
+        return
+    for name, adapter in list(adapters.items()):
+        if name in service.adapters:
+            continue
+        try:
+            checked = await asyncio.to_thread(service.check_adapter, name, adapter.path)
+            service.add_adapter(name, adapter.path, checked)
+        except SurgeError as exc:
+            log.warning("model %s: LoRA adapter '%s' is not loaded into the new build: %s", service.name, name,
+                        exc.message)
 
 
 def _is_routed(registry: ModelRegistry, name: str, served: ServedModel) -> bool:

@@ -88,11 +88,23 @@ class ServedModel:
         """
         self.retired = True
         await asyncio.sleep(grace_s)
-        while self.inflight:
-            await self._idle.wait()
-            # A caller that looked the model up just before it was retired may
-            # start right after the last one ends: look once more.
-            await asyncio.sleep(0)
+        while True:
+            while self.inflight:
+                await self._idle.wait()
+                # A caller that looked the model up just before it was retired may
+                # start right after the last one ends: look once more.
+                await asyncio.sleep(0)
+            if not self._uncounted():
+                return
+            await asyncio.sleep(0.02)  # no event to wait on: polled
+
+    def _uncounted(self) -> int:
+        """Streams the service has under way that never passed through here: a decoder's LoRA adapters are
+        views of the service itself (runtime/lora_adapters.AdapterView), registered and called beside this
+        wrapper, and their streams run on the same engine, which close() stops."""
+        if getattr(self.service, "task", None) != "generate":
+            return 0
+        return int(getattr(self.service, "inflight", 0) or 0)
 
     async def close(self) -> None:
         self.retired = True
