@@ -550,3 +550,19 @@ def test_blocks_touched_while_launches_are_in_flight_are_not_settled():
     freed = [blk for blk in bm.free if bm.touched[blk] > since]
     assert len(freed) == 2 and not bm.settled(freed[:1], since) and bm.settled(b.block_table, since)
     assert bm.settled(freed, bm.clock)
+
+
+def test_a_sequence_longer_than_the_whole_kv_cache_ends_instead_of_spinning():
+    """max_model_len beyond the KV cache (num_blocks * block_size): a lone sequence that outgrows the cache
+    used to preempt itself and never be admitted again (has_work forever, the waiting queue behind it
+    starved). It ends with "length" where the cache is full, as at max_model_len."""
+    cfg = SchedulerConfig(num_blocks=2, block_size=4, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64)
+    sched = Scheduler(cfg)
+    s = Sequence(1, [5, 6, 7], greedy(20))
+    t = Sequence(2, [8, 9], greedy(3))
+    sched.add(s)
+    sched.add(t)
+    run(sched, [s, t], max_steps=200)
+    assert s.finish_reason == "length" and s.num_tokens == 8
+    assert s.output_ids == expected([5, 6, 7], 5) and t.output_ids == expected([8, 9], 3)
+    assert sched.blocks.num_free == 2

@@ -41,6 +41,9 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token each)")
         if self.policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {POLICIES}, not {self.policy!r}")
+        # a sequence cannot outgrow the whole KV cache: past it, it would preempt itself and never be
+        # admitted again (the waiting queue behind it starved), so it ends there as at the context's end
+        self.max_model_len = min(self.max_model_len, self.num_blocks * self.block_size)
 
 
 POLICIES = ("fcfs", "priority")
