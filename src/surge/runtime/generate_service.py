@@ -698,35 +698,21 @@ def attach_shared_cache(service, cache_config) -> None:
                                build=build)
 
 
-_SAMPLES = 16  # chunks read per file past its first: the weights' fingerprint reads ~1 MiB a file
-
-
 def weights_fingerprint(path) -> str:
-    """What makes a decoder directory's answers what they are, the same in every process (replicas share
-    the tier): the sizes of its weight, tokenizer and config files and chunks of each spread over the file
-    (the first, the last and evenly between), so that a fine-tune of the middle layers changes it too. Cheap:
-    sampled, not hashed whole. "" without a directory."""
+    """What makes a decoder directory's answers what they are, the same in every process (replicas share the
+    tier): its weight, tokenizer and config files sampled at 17 points each (runtime/file_sample.py), so that a
+    fine-tune of the middle layers changes it too. "" without a directory."""
     import hashlib
+
+    from surge.runtime.file_sample import update_sampled
 
     if path is None or not Path(path).is_dir():
         return ""
     path = Path(path)
     names = sorted({p.name for pattern in ("*.safetensors", "*.bin", "*.pt", "*.gguf") for p in path.glob(pattern)}
-                   | {n for n in ("tokenizer.json", "config.json", "generation_config.json", "tokenizer_config.json")
-                      if (path / n).is_file()})
+                   | {"tokenizer.json", "config.json", "generation_config.json", "tokenizer_config.json"})
     digest = hashlib.sha256()
-    chunk = 1 << 16
-    for name in names:
-        f = path / name
-        try:
-            size = f.stat().st_size
-            digest.update(f"{name}:{size}\0".encode())
-            with f.open("rb") as fh:
-                for i in range(_SAMPLES + 1):
-                    fh.seek(max(0, size - chunk) * i // _SAMPLES)
-                    digest.update(fh.read(chunk))
-        except OSError:
-            continue
+    update_sampled(digest, path, names, samples=16)
     return digest.hexdigest()[:16]
 
 

@@ -99,11 +99,9 @@ class ServedModel:
             await asyncio.sleep(0.02)  # no event to wait on: polled
 
     def _uncounted(self) -> int:
-        """Streams the service has under way that never passed through here: a decoder's LoRA adapters are
-        views of the service itself (runtime/lora_adapters.AdapterView), registered and called beside this
-        wrapper, and their streams run on the same engine, which close() stops."""
-        if getattr(self.service, "task", None) != "generate":
-            return 0
+        """Calls under way that never passed through here, where the service counts its own (`inflight`): a
+        decoder's LoRA adapters are views of the service itself (runtime/lora_adapters.AdapterView),
+        registered and called beside this wrapper, and their streams run on the engine close() stops."""
         return int(getattr(self.service, "inflight", 0) or 0)
 
     async def close(self) -> None:

@@ -15,6 +15,7 @@ from surge.engines.base import Engine
 from surge.engines.pooling import l2_normalize, pool
 from surge.errors import EngineError
 from surge.models.hf import ModelSpec
+from surge.runtime.file_sample import update_sampled
 from surge.runtime.tokenize import Tokenizer
 from surge.types import EmbedOptions, Encoded, Layout, TokenBatch
 
@@ -129,15 +130,8 @@ class ModelWorker:
             "normalize": self.post.normalize, "task": self.task,
             "heads": [h.name for h in self.heads.heads] if self.heads is not None else [], "dtype": caps.dtype, "device_kind": caps.device.split(":")[0],
         }, sort_keys=True).encode())
-        for name in ("model.safetensors", "pytorch_model.bin", "tokenizer.json", "config.json"):
-            path = self.spec.path / name
-            if path.is_file():
-                size = path.stat().st_size
-                digest.update(f"{name}:{size}".encode())
-                with path.open("rb") as fh:
-                    digest.update(fh.read(1 << 16))
-                    fh.seek(max(0, size - (1 << 16)))
-                    digest.update(fh.read(1 << 16))
+        update_sampled(digest, self.spec.path, ("model.safetensors", "pytorch_model.bin", "tokenizer.json",
+                                                "config.json"))
         return digest.hexdigest()[:16]
 
     def make_batch(self, items: list[Encoded]) -> TokenBatch:
