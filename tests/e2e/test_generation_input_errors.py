@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 
-from tests.decoder_models import build_model  # noqa: E402
+from tests.decoder_models import QWEN_TOOLS, build_model  # noqa: E402
 from tests.server_process import ServerProcess  # noqa: E402
 
 NAME = "inputs-qwen"
@@ -20,7 +20,7 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    d = build_model("qwen2", tmp_path_factory.mktemp("inputs") / NAME, seed=4)
+    d = build_model("qwen2", tmp_path_factory.mktemp("inputs") / NAME, seed=4, template=QWEN_TOOLS)
     with ServerProcess(str(d), "--threads", "1", "--generation", "tool_call_parser=hermes") as srv:
         yield srv
 
@@ -87,3 +87,32 @@ def test_chat_top_logprobs_without_logprobs_is_a_400(server):
     zero = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                           top_logprobs=0)
     assert zero.choices[0].logprobs is None
+
+
+def test_stream_options_without_stream_is_a_400(server):
+    """OpenAI and vLLM refuse stream_options on a request that does not stream: the usage it asks for would
+    never be sent as a chunk."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    opts = {"include_usage": True}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                       stream_options=opts)
+    assert err.value.body["param"] == "stream_options"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=NAME, prompt="x", max_tokens=2, stream_options=opts)
+    assert err.value.body["param"] == "stream_options"
+    chunks = list(client.completions.create(model=NAME, prompt="x", max_tokens=2, stream=True, stream_options=opts))
+    assert chunks[-1].usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize("tool_calls", [5, [5]])
+def test_chat_template_failing_on_a_messages_odd_fields_is_a_400(server, tool_calls):
+    """The template runs on the client's messages (their extra fields pass through, as vLLM passes them): a
+    TypeError it raises on a field of the wrong type is the request's fault, not the server's."""
+    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": tool_calls},
+            {"role": "user", "content": "y"}]
+    r = _post(server, "/v1/chat/completions", {"model": NAME, "messages": msgs, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages" and "chat template" in r.json()["error"]["message"]
+    ok = _post(server, "/v1/chat/completions", {"model": NAME, "messages": msgs[:1], "max_tokens": 2})
+    assert ok.status_code == 200, ok.text

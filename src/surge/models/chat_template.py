@@ -147,6 +147,11 @@ class ChatTemplate:
                                                   **{**self.special_tokens, **kwargs})
         except jinja2.exceptions.TemplateError as exc:
             raise InvalidInput(f"chat template: {exc}", param="messages") from None
+        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as exc:
+            # The template runs on the client's messages, whose extra fields pass through as vLLM passes them
+            # (tool_calls, reasoning_content, ...): one of the wrong type fails inside the template's own
+            # expressions, which is the request's fault (vLLM answers 400 too).
+            raise InvalidInput(f"chat template: {type(exc).__name__}: {exc}", param="messages") from None
         if not continue_final_message:
             return text
         if _CONTINUE_TAG.strip() not in text:

@@ -219,7 +219,8 @@ async def item_stream(state, service, ids, params, deadline, events, after=None)
     """A streamed answer of the item-based APIs (the Responses API, Anthropic's Messages): `events` renders
     it as the API's events (`start()`, `delta(d)`, `finish(d)`, `failed(exc)`, each a list of bytes); an
     error before any output keeps its HTTP status, one after it is the API's error event; `after` (a
-    coroutine function) runs once the answer is whole. No `[DONE]`."""
+    coroutine function) runs once the answer is whole or has failed after its start (the Responses API
+    stores a failed response too). No `[DONE]`."""
     agen = counted_stream(state, service, service.stream(ids, params, deadline=deadline))
     first = await agen.__anext__()
 
@@ -237,6 +238,8 @@ async def item_stream(state, service, ids, params, deadline, events, after=None)
         except SurgeError as exc:
             for chunk in events.failed(exc):
                 yield chunk
+            if after is not None:
+                await after()
             return
         for chunk in events.finish(d):
             yield chunk

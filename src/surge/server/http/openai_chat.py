@@ -297,6 +297,7 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
     choice j."""
     limits = state.config.limits
     service = generate_model(state, req.model)
+    _refuse_stream_options(req)
     if req.suffix:
         raise InvalidInput("'suffix' is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -377,8 +378,15 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
     return EventStream(rest(), _error_body, close=_closer(deltas, agens))
 
 
+def _refuse_stream_options(req: _Sampling) -> None:
+    """As OpenAI and vLLM: stream_options asks for chunks a request that does not stream never gets."""
+    if req.stream_options is not None and not req.stream:
+        raise InvalidInput("stream_options can only be set when stream is true", param="stream_options")
+
+
 def _refuse_chat_fields(req: ChatCompletionRequest) -> None:
     """What a text model cannot honour is a 400 naming it (the request models ignore unknown fields)."""
+    _refuse_stream_options(req)
     if req.modalities and set(req.modalities) != {"text"}:
         raise InvalidInput("only the text modality is served", param="modalities")
     if req.audio is not None:

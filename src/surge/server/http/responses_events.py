@@ -151,8 +151,9 @@ class ResponseEvents:
         return self.output
 
     def failed(self, exc) -> list[bytes]:
-        """`exc`: the SurgeError that ended the stream."""
+        """`exc`: the SurgeError that ended the stream. The response carries the output written before it
+        (the item being written, incomplete), as the events streamed it."""
         self.response = {**self.p.base, "status": "failed", "error": {"code": exc.code, "message": exc.message},
-                         "output": self.output}
+                         "output": self.cut()}
         return [self._event("error", code=exc.code, message=exc.message, param=exc.param),
                 self._event("response.failed", response=self.response)]
