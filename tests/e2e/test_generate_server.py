@@ -246,6 +246,44 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, hf):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
 
 
+def test_completion_top_logprobs_always_hold_the_sampled_token(client):
+    """OpenAI's legacy completions: "the API will always return the logprob of the sampled token, so there may
+    be up to logprobs+1 elements" (vLLM the same): a sampled token outside the top k is added to its entry."""
+    kw = dict(model="chat-qwen", prompt="Assignment statements are used to", max_tokens=12, temperature=1.8,
+              seed=11)
+    for k in (0, 2):
+        for stream in (False, True):
+            if stream:
+                parts = [c.choices[0].logprobs for c in client.completions.create(**kw, logprobs=k, stream=True)
+                         if c.choices and c.choices[0].logprobs]
+                tokens = [t for p in parts for t in p.tokens]
+                lps = [v for p in parts for v in p.token_logprobs]
+                tops = [d for p in parts for d in p.top_logprobs]
+            else:
+                got = client.completions.create(**kw, logprobs=k).choices[0].logprobs
+                tokens, lps, tops = got.tokens, got.token_logprobs, got.top_logprobs
+            assert len(tokens) == len(tops) == 12
+            for token, lp, top in zip(tokens, lps, tops):
+                assert top[token] == pytest.approx(lp), (k, stream, token, top)
+                assert k <= len(top) <= k + 1
+            if k == 2 and not stream:  # at this temperature some draw is outside the top 2
+                assert any(len(top) == 3 for top in tops), tops
+
+
+def test_streamed_text_offsets_equal_the_whole_answers(client):
+    """Text held back while it may begin a stop string reaches the client later than its tokens' log-
+    probabilities: the stream's offsets still count each token's text, as the whole answer's do."""
+    kw = dict(model="chat-qwen", prompt="Assignment statements are used to", max_tokens=16, temperature=1.5,
+              seed=5, logprobs=1, stop=[" zzzq", "e zzzq", "a zzzq"])
+    whole = client.completions.create(**kw).choices[0]
+    parts = [c.choices[0] for c in client.completions.create(**kw, stream=True) if c.choices]
+    streamed = [o for c in parts if c.logprobs for o in c.logprobs.text_offset]
+    assert "".join(c.text for c in parts) == whole.text
+    assert any(len(c.text) < sum(map(len, c.logprobs.tokens)) for c in parts if c.logprobs), \
+        "nothing was held back: the test shows nothing"
+    assert streamed == whole.logprobs.text_offset
+
+
 def test_logit_bias_equals_transformers_sequence_bias(client, hf):
     model, tok = hf
     ids = tok("The assignment of")["input_ids"]

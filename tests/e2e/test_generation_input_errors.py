@@ -116,3 +116,17 @@ def test_chat_template_failing_on_a_messages_odd_fields_is_a_400(server, tool_ca
     assert r.json()["error"]["param"] == "messages" and "chat template" in r.json()["error"]["message"]
     ok = _post(server, "/v1/chat/completions", {"model": NAME, "messages": msgs[:1], "max_tokens": 2})
     assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("ids", [[1000000], [-1000], [-1]])
+def test_stop_token_ids_outside_the_vocabulary_are_a_400(server, ids):
+    """Under min_tokens the sampler bans the stop token ids by indexing the logits with them: an id past the
+    vocabulary raised inside the engine's step, failing every stream sharing it (a negative one banned another
+    token). Checked at the edge as allowed_token_ids are."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    extra = {"stop_token_ids": ids, "min_tokens": 1}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=NAME, prompt="x y", max_tokens=3, extra_body=extra)
+    assert err.value.body["param"] == "stop_token_ids"
+    ok = client.completions.create(model=NAME, prompt="x y", max_tokens=3, extra_body={"min_tokens": 1})
+    assert ok.usage.completion_tokens >= 1

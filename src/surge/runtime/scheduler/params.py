@@ -7,6 +7,17 @@ from dataclasses import asdict, dataclass, field
 from surge.errors import InvalidInput
 
 
+SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
+_INTS = ("max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "priority")
+_OPTIONAL = ("seed", "logprobs", "prompt_logprobs")
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -40,6 +51,7 @@ class SamplingParams:
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
+        self._check_types()
         if self.max_tokens < 1:
             raise InvalidInput("max_tokens must be at least 1", param="max_tokens")
         if not 0 <= self.min_tokens <= self.max_tokens:
@@ -72,6 +84,26 @@ class SamplingParams:
         if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
             raise InvalidInput("logit_bias values must be between -100 and 100", param="logit_bias")
 
+    def _check_types(self) -> None:
+        """Every route types its fields, but a value of the wrong type that got through would raise inside
+        the engine's step (a float top_k as an index, a string seed), failing every sequence sharing it."""
+        for name in _INTS:
+            v = getattr(self, name)
+            if not _is_int(v) and not (v is None and name in _OPTIONAL):
+                raise InvalidInput(f"{name} must be an integer", param=name)
+        for name in _FLOATS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise InvalidInput(f"{name} must be a number", param=name)
+        for name in _BOOLS:
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidInput(f"{name} must be true or false", param=name)
+        if not all(isinstance(s, str) for s in self.stop):
+            raise InvalidInput("stop must be a string or a list of strings", param="stop")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            if not all(_is_int(t) and t >= 0 for t in getattr(self, name)):
+                raise InvalidInput(f"{name} must be non-negative token ids", param=name)
+
     @property
     def min_stops(self) -> bool:
         """min_tokens keeps some tokens from being sampled early (EOS unless ignored, stop token ids)."""
@@ -79,7 +111,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # Below SAMPLING_EPS the logits divided by the temperature overflow to inf (a softmax of NaNs) long
+        # before the distribution stops being a point mass at the argmax: greedy, as vLLM decides it.
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     @property
     def deterministic(self) -> bool:

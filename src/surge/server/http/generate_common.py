@@ -48,7 +48,7 @@ def make_params(service, *, max_tokens, temperature, top_p, top_k=None, min_p=No
         min_tokens=min_tokens or 0,
         temperature=1.0 if temperature is None else float(temperature),
         top_p=1.0 if top_p is None else float(top_p), top_k=top_k or 0, min_p=min_p or 0.0, seed=seed,
-        stop=stop_list(stop), stop_token_ids=tuple(stop_token_ids or ()),
+        stop=stop_list(stop), stop_token_ids=token_ids(stop_token_ids, service.vocab_size, "stop_token_ids"),
         presence_penalty=presence_penalty or 0.0, frequency_penalty=frequency_penalty or 0.0,
         repetition_penalty=repetition_penalty or 1.0, ignore_eos=bool(ignore_eos), logprobs=logprobs,
         logit_bias=bias_list(logit_bias, service.vocab_size), prompt_logprobs=prompt_logprobs,

@@ -181,8 +181,18 @@ def _completion_logprobs(items, offset0: int = 0) -> dict | None:
         offsets.append(pos)
         pos += len(it["token"])
     return {"tokens": [it["token"] for it in items], "token_logprobs": [it["logprob"] for it in items],
-            "top_logprobs": [None if it["top"] is None else {t: v for t, v, _ in it["top"]} for it in items],
-            "text_offset": offsets}
+            "top_logprobs": [_top_with_chosen(it) for it in items], "text_offset": offsets}
+
+
+def _top_with_chosen(item) -> dict | None:
+    """OpenAI's legacy completions "always return the logprob of the sampled token, so there may be up to
+    logprobs+1 elements" (vLLM's too): the chosen token joins its top ones where it is not among them."""
+    if item["top"] is None:
+        return None
+    top = {t: v for t, v, _ in item["top"]}
+    if item["logprob"] is not None:
+        top.setdefault(item["token"], item["logprob"])
+    return top
 
 
 def _joined(echo: dict | None, out: dict | None) -> dict | None:
@@ -366,7 +376,9 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
             made[k] = d.completion_tokens
             if d.text or d.finish_reason is not None or d.logprobs:
                 yield chunk(k, d.text, d.finish_reason, _completion_logprobs(d.logprobs, offsets[k]), d.stop_reason)
-                offsets[k] += len(d.text)
+                # by the tokens' texts, as the whole answer counts them: a delta's text lags its tokens
+                # while its end may begin a stop string
+                offsets[k] += sum(len(it["token"]) for it in d.logprobs) if d.logprobs else len(d.text)
             if d.finish_reason is not None:
                 prompt_tokens += d.prompt_tokens if k % req.n == 0 else 0
                 cached += d.cached_tokens if k % req.n == 0 else 0
