@@ -122,6 +122,27 @@ def _rope_params(cfg: dict) -> dict:
     return params
 
 
+def _ids(value, where: str) -> tuple[int, ...]:
+    values = value if isinstance(value, list) else ([] if value is None else [value])
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ConfigError(f"{where}: eos_token_id must be a token id or a list of them, not {value!r}")
+    return tuple(values)
+
+
+def _eos_ids(config_eos, path: Path) -> tuple[int, ...]:
+    """config.json's end tokens, then generation_config.json's others: transformers' `generate` stops at
+    the latter's (Llama 3 Instruct's <|eot_id|> is only there) and vLLM adds them to the stop tokens."""
+    ids = _ids(config_eos, f"{path}/config.json")
+    try:
+        gen = json.loads((path / "generation_config.json").read_text())
+    except FileNotFoundError:
+        return ids
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: cannot read generation_config.json ({exc})") from exc
+    more = _ids(gen.get("eos_token_id") if isinstance(gen, dict) else None, f"{path}/generation_config.json")
+    return ids + tuple(t for t in dict.fromkeys(more) if t not in ids)
+
+
 def load_decoder_config(path: str | Path) -> DecoderConfig:
     path = Path(path)
     try:
@@ -133,8 +154,7 @@ def load_decoder_config(path: str | Path) -> DecoderConfig:
         archs = ", ".join(cfg.get("architectures") or [model_type or "?"])
         raise ConfigError(f"{path}: decoder architecture {archs} (model_type {model_type!r}) is not supported; "
                           f"supported: {', '.join(sorted(SUPPORTED))}")
-    eos = cfg.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    eos_ids = _eos_ids(cfg.get("eos_token_id"), path)
     if SUPPORTED[model_type] == "gpt2":
         hidden = int(cfg["n_embd"])
         heads = int(cfg["n_head"])
