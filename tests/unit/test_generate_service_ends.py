@@ -219,3 +219,27 @@ def test_a_deadline_passed_while_the_consumer_is_away_stops_the_sequence_at_once
     first, (reason, made), err = asyncio.run(main())
     assert isinstance(err, DeadlineExceeded)
     assert reason == "abort" and made < 120, (reason, made)
+
+
+def test_an_end_token_named_in_stop_token_ids_is_the_stop_reason(model_dir):
+    """vLLM reports a stop token id the request named as stop_reason even where it is also the model's EOS
+    (stop_token_ids=[eos] with ignore_eos is how clients stop at EOS only after min_tokens, say); a plain EOS
+    stop has none."""
+    service = _service(model_dir, cache_entries=0)
+    eos = service.engine.cfg.eos_token_ids[0]
+    prompt = service.encode("The augmented assignment")
+
+    async def main():
+        named = await service.generate(prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True,
+                                                              stop_token_ids=(eos,), logit_bias=((eos, 100.0),)))
+        plain = await service.generate(prompt, SamplingParams(max_tokens=5, temperature=0.0,
+                                                              logit_bias=((eos, 100.0),)))
+        return named, plain
+
+    try:
+        named, plain = asyncio.run(main())
+    finally:
+        service.close()
+    assert named.finish_reason == plain.finish_reason == "stop"
+    assert named.stop_reason == eos
+    assert plain.stop_reason is None

@@ -615,8 +615,9 @@ class GenerateService(PromptText):
                     if finish is not None:
                         d.cached_tokens = h.seq.num_cached_prompt
                     if finish == "stop":
+                        named = token in h.seq.params.stop_token_ids  # vLLM: a named id even if it is an EOS
                         d.stop_reason = state.matched if state.stopped else \
-                            (token if token not in self.engine.cfg.eos_token_ids else None)
+                            (token if named or token not in self.engine.cfg.eos_token_ids else None)
                     if finish is not None:
                         h.done = True
                         queued_until = h.seq.scheduled_at or h.start
