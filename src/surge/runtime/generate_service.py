@@ -21,6 +21,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -635,8 +636,21 @@ class GenerateService(PromptText):
             metrics.output.inc(count)
 
     def _logprob(self, token: int, logprob: float, top) -> dict:
+        top = top or []
         return {"token_id": token, "token": self.decode([token]), "logprob": logprob,
-                "top": [(self.decode([t]), v, t) for t, v in (top or [])]}
+                "top": [(self.decode([t]), v, t) for t, v in top], "bytes": self._bytes_of(token),
+                "top_bytes": [self._bytes_of(t) for t, _ in top]}
+
+    @cached_property
+    def _token_bytes(self) -> list:
+        """Built at the first request for log-probabilities (a pass over the vocabulary)."""
+        from surge.runtime.token_bytes import token_bytes_table
+
+        return token_bytes_table(self.tokenizer)
+
+    def _bytes_of(self, token: int) -> list[int]:
+        own = self._token_bytes[token] if 0 <= token < len(self._token_bytes) else None
+        return list(own if own is not None else self.decode([token]).encode())
 
     def _expire(self, handle: _Handle) -> None:
         """The request's deadline passed: its stream fails, and its sequence stops now, not when its

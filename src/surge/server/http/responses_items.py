@@ -173,9 +173,21 @@ def text_format(text: dict | None) -> dict | None:
 def logprob_list(items) -> list[dict]:
     """The engine's per-token log-probabilities as OpenAI writes them (chat's `logprobs.content`, the
     Responses API's output_text `logprobs`)."""
-    return [{"token": it["token"], "logprob": it["logprob"], "bytes": list(it["token"].encode()),
-             "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v, _ in it["top"] or ()]}
+    return [{"token": it["token"], "logprob": it["logprob"], "bytes": _bytes(it.get("bytes"), it["token"]),
+             "top_logprobs": [{"token": t, "logprob": v, "bytes": _bytes(b, t)}
+                              for (t, v, _), b in zip(it["top"] or (), _top_bytes(it))]}
             for it in items or ()]
+
+
+def _bytes(own, text: str) -> list[int]:
+    """The token's own bytes (GenerateService._logprob; a split character's part, which its text cannot
+    carry), or its text's where an item has none (one from an older cache entry)."""
+    return list(own) if own is not None else list(text.encode())
+
+
+def _top_bytes(item) -> list:
+    own = item.get("top_bytes")
+    return own if own is not None and len(own) == len(item["top"] or ()) else [None] * len(item["top"] or ())
 
 
 def message_item(text: str, logprobs: list | None, status: str, item_id: str | None = None) -> dict:
