@@ -289,6 +289,11 @@ class GenerationConfig(_Strict):
         "except that a request with chat_template_kwargs enable_thinking false is all content; 'none': the "
         "thinking stays in content.")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that gives none.")
+    generation_config: Literal["auto", "none"] = Field(
+        "auto", description="vLLM's --generation-config: 'auto' (its default) takes the sampling defaults of the "
+        "model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty; those other than "
+        "transformers' own defaults) for a request that leaves them unset, as transformers' generate does; 'none': "
+        "OpenAI's defaults (temperature 1, no filters, no penalty).")
     lora_modules: dict[str, str] = Field(default_factory=dict, description="LoRA adapters (PEFT directories) "
                                          "served with the model, each under its own model name: NAME=PATH pairs "
                                          "(--lora-modules, vLLM's flag; separated by ';' in SURGE_GENERATION_"

@@ -61,7 +61,8 @@ class GenerateReplica:
         return {"name": s.name, "version": s.version, "task": s.task, "loaded_at": s.loaded_at,
                 "replica": self.identity, "max_model_len": s.max_model_len, "vocab_size": s.vocab_size,
                 "tokenizer": s.tokenizer.to_str(), "chat_template": s.chat_template,
-                "config": s.config.model_dump(), "metadata": s.kserve_metadata([]),
+                "config": s.config.model_dump(), "sampling_defaults": s.sampling_defaults,
+                "metadata": s.kserve_metadata([]),
                 "adapters": [a.describe() for a in s.adapters.values()]}
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, timeout_s: float | None = None,

@@ -47,6 +47,7 @@ class RemoteGenerateModel(PromptText):
         self.max_model_len = 0
         self.vocab_size = 0
         self.config = None
+        self.sampling_defaults: dict = {}
         self._metadata: dict = {}
         # the replicas' LoRA adapters (each replica loads the configured ones), served under their names
         self.adapters: dict = {}
@@ -65,6 +66,7 @@ class RemoteGenerateModel(PromptText):
         self.max_model_len = info["max_model_len"]
         self.vocab_size = info["vocab_size"]
         self.config = GenerationConfig.model_validate(info["config"])
+        self.sampling_defaults = info.get("sampling_defaults") or {}
         self._metadata = info["metadata"]
         self.loaded_at = info["loaded_at"]
         from surge.runtime.lora_adapters import Adapter, AdapterView

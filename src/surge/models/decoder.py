@@ -143,6 +143,30 @@ def _eos_ids(config_eos, path: Path) -> tuple[int, ...]:
     return ids + tuple(t for t in dict.fromkeys(more) if t not in ids)
 
 
+# transformers' GenerationConfig defaults of the fields a request may leave unset: a generation_config.json
+# value other than these is the model's own default (vLLM reads the file's differences from them the same way)
+_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
+
+
+def sampling_defaults(path: str | Path) -> dict:
+    """The sampling defaults the model's generation_config.json sets (none without the file)."""
+    try:
+        gen = json.loads((Path(path) / "generation_config.json").read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: cannot read generation_config.json ({exc})") from exc
+    out = {}
+    for name, default in _SAMPLING_DEFAULTS.items():
+        value = gen.get(name) if isinstance(gen, dict) else None
+        if value is None or value == default:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}/generation_config.json: {name} must be a number, not {value!r}")
+        out[name] = int(value) if name == "top_k" else float(value)
+    return out
+
+
 def load_decoder_config(path: str | Path) -> DecoderConfig:
     path = Path(path)
     try:

@@ -29,6 +29,7 @@ import orjson
 
 from surge.config import GenerationConfig  # noqa: F401  (re-exported: callers build it from here)
 from surge.errors import ConfigError, DeadlineExceeded, EngineError, InvalidInput, NotFound, NotReady, Overloaded
+from surge.models.decoder import sampling_defaults
 from surge.runtime.detok import TextState
 from surge.runtime.generate_core import ENGINE, INVALID, EngineLoop, EngineState, ThreadChannel
 from surge.runtime.generate_metrics import GenerateMetrics
@@ -132,6 +133,8 @@ class GenerateService(PromptText):
         self.tokenizer = tokenizer  # tokenizers.Tokenizer
         self.chat_template = chat_template
         self.config = (config or GenerationConfig()).resolved()
+        # what a request that leaves sampling fields unset gets (server/http/generate_common.make_params)
+        self.sampling_defaults = {} if self.config.generation_config == "none" else sampling_defaults(self.path)
         self.request_timeout_s = request_timeout_s
         self.ready = False
         self.loaded_at = time.time()

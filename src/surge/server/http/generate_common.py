@@ -43,14 +43,17 @@ def make_params(service, *, max_tokens, temperature, top_p, top_k=None, min_p=No
                 ignore_eos=None, logprobs=None, logit_bias=None, prompt_logprobs=None, guide=None,
                 allowed_token_ids=None, include_stop_str_in_output=None, skip_special_tokens=None,
                 bad_words=None, priority=None) -> SamplingParams:
+    model = getattr(service, "sampling_defaults", None) or {}  # the model's generation_config.json (unset fields)
     return SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else service.config.default_max_tokens,
         min_tokens=min_tokens or 0,
-        temperature=1.0 if temperature is None else float(temperature),
-        top_p=1.0 if top_p is None else float(top_p), top_k=top_k or 0, min_p=min_p or 0.0, seed=seed,
+        temperature=model.get("temperature", 1.0) if temperature is None else float(temperature),
+        top_p=model.get("top_p", 1.0) if top_p is None else float(top_p),
+        top_k=model.get("top_k", 0) if top_k is None else top_k, min_p=model.get("min_p", 0.0) if min_p is None else min_p,
+        seed=seed,
         stop=stop_list(stop), stop_token_ids=token_ids(stop_token_ids, service.vocab_size, "stop_token_ids"),
         presence_penalty=presence_penalty or 0.0, frequency_penalty=frequency_penalty or 0.0,
-        repetition_penalty=repetition_penalty or 1.0, ignore_eos=bool(ignore_eos), logprobs=logprobs,
+        repetition_penalty=model.get("repetition_penalty", 1.0) if repetition_penalty is None else repetition_penalty, ignore_eos=bool(ignore_eos), logprobs=logprobs,
         logit_bias=bias_list(logit_bias, service.vocab_size), prompt_logprobs=prompt_logprobs,
         own_max_tokens=max_tokens is not None, guide=guide,
         allowed_token_ids=token_ids(allowed_token_ids, service.vocab_size, "allowed_token_ids"),
