@@ -293,6 +293,39 @@ def test_tritonclient_errors_on_unknown_model(clients):
             c.get_model_metadata("gpt-9")
 
 
+def test_grpc_empty_model_name_is_no_model(server, http):
+    """An empty name names no model over gRPC either (HTTP's /v2/models//... is a 404): it is not served
+    by whichever model the registry would pick as its default."""
+    from surge.server.grpc import grpc_service_pb2 as pb
+    from surge.server.grpc import grpc_service_pb2_grpc as pb_grpc
+
+    text = [("text", "BYTES", [1], ("bytes_contents", [b"hi"]))]
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        for rpc, req in [("ModelInfer", _grpc_request(text, model="")),
+                         ("ModelMetadata", pb.ModelMetadataRequest(name="")),
+                         ("ModelConfig", pb.ModelConfigRequest(name=""))]:
+            with pytest.raises(grpc.RpcError) as err:
+                getattr(stub, rpc)(req, timeout=30)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND, (rpc, err.value.details())
+        # as an unknown model: not ready (Triton's ModelReady answers false for a model it does not have)
+        assert stub.ModelReady(pb.ModelReadyRequest(name=""), timeout=30).ready is False
+        (answer,) = list(stub.ModelStreamInfer(iter([_grpc_request(text, model="")]), timeout=30))
+        assert answer.error_message and not answer.infer_response.outputs, answer
+    assert http.post("/v2/models//infer", json={"inputs": [_t("text", "BYTES", [1], ["hi"])]}).status_code == 404
+
+
+def test_http_binary_data_flags_must_be_json_booleans(http):
+    """binary_data_output / binary_data are JSON booleans: the string "false" is not read as true."""
+    body = {"inputs": [_t("text", "BYTES", [1], ["hi"])]}
+    for extra, needle in [({"parameters": {"binary_data_output": "false"}}, "binary_data_output"),
+                          ({"outputs": [{"name": "embedding", "parameters": {"binary_data": "no"}}]}, "binary_data")]:
+        r = http.post(f"/v2/models/{MODEL}/infer", json={**body, **extra})
+        assert r.status_code == 400 and needle in r.json()["error"], (r.status_code, r.content[:200])
+    r = http.post(f"/v2/models/{MODEL}/infer", json={**body, "parameters": {"binary_data_output": False}})
+    assert r.status_code == 200 and len(r.json()["outputs"][0]["data"]) == 384
+
+
 def test_statistics_count_requests(clients, http):
     def count(c, mod):
         s = c.get_inference_statistics(MODEL, **({"as_json": True} if mod is tgrpc else {}))["model_stats"][0]

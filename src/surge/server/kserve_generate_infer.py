@@ -23,12 +23,14 @@ import json
 from dataclasses import dataclass
 
 import numpy as np
+from pydantic import ValidationError
 
 from surge.errors import InvalidInput
 from surge.server.http.generate_common import (SAMPLING_FIELDS, counted, counted_stream, deadline_for,
                                                generate_model, make_params)
 from surge.server.http.guided_fields import FIELDS as GUIDE_FIELDS
 from surge.server.http.guided_fields import guide_from_dict
+from surge.server.http.kserve_generate import GenerateParameters
 from surge.server.kserve_contract import InputTensor
 
 TEXT_INPUT, TEXT_OUTPUT = "text_input", "text_output"
@@ -59,11 +61,28 @@ def _one(t: InputTensor, datatype: str):
     return t.values[0]
 
 
+def _checked(sampling: dict) -> dict:
+    """The sampling fields typed as the generate extension types them (GenerateParameters), strictly: JSON and
+    gRPC parameters carry their own types, so a string or a fraction where an integer belongs is refused by
+    name here. Unchecked, such a value failed inside the engine's decode step, and with it every request
+    sharing that step."""
+    try:
+        return GenerateParameters.model_validate(sampling, strict=True).model_dump(exclude_unset=True)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = str(first["loc"][0]) if first.get("loc") else "sampling_parameters"
+        raise InvalidInput(f"sampling parameter '{field}' is invalid: {first['msg']}", param=field) from None
+
+
 def prepare(state, name: str, version: str | None, inputs: list[InputTensor], parameters: dict,
             requested: list[str] = ()) -> Prepared:
     """`requested`: the names of the request's `outputs` (none: every output it asked for)."""
     service = generate_model(state, name, version)
-    by_name = {t.name: t for t in inputs}
+    by_name = {}
+    for t in inputs:
+        if t.name in by_name:  # as the other models' contracts: not "the last one wins"
+            raise InvalidInput(f"input '{t.name}' is given twice", param=t.name)
+        by_name[t.name] = t
     unknown = sorted(set(by_name) - KNOWN)
     if unknown or TEXT_INPUT not in by_name:
         raise InvalidInput(f"a generate model takes '{TEXT_INPUT}' (BYTES [1]) and optionally "
@@ -79,7 +98,7 @@ def prepare(state, name: str, version: str | None, inputs: list[InputTensor], pa
         raw = _one(by_name["sampling_parameters"], "BYTES")
         try:
             given = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
             raise InvalidInput("sampling_parameters must be a JSON object", param="sampling_parameters") from None
         if not isinstance(given, dict):
             raise InvalidInput("sampling_parameters must be a JSON object", param="sampling_parameters")
@@ -88,6 +107,7 @@ def prepare(state, name: str, version: str | None, inputs: list[InputTensor], pa
             raise InvalidInput(f"sampling_parameters: {unknown[0]!r} is not supported (known: "
                                f"{', '.join(SAMPLING_FIELDS + GUIDE_FIELDS)})", param="sampling_parameters")
         sampling.update(given)
+    sampling = _checked(sampling)
     guide = guide_from_dict(sampling, service)
     try:
         params = make_params(service, **{k: sampling.get(k) for k in SAMPLING_FIELDS}, guide=guide)

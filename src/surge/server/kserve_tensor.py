@@ -92,9 +92,24 @@ def model_config(service) -> dict:
         "parameters": {"task": {"string_value": getattr(service, "task", "embed")},
                        "kind": {"string_value": getattr(service, "kind", "hf")}},
     }
+    if getattr(service, "task", "embed") in ("classify", "rerank", "token-classify"):
+        # a task model's own tensors (server/kserve_tasks.py), as its metadata describes them
+        meta = contract.model_metadata(service, [])
+        cfg["input"] = [_config_tensor(t, max_batch > 0) for t in meta["inputs"]]
+        cfg["output"] = [_config_tensor(t, max_batch > 0) for t in meta["outputs"]]
     if max_batch:
         cfg["dynamic_batching"] = {"max_queue_delay_microseconds": int(batching.max_queue_delay_ms * 1000)}
     return cfg
+
+
+def _config_tensor(t: dict, batched: bool) -> dict:
+    """A metadata tensor as a config's: Triton's type name; under max_batch_size > 0 its dims leave out the
+    batch dimension, and a tensor of one value per item is [1] reshaped to [] (as the embedding's text)."""
+    dims = [int(d) for d in (t["shape"][1:] if batched else t["shape"])]
+    out = {"name": t["name"], "data_type": TRITON_TYPE[t["datatype"]], "dims": dims or [1]}
+    if not dims:
+        out["reshape"] = {"shape": []}
+    return out
 
 
 def model_config_proto(service):

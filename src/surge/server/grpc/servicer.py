@@ -115,6 +115,13 @@ class InferenceServicer(TritonExtras, pb_grpc.GRPCInferenceServiceServicer):
         self.registry = state.registry
         self.limits = state.config.limits
 
+    def _service(self, name: str, version: str):
+        """The model a request names. An empty name names none, as HTTP's /v2/models//... (404), rather than
+        the registry's default model."""
+        if not name:
+            raise NotFound("the request names no model (model name is empty)", param="model")
+        return self.registry.get(name, version or None)
+
     def _lifecycle(self):
         if self.state.lifecycle is None:
             raise NotFound("this server has no model repository")
@@ -132,7 +139,7 @@ class InferenceServicer(TritonExtras, pb_grpc.GRPCInferenceServiceServicer):
     @_rpc
     async def ModelReady(self, request, context):
         try:
-            service = self.registry.get(request.name, request.version or None)
+            service = self._service(request.name, request.version)
         except NotFound:
             return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=service.ready)
@@ -143,7 +150,7 @@ class InferenceServicer(TritonExtras, pb_grpc.GRPCInferenceServiceServicer):
 
     @_rpc
     async def ModelMetadata(self, request, context):
-        service = self.registry.get(request.name, request.version or None)
+        service = self._service(request.name, request.version)
         versions = [request.version] if request.version else self.registry.versions(request.name)
         meta = contract.model_metadata(service, versions)
         tensor = pb.ModelMetadataResponse.TensorMetadata
@@ -157,7 +164,7 @@ class InferenceServicer(TritonExtras, pb_grpc.GRPCInferenceServiceServicer):
 
     async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
         """One inference (ModelInfer, and each request of ModelStreamInfer); raises SurgeError."""
-        service = self.registry.get(request.model_name, request.model_version or None)
+        service = self._service(request.model_name, request.model_version)
         outputs = [(o.name, parameters(o.parameters)) for o in request.outputs]
         if kserve_tensor.is_tensor_model(service):
             return await self._tensor_infer(service, request, outputs)
@@ -203,7 +210,7 @@ class InferenceServicer(TritonExtras, pb_grpc.GRPCInferenceServiceServicer):
     async def _infer_stream(self, request):
         """ModelStreamInfer's responses to one request: one, or a streamed generation's deltas (each with
         `triton_final_response`, true on the last, as Triton's decoupled models answer)."""
-        service = self.registry.get(request.model_name, request.model_version or None)
+        service = self._service(request.model_name, request.model_version)
         if getattr(service, "task", "embed") == "generate":
             p = self._generate_prepare(request)
             if p.flags.get("stream"):
@@ -225,7 +232,7 @@ class InferenceServicer(TritonExtras, pb_grpc.GRPCInferenceServiceServicer):
 
     @_rpc
     async def ModelConfig(self, request, context):
-        service = self.registry.get(request.name, request.version or None)
+        service = self._service(request.name, request.version)
         return pb.ModelConfigResponse(config=kserve_tensor.model_config_proto(service))
 
     @_rpc

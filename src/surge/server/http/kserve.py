@@ -75,6 +75,16 @@ def _validate(model, data):
         raise InvalidInput(f"field '{shown(where)}' is {what}", param=shown(where)) from None
 
 
+def binary_flag(params: dict, key: str, default: bool) -> bool:
+    """binary_data_output (a request's) or binary_data (an output's): a JSON boolean; a string such as "false"
+    is refused rather than read as Python's truth ("false" is true)."""
+    value = params.get(key, default)
+    if not isinstance(value, bool):
+        raise InvalidInput(f"parameter '{key}' must be a boolean (true or false), got {shown(repr(value))}",
+                           param=key)
+    return value
+
+
 def split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     """The JSON header and the binary tensor data that follows it (binary extension)."""
     if header_length is None:
@@ -193,10 +203,10 @@ def router(state: AppState) -> APIRouter:
         result = await state.run(service, texts=decoded.texts, token_ids=decoded.token_ids,
                                  options=decoded.options)
         array = contract.encode_embedding(result.vectors, decoded.output_datatype)
-        wants_binary = bool(req.parameters.get("binary_data_output", False))
+        wants_binary = binary_flag(req.parameters, "binary_data_output", False)
         for out_name, params in outputs:
             if out_name == contract.EMBEDDING and "binary_data" in params:
-                wants_binary = bool(params["binary_data"])
+                wants_binary = binary_flag(params, "binary_data", False)
         out = {"name": contract.EMBEDDING, "datatype": decoded.output_datatype, "shape": list(array.shape)}
         body = {"model_name": result.model, "model_version": result.version,
                 "parameters": {"prompt_tokens": int(result.prompt_tokens)}, "outputs": [out]}
@@ -220,8 +230,8 @@ def router(state: AppState) -> APIRouter:
                                                   outputs, limits)
         wanted = {n for n, _ in outputs}
         arrays = [a for a in arrays if not wanted or a[0] in wanted]
-        default_binary = bool(req.parameters.get("binary_data_output", False))
-        binary_of = {n: bool(p.get("binary_data", default_binary)) for n, p in outputs}
+        default_binary = binary_flag(req.parameters, "binary_data_output", False)
+        binary_of = {n: binary_flag(p, "binary_data", default_binary) for n, p in outputs}
         body = {"model_name": result.model, "model_version": result.version,
                 "parameters": {"prompt_tokens": int(result.prompt_tokens)}, "outputs": []}
         if req.id is not None:
@@ -260,8 +270,8 @@ def router(state: AppState) -> APIRouter:
 
     def _tensors(model: str, version: str, req: _InferRequest, arrays: list, outputs: list[tuple[str, dict]]):
         """The response of named output arrays, each in JSON or binary as the request asks."""
-        binary_default = bool(req.parameters.get("binary_data_output", False))
-        wants = {n: bool(p.get("binary_data", binary_default)) for n, p in outputs}
+        binary_default = binary_flag(req.parameters, "binary_data_output", False)
+        wants = {n: binary_flag(p, "binary_data", binary_default) for n, p in outputs}
         body = {"model_name": model, "model_version": version, "outputs": []}
         if req.id is not None:
             body["id"] = req.id

@@ -42,6 +42,7 @@ class GenerateParameters(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
+    logit_bias: dict[StrictStr, float] | None = None  # OpenAI's: token id (a string) -> bias, as /v1/completions
     # vLLM's sampling extras, as on the OpenAI routes
     allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[StrictStr] | None = None
