@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import asdict, dataclass, field
 
 from surge.errors import InvalidInput
@@ -15,7 +16,7 @@ _BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 
 
 def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)  # (numpy's integers count)
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class SamplingParams:
                 raise InvalidInput(f"{name} must be an integer", param=name)
         for name in _FLOATS:
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise InvalidInput(f"{name} must be a number", param=name)
         for name in _BOOLS:
             if not isinstance(getattr(self, name), bool):
