@@ -372,3 +372,30 @@ def test_grpc_stream_infer_serves_tensor_models(repo, server):
         assert error is None, error
         req = requests[result.get_response().id]
         np.testing.assert_allclose(result.as_numpy("probs"), sess.run(["probs"], req)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_surge_serve_of_a_model_that_fails_its_warm_up_names_the_failure(tmp_path):
+    """`surge serve bad.onnx` whose graph fails at warm-up (a Reshape of [N, 4] to [-1, 3]): the exit names the
+    model and onnxruntime's error, not "the server is starting" (the load's own error handler asked the registry
+    which version keeps serving, and the registry answers NotReady while the server starts)."""
+    import subprocess
+    import sys
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    from tests.server_process import free_port
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])
+    shape = helper.make_tensor("s", TensorProto.INT64, [2], [-1, 3])
+    graph = helper.make_graph([helper.make_node("Reshape", ["x", "s"], ["y"])], "g", [x], [y], initializer=[shape])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "bad.onnx")
+    p = subprocess.run([sys.executable, "-m", "surge.cli.main", "serve", str(tmp_path / "bad.onnx"), "--port",
+                        str(free_port()), "--grpc-port", "0"], capture_output=True, text=True, timeout=180)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0
+    assert "server is starting" not in out, out[-2000:]
+    assert "'bad'" in out and "failed to load" in out and "Reshape" in out, out[-2000:]

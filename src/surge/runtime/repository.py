@@ -30,7 +30,7 @@ import logging
 from pathlib import Path
 from typing import Callable
 
-from surge.errors import ConfigError, EngineError, InvalidInput, NotFound, SurgeError, shown
+from surge.errors import ConfigError, EngineError, InvalidInput, NotFound, NotReady, SurgeError, shown
 from surge.runtime.catalog import (CONFIG_PBTXT, MODEL_YAML, PIPELINE_YAML, DiskCatalog, ModelEntry,  # noqa: F401
                                    VersionEntry, inside, scan_model)
 from surge.runtime.registry import ModelRegistry
@@ -321,7 +321,7 @@ class ModelRepository:
     def _serving_version(self, name: str) -> str | None:
         try:
             return self.registry.get(name).version
-        except NotFound:
+        except (NotFound, NotReady):  # NotReady: nothing served yet while the server starts
             return None
 
     async def _poll_loop(self) -> None:
