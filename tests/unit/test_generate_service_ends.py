@@ -239,7 +239,7 @@ def test_an_end_token_named_in_stop_token_ids_is_the_stop_reason(model_dir):
     try:
         named, plain = asyncio.run(main())
     finally:
-        service.close()
+        asyncio.run(service.close())
     assert named.finish_reason == plain.finish_reason == "stop"
     assert named.stop_reason == eos
     assert plain.stop_reason is None

@@ -57,7 +57,7 @@ def test_unset_sampling_fields_take_the_models_generation_config(model_dir):
         prompt = [5, 17, 33, 8, 41, 12]
         got = asyncio.run(service.generate(prompt, p)).token_ids
     finally:
-        service.close()
+        asyncio.run(service.close())
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     with torch.no_grad():  # transformers' generate with the same generation_config.json: its defaults too
         want = model.generate(torch.tensor([prompt]), max_new_tokens=8, pad_token_id=0)[0, len(prompt):].tolist()
@@ -71,5 +71,5 @@ def test_generation_config_none_keeps_openais_defaults(model_dir):
     try:
         p = make_params(service, max_tokens=8, temperature=None, top_p=None)
     finally:
-        service.close()
+        asyncio.run(service.close())
     assert (p.temperature, p.top_k, p.top_p, p.repetition_penalty) == (1.0, 0, 1.0, 1.0)

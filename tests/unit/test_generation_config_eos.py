@@ -5,6 +5,7 @@ answer ran past the end of its turn."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -49,10 +50,8 @@ def test_generation_stops_at_generation_configs_eos_as_transformers_does(tmp_pat
     service = GenerateService("m", "1", path, engine, Tokenizer.from_file(str(path / "tokenizer.json")), None,
                               config, request_timeout_s=60)
     service.mark_ready()
-    import asyncio
-
     try:
         res = asyncio.run(service.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0)))
     finally:
-        service.close()
+        asyncio.run(service.close())
     assert list(res.token_ids) == want and res.finish_reason == "stop"

@@ -37,7 +37,7 @@ def test_bytes_of_tokens_that_split_characters_join_into_the_text(tmp_path):
     try:
         res = asyncio.run(service.generate(service.encode("hi"), params))
     finally:
-        service.close()
+        asyncio.run(service.close())
     items = logprob_list(res.logprobs)
     assert len(res.text) == 3 and len(items) > 3, (res.text, items)  # some character took several tokens
     assert b"".join(bytes(it["bytes"]) for it in items) == res.text.encode()

@@ -85,7 +85,7 @@ def test_a_stream_failing_after_text_reports_and_stores_what_was_written(model_d
     try:
         events, record = asyncio.run(main())
     finally:
-        service.close()
+        asyncio.run(service.close())
     kinds = [e["type"] for e in events]
     assert kinds[-1] == "response.failed" and "error" in kinds, kinds
     streamed = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
