@@ -105,7 +105,8 @@ def _versions(root: Path, name: str):
             ventry = entry.versions[v]
             yield v, ventry.dir, _merged_yaml(root / name, ventry.dir), ventry.dir / "model.yaml"
         return
-    versions = sorted((p for p in (root / name).iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+    versions = sorted((p for p in (root / name).iterdir() if p.is_dir() and p.name.isascii() and p.name.isdigit()),
+                      key=lambda p: int(p.name))
     if not versions:
         raise ConfigError(f"{root / name}: no version directories (expected {root / name}/1/model.yaml)")
     newest = versions[-1]

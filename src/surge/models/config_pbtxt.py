@@ -22,6 +22,42 @@ MAPPED = {"name", "platform", "backend", "max_batch_size", "input", "output", "d
           "instance_group", "parameters", "default_model_filename"}
 
 
+_ESCAPES = {"n": b"\n", "t": b"\t", "r": b"\r", "a": b"\a", "b": b"\b", "f": b"\f", "v": b"\v", "\\": b"\\",
+            "'": b"'", '"': b'"', "?": b"?"}
+_ESCAPE = re.compile(r"\\(?:([0-7]{1,3})|[xX]([0-9a-fA-F]{1,2})|u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})|(.)|$)", re.DOTALL)
+
+
+def _unescape(body: str) -> str:
+    """A quoted string's body with the text format's escapes decoded. An octal or hex escape is one
+    byte and the result is UTF-8 (as protobuf reads it); text outside escapes is kept as it is
+    (unicode_escape would read UTF-8 text as Latin-1: "naïve" -> "naÃ¯ve")."""
+    out = bytearray()
+    pos = 0
+    for m in _ESCAPE.finditer(body):
+        out += body[pos:m.start()].encode("utf-8")
+        pos = m.end()
+        octal, hexa, u4, u8, char = m.groups()
+        if octal or hexa:
+            byte = int(octal, 8) if octal else int(hexa, 16)
+            if byte > 0xFF:
+                raise ValueError(f"invalid escape '{m.group(0)}'")
+            out.append(byte)
+        elif u4 or u8:
+            try:
+                out += chr(int(u4 or u8, 16)).encode("utf-8")
+            except (ValueError, UnicodeEncodeError):
+                raise ValueError(f"invalid escape '{m.group(0)}'") from None
+        elif char in _ESCAPES:
+            out += _ESCAPES[char]
+        else:
+            raise ValueError(f"invalid escape '{m.group(0)}'")
+    out += body[pos:].encode("utf-8")
+    try:
+        return out.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"string \"{body}\" is not valid UTF-8") from None
+
+
 def parse_text_proto(text: str, where: str = "config.pbtxt") -> dict:
     """Text format -> dict; a repeated field (or a [list]) becomes a list."""
     tokens = [t for t in _TOKEN.findall(text) if t.strip() and not t.startswith("#")]
@@ -32,7 +68,10 @@ def parse_text_proto(text: str, where: str = "config.pbtxt") -> dict:
 
     def value(tok: str):
         if tok[0] in "\"'":
-            return bytes(tok[1:-1], "utf-8").decode("unicode_escape")
+            try:
+                return _unescape(tok[1:-1])
+            except ValueError as exc:
+                fail(str(exc))
         if re.fullmatch(r"[-+]?\d+", tok):
             return int(tok)
         try:
@@ -102,26 +141,36 @@ def model_file_dict(path: Path) -> tuple[dict, list[str]]:
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from None
     backend, platform = cfg.get("backend", ""), cfg.get("platform", "")
-    kind = _BACKENDS.get(backend) or _PLATFORMS.get(platform)
+    kind = _BACKENDS.get(backend if isinstance(backend, str) else "") or \
+        _PLATFORMS.get(platform if isinstance(platform, str) else "")  # a message given is not a name
     if kind is None:
         raise ConfigError(f"{path}: field 'backend': surge serves backend onnxruntime, python or pytorch "
                           f"(platform onnxruntime_onnx or torch_export), got backend {backend!r} platform {platform!r}",
                           param="backend")
+
+    def integer(value, field: str) -> int:
+        # Text format integers only: int() would raise ValueError ('abc'), OverflowError (1e400) or
+        # TypeError (a list), or truncate a float, where a ConfigError must name the field.
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: field '{field}': expected an integer, got {value!r}", param=field)
 
     def tensors(field: str) -> list[dict]:
         out = []
         for t in _list(cfg.get(field)):
             if not isinstance(t, dict) or "name" not in t or "data_type" not in t:
                 raise ConfigError(f"{path}: field '{field}': each entry needs name and data_type", param=field)
-            d = {"name": t["name"], "datatype": t["data_type"], "dims": [int(x) for x in _list(t.get("dims"))]}
+            d = {"name": t["name"], "datatype": t["data_type"],
+                 "dims": [integer(x, f"{field}.dims") for x in _list(t.get("dims"))]}
             if "reshape" in t:
-                d["dims"] = [int(x) for x in _list((t["reshape"] or {}).get("shape"))]  # what surge serves
+                d["dims"] = [integer(x, f"{field}.reshape.shape")
+                             for x in _list((t["reshape"] or {}).get("shape"))]  # what surge serves
             if t.get("optional"):
                 d["optional"] = True
             out.append(d)
         return out
 
-    tensor: dict = {"max_batch_size": int(cfg.get("max_batch_size", 0))}
+    tensor: dict = {"max_batch_size": integer(cfg.get("max_batch_size", 0), "max_batch_size")}
     if "input" in cfg:
         tensor["inputs"] = tensors("input")
     if "output" in cfg:
@@ -131,6 +180,9 @@ def model_file_dict(path: Path) -> tuple[dict, list[str]]:
     params = {}
     for p in _list(cfg.get("parameters")):
         if isinstance(p, dict) and "key" in p:
+            if not isinstance(p["key"], str):
+                raise ConfigError(f"{path}: field 'parameters.key': expected a string, got {p['key']!r}",
+                                  param="parameters")
             v = p.get("value", {})
             params[p["key"]] = v.get("string_value", "") if isinstance(v, dict) else v
     if params:
@@ -140,7 +192,8 @@ def model_file_dict(path: Path) -> tuple[dict, list[str]]:
         db = cfg["dynamic_batching"] if isinstance(cfg["dynamic_batching"], dict) else {}
         batching = {"enabled": True}
         if "max_queue_delay_microseconds" in db:
-            batching["max_queue_delay_ms"] = int(db["max_queue_delay_microseconds"]) / 1000.0
+            batching["max_queue_delay_ms"] = integer(db["max_queue_delay_microseconds"],
+                                                  "dynamic_batching.max_queue_delay_microseconds") / 1000.0
         if tensor["max_batch_size"] > 0:
             batching["max_batch_size"] = tensor["max_batch_size"]
         out["batching"] = batching
@@ -150,10 +203,10 @@ def model_file_dict(path: Path) -> tuple[dict, list[str]]:
     groups = _list(cfg.get("instance_group"))
     if groups:
         g = groups[0] if isinstance(groups[0], dict) else {}
-        engine: dict = {"instances": int(g.get("count", 1))}
+        engine: dict = {"instances": integer(g.get("count", 1), "instance_group.count")}
         if g.get("kind") == "KIND_GPU":
             gpus = _list(g.get("gpus"))
-            engine["device"] = f"cuda:{int(gpus[0])}" if gpus else "cuda"
+            engine["device"] = f"cuda:{integer(gpus[0], 'instance_group.gpus')}" if gpus else "cuda"
         out["engine"] = engine
     return out, sorted(set(cfg) - MAPPED)
 

@@ -28,12 +28,26 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{where}"
 
 
+def _element(v) -> bytes:
+    if isinstance(v, bytes):
+        return bytes(v)
+    if isinstance(v, str):
+        return v.encode("utf-8")
+    raise TypeError(f"a BYTES element must be bytes or str, got {type(v).__name__}")
+
+
 def _array(value) -> np.ndarray:
     a = np.asarray(value)
     if a.dtype.kind == "U":
         return np.array([s.encode("utf-8") for s in a.ravel()], dtype=object).reshape(a.shape)
     if a.dtype.kind == "S":
         return a.astype(object)
+    if a.dtype == object:
+        # Triton's idiom is an object array of str: encoded here, as the server sends bytes. Anything
+        # else (int, dict, a user class that the server could not even unpickle) fails this response.
+        out = np.empty(a.shape, dtype=object)
+        out.ravel()[:] = [_element(v) for v in a.ravel()] if a.size else []
+        return out
     return a
 
 
@@ -50,10 +64,13 @@ def _result(resp) -> tuple:
     if not isinstance(resp, dict):
         return ("error", f"execute returned a {type(resp).__name__} as a response; a response is a dict of "
                          "output name -> array, an InferenceResponse or a ModelError", 500)
-    try:
-        return ("ok", {str(k): _array(v) for k, v in resp.items()})
-    except Exception as exc:  # noqa: BLE001
-        return ("error", f"response output is not an array: {_describe(exc)}", 500)
+    outputs = {}
+    for k, v in resp.items():
+        try:
+            outputs[str(k)] = _array(v)
+        except Exception as exc:  # noqa: BLE001
+            return ("error", f"response output '{k}' is not a valid array: {_describe(exc)}", 500)
+    return ("ok", outputs)
 
 
 def _load(spec: dict):

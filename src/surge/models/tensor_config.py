@@ -67,6 +67,9 @@ class TensorDecl(BaseModel):
         return v
 
 
+MAX_TIMEOUT_S = 1_000_000.0  # about 11.5 days
+
+
 class TensorModelOptions(BaseModel):
     """The `tensor:` section of a model.yaml (kinds onnx, torch, python)."""
 
@@ -74,7 +77,10 @@ class TensorModelOptions(BaseModel):
 
     file: str | None = Field(None, description="Model file relative to the version directory "
                              "(default: model.onnx, model.pt2 or model.py by kind).")
-    max_batch_size: int | None = Field(None, ge=0, description="0: unbatched. Default: onnx/torch take it from the "
+    # Upper bounds: a value past them loads, then fails every request (a timeout past what
+    # Connection.poll takes, ~2,147,483 s) or GET /v2/models/x/config (Triton's int32 max_batch_size).
+    max_batch_size: int | None = Field(None, ge=0, le=2**31 - 1,
+                                       description="0: unbatched. Default: onnx/torch take it from the "
                                        "graph (a dynamic first dim is batched up to batching.max_batch_size); "
                                        "python: batching.max_batch_size.")
     inputs: list[TensorDecl] | None = Field(None, description="Inputs (python: required; onnx/torch: read from "
@@ -82,9 +88,10 @@ class TensorModelOptions(BaseModel):
     outputs: list[TensorDecl] | None = Field(None, description="Outputs, as inputs.")
     parameters: dict = Field(default_factory=dict, description="Free settings, handed to a python model's initialize.")
     class_name: str = Field("TritonPythonModel", description="python: the class in model.py.")
-    timeout_s: float = Field(30.0, gt=0, description="python: longest one execute() call may take before its "
-                             "worker is killed and restarted (the batch's requests get 504).")
-    init_timeout_s: float = Field(120.0, gt=0, description="python: longest initialize() may take.")
+    timeout_s: float = Field(30.0, gt=0, le=MAX_TIMEOUT_S, description="python: longest one execute() call may "
+                             "take before its worker is killed and restarted (the batch's requests get 504).")
+    init_timeout_s: float = Field(120.0, gt=0, le=MAX_TIMEOUT_S,
+                                  description="python: longest initialize() may take.")
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,8 @@ def _scan_model(root: Path, name: str) -> ModelEntry:
         except ConfigError as exc:
             entry.error = exc.message
             return entry
-    for sub in sorted(p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()):
+    # ASCII digits only: "²".isdigit() holds, but int("²") raises (the whole model's scan with it).
+    for sub in sorted(p for p in model_dir.iterdir() if p.is_dir() and p.name.isascii() and p.name.isdigit()):
         ventry = VersionEntry(name, str(int(sub.name)), sub)
         own = sub / MODEL_YAML
         # Triton's config.pbtxt (in the version directory, or the model's) stands in for a model.yaml.

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import graphlib
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from surge.config import PipelineFile, load_yaml_file
-from surge.errors import ConfigError, InvalidInput, NotFound, relative_paths, shown
+from surge.errors import ConfigError, InvalidInput, NotFound, Unprocessable, relative_paths, shown
 from surge.runtime.steps import Embedding, LoadContext, Node, check_value, make_node
 
 INPUT = "input"
@@ -56,6 +57,9 @@ class Pipeline:
                        "after": sorted({r.node for r in self._reads(n)} - {INPUT})} for n in self.order],
         }
 
+    def _is_tensor(self, node: str) -> bool:
+        return hasattr(self.nodes.get(node), "shapes")  # a tensor model's node (its BYTES outputs are lists)
+
     def _reads(self, name: str) -> list[Ref]:
         refs = list(self.wiring[name].values())
         if name in self.conditions:
@@ -89,6 +93,9 @@ class Pipeline:
             if not skip and name in self.conditions:
                 ref, allowed = self.conditions[name]
                 value = read(ref)
+                if value is not SKIPPED and (isinstance(value, np.ndarray) or
+                                             (isinstance(value, list) and self._is_tensor(ref.node))):
+                    value = _one_value(value, name, ref)
                 skip = value is SKIPPED or value not in allowed
             values[name] = SKIPPED if skip else await self.nodes[name](args)
 
@@ -111,6 +118,18 @@ class Pipeline:
             if got is not SKIPPED and self.nodes[name].spec.model:
                 models[self.nodes[name].spec.model] = got["version"]
         return {"outputs": outputs, "models": models}
+
+
+def _one_value(value, node: str, ref: Ref):
+    """A condition tests one value: a tensor of one element is tested as that element. A tensor of
+    several (its dims are dynamic, or the load-time check could not know) fails this request."""
+    flat = value.ravel() if isinstance(value, np.ndarray) else value
+    if len(flat) != 1:
+        shape = list(value.shape) if isinstance(value, np.ndarray) else [len(value)]
+        raise Unprocessable(f"node '{node}': its condition input '{ref.node}.{ref.port}' is a tensor of shape "
+                            f"{shape} for this request; a 'when' condition tests one value", param="when")
+    one = flat[0]
+    return one.item() if isinstance(one, np.generic) else one
 
 
 def to_json(value):
@@ -193,6 +212,12 @@ async def load_pipeline(name: str, file: Path, registry) -> Pipeline:
                               f"{', '.join(sorted(missing))}", param=f"{where}.inputs")
         if n.when is not None:
             ref, _ = resolve(n.when.input, f"{where}.when.input")
+            dims = getattr(nodes.get(ref.node), "shapes", {}).get(ref.port)
+            if dims is not None and -1 not in dims and math.prod(dims) != 1:
+                # A tensor output that can never be one value: every request would fail at run time.
+                raise ConfigError(f"{file}: field '{where}.when.input': '{n.when.input}' is a tensor of shape "
+                                  f"{list(dims)} per item; a condition tests one value (a tensor of one element, "
+                                  "a label, a number or a bool)", param=f"{where}.when.input")
             conditions[n.name] = (ref, list(n.when.in_))
         graph[n.name] = {r.node for r in list(wiring[n.name].values()) +
                          ([conditions[n.name][0]] if n.name in conditions else [])} - {INPUT}

@@ -228,6 +228,7 @@ class ModelRepository:
         if not explicit and self._failed_fp.get(key) == ventry.fingerprint:
             return  # failed before with this very model.yaml: wait for a change (or an explicit load)
         self._status[key] = (READY if old else LOADING, "reloading" if old else "loading")
+        service = None
         try:
             self._set_aliases(ventry)  # a clash fails the load, before building
             service = await asyncio.to_thread(self.loader, ventry)
@@ -248,6 +249,11 @@ class ModelRepository:
             else:
                 self._status[key] = (UNAVAILABLE, f"load failed: {reason}")
             log.error("model %s version %s failed to load: %s", ventry.name, ventry.version, reason)
+            if service is not None:  # built, then its warm-up failed: free it (batcher, threads, engine, metrics)
+                try:
+                    await service.close()
+                except Exception:  # the load's own error is the one reported
+                    log.exception("closing the failed build of %s version %s", ventry.name, ventry.version)
             serving = self._serving_version(ventry.name)
             keep = f"; version {serving} keeps serving" if serving else ""
             if isinstance(exc, ConfigError):
@@ -375,7 +381,7 @@ def _is_routed(registry: ModelRegistry, name: str, served: ServedModel) -> bool:
 
 def _check_version(version) -> str:
     version = str(version)
-    if not version.isdigit():
+    if not (version.isascii() and version.isdigit()):  # "²".isdigit() holds, but int("²") raises
         raise InvalidInput(f"version must be a positive integer, got '{shown(version)}'", param="version")
     return str(int(version))
 

@@ -338,9 +338,15 @@ class StackedBackend:
                 return
             feeds = {k: np.concatenate([requests[i][k] for i in idx]) for k in requests[idx[0]]}
             out = self.engine.run(feeds)
+            rows = [next(iter(requests[i].values())).shape[0] for i in idx]
+            if any(v.ndim == 0 or v.shape[0] != sum(rows) for v in out.values()):
+                # An output whose first dim is not the stacked rows (a dynamic dim that is not the batch,
+                # e.g. a Compress): its rows cannot be told apart by request, so each runs alone.
+                for i in idx:
+                    self._run_group(requests, [i], results)
+                return
             offset = 0
-            for i in idx:
-                n = next(iter(requests[i].values())).shape[0]
+            for i, n in zip(idx, rows):
                 results[i] = {k: v[offset:offset + n] for k, v in out.items()}
                 offset += n
         except Exception as exc:  # noqa: BLE001

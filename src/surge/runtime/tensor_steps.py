@@ -34,6 +34,7 @@ class TensorModelNode(Node):
         self.inputs = {t.name: "text" if text(t) else "any" for t in cfg.inputs}
         self.optional = frozenset(t.name for t in cfg.inputs if t.optional)
         self.outputs = {**{t.name: "any" for t in cfg.outputs}, "version": "label"}
+        self.shapes = {t.name: tuple(t.dims) for t in cfg.outputs}  # one item's dims (what `when` may test)
         if spec.params:
             raise ctx.error("params", f"a tensor model node takes no params, got {sorted(spec.params)}")
 

@@ -8,6 +8,7 @@ logged and answered INTERNAL, never with a stack trace.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 
@@ -255,13 +256,22 @@ class InferenceServicer(TritonExtras, pb_grpc.GRPCInferenceServiceServicer):
 
     @_rpc
     async def RepositoryModelLoad(self, request, context):
-        await self._lifecycle().load(request.model_name, contract.check_load_parameters(_repo_params(request)))
+        await _finish(self._lifecycle().load(request.model_name,
+                                             contract.check_load_parameters(_repo_params(request))))
         return pb.RepositoryModelLoadResponse()
 
     @_rpc
     async def RepositoryModelUnload(self, request, context):
-        await self._lifecycle().unload(request.model_name, contract.check_load_parameters(_repo_params(request)))
+        await _finish(self._lifecycle().unload(request.model_name,
+                                               contract.check_load_parameters(_repo_params(request))))
         return pb.RepositoryModelUnloadResponse()
+
+
+async def _finish(operation) -> None:
+    # An RPC cancelled by its deadline or its client must not cancel a load or unload halfway
+    # (a version left LOADING, a build never closed): the operation runs to its end in the
+    # background, as the native HTTP routes' (server/http/models.py `finish`).
+    await asyncio.shield(asyncio.ensure_future(operation))
 
 
 def _repo_params(request) -> dict:

@@ -9,6 +9,7 @@ statistics. Decoding and the model's tensor contract are shared with gRPC
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import numpy as np
@@ -310,13 +311,16 @@ def router(state: AppState) -> APIRouter:
     @r.post("/v2/repository/models/{name}/load", openapi_extra=body(_RepositoryRequest, required=False))
     async def repository_load(request: Request, name: str):
         req = await _repository_body(request)
-        await lifecycle().load(name, contract.check_load_parameters(req.parameters))
+        version = contract.check_load_parameters(req.parameters)
+        # Shielded as the native routes: a client that hangs up does not cancel the load halfway.
+        await asyncio.shield(asyncio.ensure_future(lifecycle().load(name, version)))
         return ORJSONResponse({})
 
     @r.post("/v2/repository/models/{name}/unload", openapi_extra=body(_RepositoryRequest, required=False))
     async def repository_unload(request: Request, name: str):
         req = await _repository_body(request)
-        await lifecycle().unload(name, contract.check_load_parameters(req.parameters))
+        version = contract.check_load_parameters(req.parameters)
+        await asyncio.shield(asyncio.ensure_future(lifecycle().unload(name, version)))
         return ORJSONResponse({})
 
     return r
