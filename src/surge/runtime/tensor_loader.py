@@ -7,7 +7,7 @@ and torch, refined by the declarations of the model.yaml / config.pbtxt
 
 from __future__ import annotations
 
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from surge.config import BatchingConfig, CacheConfig, EngineConfig, LimitsConfig
 from surge.errors import ConfigError
@@ -27,7 +27,12 @@ def kind_of_path(path: Path) -> str | None:
 
 
 def model_path(version_dir: Path, kind: str, opts: TensorModelOptions) -> Path:
-    path = version_dir / (opts.file or DEFAULT_FILES[kind])
+    name = opts.file or DEFAULT_FILES[kind]
+    if PurePosixPath(name).is_absolute() or ".." in PurePosixPath(name).parts:
+        # A model.yaml reaches only its own version's files: not another model's, not the host's.
+        raise ConfigError(f"{version_dir}: field 'tensor.file' must be a path inside the version directory "
+                          "(not absolute, no '..')", param="tensor.file")
+    path = version_dir / name
     if not path.is_file():
         raise ConfigError(f"{version_dir}: kind {kind} needs the model file {path.name} (field 'tensor.file')",
                           param="tensor.file")
