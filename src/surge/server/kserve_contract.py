@@ -283,6 +283,12 @@ def server_metadata() -> dict:
     return {"name": "surge", "version": __version__, "extensions": list(EXTENSIONS)}
 
 
+def platform(service) -> str:
+    """Triton's platform of an encoder model: the device's kind, not its index (the metadata and the config
+    name it alike; a replica on cuda:1 is the same platform as one on cuda:0)."""
+    return f"surge_{service.worker.engines.capabilities.device.split(':')[0]}"
+
+
 def model_metadata(service, versions: list[str]) -> dict:
     if getattr(service, "task", "embed") == "tensor":  # onnx, torch, python: their own tensors
         return service.config.metadata(versions)
@@ -297,7 +303,7 @@ def model_metadata(service, versions: list[str]) -> dict:
     return {
         "name": service.name,
         "versions": versions,
-        "platform": f"surge_{service.worker.engines.capabilities.device}",
+        "platform": platform(service),
         "inputs": [{"name": TEXT, "datatype": "BYTES", "shape": [-1]},
                    {"name": INPUT_IDS, **ids}, {"name": ATTENTION_MASK, **ids}],
         "outputs": [{"name": EMBEDDING, "datatype": "FP32", "shape": [-1, int(service.dimensions)]}],

@@ -21,7 +21,7 @@ import numpy as np
 from surge.errors import InvalidInput, SurgeError
 from surge.runtime.tasks import TaskRequest
 from surge.server.http.openai import split_input
-from surge.server.kserve_contract import InputTensor, _param
+from surge.server.kserve_contract import InputTensor, _param, platform
 
 TEXT, TEXT_PAIR, LOGITS, LENGTHS = "text", "text_pair", "logits", "lengths"
 
@@ -39,7 +39,7 @@ def metadata(service, versions: list[str]) -> dict:
     else:
         outputs = [{"name": LOGITS, "datatype": "FP32", "shape": [-1, labels]}]
     return {"name": service.name, "versions": versions,
-            "platform": f"surge_{service.worker.engines.capabilities.device}", "inputs": inputs, "outputs": outputs}
+            "platform": platform(service), "inputs": inputs, "outputs": outputs}
 
 
 def _strings(t: InputTensor, max_inputs: int, max_chars: int) -> list[str]:

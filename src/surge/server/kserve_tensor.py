@@ -82,7 +82,7 @@ def model_config(service) -> dict:
     max_batch = min(batching.max_batch_size, caps.max_batch) if batching is not None and batching.enabled else 0
     ids = {"data_type": "TYPE_INT64", "dims": [-1], "optional": True}
     cfg = {
-        "name": service.name, "platform": f"surge_{caps.device.split(':')[0]}", "backend": "surge",
+        "name": service.name, "platform": contract.platform(service), "backend": "surge",
         "max_batch_size": max_batch,
         "input": [{"name": contract.TEXT, "data_type": TRITON_TYPE["BYTES"], "dims": [1], "reshape": {"shape": []},
                    "optional": True},
