@@ -7,6 +7,7 @@ and torch, refined by the declarations of the model.yaml / config.pbtxt
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path, PurePosixPath
 
 from surge.config import BatchingConfig, CacheConfig, EngineConfig, LimitsConfig
@@ -14,6 +15,8 @@ from surge.errors import ConfigError
 from surge.models.tensor_config import (DEFAULT_FILES, TensorModelConfig, TensorModelOptions, TensorSpec,
                                         specs_from_decls)
 from surge.runtime.tensor_service import StackedBackend, TensorModelService
+
+log = logging.getLogger("surge.tensor")
 
 KIND_OF_SUFFIX = {".onnx": "onnx", ".pt2": "torch", ".py": "python"}
 
@@ -98,7 +101,13 @@ def build_tensor_service(name: str, version: str, kind: str, path: Path, opts: T
         raise
     if kind == "torch":
         engine.warmup(max_batch if batched else 0)  # CUDA graphs per batch bucket on the GPU
-    config = TensorModelConfig(name, kind, inputs, outputs, max_batch, engine_cfg.device, 1,
+    # ONNX Runtime's run is thread-safe: `instances` batches run on the one session at once (Triton's instance
+    # count). A torch model's CUDA graphs replay from shared buffers, so its batches run one at a time.
+    instances = engine_cfg.instances if kind == "onnx" else 1
+    if kind == "torch" and engine_cfg.instances > 1:
+        log.warning("%s: a torch model runs one batch at a time; instances %d is served as 1", where,
+                    engine_cfg.instances)
+    config = TensorModelConfig(name, kind, inputs, outputs, max_batch, engine_cfg.device, instances,
                                int(batching.max_queue_delay_ms * 1000), path.name, dict(opts.parameters))
     return TensorModelService(name, version, config, StackedBackend(engine, batched), batching=batching,
                               cache=cache, limits=limits)
