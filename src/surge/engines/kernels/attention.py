@@ -43,7 +43,9 @@ def _varlen_attn(qkv_ptr, out_ptr, cu_ptr, stride_t, stride_o, qk_scale,
         krows = (start + offs_n).to(tl.int64)
         k = tl.load(qkv_ptr + krows[None, :] * stride_t + HID + head * D + offs_d[:, None],
                     mask=nmask[None, :] & dmask[:, None], other=0.0)
-        s = tl.dot(q, k) * qk_scale  # log2 domain: exp2 below
+        # ieee: an FP32 cache attends in FP32 (Triton's default for FP32 dots is TF32, which moved
+        # logits by ~1e-3); BF16 / FP16 inputs ignore it
+        s = tl.dot(q, k, input_precision="ieee") * qk_scale  # log2 domain: exp2 below
         s = tl.where(nmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -51,7 +53,7 @@ def _varlen_attn(qkv_ptr, out_ptr, cu_ptr, stride_t, stride_o, qk_scale,
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(qkv_ptr + krows[:, None] * stride_t + 2 * HID + head * D + offs_d[None, :],
                     mask=nmask[:, None] & dmask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
     acc = acc / l_i[:, None]
     orows = (start + offs_m).to(tl.int64)

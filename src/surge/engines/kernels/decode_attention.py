@@ -112,13 +112,15 @@ def _prefetch_tile(k_ptr, v_ptr, tables_ptr, seq, kvh, n_cached, stride_kb, stri
 @triton.jit
 def _attend(q, k, v, kpos, ctx, qk_scale, m_i, l_i, acc):
     """One tile of paged_attention's online softmax (n = 1: the query sees keys 0 .. ctx - 1)."""
-    sc = tl.dot(q, k) * qk_scale
+    # ieee: an FP32 cache attends in FP32 (Triton's default for FP32 dots is TF32, which moved
+    # logits by ~1e-3); BF16 / FP16 inputs ignore it
+    sc = tl.dot(q, k, input_precision="ieee") * qk_scale
     sc = tl.where(kpos[None, :] < ctx, sc, -1.0e30)
     m_new = tl.maximum(m_i, tl.max(sc, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(sc - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return m_new, l_i, acc
 
 

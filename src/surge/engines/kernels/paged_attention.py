@@ -55,14 +55,16 @@ def _paged_attn(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, ctx_ptr, qstart_ptr, qk_
         blk = tl.load(tables_ptr + seq * stride_tb + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
         kbase = blk * stride_kb + (kpos % PAGE) * stride_kt + kvh * stride_kh
         k = tl.load(k_ptr + kbase[None, :] + offs_d[:, None], mask=kmask[None, :] & dmask[:, None], other=0.0)
-        s = tl.dot(q, k) * qk_scale
+        # ieee: an FP32 cache attends in FP32 (Triton's default for FP32 dots is TF32, which moved
+        # logits by ~1e-3); BF16 / FP16 inputs ignore it
+        s = tl.dot(q, k, input_precision="ieee") * qk_scale
         s = tl.where((kpos[None, :] <= qpos[:, None]) & kmask[None, :], s, -1.0e30)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + kbase[:, None] + offs_d[None, :], mask=kmask[:, None] & dmask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
     acc = acc / l_i[:, None]
     tl.store(o_ptr + qrow[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
