@@ -328,9 +328,9 @@ class ModelService:
         return encode_inputs(self.worker.tokenizer, texts, token_ids, truncate)
 
     async def count_tokens(self, texts: list[str]) -> list[int]:
-        """Each text's token count before truncation, the model's default prompt included (in the tokenizer's
-        thread: it owns the tokenizer)."""
-        return await self.tokenize.exclusive(self.worker.tokenizer.count_untruncated, self.prompted(texts))
+        """Each text's token count before truncation, the model's default prompt included (on the tokenizer's
+        thread, off the event loop)."""
+        return await self.tokenize.off_loop(self.worker.tokenizer.count_untruncated, self.prompted(texts))
 
     async def close(self) -> None:
         """Stop taking requests, drain in-flight work, then free the engines."""

@@ -4,7 +4,8 @@ A `ModelService` whose worker carries heads (engines/heads.py) answers
 `infer(TaskRequest)` here. The path is the embedding path's: admission ->
 cache (keyed by the inputs, the truncation option and the model's head set)
 -> the shared Redis tier when configured (keys carry the model's build fingerprint, which names
-its task and heads) -> tokenize in the service's tokenizer thread -> the same dynamic batcher (one
+its task and heads) -> tokenize on an executor thread (runtime/tokenize.py's tokenizer is safe to
+share between threads) -> the same dynamic batcher (one
 backbone pass computes every head of the model for an input; pairs are items
 like any other, so one query with 100 documents is packed into batches by the
 token budget and comes back in order) -> this head's slice of each row.
@@ -141,11 +142,10 @@ class TaskRunner:
         encodings = None
         timings: dict = {}  # the KServe statistics' stages: tokenize, queue, engine (the batcher's), heads
         tok = s.worker.tokenizer
-        pool = getattr(s, "_tok_pool", None)
         if miss or need_encodings:
             todo = items if need_encodings else [items[i] for i in miss]
             t = time.monotonic()
-            encs = await loop.run_in_executor(pool, tok.encodings, todo, req.truncate, req.param)
+            encs = await loop.run_in_executor(None, tok.encodings, todo, req.truncate, req.param)
             s.metrics.tokenize.observe(time.monotonic() - t)
             timings["compute_input_ns"] = int((time.monotonic() - t) * 1e9)
             if need_encodings:

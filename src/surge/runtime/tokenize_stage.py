@@ -14,9 +14,10 @@ the GPU machine. So:
   so a burst costs one call, and the loop keeps parsing HTTP meanwhile.
 
 A request whose inputs fail (too long with truncate=false) fails alone: the
-batch is retried per request then. The tokenizer is never used from two
-threads at once: inline runs only while the thread is idle, and only the loop
-starts the thread.
+batch is retried per request then. Inline runs only while the thread is idle
+(a request does not pass the ones queued before it), and only the loop starts
+the thread. (The tokenizer itself is safe to call from several threads:
+runtime/tokenize.py.)
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ class TokenizeStage:
         self._lock = threading.Lock()
         self._queue: list[tuple[list[str], bool, asyncio.Future, asyncio.AbstractEventLoop]] = []
         self._busy = False
-        self._exclusive = 0  # calls of exclusive() running: no inline tokenizing meanwhile
         self.batches = 0  # encode_batch calls made by the thread (for tests and benchmarks)
         self.inline = 0  # requests tokenized inline
 
@@ -47,7 +47,7 @@ class TokenizeStage:
         if texts is None:
             return self._encode(None, token_ids, truncate)  # validation and numpy: cheap
         with self._lock:
-            idle = not self._busy and not self._exclusive
+            idle = not self._busy
         if idle and truncate and sum(map(len, texts)) <= self.inline_chars:
             self.inline += 1
             return self._encode(texts, None, truncate)
@@ -61,14 +61,10 @@ class TokenizeStage:
             self._pool.submit(self._drain)
         return await fut
 
-    async def exclusive(self, fn, *args):
-        """Run another use of the tokenizer (e.g. counting without truncation, which changes its
-        settings) on the tokenizer thread, with inline tokenizing held off until it is done."""
-        self._exclusive += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-        finally:
-            self._exclusive -= 1
+    async def off_loop(self, fn, *args):
+        """Run another use of the tokenizer (e.g. counting without truncation) on the tokenizer
+        thread, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def _drain(self) -> None:
         while True:
