@@ -12,7 +12,10 @@
    unchanged, which own validation and its error messages.
 2. A client that disconnects while its request waits is noticed (the ASGI
    server reports http.disconnect) and the handler is cancelled, so the
-   runtime drops its queued inputs before spending compute on them.
+   runtime drops its queued inputs before spending compute on them: on the
+   embedding routes, KServe infer, and the task routes (`POST /`,
+   `/models/{name}`, `/predict`, `/rerank`, `/v1/rerank`, `/v2/rerank`), where one request
+   can hold thousands of (query, document) pairs.
 
 Only requests with a Content-Length within the body limit are touched; the
 rest pass straight through.
@@ -40,8 +43,14 @@ _OPENAI_KEYS = frozenset({"input", "model", "encoding_format", "user"})
 _GENERATE_ENDS = ("/generate", "/generate_stream")  # KServe's generate extension (a cheap test first)
 
 
+_TASKS = frozenset({"/", "/predict", "/rerank", "/v1/rerank", "/v2/rerank"})  # server/http/tei.py, rerank.py
+
+
 def _watched(path: str) -> bool:
-    return path in (_EMBED, _OPENAI) or (path.startswith("/v2/models/") and path.endswith("/infer"))
+    return (path in (_EMBED, _OPENAI) or path in _TASKS
+            or (path.startswith("/v2/models/") and path.endswith("/infer"))
+            # HF Inference's POST /models/{name}, not the lifecycle's /models/{name}/load and the like
+            or (path.startswith("/models/") and "/" not in path[8:]))
 
 GONE = object()  # read_declared_body: the client left before its body arrived
 

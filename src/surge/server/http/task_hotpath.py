@@ -22,7 +22,7 @@ from surge.errors import SurgeError
 from surge.runtime.tasks import TaskRequest
 from surge.server.errors import settled
 from surge.server.http.common import PARSED_BODY
-from surge.server.http.hotpath import GONE, read_declared_body
+from surge.server.http.hotpath import GONE, read_declared_body, run_watched
 from surge.server.http.task_io import label_scores, run_task
 
 _PATH = "/predict"
@@ -47,13 +47,17 @@ class TaskHotPathMiddleware:
         if plain is None:
             return await self.app(scope, _replay(body, receive), send)
         single, texts, served = plain
-        result, error = await settled(_PATH, self.classify(served, texts))
-        if error is not None:
-            return await error(scope, receive, send)
-        payload = predict_payload(single, result)
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
-        await send({"type": "http.response.body", "body": payload})
+
+        async def app(scope, receive, send):
+            result, error = await settled(_PATH, self.classify(served, texts))
+            if error is not None:
+                return await error(scope, receive, send)
+            payload = predict_payload(single, result)
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+            await send({"type": "http.response.body", "body": payload})
+
+        await run_watched(scope, body, receive, send, app)  # cancelled if the client goes away
 
     def classify(self, served, texts: list[str]):
         """The scores of a plain classify request (awaitable). TEI's /predict does not truncate."""
