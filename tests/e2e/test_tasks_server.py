@@ -6,10 +6,12 @@ and a decoder checkpoint refused at startup."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
 import sys
+import time
 
 import httpx
 import numpy as np
@@ -131,6 +133,17 @@ def test_rerank_routes_match_cross_encoder(client, models, sentences):
     assert [x["index"] for x in res] == order[:3]
     assert [x["relevance_score"] for x in res] == pytest.approx(ref[order[:3]].tolist(), abs=1e-5)
     assert res[0]["document"]["text"] == docs[order[0]]
+    # top_n past the number of documents: all of them, best first (Cohere's answer; LangChain's
+    # CohereRerank sends its default top_n=3 whatever it was given)
+    r = client.post("/v1/rerank", json={"model": "ce", "query": query, "documents": docs[:2], "top_n": 3})
+    assert r.status_code == 200, r.text
+    assert [x["index"] for x in r.json()["results"]] == sorted(range(2), key=lambda i: -ref[i])
+    # the same body on Cohere's v2 path and on /rerank (vLLM's routes): the same ranking
+    body = {"model": "ce", "query": query, "documents": docs, "top_n": 5, "return_documents": True}
+    for path in ("/v2/rerank", "/rerank"):
+        r = client.post(path, json=body)
+        assert r.status_code == 200, (path, r.text)
+        assert [(x["index"], x["document"]["text"]) for x in r.json()["results"]] == [(i, docs[i]) for i in order[:5]]
     # TEI /predict with pairs and the HF sentence-similarity shape on a reranker
     r = client.post("/predict", json={"model": "ce", "inputs": [[query, docs[0]], [query, docs[1]]], "raw_scores": True})
     assert r.status_code == 200
@@ -189,9 +202,9 @@ BAD = [
     ("/rerank", {"model": "ce", "query": "q", "texts": []}, 400, "texts"),
     ("/rerank", {"model": "ce", "query": "q", "texts": ["x"] * 3000}, 413, "texts"),
     ("/rerank", {"model": "ce", "query": "q", "texts": ["word " * 600]}, 413, "texts"),
-    ("/v1/rerank", {"model": "ce", "query": "q", "documents": ["a", "b"], "top_n": 3}, 400, "top_n"),
     ("/v1/rerank", {"model": "ce", "query": "q", "documents": ["a"], "top_n": 0}, 400, "top_n"),
     ("/v1/rerank", {"model": "ce", "query": "q", "documents": []}, 400, "documents"),
+    ("/models/intent", {"inputs": "play jazz", "parameters": {"truncate": "false"}}, 400, "truncate"),
     ("/models/slots", {"inputs": "play jazz", "parameters": {"aggregation_strategy": "longest"}}, 400,
      "aggregation_strategy"),
     ("/v1/embeddings", {"model": "intent", "input": "hello"}, 400, "model"),
@@ -225,6 +238,50 @@ def test_truncate_option_and_other_requests_unaffected(client, models):
             r = c.post("/predict", json={"model": "intent", "inputs": t})
             want = ref(t)
             assert r.json()[0]["label"] == (want[0][0] if isinstance(want[0], list) else want[0])["label"]
+
+
+def _model_metrics(url: str, model: str) -> dict[tuple, float]:
+    """{(sample name, labels without model/version): value} of one model from GET /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[tuple, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for s in fam.samples:
+            if s.labels.get("model") == model:
+                labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model", "version")))
+                out[(s.name, labels)] = out.get((s.name, labels), 0.0) + s.value
+    return out
+
+
+def test_a_client_that_leaves_a_task_route_is_not_computed(server, sentences):
+    """A client that disconnects has its queued inputs dropped (cancelled), on the task routes: the
+    rerank routes, and a plain POST /predict answered by the task hot path (the server's timeout is
+    30 s: only the disconnect can stop this work)."""
+    texts = [f"{sentences[i % len(sentences)]} left{i} {time.time_ns()}" for i in range(3000)]
+    before = {m: _model_metrics(server.url, m) for m in ("ce", "assistant")}
+
+    async def impatient():
+        async with httpx.AsyncClient(base_url=server.url, timeout=0.3) as c:
+            return await asyncio.gather(
+                c.post("/v1/rerank", json={"model": "ce", "query": "a query", "documents": texts[:1000]}),
+                c.post("/rerank", json={"model": "ce", "query": "a query", "texts": texts[1000:2000],
+                                        "truncate": True}),
+                c.post("/predict", json={"model": "intent", "inputs": texts[2000:]}),
+                return_exceptions=True)
+
+    outcomes = asyncio.run(impatient())
+    assert all(isinstance(o, httpx.TimeoutException) for o in outcomes), outcomes
+    for model, sent in (("ce", 2000), ("assistant", 1000)):
+        deadline = time.monotonic() + 20
+        while _model_metrics(server.url, model)[("surge_inflight_inputs", ())] > 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        after = _model_metrics(server.url, model)
+        assert after[("surge_inflight_inputs", ())] == 0, model
+        key = ("surge_inputs_dropped_total", (("reason", "cancelled"),))
+        dropped = after.get(key, 0) - before[model].get(key, 0)
+        computed = after[("surge_batch_size_sum", ())] - before[model].get(("surge_batch_size_sum", ()), 0)
+        # inputs queued when the client left are dropped, not computed (none may have been queued yet)
+        assert computed + dropped <= sent and computed < sent, (model, computed, dropped)
 
 
 def test_plain_predict_hot_path_answers_as_the_route(client, models):

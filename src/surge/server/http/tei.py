@@ -10,7 +10,8 @@ POST /  (and POST /models/{name})  dispatches on the model's task, as TEI and th
     token-classify  {"inputs": str | [str], "parameters": {"aggregation_strategy", "ignore_labels"}}
                                                        -> entities (a list per input for a list)
 POST /predict   TEI: {"inputs": str | [str, str] (a pair) | [str | [str, str]], "raw_scores", "truncate"}
-POST /rerank    TEI: {"query", "texts", "raw_scores", "return_text", "truncate"} -> [{"index", "score", "text"?}]
+POST /rerank    TEI: {"query", "texts", "raw_scores", "return_text", "truncate"} -> [{"index", "score", "text"?}];
+                a body with "documents" is the Cohere / Jina shape that vLLM's /rerank takes (server/http/rerank.py)
 POST /tokenize  TEI: {"inputs", "add_special_tokens", "prompt_name"} -> [[{"id", "text", "special", "start", "stop"}]]
                 (with a prompt, as /embed would tokenize: the offsets index the prompted text); a body
                 with "prompt" or "messages" is vLLM's /tokenize (server/http/vllm_tokenize.py)
@@ -36,6 +37,7 @@ from surge.engines.pooling import l2_normalize
 from surge.errors import InvalidInput
 from surge.runtime.entities import check_strategy
 from surge.runtime.tasks import TaskRequest
+from surge.server.http import rerank as rerank_api
 from surge.server.http import vllm_tokenize
 from surge.server.http.common import ORJSONResponse, json_body, parse, validate
 from surge.server.http.task_io import (body_schema, check_pairs, check_texts, entities, label_scores,
@@ -139,7 +141,9 @@ def router(state: AppState) -> APIRouter:
         task = getattr(served, "task", "embed")
         inputs = req.inputs
         check_direction(req.truncation_direction)
-        truncate = bool(req.truncate) if req.truncate is not None else bool(params.get("truncate", False))
+        truncate = req.truncate if req.truncate is not None else params.get("truncate", False)
+        if not isinstance(truncate, bool):  # bool("false") is True: a string is refused, not read
+            raise InvalidInput("parameters.truncate must be true or false", param="truncate")
         if isinstance(inputs, dict) and "source_sentence" in inputs:
             return ORJSONResponse(await _similarity(served, inputs, truncate))
         if task == "embed":
@@ -224,7 +228,10 @@ def router(state: AppState) -> APIRouter:
 
     @r.post("/rerank", openapi_extra=body_schema(RerankRequest))
     async def rerank(request: Request):
-        req = await parse(request, RerankRequest, limits.max_body_bytes)
+        body = await json_body(request, limits.max_body_bytes)
+        if rerank_api.is_cohere_body(body):  # vLLM's /rerank takes Cohere's body (documents): rerank.py answers
+            return await rerank_api.answer(state, validate(rerank_api.CohereRerankRequest, body))
+        req = validate(RerankRequest, body)
         check_direction(req.truncation_direction)
         served = registry.get(req.model)
         if not req.query.strip():
