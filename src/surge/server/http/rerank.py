@@ -6,7 +6,7 @@
 
 Results are best first; `top_n` (a positive integer) keeps the best N, all of them when there are
 no more than N, as Cohere answers (LangChain's CohereRerank asks for its default top_n=3 whatever
-the number of documents it was given) and as vLLM and Infinity do. Scores are the cross-encoder's
+the number of documents it was given) and as vLLM does. Scores are the cross-encoder's
 sigmoid, as sentence-transformers' CrossEncoder.predict.
 """
 
