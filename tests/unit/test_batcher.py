@@ -325,3 +325,36 @@ def test_a_waiting_scheduler_counts_its_free_instance_not_as_queue(bundled_worke
 
     rows = asyncio.run(main())
     assert [r.shape[0] for r in rows] == [4, 4]
+
+
+def test_a_failing_batch_runs_again_caller_by_caller_so_only_the_bad_input_fails(bundled_worker, pool, encoded,
+                                                                                  alone):
+    """An engine error on one caller's input failed every caller that shared its batch: a result must not depend
+    on which requests shared it. The failed batch now runs again one caller at a time."""
+    import copy
+
+    poison = copy.copy(encoded[0])  # an input this engine fails on (by identity: its tokens are fine)
+    shared = []
+
+    def engine(items):
+        if any(item is poison for item in items):
+            shared.append(len(items))
+            raise RuntimeError("the engine failed on one input")
+        return bundled_worker.compute(items)
+
+    async def main():
+        b = DynamicBatcher(engine, pool, BatcherConfig(max_queue_delay_s=0.05, max_batch_size=32))
+        idx = list(range(1, 9))
+        jobs = [b.submit([encoded[i], encoded[i + 10]]) for i in idx[:4]] + [b.submit([poison])] + \
+            [b.submit([encoded[i]]) for i in idx[4:]]
+        return idx, await asyncio.gather(*jobs, return_exceptions=True)
+
+    idx, outcomes = asyncio.run(main())
+    assert max(shared) > 1, shared  # the poison shared a batch with other callers
+    assert isinstance(outcomes[4], EngineError) and "failed on one input" in str(outcomes[4])
+    good = outcomes[:4] + outcomes[5:]
+    assert not [o for o in good if isinstance(o, BaseException)], good
+    for i, rows in zip(idx[:4], good[:4]):
+        np.testing.assert_allclose(rows, alone[[i, i + 10]], rtol=0, atol=1e-5)
+    for i, rows in zip(idx[4:], good[4:]):
+        np.testing.assert_allclose(rows, alone[[i]], rtol=0, atol=1e-5)

@@ -379,14 +379,45 @@ class DynamicBatcher:
                 raise EngineError(f"engine returned {rows.shape[0]} rows for a batch of {len(batch)}")
         except Exception as exc:
             err = exc if isinstance(exc, EngineError) else EngineError(f"batch failed: {type(exc).__name__}: {exc}")
+            callers: dict[int, list[_Entry]] = {}
             for e in batch:
-                if not e.ticket.future.done():
-                    e.ticket.future.set_exception(err)
+                callers.setdefault(id(e.ticket), []).append(e)
+            if len(callers) == 1:
+                self._fail(batch, err)
+            else:
+                # A result must not depend on who shared the batch: run it again one caller at a time, so only
+                # the callers whose own inputs fail get an error (the engine slot is still held here).
+                for group in callers.values():
+                    await self._run_alone(loop, group)
             return
         finally:
             self._executing -= 1
             self._slots.release()
-        for i, e in enumerate(batch):
+        self._deliver(batch, rows)
+
+    @staticmethod
+    def _fail(entries: list[_Entry], err: Exception) -> None:
+        for e in entries:
+            if not e.ticket.future.done():
+                e.ticket.future.set_exception(err)
+
+    async def _run_alone(self, loop, group: list[_Entry]) -> None:
+        """One caller's inputs of a failed batch, run by themselves."""
+        if group[0].ticket.future.done():  # cancelled, or expired meanwhile
+            return
+        try:
+            rows = await loop.run_in_executor(self._executor, self._run, [e.item for e in group])
+            if rows.shape[0] != len(group):
+                raise EngineError(f"engine returned {rows.shape[0]} rows for a batch of {len(group)}")
+        except Exception as exc:  # noqa: BLE001 - this caller's own failure
+            self._fail(group, exc if isinstance(exc, EngineError) else
+                       EngineError(f"batch failed: {type(exc).__name__}: {exc}"))
+            return
+        self._deliver(group, rows)
+
+    @staticmethod
+    def _deliver(entries: list[_Entry], rows) -> None:
+        for i, e in enumerate(entries):
             t = e.ticket
             if t.future.done():
                 continue
