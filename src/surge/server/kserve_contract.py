@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from surge import __version__
-from surge.errors import InvalidInput, SurgeError, shown
+from surge.errors import InvalidInput, PayloadTooLarge, SurgeError, shown
 from surge.server.http.openai import split_input
 from surge.types import EmbedOptions
 
@@ -227,6 +227,11 @@ def _token_ids(t: InputTensor, mask: InputTensor | None, max_inputs: int) -> lis
         raise InvalidInput(f"input 'input_ids' must have datatype INT64, got {t.datatype}")
     if len(t.shape) != 2:
         raise InvalidInput(f"input 'input_ids' must have shape [N,L], got {list(t.shape)}")
+    if t.shape[0] > max_inputs:
+        # Before any per-row work: a shape [10**9, 0] has no elements (a ~100-byte request), and one
+        # Python list per row took the server out of memory before split_input counted them.
+        raise PayloadTooLarge(f"'{INPUT_IDS}' has {t.shape[0]} rows; at most {max_inputs} are allowed",
+                              param=INPUT_IDS)
     rows = np.asarray(t.values, dtype=np.int64).reshape(t.shape)
     if mask is not None:
         if mask.datatype not in ID_DATATYPES:

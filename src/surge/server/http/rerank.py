@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 from surge.errors import InvalidInput
 from surge.runtime.tasks import TaskRequest
 from surge.server.http.common import ORJSONResponse, parse
-from surge.server.http.task_io import body_schema, check_texts, rerank_scores, run_task
+from surge.server.http.task_io import body_schema, check_length, check_texts, rerank_scores, run_task
 from surge.server.state import AppState
 
 
@@ -47,6 +47,7 @@ async def answer(state: AppState, req: CohereRerankRequest) -> ORJSONResponse:
     served = state.registry.get(req.model)
     if not req.query.strip():
         raise InvalidInput("'query' must be a non-empty string", param="query")
+    check_length(req.query, "query", limits)
     docs = []
     for i, d in enumerate(req.documents):
         if isinstance(d, dict):

@@ -32,6 +32,15 @@ def check_texts(texts: list[str], field: str, limits) -> list[str]:
     return texts
 
 
+def check_length(text: str, field: str, limits) -> str:
+    """A rerank query (or a similarity's source sentence) is bounded as the texts it is paired with are:
+    unchecked, it costs its length times the number of those texts (cache keys, tokenizing)."""
+    if len(text) > limits.max_input_chars:
+        raise PayloadTooLarge(f"'{field}' has {len(text)} characters; at most {limits.max_input_chars} are allowed",
+                              param=field)
+    return text
+
+
 def check_pairs(pairs: list, field: str, limits) -> list[tuple[str, str]]:
     if not pairs:
         raise InvalidInput(f"'{field}' must not be empty", param=field)

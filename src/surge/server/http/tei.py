@@ -40,7 +40,7 @@ from surge.runtime.tasks import TaskRequest
 from surge.server.http import rerank as rerank_api
 from surge.server.http import vllm_tokenize
 from surge.server.http.common import ORJSONResponse, json_body, parse, validate
-from surge.server.http.task_io import (body_schema, check_pairs, check_texts, entities, label_scores,
+from surge.server.http.task_io import (body_schema, check_length, check_pairs, check_texts, entities, label_scores,
                                        rerank_scores, run_task)
 from surge.server.state import AppState
 from surge.types import EmbedOptions
@@ -183,6 +183,7 @@ def router(state: AppState) -> APIRouter:
         source, others = inputs.get("source_sentence"), inputs.get("sentences")
         if not isinstance(source, str) or not source.strip():
             raise InvalidInput("inputs.source_sentence must be a non-empty string", param="source_sentence")
+        check_length(source, "source_sentence", limits)
         if not isinstance(others, list):
             raise InvalidInput("inputs.sentences must be a list of strings", param="sentences")
         check_texts(others, "sentences", limits)
@@ -236,6 +237,7 @@ def router(state: AppState) -> APIRouter:
         served = registry.get(req.model)
         if not req.query.strip():
             raise InvalidInput("'query' must be a non-empty string", param="query")
+        check_length(req.query, "query", limits)
         texts = check_texts(req.texts, "texts", limits)
         result = await run_task(state, served, TaskRequest(pairs=[(req.query, t) for t in texts],
                                                            truncate=req.truncate, param="texts"), "rerank")
