@@ -19,8 +19,9 @@ from tests.tensor.repo import write
 
 # initialize and finalize take a while, so that a short client deadline passes halfway through them.
 SLOW_PY = '''
-import concurrent.futures as cf
 import time
+
+import numpy as np
 
 
 class TritonPythonModel:
