@@ -20,6 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 pytest.importorskip("peft")
+redis = pytest.importorskip("redis")
 
 from tests.decoder_models import build_lora, build_model, load_hf  # noqa: E402
 from tests.server_process import ServerProcess, fresh_client  # noqa: E402
@@ -140,8 +141,14 @@ def test_the_shared_tier_never_answers_a_version_reloaded_with_other_weights(tmp
     with ServerProcess("--model-repository", str(tmp_path / "repo"), "--redis-url", redis_server) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         kw = dict(model="chat", prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        store = redis.Redis.from_url(redis_server)
+        before = set(store.keys("surge:chat:1:*"))
         assert client.completions.create(**kw).choices[0].text == refs["base"]
-        time.sleep(0.5)  # the shared tier's write is in the background
+        # the shared tier's write is in the background: the old weights' entry is there before the reload
+        deadline = time.monotonic() + 60
+        while not set(store.keys("surge:chat:1:*")) - before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert set(store.keys("surge:chat:1:*")) - before, "the old weights' answer never reached the shared tier"
         yaml.write_text(f"source: {other}\nengine:\n  threads: 1\n")
         r = fresh_client(srv.url, timeout=120).post("/models/chat/reload")
         assert r.status_code == 200, r.text

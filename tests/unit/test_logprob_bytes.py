@@ -34,10 +34,19 @@ def test_bytes_of_tokens_that_split_characters_join_into_the_text(tmp_path):
     service.mark_ready()
     params = SamplingParams(max_tokens=24, temperature=1.0, seed=3, logprobs=2,
                             guide=("regex", "(é|日本|😀){3}"))
-    try:
-        res = asyncio.run(service.generate(service.encode("hi"), params))
-    finally:
-        asyncio.run(service.close())
+    eos = service.engine.cfg.eos_token_ids[0]
+    # a special token's bytes are those of the text it shows ("" where special tokens are skipped)
+    ends = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=0, logit_bias=((eos, 100.0),))
+
+    async def main():
+        try:
+            return (await service.generate(service.encode("hi"), params),
+                    await service.generate(service.encode("hi"), ends))
+        finally:
+            await service.close()
+
+    res, special = asyncio.run(main())
+    assert [(it["token"], it["bytes"]) for it in logprob_list(special.logprobs)] == [("", [])] * 2
     items = logprob_list(res.logprobs)
     assert len(res.text) == 3 and len(items) > 3, (res.text, items)  # some character took several tokens
     assert b"".join(bytes(it["bytes"]) for it in items) == res.text.encode()

@@ -129,17 +129,22 @@ def _ids(value, where: str) -> tuple[int, ...]:
     return tuple(values)
 
 
+def _generation_config(path: str | Path) -> dict:
+    """The model's generation_config.json ({} without one)."""
+    try:
+        gen = json.loads((Path(path) / "generation_config.json").read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: cannot read generation_config.json ({exc})") from exc
+    return gen if isinstance(gen, dict) else {}
+
+
 def _eos_ids(config_eos, path: Path) -> tuple[int, ...]:
     """config.json's end tokens, then generation_config.json's others: transformers' `generate` stops at
     the latter's (Llama 3 Instruct's <|eot_id|> is only there) and vLLM adds them to the stop tokens."""
     ids = _ids(config_eos, f"{path}/config.json")
-    try:
-        gen = json.loads((path / "generation_config.json").read_text())
-    except FileNotFoundError:
-        return ids
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: cannot read generation_config.json ({exc})") from exc
-    more = _ids(gen.get("eos_token_id") if isinstance(gen, dict) else None, f"{path}/generation_config.json")
+    more = _ids(_generation_config(path).get("eos_token_id"), f"{path}/generation_config.json")
     return ids + tuple(t for t in dict.fromkeys(more) if t not in ids)
 
 
@@ -150,15 +155,10 @@ _SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": No
 
 def sampling_defaults(path: str | Path) -> dict:
     """The sampling defaults the model's generation_config.json sets (none without the file)."""
-    try:
-        gen = json.loads((Path(path) / "generation_config.json").read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: cannot read generation_config.json ({exc})") from exc
+    gen = _generation_config(path)
     out = {}
     for name, default in _SAMPLING_DEFAULTS.items():
-        value = gen.get(name) if isinstance(gen, dict) else None
+        value = gen.get(name)
         if value is None or value == default:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -5,6 +5,10 @@ characters (the decoded text's bytes cannot).
 Byte-level BPE (GPT-2, Llama 3, Qwen2) writes each byte as one printable character; SentencePiece with byte
 fallback (Llama 2, Mistral) writes a lone byte as `<0xNN>` and a space as U+2581. Special tokens have no bytes
 of their own here: their entry is None and the caller uses the text it shows for them.
+
+(llguidance's LLTokenizer.decode_bytes, which guided decoding already builds, reads the same pieces but
+cannot give the lone byte 0xFF: that byte marks its special tokens, so the token of byte 0xFF comes back as a
+special token with no bytes.)
 """
 
 from __future__ import annotations

@@ -182,12 +182,11 @@ def logprob_list(items) -> list[dict]:
 def _bytes(own, text: str) -> list[int]:
     """The token's own bytes (GenerateService._logprob; a split character's part, which its text cannot
     carry), or its text's where an item has none (one from an older cache entry)."""
-    return list(own) if own is not None else list(text.encode())
+    return own if own is not None else list(text.encode())
 
 
 def _top_bytes(item) -> list:
-    own = item.get("top_bytes")
-    return own if own is not None and len(own) == len(item["top"] or ()) else [None] * len(item["top"] or ())
+    return item.get("top_bytes") or [None] * len(item["top"] or ())
 
 
 def message_item(text: str, logprobs: list | None, status: str, item_id: str | None = None) -> dict:
