@@ -98,3 +98,42 @@ def test_a_stream_failing_after_text_reports_and_stores_what_was_written(model_d
     # stored as it was reported (a streamed failure was not stored at all: the record stayed absent)
     assert record is not None and record["response"]["status"] == "failed"
     assert record["response"]["output"] == failed["output"]
+
+
+def test_a_background_response_failing_on_an_unexpected_error_stores_no_internal_detail(model_dir):
+    """A background response whose generation raises something that is not a SurgeError is stored as failed
+    with the routes' generic 500 message, as a foreground request is answered: the exception's text (paths,
+    tensor shapes, a device's words) is for the log, not for whoever reads the response back."""
+    from surge.server.http.responses_api import ResponseRequest, _store, response_answer
+
+    state, service = _state_with_failing_model(model_dir, fail_at=0)
+    secret = "/srv/private/weights.safetensors shape [896, 4864]"
+
+    step = service.engine.step
+
+    def raises(scheduled):
+        raise KeyError(secret)
+
+    service.engine.step = raises
+    req = ResponseRequest(model="m", input="The augmented assignment", max_output_tokens=8, temperature=0,
+                          background=True, store=True)
+
+    async def main():
+        created = await response_answer(state, req, _never_leaves)
+        rid = created.body["id"]
+        for _ in range(400):
+            record = await _store(state).get(rid)
+            if record and record["response"]["status"] not in ("queued", "in_progress"):
+                return record
+            await asyncio.sleep(0.025)
+        raise AssertionError("the background response never ended")
+
+    try:
+        record = asyncio.run(main())
+    finally:
+        service.engine.step = step
+        asyncio.run(service.close())
+    response = record["response"]
+    assert response["status"] == "failed", response
+    assert response["error"]["message"], response
+    assert "private" not in orjson.dumps(response).decode(), response["error"]

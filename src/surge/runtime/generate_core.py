@@ -225,7 +225,9 @@ class EngineLoop:
                 self.busy_s += time.perf_counter() - t0
             except Exception as exc:  # the steps' requests fail; the service keeps serving
                 log.exception("generation step failed")
-                msg = f"generation failed: {type(exc).__name__}: {exc}"
+                # Every request of the step gets this text, not only the one whose row raised: the exception's
+                # own words (a path, a shape, another request's token) stay in the log.
+                msg = f"generation failed ({type(exc).__name__}); the server's log has the details"
                 for seq in loop.involved():
                     self.scheduler.abort(seq, "error")
                     self.seqs.pop(seq.seq_id, None)

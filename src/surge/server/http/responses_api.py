@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from types import SimpleNamespace
 from typing import ClassVar, Literal, Union
@@ -46,6 +47,8 @@ from surge.server.http.responses_events import ResponseEvents
 from surge.server.http.responses_items import (choice_for_chat, new_id, normalize_input, system_first, text_format,
                                                to_messages, tools_for_chat)
 from surge.server.state import AppState
+
+log = logging.getLogger("surge.responses")
 
 LOGPROBS = "message.output_text.logprobs"
 INCLUDES = (LOGPROBS, "reasoning.encrypted_content")
@@ -275,10 +278,12 @@ async def _run_background(state: AppState, p: _Prepared) -> None:
     except SurgeError as exc:
         await _keep(state, p, {**p.base, "status": "failed", "error": {"code": exc.code, "message": exc.message}})
         return
-    except Exception as exc:  # the record must not stay in_progress forever
-        error = {"code": "internal_error", "message": str(exc)}
+    except Exception:  # the record must not stay in_progress forever
+        # whoever reads the record back gets what a foreground request's 500 says; the text goes to the log
+        log.exception("background response %s failed", rid)
+        error = {"code": "internal_error", "message": "internal server error"}
         await _keep(state, p, {**p.base, "status": "failed", "error": error})
-        raise
+        return
     finally:
         await stream.aclose()
     events.finish(d)
