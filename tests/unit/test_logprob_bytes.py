@@ -37,16 +37,24 @@ def test_bytes_of_tokens_that_split_characters_join_into_the_text(tmp_path):
     eos = service.engine.cfg.eos_token_ids[0]
     # a special token's bytes are those of the text it shows ("" where special tokens are skipped)
     ends = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=0, logit_bias=((eos, 100.0),))
+    # ... and its own text where the request writes special tokens out (skip_special_tokens false)
+    shown = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=1, logit_bias=((eos, 100.0),),
+                           skip_special_tokens=False)
 
     async def main():
         try:
             return (await service.generate(service.encode("hi"), params),
-                    await service.generate(service.encode("hi"), ends))
+                    await service.generate(service.encode("hi"), ends),
+                    await service.generate(service.encode("hi"), shown))
         finally:
             await service.close()
 
-    res, special = asyncio.run(main())
+    res, special, written = asyncio.run(main())
     assert [(it["token"], it["bytes"]) for it in logprob_list(special.logprobs)] == [("", [])] * 2
+    eos_text = service.tokenizer.decode([eos], skip_special_tokens=False)
+    assert eos_text and written.text == eos_text * 2
+    items = logprob_list(written.logprobs)
+    assert [(it["token"], bytes(it["bytes"])) for it in items] == [(eos_text, eos_text.encode())] * 2
     items = logprob_list(res.logprobs)
     assert len(res.text) == 3 and len(items) > 3, (res.text, items)  # some character took several tokens
     assert b"".join(bytes(it["bytes"]) for it in items) == res.text.encode()

@@ -603,7 +603,7 @@ class GenerateService(PromptText):
                     lp = None
                     out = samples.get(sid) if samples else None
                     if h.logprobs and out is not None:
-                        lp = self._logprob(token, out.logprob, out.top)
+                        lp = self._logprob(token, out.logprob, out.top, h.seq.params.skip_special_tokens)
                     d = h.delta
                     if d is None:
                         lps = ([lp] if lp is not None else []) if h.logprobs else None
@@ -615,7 +615,8 @@ class GenerateService(PromptText):
                             d.logprobs.append(lp)
                         d.finish_reason, d.completion_tokens = finish, n
                     if out is not None and out.prompt is not None:
-                        d.prompt_logprobs = [self._logprob(t, v, top) for t, v, top in out.prompt]
+                        d.prompt_logprobs = [self._logprob(t, v, top, h.seq.params.skip_special_tokens)
+                                              for t, v, top in out.prompt]
                     if finish is not None:
                         d.cached_tokens = h.seq.num_cached_prompt
                     if finish == "stop":
@@ -638,11 +639,14 @@ class GenerateService(PromptText):
         if count:
             metrics.output.inc(count)
 
-    def _logprob(self, token: int, logprob: float, top) -> dict:
+    def _logprob(self, token: int, logprob: float, top, skip_special: bool = True) -> dict:
+        """A token's log-probability entry; its text (and its alternatives') as the request's answer writes
+        special tokens: left out, or written out where it asked for skip_special_tokens false."""
         top = top or []
-        return {"token_id": token, "token": self.decode([token]), "logprob": logprob,
-                "top": [(self.decode([t]), v, t) for t, v in top], "bytes": self._bytes_of(token),
-                "top_bytes": [self._bytes_of(t) for t, _ in top]}
+        text = self.decode if skip_special else self.decode_all
+        return {"token_id": token, "token": text([token]), "logprob": logprob,
+                "top": [(text([t]), v, t) for t, v in top], "bytes": self._bytes_of(token, text),
+                "top_bytes": [self._bytes_of(t, text) for t, _ in top]}
 
     @cached_property
     def _token_bytes(self) -> list:
@@ -651,9 +655,9 @@ class GenerateService(PromptText):
 
         return token_bytes_table(self.tokenizer)
 
-    def _bytes_of(self, token: int) -> list[int]:
+    def _bytes_of(self, token: int, text=None) -> list[int]:
         own = self._token_bytes[token] if 0 <= token < len(self._token_bytes) else None
-        return list(own if own is not None else self.decode([token]).encode())
+        return list(own if own is not None else (text or self.decode)([token]).encode())
 
     def _expire(self, handle: _Handle) -> None:
         """The request's deadline passed: its stream fails, and its sequence stops now, not when its
