@@ -603,7 +603,7 @@ class GenerateService(PromptText):
                     lp = None
                     out = samples.get(sid) if samples else None
                     if h.logprobs and out is not None:
-                        lp = self._logprob(token, out.logprob, out.top)
+                        lp = self._logprob(token, out.logprob, out.top, out.rank)
                     d = h.delta
                     if d is None:
                         lps = ([lp] if lp is not None else []) if h.logprobs else None
@@ -638,9 +638,9 @@ class GenerateService(PromptText):
         if count:
             metrics.output.inc(count)
 
-    def _logprob(self, token: int, logprob: float, top) -> dict:
+    def _logprob(self, token: int, logprob: float, top, rank: int | None = None) -> dict:
         top = top or []
-        return {"token_id": token, "token": self.decode([token]), "logprob": logprob,
+        return {"token_id": token, "token": self.decode([token]), "logprob": logprob, "rank": rank,
                 "top": [(self.decode([t]), v, t) for t, v in top], "bytes": self._bytes_of(token),
                 "top_bytes": [self._bytes_of(t) for t, _ in top]}
 
