@@ -183,7 +183,7 @@ class InferenceServicer(TritonExtras, pb_grpc.GRPCInferenceServiceServicer):
             for name, dtype, array in arrays:
                 if not wanted or name in wanted:
                     response.outputs.add(name=name, datatype=dtype, shape=list(array.shape))
-                    response.raw_output_contents.append(array.tobytes())
+                    response.raw_output_contents.append(kserve_tensor.raw_bytes(array))  # BYTES too
             return response
         decoded = contract.decode_request(decode_inputs(request), parameters(request.parameters), outputs,
                                           self.limits.max_inputs_per_request, self.limits.max_input_chars)

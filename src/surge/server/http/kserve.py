@@ -241,11 +241,11 @@ def router(state: AppState) -> APIRouter:
         for name, dtype, array in arrays:
             out = {"name": name, "datatype": dtype, "shape": list(array.shape)}
             if binary_of.get(name, default_binary):
-                data = array.tobytes()
+                data = kserve_tensor.raw_bytes(array)  # BYTES too (a classification output)
                 out["parameters"] = {"binary_data_size": len(data)}
                 raw += data
             else:
-                out["data"] = array.ravel()
+                out["data"] = kserve_tensor.json_data(array) if array.dtype == object else array.ravel()
             body["outputs"].append(out)
         headers = {"x-surge-model-version": result.version}
         if not raw:
