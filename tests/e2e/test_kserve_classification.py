@@ -110,6 +110,7 @@ def test_classification_extension_top_k_over_http_and_grpc(clients, want, k):
 
 def test_bad_classification_counts_are_refused(server, clients):
     h, g = clients
+    assert "classification" in h.get_server_metadata()["extensions"]  # as Triton reports it
     for bad in (0, -2, "3", 1.5, True):
         body = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["play jazz"]}],
                 "outputs": [{"name": "logits", "parameters": {"classification": bad}}]}
@@ -163,3 +164,56 @@ def test_execution_count_counts_batches_not_requests(server, clients):
     after, after_batches = _stats(server), _batches(server)
     assert after["inference_count"] - mid["inference_count"] == 6
     assert after["execution_count"] - mid["execution_count"] == after_batches - mid_batches
+
+
+@pytest.fixture(scope="module")
+def tensor_server(tmp_path_factory):
+    from tests.tensor.graphs import fixed_onnx, mlp_onnx
+    from tests.tensor.repo import FIXED_PBTXT, write
+
+    root = tmp_path_factory.mktemp("clsrepo")
+    mlp_onnx(write(root / "mlp" / "1" / "model.onnx", ""))
+    write(root / "mlp" / "1" / "model.yaml", "kind: onnx\n")
+    fixed_onnx(write(root / "fixed" / "1" / "model.onnx", ""))
+    write(root / "fixed" / "config.pbtxt", FIXED_PBTXT)
+    with ServerProcess("--model-repository", str(root), "--threads", "1", grpc=True) as srv:
+        yield srv, root
+
+
+def test_classification_of_tensor_models_batched_and_not(tensor_server):
+    """A generic tensor model has no labels: "<value>:<index>"; a batching model (max_batch_size > 0) gets
+    [N, k] a row per item, a fixed-shape one [k] over its whole output; integers print as integers."""
+    import onnxruntime as ort
+
+    srv, root = tensor_server
+    rng = np.random.default_rng(5)
+    feeds = {"x": rng.standard_normal((3, 8)).astype(np.float32), "bias": rng.integers(0, 3, (3, 1)).astype(np.int64)}
+    probs, top = ort.InferenceSession(str(root / "mlp" / "1" / "model.onnx")).run(["probs", "top"], feeds)
+    x = rng.standard_normal((2, 3)).astype(np.float32)
+    (y,) = ort.InferenceSession(str(root / "fixed" / "1" / "model.onnx")).run(None, {"x": x})
+    h = th.InferenceServerClient(srv.url.removeprefix("http://"), network_timeout=120)
+    g = tg.InferenceServerClient(srv.grpc_url)
+    try:
+        for c, mod in ((h, th), (g, tg)):
+            ins = []
+            for name, arr in feeds.items():
+                t = mod.InferInput(name, list(arr.shape), "FP32" if arr.dtype == np.float32 else "INT64")
+                t.set_data_from_numpy(arr)
+                ins.append(t)
+            r = c.infer("mlp", ins, outputs=[mod.InferRequestedOutput("probs", class_count=2),
+                                             mod.InferRequestedOutput("top", class_count=1)])
+            got = r.as_numpy("probs")
+            assert got.shape == (3, 2)
+            for row, entries in zip(probs, got):
+                order = np.argsort(-row, kind="stable")[:2]
+                assert [e.decode() for e in entries] == [f"{float(row[i]):f}:{i}" for i in order]
+            # `top` is [N] (one value an item): its one class is index 0, the value itself
+            assert [e.decode() for e in r.as_numpy("top").ravel()] == [f"{int(v)}:0" for v in top]
+            t = mod.InferInput("x", [2, 3], "FP32")
+            t.set_data_from_numpy(x)
+            got = c.infer("fixed", [t], outputs=[mod.InferRequestedOutput("y", class_count=2)]).as_numpy("y")
+            order = np.argsort(-y, kind="stable")[:2]
+            assert got.shape == (2,) and [e.decode() for e in got] == [f"{float(y[i]):f}:{i}" for i in order]
+    finally:
+        h.close()
+        g.close()

@@ -256,9 +256,8 @@ def router(state: AppState) -> APIRouter:
 
 
     async def tensor_infer(service, req: _InferRequest, binary: bytes, outputs: list[tuple[str, dict]]):
-        inputs = kserve_tensor.to_arrays(decode_inputs(req.inputs, binary))
-        result = await kserve_tensor.run(state, service, inputs, kserve_tensor.check_outputs(outputs))
-        return _tensors(result.model, result.version, req, list(result.outputs.items()), outputs)
+        result, arrays = await kserve_tensor.infer(state, service, decode_inputs(req.inputs, binary), outputs)
+        return _tensors(result.model, result.version, req, arrays, outputs)
 
     async def generate_infer(request: Request, name: str, version: str | None, req: _InferRequest, binary: bytes,
                              outputs: list[tuple[str, dict]]):
