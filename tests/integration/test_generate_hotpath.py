@@ -168,7 +168,7 @@ ERRORS = [
         {"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400),
     ("/v2/models/nope/generate", {"text_input": "x"}, 404),
     ("/v2/models/m/versions/7/generate_stream", {"text_input": "x"}, 404),
-    ("/v2/models/m/generate", {"text_input": ""}, 422),
+    ("/v2/models/m/generate", {"text_input": ""}, 400),  # KServe: any bad input is a 400, as /infer
 ]
 
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from surge.errors import DeadlineExceeded, EngineError, NotReady, Overloaded
 from surge.runtime.metrics import ServiceMetrics, multiprocess_dir
+from surge.runtime.request import EXECUTIONS
 from surge.types import Encoded
 
 RunBatch = Callable[[list[Encoded]], np.ndarray]
@@ -373,6 +374,9 @@ class DynamicBatcher:
                     if wait > tm.get("queue_ns", 0):
                         tm["queue_ns"] = wait
                     if id(e.ticket) not in seen:  # a caller's inputs in one batch: one compute time
+                        # KServe's execution_count counts model executions (batches), not requests: the
+                        # batch is credited to its first caller, so the callers' counts sum to the batches
+                        tm[EXECUTIONS] = tm.get(EXECUTIONS, 0) + (not seen)
                         seen.add(id(e.ticket))
                         tm["compute_infer_ns"] = tm.get("compute_infer_ns", 0) + int(took * 1e9)
             if rows.shape[0] != len(batch):

@@ -603,7 +603,8 @@ class GenerateService(PromptText):
                     lp = None
                     out = samples.get(sid) if samples else None
                     if h.logprobs and out is not None:
-                        lp = self._logprob(token, out.logprob, out.top, h.seq.params.skip_special_tokens)
+                        lp = self._logprob(token, out.logprob, out.top, h.seq.params.skip_special_tokens,
+                                           out.rank)
                     d = h.delta
                     if d is None:
                         lps = ([lp] if lp is not None else []) if h.logprobs else None
@@ -639,12 +640,12 @@ class GenerateService(PromptText):
         if count:
             metrics.output.inc(count)
 
-    def _logprob(self, token: int, logprob: float, top, skip_special: bool = True) -> dict:
+    def _logprob(self, token: int, logprob: float, top, skip_special: bool = True, rank: int | None = None) -> dict:
         """A token's log-probability entry; its text (and its alternatives') as the request's answer writes
         special tokens: left out, or written out where it asked for skip_special_tokens false."""
         top = top or []
         text = self.decode if skip_special else self.decode_all
-        return {"token_id": token, "token": text([token]), "logprob": logprob,
+        return {"token_id": token, "token": text([token]), "logprob": logprob, "rank": rank,
                 "top": [(text([t]), v, t) for t, v in top], "bytes": self._bytes_of(token, text),
                 "top_bytes": [self._bytes_of(t, text) for t, _ in top]}
 

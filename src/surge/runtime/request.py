@@ -20,6 +20,9 @@ from surge.types import EmbedOptions, EmbedResult
 
 # EmbedResult.timings keys (ns), named as KServe's statistics stages
 QUEUE, TOKENIZE, INFER, POST = "queue_ns", "compute_input_ns", "compute_infer_ns", "compute_output_ns"
+# EmbedResult.timings' count of the engine batches the request was the first caller of (runtime/batcher.py):
+# summed over requests, the model's executions (KServe's execution_count)
+EXECUTIONS = "executions"
 # response headers of each stage (milliseconds, like TEI's x-*-time headers)
 HEADERS = {TOKENIZE: b"x-surge-tokenize-ms", QUEUE: b"x-surge-queue-ms", INFER: b"x-surge-inference-ms",
            POST: b"x-surge-postprocess-ms"}

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from surge.runtime.request import EXECUTIONS
+
 
 @dataclass
 class Duration:
@@ -60,7 +62,7 @@ class ModelStats:
     version: str
     last_inference_ms: int = 0  # ms since the epoch
     inference_count: int = 0  # inputs answered (each input of a batched request counts)
-    execution_count: int = 0  # model executions: requests that ran the model
+    execution_count: int = 0  # model executions: engine batches run (a generation: one a request)
     inference_stats: InferStats = field(default_factory=InferStats)
 
     def as_dict(self) -> dict:
@@ -203,10 +205,12 @@ class InferenceStats:
             s.cache_hit.add(elapsed_ns)
             self._changed(stats)
             return
-        stats.execution_count += 1
+        timings = getattr(result, "timings", None) or {}
+        # the batches this request was the first caller of (runtime/batcher.py): requests sharing a batch
+        # count it once, as Triton; a result from elsewhere (a remote model) counts its one call
+        stats.execution_count += timings.get(EXECUTIONS, 1)
         if cache_enabled:  # as Triton: cache counters only for models with a cache
             s.cache_miss.add(elapsed_ns)
-        timings = getattr(result, "timings", None) or {}
         for stage in STAGES:
             ns = timings.get(stage, getattr(result, stage, None))
             if ns is not None:

@@ -33,7 +33,7 @@ from surge.types import EmbedOptions
 TEXT, INPUT_IDS, ATTENTION_MASK, EMBEDDING = "text", "input_ids", "attention_mask", "embedding"
 ID_DATATYPES = ("INT64", "INT32")
 OUTPUT_DATATYPES = ("FP32", "FP16")
-EXTENSIONS = ["binary_tensor_data", "model_repository", "statistics", "parameters"]
+EXTENSIONS = ["binary_tensor_data", "classification", "model_repository", "statistics", "parameters"]
 
 # Little-endian, as the specification's binary tensor data extension and
 # raw_input_contents require.

@@ -7,10 +7,13 @@ Triton + vLLM send):
                                            and the structured-output fields: guided_json, guided_regex,
                                            guided_choice, guided_grammar, structured_outputs)
        exclude_input_in_output  BOOL  [1]  optional: a non-streamed text_output without the prompt
-                                           (default false: prompt + completion, as the vLLM backend)
-       return_finish_reason / return_num_input_tokens / return_num_output_tokens  BOOL [1]  optional
-  out  text_output              BYTES [1]  (and finish_reason BYTES, num_input_tokens / num_output_tokens
-                                           UINT32, when asked)
+                                           (default false: prompt + completion, as the vLLM backend; a
+                                           stream never has the prompt, and false there is refused)
+       return_finish_reason / return_cumulative_logprob / return_logprobs / return_num_input_tokens /
+       return_num_output_tokens  BOOL [1]  optional (server/kserve_generate_outputs.py)
+  out  text_output              BYTES [1]  (and finish_reason BYTES, cumulative_logprob FP32, logprobs BYTES
+                                           (JSON), num_input_tokens / num_output_tokens UINT32, when asked;
+                                           a stream's num_output_tokens and logprobs: its response's tokens)
 
 The request's `parameters` may carry the sampling parameters too (as the generate extension's body). A
 streamed response's last one has the parameter `triton_final_response` true. Both protocol layers call
@@ -32,14 +35,16 @@ from surge.server.http.guided_fields import FIELDS as GUIDE_FIELDS
 from surge.server.http.guided_fields import guide_from_dict
 from surge.server.http.kserve_generate import GenerateParameters
 from surge.server.kserve_contract import InputTensor
+from surge.server.kserve_generate_outputs import FLAGS as OUTPUT_FLAGS
+from surge.server.kserve_generate_outputs import OUTPUT_FLAG as OPTIONAL_OUTPUTS
+from surge.server.kserve_generate_outputs import STREAM_PROMPT_ERROR, Extras, check_n, logprobs_wanted
 
 TEXT_INPUT, TEXT_OUTPUT = "text_input", "text_output"
-FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
-         "return_num_output_tokens")
-# the outputs besides text_output, and the flag that asks for each
-OPTIONAL_OUTPUTS = {"finish_reason": "return_finish_reason", "num_input_tokens": "return_num_input_tokens",
-                    "num_output_tokens": "return_num_output_tokens"}
+FLAGS = ("stream", *OUTPUT_FLAGS)
 KNOWN = {TEXT_INPUT, "sampling_parameters", *FLAGS}
+# what sampling_parameters may hold besides SAMPLING_FIELDS and the structured-output fields: vLLM's names
+# that surge's KServe routes honour (server/kserve_generate_outputs.py)
+VLLM_EXTRAS = ("logprobs", "n")
 
 
 @dataclass
@@ -93,7 +98,7 @@ def prepare(state, name: str, version: str | None, inputs: list[InputTensor], pa
     except UnicodeDecodeError:
         raise InvalidInput(f"input '{TEXT_INPUT}' holds invalid UTF-8", param=TEXT_INPUT) from None
     flags = {f: bool(_one(by_name[f], "BOOL")) for f in FLAGS if f in by_name}
-    sampling = {k: v for k, v in parameters.items() if k in SAMPLING_FIELDS or k in GUIDE_FIELDS}
+    sampling = {k: v for k, v in parameters.items() if k in SAMPLING_FIELDS or k in GUIDE_FIELDS or k in VLLM_EXTRAS}
     if "sampling_parameters" in by_name:
         raw = _one(by_name["sampling_parameters"], "BYTES")
         try:
@@ -102,15 +107,20 @@ def prepare(state, name: str, version: str | None, inputs: list[InputTensor], pa
             raise InvalidInput("sampling_parameters must be a JSON object", param="sampling_parameters") from None
         if not isinstance(given, dict):
             raise InvalidInput("sampling_parameters must be a JSON object", param="sampling_parameters")
-        unknown = sorted(set(given) - set(SAMPLING_FIELDS) - set(GUIDE_FIELDS))
+        unknown = sorted(set(given) - set(SAMPLING_FIELDS) - set(GUIDE_FIELDS) - set(VLLM_EXTRAS))
         if unknown:  # Triton's vLLM backend fails on a field vLLM lacks; surge on one it does not honour
             raise InvalidInput(f"sampling_parameters: {unknown[0]!r} is not supported (known: "
-                               f"{', '.join(SAMPLING_FIELDS + GUIDE_FIELDS)})", param="sampling_parameters")
+                               f"{', '.join(SAMPLING_FIELDS + GUIDE_FIELDS + VLLM_EXTRAS)})",
+                               param="sampling_parameters")
         sampling.update(given)
     sampling = _checked(sampling)
+    check_n(sampling.get("n"))
+    if flags.get("stream") and flags.get("exclude_input_in_output") is False:
+        raise InvalidInput(STREAM_PROMPT_ERROR, param="exclude_input_in_output")
     guide = guide_from_dict(sampling, service)
     try:
-        params = make_params(service, **{k: sampling.get(k) for k in SAMPLING_FIELDS}, guide=guide)
+        params = make_params(service, **{k: sampling.get(k) for k in SAMPLING_FIELDS}, guide=guide,
+                             logprobs=logprobs_wanted(flags, sampling.get("logprobs")))
     except (TypeError, ValueError, AttributeError) as exc:  # a value of the wrong type
         raise InvalidInput(f"sampling_parameters: {exc}", param="sampling_parameters") from None
     for out in requested:
@@ -123,15 +133,20 @@ def prepare(state, name: str, version: str | None, inputs: list[InputTensor], pa
     return Prepared(service, prompt, ids, params, flags, set(requested))
 
 
-def outputs(p: Prepared, text: str, finish: str | None, prompt_tokens: int, completion_tokens: int) -> list:
+# the datatype of each additional output, as the vLLM backend's config.pbtxt declares them
+_TYPES = {"finish_reason": ("BYTES", object), "cumulative_logprob": ("FP32", np.float32),
+          "logprobs": ("BYTES", object), "num_input_tokens": ("UINT32", np.uint32),
+          "num_output_tokens": ("UINT32", np.uint32)}
+
+
+def outputs(p: Prepared, text: str, extras: dict) -> list:
     """[(name, datatype, numpy array)] of one response: the outputs asked for, those the request names."""
     out = [(TEXT_OUTPUT, "BYTES", np.array([text.encode()], dtype=object))]
-    if p.flags.get("return_finish_reason"):
-        out.append(("finish_reason", "BYTES", np.array([(finish or "").encode()], dtype=object)))
-    if p.flags.get("return_num_input_tokens"):
-        out.append(("num_input_tokens", "UINT32", np.array([prompt_tokens], dtype=np.uint32)))
-    if p.flags.get("return_num_output_tokens"):
-        out.append(("num_output_tokens", "UINT32", np.array([completion_tokens], dtype=np.uint32)))
+    for name, value in extras.items():
+        datatype, dtype = _TYPES[name]
+        if dtype is object:
+            value = (value or "").encode()
+        out.append((name, datatype, np.array([value], dtype=dtype)))
     return [o for o in out if not p.wanted or o[0] in p.wanted]
 
 
@@ -141,15 +156,18 @@ async def answer(state, p: Prepared) -> list:
         raise InvalidInput("'stream' needs gRPC ModelStreamInfer (or POST .../generate_stream)", param="stream")
     res = await counted(state, p.service, p.service.generate(p.ids, p.params, deadline=deadline_for(state)))
     text = res.text if p.flags.get("exclude_input_in_output") else p.prompt + res.text
-    return outputs(p, text, res.finish_reason, res.prompt_tokens, res.completion_tokens)
+    extras = Extras(p.flags).values(res.logprobs, res.completion_tokens, res.finish_reason, res.prompt_tokens)
+    return outputs(p, text, extras)
 
 
 async def stream(state, p: Prepared):
     """(outputs, final) a delta; the caller closes it when its client leaves."""
+    extras = Extras(p.flags)
     agen = counted_stream(state, p.service, p.service.stream(p.ids, p.params, deadline=deadline_for(state)))
     try:
         async for d in agen:
             final = d.finish_reason is not None
-            yield outputs(p, d.text, d.finish_reason, d.prompt_tokens, d.completion_tokens), final
+            more = extras.values(d.logprobs, len(d.token_ids), d.finish_reason, d.prompt_tokens)
+            yield outputs(p, d.text, more), final
     finally:
         await agen.aclose()

@@ -12,6 +12,10 @@
 
 Request parameters: truncate (bool, default true). The labels' names are in
 GET /info. Both protocol layers call `infer` and encode what it returns.
+
+Triton's classification extension (server/kserve_classification.py): `logits` requested with the
+parameter classification = k comes back as BYTES [N, k] "<value>:<index>:<label>" (classify, rerank);
+token-classify's rows are tokens, not inputs, so it is refused there.
 """
 
 from __future__ import annotations
@@ -104,7 +108,12 @@ def encode(result) -> list[tuple[str, str, np.ndarray]]:
 
 async def infer(state, service, tensors, params, outputs, limits):
     from surge.server.http.task_io import run_task
+    from surge.server import kserve_classification as classification
 
     req = decode(service, tensors, params, outputs, limits)
+    wanted = classification.counts(outputs)  # checked before the model runs
+    if wanted and service.task == "token-classify":
+        raise InvalidInput(f"classification is not available for model '{service.name}' (task token-classify): "
+                           "its logits hold a row per token, not per input", param=classification.PARAM)
     result = await run_task(state, service, req, service.task)
-    return result, encode(result)
+    return result, classification.apply(encode(result), wanted, list(result.head.labels), batched=True)

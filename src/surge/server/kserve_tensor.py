@@ -62,6 +62,19 @@ async def run(state, service, inputs: dict[str, np.ndarray], outputs: list[str] 
                             else service.infer(inputs, outputs, deadline=deadline))
 
 
+async def infer(state, service, tensors: list[contract.InputTensor], outputs: list[tuple[str, dict]]):
+    """(result, [(name, array)]) of a tensor model's request, with Triton's classification extension applied
+    to the outputs that ask for it (no labels: a tensor model declares none; a batching model's rows are its
+    items, as Triton's max_batch_size > 0)."""
+    from surge.server import kserve_classification as classification
+
+    wanted = classification.counts(outputs)  # checked before the model runs
+    result = await run(state, service, to_arrays(tensors), check_outputs(outputs))
+    arrays = [(n, "", a) for n, a in result.outputs.items()]
+    arrays = classification.apply(arrays, wanted, None, batched=bool(service.config.batched))
+    return result, [(n, a) for n, _, a in arrays]
+
+
 def check_outputs(outputs: list[tuple[str, dict]]) -> list[str] | None:
     names = [n for n, _ in outputs]
     if len(set(names)) != len(names):

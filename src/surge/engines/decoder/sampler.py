@@ -26,6 +26,9 @@ class SampleOut:
     token: int
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None  # (token, logprob), best first
+    # the chosen token's rank in the raw distribution (1: the likeliest), vLLM's Logprob.rank: Triton's
+    # vLLM backend returns it, and it cannot be told from `top` when the token is not among them
+    rank: int | None = None
     # with the first sampled token of a sequence that asked for them: its prompt's (token, logprob,
     # top) from the second token on (the runner's prefill scores them)
     prompt: list | None = None
@@ -124,7 +127,9 @@ class Sampler:
         out = [SampleOut(int(t)) for t in chosen_tokens]
         if want_logprobs:
             lp = torch.log_softmax(raw, dim=-1)
-            chosen = lp.gather(1, tokens[:, None])[:, 0].tolist()
+            chosen_t = lp.gather(1, tokens[:, None])
+            ranks = ((lp > chosen_t).sum(-1) + 1).tolist()
+            chosen = chosen_t[:, 0].tolist()
             k = max(p.logprobs or 0 for p in params)
             top_v, top_i = lp.topk(k, dim=-1) if k else (None, None)
             top_v = top_v.tolist() if k else None
@@ -132,7 +137,7 @@ class Sampler:
             for i, p in enumerate(params):
                 if p.logprobs is None:
                     continue
-                out[i].logprob = chosen[i]
+                out[i].logprob, out[i].rank = chosen[i], ranks[i]
                 if p.logprobs:
                     out[i].top = list(zip(top_i[i][: p.logprobs], top_v[i][: p.logprobs]))
         return out

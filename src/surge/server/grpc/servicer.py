@@ -183,7 +183,7 @@ class InferenceServicer(TritonExtras, pb_grpc.GRPCInferenceServiceServicer):
             for name, dtype, array in arrays:
                 if not wanted or name in wanted:
                     response.outputs.add(name=name, datatype=dtype, shape=list(array.shape))
-                    response.raw_output_contents.append(array.tobytes())
+                    response.raw_output_contents.append(kserve_tensor.raw_bytes(array))  # BYTES too
             return response
         decoded = contract.decode_request(decode_inputs(request), parameters(request.parameters), outputs,
                                           self.limits.max_inputs_per_request, self.limits.max_input_chars)
@@ -223,10 +223,9 @@ class InferenceServicer(TritonExtras, pb_grpc.GRPCInferenceServiceServicer):
         yield await self._infer(request)
 
     async def _tensor_infer(self, service, request, outputs):
-        inputs = kserve_tensor.to_arrays(decode_inputs(request))
-        result = await kserve_tensor.run(self.state, service, inputs, kserve_tensor.check_outputs(outputs))
+        result, arrays = await kserve_tensor.infer(self.state, service, decode_inputs(request), outputs)
         response = pb.ModelInferResponse(model_name=result.model, model_version=result.version, id=request.id)
-        for name, array in result.outputs.items():
+        for name, array in arrays:
             response.outputs.add(name=name, datatype=kserve_tensor.datatype_of(array), shape=list(array.shape))
             response.raw_output_contents.append(kserve_tensor.raw_bytes(array))
         return response

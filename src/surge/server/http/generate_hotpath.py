@@ -45,13 +45,14 @@ class GenerateHotPath:
 
     @staticmethod
     def _answer_for(path: str):
-        """(request model, answer(state, req, receive)) of a path this hot path takes."""
+        """(check(body) -> request, answer(state, req, receive)) of a path this hot path takes."""
         if path in ANSWERS:
             model, answer, _ = ANSWERS[path]
-            return model, answer
+            return (lambda data: validate(model, data)), answer
         name, version, kind = kserve_generate.target(path)
         fn = kserve_generate.ANSWERS[kind]
-        return kserve_generate.GenerateRequest, lambda state, req, receive: fn(state, req, name, version, receive)
+        # the route's own check: KServe's bad input is a 400, not the OpenAI routes' 422
+        return kserve_generate.validated, lambda state, req, receive: fn(state, req, name, version, receive)
 
     async def __call__(self, scope, receive, send):
         path = scope["path"]
@@ -60,10 +61,10 @@ class GenerateHotPath:
             return await self.stack(scope, receive, send)
         if body is GONE:
             return
-        model, answer = self._answer_for(path)
+        check, answer = self._answer_for(path)
 
         async def work(receive):
-            return await answer(self.state, validate(model, decode_json(body)), receive)
+            return await answer(self.state, check(decode_json(body)), receive)
 
         async def app(scope, receive, send):
             result, error = await settled(path, work(receive))

@@ -241,11 +241,11 @@ def router(state: AppState) -> APIRouter:
         for name, dtype, array in arrays:
             out = {"name": name, "datatype": dtype, "shape": list(array.shape)}
             if binary_of.get(name, default_binary):
-                data = array.tobytes()
+                data = kserve_tensor.raw_bytes(array)  # BYTES too (a classification output)
                 out["parameters"] = {"binary_data_size": len(data)}
                 raw += data
             else:
-                out["data"] = array.ravel()
+                out["data"] = kserve_tensor.json_data(array) if array.dtype == object else array.ravel()
             body["outputs"].append(out)
         headers = {"x-surge-model-version": result.version}
         if not raw:
@@ -256,9 +256,8 @@ def router(state: AppState) -> APIRouter:
 
 
     async def tensor_infer(service, req: _InferRequest, binary: bytes, outputs: list[tuple[str, dict]]):
-        inputs = kserve_tensor.to_arrays(decode_inputs(req.inputs, binary))
-        result = await kserve_tensor.run(state, service, inputs, kserve_tensor.check_outputs(outputs))
-        return _tensors(result.model, result.version, req, list(result.outputs.items()), outputs)
+        result, arrays = await kserve_tensor.infer(state, service, decode_inputs(req.inputs, binary), outputs)
+        return _tensors(result.model, result.version, req, arrays, outputs)
 
     async def generate_infer(request: Request, name: str, version: str | None, req: _InferRequest, binary: bytes,
                              outputs: list[tuple[str, dict]]):

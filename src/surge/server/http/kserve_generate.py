@@ -9,20 +9,32 @@ allowed_token_ids, bad_words, include_stop_str_in_output, skip_special_tokens) a
 model's priority scheduling policy).
 Answer: {"model_name", "model_version", "text_output", "finish_reason", "prompt_tokens",
 "completion_tokens"}; generate_stream sends one such event per delta (server-sent events,
-`text_output` holding the delta), the last one with finish_reason. Errors: {"error": msg}.
+`text_output` holding the delta), the last one with finish_reason.
+
+Triton's vLLM-backend flags (server/kserve_generate_outputs.py), at either level: the return_* flags add
+their outputs (cumulative_logprob, logprobs, num_input_tokens, num_output_tokens) to each answer or event;
+`logprobs` (vLLM's sampling parameter) sets the top tokens that `logprobs` lists; `n` must be 1.
+exclude_input_in_output: Triton's vLLM backend puts the prompt before the completion unless it is true;
+surge's generate answered the completion alone before it took the flag, and its clients read it so, so
+here the prompt comes only with exclude_input_in_output false (/infer follows the backend's default).
+
+Errors: {"error": msg}, 400 for any bad input (Triton's one status for it, as /infer), not the 422 of the
+OpenAI routes.
 """
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from surge.server.http.common import parse
+from surge.errors import InvalidInput, Unprocessable
+from surge.server.http.common import json_body, validate
 from surge.server.http import generate_common
 from surge.server.http.generate_common import (SAMPLING_FIELDS, EventStream, JsonAnswer, counted, counted_stream,
                                                deadline_for, generate_model, make_params, sse, until_disconnect)
 from surge.server.http.guided_fields import guide_from_dict
 from surge.server.http.openapi import body
+from surge.server.kserve_generate_outputs import STREAM_PROMPT_ERROR, Extras, check_n, logprobs_wanted
 from surge.server.state import AppState
 
 
@@ -56,6 +68,19 @@ class GenerateParameters(BaseModel):
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
     structured_outputs: dict | None = None
+    # Triton's vLLM backend (server/kserve_generate_outputs.py)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    n: StrictInt | None = None
+    exclude_input_in_output: StrictBool | None = None
+    return_finish_reason: StrictBool | None = None
+    return_cumulative_logprob: StrictBool | None = None
+    return_logprobs: StrictBool | None = None
+    return_num_input_tokens: StrictBool | None = None
+    return_num_output_tokens: StrictBool | None = None
+
+
+FLAG_FIELDS = ("exclude_input_in_output", "return_finish_reason", "return_cumulative_logprob", "return_logprobs",
+               "return_num_input_tokens", "return_num_output_tokens")
 
 
 class GenerateRequest(GenerateParameters):
@@ -64,38 +89,56 @@ class GenerateRequest(GenerateParameters):
     parameters: GenerateParameters | None = None
 
 
-def _body(req, service, text, finish, prompt, completion) -> dict:
+def validated(data) -> GenerateRequest:
+    """The request body checked: a schema error is a 400 here, as Triton answers any bad input (the shared
+    `validate` says 422, the OpenAI routes' status)."""
+    try:
+        return validate(GenerateRequest, data)
+    except Unprocessable as exc:
+        raise InvalidInput(exc.message, param=exc.param) from None
+
+
+def _body(req, service, text, finish, prompt, completion, extras: dict) -> dict:
     body = {"model_name": service.name, "model_version": service.version, "text_output": text,
-            "finish_reason": finish, "prompt_tokens": prompt, "completion_tokens": completion}
+            "finish_reason": finish, "prompt_tokens": prompt, "completion_tokens": completion, **extras}
     if req.id is not None:
         body["id"] = req.id
     return body
 
 
-def _prepare(state, req: GenerateRequest, name: str, version: str | None):
+def _prepare(state, req: GenerateRequest, name: str, version: str | None, stream: bool):
     service = generate_model(state, name, version)
     top = req.model_dump(exclude={"text_input", "id", "parameters"}, exclude_unset=True)
     nested = req.parameters.model_dump(exclude_unset=True) if req.parameters else {}
     p = {**top, **nested}
-    params = make_params(service, **{k: p.get(k) for k in SAMPLING_FIELDS}, guide=guide_from_dict(p, service))
+    check_n(p.get("n"))
+    flags = {k: p[k] for k in FLAG_FIELDS if p.get(k) is not None}
+    if stream and flags.get("exclude_input_in_output") is False:
+        raise InvalidInput(STREAM_PROMPT_ERROR, param="exclude_input_in_output")
+    params = make_params(service, **{k: p.get(k) for k in SAMPLING_FIELDS}, guide=guide_from_dict(p, service),
+                         logprobs=logprobs_wanted(flags, p.get("logprobs")))
     ids = service.encode(req.text_input)
     service.check_prompt(ids)
-    return service, ids, params
+    return service, ids, params, flags
 
 
 async def generate_answer(state: AppState, req: GenerateRequest, name: str, version: str | None,
                           receive) -> JsonAnswer:
     """The answer to a validated generate request (the route and server/http/generate_hotpath.py)."""
-    service, ids, params = _prepare(state, req, name, version)
+    service, ids, params, flags = _prepare(state, req, name, version, stream=False)
     res = await until_disconnect(receive, counted(state, service,
                                                   service.generate(ids, params, deadline=deadline_for(state))))
-    return JsonAnswer(_body(req, service, res.text, res.finish_reason, res.prompt_tokens, res.completion_tokens), {})
+    text = req.text_input + res.text if flags.get("exclude_input_in_output") is False else res.text
+    extras = Extras(flags).values(res.logprobs, res.completion_tokens, res.finish_reason, res.prompt_tokens)
+    return JsonAnswer(_body(req, service, text, res.finish_reason, res.prompt_tokens, res.completion_tokens,
+                            extras), {})
 
 
 async def generate_stream_answer(state: AppState, req: GenerateRequest, name: str, version: str | None,
                                  receive) -> EventStream:
     """The event stream of a validated generate_stream request; as `generate_answer`."""
-    service, ids, params = _prepare(state, req, name, version)
+    service, ids, params, flags = _prepare(state, req, name, version, stream=True)
+    extras = Extras(flags)
     agen = counted_stream(state, service, service.stream(ids, params, deadline=deadline_for(state)))
     first = await agen.__anext__()
 
@@ -104,7 +147,9 @@ async def generate_stream_answer(state: AppState, req: GenerateRequest, name: st
         try:
             while True:
                 if d.text or d.finish_reason is not None:
-                    yield sse(_body(req, service, d.text, d.finish_reason, d.prompt_tokens, d.completion_tokens))
+                    more = extras.values(d.logprobs, len(d.token_ids), d.finish_reason, d.prompt_tokens)
+                    yield sse(_body(req, service, d.text, d.finish_reason, d.prompt_tokens, d.completion_tokens,
+                                    more))
                 if d.finish_reason is not None:
                     return
                 d = await agen.__anext__()
@@ -134,7 +179,7 @@ def router(state: AppState) -> APIRouter:
 
     def route(answer):
         async def handler(request: Request, name: str, version: str | None = None):
-            req = await parse(request, GenerateRequest, limits.max_body_bytes)
+            req = validated(await json_body(request, limits.max_body_bytes))
             return generate_common.respond(await answer(state, req, name, version, request.receive))
         return handler
 
