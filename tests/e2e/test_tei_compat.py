@@ -162,3 +162,35 @@ def test_rerank_top_n_zero_is_every_document(client, models):
         assert [x["relevance_score"] for x in res] == pytest.approx(ref[order].tolist(), abs=1e-5)
     r = client.post("/v1/rerank", json={"model": "ce", "query": "fox", "documents": docs, "top_n": -1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_n"
+
+
+def test_embed_all_is_the_last_hidden_state_of_every_token(client, sentences):
+    """POST /embed_all: TEI's [input][token][hidden], special tokens included, neither pooled nor
+    normalized; truncated to the model's length by default, refused past it with truncate false."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    texts = sentences[:3] + [LONG]
+    tok = AutoTokenizer.from_pretrained(str(bundled_model_dir()))
+    model = AutoModel.from_pretrained(str(bundled_model_dir()), dtype=torch.float32).eval()
+    r = client.post("/embed_all", json={"model": "minilm", "inputs": texts})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert len(got) == len(texts)
+    for text, rows in zip(texts, got):
+        enc = tok([text], truncation=True, max_length=256, return_tensors="pt")
+        with torch.no_grad():
+            want = model(**enc).last_hidden_state[0].numpy().astype(np.float64)
+        rows = np.asarray(rows, dtype=np.float64)
+        assert rows.shape == want.shape  # [tokens incl. [CLS] and [SEP], 384]
+        cos = (rows * want).sum(1) / np.linalg.norm(rows, axis=1) / np.linalg.norm(want, axis=1)
+        assert cos.min() >= 0.9999, cos.min()
+        np.testing.assert_allclose(rows, want, atol=2e-3, rtol=0)
+    single = client.post("/embed_all", json={"model": "minilm", "inputs": texts[0]})
+    assert single.status_code == 200 and np.asarray(single.json()).shape == (1,) + np.asarray(got[0]).shape
+    r = client.post("/embed_all", json={"model": "minilm", "inputs": LONG, "truncate": False})
+    assert r.status_code == 422 and r.json()["error_type"] == "Validation", r.text
+    r = client.post("/embed_all", json={"model": "minilm", "inputs": []})
+    assert r.status_code == 400 and r.json()["error_type"] == "Empty", r.text
+    r = client.post("/embed_all", json={"model": "ce", "inputs": "hi"})
+    assert r.status_code == 424 and r.json()["error_type"] == "Backend", r.text

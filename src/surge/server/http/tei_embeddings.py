@@ -3,6 +3,11 @@
 POST /similarity    {"inputs": {"source_sentence", "sentences"}, "parameters": {"truncate",
                     "truncation_direction", "prompt_name"}} -> [float], the cosine of each sentence with
                     the source (a reranker: its cross-encoder scores, as POST / answers that shape)
+POST /embed_all     {"inputs": str | [str], "truncate", "truncation_direction", "prompt_name"} -> [input][token]
+                    [hidden]: the last hidden state of every token (special ones included), neither pooled
+                    nor normalized, as TEI's. Computed outside the dynamic batcher and the cache
+                    (ModelWorker.token_states), so only where the engines run in this process and return
+                    the hidden state; elsewhere TEI's Backend error (424).
 POST /embed_sparse  TEI answers it for SPLADE models only; surge serves none, so it answers what TEI
                     answers any other model: 424 {"error": "Model is not an embedding model with SPLADE
                     pooling", "error_type": "Backend"}, after checking the body as TEI does.
@@ -12,13 +17,15 @@ from __future__ import annotations
 
 from typing import Any, Union
 
+import asyncio
+
 import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr
 
 from surge.engines.pooling import l2_normalize
-from surge.errors import EmptyInput, InvalidInput, Unsupported
-from surge.runtime.tasks import TaskRequest
+from surge.errors import DeadlineExceeded, EmptyInput, InvalidInput, Unsupported
+from surge.runtime.tasks import TaskRequest, require_task
 from surge.server.http.common import ORJSONResponse, parse
 from surge.server.http.task_io import body_schema, check_length, check_texts, rerank_scores, run_task
 from surge.server.state import AppState
@@ -39,7 +46,9 @@ class SimilarityRequest(BaseModel):
     model: StrictStr | None = None
 
 
-class SparseRequest(BaseModel):
+class TokensRequest(BaseModel):
+    """TEI's EmbedSparseRequest and EmbedAllRequest: /embed's body without normalize / dimensions."""
+
     model_config = ConfigDict(extra="forbid")
     inputs: Union[StrictStr, list[StrictStr]]
     truncate: StrictBool | None = None
@@ -103,9 +112,33 @@ def router(state: AppState) -> APIRouter:
         return ORJSONResponse(await similarity(state, served, req.inputs, truncate, prompt_name,
                                                empty_message="`inputs.sentences` cannot be empty"))
 
-    @r.post("/embed_sparse", openapi_extra=body_schema(SparseRequest))
+    @r.post("/embed_all", openapi_extra=body_schema(TokensRequest))
+    async def embed_all(request: Request):
+        req = await parse(request, TokensRequest, limits.max_body_bytes)
+        served = state.registry.get(req.model)
+        check_direction(req.truncation_direction)
+        texts = check_texts([req.inputs] if isinstance(req.inputs, str) else req.inputs, "inputs", limits)
+        require_task(served, "embed")
+        worker = getattr(served, "worker", None)
+        if worker is None or not worker.can_return_tokens:
+            raise Unsupported(f"model '{served.name}' does not return per-token embeddings here (its engines run "
+                              "in another process or pool inside their graph)", param="model")
+        truncate = True if req.truncate is None else req.truncate  # TEI's --auto-truncate default
+        prompted = served.prompted(texts, req.prompt_name)
+
+        def compute():  # tokenizing (a too-long text without truncate: 422) and the engine, off the loop
+            return worker.token_states(served.encode(prompted, None, truncate))
+
+        try:
+            async with asyncio.timeout(limits.request_timeout_s):
+                rows = await asyncio.to_thread(compute)
+        except TimeoutError:
+            raise DeadlineExceeded(f"request did not finish within {limits.request_timeout_s:g} s") from None
+        return ORJSONResponse(rows)
+
+    @r.post("/embed_sparse", openapi_extra=body_schema(TokensRequest))
     async def embed_sparse(request: Request):
-        req = await parse(request, SparseRequest, limits.max_body_bytes)
+        req = await parse(request, TokensRequest, limits.max_body_bytes)
         state.registry.get(req.model)  # an unknown model is still a 404
         check_direction(req.truncation_direction)
         check_texts([req.inputs] if isinstance(req.inputs, str) else req.inputs, "inputs", limits)
