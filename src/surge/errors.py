@@ -31,9 +31,8 @@ class InvalidInput(SurgeError):
 
 class EmptyInput(InvalidInput):
     """No inputs, or an empty text: a class of its own because text-embeddings-inference answers it
-    apart from other validation errors (its `Empty` error type, 400; server/tei_errors.py)."""
-
-    code = "empty_input"
+    apart from other validation errors (its `Empty` error type, 400; server/tei_errors.py). Its code stays
+    invalid_input: OpenAI's body and the failure metrics' labels do not change."""
 
 
 class WrongTask(InvalidInput):

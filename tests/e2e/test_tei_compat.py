@@ -31,9 +31,25 @@ def models():
 
 
 @pytest.fixture(scope="module")
-def server(models, tmp_path_factory):
+def raw_dir(tmp_path_factory):
+    """The bundled MiniLM without its sentence-transformers Normalize module: a model whose own
+    default is unnormalized vectors (the weights are linked, not copied)."""
+    import json
+
+    src, d = bundled_model_dir(), tmp_path_factory.mktemp("minilm-raw")
+    for f in src.iterdir():
+        if f.name != "modules.json":
+            (d / f.name).symlink_to(f)
+    modules = [m for m in json.loads((src / "modules.json").read_text()) if not m["type"].endswith("Normalize")]
+    (d / "modules.json").write_text(json.dumps(modules))
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(models, raw_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("teirepo")
     add_version(root, "minilm", 1, ENGINE + f"source: {bundled_model_dir()}\n")
+    add_version(root, "raw", 1, ENGINE + f"source: {raw_dir}\n")
     add_version(root, "ce", 1, ENGINE + f"source: {models / 'ce'}\n")
     with ServerProcess("--model-repository", str(root), "--threads", "1", "--tei-embed",
                        "--max-inputs", str(MAX_INPUTS)) as srv:
@@ -194,3 +210,21 @@ def test_embed_all_is_the_last_hidden_state_of_every_token(client, sentences):
     assert r.status_code == 400 and r.json()["error_type"] == "Empty", r.text
     r = client.post("/embed_all", json={"model": "ce", "inputs": "hi"})
     assert r.status_code == 424 and r.json()["error_type"] == "Backend", r.text
+
+
+def test_tei_embed_normalizes_by_default_whatever_the_model(client, raw_dir, sentences):
+    """TEI's `normalize` defaults to true on /embed whatever the model's own modules say; false gives
+    the model's pooled vectors as sentence-transformers computes them."""
+    from sentence_transformers import SentenceTransformer
+
+    texts = sentences[:4]
+    ref = SentenceTransformer(str(raw_dir), device="cpu").encode(texts, convert_to_numpy=True).astype(np.float64)
+    assert np.linalg.norm(ref, axis=1).min() > 1.5  # really unnormalized
+    unit = ref / np.linalg.norm(ref, axis=1, keepdims=True)
+    for path in ("/embed", "/"):
+        r = client.post(path, json={"model": "raw", "inputs": texts})
+        assert r.status_code == 200, (path, r.text)
+        np.testing.assert_allclose(np.asarray(r.json(), dtype=np.float64), unit, atol=1e-4)
+    r = client.post("/embed", json={"model": "raw", "inputs": texts, "normalize": False})
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose(np.asarray(r.json(), dtype=np.float64), ref, rtol=1e-3, atol=1e-3)

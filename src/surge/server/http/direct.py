@@ -130,8 +130,7 @@ class DirectRoutes:
         task.add_done_callback(lambda _t: proto.watch.discard(lost))
 
     async def _run(self, proto, cycle, path, native, texts, service, model) -> None:
-        result, error = await settled(path, self.hot.embed(native, texts, service),
-                                      tei=native and self.hot.state.config.tei_embed)
+        result, error = await settled(path, self.hot.embed(native, texts, service))
         if error is not None:
             return _respond_with(proto, cycle, error)
         payload, version, extra = self.hot._payload(native, model, result)

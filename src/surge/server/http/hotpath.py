@@ -109,8 +109,7 @@ class HotPathMiddleware:
     def _direct(self, native: bool, texts: list[str], service, model: str):
         """An ASGI app answering one plain request that missed the cache, as the route would."""
         async def app(scope, receive, send):
-            result, error = await settled(scope["path"], self.embed(native, texts, service),
-                                          tei=native and self.state.config.tei_embed)
+            result, error = await settled(scope["path"], self.embed(native, texts, service))
             if error is not None:
                 return await error(scope, receive, send)
             await _send_json(send, *self._payload(native, model, result))
