@@ -46,7 +46,7 @@ def create_app(state: AppState) -> FastAPI:
     app = FastAPI(title="surge", version=__version__, docs_url="/docs", redoc_url=None, lifespan=lifespan)
     app.state.surge = state
     errors.install(app, tei_embed=state.config.tei_embed)
-    openapi.install(app)
+    openapi.install(app, tei_embed=state.config.tei_embed)
     app.include_router(health.router(state))
     app.include_router(openai.router(state))
     app.include_router(native.router(state))
