@@ -379,7 +379,8 @@ class ServerConfig(_Strict):
         None, description="Override the task detected from the model directory (config.json architectures, "
         "sentence-transformers files).")
     tei_embed: bool = Field(False, description="POST /embed answers text-embeddings-inference's bare array of "
-                            "vectors instead of surge's native object (POST / always answers TEI's shapes).")
+                            "vectors (normalized unless asked otherwise, and TEI's errors, as TEI's) instead of "
+                            "surge's native object (POST / always answers TEI's shapes).")
     repository_poll_s: float | None = Field(
         None, gt=0, description="Rescan the model repository this often, in seconds (new versions, changed "
         "model.yaml); 0 or None: never.")

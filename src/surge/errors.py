@@ -29,6 +29,12 @@ class InvalidInput(SurgeError):
     code = "invalid_input"
 
 
+class EmptyInput(InvalidInput):
+    """No inputs, or an empty text: a class of its own because text-embeddings-inference answers it
+    apart from other validation errors (its `Empty` error type, 400; server/tei_errors.py). Its code stays
+    invalid_input: OpenAI's body and the failure metrics' labels do not change."""
+
+
 class WrongTask(InvalidInput):
     """A route of one task called on a model of another (the message names the model's task)."""
 
@@ -54,6 +60,11 @@ class PayloadTooLarge(SurgeError):
     grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
     openai_type = "invalid_request_error"
     code = "payload_too_large"
+
+
+class BodyTooLarge(PayloadTooLarge):
+    """The request body's bytes past the limit (not too many or too long inputs): TEI answers this one
+    413 too, the others 422 (server/tei_errors.py)."""
 
 
 class Unprocessable(SurgeError):

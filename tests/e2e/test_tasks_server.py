@@ -195,22 +195,27 @@ def test_kserve_task_contracts_http_and_grpc(server, models):
     g.close()
 
 
+# OpenAI-shaped errors (Cohere's and OpenAI's routes): the field named in `param`
 BAD = [
-    ("/predict", {"model": "intent", "inputs": []}, 400, "inputs"),
-    ("/predict", {"model": "ce", "inputs": [["only one side"]]}, 400, "inputs"),
-    ("/predict", {"model": "ce", "inputs": [["a", ""], ["b", "c"]]}, 400, "inputs"),
-    ("/rerank", {"model": "ce", "query": "q", "texts": []}, 400, "texts"),
-    ("/rerank", {"model": "ce", "query": "q", "texts": ["x"] * 3000}, 413, "texts"),
-    ("/rerank", {"model": "ce", "query": "q", "texts": ["word " * 600]}, 413, "texts"),
-    ("/v1/rerank", {"model": "ce", "query": "q", "documents": ["a"], "top_n": 0}, 400, "top_n"),
+    ("/v1/rerank", {"model": "ce", "query": "q", "documents": ["a"], "top_n": -1}, 400, "top_n"),
     ("/v1/rerank", {"model": "ce", "query": "q", "documents": []}, 400, "documents"),
-    ("/models/intent", {"inputs": "play jazz", "parameters": {"truncate": "false"}}, 400, "truncate"),
-    ("/models/slots", {"inputs": "play jazz", "parameters": {"aggregation_strategy": "longest"}}, 400,
-     "aggregation_strategy"),
     ("/v1/embeddings", {"model": "intent", "input": "hello"}, 400, "model"),
-    ("/rerank", {"model": "intent", "query": "q", "texts": ["a"]}, 400, "model"),
-    ("/predict", {"model": "embed", "inputs": "hello"}, 400, "model"),
     ("/v1/rerank", {"model": "slots", "query": "q", "documents": ["a"]}, 400, "model"),
+]
+# TEI's routes answer TEI's {"error", "error_type"} with its statuses (tests/e2e/test_tei_compat.py)
+BAD_TEI = [
+    ("/predict", {"model": "intent", "inputs": []}, 400, "Empty", "inputs"),
+    ("/predict", {"model": "ce", "inputs": [["only one side"]]}, 422, "Validation", "inputs"),
+    ("/predict", {"model": "ce", "inputs": [["a", ""], ["b", "c"]]}, 400, "Empty", "inputs"),
+    ("/rerank", {"model": "ce", "query": "q", "texts": []}, 400, "Empty", "texts"),
+    ("/rerank", {"model": "ce", "query": "q", "texts": ["x"] * 3000}, 422, "Validation", "texts"),
+    ("/rerank", {"model": "ce", "query": "q", "texts": ["word " * 600], "truncate": False}, 422, "Validation",
+     "texts"),
+    ("/models/intent", {"inputs": "play jazz", "parameters": {"truncate": "false"}}, 422, "Validation", "truncate"),
+    ("/models/slots", {"inputs": "play jazz", "parameters": {"aggregation_strategy": "longest"}}, 422, "Validation",
+     "aggregation_strategy"),
+    ("/rerank", {"model": "intent", "query": "q", "texts": ["a"]}, 424, "Backend", "serves task"),
+    ("/predict", {"model": "embed", "inputs": "hello"}, 424, "Backend", "serves task"),
 ]
 
 
@@ -224,17 +229,26 @@ def test_bad_input_is_a_clear_4xx(client, path, body, status, field):
         assert "serves task" in err["message"]
 
 
+@pytest.mark.parametrize("path,body,status,error_type,named", BAD_TEI)
+def test_bad_input_on_tei_routes_is_teis_error(client, path, body, status, error_type, named):
+    r = client.post(path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()
+    assert err["error_type"] == error_type and named in err["error"], err
+
+
 def test_truncate_option_and_other_requests_unaffected(client, models):
     long = "turn on the lights " * 200
-    assert client.post("/predict", json={"model": "intent", "inputs": long}).status_code == 413
-    ok = client.post("/predict", json={"model": "intent", "inputs": long, "truncate": True})
-    assert ok.status_code == 200 and ok.json()[0]["label"]
+    assert client.post("/predict", json={"model": "intent", "inputs": long, "truncate": False}).status_code == 422
+    for body in ({"model": "intent", "inputs": long, "truncate": True}, {"model": "intent", "inputs": long}):
+        ok = client.post("/predict", json=body)  # TEI truncates by default (v1.9.0 on)
+        assert ok.status_code == 200 and ok.json()[0]["label"]
     # a bad request among good ones: the good ones get their own answers
     ref = _pipe(models, "intent", "text-classification")
     texts = heldout_commands(5)
     with httpx.Client(base_url=str(client.base_url), timeout=60) as c:
         for t in texts:
-            assert c.post("/predict", json={"model": "intent", "inputs": [t, t, ""]}).status_code == 400
+            assert c.post("/predict", json={"model": "intent", "inputs": [t, t, ""]}).status_code == 400  # Empty
             r = c.post("/predict", json={"model": "intent", "inputs": t})
             want = ref(t)
             assert r.json()[0]["label"] == (want[0][0] if isinstance(want[0], list) else want[0])["label"]
@@ -306,9 +320,9 @@ def test_plain_predict_hot_path_answers_as_the_route(client, models):
     pair = client.post("/predict", json={"model": "intent", "inputs": texts[:2]})
     assert pair.status_code == 200 and isinstance(pair.json()[0], dict)
     bad = client.post("/predict", json={"model": "intent", "inputs": [texts[0], "  ", texts[1]]})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "inputs"
+    assert bad.status_code == 400 and bad.json()["error_type"] == "Empty" and "inputs[1]" in bad.json()["error"]
     wrong = client.post("/predict", json={"model": "slots", "inputs": texts[0]})
-    assert wrong.status_code == 400 and "serves task" in wrong.json()["error"]["message"]
+    assert wrong.status_code == 424 and "serves task" in wrong.json()["error"]
 
 
 def test_info_tokenize_decode(client):
@@ -359,4 +373,5 @@ def test_tei_embed_shape(client, reference_embed, sentences):
     got = np.asarray(r.json(), dtype=np.float32)
     assert got.shape == (3, 384)
     assert cosine_rows(got, reference_embed(sentences[:3])).min() >= 0.99999
-    assert client.post("/embed", json={"inputs": "hi", "model": "intent"}).status_code == 400
+    wrong = client.post("/embed", json={"inputs": "hi", "model": "intent"})  # TEI's errors too: not an embedder
+    assert wrong.status_code == 424 and wrong.json()["error_type"] == "Backend"

@@ -10,7 +10,7 @@ import random
 import orjson
 import pytest
 
-from surge.errors import DeadlineExceeded, Overloaded
+from surge.errors import DeadlineExceeded, EmptyInput, Overloaded, PayloadTooLarge, WrongTask
 from surge.server.errors import settled
 
 
@@ -34,6 +34,13 @@ def test_a_result_comes_back_untouched():
     ("/v1/embeddings", Overloaded("queue full", retry_after=2.4), 429,
      {"error": {"message": "queue full", "type": "rate_limit_error", "param": None, "code": "overloaded"}}),
     ("/v2/models/m/infer", DeadlineExceeded("too slow"), 504, {"error": "too slow"}),
+    # text-embeddings-inference's routes: its {"error", "error_type"} and its status for the type
+    ("/predict", Overloaded("queue full", retry_after=2.4), 429, {"error": "queue full", "error_type": "Overloaded"}),
+    ("/rerank", WrongTask("model 'e' serves task 'embed', not 'rerank'"), 424,
+     {"error": "model 'e' serves task 'embed', not 'rerank'", "error_type": "Backend"}),
+    ("/", EmptyInput("'inputs' must not be empty"), 400, {"error": "'inputs' must not be empty", "error_type": "Empty"}),
+    ("/models/m", PayloadTooLarge("input 0 has 600 tokens"), 422,
+     {"error": "input 0 has 600 tokens", "error_type": "Validation"}),
 ])
 def test_a_surge_error_is_rendered_as_the_routes_render_it(path, exc, status, body):
     result, error = asyncio.run(settled(path, _raises(exc)))
@@ -47,7 +54,7 @@ def test_any_other_exception_is_the_catch_alls_500_and_is_logged(caplog):
     with caplog.at_level(logging.ERROR, logger="surge.server"):
         result, error = asyncio.run(settled("/predict", _raises(KeyError("boom"))))
     assert result is None and error.status_code == 500
-    assert orjson.loads(error.body)["error"]["code"] == "internal_error"
+    assert orjson.loads(error.body) == {"error": "internal server error", "error_type": "Backend"}  # TEI's shape
     [record] = [r for r in caplog.records if "unhandled error on /predict" in r.getMessage()]
     assert record.exc_info and record.exc_info[0] is KeyError  # the traceback is kept
 

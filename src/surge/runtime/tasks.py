@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from surge.engines.heads import Head
-from surge.errors import InvalidInput, PayloadTooLarge, SurgeError, WrongTask
+from surge.errors import EmptyInput, InvalidInput, PayloadTooLarge, SurgeError, WrongTask
 from surge.runtime.outcome import admitted
 
 
@@ -94,7 +94,7 @@ class TaskRunner:
         items = req.items
         n = len(items)
         if n == 0:
-            raise InvalidInput(f"'{req.param}' must not be empty", param=req.param)
+            raise EmptyInput(f"'{req.param}' must not be empty", param=req.param)
         if n > s.limits.max_inputs_per_request:
             raise PayloadTooLarge(f"'{req.param}' has {n} entries, more than the limit of "
                                   f"{s.limits.max_inputs_per_request}", param=req.param)

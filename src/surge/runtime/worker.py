@@ -163,6 +163,32 @@ class ModelWorker:
             raise EngineError(f"engine returned {vectors.shape[0]} rows for a batch of {len(items)}")
         return vectors
 
+    @property
+    def can_return_tokens(self) -> bool:
+        """Whether `token_states` can run here: engines in this process that return the hidden state
+        (not a --workers front end's remote engines, nor engines that pool or run heads in their graph)."""
+        return isinstance(self.engines, EnginePool) and not self.engine_pools and not self.engine_heads
+
+    def token_states(self, items: list[Encoded]) -> list[np.ndarray]:
+        """Each item's last hidden state [n_tokens, hidden] float32, unpooled (TEI's /embed_all). Blocking;
+        batches of at most the engines' max batch, outside the dynamic batcher: per-token rows are
+        n_tokens times a pooled row, too big for its cache and its IPC rows."""
+        step = max(1, self.engines.capabilities.max_batch)
+        out: list[np.ndarray] = []
+        for start in range(0, len(items), step):
+            chunk = items[start:start + step]
+            batch = self.make_batch(chunk)
+            hidden = np.asarray(self.engines.run(batch), dtype=np.float32)
+            if batch.layout is Layout.PACKED:
+                bounds = batch.cu_seqlens.astype(np.int64)
+                rows = [hidden[bounds[i]:bounds[i + 1]] for i in range(len(chunk))]
+            else:  # right-padded [B, L, H]
+                rows = [hidden[i, :len(e)] for i, e in enumerate(chunk)]
+            if len(rows) != len(chunk) or any(r.shape[0] != len(e) for r, e in zip(rows, chunk)):
+                raise EngineError(f"engine returned hidden states that do not match a batch of {len(chunk)}")
+            out.extend(np.ascontiguousarray(r) for r in rows)
+        return out
+
     def compute_launch(self, items: list[Encoded]):
         """compute() in two halves (can_launch): this one returns once the batch is on the GPU."""
         batch = self.make_batch(items)

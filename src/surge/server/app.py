@@ -20,8 +20,8 @@ from surge.server.state import AppState
 def create_app(state: AppState) -> FastAPI:
     from surge.server import health
     from surge.server.http import (anthropic_messages, kserve, kserve_generate, lora_routes, metrics, models, native,
-                                   openai, openai_chat, openapi, pipelines, rerank, responses_api, tei, vllm_tokenize,
-                                   triton_extras)
+                                   openai, openai_chat, openapi, pipelines, rerank, responses_api, tei, tei_embeddings,
+                                   triton_extras, vllm_tokenize)
     from surge.server.http.compression import DecompressMiddleware
 
     @contextlib.asynccontextmanager
@@ -45,8 +45,8 @@ def create_app(state: AppState) -> FastAPI:
 
     app = FastAPI(title="surge", version=__version__, docs_url="/docs", redoc_url=None, lifespan=lifespan)
     app.state.surge = state
-    errors.install(app)
-    openapi.install(app)
+    errors.install(app, tei_embed=state.config.tei_embed)
+    openapi.install(app, tei_embed=state.config.tei_embed)
     app.include_router(health.router(state))
     app.include_router(openai.router(state))
     app.include_router(native.router(state))
@@ -61,6 +61,7 @@ def create_app(state: AppState) -> FastAPI:
     app.include_router(metrics.router(state))
     app.include_router(triton_extras.router(state))
     app.include_router(tei.router(state))  # TEI / HF Inference shapes (POST /, /predict, /rerank, ...)
+    app.include_router(tei_embeddings.router(state))  # TEI's /similarity, /embed_sparse
     app.include_router(vllm_tokenize.router(state))  # vLLM's /detokenize (its /tokenize: tei's route dispatches)
     app.include_router(rerank.router(state))  # POST /v1/rerank (Cohere / Jina)
     for extra in state.extras.get("routers", []):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hmac
 
 from surge.server.errors import error_response
+from surge.server.tei_errors import is_tei_route
 from surge.server.health import OPEN_PATHS
 
 
@@ -28,7 +29,8 @@ class ApiKeyMiddleware:
         # compare_digest takes the same time whatever prefix matches.
         if not (hmac.compare_digest(given, self._expected) or (key and hmac.compare_digest(key, self._key))):
             resp = error_response(scope["path"], 401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                                  type_="invalid_request_error", code="invalid_api_key")
+                                  type_="invalid_request_error", code="invalid_api_key",
+                                  tei=is_tei_route(scope["path"], scope["method"]))
             resp.headers["WWW-Authenticate"] = "Bearer"
             return await resp(scope, receive, send)
         return await self.app(scope, receive, send)

@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
-from surge.errors import InvalidInput, PayloadTooLarge, Unprocessable, shown
+from surge.errors import BodyTooLarge, InvalidInput, Unprocessable, shown
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -33,14 +33,14 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared is not None:
         try:
             if int(declared) > limit:
-                raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+                raise BodyTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
         except ValueError:
             raise InvalidInput("invalid Content-Length header") from None
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+            raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
 

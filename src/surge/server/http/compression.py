@@ -13,6 +13,7 @@ from __future__ import annotations
 import zlib
 
 from surge.server.errors import error_response
+from surge.server.tei_errors import is_tei_route
 
 class _TooLarge(ValueError):
     pass
@@ -35,7 +36,8 @@ class DecompressMiddleware:
         path = scope["path"]
 
         async def fail(status: int, message: str, code: str):
-            await error_response(path, status, message, type_="invalid_request_error", code=code)(
+            await error_response(path, status, message, type_="invalid_request_error", code=code,
+                                 tei=is_tei_route(path, scope["method"]))(
                 scope, receive, send)
 
         if encoding not in _WBITS:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from urllib.parse import urlparse
 
 from surge.server.errors import error_response
+from surge.server.tei_errors import is_tei_route
 from surge.server.http.openapi import BINARY_TYPES
 
 JSON = "application/json"
@@ -65,5 +66,6 @@ class ContentTypeMiddleware:
                 return await self.app(scope, receive, send)
             shown = media[:64] or "(empty)"
             message = f"unsupported Content-Type '{shown}': send {' or '.join(allowed)}"
-        response = error_response(path, 415, message, type_="invalid_request_error", code="unsupported_media_type")
+        response = error_response(path, 415, message, type_="invalid_request_error", code="unsupported_media_type",
+                                  tei=is_tei_route(path, scope["method"]))
         await response(scope, receive, send)

@@ -40,7 +40,10 @@ def router(state: AppState) -> APIRouter:
         texts, ids = split_input(req.inputs, limits.max_inputs_per_request, limits.max_input_chars)
         service = state.registry.get(req.model, req.version)
         check_direction(req.truncation_direction)
-        options = EmbedOptions(normalize=req.normalize, truncate=req.truncate, dimensions=req.dimensions,
+        normalize = req.normalize
+        if normalize is None and state.config.tei_embed:
+            normalize = True  # TEI's default, whatever the model's own modules say (surge's: the model's)
+        options = EmbedOptions(normalize=normalize, truncate=req.truncate, dimensions=req.dimensions,
                                prompt_name=req.prompt_name)
         result = await state.run(service, texts=texts, token_ids=ids, options=options)
         if state.config.tei_embed:  # text-embeddings-inference's shape: the bare array of vectors

@@ -8,7 +8,7 @@ from typing import Literal, Union
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from surge.errors import InvalidInput, PayloadTooLarge, shown
+from surge.errors import EmptyInput, InvalidInput, PayloadTooLarge, shown
 from surge.server.http.common import ORJSONResponse, parse
 from surge.server.http.openapi import body
 from surge.server.http.openai_inputs import check_lengths, check_token_ids
@@ -43,20 +43,20 @@ def split_input(raw, max_inputs: int, max_chars: int) -> tuple[list[str] | None,
     elif raw and all(isinstance(x, list) for x in raw):
         texts, ids = None, list(raw)
     else:
-        raise InvalidInput("'input' must not be empty", param="input")
+        raise EmptyInput("'input' must not be empty", param="input")
     items = texts if texts is not None else ids
     if len(items) > max_inputs:
         raise PayloadTooLarge(f"'input' has {len(items)} items; at most {max_inputs} are allowed", param="input")
     if texts is not None:
         for i, t in enumerate(texts):
             if not t.strip():
-                raise InvalidInput(f"input {i} is an empty string", param="input")
+                raise EmptyInput(f"input {i} is an empty string", param="input")
             if len(t) > max_chars:
                 raise PayloadTooLarge(f"input {i} has {len(t)} characters; at most {max_chars} are allowed", param="input")
     else:
         for i, seq in enumerate(ids):
             if not seq:
-                raise InvalidInput(f"input {i} is an empty token list", param="input")
+                raise EmptyInput(f"input {i} is an empty token list", param="input")
             # JSON integers are unbounded; the cache key and the engine take int64. The
             # vocabulary bound is the tokenizer's check, this one keeps ids convertible.
             if min(seq) < 0 or max(seq) > _MAX_ID:

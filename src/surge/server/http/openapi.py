@@ -6,7 +6,8 @@ body models. A route declares its body with `openapi_extra=body(Model)`; the
 document then names the model's JSON schema (hoisted into
 components/schemas), and every operation lists the error responses the server
 gives, in the body shape of its protocol (KServe's {"error": "..."} under /v2,
-Anthropic's {"type": "error", "error": {...}} under /v1/messages, OpenAI's {"error": {...}} elsewhere). Client generators and fuzzers
+Anthropic's {"type": "error", "error": {...}} under /v1/messages, text-embeddings-inference's
+{"error": "...", "error_type": "..."} on its routes (server/tei_errors.py), OpenAI's {"error": {...}} elsewhere). Client generators and fuzzers
 (schemathesis, tests/e2e/test_openapi_fuzz.py) read it.
 """
 
@@ -17,6 +18,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from surge.server.errors import ANTHROPIC_PATHS
+from surge.server.tei_errors import is_tei_route
 
 JSON = "application/json"
 BINARY = "application/octet-stream"
@@ -58,6 +60,14 @@ _ANTHROPIC_ERROR = {
         "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
     }},
 }
+_TEI_ERROR = {
+    "type": "object",
+    "required": ["error", "error_type"],
+    "properties": {"error": {"type": "string"}, "error_type": {
+        "type": "string", "enum": ["Empty", "Validation", "Tokenizer", "Backend", "Overloaded", "Unhealthy"]}},
+}
+# TEI answers a route of another task (and a failed inference) as a Backend error
+_TEI_ERRORS = {**ERRORS, "424": "Backend error: the model does not serve this route's task, or inference failed"}
 _EMPTY = {"type": "object", "maxProperties": 0, "description": "no fields"}
 
 
@@ -74,7 +84,8 @@ def body(model: type[BaseModel] | None = None, *, required: bool = True, binary:
     return {"requestBody": {"required": required, "content": content}}
 
 
-def install(app: FastAPI) -> None:
+def install(app: FastAPI, tei_embed: bool = False) -> None:
+    """`tei_embed`: POST /embed answers TEI's errors (--tei-embed)."""
     def openapi() -> dict:
         if app.openapi_schema:
             return app.openapi_schema
@@ -85,16 +96,17 @@ def install(app: FastAPI) -> None:
             schemas.update(schema.pop("$defs", {}))
             schemas[name] = schema
         schemas["OpenAIError"], schemas["KServeError"] = _OPENAI_ERROR, _KSERVE_ERROR
-        schemas["AnthropicError"] = _ANTHROPIC_ERROR
+        schemas["AnthropicError"], schemas["TEIError"] = _ANTHROPIC_ERROR, _TEI_ERROR
         for name in ("HTTPValidationError", "ValidationError"):  # FastAPI's; errors here look like the rest
             schemas.pop(name, None)
         for path, operations in doc.get("paths", {}).items():
             shape = "KServeError" if path.startswith("/v2") else \
                 "AnthropicError" if path.startswith(ANTHROPIC_PATHS) else "OpenAIError"
-            ref = {"$ref": "#/components/schemas/" + shape}
-            for op in operations.values():
+            for method, op in operations.items():
+                tei = is_tei_route(path, method.upper(), tei_embed)
+                ref = {"$ref": "#/components/schemas/" + ("TEIError" if tei else shape)}
                 responses = op.setdefault("responses", {})
-                for code, description in ERRORS.items():
+                for code, description in (_TEI_ERRORS if tei else ERRORS).items():
                     declared = responses.get(code)
                     if declared is None or code == "422" and "HTTPValidationError" in str(declared):
                         responses[code] = {"description": description, "content": {JSON: {"schema": ref}}}

@@ -6,7 +6,10 @@
 
 Results are best first; `top_n` (a positive integer) keeps the best N, all of them when there are
 no more than N, as Cohere answers (LangChain's CohereRerank asks for its default top_n=3 whatever
-the number of documents it was given) and as vLLM does. Scores are the cross-encoder's
+the number of documents it was given) and as vLLM does. `top_n: 0` is every document, as vLLM reads
+it (0 is its default) and Jina documents an absent top_n; Cohere documents top_n >= 1 and refuses 0,
+so no client written for Cohere sends it, while clients written for vLLM, or that serialize an unset
+integer as 0, do. Scores are the cross-encoder's
 sigmoid, as sentence-transformers' CrossEncoder.predict.
 """
 
@@ -56,8 +59,9 @@ async def answer(state: AppState, req: CohereRerankRequest) -> ORJSONResponse:
             d = d["text"]
         docs.append(d)
     check_texts(docs, "documents", limits)
-    if req.top_n is not None and req.top_n < 1:
-        raise InvalidInput(f"top_n must be a positive integer, got {req.top_n}", param="top_n")
+    if req.top_n is not None and req.top_n < 0:
+        raise InvalidInput(f"top_n must be 0 (every document) or a positive integer, got {req.top_n}",
+                           param="top_n")
     result = await run_task(state, served, TaskRequest(pairs=[(req.query, d) for d in docs],
                                                        truncate=req.truncate, param="documents"), "rerank")
     scores = rerank_scores(result)

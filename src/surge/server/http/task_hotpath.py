@@ -60,8 +60,9 @@ class TaskHotPathMiddleware:
         await run_watched(scope, body, receive, send, app)  # cancelled if the client goes away
 
     def classify(self, served, texts: list[str]):
-        """The scores of a plain classify request (awaitable). TEI's /predict does not truncate."""
-        return run_task(self.state, served, TaskRequest(texts=texts, truncate=False), "classify")
+        """The scores of a plain classify request (awaitable). TEI's /predict truncates by default (its
+        --auto-truncate defaults to true from v1.9.0), as the route does."""
+        return run_task(self.state, served, TaskRequest(texts=texts, truncate=True), "classify")
 
     def _plain(self, scope, body: bytes):
         """(single?, texts, served model) for a plain classify request, else None (the route's)."""

@@ -6,7 +6,7 @@ import numpy as np
 
 from surge.engines.heads import scores as head_scores
 from surge.engines.heads import sigmoid
-from surge.errors import InvalidInput, PayloadTooLarge
+from surge.errors import EmptyInput, InvalidInput, PayloadTooLarge
 from surge.runtime.entities import EntityDecoder
 from surge.runtime.tasks import TaskRequest, TaskResult, require_task
 
@@ -19,13 +19,15 @@ def body_schema(model) -> dict:
 
 def check_texts(texts: list[str], field: str, limits) -> list[str]:
     if not texts:
-        raise InvalidInput(f"'{field}' must not be empty", param=field)
+        raise EmptyInput(f"'{field}' must not be empty", param=field)
     if len(texts) > limits.max_inputs_per_request:
         raise PayloadTooLarge(f"'{field}' has {len(texts)} entries, more than the limit of "
                               f"{limits.max_inputs_per_request}", param=field)
     for i, t in enumerate(texts):
-        if not isinstance(t, str) or not t.strip():
-            raise InvalidInput(f"{field}[{i}] is empty; expected a non-empty string", param=field)
+        if not isinstance(t, str):
+            raise InvalidInput(f"{field}[{i}] is not a string", param=field)
+        if not t.strip():
+            raise EmptyInput(f"{field}[{i}] is empty; expected a non-empty string", param=field)
         if len(t) > limits.max_input_chars:
             raise PayloadTooLarge(f"{field}[{i}] has {len(t)} characters; at most {limits.max_input_chars} "
                                   "are allowed", param=field)
@@ -43,15 +45,18 @@ def check_length(text: str, field: str, limits) -> str:
 
 def check_pairs(pairs: list, field: str, limits) -> list[tuple[str, str]]:
     if not pairs:
-        raise InvalidInput(f"'{field}' must not be empty", param=field)
+        raise EmptyInput(f"'{field}' must not be empty", param=field)
     if len(pairs) > limits.max_inputs_per_request:
         raise PayloadTooLarge(f"'{field}' has {len(pairs)} entries, more than the limit of "
                               f"{limits.max_inputs_per_request}", param=field)
     out = []
     for i, p in enumerate(pairs):
-        if not isinstance(p, (list, tuple)) or len(p) != 2 or not all(isinstance(x, str) and x.strip() for x in p):
+        if not isinstance(p, (list, tuple)) or len(p) != 2 or not all(isinstance(x, str) for x in p):
             raise InvalidInput(f"{field}[{i}] must be a pair of two non-empty strings [text, text_pair]; "
-                               "a side is missing or empty", param=field)
+                               "a side is missing", param=field)
+        if not all(x.strip() for x in p):
+            raise EmptyInput(f"{field}[{i}] has an empty side; expected two non-empty strings [text, text_pair]",
+                             param=field)
         for x in p:
             if len(x) > limits.max_input_chars:
                 raise PayloadTooLarge(f"{field}[{i}] has a text of {len(x)} characters; at most "

@@ -20,7 +20,10 @@ GET  /info      TEI: model id, type (embedding / classifier / reranker), limits,
 
 `huggingface_hub.InferenceClient(model="http://HOST:PORT")` posts to "/" (tested for
 feature_extraction, text_classification, token_classification, sentence_similarity).
-TEI's `truncate` default (false: a text longer than the model is a 413) is kept.
+`truncate` defaults to true on these routes, as TEI's (its --auto-truncate defaults to true from v1.9.0);
+`"truncate": false` makes a text longer than the model a 422 (TEI's Validation error). Errors are TEI's
+`{"error", "error_type"}` with TEI's statuses (server/tei_errors.py). /similarity and /embed_sparse:
+server/http/tei_embeddings.py.
 Every body may name a `model` (surge serves several); the default is the first loaded.
 """
 
@@ -28,13 +31,11 @@ from __future__ import annotations
 
 from typing import Any, Union
 
-import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from surge import __version__
-from surge.engines.pooling import l2_normalize
-from surge.errors import InvalidInput
+from surge.errors import EmptyInput, InvalidInput
 from surge.runtime.entities import check_strategy
 from surge.runtime.tasks import TaskRequest
 from surge.server.http import rerank as rerank_api
@@ -42,6 +43,7 @@ from surge.server.http import vllm_tokenize
 from surge.server.http.common import ORJSONResponse, json_body, parse, validate
 from surge.server.http.task_io import (body_schema, check_length, check_pairs, check_texts, entities, label_scores,
                                        rerank_scores, run_task)
+from surge.server.http.tei_embeddings import check_direction, similarity
 from surge.server.state import AppState
 from surge.types import EmbedOptions
 
@@ -66,7 +68,7 @@ class PredictRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     inputs: Union[StrictStr, list[Union[StrictStr, Pair]]]
     raw_scores: StrictBool = False
-    truncate: StrictBool = False
+    truncate: StrictBool = True  # TEI's --auto-truncate default
     truncation_direction: StrictStr | None = None
     model: StrictStr | None = None
 
@@ -77,7 +79,7 @@ class RerankRequest(BaseModel):
     texts: list[StrictStr]
     raw_scores: StrictBool = False
     return_text: StrictBool = False
-    truncate: StrictBool = False
+    truncate: StrictBool = True  # TEI's --auto-truncate default
     truncation_direction: StrictStr | None = None
     model: StrictStr | None = None
 
@@ -123,11 +125,6 @@ def _generate_info(served, limits) -> dict:
             "tokenization_workers": 1, "version": __version__, "sha": None, "docker_label": None}
 
 
-def check_direction(value: str | None) -> None:
-    if value not in (None, "right", "Right"):
-        raise InvalidInput("truncation_direction: only 'right' is supported", param="truncation_direction")
-
-
 def router(state: AppState) -> APIRouter:
     r = APIRouter()
     limits = state.config.limits
@@ -141,11 +138,11 @@ def router(state: AppState) -> APIRouter:
         task = getattr(served, "task", "embed")
         inputs = req.inputs
         check_direction(req.truncation_direction)
-        truncate = req.truncate if req.truncate is not None else params.get("truncate", False)
+        truncate = req.truncate if req.truncate is not None else params.get("truncate", True)
         if not isinstance(truncate, bool):  # bool("false") is True: a string is refused, not read
             raise InvalidInput("parameters.truncate must be true or false", param="truncate")
         if isinstance(inputs, dict) and "source_sentence" in inputs:
-            return ORJSONResponse(await _similarity(served, inputs, truncate))
+            return ORJSONResponse(await similarity(state, served, inputs, truncate, req.prompt_name))
         if task == "embed":
             texts = check_texts([inputs] if isinstance(inputs, str) else _strings(inputs), "inputs", limits)
             result = await state.run(served, texts=texts, options=EmbedOptions(
@@ -179,23 +176,6 @@ def router(state: AppState) -> APIRouter:
             result = await run_task(state, served, TaskRequest(texts=texts, truncate=truncate), "classify")
         return ORJSONResponse(label_scores(result, top_k=top_k, function=function))
 
-    async def _similarity(served, inputs: dict, truncate: bool) -> list[float]:
-        source, others = inputs.get("source_sentence"), inputs.get("sentences")
-        if not isinstance(source, str) or not source.strip():
-            raise InvalidInput("inputs.source_sentence must be a non-empty string", param="source_sentence")
-        check_length(source, "source_sentence", limits)
-        if not isinstance(others, list):
-            raise InvalidInput("inputs.sentences must be a list of strings", param="sentences")
-        check_texts(others, "sentences", limits)
-        if getattr(served, "task", "embed") == "rerank":
-            result = await run_task(state, served, TaskRequest(pairs=[(source, s) for s in others],
-                                                               truncate=truncate, param="sentences"), "rerank")
-            return rerank_scores(result)
-        result = await state.run(served, texts=[source] + others,
-                                 options=EmbedOptions(normalize=True, truncate=truncate))
-        v = l2_normalize(result.vectors.astype(np.float64))
-        return [float(x) for x in v[1:] @ v[0]]
-
     @r.post("/", openapi_extra=body_schema(InferenceRequest))
     async def root(request: Request):
         return await dispatch(request, None)
@@ -215,7 +195,7 @@ def router(state: AppState) -> APIRouter:
         single = isinstance(raw, str) or (len(raw) == 2 and all(isinstance(x, str) for x in raw))
         items = [raw] if single else list(raw)
         if not items:
-            raise InvalidInput("'inputs' must not be empty", param="inputs")
+            raise EmptyInput("'inputs' must not be empty", param="inputs")
         kinds = {isinstance(x, str) for x in items}
         if len(kinds) > 1:
             raise InvalidInput("'inputs' mixes single texts and pairs", param="inputs")
@@ -274,7 +254,7 @@ def router(state: AppState) -> APIRouter:
         served = registry.get(req.model)
         seqs = [req.ids] if req.ids and isinstance(req.ids[0], int) else req.ids
         if not seqs or any(not s for s in seqs):
-            raise InvalidInput("'ids' must be a non-empty list of token ids (or of such lists)", param="ids")
+            raise EmptyInput("'ids' must be a non-empty list of token ids (or of such lists)", param="ids")
         tok, vocab = _tokenizer(served)
         for i, s in enumerate(seqs):
             if min(s) < 0 or max(s) >= vocab:

@@ -1,0 +1,147 @@
+"""text-embeddings-inference's embedding routes beyond /embed (server/http/tei.py has the rest).
+
+POST /similarity    {"inputs": {"source_sentence", "sentences"}, "parameters": {"truncate",
+                    "truncation_direction", "prompt_name"}} -> [float], the cosine of each sentence with
+                    the source (a reranker: its cross-encoder scores, as POST / answers that shape)
+POST /embed_all     {"inputs": str | [str], "truncate", "truncation_direction", "prompt_name"} -> [input][token]
+                    [hidden]: the last hidden state of every token (special ones included), neither pooled
+                    nor normalized, as TEI's. Computed outside the dynamic batcher and the cache
+                    (ModelWorker.token_states), so only where the engines run in this process and return
+                    the hidden state; elsewhere TEI's Backend error (424).
+POST /embed_sparse  TEI answers it for SPLADE models only; surge serves none, so it answers what TEI
+                    answers any other model: 424 {"error": "Model is not an embedding model with SPLADE
+                    pooling", "error_type": "Backend"}, after checking the body as TEI does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import asyncio
+
+import numpy as np
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr
+
+from surge.engines.pooling import l2_normalize
+from surge.errors import DeadlineExceeded, EmptyInput, InvalidInput, Unsupported
+from surge.runtime.tasks import TaskRequest, require_task
+from surge.server.http.common import ORJSONResponse, parse
+from surge.server.http.task_io import body_schema, check_length, check_texts, rerank_scores, run_task
+from surge.server.state import AppState
+from surge.types import EmbedOptions
+
+# TEI's own wording of what it answers on a model without a SPLADE head (core/src/infer.rs)
+NOT_SPLADE = "Model is not an embedding model with SPLADE pooling"
+
+
+class NotSplade(Unsupported):
+    """TEI renders this one as a Backend error (424), as it does the same refusal."""
+
+
+class SimilarityRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    inputs: dict[str, Any]
+    parameters: dict[str, Any] | None = None
+    model: StrictStr | None = None
+
+
+class TokensRequest(BaseModel):
+    """TEI's EmbedSparseRequest and EmbedAllRequest: /embed's body without normalize / dimensions."""
+
+    model_config = ConfigDict(extra="forbid")
+    inputs: Union[StrictStr, list[StrictStr]]
+    truncate: StrictBool | None = None
+    truncation_direction: StrictStr | None = None
+    prompt_name: StrictStr | None = None
+    model: StrictStr | None = None
+
+
+def check_direction(value: str | None) -> None:
+    if value not in (None, "right", "Right"):
+        raise InvalidInput("truncation_direction: only 'right' is supported", param="truncation_direction")
+
+
+async def similarity(state: AppState, served, inputs: dict, truncate: bool, prompt_name: str | None = None,
+                     empty_message: str | None = None) -> list[float]:
+    """Cosine of each of inputs["sentences"] with inputs["source_sentence"] (a reranker: its scores).
+    `empty_message`: what an empty `sentences` is answered with (TEI's own wording on /similarity)."""
+    limits = state.config.limits
+    source, others = inputs.get("source_sentence"), inputs.get("sentences")
+    if not isinstance(source, str):
+        raise InvalidInput("inputs.source_sentence must be a string", param="source_sentence")
+    if not source.strip():
+        raise EmptyInput("inputs.source_sentence must not be empty", param="source_sentence")
+    check_length(source, "source_sentence", limits)
+    if not isinstance(others, list):
+        raise InvalidInput("inputs.sentences must be a list of strings", param="sentences")
+    if not others and empty_message:
+        raise EmptyInput(empty_message, param="sentences")
+    check_texts(others, "sentences", limits)
+    if getattr(served, "task", "embed") == "rerank":
+        result = await run_task(state, served, TaskRequest(pairs=[(source, s) for s in others],
+                                                           truncate=truncate, param="sentences"), "rerank")
+        return rerank_scores(result)
+    result = await state.run(served, texts=[source] + others,
+                             options=EmbedOptions(normalize=True, truncate=truncate, prompt_name=prompt_name))
+    v = l2_normalize(result.vectors.astype(np.float64))
+    return [float(x) for x in v[1:] @ v[0]]
+
+
+def router(state: AppState) -> APIRouter:
+    r = APIRouter()
+    limits = state.config.limits
+
+    @r.post("/similarity", openapi_extra=body_schema(SimilarityRequest))
+    async def similarity_route(request: Request):
+        req = await parse(request, SimilarityRequest, limits.max_body_bytes)
+        served = state.registry.get(req.model)
+        params = req.parameters or {}
+        extra = set(params) - {"truncate", "truncation_direction", "prompt_name"}
+        if extra:
+            raise InvalidInput(f"unknown parameters {sorted(extra)}", param="parameters")
+        truncate = params.get("truncate")
+        if truncate is None:
+            truncate = True  # TEI's --auto-truncate default (v1.9.0 on)
+        if not isinstance(truncate, bool):
+            raise InvalidInput("parameters.truncate must be true or false", param="truncate")
+        prompt_name = params.get("prompt_name")
+        if prompt_name is not None and not isinstance(prompt_name, str):
+            raise InvalidInput("parameters.prompt_name must be a string", param="prompt_name")
+        check_direction(params.get("truncation_direction"))
+        return ORJSONResponse(await similarity(state, served, req.inputs, truncate, prompt_name,
+                                               empty_message="`inputs.sentences` cannot be empty"))
+
+    @r.post("/embed_all", openapi_extra=body_schema(TokensRequest))
+    async def embed_all(request: Request):
+        req = await parse(request, TokensRequest, limits.max_body_bytes)
+        served = state.registry.get(req.model)
+        check_direction(req.truncation_direction)
+        texts = check_texts([req.inputs] if isinstance(req.inputs, str) else req.inputs, "inputs", limits)
+        require_task(served, "embed")
+        worker = getattr(served, "worker", None)
+        if worker is None or not worker.can_return_tokens:
+            raise Unsupported(f"model '{served.name}' does not return per-token embeddings here (its engines run "
+                              "in another process or pool inside their graph)", param="model")
+        truncate = True if req.truncate is None else req.truncate  # TEI's --auto-truncate default
+        prompted = served.prompted(texts, req.prompt_name)
+
+        def compute():  # tokenizing (a too-long text without truncate: 422) and the engine, off the loop
+            return worker.token_states(served.encode(prompted, None, truncate))
+
+        try:
+            async with asyncio.timeout(limits.request_timeout_s):
+                rows = await asyncio.to_thread(compute)
+        except TimeoutError:
+            raise DeadlineExceeded(f"request did not finish within {limits.request_timeout_s:g} s") from None
+        return ORJSONResponse(rows)
+
+    @r.post("/embed_sparse", openapi_extra=body_schema(TokensRequest))
+    async def embed_sparse(request: Request):
+        req = await parse(request, TokensRequest, limits.max_body_bytes)
+        state.registry.get(req.model)  # an unknown model is still a 404
+        check_direction(req.truncation_direction)
+        check_texts([req.inputs] if isinstance(req.inputs, str) else req.inputs, "inputs", limits)
+        raise NotSplade(NOT_SPLADE, param="model")
+
+    return r
