@@ -10,6 +10,11 @@ socket pair. The server side of every failure:
   wrong number of responses       -> the batch's requests fail (500), naming the counts
   execute runs past timeout_s     -> the worker is killed and restarted; its batch gets 504
   the worker dies (os._exit, segfault) -> restarted; its batch gets 500 with the exit code
+  ... and that restart fails      -> the worker is *down* (Triton: a stub that cannot restart):
+                                     with every worker down the model is not ready (model and
+                                     server readiness, the index: UNAVAILABLE with the reason) and
+                                     its requests get 503 at once; a background thread restarts it
+                                     with capped exponential backoff until initialize works again
 
 Nothing of this reaches other models: the server process never runs user code.
 """
@@ -60,6 +65,11 @@ class PythonWorker:
         self.conn: Connection | None = None
         self.restarts = 0
         self.last_error = ""
+        # Down: its restart failed. Then the backend's restart thread owns proc and conn (execute does
+        # not touch them), until a start succeeds and clears the flag.
+        self.down = False
+        self.on_down = None  # called (from the executing thread) when the worker goes down
+        self._abort = threading.Event()  # close(): end a start that is under way
 
     # ---- process ------------------------------------------------------------------
     def start(self) -> None:
@@ -70,6 +80,10 @@ class PythonWorker:
         self.proc = subprocess.Popen([sys.executable, "-m", "surge.models.python_child", str(child.fileno())],
                                      pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
         child.close()
+        if self._abort.is_set():  # abort() ran before proc was set: it could not kill this one
+            parent.close()
+            self.kill()
+            raise EngineError(f"model.py of '{self.name}': the model is being unloaded")
         self.conn = Connection(parent.detach())
         self.conn.send(("init", self.spec))
         try:
@@ -83,6 +97,14 @@ class PythonWorker:
         if msg[0] == "init_error":
             self.stop()
             raise EngineError(f"model.py of '{self.name}': {msg[1]}")
+
+    def abort(self) -> None:
+        """End a start() under way in another thread (its initialize may hang for init_timeout_s): the
+        process is killed, so start() sees it die. The flag covers a start that has not spawned yet."""
+        self._abort.set()
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -140,10 +162,8 @@ class PythonWorker:
     # ---- execute --------------------------------------------------------------------
     def execute(self, requests: list) -> list:
         """One result per request: its outputs, or a SurgeError for it alone."""
-        if self.conn is None:
-            self._restart("it was not running")
-            if self.conn is None:  # initialize keeps failing: say why, for every request
-                return [NotReady(f"model '{self.name}' is not available: {self.last_error}")] * len(requests)
+        if self.down:  # the restart thread is on it: answer at once, never wait for an initialize
+            return [self.unavailable()] * len(requests)
         try:
             self.conn.send(("exec", [(r, None, {}) for r in requests]))
             msg = self._wait(time.monotonic() + self.timeout_s)
@@ -167,7 +187,12 @@ class PythonWorker:
             out.append(r[1] if r[0] == "ok" else status_error(f"model '{self.name}': {r[1]}", r[2]))
         return out
 
+    def unavailable(self) -> NotReady:
+        return NotReady(f"model '{self.name}' is not ready: {self.last_error}")
+
     def _restart(self, why: str) -> None:
+        """One restart, in the thread that saw the worker die (the common case, a crash that a fresh process
+        gets over, then costs no readiness flap); if it fails the worker goes down."""
         self.last_error = f"{why} at {time.strftime('%H:%M:%S')}; restarted ({self.restarts + 1} restarts)"
         log.error("python model %s: %s", self.name, self.last_error)
         self.kill()
@@ -175,12 +200,33 @@ class PythonWorker:
         try:
             self.start()
         except EngineError as exc:
-            self.last_error = f"{why}; restart failed: {exc.message}"
+            self.last_error = f"{why}; restart failed: {exc.message}; restarting in the background"
             log.error("python model %s: %s", self.name, self.last_error)
+            self.down = True
+            if self.on_down is not None:
+                self.on_down(self)
+
+    def try_start(self) -> bool:
+        """A background restart of a down worker (the restart thread only); True once it is up."""
+        self.kill()
+        self.restarts += 1
+        try:
+            self.start()
+        except EngineError as exc:
+            self.last_error = f"restart {self.restarts} failed: {exc.message}; restarting in the background"
+            return False
+        self.last_error = f"up again at {time.strftime('%H:%M:%S')} after {self.restarts} restarts"
+        self.down = False
+        return True
 
 
 class PythonBackend:
     """TensorBackend over a pool of PythonWorkers (one per instance)."""
+
+    # Backoff between background restarts of a down worker: a model whose initialize keeps failing
+    # costs a process start every RESTART_MAX_S at most, and one that recovers is back within it.
+    RESTART_FIRST_S = 0.5
+    RESTART_MAX_S = 30.0
 
     def __init__(self, name: str, model_file: Path, class_name: str, args: dict, *, instances: int,
                  timeout_s: float, init_timeout_s: float):
@@ -188,7 +234,9 @@ class PythonBackend:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.registry = None
         self._free: list[PythonWorker] = []
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._closing = threading.Event()
+        self._restarter: threading.Thread | None = None
         self.workers = [PythonWorker(name, model_file, class_name, args, timeout_s=timeout_s,
                                      init_timeout_s=init_timeout_s, call=self._call) for _ in range(instances)]
         started = []
@@ -200,11 +248,23 @@ class PythonBackend:
             for w in started:
                 w.stop()
             raise
+        for w in self.workers:
+            w.on_down = self._went_down
         self._free = list(self.workers)
 
     @property
     def last_error(self) -> str:
         return next((w.last_error for w in self.workers if w.last_error), "")
+
+    @property
+    def available(self) -> bool:
+        """False while every worker is down: the service is then not ready (runtime/tensor_service.py)."""
+        return not all(w.down for w in self.workers)
+
+    @property
+    def unavailable_reason(self) -> str:
+        """Why the model is down ("" while a worker is up): the repository index shows it as UNAVAILABLE."""
+        return "" if self.available else self.workers[0].last_error
 
     def bind_loop(self, loop) -> None:
         self.loop = loop
@@ -213,13 +273,66 @@ class PythonBackend:
         self.registry = registry
 
     def run_requests(self, requests: list) -> list:
-        with self._lock:
-            worker = self._free.pop()
+        with self._cond:
+            while True:
+                up = [w for w in self._free if not w.down]
+                if up:
+                    worker = up[-1]
+                    self._free.remove(worker)
+                    break
+                if not self.available:  # nothing will serve it: 503 now, not after a restart
+                    return [self.workers[0].unavailable()] * len(requests)
+                self._cond.wait()  # the workers that are up are all busy: wait for one, as a full pool does
         try:
             return worker.execute(requests)
         finally:
-            with self._lock:
+            with self._cond:
                 self._free.append(worker)
+                self._cond.notify_all()
+
+    # ---- down workers -------------------------------------------------------------
+    def _went_down(self, worker: PythonWorker) -> None:
+        with self._cond:
+            if self._closing.is_set():
+                return
+            if self._restarter is None or not self._restarter.is_alive():
+                self._restarter = threading.Thread(target=self._restart_loop, name=f"surge-{self.name}-restart",
+                                                   daemon=True)
+                self._restarter.start()
+        self._readiness_changed()
+
+    def _restart_loop(self) -> None:
+        """Restart the down workers until all are up (or the model is closed): the first try at once, then
+        after a delay that doubles up to RESTART_MAX_S. A start that hangs is bounded by init_timeout_s."""
+        delay = self.RESTART_FIRST_S
+        while not self._closing.is_set():
+            with self._cond:
+                down = [w for w in self.workers if w.down]
+                if not down:
+                    self._restarter = None
+                    return
+            was_available = self.available
+            for w in down:
+                if self._closing.is_set():
+                    return
+                if w.try_start():
+                    log.warning("python model %s: a worker is up again (%d restarts)", self.name, w.restarts)
+                    delay = self.RESTART_FIRST_S
+                    with self._cond:
+                        self._cond.notify_all()
+                else:
+                    log.error("python model %s: %s", self.name, w.last_error)
+            if self.available != was_available:
+                self._readiness_changed()
+            if any(w.down for w in self.workers):
+                self._closing.wait(delay)  # woken at once by close()
+                delay = min(delay * 2, self.RESTART_MAX_S)
+
+    def _readiness_changed(self) -> None:
+        """Readiness changed outside any request: tell the registry's listeners (gRPC health Watch)."""
+        loop, registry = self.loop, self.registry
+        if loop is not None and registry is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(registry.readiness_changed)
 
     def _call(self, op: str, model: str, version, payload, timeout: float):
         """The in-process client: runs on the server's event loop, through the model's batcher and cache."""
@@ -243,5 +356,13 @@ class PythonBackend:
             raise DeadlineExceeded(f"call to model '{model}' did not finish in time") from None
 
     def close(self) -> None:
+        self._closing.set()
+        with self._cond:
+            restarter = self._restarter
+        if restarter is not None:
+            for w in self.workers:
+                if w.down:
+                    w.abort()  # a background start may be waiting on a hung initialize
+            restarter.join()
         for w in self.workers:
             w.stop()

@@ -158,7 +158,7 @@ class TensorModelService:
         self.batching = batching or BatchingConfig()
         self.cache_cfg = cache or CacheConfig(enabled=False)
         self.limits = limits or LimitsConfig()
-        self.ready = False
+        self._ready = False
         self.loaded_at = time.time()
         self.warm_with_inputs = warm_with_inputs
         self.metrics = ServiceMetrics(name, version, metrics_registry)
@@ -178,6 +178,21 @@ class TensorModelService:
     def last_error(self) -> str:
         """The backend's latest failure (a python worker's crash or hang), shown by GET /models."""
         return getattr(self.backend, "last_error", "")
+
+    @property
+    def ready(self) -> bool:
+        """Loaded and warm, and its backend can run a batch: a python model whose workers are all down
+        (their restarts fail) is not ready, as Triton reports a model whose stub died."""
+        return self._ready and getattr(self.backend, "available", True)
+
+    @ready.setter
+    def ready(self, value: bool) -> None:
+        self._ready = value
+
+    @property
+    def unavailable_reason(self) -> str:
+        """Why a loaded model cannot serve now ("" when it can): the repository index shows it UNAVAILABLE."""
+        return getattr(self.backend, "unavailable_reason", "") if self._ready else ""
 
     def mark_ready(self) -> None:
         self.ready = True
