@@ -11,6 +11,7 @@ triton_python_backend_utils, kept small).
             out = []
             for r in requests:
                 x = r.input("x")              # numpy array, [N, ...] when the model batches
+                opts = json.loads(r.parameters())   # the request's KServe `parameters`, as in Triton
                 if not np.isfinite(x).all():
                     out.append(ModelError("x must be finite"))       # fails this request only (400)
                     continue
@@ -27,6 +28,7 @@ and cache.
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 from dataclasses import dataclass, field
 
@@ -49,13 +51,19 @@ class ModelError(Exception):
 class InferenceRequest:
     inputs: dict[str, np.ndarray]
     requested_outputs: list[str] = field(default_factory=list)
-    parameters: dict = field(default_factory=dict)
+    request_parameters: dict = field(default_factory=dict)
 
     def input(self, name: str) -> np.ndarray | None:
         return self.inputs.get(name)
 
     # Triton-style spelling
     get_input_tensor_by_name = input
+
+    def parameters(self) -> str:
+        """The request's KServe v2 `parameters` object as a JSON string, as Triton's python backend gives it
+        (`json.loads(request.parameters())`); "{}" without any. Parameters the server itself consumes
+        (binary_data_output, priority, timeout, sequence_*) are not in it."""
+        return json.dumps(self.request_parameters)
 
 
 @dataclass

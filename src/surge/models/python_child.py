@@ -131,7 +131,7 @@ def main(fd: int) -> None:
             except BaseException as exc:  # noqa: BLE001 - reported to the server, never fatal to it
                 conn.send(("init_error", _describe(exc)))
         elif op == "exec":
-            requests = [api.InferenceRequest(inputs, outs, params) for inputs, outs, params in msg[1]]
+            requests = [api.InferenceRequest(inputs, outs or [], params or {}) for inputs, outs, params in msg[1]]
             try:
                 responses = model.execute(requests)
             except BaseException as exc:  # noqa: BLE001

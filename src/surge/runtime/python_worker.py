@@ -160,12 +160,14 @@ class PythonWorker:
         self.conn.send(reply)
 
     # ---- execute --------------------------------------------------------------------
-    def execute(self, requests: list) -> list:
-        """One result per request: its outputs, or a SurgeError for it alone."""
+    def execute(self, requests: list, parameters: list[dict] | None = None) -> list:
+        """One result per request: its outputs, or a SurgeError for it alone. `parameters`: each request's
+        KServe parameters (request.parameters() in model.py)."""
+        parameters = parameters or [{}] * len(requests)
         if self.down:  # the restart thread is on it: answer at once, never wait for an initialize
             return [self.unavailable()] * len(requests)
         try:
-            self.conn.send(("exec", [(r, None, {}) for r in requests]))
+            self.conn.send(("exec", [(r, None, p) for r, p in zip(requests, parameters)]))
             msg = self._wait(time.monotonic() + self.timeout_s)
         except _Hung:
             self.kill()
@@ -180,7 +182,8 @@ class PythonWorker:
         if msg[0] == "exec_error":
             err = status_error(f"model '{self.name}': execute failed: {msg[1]}", msg[2])
             if len(requests) > 1 and "responses for" not in msg[1]:
-                return [self.execute([r])[0] for r in requests]  # find the request(s) that make it raise
+                # find the request(s) that make it raise
+                return [self.execute([r], [p])[0] for r, p in zip(requests, parameters)]
             return [err] * len(requests)
         out = []
         for r in msg[1]:
@@ -272,7 +275,7 @@ class PythonBackend:
     def attach(self, registry) -> None:
         self.registry = registry
 
-    def run_requests(self, requests: list) -> list:
+    def run_requests(self, requests: list, parameters: list[dict] | None = None) -> list:
         with self._cond:
             while True:
                 up = [w for w in self._free if not w.down]
@@ -284,7 +287,7 @@ class PythonBackend:
                     return [self.workers[0].unavailable()] * len(requests)
                 self._cond.wait()  # the workers that are up are all busy: wait for one, as a full pool does
         try:
-            return worker.execute(requests)
+            return worker.execute(requests, parameters)
         finally:
             with self._cond:
                 self._free.append(worker)
