@@ -34,6 +34,22 @@ class TritonPythonModel:
         return out
 '''
 
+# Calls echo (BLS-style) with its own request's parameters plus one of its own, as Triton's
+# pb_utils.InferenceRequest(parameters=...) does.
+RELAY_PY = '''
+import json
+from surge.models.python_backend import client
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            params = {**json.loads(r.parameters()), "via": "relay"}
+            out.append(client.infer("echo", {"x": r.input("x")}, parameters=params))
+        return out
+'''
+
 DECL = """kind: python
 batching: {max_batch_size: 8, max_queue_delay_ms: 50}
 cache: {max_bytes: 1048576}
@@ -48,17 +64,19 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("params-repo")
     write(root / "echo" / "1" / "model.py", ECHO_PY)
     write(root / "echo" / "1" / "model.yaml", DECL)
+    write(root / "relay" / "1" / "model.py", RELAY_PY)
+    write(root / "relay" / "1" / "model.yaml", DECL)
     with ServerProcess("--model-repository", str(root), grpc=True) as srv:
         yield srv
 
 
-def _send(mod, client, x: np.ndarray, parameters: dict | None):
+def _send(mod, client, x: np.ndarray, parameters: dict | None, model: str = "echo"):
     t = mod.InferInput("x", list(x.shape), "FP32")
     t.set_data_from_numpy(x)
     if mod is thttp:  # gevent-based: requests in flight together through async_infer, not threads
-        return client.async_infer("echo", [t], parameters=parameters).get_result
+        return client.async_infer(model, [t], parameters=parameters).get_result
     pending = cf.Future()
-    client.async_infer("echo", [t], lambda result, error: pending.set_result((result, error)),
+    client.async_infer(model, [t], lambda result, error: pending.set_result((result, error)),
                        parameters=parameters)
 
     def result():
@@ -75,8 +93,8 @@ def _answer(result):
     return res.as_numpy("y"), json.loads(params.decode() if isinstance(params, bytes) else params)
 
 
-def _infer(mod, client, x: np.ndarray, parameters: dict | None):
-    return _answer(_send(mod, client, x, parameters))
+def _infer(mod, client, x: np.ndarray, parameters: dict | None, model: str = "echo"):
+    return _answer(_send(mod, client, x, parameters, model))
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
@@ -104,5 +122,16 @@ def test_request_parameters_reach_the_model(server, protocol):
         for k, (y, seen) in zip(range(1, 5), got):
             assert seen == {"scale": k, "k": str(k)}
             np.testing.assert_array_equal(y, (x + k) * k)
+    finally:
+        client.close()
+
+
+def test_a_python_model_passes_parameters_on_to_the_model_it_calls(server):
+    client = thttp.InferenceServerClient(server.url.removeprefix("http://"))
+    x = np.array([[2.0, 0.5]], np.float32)
+    try:
+        y, seen = _infer(thttp, client, x, {"scale": 4}, model="relay")
+        assert seen == {"scale": 4, "via": "relay"}
+        np.testing.assert_array_equal(y, x * 4)
     finally:
         client.close()

@@ -96,10 +96,16 @@ class Client:
         return value
 
     def infer(self, model: str, inputs: dict, outputs: list[str] | None = None,
-              version: str | None = None) -> dict[str, np.ndarray]:
-        """A tensor model's outputs for `inputs` (name -> array)."""
+              version: str | None = None, parameters: dict | None = None) -> dict[str, np.ndarray]:
+        """A tensor model's outputs for `inputs` (name -> array). `parameters`: the call's request
+        parameters (a python model reads them with request.parameters(); Triton's
+        InferenceRequest(parameters=...)): str keys, JSON values."""
         arrays = {k: np.asarray(v) for k, v in inputs.items()}
-        return self._call("infer", model, (arrays, outputs), version)
+        params = dict(parameters or {})
+        if any(not isinstance(k, str) for k in params):
+            raise TypeError("parameters: keys must be str")
+        json.dumps(params)  # a value the callee could not read fails here, in the caller's line
+        return self._call("infer", model, (arrays, outputs, params), version)
 
     def embed(self, model: str, texts: list[str], version: str | None = None) -> np.ndarray:
         """An embedding model's vectors for `texts` (float32 [N, dim])."""

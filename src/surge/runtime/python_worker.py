@@ -60,7 +60,10 @@ class PythonWorker:
         self.spec = {"name": name, "model_file": str(model_file), "class_name": class_name, "args": args}
         self.timeout_s = timeout_s
         self.init_timeout_s = init_timeout_s
-        self.call = call  # (op, model, version, payload, timeout) -> value; the in-process client
+        self.call = call  # (op, model, version, payload, timeout, callers) -> value; the in-process client
+        # The chains of python models waiting on the batch being executed (one per request): a call from
+        # execute to one of them would wait for a worker that waits for this one (a cycle).
+        self._callers: list[tuple[str, ...]] = []
         self.proc: subprocess.Popen | None = None
         self.conn: Connection | None = None
         self.restarts = 0
@@ -151,7 +154,13 @@ class PythonWorker:
                 raise EngineError("this server offers no client to python models")
             if model == self.name:
                 raise InvalidInput(f"model '{self.name}' cannot call itself")
-            value = self.call(op, model, version, payload, max(0.0, deadline - time.monotonic()))
+            chain = self._cycle(model)
+            if chain:
+                raise InvalidInput(f"model '{self.name}' calls model '{model}', which waits for this call: a call "
+                                   f"cycle ({' -> '.join(chain)}) that would deadlock; refused")
+            # Every chain of the batch goes with the call: execute's calls belong to no one request of it.
+            callers = tuple(dict.fromkeys(m for c in self._callers for m in c)) + (self.name,)
+            value = self.call(op, model, version, payload, max(0.0, deadline - time.monotonic()), callers)
             reply = ("reply", call_id, True, value)
         except SurgeError as exc:
             reply = ("reply", call_id, False, (exc.message, exc.http_status))
@@ -160,10 +169,19 @@ class PythonWorker:
         self.conn.send(reply)
 
     # ---- execute --------------------------------------------------------------------
-    def execute(self, requests: list, parameters: list[dict] | None = None) -> list:
+    def _cycle(self, model: str) -> list[str]:
+        """The call path that `model` would close into a cycle ([] if none): a caller chain holding it."""
+        for chain in self._callers:
+            if model in chain:
+                return [*chain[chain.index(model):], self.name, model]
+        return []
+
+    def execute(self, requests: list, parameters: list[dict] | None = None,
+                callers: list[tuple[str, ...]] | None = None) -> list:
         """One result per request: its outputs, or a SurgeError for it alone. `parameters`: each request's
-        KServe parameters (request.parameters() in model.py)."""
+        KServe parameters (request.parameters() in model.py); `callers`: the python models waiting on each."""
         parameters = parameters or [{}] * len(requests)
+        self._callers = [c for c in (callers or []) if c]
         if self.down:  # the restart thread is on it: answer at once, never wait for an initialize
             return [self.unavailable()] * len(requests)
         try:
@@ -183,7 +201,8 @@ class PythonWorker:
             err = status_error(f"model '{self.name}': execute failed: {msg[1]}", msg[2])
             if len(requests) > 1 and "responses for" not in msg[1]:
                 # find the request(s) that make it raise
-                return [self.execute([r], [p])[0] for r, p in zip(requests, parameters)]
+                chains = callers or [()] * len(requests)
+                return [self.execute([r], [p], [c])[0] for r, p, c in zip(requests, parameters, chains)]
             return [err] * len(requests)
         out = []
         for r in msg[1]:
@@ -275,7 +294,8 @@ class PythonBackend:
     def attach(self, registry) -> None:
         self.registry = registry
 
-    def run_requests(self, requests: list, parameters: list[dict] | None = None) -> list:
+    def run_requests(self, requests: list, parameters: list[dict] | None = None,
+                     callers: list[tuple[str, ...]] | None = None) -> list:
         with self._cond:
             while True:
                 up = [w for w in self._free if not w.down]
@@ -287,7 +307,7 @@ class PythonBackend:
                     return [self.workers[0].unavailable()] * len(requests)
                 self._cond.wait()  # the workers that are up are all busy: wait for one, as a full pool does
         try:
-            return worker.execute(requests, parameters)
+            return worker.execute(requests, parameters, callers)
         finally:
             with self._cond:
                 self._free.append(worker)
@@ -337,7 +357,7 @@ class PythonBackend:
         if loop is not None and registry is not None and not loop.is_closed():
             loop.call_soon_threadsafe(registry.readiness_changed)
 
-    def _call(self, op: str, model: str, version, payload, timeout: float):
+    def _call(self, op: str, model: str, version, payload, timeout: float, callers: tuple[str, ...] = ()):
         """The in-process client: runs on the server's event loop, through the model's batcher and cache."""
         if self.loop is None or self.registry is None:
             raise EngineError("the in-process client is not connected to a server")
@@ -346,10 +366,10 @@ class PythonBackend:
             service = self.registry.get(model, version)
             if op == "embed":
                 return (await service.embed(texts=payload)).vectors
-            inputs, outputs = payload
+            inputs, outputs, parameters = payload
             if getattr(service, "task", "embed") != "tensor":
                 raise InvalidInput(f"model '{model}' serves task '{getattr(service, 'task', 'embed')}', not 'tensor'")
-            return (await service.infer(inputs, outputs)).outputs
+            return (await service.infer(inputs, outputs, parameters=parameters, callers=callers)).outputs
 
         fut = asyncio.run_coroutine_threadsafe(run(), self.loop)
         try:

@@ -55,10 +55,11 @@ Outputs = dict[str, np.ndarray]
 class TensorBackend(Protocol):
     """What runs a tensor model. Sync; called from one executor thread per instance."""
 
-    def run_requests(self, requests: list[Outputs], parameters: list[dict] | None = None
-                     ) -> list[Outputs | SurgeError]:
+    def run_requests(self, requests: list[Outputs], parameters: list[dict] | None = None,
+                     callers: list[tuple[str, ...]] | None = None) -> list[Outputs | SurgeError]:
         """One result per request, in order: its outputs, or the error that fails it alone.
-        `parameters`: each request's KServe parameters (a python model sees them; graphs do not)."""
+        `parameters`: each request's KServe parameters (a python model sees them; graphs do not).
+        `callers`: each request's chain of python models waiting on it (their in-process client calls)."""
         ...
 
     def close(self) -> None: ...
@@ -84,6 +85,7 @@ class _Item:
     inputs: Outputs
     rows: int
     parameters: dict = field(default_factory=dict)
+    callers: tuple[str, ...] = ()
 
     def __len__(self) -> int:  # the batcher's "tokens": rows against the row budget
         return self.rows
@@ -251,8 +253,10 @@ class TensorModelService:
         return rows or 1
 
     async def infer(self, inputs: Outputs, outputs: list[str] | None = None, *, deadline: float | None = None,
-                    priority: int = 0, parameters: dict | None = None, _warmup: bool = False) -> TensorResult:
-        """`parameters`: the request's own KServe parameters, handed to a python model's execute."""
+                    priority: int = 0, parameters: dict | None = None, callers: tuple[str, ...] = (),
+                    _warmup: bool = False) -> TensorResult:
+        """`parameters`: the request's own KServe parameters, handed to a python model's execute.
+        `callers`: the python models whose execute waits on this call, outermost first (call-cycle check)."""
         m = self.metrics
         m.requests.inc()
         start = time.monotonic()
@@ -262,7 +266,9 @@ class TensorModelService:
                                + (f": {self.last_error}" if self.last_error else ""))
             rows = self.validate(inputs, outputs)
             m.inputs.inc(rows)
-            key = self.cache.key(inputs, parameters) if self.cache is not None and not _warmup else None
+            # Only a python model sees request parameters: a graph's answer does not depend on them.
+            keyed = parameters if self.kind == "python" else None
+            key = self.cache.key(inputs, keyed) if self.cache is not None and not _warmup else None
             got = self.cache.get(key) if key is not None else None
             cached = got is not None
             if key is not None:  # the same Prometheus families as the text cache (tier "recent")
@@ -274,7 +280,7 @@ class TensorModelService:
             if got is None:
                 if deadline is None:
                     deadline = start + self.limits.request_timeout_s
-                item = _Item(inputs, rows, dict(parameters or {}))
+                item = _Item(inputs, rows, dict(parameters or {}), tuple(callers))
                 got = (await self.batcher.submit([item], deadline, priority, timings))[0]
                 if isinstance(got, BaseException):
                     raise got
@@ -290,7 +296,8 @@ class TensorModelService:
             return result
 
     def _run_batch(self, items: list[_Item]) -> np.ndarray:
-        results = self.backend.run_requests([it.inputs for it in items], [it.parameters for it in items])
+        results = self.backend.run_requests([it.inputs for it in items], [it.parameters for it in items],
+                                            [it.callers for it in items])
         out = np.empty(len(items), dtype=object)
         if len(results) != len(items):
             err = EngineError(f"model '{self.name}' returned {len(results)} results for {len(items)} requests")
@@ -344,9 +351,9 @@ class StackedBackend:
         self.engine = engine
         self.batched = batched
 
-    def run_requests(self, requests: list[Outputs], parameters: list[dict] | None = None
-                     ) -> list[Outputs | SurgeError]:
-        results: list = [None] * len(requests)  # a graph takes no request parameters
+    def run_requests(self, requests: list[Outputs], parameters: list[dict] | None = None,
+                     callers: list[tuple[str, ...]] | None = None) -> list[Outputs | SurgeError]:
+        results: list = [None] * len(requests)  # a graph takes no request parameters and calls no model
         groups: dict[tuple, list[int]] = {}
         for i, r in enumerate(requests):
             sig = tuple(sorted((k, v.shape[1:] if self.batched else v.shape) for k, v in r.items()))
