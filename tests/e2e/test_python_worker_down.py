@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import time
 
+import queue
+import threading
+
+import grpc
 import httpx
 import numpy as np
 import tritonclient.grpc as tgrpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.server_process import ServerProcess
 from tests.tensor.repo import write
@@ -74,6 +79,35 @@ def _until(check, timeout_s: float = 60.0):
         time.sleep(0.05)
 
 
+def _watch(target: str, name: str) -> tuple[queue.Queue, grpc.Channel]:
+    """The gRPC health Watch of a model: each status it streams, in a queue (the server notifies it)."""
+    channel = grpc.insecure_channel(target)
+    seen: queue.Queue = queue.Queue()
+    stream = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=name))
+
+    def read():
+        try:
+            for msg in stream:
+                seen.put(msg.status)
+        except grpc.RpcError:  # the channel closed at the end of the test
+            pass
+
+    threading.Thread(target=read, daemon=True).start()
+    return seen, channel
+
+
+def _next_status(seen: queue.Queue, want: int) -> bool:
+    """Whether the Watch streams `want` (statuses before it are skipped)."""
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        try:
+            if seen.get(timeout=max(0.0, end - time.monotonic())) == want:
+                return True
+        except queue.Empty:
+            return False
+    return False
+
+
 def test_a_worker_that_cannot_restart_is_down_then_comes_back(tmp_path):
     mode = tmp_path / "mode"
     root = tmp_path / "repo"
@@ -85,6 +119,9 @@ def test_a_worker_that_cannot_restart_is_down_then_comes_back(tmp_path):
         first = _infer(c, x)
         assert first.status_code == 200, first.text
         pid1 = first.json()["outputs"][1]["data"][0]
+        watched, channel = _watch(srv.grpc_url, "flaky")
+        serving, not_serving = (health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert _next_status(watched, serving)
 
         # The worker dies, and its restart fails: the crashing request is a 500 naming the exit code.
         mode.write_text("raise")
@@ -98,6 +135,7 @@ def test_a_worker_that_cannot_restart_is_down_then_comes_back(tmp_path):
         assert not grpc_client.is_model_ready("flaky")
         entry = _entry(c)
         assert entry["state"] == "UNAVAILABLE" and "the device is gone" in entry["reason"], entry
+        assert _next_status(watched, not_serving)  # told, not polled: the worker went down in no request
 
         # A start that hangs now (init_timeout_s is 600 s): requests do not wait for it, they are 503 with
         # the reason (the client's 60 s timeout would end a request that waited for initialize).
@@ -113,9 +151,11 @@ def test_a_worker_that_cannot_restart_is_down_then_comes_back(tmp_path):
         assert c.get("/v2/health/ready").status_code == 200
         assert grpc_client.is_model_ready("flaky")
         assert _entry(c)["state"] == "READY"
+        assert _next_status(watched, serving)
         back = _infer(c, x)
         assert back.status_code == 200, back.text
         outputs = {o["name"]: o["data"] for o in back.json()["outputs"]}
         np.testing.assert_array_equal(outputs["y"], (x * 2).ravel())
         assert outputs["pid"][0] != pid1
         grpc_client.close()
+        channel.close()
