@@ -65,7 +65,9 @@ class BatchingConfig(_Strict):
 
     enabled: bool = Field(True, description="Off: every request runs alone (max batch 1).",
                           json_schema_extra={"flag": "batching"})
-    max_batch_size: int = Field(64, ge=1, description="Most requests' inputs in one engine batch.")
+    # Bounded as Triton's int32 ModelConfig.max_batch_size: a tensor model without tensor.max_batch_size takes
+    # this one as its contract, and past it GET /v2/models/x/config would fail after a load that "worked".
+    max_batch_size: int = Field(64, ge=1, le=2**31 - 1, description="Most requests' inputs in one engine batch.")
     max_batch_tokens: int = Field(8192, ge=1, description="Token budget per batch (padded tokens for padded engines).")
     max_queue_delay_ms: float = Field(2.0, ge=0, description="Upper bound on an input's wait in the batch queue while an engine is "
                                       "free (batches leave as soon as an instance is free: no added wait).")

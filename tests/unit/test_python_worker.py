@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import textwrap
+import threading
+import time
 
 import numpy as np
 
@@ -132,3 +134,93 @@ def test_bytes_outputs_take_str_elements_and_other_types_fail_their_own_request(
     for k, kind in ((3, "int"), (4, "dict"), (5, "Weird")):
         assert isinstance(got[k], EngineError), got[k]
         assert "output 's'" in got[k].message and kind in got[k].message, got[k].message
+
+
+# initialize reads a mode file: "raise" fails; "hang" writes a marker, then waits for another mode.
+MODED = '''
+import os, time
+from pathlib import Path
+
+
+def mode(path):
+    return path.read_text().strip() if path.exists() else "ok"
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        path = Path(args["model_repository"]) / "mode"
+        if mode(path) == "hang":
+            (path.parent / "hanging").write_text(str(os.getpid()))
+        while mode(path) == "hang":
+            time.sleep(0.05)
+        if mode(path) == "raise":
+            raise RuntimeError("the device is gone")
+
+    def execute(self, requests):
+        if requests[0].input("x")[0, 0] > 100:
+            os._exit(7)
+        return [{"y": r.input("x"), "pid": os.getpid()} for r in requests]
+'''
+
+
+def _until(check, timeout_s: float = 60.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while not check() and time.monotonic() < end:
+        time.sleep(0.05)
+    return check()
+
+
+def test_a_down_worker_leaves_the_others_serving_and_close_ends_its_hung_restart(tmp_path):
+    path = tmp_path / "model.py"
+    path.write_text(textwrap.dedent(MODED))
+    b = PythonBackend("moded", path, "TritonPythonModel", {"model_repository": str(tmp_path)}, instances=2,
+                      timeout_s=10, init_timeout_s=600)
+    closer = None
+    try:
+        x = np.ones((1, 4), np.float32)
+        assert np.array_equal(b.run_requests([{"x": x}])[0]["y"], x)
+        (tmp_path / "mode").write_text("raise")
+        crash = b.run_requests([{"x": x * 1000}])[0]
+        assert isinstance(crash, EngineError) and "exited with code 7" in crash.message
+        # One worker is down (its restart failed); the other one serves every request, and the model is
+        # available. The down one's background restarts now hang in initialize (init_timeout_s: 600 s).
+        (tmp_path / "mode").write_text("hang")
+        pids = set()
+        for _ in range(4):
+            got = b.run_requests([{"x": x}])[0]
+            assert not isinstance(got, BaseException), got
+            pids.add(int(got["pid"]))
+        assert len(pids) == 1 and b.available and b.unavailable_reason == ""
+        assert _until(lambda: (tmp_path / "hanging").exists())
+        # Unloading while a restart hangs in initialize ends it at once, not after init_timeout_s.
+        closer = threading.Thread(target=b.close)
+        closer.start()
+        closer.join(60)
+        assert not closer.is_alive()
+    finally:
+        if closer is None:
+            b.close()
+
+
+def test_every_worker_down_is_503_at_once_then_back_in_the_background(tmp_path):
+    path = tmp_path / "model.py"
+    path.write_text(textwrap.dedent(MODED))
+    b = PythonBackend("moded", path, "TritonPythonModel", {"model_repository": str(tmp_path)}, instances=1,
+                      timeout_s=10, init_timeout_s=600)
+    try:
+        x = np.ones((1, 4), np.float32)
+        pid = b.run_requests([{"x": x}])[0]["pid"]
+        (tmp_path / "mode").write_text("raise")
+        assert isinstance(b.run_requests([{"x": x * 1000}])[0], EngineError)
+        assert not b.available and "the device is gone" in b.unavailable_reason
+        (tmp_path / "mode").write_text("hang")
+        assert _until(lambda: (tmp_path / "hanging").exists())
+        # A background start hangs now: a request does not wait for it (init_timeout_s is 600 s).
+        got = b.run_requests([{"x": x}])[0]
+        assert isinstance(got, NotReady) and "not ready" in got.message and "restarting" in got.message
+        (tmp_path / "mode").write_text("ok")
+        assert _until(lambda: b.available)
+        got = b.run_requests([{"x": x}])[0]
+        assert np.array_equal(got["y"], x) and int(got["pid"]) != int(pid)
+    finally:
+        b.close()

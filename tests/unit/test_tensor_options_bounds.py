@@ -37,3 +37,37 @@ def test_large_values_in_range_are_taken(tmp_path, setting):
     (tmp_path / "m" / "1" / "model.yaml").write_text(DECL % setting)
     ventry = scan_model(tmp_path, "m").versions["1"]
     assert ventry.error is None, ventry.error
+
+
+# batching.max_batch_size reaches a python model's contract (and Triton's int32 ModelConfig field) when
+# tensor.max_batch_size is not given: it is bounded the same way, for every kind.
+@pytest.mark.parametrize("value", ["100000000000000000000", "2147483648"])
+def test_batching_max_batch_size_past_int32_is_a_config_error(tmp_path, value):
+    (tmp_path / "m" / "1").mkdir(parents=True)
+    (tmp_path / "m" / "1" / "model.yaml").write_text(f"batching: {{max_batch_size: {value}}}\n" + DECL % "")
+    error = scan_model(tmp_path, "m").versions["1"].error
+    assert error is not None and "batching.max_batch_size" in error, error
+
+
+def test_batching_max_batch_size_at_int32_max_is_taken(tmp_path):
+    (tmp_path / "m" / "1").mkdir(parents=True)
+    (tmp_path / "m" / "1" / "model.yaml").write_text("batching: {max_batch_size: 2147483647}\n" + DECL % "")
+    assert scan_model(tmp_path, "m").versions["1"].error is None
+
+
+PBTXT = """backend: "python"
+max_batch_size: %s
+dynamic_batching {}
+input [{name: "x", data_type: TYPE_FP32, dims: [4]}]
+output [{name: "y", data_type: TYPE_FP32, dims: [4]}]
+"""
+
+
+@pytest.mark.parametrize("value", ["100000000000000000000", "2147483648", "-1"])
+def test_config_pbtxt_max_batch_size_out_of_range_names_its_own_field(tmp_path, value):
+    """The message names the field as config.pbtxt spells it (not model.yaml's tensor.max_batch_size)."""
+    (tmp_path / "m" / "1").mkdir(parents=True)
+    (tmp_path / "m" / "1" / "model.py").write_text("")
+    (tmp_path / "m" / "config.pbtxt").write_text(PBTXT % value)
+    error = scan_model(tmp_path, "m").versions["1"].error
+    assert error is not None and "config.pbtxt: field 'max_batch_size'" in error and "2147483647" in error, error

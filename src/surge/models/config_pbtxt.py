@@ -170,7 +170,11 @@ def model_file_dict(path: Path) -> tuple[dict, list[str]]:
             out.append(d)
         return out
 
-    tensor: dict = {"max_batch_size": integer(cfg.get("max_batch_size", 0), "max_batch_size")}
+    max_batch = integer(cfg.get("max_batch_size", 0), "max_batch_size")
+    if not 0 <= max_batch <= 2**31 - 1:  # Triton's int32 field; checked here to name the field as this file does
+        raise ConfigError(f"{path}: field 'max_batch_size': {max_batch} is outside 0..2147483647 "
+                          "(0: the model does not batch)", param="max_batch_size")
+    tensor: dict = {"max_batch_size": max_batch}
     if "input" in cfg:
         tensor["inputs"] = tensors("input")
     if "output" in cfg:

@@ -11,6 +11,7 @@ triton_python_backend_utils, kept small).
             out = []
             for r in requests:
                 x = r.input("x")              # numpy array, [N, ...] when the model batches
+                opts = json.loads(r.parameters())   # the request's KServe `parameters`, as in Triton
                 if not np.isfinite(x).all():
                     out.append(ModelError("x must be finite"))       # fails this request only (400)
                     continue
@@ -27,6 +28,7 @@ and cache.
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 from dataclasses import dataclass, field
 
@@ -49,13 +51,19 @@ class ModelError(Exception):
 class InferenceRequest:
     inputs: dict[str, np.ndarray]
     requested_outputs: list[str] = field(default_factory=list)
-    parameters: dict = field(default_factory=dict)
+    request_parameters: dict = field(default_factory=dict)
 
     def input(self, name: str) -> np.ndarray | None:
         return self.inputs.get(name)
 
     # Triton-style spelling
     get_input_tensor_by_name = input
+
+    def parameters(self) -> str:
+        """The request's KServe v2 `parameters` object as a JSON string, as Triton's python backend gives it
+        (`json.loads(request.parameters())`); "{}" without any. Parameters the server itself consumes
+        (binary_data_output, priority, timeout, sequence_*) are not in it."""
+        return json.dumps(self.request_parameters)
 
 
 @dataclass
@@ -88,10 +96,16 @@ class Client:
         return value
 
     def infer(self, model: str, inputs: dict, outputs: list[str] | None = None,
-              version: str | None = None) -> dict[str, np.ndarray]:
-        """A tensor model's outputs for `inputs` (name -> array)."""
+              version: str | None = None, parameters: dict | None = None) -> dict[str, np.ndarray]:
+        """A tensor model's outputs for `inputs` (name -> array). `parameters`: the call's request
+        parameters (a python model reads them with request.parameters(); Triton's
+        InferenceRequest(parameters=...)): str keys, JSON values."""
         arrays = {k: np.asarray(v) for k, v in inputs.items()}
-        return self._call("infer", model, (arrays, outputs), version)
+        params = dict(parameters or {})
+        if any(not isinstance(k, str) for k in params):
+            raise TypeError("parameters: keys must be str")
+        json.dumps(params)  # a value the callee could not read fails here, in the caller's line
+        return self._call("infer", model, (arrays, outputs, params), version)
 
     def embed(self, model: str, texts: list[str], version: str | None = None) -> np.ndarray:
         """An embedding model's vectors for `texts` (float32 [N, dim])."""

@@ -23,7 +23,8 @@ from surge.models import python_backend as api
 
 def _describe(exc: BaseException) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
-    user = [f for f in frames if not f.filename.endswith(("python_child.py",))]
+    # The user's line, not surge's: a client.infer that raises points at the model.py line that called it.
+    user = [f for f in frames if not f.filename.endswith(("python_child.py", "python_backend.py"))]
     where = f" (at {user[-1].filename.rsplit('/', 1)[-1]}:{user[-1].lineno})" if user else ""
     return f"{type(exc).__name__}: {exc}{where}"
 
@@ -131,7 +132,7 @@ def main(fd: int) -> None:
             except BaseException as exc:  # noqa: BLE001 - reported to the server, never fatal to it
                 conn.send(("init_error", _describe(exc)))
         elif op == "exec":
-            requests = [api.InferenceRequest(inputs, outs, params) for inputs, outs, params in msg[1]]
+            requests = [api.InferenceRequest(inputs, outs or [], params or {}) for inputs, outs, params in msg[1]]
             try:
                 responses = model.execute(requests)
             except BaseException as exc:  # noqa: BLE001

@@ -10,6 +10,11 @@ socket pair. The server side of every failure:
   wrong number of responses       -> the batch's requests fail (500), naming the counts
   execute runs past timeout_s     -> the worker is killed and restarted; its batch gets 504
   the worker dies (os._exit, segfault) -> restarted; its batch gets 500 with the exit code
+  ... and that restart fails      -> the worker is *down* (Triton: a stub that cannot restart):
+                                     with every worker down the model is not ready (model and
+                                     server readiness, the index: UNAVAILABLE with the reason) and
+                                     its requests get 503 at once; a background thread restarts it
+                                     with capped exponential backoff until initialize works again
 
 Nothing of this reaches other models: the server process never runs user code.
 """
@@ -55,11 +60,19 @@ class PythonWorker:
         self.spec = {"name": name, "model_file": str(model_file), "class_name": class_name, "args": args}
         self.timeout_s = timeout_s
         self.init_timeout_s = init_timeout_s
-        self.call = call  # (op, model, version, payload, timeout) -> value; the in-process client
+        self.call = call  # (op, model, version, payload, timeout, callers) -> value; the in-process client
+        # The chains of python models waiting on the batch being executed (one per request): a call from
+        # execute to one of them would wait for a worker that waits for this one (a cycle).
+        self._callers: list[tuple[str, ...]] = []
         self.proc: subprocess.Popen | None = None
         self.conn: Connection | None = None
         self.restarts = 0
         self.last_error = ""
+        # Down: its restart failed. Then the backend's restart thread owns proc and conn (execute does
+        # not touch them), until a start succeeds and clears the flag.
+        self.down = False
+        self.on_down = None  # called (from the executing thread) when the worker goes down
+        self._abort = threading.Event()  # close(): end a start that is under way
 
     # ---- process ------------------------------------------------------------------
     def start(self) -> None:
@@ -70,6 +83,10 @@ class PythonWorker:
         self.proc = subprocess.Popen([sys.executable, "-m", "surge.models.python_child", str(child.fileno())],
                                      pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
         child.close()
+        if self._abort.is_set():  # abort() ran before proc was set: it could not kill this one
+            parent.close()
+            self.kill()
+            raise EngineError(f"model.py of '{self.name}': the model is being unloaded")
         self.conn = Connection(parent.detach())
         self.conn.send(("init", self.spec))
         try:
@@ -83,6 +100,14 @@ class PythonWorker:
         if msg[0] == "init_error":
             self.stop()
             raise EngineError(f"model.py of '{self.name}': {msg[1]}")
+
+    def abort(self) -> None:
+        """End a start() under way in another thread (its initialize may hang for init_timeout_s): the
+        process is killed, so start() sees it die. The flag covers a start that has not spawned yet."""
+        self._abort.set()
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -129,7 +154,13 @@ class PythonWorker:
                 raise EngineError("this server offers no client to python models")
             if model == self.name:
                 raise InvalidInput(f"model '{self.name}' cannot call itself")
-            value = self.call(op, model, version, payload, max(0.0, deadline - time.monotonic()))
+            chain = self._cycle(model)
+            if chain:
+                raise InvalidInput(f"model '{self.name}' calls model '{model}', which waits for this call: a call "
+                                   f"cycle ({' -> '.join(chain)}) that would deadlock; refused")
+            # Every chain of the batch goes with the call: execute's calls belong to no one request of it.
+            callers = tuple(dict.fromkeys(m for c in self._callers for m in c)) + (self.name,)
+            value = self.call(op, model, version, payload, max(0.0, deadline - time.monotonic()), callers)
             reply = ("reply", call_id, True, value)
         except SurgeError as exc:
             reply = ("reply", call_id, False, (exc.message, exc.http_status))
@@ -138,14 +169,23 @@ class PythonWorker:
         self.conn.send(reply)
 
     # ---- execute --------------------------------------------------------------------
-    def execute(self, requests: list) -> list:
-        """One result per request: its outputs, or a SurgeError for it alone."""
-        if self.conn is None:
-            self._restart("it was not running")
-            if self.conn is None:  # initialize keeps failing: say why, for every request
-                return [NotReady(f"model '{self.name}' is not available: {self.last_error}")] * len(requests)
+    def _cycle(self, model: str) -> list[str]:
+        """The call path that `model` would close into a cycle ([] if none): a caller chain holding it."""
+        for chain in self._callers:
+            if model in chain:
+                return [*chain[chain.index(model):], self.name, model]
+        return []
+
+    def execute(self, requests: list, parameters: list[dict] | None = None,
+                callers: list[tuple[str, ...]] | None = None) -> list:
+        """One result per request: its outputs, or a SurgeError for it alone. `parameters`: each request's
+        KServe parameters (request.parameters() in model.py); `callers`: the python models waiting on each."""
+        parameters = parameters or [{}] * len(requests)
+        self._callers = [c for c in (callers or []) if c]
+        if self.down:  # the restart thread is on it: answer at once, never wait for an initialize
+            return [self.unavailable()] * len(requests)
         try:
-            self.conn.send(("exec", [(r, None, {}) for r in requests]))
+            self.conn.send(("exec", [(r, None, p) for r, p in zip(requests, parameters)]))
             msg = self._wait(time.monotonic() + self.timeout_s)
         except _Hung:
             self.kill()
@@ -160,14 +200,21 @@ class PythonWorker:
         if msg[0] == "exec_error":
             err = status_error(f"model '{self.name}': execute failed: {msg[1]}", msg[2])
             if len(requests) > 1 and "responses for" not in msg[1]:
-                return [self.execute([r])[0] for r in requests]  # find the request(s) that make it raise
+                # find the request(s) that make it raise
+                chains = callers or [()] * len(requests)
+                return [self.execute([r], [p], [c])[0] for r, p, c in zip(requests, parameters, chains)]
             return [err] * len(requests)
         out = []
         for r in msg[1]:
             out.append(r[1] if r[0] == "ok" else status_error(f"model '{self.name}': {r[1]}", r[2]))
         return out
 
+    def unavailable(self) -> NotReady:
+        return NotReady(f"model '{self.name}' is not ready: {self.last_error}")
+
     def _restart(self, why: str) -> None:
+        """One restart, in the thread that saw the worker die (the common case, a crash that a fresh process
+        gets over, then costs no readiness flap); if it fails the worker goes down."""
         self.last_error = f"{why} at {time.strftime('%H:%M:%S')}; restarted ({self.restarts + 1} restarts)"
         log.error("python model %s: %s", self.name, self.last_error)
         self.kill()
@@ -175,12 +222,33 @@ class PythonWorker:
         try:
             self.start()
         except EngineError as exc:
-            self.last_error = f"{why}; restart failed: {exc.message}"
+            self.last_error = f"{why}; restart failed: {exc.message}; restarting in the background"
             log.error("python model %s: %s", self.name, self.last_error)
+            self.down = True
+            if self.on_down is not None:
+                self.on_down(self)
+
+    def try_start(self) -> bool:
+        """A background restart of a down worker (the restart thread only); True once it is up."""
+        self.kill()
+        self.restarts += 1
+        try:
+            self.start()
+        except EngineError as exc:
+            self.last_error = f"restart {self.restarts} failed: {exc.message}; restarting in the background"
+            return False
+        self.last_error = f"up again at {time.strftime('%H:%M:%S')} after {self.restarts} restarts"
+        self.down = False
+        return True
 
 
 class PythonBackend:
     """TensorBackend over a pool of PythonWorkers (one per instance)."""
+
+    # Backoff between background restarts of a down worker: a model whose initialize keeps failing
+    # costs a process start every RESTART_MAX_S at most, and one that recovers is back within it.
+    RESTART_FIRST_S = 0.5
+    RESTART_MAX_S = 30.0
 
     def __init__(self, name: str, model_file: Path, class_name: str, args: dict, *, instances: int,
                  timeout_s: float, init_timeout_s: float):
@@ -188,7 +256,9 @@ class PythonBackend:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.registry = None
         self._free: list[PythonWorker] = []
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._closing = threading.Event()
+        self._restarter: threading.Thread | None = None
         self.workers = [PythonWorker(name, model_file, class_name, args, timeout_s=timeout_s,
                                      init_timeout_s=init_timeout_s, call=self._call) for _ in range(instances)]
         started = []
@@ -200,11 +270,23 @@ class PythonBackend:
             for w in started:
                 w.stop()
             raise
+        for w in self.workers:
+            w.on_down = self._went_down
         self._free = list(self.workers)
 
     @property
     def last_error(self) -> str:
         return next((w.last_error for w in self.workers if w.last_error), "")
+
+    @property
+    def available(self) -> bool:
+        """False while every worker is down: the service is then not ready (runtime/tensor_service.py)."""
+        return not all(w.down for w in self.workers)
+
+    @property
+    def unavailable_reason(self) -> str:
+        """Why the model is down ("" while a worker is up): the repository index shows it as UNAVAILABLE."""
+        return "" if self.available else self.workers[0].last_error
 
     def bind_loop(self, loop) -> None:
         self.loop = loop
@@ -212,16 +294,70 @@ class PythonBackend:
     def attach(self, registry) -> None:
         self.registry = registry
 
-    def run_requests(self, requests: list) -> list:
-        with self._lock:
-            worker = self._free.pop()
+    def run_requests(self, requests: list, parameters: list[dict] | None = None,
+                     callers: list[tuple[str, ...]] | None = None) -> list:
+        with self._cond:
+            while True:
+                up = [w for w in self._free if not w.down]
+                if up:
+                    worker = up[-1]
+                    self._free.remove(worker)
+                    break
+                if not self.available:  # nothing will serve it: 503 now, not after a restart
+                    return [self.workers[0].unavailable()] * len(requests)
+                self._cond.wait()  # the workers that are up are all busy: wait for one, as a full pool does
         try:
-            return worker.execute(requests)
+            return worker.execute(requests, parameters, callers)
         finally:
-            with self._lock:
+            with self._cond:
                 self._free.append(worker)
+                self._cond.notify_all()
 
-    def _call(self, op: str, model: str, version, payload, timeout: float):
+    # ---- down workers -------------------------------------------------------------
+    def _went_down(self, worker: PythonWorker) -> None:
+        with self._cond:
+            if self._closing.is_set():
+                return
+            if self._restarter is None or not self._restarter.is_alive():
+                self._restarter = threading.Thread(target=self._restart_loop, name=f"surge-{self.name}-restart",
+                                                   daemon=True)
+                self._restarter.start()
+        self._readiness_changed()
+
+    def _restart_loop(self) -> None:
+        """Restart the down workers until all are up (or the model is closed): the first try at once, then
+        after a delay that doubles up to RESTART_MAX_S. A start that hangs is bounded by init_timeout_s."""
+        delay = self.RESTART_FIRST_S
+        while not self._closing.is_set():
+            with self._cond:
+                down = [w for w in self.workers if w.down]
+                if not down:
+                    self._restarter = None
+                    return
+            was_available = self.available
+            for w in down:
+                if self._closing.is_set():
+                    return
+                if w.try_start():
+                    log.warning("python model %s: a worker is up again (%d restarts)", self.name, w.restarts)
+                    delay = self.RESTART_FIRST_S
+                    with self._cond:
+                        self._cond.notify_all()
+                else:
+                    log.error("python model %s: %s", self.name, w.last_error)
+            if self.available != was_available:
+                self._readiness_changed()
+            if any(w.down for w in self.workers):
+                self._closing.wait(delay)  # woken at once by close()
+                delay = min(delay * 2, self.RESTART_MAX_S)
+
+    def _readiness_changed(self) -> None:
+        """Readiness changed outside any request: tell the registry's listeners (gRPC health Watch)."""
+        loop, registry = self.loop, self.registry
+        if loop is not None and registry is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(registry.readiness_changed)
+
+    def _call(self, op: str, model: str, version, payload, timeout: float, callers: tuple[str, ...] = ()):
         """The in-process client: runs on the server's event loop, through the model's batcher and cache."""
         if self.loop is None or self.registry is None:
             raise EngineError("the in-process client is not connected to a server")
@@ -230,10 +366,10 @@ class PythonBackend:
             service = self.registry.get(model, version)
             if op == "embed":
                 return (await service.embed(texts=payload)).vectors
-            inputs, outputs = payload
+            inputs, outputs, parameters = payload
             if getattr(service, "task", "embed") != "tensor":
                 raise InvalidInput(f"model '{model}' serves task '{getattr(service, 'task', 'embed')}', not 'tensor'")
-            return (await service.infer(inputs, outputs)).outputs
+            return (await service.infer(inputs, outputs, parameters=parameters, callers=callers)).outputs
 
         fut = asyncio.run_coroutine_threadsafe(run(), self.loop)
         try:
@@ -243,5 +379,13 @@ class PythonBackend:
             raise DeadlineExceeded(f"call to model '{model}' did not finish in time") from None
 
     def close(self) -> None:
+        self._closing.set()
+        with self._cond:
+            restarter = self._restarter
+        if restarter is not None:
+            for w in self.workers:
+                if w.down:
+                    w.abort()  # a background start may be waiting on a hung initialize
+            restarter.join()
         for w in self.workers:
             w.stop()

@@ -74,6 +74,11 @@ class ModelRegistry:
     def subscribe(self, listener: Callable[[], None]) -> None:
         self._listeners.append(listener)
 
+    def readiness_changed(self) -> None:
+        """A served model's readiness changed on its own (a python model's workers went down or came back):
+        the listeners re-read it. Call on the event loop."""
+        self._changed()
+
     def _changed(self) -> None:
         for listener in list(self._listeners):
             listener()

@@ -127,6 +127,9 @@ class ModelRepository:
                 reason = f"the loaded build keeps serving; {ventry.error}"
         if served is not None and not reason and getattr(served, "last_error", ""):
             reason = served.last_error  # e.g. a python model's worker that crashed and was restarted
+        down = getattr(served, "unavailable_reason", "") if served is not None else ""
+        if down and state == READY:  # loaded, but cannot serve now (a python model's workers are down)
+            state, reason = UNAVAILABLE, down
         serving = served is not None and _is_routed(self.registry, name, served)
         return {"name": name, "version": version, "state": state, "reason": reason,
                 "serving": serving, "inflight": served.inflight if served else 0}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -54,8 +55,11 @@ Outputs = dict[str, np.ndarray]
 class TensorBackend(Protocol):
     """What runs a tensor model. Sync; called from one executor thread per instance."""
 
-    def run_requests(self, requests: list[Outputs]) -> list[Outputs | SurgeError]:
-        """One result per request, in order: its outputs, or the error that fails it alone."""
+    def run_requests(self, requests: list[Outputs], parameters: list[dict] | None = None,
+                     callers: list[tuple[str, ...]] | None = None) -> list[Outputs | SurgeError]:
+        """One result per request, in order: its outputs, or the error that fails it alone.
+        `parameters`: each request's KServe parameters (a python model sees them; graphs do not).
+        `callers`: each request's chain of python models waiting on it (their in-process client calls)."""
         ...
 
     def close(self) -> None: ...
@@ -80,6 +84,8 @@ class TensorResult:
 class _Item:
     inputs: Outputs
     rows: int
+    parameters: dict = field(default_factory=dict)
+    callers: tuple[str, ...] = ()
 
     def __len__(self) -> int:  # the batcher's "tokens": rows against the row budget
         return self.rows
@@ -95,8 +101,10 @@ class _TensorCache:
         self.hits = self.misses = 0
 
     @staticmethod
-    def key(inputs: Outputs) -> bytes:
+    def key(inputs: Outputs, parameters: dict | None = None) -> bytes:
         h = hashlib.blake2b(digest_size=20)
+        if parameters:  # a python model's answer may depend on them (request.parameters())
+            h.update(b"parameters\0" + json.dumps(parameters, sort_keys=True, default=str).encode() + b"\0")
         for name in sorted(inputs):
             a = inputs[name]
             h.update(f"{name}\0{a.dtype.str}\0{a.shape}\0".encode())
@@ -158,7 +166,7 @@ class TensorModelService:
         self.batching = batching or BatchingConfig()
         self.cache_cfg = cache or CacheConfig(enabled=False)
         self.limits = limits or LimitsConfig()
-        self.ready = False
+        self._ready = False
         self.loaded_at = time.time()
         self.warm_with_inputs = warm_with_inputs
         self.metrics = ServiceMetrics(name, version, metrics_registry)
@@ -178,6 +186,21 @@ class TensorModelService:
     def last_error(self) -> str:
         """The backend's latest failure (a python worker's crash or hang), shown by GET /models."""
         return getattr(self.backend, "last_error", "")
+
+    @property
+    def ready(self) -> bool:
+        """Loaded and warm, and its backend can run a batch: a python model whose workers are all down
+        (their restarts fail) is not ready, as Triton reports a model whose stub died."""
+        return self._ready and getattr(self.backend, "available", True)
+
+    @ready.setter
+    def ready(self, value: bool) -> None:
+        self._ready = value
+
+    @property
+    def unavailable_reason(self) -> str:
+        """Why a loaded model cannot serve now ("" when it can): the repository index shows it UNAVAILABLE."""
+        return getattr(self.backend, "unavailable_reason", "") if self._ready else ""
 
     def mark_ready(self) -> None:
         self.ready = True
@@ -230,7 +253,10 @@ class TensorModelService:
         return rows or 1
 
     async def infer(self, inputs: Outputs, outputs: list[str] | None = None, *, deadline: float | None = None,
-                    priority: int = 0, _warmup: bool = False) -> TensorResult:
+                    priority: int = 0, parameters: dict | None = None, callers: tuple[str, ...] = (),
+                    _warmup: bool = False) -> TensorResult:
+        """`parameters`: the request's own KServe parameters, handed to a python model's execute.
+        `callers`: the python models whose execute waits on this call, outermost first (call-cycle check)."""
         m = self.metrics
         m.requests.inc()
         start = time.monotonic()
@@ -240,7 +266,9 @@ class TensorModelService:
                                + (f": {self.last_error}" if self.last_error else ""))
             rows = self.validate(inputs, outputs)
             m.inputs.inc(rows)
-            key = self.cache.key(inputs) if self.cache is not None and not _warmup else None
+            # Only a python model sees request parameters: a graph's answer does not depend on them.
+            keyed = parameters if self.kind == "python" else None
+            key = self.cache.key(inputs, keyed) if self.cache is not None and not _warmup else None
             got = self.cache.get(key) if key is not None else None
             cached = got is not None
             if key is not None:  # the same Prometheus families as the text cache (tier "recent")
@@ -252,7 +280,8 @@ class TensorModelService:
             if got is None:
                 if deadline is None:
                     deadline = start + self.limits.request_timeout_s
-                got = (await self.batcher.submit([_Item(inputs, rows)], deadline, priority, timings))[0]
+                item = _Item(inputs, rows, dict(parameters or {}), tuple(callers))
+                got = (await self.batcher.submit([item], deadline, priority, timings))[0]
                 if isinstance(got, BaseException):
                     raise got
                 if key is not None:
@@ -267,7 +296,8 @@ class TensorModelService:
             return result
 
     def _run_batch(self, items: list[_Item]) -> np.ndarray:
-        results = self.backend.run_requests([it.inputs for it in items])
+        results = self.backend.run_requests([it.inputs for it in items], [it.parameters for it in items],
+                                            [it.callers for it in items])
         out = np.empty(len(items), dtype=object)
         if len(results) != len(items):
             err = EngineError(f"model '{self.name}' returned {len(results)} results for {len(items)} requests")
@@ -321,8 +351,9 @@ class StackedBackend:
         self.engine = engine
         self.batched = batched
 
-    def run_requests(self, requests: list[Outputs]) -> list[Outputs | SurgeError]:
-        results: list = [None] * len(requests)
+    def run_requests(self, requests: list[Outputs], parameters: list[dict] | None = None,
+                     callers: list[tuple[str, ...]] | None = None) -> list[Outputs | SurgeError]:
+        results: list = [None] * len(requests)  # a graph takes no request parameters and calls no model
         groups: dict[tuple, list[int]] = {}
         for i, r in enumerate(requests):
             sig = tuple(sorted((k, v.shape[1:] if self.batched else v.shape) for k, v in r.items()))

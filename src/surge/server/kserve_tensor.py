@@ -56,20 +56,34 @@ def json_data(array: np.ndarray) -> list:
     return array.ravel().tolist()
 
 
-async def run(state, service, inputs: dict[str, np.ndarray], outputs: list[str] | None):
+# Request parameters the server itself acts on (the binary extension's, and those Triton reserves); the
+# others are the model's: a python model reads them with request.parameters(), as in Triton.
+SERVER_PARAMETERS = frozenset({"binary_data_output", "priority", "timeout", "sequence_id", "sequence_start",
+                               "sequence_end", "headers"})
+
+
+def model_parameters(parameters: dict | None) -> dict:
+    return {k: v for k, v in (parameters or {}).items() if k not in SERVER_PARAMETERS}
+
+
+async def run(state, service, inputs: dict[str, np.ndarray], outputs: list[str] | None,
+              parameters: dict | None = None):
     """service.infer through AppState.call: one deadline (504 past it) and the KServe statistics."""
-    return await state.call(service, lambda deadline: service.infer(inputs, outputs) if deadline is None
-                            else service.infer(inputs, outputs, deadline=deadline))
+    params = model_parameters(parameters)
+    return await state.call(service, lambda deadline: service.infer(inputs, outputs, parameters=params)
+                            if deadline is None else service.infer(inputs, outputs, deadline=deadline,
+                                                                   parameters=params))
 
 
-async def infer(state, service, tensors: list[contract.InputTensor], outputs: list[tuple[str, dict]]):
+async def infer(state, service, tensors: list[contract.InputTensor], outputs: list[tuple[str, dict]],
+                parameters: dict | None = None):
     """(result, [(name, array)]) of a tensor model's request, with Triton's classification extension applied
     to the outputs that ask for it (no labels: a tensor model declares none; a batching model's rows are its
     items, as Triton's max_batch_size > 0)."""
     from surge.server import kserve_classification as classification
 
     wanted = classification.counts(outputs)  # checked before the model runs
-    result = await run(state, service, to_arrays(tensors), check_outputs(outputs))
+    result = await run(state, service, to_arrays(tensors), check_outputs(outputs), parameters)
     arrays = [(n, "", a) for n, a in result.outputs.items()]
     arrays = classification.apply(arrays, wanted, None, batched=bool(service.config.batched))
     return result, [(n, a) for n, _, a in arrays]

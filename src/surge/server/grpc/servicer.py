@@ -223,7 +223,8 @@ class InferenceServicer(TritonExtras, pb_grpc.GRPCInferenceServiceServicer):
         yield await self._infer(request)
 
     async def _tensor_infer(self, service, request, outputs):
-        result, arrays = await kserve_tensor.infer(self.state, service, decode_inputs(request), outputs)
+        result, arrays = await kserve_tensor.infer(self.state, service, decode_inputs(request), outputs,
+                                                   parameters(request.parameters))
         response = pb.ModelInferResponse(model_name=result.model, model_version=result.version, id=request.id)
         for name, array in arrays:
             response.outputs.add(name=name, datatype=kserve_tensor.datatype_of(array), shape=list(array.shape))

@@ -256,7 +256,8 @@ def router(state: AppState) -> APIRouter:
 
 
     async def tensor_infer(service, req: _InferRequest, binary: bytes, outputs: list[tuple[str, dict]]):
-        result, arrays = await kserve_tensor.infer(state, service, decode_inputs(req.inputs, binary), outputs)
+        result, arrays = await kserve_tensor.infer(state, service, decode_inputs(req.inputs, binary), outputs,
+                                                   req.parameters)
         return _tensors(result.model, result.version, req, arrays, outputs)
 
     async def generate_infer(request: Request, name: str, version: str | None, req: _InferRequest, binary: bytes,
