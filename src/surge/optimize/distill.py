@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -69,12 +68,8 @@ from pathlib import Path
 import numpy as np
 
 from surge.errors import ConfigError
-from surge.models.hf import ModelSpec
+from surge.models.hf import ModelSpec, copy_side_files
 from surge.optimize.narrow import REFIT_RIDGE, REFIT_TEXTS, choose_ffn, ffn_importance, narrow_ffn, refit_ffn  # noqa: F401
-
-# Files a model directory needs beside its weights to be served as the teacher is.
-SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "modules.json",
-              "sentence_bert_config.json", "config_sentence_transformers.json")
 
 
 @dataclass
@@ -539,11 +534,7 @@ def _write_model_dir(student, spec: ModelSpec, out_dir: Path) -> None:
         raise ConfigError(f"{out_dir} exists and is not a model directory; refusing to overwrite it")
     out_dir.mkdir(parents=True, exist_ok=True)
     student.save_pretrained(str(out_dir), safe_serialization=True)
-    for name in SIDE_FILES:
-        if (spec.path / name).is_file():
-            shutil.copy2(spec.path / name, out_dir / name)
-    if (spec.path / "1_Pooling").is_dir():
-        shutil.copytree(spec.path / "1_Pooling", out_dir / "1_Pooling", dirs_exist_ok=True)
+    copy_side_files(spec.path, out_dir)
 
 
 def plot_losses(losses: list[float], path: Path, title: str) -> Path:

@@ -17,7 +17,7 @@ import onnx
 import onnx_ir as ir
 
 from surge.errors import ConfigError, SurgeError
-from surge.models.hf import ModelSpec
+from surge.models.hf import ModelSpec, copy_side_files
 from surge.optimize import artifact as art
 from surge.optimize import precision as prec
 from surge.optimize.passes import PassContext, PassReport, graph_passes, op_counts, run_passes
@@ -279,13 +279,8 @@ def _write(out_dir: Path, model: onnx.ModelProto, manifest: dict, spec: ModelSpe
         shutil.rmtree(out_dir)
     with art.staging_dir(out_dir) as tmp:
         onnx.save(model, str(tmp / art.MODEL_FILE))
-        # The tokenizer travels with the artifact so that it can be served alone.
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "config.json",
-                     "modules.json", "sentence_bert_config.json"):
-            if (spec.path / name).is_file():
-                shutil.copy2(spec.path / name, tmp / name)
-        if (spec.path / "1_Pooling").is_dir():
-            shutil.copytree(spec.path / "1_Pooling", tmp / "1_Pooling")
+        # The tokenizer, pooling and prompts travel with the artifact so that it can be served alone.
+        copy_side_files(spec.path, tmp, extra=("config.json",))
         if spec.task in ("classify", "rerank", "token-classify"):
             from surge.engines.heads import save_head_tensors
 
