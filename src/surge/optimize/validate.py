@@ -27,6 +27,7 @@ import numpy as np
 import onnxruntime as ort
 
 from surge.engines.pooling import l2_normalize, pool
+from surge.errors import ConfigError
 from surge.models.hf import ModelSpec
 from surge.types import TokenBatch
 
@@ -415,8 +416,18 @@ def rerank_pairs(texts: list[str]) -> list[tuple[str, str]]:
     """8 queries x 20 documents out of a sentence set (query-major order)."""
     queries, docs = texts[:RERANK_QUERIES], texts[RERANK_QUERIES:RERANK_QUERIES + RERANK_DOCS]
     if len(docs) < RERANK_DOCS:
-        raise ValueError(f"a rerank gate needs at least {RERANK_QUERIES + RERANK_DOCS} sentences per set")
+        raise ConfigError(f"a reranker's gate needs at least {RERANK_QUERIES + RERANK_DOCS} sentences per set, "
+                          f"this one has {len(texts)} (raise --max-sentences)", param="max-sentences")
     return [(q, d) for q in queries for d in docs]
+
+
+def check_set_sizes(spec: ModelSpec, calibration: list[str], heldout: list[str]) -> None:
+    """What the Evaluator would refuse, refused before the export and the reference runs."""
+    if not calibration or not heldout:
+        raise ConfigError("the gate needs calibration and held-out sentences (--max-sentences >= 1)",
+                          param="max-sentences")
+    if spec.task == "rerank":
+        rerank_pairs(calibration), rerank_pairs(heldout)
 
 
 def ranking_agreement(ref: np.ndarray, cand: np.ndarray, k: int = 10, tie: float = 1e-3) -> tuple[float, float]:
