@@ -111,3 +111,15 @@ def test_a_threshold_override_keeps_the_budget_the_run_would_use(tmp_path):
     assert result.exit_code == 0, result.output
     budget = json.loads((out / "manifest.json").read_text())["validation"]["budget"]
     assert budget == {**LOSSY.to_json(), "mean_cosine": 0.9}
+
+
+@pytest.mark.parametrize("args,word", [(["--precision", "fp16", "--block", "LayerNorm"], "LayerNorm"),
+                                       (["--precision", "int8", "--block", "Softmax"], "--block")])
+def test_a_block_list_that_cannot_apply_is_a_clear_error_before_any_work(tmp_path, args, word):
+    """A misspelt op type (LayerNorm for LayerNormalization) kept nothing in FP32, silently; a block list
+    for a precision that has none was ignored, silently."""
+    cache = tmp_path / "cache"
+    result = _cli(make_tiny_bert(tmp_path / "model", seed=12), "-o", tmp_path / "art", *args, "--no-latency",
+                  "--max-sentences", N, "--threads", "2", "--cache-dir", cache)
+    assert result.exit_code == 1 and word in result.output, result.output
+    assert not cache.exists() and not (tmp_path / "art").exists()

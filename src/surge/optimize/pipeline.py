@@ -76,6 +76,8 @@ class OptimizeOptions:
         if self.smooth_alpha not in ("auto", None) and not (isinstance(self.smooth_alpha, (int, float))
                                                             and 0.0 < self.smooth_alpha <= 1.0):
             raise ConfigError(f"--smooth-alpha must be 'auto', 'off' or in (0, 1], not {self.smooth_alpha!r}")
+        if self.block_list is not None:
+            self._check_block_list()
         if not 0.0 <= self.prune_heads < 1.0:
             raise ConfigError("--prune-heads must be in [0, 1)")
         # A floor above 1 (or NaN) fails every artifact, one below 0 passes every one: either way the user
@@ -92,6 +94,17 @@ class OptimizeOptions:
         for path in self.rules:  # fail before the slow steps, not in the middle of them
             load_user_rules(path)
 
+
+    def _check_block_list(self) -> None:
+        """A block list names ONNX op types kept in FP32 by the fp16/bf16 conversion: a misspelt name keeps
+        nothing, silently, and other precisions have no conversion to apply it to."""
+        if self.precision not in ("fp16", "bf16"):
+            raise ConfigError(f"--block applies to --precision fp16 or bf16, not {self.precision}", param="block")
+        # FP16/BF16 graphs keep standard ONNX ops (no contrib fusions), so the ONNX schemas are the names.
+        unknown = [op for op in self.block_list if not onnx.defs.has(op)]
+        if unknown:
+            raise ConfigError(f"--block: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not ONNX op "
+                              f"type(s); the default block list is {', '.join(prec.DEFAULT_BLOCK_LIST)}", param="block")
 
     def resolved_budget(self) -> Budget:
         """The budget the gate applies: the given one or the precision's (LOSSY when heads are pruned,
