@@ -54,7 +54,7 @@ def distill(
 
     from surge.errors import SurgeError
     from surge.models import bundled_model_dir, load_model_spec
-    from surge.optimize.distill import DistillOptions, plot_losses, read_texts
+    from surge.optimize.distill import DistillOptions, check_teacher, plot_losses, read_texts
     from surge.optimize.distill import distill as train
 
     console = Console(stderr=True)
@@ -62,6 +62,7 @@ def distill(
     staging = output.with_name(output.name + ".staging")
     try:
         spec = load_model_spec(model_dir or bundled_model_dir())
+        check_teacher(spec)
         options = DistillOptions(layers=layers, ffn_size=ffn_size, precision=precision, steps=steps, batch_size=batch_size, lr=lr, seed=seed, threads=threads,
                                  bank_weight=bank_weight, device=device,
                                  time_budget=time_budget, layer_choice=layer_choice,
@@ -109,6 +110,9 @@ def distill(
         shutil.rmtree(staging, ignore_errors=True)
         console.print(f"[bold red]error[/]: {exc.message}")
         raise typer.Exit(code=1)
+    except BaseException:  # a crash (or Ctrl-C) leaves no half-made student beside the output
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     if failures and not force:
         console.print(f"[bold red]not promoted[/]: {'; '.join(failures)} (the student is in {target}; --force promotes it)")
         raise typer.Exit(code=2)
@@ -141,7 +145,10 @@ def _gate(spec, student_dir: Path, min_cosine: float, min_top1: float, max_sente
         calibration = calibration_queries()[: min(200, len(heldout))]
         evaluator = Evaluator(spec, teacher_onnx, calibration, heldout, threads=threads)
         evaluator.head = None  # the student's head was trained too: the teacher's head would not read its states
-        gate = evaluator.gate(student_onnx.read_bytes(), Budget(mean_cosine=min_cosine, top1=min_top1))
+        # A classifier's or reranker's graph returns logits, where the gate skips the embedding floors
+        # (validate.check): without its task's floors such a student would pass whatever it predicts.
+        budget = Budget(mean_cosine=min_cosine, top1=min_top1, argmax=min_top1, rank_top1=min_top1, ndcg10=min_cosine)
+        gate = evaluator.gate(student_onnx.read_bytes(), budget)
         lat: dict = {"measured": False, "why": "--no-latency"}
         if latency:
             from surge.optimize.latency import compare_latency
@@ -154,12 +161,20 @@ def _render(console, report: dict) -> None:
     from rich.table import Table
 
     acc = Table(title="student vs teacher (FP32, ONNX Runtime)")
-    for col in ("set", "n", "mean cos", "worst 1% cos", "min cos", "top-1 strict [95% CI]", "top-1 (ties) [95% CI]"):
+    sets = report["gate"]["sets"]
+    # a task model's sets have no retrieval top-1 (None) but its task's metric
+    task_cols = [k for k in ("argmax", "rank_top1", "ndcg10") if any(m.get(k) is not None for m in sets.values())]
+    for col in ("set", "n", "mean cos", "worst 1% cos", "min cos", "top-1 strict [95% CI]", "top-1 (ties) [95% CI]",
+                *task_cols):
         acc.add_column(col, justify="right")
-    for name, m in report["gate"]["sets"].items():
-        ci, sci = m.get("top1_tie_ci95") or (0, 0), m.get("top1_ci95") or (0, 0)
+
+    def rate(v, ci) -> str:
+        return "-" if v is None else f"{v:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+
+    for name, m in sets.items():
         acc.add_row(name, str(m["n"]), f"{m['mean_cosine']:.4f}", f"{m['tail_cosine']:.4f}", f"{m['min_cosine']:.4f}",
-                    f"{m['top1']:.3f} [{sci[0]:.3f}, {sci[1]:.3f}]", f"{m['top1_tie']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]")
+                    rate(m["top1"], m.get("top1_ci95")), rate(m["top1_tie"], m.get("top1_tie_ci95")),
+                    *[rate(m.get(k), None) for k in task_cols])
     console.print(acc)
     verdict = "[green]passed[/]" if report["gate"]["passed"] else "[red]FAILED: " + "; ".join(report["gate"]["failures"]) + "[/]"
     console.print(f"accuracy gate: {verdict}")

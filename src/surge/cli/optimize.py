@@ -49,15 +49,9 @@ def optimize(
     from surge.optimize.pipeline import optimize as run
 
     console = Console(stderr=True)
-    budget = None
-    if min_cosine is not None or min_top1 is not None or min_top1_strict is not None:
-        import dataclasses
-
-        from surge.optimize.validate import BUDGETS
-
-        budget = BUDGETS.get(precision, BUDGETS["fp32"])
-        budget = dataclasses.replace(budget, **{k: v for k, v in (("mean_cosine", min_cosine), ("top1", min_top1),
-                                                                  ("top1_strict", min_top1_strict)) if v is not None})
+    # Over the budget the run would use anyway (pruning's LOSSY one included), not always the precision's.
+    overrides = {k: v for k, v in (("mean_cosine", min_cosine), ("top1", min_top1), ("top1_strict", min_top1_strict))
+                 if v is not None}
     alpha: float | str | None = {"auto": "auto", "off": None}.get(smooth_alpha.lower(), smooth_alpha)
     if isinstance(alpha, str) and alpha != "auto":
         try:
@@ -69,7 +63,7 @@ def optimize(
         from surge.data import calibration_queries, heldout_queries
 
         calibration, heldout = calibration_queries()[:max_sentences], heldout_queries()[:max_sentences]
-    options = OptimizeOptions(budget=budget, calibration=calibration, heldout=heldout, target=target, precision=precision, auto_block_list=auto_block_list,
+    options = OptimizeOptions(budget_overrides=overrides, calibration=calibration, heldout=heldout, target=target, precision=precision, auto_block_list=auto_block_list,
                               block_list=list(block) if block else None, per_channel=per_channel, smooth_alpha=alpha, int8_fallback=int8_fallback, int8_method=int8_method, int8_outliers=int8_outliers,
                               prune_heads=prune_heads, rules=list(rule or []), force=force,
                               measure_latency=not no_latency, threads=threads, min_speedup=min_speedup)

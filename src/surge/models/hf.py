@@ -195,6 +195,31 @@ def load_model_spec(path: str | Path, name: str | None = None, task: str | None 
     )
 
 
+# Files besides the weights that decide how a model directory is read (tokenizer, pooling, normalization,
+# max length, prompts): whatever is written from a model directory (an optimized artifact, a distilled
+# student) carries them, or it would be served differently from its source.
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "modules.json",
+              "sentence_bert_config.json", "config_sentence_transformers.json")
+
+
+def copy_side_files(src: Path, dst: Path, extra: tuple[str, ...] = ()) -> None:
+    """Copy SIDE_FILES (and `extra`) and every sentence-transformers module folder modules.json names:
+    its Pooling module need not be in `1_Pooling`, and load_model_spec reads it from where modules.json says."""
+    import shutil
+
+    src, dst = Path(src), Path(dst)
+    for name in SIDE_FILES + tuple(extra):
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+    folders = {"1_Pooling"}
+    if (src / "modules.json").is_file():
+        folders |= {str(m.get("path") or "") for m in _read_json(src / "modules.json") if isinstance(m, dict)}
+    for folder in sorted(f for f in folders if f):
+        source = (src / folder).resolve()
+        if source.is_dir() and source.is_relative_to(src.resolve()) and source != src.resolve():
+            shutil.copytree(source, dst / folder, dirs_exist_ok=True)
+
+
 def _default_name(path: Path) -> str:
     from surge.models.bundled import BUNDLED_NAME
 

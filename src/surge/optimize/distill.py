@@ -58,9 +58,7 @@ Defaults (4 layers, 600 s): measured in docs/benchmarks/optimizer.md, session 7;
 
 from __future__ import annotations
 
-import json
 import math
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -69,12 +67,9 @@ from pathlib import Path
 import numpy as np
 
 from surge.errors import ConfigError
-from surge.models.hf import ModelSpec
+from surge.models.hf import ModelSpec, copy_side_files
+from surge.optimize.distill_texts import AUGMENTED, augment_queries, default_texts, read_texts  # noqa: F401
 from surge.optimize.narrow import REFIT_RIDGE, REFIT_TEXTS, choose_ffn, ffn_importance, narrow_ffn, refit_ffn  # noqa: F401
-
-# Files a model directory needs beside its weights to be served as the teacher is.
-SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "modules.json",
-              "sentence_bert_config.json", "config_sentence_transformers.json")
 
 
 @dataclass
@@ -196,80 +191,13 @@ def _choice_texts(encoded: list) -> list[int]:
     return sorted(range(len(encoded)), key=lambda i: len(encoded[i]))[:: max(1, len(encoded) // CHOICE_TEXTS)][:CHOICE_TEXTS]
 
 
-AUGMENTED = 20_000  # query variants added to the default training text (augment_queries)
-
-
-def default_texts() -> list[str]:
-    """The shipped calibration queries and prose sentences, AUGMENTED variants of the queries, and the
-    shipped distillation text (`surge.data.distill_texts`: voice-assistant skills' utterances and replies,
-    open-domain chit-chat; built so that no held-out query, or near copy of one, is in it)."""
-    from surge.data import calibration_queries, distill_texts, heldout_queries, load_sentences
-
-    queries = calibration_queries()
-    return queries + load_sentences() + augment_queries(queries, AUGMENTED, exclude=heldout_queries()) + distill_texts()
-
-
-def augment_queries(queries: list[str], n: int, seed: int = 5, exclude: list[str] = ()) -> list[str]:
-    """`n` distinct query-like variants of `queries`, none of them a query itself or in `exclude`
-    (compared after `normalise`: case and punctuation aside): words dropped, words replaced by another query's, two queries
-    spliced at their middles, or a short span. The teacher labels them, so they are free training
-    text in the queries' own vocabulary and style; a student trained on the 1,304 shipped texts
-    alone fits them (mean cosine 0.98) but not held-out queries (0.91). Measured on MiniLM 6 -> 3,
-    300 s: held-out mean cosine 0.921 with them, 0.910 with 5,700 prose sentences and spans
-    instead, 0.908 with neither after 900 s (docs/benchmarks/optimizer.md, Issue 21, session 3)."""
-    import random
-
-    rng = random.Random(seed)
-    split = [q.split() for q in queries if q.split()]
-    if not split:
-        return []
-    words = [w for q in split for w in q]
-    from surge.data import normalise
-
-    # compared as the shipped distillation text is: case and punctuation aside ("How are you" is "how are you?")
-    seen = {normalise(q) for q in queries} | {normalise(t) for t in exclude}
-    out: list[str] = []
-    for _ in range(20 * n):  # bounded: a tiny or repetitive query set may have fewer variants
-        if len(out) >= n:
-            break
-        a = rng.choice(split)
-        r = rng.random()
-        if r < 0.3 and len(a) > 2:
-            a = [w for w in a if rng.random() > 0.2] or a
-        elif r < 0.6:
-            a = [rng.choice(words) if rng.random() < 0.2 else w for w in a]
-        elif r < 0.85:
-            b = rng.choice(split)
-            a = a[: max(1, len(a) // 2)] + b[len(b) // 2:]
-        else:
-            k = rng.randint(1, min(5, len(a)))
-            i = rng.randint(0, len(a) - k)
-            a = a[i : i + k]
-        text = " ".join(a)
-        if normalise(text) not in seen:
-            seen.add(normalise(text))
-            out.append(text)
-    return out
-
-
-def read_texts(path: Path) -> list[str]:
-    """One text per line, or JSON lines with a "text" (or "input") field: a query log."""
-    texts = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        if line.startswith("{"):
-            try:
-                row = json.loads(line)
-                line = str(row.get("text") or row.get("input") or "")
-            except json.JSONDecodeError:
-                pass
-        if line:
-            texts.append(line)
-    if not texts:
-        raise ConfigError(f"{path}: no texts to train on")
-    return texts
+def check_teacher(spec: ModelSpec) -> None:
+    """Refuse, before training, a teacher whose head distillation cannot train: the student is built on
+    AutoModel or *ForSequenceClassification, so a token tagger's student would be written headless (an
+    embedding model served in place of a tagger)."""
+    if spec.task not in ("embed", "classify", "rerank"):
+        raise ConfigError(f"{spec.path.name} is a {spec.task} model: surge distill trains embedding models, "
+                          "classifiers and rerankers (*ForSequenceClassification)", param="model")
 
 
 def _is_classifier(spec: ModelSpec) -> bool:
@@ -325,6 +253,7 @@ def distill(spec: ModelSpec, out_dir: Path, options: DistillOptions,
     from tokenizers import Tokenizer
 
     teacher_ffn = spec.config.get("intermediate_size")
+    check_teacher(spec)
     options.check(spec.num_layers, teacher_ffn)
     if options.threads:
         torch.set_num_threads(options.threads)
@@ -539,11 +468,7 @@ def _write_model_dir(student, spec: ModelSpec, out_dir: Path) -> None:
         raise ConfigError(f"{out_dir} exists and is not a model directory; refusing to overwrite it")
     out_dir.mkdir(parents=True, exist_ok=True)
     student.save_pretrained(str(out_dir), safe_serialization=True)
-    for name in SIDE_FILES:
-        if (spec.path / name).is_file():
-            shutil.copy2(spec.path / name, out_dir / name)
-    if (spec.path / "1_Pooling").is_dir():
-        shutil.copytree(spec.path / "1_Pooling", out_dir / "1_Pooling", dirs_exist_ok=True)
+    copy_side_files(spec.path, out_dir)
 
 
 def plot_losses(losses: list[float], path: Path, title: str) -> Path:

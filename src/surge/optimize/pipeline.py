@@ -17,11 +17,11 @@ import onnx
 import onnx_ir as ir
 
 from surge.errors import ConfigError, SurgeError
-from surge.models.hf import ModelSpec
+from surge.models.hf import ModelSpec, copy_side_files
 from surge.optimize import artifact as art
 from surge.optimize import precision as prec
 from surge.optimize.passes import PassContext, PassReport, graph_passes, op_counts, run_passes
-from surge.optimize.validate import BUDGETS, LOSSY, Budget, Evaluator, GateResult
+from surge.optimize.validate import BUDGETS, LOSSY, Budget, Evaluator, GateResult, check_set_sizes
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 TARGETS = ("cpu", "gpu")
@@ -49,6 +49,7 @@ class OptimizeOptions:
     prune_heads: float = 0.0  # fraction of attention heads to remove
     rules: list[str] = field(default_factory=list)  # extra rewrite rules by import path
     budget: Budget | None = None  # None = validate.BUDGETS[precision] (LOSSY when pruning)
+    budget_overrides: dict = field(default_factory=dict)  # Budget field -> floor, over `budget` or its default
     force: bool = False
     calibration: list[str] | None = None
     heldout: list[str] | None = None
@@ -75,12 +76,57 @@ class OptimizeOptions:
         if self.smooth_alpha not in ("auto", None) and not (isinstance(self.smooth_alpha, (int, float))
                                                             and 0.0 < self.smooth_alpha <= 1.0):
             raise ConfigError(f"--smooth-alpha must be 'auto', 'off' or in (0, 1], not {self.smooth_alpha!r}")
+        if self.block_list is not None:
+            self._check_block_list()
         if not 0.0 <= self.prune_heads < 1.0:
             raise ConfigError("--prune-heads must be in [0, 1)")
+        # A floor above 1 (or NaN) fails every artifact, one below 0 passes every one: either way the user
+        # learns it only after the whole run, so they are refused here.
+        for name, value in {**(self.budget.to_json() if self.budget else {}), **self.budget_overrides}.items():
+            flag = BUDGET_FLAGS.get(name, name)
+            if not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+                raise ConfigError(f"{flag} must be in [0, 1], not {value!r}", param=flag.lstrip("-"))
+        if not (isinstance(self.min_speedup, (int, float)) and self.min_speedup >= 0.0 and self.min_speedup < float("inf")):
+            raise ConfigError(f"--min-speedup must be >= 0 (0: measure only), not {self.min_speedup!r}",
+                              param="min-speedup")
         from surge.optimize.rules import load_user_rules
 
         for path in self.rules:  # fail before the slow steps, not in the middle of them
             load_user_rules(path)
+
+
+    def _check_block_list(self) -> None:
+        """A block list names ONNX op types kept in FP32 by the fp16/bf16 conversion: a misspelt name keeps
+        nothing, silently, and other precisions have no conversion to apply it to."""
+        if self.precision not in ("fp16", "bf16"):
+            raise ConfigError(f"--block applies to --precision fp16 or bf16, not {self.precision}", param="block")
+        # FP16/BF16 graphs keep standard ONNX ops (no contrib fusions), so the ONNX schemas are the names.
+        unknown = [op for op in self.block_list if not onnx.defs.has(op)]
+        if unknown:
+            raise ConfigError(f"--block: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not ONNX op "
+                              f"type(s); the default block list is {', '.join(prec.DEFAULT_BLOCK_LIST)}", param="block")
+
+    def resolved_budget(self) -> Budget:
+        """The budget the gate applies: the given one or the precision's (LOSSY when heads are pruned,
+        INT8 keeps its own), with the CLI's overrides on top of that same base."""
+        import dataclasses
+
+        base = self.budget or (LOSSY if self.prune_heads > 0 and self.precision != "int8" else BUDGETS[self.precision])
+        return dataclasses.replace(base, **self.budget_overrides)
+
+
+# The CLI flag that sets each Budget field, for error messages.
+BUDGET_FLAGS = {"mean_cosine": "--min-cosine", "top1": "--min-top1", "top1_strict": "--min-top1-strict"}
+
+
+def check_output(out_dir: Path) -> None:
+    """Refuse an output that is a file, or a non-empty folder other than an artifact: before the slow
+    steps, so that a typo in -o costs seconds, not the whole run (and never deletes the user's files)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"{out_dir} exists and is not a folder; refusing to overwrite it", param="output")
+    if out_dir.is_dir() and not (out_dir / art.MANIFEST).is_file() and any(out_dir.iterdir()):
+        raise ConfigError(f"{out_dir} exists and is not a surge artifact; refusing to overwrite it", param="output")
 
 
 @dataclass
@@ -116,12 +162,14 @@ def optimize(spec: ModelSpec, out_dir: Path, options: OptimizeOptions, cache_dir
     from surge.optimize.export import ensure_exported
 
     options.check()
+    check_output(out_dir)
+    calibration = options.calibration or calibration_queries()
+    heldout = options.heldout or heldout_queries()
+    check_set_sizes(spec, calibration, heldout)
     say = progress or (lambda _: None)
     say("exporting the FP32 source model")
     source_dir = ensure_exported(spec, cache_dir, progress=lambda s: say(f"export: {s}"))
     source_file = source_dir / art.MODEL_FILE
-    calibration = options.calibration or calibration_queries()
-    heldout = options.heldout or heldout_queries()
     say("running the FP32 reference on calibration and held-out sentences")
     evaluator = Evaluator(spec, source_file, calibration, heldout, threads=options.threads)
     manifest: dict = {"kind": "optimized", "model_name": spec.name, "source": str(spec.path),
@@ -158,8 +206,7 @@ def optimize(spec: ModelSpec, out_dir: Path, options: OptimizeOptions, cache_dir
             say("timing SkipLayerNormalization fused vs split on this CPU")
             proto, manifest["skip_layernorm"] = skip_split.choose(proto, spec.vocab_size, options.threads)
             manifest["ort_disabled_optimizers"] = manifest["skip_layernorm"]["ort_disabled_optimizers"]
-        budget = options.budget or (LOSSY if options.prune_heads > 0 and options.precision != "int8"
-                                    else BUDGETS[options.precision])
+        budget = options.resolved_budget()
         decisions, candidate, executed = _apply_precision(proto, options, evaluator, say, budget)
         manifest["precision_decisions"] = decisions
 
@@ -245,7 +292,6 @@ def _apply_precision(proto: onnx.ModelProto, options: OptimizeOptions, evaluator
             model = prec.emulate(prec.convert(proto, p, block), p)
             return compare(ref, run_model(session(model.SerializeToString(), options.threads), evaluator.spec, data))
 
-        budget = options.budget or BUDGETS[p]
         result = search_block_list(prec.float_op_types(proto), measure, budget, say,
                                    all_op_types=sorted({n.op_type for n in proto.graph.node}))
         block = result.block_list
@@ -273,19 +319,13 @@ def _write(out_dir: Path, model: onnx.ModelProto, manifest: dict, spec: ModelSpe
     out_dir = Path(out_dir)
     manifest.update(model_file=art.MODEL_FILE, pooling=spec.pooling, normalize=spec.normalize,
                     max_length=spec.max_length, hidden_size=spec.hidden_size, vocab_size=spec.vocab_size)
+    check_output(out_dir)  # again: the folder may have changed during the run
     if out_dir.exists():
-        if not (out_dir / art.MANIFEST).is_file() and any(out_dir.iterdir()):
-            raise ConfigError(f"{out_dir} exists and is not a surge artifact; refusing to overwrite it")
         shutil.rmtree(out_dir)
     with art.staging_dir(out_dir) as tmp:
         onnx.save(model, str(tmp / art.MODEL_FILE))
-        # The tokenizer travels with the artifact so that it can be served alone.
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "config.json",
-                     "modules.json", "sentence_bert_config.json"):
-            if (spec.path / name).is_file():
-                shutil.copy2(spec.path / name, tmp / name)
-        if (spec.path / "1_Pooling").is_dir():
-            shutil.copytree(spec.path / "1_Pooling", tmp / "1_Pooling")
+        # The tokenizer, pooling and prompts travel with the artifact so that it can be served alone.
+        copy_side_files(spec.path, tmp, extra=("config.json",))
         if spec.task in ("classify", "rerank", "token-classify"):
             from surge.engines.heads import save_head_tensors
 

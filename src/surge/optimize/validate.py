@@ -9,7 +9,8 @@ the model directory carries a sequence-classification head — argmax agreement
 of the logits computed from that head.
 
 What the gate measures follows the model's task (models/tasks.py):
-  classify        argmax agreement of the labels (FP16/BF16: at most 0.2% change)
+  classify        argmax agreement of the labels (FP16/BF16: at most 0.2% change); a multi-label head:
+                  agreement of each input's whole label set (every sigmoid past 0.5), as it is served
   rerank          sentences become (query, document) pairs, 8 queries x 20 documents per set;
                   top-1 agreement of each query's best document (ties within 1e-3 of the
                   score range agree) and NDCG@10 of the candidate's ranking, graded by the
@@ -28,6 +29,8 @@ import onnxruntime as ort
 
 from surge.engines.pooling import l2_normalize, pool
 from surge.models.hf import ModelSpec
+from surge.optimize.task_metrics import (  # noqa: F401  (re-exported: the gate's task metrics)
+    RERANK_DOCS, RERANK_QUERIES, check_set_sizes, label_margin, ranking_agreement, rerank_pairs)
 from surge.types import TokenBatch
 
 
@@ -198,12 +201,15 @@ class Outputs:
     logits: np.ndarray | list[np.ndarray] | None = None
     task: str | None = None  # the task graph's task (models/tasks.py)
     token_rows: np.ndarray | None = None  # token heads: the input (sentence) index of each flat token row
+    multi_label: bool = False  # a multi-label head: every label whose sigmoid passes 0.5 is an answer
 
 
 def run_model(sess: ort.InferenceSession, spec: ModelSpec, data: Encoded) -> Outputs:
     names = {i.name for i in sess.get_inputs()}
     if sess.get_outputs()[0].name == "logits":
-        return _task_outputs(sess, names, data, spec.task)
+        out = _task_outputs(sess, names, data, spec.task)
+        out.multi_label = bool(spec.task_info and spec.task_info.multi_label)
+        return out
     pooled, hidden, first = [], [], []
     for batch in data.batches:
         feeds = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
@@ -365,9 +371,6 @@ def compare(ref: Outputs, cand: Outputs, head=None) -> SetMetrics:
     return out
 
 
-RERANK_QUERIES, RERANK_DOCS = 8, 20
-
-
 def _compare_logits(ref: Outputs, cand: Outputs) -> SetMetrics:
     """Task graphs: the task's metric on the logits themselves (no nearest-neighbour top-1: the
     outputs are not embeddings; `top1` is None and the gate skips it, see `check`)."""
@@ -393,47 +396,15 @@ def _compare_logits(ref: Outputs, cand: Outputs) -> SetMetrics:
         # whole queries, so its pairs still reshape into [queries, documents]
         docs = r.shape[1]
         out.order_worst = [int(q) * docs + d for q in np.argsort(cos, kind="stable") for d in range(docs)]
+    elif ref.multi_label:  # the served answer is the set of labels past 0.5: all of it must agree
+        on, margin = ref.logits > 0, np.nan_to_num(cand.logits, nan=0.0)
+        out.argmax = float(((cand.logits > 0) == on).all(1).mean())  # NaN is "off": a NaN row disagrees where on
+        # worst first: the input whose least safe label decision is least safe (negative: flipped)
+        out.order_worst = [int(i) for i in np.argsort(np.where(on, margin, -margin).min(1), kind="stable")]
     else:
         out.argmax = float((ref.logits.argmax(1) == cand.logits.argmax(1)).mean())
         out.order_worst = [int(i) for i in np.argsort(label_margin(ref.logits, cand.logits), kind="stable")]
     return out
-
-
-def label_margin(ref: np.ndarray, cand: np.ndarray) -> np.ndarray:
-    """Per row: the candidate's logit of the reference's label minus its best other logit
-    (negative: the label changed; small: it nearly did)."""
-    ref, cand = np.nan_to_num(ref, nan=-np.inf), np.nan_to_num(cand, nan=-np.inf)
-    label = ref.argmax(1)
-    own = np.take_along_axis(cand, label[:, None], 1)[:, 0]
-    other = cand.copy()
-    other[np.arange(len(cand)), label] = -np.inf
-    with np.errstate(invalid="ignore"):
-        return np.nan_to_num(own - other.max(1), nan=-np.inf)
-
-
-def rerank_pairs(texts: list[str]) -> list[tuple[str, str]]:
-    """8 queries x 20 documents out of a sentence set (query-major order)."""
-    queries, docs = texts[:RERANK_QUERIES], texts[RERANK_QUERIES:RERANK_QUERIES + RERANK_DOCS]
-    if len(docs) < RERANK_DOCS:
-        raise ValueError(f"a rerank gate needs at least {RERANK_QUERIES + RERANK_DOCS} sentences per set")
-    return [(q, d) for q in queries for d in docs]
-
-
-def ranking_agreement(ref: np.ndarray, cand: np.ndarray, k: int = 10, tie: float = 1e-3) -> tuple[float, float]:
-    """(top-1 agreement, mean NDCG@k) of candidate scores [Q, D] against reference scores [Q, D]."""
-    top1, ndcg = [], []
-    for r, c in zip(ref.astype(np.float64), cand.astype(np.float64)):
-        spread = max(float(r.max() - r.min()), 1e-12)
-        top1.append(bool(r[int(np.argmax(c))] >= r.max() - tie * spread))
-        ranks = np.empty(len(r), dtype=np.int64)
-        ranks[np.argsort(-r, kind="stable")] = np.arange(len(r))
-        gain = np.clip(k - ranks, 0, None).astype(np.float64)  # graded by the reference ranking
-        kk = min(k, len(r))
-        disc = 1.0 / np.log2(np.arange(2, kk + 2))
-        dcg = (gain[np.argsort(-c, kind="stable")[:kk]] * disc).sum()
-        idcg = (np.sort(gain)[::-1][:kk] * disc).sum()
-        ndcg.append(dcg / idcg)
-    return float(np.mean(top1)), float(np.mean(ndcg))
 
 
 def check(budget: Budget, sets: dict[str, SetMetrics]) -> GateResult:

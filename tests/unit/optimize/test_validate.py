@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import numpy as np
+import pytest
 
 from surge.optimize.validate import BUDGETS, Budget, SetMetrics, check, retrieval_agreement, top1_agreement
 from tests.conftest import CACHE_DIR
@@ -130,3 +132,33 @@ def test_session_spinning_follows_the_argument_then_the_environment(monkeypatch)
     assert spins() == "0" and spins(spinning=True) == "1"
     x = np.random.default_rng(0).standard_normal(2).astype(np.float32)
     np.testing.assert_array_equal(session(model, 1).run(None, {"x": x})[0], np.maximum(x, 0))
+
+
+def test_a_multi_label_classifier_is_gated_on_every_label_it_reports(sentences):
+    """A multi-label head reports every label whose sigmoid passes 0.5, not just its best one: a candidate
+    that keeps each input's best label but turns other labels on or off serves different answers."""
+    from surge.models import load_model_spec
+    from surge.optimize.export import ensure_exported
+    from surge.optimize.validate import BUDGETS, Evaluator, check, compare
+    from tests.conftest import CACHE_DIR
+    from tests.task_models import task_models_dir
+
+    spec = load_model_spec(task_models_dir() / "multi")
+    assert spec.task == "classify" and spec.task_info.multi_label
+    ev = Evaluator(spec, ensure_exported(spec, CACHE_DIR) / "model.onnx", sentences[:8], sentences[200:300], threads=2)
+    ref = ev.reference["heldout"]
+    logits = ref.logits.copy()
+    top = logits.argmax(1)
+    # every other input whose best label is on (logit > 0.2): its weakest other label switched on or off
+    # at 0.1, below the best logit
+    rows = np.flatnonzero(logits.max(1) > 0.2)[::2]
+    assert len(rows) >= 10
+    flip = np.isin(np.arange(len(logits)), rows)
+    weakest = np.where(np.arange(logits.shape[1])[None, :] == top[:, None], np.inf, np.abs(logits)).argmin(1)
+    logits[rows, weakest[rows]] = -np.sign(logits[rows, weakest[rows]]) * 0.1
+    assert (logits.argmax(1) == top).all()  # the best label is unchanged
+    cand = dataclasses.replace(ref, embeddings=logits, hidden=[logits], cls=logits, logits=logits)
+    m = compare(ref, cand)
+    assert m.argmax == pytest.approx(1 - flip.mean())
+    assert not check(BUDGETS["fp16"], {"heldout": m}).passed
+    assert compare(ref, ref).argmax == 1.0

@@ -1,0 +1,58 @@
+"""The gate's metrics for task models (classify, rerank, token-classify) that need no session: label
+margins, a reranker's (query, document) pairs and its ranking agreement. validate.py applies them."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from surge.errors import ConfigError
+from surge.models.hf import ModelSpec
+
+RERANK_QUERIES, RERANK_DOCS = 8, 20
+
+
+def label_margin(ref: np.ndarray, cand: np.ndarray) -> np.ndarray:
+    """Per row: the candidate's logit of the reference's label minus its best other logit
+    (negative: the label changed; small: it nearly did)."""
+    ref, cand = np.nan_to_num(ref, nan=-np.inf), np.nan_to_num(cand, nan=-np.inf)
+    label = ref.argmax(1)
+    own = np.take_along_axis(cand, label[:, None], 1)[:, 0]
+    other = cand.copy()
+    other[np.arange(len(cand)), label] = -np.inf
+    with np.errstate(invalid="ignore"):
+        return np.nan_to_num(own - other.max(1), nan=-np.inf)
+
+
+def rerank_pairs(texts: list[str]) -> list[tuple[str, str]]:
+    """8 queries x 20 documents out of a sentence set (query-major order)."""
+    queries, docs = texts[:RERANK_QUERIES], texts[RERANK_QUERIES:RERANK_QUERIES + RERANK_DOCS]
+    if len(docs) < RERANK_DOCS:
+        raise ConfigError(f"a reranker's gate needs at least {RERANK_QUERIES + RERANK_DOCS} sentences per set, "
+                          f"this one has {len(texts)} (raise --max-sentences)", param="max-sentences")
+    return [(q, d) for q in queries for d in docs]
+
+
+def check_set_sizes(spec: ModelSpec, calibration: list[str], heldout: list[str]) -> None:
+    """What the Evaluator would refuse, refused before the export and the reference runs."""
+    if not calibration or not heldout:
+        raise ConfigError("the gate needs calibration and held-out sentences (--max-sentences >= 1)",
+                          param="max-sentences")
+    if spec.task == "rerank":
+        rerank_pairs(calibration), rerank_pairs(heldout)
+
+
+def ranking_agreement(ref: np.ndarray, cand: np.ndarray, k: int = 10, tie: float = 1e-3) -> tuple[float, float]:
+    """(top-1 agreement, mean NDCG@k) of candidate scores [Q, D] against reference scores [Q, D]."""
+    top1, ndcg = [], []
+    for r, c in zip(ref.astype(np.float64), cand.astype(np.float64)):
+        spread = max(float(r.max() - r.min()), 1e-12)
+        top1.append(bool(r[int(np.argmax(c))] >= r.max() - tie * spread))
+        ranks = np.empty(len(r), dtype=np.int64)
+        ranks[np.argsort(-r, kind="stable")] = np.arange(len(r))
+        gain = np.clip(k - ranks, 0, None).astype(np.float64)  # graded by the reference ranking
+        kk = min(k, len(r))
+        disc = 1.0 / np.log2(np.arange(2, kk + 2))
+        dcg = (gain[np.argsort(-c, kind="stable")[:kk]] * disc).sum()
+        idcg = (np.sort(gain)[::-1][:kk] * disc).sum()
+        ndcg.append(dcg / idcg)
+    return float(np.mean(top1)), float(np.mean(ndcg))
