@@ -41,11 +41,15 @@ class staging_dir:
     """Build an artifact in a temporary sibling, then rename it into place.
 
     A crash halfway never leaves a half-written artifact that a later start
-    would take for a good one; two processes racing both succeed.
+    would take for a good one; two processes racing both succeed. A complete
+    artifact already in place is kept (another process wrote the same one),
+    unless `replace`: then it is swapped out only once the new one is whole,
+    so a failed re-run leaves the old artifact as it was.
     """
 
-    def __init__(self, final: Path):
+    def __init__(self, final: Path, replace: bool = False):
         self.final = Path(final)
+        self.replace = replace
 
     def __enter__(self) -> Path:
         self.final.parent.mkdir(parents=True, exist_ok=True)
@@ -55,6 +59,9 @@ class staging_dir:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
+            return
+        if self.replace and self.final.exists():
+            self._swap()
             return
         if self.final.exists():
             if is_complete(self.final):
@@ -67,3 +74,17 @@ class staging_dir:
             if not is_complete(self.final):
                 raise
             shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _swap(self) -> None:
+        # two renames, not an rmtree first: between them the old artifact still exists under its backup
+        # name, and a failed second rename puts it back
+        old = Path(tempfile.mkdtemp(prefix=f".{self.final.name}.old.", dir=self.final.parent))
+        os.replace(self.final, old / "artifact")
+        try:
+            os.replace(self.tmp, self.final)
+        except OSError:
+            os.replace(old / "artifact", self.final)
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+        finally:
+            shutil.rmtree(old, ignore_errors=True)

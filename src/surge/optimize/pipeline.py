@@ -7,7 +7,6 @@ artifact that misses its accuracy budget is not written unless forced.
 from __future__ import annotations
 
 import platform
-import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -320,9 +319,7 @@ def _write(out_dir: Path, model: onnx.ModelProto, manifest: dict, spec: ModelSpe
     manifest.update(model_file=art.MODEL_FILE, pooling=spec.pooling, normalize=spec.normalize,
                     max_length=spec.max_length, hidden_size=spec.hidden_size, vocab_size=spec.vocab_size)
     check_output(out_dir)  # again: the folder may have changed during the run
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    with art.staging_dir(out_dir) as tmp:
+    with art.staging_dir(out_dir, replace=True) as tmp:
         onnx.save(model, str(tmp / art.MODEL_FILE))
         # The tokenizer, pooling and prompts travel with the artifact so that it can be served alone.
         copy_side_files(spec.path, tmp, extra=("config.json",))
