@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 from surge.config import ServerConfig
-
 log = logging.getLogger("surge")
 
 _DIR = re.compile(r"^surge-(?:workers|cache)-(\d+)-[a-z0-9_]+$")  # ours: the supervisor's pid in the name
@@ -131,16 +130,6 @@ def _sweep(parent: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _mark_dead(pid: int) -> None:
-    """A dead process's live gauges (in flight, queue depth) leave the sums."""
-    try:
-        from prometheus_client import multiprocess
-
-        multiprocess.mark_process_dead(pid)
-    except Exception:  # noqa: BLE001 - metrics must never take the supervisor down
-        pass
-
-
 def _stop(procs, timeout_s: float = 30.0) -> None:
     for p in procs:
         if p.poll() is None:
@@ -232,7 +221,9 @@ def _supervise(engines: list, fronts: dict, front, engine) -> None:
     try:
         while True:
             pid, status = os.wait()
-            _mark_dead(pid)
+            from surge.runtime.metrics import process_gone  # imported once PROMETHEUS_MULTIPROC_DIR is set
+
+            process_gone(pid)  # its live gauges (in flight, queue depth) leave the sums
             for j, eng in enumerate(engines):
                 if eng.pid == pid:
                     eng.returncode = os.waitstatus_to_exitcode(status)
