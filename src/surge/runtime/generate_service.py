@@ -523,12 +523,17 @@ class GenerateService(PromptText):
         try:
             now = time.monotonic()
             self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S]
-            for delay in RESTART_DELAYS_S:
-                # a shared engine process (--workers) is its supervisor's to restart: no limit here
-                limit = getattr(old, "restart_limit", RESTART_LIMIT)
-                if self._closed or (limit is not None and len(self._restarts) >= limit):
+            # A shared engine process (--workers, a repository's decoder build) is its supervisor's to
+            # start again, and it may take longer to load than any fixed number of attempts here waits
+            # (a large model: minutes): no limit then, the last delay repeats until it answers or this
+            # service closes. An engine process of our own gets RESTART_DELAYS_S's attempts.
+            limit = getattr(old, "restart_limit", RESTART_LIMIT)
+            attempt = 0
+            while not self._closed:
+                if limit is not None and (len(self._restarts) >= limit or attempt >= len(RESTART_DELAYS_S)):
                     break
-                await asyncio.sleep(delay)
+                await asyncio.sleep(RESTART_DELAYS_S[min(attempt, len(RESTART_DELAYS_S) - 1)])
+                attempt += 1
                 try:
                     engine = await asyncio.to_thread(old.respawn)
                 except Exception as exc:  # the load failed: the next delay, or give up
@@ -548,7 +553,8 @@ class GenerateService(PromptText):
                 self.ready = True
                 log.warning("model '%s': its engine process runs again (pid %s)", self.name, engine.pid)
                 return
-            log.error("model '%s': its engine process stays down; the model is not ready", self.name)
+            if not self._closed:
+                log.error("model '%s': its engine process stays down; the model is not ready", self.name)
         finally:
             self._restarting = False
 

@@ -1,4 +1,9 @@
-"""A repository decoder build's engine-wide gauges under `--workers` (cli/workers_generate.HubBuild).
+"""A repository decoder build under `--workers` (cli/workers_generate.HubBuild): real build processes.
+
+- a build whose process comes back later than a front end's reconnect attempts last (a large model
+  loads for minutes; the front end's attempts wait 30 s each) is served again by that front end once it
+  is up: the engine is the build's to restart, so the front end never gives up on it while it routes it;
+- its engine-wide gauges leave /metrics with its processes.
 
 The build's process exports the engine's gauges (running / waiting sequences, KV cache use) in
 prometheus_client's multiprocess files as `livemax`: the max over processes that are alive, which
@@ -42,6 +47,41 @@ def _gauges(path) -> dict:
     MultiProcessCollector(reg, str(path))
     return {(s.name, s.labels.get("version")): s.value for fam in reg.collect() for s in fam.samples
             if s.name in GAUGES}
+
+
+def test_a_front_end_waits_for_a_build_that_comes_back_late(model_dir, tmp_path, monkeypatch):
+    from surge.cli import workers_generate
+    from surge.cli.workers_generate import retire
+    from surge.errors import EngineError
+    from surge.runtime import generate_service
+    from surge.runtime.generate_hub import HubClient
+
+    # scaled down: the build restarts after 12 s, the front end's attempts give up after ~5 s in all
+    monkeypatch.setattr(workers_generate, "RESTART_DELAYS_S", (12.0,))
+    monkeypatch.setattr(generate_service, "RESTART_DELAYS_S", (0.2, 0.5, 1.0))
+    build = _repository_build(model_dir, tmp_path, monkeypatch)
+    first = build.pid
+
+    async def main():
+        svc, prompt, run = await _streaming_front(build, TEXTS[0], 150)
+        svc.engine.timeout_s = 1.0  # each reconnect attempt's wait (30 s in front_generator)
+        os.kill(first, signal.SIGKILL)
+        with pytest.raises(EngineError):
+            await run
+        probe = await asyncio.to_thread(HubClient, build.path, 120.0)  # the build serves again (a new front end
+        back = probe.pid == build.pid != first                         # connects), so must the one it had
+        probe.close()
+        end = time.monotonic() + 60
+        while not svc.ready and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        got = await _tokens(svc, prompt, 4) if svc.ready else None
+        await retire(svc)
+        await build.close()
+        return back, got
+
+    back, got = asyncio.run(main())
+    assert back
+    assert got is not None and len(got) == 4
 
 
 def test_a_builds_gauges_leave_metrics_with_its_processes(model_dir, tmp_path, monkeypatch):
