@@ -305,9 +305,10 @@ class GenerateService(PromptText):
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, *,
                        deadline: float | None = None, use_cache: bool = True,
-                       adapter: str | None = None) -> GenerationResult:
+                       adapter: str | None = None, queue_limit: bool = True) -> GenerationResult:
         text, ids, logprobs, last, prompt_lps = [], [], [], None, None
-        async for d in self.stream(prompt_ids, params, deadline=deadline, use_cache=use_cache, adapter=adapter):
+        async for d in self.stream(prompt_ids, params, deadline=deadline, use_cache=use_cache, adapter=adapter,
+                                   queue_limit=queue_limit):
             if prompt_lps is None:
                 prompt_lps = d.prompt_logprobs
             text.append(d.text)
@@ -321,10 +322,12 @@ class GenerateService(PromptText):
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams, *,
                      deadline: float | None = None, use_cache: bool = True,
-                     adapter: str | None = None) -> AsyncIterator[Delta]:
+                     adapter: str | None = None, queue_limit: bool = True) -> AsyncIterator[Delta]:
         """Deltas of text and tokens; the last one has finish_reason and the token counts.
         `use_cache=False`: computed even when cached (a health probe must reach the engine);
-        `adapter`: the name of a loaded LoRA adapter to generate with (NotFound otherwise)."""
+        `adapter`: the name of a loaded LoRA adapter to generate with (NotFound otherwise);
+        `queue_limit=False`: never refused by `max_waiting` (a health probe: refused when clients
+        fill the queue, it would report a busy engine as a dead one)."""
         if not self.ready or self._closed:
             raise NotReady(f"model '{self.name}' is not ready")
         lora = None
@@ -355,7 +358,7 @@ class GenerateService(PromptText):
             return
         if not self.ready or self._closed:  # unloaded, or its engine process died, during the lookup above
             raise NotReady(f"model '{self.name}' is not ready")
-        if self._queued() >= self.config.max_waiting:
+        if queue_limit and self._queued() >= self.config.max_waiting:
             raise Overloaded(f"model '{self.name}': {self.config.max_waiting} requests already wait for KV cache "
                              "space", retry_after=1.0)
         loop = self._loop
