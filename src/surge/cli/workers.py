@@ -30,8 +30,8 @@ in-flight requests with 503 at once (EOF on the socket) and report not ready
 until the restarted engine is back. SIGTERM (or Ctrl-C): front ends drain
 (uvicorn's graceful shutdown, requests in flight are answered), then the
 engine process stops. HTTP and gRPC (both ports shared by every front end: the
-HTTP socket is inherited, the gRPC port bound with SO_REUSEPORT). Single-model mode
-only (the repository and --ray keep one process).
+HTTP socket is inherited, the gRPC port bound with SO_REUSEPORT). The supervisor itself, and why
+nothing of it outlives it (a failed start, a SIGKILL): cli/workers_supervisor.py.
 """
 
 from __future__ import annotations
@@ -39,21 +39,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import socket
-import subprocess
 import sys
-import tempfile
-import time
-from pathlib import Path
 
 from surge.config import ServerConfig
 
 log = logging.getLogger("surge")
-
-
-class _Stop(Exception):
-    pass
 
 
 def child_config(config: ServerConfig) -> str:
@@ -61,21 +52,6 @@ def child_config(config: ServerConfig) -> str:
     the child still tells what the user set from a field's default (model.yaml precedence, a decoder's
     GPU precision, an artifact's measured batch size all read `model_fields_set`)."""
     return config.model_dump_json(exclude_unset=True)
-
-
-def _child(role: str, config_json: str, sock: str, *extra: str, pass_fds=()) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "surge.cli.workers", role, config_json, sock, *extra],
-                            pass_fds=pass_fds)
-
-
-def _wait_engine(proc: subprocess.Popen, sock: str, timeout_s: float = 900.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not os.path.exists(sock):
-        if proc.poll() is not None:
-            raise SystemExit(f"surge: the engine process exited ({proc.returncode}) while starting")
-        if time.monotonic() > end:
-            raise SystemExit("surge: the engine process did not start in time")
-        time.sleep(0.1)
 
 
 def resolve_workers(config: ServerConfig) -> int:
@@ -133,129 +109,10 @@ def engine_processes(config: ServerConfig, workers: int) -> int:
 
 
 def serve_workers(config: ServerConfig, workers: int) -> int:
-    """Run the supervisor until SIGTERM / SIGINT; returns the exit code."""
-    tmp = tempfile.mkdtemp(prefix="surge-engine-")
-    n_eng = max(1, engine_processes(config, workers))
-    socks = [str(Path(tmp) / f"engine{j}.sock") for j in range(n_eng)]
-    # Metrics whole across processes: every child writes prometheus_client's multiprocess
-    # files here, and any front end's /metrics reads them all (runtime/metrics.WholeRegistry).
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(Path(tmp) / "metrics")
-    # The front ends' shared cache table (runtime/shm_cache.py): in memory where /dev/shm is there.
-    shm_parent = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tmp
-    os.environ["SURGE_SHM_DIR"] = tempfile.mkdtemp(prefix="surge-cache-", dir=shm_parent)
-    os.mkdir(os.environ["PROMETHEUS_MULTIPROC_DIR"])
-    import secrets
+    """Run the supervisor until SIGTERM / SIGINT; returns the exit code (cli/workers_supervisor.py)."""
+    from surge.cli.workers_supervisor import serve_workers as supervise
 
-    from surge.runtime.generate_hub import AUTHKEY_ENV
-
-    os.environ[AUTHKEY_ENV] = secrets.token_hex(32)  # the children's key to a decoder's engine hub
-    cfg = child_config(config)
-    print(f"surge: starting {n_eng} engine process(es) and {workers} front ends", file=sys.stderr, flush=True)
-    grpc_hold = _hold_grpc_port(config) if config.grpc_port else None  # every front end serves gRPC too
-    engines = [_child("engine", cfg, sk) for sk in socks]  # they warm up side by side
-    for eng, sk in zip(engines, socks):
-        _wait_engine(eng, sk)
-    listener = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind((config.host, config.port))
-    listener.listen(4096)
-    listener.set_inheritable(True)
-    fd = listener.fileno()
-
-    def front(i: int) -> subprocess.Popen:  # its own engine process first, then every other one
-        return _child("front", cfg, socks[i % n_eng], str(fd), ",".join(socks), pass_fds=(fd,))
-
-    fronts = {i: front(i) for i in range(workers)}
-    stopping = False
-
-    def stop(signum, frame):
-        nonlocal stopping
-        if not stopping:
-            stopping = True
-            raise _Stop()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    restarts = 0
-    try:
-        while True:
-            pid, status = os.wait()
-            _mark_dead(pid)
-            for j, eng in enumerate(engines):
-                if eng.pid == pid:
-                    eng.returncode = os.waitstatus_to_exitcode(status)
-                    log.error("engine process %d exited (%s); starting it again", j, eng.returncode)
-                    print(f"surge: engine process {j} exited ({eng.returncode}); restarting", file=sys.stderr,
-                          flush=True)
-                    engines[j] = _child("engine", cfg, socks[j], "restarted")
-                    restarts += 1
-                    break
-            else:
-                for i, p in fronts.items():
-                    if p.pid == pid:
-                        p.returncode = os.waitstatus_to_exitcode(status)
-                        print(f"surge: front end {i} exited ({p.returncode}); restarting", file=sys.stderr,
-                              flush=True)
-                        fronts[i] = front(i)
-                        restarts += 1
-                        break
-    except _Stop:
-        pass
-    except ChildProcessError:
-        pass
-    # Drain: front ends first (they answer what they hold), then the engines.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    for p in fronts.values():
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in fronts.values():
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-    listener.close()
-    if grpc_hold is not None:
-        grpc_hold.close()
-    for eng in engines:
-        if eng.poll() is None:
-            eng.send_signal(signal.SIGTERM)
-    for eng in engines:
-        try:
-            eng.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            eng.kill()
-    import shutil
-
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.rmtree(os.environ["SURGE_SHM_DIR"], ignore_errors=True)
-    return 0
-
-
-def _hold_grpc_port(config: ServerConfig) -> socket.socket:
-    """Bind (not listen) the gRPC port with SO_REUSEPORT for as long as the supervisor runs.
-
-    The front ends' gRPC servers bind it with SO_REUSEPORT too and the kernel spreads
-    connections over them. Holding it here makes a port another program already uses fail
-    at start with a clear message, and keeps servers of other users off it."""
-    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
-    s = socket.socket(family, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        s.bind((config.host, config.grpc_port))
-    except OSError as exc:
-        s.close()
-        raise SystemExit(f"surge: cannot bind the gRPC port {config.host}:{config.grpc_port}: {exc}") from None
-    return s
-
-
-def _mark_dead(pid: int) -> None:
-    """A dead process's live gauges (in flight, queue depth) leave the sums."""
-    try:
-        from prometheus_client import multiprocess
-
-        multiprocess.mark_process_dead(pid)
-    except Exception:  # noqa: BLE001 - metrics must never take the supervisor down
-        pass
+    return supervise(config, workers)
 
 
 # ---------------------------------------------------------------- a front end

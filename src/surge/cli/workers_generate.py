@@ -85,6 +85,9 @@ class HubBuild:
         attempt = 0
         while True:
             code = self._proc.wait()
+            from surge.runtime.metrics import process_gone
+
+            process_gone(self._proc.pid)  # else its last running / KV gauges stay on /metrics
             if self._closing:
                 return
             delay = RESTART_DELAYS_S[min(attempt, len(RESTART_DELAYS_S) - 1)]
@@ -126,6 +129,9 @@ class HubBuild:
             except subprocess.TimeoutExpired:  # it did not end: it goes now
                 proc.kill()
                 await asyncio.to_thread(proc.wait, 10.0)
+        from surge.runtime.metrics import process_gone
+
+        process_gone(proc.pid)  # here too: the watcher thread may not have run yet
         if os.path.exists(self.path):
             os.unlink(self.path)
 

@@ -88,7 +88,9 @@ class GenerateReplica:
         """A short greedy generation through the engine: it must finish, with ids of the vocabulary,
         and on the CPU (deterministic whatever the batch) equal the first probe's tokens."""
         try:
-            res = await self.service.generate(self._probe_ids, PROBE_PARAMS, use_cache=False)
+            # past the queue limit: a replica whose clients fill its queue is busy, not broken, and Ray
+            # replaces one whose check fails (every stream on it lost), which would turn load into outages
+            res = await self.service.generate(self._probe_ids, PROBE_PARAMS, use_cache=False, queue_limit=False)
         except Exception as exc:
             raise EngineError(f"replica {self.identity}: engine check failed: {type(exc).__name__}: {exc}") from None
         ids = list(res.token_ids)

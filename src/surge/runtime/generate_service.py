@@ -305,9 +305,10 @@ class GenerateService(PromptText):
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, *,
                        deadline: float | None = None, use_cache: bool = True,
-                       adapter: str | None = None) -> GenerationResult:
+                       adapter: str | None = None, queue_limit: bool = True) -> GenerationResult:
         text, ids, logprobs, last, prompt_lps = [], [], [], None, None
-        async for d in self.stream(prompt_ids, params, deadline=deadline, use_cache=use_cache, adapter=adapter):
+        async for d in self.stream(prompt_ids, params, deadline=deadline, use_cache=use_cache, adapter=adapter,
+                                   queue_limit=queue_limit):
             if prompt_lps is None:
                 prompt_lps = d.prompt_logprobs
             text.append(d.text)
@@ -321,10 +322,12 @@ class GenerateService(PromptText):
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams, *,
                      deadline: float | None = None, use_cache: bool = True,
-                     adapter: str | None = None) -> AsyncIterator[Delta]:
+                     adapter: str | None = None, queue_limit: bool = True) -> AsyncIterator[Delta]:
         """Deltas of text and tokens; the last one has finish_reason and the token counts.
         `use_cache=False`: computed even when cached (a health probe must reach the engine);
-        `adapter`: the name of a loaded LoRA adapter to generate with (NotFound otherwise)."""
+        `adapter`: the name of a loaded LoRA adapter to generate with (NotFound otherwise);
+        `queue_limit=False`: never refused by `max_waiting` (a health probe: refused when clients
+        fill the queue, it would report a busy engine as a dead one)."""
         if not self.ready or self._closed:
             raise NotReady(f"model '{self.name}' is not ready")
         lora = None
@@ -355,7 +358,7 @@ class GenerateService(PromptText):
             return
         if not self.ready or self._closed:  # unloaded, or its engine process died, during the lookup above
             raise NotReady(f"model '{self.name}' is not ready")
-        if self._queued() >= self.config.max_waiting:
+        if queue_limit and self._queued() >= self.config.max_waiting:
             raise Overloaded(f"model '{self.name}': {self.config.max_waiting} requests already wait for KV cache "
                              "space", retry_after=1.0)
         loop = self._loop
@@ -523,12 +526,17 @@ class GenerateService(PromptText):
         try:
             now = time.monotonic()
             self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S]
-            for delay in RESTART_DELAYS_S:
-                # a shared engine process (--workers) is its supervisor's to restart: no limit here
-                limit = getattr(old, "restart_limit", RESTART_LIMIT)
-                if self._closed or (limit is not None and len(self._restarts) >= limit):
+            # A shared engine process (--workers, a repository's decoder build) is its supervisor's to
+            # start again, and it may take longer to load than any fixed number of attempts here waits
+            # (a large model: minutes): no limit then, the last delay repeats until it answers or this
+            # service closes. An engine process of our own gets RESTART_DELAYS_S's attempts.
+            limit = getattr(old, "restart_limit", RESTART_LIMIT)
+            attempt = 0
+            while not self._closed:
+                if limit is not None and (len(self._restarts) >= limit or attempt >= len(RESTART_DELAYS_S)):
                     break
-                await asyncio.sleep(delay)
+                await asyncio.sleep(RESTART_DELAYS_S[min(attempt, len(RESTART_DELAYS_S) - 1)])
+                attempt += 1
                 try:
                     engine = await asyncio.to_thread(old.respawn)
                 except Exception as exc:  # the load failed: the next delay, or give up
@@ -548,7 +556,8 @@ class GenerateService(PromptText):
                 self.ready = True
                 log.warning("model '%s': its engine process runs again (pid %s)", self.name, engine.pid)
                 return
-            log.error("model '%s': its engine process stays down; the model is not ready", self.name)
+            if not self._closed:
+                log.error("model '%s': its engine process stays down; the model is not ready", self.name)
         finally:
             self._restarting = False
 

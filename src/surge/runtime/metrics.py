@@ -161,6 +161,22 @@ def multiprocess_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
+def process_gone(pid: int) -> None:
+    """Under `--workers`: process `pid` (a child of this one) ended, so its live gauges leave the sums.
+    `livesum` / `livemax` hold only if whoever starts a process does this when it ends: otherwise a
+    dead engine's last values (running sequences, KV cache use) stay on /metrics for good. Idempotent."""
+    if not multiprocess_dir():
+        return
+    try:
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid)
+    except Exception:  # noqa: BLE001 - metrics must never take a supervisor down
+        import logging
+
+        logging.getLogger("surge").exception("metrics: removing the gauges of process %d", pid)
+
+
 class WholeRegistry:
     """/metrics under `--workers`: every process's counters, histograms and gauges (prometheus_client's
     multiprocess files: counters and histograms summed over processes, gauges summed over live ones),
