@@ -1,0 +1,57 @@
+"""/metrics tells the truth about what clients saw: a real `surge serve`, real clients.
+
+Each test reads the counters before and after its own requests (prometheus_client's parser) and
+asserts the deltas: one client request is one `surge_requests_total`, one latency observation, its
+cache hits counted once, and a refused request one failure under its code.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server_process import ServerProcess
+
+MODEL = "all-MiniLM-L6-v2"
+
+
+def scrape(url: str) -> dict[tuple, float]:
+    """{(sample name, labels without model/version): value} of the bundled model's series."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out: dict[tuple, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.labels.get("model", MODEL) != MODEL:
+                continue
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model", "version")))
+            out[(s.name, labels)] = out.get((s.name, labels), 0.0) + s.value
+    return out
+
+
+def delta(before: dict, after: dict, name: str, **labels) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess("--max-queue-delay-ms", "1", "--threads", "1") as srv:
+        yield srv
+
+
+def test_a_cached_openai_input_at_the_models_length_is_counted_once(server):
+    # 254 words of one token each + [CLS] + [SEP]: exactly the model's 256, so the hot path cannot tell
+    # from the cached token count alone that it was not truncated and hands the request to the full path.
+    text = " ".join(["hello"] * 254)
+    body = {"input": text, "model": MODEL}
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        assert c.post("/v1/embeddings", json=body).status_code == 200  # computed, now cached
+        before = scrape(server.url)
+        r = c.post("/v1/embeddings", json=body)
+    assert r.status_code == 200
+    after = scrape(server.url)
+    assert delta(before, after, "surge_requests_total") == 1
+    assert delta(before, after, "surge_inputs_total") == 1
+    assert delta(before, after, "surge_cache_hits_total", tier="recent") == 1
+    assert delta(before, after, "surge_request_latency_seconds_count") == 1
