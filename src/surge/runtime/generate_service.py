@@ -348,6 +348,8 @@ class GenerateService(PromptText):
         if key is not None and key in self._cache:
             self._cache.move_to_end(key)
             self.metrics.cache_hits.inc()
+            # finished for its client as a computed answer does: counted by its reason, as _deliver counts those
+            self.metrics.finished(self._cache[key][-1].finish_reason)
             for d in self._cache[key]:
                 yield Delta(d.text, d.token_ids, d.logprobs, d.finish_reason, d.prompt_tokens, d.completion_tokens,
                             cached=True, prompt_logprobs=d.prompt_logprobs, stop_reason=d.stop_reason,

@@ -200,6 +200,21 @@ def families(reg: CollectorRegistry) -> _Families:
         return fam
 
 
+class RequestCounts:
+    """A model version's requests, failures by code and end-to-end latency, in the families every served
+    model reports them in, for a kind whose other metrics are its own (generation:
+    runtime/generate_metrics.py): one dashboard's request and error rates then cover every model."""
+
+    def __init__(self, model: str, version: str, registry: CollectorRegistry | None = None):
+        f = self.fam = families(registry or default_registry())
+        self.labels = (model, version)
+        self.requests = f.requests.labels(model, version)
+        self.latency = f.latency.labels(model, version)
+
+    def failure(self, code: str) -> None:
+        self.fam.failures.labels(*self.labels, code).inc()
+
+
 class ServiceMetrics:
     """One model version's children of every family (label lookups done once)."""
 
