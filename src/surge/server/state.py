@@ -92,19 +92,27 @@ class AppState:
                 return s.embed(texts=texts, token_ids=token_ids, options=options, deadline=deadline)
             return s.embed(texts=texts, token_ids=token_ids, options=options)
 
+        def current(s):
+            try:
+                return self.registry.get(s.name, s.version)
+            except SurgeError:
+                return s
+
+        # The copy this request looked up may have been replaced (a reload) between the lookup and
+        # the call, e.g. while the request body was still arriving: the new copy answers. Asked
+        # before the call (no await between this check and the call's admission), so that the
+        # retired copy does not count a request and a not_ready failure its client never saw.
+        if not service.ready:
+            service = current(service)
         try:
             return await call(service)
         except NotReady:
-            # The copy this request looked up was replaced (a reload) between the lookup and
-            # the call, e.g. while the request body was still arriving: the new copy answers.
-            # NotReady is raised before any work is admitted, so the call is safe to repeat.
-            try:
-                current = self.registry.get(service.name, service.version)
-            except SurgeError:
-                current = service
-            if current is service:
+            # The same, seen by the call (a remote copy): NotReady is raised before any work is
+            # admitted, so the call is safe to repeat.
+            now = current(service)
+            if now is service:
                 raise
-            return await call(current)
+            return await call(now)
 
     def cached(self, service, texts: list[str]) -> EmbedResult | None:
         """The fast path's cache lookup (default options), counted like `run` when it answers."""
