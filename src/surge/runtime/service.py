@@ -296,7 +296,8 @@ class ModelService:
             from surge.runtime.cache_redis import shared_lookup
 
             miss = await shared_lookup(cache, self.redis, keys, miss,
-                                       lambda i, vector, tokens: req.fill(i, vector, tokens, cached=True))
+                                       lambda i, vector, tokens: req.fill(i, vector, tokens, cached=True),
+                                       width=req.options.dimensions or self.dimensions)
         return miss
 
     async def _compute(self, req: Request, miss: list[int]) -> None:
