@@ -82,3 +82,23 @@ def test_a_request_retried_on_the_reloaded_copy_is_counted_once_and_not_failed(s
     assert sum(v for (n, _), v in after.items() if n == "surge_request_failures_total") == \
         sum(v for (n, _), v in before.items() if n == "surge_request_failures_total")
     assert delta(before, after, "surge_request_latency_seconds_count") == 1
+
+
+def test_an_openai_input_longer_than_the_model_is_a_failure_not_a_success(server):
+    """Refused with 400 after the runtime computed it (truncated, so cache keys stay one): /metrics and the
+    KServe statistics count a failure under its code, not a success."""
+    body = {"input": " ".join(["hello"] * 300), "model": MODEL}  # 302 tokens, the model takes 256
+
+    def stats():
+        (m,) = httpx.get(server.url + f"/v2/models/{MODEL}/stats", timeout=10).json()["model_stats"]
+        return m["inference_stats"]
+
+    for _ in range(2):  # computed, then from the cache
+        before, kserve_before = scrape(server.url), stats()
+        r = httpx.post(server.url + "/v1/embeddings", json=body, timeout=30)
+        assert r.status_code == 400 and "256" in r.text
+        after, kserve_after = scrape(server.url), stats()
+        assert delta(before, after, "surge_requests_total") == 1
+        assert delta(before, after, "surge_request_failures_total", code="invalid_input") == 1
+        assert kserve_after["fail"]["count"] - kserve_before["fail"]["count"] == 1
+        assert kserve_after["success"]["count"] == kserve_before["success"]["count"]

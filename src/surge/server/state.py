@@ -53,10 +53,27 @@ class AppState:
         return self.started and self.registry.ready
 
     async def run(self, service, *, texts=None, token_ids=None,
-                  options: EmbedOptions | None = None) -> EmbedResult:
+                  options: EmbedOptions | None = None, check=None) -> EmbedResult:
         """The one entry point of every protocol (HTTP fast path, FastAPI routes, gRPC) for
-        embeddings; task and tensor models come in through `call` too."""
-        return await self.call(service, lambda deadline: self._embed(service, texts, token_ids, options, deadline))
+        embeddings; task and tensor models come in through `call` too. `check(result)`: a protocol's
+        own refusal of a computed answer (the OpenAI route's too-long input), awaited inside the
+        accounting: its error is the request's failure, under its code, not a success."""
+        if check is None:
+            return await self.call(service, lambda deadline: self._embed(service, texts, token_ids, options,
+                                                                         deadline))
+
+        async def checked(deadline):
+            result = await self._embed(service, texts, token_ids, options, deadline)
+            try:
+                await check(result)
+            except SurgeError as exc:
+                metrics = getattr(service, "metrics", None)  # the runtime counted the request; not its refusal
+                if hasattr(metrics, "failure"):
+                    metrics.failure(exc.code)
+                raise
+            return result
+
+        return await self.call(service, checked)
 
     async def call(self, service, invoke):
         """Every served-model call (embed, task heads, tensor models): one deadline and one record.

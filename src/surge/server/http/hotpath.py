@@ -24,6 +24,7 @@ rest pass straight through.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import orjson
@@ -130,10 +131,9 @@ class HotPathMiddleware:
 
     async def embed(self, native: bool, texts: list[str], service):
         """The embeddings of a plain request that missed the cache, checked as the route checks them."""
-        result = await self.state.run(service, texts=texts, options=EmbedOptions())
-        if not native and not self.limits.auto_truncate:
-            await check_lengths(service, texts, result)
-        return result
+        unchecked = native or self.limits.auto_truncate
+        return await self.state.run(service, texts=texts, options=EmbedOptions(),
+                                    check=None if unchecked else functools.partial(check_lengths, service, texts))
 
     @staticmethod
     def _payload(native: bool, model: str, result) -> tuple[bytes, str, list]:
