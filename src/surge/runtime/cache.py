@@ -181,6 +181,12 @@ class ResultCache:
         """Whether a local tier holds `key` (counts nothing, changes nothing)."""
         return key in self.pinned or key in self.recent
 
+    def peek(self, key: Key) -> CacheEntry | None:
+        """The local tiers' entry for `key` or None, counting nothing and changing nothing: for a
+        caller that may still decline the answer (and then counts it on the full path)."""
+        e = self.pinned.get(key)
+        return e if e is not None else self.recent.get(key)
+
     def get(self, key: Key, count_miss: bool = True) -> CacheEntry | None:
         """The entry for `key` or None. count_miss=False when a further tier
         (Redis) is asked next and the caller counts the final miss itself."""

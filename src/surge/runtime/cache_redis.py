@@ -48,7 +48,10 @@ class RedisTier:
         self._down_until = time.monotonic() + self.backoff_s
         log.warning("redis cache tier unavailable for %.0f s: %s", self.backoff_s, exc)
 
-    async def get_many(self, keys: list[tuple]) -> list[tuple[np.ndarray, int] | None]:
+    async def get_many(self, keys: list[tuple], width: int | None = None) -> list[tuple[np.ndarray, int] | None]:
+        """The (vector, tokens) stored under each key, or None: absent, unreadable, or (`width` given)
+        a vector of another width. A value is whatever the key's last writer put there (another surge
+        release, another program): one this process cannot read is a miss, never an error."""
         if not keys or not self.available:
             return [None] * len(keys)
         try:
@@ -56,14 +59,7 @@ class RedisTier:
         except Exception as exc:  # redis errors, timeouts, refused connections
             self._failed(exc)
             return [None] * len(keys)
-        out = []
-        for value in raw:
-            if value is None or len(value) < _HEADER.size + 4:
-                out.append(None)
-                continue
-            (tokens,) = _HEADER.unpack_from(value)
-            out.append((np.frombuffer(value, dtype=np.float32, offset=_HEADER.size), tokens))
-        return out
+        return [_decode(value, width) for value in raw]
 
     async def put_many(self, items: list[tuple[tuple, np.ndarray, int]]) -> None:
         if not items or not self.available:
@@ -102,7 +98,18 @@ class RedisTier:
             pass
 
 
-async def shared_lookup(cache, redis: "RedisTier", keys: list, miss: list[int], fill) -> list[int]:
+def _decode(value: bytes | None, width: int | None) -> tuple[np.ndarray, int] | None:
+    if value is None or len(value) < _HEADER.size + 4 or (len(value) - _HEADER.size) % 4:
+        return None
+    vec = np.frombuffer(value, dtype=np.float32, offset=_HEADER.size)
+    if width is not None and vec.size != width:
+        return None
+    (tokens,) = _HEADER.unpack_from(value)
+    return vec, tokens
+
+
+async def shared_lookup(cache, redis: "RedisTier", keys: list, miss: list[int], fill,
+                        width: int | None = None) -> list[int]:
     """Look the local tiers' misses up in the shared tier (ResultCache.fill_from, tier "shared");
-    the positions still missing."""
-    return cache.fill_from("shared", keys, miss, await redis.get_many([keys[i] for i in miss]), fill)
+    the positions still missing. `width`: the vectors' expected size where the caller knows it."""
+    return cache.fill_from("shared", keys, miss, await redis.get_many([keys[i] for i in miss], width), fill)

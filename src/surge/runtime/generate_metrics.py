@@ -9,7 +9,7 @@ from collections import Counter as _Tally
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from surge.runtime.metrics import default_registry
+from surge.runtime.metrics import RequestCounts, default_registry
 
 _TTFT = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 _ITL = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
@@ -83,6 +83,8 @@ class GenerateMetrics:
         self.drafted = fam["drafted"].labels(**lab)
         self.accepted = fam["accepted"].labels(**lab)
         self.restarts = fam["restarts"].labels(**lab)
+        # requests, failures by code, latency: counted per generation by the routes (server/http/generate_common.py)
+        self.outcome = RequestCounts(model, version, registry)
         self._seen = (0, 0, 0, 0, 0)
         self._gauges: tuple | None = None
 

@@ -345,12 +345,14 @@ class GenerateService(PromptText):
             and self.config.cache_entries \
             else None
         if key is not None and key not in self._cache and self.shared is not None:
-            found = await self.shared.get_bytes(_shared_key(key))
+            found = _unpack(await self.shared.get_bytes(_shared_key(key)))
             if found is not None:
-                self._remember(key, _unpack(found), share=False)
+                self._remember(key, found, share=False)
         if key is not None and key in self._cache:
             self._cache.move_to_end(key)
             self.metrics.cache_hits.inc()
+            # finished for its client as a computed answer does: counted by its reason, as _deliver counts those
+            self.metrics.finished(self._cache[key][-1].finish_reason)
             for d in self._cache[key]:
                 yield Delta(d.text, d.token_ids, d.logprobs, d.finish_reason, d.prompt_tokens, d.completion_tokens,
                             cached=True, prompt_logprobs=d.prompt_logprobs, stop_reason=d.stop_reason,
@@ -702,10 +704,20 @@ def _pack(deltas: list[Delta]) -> bytes:
     return orjson.dumps([{f: getattr(d, f) for f in _DELTA_FIELDS} for d in deltas])
 
 
-def _unpack(raw: bytes) -> list[Delta]:
+def _unpack(raw: bytes | None) -> list[Delta] | None:
     """Deltas as _pack wrote them (the top log-probabilities' tuples come back as lists, which the routes
-    unpack alike)."""
-    return [Delta(**d) for d in orjson.loads(raw)]
+    unpack alike); None for nothing, or for what this release cannot read (another release's fields, a
+    truncated write, another program's bytes): a miss, as a Redis error is, never the request's failure."""
+    if raw is None:
+        return None
+    try:
+        deltas = [Delta(**d) for d in orjson.loads(raw)]
+    except (ValueError, TypeError) as exc:  # orjson.JSONDecodeError is a ValueError
+        log.warning("unreadable generation in the shared cache tier, computed again: %s", exc)
+        return None
+    if not deltas or deltas[-1].finish_reason is None:
+        return None  # not a whole answer
+    return deltas
 
 
 def attach_shared_cache(service, cache_config) -> None:

@@ -8,6 +8,7 @@ service gets a `ServiceMetrics` view bound to its (model, version) labels.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -216,6 +217,31 @@ def families(reg: CollectorRegistry) -> _Families:
         return fam
 
 
+class _NoCount:
+    """Stands in for a counter or histogram child while ServiceMetrics.quiet()."""
+
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+    def observe(self, amount: float) -> None:
+        pass
+
+
+class RequestCounts:
+    """A model version's requests, failures by code and end-to-end latency, in the families every served
+    model reports them in, for a kind whose other metrics are its own (generation:
+    runtime/generate_metrics.py): one dashboard's request and error rates then cover every model."""
+
+    def __init__(self, model: str, version: str, registry: CollectorRegistry | None = None):
+        f = self.fam = families(registry or default_registry())
+        self.labels = (model, version)
+        self.requests = f.requests.labels(model, version)
+        self.latency = f.latency.labels(model, version)
+
+    def failure(self, code: str) -> None:
+        self.fam.failures.labels(*self.labels, code).inc()
+
+
 class ServiceMetrics:
     """One model version's children of every family (label lookups done once)."""
 
@@ -249,12 +275,31 @@ class ServiceMetrics:
             self.latency, self.tokenize, self.post = (BufferedHistogram(h) for h in
                                                       (self.latency, self.tokenize, self.post))
         self._tiers: dict[str, tuple] = {}
+        self._quiet = False
         with _lock:
             f.live[lv] = f.live.get(lv, 0) + 1
         self._closed = False
 
     def failure(self, code: str) -> None:
+        if self._quiet:
+            return
         self.fam.failures.labels(*self.labels, code).inc()
+
+    @contextlib.contextmanager
+    def quiet(self):
+        """No request, input, failure or latency counted inside (a load's warm-up call: no client sent
+        it, and its cold first-run latency is no client's). Only for a copy no traffic reaches yet:
+        the series are shared with any other copy under the same labels, this switch is not. Engine,
+        batch and cache metrics still count: that work was done."""
+        kept = self.requests, self.inputs, self.latency
+        self.requests = self.inputs = _NoCount()
+        self.latency = _NoCount()
+        self._quiet = True
+        try:
+            yield
+        finally:
+            self.requests, self.inputs, self.latency = kept
+            self._quiet = False
 
     def dropped(self, reason: str, n: int = 1) -> None:
         self.fam.dropped.labels(*self.labels, reason).inc(n)

@@ -8,6 +8,7 @@ The counter lives here, outside ModelService, so the service's internals
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 
 class ServedModel:
@@ -71,14 +72,17 @@ class ServedModel:
                 self._idle.set()
 
     async def warmup(self, text: str) -> None:
-        """One call through the full path of the model's task (tokenizer, batcher, engine, heads)."""
-        if getattr(self.service, "task", "embed") == "embed":
-            await self.embed(texts=[text])
-            return
-        from surge.runtime.tasks import TaskRequest
+        """One call through the full path of the model's task (tokenizer, batcher, engine, heads), not
+        counted as a client's request on /metrics (as it is not in the KServe statistics)."""
+        metrics = getattr(self.service, "metrics", None)
+        with metrics.quiet() if hasattr(metrics, "quiet") else contextlib.nullcontext():
+            if getattr(self.service, "task", "embed") == "embed":
+                await self.embed(texts=[text])
+                return
+            from surge.runtime.tasks import TaskRequest
 
-        pairs = [(text, text)] if self.service.task == "rerank" else None
-        await self.infer(TaskRequest(texts=None if pairs else [text], pairs=pairs, truncate=True))
+            pairs = [(text, text)] if self.service.task == "rerank" else None
+            await self.infer(TaskRequest(texts=None if pairs else [text], pairs=pairs, truncate=True))
 
     async def drain(self, grace_s: float = 0.2) -> None:
         """Wait until no call is in flight. Call after routing has moved away.

@@ -238,12 +238,15 @@ class ModelService:
                                "surge does not implement: send the text without prompt_name", param="prompt_name")
         return [prompt + t for t in texts]
 
-    def cached_result(self, texts: list[str], options: EmbedOptions | None = None) -> EmbedResult | None:
+    def cached_result(self, texts: list[str], options: EmbedOptions | None = None,
+                      accept=None) -> EmbedResult | None:
         """The answer when every input is in the local cache tiers, else None.
 
         Synchronous and cheap: the HTTP hot path (server/http/hotpath.py) calls
         it before any framework work. A None counts nothing; the request then
-        takes the full path, which does the counting.
+        takes the full path, which does the counting. `accept(result)`: whether
+        the caller answers with it; a refusal is such a None, so that a request
+        handed on to the full path is not counted twice.
         """
         cache = self.cache
         if cache is None or not self.ready or not texts:
@@ -255,17 +258,21 @@ class ModelService:
         except InvalidInput:
             return None  # the full path reports it
         keys = [cache.text_key(t, okey) for t in texts]
-        if not all(cache.contains(k) for k in keys):
-            return None
         start = time.monotonic()
+        entries = [cache.peek(k) for k in keys]
+        if any(e is None for e in entries):
+            return None
+        result = EmbedResult(np.stack([e.vector for e in entries]), sum(e.tokens for e in entries), self.name,
+                             self.version, [True] * len(keys), [e.tokens for e in entries])
+        if accept is not None and not accept(result):
+            return None
         m = self.metrics
         m.requests.inc()
         m.inputs.inc(len(keys))
-        entries = [cache.get(k) for k in keys]
-        out = np.stack([e.vector for e in entries])
+        for k in keys:
+            cache.get(k)  # counts the hit, refreshes recency and popularity
         m.latency.observe(time.monotonic() - start)
-        return EmbedResult(out, sum(e.tokens for e in entries), self.name, self.version, [True] * len(keys),
-                           [e.tokens for e in entries])
+        return result
 
     async def _from_cache(self, req: Request) -> list[int]:
         """Stage cache: fill hits from the local tiers, then Redis; the positions still missing."""
@@ -289,7 +296,8 @@ class ModelService:
             from surge.runtime.cache_redis import shared_lookup
 
             miss = await shared_lookup(cache, self.redis, keys, miss,
-                                       lambda i, vector, tokens: req.fill(i, vector, tokens, cached=True))
+                                       lambda i, vector, tokens: req.fill(i, vector, tokens, cached=True),
+                                       width=req.options.dimensions or self.dimensions)
         return miss
 
     async def _compute(self, req: Request, miss: list[int]) -> None:

@@ -205,7 +205,7 @@ class TensorModelService:
     def mark_ready(self) -> None:
         self.ready = True
 
-    def cached_result(self, texts, options=None):
+    def cached_result(self, texts, options=None, accept=None):
         return None  # the text hot path has nothing for a tensor model
 
     async def embed(self, *args, **kwargs):

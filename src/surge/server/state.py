@@ -53,10 +53,27 @@ class AppState:
         return self.started and self.registry.ready
 
     async def run(self, service, *, texts=None, token_ids=None,
-                  options: EmbedOptions | None = None) -> EmbedResult:
+                  options: EmbedOptions | None = None, check=None) -> EmbedResult:
         """The one entry point of every protocol (HTTP fast path, FastAPI routes, gRPC) for
-        embeddings; task and tensor models come in through `call` too."""
-        return await self.call(service, lambda deadline: self._embed(service, texts, token_ids, options, deadline))
+        embeddings; task and tensor models come in through `call` too. `check(result)`: a protocol's
+        own refusal of a computed answer (the OpenAI route's too-long input), awaited inside the
+        accounting: its error is the request's failure, under its code, not a success."""
+        if check is None:
+            return await self.call(service, lambda deadline: self._embed(service, texts, token_ids, options,
+                                                                         deadline))
+
+        async def checked(deadline):
+            result = await self._embed(service, texts, token_ids, options, deadline)
+            try:
+                await check(result)
+            except SurgeError as exc:
+                metrics = getattr(service, "metrics", None)  # the runtime counted the request; not its refusal
+                if hasattr(metrics, "failure"):
+                    metrics.failure(exc.code)
+                raise
+            return result
+
+        return await self.call(service, checked)
 
     async def call(self, service, invoke):
         """Every served-model call (embed, task heads, tensor models): one deadline and one record.
@@ -92,19 +109,27 @@ class AppState:
                 return s.embed(texts=texts, token_ids=token_ids, options=options, deadline=deadline)
             return s.embed(texts=texts, token_ids=token_ids, options=options)
 
+        def current(s):
+            try:
+                return self.registry.get(s.name, s.version)
+            except SurgeError:
+                return s
+
+        # The copy this request looked up may have been replaced (a reload) between the lookup and
+        # the call, e.g. while the request body was still arriving: the new copy answers. Asked
+        # before the call (no await between this check and the call's admission), so that the
+        # retired copy does not count a request and a not_ready failure its client never saw.
+        if not service.ready:
+            service = current(service)
         try:
             return await call(service)
         except NotReady:
-            # The copy this request looked up was replaced (a reload) between the lookup and
-            # the call, e.g. while the request body was still arriving: the new copy answers.
-            # NotReady is raised before any work is admitted, so the call is safe to repeat.
-            try:
-                current = self.registry.get(service.name, service.version)
-            except SurgeError:
-                current = service
-            if current is service:
+            # The same, seen by the call (a remote copy): NotReady is raised before any work is
+            # admitted, so the call is safe to repeat.
+            now = current(service)
+            if now is service:
                 raise
-            return await call(current)
+            return await call(now)
 
     def cached(self, service, texts: list[str]) -> EmbedResult | None:
         """The fast path's cache lookup (default options), counted like `run` when it answers."""

@@ -34,8 +34,7 @@ import orjson
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 from surge.server.errors import settled
-from surge.server.http.hotpath import _EMBED, _OPENAI, HotPathMiddleware
-from surge.server.http.openai_inputs import suspects
+from surge.server.http.hotpath import _EMBED, _OPENAI, HotPathMiddleware, cached_answer
 from surge.server.http.task_hotpath import TaskHotPathMiddleware, predict_payload
 
 _PREDICT = "/predict"
@@ -104,10 +103,9 @@ class DirectRoutes:
         if plain is None:
             return proto.hand_back(body)
         native, texts, service, model = plain
-        lookup = getattr(service, "cached_result", None)  # remote models (Ray ingress) have no local cache
         start = time.perf_counter_ns()
-        result = lookup(texts) if lookup is not None else None
-        if result is not None and (native or self.hot.limits.auto_truncate or not suspects(service, result)):
+        result = cached_answer(service, texts, native or self.hot.limits.auto_truncate)
+        if result is not None:
             self.state.record(service, result, time.perf_counter_ns() - start)  # KServe statistics
             payload, version, extra = self.hot._payload(native, model, result)
             return _respond(proto, cycle, 200, payload, version, extra)

@@ -13,6 +13,7 @@ import orjson
 from fastapi.responses import StreamingResponse
 
 from surge.errors import InvalidInput, SurgeError
+from surge.runtime.outcome import count_failures
 from surge.runtime.scheduler import SamplingParams
 
 
@@ -145,17 +146,31 @@ def _cache_enabled(service) -> bool:
     return bool(getattr(getattr(service, "config", None), "cache_entries", 0))
 
 
+def _outcome(service):
+    """The model's request / failure / latency series (runtime/metrics.RequestCounts), or None (a remote
+    model's live in its own process)."""
+    return getattr(getattr(service, "metrics", None), "outcome", None)
+
+
 async def counted(state, service, work):
-    """Await a generation (`service.generate(...)`), counted in the KServe statistics."""
+    """Await a generation (`service.generate(...)`), counted in the KServe statistics and on /metrics
+    (one request; a failure under its code, a client that left as "cancelled")."""
     start = time.perf_counter_ns()
+    out = _outcome(service)
+    if out is not None:
+        out.requests.inc()
     try:
-        res = await work
+        with count_failures(out) if out is not None else contextlib.nullcontext():
+            res = await work
     except asyncio.CancelledError:  # the client left: neither a success nor the model's failure
         raise
     except Exception:
         state.stats.record_failure(service.name, service.version, time.perf_counter_ns() - start)
         raise
-    state.stats.record_generation(service.name, service.version, time.perf_counter_ns() - start,
+    elapsed = time.perf_counter_ns() - start
+    if out is not None:
+        out.latency.observe(elapsed / 1e9)
+    state.stats.record_generation(service.name, service.version, elapsed,
                                   getattr(res, "timings", None), bool(getattr(res, "cached", False)),
                                   _cache_enabled(service))
     return res
@@ -163,18 +178,32 @@ async def counted(state, service, work):
 
 async def counted_stream(state, service, agen) -> AsyncIterator:
     """A generation stream (`service.stream(...)`), counted in the KServe statistics when its last
-    delta passes or it fails; a stream the client leaves is not counted."""
+    delta passes or it fails; a stream the client leaves is not counted there. On /metrics it is one
+    request, its latency observed at the last delta; a failure counts under its code, a stream closed
+    before its last delta as "cancelled"."""
     start = time.perf_counter_ns()
+    out = _outcome(service)
+    if out is not None:
+        out.requests.inc()
+    finished = False
     try:
         async for d in agen:
             if d.finish_reason is not None:
-                state.stats.record_generation(service.name, service.version, time.perf_counter_ns() - start,
+                finished = True
+                elapsed = time.perf_counter_ns() - start
+                if out is not None:
+                    out.latency.observe(elapsed / 1e9)
+                state.stats.record_generation(service.name, service.version, elapsed,
                                               getattr(d, "timings", None), bool(getattr(d, "cached", False)),
                                               _cache_enabled(service))
             yield d
     except (asyncio.CancelledError, GeneratorExit):
+        if out is not None and not finished:
+            out.failure("cancelled")
         raise
-    except Exception:
+    except Exception as exc:
+        if out is not None and not finished:
+            out.failure(exc.code if isinstance(exc, SurgeError) else "internal_error")
         state.stats.record_failure(service.name, service.version, time.perf_counter_ns() - start)
         raise
     finally:

@@ -24,6 +24,7 @@ rest pass straight through.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import orjson
@@ -76,6 +77,21 @@ async def read_declared_body(scope, receive, max_bytes: int):
 
 
 
+def cached_answer(service, texts: list[str], unchecked: bool):
+    """A plain request's answer from the model's local cache, or None (the full path answers it).
+
+    `unchecked`: no length check applies (native route, or --auto-truncate). Otherwise an input
+    that came out at the model's length may have been cut, and only the full path's check may answer
+    it: the cache declines such a result before counting it, or the full path would count the
+    request a second time (requests, inputs, hits, latency)."""
+    lookup = getattr(service, "cached_result", None)  # remote models (Ray ingress) have no local cache
+    if lookup is None:
+        return None
+    if unchecked:
+        return lookup(texts)
+    return lookup(texts, accept=lambda result: not suspects(service, result))
+
+
 class HotPathMiddleware:
     def __init__(self, app, state: AppState):
         self.app = app
@@ -95,11 +111,9 @@ class HotPathMiddleware:
             plain = self._plain(scope, body)
             if plain is not None:
                 native, texts, service, model = plain
-                lookup = getattr(service, "cached_result", None)  # remote models (Ray ingress) have no local cache
                 start = time.perf_counter_ns()
-                result = lookup(texts) if lookup is not None else None
-                # An OpenAI input that may be longer than the model takes the checking path.
-                if result is not None and (native or self.limits.auto_truncate or not suspects(service, result)):
+                result = cached_answer(service, texts, native or self.limits.auto_truncate)
+                if result is not None:
                     self.state.record(service, result, time.perf_counter_ns() - start)  # KServe statistics
                     return await _send_json(send, *self._payload(native, model, result))
                 app = self._direct(native, texts, service, model)
@@ -117,10 +131,9 @@ class HotPathMiddleware:
 
     async def embed(self, native: bool, texts: list[str], service):
         """The embeddings of a plain request that missed the cache, checked as the route checks them."""
-        result = await self.state.run(service, texts=texts, options=EmbedOptions())
-        if not native and not self.limits.auto_truncate:
-            await check_lengths(service, texts, result)
-        return result
+        unchecked = native or self.limits.auto_truncate
+        return await self.state.run(service, texts=texts, options=EmbedOptions(),
+                                    check=None if unchecked else functools.partial(check_lengths, service, texts))
 
     @staticmethod
     def _payload(native: bool, model: str, result) -> tuple[bytes, str, list]:

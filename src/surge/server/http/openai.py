@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import functools
 from typing import Literal, Union
 
 from fastapi import APIRouter, Request
@@ -78,9 +79,8 @@ def router(state: AppState) -> APIRouter:
         truncate = limits.auto_truncate if req.truncate is None else req.truncate
         check_token_ids(ids, service.name, limits.allow_token_ids, getattr(service, "max_length", None), truncate)
         # Computed truncated whatever was asked (cache keys stay one); too long without truncation: 400 after.
-        result = await state.run(service, texts=texts, token_ids=ids, options=EmbedOptions(dimensions=req.dimensions))
-        if not truncate:
-            await check_lengths(service, texts, result)
+        result = await state.run(service, texts=texts, token_ids=ids, options=EmbedOptions(dimensions=req.dimensions),
+                                 check=None if truncate else functools.partial(check_lengths, service, texts))
         if req.encoding_format == "base64":
             data = [
                 {"object": "embedding", "index": i, "embedding": base64.b64encode(row.tobytes()).decode()}

@@ -1,0 +1,104 @@
+"""/metrics tells the truth about what clients saw: a real `surge serve`, real clients.
+
+Each test reads the counters before and after its own requests (prometheus_client's parser) and
+asserts the deltas: one client request is one `surge_requests_total`, one latency observation, its
+cache hits counted once, and a refused request one failure under its code.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server_process import ServerProcess
+
+MODEL = "all-MiniLM-L6-v2"
+
+
+def scrape(url: str) -> dict[tuple, float]:
+    """{(sample name, labels without model/version): value} of the bundled model's series."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out: dict[tuple, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.labels.get("model", MODEL) != MODEL:
+                continue
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model", "version")))
+            out[(s.name, labels)] = out.get((s.name, labels), 0.0) + s.value
+    return out
+
+
+def delta(before: dict, after: dict, name: str, **labels) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess("--max-queue-delay-ms", "1", "--threads", "1") as srv:
+        yield srv
+
+
+def test_a_cached_openai_input_at_the_models_length_is_counted_once(server):
+    # 254 words of one token each + [CLS] + [SEP]: exactly the model's 256, so the hot path cannot tell
+    # from the cached token count alone that it was not truncated and hands the request to the full path.
+    text = " ".join(["hello"] * 254)
+    body = {"input": text, "model": MODEL}
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        assert c.post("/v1/embeddings", json=body).status_code == 200  # computed, now cached
+        before = scrape(server.url)
+        r = c.post("/v1/embeddings", json=body)
+    assert r.status_code == 200
+    after = scrape(server.url)
+    assert delta(before, after, "surge_requests_total") == 1
+    assert delta(before, after, "surge_inputs_total") == 1
+    assert delta(before, after, "surge_cache_hits_total", tier="recent") == 1
+    assert delta(before, after, "surge_request_latency_seconds_count") == 1
+
+
+def test_a_request_retried_on_the_reloaded_copy_is_counted_once_and_not_failed(server):
+    """A KServe infer request looks the model up, then waits for its body; a reload in between retires that
+    copy, and the new copy answers it (200). One request for its client: one request on /metrics, no failure."""
+    body = orjson.dumps({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["late"]}]})
+    before = scrape(server.url)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        # Chunked, so the route looks the model up and then waits for the body.
+        sock.sendall((f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\n"
+                      "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n").encode())
+        sock.sendall(b"%x\r\n%s\r\n" % (10, body[:10]))
+        assert httpx.post(server.url + f"/models/{MODEL}/reload", timeout=120).status_code == 200
+        rest = body[10:]
+        sock.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(rest), rest))
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            reply += sock.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:300]
+    after = scrape(server.url)
+    assert delta(before, after, "surge_requests_total") == 1
+    assert sum(v for (n, _), v in after.items() if n == "surge_request_failures_total") == \
+        sum(v for (n, _), v in before.items() if n == "surge_request_failures_total")
+    assert delta(before, after, "surge_request_latency_seconds_count") == 1
+
+
+def test_an_openai_input_longer_than_the_model_is_a_failure_not_a_success(server):
+    """Refused with 400 after the runtime computed it (truncated, so cache keys stay one): /metrics and the
+    KServe statistics count a failure under its code, not a success."""
+    body = {"input": " ".join(["hello"] * 300), "model": MODEL}  # 302 tokens, the model takes 256
+
+    def stats():
+        (m,) = httpx.get(server.url + f"/v2/models/{MODEL}/stats", timeout=10).json()["model_stats"]
+        return m["inference_stats"]
+
+    for _ in range(2):  # computed, then from the cache
+        before, kserve_before = scrape(server.url), stats()
+        r = httpx.post(server.url + "/v1/embeddings", json=body, timeout=30)
+        assert r.status_code == 400 and "256" in r.text
+        after, kserve_after = scrape(server.url), stats()
+        assert delta(before, after, "surge_requests_total") == 1
+        assert delta(before, after, "surge_request_failures_total", code="invalid_input") == 1
+        assert kserve_after["fail"]["count"] - kserve_before["fail"]["count"] == 1
+        assert kserve_after["success"]["count"] == kserve_before["success"]["count"]
