@@ -279,3 +279,17 @@ def test_a_failed_leader_leaves_followers_to_compute(bundled_worker, sentences, 
     assert isinstance(late, DeadlineExceeded)
     assert np.abs(lead2.vectors[0] - reference_embed([other])[0]).max() < 1e-4
     assert left == 0
+
+
+def test_shared_tier_keys_of_token_ids_and_of_a_text_with_the_same_bytes_differ():
+    """A text may hold NULs, so a client can send the very bytes that a token-id input's key is made of: the
+    shared tiers (Redis, the front ends' table) hash keys, and without the input's kind in the hash that
+    text's vector was stored under the token ids' key (and read back by whoever sent those ids)."""
+    from surge.runtime.cache import key_hash
+
+    opts = ("mean", True)
+    ids = ResultCache.ids_key([101, 42, 102], opts)
+    text = (opts, ids[1].decode("utf-8"))  # the same bytes as a str: valid UTF-8 (every byte < 0x80 here)
+    assert text[1].encode() == ids[1]
+    assert key_hash(ids).digest() != key_hash(text).digest()
+    assert key_hash(ids).digest() == key_hash(ResultCache.ids_key([101, 42, 102], opts)).digest()

@@ -39,7 +39,9 @@ def key_hash(key: Key, prefix: bytes = b""):
     opts, raw = key
     h = hashlib.sha256(prefix)
     h.update(repr(opts).encode())
-    h.update(b"\0")
+    # the input's kind is hashed too: token ids (bytes) whose packing equals some text's UTF-8 would otherwise
+    # share a key in the shared tiers with that text, and one caller would read the other's answer
+    h.update(b"\0b" if isinstance(raw, bytes) else b"\0s")
     h.update(raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass"))
     return h
 
