@@ -109,24 +109,27 @@ class AppState:
                 return s.embed(texts=texts, token_ids=token_ids, options=options, deadline=deadline)
             return s.embed(texts=texts, token_ids=token_ids, options=options)
 
-        def current(s):
-            try:
-                return self.registry.get(s.name, s.version)
-            except SurgeError:
-                return s
+        return await self.on_current(service, call)
 
-        # The copy this request looked up may have been replaced (a reload) between the lookup and
-        # the call, e.g. while the request body was still arriving: the new copy answers. Asked
-        # before the call (no await between this check and the call's admission), so that the
-        # retired copy does not count a request and a not_ready failure its client never saw.
+    def _current(self, s):
+        try:
+            return self.registry.get(s.name, s.version)
+        except SurgeError:
+            return s
+
+    async def on_current(self, service, call):
+        """`await call(copy)` on the copy of `service` that serves now. The copy a request looked up may have
+        been replaced (a reload) between the lookup and the call, e.g. while the request body was still
+        arriving: the new copy answers. Asked before the call (no await between this check and the call's
+        admission), so that the retired copy does not count a request and a not_ready failure its client
+        never saw; and again where the call itself says NotReady (a remote copy), which it raises before
+        admitting any work, so the call is safe to repeat."""
         if not service.ready:
-            service = current(service)
+            service = self._current(service)
         try:
             return await call(service)
         except NotReady:
-            # The same, seen by the call (a remote copy): NotReady is raised before any work is
-            # admitted, so the call is safe to repeat.
-            now = current(service)
+            now = self._current(service)
             if now is service:
                 raise
             return await call(now)

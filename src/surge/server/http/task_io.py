@@ -68,8 +68,10 @@ def check_pairs(pairs: list, field: str, limits) -> list[tuple[str, str]]:
 async def run_task(state, served, req: TaskRequest, *tasks: str) -> TaskResult:
     """The runtime call through AppState.call: one deadline (504 past it) and the KServe statistics."""
     require_task(served, *tasks)
-    return await state.call(served, lambda deadline: served.infer(req) if deadline is None
-                            else served.infer(req, deadline=deadline))
+    def infer(deadline):
+        return state.on_current(served, lambda s: s.infer(req) if deadline is None else s.infer(req, deadline=deadline))
+
+    return await state.call(served, infer)
 
 
 def label_scores(result: TaskResult, raw: bool = False, top_k: int | None = None,
