@@ -253,7 +253,7 @@ async def _inproc_round(service, prompts, n_out):
 
 
 def inproc_rounds(path: Path, args, prompts) -> list[dict]:
-    from surge.runtime.generate_service import load_generate_service
+    from surge.runtime.generate_load import load_generate_service
 
     service = load_generate_service(path, "bench", device=args.device, precision=args.dtype,
                                     config=inproc_config(args), request_timeout_s=600)

@@ -522,7 +522,8 @@ def test_service_streams_multi_step_launches(qwen_dir, engine_process):
     import time
 
     from surge.engines.decoder import DecoderEngine
-    from surge.runtime.generate_service import GenerationConfig, load_generate_service
+    from surge.runtime.generate_service import GenerationConfig
+    from surge.runtime.generate_load import load_generate_service
     from surge.runtime.scheduler import SamplingParams
 
     prompts = _prompts(384, 12)
@@ -596,7 +597,8 @@ def test_the_shared_engine_loop_streams_as_the_service_does(trained_dir, tmp_pat
     from surge.config import EngineConfig
     from surge.models import load_model_spec
     from surge.runtime.generate_hub import AUTHKEY_ENV
-    from surge.runtime.generate_service import GenerationConfig, load_generate_service
+    from surge.runtime.generate_service import GenerationConfig
+    from surge.runtime.generate_load import load_generate_service
     from surge.runtime.scheduler import SamplingParams
 
     monkeypatch.setenv(AUTHKEY_ENV, secrets.token_hex(32))

@@ -297,7 +297,7 @@ def test_staged_block_tables_equal_a_full_refill(tmp_path):
 def test_the_graph_prefill_setting_reaches_the_engine(tmp_path):
     """`--generation graph_prefill_tokens=N` is the engine's row-graph limit; 0 or a CPU engine: no row graphs."""
     from surge.config import GenerationConfig
-    from surge.runtime.generate_service import decoder_engine_kwargs
+    from surge.runtime.generate_load import decoder_engine_kwargs
 
     assert GenerationConfig().graph_prefill_tokens == 512
     gen = GenerationConfig.from_sources(["graph_prefill_tokens=64,max_num_seqs=8"])

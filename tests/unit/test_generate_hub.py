@@ -78,7 +78,7 @@ def hub(model_dir, tmp_path, monkeypatch):
 
 def _front(sock, config):
     from surge.runtime.generate_hub import HubClient
-    from surge.runtime.generate_service import service_over
+    from surge.runtime.generate_load import service_over
     from surge.runtime.loader import generate_settings
     from surge.models import load_model_spec
 

@@ -38,7 +38,8 @@ def hf(model_dir):
 
 
 def _load(path, registry=None, **gen):
-    from surge.runtime.generate_service import GenerationConfig, load_generate_service
+    from surge.runtime.generate_service import GenerationConfig
+    from surge.runtime.generate_load import load_generate_service
 
     config = GenerationConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 160,
                                  "kv_cache_tokens": 1024, "block_size": 4, "cache_entries": 0,
@@ -427,7 +428,8 @@ def test_a_step_that_raises_fails_its_requests_and_forgets_them(model_dir):
 def test_the_engine_loop_runs_in_a_process_of_its_own_by_default(model_dir):
     """GenerationConfig.engine_process unset: a process of its own on the CPU too (the engine's OpenMP team is then
     its process's only one: on a thread beside the main thread's, libgomp stops spinning between regions)."""
-    from surge.runtime.generate_service import GenerationConfig, load_generate_service
+    from surge.runtime.generate_service import GenerationConfig
+    from surge.runtime.generate_load import load_generate_service
 
     config = GenerationConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=160, kv_cache_tokens=512,
                               block_size=4, cache_entries=0)

@@ -6,7 +6,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from surge.config import CacheConfig, GenerationConfig
-from surge.runtime.generate_service import Delta, _pack, _shared_key, _unpack, attach_shared_cache
+from surge.runtime.generate_service import attach_shared_cache
+from surge.runtime.generate_shared import pack, shared_key, unpack
+from surge.runtime.generate_delta import Delta
 from surge.runtime.scheduler import SamplingParams
 
 
@@ -14,7 +16,7 @@ def test_deltas_survive_the_trip_and_keys_separate_what_differs():
     deltas = [Delta("Hel", [5, 6], [{"token": "Hel", "logprob": -0.5, "top": [("Hel", -0.5, 5), ("He", -1.2, 7)]}],
                     prompt_tokens=9, prompt_logprobs=[{"token": "a", "logprob": -2.0, "top": None}]),
               Delta("lo", [8], None, "stop", 9, 3, stop_reason="\n\n", cached_tokens=4)]
-    back = _unpack(_pack(deltas))
+    back = unpack(pack(deltas))
     assert [(d.text, d.token_ids, d.finish_reason, d.prompt_tokens, d.completion_tokens, d.stop_reason,
              d.cached_tokens) for d in back] == \
         [(d.text, d.token_ids, d.finish_reason, d.prompt_tokens, d.completion_tokens, d.stop_reason,
@@ -24,7 +26,7 @@ def test_deltas_survive_the_trip_and_keys_separate_what_differs():
     assert back[0].prompt_logprobs == deltas[0].prompt_logprobs and not back[0].cached
     greedy = SamplingParams(max_tokens=4, temperature=0.0).key()
     seeded = SamplingParams(max_tokens=4, temperature=0.8, seed=3).key()
-    keys = {_shared_key(k) for k in [("1", (1, 2), greedy), ("2", (1, 2), greedy), ("1", (1, 2, 3), greedy),
+    keys = {shared_key(k) for k in [("1", (1, 2), greedy), ("2", (1, 2), greedy), ("1", (1, 2, 3), greedy),
                                      ("1", (12,), greedy), ("1", (1, 2), seeded)]}
     assert len(keys) == 5  # versions, prompts (1,2 vs 12) and sampling never share an entry
 

@@ -13,7 +13,7 @@ pytest.importorskip("peft")
 
 from surge.config import GenerationConfig  # noqa: E402
 from surge.errors import ConfigError, InvalidInput, NotFound  # noqa: E402
-from surge.runtime.generate_service import load_generate_service  # noqa: E402
+from surge.runtime.generate_load import load_generate_service# noqa: E402
 from surge.runtime.scheduler import SamplingParams  # noqa: E402
 from tests.decoder_models import build_lora, build_model, load_peft  # noqa: E402
 

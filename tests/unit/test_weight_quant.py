@@ -144,7 +144,7 @@ def test_fp8_is_refused_where_it_cannot_run(tmp_path):
     from surge.engines.decoder.model import DecoderModel
     from surge.errors import ConfigError
     from surge.models.decoder import load_decoder_config, load_decoder_weights
-    from surge.runtime.generate_service import decoder_engine_kwargs
+    from surge.runtime.generate_load import decoder_engine_kwargs
     from tests.decoder_models import build_model
 
     d = build_model("qwen2", tmp_path / "q", seed=6)
@@ -172,7 +172,7 @@ def test_fp8_activations_is_a_setting_the_engine_gets(tmp_path):
     are no FP8 weights (a CPU, an unquantized model) it changes nothing: no product takes FP8 rows."""
     from surge.config import GenerationConfig
     from surge.engines.decoder import DecoderEngine
-    from surge.runtime.generate_service import decoder_engine_kwargs
+    from surge.runtime.generate_load import decoder_engine_kwargs
     from tests.decoder_models import build_model
 
     assert GenerationConfig().fp8_activations is True

@@ -198,7 +198,8 @@ def _front_decoder(state, config: ServerConfig, spec, sock: str) -> None:
     (runtime/generate_hub.py). No connection is handed over: that process runs no HTTP."""
     async def connect(state) -> None:
         from surge.runtime.generate_hub import HubClient
-        from surge.runtime.generate_service import attach_shared_cache, service_over
+        from surge.runtime.generate_service import attach_shared_cache
+        from surge.runtime.generate_load import service_over
         from surge.runtime.loader import generate_settings
 
         client = await asyncio.to_thread(HubClient, sock)

@@ -180,7 +180,8 @@ def front_generator(config, entry: dict):
     the front end's event loop, which reads the hub's reports from now on)."""
     from surge.config import GenerationConfig
     from surge.runtime.generate_hub import HubClient
-    from surge.runtime.generate_service import attach_shared_cache, service_over
+    from surge.runtime.generate_service import attach_shared_cache
+    from surge.runtime.generate_load import service_over
 
     client = HubClient(entry["hub"], timeout_s=30.0)
     gen = GenerationConfig.model_validate(entry["generation"])

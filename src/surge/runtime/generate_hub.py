@@ -381,7 +381,7 @@ def start_hub(spec, name: str, version: str, engine_cfg, generation, path: str, 
     from surge.engines.decoder import DecoderEngine
     from surge.runtime.generate_core import EngineLoop
     from surge.runtime.generate_metrics import GenerateMetrics
-    from surge.runtime.generate_service import decoder_engine_kwargs
+    from surge.runtime.generate_load import decoder_engine_kwargs
     from surge.runtime.loader import generate_settings
 
     device, precision, gen = generate_settings(spec, engine_cfg, generation)

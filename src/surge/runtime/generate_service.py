@@ -20,61 +20,24 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import AsyncIterator
 
-import orjson
 
 from surge.config import GenerationConfig  # noqa: F401  (re-exported: callers build it from here)
-from surge.errors import ConfigError, DeadlineExceeded, EngineError, InvalidInput, NotFound, NotReady, Overloaded
+from surge.errors import DeadlineExceeded, EngineError, InvalidInput, NotFound, NotReady, Overloaded
 from surge.models.decoder import sampling_defaults
 from surge.runtime.detok import TextState
 from surge.runtime.generate_core import ENGINE, INVALID, EngineLoop, EngineState, ThreadChannel
+from surge.runtime.generate_delta import Delta, GenerationResult
 from surge.runtime.generate_metrics import GenerateMetrics
-from surge.runtime.generate_process import EngineProcess
+from surge.runtime.generate_shared import attach_shared_cache, pack, shared_key, unpack, weights_fingerprint  # noqa: F401
+from surge.runtime.generate_lora import LoraHost
 from surge.runtime.generate_text import PromptText
 from surge.runtime.scheduler import SamplingParams, Sequence
 
 log = logging.getLogger("surge.generate")
-
-
-@dataclass
-class Delta:
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict] | None = None  # per token: {"token", "logprob", "top": [(token, logprob)]}
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached: bool = False
-    # on the last delta: KServe statistics' stages in ns (queue: until admitted; compute_input: the
-    # prefill, until the first token; compute_infer: the decode, first to last token)
-    timings: dict | None = None
-    # params.prompt_logprobs, on the first delta: the prompt's tokens from the second on, as `logprobs`
-    prompt_logprobs: list[dict] | None = None
-    # on the last delta, vLLM's stop_reason: the stop string or stop token id that ended the answer (None
-    # for EOS, the length, or no stop yet)
-    stop_reason: str | int | None = None
-    # on the last delta: the prompt's tokens found in the prefix cache (all of them for an answer from the
-    # generation cache), OpenAI's usage.prompt_tokens_details.cached_tokens
-    cached_tokens: int = 0
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    logprobs: list[dict] | None = None
-    cached: bool = False
-    timings: dict | None = None
-    prompt_logprobs: list[dict] | None = None
-    stop_reason: str | int | None = None
-    cached_tokens: int = 0
 
 
 class _Handle:
@@ -120,7 +83,7 @@ RESTART_LIMIT = 3
 RESTART_WINDOW_S = 600.0
 
 
-class GenerateService(PromptText):
+class GenerateService(LoraHost, PromptText):
     task = "generate"
     kind = "hf"
 
@@ -183,87 +146,6 @@ class GenerateService(PromptText):
                                         name=f"surge-{name}-generate", daemon=True)
         self._thread.start()
         self._start_adapters()
-
-    # -- LoRA adapters -----------------------------------------------------------------------------------
-    def _start_adapters(self) -> None:
-        """The configured adapters, in slots 1.. in their order (every front end of a shared engine gives
-        each the same slot). On an error the engine loop is stopped (the service is never returned)."""
-        try:
-            self._load_configured()
-        except BaseException:
-            if self.remote:
-                self.engine.send(("close",))
-                self.engine.stop()
-            else:
-                self._channel.put(("close",))
-            raise
-
-    def _load_configured(self) -> None:
-        wanted = self.config.lora_modules
-        if len(wanted) > self.config.max_cpu_loras:
-            raise ConfigError(f"model '{self.name}': {len(wanted)} LoRA modules but max_cpu_loras "
-                              f"{self.config.max_cpu_loras}")
-        for adapter_name, adapter_path in wanted.items():
-            where = Path(adapter_path).expanduser()
-            if not where.is_absolute() and (self.path / where).is_dir():  # a model.yaml's, beside the model
-                where = self.path / where
-            self.add_adapter(adapter_name, where)
-
-    @property
-    def runtime_adapters(self) -> bool:
-        """Adapters may be added and removed while serving: allowed by the settings, and the engine is this
-        service's alone (the other front ends of a shared engine would not know the new name)."""
-        return self.config.allow_runtime_lora and not getattr(self.engine, "shared", False)
-
-    def check_adapter(self, name: str, path) -> tuple:
-        """Read and check a PEFT LoRA directory for this model (file work: a thread may run it) ->
-        (resolved path, digest). ConfigError: unreadable, refused or too wide an adapter."""
-        from surge.models.lora import read_adapter
-        from surge.runtime.lora_adapters import digest_of
-
-        path = Path(path).expanduser().resolve()
-        read_adapter(path, self.engine.cfg, name, max_rank=self.config.max_lora_rank)
-        return path, digest_of(path)
-
-    def add_adapter(self, name: str, path, checked: tuple | None = None) -> "AdapterView":
-        """Serve a PEFT LoRA directory as model `name` -> its view (the caller registers a view added while
-        serving). The engine loop keeps it in host memory and swaps it into one of its `max_loras` slots
-        while its requests run. `checked`: check_adapter's result, if it ran already. ConfigError: see
-        check_adapter; InvalidInput: the name is taken, max_cpu_loras adapters are loaded, or the model has
-        no LoRA slots."""
-        from surge.runtime.lora_adapters import Adapter, AdapterView
-
-        if not self.config.max_loras:
-            raise InvalidInput(f"model '{self.name}' was started without LoRA slots (--generation max_loras=N)",
-                               param="lora_name")
-        if name == self.name or name in self.adapters:
-            raise InvalidInput(f"the name '{name}' is taken (a loaded adapter or the base model)", param="lora_name")
-        if len(self.adapters) >= self.config.max_cpu_loras:
-            raise InvalidInput(f"model '{self.name}' has {len(self.adapters)} LoRA adapters loaded, its "
-                               f"max_cpu_loras; unload one or start with a larger max_cpu_loras", param="lora_name")
-        path, digest = checked or self.check_adapter(name, path)
-        adapter = Adapter(name, path, digest)
-        # the engine loop takes messages in order: the adapter is registered before its first sequence
-        self._send(("adapter", adapter.uid, str(path), name))
-        self.adapters[name] = adapter
-        view = AdapterView(self, adapter)
-        self.views.append(view)
-        log.info("model '%s': LoRA adapter '%s' (%s)", self.name, name, path)
-        return view
-
-    def remove_adapter(self, name: str):
-        """Stop serving adapter `name` (NotFound if it is not loaded) -> its view, to unregister. Requests
-        in flight finish with it."""
-        adapter = self.adapters.pop(name, None)
-        if adapter is None:
-            raise NotFound(f"LoRA adapter '{name}' of model '{self.name}' is not loaded", param="lora_name")
-        if all(a.uid != adapter.uid for a in self.adapters.values()):  # the same files under another name stay
-            # this pass's submissions first: the engine loop must see their sequences before it forgets
-            self._admit_arrivals()
-            self._send(("unadapter", adapter.uid))
-        view = next(v for v in self.views if v.adapter is adapter)
-        self.views.remove(view)
-        return view
 
     @property
     def steps(self) -> int:
@@ -345,7 +227,7 @@ class GenerateService(PromptText):
             and self.config.cache_entries \
             else None
         if key is not None and key not in self._cache and self.shared is not None:
-            found = _unpack(await self.shared.get_bytes(_shared_key(key)))
+            found = unpack(await self.shared.get_bytes(shared_key(key)))
             if found is not None:
                 self._remember(key, found, share=False)
         if key is not None and key in self._cache:
@@ -426,7 +308,7 @@ class GenerateService(PromptText):
         while len(self._cache) > self.config.cache_entries:
             self._cache.popitem(last=False)
         if share and self.shared is not None:
-            task = asyncio.ensure_future(self.shared.put_bytes(_shared_key(key), _pack(deltas)))
+            task = asyncio.ensure_future(self.shared.put_bytes(shared_key(key), pack(deltas)))
             self._puts.add(task)  # held until done (the loop keeps only weak references)
             task.add_done_callback(self._puts.discard)
 
@@ -690,76 +572,6 @@ class GenerateService(PromptText):
                 h.fail(err)
 
 
-_DELTA_FIELDS = ("text", "token_ids", "logprobs", "finish_reason", "prompt_tokens", "completion_tokens",
-                 "prompt_logprobs", "stop_reason", "cached_tokens")
-
-
-def _shared_key(key: tuple) -> tuple:
-    """A generation-cache key (version, prompt ids, sampling key) as the shared tier's (options, input)."""
-    version, ids, params = key
-    return (version, params), ",".join(map(str, ids))
-
-
-def _pack(deltas: list[Delta]) -> bytes:
-    return orjson.dumps([{f: getattr(d, f) for f in _DELTA_FIELDS} for d in deltas])
-
-
-def _unpack(raw: bytes | None) -> list[Delta] | None:
-    """Deltas as _pack wrote them (the top log-probabilities' tuples come back as lists, which the routes
-    unpack alike); None for nothing, or for what this release cannot read (another release's fields, a
-    truncated write, another program's bytes): a miss, as a Redis error is, never the request's failure."""
-    if raw is None:
-        return None
-    try:
-        deltas = [Delta(**d) for d in orjson.loads(raw)]
-    except (ValueError, TypeError) as exc:  # orjson.JSONDecodeError is a ValueError
-        log.warning("unreadable generation in the shared cache tier, computed again: %s", exc)
-        return None
-    if not deltas or deltas[-1].finish_reason is None:
-        return None  # not a whole answer
-    return deltas
-
-
-def attach_shared_cache(service, cache_config) -> None:
-    """Give a generation service the shared tier of the server's cache settings (`--redis-url`): on Redis,
-    keyed by model, version and the engine's device, precision and weight quantization (answers of another
-    precision or of 8-bit weights never mix), for `--redis-ttl-s`. Nothing without a URL, with the cache off, or
-    with the generation cache off."""
-    if not (cache_config is not None and cache_config.enabled and cache_config.redis_url
-            and service.config.cache_entries):
-        return
-    from surge.runtime.cache_redis import RedisTier
-
-    caps = service.engine.capabilities
-    build = f"generate:{getattr(caps, 'device', '')}:{getattr(caps, 'dtype', '')}"
-    quant = getattr(caps, "quantization", "none")
-    if quant != "none":  # (unquantized engines keep the keys they had)
-        build += f":{quant}"
-    weights = weights_fingerprint(getattr(service, "path", None))
-    if weights:  # a version reloaded with other weights (or tokenizer) never reads the old weights' answers
-        build += f":{weights}"
-    service.shared = RedisTier(cache_config.redis_url, service.name, service.version, cache_config.redis_ttl_s,
-                               build=build)
-
-
-def weights_fingerprint(path) -> str:
-    """What makes a decoder directory's answers what they are, the same in every process (replicas share the
-    tier): its weight, tokenizer and config files sampled at 17 points each (runtime/file_sample.py), so that a
-    fine-tune of the middle layers changes it too. "" without a directory."""
-    import hashlib
-
-    from surge.runtime.file_sample import update_sampled
-
-    if path is None or not Path(path).is_dir():
-        return ""
-    path = Path(path)
-    names = sorted({p.name for pattern in ("*.safetensors", "*.bin", "*.pt", "*.gguf") for p in path.glob(pattern)}
-                   | {"tokenizer.json", "config.json", "generation_config.json", "tokenizer_config.json"})
-    digest = hashlib.sha256()
-    update_sampled(digest, path, names, samples=16)
-    return digest.hexdigest()[:16]
-
-
 def _error(kind: str, message: str) -> Exception:
     return InvalidInput(message, param="prompt") if kind == INVALID else \
         EngineError(message) if kind == ENGINE else NotReady(message)
@@ -784,56 +596,3 @@ class _ThreadOutbox:
 
     def state(self, state) -> None:
         self.service._set_state(state)
-
-
-def decoder_engine_kwargs(config: GenerationConfig, device: str, precision: str | None) -> dict:
-    """DecoderEngine's keyword arguments (less the path and threads) for these settings."""
-    dtype = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "auto": None, None: None}.get(precision, precision)
-    return dict(device=device, dtype=dtype, block_size=config.block_size, kv_cache_tokens=config.kv_cache_tokens,
-                max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-                cuda_graphs=config.cuda_graphs, graph_prefill_tokens=config.graph_prefill_tokens,
-                decode_steps=config.decode_steps,
-                decode_launch_ms=config.decode_launch_ms, max_loras=config.max_loras or 0,
-                max_lora_rank=config.max_lora_rank, speculative_tokens=config.speculative_tokens,
-                speculative_model=config.speculative_model, quantization=config.quantization,
-                cpu_weight_layout=config.cpu_weight_layout, fp8_activations=config.fp8_activations)
-
-
-def service_over(engine, path: Path, name: str, version: str, config: GenerationConfig,
-                 request_timeout_s: float = 30.0) -> GenerateService:
-    """A GenerateService on `engine` (a DecoderEngine, an EngineProcess or a HubClient) with the
-    directory's tokenizer and chat template."""
-    from tokenizers import Tokenizer
-
-    from surge.models.chat_template import ChatTemplate
-
-    tokenizer = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
-    return GenerateService(name, version, path, engine, tokenizer, ChatTemplate.from_dir(path), config,
-                           request_timeout_s=request_timeout_s)
-
-
-def load_generate_service(path: Path, name: str, version: str = "1", *, device: str = "cpu",
-                          precision: str | None = None, threads: int = 0, config: GenerationConfig | None = None,
-                          request_timeout_s: float = 30.0) -> GenerateService:
-    """A decoder directory -> a warmed-up GenerateService (the caller marks it ready)."""
-    from surge.errors import ConfigError
-
-    config = (config or GenerationConfig()).resolved()
-    path = Path(path)
-    if not (path / "tokenizer.json").is_file():
-        raise ConfigError(f"{path}: tokenizer.json missing (a fast tokenizer file is required)")
-    kwargs = decoder_engine_kwargs(config, device, precision)
-    # default on: on a GPU the loop and the event loop never wait for each other's GIL; on the CPU the engine's
-    # OpenMP team is the process's only one (a team on a thread beside the main thread's counts more OpenMP
-    # threads than cores, and libgomp then stops spinning between parallel regions: a GPT-2 small step in BF16
-    # on 2 cores 1.25x slower on a thread, benchmarks/cpu_engine_thread.py; through `surge serve` 151 against
-    # 177 tok/s, benchmarks/generate_http.py, docs/benchmarks/generate.md session 34)
-    remote = config.engine_process if config.engine_process is not None else True
-    if remote:
-        engine = EngineProcess(path, kwargs, config, name, threads=threads)
-    else:
-        from surge.engines.decoder import DecoderEngine
-
-        engine = DecoderEngine(path, threads=threads, **kwargs)
-        engine.warmup()
-    return service_over(engine, path, name, version, config, request_timeout_s)

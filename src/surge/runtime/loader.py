@@ -150,7 +150,7 @@ def decoder_device(spec: ModelSpec, cfg: EngineConfig, device: str | None = None
 def build_generate_service(spec: ModelSpec, version: str, cfg: EngineConfig, limits, generation=None):
     """A decoder directory -> a warmed-up GenerateService (paged KV cache, iteration scheduler).
     `generation` (config.GenerationConfig): the server's settings merged with the model.yaml's."""
-    from surge.runtime.generate_service import load_generate_service
+    from surge.runtime.generate_load import load_generate_service
 
     device, precision, gen = generate_settings(spec, cfg, generation)
     return load_generate_service(spec.path, spec.name, version, device=device, precision=precision,
