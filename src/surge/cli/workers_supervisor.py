@@ -216,8 +216,38 @@ def _on_stop() -> None:
     signal.signal(signal.SIGINT, stop)
 
 
+class RestartBackoff:
+    """How long to wait before starting a child again. A child that keeps dying at once (a bad setting, a
+    model that cannot load, a full disk) is started again after 0.5 s, then twice as long each time up to
+    `cap_s`, instead of in a tight loop that burns the cores the other children serve on and floods the log;
+    one that ran for `healthy_s` before it exited starts again at once."""
+
+    def __init__(self, first_s: float = 0.5, cap_s: float = 30.0, healthy_s: float = 60.0, clock=time.monotonic):
+        self.first_s, self.cap_s, self.healthy_s, self.clock = first_s, cap_s, healthy_s, clock
+        self._started: dict = {}  # child key -> when it was last started
+        self._quick: dict = {}  # child key -> exits in a row that came before healthy_s
+
+    def started(self, key) -> None:
+        self._started[key] = self.clock()
+
+    def delay(self, key) -> float:
+        """Seconds to wait before starting `key` again, now that it exited."""
+        lived = self.clock() - self._started.get(key, float("-inf"))
+        if lived >= self.healthy_s:
+            self._quick[key] = 0
+            return 0.0
+        n = self._quick.get(key, 0)
+        self._quick[key] = n + 1
+        return min(self.cap_s, self.first_s * 2 ** n)
+
+
 def _supervise(engines: list, fronts: dict, front, engine) -> None:
-    """Start again every child that exits, until SIGTERM / SIGINT (_Stop)."""
+    """Start again every child that exits (after RestartBackoff's wait), until SIGTERM / SIGINT (_Stop)."""
+    backoff = RestartBackoff()
+    for j in range(len(engines)):
+        backoff.started(("engine", j))
+    for i in fronts:
+        backoff.started(("front", i))
     try:
         while True:
             pid, status = os.wait()
@@ -227,18 +257,24 @@ def _supervise(engines: list, fronts: dict, front, engine) -> None:
             for j, eng in enumerate(engines):
                 if eng.pid == pid:
                     eng.returncode = os.waitstatus_to_exitcode(status)
-                    log.error("engine process %d exited (%s); starting it again", j, eng.returncode)
-                    print(f"surge: engine process {j} exited ({eng.returncode}); restarting", file=sys.stderr,
-                          flush=True)
+                    wait = backoff.delay(("engine", j))
+                    log.error("engine process %d exited (%s); starting it again in %.1f s", j, eng.returncode, wait)
+                    print(f"surge: engine process {j} exited ({eng.returncode}); restarting in {wait:.1f} s",
+                          file=sys.stderr, flush=True)
+                    time.sleep(wait)
                     engines[j] = engine(j)
+                    backoff.started(("engine", j))
                     break
             else:
                 for i, p in fronts.items():
                     if p.pid == pid:
                         p.returncode = os.waitstatus_to_exitcode(status)
-                        print(f"surge: front end {i} exited ({p.returncode}); restarting", file=sys.stderr,
-                              flush=True)
+                        wait = backoff.delay(("front", i))
+                        print(f"surge: front end {i} exited ({p.returncode}); restarting in {wait:.1f} s",
+                              file=sys.stderr, flush=True)
+                        time.sleep(wait)
                         fronts[i] = front(i)
+                        backoff.started(("front", i))
                         break
     except ChildProcessError:
         pass
