@@ -13,7 +13,7 @@ import time
 from contextvars import ContextVar
 
 from ray.exceptions import RayActorError, RayTaskError
-from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
 from surge.config import ServerConfig
 from surge.distributed.metrics_hub import collect_replicas
@@ -76,16 +76,14 @@ class RemoteModel:
         for attempt in range(self.retries + 1):
             try:
                 result, replica = await self.handle.embed.remote(texts, token_ids, options)
-            except RayTaskError as exc:
-                raise _as_surge_error(exc) from None
-            except BackPressureError:
-                raise Overloaded(f"model {self.name}: every replica's queue is full", retry_after=1) from None
             except _LOST as exc:
                 # Ray's router has now dropped that replica: the retry goes to another.
                 if attempt < self.retries:
                     log.warning("model %s: replica lost mid-request (%s); retrying", self.name, type(exc).__name__)
                     continue
-                raise NotReady(f"model {self.name}: replica lost mid-request; try again", retry_after=1) from None
+                raise ray_error(self.name, exc) from None
+            except (RayTaskError, BackPressureError, DeploymentUnavailableError) as exc:
+                raise ray_error(self.name, exc) from None
             served = _served.get()
             if served is not None:
                 served.append((replica, result.cached))
@@ -94,6 +92,22 @@ class RemoteModel:
 
     async def close(self) -> None:
         self.ready = False
+
+
+def ray_error(name: str, exc: Exception) -> Exception:
+    """What a client is told of Ray's failure of a call to model `name`'s replicas: the replica's own
+    SurgeError, 429 where every replica's queue is full, 503 where the replica was lost or the deployment has
+    no replica to take it (being deployed, scaled from zero, unhealthy: it was a bare 500); anything else as
+    it is."""
+    if isinstance(exc, RayTaskError):
+        return _as_surge_error(exc)
+    if isinstance(exc, BackPressureError):
+        return Overloaded(f"model {name}: every replica's queue is full", retry_after=1)
+    if isinstance(exc, _LOST):
+        return NotReady(f"model {name}: replica lost mid-request; try again", retry_after=1)
+    if isinstance(exc, DeploymentUnavailableError):
+        return NotReady(f"model {name}: no replica is available now; try again", retry_after=1)
+    return exc
 
 
 def _as_surge_error(exc: RayTaskError) -> SurgeError:

@@ -15,11 +15,8 @@ import time
 from pathlib import Path
 from typing import AsyncIterator
 
-from ray.exceptions import RayTaskError
-from ray.serve.exceptions import BackPressureError
-
-from surge.distributed.ingress import _LOST, _as_surge_error, _served
-from surge.errors import InvalidInput, NotReady, Overloaded
+from surge.distributed.ingress import _LOST, _served, ray_error
+from surge.errors import InvalidInput
 from surge.runtime.generate_text import PromptText
 
 log = logging.getLogger("surge.distributed")
@@ -132,13 +129,7 @@ class RemoteGenerateModel(PromptText):
         return False
 
     def _error(self, exc: Exception):
-        if isinstance(exc, RayTaskError):
-            return _as_surge_error(exc)
-        if isinstance(exc, BackPressureError):
-            return Overloaded(f"model {self.name}: every replica's queue is full", retry_after=1)
-        if isinstance(exc, _LOST):
-            return NotReady(f"model {self.name}: replica lost mid-request; try again", retry_after=1)
-        return exc
+        return ray_error(self.name, exc)
 
     @staticmethod
     def _record(replica: str, cached: bool) -> None:
