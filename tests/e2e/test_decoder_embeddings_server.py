@@ -66,7 +66,7 @@ def test_tei_routes_and_inference_client(server, reference, sentences):
 
 def test_prompt_name(server, reference, sentences):
     """TEI's prompt_name: the model's sentence-transformers prompt before each text, as encode(prompt_name=...)
-    puts it; an empty prompt changes nothing; an unknown name is a 400 naming the model's prompts."""
+    puts it; an empty prompt changes nothing; an unknown name is TEI's 422 naming the model's prompts."""
     from huggingface_hub import InferenceClient
 
     texts = ["how do I reset my router", sentences[3]]
@@ -80,9 +80,11 @@ def test_prompt_name(server, reference, sentences):
     vec = InferenceClient(model=server.url).feature_extraction(texts[0], prompt_name="query", truncate=True)
     np.testing.assert_allclose(np.asarray(vec, dtype=np.float32).reshape(-1), query[0], atol=3e-5)
     r = httpx.post(server.url + "/embed", json={"inputs": texts, "prompt_name": "passage"}, timeout=60)
-    assert r.status_code == 400 and "'passage'" in r.text and "query, document" in r.text, r.text
+    # TEI's answer to a bad prompt_name: a 422 Validation error in its shape
+    assert r.status_code == 422 and "'passage'" in r.text and "query, document" in r.text, r.text
+    assert r.json()["error_type"] == "Validation"
     r = httpx.post(server.url + "/embed", json={"inputs": [[5, 6, 7]], "prompt_name": "query"}, timeout=60)
-    assert r.status_code == 400 and "token ids" in r.text
+    assert r.status_code == 422 and "token ids" in r.text
     # TEI's /tokenize with the prompt: the tokens /embed computes for it
     plain, prompted = (httpx.post(server.url + "/tokenize", json={"inputs": texts[0], **kw}, timeout=60).json()[0]
                        for kw in ({}, {"prompt_name": "query"}))

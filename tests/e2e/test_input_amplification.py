@@ -1,8 +1,9 @@
 """Small requests that must not make the server do (or hold) far more than the input limits allow,
 against a real `surge serve --model-repository` with real HTTP and gRPC clients:
 
-- a rerank query is a text like any other: longer than --max-input-chars it is a 413 on TEI's
-  /rerank and Cohere's /v1/rerank, as on KServe (the query is paired with every document, so an
+- a rerank query is a text like any other: longer than --max-input-chars it is refused, a 413 on
+  Cohere's /v1/rerank as on KServe, and on TEI's /rerank and HF Inference's POST /models/{name} TEI's
+  own answer to an input too long, a 422 Validation error (TEI v1.9) (the query is paired with every document, so an
   unchecked 2 MB query against 2048 one-letter documents made 4 GB of cache keys and tokenizer work);
 - KServe `input_ids` rows count against --max-inputs before any per-row work: a ~150-byte request
   with shape [10**9, 0] (no data needed, zero elements) built a billion Python lists and the kernel
@@ -54,12 +55,16 @@ def _body(docs_field: str, query: str) -> dict:
 @pytest.mark.parametrize("path,docs_field,field", [
     ("/rerank", "texts", "query"), ("/rerank", "documents", "query"), ("/v1/rerank", "documents", "query"),
     ("/v2/rerank", "documents", "query"), ("/models/ce", "sentences", "source_sentence")])
-def test_a_rerank_query_longer_than_the_limit_is_413(client, path, docs_field, field):
+def test_a_rerank_query_longer_than_the_limit_is_refused(client, path, docs_field, field):
     query = "where are the lights " * 20  # 420 characters, over MAX_CHARS
     r = client.post(path, json=_body(docs_field, query))
-    assert r.status_code == 413, r.text
+    tei = path in ("/rerank", "/models/ce")
+    assert r.status_code == (422 if tei else 413), r.text
     err = r.json()["error"]
     if path.startswith("/v2"):  # KServe's error shape on every /v2 path: the message only
+        err = {"param": field, "message": err}
+    if tei:  # TEI's shape: {"error": message, "error_type": "Validation"}
+        assert r.json()["error_type"] == "Validation"
         err = {"param": field, "message": err}
     assert err["param"] == field and f"'{field}'" in err["message"] and str(MAX_CHARS) in err["message"], err
     ok = client.post(path, json=_body(docs_field, query[:MAX_CHARS]))

@@ -76,7 +76,8 @@ def test_a_client_that_stops_at_the_finish_reason_is_counted_and_cached(model_di
     assert len(ids) == 12 and first[-1].finish_reason == "length" and first[-1].completion_tokens == 12
     assert "".join(d.text for d in first) == service.decode(ids) == whole.text and whole.token_ids == ids
     assert all(d.cached for d in second) and [d.text for d in second] == [d.text for d in first]
-    assert _value(reg, "surge_generate_requests_total", finish_reason="length") == 2
+    # three requests, the second answered from the cache under its cached reason; the engine generated 24 tokens
+    assert _value(reg, "surge_generate_requests_total", finish_reason="length") == 3
     assert _value(reg, "surge_generate_requests_total", finish_reason="abort") == 0
     assert _value(reg, "surge_generate_output_tokens_total") == 24
     assert _value(reg, "surge_generate_inter_token_latency_seconds_count") == 22

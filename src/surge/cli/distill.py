@@ -108,7 +108,7 @@ def distill(
         staging.rename(target)
     except SurgeError as exc:
         shutil.rmtree(staging, ignore_errors=True)
-        console.print(f"[bold red]error[/]: {exc.message}")
+        console.print(f"[bold red]error[/]: {exc.message}", soft_wrap=True)  # a path stays whole, to copy
         raise typer.Exit(code=1)
     except BaseException:  # a crash (or Ctrl-C) leaves no half-made student beside the output
         shutil.rmtree(staging, ignore_errors=True)

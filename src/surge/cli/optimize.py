@@ -88,7 +88,7 @@ def optimize(
         console.print(f"[bold red]not written[/]: {exc.message} (use --force to write it anyway)")
         raise typer.Exit(code=2)
     except SurgeError as exc:
-        console.print(f"[bold red]error[/]: {exc.message}")
+        console.print(f"[bold red]error[/]: {exc.message}", soft_wrap=True)  # a path stays whole, to copy
         raise typer.Exit(code=1)
     _report(console, result.manifest, result.reports, explain)
     note = " [yellow](forced past a failed gate)[/]" if result.manifest.get("forced") else ""

@@ -35,7 +35,8 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from surge import __version__
-from surge.errors import EmptyInput, InvalidInput
+from surge.errors import EmptyInput, InvalidInput, SurgeError
+from surge.server.errors import render
 from surge.runtime.entities import check_strategy
 from surge.runtime.tasks import TaskRequest
 from surge.server.http import rerank as rerank_api
@@ -230,7 +231,10 @@ def router(state: AppState) -> APIRouter:
     async def tokenize(request: Request):
         body = await json_body(request, limits.max_body_bytes)
         if vllm_tokenize.is_vllm_body(body):  # vLLM's /tokenize shares the path
-            return vllm_tokenize.tokenize(state, body)
+            try:
+                return vllm_tokenize.tokenize(state, body)
+            except SurgeError as exc:  # vLLM's body gets vLLM's (OpenAI's) error, not TEI's
+                return render(request.url.path, exc, tei=False)
         req = validate(TokenizeRequest, body)
         served = registry.get(req.model)
         texts = check_texts([req.inputs] if isinstance(req.inputs, str) else req.inputs, "inputs", limits)
