@@ -217,8 +217,8 @@ def families(reg: CollectorRegistry) -> _Families:
         return fam
 
 
-class _NoCount:
-    """Stands in for a counter or histogram child while ServiceMetrics.quiet()."""
+class NoCount:
+    """Stands in for a counter or histogram child while ServiceMetrics.quiet() (or GenerateMetrics.quiet())."""
 
     def inc(self, amount: float = 1) -> None:
         pass
@@ -292,8 +292,8 @@ class ServiceMetrics:
         the series are shared with any other copy under the same labels, this switch is not. Engine,
         batch and cache metrics still count: that work was done."""
         kept = self.requests, self.inputs, self.latency
-        self.requests = self.inputs = _NoCount()
-        self.latency = _NoCount()
+        self.requests = self.inputs = NoCount()
+        self.latency = NoCount()
         self._quiet = True
         try:
             yield
