@@ -102,3 +102,31 @@ def test_an_openai_input_longer_than_the_model_is_a_failure_not_a_success(server
         assert delta(before, after, "surge_request_failures_total", code="invalid_input") == 1
         assert kserve_after["fail"]["count"] - kserve_before["fail"]["count"] == 1
         assert kserve_after["success"]["count"] == kserve_before["success"]["count"]
+
+
+
+def gauges(url: str) -> dict[str, float]:
+    """surge_cache_bytes / surge_cache_entries of MODEL, by tier."""
+    got = scrape(url)
+    return {f"{n}:{t}": got.get((n, (("tier", t),)), 0.0) for n in ("surge_cache_bytes", "surge_cache_entries")
+            for t in ("recent", "pinned")}
+
+
+def test_a_reload_sets_the_cache_gauges_to_the_new_caches_state():
+    """A same-version reload serves from a new, empty cache: surge_cache_bytes / surge_cache_entries say so
+    at once, for every tier, not the old cache's values until the new one's first write to that tier."""
+    with ServerProcess("--max-queue-delay-ms", "1", "--threads", "1", "--cache-pinned", "4") as srv:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            for _ in range(3):  # seen twice, then again: the learned hot set pins it
+                assert c.post("/v1/embeddings", json={"input": ["a popular query"], "model": MODEL}).status_code == 200
+            assert c.post("/v1/embeddings", json={"input": [f"once {i}" for i in range(4)],
+                                                  "model": MODEL}).status_code == 200
+            filled = gauges(srv.url)
+            assert filled["surge_cache_entries:pinned"] == 1 and filled["surge_cache_bytes:pinned"] > 0
+            assert filled["surge_cache_entries:recent"] >= 4
+            assert c.post(f"/models/{MODEL}/reload").status_code == 200
+            after = gauges(srv.url)
+    # the new build's warm-up embeds one text through the whole path: at most that entry, in the recent tier
+    assert after["surge_cache_entries:pinned"] == 0 and after["surge_cache_bytes:pinned"] == 0
+    assert after["surge_cache_entries:recent"] <= 1
+    assert after["surge_cache_bytes:recent"] < filled["surge_cache_bytes:recent"] / 2

@@ -12,6 +12,7 @@ triton_python_backend_utils, kept small).
             for r in requests:
                 x = r.input("x")              # numpy array, [N, ...] when the model batches
                 opts = json.loads(r.parameters())   # the request's KServe `parameters`, as in Triton
+                names = r.requested_output_names()  # the outputs asked for (all without a choice)
                 if not np.isfinite(x).all():
                     out.append(ModelError("x must be finite"))       # fails this request only (400)
                     continue
@@ -58,6 +59,12 @@ class InferenceRequest:
 
     # Triton-style spelling
     get_input_tensor_by_name = input
+
+    def requested_output_names(self) -> list[str]:
+        """The outputs the client asked for (KServe `outputs`, tritonclient's InferRequestedOutput), in its
+        order; every output of the model's config when it named none, as Triton's core fills them in before
+        the python backend sees the request. A model may compute only these: the response needs no other."""
+        return list(self.requested_outputs)
 
     def parameters(self) -> str:
         """The request's KServe v2 `parameters` object as a JSON string, as Triton's python backend gives it

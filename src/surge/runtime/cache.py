@@ -326,8 +326,17 @@ class ResultCache:
     def nbytes(self) -> int:
         return self.recent_bytes + self.pinned_bytes
 
-    def _gauges(self, tier: str) -> None:
+    def publish(self) -> None:
+        """This cache's build is routed now: its state is what the gauges show, at once (empty after a
+        reload) and from now on (ServiceMetrics.claim_cache)."""
         if self.metrics is None:
+            return
+        self.metrics.claim_cache(self)
+        self._gauges("recent")
+        self._gauges("pinned")
+
+    def _gauges(self, tier: str) -> None:
+        if self.metrics is None or not self.metrics.owns_cache(self):
             return
         _, g_bytes, g_entries = self.metrics.tier(tier)
         if tier == "recent":

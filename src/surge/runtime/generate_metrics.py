@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from bisect import bisect_left
@@ -9,7 +10,7 @@ from collections import Counter as _Tally
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from surge.runtime.metrics import RequestCounts, default_registry
+from surge.runtime.metrics import NoCount, RequestCounts, default_registry
 
 _TTFT = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 _ITL = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
@@ -87,11 +88,31 @@ class GenerateMetrics:
         self.outcome = RequestCounts(model, version, registry)
         self._seen = (0, 0, 0, 0, 0)
         self._gauges: tuple | None = None
+        self._quiet = False
+
+    @contextlib.contextmanager
+    def quiet(self):
+        """No generation request, prompt or output token, TTFT or inter-token gap counted inside (a load's
+        warm-up generation: no client sent it, and its cold first-run latency is no client's), as
+        ServiceMetrics.quiet() does for the other kinds. Only for a copy no traffic reaches yet: the series
+        are shared with any other copy under the same labels (a same-version reload), this switch is not.
+        The engine-wide gauges and the prefix cache's and preemption counters still count: that work was
+        done, and the engine state reports it."""
+        kept = self.ttft, self.itl, self.output, self.prompt, self.cache_hits
+        self.ttft = self.itl = self.output = self.prompt = self.cache_hits = NoCount()
+        self._quiet = True
+        try:
+            yield
+        finally:
+            self.ttft, self.itl, self.output, self.prompt, self.cache_hits = kept
+            self._quiet = False
 
     def observe_itl(self, values: list[float]) -> None:
         """Many inter-token gaps at once: one increment per bucket touched and one of the sum
         (the same counts as observe() per value), through the histogram child's value cells where
         this prometheus_client has them, else observe() per value."""
+        if self._quiet:
+            return
         h = self.itl
         bounds, cells, total = (getattr(h, "_upper_bounds", None), getattr(h, "_buckets", None),
                                 getattr(h, "_sum", None))
@@ -109,9 +130,13 @@ class GenerateMetrics:
             cells[i].inc(c)
 
     def finished(self, reason: str) -> None:
+        if self._quiet:
+            return
         self._requests.labels(**self._lab, finish_reason=reason).inc()
 
     def lora_request(self, adapter: str) -> None:
+        if self._quiet:
+            return
         self._lora.labels(**self._lab, adapter=adapter).inc()
 
     def engine_state(self, state) -> None:

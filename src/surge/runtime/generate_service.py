@@ -177,10 +177,12 @@ class GenerateService(LoraHost, PromptText):
                 "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [1]}]}
 
     async def warmup_request(self) -> None:
-        """One short generation through the whole path (the repository calls it before traffic)."""
+        """One short generation through the whole path (the repository calls it before traffic), not
+        counted on /metrics: no client sent it (as ServedModel.warmup for the other kinds)."""
         prompt = self.encode("surge warm-up") or [0]
-        await self.generate(prompt[: max(1, self.max_model_len // 2)],
-                            SamplingParams(max_tokens=2, temperature=0.7, ignore_eos=True))
+        with self.metrics.quiet():
+            await self.generate(prompt[: max(1, self.max_model_len // 2)],
+                                SamplingParams(max_tokens=2, temperature=0.7, ignore_eos=True))
 
     async def embed(self, *args, **kwargs):
         raise InvalidInput(f"model '{self.name}' serves task 'generate', not 'embed'", param="model")

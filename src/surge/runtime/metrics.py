@@ -60,6 +60,10 @@ class _Families:
     devices: "_DeviceCollector"
     engines: "_EngineCollector"
     live: dict = field(default_factory=dict)  # (model, version) -> open ServiceMetrics
+    # (model, version) -> the cache that writes surge_cache_bytes / _entries under those labels: the
+    # routed build's. Two builds of one version (a reload) share the gauge children; without an owner the
+    # old cache's values stayed until the new one's first write to each tier.
+    cache_owners: dict = field(default_factory=dict)
 
 
 class _DeviceCollector:
@@ -217,8 +221,8 @@ def families(reg: CollectorRegistry) -> _Families:
         return fam
 
 
-class _NoCount:
-    """Stands in for a counter or histogram child while ServiceMetrics.quiet()."""
+class NoCount:
+    """Stands in for a counter or histogram child while ServiceMetrics.quiet() (or GenerateMetrics.quiet())."""
 
     def inc(self, amount: float = 1) -> None:
         pass
@@ -276,6 +280,7 @@ class ServiceMetrics:
                                                       (self.latency, self.tokenize, self.post))
         self._tiers: dict[str, tuple] = {}
         self._quiet = False
+        self._cache = None  # the cache this build claimed the gauges for (claim_cache)
         with _lock:
             f.live[lv] = f.live.get(lv, 0) + 1
         self._closed = False
@@ -292,14 +297,27 @@ class ServiceMetrics:
         the series are shared with any other copy under the same labels, this switch is not. Engine,
         batch and cache metrics still count: that work was done."""
         kept = self.requests, self.inputs, self.latency
-        self.requests = self.inputs = _NoCount()
-        self.latency = _NoCount()
+        self.requests = self.inputs = NoCount()
+        self.latency = NoCount()
         self._quiet = True
         try:
             yield
         finally:
             self.requests, self.inputs, self.latency = kept
             self._quiet = False
+
+    def claim_cache(self, cache) -> None:
+        """`cache` (this build's, now routed) alone writes the cache gauges under these labels from now
+        on; the caller then writes its state. A replaced build's cache, drained after the switch, writes
+        nothing more."""
+        with _lock:
+            self.fam.cache_owners[self.labels] = cache
+        self._cache = cache
+
+    def owns_cache(self, cache) -> bool:
+        """Whether `cache` may write the cache gauges: it owns them, or no routed build claimed them yet."""
+        owner = self.fam.cache_owners.get(self.labels)
+        return owner is None or owner is cache
 
     def dropped(self, reason: str, n: int = 1) -> None:
         self.fam.dropped.labels(*self.labels, reason).inc(n)
@@ -332,6 +350,8 @@ class ServiceMetrics:
         self._closed = True
         with _lock:
             left = self.fam.live[self.labels] = self.fam.live[self.labels] - 1
+            if self._cache is not None and self.fam.cache_owners.get(self.labels) is self._cache:
+                del self.fam.cache_owners[self.labels]  # nor does it keep the cache alive
             if not left:
                 self.fam.devices.pools.pop(self.labels, None)
                 self.fam.engines.engines.pop(self.labels, None)

@@ -177,15 +177,17 @@ class PythonWorker:
         return []
 
     def execute(self, requests: list, parameters: list[dict] | None = None,
-                callers: list[tuple[str, ...]] | None = None) -> list:
+                callers: list[tuple[str, ...]] | None = None, outputs: list | None = None) -> list:
         """One result per request: its outputs, or a SurgeError for it alone. `parameters`: each request's
-        KServe parameters (request.parameters() in model.py); `callers`: the python models waiting on each."""
+        KServe parameters (request.parameters() in model.py); `callers`: the python models waiting on each;
+        `outputs`: the output names each asked for (request.requested_output_names() in model.py)."""
         parameters = parameters or [{}] * len(requests)
+        outputs = outputs or [()] * len(requests)
         self._callers = [c for c in (callers or []) if c]
         if self.down:  # the restart thread is on it: answer at once, never wait for an initialize
             return [self.unavailable()] * len(requests)
         try:
-            self.conn.send(("exec", [(r, None, p) for r, p in zip(requests, parameters)]))
+            self.conn.send(("exec", [(r, list(o), p) for r, o, p in zip(requests, outputs, parameters)]))
             msg = self._wait(time.monotonic() + self.timeout_s)
         except _Hung:
             self.kill()
@@ -202,7 +204,8 @@ class PythonWorker:
             if len(requests) > 1 and "responses for" not in msg[1]:
                 # find the request(s) that make it raise
                 chains = callers or [()] * len(requests)
-                return [self.execute([r], [p], [c])[0] for r, p, c in zip(requests, parameters, chains)]
+                return [self.execute([r], [p], [c], [o])[0]
+                        for r, p, c, o in zip(requests, parameters, chains, outputs)]
             return [err] * len(requests)
         out = []
         for r in msg[1]:
@@ -295,7 +298,7 @@ class PythonBackend:
         self.registry = registry
 
     def run_requests(self, requests: list, parameters: list[dict] | None = None,
-                     callers: list[tuple[str, ...]] | None = None) -> list:
+                     callers: list[tuple[str, ...]] | None = None, outputs: list | None = None) -> list:
         with self._cond:
             while True:
                 up = [w for w in self._free if not w.down]
@@ -307,7 +310,7 @@ class PythonBackend:
                     return [self.workers[0].unavailable()] * len(requests)
                 self._cond.wait()  # the workers that are up are all busy: wait for one, as a full pool does
         try:
-            return worker.execute(requests, parameters, callers)
+            return worker.execute(requests, parameters, callers, outputs)
         finally:
             with self._cond:
                 self._free.append(worker)

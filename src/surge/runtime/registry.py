@@ -27,6 +27,9 @@ class ModelRegistry:
             log.warning("model '%s' is loaded: it is no longer an alias of '%s'", service.name,
                         self._aliases.pop(service.name))
         self._models.setdefault(service.name, {})[service.version] = service
+        routed = getattr(service, "on_routed", None)
+        if routed is not None:  # it takes this name and version's traffic: its metrics are the live ones
+            routed()
         for view in getattr(service, "views", None) or ():  # heads of a multi-head model, by their names
             self._models.setdefault(view.name, {})[view.version] = view
         if self.default is None:

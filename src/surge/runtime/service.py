@@ -137,6 +137,12 @@ class ModelService:
     def mark_ready(self) -> None:
         self.ready = True
 
+    def on_routed(self) -> None:
+        """The registry routes this build's name and version here now (ModelRegistry.add): its cache's
+        state is what the cache gauges show, not a replaced build's."""
+        if self.cache is not None:
+            self.cache.publish()
+
     def check_options(self, options: EmbedOptions) -> None:
         if options.dimensions is not None and not (1 <= options.dimensions <= self.dimensions):
             raise InvalidInput(

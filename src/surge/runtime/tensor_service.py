@@ -56,10 +56,12 @@ class TensorBackend(Protocol):
     """What runs a tensor model. Sync; called from one executor thread per instance."""
 
     def run_requests(self, requests: list[Outputs], parameters: list[dict] | None = None,
-                     callers: list[tuple[str, ...]] | None = None) -> list[Outputs | SurgeError]:
+                     callers: list[tuple[str, ...]] | None = None,
+                     outputs: list | None = None) -> list[Outputs | SurgeError]:
         """One result per request, in order: its outputs, or the error that fails it alone.
         `parameters`: each request's KServe parameters (a python model sees them; graphs do not).
-        `callers`: each request's chain of python models waiting on it (their in-process client calls)."""
+        `callers`: each request's chain of python models waiting on it (their in-process client calls).
+        `outputs`: the output names each request asked for (a python model sees them; a graph computes all)."""
         ...
 
     def close(self) -> None: ...
@@ -86,6 +88,7 @@ class _Item:
     rows: int
     parameters: dict = field(default_factory=dict)
     callers: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()  # the outputs asked for (all of the config's when the client named none)
 
     def __len__(self) -> int:  # the batcher's "tokens": rows against the row budget
         return self.rows
@@ -101,10 +104,12 @@ class _TensorCache:
         self.hits = self.misses = 0
 
     @staticmethod
-    def key(inputs: Outputs, parameters: dict | None = None) -> bytes:
+    def key(inputs: Outputs, parameters: dict | None = None, outputs: list[str] | None = None) -> bytes:
         h = hashlib.blake2b(digest_size=20)
         if parameters:  # a python model's answer may depend on them (request.parameters())
             h.update(b"parameters\0" + json.dumps(parameters, sort_keys=True, default=str).encode() + b"\0")
+        if outputs:  # and on the outputs asked for (request.requested_output_names())
+            h.update(b"outputs\0" + "\0".join(outputs).encode() + b"\0\0")
         for name in sorted(inputs):
             a = inputs[name]
             h.update(f"{name}\0{a.dtype.str}\0{a.shape}\0".encode())
@@ -266,9 +271,13 @@ class TensorModelService:
                                + (f": {self.last_error}" if self.last_error else ""))
             rows = self.validate(inputs, outputs)
             m.inputs.inc(rows)
-            # Only a python model sees request parameters: a graph's answer does not depend on them.
-            keyed = parameters if self.kind == "python" else None
-            key = self.cache.key(inputs, keyed) if self.cache is not None and not _warmup else None
+            wanted = list(outputs or (t.name for t in self.config.outputs))
+            # Only a python model sees request parameters and the outputs asked for: a graph's answer
+            # depends on neither (it computes every output; the response keeps those asked for).
+            python = self.kind == "python"
+            keyed = parameters if python else None
+            key = self.cache.key(inputs, keyed, wanted if python else None) \
+                if self.cache is not None and not _warmup else None
             got = self.cache.get(key) if key is not None else None
             cached = got is not None
             if key is not None:  # the same Prometheus families as the text cache (tier "recent")
@@ -280,7 +289,7 @@ class TensorModelService:
             if got is None:
                 if deadline is None:
                     deadline = start + self.limits.request_timeout_s
-                item = _Item(inputs, rows, dict(parameters or {}), tuple(callers))
+                item = _Item(inputs, rows, dict(parameters or {}), tuple(callers), tuple(wanted))
                 got = (await self.batcher.submit([item], deadline, priority, timings))[0]
                 if isinstance(got, BaseException):
                     raise got
@@ -289,7 +298,6 @@ class TensorModelService:
                     _, size, entries = m.tier("recent")
                     size.set(self.cache.bytes)
                     entries.set(len(self.cache.entries))
-            wanted = outputs or [t.name for t in self.config.outputs]
             result = TensorResult({n: got[n] for n in wanted if n in got}, self.name, self.version, rows, [cached],
                                   timings)
             m.latency.observe(time.monotonic() - start)
@@ -297,19 +305,22 @@ class TensorModelService:
 
     def _run_batch(self, items: list[_Item]) -> np.ndarray:
         results = self.backend.run_requests([it.inputs for it in items], [it.parameters for it in items],
-                                            [it.callers for it in items])
+                                            [it.callers for it in items], [it.outputs for it in items])
         out = np.empty(len(items), dtype=object)
         if len(results) != len(items):
             err = EngineError(f"model '{self.name}' returned {len(results)} results for {len(items)} requests")
             results = [err] * len(items)
         for i, r in enumerate(results):
-            out[i] = r if isinstance(r, BaseException) else self._check_outputs(r, items[i].rows)
+            out[i] = r if isinstance(r, BaseException) else self._check_outputs(r, items[i].rows, items[i].outputs)
         return out
 
-    def _check_outputs(self, got: Outputs, rows: int) -> Outputs | SurgeError:
-        """A backend's outputs against the declared ones (python models can return anything)."""
+    def _check_outputs(self, got: Outputs, rows: int, asked: tuple[str, ...] = ()) -> Outputs | SurgeError:
+        """A backend's outputs against the declared ones (python models can return anything). A python
+        model owes only the outputs its request asked for (it may compute no other, as in Triton)."""
         cfg = self.config
         for spec in cfg.outputs:
+            if self.kind == "python" and asked and spec.name not in asked:
+                continue
             a = got.get(spec.name)
             if a is None:
                 return EngineError(f"model '{self.name}' did not return output '{spec.name}'")
@@ -352,7 +363,8 @@ class StackedBackend:
         self.batched = batched
 
     def run_requests(self, requests: list[Outputs], parameters: list[dict] | None = None,
-                     callers: list[tuple[str, ...]] | None = None) -> list[Outputs | SurgeError]:
+                     callers: list[tuple[str, ...]] | None = None,
+                     outputs: list | None = None) -> list[Outputs | SurgeError]:
         results: list = [None] * len(requests)  # a graph takes no request parameters and calls no model
         groups: dict[tuple, list[int]] = {}
         for i, r in enumerate(requests):
