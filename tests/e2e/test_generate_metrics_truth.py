@@ -9,39 +9,21 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 
 from tests.decoder_models import build_model  # noqa: E402
+from tests import metrics_scrape  # noqa: E402
+from tests.metrics_scrape import delta, total  # noqa: E402
 from tests.server_process import ServerProcess  # noqa: E402
 
 MODEL = "chat-qwen"
 
 
 def scrape(url: str) -> dict[tuple, float]:
-    """{(sample name, labels without model/version): value} of MODEL's series."""
-    out: dict[tuple, float] = {}
-    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
-        for s in fam.samples:
-            if s.labels.get("model") != MODEL:
-                continue
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model", "version")))
-            out[(s.name, labels)] = out.get((s.name, labels), 0.0) + s.value
-    return out
-
-
-def delta(before: dict, after: dict, name: str, **labels) -> float:
-    key = (name, tuple(sorted(labels.items())))
-    return after.get(key, 0.0) - before.get(key, 0.0)
-
-
-def total(before: dict, after: dict, name: str) -> float:
-    """A family's change summed over all its label values."""
-    return sum(v for (n, _), v in after.items() if n == name) - sum(v for (n, _), v in before.items() if n == name)
+    return metrics_scrape.scrape(url, MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -222,23 +222,7 @@ def test_classification_of_tensor_models_batched_and_not(tensor_server):
 def test_a_task_request_caught_by_a_reload_is_answered_by_the_new_copy(server):
     """A KServe infer request looks the classifier up, then waits for its body; a reload in between retires
     that copy. The new copy answers (200, its scores), as an embedding request is answered: it was a 503."""
-    import socket
+    from tests.http_reload import infer_across_a_reload
 
-    import orjson
-
-    body = orjson.dumps({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": [TEXTS[0]]}]})
-    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
-        # chunked, so that the route looks the model up and then waits for the rest of the body
-        sock.sendall((f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\n"
-                      "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n").encode())
-        sock.sendall(b"%x\r\n%s\r\n" % (10, body[:10]))
-        assert httpx.post(server.url + f"/models/{MODEL}/reload", timeout=120).status_code == 200
-        rest = body[10:]
-        sock.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(rest), rest))
-        reply = b""
-        while b"\r\n\r\n" not in reply or not reply.endswith(b"}"):
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            reply += chunk
+    reply = infer_across_a_reload(server, MODEL, TEXTS[0])
     assert reply.startswith(b"HTTP/1.1 200"), reply[:400]

@@ -7,34 +7,20 @@ cache hits counted once, and a refused request one failure under its code.
 
 from __future__ import annotations
 
-import socket
 
 import httpx
-import orjson
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests import metrics_scrape
+from tests.http_reload import infer_across_a_reload
+from tests.metrics_scrape import delta
 from tests.server_process import ServerProcess
 
 MODEL = "all-MiniLM-L6-v2"
 
 
 def scrape(url: str) -> dict[tuple, float]:
-    """{(sample name, labels without model/version): value} of the bundled model's series."""
-    text = httpx.get(url + "/metrics", timeout=10).text
-    out: dict[tuple, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.labels.get("model", MODEL) != MODEL:
-                continue
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model", "version")))
-            out[(s.name, labels)] = out.get((s.name, labels), 0.0) + s.value
-    return out
-
-
-def delta(before: dict, after: dict, name: str, **labels) -> float:
-    key = (name, tuple(sorted(labels.items())))
-    return after.get(key, 0.0) - before.get(key, 0.0)
+    return metrics_scrape.scrape(url, MODEL, unlabelled=True)
 
 
 @pytest.fixture(scope="module")
@@ -63,19 +49,8 @@ def test_a_cached_openai_input_at_the_models_length_is_counted_once(server):
 def test_a_request_retried_on_the_reloaded_copy_is_counted_once_and_not_failed(server):
     """A KServe infer request looks the model up, then waits for its body; a reload in between retires that
     copy, and the new copy answers it (200). One request for its client: one request on /metrics, no failure."""
-    body = orjson.dumps({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["late"]}]})
     before = scrape(server.url)
-    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
-        # Chunked, so the route looks the model up and then waits for the body.
-        sock.sendall((f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\n"
-                      "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n").encode())
-        sock.sendall(b"%x\r\n%s\r\n" % (10, body[:10]))
-        assert httpx.post(server.url + f"/models/{MODEL}/reload", timeout=120).status_code == 200
-        rest = body[10:]
-        sock.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(rest), rest))
-        reply = b""
-        while b"\r\n\r\n" not in reply:
-            reply += sock.recv(65536)
+    reply = infer_across_a_reload(server, MODEL, "late")
     assert reply.startswith(b"HTTP/1.1 200"), reply[:300]
     after = scrape(server.url)
     assert delta(before, after, "surge_requests_total") == 1
