@@ -10,12 +10,21 @@ of the logits computed from that head.
 
 What the gate measures follows the model's task (models/tasks.py):
   classify        argmax agreement of the labels (FP16/BF16: at most 0.2% change); a multi-label head:
-                  agreement of each input's whole label set (every sigmoid past 0.5), as it is served
+                  agreement of each input's whole label set (every sigmoid past 0.5), as it is served;
+                  and Cohen's kappa of the labels (multi-label: of every (input, label) decision), so
+                  that a candidate answering the commonest label everywhere (kappa 0) is refused even
+                  where that label alone meets the agreement floor
   rerank          sentences become (query, document) pairs, 8 queries x 20 documents per set;
                   top-1 agreement of each query's best document (ties within 1e-3 of the
                   score range agree) and NDCG@10 of the candidate's ranking, graded by the
                   FP32 ranking (gain 10 - rank for its top 10)
-  token-classify  per-token label agreement over every real token
+  token-classify  per-token label agreement over every real token, and its Cohen's kappa
+                  (a tagger that says "O" everywhere meets 0.97 agreement where 97% of tokens are "O")
+
+Besides the two sets (cut at 128 tokens, the shipped sentences are short) the gate measures a long-input
+set, joined held-out sentences from 129 tokens up to the model's max length (optimize/long_inputs.py),
+on its per-input metrics (cosine, labels, kappa; no retrieval top-1 over its few texts): serving goes up
+to the max length. Rerankers keep their two sets (8 x 20 pairs per set).
 """
 
 from __future__ import annotations
