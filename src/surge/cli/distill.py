@@ -147,7 +147,10 @@ def _gate(spec, student_dir: Path, min_cosine: float, min_top1: float, max_sente
         evaluator.head = None  # the student's head was trained too: the teacher's head would not read its states
         # A classifier's or reranker's graph returns logits, where the gate skips the embedding floors
         # (validate.check): without its task's floors such a student would pass whatever it predicts.
-        budget = Budget(mean_cosine=min_cosine, top1=min_top1, argmax=min_top1, rank_top1=min_top1, ndcg10=min_cosine)
+        # kappa: what the label floor means with two balanced labels (kappa = 2 p - 1), so that a student
+        # answering the commonest label everywhere (kappa 0) is refused however common that label is.
+        budget = Budget(mean_cosine=min_cosine, top1=min_top1, argmax=min_top1, rank_top1=min_top1, ndcg10=min_cosine,
+                        kappa=max(0.0, 2 * min_top1 - 1))
         gate = evaluator.gate(student_onnx.read_bytes(), budget)
         lat: dict = {"measured": False, "why": "--no-latency"}
         if latency:
@@ -163,7 +166,7 @@ def _render(console, report: dict) -> None:
     acc = Table(title="student vs teacher (FP32, ONNX Runtime)")
     sets = report["gate"]["sets"]
     # a task model's sets have no retrieval top-1 (None) but its task's metric
-    task_cols = [k for k in ("argmax", "rank_top1", "ndcg10") if any(m.get(k) is not None for m in sets.values())]
+    task_cols = [k for k in ("argmax", "kappa", "rank_top1", "ndcg10") if any(m.get(k) is not None for m in sets.values())]
     for col in ("set", "n", "mean cos", "worst 1% cos", "min cos", "top-1 strict [95% CI]", "top-1 (ties) [95% CI]",
                 *task_cols):
         acc.add_column(col, justify="right")

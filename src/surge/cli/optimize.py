@@ -29,6 +29,7 @@ def optimize(
     min_cosine: Optional[float] = typer.Option(None, "--min-cosine", help="Override the budget's mean-cosine floor."),
     min_top1: Optional[float] = typer.Option(None, "--min-top1", help="Override the budget's retrieval top-1 floor, near-ties (within 0.01) counted as agreeing."),
     min_top1_strict: Optional[float] = typer.Option(None, "--min-top1-strict", help="Override the budget's strict retrieval top-1 floor (int8: 0.98)."),
+    min_kappa: Optional[float] = typer.Option(None, "--min-kappa", help="Override the budget's floor on Cohen's kappa of the labels (classify / token-classify; int8: 0.9)."),
     max_sentences: int = typer.Option(0, "--max-sentences", help="Use only the first N calibration and N held-out sentences (0: all 904 + 2,715 shipped queries)."),
     int8_outliers: int = typer.Option(4, "--int8-outliers", min=0, help="Per-row INT8: try computing each MatMul's N largest input channels in FP32 beside the int8 product (kept if better on calibration; 0: never)."),
     int8_method: str = typer.Option("per-row", "--int8-method", help="INT8 activations: per-row (one scale per token, batch invariant) or dynamic (ORT per tensor, batch dependent)."),
@@ -50,7 +51,8 @@ def optimize(
 
     console = Console(stderr=True)
     # Over the budget the run would use anyway (pruning's LOSSY one included), not always the precision's.
-    overrides = {k: v for k, v in (("mean_cosine", min_cosine), ("top1", min_top1), ("top1_strict", min_top1_strict))
+    overrides = {k: v for k, v in (("mean_cosine", min_cosine), ("top1", min_top1), ("top1_strict", min_top1_strict),
+                                     ("kappa", min_kappa))
                  if v is not None}
     alpha: float | str | None = {"auto": "auto", "off": None}.get(smooth_alpha.lower(), smooth_alpha)
     if isinstance(alpha, str) and alpha != "auto":

@@ -115,7 +115,8 @@ class OptimizeOptions:
 
 
 # The CLI flag that sets each Budget field, for error messages.
-BUDGET_FLAGS = {"mean_cosine": "--min-cosine", "top1": "--min-top1", "top1_strict": "--min-top1-strict"}
+BUDGET_FLAGS = {"mean_cosine": "--min-cosine", "top1": "--min-top1", "top1_strict": "--min-top1-strict",
+                "kappa": "--min-kappa"}
 
 
 def check_output(out_dir: Path) -> None:

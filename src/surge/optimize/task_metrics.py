@@ -1,5 +1,6 @@
 """The gate's metrics for task models (classify, rerank, token-classify) that need no session: label
-margins, a reranker's (query, document) pairs and its ranking agreement. validate.py applies them."""
+margins, chance-corrected label agreement (Cohen's kappa), a reranker's (query, document) pairs and its
+ranking agreement. validate.py applies them."""
 
 from __future__ import annotations
 
@@ -21,6 +22,24 @@ def label_margin(ref: np.ndarray, cand: np.ndarray) -> np.ndarray:
     other[np.arange(len(cand)), label] = -np.inf
     with np.errstate(invalid="ignore"):
         return np.nan_to_num(own - other.max(1), nan=-np.inf)
+
+
+def cohen_kappa(ref: np.ndarray, cand: np.ndarray) -> float:
+    """Cohen's kappa of two label sequences: agreement beyond what two labellers with these label
+    frequencies would reach by chance. Why the gate needs it beside plain agreement: a candidate that
+    always answers the commonest label agrees on every input that has it (a tagger that says "O"
+    everywhere agrees on 97% of tokens when 97% are "O"), and its kappa is 0. Both sequences constant
+    and equal: 1.0 (nothing told apart, nothing lost)."""
+    ref, cand = np.asarray(ref).ravel(), np.asarray(cand).ravel()
+    if ref.size == 0:
+        return 1.0
+    labels, codes = np.unique(np.concatenate([ref, cand]), return_inverse=True)
+    r, c = codes[:ref.size], codes[ref.size:]
+    observed = float((r == c).mean())
+    chance = float((np.bincount(r, minlength=len(labels)) / r.size) @ (np.bincount(c, minlength=len(labels)) / c.size))
+    if chance >= 1.0:
+        return 1.0
+    return (observed - chance) / (1.0 - chance)
 
 
 def rerank_pairs(texts: list[str]) -> list[tuple[str, str]]:

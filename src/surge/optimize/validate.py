@@ -10,12 +10,21 @@ of the logits computed from that head.
 
 What the gate measures follows the model's task (models/tasks.py):
   classify        argmax agreement of the labels (FP16/BF16: at most 0.2% change); a multi-label head:
-                  agreement of each input's whole label set (every sigmoid past 0.5), as it is served
+                  agreement of each input's whole label set (every sigmoid past 0.5), as it is served;
+                  and Cohen's kappa of the labels (multi-label: of every (input, label) decision), so
+                  that a candidate answering the commonest label everywhere (kappa 0) is refused even
+                  where that label alone meets the agreement floor
   rerank          sentences become (query, document) pairs, 8 queries x 20 documents per set;
                   top-1 agreement of each query's best document (ties within 1e-3 of the
                   score range agree) and NDCG@10 of the candidate's ranking, graded by the
                   FP32 ranking (gain 10 - rank for its top 10)
-  token-classify  per-token label agreement over every real token
+  token-classify  per-token label agreement over every real token, and its Cohen's kappa
+                  (a tagger that says "O" everywhere meets 0.97 agreement where 97% of tokens are "O")
+
+Besides the two sets (cut at 128 tokens, the shipped sentences are short) the gate measures a long-input
+set, joined held-out sentences from 129 tokens up to the model's max length (optimize/long_inputs.py),
+on its per-input metrics (cosine, labels, kappa; no retrieval top-1 over its few texts): serving goes up
+to the max length. Rerankers keep their two sets (8 x 20 pairs per set).
 """
 
 from __future__ import annotations
@@ -29,8 +38,9 @@ import onnxruntime as ort
 
 from surge.engines.pooling import l2_normalize, pool
 from surge.models.hf import ModelSpec
+from surge.optimize.long_inputs import long_texts
 from surge.optimize.task_metrics import (  # noqa: F401  (re-exported: the gate's task metrics)
-    RERANK_DOCS, RERANK_QUERIES, check_set_sizes, label_margin, ranking_agreement, rerank_pairs)
+    RERANK_DOCS, RERANK_QUERIES, check_set_sizes, cohen_kappa, label_margin, ranking_agreement, rerank_pairs)
 from surge.types import TokenBatch
 
 
@@ -46,26 +56,33 @@ class Budget:
     rank_top1: float = 0.0  # rerank models only
     ndcg10: float = 0.0  # rerank models only
     tokens: float = 0.0  # token-classify models only: per-token label agreement
+    kappa: float = 0.0  # classify / token-classify: Cohen's kappa of the labels (task_metrics.cohen_kappa)
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
+# kappa: label / token agreement corrected for chance (task_metrics.cohen_kappa). Agreement alone
+# passes a candidate that always answers the commonest label wherever that label covers more of the
+# inputs than the floor; its kappa is 0. A candidate with kappa k changes at most (1 - k) of the labels
+# that chance would not already match, whatever the label frequencies.
 BUDGETS = {
-    "fp32": Budget(mean_cosine=0.9999, top1=0.998, argmax=0.998, rank_top1=0.99, ndcg10=0.999, tokens=0.998),
+    "fp32": Budget(mean_cosine=0.9999, top1=0.998, argmax=0.998, rank_top1=0.99, ndcg10=0.999, tokens=0.998,
+                   kappa=0.99),
     # FP16/BF16: the issue's gate is argmax / top-1 agreement; the cosine floor
     # catches a model that overflowed to NaN or inf on some inputs.
-    "fp16": Budget(mean_cosine=0.999, top1=0.998, argmax=0.998, rank_top1=0.97, ndcg10=0.99, tokens=0.995),
-    "bf16": Budget(mean_cosine=0.99, top1=0.998, argmax=0.998, rank_top1=0.95, ndcg10=0.98, tokens=0.99),
+    "fp16": Budget(mean_cosine=0.999, top1=0.998, argmax=0.998, rank_top1=0.97, ndcg10=0.99, tokens=0.995,
+                   kappa=0.98),
+    "bf16": Budget(mean_cosine=0.99, top1=0.998, argmax=0.998, rank_top1=0.95, ndcg10=0.98, tokens=0.99, kappa=0.95),
     # INT8: every held-out sentence within cosine 0.99 of FP32 (not just the
     # mean: a mean of 0.997 hid sentences at 0.95-0.97), and retrieval top-1 >= 98%.
     # Strict top-1 as well: a near-tie that INT8 breaks the other way is a different answer served.
     "int8": Budget(mean_cosine=0.99, min_cosine=0.99, top1=0.98, top1_strict=0.98, argmax=0.98, rank_top1=0.9,
-                   ndcg10=0.95, tokens=0.97),
+                   ndcg10=0.95, tokens=0.97, kappa=0.9),
 }
 # Pruning and distillation remove computation rather than round it: a mean
 # budget (a student is a different model; its worst sentence is reported).
-LOSSY = Budget(mean_cosine=0.99, top1=0.98, argmax=0.98)
+LOSSY = Budget(mean_cosine=0.99, top1=0.98, argmax=0.98, kappa=0.9)
 
 
 @dataclass
@@ -80,10 +97,14 @@ class SetMetrics:
     rank_top1: float | None = None
     ndcg10: float | None = None
     tokens: float | None = None
+    kappa: float | None = None  # chance-corrected label / token agreement (classify, token-classify)
     tail_cosine: float | None = None  # mean cosine of the worst 1% of sentences (the search's objective)
     top1_tie_ci95: tuple[float, float] | None = None  # Wilson score interval of top1_tie over n queries (95%)
     top1_ci95: tuple[float, float] | None = None  # Wilson score interval of the strict top1 (95%)
     worst: list[dict] | None = None  # the lowest-cosine sentences (index into the set, cosine)
+    # The long-input set (optimize/long_inputs.py): gated on its per-input metrics only; a retrieval
+    # top-1 over its few texts would be one query away from any floor.
+    long_inputs: bool = False
     order_worst: list[int] = field(default_factory=list, repr=False)  # every index, worst first (not serialized)
 
     def to_json(self) -> dict:
@@ -360,14 +381,16 @@ def compare(ref: Outputs, cand: Outputs, head=None) -> SetMetrics:
         return out
     task = head.head.task
     if task == "classify":
-        out.argmax = float((head.logits(ref.cls).argmax(1) == head.logits(cand.cls).argmax(1)).mean())
+        r, c = head.logits(ref.cls).argmax(1), head.logits(cand.cls).argmax(1)
+        out.argmax, out.kappa = float((r == c).mean()), cohen_kappa(r, c)
     elif task == "rerank":
         r = head.logits(ref.cls)[:, 0].reshape(RERANK_QUERIES, -1)
         c = np.nan_to_num(head.logits(cand.cls)[:, 0].reshape(RERANK_QUERIES, -1), nan=-np.inf)
         out.rank_top1, out.ndcg10 = ranking_agreement(r, c)
     elif task == "token-classify":
-        agree = [(head.head.tokens(a).argmax(1) == head.head.tokens(b).argmax(1)) for a, b in zip(ref.hidden, cand.hidden)]
-        out.tokens = float(np.concatenate(agree).mean())
+        r = np.concatenate([head.head.tokens(a).argmax(1) for a in ref.hidden])
+        c = np.concatenate([head.head.tokens(b).argmax(1) for b in cand.hidden])
+        out.tokens, out.kappa = float((r == c).mean()), cohen_kappa(r, c)
     return out
 
 
@@ -381,8 +404,9 @@ def _compare_logits(ref: Outputs, cand: Outputs) -> SetMetrics:
     out = SetMetrics(len(cos), float(cos.mean()), float(cos.min()), max_abs, None, None, tail_cosine=tail_mean(cos),
                      worst=[{"index": int(i), "cosine": round(float(cos[i]), 6)} for i in np.argsort(cos)[:5]])
     if ref.task == "token-classify":
-        agree = [a.argmax(1) == b.argmax(1) for a, b in zip(ref.logits, cand.logits)]
-        out.tokens = float(np.concatenate(agree).mean())
+        r = np.concatenate([a.argmax(1) for a in ref.logits])
+        c = np.concatenate([b.argmax(1) for b in cand.logits])
+        out.tokens, out.kappa = float((r == c).mean()), cohen_kappa(r, c)
         # worst first = the sentences whose least safe token is least safe (flipped ones lead)
         margin = label_margin(np.concatenate(ref.logits), np.concatenate(cand.logits))
         per = np.full(int(ref.token_rows.max()) + 1, np.inf)
@@ -399,10 +423,12 @@ def _compare_logits(ref: Outputs, cand: Outputs) -> SetMetrics:
     elif ref.multi_label:  # the served answer is the set of labels past 0.5: all of it must agree
         on, margin = ref.logits > 0, np.nan_to_num(cand.logits, nan=0.0)
         out.argmax = float(((cand.logits > 0) == on).all(1).mean())  # NaN is "off": a NaN row disagrees where on
+        out.kappa = cohen_kappa(on, cand.logits > 0)  # over every (input, label) decision: "never on" scores 0
         # worst first: the input whose least safe label decision is least safe (negative: flipped)
         out.order_worst = [int(i) for i in np.argsort(np.where(on, margin, -margin).min(1), kind="stable")]
     else:
-        out.argmax = float((ref.logits.argmax(1) == cand.logits.argmax(1)).mean())
+        r, c = ref.logits.argmax(1), cand.logits.argmax(1)
+        out.argmax, out.kappa = float((r == c).mean()), cohen_kappa(r, c)
         out.order_worst = [int(i) for i in np.argsort(label_margin(ref.logits, cand.logits), kind="stable")]
     return out
 
@@ -414,12 +440,14 @@ def check(budget: Budget, sets: dict[str, SetMetrics]) -> GateResult:
             failures.append(f"{name}: non-finite logits")
         for metric, measured in (("mean_cosine", "mean_cosine"), ("min_cosine", "min_cosine"),
                                  ("top1", "top1_tie"), ("top1_strict", "top1"), ("argmax", "argmax"), ("rank_top1", "rank_top1"),
-                                 ("ndcg10", "ndcg10"), ("tokens", "tokens")):
+                                 ("ndcg10", "ndcg10"), ("tokens", "tokens"), ("kappa", "kappa")):
             value, floor = getattr(m, measured), getattr(budget, metric)
             if value is None or floor <= 0:
                 continue
             if m.top1 is None and metric in ("mean_cosine", "min_cosine", "top1_strict"):
                 continue  # a task graph's gate is what the task means (its logits are not embeddings)
+            if m.long_inputs and metric in ("top1", "top1_strict"):
+                continue
             if not value >= floor:  # also catches NaN
                 failures.append(f"{name}: {measured} {value:.4f} < {floor}")
     return GateResult(not failures, budget, sets, failures)
@@ -458,9 +486,16 @@ class Evaluator:
         # The search measures on the calibration set in the fast layout; the gate
         # measures the held-out set as traffic arrives (mixed lengths and batch sizes).
         self.data = {"calibration": Encoded(spec, calibration), "heldout": Encoded(spec, heldout, layout="serving")}
+        # ... and on inputs past their 128 tokens, up to the model's max length, as served (long_inputs.py).
+        # A reranker's pairs keep the short sets: its metrics need whole queries of 20 documents.
+        long = [] if spec.task == "rerank" else long_texts(spec, heldout)
+        if long:
+            self.data["long"] = Encoded(spec, long, batch_size=4, max_length=spec.max_length)
+        self.gate_sets = tuple(self.data)
         self.reference_model_bytes = reference_model if isinstance(reference_model, bytes) else Path(reference_model).read_bytes()
         ref = session(self.reference_model_bytes, threads)
         self.reference = {name: run_model(ref, spec, data) for name, data in self.data.items()}
+        # Only the gate measures the long set: the searches keep to calibration (the cost of a search step).
 
     def add_subset(self, name: str, indices: list[int], of: str = "calibration") -> int:
         """A named subset of a set (e.g. its hardest sentences), reference computed; returns its size."""
@@ -469,10 +504,14 @@ class Evaluator:
         self.reference[name] = run_model(session(self.reference_model_bytes, self.threads), self.spec, self.data[name])
         return len(texts)
 
-    def metrics(self, model: str | Path | bytes, sets=("calibration", "heldout")) -> dict[str, SetMetrics]:
+    def metrics(self, model: str | Path | bytes, sets=None) -> dict[str, SetMetrics]:
+        """Per set (default: the gate's, `gate_sets`), the candidate against the reference."""
         sess = session(model, self.threads)
-        return {name: compare(self.reference[name], run_model(sess, self.spec, self.data[name]), self.head)
-                for name in sets}
+        out = {}
+        for name in self.gate_sets if sets is None else sets:
+            out[name] = compare(self.reference[name], run_model(sess, self.spec, self.data[name]), self.head)
+            out[name].long_inputs = name == "long"
+        return out
 
-    def gate(self, model: str | Path | bytes, budget: Budget, sets=("calibration", "heldout")) -> GateResult:
+    def gate(self, model: str | Path | bytes, budget: Budget, sets=None) -> GateResult:
         return check(budget, self.metrics(model, sets))
