@@ -26,9 +26,9 @@ import pytest
 torch = pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 
-from tests.decoder_models import build_model  # noqa: E402
-from tests.e2e.repo_helpers import add_version  # noqa: E402
-from tests.server_process import ServerProcess, children_by_role, fresh_client  # noqa: E402
+from tests.decoder_models import build_model
+from tests.e2e.repo_helpers import add_version
+from tests.server_process import ServerProcess, children_by_role, fresh_client
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -456,7 +456,7 @@ class HubClient(LoopConnection):
                 hello = _loads(hs.recv_bytes())
                 sock.settimeout(None)  # read on the event loop from now on, blocking as Client()'s is
                 return Connection(sock.detach()), hello
-            except socket.timeout:
+            except TimeoutError:  # socket.timeout
                 sock.close()
                 raise ConfigError(f"the engine process at {self.address} did not answer within "
                                   f"{timeout_s:.0f} s") from None
