@@ -634,7 +634,7 @@ def test_the_shared_engine_loop_streams_as_the_service_does(trained_dir, tmp_pat
     config = SimpleNamespace(limits=SimpleNamespace(request_timeout_s=120.0), cache=CacheConfig())
 
     async def shared():
-        fronts = [front_generator(config, build.catalog_entry()) for _ in range(2)]
+        fronts = [await front_generator(config, build.catalog_entry()) for _ in range(2)]
         for f in fronts:
             f.mark_ready()
         out = await streams(fronts)

@@ -372,7 +372,7 @@ async def _streaming_front(build, text: str, n: int):
     from surge.config import CacheConfig
 
     config = SimpleNamespace(limits=SimpleNamespace(request_timeout_s=60.0), cache=CacheConfig())
-    svc = front_generator(config, build.catalog_entry())
+    svc = await front_generator(config, build.catalog_entry())
     svc.mark_ready()
     prompt = svc.encode(text)
     run = asyncio.ensure_future(_tokens(svc, prompt, n))

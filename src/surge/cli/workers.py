@@ -232,6 +232,7 @@ def _front_repository(state, config: ServerConfig, sock: str, others: list[str])
     async def connect(state) -> None:
         await client.connect()
         await asyncio.wait_for(holder["models"].synced.wait(), 120)  # the CATALOG follows HELLO
+        await holder["models"].first_attempts()  # decoders connect off the loop: listed once they serve
         names = ", ".join(f"{s.name}:{s.version}" for s in state.registry.services())
         print(f"surge: front end {os.getpid()} ready, serving {names or 'nothing'} from {config.model_repository} "
               f"on http://{config.host}:{config.port}", file=sys.stderr, flush=True)

@@ -175,21 +175,62 @@ def _child_main(args_json: str) -> int:
     return 0
 
 
-def front_generator(config, entry: dict):
-    """One CATALOG generator entry as a front end's GenerateService over the build's hub (called on
-    the front end's event loop, which reads the hub's reports from now on)."""
+# a front end's wait for one connection to a build (its handshake included): the build may be busy
+# starting again, or stalled; SURGE_HUB_CONNECT_S shortens it (tests stall a build on purpose)
+def connect_timeout_s() -> float:
+    return float(os.environ.get("SURGE_HUB_CONNECT_S", "30"))
+
+
+async def front_generator(config, entry: dict):
+    """One CATALOG generator entry as a front end's GenerateService over the build's hub. The connect
+    runs on a thread: the event loop keeps serving every other model while the build answers (or
+    does not: the attempt fails after connect_timeout_s and FrontModels tries again)."""
     from surge.config import GenerationConfig
     from surge.runtime.generate_hub import HubClient
     from surge.runtime.generate_service import attach_shared_cache
     from surge.runtime.generate_load import service_over
 
-    client = HubClient(entry["hub"], timeout_s=30.0)
-    gen = GenerationConfig.model_validate(entry["generation"])
-    service = service_over(client, Path(entry["spec_dir"]), entry["name"], entry["version"], gen,
-                           config.limits.request_timeout_s)
-    attach_shared_cache(service, config.cache)
-    service.bind_loop(asyncio.get_running_loop())
+    client = await _on_thread(lambda: HubClient(entry["hub"], connect_timeout_s()))
+    try:
+        gen = GenerationConfig.model_validate(entry["generation"])
+        service = service_over(client, Path(entry["spec_dir"]), entry["name"], entry["version"], gen,
+                               config.limits.request_timeout_s)
+        attach_shared_cache(service, config.cache)
+    except BaseException:
+        client.close()  # the build would keep this front end's connection open otherwise
+        raise
+    service.bind_loop(asyncio.get_running_loop())  # read the hub's reports from now on
     return service
+
+
+async def _on_thread(connect):
+    """`connect()`'s HubClient, made on a daemon thread of its own: not asyncio.to_thread's pool, whose
+    threads the front end's exit waits for (an attempt on a stalled build lasts connect_timeout_s)."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def deliver(client, exc) -> None:
+        if fut.cancelled():  # nobody waits for it any more (unloaded, or the front end stops)
+            if client is not None:
+                client.stop()
+        elif exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(client)
+
+    def run() -> None:
+        try:
+            client, exc = connect(), None
+        except Exception as e:  # noqa: BLE001 - handed to the awaiting task
+            client, exc = None, e
+        try:
+            loop.call_soon_threadsafe(deliver, client, exc)
+        except RuntimeError:  # the loop is closed: the front end is exiting
+            if client is not None:
+                client.conn.close()
+
+    threading.Thread(target=run, daemon=True, name="surge-hub-connect").start()
+    return await fut
 
 
 async def retire(service) -> None:

@@ -34,6 +34,9 @@ from surge.errors import ConfigError, InvalidInput, NotFound, shown
 
 log = logging.getLogger("surge.workers")
 
+# waits between a front end's attempts to connect to a decoder build (the last one repeats)
+CONNECT_RETRY_S = (0.5, 1.0, 2.0, 5.0)
+
 WORKERS_ONLY_EMBED = ("is served with --workers 1 only: under --workers N front ends hand token batches to "
                       "the engine process, which serves embedding and decoder models")
 
@@ -191,10 +194,13 @@ class FrontModels:
 
     def __init__(self, state, client, build, build_generator=None):
         """`build(entry) -> ModelService`: a front-end service for one CATALOG entry;
-        `build_generator(entry) -> GenerateService` one for a decoder's (cli/workers_generate.py)."""
+        `await build_generator(entry) -> GenerateService` one for a decoder's (cli/workers_generate.py)."""
         self.state, self.client, self.build, self.build_generator = state, client, build, build_generator
         self.services: dict[int, object] = {}
         self.generators: dict[str, object] = {}  # by the build's socket
+        self._wanted_gens: dict[str, dict] = {}  # the last CATALOG's decoder builds, by socket
+        self._connecting: dict[str, asyncio.Task] = {}  # decoder builds not served here yet
+        self._tried: dict[str, asyncio.Future] = {}  # set once a build's first connect attempt ended
         self._retiring: set[asyncio.Task] = set()
         self.synced = asyncio.Event()  # set by the first CATALOG: the front end is ready after it
 
@@ -203,7 +209,10 @@ class FrontModels:
         want = {m["slot"]: m for m in catalog.get("models", [])}
         self._add(self.services, want, self.build)  # new builds first: routing moves as each is added
         gens = {g["hub"]: g for g in catalog.get("generators", [])} if self.build_generator else {}
-        self._add(self.generators, gens, self.build_generator)
+        self._wanted_gens = gens
+        for hub, entry in gens.items():
+            if hub not in self.generators and hub not in self._connecting:
+                self._connect_generator(hub, entry)
         for slot in [s for s in self.services if s not in want]:
             self._unroute(self.services.pop(slot))
         for hub in [h for h in self.generators if h not in gens]:
@@ -223,6 +232,55 @@ class FrontModels:
             except ConfigError as exc:
                 log.error("front end: %s", exc.message)
         self.synced.set()
+
+    def _connect_generator(self, hub: str, entry: dict) -> None:
+        """Connect to a decoder build off this event loop, in a task of its own: the front end keeps
+        serving everything else meanwhile. An attempt that fails (the build is starting again, stalled,
+        or slow to answer) is tried again after a capped backoff for as long as the CATALOG lists the
+        build, so the model comes to this front end once its build answers."""
+        tried = asyncio.get_running_loop().create_future()
+        self._tried[hub] = tried
+
+        async def run() -> None:
+            attempt = 0
+            while hub in self._wanted_gens:
+                try:
+                    svc = await self.build_generator(entry)
+                except Exception as exc:  # noqa: BLE001 - this build only; everything else keeps serving
+                    delay = CONNECT_RETRY_S[min(attempt, len(CONNECT_RETRY_S) - 1)]
+                    log.warning("front end: model %s version %s: connecting to its build failed (%s); "
+                                "trying again in %.1f s", entry.get("name"), entry.get("version"), exc, delay)
+                    attempt += 1
+                    if not tried.done():
+                        tried.set_result(False)
+                    await asyncio.sleep(delay)  # the backoff between attempts
+                    continue
+                if hub not in self._wanted_gens:  # unloaded while it connected
+                    from surge.cli.workers_generate import retire
+
+                    await retire(svc)
+                    return
+                svc.mark_ready()
+                self.generators[hub] = svc
+                self.state.registry.add(svc)
+                log.info("front end: model %s version %s serves here", svc.name, svc.version)
+                return
+
+        def done(_task) -> None:
+            self._connecting.pop(hub, None)
+            self._tried.pop(hub, None)
+            if not tried.done():
+                tried.set_result(True)
+
+        task = asyncio.ensure_future(run())
+        self._connecting[hub] = task
+        task.add_done_callback(done)
+
+    async def first_attempts(self) -> None:
+        """Until every decoder build of the CATALOG has had one connect attempt (served here, or
+        being tried again): the front end says it is ready with what it serves by then."""
+        if self._tried:
+            await asyncio.wait(list(self._tried.values()))
 
     def _add(self, held: dict, wanted: dict, build) -> None:
         """Build and route each entry of `wanted` that `held` has not."""

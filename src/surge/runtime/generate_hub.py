@@ -37,7 +37,7 @@ import socket
 import struct
 import threading
 import time
-from multiprocessing.connection import Client, answer_challenge, deliver_challenge
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
 from surge.runtime.generate_process import LoopConnection, _dumps, _loads
 
@@ -432,24 +432,36 @@ class HubClient(LoopConnection):
         self.timeout_s = timeout_s
         self._gone = threading.Event()
         self._stopped = False
-        self.conn = self._connect(timeout_s, cancelled or (lambda: False))
-        try:
-            kind, self.cfg, self.capabilities, self.pid = self.conn.recv()
-        except Exception:
-            self.conn.close()
-            raise
+        self.conn, hello = self._connect(timeout_s, cancelled or (lambda: False))
+        kind, self.cfg, self.capabilities, self.pid = hello
         if kind != "ready":
             self.conn.close()
             raise RuntimeError(f"the engine process answered {kind!r}")
 
     def _connect(self, timeout_s: float, cancelled):
+        """(connection, hello) within `timeout_s`, the handshake included: an engine process that
+        accepts but does not answer (stopped, stalled) fails this attempt instead of holding the
+        caller's thread for as long as it stalls (the front end tries again later)."""
         from surge.errors import ConfigError, NotReady
 
         deadline = time.monotonic() + timeout_s
         while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                return Client(self.address, family="AF_UNIX", authkey=authkey())
+                sock.settimeout(max(deadline - time.monotonic(), 0.05))  # each step of the handshake
+                sock.connect(self.address)
+                hs = _Handshake(sock)
+                answer_challenge(hs, authkey())  # the hub delivers its challenge first (Hub._accept)
+                deliver_challenge(hs, authkey())
+                hello = _loads(hs.recv_bytes())
+                sock.settimeout(None)  # read on the event loop from now on, blocking as Client()'s is
+                return Connection(sock.detach()), hello
+            except TimeoutError:  # socket.timeout
+                sock.close()
+                raise ConfigError(f"the engine process at {self.address} did not answer within "
+                                  f"{timeout_s:.0f} s") from None
             except (FileNotFoundError, ConnectionRefusedError, EOFError, ConnectionResetError):
+                sock.close()
                 # not up yet (being started again: its old socket refuses until the new one replaces it)
                 if cancelled():
                     raise NotReady("the model was unloaded while its engine process restarted") from None
@@ -457,6 +469,9 @@ class HubClient(LoopConnection):
                     raise ConfigError(f"the engine process at {self.address} did not answer within "
                                       f"{timeout_s:.0f} s") from None
                 time.sleep(0.1)
+            except BaseException:
+                sock.close()
+                raise
 
     def respawn(self) -> "HubClient":
         """A connection to the engine process once it serves again (the supervisor starts it again;
