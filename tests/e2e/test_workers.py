@@ -69,7 +69,9 @@ def test_concurrent_results_match_reference_and_never_mix(server, sentences, ref
         (model,) = stats["model_stats"]
         assert model["inference_stats"]["success"]["count"] == len(picks)
         assert model["inference_count"] == sum(map(len, picks))
-        assert model["execution_count"] == len(picks)  # the cache is off: every request ran the model
+        # the cache is off, so every request ran the model; requests that shared a batch count one
+        # execution (Triton's execution_count counts model runs), so at most one a request
+        assert 1 <= model["execution_count"] <= len(picks)
         assert model["inference_stats"]["compute_infer"]["count"] == len(picks)
 
 

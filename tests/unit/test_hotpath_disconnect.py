@@ -35,7 +35,10 @@ def _state(served=None):
     async def call(_served, invoke):
         return await invoke(None)
 
-    return SimpleNamespace(config=SimpleNamespace(limits=LimitsConfig()), call=call,
+    async def on_current(served_, run):  # AppState.on_current: no reload happens here
+        return await run(served_)
+
+    return SimpleNamespace(config=SimpleNamespace(limits=LimitsConfig()), call=call, on_current=on_current,
                            registry=SimpleNamespace(get=lambda name=None, version=None: served))
 
 
