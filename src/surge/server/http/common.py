@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from surge.errors import BodyTooLarge, InvalidInput, Unprocessable, shown
+from surge.json_depth import check_body
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -53,9 +54,11 @@ def decode_json(body: bytes):
     except UnicodeDecodeError as exc:
         raise InvalidInput(f"request body is not valid UTF-8 (byte {exc.start})") from None
     try:
-        return orjson.loads(body)
+        data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise InvalidInput(f"request body is not valid JSON: {exc}") from None
+    check_body(body, data)  # deeper than later code can recurse through: 400 here, not a 500 there
+    return data
 
 
 def validate(model: type[M], data) -> M:
