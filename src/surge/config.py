@@ -118,6 +118,10 @@ class LimitsConfig(_Strict):
         60.0, gt=0, description="A request whose headers and body have not all arrived this long after its first "
         "byte (on a new connection: after the connection opened) gets 408 and its connection is closed, so that "
         "a client that sends slowly, or nothing, cannot hold a connection for ever.")
+    max_header_bytes: int = Field(
+        64 * 1024, ge=4096, description="Largest request line and headers of one HTTP request; more gets 431 and "
+        "the connection is closed (uvicorn kept every header, ~10 bytes of memory per byte sent, before any "
+        "check, the API key's included).")
     max_connections: int | None = Field(
         None, ge=1, description="Most open HTTP connections per process; one more gets 503 at once and is closed. "
         "None: the process's open-file limit (RLIMIT_NOFILE) less 256 kept for its own files (models, sockets, "

@@ -173,3 +173,42 @@ def test_the_default_limit_keeps_the_server_within_its_file_descriptors(repo):
         else:
             pytest.fail("no answer after the idle connections closed:\n" + srv.output())
         assert srv.proc.poll() is None
+
+
+def _peak_rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
+
+
+def test_headers_beyond_the_limit_get_431_before_they_cost_memory(server):
+    """32 MB of small headers, no key: uvicorn kept them all (~10x their size in the server's memory) and
+    then answered; now 431 once the headers pass --max-header-bytes, and the rest is never read."""
+    before = _peak_rss_kb(server.proc.pid)
+    line = b"".join(b"X-%07d: a\r\n" % i for i in range(100_000))  # ~1.3 MB
+    with connect(server.port) as s:
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
+        try:
+            for _ in range(25):
+                s.sendall(line)
+            s.sendall(b"\r\n")
+        except (BrokenPipeError, ConnectionResetError):  # refused and closed halfway: what is wanted
+            pass
+        raw = read_to_close(s)
+    assert status_of(raw) == 431, raw[:200]
+    assert _peak_rss_kb(server.proc.pid) - before < 64 * 1024  # KiB; before the fix ~300 MB more
+    assert embed_ok(server.url)
+
+
+def test_a_long_url_gets_431(server):
+    with connect(server.port) as s:
+        try:
+            s.sendall(b"GET /v1/models?" + b"a" * (1 << 20) + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        raw = read_to_close(s)
+    assert status_of(raw) == 431, raw[:200]
+
+
+def test_ordinary_large_headers_still_pass(server):
+    r = httpx.get(server.url + "/v1/models", headers={**AUTH, "Cookie": "c=" + "x" * 16_000}, timeout=60)
+    assert r.status_code == 200

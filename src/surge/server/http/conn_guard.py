@@ -9,6 +9,8 @@ its headers are read, so neither needed the API key.
 - A read deadline: a request must be read whole (headers and body) within `request_read_timeout_s` of
   its first byte, or of the connection's opening for its first request; then 408 and the connection
   closes. A request being answered, or a connection kept alive between requests, is not timed here.
+- A header limit: a request line and headers longer than `max_header_bytes` get 431 and the connection
+  closes (uvicorn kept them all, ~10 bytes of memory per byte sent, before the API key was checked).
 - A connection limit: over `max_connections` open connections a new one gets 503 at once and is closed,
   before anything is read from it, so that it holds its descriptor for no time at all.
 """
@@ -37,6 +39,9 @@ def _answer(status: bytes, body: bytes, extra: bytes = b"") -> bytes:
 TIMED_OUT = _answer(b"408 Request Timeout",
                     b'{"error":{"message":"the request was not received in time","type":"invalid_request_error",'
                     b'"code":"request_timeout"}}')
+HEADERS_TOO_LARGE = _answer(b"431 Request Header Fields Too Large",
+                            b'{"error":{"message":"the request line and headers exceed the limit",'
+                            b'"type":"invalid_request_error","code":"headers_too_large"}}')
 OVERLOADED = _answer(b"503 Service Unavailable",
                      b'{"error":{"message":"too many open connections; retry later","type":"server_error",'
                      b'"code":"overloaded"}}', b"retry-after: 1\r\n")

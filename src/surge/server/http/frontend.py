@@ -30,13 +30,15 @@ class FrontDoor:
         self._routes = None  # server/http/direct.DirectRoutes, made at the first connection that asks
         self._limits = None  # (read timeout, connection limit), read at the first connection
 
-    def limits(self) -> tuple[float, int]:
-        """(request read timeout in seconds, connection limit) for server/http/conn_guard.py."""
+    def limits(self) -> tuple[float, int, int]:
+        """(request read timeout in seconds, connection limit, header bytes limit) for
+        server/http/conn_guard.py."""
         if self._limits is None:
             from surge.server.http.conn_guard import connection_limit
 
             limits = self.app.state.surge.config.limits
-            self._limits = (limits.request_read_timeout_s, connection_limit(limits.max_connections))
+            self._limits = (limits.request_read_timeout_s, connection_limit(limits.max_connections),
+                            limits.max_header_bytes)
         return self._limits
 
     def direct(self):
@@ -174,6 +176,9 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
     _direct = None  # server/http/direct.DirectRoutes: plain requests answered without the ASGI cycle
     _hot = None  # (cycle, path, body so far) of a request answered by _direct, until it is read whole
     _deadline = None  # server/http/conn_guard.ReadDeadline: the request being read must arrive in time
+    _header_limit = 0  # most bytes of a request's URL and headers (0: no limit), counted in _header_bytes
+    _header_bytes = 0
+    _refused = False  # headers over the limit: answered 431 and closing; the parser's callbacks do nothing
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         handoff = HANDOFF
@@ -187,7 +192,7 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
         if front is not None:  # slow or idle clients and too many connections (server/http/conn_guard.py)
             from surge.server.http import conn_guard
 
-            timeout, most = front.limits()
+            timeout, most, self._header_limit = front.limits()
             if len(self.connections) > most:
                 self.transport.write(conn_guard.OVERLOADED)
                 self.transport.close()  # before reading anything: this connection holds nothing
@@ -199,7 +204,36 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
 
             self._direct = find_direct(self.app)
 
+    # uvicorn keeps every header (as a list of tuples, ~10 bytes of memory per byte sent) with no bound,
+    # before any route or the API key sees them: counted here, refused past the limit.
+    def on_url(self, url: bytes) -> None:
+        if self._count_header(url):
+            super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._count_header(name, value):
+            super().on_header(name, value)
+
+    def _count_header(self, *parts: bytes) -> bool:
+        if self._refused:
+            return False
+        if self._header_limit:
+            self._header_bytes += sum(map(len, parts))
+            if self._header_bytes > self._header_limit:
+                from surge.server.http.conn_guard import HEADERS_TOO_LARGE
+
+                self._refused = True
+                if self._deadline is not None:
+                    self._deadline.disarm()
+                self.transport.write(HEADERS_TOO_LARGE)
+                self.transport.close()  # stops reading; what the parser still holds is ignored
+                return False
+        return True
+
     def on_message_begin(self) -> None:
+        if self._refused:
+            return
+        self._header_bytes = 0
         # A request answered inside the parser's callback (a direct cache hit) arms the keep-alive
         # timer; a pipelined request behind it in the same read must not be cut off by it.
         self._unset_keepalive_if_required()
@@ -211,6 +245,8 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
             scope.setdefault("extensions", {})["surge.disconnect"] = self.watch
 
     def on_headers_complete(self) -> None:
+        if self._refused:
+            return
         direct = self._direct
         if direct is not None and (self.cycle is None or self.cycle.response_complete) and not self.pipeline:
             path = direct.takes(self)
@@ -224,12 +260,16 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
+        if self._refused:
+            return
         if self._hot is not None:
             self._hot[2].extend(body)
             return
         super().on_body(body)
 
     def on_message_complete(self) -> None:
+        if self._refused:
+            return
         if self._deadline is not None:  # read whole: answering it is the request timeout's business
             self._deadline.disarm()
         hot = self._hot
