@@ -2,7 +2,7 @@
 the attack is in what is *not* sent):
 
 - a connection that sends nothing, headers that never end, a body shorter than its Content-Length: each
-  gets 408 and is closed once --request-read-timeout-s has passed since the request began (before, each
+  is closed (with a 408 once part of a request came) once --request-read-timeout-s has passed since the request began (before, each
   was held for ever, and ~1000 of them, one file descriptor each, took the server off the network), with
   or without the API key (no request is authenticated before its headers are read);
 - a connection over --max-connections gets 503 and is closed at once, so that idle connections cannot
@@ -78,7 +78,8 @@ def embed_ok(url: str) -> bool:
 def test_a_connection_that_sends_nothing_is_closed(server):
     with connect(server.port) as s:
         raw = read_to_close(s)
-    assert status_of(raw) in (408, None), raw  # closed, with or without a 408
+    # Closed without a word: a client that opened it ahead of use would take a 408 for its next answer.
+    assert raw == b"", raw
 
 
 def test_headers_that_never_end_get_408_without_a_key(server):

@@ -73,13 +73,16 @@ class ReadDeadline:
         self._on_expiry()
 
 
-def expire(protocol) -> None:
-    """A request not read in time: 408 unless its response has begun (then only the close), and close.
-    An ASGI task still waiting for the body sees the disconnect, and what it sends later is dropped."""
+def expire(protocol, begun: bool) -> None:
+    """A request not read in time: 408 if part of it came (`begun`) and its response has not started,
+    then close. A connection on which nothing came is closed without a word, as nginx does: a client that
+    opened it ahead of use would read an unasked 408 as the answer to its next request. An ASGI task still
+    waiting for the body sees the disconnect, and what it sends later is dropped."""
     transport = protocol.transport
     if transport is None or transport.is_closing():
         return
     cycle = getattr(protocol, "cycle", None)  # on a kept-alive connection: maybe the last request's, answered
-    if cycle is None or getattr(cycle, "response_complete", False) or not getattr(cycle, "response_started", False):
+    if begun and (cycle is None or getattr(cycle, "response_complete", False)
+                  or not getattr(cycle, "response_started", False)):
         transport.write(TIMED_OUT)
     transport.close()

@@ -178,6 +178,7 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
     _deadline = None  # server/http/conn_guard.ReadDeadline: the request being read must arrive in time
     _header_limit = 0  # most bytes of a request's URL and headers (0: no limit), counted in _header_bytes
     _header_bytes = 0
+    _begun = False  # part of a request has come and not all of it (what the read deadline times)
     _refused = False  # headers over the limit: answered 431 and closing; the parser's callbacks do nothing
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -197,12 +198,21 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
                 self.transport.write(conn_guard.OVERLOADED)
                 self.transport.close()  # before reading anything: this connection holds nothing
                 return
-            self._deadline = conn_guard.ReadDeadline(loop, timeout, lambda: conn_guard.expire(self))
+            self._deadline = conn_guard.ReadDeadline(loop, timeout, self._read_expired)
             self._deadline.arm()  # the first request's first byte is awaited no longer than its whole
         if self.limit_concurrency is None:  # uvicorn's 503 above a limit counts ASGI tasks: keep its path
             from surge.server.http.direct import find_direct
 
             self._direct = find_direct(self.app)
+
+    def _read_expired(self) -> None:
+        flow = self.flow
+        if flow is not None and flow.read_paused:  # this server stopped reading (a pipelined request waits
+            self._deadline.arm()  # for the one before it, or the app reads slowly): not the client's delay
+            return
+        from surge.server.http.conn_guard import expire
+
+        expire(self, self._begun)
 
     # uvicorn keeps every header (as a list of tuples, ~10 bytes of memory per byte sent) with no bound,
     # before any route or the API key sees them: counted here, refused past the limit.
@@ -234,6 +244,7 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
         if self._refused:
             return
         self._header_bytes = 0
+        self._begun = True
         # A request answered inside the parser's callback (a direct cache hit) arms the keep-alive
         # timer; a pipelined request behind it in the same read must not be cut off by it.
         self._unset_keepalive_if_required()
@@ -270,6 +281,7 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         if self._refused:
             return
+        self._begun = False
         if self._deadline is not None:  # read whole: answering it is the request timeout's business
             self._deadline.disarm()
         hot = self._hot
