@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from surge.errors import BodyTooLarge, InvalidInput, Unprocessable, shown
 from surge.json_depth import check_body
+from surge.server.http import fail_fast
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -53,6 +54,7 @@ def decode_json(body: bytes):
         body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InvalidInput(f"request body is not valid UTF-8 (byte {exc.start})") from None
+    fail_fast.BODY_SIZE.set(len(body))
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -64,7 +66,13 @@ def decode_json(body: bytes):
 def validate(model: type[M], data) -> M:
     if not isinstance(data, dict):
         raise InvalidInput("request body must be a JSON object")
+    known = fail_fast.known_keys(model)
+    if known is not None:  # one error for the first unknown key, not one per key (server/http/fail_fast.py)
+        unknown = next((k for k in data if k not in known), None)
+        if unknown is not None:
+            raise Unprocessable(f"unknown field '{shown(unknown)}'", param=shown(unknown))
     try:
+        fail_fast.check(model, data)  # a large body: its first error found without collecting them all
         return model.model_validate(data)
     except ValidationError as exc:
         errors = exc.errors()
