@@ -114,6 +114,18 @@ class LimitsConfig(_Strict):
     max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024, description="Largest request body accepted.")
     max_input_chars: int = Field(20_000, ge=1, description="Longest single text input, in characters.")
     request_timeout_s: float = Field(30.0, gt=0, description="A request still unanswered then gets 504.")
+    request_read_timeout_s: float = Field(
+        60.0, gt=0, description="A request whose headers and body have not all arrived this long after its first "
+        "byte (on a new connection: after the connection opened) gets 408 and its connection is closed, so that "
+        "a client that sends slowly, or nothing, cannot hold a connection for ever.")
+    max_header_bytes: int = Field(
+        64 * 1024, ge=4096, description="Largest request line and headers of one HTTP request; more gets 431 and "
+        "the connection is closed (uvicorn kept every header, ~10 bytes of memory per byte sent, before any "
+        "check, the API key's included).")
+    max_connections: int | None = Field(
+        None, ge=1, description="Most open HTTP connections per process; one more gets 503 at once and is closed. "
+        "None: the process's open-file limit (RLIMIT_NOFILE) less 256 kept for its own files (models, sockets, "
+        "gRPC), so idle connections cannot leave it unable to accept or load anything.")
     auto_truncate: bool = Field(
         False, description="OpenAI route: cut inputs longer than the model instead of answering 400 (a request "
         "can also ask with \"truncate\": true).")

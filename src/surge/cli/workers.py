@@ -54,6 +54,16 @@ def child_config(config: ServerConfig) -> str:
     return config.model_dump_json(exclude_unset=True)
 
 
+CONFIG_ENV = "SURGE_CHILD_CONFIG"  # a child's settings (child_config's JSON), never on its command line
+FROM_ENV = "@env"  # the argument that stands for them
+
+
+def child_settings(arg: str) -> str:
+    """The settings JSON a child was started with, taken out of the environment so that processes it
+    starts in turn (a Python model's worker, a decoder's engine process) do not inherit the secrets."""
+    return os.environ.pop(CONFIG_ENV) if arg == FROM_ENV else arg
+
+
 def resolve_workers(config: ServerConfig) -> int:
     """How many front ends: --workers as given (0: one per core), or by default from the core count
     where --workers supports the mode (one embedding model, torch engine, one CUDA device: the
@@ -299,7 +309,8 @@ def front_main(config_json: str, sock: str, fd: str, all_socks: str = "") -> Non
 
 
 if __name__ == "__main__":
-    role, *rest = sys.argv[1:]
+    role, config_arg, *rest = sys.argv[1:]
+    rest = [child_settings(config_arg), *rest]
     if role == "engine":
         from surge.cli.workers_engine import engine_main
 

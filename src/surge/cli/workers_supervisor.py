@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from surge.cli.workers import CONFIG_ENV, FROM_ENV
 from surge.config import ServerConfig
 log = logging.getLogger("surge")
 
@@ -53,9 +54,13 @@ def _die_with(parent: int):
 
 
 def _child(role: str, config_json: str, sock: str, *extra: str, pass_fds=()) -> subprocess.Popen:
+    # The settings go in the environment, not argv: they hold the API key (and a Redis URL's password),
+    # and any user of the host reads a command line (/proc/PID/cmdline), where /proc/PID/environ is
+    # the owner's only. The child takes them out at once (cli/workers.py: child_settings).
+    env = {**os.environ, CONFIG_ENV: config_json}
     # preexec_fn is unsafe only in a process with threads; the supervisor runs none
-    return subprocess.Popen([sys.executable, "-m", "surge.cli.workers", role, config_json, sock, *extra],
-                            pass_fds=pass_fds, preexec_fn=_die_with(os.getpid()))
+    return subprocess.Popen([sys.executable, "-m", "surge.cli.workers", role, FROM_ENV, sock, *extra],
+                            pass_fds=pass_fds, preexec_fn=_die_with(os.getpid()), env=env)
 
 
 def _wait_engine(proc: subprocess.Popen, sock: str, timeout_s: float = 900.0) -> None:

@@ -12,6 +12,7 @@ from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
+from surge import json_depth
 from surge.errors import ConfigError, InvalidInput
 
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -80,7 +81,7 @@ def _arguments_as_objects(message: dict) -> dict:
         fn = c.get("function") if isinstance(c, dict) else None
         if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
             try:
-                args = json.loads(fn["arguments"])
+                args = json_depth.loads(fn["arguments"])  # bounded: the template's tojson recurses
             except ValueError:
                 args = None
             if isinstance(args, dict):

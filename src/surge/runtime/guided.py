@@ -19,6 +19,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from surge import json_depth
 from surge.errors import InvalidInput
 
 KINDS = ("json", "regex", "choice", "grammar")
@@ -37,9 +38,9 @@ def guide_for(kind: str, value, param: str) -> tuple[str, str]:
     if kind == "json":
         if isinstance(value, str):
             try:
-                value = json.loads(value)
-            except ValueError:
-                raise InvalidInput("the JSON schema is not valid JSON", param=param) from None
+                value = json_depth.loads(value)  # bounded: the json.dumps below recurses
+            except ValueError as exc:
+                raise InvalidInput(f"the JSON schema is not valid JSON ({exc})", param=param) from None
         if not isinstance(value, (dict, bool)):
             raise InvalidInput("a JSON schema must be an object", param=param)
         return kind, json.dumps(value)  # in its own order: properties are written in the order given

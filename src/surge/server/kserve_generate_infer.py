@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 from pydantic import ValidationError
 
+from surge import json_depth
 from surge.errors import InvalidInput
 from surge.server.http.generate_common import (SAMPLING_FIELDS, counted, counted_stream, deadline_for,
                                                generate_model, make_params)
@@ -102,8 +103,8 @@ def prepare(state, name: str, version: str | None, inputs: list[InputTensor], pa
     if "sampling_parameters" in by_name:
         raw = _one(by_name["sampling_parameters"], "BYTES")
         try:
-            given = json.loads(raw)
-        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
+            given = json_depth.loads(raw)  # bounded: a guide in it goes through json.dumps
+        except ValueError:
             raise InvalidInput("sampling_parameters must be a JSON object", param="sampling_parameters") from None
         if not isinstance(given, dict):
             raise InvalidInput("sampling_parameters must be a JSON object", param="sampling_parameters")

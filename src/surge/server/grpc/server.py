@@ -28,11 +28,14 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, api_key: str):
         self._expected = f"Bearer {api_key}".encode()
 
-        async def deny(request, context):
+        async def deny(request_iterator, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "missing or invalid API key (send metadata 'authorization: Bearer <key>')")
 
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        # A request-streaming handler, whatever the method: it answers without reading the request, where
+        # a unary one had gRPC read and assemble each message (up to the size limit) first, so that
+        # clients without the key could make the server hold ~2 MB per call in flight.
+        self._deny = grpc.stream_unary_rpc_method_handler(deny)
 
     async def intercept_service(self, continuation, details):
         if details.method in HEALTH_METHODS or details.method.rsplit("/", 1)[-1] in OPEN_METHODS:

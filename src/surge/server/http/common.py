@@ -11,6 +11,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from surge.errors import BodyTooLarge, InvalidInput, Unprocessable, shown
+from surge.json_depth import check_body
+from surge.server.http import fail_fast
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -52,16 +54,25 @@ def decode_json(body: bytes):
         body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InvalidInput(f"request body is not valid UTF-8 (byte {exc.start})") from None
+    fail_fast.BODY_SIZE.set(len(body))
     try:
-        return orjson.loads(body)
+        data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise InvalidInput(f"request body is not valid JSON: {exc}") from None
+    check_body(body, data)  # deeper than later code can recurse through: 400 here, not a 500 there
+    return data
 
 
 def validate(model: type[M], data) -> M:
     if not isinstance(data, dict):
         raise InvalidInput("request body must be a JSON object")
+    known = fail_fast.known_keys(model)
+    if known is not None:  # one error for the first unknown key, not one per key (server/http/fail_fast.py)
+        unknown = next((k for k in data if k not in known), None)
+        if unknown is not None:
+            raise Unprocessable(f"unknown field '{shown(unknown)}'", param=shown(unknown))
     try:
+        fail_fast.check(model, data)  # a large body: its first error found without collecting them all
         return model.model_validate(data)
     except ValidationError as exc:
         errors = exc.errors()

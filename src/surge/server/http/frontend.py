@@ -28,6 +28,18 @@ class FrontDoor:
         self.app = app
         self._direct: bool | None = None  # decided at the first HTTP request (after startup)
         self._routes = None  # server/http/direct.DirectRoutes, made at the first connection that asks
+        self._limits = None  # (read timeout, connection limit), read at the first connection
+
+    def limits(self) -> tuple[float, int, int]:
+        """(request read timeout in seconds, connection limit, header bytes limit) for
+        server/http/conn_guard.py."""
+        if self._limits is None:
+            from surge.server.http.conn_guard import connection_limit
+
+            limits = self.app.state.surge.config.limits
+            self._limits = (limits.request_read_timeout_s, connection_limit(limits.max_connections),
+                            limits.max_header_bytes)
+        return self._limits
 
     def direct(self):
         """The plain requests answered at the protocol (server/http/direct.py), or None where the
@@ -142,6 +154,17 @@ class DisconnectWatch:
             cb()
 
 
+def find_front(app) -> "FrontDoor | None":
+    """The FrontDoor under uvicorn's app wrappers (its proxy-headers middleware), if any."""
+    for _ in range(6):
+        if isinstance(app, FrontDoor):
+            return app
+        app = getattr(app, "app", None)
+        if app is None:
+            return None
+    return None
+
+
 # A front end's hand-over of new connections to its engine process (server/http/handoff.py),
 # set by cli/workers.py; None: every connection is served here.
 HANDOFF = None
@@ -152,6 +175,11 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
     _offer = True  # False for a connection the engine process handed back: it stays here
     _direct = None  # server/http/direct.DirectRoutes: plain requests answered without the ASGI cycle
     _hot = None  # (cycle, path, body so far) of a request answered by _direct, until it is read whole
+    _deadline = None  # server/http/conn_guard.ReadDeadline: the request being read must arrive in time
+    _header_limit = 0  # most bytes of a request's URL and headers (0: no limit), counted in _header_bytes
+    _header_bytes = 0
+    _begun = False  # part of a request has come and not all of it (what the read deadline times)
+    _refused = False  # headers over the limit: answered 431 and closing; the parser's callbacks do nothing
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         handoff = HANDOFF
@@ -159,22 +187,77 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
             self._handed = True  # the engine process's connection now: nothing more happens here
             return
         self.watch = DisconnectWatch()
-        super().connection_made(_Corked(transport, asyncio.get_running_loop()))
+        loop = asyncio.get_running_loop()
+        super().connection_made(_Corked(transport, loop))
+        front = find_front(self.app)
+        if front is not None:  # slow or idle clients and too many connections (server/http/conn_guard.py)
+            from surge.server.http import conn_guard
+
+            timeout, most, self._header_limit = front.limits()
+            if len(self.connections) > most:
+                self.transport.write(conn_guard.OVERLOADED)
+                self.transport.close()  # before reading anything: this connection holds nothing
+                return
+            self._deadline = conn_guard.ReadDeadline(loop, timeout, self._read_expired)
+            self._deadline.arm()  # the first request's first byte is awaited no longer than its whole
         if self.limit_concurrency is None:  # uvicorn's 503 above a limit counts ASGI tasks: keep its path
             from surge.server.http.direct import find_direct
 
             self._direct = find_direct(self.app)
 
+    def _read_expired(self) -> None:
+        flow = self.flow
+        if flow is not None and flow.read_paused:  # this server stopped reading (a pipelined request waits
+            self._deadline.arm()  # for the one before it, or the app reads slowly): not the client's delay
+            return
+        from surge.server.http.conn_guard import expire
+
+        expire(self, self._begun)
+
+    # uvicorn keeps every header (as a list of tuples, ~10 bytes of memory per byte sent) with no bound,
+    # before any route or the API key sees them: counted here, refused past the limit.
+    def on_url(self, url: bytes) -> None:
+        if self._count_header(url):
+            super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._count_header(name, value):
+            super().on_header(name, value)
+
+    def _count_header(self, *parts: bytes) -> bool:
+        if self._refused:
+            return False
+        if self._header_limit:
+            self._header_bytes += sum(map(len, parts))
+            if self._header_bytes > self._header_limit:
+                from surge.server.http.conn_guard import HEADERS_TOO_LARGE
+
+                self._refused = True
+                if self._deadline is not None:
+                    self._deadline.disarm()
+                self.transport.write(HEADERS_TOO_LARGE)
+                self.transport.close()  # stops reading; what the parser still holds is ignored
+                return False
+        return True
+
     def on_message_begin(self) -> None:
+        if self._refused:
+            return
+        self._header_bytes = 0
+        self._begun = True
         # A request answered inside the parser's callback (a direct cache hit) arms the keep-alive
         # timer; a pipelined request behind it in the same read must not be cut off by it.
         self._unset_keepalive_if_required()
+        if self._deadline is not None:
+            self._deadline.arm()
         super().on_message_begin()
         scope = getattr(self, "scope", None)  # uvicorn's request scope (without it: the watcher task)
         if isinstance(scope, dict):
             scope.setdefault("extensions", {})["surge.disconnect"] = self.watch
 
     def on_headers_complete(self) -> None:
+        if self._refused:
+            return
         direct = self._direct
         if direct is not None and (self.cycle is None or self.cycle.response_complete) and not self.pipeline:
             path = direct.takes(self)
@@ -188,12 +271,19 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
+        if self._refused:
+            return
         if self._hot is not None:
             self._hot[2].extend(body)
             return
         super().on_body(body)
 
     def on_message_complete(self) -> None:
+        if self._refused:
+            return
+        self._begun = False
+        if self._deadline is not None:  # read whole: answering it is the request timeout's business
+            self._deadline.disarm()
         hot = self._hot
         if hot is not None:
             self._hot = None
@@ -221,6 +311,8 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc) -> None:
         if self._handed:
             return
+        if self._deadline is not None:
+            self._deadline.disarm()
         super().connection_lost(exc)
         self.watch.fire()
 

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, Va
 from surge.errors import InvalidInput, NotFound, shown
 from surge.server import kserve_contract as contract
 from surge.server import kserve_tensor
+from surge.server.http import fail_fast
 from surge.server.http.common import ORJSONResponse, decode_json, read_body
 from surge.server.http.generate_common import until_disconnect
 from surge.server.http.openapi import BINARY, JSON, body
@@ -68,6 +69,7 @@ def _validate(model, data):
     if not isinstance(data, dict):
         raise InvalidInput("request body must be a JSON object")
     try:
+        fail_fast.check(model, data)  # a large body: its first error found without collecting them all
         return model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]

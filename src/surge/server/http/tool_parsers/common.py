@@ -8,6 +8,8 @@ import secrets
 import string
 import uuid
 
+from surge import json_depth
+
 _ALNUM = string.ascii_letters + string.digits
 
 
@@ -29,7 +31,7 @@ def make_call(name: str, args, new_id, call_id: str | None = None) -> dict:
 def loads(text: str):
     """The JSON value of `text`, or None when it is not JSON."""
     try:
-        return json.loads(text)
+        return json_depth.loads(text)  # a model's output, nested deeper than the rest can recurse: not a call
     except ValueError:
         return None
 
