@@ -70,6 +70,10 @@ def validate(model: type[M], data) -> M:
     if known is not None:  # one error for the first unknown key, not one per key (server/http/fail_fast.py)
         unknown = next((k for k in data if k not in known), None)
         if unknown is not None:
+            # pydantic names a missing required field before an unknown key: the more useful of the two
+            missing = fail_fast.first_missing(model, data)
+            if missing is not None:
+                raise Unprocessable(f"missing required field '{shown(missing)}'", param=shown(missing))
             raise Unprocessable(f"unknown field '{shown(unknown)}'", param=shown(unknown))
     try:
         fail_fast.check(model, data)  # a large body: its first error found without collecting them all

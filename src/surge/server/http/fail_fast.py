@@ -97,6 +97,15 @@ def known_keys(model) -> frozenset[str] | None:
     return frozenset(keys)
 
 
+def first_missing(model, data: dict) -> str | None:
+    """The first required field of `model` (in its order) that `data` lacks under its name and aliases."""
+    for name, field in model.model_fields.items():
+        if field.is_required() and not any(k in data for k in (name, field.alias, field.validation_alias)
+                                           if isinstance(k, str)):
+            return field.alias if isinstance(field.alias, str) else name
+    return None
+
+
 def check(model, data) -> None:
     """ValidationError with the first error(s) of a body larger than PRECHECK_BYTES that `model` would
     refuse; nothing where it would take it (the model itself then validates it, as before)."""
