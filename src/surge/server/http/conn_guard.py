@@ -49,27 +49,47 @@ OVERLOADED = _answer(b"503 Service Unavailable",
 
 class ReadDeadline:
     """The read timer of one connection: armed when a request begins (or the connection opens), disarmed
-    once it has been read whole; `on_expiry` runs if it fires."""
+    once it has been read whole; `on_expiry` runs if a request stays armed for `seconds`.
 
-    __slots__ = ("_loop", "_seconds", "_on_expiry", "_handle")
+    Lazy, because it is on every request's path: arming and disarming only set the start time, and one
+    timer a connection wakes at the earliest possible expiry and looks again (a call_later and a cancel a
+    request cost ~5% of the CPU front end's throughput at 64 clients). A connection left idle keeps no timer."""
+
+    __slots__ = ("_loop", "_seconds", "_on_expiry", "_handle", "_start")
 
     def __init__(self, loop, seconds: float, on_expiry):
         self._loop = loop
         self._seconds = seconds
         self._on_expiry = on_expiry
         self._handle = None
+        self._start: float | None = None
 
     def arm(self) -> None:
-        if self._handle is None:
-            self._handle = self._loop.call_later(self._seconds, self._fire)
+        if self._start is None:
+            self._start = self._loop.time()
+            if self._handle is None:
+                self._handle = self._loop.call_later(self._seconds, self._fire)
 
     def disarm(self) -> None:
+        self._start = None
+
+    def close(self) -> None:
+        """The connection is gone: no timer may keep it (its protocol) alive until it would have fired."""
+        self._start = None
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
 
     def _fire(self) -> None:
         self._handle = None
+        start = self._start
+        if start is None:  # read whole since: nothing to time until the next request begins
+            return
+        left = start + self._seconds - self._loop.time()
+        if left > 0:  # armed again after the timer was set: wait for the rest of this request's time
+            self._handle = self._loop.call_later(left, self._fire)
+            return
+        self._start = None
         self._on_expiry()
 
 

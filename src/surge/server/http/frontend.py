@@ -312,7 +312,7 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
         if self._handed:
             return
         if self._deadline is not None:
-            self._deadline.disarm()
+            self._deadline.close()
         super().connection_lost(exc)
         self.watch.fire()
 
