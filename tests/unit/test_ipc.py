@@ -19,7 +19,7 @@ def test_bulk_frames_round_trip_and_split_anywhere(bundled_worker, sentences):
                      int(rng.integers(-3, 3)), int(rng.integers(0, 1 << 32))))
     dim = 24
     res = [(r[0], rng.standard_normal((len(r[1]), dim)).astype(np.float32), int(rng.integers(0, 1 << 40)),
-            int(rng.integers(0, 1 << 40))) for r in reqs]
+            int(rng.integers(0, 1 << 40)), int(rng.integers(0, 1 << 32))) for r in reqs]
     stream = W.encode_submits(reqs) + W.encode_cancel(99) + W.encode_results(res) + W.encode_error(
         7, Overloaded("queue full", retry_after=2.0))
     cuts = sorted(rng.choice(len(stream), 5, replace=False).tolist())
@@ -35,8 +35,8 @@ def test_bulk_frames_round_trip_and_split_anywhere(bundled_worker, sentences):
             np.testing.assert_array_equal(a.ids, b.ids)
             np.testing.assert_array_equal(a.type_ids, b.type_ids)
     assert W.decode_cancel(parts[1]) == 99
-    for (rid, rows, q, i), (rid2, rows2, q2, i2) in zip(res, W.decode_results(parts[2])):
-        assert (rid, q, i) == (rid2, q2, i2)
+    for (rid, rows, q, i, ex), (rid2, rows2, q2, i2, ex2) in zip(res, W.decode_results(parts[2])):
+        assert (rid, q, i, ex) == (rid2, q2, i2, ex2)
         np.testing.assert_array_equal(rows, rows2)
     err = W.decode_error(parts[3])
     assert W.error_id(parts[3]) == 7
@@ -57,7 +57,7 @@ def _layout_results(res) -> bytes:
     dim = res[0][1].shape[1]
     cols = [np.array([r[0] for r in res], "<u8"), np.array([r[1].shape[0] for r in res], "<u4"),
             np.array([r[2] for r in res], "<u8"), np.array([r[3] for r in res], "<u8"),
-            np.concatenate([r[1] for r in res]).astype("<f4")]
+            np.array([r[4] for r in res], "<u4"), np.concatenate([r[1] for r in res]).astype("<f4")]
     return (bytes([W.RESULTS]) + len(res).to_bytes(4, "little") + dim.to_bytes(4, "little")
             + b"".join(c.tobytes() for c in cols))
 
@@ -83,11 +83,11 @@ def test_one_request_frames_have_the_documented_layout_and_round_trip(bundled_wo
                     np.testing.assert_array_equal(a.type_ids, b.type_ids)
                     assert b.ids.dtype == np.int64 and b.type_ids.dtype == np.int64
             res = [(r[0], rng.standard_normal((n_inputs, 384)).astype(np.float32), int(rng.integers(0, 1 << 40)),
-                    int(rng.integers(0, 1 << 40))) for r in reqs]
+                    int(rng.integers(0, 1 << 40)), int(rng.integers(0, 1 << 32))) for r in reqs]
             body = W.encode_results(res)[4:]
             assert body == _layout_results(res)
-            for (rid, rows, q, i), (rid2, rows2, q2, i2) in zip(res, W.decode_results(body)):
-                assert (rid, q, i) == (rid2, q2, i2)
+            for (rid, rows, q, i, ex), (rid2, rows2, q2, i2, ex2) in zip(res, W.decode_results(body)):
+                assert (rid, q, i, ex) == (rid2, q2, i2, ex2)
                 np.testing.assert_array_equal(rows, rows2)
 
 

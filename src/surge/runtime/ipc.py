@@ -32,6 +32,7 @@ import numpy as np
 
 from surge import errors as E
 from surge.runtime import ipc_wire as W
+from surge.runtime.request import EXECUTIONS
 from surge.types import Encoded
 
 log = logging.getLogger("surge.ipc")
@@ -112,7 +113,7 @@ class _ClientProtocol(asyncio.Protocol):
         for body in self.frames.feed(data):
             kind = body[0]
             if kind == W.RESULTS:
-                for rid, arr, q_ns, i_ns in W.decode_results(body):
+                for rid, arr, q_ns, i_ns, ex in W.decode_results(body):
                     entry = pending.pop(rid, None)
                     if entry is None or entry[0].done():
                         continue
@@ -121,6 +122,7 @@ class _ClientProtocol(asyncio.Protocol):
                         if q_ns > timings.get("queue_ns", 0):
                             timings["queue_ns"] = q_ns
                         timings["compute_infer_ns"] = timings.get("compute_infer_ns", 0) + i_ns
+                        timings[EXECUTIONS] = timings.get(EXECUTIONS, 0) + ex
                     fut.set_result(arr)
             elif kind == W.ERROR:
                 entry = pending.pop(W.error_id(body), None)
@@ -357,8 +359,8 @@ class _ServerProtocol(asyncio.Protocol):
         if exc is not None:
             self.box.add(W.encode_error(rid, exc))
         else:
-            self.box.result((rid, fut.result(), timings.get("queue_ns", 0), timings.get("compute_infer_ns", 0)),
-                            alone=not self.futures)
+            self.box.result((rid, fut.result(), timings.get("queue_ns", 0), timings.get("compute_infer_ns", 0),
+                             timings.get(EXECUTIONS, 0)), alone=not self.futures)
 
     def connection_lost(self, exc) -> None:
         # A front end that went away: its queued inputs are not computed.

@@ -13,7 +13,8 @@ Bodies (little-endian):
            CATALOG's slot; 0: the one model of single-model mode), u32 inputs[count],
            i32 lengths[sum inputs], i32 token ids[T], i8 type ids[T]
   RESULTS  B kind=7, I count, I dim, then u64 ids[count], u32 rows[count], u64 queue_ns[count],
-           u64 infer_ns[count], f32 vectors[sum rows, dim]
+           u64 infer_ns[count], u32 executions[count] (the engine batches each was the first caller of:
+           KServe's execution_count), f32 vectors[sum rows, dim]
   CANCEL   B kind=2, Q id
   ERROR    B kind=4, Q id, d retry_after, H code length, code, message (utf-8)
   HELLO    B kind=5, then JSON (the engine's capabilities), sent by the engine on connect
@@ -45,7 +46,7 @@ _RCOUNT = struct.Struct("<BII")
 # the lone request (the latency case) is packed and read by one struct call instead of ~6 numpy
 # calls a side (same bytes: tests/unit/test_ipc.py).
 _ONE_SUBMIT = struct.Struct("<BIQdiII")  # kind, count=1, id, deadline, priority, model, inputs
-_ONE_RESULT = struct.Struct("<BIIQIQQ")  # kind, count=1, dim, id, rows, queue_ns, infer_ns
+_ONE_RESULT = struct.Struct("<BIIQIQQI")  # kind, count=1, dim, id, rows, queue_ns, infer_ns, executions
 
 
 def frame(body: bytes) -> bytes:
@@ -110,38 +111,41 @@ def decode_submits(body: bytes) -> list[tuple[int, list[Encoded], float | None, 
     return out
 
 
-def encode_results(res: list[tuple[int, np.ndarray, int, int]]) -> bytes:
-    """One frame for many requests' rows: (id, rows [n, dim], queue_ns, infer_ns) each."""
+def encode_results(res: list[tuple[int, np.ndarray, int, int, int]]) -> bytes:
+    """One frame for many requests' rows: (id, rows [n, dim], queue_ns, infer_ns, executions) each."""
     k = len(res)
     dim = res[0][1].shape[1]
     if k == 1:
-        rid, rows, q, i = res[0]
-        return frame(_ONE_RESULT.pack(RESULTS, 1, dim, rid, rows.shape[0], q, i)
+        rid, rows, q, i, ex = res[0]
+        return frame(_ONE_RESULT.pack(RESULTS, 1, dim, rid, rows.shape[0], q, i, ex)
                      + rows.astype(np.float32, copy=False).tobytes())
     head = _RCOUNT.pack(RESULTS, k, dim)
     ids = np.fromiter((r[0] for r in res), np.uint64, k)
     rows = np.fromiter((r[1].shape[0] for r in res), np.uint32, k)
     q = np.fromiter((r[2] for r in res), np.uint64, k)
     i = np.fromiter((r[3] for r in res), np.uint64, k)
+    ex = np.fromiter((r[4] for r in res), np.uint32, k)
     vec = np.concatenate([r[1] for r in res]).astype(np.float32, copy=False)
-    return frame(b"".join((head, ids.tobytes(), rows.tobytes(), q.tobytes(), i.tobytes(), vec.tobytes())))
+    return frame(b"".join((head, ids.tobytes(), rows.tobytes(), q.tobytes(), i.tobytes(), ex.tobytes(),
+                           vec.tobytes())))
 
 
-def decode_results(body: bytes) -> list[tuple[int, np.ndarray, int, int]]:
+def decode_results(body: bytes) -> list[tuple[int, np.ndarray, int, int, int]]:
     _, k, dim = _RCOUNT.unpack_from(body)
     if k == 1:
-        _, _, _, rid, n, q, i = _ONE_RESULT.unpack_from(body)
-        return [(rid, np.frombuffer(body, np.float32, n * dim, _ONE_RESULT.size).reshape(n, dim), q, i)]
+        _, _, _, rid, n, q, i, ex = _ONE_RESULT.unpack_from(body)
+        return [(rid, np.frombuffer(body, np.float32, n * dim, _ONE_RESULT.size).reshape(n, dim), q, i, ex)]
     off = _RCOUNT.size
     ids = np.frombuffer(body, np.uint64, k, off).tolist()
     rows = np.frombuffer(body, np.uint32, k, off + 8 * k).tolist()
     q = np.frombuffer(body, np.uint64, k, off + 12 * k).tolist()
     i = np.frombuffer(body, np.uint64, k, off + 20 * k).tolist()
-    off += 28 * k
+    ex = np.frombuffer(body, np.uint32, k, off + 28 * k).tolist()
+    off += 32 * k
     vec = np.frombuffer(body, np.float32, sum(rows) * dim, off).reshape(-1, dim)
     out, at = [], 0
-    for rid, n, qn, inn in zip(ids, rows, q, i):
-        out.append((rid, vec[at:at + n], qn, inn))
+    for rid, n, qn, inn, e in zip(ids, rows, q, i, ex):
+        out.append((rid, vec[at:at + n], qn, inn, e))
         at += n
     return out
 
