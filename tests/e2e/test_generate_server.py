@@ -21,6 +21,7 @@ openai = pytest.importorskip("openai")
 
 from tests.decoder_models import build_model, load_hf  # noqa: E402
 from tests.server_process import ServerProcess  # noqa: E402
+from tests.triton_inputs import vllm_backend_inputs  # noqa: E402
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Define assignment."}]
 
@@ -571,23 +572,6 @@ def test_tei_tokenize_decode_and_info_of_a_decoder(server, hf):
     assert info["model_type"]["generate"]["chat_template"] is True
 
 
-def _triton_inputs(mod, prompt: str, sampling: dict, **flags):
-    import json
-
-    import numpy as np
-
-    t = mod.InferInput("text_input", [1], "BYTES")
-    t.set_data_from_numpy(np.array([prompt.encode()], dtype=object))
-    sp = mod.InferInput("sampling_parameters", [1], "BYTES")
-    sp.set_data_from_numpy(np.array([json.dumps(sampling).encode()], dtype=object))
-    out = [t, sp]
-    for name, value in flags.items():
-        f = mod.InferInput(name, [1], "BOOL")
-        f.set_data_from_numpy(np.array([value]))
-        out.append(f)
-    return out
-
-
 def test_kserve_infer_as_tritons_vllm_backend_takes_it(server, hf):
     """tritonclient (HTTP and gRPC, unary and a decoupled stream) against a decoder model with the
     vLLM backend's tensors: text_input, sampling_parameters, stream, exclude_input_in_output, return_*."""
@@ -601,36 +585,37 @@ def test_kserve_infer_as_tritons_vllm_backend_takes_it(server, hf):
     want, n = hf_text(hf, tok(prompt)["input_ids"], 10)
     sampling = {"max_tokens": 10, "temperature": 0}
     http = th.InferenceServerClient(server.url.removeprefix("http://"))
-    r = http.infer("chat-qwen", _triton_inputs(th, prompt, sampling, return_finish_reason=True,
+    r = http.infer("chat-qwen", vllm_backend_inputs(th, prompt, sampling, return_finish_reason=True,
                                                return_num_input_tokens=True, return_num_output_tokens=True))
     assert r.as_numpy("text_output")[0].decode() == prompt + want  # the prompt first, as the vLLM backend
     assert r.as_numpy("finish_reason")[0].decode() == ("length" if n == 10 else "stop")
     assert int(r.as_numpy("num_input_tokens")[0]) == len(tok(prompt)["input_ids"])
     assert int(r.as_numpy("num_output_tokens")[0]) == n
-    r = http.infer("chat-qwen", _triton_inputs(th, prompt, sampling, exclude_input_in_output=True),
+    r = http.infer("chat-qwen", vllm_backend_inputs(th, prompt, sampling, exclude_input_in_output=True),
                    outputs=[th.InferRequestedOutput("text_output", binary_data=False)])
     assert r.as_numpy("text_output")[0] in (want, want.encode())  # JSON data: tritonclient may keep the str
     with pytest.raises(Exception, match="ModelStreamInfer"):
-        http.infer("chat-qwen", _triton_inputs(th, prompt, sampling, stream=True))
-    r = http.infer("chat-qwen", _triton_inputs(th, prompt, sampling, return_num_output_tokens=True),
+        http.infer("chat-qwen", vllm_backend_inputs(th, prompt, sampling, stream=True))
+    r = http.infer("chat-qwen", vllm_backend_inputs(th, prompt, sampling, return_num_output_tokens=True),
                    outputs=[th.InferRequestedOutput("num_output_tokens")])  # only the output named
     assert [o["name"] for o in r.get_response()["outputs"]] == ["num_output_tokens"]
     with pytest.raises(Exception, match="return_finish_reason"):
-        http.infer("chat-qwen", _triton_inputs(th, prompt, sampling),
+        http.infer("chat-qwen", vllm_backend_inputs(th, prompt, sampling),
                    outputs=[th.InferRequestedOutput("finish_reason")])
 
     grpc_client = tg.InferenceServerClient(server.grpc_url)
-    r = grpc_client.infer("chat-qwen", _triton_inputs(tg, prompt, sampling, exclude_input_in_output=True,
+    r = grpc_client.infer("chat-qwen", vllm_backend_inputs(tg, prompt, sampling, exclude_input_in_output=True,
                                                       return_num_input_tokens=True),
                           outputs=[tg.InferRequestedOutput("text_output")])
     assert r.as_numpy("text_output")[0].decode() == want
     assert [o.name for o in r.get_response().outputs] == ["text_output"]
     with pytest.raises(Exception, match="'nope' is not produced"):
-        grpc_client.infer("chat-qwen", _triton_inputs(tg, prompt, sampling), outputs=[tg.InferRequestedOutput("nope")])
+        grpc_client.infer("chat-qwen", vllm_backend_inputs(tg, prompt, sampling),
+                          outputs=[tg.InferRequestedOutput("nope")])
     got: queue.Queue = queue.Queue()
     grpc_client.start_stream(callback=lambda result, error: got.put((result, error)))
     try:
-        grpc_client.async_stream_infer("chat-qwen", _triton_inputs(tg, prompt, sampling, stream=True),
+        grpc_client.async_stream_infer("chat-qwen", vllm_backend_inputs(tg, prompt, sampling, stream=True),
                                        request_id="s1")
         pieces, finals = [], []
         while not finals or not finals[-1]:
@@ -639,7 +624,7 @@ def test_kserve_infer_as_tritons_vllm_backend_takes_it(server, hf):
             assert result.get_response().id == "s1"
             pieces.append(result.as_numpy("text_output")[0].decode())
             finals.append(result.get_response().parameters["triton_final_response"].bool_param)
-        grpc_client.async_stream_infer("chat-qwen", _triton_inputs(tg, prompt, sampling, nope=True),
+        grpc_client.async_stream_infer("chat-qwen", vllm_backend_inputs(tg, prompt, sampling, nope=True),
                                        request_id="bad")
         _, error = got.get(timeout=60)
         assert error is not None and "text_input" in str(error)

@@ -24,6 +24,7 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from tests.decoder_models import build_model, load_hf  # noqa: E402
 from tests.server_process import ServerProcess  # noqa: E402
+from tests.triton_inputs import vllm_backend_inputs  # noqa: E402
 
 MODEL = "chat-qwen"
 TIMEOUT = 180  # a busy 2-core machine
@@ -176,19 +177,6 @@ def test_generate_bad_input_is_a_400_with_tritons_body(http, path):
     assert r.status_code == 400 and isinstance(r.json()["error"], str)
 
 
-def _inputs(mod, sampling: dict, **flags):
-    t = mod.InferInput("text_input", [1], "BYTES")
-    t.set_data_from_numpy(np.array([PROMPT.encode()], dtype=object))
-    sp = mod.InferInput("sampling_parameters", [1], "BYTES")
-    sp.set_data_from_numpy(np.array([json.dumps(sampling).encode()], dtype=object))
-    out = [t, sp]
-    for name, value in flags.items():
-        f = mod.InferInput(name, [1], "BOOL")
-        f.set_data_from_numpy(np.array([value]))
-        out.append(f)
-    return out
-
-
 def test_infer_cumulative_logprob_and_logprobs(server, ref):
     _, new, text, lps, _ = ref
     want_cum = sum(lps[i][t].item() for i, t in enumerate(new))
@@ -197,8 +185,8 @@ def test_infer_cumulative_logprob_and_logprobs(server, ref):
     g = tg.InferenceServerClient(server.grpc_url)
     try:
         for c, mod in ((h, th), (g, tg)):
-            r = c.infer(MODEL, _inputs(mod, sampling, return_cumulative_logprob=True, return_logprobs=True,
-                                       exclude_input_in_output=True))
+            r = c.infer(MODEL, vllm_backend_inputs(mod, PROMPT, sampling, return_cumulative_logprob=True,
+                                                   return_logprobs=True, exclude_input_in_output=True))
             assert r.as_numpy("text_output")[0].decode() == text
             cum = r.as_numpy("cumulative_logprob")
             assert cum.dtype == np.float32 and cum.shape == (1,)
@@ -207,7 +195,7 @@ def test_infer_cumulative_logprob_and_logprobs(server, ref):
             assert len(entries) == len(new)
             _check_logprobs(entries, ref, 2)
         with pytest.raises(InferenceServerException, match="return_logprobs"):
-            g.infer(MODEL, _inputs(tg, sampling), outputs=[tg.InferRequestedOutput("logprobs")])
+            g.infer(MODEL, vllm_backend_inputs(tg, PROMPT, sampling), outputs=[tg.InferRequestedOutput("logprobs")])
     finally:
         h.close()
         g.close()
@@ -223,8 +211,9 @@ def test_infer_stream_num_output_tokens_is_per_response(server, ref):
     got: queue.Queue = queue.Queue()
     g.start_stream(callback=lambda result, error: got.put((result, error)))
     try:
-        g.async_stream_infer(MODEL, _inputs(tg, {"max_tokens": N, "temperature": 0}, stream=True,
-                                            return_num_output_tokens=True, return_cumulative_logprob=True))
+        g.async_stream_infer(MODEL, vllm_backend_inputs(tg, PROMPT, {"max_tokens": N, "temperature": 0},
+                                                        stream=True, return_num_output_tokens=True,
+                                                        return_cumulative_logprob=True))
         pieces, counts, cums, final = [], [], [], False
         while not final:
             result, error = got.get(timeout=TIMEOUT)
@@ -236,7 +225,8 @@ def test_infer_stream_num_output_tokens_is_per_response(server, ref):
         assert "".join(pieces) == text and sum(counts) == len(new)
         assert cums[-1] == pytest.approx(sum(lps[i][t].item() for i, t in enumerate(new)), abs=1e-2)
         assert not any(math.isnan(c) for c in cums)
-        g.async_stream_infer(MODEL, _inputs(tg, {"max_tokens": 2}, stream=True, exclude_input_in_output=False))
+        g.async_stream_infer(MODEL, vllm_backend_inputs(tg, PROMPT, {"max_tokens": 2}, stream=True,
+                                                        exclude_input_in_output=False))
         _, error = got.get(timeout=TIMEOUT)
         assert error is not None and "exclude_input_in_output" in str(error)
     finally:
