@@ -116,3 +116,21 @@ def test_heads_in_graph_match_transformers(task_dirs, sentences, name):
         assert agree >= 0.998
     else:  # a random head has near-ties: a label may change only where FP32's top-2 margin is within the error
         assert agree >= 0.99 and (margin[~same] <= 2 * err).all()
+
+
+@pytest.mark.parametrize("name", ["intent", "slots"])
+def test_heads_in_graph_do_not_depend_on_the_batch(task_dirs, sentences, name):
+    """A query's logits (sequence head) and its tokens' logits (token head) alone equal them among
+    random neighbours, bit for bit: the heads run on the one-tiling GEMM (batch_invariant)."""
+    from surge.runtime.tokenize import Tokenizer
+
+    engine, hs, spec = _engine(task_dirs[name])
+    tok = Tokenizer(spec.tokenizer_file, spec.max_length, spec.vocab_size, spec.pad_token_id)
+    items = tok.encode(sentences[:150])
+    alone = [np.asarray(engine.run_heads(TokenBatch.pack([x]))[0]) for x in items]
+    rng = np.random.default_rng()
+    for _ in range(20):
+        idx = rng.choice(len(items), int(rng.integers(2, 65)), replace=False)
+        rows = engine.run_heads(TokenBatch.pack([items[i] for i in idx]))
+        for i, r in zip(idx, rows):
+            np.testing.assert_array_equal(np.asarray(r), alone[i], err_msg=f"{name}: sentence {i} moved")

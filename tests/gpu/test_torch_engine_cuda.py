@@ -70,7 +70,7 @@ def test_out_of_memory_is_an_engine_error(model_dir):
         engine.load(model_dir)
 
 
-@pytest.mark.parametrize("gemm", ["cublas", "mixed", "triton", "cublaslt_gelu"])
+@pytest.mark.parametrize("gemm", ["cublas", "mixed", "triton", "cublaslt_gelu", "invariant"])
 def test_gemm_modes_agree(model_dir, tokenizer, reference, sentences, gemm):
     from surge.engines.torch_gpu import TorchEngine
 
@@ -90,12 +90,12 @@ def test_auto_times_every_mode_and_keeps_the_fastest(model_dir, tokenizer, sente
     from surge.engines.torch_gpu import LT_GELU, TorchEngine
 
     torch_gpu._MODE_CHOICE.clear()  # earlier engines of this model shared their choices: time afresh
-    engine = TorchEngine(device="cuda", precision="fp16", max_batch=8)
+    engine = TorchEngine(device="cuda", precision="fp16", max_batch=8, batch_invariant=False)
     engine.load(model_dir)
     engine.run(TokenBatch.pack(tokenizer.encode(sentences[:3])))
     (key, timings), = engine.choices.items()
     assert LT_GELU in timings and "cublas" in timings, timings  # fp16 allows the tanh GeLU epilogue
     assert engine._graphs[key + (False,)][3] == min(timings, key=timings.get)  # graph keys: bucket + heads mode
-    exact = TorchEngine(device="cuda", precision="fp16", max_batch=8, approximate_gelu=False)
+    exact = TorchEngine(device="cuda", precision="fp16", max_batch=8, approximate_gelu=False, batch_invariant=False)
     exact.load(model_dir)
     assert LT_GELU not in exact.modes(key)

@@ -247,3 +247,29 @@ def test_a_lone_sequence_takes_the_short_path_with_the_same_fields_positions_and
                                   one.cu_seqlens))
     with pytest.raises(InvalidInput, match="lengths must be"):
         cpu_engine.run(TokenBatch.pack([type(item)(np.ones(513, np.int64), np.zeros(513, np.int64))]))
+
+
+def test_batch_invariance_is_the_default_and_a_named_shape_picked_mode_turns_it_off():
+    from surge.config import EngineConfig
+    from surge.engines.torch_gpu import TorchEngine
+    from surge.errors import EngineError
+
+    engine = TorchEngine(device="cpu")
+    assert engine.batch_invariant and engine.gemm == "invariant"
+    assert engine.modes((8, 64, 16)) == ("invariant",)
+    picked = TorchEngine(device="cpu", gemm="cublas")
+    assert not picked.batch_invariant and picked.gemm == "cublas"
+    free = TorchEngine(device="cpu", batch_invariant=False)
+    assert free.gemm == "auto" and "cublas" in free.modes((8, 64, 16)) and "invariant" not in free.modes((8, 64, 16))
+    with pytest.raises(EngineError, match="batch_invariant=False"):
+        TorchEngine(device="cpu", gemm="triton", batch_invariant=True)
+    assert EngineConfig().batch_invariant is True
+
+
+def test_the_loader_hands_batch_invariant_to_the_torch_engine(bundled_spec):
+    from surge.config import EngineConfig
+    from surge.runtime.loader import make_engine
+
+    for flag in (True, False):
+        engine = make_engine(EngineConfig(engine="torch", device="cpu", batch_invariant=flag), bundled_spec, None)
+        assert engine.batch_invariant is flag

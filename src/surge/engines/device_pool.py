@@ -3,9 +3,9 @@
 Host pooling of the hidden states cost the engine process a quarter of its samples under load
 on the H200 (fp16 -> fp32 conversion of [tokens, hidden] and a segmented sum in numpy, per
 batch) and copied [tokens, hidden] back instead of [batch, hidden]. Here the same math runs on
-the device: mean pooling as one fp32 matrix product of a [batch, tokens] membership matrix built
-from cu_seqlens (deterministic, unlike atomics: a row never depends on its batch-mates' order),
-cls / last as row gathers. Shapes are fixed per bucket, so it is captured with the encoder.
+the device: mean pooling as a segmented fp32 sum whose order starts at each sequence's own first
+token (kernels/segment_mean.py: a row never depends on its batch-mates or its place in the batch;
+a membership-matrix product through cuBLAS summed in an order that did), cls / last as row gathers. Shapes are fixed per bucket, so it is captured with the encoder.
 """
 
 from __future__ import annotations
@@ -26,6 +26,11 @@ def pool_on_device(x: torch.Tensor, inputs: torch.Tensor, key: tuple, mode: str)
         return x.index_select(0, (cu[1:] - 1).clamp(min=0, max=tb - 1)).float()
     if mode != "mean":
         raise ValueError(f"pooling {mode!r} is not computed on the device")
+    if x.device.type == "cuda":
+        from surge.engines.kernels.segment_mean import segment_mean
+
+        return segment_mean(x[:tb], inputs[3 * tb:3 * tb + bb + 1], bb)
+    # elsewhere (no Triton): the same means through a membership matrix, in an order that does follow the batch
     pos = torch.arange(tb, device=x.device)
     member = (pos[None, :] >= cu[:-1, None]) & (pos[None, :] < cu[1:, None])
     counts = (cu[1:] - cu[:-1]).clamp(min=1).to(torch.float32)

@@ -88,23 +88,26 @@ def layer_fused(x: torch.Tensor, lw: LayerWeights, cu: torch.Tensor, max_len: in
     C <= T is the chunk the out-projection and the FFN run in (memory.py).
     gemm: "cublas" (cuBLAS GEMMs, bias+GeLU as its own Triton kernel), "cublaslt_gelu"
     (cuBLAS, bias+GeLU in cuBLASLt's epilogue, tanh form), "triton"
-    (every GEMM in Triton, bias+GeLU in the FFN GEMM's epilogue) or "mixed"
-    (cuBLAS, except the FFN-in GEMM with the fused epilogue).
+    (every GEMM in Triton, bias+GeLU in the FFN GEMM's epilogue), "mixed"
+    (cuBLAS, except the FFN-in GEMM with the fused epilogue) or "invariant" (as "triton",
+    with one GEMM tiling and one attention tile for every batch: a token's output is bit for
+    bit the same whatever else the batch holds; the other modes choose by shape).
     """
     from surge.engines.kernels.attention import varlen_attention
-    from surge.engines.kernels.gemm import ACT_GELU, ACT_GELU_TANH, linear
+    from surge.engines.kernels.gemm import ACT_GELU, ACT_GELU_TANH
     from surge.engines.kernels.norm import bias_gelu_
 
     tanh = cfg.activation == "gelu_tanh"
     qkv, tmp_full, ffn_full = ws["qkv"], ws["tmp"], ws["ffn"]
     hid = qkv.shape[1] // 3
     t, chunk = x.shape[0], tmp_full.shape[0]
-    if gemm == "triton":
-        linear(x, lw.wqkv, lw.bqkv, qkv)
+    triton_gemm = _triton_linear(gemm)
+    if triton_gemm is not None:
+        triton_gemm(x, lw.wqkv, lw.bqkv, qkv)
     else:
         torch.addmm(lw.bqkv, x, lw.wqkv.t(), out=qkv)  # fused QKV; bias in cuBLASLt's epilogue
     ctx = qkv[:, :hid]  # the context overwrites Q in place: no [T, hid] buffer of its own
-    varlen_attention(qkv, cu, ctx, lw.heads, max_len, batch)
+    varlen_attention(qkv, cu, ctx, lw.heads, max_len, batch, invariant=gemm == "invariant")
     for c0 in range(0, t, chunk):
         c1 = min(t, c0 + chunk)
         _project_add_ln(ctx[c0:c1], lw.wo, lw.bo, x[c0:c1], tmp_full[:c1 - c0], lw.ln1_w, lw.ln1_b, cfg.eps,
@@ -119,8 +122,8 @@ def layer_fused(x: torch.Tensor, lw: LayerWeights, cu: torch.Tensor, max_len: in
             # bias + GeLU in cuBLASLt's epilogue: no pass over [C, ffn]; cuBLASLt's GeLU is the
             # tanh form, so the engine offers this mode only where that is allowed (approximate_gelu)
             torch._addmm_activation(lw.b1, xc, lw.w1.t(), use_gelu=True, out=ffn)
-        else:
-            linear(xc, lw.w1, lw.b1, ffn, act=ACT_GELU_TANH if tanh else ACT_GELU)
+        else:  # "mixed" runs this GEMM in Triton too: its epilogue carries bias + GeLU
+            (triton_gemm or _triton_linear("triton"))(xc, lw.w1, lw.b1, ffn, act=ACT_GELU_TANH if tanh else ACT_GELU)
         _project_add_ln(ffn, lw.w2, lw.b2, xc, tmp, lw.ln2_w, lw.ln2_b, cfg.eps, gemm, reduce)
 
 
@@ -129,13 +132,20 @@ def layer_fused(x: torch.Tensor, lw: LayerWeights, cu: torch.Tensor, max_len: in
 RESIDUAL_IN_GEMM = True
 
 
+def _triton_linear(gemm: str):
+    """The Triton GEMM a mode runs every product with (None: cuBLAS for the mode's others)."""
+    from surge.engines.kernels.gemm import linear, linear_invariant
+
+    return {"triton": linear, "invariant": linear_invariant}.get(gemm)
+
+
 def _project_add_ln(a, w, bias, xc, tmp, ln_w, ln_b, eps: float, gemm: str, reduce: Reduce) -> None:
     """xc = LayerNorm(a @ w^T + bias + xc), in place on xc."""
-    from surge.engines.kernels.gemm import linear
     from surge.engines.kernels.norm import add_layernorm, bias_layernorm_
 
-    if gemm == "triton":
-        linear(a, w, None, tmp)
+    triton_gemm = _triton_linear(gemm)
+    if triton_gemm is not None:
+        triton_gemm(a, w, None, tmp)
     elif reduce is None and RESIDUAL_IN_GEMM:
         xc.addmm_(a, w.t())
         bias_layernorm_(xc, bias, ln_w, ln_b, eps)

@@ -46,6 +46,8 @@ GEMM_MODES = ("cublas", "mixed", "triton")
 DEFAULT_PIPELINE_DEPTH = 1
 # bias + GeLU in cuBLASLt's epilogue (the tanh form of GeLU): offered where approximate_gelu allows
 LT_GELU = "cublaslt_gelu"
+# every GEMM and the attention on one tiling for every batch (batch_invariant)
+INVARIANT = "invariant"
 
 
 def _next_pow2(n: int) -> int:
@@ -105,7 +107,8 @@ class TorchEngine:
     def __init__(self, device: str = "cuda", precision: str = "fp16", max_batch: int = 64,
                  max_tokens: int | None = None, cuda_graphs: bool = True, workspace: Workspace | None = None,
                  max_graphs: int = 48, gemm: str = "auto", weight_budget: int | None = None,
-                 approximate_gelu: bool | None = None, threads: int = 0, pipeline_depth: int | None = None):
+                 approximate_gelu: bool | None = None, threads: int = 0, pipeline_depth: int | None = None,
+                 batch_invariant: bool | None = None):
         if precision not in _DTYPES:
             raise EngineError(f"the torch engine runs fp32, fp16 or bf16, not {precision!r}")
         self.device = torch.device(device)
@@ -117,10 +120,21 @@ class TorchEngine:
         self.max_tokens = max_tokens  # token capacity of one batch; default max_batch * max_length
         self.cuda_graphs = cuda_graphs
         self.max_graphs = max_graphs
-        modes = GEMM_MODES + (LT_GELU,)
+        modes = GEMM_MODES + (LT_GELU, INVARIANT)
         if gemm not in ("auto",) + modes:
             raise EngineError(f"gemm must be auto or one of {modes}, not {gemm!r}")
-        self.gemm = gemm
+        # Batch invariance (DESIGN.md: a result never depends on which other requests shared its
+        # batch): one GEMM tiling, one attention tile and one pooling order for every bucket, where
+        # the other modes pick per bucket (cuBLAS by shape, gemm="auto" by timing) and so round a
+        # sentence's vector differently with its batch-mates (session 43 measured 44-54% of
+        # sentences off in their last bits). The default; a named non-invariant mode turns it off.
+        if batch_invariant is None:
+            batch_invariant = gemm in ("auto", INVARIANT)
+        if batch_invariant and gemm not in ("auto", INVARIANT):
+            raise EngineError(f"gemm={gemm!r} sums in an order that depends on the batch: it needs "
+                              "batch_invariant=False")
+        self.batch_invariant = batch_invariant
+        self.gemm = INVARIANT if batch_invariant else gemm
         # The tanh form differs from erf-GeLU by < 5e-4, under half an fp16 ulp at |x| > 0.25 and far
         # under bf16's: allowed by default in half precision, never in fp32 (tests check the cosine).
         self.approximate_gelu = precision != "fp32" if approximate_gelu is None else approximate_gelu
@@ -366,6 +380,8 @@ class TorchEngine:
 
     def modes(self, key) -> tuple[str, ...]:
         """The GEMM/fusion modes that can run a bucket; gemm="auto" times them all."""
+        if self.batch_invariant:
+            return (INVARIANT,)
         bb, tb, lb = key
         out = ("cublas", "mixed") + (("triton",) if tb <= 1024 else ())  # Triton's GEMM lost every large bucket
         if self.approximate_gelu or self.config.activation == "gelu_tanh":
@@ -436,20 +452,31 @@ class TorchEngine:
         cls = x.index_select(0, cu[:-1].clamp(max=tb - 1)).float()  # padded batch rows read a real row
         fixed, tokens = [], []
         xf = None
+        affine = self._head_affine
         for seq, pre, w, b in self._dev_heads:
             if seq:
                 h = cls
                 for pw, pb, act in pre:
-                    h = torch.addmm(pb, h, pw.t())
+                    h = affine(pb, h, pw)
                     h = torch.tanh(h) if act == "tanh" else torch.relu(h)
-                fixed.append(torch.addmm(b, h, w.t()))
+                fixed.append(affine(b, h, w))
             else:
                 xf = x.float() if xf is None else xf
-                tokens.append(torch.addmm(b, xf, w.t()))
+                tokens.append(affine(b, xf, w))
         parts = [torch.cat(fixed, 1).reshape(-1)] if fixed else []
         if tokens:
             parts.append(torch.cat(tokens, 1).reshape(-1))
         return torch.cat(parts)
+
+    def _head_affine(self, bias: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """h @ w^T + bias in FP32; with batch invariance on the one-tiling GEMM (cuBLAS picks its
+        kernel by the batch's rows, and a query's logits would round with its batch-mates)."""
+        if not self.batch_invariant:
+            return torch.addmm(bias, h, w.t())
+        from surge.engines.kernels.gemm import linear_invariant
+
+        out = torch.empty((h.shape[0], w.shape[0]), dtype=torch.float32, device=h.device)
+        return linear_invariant(h, w, bias, out)
 
     def run_heads(self, batch: TokenBatch) -> np.ndarray:
         """The attached heads' rows for a batch (HeadSet.rows layout), heads computed on the GPU."""
@@ -500,7 +527,7 @@ class TorchEngine:
         started = time.perf_counter()
         views = self._views(key)
         modes = self.modes(key)
-        mode = "cublas" if self.gemm == "auto" or self.gemm not in modes else self.gemm
+        mode = modes[0] if self.gemm == "auto" or self.gemm not in modes else self.gemm
         if not self.cuda_graphs:
             with torch.cuda.stream(self.stream):
                 out = self._forward(key, views, mode)

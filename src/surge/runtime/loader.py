@@ -33,7 +33,8 @@ def make_engine(cfg: EngineConfig, spec: ModelSpec, artifact: Path | None, devic
         from surge.engines.torch_gpu import TorchEngine
 
         engine = TorchEngine(device=device or cfg.device, precision=cfg.precision, max_batch=cfg.max_batch_size,
-                             max_tokens=max_tokens, threads=cfg.threads, approximate_gelu=False if cfg.exact_gelu else None)
+                             max_tokens=max_tokens, threads=cfg.threads, approximate_gelu=False if cfg.exact_gelu else None,
+                             batch_invariant=cfg.batch_invariant)
         engine.load(spec.path)
         return engine
     raise ValueError(f"unknown engine {cfg.engine!r}")

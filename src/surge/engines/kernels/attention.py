@@ -61,20 +61,31 @@ def _varlen_attn(qkv_ptr, out_ptr, cu_ptr, stride_t, stride_o, qk_scale,
              mask=(offs_m[:, None] < length) & dmask[None, :])
 
 
+# The tile of every batch when the caller asks for batch invariance: a sequence's softmax sums and
+# products then run in one order whatever the batch's longest sequence (which otherwise picks the
+# tile: a 10-token query alone ran 16 x 16 tiles, beside a 40-token one 64 x 64, and rounded apart).
+INVARIANT_BLOCK = 64
+
+
 def varlen_attention(qkv: torch.Tensor, cu_seqlens: torch.Tensor, out: torch.Tensor, heads: int,
-                     max_len: int, batch: int | None = None) -> torch.Tensor:
+                     max_len: int, batch: int | None = None, invariant: bool = False) -> torch.Tensor:
     """qkv [T, 3*heads*D] (fp16/bf16), cu_seqlens int32 [B+1] on the GPU -> out [T, heads*D].
 
     `max_len` and `batch` size the grid only (upper bounds are fine): they are
     what a CUDA graph fixes, while cu_seqlens' contents may change per replay.
+    invariant: one tile shape for every max_len, so each sequence's output is bit for bit
+    the same whatever shares its batch; otherwise the tile follows max_len (faster for short ones).
     """
     hid = qkv.shape[1] // 3
     d = hid // heads
     if batch is None:
         batch = cu_seqlens.shape[0] - 1
     block_d = max(16, triton.next_power_of_2(d))
-    block_m = 64 if max_len > 32 else 32 if max_len > 16 else 16
-    block_n = 64 if max_len > 32 else 32 if max_len > 16 else 16
+    if invariant:
+        block_m = block_n = INVARIANT_BLOCK
+    else:
+        block_m = 64 if max_len > 32 else 32 if max_len > 16 else 16
+        block_n = 64 if max_len > 32 else 32 if max_len > 16 else 16
     grid = (triton.cdiv(max_len, block_m), batch * heads)
     _varlen_attn[grid](qkv, out, cu_seqlens, qkv.stride(0), out.stride(0), (d ** -0.5) * 1.4426950408889634,
                        HEADS=heads, D=d, HID=hid, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,

@@ -4,7 +4,10 @@ cuBLAS is faster than this on plain products; what this buys is the FFN's
 bias+GeLU without a second pass over the [T, ffn] activation (the largest
 tensor of the layer), and at tiny M a tiling that keeps more SMs streaming
 weights. The engine times both paths per shape bucket and keeps the faster
-(torch_gpu.TorchEngine, gemm="auto").
+(torch_gpu.TorchEngine, gemm="auto", batch_invariant=False).
+
+`linear_invariant` runs the same kernel with one tiling for every M: a row's sums then run
+in the same order whatever else shares the batch (the engine's default, batch_invariant).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ def _prune(configs, named_args, **kwargs):
 @triton.autotune(configs=_configs(), key=["M_CLASS", "N", "K"], prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _gemm(a_ptr, w_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_wn, stride_cm, M_CLASS,
-          HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+          HAS_BIAS: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -59,7 +62,10 @@ def _gemm(a_ptr, w_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_wn, stride_c
         kmask = offs_k < K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & kmask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=(offs_n[None, :] < N) & kmask[:, None], other=0.0)
-        acc = tl.dot(a, w, acc)
+        if IEEE:  # FP32 operands in FP32 (Triton's default for FP32 dots is TF32)
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if HAS_BIAS:
@@ -80,5 +86,26 @@ def linear(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: tor
     m_class = 0 if m <= 64 else 1 if m <= 1024 else 2
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     _gemm[grid](a, w, bias if bias is not None else w, out, m, n, k, a.stride(0), w.stride(0), out.stride(0),
-                m_class, HAS_BIAS=bias is not None, ACT=act)
+                m_class, HAS_BIAS=bias is not None, ACT=act, IEEE=a.dtype == torch.float32)
+    return out
+
+
+# The one tiling of linear_invariant. Batch invariance needs a row's K sums in one fixed order:
+# no split-K, and the same tile shape and MMA instruction for every M (a per-M choice, as cuBLAS
+# and the autotuned `linear` make, changes the order and so the last bits). 64 x 64 tiles: one
+# Hopper warpgroup MMA; K in steps of 64.
+INVARIANT = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}
+INVARIANT_LAUNCH = {"num_warps": 4, "num_stages": 4}
+
+
+def linear_invariant(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                     act: int = ACT_NONE) -> torch.Tensor:
+    """out[M, N] = act(a[M, K] @ w[N, K]^T + bias), each row bit for bit the same for every M and
+    every position of the row in `a` (one tiling, no split-K). FP32 operands multiply in FP32."""
+    m, k = a.shape
+    n = w.shape[0]
+    grid = (triton.cdiv(m, INVARIANT["BLOCK_M"]) * triton.cdiv(n, INVARIANT["BLOCK_N"]),)
+    _gemm.fn[grid](a, w, bias if bias is not None else w, out, m, n, k, a.stride(0), w.stride(0), out.stride(0), 0,
+                   HAS_BIAS=bias is not None, ACT=act, IEEE=a.dtype == torch.float32, **INVARIANT,
+                   **INVARIANT_LAUNCH)
     return out
