@@ -103,9 +103,18 @@ class EmbedOptions:
     # one of the model's sentence-transformers prompts, put before every text (None: its default, if any);
     # the prompted texts key the cache, so the name is not in key()
     prompt_name: str | None = None
+    # which end of a too-long input is cut: "right" keeps its first tokens, "left" its last (TEI's
+    # truncation_direction); the model's special tokens stay around what is kept either way
+    truncation_direction: str = "right"
+
+    @property
+    def left(self) -> bool:
+        """Cut from the left (only where cutting applies: truncate=False refuses instead)."""
+        return self.truncate and self.truncation_direction == "left"
 
     def key(self) -> tuple:
-        return (self.normalize, self.truncate, self.dimensions)
+        # the direction where it changes the answer: a left-cut vector never answers a right-cut request
+        return (self.normalize, self.truncate, self.dimensions, "left" if self.left else "right")
 
 
 @dataclass

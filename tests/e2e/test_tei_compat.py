@@ -228,3 +228,32 @@ def test_tei_embed_normalizes_by_default_whatever_the_model(client, raw_dir, sen
     r = client.post("/embed", json={"model": "raw", "inputs": texts, "normalize": False})
     assert r.status_code == 200, r.text
     np.testing.assert_allclose(np.asarray(r.json(), dtype=np.float64), ref, rtol=1e-3, atol=1e-3)
+
+
+# What each text-only route's `inputs` takes, as its error says it: token ids are surge's native /embed's
+# and OpenAI's, never these routes'.
+TEXT_ONLY = [
+    ("/", "minilm", ["a string", "a list of strings", '{"text", "text_pair"}', '{"source_sentence", "sentences"}']),
+    ("/models/minilm", None, ["a string", "a list of strings"]),
+    ("/predict", "ce", ["a string", "a pair of strings"]),
+    ("/tokenize", "minilm", ["a string", "a list of strings"]),
+    ("/embed_all", "minilm", ["a string", "a list of strings"]),
+    ("/embed_sparse", "minilm", ["a string", "a list of strings"]),
+]
+
+
+@pytest.mark.parametrize("path,model,accepted", TEXT_ONLY)
+@pytest.mark.parametrize("inputs", [[[101, 7592, 102]], [101, 7592, 102], 7592])
+def test_text_only_routes_do_not_suggest_token_ids(client, path, model, accepted, inputs):
+    """A body of token ids on a route that takes only text is told what the route takes, not the
+    embeddings routes' "a list of token ids, or a list of token-id lists"."""
+    body = {"inputs": inputs, **({"model": model} if model else {})}
+    r = client.post(path, json=body)
+    assert r.status_code == 422, r.text
+    got = r.json()
+    assert got["error_type"] == "Validation", got
+    msg = got["error"]
+    assert "inputs" in msg and "token id" in msg and "not token ids" in msg, msg
+    assert "list of token ids" not in msg and "token-id lists" not in msg, msg
+    for shape in accepted:
+        assert shape in msg, (shape, msg)

@@ -29,6 +29,7 @@ import numpy as np
 
 from surge.config import CacheConfig
 from surge.runtime.metrics import ServiceMetrics
+from surge.types import EmbedOptions
 
 Key = tuple  # (options key, normalized text or token-id bytes)
 
@@ -138,7 +139,9 @@ def read_query_log(path: Path, k: int, normalize: Callable[[str], str] = lambda 
 class ResultCache:
     def __init__(self, cfg: CacheConfig, model: str = "model", version: str = "1",
                  metrics: ServiceMetrics | None = None, normalize: Callable[[str], str] | None = None,
-                 default_options: tuple = (None, True, None)):
+                 default_options: tuple | None = None):
+        """`default_options`: the options key the query log's queries are pinned under (default:
+        EmbedOptions()'s, written once there)."""
         self.cfg = cfg
         self.model, self.version = model, version
         self.metrics = metrics
@@ -163,7 +166,7 @@ class ResultCache:
         self.rejected = 0
         if cfg.query_log is not None and cfg.pinned_top_k:
             self.pin_queries(read_query_log(Path(cfg.query_log), cfg.pinned_top_k, self.normalize),
-                             default_options)
+                             EmbedOptions().key() if default_options is None else default_options)
 
     # ---- keys ----------------------------------------------------------------
     def text_key(self, text: str, options_key: tuple) -> Key:

@@ -312,7 +312,8 @@ class ModelService:
         sub = [req.inputs[i] for i in miss]
         t = time.monotonic()
         encs: list[Encoded] = await self.tokenize.encode(sub if req.is_text else None,
-                                                         None if req.is_text else sub, req.options.truncate)
+                                                         None if req.is_text else sub, req.options.truncate,
+                                                         req.options.left)
         took = time.monotonic() - t
         m.tokenize.observe(took)
         req.add_time(TOKENIZE, took)
@@ -338,8 +339,9 @@ class ModelService:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
-    def encode(self, texts: list[str] | None, token_ids: list[list[int]] | None, truncate: bool) -> list[Encoded]:
-        return encode_inputs(self.worker.tokenizer, texts, token_ids, truncate)
+    def encode(self, texts: list[str] | None, token_ids: list[list[int]] | None, truncate: bool,
+               left: bool = False) -> list[Encoded]:
+        return encode_inputs(self.worker.tokenizer, texts, token_ids, truncate, left)
 
     async def count_tokens(self, texts: list[str]) -> list[int]:
         """Each text's token count before truncation, the model's default prompt included (on the tokenizer's
@@ -381,7 +383,8 @@ def _poll_s() -> float:
 
 
 def encode_inputs(tokenizer, texts: list[str] | None, token_ids: list[list[int]] | None,
-                  truncate: bool) -> list[Encoded]:
+                  truncate: bool, left: bool = False) -> list[Encoded]:
+    """`left`: a too-long input keeps its last tokens (TEI's truncation_direction "left")."""
     if texts is not None:
-        return tokenizer.encode(texts, truncate=truncate)
-    return tokenizer.from_ids(token_ids or [], truncate=truncate)
+        return tokenizer.encode(texts, truncate=truncate, left=left)
+    return tokenizer.from_ids(token_ids or [], truncate=truncate, left=left)

@@ -2,7 +2,7 @@
 
 A `ModelService` whose worker carries heads (engines/heads.py) answers
 `infer(TaskRequest)` here. The path is the embedding path's: admission ->
-cache (keyed by the inputs, the truncation option and the model's head set)
+cache (keyed by the inputs, the truncation options and the model's head set)
 -> the shared Redis tier when configured (keys carry the model's build fingerprint, which names
 its task and heads) -> tokenize on an executor thread (runtime/tokenize.py's tokenizer is safe to
 share between threads) -> the same dynamic batcher (one
@@ -39,6 +39,11 @@ class TaskRequest:
     pairs: list[tuple[str, str]] | None = None
     truncate: bool = True
     param: str = "inputs"  # the request field the inputs came from (error messages name it)
+    truncation_direction: str = "right"  # "left": a too-long input keeps its last tokens (TEI's)
+
+    @property
+    def left(self) -> bool:
+        return self.truncate and self.truncation_direction == "left"
 
     @property
     def items(self) -> list:
@@ -119,7 +124,8 @@ class TaskRunner:
         tokens = [0] * n
         cached = [False] * n
         cache = s.cache
-        okey = ("heads", req.truncate)  # every head's raw output; never an embedding key (3-tuples)
+        # every head's raw output, per truncation; never an embedding key (those start with `normalize`)
+        okey = ("heads", req.truncate, "left" if req.left else "right")
         keys = [self._key(it, okey) for it in items] if cache is not None else None
         miss = list(range(n))
         redis = getattr(s, "redis", None)  # the shared tier (runtime/cache_redis.py), as embeddings use it
@@ -145,7 +151,7 @@ class TaskRunner:
         if miss or need_encodings:
             todo = items if need_encodings else [items[i] for i in miss]
             t = time.monotonic()
-            encs = await loop.run_in_executor(None, tok.encodings, todo, req.truncate, req.param)
+            encs = await loop.run_in_executor(None, tok.encodings, todo, req.truncate, req.param, req.left)
             s.metrics.tokenize.observe(time.monotonic() - t)
             timings["compute_input_ns"] = int((time.monotonic() - t) * 1e9)
             if need_encodings:

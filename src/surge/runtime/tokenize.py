@@ -5,9 +5,13 @@ Padding is the batcher's business (it knows the batch), so this returns one
 
 A `Tokenizer` is safe to call from several threads at once (the tokenize stage's thread, the
 task path's executor threads, the event loop): no call changes a tokenizer's settings. Inputs
-that must not be truncated go through a second, untruncating copy, made on first use. (The first
-version switched the one tokenizer's truncation off and on around such a call, and a truncating
-call on another thread in between got a 3,000-token sequence into a 512-position model's batch.)
+that must not be truncated go through a second, untruncating copy, and inputs cut from the left
+(`left=True`: TEI's truncation_direction "left", the last tokens kept) through a third copy that
+`tokenizers` truncates from the left; each copy is made on first use and set up before any thread
+sees it. (The first version switched the one tokenizer's truncation off and on around such a call,
+and a truncating call on another thread in between got a 3,000-token sequence into a 512-position
+model's batch.) `tokenizers` truncates before its post-processor runs, so [CLS] ... [SEP] (or the
+model's template) stay around the tokens kept from either end.
 """
 
 from __future__ import annotations
@@ -39,36 +43,41 @@ class Tokenizer:
         # The count of special tokens added around one sequence ([CLS] ... [SEP]).
         self._n_special = self._tok.post_processor.num_special_tokens_to_add(False) if self._tok.post_processor else 0
         self._full: _HFTokenizer | None = None  # the untruncating copy (see the module's docstring)
-        self._full_lock = threading.Lock()
+        self._left: _HFTokenizer | None = None  # the copy that truncates from the left
+        self._copy_lock = threading.Lock()
         # Short ASCII texts of a BERT WordPiece tokenizer, in Python with the same ids (runtime/fast_wordpiece.py).
         from surge.runtime.fast_wordpiece import for_file
 
         self._fast = for_file(tokenizer_file)
 
-    def encode(self, texts: list[str], truncate: bool = True) -> list[Encoded]:
-        """Tokenize a batch of texts. Too long and truncate=False gives 413."""
+    def encode(self, texts: list[str], truncate: bool = True, left: bool = False) -> list[Encoded]:
+        """Tokenize a batch of texts, a too-long one cut at its end (`left`: at its start). Too long and
+        truncate=False gives 413."""
         out: list[Encoded | None] = [None] * len(texts)
         fast = self._fast
         if fast is not None and len(texts) <= FAST_MAX_TEXTS:
-            limit = self.max_length if truncate else None
+            # The fast path cuts at the end only. Cutting from the left, it is asked for one token more
+            # than the model takes: a text that fits is its answer (nothing to cut), a longer one is
+            # left to tokenizers.
+            limit = (self.max_length + 1 if left else self.max_length) if truncate else None
             for i, t in enumerate(texts):
                 ids = fast.encode(t, limit)
-                if ids is not None:
+                if ids is not None and not (left and len(ids) > self.max_length):
                     out[i] = Encoded(np.array(ids, dtype=np.int64), np.zeros(len(ids), dtype=np.int64))
         rest = [i for i, e in enumerate(out) if e is None]  # what the fast path declined: tokenizers
         if rest:
             sub = [texts[i] for i in rest]
-            encs = self._encode_ids(sub, truncate)
+            encs = self._encode_ids(sub, truncate, left)
             for i, e in zip(rest, encs):
                 out[i] = Encoded(np.asarray(e.ids, dtype=np.int64), np.asarray(e.type_ids, dtype=np.int64))
         if not truncate:
             self._check_lengths(len(e.ids) for e in out)
         return out
 
-    def _encode_ids(self, texts: list[str], truncate: bool = True) -> list:
+    def _encode_ids(self, texts: list[str], truncate: bool = True, left: bool = False) -> list:
         """tokenizers' Encodings of `texts`: ids and type ids only (no character offsets) where tokenizers
         has encode_batch_fast (>= 0.21), ~20% faster a call."""
-        tok = self._tok if truncate else self.untruncated
+        tok = self._truncating(left) if truncate else self.untruncated
         return getattr(tok, "encode_batch_fast", tok.encode_batch)(texts)
 
     def _check_lengths(self, lengths) -> None:
@@ -80,9 +89,10 @@ class Tokenizer:
                     param="input",
                 )
 
-    def encodings(self, inputs: list, truncate: bool = True, param: str = "input") -> list:
+    def encodings(self, inputs: list, truncate: bool = True, param: str = "input", left: bool = False) -> list:
         """The tokenizers `Encoding`s of texts or (text, text_pair) tuples (offsets, special-token
-        masks, type ids: pairs get token_type_ids 0 then 1). Too long and truncate=False gives 413."""
+        masks, type ids: pairs get token_type_ids 0 then 1). Too long and truncate=False gives 413; too
+        long otherwise is cut longest side first, at its end (`left`: at its start), as tokenizers does."""
         if not truncate:
             encs = self.untruncated.encode_batch(inputs)
             for i, enc in enumerate(encs):
@@ -91,14 +101,15 @@ class Tokenizer:
                         f"{param}[{i}] has {len(enc.ids)} tokens, more than the model's maximum of "
                         f"{self.max_length} (send truncate=true to cut it)", param=param)
             return encs
-        return self._tok.encode_batch(inputs)
+        return self._truncating(left).encode_batch(inputs)
 
     @staticmethod
     def to_encoded(encs: list) -> list[Encoded]:
         return [Encoded(np.asarray(e.ids, dtype=np.int64), np.asarray(e.type_ids, dtype=np.int64)) for e in encs]
 
-    def from_ids(self, sequences: list[list[int]], truncate: bool = True) -> list[Encoded]:
-        """Accept pre-tokenized ids as given (special tokens are the caller's)."""
+    def from_ids(self, sequences: list[list[int]], truncate: bool = True, left: bool = False) -> list[Encoded]:
+        """Accept pre-tokenized ids as given (special tokens are the caller's): a too-long sequence keeps
+        its first max_length ids (`left`: its last)."""
         out = []
         for i, seq in enumerate(sequences):
             try:
@@ -119,7 +130,7 @@ class Tokenizer:
                         f"input {i} has {arr.size} tokens, more than the model's maximum of {self.max_length}",
                         param="input",
                     )
-                arr = arr[: self.max_length]
+                arr = arr[-self.max_length:] if left else arr[: self.max_length]
             out.append(Encoded(arr, np.zeros_like(arr)))
         return out
 
@@ -134,15 +145,25 @@ class Tokenizer:
     @property
     def untruncated(self) -> _HFTokenizer:
         """The Hugging Face tokenizer without truncation (a copy of `backend`'s, made once)."""
-        full = self._full
-        if full is None:
-            with self._full_lock:
-                if self._full is None:
-                    copy = _HFTokenizer.from_str(self._tok.to_str())
-                    copy.no_truncation()
-                    self._full = copy  # published once set up: no thread sees it truncating
-                full = self._full
-        return full
+        return self._full or self._copy("_full", lambda t: t.no_truncation())
+
+    def _truncating(self, left: bool) -> _HFTokenizer:
+        """`backend`, or (`left`) its copy that cuts a too-long input from the left (made once)."""
+        if not left:
+            return self._tok
+        return self._left or self._copy(
+            "_left", lambda t: t.enable_truncation(max_length=self.max_length, direction="left"))
+
+    def _copy(self, attr: str, setup) -> _HFTokenizer:
+        """A copy of `backend` under `attr`, set up by `setup` before it is published there (no thread
+        sees a half set-up copy, and no call ever changes a tokenizer another thread may use)."""
+        with self._copy_lock:
+            tok = getattr(self, attr)
+            if tok is None:
+                tok = _HFTokenizer.from_str(self._tok.to_str())
+                setup(tok)
+                setattr(self, attr, tok)
+            return tok
 
     def count_untruncated(self, texts: list[str]) -> list[int]:
         """Token counts with no truncation."""

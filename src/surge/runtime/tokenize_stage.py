@@ -14,7 +14,8 @@ the GPU machine. So:
   so a burst costs one call, and the loop keeps parsing HTTP meanwhile.
 
 A request whose inputs fail (too long with truncate=false) fails alone: the
-batch is retried per request then. Inline runs only while the thread is idle
+batch is retried per request then. Requests are tokenized together only with
+requests of the same truncation (cut at the end, cut from the left, or not cut). Inline runs only while the thread is idle
 (a request does not pass the ones queued before it), and only the loop starts
 the thread. (The tokenizer itself is safe to call from several threads:
 runtime/tokenize.py.)
@@ -29,7 +30,8 @@ from typing import Callable
 
 from surge.types import Encoded
 
-Encode = Callable[[list[str] | None, list[list[int]] | None, bool], list[Encoded]]
+# (texts, token ids, truncate, left): runtime/service.encode_inputs
+Encode = Callable[[list[str] | None, list[list[int]] | None, bool, bool], list[Encoded]]
 
 
 class TokenizeStage:
@@ -38,23 +40,26 @@ class TokenizeStage:
         self.inline_chars = inline_chars
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"surge-{name}-tok")
         self._lock = threading.Lock()
-        self._queue: list[tuple[list[str], bool, asyncio.Future, asyncio.AbstractEventLoop]] = []
+        # (texts, (truncate, left), future, its loop)
+        self._queue: list[tuple[list[str], tuple[bool, bool], asyncio.Future, asyncio.AbstractEventLoop]] = []
         self._busy = False
         self.batches = 0  # encode_batch calls made by the thread (for tests and benchmarks)
         self.inline = 0  # requests tokenized inline
 
-    async def encode(self, texts: list[str] | None, token_ids: list[list[int]] | None, truncate: bool) -> list[Encoded]:
+    async def encode(self, texts: list[str] | None, token_ids: list[list[int]] | None, truncate: bool,
+                     left: bool = False) -> list[Encoded]:
+        """`left`: a too-long input keeps its last tokens (truncate=True only)."""
         if texts is None:
-            return self._encode(None, token_ids, truncate)  # validation and numpy: cheap
+            return self._encode(None, token_ids, truncate, left)  # validation and numpy: cheap
         with self._lock:
             idle = not self._busy
         if idle and truncate and sum(map(len, texts)) <= self.inline_chars:
             self.inline += 1
-            return self._encode(texts, None, truncate)
+            return self._encode(texts, None, truncate, left)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         with self._lock:
-            self._queue.append((texts, truncate, fut, loop))
+            self._queue.append((texts, (truncate, left), fut, loop))
             start = not self._busy
             self._busy = True
         if start:
@@ -73,20 +78,20 @@ class TokenizeStage:
                 if not todo:
                     self._busy = False
                     return
-            for truncate in (True, False):
-                group = [x for x in todo if x[1] is truncate and not x[2].done()]
+            for mode in dict.fromkeys(x[1] for x in todo):  # each truncation once, in order of arrival
+                group = [x for x in todo if x[1] == mode and not x[2].done()]
                 if group:
-                    self._run(group, truncate)
+                    self._run(group, *mode)
 
-    def _run(self, group, truncate: bool) -> None:
+    def _run(self, group, truncate: bool, left: bool) -> None:
         flat = [t for texts, _, _, _ in group for t in texts]
         self.batches += 1
         try:
-            encs = self._encode(flat, None, truncate)
+            encs = self._encode(flat, None, truncate, left)
         except Exception:  # noqa: BLE001 - one request's bad input: each request alone, errors to their own
             for texts, _, fut, loop in group:
                 try:
-                    res = self._encode(texts, None, truncate)
+                    res = self._encode(texts, None, truncate, left)
                 except Exception as exc:  # noqa: BLE001
                     loop.call_soon_threadsafe(_set, fut, None, exc)
                 else:

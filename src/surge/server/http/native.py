@@ -25,7 +25,8 @@ class EmbedRequest(BaseModel):
     normalize: StrictBool | None = None
     truncate: StrictBool = True
     dimensions: StrictInt | None = Field(None, ge=1)
-    # text-embeddings-inference's: a sentence-transformers prompt by name; truncation from the right only
+    # text-embeddings-inference's: a sentence-transformers prompt by name; which end of a too-long input is
+    # cut ("right", the default, or "left")
     prompt_name: StrictStr | None = None
     truncation_direction: StrictStr | None = None
 
@@ -39,12 +40,12 @@ def router(state: AppState) -> APIRouter:
         req = await parse(request, EmbedRequest, limits.max_body_bytes)
         texts, ids = split_input(req.inputs, limits.max_inputs_per_request, limits.max_input_chars)
         service = state.registry.get(req.model, req.version)
-        check_direction(req.truncation_direction)
+        direction = check_direction(req.truncation_direction)
         normalize = req.normalize
         if normalize is None and state.config.tei_embed:
             normalize = True  # TEI's default, whatever the model's own modules say (surge's: the model's)
         options = EmbedOptions(normalize=normalize, truncate=req.truncate, dimensions=req.dimensions,
-                               prompt_name=req.prompt_name)
+                               prompt_name=req.prompt_name, truncation_direction=direction)
         result = await state.run(service, texts=texts, token_ids=ids, options=options)
         if state.config.tei_embed:  # text-embeddings-inference's shape: the bare array of vectors
             return ORJSONResponse(result.vectors, headers={"x-surge-model-version": result.version})

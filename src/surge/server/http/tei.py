@@ -9,8 +9,10 @@ POST /  (and POST /models/{name})  dispatches on the model's task, as TEI and th
                     {"inputs": {"source_sentence", "sentences"}} -> [float] (cross-encoder scores)
     token-classify  {"inputs": str | [str], "parameters": {"aggregation_strategy", "ignore_labels"}}
                                                        -> entities (a list per input for a list)
-POST /predict   TEI: {"inputs": str | [str, str] (a pair) | [str | [str, str]], "raw_scores", "truncate"}
-POST /rerank    TEI: {"query", "texts", "raw_scores", "return_text", "truncate"} -> [{"index", "score", "text"?}];
+POST /predict   TEI: {"inputs": str | [str, str] (a pair) | [str | [str, str]], "raw_scores", "truncate",
+                     "truncation_direction"}
+POST /rerank    TEI: {"query", "texts", "raw_scores", "return_text", "truncate", "truncation_direction"}
+                -> [{"index", "score", "text"?}];
                 a body with "documents" is the Cohere / Jina shape that vLLM's /rerank takes (server/http/rerank.py)
 POST /tokenize  TEI: {"inputs", "add_special_tokens", "prompt_name"} -> [[{"id", "text", "special", "start", "stop"}]]
                 (with a prompt, as /embed would tokenize: the offsets index the prompted text); a body
@@ -21,7 +23,9 @@ GET  /info      TEI: model id, type (embedding / classifier / reranker), limits,
 `huggingface_hub.InferenceClient(model="http://HOST:PORT")` posts to "/" (tested for
 feature_extraction, text_classification, token_classification, sentence_similarity).
 `truncate` defaults to true on these routes, as TEI's (its --auto-truncate defaults to true from v1.9.0);
-`"truncate": false` makes a text longer than the model a 422 (TEI's Validation error). Errors are TEI's
+`"truncate": false` makes a text longer than the model a 422 (TEI's Validation error). `truncation_direction`
+(TEI's: "right", its default, or "left"; "Right" and "Left" too) picks the end a too-long text is cut at: "left"
+keeps its last tokens (a pair's longer side, cut at its start), [CLS] ... [SEP] still around them. Errors are TEI's
 `{"error", "error_type"}` with TEI's statuses (server/tei_errors.py). /similarity and /embed_sparse:
 server/http/tei_embeddings.py.
 Every body may name a `model` (surge serves several); the default is the first loaded.
@@ -29,7 +33,7 @@ Every body may name a `model` (surge serves several); the default is the first l
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, ClassVar, Union
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
@@ -44,7 +48,7 @@ from surge.server.http import vllm_tokenize
 from surge.server.http.common import ORJSONResponse, json_body, parse, validate
 from surge.server.http.task_io import (body_schema, check_length, check_pairs, check_texts, entities, label_scores,
                                        rerank_scores, run_task)
-from surge.server.http.tei_embeddings import check_direction, similarity
+from surge.server.http.tei_embeddings import TEXTS_HINT, check_direction, similarity
 from surge.server.state import AppState
 from surge.types import EmbedOptions
 
@@ -55,6 +59,9 @@ class InferenceRequest(BaseModel):
     """HF Inference API body (task parameters under `parameters`; TEI's embedding options at the root)."""
 
     model_config = ConfigDict(extra="forbid")
+    union_hints: ClassVar[dict] = {"inputs": (
+        'expected a string, a list of strings, a {"text", "text_pair"} object or a list of them, or a '
+        '{"source_sentence", "sentences"} object (texts, not token ids)')}
     inputs: Union[StrictStr, list[Union[StrictStr, dict[str, StrictStr]]], dict[str, Any]]
     parameters: dict[str, Any] | None = None
     model: StrictStr | None = None
@@ -67,6 +74,8 @@ class InferenceRequest(BaseModel):
 
 class PredictRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    union_hints: ClassVar[dict] = {"inputs": "expected a string, a pair of strings [string, string], or a list of "
+                                             "strings and pairs (texts, not token ids)"}
     inputs: Union[StrictStr, list[Union[StrictStr, Pair]]]
     raw_scores: StrictBool = False
     truncate: StrictBool = True  # TEI's --auto-truncate default
@@ -87,6 +96,7 @@ class RerankRequest(BaseModel):
 
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    union_hints: ClassVar[dict] = {"inputs": TEXTS_HINT}
     inputs: Union[StrictStr, list[StrictStr]]
     add_special_tokens: StrictBool = True
     model: StrictStr | None = None
@@ -138,17 +148,20 @@ def router(state: AppState) -> APIRouter:
         params = dict(req.parameters or {})
         task = getattr(served, "task", "embed")
         inputs = req.inputs
-        check_direction(req.truncation_direction)
+        # at the root (TEI's /embed body) or under parameters (its /similarity body, the HF Inference API's)
+        direction = check_direction(req.truncation_direction if req.truncation_direction is not None
+                                    else params.get("truncation_direction"))
         truncate = req.truncate if req.truncate is not None else params.get("truncate", True)
         if not isinstance(truncate, bool):  # bool("false") is True: a string is refused, not read
             raise InvalidInput("parameters.truncate must be true or false", param="truncate")
         if isinstance(inputs, dict) and "source_sentence" in inputs:
-            return ORJSONResponse(await similarity(state, served, inputs, truncate, req.prompt_name))
+            return ORJSONResponse(await similarity(state, served, inputs, truncate, req.prompt_name,
+                                                   direction=direction))
         if task == "embed":
             texts = check_texts([inputs] if isinstance(inputs, str) else _strings(inputs), "inputs", limits)
             result = await state.run(served, texts=texts, options=EmbedOptions(
                 normalize=req.normalize if req.normalize is not None else True, truncate=truncate,
-                dimensions=req.dimensions, prompt_name=req.prompt_name))
+                dimensions=req.dimensions, prompt_name=req.prompt_name, truncation_direction=direction))
             return ORJSONResponse(result.vectors, headers={"x-surge-model-version": result.version})
         if task == "token-classify":
             single = isinstance(inputs, str)
@@ -157,7 +170,9 @@ def router(state: AppState) -> APIRouter:
             ignore = params.get("ignore_labels")
             if ignore is not None and not (isinstance(ignore, list) and all(isinstance(x, str) for x in ignore)):
                 raise InvalidInput("parameters.ignore_labels must be a list of label names", param="ignore_labels")
-            result = await run_task(state, served, TaskRequest(texts=texts, truncate=truncate), "token-classify")
+            result = await run_task(state, served, TaskRequest(texts=texts, truncate=truncate,
+                                                                       truncation_direction=direction),
+                                    "token-classify")
             ents = entities(served, texts, result, strategy, ignore)
             return ORJSONResponse(ents[0] if single else ents)
         top_k = params.get("top_k")
@@ -171,10 +186,12 @@ def router(state: AppState) -> APIRouter:
                                 and isinstance(inputs[0], dict)):
             items = [inputs] if isinstance(inputs, dict) else inputs
             pairs = check_pairs([_text_pair(x, i) for i, x in enumerate(items)], "inputs", limits)
-            result = await run_task(state, served, TaskRequest(pairs=pairs, truncate=truncate), "classify", "rerank")
+            result = await run_task(state, served, TaskRequest(pairs=pairs, truncate=truncate,
+                                                               truncation_direction=direction), "classify", "rerank")
         else:
             texts = check_texts([inputs] if isinstance(inputs, str) else _strings(inputs), "inputs", limits)
-            result = await run_task(state, served, TaskRequest(texts=texts, truncate=truncate), "classify")
+            result = await run_task(state, served, TaskRequest(texts=texts, truncate=truncate,
+                                                               truncation_direction=direction), "classify")
         return ORJSONResponse(label_scores(result, top_k=top_k, function=function))
 
     @r.post("/", openapi_extra=body_schema(InferenceRequest))
@@ -189,7 +206,7 @@ def router(state: AppState) -> APIRouter:
     @r.post("/predict", openapi_extra=body_schema(PredictRequest))
     async def predict(request: Request):
         req = await parse(request, PredictRequest, limits.max_body_bytes)
-        check_direction(req.truncation_direction)
+        direction = check_direction(req.truncation_direction)
         served = registry.get(req.model)
         raw = req.inputs
         # TEI's reading: a string, or a pair [a, b], is one input; anything else a batch of them.
@@ -201,9 +218,11 @@ def router(state: AppState) -> APIRouter:
         if len(kinds) > 1:
             raise InvalidInput("'inputs' mixes single texts and pairs", param="inputs")
         if isinstance(items[0], str):
-            req_ = TaskRequest(texts=check_texts(items, "inputs", limits), truncate=req.truncate)
+            req_ = TaskRequest(texts=check_texts(items, "inputs", limits), truncate=req.truncate,
+                               truncation_direction=direction)
         else:
-            req_ = TaskRequest(pairs=check_pairs(items, "inputs", limits), truncate=req.truncate)
+            req_ = TaskRequest(pairs=check_pairs(items, "inputs", limits), truncate=req.truncate,
+                               truncation_direction=direction)
         result = await run_task(state, served, req_, "classify", "rerank")
         out = label_scores(result, raw=req.raw_scores)
         return ORJSONResponse(out[0] if single else out)
@@ -214,14 +233,15 @@ def router(state: AppState) -> APIRouter:
         if rerank_api.is_cohere_body(body):  # vLLM's /rerank takes Cohere's body (documents): rerank.py answers
             return await rerank_api.answer(state, validate(rerank_api.CohereRerankRequest, body))
         req = validate(RerankRequest, body)
-        check_direction(req.truncation_direction)
+        direction = check_direction(req.truncation_direction)
         served = registry.get(req.model)
         if not req.query.strip():
             raise InvalidInput("'query' must be a non-empty string", param="query")
         check_length(req.query, "query", limits)
         texts = check_texts(req.texts, "texts", limits)
         result = await run_task(state, served, TaskRequest(pairs=[(req.query, t) for t in texts],
-                                                           truncate=req.truncate, param="texts"), "rerank")
+                                                           truncate=req.truncate, param="texts",
+                                                           truncation_direction=direction), "rerank")
         scores = rerank_scores(result, raw=req.raw_scores)
         order = sorted(range(len(texts)), key=lambda i: -scores[i])
         return ORJSONResponse([{"index": i, "score": scores[i], **({"text": texts[i]} if req.return_text else {})}

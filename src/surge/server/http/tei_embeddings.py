@@ -15,7 +15,7 @@ POST /embed_sparse  TEI answers it for SPLADE models only; surge serves none, so
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, ClassVar, Union
 
 import asyncio
 
@@ -33,6 +33,9 @@ from surge.types import EmbedOptions
 
 # TEI's own wording of what it answers on a model without a SPLADE head (core/src/infer.rs)
 NOT_SPLADE = "Model is not an embedding model with SPLADE pooling"
+# What a bad `inputs` is told (server/http/common.validate) on the TEI routes that take texts only, where
+# the embeddings routes' hint offers token ids too
+TEXTS_HINT = "expected a string or a list of strings (texts, not token ids)"
 
 
 class NotSplade(Unsupported):
@@ -50,6 +53,7 @@ class TokensRequest(BaseModel):
     """TEI's EmbedSparseRequest and EmbedAllRequest: /embed's body without normalize / dimensions."""
 
     model_config = ConfigDict(extra="forbid")
+    union_hints: ClassVar[dict] = {"inputs": TEXTS_HINT}
     inputs: Union[StrictStr, list[StrictStr]]
     truncate: StrictBool | None = None
     truncation_direction: StrictStr | None = None
@@ -57,15 +61,25 @@ class TokensRequest(BaseModel):
     model: StrictStr | None = None
 
 
-def check_direction(value: str | None) -> None:
-    if value not in (None, "right", "Right"):
-        raise InvalidInput("truncation_direction: only 'right' is supported", param="truncation_direction")
+# TEI's TruncationDirection (router/src/http/types.rs, v1.9): its variants and their lowercase aliases
+_DIRECTIONS = {None: "right", "right": "right", "Right": "right", "left": "left", "Left": "left"}
+
+
+def check_direction(value) -> str:
+    """TEI's `truncation_direction` as "right" (its default) or "left" (a too-long input keeps its last
+    tokens); any other value is TEI's validation error."""
+    try:
+        return _DIRECTIONS[value]
+    except (KeyError, TypeError):  # TypeError: a list or an object is no key
+        raise InvalidInput("truncation_direction must be 'left' or 'right' (or 'Left', 'Right')",
+                           param="truncation_direction") from None
 
 
 async def similarity(state: AppState, served, inputs: dict, truncate: bool, prompt_name: str | None = None,
-                     empty_message: str | None = None) -> list[float]:
+                     empty_message: str | None = None, direction: str = "right") -> list[float]:
     """Cosine of each of inputs["sentences"] with inputs["source_sentence"] (a reranker: its scores).
-    `empty_message`: what an empty `sentences` is answered with (TEI's own wording on /similarity)."""
+    `empty_message`: what an empty `sentences` is answered with (TEI's own wording on /similarity);
+    `direction`: check_direction's."""
     limits = state.config.limits
     source, others = inputs.get("source_sentence"), inputs.get("sentences")
     if not isinstance(source, str):
@@ -79,11 +93,13 @@ async def similarity(state: AppState, served, inputs: dict, truncate: bool, prom
         raise EmptyInput(empty_message, param="sentences")
     check_texts(others, "sentences", limits)
     if getattr(served, "task", "embed") == "rerank":
-        result = await run_task(state, served, TaskRequest(pairs=[(source, s) for s in others],
-                                                           truncate=truncate, param="sentences"), "rerank")
+        result = await run_task(state, served, TaskRequest(pairs=[(source, s) for s in others], truncate=truncate,
+                                                           param="sentences", truncation_direction=direction),
+                                "rerank")
         return rerank_scores(result)
     result = await state.run(served, texts=[source] + others,
-                             options=EmbedOptions(normalize=True, truncate=truncate, prompt_name=prompt_name))
+                             options=EmbedOptions(normalize=True, truncate=truncate, prompt_name=prompt_name,
+                                                  truncation_direction=direction))
     v = l2_normalize(result.vectors.astype(np.float64))
     return [float(x) for x in v[1:] @ v[0]]
 
@@ -108,15 +124,16 @@ def router(state: AppState) -> APIRouter:
         prompt_name = params.get("prompt_name")
         if prompt_name is not None and not isinstance(prompt_name, str):
             raise InvalidInput("parameters.prompt_name must be a string", param="prompt_name")
-        check_direction(params.get("truncation_direction"))
+        direction = check_direction(params.get("truncation_direction"))
         return ORJSONResponse(await similarity(state, served, req.inputs, truncate, prompt_name,
-                                               empty_message="`inputs.sentences` cannot be empty"))
+                                               empty_message="`inputs.sentences` cannot be empty",
+                                               direction=direction))
 
     @r.post("/embed_all", openapi_extra=body_schema(TokensRequest))
     async def embed_all(request: Request):
         req = await parse(request, TokensRequest, limits.max_body_bytes)
         served = state.registry.get(req.model)
-        check_direction(req.truncation_direction)
+        left = check_direction(req.truncation_direction) == "left"
         texts = check_texts([req.inputs] if isinstance(req.inputs, str) else req.inputs, "inputs", limits)
         require_task(served, "embed")
         worker = getattr(served, "worker", None)
@@ -127,7 +144,7 @@ def router(state: AppState) -> APIRouter:
         prompted = served.prompted(texts, req.prompt_name)
 
         def compute():  # tokenizing (a too-long text without truncate: 422) and the engine, off the loop
-            return worker.token_states(served.encode(prompted, None, truncate))
+            return worker.token_states(served.encode(prompted, None, truncate, truncate and left))
 
         try:
             async with asyncio.timeout(limits.request_timeout_s):
