@@ -72,7 +72,6 @@ def _load_proc(url: str, body_model: str, clients: int, warmup: float, duration:
     import random
     from urllib.parse import urlsplit
 
-    import aiohttp
     import orjson
 
     from surge.bench.rawhttp import RawConnection
@@ -139,6 +138,8 @@ def _load_proc(url: str, body_model: str, clients: int, warmup: float, duration:
                 for c in conns:
                     c.close()
             return
+        import aiohttp  # only for --client aiohttp: the device machine may not have it
+
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as s:
             await asyncio.gather(*(client(aiohttp_send(s), t_measure, t_measure + duration) for _ in range(clients)))
