@@ -138,3 +138,77 @@ def test_long_texts_spread_up_to_the_max_length(bundled_spec):
     targets = np.linspace(SHORT + 1, bundled_spec.max_length, 5).round()
     assert all(n >= t for n, t in zip(lengths, targets)), (lengths, targets)
     assert long_texts(bundled_spec, heldout_queries()[:100]) and len(long_texts(bundled_spec, heldout_queries()[:100])) == 8
+
+
+# Rerankers: a pair is a query and a document, and rerank traffic carries long documents; the two
+# sets (8 queries x 20 one-sentence documents, cut at 128 tokens) never reach past 128 tokens.
+
+def _clamp_positions_past(src, start: int) -> bytes:
+    """The graph with every position from `start` on reading the embedding of position `start` - 1 (a
+    position table cut to `start` rows whose lookup clamps): identical on pairs up to `start` tokens."""
+    model = onnx.load(str(src))
+    init = next(i for i in model.graph.initializer if i.name.endswith("position_embeddings.weight"))
+    table = numpy_helper.to_array(init).copy()
+    table[start:] = table[start - 1]
+    _set_initializer(model, init.name, table)
+    return model.SerializeToString()
+
+
+@pytest.fixture(scope="module")
+def reranker():
+    spec = load_model_spec(task_models_dir() / "ce")
+    src = ensure_exported(spec, CACHE_DIR) / "model.onnx"
+    from surge.data import calibration_queries
+
+    # 28 sentences a set: the fewest a reranker's gate takes (8 queries, 20 documents)
+    return spec, src, Evaluator(spec, src, calibration_queries()[:28], heldout_queries()[:28], threads=2)
+
+
+def test_a_reranker_has_a_long_pair_set_up_to_the_max_length(reranker):
+    from tokenizers import Tokenizer
+
+    from surge.optimize.long_inputs import long_rerank_pairs
+    from surge.optimize.task_metrics import RERANK_QUERIES
+
+    spec, _, ev = reranker
+    assert spec.task == "rerank" and spec.max_length > SHORT
+    pairs = ev.data["long"].texts
+    queries = heldout_queries()[:RERANK_QUERIES]
+    assert pairs == long_rerank_pairs(spec, heldout_queries()[:28])
+    assert [q for q, _ in pairs] == [q for q in queries for _ in range(len(pairs) // RERANK_QUERIES)]  # query-major
+    docs = [d for _, d in pairs[:len(pairs) // RERANK_QUERIES]]
+    assert all(d == pairs[i][1] for i, d in enumerate(docs * RERANK_QUERIES))  # each query ranks the same documents
+    assert not set(docs) & set(queries)
+    tok = Tokenizer.from_file(str(spec.tokenizer_file))
+    tok.no_truncation()
+    tok.no_padding()
+    for q in queries:  # every pair past 128 tokens, spread up to (and truncated at) the max length
+        lengths = [len(tok.encode(q, d).ids) for d in docs]
+        assert min(lengths) > SHORT and max(lengths) >= spec.max_length and lengths == sorted(lengths), lengths
+    served = [int(b.attention_mask.sum(1).max()) for b in ev.data["long"].batches]
+    assert max(served) == spec.max_length
+
+
+def test_a_reranker_broken_past_128_tokens_is_refused(reranker):
+    """A reranker artifact whose positions past 128 are wrong ranks every short pair as its source does;
+    on long pairs its rankings move: the long pair set refuses it, for INT8's loose budget too."""
+    from surge.optimize import precision as prec
+    from surge.optimize.task_metrics import RERANK_QUERIES
+
+    _, src, ev = reranker
+    broken = _clamp_positions_past(src, SHORT)
+    gate = ev.gate(broken, BUDGETS["int8"])
+    short = {k: v for k, v in gate.sets.items() if k != "long"}
+    assert set(short) == {"calibration", "heldout"}
+    assert all(m.max_abs_diff == 0.0 and m.rank_tau == 1.0 and m.rank_score == 1.0 for m in short.values())  # unseen
+    assert not gate.passed and all(f.startswith("long:") for f in gate.failures), gate.failures
+    assert any("rank_tau" in f for f in gate.failures), gate.failures
+    report = gate.to_json()["sets"]["long"]  # in the optimizer's report, as the other sets
+    assert report["long_inputs"] and report["n"] == RERANK_QUERIES  # a reranker's set counts its queries
+    assert report["rank_tau"] < BUDGETS["int8"].rank_tau and report["rank_score"] is not None
+    assert ev.gate(src.read_bytes(), BUDGETS["fp32"]).passed  # the FP32 export itself
+    # a faithful candidate that is not the source: FP16 (emulated as the optimizer validates it)
+    fp16 = prec.emulate(prec.convert(onnx.load(str(src)), "fp16", list(prec.DEFAULT_BLOCK_LIST)), "fp16")
+    gate16 = ev.gate(fp16.SerializeToString(), BUDGETS["fp16"])
+    assert gate16.passed, gate16.failures
+    assert 0.0 < gate16.sets["long"].max_abs_diff  # measured, not identical

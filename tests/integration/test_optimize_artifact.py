@@ -81,6 +81,7 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path):
 @pytest.mark.parametrize("args,word", [(["--min-cosine", "1.5"], "--min-cosine"),
                                        (["--min-top1", "-0.1"], "--min-top1"),
                                        (["--min-top1-strict", "nan"], "--min-top1-strict"),
+                                       (["--min-rank-tau", "1.5"], "--min-rank-tau"),
                                        (["--min-speedup", "-1"], "--min-speedup")])
 def test_thresholds_out_of_range_are_clear_errors_before_any_work(tmp_path, args, word):
     cache = tmp_path / "cache"
@@ -98,6 +99,25 @@ def test_a_reranker_with_too_few_sentences_is_a_clear_error(tmp_path):
     assert result.exit_code == 1, (result.output, result.exception)
     assert "--max-sentences" in result.output and "28" in result.output
     assert not cache.exists()
+
+
+def test_a_reranker_is_gated_and_reported_on_long_pairs_with_its_floors_from_the_cli(tmp_path):
+    """The reranker's long pair set (optimize/long_inputs.py) is in the artifact's validation report and the
+    printed table, and its floors are the CLI's where given."""
+    from surge.optimize.validate import BUDGETS
+    from tests.task_models import task_models_dir
+
+    out = tmp_path / "art"
+    args = [task_models_dir() / "ce", "-o", out, "--max-sentences", "28", "--no-latency", "--threads", "2",
+            "--min-rank-tau", "0.5", "--min-rank-score", "0.6", "--cache-dir", CACHE_DIR]
+    result = CliRunner().invoke(app, ["optimize", *map(str, args)], env={"COLUMNS": "200"})  # the table unwrapped
+    assert result.exit_code == 0, result.output
+    validation = json.loads((out / "manifest.json").read_text())["validation"]
+    assert validation["budget"] == {**BUDGETS["fp32"].to_json(), "rank_tau": 0.5, "rank_score": 0.6}
+    long = validation["sets"]["long"]
+    assert long["long_inputs"] and long["rank_tau"] is not None and long["rank_score"] is not None
+    row = next(line for line in result.output.splitlines() if line.lstrip("│ ").startswith("long "))  # its table row
+    assert "rank tau" in result.output and f"{long['rank_tau']:.3f}" in row
 
 
 def test_a_threshold_override_keeps_the_budget_the_run_would_use(tmp_path):

@@ -166,7 +166,8 @@ def _render(console, report: dict) -> None:
     acc = Table(title="student vs teacher (FP32, ONNX Runtime)")
     sets = report["gate"]["sets"]
     # a task model's sets have no retrieval top-1 (None) but its task's metric
-    task_cols = [k for k in ("argmax", "kappa", "rank_top1", "ndcg10") if any(m.get(k) is not None for m in sets.values())]
+    task_cols = [k for k in ("argmax", "kappa", "rank_top1", "ndcg10", "rank_tau", "rank_score")
+                 if any(m.get(k) is not None for m in sets.values())]
     for col in ("set", "n", "mean cos", "worst 1% cos", "min cos", "top-1 strict [95% CI]", "top-1 (ties) [95% CI]",
                 *task_cols):
         acc.add_column(col, justify="right")

@@ -30,6 +30,10 @@ def optimize(
     min_top1: Optional[float] = typer.Option(None, "--min-top1", help="Override the budget's retrieval top-1 floor, near-ties (within 0.01) counted as agreeing."),
     min_top1_strict: Optional[float] = typer.Option(None, "--min-top1-strict", help="Override the budget's strict retrieval top-1 floor (int8: 0.98)."),
     min_kappa: Optional[float] = typer.Option(None, "--min-kappa", help="Override the budget's floor on Cohen's kappa of the labels (classify / token-classify; int8: 0.9)."),
+    min_rank_top1: float | None = typer.Option(None, "--min-rank-top1", help="Reranker: override the floor on each query's best document agreeing (int8: 0.9)."),
+    min_ndcg10: float | None = typer.Option(None, "--min-ndcg10", help="Reranker: override the floor on NDCG@10 of the ranking, graded by the source's (int8: 0.95)."),
+    min_rank_tau: float | None = typer.Option(None, "--min-rank-tau", help="Reranker: override the floor on the weighted Kendall tau of each query's ranking, mean over queries (int8: 0.6)."),
+    min_rank_score: float | None = typer.Option(None, "--min-rank-score", help="Reranker: override the floor on 1 - the largest change of a served relevance score (sigmoid; int8: 0.95)."),
     max_sentences: int = typer.Option(0, "--max-sentences", help="Use only the first N calibration and N held-out sentences (0: all 904 + 2,715 shipped queries)."),
     int8_outliers: int = typer.Option(4, "--int8-outliers", min=0, help="Per-row INT8: try computing each MatMul's N largest input channels in FP32 beside the int8 product (kept if better on calibration; 0: never)."),
     int8_method: str = typer.Option("per-row", "--int8-method", help="INT8 activations: per-row (one scale per token, batch invariant) or dynamic (ORT per tensor, batch dependent)."),
@@ -52,7 +56,8 @@ def optimize(
     console = Console(stderr=True)
     # Over the budget the run would use anyway (pruning's LOSSY one included), not always the precision's.
     overrides = {k: v for k, v in (("mean_cosine", min_cosine), ("top1", min_top1), ("top1_strict", min_top1_strict),
-                                     ("kappa", min_kappa))
+                                     ("kappa", min_kappa), ("rank_top1", min_rank_top1), ("ndcg10", min_ndcg10),
+                                     ("rank_tau", min_rank_tau), ("rank_score", min_rank_score))
                  if v is not None}
     alpha: float | str | None = {"auto": "auto", "off": None}.get(smooth_alpha.lower(), smooth_alpha)
     if isinstance(alpha, str) and alpha != "auto":

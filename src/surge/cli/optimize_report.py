@@ -43,8 +43,8 @@ def render(console, manifest: dict, reports, explain: bool) -> None:
 
     if validation.get("sets"):
         acc = Table(title="accuracy vs FP32 source")
-        cols = {"argmax": "argmax", "rank_top1": "rank top-1", "ndcg10": "NDCG@10", "tokens": "token labels",
-                "kappa": "kappa (labels beyond chance)"}
+        cols = {"argmax": "argmax", "rank_top1": "rank top-1", "ndcg10": "NDCG@10", "rank_tau": "rank tau",
+                "rank_score": "score 1-|Δ|", "tokens": "token labels", "kappa": "kappa (labels beyond chance)"}
         task_cols = [k for k in cols if any(m.get(k) is not None for m in validation["sets"].values())]
         for col in ("set", "n", "mean cos", "worst 1% cos", "min cos", "max |Δ|", "top-1 strict [95% CI]", "top-1 (ties) [95% CI]",
                     *[cols[k] for k in task_cols or ["argmax"]]):

@@ -116,7 +116,8 @@ class OptimizeOptions:
 
 # The CLI flag that sets each Budget field, for error messages.
 BUDGET_FLAGS = {"mean_cosine": "--min-cosine", "top1": "--min-top1", "top1_strict": "--min-top1-strict",
-                "kappa": "--min-kappa"}
+                "kappa": "--min-kappa", "rank_top1": "--min-rank-top1", "ndcg10": "--min-ndcg10",
+                "rank_tau": "--min-rank-tau", "rank_score": "--min-rank-score"}
 
 
 def check_output(out_dir: Path) -> None:

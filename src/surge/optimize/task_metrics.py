@@ -75,3 +75,36 @@ def ranking_agreement(ref: np.ndarray, cand: np.ndarray, k: int = 10, tie: float
         idcg = (np.sort(gain)[::-1][:kk] * disc).sum()
         ndcg.append(dcg / idcg)
     return float(np.mean(top1)), float(np.mean(ndcg))
+
+
+def rank_tau(ref: np.ndarray, cand: np.ndarray) -> float:
+    """Mean over queries of the weighted Kendall tau (scipy.stats.weightedtau, hyperbolic weights) of the
+    candidate's document scores [Q, D] against the reference's, the weights following the reference's
+    ranking: a swap among its best documents, the ones a client keeps (top_n), costs more than one among
+    the documents it drops, where plain Kendall tau counts both the same and top-1 / NDCG@10 see neither
+    past the first few. 1: the same order; -1: reversed. A query whose candidate scores are constant or
+    not finite ranks nothing: 0; one whose reference scores are all equal has nothing to lose: 1."""
+    from scipy.stats import weightedtau
+
+    taus = []
+    for r, c in zip(ref.astype(np.float64), cand.astype(np.float64)):
+        if np.ptp(r) == 0.0:
+            taus.append(1.0)
+            continue
+        if not np.all(np.isfinite(c)) or np.ptp(c) == 0.0:
+            taus.append(0.0)
+            continue
+        tau = weightedtau(r, c, rank=None)[0]  # rank=None: ranks by `r`, the reference's order
+        taus.append(float(tau) if np.isfinite(tau) else 0.0)
+    return float(np.mean(taus))
+
+
+def score_agreement(ref: np.ndarray, cand: np.ndarray) -> float:
+    """1 - the largest change of a served relevance score (the sigmoid of the logit, as /v1/rerank and
+    sentence-transformers' CrossEncoder report it) over all pairs: a client that keeps documents above a
+    score threshold sees a shifted or rescaled score even where the ranking holds. Non-finite: 0."""
+    from surge.engines.heads import sigmoid
+
+    with np.errstate(invalid="ignore"):
+        change = np.abs(sigmoid(cand) - sigmoid(ref))
+    return float(1.0 - change.max()) if np.all(np.isfinite(change)) else 0.0
