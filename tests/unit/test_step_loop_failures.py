@@ -249,3 +249,30 @@ def test_a_sequence_failing_in_every_batch_fails_after_its_retries():
         assert q.retries == MAX_RETRIES
         assert streamed[q.seq_id] == q.output_ids == expected(q.prompt_ids, len(q.output_ids))
     assert sched.blocks.num_free == 64
+
+
+def test_an_engine_that_works_again_contains_the_next_failure():
+    """After an engine that raised everywhere (its requests failed, BROKEN_AFTER steps alone raising in a row), one
+    that works again: a later bad sequence, first in the quarantine, fails alone; the steps that worked since mean
+    the engine is not taken as broken, so its neighbour is not failed with it."""
+    sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+                                      max_model_len=96), ())
+    engine = Faulty(1, 1, broken=True)
+    loop = StepLoop(sched, engine, overlap=False)
+    _, failed, _ = _serve_contained(loop, sched, _contained_seqs())
+    assert failed == {0, 1, 2, 3}
+    engine.broken, calls = False, []
+    step = engine.step
+
+    def late_fault(scheduled):  # sequence 10 makes steps raise from its third step on
+        calls.append(1)
+        if len(calls) > 2 and any(s.seq.seq_id == 10 for s in scheduled):
+            raise RuntimeError("device error")
+        return step(scheduled)
+
+    engine.step = late_fault
+    bad, good = Sequence(10, [61, 62, 63], greedy(8)), Sequence(11, [71, 72], greedy(8))
+    streamed, failed, _ = _serve_contained(loop, sched, [bad, good])
+    assert failed == {10}
+    assert streamed[11] == good.output_ids == expected(good.prompt_ids, 8)
+    assert sched.blocks.num_free == 64
