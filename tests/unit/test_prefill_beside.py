@@ -411,7 +411,7 @@ def test_launches_dropped_after_an_engine_error_still_run_before_a_step_beside(t
     sched.add(bad)
     with pytest.raises(RuntimeError):
         loop.step()
-    for q in loop.involved():  # EngineLoop.run: the step's requests fail
+    for q in loop.involved():  # the step's requests fail (contain() drops the launches from the books the same way)
         sched.abort(q, "error")
     assert a.status is b.status is SeqStatus.FINISHED and not loop.busy
     stale = [(s.seq.block_table[p // 4], p % 4) for pend in dev.queue for s in pend.scheduled

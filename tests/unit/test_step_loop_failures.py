@@ -1,6 +1,7 @@
-"""The step loop when the engine raises (EngineLoop fails the requests of loop.involved() and goes on): every
-sequence the failed step was running is either reported finished in a StepResult or named by involved(), so
-that no request is left without an end (no torch, the scheduler's fake engine)."""
+"""The step loop when the engine raises (no torch, the scheduler's fake engine). loop.involved() (what the loop's end
+fails): every sequence the failed step was running is either reported finished in a StepResult or named by it, so
+that no request is left without an end. loop.contain() (what EngineLoop does since session 44): the failed step's
+sequences run again alone, only one whose step alone raises fails, and the others' answers are unchanged."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from surge.runtime.scheduler import Scheduler, SchedulerConfig, SeqStatus, Sequence
 from surge.runtime.scheduler.overlap import StepLoop
-from tests.unit.test_scheduler import FakeTokenEngine, greedy
+from tests.unit.test_scheduler import FakeTokenEngine, expected, greedy
 
 
 class Failing(FakeTokenEngine):
@@ -86,4 +87,192 @@ def test_a_sequence_finished_in_a_failed_step_is_reported(arrive, fail_at):
     for q in seqs:
         assert q.status is SeqStatus.FINISHED
         assert q.seq_id in ended | failed, f"sequence {q.seq_id} was neither reported finished nor failed"
+    assert sched.blocks.num_free == 64
+
+
+# -- a failed step contained per sequence (StepLoop.contain): the step's other sequences run again alone ----------
+
+
+class Faulty(FakeTokenEngine):
+    """Raises wherever sequence `bad` is in the work: at launch (`at` "launch"), at the read-back of a launch that
+    holds it (`at` "collect": an asynchronous device error), and in any synchronous step of it (its step alone
+    too); `broken`: every call raises (an engine that is gone)."""
+
+    def __init__(self, depth, steps, bad=None, at="collect", broken=False):
+        super().__init__(depth, steps)
+        self.bad, self.at, self.broken, self.raised = bad, at, broken, 0
+
+    def _check(self, ids, where):
+        if self.broken or (where in (self.at, "step") and self.bad in ids):
+            self.raised += 1
+            raise RuntimeError("device error")
+
+    def launch(self, scheduled, prev, steps=1):
+        self._check({s.seq.seq_id for s in scheduled}, "launch")
+        return super().launch(scheduled, prev, steps)
+
+    def collect_tokens(self, handle):
+        self._check(set(handle), "collect")
+        return super().collect_tokens(handle)
+
+    def step(self, scheduled):
+        self._check({s.seq.seq_id for s in scheduled}, "step")
+        return super().step(scheduled)
+
+
+class FailingSync(Failing):
+    """A synchronous step raises at the `fail_at`-th step (0 first)."""
+
+    def step(self, scheduled):
+        self.reads += 1
+        if self.reads - 1 == self.fail_at:
+            raise RuntimeError("device error")
+        return super().step(scheduled)
+
+
+def _serve_contained(loop, sched, seqs, arrivals=None, limit=400):
+    """EngineLoop.run's handling: results handed out, an exception contained (loop.contain(): the results gathered
+    before it handed out, the failed sequences aborted). -> (tokens streamed by seq id, failed seq ids, iterations)."""
+    streamed, failed = {q.seq_id: [] for q in seqs}, set()
+    arrivals = arrivals or [0] * len(seqs)
+    for it in range(limit):
+        for q, at in zip(seqs, arrivals):
+            if at == it:
+                sched.add(q)
+        if not loop.busy and it >= max(arrivals):
+            return streamed, failed, it
+        try:
+            results = loop.step()
+        except RuntimeError:
+            results, bad = loop.contain()
+            for q in bad:
+                sched.abort(q, "error")
+                failed.add(q.seq_id)
+        for r in results:
+            for sid, token in r.tokens.items():
+                streamed[sid].append(token)
+        sched.blocks.check()
+    raise AssertionError(f"the loop never went idle: running {[q.seq_id for q in sched.running]}, failed {failed}")
+
+
+def _contained_seqs():
+    return [Sequence(0, [11, 12, 13, 14, 15], greedy(14)), Sequence(1, [21, 22, 23], greedy(6)),
+            Sequence(2, [31, 32, 33, 34, 35, 36, 37], greedy(9)), Sequence(3, [41, 42], greedy(11))]
+
+
+@pytest.mark.parametrize("depth,steps", [(0, 1), (1, 1), (2, 1), (2, 3)])
+@pytest.mark.parametrize("fail_at", range(5))
+def test_a_read_back_that_raises_once_fails_no_request(depth, steps, fail_at):
+    """A transient engine error (one read-back raises): no request fails; every sequence of the failed step runs
+    again alone and then batched, and each gets the tokens a run without the error gives, each handed out once,
+    in order (the launched tokens never read back are cut, those read back before the error kept); every block
+    comes back. Depth 0: the synchronous loop, its step raising."""
+    sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+                                      max_model_len=96), ())
+    engine = (Failing if depth else FailingSync)(max(depth, 1), steps, fail_at)
+    loop = StepLoop(sched, engine, overlap=depth > 0, depth=max(depth, 1), steps=steps)
+    seqs = _contained_seqs()
+    streamed, failed, _ = _serve_contained(loop, sched, seqs, [0, 0, 0, 3])
+    assert engine.reads > fail_at, "the engine must have raised"
+    assert not failed and sched.retries > 0
+    for q in seqs:
+        assert q.finish_reason == "length" and q.output_ids == expected(q.prompt_ids, q.params.max_tokens)
+        assert streamed[q.seq_id] == q.output_ids, f"sequence {q.seq_id}: tokens repeated or lost"
+    assert sched.blocks.num_free == 64 and not sched.quarantine
+
+
+@pytest.mark.parametrize("depth,steps", [(0, 1), (1, 1), (2, 1), (2, 3)])
+@pytest.mark.parametrize("at", ["launch", "collect"])
+@pytest.mark.parametrize("bad", range(4))
+def test_a_step_that_raises_for_one_sequence_fails_only_it(depth, steps, at, bad):
+    """One sequence makes every step it is in raise (a bad row): it fails, after its one step alone; the others of
+    its steps run again alone, rejoin the batches and get their full answers, streamed once, in order."""
+    sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+                                      max_model_len=96), ())
+    engine = Faulty(max(depth, 1), steps, bad=bad, at=at)
+    loop = StepLoop(sched, engine, overlap=depth > 0, depth=max(depth, 1), steps=steps)
+    seqs = _contained_seqs()
+    streamed, failed, _ = _serve_contained(loop, sched, seqs, [0, 0, 0, 3])
+    assert failed == {bad}
+    for q in seqs:
+        if q.seq_id == bad:
+            assert q.finish_reason == "error"
+            continue
+        assert q.finish_reason == "length" and q.output_ids == expected(q.prompt_ids, q.params.max_tokens)
+        assert streamed[q.seq_id] == q.output_ids, f"sequence {q.seq_id}: tokens repeated or lost"
+    assert sched.blocks.num_free == 64 and not sched.quarantine
+
+
+@pytest.mark.parametrize("depth,steps", [(0, 1), (2, 3)])
+def test_an_engine_that_always_raises_fails_every_request_in_bounded_steps(depth, steps):
+    """Every engine call raises: every request fails (none is retried for ever), after a few steps alone
+    (BROKEN_AFTER in a row, then the rest of the quarantine at once), and the loop goes idle with every block
+    free; requests arriving later fail too."""
+    from surge.runtime.scheduler.scheduler import BROKEN_AFTER
+
+    sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                                      max_model_len=96), ())
+    engine = Faulty(max(depth, 1), steps, broken=True)
+    loop = StepLoop(sched, engine, overlap=depth > 0, depth=max(depth, 1), steps=steps)
+    seqs = _contained_seqs() + [Sequence(4 + i, [51 + i, 52], greedy(5)) for i in range(6)]
+    streamed, failed, iterations = _serve_contained(loop, sched, seqs, [0] * 8 + [9, 9])
+    assert failed == {q.seq_id for q in seqs} and not any(streamed.values())
+    # the batch of eight: one failed step, BROKEN_AFTER steps alone (not eight); the two later: one batch, one
+    # step alone (the engine is still taken as broken: no step alone has worked since)
+    assert BROKEN_AFTER < 8 and engine.raised <= 1 + BROKEN_AFTER + 2
+    assert iterations <= 12
+    assert sched.blocks.num_free == 64 and not sched.quarantine and not loop.busy
+
+
+def test_a_sequence_failing_in_every_batch_fails_after_its_retries():
+    """An engine whose batched steps always raise and whose steps alone never do: each sequence makes a token's
+    progress a retry, and fails once it has been set apart MAX_RETRIES times (bounded, not a token a recompute for
+    its whole answer)."""
+    from surge.runtime.scheduler.scheduler import MAX_RETRIES
+
+    sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+                                      max_model_len=96), ())
+    engine = FakeTokenEngine()
+    step = engine.step
+
+    def batched_fail(scheduled):
+        if len(scheduled) > 1:
+            raise RuntimeError("a batch")
+        return step(scheduled)
+
+    engine.step = batched_fail
+    loop = StepLoop(sched, engine, overlap=False)
+    seqs = [Sequence(0, [11, 12, 13], greedy(30)), Sequence(1, [21, 22, 23], greedy(30))]
+    streamed, failed, _ = _serve_contained(loop, sched, seqs)
+    assert failed == {0, 1}
+    for q in seqs:
+        assert q.retries == MAX_RETRIES
+        assert streamed[q.seq_id] == q.output_ids == expected(q.prompt_ids, len(q.output_ids))
+    assert sched.blocks.num_free == 64
+
+
+def test_an_engine_that_works_again_contains_the_next_failure():
+    """After an engine that raised everywhere (its requests failed, BROKEN_AFTER steps alone raising in a row), one
+    that works again: a later bad sequence, first in the quarantine, fails alone; the steps that worked since mean
+    the engine is not taken as broken, so its neighbour is not failed with it."""
+    sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+                                      max_model_len=96), ())
+    engine = Faulty(1, 1, broken=True)
+    loop = StepLoop(sched, engine, overlap=False)
+    _, failed, _ = _serve_contained(loop, sched, _contained_seqs())
+    assert failed == {0, 1, 2, 3}
+    engine.broken, calls = False, []
+    step = engine.step
+
+    def late_fault(scheduled):  # sequence 10 makes steps raise from its third step on
+        calls.append(1)
+        if len(calls) > 2 and any(s.seq.seq_id == 10 for s in scheduled):
+            raise RuntimeError("device error")
+        return step(scheduled)
+
+    engine.step = late_fault
+    bad, good = Sequence(10, [61, 62, 63], greedy(8)), Sequence(11, [71, 72], greedy(8))
+    streamed, failed, _ = _serve_contained(loop, sched, [bad, good])
+    assert failed == {10}
+    assert streamed[11] == good.output_ids == expected(good.prompt_ids, 8)
     assert sched.blocks.num_free == 64

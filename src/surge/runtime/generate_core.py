@@ -46,6 +46,7 @@ class EngineState:
     spec_steps: int = 0  # speculative steps (drafts checked)
     draft_tokens: int = 0  # draft tokens checked
     accepted_tokens: int = 0  # of those, kept
+    step_retries: int = 0  # sequences of a failed step set apart to run again alone (StepLoop.contain)
 
 
 class ThreadChannel:
@@ -124,9 +125,9 @@ class EngineLoop:
 
     def state(self) -> EngineState:
         s, b = self.scheduler, self.scheduler.blocks
-        return EngineState(len(s.running), len(s.waiting), b.num_free, b.usage, b.queried_tokens, b.hit_tokens,
-                           s.preemptions, self.steps, self.loop.overlapped, self.busy_s, self.received,
-                           self.loop.spec_steps, self.loop.drafted, self.loop.accepted)
+        return EngineState(len(s.running), len(s.waiting) + len(s.quarantine), b.num_free, b.usage, b.queried_tokens,
+                           b.hit_tokens, s.preemptions, self.steps, self.loop.overlapped, self.busy_s, self.received,
+                           self.loop.spec_steps, self.loop.drafted, self.loop.accepted, s.retries)
 
     def handle(self, msg, out) -> None:
         kind = msg[0]
@@ -201,6 +202,23 @@ class EngineLoop:
         self._fresh = [s for s in self._fresh if not s.scheduled_at and s.status is not SeqStatus.FINISHED]
         return done
 
+    def _contain(self, exc: Exception) -> tuple[list, list[int], str]:
+        """A step raised: its sequences run again alone (StepLoop.contain), those found at fault fail (aborted
+        here). -> (the results gathered before the exception, handed out as any step's; the failed sequences'
+        ids, to report after those results; their error's text)."""
+        log.exception("generation step failed")
+        results, failed = self.loop.contain()
+        for seq in failed:
+            self.scheduler.abort(seq, "error")
+            self.seqs.pop(seq.seq_id, None)
+            self.engine.forget(seq.seq_id)  # its generator, its guide's matcher
+        log.warning("generation step failed: %d sequence(s) to run again alone, %d failed",
+                    len(self.scheduler.quarantine), len(failed))
+        # A failed request gets this text, not the exception's own words (a path, a shape, another request's
+        # token): those stay in the log.
+        return results, [q.seq_id for q in failed], \
+            f"generation failed ({type(exc).__name__}); the server's log has the details"
+
     def run(self, channel, out) -> None:
         loop = self.loop
 
@@ -223,21 +241,14 @@ class EngineLoop:
                 t0 = time.perf_counter()
                 results = loop.step(refresh, channel.wait)
                 self.busy_s += time.perf_counter() - t0
-            except Exception as exc:  # the steps' requests fail; the service keeps serving
-                log.exception("generation step failed")
-                # Every request of the step gets this text, not only the one whose row raised: the exception's
-                # own words (a path, a shape, another request's token) stay in the log.
-                msg = f"generation failed ({type(exc).__name__}); the server's log has the details"
-                for seq in loop.involved():
-                    self.scheduler.abort(seq, "error")
-                    self.seqs.pop(seq.seq_id, None)
-                    self.engine.forget(seq.seq_id)  # its generator, its guide's matcher
-                    out.error(seq.seq_id, ENGINE, msg)
-                continue
-            if loop.stalled:
-                # nothing fits now (cannot happen while something runs); wait for a change
-                channel.wait(0.05)
-                continue
+            except Exception as exc:  # contained: only the sequences found at fault fail, the service keeps serving
+                results, failed, why = self._contain(exc)
+            else:
+                failed = ()
+                if loop.stalled:
+                    # nothing fits now (cannot happen while something runs); wait for a change
+                    channel.wait(0.05)
+                    continue
             batch = []
             for r in results:
                 self.steps += 1
@@ -253,9 +264,11 @@ class EngineLoop:
                 out.tokens(batch, self._admitted(), self.state())
             else:
                 out.state(self.state())
+            for sid in failed:
+                out.error(sid, ENGINE, why)
         if loop.busy:
             loop.involved()
-        for s in list(self.scheduler.running) + list(self.scheduler.waiting):
+        for s in list(self.scheduler.running) + list(self.scheduler.waiting) + list(self.scheduler.quarantine):
             self.scheduler.abort(s, "abort")
             out.error(s.seq_id, UNLOADED, f"model '{self.name}' was unloaded")
         self.seqs.clear()

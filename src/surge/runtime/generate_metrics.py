@@ -46,6 +46,9 @@ def _make(registry: CollectorRegistry) -> dict:
                               registry=registry),
         "preempt": Counter("surge_generate_preemptions", "Sequences preempted for KV blocks.", labels,
                            registry=registry),
+        "retries": Counter("surge_generate_step_retries", "Sequences of a failed generation step run again alone "
+                           "(the step's other requests are not failed with the one at fault).", labels,
+                           registry=registry),
         "drafted": Counter("surge_generate_spec_draft_tokens", "Draft tokens checked by speculative decoding.",
                            labels, registry=registry),
         "accepted": Counter("surge_generate_spec_accepted_tokens", "Draft tokens the model agreed with (acceptance "
@@ -80,13 +83,14 @@ class GenerateMetrics:
         self.prefix_queried = fam["prefix_queried"].labels(**lab)
         self.prefix_hit = fam["prefix_hit"].labels(**lab)
         self.preempt = fam["preempt"].labels(**lab)
+        self.retries = fam["retries"].labels(**lab)
         self.cache_hits = fam["cache_hits"].labels(**lab)
         self.drafted = fam["drafted"].labels(**lab)
         self.accepted = fam["accepted"].labels(**lab)
         self.restarts = fam["restarts"].labels(**lab)
         # requests, failures by code, latency: counted per generation by the routes (server/http/generate_common.py)
         self.outcome = RequestCounts(model, version, registry)
-        self._seen = (0, 0, 0, 0, 0)
+        self._seen = (0, 0, 0, 0, 0, 0)
         self._gauges: tuple | None = None
         self._quiet = False
 
@@ -150,9 +154,10 @@ class GenerateMetrics:
             self.waiting.set(state.waiting)
             self.kv.set(state.kv_usage)
         seen = (state.prefix_queried_tokens, state.prefix_hit_tokens, state.preemptions,
-                getattr(state, "draft_tokens", 0), getattr(state, "accepted_tokens", 0))
+                getattr(state, "draft_tokens", 0), getattr(state, "accepted_tokens", 0),
+                getattr(state, "step_retries", 0))
         for counter, now, before in zip((self.prefix_queried, self.prefix_hit, self.preempt, self.drafted,
-                                         self.accepted), seen, self._seen):
+                                         self.accepted, self.retries), seen, self._seen):
             if now > before:
                 counter.inc(now - before)
         self._seen = seen

@@ -353,7 +353,7 @@ class GenerateService(LoraHost, PromptText):
                 "prefix_queried_tokens": st.prefix_queried_tokens, "preemptions": st.preemptions,
                 "steps": st.steps, "overlapped_steps": st.overlapped_steps,
                 "speculative_steps": st.spec_steps, "draft_tokens": st.draft_tokens,
-                "accepted_tokens": st.accepted_tokens,
+                "accepted_tokens": st.accepted_tokens, "step_retries": st.step_retries,
                 "engine_process": self.engine.pid if self.remote else None}
 
     async def close(self) -> None:

@@ -178,6 +178,7 @@ class Matcher:
     def __init__(self, matcher, vocab_size: int, eos: list[int], error: str | None = None):
         self._m = matcher
         self._error = error
+        self.consumed = 0  # tokens given to consume() (the sampler's rewind compares it with the output's)
         self.words = (vocab_size + 31) // 32
         self._eos_only = np.zeros(self.words, dtype=np.uint32)
         for t in eos:
@@ -193,6 +194,7 @@ class Matcher:
         return np.frombuffer(self._m.compute_bitmask(), dtype=np.int32)[: self.words]
 
     def consume(self, token: int) -> bool:
+        self.consumed += 1
         return self._m is not None and self._m.consume_token(int(token))
 
     @property

@@ -657,3 +657,7 @@ class DecoderEngine:
 
     def forget(self, seq_id: int) -> None:
         self.sampler.forget(seq_id)
+
+    def rewind(self, seq) -> None:
+        """A step of `seq` raised and it runs again (StepLoop.contain): its sampling state back to its tokens."""
+        self.sampler.rewind(seq)

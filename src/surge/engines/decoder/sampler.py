@@ -47,11 +47,29 @@ class Sampler:
         self._guides_factory = guides
         self._guides = None
         self._matchers: dict[int, object] = {}  # seq_id -> Matcher, or the Future building it
+        # seq_id -> (the output index of a seeded sequence's latest draw, its generator's state before it): a step
+        # that raised after the draw is undone by rewind()
+        self._drawn: dict[int, tuple[int, torch.Tensor]] = {}
         self._pool = None
 
     def forget(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
         self._matchers.pop(seq_id, None)
+        self._drawn.pop(seq_id, None)
+
+    def rewind(self, seq: Sequence) -> None:
+        """After a step that raised (StepLoop.contain): the sequence's seeded generator and guide's matcher put
+        back where its tokens leave them (a draw, or a token consumed, for a token it never got is undone), so
+        its step run again gives what the failed one would have."""
+        n = len(seq.output_ids)
+        drawn = self._drawn.pop(seq.seq_id, None)
+        if drawn is not None and drawn[0] == n and seq.seq_id in self._generators:
+            self._generators[seq.seq_id].set_state(drawn[1])
+        m = self._matchers.get(seq.seq_id)
+        if m is not None and not isinstance(m, Future) and m.consumed != n:
+            m = self._matchers[seq.seq_id] = self._guides_ready().matcher(seq.params.guide)
+            for t in seq.output_ids:
+                m.consume(t)
 
     def _guides_ready(self):
         if self._guides is None:
@@ -112,7 +130,9 @@ class Sampler:
             unseeded = []
             for row, i in enumerate(sampled):
                 if params[i].seed is not None:
-                    noise[row] = torch.rand(probs.shape[1], generator=self._generator(seqs[i]), device=probs.device)
+                    g = self._generator(seqs[i])
+                    self._drawn[seqs[i].seq_id] = (len(seqs[i].output_ids), g.get_state())
+                    noise[row] = torch.rand(probs.shape[1], generator=g, device=probs.device)
                 else:
                     unseeded.append(row)
             if unseeded:
@@ -164,6 +184,8 @@ class Sampler:
             n = len(d)
             seeded = seq.params.seed is not None
             g = self._generator(seq) if seeded else self._shared
+            if seeded:
+                self._drawn[seq.seq_id] = (len(seq.output_ids), g.get_state())
             states, noise = [], torch.empty((n + 1, vocab), device=dev)
             for j in range(n + 1):  # one uniform vector a position, in order, as a step of plain sampling draws
                 if seeded:

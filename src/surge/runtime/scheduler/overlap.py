@@ -64,7 +64,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from surge.runtime.scheduler.scheduler import Finished, ScheduledSeq, Scheduler
+from surge.runtime.scheduler.scheduler import (
+    BROKEN_AFTER,
+    MAX_RETRIES,
+    Finished,
+    ScheduledSeq,
+    Scheduler,
+)
 from surge.runtime.scheduler.sequence import SeqStatus
 
 
@@ -120,20 +126,60 @@ class StepLoop:
         return bool(self._inflight) or self.scheduler.has_work
 
     def involved(self) -> list:
-        """Sequences of the steps being run (to fail them when the engine raises); clears the state."""
+        """Sequences of the steps being run, and of the results gathered before the engine raised (to fail them
+        all: the loop's end); clears the state."""
+        seqs, results = self._drop_books()
+        for r in results:
+            seqs += [s.seq for s in r.scheduled]
+        return list({id(q): q for q in seqs}.values())
+
+    def _drop_books(self) -> tuple[list, list[StepResult]]:
+        """-> (the sequences of the step being run and of the launches in flight, the results gathered before the
+        engine raised); the loop's books cleared."""
         seqs = [s.seq for s in self._current]
         for scheduled, *_ in self._inflight:
             seqs += [s.seq for s in scheduled]
-        # launches read back (or a step run) before the engine raised: their tokens and ends were never handed out
-        for r in self._results:
-            seqs += [s.seq for s in r.scheduled]
+        results = self._results
         if self._inflight:
             oldest = self._inflight[0][3]
             self._dropped = oldest if self._dropped is None else min(self._dropped, oldest)
         self._inflight.clear()
         self._current = []
         self._results = []
-        return list({id(q): q for q in seqs}.values())
+        return seqs, results
+
+    def contain(self) -> tuple[list[StepResult], list]:
+        """After step() raised (an engine call: a bad row, a guide's matcher or logits processor, an asynchronous
+        device error): -> (the results gathered before the exception, to hand out as any step's: launches read
+        back, a step run; the sequences that fail, to abort). The step's other live sequences are set apart
+        (Scheduler.isolate: their unread launched tokens cut, their blocks freed, recomputed later) to run a step
+        alone each, and the engine's per-sequence state (a seeded generator, a guide's matcher) is put back where
+        their tokens leave it (engine.rewind). A sequence fails when its step alone raised, or when it was set
+        apart MAX_RETRIES times already; after BROKEN_AFTER steps alone raised in a row the engine is taken as
+        broken and every sequence of the quarantine fails. Launches dropped here still run on the device: the
+        block clock of the oldest counts until a later launch is read back (_prefill_beside), and steps alone
+        run synchronously, behind them."""
+        sched = self.scheduler
+        alone = sched.quarantine[0] if sched.quarantine else None
+        seqs, results = self._drop_books()
+        live = list({id(q): q for q in seqs if q.status is not SeqStatus.FINISHED}.values())
+        failed = []
+        if alone is not None and alone.status is not SeqStatus.FINISHED:  # its step alone raised
+            sched.solo_failures += 1
+            failed.append(alone)
+            if sched.solo_failures >= BROKEN_AFTER:
+                failed += [q for q in sched.quarantine if q is not alone]
+        rewind = getattr(self.engine, "rewind", None)
+        for q in live:
+            if q in failed:
+                continue
+            if q.retries >= MAX_RETRIES:
+                failed.append(q)
+                continue
+            sched.isolate(q)
+            if rewind is not None:
+                rewind(q)
+        return results, failed
 
     def _complete_all(self, results: list[StepResult]) -> None:
         while self._inflight:
@@ -263,6 +309,11 @@ class StepLoop:
         results: list[StepResult] = []
         self._results = results
         self.stalled = False
+        if sched.quarantine:  # after a failed step: a sequence of it alone, synchronously (contain())
+            self._complete_all(results)
+            scheduled = sched.schedule()
+            self._current = scheduled
+            return self._run_sync(scheduled, results)
         if self._inflight and not sched.decode_fits():
             self._complete_all(results)
             if refresh is not None:
@@ -307,10 +358,13 @@ class StepLoop:
             self._launch(scheduled, None)
             self._current = []
             return results
+        return self._run_sync(scheduled, results)
+
+    def _run_sync(self, scheduled: list[ScheduledSeq], results: list[StepResult]) -> list[StepResult]:
         self.steps += 1
-        outs = engine.step(scheduled)
+        outs = self.engine.step(scheduled)
         tokens = {k: o.token for k, o in outs.items()}
-        finished = sched.update(scheduled, tokens)
+        finished = self.scheduler.update(scheduled, tokens)
         self._current = []
         results.append(StepResult(scheduled, tokens, finished, outs))
         return results

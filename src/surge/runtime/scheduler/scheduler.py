@@ -14,6 +14,12 @@ arrival) order and a sequence that cannot get a block preempts the running one o
 priority (the newest among equals) instead; as in vLLM, a waiting sequence never preempts.
 
 schedule() -> the engine runs the step -> update(samples): vLLM's three-line loop.
+
+A step that raises (a bad row, a guide's matcher, an asynchronous device error) is contained per sequence
+(StepLoop.contain): its live sequences lose what the step would have given them and their KV blocks (a
+preemption's recompute) and wait in the quarantine, out of the waiting queue; while it holds any, each step is
+its first sequence's alone (a long context recomputed over several), and a sequence rejoins the batches once its
+step alone has sampled a token. One whose step alone raises fails; its neighbours do not.
 """
 
 from __future__ import annotations
@@ -24,6 +30,13 @@ from dataclasses import dataclass
 
 from surge.runtime.scheduler.block_manager import BlockManager
 from surge.runtime.scheduler.sequence import PLACEHOLDER, Sequence, SeqStatus
+
+# a failed step contained (StepLoop.contain): how many times one sequence may be set apart to run alone (each
+# time it makes a token's progress, so this only bounds the recomputes of an engine whose batched steps keep
+# failing), and how many steps alone in a row may raise before the engine is taken as broken (the rest of the
+# quarantine then fails at once instead of a step each)
+MAX_RETRIES = 3
+BROKEN_AFTER = 3
 
 
 @dataclass
@@ -80,10 +93,15 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preemptions = 0
         self._preempted = False  # the last schedule() preempted
+        # sequences of a failed step, each to run a step alone (oldest first); their count, and the steps alone
+        # that raised since the last one that did not
+        self.quarantine: deque[Sequence] = deque()
+        self.retries = 0
+        self.solo_failures = 0
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.quarantine)
 
     def add(self, seq: Sequence) -> None:
         if seq.num_tokens >= self.config.max_model_len:
@@ -129,6 +147,8 @@ class Scheduler:
         self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        if self.quarantine and seq in self.quarantine:
+            self.quarantine.remove(seq)
         self.blocks.release(seq)
         if self.adapters is not None:
             if seq.status is SeqStatus.RUNNING:
@@ -140,7 +160,7 @@ class Scheduler:
         seq.finish_reason = reason
 
     def _uses_adapter(self, uid: int, but: Sequence | None = None) -> bool:
-        return any(s.adapter_uid == uid and s is not but for s in (*self.waiting, *self.running))
+        return any(s.adapter_uid == uid and s is not but for s in (*self.waiting, *self.running, *self.quarantine))
 
     def forget_adapter(self, uid: int) -> None:
         """A LoRA adapter unregistered: dropped now, or when its last waiting or running sequence ends."""
@@ -156,7 +176,65 @@ class Scheduler:
         self.preemptions += 1
         self._enqueue(seq, front=True)
 
+    def isolate(self, seq: Sequence) -> None:
+        """After a step that raised: `seq` (running; its launched tokens not read back are cut, the step's
+        other effects were never applied) gives up its KV blocks, as a preempted sequence does, and waits in the
+        quarantine to run a step alone; it continues from the tokens it has (those handed out)."""
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if PLACEHOLDER in seq.token_ids:  # launched and never read back: always the last ones
+            at = seq.token_ids.index(PLACEHOLDER)
+            del seq.token_ids[at:]
+            del seq.output_ids[at - seq.num_prompt:]
+        seq.draining = False
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self.blocks.release(seq)
+            if self.adapters is not None:
+                self.adapters.release(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.WAITING
+        seq.preemptions += 1  # (its blocks went: a draft model's K/V with them, draft_model.py)
+        seq.retries += 1
+        self.retries += 1
+        if seq not in self.quarantine:
+            self.quarantine.append(seq)
+
+    def _solo(self) -> list[ScheduledSeq]:
+        """The quarantine's first sequence, alone: its next chunk (its context is recomputed, from the prefix
+        cache where it can). Running sequences wait meanwhile; one gives up its blocks (or its LoRA slot) if
+        the sequence needs them."""
+        seq = self.quarantine[0]
+        admit = seq.status is SeqStatus.WAITING
+        if admit:
+            self.blocks.allocate_prefix(seq)
+            while self.adapters is not None and not self.adapters.acquire(seq):
+                self._evict_for(seq)
+        start, total = seq.num_computed, seq.num_tokens
+        n = min(total - start, self.config.max_num_batched_tokens)
+        while not self.blocks.ensure(seq, start + n):
+            self._evict_for(seq)
+        if admit:
+            self.blocks.queried_tokens += seq.num_tokens
+            self.blocks.hit_tokens += seq.num_cached_prompt
+            seq.status = SeqStatus.RUNNING
+            if not seq.scheduled_at:
+                seq.scheduled_at = time.monotonic()
+            self.running.append(seq)
+        return [ScheduledSeq(seq, start, n, start + n == total)]
+
+    def _evict_for(self, seq: Sequence) -> None:
+        others = [s for s in self.running if s is not seq]
+        if not others:  # a sequence alone always fits (add(), max_model_len): only a LoRA slot could be missing
+            raise RuntimeError(f"sequence {seq.seq_id} cannot run alone")
+        victim = max(others, key=_rank) if self.config.policy == "priority" else others[-1]
+        self.running.remove(victim)
+        self._preempt(victim)
+
     def schedule(self) -> list[ScheduledSeq]:
+        if self.quarantine:
+            return self._solo()
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         out: list[ScheduledSeq] = []
@@ -196,8 +274,9 @@ class Scheduler:
         that now fit in the step's token budget: those added, or given room, after it was made (the
         overlapped loop drains its launches in flight before a prefill step, and what arrived
         meanwhile joins that step instead of waiting for a step of its own). Nothing is admitted
-        after a preemption in schedule(): the preempted would come straight back."""
-        if self._preempted:
+        after a preemption in schedule(): the preempted would come straight back; nor beside a sequence of the
+        quarantine, which runs alone."""
+        if self._preempted or self.quarantine:
             return scheduled
         budget = self.config.max_num_batched_tokens - sum(s.num_tokens for s in scheduled)
         return scheduled + self._admit(budget)
@@ -230,12 +309,17 @@ class Scheduler:
     def update(self, scheduled: list[ScheduledSeq], samples: dict[int, int]) -> list[Finished]:
         """Advance the sequences after a step; `samples` maps seq_id -> the token sampled."""
         finished = []
+        quarantine = self.quarantine
+        if self.solo_failures:  # the engine ran a step: not broken
+            self.solo_failures = 0
         for s in scheduled:
             seq = s.seq
             if seq.status is not SeqStatus.RUNNING:
                 continue  # aborted while the step ran
             seq.num_computed = s.start + s.num_tokens
             self.blocks.commit(seq)
+            if quarantine and seq is quarantine[0] and s.sample:  # its step alone sampled: it rejoins the batches
+                quarantine.popleft()
             if not s.sample:
                 continue
             token = samples[seq.seq_id]
@@ -311,6 +395,8 @@ class Scheduler:
         out: dict[int, int] = {}
         finished = []
         running = SeqStatus.RUNNING
+        if self.solo_failures:  # the engine ran a step: not broken
+            self.solo_failures = 0
         for s, token in zip(scheduled, tokens):
             seq = s.seq
             if seq.status is not running or not s.sample:

@@ -31,6 +31,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     preemptions: int = 0
+    retries: int = 0  # times set apart to run alone after a step of it raised (Scheduler.isolate)
     scheduled_at: float = 0.0  # time.monotonic() of the first admission (KServe "queue" time ends there)
     # overlapped steps (runtime/scheduler/overlap.py): the token of a launched step is a placeholder
     # until its step is read back; a sequence whose last token is launched stops being scheduled
