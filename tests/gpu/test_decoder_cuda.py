@@ -1041,3 +1041,61 @@ def test_a_draft_model_on_the_gpu(trained_dir, tmp_path):
           f"{loop.spec_steps} speculative steps, {loop.accepted}/{loop.drafted} drafts accepted")
     assert loop.spec_steps >= 5 and loop.accepted > 0.8 * loop.drafted
     assert equal >= 0.75 * len(prompts), f"only {equal}/{len(prompts)} prompts equal"
+
+
+def test_decoder_graphs_are_captured_while_another_engine_serves(qwen_dir, model_dir, tokenizer, sentences):
+    """A decoder's CUDA graphs captured while an encoder serves batches on another thread (a model loaded, or
+    reloaded without downtime, beside one that serves): the other thread's synchronizes and allocations must
+    neither fail the capture nor fail themselves (engines/graph_capture.py: thread-local capture mode), and both
+    engines keep their answers: the encoder its batch's bits, the decoder the eager engine's greedy tokens."""
+    import threading
+    import time
+
+    import numpy as np
+    import torch
+
+    from surge.engines.decoder import DecoderEngine
+    from surge.engines.torch_gpu import TorchEngine
+    from surge.types import TokenBatch
+
+    enc = TorchEngine(device="cuda", precision="fp16", max_batch=16)
+    enc.load(model_dir)
+    batch = TokenBatch.pack(tokenizer.encode(sentences[:16]))
+    want = enc.run(batch)
+    stop, errors, runs = threading.Event(), [], [0]
+
+    def serve():
+        while not stop.is_set():
+            try:
+                got = enc.run(batch)
+                torch.cuda.synchronize()
+                torch.empty(1 << 20, device="cuda")  # an allocation, as a serving engine's first batch of a shape
+            except Exception as exc:  # noqa: BLE001 - the test reports it
+                errors.append(exc)
+                return
+            if not np.array_equal(got, want):
+                errors.append(AssertionError("the encoder's answer changed"))
+                return
+            runs[0] += 1
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while runs[0] == 0 and not errors and time.monotonic() < deadline:
+            time.sleep(0.01)
+        before = runs[0]
+        a = DecoderEngine(qwen_dir, device="cuda", dtype="fp32", num_blocks=512, max_num_seqs=16, max_model_len=512,
+                          decode_steps=4)
+        a.warmup()
+        during = runs[0] - before
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert not errors, errors
+    assert during >= 1, "the encoder must have served while the decoder captured"
+    prompts = _prompts(384, 6)
+    b = DecoderEngine(qwen_dir, device="cuda", dtype="fp32", num_blocks=512, max_num_seqs=16, max_model_len=512,
+                      cuda_graphs=False)
+    got, _ = _run_overlapped(a, prompts, 12, steps=4)
+    assert got == _run(b, prompts, 12)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from surge.engines.graph_capture import capture
 from surge.errors import EngineError, InvalidInput
 
 _DATATYPES = {"torch.float32": "FP32", "torch.float16": "FP16", "torch.float64": "FP64", "torch.int64": "INT64",
@@ -155,7 +156,7 @@ class TorchTensorEngine:
                         self._eager(static_in)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with capture(graph, pool=pool):
                     static_out = self._eager(static_in)
                 self.graphs[b] = (graph, static_in, static_out)
         torch.cuda.synchronize()

@@ -28,6 +28,7 @@ from surge.engines.base import Capabilities, random_batch
 from surge.engines.buckets import Buckets
 from surge.engines.encoder import forward_fused, position_ids
 from surge.engines.encoder_weights import EncoderWeights, load_weights
+from surge.engines.graph_capture import LOCK as CAPTURE_LOCK
 from surge.engines.memory import Workspace, plan_workspace
 from surge.errors import EngineError, InvalidInput
 from surge.types import Layout, TokenBatch
@@ -87,9 +88,9 @@ def release_weights(path: Path, device: torch.device, dtype: torch.dtype) -> Non
                 del _WEIGHTS[key]
 
 
-# One capture at a time in a process: captures are rare (once per bucket) and short,
-# and two interleaved ones would share the allocator's capture bookkeeping.
-_CAPTURE_LOCK = threading.Lock()
+# One capture at a time in a process (every engine's: engines/graph_capture.py): captures are rare (once
+# per bucket) and short, and two interleaved ones would share the allocator's capture bookkeeping.
+_CAPTURE_LOCK = CAPTURE_LOCK
 # (weights key, token bucket) -> the GEMM mode gemm="auto" timed fastest. The mode changes the GEMMs
 # only, whose shapes depend on the token bucket alone: buckets that differ in sequences or length
 # reuse the choice, and so does a second instance of the model on the GPU (warm-up ~halved).

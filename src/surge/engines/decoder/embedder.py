@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from surge.engines.base import Capabilities, random_batch
+from surge.engines.graph_capture import capture
 from surge.errors import ConfigError
 from surge.types import Layout, TokenBatch
 
@@ -162,7 +163,7 @@ class DecoderEmbedder:
                 self.model.forward(buf, positions, None, meta)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with capture(graph, pool=self._pool):
             hidden = self.model.forward(buf, positions, None, meta)
         self._pool = graph.pool()
         self._graphs[rows, width] = (buf, hidden, graph, positions)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from surge.engines.decoder.attention import AttnMeta
+from surge.engines.graph_capture import capture
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 TIMED_CONTEXT = 256  # positions of context at which multi-step graphs time their step (a chat turn's)
@@ -147,7 +148,7 @@ class DecodeGraphs:
                     for _ in range(2):  # warm up (Triton compiles, cuBLAS picks algorithms)
                         self._forward(b, lora)
                     g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=self.pool, stream=stream):
+                    with capture(g, pool=self.pool, stream=stream):
                         outputs[b] = self._forward(b, lora)
                     if self.pool is None:
                         self.pool = g.pool()
