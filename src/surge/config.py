@@ -121,15 +121,28 @@ class LimitsConfig(_Strict):
     request_read_timeout_s: float = Field(
         60.0, gt=0, description="A request whose headers and body have not all arrived this long after its first "
         "byte (on a new connection: after the connection opened) gets 408 and its connection is closed, so that "
-        "a client that sends slowly, or nothing, cannot hold a connection for ever.")
+        "a client that sends slowly, or nothing, cannot hold a connection for ever. On --metrics-port: the request "
+        "must arrive whole this long after the connection opened, else it is closed. On the gRPC port: a connection "
+        "whose HTTP/2 handshake has not finished, or that has had no call in flight, this long is closed (GOAWAY; "
+        "gRPC clients reconnect at their next call).")
     max_header_bytes: int = Field(
         64 * 1024, ge=4096, description="Largest request line and headers of one HTTP request; more gets 431 and "
         "the connection is closed (uvicorn kept every header, ~10 bytes of memory per byte sent, before any "
-        "check, the API key's included).")
+        "check, the API key's included). On the gRPC port: the largest metadata of a call (headers included), "
+        "more gets RESOURCE_EXHAUSTED.")
     max_connections: int | None = Field(
-        None, ge=1, description="Most open HTTP connections per process; one more gets 503 at once and is closed. "
-        "None: the process's open-file limit (RLIMIT_NOFILE) less 256 kept for its own files (models, sockets, "
-        "gRPC), so idle connections cannot leave it unable to accept or load anything.")
+        None, ge=1, description="Most open connections per process on each of the HTTP and gRPC ports; one more "
+        "gets 503 at once and is closed (gRPC: closed at once, the client sees UNAVAILABLE). None: the process's "
+        "open-file limit (RLIMIT_NOFILE) less 256 kept for its own files (models, sockets), split between the two "
+        "ports when gRPC is on, so idle connections cannot leave it unable to accept or load anything. "
+        "--metrics-port: this limit or 64, whichever is lower.")
+    grpc_max_concurrent_rpcs: int = Field(
+        1024, ge=1, description="Most gRPC calls in flight per process (each may hold a request of up to "
+        "--max-body-bytes, a Watch stays in flight while it watches); one more gets RESOURCE_EXHAUSTED at once.")
+    grpc_max_connection_age_s: float | None = Field(
+        None, gt=0, description="A gRPC connection this old is asked to go (GOAWAY: clients reconnect at their next "
+        "call); its calls still running --request-timeout-s later are cut, a stream's included. Bounds how long a "
+        "call whose request never comes can hold one of --grpc-max-concurrent-rpcs. None: no limit.")
     auto_truncate: bool = Field(
         False, description="OpenAI route: cut inputs longer than the model instead of answering 400 (a request "
         "can also ask with \"truncate\": true).")

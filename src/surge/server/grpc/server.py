@@ -1,5 +1,30 @@
 """Starting and stopping the gRPC server next to HTTP, in the same process and
-event loop (grpc.aio), from the app's startup and shutdown hooks."""
+event loop (grpc.aio), from the app's startup and shutdown hooks.
+
+What a client can hold is bounded as on the HTTP port (server/http/conn_guard.py), by grpcio's own
+channel arguments (checked against grpcio 1.85 by tests/e2e/test_grpc_limits.py):
+
+- `--request-read-timeout-s`: a connection that has not finished its HTTP/2 handshake
+  (`grpc.server_handshake_timeout_ms`) or that has had no call in flight (`grpc.max_connection_idle_ms`)
+  for that long is closed, with a GOAWAY after a handshake; a client reconnects at its next call. By
+  default grpcio closed only a connection that never acknowledged its SETTINGS, after 60 s; one that did
+  and started no call was held for ever.
+- `--max-connections`: `grpc.max_allowed_incoming_connections`, unbounded by default; one more is closed
+  as soon as it is accepted, before anything is read from it (the client sees UNAVAILABLE).
+- `--grpc-max-concurrent-rpcs`: grpc.aio's `maximum_concurrent_rpcs`; one more call gets
+  RESOURCE_EXHAUSTED at once instead of a coroutine and its request message in memory.
+- `--max-header-bytes`: the call's metadata, as both the soft and the hard limit
+  (`grpc.max_metadata_size`, `grpc.absolute_max_metadata_size`: between them grpcio refuses at random);
+  more gets RESOURCE_EXHAUSTED.
+- `--grpc-max-connection-age-s` (off by default: it cuts long streams): `grpc.max_connection_age_ms`, with
+  `--request-timeout-s` as `grpc.max_connection_age_grace_ms` (unbounded by default, so that without it
+  a call could outlive its connection's age for ever). Nothing else bounds a call whose client sent its
+  headers but never its message: it holds one of the concurrent calls until its connection goes.
+
+Keepalive is left to grpcio's defaults, which already refuse ping floods: while no data flows, pings
+closer together than `grpc.http2.min_recv_ping_interval_without_data_ms` (5 min) are strikes, and after
+`grpc.http2.max_ping_strikes` (2) the connection gets GOAWAY.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +37,7 @@ import grpc
 from surge.server.grpc import grpc_service_pb2_grpc as pb_grpc
 from surge.server.grpc.health import OPEN_METHODS as HEALTH_METHODS, add_health_and_reflection
 from surge.server.grpc.servicer import InferenceServicer
+from surge.server.http.conn_guard import connection_limit, limited_ports
 from surge.server.state import AppState
 
 log = logging.getLogger("surge.server")
@@ -47,18 +73,35 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         return self._deny
 
 
+def max_age_options(limits) -> list[tuple[str, int]]:
+    if limits.grpc_max_connection_age_s is None:
+        return []
+    return [("grpc.max_connection_age_ms", max(1, round(limits.grpc_max_connection_age_s * 1000))),
+            ("grpc.max_connection_age_grace_ms", max(1, round(limits.request_timeout_s * 1000)))]
+
+
 def build_server(state: AppState, reuse_port: bool = False) -> tuple[grpc.aio.Server, str]:
     """reuse_port: the front ends of --workers share one port (the supervisor holds it, cli/workers.py)."""
     config = state.config
+    limits = config.limits
     interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
+    read_timeout_ms = max(1, round(limits.request_read_timeout_s * 1000))
     server = grpc.aio.server(
         interceptors=interceptors,
+        maximum_concurrent_rpcs=limits.grpc_max_concurrent_rpcs,
         options=[
             # The same bound as an HTTP body: a larger request gets RESOURCE_EXHAUSTED.
-            ("grpc.max_receive_message_length", config.limits.max_body_bytes),
+            ("grpc.max_receive_message_length", limits.max_body_bytes),
             ("grpc.max_send_message_length", MAX_SEND_BYTES),
             # A second server on a taken port must fail, not share it (unless it is meant to).
             ("grpc.so_reuseport", 1 if reuse_port else 0),
+            # What a client can hold without a call (the module's docstring).
+            ("grpc.server_handshake_timeout_ms", read_timeout_ms),
+            ("grpc.max_connection_idle_ms", read_timeout_ms),
+            ("grpc.max_allowed_incoming_connections", connection_limit(limits.max_connections, limited_ports(config))),
+            ("grpc.max_metadata_size", limits.max_header_bytes),
+            ("grpc.absolute_max_metadata_size", limits.max_header_bytes),
+            *max_age_options(limits),
         ],
     )
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(state), server)

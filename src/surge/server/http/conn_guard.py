@@ -22,13 +22,21 @@ import resource
 RESERVED_FDS = 256  # descriptors kept for the process's own files when the limit follows RLIMIT_NOFILE
 
 
-def connection_limit(configured: int | None) -> int:
+def connection_limit(configured: int | None, ports: int = 1) -> int:
+    """The connection limit of one port: `configured`, or the descriptors left after RESERVED_FDS, split
+    between the `ports` that accept connections (HTTP, and gRPC when it is on: server/grpc/server.py), so
+    that all of them full still leave the process its own descriptors."""
     if configured is not None:
         return configured
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return 1 << 20
-    return max(1, soft - RESERVED_FDS)
+    return max(1, (soft - RESERVED_FDS) // ports)
+
+
+def limited_ports(config) -> int:
+    """How many ports of a ServerConfig share the descriptors: HTTP, and gRPC if on."""
+    return 2 if config.grpc_port else 1
 
 
 def _answer(status: bytes, body: bytes, extra: bytes = b"") -> bytes:

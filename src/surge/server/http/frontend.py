@@ -34,11 +34,12 @@ class FrontDoor:
         """(request read timeout in seconds, connection limit, header bytes limit) for
         server/http/conn_guard.py."""
         if self._limits is None:
-            from surge.server.http.conn_guard import connection_limit
+            from surge.server.http.conn_guard import connection_limit, limited_ports
 
-            limits = self.app.state.surge.config.limits
-            self._limits = (limits.request_read_timeout_s, connection_limit(limits.max_connections),
-                            limits.max_header_bytes)
+            config = self.app.state.surge.config
+            limits = config.limits
+            self._limits = (limits.request_read_timeout_s,
+                            connection_limit(limits.max_connections, limited_ports(config)), limits.max_header_bytes)
         return self._limits
 
     def direct(self):

@@ -67,15 +67,19 @@ def router(state: AppState) -> APIRouter:
 
 
 def install_metrics_port(state: AppState) -> None:
-    """Serve the metrics on `metrics.port` (no API key) while the app runs."""
-    from prometheus_client import start_http_server
+    """Serve the metrics on `metrics.port` (no API key) while the app runs, with the read timeout and (at
+    most MAX_CONNECTIONS of) the connection limit of the HTTP port (server/http/metrics_port.py)."""
+    from surge.server.http.conn_guard import connection_limit
+    from surge.server.http.metrics_port import MAX_CONNECTIONS, start_metrics_server
 
     config = state.config
 
     async def start(state: AppState) -> None:
         reg = state.extras.get("metrics_registry") or default_registry()
         add_process_metrics(reg)
-        server, thread = start_http_server(config.metrics.port, addr=config.host, registry=reg)
+        limits = config.limits
+        server, thread = start_metrics_server(config.metrics.port, config.host, reg, limits.request_read_timeout_s,
+                                              min(MAX_CONNECTIONS, connection_limit(limits.max_connections)))
         state.extras["metrics_http"] = (server, thread)
         print(f"surge: metrics on http://{config.host}:{config.metrics.port}/metrics", file=sys.stderr, flush=True)
 
