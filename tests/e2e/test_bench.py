@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,11 @@ def test_cli_run_writes_json_and_plots(server, tmp_path):
         lat = r["latency_ms"]
         assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["p99.9"] <= lat["max"]
     assert doc["workload"]["distinct_queries"] == 2000
+    # The command is recorded with the machine, and the printed table keeps every digit (not "122…").
+    command = doc["environment"]["command"]
+    assert "bench run" in command and server.url in command and "-c 1,4" in command
+    for r in runs:
+        assert f"{r['throughput_rps']:.1f}" in out.stdout and f"{r['latency_ms']['p99']:.1f}" in out.stdout
     for name in ("bench_latency_cdf.png", "bench_latency_vs_throughput.png", "bench_cache_hit_vs_size.png"):
         _valid_png(tmp_path / name)
 
@@ -126,3 +132,100 @@ def test_compare_script_runs_both_servers(tmp_path):
     assert set(doc["runs"]) == {"baseline", "surge"}
     assert all(r["ok"] > 0 and r["error_count"] == 0 for rs in doc["runs"].values() for r in rs)
     _valid_png(tmp_path / "bench_latency_vs_throughput.png")
+
+
+def test_server_metrics_exclude_the_warm_up(server):
+    # The cache hit ratio and batch sizes read from /metrics cover the measured requests, not the warm-up
+    # ones (whose cold cache would pull the hit ratio down): with one client, only the request crossing the
+    # boundary (either way: the counters are read while the load goes on) is off.
+    from surge.bench.runner import run_sweep
+
+    spec = LoadSpec(mode="closed", concurrency=1, duration_s=0.6, warmup_s=0.6, seed=1)
+    [r] = asyncio.run(run_sweep(lambda: NativeHTTP(server.url), make_workload(2000), [spec],
+                                metrics_url=server.url))
+    assert r.warmup_requests > 5 and r.ok.all()
+    seen = r.metrics["cache_hits"] + r.metrics["cache_misses"]
+    assert abs(seen - r.count) <= 1, (seen, r.count, r.warmup_requests)
+
+
+def _cli(*args):
+    from typer.testing import CliRunner
+
+    from surge.cli.main import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["-c", ""], "--concurrency"), (["-c", ","], "--concurrency"),
+    (["--mode", "open", "--rate", ","], "--rate"),
+    (["--requests", "-1"], "--requests"), (["--warmup", "-1"], "--warmup"),
+    (["--timeout", "0"], "--timeout"), (["--mode", "replay", "--replay-speed", "0"], "--replay-speed"),
+])
+def test_bad_flags_are_clear_errors(flags, says):
+    from surge.bench.servers import free_port
+
+    res = _cli("bench", "run", f"http://127.0.0.1:{free_port()}", "-d", "0.3", "--warmup", "0", *flags,
+               "--no-progress")
+    assert res.exit_code == 2, (res.exit_code, res.output, res.exception)
+    assert says in res.output and "Traceback" not in res.output
+
+
+def test_compare_needs_distinct_names():
+    res = _cli("bench", "compare", "-t", "a=http://127.0.0.1:1", "-t", "a=http://127.0.0.1:2", "--no-progress")
+    assert res.exit_code == 2 and "'a'" in res.output, res.output
+
+
+def _bench_cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "surge.cli.main", "bench", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, check=False)
+
+
+def test_a_target_that_does_not_answer_is_a_clear_error():
+    from surge.bench.servers import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    out = _bench_cli("run", url, "-d", "1", "--warmup", "0", "--no-progress")
+    assert out.returncode == 1
+    text = out.stdout + out.stderr
+    assert "Traceback" not in text
+    # What failed and why, in full (the table's error column is cut to fit a terminal).
+    assert f"{url}: connect" in text and "refused" in text.lower(), text
+
+
+def test_a_target_that_answers_errors_is_a_clear_error(server):
+    out = _bench_cli("run", server.url + "/nope", "-d", "1", "--warmup", "0", "--no-progress")
+    text = out.stdout + out.stderr
+    assert out.returncode == 1 and "Traceback" not in text
+    assert "http_404" in text and "Not Found" in text, text
+
+
+def test_ctrl_c_reports_what_was_measured(server, tmp_path):
+    from surge.bench.metrics import parse
+
+    def served():
+        import httpx
+
+        m = parse(httpx.get(server.url + "/metrics").text)
+        return m["cache_hits"] + m["cache_misses"]
+
+    before = served()
+    proc = subprocess.Popen([sys.executable, "-m", "surge.cli.main", "bench", "run", server.url, "-c", "2,4",
+                             "-d", "120", "--warmup", "0", "--json", str(tmp_path / "r.json"), "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while served() < before + 40 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, out
+    assert "interrupted" in out and "Traceback" not in out
+    doc = json.loads((tmp_path / "r.json").read_text())
+    [run] = doc["runs"][server.url]  # the level under way, cut short; the next one never started
+    assert run["concurrency"] == 2 and run["ok"] >= 20 and run["errors"] == {}
+    assert run["interrupted"] is True

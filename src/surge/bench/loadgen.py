@@ -10,8 +10,16 @@ generator itself, counts: queueing is never hidden (no coordinated omission).
 
 Requests scheduled during the first `warmup_s` seconds are sent but not
 measured. A run stops issuing after `duration_s` seconds of measurement or
-`max_requests` measured requests, whichever comes first, then waits for what is
-in flight (each request is bounded by the target's timeout).
+`max_requests` measured requests, whichever comes first (or when `stop` is set:
+Ctrl-C), then waits for what is in flight (each request is bounded by the
+target's timeout).
+
+Throughput of a run stopped by the clock (or by `stop`) is the successful
+completions inside the measurement window divided by its length: counting the
+requests *issued* in the window over "window start -> last completion" would
+add the drain after it (requests issued just before the end) and miss the
+warm-up answers that arrive in it, under-counting by (D + L/2) / (D + L) for
+latency L. A run stopped by its request count keeps that makespan definition.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator
+from typing import Awaitable, Callable, Iterator
 
 import numpy as np
 
@@ -71,6 +79,9 @@ class Recorder:
         self.measured: list[bool] = []
         self.inflight = 0
         self.errors = 0
+        self.details: dict[str, str] = {}  # the first failure's message, per kind
+        # When issuing stopped by the clock or by `stop` (perf_counter); None when by count or a log's end.
+        self.window_end: float | None = None
 
     def add(self, sched: float, start: float, end: float, kind: str | None, measured: bool) -> None:
         self.sched.append(sched)
@@ -97,6 +108,11 @@ class RunResult:
     inputs_per_request: int
     warmup_requests: int
     metrics: dict = field(default_factory=dict)  # server-side deltas (bench/metrics.py)
+    # Successful completions (warm-up requests' too) inside the window [0, window_s], when the window was
+    # closed by the clock: throughput's numerator. None: the run was bounded by count (see the module doc).
+    completed_in_window: int | None = None
+    error_examples: dict[str, str] = field(default_factory=dict)  # kind -> the first such failure's message
+    interrupted: bool = False  # cut short by `stop` (Ctrl-C)
     # The generator's own CPU (this process, warm-up included) and the run's wall time: on a machine it
     # shares with the server under test, what the generator burns the server does not get.
     generator_cpu_s: float = 0.0
@@ -121,10 +137,18 @@ def _result(rec: Recorder, spec: LoadSpec, target: str, t_measure: float) -> Run
     start = np.asarray(rec.start)[m]
     end = np.asarray(rec.end)[m]
     kinds = [k for k, keep in zip(rec.kind, rec.measured) if keep]
-    window = float(end.max() - t_measure) if end.size else 0.0
+    done_in_window = None
+    if rec.window_end is not None and rec.window_end > t_measure:
+        window = rec.window_end - t_measure
+        all_end = np.asarray(rec.end)
+        all_ok = np.array([k is None for k in rec.kind], dtype=bool)
+        done_in_window = int((all_ok & (all_end >= t_measure) & (all_end <= rec.window_end)).sum())
+    else:
+        window = float(end.max() - t_measure) if end.size else 0.0
     return RunResult(spec, target, sched - t_measure, start - t_measure, end - sched,
                      np.array([k is None for k in kinds], dtype=bool), kinds, window,
-                     spec.inputs_per_request, int((~m).sum()))
+                     spec.inputs_per_request, int((~m).sum()), completed_in_window=done_in_window,
+                     error_examples={k: rec.details[k] for k in set(kinds) if k is not None and k in rec.details})
 
 
 async def _one(target, texts: list[str], sched: float, rec: Recorder, measured: bool) -> None:
@@ -135,10 +159,12 @@ async def _one(target, texts: list[str], sched: float, rec: Recorder, measured: 
         await target.send(texts)
     except RequestFailed as exc:
         kind = exc.kind
+        rec.details.setdefault(kind, str(exc))
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # a client-side bug still shows up as an error kind
         kind = f"exception_{type(exc).__name__}"
+        rec.details.setdefault(kind, str(exc))
     finally:
         rec.inflight -= 1
     rec.add(sched, start, now(), kind, measured)
@@ -149,24 +175,37 @@ def _batches(queries: Iterator[str], k: int) -> Iterator[list[str]]:
         yield [next(queries) for _ in range(k)]
 
 
-async def closed_loop(target, queries: Iterator[str], spec: LoadSpec, rec: Recorder) -> float:
+def _close_window(rec: Recorder, t: float) -> None:
+    if rec.window_end is None:
+        rec.window_end = t
+
+
+async def closed_loop(target, queries: Iterator[str], spec: LoadSpec, rec: Recorder,
+                      t0: float | None = None, halt: asyncio.Event | None = None) -> float:
     batches = _batches(queries, spec.inputs_per_request)
-    t0 = now()
+    t0 = now() if t0 is None else t0
     warm_end = t0 + spec.warmup_s
     stop = warm_end + spec.duration_s if spec.duration_s > 0 else float("inf")
     issued = 0
+    by_count = False
 
     async def client():
-        nonlocal issued
+        nonlocal issued, by_count
         while True:
             t = now()
+            if halt is not None and halt.is_set():
+                _close_window(rec, max(t, warm_end))
+                return
             if t >= stop:
+                if not by_count:
+                    _close_window(rec, stop)
                 return
             measured = t >= warm_end
             if measured:
                 if spec.max_requests and issued >= spec.max_requests:
                     return
                 issued += 1
+                by_count = by_count or issued == spec.max_requests
             await _one(target, next(batches), t, rec, measured)
 
     await asyncio.gather(*(client() for _ in range(spec.concurrency)))
@@ -174,11 +213,11 @@ async def closed_loop(target, queries: Iterator[str], spec: LoadSpec, rec: Recor
 
 
 async def open_loop(target, queries: Iterator[str], spec: LoadSpec, rec: Recorder,
-                    offsets: Iterator[float]) -> float:
+                    offsets: Iterator[float], t0: float | None = None, halt: asyncio.Event | None = None) -> float:
     """Send at t0 + offset for each offset (Poisson or a log's times); latency from that instant."""
     batches = _batches(queries, spec.inputs_per_request)
     loop = asyncio.get_running_loop()
-    t0 = now()
+    t0 = now() if t0 is None else t0
     warm_end = t0 + spec.warmup_s
     stop = warm_end + spec.duration_s if spec.duration_s > 0 else float("inf")
     tasks: set[asyncio.Task] = set()
@@ -186,6 +225,7 @@ async def open_loop(target, queries: Iterator[str], spec: LoadSpec, rec: Recorde
     for off in offsets:
         sched = t0 + off
         if sched >= stop:
+            _close_window(rec, stop)
             break
         measured = sched >= warm_end
         if measured:
@@ -195,6 +235,9 @@ async def open_loop(target, queries: Iterator[str], spec: LoadSpec, rec: Recorde
         delay = sched - now()
         if delay > 0.0005:
             await asyncio.sleep(delay)
+        if halt is not None and halt.is_set():
+            _close_window(rec, max(now(), warm_end))
+            break
         if rec.inflight >= spec.max_inflight:
             rec.add(sched, now(), now(), "generator_overload", measured)
             continue
@@ -217,11 +260,18 @@ def poisson_stream(rate: float, seed: int) -> Iterator[float]:
 
 async def run_load(target, queries: Iterator[str], spec: LoadSpec, *, times: np.ndarray | None = None,
                    on_progress: Callable[[Recorder, float], None] | None = None,
-                   connections: int | None = None) -> RunResult:
-    """One run against an opened-or-not target; the target is opened and closed here."""
+                   connections: int | None = None,
+                   at_measure_start: Callable[[], Awaitable[object]] | None = None,
+                   halt: asyncio.Event | None = None) -> RunResult:
+    """One run against an opened-or-not target; the target is opened and closed here.
+
+    `at_measure_start` is awaited when the warm-up ends (as the load goes on), e.g. to read the server's
+    counters so that its statistics cover the measured requests only. `halt`, once set, stops issuing
+    as the clock would (Ctrl-C): what was measured is returned, marked `interrupted`."""
     spec.validate()
     rec = Recorder()
     ticker = None
+    marker = None
     cpu0, wall0 = time.process_time(), now()
     try:
         await target.open(connections or spec.concurrency)
@@ -234,20 +284,36 @@ async def run_load(target, queries: Iterator[str], spec: LoadSpec, *, times: np.
                     await asyncio.sleep(0.25)
 
             ticker = asyncio.create_task(tick())
+        if spec.mode == "replay" and times is None:
+            raise ValueError("replay needs a query log with times ('t')")
+        t0 = now()
+        if at_measure_start is not None:
+            if spec.warmup_s <= 0:
+                await at_measure_start()
+                t0 = now()
+            else:
+                async def mark():
+                    await asyncio.sleep(max(0.0, t0 + spec.warmup_s - now()))
+                    await at_measure_start()
+
+                marker = asyncio.create_task(mark())
         if spec.mode == "closed":
-            t_measure = await closed_loop(target, queries, spec, rec)
+            t_measure = await closed_loop(target, queries, spec, rec, t0, halt)
         elif spec.mode == "open":
-            t_measure = await open_loop(target, queries, spec, rec, poisson_stream(spec.rate, spec.seed))
+            t_measure = await open_loop(target, queries, spec, rec, poisson_stream(spec.rate, spec.seed), t0, halt)
         else:
-            if times is None:
-                raise ValueError("replay needs a query log with times ('t')")
-            t_measure = await open_loop(target, queries, spec, rec, iter(times / spec.replay_speed))
+            t_measure = await open_loop(target, queries, spec, rec, iter(times / spec.replay_speed), t0, halt)
+        if marker is not None and not (halt is not None and halt.is_set() and not marker.done()):
+            await marker
     finally:
+        if marker is not None and not marker.done():
+            marker.cancel()
         if ticker is not None:
             ticker.cancel()
             on_progress(rec, now() - t_start)
         await target.close()
     result = _result(rec, spec, getattr(target, "name", type(target).__name__), t_measure)
+    result.interrupted = halt is not None and halt.is_set()
     result.generator_cpu_s, result.generator_wall_s = time.process_time() - cpu0, now() - wall0
     return result
 

@@ -25,10 +25,14 @@ def percentiles(latencies_s: np.ndarray, qs=PERCENTILES) -> dict[str, float | No
 
 
 def summarize(r: RunResult) -> dict:
-    """One run as a flat, JSON-ready dict. Latency percentiles are over successful requests."""
+    """One run as a flat, JSON-ready dict. Latency percentiles are over successful requests (failures are
+    counted by kind in `errors`). Throughput: successful completions in the measurement window over its
+    length (bench/loadgen.py says why; a run bounded by its request count: measured successes over the
+    time to the last completion)."""
     ok_lat = r.latency[r.ok]
     n_ok = int(r.ok.sum())
     window = r.window_s if r.window_s > 0 else float("nan")
+    done = n_ok if r.completed_in_window is None else r.completed_in_window
     out = {
         "target": r.target,
         "mode": r.spec.mode,
@@ -39,11 +43,14 @@ def summarize(r: RunResult) -> dict:
         "requests": r.count,
         "ok": n_ok,
         "errors": r.errors,
+        "error_examples": dict(r.error_examples),
+        "interrupted": r.interrupted,
         "error_count": r.count - n_ok,
         "warmup_requests": r.warmup_requests,
         "window_s": r.window_s,
-        "throughput_rps": n_ok / window if n_ok else 0.0,
-        "inputs_per_s": n_ok * r.inputs_per_request / window if n_ok else 0.0,
+        "completed_in_window": done,
+        "throughput_rps": done / window if done else 0.0,
+        "inputs_per_s": done * r.inputs_per_request / window if done else 0.0,
         "sent_rate": r.count / (float(r.scheduled.max()) if r.count > 1 and r.scheduled.max() > 0 else window)
         if r.count else 0.0,
         "latency_ms": {**percentiles(ok_lat), "mean": float(ok_lat.mean() * 1000) if n_ok else None,
@@ -61,10 +68,14 @@ def summarize(r: RunResult) -> dict:
 
 
 def environment() -> dict:
+    """Where and how the numbers were taken: date, machine, and the command line that produced them."""
     import os
 
+    from surge.bench.timing import command_line
+
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "host": platform.node(),
-            "cpus": os.cpu_count(), "cpu": cpu_name(), "python": platform.python_version()}
+            "cpus": os.cpu_count(), "cpu": cpu_name(), "python": platform.python_version(),
+            "command": command_line()}
 
 
 def write_json(path: str | Path, runs: dict[str, list[RunResult]], extra: dict | None = None) -> Path:
@@ -98,7 +109,9 @@ def table(runs: dict[str, list[RunResult]], title: str = "surge bench"):
     t = Table(title=title)
     for col in ("target", "load", "req/s", "p50 ms", "p90 ms", "p99 ms", "p99.9 ms", "errors", "cache hit",
                 "batch", "gen CPU ms/req"):
-        t.add_column(col, justify="left" if col in ("target", "load", "errors") else "right")
+        text = col in ("target", "load", "errors")
+        # A number squeezed by a narrow terminal wraps rather than losing digits to an ellipsis.
+        t.add_column(col, justify="left" if text else "right", overflow="ellipsis" if text else "fold")
     for name, rs in runs.items():
         for r in rs:
             s = summarize(r)

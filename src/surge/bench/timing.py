@@ -7,6 +7,8 @@ on machines that have neither the server stack nor this package's extras.
 from __future__ import annotations
 
 import platform
+import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -34,3 +36,11 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def command_line() -> str:
+    """This process's command line as one could type it again (`surge ...` for the CLI, however started)."""
+    prog = sys.argv[0] if sys.argv else ""
+    if prog.replace("\\", "/").endswith(("surge/cli/main.py", "/surge")) or prog == "surge":
+        prog = "surge"
+    return shlex.join([prog, *sys.argv[1:]])

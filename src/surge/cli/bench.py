@@ -23,11 +23,20 @@ def register(app: typer.Typer) -> None:
     app.add_typer(bench_app, name="bench")
 
 
-def _levels(text: str, cast) -> list:
+def _levels(text: str, cast, hint: str) -> list:
     try:
-        return [cast(x) for x in text.split(",") if x.strip()]
+        levels = [cast(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise typer.BadParameter(f"expected a comma-separated list of numbers, got {text!r}") from None
+        levels = []
+    if not levels:
+        raise typer.BadParameter(f"expected a comma-separated list of numbers, got {text!r}",
+                                 param_hint=hint) from None
+    return levels
+
+
+def _positive(value: float, hint: str) -> None:
+    if not value > 0:
+        raise typer.BadParameter(f"must be > 0, got {value:g}", param_hint=hint)
 
 
 def _workload(query_log: Optional[Path], queries: int, zipf: Optional[float], seed: int):
@@ -44,14 +53,14 @@ def _workload(query_log: Optional[Path], queries: int, zipf: Optional[float], se
 def _specs(mode, concurrency, rate, duration, warmup, requests, inputs, seed, max_inflight, replay_speed):
     from surge.bench.loadgen import LoadSpec, sweep_specs
 
-    conc = _levels(concurrency, int)
+    conc = _levels(concurrency, int, "--connections" if mode != "closed" else "--concurrency")
     base = LoadSpec(mode=mode, concurrency=conc[0], duration_s=duration, warmup_s=warmup,
                     max_requests=requests or None, inputs_per_request=inputs, seed=seed, max_inflight=max_inflight,
                     replay_speed=replay_speed)
     if mode == "open":
         if not rate:
             raise typer.BadParameter("open loop needs --rate", param_hint="--rate")
-        specs = sweep_specs(base, _levels(rate, float))
+        specs = sweep_specs(base, _levels(rate, float, "--rate"))
     elif mode == "closed":
         specs = sweep_specs(base, conc)
     else:
@@ -71,6 +80,8 @@ def _report(runs, workload, json_out, plots, prefix, title):
     from surge.bench.report import summarize, table, write_json
 
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 200))  # a log or a pipe: the whole table, not 80 columns of it
     console.print(table(runs, title=title))
     if json_out:
         path = write_json(json_out, runs, {"workload": workload.describe()})
@@ -80,8 +91,41 @@ def _report(runs, workload, json_out, plots, prefix, title):
             console.print(f"plot: {p}")
     errors = sum(summarize(r)["error_count"] for rs in runs.values() for r in rs)
     if errors:
-        console.print(f"[red]{errors} requests failed[/] (see the errors column)")
+        console.print(f"[red]{errors} requests failed[/]; by kind, with the first failure's message:")
+        for name, rs in runs.items():
+            counts: dict[str, int] = {}
+            examples: dict[str, str] = {}
+            for r in rs:
+                for kind, n in r.errors.items():
+                    counts[kind] = counts.get(kind, 0) + n
+                for kind, text in r.error_examples.items():
+                    examples.setdefault(kind, text)
+            for kind, n in sorted(counts.items(), key=lambda kv: -kv[1]):
+                console.print(f"  {name}: {kind} x{n}: {examples.get(kind, '')}", markup=False, highlight=False)
     return errors
+
+
+def _execute(named, workload, specs, progress):
+    """Run the sweep; a target that fails its first request, or a bad target, is a clear error (exit 1 / 2).
+    Ctrl-C stops it early: the caller reports what was measured, then exits 130."""
+    from surge.bench.runner import TargetUnavailable, run_many
+
+    try:
+        return _run(run_many(named, workload, specs, show_progress=progress, stop_on_sigint=True, check_first=True))
+    except TargetUnavailable as exc:
+        typer.echo(f"error: {exc}\n(nothing was measured: the target did not answer one request; is it running, "
+                   "and are the URL and --protocol right?)", err=True)
+        raise typer.Exit(code=1) from None
+    except ValueError as exc:  # e.g. a KServe target whose model could not be found
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from None
+
+
+def _interrupted(runs) -> bool:
+    if any(r.interrupted for rs in runs.values() for r in rs):
+        typer.echo("interrupted (Ctrl-C): the table holds what was measured until then", err=True)
+        return True
+    return False
 
 
 def _in_process_factory(model_dir: Optional[Path], threads: int, cache_dir: Optional[Path]):
@@ -109,16 +153,16 @@ def run(
     connections: int = typer.Option(256, help="Open loop/replay: most connections to the target (arrivals beyond wait for one, and that wait counts as latency)."),
     rate: Optional[str] = typer.Option(None, "--rate", "-r", help="Arrivals per second (open loop; a list sweeps)."),
     duration: float = typer.Option(10.0, "--duration", "-d", help="Measured seconds per level."),
-    warmup: float = typer.Option(2.0, help="Seconds of unmeasured warm-up per level."),
-    requests: int = typer.Option(0, "--requests", "-n", help="Most measured requests per level (0: no bound)."),
+    warmup: float = typer.Option(2.0, min=0.0, help="Seconds of unmeasured warm-up per level."),
+    requests: int = typer.Option(0, "--requests", "-n", min=0, help="Most measured requests per level (0: no bound)."),
     inputs: int = typer.Option(1, help="Inputs (texts) per request."),
-    queries: int = typer.Option(6000, help="Distinct template queries in the pool."),
+    queries: int = typer.Option(6000, min=1, help="Distinct template queries in the pool."),
     zipf: Optional[float] = typer.Option(None, help="Zipf exponent of query popularity (default: top 500 = 30% of traffic)."),
     seed: int = typer.Option(0, help="Seed of queries, popularity and arrivals."),
     query_log: Optional[Path] = typer.Option(None, help="Replay this query log (JSON lines or one query per line) instead of templates."),
     replay_speed: float = typer.Option(1.0, help="Replay: time compression of the log's arrival times."),
     timeout: float = typer.Option(30.0, help="Per-request timeout (s)."),
-    max_inflight: int = typer.Option(10000, help="Open loop: arrivals beyond this many in flight fail as generator_overload."),
+    max_inflight: int = typer.Option(10000, min=1, help="Open loop: arrivals beyond this many in flight fail as generator_overload."),
     metrics_url: Optional[str] = typer.Option(None, help="Prometheus /metrics to read cache and batch statistics from (default: the target's, HTTP only)."),
     api_key: Optional[str] = typer.Option(None, envvar="SURGE_API_KEY", help="Bearer token for the target."),
     model_dir: Optional[Path] = typer.Option(None, help="in-process: model directory (default: bundled)."),
@@ -129,9 +173,10 @@ def run(
     progress: bool = typer.Option(True, help="Live progress display."),
 ) -> None:
     """Benchmark one target: closed-loop clients or open-loop Poisson arrivals, over a sweep."""
-    from surge.bench.runner import run_many
     from surge.bench.targets import make_target
 
+    _positive(timeout, "--timeout")
+    _positive(replay_speed, "--replay-speed")
     workload = _workload(query_log, queries, zipf, seed)
     if mode != "closed":
         concurrency = str(connections)
@@ -149,14 +194,13 @@ def run(
         murl = metrics_url or (target if protocol != "kserve-grpc" else None)
     label = name or (target if service is None else "in-process")
     try:
-        runs = _run(run_many({label: (factory, murl)}, workload, specs, show_progress=progress))
-    except ValueError as exc:  # e.g. a KServe target whose model could not be found
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(code=2) from None
+        runs = _execute({label: (factory, murl)}, workload, specs, progress)
     finally:
         if service is not None:
             _run(service.close())
     errors = _report(runs, workload, json_out, plots, "bench", f"surge bench · {label}")
+    if _interrupted(runs):
+        raise typer.Exit(code=130)
     if errors and all(r.ok.sum() == 0 for rs in runs.values() for r in rs):
         raise typer.Exit(code=1)
 
@@ -174,9 +218,9 @@ def compare(
     model: Optional[str] = typer.Option(None, help="Model name."),
     concurrency: str = typer.Option("1,16,64", "--concurrency", "-c", help="Closed-loop client counts."),
     duration: float = typer.Option(10.0, "--duration", "-d"),
-    warmup: float = typer.Option(2.0),
-    requests: int = typer.Option(0, "--requests", "-n"),
-    queries: int = typer.Option(6000),
+    warmup: float = typer.Option(2.0, min=0.0),
+    requests: int = typer.Option(0, "--requests", "-n", min=0),
+    queries: int = typer.Option(6000, min=1),
     zipf: Optional[float] = typer.Option(None),
     seed: int = typer.Option(0),
     timeout: float = typer.Option(60.0),
@@ -186,7 +230,6 @@ def compare(
 ) -> None:
     """Run the same workload against several running servers, one after another; print a comparison."""
     from surge.bench.report import comparison_markdown
-    from surge.bench.runner import run_many
     from surge.bench.targets import make_target
 
     named = {}
@@ -194,19 +237,22 @@ def compare(
         if "=" not in t:
             raise typer.BadParameter(f"expected NAME=URL, got {t!r}", param_hint="--target")
         n, url = t.split("=", 1)
+        if n in named:  # a second NAME would silently replace the first target's runs
+            raise typer.BadParameter(f"target name {n!r} given twice", param_hint="--target")
         named[n] = ((lambda url=url: make_target(protocol, url, model, timeout)),
                     url if protocol != "kserve-grpc" else None)
+    if len(named) < 2:
+        raise typer.BadParameter("compare needs two targets or more (one: `surge bench run`)", param_hint="--target")
+    _positive(timeout, "--timeout")
     workload = _workload(None, queries, zipf, seed)
     specs = _specs("closed", concurrency, None, duration, warmup, requests, 1, seed, 10000, 1.0)
-    try:
-        runs = _run(run_many(named, workload, specs, show_progress=progress))
-    except ValueError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(code=2) from None
+    runs = _execute(named, workload, specs, progress)
     _report(runs, workload, json_out, plots, "bench_compare", "surge bench compare")
     names = list(runs)
     for other in names[1:]:
         typer.echo(comparison_markdown(runs[names[0]], runs[other], names[0], other))
+    if _interrupted(runs):
+        raise typer.Exit(code=130)
 
 
 @bench_app.command("workload")

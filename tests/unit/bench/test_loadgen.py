@@ -327,3 +327,20 @@ def test_the_generators_own_cpu_is_reported(workload):
     console = Console(record=True, width=200)
     console.print(table({"http": [r]}))
     assert "gen CPU ms/req" in console.export_text()
+
+
+def test_closed_loop_throughput_is_completions_per_second_of_the_window(workload):
+    # 4 clients against a fixed 200 ms service: the server completes 4 / 0.2 = 20 requests a second, and by
+    # Little's law throughput x mean latency = clients. Requests issued late in the window finish after it
+    # (the drain) and the first measured ones wait for warm-up answers: dividing the measured requests by
+    # "window start -> last completion" under-counted by (D + L/2) / (D + L) (0.86 here).
+    concurrency, service = 4, 0.2
+    with TinyServer(service_s=service) as srv:
+        r = run(NativeHTTP(srv.url), workload, LoadSpec(mode="closed", concurrency=concurrency, duration_s=0.6,
+                                                        warmup_s=0.3))
+    from surge.bench.report import summarize
+
+    s = summarize(r)
+    assert r.ok.all() and s["window_s"] == pytest.approx(0.6, abs=0.05)
+    mean_latency = s["latency_ms"]["mean"] / 1000
+    assert s["throughput_rps"] * mean_latency == pytest.approx(concurrency, rel=0.1)
