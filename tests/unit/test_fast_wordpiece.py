@@ -119,7 +119,7 @@ def test_the_served_tokenizer_gives_the_same_arrays_with_and_without_the_fast_pa
     plain._fast = None
     seen: list[str] = []
     hf = tok._encode_ids
-    tok._encode_ids = lambda texts, truncate=True: (seen.extend(texts), hf(texts, truncate))[1]
+    tok._encode_ids = lambda texts, truncate=True, left=False: (seen.extend(texts), hf(texts, truncate, left))[1]
     rng = np.random.default_rng()
     sents = load_sentences()
     ascii_ = [t for t in sents if t.isascii()]
