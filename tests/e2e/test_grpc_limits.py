@@ -35,6 +35,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from surge.bench.servers import ServerProc, free_port
 from surge.server.grpc import grpc_service_pb2 as pb
 from surge.server.grpc import grpc_service_pb2_grpc as pb_grpc
+from tests import raw_sockets
 from tests.e2e.repo_helpers import add_version
 from tests.server_process import ROOT, ServerProcess
 
@@ -66,17 +67,6 @@ def server(tmp_path_factory):
         yield srv
 
 
-def read_to_close(s: socket.socket) -> bytes:
-    """Everything the server sends until it closes the connection (socket.timeout if it never does)."""
-    out = b""
-    while True:
-        try:
-            chunk = s.recv(65536)
-        except ConnectionResetError:
-            return out
-        if not chunk:
-            return out
-        out += chunk
 
 
 def frame_types(raw: bytes) -> list[int]:
@@ -109,7 +99,7 @@ def serves(url: str) -> bool:
 
 def test_a_connection_that_sends_nothing_is_closed(server):
     with socket.create_connection(("127.0.0.1", server.grpc_port), timeout=SILENT_WAIT_S) as s:
-        read_to_close(s)  # socket.timeout (the test fails) if the server holds it
+        raw_sockets.read_to_close(s)  # socket.timeout (the test fails) if the server holds it
 
 
 def test_a_connection_without_calls_is_closed_with_goaway(server):
@@ -119,7 +109,7 @@ def test_a_connection_without_calls_is_closed_with_goaway(server):
         raw = s.recv(65536)
         assert frame_types(raw)[:1] == [SETTINGS], raw
         s.sendall(SETTINGS_ACK)
-        raw += read_to_close(s)
+        raw += raw_sockets.read_to_close(s)
     assert GOAWAY in frame_types(raw), raw
 
 
@@ -210,7 +200,7 @@ def test_connections_over_the_limit_are_closed_at_once(server):
             assert 1 <= len(held) <= MAX_CONNECTIONS
             with socket.create_connection(("127.0.0.1", server.grpc_port), timeout=WAIT_S) as s:
                 s.sendall(PREFACE)
-                raw = read_to_close(s)  # an accepted one gets the server's SETTINGS first
+                raw = raw_sockets.read_to_close(s)  # an accepted one gets the server's SETTINGS first
             assert raw == b"", raw
         finally:
             for channel, call in held:
@@ -253,7 +243,7 @@ def test_idle_grpc_connections_leave_the_process_its_file_descriptors(tmp_path):
             assert httpx.get(srv.url + "/health", timeout=WAIT_S).status_code == 200
             with socket.create_connection(("127.0.0.1", grpc_port), timeout=WAIT_S) as s:
                 s.sendall(PREFACE)
-                assert read_to_close(s) == b""  # over the limit: closed at once
+                assert raw_sockets.read_to_close(s) == b""  # over the limit: closed at once
         finally:
             for s in held:
                 s.close()

@@ -18,6 +18,7 @@ import socket
 import httpx
 import pytest
 
+from tests import raw_sockets
 from tests.e2e.repo_helpers import add_version
 from tests.server_process import ServerProcess, free_port
 
@@ -39,20 +40,9 @@ def server(tmp_path_factory):
 
 
 def connect(port: int) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
+    return raw_sockets.connect(port, WAIT_S)
 
 
-def read_to_close(s: socket.socket) -> bytes:
-    """Everything the server sends until it closes the connection (socket.timeout if it never does)."""
-    out = b""
-    while True:
-        try:
-            chunk = s.recv(65536)
-        except ConnectionResetError:
-            return out
-        if not chunk:
-            return out
-        out += chunk
 
 
 def scrape(port: int) -> httpx.Response:
@@ -63,13 +53,13 @@ def test_a_silent_connection_is_closed_while_metrics_answer_others(server):
     with connect(server.metrics_port) as silent:
         r = scrape(server.metrics_port)  # answered while the silent one is open
         assert r.status_code == 200 and "process_start_time_seconds" in r.text
-        assert read_to_close(silent) == b""  # socket.timeout (the test fails) if the server holds it
+        assert raw_sockets.read_to_close(silent) == b""  # socket.timeout (the test fails) if the server holds it
 
 
 def test_half_a_request_is_closed(server):
     with connect(server.metrics_port) as s:
         s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # the headers never end
-        read_to_close(s)
+        raw_sockets.read_to_close(s)
 
 
 def test_a_dribbled_request_is_closed(server):
@@ -96,7 +86,7 @@ def test_connections_over_the_limit_get_503_at_once(server):
     # read timeout), the others get 503 at once.
     socks = [connect(server.metrics_port) for _ in range(MAX_CONNECTIONS * 4)]
     try:
-        answers = [read_to_close(s) for s in socks]
+        answers = [raw_sockets.read_to_close(s) for s in socks]
     finally:
         for s in socks:
             s.close()

@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from surge.bench.servers import ServerProc, free_port
+from tests import raw_sockets
 from tests.e2e.repo_helpers import add_version
 from tests.server_process import ROOT, ServerProcess
 
@@ -49,21 +50,9 @@ def server(repo):
 
 
 def connect(port: int) -> socket.socket:
-    s = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
-    return s
+    return raw_sockets.connect(port, WAIT_S)
 
 
-def read_to_close(s: socket.socket) -> bytes:
-    """Everything the server sends until it closes the connection (socket.timeout if it never does)."""
-    out = b""
-    while True:
-        try:
-            chunk = s.recv(65536)
-        except ConnectionResetError:
-            return out
-        if not chunk:
-            return out
-        out += chunk
 
 
 def status_of(raw: bytes) -> int | None:
@@ -77,7 +66,7 @@ def embed_ok(url: str) -> bool:
 
 def test_a_connection_that_sends_nothing_is_closed(server):
     with connect(server.port) as s:
-        raw = read_to_close(s)
+        raw = raw_sockets.read_to_close(s)
     # Closed without a word: a client that opened it ahead of use would take a 408 for its next answer.
     assert raw == b"", raw
 
@@ -85,7 +74,7 @@ def test_a_connection_that_sends_nothing_is_closed(server):
 def test_headers_that_never_end_get_408_without_a_key(server):
     with connect(server.port) as s:
         s.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")
-        raw = read_to_close(s)
+        raw = raw_sockets.read_to_close(s)
     assert status_of(raw) == 408, raw
     assert b"connection: close" in raw.lower()
 
@@ -94,7 +83,7 @@ def test_a_body_shorter_than_its_length_gets_408(server):
     with connect(server.port) as s:
         s.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   + f"Authorization: Bearer {KEY}\r\nContent-Length: 100\r\n\r\n".encode() + b'{"input": "')
-        raw = read_to_close(s)
+        raw = raw_sockets.read_to_close(s)
     assert status_of(raw) == 408, raw
     assert embed_ok(server.url)
 
@@ -103,7 +92,7 @@ def test_a_chunked_body_without_its_end_gets_408(server):
     with connect(server.port) as s:
         s.sendall(b"POST /v2/models/enc/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   + f"Authorization: Bearer {KEY}\r\nTransfer-Encoding: chunked\r\n\r\n".encode() + b"2\r\n{\"\r\n")
-        raw = read_to_close(s)
+        raw = raw_sockets.read_to_close(s)
     assert status_of(raw) == 408, raw
 
 
@@ -127,7 +116,7 @@ def test_connections_over_the_limit_get_503_at_once(server):
             if status_of(first) == 200:
                 held.append(s)
                 continue
-            refused = first + read_to_close(s)
+            refused = first + raw_sockets.read_to_close(s)
             s.close()
             break
         assert refused is not None and status_of(refused) == 503, (len(held), refused)
@@ -160,7 +149,7 @@ def test_the_default_limit_keeps_the_server_within_its_file_descriptors(repo):
         held = [connect(port) for _ in range(450)]
         try:
             with connect(port) as s:  # sends nothing: the answer comes at once, before any request
-                raw = read_to_close(s)
+                raw = raw_sockets.read_to_close(s)
             assert status_of(raw) == 503, raw
         finally:
             for s in held:
@@ -194,7 +183,7 @@ def test_headers_beyond_the_limit_get_431_before_they_cost_memory(server):
             s.sendall(b"\r\n")
         except (BrokenPipeError, ConnectionResetError):  # refused and closed halfway: what is wanted
             pass
-        raw = read_to_close(s)
+        raw = raw_sockets.read_to_close(s)
     assert status_of(raw) == 431, raw[:200]
     assert _peak_rss_kb(server.proc.pid) - before < 64 * 1024  # KiB; before the fix ~300 MB more
     assert embed_ok(server.url)
@@ -206,7 +195,7 @@ def test_a_long_url_gets_431(server):
             s.sendall(b"GET /v1/models?" + b"a" * (1 << 20) + b" HTTP/1.1\r\nHost: x\r\n\r\n")
         except (BrokenPipeError, ConnectionResetError):
             pass
-        raw = read_to_close(s)
+        raw = raw_sockets.read_to_close(s)
     assert status_of(raw) == 431, raw[:200]
 
 

@@ -216,13 +216,17 @@ class Scheduler:
         while not self.blocks.ensure(seq, start + n):
             self._evict_for(seq)
         if admit:
-            self.blocks.queried_tokens += seq.num_tokens
-            self.blocks.hit_tokens += seq.num_cached_prompt
-            seq.status = SeqStatus.RUNNING
-            if not seq.scheduled_at:
-                seq.scheduled_at = time.monotonic()
-            self.running.append(seq)
+            self._start(seq)
         return [ScheduledSeq(seq, start, n, start + n == total)]
+
+    def _start(self, seq: Sequence) -> None:
+        """An admitted sequence runs (its prefix-cache lookup counted)."""
+        self.blocks.queried_tokens += seq.num_tokens
+        self.blocks.hit_tokens += seq.num_cached_prompt
+        seq.status = SeqStatus.RUNNING
+        if not seq.scheduled_at:
+            seq.scheduled_at = time.monotonic()
+        self.running.append(seq)
 
     def _evict_for(self, seq: Sequence) -> None:
         others = [s for s in self.running if s is not seq]
@@ -296,12 +300,7 @@ class Scheduler:
                 i += 1
                 continue
             del self.waiting[i]
-            self.blocks.queried_tokens += seq.num_tokens
-            self.blocks.hit_tokens += seq.num_cached_prompt
-            seq.status = SeqStatus.RUNNING
-            if not seq.scheduled_at:
-                seq.scheduled_at = time.monotonic()
-            self.running.append(seq)
+            self._start(seq)
             out.append(ScheduledSeq(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
             budget -= n
         return out

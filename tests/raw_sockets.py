@@ -1,0 +1,23 @@
+"""Raw TCP helpers of the tests that hold connections open against a real server (slow clients, the gRPC
+and metrics ports' limits)."""
+
+from __future__ import annotations
+
+import socket
+
+
+def connect(port: int, timeout: float) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=timeout)
+
+
+def read_to_close(s: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (socket.timeout if it never does)."""
+    out = b""
+    while True:
+        try:
+            chunk = s.recv(65536)
+        except ConnectionResetError:
+            return out
+        if not chunk:
+            return out
+        out += chunk
