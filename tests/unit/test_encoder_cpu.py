@@ -67,11 +67,13 @@ def test_attention_blocks_keep_sequences_apart():
     assert AttentionPlan(np.array([17])).single
 
 
+@pytest.mark.parametrize("invariant", [True, False])
 @pytest.mark.parametrize("fused", [True, False])
-def test_random_lengths_match_per_sequence_reference(bundled_spec, fused):
-    """fp32 against encoder.forward_reference (attention one sequence at a time) on random token ids."""
+def test_random_lengths_match_per_sequence_reference(bundled_spec, fused, invariant):
+    """fp32 against encoder.forward_reference (attention one sequence at a time) on random token ids,
+    in the batch's own layout and in the batch-invariant one (InvariantPlan)."""
     w = load_weights(bundled_spec.path)
-    enc = CpuEncoder(w, fused=fused and torch.backends.mkldnn.is_available())
+    enc = CpuEncoder(w, fused=fused and torch.backends.mkldnn.is_available(), invariant=invariant)
     rng = np.random.default_rng()
     for lengths in (rng.integers(1, 40, size=int(rng.integers(2, 30))), np.array([int(rng.integers(60, 200)), 7]),
                     np.array([int(rng.integers(2, 30))])):

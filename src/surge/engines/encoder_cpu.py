@@ -18,6 +18,10 @@ and every op re-takes the GIL. Here:
 * embedding sum and LayerNorms work in fp32 (the LayerNorm kernel accumulates
   in fp32 for bf16 inputs); GeLU runs in bf16 inside the GEMM;
 * the whole forward is one TorchScript call that runs without the GIL.
+
+With `invariant` (the torch engine's batch_invariant, its default) a token's
+result depends on its own sequence only, bit for bit, whatever shares the
+batch: see InvariantPlan.
 """
 
 from __future__ import annotations
@@ -78,6 +82,60 @@ class AttentionPlan:
         self.mask = torch.from_numpy(mask)
 
 
+
+ROW_CHUNK = 8  # invariant form: the batch's rows are padded to a multiple of this (a lone row: M=1 rounds apart)
+# invariant form: a GEMM runs in calls of at most this many rows, the largest bound under which the CPU
+# gives a row the same bits whatever the call's row count (CpuEncoder.row_count_bound; 0: no bound)
+GEMM_BOUNDS = (0, 256, 128, 64, 32, 16, 8)
+ATTN_ROUND = 16  # invariant form: a sequence's attention block is its length rounded up to this
+
+
+class InvariantPlan:
+    """The batch-invariant layout of a packed batch: what a token computes depends on its own sequence only.
+
+    Measured on oneDNN (torch 2.13, Sapphire Rapids, 1-2 threads): a GEMM row's bits never depend on
+    the other rows' values, nor on its place in a call of fixed row count M. Across M: packed fp32 GEMMs
+    give the same bits for every M >= 2; packed bf16 ones with K=384 too, but with K=1536 (FFN down)
+    only while M stays at most ~144 (beyond, AMX and its tail kernels sum K in other orders, and a
+    row's bits follow M and its place in the call); F.linear in fp32 has three families (M=1, 2-15,
+    16+). So the batch is padded to a multiple of ROW_CHUNK rows (never one row), and each GEMM runs
+    in calls of at most the row count that CpuEncoder's load-time probe (row_count_bound) finds safe
+    on this CPU: one call for the batch where any count is. The flash attention kernel's bits depend
+    on the key length and (bf16) on a sequence's offset in a shared block: so every sequence gets a
+    block of its own, at offset 0, ceil(n / ATTN_ROUND) * ATTN_ROUND long (a function of n alone), its
+    padded keys masked; sequences with the same block size share one call. LayerNorm, GeLU, residuals
+    and the embedding sum are per row already.
+
+    tokens: rows of the padded batch (a multiple of ROW_CHUNK). blocks: per group, the block size P;
+    gathers: per group, [blocks * P] rows of the packed qkv (index `tokens` is a zero row, the padding);
+    masks: per group, [blocks, 1, 1, P] (True = a real key); back: [tokens] the row of the groups'
+    concatenated outputs that holds each token (padding rows read row 0: their values are never used).
+    """
+
+    def __init__(self, lengths: np.ndarray, chunk: int = ROW_CHUNK, round_to: int = ATTN_ROUND):
+        lengths = np.asarray(lengths, dtype=np.int64)
+        t = int(lengths.sum())
+        self.tokens = max(chunk, -(-t // chunk) * chunk)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        sizes = -(-lengths // round_to) * round_to
+        self.blocks: list[int] = []
+        self.gathers: list[torch.Tensor] = []
+        self.masks: list[torch.Tensor] = []
+        back = np.zeros(self.tokens, dtype=np.int64)
+        base = 0
+        for p in np.unique(sizes).tolist():
+            seqs = np.flatnonzero(sizes == p)
+            pos = np.arange(p)
+            real = pos[None, :] < lengths[seqs, None]  # [blocks, P]
+            gather = np.where(real, starts[seqs, None] + pos[None, :], self.tokens)
+            for j, i in enumerate(seqs.tolist()):
+                back[starts[i]:starts[i] + lengths[i]] = base + j * p + np.arange(lengths[i])
+            base += len(seqs) * p
+            self.blocks.append(int(p))
+            self.gathers.append(torch.from_numpy(np.ascontiguousarray(gather.reshape(-1))))
+            self.masks.append(torch.from_numpy(np.ascontiguousarray(real[:, None, None, :])))
+        self.back = torch.from_numpy(back)
+
 # ---------------------------------------------------------------- the layers (TorchScript source)
 # Written in the TorchScript subset: compiled once (torch.jit.script), the whole
 # layer stack runs in C++ with the GIL released. Run eagerly, each of its ~15
@@ -99,6 +157,39 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, gelu: bool, resid
     if residual is not None:
         y = y + residual
     return y
+
+
+def _linear_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, gelu: bool, residual: Optional[torch.Tensor],
+                 fused: bool, gelu_tanh: bool, chunk: int) -> torch.Tensor:
+    """_linear in calls of at most `chunk` rows (the rows in order); chunk 0: one call."""
+    t = x.size(0)
+    if chunk == 0 or t <= chunk:
+        return _linear(x, w, b, gelu, residual, fused, gelu_tanh)
+    parts: List[torch.Tensor] = []
+    for s in range(0, t, chunk):
+        m = min(chunk, t - s)
+        r: Optional[torch.Tensor] = None
+        if residual is not None:
+            r = residual.narrow(0, s, m)
+        parts.append(_linear(x.narrow(0, s, m), w, b, gelu, r, fused, gelu_tanh))
+    return torch.cat(parts)
+
+
+def _attention_invariant(qkv: torch.Tensor, heads: int, blocks: List[int], gathers: List[torch.Tensor],
+                         masks: List[torch.Tensor], back: torch.Tensor) -> torch.Tensor:
+    """Packed qkv [T, 3*hid] -> packed context [T, hid]: each sequence in its own block (InvariantPlan)."""
+    three_hid = qkv.size(1)
+    hid = three_hid // 3
+    d = hid // heads
+    padded = torch.cat([qkv, qkv.new_zeros(1, three_hid)])  # row T: the blocks' padding
+    outs: List[torch.Tensor] = []
+    for g in range(len(blocks)):
+        p = blocks[g]
+        nb = gathers[g].size(0) // p
+        qkv5 = padded.index_select(0, gathers[g]).view(nb, p, 3, heads, d).permute(2, 0, 3, 1, 4)
+        ctx = F.scaled_dot_product_attention(qkv5[0], qkv5[1], qkv5[2], attn_mask=masks[g])
+        outs.append(ctx.transpose(1, 2).reshape(nb * p, hid))
+    return torch.cat(outs).index_select(0, back)
 
 
 def _attention(qkv: torch.Tensor, heads: int, fill: List[int], block: int, mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -136,8 +227,13 @@ def _attention(qkv: torch.Tensor, heads: int, fill: List[int], block: int, mask:
 
 def encode(ids: torch.Tensor, types: torch.Tensor, pos: torch.Tensor, emb: List[torch.Tensor],
            weights: List[torch.Tensor], heads: int, eps: float, gelu_tanh: bool, fused: bool,
-           fill: List[int], block: int, mask: Optional[torch.Tensor]) -> torch.Tensor:
+           fill: List[int], block: int, mask: Optional[torch.Tensor], chunks: List[int], blocks: List[int],
+           gathers: List[torch.Tensor], masks: List[torch.Tensor], back: torch.Tensor) -> torch.Tensor:
     """Packed token ids [T] -> last hidden state [T, H] in fp32.
+
+    blocks empty: the batch's own attention layout (fill, block, mask: AttentionPlan). Otherwise the
+    batch-invariant one (InvariantPlan: blocks, gathers, masks, back). chunks: per GEMM of a layer (QKV,
+    output, FFN up, FFN down), > 0: it runs on chunks of that many rows; 0 or absent: one call for the batch.
 
     emb: word, position, token-type tables (the weights' dtype), embedding LayerNorm
     weight and bias (fp32); the embedding sum and its LayerNorm run in fp32.
@@ -149,14 +245,18 @@ def encode(ids: torch.Tensor, types: torch.Tensor, pos: torch.Tensor, emb: List[
     x = word.index_select(0, ids).float() + emb[1].index_select(0, pos).float() + emb[2].index_select(0, types).float()
     norm = [x.size(1)]
     x = F.layer_norm(x, norm, emb[3], emb[4], eps).to(word.dtype)
+    ck = chunks if len(chunks) == 4 else [0, 0, 0, 0]
     for i in range(len(weights) // 12):
         o = 12 * i
-        qkv = _linear(x, weights[o], weights[o + 1], False, None, fused, gelu_tanh)  # fused QKV: one GEMM
-        ctx = _attention(qkv, heads, fill, block, mask)
-        h = _linear(ctx, weights[o + 2], weights[o + 3], False, x, fused, gelu_tanh)
+        qkv = _linear_rows(x, weights[o], weights[o + 1], False, None, fused, gelu_tanh, ck[0])  # fused QKV
+        if len(blocks) > 0:
+            ctx = _attention_invariant(qkv, heads, blocks, gathers, masks, back)
+        else:
+            ctx = _attention(qkv, heads, fill, block, mask)
+        h = _linear_rows(ctx, weights[o + 2], weights[o + 3], False, x, fused, gelu_tanh, ck[1])
         h = F.layer_norm(h, norm, weights[o + 4], weights[o + 5], eps)
-        f = _linear(h, weights[o + 6], weights[o + 7], True, None, fused, gelu_tanh)
-        x = F.layer_norm(_linear(f, weights[o + 8], weights[o + 9], False, h, fused, gelu_tanh), norm,
+        f = _linear_rows(h, weights[o + 6], weights[o + 7], True, None, fused, gelu_tanh, ck[2])
+        x = F.layer_norm(_linear_rows(f, weights[o + 8], weights[o + 9], False, h, fused, gelu_tanh, ck[3]), norm,
                          weights[o + 10], weights[o + 11], eps)
     return x.float()
 
@@ -220,13 +320,15 @@ class CpuEncoder:
     batch's GEMM time; bias + GeLU and bias + residual add run in the GEMM's
     epilogue, so a layer is 4 GEMMs, 2 LayerNorms and the attention call; and the
     layer stack runs as TorchScript, with the GIL released. fused=False: plain
-    F.linear, run eagerly (any build, any dtype).
+    F.linear, run eagerly (any build, any dtype). invariant=True: the batch-invariant layout
+    (InvariantPlan), for either form; a token's result is then bit for bit the same in any batch.
     """
 
     PACK_HINT = 64  # oneDNN picks the blocked layout for this many rows; any row count runs on it
 
-    def __init__(self, w: EncoderWeights, fused: bool | None = None, bucket: bool = True):
+    def __init__(self, w: EncoderWeights, fused: bool | None = None, bucket: bool = True, invariant: bool = False):
         self.w = w
+        self.invariant = invariant
         self.bucket = bucket  # pad token counts up to buckets (see run)
         self.config = w.config
         if fused is None:  # where oneDNN cannot pack this dtype on this CPU: plain F.linear
@@ -245,6 +347,47 @@ class CpuEncoder:
                 self.flat.append(pack(t) if j in (0, 2, 6, 8) else t)
         self.emb = [w.word, w.pos, w.types, w.emb_ln_w.float(), w.emb_ln_b.float()]
         self.encode = scripted_encode() if fused else encode
+        # The invariant form's layout (InvariantPlan): rows padded to whole row_chunks; each GEMM in calls
+        # of at most gemm_chunks[j] rows (0: one call), as the CPU's kernels allow (row_count_bound).
+        self.row_chunk, self.attn_round = ROW_CHUNK, ATTN_ROUND
+        self.gemm_chunks = [0, 0, 0, 0]
+        if invariant and w.layers:
+            self.gemm_chunks = self.row_count_bound()
+
+    def row_count_bound(self) -> list[int]:
+        """Per GEMM of a layer (QKV, output, FFN up, FFN down, with their epilogues): the largest of
+        GEMM_BOUNDS (0: none) under which its rows come out bit for bit the same whatever the call's row
+        count (a multiple of ROW_CHUNK) and the row's place in it, on this CPU, build and thread count.
+        Sampled: PROBE_ROWS random rows in calls of the bound, against calls on slices of them.
+        Measured (torch 2.13, Sapphire Rapids, 1-2 threads): fp32 none for all four; bf16 none but for
+        FFN down (K=1536), 128. Shapes and kernels are the same in every layer: layer 0 answers for all."""
+        key = (tuple(tuple(t.shape) for t in self.flat[:12]), self.w.word.dtype, self.fused, torch.get_num_threads(),
+               self.config.activation == "gelu_tanh")
+        with _SCRIPT_LOCK:
+            if key in _ROW_BOUND:
+                return list(_ROW_BOUND[key])
+        g = torch.Generator().manual_seed(0)
+        dt = self.w.word.dtype
+        tanh = self.config.activation == "gelu_tanh"
+        out = []
+        for j, gelu, res in ((0, False, False), (2, False, True), (6, True, False), (8, False, True)):
+            w, b = self.flat[j], self.flat[j + 1]
+            n, k = self.w.layers[0].tensors()[j].shape
+            x = torch.randn(PROBE_ROWS, k, generator=g).to(dt)
+            r = torch.randn(PROBE_ROWS, n, generator=g).to(dt) if res else None
+            bound = ROW_CHUNK
+            with torch.inference_mode():
+                for c in GEMM_BOUNDS:
+                    ref = _linear_rows(x, w, b, gelu, r, self.fused, tanh, c)
+                    if all(torch.equal(_linear(x[s:s + m], w, b, gelu, None if r is None else r[s:s + m],
+                                               self.fused, tanh), ref[s:s + m])
+                           for m, s in PROBE_SLICES if c == 0 or (m <= c and s % c + m <= c)):
+                        bound = c
+                        break
+            out.append(bound)
+        with _SCRIPT_LOCK:
+            _ROW_BOUND[key] = out
+        return list(out)
 
     def forward(self, ids: torch.Tensor, types: torch.Tensor, pos: torch.Tensor, lengths: np.ndarray) -> torch.Tensor:
         """Last hidden state [T, H] (fp32) of a packed batch (tensors in, tensor out)."""
@@ -261,12 +404,16 @@ class CpuEncoder:
         Buckets keep the row counts to a few dozen, all cached after warm-up.
         A single sequence is not padded: it has at most max_length row counts,
         and its unmasked attention is cheaper (measured 5.4 vs 7.4 ms at batch 1).
+        With `invariant` neither applies: the batch is padded to whole ROW_CHUNKs
+        only, and a lone sequence takes the same path as any other (InvariantPlan).
         The plan and mask are built with numpy, so no torch op runs (and
         re-takes the GIL) outside the one compiled call.
         """
         cfg = self.config
         lengths = np.asarray(lengths, dtype=np.int64)
         t = int(lengths.sum())
+        if self.invariant:
+            return self._run_invariant(ids, types, pos, lengths, t)
         pad = token_bucket(t) - t if self.bucket and len(lengths) > 1 else 0
         if pad:
             chunk = max(BIN_TOKENS, int(lengths.max()))
@@ -281,8 +428,38 @@ class CpuEncoder:
         tt = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))  # noqa: E731
         with torch.inference_mode():
             out = self.encode(tt(ids), tt(types), tt(pos), self.emb, self.flat, self.heads, float(cfg.eps),
-                              cfg.activation == "gelu_tanh", self.fused, fill, block, mask)
+                              cfg.activation == "gelu_tanh", self.fused, fill, block, mask, [], [], [], [],
+                              _NO_INDEX)
         return out.numpy()[:t]
+
+    def _run_invariant(self, ids, types, pos, lengths: np.ndarray, t: int) -> np.ndarray:
+        """run's batch-invariant form: padded to whole ROW_CHUNKs, each sequence in its own attention block."""
+        cfg = self.config
+        plan = InvariantPlan(lengths, self.row_chunk, self.attn_round)
+        pad = plan.tokens - t  # padding rows: token 0 at position 0; attended by nothing, never returned
+
+        def tt(a) -> torch.Tensor:
+            a = np.asarray(a, dtype=np.int64)
+            return torch.from_numpy(np.concatenate([a, np.zeros(pad, dtype=np.int64)]) if pad else a)
+
+        if not cfg.type_vocab:
+            types = np.zeros_like(ids)
+        with torch.inference_mode():
+            out = self.encode(tt(ids), tt(types), tt(pos), self.emb, self.flat, self.heads, float(cfg.eps),
+                              cfg.activation == "gelu_tanh", self.fused, [], 0, None, self.gemm_chunks, plan.blocks,
+                              plan.gathers, plan.masks, plan.back)
+        return out.numpy()[:t]
+
+
+_NO_INDEX = torch.zeros(0, dtype=torch.int64)
+PROBE_ROWS = 2048  # about a full batch of 64 short sentences; larger row counts are not probed
+# (rows, offset) of the probe's calls: row counts across oneDNN's kernel switches (16, 32, 64 rows and
+# its M-blocking tails), at offsets that put a row in another block than in the full call.
+PROBE_SLICES = ((8, 0), (8, 520), (8, 1208), (16, 0), (16, 512), (16, 8), (24, 8), (32, 0), (32, 40), (40, 0),
+                (48, 0), (48, 72), (56, 8), (64, 0), (64, 128), (80, 0), (96, 8), (104, 0), (112, 16), (120, 8),
+                (144, 0), (200, 8), (208, 32), (248, 8), (320, 0), (448, 96), (512, 256), (784, 0), (1000, 8),
+                (1008, 16), (1536, 0), (2040, 8))
+_ROW_BOUND: dict = {}
 
 
 def token_bucket(t: int) -> int:

@@ -192,7 +192,9 @@ class TorchEngine:
 
             shorten_gil_switch()
 
-            self._cpu = CpuEncoder(self.weights)  # weights packed once for oneDNN (see encoder_cpu)
+            # weights packed once for oneDNN; batch_invariant: every GEMM at one row count, each sequence
+            # in its own attention block (encoder_cpu.InvariantPlan)
+            self._cpu = CpuEncoder(self.weights, invariant=self.batch_invariant)
             return
         from surge.engines import kernels
         from surge.engines.encoder_cpu import shorten_gil_switch
