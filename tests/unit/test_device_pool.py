@@ -1,5 +1,7 @@
 """engines/device_pool.py (pooling inside the CUDA graph) computes what the host pooling does,
-on packed batches padded to a bucket (empty trailing sequences, junk past the real tokens)."""
+on packed batches padded to a bucket (empty trailing sequences, junk past the real tokens): the row
+gathers, which run on any device. The mean is a Triton kernel (kernels/segment_mean.py), checked against
+float64 and at every offset on the GPU (tests/gpu/test_batch_invariance_cuda.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from surge.engines.device_pool import pool_on_device
 from surge.engines.pooling import _pool_packed
 
 
-@pytest.mark.parametrize("mode", ["mean", "cls", "last"])
+@pytest.mark.parametrize("mode", ["cls", "last"])
 def test_device_pooling_matches_host_pooling(mode):
     rng = np.random.default_rng()
     for _ in range(20):

@@ -26,12 +26,6 @@ def pool_on_device(x: torch.Tensor, inputs: torch.Tensor, key: tuple, mode: str)
         return x.index_select(0, (cu[1:] - 1).clamp(min=0, max=tb - 1)).float()
     if mode != "mean":
         raise ValueError(f"pooling {mode!r} is not computed on the device")
-    if x.device.type == "cuda":
-        from surge.engines.kernels.segment_mean import segment_mean
+    from surge.engines.kernels.segment_mean import segment_mean
 
-        return segment_mean(x[:tb], inputs[3 * tb:3 * tb + bb + 1], bb)
-    # elsewhere (no Triton): the same means through a membership matrix, in an order that does follow the batch
-    pos = torch.arange(tb, device=x.device)
-    member = (pos[None, :] >= cu[:-1, None]) & (pos[None, :] < cu[1:, None])
-    counts = (cu[1:] - cu[:-1]).clamp(min=1).to(torch.float32)
-    return torch.mm(member.to(torch.float32), x[:tb].to(torch.float32)) / counts[:, None]
+    return segment_mean(x[:tb], inputs[3 * tb:3 * tb + bb + 1], bb)

@@ -1,11 +1,12 @@
 """CUDA graph capture that other threads' GPU work cannot break.
 
 torch.cuda.graph's default mode ("global") fails a capture when any other thread makes a CUDA call that is
-unsafe during capture while it is open (a synchronize, an event query, an allocation: another engine serving on
-the same GPU does all of them). A decoder loaded, or reloaded without downtime, beside a model that serves then
+unsafe during capture while it is open (a synchronize, an event query, an allocation, a cuBLAS handle's creation:
+another engine serving on the same GPU, an instance on another stream, a replica on another GPU, NCCL's watchdog
+thread of a tensor-parallel shard do all of them; replicas on two H200s failed with CUBLAS_STATUS_NOT_INITIALIZED). A decoder loaded, or reloaded without downtime, beside a model that serves then
 failed its warm-up with cudaErrorStreamCaptureInvalidated; in the GPU tests, an engine thread an earlier test
-left behind failed a later test's capture now and then. "thread_local" checks the capturing thread only, as the
-encoder's captures already did (engines/torch_gpu.py). Captures run one at a time in the process: two open at
+left behind failed a later test's capture now and then. "thread_local" checks the capturing thread only (the
+encoder's captures had used it since the replicas' failure; now every engine's does). Captures run one at a time in the process: two open at
 once would share the caching allocator's capture bookkeeping.
 """
 

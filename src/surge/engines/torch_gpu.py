@@ -28,7 +28,7 @@ from surge.engines.base import Capabilities, random_batch
 from surge.engines.buckets import Buckets
 from surge.engines.encoder import forward_fused, position_ids
 from surge.engines.encoder_weights import EncoderWeights, load_weights
-from surge.engines.graph_capture import LOCK as CAPTURE_LOCK
+from surge.engines.graph_capture import capture
 from surge.engines.memory import Workspace, plan_workspace
 from surge.errors import EngineError, InvalidInput
 from surge.types import Layout, TokenBatch
@@ -88,9 +88,6 @@ def release_weights(path: Path, device: torch.device, dtype: torch.dtype) -> Non
                 del _WEIGHTS[key]
 
 
-# One capture at a time in a process (every engine's: engines/graph_capture.py): captures are rare (once
-# per bucket) and short, and two interleaved ones would share the allocator's capture bookkeeping.
-_CAPTURE_LOCK = CAPTURE_LOCK
 # (weights key, token bucket) -> the GEMM mode gemm="auto" timed fastest. The mode changes the GEMMs
 # only, whose shapes depend on the token bucket alone: buckets that differ in sequences or length
 # reuse the choice, and so does a second instance of the model on the GPU (warm-up ~halved).
@@ -98,13 +95,6 @@ _MODE_CHOICE: dict[tuple, str] = {}
 
 
 class TorchEngine:
-    # "thread_local": several engines (instances on streams, replicas on other GPUs,
-    # NCCL's watchdog thread of a tensor-parallel shard) run while one of them captures
-    # a new bucket; in "global" mode their cuBLAS handle creation, allocations and
-    # syncs would fail that capture and themselves (CUBLAS_STATUS_NOT_INITIALIZED,
-    # seen with replicas on two H200s). The capturing thread is still checked.
-    capture_error_mode = "thread_local"
-
     def __init__(self, device: str = "cuda", precision: str = "fp16", max_batch: int = 64,
                  max_tokens: int | None = None, cuda_graphs: bool = True, workspace: Workspace | None = None,
                  max_graphs: int = 48, gemm: str = "auto", weight_budget: int | None = None,
@@ -496,7 +486,7 @@ class TorchEngine:
             out = self._forward(key, views, gemm)  # compiles/tunes the Triton kernels, creates cuBLAS handles
         self.stream.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with _CAPTURE_LOCK, torch.cuda.graph(graph, stream=self.stream, capture_error_mode=self.capture_error_mode):
+        with capture(graph, stream=self.stream):
             out = self._forward(key, views, gemm)
         return graph, out
 

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from surge.engines.graph_capture import capture
 from surge.types import TokenBatch
 
 
@@ -131,7 +132,7 @@ def _capture(fn, stream, use_graph: bool):
         return fn
     stream.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=stream, capture_error_mode="thread_local"):  # see ShardRunner.capture_error_mode
+    with capture(g, stream=stream):
         fn()
     return g.replay
 
