@@ -63,11 +63,23 @@ def test_every_sentence_alone_equals_itself_in_random_batches(bundled_spec, item
     assert not moved, f"{precision}, {threads} threads: {len(moved)} of {len(items)} sentences moved"
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_plain_linear_fallback_is_invariant_too(bundled_spec, items, dtype):
+def test_the_plain_linear_fallback_is_invariant_too(bundled_spec, items, dtype, threads):
     """fused=False (F.linear, eager: what a CPU or build without oneDNN's packed GEMMs for the dtype runs, where
-    the test above then checks the same path)."""
+    the test above then checks the same path), at 1 and 2 threads (bf16 at 1 thread moved sentences when its
+    row counts came from the load-time probe)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_fallback(bundled_spec, items, dtype)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_fallback(bundled_spec, items, dtype):
     enc = CpuEncoder(load_weights(bundled_spec.path).to("cpu", dtype), fused=False, invariant=True)
+    assert enc.gemm_chunks == [8, 8, 8, 8]
 
     def run(its):
         b = TokenBatch.pack(its)
