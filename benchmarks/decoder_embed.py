@@ -7,7 +7,9 @@ transformers (what sentence-transformers runs), both pooling the last token and 
 Random weights of the shape; batches of `--batch` short queries (token ids, `--min-len`..`--max-len`
 tokens: the assistant's traffic), the same batches for both, interleaved rounds. surge runs the batch
 packed (engines/decoder/embedder.py: on a GPU from the CUDA graph of its bucket, on the CPU as one
-TorchScript call; the eager forward as a second row); transformers the padded batch with its SDPA attention (right
+TorchScript call; the eager forward as a second row; `batch_invariant=False` as a third: by default a query's
+vector is bit for bit the same whatever shares its batch, and the "moved" column counts the first batch's
+queries whose vector alone differs from theirs in the batch); transformers the padded batch with its SDPA attention (right
 padding, the last real token pooled), in the same dtype. `--busy-threads N` adds surge's rows with N
 Python threads spinning beside it (a server's busy event loop: an eager forward re-takes the GIL at every
 op). Reported: queries/s (median of rounds), the ratio, and the largest difference between the two engines'
@@ -134,12 +136,16 @@ def main(argv=None) -> int:
         eager = DecoderEmbedder(device=args.device, precision=precision, threads=args.threads, cuda_graphs=False,
                                 cpu_script=False)
         eager.load(path)
+        free = DecoderEmbedder(device=args.device, precision=precision, threads=args.threads, batch_invariant=False)
+        free.load(path)
         hf = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(args.device).eval()
     data = batches(args, SHAPES[args.shape]["vocab_size"])
     queries = args.batch * args.batches
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     runs = {"surge": lambda: run_surge(engine, data), "transformers": lambda: run_hf(hf, data, args.device)}
     runs["surge, eager"] = lambda: run_surge(eager, data)
+    runs["surge, batch_invariant=False"] = lambda: run_surge(free, data)
+    engines = {"surge": engine, "surge, eager": eager, "surge, batch_invariant=False": free}
     if args.busy_threads:
         runs[f"surge beside {args.busy_threads} busy Python thread(s)"] = lambda: busy(lambda: run_surge(engine, data),
                                                                                    args.busy_threads)
@@ -155,16 +161,20 @@ def main(argv=None) -> int:
             sync()
             got[k].append(queries / (time.perf_counter() - t0))
     diff = max(float(np.abs(a - b).max()) for a, b in zip(outs["surge"], outs["transformers"]))
+    moved = {k: sum(not np.array_equal(run_surge(e, [[row]])[0][0], outs[k][0][i]) for i, row in enumerate(data[0]))
+             for k, e in engines.items()}
     outs.clear()
     print(f"\n{args.shape} on {args.device} ({precision}), batches of {args.batch} queries of {args.min_len}-"
           f"{args.max_len} tokens, medians of {args.rounds} rounds; max |surge - transformers| {diff:.2e}")
-    print("| engine | queries/s | rounds | vs transformers |\n| --- | ---: | --- | ---: |")
+    print("| engine | queries/s | rounds | vs transformers | moved |\n| --- | ---: | --- | ---: | ---: |")
     base = statistics.median(got["transformers"])
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "max_abs_diff": diff, "rows": {}}
     for k, rounds in got.items():
         med = statistics.median(rounds)
-        result["rows"][k] = {"qps": med, "rounds": rounds}
-        print(f"| {k} | {med:,.0f} | {min(rounds):,.0f}-{max(rounds):,.0f} | {med / base:.2f}x |")
+        m = moved.get(k.split(" beside ")[0].rstrip(","))
+        result["rows"][k] = {"qps": med, "rounds": rounds, "moved": m}
+        shown = "" if m is None else f"{m} of {args.batch}"
+        print(f"| {k} | {med:,.0f} | {min(rounds):,.0f}-{max(rounds):,.0f} | {med / base:.2f}x | {shown} |")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0

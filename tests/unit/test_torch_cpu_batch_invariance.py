@@ -12,6 +12,7 @@ from surge.engines.encoder_weights import load_weights
 from surge.engines.torch_gpu import TorchEngine
 from surge.runtime.tokenize import Tokenizer
 from surge.types import TokenBatch
+from tests.batch_moves import moved as _moved
 
 
 @pytest.fixture(scope="module")
@@ -23,28 +24,6 @@ def items(bundled_spec, sentences):
     out = tok.encode(list(sentences) + joined)
     assert max(len(it.ids) for it in out) > 128
     return out
-
-
-def _moved(run, items, rng, batches: int) -> list[int]:
-    """Indices of items whose hidden states in some random batch (2-64 items) differ from theirs alone."""
-    alone = [run([it]) for it in items]
-    order = rng.permutation(len(items)).tolist()
-    groups = []
-    while order:  # every item in at least one batch ...
-        n = int(rng.integers(2, 65))
-        groups.append(order[:n])
-        order = order[n:]
-    groups += [rng.choice(len(items), int(rng.integers(2, 65)), replace=False).tolist() for _ in range(batches)]
-    moved = set()
-    for g in groups:  # ... and some in several, with other batch-mates and offsets
-        h = run([items[i] for i in g])
-        off = 0
-        for i in g:
-            n = len(items[i].ids)
-            if not np.array_equal(h[off:off + n], alone[i]):
-                moved.add(i)
-            off += n
-    return sorted(moved)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from surge.engines.encoder_weights import EncoderWeights
-
+from surge.engines.row_bound import ROW_CHUNK, probe_bound
 
 BIN_TOKENS = 64  # attention block size: short sequences share a block (block-diagonal mask)
 
@@ -82,11 +82,6 @@ class AttentionPlan:
         self.mask = torch.from_numpy(mask)
 
 
-
-ROW_CHUNK = 8  # invariant form: the batch's rows are padded to a multiple of this (a lone row: M=1 rounds apart)
-# invariant form: a GEMM runs in calls of at most this many rows, the largest bound under which the CPU
-# gives a row the same bits whatever the call's row count (CpuEncoder.row_count_bound; 0: no bound)
-GEMM_BOUNDS = (0, 256, 128, 64, 32, 16, 8)
 ATTN_ROUND = 16  # invariant form: a sequence's attention block is its length rounded up to this
 
 
@@ -108,11 +103,13 @@ class InvariantPlan:
 
     tokens: rows of the padded batch (a multiple of ROW_CHUNK). blocks: per group, the block size P;
     gathers: per group, [blocks * P] rows of the packed qkv (index `tokens` is a zero row, the padding);
-    masks: per group, [blocks, 1, 1, P] (True = a real key); back: [tokens] the row of the groups'
-    concatenated outputs that holds each token (padding rows read row 0: their values are never used).
+    masks: per group, [blocks, 1, 1, P] (True = a real key), with `causal` [blocks, 1, P, P] (a query also
+    never sees its sequence's later keys: a decoder's); back: [tokens] the row of the groups' concatenated
+    outputs that holds each token (padding rows read row 0: their values are never used).
     """
 
-    def __init__(self, lengths: np.ndarray, chunk: int = ROW_CHUNK, round_to: int = ATTN_ROUND):
+    def __init__(self, lengths: np.ndarray, chunk: int = ROW_CHUNK, round_to: int = ATTN_ROUND,
+                 causal: bool = False):
         lengths = np.asarray(lengths, dtype=np.int64)
         t = int(lengths.sum())
         self.tokens = max(chunk, -(-t // chunk) * chunk)
@@ -133,7 +130,8 @@ class InvariantPlan:
             base += len(seqs) * p
             self.blocks.append(int(p))
             self.gathers.append(torch.from_numpy(np.ascontiguousarray(gather.reshape(-1))))
-            self.masks.append(torch.from_numpy(np.ascontiguousarray(real[:, None, None, :])))
+            mask = real[:, None, None, :] & np.tri(p, dtype=bool) if causal else real[:, None, None, :]
+            self.masks.append(torch.from_numpy(np.ascontiguousarray(mask)))
         self.back = torch.from_numpy(back)
 
 # ---------------------------------------------------------------- the layers (TorchScript source)
@@ -360,39 +358,20 @@ class CpuEncoder:
             self.gemm_chunks = self.row_count_bound()
 
     def row_count_bound(self) -> list[int]:
-        """Per GEMM of a layer (QKV, output, FFN up, FFN down, with their epilogues): the largest of
-        GEMM_BOUNDS (0: none) under which its rows come out bit for bit the same whatever the call's row
-        count (a multiple of ROW_CHUNK) and the row's place in it, on this CPU, build and thread count.
-        Sampled: PROBE_ROWS random rows in calls of the bound, against calls on slices of them.
-        Measured (torch 2.13, Sapphire Rapids, 1-2 threads): fp32 none for all four; bf16 none but for
-        FFN down (K=1536), 128. Shapes and kernels are the same in every layer: layer 0 answers for all."""
-        key = (tuple(tuple(t.shape) for t in self.flat[:12]), self.w.word.dtype, self.fused, torch.get_num_threads(),
-               self.config.activation == "gelu_tanh")
-        with _SCRIPT_LOCK:
-            if key in _ROW_BOUND:
-                return list(_ROW_BOUND[key])
-        g = torch.Generator().manual_seed(0)
-        dt = self.w.word.dtype
-        tanh = self.config.activation == "gelu_tanh"
+        """Per GEMM of a layer (QKV, output, FFN up, FFN down, with their epilogues): the largest row count
+        per call under which its rows come out bit for bit the same whatever the call (row_bound.probe_bound),
+        on this CPU, build and thread count. Measured (torch 2.13, Sapphire Rapids, 1-2 threads): fp32 none
+        for all four; bf16 none but for FFN down (K=1536), 128. Shapes and kernels are the same in every
+        layer: layer 0 answers for all."""
+        dt, tanh = self.w.word.dtype, self.config.activation == "gelu_tanh"
         out = []
         for j, gelu, res in ((0, False, False), (2, False, True), (6, True, False), (8, False, True)):
             w, b = self.flat[j], self.flat[j + 1]
             n, k = self.w.layers[0].tensors()[j].shape
-            x = torch.randn(PROBE_ROWS, k, generator=g).to(dt)
-            r = torch.randn(PROBE_ROWS, n, generator=g).to(dt) if res else None
-            bound = ROW_CHUNK
-            with torch.inference_mode():
-                for c in GEMM_BOUNDS:
-                    ref = _linear_rows(x, w, b, gelu, r, self.fused, tanh, c)
-                    if all(torch.equal(_linear(x[s:s + m], w, b, gelu, None if r is None else r[s:s + m],
-                                               self.fused, tanh), ref[s:s + m])
-                           for m, s in PROBE_SLICES if c == 0 or (m <= c and s % c + m <= c)):
-                        bound = c
-                        break
-            out.append(bound)
-        with _SCRIPT_LOCK:
-            _ROW_BOUND[key] = out
-        return list(out)
+            key = ("encoder", tuple(w.shape), k, n, dt, self.fused, gelu, res, tanh, torch.get_num_threads())
+            out.append(probe_bound(lambda x, r, w=w, b=b, gelu=gelu: _linear(x, w, b, gelu, r, self.fused, tanh),
+                                   k, n, dt, res, key))
+        return out
 
     def forward(self, ids: torch.Tensor, types: torch.Tensor, pos: torch.Tensor, lengths: np.ndarray) -> torch.Tensor:
         """Last hidden state [T, H] (fp32) of a packed batch (tensors in, tensor out)."""
@@ -457,14 +436,6 @@ class CpuEncoder:
 
 
 _NO_INDEX = torch.zeros(0, dtype=torch.int64)
-PROBE_ROWS = 2048  # about a full batch of 64 short sentences; larger row counts are not probed
-# (rows, offset) of the probe's calls: row counts across oneDNN's kernel switches (16, 32, 64 rows and
-# its M-blocking tails), at offsets that put a row in another block than in the full call.
-PROBE_SLICES = ((8, 0), (8, 520), (8, 1208), (16, 0), (16, 512), (16, 8), (24, 8), (32, 0), (32, 40), (40, 0),
-                (48, 0), (48, 72), (56, 8), (64, 0), (64, 128), (80, 0), (96, 8), (104, 0), (112, 16), (120, 8),
-                (144, 0), (200, 8), (208, 32), (248, 8), (320, 0), (448, 96), (512, 256), (784, 0), (1000, 8),
-                (1008, 16), (1536, 0), (2040, 8))
-_ROW_BOUND: dict = {}
 
 
 def token_bucket(t: int) -> int:

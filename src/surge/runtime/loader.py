@@ -20,7 +20,8 @@ def make_engine(cfg: EngineConfig, spec: ModelSpec, artifact: Path | None, devic
         from surge.engines.decoder.embedder import DecoderEmbedder
 
         dev, precision = decoder_device(spec, cfg, device)
-        engine = DecoderEmbedder(device=dev, precision=precision, max_batch=cfg.max_batch_size, threads=cfg.threads)
+        engine = DecoderEmbedder(device=dev, precision=precision, max_batch=cfg.max_batch_size, threads=cfg.threads,
+                                 batch_invariant=cfg.batch_invariant)
         engine.load(spec.path)
         return engine
     if cfg.engine == "onnxrt":

@@ -28,6 +28,17 @@ def _linear(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return x @ wt
 
 
+def _linear_rows(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor, chunk: int) -> torch.Tensor:
+    """_linear in calls of at most `chunk` rows, in order (0: one call): the batch-invariant form's GEMMs."""
+    t = x.size(0)
+    if chunk == 0 or t <= chunk:
+        return _linear(x, wt, b)
+    parts: List[torch.Tensor] = []
+    for s in range(0, t, chunk):
+        parts.append(_linear(x.narrow(0, s, min(chunk, t - s)), wt, b))
+    return torch.cat(parts)
+
+
 def _blocks(x: torch.Tensor, fill: List[int], block: int) -> torch.Tensor:
     """Packed [T, h, d] -> [blocks, h, P, d]; padding rows zero (the mask keeps them to themselves)."""
     nb = len(fill)
@@ -64,21 +75,47 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
     return torch.cat(parts)
 
 
+def _attention_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, blocks: List[int],
+                         gathers: List[torch.Tensor], masks: List[torch.Tensor], back: torch.Tensor) -> torch.Tensor:
+    """q [T, heads, d], k / v [T, kv_heads, d] -> [T, heads, d]: each sequence in a block of its own, at offset 0,
+    of a size that follows its length alone (encoder_cpu.InvariantPlan, causal masks)."""
+    gqa = q.size(1) != k.size(1)
+    zq, zk = q.new_zeros(1, q.size(1), q.size(2)), k.new_zeros(1, k.size(1), k.size(2))
+    qp, kp, vp = torch.cat([q, zq]), torch.cat([k, zk]), torch.cat([v, zk])  # row T: the blocks' padding
+    outs: List[torch.Tensor] = []
+    for g in range(len(blocks)):
+        p = blocks[g]
+        nb = gathers[g].size(0) // p
+        qb = qp.index_select(0, gathers[g]).view(nb, p, q.size(1), q.size(2)).transpose(1, 2)
+        kb = kp.index_select(0, gathers[g]).view(nb, p, k.size(1), k.size(2)).transpose(1, 2)
+        vb = vp.index_select(0, gathers[g]).view(nb, p, k.size(1), k.size(2)).transpose(1, 2)
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=masks[g], scale=scale, enable_gqa=gqa)
+        outs.append(out.transpose(1, 2).reshape(nb * p, q.size(1), q.size(2)))
+    return torch.cat(outs).index_select(0, back)
+
+
 def encode(ids: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
            layers: List[List[torch.Tensor]], final_norm: torch.Tensor, eps: float, heads: int, kv_heads: int,
-           head_dim: int, scale: float, fill: List[int], block: int, mask: Optional[torch.Tensor]) -> torch.Tensor:
+           head_dim: int, scale: float, fill: List[int], block: int, mask: Optional[torch.Tensor],
+           chunks: List[int], blocks: List[int], gathers: List[torch.Tensor], masks: List[torch.Tensor],
+           back: torch.Tensor) -> torch.Tensor:
     """Packed token ids [T] -> hidden states after the final norm [T, hidden]. A layer's tensors: attn_norm,
     qkv [in, out], qkv bias, q_norm, k_norm, o [in, out], o bias, mlp_norm, up_gate [in, out], up_gate bias,
-    down [in, out], down bias (absent ones empty)."""
+    down [in, out], down bias (absent ones empty).
+
+    blocks empty: the batch's own attention layout (fill, block, mask: encoder_cpu.AttentionPlan, causal).
+    Otherwise the batch-invariant one (InvariantPlan(causal=True): blocks, gathers, masks, back). chunks: per
+    GEMM of a layer (QKV, output, gate/up, down), > 0: calls of at most that many rows; absent: one call."""
     t = ids.size(0)
     x = embed.index_select(0, ids)  # not F.embedding / embed[ids]: no op here may re-take the GIL
     c = cos.index_select(0, positions).unsqueeze(1)
     s = sin.index_select(0, positions).unsqueeze(1)
     qd = heads * head_dim
     kd = kv_heads * head_dim
+    ck = chunks if len(chunks) == 4 else [0, 0, 0, 0]
     for w in layers:
         h = rms_norm(x, w[0], eps)
-        qkv = _linear(h, w[1], w[2])
+        qkv = _linear_rows(h, w[1], w[2], ck[0])
         q = qkv.narrow(1, 0, qd).reshape(t, heads, head_dim)
         k = qkv.narrow(1, qd, kd).reshape(t, kv_heads, head_dim)
         v = qkv.narrow(1, qd + kd, kd).reshape(t, kv_heads, head_dim)
@@ -87,12 +124,15 @@ def encode(ids: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor, cos:
             k = rms_norm(k, w[4], eps)
         q = rope(q, c, s)
         k = rope(k, c, s)
-        a = _attention(q.contiguous(), k.contiguous(), v.contiguous(), scale, fill, block, mask).reshape(t, qd)
-        x = x + _linear(a, w[5], w[6])
+        if len(blocks) > 0:
+            a = _attention_invariant(q, k, v, scale, blocks, gathers, masks, back).reshape(t, qd)
+        else:
+            a = _attention(q.contiguous(), k.contiguous(), v.contiguous(), scale, fill, block, mask).reshape(t, qd)
+        x = x + _linear_rows(a, w[5], w[6], ck[1])
         h = rms_norm(x, w[7], eps)
-        gu = _linear(h, w[8], w[9])
+        gu = _linear_rows(h, w[8], w[9], ck[2])
         inter = gu.size(1) // 2
-        x = x + _linear(F.silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter), w[10], w[11])
+        x = x + _linear_rows(F.silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter), w[10], w[11], ck[3])
     return rms_norm(x, final_norm, eps)
 
 
@@ -118,4 +158,19 @@ def layer_tensors(model) -> List[List[torch.Tensor]]:
         out.append([w[p + "attn_norm"], wt[p + "qkv"], get(p + "qkv.bias"), get(p + "q_norm"), get(p + "k_norm"),
                     wt[p + "o"], get(p + "o.bias"), w[p + "mlp_norm"], wt[p + "up_gate"], get(p + "up_gate.bias"),
                     wt[p + "down"], get(p + "down.bias")])
+    return out
+
+
+def row_bounds(layer: List[torch.Tensor]) -> List[int]:
+    """Per GEMM of a layer (QKV, output, gate/up, down): the largest row count per call under which its rows
+    come out bit for bit the same whatever the call (row_bound.probe_bound), on this CPU, build and thread
+    count. Every layer has the same shapes: the first answers for all."""
+    from surge.engines.row_bound import probe_bound
+
+    out = []
+    for j in (1, 5, 8, 10):
+        wt, b = layer[j], layer[j + 1]
+        key = ("decoder-embed", tuple(wt.shape), wt.dtype, b.numel() > 0, torch.get_num_threads())
+        out.append(probe_bound(lambda x, r, wt=wt, b=b: _linear(x, wt, b), wt.size(0), wt.size(1), wt.dtype, False,
+                               key))
     return out

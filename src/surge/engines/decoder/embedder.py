@@ -29,6 +29,7 @@ from surge.types import Layout, TokenBatch
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 WIDTH_BUCKETS = (8, 16, 32, 64, 128, 256, 512)
+_NO_INDEX = torch.zeros(0, dtype=torch.int64)
 GRAPH_TOKENS = 8192  # buckets above this many padded tokens run eagerly (launches no longer dominate)
 
 
@@ -51,9 +52,11 @@ def check_standard(path: Path) -> None:
 
 class DecoderEmbedder:
     def __init__(self, device: str = "cpu", precision: str = "fp32", max_batch: int = 64, threads: int = 0,
-                 cuda_graphs: bool = True, cpu_script: bool = True):
+                 cuda_graphs: bool = True, cpu_script: bool = True, batch_invariant: bool = True):
         """cpu_script: on the CPU, the layers as one TorchScript call without the GIL (embed_cpu.py; Llama-family
-        layers), else the eager forward."""
+        layers), else the eager forward. batch_invariant: a sequence's vector is bit for bit the same whatever
+        shares its batch (on the CPU: the script's GEMMs at row counts that keep a row's bits, each sequence
+        in an attention block of its own; the eager forward runs each sequence alone)."""
         if precision not in _DTYPES:
             raise ConfigError(f"precision {precision} is not supported for decoder embedding models "
                               f"({', '.join(_DTYPES)})", param="precision")
@@ -70,6 +73,8 @@ class DecoderEmbedder:
 
             shorten_gil_switch()
         self.max_batch = max_batch
+        self.batch_invariant = batch_invariant
+        self._chunks: list[int] = []  # invariant script: per GEMM of a layer, rows per call (embed_cpu.row_bounds)
         self.model = None
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.cpu_script = cpu_script and self.device.type == "cpu"
@@ -95,6 +100,8 @@ class DecoderEmbedder:
             from surge.engines.decoder import embed_cpu
 
             self._script, self._layers = embed_cpu.scripted(), embed_cpu.layer_tensors(self.model)
+            if self.batch_invariant and self._layers:
+                self._chunks = embed_cpu.row_bounds(self._layers[0])
         self.capabilities = Capabilities(max_batch=self.max_batch, max_tokens=min(cfg.context_limit, 1 << 20),
                                          layout=Layout.PACKED, device=str(self.device),
                                          dtype={v: k for k, v in _DTYPES.items()}[self.dtype],
@@ -106,8 +113,6 @@ class DecoderEmbedder:
 
     def run(self, batch: TokenBatch) -> np.ndarray:
         """A packed batch's hidden states after the final norm, [T, H] float32."""
-        from surge.engines.decoder.attention import DenseMeta
-
         if batch.layout is not Layout.PACKED:
             raise ValueError("the decoder embedder runs packed batches (its capabilities' layout)")
         lens = batch.lengths.tolist()
@@ -119,6 +124,16 @@ class DecoderEmbedder:
         positions = np.concatenate([np.arange(n) for n in lens])
         if self._script is not None:
             return self._run_script(ids, positions, lens)
+        if self.batch_invariant and self.device.type == "cpu" and len(lens) > 1:
+            # the eager forward's GEMMs and attention round by the batch's shape: each sequence alone instead
+            starts = np.concatenate([[0], np.cumsum(lens)])
+            return np.concatenate([self._run_eager(ids[starts[i]:starts[i + 1]], [n], np.arange(n))
+                                   for i, n in enumerate(lens)])
+        return self._run_eager(ids, lens, positions)
+
+    def _run_eager(self, ids: np.ndarray, lens: list[int], positions: np.ndarray) -> np.ndarray:
+        from surge.engines.decoder.attention import DenseMeta
+
         with self._lock, torch.inference_mode():
             meta = DenseMeta(lens, self.device)
             hidden = self.model.forward(torch.as_tensor(ids, device=self.device),
@@ -126,16 +141,27 @@ class DecoderEmbedder:
             return hidden.float().cpu().numpy()
 
     def _run_script(self, ids: np.ndarray, positions: np.ndarray, lens: list[int]) -> np.ndarray:
-        from surge.engines.encoder_cpu import AttentionPlan
+        from surge.engines.encoder_cpu import AttentionPlan, InvariantPlan
 
         m, c = self.model, self.model.cfg
-        plan = AttentionPlan(np.asarray(lens), causal=True)
-        fill, block, mask = ([], 0, None) if plan.single else (plan.fill, plan.block, plan.mask)
+        t = len(ids)
+        inv: tuple = ([], [], [], _NO_INDEX)
+        fill, block, mask = [], 0, None
+        if self.batch_invariant:
+            plan = InvariantPlan(np.asarray(lens), causal=True)
+            pad = np.zeros(plan.tokens - t, dtype=np.int64)  # padding rows: token 0 at position 0, never returned
+            ids, positions = np.concatenate([ids, pad]), np.concatenate([positions, pad])
+            inv = (plan.blocks, plan.gathers, plan.masks, plan.back)
+        else:
+            plan = AttentionPlan(np.asarray(lens), causal=True)
+            if not plan.single:
+                fill, block, mask = plan.fill, plan.block, plan.mask
         with self._lock, torch.inference_mode():
             hidden = self._script(torch.as_tensor(ids), torch.as_tensor(positions), m.w["embed"], m.cos, m.sin,
                                   self._layers, m.w["final_norm"], c.norm_eps, c.num_heads, c.num_kv_heads,
-                                  c.head_dim, m.scale, fill, block, mask)
-            return hidden.float().numpy()
+                                  c.head_dim, m.scale, fill, block, mask, self._chunks if self.batch_invariant else [],
+                                  *inv)
+            return hidden[:t].float().numpy()
 
     def _run_graph(self, ids: np.ndarray, lens: list[int], rows: int, width: int) -> np.ndarray:
         padded = np.zeros((rows, width), dtype=np.int64)
