@@ -8,8 +8,9 @@ is near-linear until the machine's cores run out.
     PYTHONPATH=src python benchmarks/ray_scaling.py                  # 1,2,4 replicas, 64 clients
     PYTHONPATH=src python benchmarks/ray_scaling.py --duration 20 --rounds 3 --plot docs/benchmarks/ray.png
 
-The load generator (surge's own, bench/loadgen.py: aiohttp, one process) runs on the same machine and
-takes CPU from the replicas; the report says how many cores there were.
+The load generator (surge's own, bench/loadgen.py, one process) runs on the same machine and takes CPU
+from the replicas; the report says how many cores there were. Throughput is `surge bench`'s: completions
+inside the measured window over its length (warm-up and drain excluded), so the numbers compare with it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 from rich.console import Console
 from rich.table import Table
 
@@ -36,20 +36,25 @@ def load(url: str, texts: list[str], clients: int, duration: float, per_request:
          warmup: float = 0.0) -> dict:
     """`clients` closed-loop clients of surge's load generator (bench/loadgen.py), `per_request`
     texts a request: one on the native /embed, more on OpenAI /v1/embeddings with base64
-    vectors (the proxy and the ingress move 1.5 KB a vector instead of a JSON float list)."""
+    vectors (the proxy and the ingress move 1.5 KB a vector instead of a JSON float list).
+
+    Throughput and latency are `surge bench`'s own (bench/report.py `summarize`): successful completions
+    inside the measurement window over its length, warm-up and the drain after the window excluded, so these
+    numbers compare with `surge bench run`'s."""
     from surge.bench.loadgen import LoadSpec, run_load
+    from surge.bench.report import summarize
     from surge.bench.targets import NativeHTTP, OpenAIHTTP
 
     target = (NativeHTTP(url, timeout_s=60) if per_request == 1
               else OpenAIHTTP(url, timeout_s=60, encoding_format="base64"))
     spec = LoadSpec(mode="closed", concurrency=clients, duration_s=duration, warmup_s=warmup,
                     inputs_per_request=per_request)
-    res = asyncio.run(run_load(target, itertools.cycle(texts), spec))
-    ok = int(res.ok.sum())
-    lat = res.latency[res.ok] * 1000
-    return {"rps": ok / res.window_s, "texts_s": ok * per_request / res.window_s,
-            "p50": float(np.percentile(lat, 50)) if ok else float("nan"),
-            "p99": float(np.percentile(lat, 99)) if ok else float("nan"), "errors": res.count - ok}
+    s = summarize(asyncio.run(run_load(target, itertools.cycle(texts), spec)))
+    nan = float("nan")
+    lat = s["latency_ms"]
+    return {"rps": s["throughput_rps"], "texts_s": s["inputs_per_s"],
+            "p50": nan if lat["p50"] is None else lat["p50"], "p99": nan if lat["p99"] is None else lat["p99"],
+            "errors": s["error_count"]}
 
 
 def measure(url: str, texts: list[str], args, label: str, running=None) -> dict:
@@ -163,12 +168,12 @@ def main() -> None:
     base = next((m for label, _, m in rows if label.startswith("Ray Serve, 1 ")), rows[0][2])
     table = Table(title=f"surge on Ray Serve, {args.clients} clients, {args.ingress_replicas} ingress replica(s), "
                         f"{args.cores} cores")
-    for col in ("configuration", "req/s (median)", "texts/s", "x vs 1 replica", "p50 ms", "p99 ms", "replicas running",
+    for col in ("configuration", "req/s (median)", "texts/s", "req/s vs 1 replica (higher is better)", "p50 ms", "p99 ms", "replicas running",
                 "errors"):
         table.add_column(col, justify="right" if col != "configuration" else "left")
     md = [f"{args.texts_per_request} text(s) a request, {args.clients} clients, "
           f"{args.ingress_replicas} ingress replica(s), {args.cores} cores for Ray (machine: {os.cpu_count()}).", "",
-          "| configuration | req/s (median) | texts/s | x vs 1 replica | p50 ms | p99 ms | replicas running | errors |",
+          "| configuration | req/s (median) | texts/s | req/s vs 1 replica (higher is better) | p50 ms | p99 ms | replicas running | errors |",
           "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for label, _, m in rows:
         cells = [label, f"{m['rps']:.0f}", f"{m['texts_s']:.0f}", f"{m['rps'] / base['rps']:.2f}", f"{m['p50']:.0f}",

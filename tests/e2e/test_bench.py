@@ -67,6 +67,20 @@ def test_open_loop_rate_against_a_real_server(server):
     assert r.ok.all(), r.errors
 
 
+def test_open_loop_concurrency_is_a_cap_on_requests_in_flight(server, tmp_path):
+    # `-c` in open loop is the most requests in flight (it was silently replaced by --connections): every
+    # scheduled arrival is accounted for, sent (and answered) or dropped at the cap, and the JSON says the cap.
+    rate, duration = 100.0, 1.0
+    out = _bench_cli("run", server.url, "--mode", "open", "--rate", str(rate), "-c", "1", "-d", str(duration),
+                     "--warmup", "0.2", "--max-error-rate", "1", "--json", str(tmp_path / "r.json"), "--no-progress")
+    assert out.returncode == 0, out.stdout + out.stderr
+    [run] = json.loads((tmp_path / "r.json").read_text())["runs"][server.url]
+    assert run["max_inflight"] == 1 and run["error_count"] == 0, run
+    assert run["ok"] + run["dropped"] == run["requests"] > 0
+    assert abs(run["requests"] - rate * duration) < 4 * np.sqrt(rate * duration)  # the asked arrivals, all of them
+    assert ("dropped" in out.stdout) == (run["dropped"] > 0)
+
+
 def test_a_server_killed_mid_run_is_reported():
     srv = ServerProcess("--threads", "1").start()
     try:

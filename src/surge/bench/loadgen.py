@@ -7,6 +7,10 @@ Open loop: arrivals of a Poisson process at `rate` per second, sent whether or
 not earlier ones were answered. Latency is measured from each request's
 *scheduled* send time, so time spent waiting for a connection, or for the
 generator itself, counts: queueing is never hidden (no coordinated omission).
+`max_inflight` caps the requests in flight, as k6's maxVUs and vegeta's
+-max-workers do: an arrival that finds that many in flight is not sent and is
+recorded as `DROPPED` (k6's dropped_iterations), never queued behind them, so a
+capped run says how much of the asked rate it could not offer.
 
 Requests scheduled during the first `warmup_s` seconds are sent but not
 measured. A run stops issuing after `duration_s` seconds of measurement or
@@ -35,6 +39,11 @@ from surge.bench.targets import RequestFailed
 
 now = time.perf_counter
 
+# The kind of an open-loop arrival that found `max_inflight` requests in flight: scheduled, never sent.
+DROPPED = "dropped"
+# Distinct failure messages kept per kind (the first ones): enough to tell "boom A" from "boom B".
+MESSAGES_PER_KIND = 3
+
 
 @dataclass
 class LoadSpec:
@@ -46,7 +55,7 @@ class LoadSpec:
     warmup_s: float = 1.0
     inputs_per_request: int = 1
     seed: int = 0
-    max_inflight: int = 10_000  # open loop: arrivals beyond this are failed as `generator_overload`
+    max_inflight: int = 10_000  # open loop/replay: arrivals finding this many in flight are `DROPPED`
     replay_speed: float = 1.0  # replay: >1 compresses the log's time axis
 
     def validate(self) -> "LoadSpec":
@@ -54,8 +63,8 @@ class LoadSpec:
             raise ValueError(f"mode must be closed, open or replay, not {self.mode!r}")
         if self.mode == "open" and self.rate <= 0:
             raise ValueError("open loop needs a rate > 0")
-        if self.concurrency < 1 or self.inputs_per_request < 1:
-            raise ValueError("concurrency and inputs_per_request must be >= 1")
+        if self.concurrency < 1 or self.inputs_per_request < 1 or self.max_inflight < 1:
+            raise ValueError("concurrency, max_inflight and inputs_per_request must be >= 1")
         if self.duration_s <= 0 and not self.max_requests:
             raise ValueError("bound the run: duration_s > 0 or max_requests")
         return self
@@ -78,8 +87,9 @@ class Recorder:
         self.kind: list[str | None] = []
         self.measured: list[bool] = []
         self.inflight = 0
-        self.errors = 0
-        self.details: dict[str, str] = {}  # the first failure's message, per kind
+        self.errors = 0  # failed requests (dropped arrivals apart: never sent)
+        self.dropped = 0
+        self.details: dict[str, list[str]] = {}  # the first distinct failure messages, per kind
         # When issuing stopped by the clock or by `stop` (perf_counter); None when by count or a log's end.
         self.window_end: float | None = None
 
@@ -89,8 +99,15 @@ class Recorder:
         self.end.append(end)
         self.kind.append(kind)
         self.measured.append(measured)
-        if kind is not None:
+        if kind == DROPPED:
+            self.dropped += 1
+        elif kind is not None:
             self.errors += 1
+
+    def note(self, kind: str, message: str) -> None:
+        seen = self.details.setdefault(kind, [])
+        if len(seen) < MESSAGES_PER_KIND and message not in seen:
+            seen.append(message)
 
 
 @dataclass
@@ -112,6 +129,7 @@ class RunResult:
     # closed by the clock: throughput's numerator. None: the run was bounded by count (see the module doc).
     completed_in_window: int | None = None
     error_examples: dict[str, str] = field(default_factory=dict)  # kind -> the first such failure's message
+    error_messages: dict[str, list[str]] = field(default_factory=dict)  # kind -> its first distinct messages
     interrupted: bool = False  # cut short by `stop` (Ctrl-C)
     # The generator's own CPU (this process, warm-up included) and the run's wall time: on a machine it
     # shares with the server under test, what the generator burns the server does not get.
@@ -120,14 +138,21 @@ class RunResult:
 
     @property
     def errors(self) -> dict[str, int]:
+        """Failed requests by kind, most frequent first (dropped arrivals apart: they were never sent)."""
         out: dict[str, int] = {}
         for k in self.kinds:
-            if k is not None:
+            if k is not None and k != DROPPED:
                 out[k] = out.get(k, 0) + 1
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
     @property
+    def dropped(self) -> int:
+        """Measured arrivals not sent: they found `spec.max_inflight` in flight (open loop/replay)."""
+        return sum(k == DROPPED for k in self.kinds)
+
+    @property
     def count(self) -> int:
+        """Measured requests scheduled: succeeded + failed + dropped."""
         return int(self.ok.shape[0])
 
 
@@ -148,23 +173,26 @@ def _result(rec: Recorder, spec: LoadSpec, target: str, t_measure: float) -> Run
     return RunResult(spec, target, sched - t_measure, start - t_measure, end - sched,
                      np.array([k is None for k in kinds], dtype=bool), kinds, window,
                      spec.inputs_per_request, int((~m).sum()), completed_in_window=done_in_window,
-                     error_examples={k: rec.details[k] for k in set(kinds) if k is not None and k in rec.details})
+                     error_examples={k: rec.details[k][0] for k in set(kinds) if k in rec.details},
+                     error_messages={k: list(rec.details[k]) for k in set(kinds) if k in rec.details})
 
 
 async def _one(target, texts: list[str], sched: float, rec: Recorder, measured: bool) -> None:
-    rec.inflight += 1
+    """Send one request and record it. The caller has counted it in `rec.inflight` already: the open loop
+    must count a request when it creates its task, not when the task first runs, or a burst of overdue
+    arrivals (created with no await between them) would all pass the `max_inflight` check."""
     start = now()
     kind = None
     try:
         await target.send(texts)
     except RequestFailed as exc:
         kind = exc.kind
-        rec.details.setdefault(kind, str(exc))
+        rec.note(kind, str(exc))
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # a client-side bug still shows up as an error kind
         kind = f"exception_{type(exc).__name__}"
-        rec.details.setdefault(kind, str(exc))
+        rec.note(kind, str(exc))
     finally:
         rec.inflight -= 1
     rec.add(sched, start, now(), kind, measured)
@@ -206,6 +234,7 @@ async def closed_loop(target, queries: Iterator[str], spec: LoadSpec, rec: Recor
                     return
                 issued += 1
                 by_count = by_count or issued == spec.max_requests
+            rec.inflight += 1
             await _one(target, next(batches), t, rec, measured)
 
     await asyncio.gather(*(client() for _ in range(spec.concurrency)))
@@ -238,9 +267,11 @@ async def open_loop(target, queries: Iterator[str], spec: LoadSpec, rec: Recorde
         if halt is not None and halt.is_set():
             _close_window(rec, max(now(), warm_end))
             break
-        if rec.inflight >= spec.max_inflight:
-            rec.add(sched, now(), now(), "generator_overload", measured)
+        if rec.inflight >= spec.max_inflight:  # not sent, and not queued either: counted as dropped
+            t = now()
+            rec.add(sched, t, t, DROPPED, measured)
             continue
+        rec.inflight += 1
         task = loop.create_task(_one(target, next(batches), sched, rec, measured))
         tasks.add(task)
         task.add_done_callback(tasks.discard)

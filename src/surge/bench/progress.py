@@ -43,7 +43,8 @@ class LiveProgress:
             recent_s = rec.sched[-200:]
             p50 = float(np.median(np.subtract(recent, recent_s[: len(recent)]))) * 1000 if recent else 0.0
             stats = (f"{n} done · {state['rate']:.0f} req/s · p50 {p50:.1f} ms · in flight {rec.inflight}"
-                     + (f" · [red]{errors} errors[/]" if errors else ""))
+                     + (f" · [red]{errors} errors[/]" if errors else "")
+                     + (f" · [yellow]{rec.dropped} dropped[/]" if rec.dropped else ""))
             self.progress.update(task, completed=min(elapsed, total), stats=stats)
 
         return update

@@ -21,6 +21,11 @@ import orjson
 
 from surge.bench.rawhttp import RawConnection
 
+# Failures that are the server shedding load (it answered, "too busy, retry"), not a broken request: counted
+# apart in reports, because an open loop past capacity should see them (surge answers overload 429 / gRPC
+# RESOURCE_EXHAUSTED; 503 is what proxies and other servers use).
+OVERLOAD_KINDS = frozenset({"http_429", "http_503", "grpc_RESOURCE_EXHAUSTED", "engine_Overloaded"})
+
 
 class RequestFailed(Exception):
     def __init__(self, kind: str, detail: str = ""):

@@ -1,7 +1,7 @@
 """`surge bench`: load-test any embedding server (or an engine in this process) and report.
 
     surge bench run http://127.0.0.1:8000 --concurrency 1,16,64 --duration 10 --json out.json --plots img/
-    surge bench run http://127.0.0.1:8000 --mode open --rate 50,100,200
+    surge bench run http://127.0.0.1:8000 --mode open --rate 50,100,200 -c 64
     surge bench run 127.0.0.1:8001 --protocol kserve-grpc --model all-MiniLM-L6-v2
     surge bench run in-process --concurrency 16
     surge bench compare --target base=http://127.0.0.1:9000 --target surge=http://127.0.0.1:8000
@@ -50,12 +50,47 @@ def _workload(query_log: Optional[Path], queries: int, zipf: Optional[float], se
     return make_workload(queries, zipf, seed)
 
 
-def _specs(mode, concurrency, rate, duration, warmup, requests, inputs, seed, max_inflight, replay_speed):
+def _open_loop_limits(concurrency: Optional[str], connections: Optional[int],
+                      max_inflight: Optional[int]) -> tuple[int, int]:
+    """(connections, most in flight) of an open loop or replay. `-c` there is the cap on requests in flight
+    (k6's maxVUs, vegeta's -max-workers, wrk2's -c): one number, not a sweep (the rate sweeps); the pool
+    gets as many connections, so that no request under the cap waits for one."""
+    from surge.bench.loadgen import LoadSpec
+
+    cap = LoadSpec.max_inflight  # no cap (a bound on the generator's own memory)
+    if concurrency is not None:
+        levels = _levels(concurrency, int, "--concurrency")
+        if len(levels) != 1:
+            raise typer.BadParameter("in open loop and replay -c is one cap on the requests in flight, not a "
+                                     "sweep (--rate sweeps)", param_hint="--concurrency")
+        if max_inflight is not None and max_inflight != levels[0]:
+            raise typer.BadParameter("--max-inflight is the old name of -c in open loop: give one of them",
+                                     param_hint="--max-inflight")
+        cap = levels[0]
+    elif max_inflight is not None:
+        cap = max_inflight
+    if cap < 1:
+        raise typer.BadParameter(f"must be >= 1, got {cap}", param_hint="--concurrency")
+    if connections is None:
+        connections = cap if cap < LoadSpec.max_inflight else _POOL
+    return connections, cap
+
+
+_POOL = 256  # open loop without a cap: connections to the target (arrivals beyond wait for one)
+
+
+def _specs(mode, concurrency, rate, duration, warmup, requests, inputs, seed, max_inflight, replay_speed,
+           connections=None):
     from surge.bench.loadgen import LoadSpec, sweep_specs
 
-    conc = _levels(concurrency, int, "--connections" if mode != "closed" else "--concurrency")
+    if mode == "closed":
+        conc = _levels("16" if concurrency is None else concurrency, int, "--concurrency")
+        cap = LoadSpec.max_inflight
+    else:
+        pool, cap = _open_loop_limits(concurrency, connections, max_inflight)
+        conc = [pool]
     base = LoadSpec(mode=mode, concurrency=conc[0], duration_s=duration, warmup_s=warmup,
-                    max_requests=requests or None, inputs_per_request=inputs, seed=seed, max_inflight=max_inflight,
+                    max_requests=requests or None, inputs_per_request=inputs, seed=seed, max_inflight=cap,
                     replay_speed=replay_speed)
     if mode == "open":
         if not rate:
@@ -77,7 +112,7 @@ def _report(runs, workload, json_out, plots, prefix, title):
     from rich.console import Console
 
     from surge.bench import plots as P
-    from surge.bench.report import summarize, table, write_json
+    from surge.bench.report import failure_report, table, write_json
 
     console = Console()
     if not console.is_terminal:
@@ -89,20 +124,25 @@ def _report(runs, workload, json_out, plots, prefix, title):
     if plots:
         for p in P.write_all(runs, plots, prefix=prefix, workload=workload):
             console.print(f"plot: {p}")
-    errors = sum(summarize(r)["error_count"] for rs in runs.values() for r in rs)
-    if errors:
-        console.print(f"[red]{errors} requests failed[/]; by kind, with the first failure's message:")
-        for name, rs in runs.items():
-            counts: dict[str, int] = {}
-            examples: dict[str, str] = {}
-            for r in rs:
-                for kind, n in r.errors.items():
-                    counts[kind] = counts.get(kind, 0) + n
-                for kind, text in r.error_examples.items():
-                    examples.setdefault(kind, text)
-            for kind, n in sorted(counts.items(), key=lambda kv: -kv[1]):
-                console.print(f"  {name}: {kind} x{n}: {examples.get(kind, '')}", markup=False, highlight=False)
-    return errors
+    # Per level: how many failed (overload answers apart) or were dropped, and each kind's first messages.
+    for line in failure_report(runs):
+        console.print(line, markup=False, highlight=False)
+
+
+def _check_failures(runs, max_error_rate: float) -> None:
+    """Exit 1 when a level's failed-or-dropped fraction is over `max_error_rate` (default 0: any failure),
+    so that a CI step running the benchmark fails with the server. A level, not the sweep's total: one
+    level failing 20 % is not hidden by clean ones."""
+    from surge.bench.report import failed_fraction, summarize
+
+    over = [(name, s) for name, rs in runs.items() for s in map(summarize, rs)
+            if failed_fraction(s) > max_error_rate]
+    if not over:
+        return
+    worst = ", ".join(f"{name} · {s['label']}: {failed_fraction(s):.1%}" for name, s in over)
+    typer.echo(f"error: requests failed or were dropped beyond --max-error-rate {max_error_rate:g} ({worst}); "
+               "overload answers (429/503) and dropped arrivals count too", err=True)
+    raise typer.Exit(code=1)
 
 
 def _execute(named, workload, specs, progress):
@@ -149,8 +189,15 @@ def run(
     protocol: str = typer.Option("native", "--protocol", "-p", help="native (/embed), openai (/v1/embeddings), kserve (HTTP v2), kserve-grpc."),
     model: Optional[str] = typer.Option(None, help="Model name (OpenAI 'model', KServe model; default: the server's first)."),
     mode: str = typer.Option("closed", help="closed (N clients), open (Poisson arrivals) or replay (a log's times)."),
-    concurrency: str = typer.Option("16", "--concurrency", "-c", help="Clients (closed loop; a list sweeps)."),
-    connections: int = typer.Option(256, help="Open loop/replay: most connections to the target (arrivals beyond wait for one, and that wait counts as latency)."),
+    concurrency: Optional[str] = typer.Option(
+        None, "--concurrency", "-c",
+        help="Closed loop: clients (a list sweeps; default 16). Open loop/replay: most requests in flight (one "
+             "number, like k6's maxVUs or vegeta's -max-workers): an arrival that finds that many in flight is "
+             "not sent, and is reported as dropped (never queued, so the asked rate is either offered or the "
+             "shortfall is shown); default: no cap."),
+    connections: Optional[int] = typer.Option(
+        None, min=1, help="Open loop/replay: most connections to the target (default: -c, or 256 without it; "
+                          "arrivals beyond wait for one, and that wait counts as latency)."),
     rate: Optional[str] = typer.Option(None, "--rate", "-r", help="Arrivals per second (open loop; a list sweeps)."),
     duration: float = typer.Option(10.0, "--duration", "-d", help="Measured seconds per level."),
     warmup: float = typer.Option(2.0, min=0.0, help="Seconds of unmeasured warm-up per level."),
@@ -162,7 +209,12 @@ def run(
     query_log: Optional[Path] = typer.Option(None, help="Replay this query log (JSON lines or one query per line) instead of templates."),
     replay_speed: float = typer.Option(1.0, help="Replay: time compression of the log's arrival times."),
     timeout: float = typer.Option(30.0, help="Per-request timeout (s)."),
-    max_inflight: int = typer.Option(10000, min=1, help="Open loop: arrivals beyond this many in flight fail as generator_overload."),
+    max_inflight: Optional[int] = typer.Option(None, min=1, hidden=True, help="Old name of -c in open loop."),
+    max_error_rate: float = typer.Option(
+        0.0, min=0.0, max=1.0,
+        help="Exit 1 when, at any level, more than this fraction of the measured requests failed (non-2xx, "
+             "transport error, timeout, wrong answer; overload answers 429/503 included) or were dropped "
+             "(open loop: -c in flight). Default 0: any failure fails the run."),
     metrics_url: Optional[str] = typer.Option(None, help="Prometheus /metrics to read cache and batch statistics from (default: the target's, HTTP only)."),
     api_key: Optional[str] = typer.Option(None, envvar="SURGE_API_KEY", help="Bearer token for the target."),
     model_dir: Optional[Path] = typer.Option(None, help="in-process: model directory (default: bundled)."),
@@ -178,9 +230,8 @@ def run(
     _positive(timeout, "--timeout")
     _positive(replay_speed, "--replay-speed")
     workload = _workload(query_log, queries, zipf, seed)
-    if mode != "closed":
-        concurrency = str(connections)
-    specs = _specs(mode, concurrency, rate, duration, warmup, requests, inputs, seed, max_inflight, replay_speed)
+    specs = _specs(mode, concurrency, rate, duration, warmup, requests, inputs, seed, max_inflight, replay_speed,
+                   connections)
     service = None
     if target in ("in-process", "inproc"):
         service, factory = _in_process_factory(model_dir, threads, None)
@@ -198,11 +249,10 @@ def run(
     finally:
         if service is not None:
             _run(service.close())
-    errors = _report(runs, workload, json_out, plots, "bench", f"surge bench · {label}")
+    _report(runs, workload, json_out, plots, "bench", f"surge bench · {label}")
     if _interrupted(runs):
         raise typer.Exit(code=130)
-    if errors and all(r.ok.sum() == 0 for rs in runs.values() for r in rs):
-        raise typer.Exit(code=1)
+    _check_failures(runs, max_error_rate)
 
 
 def _run(coro):
@@ -224,6 +274,10 @@ def compare(
     zipf: Optional[float] = typer.Option(None),
     seed: int = typer.Option(0),
     timeout: float = typer.Option(60.0),
+    max_error_rate: float = typer.Option(
+        0.0, min=0.0, max=1.0,
+        help="Exit 1 when, at any level of any target, more than this fraction of the measured requests "
+             "failed (overload answers 429/503 included). Default 0: any failure fails the run."),
     json_out: Optional[Path] = typer.Option(None, "--json"),
     plots: Optional[Path] = typer.Option(None),
     progress: bool = typer.Option(True),
@@ -253,6 +307,7 @@ def compare(
         typer.echo(comparison_markdown(runs[names[0]], runs[other], names[0], other))
     if _interrupted(runs):
         raise typer.Exit(code=130)
+    _check_failures(runs, max_error_rate)
 
 
 @bench_app.command("workload")

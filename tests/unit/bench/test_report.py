@@ -57,3 +57,31 @@ def test_summary_of_a_run_where_everything_failed():
     s = summarize(_run([0.001] * 5, [False] * 5, ["connect"] * 5))
     assert s["ok"] == 0 and s["throughput_rps"] == 0.0 and s["errors"] == {"connect": 5}
     assert s["latency_ms"]["p50"] is None
+
+
+def _columns(markdown: str) -> list[dict[str, str]]:
+    head, _, *rows = markdown.strip().splitlines()
+    names = [c.strip() for c in head.strip("|").split("|")]
+    return [dict(zip(names, (c.strip() for c in row.strip("|").split("|")))) for row in rows]
+
+
+def test_comparison_ratio_headers_say_their_direction():
+    # The candidate is twice as fast with half the p99: each ratio column names which side is over which and
+    # which way is better, and its value follows that header (not the other way round).
+    from surge.bench.report import comparison_markdown
+
+    rng = np.random.default_rng(3)
+    base_lat = rng.uniform(0.010, 0.040, size=200)
+    base = _run(base_lat, np.ones(200, bool), [None] * 200, window=4.0)
+    cand = _run(base_lat / 2, np.ones(400, bool)[:200], [None] * 200, window=2.0)
+    [row] = _columns(comparison_markdown([base], [cand], "base", "surge"))
+    ratio_cols = [c for c in row if c != "load" and not c.startswith(("base ", "surge ", "errors"))]
+    assert len(ratio_cols) == 2, list(row)
+    for col in ratio_cols:
+        assert "surge/base" in col, col
+    [tput] = [c for c in ratio_cols if "req/s" in c]
+    [p99] = [c for c in ratio_cols if "p99" in c]
+    assert "higher is better" in tput and "lower is better" in p99
+    sb, sc = summarize(base), summarize(cand)
+    assert float(row[tput].rstrip("x")) == pytest.approx(sc["throughput_rps"] / sb["throughput_rps"], abs=0.01)
+    assert float(row[p99].rstrip("x")) == pytest.approx(sc["latency_ms"]["p99"] / sb["latency_ms"]["p99"], abs=0.01)
