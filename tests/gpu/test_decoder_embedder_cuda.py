@@ -51,3 +51,36 @@ def test_decoder_embeddings_on_the_gpu(tmp_path, sentences, precision, atol, min
     engine.cuda_graphs = True
     big = worker.finish(worker.compute(many), EmbedOptions())
     assert (big[:1] @ worker.finish(worker.compute(many[:1]), EmbedOptions()).T).min() >= close
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_decoder_embeddings_are_batch_invariant_on_the_gpu(tmp_path, sentences, precision, graphs):
+    """batch_invariant (the default): every sentence's hidden states alone equal theirs in random batches of
+    2-64 (CUDA graphs of several buckets, or the eager packed forward), bit for bit; and they stay within
+    rounding of the batch-shaped engine (cuBLAS, SDPA)."""
+    from surge.engines.decoder.embedder import DecoderEmbedder
+    from surge.models import load_model_spec
+    from surge.runtime.tokenize import Tokenizer
+    from surge.types import TokenBatch
+    from tests.batch_moves import moved
+    from tests.decoder_models import build_embedding_model
+
+    d = build_embedding_model("qwen3", tmp_path / "m", seed=4, hidden_size=256, intermediate_size=512,
+                              num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    spec = load_model_spec(d)
+    tok = Tokenizer(spec.tokenizer_file, spec.max_length, spec.vocab_size, spec.pad_token_id)
+    items = tok.encode(list(sentences) + ["Hi", "ok then"])
+    engine = DecoderEmbedder(device="cuda", precision=precision, cuda_graphs=graphs)
+    engine.load(d)
+    assert engine.batch_invariant and engine.model.batch_invariant
+    run = lambda its: engine.run(TokenBatch.pack(its))  # noqa: E731
+    got = moved(run, items, np.random.default_rng(), 8)
+    assert not got, f"{precision}: {len(got)} of {len(items)} sentences moved"
+    assert bool(engine._graphs) == graphs
+    free = DecoderEmbedder(device="cuda", precision=precision, cuda_graphs=graphs, batch_invariant=False)
+    free.load(d)
+    batch = TokenBatch.pack(items[:48])
+    a, b = engine.run(batch), free.run(batch)
+    cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+    assert cos.min() >= (0.99999 if precision == "fp32" else 0.999), cos.min()

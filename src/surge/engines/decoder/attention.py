@@ -150,6 +150,36 @@ class PaddedMeta:
 
     def __init__(self, rows: int, width: int):
         self.rows, self.width = rows, width
+        self.lens = [width] * rows
+
+
+class _KernelMeta:
+    """What kernels/paged_attention.paged_attention reads of a step, for a forward without a cache."""
+
+    def __init__(self, lens: list[int], device):
+        starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        width = max(lens)
+        tables = np.zeros((len(lens), width), dtype=np.int32)
+        for i, n in enumerate(lens):
+            tables[i, :n] = starts[i] + np.arange(n, dtype=np.int32)
+        self.block_tables = torch.as_tensor(tables, device=device)
+        self.context_lens = torch.as_tensor(np.asarray(lens, dtype=np.int32), device=device)
+        self.query_start = torch.as_tensor(starts, device=device)
+        self.max_query = width
+
+
+def causal_dense_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float) -> torch.Tensor:
+    """causal_dense, batch invariant (CUDA): the paged attention kernel in its fixed tiling over the step's own
+    K/V as a cache of one-token pages (a sequence's table: its rows in order), so a token's output follows its
+    own sequence only. SDPA's kernels pick tiles and splits by the batch's shape. The kernel's tables are
+    built once per meta (a CUDA graph's meta keeps them for its replays)."""
+    from surge.engines.kernels.paged_attention import paged_attention
+
+    km = getattr(meta, "_kernel", None)
+    if km is None:
+        km = meta._kernel = _KernelMeta(meta.lens, q.device)
+    t, hkv, d = k.shape
+    return paged_attention(q, k.view(t, 1, hkv, d), v.view(t, 1, hkv, d), km, scale, invariant=True)
 
 
 def causal_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float) -> torch.Tensor:

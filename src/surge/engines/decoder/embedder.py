@@ -11,6 +11,12 @@ On a GPU a batch runs as a CUDA graph of its bucket (rows x width, right-padded:
 keeps real tokens off the padding, so the graph's only input is the token ids), captured on first
 use: the eager forward is ~15 launches a layer, which for a batch of short queries costs more than
 the arithmetic. The real tokens' rows are gathered from the padded output.
+
+A sequence's vector is bit for bit the same whatever shares its batch (`batch_invariant`, the default, as
+the encoders'): on a GPU every GEMM runs on one Triton tiling, RMSNorm one program a row and attention on
+the paged kernel's fixed tiling (DecoderModel(batch_invariant)), so neither the bucket nor the batch-mates
+change a real token's arithmetic (cuBLAS and SDPA choose kernels by shape; torch's row reduction splits
+a row across threads when there are few rows); on the CPU see run().
 """
 
 from __future__ import annotations
@@ -56,7 +62,8 @@ class DecoderEmbedder:
         """cpu_script: on the CPU, the layers as one TorchScript call without the GIL (embed_cpu.py; Llama-family
         layers), else the eager forward. batch_invariant: a sequence's vector is bit for bit the same whatever
         shares its batch (on the CPU: the script's GEMMs at row counts that keep a row's bits, each sequence
-        in an attention block of its own; the eager forward runs each sequence alone)."""
+        in an attention block of its own; the eager forward runs each sequence alone; on a GPU: one GEMM tiling,
+        RMSNorm a row a program, the paged attention kernel's fixed tiling, DecoderModel(batch_invariant))."""
         if precision not in _DTYPES:
             raise ConfigError(f"precision {precision} is not supported for decoder embedding models "
                               f"({', '.join(_DTYPES)})", param="precision")
@@ -79,7 +86,7 @@ class DecoderEmbedder:
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.cpu_script = cpu_script and self.device.type == "cpu"
         self._script = self._layers = None
-        # (rows, width) -> (ids buffer, hidden, graph, positions): every input the graph reads stays referenced here
+        # (rows, width) -> (ids buffer, hidden, graph, positions, meta): every input the graph reads stays referenced here
         self._graphs: dict[tuple[int, int], tuple] = {}
         self._pool = None  # one memory pool for every bucket's graph (replays never overlap: the lock)
         self.capabilities: Capabilities | None = None
@@ -94,7 +101,8 @@ class DecoderEmbedder:
         weights = load_decoder_weights(artifact, cfg, self.dtype, self.device)
         weights.pop("lm_head", None)  # embeddings never read the vocabulary's logits
         # the unfused layer: its attention is the dense causal one here (the fused path writes a cache)
-        self.model = DecoderModel(cfg, weights, self.device, self.dtype, attention="torch", fused=False)
+        self.model = DecoderModel(cfg, weights, self.device, self.dtype, attention="torch", fused=False,
+                                  batch_invariant=self.batch_invariant)
         self.vocab_size = cfg.vocab_size
         if self.cpu_script and cfg.arch == "llama":
             from surge.engines.decoder import embed_cpu
@@ -170,7 +178,7 @@ class DecoderEmbedder:
             padded[i, :n] = ids[starts[i]:starts[i] + n]
         real = np.concatenate([i * width + np.arange(n) for i, n in enumerate(lens)])
         with self._lock, torch.inference_mode(), torch.cuda.device(self.device):  # captures on this engine's GPU
-            buf, hidden, graph, _ = self._graphs.get((rows, width)) or self._capture(rows, width)
+            buf, hidden, graph, *_ = self._graphs.get((rows, width)) or self._capture(rows, width)
             buf.copy_(torch.from_numpy(padded.reshape(-1)))
             graph.replay()
             # gathered and copied out before the lock is released: the next replay may reuse this memory
@@ -192,7 +200,7 @@ class DecoderEmbedder:
         with capture(graph, pool=self._pool):
             hidden = self.model.forward(buf, positions, None, meta)
         self._pool = graph.pool()
-        self._graphs[rows, width] = (buf, hidden, graph, positions)
+        self._graphs[rows, width] = (buf, hidden, graph, positions, meta)  # meta: the attention kernel's tables
         return self._graphs[rows, width]
 
     def close(self) -> None:

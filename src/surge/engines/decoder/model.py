@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from surge.engines.decoder import cpu_layout
-from surge.engines.decoder.attention import AttnMeta, causal_dense, paged_attention_torch, write_kv
+from surge.engines.decoder.attention import (AttnMeta, causal_dense, causal_dense_invariant, paged_attention_torch,
+                                            write_kv)
 from surge.models.decoder import LINEAR_MODULES, DecoderConfig, is_layer_linear, rope_inv_freq
 from surge.models.weight_quant import FP8, SCALE_SUFFIX, kind_of
 
@@ -50,8 +51,18 @@ class DecoderModel:
                  attention: str = "torch", fused: bool = True, decode_block_n: int | None = None,
                  decode_gemm: str = "auto", decode_attention: str = "fused", pdl: bool = True,
                  l2_prefetch: bool | str = False, lora=None, cpu_weight_layout: str = "in_out",
-                 decode_rows: int = 8, cpu_w8a8: bool = False, fp8_activations: bool = False):
+                 decode_rows: int = 8, cpu_w8a8: bool = False, fp8_activations: bool = False,
+                 batch_invariant: bool = False):
+        """batch_invariant (CUDA, the unfused layers without a cache: the decoder embedder): every GEMM on one
+        Triton tiling (kernels/gemm.linear_invariant), RMSNorm one program a row, attention the paged kernel
+        in its fixed tiling, so a token's hidden state never depends on what shares its batch."""
         self.cfg = cfg
+        self.batch_invariant = batch_invariant and device.type == "cuda"
+        if self.batch_invariant:
+            from surge.engines.kernels.decoder_fused import add_rmsnorm
+            from surge.engines.kernels.gemm import linear_invariant
+
+            self._rms_rows, self._linear_invariant = add_rmsnorm, linear_invariant
         # LoRA adapters (engines/decoder/lora.LoraBank): their deltas join the layers' GEMM outputs
         self.lora = lora
         self.w = weights
@@ -295,6 +306,10 @@ class DecoderModel:
             return self._q8_linear(x, name, bias)
         wt = self._wt.get(name)
         if wt is None:
+            if self.batch_invariant:
+                w = self.w[name]
+                out = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
+                return self._linear_invariant(x.contiguous(), w, bias, out)
             return F.linear(x, self.w[name], bias)
         return torch.addmm(bias, x, wt) if bias is not None else x @ wt
 
@@ -309,6 +324,9 @@ class DecoderModel:
         return F.linear(x, self._q8_dequantize(w, scale, x.dtype), bias)
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:  # torch's row reduction splits a row across threads by the number of rows
+            shape = x.shape
+            return self._rms_rows(x.reshape(-1, shape[-1]).contiguous(), None, w, self.cfg.norm_eps).view(shape)
         return rms_norm(x, w, self.cfg.norm_eps)
 
     @staticmethod
@@ -316,7 +334,9 @@ class DecoderModel:
         return rope(x, cos, sin)
 
     def _attend(self, q, k, v, layer: int, kv, meta: AttnMeta) -> torch.Tensor:
-        if kv is None:  # no cache (embeddings): meta is a DenseMeta
+        if kv is None:  # no cache (embeddings): meta is a DenseMeta or PaddedMeta
+            if self.batch_invariant:
+                return causal_dense_invariant(q, k, v, meta, self.scale)
             return causal_dense(q, k, v, meta, self.scale)
         k_cache, v_cache = kv.k[layer], kv.v[layer]
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)

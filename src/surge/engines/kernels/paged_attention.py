@@ -72,20 +72,23 @@ def _paged_attn(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, ctx_ptr, qstart_ptr, qk_
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
-                    out: torch.Tensor | None = None, block_n: int | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, block_n: int | None = None, invariant: bool = False) -> torch.Tensor:
     """q [T, q_heads, D]; caches [blocks, page, kv_heads, D] (last dim contiguous); meta: AttnMeta
     (query_start, context_lens, block_tables on the device; max_query sizes the grid); block_n: keys
-    per iteration of a decode step (default 64)."""
+    per iteration of a decode step (default 64). invariant: the prefill tiling whatever max_query is, so
+    a query row's bits follow its own sequence only (its tile is a function of its position; key tiles
+    past its position add exact zeros), never what shares the step."""
     t, hq, d = q.shape
     _, page, hkv, _ = k_cache.shape
     g = hq // hkv
     batch = meta.block_tables.shape[0]
-    block_m = 16 if meta.max_query == 1 and g <= 16 else 64
+    decode = meta.max_query == 1 and not invariant
+    block_m = 16 if decode and g <= 16 else 64
     if g > block_m:
         block_m = triton.next_power_of_2(g)
     toks = block_m // g
     block_d = max(16, triton.next_power_of_2(d))
-    block_n = (block_n or 64) if meta.max_query == 1 else 32
+    block_n = (block_n or 64) if decode else 32
     out = torch.empty_like(q) if out is None else out
     grid = (batch, hkv, triton.cdiv(meta.max_query, toks))
     _paged_attn[grid](q, k_cache, v_cache, out, meta.block_tables, meta.context_lens, meta.query_start,
