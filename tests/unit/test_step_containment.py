@@ -113,6 +113,38 @@ def test_a_launch_that_raises_for_one_sequence_fails_only_it(model_dir, hf, monk
     assert sched.blocks.num_free == 96
 
 
+@pytest.mark.parametrize("depth,steps,beside", [(0, 1, False), (1, 1, False), (2, 1, True), (2, 3, True)])
+def test_the_batch_keeps_decoding_while_a_bad_sequence_is_quarantined(model_dir, hf, monkeypatch, depth, steps, beside):
+    """A bad sequence (every launch or step that holds it raises) arrives while four greedy sequences decode: the
+    failed step's sequences go to the quarantine, the bad one last. While it drains, a step alone at a time, the
+    sequences that rejoined the batch advance every iteration (a token, or a launched step read back at the next)
+    and a prompt arriving then is admitted (both used to wait for the whole quarantine); the bad one still fails alone, after its step alone, and every
+    other sequence gets transformers' greedy tokens, each handed out once, in order; every block comes back."""
+    from surge.engines.decoder import model as model_mod
+    from tests.unit import test_step_loop_failures as failures
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (9, 6, 13, 7, 10, 8)]
+    lens = [24, 18, 21, 20, 12, 14]
+    refs = [_greedy(hf, p, n) for p, n in zip(prompts, lens)]
+    engine, attention = _engine(model_dir, steps=max(steps, 2))
+    monkeypatch.setattr(model_mod, "paged_attention_torch", attention)
+    bad, arrivals = 4, [0, 0, 0, 0, 3, None]
+    dev = FaultyDevice(engine, bad)
+    sched = _scheduler()
+    loop = StepLoop(sched, dev, overlap=depth > 0, depth=max(depth, 1), steps=steps, beside=beside)
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=n, **GREEDY)) for i, (p, n) in enumerate(zip(prompts, lens))]
+    streamed, failed, watched = failures._serve_watching(loop, sched, seqs, arrivals)
+    assert failed == {bad} and dev.raised == 2, "the bad sequence fails after its step alone"
+    failures.check_quarantine_beside_the_batch(watched, seqs, arrivals)
+    for q, ref in zip(seqs, refs):
+        if q.seq_id != bad:
+            assert q.output_ids == ref, f"sequence {q.seq_id}"
+            assert streamed[q.seq_id] == ref, f"sequence {q.seq_id}: tokens repeated or lost"
+    assert sched.blocks.num_free == 96 and not sched.quarantine
+
+
 class _Out:
     """EngineLoop's outbox: the tokens handed out by sequence, the errors, the last state."""
 

@@ -9,6 +9,8 @@ import pytest
 
 from surge.runtime.scheduler import Scheduler, SchedulerConfig, SeqStatus, Sequence
 from surge.runtime.scheduler.overlap import StepLoop
+from surge.runtime.scheduler.params import SamplingParams
+from surge.runtime.scheduler.sequence import PLACEHOLDER
 from tests.unit.test_scheduler import FakeTokenEngine, expected, greedy
 
 
@@ -276,3 +278,128 @@ def test_an_engine_that_works_again_contains_the_next_failure():
     assert failed == {10}
     assert streamed[11] == good.output_ids == expected(good.prompt_ids, 8)
     assert sched.blocks.num_free == 64
+
+
+# -- the quarantine drains beside the batch: the healthy keep their pace, the waiting are admitted ---------------
+
+
+def _serve_watching(loop, sched, seqs, arrivals, limit=400):
+    """_serve_contained, watching each iteration that starts with a quarantine and does not raise; seqs[i] is added
+    before iteration arrivals[i], or (None) the first iteration that starts with a quarantine. -> (tokens streamed
+    by seq id, failed seq ids, one (quarantined ids, ids running outside the quarantine, ids that advanced) per such
+    iteration, the first two at its start; advanced: handed a token, or launched a step whose token is read back in
+    a later iteration (overlapped steps))."""
+    streamed, failed, watched = {q.seq_id: [] for q in seqs}, set(), []
+    late = [q for q, at in zip(seqs, arrivals) if at is None]
+    for it in range(limit):
+        for q, at in zip(seqs, arrivals):
+            if at == it:
+                sched.add(q)
+        if late and sched.quarantine:
+            for q in late:
+                sched.add(q)
+            late = []
+        if not loop.busy and not late and it >= max(a for a in arrivals if a is not None):
+            return streamed, failed, watched
+        held = {q.seq_id for q in sched.quarantine}
+        outside = {q.seq_id for q in sched.running} - held
+        try:
+            results = loop.step()
+        except RuntimeError:
+            results, bad = loop.contain()
+            for q in bad:
+                sched.abort(q, "error")
+                failed.add(q.seq_id)
+            held = None  # a step that raised: its neighbours lose this iteration
+        for r in results:
+            for sid, token in r.tokens.items():
+                streamed[sid].append(token)
+        if held:
+            advanced = {sid for r in results for sid in r.tokens}
+            advanced |= {q.seq_id for q in sched.running if PLACEHOLDER in q.token_ids}
+            watched.append((held, outside, advanced))
+        sched.blocks.check()
+    raise AssertionError(f"the loop never went idle: running {[q.seq_id for q in sched.running]}, failed {failed}")
+
+
+def check_quarantine_beside_the_batch(watched, seqs, arrivals):
+    """While the quarantine holds a sequence: every sequence running outside it advances each iteration (a token,
+    or a launched step); the sequences arriving once it holds one (arrival None) are admitted beside it (advanced
+    in an iteration that started with them waiting and a quarantine); and the quarantine's head runs every
+    iteration, however busy the batch (it drains in as many iterations as it held sequences)."""
+    assert any(outside for _, outside, _ in watched), "no sequence ran beside the quarantine"
+    for i, (held, outside, given) in enumerate(watched):
+        assert outside <= given, f"iteration {i} beside the quarantine {held}: {outside - given} did not advance"
+    late = [q.seq_id for q, at in zip(seqs, arrivals) if at is None]
+    assert late
+    for sid in late:
+        assert any(sid in given and sid not in held | outside for held, outside, given in watched), \
+            f"sequence {sid}, arriving while the quarantine held, was not admitted beside it"
+    assert len(watched) <= max(len(held) for held, *_ in watched)
+
+
+@pytest.mark.parametrize("depth,steps", [(0, 1), (1, 1), (2, 1), (2, 3)])
+@pytest.mark.parametrize("at", ["launch", "collect"])
+@pytest.mark.parametrize("bad,arrivals", [(4, [0, 0, 0, 0, 3, None]), (2, [0, 0, 0, 0, None, None])])
+def test_the_batch_keeps_decoding_while_the_quarantine_drains(depth, steps, at, bad, arrivals):
+    """A bad sequence (every step it is in raises) late in the quarantine: while the quarantine drains, a step
+    alone at a time, the sequences that rejoined the batch and the ones arriving meanwhile advance every iteration
+    (a token, or a launched step read back at the next; they used to wait for the whole quarantine); the bad one
+    still fails alone, and every other gets its full answer, streamed once, in order, every block back."""
+    sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=6, max_num_batched_tokens=32,
+                                      max_model_len=96), ())
+    engine = Faulty(max(depth, 1), steps, bad=bad, at=at)
+    loop = StepLoop(sched, engine, overlap=depth > 0, depth=max(depth, 1), steps=steps)
+    seqs = _contained_seqs() + [Sequence(4, [51, 52, 53, 54], greedy(10)), Sequence(5, [61, 62, 63], greedy(12))]
+    streamed, failed, watched = _serve_watching(loop, sched, seqs, arrivals)
+    assert failed == {bad} and seqs[bad].finish_reason == "error"
+    check_quarantine_beside_the_batch(watched, seqs, arrivals)
+    for q in seqs:
+        if q.seq_id != bad:
+            assert q.finish_reason == "length" and q.output_ids == expected(q.prompt_ids, q.params.max_tokens)
+            assert streamed[q.seq_id] == q.output_ids, f"sequence {q.seq_id}: tokens repeated or lost"
+    assert sched.blocks.num_free == 64 and not sched.quarantine
+
+
+@pytest.mark.parametrize("policy,prefix_caching,prompt,neighbour,before", [
+    ("fcfs", False, 13, 5, 3), ("fcfs", True, 13, 5, 3), ("priority", False, 5, 4, 2), ("priority", True, 5, 6, 2)])
+def test_the_batch_never_preempts_a_context_recomputed_alone(policy, prefix_caching, prompt, neighbour, before):
+    """Five KV blocks and a two-token budget: a sequence set apart (Scheduler.isolate, as contain() does; the
+    lowest priority, the newest running: the batch's victim of choice) recomputes its context alone over several
+    steps, while its neighbour decodes beside it and needs a block that is not free. The batch preempts among its
+    own (here its only sequence), never the sequence recomputed alone (which would lose its recompute, and be
+    queued twice); every block is accounted for at each step, both answers are the ones a run without the failure
+    gives, and every block comes back."""
+    from tests.unit.test_scheduler import FakeTokenEngine
+
+    sched = Scheduler(SchedulerConfig(num_blocks=5, block_size=4, max_num_seqs=2, max_num_batched_tokens=2,
+                                      max_model_len=20, prefix_caching=prefix_caching, policy=policy), ())
+    loop = StepLoop(sched, FakeTokenEngine(), overlap=False)
+    alone = Sequence(0, list(range(11, 11 + prompt)), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                                      priority=1))
+    other = Sequence(1, list(range(31, 31 + neighbour)), greedy(12))
+    sched.add(alone)
+    sched.add(other)
+    while len(alone.output_ids) < before:
+        loop.step()
+    sched.isolate(alone)
+    schedule, squeezed = sched.schedule, []
+
+    def batch():  # the batch's step, noting a preemption made while the quarantine's head is mid-recompute
+        head = sched.quarantine[0] if sched.quarantine else None
+        mid, preemptions = head is not None and head.status is SeqStatus.RUNNING, sched.preemptions
+        out = schedule()
+        if mid and sched.preemptions > preemptions:
+            squeezed.append(head.seq_id)
+        return out
+
+    sched.schedule = batch
+    for _ in range(100):
+        if not loop.busy:
+            break
+        loop.step()
+        sched.blocks.check()
+    assert squeezed, "the batch must run short of blocks while a context is recomputed alone"
+    assert alone.finish_reason == other.finish_reason == "length"
+    assert alone.output_ids == expected(alone.prompt_ids, 6) and other.output_ids == expected(other.prompt_ids, 12)
+    assert sched.blocks.num_free == 5 and not sched.quarantine and not sched.waiting

@@ -107,6 +107,9 @@ class StepLoop:
         # oldest first: (scheduled, handle, decode steps the handle runs, the blocks' clock at launch)
         self._inflight: deque[tuple[list[ScheduledSeq], object, int, int]] = deque()
         self._current: list[ScheduledSeq] = []
+        # the quarantine's head while its step alone is being made or run: if that raises, it is the one at fault
+        # (not whatever is first in the quarantine when a later step, or a read-back, raises)
+        self._alone = None
         self._results: list[StepResult] = []  # the results of the step being run, so far
         # the clock of the oldest launch that involved() dropped from _inflight: the device may still run it
         # (and write blocks freed since) until a later launch is read back
@@ -137,6 +140,7 @@ class StepLoop:
         """-> (the sequences of the step being run and of the launches in flight, the results gathered before the
         engine raised); the loop's books cleared."""
         seqs = [s.seq for s in self._current]
+        self._alone = None
         for scheduled, *_ in self._inflight:
             seqs += [s.seq for s in scheduled]
         results = self._results
@@ -156,11 +160,12 @@ class StepLoop:
         alone each, and the engine's per-sequence state (a seeded generator, a guide's matcher) is put back where
         their tokens leave it (engine.rewind). A sequence fails when its step alone raised, or when it was set
         apart MAX_RETRIES times already; after BROKEN_AFTER steps alone raised in a row the engine is taken as
-        broken and every sequence of the quarantine fails. Launches dropped here still run on the device: the
-        block clock of the oldest counts until a later launch is read back (_prefill_beside), and steps alone
+        broken and every sequence of the quarantine fails. A batch's step beside the quarantine (step()) is
+        contained as any: its sequences join the quarantine's tail. Launches dropped here still run on the device:
+        the block clock of the oldest counts until a later launch is read back (_prefill_beside), and steps alone
         run synchronously, behind them."""
         sched = self.scheduler
-        alone = sched.quarantine[0] if sched.quarantine else None
+        alone = self._alone  # (None: the step that raised was not a step alone)
         seqs, results = self._drop_books()
         live = list({id(q): q for q in seqs if q.status is not SeqStatus.FINISHED}.values())
         failed = []
@@ -304,16 +309,27 @@ class StepLoop:
         called after the loop has waited for its launches in flight, to add (or abort) what arrived
         meanwhile: new sequences then join the step that follows instead of one more of their own.
         `wait(timeout) -> bool` (with `beside`): waits up to timeout seconds for something to arrive
-        (True if it did); the iteration then returns without waiting for the device (_settle)."""
+        (True if it did); the iteration then returns without waiting for the device (_settle).
+        While the scheduler's quarantine holds a sequence (contain()), an iteration first reads back what is in
+        flight and runs the quarantine's head's step alone, synchronously; then the batch's step of everyone else
+        (admissions included), launched or run as in any iteration: a healthy sequence advances every iteration
+        but one whose step alone raises (which raises out of step(), for contain()), and the quarantine drains by
+        a step alone every iteration, however busy the batch."""
         sched, engine = self.scheduler, self.engine
         results: list[StepResult] = []
         self._results = results
         self.stalled = False
-        if sched.quarantine:  # after a failed step: a sequence of it alone, synchronously (contain())
+        if sched.quarantine:
+            # after a failed step (contain()): its first sequence's step alone, synchronously, behind what is in
+            # flight (read back first: a launch that raises then is contained as the batch's, not blamed on the
+            # sequence alone); then the batch's step as in any iteration, so that the other sequences keep their
+            # pace and the waiting are admitted while the quarantine drains
             self._complete_all(results)
-            scheduled = sched.schedule()
+            self._alone = sched.quarantine[0]
+            scheduled = sched.solo()
             self._current = scheduled
-            return self._run_sync(scheduled, results)
+            self._run_sync(scheduled, results)
+            self._alone = None
         if self._inflight and not sched.decode_fits():
             self._complete_all(results)
             if refresh is not None:

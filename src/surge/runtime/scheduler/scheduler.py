@@ -17,9 +17,13 @@ schedule() -> the engine runs the step -> update(samples): vLLM's three-line loo
 
 A step that raises (a bad row, a guide's matcher, an asynchronous device error) is contained per sequence
 (StepLoop.contain): its live sequences lose what the step would have given them and their KV blocks (a
-preemption's recompute) and wait in the quarantine, out of the waiting queue; while it holds any, each step is
-its first sequence's alone (a long context recomputed over several), and a sequence rejoins the batches once its
-step alone has sampled a token. One whose step alone raises fails; its neighbours do not.
+preemption's recompute) and wait in the quarantine, out of the waiting queue. While it holds any, each iteration
+runs its first sequence's step alone (solo(); a long context recomputed over several), then the batch of everyone
+else (schedule(): the running sequences outside the quarantine, and admissions), so one bad request does not
+stall the others' tokens nor the queue; a sequence rejoins the batches once its step alone has sampled a token.
+One whose step alone raises fails; its neighbours do not. The quarantine's head is never preempted by the batch
+(it would lose its recompute and take the blocks back from the batch the next iteration): a batch that runs
+short of blocks preempts among its own sequences, as without a quarantine.
 """
 
 from __future__ import annotations
@@ -127,11 +131,16 @@ class Scheduler:
             self.waiting.append(seq)
 
     def _victim(self) -> Sequence:
-        """Who gives up its blocks when a running sequence needs one: the newest (fcfs), or the lowest
-        priority, the newest among equals (priority)."""
+        """Who gives up its blocks when a running sequence of the batch needs one: the newest (fcfs), or the
+        lowest priority, the newest among equals (priority); never the quarantine's head, running alone (the one
+        that needs the block is itself a candidate, so there is always one)."""
+        running = self.running
+        if self.quarantine:
+            head = self.quarantine[0]
+            running = [s for s in running if s is not head]
         if self.config.policy == "priority":
-            return max(self.running, key=_rank)
-        return self.running[-1]
+            return max(running, key=_rank)
+        return running[-1]
 
     def abort(self, seq: Sequence, reason: str = "abort") -> None:
         """Drop a sequence wherever it is; its blocks are free at once."""
@@ -201,10 +210,10 @@ class Scheduler:
         if seq not in self.quarantine:
             self.quarantine.append(seq)
 
-    def _solo(self) -> list[ScheduledSeq]:
-        """The quarantine's first sequence, alone: its next chunk (its context is recomputed, from the prefix
-        cache where it can). Running sequences wait meanwhile; one gives up its blocks (or its LoRA slot) if
-        the sequence needs them."""
+    def solo(self) -> list[ScheduledSeq]:
+        """The quarantine's first sequence, alone (a step of its own, run before the batch's: schedule()): its
+        next chunk (its context is recomputed, from the prefix cache where it can). A running sequence of the
+        batch gives up its blocks (or its LoRA slot) if the sequence needs them."""
         seq = self.quarantine[0]
         admit = seq.status is SeqStatus.WAITING
         if admit:
@@ -237,17 +246,20 @@ class Scheduler:
         self._preempt(victim)
 
     def schedule(self) -> list[ScheduledSeq]:
-        if self.quarantine:
-            return self._solo()
+        """The batch's step: the running sequences (but the quarantine's head, which runs alone: solo()) and
+        the waiting ones admitted."""
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         out: list[ScheduledSeq] = []
         preempted = False
         running, blocks = self.running, self.blocks
+        # of the quarantine, only its head may be running (recomputed alone, over several steps for a long
+        # context); the others wait for their step alone, out of the waiting queue
+        alone = self.quarantine[0] if self.quarantine else None
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            if seq.draining:  # its last token is in flight (overlapped steps): nothing more to compute
+            if seq.draining or seq is alone:  # its last token is in flight (overlapped steps), or it runs alone
                 i += 1
                 continue
             start, total = seq.num_computed, len(seq.token_ids)
@@ -278,9 +290,8 @@ class Scheduler:
         that now fit in the step's token budget: those added, or given room, after it was made (the
         overlapped loop drains its launches in flight before a prefill step, and what arrived
         meanwhile joins that step instead of waiting for a step of its own). Nothing is admitted
-        after a preemption in schedule(): the preempted would come straight back; nor beside a sequence of the
-        quarantine, which runs alone."""
-        if self._preempted or self.quarantine:
+        after a preemption in schedule(): the preempted would come straight back."""
+        if self._preempted:
             return scheduled
         budget = self.config.max_num_batched_tokens - sum(s.num_tokens for s in scheduled)
         return scheduled + self._admit(budget)
@@ -336,10 +347,12 @@ class Scheduler:
         sequence decodes and keeps its tokens on the device, and each gets the blocks its next
         `steps` tokens need without preempting anyone (a preempted sequence would be recomputed from
         a placeholder). A waiting sequence admitted by that schedule makes the step a prefill, which
-        the loop runs synchronously after reading the running step back."""
+        the loop runs synchronously after reading the running step back. The quarantine's head, recomputed
+        alone, is no part of the batch's step."""
         bs, need, ahead = self.config.block_size, 0, steps - 1
+        alone = self.quarantine[0] if self.quarantine else None
         for seq in self.running:
-            if seq.draining:
+            if seq.draining or seq is alone:
                 continue
             if not seq.fast or len(seq.token_ids) - seq.num_computed != 1:
                 return False
