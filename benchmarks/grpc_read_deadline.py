@@ -4,8 +4,8 @@ and per message of a request stream, without it, with an interceptor that only p
 
     PYTHONPATH=src python3 benchmarks/grpc_read_deadline.py [--rounds 7 --calls 3000 --concurrency 16]
 
-Each round starts one grpc.aio server per mode in turn (in this process, an echo service: unary-unary and
-stream-stream, the shapes the interceptor wraps), after one round not counted, and a client in a separate
+Each round starts one grpc.aio server per mode in turn (in this process, an echo service: unary-unary, the
+shape the interceptor wraps, and stream-stream, which it passes through: request streams may wait), after one round not counted, and a client in a separate
 process (so that its CPU is not counted) that warms up, then makes CALLS unary calls, CONCURRENCY at a time,
 and sends CALLS messages on CONCURRENCY streams. The server's CPU is read around the measured parts only, on
 its event loop's thread (where all the Python runs) and on all its threads (grpc core's included); the table

@@ -7,7 +7,7 @@ metadata was bounded only by grpcio's default. Now (server/grpc/server.py):
 
 - --request-read-timeout-s: a connection whose HTTP/2 handshake has not finished, or that has had no call
   in flight, for that long is closed (GOAWAY); a real client reconnects at its next call; a call whose
-  message (a stream's first) has not come for that long gets DEADLINE_EXCEEDED and frees its slot (before,
+  one message has not come for that long gets DEADLINE_EXCEEDED (a request stream may wait) and frees its slot (before,
   it held it until its connection went);
 - --max-connections: one connection more is closed at once, before anything is read from it;
 - --grpc-max-concurrent-rpcs: one call more gets RESOURCE_EXHAUSTED at once;
@@ -161,11 +161,10 @@ def test_calls_over_the_limit_get_resource_exhausted(server):
     assert asyncio.run(run())
 
 
-# A call of each kind the port serves, by what the server reads of its request: unary (ModelInfer, ServerLive),
-# one message then a response stream (health Watch), a request stream (ModelStreamInfer, server reflection).
+# A unary-request call of each kind the port serves: a unary answer (ModelInfer, ServerLive, health Check), a
+# response stream (health Watch). Request streams may wait for their first message (read_deadline.py).
 STALLED_PATHS = ["/inference.GRPCInferenceService/ModelInfer", "/inference.GRPCInferenceService/ServerLive",
-                 "/grpc.health.v1.Health/Watch", "/inference.GRPCInferenceService/ModelStreamInfer",
-                 "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"]
+                 "/grpc.health.v1.Health/Watch", "/grpc.health.v1.Health/Check"]
 
 
 def test_calls_whose_message_never_comes_are_ended_and_free_their_slots(server):
@@ -206,30 +205,44 @@ def _raw_call(channel, path: str, streaming_response: bool):
 
 
 def test_a_call_whose_message_never_comes_gets_deadline_exceeded(server):
-    """grpcio clients that start calls and never send their message: each call ends, DEADLINE_EXCEEDED with a
-    message that names the setting, after --request-read-timeout-s (before: never, the calls hung)."""
+    """grpcio clients that start unary-request calls and never send their message: each call ends,
+    DEADLINE_EXCEEDED with a message that names the setting, after --request-read-timeout-s (before: never, the
+    calls hung). A request stream opened beside them and silent as long is not ended: its first message, sent
+    after that, is answered (Triton's client opens its stream before it has a request)."""
+    req = pb.ModelInferRequest(model_name="enc")
+    req.inputs.add(name="text", datatype="BYTES", shape=[1]).contents.bytes_contents.append(b"a late first message")
 
     async def run():
-        never = asyncio.Event()
+        never, go = asyncio.Event(), asyncio.Event()
 
         async def nothing():
             await never.wait()
             yield b""
 
+        async def later():
+            await go.wait()
+            yield req.SerializeToString()
+
         async with grpc.aio.insecure_channel(server.grpc_url, options=OWN_CONNECTION) as channel:
             calls = [_raw_call(channel, path, streaming)(nothing()) for path, streaming in (
-                ("/inference.GRPCInferenceService/ModelInfer", False), ("/grpc.health.v1.Health/Watch", True),
-                ("/inference.GRPCInferenceService/ModelStreamInfer", True))]
+                ("/inference.GRPCInferenceService/ModelInfer", False), ("/grpc.health.v1.Health/Watch", True))]
+            stream = _raw_call(channel, "/inference.GRPCInferenceService/ModelStreamInfer", True)(later())
             try:
-                return await asyncio.wait_for(asyncio.gather(*(asyncio.gather(c.code(), c.details())
-                                                               for c in calls)), WAIT_S)
+                ended = await asyncio.wait_for(asyncio.gather(*(asyncio.gather(c.code(), c.details())
+                                                                for c in calls)), WAIT_S)
+                go.set()  # the stream has been silent past the read timeout: the calls above were ended by it
+                return ended, await asyncio.wait_for(stream.read(), WAIT_S)
             finally:
-                for call in calls:
+                for call in (*calls, stream):
                     call.cancel()
 
-    for code, details in asyncio.run(run()):
+    ended, answer = asyncio.run(run())
+    for code, details in ended:
         assert code == grpc.StatusCode.DEADLINE_EXCEEDED, (code, details)
         assert "--request-read-timeout-s" in details, details
+    answer = pb.ModelStreamInferResponse.FromString(answer)
+    assert not answer.error_message, answer.error_message
+    assert np.frombuffer(answer.infer_response.raw_output_contents[0], dtype="<f4").shape == (384,)
     assert serves(server.grpc_url)
 
 

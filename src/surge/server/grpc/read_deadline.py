@@ -1,4 +1,4 @@
-"""A read deadline on each gRPC call's request: its first message must arrive whole within
+"""A read deadline on each unary-request gRPC call: its message must arrive whole within
 `--request-read-timeout-s` of the call's start, else the call ends DEADLINE_EXCEEDED and frees its slot of
 `--grpc-max-concurrent-rpcs`.
 
@@ -6,13 +6,14 @@ Why here: grpc.aio reads a unary call's message itself, before any servicer code
 bounds that read (no channel argument does: the connection's idle and age timers do not count a call in
 flight as idle, and a deadline is the client's to set), so a client that sends a call's HEADERS and never its
 DATA held the slot until its connection went, and one that half-closed without a message got no answer at
-all. The interceptor gives each method grpc.aio's request-streaming handler instead, whose behaviour (ours)
-reads the first message itself, under a timer, and then calls the method's own behaviour with it:
+all. The interceptor gives each unary-request method grpc.aio's request-streaming handler instead, whose
+behaviour (ours) reads the message itself, under a timer, and then calls the method's own behaviour with it (a
+half-close without one: INTERNAL, as gRPC's own "error parsing request" is).
 
-- unary request: the message read is the request (a half-close without one: INTERNAL, as gRPC's own
-  "error parsing request" is);
-- request stream: the message read is put back in front of the stream (none: an empty stream, as before);
-  later messages are not bounded, since a stream may rightly wait between them.
+Request streams (ModelStreamInfer, server reflection) are left as they are: a stream may rightly wait before its
+first message as between any two (Triton's client opens the stream at start_stream() and sends when the
+application has a request), and bounding only the first would not bound a client that sends one message and
+then waits; `--grpc-max-connection-age-s` bounds those.
 
 A late call is aborted from a task of its own rather than by cancelling its read: grpc core's receive stays
 pending until the call ends, and the read then returns into the aborted call (AbortError, as any aborted
@@ -65,36 +66,30 @@ class ReadDeadlineInterceptor(grpc.aio.ServerInterceptor):
 
     def _wrap(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         read_first = self._read_first
-        streaming_request, streaming_response = handler.request_streaming, handler.response_streaming
-        behaviour = (handler.stream_stream or handler.stream_unary if streaming_request
-                     else handler.unary_stream or handler.unary_unary)
+        if handler.request_streaming:  # a stream may wait before its first message (module docstring)
+            return handler
+        streaming_response = handler.response_streaming
+        behaviour = handler.unary_stream or handler.unary_unary
         if not (inspect.iscoroutinefunction(behaviour) or inspect.isasyncgenfunction(behaviour)):
             return handler
-        if streaming_request:
-            def argument(first, requests):
-                return requests if first is EOF else _Prefetched(first, requests)
-        else:
-            def argument(first, requests):
-                return first
 
         if inspect.isasyncgenfunction(behaviour):
             # Writes the responses itself, as grpc.aio would (its write checks that the call still runs), rather
             # than re-yielding them: no generator layer more for each response.
             async def wrapped(requests, context):
-                first = await read_first(context, streaming_request)
-                async for response in behaviour(argument(first, requests), context):
+                request = await read_first(context)
+                async for response in behaviour(request, context):
                     await context.write(response)
         else:
             async def wrapped(requests, context):
-                first = await read_first(context, streaming_request)
-                return await behaviour(argument(first, requests), context)
+                return await behaviour(await read_first(context), context)
 
         make = grpc.stream_stream_rpc_method_handler if streaming_response else grpc.stream_unary_rpc_method_handler
         return make(wrapped, request_deserializer=handler.request_deserializer,
                     response_serializer=handler.response_serializer)
 
-    async def _read_first(self, context, streaming_request: bool):
-        """The call's first request message (EOF: the client half-closed without one), read under the deadline."""
+    async def _read_first(self, context):
+        """The call's request message, read under the deadline (the client half-closed without one: INTERNAL)."""
         pending = self._pending
         pending[context] = (loop := asyncio.get_running_loop()).time() + self.timeout_s
         if self._sweep is None:
@@ -103,7 +98,7 @@ class ReadDeadlineInterceptor(grpc.aio.ServerInterceptor):
             first = await context.read()
         finally:
             pending.pop(context, None)
-        if first is EOF and not streaming_request:
+        if first is EOF:
             await context.abort(grpc.StatusCode.INTERNAL, "the call was half-closed without its request message")
         return first
 
@@ -132,24 +127,3 @@ async def _abort(context, message: str) -> None:
     # closed meanwhile refuses the status (ExecuteBatchError): either way the call has ended.
     with contextlib.suppress(Exception):
         await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, message)
-
-
-class _Prefetched:
-    """A request stream whose first message was already read: that message, then the rest of the stream."""
-
-    __slots__ = ("_first", "_rest")
-
-    def __init__(self, first, rest):
-        # The stream's own iterator (grpc.aio's async generator), so that each later message costs one call more.
-        self._first, self._rest = first, rest.__aiter__()
-
-    def __aiter__(self):
-        return self
-
-    def __anext__(self):
-        first, self._first = self._first, None
-        return _ready(first) if first is not None else self._rest.__anext__()
-
-
-async def _ready(value):
-    return value

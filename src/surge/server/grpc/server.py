@@ -8,7 +8,7 @@ channel arguments (checked against grpcio 1.85 by tests/e2e/test_grpc_limits.py)
   (`grpc.server_handshake_timeout_ms`) or that has had no call in flight (`grpc.max_connection_idle_ms`)
   for that long is closed, with a GOAWAY after a handshake; a client reconnects at its next call. By
   default grpcio closed only a connection that never acknowledged its SETTINGS, after 60 s; one that did
-  and started no call was held for ever. And a call whose request message (a stream's first) has not
+  and started no call was held for ever. And a call whose one request message (a request stream may wait) has not
   arrived whole that long after the call started is ended, DEADLINE_EXCEEDED (its stream then reset), which
   frees its slot of `--grpc-max-concurrent-rpcs`: no channel argument bounds that read, which grpc.aio
   does before any handler runs, so an interceptor does it (read_deadline.py). Before, a client that sent a
@@ -23,8 +23,8 @@ channel arguments (checked against grpcio 1.85 by tests/e2e/test_grpc_limits.py)
   more gets RESOURCE_EXHAUSTED.
 - `--grpc-max-connection-age-s` (off by default: it cuts long streams): `grpc.max_connection_age_ms`, with
   `--request-timeout-s` as `grpc.max_connection_age_grace_ms` (unbounded by default, so that without it
-  a call could outlive its connection's age for ever). It bounds what the read deadline leaves: a stream
-  that sent its first message and then waits.
+  a call could outlive its connection's age for ever). It bounds what the read deadline leaves: request
+  streams (ModelStreamInfer), which may wait for their first message as between any two.
 
 Keepalive is left to grpcio's defaults, which already refuse ping floods: while no data flows, pings
 closer together than `grpc.http2.min_recv_ping_interval_without_data_ms` (5 min) are strikes, and after
