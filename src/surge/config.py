@@ -126,7 +126,9 @@ class LimitsConfig(_Strict):
         "a client that sends slowly, or nothing, cannot hold a connection for ever. On --metrics-port: the request "
         "must arrive whole this long after the connection opened, else it is closed. On the gRPC port: a connection "
         "whose HTTP/2 handshake has not finished, or that has had no call in flight, this long is closed (GOAWAY; "
-        "gRPC clients reconnect at their next call).")
+        "gRPC clients reconnect at their next call), and a call whose one request message (not a request stream's, which "
+        "may wait) has not arrived whole this long after the call started gets DEADLINE_EXCEEDED, so that calls that never send "
+        "it cannot hold --grpc-max-concurrent-rpcs.")
     max_header_bytes: int = Field(
         64 * 1024, ge=4096, description="Largest request line and headers of one HTTP request; more gets 431 and "
         "the connection is closed (uvicorn kept every header, ~10 bytes of memory per byte sent, before any "
@@ -144,7 +146,8 @@ class LimitsConfig(_Strict):
     grpc_max_connection_age_s: float | None = Field(
         None, gt=0, description="A gRPC connection this old is asked to go (GOAWAY: clients reconnect at their next "
         "call); its calls still running --request-timeout-s later are cut, a stream's included. Bounds how long a "
-        "call whose request never comes can hold one of --grpc-max-concurrent-rpcs. None: no limit.")
+        "request stream (ModelStreamInfer), which the read timeout leaves alone, can hold one of "
+        "--grpc-max-concurrent-rpcs. None: no limit.")
     auto_truncate: bool = Field(
         False, description="OpenAI route: cut inputs longer than the model instead of answering 400 (a request "
         "can also ask with \"truncate\": true).")

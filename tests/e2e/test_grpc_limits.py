@@ -6,14 +6,15 @@ held for ever; connections and calls in flight were unbounded (each call may hol
 metadata was bounded only by grpcio's default. Now (server/grpc/server.py):
 
 - --request-read-timeout-s: a connection whose HTTP/2 handshake has not finished, or that has had no call
-  in flight, for that long is closed (GOAWAY); a real client reconnects at its next call;
+  in flight, for that long is closed (GOAWAY); a real client reconnects at its next call; a call whose
+  one message has not come for that long gets DEADLINE_EXCEEDED (a request stream may wait) and frees its slot (before,
+  it held it until its connection went);
 - --max-connections: one connection more is closed at once, before anything is read from it;
 - --grpc-max-concurrent-rpcs: one call more gets RESOURCE_EXHAUSTED at once;
 - --max-header-bytes: larger metadata gets RESOURCE_EXHAUSTED;
 - by default the gRPC port takes at most half the descriptors left after the process's own, so that idle
   gRPC connections cannot stop HTTP from accepting;
-- --grpc-max-connection-age-s (opt-in): calls whose request never comes, which hold the concurrent calls,
-  go with their connection.
+- --grpc-max-connection-age-s (opt-in): calls still in flight go with their connection.
 
 Every wait is for an outcome (the server's answer, its closing the socket, the channel's state), bounded far
 above the configured timeout, never a sleep.
@@ -35,7 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from surge.bench.servers import ServerProc, free_port
 from surge.server.grpc import grpc_service_pb2 as pb
 from surge.server.grpc import grpc_service_pb2_grpc as pb_grpc
-from tests import raw_sockets
+from tests import raw_http2, raw_sockets
 from tests.e2e.repo_helpers import add_version
 from tests.server_process import ROOT, ServerProcess
 
@@ -160,6 +161,115 @@ def test_calls_over_the_limit_get_resource_exhausted(server):
     assert asyncio.run(run())
 
 
+# A unary-request call of each kind the port serves: a unary answer (ModelInfer, ServerLive, health Check), a
+# response stream (health Watch). Request streams may wait for their first message (read_deadline.py).
+STALLED_PATHS = ["/inference.GRPCInferenceService/ModelInfer", "/inference.GRPCInferenceService/ServerLive",
+                 "/grpc.health.v1.Health/Watch", "/grpc.health.v1.Health/Check"]
+
+
+def test_calls_whose_message_never_comes_are_ended_and_free_their_slots(server):
+    """A raw HTTP/2 client fills every one of --grpc-max-concurrent-rpcs with calls that send their HEADERS and
+    never their message (DATA): a grpcio call is refused (RESOURCE_EXHAUSTED) while they hold the slots; within
+    --request-read-timeout-s each stalled stream is ended (its status, then RST_STREAM) and a grpcio call is
+    answered. Before, nothing ended them: they held the slots until their connection went."""
+    ids = [2 * n + 1 for n in range(MAX_RPCS)]
+    with raw_sockets.connect(server.grpc_port, WAIT_S) as s:
+        reader = raw_http2.handshake(s)
+        s.sendall(b"".join(raw_http2.grpc_headers(i, STALLED_PATHS[n % len(STALLED_PATHS)], server.grpc_url)
+                           for n, i in enumerate(ids)))
+        with grpc.insecure_channel(server.grpc_url, options=OWN_CONNECTION) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            end = time.monotonic() + WAIT_S
+            while True:  # until the server has taken the stalled calls (a probe may come first)
+                try:
+                    stub.ServerLive(pb.ServerLiveRequest(), timeout=WAIT_S)
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                    break
+                assert time.monotonic() < end, "the stalled calls never took the slots"
+            ended: dict[int, list[str]] = {i: [] for i in ids}
+            while not all("RST_STREAM" in got for got in ended.values()):
+                kind, flags, stream_id, _ = reader.next()  # socket.timeout (the test fails) if they are held
+                if stream_id in ended and kind == raw_http2.HEADERS and flags & raw_http2.END_STREAM:
+                    ended[stream_id].append("status")
+                elif stream_id in ended and kind == raw_http2.RST_STREAM:
+                    ended[stream_id].append("RST_STREAM")
+            assert all(got == ["status", "RST_STREAM"] for got in ended.values()), ended
+            assert serves(server.grpc_url)  # the slots are free again
+
+
+def _raw_call(channel, path: str, streaming_response: bool):
+    """A multi-callable that sends and takes bytes (no protobuf), request-streaming whatever the method is: a
+    grpcio client's way to start a call and send its message only when (if ever) the iterator yields it."""
+    return (channel.stream_stream if streaming_response else channel.stream_unary)(path)
+
+
+def test_a_call_whose_message_never_comes_gets_deadline_exceeded(server):
+    """grpcio clients that start unary-request calls and never send their message: each call ends,
+    DEADLINE_EXCEEDED with a message that names the setting, after --request-read-timeout-s (before: never, the
+    calls hung). A request stream opened beside them and silent as long is not ended: its first message, sent
+    after that, is answered (Triton's client opens its stream before it has a request)."""
+    req = pb.ModelInferRequest(model_name="enc")
+    req.inputs.add(name="text", datatype="BYTES", shape=[1]).contents.bytes_contents.append(b"a late first message")
+
+    async def run():
+        never, go = asyncio.Event(), asyncio.Event()
+
+        async def nothing():
+            await never.wait()
+            yield b""
+
+        async def later():
+            await go.wait()
+            yield req.SerializeToString()
+
+        async with grpc.aio.insecure_channel(server.grpc_url, options=OWN_CONNECTION) as channel:
+            calls = [_raw_call(channel, path, streaming)(nothing()) for path, streaming in (
+                ("/inference.GRPCInferenceService/ModelInfer", False), ("/grpc.health.v1.Health/Watch", True))]
+            stream = _raw_call(channel, "/inference.GRPCInferenceService/ModelStreamInfer", True)(later())
+            try:
+                ended = await asyncio.wait_for(asyncio.gather(*(asyncio.gather(c.code(), c.details())
+                                                                for c in calls)), WAIT_S)
+                go.set()  # the stream has been silent past the read timeout: the calls above were ended by it
+                return ended, await asyncio.wait_for(stream.read(), WAIT_S)
+            finally:
+                for call in (*calls, stream):
+                    call.cancel()
+
+    ended, answer = asyncio.run(run())
+    for code, details in ended:
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED, (code, details)
+        assert "--request-read-timeout-s" in details, details
+    answer = pb.ModelStreamInferResponse.FromString(answer)
+    assert not answer.error_message, answer.error_message
+    assert np.frombuffer(answer.infer_response.raw_output_contents[0], dtype="<f4").shape == (384,)
+    assert serves(server.grpc_url)
+
+
+def test_a_call_closed_without_its_message(server):
+    """A unary call whose client half-closes without sending its message gets a clear error at once (before, the
+    server answered nothing and the call hung); a request stream with no message is a stream with none, as
+    before: ModelStreamInfer answers OK with no response."""
+
+    async def run():
+        async def none():
+            return
+            yield
+
+        async with grpc.aio.insecure_channel(server.grpc_url, options=OWN_CONNECTION) as channel:
+            unary = _raw_call(channel, "/inference.GRPCInferenceService/ModelInfer", False)(none())
+            stream = _raw_call(channel, "/inference.GRPCInferenceService/ModelStreamInfer", True)(none())
+            return await asyncio.wait_for(asyncio.gather(unary.code(), unary.details(), drain(stream),
+                                                         stream.code()), WAIT_S)
+
+    async def drain(call) -> list:
+        return [r async for r in call]
+
+    code, details, responses, stream_code = asyncio.run(run())
+    assert code == grpc.StatusCode.INTERNAL and "without its request message" in details, (code, details)
+    assert stream_code == grpc.StatusCode.OK and responses == []
+
+
 def test_a_burst_of_calls_is_answered_or_refused_never_held(server):
     async def run():
         req = pb.ModelInferRequest(model_name="enc")
@@ -263,7 +373,8 @@ def aged(tmp_path_factory):
 
 def test_calls_whose_request_never_comes_go_with_their_connection(aged):
     """A client that starts calls and never sends their message holds the concurrent calls (new ones get
-    RESOURCE_EXHAUSTED) until --grpc-max-connection-age-s, plus --request-timeout-s of grace, cuts them."""
+    RESOURCE_EXHAUSTED) until --grpc-max-connection-age-s, plus --request-timeout-s of grace, cuts them (here
+    before --request-read-timeout-s, 60 s by default, would)."""
 
     async def run():
         async with grpc.aio.insecure_channel(aged.grpc_url, options=OWN_CONNECTION) as channel:

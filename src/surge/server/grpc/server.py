@@ -8,7 +8,12 @@ channel arguments (checked against grpcio 1.85 by tests/e2e/test_grpc_limits.py)
   (`grpc.server_handshake_timeout_ms`) or that has had no call in flight (`grpc.max_connection_idle_ms`)
   for that long is closed, with a GOAWAY after a handshake; a client reconnects at its next call. By
   default grpcio closed only a connection that never acknowledged its SETTINGS, after 60 s; one that did
-  and started no call was held for ever.
+  and started no call was held for ever. And a call whose one request message (a request stream may wait) has not
+  arrived whole that long after the call started is ended, DEADLINE_EXCEEDED (its stream then reset), which
+  frees its slot of `--grpc-max-concurrent-rpcs`: no channel argument bounds that read, which grpc.aio
+  does before any handler runs, so an interceptor does it (read_deadline.py). Before, a client that sent a
+  call's HEADERS and never its DATA held a slot until its connection went, and one that half-closed a
+  unary call without a message got no answer at all (now INTERNAL at once).
 - `--max-connections`: `grpc.max_allowed_incoming_connections`, unbounded by default; one more is closed
   as soon as it is accepted, before anything is read from it (the client sees UNAVAILABLE).
 - `--grpc-max-concurrent-rpcs`: grpc.aio's `maximum_concurrent_rpcs`; one more call gets
@@ -18,8 +23,8 @@ channel arguments (checked against grpcio 1.85 by tests/e2e/test_grpc_limits.py)
   more gets RESOURCE_EXHAUSTED.
 - `--grpc-max-connection-age-s` (off by default: it cuts long streams): `grpc.max_connection_age_ms`, with
   `--request-timeout-s` as `grpc.max_connection_age_grace_ms` (unbounded by default, so that without it
-  a call could outlive its connection's age for ever). Nothing else bounds a call whose client sent its
-  headers but never its message: it holds one of the concurrent calls until its connection goes.
+  a call could outlive its connection's age for ever). It bounds what the read deadline leaves: request
+  streams (ModelStreamInfer), which may wait for their first message as between any two.
 
 Keepalive is left to grpcio's defaults, which already refuse ping floods: while no data flows, pings
 closer together than `grpc.http2.min_recv_ping_interval_without_data_ms` (5 min) are strikes, and after
@@ -36,6 +41,7 @@ import grpc
 
 from surge.server.grpc import grpc_service_pb2_grpc as pb_grpc
 from surge.server.grpc.health import OPEN_METHODS as HEALTH_METHODS, add_health_and_reflection
+from surge.server.grpc.read_deadline import ReadDeadlineInterceptor
 from surge.server.grpc.servicer import InferenceServicer
 from surge.server.http.conn_guard import connection_limit, limited_ports
 from surge.server.state import AppState
@@ -84,7 +90,10 @@ def build_server(state: AppState, reuse_port: bool = False) -> tuple[grpc.aio.Se
     """reuse_port: the front ends of --workers share one port (the supervisor holds it, cli/workers.py)."""
     config = state.config
     limits = config.limits
+    # The API key first: a call without it is answered before anything of its request is read, and only then
+    # the read deadline, so that a refused call is not turned into one that reads its message.
     interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
+    interceptors.append(ReadDeadlineInterceptor(limits.request_read_timeout_s))
     read_timeout_ms = max(1, round(limits.request_read_timeout_s * 1000))
     server = grpc.aio.server(
         interceptors=interceptors,
