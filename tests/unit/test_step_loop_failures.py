@@ -29,6 +29,19 @@ class Failing(FakeTokenEngine):
         return super().collect_tokens(handle)
 
 
+
+def step_or_contain(loop, sched, failed: set) -> tuple[list, bool]:
+    """One iteration of the loop as the service runs it: the step's results, or after a step that raised, what
+    contain() kept (its failed sequences aborted and added to `failed`); and whether the step raised."""
+    try:
+        return loop.step(), False
+    except RuntimeError:
+        results, bad = loop.contain()
+        for q in bad:
+            sched.abort(q, "error")
+            failed.add(q.seq_id)
+        return results, True
+
 def _serve(loop, sched, seqs, arrivals=None):
     """EngineLoop.run's handling: results reported, an exception fails loop.involved(); seqs[i] is added before
     iteration arrivals[i] (all at 0 by default). -> (ended seq ids, failed seq ids, iterations)."""
@@ -143,13 +156,7 @@ def _serve_contained(loop, sched, seqs, arrivals=None, limit=400):
                 sched.add(q)
         if not loop.busy and it >= max(arrivals):
             return streamed, failed, it
-        try:
-            results = loop.step()
-        except RuntimeError:
-            results, bad = loop.contain()
-            for q in bad:
-                sched.abort(q, "error")
-                failed.add(q.seq_id)
+        results, _ = step_or_contain(loop, sched, failed)
         for r in results:
             for sid, token in r.tokens.items():
                 streamed[sid].append(token)
@@ -303,13 +310,8 @@ def _serve_watching(loop, sched, seqs, arrivals, limit=400):
             return streamed, failed, watched
         held = {q.seq_id for q in sched.quarantine}
         outside = {q.seq_id for q in sched.running} - held
-        try:
-            results = loop.step()
-        except RuntimeError:
-            results, bad = loop.contain()
-            for q in bad:
-                sched.abort(q, "error")
-                failed.add(q.seq_id)
+        results, raised = step_or_contain(loop, sched, failed)
+        if raised:
             held = None  # a step that raised: its neighbours lose this iteration
         for r in results:
             for sid, token in r.tokens.items():
