@@ -23,7 +23,7 @@ from surge.engines.decoder.graphs import RING as _RING
 from surge.engines.decoder.model import DecoderModel, KVCache
 from surge.engines.decoder.sampler import SampleOut, Sampler
 from surge.models.decoder import load_decoder_config, load_decoder_weights
-from surge.runtime.scheduler.scheduler import ScheduledSeq
+from surge.runtime.scheduler.step import ScheduledSeq
 
 log = logging.getLogger("surge.generate")
 # the row graphs' largest bucket (rows of a prompt step a replay): 256 rows keep a row's attention, which is the
