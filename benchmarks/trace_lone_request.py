@@ -93,7 +93,7 @@ def make(dest: Path) -> None:
     patch("runtime/worker.py", [
      ("        batch = self.make_batch(items)\n        return len(items), self.engines.launch(batch)", "        batch = self.make_batch(items)\n        _ev('eng_packed')\n        return len(items), self.engines.launch(batch)"),
     ])
-    patch("engines/torch_gpu.py", [
+    patch("engines/torch_launch.py", [
      ("        ids, types, pos, lengths = self._inputs(batch)\n        try:\n            with self.on_device():\n                return self._launch_cuda(ids, types, pos, lengths)", "        ids, types, pos, lengths = self._inputs(batch)\n        _ev('eng_checked')\n        try:\n            with self.on_device():\n                return self._launch_cuda(ids, types, pos, lengths)"),
      ("            n = self._stage_inputs(ids, types, pos, lengths, key, h_in)\n", "            _ev('eng_slot')\n            n = self._stage_inputs(ids, types, pos, lengths, key, h_in)\n            _ev('eng_staged')\n"),
      ("                        with torch.cuda.stream(self.stream):\n                            inputs.copy_(self._head(h_in, n), non_blocking=True)\n                            graph.replay()\n", "                        with torch.cuda.stream(self.stream):\n                            _ev('eng_ctx')\n                            inputs.copy_(self._head(h_in, n), non_blocking=True)\n                            _ev('eng_copied_in')\n                            graph.replay()\n                            _ev('eng_replayed')\n"),

@@ -497,7 +497,7 @@ def test_multi_step_launches_equal_eager(qwen_dir, steps):
     assert loops[0].steps >= 3 * (overlapped + 1), "launches must run several decode steps"
     # each bucket timed its step after capture; decode_launch_ms caps a launch by those times
     from surge.runtime.scheduler import SamplingParams, Sequence
-    from surge.runtime.scheduler.scheduler import ScheduledSeq
+    from surge.runtime.scheduler.step import ScheduledSeq
 
     assert set(a.graphs.step_us) == set(a.graphs.buckets) and all(t > 0 for t in a.graphs.step_us.values())
     seq = Sequence(0, [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0))

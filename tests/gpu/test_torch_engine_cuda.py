@@ -86,10 +86,10 @@ def test_gemm_modes_agree(model_dir, tokenizer, reference, sentences, gemm):
 
 
 def test_auto_times_every_mode_and_keeps_the_fastest(model_dir, tokenizer, sentences):
-    from surge.engines import torch_gpu
+    from surge.engines import torch_graphs
     from surge.engines.torch_gpu import LT_GELU, TorchEngine
 
-    torch_gpu._MODE_CHOICE.clear()  # earlier engines of this model shared their choices: time afresh
+    torch_graphs._MODE_CHOICE.clear()  # earlier engines of this model shared their choices: time afresh
     engine = TorchEngine(device="cuda", precision="fp16", max_batch=8, batch_invariant=False)
     engine.load(model_dir)
     engine.run(TokenBatch.pack(tokenizer.encode(sentences[:3])))

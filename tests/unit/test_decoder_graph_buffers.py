@@ -316,7 +316,7 @@ def test_row_graph_steps_are_bounded_by_their_tokens_and_keys(tmp_path):
     """A step takes the row graphs when its tokens are at most graph_prefill_tokens (T) and its prompt rows attend
     to at most T (T + 1) / 2 keys in all (a T-token prompt's from its start): a short chunk after a long cached
     context runs eagerly, decode rows count as tokens only; prompt log-probabilities to score: eager."""
-    from surge.runtime.scheduler.scheduler import ScheduledSeq
+    from surge.runtime.scheduler.step import ScheduledSeq
 
     engine = DecoderEngine(build_model("qwen2", tmp_path / "q", seed=2), num_blocks=64, block_size=4, max_num_seqs=6)
     _host_row_graphs(engine, 12, limit=24)  # keys: at most 24 * 25 / 2 = 300

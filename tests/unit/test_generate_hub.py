@@ -233,9 +233,9 @@ def test_front_ends_reconnect_whatever_the_restart_limit_and_unload_while_it_is_
     """The supervisor restarts a shared engine process as often as it dies, and each front end reconnects every
     time (GenerateService's own limit is for an engine process of its own); a front end that unloads while the
     engine process is away stops waiting for it at once."""
-    from surge.runtime import generate_service
+    from surge.runtime import generate_restart
 
-    monkeypatch.setattr(generate_service, "RESTART_LIMIT", 1)
+    monkeypatch.setattr(generate_restart, "RESTART_LIMIT", 1)
     start, sock, config = hub
     proc = start()
     a = _front(sock, config)

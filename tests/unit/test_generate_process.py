@@ -177,7 +177,7 @@ def test_a_dead_engine_process_fails_its_streams_at_once_and_is_started_again(mo
 
 def test_a_child_that_keeps_dying_leaves_the_model_not_ready(model_dir, monkeypatch):
     """At most RESTART_LIMIT restarts in RESTART_WINDOW_S: the next death leaves the model down."""
-    from surge.runtime import generate_service as gs
+    from surge.runtime import generate_restart as gs
 
     monkeypatch.setattr(gs, "RESTART_LIMIT", 1)
     monkeypatch.setattr(gs, "RESTART_DELAYS_S", (0.05, 0.05))
@@ -308,7 +308,7 @@ def test_close_while_a_new_child_starts_leaves_no_engine_process(model_dir, monk
     ends the new child too."""
     import psutil
 
-    from surge.runtime import generate_service as gs
+    from surge.runtime import generate_restart as gs
 
     monkeypatch.setattr(gs, "RESTART_DELAYS_S", (0.0,))
     service = _load(model_dir)

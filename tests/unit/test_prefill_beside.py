@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 from surge.engines.decoder import DecoderEngine  # noqa: E402
 from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence  # noqa: E402
 from surge.runtime.scheduler.overlap import StepLoop  # noqa: E402
-from surge.runtime.scheduler.scheduler import ScheduledSeq  # noqa: E402
+from surge.runtime.scheduler.step import ScheduledSeq  # noqa: E402
 from tests.decoder_models import build_model  # noqa: E402
 from tests.loop_driver import drive  # noqa: E402
 from tests.unit.test_decoder_graph_buffers import _host_graphs, _host_row_graphs  # noqa: E402

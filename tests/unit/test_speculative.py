@@ -14,7 +14,7 @@ import pytest
 
 from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
 from surge.runtime.scheduler.ngram import NgramIndex, NgramProposer
-from surge.runtime.scheduler.scheduler import ScheduledSeq
+from surge.runtime.scheduler.step import ScheduledSeq
 
 
 def scan_propose(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:

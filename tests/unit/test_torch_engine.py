@@ -186,21 +186,21 @@ def test_runtime_builds_a_torch_worker(bundled_spec, reference_embed, sentences)
 
 
 def test_instances_share_weights_and_the_last_close_frees_them(bundled_spec):
-    from surge.engines import torch_gpu
+    from surge.engines import shared_weights
 
     a = TorchEngine(device="cpu", precision="bf16", max_batch=4)
     b = TorchEngine(device="cpu", precision="bf16", max_batch=4)
     a.load(bundled_spec.path)
     b.load(bundled_spec.path)
     assert a.weights is b.weights
-    key = torch_gpu._weights_key(bundled_spec.path, torch.device("cpu"), torch.bfloat16)
+    key = shared_weights._weights_key(bundled_spec.path, torch.device("cpu"), torch.bfloat16)
     a.close()
     a.close()  # idempotent: must not drop b's reference
-    assert key in torch_gpu._WEIGHTS
+    assert key in shared_weights._WEIGHTS
     out = b.run(random_batch(2, 9, 30522, Layout.PACKED))
     assert out.shape == (18, 384) and np.isfinite(out).all()
     b.close()
-    assert key not in torch_gpu._WEIGHTS
+    assert key not in shared_weights._WEIGHTS
 
 
 def test_gelu_epilogue_policy_follows_config_and_precision(bundled_spec):

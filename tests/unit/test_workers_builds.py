@@ -53,12 +53,12 @@ def test_a_front_end_waits_for_a_build_that_comes_back_late(model_dir, tmp_path,
     from surge.cli import workers_generate
     from surge.cli.workers_generate import retire
     from surge.errors import EngineError
-    from surge.runtime import generate_service
+    from surge.runtime import generate_restart
     from surge.runtime.generate_hub import HubClient
 
     # scaled down: the build restarts after 12 s, the front end's attempts give up after ~5 s in all
     monkeypatch.setattr(workers_generate, "RESTART_DELAYS_S", (12.0,))
-    monkeypatch.setattr(generate_service, "RESTART_DELAYS_S", (0.2, 0.5, 1.0))
+    monkeypatch.setattr(generate_restart, "RESTART_DELAYS_S", (0.2, 0.5, 1.0))
     build = _repository_build(model_dir, tmp_path, monkeypatch)
     first = build.pid
 

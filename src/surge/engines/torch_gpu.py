@@ -8,6 +8,9 @@ engines/buckets.py) and `warmup` captures every one of them, so nothing is
 compiled or captured once the engine serves (`builds_after_ready` counts any
 that are, and tests keep it at 0). Each instance has its own stream and
 workspace; instances of one model share the weights.
+The CUDA run path (pinned staging, launch / collect) is engines/torch_launch.py, the graphs'
+capture and GEMM-mode timing engines/torch_graphs.py, pooling and task heads in the graph
+engines/torch_heads.py (mixins of TorchEngine); the weights' registry engines/shared_weights.py.
 
 On the CPU the same weights run through encoder_cpu.forward: packed GEMMs (oneDNN;
 AMX tiles for bf16 where the CPU has them) and one batched attention call per layer.
@@ -28,16 +31,15 @@ from surge.engines.base import Capabilities, random_batch
 from surge.engines.buckets import Buckets
 from surge.engines.encoder import forward_fused, position_ids
 from surge.engines.encoder_weights import EncoderWeights, load_weights
-from surge.engines.graph_capture import capture
 from surge.engines.memory import Workspace, plan_workspace
+from surge.engines.shared_weights import _weights_key, release_weights, shared_weights
+from surge.engines.torch_graphs import BucketGraphs
+from surge.engines.torch_heads import GraphHeads
+from surge.engines.torch_launch import PinnedLaunch
 from surge.errors import EngineError, InvalidInput
 from surge.types import Layout, TokenBatch
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-# (path, device, dtype) -> [weights, engines using them]: instances of one model share
-# weights; the last close() frees them (a reloaded model version must not leak the old one).
-_WEIGHTS: dict[tuple, list] = {}
-_WEIGHTS_LOCK = threading.Lock()
 GEMM_MODES = ("cublas", "mixed", "triton")
 # Batches in flight per CUDA instance when the caller does not say. 1 in a process that also
 # serves HTTP: on the H200 a second engine thread took the GIL from the event loop (one process
@@ -63,38 +65,7 @@ def token_bucket(t: int) -> int:
     return (t + step - 1) // step * step
 
 
-def _weights_key(path: Path, device: torch.device, dtype: torch.dtype) -> tuple:
-    return (str(Path(path).resolve()), str(device), dtype)
-
-
-def shared_weights(path: Path, device: torch.device, dtype: torch.dtype) -> EncoderWeights:
-    """The weights for (path, device, dtype), loaded once; each call takes a reference."""
-    key = _weights_key(path, device, dtype)
-    with _WEIGHTS_LOCK:
-        entry = _WEIGHTS.get(key)
-        if entry is None:
-            entry = _WEIGHTS[key] = [load_weights(path).to(device, dtype), 0]
-        entry[1] += 1
-        return entry[0]
-
-
-def release_weights(path: Path, device: torch.device, dtype: torch.dtype) -> None:
-    key = _weights_key(path, device, dtype)
-    with _WEIGHTS_LOCK:
-        entry = _WEIGHTS.get(key)
-        if entry is not None:
-            entry[1] -= 1
-            if entry[1] <= 0:
-                del _WEIGHTS[key]
-
-
-# (weights key, token bucket) -> the GEMM mode gemm="auto" timed fastest. The mode changes the GEMMs
-# only, whose shapes depend on the token bucket alone: buckets that differ in sequences or length
-# reuse the choice, and so does a second instance of the model on the GPU (warm-up ~halved).
-_MODE_CHOICE: dict[tuple, str] = {}
-
-
-class TorchEngine:
+class TorchEngine(PinnedLaunch, BucketGraphs, GraphHeads):
     def __init__(self, device: str = "cuda", precision: str = "fp16", max_batch: int = 64,
                  max_tokens: int | None = None, cuda_graphs: bool = True, workspace: Workspace | None = None,
                  max_graphs: int = 48, gemm: str = "auto", weight_budget: int | None = None,
@@ -245,26 +216,6 @@ class TorchEngine:
         """Buckets built after warm-up: each one stalled serving (kept at 0 by the bucket set)."""
         return 0 if self._sealed_builds is None else self.builds - self._sealed_builds
 
-    def _build(self, key) -> None:
-        """Capture one bucket on valid synthetic inputs: full sequences of lb tokens, as many as fit."""
-        bb, tb, lb = key
-        lens = [lb] * (tb // lb) + ([tb % lb] if tb % lb else [])
-        lengths = np.asarray(lens[:bb], dtype=np.int64)
-        t = int(lengths.sum())
-        rng = np.random.default_rng(tb * 1000 + lb)
-        ids = rng.integers(0, min(self.config.vocab, 30522), t).astype(np.int64)
-        types = np.zeros(t, np.int64)
-        pos = position_ids(lengths, self.config.position_offset)
-        with self._lock, self.workspace.lock:
-            n = self._stage_inputs(ids, types, pos, lengths, key)
-            inputs = self.workspace.view(self.plan.region("inputs"), (n,))
-            with torch.cuda.stream(self.stream):
-                inputs.copy_(self._h_inputs[:n], non_blocking=True)
-            # A model with heads in its graph only ever runs the heads graphs: build those.
-            self._heads_mode = self.head_set is not None
-            self._graph(key)
-            self.stream.synchronize()
-
     def close(self) -> None:
         """Drop graphs, buffers and this instance's reference to the weights (idempotent)."""
         with self._lock:
@@ -353,19 +304,6 @@ class TorchEngine:
             self._make_buckets()
         return self.buckets.key(batch, tokens, max_len)
 
-    def _stage_inputs(self, ids, types, pos, lengths, key, host: torch.Tensor | None = None) -> int:
-        bb, tb, _ = key
-        t, b = len(ids), len(lengths)
-        h = self._numpy(self._h_inputs if host is None else host)
-        h[:3 * tb + bb + 1] = 0
-        h[:t] = ids
-        h[tb:tb + t] = types
-        h[2 * tb:2 * tb + t] = pos
-        cu = h[3 * tb:3 * tb + bb + 1]
-        cu[1:b + 1] = np.cumsum(lengths)
-        cu[b + 1:] = t  # empty sequences: their attention programs exit at once
-        return 3 * tb + bb + 1
-
     def _views(self, key) -> dict[str, torch.Tensor]:
         bb, tb, _ = key
         return self.workspace.views(self.plan, tb, bb, self.config.heads * self.config.head_dim,
@@ -392,359 +330,3 @@ class TorchEngine:
             return pool_on_device(x, views["inputs"], key, self.pool_mode)
         return x
 
-    # ------------------------------------------------------------------ pooling in the graph
-    def attach_pooling(self, mode: str) -> bool:
-        """Pool inside the captured graph (engines/device_pool.py): run() then returns [batch, hidden]
-        float32 rows, and only those are copied back. CUDA only, mean / cls / last, before warm-up
-        (the graphs are rebuilt). False: the caller pools the hidden states on the host."""
-        from surge.engines.device_pool import DEVICE_POOLING
-
-        if (self.device.type != "cuda" or self.head_set is not None or self.offload is not None
-                or mode not in DEVICE_POOLING or self.weights is None):
-            return False
-        with self._lock:
-            self._graphs.clear()
-            self.pool_mode = mode
-            self._h_pooled = torch.empty((self.plan.batch, self.config.hidden), dtype=torch.float32,
-                                         pin_memory=True)
-            self._slots = None  # rebuilt with a pooled-rows buffer per slot
-            self._slices.clear()
-        return True
-
-    # ------------------------------------------------------------------ task heads in the graph
-    def attach_heads(self, head_set) -> bool:
-        """Compute `head_set`'s classification / token heads inside the captured graph (CUDA only).
-
-        The graph then ends in the heads' logits (fp32): [batch, fixed] for sequence heads,
-        [tokens, widths] for token heads, and only those are copied back, not the hidden
-        states. Embedding heads (pooling) stay on the host path: returns False then."""
-        from surge.engines.heads import POOLED, SEQUENCE
-
-        if self.device.type != "cuda" or any(h.kind == POOLED for h in head_set.heads):
-            return False
-        dev = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(self.device)  # noqa: E731
-        heads = []
-        for h in head_set.heads:
-            pre = [(dev(w), dev(b), act) for w, b, act in h.pre]
-            heads.append((h.kind == SEQUENCE, pre, dev(h.weight), dev(h.bias)))
-        with self._lock:
-            self._graphs.clear()
-            self._dev_heads = heads
-            self.head_set = head_set
-            self._fixed = head_set.fixed
-            self._tok_width = sum(head_set.token_widths)
-            n = self.plan.batch * self._fixed + self.plan.tokens * self._tok_width
-            self._h_heads = torch.empty(n, dtype=torch.float32, pin_memory=True)
-            self._slots = None  # rebuilt with a heads buffer per slot
-            self._slices.clear()
-        return True
-
-    def _heads_forward(self, x: torch.Tensor, inputs: torch.Tensor, key) -> torch.Tensor:
-        bb, tb, _ = key
-        cu = inputs[3 * tb:3 * tb + bb + 1].long()
-        cls = x.index_select(0, cu[:-1].clamp(max=tb - 1)).float()  # padded batch rows read a real row
-        fixed, tokens = [], []
-        xf = None
-        affine = self._head_affine
-        for seq, pre, w, b in self._dev_heads:
-            if seq:
-                h = cls
-                for pw, pb, act in pre:
-                    h = affine(pb, h, pw)
-                    h = torch.tanh(h) if act == "tanh" else torch.relu(h)
-                fixed.append(affine(b, h, w))
-            else:
-                xf = x.float() if xf is None else xf
-                tokens.append(affine(b, xf, w))
-        parts = [torch.cat(fixed, 1).reshape(-1)] if fixed else []
-        if tokens:
-            parts.append(torch.cat(tokens, 1).reshape(-1))
-        return torch.cat(parts)
-
-    def _head_affine(self, bias: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """h @ w^T + bias in FP32; with batch invariance on the one-tiling GEMM (cuBLAS picks its
-        kernel by the batch's rows, and a query's logits would round with its batch-mates)."""
-        if not self.batch_invariant:
-            return torch.addmm(bias, h, w.t())
-        from surge.engines.kernels.gemm import linear_invariant
-
-        out = torch.empty((h.shape[0], w.shape[0]), dtype=torch.float32, device=h.device)
-        return linear_invariant(h, w, bias, out)
-
-    def run_heads(self, batch: TokenBatch) -> np.ndarray:
-        """The attached heads' rows for a batch (HeadSet.rows layout), heads computed on the GPU."""
-        ids, types, pos, lengths = self._inputs(batch)
-        try:
-            with self.on_device():
-                fixed, tokens = self._run_cuda(ids, types, pos, lengths, heads=True)
-        except torch.cuda.OutOfMemoryError as exc:
-            raise self._oom(lengths) from exc
-        return self.head_set.rows(fixed, tokens, lengths)
-
-    def _capture(self, key, views, gemm: str):
-        with torch.cuda.stream(self.stream):
-            out = self._forward(key, views, gemm)  # compiles/tunes the Triton kernels, creates cuBLAS handles
-        self.stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with capture(graph, stream=self.stream):
-            out = self._forward(key, views, gemm)
-        return graph, out
-
-    def _time(self, graph, reps: int = 10) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(self.stream):
-            graph.replay()
-            start.record(self.stream)
-            for _ in range(reps):
-                graph.replay()
-            end.record(self.stream)
-        end.synchronize()
-        return start.elapsed_time(end) / reps
-
-    def _graph(self, key):
-        """(graph or None, views, output view, gemm mode) for a bucket; captured on first use.
-
-        gemm="auto": every mode is captured and timed on this bucket, the fastest kept.
-        """
-        if self.workspace.generation != self._ws_generation:  # a shared workspace grew: old views are stale
-            self._graphs.clear()
-            self._slices.clear()
-            self._ws_generation = self.workspace.generation
-        gkey = key + (self._heads_mode,)  # hidden-state and heads graphs are kept apart
-        g = self._graphs.get(gkey)
-        if g is not None:
-            self._graphs.move_to_end(gkey)
-            return g
-        import time
-
-        started = time.perf_counter()
-        views = self._views(key)
-        modes = self.modes(key)
-        mode = modes[0] if self.gemm == "auto" or self.gemm not in modes else self.gemm
-        if not self.cuda_graphs:
-            with torch.cuda.stream(self.stream):
-                out = self._forward(key, views, mode)
-            g = (None, views, out, mode)
-        elif self.gemm != "auto" or (getattr(self, "_wkey", None), key[1]) in _MODE_CHOICE:
-            if self.gemm == "auto":
-                mode = _MODE_CHOICE[(self._wkey, key[1])]
-                mode = mode if mode in modes else "cublas"
-            graph, out = self._capture(key, views, mode)
-            g = (graph, views, out, mode)
-        else:
-            best = None
-            timings = {}
-            for m in modes:
-                try:
-                    graph, out = self._capture(key, views, m)
-                except Exception as exc:  # noqa: BLE001 - a variant that cannot build here is skipped, not fatal
-                    if m == "cublas":
-                        raise
-                    self.mode_errors[m] = f"{type(exc).__name__}: {exc}"[:500]
-                    torch.cuda.synchronize(self.device)
-                    continue
-                timings[m] = self._time(graph)
-                if best is None or timings[m] < timings[best[3]]:
-                    best = (graph, views, out, m)
-            self.choices[key] = timings
-            g = best
-            if getattr(self, "_wkey", None) is not None:
-                _MODE_CHOICE[(self._wkey, key[1])] = best[3]
-        self._graphs[gkey] = g
-        self.builds += 1
-        self.build_s += time.perf_counter() - started
-        if len(self._graphs) > self.max_graphs:
-            self._graphs.popitem(last=False)
-        return g
-
-    def _ensure_slots(self) -> None:
-        """The staging slots: (pinned inputs, pinned outputs, pinned heads output, done event) each.
-
-        Slot 0 is the buffers load() made (subclasses that plan their own workspace make them
-        too); the others are allocated here, on first use."""
-        if self._slots is not None:
-            return
-        import queue
-
-        with self._lock:
-            if self._slots is not None:
-                return
-            heads = getattr(self, "_h_heads", None)
-            pooled = getattr(self, "_h_pooled", None) if self.pool_mode is not None else None
-
-            def like(t):
-                return None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-
-            slots = [(self._h_inputs, self._h_out, heads, self._done, pooled)]
-            for _ in range(self.pipeline_depth - 1):
-                slots.append((like(self._h_inputs), like(self._h_out), like(heads), torch.cuda.Event(), like(pooled)))
-            free: queue.SimpleQueue = queue.SimpleQueue()
-            for i in range(len(slots)):
-                free.put(i)
-            self._free_slots = free
-            self._slots = slots
-
-    def _run_cuda(self, ids, types, pos, lengths, heads: bool = False):
-        return self._collect_cuda(self._launch_cuda(ids, types, pos, lengths, heads))
-
-    def _launch_cuda(self, ids, types, pos, lengths, heads: bool = False) -> "Launched":
-        """One batch, up to the GPU: pack into a free pinned slot (no lock: overlaps the other
-        slot's batch on the GPU), then under the lock enqueue copy in -> graph replay -> copy out
-        -> event on this instance's stream. `_collect_cuda` waits for the event without the lock
-        (the next batch enqueues behind this one meanwhile). The stream orders the two batches'
-        use of the workspace."""
-        self._ensure_slots()
-        t = len(ids)
-        key = self.bucket(len(lengths), t, int(lengths.max()))
-        ws_lock = self.workspace.lock
-        slot = self._free_slots.get()
-        h_in, h_out_all, h_heads, done, h_pooled = self._slots[slot]
-        pooled = self.pool_mode is not None and not heads
-        # A workspace shared with other instances (their own streams) is held until the batch is done.
-        shared_ws = self._shared_ws is not None
-        try:
-            n = self._stage_inputs(ids, types, pos, lengths, key, h_in)
-            with self._lock:
-                ws_lock.acquire()
-                try:
-                    self._heads_mode = heads
-                    inputs = self._inputs_view(n)
-                    ready = self._ready_graph(key)
-                    if ready is not None:
-                        # A captured bucket (every one after warm-up): the whole batch in one stream
-                        # context; each context resolves the device in Python (tens of us on the H200
-                        # host, a lone request's launch: docs/benchmarks/serving_core.md, session 5).
-                        graph, views, out, mode = ready
-                        with torch.cuda.stream(self.stream):
-                            inputs.copy_(self._head(h_in, n), non_blocking=True)
-                            graph.replay()
-                            h_out = self._copy_out(out, key, t, len(lengths), heads, pooled, h_out_all, h_heads, h_pooled)
-                            done.record(self.stream)
-                    else:
-                        with torch.cuda.stream(self.stream):
-                            # inputs first: a new bucket's first (eager) forward and its capture read them
-                            inputs.copy_(h_in[:n], non_blocking=True)
-                        graph, views, out, mode = self._graph(key)
-                        with torch.cuda.stream(self.stream):
-                            if graph is not None:
-                                graph.replay()
-                            else:
-                                out = self._forward(key, views, mode)
-                            h_out = self._copy_out(out, key, t, len(lengths), heads, pooled, h_out_all, h_heads, h_pooled)
-                            done.record(self.stream)
-                    if shared_ws:
-                        done.synchronize()
-                finally:
-                    ws_lock.release()
-        except BaseException:
-            self._free_slots.put(slot)
-            raise
-        return Launched(self, slot, done, h_out, key, t, len(lengths), heads, pooled)
-
-    def _copy_out(self, out, key, t: int, b: int, heads: bool, pooled: bool, h_out_all, h_heads, h_pooled):
-        """Enqueue the batch's result into its pinned slot (on the current stream); the slot's view."""
-        head = self._head
-        if heads:  # the graph's output is the heads' logits: [bb, fixed] then [tb, widths]
-            n = key[0] * self._fixed + t * self._tok_width
-            h_out = head(h_heads, n)
-            h_out.copy_(head(out, n), non_blocking=True)
-        elif pooled:  # the graph's output is the pooled rows: [bb, hidden] float32
-            h_out = head(h_pooled, b)
-            h_out.copy_(head(out, b), non_blocking=True)
-        else:
-            h_out = head(h_out_all, t)
-            h_out.copy_(out[:t].view(h_out.dtype), non_blocking=True)
-        return h_out
-
-    def _head(self, tensor: torch.Tensor, n: int) -> torch.Tensor:
-        """`tensor[:n]`, made once per tensor and size: a slice is several torch calls, and a lone
-        request's launch makes three (pinned inputs, graph output, pinned output). The view keeps
-        its base alive, so a key's id() cannot be reused by another tensor while it is here; the
-        sizes are bounded by the buckets."""
-        memo = self._slices
-        k = (id(tensor), n)
-        v = memo.get(k)
-        if v is None:
-            if len(memo) > 4096:  # a bound, should buckets ever be many more than planned
-                memo.clear()
-            v = memo[k] = tensor[:n]
-        return v
-
-    def _numpy(self, tensor: torch.Tensor):
-        """A pinned host tensor's numpy view, made once (as `_head`)."""
-        memo = self._slices
-        k = (id(tensor), "np")
-        v = memo.get(k)
-        if v is None:
-            v = memo[k] = (tensor, tensor.numpy())
-        return v[1]
-
-    def _ready_graph(self, key):
-        """The bucket's captured graph entry when nothing needs building first, else None (`_graph` then)."""
-        if not self.cuda_graphs or self.workspace.generation != self._ws_generation:
-            return None
-        gkey = key + (self._heads_mode,)
-        g = self._graphs.get(gkey)
-        if g is None or g[0] is None:
-            return None
-        self._graphs.move_to_end(gkey)
-        return g
-
-    def _inputs_view(self, n: int) -> torch.Tensor:
-        """The workspace's first `n` input slots, made once per size (a view costs several torch calls)."""
-        gen = self.workspace.generation
-        if getattr(self, "_in_views_gen", None) != gen:
-            self._in_views, self._in_views_gen = {}, gen
-        v = self._in_views.get(n)
-        if v is None:
-            v = self._in_views[n] = self.workspace.view(self.plan.region("inputs"), (n,))
-        return v
-
-    def _collect_cuda(self, job: "Launched"):
-        try:
-            job.done.synchronize()
-            res = job.h_out.numpy().copy()
-        finally:
-            self._free_slots.put(job.slot)
-        if job.heads:
-            bb, t, b = job.key[0], job.tokens, job.rows
-            fixed = res[:bb * self._fixed].reshape(bb, self._fixed)[:b]
-            tokens = res[bb * self._fixed:].reshape(t, self._tok_width) if self._tok_width else None
-            return fixed, tokens
-        if self.dtype == torch.bfloat16 and not job.pooled:
-            res = (res.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-        return res
-
-    # ------------------------------------------------------------------ launch / collect (pooled rows)
-    def launch(self, batch: TokenBatch) -> "Launched":
-        """The host part of run() (checks, packing, copy, graph launch), returning at once; the
-        caller waits (`Launched.wait`, off its event loop) then takes the rows (`collect`). With
-        pooling in the graph only: run() is collect(launch()). The batcher calls launch and collect
-        on its event loop and only the wait on a thread: no GIL hand-offs for the host work."""
-        if self.pool_mode is None or self.device.type != "cuda":
-            raise EngineError("launch/collect needs pooling in the graph on CUDA (attach_pooling)")
-        ids, types, pos, lengths = self._inputs(batch)
-        try:
-            with self.on_device():
-                return self._launch_cuda(ids, types, pos, lengths)
-        except torch.cuda.OutOfMemoryError as exc:
-            raise self._oom(lengths) from exc
-
-    def collect(self, job: "Launched") -> np.ndarray:
-        return self._collect_cuda(job)
-
-
-class Launched:
-    """A batch on its way through the GPU (TorchEngine.launch): wait() blocks without the GIL."""
-
-    __slots__ = ("engine", "slot", "done", "h_out", "key", "tokens", "rows", "heads", "pooled")
-
-    def __init__(self, engine, slot, done, h_out, key, tokens, rows, heads, pooled):
-        self.engine, self.slot, self.done, self.h_out, self.key = engine, slot, done, h_out, key
-        self.tokens, self.rows, self.heads, self.pooled = tokens, rows, heads, pooled
-
-    def wait(self) -> None:
-        self.done.synchronize()
-
-    def ready(self) -> bool:
-        return self.done.query()

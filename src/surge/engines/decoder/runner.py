@@ -4,7 +4,9 @@
 model over the paged KV cache, computes logits only at the rows that sample, and
 samples. A step of decodes only, on CUDA, is replayed from the CUDA graph of
 the smallest captured batch-size bucket that holds it. Sync, no queues: time and
-order live in runtime/ (the generation service drives this from one thread).
+order live in runtime/ (the generation service drives this from one thread). Launched decode steps
+(launch / collect, for the overlapped loop) are engines/decoder/launch.py; speculative steps (verify,
+draft_tokens), engines/decoder/speculative.py: mixins of DecoderEngine.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import torch
 
 from surge.engines.decoder.attention import AttnMeta
 from surge.engines.decoder.graphs import RING as _RING
+from surge.engines.decoder.launch import DecodeLaunches
 from surge.engines.decoder.model import DecoderModel, KVCache
 from surge.engines.decoder.sampler import SampleOut, Sampler
+from surge.engines.decoder.speculative import SpeculativeRows
 from surge.models.decoder import load_decoder_config, load_decoder_weights
-from surge.runtime.scheduler.scheduler import ScheduledSeq
+from surge.runtime.scheduler.step import ScheduledSeq
 
 log = logging.getLogger("surge.generate")
 # the row graphs' largest bucket (rows of a prompt step a replay): 256 rows keep a row's attention, which is the
@@ -33,7 +37,7 @@ ROW_GRAPH_ROWS = 256
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
 
-__all__ = ["DecoderEngine", "SampleOut", "EngineCaps", "Launch"]
+__all__ = ["DecoderEngine", "SampleOut", "EngineCaps"]
 
 
 def _guides(path: Path, cfg):
@@ -41,19 +45,6 @@ def _guides(path: Path, cfg):
     from surge.runtime.guided import Guides
 
     return Guides((path / "tokenizer.json").read_text(), cfg.vocab_size, cfg.eos_token_ids)
-
-
-@dataclass
-class Launch:
-    """A decode step launched on the device, its greedy tokens not read back yet."""
-
-    seq_ids: list[int]
-    rows: dict[int, int]  # seq_id -> row of `tokens`
-    tokens: torch.Tensor  # [b] on the device
-    host: torch.Tensor | None = None  # pinned [steps * b] copy, valid once `event` completes
-    event: object = None
-    graph: bool = False
-    steps: int = 1  # decode steps run by the launch; `host` holds their tokens step-major
 
 
 @dataclass(frozen=True)
@@ -69,7 +60,7 @@ class EngineCaps:
     quantization: str = "none"
 
 
-class DecoderEngine:
+class DecoderEngine(DecodeLaunches, SpeculativeRows):
     def __init__(self, path: str | Path, *, device: str = "cpu", dtype: str | None = None, block_size: int = 16,
                  num_blocks: int | None = None, kv_cache_tokens: int | None = None, max_num_seqs: int = 64,
                  max_model_len: int | None = None, cuda_graphs: bool = True, attention: str | None = None,
@@ -450,210 +441,6 @@ class DecoderEngine:
             return self._prefill_graph(scheduled)
         with torch.cuda.stream(self.beside_stream):
             return self._prefill_graph(scheduled)
-
-    # -- launched decode steps (runtime/scheduler/overlap.py) ------------------------------------------
-    def can_launch(self, scheduled: list[ScheduledSeq]) -> bool:
-        """A step of greedy decodes only, whose tokens can stay on the device until collect()."""
-        return bool(scheduled) and all(s.num_tokens == 1 and s.sample and s.seq.fast for s in scheduled)
-
-    def launch_steps(self, scheduled: list[ScheduledSeq]) -> int:
-        """The most decode steps one launch of `scheduled` can run: the graphs' (multi-step launches
-        replay a captured graph), fewer where decode_launch_ms would be passed at the step time the
-        batch's bucket measured (DecodeGraphs.step_us), 1 where the step would run eagerly."""
-        g = self.graphs
-        if g is None or not g.fits(len(scheduled), max(len(s.seq.block_table) for s in scheduled)):
-            return 1
-        return self.steps_for(len(scheduled))
-
-    def steps_for(self, batch: int) -> int:
-        """Decode steps a graph launch of `batch` sequences runs: the graphs' steps, fewer where
-        decode_launch_ms would be passed at the step time the batch's bucket measured; 1 without
-        multi-step graphs or past the largest bucket."""
-        g = self.graphs
-        if g is None or g.steps == 1 or batch > g.buckets[-1]:
-            return 1
-        us = g.step_us.get(next(x for x in g.buckets if x >= batch)) if self.decode_launch_ms else None
-        if us:  # tokens reach a stream a launch at a time: a launch no longer than decode_launch_ms
-            return max(1, min(g.steps, int(self.decode_launch_ms * 1e3 // us)))
-        return g.steps
-
-    @torch.inference_mode()
-    def launch(self, scheduled: list[ScheduledSeq], prev: Launch | None, steps: int = 1) -> Launch:
-        """Start a decode step (or `steps` of them, at most launch_steps(scheduled); the blocks of every
-        position must be in the tables); a sequence in `prev` takes its input token from prev's
-        output on the device (its host token is a placeholder). Returns at once on a GPU (the step
-        runs behind)."""
-        bs = self.block_size
-        seqs = [s.seq for s in scheduled]
-        seq_ids = [q.seq_id for q in seqs]
-        pos = [s.start for s in scheduled]
-        ids = [q.token_ids[p] for q, p in zip(seqs, pos)]
-        b = len(seqs)
-        src = rows = None
-        if prev is not None:
-            if prev.seq_ids == seq_ids:  # the same batch as the step in flight (the steady state)
-                src, rows = list(range(b)), prev.rows
-            else:
-                src = [prev.rows.get(sid, -1) for sid in seq_ids]
-        if rows is None:
-            rows = dict(zip(seq_ids, range(b)))
-            for i, t in enumerate(ids):
-                if t < 0 and (src is None or src[i] < 0):
-                    raise RuntimeError(f"sequence {seq_ids[i]}: input token not sampled yet and not in flight")
-        tables = [q.block_table for q in seqs]
-        use_graph = self.graphs is not None and self.graphs.fits(b, max(map(len, tables))) \
-            and (prev is None or prev.graph or len(prev.seq_ids) <= self.graphs.buckets[-1])
-        if steps > 1 and not use_graph:
-            raise ValueError("a launch of several decode steps needs the step's CUDA graph")
-        cuda = self.device.type == "cuda"
-        host = None
-        if cuda:
-            k = self._slot
-            self._slot = (k + 1) % _RING
-            if len(self._pinned) < _RING or self._pinned[k].shape[0] < steps * b:
-                size = max(steps * b, self.graphs.steps * self.max_num_seqs if self.graphs else self.max_num_seqs)
-                self._pinned = [torch.empty(size, dtype=torch.long, pin_memory=True) for _ in range(_RING)]
-            host = self._pinned[k][:steps * b]
-        if use_graph:
-            slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
-            prev_tokens = prev.tokens if prev is not None and not prev.graph else None
-            if cuda:
-                def each(j, t):  # a step's tokens out before the next replay overwrites them
-                    host[j * b:(j + 1) * b].copy_(t, non_blocking=True)
-            else:  # graphs driven on the host (tests): the next replay reuses the buffer
-                kept = []
-
-                def each(j, t):
-                    kept.append(t.clone())
-            _, tokens = self.graphs.run(ids, pos, slots, tables, src, prev_tokens, steps=steps, each=each,
-                                        adapters=self._row_slots(seqs))
-            if not cuda:
-                tokens, host = kept[-1], torch.cat(kept)
-        else:
-            tokens = self._eager_decode(scheduled, ids, src, prev)
-            if cuda:
-                host.copy_(tokens, non_blocking=True)
-        out = Launch(seq_ids, rows, tokens, host, graph=use_graph, steps=steps)
-        if cuda:
-            out.event = self._events[k]
-            out.event.record()
-        return out
-
-    def _eager_decode(self, scheduled, ids, src, prev) -> torch.Tensor:
-        _, pos, slots, q_lens, ctx, tables, table_np, qstart = self.prepare(scheduled)
-        dev = self.device
-        meta = AttnMeta(
-            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(table_np).to(dev, non_blocking=True),
-            context_lens=torch.tensor(ctx, dtype=torch.int32).to(dev, non_blocking=True),
-            query_start=torch.from_numpy(qstart).to(dev, non_blocking=True),
-            max_query=1, q_lens=q_lens, ctx_lens=ctx, tables=tables)
-        ids_t = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
-        if src is not None and any(i >= 0 for i in src):
-            src_t = torch.tensor(src, dtype=torch.long).to(dev, non_blocking=True)
-            ids_t = torch.where(src_t >= 0, prev.tokens.index_select(0, src_t.clamp(min=0)), ids_t)
-        hidden = self.model.forward(ids_t, torch.from_numpy(pos).to(dev, non_blocking=True), self.kv, meta,
-                                    self._adapters(scheduled))
-        return self.model.logits(hidden).argmax(-1)
-
-    # -- speculative steps (runtime/scheduler/ngram.py) ------------------------------------------------
-    @torch.inference_mode()
-    def verify(self, scheduled: list[ScheduledSeq], drafts: list[list[int]]) -> list[list[int]]:
-        """One decode step that also checks draft tokens: scheduled[i] (a decode: one input token at
-        s.start, a sequence without penalties, guides or logprobs) followed by drafts[i] (the tables must
-        hold the blocks of every draft's position). -> for each sequence: greedy, the model's greedy token
-        after its input and after each of its drafts (len(drafts[i]) + 1 tokens), each computed as if the
-        drafts before it were the sequence's tokens; sampled, the drafts it keeps and one drawn token
-        (Sampler.speculative); either way Scheduler.accept reads the new tokens off it. The K/V of every
-        row is in the cache (the scheduler keeps those it accepts). Each draft is a row of the step at its
-        own position, attending to its sequence's cache up to itself: on a GPU a replay of the CUDA graph
-        of the rows' bucket (engine.row_graphs)."""
-        ids, pos, slots, tables, lora = self._rows(
-            [(s.seq, s.start, [s.seq.token_ids[s.start]] + d) for s, d in zip(scheduled, drafts)])
-        counts = [len(d) + 1 for d in drafts]
-        g = self.row_graphs
-        if g is not None and g.fits(len(ids), max(map(len, tables))):
-            logits, tokens = g.run(ids, pos, slots, tables, adapters=lora)
-        else:
-            logits, tokens = self._eager_rows(ids, pos, slots, tables, lora)
-        flat = tokens.tolist()
-        out, i, items = [], 0, []
-        for s, d, n in zip(scheduled, drafts, counts):
-            out.append(flat[i:i + n])
-            if not s.seq.params.greedy:
-                items.append((i, s.seq, d))
-            i += n
-        if items:
-            drawn = iter(self.sampler.speculative(logits, items))
-            out = [next(drawn) if not s.seq.params.greedy else o for s, o in zip(scheduled, out)]
-        return out
-
-    @torch.inference_mode()
-    def draft_tokens(self, scheduled: list[ScheduledSeq], counts: list[int]) -> list[list[int]]:
-        """As a draft model: counts[i] greedy tokens after scheduled[i]'s input (a decode at s.start; the
-        tables hold the blocks of every position), each from the one before; the K/V of the input and of
-        every token but the last are written. One multi-step graph launch where the graphs hold it (every
-        row the same count), else a step at a time, eagerly."""
-        steps, b = max(counts), len(scheduled)
-        g = self.graphs
-        if g is not None and g.steps >= steps and min(counts) == steps \
-                and g.fits(b, max(len(s.seq.block_table) for s in scheduled)):
-            rows = [ScheduledSeq(s.seq, s.start, 1, True) for s in scheduled]
-            got = self.collect_tokens(self.launch(rows, None, steps) if steps > 1 else self.launch(rows, None))
-            return [[got[j * b + i] for j in range(steps)] for i in range(b)]
-        bs = self.block_size
-        out: list[list[int]] = [[] for _ in scheduled]
-        prev = [s.seq.token_ids[s.start] for s in scheduled]
-        for j in range(steps):
-            live = [i for i, c in enumerate(counts) if c > j]
-            pos = [scheduled[i].start + j for i in live]
-            tables = [scheduled[i].seq.block_table for i in live]
-            slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
-            _, tokens = self._eager_rows([prev[i] for i in live], pos, slots, tables, None)
-            for i, t in zip(live, tokens.tolist()):
-                out[i].append(t)
-                prev[i] = t
-        return out
-
-    def _eager_rows(self, ids, pos, slots, tables, adapters) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits, greedy tokens) of decode rows that may share a sequence (verify() without a graph)."""
-        dev = self.device
-        width = max(len(t) for t in tables)
-        table_np = np.full((len(tables), width), self.kv.scratch_block, dtype=np.int32)
-        for i, t in enumerate(tables):
-            table_np[i, :len(t)] = t
-        ctx = [p + 1 for p in pos]
-        meta = AttnMeta(
-            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(table_np).to(dev, non_blocking=True),
-            context_lens=torch.tensor(ctx, dtype=torch.int32).to(dev, non_blocking=True),
-            query_start=torch.arange(len(ids) + 1, dtype=torch.int32).to(dev, non_blocking=True),
-            max_query=1, q_lens=[1] * len(ids), ctx_lens=ctx, tables=tables, rows_share_kv=True)
-        lora = None
-        if adapters is not None and any(adapters):
-            lora = torch.tensor(adapters, dtype=torch.long).to(dev, non_blocking=True)
-        hidden = self.model.forward(torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
-                                    torch.tensor(pos, dtype=torch.long).to(dev, non_blocking=True), self.kv, meta,
-                                    lora)
-        logits = self.model.logits(hidden)
-        return logits, logits.argmax(-1)
-
-    def collect(self, launch: Launch) -> dict[int, SampleOut]:
-        """The launched step's tokens (waits for the device); a one-step launch's."""
-        if launch.steps != 1:
-            raise ValueError("collect() reads a one-step launch; collect_tokens() reads every step's")
-        return {sid: SampleOut(t) for sid, t in zip(launch.seq_ids, self.collect_tokens(launch))}
-
-    def ready(self, launch: Launch) -> bool:
-        """Whether collect_tokens(launch) would return without waiting for the device."""
-        return launch.event is None or launch.event.query()
-
-    def collect_tokens(self, launch: Launch) -> list[int]:
-        """collect() as plain token ids in launch.seq_ids' order (no object per token)."""
-        if launch.event is not None:
-            launch.event.synchronize()
-            return launch.host.tolist()
-        return (launch.host if launch.host is not None else launch.tokens).tolist()
 
     def forget(self, seq_id: int) -> None:
         self.sampler.forget(seq_id)

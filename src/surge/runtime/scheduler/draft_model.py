@@ -16,7 +16,7 @@ target checks every one.
 
 from __future__ import annotations
 
-from surge.runtime.scheduler.scheduler import ScheduledSeq
+from surge.runtime.scheduler.step import ScheduledSeq
 
 
 class DraftModelProposer:

@@ -64,14 +64,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from surge.runtime.scheduler.scheduler import (
-    BROKEN_AFTER,
-    MAX_RETRIES,
-    Finished,
-    ScheduledSeq,
-    Scheduler,
-)
+from surge.runtime.scheduler.scheduler import BROKEN_AFTER, MAX_RETRIES, Scheduler
 from surge.runtime.scheduler.sequence import SeqStatus
+from surge.runtime.scheduler.step import Finished, ScheduledSeq
 
 
 @dataclass

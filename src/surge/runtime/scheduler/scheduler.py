@@ -14,6 +14,8 @@ arrival) order and a sequence that cannot get a block preempts the running one o
 priority (the newest among equals) instead; as in vLLM, a waiting sequence never preempts.
 
 schedule() -> the engine runs the step -> update(samples): vLLM's three-line loop.
+Overlapped steps (launched_steps.py) and speculative ones (speculative_steps.py) resolve their
+tokens through mixins of Scheduler; what a step is made of is in step.py.
 
 A step that raises (a bad row, a guide's matcher, an asynchronous device error) is contained per sequence
 (StepLoop.contain): its live sequences lose what the step would have given them and their KV blocks (a
@@ -33,7 +35,10 @@ from collections import deque
 from dataclasses import dataclass
 
 from surge.runtime.scheduler.block_manager import BlockManager
+from surge.runtime.scheduler.launched_steps import LaunchedSteps
 from surge.runtime.scheduler.sequence import PLACEHOLDER, Sequence, SeqStatus
+from surge.runtime.scheduler.speculative_steps import SpeculativeSteps
+from surge.runtime.scheduler.step import Finished, ScheduledSeq
 
 # a failed step contained (StepLoop.contain): how many times one sequence may be set apart to run alone (each
 # time it makes a token's progress, so this only bounds the recomputes of an engine whose batched steps keep
@@ -71,21 +76,7 @@ def _rank(seq: Sequence) -> tuple:
     return seq.params.priority, seq.arrival, seq.seq_id
 
 
-@dataclass(slots=True)  # built for every sequence every step
-class ScheduledSeq:
-    seq: Sequence
-    start: int  # first token computed this step
-    num_tokens: int
-    sample: bool  # the chunk reaches the sequence's end: a new token is sampled
-
-
-@dataclass
-class Finished:
-    seq: Sequence
-    reason: str
-
-
-class Scheduler:
+class Scheduler(LaunchedSteps, SpeculativeSteps):
     def __init__(self, config: SchedulerConfig, eos_token_ids=(), adapters=None):
         """`adapters` (runtime/scheduler/adapters.AdapterSlots): LoRA slots given at admission, when the
         engine has them."""
@@ -340,147 +331,6 @@ class Scheduler:
                 self._finish(seq, reason)
                 finished.append(Finished(seq, reason))
         return finished
-
-    # -- overlapped steps: advance() at launch, resolve() when the step's tokens are read back ----------
-    def decode_fits(self, steps: int = 1) -> bool:
-        """The next step can be scheduled before the running one's tokens are known: every running
-        sequence decodes and keeps its tokens on the device, and each gets the blocks its next
-        `steps` tokens need without preempting anyone (a preempted sequence would be recomputed from
-        a placeholder). A waiting sequence admitted by that schedule makes the step a prefill, which
-        the loop runs synchronously after reading the running step back. The quarantine's head, recomputed
-        alone, is no part of the batch's step."""
-        bs, need, ahead = self.config.block_size, 0, steps - 1
-        alone = self.quarantine[0] if self.quarantine else None
-        for seq in self.running:
-            if seq.draining or seq is alone:
-                continue
-            if not seq.fast or len(seq.token_ids) - seq.num_computed != 1:
-                return False
-            over = (seq.num_computed + ahead) // bs + 1 - len(seq.block_table)
-            if over > 0:
-                need += over
-        return need <= self.blocks.num_free
-
-    def launch_steps(self, scheduled: list[ScheduledSeq], most: int) -> int:
-        """How many decode steps one launch of `scheduled` may run (at most `most`): none of its
-        sequences may pass its max_tokens or max_model_len inside the launch, so a launch never
-        computes a token nobody may get (stops found on the way still drop the launch's rest)."""
-        limit = self.config.max_model_len
-        k = most
-        for s in scheduled:
-            seq = s.seq
-            k = min(k, seq.params.max_tokens - len(seq.output_ids), limit - len(seq.token_ids))
-        return max(1, k)
-
-    def reserve(self, scheduled: list[ScheduledSeq], steps: int) -> None:
-        """The blocks of `steps` decode tokens a sequence (schedule() took those of the first);
-        decode_fits(steps) said they are free."""
-        for s in scheduled:
-            if not self.blocks.ensure(s.seq, s.start + steps):
-                raise RuntimeError(f"sequence {s.seq.seq_id}: no block for a launched step")
-
-    def advance(self, scheduled: list[ScheduledSeq], steps: int = 1) -> None:
-        """A step (or `steps` decode steps in one launch) was launched: its sampled tokens are
-        placeholders until resolve()."""
-        limit = self.config.max_model_len
-        for s in scheduled:
-            seq = s.seq
-            seq.num_computed = s.start + s.num_tokens + steps - 1
-            if s.sample:
-                seq.token_ids.extend([PLACEHOLDER] * steps)
-                seq.output_ids.extend([PLACEHOLDER] * steps)
-                if len(seq.output_ids) >= seq.params.max_tokens or len(seq.token_ids) >= limit:
-                    seq.draining = True  # its last token: no further step
-
-    def resolve(self, scheduled: list[ScheduledSeq], samples: dict[int, int]) -> list[Finished]:
-        """resolve_rows() with the tokens given by sequence id."""
-        return self.resolve_rows(scheduled, [samples.get(s.seq.seq_id) for s in scheduled])[1]
-
-    def resolve_rows(self, scheduled: list[ScheduledSeq], tokens: list[int],
-                     step: int = 0) -> tuple[dict[int, int], list[Finished]]:
-        """A launched step's tokens are known (as read back: one per scheduled sequence, in order): put
-        them in place of the placeholders, commit the full blocks, finish the sequences that stop.
-        `step`: which of a multi-step launch's decode steps they are (0 first; resolved in order).
-        -> (the tokens of the sequences that sampled and are still running {seq_id: token}, the
-        finished). A sequence that stopped here may already be in a later launched step: that step's
-        token for it is dropped (its status is FINISHED)."""
-        out: dict[int, int] = {}
-        finished = []
-        running = SeqStatus.RUNNING
-        if self.solo_failures:  # the engine ran a step: not broken
-            self.solo_failures = 0
-        for s, token in zip(scheduled, tokens):
-            seq = s.seq
-            if seq.status is not running or not s.sample:
-                continue
-            out[seq.seq_id] = token
-            at = s.start + s.num_tokens + step  # the sampled token's index in token_ids
-            seq.token_ids[at] = token
-            seq.output_ids[at - seq.num_prompt] = token
-            self.blocks.commit(seq, launched=True)
-            reason = self.stop_reason(seq, token, at)
-            if reason is not None:
-                del seq.token_ids[at + 1:]
-                del seq.output_ids[at + 1 - seq.num_prompt:]
-                self.running.remove(seq)
-                self._finish(seq, reason)
-                finished.append(Finished(seq, reason))
-        return out, finished
-
-    # -- speculative decoding: drafts checked in one step (runtime/scheduler/ngram.py) -------------------
-    def draft_limit(self, seq: Sequence, k: int) -> int:
-        """How many draft tokens `seq` may have checked in its next decode step: a step that accepts d
-        drafts gives d + 1 tokens, which must stay within max_tokens and max_model_len."""
-        left = min(seq.params.max_tokens - len(seq.output_ids), self.config.max_model_len - seq.num_tokens)
-        return max(0, min(k, left - 1))
-
-    def make_room(self, scheduled: list[ScheduledSeq], drafts: list[list[int]]) -> list[list[int]]:
-        """The drafts whose positions get KV blocks: a sequence's drafts are cut to the blocks that are
-        free (a draft never preempts anyone; schedule() already gave each decode its own position)."""
-        out = []
-        for s, d in zip(scheduled, drafts):
-            while d and not self.blocks.ensure(s.seq, s.start + s.num_tokens + len(d)):
-                d = d[:-1]
-            out.append(d)
-        return out
-
-    def accept(self, scheduled: list[ScheduledSeq], drafts: list[list[int]],
-               model: list[list[int]]) -> list[tuple[dict[int, int], list[Finished]]]:
-        """A verification step's outcome: `model[i][j]` is the model's token (its argmax, or the row's
-        draw for a sampled sequence) after scheduled[i]'s input and its first j drafts. A sequence keeps
-        its drafts up to the first the model disagrees with, then the model's token there (all drafts
-        kept: the token after the last one): 1 to d + 1 new tokens, the ones plain decoding gives.
-        -> per new-token index j, as update() returns for a step: ({seq_id: its j-th new token}, the
-        sequences finished at it). A stop (a stop token, EOS, max_tokens) ends the sequence there; its
-        later tokens are dropped."""
-        out: list[tuple[dict[int, int], list[Finished]]] = []
-        running = SeqStatus.RUNNING
-        for s, d, g in zip(scheduled, drafts, model):
-            seq = s.seq
-            if seq.status is not running:
-                continue  # aborted while the step ran
-            n = 0
-            while n < len(d) and g[n] == d[n]:
-                n += 1
-            while len(out) <= n:
-                out.append(({}, []))
-            reason = None
-            for j, token in enumerate(g[:n + 1]):
-                seq.append(token)
-                out[j][0][seq.seq_id] = token
-                reason = self.stop_reason(seq, token)
-                if reason is not None:
-                    break
-            # the K/V of every position before the newest token are computed (its input and kept drafts)
-            seq.num_computed = seq.num_tokens - 1
-            self.blocks.commit(seq)
-            if reason is not None:
-                self.running.remove(seq)
-                self._finish(seq, reason)
-                out[j][1].append(Finished(seq, reason))
-        while out and not out[-1][0]:
-            out.pop()
-        return out
 
     def stop_reason(self, seq: Sequence, token: int, at: int | None = None) -> str | None:
         """Why `seq` stops after `token` (at index `at` of its tokens, by default the last one)."""

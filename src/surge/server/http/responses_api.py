@@ -39,7 +39,7 @@ from surge.server.http.common import ORJSONResponse, parse
 from surge.server.http.generate_common import (EventStream, JsonAnswer, counted, counted_stream, deadline_for,
                                                generate_model, item_stream, make_params, until_disconnect)
 from surge.server.http.guided_fields import request_guide
-from surge.server.http.openai_chat import tool_calls_wanted
+from surge.server.http.openai_chat_requests import tool_calls_wanted
 from surge.server.http.tool_calls import keep_special_tokens
 from surge.server.http.openapi import body
 from surge.server.http.reasoning import effort_variables, guide_after_thinking, request_parser

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from surge.errors import InvalidInput
 from surge.server.http.common import ORJSONResponse, parse, validate
-from surge.server.http.openai_chat import ChatMessage, chat_messages
+from surge.server.http.openai_chat_requests import ChatMessage, chat_messages
 from surge.server.http.task_io import body_schema
 
 
