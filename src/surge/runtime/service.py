@@ -339,6 +339,28 @@ class ModelService:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
+    @property
+    def can_return_tokens(self) -> bool:
+        """Whether token_states has a hidden state to return: this process's engines (ModelWorker's), or the
+        engine process's (its HELLO / CATALOG says, under --workers)."""
+        remote = getattr(self.batcher, "can_return_tokens", None)
+        return self.worker.can_return_tokens if remote is None else bool(remote)
+
+    async def token_states(self, texts: list[str], truncate: bool, left: bool = False,
+                           prompt_name: str | None = None) -> list[np.ndarray]:
+        """TEI's /embed_all: each text's last hidden state [n_tokens, hidden] float32 (runtime/token_states.py:
+        admitted as embed is, 413 past --max-token-states-bytes)."""
+        from surge.runtime import token_states
+
+        return await token_states.token_states(self, texts, truncate, left, prompt_name)
+
+    def on_engine_thread(self, fn, *args) -> asyncio.Future:
+        """`fn(*args)` on one of this service's engine threads (one per engine instance, the batcher's):
+        cancelled, before it starts, with the returned future."""
+        if self._engine_pool is None:
+            raise SurgeError(f"model {self.name}'s engines run in another process")
+        return asyncio.get_running_loop().run_in_executor(self._engine_pool, fn, *args)
+
     def encode(self, texts: list[str] | None, token_ids: list[list[int]] | None, truncate: bool,
                left: bool = False) -> list[Encoded]:
         return encode_inputs(self.worker.tokenizer, texts, token_ids, truncate, left)

@@ -170,23 +170,20 @@ class ModelWorker:
         return isinstance(self.engines, EnginePool) and not self.engine_pools and not self.engine_heads
 
     def token_states(self, items: list[Encoded]) -> list[np.ndarray]:
-        """Each item's last hidden state [n_tokens, hidden] float32, unpooled (TEI's /embed_all). Blocking;
-        batches of at most the engines' max batch, outside the dynamic batcher: per-token rows are
-        n_tokens times a pooled row, too big for its cache and its IPC rows."""
-        step = max(1, self.engines.capabilities.max_batch)
+        """Each item's last hidden state [n_tokens, hidden] float32, unpooled (TEI's /embed_all). Blocking.
+        One item per engine run: its rows are computed from its own tokens only, never padded to (or packed
+        with) another input's, so they are the same whatever else the request holds; per-token answers are
+        bounded (runtime/token_states.py), and an unpadded run costs no padding either."""
         out: list[np.ndarray] = []
-        for start in range(0, len(items), step):
-            chunk = items[start:start + step]
-            batch = self.make_batch(chunk)
+        for item in items:
+            batch = self.make_batch([item])
             hidden = np.asarray(self.engines.run(batch), dtype=np.float32)
-            if batch.layout is Layout.PACKED:
-                bounds = batch.cu_seqlens.astype(np.int64)
-                rows = [hidden[bounds[i]:bounds[i + 1]] for i in range(len(chunk))]
-            else:  # right-padded [B, L, H]
-                rows = [hidden[i, :len(e)] for i, e in enumerate(chunk)]
-            if len(rows) != len(chunk) or any(r.shape[0] != len(e) for r, e in zip(rows, chunk)):
-                raise EngineError(f"engine returned hidden states that do not match a batch of {len(chunk)}")
-            out.extend(np.ascontiguousarray(r) for r in rows)
+            rows = hidden[:len(item)] if batch.layout is Layout.PACKED else hidden[0, :len(item)]
+            width = self.engines.capabilities.hidden_size or hidden.shape[-1]  # 0: the manifest did not say
+            if rows.shape[0] != len(item) or hidden.shape[-1] != width:
+                raise EngineError(f"engine returned hidden states of shape {hidden.shape} for one input of "
+                                  f"{len(item)} tokens")
+            out.append(np.ascontiguousarray(rows))
         return out
 
     def compute_launch(self, items: list[Encoded]):
