@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from surge.errors import DeadlineExceeded, ResultTooLarge, Unsupported
+from surge.errors import DeadlineExceeded, NotReady, ResultTooLarge, Unsupported
 from surge.runtime.outcome import admitted
 from surge.types import Encoded
 
@@ -55,13 +55,19 @@ async def token_states(service, texts: list[str], truncate: bool, left: bool = F
 
 
 async def of_tokens(service, items: list[Encoded], deadline: float | None) -> list[np.ndarray]:
-    """The engine process's side (--workers): a front end's tokenized inputs, admitted here too."""
+    """The engine process's side (--workers): a front end's tokenized inputs, admitted here too (every front
+    end's requests meet here), but not counted again: the front end's metrics counted the request."""
     if deadline is None:
         deadline = time.monotonic() + service.limits.request_timeout_s
-    with admitted(service, len(items)):
-        check_size(items, service.dimensions, service.limits.max_token_states_bytes)
+    if not service.ready:
+        raise NotReady(f"model {service.name} version {service.version} is not ready")
+    check_size(items, service.dimensions, service.limits.max_token_states_bytes)
+    service.admission.admit(len(items))  # 429 past the bound
+    try:
         async with _until(deadline, service.limits.request_timeout_s):
             return await _compute(service, items, deadline)
+    finally:
+        service.admission.release(len(items))
 
 
 async def _compute(service, items: list[Encoded], deadline: float) -> list[np.ndarray]:

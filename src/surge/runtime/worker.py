@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import itertools
 import queue
 from dataclasses import dataclass
 
@@ -100,6 +101,7 @@ class ModelWorker:
         # ... and can split a batch into launch (host work, on the batcher's event loop) and collect.
         self.can_launch = self.engine_pools and isinstance(engines, EnginePool) and all(
             hasattr(e, "launch") for e in engines.engines)
+        self._hidden_turn = itertools.count()  # token_states' engine, in turn, where the graphs pool
 
     @property
     def task(self) -> str:
@@ -165,9 +167,13 @@ class ModelWorker:
 
     @property
     def can_return_tokens(self) -> bool:
-        """Whether `token_states` can run here: engines in this process that return the hidden state
-        (not a --workers front end's remote engines, nor engines that pool or run heads in their graph)."""
-        return isinstance(self.engines, EnginePool) and not self.engine_pools and not self.engine_heads
+        """Whether `token_states` can run here: engines in this process (not a --workers front end's remote
+        ones) that return the hidden state, or that pool in their graph but can run without pooling
+        (TorchEngine.run_hidden); not engines that run the heads in their graph, nor a task graph's logits."""
+        engines = getattr(self.engines, "engines", [])
+        if not engines or self.engine_heads or any(getattr(e, "logits", False) for e in engines):
+            return False
+        return not self.engine_pools or all(hasattr(e, "run_hidden") for e in engines)
 
     def token_states(self, items: list[Encoded]) -> list[np.ndarray]:
         """Each item's last hidden state [n_tokens, hidden] float32, unpooled (TEI's /embed_all). Blocking.
@@ -177,7 +183,12 @@ class ModelWorker:
         out: list[np.ndarray] = []
         for item in items:
             batch = self.make_batch([item])
-            hidden = np.asarray(self.engines.run(batch), dtype=np.float32)
+            if self.engine_pools:  # the graphs pool: the engine's own unpooled run, outside the pool's checkout
+                engines = self.engines.engines
+                hidden = engines[next(self._hidden_turn) % len(engines)].run_hidden(batch)
+            else:
+                hidden = self.engines.run(batch)
+            hidden = np.asarray(hidden, dtype=np.float32)
             rows = hidden[:len(item)] if batch.layout is Layout.PACKED else hidden[0, :len(item)]
             width = self.engines.capabilities.hidden_size or hidden.shape[-1]  # 0: the manifest did not say
             if rows.shape[0] != len(item) or hidden.shape[-1] != width:

@@ -139,7 +139,9 @@ def router(state: AppState) -> APIRouter:
             raise Unsupported(f"model '{served.name}' has no per-token hidden state to return (its engines pool "
                               "or run heads inside their graph)", param="model")
         truncate = True if req.truncate is None else req.truncate  # TEI's --auto-truncate default
-        return ORJSONResponse(await served.token_states(texts, truncate, left, req.prompt_name))
+        # on the copy that serves now (a reload between the lookup and the call: the new one answers)
+        rows = await state.on_current(served, lambda s: s.token_states(texts, truncate, left, req.prompt_name))
+        return ORJSONResponse(rows)
 
     @r.post("/embed_sparse", openapi_extra=body_schema(TokensRequest))
     async def embed_sparse(request: Request):
