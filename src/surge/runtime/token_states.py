@@ -1,8 +1,8 @@
 """Every token's last hidden state (TEI's POST /embed_all), under the admission control /embed has.
 
     admit (the service's Admission: 429 past its bound, as /embed) -> tokenize (the service's stage) ->
-    size check (413 past --max-token-states-bytes, before any compute) -> the engines: on one of the
-    service's engine threads (in this process), or over the IPC to the engine process (--workers), which
+    size check (413 past --max-token-states-bytes, before any compute) -> the engines: on the service's
+    one thread for per-token runs (in this process), or over the IPC to the engine process (--workers), which
     admits the request again under its own bound (every front end's requests meet there)
 
 Not through the dynamic batcher nor the cache: per-token rows are n_tokens times a pooled row, and a
@@ -76,9 +76,9 @@ async def _compute(service, items: list[Encoded], deadline: float) -> list[np.nd
         return await remote(items, deadline)
     if not service.worker.can_return_tokens:
         raise unsupported(service.name)
-    # On an engine thread of the service (as many as engine instances): a request waiting for one is
-    # dropped before it starts if its deadline passes or its client goes away (the future is cancelled).
-    return await service.on_engine_thread(service.worker.token_states, items)
+    # On the service's thread for per-token runs: a request waiting for it is dropped before it starts if
+    # its deadline passes or its client goes away (the future is cancelled).
+    return await service.on_states_thread(service.worker.token_states, items)
 
 
 @contextlib.asynccontextmanager
