@@ -29,8 +29,8 @@ Bodies (little-endian):
   STATES   B kind=13, Q id, I inputs, I dim, then u32 rows[inputs], f32 states[sum rows, dim]: one
            TOKENS request's answer (its failure: an ERROR frame). One frame, bounded by the front
            end's and the engine process's --max-token-states-bytes check before any compute (32 MiB
-           by default): the socket moves it in ~10 ms, and no shared-memory segment outlives a
-           process that dies mid-answer
+           by default), rather than a shared-memory segment: nothing to free when a process dies
+           mid-answer. It holds the connection's later frames back while it is sent
 """
 
 from __future__ import annotations
@@ -163,11 +163,13 @@ _STATES = struct.Struct("<BQII")
 
 
 def encode_states(req_id: int, rows: list[np.ndarray]) -> bytes:
-    """A TOKENS request's answer: each input's [n_tokens, dim] rows."""
+    """A TOKENS request's answer: each input's [n_tokens, dim] rows, copied once (into the frame)."""
     dim = rows[0].shape[1] if rows else 0
-    counts = np.fromiter((r.shape[0] for r in rows), np.uint32, len(rows))
-    states = np.concatenate(rows).astype(np.float32, copy=False) if rows else np.zeros((0, 0), np.float32)
-    return frame(b"".join((_STATES.pack(STATES, req_id, len(rows), dim), counts.tobytes(), states.tobytes())))
+    counts = np.fromiter((r.shape[0] for r in rows), np.uint32, len(rows)).tobytes()
+    parts = [memoryview(np.ascontiguousarray(r, dtype=np.float32)).cast("B") for r in rows]
+    head = _STATES.pack(STATES, req_id, len(rows), dim)
+    size = len(head) + len(counts) + sum(p.nbytes for p in parts)
+    return b"".join((LEN.pack(size), head, counts, *parts))
 
 
 def decode_states(body: bytes) -> tuple[int, list[np.ndarray]]:
