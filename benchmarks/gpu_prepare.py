@@ -35,9 +35,7 @@ def main(out: Path) -> None:
     save_file({k: (v.half() if v.is_floating_point() else v).contiguous() for k, v in sd.items()},
               str(dst / "model.safetensors"), metadata={"format": "pt"})
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests.reference import TorchReference
-
-    from tests.reference import hidden_state_texts
+    from tests.reference import TorchReference, hidden_state_texts
 
     reference = TorchReference(load_model_spec(src))
     ref = reference(load_sentences())
