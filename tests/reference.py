@@ -36,3 +36,21 @@ class TorchReference:
                     pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
                 out.append(pooled.numpy())
         return np.concatenate(out)
+
+    def last_hidden_states(self, texts: list[str]) -> list[np.ndarray]:
+        """Each text's last_hidden_state [tokens, hidden] float32, one text at a time (no padding), truncated to
+        the model's length: what TEI's /embed_all answers."""
+        import torch
+
+        out = []
+        with torch.inference_mode():
+            for text in texts:
+                enc = self.tok([text], truncation=True, max_length=self.spec.max_length, return_tensors="pt")
+                out.append(self.model(**enc).last_hidden_state[0].numpy().astype(np.float32))
+        return out
+
+
+def hidden_state_texts(sentences: list[str]) -> list[str]:
+    """The texts whose hidden states the GPU tests check (benchmarks/gpu_prepare.py stores their reference):
+    six sentences and one past the model's length."""
+    return sentences[:6] + ["the quick brown fox jumps over the lazy dog " * 80]

@@ -119,6 +119,10 @@ class LimitsConfig(_Strict):
         "batches of its max batch size).", json_schema_extra={"flag": "max-inputs"})
     max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024, description="Largest request body accepted.")
     max_input_chars: int = Field(20_000, ge=1, description="Longest single text input, in characters.")
+    max_token_states_bytes: int = Field(
+        32 * 1024 * 1024, ge=1024, description="Largest POST /embed_all answer, as float32 bytes (its tokens x the "
+        "hidden size x 4; the JSON is about 3 times that): a request past it gets 413 before any compute. TEI bounds "
+        "the same answer by its max batch tokens (16,384 by default: 24 MiB of MiniLM rows).")
     request_timeout_s: float = Field(30.0, gt=0, description="A request still unanswered then gets 504.")
     request_read_timeout_s: float = Field(
         60.0, gt=0, description="A request whose headers and body have not all arrived this long after its first "

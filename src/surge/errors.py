@@ -67,6 +67,11 @@ class BodyTooLarge(PayloadTooLarge):
     413 too, the others 422 (server/tei_errors.py)."""
 
 
+class ResultTooLarge(PayloadTooLarge):
+    """The answer's bytes would pass a limit (POST /embed_all's per-token rows): refused before any compute,
+    413 on every protocol (TEI's routes too: it is not a too-long or too-many-inputs validation)."""
+
+
 class Unprocessable(SurgeError):
     http_status = 422
     grpc_code = grpc.StatusCode.INVALID_ARGUMENT

@@ -173,3 +173,27 @@ async def _eventually(cond, timeout_s: float = 30.0) -> None:
     end = time.monotonic() + timeout_s
     while not cond() and time.monotonic() < end:
         await asyncio.sleep(0.01)
+
+
+def test_token_state_frames_round_trip_and_split_anywhere(bundled_worker, sentences):
+    """A TOKENS request (SUBMITS' layout under its own kind) and its STATES answer (each input's rows, of
+    any count, an empty answer too) come back intact however the byte stream is cut."""
+    rng = np.random.default_rng()
+    items = bundled_worker.tokenizer.encode(sentences[:3])
+    rows = [rng.standard_normal((len(e), 24)).astype(np.float32) for e in items]
+    stream = (W.encode_submits([(5, items, 12.5, 0, 77)], kind=W.TOKENS) + W.encode_states(5, rows)
+              + W.encode_states(6, []))
+    cuts = sorted(rng.choice(len(stream), 6, replace=False).tolist())
+    frames, parts = W.Frames(), []
+    for a, b in zip([0] + cuts, cuts + [len(stream)]):
+        parts += frames.feed(stream[a:b])
+    assert [p[0] for p in parts] == [W.TOKENS, W.STATES, W.STATES]
+    ((rid, got_items, deadline, _, model),) = W.decode_submits(parts[0])
+    assert (rid, deadline, model) == (5, 12.5, 77)
+    for a, b in zip(items, got_items):
+        np.testing.assert_array_equal(a.ids, b.ids)
+    rid, got = W.decode_states(parts[1])
+    assert rid == 5 and len(got) == len(rows)
+    for a, b in zip(rows, got):
+        np.testing.assert_array_equal(a, b)
+    assert W.decode_states(parts[2]) == (6, [])

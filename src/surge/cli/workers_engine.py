@@ -43,10 +43,11 @@ def engine_main(config_json: str, sock: str, *flags: str) -> None:
 
         spec = load_model_spec(config.model_dir or bundled_model_dir(), name=config.model_name)
         service = load_service(config, spec)  # engines built and warmed up (every bucket) here
+        service.mark_ready()  # its own requests (TOKENS: runtime/token_states.of_tokens) are admitted only then
         caps = service.worker.engines.capabilities
         hello = {"max_batch": caps.max_batch, "max_tokens": caps.max_tokens, "layout": caps.layout.value,
                  "device": caps.device, "dtype": caps.dtype, "hidden": caps.hidden_size,
-                 "fingerprint": service.worker.fingerprint()}
+                 "fingerprint": service.worker.fingerprint(), "tokens": service.can_return_tokens}
     # The event loop (IPC, batching) and the engine threads take turns on the GIL many times per
     # batch; a thread that wants it waits up to the switch interval (the engines set 0.5 ms). This
     # process runs no long pure-Python stretches, so a shorter interval only shortens the waits.
@@ -62,7 +63,7 @@ def engine_main(config_json: str, sock: str, *flags: str) -> None:
         from surge.runtime.gc_settle import settle
 
         settle()  # engines built: keep full GC passes from walking them (runtime/gc_settle.py)
-        server = EngineServer(service.batcher if service is not None else None, hello, models=slots)
+        server = EngineServer(service.batcher if service is not None else None, hello, models=slots, service=service)
         part = sock + ".part"
         for p in (part, sock):
             if os.path.exists(p):

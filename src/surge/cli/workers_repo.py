@@ -97,7 +97,11 @@ class ModelSlots:
             self.on_change()
 
     def batcher(self, slot: int):
-        """The batcher for a request sent to `slot`; a replaced build's requests go to the build
+        """The batcher for a request sent to `slot` (see `service`)."""
+        return self.service(slot).batcher
+
+    def service(self, slot: int):
+        """The service for a request sent to `slot`; a replaced build's requests go to the build
         serving its version now, else the model's newest version."""
         s = self._served.get(slot)
         if s is None or getattr(s.service.batcher, "_closed", False):
@@ -115,7 +119,7 @@ class ModelSlots:
                     break
             if s is None:
                 raise NotFound(f"model '{shown(name)}' is not loaded", param="model")
-        return s.service.batcher
+        return s.service
 
     def services(self) -> list:
         """The local services served now (one per slot)."""
@@ -130,7 +134,7 @@ class ModelSlots:
                 "slot": slot, "name": s.name, "version": s.version, "spec_dir": str(w.spec.path),
                 "tokenizer_file": str(w.spec.tokenizer_file), "max_length": w.tokenizer.max_length,
                 "vocab_size": w.tokenizer.vocab_size, "pad_id": w.tokenizer.pad_id,
-                "pooling": w.post.pooling, "normalize": w.post.normalize,
+                "pooling": w.post.pooling, "normalize": w.post.normalize, "tokens": s.service.can_return_tokens,
                 "caps": [caps.max_batch, caps.max_tokens, caps.layout.value, caps.device, caps.dtype,
                          caps.hidden_size],
                 "fingerprint": w.fingerprint()})
@@ -330,4 +334,4 @@ def front_service(config, entry: dict, client):
     fingerprint = entry["fingerprint"]
     worker.fingerprint = lambda: fingerprint
     return ModelService(entry["name"], entry["version"], worker, batching=config.batching, cache=config.cache,
-                        limits=config.limits, batcher=client.bound(entry["slot"]))
+                        limits=config.limits, batcher=client.bound(entry["slot"], entry.get("tokens", False)))

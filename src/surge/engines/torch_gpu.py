@@ -19,7 +19,6 @@ AMX tiles for bf16 where the CPU has them) and one batched attention call per la
 from __future__ import annotations
 
 import contextlib
-
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -109,6 +108,8 @@ class TorchEngine(PinnedLaunch, BucketGraphs, GraphHeads):
         self.weights: EncoderWeights | None = None
         self.capabilities: Capabilities | None = None
         self._lock = threading.RLock()
+        self._hidden_lock = threading.Lock()  # run_hidden: one at a time, on its own staging buffers
+        self._hidden_bufs = None
         self._graphs: OrderedDict[tuple, tuple] = OrderedDict()
         self._slices: dict = {}  # _head / _numpy: slices made once (dropped with the graphs)
         self.head_set = None  # engines/heads.HeadSet computed inside the captured graph (attach_heads)

@@ -4,7 +4,10 @@ the heads' logits, are copied back to the host instead of every token's hidden s
 A mixin of TorchEngine (engines/torch_gpu.py), apart from it because what the graph ends in is a choice
 made once after load (attach_pooling, attach_heads); the encoder itself is the same. Needs the
 engine's `device`, `weights`, `offload`, `plan`, `config`, `batch_invariant`, `head_set`,
-`_graphs`, `_slots`, `_slices`, `_lock`, `_inputs`, `on_device`, `_oom` and `_run_cuda`.
+`_graphs`, `_slots`, `_slices`, `_lock`, `_inputs`, `on_device`, `_oom` and `_run_cuda`; run_hidden (the
+unpooled run where the graphs pool) also `pool_mode`, `stream`, `workspace`, `_shared_ws`, `gemm`, `dtype`,
+`bucket`, `modes`, `_views`, `_h_inputs`, `_h_out`, `_hidden_lock`, `_hidden_bufs`, `run`, `_stage_inputs` and
+`_inputs_view`.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from surge.types import TokenBatch
+from surge.engines.encoder import forward_fused
+from surge.types import Layout, TokenBatch
 
 
 class GraphHeads:
@@ -102,3 +106,55 @@ class GraphHeads:
         except torch.cuda.OutOfMemoryError as exc:
             raise self._oom(lengths) from exc
         return self.head_set.rows(fixed, tokens, lengths)
+
+    def run_hidden(self, batch: TokenBatch) -> np.ndarray:
+        """Every token's last hidden state, also where the graphs pool (attach_pooling): TEI's /embed_all.
+        As run() returns it without pooling: [T, hidden] packed, [B, L, hidden] padded.
+
+        The same fused forward, run eagerly (no graph is captured for a route this rare) on this
+        instance's stream under its lock, with staging buffers of its own, one such run at a time: it
+        never takes a pipeline slot, which the batcher's launch, on its event loop, counts on finding."""
+        if self.pool_mode is None or self.device.type != "cuda":
+            return self.run(batch)
+        ids, types, pos, lengths = self._inputs(batch)
+        try:
+            with self.on_device(), self._hidden_lock:
+                packed = self._hidden_cuda(ids, types, pos, lengths)
+        except torch.cuda.OutOfMemoryError as exc:
+            raise self._oom(lengths) from exc
+        if batch.layout is Layout.PACKED:
+            return packed
+        out = np.zeros(batch.input_ids.shape + (packed.shape[1],), dtype=packed.dtype)
+        out[batch.attention_mask.astype(bool)] = packed
+        return out
+
+    def _hidden_cuda(self, ids, types, pos, lengths) -> np.ndarray:
+        if self._hidden_bufs is None:
+            self._hidden_bufs = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                                      for t in (self._h_inputs, self._h_out)) + (torch.cuda.Event(),)
+        h_in, h_out_all, done = self._hidden_bufs
+        t = len(ids)
+        key = self.bucket(len(lengths), t, int(lengths.max()))
+        bb, tb, lb = key
+        n = self._stage_inputs(ids, types, pos, lengths, key, h_in)
+        with self._lock:
+            self.workspace.lock.acquire()
+            try:
+                modes = self.modes(key)
+                views = self._views(key)
+                with torch.cuda.stream(self.stream):
+                    self._inputs_view(n).copy_(h_in[:n], non_blocking=True)
+                    x = forward_fused(self.weights, views["inputs"], tb, bb, lb, views,
+                                      gemm=self.gemm if self.gemm in modes else modes[0], offload=self.offload)
+                    h_out = h_out_all[:t]
+                    h_out.copy_(x[:t].view(h_out.dtype), non_blocking=True)
+                    done.record(self.stream)
+                if self._shared_ws is not None:  # other instances' streams use the workspace next
+                    done.synchronize()
+            finally:
+                self.workspace.lock.release()
+        done.synchronize()
+        res = h_out.numpy().copy()
+        if self.dtype == torch.bfloat16:
+            res = (res.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        return res

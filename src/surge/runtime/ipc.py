@@ -124,6 +124,11 @@ class _ClientProtocol(asyncio.Protocol):
                         timings["compute_infer_ns"] = timings.get("compute_infer_ns", 0) + i_ns
                         timings[EXECUTIONS] = timings.get(EXECUTIONS, 0) + ex
                     fut.set_result(arr)
+            elif kind == W.STATES:
+                rid, rows = W.decode_states(body)
+                entry = pending.pop(rid, None)
+                if entry is not None and not entry[0].done():
+                    entry[0].set_result(rows)
             elif kind == W.ERROR:
                 entry = pending.pop(W.error_id(body), None)
                 if entry is not None and not entry[0].done():
@@ -223,9 +228,9 @@ class EngineClient:
         if self.on_catalog is not None:
             self.on_catalog(catalog)
 
-    def bound(self, slot: int) -> "BoundClient":
-        """This client's submit for one model of the catalog (its slot)."""
-        return BoundClient(self, slot)
+    def bound(self, slot: int, can_return_tokens: bool = False) -> "BoundClient":
+        """This client's submit (and token_states) for one model of the catalog (its slot)."""
+        return BoundClient(self, slot, can_return_tokens)
 
     async def control(self, op: str, **args):
         """A repository call (index, load, unload, reload) run by the engine process."""
@@ -255,6 +260,29 @@ class EngineClient:
                 proto.box.add(W.encode_cancel(rid))
             raise
 
+    @property
+    def can_return_tokens(self) -> bool:
+        """Whether the engine process's engines return the hidden state (its HELLO says): token_states."""
+        return bool((self.hello or {}).get("tokens"))
+
+    async def token_states(self, items: list[Encoded], deadline: float | None = None,
+                           model: int = 0) -> list[np.ndarray]:
+        """Each input's last hidden state, computed by the engine process (runtime/token_states.of_tokens:
+        admitted there too); cancelled there when the caller goes away."""
+        proto = self._proto
+        if proto is None:
+            raise E.NotReady("the engine process is not connected; retry", retry_after=1.0)
+        rid = next(self._ids)
+        fut = proto.box.loop.create_future()
+        self._pending[rid] = (fut, None)
+        proto.box.add(W.encode_submits([(rid, items, deadline, 0, model)], kind=W.TOKENS))
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if self._pending.pop(rid, None) is not None and self._proto is proto:
+                proto.box.add(W.encode_cancel(rid))
+            raise
+
     async def close(self) -> None:
         self._closed = True
         proto, self._proto = self._proto, None
@@ -266,13 +294,18 @@ class EngineClient:
 class BoundClient:
     """The DynamicBatcher interface for one model (slot) of a shared EngineClient."""
 
-    def __init__(self, client: EngineClient, slot: int):
+    def __init__(self, client: EngineClient, slot: int, can_return_tokens: bool = False):
+        """`can_return_tokens`: the CATALOG entry's "tokens" (the build's engines return the hidden state)."""
         self.client, self.slot = client, slot
+        self.can_return_tokens = can_return_tokens
         self.queue_depth = 0
 
     async def submit(self, items: list[Encoded], deadline: float | None = None, priority: int = 0,
                      timings: dict | None = None) -> np.ndarray:
         return await self.client.submit(items, deadline, priority, timings, model=self.slot)
+
+    async def token_states(self, items: list[Encoded], deadline: float | None = None) -> list[np.ndarray]:
+        return await self.client.token_states(items, deadline, model=self.slot)
 
     async def close(self) -> None:
         pass  # the connection is the front end's, closed when it stops
@@ -322,6 +355,9 @@ class _ServerProtocol(asyncio.Protocol):
             if kind == W.SUBMITS:
                 for rid, items, deadline, priority, model in W.decode_submits(body):
                     self._start(rid, items, deadline, priority, model)
+            elif kind == W.TOKENS:
+                for rid, items, deadline, _, model in W.decode_submits(body):
+                    self._start_tokens(rid, items, deadline, model)
             elif kind == W.CONTROL:
                 rid, obj = W.decode_json(body, with_id=True)
                 task = asyncio.get_running_loop().create_task(self._control(rid, obj))
@@ -350,6 +386,31 @@ class _ServerProtocol(asyncio.Protocol):
         self.server.inflight += 1
         fut.add_done_callback(lambda f: self._done(rid, timings, f))
 
+    def _start_tokens(self, rid: int, items: list[Encoded], deadline, model: int) -> None:
+        """A TOKENS request: run by the model's own service (admitted there), answered as one STATES frame."""
+        from surge.runtime.token_states import of_tokens
+
+        try:
+            service = self.server.token_service(model)
+        except Exception as exc:  # noqa: BLE001 - an unknown slot: this request's own answer
+            self.box.add(W.encode_error(rid, exc))
+            return
+        task = asyncio.get_running_loop().create_task(of_tokens(service, items, deadline))
+        self.futures[rid] = task  # a CANCEL, or this front end going away, cancels it
+        self.server.inflight += 1
+        task.add_done_callback(lambda t: self._tokens_done(rid, t))
+
+    def _tokens_done(self, rid: int, task: asyncio.Task) -> None:
+        self.server.inflight -= 1
+        self.futures.pop(rid, None)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        try:
+            self.box.add(W.encode_error(rid, exc) if exc is not None else W.encode_states(rid, task.result()))
+        except Exception as err:  # noqa: BLE001 - e.g. rows of another width: still an answer
+            self.box.add(W.encode_error(rid, err))
+
     def _done(self, rid: int, timings: dict, fut: asyncio.Future) -> None:
         self.server.inflight -= 1
         self.futures.pop(rid, None)
@@ -377,10 +438,12 @@ class _ServerProtocol(asyncio.Protocol):
 class EngineServer:
     """The engine process's side: every connection's requests into one batcher."""
 
-    def __init__(self, batcher, hello: dict, models=None):
+    def __init__(self, batcher, hello: dict, models=None, service=None):
         """`models`: a repository's served models by slot (cli/workers_repo.ModelSlots: `batcher(slot)`,
-        `catalog()`, `control(obj)`, and `on_change` to set); None: the one `batcher`, slot 0."""
+        `service(slot)`, `catalog()`, `control(obj)`, and `on_change` to set); None: the one `batcher`, slot 0,
+        and `service`, its ModelService (TOKENS requests: runtime/token_states.of_tokens)."""
         self.batcher = batcher
+        self.service = service
         self.hello = hello
         self.models = models
         self.connections = 0
@@ -418,6 +481,14 @@ class EngineServer:
         before they get here, from the table every front end shares: runtime/shm_cache.py.)"""
         batcher = self.batcher if self.models is None else self.models.batcher(model)
         return batcher.enqueue(items, deadline, priority, timings, timer=False)
+
+    def token_service(self, model: int = 0):
+        """The service that answers a TOKENS request for `model` (a slot, or 0 in single-model mode)."""
+        if self.models is not None:
+            return self.models.service(model)
+        if self.service is None:
+            raise E.Unsupported("this engine process returns no per-token hidden states")
+        return self.service
 
     async def serve(self, path: str) -> asyncio.AbstractServer:
         return await asyncio.get_running_loop().create_unix_server(lambda: _ServerProtocol(self), path)

@@ -24,6 +24,13 @@ Bodies (little-endian):
   REPLY    B kind=10, Q id, then JSON {"result"} or {"error": {"code", "message"}}
   RETURN   B kind=11, Q connection id: the engine process gives an HTTP connection that this front
            end handed over back to it (server/http/handoff.py), between two requests
+  TOKENS   B kind=12, then SUBMITS' layout (priorities unused): requests for every token's last
+           hidden state (TEI's /embed_all, runtime/token_states.py), one request a frame
+  STATES   B kind=13, Q id, I inputs, I dim, then u32 rows[inputs], f32 states[sum rows, dim]: one
+           TOKENS request's answer (its failure: an ERROR frame). One frame, bounded by the front
+           end's and the engine process's --max-token-states-bytes check before any compute (32 MiB
+           by default), rather than a shared-memory segment: nothing to free when a process dies
+           mid-answer. It holds the connection's later frames back while it is sent
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from surge import errors as E
 from surge.types import Encoded
 
 CANCEL, ERROR, HELLO, SUBMITS, RESULTS, CATALOG, CONTROL, REPLY, RETURN = 2, 4, 5, 6, 7, 8, 9, 10, 11
+TOKENS, STATES = 12, 13
 LEN = struct.Struct("<I")
 _CANCEL = struct.Struct("<BQ")
 _ERROR = struct.Struct("<BQdH")
@@ -53,15 +61,16 @@ def frame(body: bytes) -> bytes:
     return LEN.pack(len(body)) + body
 
 
-def encode_submits(reqs: list[tuple]) -> bytes:
-    """One frame for many requests: (id, inputs, deadline, priority[, model slot]) each."""
+def encode_submits(reqs: list[tuple], kind: int = SUBMITS) -> bytes:
+    """One frame for many requests: (id, inputs, deadline, priority[, model slot]) each. `kind`: TOKENS
+    for a request of hidden states (same layout)."""
     k = len(reqs)
     if k == 1:
         r = reqs[0]
-        head = [_ONE_SUBMIT.pack(SUBMITS, 1, r[0], -1.0 if r[2] is None else r[2], r[3], r[4] if len(r) > 4 else 0,
+        head = [_ONE_SUBMIT.pack(kind, 1, r[0], -1.0 if r[2] is None else r[2], r[3], r[4] if len(r) > 4 else 0,
                                  len(r[1]))]
     else:
-        head = [_COUNT.pack(SUBMITS, k),
+        head = [_COUNT.pack(kind, k),
                 np.fromiter((r[0] for r in reqs), np.uint64, k).tobytes(),
                 np.fromiter((-1.0 if r[2] is None else r[2] for r in reqs), np.float64, k).tobytes(),
                 np.fromiter((r[3] for r in reqs), np.int32, k).tobytes(),
@@ -148,6 +157,34 @@ def decode_results(body: bytes) -> list[tuple[int, np.ndarray, int, int, int]]:
         out.append((rid, vec[at:at + n], qn, inn, e))
         at += n
     return out
+
+
+_STATES = struct.Struct("<BQII")
+
+
+def encode_states(req_id: int, rows: list[np.ndarray]) -> bytes:
+    """A TOKENS request's answer: each input's [n_tokens, dim] rows, copied once (into the frame)."""
+    dim = rows[0].shape[1] if rows else 0
+    counts = np.fromiter((r.shape[0] for r in rows), np.uint32, len(rows)).tobytes()
+    parts = [memoryview(np.ascontiguousarray(r, dtype=np.float32)).cast("B") for r in rows]
+    head = _STATES.pack(STATES, req_id, len(rows), dim)
+    size = len(head) + len(counts) + sum(p.nbytes for p in parts)
+    return b"".join((LEN.pack(size), head, counts, *parts))
+
+
+def decode_states(body: bytes) -> tuple[int, list[np.ndarray]]:
+    """(id, each input's rows): views into `body`."""
+    _, rid, k, dim = _STATES.unpack_from(body)
+    if k == 0:
+        return rid, []
+    counts = np.frombuffer(body, np.uint32, k, _STATES.size).tolist()
+    off = _STATES.size + 4 * k
+    states = np.frombuffer(body, np.float32, sum(counts) * dim, off).reshape(-1, dim)
+    out, at = [], 0
+    for n in counts:
+        out.append(states[at:at + n])
+        at += n
+    return rid, out
 
 
 def encode_cancel(req_id: int) -> bytes:

@@ -67,6 +67,7 @@ class ModelService:
         # Threads: one per engine instance, one tokenizer (long or bursty inputs only).
         self._engine_pool = (ThreadPoolExecutor(instances, thread_name_prefix=f"surge-{name}-engine")
                              if batcher is None else None)
+        self._states_pool: ThreadPoolExecutor | None = None  # token_states' thread, made on first use
         # No reference back to the service (a cycle would keep a retired version's engines
         # alive until the cyclic GC runs): the stage gets the tokenizer's own function.
         self.tokenize = TokenizeStage(functools.partial(encode_inputs, worker.tokenizer), name)
@@ -339,6 +340,32 @@ class ModelService:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
+    @property
+    def can_return_tokens(self) -> bool:
+        """Whether token_states has a hidden state to return: this process's engines (ModelWorker's), or the
+        engine process's (its HELLO / CATALOG says, under --workers)."""
+        remote = getattr(self.batcher, "can_return_tokens", None)
+        return self.worker.can_return_tokens if remote is None else bool(remote)
+
+    async def token_states(self, texts: list[str], truncate: bool, left: bool = False,
+                           prompt_name: str | None = None) -> list[np.ndarray]:
+        """TEI's /embed_all: each text's last hidden state [n_tokens, hidden] float32 (runtime/token_states.py:
+        admitted as embed is, 413 past --max-token-states-bytes)."""
+        from surge.runtime import token_states
+
+        return await token_states.token_states(self, texts, truncate, left, prompt_name)
+
+    def on_states_thread(self, fn, *args) -> asyncio.Future:
+        """`fn(*args)` (ModelWorker.token_states) on this service's one thread for per-token runs, beside the
+        batcher's engine threads: a long /embed_all never holds the thread a batch's compute (or, on CUDA, its
+        wait) needs, and such runs go one at a time; admission bounds what queues for it. Cancelled, before
+        it starts, with the returned future."""
+        if self._engine_pool is None:
+            raise SurgeError(f"model {self.name}'s engines run in another process")
+        if self._states_pool is None:
+            self._states_pool = ThreadPoolExecutor(1, thread_name_prefix=f"surge-{self.name}-states")
+        return asyncio.get_running_loop().run_in_executor(self._states_pool, fn, *args)
+
     def encode(self, texts: list[str] | None, token_ids: list[list[int]] | None, truncate: bool,
                left: bool = False) -> list[Encoded]:
         return encode_inputs(self.worker.tokenizer, texts, token_ids, truncate, left)
@@ -358,6 +385,8 @@ class ModelService:
         self.tokenize.close()
         if self._engine_pool is not None:
             self._engine_pool.shutdown(wait=True, cancel_futures=False)
+        if self._states_pool is not None:
+            self._states_pool.shutdown(wait=True, cancel_futures=False)
         self.worker.engines.close()
         if self.redis is not None:
             await self.redis.close()

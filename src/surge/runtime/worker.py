@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import itertools
 import queue
 from dataclasses import dataclass
 
@@ -100,6 +101,7 @@ class ModelWorker:
         # ... and can split a batch into launch (host work, on the batcher's event loop) and collect.
         self.can_launch = self.engine_pools and isinstance(engines, EnginePool) and all(
             hasattr(e, "launch") for e in engines.engines)
+        self._hidden_turn = itertools.count()  # token_states' engine, in turn, where the graphs pool
 
     @property
     def task(self) -> str:
@@ -165,28 +167,34 @@ class ModelWorker:
 
     @property
     def can_return_tokens(self) -> bool:
-        """Whether `token_states` can run here: engines in this process that return the hidden state
-        (not a --workers front end's remote engines, nor engines that pool or run heads in their graph)."""
-        return isinstance(self.engines, EnginePool) and not self.engine_pools and not self.engine_heads
+        """Whether `token_states` can run here: engines in this process (not a --workers front end's remote
+        ones) that return the hidden state, or that pool in their graph but can run without pooling
+        (TorchEngine.run_hidden); not engines that run the heads in their graph, nor a task graph's logits."""
+        engines = getattr(self.engines, "engines", [])
+        if not engines or self.engine_heads or any(getattr(e, "logits", False) for e in engines):
+            return False
+        return not self.engine_pools or all(hasattr(e, "run_hidden") for e in engines)
 
     def token_states(self, items: list[Encoded]) -> list[np.ndarray]:
-        """Each item's last hidden state [n_tokens, hidden] float32, unpooled (TEI's /embed_all). Blocking;
-        batches of at most the engines' max batch, outside the dynamic batcher: per-token rows are
-        n_tokens times a pooled row, too big for its cache and its IPC rows."""
-        step = max(1, self.engines.capabilities.max_batch)
+        """Each item's last hidden state [n_tokens, hidden] float32, unpooled (TEI's /embed_all). Blocking.
+        One item per engine run: its rows are computed from its own tokens only, never padded to (or packed
+        with) another input's, so they are the same whatever else the request holds; per-token answers are
+        bounded (runtime/token_states.py), and an unpadded run costs no padding either."""
         out: list[np.ndarray] = []
-        for start in range(0, len(items), step):
-            chunk = items[start:start + step]
-            batch = self.make_batch(chunk)
-            hidden = np.asarray(self.engines.run(batch), dtype=np.float32)
-            if batch.layout is Layout.PACKED:
-                bounds = batch.cu_seqlens.astype(np.int64)
-                rows = [hidden[bounds[i]:bounds[i + 1]] for i in range(len(chunk))]
-            else:  # right-padded [B, L, H]
-                rows = [hidden[i, :len(e)] for i, e in enumerate(chunk)]
-            if len(rows) != len(chunk) or any(r.shape[0] != len(e) for r, e in zip(rows, chunk)):
-                raise EngineError(f"engine returned hidden states that do not match a batch of {len(chunk)}")
-            out.extend(np.ascontiguousarray(r) for r in rows)
+        for item in items:
+            batch = self.make_batch([item])
+            if self.engine_pools:  # the graphs pool: the engine's own unpooled run, outside the pool's checkout
+                engines = self.engines.engines
+                hidden = engines[next(self._hidden_turn) % len(engines)].run_hidden(batch)
+            else:
+                hidden = self.engines.run(batch)
+            hidden = np.asarray(hidden, dtype=np.float32)
+            rows = hidden[:len(item)] if batch.layout is Layout.PACKED else hidden[0, :len(item)]
+            width = self.engines.capabilities.hidden_size or hidden.shape[-1]  # 0: the manifest did not say
+            if rows.shape[0] != len(item) or hidden.shape[-1] != width:
+                raise EngineError(f"engine returned hidden states of shape {hidden.shape} for one input of "
+                                  f"{len(item)} tokens")
+            out.append(np.ascontiguousarray(rows))
         return out
 
     def compute_launch(self, items: list[Encoded]):

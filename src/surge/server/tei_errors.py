@@ -10,7 +10,7 @@ Hugging Face Inference routes answer this shape and these statuses, the other pr
 from __future__ import annotations
 
 from surge.errors import (BodyTooLarge, EmptyInput, EngineError, InvalidInput, NotReady, Overloaded, PayloadTooLarge,
-                          SurgeError, Unprocessable, Unsupported, WrongTask)
+                          ResultTooLarge, SurgeError, Unprocessable, Unsupported, WrongTask)
 
 # TEI's own paths (GET /info included) and surge's TEI-only additions; POST /embed is TEI's only under
 # --tei-embed (surge's native object otherwise), POST /models/{name} is HF Inference's (TEI's shape).
@@ -34,7 +34,7 @@ def tei_status(exc: SurgeError) -> tuple[int, str]:
         return 400, "Empty"
     if isinstance(exc, WrongTask):  # TEI: "model is not a re-ranker model", a backend error
         return 424, "Backend"
-    if isinstance(exc, BodyTooLarge):  # TEI's body limit (axum) answers 413
+    if isinstance(exc, (BodyTooLarge, ResultTooLarge)):  # TEI's body limit (axum) answers 413
         return 413, "Validation"
     if isinstance(exc, (InvalidInput, PayloadTooLarge, Unprocessable)):  # too many / too long inputs included
         return 422, "Validation"

@@ -5,9 +5,10 @@ POST /similarity    {"inputs": {"source_sentence", "sentences"}, "parameters": {
                     the source (a reranker: its cross-encoder scores, as POST / answers that shape)
 POST /embed_all     {"inputs": str | [str], "truncate", "truncation_direction", "prompt_name"} -> [input][token]
                     [hidden]: the last hidden state of every token (special ones included), neither pooled
-                    nor normalized, as TEI's. Computed outside the dynamic batcher and the cache
-                    (ModelWorker.token_states), so only where the engines run in this process and return
-                    the hidden state; elsewhere TEI's Backend error (424).
+                    nor normalized, as TEI's. Admitted as /embed is (429), 413 past --max-token-states-bytes,
+                    computed outside the dynamic batcher and the cache (runtime/token_states.py), in this
+                    process or the engine process (--workers); TEI's Backend error (424) only where the
+                    engines have no hidden state to return (they pool or run heads inside their graph).
 POST /embed_sparse  TEI answers it for SPLADE models only; surge serves none, so it answers what TEI
                     answers any other model: 424 {"error": "Model is not an embedding model with SPLADE
                     pooling", "error_type": "Backend"}, after checking the body as TEI does.
@@ -17,14 +18,12 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Union
 
-import asyncio
-
 import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr
 
 from surge.engines.pooling import l2_normalize
-from surge.errors import DeadlineExceeded, EmptyInput, InvalidInput, Unsupported
+from surge.errors import EmptyInput, InvalidInput, Unsupported
 from surge.runtime.tasks import TaskRequest, require_task
 from surge.server.http.common import ORJSONResponse, parse
 from surge.server.http.task_io import body_schema, check_length, check_texts, rerank_scores, run_task
@@ -136,21 +135,12 @@ def router(state: AppState) -> APIRouter:
         left = check_direction(req.truncation_direction) == "left"
         texts = check_texts([req.inputs] if isinstance(req.inputs, str) else req.inputs, "inputs", limits)
         require_task(served, "embed")
-        worker = getattr(served, "worker", None)
-        if worker is None or not worker.can_return_tokens:
-            raise Unsupported(f"model '{served.name}' does not return per-token embeddings here (its engines run "
-                              "in another process or pool inside their graph)", param="model")
+        if not getattr(served, "can_return_tokens", False):
+            raise Unsupported(f"model '{served.name}' has no per-token hidden state to return (its engines pool "
+                              "or run heads inside their graph)", param="model")
         truncate = True if req.truncate is None else req.truncate  # TEI's --auto-truncate default
-        prompted = served.prompted(texts, req.prompt_name)
-
-        def compute():  # tokenizing (a too-long text without truncate: 422) and the engine, off the loop
-            return worker.token_states(served.encode(prompted, None, truncate, truncate and left))
-
-        try:
-            async with asyncio.timeout(limits.request_timeout_s):
-                rows = await asyncio.to_thread(compute)
-        except TimeoutError:
-            raise DeadlineExceeded(f"request did not finish within {limits.request_timeout_s:g} s") from None
+        # on the copy that serves now (a reload between the lookup and the call: the new one answers)
+        rows = await state.on_current(served, lambda s: s.token_states(texts, truncate, left, req.prompt_name))
         return ORJSONResponse(rows)
 
     @r.post("/embed_sparse", openapi_extra=body_schema(TokensRequest))
