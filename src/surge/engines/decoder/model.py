@@ -46,6 +46,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 class DecoderModel:
     _fp8_act: frozenset | set = frozenset()  # the FP8 weights taking FP8 input rows (set in __init__)
+    batch_invariant = False  # (set in __init__)
 
     def __init__(self, cfg: DecoderConfig, weights: dict, device: torch.device, dtype: torch.dtype,
                  attention: str = "torch", fused: bool = True, decode_block_n: int | None = None,
