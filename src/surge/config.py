@@ -339,8 +339,9 @@ class GenerationConfig(_Strict):
                                          "(--lora-modules, vLLM's flag; separated by ';' in SURGE_GENERATION_"
                                          "LORA_MODULES).")
     max_loras: int | None = Field(None, ge=0, le=64, description="LoRA adapter slots on the engine (any mix of "
-                                  "adapters runs in one batch); default: as many as lora_modules; 0: no LoRA. With "
-                                  "slots the model runs its unfused layer on a GPU.")
+                                  "adapters runs in one batch); default: as many as lora_modules, at least one with "
+                                  "allow_runtime_lora (as vLLM's --enable-lora); 0: no LoRA. With slots the model "
+                                  "runs its unfused layer on a GPU.")
     max_lora_rank: int = Field(16, ge=1, le=512, description="The largest LoRA rank a slot holds (vLLM's default).")
     max_cpu_loras: int | None = Field(None, ge=0, description="LoRA adapters kept loaded (in host memory), swapped "
                                       "into the max_loras slots as their requests run; default: max_loras.")
@@ -369,7 +370,9 @@ class GenerationConfig(_Strict):
     def resolved(self, engine: "EngineConfig | None" = None) -> "GenerationConfig":
         """Concrete values: the fields left to the engine's settings take them."""
         engine = engine or EngineConfig()
-        loras = self.max_loras if self.max_loras is not None else len(self.lora_modules)
+        # allow_runtime_lora without slots could load nothing: it takes one, as vLLM's --enable-lora does
+        loras = self.max_loras if self.max_loras is not None else \
+            max(len(self.lora_modules), 1 if self.allow_runtime_lora else 0)
         return self.model_copy(update={"max_num_seqs": self.max_num_seqs or engine.max_batch_size,
                                        "max_model_len": self.max_model_len or engine.max_seq_len,
                                        "max_loras": loras, "max_cpu_loras": max(self.max_cpu_loras or 0, loras)})

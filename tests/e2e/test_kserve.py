@@ -111,6 +111,33 @@ def test_text_infer_equals_native_api_and_reference(clients, http, sentences, re
             assert resp["model_name"] == MODEL and resp["model_version"] == "1" and resp["id"] == "req-42"
 
 
+def test_classification_extension_on_the_embedding_output(clients, http, sentences):
+    """README: an output requested with classification = k (tritonclient's class_count=k) answers BYTES
+    "<value>:<index>" (no labels: an embedding has none), the k highest values of each row best first, as
+    Triton's src/classification.cc does for any numeric output; it was ignored (the tensor came back)."""
+    texts = sentences[20:22]
+    vectors = native(http, texts)
+    k = 3
+    want = np.array([[f"{float(row[i]):f}:{i}".encode() for i in np.lexsort((np.arange(row.size), -row))[:k]]
+                     for row in vectors.astype(np.float64)], dtype=object)
+    for mod, c in clients:
+        r = c.infer(MODEL, [text_input(mod, texts)], outputs=[mod.InferRequestedOutput("embedding", class_count=k)])
+        got = r.as_numpy("embedding")
+        assert got.shape == (2, k), (mod.__name__, got.shape)
+        assert got.tolist() == want.tolist(), mod.__name__
+    r = http.post(f"/v2/models/{MODEL}/infer", json={
+        "inputs": [{"name": "text", "shape": [2], "datatype": "BYTES", "data": texts}],
+        "outputs": [{"name": "embedding", "parameters": {"classification": k}}]})
+    assert r.status_code == 200, r.text
+    out = r.json()["outputs"][0]
+    assert out["datatype"] == "BYTES" and out["shape"] == [2, k]
+    assert out["data"] == [s.decode() for s in want.ravel()]
+    bad = http.post(f"/v2/models/{MODEL}/infer", json={
+        "inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["x"]}],
+        "outputs": [{"name": "embedding", "parameters": {"classification": "3"}}]})
+    assert bad.status_code == 400 and "classification" in bad.json()["error"], bad.text
+
+
 def test_token_ids_infer_with_mask_and_fp16(clients, http, sentences, reference_embed):
     texts = sentences[30:34]
     enc = reference_embed.tok(texts, padding=True, return_tensors="np")

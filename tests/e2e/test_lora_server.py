@@ -144,3 +144,16 @@ def test_load_and_unload_while_serving(server, client, dirs, refs):
         .status_code == 200
     assert _chat(client, "wide").choices[0].message.content == refs["wide"]
     assert "third" in {m.id for m in client.models.list().data}
+
+
+def test_runtime_loading_alone_gives_a_slot(dirs, refs):
+    """README: `--generation allow_runtime_lora=true` is all that loading adapters while serving needs
+    (vLLM's --enable-lora gives one slot by default); with no --lora-modules the engine still needs a
+    slot, and the one decoder is the base a request without `model` names."""
+    with ServerProcess(str(dirs["base"]), "--threads", "1", "--generation", "allow_runtime_lora=true") as srv:
+        http = fresh_client(srv.url, timeout=60)
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": "narrow", "lora_path": str(dirs["narrow"])})
+        assert r.status_code == 200 and "narrow" in r.text, r.text
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        assert _chat(client, "narrow").choices[0].message.content == refs["narrow"]
+        assert _chat(client, "base-qwen").choices[0].message.content == refs["base"]

@@ -69,6 +69,21 @@ def test_native_embed_and_models(client):
     assert client.get("/health").status_code == 200 and client.get("/ready").status_code == 200
 
 
+@pytest.mark.parametrize("path", ["/v1/rerank", "/v2/rerank"])
+def test_rerank_errors_take_openais_body_on_both_paths(client, path):
+    """README: the HTTP API's routes answer errors in OpenAI's body. /v2/rerank is Cohere's v2 rerank
+    (vLLM's too), not a KServe route: it errs as /v1/rerank does, where it took KServe's bare string."""
+    r = client.post(path, json={"query": "q", "documents": ["a", "b"]})  # an embedding model: wrong task
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and "serves task 'embed'" in err["message"], err
+    r = client.post(path, json={"query": "q"})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "documents", r.text
+    # a body with no Content-Type is refused as on every non-KServe route (KServe's infer takes it)
+    r = client.post(path, content=b'{"query": "q", "documents": ["a"]}')  # httpx sends no Content-Type
+    assert r.status_code == 415 and "Content-Type" in r.json()["error"]["message"], r.text
+
+
 BAD_REQUESTS = [
     ("invalid json", dict(content=b'{"input": [', headers={"content-type": "application/json"}), 400, "not valid JSON"),
     ("invalid utf-8", dict(content=b'{"input": "\xff\xfe"}', headers={"content-type": "application/json"}), 400, "UTF-8"),

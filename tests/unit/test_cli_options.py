@@ -102,6 +102,25 @@ def test_existing_flags_keep_their_meaning():
     assert _config([], env={"SURGE_NO_BATCHING": "1"}).batching.enabled is False
 
 
+def test_every_no_switch_is_also_its_variable():
+    """README: every flag is also SURGE_ + its name in capitals, `--no-cache` among its examples: a
+    `--x/--no-x` switch's SURGE_NO_X=1 turns it off (it was ignored, but for SURGE_NO_BATCHING), SURGE_NO_X=0
+    leaves it on; SURGE_X and the flag itself beat it."""
+    from surge.cli.options import flags
+
+    switches = [f for f in flags() if "/--no-" in f.decl]
+    assert {f.name for f in switches} >= {"--cache", "--batching", "--batch-invariant"}
+    for flag in switches:
+        section, field = flag.targets[0]
+        def value(cfg, section=section, field=field):
+            return getattr(getattr(cfg, section) if section else cfg, field)
+        var = "SURGE_NO_" + flag.param.upper()
+        assert value(_config([], env={var: "1"})) is False, var
+        assert value(_config([], env={var: "0"})) is True, var
+        assert value(_config([], env={var: "1", flag.envvar: "true"})) is True, var
+        assert value(_config([flag.name], env={var: "1"})) is True, var
+
+
 def test_bad_values_name_their_flag():
     from surge.cli.main import app
 

@@ -200,9 +200,23 @@ def _strip_none(annotation):
     return annotation
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def env_fallbacks(values: dict, given: set[str]) -> None:
-    """Variables of earlier releases with another meaning than their flag's: SURGE_NO_BATCHING=1."""
-    raw = os.environ.get("SURGE_NO_BATCHING")
-    if raw is not None and "batching" not in given and raw.strip().lower() in ("1", "true", "yes", "on"):
-        values["batching"] = False
-        given.add("batching")
+    """The variable of a switch's `--no-` form: SURGE_NO_CACHE=1 is --no-cache, as the README's rule (SURGE_ and
+    the flag's name) reads it, where click reads only SURGE_CACHE=false; SURGE_NO_BATCHING of earlier releases
+    is one. The flag itself and SURGE_X (`given`) beat it."""
+    for flag in flags():
+        if "/--no-" not in flag.decl or flag.param in given:
+            continue
+        var = "SURGE_NO_" + flag.param.upper()
+        raw = os.environ.get(var)
+        if raw is None or not raw.strip():
+            continue
+        word = raw.strip().lower()
+        if word not in _TRUE + _FALSE:
+            raise typer.BadParameter(f"{var}={raw[:64]!r}: expected 1 or 0 (true / false)",
+                                     param_hint=flag.decl.split("/")[1])
+        values[flag.param] = word in _FALSE
+        given.add(flag.param)

@@ -1,7 +1,7 @@
 """Rendering SurgeError (and the framework's own errors) as HTTP responses.
 
 One mapping: the status comes from the exception class. The body shape follows
-the protocol of the route: KServe v2 routes get {"error": msg}, Anthropic's
+the protocol of the route: KServe v2 routes get {"error": msg} (is_kserve_path), Anthropic's
 (/v1/messages) {"type": "error", "error": {type, message}}, text-embeddings-inference's
 {"error": msg, "error_type": T} with TEI's status for T (server/tei_errors.py), the rest OpenAI's
 {"error": {message, type, param, code}}.
@@ -27,6 +27,15 @@ ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 40
                    429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}
 
 
+# Cohere's v2 rerank path (vLLM serves it too) lies under /v2 but is no KServe route: it answers as /v1/rerank.
+NOT_KSERVE_PATHS = ("/v2/rerank",)
+
+
+def is_kserve_path(path: str) -> bool:
+    """Whether a path is KServe v2's (its error body {"error": msg}; a POST body without Content-Type taken)."""
+    return path.startswith("/v2") and path.rstrip("/") not in NOT_KSERVE_PATHS
+
+
 def anthropic_type(status: int) -> str:
     """Anthropic's error type of an HTTP status."""
     return ANTHROPIC_TYPES.get(status, "api_error")
@@ -39,7 +48,7 @@ def error_response(request_path: str, status: int, message: str, *, type_: str, 
     message = shown(message, MAX_MESSAGE_CHARS)  # whatever a message repeats, its size is bounded
     if tei:
         body = {"error": message, "error_type": tei_type or type_of(status)}
-    elif request_path.startswith("/v2"):
+    elif is_kserve_path(request_path):
         body = {"error": message}
     elif request_path.startswith(ANTHROPIC_PATHS):
         body = {"type": "error", "error": {"type": anthropic_type(status), "message": message}}

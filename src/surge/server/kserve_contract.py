@@ -15,6 +15,8 @@ The contract of an embedding model (README "KServe v2"):
   request parameters (all optional): normalize (bool), truncate (bool),
            dimensions (int), datatype ("FP32" or "FP16"; also accepted as a
            parameter of the requested output "embedding")
+  output parameter classification = k (Triton's classification extension): the output
+           is BYTES [N, k] "<value>:<index>" instead, each row's k highest values
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 
 from surge import __version__
 from surge.errors import InvalidInput, PayloadTooLarge, SurgeError, shown
+from surge.server import kserve_classification as classification
 from surge.server.http.openai import split_input
 from surge.types import EmbedOptions
 
@@ -64,6 +67,8 @@ class DecodedRequest:
     output_datatype: str = "FP32"
     # Per requested output: its name and its parameters (binary_data, ...).
     outputs: list[tuple[str, dict]] = field(default_factory=list)
+    # Triton's classification extension: k of the embedding output, when the request asks for it.
+    classes: int | None = None
 
 
 def check_shape(name: str, shape) -> tuple[int, ...]:
@@ -190,10 +195,11 @@ def decode_request(tensors: list[InputTensor], params: dict, outputs: list[tuple
         datatype = _param(out_params, "datatype", str, datatype)
     if datatype not in OUTPUT_DATATYPES:
         raise InvalidInput(f"output datatype '{shown(datatype)}' is not supported (FP32 or FP16)")
+    classes = classification.counts(outputs).get(EMBEDDING)  # checked before the model runs
     options = EmbedOptions(normalize=_param(params, "normalize", bool, None),
                            truncate=_param(params, "truncate", bool, True),
                            dimensions=_param(params, "dimensions", int, None))
-    return DecodedRequest(texts, ids, options, datatype, outputs)
+    return DecodedRequest(texts, ids, options, datatype, outputs, classes)
 
 
 def _param(params: dict, key: str, kind: type, default):
@@ -260,6 +266,16 @@ def _renamed(exc: SurgeError, tensor: str, unit: str) -> SurgeError:
 def encode_embedding(vectors: np.ndarray, datatype: str) -> np.ndarray:
     """The 'embedding' output, C-contiguous in the requested datatype."""
     return np.ascontiguousarray(vectors, dtype=NUMPY_DTYPES[datatype])
+
+
+def embedding_output(vectors: np.ndarray, decoded: DecodedRequest) -> tuple[str, np.ndarray]:
+    """(datatype, array) of the 'embedding' output as the request asked for it: the vectors in its datatype,
+    or, with the classification extension, BYTES [N, k] of each row's k highest values (as Triton applies it
+    to any numeric output; an embedding has no labels). Both protocols answer with this."""
+    array = encode_embedding(vectors, decoded.output_datatype)
+    if decoded.classes is None:
+        return decoded.output_datatype, array
+    return "BYTES", classification.top_k(EMBEDDING, array, decoded.classes, None, batched=True)
 
 
 def check_load_parameters(params: dict) -> str | None:

@@ -189,11 +189,11 @@ class InferenceServicer(TritonExtras, pb_grpc.GRPCInferenceServiceServicer):
                                           self.limits.max_inputs_per_request, self.limits.max_input_chars)
         result = await self.state.run(service, texts=decoded.texts, token_ids=decoded.token_ids,
                                       options=decoded.options)
-        array = contract.encode_embedding(result.vectors, decoded.output_datatype)
+        datatype, array = contract.embedding_output(result.vectors, decoded)
         response = pb.ModelInferResponse(model_name=result.model, model_version=result.version, id=request.id)
         _set_param(response.parameters, "prompt_tokens", int(result.prompt_tokens))
-        response.outputs.add(name=contract.EMBEDDING, datatype=decoded.output_datatype, shape=list(array.shape))
-        response.raw_output_contents.append(array.tobytes())
+        response.outputs.add(name=contract.EMBEDDING, datatype=datatype, shape=list(array.shape))
+        response.raw_output_contents.append(kserve_tensor.raw_bytes(array))  # BYTES too (a classification output)
         return response
 
     def _generate_prepare(self, request):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from urllib.parse import urlparse
 
-from surge.server.errors import error_response
+from surge.server.errors import error_response, is_kserve_path
 from surge.server.tei_errors import is_tei_route
 from surge.server.http.openapi import BINARY_TYPES
 
@@ -55,7 +55,7 @@ class ContentTypeMiddleware:
         path = scope["path"]
         if raw is None:
             has_body = headers.get(b"content-length", b"0").strip() not in (b"0", b"") or b"transfer-encoding" in headers
-            if (not has_body or path.startswith("/v2/")) and not _cross_site(headers):
+            if (not has_body or is_kserve_path(path)) and not _cross_site(headers):
                 return await self.app(scope, receive, send)
             message = "a request body needs a Content-Type header: send 'Content-Type: application/json'"
         else:

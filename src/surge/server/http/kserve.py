@@ -205,12 +205,12 @@ def router(state: AppState) -> APIRouter:
                                           limits.max_inputs_per_request, limits.max_input_chars)
         result = await state.run(service, texts=decoded.texts, token_ids=decoded.token_ids,
                                  options=decoded.options)
-        array = contract.encode_embedding(result.vectors, decoded.output_datatype)
+        datatype, array = contract.embedding_output(result.vectors, decoded)
         wants_binary = binary_flag(req.parameters, "binary_data_output", False)
         for out_name, params in outputs:
             if out_name == contract.EMBEDDING and "binary_data" in params:
                 wants_binary = binary_flag(params, "binary_data", False)
-        out = {"name": contract.EMBEDDING, "datatype": decoded.output_datatype, "shape": list(array.shape)}
+        out = {"name": contract.EMBEDDING, "datatype": datatype, "shape": list(array.shape)}
         body = {"model_name": result.model, "model_version": result.version,
                 "parameters": {"prompt_tokens": int(result.prompt_tokens)}, "outputs": [out]}
         if req.id is not None:
@@ -218,9 +218,10 @@ def router(state: AppState) -> APIRouter:
         headers = response_headers(result)
         if not wants_binary:
             # orjson has no float16: FP16 values go out as the float32 numbers they are exactly.
-            out["data"] = (array.astype(np.float32) if array.dtype == np.float16 else array).ravel()
+            out["data"] = kserve_tensor.json_data(array) if array.dtype == object else \
+                (array.astype(np.float32) if array.dtype == np.float16 else array).ravel()
             return ORJSONResponse(body, headers=headers)
-        raw = array.tobytes()
+        raw = kserve_tensor.raw_bytes(array)  # BYTES too (a classification output)
         out["parameters"] = {"binary_data_size": len(raw)}
         head = orjson.dumps(body)
         headers["Inference-Header-Content-Length"] = str(len(head))

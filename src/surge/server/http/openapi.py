@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from surge.server.errors import ANTHROPIC_PATHS
+from surge.server.errors import ANTHROPIC_PATHS, is_kserve_path
 from surge.server.tei_errors import is_tei_route
 
 JSON = "application/json"
@@ -100,7 +100,7 @@ def install(app: FastAPI, tei_embed: bool = False) -> None:
         for name in ("HTTPValidationError", "ValidationError"):  # FastAPI's; errors here look like the rest
             schemas.pop(name, None)
         for path, operations in doc.get("paths", {}).items():
-            shape = "KServeError" if path.startswith("/v2") else \
+            shape = "KServeError" if is_kserve_path(path) else \
                 "AnthropicError" if path.startswith(ANTHROPIC_PATHS) else "OpenAIError"
             for method, op in operations.items():
                 tei = is_tei_route(path, method.upper(), tei_embed)
