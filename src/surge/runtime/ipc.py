@@ -245,17 +245,22 @@ class EngineClient:
 
     async def submit(self, items: list[Encoded], deadline: float | None = None, priority: int = 0,
                      timings: dict | None = None, model: int = 0) -> np.ndarray:
+        return await self._call(timings, lambda proto, rid: proto.box.submit(
+            (rid, items, deadline, priority, model), alone=len(self._pending) == 1))
+
+    async def _call(self, timings: dict | None, send):
+        """send(proto, rid) a request frame and await its answer; cancelled in the engine process (which then
+        drops its inputs before compute) when the caller goes away (client gone, deadline)."""
         proto = self._proto
         if proto is None:
             raise E.NotReady("the engine process is not connected; retry", retry_after=1.0)
         rid = next(self._ids)
         fut = proto.box.loop.create_future()
         self._pending[rid] = (fut, timings)
-        proto.box.submit((rid, items, deadline, priority, model), alone=len(self._pending) == 1)
+        send(proto, rid)
         try:
             return await fut
         except asyncio.CancelledError:
-            # The caller went away (client gone, deadline): the engine drops its inputs before compute.
             if self._pending.pop(rid, None) is not None and self._proto is proto:
                 proto.box.add(W.encode_cancel(rid))
             raise
@@ -269,19 +274,8 @@ class EngineClient:
                            model: int = 0) -> list[np.ndarray]:
         """Each input's last hidden state, computed by the engine process (runtime/token_states.of_tokens:
         admitted there too); cancelled there when the caller goes away."""
-        proto = self._proto
-        if proto is None:
-            raise E.NotReady("the engine process is not connected; retry", retry_after=1.0)
-        rid = next(self._ids)
-        fut = proto.box.loop.create_future()
-        self._pending[rid] = (fut, None)
-        proto.box.add(W.encode_submits([(rid, items, deadline, 0, model)], kind=W.TOKENS))
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            if self._pending.pop(rid, None) is not None and self._proto is proto:
-                proto.box.add(W.encode_cancel(rid))
-            raise
+        return await self._call(None, lambda proto, rid: proto.box.add(
+            W.encode_submits([(rid, items, deadline, 0, model)], kind=W.TOKENS)))
 
     async def close(self) -> None:
         self._closed = True

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from surge.engines.decoder.attention import AttnMeta
 from surge.engines.decoder.graphs import RING as _RING
 from surge.engines.decoder.sampler import SampleOut
 from surge.runtime.scheduler.step import ScheduledSeq
@@ -125,12 +124,7 @@ class DecodeLaunches:
     def _eager_decode(self, scheduled, ids, src, prev) -> torch.Tensor:
         _, pos, slots, q_lens, ctx, tables, table_np, qstart = self.prepare(scheduled)
         dev = self.device
-        meta = AttnMeta(
-            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(table_np).to(dev, non_blocking=True),
-            context_lens=torch.tensor(ctx, dtype=torch.int32).to(dev, non_blocking=True),
-            query_start=torch.from_numpy(qstart).to(dev, non_blocking=True),
-            max_query=1, q_lens=q_lens, ctx_lens=ctx, tables=tables)
+        meta = self.attn_meta(slots, table_np, ctx, qstart, q_lens, tables)  # a decode: max_query 1
         ids_t = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
         if src is not None and any(i >= 0 for i in src):
             src_t = torch.tensor(src, dtype=torch.long).to(dev, non_blocking=True)

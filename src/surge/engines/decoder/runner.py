@@ -287,6 +287,16 @@ class DecoderEngine(DecodeLaunches, SpeculativeRows):
         np.cumsum(q_lens, out=qstart[1:])
         return ids, pos_np, slots_np, q_lens, ctx, tables, table_np, qstart
 
+    def attn_meta(self, slots, table_np, ctx, qstart, q_lens, tables) -> AttnMeta:
+        """A step's attention metadata (prepare()'s host arrays) on the device, copied without a sync."""
+        dev = self.device
+        return AttnMeta(
+            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(table_np).to(dev, non_blocking=True),
+            context_lens=torch.tensor(ctx, dtype=torch.int32).to(dev, non_blocking=True),
+            query_start=torch.from_numpy(qstart).to(dev, non_blocking=True),
+            max_query=max(q_lens, default=1), q_lens=q_lens, ctx_lens=ctx, tables=tables)
+
     @torch.inference_mode()
     def step(self, scheduled: list[ScheduledSeq]) -> dict[int, SampleOut]:
         if not scheduled:
@@ -300,12 +310,7 @@ class DecoderEngine(DecodeLaunches, SpeculativeRows):
         ids, pos, slots, q_lens, ctx, tables, table_np, qstart = self.prepare(scheduled)
         sample_rows = [i for i, s in enumerate(scheduled) if s.sample]
         dev = self.device
-        meta = AttnMeta(
-            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(table_np).to(dev, non_blocking=True),
-            context_lens=torch.tensor(ctx, dtype=torch.int32).to(dev, non_blocking=True),
-            query_start=torch.from_numpy(qstart).to(dev, non_blocking=True),
-            max_query=max(q_lens), q_lens=q_lens, ctx_lens=ctx, tables=tables)
+        meta = self.attn_meta(slots, table_np, ctx, qstart, q_lens, tables)
         hidden = self.model.forward(torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
                                     torch.from_numpy(pos).to(dev, non_blocking=True), self.kv, meta,
                                     self._adapters(scheduled))
