@@ -66,6 +66,10 @@ def test_a_port_in_use_fails_at_once_and_leaves_nothing(tmp_path):
 
 def test_a_killed_supervisor_takes_its_children_with_it():
     with ServerProcess(*ARGS) as srv:
+        # its shared-cache directory, named while it runs: once it is killed, any supervisor that starts (this
+        # test's next one, or another test's running beside it) sweeps it
+        left = glob.glob(f"/dev/shm/surge-cache-{srv.proc.pid}-*")
+        assert left
         roles = children_by_role(srv)
         kids = roles["front"] + roles["engine"]
         assert len(roles["front"]) == 2 and len(roles["engine"]) == 1
@@ -80,8 +84,6 @@ def test_a_killed_supervisor_takes_its_children_with_it():
         finally:  # the orphans of a failed run, which no process group kill reaches once the supervisor is gone
             for p in alive:
                 p.kill()
-    left = glob.glob(f"/dev/shm/surge-cache-{srv.proc.pid}-*")
-    assert left  # nobody could remove it: the next supervisor does
     with ServerProcess(*ARGS) as again:
         assert not any(os.path.exists(d) for d in left)
         assert glob.glob(f"/dev/shm/surge-cache-{again.proc.pid}-*")  # its own stays
