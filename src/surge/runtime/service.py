@@ -355,6 +355,14 @@ class ModelService:
 
         return await token_states.token_states(self, texts, truncate, left, prompt_name)
 
+    def held_token_states(self, texts: list[str], truncate: bool, left: bool = False,
+                          prompt_name: str | None = None, deadline: float | None = None):
+        """token_states as an async context manager: its TokenStates, with the admission slot held until the
+        block ends (the HTTP route sends the answer inside: runtime/token_states.held)."""
+        from surge.runtime import token_states
+
+        return token_states.held(self, texts, truncate, left, prompt_name, deadline)
+
     def on_states_thread(self, fn, *args) -> asyncio.Future:
         """`fn(*args)` (ModelWorker.token_states) on this service's one thread for per-token runs, beside the
         batcher's engine threads: a long /embed_all never holds the thread a batch's compute (or, on CUDA, its

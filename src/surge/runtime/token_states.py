@@ -5,6 +5,14 @@
     one thread for per-token runs (in this process), or over the IPC to the engine process (--workers), which
     admits the request again under its own bound (every front end's requests meet there)
 
+The admission slot is held past the compute, for as long as the caller holds the answer (`held`): the
+HTTP route keeps it until the answer's JSON (about 3x its float rows) is serialized and its last byte
+handed to the transport, which takes bytes only as fast as the client reads (server/http/held_answer.py).
+So what /embed_all answers hold in memory is bounded by admission, as their compute is: clients that ask
+for big answers and read them slowly take slots, and past the bound the next request is a 429 rather
+than one more answer in memory. Counted once, as /embed is: requests, inputs and failures by `admitted`,
+the latency here, the KServe statistics by AppState.call from the TokenStates' timings.
+
 Not through the dynamic batcher nor the cache: per-token rows are n_tokens times a pooled row, and a
 request's rows are computed from its own inputs only (ModelWorker.token_states: one input per engine
 run), so they never depend on other requests, nor on the other inputs of the same request.
@@ -15,11 +23,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from surge.errors import DeadlineExceeded, NotReady, ResultTooLarge, Unsupported
 from surge.runtime.outcome import admitted
+from surge.runtime.request import EXECUTIONS
 from surge.types import Encoded
 
 FLOAT_BYTES = 4  # the rows are float32
@@ -40,18 +50,47 @@ def unsupported(name: str) -> Unsupported:
                        "inside their graph)", param="model")
 
 
+@dataclass
+class TokenStates:
+    """One request's answer, in the shape the KServe statistics record (runtime/stats.record_success):
+    `vectors` has one [n_tokens, hidden] float32 array per input, `timings` its stages (ns) and its
+    engine runs (one per input: ModelWorker.token_states)."""
+
+    vectors: list[np.ndarray]
+    timings: dict = field(default_factory=dict)
+
+
 async def token_states(service, texts: list[str], truncate: bool, left: bool = False,
                        prompt_name: str | None = None) -> list[np.ndarray]:
-    """Each text's last hidden state [n_tokens, hidden] float32 (special tokens included), in order."""
+    """Each text's last hidden state [n_tokens, hidden] float32 (special tokens included), in order; the
+    admission slot is released on return (`held` keeps it for as long as the answer is held)."""
+    async with held(service, texts, truncate, left, prompt_name) as answer:
+        return answer.vectors
+
+
+@contextlib.asynccontextmanager
+async def held(service, texts: list[str], truncate: bool, left: bool = False, prompt_name: str | None = None,
+               deadline: float | None = None):
+    """`async with held(...) as answer`: token_states' rows as a TokenStates, computed within `deadline`
+    (time.monotonic(); default: now + the request timeout), with the request's admission slot held until
+    the block ends, however it ends: the caller serializes and sends the answer inside."""
     if not service.can_return_tokens:
         raise unsupported(service.name)
     inputs = service.prompted(texts, prompt_name)
-    deadline = time.monotonic() + service.limits.request_timeout_s
+    start = time.monotonic()
+    if deadline is None:
+        deadline = start + service.limits.request_timeout_s
     with admitted(service, len(inputs)):
         async with _until(deadline, service.limits.request_timeout_s):
+            t0 = time.perf_counter_ns()
             items = await service.tokenize.encode(inputs, None, truncate, left)  # too long, no truncate: 422
             check_size(items, service.dimensions, service.limits.max_token_states_bytes)
-            return await _compute(service, items, deadline)
+            t1 = time.perf_counter_ns()
+            rows = await _compute(service, items, deadline)
+            t2 = time.perf_counter_ns()
+        # as /embed's: the runtime's latency, to the computed answer (its sending is the client's pace)
+        service.metrics.latency.observe(time.monotonic() - start)
+        yield TokenStates(rows, {"compute_input_ns": t1 - t0, "compute_infer_ns": t2 - t1, EXECUTIONS: len(items)})
 
 
 async def of_tokens(service, items: list[Encoded], deadline: float | None) -> list[np.ndarray]:

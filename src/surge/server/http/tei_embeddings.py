@@ -5,7 +5,8 @@ POST /similarity    {"inputs": {"source_sentence", "sentences"}, "parameters": {
                     the source (a reranker: its cross-encoder scores, as POST / answers that shape)
 POST /embed_all     {"inputs": str | [str], "truncate", "truncation_direction", "prompt_name"} -> [input][token]
                     [hidden]: the last hidden state of every token (special ones included), neither pooled
-                    nor normalized, as TEI's. Admitted as /embed is (429), 413 past --max-token-states-bytes,
+                    nor normalized, as TEI's. Admitted as /embed is (429), and held under admission until the
+                    answer is sent (server/http/held_answer.py), 413 past --max-token-states-bytes,
                     computed outside the dynamic batcher and the cache (runtime/token_states.py), in this
                     process or the engine process (--workers); TEI's Backend error (424) only where the
                     engines have no hidden state to return (they pool or run heads inside their graph).
@@ -16,6 +17,7 @@ POST /embed_sparse  TEI answers it for SPLADE models only; surge serves none, so
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, ClassVar, Union
 
 import numpy as np
@@ -26,6 +28,7 @@ from surge.engines.pooling import l2_normalize
 from surge.errors import EmptyInput, InvalidInput, Unsupported
 from surge.runtime.tasks import TaskRequest, require_task
 from surge.server.http.common import ORJSONResponse, parse
+from surge.server.http.held_answer import HeldAnswer
 from surge.server.http.task_io import body_schema, check_length, check_texts, rerank_scores, run_task
 from surge.server.state import AppState
 from surge.types import EmbedOptions
@@ -139,9 +142,19 @@ def router(state: AppState) -> APIRouter:
             raise Unsupported(f"model '{served.name}' has no per-token hidden state to return (its engines pool "
                               "or run heads inside their graph)", param="model")
         truncate = True if req.truncate is None else req.truncate  # TEI's --auto-truncate default
-        # on the copy that serves now (a reload between the lookup and the call: the new one answers)
-        rows = await state.on_current(served, lambda s: s.token_states(texts, truncate, left, req.prompt_name))
-        return ORJSONResponse(rows)
+        # The answer is held under its admission slot until the transport has taken its last byte (HeldAnswer
+        # closes `held`): what slow readers hold is bounded as the compute is. Through state.call, as every
+        # model call, for the KServe statistics; on the copy that serves now (a reload between the lookup and
+        # the call: the new one answers).
+        held = contextlib.AsyncExitStack()
+        try:
+            answer = await state.call(served, lambda deadline: state.on_current(
+                served, lambda s: held.enter_async_context(s.held_token_states(texts, truncate, left,
+                                                                                 req.prompt_name, deadline))))
+            return HeldAnswer(answer.vectors, held.aclose)
+        except BaseException:
+            await held.aclose()
+            raise
 
     @r.post("/embed_sparse", openapi_extra=body_schema(TokensRequest))
     async def embed_sparse(request: Request):
