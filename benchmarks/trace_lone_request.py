@@ -54,7 +54,7 @@ def make(dest: Path) -> None:
             s = s.replace(old, new, 1)
         p.write_text(s)
     patch("runtime/ipc.py", [
-     ("        proto.box.submit((rid, items, deadline, priority, model), alone=", "        _ev('fe_submit'); proto.box.submit((rid, items, deadline, priority, model), alone="),
+     ("        return await self._call(timings, lambda proto, rid: proto.box.submit(", "        _ev('fe_submit'); return await self._call(timings, lambda proto, rid: proto.box.submit("),
      ("        self.transport.write(frame)\n        return True", "        self.transport.write(frame); _ev('written')\n        return True"),
      ("        reqs, self.submits = self.submits, []\n        return [W.encode_submits(reqs)]", "        reqs, self.submits = self.submits, []\n        _ev('fe_flush')\n        return [W.encode_submits(reqs)]"),
      ("            self.transport.write(b\"\".join(out))", "            self.transport.write(b\"\".join(out)); _ev('written')"),
