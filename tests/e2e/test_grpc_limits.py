@@ -200,7 +200,9 @@ def test_calls_whose_message_never_comes_are_ended_and_free_their_slots(server):
 
 def _raw_call(channel, path: str, streaming_response: bool):
     """A multi-callable that sends and takes bytes (no protobuf), request-streaming whatever the method is: a
-    grpcio client's way to start a call and send its message only when (if ever) the iterator yields it."""
+    grpcio client's way to start a call and send its message only when (if ever) the iterator yields it. Its
+    calls are made wait_for_ready: the connection limit may still count connections earlier tests have just
+    closed, and a call then waits for its connection instead of failing UNAVAILABLE."""
     return (channel.stream_stream if streaming_response else channel.stream_unary)(path)
 
 
@@ -224,9 +226,10 @@ def test_a_call_whose_message_never_comes_gets_deadline_exceeded(server):
             yield req.SerializeToString()
 
         async with grpc.aio.insecure_channel(server.grpc_url, options=OWN_CONNECTION) as channel:
-            calls = [_raw_call(channel, path, streaming)(nothing()) for path, streaming in (
+            calls = [_raw_call(channel, path, streaming)(nothing(), wait_for_ready=True) for path, streaming in (
                 ("/inference.GRPCInferenceService/ModelInfer", False), ("/grpc.health.v1.Health/Watch", True))]
-            stream = _raw_call(channel, "/inference.GRPCInferenceService/ModelStreamInfer", True)(later())
+            stream = _raw_call(channel, "/inference.GRPCInferenceService/ModelStreamInfer", True)(later(),
+                                                                                                   wait_for_ready=True)
             try:
                 ended = await asyncio.wait_for(asyncio.gather(*(asyncio.gather(c.code(), c.details())
                                                                 for c in calls)), WAIT_S)
@@ -257,8 +260,9 @@ def test_a_call_closed_without_its_message(server):
             yield
 
         async with grpc.aio.insecure_channel(server.grpc_url, options=OWN_CONNECTION) as channel:
-            unary = _raw_call(channel, "/inference.GRPCInferenceService/ModelInfer", False)(none())
-            stream = _raw_call(channel, "/inference.GRPCInferenceService/ModelStreamInfer", True)(none())
+            unary = _raw_call(channel, "/inference.GRPCInferenceService/ModelInfer", False)(none(), wait_for_ready=True)
+            stream = _raw_call(channel, "/inference.GRPCInferenceService/ModelStreamInfer", True)(none(),
+                                                                                                   wait_for_ready=True)
             return await asyncio.wait_for(asyncio.gather(unary.code(), unary.details(), drain(stream),
                                                          stream.code()), WAIT_S)
 
@@ -409,7 +413,10 @@ def test_calls_whose_request_never_comes_go_with_their_connection(aged):
                         break
                     assert time.monotonic() < end, "the silent calls never took the slots"
                 codes = await asyncio.wait_for(asyncio.gather(*(c.code() for c in calls)), WAIT_S)
-                assert set(codes) == {grpc.StatusCode.UNAVAILABLE}, codes
+                # the calls that held slots go with the connection; one refused at once (RESOURCE_EXHAUSTED: a
+                # probe's slot not yet freed when it came) may still be in the list
+                assert grpc.StatusCode.UNAVAILABLE in codes, codes
+                assert set(codes) <= {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
                 end = time.monotonic() + WAIT_S
                 while True:  # the slots are free again
                     try:
