@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# /embed_all on the CUDA engine whose graphs pool (TorchEngine.run_hidden), not yet run: no device machine came in the
-# session that wrote it. Carry build/gpucarry (as docs/benchmarks/s43/call1.sh, plus hidden_fp32.npz from
+# /embed_all on the CUDA engine whose graphs pool (TorchEngine.run_hidden). This script (main vs the branch) was not run;
+# session 45's call 1 (docs/benchmarks/s45/call1.sh) ran its GPU test (passed) and a served --workers check of the new code. Carry build/gpucarry (as docs/benchmarks/s43/call1.sh, plus hidden_fp32.npz from
 # benchmarks/gpu_prepare.py), build/whl, and build/mainsrc (main's versions of the files this change touched, for the
 # before/after: `git diff main --name-only -- src | xargs tar cf - | tar xf - -C build/mainsrc` run in main's tree).
 # Runs the GPU test, the served-path regression, then a real `surge serve --engine torch --device cuda --workers 2
