@@ -171,31 +171,45 @@ def test_calls_whose_message_never_comes_are_ended_and_free_their_slots(server):
     """A raw HTTP/2 client fills every one of --grpc-max-concurrent-rpcs with calls that send their HEADERS and
     never their message (DATA): a grpcio call is refused (RESOURCE_EXHAUSTED) while they hold the slots; within
     --request-read-timeout-s each stalled stream is ended (its status, then RST_STREAM) and a grpcio call is
-    answered. Before, nothing ended them: they held the slots until their connection went."""
+    answered. Before, nothing ended them: they held the slots until their connection went.
+
+    The refusal must be seen within the read timeout (the deadline then frees the slots): the probing channel
+    is connected first, and the whole scene is tried again when no probe was refused in time (a loaded machine,
+    or slots an earlier test's calls still held)."""
     ids = [2 * n + 1 for n in range(MAX_RPCS)]
-    with raw_sockets.connect(server.grpc_port, WAIT_S) as s:
-        reader = raw_http2.handshake(s)
-        s.sendall(b"".join(raw_http2.grpc_headers(i, STALLED_PATHS[n % len(STALLED_PATHS)], server.grpc_url)
-                           for n, i in enumerate(ids)))
-        with grpc.insecure_channel(server.grpc_url, options=OWN_CONNECTION) as channel:
-            stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            end = time.monotonic() + WAIT_S
-            while True:  # until the server has taken the stalled calls (a probe may come first)
-                try:
-                    stub.ServerLive(pb.ServerLiveRequest(), timeout=WAIT_S)
-                except grpc.RpcError as exc:
-                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
-                    break
-                assert time.monotonic() < end, "the stalled calls never took the slots"
-            ended: dict[int, list[str]] = {i: [] for i in ids}
-            while not all("RST_STREAM" in got for got in ended.values()):
-                kind, flags, stream_id, _ = reader.next()  # socket.timeout (the test fails) if they are held
-                if stream_id in ended and kind == raw_http2.HEADERS and flags & raw_http2.END_STREAM:
-                    ended[stream_id].append("status")
-                elif stream_id in ended and kind == raw_http2.RST_STREAM:
-                    ended[stream_id].append("RST_STREAM")
-            assert all(got == ["status", "RST_STREAM"] for got in ended.values()), ended
-            assert serves(server.grpc_url)  # the slots are free again
+    with grpc.insecure_channel(server.grpc_url, options=OWN_CONNECTION) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        assert stub.ServerLive(pb.ServerLiveRequest(), timeout=WAIT_S, wait_for_ready=True).live
+        for _ in range(5):
+            with raw_sockets.connect(server.grpc_port, WAIT_S) as s:
+                reader = raw_http2.handshake(s)
+                until = time.monotonic() + READ_TIMEOUT_S
+                s.sendall(b"".join(raw_http2.grpc_headers(i, STALLED_PATHS[n % len(STALLED_PATHS)], server.grpc_url)
+                                   for n, i in enumerate(ids)))
+                if not _refused_before(stub, until):
+                    continue
+                ended: dict[int, list[str]] = {i: [] for i in ids}
+                while not all("RST_STREAM" in got for got in ended.values()):
+                    kind, flags, stream_id, _ = reader.next()  # socket.timeout (the test fails) if they are held
+                    if stream_id in ended and kind == raw_http2.HEADERS and flags & raw_http2.END_STREAM:
+                        ended[stream_id].append("status")
+                    elif stream_id in ended and kind == raw_http2.RST_STREAM:
+                        ended[stream_id].append("RST_STREAM")
+                assert all(got == ["status", "RST_STREAM"] for got in ended.values()), ended
+                assert serves(server.grpc_url)  # the slots are free again
+                return
+    pytest.fail("in 5 tries no grpcio call was refused while the stalled calls held the slots")
+
+
+def _refused_before(stub, until: float) -> bool:
+    """Probe calls until one is refused (RESOURCE_EXHAUSTED: True) or `until` (time.monotonic()) passes."""
+    while time.monotonic() < until:
+        try:
+            stub.ServerLive(pb.ServerLiveRequest(), timeout=WAIT_S)
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+            return True
+    return False
 
 
 def _raw_call(channel, path: str, streaming_response: bool):
