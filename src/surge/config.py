@@ -134,6 +134,14 @@ class LimitsConfig(_Strict):
         "gRPC clients reconnect at their next call), and a call whose one request message (not a request stream's, which "
         "may wait) has not arrived whole this long after the call started gets DEADLINE_EXCEEDED, so that calls that never send "
         "it cannot hold --grpc-max-concurrent-rpcs.")
+    send_timeout_s: float = Field(
+        60.0, gt=0, description="A connection whose answer has bytes waiting to be sent (the client's TCP window "
+        "full: writing paused, or the write buffer not empty) and none of them taken by the client this long is "
+        "closed (nginx's send_timeout), and its request ends as if the client had left (its admission slot, a "
+        "generation's sequence and KV blocks freed; counted as a failure, \"cancelled\"), so that a client "
+        "that asks for a large answer (POST /embed_all, a big batch, a stream) and never reads it cannot hold "
+        "the connection, the answer's memory or an admission slot for ever. A client that reads, however "
+        "slowly, is never cut: each byte it takes restarts the clock. HTTP port.")
     max_header_bytes: int = Field(
         64 * 1024, ge=4096, description="Largest request line and headers of one HTTP request; more gets 431 and "
         "the connection is closed (uvicorn kept every header, ~10 bytes of memory per byte sent, before any "

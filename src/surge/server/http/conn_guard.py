@@ -13,11 +13,26 @@ its headers are read, so neither needed the API key.
   closes (uvicorn kept them all, ~10 bytes of memory per byte sent, before the API key was checked).
 - A connection limit: over `max_connections` open connections a new one gets 503 at once and is closed,
   before anything is read from it, so that it holds its descriptor for no time at all.
+- A send deadline (nginx's send_timeout): a connection whose transport has bytes waiting to be sent (the
+  client's TCP window is full: uvicorn's writing paused by flow control, or the write buffer not empty)
+  and from which the client has taken none of them for `send_timeout_s` is aborted. uvicorn has no write
+  timeout: a client that asked for a large answer (POST /embed_all, held under its admission slot until
+  the transport has taken its last byte: server/http/held_answer.py; a big /embed batch; a stream) and
+  never read it held the connection, the answer's memory and, for /embed_all, an admission slot for ever
+  (enough of them and everyone else got 429). The abort is the connection lost, which every route already
+  handles as a client that left: uvicorn's `send` stops waiting for the drain, the `surge.disconnect`
+  watch (server/http/frontend.py) cancels a hot path's handler (a stream's sequence and KV blocks freed)
+  and a held answer counts as cut ("cancelled"). A client that reads, however slowly, is never cut: any
+  byte it takes restarts the clock. Bytes the kernel has taken are not waiting here (its socket buffers,
+  up to tcp_wmem's 4 MB, fill first); the abort is a reset (SO_LINGER 0, nginx's reset_timedout_connection),
+  so the kernel drops them too, and what the app hands over after it is dropped.
 """
 
 from __future__ import annotations
 
 import resource
+import socket
+import struct
 
 RESERVED_FDS = 256  # descriptors kept for the process's own files when the limit follows RLIMIT_NOFILE
 
@@ -99,6 +114,66 @@ class ReadDeadline:
             return
         self._start = None
         self._on_expiry()
+
+
+class SendDeadline:
+    """The send timer of one connection (`corked`: its server/http/frontend._Corked transport, which counts
+    the bytes handed to the real one): armed by a write that leaves bytes in the transport's buffer;
+    `on_expiry` runs once bytes have waited there `seconds` with none of them sent.
+
+    Lazy, as ReadDeadline: a write that the kernel takes at once (nearly every answer) arms nothing, and
+    one armed timer looks at the buffer every quarter of `seconds`, so that progress (sent bytes: handed
+    over less still buffered) is seen within that and a stall is cut between `seconds` and 1.25x it after
+    the client last took a byte. Disarmed by itself once the buffer is empty."""
+
+    __slots__ = ("_corked", "_handle", "_loop", "_on_expiry", "_seconds", "_sent", "_since")
+
+    def __init__(self, loop, seconds: float, corked, on_expiry):
+        self._loop = loop
+        self._seconds = seconds
+        self._corked = corked
+        self._on_expiry = on_expiry
+        self._handle = None
+        self._sent = 0
+        self._since = 0.0
+
+    def arm(self) -> None:
+        """After a write: time the bytes it left buffered (nothing if a timer already runs: it sees them)."""
+        if self._handle is None:
+            self._sent = self._corked.sent()
+            self._since = self._loop.time()
+            self._handle = self._loop.call_later(self._seconds / 4, self._fire)
+
+    def close(self) -> None:
+        """The connection is gone: no timer may keep it (its protocol) alive until it would have fired."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _fire(self) -> None:
+        self._handle = None
+        corked = self._corked
+        if not corked.waiting():  # all sent: nothing to time until a write leaves bytes again
+            return
+        now = self._loop.time()
+        sent = corked.sent()
+        if sent != self._sent:  # the client took some: its clock starts again
+            self._sent, self._since = sent, now
+        elif now - self._since >= self._seconds:
+            self._on_expiry()
+            return
+        self._handle = self._loop.call_later(self._seconds / 4, self._fire)
+
+
+def reset(transport) -> None:
+    """Abort `transport` with a TCP reset: what the kernel still holds to send is dropped, not kept."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:  # closed meanwhile: the abort is all that is left to do
+            pass
+    transport.abort()
 
 
 def expire(protocol, begun: bool) -> None:

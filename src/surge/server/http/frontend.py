@@ -13,7 +13,8 @@ serving_core.md, "Session 2: front-end CPU"):
   `transport.write` calls, each a `send` syscall; here a response's writes are joined and sent
   once, as soon as the response is complete (other writes of a pass: right after the pass). It also
   offers the hot path a disconnect callback (`DisconnectWatch`), so that noticing a client that
-  went away costs no watcher task per request.
+  went away costs no watcher task per request, and bounds what a client can hold without sending or
+  reading (server/http/conn_guard.py: read deadline, header and connection limits, send deadline).
 """
 
 from __future__ import annotations
@@ -28,17 +29,17 @@ class FrontDoor:
         self.app = app
         self._direct: bool | None = None  # decided at the first HTTP request (after startup)
         self._routes = None  # server/http/direct.DirectRoutes, made at the first connection that asks
-        self._limits = None  # (read timeout, connection limit), read at the first connection
+        self._limits = None  # (read timeout, send timeout, connection limit, header limit), read at the first connection
 
-    def limits(self) -> tuple[float, int, int]:
-        """(request read timeout in seconds, connection limit, header bytes limit) for
-        server/http/conn_guard.py."""
+    def limits(self) -> tuple[float, float, int, int]:
+        """(request read timeout in seconds, send timeout in seconds, connection limit, header bytes limit)
+        for server/http/conn_guard.py."""
         if self._limits is None:
             from surge.server.http.conn_guard import connection_limit, limited_ports
 
             config = self.app.state.surge.config
             limits = config.limits
-            self._limits = (limits.request_read_timeout_s,
+            self._limits = (limits.request_read_timeout_s, limits.send_timeout_s,
                             connection_limit(limits.max_connections, limited_ports(config)), limits.max_header_bytes)
         return self._limits
 
@@ -82,14 +83,18 @@ class FrontDoor:
 
 
 class _Corked:
-    """A transport whose writes during one loop pass go out as one write after it."""
+    """A transport whose writes during one loop pass go out as one write after it. It counts the bytes
+    handed to the real transport, and a write that leaves some of them buffered (the client's window is
+    full) arms the connection's send deadline (`deadline`: server/http/conn_guard.SendDeadline)."""
 
-    __slots__ = ("_t", "_loop", "_buf")
+    __slots__ = ("_t", "_loop", "_buf", "written", "deadline")
 
     def __init__(self, transport, loop):
         self._t = transport
         self._loop = loop
         self._buf: list[bytes] = []
+        self.written = 0
+        self.deadline = None
 
     def write(self, data) -> None:
         if not self._buf:
@@ -104,8 +109,12 @@ class _Corked:
         if self._buf:
             data = b"".join(self._buf) if len(self._buf) > 1 else self._buf[0]
             self._buf.clear()
-            if not self._t.is_closing():
-                self._t.write(data)
+            t = self._t
+            if not t.is_closing():
+                t.write(data)
+                self.written += len(data)
+                if self.deadline is not None and t.get_write_buffer_size():
+                    self.deadline.arm()
 
     def close(self) -> None:
         self._flush()
@@ -121,6 +130,14 @@ class _Corked:
 
     def get_write_buffer_size(self) -> int:
         return self._t.get_write_buffer_size() + sum(map(len, self._buf))
+
+    def waiting(self) -> bool:
+        """Bytes handed to the real transport that it has not yet sent."""
+        return self._t.get_write_buffer_size() > 0
+
+    def sent(self) -> int:
+        """Bytes the real transport has sent (the kernel took them) since the connection opened."""
+        return self.written - self._t.get_write_buffer_size()
 
     def __getattr__(self, name):  # everything else: the real transport
         return getattr(self._t, name)
@@ -194,13 +211,14 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
         if front is not None:  # slow or idle clients and too many connections (server/http/conn_guard.py)
             from surge.server.http import conn_guard
 
-            timeout, most, self._header_limit = front.limits()
+            timeout, send_timeout, most, self._header_limit = front.limits()
             if len(self.connections) > most:
                 self.transport.write(conn_guard.OVERLOADED)
                 self.transport.close()  # before reading anything: this connection holds nothing
                 return
             self._deadline = conn_guard.ReadDeadline(loop, timeout, self._read_expired)
             self._deadline.arm()  # the first request's first byte is awaited no longer than its whole
+            self.transport.deadline = conn_guard.SendDeadline(loop, send_timeout, self.transport, self._send_expired)
         if self.limit_concurrency is None:  # uvicorn's 503 above a limit counts ASGI tasks: keep its path
             from surge.server.http.direct import find_direct
 
@@ -214,6 +232,16 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
         from surge.server.http.conn_guard import expire
 
         expire(self, self._begun)
+
+    def _send_expired(self) -> None:
+        """The client has taken nothing of what waits to be sent for the send timeout: the connection is
+        reset and lost (connection_lost ends its request as a client's leaving does). A reset (SO_LINGER 0,
+        as nginx's reset_timedout_connection) rather than a close: the kernel drops what its buffers hold for
+        this client (up to tcp_wmem's 4 MB) at once, instead of keeping it in FIN_WAIT1 for a client that
+        does not read."""
+        from surge.server.http.conn_guard import reset
+
+        reset(self.transport)
 
     # uvicorn keeps every header (as a list of tuples, ~10 bytes of memory per byte sent) with no bound,
     # before any route or the API key sees them: counted here, refused past the limit.
@@ -314,6 +342,9 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
             return
         if self._deadline is not None:
             self._deadline.close()
+        sending = getattr(self.transport, "deadline", None)
+        if sending is not None:
+            sending.close()
         super().connection_lost(exc)
         self.watch.fire()
 

@@ -145,13 +145,21 @@ def router(state: AppState) -> APIRouter:
         # The answer is held under its admission slot until the transport has taken its last byte (HeldAnswer
         # closes `held`): what slow readers hold is bounded as the compute is. Through state.call, as every
         # model call, for the KServe statistics; on the copy that serves now (a reload between the lookup and
-        # the call: the new one answers).
+        # the call: the new one answers). An answer cut before its last byte (the client gone, or cut by
+        # --send-timeout-s) ends the block with its error: counted as a failure under its code, not answered.
         held = contextlib.AsyncExitStack()
+
+        async def release(error):
+            if error is None:
+                await held.aclose()
+            else:
+                await held.__aexit__(type(error), error, error.__traceback__)
+
         try:
             answer = await state.call(served, lambda deadline: state.on_current(
                 served, lambda s: held.enter_async_context(s.held_token_states(texts, truncate, left,
                                                                                  req.prompt_name, deadline))))
-            return HeldAnswer(answer.vectors, held.aclose)
+            return HeldAnswer(answer.vectors, release)
         except BaseException:
             await held.aclose()
             raise
