@@ -32,8 +32,8 @@ class EngineConfig(_Strict):
     exact_gelu: bool = Field(False, description="Torch engine on CUDA: never use cuBLASLt's bias+GeLU epilogue "
                              "(tanh form, < 5e-4 from erf-GeLU; offered in fp16/bf16 when this is false).")
     batch_invariant: bool = Field(
-        True, description="Torch engine and decoder embedding models: a request's result is bit for bit the same "
-        "whatever shares its batch. On "
+        True, description="Torch engine (tensor-parallel included) and decoder embedding models: a request's result "
+        "is bit for bit the same whatever shares its batch. On "
         "CUDA one GEMM tiling, attention tile and pooling order for every batch; on device cpu every GEMM at row "
         "counts whose rounding does not move a row, each sequence in its own attention block. False lets each batch "
         "shape take its fastest GEMMs (cuBLAS by shape) and share attention blocks, whose sums round apart in the "

@@ -53,3 +53,31 @@ def test_cuda_split_equals_unsplit_fp32(world, precision):
         assert p["total_ms"] > 0 and p["compute_ms"] > 0 and (world == 1 or p["allreduce_ms"] > 0)
     finally:
         e.close()
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_cuda_split_is_batch_invariant(world, precision):
+    """batch_invariant (the default): each shard on the one-tiling Triton GEMMs and fixed attention tile, the
+    partials summed in rank order (world 4: gathered inside the CUDA graph, Groups.sum_in_rank_order), so a
+    sequence's hidden states are bit for bit the same alone and among random neighbours of any count and
+    length; and still within the split test's cosine of the unsplit model in FP32."""
+    from tests.batch_moves import moved
+
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    e = TensorParallelEngine(world=world, devices=list(range(world)), precision=precision, seed=11, max_batch=64)
+    e.load(CFG)
+    try:
+        assert e.opts.batch_invariant and e.runner.gemm == "invariant"
+        rng = np.random.default_rng()
+        items = [Encoded(rng.integers(0, CFG.vocab, int(k)), np.zeros(int(k), dtype=np.int64))
+                 for k in np.concatenate([[1, 2, 16, 17, 64, 65, 150], rng.integers(1, 151, size=63)])]
+        run = lambda its: e.run(TokenBatch.pack(its))  # noqa: E731
+        out = moved(run, items, rng, 6)
+        assert not out, f"world {world} {precision}: {len(out)} of {len(items)} sequences moved with their batch"
+        b = TokenBatch.pack(items[:40])
+        cos = cosine_rows(run(items[:40]), _unsplit_fp32(b))
+        assert cos.min() >= 0.999, f"worst cosine {cos.min():.6f}"
+    finally:
+        e.close()

@@ -11,6 +11,13 @@ and every layer's forward sums the partial outputs of the out-projection and
 the FFN-out GEMM with an all-reduce (encoder.layer_* `reduce`), after which
 every rank holds the same full hidden states; rank 0 returns them.
 
+Batch invariant by default (`batch_invariant`, the torch engine's setting): a
+sequence's hidden states are bit for bit the same whatever shares its batch.
+Each shard runs the torch engine's invariant forward (CPU: tp_cpu, the row-bound
+GEMM calls and one attention block per sequence; CUDA: the one-tiling Triton
+GEMMs and fixed attention tile, gemm="invariant"), and the partials are summed
+in rank order (Groups.sum_in_rank_order).
+
 Two process groups: `control` (gloo, CPU tensors, no timeout: idle workers
 block in its broadcast for as long as the server idles, and leave when rank 0's
 socket closes) and `data` (NCCL on CUDA, gloo on the CPU, with a timeout) for
@@ -63,6 +70,7 @@ class TPOptions:
     threads: int = 0  # CPU threads per rank, rank 0's process included (0: torch's default)
     timeout_s: float = 300.0  # a collective that takes longer means a rank is gone
     start_timeout_s: float = 1800.0  # loading/generating the shards
+    batch_invariant: bool = True  # the torch engine's setting: a sequence's result is the same in any batch
 
     def device(self, rank: int) -> torch.device:
         return torch.device("cpu") if self.devices is None else torch.device("cuda", self.devices[rank])
@@ -84,8 +92,30 @@ class Groups:
             self.data = _gloo(data_store, rank, world, timedelta(seconds=timeout_s))
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """In-place sum over ranks; what encoder.layer_* call as `reduce`."""
+        """In-place sum over ranks; what encoder.layer_* call as `reduce` (batch_invariant=False)."""
         self.data.allreduce([t]).wait()
+        return t
+
+    def sum_in_rank_order(self, t: torch.Tensor) -> torch.Tensor:
+        """In-place sum over ranks that gives an element the same bits whatever the message holds:
+        ((p0 + p1) + p2) + ..., on every rank; the `reduce` of a batch-invariant forward.
+
+        A ring all-reduce adds an element's partials in an order set by the segment of the message it falls
+        in, so over 3+ ranks the same row rounds apart in a batch of another size (gloo, 3 and 4 ranks: every
+        row measured moved, tests/unit/test_tensor_parallel_batch_invariance; NCCL's ring and tree cut the
+        message into channels and chunks by its size too: not measured, treated alike).
+        Over 2 ranks an element's sum is one addition, p0 + p1 == p1 + p0 exactly: the all-reduce is kept.
+        Beyond, every rank gathers all partials (world x the bytes of t, against the ring's 2 (world-1)/world)
+        and adds them in rank order.
+        """
+        if self.world <= 2:
+            return self.all_reduce(t)
+        parts = t.new_empty((self.world * t.shape[0],) + tuple(t.shape[1:]))
+        self.data._allgather_base(parts, t.contiguous()).wait()
+        parts = parts.view((self.world,) + tuple(t.shape))
+        torch.add(parts[0], parts[1], out=t)
+        for r in range(2, self.world):
+            t.add_(parts[r])
         return t
 
     def broadcast(self, t: torch.Tensor) -> None:
@@ -109,8 +139,8 @@ def forward_shard_reference(w: EncoderWeights, ids, types, pos, cu: list[int], r
 
 
 def forward_shard_fused(w: EncoderWeights, inputs: torch.Tensor, tokens: int, batch: int, max_len: int,
-                        ws: dict[str, torch.Tensor], reduce) -> torch.Tensor:
-    """encoder.forward_fused with a `reduce` after each partial GEMM."""
+                        ws: dict[str, torch.Tensor], reduce, gemm: str = "cublas") -> torch.Tensor:
+    """encoder.forward_fused with a `reduce` after each partial GEMM; gemm: encoder.layer_fused's mode."""
     from surge.engines.encoder import layer_fused
     from surge.engines.kernels.norm import embed_layernorm
 
@@ -119,7 +149,7 @@ def forward_shard_fused(w: EncoderWeights, inputs: torch.Tensor, tokens: int, ba
     x = ws["x"]
     embed_layernorm(ids, types, pos, w.word, w.pos, w.types, w.emb_ln_w, w.emb_ln_b, w.config.eps, out=x)
     for lw in w.layers:
-        layer_fused(x, lw, cu, max_len, batch, w.config, ws, reduce=reduce)
+        layer_fused(x, lw, cu, max_len, batch, w.config, ws, reduce=reduce, gemm=gemm)
     return x
 
 
@@ -128,13 +158,16 @@ class ShardRunner(TorchEngine):
 
     Only what a shard changes is overridden: where the weights come from, the
     shard's QKV and FFN widths in the workspace, and the `reduce` in the forward.
+    batch_invariant: the torch engine's invariant forward (CUDA: gemm="invariant";
+    CPU: tp_cpu.ShardCpuEncoder), else cuBLAS / the reference path.
     """
 
     def __init__(self, weights: EncoderWeights, device, precision: str, max_batch: int,
-                 max_tokens: int | None = None, cuda_graphs: bool = True, reduce=None):
+                 max_tokens: int | None = None, cuda_graphs: bool = True, reduce=None, batch_invariant: bool = True):
         # gemm fixed (no per-rank timing of variants): ranks must record identical graphs.
         super().__init__(device=str(device), precision=precision, max_batch=max_batch, max_tokens=max_tokens,
-                         cuda_graphs=cuda_graphs, gemm="cublas")
+                         cuda_graphs=cuda_graphs, gemm="invariant" if batch_invariant else "cublas",
+                         batch_invariant=batch_invariant)
         self.reduce = reduce
         self._attach(weights)
 
@@ -150,6 +183,10 @@ class ShardRunner(TorchEngine):
         self.capabilities = Capabilities(self.max_batch, self.max_len, Layout.PACKED, str(self.device),
                                          self.precision, cfg.hidden)
         if self.device.type != "cuda":
+            if self.batch_invariant:
+                from surge.engines.tp_cpu import ShardCpuEncoder
+
+                self._cpu = ShardCpuEncoder(w)  # probes its GEMMs' row bounds now, at load
             return
         lw = w.layers[0]
         self.plan = plan_workspace(cfg, token_bucket(self.capacity), _next_pow2(self.max_batch), self.dtype,
@@ -172,11 +209,13 @@ class ShardRunner(TorchEngine):
         v["ffn"] = self.workspace.view(self.plan.region("big"), (tb, lw.w1.shape[0]))
         return v
 
-    def _forward(self, key, views, gemm: str = "cublas") -> torch.Tensor:
-        bb, tb, lb = key  # shards run cuBLAS GEMMs: every rank must capture the same collectives
-        return forward_shard_fused(self.weights, views["inputs"], tb, bb, lb, views, self.reduce)
+    def _forward(self, key, views, gemm: str | None = None) -> torch.Tensor:
+        bb, tb, lb = key  # one mode on every rank (never timed per rank): every rank captures the same collectives
+        return forward_shard_fused(self.weights, views["inputs"], tb, bb, lb, views, self.reduce, gemm=self.gemm)
 
     def _run_reference(self, ids, types, pos, lengths) -> np.ndarray:
+        if self.batch_invariant:
+            return self._cpu.run(ids, types, pos, lengths, self.reduce)
         cu = [0] + np.cumsum(lengths).tolist()
         with torch.inference_mode():
             t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)  # noqa: E731
@@ -211,8 +250,9 @@ def _receive(groups: Groups) -> tuple[int, int, TokenBatch | None]:
 def _build_runner(source: Source, rank: int, opts: TPOptions, groups: Groups | None) -> ShardRunner:
     device = opts.device(rank)
     weights = build_shard(source, rank, opts.world, device, _DTYPES[opts.precision], opts.seed)
+    reduce = None if groups is None else groups.sum_in_rank_order if opts.batch_invariant else groups.all_reduce
     return ShardRunner(weights, device, opts.precision, opts.max_batch, opts.max_tokens, opts.cuda_graphs,
-                       reduce=None if groups is None else groups.all_reduce)
+                       reduce=reduce, batch_invariant=opts.batch_invariant)
 
 
 def _build_runner_or_error(source: Source, rank: int, opts: TPOptions, groups: Groups | None) -> ShardRunner:
@@ -273,12 +313,15 @@ class TensorParallelEngine:
 
     launcher "spawn": rank 0 starts ranks 1..N-1 (torch.multiprocessing, spawn).
     launcher "env": ranks were started by torchrun (RANK/WORLD_SIZE/MASTER_*);
-    this must be rank 0 and the others run `serve_rank` (see `torchrun_main`).
+    this must be rank 0 and the others run `serve_rank` (see `torchrun_main`; its TPOptions must
+    match this engine's, batch_invariant included).
+    batch_invariant: a sequence's hidden states bit for bit the same whatever shares its batch (the
+    torch engine's setting and default); False: cuBLAS GEMMs / the reference path on the whole batch.
     """
 
     def __init__(self, world: int = 2, devices: list[int] | None = None, precision: str = "fp32",
                  max_batch: int = 64, max_tokens: int | None = None, cuda_graphs: bool = True, seed: int = 0,
-                 threads: int = 0, timeout_s: float = 300.0, launcher: str = "spawn"):
+                 threads: int = 0, timeout_s: float = 300.0, launcher: str = "spawn", batch_invariant: bool = True):
         if devices is not None and len(devices) != world:
             raise EngineError(f"tensor parallelism over {world} ranks needs {world} devices, got {devices}")
         if devices is not None and len(set(devices)) != len(devices):
@@ -288,7 +331,7 @@ class TensorParallelEngine:
         if launcher not in ("spawn", "env"):
             raise EngineError(f"launcher must be spawn or env, not {launcher!r}")
         self.opts = TPOptions(world, None if devices is None else tuple(devices), precision, max_batch, max_tokens,
-                              cuda_graphs, seed, threads, timeout_s)
+                              cuda_graphs, seed, threads, timeout_s, batch_invariant=batch_invariant)
         self.launcher = launcher
         self.capabilities: Capabilities | None = None
         self.runner: ShardRunner | None = None

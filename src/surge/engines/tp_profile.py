@@ -90,7 +90,7 @@ def _profile_cpu(runner, groups, batch, iters, layers) -> dict:
 
         def reduces():
             for _ in range(2 * layers):
-                groups.all_reduce(buf)
+                reduce(buf)  # the forward's own (an all-reduce, or the rank-order sum)
         ar = _median_ms(reduces, iters, sync)
     return {"total_ms": total, "compute_ms": compute, "allreduce_ms": ar, "timer": "wall clock (CPU)"}
 
@@ -118,7 +118,7 @@ def _profile_cuda(runner, groups, batch, iters, layers) -> dict:
 
             def reduces():
                 for _ in range(2 * layers):
-                    groups.all_reduce(tmp)
+                    reduce(tmp)  # the forward's own (an all-reduce, or the rank-order sum)
             ar = _cuda_ms(_capture(reduces, stream, runner.cuda_graphs), iters, stream, sync)
         # the profile variants wrote garbage into the workspace; the engine's graphs rewrite it each run
         stream.synchronize()

@@ -48,7 +48,8 @@ def make_tensor_parallel_engine(cfg: EngineConfig, spec: ModelSpec) -> Engine:
     if devices is None and cfg.device != "cpu":
         devices = list(range(cfg.tensor_parallel))
     engine = TensorParallelEngine(world=cfg.tensor_parallel, devices=devices, precision=cfg.precision,
-                                  max_batch=cfg.max_batch_size, threads=cfg.threads)
+                                  max_batch=cfg.max_batch_size, threads=cfg.threads,
+                                  batch_invariant=cfg.batch_invariant)
     engine.load(spec.path)
     return engine
 
