@@ -158,12 +158,14 @@ async def _prepare(state: AppState, req: ResponseRequest) -> _Prepared:
                                      "tool_choice" if tool_guide is not None else "text")
     head = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     turns = to_messages(context + items)
-    while True:
-        prompt = service.render_chat(system_first(head + turns), tools=tools, variables=variables)
-        ids = service.encode(prompt, special=False)
-        if req.truncation != "auto" or _fits(service, ids, req.max_output_tokens) or len(turns) <= 1:
-            break
-        turns = _drop_oldest_turn(turns)
+
+    def prompt_ids(start: int) -> list[int]:
+        return service.encode(service.render_chat(system_first(head + turns[start:]), tools=tools,
+                                                  variables=variables), special=False)
+
+    ids = prompt_ids(0)
+    if req.truncation == "auto" and not _fits(service, ids, req.max_output_tokens) and len(turns) > 1:
+        ids = _latest_that_fits(turns, prompt_ids, lambda ids: _fits(service, ids, req.max_output_tokens))
     want_lps = LOGPROBS in (req.include or ()) or req.top_logprobs is not None
     params = make_params(service, max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
                          top_k=req.top_k, min_p=req.min_p, seed=req.seed,
@@ -195,13 +197,24 @@ def _fits(service, ids: list[int], max_tokens: int | None) -> bool:
     return len(ids) + (max_tokens or 1) <= service.max_model_len
 
 
-def _drop_oldest_turn(turns: list[dict]) -> list[dict]:
-    """The conversation without its oldest turn (up to the next user message: a tool answer never
-    loses the call it answers)."""
-    for k in range(1, len(turns)):
-        if turns[k]["role"] == "user":
-            return turns[k:]
-    return turns[-1:]
+def _latest_that_fits(turns: list[dict], prompt_ids, fits) -> list[int]:
+    """truncation 'auto' of a conversation whose whole prompt does not fit: the prompt's ids from the
+    oldest turn whose cut fits (the conversation starts at a user message: a tool answer never loses
+    the call it answers; at worst the last turn alone, fitting or not). Cuts are searched by halves (a
+    shorter conversation renders a shorter prompt): one render per dropped turn took a request of
+    thousands of turns minutes of the event loop (session 46)."""
+    cuts = [k for k in range(1, len(turns)) if turns[k]["role"] == "user"]
+    if not cuts or cuts[-1] != len(turns) - 1:
+        cuts.append(len(turns) - 1)
+    lo, hi, found = 0, len(cuts) - 1, {}
+    while lo < hi:  # the first cut that fits; the last one if none does
+        mid = (lo + hi) // 2
+        found[mid] = prompt_ids(cuts[mid])
+        if fits(found[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return found[lo] if lo in found else prompt_ids(cuts[lo])
 
 
 async def _keep(state: AppState, p: _Prepared, response: dict) -> None:
