@@ -9,13 +9,16 @@ HTTP. Each test failed before its fix (session 46's security review):
   every token of every choice, on the event loop: a stop string is at most 1,024 characters (400);
 - Responses' truncation 'auto' rendered the prompt again for each turn it dropped: thousands of turns held
   the event loop for minutes;
-- the Responses store bounded the count of responses kept, not their bytes (--responses-store-bytes);
+- the Responses store bounded the count of responses kept, not their bytes (--responses-store-bytes), and a
+  truncated response was stored with its whole conversation (a chain of them grew without bound);
 - a LoRA path with a NUL byte was a 500;
 - a request's own `chat_template` (vLLM's field, refused there unless --trust-request-chat-template) was
   silently ignored: the answer came from the model's template, not the one asked for.
 """
 
 from __future__ import annotations
+
+import re
 
 import httpx
 import pytest
@@ -125,3 +128,31 @@ def test_stored_responses_are_bounded_in_bytes(tmp_path_factory):
             ids.append(r.json()["id"])
         got = [httpx.get(f"{srv.url}/v1/responses/{rid}", timeout=30).status_code for rid in ids]
         assert got == [404, 200, 200]
+
+
+def test_a_truncated_response_is_continued_from_what_its_prompt_held(server):
+    """A response whose prompt truncation 'auto' cut is stored with the context its prompt held, not the whole
+    conversation: a chain of truncated requests of 2 MB each grew its record, and the render of every
+    continuation, without bound. Its continuation's prompt is the one the whole conversation gives (a later
+    start could not fit again); without truncation the continuation's prompt is near the context, not all 400
+    turns."""
+    turns = [{"role": "user" if k % 2 == 0 else "assistant", "content": f"turn {k}"} for k in range(400)]
+    first = _post(server, "/v1/responses", {"model": NAME, "input": turns, "truncation": "auto",
+                                            "max_output_tokens": 4, "temperature": 0})
+    assert first.status_code == 200, first.text
+    answer = first.json()["output"][0]["content"][0]["text"]
+    nxt = {"role": "user", "content": "next"}
+    body = {"model": NAME, "max_output_tokens": 4, "temperature": 0}
+    cont = _post(server, "/v1/responses", {**body, "input": [nxt], "truncation": "auto",
+                                           "previous_response_id": first.json()["id"]})
+    whole = _post(server, "/v1/responses", {**body, "truncation": "auto", "input": turns + [
+        {"role": "assistant", "content": answer}, nxt]})
+    assert cont.status_code == 200 and whole.status_code == 200, (cont.text, whole.text)
+    assert cont.json()["usage"]["input_tokens"] == whole.json()["usage"]["input_tokens"]
+    assert cont.json()["output"][0]["content"][0]["text"] == whole.json()["output"][0]["content"][0]["text"]
+    # without truncation the continuation's prompt is what the first one held and its answer, a little over the
+    # context at most (it was all 400 turns)
+    plain = _post(server, "/v1/responses", {**body, "input": [nxt], "previous_response_id": first.json()["id"]})
+    if plain.status_code != 200:
+        assert plain.status_code == 400, plain.text
+        assert int(re.search(r"prompt has (\d+) tokens", plain.json()["error"]["message"]).group(1)) < 300
