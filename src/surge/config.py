@@ -189,6 +189,10 @@ class ResponsesConfig(_Strict):
                                "0: none is kept, and `previous_response_id` finds nothing.")
     store_ttl_s: float = Field(24 * 3600, gt=0, description="A stored response is forgotten this long after its "
                                "last write.")
+    store_bytes: int = Field(1 << 30, ge=0, description="Bytes of responses kept (their JSON; the least recently "
+                             "used leave first, and one larger than this is not kept): a count alone let clients "
+                             "keep store_entries request bodies of any size, in memory or shared memory. Not "
+                             "applied to Redis, whose own maxmemory bounds it.")
     store_dir: Path | None = Field(None, description="Keep them as files in this directory (shared by servers "
                                    "that mount it); default: in memory, or under --workers in the front ends' "
                                    "shared-memory directory.")

@@ -188,3 +188,24 @@ def test_include_stop_str_in_output_keeps_the_match():
     state = TextState(lambda x: tok.decode(x, skip_special_tokens=True), ("assignment",), keep_stop=True)
     text = "".join(state.add(t) for t in ids[:-1]) + state.add(ids[-1], final=True) + state.flush()
     assert state.stopped and text == full[:full.index("assignment") + len("assignment")]
+
+
+def test_holdback_is_the_longest_end_that_begins_a_stop_string():
+    """TextState._holdback tries only the lengths whose stop string's character matches the text's last
+    (session 46: trying every length cost each token each stop string's length in slices): the same
+    answer as trying every length, on random short alphabets where partial matches abound."""
+    import random
+
+    from surge.runtime.detok import TextState
+
+    def every_length(stop, text):
+        return max((next((k for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), 0)
+                    for s in stop), default=0)
+
+    rng = random.Random(46)
+    for _ in range(20_000):
+        alphabet = rng.choice(["ab", "abc ", "a\u00e9b"])
+        stop = tuple("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 9)))
+                     for _ in range(rng.randint(1, 3)))
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 14)))
+        assert TextState(lambda ids: "", stop)._holdback(text) == every_length(stop, text), (stop, text)

@@ -303,6 +303,55 @@ def test_the_event_loop_reader_reassembles_messages_split_and_merged():
     assert len(pickle.dumps(msgs[1])) > 3 << 20
 
 
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_messages_larger_than_the_socket_buffer_arrive_whole_and_in_order(loop_kind):
+    """What the server sends the child on the event loop (EngineProcess.send): a message of several MiB (a
+    request's long stop strings or grammar) does not fit the socket's buffer. uvloop makes the socket
+    non-blocking, where send_bytes stopped mid-message, told the caller the child was gone and left the
+    child a cut stream (session 46: one such request killed the engine process and every stream in it).
+    Every message arrives whole and in order, the small ones sent after a large one too, while the
+    other side reads slowly."""
+    import multiprocessing as mp
+    import threading
+
+    from surge.runtime.generate_process import EngineProcess, _loads
+
+    if loop_kind == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        new_loop = uvloop.new_event_loop
+    else:
+        new_loop = asyncio.new_event_loop
+    ours, theirs = mp.Pipe()
+    proc = EngineProcess.__new__(EngineProcess)  # the writer alone, on a socket pair: no child needed
+    proc.conn, proc._loop, proc._dir = ours, None, "/nonexistent"
+    msgs = [("add", "x" * 3_000_000), ("abort", 1, "gone"), ("add", "y" * 5_000_000)]
+    msgs += [("abort", i, "r") for i in range(100)]
+    got = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        proc.attach(loop, lambda m: None, lambda: None)
+
+        def read():
+            for _ in msgs:
+                time.sleep(0.001)
+                got.append(_loads(theirs.recv_bytes()))
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert [proc.send(m) for m in msgs] == [True] * len(msgs)  # never "gone"
+        while reader.is_alive():  # the loop runs meanwhile: it writes what waits as the socket drains
+            await asyncio.sleep(0.01)
+
+    loop = new_loop()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        proc._detach_and_close()
+        loop.close()
+    assert got == msgs
+
+
 def test_close_while_a_new_child_starts_leaves_no_engine_process(model_dir, monkeypatch):
     """Unloading a model whose engine process is being started again: close waits for the start and
     ends the new child too."""

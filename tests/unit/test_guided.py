@@ -276,3 +276,22 @@ def test_matchers_are_built_beside_the_step_loop(model_dir, tok, monkeypatch):
     run(in_place, again, [0, 0, 2], num_blocks=200)
     assert built[3:] == ["MainThread"] * 3
     assert [s.output_ids for s in seqs] == [s.output_ids for s in again]
+
+
+def test_large_guides_are_not_kept_compiled():
+    """Session 46: every checked guide was kept (256 of them), whatever its size: 256 distinct 2 MB grammars
+    from clients held a gigabyte in each process. Guides over CACHED_CHARS compile each time, still
+    checked (a bad one is a 400) and still answered by a matcher."""
+    from surge.runtime.guided import CACHED_CHARS
+    from tests.decoder_models import train_tokenizer
+
+    guides = Guides(train_tokenizer(512, True).to_str(), 512, [2])
+    big = [("grammar", f'start: "a" | "{k}"\n' + "// " + "x" * CACHED_CHARS + "\n") for k in range(3)]
+    for g in big:
+        guides.check(g, "guided_grammar")
+        assert guides.matcher(g).error is None
+    with pytest.raises(InvalidInput, match="guided_grammar"):
+        guides.check(("grammar", "start: missing\n// " + "x" * CACHED_CHARS), "guided_grammar")
+    small = ("regex", "[ab]+")
+    guides.check(small, "guided_regex")
+    assert guides._cached.cache_info().currsize == 1  # the small one only

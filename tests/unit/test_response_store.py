@@ -117,3 +117,37 @@ def test_the_server_picks_its_store(tmp_path, monkeypatch):
     assert isinstance(mine, DirStore) and mine.root == tmp_path / "mine" and mine.entries == 7
     redis_store = store_for(ResponsesConfig(store_dir=tmp_path / "mine", store_redis_url="redis://127.0.0.1:1/0"))
     assert isinstance(redis_store, RedisStore)
+
+
+def test_memory_and_files_keep_at_most_max_bytes():
+    """Session 46: the stores counted records only, so 10,000 responses of 2 MB request bodies (reasoning items
+    are kept whole) stayed in memory, or in the --workers front ends' shared memory. Past `max_bytes` of JSON
+    the least recently used leave; a record larger than all of it is not kept (nor an older state of it)."""
+    import orjson
+
+    big = lambda k: {**record(0), "pad": "x" * 4000, "k": k}  # noqa: E731 - one size
+    size = len(orjson.dumps(big(0)))
+    s = MemoryStore(100, 3600, max_bytes=3 * size)
+    for k in range(5):
+        run(s.put(f"r{k}", big(k)))
+    assert [run(s.get(f"r{k}")) is not None for k in range(5)] == [False, False, True, True, True]
+    assert s.bytes == 3 * size
+    run(s.put("r4", {**big(4), "pad": "x" * 20_000}))  # grew past the bound: not kept, its old state gone
+    assert run(s.get("r4")) is None and s.bytes == 2 * size
+    assert run(s.delete("r3")) and s.bytes == size
+
+
+def test_files_are_pruned_by_bytes(tmp_path):
+    import orjson
+
+    big = lambda k: {**record(0), "pad": "x" * 4000, "k": k}  # noqa: E731 - one size
+    size = len(orjson.dumps(big(0)))
+    s = DirStore(tmp_path, 100, 3600, max_bytes=3 * size)
+    now = time.time()
+    for k in range(5):
+        run(s.put(f"r{k}", big(k)))
+        os.utime(tmp_path / f"r{k}.json", (now - 100 + k, now - 100 + k))  # r0 the oldest
+    s.prune()
+    assert [run(s.get(f"r{k}")) is not None for k in range(5)] == [False, False, True, True, True]
+    run(s.put("r4", {**big(4), "pad": "x" * 20_000}))
+    assert run(s.get("r4")) is None and not (tmp_path / "r4.json").exists()

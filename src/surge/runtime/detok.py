@@ -45,12 +45,20 @@ class TextState:
         self._searched = 0
 
     def _holdback(self, text: str) -> int:
-        hold = 0
+        """The longest end of `text` that begins a stop string (held back: the next tokens may complete it).
+        Only lengths k whose stop string's k-th character is the text's last are tried (str.rfind finds
+        them), not every k: per token that was each stop string's length in slices of it, the event loop's
+        work on every token of every choice (session 46)."""
+        if not text:
+            return 0
+        hold, last = 0, text[-1]
         for s in self.stop:
-            for k in range(min(len(s) - 1, len(text)), 0, -1):
+            k = s.rfind(last, 0, min(len(s) - 1, len(text))) + 1
+            while k > hold:
                 if text.endswith(s[:k]):
-                    hold = max(hold, k)
+                    hold = k
                     break
+                k = s.rfind(last, 0, k - 1) + 1
         return hold
 
     def _full(self) -> str:

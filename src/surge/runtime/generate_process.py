@@ -48,6 +48,13 @@ _loads = pickle.loads
 _HEADER = struct.Struct("!i")
 
 
+def _frame(data: bytes) -> bytes:
+    """`data` framed as multiprocessing.connection's send_bytes frames it (what recv_bytes reads)."""
+    if len(data) > 0x7FFFFFFF:
+        return _HEADER.pack(-1) + struct.pack("!Q", len(data)) + data
+    return _HEADER.pack(len(data)) + data
+
+
 class _ConnChannel:
     def __init__(self, conn):
         self.conn = conn
@@ -166,11 +173,16 @@ class LoopConnection:
     conn = None
     _loop: asyncio.AbstractEventLoop | None = None
 
+    _wbuf: bytearray | None = None  # attached: the bytes the socket has not taken yet, in order
+
     def attach(self, loop: asyncio.AbstractEventLoop, on_message, on_exit) -> None:
-        """Read the other side's messages on `loop` (`read_on_loop`)."""
+        """Read the other side's messages on `loop` (`read_on_loop`); from now on `send` never blocks it."""
         self._loop = loop
+        # uvloop's add_reader makes the socket non-blocking, asyncio's leaves it blocking: one way on both
+        os.set_blocking(self.conn.fileno(), False)
 
         def ended():
+            self._stop_writing()
             self._loop = None
             self._ended()
             on_exit()
@@ -181,12 +193,64 @@ class LoopConnection:
         """The connection ended (read on the loop, before on_exit)."""
 
     def send(self, msg) -> bool:
-        """False: the other side is gone. (Only the event loop's thread sends.)"""
+        """False: the other side is gone. Attached, a message the socket does not take whole (larger than its
+        buffer: a request's long stop strings or grammar, a long prompt; or the other side busy) waits for
+        it to drain, after what was sent before it: on the non-blocking socket a plain send_bytes would stop
+        mid-message, and the other side, reading a cut stream, would die with every sequence it runs. A
+        thread other than the attached loop's hands its message to the loop."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            try:
+                self.conn.send_bytes(_dumps(msg))
+                return True
+            except (BrokenPipeError, EOFError, OSError):
+                return False
         try:
-            self.conn.send_bytes(_dumps(msg))
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not loop:
+            loop.call_soon_threadsafe(self._write, _frame(_dumps(msg)))
             return True
-        except (BrokenPipeError, EOFError, OSError):
+        return self._write(_frame(_dumps(msg)))
+
+    def _write(self, frame: bytes) -> bool:
+        if self.conn is None or self.conn.closed:
             return False
+        if self._wbuf:  # earlier bytes still wait: this message goes after them
+            self._wbuf += frame
+            return True
+        try:
+            n = os.write(self.conn.fileno(), frame)
+        except BlockingIOError:
+            n = 0
+        except OSError:
+            return False
+        if n < len(frame):
+            self._wbuf = bytearray(memoryview(frame)[n:])
+            self._loop.add_writer(self.conn.fileno(), self._flush)
+        return True
+
+    def _flush(self) -> None:
+        """The socket can take more: as much of what waits as it will."""
+        if not self._wbuf or self.conn is None or self.conn.closed:
+            self._stop_writing()
+            return
+        try:
+            n = os.write(self.conn.fileno(), self._wbuf)
+        except BlockingIOError:
+            return
+        except OSError:  # the other side is gone: the reader sees the end and fails the streams
+            self._stop_writing()
+            return
+        del self._wbuf[:n]
+        if not self._wbuf:
+            self._stop_writing()
+
+    def _stop_writing(self) -> None:
+        if self._wbuf is not None and self._loop is not None and self.conn is not None and not self.conn.closed:
+            self._loop.remove_writer(self.conn.fileno())
+        self._wbuf = None
 
     def release(self) -> None:
         loop = self._loop
@@ -203,6 +267,7 @@ class LoopConnection:
             loop.call_soon_threadsafe(self._detach_and_close)
 
     def _detach_and_close(self) -> None:
+        self._stop_writing()
         if self._loop is not None and self.conn is not None and not self.conn.closed:
             self._loop.remove_reader(self.conn.fileno())
         self._loop = None

@@ -23,6 +23,7 @@ from surge import json_depth
 from surge.errors import InvalidInput
 
 KINDS = ("json", "regex", "choice", "grammar")
+CACHED_CHARS = 64 * 1024  # the largest guide text whose compiled grammar a process keeps (Guides._compiled)
 ANY_OBJECT = json.dumps({"type": "object"})
 # JSON written as json.dumps writes it (", " and ": ", no other whitespace), the form models mostly saw:
 # with whitespace left free a weak model can fill max_tokens with newlines, and compact separators
@@ -107,8 +108,13 @@ class Guides:
         self.vocab_size = vocab_size
         eos = None if not self.eos else self.eos if len(self.eos) > 1 else self.eos[0]
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
-        self._compiled = lru_cache(maxsize=256)(self._compile)
+        self._cached = lru_cache(maxsize=256)(self._compile)
         self._executor = None
+
+    def _compiled(self, guide: tuple[str, str]) -> tuple[str | None, str | None]:
+        """_compile's answer, kept for guides of at most CACHED_CHARS: 256 kept guides of 2 MB (a request's
+        grammar may be that large) held a process's gigabyte (session 46); a large one compiles each time."""
+        return self._cached(guide) if len(guide[1]) <= CACHED_CHARS else self._compile(guide)
 
     def _compile(self, guide: tuple[str, str]) -> tuple[str | None, str | None]:
         """(grammar, None) or (None, why it is not valid)."""

@@ -4,7 +4,7 @@ background, and continued (`previous_response_id`: its conversation is the conte
 
 Three kinds, one contract (coroutines `get`, `put`, `delete`; a record is a JSON-able dict):
 
-- `MemoryStore`: one process's, least recently used first out past `entries`;
+- `MemoryStore`: one process's, least recently used first out past `entries` or `max_bytes`;
 - `DirStore`: one JSON file a response in a directory, for the `--workers` front ends, which are
   processes of their own: the response front end A stored is there for the request that front end B
   takes next. A write goes to a temporary file renamed over the record (readers see the old record or
@@ -12,8 +12,9 @@ Three kinds, one contract (coroutines `get`, `put`, `delete`; a record is a JSON
 - `RedisStore`: a key a response on a Redis server, for servers on several hosts (Ray Serve's ingress
   replicas, or servers behind one load balancer); Redis' own eviction bounds the count.
 
-All drop records older than `ttl_s`. Ids are random (responses_api.new_id), so writers never race on
-one record except a background response and its cancel (the record's `cancel_requested`, which the
+All drop records older than `ttl_s`; memory and directory stores hold at most `max_bytes` of records'
+JSON (a record larger than that is not kept: its id then finds nothing, as an expired one's). Ids are
+random (responses_api.new_id), so writers never race on one record except a background response and its cancel (the record's `cancel_requested`, which the
 running side reads as its tokens arrive).
 """
 
@@ -36,17 +37,19 @@ def valid_id(rid: str) -> bool:
 
 
 class MemoryStore:
-    def __init__(self, entries: int, ttl_s: float):
+    def __init__(self, entries: int, ttl_s: float, max_bytes: int = 1 << 30):
         self.entries = entries
         self.ttl_s = ttl_s
-        self._items: OrderedDict[str, tuple[float, dict]] = OrderedDict()
+        self.max_bytes = max_bytes
+        self.bytes = 0  # the kept records' JSON sizes
+        self._items: OrderedDict[str, tuple[float, dict, int]] = OrderedDict()
 
     async def get(self, rid: str) -> dict | None:
         item = self._items.get(rid)
         if item is None:
             return None
         if time.time() - item[0] > self.ttl_s:
-            del self._items[rid]
+            self._drop(rid)
             return None
         self._items.move_to_end(rid)
         return item[1]
@@ -54,26 +57,37 @@ class MemoryStore:
     async def put(self, rid: str, record: dict) -> None:
         if not valid_id(rid):
             raise ValueError(f"not a response id: {rid!r}")
-        if self.entries <= 0:
+        self._drop(rid)
+        size = len(orjson.dumps(record))  # what the other stores would write; records share no bytes here
+        if self.entries <= 0 or size > self.max_bytes:
             return
-        self._items[rid] = (time.time(), record)
-        self._items.move_to_end(rid)
-        while len(self._items) > self.entries:
-            self._items.popitem(last=False)
+        self._items[rid] = (time.time(), record, size)
+        self.bytes += size
+        while len(self._items) > self.entries or self.bytes > self.max_bytes:
+            self._drop(next(iter(self._items)))
+
+    def _drop(self, rid: str) -> bool:
+        item = self._items.pop(rid, None)
+        if item is None:
+            return False
+        self.bytes -= item[2]
+        return True
 
     async def delete(self, rid: str) -> bool:
-        return self._items.pop(rid, None) is not None
+        return self._drop(rid)
 
 
 class DirStore:
     PRUNE_EVERY = 64  # writes between two scans of the directory for records past the bounds
 
-    def __init__(self, root: str | Path, entries: int, ttl_s: float):
+    def __init__(self, root: str | Path, entries: int, ttl_s: float, max_bytes: int = 1 << 30):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.entries = entries
         self.ttl_s = ttl_s
+        self.max_bytes = max_bytes
         self._writes = 0
+        self._written = 0  # bytes written since the last prune: past max_bytes / 8, the next write prunes
 
     def _path(self, rid: str) -> Path:
         if not valid_id(rid):
@@ -94,11 +108,16 @@ class DirStore:
         if self.entries <= 0:
             return
         path = self._path(rid)
+        data = orjson.dumps(record)
+        if len(data) > self.max_bytes:
+            path.unlink(missing_ok=True)  # its earlier state must not answer for it
+            return
         tmp = path.with_name(f".{rid}.{os.getpid()}.tmp")
-        tmp.write_bytes(orjson.dumps(record))
+        tmp.write_bytes(data)
         os.replace(tmp, path)
         self._writes += 1
-        if self._writes % self.PRUNE_EVERY == 0:
+        self._written += len(data)
+        if self._writes % self.PRUNE_EVERY == 0 or self._written > self.max_bytes // 8:
             self.prune()
 
     async def delete(self, rid: str) -> bool:
@@ -109,23 +128,28 @@ class DirStore:
             return False
 
     def prune(self) -> None:
-        """Records past ttl_s, then the oldest past `entries`, removed."""
+        """Records past ttl_s, then the oldest past `entries` or `max_bytes`, removed."""
+        self._written = 0
         now = time.time()
         files = []
         for entry in os.scandir(self.root):
             if not entry.name.endswith(".json"):
                 continue
             try:
-                mtime = entry.stat().st_mtime
+                st = entry.stat()
             except OSError:
                 continue
-            if now - mtime > self.ttl_s:
+            if now - st.st_mtime > self.ttl_s:
                 Path(entry.path).unlink(missing_ok=True)
             else:
-                files.append((mtime, entry.path))
+                files.append((st.st_mtime, entry.path, st.st_size))
         files.sort()
-        for _, path in files[:max(0, len(files) - self.entries)]:
+        total = sum(size for _, _, size in files)
+        for k, (_, path, size) in enumerate(files):
+            if len(files) - k <= self.entries and total <= self.max_bytes:
+                break
             Path(path).unlink(missing_ok=True)
+            total -= size
 
 
 class RedisStore:
@@ -167,5 +191,5 @@ def store_for(config) -> MemoryStore | DirStore | RedisStore:
     if root is None and os.environ.get("SURGE_SHM_DIR"):
         root = Path(os.environ["SURGE_SHM_DIR"]) / "responses"
     if root is not None:
-        return DirStore(root, config.store_entries, config.store_ttl_s)
-    return MemoryStore(config.store_entries, config.store_ttl_s)
+        return DirStore(root, config.store_entries, config.store_ttl_s, config.store_bytes)
+    return MemoryStore(config.store_entries, config.store_ttl_s, config.store_bytes)

@@ -9,6 +9,7 @@ from surge.errors import InvalidInput
 
 
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
+MAX_STOP_CHARS = 1024  # a stop string's length (markers are a few characters; 100 KB ones cost every token a scan)
 _INTS = ("max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "priority")
 _OPTIONAL = ("seed", "logprobs", "prompt_logprobs")
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -82,6 +83,9 @@ class SamplingParams:
             raise InvalidInput("stop strings must not be empty", param="stop")
         if len(self.stop) > 16:
             raise InvalidInput("at most 16 stop strings are allowed", param="stop")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            # every token of every choice searches the text's end for each: a bound on the event loop's work
+            raise InvalidInput(f"a stop string may be at most {MAX_STOP_CHARS} characters long", param="stop")
         if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
             raise InvalidInput("logit_bias values must be between -100 and 100", param="logit_bias")
 

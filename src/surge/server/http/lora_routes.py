@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 
-from surge.errors import InvalidInput, NotFound, Unsupported, shown
+from surge.errors import ConfigError, InvalidInput, NotFound, Unsupported, shown
 from surge.server.http.common import parse
 from surge.server.http.generate_common import generate_model
 from surge.server.http.openapi import body
@@ -70,6 +70,8 @@ def router(state: AppState) -> APIRouter:
         name = req.lora_name.strip()
         if not name or not req.lora_path.strip():
             raise InvalidInput("lora_name and lora_path must not be empty", param="lora_name")
+        if "\x00" in req.lora_path:  # no file system path holds one (os calls raise ValueError)
+            raise InvalidInput("lora_path must not contain a NUL character", param="lora_path")
         async with lock:
             service = _base_for(state, req.model)
             _allowed(service)
@@ -77,7 +79,10 @@ def router(state: AppState) -> APIRouter:
                 raise InvalidInput(f"the LoRA adapter '{shown(name)}' has already been loaded", param="lora_name")
             if name not in service.adapters and name in state.registry.names():
                 raise InvalidInput(f"'{shown(name)}' is the name of a served model", param="lora_name")
-            checked = await asyncio.to_thread(service.check_adapter, name, req.lora_path)
+            try:
+                checked = await asyncio.to_thread(service.check_adapter, name, req.lora_path)
+            except ConfigError as exc:  # the request's directory, not the server's configuration
+                raise InvalidInput(exc.message, param="lora_path") from None
             if name in service.adapters:  # load_inplace: the old one stops taking requests first
                 state.registry.remove(name, service.remove_adapter(name).version)
             state.registry.add(service.add_adapter(name, req.lora_path, checked))

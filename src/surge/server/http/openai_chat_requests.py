@@ -99,6 +99,8 @@ class ChatCompletionRequest(_Sampling):
                                          "message's text, no end of turn after it.")
     chat_template_kwargs: dict | None = Field(None, description="The template's own variables (e.g. "
                                               "enable_thinking).")
+    chat_template: StrictStr | None = Field(None, description="vLLM's: refused (400), as vLLM refuses it "
+                                            "without --trust-request-chat-template; the model's template renders.")
     # OpenAI fields a text model cannot honour: refused when set (chat_answer), never dropped
     modalities: list[StrictStr] | None = None
     audio: dict | None = None
@@ -141,9 +143,18 @@ def _refuse_stream_options(req: _Sampling) -> None:
         raise InvalidInput("stream_options can only be set when stream is true", param="stream_options")
 
 
+def refuse_request_template(req) -> None:
+    """A request's own jinja template is code the server would run: refused as vLLM refuses it (without
+    --trust-request-chat-template), never silently replaced by the model's."""
+    if req.chat_template is not None:
+        raise InvalidInput("a request's own chat_template is not accepted: the model's chat template renders the "
+                           "messages (its variables go in chat_template_kwargs)", param="chat_template")
+
+
 def _refuse_chat_fields(req: ChatCompletionRequest) -> None:
     """What a text model cannot honour is a 400 naming it (the request models ignore unknown fields)."""
     _refuse_stream_options(req)
+    refuse_request_template(req)
     if req.modalities and set(req.modalities) != {"text"}:
         raise InvalidInput("only the text modality is served", param="modalities")
     if req.audio is not None:

@@ -129,8 +129,9 @@ def _refuse_unsupported(req: ResponseRequest) -> None:
 
 
 class _Prepared(SimpleNamespace):
-    """A request made ready for the engine: service, ids, params, parse_calls, input_items, context
-    (the conversation before this input), base (the response object without its outcome), want_lps,
+    """A request made ready for the engine: service, ids, params, parse_calls, input_items, held (the
+    conversation its prompt holds: the stored context, then this input; truncation 'auto' may start it
+    later), base (the response object without its outcome), want_lps,
     reasoning (the parser of the model's thinking), count (text -> its tokens)."""
 
 
@@ -158,12 +159,15 @@ async def _prepare(state: AppState, req: ResponseRequest) -> _Prepared:
                                      "tool_choice" if tool_guide is not None else "text")
     head = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     turns = to_messages(context + items)
-    while True:
-        prompt = service.render_chat(system_first(head + turns), tools=tools, variables=variables)
-        ids = service.encode(prompt, special=False)
-        if req.truncation != "auto" or _fits(service, ids, req.max_output_tokens) or len(turns) <= 1:
-            break
-        turns = _drop_oldest_turn(turns)
+
+    def prompt_ids(start: int) -> list[int]:
+        return service.encode(service.render_chat(system_first(head + turns[start:]), tools=tools,
+                                                  variables=variables), special=False)
+
+    ids, held = prompt_ids(0), context + items
+    if req.truncation == "auto" and not _fits(service, ids, req.max_output_tokens) and len(turns) > 1:
+        cut, ids = _latest_that_fits(turns, prompt_ids, lambda ids: _fits(service, ids, req.max_output_tokens))
+        held = _held_from(held, turns, cut)
     want_lps = LOGPROBS in (req.include or ()) or req.top_logprobs is not None
     params = make_params(service, max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
                          top_k=req.top_k, min_p=req.min_p, seed=req.seed,
@@ -187,7 +191,7 @@ async def _prepare(state: AppState, req: ResponseRequest) -> _Prepared:
         "usage": None, "user": req.user, "metadata": req.metadata or {},
     }
     return _Prepared(service=service, ids=ids, params=params, parse_calls=parse_calls, input_items=items,
-                     context=context, base=base, want_lps=want_lps, reasoning=reasoning,
+                     held=held, base=base, want_lps=want_lps, reasoning=reasoning,
                      count=lambda text: service.encode(text, special=False))
 
 
@@ -195,13 +199,43 @@ def _fits(service, ids: list[int], max_tokens: int | None) -> bool:
     return len(ids) + (max_tokens or 1) <= service.max_model_len
 
 
-def _drop_oldest_turn(turns: list[dict]) -> list[dict]:
-    """The conversation without its oldest turn (up to the next user message: a tool answer never
-    loses the call it answers)."""
-    for k in range(1, len(turns)):
-        if turns[k]["role"] == "user":
-            return turns[k:]
-    return turns[-1:]
+def _latest_that_fits(turns: list[dict], prompt_ids, fits) -> tuple[int, list[int]]:
+    """truncation 'auto' of a conversation whose whole prompt does not fit: (the turn it starts at, the
+    prompt's ids) from the oldest turn whose cut fits (the conversation starts at a user message: a tool answer never loses
+    the call it answers; at worst the last turn alone, fitting or not). Cuts are searched by halves (a
+    shorter conversation renders a shorter prompt): one render per dropped turn took a request of
+    thousands of turns minutes of the event loop (session 46)."""
+    cuts = [k for k in range(1, len(turns)) if turns[k]["role"] == "user"]
+    if not cuts or cuts[-1] != len(turns) - 1:
+        cuts.append(len(turns) - 1)
+    lo, hi, found = 0, len(cuts) - 1, {}
+    while lo < hi:  # the first cut that fits; the last one if none does
+        mid = (lo + hi) // 2
+        found[mid] = prompt_ids(cuts[mid])
+        if fits(found[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return cuts[lo], found[lo] if lo in found else prompt_ids(cuts[lo])
+
+
+def _held_from(conversation: list[dict], turns: list[dict], cut: int) -> list[dict]:
+    """The items (stored context, then the request's input) a truncated request's response is continued from:
+    those from the user message its prompt started at (turns[cut]). A continuation, its conversation longer,
+    could never fit an earlier start again, so this drops nothing its prompts would hold; storing them all
+    let a chain of truncated requests grow its record, and each continuation's render, without bound
+    (session 46). The response's input_items stay whole. A prompt of the last turn alone, not a user
+    message, keeps them all."""
+    if turns[cut]["role"] != "user":
+        return conversation
+    users = sum(1 for t in turns[:cut] if t["role"] == "user")  # user messages are items one for one
+    seen = 0
+    for k, item in enumerate(conversation):
+        if item["type"] == "message" and item["role"] == "user":
+            if seen == users:
+                return conversation[k:]
+            seen += 1
+    return conversation
 
 
 async def _keep(state: AppState, p: _Prepared, response: dict) -> None:
@@ -209,7 +243,7 @@ async def _keep(state: AppState, p: _Prepared, response: dict) -> None:
     (its outputs once it is done)."""
     if p.base["store"]:
         done = response["status"] in ("completed", "incomplete")
-        conversation = p.context + p.input_items + (response["output"] if done else [])
+        conversation = p.held + (response["output"] if done else [])
         await _store(state).put(response["id"], {"response": response, "input_items": p.input_items,
                                                  "conversation": conversation})
 

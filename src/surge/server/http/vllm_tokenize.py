@@ -19,7 +19,11 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from surge.errors import InvalidInput
 from surge.server.http.common import ORJSONResponse, parse, validate
-from surge.server.http.openai_chat_requests import ChatMessage, chat_messages
+from surge.server.http.openai_chat_requests import (
+    ChatMessage,
+    chat_messages,
+    refuse_request_template,
+)
 from surge.server.http.task_io import body_schema
 
 
@@ -42,6 +46,7 @@ class TokenizeChat(BaseModel):
     add_special_tokens: StrictBool = False  # the template writes the special tokens itself
     tools: list[dict] | None = None
     chat_template_kwargs: dict | None = None
+    chat_template: StrictStr | None = None  # refused (refuse_request_template), as the chat route refuses it
     return_token_strs: StrictBool = False
 
 
@@ -74,6 +79,7 @@ def tokenize(state, body: dict) -> ORJSONResponse:
     if chat:
         if getattr(served, "task", None) != "generate":
             raise InvalidInput(f"model '{served.name}' has no chat template: tokenize a 'prompt'", param="messages")
+        refuse_request_template(req)
         if req.continue_final_message and req.add_generation_prompt:
             raise InvalidInput("continue_final_message and add_generation_prompt cannot both be true",
                                param="continue_final_message")
