@@ -1,11 +1,13 @@
 """What the gRPC read deadline (server/grpc/read_deadline.py) costs the server: its CPU time per unary call
 and per message of a request stream, without it, with an interceptor that only passes the handler through
-(grpc.aio's interceptor chain alone), and with it.
+(grpc.aio's interceptor chain alone), with it, and with the send deadline (server/grpc/send_deadline.py) too, as
+the server runs them.
 
     PYTHONPATH=src python3 benchmarks/grpc_read_deadline.py [--rounds 7 --calls 3000 --concurrency 16]
 
 Each round starts one grpc.aio server per mode in turn (in this process, an echo service: unary-unary, the
-shape the interceptor wraps, and stream-stream, which it passes through: request streams may wait), after one round not counted, and a client in a separate
+shape both wrap, and stream-stream, which the read deadline passes through: request streams may wait; the send
+deadline times each response), after one round not counted, and a client in a separate
 process (so that its CPU is not counted) that warms up, then makes CALLS unary calls, CONCURRENCY at a time,
 and sends CALLS messages on CONCURRENCY streams. The server's CPU is read around the measured parts only, on
 its event loop's thread (where all the Python runs) and on all its threads (grpc core's included); the table
@@ -26,6 +28,7 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from surge.server.grpc.read_deadline import ReadDeadlineInterceptor
+from surge.server.grpc.send_deadline import SendDeadlineInterceptor
 
 UNARY, STREAM = "/bench.Echo/Unary", "/bench.Echo/Stream"
 
@@ -35,8 +38,10 @@ class PassThrough(grpc.aio.ServerInterceptor):
         return await continuation(details)
 
 
+# The send deadline's port only names the connections it looks at once an answer has waited (none here): 0.
 INTERCEPTORS = {"none": list, "pass-through interceptor": lambda: [PassThrough()],
-                "read deadline": lambda: [ReadDeadlineInterceptor(60.0)]}
+                "read deadline": lambda: [ReadDeadlineInterceptor(60.0)],
+                "read + send deadlines": lambda: [ReadDeadlineInterceptor(60.0), SendDeadlineInterceptor(60.0, 0)]}
 
 
 async def unary(request, context):

@@ -43,6 +43,17 @@ def grpc_headers(stream_id: int, path: str, authority: str, end_stream: bool = F
     return frame(HEADERS, END_HEADERS | (END_STREAM if end_stream else 0), stream_id, block)
 
 
+def grpc_data(stream_id: int, message: bytes, end_stream: bool = True) -> bytes:
+    """One gRPC message (its 5-byte prefix: not compressed, 32-bit length) in one DATA frame."""
+    payload = b"\x00" + len(message).to_bytes(4, "big") + message
+    return frame(DATA, END_STREAM if end_stream else 0, stream_id, payload)
+
+
+def window_update(stream_id: int, increment: int) -> bytes:
+    """A WINDOW_UPDATE: `increment` more bytes the server may send on the stream (0: on the connection)."""
+    return frame(WINDOW_UPDATE, 0, stream_id, increment.to_bytes(4, "big"))
+
+
 def handshake(s: socket.socket) -> FrameReader:
     """Preface and an empty SETTINGS sent, the server's SETTINGS read and acknowledged."""
     s.sendall(PREFACE + frame(SETTINGS, 0, 0))

@@ -141,7 +141,12 @@ class LimitsConfig(_Strict):
         "generation's sequence and KV blocks freed; counted as a failure, \"cancelled\"), so that a client "
         "that asks for a large answer (POST /embed_all, a big batch, a stream) and never reads it cannot hold "
         "the connection, the answer's memory or an admission slot for ever. A client that reads, however "
-        "slowly, is never cut: each byte it takes restarts the clock. HTTP port.")
+        "slowly, is never cut: each byte it takes restarts the clock. HTTP port (under --workers, every process "
+        "that serves HTTP). On the gRPC port: a call whose answer (a unary answer, a stream's response, the final "
+        "status) waits while its connection's client acknowledges nothing the server sent (TCP) this long has its "
+        "connection reset, which ends the calls on it and frees their --grpc-max-concurrent-rpcs slots, so that a "
+        "client that grants no HTTP/2 window (a ModelStreamInfer whose responses it never reads) cannot hold a call, "
+        "its answer's memory and its slot for ever; cut between 1 and 1.5 times this after its last progress.")
     max_header_bytes: int = Field(
         64 * 1024, ge=4096, description="Largest request line and headers of one HTTP request; more gets 431 and "
         "the connection is closed (uvicorn kept every header, ~10 bytes of memory per byte sent, before any "

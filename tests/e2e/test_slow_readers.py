@@ -7,6 +7,7 @@ small receive buffer: the attack is in what is *not* read; server/http/conn_guar
   the request counts as a failure ("cancelled") rather than answered. Before, the connection, the answer's
   memory and the slot were held for ever, and every later request got 429;
 - a client that reads slowly but steadily is never cut: each byte it takes restarts the clock;
+- the same cut under --workers 2, whichever process serves the connection;
 - a streamed generation whose client stops reading is cut and its sequences are aborted (running sequences
   and KV use back to 0), counted "cancelled". Before, the stream's handler waited in `send` for ever.
 
@@ -124,6 +125,36 @@ def test_a_client_reading_slowly_but_steadily_is_never_cut(server):
     after = metrics_scrape.scrape(server.url, MODEL)
     assert delta(before, after, "surge_requests_total") == 1
     assert metrics_scrape.total(before, after, "surge_request_failures_total") == 0
+
+
+@pytest.fixture(scope="module")
+def workers():
+    with ServerProcess("--workers", "2", "--threads", "1", "--max-inflight", str(PER_REQUEST),
+                       "--max-token-states-bytes", str(PER_REQUEST * 256 * 384 * 4), env=SEND_TIMEOUT) as srv:
+        yield srv
+
+
+def test_under_workers_a_client_that_stops_reading_is_cut(workers):
+    """--workers 2: every process that serves HTTP connections (the front ends, and the engine process that a lone
+    client's connection may be handed to: cli/workers_engine.py) has the send deadline, through the same protocol
+    (server/http/frontend.py). The unread answer's connection is cut and counted "cancelled" (the metrics of every
+    process), and then requests on fresh connections, whichever process takes each, are answered, so that no
+    process is left with its slots held (each has its own admission: one that still held them would answer 429)."""
+    before = metrics_scrape.scrape(workers.url, MODEL)
+    s, got = _big_request(workers.port)
+    try:
+        # Nothing more is read until the server has given up on this client (a metric, not a sleep)
+        deadline = time.monotonic() + WAIT_S
+        while delta(before, metrics_scrape.scrape(workers.url, MODEL), "surge_request_failures_total",
+                    code="cancelled") < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        got += raw_sockets.read_to_close(s)
+    finally:
+        s.close()
+    length, body = _length(got)
+    assert len(body) < length  # cut
+    statuses = [_post(workers.url, {"inputs": "one more"}).status_code for _ in range(6)]
+    assert statuses == [200] * 6, statuses
 
 
 @pytest.fixture(scope="module")

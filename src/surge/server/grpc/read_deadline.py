@@ -34,35 +34,25 @@ import inspect
 import grpc
 from grpc.aio import EOF
 
+from surge.server.grpc.wrapping import WrappingInterceptor
+
 # Strong references to the aborting tasks while they run (the event loop keeps only weak ones).
 _aborting: set[asyncio.Task] = set()
 
 
-class ReadDeadlineInterceptor(grpc.aio.ServerInterceptor):
+class ReadDeadlineInterceptor(WrappingInterceptor):
     """Bounds the wait for each call's first request message (module docstring)."""
 
     def __init__(self, timeout_s: float):
+        super().__init__()
         self.timeout_s = timeout_s
         self._message = (f"the request message did not arrive within --request-read-timeout-s "
                          f"({timeout_s:g} s) of the call's start")
-        # The wrapped handler of each method handler grpc resolves (the same object for every call).
-        self._wrapped: dict[int, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
         # The calls waiting for their first message, each with its deadline, oldest first; one timer for all of
         # them (at the oldest's deadline): two dict operations a call, where a call_later and its cancel cost
         # ~10 times that.
         self._pending: dict[object, float] = {}
         self._sweep: asyncio.TimerHandle | None = None
-
-    async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if handler is None:
-            return None
-        known = self._wrapped.get(id(handler))
-        if known is None or known[0] is not handler:
-            if len(self._wrapped) >= 4096:  # a generic handler that makes a new handler per call: stay bounded
-                self._wrapped.clear()
-            known = self._wrapped[id(handler)] = (handler, self._wrap(handler))
-        return known[1]
 
     def _wrap(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         read_first = self._read_first

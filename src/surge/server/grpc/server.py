@@ -2,7 +2,7 @@
 event loop (grpc.aio), from the app's startup and shutdown hooks.
 
 What a client can hold is bounded as on the HTTP port (server/http/conn_guard.py), by grpcio's own
-channel arguments (checked against grpcio 1.85 by tests/e2e/test_grpc_limits.py):
+channel arguments (checked against grpcio 1.85 by tests/e2e/test_grpc_limits.py and test_grpc_slow_readers.py):
 
 - `--request-read-timeout-s`: a connection that has not finished its HTTP/2 handshake
   (`grpc.server_handshake_timeout_ms`) or that has had no call in flight (`grpc.max_connection_idle_ms`)
@@ -21,6 +21,15 @@ channel arguments (checked against grpcio 1.85 by tests/e2e/test_grpc_limits.py)
 - `--max-header-bytes`: the call's metadata, as both the soft and the hard limit
   (`grpc.max_metadata_size`, `grpc.absolute_max_metadata_size`: between them grpcio refuses at random);
   more gets RESOURCE_EXHAUSTED.
+- `--send-timeout-s`: a call whose answer waits to be sent (a unary answer, a stream's response, its status) while its
+  connection's client acknowledges none of what the server sent for that long has its connection reset, which ends
+  the calls on it and frees their slots of `--grpc-max-concurrent-rpcs` (send_deadline.py). Before, a client that read
+  its socket but granted no HTTP/2 window (a grpcio client that opens ModelStreamInfer and never reads the responses
+  does so) held the call, its slot and its answer's memory (up to 2048 inputs' tensors) for ever: grpc core has no
+  send timeout, and grpc.aio gives a servicer no way to end a call whose answer core is writing (a write given up
+  with asyncio.wait_for stays in core, the status waits behind it, and the call holds its slot until core ends it).
+  A client that stops reading its socket instead was already cut by grpc core: it sets TCP_USER_TIMEOUT (its
+  keepalive timeout, 20 s) on the connections it accepts, and Linux ends one whose window stays shut that long.
 - `--grpc-max-connection-age-s` (off by default: it cuts long streams): `grpc.max_connection_age_ms`, with
   `--request-timeout-s` as `grpc.max_connection_age_grace_ms` (unbounded by default, so that without it
   a call could outlive its connection's age for ever). It bounds what the read deadline leaves: request
@@ -42,6 +51,7 @@ import grpc
 from surge.server.grpc import grpc_service_pb2_grpc as pb_grpc
 from surge.server.grpc.health import OPEN_METHODS as HEALTH_METHODS, add_health_and_reflection
 from surge.server.grpc.read_deadline import ReadDeadlineInterceptor
+from surge.server.grpc.send_deadline import SendDeadlineInterceptor
 from surge.server.grpc.servicer import InferenceServicer
 from surge.server.http.conn_guard import connection_limit, limited_ports
 from surge.server.state import AppState
@@ -94,6 +104,8 @@ def build_server(state: AppState, reuse_port: bool = False) -> tuple[grpc.aio.Se
     # the read deadline, so that a refused call is not turned into one that reads its message.
     interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
     interceptors.append(ReadDeadlineInterceptor(limits.request_read_timeout_s))
+    # Last: it wraps the servicer's own handlers (the read deadline then wraps what it gives).
+    interceptors.append(SendDeadlineInterceptor(limits.send_timeout_s, config.grpc_port))
     read_timeout_ms = max(1, round(limits.request_read_timeout_s * 1000))
     server = grpc.aio.server(
         interceptors=interceptors,
