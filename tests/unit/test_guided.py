@@ -281,8 +281,8 @@ def test_matchers_are_built_beside_the_step_loop(model_dir, tok, monkeypatch):
 def test_large_guides_are_not_kept_compiled():
     """Session 46: every checked guide was kept (256 of them), whatever its size: 256 distinct 2 MB grammars
     from clients held a gigabyte in each process. Guides over CACHED_CHARS compile each time, still
-    checked (a bad one is a 400) and still answered by a matcher."""
-    from surge.runtime.guided import CACHED_CHARS
+    checked (a bad one is a 400) and still answered by a matcher; only the last LARGE_KEPT are kept."""
+    from surge.runtime.guided import CACHED_CHARS, LARGE_KEPT
     from tests.decoder_models import train_tokenizer
 
     guides = Guides(train_tokenizer(512, True).to_str(), 512, [2])
@@ -295,3 +295,7 @@ def test_large_guides_are_not_kept_compiled():
     small = ("regex", "[ab]+")
     guides.check(small, "guided_regex")
     assert guides._cached.cache_info().currsize == 1  # the small one only
+    # of the large ones, only the last few (a request's is checked by its route, then where it starts)
+    for g in big + [("grammar", f'start: "{k}"\n// ' + "x" * CACHED_CHARS) for k in range(2 * LARGE_KEPT)]:
+        guides.check(g, "guided_grammar")
+    assert len(guides._large) == LARGE_KEPT

@@ -47,3 +47,25 @@ def test_a_temperature_too_small_to_divide_by_samples_greedily(temperature):
     assert [o.token for o in out] == [17, 17, 17]
     assert SamplingParams(temperature=temperature).greedy
     assert SamplingParams(temperature=temperature).key() == SamplingParams(temperature=0).key()
+
+
+def test_key_and_packed_params_are_those_of_the_fields():
+    """key() takes the fields as they are (asdict's deep copy of 100,000 bad words took 0.6 s of the event
+    loop): the same key as asdict's; pack() pickles ahead, and the params that travel are equal."""
+    import pickle
+    from dataclasses import asdict, replace
+
+    p = SamplingParams(max_tokens=5, temperature=0.0, seed=3, stop=("x", "yz"), stop_token_ids=(1, 2),
+                       logit_bias=((3, -1.0), (9, 2.5)), guide=("regex", "[ab]+"), allowed_token_ids=(3, 4, 9),
+                       bad_words_ids=((5,), (6, 7)), own_max_tokens=True, priority=2)
+    d = asdict(p)
+    for k in ("extra", "own_max_tokens", "priority", "temperature", "top_k", "top_p", "min_p", "seed"):
+        d.pop(k)
+    assert p.key() == tuple(sorted(d.items()))
+    assert hash(p.key()) == hash(tuple(sorted(d.items())))
+    before = pickle.loads(pickle.dumps(p))
+    p.pack()
+    after = pickle.loads(pickle.dumps(("add", [p, p])))
+    assert after[1][0] == before == p and after[1][0] is after[1][1]
+    assert after[1][0].own_max_tokens and after[1][0].priority == 2  # fields eq leaves out travel too
+    assert replace(p, seed=4).seed == 4 and pickle.loads(pickle.dumps(replace(p, seed=4))).seed == 4

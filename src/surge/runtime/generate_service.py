@@ -37,7 +37,13 @@ from surge.runtime.generate_lora import LoraHost
 from surge.runtime.generate_restart import EngineRestarts
 from surge.runtime.generate_streams import StreamDelivery, _error, _Handle, _ThreadOutbox
 from surge.runtime.generate_text import PromptText
+from surge.runtime.off_loop import off_loop
 from surge.runtime.scheduler import SamplingParams, Sequence
+
+
+# SamplingParams.bulk above which stream's checks, cache key and engine message are made on a thread: at
+# ~1 us an item of Python work, a millisecond of the event loop
+BULK = 1024
 
 
 class GenerateService(StreamDelivery, EngineRestarts, LoraHost, PromptText):
@@ -178,13 +184,15 @@ class GenerateService(StreamDelivery, EngineRestarts, LoraHost, PromptText):
                 raise NotFound(f"LoRA adapter '{adapter}' of model '{self.name}' is not loaded", param="model")
             self.metrics.lora_request(adapter)
         self.check_prompt(prompt_ids, params.max_tokens if params.own_max_tokens else None)
-        self.check_guide(params.guide)  # the routes check it first, naming the field it came in
+        keyed = use_cache and params.deterministic and self.config.cache_entries
+        if params.bulk > BULK:  # hundreds of thousands of bad words, a grammar of MBs: not on the event loop
+            pkey = await off_loop(self._checked, params, keyed)
+        else:
+            pkey = self._checked(params, keyed)
         deadline = deadline or time.monotonic() + self.request_timeout_s
         # an adapter's answers are its own: its digest joins the version in the cache's key
         version = self.version if lora is None else f"{self.version}+lora:{lora.digest}"
-        key = (version, tuple(prompt_ids), params.key()) if use_cache and params.deterministic \
-            and self.config.cache_entries \
-            else None
+        key = (version, tuple(prompt_ids), pkey) if keyed else None
         if key is not None and key not in self._cache and self.shared is not None:
             found = unpack(await self.shared.get_bytes(shared_key(key)))
             if found is not None:
@@ -246,6 +254,15 @@ class GenerateService(StreamDelivery, EngineRestarts, LoraHost, PromptText):
                 self._abort(handle, "abort")
                 self.metrics.finished("abort")
             self._handles.pop(seq.seq_id, None)
+
+    def _checked(self, params: SamplingParams, keyed: bool) -> tuple | None:
+        """The checks and work of `stream` that grow with its params: the guide compiles (the routes check
+        it first, naming the field it came in; one over 64 KiB is not kept compiled), the cache key (when
+        `keyed`), and for the engine process the pickled params (SamplingParams.pack)."""
+        self.check_guide(params.guide)
+        if self.remote and params.bulk > BULK:
+            params.pack()
+        return params.key() if keyed else None
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> asyncio.AbstractEventLoop:
         """The event loop that streams through this service (its first stream's, or given here first);

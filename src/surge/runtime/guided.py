@@ -15,6 +15,8 @@ reasoning model's thinking on).
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from functools import lru_cache
 
 import numpy as np
@@ -24,6 +26,7 @@ from surge.errors import InvalidInput
 
 KINDS = ("json", "regex", "choice", "grammar")
 CACHED_CHARS = 64 * 1024  # the largest guide text whose compiled grammar a process keeps (Guides._compiled)
+LARGE_KEPT = 4  # of larger ones, the last this many
 ANY_OBJECT = json.dumps({"type": "object"})
 # JSON written as json.dumps writes it (", " and ": ", no other whitespace), the form models mostly saw:
 # with whitespace left free a weak model can fill max_tokens with newlines, and compact separators
@@ -109,12 +112,25 @@ class Guides:
         eos = None if not self.eos else self.eos if len(self.eos) > 1 else self.eos[0]
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
         self._cached = lru_cache(maxsize=256)(self._compile)
+        self._large: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
         self._executor = None
 
     def _compiled(self, guide: tuple[str, str]) -> tuple[str | None, str | None]:
         """_compile's answer, kept for guides of at most CACHED_CHARS: 256 kept guides of 2 MB (a request's
-        grammar may be that large) held a process's gigabyte (session 46); a large one compiles each time."""
-        return self._cached(guide) if len(guide[1]) <= CACHED_CHARS else self._compile(guide)
+        grammar may be that large) held a process's gigabyte (session 46); of larger ones only the last
+        LARGE_KEPT (a request's guide is checked by its route, then again where its generation starts)."""
+        if len(guide[1]) <= CACHED_CHARS:
+            return self._cached(guide)
+        with self._lock:  # the front end checks guides on its preparation threads (runtime/off_loop.py)
+            found = self._large.get(guide)
+        if found is None:
+            found = self._compile(guide)
+            with self._lock:
+                self._large[guide] = found
+                while len(self._large) > LARGE_KEPT:
+                    self._large.popitem(last=False)
+        return found
 
     def _compile(self, guide: tuple[str, str]) -> tuple[str | None, str | None]:
         """(grammar, None) or (None, why it is not valid)."""

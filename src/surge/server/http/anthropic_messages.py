@@ -24,11 +24,12 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
 from surge.errors import InvalidInput
+from surge.runtime.off_loop import prepared
 from surge.server.http import generate_common
 from surge.server.http.anthropic_events import MessageEvents
 from surge.server.http.common import ORJSONResponse, parse
 from surge.server.http.generate_common import (EventStream, JsonAnswer, counted, deadline_for, generate_model,
-                                               item_stream, make_params, until_disconnect)
+                                               item_stream, make_params, prep_size, until_disconnect)
 from surge.server.http.guided_fields import request_guide
 from surge.server.http.openai_chat_requests import tool_calls_wanted
 from surge.server.http.tool_calls import keep_special_tokens
@@ -203,8 +204,9 @@ def _guide(req: MessagesRequest, service, tool_guide, reasoning: str):
     return guide
 
 
-async def message_answer(state: AppState, req: MessagesRequest, receive) -> JsonAnswer | EventStream:
-    """The answer to a validated request (route and hot path, as chat_answer)."""
+def _prepared(state: AppState, req: MessagesRequest):
+    """(prompt ids, params, reasoning parser, tool-call parser, service): the work that grows with the request
+    (the template's render, tokenization, the guide), on a thread for a large one (runtime/off_loop.py)."""
     _refuse_unsupported(req)
     service = generate_model(state, req.model)
     ids, tools, choice, parallel, variables = _prompt(service, req)
@@ -215,6 +217,14 @@ async def message_answer(state: AppState, req: MessagesRequest, receive) -> Json
                          top_k=req.top_k, stop=req.stop_sequences, seed=req.seed, ignore_eos=req.ignore_eos,
                          guide=_guide(req, service, tool_guide, reasoning),
                          skip_special_tokens=not keep_special_tokens(parse_calls))
+    return ids, params, reasoning, parse_calls, service
+
+
+async def message_answer(state: AppState, req: MessagesRequest, receive) -> JsonAnswer | EventStream:
+    """The answer to a validated request (route and hot path, as chat_answer)."""
+    guided = bool((req.output_config or {}).get("format")) or \
+        (isinstance(req.tool_choice, dict) and req.tool_choice.get("type") not in ("auto", "none"))
+    ids, params, reasoning, parse_calls, service = await prepared(prep_size(guided=guided), _prepared, state, req)
     base = {"id": new_id("msg"), "type": "message", "role": "assistant", "model": service.name,
             "usage": {"input_tokens": len(ids), "output_tokens": 0, "cache_creation_input_tokens": 0,
                       "cache_read_input_tokens": 0}}

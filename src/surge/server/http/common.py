@@ -3,7 +3,8 @@ schema validation with clear messages, and JSON responses via orjson."""
 
 from __future__ import annotations
 
-from typing import TypeVar
+import functools
+from typing import Callable, TypeVar
 
 import orjson
 from fastapi import Request
@@ -12,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 from surge.errors import BodyTooLarge, InvalidInput, Unprocessable, shown
 from surge.json_depth import check_body
+from surge.runtime.off_loop import prepared
 from surge.server.http import fail_fast
 
 M = TypeVar("M", bound=BaseModel)
@@ -95,7 +97,23 @@ def validate(model: type[M], data) -> M:
 
 
 async def parse(request: Request, model: type[M], limit: int) -> M:
-    return validate(model, await json_body(request, limit))
+    return await checked_body(request, functools.partial(validate, model), limit)
+
+
+async def checked_body(request: Request, check: Callable, limit: int):
+    """`check(the decoded JSON body)`: a large body is decoded and checked on a preparation thread
+    (runtime/off_loop.py), not on the event loop."""
+    parsed = request.scope.get("state", {}).get(PARSED_BODY)
+    if parsed is not None:
+        return check(parsed)
+    body = await read_body(request, limit)
+    fail_fast.BODY_SIZE.set(len(body))  # this task's (decode_json sets it in the thread's copy of the context)
+    return await prepared(len(body), checked_json, check, body)
+
+
+def checked_json(check: Callable, body: bytes):
+    """`check(body decoded)`."""
+    return check(decode_json(body))
 
 
 async def json_body(request: Request, limit: int):

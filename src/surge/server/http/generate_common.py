@@ -83,7 +83,11 @@ def bad_words_ids(service, words) -> tuple[tuple[int, ...], ...]:
         return ()
     if isinstance(words, str) or not all(isinstance(w, str) and w for w in words):
         raise InvalidInput("bad_words must be a list of non-empty strings", param="bad_words")
-    out = {tuple(service.encode(v, special=False)) for w in words for v in (w, " " + w.lstrip())}
+    variants = [v for w in words for v in (w, " " + w.lstrip())]
+    many = getattr(service, "encode_many", None)  # in batches that let the GIL go (runtime/generate_text.py)
+    found = many(variants, special=False) if many is not None else [service.encode(v, special=False)
+                                                                    for v in variants]
+    out = {tuple(ids) for ids in found}
     return tuple(sorted(ids for ids in out if ids))
 
 
@@ -110,6 +114,19 @@ def bias_list(bias: dict | None, vocab_size: int) -> tuple[tuple[int, float], ..
             raise InvalidInput(f"logit_bias token {token} is not in [0, {vocab_size})", param="logit_bias")
         out.append((token, float(value)))
     return tuple(sorted(out))
+
+
+def prep_size(req=None, guided: bool | None = None) -> int | None:
+    """What decides where a request is prepared (runtime/off_loop.prepared): its body's size (set by
+    common.decode_json for this task), or None (on a thread) for a request with a structured output, whose
+    guide's first compile costs milliseconds to seconds whatever the body's size. `guided`: whether it
+    has one (default: OpenAI's fields and forced tool choices on `req`, guided_fields.asks_guide)."""
+    from surge.server.http import fail_fast
+    from surge.server.http.guided_fields import asks_guide
+
+    if guided is None:
+        guided = req is not None and asks_guide(req)
+    return None if guided else fail_fast.BODY_SIZE.get()
 
 
 def deadline_for(state) -> float:

@@ -23,7 +23,9 @@ from __future__ import annotations
 import orjson
 
 from surge.server.errors import settled
-from surge.server.http.common import decode_json, validate
+from surge.runtime.off_loop import prepared
+from surge.server.http import fail_fast
+from surge.server.http.common import checked_json, validate
 from surge.server.http.generate_common import EventStream, send_sse
 from surge.server.http.hotpath import GONE, read_declared_body, run_watched
 from surge.server.http import kserve_generate
@@ -64,7 +66,9 @@ class GenerateHotPath:
         check, answer = self._answer_for(path)
 
         async def work(receive):
-            return await answer(self.state, check(decode_json(body)), receive)
+            fail_fast.BODY_SIZE.set(len(body))  # the answer's own preparation goes off the loop by it too
+            req = await prepared(len(body), checked_json, check, body)  # a large body: on a thread
+            return await answer(self.state, req, receive)
 
         async def app(scope, receive, send):
             result, error = await settled(path, work(receive))

@@ -30,6 +30,14 @@ def guide_from_dict(fields: dict, service) -> tuple[str, str] | None:
     return request_guide(SimpleNamespace(**{f: fields.get(f) for f in FIELDS}), service)
 
 
+def asks_guide(req) -> bool:
+    """Whether a request (OpenAI's fields, as request_guide reads them) may carry a guide: a structured-output
+    field set, or a tool choice that forces calls."""
+    if any(getattr(req, f, None) is not None for f in FIELDS):
+        return True
+    return getattr(req, "tool_choice", None) not in (None, "none", "auto") and bool(getattr(req, "tools", None))
+
+
 def request_guide(req, service, tool_guide: tuple[str, str] | None = None) -> tuple[str, str] | None:
     """The request's guide (None: unconstrained), checked against the model; `tool_guide`: the guide a
     forced tool choice asks for (tool_choice_guide)."""

@@ -28,11 +28,13 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from surge.errors import InvalidInput, Unprocessable
-from surge.server.http.common import json_body, validate
+from surge.server.http.common import checked_body, validate
 from surge.server.http import generate_common
 from surge.server.http.generate_common import (SAMPLING_FIELDS, EventStream, JsonAnswer, counted, counted_stream,
-                                               deadline_for, generate_model, make_params, sse, until_disconnect)
-from surge.server.http.guided_fields import guide_from_dict
+                                               deadline_for, generate_model, make_params, prep_size, sse,
+                                               until_disconnect)
+from surge.runtime.off_loop import prepared
+from surge.server.http.guided_fields import asks_guide, guide_from_dict
 from surge.server.http.openapi import body
 from surge.server.kserve_generate_outputs import STREAM_PROMPT_ERROR, Extras, check_n, logprobs_wanted
 from surge.server.state import AppState
@@ -106,7 +108,14 @@ def _body(req, service, text, finish, prompt, completion, extras: dict) -> dict:
     return body
 
 
+def _size(req: GenerateRequest) -> int | None:
+    """Where the request is prepared (generate_common.prep_size): its structured output may be at either level."""
+    return prep_size(guided=asks_guide(req) or (req.parameters is not None and asks_guide(req.parameters)))
+
+
 def _prepare(state, req: GenerateRequest, name: str, version: str | None, stream: bool):
+    """(service, prompt ids, params, Triton's flags): the work that grows with the request (tokenization, bad
+    words, guide), on a thread for a large one (runtime/off_loop.py)."""
     service = generate_model(state, name, version)
     top = req.model_dump(exclude={"text_input", "id", "parameters"}, exclude_unset=True)
     nested = req.parameters.model_dump(exclude_unset=True) if req.parameters else {}
@@ -125,7 +134,7 @@ def _prepare(state, req: GenerateRequest, name: str, version: str | None, stream
 async def generate_answer(state: AppState, req: GenerateRequest, name: str, version: str | None,
                           receive) -> JsonAnswer:
     """The answer to a validated generate request (the route and server/http/generate_hotpath.py)."""
-    service, ids, params, flags = _prepare(state, req, name, version, stream=False)
+    service, ids, params, flags = await prepared(_size(req), _prepare, state, req, name, version, False)
     res = await until_disconnect(receive, counted(state, service,
                                                   service.generate(ids, params, deadline=deadline_for(state))))
     text = req.text_input + res.text if flags.get("exclude_input_in_output") is False else res.text
@@ -137,7 +146,7 @@ async def generate_answer(state: AppState, req: GenerateRequest, name: str, vers
 async def generate_stream_answer(state: AppState, req: GenerateRequest, name: str, version: str | None,
                                  receive) -> EventStream:
     """The event stream of a validated generate_stream request; as `generate_answer`."""
-    service, ids, params, flags = _prepare(state, req, name, version, stream=True)
+    service, ids, params, flags = await prepared(_size(req), _prepare, state, req, name, version, True)
     extras = Extras(flags)
     agen = counted_stream(state, service, service.stream(ids, params, deadline=deadline_for(state)))
     first = await agen.__anext__()
@@ -179,7 +188,7 @@ def router(state: AppState) -> APIRouter:
 
     def route(answer):
         async def handler(request: Request, name: str, version: str | None = None):
-            req = validated(await json_body(request, limits.max_body_bytes))
+            req = await checked_body(request, validated, limits.max_body_bytes)
             return generate_common.respond(await answer(state, req, name, version, request.receive))
         return handler
 

@@ -44,7 +44,8 @@ from surge.server.http.reasoning import (ChatDeltas, effort_variables, guide_aft
                                          request_parser)
 from surge.server.http.responses_items import logprob_list
 from surge.server.http.generate_common import (EventStream, JsonAnswer, counted, counted_stream, deadline_for,
-                                               generate_model, make_params, sse, until_disconnect)
+                                               generate_model, make_params, prep_size, sse, until_disconnect)
+from surge.runtime.off_loop import prepared
 from surge.server.http.openapi import body
 from surge.server.state import AppState
 
@@ -99,10 +100,9 @@ def _error_body(exc) -> dict:
     return {"error": {"message": exc.message, "type": exc.openai_type, "param": exc.param, "code": exc.code}}
 
 
-async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> JsonAnswer | EventStream:
-    """The answer to a validated chat request (`receive`: the request's ASGI receive, to notice a client
-    that leaves while a non-streamed answer is computed). The route and the hot path
-    (server/http/generate_hotpath.py) both answer with it."""
+def _chat_prepared(state: AppState, req: ChatCompletionRequest):
+    """(service, prompt ids, params, tool-call parser, reasoning parser) of a chat request: the work that grows
+    with it (its template's render, tokenization, bad words, guide), on a thread for a large one."""
     service = generate_model(state, req.model)
     _refuse_chat_fields(req)
     check_count(1, req.n, state.config.limits.max_inputs_per_request)
@@ -125,6 +125,14 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
                          repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos,
                          logprobs=(req.top_logprobs or 0) if req.logprobs else None, logit_bias=req.logit_bias,
                          guide=guide, **_vllm_extras(req, keep_special_tokens(parse_calls)))
+    return service, ids, params, parse_calls, reasoning
+
+
+async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> JsonAnswer | EventStream:
+    """The answer to a validated chat request (`receive`: the request's ASGI receive, to notice a client
+    that leaves while a non-streamed answer is computed). The route and the hot path
+    (server/http/generate_hotpath.py) both answer with it."""
+    service, ids, params, parse_calls, reasoning = await prepared(prep_size(req), _chat_prepared, state, req)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     deadline = deadline_for(state)
     choices = choice_params(params, req.n)
@@ -187,9 +195,8 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
     return EventStream(rest(), _error_body, close=_closer(deltas, agens))
 
 
-async def completion_answer(state: AppState, req: CompletionRequest, receive) -> JsonAnswer | EventStream:
-    """The answer to a validated completions request; as `chat_answer`. Choice i * n + j is prompt i's
-    choice j."""
+def _completion_prepared(state: AppState, req: CompletionRequest):
+    """(service, [(prompt ids, echoed text)], params) of a completions request (as _chat_prepared)."""
     limits = state.config.limits
     service = generate_model(state, req.model)
     _refuse_stream_options(req)
@@ -206,6 +213,13 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
                          ignore_eos=req.ignore_eos, logprobs=req.logprobs, logit_bias=req.logit_bias,
                          prompt_logprobs=req.logprobs if req.echo else None, guide=request_guide(req, service),
                          **_vllm_extras(req))
+    return service, prompts, params
+
+
+async def completion_answer(state: AppState, req: CompletionRequest, receive) -> JsonAnswer | EventStream:
+    """The answer to a validated completions request; as `chat_answer`. Choice i * n + j is prompt i's
+    choice j."""
+    service, prompts, params = await prepared(prep_size(req), _completion_prepared, state, req)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     deadline = deadline_for(state)
     jobs = [(ids, p) for ids, _ in prompts for p in choice_params(params, req.n)]

@@ -33,11 +33,13 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from surge.errors import InvalidInput, NotFound, SurgeError
+from surge.runtime.off_loop import prepared
 from surge.runtime.response_store import store_for, valid_id
 from surge.server.http import generate_common
 from surge.server.http.common import ORJSONResponse, parse
 from surge.server.http.generate_common import (EventStream, JsonAnswer, counted, counted_stream, deadline_for,
-                                               generate_model, item_stream, make_params, until_disconnect)
+                                               generate_model, item_stream, make_params, prep_size,
+                                               until_disconnect)
 from surge.server.http.guided_fields import request_guide
 from surge.server.http.openai_chat_requests import tool_calls_wanted
 from surge.server.http.tool_calls import keep_special_tokens
@@ -145,6 +147,14 @@ async def _prepare(state: AppState, req: ResponseRequest) -> _Prepared:
             raise ResponseNotFound(f"previous response '{req.previous_response_id}' not found",
                                    param="previous_response_id")
         context = prev["conversation"]
+    # a structured output's guide may take long to compile whatever the body's size: on a thread too
+    guided = req.text is not None or req.tool_choice not in (None, "none", "auto")
+    return await prepared(prep_size(guided=guided), _prepared, service, req, context)
+
+
+def _prepared(service, req: ResponseRequest, context: list[dict]) -> _Prepared:
+    """_prepare's work that grows with the request (the conversation's render and tokenization, truncation,
+    the guide), on a thread for a large one (runtime/off_loop.py)."""
     items = normalize_input(req.input)
     tools = tools_for_chat(req.tools)
     chat = SimpleNamespace(tools=tools, tool_choice=choice_for_chat(req.tool_choice),

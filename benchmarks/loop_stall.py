@@ -1,0 +1,197 @@
+"""How long one large generation request holds the server's event loop: probes answered during it.
+
+    PYTHONPATH=src python3 benchmarks/loop_stall.py --rounds 3 [--baseline CHECKOUT] [--kinds bad_words_chat ...]
+
+`surge serve` of a tiny random decoder (tests/decoder_models.py; its engine loop in a process of its own,
+the default). A probe process sends GET /health back to back on one keep-alive connection (a 1 ms pause
+between probes) and records each probe's send and answer times. For each kind of large request (~1-2 MB of
+JSON, under the 2 MiB body limit) the main process sends it on a connection of its own (the body encoded
+beforehand) and waits for its answer; the probes whose time on the wire overlaps the large request's are
+its "during" sample, those of an equally long quiet window just before it the "quiet" one. Reported: the
+large request's own latency, and the probes' p99 and max latency during it and quiet (medians over
+`--rounds`). A stalled loop shows as a probe max near the large request's whole time.
+
+`--baseline CHECKOUT` (e.g. `git archive main | tar -x -C /tmp/base`) measures that checkout's server too,
+rounds alternating with this one's, so both see the machine as it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))
+
+NAME = "m"
+ASK = [{"role": "user", "content": "hi"}]
+
+
+def _turns(n: int) -> list[dict]:
+    return [{"role": "user" if k % 2 == 0 else "assistant", "content": f"turn {k}"} for k in range(n)]
+
+
+def _grammar(rules: int) -> str:
+    return ("start: " + " ".join(f"r{i}" for i in range(rules)) + "\n"
+            + "\n".join(f'r{i}: "a"' for i in range(rules)))
+
+
+def _bias(entries: int) -> dict:
+    # the tiny model has 384 tokens: zero-padded keys name the same ids ("7", "07", ...), as int() reads them
+    out, width = {}, 1
+    while len(out) < entries:
+        for t in range(384):
+            out[str(t).zfill(width)] = 1.0
+        width += 1
+    return dict(list(out.items())[:entries])
+
+
+def kinds() -> dict[str, tuple[str, dict]]:
+    """name -> (path, body): each ~1-2 MB of JSON. (Stop strings are bounded already: 16 of 1,024 characters.)"""
+    bad = [f"w{i}" for i in range(100_000)]
+    return {
+        "bad_words_completions": ("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 1,
+                                                      "bad_words": bad}),
+        "bad_words_chat": ("/v1/chat/completions", {"model": NAME, "messages": ASK, "max_tokens": 1,
+                                                    "bad_words": bad}),
+        "bad_words_kserve": (f"/v2/models/{NAME}/generate", {"text_input": "hi", "parameters": {
+            "max_tokens": 1, "bad_words": bad}}),
+        "chat_45k_messages": ("/v1/chat/completions", {"model": NAME, "messages": _turns(45_000),
+                                                       "max_tokens": 1}),
+        "responses_45k_turns": ("/v1/responses", {"model": NAME, "input": _turns(45_000), "max_output_tokens": 1,
+                                                  "store": False}),
+        "messages_45k_turns": ("/v1/messages", {"model": NAME, "messages": _turns(45_000), "max_tokens": 1}),
+        "grammar_1.5MB": ("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 1,
+                                              "guided_grammar": _grammar(80_000)}),
+        "prompt_text_1.9MB": ("/v1/completions", {"model": NAME, "prompt": "word " * 380_000, "max_tokens": 1}),
+        "prompt_ids_900k": ("/v1/completions", {"model": NAME, "prompt": [7] * 900_000, "max_tokens": 1}),
+        "logit_bias_35k": ("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 1,
+                                               "logit_bias": _bias(35_000)}),
+    }
+
+
+def _probe(port: int, stop, out) -> None:
+    """GET /health back to back until `stop`; sends [(sent, answered)] (time.monotonic, system-wide)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    times = []
+    while not stop.is_set():
+        t0 = time.monotonic()
+        conn.request("GET", "/health")
+        r = conn.getresponse()
+        r.read()
+        times.append((t0, time.monotonic()))
+        time.sleep(0.001)
+    conn.close()
+    out.send(times)
+
+
+class Prober:
+    def __init__(self, port: int):
+        self.stop, (self.recv, send) = mp.Event(), mp.Pipe(duplex=False)
+        self.proc = mp.Process(target=_probe, args=(port, self.stop, send), daemon=True)
+        self.proc.start()
+
+    def finish(self) -> list[tuple[float, float]]:
+        self.stop.set()
+        times = self.recv.recv()
+        self.proc.join()
+        return times
+
+
+def _post(port: int, path: str, payload: bytes) -> tuple[int, float, float]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    t0 = time.monotonic()
+    conn.request("POST", path, body=payload, headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    r.read()
+    t1 = time.monotonic()
+    conn.close()
+    return r.status, t0, t1
+
+
+def _stats(times, start, end) -> tuple[float, float, int]:
+    """(p99 ms, max ms, count) of the probes on the wire during [start, end]."""
+    lat = sorted(1e3 * (b - a) for a, b in times if a < end and b > start)
+    if not lat:
+        return float("nan"), float("nan"), 0
+    return lat[min(len(lat) - 1, int(0.99 * len(lat)))], lat[-1], len(lat)
+
+
+def one_round(port: int, path: str, payload: bytes) -> dict:
+    prober = Prober(port)
+    time.sleep(0.3)  # the probe's connection is up
+    status, t0, t1 = _post(port, path, payload)  # first: how long the quiet window must be
+    quiet_start = time.monotonic()
+    time.sleep(t1 - t0)
+    quiet_end = time.monotonic()
+    status, s0, s1 = _post(port, path, payload)
+    time.sleep(0.05)
+    times = prober.finish()
+    q99, qmax, _ = _stats(times, quiet_start, quiet_end)
+    d99, dmax, n = _stats(times, s0, s1)
+    return {"status": status, "request_ms": 1e3 * (s1 - s0), "quiet_p99": q99, "quiet_max": qmax,
+            "during_p99": d99, "during_max": dmax, "probes_during": n}
+
+
+def main(argv=None) -> int:
+    from surge.bench.servers import ServerProc, free_port
+    from tests.decoder_models import build_model
+
+    table = kinds()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--kinds", nargs="*", default=list(table), choices=list(table))
+    ap.add_argument("--baseline", type=Path, help="another checkout, measured alternately (its server's numbers "
+                    "are the 'baseline' rows)")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    roots = {"this": ROOT, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
+    rows: dict = {}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        model = build_model("qwen2", Path(tmp) / NAME, seed=5)
+        servers = {}
+        for variant, root in roots.items():
+            port = free_port()
+            cmd = [sys.executable, "-m", "surge.cli.main", "serve", str(model), "--port", str(port), "--grpc-port",
+                   "0", "--threads", "1", "--model-name", NAME, "--generation", "cache_entries=0"]
+            servers[variant] = stack.enter_context(ServerProc(f"surge-serve ({variant})", cmd, port, cwd=root,
+                                                              env={"PYTHONPATH": str(root / "src")}))
+        for name in args.kinds:
+            path, body = table[name]
+            payload = json.dumps(body, separators=(",", ":")).encode()
+            per = {v: [] for v in servers}
+            for _ in range(args.rounds):
+                for variant, srv in servers.items():  # alternating: the machine's drift hits both
+                    per[variant].append(one_round(srv.port, path, payload))
+            for variant, rounds in per.items():
+                row = {k: statistics.median(r[k] for r in rounds)
+                       for k in ("request_ms", "quiet_p99", "quiet_max", "during_p99", "during_max", "probes_during")}
+                row["status"] = rounds[-1]["status"]
+                row["body_kb"] = len(payload) / 1024
+                rows[f"{name} ({variant})"] = row
+                print(f"{name} ({variant}): " + json.dumps({k: round(v, 2) for k, v in row.items()}), flush=True)
+    print(f"\nprobes (GET /health) during one large request vs a quiet window as long, medians of {args.rounds} "
+          f"rounds, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+          + (f"; baseline: {args.baseline}" if args.baseline else ""))
+    print("| request | body KB | status | its latency ms | probe p99 quiet ms | probe max quiet ms | "
+          "probe p99 during ms | probe max during ms |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, r in rows.items():
+        print(f"| {name} | {r['body_kb']:.0f} | {r['status']} | {r['request_ms']:.0f} | {r['quiet_p99']:.1f} | "
+              f"{r['quiet_max']:.1f} | {r['during_p99']:.1f} | {r['during_max']:.1f} |")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
