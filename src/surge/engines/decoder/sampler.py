@@ -207,9 +207,8 @@ class Sampler:
             p = seq.params
             if p.logit_bias:
                 # first, as vLLM does: the penalties below then see the biased logits
-                ids, bias = zip(*p.logit_bias)
-                logits[i].index_add_(0, torch.tensor(ids, device=dev),
-                                     torch.tensor(bias, device=dev, dtype=logits.dtype))
+                ids, bias = p.logit_bias_arrays
+                logits[i].index_add_(0, torch.from_numpy(ids).to(dev), torch.from_numpy(bias).to(dev, logits.dtype))
             if p.repetition_penalty != 1.0:
                 # transformers' RepetitionPenaltyLogitsProcessor, over prompt and output
                 ids = torch.tensor(sorted(set(seq.token_ids)), device=dev)
@@ -220,18 +219,20 @@ class Sampler:
                 out = torch.tensor(seq.output_ids, device=dev)
                 counts = torch.zeros(logits.shape[1], device=dev).index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
                 logits[i] -= counts * p.frequency_penalty + (counts > 0).float() * p.presence_penalty
-            banned = set()
+            banned = []
             out_ids = seq.output_ids
             if p.min_stops and len(out_ids) < p.min_tokens:  # vLLM's min_tokens: no stop token yet
-                banned |= set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos))
-            # vLLM's bad_words: the token that would complete one, where it would
-            banned |= {w[-1] for w in p.bad_words_ids if len(w) == 1 or (
-                len(out_ids) >= len(w) - 1 and tuple(out_ids[len(out_ids) - len(w) + 1:]) == w[:-1])}
+                banned += list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos))
+            if p.bad_words_ids:  # vLLM's bad_words: the token that would complete one, where it would
+                always = p.bad_word_index[0]
+                if len(always):
+                    logits[i, torch.from_numpy(always).to(dev)] = float("-inf")
+                banned += p.banned_after(out_ids)
             if banned:
-                logits[i, torch.tensor(sorted(banned), device=dev, dtype=torch.long)] = float("-inf")
+                logits[i, torch.tensor(banned, device=dev, dtype=torch.long)] = float("-inf")
             if p.allowed_token_ids:  # vLLM's allowed_token_ids: the others never drawn
                 keep = torch.full((logits.shape[1],), float("-inf"), device=dev, dtype=logits.dtype)
-                keep[torch.tensor(p.allowed_token_ids, device=dev)] = 0.0
+                keep[torch.from_numpy(p.allowed_ids_array).to(dev)] = 0.0
                 logits[i] += keep
         guided = [i for i, seq in enumerate(seqs) if seq.params.guide is not None]
         if guided:  # last: a guide's mask is a constraint, not a preference

@@ -5,6 +5,9 @@ from __future__ import annotations
 import numbers
 import pickle
 from dataclasses import dataclass, field, fields
+from functools import cached_property
+
+import numpy as np
 
 from surge.errors import InvalidInput
 
@@ -141,6 +144,45 @@ class SamplingParams:
         than a thousand off the event loop (runtime/off_loop.py)."""
         return (len(self.bad_words_ids) + len(self.logit_bias) + len(self.allowed_token_ids)
                 + len(self.stop_token_ids) + len(self.stop) + (len(self.guide[1]) // 64 if self.guide else 0))
+
+    # What the sampler applies at every step, made once per request where its engine first needs it (cached on
+    # the instance; the front ends never ask): a step's work is then the number of distinct word lengths, not
+    # the number of words (100,000 bad words scanned as tuples cost every step of every sequence beside them
+    # ~0.1 s: session 46), and no list of ids is rebuilt from tuples per step.
+    @cached_property
+    def bad_word_index(self) -> tuple[np.ndarray, tuple[tuple[int, dict[tuple[int, ...], list[int]]], ...]]:
+        """vLLM's bad_words, indexed: (the last tokens of one-token words, never drawn, sorted; per length L of
+        the longer words' prefixes, {the L tokens before a word's last: the last tokens they ban}). A word
+        (..., a, b) bans b where the output ends with (..., a)."""
+        always, longer = set(), {}
+        for w in self.bad_words_ids:
+            if len(w) == 1:
+                always.add(w[0])
+            else:
+                longer.setdefault(len(w) - 1, {}).setdefault(tuple(w[:-1]), set()).add(w[-1])
+        return (np.array(sorted(always), dtype=np.int64),
+                tuple((n, {k: sorted(v) for k, v in t.items()}) for n, t in sorted(longer.items())))
+
+    @cached_property
+    def logit_bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """logit_bias as (token ids, values) arrays, made once (a step adds them)."""
+        ids, bias = zip(*self.logit_bias) if self.logit_bias else ((), ())
+        return np.array(ids, dtype=np.int64), np.array(bias, dtype=np.float64)
+
+    @cached_property
+    def allowed_ids_array(self) -> np.ndarray:
+        """allowed_token_ids as an array, made once."""
+        return np.array(self.allowed_token_ids, dtype=np.int64)
+
+    def banned_after(self, out_ids: list[int]) -> list[int]:
+        """The tokens the bad words ban after output `out_ids`, other than the one-token words' (bad_word_index)."""
+        hit: list[int] = []
+        for n, table in self.bad_word_index[1]:
+            if len(out_ids) >= n:
+                found = table.get(tuple(out_ids[len(out_ids) - n:]))
+                if found:
+                    hit.extend(found)
+        return hit
 
     def pack(self) -> None:
         """Pickle these params now (on a thread, for large ones): sending them to the engine process then
