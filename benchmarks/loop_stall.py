@@ -11,7 +11,7 @@ its "during" sample, those of an equally long quiet window just before it the "q
 large request's own latency, and the probes' p99 and max latency during it and quiet (medians over
 `--rounds`). A stalled loop shows as a probe max near the large request's whole time.
 
-`--baseline CHECKOUT` (e.g. `git archive main | tar -x -C /tmp/base`) measures that checkout's server too,
+The gRPC kind's status is its gRPC code's number (0 OK). `--baseline CHECKOUT` (e.g. `git archive main | tar -x -C /tmp/base`) measures that checkout's server too,
 rounds alternating with this one's, so both see the machine as it was.
 """
 
@@ -55,8 +55,27 @@ def _bias(entries: int) -> dict:
     return dict(list(out.items())[:entries])
 
 
+def _infer(sampling: dict) -> dict:
+    """A KServe v2 inference request of Triton's vLLM backend (server/kserve_generate_infer.py)."""
+    return {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["hi"]},
+                       {"name": "sampling_parameters", "datatype": "BYTES", "shape": [1],
+                        "data": [json.dumps(sampling)]}]}
+
+
+def _grpc_infer(body: dict) -> bytes:
+    """`body` (_infer's) as an encoded gRPC ModelInferRequest."""
+    from surge.server.grpc import grpc_service_pb2 as pb
+
+    req = pb.ModelInferRequest(model_name=NAME)
+    for t in body["inputs"]:
+        req.inputs.add(name=t["name"], datatype=t["datatype"], shape=t["shape"]).contents.bytes_contents.extend(
+            v.encode() for v in t["data"])
+    return req.SerializeToString()
+
+
 def kinds() -> dict[str, tuple[str, dict]]:
-    """name -> (path, body): each ~1-2 MB of JSON. (Stop strings are bounded already: 16 of 1,024 characters.)"""
+    """name -> (path, body): each ~1-2 MB of JSON. (Stop strings are bounded already: 16 of 1,024 characters.)
+    A path "grpc:METHOD" is that gRPC call, its body _infer's."""
     bad = [f"w{i}" for i in range(100_000)]
     return {
         "bad_words_completions": ("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 1,
@@ -76,6 +95,16 @@ def kinds() -> dict[str, tuple[str, dict]]:
         "prompt_ids_900k": ("/v1/completions", {"model": NAME, "prompt": [7] * 900_000, "max_tokens": 1}),
         "logit_bias_35k": ("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 1,
                                                "logit_bias": _bias(35_000)}),
+        "tokenize_prompt_1.9MB": ("/tokenize", {"model": NAME, "prompt": "word " * 380_000}),
+        "tokenize_45k_messages": ("/tokenize", {"model": NAME, "messages": _turns(45_000)}),
+        # a special token (13 characters a token): the decode, not the parse, is most of the work
+        "detokenize_900k_ids": ("/detokenize", {"model": NAME, "tokens": [0] * 900_000}),
+        "tei_decode_900k_ids": ("/decode", {"model": NAME, "ids": [0] * 900_000, "skip_special_tokens": False}),
+        "count_tokens_45k_turns": ("/v1/messages/count_tokens", {"model": NAME, "messages": _turns(45_000)}),
+        "count_tokens_1.9MB_message": ("/v1/messages/count_tokens", {"model": NAME, "messages": [
+            {"role": "user", "content": "word " * 380_000}]}),
+        "bad_words_kserve_infer": (f"/v2/models/{NAME}/infer", _infer({"max_tokens": 1, "bad_words": bad})),
+        "bad_words_grpc_infer": ("grpc:ModelInfer", _infer({"max_tokens": 1, "bad_words": bad})),
     }
 
 
@@ -107,8 +136,10 @@ class Prober:
         return times
 
 
-def _post(port: int, path: str, payload: bytes) -> tuple[int, float, float]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+def _post(srv, path: str, payload: bytes) -> tuple[int, float, float]:
+    if path.startswith("grpc:"):
+        return _call(srv.grpc_port, path[len("grpc:"):], payload)
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=300)
     t0 = time.monotonic()
     conn.request("POST", path, body=payload, headers={"Content-Type": "application/json"})
     r = conn.getresponse()
@@ -116,6 +147,22 @@ def _post(port: int, path: str, payload: bytes) -> tuple[int, float, float]:
     t1 = time.monotonic()
     conn.close()
     return r.status, t0, t1
+
+
+def _call(port: int, method: str, payload: bytes) -> tuple[int, float, float]:
+    """(gRPC status code's value, start, end) of one call of an encoded request."""
+    import grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", -1)]) as channel:
+        call = channel.unary_unary(f"/inference.GRPCInferenceService/{method}")  # bytes in, bytes out
+        grpc.channel_ready_future(channel).result(timeout=30)
+        t0 = time.monotonic()
+        try:
+            call(payload, timeout=300)
+            code = grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            code = exc.code()
+        return code.value[0], t0, time.monotonic()
 
 
 def _stats(times, start, end) -> tuple[float, float, int]:
@@ -126,14 +173,14 @@ def _stats(times, start, end) -> tuple[float, float, int]:
     return lat[min(len(lat) - 1, int(0.99 * len(lat)))], lat[-1], len(lat)
 
 
-def one_round(port: int, path: str, payload: bytes) -> dict:
-    prober = Prober(port)
+def one_round(srv, path: str, payload: bytes) -> dict:
+    prober = Prober(srv.port)
     time.sleep(0.3)  # the probe's connection is up
-    status, t0, t1 = _post(port, path, payload)  # first: how long the quiet window must be
+    status, t0, t1 = _post(srv, path, payload)  # first: how long the quiet window must be
     quiet_start = time.monotonic()
     time.sleep(t1 - t0)
     quiet_end = time.monotonic()
-    status, s0, s1 = _post(port, path, payload)
+    status, s0, s1 = _post(srv, path, payload)
     time.sleep(0.05)
     times = prober.finish()
     q99, qmax, _ = _stats(times, quiet_start, quiet_end)
@@ -160,18 +207,20 @@ def main(argv=None) -> int:
         model = build_model("qwen2", Path(tmp) / NAME, seed=5)
         servers = {}
         for variant, root in roots.items():
-            port = free_port()
+            port, grpc_port = free_port(), free_port()
             cmd = [sys.executable, "-m", "surge.cli.main", "serve", str(model), "--port", str(port), "--grpc-port",
-                   "0", "--threads", "1", "--model-name", NAME, "--generation", "cache_entries=0"]
+                   str(grpc_port), "--threads", "1", "--model-name", NAME, "--generation", "cache_entries=0"]
             servers[variant] = stack.enter_context(ServerProc(f"surge-serve ({variant})", cmd, port, cwd=root,
                                                               env={"PYTHONPATH": str(root / "src")}))
+            servers[variant].grpc_port = grpc_port
         for name in args.kinds:
             path, body = table[name]
-            payload = json.dumps(body, separators=(",", ":")).encode()
+            payload = _grpc_infer(body) if path.startswith("grpc:") else \
+                json.dumps(body, separators=(",", ":")).encode()
             per = {v: [] for v in servers}
             for _ in range(args.rounds):
                 for variant, srv in servers.items():  # alternating: the machine's drift hits both
-                    per[variant].append(one_round(srv.port, path, payload))
+                    per[variant].append(one_round(srv, path, payload))
             for variant, rounds in per.items():
                 row = {k: statistics.median(r[k] for r in rounds)
                        for k in ("request_ms", "quiet_p99", "quiet_max", "during_p99", "during_max", "probes_during")}

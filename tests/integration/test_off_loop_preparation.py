@@ -88,18 +88,19 @@ def _chunks(data: bytes):
     yield data[7:]
 
 
-def _send(srv, path: str, body: dict, route: bool) -> tuple[int, bytes]:
+def _send(srv, path: str, body: dict, route: bool, raw: bool = False) -> tuple[int, bytes]:
+    """(status, body): `raw` as it came, else without ids and times (normalized)."""
     data = json.dumps(body).encode()
     with httpx.Client(base_url=f"http://127.0.0.1:{srv.port}", timeout=120) as c:
         r = c.post(path, content=_chunks(data) if route else data, headers={"Content-Type": "application/json"})
-        return r.status_code, normalized(r.content, path)
+        return r.status_code, r.content if raw else normalized(r.content, path)
 
 
 async def _here(fn, *args):
     return fn(*args)
 
 
-def _answers(srv, monkeypatch, threaded: bool, requests, route: bool) -> list:
+def _answers(srv, monkeypatch, threaded: bool, requests, route: bool, raw: bool = False) -> list:
     """Every request's answer, prepared all on threads (`threaded`) or all on the event loop (as before)."""
     with monkeypatch.context() as m:
         if threaded:
@@ -108,7 +109,7 @@ def _answers(srv, monkeypatch, threaded: bool, requests, route: bool) -> list:
         else:
             m.setattr(off_loop, "off_loop", _here)
             m.setattr(generate_service, "off_loop", _here)
-        return [_send(srv, path, body, route) for path, body in requests]
+        return [_send(srv, path, body, route, raw) for path, body in requests]
 
 
 @pytest.mark.parametrize("route", [False, True], ids=["hot_path", "routes"])
@@ -128,3 +129,48 @@ def test_large_requests_prepared_on_threads_answer_as_on_the_loop(server, monkey
     assert statuses[:9] == [200] * 9 and all(s in (400, 422) for s in statuses[9:]), [(s, b[:200]) for s, b in inline]
     # the banned word is not written (the bad words took effect) where the plain answer wrote it
     assert word not in json.loads(inline[2][1])["choices"][0]["text"]
+
+
+def _infer_body(sampling: dict) -> dict:
+    return {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["The target"]},
+                       {"name": "sampling_parameters", "datatype": "BYTES", "shape": [1],
+                        "data": [json.dumps(sampling)]}]}
+
+
+LONG = "The target of the loops. " * 400  # 10 KB: over OFF_LOOP_BYTES
+TOKENIZER_CASES = [
+    ("/tokenize", {"model": "m", "prompt": LONG, "return_token_strs": True}),
+    ("/tokenize", {"model": "m", "messages": TURNS * 60, "add_generation_prompt": True}),
+    ("/tokenize", {"model": "m", "inputs": [LONG, "Loops"]}),  # TEI's body
+    ("/detokenize", {"model": "m", "tokens": [7, 0, 41] * 3000}),
+    ("/decode", {"model": "m", "ids": [[7, 0, 41] * 2000, [9] * 10], "skip_special_tokens": False}),
+    ("/v1/messages/count_tokens", {"model": "m", "messages": TURNS * 60, "system": LONG}),
+    ("/v2/models/m/infer", _infer_body({"bad_words": PAD, "max_tokens": 8, "temperature": 0})),
+    ("/v2/models/m/infer", {**_infer_body({"max_tokens": 6, "temperature": 0, "guided_choice": ["yes", "no"]}),
+                            "outputs": [{"name": "text_output"}]}),
+    # bad input: the same errors
+    ("/tokenize", {"model": "m", "messages": TURNS * 60, "chat_template": "{{ messages }}"}),  # vLLM's error shape
+    ("/tokenize", {"model": "m", "messages": TURNS * 60, "add_generation_prompt": True,
+                   "continue_final_message": True}),
+    ("/detokenize", {"model": "m", "tokens": [7] * 5000 + [384]}),
+    ("/decode", {"model": "m", "ids": [[7] * 5000, []]}),
+    ("/v1/messages/count_tokens", {"model": "m", "messages": TURNS * 60, "tool_choice": {"type": "bogus"}}),
+    ("/v2/models/m/infer", _infer_body({"bad_words": PAD, "max_tokens": 1, "min_tokens": 2})),
+    ("/v2/models/m/infer", _infer_body({"bad_words": PAD, "guided_regex": "("})),
+]
+
+
+@pytest.mark.parametrize("route", [False, True], ids=["declared_length", "chunked"])
+def test_tokenizer_routes_and_kserve_infer_prepared_on_threads_answer_as_on_the_loop(server, monkeypatch,
+                                                                                     encoded_on, route):
+    inline = _answers(server, monkeypatch, False, TOKENIZER_CASES, route, raw=True)
+    assert not any(name.startswith("surge-prepare") for name in encoded_on)
+    encoded_on.clear()
+    threaded = _answers(server, monkeypatch, True, TOKENIZER_CASES, route, raw=True)
+    # count_tokens' and the KServe infer's prompts were tokenized on preparation threads
+    assert encoded_on and all(name.startswith("surge-prepare") for name in encoded_on), set(encoded_on)
+    for (path, _), a, b in zip(TOKENIZER_CASES, inline, threaded, strict=True):
+        assert a == b, (path, a[0], b[0], a[1][:300], b[1][:300])
+    statuses = [status for status, _ in inline]
+    assert statuses[:8] == [200] * 8 and all(s in (400, 422) for s in statuses[8:]), \
+        [(s, b[:200]) for s, b in inline]

@@ -17,23 +17,26 @@ Triton + vLLM send):
 
 The request's `parameters` may carry the sampling parameters too (as the generate extension's body). A
 streamed response's last one has the parameter `triton_final_response` true. Both protocol layers call
-`prepare` and encode what `answer` / `stream` give.
+`prepared` and encode what `answer` / `stream` give.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 from pydantic import ValidationError
 
 from surge import json_depth
 from surge.errors import InvalidInput
+from surge.runtime import off_loop
 from surge.server.http.generate_common import (SAMPLING_FIELDS, counted, counted_stream, deadline_for,
                                                generate_model, make_params)
 from surge.server.http.guided_fields import FIELDS as GUIDE_FIELDS
-from surge.server.http.guided_fields import guide_from_dict
+from surge.server.http.guided_fields import asks_guide, guide_from_dict
 from surge.server.http.kserve_generate import GenerateParameters
 from surge.server.kserve_contract import InputTensor
 from surge.server.kserve_generate_outputs import FLAGS as OUTPUT_FLAGS
@@ -80,9 +83,32 @@ def _checked(sampling: dict) -> dict:
         raise InvalidInput(f"sampling parameter '{field}' is invalid: {first['msg']}", param=field) from None
 
 
-def prepare(state, name: str, version: str | None, inputs: list[InputTensor], parameters: dict,
-            requested: list[str] = ()) -> Prepared:
-    """`requested`: the names of the request's `outputs` (none: every output it asked for)."""
+async def prepared(state, size: int | None, name: str, version: str | None,
+                   inputs: Callable[[], list[InputTensor]], parameters: dict, requested: list[str] = ()) -> Prepared:
+    """The request checked and prepared. `inputs()`: its tensors; `requested`: the names of its `outputs` (none:
+    every output it asked for). The work that grows with it (its tensors, the sampling parameters' decode, bad
+    words, tokenization) runs on a preparation thread for a request of more than OFF_LOOP_BYTES (`size`: its
+    encoded size), and the guide's compile whatever the size (runtime/off_loop.py)."""
+    head = await off_loop.prepared(size, _head, state, name, version, inputs, parameters)
+    return await off_loop.prepared(None if head.guided else size, _finish, head, requested)
+
+
+@dataclass
+class _Head:
+    """What a request asks, checked; its guide, sampling parameters and prompt not yet made (`_finish`)."""
+    service: object
+    prompt: str
+    flags: dict
+    sampling: dict
+
+    @property
+    def guided(self) -> bool:
+        """Whether it asks for a structured output (its guide's first compile: ms to s whatever its size)."""
+        return asks_guide(SimpleNamespace(**{f: self.sampling.get(f) for f in GUIDE_FIELDS}))
+
+
+def _head(state, name: str, version: str | None, inputs: Callable[[], list[InputTensor]], parameters: dict) -> _Head:
+    inputs = inputs()  # decoded first, as the protocol layers did before calling prepare
     service = generate_model(state, name, version)
     by_name = {}
     for t in inputs:
@@ -118,6 +144,11 @@ def prepare(state, name: str, version: str | None, inputs: list[InputTensor], pa
     check_n(sampling.get("n"))
     if flags.get("stream") and flags.get("exclude_input_in_output") is False:
         raise InvalidInput(STREAM_PROMPT_ERROR, param="exclude_input_in_output")
+    return _Head(service, prompt, flags, sampling)
+
+
+def _finish(head: _Head, requested: list[str]) -> Prepared:
+    service, prompt, flags, sampling = head.service, head.prompt, head.flags, head.sampling
     guide = guide_from_dict(sampling, service)
     try:
         params = make_params(service, **{k: sampling.get(k) for k in SAMPLING_FIELDS}, guide=guide,

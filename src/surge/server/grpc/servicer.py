@@ -170,7 +170,7 @@ class InferenceServicer(TritonExtras, pb_grpc.GRPCInferenceServiceServicer):
         if kserve_tensor.is_tensor_model(service):
             return await self._tensor_infer(service, request, outputs)
         if getattr(service, "task", "embed") == "generate":  # server/kserve_generate_infer.py's contract
-            p = self._generate_prepare(request)
+            p = await self._generate_prepare(request)
             return self._generate_response(request, p, await gen.answer(self.state, p))
         if getattr(service, "task", "embed") in ("classify", "rerank", "token-classify"):  # task models: server/kserve_tasks.py's contract
             from surge.server import kserve_tasks
@@ -196,9 +196,12 @@ class InferenceServicer(TritonExtras, pb_grpc.GRPCInferenceServiceServicer):
         response.raw_output_contents.append(kserve_tensor.raw_bytes(array))  # BYTES too (a classification output)
         return response
 
-    def _generate_prepare(self, request):
-        return gen.prepare(self.state, request.model_name, request.model_version or None, decode_inputs(request),
-                           parameters(request.parameters), [o.name for o in request.outputs])
+    async def _generate_prepare(self, request):
+        """A large request (its encoded size: ByteSize, computed natively) is prepared on a preparation thread
+        (runtime/off_loop.py)."""
+        return await gen.prepared(self.state, request.ByteSize(), request.model_name, request.model_version or None,
+                                  functools.partial(decode_inputs, request), parameters(request.parameters),
+                                  [o.name for o in request.outputs])
 
     @staticmethod
     def _generate_response(request, p, arrays) -> pb.ModelInferResponse:
@@ -213,13 +216,15 @@ class InferenceServicer(TritonExtras, pb_grpc.GRPCInferenceServiceServicer):
         `triton_final_response`, true on the last, as Triton's decoupled models answer)."""
         service = self._service(request.model_name, request.model_version)
         if getattr(service, "task", "embed") == "generate":
-            p = self._generate_prepare(request)
+            p = await self._generate_prepare(request)
             if p.flags.get("stream"):
                 async for arrays, final in gen.stream(self.state, p):
                     response = self._generate_response(request, p, arrays)
                     _set_param(response.parameters, "triton_final_response", final)
                     yield response
-                return
+            else:  # _infer's answer, without preparing the request a second time
+                yield self._generate_response(request, p, await gen.answer(self.state, p))
+            return
         yield await self._infer(request)
 
     async def _tensor_infer(self, service, request, outputs):

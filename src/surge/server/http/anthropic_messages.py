@@ -17,6 +17,7 @@ honoured, and vLLM's `seed` and `ignore_eos`. With the model's reasoning parser 
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 from typing import Literal, Union
 
@@ -27,7 +28,7 @@ from surge.errors import InvalidInput
 from surge.runtime.off_loop import prepared
 from surge.server.http import generate_common
 from surge.server.http.anthropic_events import MessageEvents
-from surge.server.http.common import ORJSONResponse, parse
+from surge.server.http.common import ORJSONResponse, checked_body, parse, validate
 from surge.server.http.generate_common import (EventStream, JsonAnswer, counted, deadline_for, generate_model,
                                                item_stream, make_params, prep_size, until_disconnect)
 from surge.server.http.guided_fields import request_guide
@@ -252,13 +253,19 @@ def router(state: AppState) -> APIRouter:
 
     @r.post("/v1/messages/count_tokens", name="count_tokens", openapi_extra=body(CountTokensRequest))
     async def count_tokens(request: Request):
-        req = await parse(request, CountTokensRequest, limits.max_body_bytes)
-        service = generate_model(state, req.model)
-        choice_for_chat(req.tool_choice)
-        ids = _prompt(service, req)[0]
-        return ORJSONResponse({"input_tokens": len(ids)})
+        return await checked_body(request, functools.partial(_count_tokens, state), limits.max_body_bytes)
 
     return r
+
+
+def _count_tokens(state: AppState, body) -> ORJSONResponse:
+    """count_tokens' answer to a decoded body: its render and tokenization grow with the request, so a large
+    one is counted on a preparation thread (common.checked_body)."""
+    req = validate(CountTokensRequest, body)
+    service = generate_model(state, req.model)
+    choice_for_chat(req.tool_choice)
+    ids = _prompt(service, req)[0]
+    return ORJSONResponse({"input_tokens": len(ids)})
 
 
 ANSWERS = {"/v1/messages": (MessagesRequest, message_answer, "messages")}

@@ -10,6 +10,7 @@ statistics. Decoding and the model's tensor contract are shared with gRPC
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,8 @@ from surge.errors import InvalidInput, NotFound, shown
 from surge.server import kserve_contract as contract
 from surge.server import kserve_tensor
 from surge.server.http import fail_fast
-from surge.server.http.common import ORJSONResponse, decode_json, read_body
+from surge.runtime.off_loop import prepared
+from surge.server.http.common import ORJSONResponse, checked_json, decode_json, read_body
 from surge.server.http.generate_common import until_disconnect
 from surge.server.http.openapi import BINARY, JSON, body
 from surge.server.state import AppState
@@ -191,16 +193,17 @@ def router(state: AppState) -> APIRouter:
 
     async def infer(request: Request, name: str, version: str | None = None):
         service = registry.get(name, version)
-        header, binary = split_body(await read_body(request, limits.max_body_bytes),
-                                    request.headers.get(HEADER_LENGTH))
-        req = _validate(_InferRequest, decode_json(header))
+        body = await read_body(request, limits.max_body_bytes)
+        header, binary = split_body(body, request.headers.get(HEADER_LENGTH))
+        # a large header is decoded and checked on a preparation thread (runtime/off_loop.py)
+        req = await prepared(len(header), checked_json, functools.partial(_validate, _InferRequest), header)
         outputs = [(o.name, o.parameters) for o in req.outputs or []]
         if kserve_tensor.is_tensor_model(service):
             return await tensor_infer(service, req, binary, outputs)
         if getattr(service, "task", "embed") in ("classify", "rerank", "token-classify"):  # task models: server/kserve_tasks.py's contract
             return await _task_infer(service, req, binary, outputs)
         if getattr(service, "task", "embed") == "generate":  # server/kserve_generate_infer.py's contract
-            return await generate_infer(request, name, version, req, binary, outputs)
+            return await generate_infer(request, name, version, req, binary, outputs, len(body))
         decoded = contract.decode_request(decode_inputs(req.inputs, binary), req.parameters, outputs,
                                           limits.max_inputs_per_request, limits.max_input_chars)
         result = await state.run(service, texts=decoded.texts, token_ids=decoded.token_ids,
@@ -264,11 +267,12 @@ def router(state: AppState) -> APIRouter:
         return _tensors(result.model, result.version, req, arrays, outputs)
 
     async def generate_infer(request: Request, name: str, version: str | None, req: _InferRequest, binary: bytes,
-                             outputs: list[tuple[str, dict]]):
+                             outputs: list[tuple[str, dict]], size: int):
         from surge.server import kserve_generate_infer as gen
 
-        p = gen.prepare(state, name, version, decode_inputs(req.inputs, binary), req.parameters,
-                        [n for n, _ in outputs])
+        p = await gen.prepared(state, size, name, version,
+                               functools.partial(decode_inputs, req.inputs, binary), req.parameters,
+                               [n for n, _ in outputs])
         arrays = await until_disconnect(request.receive, gen.answer(state, p))
         return _tensors(p.service.name, p.service.version, req, [(n, a) for n, _, a in arrays], outputs)
 

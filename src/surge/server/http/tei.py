@@ -45,7 +45,7 @@ from surge.runtime.entities import check_strategy
 from surge.runtime.tasks import TaskRequest
 from surge.server.http import rerank as rerank_api
 from surge.server.http import vllm_tokenize
-from surge.server.http.common import ORJSONResponse, json_body, parse, validate
+from surge.server.http.common import ORJSONResponse, checked_body, json_body, parse, validate
 from surge.server.http.task_io import (body_schema, check_length, check_pairs, check_texts, entities, label_scores,
                                        rerank_scores, run_task)
 from surge.server.http.tei_embeddings import TEXTS_HINT, check_direction, similarity
@@ -249,12 +249,19 @@ def router(state: AppState) -> APIRouter:
 
     @r.post("/tokenize", openapi_extra=body_schema(TokenizeRequest))
     async def tokenize(request: Request):
-        body = await json_body(request, limits.max_body_bytes)
+        # a large body is decoded, tokenized and answered on a preparation thread (runtime/off_loop.py)
+        out = await checked_body(request, tokenized, limits.max_body_bytes)
+        if isinstance(out, SurgeError):  # vLLM's body gets vLLM's (OpenAI's) error, not TEI's
+            return render(request.url.path, out, tei=False)
+        return out
+
+    def tokenized(body):
+        """The answer to a decoded /tokenize body, TEI's or vLLM's; vLLM's error returned, not raised."""
         if vllm_tokenize.is_vllm_body(body):  # vLLM's /tokenize shares the path
             try:
                 return vllm_tokenize.tokenize(state, body)
-            except SurgeError as exc:  # vLLM's body gets vLLM's (OpenAI's) error, not TEI's
-                return render(request.url.path, exc, tei=False)
+            except SurgeError as exc:
+                return exc
         req = validate(TokenizeRequest, body)
         served = registry.get(req.model)
         texts = check_texts([req.inputs] if isinstance(req.inputs, str) else req.inputs, "inputs", limits)
@@ -274,7 +281,10 @@ def router(state: AppState) -> APIRouter:
 
     @r.post("/decode", openapi_extra=body_schema(DecodeRequest))
     async def decode(request: Request):
-        req = await parse(request, DecodeRequest, limits.max_body_bytes)
+        return await checked_body(request, decoded, limits.max_body_bytes)  # as /tokenize
+
+    def decoded(body):
+        req = validate(DecodeRequest, body)
         served = registry.get(req.model)
         seqs = [req.ids] if req.ids and isinstance(req.ids[0], int) else req.ids
         if not seqs or any(not s for s in seqs):

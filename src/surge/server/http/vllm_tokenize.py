@@ -14,11 +14,14 @@ messages need a generation model's chat template (chat completions' rendering, t
 
 from __future__ import annotations
 
+import functools
+
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from surge.errors import InvalidInput
-from surge.server.http.common import ORJSONResponse, parse, validate
+from surge.runtime.generate_text import decode_text, encode_text
+from surge.server.http.common import ORJSONResponse, checked_body, validate
 from surge.server.http.openai_chat_requests import (
     ChatMessage,
     chat_messages,
@@ -71,7 +74,8 @@ def _text_side(served):
 
 
 def tokenize(state, body: dict) -> ORJSONResponse:
-    """vLLM's /tokenize of a decoded JSON body (is_vllm_body)."""
+    """vLLM's /tokenize of a decoded JSON body (is_vllm_body): the render, tokenization and answer grow with
+    the request, so tei's route calls it on a preparation thread for a large body (common.checked_body)."""
     chat = "messages" in body
     req = validate(TokenizeChat if chat else TokenizeCompletion, body)
     served = state.registry.get(req.model)
@@ -89,7 +93,7 @@ def tokenize(state, body: dict) -> ORJSONResponse:
                                   variables=req.chat_template_kwargs)
     else:
         text = req.prompt
-    ids = tok.encode(text, add_special_tokens=req.add_special_tokens).ids
+    ids = encode_text(tok, text, req.add_special_tokens)
     return ORJSONResponse({"count": len(ids), "max_model_len": limit, "tokens": ids,
                            "token_strs": [tok.id_to_token(i) for i in ids] if req.return_token_strs else None})
 
@@ -99,12 +103,18 @@ def router(state) -> APIRouter:
     limits = state.config.limits
 
     @r.post("/detokenize", openapi_extra=body_schema(DetokenizeRequest))
-    async def detokenize(request: Request):
-        req = await parse(request, DetokenizeRequest, limits.max_body_bytes)
-        served = state.registry.get(req.model)
-        tok, vocab, _ = _text_side(served)
-        if req.tokens and (min(req.tokens) < 0 or max(req.tokens) >= vocab):
-            raise InvalidInput(f"tokens must be ids in [0, {vocab})", param="tokens")
-        return ORJSONResponse({"prompt": tok.decode(req.tokens, skip_special_tokens=False)})
+    async def detokenize_route(request: Request):
+        return await checked_body(request, functools.partial(detokenize, state), limits.max_body_bytes)
 
     return r
+
+
+def detokenize(state, body) -> ORJSONResponse:
+    """vLLM's /detokenize of a decoded JSON body: on a preparation thread for a large one (its ids' check and
+    decode grow with it)."""
+    req = validate(DetokenizeRequest, body)
+    served = state.registry.get(req.model)
+    tok, vocab, _ = _text_side(served)
+    if req.tokens and (min(req.tokens) < 0 or max(req.tokens) >= vocab):
+        raise InvalidInput(f"tokens must be ids in [0, {vocab})", param="tokens")
+    return ORJSONResponse({"prompt": decode_text(tok, req.tokens, skip_special=False)})
