@@ -79,9 +79,10 @@ def _every_error_class(cls=SurgeError):
 def test_openai_error_type_follows_the_status_of_every_error_class():
     """A 4xx (ConfigError's 400, say) is the client's error in OpenAI's body, never server_error; 429 is
     rate_limit_error, 504 timeout; a 5xx other than those server_error (Unsupported's 501: the request's)."""
-    import surge.optimize.pipeline  # its GateFailed is a SurgeError too
-    import surge.server.http.responses_api
-    import surge.server.http.tei_embeddings
+    import importlib
+
+    for module in ("surge.optimize.pipeline", "surge.server.http.responses_api", "surge.server.http.tei_embeddings"):
+        importlib.import_module(module)  # their SurgeError classes (GateFailed, ResponseNotFound, NotSplade)
 
     classes = list(_every_error_class())
     assert len(classes) > 10
