@@ -12,8 +12,12 @@ import grpc
 class SurgeError(Exception):
     http_status = 500
     grpc_code = grpc.StatusCode.INTERNAL
-    openai_type = "server_error"
     code: str = "internal_error"
+
+    @property
+    def openai_type(self) -> str:
+        """OpenAI's error `type` of this error: its status's (a class declares its status only)."""
+        return openai_type(self.http_status)
 
     def __init__(self, message: str, *, param: str | None = None, retry_after: float | None = None):
         super().__init__(message)
@@ -25,7 +29,6 @@ class SurgeError(Exception):
 class InvalidInput(SurgeError):
     http_status = 400
     grpc_code = grpc.StatusCode.INVALID_ARGUMENT
-    openai_type = "invalid_request_error"
     code = "invalid_input"
 
 
@@ -44,21 +47,18 @@ class WrongTask(InvalidInput):
 class Unauthorized(SurgeError):
     http_status = 401
     grpc_code = grpc.StatusCode.UNAUTHENTICATED
-    openai_type = "invalid_request_error"
     code = "invalid_api_key"
 
 
 class NotFound(SurgeError):
     http_status = 404
     grpc_code = grpc.StatusCode.NOT_FOUND
-    openai_type = "invalid_request_error"
     code = "model_not_found"
 
 
 class PayloadTooLarge(SurgeError):
     http_status = 413
     grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    openai_type = "invalid_request_error"
     code = "payload_too_large"
 
 
@@ -75,7 +75,6 @@ class ResultTooLarge(PayloadTooLarge):
 class Unprocessable(SurgeError):
     http_status = 422
     grpc_code = grpc.StatusCode.INVALID_ARGUMENT
-    openai_type = "invalid_request_error"
     code = "unprocessable"
 
 
@@ -84,21 +83,18 @@ class Overloaded(SurgeError):
 
     http_status = 429
     grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    openai_type = "rate_limit_error"
     code = "overloaded"
 
 
 class NotReady(SurgeError):
     http_status = 503
     grpc_code = grpc.StatusCode.UNAVAILABLE
-    openai_type = "server_error"
     code = "not_ready"
 
 
 class DeadlineExceeded(SurgeError):
     http_status = 504
     grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
-    openai_type = "timeout"
     code = "timeout"
 
 
@@ -113,7 +109,6 @@ class Unsupported(SurgeError):
 
     http_status = 501
     grpc_code = grpc.StatusCode.UNIMPLEMENTED
-    openai_type = "invalid_request_error"
     code = "unsupported"
 
 
@@ -131,6 +126,17 @@ class ConfigError(SurgeError):
     http_status = 400
     grpc_code = grpc.StatusCode.INVALID_ARGUMENT
     code = "invalid_config"
+
+
+# OpenAI's error type by HTTP status where it is not the class's default: any other 4xx is
+# invalid_request_error (OpenAI's own type for a bad request, a bad API key and an unknown model), any other
+# 5xx server_error.
+_OPENAI_TYPES = {429: "rate_limit_error", 501: "invalid_request_error", 504: "timeout"}
+
+
+def openai_type(status: int) -> str:
+    """The `type` of OpenAI's error body for an HTTP status: a 4xx is the client's error, never server_error."""
+    return _OPENAI_TYPES.get(status) or ("invalid_request_error" if 400 <= status < 500 else "server_error")
 
 
 # -- what error messages may echo -------------------------------------------------------

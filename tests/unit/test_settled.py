@@ -10,7 +10,7 @@ import random
 import orjson
 import pytest
 
-from surge.errors import DeadlineExceeded, EmptyInput, Overloaded, PayloadTooLarge, WrongTask
+from surge.errors import DeadlineExceeded, EmptyInput, Overloaded, PayloadTooLarge, SurgeError, WrongTask
 from surge.server.errors import settled
 
 
@@ -68,3 +68,30 @@ def test_cancellation_is_not_caught():
 
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(main())
+
+
+def _every_error_class(cls=SurgeError):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _every_error_class(sub)
+
+
+def test_openai_error_type_follows_the_status_of_every_error_class():
+    """A 4xx (ConfigError's 400, say) is the client's error in OpenAI's body, never server_error; 429 is
+    rate_limit_error, 504 timeout; a 5xx other than those server_error (Unsupported's 501: the request's)."""
+    import importlib
+
+    for module in ("surge.optimize.pipeline", "surge.server.http.responses_api", "surge.server.http.tei_embeddings"):
+        importlib.import_module(module)  # their SurgeError classes (GateFailed, ResponseNotFound, NotSplade)
+
+    classes = list(_every_error_class())
+    assert len(classes) > 10
+    for cls in classes:
+        status, exc = cls.http_status, cls.__new__(cls)
+        SurgeError.__init__(exc, "boom")  # (GateFailed's own __init__ takes more)
+        _, response = asyncio.run(settled("/v1/embeddings", _raises(exc)))
+        body = orjson.loads(response.body)["error"] if response.status_code == status else None
+        assert body is not None, cls
+        want = {429: "rate_limit_error", 504: "timeout", 501: "invalid_request_error"}.get(
+            status, "invalid_request_error" if status < 500 else "server_error")
+        assert body["type"] == want, (cls, status, body)

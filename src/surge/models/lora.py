@@ -9,14 +9,17 @@ into B. What the engine then adds to a fused layer is exactly the sum of PEFT's 
 
 Refused with a ConfigError naming the reason: other PEFT methods, DoRA, trained biases,
 `modules_to_save`, adapters of the embedding or LM head, a layer or shape the base model does not
-have (an adapter trained for another model).
+have (an adapter trained for another model), a rank above the engine slots' (from adapter_config.json
+and the safetensors header, before any weight is read), a file that is not a regular file.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,19 +87,52 @@ def _alpha_for(module_path: str, config: dict) -> tuple[float, int | None]:
     return alpha, rank
 
 
+def open_regular(file: Path, shown: str, name: str):
+    """`file` opened for reading (binary), refused with a ConfigError naming it as `shown` unless it is a
+    regular file: reading a FIFO or a device would block (or never end) and hold the adapters' lock.
+    Checked before the open (which a FIFO would block, and a device may act on) and again on what was
+    opened (non-blocking), so a file swapped in between is refused too."""
+    try:
+        if not stat.S_ISREG(os.stat(file).st_mode):
+            raise ConfigError(f"LoRA adapter '{name}': {shown} is not a regular file")
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:  # strerror, not str(exc): that names the resolved path
+        raise ConfigError(f"LoRA adapter '{name}': cannot read {shown} ({exc.strerror or type(exc).__name__})") \
+            from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ConfigError(f"LoRA adapter '{name}': {shown} is not a regular file")
+    return os.fdopen(fd, "rb")
+
+
+def _declared_rank(config: dict, name: str) -> int:
+    """The widest rank adapter_config.json declares (`r`, and `rank_pattern`'s per-module ranks)."""
+    try:
+        return max(int(v) for v in [config.get("r", 8), *(config.get("rank_pattern") or {}).values()])
+    except (TypeError, ValueError, AttributeError):
+        raise ConfigError(f"LoRA adapter '{name}': adapter_config.json's r or rank_pattern is not an integer") \
+            from None
+
+
 def read_adapter(path: str | Path, cfg: DecoderConfig, name: str | None = None,
-                 max_rank: int | None = None) -> LoraAdapter:
+                 max_rank: int | None = None, shown: str | None = None) -> LoraAdapter:
     """A PEFT LoRA directory, checked against the base model's config (and a part's rank against
-    `max_rank`, the engine slots'), in the engine's layout."""
+    `max_rank`, the engine slots', before its weights are read), in the engine's layout. `shown`: the
+    directory as messages name it (the path a client gave, not where it resolved on the server)."""
     import torch
-    from safetensors.torch import load_file
+    from safetensors import SafetensorError, safe_open
 
     path = Path(path)
     name = name or path.name
-    try:
-        config = json.loads((path / "adapter_config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"LoRA adapter '{name}': cannot read {path / 'adapter_config.json'} ({exc})") from exc
+    shown = shown if shown is not None else str(path)
+    config_shown = os.path.join(shown, "adapter_config.json")
+    with open_regular(path / "adapter_config.json", config_shown, name) as fh:
+        try:
+            config = json.loads(fh.read())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"LoRA adapter '{name}': cannot read {config_shown} ({exc})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"LoRA adapter '{name}': {config_shown} is not a JSON object")
     kind = str(config.get("peft_type", "LORA")).upper()
     if kind != "LORA":
         raise ConfigError(f"LoRA adapter '{name}': peft_type {kind} is not supported (LORA)")
@@ -107,10 +143,28 @@ def read_adapter(path: str | Path, cfg: DecoderConfig, name: str | None = None,
     if config.get("modules_to_save"):
         raise ConfigError(f"LoRA adapter '{name}': modules_to_save ({config['modules_to_save']}) is not supported: "
                           "the adapter replaces whole base weights")
+    declared = _declared_rank(config, name)
+    if max_rank is not None and declared > max_rank:
+        raise ConfigError(f"LoRA adapter '{name}' has rank {declared}, above max_lora_rank {max_rank} "
+                          "(adapter_config.json; --generation max_lora_rank=N)")
     file = path / "adapter_model.safetensors"
-    if not file.is_file():
-        raise ConfigError(f"LoRA adapter '{name}': {file} missing (only safetensors adapters are loaded)")
-    raw = load_file(str(file))
+    file_shown = os.path.join(shown, "adapter_model.safetensors")
+    if not os.path.lexists(file):
+        raise ConfigError(f"LoRA adapter '{name}': {file_shown} missing (only safetensors adapters are loaded)")
+    open_regular(file, file_shown, name).close()
+    try:
+        with safe_open(str(file), framework="pt") as st:  # the header first: shapes before any weight
+            for key in st.keys():  # noqa: SIM118 - a safe_open handle is no mapping
+                shape = st.get_slice(key).get_shape() if key.endswith("lora_A.weight") else None
+                rank = shape[0] if shape else 0
+                if max_rank is not None and rank > max_rank:
+                    raise ConfigError(f"LoRA adapter '{name}' has rank {rank}, above max_lora_rank {max_rank} "
+                                      f"({key}; --generation max_lora_rank=N)")
+            raw = {key: st.get_tensor(key) for key in st.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"LoRA adapter '{name}': {file_shown} is not a readable safetensors file ({why})") \
+            from None
     modules = modules_of(cfg)
     where = {part: module for module, parts in modules.items() for part in parts}
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -127,7 +181,7 @@ def read_adapter(path: str | Path, cfg: DecoderConfig, name: str | None = None,
                               f"({cfg.num_layers} layers; adaptable: {', '.join(sorted(where))})")
         found.setdefault((layer, part), {"path": module_path})[ab] = tensor
     if not found:
-        raise ConfigError(f"LoRA adapter '{name}': {file} holds no LoRA weights")
+        raise ConfigError(f"LoRA adapter '{name}': {file_shown} holds no LoRA weights")
     residual = cfg.residual_multiplier  # Granite's, folded into o and down like the base weights
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     widest = 0

@@ -53,9 +53,10 @@ class LoraHost:
         from surge.models.lora import read_adapter
         from surge.runtime.lora_adapters import digest_of
 
+        shown = str(path)  # messages name the path as given: a relative one must not reveal the working directory
         path = Path(path).expanduser().resolve()
-        read_adapter(path, self.engine.cfg, name, max_rank=self.config.max_lora_rank)
-        return path, digest_of(path)
+        read_adapter(path, self.engine.cfg, name, max_rank=self.config.max_lora_rank, shown=shown)
+        return path, digest_of(path, shown, name)
 
     def add_adapter(self, name: str, path, checked: tuple | None = None) -> "AdapterView":
         """Serve a PEFT LoRA directory as model `name` -> its view (the caller registers a view added while

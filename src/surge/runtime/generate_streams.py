@@ -129,8 +129,8 @@ class StreamDelivery:
                             d.logprobs.append(lp)
                         d.finish_reason, d.completion_tokens = finish, n
                     if out is not None and out.prompt is not None:
-                        d.prompt_logprobs = [self._logprob(t, v, top, h.seq.params.skip_special_tokens)
-                                              for t, v, top in out.prompt]
+                        d.prompt_logprobs = [self._logprob(t, v, top, h.seq.params.skip_special_tokens, rank)
+                                              for t, v, top, rank in out.prompt]
                     if finish is not None:
                         d.cached_tokens = h.seq.num_cached_prompt
                     if finish == "stop":

@@ -12,6 +12,7 @@ adapter's work to another or to an adapter reloaded with new weights.
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,14 +34,18 @@ class Adapter:
         return {"name": self.name, "path": str(self.path), "digest": self.digest}
 
 
-def digest_of(path: Path) -> str:
+def digest_of(path: Path, shown: str | None = None, adapter: str | None = None) -> str:
+    """`shown`: the directory as messages name it (the path a client gave); only regular files are read."""
+    from surge.models.lora import open_regular
+
     h = hashlib.sha256()
+    shown = shown if shown is not None else str(path)
     for name in ("adapter_config.json", "adapter_model.safetensors"):
-        try:
-            with open(path / name, "rb") as fh:
+        with open_regular(path / name, os.path.join(shown, name), adapter or path.name) as fh:
+            try:
                 h.update(hashlib.file_digest(fh, "sha256").digest())
-        except OSError as exc:
-            raise ConfigError(f"LoRA adapter at {path}: cannot read {name} ({exc.strerror or exc})") from exc
+            except OSError as exc:
+                raise ConfigError(f"LoRA adapter at {shown}: cannot read {name} ({exc.strerror or exc})") from None
     return h.hexdigest()
 
 

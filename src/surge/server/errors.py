@@ -4,7 +4,7 @@ One mapping: the status comes from the exception class. The body shape follows
 the protocol of the route: KServe v2 routes get {"error": msg} (is_kserve_path), Anthropic's
 (/v1/messages) {"type": "error", "error": {type, message}}, text-embeddings-inference's
 {"error": msg, "error_type": T} with TEI's status for T (server/tei_errors.py), the rest OpenAI's
-{"error": {message, type, param, code}}.
+{"error": {message, type, param, code}}, whose type follows the status (surge.errors.openai_type).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from surge.errors import SurgeError, shown
+from surge.errors import SurgeError, openai_type, shown
 from surge.server.http.common import ORJSONResponse
 from surge.server.tei_errors import is_tei_route, tei_status, type_of
 
@@ -125,7 +125,7 @@ def install(app: FastAPI, tei_embed: bool = False) -> None:
         if exc.status_code == 405:
             headers["Allow"] = _allowed_methods(request) or headers.get("Allow", "")
         return error_response(request.url.path, exc.status_code, str(exc.detail),
-                              type_="invalid_request_error", code=f"http_{exc.status_code}", headers=headers,
+                              type_=openai_type(exc.status_code), code=f"http_{exc.status_code}", headers=headers,
                               tei=tei(request))
 
     @app.exception_handler(Exception)

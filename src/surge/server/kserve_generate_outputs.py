@@ -53,8 +53,9 @@ def logprobs_wanted(flags: dict, logprobs: int | None) -> int | None:
     return None
 
 
-def _entry(lp: dict) -> dict:
-    """One token's vLLM-backend logprobs: the chosen token, then the top ones (ranks by their order)."""
+def vllm_entry(lp: dict) -> dict:
+    """One token's vLLM logprobs (its backend's, and vLLM's `prompt_logprobs` entries): the chosen token, then
+    the top ones (ranks by their order)."""
     out = {str(lp["token_id"]): {"logprob": lp["logprob"], "rank": lp.get("rank"), "decoded_token": lp["token"]}}
     for rank, (text, value, token) in enumerate(lp.get("top") or [], start=1):
         if str(token) not in out:
@@ -81,7 +82,7 @@ class Extras:
         if f.get("return_cumulative_logprob"):
             out["cumulative_logprob"] = self.cumulative
         if f.get("return_logprobs"):
-            out["logprobs"] = json.dumps([_entry(lp) for lp in lps])
+            out["logprobs"] = json.dumps([vllm_entry(lp) for lp in lps])
         if f.get("return_num_input_tokens"):
             out["num_input_tokens"] = prompt_tokens
         if f.get("return_num_output_tokens"):

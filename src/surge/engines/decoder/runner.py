@@ -407,12 +407,13 @@ class DecoderEngine(DecodeLaunches, SpeculativeRows):
             rows = torch.arange(qstart[i] + lo - s.start, qstart[i] + hi - s.start, device=hidden.device)
             lp = torch.log_softmax(self.model.logits(hidden.index_select(0, rows)).float(), dim=-1)
             nxt = torch.tensor(seq.token_ids[lo + 1:hi + 1], device=hidden.device)
-            chosen = lp.gather(1, nxt[:, None])[:, 0].tolist()
+            chosen_t = lp.gather(1, nxt[:, None])
+            chosen = chosen_t[:, 0].tolist()
+            ranks = ((lp > chosen_t).sum(-1) + 1).tolist()  # vLLM's Logprob.rank, as the sampler's
             k = seq.params.prompt_logprobs
             top_v, top_i = (lp.topk(k, dim=-1) if k else (None, None))
             tops = [list(zip(ti, tv)) for ti, tv in zip(top_i.tolist(), top_v.tolist())] if k else [[]] * len(chosen)
-            seq.prompt_lps = (seq.prompt_lps or []) + [(t, v, top) for t, v, top in
-                                                       zip(seq.token_ids[lo + 1:hi + 1], chosen, tops)]
+            seq.prompt_lps = (seq.prompt_lps or []) + list(zip(seq.token_ids[lo + 1:hi + 1], chosen, tops, ranks))
             seq.prompt_scored = hi
 
     def _decode_graph(self, scheduled: list[ScheduledSeq]) -> dict[int, SampleOut]:

@@ -30,7 +30,7 @@ class SampleOut:
     # vLLM backend returns it, and it cannot be told from `top` when the token is not among them
     rank: int | None = None
     # with the first sampled token of a sequence that asked for them: its prompt's (token, logprob,
-    # top) from the second token on (the runner's prefill scores them)
+    # top, rank) from the second token on (the runner's prefill scores them)
     prompt: list | None = None
 
 

@@ -39,7 +39,7 @@ class Sequence:
     fast: bool = False  # greedy, no penalties, no logprobs: its tokens can stay on the device
     speculable: bool = False  # no penalties, guide or logprobs: drafts can be checked (greedy or sampled)
     # params.prompt_logprobs: the prompt positions scored so far (position p scores token p + 1) and
-    # their (token, logprob, top) not yet handed out (with the first sampled token's SampleOut)
+    # their (token, logprob, top, rank) not yet handed out (with the first sampled token's SampleOut)
     prompt_scored: int = 0
     prompt_lps: list | None = None
     # LoRA: the engine slot of the sequence's adapter, given at admission (0: the base model), and the

@@ -6,8 +6,8 @@ template writes them. Streams are server-sent events ending in `data: [DONE]`;
 with `stream_options.include_usage` the last chunk before it carries the usage.
 Beyond OpenAI's fields, vLLM's `top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos`, `stop_token_ids`, `min_tokens`, `allowed_token_ids`, `bad_words`,
-`include_stop_str_in_output`, `skip_special_tokens` and `truncate_prompt_tokens` are
-accepted, and on chats its
+`include_stop_str_in_output`, `skip_special_tokens`, `truncate_prompt_tokens` and `prompt_logprobs`
+(each completion choice's, the chat response's; not streamed, as vLLM) are accepted, and on chats its
 template controls `add_generation_prompt`, `continue_final_message` and
 `chat_template_kwargs`. Structured outputs (`response_format`
 json_object / json_schema, vLLM's `guided_*` fields and `structured_outputs`, a required or
@@ -38,11 +38,13 @@ from surge.server.http.generate_choices import check_count, choice_params, first
 from surge.server.http.guided_fields import request_guide
 from surge.server.http.openai_chat_requests import (ChatCompletionRequest, CompletionRequest, _prompts,
                                                     _refuse_chat_fields, _refuse_stream_options, _truncated,
-                                                    _vllm_extras, chat_messages, tool_calls_wanted)
+                                                    _vllm_extras, chat_messages, prompt_logprobs_wanted,
+                                                    tool_calls_wanted)
 from surge.server.http.tool_calls import keep_special_tokens
 from surge.server.http.reasoning import (ChatDeltas, effort_variables, guide_after_thinking, message,
                                          request_parser)
 from surge.server.http.responses_items import logprob_list
+from surge.server.kserve_generate_outputs import vllm_entry
 from surge.server.http.generate_common import (EventStream, JsonAnswer, counted, counted_stream, deadline_for,
                                                generate_model, make_params, prep_size, sse, until_disconnect)
 from surge.runtime.off_loop import prepared
@@ -88,6 +90,17 @@ def _joined(echo: dict | None, out: dict | None) -> dict | None:
     return {k: echo[k] + out[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
+def _prompt_logprobs(scored) -> list:
+    """vLLM's `prompt_logprobs`: None for the prompt's first token, then each token's {token id: {logprob, rank,
+    decoded_token}}, the token itself and the top ones."""
+    return [None, *(vllm_entry(it) for it in scored or [])]
+
+
+def _top(scored, k: int):
+    """Scored prompt tokens with only their `k` best alternatives (the prompt was scored for the larger ask)."""
+    return [{**it, "top": it["top"][:k]} for it in scored or []]
+
+
 def _usage(prompt: int, completion: int, cached: int | None = None) -> dict:
     """OpenAI's usage; `cached`: the prompt's tokens found in the prefix cache (prompt_tokens_details)."""
     out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
@@ -106,6 +119,7 @@ def _chat_prepared(state: AppState, req: ChatCompletionRequest):
     service = generate_model(state, req.model)
     _refuse_chat_fields(req)
     check_count(1, req.n, state.config.limits.max_inputs_per_request)
+    prompt_k = prompt_logprobs_wanted(req)
     parse_calls, tool_guide = tool_calls_wanted(req, service)
     guide = request_guide(req, service, tool_guide)
     parser = getattr(service.config, "reasoning_parser", "none")
@@ -124,7 +138,7 @@ def _chat_prepared(state: AppState, req: ChatCompletionRequest):
                          presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                          repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos,
                          logprobs=(req.top_logprobs or 0) if req.logprobs else None, logit_bias=req.logit_bias,
-                         guide=guide, **_vllm_extras(req, keep_special_tokens(parse_calls)))
+                         prompt_logprobs=prompt_k, guide=guide, **_vllm_extras(req, keep_special_tokens(parse_calls)))
     return service, ids, params, parse_calls, reasoning
 
 
@@ -139,13 +153,16 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
     if not req.stream:
         results = await until_disconnect(receive, _gather(
             [counted(state, service, service.generate(ids, p, deadline=deadline)) for p in choices]))
-        return JsonAnswer({
+        answer = {
             "id": rid, "object": "chat.completion", "created": created, "model": service.name,
             "choices": [_chat_choice(j, res, parse_calls, reasoning, req.include_reasoning)
                         for j, res in enumerate(results)],
             "usage": _usage(results[0].prompt_tokens, sum(r.completion_tokens for r in results),
                             results[0].cached_tokens),
-        }, {"x-surge-model-version": service.version})
+        }
+        if params.prompt_logprobs is not None:  # vLLM's: the rendered prompt's, on the response
+            answer["prompt_logprobs"] = _prompt_logprobs(results[0].prompt_logprobs)
+        return JsonAnswer(answer, {"x-surge-model-version": service.version})
     usage = bool(req.stream_options and req.stream_options.include_usage)
 
     running = usage and req.stream_options.continuous_usage_stats
@@ -204,14 +221,18 @@ def _completion_prepared(state: AppState, req: CompletionRequest):
         raise InvalidInput("'suffix' is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidInput("'best_of' other than n is not supported (surge does not rank choices)", param="best_of")
+    prompt_k = prompt_logprobs_wanted(req)
     prompts = _prompts(req.prompt, service, limits.max_inputs_per_request, req.echo, req.truncate_prompt_tokens)
     check_count(len(prompts), req.n, limits.max_inputs_per_request)
+    # the prompt scored once for both: echo's `logprobs` and vLLM's `prompt_logprobs` (each takes its top ones)
+    echo_k = req.logprobs if req.echo else None
+    wanted = [k for k in (prompt_k, echo_k) if k is not None]
     params = make_params(service, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                          top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop,
                          stop_token_ids=req.stop_token_ids, presence_penalty=req.presence_penalty,
                          frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
                          ignore_eos=req.ignore_eos, logprobs=req.logprobs, logit_bias=req.logit_bias,
-                         prompt_logprobs=req.logprobs if req.echo else None, guide=request_guide(req, service),
+                         prompt_logprobs=max(wanted) if wanted else None, guide=request_guide(req, service),
                          **_vllm_extras(req))
     return service, prompts, params
 
@@ -231,7 +252,7 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
             return None
         ids = jobs[k][0]
         first = {"token": service.decode([ids[0]]), "logprob": None, "top": None}
-        return _completion_logprobs([first, *(scored or [])])
+        return _completion_logprobs([first, *_top(scored, req.logprobs)])  # prompt_logprobs may want more
     if not req.stream:
         results = await until_disconnect(receive, _gather(
             [counted(state, service, service.generate(ids, p, deadline=deadline)) for ids, p in jobs]))
@@ -240,7 +261,9 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
             "choices": [{"index": k, "text": echoed[k] + res.text,
                          "logprobs": _joined(echo_logprobs(k, res.prompt_logprobs),
                                              _completion_logprobs(res.logprobs, len(echoed[k]))),
-                         "finish_reason": res.finish_reason, "stop_reason": res.stop_reason}
+                         "finish_reason": res.finish_reason, "stop_reason": res.stop_reason,
+                         **({"prompt_logprobs": _prompt_logprobs(_top(res.prompt_logprobs, req.prompt_logprobs))}
+                            if req.prompt_logprobs is not None else {})}
                         for k, res in enumerate(results)],
             # a prompt counts once however many choices it has (as OpenAI counts it)
             "usage": _usage(sum(r.prompt_tokens for r in results[::req.n]),

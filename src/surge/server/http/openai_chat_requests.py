@@ -57,6 +57,9 @@ class _Sampling(BaseModel):
                                               "token that would complete one is not drawn).")
     priority: StrictInt = Field(0, description="vLLM's: lower runs first where the model's scheduling_policy is "
                                 "'priority' (elsewhere only 0 is accepted).")
+    prompt_logprobs: StrictInt | None = Field(None, description="vLLM's: the prompt's tokens' log-probabilities "
+                                              "(None for the first), each with this many top ones (0-20); not with "
+                                              "stream.")
     # structured outputs (server/http/guided_fields.py): OpenAI's, and vLLM's names
     response_format: dict | None = Field(None, description="{'type': 'text' | 'json_object' | 'json_schema', "
                                          "'json_schema': {'schema': ...}}: the answer follows the JSON schema.")
@@ -167,6 +170,19 @@ def _refuse_chat_fields(req: ChatCompletionRequest) -> None:
         if getattr(req, field) is not None:
             raise InvalidInput(f"'{field}' (deprecated by OpenAI) is not supported; send tools and tool_choice",
                                param=field)
+
+
+def prompt_logprobs_wanted(req: _Sampling) -> int | None:
+    """vLLM's `prompt_logprobs`: the number of top tokens a prompt position lists, or None; what surge cannot
+    answer (a stream, as vLLM; more than 20, or vLLM's -1 for the whole vocabulary) is a 400, never ignored."""
+    k = req.prompt_logprobs
+    if k is None:
+        return None
+    if req.stream:
+        raise InvalidInput("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
+    if not 0 <= k <= 20:
+        raise InvalidInput(f"prompt_logprobs must be between 0 and 20 (got {k})", param="prompt_logprobs")
+    return k
 
 
 def _vllm_extras(req, keep_special: bool = False) -> dict:
