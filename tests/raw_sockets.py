@@ -31,3 +31,17 @@ def read_to_close(s: socket.socket) -> bytes:
         if not chunk:
             return out
         out += chunk
+
+
+def post_until_head(port: int, path: str, body: bytes, timeout: float) -> tuple[socket.socket, bytes]:
+    """POSTs JSON `body` to `path` on a socket with a small receive buffer (connect_reading_slowly) and reads
+    only until the answer's head has come (the answer is being sent): (the socket, what came so far)."""
+    s = connect_reading_slowly(port, timeout)
+    s.sendall(f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nconnection: close\r\n"
+              f"content-length: {len(body)}\r\n\r\n".encode() + body)
+    got = b""
+    while b"\r\n\r\n" not in got:
+        chunk = s.recv(1024)
+        assert chunk, got
+        got += chunk
+    return s, got

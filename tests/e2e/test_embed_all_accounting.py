@@ -21,7 +21,7 @@ import pytest
 
 from tests import metrics_scrape
 from tests.metrics_scrape import delta
-from tests.raw_sockets import connect_reading_slowly, read_to_close
+from tests.raw_sockets import post_until_head, read_to_close
 from tests.server_process import ServerProcess, fresh_client
 
 MODEL = "all-MiniLM-L6-v2"
@@ -49,15 +49,7 @@ def _post(server, body) -> httpx.Response:
 def _slow_request(port: int) -> tuple[socket.socket, bytes]:
     """Sends a max-size /embed_all on a socket with a small receive buffer and reads only until the answer's
     head has come (it is being sent: computed and serialized); returns the socket and what came so far."""
-    s = connect_reading_slowly(port, timeout=120)
-    body = json.dumps({"inputs": [LONG] * PER_CLIENT}).encode()
-    s.sendall(b"POST /embed_all HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nconnection: close\r\n"
-              b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    got = b""
-    while b"\r\n\r\n" not in got:
-        chunk = s.recv(1024)
-        assert chunk, got
-        got += chunk
+    s, got = post_until_head(port, "/embed_all", json.dumps({"inputs": [LONG] * PER_CLIENT}).encode(), 120)
     assert got.startswith(b"HTTP/1.1 200"), got[:300]
     return s, got
 

@@ -53,15 +53,8 @@ def _post(url: str, body) -> httpx.Response:
 def _big_request(port: int) -> tuple[socket.socket, bytes]:
     """A max-size /embed_all on a socket with a small receive buffer, read only until the answer's head has
     come (it is being sent); returns the socket and what came so far."""
-    s = raw_sockets.connect_reading_slowly(port, WAIT_S)
-    body = json.dumps({"inputs": [LONG] * PER_REQUEST}).encode()
-    s.sendall(b"POST /embed_all HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nconnection: close\r\n"
-              b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    got = b""
-    while b"\r\n\r\n" not in got:
-        chunk = s.recv(1024)
-        assert chunk, got
-        got += chunk
+    s, got = raw_sockets.post_until_head(port, "/embed_all", json.dumps({"inputs": [LONG] * PER_REQUEST}).encode(),
+                                         WAIT_S)
     assert got.startswith(b"HTTP/1.1 200"), got[:300]
     return s, got
 
