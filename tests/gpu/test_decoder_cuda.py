@@ -752,7 +752,7 @@ def test_prompt_logprobs_follow_transformers(qwen_dir, dtype, tol):
         with torch.no_grad():
             lp = torch.log_softmax(hf(torch.tensor([p], device="cuda")).logits[0, :-1].double(), dim=-1)
         want = lp.gather(1, torch.tensor(p[1:], device="cuda")[:, None])[:, 0].tolist()
-        assert [t for t, _, _ in got[i]] == p[1:] and all(len(top) == 2 for _, _, top in got[i])
+        assert [t for t, *_ in got[i]] == p[1:] and all(len(top) == 2 for _, _, top, _ in got[i])
         assert [v for _, v, _ in got[i]] == pytest.approx(want, abs=tol)
 
 

@@ -249,8 +249,9 @@ def test_short_steps_prefill_through_the_row_graphs(tmp_path, monkeypatch, kind)
     for s, ref in zip(seqs, refs):
         assert s.output_ids == ref == streamed[s.seq_id], f"prompt {s.seq_id}"
     assert seqs[-1].output_ids == eager[-1].output_ids and len(seqs[-1].output_ids) == 10
-    assert len(scores) == 10 and [t for t, _, _ in scores] == [t for t, _, _ in eager_scores]
-    torch.testing.assert_close([v for _, v, _ in scores], [v for _, v, _ in eager_scores])
+    assert len(scores) == 10 and [t for t, *_ in scores] == [t for t, *_ in eager_scores]
+    torch.testing.assert_close([v for _, v, *_ in scores], [v for _, v, *_ in eager_scores])
+    assert [rank for *_, rank in scores] == [rank for *_, rank in eager_scores]
     assert max(replayed) == 12 and sum(n > 1 for n in replayed) >= 4 and max(per_step) == 2, \
         f"prefill steps through the rows, some in two replays: {per_step}, {replayed}"
     assert min(eager_steps) >= 11 and any(n > 24 for n in eager_steps), \
