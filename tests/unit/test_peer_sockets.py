@@ -11,6 +11,7 @@ import time
 import pytest
 
 from surge.server.grpc import peer_sockets
+from surge.server.tcp_info import bytes_acked
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -57,11 +58,11 @@ def test_bytes_acked_grow_as_the_client_reads(accepted):
     peer = peer_sockets.peer_of(f"ipv4:127.0.0.1:{client.getsockname()[1]}")
     fd = peer_sockets.locate({peer}, port)[peer]
     with peer_sockets.connection(fd, peer, port) as sock:
-        before = peer_sockets.bytes_acked(sock)
+        before = bytes_acked(sock)
     server.sendall(b"x" * 1000)
     assert len(client.recv(1000, socket.MSG_WAITALL)) == 1000
     with peer_sockets.connection(fd, peer, port) as sock:
         deadline = time.monotonic() + 10  # the acknowledgement may trail the data (delayed ACK): wait for it
-        while peer_sockets.bytes_acked(sock) - before < 1000 and time.monotonic() < deadline:
+        while bytes_acked(sock) - before < 1000 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert peer_sockets.bytes_acked(sock) - before == 1000
+        assert bytes_acked(sock) - before == 1000

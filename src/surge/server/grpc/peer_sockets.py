@@ -1,5 +1,5 @@
-"""The socket of a gRPC call's connection, found by the call's peer address: how much of what the server sent the
-client has taken, and a reset. grpc.aio gives a servicer the peer ("ipv4:127.0.0.1:5555") and nothing else of the
+"""The socket of a gRPC call's connection, found by the call's peer address (what the client has taken of what
+was sent: server/tcp_info.py), and a reset. grpc.aio gives a servicer the peer ("ipv4:127.0.0.1:5555") and nothing else of the
 connection, and no way to end a call whose answer grpc core is still writing (server/grpc/send_deadline.py); the
 socket is the one handle left.
 
@@ -15,16 +15,14 @@ import contextlib
 import ipaddress
 import os
 import socket
-import struct
-import sys
 from collections.abc import Iterator
 from urllib.parse import unquote
+
+from surge.server.tcp_info import drop_on_close
 
 Peer = tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]
 
 _FD_DIR = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
-_TCP_INFO = getattr(socket, "TCP_INFO", None)
-_BYTES_ACKED = slice(120, 128)  # struct tcp_info's u64 tcpi_bytes_acked (linux/tcp.h)
 
 
 def peer_of(text: str) -> Peer | None:
@@ -95,20 +93,9 @@ def connection(fd: int, peer: Peer, local_port: int) -> Iterator[socket.socket |
         yield sock if _peer_if_served(sock, local_port) == peer else None
 
 
-def bytes_acked(sock: socket.socket) -> int | None:
-    """How many bytes sent on the connection the client has acknowledged (None where the system does not say)."""
-    if _TCP_INFO is None:
-        return None
-    try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 256)
-    except OSError:
-        return None
-    return int.from_bytes(info[_BYTES_ACKED], sys.byteorder) if len(info) >= _BYTES_ACKED.stop else None
-
-
 def reset(sock: socket.socket) -> None:
     """End the connection: grpc core sees it end at once and cancels its calls; once core closes its descriptor the
     client gets a reset (SO_LINGER 0, as the HTTP port's conn_guard.reset) and the kernel drops what it still held."""
+    drop_on_close(sock)
     with contextlib.suppress(OSError):  # gone meanwhile: nothing left to end
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         sock.shutdown(socket.SHUT_RDWR)

@@ -36,6 +36,7 @@ import grpc
 
 from surge.server.grpc import peer_sockets
 from surge.server.grpc.wrapping import WrappingInterceptor
+from surge.server.tcp_info import bytes_acked
 
 log = logging.getLogger("surge.server")
 
@@ -141,7 +142,7 @@ class SendDeadlineInterceptor(WrappingInterceptor):
                 if sock is None:  # the connection is gone (its descriptor closed or reused): so is the call
                     del looked[context]
                     continue
-                acked = peer_sockets.bytes_acked(sock)
+                acked = bytes_acked(sock)
                 if acked is not None and acked != look.acked:  # the client took something: its clock restarts
                     look.acked, look.quiet_since = acked, now
                 elif now - look.quiet_since >= self.timeout_s:

@@ -5,6 +5,8 @@ deadline does) keeps hitting its cache."""
 
 from __future__ import annotations
 
+import abc
+
 import grpc
 
 
@@ -26,5 +28,6 @@ class WrappingInterceptor(grpc.aio.ServerInterceptor):
             known = self._wrapped[id(handler)] = (handler, self._wrap(handler))
         return known[1]
 
+    @abc.abstractmethod
     def _wrap(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        raise NotImplementedError
+        """The handler to give every call of `handler`'s method."""

@@ -31,8 +31,8 @@ its headers are read, so neither needed the API key.
 from __future__ import annotations
 
 import resource
-import socket
-import struct
+
+from surge.server.tcp_info import drop_on_close
 
 RESERVED_FDS = 256  # descriptors kept for the process's own files when the limit follows RLIMIT_NOFILE
 
@@ -122,11 +122,12 @@ class SendDeadline:
     `on_expiry` runs once bytes have waited there `seconds` with none of them sent.
 
     Lazy, as ReadDeadline: a write that the kernel takes at once (nearly every answer) arms nothing, and
-    one armed timer looks at the buffer every quarter of `seconds`, so that progress (sent bytes: handed
-    over less still buffered) is seen within that and a stall is cut between `seconds` and 1.25x it after
-    the client last took a byte. Disarmed by itself once the buffer is empty."""
+    one armed timer looks at the buffer every quarter of `seconds`, so that progress (`corked.progress()`:
+    bytes handed to the kernel, and bytes the client acknowledged) is seen within that and a stall is cut
+    between `seconds` and 1.25x it after the client last took a byte. Disarmed by itself once the buffer is
+    empty."""
 
-    __slots__ = ("_corked", "_handle", "_loop", "_on_expiry", "_seconds", "_sent", "_since")
+    __slots__ = ("_corked", "_handle", "_loop", "_on_expiry", "_seconds", "_progress", "_since")
 
     def __init__(self, loop, seconds: float, corked, on_expiry):
         self._loop = loop
@@ -134,13 +135,13 @@ class SendDeadline:
         self._corked = corked
         self._on_expiry = on_expiry
         self._handle = None
-        self._sent = 0
+        self._progress = 0
         self._since = 0.0
 
     def arm(self) -> None:
         """After a write: time the bytes it left buffered (nothing if a timer already runs: it sees them)."""
         if self._handle is None:
-            self._sent = self._corked.sent()
+            self._progress = self._corked.progress()
             self._since = self._loop.time()
             self._handle = self._loop.call_later(self._seconds / 4, self._fire)
 
@@ -156,9 +157,9 @@ class SendDeadline:
         if not corked.waiting():  # all sent: nothing to time until a write leaves bytes again
             return
         now = self._loop.time()
-        sent = corked.sent()
-        if sent != self._sent:  # the client took some: its clock starts again
-            self._sent, self._since = sent, now
+        progress = corked.progress()
+        if progress != self._progress:  # the client took some: its clock starts again
+            self._progress, self._since = progress, now
         elif now - self._since >= self._seconds:
             self._on_expiry()
             return
@@ -167,12 +168,7 @@ class SendDeadline:
 
 def reset(transport) -> None:
     """Abort `transport` with a TCP reset: what the kernel still holds to send is dropped, not kept."""
-    sock = transport.get_extra_info("socket")
-    if sock is not None:
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        except OSError:  # closed meanwhile: the abort is all that is left to do
-            pass
+    drop_on_close(transport.get_extra_info("socket"))
     transport.abort()
 
 

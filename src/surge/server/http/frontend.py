@@ -23,6 +23,8 @@ import asyncio
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from surge.server.tcp_info import bytes_acked
+
 
 class FrontDoor:
     def __init__(self, app):
@@ -135,9 +137,11 @@ class _Corked:
         """Bytes handed to the real transport that it has not yet sent."""
         return self._t.get_write_buffer_size() > 0
 
-    def sent(self) -> int:
-        """Bytes the real transport has sent (the kernel took them) since the connection opened."""
-        return self.written - self._t.get_write_buffer_size()
+    def progress(self) -> tuple[int, int | None]:
+        """What grows as the client reads: the bytes the real transport has handed to the kernel, and those the
+        client has acknowledged (server/tcp_info.py; the kernel reports room in its buffers only once a third
+        or so has drained, so a slow steady reader could otherwise look stalled for seconds)."""
+        return self.written - self._t.get_write_buffer_size(), bytes_acked(self._t.get_extra_info("socket"))
 
     def __getattr__(self, name):  # everything else: the real transport
         return getattr(self._t, name)
