@@ -66,7 +66,7 @@ class InProcessServer:
         from surge.server.app import create_app
 
         self.port = _free_port()
-        cfg = ServerConfig(port=self.port, grpc_port=None, log_level="warning", **config)
+        cfg = ServerConfig(port=self.port, log_level="warning", **{"grpc_port": None, **config})
         self.state = build_state(cfg)
         app = frontend.FrontDoor(create_app(self.state))
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
