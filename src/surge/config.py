@@ -332,6 +332,12 @@ class GenerationConfig(_Strict):
         "are equal up to floating-point rounding; pin one for results that never depend on the machine's timings. "
         "Not used on the GPU.")
     cache_entries: int = Field(1024, ge=0, description="Finished greedy / seeded generations kept (0: off).")
+    cache_bytes: int = Field(64 * 1024 * 1024, ge=0, description="Most memory the kept generations may take, "
+                             "their keys (prompt, sampling fields) and answers (log-probabilities included) "
+                             "counted as the objects they are (about; 0: off): one request's bad words, logit "
+                             "bias or grammar can make an entry megabytes, so cache_entries alone let clients "
+                             "fill gigabytes. The least recently used go first; a generation larger than this is "
+                             "not kept.")
     tool_call_parser: Literal["none", "hermes", "llama3_json", "mistral"] = Field(
         "none", description="How a chat answer's tool calls are read, and written by a required or named "
         "tool_choice (vLLM's --tool-call-parser; server/http/tool_parsers/): 'hermes', <tool_call>{json}</tool_call> "

@@ -66,7 +66,7 @@ class InProcessServer:
         from surge.server.app import create_app
 
         self.port = _free_port()
-        cfg = ServerConfig(port=self.port, grpc_port=None, log_level="warning", **config)
+        cfg = ServerConfig(port=self.port, log_level="warning", **{"grpc_port": None, **config})
         self.state = build_state(cfg)
         app = frontend.FrontDoor(create_app(self.state))
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
@@ -367,3 +367,52 @@ def test_a_pipelined_request_behind_a_cache_hit_is_not_cut_off_by_the_keep_alive
     assert status == 200 and [s for s, _, _ in answers] == [200, 200]
     assert answers[0][2] == first and len(_vector(answers[1][2])) == 384
     assert spy.answered == 2
+
+
+def _server_side(srv, client: socket.socket):
+    """The server's protocol of `client`'s connection (the in-process server's own object)."""
+    here = client.getsockname()
+    for proto in list(srv.server.server_state.connections):
+        if getattr(proto, "client", None) == here:
+            return proto
+    return None
+
+
+def test_pipelined_cache_hits_of_a_client_that_reads_nothing_are_not_buffered_without_bound(sentences,
+                                                                                            monkeypatch):
+    """A client pipelines many cached requests (small bodies, ~100 KB answers) and reads nothing, as a slow
+    reader that the send deadline never cuts may. The direct path answered each one inside the parser's
+    callback and kept reading, so every answer waited in the server's memory (the transport's buffer grew by
+    n x the answer); the ASGI path waits for the buffer to drain before each answer. Now the server stops
+    taking requests once what waits to be sent is past the transport's high-water mark, and answers the rest,
+    in order and whole, as the client reads."""
+    n = 200
+    with InProcessServer() as srv:
+        texts = [_unique(sentences, i) for i in range(16)]
+        request = _request({"input": texts})
+        [(status, _, first)] = exchange(srv.port, request)  # cached from now on
+        assert status == 200
+        spy = Spy(monkeypatch)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)  # the kernel holds little for the client
+        sock.settimeout(120)
+        sock.connect(("127.0.0.1", srv.port))
+        with sock:
+            sender = threading.Thread(target=sock.sendall, args=(request * n,), daemon=True)
+            sender.start()  # its last writes may wait while the server holds off reading
+            end = time.monotonic() + 120
+            while True:  # every request answered (the old way) or the server waits for the client (the new)
+                proto = _server_side(srv, sock)
+                if proto is not None and (spy.answered >= n or (proto.flow.read_paused and proto.flow.write_paused)):
+                    break
+                assert time.monotonic() < end, "the server neither answered every request nor waited for the client"
+                time.sleep(0.05)
+            buffered = proto.transport.get_write_buffer_size()
+            _, high = proto.transport.get_write_buffer_limits()
+            assert buffered <= high + 4 * len(first), (buffered, len(first))
+            assert spy.answered < n
+            buf = bytearray()
+            answers = [_read_response(sock, buf) for _ in range(n)]  # then all of them, as the client reads
+            sender.join(60)
+    assert [s for s, _, _ in answers] == [200] * n
+    assert all(body == first for _, _, body in answers)

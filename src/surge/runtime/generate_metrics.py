@@ -143,6 +143,12 @@ class GenerateMetrics:
             return
         self._lora.labels(**self._lab, adapter=adapter).inc()
 
+    def forget_adapter(self, adapter: str) -> None:
+        """An adapter was unloaded: its series goes (names loaded at run time are the clients' choice; kept,
+        every name ever used stayed on /metrics). A request that started before the unload was counted then."""
+        with contextlib.suppress(KeyError):  # never asked for
+            self._lora.remove(self._lab["model"], self._lab["version"], adapter)
+
     def engine_state(self, state) -> None:
         """After an iteration of the engine loop (runtime/generate_core.EngineState): gauges and the
         prefix cache's counters, each set only when it changed (a set takes a lock; most iterations

@@ -33,6 +33,7 @@ from surge.runtime.generate_core import EngineLoop, EngineState, ThreadChannel
 from surge.runtime.generate_delta import Delta, GenerationResult
 from surge.runtime.generate_metrics import GenerateMetrics
 from surge.runtime.generate_shared import attach_shared_cache, pack, shared_key, unpack, weights_fingerprint  # noqa: F401
+from surge.runtime.generate_sizes import INT_BYTES, deltas_bytes, params_bytes
 from surge.runtime.generate_lora import LoraHost
 from surge.runtime.generate_restart import EngineRestarts
 from surge.runtime.generate_streams import StreamDelivery, _error, _Handle, _ThreadOutbox
@@ -78,7 +79,10 @@ class GenerateService(StreamDelivery, EngineRestarts, LoraHost, PromptText):
         self._arrivals: list[Sequence] = []  # submitted during this event-loop pass (event loop only)
         self._handles: dict[int, _Handle] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._cache: OrderedDict[tuple, list[Delta]] = OrderedDict()
+        # the generation cache: key -> (deltas, about the bytes of key and deltas), bounded by cache_entries
+        # and cache_bytes (what a request's fields make an entry hold is the client's choice)
+        self._cache: OrderedDict[tuple, tuple[list[Delta], int]] = OrderedDict()
+        self._cache_bytes = 0
         # the generation cache's shared tier (runtime/cache_redis.RedisTier; attach_shared_cache): replicas
         # and --workers front ends of one version answer each other's repeats
         self.shared = None
@@ -184,11 +188,14 @@ class GenerateService(StreamDelivery, EngineRestarts, LoraHost, PromptText):
                 raise NotFound(f"LoRA adapter '{adapter}' of model '{self.name}' is not loaded", param="model")
             self.metrics.lora_request(adapter)
         self.check_prompt(prompt_ids, params.max_tokens if params.own_max_tokens else None)
-        keyed = use_cache and params.deterministic and self.config.cache_entries
+        keyed = use_cache and params.deterministic and self.config.cache_entries and self.config.cache_bytes
         if params.bulk > BULK:  # hundreds of thousands of bad words, a grammar of MBs: not on the event loop
             pkey = await off_loop(self._checked, params, keyed)
         else:
             pkey = self._checked(params, keyed)
+        if pkey is not None:
+            pkey, key_bytes = pkey
+            key_bytes += INT_BYTES * len(prompt_ids)
         deadline = deadline or time.monotonic() + self.request_timeout_s
         # an adapter's answers are its own: its digest joins the version in the cache's key
         version = self.version if lora is None else f"{self.version}+lora:{lora.digest}"
@@ -196,13 +203,14 @@ class GenerateService(StreamDelivery, EngineRestarts, LoraHost, PromptText):
         if key is not None and key not in self._cache and self.shared is not None:
             found = unpack(await self.shared.get_bytes(shared_key(key)))
             if found is not None:
-                self._remember(key, found, share=False)
+                self._remember(key, key_bytes, found, share=False)
         if key is not None and key in self._cache:
             self._cache.move_to_end(key)
             self.metrics.cache_hits.inc()
+            kept = self._cache[key][0]
             # finished for its client as a computed answer does: counted by its reason, as _deliver counts those
-            self.metrics.finished(self._cache[key][-1].finish_reason)
-            for d in self._cache[key]:
+            self.metrics.finished(kept[-1].finish_reason)
+            for d in kept:
                 yield Delta(d.text, d.token_ids, d.logprobs, d.finish_reason, d.prompt_tokens, d.completion_tokens,
                             cached=True, prompt_logprobs=d.prompt_logprobs, stop_reason=d.stop_reason,
                             cached_tokens=d.prompt_tokens if d.finish_reason is not None else 0)
@@ -243,7 +251,7 @@ class GenerateService(StreamDelivery, EngineRestarts, LoraHost, PromptText):
                     # counted and cached before the last delta is handed out: a consumer may stop
                     # iterating (and close this generator) as soon as it sees the finish reason
                     if key is not None:
-                        self._remember(key, recorded)
+                        self._remember(key, key_bytes, recorded)
                     yield d
                     return
                 yield d
@@ -258,11 +266,12 @@ class GenerateService(StreamDelivery, EngineRestarts, LoraHost, PromptText):
     def _checked(self, params: SamplingParams, keyed: bool) -> tuple | None:
         """The checks and work of `stream` that grow with its params: the guide compiles (the routes check
         it first, naming the field it came in; one over 64 KiB is not kept compiled), the cache key (when
-        `keyed`), and for the engine process the pickled params (SamplingParams.pack)."""
+        `keyed`: with about the bytes its request-sized fields take), and for the engine process the pickled
+        params (SamplingParams.pack)."""
         self.check_guide(params.guide)
         if self.remote and params.bulk > BULK:
             params.pack()
-        return params.key() if keyed else None
+        return (params.key(), params_bytes(params)) if keyed else None
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> asyncio.AbstractEventLoop:
         """The event loop that streams through this service (its first stream's, or given here first);
@@ -279,10 +288,18 @@ class GenerateService(StreamDelivery, EngineRestarts, LoraHost, PromptText):
         submitted since that it has not taken in yet."""
         return self._state.waiting + self._sent - self._state.received + len(self._arrivals)
 
-    def _remember(self, key, deltas: list[Delta], share: bool = True) -> None:
-        self._cache[key] = deltas
-        while len(self._cache) > self.config.cache_entries:
-            self._cache.popitem(last=False)
+    def _remember(self, key, key_bytes: int, deltas: list[Delta], share: bool = True) -> None:
+        """Keep a finished generation (`key_bytes`: about what its key takes), the least recently used ones
+        going past cache_entries or cache_bytes; one larger than cache_bytes is not kept."""
+        size = key_bytes + deltas_bytes(deltas)
+        if size <= self.config.cache_bytes:
+            old = self._cache.pop(key, None)
+            if old is not None:
+                self._cache_bytes -= old[1]
+            self._cache[key] = (deltas, size)
+            self._cache_bytes += size
+            while len(self._cache) > self.config.cache_entries or self._cache_bytes > self.config.cache_bytes:
+                self._cache_bytes -= self._cache.popitem(last=False)[1][1]
         if share and self.shared is not None:
             task = asyncio.ensure_future(self.shared.put_bytes(shared_key(key), pack(deltas)))
             self._puts.add(task)  # held until done (the loop keeps only weak references)

@@ -161,6 +161,11 @@ class InferenceStats:
             stats = self._models[key] = ModelStats(name, str(version))
         return stats
 
+    def forget(self, name: str, version: str) -> None:
+        """A model version that will not come back under this name (an unloaded LoRA adapter): its
+        statistics go. Recording it again starts it afresh."""
+        self._models.pop((name, str(version)), None)
+
     def snapshot(self, name: str, version: str) -> dict:
         """The KServe / Triton statistics of one model version, whole across front-end processes."""
         own = self.model(name, version)

@@ -3,7 +3,9 @@ streaming), LogSettings, TraceSetting and the shared-memory RPCs.
 
 ModelStreamInfer: each request on the stream runs as soon as it arrives (up to
 STREAM_INFLIGHT at once per stream, then reading waits), through the same path
-as ModelInfer; each response carries its request's id, in completion order, as
+as ModelInfer; at most STREAM_WAITING answers wait to be sent (then the requests
+that made more wait, and with them the reading: a client that sends fast and reads
+slowly, which --send-timeout-s never cuts, once had every answer held here); each response carries its request's id, in completion order, as
 Triton's decoupled streams do. A generate model's request with `stream` true gets
 a response a delta (server/kserve_generate_infer.py). An error belongs to its request: it comes back
 as that response's error_message (naming the request id, since tritonclient's
@@ -21,6 +23,7 @@ from surge.server.grpc import grpc_service_pb2 as pb
 
 log = logging.getLogger("surge.server")
 STREAM_INFLIGHT = 64
+STREAM_WAITING = 64  # answers of a stream made and not yet taken by grpc (its client's window full)
 
 
 def _stream_error(request, message: str) -> pb.ModelStreamInferResponse:
@@ -61,19 +64,24 @@ class TritonExtras:
     one, or a streamed generation's) and `self.registry`."""
 
     async def ModelStreamInfer(self, request_iterator, context):
-        out: asyncio.Queue = asyncio.Queue()
+        out: asyncio.Queue = asyncio.Queue()  # the answers, then None; `room` bounds how many wait in it
+        room = asyncio.Semaphore(STREAM_WAITING)
         slots = asyncio.Semaphore(STREAM_INFLIGHT)
         tasks: set[asyncio.Task] = set()
+
+        async def put(answer) -> None:
+            await room.acquire()  # the client's window is full: this request, and past STREAM_INFLIGHT the reading, wait
+            out.put_nowait(answer)
 
         async def one(request):
             try:
                 async for response in self._infer_stream(request):
-                    out.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
+                    await put(pb.ModelStreamInferResponse(infer_response=response))
             except SurgeError as exc:
-                out.put_nowait(_stream_error(request, exc.message))
+                await put(_stream_error(request, exc.message))
             except Exception:  # noqa: BLE001 - logged, answered like ModelInfer's catch-all
                 log.exception("unhandled error in gRPC ModelStreamInfer")
-                out.put_nowait(_stream_error(request, "internal server error"))
+                await put(_stream_error(request, "internal server error"))
             finally:
                 slots.release()
 
@@ -92,6 +100,7 @@ class TritonExtras:
         reader = asyncio.ensure_future(read())
         try:
             while (response := await out.get()) is not None:
+                room.release()
                 yield response
             await reader
         finally:

@@ -292,7 +292,12 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
         if self._refused:
             return
         direct = self._direct
-        if direct is not None and (self.cycle is None or self.cycle.response_complete) and not self.pipeline:
+        # Not while answers wait to be sent (the transport past its high-water mark): a direct answer is
+        # written at once and the next pipelined request read, so a client that pipelines requests and reads
+        # slowly (never cut by the send deadline) had every answer held here. uvicorn's ASGI path waits for
+        # the drain before each answer and reads no further meanwhile.
+        if direct is not None and not self.flow.write_paused and (self.cycle is None or self.cycle.response_complete) \
+                and not self.pipeline:
             path = direct.takes(self)
             if path is not None:
                 from surge.server.http.direct import HotCycle

@@ -159,6 +159,14 @@ async def until_disconnect(receive, work):
             task.cancel()
 
 
+def _recorded(service) -> bool:
+    """Whether a generation that ends now goes into the KServe statistics: not one of a LoRA adapter unloaded
+    while it ran (the unload dropped the adapter's statistics; recording it would bring back, for good, an
+    entry under a name a client chose)."""
+    adapter = getattr(service, "adapter", None)
+    return adapter is None or service.base.adapters.get(service.name) is adapter
+
+
 def _cache_enabled(service) -> bool:
     return bool(getattr(getattr(service, "config", None), "cache_entries", 0))
 
@@ -182,14 +190,16 @@ async def counted(state, service, work):
     except asyncio.CancelledError:  # the client left: neither a success nor the model's failure
         raise
     except Exception:
-        state.stats.record_failure(service.name, service.version, time.perf_counter_ns() - start)
+        if _recorded(service):
+            state.stats.record_failure(service.name, service.version, time.perf_counter_ns() - start)
         raise
     elapsed = time.perf_counter_ns() - start
     if out is not None:
         out.latency.observe(elapsed / 1e9)
-    state.stats.record_generation(service.name, service.version, elapsed,
-                                  getattr(res, "timings", None), bool(getattr(res, "cached", False)),
-                                  _cache_enabled(service))
+    if _recorded(service):
+        state.stats.record_generation(service.name, service.version, elapsed,
+                                      getattr(res, "timings", None), bool(getattr(res, "cached", False)),
+                                      _cache_enabled(service))
     return res
 
 
@@ -210,9 +220,10 @@ async def counted_stream(state, service, agen) -> AsyncIterator:
                 elapsed = time.perf_counter_ns() - start
                 if out is not None:
                     out.latency.observe(elapsed / 1e9)
-                state.stats.record_generation(service.name, service.version, elapsed,
-                                              getattr(d, "timings", None), bool(getattr(d, "cached", False)),
-                                              _cache_enabled(service))
+                if _recorded(service):
+                    state.stats.record_generation(service.name, service.version, elapsed,
+                                                  getattr(d, "timings", None), bool(getattr(d, "cached", False)),
+                                                  _cache_enabled(service))
             yield d
     except (asyncio.CancelledError, GeneratorExit):
         if out is not None and not finished:
@@ -221,7 +232,8 @@ async def counted_stream(state, service, agen) -> AsyncIterator:
     except Exception as exc:
         if out is not None and not finished:
             out.failure(exc.code if isinstance(exc, SurgeError) else "internal_error")
-        state.stats.record_failure(service.name, service.version, time.perf_counter_ns() - start)
+        if _recorded(service):
+            state.stats.record_failure(service.name, service.version, time.perf_counter_ns() - start)
         raise
     finally:
         await agen.aclose()

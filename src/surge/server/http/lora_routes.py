@@ -101,6 +101,9 @@ def router(state: AppState) -> APIRouter:
             _allowed(view.base)
             view.base.remove_adapter(view.name)
             state.registry.remove(view.name, view.version)
+            # what was counted under its name goes with it: the names are the clients' choice
+            view.base.metrics.forget_adapter(view.name)
+            state.stats.forget(view.name, view.version)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     return r
