@@ -18,6 +18,7 @@ import logging
 from surge.errors import SurgeError
 from surge.server import triton_settings as settings
 from surge.server.grpc import grpc_service_pb2 as pb
+from surge.server.grpc import undelivered
 
 log = logging.getLogger("surge.server")
 STREAM_INFLIGHT = 64
@@ -61,19 +62,23 @@ class TritonExtras:
     one, or a streamed generation's) and `self.registry`."""
 
     async def ModelStreamInfer(self, request_iterator, context):
+        # (message, counts): counts, where the message is its request's last response, is where the request
+        # is counted: a failure "cancelled" if the call ends before the message is written (undelivered.py)
         out: asyncio.Queue = asyncio.Queue()
         slots = asyncio.Semaphore(STREAM_INFLIGHT)
         tasks: set[asyncio.Task] = set()
+        sending = None  # the item handed to grpc.aio, until it has written it
 
         async def one(request):
             try:
-                async for response in self._infer_stream(request):
-                    out.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
+                async for response, last in self._infer_stream(request):
+                    counts = undelivered.counts_for(self.registry, response) if last else None
+                    out.put_nowait((pb.ModelStreamInferResponse(infer_response=response), counts))
             except SurgeError as exc:
-                out.put_nowait(_stream_error(request, exc.message))
+                out.put_nowait((_stream_error(request, exc.message), None))
             except Exception:  # noqa: BLE001 - logged, answered like ModelInfer's catch-all
                 log.exception("unhandled error in gRPC ModelStreamInfer")
-                out.put_nowait(_stream_error(request, "internal server error"))
+                out.put_nowait((_stream_error(request, "internal server error"), None))
             finally:
                 slots.release()
 
@@ -91,13 +96,22 @@ class TritonExtras:
 
         reader = asyncio.ensure_future(read())
         try:
-            while (response := await out.get()) is not None:
-                yield response
+            while (sending := await out.get()) is not None:
+                yield sending[0]  # resumed once grpc.aio has written it
+                sending = None
             await reader
         finally:
             reader.cancel()
-            for task in list(tasks):  # the client went away: stop its work
+            for task in list(tasks):  # the client went away: stop its work (counted "cancelled" where it runs)
                 task.cancel()
+            # ...and what was computed and not written (the response being written when the call ended, those
+            # waiting to be): nothing is left on a stream that ended whole
+            lost = [sending] if sending is not None else []
+            while not out.empty():
+                lost.append(out.get_nowait())
+            for item in lost:
+                if item is not None and item[1] is not None:
+                    item[1].failure(undelivered.CODE)
 
     async def LogSettings(self, request, context):
         return await self._answer(context, lambda: _log_response(
