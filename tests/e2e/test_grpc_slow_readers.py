@@ -29,7 +29,7 @@ import pytest
 
 from surge.server.grpc import grpc_service_pb2 as pb
 from surge.server.grpc import grpc_service_pb2_grpc as pb_grpc
-from tests import raw_http2, raw_sockets
+from tests import metrics_scrape, raw_http2, raw_sockets
 from tests.server_process import ServerProcess
 
 SEND_TIMEOUT_S = 2
@@ -144,7 +144,27 @@ class FramesWithoutWindow(threading.Thread):
             self.ended = exc
 
 
+def failures_since(srv, before: dict, expected: int) -> dict:
+    """/metrics once the model's failures have grown by `expected` since `before` (or WAIT_S has passed): a cut
+    call is counted when grpc.aio ends it, a moment after its slot is seen free."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        after = metrics_scrape.scrape(srv.url, MODEL)
+        if metrics_scrape.total(before, after, "surge_request_failures_total") >= expected \
+                or time.monotonic() > deadline:
+            return after
+        time.sleep(0.2)
+
+
+def failure_codes(before: dict, after: dict) -> dict[str, float]:
+    return {dict(labels)["code"]: v - before.get((name, labels), 0.0) for (name, labels), v in after.items()
+            if name == "surge_request_failures_total" and v != before.get((name, labels), 0.0)}
+
+
 def test_a_unary_answer_never_granted_window_is_cut_and_frees_its_slot(server, probe):
+    """...and the cut call counts as a failure, as a client that left ("cancelled"), the same as the HTTP port's
+    cut answer (test_slow_readers.py), not as one answered."""
+    before = metrics_scrape.scrape(server.url, MODEL)
     s, reader, first = answered_call(server.grpc_port, infer_request(tag="window"))
     with s:
         frames = FramesWithoutWindow(reader, first)
@@ -153,6 +173,9 @@ def test_a_unary_answer_never_granted_window_is_cut_and_frees_its_slot(server, p
         frames.join(WAIT_S)
     assert isinstance(frames.ended, ConnectionError), frames.ended  # the server cut the connection
     assert frames.data < ANSWER_BYTES  # not sent whole
+    after = failures_since(server, before, 1)
+    assert metrics_scrape.delta(before, after, "surge_requests_total") == 1
+    assert failure_codes(before, after) == {"cancelled": 1}
 
 
 def test_a_unary_answer_whose_socket_is_not_read_is_cut_by_grpc_core(server_without_send_timeout):
@@ -171,8 +194,14 @@ def test_a_unary_answer_whose_socket_is_not_read_is_cut_by_grpc_core(server_with
 
 def test_a_stream_whose_responses_are_never_read_is_cut_and_frees_its_slot(server, probe):
     """A real client (grpcio, BDP probing off so that its window stays at its 64 KiB default) sends 16 requests of
-    256 inputs on ModelStreamInfer (responses of 393 KB each) and never reads a response."""
+    256 inputs on ModelStreamInfer (responses of 393 KB each) and never reads a response. No request counts as
+    answered but one whose response the client took whole (none, or the first: grpc core may take one message
+    ahead of the application): those admitted count as "cancelled", cut while computed or with their responses
+    computed and unwritten (being sent, or waiting to be); the rest were refused ("overloaded": over
+    the queued inputs admission allows). Before, those computed were counted answered.
+    """
     options = [*OWN_CONNECTION, ("grpc.http2.bdp_probe", 0)]
+    before = metrics_scrape.scrape(server.url, MODEL)
     with grpc.insecure_channel(server.grpc_url, options=options) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         for _ in range(5):  # a stream refused at once (the probe's last call still held the slot) is made again
@@ -184,10 +213,17 @@ def test_a_stream_whose_responses_are_never_read_is_cut_and_frees_its_slot(serve
                 break
             assert call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, call.code()
         assert refused_then_answered(probe)
+        received = 0
         with pytest.raises(grpc.RpcError) as info:
             for _ in call:  # what the client had taken whole before the cut, then the cut
-                pass
+                received += 1
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
+    assert received < 16
+    after = failures_since(server, before, 16 - received)
+    assert metrics_scrape.delta(before, after, "surge_requests_total") == 16
+    codes = failure_codes(before, after)
+    assert set(codes) <= {"cancelled", "overloaded"} and sum(codes.values()) == 16 - received, codes
+    assert codes.get("cancelled", 0) >= 1, codes
 
 
 def test_a_client_granting_window_slowly_but_steadily_is_never_cut(server, probe):

@@ -91,7 +91,8 @@ def open_regular(file: Path, shown: str, name: str):
     """`file` opened for reading (binary), refused with a ConfigError naming it as `shown` unless it is a
     regular file: reading a FIFO or a device would block (or never end) and hold the adapters' lock.
     Checked before the open (which a FIFO would block, and a device may act on) and again on what was
-    opened (non-blocking), so a file swapped in between is refused too."""
+    opened (non-blocking), so a file swapped in between is refused too. The one place an adapter's file is
+    opened: what a caller reads is then what was checked, whatever the path names afterwards."""
     try:
         if not stat.S_ISREG(os.stat(file).st_mode):
             raise ConfigError(f"LoRA adapter '{name}': {shown} is not a regular file")
@@ -103,6 +104,22 @@ def open_regular(file: Path, shown: str, name: str):
         os.close(fd)
         raise ConfigError(f"LoRA adapter '{name}': {shown} is not a regular file")
     return os.fdopen(fd, "rb")
+
+
+def _safetensors_header(fh, size: int) -> tuple[bytes, dict]:
+    """(the bytes read so far, the header's entries) of the safetensors file open as `fh`, `size` bytes long:
+    its 8-byte length, then that much JSON (a length past the file's end is refused before it is read)."""
+    head = fh.read(8)
+    if len(head) < 8:
+        raise ValueError("shorter than a safetensors header")
+    n = int.from_bytes(head, "little")
+    if n > size - 8:
+        raise ValueError(f"its header length ({n} bytes) runs past the file's end")
+    text = fh.read(n)
+    header = json.loads(text)  # a ValueError (JSONDecodeError, UnicodeDecodeError) if it is not JSON
+    if not isinstance(header, dict) or not all(isinstance(v, dict) for v in header.values()):
+        raise ValueError("its header is not a JSON object of tensor entries")
+    return head + text, header
 
 
 def _declared_rank(config: dict, name: str) -> int:
@@ -120,7 +137,8 @@ def read_adapter(path: str | Path, cfg: DecoderConfig, name: str | None = None,
     `max_rank`, the engine slots', before its weights are read), in the engine's layout. `shown`: the
     directory as messages name it (the path a client gave, not where it resolved on the server)."""
     import torch
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
+    from safetensors.torch import load as safetensors_load
 
     path = Path(path)
     name = name or path.name
@@ -151,20 +169,23 @@ def read_adapter(path: str | Path, cfg: DecoderConfig, name: str | None = None,
     file_shown = os.path.join(shown, "adapter_model.safetensors")
     if not os.path.lexists(file):
         raise ConfigError(f"LoRA adapter '{name}': {file_shown} missing (only safetensors adapters are loaded)")
-    open_regular(file, file_shown, name).close()
-    try:
-        with safe_open(str(file), framework="pt") as st:  # the header first: shapes before any weight
-            for key in st.keys():  # noqa: SIM118 - a safe_open handle is no mapping
-                shape = st.get_slice(key).get_shape() if key.endswith("lora_A.weight") else None
+    # Read from the descriptor that was checked (open_regular), never by the path again: a path swapped for a
+    # FIFO or another file after the check would otherwise be what is read (and a FIFO's open blocks).
+    with open_regular(file, file_shown, name) as fh:
+        try:
+            size = os.fstat(fh.fileno()).st_size  # read no more than this: a file that keeps growing ends
+            head, header = _safetensors_header(fh, size)
+            for key in sorted(k for k in header if k != "__metadata__"):  # shapes before any weight is read
+                shape = header[key].get("shape") if key.endswith("lora_A.weight") else None
                 rank = shape[0] if shape else 0
-                if max_rank is not None and rank > max_rank:
+                if max_rank is not None and isinstance(rank, int) and rank > max_rank:
                     raise ConfigError(f"LoRA adapter '{name}' has rank {rank}, above max_lora_rank {max_rank} "
                                       f"({key}; --generation max_lora_rank=N)")
-            raw = {key: st.get_tensor(key) for key in st.keys()}  # noqa: SIM118
-    except (SafetensorError, OSError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ConfigError(f"LoRA adapter '{name}': {file_shown} is not a readable safetensors file ({why})") \
-            from None
+            raw = safetensors_load(head + fh.read(size - len(head)))  # checks every entry as safe_open does
+        except (SafetensorError, OSError, ValueError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ConfigError(f"LoRA adapter '{name}': {file_shown} is not a readable safetensors file ({why})") \
+                from None
     modules = modules_of(cfg)
     where = {part: module for module, parts in modules.items() for part in parts}
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}

@@ -12,6 +12,14 @@ import contextlib
 from surge.errors import NotReady, SurgeError
 
 
+def counts_of(service):
+    """Where `service`'s requests and failures are counted (an object with `failure(code)`): a generation
+    model's RequestCounts, any other model's metrics; None for a model that counts in its own process."""
+    metrics = getattr(service, "metrics", None)
+    counts = getattr(metrics, "outcome", metrics)
+    return counts if hasattr(counts, "failure") else None
+
+
 @contextlib.contextmanager
 def count_failures(metrics):
     """Count an exception raised inside the block on `metrics.failure(code)`, then re-raise it."""

@@ -20,6 +20,7 @@ import logging
 from surge.errors import SurgeError
 from surge.server import triton_settings as settings
 from surge.server.grpc import grpc_service_pb2 as pb
+from surge.server.grpc import undelivered
 
 log = logging.getLogger("surge.server")
 STREAM_INFLIGHT = 64
@@ -64,24 +65,33 @@ class TritonExtras:
     one, or a streamed generation's) and `self.registry`."""
 
     async def ModelStreamInfer(self, request_iterator, context):
+        # (message, counts): counts, where the message is its request's last response, is where the request
+        # is counted: a failure "cancelled" if the call ends before the message is written (undelivered.py)
         out: asyncio.Queue = asyncio.Queue()  # the answers, then None; `room` bounds how many wait in it
         room = asyncio.Semaphore(STREAM_WAITING)
         slots = asyncio.Semaphore(STREAM_INFLIGHT)
         tasks: set[asyncio.Task] = set()
+        sending = None  # the item handed to grpc.aio, until it has written it
 
-        async def put(answer) -> None:
-            await room.acquire()  # the client's window is full: this request, and past STREAM_INFLIGHT the reading, wait
-            out.put_nowait(answer)
+        async def put(item) -> None:
+            try:
+                await room.acquire()  # the client's window is full: this request, and past STREAM_INFLIGHT the reading, wait
+            except asyncio.CancelledError:  # the call ended: an answer computed and never queued is lost too
+                if item[1] is not None:
+                    item[1].failure(undelivered.CODE)
+                raise
+            out.put_nowait(item)
 
         async def one(request):
             try:
-                async for response in self._infer_stream(request):
-                    await put(pb.ModelStreamInferResponse(infer_response=response))
+                async for response, last in self._infer_stream(request):
+                    counts = undelivered.counts_for(self.registry, response) if last else None
+                    await put((pb.ModelStreamInferResponse(infer_response=response), counts))
             except SurgeError as exc:
-                await put(_stream_error(request, exc.message))
+                await put((_stream_error(request, exc.message), None))
             except Exception:  # noqa: BLE001 - logged, answered like ModelInfer's catch-all
                 log.exception("unhandled error in gRPC ModelStreamInfer")
-                await put(_stream_error(request, "internal server error"))
+                await put((_stream_error(request, "internal server error"), None))
             finally:
                 slots.release()
 
@@ -99,14 +109,23 @@ class TritonExtras:
 
         reader = asyncio.ensure_future(read())
         try:
-            while (response := await out.get()) is not None:
+            while (sending := await out.get()) is not None:
                 room.release()
-                yield response
+                yield sending[0]  # resumed once grpc.aio has written it
+                sending = None
             await reader
         finally:
             reader.cancel()
-            for task in list(tasks):  # the client went away: stop its work
+            for task in list(tasks):  # the client went away: stop its work (counted "cancelled" where it runs)
                 task.cancel()
+            # ...and what was computed and not written (the response being written when the call ended, those
+            # waiting to be): nothing is left on a stream that ended whole
+            lost = [sending] if sending is not None else []
+            while not out.empty():
+                lost.append(out.get_nowait())
+            for item in lost:
+                if item is not None and item[1] is not None:
+                    item[1].failure(undelivered.CODE)
 
     async def LogSettings(self, request, context):
         return await self._answer(context, lambda: _log_response(

@@ -19,7 +19,8 @@ never cut; one that took none for the timeout is cut, between 1 and 1.5 times th
 (where the system does not give the bytes acknowledged: that long after the first look). Progress is the
 connection's: a client that keeps reading other calls on the same connection keeps a stalled one
 (`--grpc-max-connection-age-s` bounds that). A cut ends the other calls on the connection too (UNAVAILABLE for
-the client's), as the HTTP port's does the connection's next requests.
+the client's), as the HTTP port's does the connection's next requests. A call cut with its answer unwritten counts
+as its client's leaving ("cancelled"), as the HTTP port's cut answer does (undelivered.py).
 
 Lazy, as the read deadline: an answer written at once (nearly all) costs two dict operations and a done callback;
 one timer serves every call; the descriptors are scanned only for calls whose answers have waited a quarter of the
@@ -34,7 +35,7 @@ import logging
 
 import grpc
 
-from surge.server.grpc import peer_sockets
+from surge.server.grpc import peer_sockets, undelivered
 from surge.server.grpc.wrapping import WrappingInterceptor
 from surge.server.tcp_info import bytes_acked
 
@@ -133,6 +134,8 @@ class SendDeadlineInterceptor(WrappingInterceptor):
         unknown = {look.peer for look in looked.values() if look.fd is None and look.peer is not None}
         found = peer_sockets.locate(unknown, port) if unknown else {}
         for context, look in list(looked.items()):
+            if context not in looked:  # cut with another call on its connection, in this pass
+                continue
             if look.fd is None:
                 look.fd = found.get(look.peer)
             if look.fd is None:  # not a TCP connection of this port's, or gone: nothing to time or to cut
@@ -149,7 +152,19 @@ class SendDeadlineInterceptor(WrappingInterceptor):
                     log.warning("gRPC: the client %s took nothing of its answer for --send-timeout-s (%g s): its "
                                 "connection is cut", context.peer(), self.timeout_s)
                     peer_sockets.reset(sock)
-                    del looked[context]
+                    self._cut(look.peer)
+
+
+    def _cut(self, peer) -> None:
+        """`peer`'s connection is cut: every call on it whose answer waited is cut with its answer unwritten (calls
+        still computing theirs are cancelled by grpc core, and count as a client's leaving where they are)."""
+        for context, look in list(self._looked.items()):
+            if look.peer == peer:
+                del self._looked[context]
+                undelivered.cut(context)
+        for context in [c for c in self._waiting if peer_sockets.peer_of(c.peer()) == peer]:
+            del self._waiting[context]
+            undelivered.cut(context)
 
 
 def _until_late(waiting: dict, late: float):

@@ -20,6 +20,7 @@ from surge.server import kserve_generate_infer as gen
 from surge.server import kserve_tensor
 from surge.server.grpc import grpc_service_pb2 as pb
 from surge.server.grpc import grpc_service_pb2_grpc as pb_grpc
+from surge.server.grpc import undelivered
 from surge.server.grpc.extras import TritonExtras
 from surge.server.state import AppState
 
@@ -161,7 +162,9 @@ class InferenceServicer(TritonExtras, pb_grpc.GRPCInferenceServiceServicer):
 
     @_rpc
     async def ModelInfer(self, request, context):
-        return await self._infer(request)
+        response = await self._infer(request)
+        undelivered.on_cut(context, undelivered.counts_for(self.registry, response))
+        return response
 
     async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
         """One inference (ModelInfer, and each request of ModelStreamInfer); raises SurgeError."""
@@ -212,8 +215,8 @@ class InferenceServicer(TritonExtras, pb_grpc.GRPCInferenceServiceServicer):
         return response
 
     async def _infer_stream(self, request):
-        """ModelStreamInfer's responses to one request: one, or a streamed generation's deltas (each with
-        `triton_final_response`, true on the last, as Triton's decoupled models answer)."""
+        """ModelStreamInfer's responses to one request, each as (response, last): one, or a streamed generation's
+        deltas (each with `triton_final_response`, true on the last, as Triton's decoupled models answer)."""
         service = self._service(request.model_name, request.model_version)
         if getattr(service, "task", "embed") == "generate":
             p = await self._generate_prepare(request)
@@ -221,11 +224,11 @@ class InferenceServicer(TritonExtras, pb_grpc.GRPCInferenceServiceServicer):
                 async for arrays, final in gen.stream(self.state, p):
                     response = self._generate_response(request, p, arrays)
                     _set_param(response.parameters, "triton_final_response", final)
-                    yield response
+                    yield response, final
             else:  # _infer's answer, without preparing the request a second time
-                yield self._generate_response(request, p, await gen.answer(self.state, p))
+                yield self._generate_response(request, p, await gen.answer(self.state, p)), True
             return
-        yield await self._infer(request)
+        yield await self._infer(request), True
 
     async def _tensor_infer(self, service, request, outputs):
         result, arrays = await kserve_tensor.infer(self.state, service, decode_inputs(request), outputs,
