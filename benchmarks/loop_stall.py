@@ -11,6 +11,9 @@ its "during" sample, those of an equally long quiet window just before it the "q
 large request's own latency, and the probes' p99 and max latency during it and quiet (medians over
 `--rounds`). A stalled loop shows as a probe max near the large request's whole time.
 
+Kinds whose path starts with "embed:" go to a second server, started only when one of them is measured: `surge
+serve` of a tiny decoder embedding model (tests/decoder_models.build_embedding_model, last-token pooling, 48
+tokens, `--allow-token-ids --auto-truncate`), for embedding batches of many inputs and KServe infer tensors.
 The gRPC kind's status is its gRPC code's number (0 OK). `--baseline CHECKOUT` (e.g. `git archive main | tar -x -C /tmp/base`) measures that checkout's server too,
 rounds alternating with this one's, so both see the machine as it was.
 """
@@ -33,6 +36,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
 NAME = "m"
+EMBED = "e"
 ASK = [{"role": "user", "content": "hi"}]
 
 
@@ -105,6 +109,14 @@ def kinds() -> dict[str, tuple[str, dict]]:
             {"role": "user", "content": "word " * 380_000}]}),
         "bad_words_kserve_infer": (f"/v2/models/{NAME}/infer", _infer({"max_tokens": 1, "bad_words": bad})),
         "bad_words_grpc_infer": ("grpc:ModelInfer", _infer({"max_tokens": 1, "bad_words": bad})),
+        # the embedding server's (embed:): 2,048 inputs (OpenAI's limit) of 400 ids, truncated to the model's 48
+        "embeddings_2048x400_ids": ("embed:/v1/embeddings", {"model": EMBED, "input": [[7] * 400] * 2048}),
+        "embed_2048x400_ids": ("embed:/embed", {"inputs": [[7] * 400] * 2048}),
+        "embeddings_2048_texts": ("embed:/v1/embeddings", {"model": EMBED, "input": ["word " * 180] * 2048}),
+        "kserve_infer_ids_2048x400": (f"embed:/v2/models/{EMBED}/infer", {"inputs": [
+            {"name": "input_ids", "datatype": "INT64", "shape": [2048, 400], "data": [7] * (2048 * 400)}]}),
+        "kserve_infer_texts_2048": (f"embed:/v2/models/{EMBED}/infer", {"inputs": [
+            {"name": "text", "datatype": "BYTES", "shape": [2048], "data": ["word " * 180] * 2048}]}),
     }
 
 
@@ -137,6 +149,7 @@ class Prober:
 
 
 def _post(srv, path: str, payload: bytes) -> tuple[int, float, float]:
+    path = path.removeprefix("embed:")
     if path.startswith("grpc:"):
         return _call(srv.grpc_port, path[len("grpc:"):], payload)
     conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=300)
@@ -191,7 +204,7 @@ def one_round(srv, path: str, payload: bytes) -> dict:
 
 def main(argv=None) -> int:
     from surge.bench.servers import ServerProc, free_port
-    from tests.decoder_models import build_model
+    from tests.decoder_models import build_embedding_model, build_model
 
     table = kinds()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -205,7 +218,15 @@ def main(argv=None) -> int:
     rows: dict = {}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         model = build_model("qwen2", Path(tmp) / NAME, seed=5)
-        servers = {}
+        servers, embedders = {}, {}
+        if any(table[k][0].startswith("embed:") for k in args.kinds):
+            embed_model = build_embedding_model("qwen3", Path(tmp) / EMBED, seed=4)
+            for variant, root in roots.items():
+                port = free_port()
+                cmd = [sys.executable, "-m", "surge.cli.main", "serve", str(embed_model), "--port", str(port),
+                       "--grpc-port", str(free_port()), "--threads", "1", "--model-name", EMBED, "--allow-token-ids", "--auto-truncate"]
+                embedders[variant] = stack.enter_context(ServerProc(f"surge-serve embed ({variant})", cmd, port,
+                                                                    cwd=root, env={"PYTHONPATH": str(root / "src")}))
         for variant, root in roots.items():
             port, grpc_port = free_port(), free_port()
             cmd = [sys.executable, "-m", "surge.cli.main", "serve", str(model), "--port", str(port), "--grpc-port",
@@ -217,9 +238,10 @@ def main(argv=None) -> int:
             path, body = table[name]
             payload = _grpc_infer(body) if path.startswith("grpc:") else \
                 json.dumps(body, separators=(",", ":")).encode()
-            per = {v: [] for v in servers}
+            targets = embedders if path.startswith("embed:") else servers
+            per = {v: [] for v in targets}
             for _ in range(args.rounds):
-                for variant, srv in servers.items():  # alternating: the machine's drift hits both
+                for variant, srv in targets.items():  # alternating: the machine's drift hits both
                     per[variant].append(one_round(srv, path, payload))
             for variant, rounds in per.items():
                 row = {k: statistics.median(r[k] for r in rounds)

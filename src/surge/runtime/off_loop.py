@@ -9,9 +9,12 @@ interval instead of once at the end.
 
 A small request stays on the loop: a hop to a thread and back costs ~22 us of CPU (2-core VM, uvloop),
 3% of a streamed completion's ~0.75 ms, so only bodies above OFF_LOOP_BYTES (whose work inline would cost
-milliseconds) pay it. Native calls that keep the GIL still hold the loop while they run: orjson's decode and
-pydantic's validation of a 2 MB body (50-180 ms on the VM), a garbage collection of its objects; the tokenizer
-is called so that it lets the GIL go (runtime/generate_text.py). The threads are few and this module's own: a
+milliseconds) pay it. Native calls that keep the GIL still hold the loop while they run, so the long ones are
+cut short: a union's list choices stop at their first bad item (server/http/fail_fast.items: a 900k-id prompt's
+validation held it ~180 ms), a long list of messages is validated with a Python call per message
+(server/http/gil_points.py), the tokenizer lets it go and keeps no offsets to free (runtime/generate_text.py).
+What is left for a 2 MB body is orjson's decode (~10-15 ms on the VM) and full garbage collections of its
+objects (~10 ms each; benchmarks/prep_gil_holds.py). The threads are few and this module's own: a
 burst of large requests waits for them in turn, while the small ones and everything else that runs on the
 default executor do not.
 """

@@ -29,6 +29,7 @@ from surge.runtime.off_loop import prepared
 from surge.server.http import generate_common
 from surge.server.http.anthropic_events import MessageEvents
 from surge.server.http.common import ORJSONResponse, checked_body, parse, validate
+from surge.server.http.gil_points import each
 from surge.server.http.generate_common import (EventStream, JsonAnswer, counted, deadline_for, generate_model,
                                                item_stream, make_params, prep_size, until_disconnect)
 from surge.server.http.guided_fields import request_guide
@@ -49,7 +50,7 @@ class MessagesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = None
-    messages: list[AnthropicMessage] = Field(..., min_length=1)
+    messages: list[each(AnthropicMessage)] = Field(..., min_length=1)
     max_tokens: int = Field(..., ge=1)
     system: Union[StrictStr, list[dict], None] = None
     stop_sequences: list[StrictStr] | None = None
@@ -74,7 +75,7 @@ class CountTokensRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = None
-    messages: list[AnthropicMessage] = Field(..., min_length=1)
+    messages: list[each(AnthropicMessage)] = Field(..., min_length=1)
     system: Union[StrictStr, list[dict], None] = None
     tools: list[dict] | None = None
     tool_choice: dict | None = None

@@ -104,11 +104,19 @@ async def checked_body(request: Request, check: Callable, limit: int):
     """`check(the decoded JSON body)`: a large body is decoded and checked on a preparation thread
     (runtime/off_loop.py), not on the event loop."""
     parsed = request.scope.get("state", {}).get(PARSED_BODY)
-    if parsed is not None:
-        return check(parsed)
+    if parsed is not None:  # a hot path's (declared length): a large one is checked off the loop too
+        return await prepared(declared_size(request), check, parsed)
     body = await read_body(request, limit)
     fail_fast.BODY_SIZE.set(len(body))  # this task's (decode_json sets it in the thread's copy of the context)
     return await prepared(len(body), checked_json, check, body)
+
+
+def declared_size(request: Request) -> int | None:
+    """The body's size its Content-Length declares (None: not declared or not a number)."""
+    try:
+        return int(request.headers["content-length"])
+    except (KeyError, ValueError):
+        return None
 
 
 def checked_json(check: Callable, body: bytes):

@@ -13,7 +13,7 @@ request, +6% req/s at 256 clients.
 Contract (tests/integration/test_direct_http.py: real TCP, the real app under uvicorn):
 - taken only where the hot paths would surely answer: POST to exactly /embed, /v1/embeddings or
   /predict, Content-Type application/json, no Content-Encoding, no Expect, a Content-Length within
-  the body limit, no API key, no root path and no telemetry (FrontDoor's decision), no request of
+  the body limit and hotpath.HOT_MAX_BYTES, no API key, no root path and no telemetry (FrontDoor's decision), no request of
   the same connection still being answered; everything else goes through uvicorn's ASGI path;
 - a body the hot paths would not answer themselves (options, token ids, pairs, invalid JSON, an
   unknown model, another task) is handed back to the ASGI path as if it had just arrived, so the
@@ -34,7 +34,7 @@ import orjson
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 from surge.server.errors import settled
-from surge.server.http.hotpath import _EMBED, _OPENAI, HotPathMiddleware, cached_answer
+from surge.server.http.hotpath import _EMBED, _OPENAI, HOT_MAX_BYTES, HotPathMiddleware, cached_answer
 from surge.server.http.task_hotpath import TaskHotPathMiddleware, predict_payload
 
 _PREDICT = "/predict"
@@ -80,7 +80,7 @@ class DirectRoutes:
                 ctype = value
             elif name in (b"content-encoding", b"transfer-encoding", b"upgrade"):
                 return None
-        if length is None or length > self.max_body or ctype is None:
+        if length is None or length > min(self.max_body, HOT_MAX_BYTES) or ctype is None:
             return None
         if ctype.split(b";", 1)[0].strip().lower() != b"application/json":
             return None

@@ -18,7 +18,7 @@
    can hold thousands of (query, document) pairs.
 
 Only requests with a Content-Length within the body limit are touched; the
-rest pass straight through.
+rest pass straight through. A body over HOT_MAX_BYTES is never a plain request.
 """
 
 from __future__ import annotations
@@ -52,6 +52,12 @@ def _watched(path: str) -> bool:
             or (path.startswith("/v2/models/") and path.endswith("/infer"))
             # HF Inference's POST /models/{name}, not the lifecycle's /models/{name}/load and the like
             or (path.startswith("/models/") and "/" not in path[8:]))
+
+# A larger body skips the plain-request paths (here, task_hotpath.py, direct.py): they decode it on the event
+# loop (twice where direct.py hands it back), which for 1-2 MB of token ids held the loop ~30 ms, while the route
+# decodes and checks it on a preparation thread (common.checked_body). Such a request's compute dwarfs the ~1 ms
+# of framework the plain path saves.
+HOT_MAX_BYTES = 256 * 1024
 
 GONE = object()  # read_declared_body: the client left before its body arrived
 
@@ -107,7 +113,7 @@ class HotPathMiddleware:
         if body is GONE:
             return
         app = self.app
-        if scope["path"] in (_EMBED, _OPENAI):
+        if scope["path"] in (_EMBED, _OPENAI) and len(body) <= HOT_MAX_BYTES:
             plain = self._plain(scope, body)
             if plain is not None:
                 native, texts, service, model = plain

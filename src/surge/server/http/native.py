@@ -7,7 +7,9 @@ from typing import Union
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from surge.server.http.common import ORJSONResponse, parse
+from surge.server.http import fail_fast
+from surge.runtime.off_loop import prepared
+from surge.server.http.common import ORJSONResponse, declared_size, parse
 from surge.server.http.openapi import body
 from surge.server.http.tei import check_direction
 from surge.server.http.openai import TokenIds, split_input
@@ -19,7 +21,7 @@ from surge.runtime.request import response_headers
 class EmbedRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    inputs: Union[StrictStr, list[StrictStr], TokenIds, list[TokenIds]]
+    inputs: Union[StrictStr, fail_fast.items(StrictStr), TokenIds, fail_fast.items(TokenIds)]
     model: StrictStr | None = None
     version: StrictStr | None = None
     normalize: StrictBool | None = None
@@ -38,7 +40,9 @@ def router(state: AppState) -> APIRouter:
     @r.post("/embed", openapi_extra=body(EmbedRequest))
     async def embed(request: Request):
         req = await parse(request, EmbedRequest, limits.max_body_bytes)
-        texts, ids = split_input(req.inputs, limits.max_inputs_per_request, limits.max_input_chars)
+        # a large body's thousands of inputs checked off the loop too (its JSON was: common.checked_body)
+        texts, ids = await prepared(declared_size(request), split_input, req.inputs,
+                                    limits.max_inputs_per_request, limits.max_input_chars)
         service = state.registry.get(req.model, req.version)
         direction = check_direction(req.truncation_direction)
         normalize = req.normalize

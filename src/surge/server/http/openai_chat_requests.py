@@ -14,6 +14,8 @@ from typing import Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from surge.errors import InvalidInput, PayloadTooLarge
+from surge.server.http import fail_fast
+from surge.server.http.gil_points import each
 from surge.server.http.guided_fields import tool_choice_guide
 from surge.server.http.tool_calls import PARSERS
 
@@ -85,7 +87,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    messages: list[each(ChatMessage)] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -117,11 +119,11 @@ class ChatCompletionRequest(_Sampling):
                                                "off.")
 
 
-TokenIds = list[StrictInt]
+TokenIds = fail_fast.items(StrictInt)
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[StrictStr, list[StrictStr], TokenIds, list[TokenIds]]
+    prompt: Union[StrictStr, fail_fast.items(StrictStr), TokenIds, fail_fast.items(TokenIds)]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False

@@ -22,7 +22,7 @@ from surge.errors import SurgeError
 from surge.runtime.tasks import TaskRequest
 from surge.server.errors import settled
 from surge.server.http.common import PARSED_BODY
-from surge.server.http.hotpath import GONE, read_declared_body, run_watched
+from surge.server.http.hotpath import GONE, HOT_MAX_BYTES, read_declared_body, run_watched
 from surge.server.http.task_io import label_scores, run_task
 
 _PATH = "/predict"
@@ -43,7 +43,7 @@ class TaskHotPathMiddleware:
             return await self.app(scope, receive, send)
         if body is GONE:
             return
-        plain = self._plain(scope, body)
+        plain = self._plain(scope, body) if len(body) <= HOT_MAX_BYTES else None
         if plain is None:
             return await self.app(scope, _replay(body, receive), send)
         single, texts, served = plain

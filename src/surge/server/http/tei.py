@@ -43,6 +43,7 @@ from surge.errors import EmptyInput, InvalidInput, SurgeError
 from surge.server.errors import render
 from surge.runtime.entities import check_strategy
 from surge.runtime.tasks import TaskRequest
+from surge.server.http import fail_fast
 from surge.server.http import rerank as rerank_api
 from surge.server.http import vllm_tokenize
 from surge.server.http.common import ORJSONResponse, checked_body, json_body, parse, validate
@@ -105,7 +106,7 @@ class TokenizeRequest(BaseModel):
 
 class DecodeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    ids: Union[list[StrictInt], list[list[StrictInt]]]
+    ids: Union[fail_fast.items(StrictInt), fail_fast.items(fail_fast.items(StrictInt))]
     skip_special_tokens: StrictBool = True
     model: StrictStr | None = None
 

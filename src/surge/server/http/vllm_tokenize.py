@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from surge.errors import InvalidInput
 from surge.runtime.generate_text import decode_text, encode_text
 from surge.server.http.common import ORJSONResponse, checked_body, validate
+from surge.server.http.gil_points import each
 from surge.server.http.openai_chat_requests import (
     ChatMessage,
     chat_messages,
@@ -43,7 +44,7 @@ class TokenizeChat(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[each(ChatMessage)] = Field(min_length=1)
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     add_special_tokens: StrictBool = False  # the template writes the special tokens itself
