@@ -39,6 +39,10 @@ class Admission:
                 f"model {self.name} is overloaded ({self.inflight} inputs in flight); retry later",
                 retry_after=self.retry_after(),
             )
+        if not self.inflight:
+            # A busy period starts: the drain rate is measured from here, not across the idle time before it
+            # (which made the first Retry-After after a quiet minute tens of seconds for a sub-second backlog).
+            self._last = time.monotonic()
         self.inflight += n
         self._idle.clear()
 
