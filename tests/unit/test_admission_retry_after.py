@@ -50,3 +50,18 @@ def test_retry_after_follows_a_slow_drain(clock):
     with pytest.raises(Overloaded) as err:
         a.admit(1)
     assert err.value.retry_after == pytest.approx(8.0, abs=1.0)  # 4 inputs at 0.5 a second
+
+
+def test_one_quick_request_measures_a_fast_drain(clock):
+    """The server's warm-up (one input in 10 ms), a quiet spell, then a burst of 32: the backlog drains at
+    about 100 inputs a second, so Retry-After is the 1 s floor (it was 32: one input released counted as
+    one input a second, whatever time it took)."""
+    a = Admission(32, "m")
+    a.admit(1)
+    clock.t += 0.01
+    a.release(1)
+    clock.t += 5.0
+    a.admit(32)
+    with pytest.raises(Overloaded) as err:
+        a.admit(1)
+    assert err.value.retry_after == 1
