@@ -346,7 +346,9 @@ class GenerationConfig(_Strict):
         "</think> is reasoning, the rest content, an answer without </think> all reasoning; 'qwen3': the same, "
         "except that a request with chat_template_kwargs enable_thinking false is all content; 'none': the "
         "thinking stays in content.")
-    default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that gives none.")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that gives none (chat, "
+                                    "Responses, KServe generate; /v1/completions keeps OpenAI's and "
+                                    "vLLM's 16).")
     generation_config: Literal["auto", "none"] = Field(
         "auto", description="vLLM's --generation-config: 'auto' (its default) takes the sampling defaults of the "
         "model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty; those other than "
