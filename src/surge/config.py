@@ -101,7 +101,8 @@ class CacheConfig(_Strict):
                            "every front end shares (runtime/shm_cache.py).", json_schema_extra={"flag": "cache-bytes"})
     pinned_top_k: int = Field(0, ge=0, description="Size of the pinned hot tier.",
                               json_schema_extra={"flag": "cache-pinned"})
-    query_log: Path | None = Field(None, description="Query-log file (one query per line) that seeds the pinned tier.")
+    query_log: Path | None = Field(None, description="Query-log file (one query per line, or the JSON lines "
+                                   "`surge bench workload` writes) that seeds the pinned tier.")
     learn_hot: bool = Field(True, description="Learn the hot set online with a frequency sketch.")
     recent_policy: Literal["lru", "tinylfu"] = Field(
         "tinylfu", description="Recent tier: plain LRU, or LRU with TinyLFU admission (keeps one-off queries out).",
