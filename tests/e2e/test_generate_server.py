@@ -532,6 +532,14 @@ def test_bad_requests_get_clear_errors(server, client):
     url = server.url
     r = _post(url + "/v1/embeddings", json={"input": "hello"})
     assert r.status_code == 400 and "serves task 'generate'" in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "wrong_task", r.text  # as an embedding route on a classifier
+    # TEI's routes of another task are its 424 Backend error, /similarity too (it was 422 Validation)
+    for path, body in (("/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b"]}}),
+                       ("/embed_all", {"inputs": "a"}), ("/rerank", {"query": "a", "texts": ["b"]})):
+        r = _post(url + path, json=body)
+        assert (r.status_code, r.json()) == (424, {"error": "model 'chat-qwen' serves task 'generate', not "
+                                                            f"'{'rerank' if path == '/rerank' else 'embed'}'",
+                                                   "error_type": "Backend"}), (path, r.text)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="missing", prompt="x", max_tokens=2)
     r = _post(url + "/v1/chat/completions", json={"messages": CHAT, "temperature": 7})
