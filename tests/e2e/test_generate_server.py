@@ -546,6 +546,11 @@ def test_bad_requests_get_clear_errors(server, client):
     assert r.status_code == 422 and "temperature" in r.json()["error"]["message"]
     r = _post(url + "/v1/chat/completions", json={"messages": []})
     assert r.status_code == 422
+    for prompt in (5, None, [[1, 2], "mixed"], [1.5], {"a": 1}):  # one sentence, not "'prompt.str': ... string"
+        r = _post(url + "/v1/completions", json={"model": "chat-qwen", "prompt": prompt})
+        assert r.status_code == 422 and r.json()["error"]["message"] == (
+            "invalid field 'prompt': expected a string, a list of strings, a list of token ids, or a list of "
+            "token-id lists"), (prompt, r.text)
     r = _post(url + "/v1/completions", json={"prompt": "x " * 400, "max_tokens": 2})
     assert r.status_code == 400 and "context" in r.json()["error"]["message"]
     r = _post(url + "/v1/completions", json={"prompt": [10 ** 6], "max_tokens": 2})

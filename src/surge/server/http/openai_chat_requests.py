@@ -9,7 +9,7 @@ the Anthropic and Responses routes read requests the same way and answer differe
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
@@ -121,6 +121,9 @@ TokenIds = list[StrictInt]
 
 
 class CompletionRequest(_Sampling):
+    # A union's errors name each alternative ("'prompt.str': Input should be a valid string"): one sentence.
+    union_hints: ClassVar[dict] = {"prompt": "expected a string, a list of strings, a list of token ids, or a "
+                                             "list of token-id lists"}
     prompt: Union[StrictStr, list[StrictStr], TokenIds, list[TokenIds]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=5)
