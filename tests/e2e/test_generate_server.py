@@ -546,6 +546,14 @@ def test_bad_requests_get_clear_errors(server, client):
     assert r.status_code == 422 and "temperature" in r.json()["error"]["message"]
     r = _post(url + "/v1/chat/completions", json={"messages": []})
     assert r.status_code == 422
+    # other modalities are a 400 naming them (was 422 "invalid field 'messages.0.content.str': Input should be
+    # a valid string"), on the chat route and vLLM's /tokenize
+    image = {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}
+    for path in ("/v1/chat/completions", "/tokenize"):
+        r = _post(url + path, json={"model": "chat-qwen", "max_tokens": 2, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", (path, r.text)
+        assert "'image_url'" in r.json()["error"]["message"] and "only text" in r.json()["error"]["message"], r.text
     for prompt in (5, None, [[1, 2], "mixed"], [1.5], {"a": 1}):  # one sentence, not "'prompt.str': ... string"
         r = _post(url + "/v1/completions", json={"model": "chat-qwen", "prompt": prompt})
         assert r.status_code == 422 and r.json()["error"]["message"] == (

@@ -13,7 +13,7 @@ from typing import ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from surge.errors import InvalidInput, PayloadTooLarge
+from surge.errors import InvalidInput, PayloadTooLarge, Unprocessable, shown
 from surge.server.http.guided_fields import tool_choice_guide
 from surge.server.http.tool_calls import PARSERS
 
@@ -72,8 +72,13 @@ class _Sampling(BaseModel):
 
 
 class TextPart(BaseModel):
-    type: Literal["text"]
-    text: StrictStr
+    """A content part. Parts of other types (image_url, input_audio, file) are read so that chat_messages can
+    refuse them by name with a 400, rather than a 422 about strings."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: StrictStr
+    text: StrictStr | None = None
 
 
 class ChatMessage(BaseModel):
@@ -135,9 +140,15 @@ class CompletionRequest(_Sampling):
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     """Validated chat messages as the template takes them (the chat route's and vLLM's /tokenize's)."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         d = m.model_dump(exclude_none=True)
         if isinstance(m.content, list):  # text parts joined, as most templates expect a string
+            for j, p in enumerate(m.content):
+                if p.type != "text":
+                    raise InvalidInput(f"messages[{i}].content[{j}] is of type '{shown(p.type)}': only text "
+                                       "parts are served (no images, audio or files)", param="messages")
+                if p.text is None:
+                    raise Unprocessable(f"messages[{i}].content[{j}]: a text part needs 'text'", param="messages")
             d["content"] = "".join(p.text for p in m.content)
         out.append(d)
     return out
