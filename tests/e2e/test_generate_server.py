@@ -554,6 +554,10 @@ def test_bad_requests_get_clear_errors(server, client):
             {"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages", (path, r.text)
         assert "'image_url'" in r.json()["error"]["message"] and "only text" in r.json()["error"]["message"], r.text
+    for path, body in (("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": "x"})):
+        r = _post(url + path, json={"model": "chat-qwen", "stop": 5, **body})
+        assert r.status_code == 422 and r.json()["error"]["message"] == (
+            "invalid field 'stop': expected a string or a list of strings"), (path, r.text)
     for prompt in (5, None, [[1, 2], "mixed"], [1.5], {"a": 1}):  # one sentence, not "'prompt.str': ... string"
         r = _post(url + "/v1/completions", json={"model": "chat-qwen", "prompt": prompt})
         assert r.status_code == 422 and r.json()["error"]["message"] == (

@@ -26,6 +26,8 @@ class StreamOptions(BaseModel):
 
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    # A union's errors name each alternative ("'stop.str': Input should be a valid string"): one sentence.
+    union_hints: ClassVar[dict] = {"stop": "expected a string or a list of strings"}
 
     model: StrictStr | None = None
     temperature: float | None = Field(None, ge=0, le=2)
@@ -127,8 +129,8 @@ TokenIds = list[StrictInt]
 
 class CompletionRequest(_Sampling):
     # A union's errors name each alternative ("'prompt.str': Input should be a valid string"): one sentence.
-    union_hints: ClassVar[dict] = {"prompt": "expected a string, a list of strings, a list of token ids, or a "
-                                             "list of token-id lists"}
+    union_hints: ClassVar[dict] = {**_Sampling.union_hints, "prompt": "expected a string, a list of strings, a "
+                                   "list of token ids, or a list of token-id lists"}
     prompt: Union[StrictStr, list[StrictStr], TokenIds, list[TokenIds]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=5)
