@@ -101,7 +101,8 @@ class CacheConfig(_Strict):
                            "every front end shares (runtime/shm_cache.py).", json_schema_extra={"flag": "cache-bytes"})
     pinned_top_k: int = Field(0, ge=0, description="Size of the pinned hot tier.",
                               json_schema_extra={"flag": "cache-pinned"})
-    query_log: Path | None = Field(None, description="Query-log file (one query per line) that seeds the pinned tier.")
+    query_log: Path | None = Field(None, description="Query-log file (one query per line, or the JSON lines "
+                                   "`surge bench workload` writes) that seeds the pinned tier.")
     learn_hot: bool = Field(True, description="Learn the hot set online with a frequency sketch.")
     recent_policy: Literal["lru", "tinylfu"] = Field(
         "tinylfu", description="Recent tier: plain LRU, or LRU with TinyLFU admission (keeps one-off queries out).",
@@ -352,7 +353,9 @@ class GenerationConfig(_Strict):
         "</think> is reasoning, the rest content, an answer without </think> all reasoning; 'qwen3': the same, "
         "except that a request with chat_template_kwargs enable_thinking false is all content; 'none': the "
         "thinking stays in content.")
-    default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that gives none.")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens of a request that gives none (chat, "
+                                    "Responses, KServe generate; /v1/completions keeps OpenAI's and "
+                                    "vLLM's 16).")
     generation_config: Literal["auto", "none"] = Field(
         "auto", description="vLLM's --generation-config: 'auto' (its default) takes the sampling defaults of the "
         "model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty; those other than "

@@ -532,12 +532,37 @@ def test_bad_requests_get_clear_errors(server, client):
     url = server.url
     r = _post(url + "/v1/embeddings", json={"input": "hello"})
     assert r.status_code == 400 and "serves task 'generate'" in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "wrong_task", r.text  # as an embedding route on a classifier
+    # TEI's routes of another task are its 424 Backend error, /similarity too (it was 422 Validation)
+    for path, body in (("/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b"]}}),
+                       ("/embed_all", {"inputs": "a"}), ("/rerank", {"query": "a", "texts": ["b"]})):
+        r = _post(url + path, json=body)
+        assert (r.status_code, r.json()) == (424, {"error": "model 'chat-qwen' serves task 'generate', not "
+                                                            f"'{'rerank' if path == '/rerank' else 'embed'}'",
+                                                   "error_type": "Backend"}), (path, r.text)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="missing", prompt="x", max_tokens=2)
     r = _post(url + "/v1/chat/completions", json={"messages": CHAT, "temperature": 7})
     assert r.status_code == 422 and "temperature" in r.json()["error"]["message"]
     r = _post(url + "/v1/chat/completions", json={"messages": []})
     assert r.status_code == 422
+    # other modalities are a 400 naming them (was 422 "invalid field 'messages.0.content.str': Input should be
+    # a valid string"), on the chat route and vLLM's /tokenize
+    image = {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}
+    for path in ("/v1/chat/completions", "/tokenize"):
+        r = _post(url + path, json={"model": "chat-qwen", "max_tokens": 2, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", (path, r.text)
+        assert "'image_url'" in r.json()["error"]["message"] and "only text" in r.json()["error"]["message"], r.text
+    for path, body in (("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": "x"})):
+        r = _post(url + path, json={"model": "chat-qwen", "stop": 5, **body})
+        assert r.status_code == 422 and r.json()["error"]["message"] == (
+            "invalid field 'stop': expected a string or a list of strings"), (path, r.text)
+    for prompt in (5, None, [[1, 2], "mixed"], [1.5], {"a": 1}):  # one sentence, not "'prompt.str': ... string"
+        r = _post(url + "/v1/completions", json={"model": "chat-qwen", "prompt": prompt})
+        assert r.status_code == 422 and r.json()["error"]["message"] == (
+            "invalid field 'prompt': expected a string, a list of strings, a list of token ids, or a list of "
+            "token-id lists"), (prompt, r.text)
     r = _post(url + "/v1/completions", json={"prompt": "x " * 400, "max_tokens": 2})
     assert r.status_code == 400 and "context" in r.json()["error"]["message"]
     r = _post(url + "/v1/completions", json={"prompt": [10 ** 6], "max_tokens": 2})

@@ -107,6 +107,21 @@ def test_pinned_queries_from_a_log_are_never_evicted(tmp_path, sentences):
     assert cache.hits["pinned"] == 5 and len(cache.pinned) == 5
 
 
+def test_query_log_of_surge_bench_workload_seeds_the_pinned_tier(tmp_path, sentences):
+    """`surge bench workload q.log` writes JSON lines ({"text", "t"}); `--cache-query-log q.log` read each
+    line as a query, so it pinned the JSON records themselves and no real query ever hit them."""
+    from surge.bench.workloads import write_query_log
+    from surge.runtime.cache import read_query_log
+
+    hot = sentences[:3]
+    texts = [q for q in hot for _ in range(5)] + sentences[3:6] + ["{not json, a query}"]
+    log = write_query_log(tmp_path / "q.log", texts, times=list(range(len(texts))))
+    assert log.read_text().startswith('{"text": ')
+    assert read_query_log(log, 3) == hot
+    assert "{not json, a query}" in read_query_log(log, 10)  # a plain line that looks like JSON stays a query
+    assert read_query_log(write_query_log(tmp_path / "q.txt", texts), 3) == hot  # one query per line, as before
+
+
 def test_hot_set_is_learned_online_and_survives_a_scan(sentences):
     cache = ResultCache(CacheConfig(max_bytes=30_000, pinned_top_k=3, recent_policy="lru"))
     vec = np.ones(384, np.float32)

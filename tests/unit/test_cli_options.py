@@ -210,3 +210,13 @@ def test_a_decoder_on_a_gpu_runs_bf16_unless_a_precision_is_set():
     assert generate_settings(spec, merged)[1] == "fp32"
     with pytest.raises(Exception, match="int8"):
         generate_settings(spec, EngineConfig(precision="int8"))
+
+
+def test_python_dash_m_surge_is_the_surge_command():
+    """`python -m surge ...` runs the CLI (it was "'surge' is a package and cannot be directly executed"):
+    what to type where the `surge` entry point is missing or belongs to another install."""
+    env = {**os.environ, "COLUMNS": "200", "TERM": "dumb", "NO_COLOR": "1"}
+    out = subprocess.run([sys.executable, "-m", "surge", "--help"], capture_output=True, text=True, env=env,
+                         cwd=ROOT, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    assert "Usage: surge " in out.stdout and "serve" in out.stdout and "optimize" in out.stdout, out.stdout

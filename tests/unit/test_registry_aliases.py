@@ -73,3 +73,21 @@ def test_while_the_server_loads_a_missing_model_is_503_not_404():
     reg.add(Served("mini"))
     with pytest.raises(NotFound, match="'other' not found"):
         reg.get("other")
+
+
+def test_not_found_lists_only_names_that_answer():
+    """An unknown name's 404 says what is available: after `mini` is unloaded its aliases answer 404 too,
+    so they are not listed (they were: "available: ada" with nothing loaded)."""
+    reg = ModelRegistry()
+    reg.add(Served("mini"))
+    reg.add(Served("other"))
+    reg.set_aliases("mini", ["ada"])
+    reg.set_aliases("other", ["small"])
+    with pytest.raises(NotFound, match="available: mini, other, ada, small$"):
+        reg.get("nope")
+    reg.remove("mini", "1")
+    with pytest.raises(NotFound, match="available: other, small$"):
+        reg.get("nope")
+    reg.remove("other", "1")
+    with pytest.raises(NotFound, match="available: none$"):
+        reg.get("nope")

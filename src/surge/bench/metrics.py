@@ -97,8 +97,10 @@ def _le(le: str) -> float:
     return float("inf") if le in ("+Inf", "Inf") else float(le)
 
 
-async def scrape(url: str | None, timeout_s: float = 5.0) -> dict | None:
-    """Parsed /metrics of `url` (a base URL or the metrics URL itself); None when absent or unreachable."""
+async def scrape(url: str | None, timeout_s: float = 5.0, api_key: str | None = None) -> dict | None:
+    """Parsed /metrics of `url` (a base URL or the metrics URL itself); None when absent or unreachable.
+    `api_key`: sent as a bearer token (a server started with --api-key answers /metrics 401 without it,
+    unless --metrics-public)."""
     if not url:
         return None
     import aiohttp
@@ -106,8 +108,9 @@ async def scrape(url: str | None, timeout_s: float = 5.0) -> dict | None:
     if not url.rstrip("/").endswith("/metrics"):
         url = url.rstrip("/") + "/metrics"
     try:
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else None
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
-            async with s.get(url) as resp:
+            async with s.get(url, headers=headers) as resp:
                 if resp.status != 200:
                     return None
                 text = await resp.text()

@@ -36,7 +36,7 @@ async def preflight(name: str, make_target: Callable[[], object], text: str) -> 
 
 
 async def run_sweep(make_target: Callable[[], object], workload: Workload, specs: list[LoadSpec], *,
-                    name: str = "target", metrics_url: str | None = None,
+                    name: str = "target", metrics_url: str | None = None, metrics_api_key: str | None = None,
                     progress: LiveProgress | None = None, halt: asyncio.Event | None = None) -> list[RunResult]:
     """One run per spec. Each level draws its own seeded query stream, so a level repeats exactly
     and two targets benchmarked with the same specs see the same queries. The server's counters are
@@ -51,13 +51,14 @@ async def run_sweep(make_target: Callable[[], object], workload: Workload, specs
         before: dict = {}
 
         async def mark(before=before):
-            before["m"] = await prom.scrape(metrics_url)
+            before["m"] = await prom.scrape(metrics_url, api_key=metrics_api_key)
 
         cb = progress.callback(spec, name) if progress is not None else None
         r = await run_load(make_target(), queries, spec, times=workload.times, on_progress=cb,
                            at_measure_start=mark if metrics_url else None, halt=halt)
         # No reading at the start (unreachable then): no deltas, rather than the server's lifetime totals.
-        r.metrics = prom.delta(before["m"], await prom.scrape(metrics_url)) if before.get("m") else {}
+        r.metrics = (prom.delta(before["m"], await prom.scrape(metrics_url, api_key=metrics_api_key))
+                     if before.get("m") else {})
         r.target = name
         results.append(r)
     return results
@@ -65,10 +66,13 @@ async def run_sweep(make_target: Callable[[], object], workload: Workload, specs
 
 async def run_many(targets: dict[str, tuple[Callable[[], object], str | None]], workload: Workload,
                    specs: list[LoadSpec], *, show_progress: bool = True,
-                   stop_on_sigint: bool = False, check_first: bool = False) -> dict[str, list[RunResult]]:
+                   stop_on_sigint: bool = False, check_first: bool = False,
+                   metrics_api_key: str | None = None) -> dict[str, list[RunResult]]:
     """`targets`: name -> (target factory, metrics URL or None); run one after another.
 
     `check_first`: every target answers one request (`preflight`) before any load is sent.
+
+    `metrics_api_key`: the bearer token the metrics URLs are read with.
 
     `stop_on_sigint`: the first Ctrl-C stops the level under way as its clock would (what it measured is
     kept, marked `interrupted`) and skips the rest; a second one aborts at once (KeyboardInterrupt)."""
@@ -90,7 +94,7 @@ async def run_many(targets: dict[str, tuple[Callable[[], object], str | None]], 
                 if halt.is_set():
                     break
                 out[name] = await run_sweep(factory, workload, specs, name=name, metrics_url=murl,
-                                            progress=progress, halt=halt)
+                                            metrics_api_key=metrics_api_key, progress=progress, halt=halt)
     finally:
         if stop_on_sigint:
             loop.remove_signal_handler(signal.SIGINT)

@@ -223,10 +223,12 @@ class KServeHTTP(_HTTPTarget):
 class KServeGRPC:
     """KServe v2 over gRPC (inference.GRPCInferenceService) through tritonclient's asyncio client."""
 
-    def __init__(self, url: str, model: str | None = None, timeout_s: float = 30.0):
+    def __init__(self, url: str, model: str | None = None, timeout_s: float = 30.0, api_key: str | None = None):
         self.url = url.removeprefix("grpc://")
         self.model = model
         self.timeout_s = timeout_s
+        # surge --api-key: gRPC calls carry it as metadata, as HTTP's Authorization header
+        self.headers = {"authorization": f"Bearer {api_key}"} if api_key else None
         self.client = None
         self.name = f"KServeGRPC({self.url})"
 
@@ -237,7 +239,7 @@ class KServeGRPC:
         self.client = grpcclient.InferenceServerClient(self.url)
         if not self.model:
             try:
-                index = await self.client.get_model_repository_index(as_json=True)
+                index = await self.client.get_model_repository_index(headers=self.headers, as_json=True)
                 self.model = index["models"][0]["name"]
             except Exception as exc:
                 raise ValueError(f"KServe gRPC target: pass the model name (--model) ({exc})") from None
@@ -249,7 +251,7 @@ class KServeGRPC:
         inp = self._grpc.InferInput("text", [len(texts)], "BYTES")
         inp.set_data_from_numpy(np.array([t.encode("utf-8") for t in texts], dtype=np.object_))
         try:
-            result = await self.client.infer(self.model, [inp], client_timeout=self.timeout_s)
+            result = await self.client.infer(self.model, [inp], client_timeout=self.timeout_s, headers=self.headers)
         except InferenceServerException as exc:
             status = str(exc.status() or "UNKNOWN").removeprefix("StatusCode.")
             kind = "timeout" if status == "DEADLINE_EXCEEDED" else f"grpc_{status}"
@@ -305,7 +307,4 @@ def make_target(protocol: str, url: str, model: str | None = None, timeout_s: fl
                 api_key: str | None = None):
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}; one of {', '.join(PROTOCOLS)} (or in-process)")
-    cls = PROTOCOLS[protocol]
-    if cls is KServeGRPC:
-        return cls(url, model, timeout_s)
-    return cls(url, model, timeout_s, api_key)
+    return PROTOCOLS[protocol](url, model, timeout_s, api_key)

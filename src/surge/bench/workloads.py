@@ -146,7 +146,7 @@ def uniform_workload(queries: list[str], seed: int = 0) -> Workload:
 def write_query_log(path: str | Path, texts: list[str], times: np.ndarray | list[float] | None = None,
                     fmt: str | None = None) -> Path:
     """JSON lines (`fmt="jsonl"`, the default) or plain text, one query per line (`fmt="text"`, the
-    default for a .txt path; what `surge serve --cache-query-log` reads to seed its pinned tier)."""
+    default for a .txt path); `surge serve --cache-query-log` reads either to seed its pinned tier."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fmt = fmt or ("text" if path.suffix == ".txt" else "jsonl")

@@ -145,13 +145,14 @@ def _check_failures(runs, max_error_rate: float) -> None:
     raise typer.Exit(code=1)
 
 
-def _execute(named, workload, specs, progress):
+def _execute(named, workload, specs, progress, metrics_api_key=None):
     """Run the sweep; a target that fails its first request, or a bad target, is a clear error (exit 1 / 2).
     Ctrl-C stops it early: the caller reports what was measured, then exits 130."""
     from surge.bench.runner import TargetUnavailable, run_many
 
     try:
-        return _run(run_many(named, workload, specs, show_progress=progress, stop_on_sigint=True, check_first=True))
+        return _run(run_many(named, workload, specs, show_progress=progress, stop_on_sigint=True, check_first=True,
+                             metrics_api_key=metrics_api_key))
     except TargetUnavailable as exc:
         typer.echo(f"error: {exc}\n(nothing was measured: the target did not answer one request; is it running, "
                    "and are the URL and --protocol right?)", err=True)
@@ -245,7 +246,7 @@ def run(
         murl = metrics_url or (target if protocol != "kserve-grpc" else None)
     label = name or (target if service is None else "in-process")
     try:
-        runs = _execute({label: (factory, murl)}, workload, specs, progress)
+        runs = _execute({label: (factory, murl)}, workload, specs, progress, metrics_api_key=api_key)
     finally:
         if service is not None:
             _run(service.close())

@@ -138,7 +138,17 @@ def run_server(config: ServerConfig) -> None:
         app, http = FrontDoor(app), CorkedHttpToolsProtocol
     except ImportError:  # no httptools: uvicorn's own choice
         pass
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
-                loop="auto", http=http, timeout_graceful_shutdown=10)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                           access_log=False, loop="auto", http=http, timeout_graceful_shutdown=10))
+    # A failed start stops the server this way (server/app.py), so that the process exits 1 below rather than
+    # by a re-raised SIGTERM.
+    state.extras["stop_server"] = lambda: setattr(server, "should_exit", True)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # as uvicorn.run
+        pass
+    if not server.started and not state.extras.get("startup_error"):
+        raise typer.Exit(code=3)  # uvicorn.run's STARTUP_FAILURE (e.g. the port could not be bound)
     if state.extras.get("startup_error"):
+        typer.echo(f"surge: startup failed: {state.extras['startup_error']}", err=True)
         raise typer.Exit(code=1)

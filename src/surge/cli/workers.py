@@ -313,8 +313,13 @@ if __name__ == "__main__":
     rest = [child_settings(config_arg), *rest]
     if role == "engine":
         from surge.cli.workers_engine import engine_main
+        from surge.errors import SurgeError
 
-        engine_main(*rest)
+        try:
+            engine_main(*rest)
+        except SurgeError as exc:  # a model or setting the user can fix: its message, not a traceback
+            print(f"surge: {exc.message}", file=sys.stderr, flush=True)
+            sys.exit(1)
     elif role == "front":
         front_main(*rest)
     else:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from surge.distributed.ingress import _LOST, _served, ray_error
-from surge.errors import InvalidInput
+from surge.errors import WrongTask
 from surge.runtime.generate_text import PromptText
 
 log = logging.getLogger("surge.distributed")
@@ -79,7 +79,7 @@ class RemoteGenerateModel(PromptText):
         return {**self._metadata, "versions": versions}
 
     async def embed(self, *args, **kwargs):
-        raise InvalidInput(f"model '{self.name}' serves task 'generate', not 'embed'", param="model")
+        raise WrongTask(f"model '{self.name}' serves task 'generate', not 'embed'", param="model")
 
     async def generate(self, prompt_ids: list[int], params, *, deadline: float | None = None,
                        adapter: str | None = None):

@@ -15,6 +15,8 @@ import time
 
 from surge.errors import NotReady, Overloaded
 
+RATE_MEMORY_S = 10.0  # the drain rate's memory: releases this much older weigh 1/e
+
 
 class Admission:
     def __init__(self, max_items: int, name: str = "model"):
@@ -24,9 +26,12 @@ class Admission:
         self.closed = False
         self._idle = asyncio.Event()
         self._idle.set()
-        # Exponentially weighted drain rate (inputs per second), for Retry-After.
-        self._rate = 0.0
-        self._last = time.monotonic()
+        # Drain rate for Retry-After: inputs released over the busy time (some input in flight) they took,
+        # both decayed with wall time (RATE_MEMORY_S), so that the ratio follows recent load while idle
+        # spells count for neither.
+        self._done = 0.0
+        self._busy = 0.0
+        self._last = time.monotonic()  # the last release, or the start of the busy period after it
 
     def admit(self, n: int) -> None:
         """Take `n` inputs' worth of capacity or raise Overloaded / NotReady."""
@@ -39,26 +44,34 @@ class Admission:
                 f"model {self.name} is overloaded ({self.inflight} inputs in flight); retry later",
                 retry_after=self.retry_after(),
             )
+        if not self.inflight:  # a busy period starts: the time since the last release was idle
+            self._decay(time.monotonic())
         self.inflight += n
         self._idle.clear()
 
     def release(self, n: int, done: bool = True) -> None:
-        self.inflight -= n
         if done:
             now = time.monotonic()
-            dt = max(now - self._last, 1e-4)
-            self._last = now
-            alpha = min(1.0, dt)  # about a one-second memory
-            self._rate = (1 - alpha) * self._rate + alpha * (n / dt)
+            busy = max(now - self._last, 1e-6)  # in flight all along (admit restarts the clock after idle)
+            self._decay(now)
+            self._done += n
+            self._busy += busy
+        self.inflight -= n
         if self.inflight <= 0:
             self.inflight = 0
             self._idle.set()
 
+    def _decay(self, now: float) -> None:
+        w = math.exp(-(now - self._last) / RATE_MEMORY_S)
+        self._done *= w
+        self._busy *= w
+        self._last = now
+
     def retry_after(self) -> float:
-        """Seconds until the current backlog should have drained (at least 1)."""
-        if self._rate <= 0:
+        """Seconds until the current backlog should have drained at the measured rate (at least 1)."""
+        if self._done <= 0 or self._busy <= 0:
             return 1.0
-        return float(max(1, math.ceil(self.inflight / self._rate)))
+        return float(max(1, math.ceil(self.inflight * self._busy / self._done)))
 
     async def drain(self) -> None:
         """Refuse new work and wait until everything admitted has finished."""

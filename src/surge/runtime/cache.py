@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Hashable
@@ -126,11 +127,20 @@ def text_normalizer(hf_tokenizer) -> Callable[[str], str]:
 
 
 def read_query_log(path: Path, k: int, normalize: Callable[[str], str] = lambda t: t) -> list[str]:
-    """The k most frequent (normalized) queries of a log with one query per line."""
+    """The k most frequent (normalized) queries of a log: one query per line, or JSON lines whose objects
+    carry the query as "text" (what `surge bench workload` writes and `surge bench run --query-log` reads);
+    a line that is not such an object is a query as it stands."""
     counts: collections.Counter[str] = collections.Counter()
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             q = line.rstrip("\n")
+            if q.lstrip().startswith("{"):
+                try:
+                    rec = json.loads(q)
+                except ValueError:
+                    rec = None
+                if isinstance(rec, dict) and isinstance(rec.get("text"), str):
+                    q = rec["text"]
             if q.strip():
                 counts[normalize(q)] += 1
     return [q for q, _ in counts.most_common(k)]

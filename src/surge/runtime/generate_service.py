@@ -26,7 +26,7 @@ from typing import AsyncIterator
 
 
 from surge.config import GenerationConfig  # noqa: F401  (re-exported: callers build it from here)
-from surge.errors import InvalidInput, NotFound, NotReady, Overloaded
+from surge.errors import NotFound, NotReady, Overloaded, WrongTask
 from surge.models.decoder import sampling_defaults
 from surge.runtime.detok import TextState
 from surge.runtime.generate_core import EngineLoop, EngineState, ThreadChannel
@@ -152,7 +152,7 @@ class GenerateService(StreamDelivery, EngineRestarts, LoraHost, PromptText):
                                 SamplingParams(max_tokens=2, temperature=0.7, ignore_eos=True))
 
     async def embed(self, *args, **kwargs):
-        raise InvalidInput(f"model '{self.name}' serves task 'generate', not 'embed'", param="model")
+        raise WrongTask(f"model '{self.name}' serves task 'generate', not 'embed'", param="model")
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, *,
                        deadline: float | None = None, use_cache: bool = True,

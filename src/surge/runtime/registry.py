@@ -108,7 +108,9 @@ class ModelRegistry:
                 raise NotFound("no model is loaded", param="model")
             if name != asked:
                 raise NotFound(f"model '{shown(asked)}' (an alias of '{name}') is not loaded", param="model")
-            known = ", ".join(self.names() + sorted(self._aliases)) or "none"
+            # aliases of unloaded models answer 404 too: only names that would answer are offered
+            known = ", ".join(self.names() + sorted(a for a, n in self._aliases.items() if self._models.get(n)))
+            known = known or "none"
             raise NotFound(f"model '{shown(name)}' not found; available: {shown(known, 512)}", param="model")
         if version is None:
             return versions[self.versions(name)[-1]]

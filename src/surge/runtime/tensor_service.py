@@ -28,7 +28,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from surge.config import BatchingConfig, CacheConfig, LimitsConfig
-from surge.errors import EngineError, InvalidInput, NotReady, SurgeError
+from surge.errors import EngineError, InvalidInput, NotReady, SurgeError, WrongTask
 from surge.models.tensor_config import TensorModelConfig, TensorSpec
 from surge.runtime.batcher import BatcherConfig, DynamicBatcher
 from surge.runtime.metrics import ServiceMetrics
@@ -214,7 +214,7 @@ class TensorModelService:
         return None  # the text hot path has nothing for a tensor model
 
     async def embed(self, *args, **kwargs):
-        raise InvalidInput(f"model '{self.name}' serves task 'tensor', not 'embed': call it by tensor name "
+        raise WrongTask(f"model '{self.name}' serves task 'tensor', not 'embed': call it by tensor name "
                            f"(POST /v2/models/{self.name}/infer)", param="model")
 
     # ---- inference ------------------------------------------------------------------

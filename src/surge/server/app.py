@@ -94,10 +94,21 @@ async def _start(state: AppState) -> None:
     except Exception as exc:  # the process stays up, unready, and says why
         state.registry.loading = False
         state.extras["startup_error"] = f"{type(exc).__name__}: {exc}"
-        logging.getLogger("surge.server").exception("startup failed")
-        if state.extras.get("exit_on_startup_failure", True):
-            # Nothing to serve: stop uvicorn (the CLI then exits non-zero).
-            import os
-            import signal
+        from surge.errors import SurgeError
 
-            os.kill(os.getpid(), signal.SIGTERM)
+        if isinstance(exc, SurgeError):  # a configuration the user can fix: its message says what, no traceback
+            logging.getLogger("surge.server").error("startup failed: %s", exc.message)
+        else:
+            logging.getLogger("surge.server").exception("startup failed")
+        if state.extras.get("exit_on_startup_failure", True):
+            # Nothing to serve: stop uvicorn (the CLI then exits 1). Through its Server where run_server gave it:
+            # a SIGTERM would be re-raised by uvicorn once it has stopped (>= 0.29), so the process would die
+            # of it (status 143, "Terminated") before the CLI could exit with its own status.
+            stop = state.extras.get("stop_server")
+            if stop is not None:
+                stop()
+            else:
+                import os
+                import signal
+
+                os.kill(os.getpid(), signal.SIGTERM)

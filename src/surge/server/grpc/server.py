@@ -48,6 +48,7 @@ import sys
 
 import grpc
 
+from surge.errors import ConfigError
 from surge.server.grpc import grpc_service_pb2_grpc as pb_grpc
 from surge.server.grpc.health import OPEN_METHODS as HEALTH_METHODS, add_health_and_reflection
 from surge.server.grpc.read_deadline import ReadDeadlineInterceptor
@@ -128,8 +129,14 @@ def build_server(state: AppState, reuse_port: bool = False) -> tuple[grpc.aio.Se
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(state), server)
     add_health_and_reflection(server, state)  # grpc.health.v1.Health, server reflection
     address = f"[{config.host}]:{config.grpc_port}" if ":" in config.host else f"{config.host}:{config.grpc_port}"
-    if server.add_insecure_port(address) == 0:
-        raise RuntimeError(f"cannot bind the gRPC port {address}")
+    try:  # grpcio raises (RuntimeError) where older releases returned port 0
+        bound = server.add_insecure_port(address)
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise ConfigError(f"cannot listen on {address} for gRPC (--grpc-port {config.grpc_port}): the port is in "
+                          "use or not allowed; pick another --grpc-port, or --grpc-port 0 to serve without gRPC",
+                          param="grpc_port")
     return server, address
 
 

@@ -12,7 +12,7 @@ from typing import AsyncIterator, Callable
 import orjson
 from fastapi.responses import StreamingResponse
 
-from surge.errors import InvalidInput, SurgeError
+from surge.errors import InvalidInput, SurgeError, WrongTask
 from surge.runtime.outcome import count_failures
 from surge.runtime.scheduler import SamplingParams
 
@@ -21,7 +21,7 @@ def generate_model(state, name: str | None, version: str | None = None):
     service = state.registry.get(name, version)
     task = getattr(service, "task", "embed")
     if task != "generate":
-        raise InvalidInput(f"model '{service.name}' serves task '{task}', not 'generate'", param="model")
+        raise WrongTask(f"model '{service.name}' serves task '{task}', not 'generate'", param="model")
     return service
 
 

@@ -9,11 +9,11 @@ the Anthropic and Responses routes read requests the same way and answer differe
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from surge.errors import InvalidInput, PayloadTooLarge
+from surge.errors import InvalidInput, PayloadTooLarge, Unprocessable, shown
 from surge.server.http import fail_fast
 from surge.server.http.gil_points import each
 from surge.server.http.guided_fields import tool_choice_guide
@@ -28,6 +28,8 @@ class StreamOptions(BaseModel):
 
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    # A union's errors name each alternative ("'stop.str': Input should be a valid string"): one sentence.
+    union_hints: ClassVar[dict] = {"stop": "expected a string or a list of strings"}
 
     model: StrictStr | None = None
     temperature: float | None = Field(None, ge=0, le=2)
@@ -74,8 +76,13 @@ class _Sampling(BaseModel):
 
 
 class TextPart(BaseModel):
-    type: Literal["text"]
-    text: StrictStr
+    """A content part. Parts of other types (image_url, input_audio, file) are read so that chat_messages can
+    refuse them by name with a 400, rather than a 422 about strings."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: StrictStr
+    text: StrictStr | None = None
 
 
 class ChatMessage(BaseModel):
@@ -123,6 +130,9 @@ TokenIds = fail_fast.items(StrictInt)
 
 
 class CompletionRequest(_Sampling):
+    # A union's errors name each alternative ("'prompt.str': Input should be a valid string"): one sentence.
+    union_hints: ClassVar[dict] = {**_Sampling.union_hints, "prompt": "expected a string, a list of strings, a "
+                                   "list of token ids, or a list of token-id lists"}
     prompt: Union[StrictStr, fail_fast.items(StrictStr), TokenIds, fail_fast.items(TokenIds)]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=5)
@@ -134,9 +144,15 @@ class CompletionRequest(_Sampling):
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     """Validated chat messages as the template takes them (the chat route's and vLLM's /tokenize's)."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         d = m.model_dump(exclude_none=True)
         if isinstance(m.content, list):  # text parts joined, as most templates expect a string
+            for j, p in enumerate(m.content):
+                if p.type != "text":
+                    raise InvalidInput(f"messages[{i}].content[{j}] is of type '{shown(p.type)}': only text "
+                                       "parts are served (no images, audio or files)", param="messages")
+                if p.text is None:
+                    raise Unprocessable(f"messages[{i}].content[{j}]: a text part needs 'text'", param="messages")
             d["content"] = "".join(p.text for p in m.content)
         out.append(d)
     return out
