@@ -13,7 +13,8 @@ serving_core.md, "Session 2: front-end CPU"):
   `transport.write` calls, each a `send` syscall; here a response's writes are joined and sent
   once, as soon as the response is complete (other writes of a pass: right after the pass). It also
   offers the hot path a disconnect callback (`DisconnectWatch`), so that noticing a client that
-  went away costs no watcher task per request, and bounds what a client can hold without sending or
+  went away costs no watcher task per request, and a word once what was written is all the kernel's
+  (`DisconnectWatch.when_sent`: server/http/delivery.py), and bounds what a client can hold without sending or
   reading (server/http/conn_guard.py: read deadline, header and connection limits, send deadline).
 """
 
@@ -153,11 +154,22 @@ class DisconnectWatch:
     The hot path (server/http/hotpath.py) registers one per request instead of a task awaiting
     `receive()` for the disconnect (a task, an Event wait and a cancel per request)."""
 
-    __slots__ = ("lost", "callbacks")
+    __slots__ = ("_sent", "callbacks", "lost")
 
-    def __init__(self):
+    def __init__(self, sent=None):
         self.lost = False
         self.callbacks: set = set()
+        self._sent = sent  # the protocol's _when_sent
+
+    def when_sent(self, callback) -> None:
+        """`callback(True)` once every byte written on the connection so far has been handed to the kernel
+        (at once when it has), `callback(False)` if the connection is lost first (server/http/delivery.py)."""
+        if self.lost:
+            callback(False)
+        elif self._sent is None:
+            callback(True)
+        else:
+            self._sent(callback)
 
     def add(self, callback) -> bool:
         """Watch; False when the connection is already lost (the callback is not kept)."""
@@ -202,13 +214,15 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
     _header_bytes = 0
     _begun = False  # part of a request has come and not all of it (what the read deadline times)
     _refused = False  # headers over the limit: answered 431 and closing; the parser's callbacks do nothing
+    _sent_waiters = None  # DisconnectWatch.when_sent's callbacks until the transport's buffer is empty
+    _limits = None  # the transport's (low, high) write buffer limits while they wait
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         handoff = HANDOFF
         if self._offer and handoff is not None and handoff.offer(transport, self._sibling):
             self._handed = True  # the engine process's connection now: nothing more happens here
             return
-        self.watch = DisconnectWatch()
+        self.watch = DisconnectWatch(self._when_sent)
         loop = asyncio.get_running_loop()
         super().connection_made(_Corked(transport, loop))
         front = find_front(self.app)
@@ -346,6 +360,38 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
             transport._flush()
         super().on_response_complete()
 
+    def _when_sent(self, callback) -> None:
+        """DisconnectWatch.when_sent. The transport tells the protocol when its buffer has drained below its low
+        water mark (resume_writing); with both marks at 0 while callbacks wait, that is when it is empty. Every
+        byte handed over by then is the kernel's, and a lost connection (a reset drops the buffer) never says so."""
+        corked = self.transport
+        if isinstance(corked, _Corked):
+            corked._flush()
+            real = corked._t
+        else:  # pragma: no cover - this protocol always corks
+            real = corked
+        if not real.get_write_buffer_size():
+            callback(True)
+            return
+        if self._sent_waiters is None:
+            self._sent_waiters = []
+            self._limits = real.get_write_buffer_limits()
+            real.set_write_buffer_limits(high=0, low=0)  # pauses writing (uvicorn's next send waits for it)
+        self._sent_waiters.append(callback)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        waiters = self._sent_waiters
+        if waiters is not None:
+            real = getattr(self.transport, "_t", self.transport)
+            if real.get_write_buffer_size():  # pragma: no cover - the transport resumes at its low mark, 0 here
+                return
+            self._sent_waiters = None
+            low, high = self._limits
+            real.set_write_buffer_limits(high=high, low=low)
+            for callback in waiters:
+                callback(True)
+
     def connection_lost(self, exc) -> None:
         if self._handed:
             return
@@ -356,6 +402,9 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
             sending.close()
         super().connection_lost(exc)
         self.watch.fire()
+        waiters, self._sent_waiters = self._sent_waiters, None
+        for callback in waiters or ():  # what they wait for was not all sent
+            callback(False)
 
     def _sibling(self) -> "CorkedHttpToolsProtocol":
         """A protocol like this one for a connection handed back by the engine process."""

@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 from surge.errors import InvalidInput, SurgeError, WrongTask
 from surge.runtime.outcome import count_failures
 from surge.runtime.scheduler import SamplingParams
+from surge.server.http.delivery import on_delivery
 
 
 def generate_model(state, name: str | None, version: str | None = None):
@@ -177,9 +178,31 @@ def _outcome(service):
     return getattr(getattr(service, "metrics", None), "outcome", None)
 
 
+def _answered(state, service, out, elapsed: int, res) -> None:
+    """A generation that ended well (`res`: its result or last delta, `elapsed` ns after it began): counted
+    answered (latency, KServe statistics) once the HTTP response carrying it is delivered, or a failure
+    under the code of its loss (server/http/delivery.py); at once where no response is watched (gRPC)."""
+
+    def settle(code: str | None) -> None:
+        if code is not None:  # its client never got it: as one that left while it was computed
+            if out is not None:
+                out.failure(code)
+            return
+        if out is not None:
+            out.latency.observe(elapsed / 1e9)
+        if _recorded(service):
+            state.stats.record_generation(service.name, service.version, elapsed,
+                                          getattr(res, "timings", None), bool(getattr(res, "cached", False)),
+                                          _cache_enabled(service))
+
+    if not on_delivery(settle):
+        settle(None)
+
+
 async def counted(state, service, work):
     """Await a generation (`service.generate(...)`), counted in the KServe statistics and on /metrics
-    (one request; a failure under its code, a client that left as "cancelled")."""
+    (one request; a failure under its code, a client that left as "cancelled", an answer whose response
+    was not delivered as "cancelled" too: _answered)."""
     start = time.perf_counter_ns()
     out = _outcome(service)
     if out is not None:
@@ -193,21 +216,16 @@ async def counted(state, service, work):
         if _recorded(service):
             state.stats.record_failure(service.name, service.version, time.perf_counter_ns() - start)
         raise
-    elapsed = time.perf_counter_ns() - start
-    if out is not None:
-        out.latency.observe(elapsed / 1e9)
-    if _recorded(service):
-        state.stats.record_generation(service.name, service.version, elapsed,
-                                      getattr(res, "timings", None), bool(getattr(res, "cached", False)),
-                                      _cache_enabled(service))
+    _answered(state, service, out, time.perf_counter_ns() - start, res)
     return res
 
 
 async def counted_stream(state, service, agen) -> AsyncIterator:
     """A generation stream (`service.stream(...)`), counted in the KServe statistics when its last
-    delta passes or it fails; a stream the client leaves is not counted there. On /metrics it is one
-    request, its latency observed at the last delta; a failure counts under its code, a stream closed
-    before its last delta as "cancelled"."""
+    delta passes (once the response carrying it is delivered: _answered) or it fails; a stream the client
+    leaves is not counted there. On /metrics it is one request, its latency observed at the last delta; a
+    failure counts under its code, a stream closed before its last delta, or whose response was lost before
+    its last byte was sent, as "cancelled"."""
     start = time.perf_counter_ns()
     out = _outcome(service)
     if out is not None:
@@ -217,13 +235,7 @@ async def counted_stream(state, service, agen) -> AsyncIterator:
         async for d in agen:
             if d.finish_reason is not None:
                 finished = True
-                elapsed = time.perf_counter_ns() - start
-                if out is not None:
-                    out.latency.observe(elapsed / 1e9)
-                if _recorded(service):
-                    state.stats.record_generation(service.name, service.version, elapsed,
-                                                  getattr(d, "timings", None), bool(getattr(d, "cached", False)),
-                                                  _cache_enabled(service))
+                _answered(state, service, out, time.perf_counter_ns() - start, d)
             yield d
     except (asyncio.CancelledError, GeneratorExit):
         if out is not None and not finished:

@@ -33,6 +33,7 @@ from surge.errors import SurgeError
 from surge.runtime.request import timing_headers
 from surge.server.errors import settled
 from surge.server.http.common import PARSED_BODY
+from surge.server.http.delivery import delivered
 from surge.server.http.openai_inputs import check_lengths, suspects
 from surge.server.state import AppState
 from surge.types import EmbedOptions
@@ -281,7 +282,8 @@ class OuterHotPath:
     straight to the hot path here, and so does a POST /v1/completions, /v1/chat/completions, /v1/responses,
     /v1/messages or KServe generate / generate_stream (server/http/generate_hotpath.py); everything else,
     and anything the embedding hot path does not answer itself, goes through the full stack (whose own
-    HotPathMiddleware then sees the same body).
+    HotPathMiddleware then sees the same body). A generation request, whichever way it goes, has its
+    generations counted answered once its response is delivered (server/http/delivery.py).
     """
 
     def __init__(self, stack, state: AppState):
@@ -294,22 +296,33 @@ class OuterHotPath:
         self.open = not state.config.api_key
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and self.open and scope["method"] == "POST":
+        if scope["type"] == "http" and scope["method"] == "POST":
             path = scope["path"]
             hot = self.paths.get(path)
             if hot is None and path.endswith(_GENERATE_ENDS) and self.generate.takes(path):
                 hot = self.generate  # KServe's generate extension
-            if hot is not None:
-                ctype = coding = None
-                for name, value in scope["headers"]:
-                    if name == b"content-type":
-                        ctype = value
-                    elif name == b"content-encoding":
-                        coding = value
-                if (coding is None and ctype is not None
-                        and ctype.split(b";", 1)[0].strip().lower() == b"application/json"):
-                    return await hot(scope, receive, send)
+            if hot is self.generate:  # a generation, by the hot path or the routes: counted once delivered
+                return await delivered(scope, receive, send, self._generation)
+            if hot is not None and self._plain(scope):
+                return await hot(scope, receive, send)
         return await self.stack(scope, receive, send)
+
+    async def _generation(self, scope, receive, send):
+        if self._plain(scope):
+            return await self.generate(scope, receive, send)
+        return await self.stack(scope, receive, send)
+
+    def _plain(self, scope) -> bool:
+        """Whether a hot path may take the request: no API key, a JSON body, no Content-Encoding."""
+        if not self.open:
+            return False
+        ctype = coding = None
+        for name, value in scope["headers"]:
+            if name == b"content-type":
+                ctype = value
+            elif name == b"content-encoding":
+                coding = value
+        return coding is None and ctype is not None and ctype.split(b";", 1)[0].strip().lower() == b"application/json"
 
 
 def install_outer(app, state: AppState) -> None:

@@ -37,6 +37,7 @@ from surge.runtime.off_loop import prepared
 from surge.runtime.response_store import store_for, valid_id
 from surge.server.http import generate_common
 from surge.server.http.common import ORJSONResponse, parse
+from surge.server.http.delivery import unwatched
 from surge.server.http.generate_common import (EventStream, JsonAnswer, counted, counted_stream, deadline_for,
                                                generate_model, item_stream, make_params, prep_size,
                                                until_disconnect)
@@ -301,6 +302,7 @@ async def _run_background(state: AppState, p: _Prepared) -> None:
     """Runs a background response to its end, its record updated when it starts and ends. A cancel (in
     this process: the task is cancelled; from another: the record asks, read as tokens arrive) ends it
     as `cancelled`; a response deleted meanwhile stops and is not written again."""
+    unwatched()  # its generation counts when it ends, not by the delivery of the request that queued it
     store, rid, service = _store(state), p.base["id"], p.service
     if await _stopped(store, rid):  # cancelled (or deleted) while queued
         return
