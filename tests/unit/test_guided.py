@@ -338,3 +338,37 @@ def test_a_token_the_guide_rejects_fails_the_sequence_instead_of_ending_it(tmp_p
         with pytest.raises(GuideRejected):
             sampler(logits, [seq])
         sampler.forget(1)
+
+
+def test_a_rejected_guide_fails_its_request_alone_in_a_running_service(tmp_path):
+    """End to end in GenerateService (its engine loop on a thread): a guide the vocabulary cannot write sent
+    past the front end's check fails its own request with an error, never an answer finished as "stop",
+    and the unguided request beside it in the batch gets its answer."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+    from tokenizers import Tokenizer
+
+    from surge.errors import SurgeError
+    from surge.runtime.generate_service import GenerateService, GenerationConfig
+
+    path = build_model("qwen2", tmp_path / "nobrace", seed=3)  # no `{` in its vocabulary
+    engine = DecoderEngine(path, num_blocks=128, block_size=4, max_num_seqs=4, max_model_len=128)
+    service = GenerateService("m", "1", path, engine, Tokenizer.from_file(str(path / "tokenizer.json")), None,
+                              GenerationConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=128,
+                                               cache_entries=0), metrics_registry=CollectorRegistry())
+    service.mark_ready()
+    prompt = service.encode("The answer is")
+
+    async def main():
+        try:
+            return await asyncio.gather(
+                service.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, guide=("json", ANY_OBJECT))),
+                service.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)),
+                return_exceptions=True)
+        finally:
+            await service.close()
+
+    guided, free = asyncio.run(main())  # was: '"', finish_reason "stop"
+    assert isinstance(guided, SurgeError), guided
+    assert not isinstance(free, BaseException) and free.finish_reason == "length" and len(free.token_ids) == 8
