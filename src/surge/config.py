@@ -412,10 +412,18 @@ class GenerationConfig(_Strict):
 
     @classmethod
     def from_sources(cls, pairs: list[str] | None = None, env=None) -> "GenerationConfig":
-        """SURGE_GENERATION_<FIELD> variables, then FIELD=VALUE pairs (the --generation flag)."""
+        """SURGE_GENERATION_<FIELD> variables, then FIELD=VALUE pairs (the --generation flag). A variable of
+        that prefix whose FIELD is not a field is a ValueError naming it, as an unknown --generation field is
+        (a misspelled one was silently ignored; other SURGE_* variables are one per flag, and internal knobs
+        share the prefix, so only this section's names are a closed set)."""
         import os
 
         env = os.environ if env is None else env
+        known = {f"SURGE_GENERATION_{name.upper()}" for name in cls.model_fields}
+        unknown = sorted(k for k in env if k.upper().startswith("SURGE_GENERATION_") and k not in known)
+        if unknown:
+            raise ValueError(f"unknown environment variable {unknown[0]}: SURGE_GENERATION_<FIELD> takes FIELD one "
+                             f"of {', '.join(cls.model_fields)} (in capitals)")
         values: dict = {}
         for name in cls.model_fields:
             raw = env.get(f"SURGE_GENERATION_{name.upper()}")

@@ -243,3 +243,21 @@ def test_ctrl_c_reports_what_was_measured(server, tmp_path):
     [run] = doc["runs"][server.url]  # the level under way, cut short; the next one never started
     assert run["concurrency"] == 2 and run["ok"] >= 20 and run["errors"] == {}
     assert run["interrupted"] is True
+
+
+def test_compare_with_api_key_reaches_keyed_servers_and_their_metrics(tmp_path):
+    """`surge bench compare --api-key KEY` (as `bench run`'s): the key goes to every target and to their
+    /metrics reads; without it every request of a keyed server is a 401 and the statistics are missing."""
+    with ServerProcess("--threads", "1", "--api-key", "KEY") as srv:
+        out = subprocess.run(
+            [sys.executable, "-m", "surge.cli.main", "bench", "compare", "-t", f"a={srv.url}", "-t", f"b={srv.url}",
+             "-c", "2", "-n", "10", "-d", "20", "--warmup", "0", "--queries", "50", "--api-key", "KEY",
+             "--json", str(tmp_path / "c.json"), "--no-progress"],
+            capture_output=True, text=True, timeout=180, cwd=ROOT)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        runs = json.loads((tmp_path / "c.json").read_text())["runs"]
+        assert set(runs) == {"a", "b"}
+        for name, [r] in runs.items():
+            assert r["ok"] == r["requests"] == 10 and r["errors"] == {}, (name, r)
+            assert r["cache_hits"] + r["cache_misses"] >= 10, (name, r)  # b: the same server, its cache warm
+        assert runs["a"][0]["batches"] >= 1

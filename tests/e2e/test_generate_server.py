@@ -595,6 +595,9 @@ def test_tei_tokenize_decode_and_info_of_a_decoder(server, hf):
     assert info["task"] == "generate" and info["model_id"] == "chat-qwen"
     assert info["max_input_length"] == model.config.max_position_embeddings
     assert info["model_type"]["generate"]["chat_template"] is True
+    # the checkpoint's architecture and TEI's dtype names, as an encoder's /info gives them
+    assert info["architecture"] == type(model).__name__ == "Qwen2ForCausalLM"
+    assert info["model_dtype"] == "float32"
 
 
 def test_kserve_infer_as_tritons_vllm_backend_takes_it(server, hf):

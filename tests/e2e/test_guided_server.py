@@ -108,7 +108,10 @@ def test_required_and_named_tool_choice_answer_with_calls(client, hf, model_dir)
     msg = r.choices[0].message
     want = reference(hf, model_dir, tool_choice_guide(TOOLS, "required"), 80, messages=CHAT, tools=TOOLS)
     calls = re.findall(r"<tool_call>\n(.*?)\n</tool_call>", want)
-    assert r.choices[0].finish_reason == "tool_calls" and msg.tool_calls and len(msg.tool_calls) == len(calls)
+    # cut by max_tokens (the model calls on): "length", as vLLM's required tool choice says
+    ended = r.usage.completion_tokens < 80
+    assert r.choices[0].finish_reason == ("tool_calls" if ended else "length")
+    assert msg.tool_calls and len(msg.tool_calls) == len(calls) and not (msg.content or "").strip()
     for call, body in zip(msg.tool_calls, calls):
         obj = json.loads(body)
         assert call.function.name == obj["name"] in ("get_weather", "add")
@@ -170,3 +173,54 @@ def test_kserve_generate_and_tritonclient_infer_take_the_same_fields(server, hf,
     finally:
         client.close()
     assert out == reference(hf, model_dir, ("regex", regex), 30, prompt=prompt) and re.fullmatch(regex, out)
+
+
+def test_a_required_call_cut_by_max_tokens_keeps_its_complete_calls_and_no_partial_json(client, hf, model_dir):
+    """tool_choice required, max_tokens ending inside the second call: the first (complete) call is a tool call,
+    the cut one is not content (vLLM's required tool choice: finish_reason "tool_calls" only when the answer
+    ended, else "length"), streamed or not."""
+    model, tok = hf
+    ids = tok.apply_chat_template(CHAT, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False)
+    full = hf_guided(model, model_dir, ids, tool_choice_guide(TOOLS, "required"), 200)
+    ends = [i + 1 for i in range(len(full)) if tok.decode(full[: i + 1]).count("</tool_call>") == 1
+            and tok.decode(full[:i]).count("</tool_call>") == 0]
+    assert ends and "<tool_call>" in tok.decode(full[ends[0]:]), "the reference writes a second call"
+    first = json.loads(re.findall(r"<tool_call>\n(.*?)\n</tool_call>", tok.decode(full))[0])
+    cut = ends[0] + 6  # inside the second call: `\n<tool_call>\n{"name` and a little more
+    assert "</tool_call>" not in tok.decode(full[ends[0]:cut])
+    r = client.chat.completions.create(model="guided-qwen", messages=CHAT, tools=TOOLS, tool_choice="required",
+                                       temperature=0, max_tokens=cut)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and r.usage.completion_tokens == cut
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] \
+        == [(first["name"], first["arguments"])]
+    assert not choice.message.content, choice.message.content
+    stream = client.chat.completions.create(model="guided-qwen", messages=CHAT, tools=TOOLS, tool_choice="required",
+                                            temperature=0, max_tokens=cut, stream=True)
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == ""
+    assert [(t.function.name, json.loads(t.function.arguments)) for c in chunks for t in (c.delta.tool_calls or [])] \
+        == [(first["name"], first["arguments"])]
+    assert chunks[-1].finish_reason == "length"
+
+
+def test_json_on_a_vocabulary_without_braces_is_a_400_not_a_stray_quote(tmp_path):
+    """A tokenizer that cannot write `{`: a JSON response_format (or a regex that starts with one) used to
+    answer `"` with finish_reason "stop"; it is a 400 naming the field, before any generation."""
+    model_dir = build_model("qwen2", tmp_path / "nobrace-qwen", seed=3, vocab=384)
+    from tokenizers import Tokenizer
+
+    assert Tokenizer.from_file(str(model_dir / "tokenizer.json")).token_to_id("{") is None
+    with ServerProcess(str(model_dir), "--threads", "1") as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        for kw, param in (({"response_format": {"type": "json_object"}}, "response_format"),
+                          ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}},
+                           "response_format"),
+                          ({"extra_body": {"guided_regex": r"\{[a-z]+\}"}}, "guided_regex")):
+            with pytest.raises(openai.BadRequestError) as err:
+                c.chat.completions.create(model="nobrace-qwen", messages=CHAT, max_tokens=8, temperature=0, **kw)
+            assert err.value.body["param"] == param and "vocabulary" in err.value.body["message"], err.value.body
+        # a constraint this vocabulary can write still answers
+        r = c.chat.completions.create(model="nobrace-qwen", messages=CHAT, max_tokens=8, temperature=0,
+                                      extra_body={"guided_choice": ["yes", "no"]})
+        assert r.choices[0].message.content in ("yes", "no")

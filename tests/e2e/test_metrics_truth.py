@@ -29,6 +29,35 @@ def server():
         yield srv
 
 
+# the per-model series a request moves (the cache's gauges included: what the cache holds)
+TRAFFIC = ("surge_requests_total", "surge_inputs_total", "surge_request_latency_seconds_count",
+           "surge_queue_latency_seconds_count", "surge_tokenize_latency_seconds_count",
+           "surge_compute_latency_seconds_count", "surge_postprocess_latency_seconds_count",
+           "surge_batch_size_count", "surge_batch_tokens_count", "surge_batch_padding_ratio_count",
+           "surge_cache_hits_total", "surge_cache_misses_total", "surge_inputs_coalesced_total",
+           "surge_cache_entries")
+
+
+def traffic(url: str) -> dict[str, float]:
+    got = scrape(url)
+    return {name: sum(v for (n, _), v in got.items() if n == name) for name in TRAFFIC}
+
+
+@pytest.mark.parametrize("mode", [(), ("--workers", "2")], ids=["one-process", "workers"])
+def test_the_warm_up_is_no_traffic_on_metrics(mode):
+    """Before any request the warm-up (one input through the whole path) showed one cache miss, one batch
+    and its latencies while requests said 0; it counts nowhere (nor is its text cached), and the first
+    client request then counts as one request, one miss, one batch."""
+    with ServerProcess("--threads", "1", *mode) as srv:
+        assert traffic(srv.url) == dict.fromkeys(TRAFFIC, 0.0)
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            assert c.post("/embed", json={"inputs": "turn on the kitchen lights"}).status_code == 200
+        after = traffic(srv.url)
+    want = dict.fromkeys(TRAFFIC, 1.0)
+    want.update(surge_cache_hits_total=0.0, surge_inputs_coalesced_total=0.0)
+    assert after == want
+
+
 def test_a_cached_openai_input_at_the_models_length_is_counted_once(server):
     # 254 words of one token each + [CLS] + [SEP]: exactly the model's 256, so the hot path cannot tell
     # from the cached token count alone that it was not truncated and hands the request to the full path.

@@ -46,3 +46,19 @@ def test_unsupported_model_under_workers_is_one_line_not_a_traceback(tmp_path):
     assert p.returncode == 1, (p.returncode, out[-2000:])
     assert "BertForQuestionAnswering" in out and "supported" in out, out[-2000:]
     assert "Traceback" not in out, out[-3000:]
+
+
+def test_a_misspelled_generation_variable_fails_the_start_naming_it():
+    """SURGE_GENERATION_<FIELD> with no such field (KV_CACHE_TOKEN for KV_CACHE_TOKENS) was silently ignored,
+    while the same misspelling in --generation is an error: the start fails, naming the variable and the
+    fields, before any model loads."""
+    import os
+
+    env = {**os.environ, "SURGE_GENERATION_KV_CACHE_TOKEN": "4096"}
+    p = subprocess.run([sys.executable, "-m", "surge.cli.main", "serve", "--port", str(free_port()),
+                        "--grpc-port", "0", "--threads", "1"],
+                       capture_output=True, text=True, timeout=180, cwd=ROOT, check=False, env=env)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out[-2000:]
+    assert "SURGE_GENERATION_KV_CACHE_TOKEN" in out and "kv_cache_tokens" in out, out[-2000:]
+    assert "Traceback" not in out, out[-2000:]

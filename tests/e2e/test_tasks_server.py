@@ -325,7 +325,11 @@ def test_plain_predict_hot_path_answers_as_the_route(client, models):
     assert wrong.status_code == 424 and "serves task" in wrong.json()["error"]
 
 
-def test_info_tokenize_decode(client):
+def test_info_tokenize_decode(client, models):
+    ce = client.get("/info", params={"model": "ce"}).json()
+    # TEI's dtype names (a decoder's /info too) and the checkpoint's architecture
+    assert ce["model_dtype"] == "float32"
+    assert ce["architecture"] == json.loads((models / "ce" / "config.json").read_text())["architectures"][0]
     info = client.get("/info", params={"model": "intent"}).json()
     assert info["model_type"]["classifier"]["id2label"]["0"] == "lights_on" and info["task"] == "classify"
     assert client.get("/info", params={"model": "embed"}).json()["model_type"] == {"embedding": {"pooling": "mean"}}

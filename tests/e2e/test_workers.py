@@ -47,7 +47,7 @@ def test_concurrent_results_match_reference_and_never_mix(server, sentences, ref
     rng = np.random.default_rng()
     picks = [[sentences[i] for i in rng.choice(len(sentences), int(rng.integers(1, 4)), replace=False)]
              for _ in range(24)]
-    # the warm-up's batches are in the batch histogram and not in the KServe statistics: count from here
+    # counted from here (the warm-up counts nowhere: tests/e2e/test_metrics_truth.py)
     batches_before = _sample(httpx.get(server.url + "/metrics").text, "surge_batch_size_count")
     out = asyncio.run(_many(server.url, picks))
     uniq = sorted({t for p in picks for t in p})

@@ -53,3 +53,13 @@ def test_the_reasoning_parser_from_every_source():
     assert GenerationConfig(reasoning_parser="deepseek_r1").merged(section).reasoning_parser == "qwen3"
     with pytest.raises(ValidationError, match="reasoning_parser"):
         GenerationConfig.from_sources(["reasoning_parser=granite"], env={})
+
+
+def test_an_unknown_generation_variable_is_an_error_naming_it_and_the_fields():
+    """A misspelled SURGE_GENERATION_<FIELD> was ignored while a bad --generation field is an error."""
+    with pytest.raises(ValueError, match="SURGE_GENERATION_KV_CACHE_TOKEN:.*kv_cache_tokens"):
+        GenerationConfig.from_sources([], env={"SURGE_GENERATION_KV_CACHE_TOKEN": "4096"})
+    with pytest.raises(ValueError, match="SURGE_GENERATION_max_waiting"):  # the variables are in capitals
+        GenerationConfig.from_sources([], env={"SURGE_GENERATION_max_waiting": "3"})
+    assert GenerationConfig.from_sources([], env={"SURGE_GENERATIONS": "1", "SURGE_GENERATION_MAX_WAITING": "3"}) \
+        .max_waiting == 3

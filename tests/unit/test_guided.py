@@ -16,7 +16,7 @@ pytest.importorskip("llguidance")
 
 from surge.engines.decoder import DecoderEngine  # noqa: E402
 from surge.errors import InvalidInput  # noqa: E402
-from surge.runtime.guided import ANY_OBJECT, Guides, guide_for  # noqa: E402
+from surge.runtime.guided import ANY_OBJECT, Guides, after_reasoning, guide_for  # noqa: E402
 from surge.runtime.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence  # noqa: E402
 from tests.decoder_models import build_model  # noqa: E402
 from tests.guided_reference import hf_guided  # noqa: E402
@@ -299,3 +299,76 @@ def test_large_guides_are_not_kept_compiled():
     for g in big + [("grammar", f'start: "{k}"\n// ' + "x" * CACHED_CHARS) for k in range(2 * LARGE_KEPT)]:
         guides.check(g, "guided_grammar")
     assert len(guides._large) == LARGE_KEPT
+
+
+def test_a_guide_the_vocabulary_cannot_start_is_a_clear_400_at_request_time():
+    """A tokenizer with no `{` cannot write JSON: llguidance's first mask then lets a token (`"`) through that
+    its parser rejects, and the answer used to end there, `"` and "stop". The check refuses it up front; a
+    guide the vocabulary can write (what it begins with is in the vocabulary) still passes."""
+    from tests.decoder_models import train_tokenizer
+
+    tok = train_tokenizer(384, False)
+    assert tok.token_to_id("{") is None and tok.token_to_id("%") is not None
+    guides = Guides(tok.to_str(), tok.get_vocab_size())
+    for guide, param in ((("json", ANY_OBJECT), "response_format"), (GUIDES["json"], "response_format"),
+                         (("regex", r"\{[a-z]+\}"), "guided_regex"), (("grammar", 'start: "{" "}"'), "guided_grammar"),
+                         (after_reasoning(("json", ANY_OBJECT), 1), "response_format")):
+        with pytest.raises(InvalidInput, match="vocabulary") as err:
+            guides.check(guide, param)
+        assert err.value.param == param and param in str(err.value)
+    guides.check(("regex", "%[a-z]+"), "guided_regex")
+    guides.check(GUIDES["choice"], "guided_choice")
+    guides.check(("regex", "x?"), "guided_regex")  # nothing to write: the empty answer matches
+
+
+def test_a_token_the_guide_rejects_fails_the_sequence_instead_of_ending_it(tmp_path):
+    """Past the request's check (a guide sent straight to the engine): the sampler raises on the rejected
+    token (the step loop then fails that sequence alone, as vLLM finishes it with an error) rather than
+    ending an answer that breaks the format as if it were complete."""
+    from surge.engines.decoder.sampler import GuideRejected, Sampler
+    from tests.decoder_models import train_tokenizer
+
+    tok = train_tokenizer(384, False)
+    eos = tok.token_to_id("<|im_end|>")
+    sampler = Sampler(torch.device("cpu"), guides=lambda: Guides(tok.to_str(), tok.get_vocab_size(), [eos]),
+                      eos_ids=[eos])
+    for guide in (("json", ANY_OBJECT), ("grammar", 'start: "{" "}"')):
+        seq = Sequence(1, tok.encode("The answer").ids, SamplingParams(max_tokens=8, temperature=0.0, guide=guide))
+        logits = torch.randn(1, tok.get_vocab_size(), generator=torch.Generator().manual_seed(0))
+        with pytest.raises(GuideRejected):
+            sampler(logits, [seq])
+        sampler.forget(1)
+
+
+def test_a_rejected_guide_fails_its_request_alone_in_a_running_service(tmp_path):
+    """End to end in GenerateService (its engine loop on a thread): a guide the vocabulary cannot write sent
+    past the front end's check fails its own request with an error, never an answer finished as "stop",
+    and the unguided request beside it in the batch gets its answer."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+    from tokenizers import Tokenizer
+
+    from surge.errors import SurgeError
+    from surge.runtime.generate_service import GenerateService, GenerationConfig
+
+    path = build_model("qwen2", tmp_path / "nobrace", seed=3)  # no `{` in its vocabulary
+    engine = DecoderEngine(path, num_blocks=128, block_size=4, max_num_seqs=4, max_model_len=128)
+    service = GenerateService("m", "1", path, engine, Tokenizer.from_file(str(path / "tokenizer.json")), None,
+                              GenerationConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=128,
+                                               cache_entries=0), metrics_registry=CollectorRegistry())
+    service.mark_ready()
+    prompt = service.encode("The answer is")
+
+    async def main():
+        try:
+            return await asyncio.gather(
+                service.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, guide=("json", ANY_OBJECT))),
+                service.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)),
+                return_exceptions=True)
+        finally:
+            await service.close()
+
+    guided, free = asyncio.run(main())  # was: '"', finish_reason "stop"
+    assert isinstance(guided, SurgeError), guided
+    assert not isinstance(free, BaseException) and free.finish_reason == "length" and len(free.token_ids) == 8

@@ -279,6 +279,8 @@ def compare(
         0.0, min=0.0, max=1.0,
         help="Exit 1 when, at any level of any target, more than this fraction of the measured requests "
              "failed (overload answers 429/503 included). Default 0: any failure fails the run."),
+    api_key: Optional[str] = typer.Option(None, envvar="SURGE_API_KEY",
+                                          help="Bearer token for every target (and their /metrics)."),
     json_out: Optional[Path] = typer.Option(None, "--json"),
     plots: Optional[Path] = typer.Option(None),
     progress: bool = typer.Option(True),
@@ -294,14 +296,14 @@ def compare(
         n, url = t.split("=", 1)
         if n in named:  # a second NAME would silently replace the first target's runs
             raise typer.BadParameter(f"target name {n!r} given twice", param_hint="--target")
-        named[n] = ((lambda url=url: make_target(protocol, url, model, timeout)),
+        named[n] = ((lambda url=url: make_target(protocol, url, model, timeout, api_key)),
                     url if protocol != "kserve-grpc" else None)
     if len(named) < 2:
         raise typer.BadParameter("compare needs two targets or more (one: `surge bench run`)", param_hint="--target")
     _positive(timeout, "--timeout")
     workload = _workload(None, queries, zipf, seed)
     specs = _specs("closed", concurrency, None, duration, warmup, requests, 1, seed, 10000, 1.0)
-    runs = _execute(named, workload, specs, progress)
+    runs = _execute(named, workload, specs, progress, metrics_api_key=api_key)
     _report(runs, workload, json_out, plots, "bench_compare", "surge bench compare")
     names = list(runs)
     for other in names[1:]:

@@ -84,7 +84,8 @@ def serve(config_values, model_dir: Optional[Path] = None, artifact: Optional[Pa
     try:
         generation_config = GenerationConfig.from_sources(generation)
     except ValueError as exc:  # pydantic's ValidationError included
-        raise typer.BadParameter(str(exc).replace("GenerationConfig", "generation settings"), param_hint="--generation")
+        raise typer.BadParameter(str(exc).replace("GenerationConfig", "generation settings"),
+                                 param_hint="--generation / SURGE_GENERATION_<FIELD>")
     if lora_modules:
         from surge.config import parse_lora_modules
 

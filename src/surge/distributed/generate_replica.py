@@ -62,7 +62,7 @@ class GenerateReplica:
                 "replica": self.identity, "max_model_len": s.max_model_len, "vocab_size": s.vocab_size,
                 "tokenizer": s.tokenizer.to_str(), "chat_template": s.chat_template,
                 "config": s.config.model_dump(), "sampling_defaults": s.sampling_defaults,
-                "metadata": s.kserve_metadata([]),
+                "metadata": s.kserve_metadata([]), "architecture": getattr(s, "architecture", None),
                 "adapters": [a.describe() for a in s.adapters.values()]}
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, timeout_s: float | None = None,

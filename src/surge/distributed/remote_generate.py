@@ -45,6 +45,7 @@ class RemoteGenerateModel(PromptText):
         self.vocab_size = 0
         self.config = None
         self.sampling_defaults: dict = {}
+        self.architecture: str | None = None
         self._metadata: dict = {}
         # the replicas' LoRA adapters (each replica loads the configured ones), served under their names
         self.adapters: dict = {}
@@ -64,6 +65,7 @@ class RemoteGenerateModel(PromptText):
         self.vocab_size = info["vocab_size"]
         self.config = GenerationConfig.model_validate(info["config"])
         self.sampling_defaults = info.get("sampling_defaults") or {}
+        self.architecture = info.get("architecture")
         self._metadata = info["metadata"]
         self.loaded_at = info["loaded_at"]
         from surge.runtime.lora_adapters import Adapter, AdapterView

@@ -167,6 +167,16 @@ def sampling_defaults(path: str | Path) -> dict:
     return out
 
 
+def checkpoint_architecture(path: str | Path) -> str | None:
+    """config.json's first `architectures` entry (e.g. "Qwen2ForCausalLM"), as an encoder's task detection
+    reads it; None when the file or the entry is missing."""
+    try:
+        archs = json.loads((Path(path) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return None
+    return archs[0] if archs and isinstance(archs[0], str) else None
+
+
 def load_decoder_config(path: str | Path) -> DecoderConfig:
     path = Path(path)
     try:

@@ -27,7 +27,7 @@ from typing import AsyncIterator
 
 from surge.config import GenerationConfig  # noqa: F401  (re-exported: callers build it from here)
 from surge.errors import NotFound, NotReady, Overloaded, WrongTask
-from surge.models.decoder import sampling_defaults
+from surge.models.decoder import checkpoint_architecture, sampling_defaults
 from surge.runtime.detok import TextState
 from surge.runtime.generate_core import EngineLoop, EngineState, ThreadChannel
 from surge.runtime.generate_delta import Delta, GenerationResult
@@ -62,6 +62,7 @@ class GenerateService(StreamDelivery, EngineRestarts, LoraHost, PromptText):
         self.config = (config or GenerationConfig()).resolved()
         # what a request that leaves sampling fields unset gets (server/http/generate_common.make_params)
         self.sampling_defaults = {} if self.config.generation_config == "none" else sampling_defaults(self.path)
+        self.architecture = checkpoint_architecture(self.path)  # TEI's /info `architecture`
         self.request_timeout_s = request_timeout_s
         self.ready = False
         self.loaded_at = time.time()

@@ -143,7 +143,28 @@ class Guides:
         message = llguidance.LLMatcher.validate_grammar(g, self.tokenizer)
         if message and not message.startswith("WARNING"):
             return None, message.strip()
+        if not self._can_start(g if guide[0] != "reasoned" else grammar(tuple(json.loads(guide[1])[1:]))):
+            return None, ("no token of this model's vocabulary can start an answer that matches it (the "
+                          "tokenizer cannot write the characters the constraint begins with)")
         return g, None
+
+    def _can_start(self, g: str) -> bool:
+        """Whether some token of the vocabulary can begin an answer of grammar `g` (or the empty answer
+        matches it). A grammar this tokenizer cannot write (JSON on a vocabulary without `{`) leaves llguidance
+        an error, or a first mask whose tokens its parser then rejects: the answer would be cut at its first
+        token and end as if it were complete. A reasoned guide is checked on its grammar after the thinking."""
+        import llguidance
+
+        m = llguidance.LLMatcher(self.tokenizer, g, log_level=0)
+        bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        if m.is_error():
+            return False
+        if m.is_accepting():
+            return True
+        # the first mask over-approximates here (`\{[a-z]+\}` without `{` lets every letter through): each
+        # allowed token is tried, ~1 us each, stopping at the first one taken (at once, for a grammar it can write)
+        return any(m.validate_tokens([t]) == 1 for t in np.flatnonzero(bits[: self.vocab_size]).tolist()
+                   if t not in self.eos)
 
     def literal(self, text: str) -> str:
         """`text` as a Lark literal that matches how the model writes it: a token llguidance counts as
@@ -162,7 +183,8 @@ class Guides:
     def matcher(self, guide: tuple[str, str]) -> "Matcher":
         """A fresh matcher of the guide. Never raises for the guide itself (it runs in the engine's step
         loop, where an exception would fail every stream): one that does not compile, which the front
-        end's check keeps from getting here, gives a matcher that allows only the end of the sequence."""
+        end's check keeps from getting here, gives a matcher that allows only the end of the sequence (and
+        rejects it: the sequence fails)."""
         import llguidance
 
         if not self.eos:
@@ -210,12 +232,14 @@ class Matcher:
     def mask(self) -> np.ndarray:
         """The next token's allowed set: int32 words, bit i of word w allows token 32 w + i. A matcher in
         an error state (the sampler only picks allowed tokens, so only a grammar too costly for the
-        parser's limits gets there) allows the end-of-sequence tokens only: the answer ends."""
+        parser's limits gets there) allows the end-of-sequence tokens only, which it then rejects: the sampler
+        fails the sequence (GuideRejected) rather than end an answer that breaks its format."""
         if self.error is not None:
             return self._eos_only
         return np.frombuffer(self._m.compute_bitmask(), dtype=np.int32)[: self.words]
 
     def consume(self, token: int) -> bool:
+        """Whether the guide accepts `token` (False: the matcher is in an error state from now on)."""
         self.consumed += 1
         return self._m is not None and self._m.consume_token(int(token))
 

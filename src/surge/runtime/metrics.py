@@ -290,21 +290,31 @@ class ServiceMetrics:
             return
         self.fam.failures.labels(*self.labels, code).inc()
 
+    # what a request moves: quiet() silences them all (the engine's own series, graph builds by phase, stay)
+    _TRAFFIC = ("requests", "inputs", "latency", "queue", "tokenize", "compute", "post", "batch_size",
+                "batch_tokens", "padding", "cache_misses", "cache_evictions", "coalesced")
+
     @contextlib.contextmanager
     def quiet(self):
-        """No request, input, failure or latency counted inside (a load's warm-up call: no client sent
-        it, and its cold first-run latency is no client's). Only for a copy no traffic reaches yet:
-        the series are shared with any other copy under the same labels, this switch is not. Engine,
-        batch and cache metrics still count: that work was done."""
-        kept = self.requests, self.inputs, self.latency
-        self.requests = self.inputs = NoCount()
-        self.latency = NoCount()
+        """Nothing a request moves is counted inside (a load's warm-up call: no client sent it, and its
+        cold first-run latency is no client's): requests, inputs, failures, latencies, batches, cache hits
+        and misses; and `is_quiet` tells the service to leave its cache alone (the warm-up's text in it
+        would show as an entry before any traffic). Only for a copy no traffic reaches yet: the series are
+        shared with any other copy under the same labels, this switch is not."""
+        kept = {name: getattr(self, name) for name in self._TRAFFIC}
+        for name in self._TRAFFIC:
+            setattr(self, name, NoCount())
         self._quiet = True
         try:
             yield
         finally:
-            self.requests, self.inputs, self.latency = kept
+            for name, child in kept.items():
+                setattr(self, name, child)
             self._quiet = False
+
+    @property
+    def is_quiet(self) -> bool:
+        return self._quiet
 
     def claim_cache(self, cache) -> None:
         """`cache` (this build's, now routed) alone writes the cache gauges under these labels from now
@@ -323,13 +333,13 @@ class ServiceMetrics:
         self.fam.dropped.labels(*self.labels, reason).inc(n)
 
     def tier(self, tier: str):
-        """(hits counter, bytes gauge, entries gauge) of one cache tier."""
+        """(hits counter, bytes gauge, entries gauge) of one cache tier (the hits not counted while quiet)."""
         t = self._tiers.get(tier)
         if t is None:
             f, lv = self.fam, self.labels
             t = self._tiers[tier] = (f.cache_hits.labels(*lv, tier), f.cache_bytes.labels(*lv, tier),
                                      f.cache_entries.labels(*lv, tier))
-        return t
+        return (NoCount(), *t[1:]) if self._quiet else t
 
     def watch_devices(self, pool) -> None:
         """Export a DevicePool's per-device counts under this version's labels until close()."""

@@ -188,8 +188,10 @@ class ModelService:
             return result
 
     async def _run(self, req: Request) -> None:
-        """cache -> coalesce -> tokenize -> batch/engine -> post-process, filling req's slots."""
-        miss = await self._from_cache(req) if self.cache is not None else list(range(req.n))
+        """cache -> coalesce -> tokenize -> batch/engine -> post-process, filling req's slots. The warm-up
+        (metrics quiet) skips the cache: its text is no client's, neither looked up nor kept."""
+        cached = self.cache is not None and not self.metrics.is_quiet
+        miss = await self._from_cache(req) if cached else list(range(req.n))
         if not miss:
             return
         if req.keys is None:

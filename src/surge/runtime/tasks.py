@@ -123,7 +123,8 @@ class TaskRunner:
         rows: list[np.ndarray | None] = [None] * n
         tokens = [0] * n
         cached = [False] * n
-        cache = s.cache
+        # the warm-up (metrics quiet) leaves the cache alone, as embeddings' does
+        cache = None if getattr(s.metrics, "is_quiet", False) else s.cache
         # every head's raw output, per truncation; never an embedding key (those start with `normalize`)
         okey = ("heads", req.truncate, "left" if req.left else "right")
         keys = [self._key(it, okey) for it in items] if cache is not None else None

@@ -34,6 +34,10 @@ class SampleOut:
     prompt: list | None = None
 
 
+class GuideRejected(RuntimeError):
+    """A guided row's chosen token was one its guide does not accept."""
+
+
 class Sampler:
     """`guides`: a callable that builds the model's runtime.guided.Guides, called at the first guided
     sequence (None: a guided sequence is an error); `eos_ids`: the model's end-of-sequence tokens."""
@@ -142,8 +146,12 @@ class Sampler:
             tokens[idx] = race.argmax(-1)
         chosen_tokens = tokens.tolist()
         for i, p in enumerate(params):
-            if p.guide is not None:
-                self._matcher(seqs[i]).consume(chosen_tokens[i])
+            if p.guide is not None and not self._matcher(seqs[i]).consume(chosen_tokens[i]):
+                # the guide allowed no token it accepts (a grammar this vocabulary cannot write, or past the
+                # parser's limits): the sequence fails (StepLoop.contain), as vLLM finishes it with an error,
+                # rather than ending on a token that breaks its format as if it were complete
+                raise GuideRejected(f"the structured-output constraint rejected token {chosen_tokens[i]}: no "
+                                    "token of the vocabulary continues the answer")
         out = [SampleOut(int(t)) for t in chosen_tokens]
         if want_logprobs:
             lp = torch.log_softmax(raw, dim=-1)

@@ -114,8 +114,9 @@ def _error_body(exc) -> dict:
 
 
 def _chat_prepared(state: AppState, req: ChatCompletionRequest):
-    """(service, prompt ids, params, tool-call parser, reasoning parser) of a chat request: the work that grows
-    with it (its template's render, tokenization, bad words, guide), on a thread for a large one."""
+    """(service, prompt ids, params, tool-call parser, reasoning parser, whether tool_choice forces calls) of a
+    chat request: the work that grows with it (its template's render, tokenization, bad words, guide), on a
+    thread for a large one."""
     service = generate_model(state, req.model)
     _refuse_chat_fields(req)
     check_count(1, req.n, state.config.limits.max_inputs_per_request)
@@ -139,14 +140,14 @@ def _chat_prepared(state: AppState, req: ChatCompletionRequest):
                          repetition_penalty=req.repetition_penalty, ignore_eos=req.ignore_eos,
                          logprobs=(req.top_logprobs or 0) if req.logprobs else None, logit_bias=req.logit_bias,
                          prompt_logprobs=prompt_k, guide=guide, **_vllm_extras(req, keep_special_tokens(parse_calls)))
-    return service, ids, params, parse_calls, reasoning
+    return service, ids, params, parse_calls, reasoning, tool_guide is not None
 
 
 async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> JsonAnswer | EventStream:
     """The answer to a validated chat request (`receive`: the request's ASGI receive, to notice a client
     that leaves while a non-streamed answer is computed). The route and the hot path
     (server/http/generate_hotpath.py) both answer with it."""
-    service, ids, params, parse_calls, reasoning = await prepared(prep_size(req), _chat_prepared, state, req)
+    service, ids, params, parse_calls, reasoning, forced = await prepared(prep_size(req), _chat_prepared, state, req)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     deadline = deadline_for(state)
     choices = choice_params(params, req.n)
@@ -155,7 +156,7 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
             [counted(state, service, service.generate(ids, p, deadline=deadline)) for p in choices]))
         answer = {
             "id": rid, "object": "chat.completion", "created": created, "model": service.name,
-            "choices": [_chat_choice(j, res, parse_calls, reasoning, req.include_reasoning)
+            "choices": [_chat_choice(j, res, parse_calls, reasoning, req.include_reasoning, forced)
                         for j, res in enumerate(results)],
             "usage": _usage(results[0].prompt_tokens, sum(r.completion_tokens for r in results),
                             results[0].cached_tokens),
@@ -182,7 +183,7 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
     firsts = await first_deltas(agens)  # errors before any output keep their HTTP status
     deltas = merged(agens, firsts)
 
-    parsed = [ChatDeltas(reasoning, parse_calls, req.include_reasoning) for _ in agens] \
+    parsed = [ChatDeltas(reasoning, parse_calls, req.include_reasoning, forced) for _ in agens] \
         if parse_calls or reasoning != "none" else None
 
     async def rest():
@@ -199,7 +200,7 @@ async def chat_answer(state: AppState, req: ChatCompletionRequest, receive) -> J
                 pieces = parsed[j].feed(d.text, finish is not None) or ([{"content": ""}] if d.logprobs else [])
                 for k, piece in enumerate(pieces):  # the delta's log-probabilities go with its first piece
                     yield chunk(j, piece, logprobs=_chat_logprobs(d.logprobs) if k == 0 else None)
-                if finish is not None and parsed[j].called:
+                if finish is not None and parsed[j].called and not (forced and finish == "length"):
                     finish = "tool_calls"
             if finish is not None:
                 yield chunk(j, {}, finish=finish, stop_reason=d.stop_reason)
@@ -313,9 +314,10 @@ async def completion_answer(state: AppState, req: CompletionRequest, receive) ->
 
 
 def _chat_choice(index: int, res, parse_calls: str | None, reasoning: str = "none",
-                 include_reasoning: bool = True) -> dict:
-    msg, called = message(res.text, reasoning, parse_calls, include_reasoning)
-    finish = "tool_calls" if called else res.finish_reason
+                 include_reasoning: bool = True, forced: bool = False) -> dict:
+    msg, called = message(res.text, reasoning, parse_calls, include_reasoning, forced)
+    # a forced answer cut by max_tokens says so (vLLM's required tool choice: "tool_calls" only when it ended)
+    finish = "tool_calls" if called and not (forced and res.finish_reason == "length") else res.finish_reason
     return {"index": index, "message": msg, "logprobs": _chat_logprobs(res.logprobs), "finish_reason": finish,
             "stop_reason": res.stop_reason}
 

@@ -166,15 +166,17 @@ class ReasoningStream:
         return [(REASONING, rest)] if rest and self._state != CONTENT else []
 
 
-def message(text: str, parser: str, parse_calls: str | None, include_reasoning: bool = True) -> tuple[dict, bool]:
+def message(text: str, parser: str, parse_calls: str | None, include_reasoning: bool = True,
+            forced: bool = False) -> tuple[dict, bool]:
     """(the assistant message of a whole answer, whether it has tool calls): its reasoning (with a parser),
-    then its content, whose tool calls are read with the tool-call parser `parse_calls` (None: not read)."""
+    then its content, whose tool calls are read with the tool-call parser `parse_calls` (None: not read).
+    `forced`: tool_choice required or named, whose answer is calls only: a call cut short is dropped."""
     reasoning, content = split(text, parser)
     msg: dict = {"role": "assistant", "content": content}
     if parser != "none" and include_reasoning:
         msg[REASONING] = reasoning
     if parse_calls is not None and content is not None:
-        content, calls = parse_tool_calls(content, parse_calls)
+        content, calls = parse_tool_calls(content, parse_calls, forced)
         if calls:
             msg.update(content=content, tool_calls=calls)
             return msg, True
@@ -184,12 +186,14 @@ def message(text: str, parser: str, parse_calls: str | None, include_reasoning: 
 class ChatDeltas:
     """One streamed chat choice's text as delta fields: {"reasoning": piece} while it thinks (with a
     parser), then {"content": piece}, or {"tool_calls": [...]} for a call read from the content (with
-    the tool-call parser `parse_calls`). `called`: whether a call went out (finish_reason tool_calls)."""
+    the tool-call parser `parse_calls`). `called`: whether a call went out (finish_reason tool_calls).
+    `forced`: as `message`'s (a call cut short at the end is dropped, not content)."""
 
-    def __init__(self, parser: str, parse_calls: str | None, include_reasoning: bool = True):
+    def __init__(self, parser: str, parse_calls: str | None, include_reasoning: bool = True, forced: bool = False):
         self._reasoning = ReasoningStream(parser)
         self._calls = call_stream(parse_calls)
         self._include = include_reasoning
+        self._forced = forced
 
     @property
     def called(self) -> bool:
@@ -204,10 +208,12 @@ class ChatDeltas:
                     out.append({REASONING: piece})
             elif self._calls is None:
                 out.append({CONTENT: piece})
-            else:
-                out += _call_deltas(self._calls.feed(piece))
+            else:  # forced calls: what is between them (a newline) is no content, as a whole answer's is not
+                out += [d for d in _call_deltas(self._calls.feed(piece))
+                        if not (self._forced and CONTENT in d and not d[CONTENT].strip())]
         if final and self._calls is not None:
-            out += _call_deltas([(self._calls.finish(), None)])
+            rest = self._calls.finish()
+            out += _call_deltas([("" if self._forced else rest, None)])
         return out
 
 

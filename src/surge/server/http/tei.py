@@ -121,17 +121,26 @@ def _tokenizer(served):
     return tok, (worker.tokenizer.vocab_size if worker is not None else tok.get_vocab_size())
 
 
+# TEI's /info writes its DType as "float32", "float16", "bfloat16"; surge's engines say fp32, fp16, bf16 (a
+# decoder's, torch's name, is already TEI's); others (fp8) pass as they are
+_TEI_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def _tei_dtype(dtype: str | None) -> str | None:
+    return _TEI_DTYPES.get(dtype, dtype)
+
+
 def _generate_info(served, limits) -> dict:
     """TEI's /info of a decoder model (TEI itself serves none): its limits and the generation settings."""
     cfg = served.config
     meta = served.kserve_metadata([])
     caps = getattr(getattr(served, "engine", None), "capabilities", None)  # a Ray replica's stand-in has none
-    return {"model_id": served.name, "model_sha": None, "model_dtype": getattr(caps, "dtype", None),
+    return {"model_id": served.name, "model_sha": None, "model_dtype": _tei_dtype(getattr(caps, "dtype", None)),
             "task": "generate",
             "model_type": {"generate": {"chat_template": served.chat_template is not None,
                                         "tool_call_parser": cfg.tool_call_parser,
                                         "reasoning_parser": cfg.reasoning_parser}},
-            "architecture": None, "platform": meta["platform"],
+            "architecture": getattr(served, "architecture", None), "platform": meta["platform"],
             "max_concurrent_requests": cfg.max_waiting, "max_input_length": served.max_model_len,
             "max_batch_tokens": cfg.max_num_batched_tokens, "max_client_batch_size": limits.max_inputs_per_request,
             "tokenization_workers": 1, "version": __version__, "sha": None, "docker_label": None}
@@ -313,7 +322,7 @@ def router(state: AppState) -> APIRouter:
                           "task": task}
         caps = served.worker.engines.capabilities
         return ORJSONResponse({
-            "model_id": served.name, "model_sha": None, "model_dtype": caps.dtype, "model_type": model_type,
+            "model_id": served.name, "model_sha": None, "model_dtype": _tei_dtype(caps.dtype), "model_type": model_type,
             "task": task, "architecture": spec.task_info.architecture if spec.task_info else None,
             "max_concurrent_requests": served.batching.max_queue_size, "max_input_length": served.max_length,
             "max_batch_tokens": served.batching.max_batch_tokens,

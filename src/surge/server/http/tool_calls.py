@@ -27,10 +27,14 @@ def keep_special_tokens(parser: str | None) -> bool:
     return parser is not None and get(parser).keep_special_tokens
 
 
-def parse(text: str, parser: str = "hermes") -> tuple[str | None, list[dict]]:
-    """(content, tool calls) of a whole answer; content None when only calls were written."""
+def parse(text: str, parser: str = "hermes", forced: bool = False) -> tuple[str | None, list[dict]]:
+    """(content, tool calls) of a whole answer; content None when only calls were written. `forced`: the
+    answer was held to calls (tool_choice required or named): text still held as a call's start at the end
+    (a call cut by max_tokens) is dropped, not content."""
     s = get(parser).stream()
-    content = "".join(piece for piece, _ in s.feed(text) if piece) + s.finish()
+    content = "".join(piece for piece, _ in s.feed(text) if piece)
+    rest = s.finish()
+    content += "" if forced else rest
     calls = s.emitted
     if calls and not content.strip():
         return None, calls
