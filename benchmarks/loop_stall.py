@@ -15,7 +15,12 @@ Kinds whose path starts with "embed:" go to a second server, started only when o
 serve` of a tiny decoder embedding model (tests/decoder_models.build_embedding_model, last-token pooling, 48
 tokens, `--allow-token-ids --auto-truncate`), for embedding batches of many inputs and KServe infer tensors.
 The gRPC kind's status is its gRPC code's number (0 OK). `--baseline CHECKOUT` (e.g. `git archive main | tar -x -C /tmp/base`) measures that checkout's server too,
-rounds alternating with this one's, so both see the machine as it was.
+rounds alternating with this one's, so both see the machine as it was; `--baseline-env K=V ...` measures a
+baseline server started with those environment variables (of this checkout, or of --baseline's), e.g.
+`--baseline-env SURGE_GC_FREEZE=0`; `--env K=V ...` sets variables for this checkout's servers.
+`--gc-trace`: the servers run benchmarks/gc_trace/sitecustomize.py, which times each garbage collection of
+each process; reported too: the front end's full (generation 2) collections during the large request, their
+count, longest and total ms, and its longest collection of any generation (medians over the rounds).
 """
 
 from __future__ import annotations
@@ -186,6 +191,17 @@ def _stats(times, start, end) -> tuple[float, float, int]:
     return lat[min(len(lat) - 1, int(0.99 * len(lat)))], lat[-1], len(lat)
 
 
+def _collections(srv, start: float, end: float) -> dict:
+    """The front end's collections (benchmarks/gc_trace) that began during [start, end]."""
+    log = Path(srv.gc_trace) / f"{srv.proc.pid}.jsonl"
+    time.sleep(0.3)  # the hook writes every 0.2 s
+    recs = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    during = [r for r in recs if "t" in r and start <= r["t"] <= end]
+    full = [r["ms"] for r in during if r["gen"] == 2]
+    return {"full_gcs": len(full), "full_gc_max_ms": max(full, default=0.0), "full_gc_total_ms": sum(full),
+            "gc_max_ms": max((r["ms"] for r in during), default=0.0)}
+
+
 def one_round(srv, path: str, payload: bytes) -> dict:
     prober = Prober(srv.port)
     time.sleep(0.3)  # the probe's connection is up
@@ -199,7 +215,12 @@ def one_round(srv, path: str, payload: bytes) -> dict:
     q99, qmax, _ = _stats(times, quiet_start, quiet_end)
     d99, dmax, n = _stats(times, s0, s1)
     return {"status": status, "request_ms": 1e3 * (s1 - s0), "quiet_p99": q99, "quiet_max": qmax,
-            "during_p99": d99, "during_max": dmax, "probes_during": n}
+            "during_p99": d99, "during_max": dmax, "probes_during": n,
+            **(_collections(srv, s0, s1) if getattr(srv, "gc_trace", None) else {})}
+
+
+def _env_pairs(pairs: list[str]) -> dict:
+    return dict(p.split("=", 1) for p in pairs)
 
 
 def main(argv=None) -> int:
@@ -212,11 +233,28 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", nargs="*", default=list(table), choices=list(table))
     ap.add_argument("--baseline", type=Path, help="another checkout, measured alternately (its server's numbers "
                     "are the 'baseline' rows)")
+    ap.add_argument("--baseline-env", nargs="*", default=[], metavar="K=V",
+                    help="a baseline server with these environment variables (of --baseline's checkout, or this one)")
+    ap.add_argument("--env", nargs="*", default=[], metavar="K=V", help="environment variables of this checkout's servers")
+    ap.add_argument("--gc-trace", action="store_true", help="time the front end's garbage collections too")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    roots = {"this": ROOT, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
+    roots = {"this": ROOT, **({"baseline": (args.baseline or ROOT).resolve()}
+                              if args.baseline or args.baseline_env else {})}
+    envs = {"this": _env_pairs(args.env), "baseline": _env_pairs(args.baseline_env)}
     rows: dict = {}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        def server_env(variant: str, root: Path, name: str) -> dict:
+            env = {"PYTHONPATH": str(root / "src"), **envs[variant]}
+            if args.gc_trace:  # the hook from this checkout, whichever checkout serves
+                env["PYTHONPATH"] = f"{ROOT / 'benchmarks' / 'gc_trace'}:{env['PYTHONPATH']}"
+                env["SURGE_GC_TRACE"] = str(Path(tmp) / "gc" / f"{name}-{variant}")
+            return env
+
+        def traced(srv, env: dict):
+            srv.gc_trace = env.get("SURGE_GC_TRACE")
+            return srv
+
         model = build_model("qwen2", Path(tmp) / NAME, seed=5)
         servers, embedders = {}, {}
         if any(table[k][0].startswith("embed:") for k in args.kinds):
@@ -225,14 +263,16 @@ def main(argv=None) -> int:
                 port = free_port()
                 cmd = [sys.executable, "-m", "surge.cli.main", "serve", str(embed_model), "--port", str(port),
                        "--grpc-port", str(free_port()), "--threads", "1", "--model-name", EMBED, "--allow-token-ids", "--auto-truncate"]
-                embedders[variant] = stack.enter_context(ServerProc(f"surge-serve embed ({variant})", cmd, port,
-                                                                    cwd=root, env={"PYTHONPATH": str(root / "src")}))
+                env = server_env(variant, root, "embed")
+                embedders[variant] = traced(stack.enter_context(ServerProc(
+                    f"surge-serve embed ({variant})", cmd, port, cwd=root, env=env)), env)
         for variant, root in roots.items():
             port, grpc_port = free_port(), free_port()
             cmd = [sys.executable, "-m", "surge.cli.main", "serve", str(model), "--port", str(port), "--grpc-port",
                    str(grpc_port), "--threads", "1", "--model-name", NAME, "--generation", "cache_entries=0"]
-            servers[variant] = stack.enter_context(ServerProc(f"surge-serve ({variant})", cmd, port, cwd=root,
-                                                              env={"PYTHONPATH": str(root / "src")}))
+            env = server_env(variant, root, "generate")
+            servers[variant] = traced(stack.enter_context(ServerProc(f"surge-serve ({variant})", cmd, port, cwd=root,
+                                                                     env=env)), env)
             servers[variant].grpc_port = grpc_port
         for name in args.kinds:
             path, body = table[name]
@@ -245,20 +285,29 @@ def main(argv=None) -> int:
                     per[variant].append(one_round(srv, path, payload))
             for variant, rounds in per.items():
                 row = {k: statistics.median(r[k] for r in rounds)
-                       for k in ("request_ms", "quiet_p99", "quiet_max", "during_p99", "during_max", "probes_during")}
+                       for k in ("request_ms", "quiet_p99", "quiet_max", "during_p99", "during_max", "probes_during",
+                                 "full_gcs", "full_gc_max_ms", "full_gc_total_ms", "gc_max_ms") if k in rounds[0]}
                 row["status"] = rounds[-1]["status"]
                 row["body_kb"] = len(payload) / 1024
                 rows[f"{name} ({variant})"] = row
                 print(f"{name} ({variant}): " + json.dumps({k: round(v, 2) for k, v in row.items()}), flush=True)
     print(f"\nprobes (GET /health) during one large request vs a quiet window as long, medians of {args.rounds} "
           f"rounds, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
-          + (f"; baseline: {args.baseline}" if args.baseline else ""))
+          + (f"; baseline: {args.baseline or 'this checkout'} {' '.join(args.baseline_env)}".rstrip()
+             if "baseline" in roots else "") + (f"; this: {' '.join(args.env)}" if args.env else ""))
     print("| request | body KB | status | its latency ms | probe p99 quiet ms | probe max quiet ms | "
           "probe p99 during ms | probe max during ms |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, r in rows.items():
         print(f"| {name} | {r['body_kb']:.0f} | {r['status']} | {r['request_ms']:.0f} | {r['quiet_p99']:.1f} | "
               f"{r['quiet_max']:.1f} | {r['during_p99']:.1f} | {r['during_max']:.1f} |")
+    if args.gc_trace:
+        print("\nthe front end's garbage collections during the large request (medians)")
+        print("| request | full collections | longest full ms | full ms in all | longest of any generation ms |")
+        print("| --- | ---: | ---: | ---: | ---: |")
+        for name, r in rows.items():
+            print(f"| {name} | {r['full_gcs']:g} | {r['full_gc_max_ms']:.1f} | {r['full_gc_total_ms']:.1f} | "
+                  f"{r['gc_max_ms']:.1f} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

@@ -480,6 +480,12 @@ class ServerConfig(_Strict):
         "itself, taken over from the front end that accepted them while the engine process has fewer: a "
         "lone client's requests then skip the hop between processes (server/http/handoff.py); under load "
         "every other connection stays with the front ends. 0: front ends serve every connection.")
+    gc_freeze: bool = Field(
+        True, description="Each process of the server freezes its heap once its models are loaded and warmed up "
+        "(gc.freeze: Python's full garbage collections then skip torch, the models and the web stack, which "
+        "they would walk holding the GIL for 50-200 ms, stalling every request of that process); a model "
+        "loaded or unloaded at run time settles the process again (one full collection), so an unloaded model "
+        "is freed (runtime/gc_settle.py).")
     engine: EngineConfig = Field(default_factory=EngineConfig)
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)

@@ -98,6 +98,9 @@ def serve(config_values, model_dir: Optional[Path] = None, artifact: Optional[Pa
     if generation_config.model_fields_set:
         more["generation"] = generation_config
     config = build_config(values, given, **more)
+    from surge.runtime.gc_settle import configure
+
+    configure(config.gc_freeze)  # this process and those it spawns (front ends, engine processes)
     if ray or ray_address:
         # Ray is an optional extra: imported only here, only under --ray.
         from surge.cli.bootstrap import resolve_artifact

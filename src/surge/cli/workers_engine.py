@@ -62,7 +62,7 @@ def engine_main(config_json: str, sock: str, *flags: str) -> None:
             await repo.start()  # every model as its policy says, warmed up, before the socket appears
         from surge.runtime.gc_settle import settle
 
-        settle()  # engines built: keep full GC passes from walking them (runtime/gc_settle.py)
+        settle(config.gc_freeze)  # engines built: keep full GC passes from walking them (runtime/gc_settle.py)
         server = EngineServer(service.batcher if service is not None else None, hello, models=slots, service=service)
         part = sock + ".part"
         for p in (part, sock):

@@ -1,12 +1,21 @@
 """Keep the garbage collector's full passes off the request path.
 
-A serving process holds millions of long-lived objects after start-up (torch, the model's modules,
-the web stack, tokenizers). CPython's full (generation 2) collection walks all of them, so one pass
-stalls that process's event loop for tens of milliseconds, and every request it holds waits: a
-p99 spike. `settle()` is called once a process is ready: one collection, then `gc.freeze()` moves
-every object alive into the permanent generation, which later collections skip; what requests
-allocate is still collected as before. SURGE_GC_FREEZE=0 turns it off (measured against it in
-docs/benchmarks/serving_core.md, session 4).
+A serving process holds hundreds of thousands of long-lived objects after start-up (torch, the model's
+modules, the web stack, tokenizers: 237,000 tracked in a decoder's front end, 105,000 in the bundled
+MiniLM's). CPython's full (generation 2) collection walks all of them, holding the GIL (140-210 ms and
+~50 ms on the 2-core VM), and every request of that process waits: a p99 spike. `settle()` is called once a
+process is ready (models loaded and warmed up): one collection, then `gc.freeze()` moves every object alive
+into the permanent generation, which later collections skip; what requests allocate is still collected as
+before. The serve command's `--gc-freeze` (default on; `--no-gc-freeze` or SURGE_GC_FREEZE=0 turns it off)
+reaches every process of the server through that variable (`configure`): engine processes are spawned, not
+forked, and each settles itself once its own engine is warm.
+
+Frozen objects are still freed by reference counting, but never by the collector: a retired model whose
+objects hold a reference cycle (a built encoder service does) would stay for good. So a model loaded or
+retired at run time settles the process again (`resettle`): after a retirement the heap is unfrozen first,
+collected whole (one full pass, ~50-200 ms once per unload or reload, on the process doing it) and frozen
+again, which frees the retired model and freezes its successor; after a plain load what is not frozen yet is
+collected and frozen. Measured: docs/benchmarks.md ("Garbage collection in a serving process").
 """
 
 from __future__ import annotations
@@ -14,11 +23,42 @@ from __future__ import annotations
 import gc
 import os
 
+ENV = "SURGE_GC_FREEZE"  # ServerConfig.gc_freeze's variable; spawned processes read it (settle)
 
-def settle() -> bool:
-    """Collect once and freeze what is alive; False (nothing done) when SURGE_GC_FREEZE=0."""
-    if os.environ.get("SURGE_GC_FREEZE", "1") == "0":
+_frozen = False  # whether settle() froze this process (gc's state is the process's)
+
+
+def configure(enabled: bool) -> None:
+    """The server's `--gc-freeze` for this process and every process it spawns from now on (front ends,
+    engine processes: they inherit the environment)."""
+    os.environ[ENV] = "1" if enabled else "0"
+
+
+def enabled() -> bool:
+    """Whether processes of this server freeze their heap once ready (SURGE_GC_FREEZE, default on)."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def settle(on: bool | None = None) -> bool:
+    """Collect once and freeze what is alive; False (nothing done) where freezing is off (`on`: the server's
+    gc_freeze; None: from SURGE_GC_FREEZE, as an engine process spawned by the server reads it)."""
+    global _frozen
+    if not (enabled() if on is None else on):
         return False
+    gc.collect()
+    gc.freeze()
+    _frozen = True
+    return True
+
+
+def resettle(thaw: bool) -> bool:
+    """Settle again after a model was loaded (`thaw` False) or retired (`thaw` True: unfreeze first, so
+    that the retired model's frozen objects are collected); False (nothing done) where this process never
+    settled (freezing off, or still starting: settle() comes after the start-up's loads)."""
+    if not _frozen:
+        return False
+    if thaw:
+        gc.unfreeze()
     gc.collect()
     gc.freeze()
     return True

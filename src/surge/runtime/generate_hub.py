@@ -396,6 +396,9 @@ def start_hub(spec, name: str, version: str, engine_cfg, generation, path: str, 
     hub = Hub(listen(path), authkey(), ("ready", engine.cfg, engine.capabilities, os.getpid()), stop_r, metrics,
               drain_s)
     log.info("engine hub for %s version %s listening on %s", name, version, path)
+    from surge.runtime.gc_settle import settle
+
+    settle()  # engine warm: full collections would walk torch and the model, stalling every stream's step
     return HubLoop(core, hub, stop_w, path, gen)
 
 

@@ -107,6 +107,9 @@ def _child_main(address: str) -> int:
         engine = DecoderEngine(path, threads=threads, **engine_kwargs)
         engine.warmup()
         core = EngineLoop(engine, config, name)
+        from surge.runtime.gc_settle import settle
+
+        settle()  # engine warm: full collections would walk torch and the model, stalling every stream's step
     except BaseException as exc:  # reported to the server, which raises it as the load's error
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return 1

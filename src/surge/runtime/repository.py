@@ -33,6 +33,7 @@ from typing import Callable
 from surge.errors import ConfigError, EngineError, InvalidInput, NotFound, NotReady, SurgeError, shown
 from surge.runtime.catalog import (CONFIG_PBTXT, MODEL_YAML, PIPELINE_YAML, DiskCatalog, ModelEntry,  # noqa: F401
                                    VersionEntry, inside, scan_model)
+from surge.runtime.gc_settle import resettle
 from surge.runtime.registry import ModelRegistry
 from surge.runtime.served import ServedModel
 
@@ -187,7 +188,7 @@ class ModelRepository:
         served = list(self._served)
         for key in served:
             self._status[key] = (UNAVAILABLE, "the server is stopping")
-        await asyncio.gather(*(self._unload_version(key, "the server stopped") for key in served),
+        await asyncio.gather(*(self._unload_version(key, "the server stopped", free=False) for key in served),
                              return_exceptions=True)
 
     # -- internals --------------------------------------------------------------------
@@ -276,6 +277,10 @@ class ModelRepository:
         self._prefill(service)
         if old is not None:
             await self._retire(old)
+            old = None  # its last reference: the collection below frees it, and freezes the new build
+            _free_retired()
+        else:
+            resettle(thaw=False)  # the new build's objects frozen too: full collections skip them
 
     def _drop_stale_views(self, old: ServedModel, new: ServedModel) -> None:
         """The replaced build's views (a decoder's LoRA adapters, a multi-head model's heads) that the new
@@ -310,7 +315,8 @@ class ModelRepository:
         except ConfigError:
             return set()
 
-    async def _unload_version(self, key: tuple[str, str], reason: str) -> None:
+    async def _unload_version(self, key: tuple[str, str], reason: str, free: bool = True) -> None:
+        """`free`: collect the retired build at once (close() leaves it to the process's exit)."""
         served = self._served.pop(key, None)
         self._loaded_fp.pop(key, None)
         if served is None:
@@ -319,13 +325,14 @@ class ModelRepository:
             self.registry.remove(*key)
         self._status[key] = (UNAVAILABLE, reason)
         await self._retire(served)
+        served = None  # its last reference
+        if free:
+            _free_retired()
         log.info("unloaded %s version %s", *key)
 
     async def _retire(self, served: ServedModel) -> None:
         await served.drain(self.drain_grace_s)
         await served.close()
-        del served
-        _release_memory()
 
     def _serving_version(self, name: str) -> str | None:
         try:
@@ -389,12 +396,16 @@ def _check_version(version) -> str:
     return str(int(version))
 
 
-def _release_memory() -> None:
-    """Hand freed engine memory back to the OS, so repeated reloads do not grow RSS.
+def _free_retired() -> None:
+    """Free a retired build once its last reference is dropped. A build frozen with the start-up
+    (runtime/gc_settle.py) holds reference cycles that only the collector frees, and it skips frozen
+    objects: the process is unfrozen, collected and frozen again (where it froze at all)."""
+    resettle(thaw=True)
+    _release_memory()
 
-    A closed service is freed by reference counting (no cycles hold it), so no
-    full gc pass is forced here: it would stall the event loop for ~0.2 s.
-    """
+
+def _release_memory() -> None:
+    """Hand freed engine memory back to the OS, so repeated reloads do not grow RSS."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):

@@ -87,7 +87,7 @@ async def _start(state: AppState) -> None:
         state.registry.loading = False
         from surge.runtime.gc_settle import settle
 
-        settle()  # models loaded and warmed up: full GC passes would walk all of it (runtime/gc_settle.py)
+        settle(state.config.gc_freeze)  # models loaded and warmed up: full GC passes would walk all of it (runtime/gc_settle.py)
         state.started = True
         for hook in state.extras.get("on_started", []):  # readiness watchers (gRPC health)
             hook(state)
