@@ -372,3 +372,56 @@ def test_a_rejected_guide_fails_its_request_alone_in_a_running_service(tmp_path)
     guided, free = asyncio.run(main())  # was: '"', finish_reason "stop"
     assert isinstance(guided, SurgeError), guided
     assert not isinstance(free, BaseException) and free.finish_reason == "length" and len(free.token_ids) == 8
+
+
+def test_requests_whose_guides_reject_never_fail_their_neighbours(model_dir, tok):
+    """A guide rejects a token only through its own request (here allowed_token_ids that leave none of its
+    choices' tokens; bad words or a parser's limits do the same): that is the sequence's fault, not the engine's.
+    Three such requests used to count as three steps alone in a row that raised, BROKEN_AFTER: the engine was
+    taken as broken and every request set apart beside them failed too, "generation failed (GuideRejected)".
+    Now each fails alone and its neighbours get the answers they get without it."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+    from tokenizers import Tokenizer
+
+    from surge.errors import SurgeError
+    from surge.runtime.generate_service import GenerateService, GenerationConfig
+    from surge.runtime.scheduler.scheduler import BROKEN_AFTER, MAX_RETRIES
+
+    engine = DecoderEngine(model_dir, num_blocks=512, block_size=4, max_num_seqs=8, max_model_len=256)
+    service = GenerateService("m", "1", model_dir, engine, Tokenizer.from_file(str(model_dir / "tokenizer.json")),
+                              None, GenerationConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=256,
+                                                     cache_entries=0), metrics_registry=CollectorRegistry())
+    service.mark_ready()
+    prompts = [service.encode(t) for t in ("The answer is", "Pick one:", "A list", "Plain text follows")]
+    no_choice = tok.token_to_id("Z")  # a token none of the choices begins with
+    rejected = SamplingParams(max_tokens=8, temperature=0.0, guide=GUIDES["choice"], allowed_token_ids=(no_choice,))
+    free = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    long = SamplingParams(max_tokens=240, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        try:
+            alone = [await service.generate(p, free) for p in prompts]
+            long_alone = await service.generate(prompts[1], long)
+            mixed = await asyncio.gather(*[service.generate(prompts[0], rejected) for _ in range(BROKEN_AFTER)],
+                                         *[service.generate(p, free) for p in prompts], return_exceptions=True)
+            # one at a time beside a long generation: each failed step set it apart, and past MAX_RETRIES it failed
+            running = asyncio.ensure_future(service.generate(prompts[1], long))
+            later = []
+            for _ in range(MAX_RETRIES + 2):
+                later.append((await asyncio.gather(service.generate(prompts[0], rejected), return_exceptions=True))[0])
+            assert not (running.done() and running.exception() is None), "the rejected ran beside the long one"
+            return alone, mixed, long_alone, (await asyncio.gather(running, return_exceptions=True))[0], later
+        finally:
+            await service.close()
+
+    alone, mixed, long_alone, long_mixed, later = asyncio.run(main())
+    bad, good = mixed[:BROKEN_AFTER], mixed[BROKEN_AFTER:]
+    assert all(isinstance(r, SurgeError) for r in bad + later), bad + later
+    assert not any(isinstance(r, BaseException) for r in good), good  # was: EngineError (GuideRejected) for all
+    assert [r.token_ids for r in good] == [r.token_ids for r in alone]
+    assert all(r.finish_reason == "length" and len(r.token_ids) == 8 for r in good)
+    assert not isinstance(long_mixed, BaseException), long_mixed  # was: EngineError (GuideRejected), MAX_RETRIES
+    assert long_mixed.token_ids == long_alone.token_ids and len(long_mixed.token_ids) == 240

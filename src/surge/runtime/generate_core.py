@@ -207,7 +207,7 @@ class EngineLoop:
         here). -> (the results gathered before the exception, handed out as any step's; the failed sequences'
         ids, to report after those results; their error's text)."""
         log.exception("generation step failed")
-        results, failed = self.loop.contain()
+        results, failed = self.loop.contain(exc)
         for seq in failed:
             self.scheduler.abort(seq, "error")
             self.seqs.pop(seq.seq_id, None)

@@ -35,7 +35,14 @@ class SampleOut:
 
 
 class GuideRejected(RuntimeError):
-    """A guided row's chosen token was one its guide does not accept."""
+    """Guided rows' chosen tokens were ones their guides do not accept. The fault is those rows' own requests'
+    (a guide beside allowed tokens or bad words that leave none of its tokens, a grammar past the parser's
+    limits), not the engine's: `seq_ids` names them, and StepLoop.contain fails them alone, their step's other
+    rows run again without it counting against them."""
+
+    def __init__(self, message: str, seq_ids=()):
+        super().__init__(message)
+        self.seq_ids = frozenset(seq_ids)
 
 
 class Sampler:
@@ -145,13 +152,15 @@ class Sampler:
             race = probs / (-torch.log(noise.clamp_min(1e-20)))
             tokens[idx] = race.argmax(-1)
         chosen_tokens = tokens.tolist()
-        for i, p in enumerate(params):
-            if p.guide is not None and not self._matcher(seqs[i]).consume(chosen_tokens[i]):
-                # the guide allowed no token it accepts (a grammar this vocabulary cannot write, or past the
-                # parser's limits): the sequence fails (StepLoop.contain), as vLLM finishes it with an error,
-                # rather than ending on a token that breaks its format as if it were complete
-                raise GuideRejected(f"the structured-output constraint rejected token {chosen_tokens[i]}: no "
-                                    "token of the vocabulary continues the answer")
+        rejected = [i for i, p in enumerate(params)
+                    if p.guide is not None and not self._matcher(seqs[i]).consume(chosen_tokens[i])]
+        if rejected:
+            # the guide allowed no token it accepts (a grammar this vocabulary cannot write, or past the parser's
+            # limits, or the request's own allowed tokens or bad words leaving none): those sequences fail
+            # (StepLoop.contain), as vLLM finishes them with an error, rather than ending on a token that breaks
+            # their format as if they were complete; every rejected row is named, so that none fails a neighbour
+            raise GuideRejected(f"the structured-output constraint rejected token {chosen_tokens[rejected[0]]}: no "
+                                "token of the vocabulary continues the answer", [seqs[i].seq_id for i in rejected])
         out = [SampleOut(int(t)) for t in chosen_tokens]
         if want_logprobs:
             lp = torch.log_softmax(raw, dim=-1)

@@ -147,7 +147,7 @@ class StepLoop:
         self._results = []
         return seqs, results
 
-    def contain(self) -> tuple[list[StepResult], list]:
+    def contain(self, exc: BaseException | None = None) -> tuple[list[StepResult], list]:
         """After step() raised (an engine call: a bad row, a guide's matcher or logits processor, an asynchronous
         device error): -> (the results gathered before the exception, to hand out as any step's: launches read
         back, a step run; the sequences that fail, to abort). The step's other live sequences are set apart
@@ -158,18 +158,29 @@ class StepLoop:
         broken and every sequence of the quarantine fails. A batch's step beside the quarantine (step()) is
         contained as any: its sequences join the quarantine's tail. Launches dropped here still run on the device:
         the block clock of the oldest counts until a later launch is read back (_prefill_beside), and steps alone
-        run synchronously, behind them."""
+        run synchronously, behind them. Where `exc` names the rows at fault (its `seq_ids`: the sampler's
+        GuideRejected, a request's own constraint), those fail at once and no other is blamed: set apart without
+        a retry counted against it, no step alone counted as the engine's failure."""
         sched = self.scheduler
         alone = self._alone  # (None: the step that raised was not a step alone)
         seqs, results = self._drop_books()
         live = list({id(q): q for q in seqs if q.status is not SeqStatus.FINISHED}.values())
+        rewind = getattr(self.engine, "rewind", None)
+        culprits = getattr(exc, "seq_ids", None)
+        if culprits:  # a request's fault: once its neighbours lost retries to it, and 3 in a row failed every one
+            failed = [q for q in live if q.seq_id in culprits]
+            for q in live:
+                if q.seq_id not in culprits:
+                    sched.isolate(q, blamed=False)
+                    if rewind is not None:
+                        rewind(q)
+            return results, failed
         failed = []
         if alone is not None and alone.status is not SeqStatus.FINISHED:  # its step alone raised
             sched.solo_failures += 1
             failed.append(alone)
             if sched.solo_failures >= BROKEN_AFTER:
                 failed += [q for q in sched.quarantine if q is not alone]
-        rewind = getattr(self.engine, "rewind", None)
         for q in live:
             if q in failed:
                 continue

@@ -176,10 +176,11 @@ class Scheduler(LaunchedSteps, SpeculativeSteps):
         self.preemptions += 1
         self._enqueue(seq, front=True)
 
-    def isolate(self, seq: Sequence) -> None:
+    def isolate(self, seq: Sequence, blamed: bool = True) -> None:
         """After a step that raised: `seq` (running; its launched tokens not read back are cut, the step's
         other effects were never applied) gives up its KV blocks, as a preempted sequence does, and waits in the
-        quarantine to run a step alone; it continues from the tokens it has (those handed out)."""
+        quarantine to run a step alone; it continues from the tokens it has (those handed out). `blamed` False:
+        another row was at fault, and this set-apart does not count towards its MAX_RETRIES."""
         if seq.status is SeqStatus.FINISHED:
             return
         if PLACEHOLDER in seq.token_ids:  # launched and never read back: always the last ones
@@ -196,7 +197,8 @@ class Scheduler(LaunchedSteps, SpeculativeSteps):
             self.waiting.remove(seq)
         seq.status = SeqStatus.WAITING
         seq.preemptions += 1  # (its blocks went: a draft model's K/V with them, draft_model.py)
-        seq.retries += 1
+        if blamed:
+            seq.retries += 1
         self.retries += 1
         if seq not in self.quarantine:
             self.quarantine.append(seq)
