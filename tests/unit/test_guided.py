@@ -417,7 +417,20 @@ def test_requests_whose_guides_reject_never_fail_their_neighbours(model_dir, tok
         finally:
             await service.close()
 
+    # neighbours of a rejected row go back to the batches as preempted sequences, never to the quarantine (where
+    # each would run a step by itself: one bad request costing every neighbour a step alone)
+    sched = service.scheduler
+    quarantined: list[int] = []
+    isolate = sched.isolate
+
+    def watched(seq, blamed=True):
+        isolate(seq, blamed)
+        if seq in sched.quarantine:
+            quarantined.append(seq.seq_id)
+    sched.isolate = watched
+
     alone, mixed, long_alone, long_mixed, later = asyncio.run(main())
+    assert not quarantined, quarantined
     bad, good = mixed[:BROKEN_AFTER], mixed[BROKEN_AFTER:]
     assert all(isinstance(r, SurgeError) for r in bad + later), bad + later
     assert not any(isinstance(r, BaseException) for r in good), good  # was: EngineError (GuideRejected) for all

@@ -159,8 +159,9 @@ class StepLoop:
         contained as any: its sequences join the quarantine's tail. Launches dropped here still run on the device:
         the block clock of the oldest counts until a later launch is read back (_prefill_beside), and steps alone
         run synchronously, behind them. Where `exc` names the rows at fault (its `seq_ids`: the sampler's
-        GuideRejected, a request's own constraint), those fail at once and no other is blamed: set apart without
-        a retry counted against it, no step alone counted as the engine's failure."""
+        GuideRejected, a request's own constraint), those fail at once and no other is blamed: each goes back to
+        the waiting queue's front as a preempted sequence (no step alone, no retry counted against it), and no
+        step alone counts as the engine's failure."""
         sched = self.scheduler
         alone = self._alone  # (None: the step that raised was not a step alone)
         seqs, results = self._drop_books()

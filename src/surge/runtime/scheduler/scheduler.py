@@ -180,7 +180,8 @@ class Scheduler(LaunchedSteps, SpeculativeSteps):
         """After a step that raised: `seq` (running; its launched tokens not read back are cut, the step's
         other effects were never applied) gives up its KV blocks, as a preempted sequence does, and waits in the
         quarantine to run a step alone; it continues from the tokens it has (those handed out). `blamed` False:
-        another row was at fault, and this set-apart does not count towards its MAX_RETRIES."""
+        another row was at fault: it waits at the front of the queue instead, as a preempted sequence, and this
+        does not count towards its MAX_RETRIES."""
         if seq.status is SeqStatus.FINISHED:
             return
         if PLACEHOLDER in seq.token_ids:  # launched and never read back: always the last ones
@@ -197,9 +198,15 @@ class Scheduler(LaunchedSteps, SpeculativeSteps):
             self.waiting.remove(seq)
         seq.status = SeqStatus.WAITING
         seq.preemptions += 1  # (its blocks went: a draft model's K/V with them, draft_model.py)
-        if blamed:
-            seq.retries += 1
         self.retries += 1
+        if not blamed:
+            # nothing of its own to prove alone: back to the batches as a preempted sequence is (through the
+            # quarantine, one request's rejected guide would cost every neighbour a step run by itself)
+            if seq in self.quarantine:
+                self.quarantine.remove(seq)
+            self._enqueue(seq, front=True)
+            return
+        seq.retries += 1
         if seq not in self.quarantine:
             self.quarantine.append(seq)
 
