@@ -371,6 +371,8 @@ def test_a_rejected_guide_fails_its_request_alone_in_a_running_service(tmp_path)
 
     guided, free = asyncio.run(main())  # was: '"', finish_reason "stop"
     assert isinstance(guided, SurgeError), guided
+    # the request's own doing: a 400 (its guide refused by the service's check, or rejected by the sampler)
+    assert guided.http_status == 400, guided
     assert not isinstance(free, BaseException) and free.finish_reason == "length" and len(free.token_ids) == 8
 
 
@@ -433,6 +435,7 @@ def test_requests_whose_guides_reject_never_fail_their_neighbours(model_dir, tok
     assert not quarantined, quarantined
     bad, good = mixed[:BROKEN_AFTER], mixed[BROKEN_AFTER:]
     assert all(isinstance(r, SurgeError) for r in bad + later), bad + later
+    assert all(r.http_status == 400 and "allowed_token_ids" in r.message for r in bad + later), bad + later
     assert not any(isinstance(r, BaseException) for r in good), good  # was: EngineError (GuideRejected) for all
     assert [r.token_ids for r in good] == [r.token_ids for r in alone]
     assert all(r.finish_reason == "length" and len(r.token_ids) == 8 for r in good)

@@ -202,10 +202,10 @@ class EngineLoop:
         self._fresh = [s for s in self._fresh if not s.scheduled_at and s.status is not SeqStatus.FINISHED]
         return done
 
-    def _contain(self, exc: Exception) -> tuple[list, list[int], str]:
+    def _contain(self, exc: Exception) -> tuple[list, list[int], str, str]:
         """A step raised: its sequences run again alone (StepLoop.contain), those found at fault fail (aborted
         here). -> (the results gathered before the exception, handed out as any step's; the failed sequences'
-        ids, to report after those results; their error's text)."""
+        ids, to report after those results; their error's kind and text)."""
         log.exception("generation step failed")
         results, failed = self.loop.contain(exc)
         for seq in failed:
@@ -216,7 +216,12 @@ class EngineLoop:
                     len(self.scheduler.quarantine), len(failed))
         # A failed request gets this text, not the exception's own words (a path, a shape, another request's
         # token): those stay in the log.
-        return results, [q.seq_id for q in failed], \
+        if getattr(exc, "seq_ids", None):  # the rows' own requests at fault (the sampler's GuideRejected): a 400
+            return results, [q.seq_id for q in failed], INVALID, (
+                "the structured-output constraint left no token to continue the answer: the request's own "
+                "allowed_token_ids, bad_words or logit_bias (or this model's vocabulary) exclude every token its "
+                "format allows next")
+        return results, [q.seq_id for q in failed], ENGINE, \
             f"generation failed ({type(exc).__name__}); the server's log has the details"
 
     def run(self, channel, out) -> None:
@@ -242,7 +247,7 @@ class EngineLoop:
                 results = loop.step(refresh, channel.wait)
                 self.busy_s += time.perf_counter() - t0
             except Exception as exc:  # contained: only the sequences found at fault fail, the service keeps serving
-                results, failed, why = self._contain(exc)
+                results, failed, kind, why = self._contain(exc)
             else:
                 failed = ()
                 if loop.stalled:
@@ -265,7 +270,7 @@ class EngineLoop:
             else:
                 out.state(self.state())
             for sid in failed:
-                out.error(sid, ENGINE, why)
+                out.error(sid, kind, why)
         if loop.busy:
             loop.involved()
         for s in list(self.scheduler.running) + list(self.scheduler.waiting) + list(self.scheduler.quarantine):
