@@ -159,7 +159,7 @@ class TorchTensorEngine:
                 with capture(graph, pool=pool):
                     static_out = self._eager(static_in)
                 self.graphs[b] = (graph, static_in, static_out)
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()  # not the device's: engines/graph_capture.py
 
     def close(self) -> None:
         self.graphs.clear()

@@ -30,6 +30,7 @@ from surge.engines.base import Capabilities, random_batch
 from surge.engines.buckets import Buckets
 from surge.engines.encoder import forward_fused, position_ids
 from surge.engines.encoder_weights import EncoderWeights, load_weights
+from surge.engines.graph_capture import device_wide
 from surge.engines.memory import Workspace, plan_workspace
 from surge.engines.shared_weights import _weights_key, release_weights, shared_weights
 from surge.engines.torch_graphs import BucketGraphs
@@ -230,7 +231,7 @@ class TorchEngine(PinnedLaunch, BucketGraphs, GraphHeads):
                 if hasattr(self, name):
                     setattr(self, name, None)
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+            device_wide(torch.cuda.empty_cache)  # not while another engine captures: engines/graph_capture.py
 
     # ------------------------------------------------------------------ run
     def _packed_arrays(self, batch: TokenBatch):
@@ -250,7 +251,7 @@ class TorchEngine(PinnedLaunch, BucketGraphs, GraphHeads):
     @staticmethod
     def _oom(lengths: np.ndarray) -> EngineError:
         # Free the cached blocks the failed batch left, so that the next (smaller) batch can run.
-        torch.cuda.empty_cache()
+        device_wide(torch.cuda.empty_cache)
         return EngineError(f"GPU out of memory on a batch of {len(lengths)} x {int(lengths.max())} tokens")
 
     def _check(self, ids: np.ndarray, types: np.ndarray, lengths: np.ndarray) -> None:

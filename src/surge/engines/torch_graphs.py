@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from surge.engines.encoder import position_ids
-from surge.engines.graph_capture import capture
+from surge.engines.graph_capture import capture, device_wide
 
 # (weights key, token bucket) -> the GEMM mode gemm="auto" timed fastest. The mode changes the GEMMs
 # only, whose shapes depend on the token bucket alone: buckets that differ in sequences or length
@@ -103,7 +103,7 @@ class BucketGraphs:
                     if m == "cublas":
                         raise
                     self.mode_errors[m] = f"{type(exc).__name__}: {exc}"[:500]
-                    torch.cuda.synchronize(self.device)
+                    device_wide(torch.cuda.synchronize, self.device)
                     continue
                 timings[m] = self._time(graph)
                 if best is None or timings[m] < timings[best[3]]:

@@ -154,7 +154,7 @@ class DecodeGraphs:
                         self.pool = g.pool()
                     graphs[b] = g
         torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()  # not the device's: engines/graph_capture.py
         if self.steps > 1:
             self._time_steps()
 
@@ -179,7 +179,7 @@ class DecodeGraphs:
                 times.append(start.elapsed_time(end) * 1e3)
             self.step_us[b] = sorted(times[1:])[1]
         self.packed.copy_(saved)
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()  # not the device's: engines/graph_capture.py
 
     def _stage_tables(self, k: int, tables: list[list[int]], bucket: int) -> None:
         """Bring staging set k's table rows to `tables` (scratch blocks after each row and in padded
