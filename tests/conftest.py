@@ -70,3 +70,20 @@ def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     a = a.astype(np.float64)
     b = b.astype(np.float64)
     return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+@pytest.fixture
+def thawed(monkeypatch):
+    """This test process's heap unfrozen before and after (runtime/gc_settle.py: a server's start-up, or a test's
+    settle(), freezes the process's), and SURGE_GC_FREEZE unset."""
+    import gc
+
+    from surge.runtime import gc_settle
+
+    monkeypatch.delenv("SURGE_GC_FREEZE", raising=False)
+    gc.unfreeze()
+    monkeypatch.setattr(gc_settle, "_frozen", False)
+    try:
+        yield
+    finally:
+        gc.unfreeze()

@@ -33,15 +33,33 @@ def read_to_close(s: socket.socket) -> bytes:
         out += chunk
 
 
-def post_until_head(port: int, path: str, body: bytes, timeout: float) -> tuple[socket.socket, bytes]:
-    """POSTs JSON `body` to `path` on a socket with a small receive buffer (connect_reading_slowly) and reads
-    only until the answer's head has come (the answer is being sent): (the socket, what came so far)."""
+def post_until_head(port: int, path: str, body: bytes, timeout: float,
+                    headers: bytes = b"") -> tuple[socket.socket, bytes]:
+    """POSTs JSON `body` to `path` (`headers`: more header lines, each ending in CRLF) on a socket with a small
+    receive buffer (connect_reading_slowly) and reads only until the answer's head has come (the answer is being
+    sent): (the socket, what came so far)."""
     s = connect_reading_slowly(port, timeout)
     s.sendall(f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nconnection: close\r\n"
-              f"content-length: {len(body)}\r\n\r\n".encode() + body)
+              f"content-length: {len(body)}\r\n".encode() + headers + b"\r\n" + body)
     got = b""
     while b"\r\n\r\n" not in got:
         chunk = s.recv(1024)
         assert chunk, got
         got += chunk
     return s, got
+
+
+def read_in_steps(s: socket.socket, body: bytes, length: int, pause_s: float, step: int = 256 * 1024) -> bytes:
+    """`body` (what came of the answer so far) read on to `length` bytes, `step` bytes at a time with `pause_s`
+    between: a client reading slowly but steadily."""
+    import time
+
+    while len(body) < length:
+        want = min(step, length - len(body))
+        while want > 0:
+            chunk = s.recv(min(want, 65536))
+            assert chunk, (len(body), length)
+            body += chunk
+            want -= len(chunk)
+        time.sleep(pause_s)
+    return body

@@ -99,17 +99,8 @@ def _post_until_head(port: int, body: bytes, gzipped: bool):
     to the routes (server/http/hotpath.OuterHotPath): the FastAPI route and its response class answer it."""
     if not gzipped:
         return raw_sockets.post_until_head(port, "/v1/chat/completions", body, WAIT_S)
-    body = gzip.compress(body)
-    s = raw_sockets.connect_reading_slowly(port, WAIT_S)
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-              b"content-encoding: gzip\r\nconnection: close\r\ncontent-length: " + str(len(body)).encode()
-              + b"\r\n\r\n" + body)
-    got = b""
-    while b"\r\n\r\n" not in got:
-        chunk = s.recv(1024)
-        assert chunk, got
-        got += chunk
-    return s, got
+    return raw_sockets.post_until_head(port, "/v1/chat/completions", gzip.compress(body), WAIT_S,
+                                       b"content-encoding: gzip\r\n")
 
 
 @pytest.mark.parametrize("gzipped", [False, True], ids=["hot-path", "routes"])
@@ -163,14 +154,7 @@ def test_a_json_answer_read_slowly_but_whole_is_answered_once(server):
     try:
         head, body = got.split(b"\r\n\r\n", 1)
         length = _length(head)
-        while len(body) < length:
-            want = min(256 * 1024, length - len(body))
-            while want > 0:
-                chunk = s.recv(min(want, 65536))
-                assert chunk, (len(body), length)
-                body += chunk
-                want -= len(chunk)
-            time.sleep(SEND_TIMEOUT_S / 8)
+        body = raw_sockets.read_in_steps(s, body, length, SEND_TIMEOUT_S / 8)
     finally:
         s.close()
     answer = json.loads(body)

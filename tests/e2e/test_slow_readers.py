@@ -102,14 +102,7 @@ def test_a_client_reading_slowly_but_steadily_is_never_cut(server):
     start = time.monotonic()
     try:
         length, body = _length(got)
-        while len(body) < length:
-            want = min(256 * 1024, length - len(body))
-            while want > 0:  # 256 KiB, then a pause: ~1 MB/s, ~9 s for the whole answer
-                chunk = s.recv(min(want, 65536))
-                assert chunk, (len(body), length)
-                body += chunk
-                want -= len(chunk)
-            time.sleep(SEND_TIMEOUT_S / 8)
+        body = raw_sockets.read_in_steps(s, body, length, SEND_TIMEOUT_S / 8)  # 256 KiB a pause: ~1 MB/s, ~9 s
     finally:
         s.close()
     assert time.monotonic() - start > 2 * SEND_TIMEOUT_S  # the case this checks: slower than the timeout

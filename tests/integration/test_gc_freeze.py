@@ -21,18 +21,6 @@ from surge.server.app import create_app
 from tests.e2e.repo_helpers import add_version
 
 
-@pytest.fixture
-def thawed(monkeypatch):
-    """This test process's heap unfrozen before and after (the server's start-up freezes the process's)."""
-    monkeypatch.delenv("SURGE_GC_FREEZE", raising=False)
-    gc.unfreeze()
-    monkeypatch.setattr(gc_settle, "_frozen", False)
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
 def _is_frozen(obj) -> bool:
     assert gc.is_tracked(obj)
     return not any(o is obj for o in gc.get_objects())  # get_objects leaves the permanent generation out

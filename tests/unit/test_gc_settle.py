@@ -7,19 +7,7 @@ import gc
 import os
 import weakref
 
-import pytest
-
 from surge.runtime import gc_settle
-
-
-@pytest.fixture
-def thawed(monkeypatch):
-    gc.unfreeze()
-    monkeypatch.setattr(gc_settle, "_frozen", False)
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def test_settle_freezes_what_is_alive_and_can_be_turned_off(monkeypatch, thawed):
