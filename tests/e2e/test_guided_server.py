@@ -175,10 +175,10 @@ def test_kserve_generate_and_tritonclient_infer_take_the_same_fields(server, hf,
     assert out == reference(hf, model_dir, ("regex", regex), 30, prompt=prompt) and re.fullmatch(regex, out)
 
 
-def test_a_required_call_cut_by_max_tokens_keeps_its_complete_calls_and_no_partial_json(client, hf, model_dir):
-    """tool_choice required, max_tokens ending inside the second call: the first (complete) call is a tool call,
-    the cut one is not content (vLLM's required tool choice: finish_reason "tool_calls" only when the answer
-    ended, else "length"), streamed or not."""
+@pytest.fixture(scope="module")
+def second_call_cut(hf, model_dir) -> tuple[dict, int, int]:
+    """(the first call of transformers' answer to CHAT held to tool_choice required, a max_tokens that ends
+    inside its second call, the prompt's length)."""
     model, tok = hf
     ids = tok.apply_chat_template(CHAT, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False)
     full = hf_guided(model, model_dir, ids, tool_choice_guide(TOOLS, "required"), 200)
@@ -188,6 +188,14 @@ def test_a_required_call_cut_by_max_tokens_keeps_its_complete_calls_and_no_parti
     first = json.loads(re.findall(r"<tool_call>\n(.*?)\n</tool_call>", tok.decode(full))[0])
     cut = ends[0] + 6  # inside the second call: `\n<tool_call>\n{"name` and a little more
     assert "</tool_call>" not in tok.decode(full[ends[0]:cut])
+    return first, cut, len(ids)
+
+
+def test_a_required_call_cut_by_max_tokens_keeps_its_complete_calls_and_no_partial_json(client, second_call_cut):
+    """tool_choice required, max_tokens ending inside the second call: the first (complete) call is a tool call,
+    the cut one is not content (vLLM's required tool choice: finish_reason "tool_calls" only when the answer
+    ended, else "length"), streamed or not."""
+    first, cut, _ = second_call_cut
     r = client.chat.completions.create(model="guided-qwen", messages=CHAT, tools=TOOLS, tool_choice="required",
                                        temperature=0, max_tokens=cut)
     choice = r.choices[0]
@@ -202,6 +210,60 @@ def test_a_required_call_cut_by_max_tokens_keeps_its_complete_calls_and_no_parti
     assert [(t.function.name, json.loads(t.function.arguments)) for c in chunks for t in (c.delta.tool_calls or [])] \
         == [(first["name"], first["arguments"])]
     assert chunks[-1].finish_reason == "length"
+
+
+# the same tools in Anthropic's and the Responses API's shapes (rendered into the same prompt as TOOLS)
+ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"],
+                    **({"description": t["function"]["description"]} if "description" in t["function"] else {})}
+                   for t in TOOLS]
+FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+def test_a_forced_tool_use_cut_by_max_tokens_says_max_tokens_and_keeps_its_complete_calls(server, second_call_cut):
+    """Anthropic's Messages API, tool_choice any cut inside the second call: the complete call is a tool_use
+    block, the cut one's partial JSON is no text block, and stop_reason is "max_tokens" (Anthropic's: the
+    limit was hit), streamed or not; tool_choice naming a tool cut inside its one call: no text, max_tokens."""
+    anthropic = pytest.importorskip("anthropic")
+    c = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    first, cut, prompt = second_call_cut
+    ask = {"model": "guided-qwen", "messages": CHAT, "tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "any"},
+           "max_tokens": cut, "extra_body": {"temperature": 0}}
+    m = c.messages.create(**ask)
+    with c.messages.stream(**ask) as stream:
+        texts = list(stream.text_stream)
+        final = stream.get_final_message()
+    assert "".join(texts) == ""
+    for msg in (m, final):
+        assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == prompt  # the reference's prompt
+        assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == cut
+        assert [(b.type, b.name, b.input) for b in msg.content] == [("tool_use", first["name"], first["arguments"])]
+    named = c.messages.create(**{**ask, "tool_choice": {"type": "tool", "name": "add"}, "max_tokens": 6})
+    assert named.stop_reason == "max_tokens" and named.usage.output_tokens == 6
+    assert all(b.type == "text" and b.text == "" for b in named.content), named.content
+
+
+def test_a_forced_function_call_cut_by_max_output_tokens_is_incomplete_with_its_complete_calls(client,
+                                                                                              second_call_cut):
+    """The Responses API, tool_choice required cut inside the second call: the complete call is a
+    function_call item, the cut one's partial JSON is no output_text, and the response is incomplete
+    (max_output_tokens), streamed or not; tool_choice naming a function cut inside its one call: no text."""
+    first, cut, prompt = second_call_cut
+    ask = {"model": "guided-qwen", "input": CHAT[0]["content"], "tools": FLAT_TOOLS, "tool_choice": "required",
+           "temperature": 0, "max_output_tokens": cut}
+    r = client.responses.create(**ask)
+    events = list(client.responses.create(**ask, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == ""
+    assert events[-1].type == "response.incomplete"
+    for resp in (r, events[-1].response):
+        assert resp.usage.input_tokens == prompt  # the reference's prompt
+        assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+        assert resp.usage.output_tokens == cut and resp.output_text == ""
+        assert [(o.type, o.name, json.loads(o.arguments)) for o in resp.output] == \
+            [("function_call", first["name"], first["arguments"])]
+    named = client.responses.create(**{**ask, "tool_choice": {"type": "function", "name": "add"},
+                                       "max_output_tokens": 6})
+    assert named.status == "incomplete" and named.usage.output_tokens == 6
+    assert named.output_text == "" and not [o for o in named.output if o.type == "function_call"]
 
 
 def test_json_on_a_vocabulary_without_braces_is_a_400_not_a_stray_quote(tmp_path):

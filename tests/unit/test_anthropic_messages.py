@@ -67,6 +67,7 @@ def test_stop_reasons_and_blocks():
     assert stop("stop", 7, False) == ("end_turn", None)  # a stop token id is the end of a turn
     assert stop("length", None, False) == ("max_tokens", None)
     assert stop("stop", None, True) == ("tool_use", None)
+    assert stop("length", None, True) == ("max_tokens", None)  # Anthropic's whenever the limit was hit
     base = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m",
             "usage": {"input_tokens": 3, "output_tokens": 0}}
     ev = MessageEvents(base, "deepseek_r1", "hermes")

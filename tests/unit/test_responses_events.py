@@ -29,7 +29,7 @@ TEXTS = [
 
 def prepared(reasoning="deepseek_r1", parse_calls="hermes", want_lps=False):
     return SimpleNamespace(base={"id": "resp_1", "object": "response", "status": "in_progress"}, want_lps=want_lps,
-                           parse_calls=parse_calls, reasoning=reasoning, count=lambda text: text.split())
+                           parse_calls=parse_calls, forced=False, reasoning=reasoning, count=lambda text: text.split())
 
 
 def run(p, pieces, logprobs=None):

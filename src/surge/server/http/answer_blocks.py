@@ -6,7 +6,8 @@ The text is read in order by the model's reasoning parser (server/http/reasoning
 block, each call a "call"). Blocks never nest or interleave: a block is opened, filled by
 pieces and closed before the next one opens. Blank text next to calls is no block (a newline between
 two calls, say); an answer of blank text only is a text block of it, and an empty answer one empty
-text block. Log-probabilities go with the text they wrote (the thinking's are dropped: neither API has
+text block. A forced answer (tool_choice required or named: calls only) cut by max_tokens drops the call
+it was writing, as chat does (tool_calls.parse's `forced`): its partial JSON is no text block. Log-probabilities go with the text they wrote (the thinking's are dropped: neither API has
 a place for them).
 
 `feed` and `finish` return operations, which each API renders as its events:
@@ -23,8 +24,10 @@ TEXT = "text"
 
 
 class AnswerBlocks:
-    def __init__(self, reasoning: str = "none", parse_calls: str | None = None):
-        """`parse_calls`: the tool-call parser's name (None: calls are not read)."""
+    def __init__(self, reasoning: str = "none", parse_calls: str | None = None, forced: bool = False):
+        """`parse_calls`: the tool-call parser's name (None: calls are not read). `forced`: the answer is
+        held to calls (tool_choice required or named): text still held as a call's start at the end is dropped."""
+        self.forced = forced
         self.thinking = ReasoningStream(reasoning) if reasoning != "none" else None
         self.calls = stream(parse_calls)
         self.open: str | None = None  # the kind of the open block
@@ -93,6 +96,7 @@ class AnswerBlocks:
                 out += self._piece(REASONING, piece)
         if self.calls is not None:
             tail, self.held = self.held + self.calls.finish(), ""
+            tail = "" if self.forced else tail
             if tail and (self.open == TEXT or tail.strip() or not self.answered):
                 out += self._piece(TEXT, tail)
         if not self.blocks:

@@ -7,8 +7,10 @@ whose `input` is the call's arguments as an object. A stream is Anthropic's even
 `text_delta`, `input_json_delta`) and `content_block_stop`, then `message_delta` (stop reason, output
 tokens) and `message_stop`. A whole answer is built by the same class, so both have the same blocks.
 
-Stop reasons: `end_turn` (EOS), `max_tokens` (the length), `stop_sequence` (a stop string; which one in
-`stop_sequence`), `tool_use` (the answer called a tool).
+Stop reasons: `max_tokens` (the length, whatever was written: Anthropic's whenever the limit was hit),
+`tool_use` (the answer called a tool), `stop_sequence` (a stop string; which one in `stop_sequence`),
+`end_turn` (EOS). A forced call (tool_choice any or tool) cut by max_tokens is dropped (answer_blocks.py):
+the complete calls before it stay tool_use blocks.
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ from surge.server.http.reasoning import REASONING
 
 def stop(finish: str | None, stop_reason, called: bool) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) of a finished answer."""
-    if called:
-        return "tool_use", None
     if finish == "length":
         return "max_tokens", None
+    if called:
+        return "tool_use", None
     if isinstance(stop_reason, str):
         return "stop_sequence", stop_reason
     return "end_turn", None
@@ -42,11 +44,12 @@ def _input(arguments: str) -> dict:
 
 
 class MessageEvents:
-    """`base`: the message object without content, stop reason and output tokens."""
+    """`base`: the message object without content, stop reason and output tokens. `forced`: tool_choice any
+    or tool (AnswerBlocks')."""
 
-    def __init__(self, base: dict, reasoning: str, parse_calls: bool):
+    def __init__(self, base: dict, reasoning: str, parse_calls: str | None, forced: bool = False):
         self.base = base
-        self.blocks = AnswerBlocks(reasoning, parse_calls)
+        self.blocks = AnswerBlocks(reasoning, parse_calls, forced)
         self.content: list[dict] = []
         self.called = False
         self.message: dict | None = None

@@ -207,8 +207,9 @@ def _guide(req: MessagesRequest, service, tool_guide, reasoning: str):
 
 
 def _prepared(state: AppState, req: MessagesRequest):
-    """(prompt ids, params, reasoning parser, tool-call parser, service): the work that grows with the request
-    (the template's render, tokenization, the guide), on a thread for a large one (runtime/off_loop.py)."""
+    """(prompt ids, params, reasoning parser, tool-call parser, service, whether tool_choice forces calls): the
+    work that grows with the request (the template's render, tokenization, the guide), on a thread for a large
+    one (runtime/off_loop.py)."""
     _refuse_unsupported(req)
     service = generate_model(state, req.model)
     ids, tools, choice, parallel, variables = _prompt(service, req)
@@ -219,18 +220,18 @@ def _prepared(state: AppState, req: MessagesRequest):
                          top_k=req.top_k, stop=req.stop_sequences, seed=req.seed, ignore_eos=req.ignore_eos,
                          guide=_guide(req, service, tool_guide, reasoning),
                          skip_special_tokens=not keep_special_tokens(parse_calls))
-    return ids, params, reasoning, parse_calls, service
+    return ids, params, reasoning, parse_calls, service, tool_guide is not None
 
 
 async def message_answer(state: AppState, req: MessagesRequest, receive) -> JsonAnswer | EventStream:
     """The answer to a validated request (route and hot path, as chat_answer)."""
     guided = bool((req.output_config or {}).get("format")) or \
         (isinstance(req.tool_choice, dict) and req.tool_choice.get("type") not in ("auto", "none"))
-    ids, params, reasoning, parse_calls, service = await prepared(prep_size(guided=guided), _prepared, state, req)
+    ids, params, reasoning, parse_calls, service, forced = await prepared(prep_size(guided=guided), _prepared, state, req)
     base = {"id": new_id("msg"), "type": "message", "role": "assistant", "model": service.name,
             "usage": {"input_tokens": len(ids), "output_tokens": 0, "cache_creation_input_tokens": 0,
                       "cache_read_input_tokens": 0}}
-    events = MessageEvents(base, reasoning, parse_calls)
+    events = MessageEvents(base, reasoning, parse_calls, forced)
     headers = {"x-surge-model-version": service.version}
     deadline = deadline_for(state)
     if not req.stream:

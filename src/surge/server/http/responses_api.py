@@ -132,7 +132,8 @@ def _refuse_unsupported(req: ResponseRequest) -> None:
 
 
 class _Prepared(SimpleNamespace):
-    """A request made ready for the engine: service, ids, params, parse_calls, input_items, held (the
+    """A request made ready for the engine: service, ids, params, parse_calls, forced (tool_choice required or
+    named: a call cut by max_output_tokens is dropped, answer_blocks.py), input_items, held (the
     conversation its prompt holds: the stored context, then this input; truncation 'auto' may start it
     later), base (the response object without its outcome), want_lps,
     reasoning (the parser of the model's thinking), count (text -> its tokens)."""
@@ -201,8 +202,8 @@ def _prepared(service, req: ResponseRequest, context: list[dict]) -> _Prepared:
         "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": req.truncation or "disabled",
         "usage": None, "user": req.user, "metadata": req.metadata or {},
     }
-    return _Prepared(service=service, ids=ids, params=params, parse_calls=parse_calls, input_items=items,
-                     held=held, base=base, want_lps=want_lps, reasoning=reasoning,
+    return _Prepared(service=service, ids=ids, params=params, parse_calls=parse_calls, forced=tool_guide is not None,
+                     input_items=items, held=held, base=base, want_lps=want_lps, reasoning=reasoning,
                      count=lambda text: service.encode(text, special=False))
 
 

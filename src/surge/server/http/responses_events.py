@@ -41,13 +41,13 @@ def finished(p, output: list[dict], finish, prompt_tokens: int, completion_token
 
 class ResponseEvents:
     """The typed events of one response, numbered; after `finish`, `response` is the final object.
-    `p`: responses_api._Prepared (base, want_lps, parse_calls, reasoning, count)."""
+    `p`: responses_api._Prepared (base, want_lps, parse_calls, forced, reasoning, count)."""
 
     def __init__(self, p):
         self.p = p
         self.seq = 0
         self.output: list[dict] = []
-        self.blocks = AnswerBlocks(p.reasoning, p.parse_calls)
+        self.blocks = AnswerBlocks(p.reasoning, p.parse_calls, p.forced)
         self.open: dict | None = None  # the item being written (a message or a reasoning item)
         self.text: list[str] = []
         self.lps: list[dict] = []
