@@ -69,3 +69,80 @@ def test_a_frozen_model_unloaded_or_replaced_is_freed(thawed, tmp_path):
         await repo.close()
 
     asyncio.run(run())
+
+
+def _parts(service) -> dict[str, weakref.ref]:
+    """Weak references to a built service and what holds its memory: engines (the ONNX Runtime sessions),
+    batcher, cache, task runner, head views."""
+    worker = getattr(service, "worker", None)
+    engines = list(getattr(getattr(worker, "engines", None), "engines", None) or ())
+    parts = {"service": service, "worker": worker, "batcher": getattr(service, "batcher", None),
+             "cache": getattr(service, "cache", None), "tasks": getattr(service, "tasks", None)}
+    for i, engine in enumerate(engines):
+        parts[f"engine{i}"] = engine
+        parts[f"engine{i}.session"] = getattr(engine, "session", None)
+    for i, view in enumerate(getattr(service, "views", None) or ()):
+        parts[f"view{i}"] = view
+    return {k: weakref.ref(v) for k, v in parts.items() if v is not None}
+
+
+def _task_heads() -> str:
+    from tests.task_models import task_models_dir
+
+    models = task_models_dir()
+    return ("heads:\n"
+            f"  - {{name: intent, task: classify, source: {models / 'intent'}}}\n"
+            f"  - {{name: slots, task: token-classify, source: {models / 'slots'}}}\n"
+            "  - {name: embed, task: embed}\n")
+
+
+def _decoder(tmp_path) -> str:
+    pytest.importorskip("torch")
+    from tests.decoder_models import build_model
+
+    return f"source: {build_model('qwen2', tmp_path / 'qwen2')}\n"
+
+
+@pytest.mark.parametrize("model", ["minilm", "heads", "decoder"])
+def test_a_retired_frozen_model_is_freed_by_reference_counting(thawed, tmp_path, model):
+    """Retired (reloaded, then unloaded) with the heap frozen as the server freezes it and the automatic
+    collector off: the build, its engines and its ONNX Runtime session are gone the moment the retirement
+    returns, and no collection ran over the frozen heap (no thaw: no 50-300 ms full pass on the loop)."""
+    extra = {"minilm": lambda: "", "heads": _task_heads, "decoder": lambda: _decoder(tmp_path)}[model]()
+    add_version(tmp_path / "repo", "m", 1, "engine: {threads: 1, warmup_shapes: [[1, 8]]}\n" + extra)
+    config = ServerConfig(model_repository=tmp_path / "repo", grpc_port=None)
+    built = []
+
+    def loader(entry):
+        service = load_repository_version(config, entry, single=False)
+        built.append(_parts(service))
+        return service
+
+    thawed_passes = []
+
+    def watch(phase, info):  # a collection that ran with the heap unfrozen: the full pass over every object
+        if phase == "start" and gc.get_freeze_count() == 0:
+            thawed_passes.append(info["generation"])
+
+    async def run():
+        repo = ModelRepository(tmp_path / "repo", ModelRegistry(), loader)
+        await repo.start()
+        assert gc_settle.settle(True)
+        assert _is_frozen(built[0]["service"]())
+        gc.disable()
+        gc.callbacks.append(watch)
+        try:
+            await repo.reload("m")
+            alive = [k for k, r in built[0].items() if r() is not None]
+            assert not alive, f"kept after a reload: {alive}"
+            assert _is_frozen(built[1]["service"]()), "the replacement is not frozen"
+            await repo.unload("m")
+            alive = [k for k, r in built[1].items() if r() is not None]
+            assert not alive, f"kept after an unload: {alive}"
+        finally:
+            gc.callbacks.remove(watch)
+            gc.enable()
+        assert not thawed_passes, "a retirement collected the whole heap unfrozen"
+        await repo.close()
+
+    asyncio.run(run())

@@ -24,6 +24,7 @@ import collections
 import itertools
 import sys
 import time
+import traceback
 import weakref
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -445,5 +446,9 @@ class DynamicBatcher:
             self._scheduler.cancel()
             try:
                 await self._scheduler
-            except asyncio.CancelledError:
-                pass
+            except asyncio.CancelledError as exc:
+                # Its traceback's frames (the scheduler's) hold this batcher, and so the service's engines,
+                # for as long as the traceback lives: asyncio's task step that awaited close() keeps it until
+                # it returns to the loop, past a retirement that frees the build (runtime/gc_settle.py).
+                traceback.clear_frames(exc.__traceback__)
+                exc.__traceback__ = None  # and this frame's own (executing, so not cleared)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Hashable
@@ -75,7 +76,7 @@ class FrequencySketch:
         self.rows = [[0] * w for _ in range(4)]
         self.sample = sample or 10 * w
         self.added = 0
-        self.on_reset: Callable[[], None] | None = None
+        self.on_reset: Callable[[], None] | weakref.WeakMethod | None = None  # called after each halving
 
     def _slots(self, key: Hashable):
         h = hash(key)
@@ -101,8 +102,10 @@ class FrequencySketch:
         """Halve every counter so that old popularity fades."""
         self.rows = [[c >> 1 for c in row] for row in self.rows]
         self.added //= 2
-        if self.on_reset:
-            self.on_reset()
+        if self.on_reset is not None:
+            cb = self.on_reset() if isinstance(self.on_reset, weakref.WeakMethod) else self.on_reset
+            if cb is not None:
+                cb()
 
 
 def text_normalizer(hf_tokenizer) -> Callable[[str], str]:
@@ -169,7 +172,9 @@ class ResultCache:
         self.learn_slots = cfg.pinned_top_k
         est_entries = max(1024, cfg.max_bytes // 2048 + cfg.pinned_top_k)
         self.sketch = FrequencySketch(width=4 * est_entries)
-        self.sketch.on_reset = self._aged
+        # weakly: the sketch is the cache's, and a bound method back would make a cycle that keeps a retired
+        # build's cache alive until a full collection (runtime/gc_settle.py)
+        self.sketch.on_reset = weakref.WeakMethod(self._aged)
         self.hits = collections.Counter()  # tier -> hits
         self.misses = 0
         self.evictions = 0

@@ -11,11 +11,17 @@ reaches every process of the server through that variable (`configure`): engine 
 forked, and each settles itself once its own engine is warm.
 
 Frozen objects are still freed by reference counting, but never by the collector: a retired model whose
-objects hold a reference cycle (a built encoder service does) would stay for good. So a model loaded or
-retired at run time settles the process again (`resettle`): after a retirement the heap is unfrozen first,
-collected whole (one full pass, ~50-200 ms once per unload or reload, on the process doing it) and frozen
-again, which frees the retired model and freezes its successor; after a plain load what is not frozen yet is
-collected and frozen. Measured: docs/benchmarks.md ("Garbage collection in a serving process").
+objects held a reference cycle would stay for good. So a built service holds none (the contract of every
+service's close(): its task runner holds it weakly, its cache's sketch calls back through a weak method, its
+metrics and views let go at close, its batcher's cancelled scheduler leaves no frames behind), and a model
+retired at run time (unload, reload, a version replaced: runtime/repository.py) is freed by reference
+counting the moment its last reference goes, frozen or not, with no collection. A model loaded or retired
+settles the process again (`resettle`): what is not frozen (the new build, what requests left) is collected
+and frozen, a pass over those objects only (a few ms), not the whole heap. `resettle(thaw=True)` is the
+safety net, for a retired build still alive after its retirement (a cycle that only the collector frees,
+logged by the repository): the heap is unfrozen, collected whole (one full pass, ~50-300 ms of GIL that
+every request of the process waits for) and frozen again. Measured: docs/benchmarks.md ("Garbage
+collection in a serving process").
 """
 
 from __future__ import annotations
@@ -51,10 +57,12 @@ def settle(on: bool | None = None) -> bool:
     return True
 
 
-def resettle(thaw: bool) -> bool:
-    """Settle again after a model was loaded (`thaw` False) or retired (`thaw` True: unfreeze first, so
-    that the retired model's frozen objects are collected); False (nothing done) where this process never
-    settled (freezing off, or still starting: settle() comes after the start-up's loads)."""
+def resettle(thaw: bool = False) -> bool:
+    """Settle again after a model was loaded or retired: what is not frozen is collected and frozen (the
+    frozen heap is not walked); `thaw` True (the safety net for a retired build that reference counting did
+    not free): unfreeze first and collect the whole heap, so that frozen objects held only by a reference
+    cycle are freed. False (nothing done) where this process never settled (freezing off, or still starting:
+    settle() comes after the start-up's loads)."""
     if not _frozen:
         return False
     if thaw:

@@ -362,6 +362,7 @@ class ServiceMetrics:
             left = self.fam.live[self.labels] = self.fam.live[self.labels] - 1
             if self._cache is not None and self.fam.cache_owners.get(self.labels) is self._cache:
                 del self.fam.cache_owners[self.labels]  # nor does it keep the cache alive
+            self._cache = None  # the cache holds these metrics: no cycle left to keep a retired build
             if not left:
                 self.fam.devices.pools.pop(self.labels, None)
                 self.fam.engines.engines.pop(self.labels, None)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import weakref
 from pathlib import Path
 from typing import Callable
 
@@ -277,8 +278,9 @@ class ModelRepository:
         self._prefill(service)
         if old is not None:
             await self._retire(old)
-            old = None  # its last reference: the collection below frees it, and freezes the new build
-            _free_retired()
+            gone = _watch(old)
+            old = None  # its last reference: reference counting frees it here; the new build is frozen below
+            await _free_retired(gone)
         else:
             resettle(thaw=False)  # the new build's objects frozen too: full collections skip them
 
@@ -325,9 +327,10 @@ class ModelRepository:
             self.registry.remove(*key)
         self._status[key] = (UNAVAILABLE, reason)
         await self._retire(served)
+        gone = _watch(served)
         served = None  # its last reference
         if free:
-            _free_retired()
+            await _free_retired(gone)
         log.info("unloaded %s version %s", *key)
 
     async def _retire(self, served: ServedModel) -> None:
@@ -396,17 +399,46 @@ def _check_version(version) -> str:
     return str(int(version))
 
 
-def _free_retired() -> None:
-    """Free a retired build once its last reference is dropped. A build frozen with the start-up
-    (runtime/gc_settle.py) holds reference cycles that only the collector frees, and it skips frozen
-    objects: the process is unfrozen, collected and frozen again (where it froze at all)."""
-    resettle(thaw=True)
+def _watch(served: ServedModel) -> list[weakref.ref]:
+    """Weak references to a retired build's service and the parts that hold its memory (engines, cache)."""
+    service = served.service
+    parts = [served, service, getattr(service, "worker", None), getattr(service, "batcher", None),
+             getattr(service, "cache", None), getattr(service, "engine", None)]
+    parts += list(getattr(getattr(getattr(service, "worker", None), "engines", None), "engines", None) or ())
+    refs = []
+    for part in parts:
+        try:
+            refs.append(weakref.ref(part))
+        except TypeError:  # None, or a type without weak references: not watched
+            pass
+    return refs
+
+
+async def _free_retired(gone: list[weakref.ref]) -> None:
+    """After a build's retirement (its last reference dropped): reference counting has freed it, frozen or
+    not (runtime/gc_settle.py), as no reference cycle holds a built service; the new build, if any, is
+    collected and frozen (a pass over what is not frozen: a few ms). Safety net: a part of the retired build
+    still alive after one more loop pass (a cycle that only the collector frees) gets the full pass of the
+    whole heap unfrozen (50-300 ms of GIL), logged."""
+    if any(r() is not None for r in gone):
+        await asyncio.sleep(0)  # what the retiring task step still held (its C frames) is let go
+    left = [r() for r in gone if r() is not None]
+    if left:
+        log.warning("a retired build is still referenced (%s): a full collection frees it",
+                    ", ".join(sorted({type(o).__name__ for o in left})))
+    del left
+    resettle(thaw=any(r() is not None for r in gone))
     _release_memory()
+
+
+_libc: list = []  # libc, loaded once: each ctypes.CDLL() makes a function-pointer class, a reference cycle
 
 
 def _release_memory() -> None:
     """Hand freed engine memory back to the OS, so repeated reloads do not grow RSS."""
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        if not _libc:
+            _libc.append(ctypes.CDLL("libc.so.6"))
+        _libc[0].malloc_trim(0)
     except (OSError, AttributeError):
         pass

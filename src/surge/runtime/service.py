@@ -401,6 +401,9 @@ class ModelService:
         if self.redis is not None:
             await self.redis.close()
         self.metrics.close()
+        # A multi-head model's views hold this service (they forward to it): out of routing by now, they
+        # are let go, so that no reference cycle keeps this retired build (runtime/gc_settle.py).
+        self.views = []
 
 
 def _split(worker: ModelWorker):

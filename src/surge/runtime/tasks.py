@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -74,8 +75,16 @@ def require_task(served, *tasks: str) -> None:
 
 
 class TaskRunner:
+    """The service's task entry points. It holds its service weakly: the service holds it (`tasks`), and
+    a strong reference back would make a cycle that keeps a retired build alive until a full collection
+    (runtime/gc_settle.py: retired builds are freed by reference counting)."""
+
     def __init__(self, service):
-        self.service = service
+        self._service = weakref.ref(service)
+
+    @property
+    def service(self):
+        return self._service()
 
     @property
     def heads(self):
