@@ -34,11 +34,11 @@ def read_to_close(s: socket.socket) -> bytes:
 
 
 def post_until_head(port: int, path: str, body: bytes, timeout: float,
-                    headers: bytes = b"") -> tuple[socket.socket, bytes]:
+                    headers: bytes = b"", window: int = 4096) -> tuple[socket.socket, bytes]:
     """POSTs JSON `body` to `path` (`headers`: more header lines, each ending in CRLF) on a socket with a small
-    receive buffer (connect_reading_slowly) and reads only until the answer's head has come (the answer is being
-    sent): (the socket, what came so far)."""
-    s = connect_reading_slowly(port, timeout)
+    receive buffer (connect_reading_slowly, of `window` bytes) and reads only until the answer's head has come (the
+    answer is being sent): (the socket, what came so far)."""
+    s = connect_reading_slowly(port, timeout, window)
     s.sendall(f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nconnection: close\r\n"
               f"content-length: {len(body)}\r\n".encode() + headers + b"\r\n" + body)
     got = b""
@@ -63,3 +63,25 @@ def read_in_steps(s: socket.socket, body: bytes, length: int, pause_s: float, st
             want -= len(chunk)
         time.sleep(pause_s)
     return body
+
+
+def held_by_kernels(mine: int, peer: int) -> int | None:
+    """Bytes of what a server on this host sent on a connection that the two kernels hold: the server's socket's
+    send queue (not yet acknowledged) and the client's receive queue (not yet read), from /proc/net/tcp (and tcp6).
+    `mine`: the client's port, `peer`: the server's. None once the server's socket is gone (its connection reset)."""
+    tx = rx = None
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for row in rows:
+            fields = row.split()
+            local, remote = int(fields[1].rsplit(":", 1)[1], 16), int(fields[2].rsplit(":", 1)[1], 16)
+            queued_tx, queued_rx = (int(x, 16) for x in fields[4].split(":"))
+            if (local, remote) == (peer, mine):
+                tx = queued_tx
+            elif (local, remote) == (mine, peer):
+                rx = queued_rx
+    return None if tx is None else tx + (rx or 0)

@@ -1,7 +1,7 @@
 """TEI's POST /embed_all accounted for as every other request, against a real `surge serve` process:
 
-- its answer (JSON, about 3x its float rows) stays under admission control until its last byte is handed to
-  the transport, so clients that ask for big answers and do not read them hold admission slots, and the
+- its answer (JSON, about 3x its float rows) stays under admission control until the kernel has taken its last
+  byte, so clients that ask for big answers and do not read them hold admission slots, and the
   next request is refused with 429 instead of being computed and held in memory too (raw sockets that
   read only the status line: tests/raw_sockets.py);
 - it is counted as a request of its model where /embed is: surge_requests_total, surge_inputs_total,

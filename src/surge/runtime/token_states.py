@@ -6,12 +6,14 @@
     admits the request again under its own bound (every front end's requests meet there)
 
 The admission slot is held past the compute, for as long as the caller holds the answer (`held`): the
-HTTP route keeps it until the answer's JSON (about 3x its float rows) is serialized and its last byte
-handed to the transport, which takes bytes only as fast as the client reads (server/http/held_answer.py).
+HTTP route keeps it until the answer's JSON (about 3x its float rows) is serialized and the kernel has taken
+its last byte, which it does only as fast as the client reads (server/http/held_answer.py).
 So what /embed_all answers hold in memory is bounded by admission, as their compute is: clients that ask
 for big answers and read them slowly take slots, and past the bound the next request is a 429 rather
 than one more answer in memory. Counted once, as /embed is: requests, inputs and failures by `admitted`,
-the latency here, the KServe statistics by AppState.call from the TokenStates' timings.
+the latency here (to the computed answer, observed once the block ends without error: an answer whose
+connection was lost before its last byte was the kernel's is a failure "cancelled", not answered), the
+KServe statistics by AppState.call from the TokenStates' timings.
 
 Not through the dynamic batcher nor the cache: per-token rows are n_tokens times a pooled row, and a
 request's rows are computed from its own inputs only (ModelWorker.token_states: one input per engine
@@ -88,9 +90,12 @@ async def held(service, texts: list[str], truncate: bool, left: bool = False, pr
             t1 = time.perf_counter_ns()
             rows = await _compute(service, items, deadline)
             t2 = time.perf_counter_ns()
-        # as /embed's: the runtime's latency, to the computed answer (its sending is the client's pace)
-        service.metrics.latency.observe(time.monotonic() - start)
+        # as /embed's: the runtime's latency, to the computed answer (its sending is the client's pace), observed
+        # once the block ends without error (the HTTP route's: its answer delivered, server/http/held_answer.py),
+        # so that an answer cut short is a failure only, not also an answered request's latency
+        latency = time.monotonic() - start
         yield TokenStates(rows, {"compute_input_ns": t1 - t0, "compute_infer_ns": t2 - t1, EXECUTIONS: len(items)})
+        service.metrics.latency.observe(latency)
 
 
 async def of_tokens(service, items: list[Encoded], deadline: float | None) -> list[np.ndarray]:

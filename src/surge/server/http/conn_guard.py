@@ -17,13 +17,13 @@ its headers are read, so neither needed the API key.
   client's TCP window is full: uvicorn's writing paused by flow control, or the write buffer not empty)
   and from which the client has taken none of them for `send_timeout_s` is aborted. uvicorn has no write
   timeout: a client that asked for a large answer (POST /embed_all, held under its admission slot until
-  the transport has taken its last byte: server/http/held_answer.py; a big /embed batch; a stream) and
+  the kernel has taken its last byte: server/http/held_answer.py; a big /embed batch; a stream) and
   never read it held the connection, the answer's memory and, for /embed_all, an admission slot for ever
   (enough of them and everyone else got 429). The abort is the connection lost, which every route already
   handles as a client that left: uvicorn's `send` stops waiting for the drain, the `surge.disconnect`
   watch (server/http/frontend.py) cancels a hot path's handler (a stream's sequence and KV blocks freed)
-  and a held answer, or a generation whose answer had not all been handed to the kernel (server/http/delivery.py),
-  counts as cut ("cancelled"). A client that reads, however slowly, is never cut: any
+  and a held answer or a generation whose answer had not all been handed to the kernel (server/http/held_answer.py,
+  delivery.py) counts as cut ("cancelled"). A client that reads, however slowly, is never cut: any
   byte it takes restarts the clock. Bytes the kernel has taken are not waiting here (its socket buffers,
   up to tcp_wmem's 4 MB, fill first); the abort is a reset (SO_LINGER 0, nginx's reset_timedout_connection),
   so the kernel drops them too, and what the app hands over after it is dropped.

@@ -15,6 +15,9 @@ that is (server/http/frontend.DisconnectWatch.when_sent: at once for nearly ever
 kernel takes whole). Without it (uvicorn's own protocol) an answer counts delivered once its last `send`
 returns, as before.
 
+POST /embed_all's held answer (server/http/held_answer.py) is counted the same way, by its own means: its
+admission slot and its count wait for the same word from the protocol.
+
 The route's answer and the generations it counts meet through a context variable: `delivered` (around the
 route, server/http/hotpath.OuterHotPath) sets it for the request's task (and the tasks it starts), and each
 generation that ends hands `on_delivery` what to count. Elsewhere (gRPC, work that outlives its request:

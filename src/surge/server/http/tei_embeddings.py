@@ -6,7 +6,7 @@ POST /similarity    {"inputs": {"source_sentence", "sentences"}, "parameters": {
 POST /embed_all     {"inputs": str | [str], "truncate", "truncation_direction", "prompt_name"} -> [input][token]
                     [hidden]: the last hidden state of every token (special ones included), neither pooled
                     nor normalized, as TEI's. Admitted as /embed is (429), and held under admission until the
-                    answer is sent (server/http/held_answer.py), 413 past --max-token-states-bytes,
+                    kernel has taken the answer's last byte (server/http/held_answer.py), 413 past --max-token-states-bytes,
                     computed outside the dynamic batcher and the cache (runtime/token_states.py), in this
                     process or the engine process (--workers); TEI's Backend error (424) only where the
                     engines have no hidden state to return (they pool or run heads inside their graph).
@@ -142,11 +142,12 @@ def router(state: AppState) -> APIRouter:
             raise Unsupported(f"model '{served.name}' has no per-token hidden state to return (its engines pool "
                               "or run heads inside their graph)", param="model")
         truncate = True if req.truncate is None else req.truncate  # TEI's --auto-truncate default
-        # The answer is held under its admission slot until the transport has taken its last byte (HeldAnswer
+        # The answer is held under its admission slot until the kernel has taken its last byte (HeldAnswer
         # closes `held`): what slow readers hold is bounded as the compute is. Through state.call, as every
         # model call, for the KServe statistics; on the copy that serves now (a reload between the lookup and
-        # the call: the new one answers). An answer cut before its last byte (the client gone, or cut by
-        # --send-timeout-s) ends the block with its error: counted as a failure under its code, not answered.
+        # the call: the new one answers). An answer cut before the kernel took its last byte (the client gone,
+        # or cut by --send-timeout-s with its tail in the server's buffers) ends the block with its error:
+        # counted as a failure under its code, not answered.
         held = contextlib.AsyncExitStack()
 
         async def release(error):
