@@ -6,12 +6,14 @@ MiniLM-shaped model with few layers: the same tokenizer, hidden size 384, so the
 measures the front-end processes' CPU seconds (utime + stime, psutil) over a fixed number of
 requests, which is robust to a loaded machine, unlike req/s. Each round starts the server of each
 tree in turn (old, new, old, new ...), sends warm-up requests, then REQUESTS requests from CLIENTS
-concurrent keep-alive clients (one real sentence per request, OpenAI /v1/embeddings or /embed),
-and reads the front ends' CPU before and after. Prints the median of the rounds as a table.
+concurrent keep-alive clients (one real sentence per request, OpenAI /v1/embeddings or /embed, or
+KServe ModelInfer on the gRPC port: `--path ModelInfer`), and reads the front ends' CPU before and after.
+Prints the median of the rounds as a table.
 
     python benchmarks/frontend_cpu.py --old /work/main/src --new src --rounds 3 --requests 4000 --clients 64
 
-The load generator is one aiohttp process (uvloop); its CPU is not counted.
+The load generator is one aiohttp process (uvloop; grpc.aio over one channel for ModelInfer); its CPU is not
+counted.
 """
 
 from __future__ import annotations
@@ -81,6 +83,35 @@ def _cpu(procs: list) -> float:
     return t
 
 
+async def _load_grpc(target: str, n: int, clients: int, rng: random.Random, sentences: list[str]) -> dict:
+    import grpc
+
+    from surge.server.grpc import grpc_service_pb2 as pb
+    from surge.server.grpc import grpc_service_pb2_grpc as pb_grpc
+
+    def request(text: str) -> pb.ModelInferRequest:
+        req = pb.ModelInferRequest(model_name="m")
+        req.inputs.add(name="text", datatype="BYTES", shape=[1]).contents.bytes_contents.append(text.encode())
+        return req
+
+    it = iter([request(rng.choice(sentences)) for _ in range(n)])
+    bad: dict[str, int] = {}
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+
+        async def client():
+            for req in it:
+                try:
+                    await stub.ModelInfer(req, timeout=120)
+                except grpc.aio.AioRpcError as exc:
+                    bad[exc.code().name] = bad.get(exc.code().name, 0) + 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(clients)))
+        wall = time.perf_counter() - t0
+    return {"wall_s": wall, "errors": bad}
+
+
 async def _load(url: str, path: str, n: int, clients: int, seed: int) -> dict:
     import aiohttp
     import orjson
@@ -89,6 +120,8 @@ async def _load(url: str, path: str, n: int, clients: int, seed: int) -> dict:
 
     sentences = load_sentences()
     rng = random.Random(seed)
+    if path == "ModelInfer":  # `url`: the gRPC target
+        return await _load_grpc(url, n, clients, rng, sentences)
     bodies = [orjson.dumps({"input": rng.choice(sentences), "model": "m"} if path == "/v1/embeddings"
                            else {"inputs": rng.choice(sentences)}) for _ in range(n)]
     it = iter(bodies)
@@ -129,18 +162,20 @@ def measure(tree: str, model: Path, args, seed: int) -> dict:
     from surge.bench.servers import ServerProc, free_port
 
     port = free_port()
+    grpc_port = free_port() if args.path == "ModelInfer" else 0
     env = {"PYTHONPATH": os.pathsep.join([str(Path(tree).resolve()), str(ROOT)]), "OMP_NUM_THREADS": "1",
            **dict(kv.split("=", 1) for kv in args.env)}
-    cfg = {"model_dir": str(model), "model_name": "m", "port": port, "grpc_port": 0, "log_level": "warning",
+    cfg = {"model_dir": str(model), "model_name": "m", "port": port, "grpc_port": grpc_port, "log_level": "warning",
            "engine": {"engine": "torch", "device": "cpu"}, "cache": {"max_bytes": args.cache_bytes},
            "engine_processes": 1}
     argv = [sys.executable, "-c", LAUNCH, json.dumps(cfg), str(args.workers)]
     with ServerProc("surge", argv, port, env=env, cwd=ROOT) as srv:
         fronts = _fronts(srv.proc.pid)
         assert len(fronts) == args.workers, srv.output()
-        _run_load(srv.url, args.path, args.warmup, args.clients, seed + 1)
+        target = f"127.0.0.1:{grpc_port}" if grpc_port else srv.url
+        _run_load(target, args.path, args.warmup, args.clients, seed + 1)
         c0 = _cpu(fronts)
-        out = _run_load(srv.url, args.path, args.requests, args.clients, seed)
+        out = _run_load(target, args.path, args.requests, args.clients, seed)
         c1 = _cpu(fronts)
     return {"us_per_req": (c1 - c0) / args.requests * 1e6, "rps": args.requests / out["wall_s"],
             "errors": out["errors"]}
@@ -156,7 +191,7 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--workers", type=int, default=1, help="front-end processes")
     ap.add_argument("--layers", type=int, default=1, help="layers of the random MiniLM-shaped model")
-    ap.add_argument("--path", default="/v1/embeddings", choices=("/v1/embeddings", "/embed"))
+    ap.add_argument("--path", default="/v1/embeddings", choices=("/v1/embeddings", "/embed", "ModelInfer"))
     ap.add_argument("--cache-bytes", type=int, default=0)
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for the server (both trees)")
     ap.add_argument("--models", default=str(Path(os.environ.get("TMPDIR", "/tmp")) / "surge-frontend-cpu"))

@@ -156,15 +156,27 @@ def failures_since(srv, before: dict, expected: int) -> dict:
         time.sleep(0.2)
 
 
+def answered(before: dict, after: dict) -> float:
+    """The model's requests counted answered since `before`: its latency histogram's observations."""
+    return metrics_scrape.delta(before, after, "surge_request_latency_seconds_count")
+
+
+def successes(stub) -> int:
+    """The model's KServe statistics: its requests counted successful (ModelStatistics)."""
+    stats = stub.ModelStatistics(pb.ModelStatisticsRequest(name=MODEL), timeout=WAIT_S).model_stats
+    return sum(s.inference_stats.success.count for s in stats)
+
+
 def failure_codes(before: dict, after: dict) -> dict[str, float]:
     return {dict(labels)["code"]: v - before.get((name, labels), 0.0) for (name, labels), v in after.items()
             if name == "surge_request_failures_total" and v != before.get((name, labels), 0.0)}
 
 
 def test_a_unary_answer_never_granted_window_is_cut_and_frees_its_slot(server, probe):
-    """...and the cut call counts as a failure, as a client that left ("cancelled"), the same as the HTTP port's
-    cut answer (test_slow_readers.py), not as one answered."""
-    before = metrics_scrape.scrape(server.url, MODEL)
+    """...and the cut call counts once, as a failure, as a client that left ("cancelled"), the same as the HTTP
+    port's cut answer (test_slow_readers.py), not also as one answered: its latency is not observed, and the KServe
+    statistics count no success for it (before, it counted both: answered when computed, then cancelled)."""
+    before, successes_before = metrics_scrape.scrape(server.url, MODEL), successes(probe)
     s, reader, first = answered_call(server.grpc_port, infer_request(tag="window"))
     with s:
         frames = FramesWithoutWindow(reader, first)
@@ -176,6 +188,8 @@ def test_a_unary_answer_never_granted_window_is_cut_and_frees_its_slot(server, p
     after = failures_since(server, before, 1)
     assert metrics_scrape.delta(before, after, "surge_requests_total") == 1
     assert failure_codes(before, after) == {"cancelled": 1}
+    assert answered(before, after) == 0
+    assert successes(probe) == successes_before
 
 
 def test_a_unary_answer_whose_socket_is_not_read_is_cut_by_grpc_core(server_without_send_timeout):
@@ -198,7 +212,8 @@ def test_a_stream_whose_responses_are_never_read_is_cut_and_frees_its_slot(serve
     answered but one whose response the client took whole (none, or the first: grpc core may take one message
     ahead of the application): those admitted count as "cancelled", cut while computed or with their responses
     computed and unwritten (being sent, or waiting to be); the rest were refused ("overloaded": over
-    the queued inputs admission allows). Before, those computed were counted answered.
+    the queued inputs admission allows). Each request counts once: answered (its latency observed) or a failure.
+    Before, those computed were counted answered, and those of them lost cancelled as well.
     """
     options = [*OWN_CONNECTION, ("grpc.http2.bdp_probe", 0)]
     before = metrics_scrape.scrape(server.url, MODEL)
@@ -224,12 +239,15 @@ def test_a_stream_whose_responses_are_never_read_is_cut_and_frees_its_slot(serve
     codes = failure_codes(before, after)
     assert set(codes) <= {"cancelled", "overloaded"} and sum(codes.values()) == 16 - received, codes
     assert codes.get("cancelled", 0) >= 1, codes
+    assert answered(before, after) == received, (answered(before, after), codes)
 
 
 def test_a_client_granting_window_slowly_but_steadily_is_never_cut(server, probe):
     """64 KiB of window every SEND_TIMEOUT_S / 8 (256 KiB/s at 2 s): the 3 MB answer takes ~12 s, 6 times the send
-    timeout, and arrives whole, as grpcio's answer to the same request."""
+    timeout, and arrives whole, as grpcio's answer to the same request; both count answered, once each, when
+    written (the slow one long after it was computed)."""
     request = infer_request(tag="steady")
+    before = metrics_scrape.scrape(server.url, MODEL)
     reference = probe.ModelInfer(request, timeout=WAIT_S)
     step = 65536
     start = time.monotonic()
@@ -253,3 +271,9 @@ def test_a_client_granting_window_slowly_but_steadily_is_never_cut(server, probe
     answer = pb.ModelInferResponse.FromString(body[5:])
     np.testing.assert_allclose(np.frombuffer(answer.raw_output_contents[0], "<f4"),
                                np.frombuffer(reference.raw_output_contents[0], "<f4"), rtol=1e-5, atol=1e-6)
+    deadline = time.monotonic() + WAIT_S  # counted when grpc.aio ends the call, a moment after the client has it
+    while answered(before, after := metrics_scrape.scrape(server.url, MODEL)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert answered(before, after) == 2
+    assert metrics_scrape.delta(before, after, "surge_requests_total") == 2
+    assert failure_codes(before, after) == {}

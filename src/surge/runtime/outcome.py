@@ -2,14 +2,104 @@
 
 A SurgeError counts under its own code, a cancellation (the client left) as
 "cancelled", anything else as "internal_error"; the exception goes on either way.
+
+A request answered counts (its latency observed: `answered`; its KServe statistics: server/state.py) when the
+runtime hands its answer over, or, where the protocol awaits the answer's delivery (`awaiting`: the gRPC port's
+ModelInfer and each request of ModelStreamInfer, server/grpc/send_deadline.py and extras.py), once it is delivered;
+an answer lost first (its connection cut) counts as a failure "cancelled" instead, never as both. The HTTP port's
+generations wait for their delivery the same way, through server/http/delivery.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
+from contextvars import ContextVar, Token
 
 from surge.errors import NotReady, SurgeError
+
+CANCELLED = "cancelled"
+
+
+class Delivery:
+    """One answer's fate: None once it is delivered, else the failure code its requests count under ("cancelled":
+    the connection was lost first; "internal_error": the handler failed after them). `then(callback)` runs
+    `callback(code)` once settled (at once if it is)."""
+
+    __slots__ = ("_waiting", "code", "settled")
+
+    def __init__(self):
+        self.settled = False
+        self.code: str | None = None
+        self._waiting: list[Callable[[str | None], None]] = []
+
+    @property
+    def pending(self) -> bool:
+        """Something waits for it to settle."""
+        return bool(self._waiting)
+
+    def then(self, callback: Callable[[str | None], None]) -> None:
+        if self.settled:
+            callback(self.code)
+        else:
+            self._waiting.append(callback)
+
+    def settle(self, code: str | None) -> None:
+        if self.settled:
+            return
+        self.settled, self.code = True, code
+        waiting, self._waiting = self._waiting, []
+        for callback in waiting:
+            callback(code)
+
+
+# The delivery the current task's answer awaits (set by the gRPC port; the HTTP port's generations: http/delivery.py)
+_AWAITED: ContextVar[Delivery | None] = ContextVar("surge_awaited_delivery", default=None)
+
+
+def awaiting(delivery: Delivery | None) -> Token:
+    """The current task's answers (and those of the tasks it starts from now) count when `delivery` settles
+    (None: when they are handed over); until `stop_awaiting(token)`."""
+    return _AWAITED.set(delivery)
+
+
+def stop_awaiting(token: Token) -> None:
+    _AWAITED.reset(token)
+
+
+def awaited() -> Delivery | None:
+    """The delivery the current task's answer awaits, if any."""
+    return _AWAITED.get()
+
+
+def when_delivered(callback: Callable[[str | None], None]) -> bool:
+    """Have `callback(code)` run once the current task's answer is delivered (code None) or lost (its failure
+    code). False where no delivery is awaited (`callback` not kept): count now."""
+    d = _AWAITED.get()
+    if d is None:
+        return False
+    d.then(callback)
+    return True
+
+
+def answered(metrics, seconds: float) -> None:
+    """A request answered, `seconds` after it began: its latency observed on `metrics` (a model's ServiceMetrics
+    or RequestCounts), now, or once its answer is delivered where that is awaited, and a failure under the
+    loss's code instead where it is lost."""
+    d = _AWAITED.get()
+    if d is None:
+        metrics.latency.observe(seconds)
+        return
+    latency = metrics.latency
+
+    def settle(code: str | None) -> None:
+        if code is None:
+            latency.observe(seconds)
+        else:
+            metrics.failure(code)
+
+    d.then(settle)
 
 
 def counts_of(service):

@@ -33,7 +33,7 @@ from surge.runtime.cache import ResultCache, text_normalizer
 from surge.runtime.coalesce import InFlight
 from surge.runtime.devices import DevicePool
 from surge.runtime.metrics import ServiceMetrics
-from surge.runtime.outcome import admitted
+from surge.runtime.outcome import admitted, answered
 from surge.runtime.request import POST, TOKENIZE, Request
 from surge.runtime.tokenize_stage import TokenizeStage
 from surge.runtime.worker import ModelWorker
@@ -184,7 +184,7 @@ class ModelService:
                 raise DeadlineExceeded(f"request did not finish within "
                                        f"{deadline - start:.3g} s") from None
             result = req.result(self.name, self.version, self.dimensions)  # stage: respond
-            self.metrics.latency.observe(time.monotonic() - start)
+            answered(self.metrics, time.monotonic() - start)
             return result
 
     async def _run(self, req: Request) -> None:

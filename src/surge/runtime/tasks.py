@@ -29,7 +29,7 @@ import numpy as np
 
 from surge.engines.heads import Head
 from surge.errors import EmptyInput, InvalidInput, PayloadTooLarge, SurgeError, WrongTask
-from surge.runtime.outcome import admitted
+from surge.runtime.outcome import admitted, answered
 
 
 @dataclass
@@ -116,7 +116,7 @@ class TaskRunner:
         with admitted(s, n):
             deadline = deadline if deadline is not None else start + s.limits.request_timeout_s
             result = await self._infer(req, items, h, priority, deadline)
-            s.metrics.latency.observe(time.monotonic() - start)
+            answered(s.metrics, time.monotonic() - start)
             return result
 
     def _key(self, item, okey):

@@ -32,7 +32,7 @@ from surge.errors import EngineError, InvalidInput, NotReady, SurgeError, WrongT
 from surge.models.tensor_config import TensorModelConfig, TensorSpec
 from surge.runtime.batcher import BatcherConfig, DynamicBatcher
 from surge.runtime.metrics import ServiceMetrics
-from surge.runtime.outcome import count_failures
+from surge.runtime.outcome import answered, count_failures
 
 NUMPY_OF = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
             "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
@@ -300,7 +300,7 @@ class TensorModelService:
                     entries.set(len(self.cache.entries))
             result = TensorResult({n: got[n] for n in wanted if n in got}, self.name, self.version, rows, [cached],
                                   timings)
-            m.latency.observe(time.monotonic() - start)
+            answered(m, time.monotonic() - start)
             return result
 
     def _run_batch(self, items: list[_Item]) -> np.ndarray:

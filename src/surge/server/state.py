@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -10,6 +11,7 @@ from typing import Protocol
 from surge.config import ServerConfig
 from surge.errors import DeadlineExceeded, NotReady, SurgeError
 from surge.runtime.metrics import multiprocess_dir
+from surge.runtime.outcome import awaited
 from surge.runtime.registry import ModelRegistry
 from surge.runtime.service import ModelService
 from surge.runtime.stats import InferenceStats
@@ -98,9 +100,14 @@ class AppState:
         except Exception:
             self.stats.record_failure(service.name, service.version, time.perf_counter_ns() - start)
             raise
-        # Counted right after this task's step, in which the caller writes the response: this
-        # process's next request still sees it counted, and a lone request does not wait for it.
-        asyncio.get_running_loop().call_soon(self.record, service, result, time.perf_counter_ns() - start)
+        elapsed = time.perf_counter_ns() - start
+        delivery = awaited()
+        if delivery is not None:  # the protocol awaits the answer's delivery (gRPC): counted once it is delivered
+            delivery.then(functools.partial(self._delivered, service, result, elapsed))
+        else:
+            # Counted right after this task's step, in which the caller writes the response: this
+            # process's next request still sees it counted, and a lone request does not wait for it.
+            asyncio.get_running_loop().call_soon(self.record, service, result, elapsed)
         return result
 
     async def _embed(self, service, texts, token_ids, options, deadline: float | None = None):
@@ -144,6 +151,12 @@ class AppState:
         if result is not None:
             self.record(service, result, time.perf_counter_ns() - start)
         return result
+
+    def _delivered(self, service, result: EmbedResult, elapsed_ns: int, code: str | None) -> None:
+        """A request's answer delivered (code None): recorded; lost: counted "cancelled" on /metrics
+        (runtime/outcome.answered), neither a success nor the model's failure here."""
+        if code is None:
+            self.record(service, result, elapsed_ns)
 
     def record(self, service, result: EmbedResult, elapsed_ns: int) -> None:
         """Count one answered request in the KServe statistics (every protocol, one place)."""

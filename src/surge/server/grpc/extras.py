@@ -9,7 +9,10 @@ slowly, which --send-timeout-s never cuts, once had every answer held here); eac
 Triton's decoupled streams do. A generate model's request with `stream` true gets
 a response a delta (server/kserve_generate_infer.py). An error belongs to its request: it comes back
 as that response's error_message (naming the request id, since tritonclient's
-stream callback gets only the message) and the stream goes on.
+stream callback gets only the message) and the stream goes on. A request counts answered (latency, KServe
+statistics) once grpc.aio has written its last response, and once, as a failure "cancelled", where the stream ends
+before that (the send deadline cut it, its client left): each request's task awaits a Delivery (runtime/outcome.py)
+that its last response carries to the writer.
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ import asyncio
 import logging
 
 from surge.errors import SurgeError
+from surge.runtime.outcome import CANCELLED, Delivery, awaiting
 from surge.server import triton_settings as settings
 from surge.server.grpc import grpc_service_pb2 as pb
-from surge.server.grpc import undelivered
 
 log = logging.getLogger("surge.server")
 STREAM_INFLIGHT = 64
@@ -65,8 +68,8 @@ class TritonExtras:
     one, or a streamed generation's) and `self.registry`."""
 
     async def ModelStreamInfer(self, request_iterator, context):
-        # (message, counts): counts, where the message is its request's last response, is where the request
-        # is counted: a failure "cancelled" if the call ends before the message is written (undelivered.py)
+        # (message, delivery): delivery, where the message is its request's last response, settles what the
+        # request counts: answered once the message is written, "cancelled" if the call ends before
         out: asyncio.Queue = asyncio.Queue()  # the answers, then None; `room` bounds how many wait in it
         room = asyncio.Semaphore(STREAM_WAITING)
         slots = asyncio.Semaphore(STREAM_INFLIGHT)
@@ -78,20 +81,26 @@ class TritonExtras:
                 await room.acquire()  # the client's window is full: this request, and past STREAM_INFLIGHT the reading, wait
             except asyncio.CancelledError:  # the call ended: an answer computed and never queued is lost too
                 if item[1] is not None:
-                    item[1].failure(undelivered.CODE)
+                    item[1].settle(CANCELLED)
                 raise
             out.put_nowait(item)
 
         async def one(request):
+            delivery = Delivery()
+            awaiting(delivery)  # this request's own task: what the runtime counts answered waits for the writing
             try:
                 async for response, last in self._infer_stream(request):
-                    counts = undelivered.counts_for(self.registry, response) if last else None
-                    await put((pb.ModelStreamInferResponse(infer_response=response), counts))
+                    await put((pb.ModelStreamInferResponse(infer_response=response), delivery if last else None))
             except SurgeError as exc:
+                delivery.settle(None)  # an error answered: counted as it was (its failure where it arose)
                 await put((_stream_error(request, exc.message), None))
             except Exception:  # noqa: BLE001 - logged, answered like ModelInfer's catch-all
                 log.exception("unhandled error in gRPC ModelStreamInfer")
+                delivery.settle(None)
                 await put((_stream_error(request, "internal server error"), None))
+            except BaseException:  # the stream ended before its answer was queued
+                delivery.settle(CANCELLED)
+                raise
             finally:
                 slots.release()
 
@@ -112,6 +121,8 @@ class TritonExtras:
             while (sending := await out.get()) is not None:
                 room.release()
                 yield sending[0]  # resumed once grpc.aio has written it
+                if sending[1] is not None:
+                    sending[1].settle(None)  # its request's answer delivered
                 sending = None
             await reader
         finally:
@@ -125,7 +136,7 @@ class TritonExtras:
                 lost.append(out.get_nowait())
             for item in lost:
                 if item is not None and item[1] is not None:
-                    item[1].failure(undelivered.CODE)
+                    item[1].settle(CANCELLED)
 
     async def LogSettings(self, request, context):
         return await self._answer(context, lambda: _log_response(

@@ -19,12 +19,21 @@ never cut; one that took none for the timeout is cut, between 1 and 1.5 times th
 (where the system does not give the bytes acknowledged: that long after the first look). Progress is the
 connection's: a client that keeps reading other calls on the same connection keeps a stalled one
 (`--grpc-max-connection-age-s` bounds that). A cut ends the other calls on the connection too (UNAVAILABLE for
-the client's), as the HTTP port's does the connection's next requests. A call cut with its answer unwritten counts
-as its client's leaving ("cancelled"), as the HTTP port's cut answer does (undelivered.py).
+the client's), as the HTTP port's does the connection's next requests.
 
-Lazy, as the read deadline: an answer written at once (nearly all) costs two dict operations and a done callback;
-one timer serves every call; the descriptors are scanned only for calls whose answers have waited a quarter of the
-timeout, all of them in one pass.
+What is counted: a unary call's request counts answered (its latency observed, its KServe statistics recorded) only
+once the call is done, its answer written; one cut with its answer unwritten counts once, as its client's leaving
+("cancelled"), as the HTTP port's cut answer does (server/http/delivery.py), never as answered too. The handler's
+task awaits a Delivery (runtime/outcome.py) that the runtime hands what to count when it answers; the call's done
+callback settles it delivered, a cut settles it "cancelled" first. grpc.aio tells a handler nothing of how the
+writing of its answer ended (a failed final write is dropped silently, and ServicerContext.cancelled() is only what
+the handler set itself): the cut is what is known to lose an answer, and an answer lost otherwise once handed over
+(its client cancelled the call while it was written) still counts answered. ModelStreamInfer settles each
+request's delivery itself, when grpc.aio has written its last response or the stream ends without it (extras.py).
+
+Lazy, as the read deadline: an answer written at once (nearly all) costs a Delivery, three dict operations and a done
+callback; one timer serves every call; the descriptors are scanned only for calls whose answers have waited a quarter
+of the timeout, all of them in one pass.
 """
 
 from __future__ import annotations
@@ -35,7 +44,8 @@ import logging
 
 import grpc
 
-from surge.server.grpc import peer_sockets, undelivered
+from surge.runtime.outcome import CANCELLED, Delivery, awaiting, stop_awaiting
+from surge.server.grpc import peer_sockets
 from surge.server.grpc.wrapping import WrappingInterceptor
 from surge.server.tcp_info import bytes_acked
 
@@ -67,6 +77,8 @@ class SendDeadlineInterceptor(WrappingInterceptor):
         self._waiting: dict[object, float] = {}
         # ...then looked at every quarter of the timeout.
         self._looked: dict[object, _Look] = {}
+        # The unary calls whose answer's delivery something counts on, until they are done or cut.
+        self._delivering: dict[object, Delivery] = {}
         self._timer: asyncio.TimerHandle | None = None
 
     def _wrap(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
@@ -89,18 +101,38 @@ class SendDeadlineInterceptor(WrappingInterceptor):
                 return handler
 
             async def wrapped(request, context):
-                response = await behaviour(request, context)
-                until_done(context)
+                delivery = Delivery()
+                token = awaiting(delivery)  # what the runtime counts answered waits for the answer's delivery
+                try:
+                    response = await behaviour(request, context)
+                except Exception:  # an error answered: counted as it was (its failure counted where it arose)
+                    delivery.settle(None)
+                    raise
+                except BaseException:  # the client left (or the server stops) before the answer was handed over
+                    delivery.settle(CANCELLED)
+                    raise
+                finally:
+                    stop_awaiting(token)
+                until_done(context, delivery)
                 return response
 
         return _MAKE[handler.request_streaming, handler.response_streaming](
             wrapped, request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer)
 
-    def _until_done(self, context) -> None:
-        """The unary answer is handed to grpc.aio: timed until the call is done."""
+    def _until_done(self, context, delivery: Delivery) -> None:
+        """The unary answer is handed to grpc.aio: timed until the call is done, and delivered then."""
         self._arm(context)
-        context.add_done_callback(self._disarm)
+        if delivery.pending:
+            self._delivering[context] = delivery
+        context.add_done_callback(self._done)
+
+    def _done(self, context) -> None:
+        self._disarm(context)
+        if self._delivering:
+            delivery = self._delivering.pop(context, None)
+            if delivery is not None:
+                delivery.settle(None)
 
     def _arm(self, context) -> None:
         self._waiting[context] = now = asyncio.get_running_loop().time()
@@ -156,15 +188,21 @@ class SendDeadlineInterceptor(WrappingInterceptor):
 
 
     def _cut(self, peer) -> None:
-        """`peer`'s connection is cut: every call on it whose answer waited is cut with its answer unwritten (calls
-        still computing theirs are cancelled by grpc core, and count as a client's leaving where they are)."""
+        """`peer`'s connection is cut: every call on it whose answer waited is cut with its answer unwritten, its
+        request counted "cancelled" (calls still computing theirs are cancelled by grpc core, and count as a
+        client's leaving where they are; a stream's responses are extras.py's)."""
         for context, look in list(self._looked.items()):
             if look.peer == peer:
                 del self._looked[context]
-                undelivered.cut(context)
+                self._lost(context)
         for context in [c for c in self._waiting if peer_sockets.peer_of(c.peer()) == peer]:
             del self._waiting[context]
-            undelivered.cut(context)
+            self._lost(context)
+
+    def _lost(self, context) -> None:
+        delivery = self._delivering.pop(context, None)
+        if delivery is not None:
+            delivery.settle(CANCELLED)
 
 
 def _until_late(waiting: dict, late: float):

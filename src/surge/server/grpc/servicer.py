@@ -21,7 +21,6 @@ from surge.server import kserve_generate_infer as gen
 from surge.server import kserve_tensor
 from surge.server.grpc import grpc_service_pb2 as pb
 from surge.server.grpc import grpc_service_pb2_grpc as pb_grpc
-from surge.server.grpc import undelivered
 from surge.server.grpc.extras import TritonExtras
 from surge.server.state import AppState
 
@@ -169,9 +168,8 @@ class InferenceServicer(TritonExtras, pb_grpc.GRPCInferenceServiceServicer):
 
     @_rpc
     async def ModelInfer(self, request, context):
-        response = await self._infer(request)
-        undelivered.on_cut(context, undelivered.counts_for(self.registry, response))
-        return response
+        # counted answered once grpc.aio has written it, "cancelled" if it is cut first (send_deadline.py)
+        return await self._infer(request)
 
     async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
         """One inference (ModelInfer, and each request of ModelStreamInfer); raises SurgeError."""

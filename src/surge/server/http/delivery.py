@@ -20,8 +20,9 @@ admission slot and its count wait for the same word from the protocol.
 
 The route's answer and the generations it counts meet through a context variable: `delivered` (around the
 route, server/http/hotpath.OuterHotPath) sets it for the request's task (and the tasks it starts), and each
-generation that ends hands `on_delivery` what to count. Elsewhere (gRPC, work that outlives its request:
-`unwatched`) there is none, and a generation counts when it ends.
+generation that ends hands `on_delivery` what to count. Elsewhere (work that outlives its request: `unwatched`)
+there is none, and a generation counts when it ends; on the gRPC port, once its call has written it
+(runtime/outcome.when_delivered, server/grpc/send_deadline.py).
 """
 
 from __future__ import annotations
@@ -29,35 +30,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextvars import ContextVar
 
-CANCELLED = "cancelled"
+from surge.runtime.outcome import CANCELLED, Delivery
 
 _CURRENT: ContextVar[Delivery | None] = ContextVar("surge_delivery", default=None)
-
-
-class Delivery:
-    """One response's fate: None once its last byte is in the kernel, else the failure code its generations
-    count under ("cancelled": the connection was lost first; "internal_error": the route failed after them)."""
-
-    __slots__ = ("_waiting", "code", "settled")
-
-    def __init__(self):
-        self.settled = False
-        self.code: str | None = None
-        self._waiting: list[Callable[[str | None], None]] = []
-
-    def then(self, callback: Callable[[str | None], None]) -> None:
-        if self.settled:
-            callback(self.code)
-        else:
-            self._waiting.append(callback)
-
-    def settle(self, code: str | None) -> None:
-        if self.settled:
-            return
-        self.settled, self.code = True, code
-        waiting, self._waiting = self._waiting, []
-        for callback in waiting:
-            callback(code)
 
 
 def on_delivery(callback: Callable[[str | None], None]) -> bool:

@@ -13,7 +13,7 @@ import orjson
 from fastapi.responses import StreamingResponse
 
 from surge.errors import InvalidInput, SurgeError, WrongTask
-from surge.runtime.outcome import count_failures
+from surge.runtime.outcome import count_failures, when_delivered
 from surge.runtime.scheduler import SamplingParams
 from surge.server.http.delivery import on_delivery
 
@@ -184,7 +184,8 @@ def _outcome(service):
 def _answered(state, service, out, elapsed: int, res) -> None:
     """A generation that ended well (`res`: its result or last delta, `elapsed` ns after it began): counted
     answered (latency, KServe statistics) once the HTTP response carrying it is delivered, or a failure
-    under the code of its loss (server/http/delivery.py); at once where no response is watched (gRPC)."""
+    under the code of its loss (server/http/delivery.py); on the gRPC port once its call has written it, or
+    "cancelled" where it was cut first (runtime/outcome.when_delivered); at once where no answer is watched."""
 
     def settle(code: str | None) -> None:
         if code is not None:  # its client never got it: as one that left while it was computed
@@ -198,7 +199,7 @@ def _answered(state, service, out, elapsed: int, res) -> None:
                                           getattr(res, "timings", None), bool(getattr(res, "cached", False)),
                                           _cache_enabled(service))
 
-    if not on_delivery(settle):
+    if not on_delivery(settle) and not when_delivered(settle):
         settle(None)
 
 
