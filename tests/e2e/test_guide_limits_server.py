@@ -7,8 +7,14 @@ failed before its fix (session 48's security review):
   only asked whether a first token exists. Each of the request's `n` sequences then built the guide's lexer
   from scratch in the engine's step (~0.8 s of CPU each, every other stream waiting: n=8 held a neighbour's
   2-token answer ~8 s), and the request got a misleading 400 ("left no token", param `prompt`). Now the check
-  also takes the guide past its first token: a 400 naming the field and the parser's reason, and the engine
-  never sees the request (counted: no failed generation step in the server's log).
+  also takes the guide past its first token: a 400 naming the field and the reason, and the engine
+  never sees the request (counted: no failed generation step in the server's log);
+- llguidance's mask costs each sequence time in proportion to the text its guide forces next (~0.15 us a
+  byte, every step): one 250 KB choice, a JSON `const` or a regex `a{500}{500}` cost ~40-150 ms per sequence
+  per step of the engine, every stream waiting (n=8 and 40 tokens held neighbours' answers 1-3 s each, the
+  request 16 s). A guide that forces more than MAX_FORCED_BYTES at its start is a 400 naming its field; one
+  that gets there later (an alternative the model takes) fails its own sequences in the engine, before their
+  mask is computed, and nobody else's.
 """
 
 from __future__ import annotations
@@ -40,8 +46,8 @@ def _failed_steps(srv) -> int:
 
 
 @pytest.mark.parametrize("field, value, limit", [
-    ("guided_regex", "xa{1000}{1000}", "lexer"),
-    ("guided_grammar", "start: /xa{1000}{1000}/", "lexer"),
+    ("guided_regex", "xa{1000}{1000}", "forces"),  # past the first token: 1 MB forced (the lexer gives up there)
+    ("guided_grammar", "start: /xa{1000}{1000}/", "forces"),
     ("guided_choice", [f"c{i}x" for i in range(20_000)], "items"),
 ], ids=["regex", "grammar", "choice"])
 def test_a_guide_past_the_parsers_limits_is_refused_before_the_engine(server, field, value, limit):
@@ -75,3 +81,56 @@ def test_guides_within_the_limits_still_hold_the_answer(server):
         else:
             assert all(t in ("abb", "abbb") for t in texts), texts
     assert json.loads(httpx.get(server.url + "/health", timeout=30).text or "{}") is not None
+
+
+@pytest.mark.parametrize("field, value", [
+    ("guided_choice", ["a" * 250_000]),
+    ("guided_regex", "a{500}{500}"),
+    ("guided_json", {"const": "a" * 250_000}),
+], ids=["choice", "regex", "json"])
+def test_a_guide_forcing_a_long_text_is_refused_before_the_engine(server, field, value):
+    from surge.runtime.guided import MAX_FORCED_BYTES
+
+    before = _failed_steps(server)
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=120,
+                   json={"model": NAME, "messages": ASK, "max_tokens": 40, "n": 8, field: value})
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert err["param"] == field and f"{MAX_FORCED_BYTES:,}" in err["message"], err
+    assert _failed_steps(server) == before
+    # one just under the bound is still held
+    ok = httpx.post(server.url + "/v1/chat/completions", timeout=120,
+                    json={"model": NAME, "messages": ASK, "max_tokens": 3, "guided_choice": ["a" * (MAX_FORCED_BYTES - 8)]})
+    assert ok.status_code == 200 and set(ok.json()["choices"][0]["message"]["content"]) == {"a"}, ok.text[:300]
+
+
+def test_a_long_forced_text_reached_later_fails_its_own_sequences_only(server):
+    """`a|ba{500}{500}` forces nothing at its start, and the check's first token (`a`) ends it; a logit bias
+    makes the model take the `b` branch, which forces ~250 KB: its sequences fail (400) in the engine (a failed
+    step in the log) before their masks are computed again; a neighbour generating beside them answers in full."""
+    import threading
+
+    def token(text):
+        ids = httpx.post(server.url + "/tokenize", json={"model": NAME, "prompt": text, "add_special_tokens": False},
+                         timeout=30).json()["tokens"]
+        assert len(ids) == 1
+        return ids[0]
+
+    assert token("a") < token("b")  # the check takes the first token the guide accepts: `a`
+    got = {}
+
+    def neighbour():
+        got["r"] = httpx.post(server.url + "/v1/chat/completions", timeout=120,
+                              json={"model": NAME, "messages": ASK, "max_tokens": 30, "ignore_eos": True})
+
+    before = _failed_steps(server)
+    t = threading.Thread(target=neighbour)
+    t.start()
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=120,
+                   json={"model": NAME, "messages": ASK, "max_tokens": 40, "n": 4,
+                         "guided_regex": "a|ba{500}{500}", "logit_bias": {str(token("b")): 100}})
+    t.join()
+    assert r.status_code == 400, r.text[:300]
+    assert "forces" in r.json()["error"]["message"], r.text[:300]
+    assert _failed_steps(server) > before  # the engine's backstop, not the check
+    assert got["r"].status_code == 200 and got["r"].json()["usage"]["completion_tokens"] == 30, got["r"].text

@@ -30,6 +30,12 @@ LARGE_KEPT = 4  # of larger ones, the last this many
 # Guides whose built matcher a process keeps to copy for their sequences (Guides.matcher): a matcher holds its
 # lexer's states, up to llguidance's limits
 MATCHERS_KEPT = 32
+# The most text a guide may force at once (llguidance's fast-forward bytes): its masks cost every step in
+# proportion to it (~0.15 us a byte, per sequence), so that one 250 KB choice, JSON `const` or regex
+# `a{500}{500}` cost each of a request's sequences 40-150 ms of every engine step, every stream waiting.
+MAX_FORCED_BYTES = 8192
+FORCED = (f"it is past the structured-output limits: it forces a text of more than {MAX_FORCED_BYTES:,} bytes at "
+          "once (its masks cost every step in proportion to it); write long fixed text into the prompt instead")
 ANY_OBJECT = json.dumps({"type": "object"})
 # JSON written as json.dumps writes it (", " and ": ", no other whitespace), the form models mostly saw:
 # with whitespace left free a weak model can fill max_tokens with newlines, and compact separators
@@ -166,6 +172,8 @@ class Guides:
         import llguidance
 
         m = llguidance.LLMatcher(self.tokenizer, g, log_level=0)
+        if _forces_too_much(m):
+            return FORCED
         bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")
         if m.is_error():
             return _past_limits(m) if _too_complex(m) else CANNOT_START
@@ -178,6 +186,8 @@ class Guides:
         if first is None:
             return CANNOT_START
         m.consume_token(first)
+        if _forces_too_much(m):
+            return FORCED
         m.compute_bitmask()
         return _past_limits(m) if m.is_error() and _too_complex(m) else None
 
@@ -236,6 +246,7 @@ class Guides:
         out = np.empty((len(matchers), words), dtype=np.int32)
         live = []
         for i, m in enumerate(matchers):
+            m.bound()
             if m.error is not None:
                 out[i] = m.mask()
             else:
@@ -251,6 +262,12 @@ class Guides:
 
 CANNOT_START = ("no token of this model's vocabulary can start an answer that matches it (the tokenizer cannot "
                 "write the characters the constraint begins with)")
+
+
+def _forces_too_much(m) -> bool:
+    """Whether the text a matcher's guide forces next is longer than MAX_FORCED_BYTES (False in an error state:
+    the caller's check says why)."""
+    return not m.is_error() and len(m.compute_ff_bytes()) > MAX_FORCED_BYTES
 
 
 LIMIT_WORDS = ("too many", "max is", "fuel", "too complex", "toocomplex")
@@ -289,9 +306,17 @@ class Matcher:
         an error state (the sampler only picks allowed tokens, so only a grammar too costly for the
         parser's limits gets there) allows the end-of-sequence tokens only, which it then rejects: the sampler
         fails the sequence (GuideRejected) rather than end an answer that breaks its format."""
+        self.bound()
         if self.error is not None:
             return self._eos_only
         return np.frombuffer(self._m.compute_bitmask(), dtype=np.int32)[: self.words]
+
+    def bound(self) -> None:
+        """Put the matcher in an error state when its guide now forces more than MAX_FORCED_BYTES (an
+        alternative the answer took): its mask then allows only the end, which it rejects, and the sampler
+        fails its sequence alone (GuideRejected), before that text's masks cost every step (session 48)."""
+        if self._m is not None and _forces_too_much(self._m):
+            self._m, self._error = None, FORCED
 
     def consume(self, token: int) -> bool:
         """Whether the guide accepts `token` (False: the matcher is in an error state from now on)."""
