@@ -16,7 +16,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from surge.runtime.scheduler import Scheduler, SchedulerConfig, Sequence, SeqStatus
+from surge.runtime.guided import MAX_FORCED_BYTES
+from surge.runtime.scheduler import Scheduler, SchedulerConfig, SeqStatus, Sequence
 from surge.runtime.scheduler.adapters import PENDING, AdapterSlots
 from surge.runtime.scheduler.draft_model import DraftModelProposer
 from surge.runtime.scheduler.ngram import NgramProposer
@@ -220,7 +221,8 @@ class EngineLoop:
             return results, [q.seq_id for q in failed], INVALID, (
                 "the structured-output constraint left no token to continue the answer: the request's own "
                 "allowed_token_ids, bad_words or logit_bias (or this model's vocabulary) exclude every token its "
-                "format allows next")
+                "format allows next, or the format goes past the parser's limits there (it forces more than "
+                f"{MAX_FORCED_BYTES:,} bytes at once, or is too complex)")
         return results, [q.seq_id for q in failed], ENGINE, \
             f"generation failed ({type(exc).__name__}); the server's log has the details"
 

@@ -27,6 +27,15 @@ from surge.errors import InvalidInput
 KINDS = ("json", "regex", "choice", "grammar")
 CACHED_CHARS = 64 * 1024  # the largest guide text whose compiled grammar a process keeps (Guides._compiled)
 LARGE_KEPT = 4  # of larger ones, the last this many
+# Guides whose built matcher a process keeps to copy for their sequences (Guides.matcher): a matcher holds its
+# lexer's states, up to llguidance's limits
+MATCHERS_KEPT = 32
+# The most text a guide may force at once (llguidance's fast-forward bytes): its masks cost every step in
+# proportion to it (~0.15 us a byte, per sequence), so that one 250 KB choice, JSON `const` or regex
+# `a{500}{500}` cost each of a request's sequences 40-150 ms of every engine step, every stream waiting.
+MAX_FORCED_BYTES = 8192
+FORCED = (f"it is past the structured-output limits: it forces a text of more than {MAX_FORCED_BYTES:,} bytes at "
+          "once (its masks cost every step in proportion to it); write long fixed text into the prompt instead")
 ANY_OBJECT = json.dumps({"type": "object"})
 # JSON written as json.dumps writes it (", " and ": ", no other whitespace), the form models mostly saw:
 # with whitespace left free a weak model can fill max_tokens with newlines, and compact separators
@@ -115,6 +124,8 @@ class Guides:
         self._large: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
         self._executor = None
+        self._prototypes: OrderedDict = OrderedDict()  # guide -> its never-advanced matcher (matcher())
+        self.built = 0  # matchers built from a grammar (the others are copies)
 
     def _compiled(self, guide: tuple[str, str]) -> tuple[str | None, str | None]:
         """_compile's answer, kept for guides of at most CACHED_CHARS: 256 kept guides of 2 MB (a request's
@@ -143,28 +154,42 @@ class Guides:
         message = llguidance.LLMatcher.validate_grammar(g, self.tokenizer)
         if message and not message.startswith("WARNING"):
             return None, message.strip()
-        if not self._can_start(g if guide[0] != "reasoned" else grammar(tuple(json.loads(guide[1])[1:]))):
-            return None, ("no token of this model's vocabulary can start an answer that matches it (the "
-                          "tokenizer cannot write the characters the constraint begins with)")
+        why = self._first_steps(g if guide[0] != "reasoned" else grammar(tuple(json.loads(guide[1])[1:])))
+        if why is not None:
+            return None, why
         return g, None
 
-    def _can_start(self, g: str) -> bool:
-        """Whether some token of the vocabulary can begin an answer of grammar `g` (or the empty answer
-        matches it). A grammar this tokenizer cannot write (JSON on a vocabulary without `{`) leaves llguidance
-        an error, or a first mask whose tokens its parser then rejects: the answer would be cut at its first
-        token and end as if it were complete. A reasoned guide is checked on its grammar after the thinking."""
+    def _first_steps(self, g: str) -> str | None:
+        """None when the answer's first steps of grammar `g` work, else why not: no token of the vocabulary can
+        begin an answer of it (and the empty answer does not match it), or llguidance's parser gives up within
+        its first two tokens (its lexer or row limits). A grammar this tokenizer cannot write (JSON on a
+        vocabulary without `{`) leaves llguidance an error, or a first mask whose tokens its parser then
+        rejects: the answer would be cut at its first token and end as if it were complete. A grammar past the
+        parser's limits (a regex `x a{1000}{1000}`, 20,000 choices) cost each sequence of the request ~1 s of
+        the engine's step, every other stream waiting, before failing it (session 48): the front end pays it
+        here, once, on its preparation thread, and refuses it. A reasoned guide is checked on its grammar after
+        the thinking."""
         import llguidance
 
         m = llguidance.LLMatcher(self.tokenizer, g, log_level=0)
+        if _forces_too_much(m):
+            return FORCED
         bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")
         if m.is_error():
-            return False
+            return _past_limits(m) if _too_complex(m) else CANNOT_START
         if m.is_accepting():
-            return True
+            return None
         # the first mask over-approximates here (`\{[a-z]+\}` without `{` lets every letter through): each
         # allowed token is tried, ~1 us each, stopping at the first one taken (at once, for a grammar it can write)
-        return any(m.validate_tokens([t]) == 1 for t in np.flatnonzero(bits[: self.vocab_size]).tolist()
-                   if t not in self.eos)
+        first = next((t for t in np.flatnonzero(bits[: self.vocab_size]).tolist()
+                      if t not in self.eos and m.validate_tokens([t]) == 1), None)
+        if first is None:
+            return CANNOT_START
+        m.consume_token(first)
+        if _forces_too_much(m):
+            return FORCED
+        m.compute_bitmask()
+        return _past_limits(m) if m.is_error() and _too_complex(m) else None
 
     def literal(self, text: str) -> str:
         """`text` as a Lark literal that matches how the model writes it: a token llguidance counts as
@@ -190,8 +215,26 @@ class Guides:
         if not self.eos:
             raise ValueError("matchers need the model's end-of-sequence tokens")
         g, error = self._compiled(guide)
-        m = None if error is not None else llguidance.LLMatcher(self.tokenizer, g, log_level=0)
-        return Matcher(m, self.vocab_size, self.eos, error)
+        if error is not None:
+            return Matcher(None, self.vocab_size, self.eos, error)
+        # A copy of the guide's one built matcher: llguidance's copies share the lexer's states (each its own
+        # place in the answer), so a request's n choices, and later requests with the same guide, pay the
+        # lexer's first build once, not once each in the engine's step where every stream waits (session 48:
+        # `a{500}{500}`, ~0.3 s a build, n=16 held a neighbour's answer 5.5 s).
+        with self._lock:  # matchers are built on the sampler's threads
+            proto = self._prototypes.get(guide)
+            if proto is None:
+                proto = self._prototypes[guide] = llguidance.LLMatcher(self.tokenizer, g, log_level=0)
+                self.built += 1
+                large = [k for k in self._prototypes if len(k[1]) > CACHED_CHARS]  # as _compiled: few kept
+                for k in large[: max(0, len(large) - LARGE_KEPT)]:
+                    del self._prototypes[k]
+                while len(self._prototypes) > MATCHERS_KEPT:
+                    self._prototypes.popitem(last=False)
+            else:
+                self._prototypes.move_to_end(guide)
+            m = proto.deep_copy()
+        return Matcher(m, self.vocab_size, self.eos)
 
     def masks(self, matchers: list["Matcher"]) -> np.ndarray:
         """The next tokens' masks of several sequences ([rows, words] int32, Matcher.mask's layout),
@@ -203,6 +246,7 @@ class Guides:
         out = np.empty((len(matchers), words), dtype=np.int32)
         live = []
         for i, m in enumerate(matchers):
+            m.bound()
             if m.error is not None:
                 out[i] = m.mask()
             else:
@@ -214,6 +258,34 @@ class Guides:
                 self._executor = llguidance.LLExecutor()
             fill_next_token_bitmask_par(self._executor, live, out)
         return out
+
+
+CANNOT_START = ("no token of this model's vocabulary can start an answer that matches it (the tokenizer cannot "
+                "write the characters the constraint begins with)")
+
+
+def _forces_too_much(m) -> bool:
+    """Whether the text a matcher's guide forces next is longer than MAX_FORCED_BYTES (False in an error state:
+    the caller's check says why)."""
+    return not m.is_error() and len(m.compute_ff_bytes()) > MAX_FORCED_BYTES
+
+
+LIMIT_WORDS = ("too many", "max is", "fuel", "too complex", "toocomplex")
+
+
+def _too_complex(m) -> bool:
+    """Whether a matcher stopped at llguidance's parser limits ("lexer error: too many expressions constructed",
+    "Current row has 20001 items; max is 2000", ...), not at what its grammar or the vocabulary allow."""
+    text = ((m.get_error() or "").strip().splitlines() or [""])[0].lower()
+    return any(w in text for w in LIMIT_WORDS)
+
+
+def _past_limits(m) -> str:
+    """A matcher's error as a request's message: its first line (llguidance appends its state and the whole
+    grammar, which a client gave and does not need back)."""
+    first = (m.get_error() or "").strip().splitlines()[:1]
+    return ("it is past the structured-output parser's limits (" + (first[0] if first else "unknown error")
+            + "): simplify it (fewer alternatives, smaller repetition counts)")
 
 
 class Matcher:
@@ -234,9 +306,17 @@ class Matcher:
         an error state (the sampler only picks allowed tokens, so only a grammar too costly for the
         parser's limits gets there) allows the end-of-sequence tokens only, which it then rejects: the sampler
         fails the sequence (GuideRejected) rather than end an answer that breaks its format."""
+        self.bound()
         if self.error is not None:
             return self._eos_only
         return np.frombuffer(self._m.compute_bitmask(), dtype=np.int32)[: self.words]
+
+    def bound(self) -> None:
+        """Put the matcher in an error state when its guide now forces more than MAX_FORCED_BYTES (an
+        alternative the answer took): its mask then allows only the end, which it rejects, and the sampler
+        fails its sequence alone (GuideRejected), before that text's masks cost every step (session 48)."""
+        if self._m is not None and _forces_too_much(self._m):
+            self._m, self._error = None, FORCED
 
     def consume(self, token: int) -> bool:
         """Whether the guide accepts `token` (False: the matcher is in an error state from now on)."""
