@@ -90,7 +90,7 @@ class _Corked:
     handed to the real transport, and a write that leaves some of them buffered (the client's window is
     full) arms the connection's send deadline (`deadline`: server/http/conn_guard.SendDeadline)."""
 
-    __slots__ = ("_t", "_loop", "_buf", "written", "deadline")
+    __slots__ = ("_t", "_loop", "_buf", "written", "deadline", "closed")
 
     def __init__(self, transport, loop):
         self._t = transport
@@ -98,6 +98,9 @@ class _Corked:
         self._buf: list[bytes] = []
         self.written = 0
         self.deadline = None
+        # closed by the server (uvicorn after a `Connection: close` answer), not aborted: a transport closed so
+        # reports the loss (connection_lost(None)) only once its buffer is all the kernel's
+        self.closed = False
 
     def write(self, data) -> None:
         if not self._buf:
@@ -121,6 +124,7 @@ class _Corked:
 
     def close(self) -> None:
         self._flush()
+        self.closed = True
         self._t.close()
 
     def write_eof(self) -> None:
@@ -129,6 +133,7 @@ class _Corked:
 
     def abort(self) -> None:
         self._buf.clear()
+        self.closed = False  # what the buffer held is dropped
         self._t.abort()
 
     def get_write_buffer_size(self) -> int:
@@ -154,18 +159,20 @@ class DisconnectWatch:
     The hot path (server/http/hotpath.py) registers one per request instead of a task awaiting
     `receive()` for the disconnect (a task, an Event wait and a cancel per request)."""
 
-    __slots__ = ("_sent", "callbacks", "lost")
+    __slots__ = ("_sent", "callbacks", "lost", "flushed")
 
     def __init__(self, sent=None):
         self.lost = False
+        self.flushed = False  # lost only after every byte written on it was the kernel's (the server closed it)
         self.callbacks: set = set()
         self._sent = sent  # the protocol's _when_sent
 
     def when_sent(self, callback) -> None:
         """`callback(True)` once every byte written on the connection so far has been handed to the kernel
-        (at once when it has), `callback(False)` if the connection is lost first (server/http/delivery.py)."""
+        (at once when it has, or when the server has closed the connection after flushing it: a `Connection:
+        close` answer), `callback(False)` if the connection is lost first (server/http/delivery.py)."""
         if self.lost:
-            callback(False)
+            callback(self.flushed)
         elif self._sent is None:
             callback(True)
         else:
@@ -400,11 +407,17 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
         sending = getattr(self.transport, "deadline", None)
         if sending is not None:
             sending.close()
+        # Lost with no error after the server's own close (not an abort): the transport reports that only once
+        # its buffer is all the kernel's, so what waits for that was sent. The race it settles: uvicorn closes
+        # a `Connection: close` connection right after the answer's last write, and when the kernel takes that
+        # write whole the loss comes in the next loop pass, before a held answer asks when_sent.
+        flushed = exc is None and getattr(self.transport, "closed", False)
+        self.watch.flushed = flushed
         super().connection_lost(exc)
         self.watch.fire()
         waiters, self._sent_waiters = self._sent_waiters, None
-        for callback in waiters or ():  # what they wait for was not all sent
-            callback(False)
+        for callback in waiters or ():  # what they wait for was sent only if the close flushed it
+            callback(flushed)
 
     def _sibling(self) -> "CorkedHttpToolsProtocol":
         """A protocol like this one for a connection handed back by the engine process."""
