@@ -124,6 +124,7 @@ def test_a_long_forced_text_reached_later_fails_its_own_sequences_only(server):
                               json={"model": NAME, "messages": ASK, "max_tokens": 30, "ignore_eos": True})
 
     before = _failed_steps(server)
+    log_before = len(server.output(tail=1 << 30))
     t = threading.Thread(target=neighbour)
     t.start()
     r = httpx.post(server.url + "/v1/chat/completions", timeout=120,
@@ -133,4 +134,7 @@ def test_a_long_forced_text_reached_later_fails_its_own_sequences_only(server):
     assert r.status_code == 400, r.text[:300]
     assert "forces" in r.json()["error"]["message"], r.text[:300]
     assert _failed_steps(server) > before  # the engine's backstop, not the check
+    # the request's own fault: logged in a line naming its sequences, not a traceback a client can repeat at will
+    logged = server.output(tail=1 << 30)[log_before:]
+    assert "failed by their own request" in logged and "Traceback" not in logged, logged[-4000:]
     assert got["r"].status_code == 200 and got["r"].json()["usage"]["completion_tokens"] == 30, got["r"].text

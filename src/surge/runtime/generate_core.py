@@ -207,7 +207,12 @@ class EngineLoop:
         """A step raised: its sequences run again alone (StepLoop.contain), those found at fault fail (aborted
         here). -> (the results gathered before the exception, handed out as any step's; the failed sequences'
         ids, to report after those results; their error's kind and text)."""
-        log.exception("generation step failed")
+        culprits = getattr(exc, "seq_ids", None)
+        if culprits:  # a request's own fault (a guide its own fields contradict): one line, not a traceback a
+            # client could have the log repeat at will
+            log.warning("generation step: sequence(s) %s failed by their own request: %s", sorted(culprits), exc)
+        else:
+            log.exception("generation step failed")
         results, failed = self.loop.contain(exc)
         for seq in failed:
             self.scheduler.abort(seq, "error")
@@ -217,7 +222,7 @@ class EngineLoop:
                     len(self.scheduler.quarantine), len(failed))
         # A failed request gets this text, not the exception's own words (a path, a shape, another request's
         # token): those stay in the log.
-        if getattr(exc, "seq_ids", None):  # the rows' own requests at fault (the sampler's GuideRejected): a 400
+        if culprits:  # the rows' own requests at fault (the sampler's GuideRejected): a 400
             return results, [q.seq_id for q in failed], INVALID, (
                 "the structured-output constraint left no token to continue the answer: the request's own "
                 "allowed_token_ids, bad_words or logit_bias (or this model's vocabulary) exclude every token its "
