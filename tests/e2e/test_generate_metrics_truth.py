@@ -14,8 +14,8 @@ import pytest
 pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 
-from tests.decoder_models import build_model  # noqa: E402
 from tests import metrics_scrape  # noqa: E402
+from tests.decoder_models import build_model  # noqa: E402
 from tests.metrics_scrape import delta, total  # noqa: E402
 from tests.server_process import ServerProcess  # noqa: E402
 
@@ -27,10 +27,13 @@ def scrape(url: str) -> dict[tuple, float]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model_dir = build_model("qwen2", tmp_path_factory.mktemp("chatmodel") / MODEL, seed=4, hidden_size=128,
-                            intermediate_size=256, num_hidden_layers=3, num_attention_heads=8,
-                            num_key_value_heads=2)
+def model_dir(tmp_path_factory):
+    return build_model("qwen2", tmp_path_factory.mktemp("chatmodel") / MODEL, seed=4, hidden_size=128,
+                       intermediate_size=256, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
     with ServerProcess(str(model_dir), "--threads", "1") as srv:
         yield srv
 
@@ -65,3 +68,55 @@ def test_a_cached_generation_is_counted_as_a_request_that_finished(server, clien
     assert total(before, after, "surge_request_failures_total") == 0
     assert delta(before, after, "surge_request_latency_seconds_count") == 3
     assert delta(before, after, "surge_generate_requests_total", finish_reason="length") == 3
+
+
+SYSTEM = "You are a careful assistant. " * 6  # some whole KV blocks of prompt
+
+
+def _chats(client, n: int, **extra) -> list:
+    """`n` chats that share the system prompt (each its own question): their usage."""
+    return [client.chat.completions.create(model=MODEL, max_tokens=2, extra_body=extra or None, messages=[
+        {"role": "system", "content": SYSTEM}, {"role": "user", "content": f"question {i} {time.time_ns()}"}]).usage
+        for i in range(n)]
+
+
+def test_a_repeated_system_prompt_is_counted_as_prefix_cache_hits(server, client):
+    """The prefix cache's counters against the answers' usage: every prompt token looked up (the hit rate's
+    denominator: usage.prompt_tokens), the hits those its cached_tokens, which the system prompt's blocks
+    give from the second request on."""
+    before = scrape(server.url)
+    usage = _chats(client, 3)
+    after = scrape(server.url)
+    hits = sum(u.prompt_tokens_details.cached_tokens for u in usage)
+    assert usage[0].prompt_tokens_details.cached_tokens == 0 and hits > 0
+    assert delta(before, after, "surge_generate_prefix_cache_hit_tokens_total") == hits
+    assert delta(before, after, "surge_generate_prefix_cache_queried_tokens_total") == sum(u.prompt_tokens
+                                                                                           for u in usage)
+
+
+def test_a_prompt_that_skips_the_prefix_cache_is_not_counted_as_looked_up(server, client):
+    """A request for prompt_logprobs scores every prompt position, so it never looks its prompt up in the
+    prefix cache (cached_tokens 0, with the system prompt's blocks there): its tokens are not part of the
+    hit rate's denominator. They were, as misses: the hit rate read low by every such request's prompt."""
+    _chats(client, 1)  # the system prompt's blocks are in the cache
+    before = scrape(server.url)
+    usage = _chats(client, 2, prompt_logprobs=1)
+    after = scrape(server.url)
+    assert [u.prompt_tokens_details.cached_tokens for u in usage] == [0, 0]
+    assert delta(before, after, "surge_generate_prompt_tokens_total") == sum(u.prompt_tokens for u in usage)
+    assert delta(before, after, "surge_generate_prefix_cache_queried_tokens_total") == 0
+    assert delta(before, after, "surge_generate_prefix_cache_hit_tokens_total") == 0
+
+
+def test_with_prefix_caching_off_no_prompt_is_counted_as_looked_up(model_dir):
+    """--generation prefix_caching=false: nothing is looked up (a repeated system prompt gets cached_tokens 0),
+    so nothing is queried; every prompt token counted as queried made the hit rate a flat 0% where there is
+    no cache to hit."""
+    with ServerProcess(str(model_dir), "--threads", "1", "--generation", "prefix_caching=false") as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        before = scrape(srv.url)
+        usage = _chats(client, 2)
+        after = scrape(srv.url)
+    assert [u.prompt_tokens_details.cached_tokens for u in usage] == [0, 0]
+    assert delta(before, after, "surge_generate_prompt_tokens_total") == sum(u.prompt_tokens for u in usage)
+    assert delta(before, after, "surge_generate_prefix_cache_queried_tokens_total") == 0

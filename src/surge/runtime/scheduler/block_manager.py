@@ -71,12 +71,18 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # -- admission ---------------------------------------------------------------------------------
+    def looks_up(self, seq: Sequence) -> bool:
+        """Whether allocate_prefix looks `seq` up in the prefix cache: not with prefix caching off, nor for a
+        prompt whose positions are still to be scored (prompt logprobs: computed, never taken from the cache).
+        Only those tokens count as queried (the hit rate's denominator)."""
+        return self.prefix_caching and not seq.owes_prompt_logprobs
+
     def allocate_prefix(self, seq: Sequence) -> None:
         """Give a new (or preempted) sequence the cached blocks of its longest known prefix.
         At least one token is left to compute: its logits give the next token."""
         bs = self.block_size
         seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
-        if not self.prefix_caching or seq.owes_prompt_logprobs:
+        if not self.looks_up(seq):
             return
         parent = root_hash(seq)
         usable = (seq.num_tokens - 1) // bs

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from surge.runtime.scheduler.block_manager import BlockManager
 from surge.runtime.scheduler.launched_steps import LaunchedSteps
-from surge.runtime.scheduler.sequence import PLACEHOLDER, Sequence, SeqStatus
+from surge.runtime.scheduler.sequence import PLACEHOLDER, SeqStatus, Sequence
 from surge.runtime.scheduler.speculative_steps import SpeculativeSteps
 from surge.runtime.scheduler.step import Finished, ScheduledSeq
 
@@ -229,9 +229,10 @@ class Scheduler(LaunchedSteps, SpeculativeSteps):
         return [ScheduledSeq(seq, start, n, start + n == total)]
 
     def _start(self, seq: Sequence) -> None:
-        """An admitted sequence runs (its prefix-cache lookup counted)."""
-        self.blocks.queried_tokens += seq.num_tokens
-        self.blocks.hit_tokens += seq.num_cached_prompt
+        """An admitted sequence runs (its prefix-cache lookup counted, where it made one: BlockManager.looks_up)."""
+        if self.blocks.looks_up(seq):
+            self.blocks.queried_tokens += seq.num_tokens
+            self.blocks.hit_tokens += seq.num_cached_prompt
         seq.status = SeqStatus.RUNNING
         if not seq.scheduled_at:
             seq.scheduled_at = time.monotonic()
