@@ -25,9 +25,13 @@ DEPTH = 1000  # within what orjson parses, beyond what Python's recursion takes
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model = build_model("qwen2", tmp_path_factory.mktemp("deep") / "deep-qwen", seed=3, vocab=512, all_bytes=True)
-    with ServerProcess(str(model), "--threads", "1", "--generation", "tool_call_parser=hermes", grpc=False) as srv:
+def model_dir(tmp_path_factory):
+    return build_model("qwen2", tmp_path_factory.mktemp("deep") / "deep-qwen", seed=3, vocab=512, all_bytes=True)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with ServerProcess(str(model_dir), "--threads", "1", "--generation", "tool_call_parser=hermes", grpc=False) as srv:
         yield srv
 
 
@@ -85,8 +89,18 @@ def test_deep_tool_call_arguments_stay_the_string_they_were(server, client):
     assert "RecursionError" not in server.output(tail=1 << 20)
 
 
-def test_ordinary_nesting_still_works(client):
-    schema = json.loads(nested(20))  # a schema 20 objects deep: plainly valid, it compiles
-    r = client.post("/v1/chat/completions", content=CHAT + b'"guided_json":' + json.dumps(
-        {"type": "object", "properties": {"a": {"type": "integer"}}, "x-deep": schema}).encode() + b"}")
+def test_ordinary_nesting_still_works(client, model_dir):
+    """A schema 20 objects deep is plainly valid: it compiles, and the answer is held to it (transformers'
+    greedy `generate` held to the same schema by llguidance is the reference)."""
+    from tests.decoder_models import load_hf
+    from tests.guided_reference import hf_guided
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "x-deep": json.loads(nested(20))}
+    r = client.post("/v1/chat/completions", content=CHAT.replace(b'"max_tokens":2', b'"max_tokens":12')
+                    + b'"temperature":0,"guided_json":' + json.dumps(schema).encode() + b"}")
     assert r.status_code == 200, r.text[:300]
+    model, tok = load_hf(model_dir)
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True,
+                                  return_dict=False)
+    want = tok.decode(hf_guided(model, model_dir, ids, ("json", json.dumps(schema)), 12), skip_special_tokens=True)
+    assert r.json()["choices"][0]["message"]["content"] == want and want.lstrip().startswith("{"), (r.text, want)

@@ -114,13 +114,18 @@ def test_kserve_repository_index_unload_and_load(mini):
         assert cfg["max_batch_size"] == 8 and cfg["instance_group"][0]["count"] == 2
 
 
-def test_sigterm_drains_requests_in_flight(mini):
-    """Last in this module: it stops the server. Every request sent before SIGTERM is answered."""
+def test_sigterm_drains_requests_in_flight(mini, reference_embed, sentences):
+    """Last in this module: it stops the server. Every request sent before SIGTERM is answered, with its own
+    embedding (the transformers FP32 reference's)."""
+    texts = [f"{sentences[40 + k]} {time.time_ns()}" for k in range(12)]  # fresh: no answer comes from the cache
     statuses: list[int] = []
+    answers: dict[int, list[float]] = {}
 
     async def one(c: httpx.AsyncClient, k: int) -> None:
-        r = await c.post("/embed", json={"inputs": [f"in flight at SIGTERM {k} {time.time_ns()}"]})
+        r = await c.post("/embed", json={"inputs": [texts[k]]})
         statuses.append(r.status_code)
+        if r.status_code == 200:
+            answers[k] = r.json()["embeddings"][0]
 
     async def main():
         async with httpx.AsyncClient(base_url=mini.url, timeout=60) as c:
@@ -131,6 +136,8 @@ def test_sigterm_drains_requests_in_flight(mini):
 
     asyncio.run(main())
     assert statuses == [200] * 12, statuses
+    got = np.asarray([answers[k] for k in range(12)])
+    assert cosine_rows(got, reference_embed(texts)).min() > 0.99999
     # uvicorn re-raises the signal once it has shut down: the process ends by SIGTERM, after the drain
     assert mini.proc.wait(timeout=60) in (0, -signal.SIGTERM)
     assert "Traceback" not in mini.output(tail=100_000)

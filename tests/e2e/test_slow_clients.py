@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import socket
 import sys
+import uuid
 
 import httpx
+import numpy as np
 import pytest
 
 from surge.bench.servers import ServerProc, free_port
 from tests import raw_sockets
+from tests.conftest import cosine_rows
 from tests.e2e.repo_helpers import add_version
 from tests.server_process import ROOT, ServerProcess
 
@@ -96,11 +99,18 @@ def test_a_chunked_body_without_its_end_gets_408(server):
     assert status_of(raw) == 408, raw
 
 
-def test_complete_requests_on_a_kept_alive_connection_are_untouched(server):
+def test_complete_requests_on_a_kept_alive_connection_are_untouched(server, reference_embed, sentences):
+    texts = [f"{t} {uuid.uuid4().hex}" for t in sentences[20:23]]  # fresh: none is answered from the cache
+    streams = []
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
-        for _ in range(3):
-            r = c.post("/v1/embeddings", json={"model": "enc", "input": "kept alive"})
-            assert r.status_code == 200
+        got = []
+        for text in texts:
+            r = c.post("/v1/embeddings", json={"model": "enc", "input": text})
+            assert r.status_code == 200, r.text
+            got.append(r.json()["data"][0]["embedding"])
+            streams.append(r.extensions["network_stream"])
+    assert all(s is streams[0] for s in streams), streams  # one connection, kept alive across the three
+    assert cosine_rows(np.asarray(got), reference_embed(texts)).min() > 0.99999
 
 
 def test_connections_over_the_limit_get_503_at_once(server):

@@ -106,8 +106,11 @@ def test_gen_script_reproduces_checked_in_stubs(tmp_path):
     from importlib.metadata import version
 
     stamp = re.search(r"GRPC_GENERATED_VERSION = '([0-9.]+)'", (STUB_DIR / "grpc_service_pb2_grpc.py").read_text())
-    if version("grpcio-tools") != stamp.group(1):
-        pytest.skip(f"grpcio-tools {version('grpcio-tools')} installed; the stubs come from {stamp.group(1)}")
+    installed = version("grpcio-tools")
+    # Another minor release may write other code; a patch release writes the same code under its own stamp
+    # (pyproject leaves grpcio-tools unpinned, so an exact match skipped this test wherever pip took a newer patch).
+    if installed.split(".")[:2] != stamp.group(1).split(".")[:2]:
+        pytest.skip(f"grpcio-tools {installed} installed; the stubs come from {stamp.group(1)}")
     (tmp_path / "scripts").mkdir()
     shutil.copy(ROOT / "scripts" / "gen_grpc.sh", tmp_path / "scripts")
     out = tmp_path / "src" / "surge" / "server" / "grpc"
@@ -115,4 +118,6 @@ def test_gen_script_reproduces_checked_in_stubs(tmp_path):
     shutil.copy(STUB_DIR / "grpc_service.proto", out)
     subprocess.run(["bash", str(tmp_path / "scripts" / "gen_grpc.sh")], check=True, capture_output=True)
     for name in ("grpc_service_pb2.py", "grpc_service_pb2_grpc.py"):
-        assert (out / name).read_text() == (STUB_DIR / name).read_text(), f"{name} is stale: run scripts/gen_grpc.sh"
+        got = (out / name).read_text().replace(f"GRPC_GENERATED_VERSION = '{installed}'",
+                                               f"GRPC_GENERATED_VERSION = '{stamp.group(1)}'")
+        assert got == (STUB_DIR / name).read_text(), f"{name} is stale: run scripts/gen_grpc.sh"

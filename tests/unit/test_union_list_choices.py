@@ -49,9 +49,10 @@ def test_a_long_value_that_no_choice_takes_makes_one_error_a_choice(model, field
 
 @pytest.mark.parametrize("model,field,rest", MODELS, ids=[m[0].__name__ for m in MODELS])
 def test_valid_long_values_validate_to_the_same_lists(model, field, rest):
-    for value in ([7] * N, [[7, 8]] * N, ["a b"] * N):
-        try:
-            got = getattr(model.model_validate({**rest, field: value}), field)
-        except ValidationError:
-            continue  # a shape this model does not take (DecodeRequest: texts)
+    values = [[7] * N, [[7, 8]] * N, ["a b"] * N]
+    if model is DecodeRequest:  # ids only: texts are a shape it does not take
+        with pytest.raises(ValidationError):
+            model.model_validate({**rest, field: values.pop()})
+    for value in values:
+        got = getattr(model.model_validate({**rest, field: value}), field)
         assert got == value and type(got) is list
