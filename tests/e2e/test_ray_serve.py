@@ -8,7 +8,6 @@ ORT thread per replica so that it fits a 2-core CI machine.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import shutil
 import signal
@@ -29,11 +28,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 MODEL = "all-MiniLM-L6-v2"
 APP = "surge-test"
-
-
-def _runtime_has_redis_tier() -> bool:
-    """The shared Redis tier comes from the runtime (runtime/cache_redis.py, branch `runtime`)."""
-    return importlib.util.find_spec("surge.runtime.cache_redis") is not None
 
 
 @pytest.fixture(scope="module")
@@ -248,8 +242,6 @@ def test_killing_a_replica_under_load_loses_no_request(cluster, single, sentence
 
 
 @pytest.mark.redis
-@pytest.mark.skipif(not _runtime_has_redis_tier(),
-                    reason="the shared Redis cache tier (runtime/cache_redis.py, branch `runtime`) is not merged yet")
 def test_a_query_computed_on_one_replica_is_a_cache_hit_on_the_other(cluster, redis_url, single, sentences):
     if redis_url is None:
         pytest.skip("redis-server is not installed")
@@ -271,8 +263,6 @@ def test_a_query_computed_on_one_replica_is_a_cache_hit_on_the_other(cluster, re
     np.testing.assert_allclose(np.array(r.json()["embeddings"], dtype=np.float32), single([text]), atol=2e-5)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("surge.server.http.kserve") is None,
-                    reason="the KServe v2 routes (server/http/kserve.py, branch `kserve`) are not merged yet")
 def test_kserve_v2_routes_cross_the_ingress(cluster, single, sentences):
     texts = sentences[50:53]
     with httpx.Client(base_url=cluster, timeout=60) as client:
