@@ -1103,3 +1103,35 @@ def test_decoder_graphs_are_captured_while_another_engine_serves(qwen_dir, model
                       cuda_graphs=False)
     got, _ = _run_overlapped(a, prompts, 12, steps=4)
     assert got == _run(b, prompts, 12)
+
+
+def test_a_capture_survives_the_collector_freeing_an_earlier_engine(qwen_dir):
+    """An engine whose CUDA graphs only the garbage collector frees (left in a reference cycle, as a test's or a
+    retired model's can be), collected while another engine captures its graphs (collections made frequent): the
+    capture must not fail (engines/graph_capture.capture: no automatic collection while a capture is open), and the
+    new engine's greedy tokens are the eager engine's."""
+    import gc
+
+    from surge.engines.decoder import DecoderEngine
+
+    def engine(**kw):
+        return DecoderEngine(qwen_dir, device="cuda", dtype="fp32", num_blocks=512, max_num_seqs=16,
+                             max_model_len=512, **kw)
+
+    for _ in range(3):  # a few engines' graphs and pools waiting for the collector
+        old = engine(decode_steps=4)
+        old.warmup()
+        cycle = {"engine": old}
+        cycle["self"] = cycle
+        del old, cycle
+    threshold = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)  # a full collection within a few allocations: inside the captures below
+    try:
+        new = engine(decode_steps=4)
+        new.warmup()
+    finally:
+        gc.set_threshold(*threshold)
+        gc.collect()
+    prompts = _prompts(384, 6)
+    got, _ = _run_overlapped(new, prompts, 12, steps=4)
+    assert got == _run(engine(cuda_graphs=False), prompts, 12)
