@@ -65,3 +65,15 @@ def test_few_large_guides_builds_are_kept():
     for k in range(3 * LARGE_KEPT):
         guides.matcher(("grammar", f'start: "a" | "{k}"\n' + "// " + "x" * CACHED_CHARS + "\n"))
     assert len(guides._prototypes) == LARGE_KEPT
+
+
+def test_a_grammar_past_the_parsers_symbol_bound_is_refused_as_such(guides):
+    """30,000 rules in sequence pass llguidance's validation, then its parser panics on its symbol bound at the
+    first mask: the request's error says the guide is past the parser's limits, not that no token can start it."""
+    from surge.errors import InvalidInput
+
+    n = 30_000
+    text = "start: " + " ".join(f"r{i}" for i in range(n)) + "\n" + "\n".join(f'r{i}: "a" | "b"' for i in range(n))
+    with pytest.raises(InvalidInput) as err:
+        guides.check(guide_for("grammar", text, "guided_grammar"), "guided_grammar")
+    assert "parser's limits" in err.value.message and "can start" not in err.value.message, err.value.message

@@ -270,7 +270,8 @@ def _forces_too_much(m) -> bool:
     return not m.is_error() and len(m.compute_ff_bytes()) > MAX_FORCED_BYTES
 
 
-LIMIT_WORDS = ("too many", "max is", "fuel", "too complex", "toocomplex")
+LIMIT_WORDS = ("too many", "max is", "fuel", "too complex", "toocomplex", "panic")  # a panic: an internal bound
+# (a grammar of 30,000 rules: "assertion failed: grammar.symbols.len() < u16::MAX ..."), not the vocabulary
 
 
 def _too_complex(m) -> bool:
