@@ -190,14 +190,29 @@ def test_latency_gate_refuses_an_artifact_not_faster_than_asked(tmp_path, senten
     serving = m["serving"]
     assert set(serving["ms_per_query"]) == {str(s) for s in SIZES}
     assert serving["max_batch_size"] == choose({int(k): v for k, v in serving["ms_per_query"].items()})
-    m["serving"]["max_batch_size"] = 5  # a value no default gives, so the assertion below can fail
+    # The engine layout is measured at that batch size on this process's cores (optimize/serving_layout.py), and
+    # `surge serve --artifact` runs its engines so unless threads or instances are set.
+    from surge.optimize import serving_layout
+
+    layout = serving["layout"]
+    rows = {(r["threads"], r["instances"]): r["ms"] for r in layout["ms_per_query"]}
+    cores = serving_layout.usable_cores()
+    assert set(rows) == set(serving_layout.layouts(cores)) and layout["cores"] == cores
+    assert layout["batch_size"] == serving["max_batch_size"]
+    assert (serving["threads"], serving["instances"]) == serving_layout.choose(rows)
+    assert serving_layout.layout_hint(out) == {"threads": serving["threads"], "instances": serving["instances"],
+                                               "cores": cores}
+    # values no default gives, so the assertions below can fail
+    m["serving"].update(max_batch_size=5, threads=1, instances=3)
     (out / "manifest.json").write_text(json.dumps(m))
     art_spec = load_model_spec(out)
-    for given, expected in ((ServerConfig(cache_dir=CACHE_DIR, engine=EngineConfig(threads=1)), 5),
-                            (ServerConfig(cache_dir=CACHE_DIR, engine=EngineConfig(threads=1),
-                                          batching=BatchingConfig(max_batch_size=7)), 7)):
+    for given, expected, layout in ((ServerConfig(cache_dir=CACHE_DIR, engine=EngineConfig(threads=1)), 5, (1, 1)),
+                                    (ServerConfig(cache_dir=CACHE_DIR, batching=BatchingConfig(max_batch_size=7)), 7,
+                                     (1, 3))):
         service = load_service(given, art_spec, artifact=out)
         try:
             assert service.batcher.max_batch_size == expected
+            engines = service.worker.engines.engines
+            assert (engines[0].threads, len(engines)) == layout
         finally:
             asyncio.run(service.close())

@@ -74,6 +74,7 @@ def load_service(config: ServerConfig, spec: ModelSpec, version: str = "1", engi
     # Before any export: a model surge cannot serve fails the start naming its architecture.
     check_servable(spec.task_info, spec.model_type, spec.path)
     artifact = artifact or resolve_artifact(spec, engine, config.cache_dir, backbone=bool(heads))
+    engine = _artifact_layout(engine, artifact)
     batching = _artifact_batch_cap(batching or config.batching, artifact)
     worker = build_worker(spec, artifact, engine, heads=heads, batch_tokens=batching.max_batch_tokens)
     service = ModelService(spec.name, version, worker, batching=batching,
@@ -97,6 +98,25 @@ def _artifact_batch_cap(batching, artifact: Path | None):
     print(f"surge: batches capped at {hint}, the serving batch size measured by `surge optimize` for {artifact} "
           "(--max-batch-size overrides)", file=sys.stderr, flush=True)
     return batching.model_copy(update={"max_batch_size": hint})
+
+
+def _artifact_layout(engine: EngineConfig, artifact: Path | None) -> EngineConfig:
+    """The engine settings with the artifact's measured layout (optimize/serving_layout.py: intra-op threads and
+    instances), when nothing the user set (--threads, --instances, their SURGE_* variables, a model.yaml's engine
+    section) names either and this machine has the usable cores it was measured on."""
+    from surge.optimize.serving_layout import layout_hint, usable_cores
+
+    hint = layout_hint(artifact)
+    if hint is None or engine.engine != "onnxrt" or {"threads", "instances"} & engine.model_fields_set:
+        return engine
+    here = usable_cores()
+    if hint["cores"] != here:  # the layout of another core count says nothing of this one
+        print(f"surge: the engine layout `surge optimize` measured for {artifact} is for {hint['cores']} cores, this "
+              f"process has {here}: not applied (--threads / --instances set one)", file=sys.stderr, flush=True)
+        return engine
+    print(f"surge: {hint['instances']} engine instance(s) x {hint['threads']} thread(s), the serving layout measured "
+          f"by `surge optimize` for {artifact} (--threads / --instances override)", file=sys.stderr, flush=True)
+    return engine.model_copy(update={"threads": hint["threads"], "instances": hint["instances"]})
 
 
 def load_repository_version(config: ServerConfig, entry, *, single: bool = False):

@@ -99,8 +99,15 @@ def render(console, manifest: dict, reports, explain: bool) -> None:
     serving = manifest.get("serving")
     if serving:
         per = ", ".join(f"{k}: {v:.2f}" for k, v in serving["ms_per_query"].items())
-        console.print(f"serving batch size: {serving['max_batch_size']} (ms a query by batch size, {serving['threads']} "
-                      f"thread: {per}); `surge serve --artifact` caps its batches there unless told otherwise")
+        console.print(f"serving batch size: {serving['max_batch_size']} (ms a query by batch size, "
+                      f"{serving.get('batch_threads', 1)} thread: {per}); `surge serve --artifact` caps its batches "
+                      "there unless told otherwise")
+        layout = serving.get("layout")
+        if layout and "instances" in serving:
+            rows = ", ".join(f"{r['instances']} x {r['threads']}: {r['ms']:.3f}" for r in layout["ms_per_query"])
+            console.print(f"serving layout: {serving['instances']} session(s) x {serving['threads']} thread(s) (ms a "
+                          f"query at {layout['batch_size']} a batch on {layout['cores']} cores, sessions x threads: "
+                          f"{rows}); `surge serve --artifact` runs its engine so unless --threads or --instances is set")
 
     if explain:
         table = Table(title="passes")

@@ -246,6 +246,16 @@ def optimize(spec: ModelSpec, out_dir: Path, options: OptimizeOptions, cache_dir
             say("measuring the serving batch size (ONNX Runtime CPU, one thread)")
             manifest["serving"] = serving_batch.measure(final.SerializeToString(), spec, heldout,
                                                         manifest.get("ort_disabled_optimizers", ()))
+            from surge.optimize import serving_layout
+
+            cores = serving_layout.usable_cores()
+            say(f"measuring the serving layout at {manifest['serving']['max_batch_size']} a batch (ONNX Runtime CPU, "
+                f"{cores} core{'s' if cores > 1 else ''}: one session with every core against one single-thread "
+                "session a core)")
+            manifest["serving"].update(serving_layout.measure(
+                final.SerializeToString(), spec, heldout, manifest["serving"]["max_batch_size"],
+                manifest.get("ort_disabled_optimizers", ()), cores=cores,
+                progress=lambda step: say(f"serving layout: {step}")))
         else:
             manifest["latency"] = {"measured": False,
                                    "why": "skipped (--no-latency)" if not options.measure_latency else "the artifact does not run on ONNX Runtime CPU (target gpu / bf16)"}

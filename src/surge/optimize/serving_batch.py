@@ -79,6 +79,7 @@ def measure(model: bytes, spec, texts: list[str], disabled_optimizers=(), thread
                 sess.run(None, f)
             per_round[size].append((time.perf_counter() - t) * 1e3 / len(items))
     ms = {size: round(float(np.median(v)), 4) for size, v in per_round.items()}
-    return {"max_batch_size": choose(ms), "ms_per_query": {str(k): v for k, v in ms.items()}, "threads": threads,
+    # batch_threads, not threads: the manifest's serving.threads is the engine layout (optimize/serving_layout.py)
+    return {"max_batch_size": choose(ms), "ms_per_query": {str(k): v for k, v in ms.items()}, "batch_threads": threads,
             "queries": len(items), "rounds": rounds, "tolerance": TOLERANCE,
             "rule": "the largest batch size within the tolerance of the fastest time per query"}

@@ -37,7 +37,8 @@ def test_measure_times_every_size_of_a_real_model_and_applies_the_rule(tmp_path,
     out = measure(model, spec, sentences[:40], sizes=(1, 2, 4), rounds=2, queries=16)
     ms = {int(k): v for k, v in out["ms_per_query"].items()}
     assert set(ms) == {1, 2, 4} and all(v > 0 for v in ms.values())
-    assert out["max_batch_size"] == choose(ms) and out["queries"] == 16 and out["threads"] == 1
+    assert out["max_batch_size"] == choose(ms) and out["queries"] == 16 and out["batch_threads"] == 1
+    assert "threads" not in out  # serving.threads is the engine layout (optimize/serving_layout.py)
     json.dumps(out)  # goes into the manifest as it is
 
 
