@@ -89,16 +89,18 @@ def _process_cpu_s(pid: int) -> float:
     return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
-def serve_and_bench(artifact: Path, name: str, clients: int, duration: float, threads: int, queries: Path,
+def serve_and_bench(artifact: Path, name: str, clients: int, duration: float, threads: int | None, queries: Path,
                     out: Path, extra: tuple[str, ...] = ()) -> dict:
     """One server, one closed-loop run. Besides req/s (what the target is about, and on a shared VM as noisy as
     its neighbours), each side's CPU a request: the server's process over the generator's whole run (warm-up
     included) and the generator's own (`surge bench`'s report): CPU time a request moves far less with a
-    neighbour's load than throughput does."""
+    neighbour's load than throughput does. `threads` None: no --threads, so the server runs the engine layout the
+    artifact's manifest records (optimize/serving_layout.py) unless `extra` sets one."""
     from surge.bench.servers import ServerProc, free_port, surge_serve_argv
 
     port = free_port()
-    argv = surge_serve_argv(port, "--artifact", str(artifact), "--threads", str(threads), "--cache-bytes", "0", *extra)
+    given = ("--threads", str(threads)) if threads else ()
+    argv = surge_serve_argv(port, "--artifact", str(artifact), *given, "--cache-bytes", "0", *extra)
     with ServerProc(name, argv, port) as srv:  # __enter__ starts it and waits until ready
         report = out / f"bench-{name}.json"
         cmd = [sys.executable, "-m", "surge.cli.main", "bench", "run", srv.url, "-p", "openai", "-c", str(clients),
@@ -132,6 +134,7 @@ def main(args, console) -> dict:
     from surge.models import bundled_model_dir, load_model_spec
     from surge.optimize.pipeline import GateFailed, OptimizeOptions, optimize
     from surge.optimize.quantize import quantize_int8
+    from surge.optimize.serving_layout import layout_hint
 
     import onnx
 
@@ -207,7 +210,8 @@ def main(args, console) -> dict:
             run = {"load_average_before": _os.getloadavg()[0]}
             for name in ("fp32", "int8"):
                 console.print(f"run {r + 1}: surge serve --artifact {name}: {args.clients} clients, {args.duration:.0f} s")
-                run[name] = serve_and_bench(arts[name], name, args.clients, args.duration, threads, qfile, work,
+                # --threads only where asked: unset, each server runs its artifact's measured layout
+                run[name] = serve_and_bench(arts[name], name, args.clients, args.duration, args.threads or None, qfile, work,
                                             tuple(shlex.split(getattr(args, "serve_args", "") or "")))
             run["int8_over_fp32"] = run["int8"]["throughput_rps"] / run["fp32"]["throughput_rps"]
             run["cpu_fp32_over_int8"] = _cpu_ratio(run)
@@ -217,6 +221,7 @@ def main(args, console) -> dict:
         cpu = sorted(x["cpu_fp32_over_int8"] for x in runs if x["cpu_fp32_over_int8"])
         results["serve"] = {"clients": args.clients, "duration_s": args.duration, "runs": runs,
                             "serve_args": getattr(args, "serve_args", "") or "",
+                            "layouts": {name: layout_hint(arts[name]) for name in ("fp32", "int8")},
                             "fp32": mid["fp32"], "int8": mid["int8"], "int8_over_fp32": mid["int8_over_fp32"],
                             "median_of": len(runs), "target": 1.8,
                             "cpu_fp32_over_int8_median": cpu[len(cpu) // 2] if cpu else None}
@@ -267,7 +272,10 @@ def _print(console, r: dict) -> None:
     if "serve" in r:
         for name in ("fp32", "int8"):
             s = r["serve"][name]
-            console.print(f"serve {name}: {s['throughput_rps']:.1f} req/s, p50 {s['p50_ms']:.1f} ms, "
+            hint = (r["serve"].get("layouts") or {}).get(name)
+            how = r["serve"].get("serve_args") or (f"{hint['instances']} x {hint['threads']} thread(s), measured layout"
+                                                   if hint else "server defaults")
+            console.print(f"serve {name} ({how}): {s['throughput_rps']:.1f} req/s, p50 {s['p50_ms']:.1f} ms, "
                           f"p99 {s['p99_ms']:.1f} ms, errors {s['errors']}")
         runs = r["serve"].get("runs", [])
         console.print("per run INT8 / FP32: " + ", ".join(f"{x['int8_over_fp32']:.2f}x (load {x['load_average_before']:.1f})"
