@@ -9,8 +9,8 @@ the same kind of connection; the answer then asked for is sized (its inputs) so 
 that byte and ends after it.
 
 - such an answer, never read: its last piece was handed over and the transport keeps its tail, so the send
-  deadline cuts the connection; counted a failure "cancelled", no latency observed. Before, counted answered at
-  the hand-over;
+  deadline cuts the connection; counted a failure "cancelled", no latency observed, no KServe statistics success.
+  Before, counted answered at the hand-over (and a KServe success once computed);
 - the same answer whose client pauses there, then reads it all: not counted while its tail waits in the server,
   then answered, once.
 
@@ -24,6 +24,7 @@ import json
 import sys
 import time
 
+import httpx
 import pytest
 
 from surge.server.http.held_answer import PIECE
@@ -49,6 +50,12 @@ def server():
 
 def _scrape(url: str) -> dict:
     return metrics_scrape.scrape(url, MODEL)
+
+
+def _successes(url: str) -> int:
+    """The model's KServe statistics successes (server/state.AppState.call records /embed_all's)."""
+    stats = httpx.get(f"{url}/v2/models/{MODEL}/stats", timeout=30).json()["model_stats"]
+    return sum(s["inference_stats"]["success"]["count"] for s in stats)
 
 
 def _ended(before: dict, after: dict) -> float:
@@ -146,7 +153,7 @@ def _straddles(r: Unread, full: int) -> None:
 
 def test_an_answer_cut_after_its_last_piece_was_handed_over_is_cancelled(server, straddling):
     inputs, window, full = straddling
-    before = _scrape(server.url)
+    before, successes = _scrape(server.url), _successes(server.url)
     r = Unread(server.port, inputs, window)
     try:
         _straddles(r, full)
@@ -171,11 +178,12 @@ def test_an_answer_cut_after_its_last_piece_was_handed_over_is_cancelled(server,
     assert delta(before, after, "surge_request_failures_total", code="cancelled") == 1
     assert metrics_scrape.total(before, after, "surge_request_failures_total") == 1
     assert delta(before, after, "surge_request_latency_seconds_count") == 0
+    assert _successes(server.url) == successes  # not a KServe success either
 
 
 def test_an_answer_whose_tail_waits_in_the_server_is_answered_once_read(server, straddling):
     inputs, window, full = straddling
-    before = _scrape(server.url)
+    before, successes = _scrape(server.url), _successes(server.url)
     r = Unread(server.port, inputs, window)
     try:
         _straddles(r, full)
@@ -185,10 +193,12 @@ def test_an_answer_whose_tail_waits_in_the_server_is_answered_once_read(server, 
         # the kernels full: the answer's tail waits in the server's transport
         assert now is not None and now >= full - 4096, (now, full)
         waiting = _scrape(server.url)  # well within the send deadline (a reset only past SEND_TIMEOUT_S)
+        waiting_successes = _successes(server.url)
         got = r.got + raw_sockets.read_to_close(r.sock)  # the rest, then the server's close (`connection: close`)
     finally:
         r.sock.close()
     assert _ended(before, waiting) == 0  # not counted while its tail was not the kernel's
+    assert waiting_successes == successes  # nor a KServe success (before: counted once computed)
     rows = json.loads(got[r.head:])
     assert [len(x) for x in rows] == [256] * inputs.count(LONG) + [len(t.split()) + 2 for t in inputs if t != LONG]
     deadline = time.monotonic() + WAIT_S
@@ -197,3 +207,7 @@ def test_an_answer_whose_tail_waits_in_the_server_is_answered_once_read(server, 
     assert delta(before, after, "surge_requests_total") == 1
     assert metrics_scrape.total(before, after, "surge_request_failures_total") == 0
     assert delta(before, after, "surge_request_latency_seconds_count") == 1
+    deadline = time.monotonic() + WAIT_S
+    while _successes(server.url) == successes and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _successes(server.url) == successes + 1

@@ -120,3 +120,74 @@ def test_a_full_service_refuses_with_overloaded_and_keeps_the_others_slots():
                 pass
         assert s.admission.inflight == 3  # the refused request took nothing
     assert s.admission.inflight == 0
+
+
+# ---- AtWrite: counts held in its slots until the answer is written (server/http/delivery.py) -------------------
+
+def _metrics():
+    return ServiceMetrics("m", "1", CollectorRegistry())
+
+
+def _counts(m) -> tuple[float, dict]:
+    latency = next(s.value for f in m.registry.collect() for s in f.samples
+                   if s.name == "surge_request_latency_seconds_count")
+    failures = {s.labels["code"]: s.value for f in m.registry.collect() for s in f.samples
+                if s.name == "surge_request_failures_total"}
+    return latency, failures
+
+
+def test_at_write_counts_nothing_until_written_then_all_at_once():
+    from surge.runtime.outcome import AtWrite, answered, awaiting, stop_awaiting
+    from surge.server.http.frontend import DisconnectWatch
+
+    m, d, recorded = _metrics(), AtWrite(), []
+
+    async def serve():
+        token = awaiting(d)
+        try:
+            answered(m, 0.5)
+            answered(m, 0.25)  # a second count: the Delivery's way
+            d.record(recorded.append, "first")
+            d.record(recorded.append, "second")
+        finally:
+            stop_awaiting(token)
+        assert _counts(m) == (0.0, {}) and recorded == []
+        d.written(DisconnectWatch())  # no transport to hold bytes: when_sent says taken at once
+        assert _counts(m) == (2.0, {})
+        await asyncio.sleep(0)  # the first record: right after the loop pass
+        assert sorted(recorded) == ["first", "second"]
+        answered(m, 0.1)  # nothing awaited any more here: counted at once
+        assert _counts(m)[0] == 3.0
+
+    asyncio.run(serve())
+
+
+def test_at_write_cut_counts_cancelled_and_records_nothing():
+    from surge.runtime.outcome import AtWrite
+    from surge.server.http.frontend import DisconnectWatch
+
+    m, d, recorded = _metrics(), AtWrite(), []
+    d.answered(m, 0.5)
+    d.record(recorded.append, "x")
+    waiting = []
+    d.written(DisconnectWatch(waiting.append))  # bytes may wait (no transport to ask): the protocol's word
+    assert _counts(m) == (0.0, {}) and len(waiting) == 1
+    waiting[0](False)  # the connection lost before the buffer drained
+    assert _counts(m) == (0.0, {"cancelled": 1.0}) and recorded == []
+    d.answered(m, 0.5)  # settled: a late count follows the same fate
+    assert _counts(m) == (0.0, {"cancelled": 2.0})
+
+
+def test_a_quiet_count_is_no_count_even_when_written_later():
+    """A load's warm-up may run inside a load request that awaits its delivery: quiet then, counted nowhere."""
+    from surge.runtime.outcome import AtWrite, answered, awaiting, stop_awaiting
+
+    m, d = _metrics(), AtWrite()
+    token = awaiting(d)
+    try:
+        with m.quiet():
+            answered(m, 0.5)
+    finally:
+        stop_awaiting(token)
+    d.written(None)
+    assert _counts(m) == (0.0, {})

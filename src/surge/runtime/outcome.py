@@ -4,16 +4,23 @@ A SurgeError counts under its own code, a cancellation (the client left) as
 "cancelled", anything else as "internal_error"; the exception goes on either way.
 
 A request answered counts (its latency observed: `answered`; its KServe statistics: server/state.py) when the
-runtime hands its answer over, or, where the protocol awaits the answer's delivery (`awaiting`: the gRPC port's
-ModelInfer and each request of ModelStreamInfer, server/grpc/send_deadline.py and extras.py), once it is delivered;
-an answer lost first (its connection cut) counts as a failure "cancelled" instead, never as both. The HTTP port's
-generations wait for their delivery the same way, through server/http/delivery.py.
+runtime hands its answer over, or, where the protocol awaits the answer's delivery (`awaiting`), once it is
+delivered; an answer lost first (its connection cut) counts as a failure "cancelled" instead, never as both. Every
+POST of the HTTP port awaits it (server/http/delivery.py: the routes, the hot paths, the direct path of
+server/http/direct.py), and so do the gRPC port's ModelInfer and each request of ModelStreamInfer
+(server/grpc/send_deadline.py and extras.py).
+
+The HTTP port counts at WRITE time (`AtWrite`): the runtime's counts are held in the awaited object's own slots (no
+callback made), and once the answer's last byte is written they count at once where the kernel took it all, as it
+nearly always does; only an answer whose tail waits in the server's buffers waits on (a Delivery the protocol
+settles once they drain, "cancelled" if the connection is lost first).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Callable
 from contextvars import ContextVar, Token
 
@@ -25,14 +32,16 @@ CANCELLED = "cancelled"
 class Delivery:
     """One answer's fate: None once it is delivered, else the failure code its requests count under ("cancelled":
     the connection was lost first; "internal_error": the handler failed after them). `then(callback)` runs
-    `callback(code)` once settled (at once if it is)."""
+    `callback(code)` once settled (at once if it is); `answered` and `record`: the runtime's counts of a request
+    answered, made once it is settled (server/state.AppState.call, `answered`). The list of callbacks is made by
+    the first `then`."""
 
     __slots__ = ("_waiting", "code", "settled")
 
     def __init__(self):
         self.settled = False
         self.code: str | None = None
-        self._waiting: list[Callable[[str | None], None]] = []
+        self._waiting: list[Callable[[str | None], None]] | None = None
 
     @property
     def pending(self) -> bool:
@@ -42,6 +51,8 @@ class Delivery:
     def then(self, callback: Callable[[str | None], None]) -> None:
         if self.settled:
             callback(self.code)
+        elif self._waiting is None:
+            self._waiting = [callback]
         else:
             self._waiting.append(callback)
 
@@ -49,12 +60,103 @@ class Delivery:
         if self.settled:
             return
         self.settled, self.code = True, code
-        waiting, self._waiting = self._waiting, []
-        for callback in waiting:
+        waiting, self._waiting = self._waiting, None
+        for callback in waiting or ():
             callback(code)
 
+    def sent(self, ok: bool) -> None:
+        """A protocol's word on the answer's bytes (server/http/frontend.DisconnectWatch.when_sent): all taken by
+        the kernel (delivered), or the connection lost first ("cancelled")."""
+        self.settle(None if ok else CANCELLED)
 
-# The delivery the current task's answer awaits (set by the gRPC port; the HTTP port's generations: http/delivery.py)
+    def answered(self, metrics, seconds: float) -> None:
+        """A request answered `seconds` after it began: its latency observed on `metrics` once delivered, else a
+        failure under the settling code."""
+        if self.settled:
+            _count(metrics, seconds, self.code)
+        else:
+            self.then(functools.partial(_count, metrics, seconds))
+
+    def record(self, record: Callable[..., None], *args) -> None:
+        """`record(*args)` (the KServe statistics' success) once delivered; nothing where it is not (the loss
+        counts through `answered`)."""
+        if self.settled:
+            if self.code is None:
+                record(*args)
+        else:
+            self.then(functools.partial(_record, record, args))
+
+
+def _count(metrics, seconds: float, code: str | None) -> None:
+    if code is None:
+        metrics.latency.observe(seconds)
+    else:
+        metrics.failure(code)
+
+
+def _record(record, args, code: str | None) -> None:
+    if code is None:
+        record(*args)
+
+
+class AtWrite(Delivery):
+    """A Delivery settled as its answer is written (server/http/delivery.py): the request's first latency and
+    first record are held in slots, not callbacks, and `written` counts them at once where the kernel took the
+    answer whole (no future or callback made; the record, as before, right after the loop pass); only where bytes
+    wait in the server's buffers does it wait for the protocol's word (`DisconnectWatch.when_sent`). Anything more
+    (a second count, a `then`) goes the Delivery's way. Settled inside a running loop."""
+
+    __slots__ = ("_args", "_metrics", "_record", "_seconds")
+
+    def __init__(self):
+        self.settled = False
+        self.code = None
+        self._waiting = None
+        self._metrics = None
+        self._record = None
+
+    def answered(self, metrics, seconds: float) -> None:
+        if self._metrics is None and not self.settled:
+            self._metrics, self._seconds = metrics, seconds
+        else:
+            Delivery.answered(self, metrics, seconds)
+
+    def record(self, record: Callable[..., None], *args) -> None:
+        if self._record is None and not self.settled:
+            self._record, self._args = record, args
+        else:
+            Delivery.record(self, record, *args)
+
+    def settle(self, code: str | None) -> None:
+        if self.settled:
+            return
+        metrics, record = self._metrics, self._record
+        if metrics is not None:
+            self._metrics = None
+            _count(metrics, self._seconds, code)
+        if record is not None:
+            self._record = None
+            if code is None:
+                # right after this loop pass, as AppState.call recorded before: measured, recording here at once
+                # cost the front end 3-5% more CPU a request (benchmarks/frontend_cpu.py; docs/benchmarks.md)
+                asyncio.get_running_loop().call_soon(record, *self._args)
+            self._args = None
+        Delivery.settle(self, code)
+
+    def written(self, watch) -> None:
+        """Its answer's last byte just written on a connection with DisconnectWatch `watch` (server/http/frontend.py;
+        None: a protocol without one, so handed over counts as delivered): settled now where nothing waits for it
+        or none of the connection's bytes waits in the server's buffers; else once they drain, "cancelled" where
+        the connection is lost first."""
+        if watch is not None and (self._metrics is not None or self._record is not None or self._waiting) \
+                and (watch.lost or watch.unsent()):  # something waits for it, and bytes may wait
+            watch.when_sent(self.sent)
+        else:
+            self.settle(None)
+
+
+# The delivery the current task's answer awaits (set by the HTTP port: server/http/delivery.py, direct.py; the gRPC
+# port: server/grpc/send_deadline.py, extras.py)
 _AWAITED: ContextVar[Delivery | None] = ContextVar("surge_awaited_delivery", default=None)
 
 
@@ -88,18 +190,12 @@ def answered(metrics, seconds: float) -> None:
     or RequestCounts), now, or once its answer is delivered where that is awaited, and a failure under the
     loss's code instead where it is lost."""
     d = _AWAITED.get()
-    if d is None:
+    # quiet (ServiceMetrics.quiet: a load's warm-up, maybe inside a load request that awaits its answer's
+    # delivery): counted nowhere, decided now, not once the metrics speak again
+    if d is None or getattr(metrics, "is_quiet", False):
         metrics.latency.observe(seconds)
-        return
-    latency = metrics.latency
-
-    def settle(code: str | None) -> None:
-        if code is None:
-            latency.observe(seconds)
-        else:
-            metrics.failure(code)
-
-    d.then(settle)
+    else:
+        d.answered(metrics, seconds)
 
 
 def counts_of(service):

@@ -33,7 +33,7 @@ from surge.runtime.cache import ResultCache, text_normalizer
 from surge.runtime.coalesce import InFlight
 from surge.runtime.devices import DevicePool
 from surge.runtime.metrics import ServiceMetrics
-from surge.runtime.outcome import admitted, answered
+from surge.runtime.outcome import admitted, answered, awaiting
 from surge.runtime.request import POST, TOKENIZE, Request
 from surge.runtime.tokenize_stage import TokenizeStage
 from surge.runtime.worker import ModelWorker
@@ -221,6 +221,9 @@ class ModelService:
         cache = self.cache
         if cache is None or not cache.static_hot:
             return 0
+        # its own task (runtime/repository._prefill), maybe started inside a load request's: its computations
+        # count when done, not by that request's answer's delivery (runtime/outcome.awaiting)
+        awaiting(None)
         okey = EmbedOptions().key()
         todo = sorted(k[1] for k in cache.static_hot if k[0] == okey and not cache.contains(k))
         for i in range(0, len(todo), batch):
@@ -280,7 +283,7 @@ class ModelService:
         m.inputs.inc(len(keys))
         for k in keys:
             cache.get(k)  # counts the hit, refreshes recency and popularity
-        m.latency.observe(time.monotonic() - start)
+        answered(m, time.monotonic() - start)  # once delivered, where the caller awaits that (runtime/outcome.py)
         return result
 
     async def _from_cache(self, req: Request) -> list[int]:

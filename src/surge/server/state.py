@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -11,7 +10,7 @@ from typing import Protocol
 from surge.config import ServerConfig
 from surge.errors import DeadlineExceeded, NotReady, SurgeError
 from surge.runtime.metrics import multiprocess_dir
-from surge.runtime.outcome import awaited
+from surge.runtime.outcome import CANCELLED, Delivery, awaited, awaiting, stop_awaiting
 from surge.runtime.registry import ModelRegistry
 from surge.runtime.service import ModelService
 from surge.runtime.stats import InferenceStats
@@ -59,19 +58,26 @@ class AppState:
         """The one entry point of every protocol (HTTP fast path, FastAPI routes, gRPC) for
         embeddings; task and tensor models come in through `call` too. `check(result)`: a protocol's
         own refusal of a computed answer (the OpenAI route's too-long input), awaited inside the
-        accounting: its error is the request's failure, under its code, not a success."""
+        accounting: its error is the request's failure, under its code, not a success, and the request
+        counts once: the runtime's count of it answered is held until the check has passed (`_checked`)."""
         if check is None:
             return await self.call(service, lambda deadline: self._embed(service, texts, token_ids, options,
                                                                          deadline))
 
         async def checked(deadline):
+            outer = awaited()
+            if outer is None:
+                return await _checked(self._embed(service, texts, token_ids, options, deadline), check)
+            # the caller awaits the answer's delivery (every HTTP POST, server/http/delivery.py): its delivery
+            # holds the runtime's count, settled here with the refusal's code where the check refuses
             result = await self._embed(service, texts, token_ids, options, deadline)
             try:
                 await check(result)
             except SurgeError as exc:
-                metrics = getattr(service, "metrics", None)  # the runtime counted the request; not its refusal
-                if hasattr(metrics, "failure"):
-                    metrics.failure(exc.code)
+                outer.settle(exc.code)
+                raise
+            except Exception:
+                outer.settle("internal_error")
                 raise
             return result
 
@@ -102,8 +108,8 @@ class AppState:
             raise
         elapsed = time.perf_counter_ns() - start
         delivery = awaited()
-        if delivery is not None:  # the protocol awaits the answer's delivery (gRPC): counted once it is delivered
-            delivery.then(functools.partial(self._delivered, service, result, elapsed))
+        if delivery is not None:  # the protocol awaits the answer's delivery: counted once it is delivered
+            delivery.record(self.record, service, result, elapsed)
         else:
             # Counted right after this task's step, in which the caller writes the response: this
             # process's next request still sees it counted, and a lone request does not wait for it.
@@ -149,19 +155,52 @@ class AppState:
         start = time.perf_counter_ns()
         result = lookup(texts)
         if result is not None:
-            self.record(service, result, time.perf_counter_ns() - start)
+            self.record_answered(service, result, time.perf_counter_ns() - start)
         return result
 
-    def _delivered(self, service, result: EmbedResult, elapsed_ns: int, code: str | None) -> None:
-        """A request's answer delivered (code None): recorded; lost: counted "cancelled" on /metrics
+    def record_answered(self, service, result: EmbedResult, elapsed_ns: int) -> None:
+        """`record` a request answered without `call` (a hot path's cache hit): once its answer is delivered where
+        the protocol awaits that (runtime/outcome.awaited), else now. A lost answer counts "cancelled" on /metrics
         (runtime/outcome.answered), neither a success nor the model's failure here."""
-        if code is None:
+        delivery = awaited()
+        if delivery is None:
             self.record(service, result, elapsed_ns)
+        else:
+            delivery.record(self.record, service, result, elapsed_ns)
 
     def record(self, service, result: EmbedResult, elapsed_ns: int) -> None:
         """Count one answered request in the KServe statistics (every protocol, one place)."""
         self.stats.record_success(service.name, service.version, result, elapsed_ns,
                                   cache_enabled=bool(getattr(getattr(service, "cache_cfg", None), "enabled", False)))
+
+
+async def _checked(embedding, check):
+    """`await embedding`, then `await check(result)`, where no delivery is awaited (AppState.run's `checked` does
+    the same with the caller's): the runtime's count of the request answered held (a Delivery of its own) until
+    the check has passed; where it refuses the answer, the request counts its refusal's failure only (before, the
+    runtime had counted it answered, its latency observed, and the refusal counted a failure too)."""
+    d = Delivery()
+    token = awaiting(d)
+    try:
+        result = await embedding
+    except BaseException:
+        d.settle(None)  # not answered: the runtime counted its failure, nothing waits here
+        raise
+    finally:
+        stop_awaiting(token)
+    try:
+        await check(result)
+    except SurgeError as exc:
+        d.settle(exc.code)
+        raise
+    except Exception:
+        d.settle("internal_error")
+        raise
+    except BaseException:
+        d.settle(CANCELLED)
+        raise
+    d.settle(None)
+    return result
 
 
 def _inner(service):

@@ -22,9 +22,9 @@ its headers are read, so neither needed the API key.
   (enough of them and everyone else got 429). The abort is the connection lost, which every route already
   handles as a client that left: uvicorn's `send` stops waiting for the drain, the `surge.disconnect`
   watch (server/http/frontend.py) cancels a hot path's handler (a stream's sequence and KV blocks freed)
-  and a held answer or a generation whose answer had not all been handed to the kernel (server/http/held_answer.py,
-  delivery.py) counts as cut ("cancelled"). A client that reads, however slowly, is never cut: any
-  byte it takes restarts the clock. Bytes the kernel has taken are not waiting here (its socket buffers,
+  and an answer not all handed to the kernel (server/http/delivery.py; a held answer: held_answer.py) counts
+  as cut ("cancelled"), neither its latency observed nor a KServe success. A client that reads, however
+  slowly, is never cut: any byte it takes restarts the clock. Bytes the kernel has taken are not waiting here (its socket buffers,
   up to tcp_wmem's 4 MB, fill first); the abort is a reset (SO_LINGER 0, nginx's reset_timedout_connection),
   so the kernel drops them too, and what the app hands over after it is dropped.
 """

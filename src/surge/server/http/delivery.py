@@ -1,77 +1,57 @@
-"""Generations counted answered once their answers are delivered, not once computed.
+"""HTTP answers counted answered once they are delivered, not once computed: counted at write time.
 
-A generation of an HTTP route (the OpenAI completions and chat, the Responses API, Anthropic's Messages, KServe
-generate and generate_stream; streamed or not) counts answered (its latency observed, its KServe statistics
-recorded: server/http/generate_common.counted, counted_stream) once the kernel has taken the last byte of the
-response that carries it, and as a failure "cancelled" where the connection is lost before that, as a client
-that left while its answer was computed counts. Before, it counted answered as soon as its result came (a JSON
-answer, written whole at the end) or its last delta was pulled from the engine (a stream): a client that stopped
-reading and was cut by the send deadline (--send-timeout-s: server/http/conn_guard.py) with the answer's tail
-still in the server's buffers counted answered, though it never got it.
+A request of the HTTP port (an embedding, task, tensor or KServe infer answer, POST /embed_all, a generation of the
+OpenAI completions and chat, the Responses API, Anthropic's Messages, KServe generate and generate_stream; streamed
+or not; answered by a route, a hot path or the direct path of server/http/direct.py) counts answered (its latency
+observed: runtime/outcome.answered; its KServe statistics recorded: server/state.AppState.call,
+generate_common.counted, counted_stream) once the kernel has taken the last byte of the response that carries it,
+and as a failure "cancelled" where the connection is lost before that, as a client that left while its answer
+was computed counts. Before, it counted answered as soon as its answer was computed: a client that stopped reading
+and was cut by the send deadline (--send-timeout-s: server/http/conn_guard.py) with the answer's tail still in the
+server's buffers counted answered, though it never got it.
 
 "Taken by the kernel" is what the send deadline goes by: it cuts only a connection whose transport still holds
-bytes (conn_guard.SendDeadline), so an answer wholly in the kernel is never cut by it. The protocol says when
-that is (server/http/frontend.DisconnectWatch.when_sent: at once for nearly every answer, whose last write the
-kernel takes whole). Without it (uvicorn's own protocol) an answer counts delivered once its last `send`
-returns, as before.
+bytes (conn_guard.SendDeadline), so an answer wholly in the kernel is never cut by it.
 
-POST /embed_all's held answer (server/http/held_answer.py) is counted the same way, by its own means: its
-admission slot and its count wait for the same word from the protocol.
+Counted at WRITE time, so that the common case costs nothing: the request's task awaits a runtime/outcome.AtWrite
+(`awaiting`), which holds the runtime's counts in its own slots; once the answer's last byte is written (the
+corked transport flushed), `AtWrite.written` asks the transport whether bytes still wait in it
+(DisconnectWatch.unsent). Nearly always none do: it counts at once, with no future or callback made (the KServe
+record, as before, right after the loop pass: recorded inside it, the front end spent 3-5% more CPU a request).
+Else it waits for the protocol's word (DisconnectWatch.when_sent: the buffer drained, or the connection lost
+first). The direct path's per-request object is the AtWrite itself (direct.HotCycle); the ASGI path (`delivered`,
+around every POST: server/http/hotpath.OuterHotPath) makes one per request. Without the protocol's watch (uvicorn's
+own protocol) an answer counts delivered once its last `send` returns.
 
-The route's answer and the generations it counts meet through a context variable: `delivered` (around the
-route, server/http/hotpath.OuterHotPath) sets it for the request's task (and the tasks it starts), and each
-generation that ends hands `on_delivery` what to count. Elsewhere (work that outlives its request: `unwatched`)
-there is none, and a generation counts when it ends; on the gRPC port, once its call has written it
-(runtime/outcome.when_delivered, server/grpc/send_deadline.py).
+POST /embed_all's held answer (server/http/held_answer.py) frees its admission slot by the same word; its KServe
+statistics wait here like every answer's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextvars import ContextVar
-
-from surge.runtime.outcome import CANCELLED, Delivery
-
-_CURRENT: ContextVar[Delivery | None] = ContextVar("surge_delivery", default=None)
-
-
-def on_delivery(callback: Callable[[str | None], None]) -> bool:
-    """Have `callback(code)` run once the response of the request being served is delivered (code None) or
-    not (its failure code). False where no response is watched (`callback` not kept): count now."""
-    d = _CURRENT.get()
-    if d is None:
-        return False
-    d.then(callback)
-    return True
+from surge.runtime.outcome import CANCELLED, AtWrite, awaiting, stop_awaiting
 
 
 def unwatched() -> None:
-    """The current task's generations count when they end: work that outlives its request (a background
-    response) is not its request's answer."""
-    _CURRENT.set(None)
+    """The current task's answers count when they are handed over: work that outlives its request (a background
+    response) is not its request's answer. For a task's own context (not reset)."""
+    awaiting(None)
 
 
 async def delivered(scope, receive, send, app) -> None:
-    """Run ASGI `app`, the generations it counts settled by its response's delivery: the last body message
-    sent and, where the protocol says (the `surge.disconnect` extension), its bytes taken by the kernel."""
+    """Run ASGI `app`, what it counts answered settled by its response's delivery: the last body message sent and,
+    where the protocol says (the `surge.disconnect` extension), its bytes taken by the kernel."""
     watch = scope.get("extensions", {}).get("surge.disconnect")
-    when_sent = getattr(watch, "when_sent", None)
-    d = Delivery()
-    token = _CURRENT.set(d)
+    d = AtWrite()
+    token = awaiting(d)
     handed = False
-
-    def sent(ok: bool) -> None:
-        d.settle(None if ok else CANCELLED)
 
     async def tracked(message) -> None:
         nonlocal handed
         await send(message)
         if message["type"] == "http.response.body" and not message.get("more_body", False) and not handed:
-            handed = True  # uvicorn's send returns silently on a lost connection: when_sent tells
-            if when_sent is None:
-                d.settle(None)
-            else:
-                when_sent(sent)
+            handed = True  # uvicorn's send returns silently on a lost connection: the watch tells
+            d.written(watch)
 
     try:
         await app(scope, receive, tracked)
@@ -84,6 +64,6 @@ async def delivered(scope, receive, send, app) -> None:
             d.settle(CANCELLED)
         raise
     finally:
-        _CURRENT.reset(token)
+        stop_awaiting(token)
     if not handed:  # the hot path's handler cancelled by the connection's loss, or no answer at all
         d.settle(CANCELLED)

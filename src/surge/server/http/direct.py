@@ -23,6 +23,10 @@ Contract (tests/integration/test_direct_http.py: real TCP, the real app under uv
   server); `Connection: close` and HTTP/1.0 close the connection after the answer, as uvicorn does;
   pipelined requests are answered in order;
 - a client that disconnects cancels its request (the runtime drops its queued inputs);
+- a request counts answered (latency, KServe statistics) once the kernel has taken its answer's last byte, and
+  "cancelled" where the connection is lost first (server/http/delivery.py): counted at write time by its
+  HotCycle, a runtime/outcome.AtWrite that the request's task awaits (a cache hit: inside the protocol's
+  callback), at once and with nothing more made where the kernel takes the answer whole, as nearly always;
 - graceful shutdown waits for answers in flight (their tasks are the server's tasks).
 """
 
@@ -33,6 +37,7 @@ import time
 import orjson
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
+from surge.runtime.outcome import CANCELLED, AtWrite, awaiting, stop_awaiting
 from surge.server.errors import settled
 from surge.server.http.hotpath import _EMBED, _OPENAI, HOT_MAX_BYTES, HotPathMiddleware, cached_answer
 from surge.server.http.task_hotpath import TaskHotPathMiddleware, predict_payload
@@ -41,14 +46,17 @@ _PREDICT = "/predict"
 _PATHS = {_EMBED.encode(): _EMBED, _OPENAI.encode(): _OPENAI, _PREDICT.encode(): _PREDICT}
 
 
-class HotCycle:
+class HotCycle(AtWrite):
     """What uvicorn's protocol reads of a request cycle, for a request answered here: its
     pipelining (a next request waits while `response_complete` is False), `shutdown()`
-    (keep_alive) and `connection_lost()` (disconnected, message_event)."""
+    (keep_alive) and `connection_lost()` (disconnected, message_event). And the request's AtWrite:
+    what it counts answered, counted as its answer is written (server/http/delivery.py)."""
 
-    __slots__ = ("keep_alive", "response_complete", "disconnected", "message_event")
+    __slots__ = ("disconnected", "keep_alive", "message_event", "response_complete")
 
     def __init__(self, keep_alive: bool):
+        # AtWrite.__init__, inlined: one per request
+        self.settled, self.code, self._waiting, self._metrics, self._record = False, None, None, None, None
         self.keep_alive = keep_alive
         self.response_complete = False
         self.disconnected = False
@@ -104,9 +112,13 @@ class DirectRoutes:
             return proto.hand_back(body)
         native, texts, service, model = plain
         start = time.perf_counter_ns()
-        result = cached_answer(service, texts, native or self.hot.limits.auto_truncate)
+        token = awaiting(cycle)  # the hit's latency held by the cycle until its answer is written
+        try:
+            result = cached_answer(service, texts, native or self.hot.limits.auto_truncate)
+        finally:
+            stop_awaiting(token)  # the protocol's callback: its context outlives this request
         if result is not None:
-            self.state.record(service, result, time.perf_counter_ns() - start)  # KServe statistics
+            cycle.record(self.state.record, service, result, time.perf_counter_ns() - start)  # KServe statistics
             payload, version, extra = self.hot._payload(native, model, result)
             return _respond(proto, cycle, 200, payload, version, extra)
         self._start(proto, self._run(proto, cycle, path, native, texts, service, model))
@@ -128,7 +140,12 @@ class DirectRoutes:
         task.add_done_callback(lambda _t: proto.watch.discard(lost))
 
     async def _run(self, proto, cycle, path, native, texts, service, model) -> None:
-        result, error = await settled(path, self.hot.embed(native, texts, service))
+        awaiting(cycle)  # this request's own task: what the runtime counts answered waits for the writing
+        try:
+            result, error = await settled(path, self.hot.embed(native, texts, service))
+        except BaseException:  # cancelled: the connection was lost
+            cycle.settle(CANCELLED)
+            raise
         if error is not None:
             return _respond_with(proto, cycle, error)
         payload, version, extra = self.hot._payload(native, model, result)
@@ -136,7 +153,12 @@ class DirectRoutes:
 
     async def _predict(self, proto, cycle, single, texts, served) -> None:
         """TaskHotPathMiddleware's answer to a plain classify request (TEI's /predict)."""
-        result, error = await settled(_PREDICT, self.task.classify(served, texts))
+        awaiting(cycle)
+        try:
+            result, error = await settled(_PREDICT, self.task.classify(served, texts))
+        except BaseException:
+            cycle.settle(CANCELLED)
+            raise
         if error is not None:
             return _respond_with(proto, cycle, error)
         payload = predict_payload(single, result)
@@ -156,7 +178,10 @@ def _respond(proto, cycle: HotCycle, status: int, payload: bytes, version: str, 
 
 
 def _write(proto, cycle: HotCycle, status: int, headers, body: bytes) -> None:
+    """Write the answer, end the response and count what it answers (the cycle's AtWrite): at once where the kernel
+    took it all, else once the server's buffers drain; "cancelled" where the connection is lost or closing."""
     if cycle.disconnected or proto.transport.is_closing():
+        cycle.settle(CANCELLED)
         return
     out = [STATUS_LINE[status]]
     for name, value in proto.server_state.default_headers:
@@ -172,7 +197,8 @@ def _write(proto, cycle: HotCycle, status: int, headers, body: bytes) -> None:
     cycle.response_complete = True
     if not cycle.keep_alive:
         proto.transport.close()
-    proto.on_response_complete()
+    proto.on_response_complete()  # flushed: what the kernel did not take waits in the transport
+    cycle.written(proto.watch)
 
 
 def find_direct(app) -> DirectRoutes | None:

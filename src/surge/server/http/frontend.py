@@ -14,7 +14,8 @@ serving_core.md, "Session 2: front-end CPU"):
   once, as soon as the response is complete (other writes of a pass: right after the pass). It also
   offers the hot path a disconnect callback (`DisconnectWatch`), so that noticing a client that
   went away costs no watcher task per request, and a word once what was written is all the kernel's
-  (`DisconnectWatch.when_sent`: server/http/delivery.py), and bounds what a client can hold without sending or
+  (`DisconnectWatch.unsent`, `when_sent`: every HTTP answer counts answered by them, server/http/delivery.py),
+  and bounds what a client can hold without sending or
   reading (server/http/conn_guard.py: read deadline, header and connection limits, send deadline).
 """
 
@@ -159,13 +160,21 @@ class DisconnectWatch:
     The hot path (server/http/hotpath.py) registers one per request instead of a task awaiting
     `receive()` for the disconnect (a task, an Event wait and a cancel per request)."""
 
-    __slots__ = ("_sent", "callbacks", "lost", "flushed")
+    __slots__ = ("_sent", "_transport", "callbacks", "flushed", "lost")
 
-    def __init__(self, sent=None):
+    def __init__(self, sent=None, transport=None):
         self.lost = False
         self.flushed = False  # lost only after every byte written on it was the kernel's (the server closed it)
         self.callbacks: set = set()
         self._sent = sent  # the protocol's _when_sent
+        self._transport = transport  # the protocol's _Corked
+
+    def unsent(self) -> bool:
+        """Bytes handed to the real transport that the kernel has not taken (they wait in the server's buffers):
+        asked right after an answer's last write (runtime/outcome.AtWrite.written), which counts it at once when
+        there are none, as nearly always. Without a corked transport: when_sent decides."""
+        t = self._transport
+        return True if t is None else bool(t._buf) or t.waiting()  # not flushed yet: when_sent flushes it
 
     def when_sent(self, callback) -> None:
         """`callback(True)` once every byte written on the connection so far has been handed to the kernel
@@ -229,9 +238,10 @@ class CorkedHttpToolsProtocol(HttpToolsProtocol):
         if self._offer and handoff is not None and handoff.offer(transport, self._sibling):
             self._handed = True  # the engine process's connection now: nothing more happens here
             return
-        self.watch = DisconnectWatch(self._when_sent)
         loop = asyncio.get_running_loop()
-        super().connection_made(_Corked(transport, loop))
+        corked = _Corked(transport, loop)
+        self.watch = DisconnectWatch(self._when_sent, corked)
+        super().connection_made(corked)
         front = find_front(self.app)
         if front is not None:  # slow or idle clients and too many connections (server/http/conn_guard.py)
             from surge.server.http import conn_guard

@@ -15,7 +15,6 @@ from fastapi.responses import StreamingResponse
 from surge.errors import InvalidInput, SurgeError, WrongTask
 from surge.runtime.outcome import count_failures, when_delivered
 from surge.runtime.scheduler import SamplingParams
-from surge.server.http.delivery import on_delivery
 
 
 def generate_model(state, name: str | None, version: str | None = None):
@@ -199,7 +198,7 @@ def _answered(state, service, out, elapsed: int, res) -> None:
                                           getattr(res, "timings", None), bool(getattr(res, "cached", False)),
                                           _cache_enabled(service))
 
-    if not on_delivery(settle) and not when_delivered(settle):
+    if not when_delivered(settle):
         settle(None)
 
 

@@ -14,10 +14,10 @@ next request is a 429.
 hold up to about a piece of it (the client's window full), and a client that reads no more is then cut by the
 connection's send deadline (--send-timeout-s: server/http/conn_guard.py, which cuts only a connection whose
 transport still holds bytes). The protocol says when the transport's buffer is empty, or that the connection
-was lost first (server/http/frontend.DisconnectWatch.when_sent, as server/http/delivery.py uses it for the
-generations). Before, the answer counted answered as soon as its last piece was handed to `send`, though it
-never reached its client. Without the protocol's word (uvicorn's own protocol) it counts once its last `send`
-returns, as before.
+was lost first (server/http/frontend.DisconnectWatch.when_sent, as server/http/delivery.py uses it for every
+HTTP answer, whose KServe statistics wait for the same word). Before, the answer counted answered as soon as its
+last piece was handed to `send`, though it never reached its client, and its KServe statistics a success as soon as
+it was computed. Without the protocol's word (uvicorn's own protocol) it counts once its last `send` returns.
 
 A client that stops reading earlier is cut the same way: the connection is lost, uvicorn's `send` returns
 without waiting and drops what it is given, and the answer stops there. Such an answer, or one whose sending

@@ -121,7 +121,7 @@ class HotPathMiddleware:
                 start = time.perf_counter_ns()
                 result = cached_answer(service, texts, native or self.limits.auto_truncate)
                 if result is not None:
-                    self.state.record(service, result, time.perf_counter_ns() - start)  # KServe statistics
+                    self.state.record_answered(service, result, time.perf_counter_ns() - start)  # KServe statistics
                     return await _send_json(send, *self._payload(native, model, result))
                 app = self._direct(native, texts, service, model)
         await run_watched(scope, body, receive, send, app)
@@ -282,8 +282,8 @@ class OuterHotPath:
     straight to the hot path here, and so does a POST /v1/completions, /v1/chat/completions, /v1/responses,
     /v1/messages or KServe generate / generate_stream (server/http/generate_hotpath.py); everything else,
     and anything the embedding hot path does not answer itself, goes through the full stack (whose own
-    HotPathMiddleware then sees the same body). A generation request, whichever way it goes, has its
-    generations counted answered once its response is delivered (server/http/delivery.py).
+    HotPathMiddleware then sees the same body). Every POST, whichever way it goes, has what it counts answered
+    (latency, KServe statistics) counted once its response is delivered (server/http/delivery.py).
     """
 
     def __init__(self, stack, state: AppState):
@@ -301,10 +301,13 @@ class OuterHotPath:
             hot = self.paths.get(path)
             if hot is None and path.endswith(_GENERATE_ENDS) and self.generate.takes(path):
                 hot = self.generate  # KServe's generate extension
-            if hot is self.generate:  # a generation, by the hot path or the routes: counted once delivered
-                return await delivered(scope, receive, send, self._generation)
-            if hot is not None and self._plain(scope):
-                return await hot(scope, receive, send)
+            if hot is self.generate:  # a generation, by the hot path or the routes
+                app = self._generation
+            elif hot is not None and self._plain(scope):
+                app = hot
+            else:
+                app = self.stack
+            return await delivered(scope, receive, send, app)  # counted answered once delivered
         return await self.stack(scope, receive, send)
 
     async def _generation(self, scope, receive, send):

@@ -1,0 +1,186 @@
+"""Embedding and KServe infer answers counted answered (latency on /metrics, KServe statistics success) once the
+kernel has taken their last byte, not once computed: a real `surge serve` with a send deadline, raw sockets.
+
+A big answer (a batch of 2000 inputs: ~9 MB of JSON) is written whole at once; a client that reads nothing leaves
+the kernels full (at most their buffers: tcp_wmem's 4 MB and a 4 KiB window) and the rest of it in the server's
+transport, so the send deadline (--send-timeout-s) cuts the connection. Such an answer counts as a failure
+"cancelled", never as answered too; before, it counted answered when computed (runtime/outcome.answered, and
+the KServe statistics at the next turn of the loop). The same answer read, after a pause with its tail in the
+server, counts answered once, after it was read. Cases: the direct hot path (server/http/direct.py: a plain
+POST /embed; "cached": the same all cache hits, answered inside the protocol's callback), a FastAPI route (POST /embed with an option), KServe infer (a route too). And a request refused
+after its compute (the OpenAI route's too-long input: AppState.run's `check`) counts its failure only, not an
+answer too.
+
+Every wait is for an outcome (a metric, the server's closing the socket), never a sleep as an assertion.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests import metrics_scrape, raw_sockets
+from tests.metrics_scrape import delta
+from tests.server_process import ServerProcess
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the kernels' queues in /proc")
+
+MODEL = "all-MiniLM-L6-v2"
+SEND_TIMEOUT_S = 3
+WAIT_S = 90  # how long a test waits for an outcome: far above SEND_TIMEOUT_S
+N = 2000  # inputs of a big answer: 2000 rows of 384 floats, ~9 MB of JSON
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess("--threads", "1", env={"SURGE_SEND_TIMEOUT_S": str(SEND_TIMEOUT_S)}) as srv:
+        yield srv
+
+
+def _texts(tag: str) -> list[str]:
+    """N short inputs no other request asked for (each answer computed, not a cache hit)."""
+    stamp = time.time_ns()
+    return [f"{tag} {stamp} number {i}" for i in range(N)]
+
+
+def _native(tag: str) -> tuple[str, bytes]:
+    return "/embed", json.dumps({"inputs": _texts(tag)}).encode()  # plain: the direct hot path
+
+
+def _route(tag: str) -> tuple[str, bytes]:
+    return "/embed", json.dumps({"inputs": _texts(tag), "normalize": True}).encode()  # an option: the route
+
+
+def _kserve(tag: str) -> tuple[str, bytes]:
+    texts = _texts(tag)
+    return f"/v2/models/{MODEL}/infer", json.dumps(
+        {"inputs": [{"name": "text", "shape": [len(texts)], "datatype": "BYTES", "data": texts}]}).encode()
+
+
+REQUESTS = {"direct": _native, "cached": _native, "route": _route, "kserve": _kserve}
+
+
+def _scrape(url: str) -> dict:
+    return metrics_scrape.scrape(url, MODEL)
+
+
+def _successes(url: str) -> int:
+    stats = httpx.get(f"{url}/v2/models/{MODEL}/stats", timeout=30).json()["model_stats"]
+    return sum(s["inference_stats"]["success"]["count"] for s in stats)
+
+
+def _ended(before: dict, after: dict) -> float:
+    return (delta(before, after, "surge_request_latency_seconds_count")
+            + metrics_scrape.total(before, after, "surge_request_failures_total"))
+
+
+def _warm(server, kind: str, path: str, body: bytes) -> None:
+    """For "cached": the same request read whole first and counted, so that the next one is all cache hits,
+    answered by the direct path inside the protocol's callback (server/http/direct.DirectRoutes.answer)."""
+    if kind != "cached":
+        return
+    before = _scrape(server.url)
+    r = httpx.post(f"{server.url}{path}", content=body, headers={"content-type": "application/json"}, timeout=WAIT_S)
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + WAIT_S
+    while _ended(before, _scrape(server.url)) < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _length(head: bytes) -> int:
+    return next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+
+
+class Unread:
+    """A request on a socket with a 4 KiB receive buffer, read only up to its answer's head: the answer was
+    written whole, and the kernels hold what they take of it."""
+
+    def __init__(self, port: int, path: str, body: bytes):
+        self.sock, self.got = raw_sockets.post_until_head(port, path, body, WAIT_S)
+        head = self.got.split(b"\r\n\r\n", 1)[0]
+        assert head.startswith(b"HTTP/1.1 200"), self.got[:300]
+        self.total = len(head) + 4 + _length(head)
+        self.ports = self.sock.getsockname()[1], self.sock.getpeername()[1]
+
+    def in_kernels(self) -> int | None:
+        """Bytes of the response handed to the server's kernel so far; None once the server's socket is gone."""
+        held = raw_sockets.held_by_kernels(*self.ports)
+        return None if held is None else len(self.got) + held
+
+
+@pytest.mark.parametrize("kind", sorted(REQUESTS))
+def test_a_big_answer_cut_with_its_tail_in_the_server_is_cancelled(server, kind):
+    path, body = REQUESTS[kind](f"cut-{kind}")
+    _warm(server, kind, path, body)
+    before, successes = _scrape(server.url), _successes(server.url)
+    r = Unread(server.port, path, body)
+    try:
+        most, deadline = 0, time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:  # until the send deadline has reset the connection and it counted
+            now = r.in_kernels()
+            most = max(most, now or 0)
+            after = _scrape(server.url)
+            if now is None and _ended(before, after) >= 1:
+                break
+            time.sleep(0.1)
+        got = r.got + raw_sockets.read_to_close(r.sock)  # what this kernel held, then the reset
+    finally:
+        r.sock.close()
+    assert len(got) < r.total and most < r.total  # the case: the kernels never had its tail; cut
+    assert delta(before, after, "surge_requests_total") == 1
+    assert delta(before, after, "surge_request_failures_total", code="cancelled") == 1
+    assert metrics_scrape.total(before, after, "surge_request_failures_total") == 1
+    assert delta(before, after, "surge_request_latency_seconds_count") == 0
+    assert _successes(server.url) == successes  # not a KServe success either
+
+
+@pytest.mark.parametrize("kind", sorted(REQUESTS))
+def test_a_big_answer_read_after_a_pause_is_answered_once_read(server, kind):
+    path, body = REQUESTS[kind](f"read-{kind}")
+    _warm(server, kind, path, body)
+    before, successes = _scrape(server.url), _successes(server.url)
+    r = Unread(server.port, path, body)
+    try:
+        # its head came: the answer was written whole, computed and handed over; its tail waits in the server
+        waiting, waiting_successes = _scrape(server.url), _successes(server.url)
+        now = r.in_kernels()
+        got = r.got + raw_sockets.read_to_close(r.sock)  # the rest, then the server's close (`connection: close`)
+    finally:
+        r.sock.close()
+    assert now is not None and now < r.total  # the case: the tail was still the server's when the counts were read
+    assert _ended(before, waiting) == 0 and waiting_successes == successes  # not counted while it waited
+    assert len(got) == r.total
+    deadline = time.monotonic() + WAIT_S
+    while _ended(before, after := _scrape(server.url)) < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert delta(before, after, "surge_requests_total") == 1
+    assert metrics_scrape.total(before, after, "surge_request_failures_total") == 0
+    assert delta(before, after, "surge_request_latency_seconds_count") == 1
+    deadline = time.monotonic() + WAIT_S
+    while _successes(server.url) == successes and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _successes(server.url) == successes + 1
+
+
+@pytest.mark.parametrize("extra", [{}, {"encoding_format": "base64"}], ids=["direct", "route"])
+def test_a_request_refused_after_its_compute_counts_its_failure_only(server, extra):
+    """The OpenAI route's too-long input (no truncation asked for) is found once computed (AppState.run's `check`):
+    the runtime had counted the request answered; the refusal is its outcome, not a second one. A plain request
+    (the direct path) and one with an option (the route)."""
+    long = "the quick brown fox jumps over the lazy dog " * 80  # ~720 tokens, over MiniLM's 256
+    before, successes = _scrape(server.url), _successes(server.url)
+    r = httpx.post(f"{server.url}/v1/embeddings", json={"input": [long + str(time.time_ns())], **extra},
+                   timeout=WAIT_S)
+    assert r.status_code == 400, r.text
+    deadline = time.monotonic() + WAIT_S
+    while _ended(before, after := _scrape(server.url)) < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert delta(before, after, "surge_requests_total") == 1
+    assert delta(before, after, "surge_request_failures_total", code="invalid_input") == 1
+    assert metrics_scrape.total(before, after, "surge_request_failures_total") == 1
+    assert delta(before, after, "surge_request_latency_seconds_count") == 0
+    assert _successes(server.url) == successes
