@@ -23,7 +23,9 @@ import time
 import httpx
 import pytest
 
-from tests import metrics_scrape, raw_sockets
+from tests import delivery_counts, metrics_scrape
+from tests.delivery_counts import Unread
+from tests.delivery_counts import ended as _ended
 from tests.metrics_scrape import delta
 from tests.server_process import ServerProcess
 
@@ -69,13 +71,7 @@ def _scrape(url: str) -> dict:
 
 
 def _successes(url: str) -> int:
-    stats = httpx.get(f"{url}/v2/models/{MODEL}/stats", timeout=30).json()["model_stats"]
-    return sum(s["inference_stats"]["success"]["count"] for s in stats)
-
-
-def _ended(before: dict, after: dict) -> float:
-    return (delta(before, after, "surge_request_latency_seconds_count")
-            + metrics_scrape.total(before, after, "surge_request_failures_total"))
+    return delivery_counts.successes(url, MODEL)
 
 
 def _warm(server, kind: str, path: str, body: bytes) -> None:
@@ -91,51 +87,15 @@ def _warm(server, kind: str, path: str, body: bytes) -> None:
         time.sleep(0.1)
 
 
-def _length(head: bytes) -> int:
-    return next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
-
-
-class Unread:
-    """A request on a socket with a 4 KiB receive buffer, read only up to its answer's head: the answer was
-    written whole, and the kernels hold what they take of it."""
-
-    def __init__(self, port: int, path: str, body: bytes):
-        self.sock, self.got = raw_sockets.post_until_head(port, path, body, WAIT_S)
-        head = self.got.split(b"\r\n\r\n", 1)[0]
-        assert head.startswith(b"HTTP/1.1 200"), self.got[:300]
-        self.total = len(head) + 4 + _length(head)
-        self.ports = self.sock.getsockname()[1], self.sock.getpeername()[1]
-
-    def in_kernels(self) -> int | None:
-        """Bytes of the response handed to the server's kernel so far; None once the server's socket is gone."""
-        held = raw_sockets.held_by_kernels(*self.ports)
-        return None if held is None else len(self.got) + held
-
-
 @pytest.mark.parametrize("kind", sorted(REQUESTS))
 def test_a_big_answer_cut_with_its_tail_in_the_server_is_cancelled(server, kind):
     path, body = REQUESTS[kind](f"cut-{kind}")
     _warm(server, kind, path, body)
     before, successes = _scrape(server.url), _successes(server.url)
-    r = Unread(server.port, path, body)
-    try:
-        most, deadline = 0, time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:  # until the send deadline has reset the connection and it counted
-            now = r.in_kernels()
-            most = max(most, now or 0)
-            after = _scrape(server.url)
-            if now is None and _ended(before, after) >= 1:
-                break
-            time.sleep(0.1)
-        got = r.got + raw_sockets.read_to_close(r.sock)  # what this kernel held, then the reset
-    finally:
-        r.sock.close()
+    r = Unread(server.port, path, body, WAIT_S)
+    got, most, after = delivery_counts.until_cut(r, server.url, MODEL, before, WAIT_S)
     assert len(got) < r.total and most < r.total  # the case: the kernels never had its tail; cut
-    assert delta(before, after, "surge_requests_total") == 1
-    assert delta(before, after, "surge_request_failures_total", code="cancelled") == 1
-    assert metrics_scrape.total(before, after, "surge_request_failures_total") == 1
-    assert delta(before, after, "surge_request_latency_seconds_count") == 0
-    assert _successes(server.url) == successes  # not a KServe success either
+    delivery_counts.assert_cancelled_only(server.url, MODEL, before, after, successes)
 
 
 @pytest.mark.parametrize("kind", sorted(REQUESTS))
@@ -143,27 +103,15 @@ def test_a_big_answer_read_after_a_pause_is_answered_once_read(server, kind):
     path, body = REQUESTS[kind](f"read-{kind}")
     _warm(server, kind, path, body)
     before, successes = _scrape(server.url), _successes(server.url)
-    r = Unread(server.port, path, body)
-    try:
-        # its head came: the answer was written whole, computed and handed over; its tail waits in the server
-        waiting, waiting_successes = _scrape(server.url), _successes(server.url)
-        now = r.in_kernels()
-        got = r.got + raw_sockets.read_to_close(r.sock)  # the rest, then the server's close (`connection: close`)
-    finally:
-        r.sock.close()
+    r = Unread(server.port, path, body, WAIT_S)
+    # its head came: the answer was written whole, computed and handed over; its tail waits in the server
+    waiting, waiting_successes = _scrape(server.url), _successes(server.url)
+    now = r.in_kernels()
+    got = delivery_counts.read_rest(r)
     assert now is not None and now < r.total  # the case: the tail was still the server's when the counts were read
     assert _ended(before, waiting) == 0 and waiting_successes == successes  # not counted while it waited
     assert len(got) == r.total
-    deadline = time.monotonic() + WAIT_S
-    while _ended(before, after := _scrape(server.url)) < 1 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert delta(before, after, "surge_requests_total") == 1
-    assert metrics_scrape.total(before, after, "surge_request_failures_total") == 0
-    assert delta(before, after, "surge_request_latency_seconds_count") == 1
-    deadline = time.monotonic() + WAIT_S
-    while _successes(server.url) == successes and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _successes(server.url) == successes + 1
+    delivery_counts.assert_answered_once(server.url, MODEL, before, successes, WAIT_S)
 
 
 @pytest.mark.parametrize("extra", [{}, {"encoding_format": "base64"}], ids=["direct", "route"])

@@ -24,12 +24,11 @@ import json
 import sys
 import time
 
-import httpx
 import pytest
 
 from surge.server.http.held_answer import PIECE
-from tests import metrics_scrape, raw_sockets
-from tests.metrics_scrape import delta
+from tests import delivery_counts, metrics_scrape, raw_sockets
+from tests.delivery_counts import ended as _ended
 from tests.server_process import ServerProcess, fresh_client
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the kernels' queues in /proc")
@@ -54,39 +53,19 @@ def _scrape(url: str) -> dict:
 
 def _successes(url: str) -> int:
     """The model's KServe statistics successes (server/state.AppState.call records /embed_all's)."""
-    stats = httpx.get(f"{url}/v2/models/{MODEL}/stats", timeout=30).json()["model_stats"]
-    return sum(s["inference_stats"]["success"]["count"] for s in stats)
-
-
-def _ended(before: dict, after: dict) -> float:
-    return (delta(before, after, "surge_request_latency_seconds_count")
-            + metrics_scrape.total(before, after, "surge_request_failures_total"))
+    return delivery_counts.successes(url, MODEL)
 
 
 def _body(inputs: list[str]) -> bytes:
     return json.dumps({"inputs": inputs}).encode()
 
 
-def _length(head: bytes) -> int:
-    return next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
-
-
-class Unread:
-    """A request on a socket with a `window`-byte receive buffer, read only up to its answer's head (the answer
-    is being sent)."""
+class Unread(delivery_counts.Unread):
+    """A request for `inputs` on a socket with a `window`-byte receive buffer, read only up to its answer's head
+    (the answer is being sent)."""
 
     def __init__(self, port: int, inputs: list[str], window: int):
-        self.sock, self.got = raw_sockets.post_until_head(port, "/embed_all", _body(inputs), WAIT_S, window=window)
-        head = self.got.split(b"\r\n\r\n", 1)[0]
-        assert head.startswith(b"HTTP/1.1 200"), self.got[:300]
-        self.head, self.length = len(head) + 4, _length(head)  # the head's bytes, the body's
-        self.ports = self.sock.getsockname()[1], self.sock.getpeername()[1]
-
-    def in_kernels(self) -> int | None:
-        """Bytes of the response handed to the server's kernel so far (read, or held by the kernels); None once
-        the server's socket is gone."""
-        held = raw_sockets.held_by_kernels(*self.ports)
-        return None if held is None else len(self.got) + held
+        super().__init__(port, "/embed_all", _body(inputs), WAIT_S, window=window)
 
     def last_piece(self) -> int:
         """The byte of the response where the answer's last piece starts."""
@@ -157,28 +136,16 @@ def test_an_answer_cut_after_its_last_piece_was_handed_over_is_cancelled(server,
     r = Unread(server.port, inputs, window)
     try:
         _straddles(r, full)
-        # Nothing more is read: the whole answer has been handed to the transport, which keeps its tail until
-        # the send deadline resets the connection.
-        # Watched until the server has reset the connection and counted the request.
-        most, deadline = 0, time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:
-            now = r.in_kernels()
-            most = max(most, now or 0)
-            after = _scrape(server.url)
-            if now is None and _ended(before, after) >= 1:
-                break
-            time.sleep(0.1)
-        got = r.got + raw_sockets.read_to_close(r.sock)  # what this kernel held, then the reset
-    finally:
+    except BaseException:
         r.sock.close()
+        raise
+    # Nothing more is read: the whole answer has been handed to the transport, which keeps its tail until the send
+    # deadline resets the connection; watched until the server has reset it and counted the request.
+    got, most, after = delivery_counts.until_cut(r, server.url, MODEL, before, WAIT_S)
     # the case, as sized: some of the last piece reached the kernels (so all of it was handed over), not all
-    assert r.last_piece() < most < r.head + r.length, (r.last_piece(), most, r.head + r.length)
-    assert len(got) < r.head + r.length  # cut: not sent whole
-    assert delta(before, after, "surge_requests_total") == 1
-    assert delta(before, after, "surge_request_failures_total", code="cancelled") == 1
-    assert metrics_scrape.total(before, after, "surge_request_failures_total") == 1
-    assert delta(before, after, "surge_request_latency_seconds_count") == 0
-    assert _successes(server.url) == successes  # not a KServe success either
+    assert r.last_piece() < most < r.total, (r.last_piece(), most, r.total)
+    assert len(got) < r.total  # cut: not sent whole
+    delivery_counts.assert_cancelled_only(server.url, MODEL, before, after, successes)
 
 
 def test_an_answer_whose_tail_waits_in_the_server_is_answered_once_read(server, straddling):
@@ -201,13 +168,4 @@ def test_an_answer_whose_tail_waits_in_the_server_is_answered_once_read(server, 
     assert waiting_successes == successes  # nor a KServe success (before: counted once computed)
     rows = json.loads(got[r.head:])
     assert [len(x) for x in rows] == [256] * inputs.count(LONG) + [len(t.split()) + 2 for t in inputs if t != LONG]
-    deadline = time.monotonic() + WAIT_S
-    while _ended(before, after := _scrape(server.url)) < 1 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert delta(before, after, "surge_requests_total") == 1
-    assert metrics_scrape.total(before, after, "surge_request_failures_total") == 0
-    assert delta(before, after, "surge_request_latency_seconds_count") == 1
-    deadline = time.monotonic() + WAIT_S
-    while _successes(server.url) == successes and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _successes(server.url) == successes + 1
+    delivery_counts.assert_answered_once(server.url, MODEL, before, successes, WAIT_S)

@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 import httpx
 import pytest
 
-from tests import metrics_scrape, raw_sockets
+from tests import delivery_counts, metrics_scrape
+from tests.delivery_counts import Unread
 from tests.e2e.repo_helpers import add_version
-from tests.e2e.test_answer_delivery import Unread
-from tests.metrics_scrape import delta
 from tests.server_process import ServerProcess
 from tests.task_models import task_models_dir
 
@@ -69,63 +67,26 @@ def _scrape(url: str) -> dict:
     return metrics_scrape.scrape(url, MODEL)
 
 
-def _successes(url: str) -> int:
-    stats = httpx.get(f"{url}/v2/models/{MODEL}/stats", timeout=30).json()["model_stats"]
-    return sum(s["inference_stats"]["success"]["count"] for s in stats)
-
-
-def _ended(before: dict, after: dict) -> float:
-    return (delta(before, after, "surge_request_latency_seconds_count")
-            + metrics_scrape.total(before, after, "surge_request_failures_total"))
-
-
 @pytest.mark.parametrize("kind", sorted(REQUESTS))
 def test_a_big_task_answer_cut_with_its_tail_in_the_server_is_cancelled(server, kind):
     path, body = REQUESTS[kind]()
-    before, successes = _scrape(server.url), _successes(server.url)
-    r = Unread(server.port, path, body)
-    try:
-        most, deadline = 0, time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:  # until the send deadline has reset the connection and it counted
-            now = r.in_kernels()
-            most = max(most, now or 0)
-            after = _scrape(server.url)
-            if now is None and _ended(before, after) >= 1:
-                break
-            time.sleep(0.1)
-        got = r.got + raw_sockets.read_to_close(r.sock)  # what this kernel held, then the reset
-    finally:
-        r.sock.close()
+    before, successes = _scrape(server.url), delivery_counts.successes(server.url, MODEL)
+    r = Unread(server.port, path, body, WAIT_S)
+    got, most, after = delivery_counts.until_cut(r, server.url, MODEL, before, WAIT_S)
     assert len(got) < r.total and most < r.total, (len(got), most, r.total)  # the case: never its tail; cut
-    assert delta(before, after, "surge_requests_total") == 1
-    assert delta(before, after, "surge_request_failures_total", code="cancelled") == 1
-    assert metrics_scrape.total(before, after, "surge_request_failures_total") == 1
-    assert delta(before, after, "surge_request_latency_seconds_count") == 0
-    assert _successes(server.url) == successes  # not a KServe success either
+    delivery_counts.assert_cancelled_only(server.url, MODEL, before, after, successes)
 
 
 @pytest.mark.parametrize("kind", sorted(REQUESTS))
 def test_a_big_task_answer_read_after_a_pause_is_answered_once_read(server, kind):
     path, body = REQUESTS[kind]()
-    before, successes = _scrape(server.url), _successes(server.url)
-    r = Unread(server.port, path, body)
-    try:
-        waiting, waiting_successes = _scrape(server.url), _successes(server.url)
-        now = r.in_kernels()
-        got = r.got + raw_sockets.read_to_close(r.sock)  # the rest, then the server's close (`connection: close`)
-    finally:
-        r.sock.close()
+    before, successes = _scrape(server.url), delivery_counts.successes(server.url, MODEL)
+    r = Unread(server.port, path, body, WAIT_S)
+    waiting, waiting_successes = _scrape(server.url), delivery_counts.successes(server.url, MODEL)
+    now = r.in_kernels()
+    got = delivery_counts.read_rest(r)
     assert now is not None and now < r.total  # the case: the tail was still the server's when the counts were read
-    assert _ended(before, waiting) == 0 and waiting_successes == successes  # not counted while it waited
+    assert delivery_counts.ended(before, waiting) == 0 and waiting_successes == successes  # not counted while it waited
     assert len(got) == r.total
     assert len(json.loads(got.split(b"\r\n\r\n", 1)[1])) == N
-    deadline = time.monotonic() + WAIT_S
-    while _ended(before, after := _scrape(server.url)) < 1 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert delta(before, after, "surge_requests_total") == 1
-    assert metrics_scrape.total(before, after, "surge_request_failures_total") == 0
-    assert delta(before, after, "surge_request_latency_seconds_count") == 1
-    deadline = time.monotonic() + WAIT_S
-    while _successes(server.url) == successes and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _successes(server.url) == successes + 1
+    delivery_counts.assert_answered_once(server.url, MODEL, before, successes, WAIT_S)
