@@ -71,7 +71,9 @@ class _DeviceCollector:
     the pool keeps these counts for its least-loaded dispatch already, so serving pays nothing."""
 
     def __init__(self):
-        self.pools: dict[tuple[str, str], object] = {}
+        # labels -> {id of the registering ServiceMetrics: pool}, in registration order: the newest open one is
+        # exported, and each copy's close() takes back only its own (a closed build's pool is never kept)
+        self.pools: dict[tuple[str, str], dict[int, object]] = {}
 
     def collect(self):
         mvd = ("model", "version", "device")
@@ -85,7 +87,7 @@ class _DeviceCollector:
                                            labels=mvd),
         }
         with _lock:
-            pools = list(self.pools.items())
+            pools = [(labels, _newest(by)) for labels, by in self.pools.items() if by]
         for labels, pool in pools:
             for st in pool.stats():
                 for key, fam in fams.items():
@@ -100,7 +102,7 @@ class _EngineCollector:
     engine builds every bucket before ready and tests keep this at 0 under load."""
 
     def __init__(self):
-        self.engines: dict[tuple[str, str], list] = {}
+        self.engines: dict[tuple[str, str], dict[int, list]] = {}  # as _DeviceCollector.pools
 
     def collect(self):
         fam = CounterMetricFamily("surge_engine_graph_builds", "Engine shape buckets built (CUDA graph captures "
@@ -109,7 +111,7 @@ class _EngineCollector:
         secs = CounterMetricFamily("surge_engine_graph_build_seconds", "Time spent building engine shape buckets.",
                                    labels=("model", "version"))
         with _lock:
-            items = list(self.engines.items())
+            items = [(labels, _newest(by)) for labels, by in self.engines.items() if by]
         for labels, engines in items:
             if not engines:
                 continue  # a front end under --workers: its engines live in the engine process
@@ -120,6 +122,20 @@ class _EngineCollector:
             secs.add_metric(list(labels), sum(getattr(e, "build_s", 0.0) for e in engines))
         yield fam
         yield secs
+
+
+def _newest(registered: dict):
+    """The value registered last (dicts keep insertion order)."""
+    return next(reversed(registered.values()))
+
+
+def _take_back(registry: dict, labels: tuple, owner: int) -> None:
+    """Drop `owner`'s registration under `labels` (and the labels once none is left)."""
+    by = registry.get(labels)
+    if by is not None:
+        by.pop(owner, None)
+        if not by:
+            del registry[labels]
 
 
 def _make(reg: CollectorRegistry) -> _Families:
@@ -344,12 +360,12 @@ class ServiceMetrics:
     def watch_devices(self, pool) -> None:
         """Export a DevicePool's per-device counts under this version's labels until close()."""
         with _lock:
-            self.fam.devices.pools[self.labels] = pool
+            self.fam.devices.pools.setdefault(self.labels, {})[id(self)] = pool
 
     def watch_engines(self, engines: list) -> None:
         """Export the engines' bucket-build counts (surge_engine_graph_builds) until close()."""
         with _lock:
-            self.fam.engines.engines[self.labels] = list(engines)
+            self.fam.engines.engines.setdefault(self.labels, {})[id(self)] = list(engines)
 
     def close(self) -> None:
         """A retired version holds nothing: zero its gauges. Its series are
@@ -363,9 +379,10 @@ class ServiceMetrics:
             if self._cache is not None and self.fam.cache_owners.get(self.labels) is self._cache:
                 del self.fam.cache_owners[self.labels]  # nor does it keep the cache alive
             self._cache = None  # the cache holds these metrics: no cycle left to keep a retired build
-            if not left:
-                self.fam.devices.pools.pop(self.labels, None)
-                self.fam.engines.engines.pop(self.labels, None)
+            # its own engines and pool only, whatever else is open under these labels: before, they stayed
+            # exported (and alive) while another copy was open, e.g. a same-named model elsewhere in the process
+            _take_back(self.fam.devices.pools, self.labels, id(self))
+            _take_back(self.fam.engines.engines, self.labels, id(self))
         if left:
             return  # another open service reports under these labels
         self.queue_depth.set(0)
