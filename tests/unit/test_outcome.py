@@ -191,3 +191,43 @@ def test_a_quiet_count_is_no_count_even_when_written_later():
         stop_awaiting(token)
     d.written(None)
     assert _counts(m) == (0.0, {})
+
+
+@pytest.mark.parametrize("outer", [False, True], ids=["own-delivery", "caller-delivery"])
+def test_a_refused_answer_counts_its_refusal_only_and_a_passed_one_its_latency(outer):
+    """server/state._checked: the runtime's count of an answered request (runtime/outcome.answered, as the
+    service makes it) is held until the protocol's check; a refusal counts its own failure and no latency, a
+    pass counts the latency once, with or without a delivery awaited by the caller."""
+    from surge.errors import InvalidInput
+    from surge.runtime.outcome import AtWrite, answered, awaiting, stop_awaiting
+    from surge.server.state import _checked
+
+    async def embedding(m):
+        answered(m, 0.5)  # the runtime: computed
+        return "rows"
+
+    async def refuse(result):
+        raise InvalidInput("too long", param="input")
+
+    async def accept(result):
+        assert result == "rows"
+
+    async def serve(m, check):
+        d = AtWrite() if outer else None
+        token = awaiting(d)
+        try:
+            try:
+                return await _checked(embedding(m), check)
+            finally:
+                if d is not None:
+                    d.written(None)  # the answer (the 400, or the rows) written
+        finally:
+            stop_awaiting(token)
+
+    m = _metrics()
+    with pytest.raises(InvalidInput):
+        asyncio.run(serve(m, refuse))
+    assert _counts(m) == (0.0, {"invalid_input": 1.0})
+    m = _metrics()
+    assert asyncio.run(serve(m, accept)) == "rows"
+    assert _counts(m) == (1.0, {})

@@ -65,21 +65,7 @@ class AppState:
                                                                          deadline))
 
         async def checked(deadline):
-            outer = awaited()
-            if outer is None:
-                return await _checked(self._embed(service, texts, token_ids, options, deadline), check)
-            # the caller awaits the answer's delivery (every HTTP POST, server/http/delivery.py): its delivery
-            # holds the runtime's count, settled here with the refusal's code where the check refuses
-            result = await self._embed(service, texts, token_ids, options, deadline)
-            try:
-                await check(result)
-            except SurgeError as exc:
-                outer.settle(exc.code)
-                raise
-            except Exception:
-                outer.settle("internal_error")
-                raise
-            return result
+            return await _checked(self._embed(service, texts, token_ids, options, deadline), check)
 
         return await self.call(service, checked)
 
@@ -175,19 +161,25 @@ class AppState:
 
 
 async def _checked(embedding, check):
-    """`await embedding`, then `await check(result)`, where no delivery is awaited (AppState.run's `checked` does
-    the same with the caller's): the runtime's count of the request answered held (a Delivery of its own) until
-    the check has passed; where it refuses the answer, the request counts its refusal's failure only (before, the
-    runtime had counted it answered, its latency observed, and the refusal counted a failure too)."""
-    d = Delivery()
-    token = awaiting(d)
-    try:
+    """`await embedding`, then `await check(result)`, the runtime's count of the request answered held until the
+    check has passed: by the delivery the caller awaits (every HTTP POST, server/http/delivery.py), else by a
+    Delivery of its own. Where the check refuses the answer, that delivery settles with the refusal's code, so the
+    request counts its refusal's failure only (before, the runtime had counted it answered, its latency observed,
+    and the refusal counted a failure too)."""
+    d = awaited()
+    own = d is None
+    if own:
+        d = Delivery()
+        token = awaiting(d)
+        try:
+            result = await embedding
+        except BaseException:
+            d.settle(None)  # not answered: the runtime counted its failure, nothing waits here
+            raise
+        finally:
+            stop_awaiting(token)
+    else:
         result = await embedding
-    except BaseException:
-        d.settle(None)  # not answered: the runtime counted its failure, nothing waits here
-        raise
-    finally:
-        stop_awaiting(token)
     try:
         await check(result)
     except SurgeError as exc:
@@ -197,9 +189,11 @@ async def _checked(embedding, check):
         d.settle("internal_error")
         raise
     except BaseException:
-        d.settle(CANCELLED)
+        if own:  # the caller's delivery is the caller's to settle (its connection lost: "cancelled")
+            d.settle(CANCELLED)
         raise
-    d.settle(None)
+    if own:
+        d.settle(None)
     return result
 
 
