@@ -1,0 +1,113 @@
+"""Issue 18: the floor of a persistent decode-step kernel on this GPU (engines/kernels/stream_floor.py).
+
+The 8x target asks for the Qwen2-0.5B decode step at 64 streams in ~0.40 ms with the host (docs/benchmarks/
+generate.md, session 42: 8x that run's compiled baseline is a 68 ms round; less the 17 ms prefill, 127 steps in
+51 ms). The engine's step is ~0.9 ms on an H100. This measures, in one call:
+
+* what this GPU reads at all: torch reading the step's bytes (a sum over them) and the probe streaming them as one
+  phase with no barriers: the memory floor of the step as a kernel sees it;
+* the step's bytes in its 121 dependent phases (24 layers x qkv, attention K/V, o, gate/up, down; the LM head),
+  streamed by a producer warp that never waits for activations, with and without grid barriers between phases, and
+  with each box also multiplied by its 64-row activation chunk read by TMA from what the previous phase wrote (the
+  activation traffic and arithmetic of a 64-stream batch): what a megakernel of this design could take at best,
+  before attention's own dependent reads, norms, RoPE, sampling and the host;
+* each against the engine's step time (the `--step-us` of the same card, measured by benchmarks/generate.py) and
+  the target's ~400 us.
+
+    PYTHONPATH=src python3 benchmarks/gpu_megakernel_floor.py --json OUT.json [--context 192] [--repeats 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+QWEN2_05B = dict(layers=24, hidden=896, inter=4864, heads=14, kv_heads=2, head_dim=64, vocab=151936)
+
+
+def timed(fn, reset, repeats: int, warmup: int = 3) -> float:
+    """Median us of `repeats` single launches, each after `reset` (outside the timed interval)."""
+    for _ in range(warmup):
+        reset()
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        reset()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--context", type=int, default=192, help="positions of K/V a stream (the round's mean: 128-256)")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--plans", default="128x12,64x24,128x8", help="box rows x ring stages, comma separated")
+    ap.add_argument("--step-us", type=float, default=None, help="the engine's decode step on this card, for the table")
+    ap.add_argument("--target-us", type=float, default=400.0)
+    args = ap.parse_args()
+
+    from surge.engines.kernels.stream_floor import StreamFloor, step_phases
+
+    dev = torch.cuda.get_device_properties(0)
+    report = {"device": dev.name, "sms": dev.multi_processor_count, "context": args.context, "batch": args.batch,
+              "target_us": args.target_us, "engine_step_us": args.step_us, "rows": []}
+    print(f"{dev.name}, {dev.multi_processor_count} SMs; Qwen2-0.5B decode step, {args.batch} streams x "
+          f"{args.context} positions", flush=True)
+
+    def row(name, us, nbytes, **kw):
+        r = {"variant": name, "us": round(us, 1), "TB/s": round(nbytes / us / 1e6, 3), **kw}
+        report["rows"].append(r)
+        print(f"{name:58s} {us:9.1f} us  {r['TB/s']:6.3f} TB/s", flush=True)
+
+    for plan in args.plans.split(","):
+        box, stages = (int(x) for x in plan.split("x"))
+        phases = step_phases(batch=args.batch, context=args.context, box_bytes=box * 128, **QWEN2_05B)
+        probe = StreamFloor(phases, box_rows=box, stages=stages)
+        one = StreamFloor([("all", probe.total_boxes, 14)], box_rows=box, stages=stages, weights=probe.weights)
+        nbytes = probe.nbytes
+        if plan == args.plans.split(",")[0]:
+            report["step_bytes"] = nbytes
+            report["phases"] = len(phases)
+            flat = probe.weights.view(-1)
+            us = timed(lambda flat=flat: flat.sum(dtype=torch.float32), lambda: None, args.repeats)
+            row("torch: sum over the step's bytes", us, nbytes)
+        checks = {}
+        for name, p, sync, mma in (("one phase, no barrier", one, False, False),
+                                   (f"{len(phases)} phases, no barrier", probe, False, False),
+                                   (f"{len(phases)} phases, grid barriers", probe, True, False),
+                                   (f"{len(phases)} phases, no barrier, MMA + activations", probe, False, True),
+                                   (f"{len(phases)} phases, grid barriers, MMA + activations", probe, True, True)):
+            p.run(sync, mma)
+            torch.cuda.synchronize()
+            ok = torch.equal(p.counts.cpu(), p.deal()) and (not sync or int(p.counter.item()) == len(p.phases)
+                                                            * p.programs)
+            checks[name] = ok
+            us = timed(lambda p=p, sync=sync, mma=mma: p.launch(sync, mma), p.reset, args.repeats)
+            row(f"box {box} x {stages}: {name}", us, nbytes, box=box, stages=stages, sync=sync, mma=mma,
+                consumed_as_dealt=ok)
+        del probe, one
+        torch.cuda.empty_cache()
+    if args.step_us:
+        print(f"engine decode step (given): {args.step_us:.1f} us; target ~{args.target_us:.0f} us with the host")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
