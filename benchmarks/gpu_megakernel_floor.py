@@ -57,7 +57,8 @@ def main():
     ap.add_argument("--context", type=int, default=192, help="positions of K/V a stream (the round's mean: 128-256)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--plans", default="128x12,64x24,128x8", help="box rows x ring stages, comma separated")
+    ap.add_argument("--plans", default="128x12,64x24,128x8",
+                    help="box rows x ring stages [x activation stages, default 2], comma separated")
     ap.add_argument("--step-us", type=float, default=None, help="the engine's decode step on this card, for the table")
     ap.add_argument("--target-us", type=float, default=400.0)
     args = ap.parse_args()
@@ -71,14 +72,15 @@ def main():
           f"{args.context} positions", flush=True)
 
     def row(name, us, nbytes, **kw):
-        r = {"variant": name, "us": round(us, 1), "TB/s": round(nbytes / us / 1e6, 3), **kw}
+        r = {"variant": name, "us": round(us, 1), "TB/s": round(nbytes / us / 1e6, 3), "per_phase_us":
+             round(us / report.get("phases", 1), 2), **kw}
         report["rows"].append(r)
         print(f"{name:58s} {us:9.1f} us  {r['TB/s']:6.3f} TB/s", flush=True)
 
     for plan in args.plans.split(","):
-        box, stages = (int(x) for x in plan.split("x"))
+        box, stages, astages = ([int(x) for x in plan.split("x")] + [2])[:3]
         phases = step_phases(batch=args.batch, context=args.context, box_bytes=box * 128, **QWEN2_05B)
-        probe = StreamFloor(phases, box_rows=box, stages=stages)
+        probe = StreamFloor(phases, box_rows=box, stages=stages, astages=astages)
         one = StreamFloor([("all", probe.total_boxes, 14)], box_rows=box, stages=stages, weights=probe.weights)
         nbytes = probe.nbytes
         if plan == args.plans.split(",")[0]:
@@ -87,6 +89,14 @@ def main():
             flat = probe.weights.view(-1)
             us = timed(lambda flat=flat: flat.sum(dtype=torch.float32), lambda: None, args.repeats)
             row("torch: sum over the step's bytes", us, nbytes)
+            # the barriers alone: as many phases, one box in all (what a barrier costs with no stream beside it)
+            bare = StreamFloor([("one", 1, 1)] + [("none", 0, 1)] * (len(phases) - 1), box_rows=box, stages=stages)
+            bare.run(True, False)
+            torch.cuda.synchronize()
+            assert int(bare.counter.item()) == len(phases) * bare.programs
+            us = timed(lambda bare=bare: bare.launch(True, False), bare.reset, args.repeats)
+            row(f"{len(phases)} grid barriers, no stream", us, 0)
+            del bare
         checks = {}
         for name, p, sync, mma in (("one phase, no barrier", one, False, False),
                                    (f"{len(phases)} phases, no barrier", probe, False, False),
@@ -99,8 +109,8 @@ def main():
                                                             * p.programs)
             checks[name] = ok
             us = timed(lambda p=p, sync=sync, mma=mma: p.launch(sync, mma), p.reset, args.repeats)
-            row(f"box {box} x {stages}: {name}", us, nbytes, box=box, stages=stages, sync=sync, mma=mma,
-                consumed_as_dealt=ok)
+            row(f"box {box} x {stages} x {astages}: {name}", us, nbytes, box=box, stages=stages, astages=astages,
+                sync=sync, mma=mma, consumed_as_dealt=ok)
         del probe, one
         torch.cuda.empty_cache()
     if args.step_us:
