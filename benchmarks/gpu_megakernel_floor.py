@@ -15,6 +15,7 @@ generate.md, session 42: 8x that run's compiled baseline is a 68 ms round; less 
   the target's ~400 us.
 
     PYTHONPATH=src python3 benchmarks/gpu_megakernel_floor.py --json OUT.json [--context 192] [--repeats 15]
+    python3 benchmarks/gpu_megakernel_floor.py --plot OUT.png REC.json --step-us 908.6 --budget-us "392:why,480:why"  # no GPU
 """
 
 from __future__ import annotations
@@ -51,9 +52,47 @@ def timed(fn, reset, repeats: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def plot(rec: dict, out: Path, step_us: float | None, budgets: list[tuple[float, str]]) -> None:
+    """Bars: each kind of variant's best time over the plans of one record; lines: the engine's step and the
+    target's budgets."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = [("torch: sum over the step's bytes", "read the step's bytes once (torch)"),
+             ("one phase, no barrier", "producer-warp stream, one phase"),
+             ("phases, no barrier", "121 phases, no barrier"),
+             ("grid barriers, no stream", "121 grid barriers alone"),
+             ("phases, grid barriers", "121 phases + grid barriers"),
+             ("phases, grid barriers, MMA + activations", "+ 64-row MMA and activations")]
+    bars = []
+    for key, label in kinds:
+        us = [r["us"] for r in rec["rows"] if r["variant"].endswith(key)]
+        if us:
+            bars.append((label, min(us)))
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.barh([b[0] for b in bars][::-1], [b[1] for b in bars][::-1], color="#4c72b0")
+    for y, (_, us) in enumerate(bars[::-1]):
+        ax.text(us + 8, y, f"{us:.0f}", va="center", fontsize=8)
+    if step_us:
+        ax.axvline(step_us, color="#c44e52", label=f"the engine's decode step ({step_us:.0f} us)")
+    for (b, why), style in zip(budgets, ("--", ":", "-."), strict=False):
+        ax.axvline(b, color="#55a868", linestyle=style, label=f"8x needs a step <= {b:.0f} us{why}")
+    ax.set_xlabel(f"us a decode step ({rec['device']}, {rec['step_bytes'] / 1e9:.2f} GB a step)")
+    ax.set_title("Qwen2-0.5B decode step, 64 streams: a persistent kernel's floor")
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--plot", type=Path, help="with a saved record: a bar chart (PNG), no GPU")
+    ap.add_argument("--budget-us", default="",
+                    help="with --plot: the target's step budgets, comma separated, each US or US:why")
+    ap.add_argument("record", nargs="?", type=Path)
     ap.add_argument("--context", type=int, default=192, help="positions of K/V a stream (the round's mean: 128-256)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=15)
@@ -62,6 +101,13 @@ def main():
     ap.add_argument("--step-us", type=float, default=None, help="the engine's decode step on this card, for the table")
     ap.add_argument("--target-us", type=float, default=400.0)
     args = ap.parse_args()
+    if args.record:
+        if not args.plot:
+            ap.error("a record is given to plot: add --plot PNG")
+        budgets = [(float(b.partition(":")[0]), f" ({b.partition(':')[2]})" if ":" in b else "")
+                   for b in args.budget_us.split(",") if b]
+        plot(json.loads(args.record.read_text()), args.plot, args.step_us, budgets)
+        return
 
     from surge.engines.kernels.stream_floor import StreamFloor, step_phases
 
