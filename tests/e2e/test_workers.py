@@ -158,7 +158,59 @@ def test_crashed_front_end_is_started_again(server):
         pytest.fail("the front end was not restarted")
     wait_ready(server)
     out = asyncio.run(_many(server.url, [["front end %d" % i] for i in range(8)]))
-    assert all(s == 200 for s, _, _ in out)
+    assert all(s == 200 for s, _, _ in out), [(s, b) for s, b, _ in out if s != 200]
+
+
+def test_restarted_front_end_takes_no_connection_before_it_serves(server):
+    """While a crashed front end starts again the other one answers /ready 200, so clients (a load
+    balancer) keep sending: none of their connections may reach the new process before it serves.
+    Made deterministic by holding the new front end's startup (the engine process is stopped, so its
+    HELLO never comes) and pausing the other front end, so the new one is the only process that could
+    accept: it used to, and answered 503 ("not loaded yet") while a ready front end was there. Now the
+    request waits in the shared backlog and is answered 200 once they resume; the held front end does
+    not listen on the shared gRPC port either (SO_REUSEPORT would hash connections to it)."""
+    import threading
+
+    engine = children_by_role(server)["engine"][0]
+    old, other = children_by_role(server)["front"]
+    marker = "Waiting for application startup."  # uvicorn's, as the new front end's startup begins
+    seen = server.output(tail=1 << 24).count(marker)
+    got = {}
+
+    def ask():
+        try:
+            with fresh_client(server.url, timeout=120) as c:
+                r = c.post("/v1/embeddings", json={"input": "held start"})
+            got["answer"] = (r.status_code, r.text[:300])
+        except httpx.HTTPError as exc:
+            got["answer"] = (0, repr(exc))
+
+    engine.suspend()
+    asker = threading.Thread(target=ask)
+    try:
+        old.kill()
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            new = [p for p in children_by_role(server)["front"] if p.pid != other.pid]
+            if new and new[0].pid != old.pid:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the front end was not restarted")
+        other.suspend()  # from here only the new front end could take a connection
+        asker.start()
+        end = time.monotonic() + 60
+        while server.output(tail=1 << 24).count(marker) <= seen and time.monotonic() < end:
+            time.sleep(0.05)
+        asker.join(2.0)  # its startup has begun (held at HELLO): a front end that accepted has answered
+        grpc_ports = {c.laddr.port for c in new[0].net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+    finally:
+        engine.resume()
+        other.resume()
+    asker.join(120)
+    assert got["answer"][0] == 200, got["answer"]
+    assert server.grpc_port not in grpc_ports
+    wait_ready(server)
 
 
 def test_sigterm_drains_in_flight_requests_then_exits(server, sentences):

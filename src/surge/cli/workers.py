@@ -25,9 +25,10 @@ shared memory that every front end reads and fills (runtime/shm_cache.py, sized 
 
 Lifecycle: the engine process warms up (every bucket) before it listens, and
 front ends report ready only once connected. A front end that crashes is
-started again; an engine process that crashes makes every front end fail its
-in-flight requests with 503 at once (EOF on the socket) and report not ready
-until the restarted engine is back. SIGTERM (or Ctrl-C): front ends drain
+started again, and takes no connection (HTTP or gRPC) before it serves: the
+others answer meanwhile (server/app.py, `serve_when_ready`). An engine process
+that crashes makes every front end fail its in-flight requests with 503 at once
+(EOF on the socket) and report not ready until the restarted engine is back. SIGTERM (or Ctrl-C): front ends drain
 (uvicorn's graceful shutdown, requests in flight are answered), then the
 engine process stops. HTTP and gRPC (both ports shared by every front end: the
 HTTP socket is inherited, the gRPC port bound with SO_REUSEPORT). The supervisor itself, and why
@@ -252,10 +253,14 @@ def _front_repository(state, config: ServerConfig, sock: str, others: list[str])
 
 def _front_extras(state, config: ServerConfig):
     """gRPC and whole-process metrics, for either kind of front end."""
+    # Both ports are shared with front ends that serve (one restarted after a crash starts beside a
+    # ready one): it accepts HTTP connections only once its models serve (server/app.py), and its
+    # gRPC socket, which would take a share of the connections, listens only then.
+    state.extras["serve_when_ready"] = True
     if config.grpc_port:  # gRPC (KServe v2) from every front end, on one shared port
         from surge.server.grpc.server import install_grpc
 
-        install_grpc(state, reuse_port=True)
+        install_grpc(state, reuse_port=True, after_models=True)
     return whole_metrics(state, config)
 
 
@@ -291,7 +296,8 @@ def front_main(config_json: str, sock: str, fd: str, all_socks: str = "") -> Non
 
     config = ServerConfig.model_validate_json(config_json)
     others = [p for p in all_socks.split(",") if p and p != sock]
-    app = create_app(front_state(config, sock, others))
+    state = front_state(config, sock, others)
+    app = create_app(state)
     # The inherited TCP socket, with its real family: uvicorn's own `fd=` wraps it as AF_UNIX, and
     # asyncio then leaves Nagle on for accepted connections (TCP_NODELAY is set for INET sockets
     # only): every response waited ~40 ms for the client's delayed ACK.
@@ -303,9 +309,30 @@ def front_main(config_json: str, sock: str, fd: str, all_socks: str = "") -> Non
         app, extra = FrontDoor(app), {"http": CorkedHttpToolsProtocol}
     except ImportError:  # no httptools: uvicorn's own choice
         pass
-    server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, access_log=False,
-                                           timeout_graceful_shutdown=10, **extra))
+    server = _front_server_class()(state, uvicorn.Config(app, log_level=config.log_level, access_log=False,
+                                                         timeout_graceful_shutdown=10, **extra))
     server.run(sockets=[listener])
+
+
+def _front_server_class():
+    import uvicorn
+
+    class FrontServer(uvicorn.Server):
+        """uvicorn's server, but SIGTERM / SIGINT also end a start that is still waiting (its engine
+        process away): the app takes no connection before it serves (server/app.py), and uvicorn
+        would otherwise wait for that start to finish before it looks at the signal."""
+
+        def __init__(self, state, config):
+            super().__init__(config)
+            self.surge_state = state
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            task = self.surge_state.extras.get("startup_task")
+            if not self.started and task is not None and not task.done():
+                task.get_loop().call_soon_threadsafe(task.cancel)  # from a signal handler: wake the loop
+
+    return FrontServer
 
 
 if __name__ == "__main__":

@@ -29,8 +29,18 @@ def create_app(state: AppState) -> FastAPI:
         # Loading runs in the background so that liveness answers at once and
         # readiness turns on only after every model has warmed up.
         state.registry.loading = True
-        task = asyncio.create_task(_start(state))
+        # A --workers front end shares its listening socket with front ends that serve: it takes no
+        # connection before it serves too (uvicorn accepts only once this yields), or a client that saw
+        # /ready 200 from another one gets 503 from it. A failed start fails the lifespan (uvicorn exits
+        # without accepting; the supervisor starts it again).
+        held = state.extras.get("serve_when_ready", False)
+        task = asyncio.create_task(_start(state, stop_on_failure=not held))
+        state.extras["startup_task"] = task
         try:
+            if held:
+                await task
+                if not state.started:
+                    raise RuntimeError(f"startup failed: {state.extras.get('startup_error')}")
             yield
         finally:
             task.cancel()
@@ -80,7 +90,7 @@ def create_app(state: AppState) -> FastAPI:
     return app
 
 
-async def _start(state: AppState) -> None:
+async def _start(state: AppState, stop_on_failure: bool = True) -> None:
     try:
         for hook in state.extras.get("on_startup", []):
             await hook(state)
@@ -100,7 +110,7 @@ async def _start(state: AppState) -> None:
             logging.getLogger("surge.server").error("startup failed: %s", exc.message)
         else:
             logging.getLogger("surge.server").exception("startup failed")
-        if state.extras.get("exit_on_startup_failure", True):
+        if stop_on_failure and state.extras.get("exit_on_startup_failure", True):
             # Nothing to serve: stop uvicorn (the CLI then exits 1). Through its Server where run_server gave it:
             # a SIGTERM would be re-raised by uvicorn once it has stopped (>= 0.29), so the process would die
             # of it (status 143, "Terminated") before the CLI could exit with its own status.

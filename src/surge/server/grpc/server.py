@@ -140,8 +140,10 @@ def build_server(state: AppState, reuse_port: bool = False) -> tuple[grpc.aio.Se
     return server, address
 
 
-def install_grpc(state: AppState, reuse_port: bool = False) -> None:
-    """Register startup/shutdown hooks that run the gRPC server with the app."""
+def install_grpc(state: AppState, reuse_port: bool = False, after_models: bool = False) -> None:
+    """Register startup/shutdown hooks that run the gRPC server with the app. `after_models`: it
+    listens only once the models serve (a --workers front end: its SO_REUSEPORT socket would take
+    a share of the connections while it cannot answer them), not first."""
 
     async def start(state: AppState) -> None:
         server, address = build_server(state, reuse_port)
@@ -155,6 +157,9 @@ def install_grpc(state: AppState, reuse_port: bool = False) -> None:
         if server is not None:
             await server.stop(grace=5)
 
-    # First, so that ServerLive answers while the models load.
-    state.extras.setdefault("on_startup", []).insert(0, start)
+    hooks = state.extras.setdefault("on_startup", [])
+    if after_models:
+        hooks.append(start)
+    else:  # first, so that ServerLive answers while the models load
+        hooks.insert(0, start)
     state.extras.setdefault("on_shutdown", []).append(stop)
