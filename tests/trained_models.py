@@ -40,7 +40,47 @@ THINK_ANSWER = f"<think>{THINKING}</think>\n\nParis."
 def train_to_answer(out: Path, added: list[str], template: str, ask: list[dict], answer: str,
                     tools: list | None = None, special: list[str] = ()) -> Path:
     """A model (and tokenizer, with `added` tokens and `special` ones) trained until its greedy answer to `ask`
-    is `answer`, token for token (the special tokens written out in `answer`)."""
+    is `answer`, token for token (the special tokens written out in `answer`), written to `out`.
+
+    Trained once per set of arguments and copied from the test cache after that (several test files serve the
+    same model: the Hermes tool model three, the thinking model three; 3-8 s of CPU a training): keyed by the
+    arguments, this module's and decoder_models.py's source, the corpus and the libraries' versions."""
+    import hashlib
+    import json
+    import os
+    import shutil
+    import tempfile
+
+    import tokenizers
+    import torch
+    import transformers
+
+    from surge.data import load_sentences
+    from tests.conftest import CACHE_DIR
+
+    here = Path(__file__).resolve().parent
+    key = hashlib.sha256(json.dumps([added, template, ask, answer, tools, list(special), torch.__version__,
+                                     transformers.__version__, tokenizers.__version__, load_sentences(),
+                                     (here / "trained_models.py").read_text(),
+                                     (here / "decoder_models.py").read_text()]).encode()).hexdigest()[:20]
+    cached = CACHE_DIR / "trained" / key
+    if not cached.is_dir():
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        building = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".building-"))
+        try:
+            _train_to_answer(building / "model", added, template, ask, answer, tools, special)
+            try:
+                os.rename(building / "model", cached)  # whole or not at all
+            except OSError:  # another test process wrote it first: a model that learned the same answer
+                pass
+        finally:
+            shutil.rmtree(building, ignore_errors=True)
+    shutil.copytree(cached, out)  # a copy: a test may write into its model directory
+    return out
+
+
+def _train_to_answer(out: Path, added: list[str], template: str, ask: list[dict], answer: str,
+                     tools: list | None, special: list[str]) -> Path:
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 

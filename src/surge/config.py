@@ -167,6 +167,12 @@ class LimitsConfig(_Strict):
         "call); its calls still running --request-timeout-s later are cut, a stream's included. Bounds how long a "
         "request stream (ModelStreamInfer), which the read timeout leaves alone, can hold one of "
         "--grpc-max-concurrent-rpcs. None: no limit.")
+    grpc_keepalive_timeout_s: float = Field(
+        20.0, gt=0, description="A gRPC connection on which what the server sent (an answer, a keepalive ping) "
+        "stays unacknowledged by the client this long is closed (grpc core's keepalive timeout, which it also sets "
+        "as the accepted sockets' TCP_USER_TIMEOUT on Linux): a client that stops reading its socket is cut after it "
+        "whatever --send-timeout-s says. The default is grpc core's own; shorter cuts a dead or stalled client "
+        "sooner, at the risk of cutting one behind a slow link.")
     auto_truncate: bool = Field(
         False, description="OpenAI route: cut inputs longer than the model instead of answering 400 (a request "
         "can also ask with \"truncate\": true).")

@@ -389,7 +389,7 @@ def test_idle_grpc_connections_leave_the_process_its_file_descriptors(tmp_path):
 def aged(tmp_path_factory):
     root = tmp_path_factory.mktemp("grpc_aged")
     add_version(root, "enc", 1)
-    env = {"SURGE_GRPC_MAX_CONNECTION_AGE_S": "2", "SURGE_REQUEST_TIMEOUT_S": "10",
+    env = {"SURGE_GRPC_MAX_CONNECTION_AGE_S": "2", "SURGE_REQUEST_TIMEOUT_S": "3",
            "SURGE_GRPC_MAX_CONCURRENT_RPCS": "2"}
     with ServerProcess("--model-repository", str(root), "--threads", "1", env=env, grpc=True) as srv:
         yield srv

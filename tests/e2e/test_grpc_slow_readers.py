@@ -10,8 +10,8 @@ the HTTP port's twins are in test_slow_readers.py):
 - a grpcio client that opens ModelStreamInfer, sends requests and never reads the responses: cut the same way;
 - a client that grants window slowly but steadily (each step far within the send timeout, the whole answer far
   beyond it) gets the whole answer, the same as a grpcio client's;
-- one that stops reading its socket instead is cut by grpc core itself (TCP_USER_TIMEOUT, 20 s), send deadline
-  or not.
+- one that stops reading its socket instead is cut by grpc core itself (TCP_USER_TIMEOUT: its keepalive timeout,
+  --grpc-keepalive-timeout-s), send deadline or not.
 
 Every wait is for an outcome (a call answered, the server's closing the socket), bounded far above the send
 timeout, never a sleep as an assertion.
@@ -33,6 +33,7 @@ from tests import metrics_scrape, raw_http2, raw_sockets
 from tests.server_process import ServerProcess
 
 SEND_TIMEOUT_S = 2
+KEEPALIVE_TIMEOUT_S = 3  # grpc core's keepalive timeout, so its sockets' TCP_USER_TIMEOUT (default 20 s)
 WAIT_S = 60  # how long a test waits for an outcome: far above SEND_TIMEOUT_S
 MODEL = "all-MiniLM-L6-v2"
 INPUTS = 2048  # the most one request may have: 2048 x 384 float32, a 3 MB answer
@@ -53,8 +54,10 @@ def server():
 
 @pytest.fixture(scope="module")
 def server_without_send_timeout():
-    """The send deadline far away (600 s): what grpc core bounds by itself."""
-    env = {"SURGE_SEND_TIMEOUT_S": "600", "SURGE_GRPC_MAX_CONCURRENT_RPCS": "1"}
+    """The send deadline far away (600 s): what grpc core bounds by itself, after its keepalive timeout
+    (--grpc-keepalive-timeout-s, made shorter than its 20 s so that the test does not wait that out)."""
+    env = {"SURGE_SEND_TIMEOUT_S": "600", "SURGE_GRPC_MAX_CONCURRENT_RPCS": "1",
+           "SURGE_GRPC_KEEPALIVE_TIMEOUT_S": str(KEEPALIVE_TIMEOUT_S)}
     with ServerProcess("--threads", "1", env=env, grpc=True) as srv:
         yield srv
 
@@ -194,7 +197,7 @@ def test_a_unary_answer_never_granted_window_is_cut_and_frees_its_slot(server, p
 
 def test_a_unary_answer_whose_socket_is_not_read_is_cut_by_grpc_core(server_without_send_timeout):
     """A client that stops reading its socket (its TCP window closes) is cut without the send deadline: grpc core
-    sets TCP_USER_TIMEOUT (its keepalive timeout, 20 s) on the connections it accepts, and Linux ends a connection
+    sets TCP_USER_TIMEOUT (its keepalive timeout, --grpc-keepalive-timeout-s) on the connections it accepts, and Linux ends a connection
     whose window has stayed shut that long. The send deadline is for what this leaves: clients that read their
     socket and withhold HTTP/2 window (the tests above and below)."""
     srv = server_without_send_timeout
@@ -243,13 +246,13 @@ def test_a_stream_whose_responses_are_never_read_is_cut_and_frees_its_slot(serve
 
 
 def test_a_client_granting_window_slowly_but_steadily_is_never_cut(server, probe):
-    """64 KiB of window every SEND_TIMEOUT_S / 8 (256 KiB/s at 2 s): the 3 MB answer takes ~12 s, 6 times the send
+    """128 KiB of window every SEND_TIMEOUT_S / 8 (512 KiB/s at 2 s): the 3 MB answer takes ~6 s, 3 times the send
     timeout, and arrives whole, as grpcio's answer to the same request; both count answered, once each, when
     written (the slow one long after it was computed)."""
     request = infer_request(tag="steady")
     before = metrics_scrape.scrape(server.url, MODEL)
     reference = probe.ModelInfer(request, timeout=WAIT_S)
-    step = 65536
+    step = 131072
     start = time.monotonic()
     s, reader, body = answered_call(server.grpc_port, request)
     with s:

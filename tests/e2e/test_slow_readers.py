@@ -102,7 +102,8 @@ def test_a_client_reading_slowly_but_steadily_is_never_cut(server):
     start = time.monotonic()
     try:
         length, body = _length(got)
-        body = raw_sockets.read_in_steps(s, body, length, SEND_TIMEOUT_S / 8)  # 256 KiB a pause: ~1 MB/s, ~9 s
+        # 384 KiB a pause: ~1.5 MB/s; ~9 MB take over 20 pauses of 0.25 s (>5 s), past twice the send timeout
+        body = raw_sockets.read_in_steps(s, body, length, SEND_TIMEOUT_S / 8, step=384 * 1024)
     finally:
         s.close()
     assert time.monotonic() - start > 2 * SEND_TIMEOUT_S  # the case this checks: slower than the timeout

@@ -29,7 +29,8 @@ channel arguments (checked against grpcio 1.85 by tests/e2e/test_grpc_limits.py 
   send timeout, and grpc.aio gives a servicer no way to end a call whose answer core is writing (a write given up
   with asyncio.wait_for stays in core, the status waits behind it, and the call holds its slot until core ends it).
   A client that stops reading its socket instead was already cut by grpc core: it sets TCP_USER_TIMEOUT (its
-  keepalive timeout, 20 s) on the connections it accepts, and Linux ends one whose window stays shut that long.
+  keepalive timeout, `--grpc-keepalive-timeout-s`: `grpc.keepalive_timeout_ms`, 20 s as grpc core's default) on
+  the connections it accepts, and Linux ends one whose window stays shut that long.
 - `--grpc-max-connection-age-s` (off by default: it cuts long streams): `grpc.max_connection_age_ms`, with
   `--request-timeout-s` as `grpc.max_connection_age_grace_ms` (unbounded by default, so that without it
   a call could outlive its connection's age for ever). It bounds what the read deadline leaves: request
@@ -121,6 +122,8 @@ def build_server(state: AppState, reuse_port: bool = False) -> tuple[grpc.aio.Se
             ("grpc.server_handshake_timeout_ms", read_timeout_ms),
             ("grpc.max_connection_idle_ms", read_timeout_ms),
             ("grpc.max_allowed_incoming_connections", connection_limit(limits.max_connections, limited_ports(config))),
+            # A client whose TCP window stays shut (it reads nothing) is cut by the kernel (the module's docstring).
+            ("grpc.keepalive_timeout_ms", max(1, round(limits.grpc_keepalive_timeout_s * 1000))),
             ("grpc.max_metadata_size", limits.max_header_bytes),
             ("grpc.absolute_max_metadata_size", limits.max_header_bytes),
             *max_age_options(limits),
