@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from surge.blas_threads import one_blas_thread
 from surge.engines.pooling import pool
 from surge.errors import ConfigError
 from surge.types import Layout, TokenBatch
@@ -36,27 +37,6 @@ from surge.types import Layout, TokenBatch
 SEQUENCE, TOKEN, POOLED = "sequence", "token", "pooled"
 
 
-def _blas_limit():
-    """A context running numpy's BLAS on one thread. OpenBLAS starts one thread per core, and
-    these GEMMs are small ([B, 384] x [384, 384]): on the 2-core machine, beside the engine thread,
-    its threads contend and spin (measured: batch 8 took 9.6 ms of CPU, batch 64 3.6 ms; on one
-    thread 0.16 / 0.35 ms). The limit is set and restored around each call (~15 us)."""
-    global _CONTROLLER
-    if _CONTROLLER is None:
-        try:
-            from threadpoolctl import ThreadpoolController
-
-            _CONTROLLER = ThreadpoolController()
-        except ImportError:  # not installed: numpy's own threading
-            _CONTROLLER = False
-    if not _CONTROLLER:
-        import contextlib
-
-        return contextlib.nullcontext()
-    return _CONTROLLER.limit(limits=1, user_api="blas")
-
-
-_CONTROLLER = None
 HEAD_FILE = "head.safetensors"
 _HEAD_PARTS = ("classifier.", "pre_classifier.", "pooler.")
 
@@ -243,7 +223,7 @@ class HeadSet:
 
     def apply(self, hidden: np.ndarray, batch: TokenBatch) -> np.ndarray:
         """[B, fixed] float32 without token heads; else an object array of 1-D float32 rows."""
-        with _blas_limit():
+        with one_blas_thread():  # these GEMMs are small ([B, 384] x [384, 384]): surge/blas_threads.py
             return self._apply(hidden, batch)
 
     def _apply(self, hidden: np.ndarray, batch: TokenBatch) -> np.ndarray:

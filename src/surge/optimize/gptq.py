@@ -22,6 +22,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from surge.blas_threads import one_blas_thread
+
 
 def input_moments(model: onnx.ModelProto, batches, inputs: set[str], threads: int = 0) -> dict[str, np.ndarray]:
     """E[x x^T] [K, K] of each named tensor over the real tokens of the batches (float64)."""
@@ -71,7 +73,15 @@ def gptq_int8(w: np.ndarray, h: np.ndarray, damp: float = 0.01, block: int = 128
     """int8 codes [K, N] and per-column scales [N] of W [K, N] (y = x @ W), given H = E[x x^T] [K, K].
 
     Rows are rounded in blocks of `block`: inside a block the feedback is applied row by row, to the
-    rows after it the block's errors go in one matrix product (the paper's lazy batch updates)."""
+    rows after it the block's errors go in one matrix product (the paper's lazy batch updates). numpy's BLAS runs
+    on one thread here: the row loop's many small products lose to OpenBLAS's spinning threads (surge/blas_threads.py)."""
+    from scipy.linalg import lapack  # noqa: F401  (its BLAS loaded before the libraries are looked for)
+
+    with one_blas_thread(fresh=True):
+        return _gptq_int8(w, h, damp, block)
+
+
+def _gptq_int8(w: np.ndarray, h: np.ndarray, damp: float, block: int) -> tuple[np.ndarray, np.ndarray]:
     w = w.astype(np.float64).copy()
     k = w.shape[0]
     scale = np.maximum(np.abs(w).max(0), 1e-12) / 127.0
