@@ -32,10 +32,6 @@ def fresh_client(base_url: str = "", **kw) -> httpx.Client:
 class ServerProcess(ServerProc):
     """`with ServerProcess("--no-batching") as srv: httpx.get(srv.url + "/health")`."""
 
-    # ~200 server starts a suite run: at 0.3 s between probes each start waited 0.15 s on average past its
-    # readiness (30 s a run); at 0.05 s, 25 ms.
-    probe_interval_s = 0.05
-
     def __init__(self, *args: str, env: dict | None = None, ready_timeout: float = 180.0, grpc: bool = False):
         port = free_port()
         self.grpc_port = free_port() if grpc else 0

@@ -21,10 +21,6 @@ def free_port() -> int:
 class ServerProc:
     """A server command started in its own process group, ready once `ready_path` answers 200."""
 
-    # Seconds between readiness probes: the time a ready server waits to be seen is half of it on average. A
-    # probe is cheap (one reused client; a refused connection until the port is bound); the tests' servers use less.
-    probe_interval_s = 0.3
-
     def __init__(self, name: str, argv: list[str], port: int, ready_path: str = "/ready",
                  ready_timeout_s: float = 300.0, env: dict | None = None, cwd: str | Path | None = None):
         self.name = name
@@ -65,7 +61,7 @@ class ServerProc:
                     pass
                 if status is not None:
                     status.update(f"[bold]starting {self.name}[/] ({int(deadline - time.monotonic())} s left)")
-                time.sleep(self.probe_interval_s)
+                time.sleep(0.3)
         self.stop()
         raise TimeoutError(f"{self.name} not ready after {self.ready_timeout_s:.0f} s:\n{self.output()}")
 
