@@ -143,7 +143,6 @@ def main():
             us = timed(lambda bare=bare: bare.launch(True, False), bare.reset, args.repeats)
             row(f"{len(phases)} grid barriers, no stream", us, 0)
             del bare
-        checks = {}
         for name, p, sync, mma in (("one phase, no barrier", one, False, False),
                                    (f"{len(phases)} phases, no barrier", probe, False, False),
                                    (f"{len(phases)} phases, grid barriers", probe, True, False),
@@ -153,7 +152,6 @@ def main():
             torch.cuda.synchronize()
             ok = torch.equal(p.counts.cpu(), p.deal()) and (not sync or int(p.counter.item()) == len(p.phases)
                                                             * p.programs)
-            checks[name] = ok
             us = timed(lambda p=p, sync=sync, mma=mma: p.launch(sync, mma), p.reset, args.repeats)
             row(f"box {box} x {stages} x {astages}: {name}", us, nbytes, box=box, stages=stages, astages=astages,
                 sync=sync, mma=mma, consumed_as_dealt=ok)

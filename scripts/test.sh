@@ -24,9 +24,9 @@ fi
 # PASSIVE alone), and so do ONNX Runtime's in the optimizer's sessions (the serving engine's never spin).
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 export SURGE_ORT_SPINNING="${SURGE_ORT_SPINNING:-0}"
-# numpy's and scipy's BLAS (OpenBLAS, pthreads) on one thread per worker: its threads spin as OpenMP's do, and the
-# optimizer's GPTQ (a Cholesky factor and a triangular inverse per node) took 15 s on two threads beside a busy core
-# against 3 s on one (tests/unit/optimize/test_int8_options.py: 89 s -> 30 s; test_rowquant.py: 79 s -> 54 s).
+# numpy's and scipy's BLAS (OpenBLAS, pthreads) on one thread per worker: its threads spin as OpenMP's do, beside
+# the other worker (GPTQ's rounding 1.39-1.48x a call, benchmarks/gptq_blas_threads.py; the file timings of
+# tests/unit/optimize/test_int8_options.py 89 s -> 30 s and test_rowquant.py 79 s -> 54 s under load).
 # Torch's BLAS (MKL, OpenMP) and ONNX Runtime's have threads of their own and are not affected.
 export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
 exec "$PY" -m pytest -q -n "${SURGE_TEST_WORKERS:-2}" --dist loadfile "$@"

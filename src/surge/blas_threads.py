@@ -6,8 +6,8 @@ VM:
 
 - the host task heads' [B, 384] x [384, 384] products took 9.6 ms of CPU at batch 8 against 0.16 ms on one
   thread (engines/heads.py);
-- GPTQ's row-by-row feedback took 15 s against 3 s on one thread beside a busy core, and was never slower on one
-  thread on a quiet machine (optimize/gptq.py; docs/benchmarks/optimizer.md, session 50).
+- GPTQ's row-by-row feedback ran 1.39-1.48x faster on one thread beside a busy core and 1.00-1.21x alone
+  (optimize/gptq.py; benchmarks/gptq_blas_threads.py, docs/benchmarks/optimizer.md, session 50).
 
 The limit is set and restored around each block (~15 us). Without threadpoolctl, numpy keeps its own threading."""
 
